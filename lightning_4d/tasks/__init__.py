@@ -1,0 +1,5 @@
+"""LightningModules for training ``lightning_4d`` models."""
+
+from lightning_4d.tasks.causal_lm import CausalLMModule, causal_lm_loss, lr_lambda
+
+__all__ = ["CausalLMModule", "causal_lm_loss", "lr_lambda"]

@@ -1,0 +1,29 @@
+# `make run` and `make test` create .venv when it is absent, install the package into it, then run.
+# CPU machines: torch is pinned to 2.13.0 so that pip takes the CPU build and never downloads CUDA wheels.
+# CUDA machines: the same pin gives PyPI's CUDA build; override with `make run TORCH=torch==2.x.y` if needed.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+EXTRAS ?= dev
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lightning_4d-installed
+
+.PHONY: run test install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/lightning-4d fit --config configs/tiny.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) checkpoints lightning_logs

@@ -1,0 +1,70 @@
+"""Building the 4D ``DeviceMesh`` ``("pp", "dp", "cp", "tp")`` and its named sub-meshes.
+
+tp is innermost, so a tp group sits on consecutive ranks (one node, NVLink); pp is outermost (the only dimension
+whose traffic is point-to-point). Parameters are replicated across dp and cp, so ZeRO shards over and gradients
+are reduced over the flattened ``("dp", "cp")`` mesh, named ``dp_cp`` (Megatron-core's rank order ``tp-cp-dp-pp``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_4d.config import MESH_DIM_NAMES, ParallelConfig
+
+
+@dataclass
+class ParallelMesh:
+    """Every process group of the job, by name (like Megatron-core's named group getters).
+
+    Attributes:
+        world: the 4D mesh with dims ``("pp", "dp", "cp", "tp")``.
+        dp_cp: the 1D flattened ``("dp", "cp")`` mesh (ZeRO sharding, gradient reduction, loss averaging).
+    """
+
+    world: DeviceMesh
+    dp_cp: DeviceMesh
+    config: ParallelConfig
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.world["tp"]
+
+    @property
+    def dp(self) -> DeviceMesh:
+        return self.world["dp"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.world["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.get_local_rank()
+
+
+def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
+    """Create the mesh for a resolved ``config`` (``data_parallel_size`` must be an int).
+
+    Must be called on every rank after ``torch.distributed`` is initialized with ``config.world_size`` ranks.
+
+    Raises:
+        RuntimeError: the process group's world size differs from ``config.world_size``.
+    """
+    world_size = torch.distributed.get_world_size()
+    if world_size != config.world_size:
+        raise RuntimeError(f"process group has {world_size} ranks but the layout needs {config.world_size}")
+    mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+    # keep the object `_flatten` returns: it is the one whose process group is set up
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    return ParallelMesh(world=mesh, dp_cp=dp_cp, config=config)

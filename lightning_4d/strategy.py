@@ -1,0 +1,356 @@
+"""``FourDStrategy``: a Lightning strategy that lays a Llama model out on a ``("pp", "dp", "cp", "tp")`` mesh.
+
+The order of parallelization (inside :meth:`FourDStrategy.setup`, on a model built on the meta device) is the one of
+``docs/architecture.md``: pipeline split (not yet), tensor + sequence parallel plans, context parallel attention (not
+yet), activation checkpointing per layer, ``torch.compile`` per layer, ZeRO over ``dp_cp``, then materialization
+and the layout-independent initialization. Each step is one short function so the order reads top to bottom in
+:func:`parallelize_llama`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.nn as nn
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_4d.config import ParallelConfig
+from lightning_4d.mesh import ParallelMesh, build_mesh
+from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
+from lightning_4d.parallel.tensor import apply_tensor_parallel
+from lightning_4d.parallel.zero import GradientSynchronizer, ShardedOptimizer, apply_fsdp
+
+log = logging.getLogger(__name__)
+
+
+def parallelize_llama(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, compile: bool = False) -> None:
+    """Apply tp/sp, activation checkpointing, compile and ZeRO 2/3 to a meta-device ``LlamaModel``, in that order.
+
+    ZeRO stages 0 and 1 change nothing in the model: their gradient averaging and optimizer sharding are set up
+    with the optimizer (:class:`~lightning_4d.parallel.zero.GradientSynchronizer`,
+    :class:`~lightning_4d.parallel.zero.ShardedOptimizer`).
+    """
+    apply_tensor_parallel(model, mesh.tp, sequence_parallel=config.sp)
+    apply_activation_checkpointing(model, config.activation_checkpointing)
+    if compile:
+        for block in model.layers.values():
+            block.compile()
+    if config.zero_stage >= 2:
+        apply_fsdp(model, mesh.dp_cp, config.zero_stage)
+    model._lightning_4d_parallelized = True  # type: ignore[assignment]
+
+
+def _is_parallelized(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    if getattr(module, "_lightning_4d_parallelized", False):
+        return True
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def _reduced_by_fsdp(p: torch.Tensor) -> bool:
+    """Whether FSDP2 (over ``dp_cp``) already averages this parameter's gradient."""
+    return isinstance(p, DTensor) and "dp_cp" in (p.device_mesh.mesh_dim_names or ())
+
+
+class FourDStrategy(ModelParallelStrategy):
+    """4D parallelism for PyTorch Lightning: dp with ZeRO 0-3, tp with sequence parallelism (pp and cp: later).
+
+    ``lightning_4d`` Llama models (``CausalLMModule``) are parallelized automatically; a LightningModule of your own
+    can apply plans itself in ``configure_model`` with ``self.device_mesh`` (dims ``("pp", "dp", "cp", "tp")``), as
+    with Lightning's ``ModelParallelStrategy``; the strategy then still averages gradients over ``dp_cp`` and shards
+    optimizer states for ZeRO stages 0 and 1.
+
+    Args:
+        data_parallel_size: dp; ``"auto"`` = world size / (pp·cp·tp).
+        tensor_parallel_size: tp (must divide heads, kv heads, FFN size and the padded vocabulary).
+        pipeline_parallel_size: pp; values > 1 raise ``NotImplementedError`` (not supported yet).
+        context_parallel_size: cp; values > 1 raise ``NotImplementedError`` (not supported yet).
+        zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
+        sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
+        activation_checkpointing: ``"none"`` or ``"full"`` (recompute every transformer layer in backward).
+        compile: ``torch.compile`` each transformer layer.
+        save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).
+        timeout: process group timeout (a mismatched collective fails after this instead of hanging).
+
+    Raises:
+        ValueError: at construction for a bad value (ZeRO stage outside 0-3, a non-positive size, ...); when the
+            Trainer is built for a world size that is not pp·dp·cp·tp; at ``setup_environment`` (before the process
+            group exists) for a model the layout cannot split (heads, kv heads or vocabulary not divisible by tp).
+        NotImplementedError: pipeline_parallel_size > 1 or context_parallel_size > 1.
+    """
+
+    strategy_name = "fourd"
+
+    def __init__(
+        self,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        zero_stage: int = 1,
+        sequence_parallel: Optional[bool] = None,
+        activation_checkpointing: Literal["none", "full"] = "none",
+        compile: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = timedelta(seconds=1800),
+    ) -> None:
+        self.parallel_config = ParallelConfig(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+            activation_checkpointing=activation_checkpointing,
+        )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.compile = compile
+        self._mesh: Optional[ParallelMesh] = None
+        self._grad_sync: Optional[GradientSynchronizer] = None
+        self._zero1: list[ShardedOptimizer] = []
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def mesh(self) -> ParallelMesh:
+        """All process groups by name (``mesh.tp``, ``mesh.dp``, ``mesh.dp_cp``, ...); exists after setup_environment."""
+        if self._mesh is None:
+            raise RuntimeError("The mesh exists only after the strategy's setup_environment().")
+        return self._mesh
+
+    @property
+    def dp_cp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The process group the loss and gradients are averaged over (``None`` before setup)."""
+        return self._mesh.dp_cp.get_group() if self._mesh is not None else None
+
+    def _resolve_layout(self) -> ParallelConfig:
+        world_size = self.num_nodes * self.num_processes
+        config = self.parallel_config.resolve(world_size)
+        config.check_supported()
+        return config
+
+    @override
+    def _configure_launcher(self) -> None:
+        # runs when the Trainer is built: a bad world size fails before any process is started
+        self.parallel_config = self._resolve_layout()
+        super()._configure_launcher()
+
+    def _validate_against_module(self) -> None:
+        module = self.lightning_module
+        model_config = getattr(module, "model_config", None) if module is not None else None
+        from lightning_4d.models.config import LlamaConfig
+
+        if isinstance(model_config, LlamaConfig):
+            self.parallel_config.validate_model(model_config)
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        seq_length = getattr(datamodule, "seq_length", None)
+        if isinstance(seq_length, int):
+            self.parallel_config.validate_sequence(seq_length)
+
+    @override
+    def setup_environment(self) -> None:
+        self.parallel_config = self._resolve_layout()
+        self._validate_against_module()  # before the process group exists
+        self._setup_distributed()
+        self._mesh = build_mesh(self.parallel_config, self.root_device.type)
+        self._device_mesh = self._mesh.world
+        self._data_parallel_size = self.parallel_config.dp
+        self._tensor_parallel_size = self.parallel_config.tp
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # tp (and cp) peers see the same samples: only the dp coordinate picks the data slice
+        return {"num_replicas": self.mesh.dp.size(), "rank": self.mesh.dp_rank}
+
+    # ------------------------------------------------------------------ model
+    @override
+    def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+        from lightning_4d.models.llama import LlamaModel
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        llamas = [m for m in module.modules() if isinstance(m, LlamaModel)]
+        if not llamas and not is_overridden("configure_model", module):
+            raise TypeError(
+                f"{type(self).__name__} parallelizes lightning_4d Llama models automatically; for another model, "
+                "override `configure_model()` in your LightningModule and apply plans there with `self.device_mesh`."
+            )
+        for llama in llamas:
+            if not _is_parallelized(llama):
+                parallelize_llama(llama, self.mesh, self.parallel_config, compile=self.compile)
+            if any(p.is_meta for p in llama.parameters()):
+                llama.to_empty(device=self.root_device)
+                with torch.no_grad():
+                    llama.init_weights()
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: "L.Trainer") -> None:  # noqa: F821
+        super().setup_optimizers(trainer)
+        group = self.mesh.dp_cp.get_group()
+        params = [p for p in self.model.parameters() if p.requires_grad and not _reduced_by_fsdp(p)]
+        self._grad_sync = GradientSynchronizer(params, group) if params and self.mesh.dp_cp.size() > 1 else None
+        self._zero1 = []
+        if self.parallel_config.zero_stage == 1 and self.mesh.dp_cp.size() > 1:
+            self._zero1 = [ShardedOptimizer(_unwrap(opt), group) for opt in self.optimizers]
+
+    # ------------------------------------------------------------------ training step
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any):
+        # vocabulary-parallel cross-entropy needs its backward inside the same context as its forward
+        if isinstance(closure_loss, DTensor):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            ctx = loss_parallel()
+        else:
+            ctx = nullcontext()
+        with ctx:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
+    ) -> Any:
+        if self._grad_sync is not None:
+            inner, sync = closure, self._grad_sync
+
+            def closure() -> Any:  # forward + backward (+ accumulation), then average gradients over dp_cp
+                out = inner()
+                sync.synchronize()
+                return out
+
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _zero1_for(self, optimizer: Optimizer) -> Optional[ShardedOptimizer]:
+        return getattr(_unwrap(optimizer), "_lightning_4d_zero1", None)
+
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self.model.named_parameters()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        zero1 = self._zero1_for(optimizer)
+        if zero1 is None:
+            return super().optimizer_state(optimizer)
+        # ZeRO-1: each rank's chunk of the states; saved as one file per rank inside the checkpoint folder
+        inner = zero1.optimizer
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        return {"zero1": True, "state": zero1.sharded_state(self._param_names()), "param_groups": groups}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Save atomically: write ``<path>.tmp`` completely, then replace ``<path>`` (a crash never leaves a
+        half-written checkpoint in place of a good one)."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        from torch.distributed.checkpoint import save as dcp_save
+
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(path.name + ".tmp")
+        if self.global_rank == 0 and tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        self.barrier()
+        tmp.mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        for idx, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            if isinstance(opt_state, dict) and opt_state.get("zero1"):
+                torch.save(opt_state, tmp / f"zero1_optimizer_{idx}_rank{self.global_rank}.pt")
+            else:
+                state[f"optimizer_{idx}"] = opt_state
+        dcp_save(state, checkpoint_id=tmp)
+        if self.global_rank == 0:
+            torch.save(checkpoint, tmp / _METADATA_FILENAME)
+        self.barrier()
+        if self.global_rank == 0:
+            old = path.with_name(path.name + ".old")
+            if path.exists():
+                if path.is_dir():
+                    path.rename(old)
+                else:
+                    path.unlink()
+            tmp.rename(path)
+            if old.exists():
+                shutil.rmtree(old)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        dcp_load(model_state, checkpoint_id=path)
+        set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
+        for idx, optimizer in enumerate(self.optimizers):
+            zero1 = self._zero1_for(optimizer)
+            if zero1 is not None:
+                saved = torch.load(path / f"zero1_optimizer_{idx}_rank{self.global_rank}.pt", weights_only=False)
+                zero1.load_sharded_state(self._param_names(), saved["state"])
+                for group, values in zip(zero1.optimizer.param_groups, saved["param_groups"]):
+                    group.update(values)
+                continue
+            key = f"optimizer_{idx}"
+            opt_state = {key: get_optimizer_state_dict(self.model, _unwrap(optimizer))}
+            dcp_load(opt_state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, _unwrap(optimizer), optim_state_dict=opt_state[key])
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False)
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -1,0 +1,224 @@
+"""``CausalLMModule``: the LightningModule that pretrains (or fine-tunes) a ``lightning_4d`` Llama model."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama import LlamaModel
+
+# Peak dense bf16 tensor-core FLOP/s per GPU (vendor data sheets), for MFU.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier at optimizer step ``step`` (0-based): linear warm-up then cosine decay.
+
+    ``(step + 1) / warmup_steps`` for ``step < warmup_steps``; then
+    ``min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + cos(pi * progress))`` with
+    ``progress = (step - warmup_steps) / (max_steps - warmup_steps)`` clipped to [0, 1] (Loshchilov & Hutter 2017,
+    "SGDR", arXiv 1608.03983; the schedule of the Llama papers).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean next-token cross-entropy in nats per token.
+
+    Args:
+        logits: ``[b, s, V]`` (a DTensor sharded over the vocabulary under tensor parallelism).
+        labels: ``[b, s]`` token ids (the inputs shifted by one).
+
+    Under tensor parallelism the loss is computed on the vocabulary-sharded logits with
+    ``torch.distributed.tensor.parallel.loss_parallel`` (no full-vocabulary logits are gathered).
+    """
+    flat_logits = logits.flatten(0, 1).float()
+    flat_labels = labels.flatten()
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            return F.cross_entropy(flat_logits, flat_labels)
+    return F.cross_entropy(flat_logits, flat_labels)
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token prediction with AdamW and warm-up + cosine learning rate.
+
+    Args:
+        model_config: a preset name (``"tiny"``, ``"llama3-8b"``, ... see ``LlamaConfig.preset_names()``) or a
+            ``LlamaConfig``.
+        learning_rate: peak learning rate.
+        min_lr_ratio: final learning rate as a fraction of the peak.
+        warmup_steps: optimizer steps of linear warm-up.
+        max_steps: length of the cosine schedule in optimizer steps (default: the Trainer's ``max_steps``, else its
+            estimated stepping batches).
+        weight_decay: AdamW decoupled weight decay, applied to matrices only (embeddings and linear weights; not to
+            norm weights).
+        betas, eps: AdamW hyper-parameters.
+        init_seed: seed of the layout-independent weight initialization (same seed ⇒ same weights on every layout).
+
+    Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss``, ``lr``,
+    ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``.
+
+    Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``.
+    """
+
+    def __init__(
+        self,
+        model_config: Union[str, LlamaConfig] = "tiny",
+        learning_rate: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        max_steps: Optional[int] = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if isinstance(model_config, str):
+            model_config = LlamaConfig.from_preset(model_config)
+        if not isinstance(model_config, LlamaConfig):
+            raise ValueError(f"model_config={model_config!r} is not valid: expected a preset name or a LlamaConfig")
+        if learning_rate <= 0:
+            raise ValueError(f"learning_rate={learning_rate} is not valid: expected > 0")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps} is not valid: expected >= 0")
+        self.save_hyperparameters()
+        self.model_config = model_config
+        self.model: Optional[LlamaModel] = None
+        self._batch_start = 0.0
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from lightning_4d.strategy import FourDStrategy
+
+        if isinstance(self.trainer.strategy, FourDStrategy):
+            # built on the meta device; the strategy parallelizes, materializes and initializes it
+            with torch.device("meta"):
+                self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
+        else:
+            self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
+            self.model.to(self.device)
+            self.model.init_weights()
+
+    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """Logits ``[b, s, V]`` for ``input_ids`` ``[b, s]``."""
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(input_ids, positions)
+
+    # ------------------------------------------------------------------ reductions
+    def _global_mean(self, value: Tensor) -> Tensor:
+        """Average a per-rank scalar over the data-parallel (dp x cp) group; the same value on every rank."""
+        value = value.detach()
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        value = value.float().clone()
+        strategy = self.trainer.strategy
+        group = getattr(strategy, "dp_cp_group", None)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(value, group=group)
+            value /= torch.distributed.get_world_size(group)
+        return value
+
+    # ------------------------------------------------------------------ steps
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self(batch["input_ids"])
+        loss = causal_lm_loss(logits, batch["labels"])
+        self.log("train_loss", self._global_mean(loss), prog_bar=True, on_step=True, on_epoch=False)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        elapsed = time.perf_counter() - self._batch_start
+        if elapsed <= 0:
+            return
+        b, s = batch["input_ids"].shape
+        dp = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        tokens = b * s * dp.get("num_replicas", 1)
+        self.log("tokens_per_sec", tokens / elapsed, prog_bar=True, on_step=True, on_epoch=False)
+        if self.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.device)
+            peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+            if peak:
+                # model FLOPs per token: 6N + 12·L·h·s (Chowdhery et al. 2022, PaLM, appendix B)
+                cfg = self.model_config
+                flops_per_token = 6 * cfg.num_parameters() + 12 * cfg.num_layers * cfg.hidden_size * s
+                self.log("mfu", tokens * flops_per_token / elapsed / (peak * self.trainer.world_size), on_step=True)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self(batch["input_ids"])
+        loss = causal_lm_loss(logits, batch["labels"])
+        self.log("val_loss", self._global_mean(loss), prog_bar=True, on_step=False, on_epoch=True)
+        return loss
+
+    # ------------------------------------------------------------------ optimizer
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+        )
+        max_steps = hp.max_steps
+        if max_steps is None:
+            max_steps = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None
+        if max_steps is None:
+            max_steps = int(self.trainer.estimated_stepping_batches)
+        warmup, ratio = hp.warmup_steps, hp.min_lr_ratio
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_lambda(step, max(1, warmup) if warmup else 0, max_steps, ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, pad_to_multiple_of: int = 1) -> list[int]:
+        """Greedy decoding (no KV cache: one full forward per new token). Must run on every rank of the job.
+
+        Args:
+            prompt_ids: the prompt's token ids.
+            max_new_tokens: number of tokens to append.
+            pad_to_multiple_of: right-pad the sequence to this multiple (sequence parallelism needs s % tp == 0);
+                causal attention keeps the padding from changing earlier positions.
+
+        Returns:
+            ``prompt_ids`` followed by the generated ids.
+        """
+        was_training = self.training
+        self.eval()
+        ids = list(prompt_ids)
+        for _ in range(max_new_tokens):
+            window = ids[-self.model_config.max_seq_length :]
+            n = len(window)
+            padded = window + [0] * ((-n) % pad_to_multiple_of)
+            x = torch.tensor([padded], dtype=torch.long, device=self.device)
+            logits = self(x)[:, n - 1]
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            ids.append(int(logits[0, : self.model_config.vocab_size].argmax()))
+        self.train(was_training)
+        return ids

@@ -1,0 +1,126 @@
+"""Train the tiny Llama under several layouts in one (torchrun-launched or single) process group and record, per
+layout and per rank: the logged per-step ``train_loss``, the bytes of the local parameter / gradient / optimizer-state
+shards, and (rank 0) the final full weights.
+
+Usage (from the tests): ``torchrun --nproc-per-node N tests/scripts/run_layouts.py --out DIR --layouts JSON``,
+or ``python tests/scripts/run_layouts.py --out DIR --layouts '[{"reference": true}]'`` for the single-process
+reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, precision, ac.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from lightning_4d import FourDStrategy  # noqa: E402
+from lightning_4d.data import LMDataModule  # noqa: E402
+from lightning_4d.models.llama import _canonical_name  # noqa: E402
+from lightning_4d.parallel.zero import local_bytes  # noqa: E402
+from lightning_4d.tasks import CausalLMModule  # noqa: E402
+
+
+def _tp_local_numel(p: torch.Tensor) -> int:
+    """Elements of this parameter on one tp rank with no ZeRO sharding (the stage-0 size)."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    names = p.device_mesh.mesh_dim_names or ()
+    n = p.numel()
+    for name, placement in zip(names, p.placements):
+        if name == "tp" and placement.is_shard():
+            n //= p.device_mesh.size(names.index("tp"))
+    return n
+
+
+class Recorder(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.bytes: dict[str, int] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.bytes:
+            return
+        params = list(pl_module.parameters())
+        self.bytes["params"] = local_bytes(params)
+        self.bytes["grads"] = local_bytes(p.grad for p in params)
+        self.bytes["tp_local_params"] = sum(_tp_local_numel(p) * p.element_size() for p in params)
+        self.bytes["num_params"] = len(params)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if "optimizer_states" not in self.bytes:
+            opt = trainer.optimizers[0]
+            moments = [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim > 0]
+            self.bytes["optimizer_states"] = local_bytes(moments)
+
+
+def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int) -> None:
+    L.seed_everything(0, verbose=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    reference = layout.get("reference", False)
+    dp = layout.get("dp", 1)
+    micro = args.global_batch // dp
+    dm = LMDataModule(
+        seq_length=args.seq_length, micro_batch_size=micro, global_batch_size=args.global_batch,
+        train_samples=args.global_batch * args.steps, val_samples=micro * dp, seed=1234,
+    )
+    module = CausalLMModule(
+        args.model, learning_rate=args.lr, warmup_steps=2, max_steps=args.steps, init_seed=7,
+    )
+    if reference:
+        strategy = "auto"
+    else:
+        strategy = FourDStrategy(
+            data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 0),
+            sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
+            process_group_backend="gloo", timeout=__import__("datetime").timedelta(seconds=120),
+        )
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1 if reference else world, strategy=strategy, max_steps=args.steps,
+        precision=layout.get("precision", "32-true"), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        callbacks=[recorder], gradient_clip_val=layout.get("clip"),
+    )
+    trainer.fit(module, dm)
+    weights = {}
+    for name, p in module.model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        weights[_canonical_name(name)] = full.detach().float().cpu().clone()
+    rank = trainer.global_rank
+    record = {"layout": layout, "losses": recorder.losses, "bytes": recorder.bytes, "rank": rank}
+    (out / f"layout{index}_rank{rank}.json").write_text(json.dumps(record))
+    if rank == 0:
+        torch.save(weights, out / f"layout{index}_weights.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--layouts", required=True, help="JSON list of layout dicts")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--model", default="tiny-test")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, layout in enumerate(json.loads(args.layouts)):
+        run_one(layout, args, out, i)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

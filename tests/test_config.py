@@ -1,0 +1,104 @@
+"""Bad input gets a ValueError naming the value and what would be valid, before any process group exists."""
+
+import pytest
+import torch.distributed as dist
+
+from lightning_4d import FourDStrategy, ParallelConfig
+from lightning_4d.models import LlamaConfig
+
+
+def test_world_size_must_be_product_of_sizes():
+    config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"world size 8 != pp\*dp\*cp\*tp = 1\*2\*1\*2 = 4"):
+        config.resolve(8)
+    assert config.resolve(4).world_size == 4
+
+
+def test_auto_dp_fills_the_world():
+    config = ParallelConfig(tensor_parallel_size=2).resolve(8)
+    assert (config.pp, config.dp, config.cp, config.tp) == (1, 4, 1, 2)
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by pp\*cp\*tp = 1\*1\*4 = 4"):
+        ParallelConfig(tensor_parallel_size=4).resolve(6)
+
+
+@pytest.mark.parametrize("stage", [-1, 4, 1.5, True, "1"])
+def test_zero_stage_outside_0_3(stage):
+    with pytest.raises(ValueError, match=r"zero_stage=.* expected one of \[0, 1, 2, 3\]"):
+        ParallelConfig(zero_stage=stage)
+    with pytest.raises(ValueError, match="zero_stage"):
+        FourDStrategy(zero_stage=stage)
+
+
+@pytest.mark.parametrize("name", ["tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"])
+def test_sizes_must_be_positive_ints(name):
+    with pytest.raises(ValueError, match=f"{name}=0 is not valid"):
+        ParallelConfig(**{name: 0})
+
+
+def test_unknown_activation_checkpointing():
+    with pytest.raises(ValueError, match=r"activation_checkpointing='some' .*\['none', 'full'\]"):
+        ParallelConfig(activation_checkpointing="some")
+
+
+def test_heads_not_divisible_by_tp():
+    model = LlamaConfig(hidden_size=96, num_heads=6, num_kv_heads=6, intermediate_size=192)
+    with pytest.raises(ValueError, match=r"num_heads=6 is not divisible by tensor_parallel_size=4; valid .*\[1, 2, 3, 6\]"):
+        ParallelConfig(tensor_parallel_size=4).resolve(4).validate_model(model)
+
+
+def test_kv_heads_not_divisible_by_tp():
+    model = LlamaConfig(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
+    with pytest.raises(ValueError, match=r"num_kv_heads=2 is not divisible by tensor_parallel_size=4.*\[1, 2\]"):
+        ParallelConfig(tensor_parallel_size=4).resolve(4).validate_model(model)
+
+
+def test_vocab_not_divisible_by_tp_says_how_to_pad():
+    model = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    with pytest.raises(ValueError, match=r"vocab_size=32001 .* pad_vocab_to_multiple_of=2 \(pads the vocabulary to 32002"):
+        ParallelConfig(tensor_parallel_size=2).resolve(2).validate_model(model)
+    padded = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                         pad_vocab_to_multiple_of=2)
+    ParallelConfig(tensor_parallel_size=2).resolve(2).validate_model(padded)  # accepted once padded
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match=r"llama5-1t.*llama3-8b"):
+        LlamaConfig.from_preset("llama5-1t")
+
+
+def test_sequence_length_with_sequence_parallel():
+    with pytest.raises(ValueError, match=r"seq_length=30 is not a multiple of 4 \(tp=4 with sequence parallelism\)"):
+        ParallelConfig(tensor_parallel_size=4).validate_sequence(30)
+    ParallelConfig(tensor_parallel_size=4, sequence_parallel=False).validate_sequence(30)
+
+
+def test_pp_and_cp_are_not_supported_yet_but_accepted_by_the_layout():
+    config = ParallelConfig(pipeline_parallel_size=2, context_parallel_size=2).resolve(8)
+    assert config.mesh_shape == (2, 2, 2, 1)
+    with pytest.raises(NotImplementedError, match="pipeline parallelism is not supported yet"):
+        config.check_supported()
+    with pytest.raises(NotImplementedError, match="context parallelism is not supported yet"):
+        ParallelConfig(context_parallel_size=2).resolve(2).check_supported()
+
+
+def test_trainer_with_wrong_world_size_fails_before_any_process_group():
+    import lightning as L
+
+    with pytest.raises(ValueError, match=r"world size 2 != pp\*dp\*cp\*tp"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(data_parallel_size=2, tensor_parallel_size=2),
+                  logger=False)
+    assert not dist.is_initialized()
+
+
+def test_trainer_with_pipeline_parallel_raises_not_implemented():
+    import lightning as L
+
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(pipeline_parallel_size=2), logger=False)
+    assert not dist.is_initialized()
+
+
+def test_sequence_parallel_defaults_on_with_tp():
+    assert ParallelConfig(tensor_parallel_size=2).sp
+    assert not ParallelConfig(tensor_parallel_size=2, sequence_parallel=False).sp
+    assert not ParallelConfig(tensor_parallel_size=1, sequence_parallel=True).sp
