@@ -229,7 +229,7 @@ class FourDStrategy(ModelParallelStrategy):
         super().setup_optimizers(trainer)
         group = self.mesh.dp_cp.get_group()
         params = [p for p in self.model.parameters() if p.requires_grad and not _reduced_by_fsdp(p)]
-        self._grad_sync = GradientSynchronizer(params, group) if params and self.mesh.dp_cp.size() > 1 else None
+        self._grad_sync = GradientSynchronizer(params, group) if params else None
         self._zero1 = []
         if self.parallel_config.zero_stage == 1 and self.mesh.dp_cp.size() > 1:
             self._zero1 = [ShardedOptimizer(_unwrap(opt), group) for opt in self.optimizers]

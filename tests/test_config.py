@@ -54,7 +54,7 @@ def test_kv_heads_not_divisible_by_tp():
 
 def test_vocab_not_divisible_by_tp_says_how_to_pad():
     model = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
-    with pytest.raises(ValueError, match=r"vocab_size=32001 .* pad_vocab_to_multiple_of=2 \(pads the vocabulary to 32002"):
+    with pytest.raises(ValueError, match=r"vocab_size=32001 .* pad_vocab_to_multiple_of=2 in the model config \(pads the vocabulary to 32002"):
         ParallelConfig(tensor_parallel_size=2).resolve(2).validate_model(model)
     padded = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
                          pad_vocab_to_multiple_of=2)

@@ -1,0 +1,39 @@
+"""Data for causal-LM pretraining: tokenizers, the embedded corpus (the Python standard library's source), token
+files (``lightning-4d prepare-data``), layout-independent window datasets and :class:`LMDataModule`.
+
+Shapes and units: token ids are ints in ``[0, vocab_size)``, stored as ``uint16`` (``vocab_size <= 65536``) or
+``uint32``; a batch is ``{"input_ids": int64 [b, s], "labels": int64 [b, s]}`` with ``b = micro_batch_size`` sequences
+of ``s = seq_length`` tokens; entropies and losses are in nats per token.
+"""
+
+from lightning_4d.data.corpus import (
+    resolve_text_files,
+    split_files,
+    stdlib_corpus_files,
+    stdlib_root,
+    tokenize_files,
+    unigram_entropy,
+)
+from lightning_4d.data.datamodule import LMDataModule
+from lightning_4d.data.datasets import FixedWindowDataset, RandomWindowDataset, ResumableDataLoader
+from lightning_4d.data.token_file import prepare_data_main, read_token_file, write_token_file
+from lightning_4d.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "FixedWindowDataset",
+    "HFTokenizer",
+    "LMDataModule",
+    "RandomWindowDataset",
+    "ResumableDataLoader",
+    "load_tokenizer",
+    "prepare_data_main",
+    "read_token_file",
+    "resolve_text_files",
+    "split_files",
+    "stdlib_corpus_files",
+    "stdlib_root",
+    "tokenize_files",
+    "unigram_entropy",
+    "write_token_file",
+]

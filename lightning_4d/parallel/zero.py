@@ -99,6 +99,10 @@ class GradientSynchronizer:
 
     Called once per optimizer step, after the (possibly accumulated) backward passes and before gradient clipping.
     Parameters whose gradient is ``None`` on this rank are skipped (they must be ``None`` on every rank).
+
+    A tensor-parallel gradient whose placement differs from its parameter's (the vocabulary-parallel embedding's
+    gradient comes back replicated/partial over tp) is first redistributed to the parameter's placement, so every
+    gradient has its parameter's local shape (and no more memory than it).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int = _BUCKET_BYTES):
@@ -109,6 +113,10 @@ class GradientSynchronizer:
 
     @torch.no_grad()
     def synchronize(self) -> None:
+        for p in self.params:
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
         if self.world == 1:
             return
         grads = [_local(p.grad) for p in self.params if p.grad is not None]

@@ -64,7 +64,8 @@ class Recorder(L.Callback):
             self.bytes["optimizer_states"] = local_bytes(moments)
 
 
-def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int) -> None:
+def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_steps: int | None = None,
+            ckpt_dir: Path | None = None, ckpt_path: str | None = None) -> Recorder:
     L.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     reference = layout.get("reference", False)
@@ -86,13 +87,20 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int) -> No
             process_group_backend="gloo", timeout=__import__("datetime").timedelta(seconds=120),
         )
     recorder = Recorder()
+    callbacks: list = [recorder]
+    if ckpt_dir is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=max_steps))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1 if reference else world, strategy=strategy, max_steps=args.steps,
-        precision=layout.get("precision", "32-true"), logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=1 if reference else world, strategy=strategy, max_steps=max_steps or args.steps,
+        precision=layout.get("precision", "32-true"), logger=False, enable_checkpointing=ckpt_dir is not None,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=[recorder], gradient_clip_val=layout.get("clip"),
+        callbacks=callbacks, gradient_clip_val=layout.get("clip"),
     )
-    trainer.fit(module, dm)
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    if ckpt_dir is not None or ckpt_path is not None:
+        return recorder
     weights = {}
     for name, p in module.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -102,6 +110,20 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int) -> No
     (out / f"layout{index}_rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
         torch.save(weights, out / f"layout{index}_weights.pt")
+    return recorder
+
+
+def resume_check(layout: dict, args: argparse.Namespace, out: Path, index: int) -> None:
+    """Train ``args.steps`` straight, then half the steps + save + resume to the end: record both loss curves."""
+    straight = run_one(layout, args, out, index)
+    half = args.steps // 2
+    ckpt_dir = out / f"ckpt{index}"
+    first = run_one(layout, args, out, index, max_steps=half, ckpt_dir=ckpt_dir)
+    second = run_one(layout, args, out, index, ckpt_path=str(ckpt_dir / "last.ckpt"))
+    record = {"layout": layout, "straight": straight.losses, "first": first.losses, "resumed": second.losses,
+              "files": sorted(p.name for p in (ckpt_dir / "last.ckpt").iterdir())}
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    (out / f"resume{index}_rank{rank}.json").write_text(json.dumps(record))
 
 
 def main() -> None:
@@ -113,11 +135,12 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--model", default="tiny-test")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--resume-check", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, layout in enumerate(json.loads(args.layouts)):
-        run_one(layout, args, out, i)
+        (resume_check if args.resume_check else run_one)(layout, args, out, i)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

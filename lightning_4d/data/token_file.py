@@ -1,0 +1,270 @@
+"""Token files: a corpus tokenized once, stored as a flat binary array and read back memory-mapped.
+
+Layout of a token file ``corpus.bin``:
+
+- ``corpus.bin``: the token ids, native little-endian ``uint16`` (``vocab_size <= 65536``) or ``uint32``, no header:
+  ``num_tokens * itemsize`` bytes;
+- ``corpus.bin.json`` (the sidecar): ``{"format": "lightning_4d.tokens", "version": 1, "dtype": "uint16" | "uint32",
+  "vocab_size": int, "tokenizer": str, "num_tokens": int}``; ``tokenizer`` is what
+  :func:`~lightning_4d.data.load_tokenizer` takes (``"byte"`` or the tokenizer.json path).
+
+``prepare-data`` writes the validation split next to it as ``corpus.val.bin`` (+ ``corpus.val.bin.json``), which
+:class:`~lightning_4d.data.LMDataModule` picks up automatically.
+
+Both files are written to a temporary file in the same directory and renamed into place (``os.replace``, atomic on
+POSIX and Windows), so a crash leaves either the old complete file or the new complete file, never a torn one; the
+sidecar is renamed last and its ``num_tokens``/``dtype`` are checked against the data file's size on every read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+from lightning_4d.data.corpus import resolve_text_files, split_files, token_dtype, tokenize_files
+from lightning_4d.data.tokenizers import load_tokenizer
+
+__all__ = ["FORMAT", "VERSION", "prepare_data_main", "read_token_file", "sidecar_path", "val_token_path",
+           "write_token_file"]
+
+FORMAT = "lightning_4d.tokens"
+VERSION = 1
+_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+_CHUNK = 1 << 24  # tokens converted and written at a time
+
+
+def sidecar_path(path: Union[str, os.PathLike]) -> Path:
+    """The JSON sidecar of a token file: ``corpus.bin`` -> ``corpus.bin.json``."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def val_token_path(path: Union[str, os.PathLike]) -> Path:
+    """The validation sibling of a training token file: ``corpus.bin`` -> ``corpus.val.bin``."""
+    path = Path(path)
+    if path.suffix != ".bin":
+        raise ValueError(f"token file {str(path)!r} must end in .bin")
+    return path.with_name(path.name[: -len(".bin")] + ".val.bin")
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Call ``write(file_object)`` on a temporary file next to ``path``, fsync it, then rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_token_file(
+    path: Union[str, os.PathLike], tokens: np.ndarray, vocab_size: int, tokenizer: str
+) -> Path:
+    """Write ``tokens`` as a token file (see the module docstring) at ``path`` plus its sidecar ``<path>.json``.
+
+    Args:
+        path: the data file, conventionally ``*.bin``; its directory is created if missing.
+        tokens: 1-D array of integer token ids, all in ``[0, vocab_size)``; stored as ``uint16`` when
+            ``vocab_size <= 65536`` else ``uint32`` (``num_tokens * 2`` or ``* 4`` bytes).
+        vocab_size: the tokenizer's vocabulary size.
+        tokenizer: the tokenizer's name (``"byte"`` or the tokenizer.json path), recorded in the sidecar.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: ``tokens`` is empty, not 1-D, not integer, or has ids outside ``[0, vocab_size)``.
+    """
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    dtype = token_dtype(vocab_size)
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token ids span [{lo}, {hi}], outside [0, vocab_size={vocab_size})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write_data(f) -> None:
+        for start in range(0, tokens.size, _CHUNK):
+            f.write(np.ascontiguousarray(tokens[start : start + _CHUNK], dtype=dtype.newbyteorder("<")).tobytes())
+
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype.name,
+        "vocab_size": int(vocab_size),
+        "tokenizer": str(tokenizer),
+        "num_tokens": int(tokens.size),
+    }
+    _atomic_write(path, write_data)
+    _atomic_write(sidecar_path(path), lambda f: f.write((json.dumps(meta, indent=2) + "\n").encode()))
+    return path
+
+
+def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
+    """Read and check the sidecar of the token file ``path`` (cheap: the data file is only ``stat``-ed).
+
+    Raises:
+        ValueError: the data file or the sidecar is missing, the sidecar is not valid JSON of this format, or its
+            ``dtype``/``num_tokens`` disagree with the data file's size. Each message names the path.
+    """
+    path = Path(path)
+    side = sidecar_path(path)
+    if not path.is_file():
+        raise ValueError(f"token file {str(path)!r} does not exist (write one with `lightning-4d prepare-data`)")
+    if not side.is_file():
+        raise ValueError(
+            f"token file {str(path)!r} has no sidecar {str(side)!r}; it was not written by `lightning-4d prepare-data`"
+            " or the sidecar was removed"
+        )
+    try:
+        meta = json.loads(side.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"sidecar {str(side)!r} is not valid JSON: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"sidecar {str(side)!r} is not a {FORMAT!r} sidecar")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"sidecar {str(side)!r} has version {meta.get('version')!r}; this code reads version {VERSION}")
+    for key in ("dtype", "vocab_size", "tokenizer", "num_tokens"):
+        if key not in meta:
+            raise ValueError(f"sidecar {str(side)!r} lacks the key {key!r}")
+    if meta["dtype"] not in _DTYPES:
+        raise ValueError(f"sidecar {str(side)!r} has dtype {meta['dtype']!r}; expected one of {sorted(_DTYPES)}")
+    if not isinstance(meta["num_tokens"], int) or meta["num_tokens"] <= 0:
+        raise ValueError(f"sidecar {str(side)!r} has num_tokens {meta['num_tokens']!r}; expected a positive int")
+    if not isinstance(meta["vocab_size"], int) or meta["vocab_size"] <= 0:
+        raise ValueError(f"sidecar {str(side)!r} has vocab_size {meta['vocab_size']!r}; expected a positive int")
+    expected = meta["num_tokens"] * _DTYPES[meta["dtype"]].itemsize
+    actual = path.stat().st_size
+    if actual != expected:
+        raise ValueError(
+            f"token file {str(path)!r} has {actual} bytes but its sidecar says {meta['num_tokens']} {meta['dtype']} "
+            f"tokens ({expected} bytes): the files do not belong together or one is truncated"
+        )
+    return meta
+
+
+def read_token_file(path: Union[str, os.PathLike]) -> tuple[np.memmap, dict]:
+    """Open a token file memory-mapped, read-only.
+
+    Returns:
+        ``(tokens, metadata)``: a 1-D read-only :class:`numpy.memmap` of ``num_tokens`` ids (``uint16``/``uint32``;
+        pages are read on access) and the sidecar dict.
+
+    Raises:
+        ValueError: as :func:`read_token_metadata`.
+    """
+    path = Path(path)
+    meta = read_token_metadata(path)
+    dtype = _DTYPES[meta["dtype"]].newbyteorder("<")
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
+    return tokens, meta
+
+
+# --------------------------------------------------------------------------------------------- prepare-data CLI
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-4d prepare-data",
+        description=(
+            "Tokenize text files into a memory-mapped token file for `lightning-4d fit --data.data_path OUT.bin`. "
+            "Files are split into train and validation by file name (crc32 rule, deterministic); the validation "
+            "split goes to OUT.val.bin. Each .bin has a JSON sidecar (.bin.json)."
+        ),
+    )
+    parser.add_argument(
+        "--input", nargs="+", required=True, metavar="PATH_OR_GLOB",
+        help="text files (any suffix), directories (recursive, text-like suffixes: .txt .md .py .json ...) or glob "
+             "patterns (quote them; ** recurses)",
+    )
+    parser.add_argument("--output", required=True, metavar="OUT.bin", help="the training token file to write")
+    parser.add_argument(
+        "--tokenizer", default="byte",
+        help="'byte' (UTF-8 bytes, vocab 256; default) or a Hugging Face tokenizer.json (or its directory)",
+    )
+    parser.add_argument(
+        "--val-fraction", type=float, default=0.05,
+        help="fraction of files (by crc32 of their relative path, 1%% granularity) written to OUT.val.bin; 0 writes "
+             "no validation file (default 0.05)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    return parser
+
+
+def prepare_data_main(argv: Optional[list[str]] = None) -> int:
+    """The ``lightning-4d prepare-data`` subcommand; ``--help`` lists the options.
+
+    Writes ``OUT.bin`` (training files) and, when ``--val-fraction > 0`` and at least one file falls into
+    validation, ``OUT.val.bin`` (a stale ``OUT.val.bin`` from an earlier run is removed otherwise), each with its
+    sidecar, showing a ``rich`` progress bar on stderr; prints one summary line on stdout.
+
+    Args:
+        argv: the arguments after ``prepare-data``; default ``sys.argv[1:]``.
+
+    Returns:
+        0 on success; 2 on bad input (message on stderr): unknown option, an input matching nothing, an unknown
+        tokenizer, ``--output`` not ending in ``.bin``, ``--val-fraction`` outside ``[0, 1)``, every file falling
+        into validation, an unreadable file.
+    """
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has already printed usage + message on stderr (or the help on stdout)
+        return int(e.code) if isinstance(e.code, int) else 2
+
+    def fail(message: str) -> int:
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        return 2
+
+    output = Path(args.output)
+    if output.suffix != ".bin":
+        return fail(f"--output {args.output!r} must end in .bin (the validation split goes to <name>.val.bin)")
+    if not 0.0 <= args.val_fraction < 1.0:
+        return fail(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        files = resolve_text_files(args.input)
+    except ValueError as e:
+        return fail(str(e))
+    train_files, val_files = split_files(files, args.val_fraction)
+    if not train_files:
+        return fail(
+            f"all {len(files)} input files fell into the validation split; add files or lower --val-fraction"
+        )
+    out_val = val_token_path(output)
+    parts = []
+    try:
+        for split_files_, out in ((train_files, output), (val_files, out_val)):
+            if not split_files_:
+                continue
+            tokens = tokenize_files(split_files_, tokenizer, progress=not args.no_progress)
+            if tokens.size == 0:
+                return fail(f"the {len(split_files_)} files for {str(out)!r} produced no tokens (all empty?)")
+            write_token_file(out, tokens, tokenizer.vocab_size, tokenizer.name)
+            num_bytes = sum(f.stat().st_size for f in split_files_)
+            parts.append(f"{str(out)}: {tokens.size:,} tokens from {len(split_files_):,} files ({num_bytes:,} bytes)")
+    except (OSError, ValueError) as e:
+        return fail(str(e))
+    if not val_files:
+        for stale in (out_val, sidecar_path(out_val)):
+            stale.unlink(missing_ok=True)
+        if args.val_fraction > 0:
+            parts.append(f"no file fell into validation (LMDataModule will hold out the last 5% of {output.name})")
+    print(f"prepare-data ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size:,}): " + "; ".join(parts))
+    return 0

@@ -1,0 +1,139 @@
+"""Causal multi-head attention with grouped-query attention (GQA), behind three interchangeable backends.
+
+Scaled dot-product attention (Vaswani et al. 2017, "Attention Is All You Need", arXiv 1706.03762, eq. 1):
+``softmax(q k^T / sqrt(head_dim) + causal mask) v``, where position ``t`` attends to positions ``<= t``.
+
+Grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245): with ``n_q`` query heads and ``n_kv`` key/value
+heads, query head ``j`` uses kv head ``j // (n_q // n_kv)``. This is Meta's ``repeat_kv`` (``llama/model.py`` of
+github.com/meta-llama/llama3: each kv head repeated ``n_rep`` times consecutively, i.e. ``repeat_interleave`` on the
+head dimension), PyTorch's ``scaled_dot_product_attention(enable_gqa=True)`` and flash-attn's convention ("if Q has
+6 heads and K, V have 2 heads, head 0, 1, 2 of Q will attention to head 0 of K, V").
+
+Backends:
+
+- ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` (PyTorch >= 2.5),
+  which picks a fused kernel (flash / memory-efficient / cuDNN / math) for the device and dtype.
+- ``"flash"``: ``flash_attn.flash_attn_func(causal=True)`` from flash-attn 2 (Dao 2023, arXiv 2307.08691); CUDA
+  tensors in float16 / bfloat16 only.
+- ``"eager"``: explicit matmuls, mask and softmax in float32 (float64 for float64 inputs); the reference the others
+  are tested against.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BACKENDS = ("sdpa", "flash", "eager")
+
+
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def available_backends() -> list[str]:
+    """Backends usable on this machine: always ``"sdpa"`` and ``"eager"``; ``"flash"`` too when the ``flash_attn``
+    package is installed and CUDA is available."""
+    names = ["sdpa", "eager"]
+    if _flash_attn_installed() and torch.cuda.is_available():
+        names.append("flash")
+    return names
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"attention expects q, k, v of shape [b, s, heads, head_dim]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}."
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape.")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, sequence and head_dim "
+            "(self-attention: [b, s, heads, head_dim])."
+        )
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"the number of query heads ({q.shape[2]}) must be a multiple of the number of kv heads ({k.shape[2]})."
+        )
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # SDPA takes [b, heads, s, d]; enable_gqa=True repeat_interleaves k/v heads (documented equivalent code)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    n_rep = q.shape[2] // k.shape[2]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    # [b, s, h, d] -> [b, h, s, d], kv heads repeated so that query head j meets kv head j // n_rep
+    qh = q.to(compute).transpose(1, 2)
+    kh = k.to(compute).repeat_interleave(n_rep, dim=2).transpose(1, 2)
+    vh = v.to(compute).repeat_interleave(n_rep, dim=2).transpose(1, 2)
+    s = q.shape[1]
+    scores = torch.matmul(qh, kh.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [b, h, s, s]
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vh)  # [b, h, s, d]
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    if not _flash_attn_installed():
+        raise RuntimeError(
+            "attention_backend='flash' needs the flash-attn package, which is not installed "
+            "(pip install 'lightning-4d[flash]' on a CUDA machine); use attention_backend='sdpa' instead."
+        )
+    if not q.is_cuda:
+        raise RuntimeError(
+            f"attention_backend='flash' needs CUDA tensors; got tensors on {q.device}. Use attention_backend='sdpa' "
+            "(or 'eager') on this device."
+        )
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(
+            f"attention_backend='flash' supports float16 and bfloat16 only; got {q.dtype}. Train with "
+            "precision='bf16-mixed' / 'bf16-true', or use attention_backend='sdpa'."
+        )
+    from flash_attn import flash_attn_func
+
+    # flash-attn takes [b, s, heads, d] directly and supports GQA (k/v with fewer heads)
+    return flash_attn_func(q, k, v, causal=True)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa") -> Tensor:
+    """Causal self-attention with grouped-query heads.
+
+    Args:
+        q: queries ``[b, s, n_q_heads, head_dim]``.
+        k: keys ``[b, s, n_kv_heads, head_dim]``; ``n_q_heads`` must be a multiple of ``n_kv_heads``.
+        v: values ``[b, s, n_kv_heads, head_dim]``.
+        backend: ``"sdpa"``, ``"flash"`` or ``"eager"`` (see the module docstring).
+
+    Returns:
+        ``[b, s, n_q_heads, head_dim]`` in ``q``'s dtype (possibly non-contiguous; reshape, not view, to merge heads).
+        Softmax scale ``1 / sqrt(head_dim)``; no dropout.
+
+    Raises:
+        ValueError: an unknown backend, or shapes / dtypes that do not fit together.
+        RuntimeError: ``"flash"`` without flash-attn installed, on a non-CUDA device, or with a dtype other than
+            float16 / bfloat16.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend={backend!r} is not valid: expected one of {list(BACKENDS)}.")
+    _check_shapes(q, k, v)
+    if backend == "sdpa":
+        return _sdpa(q, k, v)
+    if backend == "eager":
+        return _eager(q, k, v)
+    return _flash(q, k, v)

@@ -1,0 +1,342 @@
+"""The Llama 2 / Llama 3 decoder-only transformer, following Meta's reference implementation.
+
+Sources: Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models", arXiv 2307.09288; Dubey et al.
+2024, "The Llama 3 Herd of Models", arXiv 2407.21783; reference code ``llama/model.py`` of
+github.com/meta-llama/llama (Llama 2), ``llama/model.py`` of github.com/meta-llama/llama3 (Llama 3) and
+``models/llama3/model.py`` of github.com/meta-llama/llama-models (Llama 3.1, 3.2: RoPE scaling).
+
+Architecture per block (pre-norm residual)::
+
+    h   = x + Attention(RMSNorm(x))          # GQA, RoPE on q and k, causal
+    out = h + FeedForward(RMSNorm(h))        # SwiGLU
+
+then a final RMSNorm and the LM head. Module and parameter names are Meta's (``tok_embeddings``, ``layers.{i}``,
+``attention.wq`` ... ``feed_forward.w1`` ... ``attention_norm``, ``ffn_norm``, ``norm``, ``output``), so a Meta
+checkpoint maps onto this model name for name (``layers`` is a ``ModuleDict`` keyed ``"0" .. "L-1"``).
+
+Built for parallelism:
+
+- no buffers: rotary tables are computed in ``forward``, so ``with torch.device("meta"): LlamaModel(cfg)`` followed
+  by ``model.to_empty(device=...)`` and ``model.init_weights(seed)`` gives a complete model;
+- attention derives its local head count from the projected tensors, so tensor parallelism may column-shard
+  ``wq``/``wk``/``wv`` and row-shard ``wo``;
+- ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` and entries of ``layers`` deleted by a pipeline
+  split;
+- :meth:`LlamaModel.init_weights` draws every parameter's full tensor from a generator seeded by (seed, parameter
+  name) and keeps this rank's shard, so the weights do not depend on the parallel layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_4d.models.attention import attention
+from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.rope import apply_rotary, rope_cos_sin
+
+# module names inserted by wrappers; removed from parameter names so that a parameter keeps one name on every layout
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+_MASK64 = (1 << 64) - 1
+
+
+def _canonical_name(name: str) -> str:
+    """The parameter name without wrapper components.
+
+    Activation checkpointing (``checkpoint_wrapper``: ``_checkpoint_wrapped_module.``), ``torch.compile``
+    (``_orig_mod.``) and FSDP1 (``_fsdp_wrapped_module.``) insert a module level into parameter names, anywhere in the
+    dotted path. ``"layers.0._checkpoint_wrapped_module.attention.wq.weight"`` -> ``"layers.0.attention.wq.weight"``.
+    """
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PREFIXES)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from ``seed`` and a parameter's canonical name, stable across processes and runs.
+
+    ``z = (seed * 2**32 + crc32(name)) mod 2**64`` goes through the splitmix64 finalizer (Steele, Lea & Flood 2014,
+    "Fast splittable pseudorandom number generators", OOPSLA; constants of Vigna's ``splitmix64.c``), a bijection of
+    64-bit integers that spreads nearby inputs apart; the top bit is dropped so the result is a valid non-negative
+    ``torch.Generator`` seed. Python's ``hash`` is not used: it is salted per process for strings.
+    """
+    z = ((seed & _MASK64) * (1 << 32) + zlib.crc32(name.encode("utf-8"))) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z & ((1 << 63) - 1)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer normalization (Zhang & Sennrich 2019, arXiv 1910.07467), as in Meta's ``RMSNorm``.
+
+    ``y = x / sqrt(mean(x**2, last dim) + eps) * weight``, the normalization computed in float32 and cast back to
+    ``x``'s dtype before the multiplication by ``weight`` (Meta: ``self._norm(x.float()).type_as(x) * self.weight``).
+    float64 inputs are normalized in float64.
+
+    Args:
+        dim: size of the last dimension.
+        eps: added to the mean square, for numerical stability.
+
+    Shapes: ``x`` ``[..., dim]`` -> ``[..., dim]``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        """Set ``weight`` to ones."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with grouped-query heads and rotary position embeddings.
+
+    Submodules (no biases): ``wq`` ``h -> a*d``, ``wk`` ``h -> k*d``, ``wv`` ``h -> k*d``, ``wo`` ``a*d -> h`` with
+    ``a`` = num_heads, ``k`` = num_kv_heads, ``d`` = head_dim. As in Meta's ``Attention``: project, reshape to heads,
+    rotate q and k (:func:`~lightning_4d.models.rope.apply_rotary`), attend causally
+    (:func:`~lightning_4d.models.attention.attention`, scale ``1/sqrt(d)``), merge heads, project with ``wo``.
+
+    The number of heads is read from the projected tensors (``view(b, s, -1, d)``), not from the config, so a
+    tensor-parallel shard holding ``a/t`` query and ``k/t`` kv heads runs unchanged.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.backend = config.attention_backend
+        self.wq = nn.Linear(h, config.num_heads * d, bias=False)
+        self.wk = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.wv = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.wo = nn.Linear(config.num_heads * d, h, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Args: ``x`` ``[b, s, h]``; ``cos``, ``sin`` ``[s, d/2]`` or ``[b, s, d/2]`` float32 (from
+        :func:`~lightning_4d.models.rope.rope_cos_sin`). Returns ``[b, s, h]``."""
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, s = q.shape[0], q.shape[1]
+        q = q.view(b, s, -1, self.head_dim)
+        k = k.view(b, s, -1, self.head_dim)
+        v = v.view(b, s, -1, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = attention(q, k, v, self.backend)  # [b, s, local heads, d]
+        return self.wo(out.reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer", arXiv 2002.05202; Meta's
+    ``FeedForward``): ``w2(silu(w1 x) * w3 x)``.
+
+    Submodules (no biases): ``w1`` gate ``h -> f``, ``w3`` up ``h -> f``, ``w2`` down ``f -> h``.
+    Shapes: ``[b, s, h]`` -> ``[b, s, h]`` (``f`` may be a tensor-parallel shard).
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.w1 = nn.Linear(h, f, bias=False)
+        self.w3 = nn.Linear(h, f, bias=False)
+        self.w2 = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm decoder block (Meta's ``TransformerBlock``)::
+
+        h   = x + attention(attention_norm(x), cos, sin)
+        out = h + feed_forward(ffn_norm(h))
+
+    Shapes: ``x`` ``[b, s, h]`` -> ``[b, s, h]``.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LlamaModel(nn.Module):
+    """Llama 2 / 3 decoder: token embedding, ``num_layers`` blocks, final RMSNorm, LM head.
+
+    Args:
+        config: the model's hyper-parameters.
+        init_seed: default seed of :meth:`init_weights`.
+
+    Submodules: ``tok_embeddings`` (``nn.Embedding(padded_vocab_size, h)``), ``layers`` (``nn.ModuleDict`` of
+    :class:`TransformerBlock` keyed ``"0"`` .. ``"L-1"``), ``norm`` (:class:`RMSNorm`), ``output``
+    (``nn.Linear(h, padded_vocab_size, bias=False)``; with ``tie_word_embeddings`` its weight *is* the embedding's).
+    A pipeline split may set ``tok_embeddings``, ``norm`` or ``output`` to ``None`` and delete layers.
+
+    Building: on a real device the constructor ends with :meth:`init_weights`; on the meta device nothing is
+    initialized, and the caller runs ``model.to_empty(device=...)`` then ``model.init_weights(seed)``.
+    """
+
+    def __init__(self, config: LlamaConfig, init_seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.init_seed = init_seed
+        vocab, h = config.padded_vocab_size, config.hidden_size
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(vocab, h)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
+        self.norm: Optional[RMSNorm] = RMSNorm(h, eps=config.norm_eps)
+        self.output: Optional[nn.Linear] = nn.Linear(h, vocab, bias=False)
+        if config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """Next-token logits.
+
+        Args:
+            input_ids: token ids ``LongTensor [b, s]``; for a pipeline stage without ``tok_embeddings``, the hidden
+                states ``[b, s, h]`` from the previous stage.
+            positions: token positions ``LongTensor [s]`` or ``[b, s]`` for the rotary embedding; default
+                ``arange(s)``.
+
+        Returns:
+            logits ``[b, s, padded_vocab_size]`` in the model's dtype (not upcast: the loss does that); hidden states
+            ``[b, s, h]`` when ``output`` is ``None`` (before the final norm if ``norm`` is ``None`` too).
+
+        Raises:
+            ValueError: ``positions`` whose last dimension is not ``s``.
+        """
+        s = input_ids.shape[1]
+        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
+        if positions is None:
+            positions = torch.arange(s, device=input_ids.device)
+        elif positions.shape[-1] != s:
+            raise ValueError(
+                f"positions has shape {tuple(positions.shape)}: expected [s] or [b, s] with s={s} (the sequence "
+                "length of input_ids)."
+            )
+        cos, sin = rope_cos_sin(self.config, positions)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    # ------------------------------------------------------------------ parameters
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - signature of nn.Module._apply
+        """``nn.Module._apply`` (behind ``to``, ``to_empty``, ``cuda``, ``float``, ...), then re-tie the head.
+
+        Moving a plain parameter off the meta device (``to_empty``) replaces it with a new ``Parameter`` in each
+        owning module, which would silently untie ``output.weight`` from ``tok_embeddings.weight``. DTensor
+        parameters are swapped in place and stay tied; plain ones are re-tied here.
+        """
+        tied = (
+            self.tok_embeddings is not None
+            and self.output is not None
+            and self.output.weight is self.tok_embeddings.weight
+        )
+        result = super()._apply(fn, recurse)
+        if tied and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return result
+
+    def num_parameters(self) -> int:
+        """Number of parameter elements held by this module (global sizes for DTensors; a tied matrix counted once;
+        a pipeline stage counts its own layers only)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def _init_std(self, module: nn.Module, canonical: str) -> Optional[float]:
+        """Standard deviation of the normal initialization of a parameter, or ``None`` for "ones" (RMSNorm)."""
+        if isinstance(module, RMSNorm):
+            return None
+        std = self.config.initializer_range
+        owner = canonical.rsplit(".", 1)[0]
+        if owner.endswith("attention.wo") or owner.endswith("feed_forward.w2"):
+            # residual-branch output projections: std / sqrt(2 L), two residual additions per block
+            # (Radford et al. 2019, GPT-2, section 2.3; Shoeybi et al. 2019, Megatron-LM, arXiv 1909.08053)
+            std = std / math.sqrt(2 * self.config.num_layers)
+        return std
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """Deterministic, layout-independent initialization of every parameter, in place.
+
+        For each parameter (a tied matrix once), with ``name`` its canonical name (wrapper components removed, see
+        :func:`_canonical_name`): a ``torch.Generator`` on the parameter's device is seeded with a 63-bit mix of
+        ``seed`` and ``crc32(name)`` (:func:`_param_seed`) and the FULL tensor (the global shape for a DTensor) is
+        drawn in float32:
+
+        - RMSNorm weights: 1;
+        - ``tok_embeddings``, ``wq``, ``wk``, ``wv``, ``w1``, ``w3`` and the untied ``output``:
+          ``Normal(0, initializer_range)``;
+        - ``attention.wo`` and ``feed_forward.w2``: ``Normal(0, initializer_range / sqrt(2 * num_layers))``, the
+          scaled initialization of the residual-branch output projections (GPT-2, Radford et al. 2019, section 2.3;
+          Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053).
+
+        A DTensor parameter keeps this rank's shard of the full tensor
+        (``distribute_tensor(full, mesh, placements, src_data_rank=None)``: no communication, every rank draws the
+        same full tensor); a plain tensor gets all of it. Either way it is cast to the parameter's dtype. The same
+        seed therefore gives the same full weights under any tensor / data / ZeRO layout (on one device type; CPU
+        and CUDA generators produce different streams). With ``tie_word_embeddings``, an ``output.weight`` that is
+        not the embedding's (a pipeline stage holding only the head) is drawn under the name
+        ``tok_embeddings.weight``, so both copies start equal. Transient memory: one full parameter in float32.
+
+        Args:
+            seed: the seed; default ``self.init_seed``.
+
+        Raises:
+            RuntimeError: a parameter is still on the meta device (call ``to_empty(device=...)`` first).
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        seed = self.init_seed if seed is None else seed
+        modules = dict(self.named_modules())
+        for name, p in self.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.is_meta:
+                raise RuntimeError(
+                    f"parameter {name} is on the meta device: call model.to_empty(device=...) before init_weights()."
+                )
+            canonical = _canonical_name(name)
+            module_name, _, _ = name.rpartition(".")
+            std = self._init_std(modules[module_name], canonical)
+            key = canonical
+            if self.config.tie_word_embeddings and canonical == "output.weight":
+                key = "tok_embeddings.weight"
+            device = local.device
+            if std is None:
+                full = torch.ones(p.shape, dtype=torch.float32, device=device)
+            else:
+                generator = torch.Generator(device=device)
+                generator.manual_seed(_param_seed(seed, key))
+                full = torch.empty(p.shape, dtype=torch.float32, device=device)
+                full.normal_(mean=0.0, std=std, generator=generator)
+            if isinstance(p, DTensor):
+                shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                local.copy_(shard)
+            else:
+                p.copy_(full)
+            del full
