@@ -141,6 +141,31 @@ def test_global_batch_is_the_same_set_of_sequences_on_every_layout(resumable):
         assert per_step == expected, f"layout (R={dp}, b={micro}, a={accumulate}) differs"
 
 
+def test_datamodule_loaders_give_the_same_global_batches_on_every_layout():
+    """The same property through LMDataModule.train_dataloader() on each rank of each layout."""
+    steps, global_batch = 3, 8
+    expected = None
+    for dp, micro, accumulate in LAYOUTS:
+        per_step = [collections.Counter() for _ in range(steps)]
+        for rank in range(dp):
+            dm = LMDataModule(seq_length=16, micro_batch_size=micro, global_batch_size=global_batch,
+                              train_samples=global_batch * steps, seed=11)
+            dm.trainer = _fake_trainer(dp, accumulate, rank)
+            dm.setup("fit")
+            loader = dm.train_dataloader()
+            assert isinstance(loader.sampler, DistributedSampler) and not loader.sampler.shuffle
+            assert (loader.sampler.rank, loader.sampler.num_replicas) == (rank, dp)
+            for m, batch in enumerate(loader):
+                for row in range(micro):
+                    per_step[m // accumulate][tuple(batch["input_ids"][row].tolist())] += 1
+        if expected is None:
+            ds = dm.train_dataset
+            expected = [collections.Counter(tuple(ds[i]["input_ids"].tolist())
+                                            for i in range(k * global_batch, (k + 1) * global_batch))
+                        for k in range(steps)]
+        assert per_step == expected, f"layout (R={dp}, b={micro}, a={accumulate}) differs"
+
+
 def test_resumable_loader_skips_without_loading_and_keeps_length():
     tokens = np.arange(1000, dtype=np.uint16) % 256
     ds = RandomWindowDataset(tokens, seq_length=8, num_samples=24, seed=3)
@@ -468,8 +493,8 @@ def test_prepare_data_bad_input_returns_2(tmp_path, capsys, argv, message):
 
 
 # ---------------------------------------------------------------------------------------------- LMDataModule
-def _fake_trainer(dp: int, accumulate: int) -> SimpleNamespace:
-    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": 0})
+def _fake_trainer(dp: int, accumulate: int, rank: int = 0) -> SimpleNamespace:
+    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank})
     return SimpleNamespace(strategy=strategy, accumulate_grad_batches=accumulate, world_size=dp)
 
 
@@ -563,11 +588,67 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
             limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
         )
         trainer.fit(module, dm, ckpt_path=ckpt_path)
-        assert isinstance(trainer.train_dataloader, ResumableDataLoader)
-        return module.seen
+        loader = trainer.train_dataloader
+        assert isinstance(loader, ResumableDataLoader)
+        assert isinstance(loader.sampler, DistributedSampler) and not loader.sampler.shuffle
+        return module.seen, dm.train_dataset
 
-    straight = fit(6)
+    straight, ds = fit(6)
     assert len(straight) == 12  # 6 steps x 2 accumulated micro-batches, across the epoch boundary (4 steps)
-    first = fit(stop_at, ckpt_dir=tmp_path)
-    second = fit(6, ckpt_path=str(tmp_path / "last.ckpt"))
+    in_order = [[ds[i]["input_ids"][:4].tolist(), ds[i + 1]["input_ids"][:4].tolist()] for i in range(0, 16, 2)]
+    assert straight == in_order + in_order[:4]  # index order, and the second epoch repeats the first
+    first, _ = fit(stop_at, ckpt_dir=tmp_path)
+    second, _ = fit(6, ckpt_path=str(tmp_path / "last.ckpt"))
     assert first + second == straight
+
+
+_DDP_SCRIPT = """
+import json, sys
+import torch, lightning as L
+from lightning_4d.data import LMDataModule
+
+class Recorder(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["input_ids"].tolist())
+        return (self.w * batch["input_ids"].float().mean()).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+dm = LMDataModule(seq_length=16, micro_batch_size=2, global_batch_size=8, train_samples=24, seed=5)
+module = Recorder()
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, accumulate_grad_batches=2,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+trainer.fit(module, dm)
+json.dump({"seen": module.seen, "sampler": type(trainer.train_dataloader.sampler).__name__,
+           "shuffle": trainer.train_dataloader.sampler.shuffle,
+           "dataset": [dm.train_dataset[i]["input_ids"].tolist() for i in range(len(dm.train_dataset))]},
+          open(sys.argv[1] + f"/rank{trainer.global_rank}.json", "w"))
+"""
+
+
+def test_global_batches_under_real_lightning_ddp(tmp_path):
+    """Two DDP processes (gloo, CPU) x micro-batch 2 x accumulate 2: optimizer step k trains on items [8k, 8k+8)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_run.py"
+    script.write_text(_DDP_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    dataset = records[0]["dataset"]
+    for record in records:
+        assert record["sampler"] == "DistributedSampler" and record["shuffle"] is False
+        assert len(record["seen"]) == 6  # 3 steps x 2 micro-batches
+    for step in range(3):
+        got = collections.Counter(tuple(row) for record in records for batch in record["seen"][2 * step : 2 * step + 2]
+                                  for row in batch)
+        assert got == collections.Counter(tuple(w) for w in dataset[8 * step : 8 * step + 8])

@@ -18,8 +18,9 @@ Batches are ``{"input_ids": [b, s], "labels": [b, s]}`` int64 with ``b = micro_b
 Training windows come from :class:`~lightning_4d.data.RandomWindowDataset`, whose item ``i`` depends only on
 ``(seed, i)``; with ``R`` data-parallel ranks and ``a`` accumulated micro-batches the optimizer step ``k`` consumes
 exactly the items ``[k*G, (k+1)*G)``, ``G = b*R*a`` (see :mod:`lightning_4d.data.datasets`), so every layout with the
-same global batch ``G`` trains on the same sequences in the same steps. The training DataLoader is resumable: a
-run restored from a mid-epoch checkpoint continues with the batches it would have seen.
+same global batch ``G`` (a single device included) trains on the same sequences in the same steps. For that the
+training DataLoader brings its own non-shuffling ``DistributedSampler`` (see :meth:`LMDataModule.train_dataloader`).
+It is also resumable: a run restored from a mid-epoch checkpoint continues with the batches it would have seen.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_4d.data.corpus import (
     resolve_text_files,
@@ -242,21 +243,33 @@ class LMDataModule(L.LightningDataModule):
         )
 
     # ------------------------------------------------------------------ layout
-    def _data_parallel_size(self) -> int:
-        """``R``: the strategy's ``distributed_sampler_kwargs["num_replicas"]``; 1 without a trainer or such kwargs."""
+    def _data_parallel_rank_and_size(self) -> Optional[tuple[int, int]]:
+        """``(r, R)`` from the strategy's ``distributed_sampler_kwargs`` (``rank``, ``num_replicas``); ``(0, 1)``
+        without a trainer or for a strategy without them (single device); None when the strategy has them but they
+        cannot be read yet."""
         trainer = self.trainer
         if trainer is None:
-            return 1
+            return 0, 1
+        strategy = trainer.strategy
+        # look the name up without evaluating it (the property may raise before the strategy is set up)
+        if not (hasattr(type(strategy), "distributed_sampler_kwargs")
+                or "distributed_sampler_kwargs" in getattr(strategy, "__dict__", {})):
+            return 0, 1
         try:
-            kwargs = trainer.strategy.distributed_sampler_kwargs
+            kwargs = strategy.distributed_sampler_kwargs
         except Exception:  # e.g. a strategy whose process groups / mesh do not exist yet
-            kwargs = None
             if getattr(trainer, "world_size", 1) > 1:
                 rank_zero_warn("LMDataModule: could not read the strategy's distributed_sampler_kwargs; assuming 1 "
-                               "data-parallel rank for the batch arithmetic")
+                               "data-parallel rank for the batch arithmetic and leaving the sampler to Lightning")
+            return None
         if not kwargs:
-            return 1
-        return int(kwargs.get("num_replicas", 1))
+            return 0, 1
+        return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+
+    def _data_parallel_size(self) -> int:
+        """``R``: the strategy's ``distributed_sampler_kwargs["num_replicas"]``; 1 without a trainer or such kwargs."""
+        rank_size = self._data_parallel_rank_and_size()
+        return 1 if rank_size is None else rank_size[1]
 
     def _accumulation(self) -> int:
         trainer = self.trainer
@@ -301,12 +314,27 @@ class LMDataModule(L.LightningDataModule):
             self.val_dataset = FixedWindowDataset(self._val_tokens, self.seq_length, num_val)
 
     def train_dataloader(self) -> DataLoader:
-        """Micro-batches of ``micro_batch_size`` training windows in index order; Lightning inserts the
-        ``DistributedSampler`` of the data-parallel rank. Resumable from mid-epoch checkpoints."""
+        """Micro-batches of ``micro_batch_size`` training windows of this data-parallel rank, in index order.
+
+        The sampler is ``DistributedSampler(dataset, num_replicas=R, rank=r, shuffle=False)`` with ``(r, R)`` from the
+        strategy's ``distributed_sampler_kwargs`` (``(0, 1)`` on a single device). It is set here rather than left to
+        Lightning because Lightning (2.x) inserts ``DistributedSampler(shuffle=True)`` for *training* loaders
+        whatever the loader's ``shuffle`` is, and none at all on a single device: the order would differ between a
+        single-device run and a distributed one. Since Lightning keeps a sampler that already is a
+        ``DistributedSampler``, every layout reads the items ``[k*G, (k+1)*G)`` at optimizer step ``k``. (When the
+        strategy's kwargs cannot be read, the sampler is left to Lightning.) The loader is a
+        :class:`~lightning_4d.data.ResumableDataLoader`: resuming from a mid-epoch checkpoint continues the pass.
+        """
         if self.train_dataset is None:
             self.setup("fit")
+        rank_size = self._data_parallel_rank_and_size()
+        sampler = None
+        if rank_size is not None:
+            rank, size = rank_size
+            sampler = DistributedSampler(self.train_dataset, num_replicas=size, rank=rank, shuffle=False,
+                                         drop_last=False)
         return ResumableDataLoader(
-            self.train_dataset, batch_size=self.micro_batch_size, shuffle=False, drop_last=False,
+            self.train_dataset, batch_size=self.micro_batch_size, sampler=sampler, shuffle=False, drop_last=False,
             num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
         )
 

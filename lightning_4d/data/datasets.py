@@ -6,17 +6,22 @@ position ``j``). A :class:`~torch.utils.data.DataLoader` with ``batch_size=b`` s
 
 Layout independence of the training data (why the same seed gives the same training on every parallel layout):
 
-Item ``i`` of :class:`RandomWindowDataset` depends only on ``(seed, i)``. Lightning replaces the sampler of a
-training DataLoader by ``DistributedSampler(dataset, num_replicas=R, rank=r, shuffle=False)``, where ``R`` and ``r``
-are the strategy's data-parallel size and rank (tensor/context-parallel peers share a rank and see the same
-samples). With ``len(dataset)`` a multiple of ``R`` that sampler gives rank ``r`` the indices ``r, r + R, r + 2R,
-...`` and the DataLoader cuts them into micro-batches of ``b``; so micro-batch ``m`` of rank ``r`` holds the indices
+Item ``i`` of :class:`RandomWindowDataset` depends only on ``(seed, i)``. The training DataLoader of
+:class:`~lightning_4d.data.LMDataModule` samples with ``DistributedSampler(dataset, num_replicas=R, rank=r,
+shuffle=False)``, where ``R`` and ``r`` are the strategy's data-parallel size and rank from its
+``distributed_sampler_kwargs`` (tensor/context-parallel peers share a rank and see the same samples; Lightning keeps
+a sampler that is already a ``DistributedSampler``). With ``len(dataset)`` a multiple of ``R`` that sampler gives
+rank ``r`` the indices ``r, r + R, r + 2R, ...`` and the DataLoader cuts them into micro-batches of ``b``; so
+micro-batch ``m`` of rank ``r`` holds the indices
 ``(m*b + j)*R + r`` for ``j < b``, and the ``b*R`` micro-batches number ``m`` of all ranks together hold exactly the
 indices ``[m*b*R, (m+1)*b*R)``. With gradient accumulation over ``a`` micro-batches, optimizer step ``k`` consumes
 micro-batches ``m = k*a, ..., k*a + a - 1`` on every rank, i.e. exactly the indices ``[k*G, (k+1)*G)`` with
 ``G = b*R*a``, the global batch. Hence for a fixed ``G`` the set of sequences in every optimizer step is the same
 whatever ``(R, b, a)`` is, and so is the mean loss over it. (``LMDataModule`` keeps ``len(dataset)`` a multiple of
-``G`` so that no sampler pads or drops.)
+``G`` so that no sampler pads or drops.) With a shuffling ``DistributedSampler`` (what Lightning itself would insert
+for a training loader, seeded by ``seed_everything``) the same argument holds for the permuted indices
+``perm[k*G : (k+1)*G]``, as long as ``len(dataset)`` and the seed are the same, but a single-device run, which gets
+no sampler from Lightning, would then read another order.
 """
 
 from __future__ import annotations
@@ -195,6 +200,11 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self):
         skip, self._skip_batches = self._skip_batches, 0
         self._batches_yielded = skip
+        return self._iterate(skip)
+
+    def _iterate(self, skip: int):
+        # A generator: nothing below runs before the first ``next()``. Lightning creates the iterator before it
+        # calls ``sampler.set_epoch`` for the (resumed) epoch, so the sampler must not be read earlier.
         if skip == 0:
             iterator = super().__iter__()
         else:
@@ -214,9 +224,6 @@ class ResumableDataLoader(DataLoader):
             if self.num_workers > 0:
                 kwargs["prefetch_factor"] = self.prefetch_factor
             iterator = iter(DataLoader(self.dataset, **kwargs))
-        return self._count(iterator)
-
-    def _count(self, iterator):
         for batch in iterator:
             self._batches_yielded += 1
             yield batch

@@ -160,7 +160,14 @@ class ShardedOptimizer:
             for p in params:
                 self._make_shard(p)
         self._inner_step = optimizer.step
-        optimizer.step = self.step  # type: ignore[method-assign]
+
+        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+            return self.step(closure)
+
+        # the inner step is still the one an LR scheduler wrapped (it counts the calls), so keep the marker that
+        # tells the scheduler its wrapper is in place
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = step  # type: ignore[method-assign]
         optimizer._lightning_4d_zero1 = self  # type: ignore[attr-defined]
 
     def _make_shard(self, p: Tensor) -> None:
@@ -219,7 +226,7 @@ class ShardedOptimizer:
                 mine[offset : offset + flat.numel()] = flat
                 offset += c
             gathered = torch.empty(self.world * total, dtype=mine.dtype, device=mine.device)
-            dist.all_gather_into_tensor(gathered, mine, group=self.group)
+            _all_gather_flat(gathered, mine, self.group)
             gathered = gathered.view(self.world, total)
             offset = 0
             for t, c in zip(bucket, chunks):
@@ -245,6 +252,12 @@ class ShardedOptimizer:
                 s = states.get(names[id(p)])
                 if s is not None:
                     self.optimizer.state[self.shard[id(p)]] = {k: v.clone() for k, v in s.items()}
+
+
+def _all_gather_flat(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
+    """``output = cat(input of every rank)`` (``all_gather_single`` where torch has it, else the older name)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
 
 
 def local_bytes(tensors: Iterable[Optional[Tensor]]) -> int:
