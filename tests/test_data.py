@@ -277,6 +277,9 @@ def test_token_file_round_trip(tmp_path, vocab_size, dtype):
     assert meta == {"format": "lightning_4d.tokens", "version": 1, "dtype": dtype, "vocab_size": vocab_size,
                     "tokenizer": "some-tokenizer", "num_tokens": 12345}
     assert path.stat().st_size == 12345 * np.dtype(dtype).itemsize
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # like open(), not mkstemp's 0600
     read, meta2 = read_token_file(path)
     assert isinstance(read, np.memmap) and read.dtype == np.dtype(dtype) and meta2 == meta
     assert np.array_equal(read, tokens)

@@ -18,7 +18,15 @@ from tests._launch import SCRIPTS, torchrun
 
 STEPS = 10
 WORLD2 = [{"dp": 2, "zero": z} for z in range(4)] + [{"tp": 2, "zero": 0}]
-WORLD4 = [{"dp": 2, "tp": 2, "zero": z} for z in range(4)] + [{"dp": 4, "zero": z} for z in range(4)]
+WORLD4 = (
+    [{"dp": 2, "tp": 2, "zero": z} for z in range(4)]
+    + [{"dp": 4, "zero": z} for z in range(4)]
+    + [{"dp": 2, "tp": 2, "zero": 2, "ac": "full"}, {"dp": 2, "tp": 2, "zero": 3, "sp": False}]
+    + [{"dp": 2, "tp": 2, "zero": 1, "clip": 0.1}, {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1}, {"dp": 4, "zero": 0, "clip": 0.1}]
+)
+# bf16: compared with the float32 reference at bf16 tolerance (8 mantissa bits: ~4e-3 relative per rounding)
+WORLD4_BF16 = [{"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"}, {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-true"}]
+BF16_LOSS_RTOL = 1e-2
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 
@@ -36,8 +44,13 @@ def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _run(tmp_path_factory, "reference", 1, [{"reference": True}])[0]
+def references(tmp_path_factory):
+    """The single-process runs (plain Lightning, no FourDStrategy): without and with gradient clipping."""
+    return _run(tmp_path_factory, "reference", 1, [{"reference": True}, {"reference": True, "clip": 0.1}])
+
+
+def _reference_for(references, layout):
+    return references[1] if layout.get("clip") else references[0]
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +60,14 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _run(tmp_path_factory, "world4", 4, WORLD4)
+    return _run(tmp_path_factory, "world4", 4, WORLD4 + WORLD4_BF16)
 
 
 def _layout_id(layout: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in layout.items())
 
 
-def _check_parity(reference, result):
+def _check_parity(reference, result, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL):
     _, ref_ranks, ref_weights = reference
     layout, ranks, weights = result
     ref_losses = ref_ranks[0]["losses"]
@@ -67,19 +80,30 @@ def _check_parity(reference, result):
     print(f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max abs weight diff {werr:.2e}; "
           f"losses {[round(x, 5) for x in losses]}")
     assert set(weights) == set(ref_weights)
-    assert rel <= LOSS_RTOL
-    assert werr <= WEIGHT_ATOL
+    assert rel <= loss_rtol
+    assert werr <= weight_atol
     assert losses[-1] < losses[0]  # it trains
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
-def test_parity_world2(reference, world2, index):
-    _check_parity(reference, world2[index])
+def test_parity_world2(references, world2, index):
+    _check_parity(_reference_for(references, world2[index][0]), world2[index])
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
-def test_parity_world4(reference, world4, index):
-    _check_parity(reference, world4[index])
+def test_parity_world4(references, world4, index):
+    _check_parity(_reference_for(references, world4[index][0]), world4[index])
+
+
+def test_gradient_clipping_is_active(references):
+    """The clipped reference differs from the unclipped one, so the clipped layouts' parity tests clipping."""
+    assert references[0][1][0]["losses"][1] != references[1][1][0]["losses"][1]
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4_BF16)), ids=[_layout_id(x) for x in WORLD4_BF16])
+def test_bf16_close_to_float32(references, world4, index):
+    # bf16 weights (bf16-true) are rounded to 2^-8 relative: 0.02-scale weights differ by up to ~1e-4 per step
+    _check_parity(references[0], world4[len(WORLD4) + index], loss_rtol=BF16_LOSS_RTOL, weight_atol=2e-2)
 
 
 def _check_bytes(result):
@@ -88,6 +112,8 @@ def _check_bytes(result):
     by_tp: dict[int, list[dict]] = {}
     for r in ranks:  # mesh (pp, dp, cp, tp): tp innermost
         by_tp.setdefault(r["rank"] % tp, []).append(r["bytes"])
+    if layout.get("precision") == "bf16-true":
+        return
     for tp_rank, group in by_tp.items():
         assert len(group) == dp
         full = group[0]["tp_local_params"]  # fp32: bytes of one unsharded tp-local copy

@@ -184,6 +184,9 @@ class LMDataModule(L.LightningDataModule):
             except ValueError as e:
                 raise ValueError(f"{what}: {e}; {_VALID_DATA_PATHS}") from e
             self._check_token_file(token_files[0], meta)
+            sibling = val_token_path(token_files[0])
+            if what == "data_path" and sibling.exists():  # checked here too, so a broken sibling fails early
+                self._check_token_file(sibling, read_token_metadata(sibling))
             return "tokens", Path(token_files[0])
         try:
             return "text", resolve_text_files(entries)

@@ -54,6 +54,13 @@ def val_token_path(path: Union[str, os.PathLike]) -> Path:
     return path.with_name(path.name[: -len(".bin")] + ".val.bin")
 
 
+def _default_file_mode() -> int:
+    """``0o666`` less the process umask: the mode ``open(path, "w")`` would create a file with."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _atomic_write(path: Path, write) -> None:
     """Call ``write(file_object)`` on a temporary file next to ``path``, fsync it, then rename it over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -62,6 +69,7 @@ def _atomic_write(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _default_file_mode())  # mkstemp makes 0600; give what open() would
         os.replace(tmp, path)
     except BaseException:
         try:
