@@ -1,0 +1,126 @@
+"""The `lightning-4d` program: LightningCLI fit from YAML with command-line overrides, resume, bad input."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._launch import ROOT, worker_env
+
+CONFIG = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 4
+  max_steps: 6
+  val_check_interval: 3
+  check_val_every_n_epoch: null
+  limit_val_batches: 2
+  num_sanity_val_steps: 0
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  strategy:
+    class_path: lightning_4d.FourDStrategy
+    init_args: {data_parallel_size: 2, tensor_parallel_size: 2, zero_stage: 1, process_group_backend: gloo}
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args: {save_dir: OUT/logs, name: run}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {dirpath: OUT/ckpt, save_last: true, every_n_train_steps: 3}
+    - class_path: lightning_4d.callbacks.TrainingSummary
+      init_args: {prompt: "def ", max_new_tokens: 8}
+model:
+  model_config: tiny-test
+  learning_rate: 1.0e-3
+  warmup_steps: 2
+data:
+  seq_length: 32
+  micro_batch_size: 2
+  val_samples: 4
+"""
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "lightning_4d", *args]
+    return subprocess.run(cmd, cwd=cwd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _metrics(path: Path) -> list[dict]:
+    return list(csv.DictReader(path.open()))
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli")
+    config = out / "config.yaml"
+    config.write_text(CONFIG.replace("OUT", str(out)))
+    proc = _cli("fit", "--config", str(config), cwd=out)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, config, proc
+
+
+def test_fit_from_yaml_trains_and_summarizes(fitted):
+    out, _, proc = fitted
+    rows = _metrics(next((out / "logs" / "run").glob("version_*/metrics.csv")))
+    losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    assert len(losses) == 6
+    assert any(r.get("val_loss") for r in rows) and any(r.get("tokens_per_sec") for r in rows)
+    assert "final validation loss" in proc.stdout + proc.stderr
+    assert "corpus unigram entropy" in proc.stdout + proc.stderr
+    assert (out / "ckpt" / "last.ckpt" / ".metadata").exists()
+
+
+def test_resume_with_ckpt_path(fitted):
+    out, config, _ = fitted
+    proc = _cli("fit", "--config", str(config), "--ckpt_path", str(out / "ckpt" / "last.ckpt"),
+                "--trainer.max_steps=9", cwd=out)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    versions = sorted((out / "logs" / "run").glob("version_*/metrics.csv"))
+    steps = [int(r["step"]) for r in _metrics(versions[-1]) if r.get("train_loss")]
+    assert steps == [6, 7, 8]  # continues after step 6 (0-based steps 6..8), not from scratch
+
+
+def test_command_line_overrides(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.replace("OUT", str(tmp_path)))
+    proc = _cli("fit", "--config", str(config), "--trainer.devices=2", "--trainer.strategy.tensor_parallel_size=1",
+                "--trainer.strategy.zero_stage=3", "--trainer.max_steps=2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = _metrics(next((tmp_path / "logs" / "run").glob("version_*/metrics.csv")))
+    assert len([r for r in rows if r.get("train_loss")]) == 2
+
+
+def test_model_that_tp_cannot_split_fails_before_process_group(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.replace("OUT", str(tmp_path)))
+    proc = _cli("fit", "--config", str(config), "--trainer.devices=4", "--trainer.strategy.tensor_parallel_size=4",
+                "--trainer.strategy.data_parallel_size=1", "--model.model_config=tiny-test", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "num_kv_heads=2 is not divisible by tensor_parallel_size=4" in proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
+
+
+def test_help_and_console_script_are_the_same_program():
+    proc = _cli("--help", cwd=ROOT)
+    assert proc.returncode == 0 and "fit" in proc.stdout and "lightning-4d" in proc.stdout
+    script = Path(sys.executable).parent / "lightning-4d"
+    if script.exists():
+        proc2 = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=worker_env())
+        assert proc2.stdout == proc.stdout
+
+
+def test_prepare_data_subcommand(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n" * 50)
+    (tmp_path / "b.txt").write_text("def f(x):\n    return x\n" * 50)
+    proc = _cli("prepare-data", "--input", str(tmp_path / "*.txt"), "--output", str(tmp_path / "corpus.bin"),
+                "--val-fraction", "0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "corpus.bin").exists()
+    bad = _cli("prepare-data", "--input", str(tmp_path / "missing*.txt"), "--output", str(tmp_path / "x.bin"),
+               cwd=tmp_path)
+    assert bad.returncode == 2 and "missing" in bad.stderr
