@@ -85,7 +85,7 @@ class FourDStrategy(ModelParallelStrategy):
         zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         activation_checkpointing: ``"none"`` or ``"full"`` (recompute every transformer layer in backward).
-        compile: ``torch.compile`` each transformer layer.
+        compile: ``torch.compile`` each transformer layer (dp/ZeRO layouts; not yet with tp > 1).
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).
         timeout: process group timeout (a mismatched collective fails after this instead of hanging).
@@ -94,7 +94,8 @@ class FourDStrategy(ModelParallelStrategy):
         ValueError: at construction for a bad value (ZeRO stage outside 0-3, a non-positive size, ...); when the
             Trainer is built for a world size that is not pp·dp·cp·tp; at ``setup_environment`` (before the process
             group exists) for a model the layout cannot split (heads, kv heads or vocabulary not divisible by tp).
-        NotImplementedError: pipeline_parallel_size > 1 or context_parallel_size > 1.
+        NotImplementedError: pipeline_parallel_size > 1 or context_parallel_size > 1; compile=True with
+            tensor_parallel_size > 1.
     """
 
     strategy_name = "fourd"
@@ -129,6 +130,14 @@ class FourDStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        if compile and tensor_parallel_size > 1:
+            # measured with torch 2.13: a compiled block with DTensor tp plans fails in backward inside DTensor's
+            # redistribute ("'Tensor' object has no attribute '_local_tensor'"); fail now, not after the queue wait
+            raise NotImplementedError(
+                f"compile=True with tensor_parallel_size={tensor_parallel_size} is not supported yet (torch.compile of "
+                "tensor-parallel layers fails in backward with this PyTorch); use compile=False, or compile=True "
+                "with tensor_parallel_size=1 (dp/ZeRO layouts)."
+            )
         self.compile = compile
         self._mesh: Optional[ParallelMesh] = None
         self._grad_sync: Optional[GradientSynchronizer] = None

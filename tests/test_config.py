@@ -102,3 +102,9 @@ def test_sequence_parallel_defaults_on_with_tp():
     assert ParallelConfig(tensor_parallel_size=2).sp
     assert not ParallelConfig(tensor_parallel_size=2, sequence_parallel=False).sp
     assert not ParallelConfig(tensor_parallel_size=1, sequence_parallel=True).sp
+
+
+def test_compile_with_tensor_parallel_is_refused_at_construction():
+    with pytest.raises(NotImplementedError, match="compile=True with tensor_parallel_size=2"):
+        FourDStrategy(tensor_parallel_size=2, compile=True)
+    FourDStrategy(tensor_parallel_size=1, compile=True)

@@ -17,7 +17,7 @@ import torch
 from tests._launch import SCRIPTS, torchrun
 
 STEPS = 10
-WORLD2 = [{"dp": 2, "zero": z} for z in range(4)] + [{"tp": 2, "zero": 0}]
+WORLD2 = [{"dp": 2, "zero": z} for z in range(4)] + [{"tp": 2, "zero": 0}, {"dp": 2, "zero": 3, "compile": True}]
 WORLD4 = (
     [{"dp": 2, "tp": 2, "zero": z} for z in range(4)]
     + [{"dp": 4, "zero": z} for z in range(4)]

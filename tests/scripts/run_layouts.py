@@ -84,6 +84,7 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         strategy = FourDStrategy(
             data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 0),
             sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
+            compile=layout.get("compile", False),
             process_group_backend="gloo", timeout=__import__("datetime").timedelta(seconds=120),
         )
     recorder = Recorder()
