@@ -130,6 +130,11 @@ class FourDStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        if zero_stage == 1 and not save_distributed_checkpoint:
+            raise ValueError(
+                "save_distributed_checkpoint=False is not supported with zero_stage=1: each rank holds its own chunk of "
+                "the optimizer states. Use save_distributed_checkpoint=True (a sharded folder) or zero_stage 0, 2 or 3."
+            )
         if compile and tensor_parallel_size > 1:
             # measured with torch 2.13: a compiled block with DTensor tp plans fails in backward inside DTensor's
             # redistribute ("'Tensor' object has no attribute '_local_tensor'"); fail now, not after the queue wait
@@ -330,8 +335,10 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.exists():
+            raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
         if not path.is_dir():
-            return super().load_checkpoint(path, weights_only=weights_only)
+            return self._load_full_checkpoint(path, weights_only)
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -359,6 +366,29 @@ class FourDStrategy(ModelParallelStrategy):
             dcp_load(opt_state, checkpoint_id=path)
             set_optimizer_state_dict(self.model, _unwrap(optimizer), optim_state_dict=opt_state[key])
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False)
+
+
+    def _load_full_checkpoint(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+        """Load a single-file checkpoint (``save_distributed_checkpoint=False``): every rank reads the file and
+        keeps its shards of the full state dicts."""
+        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.lightning_module is not None
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for idx, optimizer in enumerate(self.optimizers):
+            state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][idx], self.model)
+            set_optimizer_state_dict(
+                self.model, _unwrap(optimizer), optim_state_dict=state, options=StateDictOptions(full_state_dict=True)
+            )
+        checkpoint.pop("optimizer_states", None)
+        return checkpoint
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

@@ -108,3 +108,9 @@ def test_compile_with_tensor_parallel_is_refused_at_construction():
     with pytest.raises(NotImplementedError, match="compile=True with tensor_parallel_size=2"):
         FourDStrategy(tensor_parallel_size=2, compile=True)
     FourDStrategy(tensor_parallel_size=1, compile=True)
+
+
+def test_zero1_needs_distributed_checkpoints():
+    with pytest.raises(ValueError, match="save_distributed_checkpoint=False is not supported with zero_stage=1"):
+        FourDStrategy(zero_stage=1, save_distributed_checkpoint=False)
+    FourDStrategy(zero_stage=3, save_distributed_checkpoint=False)

@@ -297,3 +297,17 @@ PRESETS: dict[str, LlamaConfig] = {
         max_seq_length=2048,
     ),
 }
+
+
+def _allow_in_weights_only_checkpoints() -> None:
+    """Let ``torch.load(weights_only=True)`` (Lightning's default) read checkpoints whose hyper-parameters hold a
+    ``LlamaConfig``: the two dataclasses are plain data."""
+    try:
+        import torch.serialization
+
+        torch.serialization.add_safe_globals([LlamaConfig, RopeScaling])
+    except (ImportError, AttributeError):  # pragma: no cover - torch without safe globals
+        pass
+
+
+_allow_in_weights_only_checkpoints()

@@ -84,7 +84,7 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         strategy = FourDStrategy(
             data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 0),
             sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
-            compile=layout.get("compile", False),
+            compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),
             process_group_backend="gloo", timeout=__import__("datetime").timedelta(seconds=120),
         )
     recorder = Recorder()
@@ -122,7 +122,8 @@ def resume_check(layout: dict, args: argparse.Namespace, out: Path, index: int) 
     first = run_one(layout, args, out, index, max_steps=half, ckpt_dir=ckpt_dir)
     second = run_one(layout, args, out, index, ckpt_path=str(ckpt_dir / "last.ckpt"))
     record = {"layout": layout, "straight": straight.losses, "first": first.losses, "resumed": second.losses,
-              "files": sorted(p.name for p in (ckpt_dir / "last.ckpt").iterdir())}
+              "files": sorted(p.name for p in (ckpt_dir / "last.ckpt").iterdir()) if (ckpt_dir / "last.ckpt").is_dir()
+              else ["<file>"]}
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     (out / f"resume{index}_rank{rank}.json").write_text(json.dumps(record))
 
