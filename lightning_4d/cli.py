@@ -22,13 +22,20 @@ def _lightning_cli(args: list[str]) -> None:
     from lightning_4d.data import LMDataModule
     from lightning_4d.tasks import CausalLMModule
 
-    LightningCLI(
-        CausalLMModule,
-        LMDataModule,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "lightning-4d"},
-    )
+    import torch.distributed as dist
+
+    try:
+        LightningCLI(
+            CausalLMModule,
+            LMDataModule,
+            args=args,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "lightning-4d"},
+        )
+    finally:
+        # a clean shutdown of the process group: gloo workers that exit with it alive can abort at exit
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
