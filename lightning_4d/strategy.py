@@ -182,6 +182,8 @@ class FourDStrategy(ModelParallelStrategy):
             self.parallel_config.validate_model(model_config)
         trainer = getattr(module, "_trainer", None) if module is not None else None
         datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if datamodule is not None and hasattr(module, "validate_datamodule"):
+            module.validate_datamodule(datamodule)
         seq_length = getattr(datamodule, "seq_length", None)
         if isinstance(seq_length, int):
             self.parallel_config.validate_sequence(seq_length)

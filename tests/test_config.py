@@ -114,3 +114,14 @@ def test_zero1_needs_distributed_checkpoints():
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False is not supported with zero_stage=1"):
         FourDStrategy(zero_stage=1, save_distributed_checkpoint=False)
     FourDStrategy(zero_stage=3, save_distributed_checkpoint=False)
+
+
+def test_tokenizer_larger_than_model_vocabulary():
+    from lightning_4d.data import LMDataModule
+    from lightning_4d.tasks import CausalLMModule
+
+    module = CausalLMModule(LlamaConfig(vocab_size=128, hidden_size=64, num_heads=4, num_kv_heads=2,
+                                        intermediate_size=128))
+    with pytest.raises(ValueError, match=r"the tokenizer has 256 tokens but the model's vocab_size is 128"):
+        module.validate_datamodule(LMDataModule())
+    CausalLMModule("tiny-test").validate_datamodule(LMDataModule())

@@ -102,6 +102,20 @@ class CausalLMModule(L.LightningModule):
         self.model: Optional[LlamaModel] = None
         self._batch_start = 0.0
 
+    # ------------------------------------------------------------------ checks
+    def validate_datamodule(self, datamodule: Any) -> None:
+        """Raise ``ValueError`` when the data's tokenizer has more tokens than the model's vocabulary."""
+        vocab = getattr(datamodule, "vocab_size", None)
+        if isinstance(vocab, int) and vocab > self.model_config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {vocab} tokens but the model's vocab_size is {self.model_config.vocab_size}; set "
+                f"model_config.vocab_size >= {vocab} (e.g. --model.model_config.vocab_size={vocab}) or use a "
+                "tokenizer that matches the model."
+            )
+
+    def setup(self, stage: str) -> None:
+        self.validate_datamodule(getattr(self.trainer, "datamodule", None))
+
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
         if self.model is not None:
