@@ -181,7 +181,8 @@ class CausalLMModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self(batch["input_ids"])
         loss = causal_lm_loss(logits, batch["labels"])
-        self.log("val_loss", self._global_mean(loss), prog_bar=True, on_step=False, on_epoch=True)
+        # already the global mean (identical on every rank); sync_dist averages identical values at epoch end
+        self.log("val_loss", self._global_mean(loss), prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
     # ------------------------------------------------------------------ optimizer
