@@ -23,7 +23,7 @@ run: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/lightning-4d fit --config configs/tiny.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -s tests
 
 clean:
 	rm -rf $(VENV) checkpoints lightning_logs
