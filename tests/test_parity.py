@@ -23,6 +23,8 @@ WORLD4 = (
     + [{"dp": 4, "zero": z} for z in range(4)]
     + [{"dp": 2, "tp": 2, "zero": 2, "ac": "full"}, {"dp": 2, "tp": 2, "zero": 3, "sp": False}]
     + [{"dp": 2, "tp": 2, "zero": 1, "clip": 0.1}, {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1}, {"dp": 4, "zero": 0, "clip": 0.1}]
+    # tied embedding / LM head: one vocabulary-sharded matrix used by both ends
+    + [{"dp": 2, "tp": 2, "zero": 1, "tied": True}, {"dp": 2, "tp": 2, "zero": 3, "tied": True}]
 )
 # bf16: compared with the float32 reference at bf16 tolerance (8 mantissa bits: ~4e-3 relative per rounding)
 WORLD4_BF16 = [{"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"}, {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-true"}]
@@ -45,12 +47,13 @@ def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The single-process runs (plain Lightning, no FourDStrategy): without and with gradient clipping."""
-    return _run(tmp_path_factory, "reference", 1, [{"reference": True}, {"reference": True, "clip": 0.1}])
+    """The single-process runs (plain Lightning, no FourDStrategy): plain, with gradient clipping, tied head."""
+    return _run(tmp_path_factory, "reference", 1,
+                [{"reference": True}, {"reference": True, "clip": 0.1}, {"reference": True, "tied": True}])
 
 
 def _reference_for(references, layout):
-    return references[1] if layout.get("clip") else references[0]
+    return references[1] if layout.get("clip") else references[2] if layout.get("tied") else references[0]
 
 
 @pytest.fixture(scope="module")

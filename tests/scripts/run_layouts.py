@@ -10,6 +10,7 @@ reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys d
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 import json
 import os
 import sys
@@ -75,9 +76,10 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         seq_length=args.seq_length, micro_batch_size=micro, global_batch_size=args.global_batch,
         train_samples=args.global_batch * args.steps, val_samples=micro * dp, seed=1234,
     )
-    module = CausalLMModule(
-        args.model, learning_rate=args.lr, warmup_steps=2, max_steps=args.steps, init_seed=7,
-    )
+    from lightning_4d.models import LlamaConfig
+
+    model_config = LlamaConfig.from_preset(args.model, tie_word_embeddings=layout.get("tied", False))
+    module = CausalLMModule(model_config, learning_rate=args.lr, warmup_steps=2, max_steps=args.steps, init_seed=7)
     if reference:
         strategy = "auto"
     else:
@@ -85,7 +87,7 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
             data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 0),
             sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
             compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),
-            process_group_backend="gloo", timeout=__import__("datetime").timedelta(seconds=120),
+            process_group_backend="gloo", timeout=timedelta(seconds=120),
         )
     recorder = Recorder()
     callbacks: list = [recorder]
