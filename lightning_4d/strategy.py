@@ -270,8 +270,9 @@ class FourDStrategy(ModelParallelStrategy):
         if self._grad_sync is not None:
             inner, sync = closure, self._grad_sync
 
-            def closure() -> Any:  # forward + backward (+ accumulation), then average gradients over dp_cp
-                out = inner()
+            def closure() -> Any:  # forward + backward (gradients averaged over dp_cp while backward runs)
+                with sync.overlap_with_backward():
+                    out = inner()
                 sync.synchronize()
                 return out
 

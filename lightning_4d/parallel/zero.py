@@ -24,7 +24,8 @@ been reported to sum instead of average, pytorch issue 162338; the parity tests 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-_BUCKET_BYTES = 64 * 2**20
+_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket size
 
 
 def _local(t: Tensor) -> Tensor:
@@ -41,16 +42,20 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _buckets(tensors: list[Tensor], bucket_bytes: int) -> Iterable[list[Tensor]]:
-    """Group tensors of the same dtype and device into buckets of at most ``bucket_bytes`` (one tensor may exceed)."""
+def _buckets(
+    tensors: list[Tensor], bucket_bytes: int, key: Callable[[Tensor], Tensor] = lambda t: t
+) -> Iterable[list[Tensor]]:
+    """Group tensors of the same dtype and device (of ``key(t)``) into buckets of at most ``bucket_bytes`` of
+    ``key(t)`` (one tensor may exceed), keeping their order."""
     by_key: dict[tuple, list[Tensor]] = {}
     for t in tensors:
-        by_key.setdefault((t.dtype, t.device), []).append(t)
+        k = key(t)
+        by_key.setdefault((k.dtype, k.device), []).append(t)
     for group in by_key.values():
         bucket: list[Tensor] = []
         size = 0
         for t in group:
-            nbytes = t.numel() * t.element_size()
+            nbytes = key(t).numel() * key(t).element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
@@ -95,39 +100,92 @@ def apply_fsdp(
 
 # ---------------------------------------------------------------------------------------------------- stage 0, 1
 class GradientSynchronizer:
-    """Averages gradients over the ``dp_cp`` group (ZeRO stages 0 and 1): bucketed ``all_reduce``.
+    """Averages gradients over the ``dp_cp`` group (ZeRO stages 0 and 1): bucketed ``all_reduce``, overlapped with
+    the backward pass.
 
-    Called once per optimizer step, after the (possibly accumulated) backward passes and before gradient clipping.
-    Parameters whose gradient is ``None`` on this rank are skipped (they must be ``None`` on every rank).
+    Parameters are grouped into buckets of about ``bucket_bytes`` in reverse order (the order in which backward
+    produces their gradients, as in PyTorch DDP). Inside :meth:`overlap_with_backward` a post-accumulate-grad hook
+    launches a bucket's asynchronous all-reduce as soon as all its gradients are ready, so communication runs while
+    backward computes the earlier layers. :meth:`synchronize` launches what was not launched (a backward outside the
+    context: gradient accumulation's earlier micro-batches, manual optimization), waits, divides by the group size
+    and writes the averages back. The strategy opens the context only around the backward of the micro-batch that
+    is followed by an optimizer step, so accumulated micro-batches communicate once.
 
-    A tensor-parallel gradient whose placement differs from its parameter's (the vocabulary-parallel embedding's
-    gradient comes back replicated/partial over tp) is first redistributed to the parameter's placement, so every
-    gradient has its parameter's local shape (and no more memory than it).
+    Parameters whose gradient is ``None`` are skipped (they must be ``None`` on every rank). A tensor-parallel
+    gradient whose placement differs from its parameter's (the vocabulary-parallel embedding's gradient comes back
+    partial over tp) is first redistributed to the parameter's placement, so every gradient has its parameter's
+    local shape (and no more memory than it).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int = _BUCKET_BYTES):
+    def __init__(
+        self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: Optional[int] = None
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.world = dist.get_world_size(group)
-        self.bucket_bytes = bucket_bytes
+        bucket_bytes = _BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.buckets: list[list[nn.Parameter]] = list(_buckets(self.params[::-1], bucket_bytes, key=_local))
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._ready = [0] * len(self.buckets)
+        self._pending: dict[int, tuple[Any, Tensor, list[nn.Parameter]]] = {}
+        self._overlap = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] if self.world > 1 else []
 
+    @contextmanager
+    def overlap_with_backward(self) -> Iterator[None]:
+        """Launch each bucket's all-reduce from the backward pass that runs inside this context."""
+        self._ready = [0] * len(self.buckets)
+        self._overlap = True
+        try:
+            yield
+        finally:
+            self._overlap = False
+
+    def _grad_ready(self, p: Tensor) -> None:
+        if not self._overlap:
+            return
+        i = self._bucket_of[id(p)]
+        self._ready[i] += 1
+        if self._ready[i] == len(self.buckets[i]):
+            self._launch(i)
+
+    @staticmethod
     @torch.no_grad()
-    def synchronize(self) -> None:
-        for p in self.params:
+    def _normalize(params: Iterable[nn.Parameter]) -> None:
+        for p in params:
             g = p.grad
             if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
                 p.grad = g.redistribute(p.device_mesh, p.placements)
-        if self.world == 1:
+
+    @torch.no_grad()
+    def _launch(self, i: int) -> None:
+        if i in self._pending:
             return
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        for bucket in _buckets(grads, self.bucket_bytes):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=self.group)
+        bucket = [p for p in self.buckets[i] if p.grad is not None]
+        self._normalize(bucket)
+        if not bucket:
+            return
+        flat = torch.cat([_local(p.grad).reshape(-1) for p in bucket])
+        self._pending[i] = (dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Finish the averaging: launch the remaining buckets, wait for all, write the averages back."""
+        if self.world == 1:
+            self._normalize(self.params)
+            return
+        for i in range(len(self.buckets)):
+            self._launch(i)
+        for i in sorted(self._pending):
+            work, flat, bucket = self._pending[i]
+            work.wait()
             flat.div_(self.world)
             offset = 0
-            for g in bucket:
+            for p in bucket:
+                g = _local(p.grad)
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+        self._pending = {}
 
 
 class ShardedOptimizer:
@@ -216,7 +274,7 @@ class ShardedOptimizer:
         if self.world == 1:
             return
         params = [p for params in self._full_groups for p in params if self.chunk[id(p)] > 0]
-        for bucket in _buckets([_local(p.data) for p in params], _BUCKET_BYTES):
+        for bucket in _buckets([_local(p.data) for p in params], 4 * _BUCKET_BYTES):
             chunks = [math.ceil(t.numel() / self.world) for t in bucket]
             total = sum(chunks)
             mine = torch.zeros(total, dtype=bucket[0].dtype, device=bucket[0].device)

@@ -10,10 +10,10 @@ reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys d
 from __future__ import annotations
 
 import argparse
-from datetime import timedelta
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ class Recorder(L.Callback):
         self.bytes: dict[str, int] = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.bytes:
+        if "params" in self.bytes:
             return
         params = list(pl_module.parameters())
         self.bytes["params"] = local_bytes(params)
@@ -59,7 +59,7 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
-        if "optimizer_states" not in self.bytes:
+        if "optimizer_states" not in self.bytes and trainer.optimizers[0].state:  # after the first optimizer step
             opt = trainer.optimizers[0]
             moments = [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim > 0]
             self.bytes["optimizer_states"] = local_bytes(moments)
@@ -71,7 +71,11 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
     world = int(os.environ.get("WORLD_SIZE", "1"))
     reference = layout.get("reference", False)
     dp = layout.get("dp", 1)
-    micro = args.global_batch // dp
+    accum = layout.get("accum", 1)
+    micro = args.global_batch // (dp * accum)
+    import lightning_4d.parallel.zero as zero
+
+    zero._BUCKET_BYTES = layout.get("bucket", 25 * 2**20)  # small buckets: several all-reduces overlap backward
     dm = LMDataModule(
         seq_length=args.seq_length, micro_batch_size=micro, global_batch_size=args.global_batch,
         train_samples=args.global_batch * args.steps, val_samples=micro * dp, seed=1234,
@@ -99,7 +103,7 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         accelerator="cpu", devices=1 if reference else world, strategy=strategy, max_steps=max_steps or args.steps,
         precision=layout.get("precision", "32-true"), logger=False, enable_checkpointing=ckpt_dir is not None,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=callbacks, gradient_clip_val=layout.get("clip"),
+        callbacks=callbacks, gradient_clip_val=layout.get("clip"), accumulate_grad_batches=accum,
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     if ckpt_dir is not None or ckpt_path is not None:
