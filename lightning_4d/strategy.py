@@ -245,6 +245,8 @@ class FourDStrategy(ModelParallelStrategy):
         super().setup_optimizers(trainer)
         group = self.mesh.dp_cp.get_group()
         params = [p for p in self.model.parameters() if p.requires_grad and not _reduced_by_fsdp(p)]
+        if self._grad_sync is not None:
+            self._grad_sync.close()
         self._grad_sync = GradientSynchronizer(params, group) if params else None
         self._zero1 = []
         if self.parallel_config.zero_stage == 1 and self.mesh.dp_cp.size() > 1:

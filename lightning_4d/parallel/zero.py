@@ -131,6 +131,12 @@ class GradientSynchronizer:
         self._overlap = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] if self.world > 1 else []
 
+    def close(self) -> None:
+        """Remove the backward hooks (the strategy calls it before building a new synchronizer)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     @contextmanager
     def overlap_with_backward(self) -> Iterator[None]:
         """Launch each bucket's all-reduce from the backward pass that runs inside this context."""
