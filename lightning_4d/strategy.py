@@ -146,7 +146,6 @@ class FourDStrategy(ModelParallelStrategy):
         self.compile = compile
         self._mesh: Optional[ParallelMesh] = None
         self._grad_sync: Optional[GradientSynchronizer] = None
-        self._zero1: list[ShardedOptimizer] = []
 
     # ------------------------------------------------------------------ layout
     @property
@@ -248,9 +247,9 @@ class FourDStrategy(ModelParallelStrategy):
         if self._grad_sync is not None:
             self._grad_sync.close()
         self._grad_sync = GradientSynchronizer(params, group) if params else None
-        self._zero1 = []
         if self.parallel_config.zero_stage == 1 and self.mesh.dp_cp.size() > 1:
-            self._zero1 = [ShardedOptimizer(_unwrap(opt), group) for opt in self.optimizers]
+            for opt in self.optimizers:  # each optimizer keeps its ShardedOptimizer (see _zero1_for)
+                ShardedOptimizer(_unwrap(opt), group)
 
     # ------------------------------------------------------------------ training step
     @override
