@@ -6,10 +6,21 @@ The public face::
     from lightning_4d.models import LlamaConfig
     from lightning_4d.tasks import CausalLMModule
     from lightning_4d.data import LMDataModule
+
+``FourDStrategy`` is imported lazily so that the pure-Python parts (``config``, ``memory``) load without torch.
 """
 
+from typing import Any
+
 from lightning_4d.config import ParallelConfig
-from lightning_4d.strategy import FourDStrategy
 
 __all__ = ["FourDStrategy", "ParallelConfig"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FourDStrategy":
+        from lightning_4d.strategy import FourDStrategy
+
+        return FourDStrategy
+    raise AttributeError(f"module 'lightning_4d' has no attribute {name!r}")
