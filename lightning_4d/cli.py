@@ -24,18 +24,18 @@ def _lightning_cli(args: list[str]) -> None:
 
     import torch.distributed as dist
 
-    try:
-        LightningCLI(
-            CausalLMModule,
-            LMDataModule,
-            args=args,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "lightning-4d"},
-        )
-    finally:
-        # a clean shutdown of the process group: gloo workers that exit with it alive can abort at exit
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    LightningCLI(
+        CausalLMModule,
+        LMDataModule,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": "lightning-4d"},
+    )
+    # a clean, synchronized shutdown of the process group: gloo workers that exit while a peer still tears its
+    # connections down can abort ("terminate called without an active exception")
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

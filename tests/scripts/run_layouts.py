@@ -150,6 +150,7 @@ def main() -> None:
     for i, layout in enumerate(json.loads(args.layouts)):
         (resume_check if args.resume_check else run_one)(layout, args, out, i)
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank tears gloo down while another still uses it
         torch.distributed.destroy_process_group()
 
 

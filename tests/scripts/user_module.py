@@ -82,6 +82,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(losses.values, f)
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank tears gloo down while another still uses it
         torch.distributed.destroy_process_group()
 
 
