@@ -23,9 +23,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_positive_int(name: str, value: object) -> None:
+def _check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` when it is an int >= 1 (not a bool); else raise ``ValueError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is not valid: expected a positive integer (1, 2, 4, ...).")
+    return value
 
 
 @dataclass

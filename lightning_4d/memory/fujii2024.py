@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from lightning_4d.config import _check_positive_int
+
 __all__ = ["Fujii2024Estimate", "fujii2024_estimate", "fujii2024_from_config"]
 
 GIB = 2**30
@@ -72,12 +74,6 @@ class Fujii2024Estimate:
         return out
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} is not valid: expected a positive integer (>= 1)")
-    return value
-
-
 def fujii2024_estimate(
     *,
     hidden_size: int,
@@ -117,19 +113,19 @@ def fujii2024_estimate(
         ValueError: a non-positive (or non-integer) size, ``num_heads`` not divisible by ``num_kv_heads``,
             ``virtual_stages < 1``. The message names the value and what would be valid.
     """
-    h = _positive_int("hidden_size", hidden_size)
-    L = _positive_int("num_layers", num_layers)
-    V = _positive_int("vocab_size", vocab_size)
-    f = _positive_int("intermediate_size", intermediate_size)
-    a = _positive_int("num_heads", num_heads)
-    k = _positive_int("num_kv_heads", num_kv_heads)
-    t = _positive_int("tp", tp)
-    p = _positive_int("pp", pp)
-    d = _positive_int("dp", dp)
-    c = _positive_int("cp", cp)
-    s = _positive_int("seq_length", seq_length)
-    b = _positive_int("micro_batch_size", micro_batch_size)
-    m = None if num_microbatches is None else _positive_int("num_microbatches", num_microbatches)
+    h = _check_positive_int("hidden_size", hidden_size)
+    L = _check_positive_int("num_layers", num_layers)
+    V = _check_positive_int("vocab_size", vocab_size)
+    f = _check_positive_int("intermediate_size", intermediate_size)
+    a = _check_positive_int("num_heads", num_heads)
+    k = _check_positive_int("num_kv_heads", num_kv_heads)
+    t = _check_positive_int("tp", tp)
+    p = _check_positive_int("pp", pp)
+    d = _check_positive_int("dp", dp)
+    c = _check_positive_int("cp", cp)
+    s = _check_positive_int("seq_length", seq_length)
+    b = _check_positive_int("micro_batch_size", micro_batch_size)
+    m = None if num_microbatches is None else _check_positive_int("num_microbatches", num_microbatches)
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages!r} is not valid: expected an integer >= 1")
     v = virtual_stages
