@@ -26,6 +26,7 @@ All fields are typed and defaulted so that jsonargparse / ``LightningCLI`` can b
 from __future__ import annotations
 
 import copy
+import sys
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -310,4 +311,5 @@ def _allow_in_weights_only_checkpoints() -> None:
         pass
 
 
-_allow_in_weights_only_checkpoints()
+if "torch" in sys.modules:  # else lightning_4d.models.llama registers them: the config stays importable without torch
+    _allow_in_weights_only_checkpoints()

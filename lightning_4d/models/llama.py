@@ -37,13 +37,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_4d.models.attention import attention
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.attention_backends import attention
+from lightning_4d.models.config import LlamaConfig, _allow_in_weights_only_checkpoints
 from lightning_4d.models.rope import apply_rotary, rope_cos_sin
 
 # module names inserted by wrappers; removed from parameter names so that a parameter keeps one name on every layout
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 _MASK64 = (1 << 64) - 1
+
+_allow_in_weights_only_checkpoints()
 
 
 def _canonical_name(name: str) -> str:
@@ -110,7 +112,7 @@ class Attention(nn.Module):
     Submodules (no biases): ``wq`` ``h -> a*d``, ``wk`` ``h -> k*d``, ``wv`` ``h -> k*d``, ``wo`` ``a*d -> h`` with
     ``a`` = num_heads, ``k`` = num_kv_heads, ``d`` = head_dim. As in Meta's ``Attention``: project, reshape to heads,
     rotate q and k (:func:`~lightning_4d.models.rope.apply_rotary`), attend causally
-    (:func:`~lightning_4d.models.attention.attention`, scale ``1/sqrt(d)``), merge heads, project with ``wo``.
+    (:func:`~lightning_4d.models.attention_backends.attention`, scale ``1/sqrt(d)``), merge heads, project with ``wo``.
 
     The number of heads is read from the projected tensors (``view(b, s, -1, d)``), not from the config, so a
     tensor-parallel shard holding ``a/t`` query and ``k/t`` kv heads runs unchanged.
