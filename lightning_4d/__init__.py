@@ -7,14 +7,17 @@ The public face::
     from lightning_4d.tasks import CausalLMModule
     from lightning_4d.data import LMDataModule
 
-``FourDStrategy`` is imported lazily so that the pure-Python parts (``config``, ``memory``) load without torch.
+``FourDStrategy`` and ``MemoryEstimatorCallback`` are imported lazily so that the pure-Python parts (``config``,
+``memory``: ``estimate_memory``) load without torch.
 """
 
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 
-__all__ = ["FourDStrategy", "ParallelConfig"]
+__all__ = ["FourDStrategy", "MemoryBudgetExceeded", "MemoryEstimate", "MemoryEstimatorCallback", "ParallelConfig",
+           "estimate_memory"]
 __version__ = "0.1.0"
 
 
@@ -23,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from lightning_4d.strategy import FourDStrategy
 
         return FourDStrategy
+    if name in ("MemoryEstimatorCallback", "MemoryBudgetExceeded"):
+        from lightning_4d.memory import callback
+
+        return getattr(callback, name)
     raise AttributeError(f"module 'lightning_4d' has no attribute {name!r}")

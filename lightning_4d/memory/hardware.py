@@ -1,0 +1,140 @@
+"""GPU presets for the memory check and the planner, and the measured overhead allowance.
+
+Each preset gives the device memory (bytes), the dense bf16 peak (FLOP/s, without sparsity), the per-GPU
+bandwidth inside a node (NVLink, bytes/s, one direction) and across nodes (InfiniBand / RoCE NIC, bytes/s, one
+direction). Sources: NVIDIA A100 datasheet (2021: 312 TFLOP/s bf16, NVLink 3 600 GB/s bidirectional = 300 GB/s per
+direction, HDR InfiniBand 200 Gb/s = 25 GB/s per GPU), NVIDIA H100 datasheet (2023: SXM 989 TFLOP/s bf16 dense,
+NVLink 4 900 GB/s bidirectional = 450 GB/s per direction, NDR 400 Gb/s = 50 GB/s per GPU; H100 NVL 94 GB), NVIDIA
+H200 datasheet (2024: 141 GB HBM3e, same compute and NVLink as H100 SXM).
+
+The *overhead allowance* (CUDA context, NCCL buffers and allocator fragmentation: what ``nvidia-smi`` shows beyond
+``torch.cuda.max_memory_allocated``) is read from ``overhead.json`` next to this file, which
+``benchmarks/memory_accuracy.py`` writes on a CUDA machine with the GPU's name. A GPU without a measured entry gets
+the ``"default"`` entry, which says in its ``source`` field that it is not a measurement.
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+__all__ = ["GPU_PRESETS", "GpuSpec", "OverheadAllowance", "gpu_spec", "overhead_allowance", "parse_bytes"]
+
+GIB = 2**30
+GB = 10**9
+OVERHEAD_FILE = Path(__file__).with_name("overhead.json")
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU kind: ``memory`` bytes, ``peak_flops`` dense bf16 FLOP/s, ``intra_node_bandwidth`` and
+    ``inter_node_bandwidth`` in bytes/s per GPU and direction."""
+
+    name: str
+    memory: int
+    peak_flops: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+
+
+GPU_PRESETS: dict[str, GpuSpec] = {
+    "A100-40GB": GpuSpec("A100-40GB", 40 * GIB, 312e12, 300e9, 25e9),
+    "A100-80GB": GpuSpec("A100-80GB", 80 * GIB, 312e12, 300e9, 25e9),
+    "H100-80GB": GpuSpec("H100-80GB", 80 * GIB, 989e12, 450e9, 50e9),
+    "H100-94GB": GpuSpec("H100-94GB", 94 * GB, 989e12, 450e9, 50e9),
+    "H200": GpuSpec("H200", 141 * GB, 989e12, 450e9, 50e9),
+}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """Bytes from ``80GiB`` (2^30), ``94GB`` (10^9), ``512MiB``, ``"85899345920"`` or a number of bytes.
+
+    Raises:
+        ValueError: an unparsable string, an unknown unit, or a value that is not positive.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"device memory {value!r} is not valid: expected bytes or a size such as '80GiB' or '94GB'.")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"device memory {value!r} is not valid: expected bytes or a number with one of the units "
+                f"{sorted(u for u in _UNITS if u)} (e.g. '80GiB', '94GB')."
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    result = int(number * _UNITS[unit])
+    if result <= 0:
+        raise ValueError(f"device memory {value!r} is not valid: it must be positive.")
+    return result
+
+
+def gpu_spec(name_or_memory: Union[str, int, float], peak_flops: Optional[float] = None,
+             intra_node_bandwidth: Optional[float] = None, inter_node_bandwidth: Optional[float] = None) -> GpuSpec:
+    """A preset by name (case-insensitive: ``"h100-80gb"``), or a custom GPU from a memory size (``"64GiB"``) whose
+    missing figures default to the H100-80GB preset's.
+
+    Raises:
+        ValueError: neither a preset name nor a memory size (the message lists the presets).
+    """
+    if isinstance(name_or_memory, str):
+        for key, spec in GPU_PRESETS.items():
+            if key.lower() == name_or_memory.strip().lower():
+                return spec
+    try:
+        memory = parse_bytes(name_or_memory)
+    except ValueError:
+        raise ValueError(
+            f"GPU {name_or_memory!r} is not valid: expected a preset ({', '.join(GPU_PRESETS)}) or a memory size "
+            "such as '80GiB' (a custom GPU)."
+        ) from None
+    base = GPU_PRESETS["H100-80GB"]
+    return GpuSpec(
+        f"custom-{memory / GIB:.4g}GiB", memory,
+        peak_flops if peak_flops is not None else base.peak_flops,
+        intra_node_bandwidth if intra_node_bandwidth is not None else base.intra_node_bandwidth,
+        inter_node_bandwidth if inter_node_bandwidth is not None else base.inter_node_bandwidth,
+    )
+
+
+@dataclass(frozen=True)
+class OverheadAllowance:
+    """Memory a training process uses beyond PyTorch's allocated tensors.
+
+    ``fixed`` bytes (CUDA context, cuBLAS workspaces, NCCL buffers) plus ``fraction`` of the estimated tensor bytes
+    (allocator fragmentation: reserved minus allocated). ``source`` says where the figures come from (a measured
+    GPU name and date, or "default, not measured").
+    """
+
+    fixed: int
+    fraction: float
+    source: str
+
+    def bytes_for(self, tensor_bytes: float) -> int:
+        """``fixed + fraction * tensor_bytes`` (bytes)."""
+        return int(self.fixed + self.fraction * tensor_bytes)
+
+
+def overhead_allowance(gpu_name: Optional[str] = None, device_type: str = "cuda") -> OverheadAllowance:
+    """The allowance for ``gpu_name`` (``torch.cuda.get_device_name()``, e.g. "NVIDIA H100 80GB HBM3") from
+    ``overhead.json``: the entry whose key is contained in the name (longest match), else ``"default"``. On a CPU
+    (``device_type="cpu"``) there is no CUDA context: zero."""
+    if device_type != "cuda":
+        return OverheadAllowance(0, 0.0, "cpu: no CUDA context, no caching allocator")
+    table = json.loads(OVERHEAD_FILE.read_text())
+    key = "default"
+    if gpu_name:
+        matches = [k for k in table if k != "default" and k.lower() in gpu_name.lower()]
+        if matches:
+            key = max(matches, key=len)
+    entry = table[key]
+    return OverheadAllowance(int(entry["fixed_bytes"]), float(entry["fraction"]), str(entry["source"]))

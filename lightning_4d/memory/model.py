@@ -1,0 +1,525 @@
+"""Our strategy's own memory model: bytes per rank and per pipeline stage, counted from what our code allocates.
+
+``/work/shared/memory-model.md`` §2 asks for everything the paper (``fujii2024``) leaves to its 20% margin. The
+model below follows FourDStrategy's code, tensor by tensor:
+
+**Model states** (:func:`model_state_bytes`). Every parameter tensor of the stage with its tensor-parallel local
+shape (``wq``/``wk``/``wv``/``w1``/``w3``/``output`` split on rows, ``wo``/``w2`` on columns, the embedding by
+vocabulary rows, RMSNorm weights replicated), then its ZeRO shard over ``dp_cp`` (D = dp·cp ranks):
+
+- stage 0: everything replicated;
+- stage 1 (``ShardedOptimizer``): Adam m and v for a flat chunk of ``ceil(n/D)`` elements of each tensor (rank r
+  holds elements ``[r·chunk, (r+1)·chunk)``, clipped to n);
+- stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim 0 (rank
+  r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``.
+
+Parameter and gradient dtype: float32 for ``32-true`` and ``bf16-mixed`` (autocast keeps float32 weights), bfloat16
+for ``bf16-true``; Adam's m and v have the parameter's dtype (``torch.optim.AdamW``). The step counters (0-d
+float32 tensors on the CPU unless ``capturable``) are not counted.
+
+**Activations** (:func:`saved_activation_bytes`): the tensors our layers save for backward, as
+``torch.autograd.graph.saved_tensors_hooks`` sees them (each storage once), for the SDPA backend (its fused CPU and
+CUDA kernels save q, k, v, the output and a float32 log-sum-exp ``[b, heads, s]``; kv heads are not repeated). Per
+layer, with ``y`` = b·s·h elements, ``s'`` = s/t under sequence parallelism (s otherwise), ``c`` = bytes of the
+compute dtype, ``r`` = bytes of the residual stream (4, or 2 for ``bf16-true``):
+
+- two RMSNorms: the input in float32 (4·b·s'·h), ``rsqrt`` (4·b·s'), the normalized tensor (r·b·s'·h);
+- the inputs of ``wq``/``wk``/``wv`` and of ``w1``/``w3`` (c·y each: all-gathered to the full sequence under sp,
+  as DTensor's ``PrepareModuleInput`` does; under ``bf16-mixed`` autocast casts the float32 norm output once per
+  linear: 3 + 2 copies);
+- SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
+- SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each).
+
+Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all
+layers), the final norm (as above), the head's input (c·y), and the loss's saved float32 log-probabilities
+``[b·s, V/t]`` with the labels. With ``bf16-mixed``, autocast's bfloat16 copies of the weight matrices are saved
+too (2 bytes per local matrix element; the embedding is not cast). With full activation checkpointing a layer
+saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one layer's saved set, transient).
+
+**Peak** (:class:`MemoryEstimate`): memory moves through three phases of a step, and the estimate is the largest:
+
+- start of backward: activations + logits working set (the saved log-probabilities, their gradient and the
+  logits' gradient: ``(4 + 4 + 4) · b·s·V/t`` bytes, + ``c·b·s·V/t`` for the cast when the compute dtype is not
+  float32) + compute copies + parameters gathered by FSDP2 + the head's gradient;
+- end of backward: the gradients (full for stages 0/1, this rank's shard + the root unit's unsharded gradients for
+  2/3) + gradient communication buffers (stages 0/1: ``GradientSynchronizer``'s flat bucket copies, one gradient's
+  worth; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
+- optimizer step: the gradients + the temporaries of ``torch.optim.AdamW(foreach=True)`` (``_foreach_sqrt`` of the
+  second moments: one moment's bytes) + ZeRO-1's all-gather buckets.
+
+``total = parameters + optimizer_states + overhead + max(phases)``; ``overhead`` is the measured allowance for the
+CUDA context and fragmentation (:mod:`lightning_4d.memory.hardware`), zero on CPU.
+
+**Pipeline and context parallelism** are modelled for the planner before their implementation lands (issues 4 and
+5 validate and refine them): a stage holds ``L/p`` layers (the first also the embedding, the last the final norm,
+head and loss); 1F1B keeps ``min(m, p − stage)`` micro-batches of activations, GPipe ``m``, interleaved 1F1B (v
+chunks per rank) ``min(m·v, 2(p − stage − 1) + (v − 1)p + 1)`` chunks of ``L/(p·v)`` layers (Megatron-LM's warm-up
+count), plus two send/receive buffers of one micro-batch's hidden states; context parallelism divides every
+sequence-sized tensor by c and adds the all-gathered K and V of the full sequence (not divided by c) per layer.
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Union
+
+from lightning_4d.config import ParallelConfig, _check_positive_int
+from lightning_4d.memory.hardware import GIB, OverheadAllowance
+
+__all__ = [
+    "MemoryEstimate",
+    "PRECISIONS",
+    "PIPELINE_SCHEDULES",
+    "estimate_memory",
+    "estimate_all_stages",
+    "model_state_bytes",
+    "saved_activation_bytes",
+]
+
+#: Lightning precision flags the model knows (names as ``Trainer(precision=...)``).
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+_PRECISION_ALIASES = {"32": "32-true", "fp32": "32-true", "float32": "32-true", "bf16": "bf16-mixed",
+                      "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "32-true": "32-true"}
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
+_ZERO1_GATHER_BUCKET = 100 * 2**20  # ShardedOptimizer.all_gather: buckets of 4 x 25 MiB of parameters
+
+
+def _precision(precision: str) -> str:
+    key = str(precision).lower()
+    if key not in _PRECISION_ALIASES:
+        raise ValueError(f"precision={precision!r} is not valid: expected one of {list(PRECISIONS)}.")
+    return _PRECISION_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class _Dtypes:
+    param: int  # parameter / gradient / Adam-moment bytes
+    compute: int  # matmul inputs and outputs
+    residual: int  # residual stream between layers
+    autocast: bool  # bf16-mixed: weights and float32 inputs are cast per op
+
+    @staticmethod
+    def of(precision: str) -> "_Dtypes":
+        if precision == "32-true":
+            return _Dtypes(4, 4, 4, False)
+        if precision == "bf16-mixed":
+            return _Dtypes(4, 2, 4, True)
+        return _Dtypes(2, 2, 2, False)
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    rows: int  # dim 0 of the tp-local tensor
+    cols: int  # elements per row (1 for a vector)
+    matrix: bool
+    unit: str  # FSDP2 unit: "layers.<i>" or "root"
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+def _stage_layers(num_layers: int, pp: int, layer_split: Optional[list[int]] = None) -> list[range]:
+    if layer_split is None:
+        per = num_layers // pp
+        layer_split = [per] * pp
+    starts = [sum(layer_split[:i]) for i in range(len(layer_split))]
+    return [range(s, s + n) for s, n in zip(starts, layer_split)]
+
+
+def _stage_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> list[_Param]:
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    a, k, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.padded_vocab_size
+    out: list[_Param] = []
+    if first:
+        out.append(_Param("tok_embeddings.weight", vocab // tp, h, True, "root"))
+    for i in layers:
+        u = f"layers.{i}"
+        out += [
+            _Param(f"{u}.attention_norm.weight", h, 1, False, u),
+            _Param(f"{u}.attention.wq.weight", a * d // tp, h, True, u),
+            _Param(f"{u}.attention.wk.weight", k * d // tp, h, True, u),
+            _Param(f"{u}.attention.wv.weight", k * d // tp, h, True, u),
+            _Param(f"{u}.attention.wo.weight", h, a * d // tp, True, u),
+            _Param(f"{u}.ffn_norm.weight", h, 1, False, u),
+            _Param(f"{u}.feed_forward.w1.weight", f // tp, h, True, u),
+            _Param(f"{u}.feed_forward.w3.weight", f // tp, h, True, u),
+            _Param(f"{u}.feed_forward.w2.weight", h, f // tp, True, u),
+        ]
+    if last:
+        out.append(_Param("norm.weight", h, 1, False, "root"))
+        if not (cfg.tie_word_embeddings and first):  # tied on one stage: one tensor
+            out.append(_Param("output.weight", vocab // tp, h, True, "root"))
+    return out
+
+
+def _chunk(n: int, world: int, rank: int) -> int:
+    """Length of rank ``rank``'s piece when ``n`` is cut in pieces of ``ceil(n/world)`` (``torch.chunk``)."""
+    size = math.ceil(n / world) if n else 0
+    return max(0, min(n - rank * size, size))
+
+
+def _zero_numel(p: _Param, stage: int, world: int, rank: int) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-moment) elements of ``p`` held at rest on ``rank`` of ``dp_cp``."""
+    if stage <= 1:
+        opt = _chunk(p.numel, world, rank) if stage == 1 else p.numel
+        return p.numel, p.numel, opt
+    local = _chunk(p.rows, world, rank) * p.cols
+    return local, local, local
+
+
+def _padded_numel(p: _Param, world: int) -> int:
+    """Elements of ``p`` in FSDP2's all-gather output (dim 0 padded to a multiple of ``world``)."""
+    return math.ceil(p.rows / world) * world * p.cols
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of one rank's parameters, gradients (at the optimizer step) and Adam moments (m and v)."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+
+
+def model_state_bytes(
+    model_config: Any,
+    parallel_config: ParallelConfig,
+    precision: str = "bf16-mixed",
+    *,
+    stage: int = 0,
+    dp_cp_rank: int = 0,
+    pipeline_layer_split: Optional[list[int]] = None,
+) -> ModelStates:
+    """Exact bytes of the model states held at rest by one rank (see the module docstring for the rules).
+
+    Args:
+        model_config: a :class:`~lightning_4d.models.LlamaConfig` (duck-typed: sizes, ``padded_vocab_size``,
+            ``head_dim``, ``tie_word_embeddings``).
+        parallel_config: the layout (``data_parallel_size`` resolved).
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+        stage: pipeline stage (0 .. pp−1).
+        dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards).
+        pipeline_layer_split: layers per stage (default ``L/pp`` each).
+
+    Returns:
+        :class:`ModelStates`: parameters and gradients in the parameter dtype, optimizer states = 2 moments.
+
+    Raises:
+        ValueError: an unknown precision, a stage or rank out of range.
+    """
+    dt = _Dtypes.of(_precision(precision))
+    pc = parallel_config
+    if not 0 <= stage < pc.pp:
+        raise ValueError(f"stage={stage} is not valid: expected 0 .. {pc.pp - 1}.")
+    if not 0 <= dp_cp_rank < pc.dp_cp:
+        raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
+    layers = _stage_layers(model_config.num_layers, pc.pp, pipeline_layer_split)[stage]
+    params = _stage_params(model_config, pc.tp, layers, stage == 0, stage == pc.pp - 1)
+    n_param = n_grad = n_opt = 0
+    for p in params:
+        a, g, o = _zero_numel(p, pc.zero_stage, pc.dp_cp, dp_cp_rank)
+        n_param, n_grad, n_opt = n_param + a, n_grad + g, n_opt + o
+    return ModelStates(n_param * dt.param, n_grad * dt.param, 2 * n_opt * dt.param)
+
+
+def _layer_saved(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
+    """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length)."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
+    s_sp = s // tp if sp else s
+    c, r = dt.compute, dt.residual
+    norm = 4 * b * s_sp * h + 4 * b * s_sp + r * b * s_sp * h
+    attn_in = c * b * s * h * (3 if dt.autocast else 1)
+    ffn_in = c * b * s * h * (2 if dt.autocast else 1)
+    sdpa = 2 * c * b * s * a * d + 2 * c * b * s * k * d + 4 * b * a * s
+    swiglu = 4 * c * b * s * (f // tp)
+    return 2 * norm + attn_in + ffn_in + sdpa + swiglu
+
+
+def saved_activation_bytes(
+    model_config: Any,
+    parallel_config: ParallelConfig,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str = "bf16-mixed",
+    *,
+    stage: int = 0,
+    pipeline_layer_split: Optional[list[int]] = None,
+) -> dict[str, int]:
+    """Bytes saved for backward by one micro-batch's forward on one rank of ``stage``, by part.
+
+    Returns a dict with ``layers`` (all layers of the stage: their saved tensors, or only their inputs under full
+    activation checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input),
+    ``loss`` (float32 log-probabilities and labels), ``compute_weights`` (``bf16-mixed``: autocast's bfloat16 weight
+    copies), ``context_parallel_kv`` (the full-sequence K and V per layer when cp > 1) and ``recompute``
+    (one layer's saved set, transient, under full checkpointing). ``sum(...) - recompute`` is what
+    ``saved_tensors_hooks`` (plus the checkpointed layers' inputs) sees. Formulas: module docstring.
+
+    Raises:
+        ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision.
+    """
+    b = _check_positive_int("micro_batch_size", micro_batch_size)
+    _check_positive_int("seq_length", seq_length)
+    pc = parallel_config
+    pc.validate_sequence(seq_length)
+    dt = _Dtypes.of(_precision(precision))
+    tp, sp, cp = pc.tp, pc.sp, pc.cp
+    s = seq_length // cp
+    s_sp = s // tp if sp else s
+    h, vocab = model_config.hidden_size, model_config.padded_vocab_size
+    layers = _stage_layers(model_config.num_layers, pc.pp, pipeline_layer_split)[stage]
+    first, last = stage == 0, stage == pc.pp - 1
+    per_layer = _layer_saved(model_config, dt, b, s, tp, sp)
+    full_ac = pc.activation_checkpointing == "full"
+    out = {
+        "layers": len(layers) * (dt.residual * b * s_sp * h if full_ac else per_layer),
+        "embedding": 8 * b * s if first else 0,
+        "rope": 2 * 4 * s * (model_config.head_dim // 2),
+        "head": (4 * b * s_sp * h + 4 * b * s_sp + dt.residual * b * s_sp * h + dt.compute * b * s * h) if last else 0,
+        "loss": (4 * b * s * (vocab // tp) + 8 * b * s) if last else 0,
+        "compute_weights": 0,
+        "context_parallel_kv": 0,
+        "recompute": per_layer if full_ac and len(layers) else 0,
+    }
+    if dt.autocast:
+        # autocast's bfloat16 weight copies; a checkpointed layer's are made again (and dropped) in its recompute
+        params = _stage_params(model_config, tp, layers, first, last)
+        cast = [p for p in params if p.matrix and p.name != "tok_embeddings.weight"]
+        in_layers = sum(p.numel for p in cast if p.unit != "root")
+        out["compute_weights"] = 2 * (sum(p.numel for p in cast) - (in_layers if full_ac else 0))
+        if last and model_config.tie_word_embeddings and first:  # the tied head is cast too
+            out["compute_weights"] += 2 * (vocab // tp) * h
+        if full_ac and len(layers):
+            out["recompute"] += 2 * in_layers // len(layers)
+    if cp > 1:
+        kv = 2 * dt.compute * b * seq_length * (model_config.num_kv_heads // tp) * model_config.head_dim
+        out["context_parallel_kv"] = (1 if full_ac else len(layers)) * kv
+    return out
+
+
+def _in_flight(schedule: str, pp: int, stage: int, m: int, v: int) -> float:
+    """Micro-batches (in units of one stage's activations) held at the peak by ``stage``."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved_1f1b":
+        chunks = min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+        return chunks / v
+    return float(min(m, pp - stage))  # 1f1b; zbv approximated by 1f1b (issue 4 refines)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak memory of one rank (the worst pipeline stage unless asked for a stage), bytes.
+
+    Attributes:
+        parameters: parameters at rest (this rank's ZeRO shard).
+        gradients: gradients at the optimizer step.
+        optimizer_states: Adam m and v.
+        activations: saved for backward by all in-flight micro-batches (layers, embedding, rope, final norm,
+            context-parallel K/V) + one layer's recompute set under full checkpointing.
+        logits: loss working set at the start of backward beyond the saved log-probabilities (counted in
+            ``activations``): their gradient and the logits' gradient in float32, + the logits' compute-dtype
+            gradient when that is not float32.
+        buffers: transient buffers at their largest: autocast weight copies, FSDP2-gathered parameters, gradient
+            communication buckets, optimizer-step temporaries, pipeline send/receive buffers.
+        overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
+        total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
+        peak_phase: ``"backward start"``, ``"backward end"`` or ``"optimizer step"``.
+        stage: the pipeline stage this is for.
+        details: the terms behind each field (bytes), by name.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    logits: int
+    buffers: int
+    overhead: int
+    total: int
+    peak_phase: str
+    stage: int = 0
+    details: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_gib(self) -> float:
+        """``total`` in GiB (2^30 bytes)."""
+        return self.total / GIB
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields (bytes) plus ``total_gib``."""
+        out = asdict(self)
+        out["total_gib"] = self.total_gib
+        return out
+
+    def fits(self, device_memory: int, budget: float = 1.0) -> bool:
+        """``total <= budget * device_memory``."""
+        return self.total <= budget * device_memory
+
+
+def estimate_memory(
+    model_config: Any,
+    parallel_config: ParallelConfig,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str = "bf16-mixed",
+    *,
+    num_microbatches: Optional[int] = None,
+    pipeline_schedule: str = "1f1b",
+    virtual_pipeline_stages: int = 1,
+    pipeline_layer_split: Optional[list[int]] = None,
+    stage: Optional[int] = None,
+    dp_cp_rank: int = 0,
+    device_type: str = "cuda",
+    overhead: Optional[OverheadAllowance] = None,
+    gpu_name: Optional[str] = None,
+) -> MemoryEstimate:
+    """Peak memory of one rank of FourDStrategy training ``model_config`` with ``parallel_config`` (bytes).
+
+    Args:
+        model_config: :class:`~lightning_4d.models.LlamaConfig` (or a preset name).
+        parallel_config: the layout; ``data_parallel_size="auto"`` is not allowed here (resolve it first).
+        micro_batch_size: samples per micro-batch per dp rank (b).
+        seq_length: tokens per sample (s, the full sequence before cp splits it).
+        precision: ``"32-true"``, ``"bf16-mixed"`` (default) or ``"bf16-true"``.
+        num_microbatches: m, micro-batches per optimizer step (pipeline schedules; default pp).
+        pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zbv"``.
+        virtual_pipeline_stages: v (interleaved).
+        pipeline_layer_split: layers per stage.
+        stage: one stage; default: every stage is estimated and the largest returned.
+        dp_cp_rank: rank in ``dp_cp`` (0 holds the largest ZeRO shards).
+        device_type: ``"cuda"`` adds the overhead allowance; ``"cpu"`` none.
+        overhead: an explicit allowance (default: from ``overhead.json`` for ``gpu_name``).
+        gpu_name: ``torch.cuda.get_device_name()`` to pick the measured allowance.
+
+    Returns:
+        :class:`MemoryEstimate` (module docstring: formulas and sources).
+
+    Raises:
+        ValueError: an invalid layout for the model (tp not dividing heads, pp > layers, ...), a sequence length
+            the layout cannot split, an unknown precision or schedule, non-positive sizes.
+    """
+    cfg = _model(model_config)
+    pc = parallel_config
+    if pc.data_parallel_size == "auto":
+        raise ValueError("parallel_config.data_parallel_size is 'auto': call parallel_config.resolve(world_size).")
+    pc.validate_model(cfg)
+    if pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is not valid: expected one of {list(PIPELINE_SCHEDULES)}.")
+    _check_positive_int("virtual_pipeline_stages", virtual_pipeline_stages)
+    if pipeline_layer_split is not None and (len(pipeline_layer_split) != pc.pp or sum(pipeline_layer_split) != cfg.num_layers):
+        raise ValueError(
+            f"pipeline_layer_split={pipeline_layer_split} is not valid: expected {pc.pp} layer counts summing to "
+            f"num_layers={cfg.num_layers}."
+        )
+    stages = [stage] if stage is not None else list(range(pc.pp))
+    results = [
+        _estimate_stage(cfg, pc, micro_batch_size, seq_length, _precision(precision), st,
+                        num_microbatches or pc.pp, pipeline_schedule, virtual_pipeline_stages, pipeline_layer_split,
+                        dp_cp_rank, device_type, overhead, gpu_name)
+        for st in stages
+    ]
+    return max(results, key=lambda e: e.total)
+
+
+def estimate_all_stages(model_config: Any, parallel_config: ParallelConfig, micro_batch_size: int, seq_length: int,
+                        precision: str = "bf16-mixed", **kw: Any) -> list[MemoryEstimate]:
+    """:func:`estimate_memory` for every pipeline stage, in stage order (same arguments, ``stage`` excepted)."""
+    return [estimate_memory(model_config, parallel_config, micro_batch_size, seq_length, precision, stage=st, **kw)
+            for st in range(parallel_config.pp)]
+
+
+def _model(model_config: Any) -> Any:
+    if isinstance(model_config, str):
+        from lightning_4d.models.config import LlamaConfig
+
+        return LlamaConfig.from_preset(model_config)
+    return model_config
+
+
+def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str, stage: int, m: int,
+                    schedule: str, v: int, split: Optional[list[int]], rank: int, device_type: str,
+                    overhead: Optional[OverheadAllowance], gpu_name: Optional[str]) -> MemoryEstimate:
+    from lightning_4d.memory.hardware import overhead_allowance
+
+    dt = _Dtypes.of(precision)
+    states = model_state_bytes(cfg, pc, precision, stage=stage, dp_cp_rank=rank, pipeline_layer_split=split)
+    saved = saved_activation_bytes(cfg, pc, b, s, precision, stage=stage, pipeline_layer_split=split)
+    layers = _stage_layers(cfg.num_layers, pc.pp, split)[stage]
+    first, last = stage == 0, stage == pc.pp - 1
+    params = _stage_params(cfg, pc.tp, layers, first, last)
+    world, zero = pc.dp_cp, pc.zero_stage
+    tp, vocab, h = pc.tp, cfg.padded_vocab_size, cfg.hidden_size
+    tokens = b * (s // pc.cp)
+
+    in_flight = _in_flight(schedule, pc.pp, stage, m, v)
+    per_microbatch = saved["layers"] + saved["embedding"] + saved["head"] + saved["loss"] + saved["context_parallel_kv"]
+    activations = int(per_microbatch * in_flight) + saved["rope"] + saved["recompute"]
+    # the loss working set: saved log-probs, their gradient, the logits' gradient (+ the cast to the compute dtype)
+    # (the saved float32 log-probs are counted in activations, as saved_loss)
+    logits = (8 + (dt.compute if dt.compute != 4 else 0)) * tokens * (vocab // tp) if last else 0
+    compute_weights = saved["compute_weights"]
+
+    # FSDP2: parameters gathered for compute (padded all-gather outputs), unsharded gradients before reduce-scatter
+    units: dict[str, int] = {}
+    for p in params:
+        units[p.unit] = units.get(p.unit, 0) + _padded_numel(p, world) * dt.param
+    layer_units = [n for u, n in units.items() if u != "root"]
+    largest_layer = max(layer_units, default=0)
+    root = units.get("root", 0)
+    gathered_start = gathered_end = grad_buffers = 0
+    if zero == 2:
+        gathered_start = sum(units.values())  # kept unsharded from forward to backward
+        gathered_end = root + largest_layer
+    elif zero == 3:
+        gathered_start = root + 2 * largest_layer  # root + the layer in backward + the prefetched one
+        gathered_end = root + 2 * largest_layer
+    if zero >= 2:
+        grad_buffers = root + 2 * largest_layer  # root's unsharded gradients live to the end; 2 units in flight
+    elif world > 1:
+        grad_buffers = states.gradients  # GradientSynchronizer's flat bucket copies, all in flight at the end
+    head = next((p for p in params if p.name in ("output.weight",)), None)
+    if head is None and last and cfg.tie_word_embeddings:
+        head = next(p for p in params if p.name == "tok_embeddings.weight")
+    head_grad = head.numel * dt.param if head is not None else 0
+    pipeline_buffers = 2 * dt.compute * tokens * h // (tp if pc.sp else 1) if pc.pp > 1 else 0
+
+    step_temp = states.optimizer_states // 2  # foreach AdamW: sqrt of the second moments
+    if zero == 1 and world > 1:
+        step_temp += int(min(_ZERO1_GATHER_BUCKET, states.parameters) * (1 + 1 / world))
+
+    phases = {
+        "backward start": activations + logits + compute_weights + gathered_start + head_grad + pipeline_buffers,
+        "backward end": (states.gradients if zero <= 1 else states.gradients + root) + grad_buffers + gathered_end
+        + pipeline_buffers,
+        "optimizer step": states.gradients + step_temp,
+    }
+    peak_phase = max(phases, key=phases.get)
+    tensors = states.parameters + states.optimizer_states + phases[peak_phase]
+    allowance = overhead if overhead is not None else overhead_allowance(gpu_name, device_type)
+    extra = allowance.bytes_for(tensors)
+    buffers = compute_weights + max(gathered_start, gathered_end) + grad_buffers + step_temp + pipeline_buffers
+    details = {
+        **{f"saved_{k}": val for k, val in saved.items()},
+        "saved_for_backward": sum(saved.values()) - saved["recompute"],
+        "in_flight_microbatches_x1000": int(in_flight * 1000),
+        "compute_weights": compute_weights,
+        "gathered_parameters": max(gathered_start, gathered_end),
+        "gradient_buffers": grad_buffers,
+        "optimizer_step_temporaries": step_temp,
+        "pipeline_buffers": pipeline_buffers,
+        "head_gradient": head_grad,
+        **{f"phase_{k.replace(' ', '_')}": val for k, val in phases.items()},
+    }
+    return MemoryEstimate(
+        parameters=states.parameters, gradients=states.gradients, optimizer_states=states.optimizer_states,
+        activations=activations, logits=logits, buffers=buffers, overhead=extra, total=tensors + extra,
+        peak_phase=peak_phase, stage=stage, details=details,
+    )

@@ -1,0 +1,165 @@
+"""Measure, per rank, what one training step of FourDStrategy really holds, next to the memory model's figures.
+
+For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied) one ``Trainer.fit`` runs one optimizer step
+per batch shape (b, s) in ``--shapes``. Around each ``training_step`` (forward + loss) a
+``torch.autograd.graph.saved_tensors_hooks`` pack hook records every storage saved for backward once (parameters
+excluded: they are model states), and a forward pre-hook on each activation-checkpointed block records the inputs
+the checkpoint keeps. Before the first optimizer step the bytes of the local parameter, gradient and Adam-moment
+shards are recorded. Each rank writes ``<out>/layout<i>_rank<r>.json`` with the measured and estimated figures.
+
+Usage: ``torchrun --nproc-per-node N tests/scripts/measure_memory.py --out DIR --layouts JSON --shapes JSON``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from torch.autograd.graph import saved_tensors_hooks  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
+
+from lightning_4d import FourDStrategy, ParallelConfig  # noqa: E402
+from lightning_4d.memory.model import model_state_bytes, saved_activation_bytes  # noqa: E402
+from lightning_4d.models import LlamaConfig  # noqa: E402
+from lightning_4d.parallel.zero import local_bytes  # noqa: E402
+from lightning_4d.tasks import CausalLMModule  # noqa: E402
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages behind ``t``: a wrapper subclass (DTensor, functional collectives' AsyncCollectiveTensor) has
+    none of its own; its inner tensors do."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = [getattr(t, a) for a in attrs]
+        return [st for x in inner if torch.is_tensor(x) for st in _storages(x)]
+    return [t.untyped_storage()]
+
+
+class Shapes(IterableDataset):
+    """One batch per (b, s), the same on every rank (tokens from a fixed generator)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], vocab: int) -> None:
+        self.shapes, self.vocab = shapes, vocab
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for b, s in self.shapes:
+            ids = torch.randint(0, self.vocab, (b, s + 1), generator=g)
+            yield {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+class Measured(CausalLMModule):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.saved: list[int] = []
+        self.states: dict[str, int] = {}
+
+    def training_step(self, batch, batch_idx):
+        seen: dict[int, int] = {}
+
+        def params() -> set[int]:
+            return {st.data_ptr() for p in self.parameters() for st in _storages(p)}
+
+        param_ptrs = params()
+
+        def pack(t):
+            for st in _storages(t):
+                ptr = st.data_ptr()
+                if ptr not in seen and ptr not in param_ptrs:
+                    if isinstance(t, torch.nn.Parameter) or ptr in params():  # FSDP2's unsharded params
+                        param_ptrs.add(ptr)
+                    else:
+                        seen[ptr] = st.nbytes()
+            return t
+
+        def keep_inputs(module, args):
+            for a in args:
+                if torch.is_tensor(a):
+                    for st in _storages(a):
+                        seen.setdefault(st.data_ptr(), st.nbytes())
+
+        hooks = [m.register_forward_pre_hook(keep_inputs) for m in self.modules()
+                 if type(m).__name__ == "CheckpointWrapper"]
+        try:
+            with saved_tensors_hooks(pack, lambda t: t):
+                loss = super().training_step(batch, batch_idx)
+        finally:
+            for h in hooks:
+                h.remove()
+        self.saved.append(sum(seen.values()))
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.states:
+            return
+        params = list(self.parameters())
+        self.states["parameters"] = local_bytes(params)
+        self.states["gradients"] = local_bytes(p.grad for p in params)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if "optimizer_states" not in self.states:
+            opt = self.trainer.optimizers[0]
+            moments = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim > 0]
+            self.states["optimizer_states"] = local_bytes(moments)
+
+
+def run(layout: dict, shapes: list[tuple[int, int]], model: str) -> dict:
+    L.seed_everything(0, verbose=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = LlamaConfig.from_preset(model, tie_word_embeddings=layout.get("tied", False))
+    module = Measured(cfg, learning_rate=1e-3, warmup_steps=1, max_steps=len(shapes), init_seed=7)
+    kw = dict(data_parallel_size=layout.get("dp", 1), tensor_parallel_size=layout.get("tp", 1),
+              zero_stage=layout.get("zero", 0), sequence_parallel=layout.get("sp"),
+              activation_checkpointing=layout.get("ac", "none"))
+    strategy = FourDStrategy(**kw, process_group_backend="gloo", timeout=timedelta(seconds=120))
+    precision = layout.get("precision", "32-true")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=len(shapes), precision=precision,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
+    )
+    trainer.fit(module, DataLoader(Shapes(shapes, cfg.vocab_size), batch_size=None))
+    pc = ParallelConfig(**kw).resolve(world)
+    rank = trainer.global_rank
+    dp_cp_rank = (rank // pc.tp) % pc.dp_cp
+    estimated_states = model_state_bytes(cfg, pc, precision, dp_cp_rank=dp_cp_rank)
+    rows = []
+    for (b, s), measured in zip(shapes, module.saved):
+        est = saved_activation_bytes(cfg, pc, b, s, precision)
+        rows.append({"b": b, "s": s, "measured": measured,
+                     "estimated": sum(est.values()) - est["recompute"], "parts": est})
+    return {"layout": layout, "rank": rank, "activations": rows, "states": module.states,
+            "estimated_states": estimated_states.__dict__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--layouts", required=True)
+    parser.add_argument("--shapes", default="[[1, 64], [2, 64], [1, 256], [2, 256]]")
+    parser.add_argument("--model", default="tiny-test")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = [tuple(x) for x in json.loads(args.shapes)]
+    for i, layout in enumerate(json.loads(args.layouts)):
+        record = run(layout, shapes, args.model)
+        (out / f"layout{i}_rank{record['rank']}.json").write_text(json.dumps(record))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Our memory model (``lightning_4d.memory.model``) against hand-derived values and against measured reality.
+
+Measured (CPU, gloo, tiny-test Llama, one optimizer step per batch shape; ``tests/scripts/measure_memory.py``):
+
+- model-state bytes (parameters, gradients at the step, Adam moments) of every rank equal the model's figure for
+  that rank exactly;
+- the bytes saved for backward (``saved_tensors_hooks``, each storage once, + the inputs kept by activation
+  checkpointing) are within 5% of the model's ``saved_for_backward``, for b in {1, 2}, s in {64, 256}, with and
+  without full activation checkpointing, in float32, bf16-mixed and bf16-true.
+
+Run with ``-s`` to see the figures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from lightning_4d import ParallelConfig, estimate_memory
+from lightning_4d.memory.model import MemoryEstimate, estimate_all_stages, model_state_bytes, saved_activation_bytes
+from lightning_4d.models import LlamaConfig
+from tests._launch import SCRIPTS, torchrun
+
+TINY = LlamaConfig.from_preset("tiny-test")  # h=64, f=128, L=2, a=4, k=2, V=256
+
+
+def _pc(**kw) -> ParallelConfig:
+    kw.setdefault("data_parallel_size", 1)
+    return ParallelConfig(**kw)
+
+
+# ---------------------------------------------------------------------------------------------------- hand-derived
+def test_model_states_by_hand_zero0_fp32():
+    # per layer: 2 norms 64 + wq 64*64 + wk, wv 32*64 + wo 64*64 + w1, w3 128*64 + w2 64*128 = 36,992 elements;
+    # + embedding 256*64 + head 256*64 + final norm 64 = 106,816 elements in all; float32: 4 bytes each
+    n = 2 * 36_992 + 2 * 256 * 64 + 64
+    assert n == 106_816
+    st = model_state_bytes(TINY, _pc(zero_stage=0), "32-true")
+    assert (st.parameters, st.gradients, st.optimizer_states) == (4 * n, 4 * n, 8 * n)
+
+
+def test_model_states_by_hand_tp2_and_bf16_true():
+    # tp=2: every matrix halved, the 2*2+1 norm vectors of 64 replicated
+    n = (106_816 - 5 * 64) // 2 + 5 * 64
+    st = model_state_bytes(TINY, _pc(tensor_parallel_size=2, zero_stage=0), "bf16-true")
+    assert (st.parameters, st.gradients, st.optimizer_states) == (2 * n, 2 * n, 4 * n)
+
+
+def test_model_states_zero_stages_shard_what_they_should():
+    base = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=0), "bf16-mixed")
+    z1 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=1), "bf16-mixed")
+    z2 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=2), "bf16-mixed")
+    z3 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=3), "bf16-mixed")
+    assert z1.parameters == base.parameters and z1.gradients == base.gradients
+    assert z1.optimizer_states == base.optimizer_states // 4  # every tensor divisible by 4 here
+    assert z2.parameters == z3.parameters == base.parameters // 4
+    assert z2.optimizer_states == z1.optimizer_states
+    # uneven: a 64-row norm over dp=3 -> rows 22, 22, 20 (torch.chunk); rank 0 holds the largest shard
+    r = [model_state_bytes(TINY, _pc(data_parallel_size=3, zero_stage=3), "32-true", dp_cp_rank=i) for i in range(3)]
+    assert sum(x.parameters for x in r) == base.parameters
+    assert r[0].parameters == max(x.parameters for x in r)
+
+
+def test_tied_embedding_counted_once():
+    tied = replace(TINY, tie_word_embeddings=True)
+    a = model_state_bytes(TINY, _pc(zero_stage=0), "32-true").parameters
+    b = model_state_bytes(tied, _pc(zero_stage=0), "32-true").parameters
+    assert a - b == 4 * 256 * 64
+
+
+def test_saved_activations_by_hand_fp32():
+    # b=1, s=64, fp32, no tp: per layer 2 norms (x, rsqrt, normed) + 2 linear inputs + SDPA (q, out, k, v, lse)
+    # + SwiGLU 4 x [s, f]: 2*(16384+256+16384) + 2*16384 + (2*16384 + 2*8192 + 1024) + 4*32768 = 280,064 bytes
+    parts = saved_activation_bytes(TINY, _pc(zero_stage=0), 1, 64, "32-true")
+    assert parts["layers"] == 2 * 280_064
+    assert parts["loss"] == 4 * 64 * 256 + 8 * 64
+    assert parts["rope"] == 2 * 4 * 64 * 8
+    ac = saved_activation_bytes(TINY, _pc(zero_stage=0, activation_checkpointing="full"), 1, 64, "32-true")
+    assert ac["layers"] == 2 * 4 * 64 * 64 and ac["recompute"] == 280_064
+
+
+def test_estimate_fields_and_peak_rule():
+    est = estimate_memory("llama3-8b", _pc(data_parallel_size=8, tensor_parallel_size=1, zero_stage=3), 1, 8192,
+                          device_type="cuda")
+    d = est.to_dict()
+    for key in ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead",
+                "total", "total_gib", "peak_phase"):
+        assert key in d
+    phases = {k: v for k, v in est.details.items() if k.startswith("phase_")}
+    assert est.total == est.parameters + est.optimizer_states + est.overhead + max(phases.values())
+    assert est.overhead > 0
+    cpu = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=3), 1, 8192, device_type="cpu")
+    assert cpu.overhead == 0
+    json.dumps(d)  # plain data
+
+
+def test_estimate_moves_the_right_way():
+    kw = dict(micro_batch_size=2, seq_length=4096, precision="bf16-mixed")
+    base = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=1), **kw)
+    assert estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=3), **kw).total < base.total
+    ac = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="full"), **kw)
+    assert ac.activations < base.activations / 5
+    tp = estimate_memory("llama3-8b", _pc(data_parallel_size=4, tensor_parallel_size=2, zero_stage=1), **kw)
+    assert tp.activations < base.activations and tp.parameters < base.parameters
+    cp = estimate_memory("llama3-8b", _pc(data_parallel_size=4, context_parallel_size=2, zero_stage=1), **kw)
+    assert cp.activations < base.activations
+
+
+def test_pipeline_stages_are_all_reported():
+    pc = _pc(data_parallel_size=1, pipeline_parallel_size=4, zero_stage=1)
+    stages = estimate_all_stages("llama3-8b", pc, 1, 4096, num_microbatches=8)
+    assert [s.stage for s in stages] == [0, 1, 2, 3]
+    # 1F1B: stage i keeps min(m, p - i) micro-batches
+    assert [s.details["in_flight_microbatches_x1000"] for s in stages] == [4000, 3000, 2000, 1000]
+    assert stages[0].details["saved_embedding"] > 0 and stages[3].details["saved_loss"] > 0
+    worst = estimate_memory("llama3-8b", pc, 1, 4096, num_microbatches=8)
+    assert worst.total == max(s.total for s in stages)
+    gpipe = estimate_memory("llama3-8b", pc, 1, 4096, num_microbatches=8, pipeline_schedule="gpipe", stage=0)
+    assert gpipe.activations > stages[0].activations
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(layout=dict(tensor_parallel_size=3)), "num_heads=32 is not divisible by tensor_parallel_size=3"),
+        (dict(layout=dict(pipeline_parallel_size=64)), "num_layers=32 is not divisible by pipeline_parallel_size=64"),
+        (dict(precision="fp8"), "precision='fp8' is not valid"),
+        (dict(seq=1001, layout=dict(tensor_parallel_size=2)), "seq_length=1001 is not a multiple of 2"),
+        (dict(schedule="zigzag"), "pipeline_schedule='zigzag' is not valid"),
+    ],
+)
+def test_estimate_rejects_bad_input(kw, match):
+    layout = dict(data_parallel_size=1, **kw.get("layout", {}))
+    with pytest.raises(ValueError, match=match):
+        estimate_memory("llama3-8b", ParallelConfig(**layout), 1, kw.get("seq", 1024),
+                        precision=kw.get("precision", "bf16-mixed"), pipeline_schedule=kw.get("schedule", "1f1b"))
+
+
+def test_auto_dp_must_be_resolved():
+    with pytest.raises(ValueError, match="resolve"):
+        estimate_memory("tiny", ParallelConfig(), 1, 64)
+
+
+def test_estimate_is_a_dataclass_with_bytes():
+    est = estimate_memory(TINY, _pc(zero_stage=0), 1, 64, "32-true", device_type="cpu")
+    assert isinstance(est, MemoryEstimate) and est.total_gib == est.total / 2**30
+
+
+# ---------------------------------------------------------------------------------------------------- measured
+_WORLD2 = [
+    {"dp": 2, "zero": 0},
+    {"dp": 2, "zero": 1, "precision": "bf16-mixed"},
+    {"dp": 2, "zero": 2, "precision": "bf16-true"},
+    {"dp": 2, "zero": 3, "precision": "bf16-mixed", "tied": True},
+    {"tp": 2, "zero": 0},
+    {"tp": 2, "sp": False, "zero": 1, "precision": "bf16-mixed"},
+]
+_WORLD4 = [
+    {"dp": 2, "tp": 2, "zero": 1},
+    {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-mixed"},
+    {"dp": 4, "zero": 2, "tied": True},
+]
+
+
+def _with_ac(layouts):
+    return [dict(x, ac=ac) for x in layouts for ac in ("none", "full")]
+
+
+def _measure(tmp_path_factory, name, nproc, layouts):
+    out = tmp_path_factory.mktemp(name)
+    torchrun(nproc, SCRIPTS / "measure_memory.py", "--out", str(out), "--layouts", json.dumps(layouts))
+    return [[json.loads((out / f"layout{i}_rank{r}.json").read_text()) for r in range(nproc)]
+            for i in range(len(layouts))]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return (_measure(tmp_path_factory, "mem2", 2, _with_ac(_WORLD2))
+            + _measure(tmp_path_factory, "mem4", 4, _with_ac(_WORLD4)))
+
+
+def test_model_state_bytes_equal_real_shards(measured):
+    for ranks in measured:
+        for r in ranks:
+            print(f"states {r['layout']} rank {r['rank']}: measured {r['states']} estimated {r['estimated_states']}")
+            assert r["states"] == r["estimated_states"], (r["layout"], r["rank"])
+
+
+def test_saved_activations_within_5_percent(measured):
+    worst = 0.0
+    for ranks in measured:
+        for r in ranks:
+            for row in r["activations"]:
+                err = row["estimated"] / row["measured"] - 1
+                worst = max(worst, abs(err))
+                if r["rank"] == 0:
+                    print(f"activations {r['layout']} b={row['b']} s={row['s']}: measured {row['measured']} B, "
+                          f"estimated {row['estimated']} B, error {100 * err:+.2f}%")
+                assert abs(err) <= 0.05, (r["layout"], r["rank"], row)
+    print(f"largest activation error: {100 * worst:.2f}%")
