@@ -5,7 +5,9 @@ Subcommands:
 - ``fit``, ``validate``, ``test``, ``predict``: a ``LightningCLI`` over :class:`~lightning_4d.tasks.CausalLMModule`
   and :class:`~lightning_4d.data.LMDataModule` (``lightning-4d fit --config configs/tiny.yaml``; any argument can be
   overridden on the command line, e.g. ``--trainer.strategy.tensor_parallel_size=1 --trainer.devices=2``);
-- ``prepare-data``: tokenize text files into a memory-mapped token file (``lightning-4d prepare-data --help``).
+- ``prepare-data``: tokenize text files into a memory-mapped token file (``lightning-4d prepare-data --help``);
+- ``estimate``: the memory of one layout per GPU (``lightning-4d estimate --help``; no torch import);
+- ``plan``: the layouts of a job that fit, ranked by predicted step time (``lightning-4d plan --help``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-EXTRA_COMMANDS = ("prepare-data",)
+EXTRA_COMMANDS = ("prepare-data", "estimate", "plan")
 
 
 def _lightning_cli(args: list[str]) -> None:
@@ -45,6 +47,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_4d.data import prepare_data_main
 
         return prepare_data_main(args[1:])
+    if args and args[0] in ("estimate", "plan"):
+        from lightning_4d.memory.cli import main as memory_main
+
+        return memory_main(args[0], args[1:])
     _lightning_cli(args)
     return 0
 

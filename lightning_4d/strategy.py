@@ -89,6 +89,9 @@ class FourDStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).
         timeout: process group timeout (a mismatched collective fails after this instead of hanging).
+        memory_check: on CUDA, add a :class:`~lightning_4d.memory.callback.MemoryEstimatorCallback` (budget 0.8 of
+            the device's memory) unless the Trainer already has one: a layout whose estimated peak would not fit
+            raises ``MemoryBudgetExceeded`` before the model is allocated. ``False`` turns it off.
 
     Raises:
         ValueError: at construction for a bad value (ZeRO stage outside 0-3, a non-positive size, ...); when the
@@ -113,7 +116,9 @@ class FourDStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = timedelta(seconds=1800),
+        memory_check: bool = True,
     ) -> None:
+        self.memory_check = memory_check
         self.parallel_config = ParallelConfig(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -191,6 +196,7 @@ class FourDStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self.parallel_config = self._resolve_layout()
         self._validate_against_module()  # before the process group exists
+        self._add_memory_check()
         self._setup_distributed()
         self._mesh = build_mesh(self.parallel_config, self.root_device.type)
         self._device_mesh = self._mesh.world
@@ -198,6 +204,17 @@ class FourDStrategy(ModelParallelStrategy):
         self._tensor_parallel_size = self.parallel_config.tp
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _add_memory_check(self) -> None:
+        """On CUDA, add the pre-fit memory check (it runs in ``Callback.setup``, before ``configure_model``)."""
+        from lightning_4d.memory.callback import MemoryEstimatorCallback
+
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if not self.memory_check or trainer is None or self.root_device.type != "cuda":
+            return
+        if not any(isinstance(cb, MemoryEstimatorCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(MemoryEstimatorCallback())
 
     @property
     @override

@@ -14,6 +14,9 @@ import math
 import pytest
 import torch
 
+from lightning_4d import ParallelConfig
+from lightning_4d.memory.model import model_state_bytes
+from lightning_4d.models import LlamaConfig
 from tests._launch import SCRIPTS, torchrun
 
 STEPS = 10
@@ -121,6 +124,14 @@ def _check_bytes(result):
     by_tp: dict[int, list[dict]] = {}
     for r in ranks:  # mesh (pp, dp, cp, tp): tp innermost
         by_tp.setdefault(r["rank"] % tp, []).append(r["bytes"])
+    # the memory model's figure for each rank equals what that rank really holds, exactly
+    pc = ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, zero_stage=zero)
+    model_config = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=layout.get("tied", False))
+    for r in ranks:
+        est = model_state_bytes(model_config, pc, layout.get("precision", "32-true"), dp_cp_rank=r["rank"] // tp % dp)
+        real = r["bytes"]
+        assert (real["params"], real["grads"], real["optimizer_states"]) == (
+            est.parameters, est.gradients, est.optimizer_states), (layout, r["rank"])
     if layout.get("precision") == "bf16-true":
         return
     for tp_rank, group in by_tp.items():

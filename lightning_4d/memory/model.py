@@ -157,6 +157,12 @@ def _stage_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> 
     return out
 
 
+def _weighted_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> list[tuple[_Param, int]]:
+    """:func:`_stage_params` with the (identical) layers folded into one representative layer and a count."""
+    one = range(layers.start, layers.start + 1) if len(layers) else range(0)
+    return [(p, len(layers) if p.unit != "root" else 1) for p in _stage_params(cfg, tp, one, first, last)]
+
+
 def _chunk(n: int, world: int, rank: int) -> int:
     """Length of rank ``rank``'s piece when ``n`` is cut in pieces of ``ceil(n/world)`` (``torch.chunk``)."""
     size = math.ceil(n / world) if n else 0
@@ -219,11 +225,10 @@ def model_state_bytes(
     if not 0 <= dp_cp_rank < pc.dp_cp:
         raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
     layers = _stage_layers(model_config.num_layers, pc.pp, pipeline_layer_split)[stage]
-    params = _stage_params(model_config, pc.tp, layers, stage == 0, stage == pc.pp - 1)
     n_param = n_grad = n_opt = 0
-    for p in params:
+    for p, count in _weighted_params(model_config, pc.tp, layers, stage == 0, stage == pc.pp - 1):
         a, g, o = _zero_numel(p, pc.zero_stage, pc.dp_cp, dp_cp_rank)
-        n_param, n_grad, n_opt = n_param + a, n_grad + g, n_opt + o
+        n_param, n_grad, n_opt = n_param + count * a, n_grad + count * g, n_opt + count * o
     return ModelStates(n_param * dt.param, n_grad * dt.param, 2 * n_opt * dt.param)
 
 
@@ -288,10 +293,10 @@ def saved_activation_bytes(
     }
     if dt.autocast:
         # autocast's bfloat16 weight copies; a checkpointed layer's are made again (and dropped) in its recompute
-        params = _stage_params(model_config, tp, layers, first, last)
-        cast = [p for p in params if p.matrix and p.name != "tok_embeddings.weight"]
-        in_layers = sum(p.numel for p in cast if p.unit != "root")
-        out["compute_weights"] = 2 * (sum(p.numel for p in cast) - (in_layers if full_ac else 0))
+        cast = [(p, n) for p, n in _weighted_params(model_config, tp, layers, first, last)
+                if p.matrix and p.name != "tok_embeddings.weight"]
+        in_layers = sum(p.numel * n for p, n in cast if p.unit != "root")
+        out["compute_weights"] = 2 * (sum(p.numel * n for p, n in cast) - (in_layers if full_ac else 0))
         if last and model_config.tie_word_embeddings and first:  # the tied head is cast too
             out["compute_weights"] += 2 * (vocab // tp) * h
         if full_ac and len(layers):
@@ -454,7 +459,7 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
     saved = saved_activation_bytes(cfg, pc, b, s, precision, stage=stage, pipeline_layer_split=split)
     layers = _stage_layers(cfg.num_layers, pc.pp, split)[stage]
     first, last = stage == 0, stage == pc.pp - 1
-    params = _stage_params(cfg, pc.tp, layers, first, last)
+    params = _weighted_params(cfg, pc.tp, layers, first, last)
     world, zero = pc.dp_cp, pc.zero_stage
     tp, vocab, h = pc.tp, cfg.padded_vocab_size, cfg.hidden_size
     tokens = b * (s // pc.cp)
@@ -468,15 +473,11 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
     compute_weights = saved["compute_weights"]
 
     # FSDP2: parameters gathered for compute (padded all-gather outputs), unsharded gradients before reduce-scatter
-    units: dict[str, int] = {}
-    for p in params:
-        units[p.unit] = units.get(p.unit, 0) + _padded_numel(p, world) * dt.param
-    layer_units = [n for u, n in units.items() if u != "root"]
-    largest_layer = max(layer_units, default=0)
-    root = units.get("root", 0)
+    largest_layer = sum(_padded_numel(p, world) for p, _ in params if p.unit != "root") * dt.param
+    root = sum(_padded_numel(p, world) for p, _ in params if p.unit == "root") * dt.param
     gathered_start = gathered_end = grad_buffers = 0
     if zero == 2:
-        gathered_start = sum(units.values())  # kept unsharded from forward to backward
+        gathered_start = root + len(layers) * largest_layer  # kept unsharded from forward to backward
         gathered_end = root + largest_layer
     elif zero == 3:
         gathered_start = root + 2 * largest_layer  # root + the layer in backward + the prefetched one
@@ -485,9 +486,9 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
         grad_buffers = root + 2 * largest_layer  # root's unsharded gradients live to the end; 2 units in flight
     elif world > 1:
         grad_buffers = states.gradients  # GradientSynchronizer's flat bucket copies, all in flight at the end
-    head = next((p for p in params if p.name in ("output.weight",)), None)
+    head = next((p for p, _ in params if p.name == "output.weight"), None)
     if head is None and last and cfg.tie_word_embeddings:
-        head = next(p for p in params if p.name == "tok_embeddings.weight")
+        head = next(p for p, _ in params if p.name == "tok_embeddings.weight")
     head_grad = head.numel * dt.param if head is not None else 0
     pipeline_buffers = 2 * dt.compute * tokens * h // (tp if pc.sp else 1) if pc.pp > 1 else 0
 
