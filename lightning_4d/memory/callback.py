@@ -121,8 +121,14 @@ class MemoryEstimatorCallback(L.Callback):
         if missing:
             rank_zero_info(f"MemoryEstimatorCallback: check skipped (no {', '.join(missing)}).")
             return
+        from lightning_4d.memory.model import PRECISIONS
+
         precision = str(trainer.precision)
         precision = _PRECISION_BYTES_ALIASES.get(precision, precision)
+        if precision not in PRECISIONS:
+            rank_zero_info(f"MemoryEstimatorCallback: check skipped (precision {precision!r} is not modelled; "
+                           f"modelled: {list(PRECISIONS)}).")
+            return
         m = max(trainer.accumulate_grad_batches, parallel_config.pp)
         if self.formula == "fujii2024":
             from lightning_4d.memory.fujii2024 import fujii2024_from_config

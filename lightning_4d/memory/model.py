@@ -467,8 +467,8 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
     in_flight = _in_flight(schedule, pc.pp, stage, m, v)
     per_microbatch = saved["layers"] + saved["embedding"] + saved["head"] + saved["loss"] + saved["context_parallel_kv"]
     activations = int(per_microbatch * in_flight) + saved["rope"] + saved["recompute"]
-    # the loss working set: saved log-probs, their gradient, the logits' gradient (+ the cast to the compute dtype)
-    # (the saved float32 log-probs are counted in activations, as saved_loss)
+    # the loss working set beyond the saved float32 log-probs (in activations, as saved_loss): their gradient and the
+    # logits' gradient in float32, + the cast to the compute dtype
     logits = (8 + (dt.compute if dt.compute != 4 else 0)) * tokens * (vocab // tp) if last else 0
     compute_weights = saved["compute_weights"]
 
@@ -498,7 +498,7 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
 
     phases = {
         "backward start": activations + logits + compute_weights + gathered_start + head_grad + pipeline_buffers,
-        "backward end": (states.gradients if zero <= 1 else states.gradients + root) + grad_buffers + gathered_end
+        "backward end": states.gradients + grad_buffers + gathered_end
         + pipeline_buffers,
         "optimizer step": states.gradients + step_temp,
     }
