@@ -21,10 +21,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MemoryBudgetExceeded", "MemoryEstimatorCallback"]
 
-_PRECISION_BYTES_ALIASES = {"16-mixed": "bf16-mixed", "16-true": "bf16-true", "32": "32-true", "bf16": "bf16-mixed",
-                            "16": "bf16-mixed"}
-
-
 def _size(n: float) -> str:
     """``n`` bytes as GiB (2^30), or MiB (2^20) below 1 GiB."""
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
@@ -121,12 +117,12 @@ class MemoryEstimatorCallback(L.Callback):
         if missing:
             rank_zero_info(f"MemoryEstimatorCallback: check skipped (no {', '.join(missing)}).")
             return
-        from lightning_4d.memory.model import PRECISIONS
+        from lightning_4d.memory.model import PRECISIONS, _precision
 
-        precision = str(trainer.precision)
-        precision = _PRECISION_BYTES_ALIASES.get(precision, precision)
-        if precision not in PRECISIONS:
-            rank_zero_info(f"MemoryEstimatorCallback: check skipped (precision {precision!r} is not modelled; "
+        try:
+            precision = _precision(str(trainer.precision))
+        except ValueError:
+            rank_zero_info(f"MemoryEstimatorCallback: check skipped (precision {trainer.precision!r} is not modelled; "
                            f"modelled: {list(PRECISIONS)}).")
             return
         m = max(trainer.accumulate_grad_batches, parallel_config.pp)

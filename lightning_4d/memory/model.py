@@ -82,7 +82,9 @@ __all__ = [
 #: Lightning precision flags the model knows (names as ``Trainer(precision=...)``).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 _PRECISION_ALIASES = {"32": "32-true", "fp32": "32-true", "float32": "32-true", "bf16": "bf16-mixed",
-                      "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "32-true": "32-true"}
+                      "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "32-true": "32-true",
+                      # float16 has bfloat16's byte counts
+                      "16": "bf16-mixed", "16-mixed": "bf16-mixed", "16-true": "bf16-true"}
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 _ZERO1_GATHER_BUCKET = 100 * 2**20  # ShardedOptimizer.all_gather: buckets of 4 x 25 MiB of parameters
 

@@ -34,13 +34,13 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Optional
 
 from lightning_4d.config import ParallelConfig, _check_positive_int, _divisors
 from lightning_4d.memory.fujii2024 import fujii2024_from_config
 from lightning_4d.memory.hardware import GIB, GpuSpec
-from lightning_4d.memory.model import MemoryEstimate, estimate_memory
+from lightning_4d.memory.model import MemoryEstimate, estimate_memory, model_state_bytes
 
 __all__ = ["Candidate", "enumerate_layouts", "plan", "predict_step_time", "suggest_layouts"]
 
@@ -161,11 +161,7 @@ def predict_step_time(model_config: Any, pc: ParallelConfig, micro_batch_size: i
 
 def _params_on_rank(model_config: Any, pc: ParallelConfig) -> int:
     """Unsharded-over-dp parameter elements of the first stage's rank (for the dp communication volume)."""
-    per_layer = model_config.num_parameters() - (1 if model_config.tie_word_embeddings else 2) * (
-        model_config.padded_vocab_size * model_config.hidden_size) - model_config.hidden_size
-    per_layer //= model_config.num_layers
-    return (per_layer * model_config.num_layers // pc.pp + model_config.padded_vocab_size * model_config.hidden_size
-            * (1 if pc.pp > 1 or model_config.tie_word_embeddings else 2)) // pc.tp
+    return model_state_bytes(model_config, replace(pc, zero_stage=0), "32-true").parameters // 4
 
 
 def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq_length: int,
