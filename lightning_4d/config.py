@@ -9,7 +9,7 @@ fails in a second with a message that names the bad value and what would be vali
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.config import LlamaConfig
@@ -17,6 +17,15 @@ if TYPE_CHECKING:  # pragma: no cover
 ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = ("none", "full")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
+# pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+_SCHEDULE_STAGES = {
+    "gpipe": ((1,), 1, "loop"),
+    "1f1b": ((1,), 1, "loop"),
+    "interleaved_1f1b": (None, 2, "loop"),  # any v >= 1
+    "zbv": ((2,), 2, "v"),
+    "dualpipev": ((2,), 2, "v"),
+}
 
 
 def _divisors(n: int) -> list[int]:
@@ -46,9 +55,22 @@ class ParallelConfig:
         sequence_parallel: shard the norm / residual regions of a tp group over the sequence (Korthikanti et al.
             2022, arXiv 2205.05198). ``None`` means "on when tp > 1".
         activation_checkpointing: ``"none"`` or ``"full"`` (recompute each transformer layer in backward).
+        pipeline_schedule: ``"gpipe"`` (all forwards, then all backwards: m micro-batches of activations in flight),
+            ``"1f1b"`` (one forward, one backward: at most p in flight; Narayanan et al. 2021, PipeDream-Flush,
+            arXiv 2006.09503), ``"interleaved_1f1b"`` (v non-adjacent model chunks per rank, bubble / v; Narayanan et
+            al. 2021, Megatron-LM, arXiv 2104.04473), ``"zbv"`` (zero-bubble V schedule, backward split into input
+            and weight gradients, 2 chunks per rank in a V; Qi et al. 2024, arXiv 2401.10241) or ``"dualpipev"``
+            (DeepSeek-V3's DualPipe in V shape, arXiv 2412.19437), all from ``torch.distributed.pipelining``.
+        virtual_pipeline_stages: v, model chunks (stages) per pp rank; ``None`` = the schedule's default (1 for
+            gpipe/1f1b, 2 for the others). The model is split into ``p·v`` stages.
+        num_microbatches: m, micro-batches per optimizer step through the pipeline; ``None`` = derived by the
+            strategy (global batch / (micro-batch size · dp), else p).
+        pipeline_layer_split: decoder layers per stage, ``p·v`` counts in stage order summing to ``num_layers``
+            (e.g. fewer on the last stage, which also holds the norm, the LM head and the loss); ``None`` = equal.
 
     Raises:
-        ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode.
+        ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
+            unknown pipeline schedule or a ``virtual_pipeline_stages`` the schedule does not support.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -58,6 +80,10 @@ class ParallelConfig:
     zero_stage: int = 1
     sequence_parallel: Optional[bool] = None
     activation_checkpointing: str = "none"
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_stages: Optional[int] = None
+    num_microbatches: Optional[int] = None
+    pipeline_layer_split: Optional[Sequence[int]] = None
 
     def __post_init__(self) -> None:
         if self.data_parallel_size == -1:
@@ -74,6 +100,31 @@ class ParallelConfig:
                 f"activation_checkpointing={self.activation_checkpointing!r} is not valid: expected one of "
                 f"{list(ACTIVATION_CHECKPOINTING)}."
             )
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule={self.pipeline_schedule!r} is not valid: expected one of {list(PIPELINE_SCHEDULES)}."
+            )
+        allowed, _, _ = _SCHEDULE_STAGES[self.pipeline_schedule]
+        if self.virtual_pipeline_stages is not None:
+            _check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
+            if allowed is not None and self.virtual_pipeline_stages not in allowed:
+                fits = [name for name, (a, _, _) in _SCHEDULE_STAGES.items()
+                        if a is None or self.virtual_pipeline_stages in a]
+                raise ValueError(
+                    f"virtual_pipeline_stages={self.virtual_pipeline_stages} is not supported by pipeline_schedule="
+                    f"{self.pipeline_schedule!r}, which runs {allowed[0]} stage(s) per rank; schedules that take "
+                    f"{self.virtual_pipeline_stages} stages per rank: {fits}."
+                )
+        if self.num_microbatches is not None:
+            _check_positive_int("num_microbatches", self.num_microbatches)
+        if self.pipeline_layer_split is not None:
+            split = list(self.pipeline_layer_split)
+            if not split or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in split):
+                raise ValueError(
+                    f"pipeline_layer_split={self.pipeline_layer_split!r} is not valid: expected a list of layer counts "
+                    "(non-negative integers), one per pipeline stage."
+                )
+            self.pipeline_layer_split = split
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
             self.sequence_parallel = False
@@ -117,6 +168,83 @@ class ParallelConfig:
         return (self.pp, self.dp, self.cp, self.tp)
 
     @property
+    def v(self) -> int:
+        """Pipeline stages (model chunks) per pp rank: ``virtual_pipeline_stages`` or the schedule's default."""
+        if self.virtual_pipeline_stages is not None:
+            return self.virtual_pipeline_stages
+        return _SCHEDULE_STAGES[self.pipeline_schedule][1] if self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: ``pp * v``."""
+        return self.pp * self.v
+
+    def stage_indices(self, pp_rank: int) -> list[int]:
+        """The pipeline stages held by pp rank ``pp_rank``, in order.
+
+        Looped placement (gpipe, 1f1b, interleaved_1f1b): rank r holds stages ``r, r+p, r+2p, ...`` (Megatron's
+        interleaved assignment). V placement (zbv, dualpipev): rank r holds stages ``r`` and ``2p-1-r``, so the first
+        and the last stage sit on rank 0 (``torch.distributed.pipelining``'s ``style="v"``).
+        """
+        p, v = self.pp, self.v
+        if _SCHEDULE_STAGES[self.pipeline_schedule][2] == "v" and p > 1:
+            return [pp_rank, 2 * p - 1 - pp_rank]
+        return [pp_rank + i * p for i in range(v)]
+
+    def layer_split(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline stage (``pp * v`` counts, stage order).
+
+        Raises:
+            ValueError: ``num_layers`` not divisible by ``pp * v`` (no explicit split), or a ``pipeline_layer_split``
+                with the wrong number of entries, a sum other than ``num_layers``, or an empty stage.
+        """
+        n = self.num_stages
+        if self.pipeline_layer_split is not None:
+            split = list(self.pipeline_layer_split)
+            if len(split) != n or sum(split) != num_layers or min(split) < 1:
+                raise ValueError(
+                    f"pipeline_layer_split={split} is not valid: expected {n} layer counts (pp={self.pp} x "
+                    f"virtual_pipeline_stages={self.v}), each >= 1, summing to num_layers={num_layers} (got "
+                    f"{len(split)} entries summing to {sum(split)})."
+                )
+            return split
+        if num_layers % n != 0:
+            valid = [d for d in _divisors(num_layers) if d % self.v == 0 and d // self.v > 0]
+            raise ValueError(
+                f"num_layers={num_layers} cannot be split into pp*v = {self.pp}*{self.v} = {n} equal pipeline stages; "
+                f"set pipeline_layer_split to {n} layer counts summing to {num_layers}, or use a pipeline_parallel_size "
+                f"with pp*{self.v} dividing {num_layers} (valid pp: {[d // self.v for d in valid]})."
+            )
+        return [num_layers // n] * n
+
+    def validate_microbatches(self, num_microbatches: int) -> None:
+        """Check ``num_microbatches`` (m) against the schedule (no constraint when pp = 1).
+
+        Raises:
+            ValueError: m < 1; m < p for 1f1b; m not a multiple of p for interleaved_1f1b; m < 2p for dualpipev.
+        """
+        m = _check_positive_int("num_microbatches", num_microbatches)
+        p, name = self.pp, self.pipeline_schedule
+        if p == 1:
+            return
+        if name == "1f1b" and m < p:
+            raise ValueError(
+                f"num_microbatches={m} is too small for pipeline_schedule='1f1b' with pipeline_parallel_size={p}: 1F1B "
+                f"needs at least p={p} micro-batches (use num_microbatches >= {p}, ideally several times p to shrink "
+                f"the bubble (p-1)/(m+p-1), or pipeline_schedule='gpipe')."
+            )
+        if name == "interleaved_1f1b" and m % p != 0:
+            raise ValueError(
+                f"num_microbatches={m} is not a multiple of pipeline_parallel_size={p}, which "
+                f"pipeline_schedule='interleaved_1f1b' needs; use e.g. num_microbatches={max(p, (m // p + 1) * p)}."
+            )
+        if name == "dualpipev" and m < 2 * p:
+            raise ValueError(
+                f"num_microbatches={m} is too small for pipeline_schedule='dualpipev' with pipeline_parallel_size={p}: "
+                f"it needs at least 2p={2 * p} micro-batches."
+            )
+
+    @property
     def sequence_divisor(self) -> int:
         """The sequence length must be a multiple of this: tp under sp, times 2*cp (load-balanced causal split)."""
         return (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
@@ -150,12 +278,7 @@ class ParallelConfig:
         return replace(self)
 
     def check_supported(self) -> None:
-        """Raise ``NotImplementedError`` for dimensions the strategy does not implement yet (pp > 1, cp > 1)."""
-        if self.pp > 1:
-            raise NotImplementedError(
-                f"pipeline_parallel_size={self.pp}: pipeline parallelism is not supported yet by FourDStrategy; "
-                "use pipeline_parallel_size=1 (dp with ZeRO and tp with sequence parallelism are supported)."
-            )
+        """Raise ``NotImplementedError`` for dimensions the strategy does not implement yet (cp > 1)."""
         if self.cp > 1:
             raise NotImplementedError(
                 f"context_parallel_size={self.cp}: context parallelism is not supported yet by FourDStrategy; "
@@ -166,8 +289,8 @@ class ParallelConfig:
         """Check that a Llama model can be split by this layout.
 
         Raises:
-            ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers not divisible
-                by pp.
+            ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
+                split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1.
         """
         tp = self.tp
         valid_tp = [d for d in _divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -194,11 +317,14 @@ class ParallelConfig:
                 f"pad_vocab_to_multiple_of={needed} in the model config (pads the vocabulary to {padded}; the extra "
                 f"rows are never targets) or choose a tensor_parallel_size that divides {model_config.padded_vocab_size}."
             )
-        if model_config.num_layers % self.pp != 0:
-            raise ValueError(
-                f"num_layers={model_config.num_layers} is not divisible by pipeline_parallel_size={self.pp}; valid "
-                f"values: {_divisors(model_config.num_layers)}."
-            )
+        if self.pp > 1:
+            self.layer_split(model_config.num_layers)
+            if model_config.tie_word_embeddings:
+                raise ValueError(
+                    "tie_word_embeddings=True is not supported with pipeline_parallel_size > 1 yet (the embedding and "
+                    "the LM head sit on different stages); use pipeline_parallel_size=1, or a model config with "
+                    "tie_word_embeddings=False."
+                )
 
     def validate_sequence(self, seq_length: int) -> None:
         """Raise ``ValueError`` when ``seq_length`` is not a multiple of :attr:`sequence_divisor`."""

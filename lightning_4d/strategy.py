@@ -1,9 +1,9 @@
 """``FourDStrategy``: a Lightning strategy that lays a Llama model out on a ``("pp", "dp", "cp", "tp")`` mesh.
 
 The order of parallelization (inside :meth:`FourDStrategy.setup`, on a model built on the meta device) is the one of
-``docs/architecture.md``: pipeline split (not yet), tensor + sequence parallel plans, context parallel attention (not
-yet), activation checkpointing per layer, ``torch.compile`` per layer, ZeRO over ``dp_cp``, then materialization
-and the layout-independent initialization. Each step is one short function so the order reads top to bottom in
+``docs/architecture.md``: pipeline split, tensor + sequence parallel plans, context parallel attention (not yet),
+activation checkpointing per layer, ``torch.compile`` per layer, ZeRO over ``dp_cp``, then materialization and the
+layout-independent initialization. Each step is one short function so the order reads top to bottom in
 :func:`parallelize_llama`.
 """
 
@@ -31,27 +31,42 @@ from typing_extensions import override
 from lightning_4d.config import ParallelConfig
 from lightning_4d.mesh import ParallelMesh, build_mesh
 from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
+from lightning_4d.parallel.pipeline import PipelineRunner, clip_grad_norm_, split_llama
 from lightning_4d.parallel.tensor import apply_tensor_parallel
 from lightning_4d.parallel.zero import GradientSynchronizer, ShardedOptimizer, apply_fsdp
 
 log = logging.getLogger(__name__)
 
 
-def parallelize_llama(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, compile: bool = False) -> None:
-    """Apply tp/sp, activation checkpointing, compile and ZeRO 2/3 to a meta-device ``LlamaModel``, in that order.
+def parallelize_llama(
+    model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, compile: bool = False
+) -> Optional[list[tuple[int, nn.Module]]]:
+    """Apply the pipeline split, tp/sp, activation checkpointing, compile and ZeRO 2/3 to a meta-device
+    ``LlamaModel``, in that order.
 
-    ZeRO stages 0 and 1 change nothing in the model: their gradient averaging and optimizer sharding are set up
-    with the optimizer (:class:`~lightning_4d.parallel.zero.GradientSynchronizer`,
+    With pp > 1 the model is pruned to this rank's stages and every step after the split runs on each stage chunk
+    (:func:`~lightning_4d.parallel.pipeline.split_llama`); the chunks are returned (``None`` without pp). ZeRO stages
+    0 and 1 change nothing in the model: their gradient averaging and optimizer sharding are set up with the
+    optimizer (:class:`~lightning_4d.parallel.zero.GradientSynchronizer`,
     :class:`~lightning_4d.parallel.zero.ShardedOptimizer`).
     """
-    apply_tensor_parallel(model, mesh.tp, sequence_parallel=config.sp)
-    apply_activation_checkpointing(model, config.activation_checkpointing)
-    if compile:
-        for block in model.layers.values():
-            block.compile()
-    if config.zero_stage >= 2:
-        apply_fsdp(model, mesh.dp_cp, config.zero_stage)
+    chunks: Optional[list[tuple[int, nn.Module]]] = None
+    if config.pp > 1:
+        model.hidden_sequence_shards = config.tp if config.sp else 1
+        chunks = split_llama(model, config, mesh.pp.get_local_rank())
+    for part in [c for _, c in chunks] if chunks is not None else [model]:
+        apply_tensor_parallel(part, mesh.tp, sequence_parallel=config.sp)
+        apply_activation_checkpointing(part, config.activation_checkpointing)
+        if compile:
+            for block in part.layers.values():
+                block.compile()
+        if config.zero_stage >= 2:
+            apply_fsdp(part, mesh.dp_cp, config.zero_stage)
+        if part is not model:
+            for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
+                model.layers[name] = block
     model._lightning_4d_parallelized = True  # type: ignore[assignment]
+    return chunks
 
 
 def _is_parallelized(module: nn.Module) -> bool:
@@ -70,7 +85,8 @@ def _reduced_by_fsdp(p: torch.Tensor) -> bool:
 
 
 class FourDStrategy(ModelParallelStrategy):
-    """4D parallelism for PyTorch Lightning: dp with ZeRO 0-3, tp with sequence parallelism (pp and cp: later).
+    """4D parallelism for PyTorch Lightning: dp with ZeRO 0-3, tp with sequence parallelism, pp with GPipe / 1F1B /
+    interleaved 1F1B / zero-bubble schedules (cp: later).
 
     ``lightning_4d`` Llama models (``CausalLMModule``) are parallelized automatically; a LightningModule of your own
     can apply plans itself in ``configure_model`` with ``self.device_mesh`` (dims ``("pp", "dp", "cp", "tp")``), as
@@ -80,7 +96,15 @@ class FourDStrategy(ModelParallelStrategy):
     Args:
         data_parallel_size: dp; ``"auto"`` = world size / (pp·cp·tp).
         tensor_parallel_size: tp (must divide heads, kv heads, FFN size and the padded vocabulary).
-        pipeline_parallel_size: pp; values > 1 raise ``NotImplementedError`` (not supported yet).
+        pipeline_parallel_size: pp, the number of pipeline stages' ranks (``lightning_4d`` Llama models only; the
+            layers must split into ``pp·v`` stages). With pp > 1 the strategy runs the schedule inside
+            ``training_step`` (see ``docs/pipeline.md``).
+        pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"``, ``"zbv"`` or ``"dualpipev"``.
+        virtual_pipeline_stages: v, stages per pp rank (default: 1 for gpipe/1f1b, 2 for the others).
+        num_microbatches: m, micro-batches per optimizer step (default: the DataModule's ``global_batch_size /
+            (micro_batch_size · dp)``, else pp). The DataLoader batch per dp rank must be a multiple of m;
+            ``LMDataModule`` delivers ``micro_batch_size · m`` sequences per batch under pp.
+        pipeline_layer_split: decoder layers per stage (``pp·v`` counts summing to ``num_layers``); default equal.
         context_parallel_size: cp; values > 1 raise ``NotImplementedError`` (not supported yet).
         zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
@@ -94,11 +118,14 @@ class FourDStrategy(ModelParallelStrategy):
             raises ``MemoryBudgetExceeded`` before the model is allocated. ``False`` turns it off.
 
     Raises:
-        ValueError: at construction for a bad value (ZeRO stage outside 0-3, a non-positive size, ...); when the
-            Trainer is built for a world size that is not pp·dp·cp·tp; at ``setup_environment`` (before the process
-            group exists) for a model the layout cannot split (heads, kv heads or vocabulary not divisible by tp).
-        NotImplementedError: pipeline_parallel_size > 1 or context_parallel_size > 1; compile=True with
-            tensor_parallel_size > 1.
+        ValueError: at construction for a bad value (ZeRO stage outside 0-3, a non-positive size, an unknown
+            pipeline schedule, a ``virtual_pipeline_stages`` the schedule cannot run, ...); when the Trainer is built
+            for a world size that is not pp·dp·cp·tp; at ``setup_environment`` (before the process group exists)
+            for a model the layout cannot split (heads, kv heads or vocabulary not divisible by tp, layers not
+            divisible into pp·v stages, a ``pipeline_layer_split`` that does not sum to the layers), a
+            ``num_microbatches`` the schedule cannot run (m < pp for 1f1b, m not a multiple of pp for interleaved)
+            or ``accumulate_grad_batches`` > 1 with pp > 1 (the schedule accumulates over its micro-batches).
+        NotImplementedError: context_parallel_size > 1; compile=True with tensor_parallel_size > 1.
     """
 
     strategy_name = "fourd"
@@ -112,6 +139,10 @@ class FourDStrategy(ModelParallelStrategy):
         zero_stage: int = 1,
         sequence_parallel: Optional[bool] = None,
         activation_checkpointing: Literal["none", "full"] = "none",
+        pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b",
+        virtual_pipeline_stages: Optional[int] = None,
+        num_microbatches: Optional[int] = None,
+        pipeline_layer_split: Optional[list[int]] = None,
         compile: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -127,6 +158,10 @@ class FourDStrategy(ModelParallelStrategy):
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
             activation_checkpointing=activation_checkpointing,
+            pipeline_schedule=pipeline_schedule,
+            virtual_pipeline_stages=virtual_pipeline_stages,
+            num_microbatches=num_microbatches,
+            pipeline_layer_split=pipeline_layer_split,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -151,6 +186,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.compile = compile
         self._mesh: Optional[ParallelMesh] = None
         self._grad_sync: Optional[GradientSynchronizer] = None
+        self.pipeline: Optional[PipelineRunner] = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -191,6 +227,44 @@ class FourDStrategy(ModelParallelStrategy):
         seq_length = getattr(datamodule, "seq_length", None)
         if isinstance(seq_length, int):
             self.parallel_config.validate_sequence(seq_length)
+        if self.parallel_config.pp > 1:
+            self._resolve_microbatches(trainer, datamodule)
+
+    def _resolve_microbatches(self, trainer: Any, datamodule: Any) -> None:
+        """Fill in and check ``num_microbatches`` (pp > 1) before the process group exists."""
+        config = self.parallel_config
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+        if accumulate != 1:
+            raise ValueError(
+                f"accumulate_grad_batches={accumulate} is not supported with pipeline_parallel_size={config.pp}: the "
+                "pipeline schedule accumulates gradients over its micro-batches. Set accumulate_grad_batches=1 and "
+                f"num_microbatches={accumulate * (config.num_microbatches or config.pp)} (or let it follow the "
+                "DataModule's global_batch_size)."
+            )
+        if config.num_microbatches is None:
+            global_batch = getattr(datamodule, "global_batch_size", None)
+            micro = getattr(datamodule, "micro_batch_size", None)
+            per_replica = micro * config.dp if isinstance(micro, int) else None
+            if isinstance(global_batch, int) and per_replica and global_batch % per_replica == 0:
+                m = global_batch // per_replica
+            elif isinstance(global_batch, int) and per_replica:
+                raise ValueError(
+                    f"global_batch_size={global_batch} is not a multiple of micro_batch_size x dp = {micro} x "
+                    f"{config.dp} = {per_replica}, so num_microbatches cannot be derived; change the batch sizes or "
+                    "set num_microbatches."
+                )
+            else:
+                m = 2 * config.pp if config.pipeline_schedule == "dualpipev" else config.pp
+            config.num_microbatches = m
+        config.validate_microbatches(config.num_microbatches)
+
+    @property
+    def num_microbatches(self) -> int:
+        """m, the micro-batches the pipeline schedule runs per training step (1 without pp)."""
+        config = self.parallel_config
+        if config.pp == 1:
+            return 1
+        return config.num_microbatches or (2 * config.pp if config.pipeline_schedule == "dualpipev" else config.pp)
 
     @override
     def setup_environment(self) -> None:
@@ -239,6 +313,11 @@ class FourDStrategy(ModelParallelStrategy):
                 f"{type(self).__name__} parallelizes lightning_4d Llama models automatically; for another model, "
                 "override `configure_model()` in your LightningModule and apply plans there with `self.device_mesh`."
             )
+        if self.parallel_config.pp > 1 and len(llamas) != 1:
+            raise TypeError(
+                f"pipeline_parallel_size={self.parallel_config.pp} needs exactly one lightning_4d LlamaModel in the "
+                f"LightningModule (found {len(llamas)})."
+            )
         for llama in llamas:
             if not _is_parallelized(llama):
                 parallelize_llama(llama, self.mesh, self.parallel_config, compile=self.compile)
@@ -249,12 +328,35 @@ class FourDStrategy(ModelParallelStrategy):
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        chunks = getattr(llamas[0], "_pipeline_chunks", None) if llamas else None
+        if chunks is not None and self.pipeline is None:
+            self.pipeline = self._build_pipeline(module, chunks)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.pipeline is not None:
+            self._use_pipeline_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _use_pipeline_clipping(self) -> None:
+        """Make ``gradient_clip_val`` (norm) clip by the global norm over all shards AND all pipeline stages."""
+        plugin, group = self.precision_plugin, self.mesh.pp.get_group()
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), float(clip_val), pp_group=group)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _build_pipeline(self, module: Any, chunks: list[tuple[int, nn.Module]]) -> PipelineRunner:
+        from lightning_4d.tasks.causal_lm import causal_lm_loss
+
+        loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
+        return PipelineRunner(
+            chunks, self.parallel_config, self.num_microbatches, self.mesh.pp.get_group(), self.root_device,
+            loss_fn=loss_fn, vocab_parallel=self.parallel_config.tp > 1,
+        )
 
     @override
     def setup_optimizers(self, trainer: "L.Trainer") -> None:  # noqa: F821
@@ -278,6 +380,14 @@ class FourDStrategy(ModelParallelStrategy):
             ctx = loss_parallel()
         else:
             ctx = nullcontext()
+        if self.pipeline is not None:
+            # the schedule already ran forward and backward of every micro-batch inside training_step
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+            self.pipeline.restore_gradients()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+            self.post_backward(closure_loss)
+            return closure_loss
         with ctx:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -287,9 +397,11 @@ class FourDStrategy(ModelParallelStrategy):
     ) -> Any:
         if self._grad_sync is not None:
             inner, sync = closure, self._grad_sync
+            pipelined = self.pipeline is not None
 
             def closure() -> Any:  # forward + backward (gradients averaged over dp_cp while backward runs)
-                with sync.overlap_with_backward():
+                # a pipeline accumulates over its m micro-batches: reduce once, after the schedule
+                with nullcontext() if pipelined else sync.overlap_with_backward():
                     out = inner()
                 sync.synchronize()
                 return out

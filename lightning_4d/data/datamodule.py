@@ -274,6 +274,13 @@ class LMDataModule(L.LightningDataModule):
         rank_size = self._data_parallel_rank_and_size()
         return 1 if rank_size is None else rank_size[1]
 
+    def _num_microbatches(self) -> int:
+        """m, micro-batches per DataLoader batch: the strategy's ``num_microbatches`` under pipeline parallelism (the
+        schedule splits each batch into m micro-batches of ``micro_batch_size``), else 1."""
+        trainer = self.trainer
+        m = getattr(trainer.strategy, "num_microbatches", 1) if trainer is not None else 1
+        return m if isinstance(m, int) and m >= 1 else 1
+
     def _accumulation(self) -> int:
         trainer = self.trainer
         return int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
@@ -290,14 +297,15 @@ class LMDataModule(L.LightningDataModule):
                 too short for one window of ``seq_length + 1`` tokens.
         """
         self._load_tokens()
-        dp, accumulate = self._data_parallel_size(), self._accumulation()
+        dp, accumulate, m = self._data_parallel_size(), self._accumulation(), self._num_microbatches()
         if stage in (None, "fit"):
-            global_batch = self.micro_batch_size * dp * accumulate
+            global_batch = self.micro_batch_size * dp * accumulate * m
             if self.global_batch_size is not None and self.global_batch_size != global_batch:
+                pipeline = f" x num_microbatches={m}" if m > 1 else ""
                 raise ValueError(
                     f"global_batch_size={self.global_batch_size} but micro_batch_size={self.micro_batch_size} x "
-                    f"data-parallel size={dp} x accumulate_grad_batches={accumulate} = {global_batch}; set "
-                    f"trainer.accumulate_grad_batches={self.global_batch_size / (self.micro_batch_size * dp):g} "
+                    f"data-parallel size={dp} x accumulate_grad_batches={accumulate}{pipeline} = {global_batch}; set "
+                    f"trainer.accumulate_grad_batches={self.global_batch_size / (self.micro_batch_size * dp * m):g} "
                     f"(must be a whole number), change micro_batch_size, or drop global_batch_size"
                 )
             if self.train_samples is not None:
@@ -312,12 +320,13 @@ class LMDataModule(L.LightningDataModule):
                 )
             self.train_dataset = RandomWindowDataset(self._train_tokens, self.seq_length, num_train, self.seed)
         if stage in (None, "fit", "validate"):
-            per_step = self.micro_batch_size * dp
+            per_step = self.micro_batch_size * dp * m
             num_val = math.ceil(self.val_samples / per_step) * per_step
             self.val_dataset = FixedWindowDataset(self._val_tokens, self.seq_length, num_val)
 
     def train_dataloader(self) -> DataLoader:
-        """Micro-batches of ``micro_batch_size`` training windows of this data-parallel rank, in index order.
+        """Micro-batches of ``micro_batch_size`` training windows of this data-parallel rank, in index order
+        (``micro_batch_size * num_microbatches`` per batch under pipeline parallelism: the schedule splits them).
 
         The sampler is ``DistributedSampler(dataset, num_replicas=R, rank=r, shuffle=False)`` with ``(r, R)`` from the
         strategy's ``distributed_sampler_kwargs`` (``(0, 1)`` on a single device). It is set here rather than left to
@@ -337,7 +346,8 @@ class LMDataModule(L.LightningDataModule):
             sampler = DistributedSampler(self.train_dataset, num_replicas=size, rank=rank, shuffle=False,
                                          drop_last=False)
         return ResumableDataLoader(
-            self.train_dataset, batch_size=self.micro_batch_size, sampler=sampler, shuffle=False, drop_last=False,
+            self.train_dataset, batch_size=self.micro_batch_size * self._num_microbatches(), sampler=sampler,
+            shuffle=False, drop_last=False,
             num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
         )
 
@@ -346,7 +356,8 @@ class LMDataModule(L.LightningDataModule):
         if self.val_dataset is None:
             self.setup("validate")
         return DataLoader(
-            self.val_dataset, batch_size=self.micro_batch_size, shuffle=False, drop_last=False,
+            self.val_dataset, batch_size=self.micro_batch_size * self._num_microbatches(), shuffle=False,
+            drop_last=False,
             num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
         )
 

@@ -202,6 +202,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.init_seed = init_seed
+        # a pipeline stage without the embedding receives hidden states split over this many sequence shards
+        # (tp under sequence parallelism): the rotary positions cover shape[1] * hidden_sequence_shards tokens
+        self.hidden_sequence_shards = 1
         vocab, h = config.padded_vocab_size, config.hidden_size
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(vocab, h)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
@@ -218,7 +221,8 @@ class LlamaModel(nn.Module):
 
         Args:
             input_ids: token ids ``LongTensor [b, s]``; for a pipeline stage without ``tok_embeddings``, the hidden
-                states ``[b, s, h]`` from the previous stage.
+                states ``[b, s / hidden_sequence_shards, h]`` from the previous stage (this rank's sequence shard
+                under sequence parallelism).
             positions: token positions ``LongTensor [s]`` or ``[b, s]`` for the rotary embedding; default
                 ``arange(s)``.
 
@@ -230,6 +234,8 @@ class LlamaModel(nn.Module):
             ValueError: ``positions`` whose last dimension is not ``s``.
         """
         s = input_ids.shape[1]
+        if self.tok_embeddings is None:
+            s *= self.hidden_sequence_shards
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
         if positions is None:
             positions = torch.arange(s, device=input_ids.device)
@@ -255,6 +261,13 @@ class LlamaModel(nn.Module):
         owning module, which would silently untie ``output.weight`` from ``tok_embeddings.weight``. DTensor
         parameters are swapped in place and stay tied; plain ones are re-tied here.
         """
+        chunks = self.__dict__.get("_pipeline_chunks")
+        if chunks is not None and recurse:
+            # a pipeline-split model: every submodule belongs to exactly one stage chunk, and the chunks are the FSDP
+            # roots that must see the conversion (they re-point their sharded parameters after it)
+            for _, chunk in chunks:
+                chunk._apply(fn, recurse)
+            return self
         tied = (
             self.tok_embeddings is not None
             and self.output is not None

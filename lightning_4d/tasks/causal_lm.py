@@ -154,9 +154,18 @@ class CausalLMModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
+    def _pipeline(self) -> Any:
+        """The strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner` (pp > 1), else ``None``."""
+        trainer = self._trainer
+        return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        logits = self(batch["input_ids"])
-        loss = causal_lm_loss(logits, batch["labels"])
+        pipeline = self._pipeline()
+        if pipeline is not None:
+            # forward + backward of all m micro-batches; the mean loss over the batch, on every pipeline stage
+            loss = pipeline.train_step(batch["input_ids"], batch["labels"])
+        else:
+            loss = causal_lm_loss(self(batch["input_ids"]), batch["labels"])
         self.log("train_loss", self._global_mean(loss), prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
@@ -179,11 +188,25 @@ class CausalLMModule(L.LightningModule):
                 self.log("mfu", tokens * flops_per_token / elapsed / (peak * self.trainer.world_size), on_step=True)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        logits = self(batch["input_ids"])
-        loss = causal_lm_loss(logits, batch["labels"])
+        pipeline = self._pipeline()
+        if pipeline is not None:
+            loss = pipeline.eval_step(batch["input_ids"], batch["labels"])  # forward only through the stages
+        else:
+            loss = causal_lm_loss(self(batch["input_ids"]), batch["labels"])
         # already the global mean (identical on every rank); sync_dist averages identical values at epoch end
         self.log("val_loss", self._global_mean(loss), prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
         return loss
+
+    def predict_step(self, batch: Union[dict[str, Tensor], Tensor], batch_idx: int) -> Optional[Tensor]:
+        """Logits ``[b, s, padded_vocab_size]`` (full vocabulary, also under tp) of ``batch["input_ids"]`` (or of a
+        ``[b, s]`` tensor). With pp > 1 the batch runs forward-only through the pipeline and the logits are returned
+        on the ranks that hold the last stage (``None`` on the others)."""
+        input_ids = batch["input_ids"] if isinstance(batch, dict) else batch
+        pipeline = self._pipeline()
+        logits = pipeline.forward(input_ids) if pipeline is not None else self(input_ids)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:
@@ -223,6 +246,11 @@ class CausalLMModule(L.LightningModule):
         Returns:
             ``prompt_ids`` followed by the generated ids.
         """
+        if self._pipeline() is not None:
+            raise NotImplementedError(
+                "generate() is not supported with pipeline_parallel_size > 1 (each new token would need the whole "
+                "pipeline for one sequence); load the checkpoint with pipeline_parallel_size=1 to generate."
+            )
         was_training = self.training
         self.eval()
         ids = list(prompt_ids)

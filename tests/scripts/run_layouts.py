@@ -4,7 +4,9 @@ shards, and (rank 0) the final full weights.
 
 Usage (from the tests): ``torchrun --nproc-per-node N tests/scripts/run_layouts.py --out DIR --layouts JSON``,
 or ``python tests/scripts/run_layouts.py --out DIR --layouts '[{"reference": true}]'`` for the single-process
-reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, precision, ac.
+reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, precision, ac, clip,
+compile, tied, accum, bucket, sdc and, for pipeline parallelism, pp, schedule, v (stages per rank), m (micro-batches
+per step) and split (layers per stage).
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
     reference = layout.get("reference", False)
     dp = layout.get("dp", 1)
     accum = layout.get("accum", 1)
-    micro = args.global_batch // (dp * accum)
+    pp = layout.get("pp", 1)
+    m = layout.get("m", 1) if pp > 1 else 1  # pipeline micro-batches per step (derived from the global batch)
+    micro = args.global_batch // (dp * accum * m)
     import lightning_4d.parallel.zero as zero
 
     zero._BUCKET_BYTES = layout.get("bucket", 25 * 2**20)  # small buckets: several all-reduces overlap backward
@@ -82,13 +86,16 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
     )
     from lightning_4d.models import LlamaConfig
 
-    model_config = LlamaConfig.from_preset(args.model, tie_word_embeddings=layout.get("tied", False))
+    overrides = {"num_layers": args.layers} if args.layers else {}
+    model_config = LlamaConfig.from_preset(args.model, tie_word_embeddings=layout.get("tied", False), **overrides)
     module = CausalLMModule(model_config, learning_rate=args.lr, warmup_steps=2, max_steps=args.steps, init_seed=7)
     if reference:
         strategy = "auto"
     else:
         strategy = FourDStrategy(
             data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 0),
+            pipeline_parallel_size=pp, pipeline_schedule=layout.get("schedule", "1f1b"),
+            virtual_pipeline_stages=layout.get("v"), pipeline_layer_split=layout.get("split"),
             sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
             compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),
             process_group_backend="gloo", timeout=timedelta(seconds=120),
@@ -117,6 +124,8 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
     (out / f"layout{index}_rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
         torch.save(weights, out / f"layout{index}_weights.pt")
+    if pp > 1:  # each pipeline stage holds its own layers: every rank saves what it has, the test merges
+        torch.save(weights, out / f"layout{index}_weights_rank{rank}.pt")
     return recorder
 
 
@@ -142,6 +151,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--model", default="tiny-test")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's num_layers")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--resume-check", action="store_true")
     args = parser.parse_args()

@@ -1,0 +1,302 @@
+"""Pipeline parallelism for ``lightning_4d`` Llama models: the stage split and the schedules.
+
+A model of ``L`` decoder layers is cut into ``p·v`` stages (``p`` = pipeline_parallel_size, ``v`` = stages per pp
+rank): stage ``k`` holds the layers ``[sum(split[:k]), sum(split[:k+1]))``, the first stage also the token
+embedding, the last also the final norm and the LM head. pp rank ``r`` holds the stages of
+:meth:`~lightning_4d.config.ParallelConfig.stage_indices` (looped ``r, r+p, ...`` or V-shaped ``r, 2p-1-r``).
+
+On each rank the LightningModule keeps ONE ``LlamaModel`` (the *union*), pruned to the layers of the rank's stages,
+so parameter names stay those of the unsplit model (``layers.17.attention.wq.weight``) and distributed checkpoints
+reshard across layouts. Each stage is a *chunk*: a ``LlamaModel`` shell whose submodules are the union's own
+(shared, not copied); FSDP2 and ``torch.distributed.pipelining.PipelineStage`` work on chunks.
+
+Schedules come from ``torch.distributed.pipelining`` (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV); the
+loss of each micro-batch is divided by ``m`` inside the loss function (``scale_grads=False``), so the accumulated
+gradients are those of the mean loss over the ``m`` micro-batches, exactly as one process computing the mean over
+the whole batch (all micro-batches have the same number of tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_4d.config import ParallelConfig
+
+
+# ---------------------------------------------------------------------------------------------------- split
+def stage_layer_ranges(config: ParallelConfig, num_layers: int) -> list[range]:
+    """The decoder-layer indices of every pipeline stage (``pp * v`` ranges, stage order).
+
+    Raises:
+        ValueError: see :meth:`ParallelConfig.layer_split`.
+    """
+    split = config.layer_split(num_layers)
+    starts = [sum(split[:k]) for k in range(len(split))]
+    return [range(start, start + n) for start, n in zip(starts, split)]
+
+
+def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
+    """A ``LlamaModel`` shell for one stage whose submodules are ``model``'s (shared, not copied)."""
+    from lightning_4d.models.llama import LlamaModel
+
+    chunk = LlamaModel.__new__(LlamaModel)
+    nn.Module.__init__(chunk)
+    chunk.config = model.config
+    chunk.init_seed = model.init_seed
+    chunk.tok_embeddings = model.tok_embeddings if first else None
+    chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    chunk.norm = model.norm if last else None
+    chunk.output = model.output if last else None
+    chunk.hidden_sequence_shards = getattr(model, "hidden_sequence_shards", 1)
+    return chunk
+
+
+def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """Prune ``model`` (a ``LlamaModel``, usually on the meta device) to pp rank ``pp_rank``'s stages.
+
+    Layers of other stages are deleted from ``model.layers``; the embedding is dropped unless the rank holds stage 0,
+    the final norm and the head unless it holds stage ``p·v - 1``.
+
+    Returns:
+        ``[(stage_index, chunk), ...]`` in the order of :meth:`ParallelConfig.stage_indices`.
+
+    Raises:
+        ValueError: the layers cannot be split as configured (see :meth:`ParallelConfig.layer_split`).
+    """
+    ranges = stage_layer_ranges(config, model.config.num_layers)
+    mine = config.stage_indices(pp_rank)
+    keep = {i for s in mine for i in ranges[s]}
+    for name in list(model.layers.keys()):
+        if int(name) not in keep:
+            del model.layers[name]
+    first, last = 0 in mine, config.num_stages - 1 in mine
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    chunks = [(s, _chunk(model, ranges[s], first=s == 0, last=s == config.num_stages - 1)) for s in mine]
+    model._pipeline_chunks = chunks  # kept on the module: a second setup (validate after fit) reuses them
+    return chunks
+
+
+# ---------------------------------------------------------------------------------------------------- schedules
+def _schedule_class(name: str) -> type:
+    from torch.distributed import pipelining as pl
+
+    return {
+        "gpipe": pl.ScheduleGPipe,
+        "1f1b": pl.Schedule1F1B,
+        "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+        "zbv": pl.ScheduleZBVZeroBubble,
+        "dualpipev": pl.ScheduleDualPipeV,
+    }[name]
+
+
+def _invalidate(schedule: Any) -> None:
+    """Make ``schedule`` re-run its stages' metadata inference on its next step (another schedule over the same
+    stages ran in between and left its own receive buffers in them)."""
+    for attr in ("_stage_forward_initialized", "_stage_backward_initialized", "_stages_forward_initialized",
+                 "_stages_backward_initialized"):
+        if hasattr(schedule, attr):
+            setattr(schedule, attr, False)
+
+
+def _as_local(t: Tensor) -> Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class PipelineRunner:
+    """Runs a pipeline schedule over this rank's stages: the training step, the forward-only evaluation step and
+    the forward for prediction.
+
+    Args:
+        chunks: ``[(stage_index, chunk module), ...]`` from :func:`split_llama` (already tp/FSDP-parallelized and
+            materialized on ``device``).
+        config: the resolved layout (``pp``, ``v``, ``pipeline_schedule``, ``num_microbatches``).
+        num_microbatches: m.
+        pp_group: the pp process group (size p).
+        device: the stages' device.
+        loss_fn: ``loss_fn(output, target) -> scalar`` mean loss of one micro-batch; ``output`` is the last stage's
+            output (logits ``[b/m, s, V]``, a vocabulary-sharded DTensor under tp), ``target`` the labels
+            ``[b/m, s]``.
+        vocab_parallel: run the schedule inside ``loss_parallel()`` (the logits are vocabulary-sharded DTensors).
+
+    Raises:
+        ValueError: ``num_microbatches`` does not suit the schedule (see :meth:`ParallelConfig.validate_microbatches`).
+    """
+
+    def __init__(
+        self,
+        chunks: list[tuple[int, nn.Module]],
+        config: ParallelConfig,
+        num_microbatches: int,
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+        loss_fn: Callable[[Any, Tensor], Tensor],
+        vocab_parallel: bool = False,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        config.validate_microbatches(num_microbatches)
+        self.config = config
+        self.num_microbatches = num_microbatches
+        self.pp_group = pp_group
+        self.vocab_parallel = vocab_parallel
+        self.loss_fn = loss_fn
+        self.stages = [
+            PipelineStage(chunk, index, config.num_stages, device, group=pp_group) for index, chunk in chunks
+        ]
+        self.is_first = any(s.is_first for s in self.stages)
+        self.is_last = any(s.is_last for s in self.stages)
+        m = num_microbatches
+
+        def scaled_loss(output: Any, target: Tensor) -> Tensor:
+            return loss_fn(output, target) / m
+
+        self._train = self._make(scaled_loss)
+        self._predict: Optional[Any] = None
+        self._current: Any = self._train
+        self._stashed: list[tuple[Tensor, Optional[Tensor]]] = []
+
+    def _make(self, loss_fn: Optional[Callable]) -> Any:
+        cls = _schedule_class(self.config.pipeline_schedule)
+        stages: Any = self.stages[0] if self.config.pipeline_schedule in ("gpipe", "1f1b") else self.stages
+        return cls(stages, n_microbatches=self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def _use(self, schedule: Any) -> Any:
+        if schedule is not self._current:
+            _invalidate(schedule)
+            self._current = schedule
+        return schedule
+
+    def _context(self) -> Any:
+        if not self.vocab_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def _check_batch(self, input_ids: Tensor) -> None:
+        if input_ids.shape[0] % self.num_microbatches != 0:
+            raise ValueError(
+                f"a batch of {input_ids.shape[0]} sequences cannot be split into num_microbatches="
+                f"{self.num_microbatches} equal micro-batches; the DataLoader's batch size per data-parallel rank must "
+                f"be a multiple of {self.num_microbatches} (micro_batch_size x num_microbatches)."
+            )
+
+    def _reduce_loss(self, losses: list[Tensor], device: torch.device) -> Tensor:
+        """Sum the last stage's scaled micro-batch losses and share the result with every pp rank."""
+        if self.is_last:
+            total = torch.stack([_as_local(x).detach().float().reshape(()) for x in losses]).sum()
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=device)
+        if dist.get_world_size(self.pp_group) > 1:
+            dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank contributes
+        return total
+
+    def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """Forward and backward of all ``m`` micro-batches of ``input_ids`` / ``labels`` (``[b, s]``, b = m x
+        micro-batch size). The gradients (of the mean loss; not yet averaged over dp) are held aside until
+        :meth:`restore_gradients`, because Lightning zeroes gradients between ``training_step`` and ``backward``. Returns the mean loss over the batch (float32 scalar, detached, the same on every
+        pp rank)."""
+        self._check_batch(input_ids)
+        schedule = self._use(self._train)
+        losses: list[Tensor] = []
+        args = (input_ids,) if self.is_first else ()
+        # Lightning's automatic optimization zeroes gradients between training_step and backward, so the schedule
+        # must leave them as it found them: its own gradients are kept aside until the strategy's backward puts them
+        # back (restore_gradients), as if the backward had run there
+        params = self._parameters()
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with self._context():
+            schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)
+        self._stashed = [(p, p.grad) for p in params]
+        for p, grad in zip(params, before):
+            p.grad = grad
+        return self._reduce_loss(losses, input_ids.device)
+
+    def _parameters(self) -> list[Tensor]:
+        return [p for stage in self.stages for p in stage.submod.parameters()]
+
+    def restore_gradients(self) -> None:
+        """Put back the gradients that :meth:`train_step` computed (called by the strategy's ``backward``); added
+        to any gradient present (none under Lightning's default ``zero_grad(set_to_none=True)``)."""
+        for p, grad in self._stashed:
+            if grad is None:
+                continue
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._stashed = []
+
+    def eval_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """Forward only through the pipeline; returns the mean loss over the batch (the same on every pp rank)."""
+        self._check_batch(input_ids)
+        schedule = self._use(self._train)
+        losses: list[Tensor] = []
+        args = (input_ids,) if self.is_first else ()
+        with self._context():
+            schedule.eval(*args, target=labels if self.is_last else None, losses=losses)
+        return self._reduce_loss(losses, input_ids.device)
+
+    def forward(self, input_ids: Tensor) -> Optional[Any]:
+        """Forward only; returns the last stage's output (logits ``[b, s, V]``) on the rank that holds the last
+        stage and ``None`` on the others."""
+        self._check_batch(input_ids)
+        if self._predict is None:
+            self._predict = self._make(None)
+        schedule = self._use(self._predict)
+        args = (input_ids,) if self.is_first else ()
+        with torch.no_grad():
+            return schedule.step(*args)
+
+
+# ---------------------------------------------------------------------------------------------------- clipping
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, pp_group: Optional[dist.ProcessGroup] = None
+) -> Tensor:
+    """Clip gradients by their global norm over all tp/dp shards and all pipeline stages, in place.
+
+    The norm of each group of gradients that share a DTensor layout is computed with
+    ``torch.nn.utils.get_total_norm`` and made global over its mesh (``full_tensor``); the per-group norms are
+    combined as ``(sum_g ||g||^q)^(1/q)`` (``max`` for ``q = inf``), then over the pp group (each stage holds other
+    parameters) with an all-reduce; finally every gradient (its local shard) is scaled by
+    ``min(1, max_norm / (norm + 1e-6))``, the coefficient of ``torch.nn.utils.clip_grad_norm_`` (the approach of Megatron-LM's
+    ``clip_grad_norm_fp32`` and torchtitan's pp-aware clipping).
+
+    Returns:
+        The total norm (float32 scalar tensor, the same on every rank).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    groups: dict[Any, list[Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else (g.device, None)
+        groups.setdefault(key, []).append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    norms = []
+    for members in groups.values():
+        n = torch.nn.utils.get_total_norm(members, norm_type)
+        norms.append(_as_local(n).float().to(device))
+    if math.isinf(norm_type):
+        total = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+    else:
+        total = torch.stack([n**norm_type for n in norms]).sum() if norms else torch.zeros((), device=device)
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            dist.all_reduce(total, group=pp_group)
+        total = total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        (g._local_tensor if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+    return total
