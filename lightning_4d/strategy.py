@@ -24,6 +24,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -36,6 +37,9 @@ from lightning_4d.parallel.tensor import apply_tensor_parallel
 from lightning_4d.parallel.zero import GradientSynchronizer, ShardedOptimizer, apply_fsdp
 
 log = logging.getLogger(__name__)
+# optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
+# parameters (pipeline stages) do not overwrite one another's param_groups
+_FLAT_OPTIM = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
 
 
 def parallelize_llama(
@@ -61,7 +65,11 @@ def parallelize_llama(
             for block in part.layers.values():
                 block.compile()
         if config.zero_stage >= 2:
-            apply_fsdp(part, mesh.dp_cp, config.zero_stage)
+            # zero-bubble schedules run a micro-batch's weight gradients (W) after later forwards: parameters
+            # resharded by those forwards lose the W pass's unsharded gradients (measured: wrong losses with zbv +
+            # ZeRO-3), so their stage-3 parameters stay gathered from the first forward to the step's end
+            split_backward = config.pp > 1 and config.pipeline_schedule in ("zbv", "dualpipev")
+            apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=False if split_backward else None)
         if part is not model:
             for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
                 model.layers[name] = block
@@ -174,6 +182,11 @@ class FourDStrategy(ModelParallelStrategy):
             raise ValueError(
                 "save_distributed_checkpoint=False is not supported with zero_stage=1: each rank holds its own chunk of "
                 "the optimizer states. Use save_distributed_checkpoint=True (a sharded folder) or zero_stage 0, 2 or 3."
+            )
+        if pipeline_parallel_size > 1 and not save_distributed_checkpoint:
+            raise ValueError(
+                "save_distributed_checkpoint=False is not supported with pipeline_parallel_size > 1: no rank holds the "
+                "whole model. Use save_distributed_checkpoint=True (a sharded folder that loads into any layout)."
             )
         if compile and tensor_parallel_size > 1:
             # measured with torch 2.13: a compiled block with DTensor tp plans fails in backward inside DTensor's
@@ -375,9 +388,9 @@ class FourDStrategy(ModelParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any):
         # vocabulary-parallel cross-entropy needs its backward inside the same context as its forward
         if isinstance(closure_loss, DTensor):
-            from torch.distributed.tensor.parallel import loss_parallel
+            from lightning_4d.parallel.tensor import vocab_parallel_loss
 
-            ctx = loss_parallel()
+            ctx = vocab_parallel_loss()
         else:
             ctx = nullcontext()
         if self.pipeline is not None:
@@ -418,6 +431,10 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         zero1 = self._zero1_for(optimizer)
+        if zero1 is None and self._save_distributed_checkpoint:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.model, _unwrap(optimizer), options=_FLAT_OPTIM)
         if zero1 is None:
             return super().optimizer_state(optimizer)
         # ZeRO-1: each rank's chunk of the states; saved as one file per rank inside the checkpoint folder
@@ -495,9 +512,10 @@ class FourDStrategy(ModelParallelStrategy):
                     group.update(values)
                 continue
             key = f"optimizer_{idx}"
-            opt_state = {key: get_optimizer_state_dict(self.model, _unwrap(optimizer))}
+            opt_state = {key: get_optimizer_state_dict(self.model, _unwrap(optimizer), options=_FLAT_OPTIM)}
             dcp_load(opt_state, checkpoint_id=path)
-            set_optimizer_state_dict(self.model, _unwrap(optimizer), optim_state_dict=opt_state[key])
+            set_optimizer_state_dict(self.model, _unwrap(optimizer), optim_state_dict=opt_state[key],
+                                     options=_FLAT_OPTIM)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False)
 
 

@@ -128,7 +128,8 @@ class PipelineRunner:
         loss_fn: ``loss_fn(output, target) -> scalar`` mean loss of one micro-batch; ``output`` is the last stage's
             output (logits ``[b/m, s, V]``, a vocabulary-sharded DTensor under tp), ``target`` the labels
             ``[b/m, s]``.
-        vocab_parallel: run the schedule inside ``loss_parallel()`` (the logits are vocabulary-sharded DTensors).
+        vocab_parallel: run the schedule inside ``loss_parallel()`` (the logits are vocabulary-sharded DTensors;
+            see :func:`~lightning_4d.parallel.tensor.vocab_parallel_loss`).
 
     Raises:
         ValueError: ``num_microbatches`` does not suit the schedule (see :meth:`ParallelConfig.validate_microbatches`).
@@ -160,7 +161,10 @@ class PipelineRunner:
         m = num_microbatches
 
         def scaled_loss(output: Any, target: Tensor) -> Tensor:
-            return loss_fn(output, target) / m
+            loss = loss_fn(output, target) / m
+            # a replicated DTensor loss (vocabulary-parallel cross-entropy) becomes a plain tensor: the schedule
+            # seeds its backward with plain tensors (to_local's backward turns the seed back into a DTensor)
+            return loss.to_local() if isinstance(loss, DTensor) else loss
 
         self._train = self._make(scaled_loss)
         self._predict: Optional[Any] = None
@@ -181,9 +185,9 @@ class PipelineRunner:
     def _context(self) -> Any:
         if not self.vocab_parallel:
             return nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
+        from lightning_4d.parallel.tensor import vocab_parallel_loss
 
-        return loss_parallel()
+        return vocab_parallel_loss()
 
     def _check_batch(self, input_ids: Tensor) -> None:
         if input_ids.shape[0] % self.num_microbatches != 0:

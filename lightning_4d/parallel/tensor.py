@@ -16,6 +16,9 @@ Per transformer block, over a tp group of size t:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -79,3 +82,32 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+
+
+_loss_parallel_depth = 0
+
+
+@contextmanager
+def vocab_parallel_loss() -> Iterator[None]:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` that may be nested.
+
+    ``loss_parallel`` switches DTensor's custom cross-entropy handlers on at entry and off at exit, so an inner use
+    (the loss function's forward) would switch them off for an outer one (a pipeline schedule whose backward runs
+    after the loss function returned). Only the outermost entry here enters ``loss_parallel``.
+    """
+    global _loss_parallel_depth
+    if _loss_parallel_depth > 0:
+        _loss_parallel_depth += 1
+        try:
+            yield
+        finally:
+            _loss_parallel_depth -= 1
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    _loss_parallel_depth += 1
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _loss_parallel_depth -= 1

@@ -71,6 +71,7 @@ def apply_fsdp(
     dp_cp_mesh: DeviceMesh,
     zero_stage: int,
     blocks: Optional[Iterable[nn.Module]] = None,
+    reshard_after_forward: Optional[bool] = None,
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
 
@@ -79,6 +80,8 @@ def apply_fsdp(
         dp_cp_mesh: the 1D ``dp_cp`` mesh.
         zero_stage: 2 (``reshard_after_forward=False``) or 3 (``True``).
         blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
+        reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
+            schedules pass ``False`` for stage 3 (see ``parallelize_llama``).
 
     Raises:
         ValueError: ``zero_stage`` is not 2 or 3.
@@ -87,7 +90,7 @@ def apply_fsdp(
 
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp implements ZeRO stages 2 and 3, got zero_stage={zero_stage}")
-    reshard = zero_stage == 3
+    reshard = zero_stage == 3 if reshard_after_forward is None else reshard_after_forward
     if blocks is None:
         layers = getattr(model, "layers", None)
         blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])

@@ -47,9 +47,9 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     flat_logits = logits.flatten(0, 1).float()
     flat_labels = labels.flatten()
     if isinstance(logits, DTensor):
-        from torch.distributed.tensor.parallel import loss_parallel
+        from lightning_4d.parallel.tensor import vocab_parallel_loss
 
-        with loss_parallel():
+        with vocab_parallel_loss():
             return F.cross_entropy(flat_logits, flat_labels)
     return F.cross_entropy(flat_logits, flat_labels)
 

@@ -1,0 +1,209 @@
+"""Pipeline parallelism against the single-process run (CPU, gloo, float32, tiny Llama with 4 layers, 10 AdamW
+steps): per-step ``train_loss`` to 1e-5 relative and final weights, for every schedule and with tp, dp/ZeRO,
+gradient clipping and a checkpoint resume; plus the ValueErrors raised before any process group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_4d import ParallelConfig
+from lightning_4d.models import LlamaConfig
+from tests._launch import SCRIPTS, torchrun
+from tests.test_parity import LOSS_RTOL, STEPS, WEIGHT_ATOL, _layout_id
+
+LAYERS = 4
+WORLD2 = [
+    {"pp": 2, "schedule": "gpipe", "m": 2},
+    {"pp": 2, "schedule": "1f1b", "m": 4},
+    {"pp": 2, "schedule": "interleaved_1f1b", "v": 2, "m": 2},
+    {"pp": 2, "schedule": "zbv", "m": 4},
+    {"pp": 2, "schedule": "dualpipev", "m": 4},
+    {"pp": 2, "schedule": "1f1b", "m": 2, "split": [3, 1]},  # fewer layers on the last stage (head + loss)
+    {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1},
+    {"pp": 2, "schedule": "1f1b", "m": 2, "ac": "full"},
+]
+WORLD4 = [
+    {"pp": 4, "schedule": "gpipe", "m": 4},
+    {"pp": 4, "schedule": "1f1b", "m": 4},
+    {"pp": 2, "tp": 2, "schedule": "1f1b", "m": 2},
+    {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b", "m": 2},
+    {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b", "m": 2},
+    {"pp": 2, "dp": 2, "zero": 2, "schedule": "interleaved_1f1b", "m": 2},
+    {"pp": 2, "dp": 2, "zero": 3, "schedule": "zbv", "m": 2, "clip": 0.1},
+]
+WORLD8 = [
+    {"pp": 2, "dp": 2, "tp": 2, "zero": 1, "schedule": "1f1b", "m": 2},
+    {"pp": 2, "dp": 2, "tp": 2, "zero": 3, "schedule": "interleaved_1f1b", "m": 2, "clip": 0.1},
+]
+
+
+def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict], *extra: str):
+    out = tmp_path_factory.mktemp(name)
+    torchrun(nproc, SCRIPTS / "run_layouts.py", "--out", str(out), "--steps", str(STEPS), "--layers", str(LAYERS),
+             "--layouts", json.dumps(layouts), *extra, timeout=900)
+    return out
+
+
+def _results(out, layouts):
+    results = []
+    for i, layout in enumerate(layouts):
+        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
+        weights: dict[str, torch.Tensor] = {}
+        for path in sorted(out.glob(f"layout{i}_weights_rank*.pt")) or [out / f"layout{i}_weights.pt"]:
+            for key, value in torch.load(path).items():
+                if key in weights:  # the same parameter on another dp/tp rank of the stage: identical
+                    assert torch.equal(weights[key], value), key
+                weights[key] = value
+        results.append((layout, ranks, weights))
+    return results
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    layouts = [{"reference": True}, {"reference": True, "clip": 0.1}]
+    return _results(_run(tmp_path_factory, "pp_reference", 1, layouts), layouts)
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _results(_run(tmp_path_factory, "pp_world2", 2, WORLD2), WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _results(_run(tmp_path_factory, "pp_world4", 4, WORLD4), WORLD4)
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory):
+    return _results(_run(tmp_path_factory, "pp_world8", 8, WORLD8), WORLD8)
+
+
+def _check(references, result):
+    layout, ranks, weights = result
+    _, ref_ranks, ref_weights = references[1] if layout.get("clip") else references[0]
+    ref_losses = ref_ranks[0]["losses"]
+    assert len(ranks) >= 2 and len(ref_losses) == STEPS
+    for r in ranks:  # the same logged loss on every rank, whatever its pipeline stage
+        assert r["losses"] == ranks[0]["losses"], (layout, r["rank"])
+    losses = ranks[0]["losses"]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    assert set(weights) == set(ref_weights)  # every parameter of the unsplit model, under its own name
+    werr = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    print(f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max abs weight diff {werr:.2e}")
+    assert len(losses) == STEPS
+    assert rel <= LOSS_RTOL
+    assert werr <= WEIGHT_ATOL
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
+def test_pipeline_world2(references, world2, index):
+    _check(references, world2[index])
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
+def test_pipeline_world4(references, world4, index):
+    _check(references, world4[index])
+
+
+@pytest.mark.parametrize("index", range(len(WORLD8)), ids=[_layout_id(x) for x in WORLD8])
+def test_pipeline_world8(references, world8, index):
+    _check(references, world8[index])
+
+
+def test_pipeline_checkpoint_resume(tmp_path_factory):
+    """A ModelCheckpoint saved at pp=2 loads back at pp=2 and training continues with the same losses."""
+    layouts = [{"pp": 2, "schedule": "1f1b", "m": 2, "zero": 1}]
+    out = _run(tmp_path_factory, "pp_resume", 2, layouts, "--resume-check")
+    for path in sorted(out.glob("resume0_rank*.json")):
+        record = json.loads(path.read_text())
+        half = STEPS // 2
+        assert record["first"] == record["straight"][:half]
+        assert len(record["resumed"]) == STEPS - half
+        rel = max(abs(a - b) / abs(b) for a, b in zip(record["resumed"], record["straight"][half:]))
+        assert rel <= LOSS_RTOL, (record["resumed"], record["straight"][half:])
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+def _config(**kw) -> ParallelConfig:
+    return ParallelConfig(data_parallel_size=1, **kw)
+
+
+def test_layers_not_divisible_into_stages():
+    cfg = LlamaConfig.from_preset("tiny-test", num_layers=6)
+    with pytest.raises(ValueError, match=r"num_layers=6 cannot be split into pp\*v = 4\*1 = 4"):
+        _config(pipeline_parallel_size=4).validate_model(cfg)
+    with pytest.raises(ValueError, match=r"pp\*v = 2\*2 = 4"):
+        _config(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b").validate_model(cfg)
+    _config(pipeline_parallel_size=2).validate_model(cfg)  # 3 + 3
+    _config(pipeline_parallel_size=4, pipeline_layer_split=[2, 2, 1, 1]).validate_model(cfg)
+
+
+def test_layer_split_must_sum_to_layers():
+    cfg = LlamaConfig.from_preset("tiny-test", num_layers=6)
+    with pytest.raises(ValueError, match=r"pipeline_layer_split=\[3, 2\].*summing to num_layers=6"):
+        _config(pipeline_parallel_size=2, pipeline_layer_split=[3, 2]).validate_model(cfg)
+    with pytest.raises(ValueError, match=r"expected 4 layer counts"):
+        _config(pipeline_parallel_size=2, pipeline_schedule="zbv", pipeline_layer_split=[3, 3]).validate_model(cfg)
+    with pytest.raises(ValueError, match="pipeline_layer_split"):
+        _config(pipeline_parallel_size=2, pipeline_layer_split=[6, "a"])
+
+
+def test_microbatch_rules():
+    with pytest.raises(ValueError, match=r"num_microbatches=2 is too small for pipeline_schedule='1f1b'"):
+        _config(pipeline_parallel_size=4).validate_microbatches(2)
+    with pytest.raises(ValueError, match=r"num_microbatches=6 is not a multiple of pipeline_parallel_size=4"):
+        _config(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b").validate_microbatches(6)
+    _config(pipeline_parallel_size=4, pipeline_schedule="gpipe").validate_microbatches(1)
+    _config(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b").validate_microbatches(8)
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        _config(pipeline_parallel_size=2, num_microbatches=0)
+
+
+def test_schedule_names_and_stages_per_rank():
+    with pytest.raises(ValueError, match=r"pipeline_schedule='1f1f' is not valid: expected one of \['gpipe'"):
+        _config(pipeline_schedule="1f1f")
+    with pytest.raises(ValueError, match=r"virtual_pipeline_stages=2 is not supported by pipeline_schedule='gpipe'"):
+        _config(pipeline_parallel_size=2, pipeline_schedule="gpipe", virtual_pipeline_stages=2)
+    with pytest.raises(ValueError, match=r"virtual_pipeline_stages=3 is not supported by pipeline_schedule='zbv'"):
+        _config(pipeline_parallel_size=2, pipeline_schedule="zbv", virtual_pipeline_stages=3)
+    cfg = _config(pipeline_parallel_size=4, pipeline_schedule="zbv")
+    assert cfg.v == 2 and cfg.stage_indices(0) == [0, 7] and cfg.stage_indices(3) == [3, 4]
+    cfg = _config(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=3)
+    assert cfg.num_stages == 12 and cfg.stage_indices(1) == [1, 5, 9]
+
+
+def test_strategy_rejects_bad_pipeline_before_process_group(tmp_path):
+    """The Trainer fails in setup_environment (before any process group) with the ValueError."""
+    import lightning as L
+
+    from lightning_4d import FourDStrategy
+    from lightning_4d.data import LMDataModule
+    from lightning_4d.tasks import CausalLMModule
+
+    with pytest.raises(ValueError, match="pipeline_schedule='looped' is not valid"):
+        FourDStrategy(pipeline_parallel_size=2, pipeline_schedule="looped")
+    strategy = FourDStrategy(pipeline_parallel_size=1, data_parallel_size=1, tensor_parallel_size=1)
+    assert strategy.num_microbatches == 1
+    cases = [
+        (dict(pipeline_parallel_size=2, num_microbatches=1), {}, r"num_microbatches=1 is too small"),
+        (dict(pipeline_parallel_size=2, num_microbatches=2), {"accumulate_grad_batches": 2},
+         r"accumulate_grad_batches=2 is not supported with pipeline_parallel_size=2"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_split=[2, 1]), {}, r"summing to num_layers=2"),
+    ]
+    for kwargs, trainer_kwargs, match in cases:
+        strategy = FourDStrategy(process_group_backend="gloo", **kwargs)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
+        module = CausalLMModule("tiny-test")
+        dm = LMDataModule(seq_length=32, micro_batch_size=2)
+        strategy._lightning_module = module
+        module.trainer = trainer
+        trainer.datamodule = dm
+        with pytest.raises(ValueError, match=match):
+            strategy._validate_against_module()
+        assert not torch.distributed.is_initialized()
