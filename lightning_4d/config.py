@@ -210,6 +210,12 @@ class ParallelConfig:
             return split
         if num_layers % n != 0:
             valid = [d for d in _divisors(num_layers) if d % self.v == 0 and d // self.v > 0]
+            if num_layers < n:
+                raise ValueError(
+                    f"num_layers={num_layers} cannot be split into pp*v = {self.pp}*{self.v} = {n} pipeline stages "
+                    f"(at least one layer per stage); valid pipeline_parallel_size values: "
+                    f"{[d // self.v for d in valid]}."
+                )
             raise ValueError(
                 f"num_layers={num_layers} cannot be split into pp*v = {self.pp}*{self.v} = {n} equal pipeline stages; "
                 f"set pipeline_layer_split to {n} layer counts summing to {num_layers}, or use a pipeline_parallel_size "

@@ -72,13 +72,12 @@ def test_sequence_length_with_sequence_parallel():
     ParallelConfig(tensor_parallel_size=4, sequence_parallel=False).validate_sequence(30)
 
 
-def test_pp_and_cp_are_not_supported_yet_but_accepted_by_the_layout():
+def test_cp_is_not_supported_yet_but_accepted_by_the_layout():
     config = ParallelConfig(pipeline_parallel_size=2, context_parallel_size=2).resolve(8)
     assert config.mesh_shape == (2, 2, 2, 1)
-    with pytest.raises(NotImplementedError, match="pipeline parallelism is not supported yet"):
-        config.check_supported()
+    ParallelConfig(pipeline_parallel_size=2).resolve(2).check_supported()  # pp is supported
     with pytest.raises(NotImplementedError, match="context parallelism is not supported yet"):
-        ParallelConfig(context_parallel_size=2).resolve(2).check_supported()
+        config.check_supported()
 
 
 def test_trainer_with_wrong_world_size_fails_before_any_process_group():
@@ -90,11 +89,11 @@ def test_trainer_with_wrong_world_size_fails_before_any_process_group():
     assert not dist.is_initialized()
 
 
-def test_trainer_with_pipeline_parallel_raises_not_implemented():
+def test_trainer_with_context_parallel_raises_not_implemented():
     import lightning as L
 
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(pipeline_parallel_size=2), logger=False)
+    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(context_parallel_size=2), logger=False)
     assert not dist.is_initialized()
 
 

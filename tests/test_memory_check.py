@@ -100,7 +100,7 @@ def test_estimate_fujii2024_formula():
     "args, message",
     [
         (["--tp", "3", "--num-gpus", "6"], "num_heads=32 is not divisible by tensor_parallel_size=3"),
-        (["--pp", "64", "--num-gpus", "64"], "num_layers=32 is not divisible by pipeline_parallel_size=64"),
+        (["--pp", "64", "--num-gpus", "64"], "num_layers=32 cannot be split into pp*v = 64*1 = 64 pipeline stages"),
         (["--tp", "4", "--num-gpus", "6"], "world size 6 is not divisible by pp*cp*tp"),
         (["--model", "llama9-1t", "--num-gpus", "8"], "llama9-1t"),
     ],

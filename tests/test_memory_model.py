@@ -125,7 +125,7 @@ def test_pipeline_stages_are_all_reported():
     "kw, match",
     [
         (dict(layout=dict(tensor_parallel_size=3)), "num_heads=32 is not divisible by tensor_parallel_size=3"),
-        (dict(layout=dict(pipeline_parallel_size=64)), "num_layers=32 is not divisible by pipeline_parallel_size=64"),
+        (dict(layout=dict(pipeline_parallel_size=64)), r"num_layers=32 cannot be split into pp\*v = 64\*1 = 64 pipeline stages"),
         (dict(precision="fp8"), "precision='fp8' is not valid"),
         (dict(seq=1001, layout=dict(tensor_parallel_size=2)), "seq_length=1001 is not a multiple of 2"),
         (dict(schedule="zigzag"), "pipeline_schedule='zigzag' is not valid"),
@@ -168,9 +168,9 @@ def _with_ac(layouts):
     return [dict(x, ac=ac) for x in layouts for ac in ("none", "full")]
 
 
-def _measure(tmp_path_factory, name, nproc, layouts):
+def _measure(tmp_path_factory, name, nproc, layouts, *extra):
     out = tmp_path_factory.mktemp(name)
-    torchrun(nproc, SCRIPTS / "measure_memory.py", "--out", str(out), "--layouts", json.dumps(layouts))
+    torchrun(nproc, SCRIPTS / "measure_memory.py", "--out", str(out), "--layouts", json.dumps(layouts), *extra)
     return [[json.loads((out / f"layout{i}_rank{r}.json").read_text()) for r in range(nproc)]
             for i in range(len(layouts))]
 
@@ -200,3 +200,72 @@ def test_saved_activations_within_5_percent(measured):
                           f"estimated {row['estimated']} B, error {100 * err:+.2f}%")
                 assert abs(err) <= 0.05, (r["layout"], r["rank"], row)
     print(f"largest activation error: {100 * worst:.2f}%")
+
+
+# ---------------------------------------------------------------------------------------------------- pipelines
+# 4 layers; each layout runs two steps of (b*m, 64) batches and measures the second (the first also runs the
+# schedule's shape inference). ZBV is measured apart: see test_zero_bubble_activation_peak.
+_PP_WORLD2 = [
+    {"pp": 2, "schedule": "1f1b", "m": 4},
+    {"pp": 2, "schedule": "gpipe", "m": 4, "precision": "bf16-mixed"},
+    {"pp": 2, "schedule": "interleaved_1f1b", "m": 4},
+    {"pp": 2, "schedule": "1f1b", "m": 2, "precision": "bf16-true"},
+    {"pp": 2, "schedule": "zbv", "m": 4},
+]
+_PP_WORLD4 = [
+    {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b", "m": 2},
+    {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b", "m": 2, "precision": "bf16-mixed"},
+    {"pp": 2, "tp": 2, "zero": 0, "schedule": "1f1b", "m": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def measured_pipeline(tmp_path_factory):
+    extra = ("--layers", "4", "--shapes", "[[1, 64]]")
+    return (_measure(tmp_path_factory, "mempp2", 2, _PP_WORLD2, *extra)
+            + _measure(tmp_path_factory, "mempp4", 4, _PP_WORLD4, *extra))
+
+
+def _pipeline_rows(measured_pipeline, zero_bubble: bool):
+    for ranks in measured_pipeline:
+        for r in ranks:
+            if (r["layout"]["schedule"] in ("zbv", "dualpipev")) == zero_bubble:
+                for row in r["activations"]:
+                    yield r, row
+
+
+def test_pipeline_model_states_exact_per_stage(measured_pipeline):
+    """Every pp rank holds exactly the parameter, gradient and Adam-moment bytes of its stage(s)."""
+    for ranks in measured_pipeline:
+        for r in ranks:
+            print(f"states {r['layout']} rank {r['rank']}: measured {r['states']} estimated {r['estimated_states']}")
+            assert r["states"] == r["estimated_states"], (r["layout"], r["rank"])
+        assert len({json.dumps(r["states"]) for r in ranks}) > 1  # the stages really differ
+
+
+def test_pipeline_activations_within_5_percent(measured_pipeline):
+    """Bytes saved over the step (m micro-batches) and the peak of saved bytes alive at once (the schedule's
+    in-flight micro-batches: m for GPipe, p - r for 1F1B, the interleaved warm-up count) against the model."""
+    rows = list(_pipeline_rows(measured_pipeline, zero_bubble=False))
+    assert rows
+    for r, row in rows:
+        total = row["estimated_total"] / row["measured_total"] - 1
+        peak = row["estimated_peak"] / row["measured_peak"] - 1
+        print(f"pipeline {r['layout']} rank {r['rank']}: saved over the step measured {row['measured_total']} B "
+              f"estimated {row['estimated_total']} B ({100 * total:+.2f}%); peak alive measured {row['measured_peak']} "
+              f"B estimated {row['estimated_peak']} B ({100 * peak:+.2f}%, {row['in_flight']} micro-batches)")
+        assert abs(total) <= 0.05, (r["layout"], r["rank"], row)
+        assert abs(peak) <= 0.05, (r["layout"], r["rank"], row)
+
+
+@pytest.mark.xfail(strict=True, reason="ZBV keeps more alive than its action list implies (measured: the estimate, "
+                   "read off ScheduleZBVZeroBubble's F/I/W order, is 20-30% low at p=2, m=4); see docs/pipeline.md")
+def test_zero_bubble_activation_peak(measured_pipeline):
+    rows = list(_pipeline_rows(measured_pipeline, zero_bubble=True))
+    assert rows
+    for r, row in rows:
+        total = row["estimated_total"] / row["measured_total"] - 1
+        peak = row["estimated_peak"] / row["measured_peak"] - 1
+        print(f"zbv rank {r['rank']}: total {100 * total:+.2f}%, peak {100 * peak:+.2f}%")
+        assert abs(total) <= 0.05
+        assert abs(peak) <= 0.05

@@ -125,7 +125,8 @@ class MemoryEstimatorCallback(L.Callback):
             rank_zero_info(f"MemoryEstimatorCallback: check skipped (precision {trainer.precision!r} is not modelled; "
                            f"modelled: {list(PRECISIONS)}).")
             return
-        m = max(trainer.accumulate_grad_batches, parallel_config.pp)
+        # micro-batches per step: the pipeline schedule's m (resolved by the strategy), else gradient accumulation
+        m = getattr(trainer.strategy, "num_microbatches", 1) if parallel_config.pp > 1 else trainer.accumulate_grad_batches
         if self.formula == "fujii2024":
             from lightning_4d.memory.fujii2024 import fujii2024_from_config
 

@@ -80,8 +80,12 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--sequence-parallel", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                        help="default: on when tp > 1")
         p.add_argument("--num-microbatches", type=int, help="micro-batches per step (pipeline schedules)")
-        p.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved_1f1b", "zbv"])
-        p.add_argument("--virtual-pipeline-stages", type=int, default=1)
+        p.add_argument("--pipeline-schedule", default="1f1b",
+                       choices=["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"])
+        p.add_argument("--virtual-pipeline-stages", type=int, default=None,
+                       help="stages per pp rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others)")
+        p.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
+                       help="decoder layers per pipeline stage (pp*v counts)")
     else:
         p.add_argument("--num-gpus", type=int, required=True)
         p.add_argument("--gpus-per-node", type=int, default=8)
@@ -89,7 +93,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--top", type=int, default=20)
         p.add_argument("--peak-tflops", type=float, help="custom GPU: dense bf16 peak (TFLOP/s)")
         p.add_argument("--supported-only", action="store_true",
-                       help="only layouts FourDStrategy runs today (pp = cp = 1)")
+                       help="only layouts FourDStrategy runs today (cp = 1)")
     return p
 
 
@@ -102,7 +106,9 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     gpu = _gpu(args)
     pc = ParallelConfig(data_parallel_size=args.dp or "auto", tensor_parallel_size=args.tp,
                         pipeline_parallel_size=args.pp, context_parallel_size=args.cp, zero_stage=args.zero_stage,
-                        sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing)
+                        sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
+                        pipeline_schedule=args.pipeline_schedule, virtual_pipeline_stages=args.virtual_pipeline_stages,
+                        num_microbatches=args.num_microbatches, pipeline_layer_split=args.pipeline_layer_split)
     if args.dp is None:
         if args.num_gpus is None:
             raise ValueError("give --dp or --num-gpus.")
@@ -117,13 +123,12 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         pc.validate_sequence(args.seq_length)
         est = fujii2024_from_config(cfg, tp=pc.tp, pp=pc.pp, dp=pc.dp, cp=pc.cp, seq_length=args.seq_length,
                                     micro_batch_size=args.micro_batch_size, num_microbatches=m,
-                                    virtual_stages=args.virtual_pipeline_stages,
+                                    virtual_stages=pc.v,
                                     distributed_optimizer=pc.zero_stage == 1)
         out = dict(est.to_dict())
     else:
-        est = estimate_memory(cfg, pc, args.micro_batch_size, args.seq_length, args.precision, num_microbatches=m,
-                              pipeline_schedule=args.pipeline_schedule,
-                              virtual_pipeline_stages=args.virtual_pipeline_stages, gpu_name=gpu.name)
+        est = estimate_memory(cfg, pc, args.micro_batch_size, args.seq_length, args.precision,
+                              num_microbatches=args.num_microbatches, gpu_name=gpu.name)
         out = est.to_dict()
     total = out["total"]
     out.update(total_gib=total / GIB, fraction=total / gpu.memory, fits=total <= args.budget * gpu.memory,

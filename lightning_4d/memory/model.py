@@ -63,10 +63,10 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Union
 
-from lightning_4d.config import ParallelConfig, _check_positive_int
+from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, _check_positive_int
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 
 __all__ = [
@@ -85,7 +85,6 @@ _PRECISION_ALIASES = {"32": "32-true", "fp32": "32-true", "float32": "32-true", 
                       "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "32-true": "32-true",
                       # float16 has bfloat16's byte counts
                       "16": "bf16-mixed", "16-mixed": "bf16-mixed", "16-true": "bf16-true"}
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 _ZERO1_GATHER_BUCKET = 100 * 2**20  # ShardedOptimizer.all_gather: buckets of 4 x 25 MiB of parameters
 
 
@@ -125,12 +124,27 @@ class _Param:
         return self.rows * self.cols
 
 
-def _stage_layers(num_layers: int, pp: int, layer_split: Optional[list[int]] = None) -> list[range]:
-    if layer_split is None:
-        per = num_layers // pp
-        layer_split = [per] * pp
-    starts = [sum(layer_split[:i]) for i in range(len(layer_split))]
-    return [range(s, s + n) for s, n in zip(starts, layer_split)]
+def _with_pipeline(pc: ParallelConfig, **overrides: Any) -> ParallelConfig:
+    """``pc`` with the pipeline options given (not ``None``) replaced (validated by ``ParallelConfig``)."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return replace(pc, **overrides) if overrides else pc
+
+
+def _rank_chunks(num_layers: int, pc: ParallelConfig, rank: int) -> list[tuple[int, range]]:
+    """``[(stage index, decoder layers), ...]`` of pp rank ``rank`` (its v stages; see
+    :meth:`ParallelConfig.stage_indices` and :meth:`ParallelConfig.layer_split`)."""
+    if pc.pp == 1:
+        return [(0, range(num_layers))]
+    split = pc.layer_split(num_layers)
+    starts = [sum(split[:k]) for k in range(len(split))]
+    return [(st, range(starts[st], starts[st] + split[st])) for st in pc.stage_indices(rank)]
+
+
+def _rank_layout(num_layers: int, pc: ParallelConfig, rank: int) -> tuple[int, bool, bool]:
+    """(decoder layers, holds the embedding, holds the final norm + head) of pp rank ``rank``."""
+    chunks = _rank_chunks(num_layers, pc, rank)
+    stages = {st for st, _ in chunks}
+    return sum(len(r) for _, r in chunks), 0 in stages, pc.num_stages - 1 in stages or pc.pp == 1
 
 
 def _stage_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> list[_Param]:
@@ -159,10 +173,10 @@ def _stage_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> 
     return out
 
 
-def _weighted_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> list[tuple[_Param, int]]:
+def _weighted_params(cfg: Any, tp: int, num_layers: int, first: bool, last: bool) -> list[tuple[_Param, int]]:
     """:func:`_stage_params` with the (identical) layers folded into one representative layer and a count."""
-    one = range(layers.start, layers.start + 1) if len(layers) else range(0)
-    return [(p, len(layers) if p.unit != "root" else 1) for p in _stage_params(cfg, tp, one, first, last)]
+    one = range(0, 1) if num_layers else range(0)
+    return [(p, num_layers if p.unit != "root" else 1) for p in _stage_params(cfg, tp, one, first, last)]
 
 
 def _chunk(n: int, world: int, rank: int) -> int:
@@ -210,9 +224,11 @@ def model_state_bytes(
             ``head_dim``, ``tie_word_embeddings``).
         parallel_config: the layout (``data_parallel_size`` resolved).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
-        stage: pipeline stage (0 .. pp−1).
+        stage: the pp rank (0 .. pp−1); it holds the ``v`` pipeline stages of
+            :meth:`~lightning_4d.config.ParallelConfig.stage_indices` (schedule and v from ``parallel_config``).
         dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards).
-        pipeline_layer_split: layers per stage (default ``L/pp`` each).
+        pipeline_layer_split: layers per pipeline stage (``pp·v`` counts; default ``parallel_config``'s, else
+            equal).
 
     Returns:
         :class:`ModelStates`: parameters and gradients in the parameter dtype, optimizer states = 2 moments.
@@ -221,14 +237,14 @@ def model_state_bytes(
         ValueError: an unknown precision, a stage or rank out of range.
     """
     dt = _Dtypes.of(_precision(precision))
-    pc = parallel_config
+    pc = _with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
     if not 0 <= stage < pc.pp:
         raise ValueError(f"stage={stage} is not valid: expected 0 .. {pc.pp - 1}.")
     if not 0 <= dp_cp_rank < pc.dp_cp:
         raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
-    layers = _stage_layers(model_config.num_layers, pc.pp, pipeline_layer_split)[stage]
+    n_layers, first, last = _rank_layout(model_config.num_layers, pc, stage)
     n_param = n_grad = n_opt = 0
-    for p, count in _weighted_params(model_config, pc.tp, layers, stage == 0, stage == pc.pp - 1):
+    for p, count in _weighted_params(model_config, pc.tp, n_layers, first, last):
         a, g, o = _zero_numel(p, pc.zero_stage, pc.dp_cp, dp_cp_rank)
         n_param, n_grad, n_opt = n_param + count * a, n_grad + count * g, n_opt + count * o
     return ModelStates(n_param * dt.param, n_grad * dt.param, 2 * n_opt * dt.param)
@@ -258,7 +274,7 @@ def saved_activation_bytes(
     stage: int = 0,
     pipeline_layer_split: Optional[list[int]] = None,
 ) -> dict[str, int]:
-    """Bytes saved for backward by one micro-batch's forward on one rank of ``stage``, by part.
+    """Bytes saved for backward by one micro-batch's forward through all stages of pp rank ``stage``, by part.
 
     Returns a dict with ``layers`` (all layers of the stage: their saved tensors, or only their inputs under full
     activation checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input),
@@ -272,53 +288,127 @@ def saved_activation_bytes(
     """
     b = _check_positive_int("micro_batch_size", micro_batch_size)
     _check_positive_int("seq_length", seq_length)
-    pc = parallel_config
+    pc = _with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
     pc.validate_sequence(seq_length)
     dt = _Dtypes.of(_precision(precision))
     tp, sp, cp = pc.tp, pc.sp, pc.cp
     s = seq_length // cp
     s_sp = s // tp if sp else s
     h, vocab = model_config.hidden_size, model_config.padded_vocab_size
-    layers = _stage_layers(model_config.num_layers, pc.pp, pipeline_layer_split)[stage]
-    first, last = stage == 0, stage == pc.pp - 1
+    n_layers, first, last = _rank_layout(model_config.num_layers, pc, stage)
     per_layer = _layer_saved(model_config, dt, b, s, tp, sp)
     full_ac = pc.activation_checkpointing == "full"
     out = {
-        "layers": len(layers) * (dt.residual * b * s_sp * h if full_ac else per_layer),
+        "layers": n_layers * (dt.residual * b * s_sp * h if full_ac else per_layer),
         "embedding": 8 * b * s if first else 0,
         "rope": 2 * 4 * s * (model_config.head_dim // 2),
         "head": (4 * b * s_sp * h + 4 * b * s_sp + dt.residual * b * s_sp * h + dt.compute * b * s * h) if last else 0,
         "loss": (4 * b * s * (vocab // tp) + 8 * b * s) if last else 0,
         "compute_weights": 0,
         "context_parallel_kv": 0,
-        "recompute": per_layer if full_ac and len(layers) else 0,
+        "recompute": per_layer if full_ac and n_layers else 0,
     }
     if dt.autocast:
         # autocast's bfloat16 weight copies; a checkpointed layer's are made again (and dropped) in its recompute
-        cast = [(p, n) for p, n in _weighted_params(model_config, tp, layers, first, last)
+        cast = [(p, n) for p, n in _weighted_params(model_config, tp, n_layers, first, last)
                 if p.matrix and p.name != "tok_embeddings.weight"]
         in_layers = sum(p.numel * n for p, n in cast if p.unit != "root")
         out["compute_weights"] = 2 * (sum(p.numel * n for p, n in cast) - (in_layers if full_ac else 0))
         if last and model_config.tie_word_embeddings and first:  # the tied head is cast too
             out["compute_weights"] += 2 * (vocab // tp) * h
-        if full_ac and len(layers):
-            out["recompute"] += 2 * in_layers // len(layers)
+        if full_ac and n_layers:
+            out["recompute"] += 2 * in_layers // n_layers
     if cp > 1:
         kv = 2 * dt.compute * b * seq_length * (model_config.num_kv_heads // tp) * model_config.head_dim
-        out["context_parallel_kv"] = (1 if full_ac else len(layers)) * kv
+        out["context_parallel_kv"] = (1 if full_ac else n_layers) * kv
     return out
 
 
-def _in_flight(schedule: str, pp: int, stage: int, m: int, v: int) -> float:
-    """Micro-batches (in units of one stage's activations) held at the peak by ``stage``."""
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "interleaved_1f1b":
-        chunks = min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
-        return chunks / v
-    return float(min(m, pp - stage))  # 1f1b; zbv approximated by 1f1b (issue 4 refines)
+def _in_flight(pc: ParallelConfig, rank: int, m: int) -> list[int]:
+    """Micro-batches whose activations pp rank ``rank`` holds at its peak, per stage it holds (the order of
+    :func:`_rank_chunks`), for the schedules of ``torch.distributed.pipelining`` (counts read off their action lists
+    for rank r of p, stages per rank v, m micro-batches):
+
+    - GPipe: all m forwards before the first backward: ``m``;
+    - 1F1B: ``p - r - 1`` warm-up forwards, then one forward and one backward at a time: ``min(m, p - r)``
+      (Narayanan et al. 2021, PipeDream-Flush, arXiv 2006.09503);
+    - interleaved 1F1B: ``w = min(m·v, (v-1)·n + 2(p-1-r) + 1)`` forwards in flight (warm-up of
+      ``_get_warmup_ops`` + 1; n = micro-batches per round = m // max(1, m // p)), handed out to the rank's
+      stages in rounds of n (Narayanan et al. 2021, Megatron-LM, arXiv 2104.04473, §2.2);
+    - ZBV zero-bubble (and DualPipeV, approximated by it): see :func:`_zbv_peak`; the counts returned here are
+      those at that peak.
+    """
+    chunks = len(_rank_chunks(1 if pc.pp == 1 else pc.num_stages, pc, rank)) if pc.pp > 1 else 1
+    p, r, v = pc.pp, rank, chunks
+    if p == 1:
+        return [1]
+    name = pc.pipeline_schedule
+    if name == "gpipe":
+        return [m] * v
+    if name == "1f1b":
+        return [min(m, p - r)] * v
+    if name == "interleaved_1f1b":
+        per_round = m // max(1, m // p)
+        warm = min(m * v, (v - 1) * per_round + 2 * (p - 1 - r) + 1)
+        counts = [0] * v
+        for step in range(warm):
+            counts[(step // per_round) % v] += 1
+        return [min(m, c) for c in counts]
+    return list(_zbv_peak(p, r, m, (1.0, 1.0))[1])  # zbv, dualpipev: (stage r, stage 2p-1-r)
+
+
+def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float]) -> tuple[float, tuple[int, int]]:
+    """Peak of ``held[0]·sizes[0] + held[1]·sizes[1]`` over ``ScheduleZBVZeroBubble``'s action list for rank r,
+    with ``held[i]`` the micro-batches forwarded through the rank's stage i (stage r, then stage 2p-1-r) whose weight
+    gradient (W, which frees what the input-gradient pass I kept) has not run yet; returns (peak, held at the peak).
+
+    The list is the schedule's (``torch.distributed.pipelining``): warm-up ``2(p-r)-1`` F of stage 0, ``r`` pairs
+    (F stage 1, F stage 0), ``p-r`` triples (F, I, W of stage 1); steady pairs (F stage 0 while micro-batches remain;
+    I, W stage 0; F, I, W stage 1); cool-down (I of both, then I, W of stage 0, then the remaining W), with the
+    schedule's micro-batch count ``max(2p-1, m)`` and actions on indices >= m dropped.
+    """
+    n = max(2 * p - 1, m)
+    held, best = [0, 0], (0.0, (0, 0))
+    f = [0, 0]
+
+    def step(chunk: int, delta: int, index: int) -> None:
+        nonlocal best
+        if index >= m:
+            return
+        held[chunk] += delta
+        value = held[0] * sizes[0] + held[1] * sizes[1]
+        if value > best[0]:
+            best = (value, (held[0], held[1]))
+
+    def forward(chunk: int) -> None:
+        step(chunk, +1, f[chunk])
+        f[chunk] += 1
+
+    w = [0, 0]
+
+    def weight(chunk: int) -> None:
+        step(chunk, -1, w[chunk])
+        w[chunk] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        forward(0)
+    for _ in range(r):
+        forward(1)
+        forward(0)
+    for _ in range(p - r):
+        forward(1)
+        weight(1)
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            forward(0)
+        weight(0)
+        forward(1)
+        weight(1)
+    while w[1] < f[1]:
+        weight(1)
+    while w[0] < f[0]:
+        weight(0)
+    return best
 
 
 @dataclass(frozen=True)
@@ -379,8 +469,8 @@ def estimate_memory(
     precision: str = "bf16-mixed",
     *,
     num_microbatches: Optional[int] = None,
-    pipeline_schedule: str = "1f1b",
-    virtual_pipeline_stages: int = 1,
+    pipeline_schedule: Optional[str] = None,
+    virtual_pipeline_stages: Optional[int] = None,
     pipeline_layer_split: Optional[list[int]] = None,
     stage: Optional[int] = None,
     dp_cp_rank: int = 0,
@@ -396,11 +486,13 @@ def estimate_memory(
         micro_batch_size: samples per micro-batch per dp rank (b).
         seq_length: tokens per sample (s, the full sequence before cp splits it).
         precision: ``"32-true"``, ``"bf16-mixed"`` (default) or ``"bf16-true"``.
-        num_microbatches: m, micro-batches per optimizer step (pipeline schedules; default pp).
-        pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zbv"``.
-        virtual_pipeline_stages: v (interleaved).
-        pipeline_layer_split: layers per stage.
-        stage: one stage; default: every stage is estimated and the largest returned.
+        num_microbatches: m, micro-batches per optimizer step (default ``parallel_config.num_microbatches``, else
+            pp; 2·pp for dualpipev).
+        pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zbv"`` or ``"dualpipev"`` (default
+            ``parallel_config``'s).
+        virtual_pipeline_stages: v, stages per pp rank (default ``parallel_config``'s, i.e. the schedule's).
+        pipeline_layer_split: layers per pipeline stage, ``pp·v`` counts (default ``parallel_config``'s).
+        stage: one pp rank; default: every pp rank is estimated and the largest returned.
         dp_cp_rank: rank in ``dp_cp`` (0 holds the largest ZeRO shards).
         device_type: ``"cuda"`` adds the overhead allowance; ``"cpu"`` none.
         overhead: an explicit allowance (default: from ``overhead.json`` for ``gpu_name``).
@@ -410,27 +502,22 @@ def estimate_memory(
         :class:`MemoryEstimate` (module docstring: formulas and sources).
 
     Raises:
-        ValueError: an invalid layout for the model (tp not dividing heads, pp > layers, ...), a sequence length
-            the layout cannot split, an unknown precision or schedule, non-positive sizes.
+        ValueError: an invalid layout for the model (tp not dividing heads, layers not splitting into pp·v
+            stages, ...), a sequence length the layout cannot split, an unknown precision or schedule, a
+            ``num_microbatches`` the schedule cannot run, non-positive sizes.
     """
     cfg = _model(model_config)
-    pc = parallel_config
-    if pc.data_parallel_size == "auto":
+    if parallel_config.data_parallel_size == "auto":
         raise ValueError("parallel_config.data_parallel_size is 'auto': call parallel_config.resolve(world_size).")
+    pc = _with_pipeline(parallel_config, pipeline_schedule=pipeline_schedule,
+                        virtual_pipeline_stages=virtual_pipeline_stages, pipeline_layer_split=pipeline_layer_split)
     pc.validate_model(cfg)
-    if pipeline_schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is not valid: expected one of {list(PIPELINE_SCHEDULES)}.")
-    _check_positive_int("virtual_pipeline_stages", virtual_pipeline_stages)
-    if pipeline_layer_split is not None and (len(pipeline_layer_split) != pc.pp or sum(pipeline_layer_split) != cfg.num_layers):
-        raise ValueError(
-            f"pipeline_layer_split={pipeline_layer_split} is not valid: expected {pc.pp} layer counts summing to "
-            f"num_layers={cfg.num_layers}."
-        )
+    m = num_microbatches or pc.num_microbatches or (2 * pc.pp if pc.pipeline_schedule == "dualpipev" else pc.pp)
+    pc.validate_microbatches(m)
     stages = [stage] if stage is not None else list(range(pc.pp))
     results = [
-        _estimate_stage(cfg, pc, micro_batch_size, seq_length, _precision(precision), st,
-                        num_microbatches or pc.pp, pipeline_schedule, virtual_pipeline_stages, pipeline_layer_split,
-                        dp_cp_rank, device_type, overhead, gpu_name)
+        _estimate_stage(cfg, pc, micro_batch_size, seq_length, _precision(precision), st, m, dp_cp_rank,
+                        device_type, overhead, gpu_name)
         for st in stages
     ]
     return max(results, key=lambda e: e.total)
@@ -451,48 +538,75 @@ def _model(model_config: Any) -> Any:
     return model_config
 
 
-def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str, stage: int, m: int,
-                    schedule: str, v: int, split: Optional[list[int]], rank: int, device_type: str,
-                    overhead: Optional[OverheadAllowance], gpu_name: Optional[str]) -> MemoryEstimate:
+def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str, stage: int, m: int, rank: int,
+                    device_type: str, overhead: Optional[OverheadAllowance], gpu_name: Optional[str]) -> MemoryEstimate:
     from lightning_4d.memory.hardware import overhead_allowance
 
     dt = _Dtypes.of(precision)
-    states = model_state_bytes(cfg, pc, precision, stage=stage, dp_cp_rank=rank, pipeline_layer_split=split)
-    saved = saved_activation_bytes(cfg, pc, b, s, precision, stage=stage, pipeline_layer_split=split)
-    layers = _stage_layers(cfg.num_layers, pc.pp, split)[stage]
-    first, last = stage == 0, stage == pc.pp - 1
-    params = _weighted_params(cfg, pc.tp, layers, first, last)
+    states = model_state_bytes(cfg, pc, precision, stage=stage, dp_cp_rank=rank)
+    saved = saved_activation_bytes(cfg, pc, b, s, precision, stage=stage)
+    chunks = _rank_chunks(cfg.num_layers, pc, stage)
+    n_layers, first, last = _rank_layout(cfg.num_layers, pc, stage)
+    params = _weighted_params(cfg, pc.tp, n_layers, first, last)
     world, zero = pc.dp_cp, pc.zero_stage
     tp, vocab, h = pc.tp, cfg.padded_vocab_size, cfg.hidden_size
     tokens = b * (s // pc.cp)
 
-    in_flight = _in_flight(schedule, pc.pp, stage, m, v)
-    per_microbatch = saved["layers"] + saved["embedding"] + saved["head"] + saved["loss"] + saved["context_parallel_kv"]
-    activations = int(per_microbatch * in_flight) + saved["rope"] + saved["recompute"]
+    # activations: every stage of the rank holds its in-flight micro-batches' saved tensors; the embedding's with
+    # the first stage, the head's and the loss's with the last
+    counts = _in_flight(pc, stage, m)
+    per_layer = (saved["layers"] + (0 if pc.activation_checkpointing == "full" else saved["context_parallel_kv"])) / max(1, n_layers)
+    # one micro-batch's saved bytes per stage of the rank: its layers, the embedding's with the first stage, the
+    # head's and the loss's with the last; under pp each stage's forward computes its own RoPE tables
+    sizes = [len(layers) * per_layer + (saved["embedding"] if st == 0 else 0)
+             + (saved["head"] + saved["loss"] if st == pc.num_stages - 1 or pc.pp == 1 else 0)
+             + (saved["rope"] if pc.pp > 1 else 0) for st, layers in chunks]
+    if pc.pp > 1 and pc.pipeline_schedule in ("zbv", "dualpipev"):
+        peak, _ = _zbv_peak(pc.pp, stage, m, (sizes[0], sizes[1]))
+    else:
+        peak = sum(c * size for c, size in zip(counts, sizes))
+    activations = int(peak) + (saved["rope"] if pc.pp == 1 else 0) + saved["recompute"]
+    if pc.activation_checkpointing == "full":
+        activations += saved["context_parallel_kv"]
+    in_flight = sum(c * len(layers) for c, (_, layers) in zip(counts, chunks)) / max(1, n_layers)
     # the loss working set beyond the saved float32 log-probs (in activations, as saved_loss): their gradient and the
     # logits' gradient in float32, + the cast to the compute dtype
     logits = (8 + (dt.compute if dt.compute != 4 else 0)) * tokens * (vocab // tp) if last else 0
     compute_weights = saved["compute_weights"]
+    if pc.pp > 1:
+        # autocast casts the weights again in every micro-batch's forward: one copy per in-flight micro-batch
+        compute_weights = int(compute_weights * in_flight)
 
     # FSDP2: parameters gathered for compute (padded all-gather outputs), unsharded gradients before reduce-scatter
     largest_layer = sum(_padded_numel(p, world) for p, _ in params if p.unit != "root") * dt.param
     root = sum(_padded_numel(p, world) for p, _ in params if p.unit == "root") * dt.param
     gathered_start = gathered_end = grad_buffers = 0
-    if zero == 2:
-        gathered_start = root + len(layers) * largest_layer  # kept unsharded from forward to backward
+    if zero >= 2 and pc.pp > 1:
+        # under a pipeline schedule FSDP2 neither reshards after backward nor reduces gradients until the last
+        # micro-batch (PipelineStage.backward_maybe_with_nosync): all the rank's parameters and their unsharded
+        # gradients are held from the first backward to the end of the step
+        gathered_start = gathered_end = root + n_layers * largest_layer
+        grad_buffers = root + n_layers * largest_layer
+    elif zero == 2:
+        gathered_start = root + n_layers * largest_layer  # kept unsharded from forward to backward
         gathered_end = root + largest_layer
     elif zero == 3:
         gathered_start = root + 2 * largest_layer  # root + the layer in backward + the prefetched one
         gathered_end = root + 2 * largest_layer
-    if zero >= 2:
+    if zero >= 2 and pc.pp == 1:
         grad_buffers = root + 2 * largest_layer  # root's unsharded gradients live to the end; 2 units in flight
-    elif world > 1:
+    elif zero <= 1 and world > 1:
         grad_buffers = states.gradients  # GradientSynchronizer's flat bucket copies, all in flight at the end
     head = next((p for p, _ in params if p.name == "output.weight"), None)
     if head is None and last and cfg.tie_word_embeddings:
         head = next(p for p, _ in params if p.name == "tok_embeddings.weight")
     head_grad = head.numel * dt.param if head is not None else 0
-    pipeline_buffers = 2 * dt.compute * tokens * h // (tp if pc.sp else 1) if pc.pp > 1 else 0
+    # PipelineStage allocates, once, a receive buffer per micro-batch for the activations of every stage but the
+    # first and for the gradients of every stage but the last (one micro-batch's hidden states each, in the residual
+    # stream's dtype, sequence-sharded under sp)
+    hidden = dt.residual * tokens * h // (tp if pc.sp else 1)
+    boundaries = sum((st != 0) + (st != pc.num_stages - 1) for st, _ in chunks) if pc.pp > 1 else 0
+    pipeline_buffers = m * boundaries * hidden
 
     step_temp = states.optimizer_states // 2  # foreach AdamW: sqrt of the second moments
     if zero == 1 and world > 1:
@@ -513,6 +627,7 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
         **{f"saved_{k}": val for k, val in saved.items()},
         "saved_for_backward": sum(saved.values()) - saved["recompute"],
         "in_flight_microbatches_x1000": int(in_flight * 1000),
+        "num_microbatches": m if pc.pp > 1 else 1,
         "compute_weights": compute_weights,
         "gathered_parameters": max(gathered_start, gathered_end),
         "gradient_buffers": grad_buffers,

@@ -97,14 +97,14 @@ def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_
     """Every valid ``(parallel_config, micro_batch_size, num_microbatches)`` of a job (see the module docstring).
 
     Args:
-        supported_only: only layouts FourDStrategy runs today (pp = cp = 1).
+        supported_only: only layouts FourDStrategy runs today (cp = 1).
         micro_batch_size: keep b fixed (the memory check's suggestions keep the user's batch shape).
     """
     for tp in _divisors(min(num_gpus, gpus_per_node)):
         if num_gpus % tp:
             continue
         for pp in _divisors(model_config.num_layers):
-            if (num_gpus // tp) % pp or (supported_only and pp > 1):
+            if (num_gpus // tp) % pp:
                 continue
             for cp in _divisors(num_gpus // (tp * pp)):
                 if cp > MAX_CONTEXT_PARALLEL or (supported_only and cp > 1):

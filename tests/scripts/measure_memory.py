@@ -1,7 +1,10 @@
 """Measure, per rank, what one training step of FourDStrategy really holds, next to the memory model's figures.
 
-For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied) one ``Trainer.fit`` runs one optimizer step
-per batch shape (b, s) in ``--shapes``. Around each ``training_step`` (forward + loss) a
+For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied, and pp, schedule, m for pipelines) one
+``Trainer.fit`` runs one optimizer step per batch shape (b, s) in ``--shapes`` (a pipeline: two steps of the first
+shape, the second measured, with batches of b·m split by the schedule). Under a pipeline the pack hook also tracks
+when autograd frees each saved value, giving the peak of saved bytes alive at once during the schedule (the
+in-flight micro-batches) and the bytes saved over the step. Around each ``training_step`` (forward + loss) a
 ``torch.autograd.graph.saved_tensors_hooks`` pack hook records every storage saved for backward once (parameters
 excluded: they are model states), and a forward pre-hook on each activation-checkpointed block records the inputs
 the checkpoint keeps. Before the first optimizer step the bytes of the local parameter, gradient and Adam-moment
@@ -28,7 +31,7 @@ from torch.autograd.graph import saved_tensors_hooks  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 from lightning_4d import FourDStrategy, ParallelConfig  # noqa: E402
-from lightning_4d.memory.model import model_state_bytes, saved_activation_bytes  # noqa: E402
+from lightning_4d.memory.model import estimate_memory, model_state_bytes, saved_activation_bytes  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
 from lightning_4d.parallel.zero import local_bytes  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
@@ -59,10 +62,25 @@ class Shapes(IterableDataset):
             yield {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
+class _Held:
+    """What the pack hook stores in the autograd graph: the tensor, and a release callback run when autograd frees
+    the saved value (after the backward that used it)."""
+
+    __slots__ = ("t", "release")
+
+    def __init__(self, t, release) -> None:
+        self.t, self.release = t, release
+
+    def __del__(self) -> None:
+        self.release()
+
+
 class Measured(CausalLMModule):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.saved: list[int] = []
+        self.peak_live: list[int] = []  # largest bytes of saved tensors alive at once during the step (pipelines)
+        self.total_packed: list[int] = []  # bytes saved over the whole step (each micro-batch's storages once)
         self.states: dict[str, int] = {}
 
     def training_step(self, batch, batch_idx):
@@ -72,16 +90,38 @@ class Measured(CausalLMModule):
             return {st.data_ptr() for p in self.parameters() for st in _storages(p)}
 
         param_ptrs = params()
+        live: dict[int, list[int]] = {}  # storage -> [saved values holding it, bytes]
+        stats = {"current": 0, "peak": 0, "total": 0}
+
+        def release(ptrs: list[int]) -> None:
+            for ptr in ptrs:
+                entry = live.get(ptr)
+                if entry is None:
+                    continue
+                entry[0] -= 1
+                if entry[0] == 0:
+                    stats["current"] -= entry[1]
+                    del live[ptr]
 
         def pack(t):
+            ptrs = []
             for st in _storages(t):
                 ptr = st.data_ptr()
-                if ptr not in seen and ptr not in param_ptrs:
-                    if isinstance(t, torch.nn.Parameter) or ptr in params():  # FSDP2's unsharded params
-                        param_ptrs.add(ptr)
-                    else:
-                        seen[ptr] = st.nbytes()
-            return t
+                if ptr in param_ptrs:
+                    continue
+                if isinstance(t, torch.nn.Parameter) or ptr in params():  # FSDP2's unsharded params
+                    param_ptrs.add(ptr)
+                    continue
+                seen.setdefault(ptr, st.nbytes())
+                ptrs.append(ptr)
+                if ptr in live:
+                    live[ptr][0] += 1
+                else:
+                    live[ptr] = [1, st.nbytes()]
+                    stats["current"] += st.nbytes()
+                    stats["total"] += st.nbytes()
+                    stats["peak"] = max(stats["peak"], stats["current"])
+            return _Held(t, lambda: release(ptrs))
 
         def keep_inputs(module, args):
             for a in args:
@@ -92,12 +132,14 @@ class Measured(CausalLMModule):
         hooks = [m.register_forward_pre_hook(keep_inputs) for m in self.modules()
                  if type(m).__name__ == "CheckpointWrapper"]
         try:
-            with saved_tensors_hooks(pack, lambda t: t):
+            with saved_tensors_hooks(pack, lambda held: held.t):
                 loss = super().training_step(batch, batch_idx)
         finally:
             for h in hooks:
                 h.remove()
         self.saved.append(sum(seen.values()))
+        self.peak_live.append(stats["peak"])
+        self.total_packed.append(stats["total"])
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -114,14 +156,21 @@ class Measured(CausalLMModule):
             self.states["optimizer_states"] = local_bytes(moments)
 
 
-def run(layout: dict, shapes: list[tuple[int, int]], model: str) -> dict:
+def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | None = None) -> dict:
     L.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = LlamaConfig.from_preset(model, tie_word_embeddings=layout.get("tied", False))
+    overrides = {"num_layers": layers} if layers else {}
+    cfg = LlamaConfig.from_preset(model, tie_word_embeddings=layout.get("tied", False), **overrides)
     module = Measured(cfg, learning_rate=1e-3, warmup_steps=1, max_steps=len(shapes), init_seed=7)
     kw = dict(data_parallel_size=layout.get("dp", 1), tensor_parallel_size=layout.get("tp", 1),
               zero_stage=layout.get("zero", 0), sequence_parallel=layout.get("sp"),
-              activation_checkpointing=layout.get("ac", "none"))
+              activation_checkpointing=layout.get("ac", "none"), pipeline_parallel_size=layout.get("pp", 1),
+              pipeline_schedule=layout.get("schedule", "1f1b"), num_microbatches=layout.get("m"))
+    pp, m = layout.get("pp", 1), layout.get("m", 1)
+    if pp > 1:
+        # a pipeline keeps one batch shape (its stages' buffers are sized once); the first step also runs the
+        # schedule's shape inference, so each shape is measured on a second step
+        shapes = [shape for shape in shapes[:1] for _ in range(2)]
     strategy = FourDStrategy(**kw, process_group_backend="gloo", timeout=timedelta(seconds=120))
     precision = layout.get("precision", "32-true")
     trainer = L.Trainer(
@@ -129,16 +178,26 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str) -> dict:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
     )
-    trainer.fit(module, DataLoader(Shapes(shapes, cfg.vocab_size), batch_size=None))
+    batches = [(b * m, s) for b, s in shapes] if pp > 1 else shapes  # the schedule splits a batch into m
+    trainer.fit(module, DataLoader(Shapes(batches, cfg.vocab_size), batch_size=None))
     pc = ParallelConfig(**kw).resolve(world)
     rank = trainer.global_rank
     dp_cp_rank = (rank // pc.tp) % pc.dp_cp
-    estimated_states = model_state_bytes(cfg, pc, precision, dp_cp_rank=dp_cp_rank)
+    pp_rank = rank // (pc.tp * pc.dp_cp)
+    estimated_states = model_state_bytes(cfg, pc, precision, dp_cp_rank=dp_cp_rank, stage=pp_rank)
     rows = []
-    for (b, s), measured in zip(shapes, module.saved):
-        est = saved_activation_bytes(cfg, pc, b, s, precision)
-        rows.append({"b": b, "s": s, "measured": measured,
-                     "estimated": sum(est.values()) - est["recompute"], "parts": est})
+    for i, ((b, s), measured) in enumerate(zip(shapes, module.saved)):
+        if pp > 1 and i % 2 == 0:
+            continue  # the step that also ran the schedule's shape inference
+        est = saved_activation_bytes(cfg, pc, b, s, precision, stage=pp_rank)
+        row = {"b": b, "s": s, "measured": measured, "estimated": sum(est.values()) - est["recompute"], "parts": est}
+        if pp > 1:
+            full = estimate_memory(cfg, pc, b, s, precision, stage=pp_rank, device_type="cpu")
+            row.update(measured_total=module.total_packed[i], estimated_total=m * row["estimated"],
+                       measured_peak=module.peak_live[i],
+                       estimated_peak=full.activations - est["recompute"] + full.details["compute_weights"],
+                       in_flight=full.details["in_flight_microbatches_x1000"] / 1000)
+        rows.append(row)
     return {"layout": layout, "rank": rank, "activations": rows, "states": module.states,
             "estimated_states": estimated_states.__dict__}
 
@@ -149,12 +208,13 @@ def main() -> None:
     parser.add_argument("--layouts", required=True)
     parser.add_argument("--shapes", default="[[1, 64], [2, 64], [1, 256], [2, 256]]")
     parser.add_argument("--model", default="tiny-test")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's num_layers")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shapes = [tuple(x) for x in json.loads(args.shapes)]
     for i, layout in enumerate(json.loads(args.layouts)):
-        record = run(layout, shapes, args.model)
+        record = run(layout, shapes, args.model, args.layers)
         (out / f"layout{i}_rank{record['rank']}.json").write_text(json.dumps(record))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
