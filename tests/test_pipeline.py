@@ -207,3 +207,21 @@ def test_strategy_rejects_bad_pipeline_before_process_group(tmp_path):
         with pytest.raises(ValueError, match=match):
             strategy._validate_against_module()
         assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_validate_and_predict(tmp_path, schedule):
+    """trainer.validate and trainer.predict run forward-only through the pipeline: the same val_loss on every rank as
+    one process, and the logits (on the rank holding the last stage: rank 1 for 1f1b, rank 0 for the V of zbv)."""
+    ref, pp = tmp_path / "ref", tmp_path / "pp"
+    torchrun(1, SCRIPTS / "pp_eval.py", "--out", str(ref))
+    torchrun(2, SCRIPTS / "pp_eval.py", "--out", str(pp), "--pp", "2", "--schedule", schedule)
+    expected = json.loads((ref / "eval_rank0.json").read_text())["val_loss"]
+    for rank in (0, 1):
+        got = json.loads((pp / f"eval_rank{rank}.json").read_text())["val_loss"]
+        assert abs(got - expected) <= 1e-5 * abs(expected), (rank, got, expected)
+    last = 1 if schedule == "1f1b" else 0
+    assert sorted(p.name for p in pp.glob("logits_rank*.pt")) == [f"logits_rank{last}.pt"]
+    logits, ref_logits = torch.load(pp / f"logits_rank{last}.pt"), torch.load(ref / "logits_rank0.pt")
+    assert logits.shape == ref_logits.shape == (8, 32, 256)
+    assert (logits - ref_logits).abs().max().item() <= 1e-5

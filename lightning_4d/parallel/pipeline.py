@@ -19,8 +19,8 @@ the whole batch (all micro-batches have the same number of tokens).
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
-from typing import Any, Callable, Iterable, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,6 +112,11 @@ def _invalidate(schedule: Any) -> None:
 
 def _as_local(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _as_plain(t: Tensor) -> Tensor:
+    """The local tensor of a DTensor (differentiable), or ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class PipelineRunner:
@@ -242,26 +247,60 @@ class PipelineRunner:
             p.grad = grad if p.grad is None else p.grad + grad
         self._stashed = []
 
+    @property
+    def _forward_only_works(self) -> bool:
+        # measured with torch 2.13: ZBV's and DualPipeV's action lists still hand backward inputs between their two
+        # local stages in eval mode ("can't steal_bwd_input if this stage doesn't have backward")
+        return self.config.pipeline_schedule not in ("zbv", "dualpipev")
+
+    @contextmanager
+    def _gradients_untouched(self) -> Iterator[None]:
+        """Run a schedule with backward (grad mode on, outside inference mode) and leave every ``.grad`` as found."""
+        params = self._parameters()
+        before = [p.grad for p in params]
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                yield
+        finally:
+            for p, grad in zip(params, before):
+                p.grad = grad
+
     def eval_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        """Forward only through the pipeline; returns the mean loss over the batch (the same on every pp rank)."""
+        """Forward only through the pipeline; returns the mean loss over the batch (the same on every pp rank).
+
+        ZBV and DualPipeV cannot run forward-only in this PyTorch: their full schedule runs (the backward's
+        gradients are discarded), three times the compute of a forward."""
         self._check_batch(input_ids)
-        schedule = self._use(self._train)
         losses: list[Tensor] = []
         args = (input_ids,) if self.is_first else ()
-        with self._context():
-            schedule.eval(*args, target=labels if self.is_last else None, losses=losses)
+        target = labels if self.is_last else None
+        if self._forward_only_works:
+            with self._context():
+                self._use(self._train).eval(*args, target=target, losses=losses)
+        else:
+            with self._gradients_untouched(), self._context():
+                args = tuple(a.clone() for a in args)  # not inference tensors: autograd saves them
+                target = target.clone() if target is not None else None
+                self._use(self._train).step(*args, target=target, losses=losses, return_outputs=False)
         return self._reduce_loss(losses, input_ids.device)
 
     def forward(self, input_ids: Tensor) -> Optional[Any]:
         """Forward only; returns the last stage's output (logits ``[b, s, V]``) on the rank that holds the last
         stage and ``None`` on the others."""
         self._check_batch(input_ids)
-        if self._predict is None:
-            self._predict = self._make(None)
-        schedule = self._use(self._predict)
         args = (input_ids,) if self.is_first else ()
-        with torch.no_grad():
-            return schedule.step(*args)
+        if self._forward_only_works:
+            if self._predict is None:
+                self._predict = self._make(None)
+            with torch.no_grad():
+                return self._use(self._predict).step(*args)
+        if self._predict is None:  # a zero loss: the full schedule runs, its gradients are discarded
+            self._predict = self._make(lambda output, target: _as_plain(output).float().sum() * 0.0)
+        target = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=input_ids.device)
+        with self._gradients_untouched():
+            args = tuple(a.clone() for a in args)
+            output = self._use(self._predict).step(*args, target=target if self.is_last else None, losses=[])
+        return output.detach() if isinstance(output, Tensor) else output
 
 
 # ---------------------------------------------------------------------------------------------------- clipping

@@ -1,0 +1,68 @@
+"""Validation and prediction through a pipeline: ``trainer.validate`` and ``trainer.predict`` of an untrained tiny
+Llama (same init seed, so the same weights on every layout) with the layout given, writing ``val_loss`` and the
+logits (on the ranks that hold the last stage) to ``--out``.
+
+Usage: ``torchrun --nproc-per-node 2 tests/scripts/pp_eval.py --out DIR --pp 2`` or ``python ... --pp 1`` (plain
+Lightning, one process: the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_4d import FourDStrategy  # noqa: E402
+from lightning_4d.data import LMDataModule  # noqa: E402
+from lightning_4d.models import LlamaConfig  # noqa: E402
+from lightning_4d.tasks import CausalLMModule  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--schedule", default="1f1b")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    m = 2
+    cfg = LlamaConfig.from_preset("tiny-test", num_layers=4)
+    module = CausalLMModule(cfg, init_seed=7)
+    if args.pp > 1:
+        strategy = FourDStrategy(pipeline_parallel_size=args.pp, data_parallel_size=world // args.pp, zero_stage=0,
+                                 pipeline_schedule=args.schedule, num_microbatches=m, process_group_backend="gloo",
+                                 timeout=timedelta(seconds=120))
+        micro = 2
+    else:
+        strategy, micro = "auto", 2 * m  # the same sequences per batch as the pipeline's m micro-batches
+    dm = LMDataModule(seq_length=32, micro_batch_size=micro, val_samples=8, seed=1234)
+    trainer = L.Trainer(accelerator="cpu", devices=world if args.pp > 1 else 1, strategy=strategy, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    (result,) = trainer.validate(module, dm)
+    ids = torch.randint(0, cfg.vocab_size, (8, 32), generator=torch.Generator().manual_seed(3))
+    loader = DataLoader([{"input_ids": ids[i]} for i in range(8)], batch_size=2 * m)
+    predictions = trainer.predict(module, loader)
+    rank = trainer.global_rank
+    record = {"val_loss": result["val_loss"], "rank": rank}
+    (out / f"eval_rank{rank}.json").write_text(json.dumps(record))
+    if predictions and predictions[0] is not None:
+        torch.save(torch.cat(predictions), out / f"logits_rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
