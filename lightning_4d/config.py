@@ -18,6 +18,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = ("none", "full")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 # pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
+#: context-parallel attention methods (see lightning_4d/parallel/context.py)
+CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 _SCHEDULE_STAGES = {
     "gpipe": ((1,), 1, "loop"),
@@ -49,7 +51,8 @@ class ParallelConfig:
         tensor_parallel_size: tp, the ranks that split every matrix of a layer (Megatron-style column/row split).
         pipeline_parallel_size: pp, the number of pipeline stages (not supported yet: raises NotImplementedError at
             setup).
-        context_parallel_size: cp, the ranks that split the sequence of one sample (not supported yet).
+        context_parallel_size: cp, the ranks that split the sequence of every sample (load-balanced: rank i holds
+            chunks i and 2c-1-i of 2c); attention exchanges K/V over them (``lightning_4d/parallel/context.py``).
         zero_stage: ZeRO stage over the ``dp_cp`` group: 0 replicated, 1 optimizer states sharded, 2 + gradients
             sharded, 3 + parameters sharded (Rajbhandari et al. 2020, "ZeRO", arXiv 1910.02054).
         sequence_parallel: shard the norm / residual regions of a tp group over the sequence (Korthikanti et al.
@@ -67,10 +70,14 @@ class ParallelConfig:
             strategy (global batch / (micro-batch size · dp), else p).
         pipeline_layer_split: decoder layers per stage, ``p·v`` counts in stage order summing to ``num_layers``
             (e.g. fewer on the last stage, which also holds the norm, the LM head and the loss); ``None`` = equal.
+        context_parallel_method: ``"ring"`` (K/V blocks passed around the cp group point to point, partial results
+            merged by log-sum-exp; Liu et al. 2023, arXiv 2310.01889) or ``"allgather"`` (K/V of the whole sequence
+            all-gathered, Llama 3's method, arXiv 2407.21783 §3.3.2). Both are exact.
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
-            unknown pipeline schedule or a ``virtual_pipeline_stages`` the schedule does not support.
+            unknown pipeline schedule, a ``virtual_pipeline_stages`` the schedule does not support or an unknown
+            context-parallel method.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -84,6 +91,7 @@ class ParallelConfig:
     virtual_pipeline_stages: Optional[int] = None
     num_microbatches: Optional[int] = None
     pipeline_layer_split: Optional[Sequence[int]] = None
+    context_parallel_method: str = "ring"
 
     def __post_init__(self) -> None:
         if self.data_parallel_size == -1:
@@ -103,6 +111,11 @@ class ParallelConfig:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(
                 f"pipeline_schedule={self.pipeline_schedule!r} is not valid: expected one of {list(PIPELINE_SCHEDULES)}."
+            )
+        if self.context_parallel_method not in CONTEXT_PARALLEL_METHODS:
+            raise ValueError(
+                f"context_parallel_method={self.context_parallel_method!r} is not valid: expected one of "
+                f"{list(CONTEXT_PARALLEL_METHODS)}."
             )
         allowed, _, _ = _SCHEDULE_STAGES[self.pipeline_schedule]
         if self.virtual_pipeline_stages is not None:
@@ -282,14 +295,6 @@ class ParallelConfig:
                 f"product is {world_size} (e.g. data_parallel_size={world_size // other if world_size % other == 0 else 'auto'})."
             )
         return replace(self)
-
-    def check_supported(self) -> None:
-        """Raise ``NotImplementedError`` for dimensions the strategy does not implement yet (cp > 1)."""
-        if self.cp > 1:
-            raise NotImplementedError(
-                f"context_parallel_size={self.cp}: context parallelism is not supported yet by FourDStrategy; "
-                "use context_parallel_size=1 (dp with ZeRO and tp with sequence parallelism are supported)."
-            )
 
     def validate_model(self, model_config: "LlamaConfig") -> None:
         """Check that a Llama model can be split by this layout.

@@ -1,7 +1,7 @@
 """``FourDStrategy``: a Lightning strategy that lays a Llama model out on a ``("pp", "dp", "cp", "tp")`` mesh.
 
 The order of parallelization (inside :meth:`FourDStrategy.setup`, on a model built on the meta device) is the one of
-``docs/architecture.md``: pipeline split, tensor + sequence parallel plans, context parallel attention (not yet),
+``docs/architecture.md``: pipeline split, tensor + sequence parallel plans, context parallel attention,
 activation checkpointing per layer, ``torch.compile`` per layer, ZeRO over ``dp_cp``, then materialization and the
 layout-independent initialization. Each step is one short function so the order reads top to bottom in
 :func:`parallelize_llama`.
@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_4d.config import ParallelConfig
 from lightning_4d.mesh import ParallelMesh, build_mesh
 from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
+from lightning_4d.parallel.context import apply_context_parallel, gather_sequence, shard_batch
 from lightning_4d.parallel.pipeline import PipelineRunner, clip_grad_norm_, split_llama
 from lightning_4d.parallel.tensor import apply_tensor_parallel
 from lightning_4d.parallel.zero import GradientSynchronizer, ShardedOptimizer, apply_fsdp
@@ -45,8 +46,8 @@ _FLAT_OPTIM = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=Tr
 def parallelize_llama(
     model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, compile: bool = False
 ) -> Optional[list[tuple[int, nn.Module]]]:
-    """Apply the pipeline split, tp/sp, activation checkpointing, compile and ZeRO 2/3 to a meta-device
-    ``LlamaModel``, in that order.
+    """Apply the pipeline split, tp/sp, context-parallel attention, activation checkpointing, compile and ZeRO 2/3 to
+    a meta-device ``LlamaModel``, in that order.
 
     With pp > 1 the model is pruned to this rank's stages and every step after the split runs on each stage chunk
     (:func:`~lightning_4d.parallel.pipeline.split_llama`); the chunks are returned (``None`` without pp). ZeRO stages
@@ -60,6 +61,7 @@ def parallelize_llama(
         chunks = split_llama(model, config, mesh.pp.get_local_rank())
     for part in [c for _, c in chunks] if chunks is not None else [model]:
         apply_tensor_parallel(part, mesh.tp, sequence_parallel=config.sp)
+        apply_context_parallel(part, mesh.cp, config.context_parallel_method)
         apply_activation_checkpointing(part, config.activation_checkpointing)
         if compile:
             for block in part.layers.values():
@@ -73,6 +75,8 @@ def parallelize_llama(
         if part is not model:
             for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
                 model.layers[name] = block
+    if chunks is not None:
+        model.context_parallel = chunks[0][1].context_parallel
     model._lightning_4d_parallelized = True  # type: ignore[assignment]
     return chunks
 
@@ -94,7 +98,7 @@ def _reduced_by_fsdp(p: torch.Tensor) -> bool:
 
 class FourDStrategy(ModelParallelStrategy):
     """4D parallelism for PyTorch Lightning: dp with ZeRO 0-3, tp with sequence parallelism, pp with GPipe / 1F1B /
-    interleaved 1F1B / zero-bubble schedules (cp: later).
+    interleaved 1F1B / zero-bubble schedules, cp with ring or all-gather attention.
 
     ``lightning_4d`` Llama models (``CausalLMModule``) are parallelized automatically; a LightningModule of your own
     can apply plans itself in ``configure_model`` with ``self.device_mesh`` (dims ``("pp", "dp", "cp", "tp")``), as
@@ -113,7 +117,12 @@ class FourDStrategy(ModelParallelStrategy):
             (micro_batch_size · dp)``, else pp). The DataLoader batch per dp rank must be a multiple of m;
             ``LMDataModule`` delivers ``micro_batch_size · m`` sequences per batch under pp.
         pipeline_layer_split: decoder layers per stage (``pp·v`` counts summing to ``num_layers``); default equal.
-        context_parallel_size: cp; values > 1 raise ``NotImplementedError`` (not supported yet).
+        context_parallel_size: cp, ranks that split every sequence (load-balanced zigzag chunks): the strategy
+            shards ``input_ids`` / ``labels`` of each batch over the sequence (:meth:`batch_to_device`) and attention
+            exchanges K/V over the cp group; the sequence length must be a multiple of 2·cp (times tp under sp).
+        context_parallel_method: ``"ring"`` (default; K/V blocks passed around the cp ring, overlapped with
+            compute) or ``"allgather"`` (K/V of the whole sequence all-gathered; cheaper for few kv heads). See
+            ``docs/context_parallel.md``.
         zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         activation_checkpointing: ``"none"`` or ``"full"`` (recompute every transformer layer in backward).
@@ -133,7 +142,9 @@ class FourDStrategy(ModelParallelStrategy):
             divisible into pp·v stages, a ``pipeline_layer_split`` that does not sum to the layers), a
             ``num_microbatches`` the schedule cannot run (m < pp for 1f1b, m not a multiple of pp for interleaved)
             or ``accumulate_grad_batches`` > 1 with pp > 1 (the schedule accumulates over its micro-batches).
-        NotImplementedError: context_parallel_size > 1; compile=True with tensor_parallel_size > 1.
+            A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
+            ``seq_length``, else when the batch is sharded.
+        NotImplementedError: compile=True with tensor_parallel_size > 1.
     """
 
     strategy_name = "fourd"
@@ -151,6 +162,7 @@ class FourDStrategy(ModelParallelStrategy):
         virtual_pipeline_stages: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         pipeline_layer_split: Optional[list[int]] = None,
+        context_parallel_method: Literal["ring", "allgather"] = "ring",
         compile: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -170,6 +182,7 @@ class FourDStrategy(ModelParallelStrategy):
             virtual_pipeline_stages=virtual_pipeline_stages,
             num_microbatches=num_microbatches,
             pipeline_layer_split=pipeline_layer_split,
+            context_parallel_method=context_parallel_method,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -216,9 +229,7 @@ class FourDStrategy(ModelParallelStrategy):
 
     def _resolve_layout(self) -> ParallelConfig:
         world_size = self.num_nodes * self.num_processes
-        config = self.parallel_config.resolve(world_size)
-        config.check_supported()
-        return config
+        return self.parallel_config.resolve(world_size)
 
     @override
     def _configure_launcher(self) -> None:
@@ -302,6 +313,26 @@ class FourDStrategy(ModelParallelStrategy):
             return
         if not any(isinstance(cb, MemoryEstimatorCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(MemoryEstimatorCallback())
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, then (cp > 1) keep this cp rank's zigzag shard of every sequence: ``input_ids``,
+        ``labels`` (and ``positions``) ``[b, s] -> [b, s/cp]`` (:func:`~lightning_4d.parallel.context.shard_batch`).
+
+        Raises:
+            ValueError: a sequence length not divisible by 2·cp.
+        """
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self._mesh is None or self.parallel_config.cp == 1:
+            return batch
+        return shard_batch(batch, self._mesh.cp.get_local_rank(), self.parallel_config.cp)
+
+    def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The full sequence (natural order) of a per-cp-rank tensor such as the logits ``[b, s/cp, V]`` of
+        ``predict_step``; ``x`` itself when cp = 1. Must run on every rank of the cp group."""
+        if self._mesh is None or self.parallel_config.cp == 1:
+            return x
+        return gather_sequence(x, self._mesh.cp.get_group(), dim=dim)
 
     @property
     @override

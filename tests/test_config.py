@@ -72,12 +72,25 @@ def test_sequence_length_with_sequence_parallel():
     ParallelConfig(tensor_parallel_size=4, sequence_parallel=False).validate_sequence(30)
 
 
-def test_cp_is_not_supported_yet_but_accepted_by_the_layout():
+def test_cp_layout_and_sequence_divisor():
     config = ParallelConfig(pipeline_parallel_size=2, context_parallel_size=2).resolve(8)
     assert config.mesh_shape == (2, 2, 2, 1)
-    ParallelConfig(pipeline_parallel_size=2).resolve(2).check_supported()  # pp is supported
-    with pytest.raises(NotImplementedError, match="context parallelism is not supported yet"):
-        config.check_supported()
+    assert config.dp_cp == 4
+    assert ParallelConfig(context_parallel_size=4, tensor_parallel_size=2).sequence_divisor == 16
+    with pytest.raises(ValueError, match=r"seq_length=36 is not a multiple of 8 \(2\*cp=8\)"):
+        ParallelConfig(context_parallel_size=4).validate_sequence(36)
+    with pytest.raises(ValueError, match=r"seq_length=40 is not a multiple of 16 \(tp=2 with sequence parallelism "
+                                         r"and 2\*cp=8\); use e.g. seq_length=48"):
+        ParallelConfig(context_parallel_size=4, tensor_parallel_size=2).validate_sequence(40)
+    ParallelConfig(context_parallel_size=4, tensor_parallel_size=2).validate_sequence(48)
+
+
+def test_unknown_context_parallel_method():
+    with pytest.raises(ValueError, match=r"context_parallel_method='ulysses' is not valid: expected one of "
+                                         r"\['ring', 'allgather'\]"):
+        ParallelConfig(context_parallel_size=2, context_parallel_method="ulysses")
+    with pytest.raises(ValueError, match="context_parallel_method='zigzag'"):
+        FourDStrategy(context_parallel_size=2, context_parallel_method="zigzag")
 
 
 def test_trainer_with_wrong_world_size_fails_before_any_process_group():
@@ -89,11 +102,24 @@ def test_trainer_with_wrong_world_size_fails_before_any_process_group():
     assert not dist.is_initialized()
 
 
-def test_trainer_with_context_parallel_raises_not_implemented():
+def test_trainer_with_context_parallel_and_bad_sequence_fails_before_any_process_group():
     import lightning as L
 
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(context_parallel_size=2), logger=False)
+    from lightning_4d.data import LMDataModule
+    from lightning_4d.tasks import CausalLMModule
+
+    strategy = FourDStrategy(context_parallel_size=2, process_group_backend="gloo")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, max_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    assert strategy.parallel_config.mesh_shape == (1, 1, 2, 1)
+    module = CausalLMModule("tiny-test")
+    strategy._lightning_module = module
+    module.trainer = trainer
+    trainer.datamodule = LMDataModule(seq_length=30, micro_batch_size=1)
+    with pytest.raises(ValueError, match=r"seq_length=30 is not a multiple of 4 \(2\*cp=4\); use e.g. seq_length=32"):
+        strategy._validate_against_module()
+    trainer.datamodule = LMDataModule(seq_length=32, micro_batch_size=1)
+    strategy._validate_against_module()
     assert not dist.is_initialized()
 
 

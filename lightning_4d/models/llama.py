@@ -39,7 +39,7 @@ from torch import Tensor
 
 from lightning_4d.models.attention_backends import attention
 from lightning_4d.models.config import LlamaConfig, _allow_in_weights_only_checkpoints
-from lightning_4d.models.rope import apply_rotary, rope_cos_sin
+from lightning_4d.models.rope import apply_rotary, context_parallel_positions, rope_cos_sin
 
 # module names inserted by wrappers; removed from parameter names so that a parameter keeps one name on every layout
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -116,6 +116,10 @@ class Attention(nn.Module):
 
     The number of heads is read from the projected tensors (``view(b, s, -1, d)``), not from the config, so a
     tensor-parallel shard holding ``a/t`` query and ``k/t`` kv heads runs unchanged.
+
+    ``core_attention``: ``None`` (plain causal attention over the tokens given), or a callable ``(q, k, v, backend)
+    -> out`` that replaces it; context parallelism sets one that attends over the whole sequence of the cp group
+    (:func:`lightning_4d.parallel.context.apply_context_parallel`).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -123,6 +127,7 @@ class Attention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.head_dim = d
         self.backend = config.attention_backend
+        self.core_attention = None
         self.wq = nn.Linear(h, config.num_heads * d, bias=False)
         self.wk = nn.Linear(h, config.num_kv_heads * d, bias=False)
         self.wv = nn.Linear(h, config.num_kv_heads * d, bias=False)
@@ -138,7 +143,10 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = attention(q, k, v, self.backend)  # [b, s, local heads, d]
+        if self.core_attention is not None:
+            out = self.core_attention(q, k, v, self.backend)
+        else:
+            out = attention(q, k, v, self.backend)  # [b, s, local heads, d]
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -205,6 +213,9 @@ class LlamaModel(nn.Module):
         # a pipeline stage without the embedding receives hidden states split over this many sequence shards
         # (tp under sequence parallelism): the rotary positions cover shape[1] * hidden_sequence_shards tokens
         self.hidden_sequence_shards = 1
+        # context parallelism: (cp rank, cp size) when the model sees only its zigzag shard of every sequence
+        # (lightning_4d.parallel.context); default rotary positions are then those of the shard's tokens
+        self.context_parallel: Optional[tuple[int, int]] = None
         vocab, h = config.padded_vocab_size, config.hidden_size
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(vocab, h)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
@@ -224,7 +235,8 @@ class LlamaModel(nn.Module):
                 states ``[b, s / hidden_sequence_shards, h]`` from the previous stage (this rank's sequence shard
                 under sequence parallelism).
             positions: token positions ``LongTensor [s]`` or ``[b, s]`` for the rotary embedding; default
-                ``arange(s)``.
+                ``arange(s)``, or under context parallelism the positions of this cp rank's zigzag shard
+                (:func:`~lightning_4d.models.rope.context_parallel_positions`).
 
         Returns:
             logits ``[b, s, padded_vocab_size]`` in the model's dtype (not upcast: the loss does that); hidden states
@@ -238,7 +250,8 @@ class LlamaModel(nn.Module):
             s *= self.hidden_sequence_shards
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
         if positions is None:
-            positions = torch.arange(s, device=input_ids.device)
+            cp_rank, cp_size = getattr(self, "context_parallel", None) or (0, 1)
+            positions = context_parallel_positions(s, cp_rank, cp_size, device=input_ids.device)
         elif positions.shape[-1] != s:
             raise ValueError(
                 f"positions has shape {tuple(positions.shape)}: expected [s] or [b, s] with s={s} (the sequence "

@@ -129,3 +129,29 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
     return out.to(x.dtype)
 
+
+
+def context_parallel_positions(local_length: int, cp_rank: int, cp_size: int, device: DeviceLike = None) -> Tensor:
+    """Positions of the tokens a context-parallel rank holds under the load-balanced ("zigzag") split.
+
+    The full sequence of ``s = local_length * cp_size`` tokens is cut into ``2c`` chunks of ``C = s / 2c``; rank
+    ``i`` holds chunks ``i`` and ``2c - 1 - i`` (see ``lightning_4d/parallel/context.py``), so its positions are
+    ``[iC, (i+1)C) ++ [(2c-1-i)C, (2c-i)C)``. With ``cp_size = 1``: ``arange(local_length)``.
+
+    Returns:
+        ``LongTensor [local_length]``.
+
+    Raises:
+        ValueError: ``local_length`` odd while ``cp_size > 1``, or ``cp_rank`` outside ``0 .. cp_size - 1``.
+    """
+    if cp_size == 1:
+        return torch.arange(local_length, device=device)
+    if local_length % 2 != 0 or not 0 <= cp_rank < cp_size:
+        raise ValueError(
+            f"local_length={local_length}, cp_rank={cp_rank}, cp_size={cp_size}: expected an even local length and "
+            "0 <= cp_rank < cp_size."
+        )
+    chunk = local_length // 2
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device)
+    return torch.cat([head, tail])

@@ -56,6 +56,7 @@ def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool) -> 
     chunk.norm = model.norm if last else None
     chunk.output = model.output if last else None
     chunk.hidden_sequence_shards = getattr(model, "hidden_sequence_shards", 1)
+    chunk.context_parallel = getattr(model, "context_parallel", None)
     return chunk
 
 

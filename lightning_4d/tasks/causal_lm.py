@@ -174,8 +174,9 @@ class CausalLMModule(L.LightningModule):
         elapsed = time.perf_counter() - self._batch_start
         if elapsed <= 0:
             return
-        b, s = batch["input_ids"].shape
+        b, s = batch["input_ids"].shape  # s: this rank's share of the sequence under cp
         dp = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        s *= self._context_parallel_size()
         tokens = b * s * dp.get("num_replicas", 1)
         self.log("tokens_per_sec", tokens / elapsed, prog_bar=True, on_step=True, on_epoch=False)
         if self.device.type == "cuda":
@@ -186,6 +187,15 @@ class CausalLMModule(L.LightningModule):
                 cfg = self.model_config
                 flops_per_token = 6 * cfg.num_parameters() + 12 * cfg.num_layers * cfg.hidden_size * s
                 self.log("mfu", tokens * flops_per_token / elapsed / (peak * self.trainer.world_size), on_step=True)
+
+    def _context_parallel_size(self) -> int:
+        config = getattr(self._trainer.strategy, "parallel_config", None) if self._trainer is not None else None
+        return int(getattr(config, "cp", 1))
+
+    def _gather_sequence(self, x: Tensor) -> Tensor:
+        """The full sequence of a per-cp-rank tensor ``[b, s/cp, ...]`` (itself without cp)."""
+        gather = getattr(self._trainer.strategy, "gather_sequence", None) if self._trainer is not None else None
+        return gather(x) if gather is not None and self._context_parallel_size() > 1 else x
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         pipeline = self._pipeline()
@@ -198,15 +208,15 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def predict_step(self, batch: Union[dict[str, Tensor], Tensor], batch_idx: int) -> Optional[Tensor]:
-        """Logits ``[b, s, padded_vocab_size]`` (full vocabulary, also under tp) of ``batch["input_ids"]`` (or of a
-        ``[b, s]`` tensor). With pp > 1 the batch runs forward-only through the pipeline and the logits are returned
-        on the ranks that hold the last stage (``None`` on the others)."""
+        """Logits ``[b, s, padded_vocab_size]`` (full vocabulary, also under tp; the full sequence, also under cp) of
+        ``batch["input_ids"]`` (or of a ``[b, s]`` tensor). With pp > 1 the batch runs forward-only through the
+        pipeline and the logits are returned on the ranks that hold the last stage (``None`` on the others)."""
         input_ids = batch["input_ids"] if isinstance(batch, dict) else batch
         pipeline = self._pipeline()
         logits = pipeline.forward(input_ids) if pipeline is not None else self(input_ids)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        return logits
+        return self._gather_sequence(logits) if logits is not None else None
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:
@@ -240,8 +250,9 @@ class CausalLMModule(L.LightningModule):
         Args:
             prompt_ids: the prompt's token ids.
             max_new_tokens: number of tokens to append.
-            pad_to_multiple_of: right-pad the sequence to this multiple (sequence parallelism needs s % tp == 0);
-                causal attention keeps the padding from changing earlier positions.
+            pad_to_multiple_of: right-pad the sequence to this multiple (sequence parallelism needs s % tp == 0,
+                context parallelism s % 2cp == 0); causal attention keeps the padding from changing earlier
+                positions.
 
         Returns:
             ``prompt_ids`` followed by the generated ids.
@@ -259,9 +270,15 @@ class CausalLMModule(L.LightningModule):
             n = len(window)
             padded = window + [0] * ((-n) % pad_to_multiple_of)
             x = torch.tensor([padded], dtype=torch.long, device=self.device)
-            logits = self(x)[:, n - 1]
+            cp = self._context_parallel_size()
+            if cp > 1:  # this cp rank's shard of the sequence in, the full sequence's logits gathered back
+                from lightning_4d.parallel.context import shard_sequence
+
+                x = shard_sequence(x, self.trainer.strategy.mesh.cp.get_local_rank(), cp)
+            logits = self(x)
             if isinstance(logits, DTensor):
                 logits = logits.full_tensor()
+            logits = self._gather_sequence(logits)[:, n - 1]
             ids.append(int(logits[0, : self.model_config.vocab_size].argmax()))
         self.train(was_training)
         return ids

@@ -5,8 +5,8 @@ shards, and (rank 0) the final full weights.
 Usage (from the tests): ``torchrun --nproc-per-node N tests/scripts/run_layouts.py --out DIR --layouts JSON``,
 or ``python tests/scripts/run_layouts.py --out DIR --layouts '[{"reference": true}]'`` for the single-process
 reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, precision, ac, clip,
-compile, tied, accum, bucket, sdc and, for pipeline parallelism, pp, schedule, v (stages per rank), m (micro-batches
-per step) and split (layers per stage).
+compile, tied, accum, bucket, sdc, for pipeline parallelism pp, schedule, v (stages per rank), m (micro-batches
+per step) and split (layers per stage), and for context parallelism cp and method ("ring" / "allgather").
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         strategy = FourDStrategy(
             data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 0),
             pipeline_parallel_size=pp, pipeline_schedule=layout.get("schedule", "1f1b"),
+            context_parallel_size=layout.get("cp", 1), context_parallel_method=layout.get("method", "ring"),
             virtual_pipeline_stages=layout.get("v"), pipeline_layer_split=layout.get("split"),
             sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
             compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),

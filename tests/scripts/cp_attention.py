@@ -1,0 +1,77 @@
+"""Context-parallel attention alone against full causal attention (float64, CPU, gloo).
+
+Every rank builds the same full q, k, v ``[b, s, heads, d]`` and output gradient, computes full causal attention and
+its q/k/v gradients with autograd (the eager reference of ``lightning_4d.models.attention_backends``), then runs
+``context_parallel_attention`` on its zigzag shard and compares the output and the gradients with the shard of the
+reference. Cases: c in {2 (two groups of 2 ranks), 4}, several sequence lengths and GQA ratios, both methods, the
+``sdpa`` (ATen's fused CPU kernel) and ``eager`` kernels. Writes ``<out>/attention_rank<r>.json`` with the largest
+errors per case.
+
+Usage: ``torchrun --nproc-per-node 4 tests/scripts/cp_attention.py --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+from lightning_4d.models.attention_backends import attention  # noqa: E402
+from lightning_4d.parallel.context import context_parallel_attention, gather_sequence, shard_sequence  # noqa: E402
+
+# (sequence length, query heads, kv heads): GQA ratios 1, 2, 4 and MQA
+CASES = [(16, 4, 4), (32, 4, 2), (64, 8, 2), (48, 6, 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 4
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
+    records = []
+    for c, group in groups.items():
+        cp_rank = dist.get_rank(group)
+        for s, hq, hkv in CASES:
+            if s % (2 * c):
+                continue
+            g = torch.Generator().manual_seed(s * 100 + hq * 10 + hkv)
+            b, d = 2, 8
+            q = torch.randn(b, s, hq, d, generator=g, dtype=torch.float64)
+            k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+            v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+            dout = torch.randn(b, s, hq, d, generator=g, dtype=torch.float64)
+            ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = attention(*ref_in, backend="eager")
+            ref.backward(dout)
+            for method in ("ring", "allgather"):
+                for backend in ("sdpa", "eager"):
+                    local = [shard_sequence(t, cp_rank, c).requires_grad_() for t in (q, k, v)]
+                    out = context_parallel_attention(*local, group, method=method, backend=backend)
+                    out.backward(shard_sequence(dout, cp_rank, c))
+                    errors = {"out": (out - shard_sequence(ref, cp_rank, c)).abs().max().item()}
+                    for name, t, r in zip("qkv", local, ref_in):
+                        errors["d" + name] = (t.grad - shard_sequence(r.grad, cp_rank, c)).abs().max().item()
+                    full = gather_sequence(out.detach(), group)
+                    errors["gathered"] = (full - ref.detach()).abs().max().item()
+                    records.append({"c": c, "s": s, "heads": hq, "kv_heads": hkv, "method": method,
+                                    "backend": backend, "errors": errors})
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"attention_rank{rank}.json").write_text(json.dumps(records))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
