@@ -71,6 +71,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--cp", type=int, default=1)
+        p.add_argument("--cp-method", default="ring", choices=["ring", "allgather"],
+                       help="context-parallel attention (default ring)")
         group = p.add_mutually_exclusive_group()
         group.add_argument("--dp", type=int, help="data parallel size")
         group.add_argument("--num-gpus", type=int, help="world size (dp = num_gpus / (tp*pp*cp))")
@@ -92,8 +94,6 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
         p.add_argument("--top", type=int, default=20)
         p.add_argument("--peak-tflops", type=float, help="custom GPU: dense bf16 peak (TFLOP/s)")
-        p.add_argument("--supported-only", action="store_true",
-                       help="only layouts FourDStrategy runs today (cp = 1)")
     return p
 
 
@@ -108,7 +108,8 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
                         pipeline_parallel_size=args.pp, context_parallel_size=args.cp, zero_stage=args.zero_stage,
                         sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
                         pipeline_schedule=args.pipeline_schedule, virtual_pipeline_stages=args.virtual_pipeline_stages,
-                        num_microbatches=args.num_microbatches, pipeline_layer_split=args.pipeline_layer_split)
+                        num_microbatches=args.num_microbatches, pipeline_layer_split=args.pipeline_layer_split,
+                        context_parallel_method=args.cp_method)
     if args.dp is None:
         if args.num_gpus is None:
             raise ValueError("give --dp or --num-gpus.")
@@ -174,7 +175,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     gpu = _gpu(args)
     rows = plan(cfg, args.num_gpus, args.gpus_per_node, gpu, args.seq_length, args.global_batch_size,
                 precision=args.precision, budget=args.budget, formula=args.formula,
-                supported_only=args.supported_only, top=args.top)
+                top=args.top)
     return {"model": args.model, "num_gpus": args.num_gpus, "gpus_per_node": args.gpus_per_node, "gpu": gpu.name,
             "gpu_memory": gpu.memory, "budget": args.budget, "seq_length": args.seq_length,
             "global_batch_size": args.global_batch_size, "precision": args.precision, "formula": args.formula,

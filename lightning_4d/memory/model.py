@@ -54,8 +54,16 @@ CUDA context and fragmentation (:mod:`lightning_4d.memory.hardware`), zero on CP
 5 validate and refine them): a stage holds ``L/p`` layers (the first also the embedding, the last the final norm,
 head and loss); 1F1B keeps ``min(m, p − stage)`` micro-batches of activations, GPipe ``m``, interleaved 1F1B (v
 chunks per rank) ``min(m·v, 2(p − stage − 1) + (v − 1)p + 1)`` chunks of ``L/(p·v)`` layers (Megatron-LM's warm-up
-count), plus two send/receive buffers of one micro-batch's hidden states; context parallelism divides every
-sequence-sized tensor by c and adds the all-gathered K and V of the full sequence (not divided by c) per layer.
+count), plus two send/receive buffers of one micro-batch's hidden states.
+
+**Context parallelism** (``lightning_4d/parallel/context.py``) divides every sequence-sized tensor by c (each rank
+holds ``s/c`` tokens of every sequence). What is not divided by c, per method: ``"ring"`` saves only the local
+q, k, v, output and float32 log-sum-exp (the same tensors as plain attention) and holds, transiently in one layer's
+backward, the K/V block in hand and the one arriving, the block's float32 dK/dV accumulator and the one arriving,
+and float32 dq (``2·(2·c_b + 2·4)·b·(s/c)·k·d/t + 4·b·(s/c)·a·d/t`` bytes, ``c_b`` the compute dtype's bytes);
+``"allgather"`` saves the gathered K and V of the whole sequence besides the local ones
+(``2·c_b·b·s·k·d/t`` more bytes per layer) and, in one layer's backward, their float32 gradient for all
+``s`` tokens and float32 dq (``2·4·b·s·k·d/t + 4·b·(s/c)·a·d/t``).
 
 Pure Python: no torch import.
 """
@@ -279,7 +287,9 @@ def saved_activation_bytes(
     Returns a dict with ``layers`` (all layers of the stage: their saved tensors, or only their inputs under full
     activation checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input),
     ``loss`` (float32 log-probabilities and labels), ``compute_weights`` (``bf16-mixed``: autocast's bfloat16 weight
-    copies), ``context_parallel_kv`` (the full-sequence K and V per layer when cp > 1) and ``recompute``
+    copies), ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the
+    whole sequence under ``context_parallel_method="allgather"``, none for ``"ring"``;
+    under full checkpointing they are part of ``recompute``) and ``recompute``
     (one layer's saved set, transient, under full checkpointing). ``sum(...) - recompute`` is what
     ``saved_tensors_hooks`` (plus the checkpointed layers' inputs) sees. Formulas: module docstring.
 
@@ -318,10 +328,27 @@ def saved_activation_bytes(
             out["compute_weights"] += 2 * (vocab // tp) * h
         if full_ac and n_layers:
             out["recompute"] += 2 * in_layers // n_layers
-    if cp > 1:
+    if cp > 1 and pc.context_parallel_method == "allgather":
+        # the gathered K/V of all s tokens, on top of the local-K/V-sized tensors the layer saves anyway (measured
+        # with saved_tensors_hooks: exactly this much more than the ring, whatever c)
         kv = 2 * dt.compute * b * seq_length * (model_config.num_kv_heads // tp) * model_config.head_dim
-        out["context_parallel_kv"] = (1 if full_ac else n_layers) * kv
+        if full_ac:  # made again in a layer's recompute, dropped after its backward
+            out["recompute"] += kv if n_layers else 0
+        else:
+            out["context_parallel_kv"] = n_layers * kv
     return out
+
+
+def _context_parallel_buffers(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, seq_length: int) -> int:
+    """Transient bytes of one layer's context-parallel attention backward (module docstring), 0 without cp."""
+    if pc.cp == 1:
+        return 0
+    s, tp = seq_length // pc.cp, pc.tp
+    kv = b * (cfg.num_kv_heads // tp) * cfg.head_dim  # elements of K (or V) per token
+    dq = 4 * b * s * (cfg.num_heads // tp) * cfg.head_dim
+    if pc.context_parallel_method == "ring":
+        return 2 * (2 * dt.compute + 2 * 4) * s * kv + dq
+    return 2 * 4 * seq_length * kv + dq
 
 
 def _in_flight(pc: ParallelConfig, rank: int, m: int) -> list[int]:
@@ -555,7 +582,7 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
     # activations: every stage of the rank holds its in-flight micro-batches' saved tensors; the embedding's with
     # the first stage, the head's and the loss's with the last
     counts = _in_flight(pc, stage, m)
-    per_layer = (saved["layers"] + (0 if pc.activation_checkpointing == "full" else saved["context_parallel_kv"])) / max(1, n_layers)
+    per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
     # one micro-batch's saved bytes per stage of the rank: its layers, the embedding's with the first stage, the
     # head's and the loss's with the last; under pp each stage's forward computes its own RoPE tables
     sizes = [len(layers) * per_layer + (saved["embedding"] if st == 0 else 0)
@@ -566,8 +593,6 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
     else:
         peak = sum(c * size for c, size in zip(counts, sizes))
     activations = int(peak) + (saved["rope"] if pc.pp == 1 else 0) + saved["recompute"]
-    if pc.activation_checkpointing == "full":
-        activations += saved["context_parallel_kv"]
     in_flight = sum(c * len(layers) for c, (_, layers) in zip(counts, chunks)) / max(1, n_layers)
     # the loss working set beyond the saved float32 log-probs (in activations, as saved_loss): their gradient and the
     # logits' gradient in float32, + the cast to the compute dtype
@@ -607,13 +632,15 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
     hidden = dt.residual * tokens * h // (tp if pc.sp else 1)
     boundaries = sum((st != 0) + (st != pc.num_stages - 1) for st, _ in chunks) if pc.pp > 1 else 0
     pipeline_buffers = m * boundaries * hidden
+    cp_buffers = _context_parallel_buffers(cfg, pc, dt, b, s)
 
     step_temp = states.optimizer_states // 2  # foreach AdamW: sqrt of the second moments
     if zero == 1 and world > 1:
         step_temp += int(min(_ZERO1_GATHER_BUCKET, states.parameters) * (1 + 1 / world))
 
     phases = {
-        "backward start": activations + logits + compute_weights + gathered_start + head_grad + pipeline_buffers,
+        "backward start": activations + logits + compute_weights + gathered_start + head_grad + pipeline_buffers
+        + cp_buffers,
         "backward end": states.gradients + grad_buffers + gathered_end
         + pipeline_buffers,
         "optimizer step": states.gradients + step_temp,
@@ -622,7 +649,8 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
     allowance = overhead if overhead is not None else overhead_allowance(gpu_name, device_type)
     extra = allowance.bytes_for(tensors)
-    buffers = compute_weights + max(gathered_start, gathered_end) + grad_buffers + step_temp + pipeline_buffers
+    buffers = (compute_weights + max(gathered_start, gathered_end) + grad_buffers + step_temp + pipeline_buffers
+               + cp_buffers)
     details = {
         **{f"saved_{k}": val for k, val in saved.items()},
         "saved_for_backward": sum(saved.values()) - saved["recompute"],
@@ -633,6 +661,7 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
         "gradient_buffers": grad_buffers,
         "optimizer_step_temporaries": step_temp,
         "pipeline_buffers": pipeline_buffers,
+        "context_parallel_buffers": cp_buffers,
         "head_gradient": head_grad,
         **{f"phase_{k.replace(' ', '_')}": val for k, val in phases.items()},
     }

@@ -92,12 +92,11 @@ def _is_valid(model_config: Any, pc: ParallelConfig, seq_length: int) -> bool:
 
 
 def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: int, global_batch_size: int,
-                      *, supported_only: bool = False, micro_batch_size: Optional[int] = None,
+                      *, micro_batch_size: Optional[int] = None,
                       ) -> Iterator[tuple[ParallelConfig, int, int]]:
     """Every valid ``(parallel_config, micro_batch_size, num_microbatches)`` of a job (see the module docstring).
 
     Args:
-        supported_only: only layouts FourDStrategy runs today (cp = 1).
         micro_batch_size: keep b fixed (the memory check's suggestions keep the user's batch shape).
     """
     for tp in _divisors(min(num_gpus, gpus_per_node)):
@@ -107,7 +106,7 @@ def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_
             if (num_gpus // tp) % pp:
                 continue
             for cp in _divisors(num_gpus // (tp * pp)):
-                if cp > MAX_CONTEXT_PARALLEL or (supported_only and cp > 1):
+                if cp > MAX_CONTEXT_PARALLEL:
                     continue
                 dp = num_gpus // (tp * pp * cp)
                 if global_batch_size % dp:
@@ -166,7 +165,7 @@ def _params_on_rank(model_config: Any, pc: ParallelConfig) -> int:
 
 def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq_length: int,
          global_batch_size: int, *, precision: str = "bf16-mixed", budget: float = 0.8, formula: str = "lightning_4d",
-         supported_only: bool = False, micro_batch_size: Optional[int] = None, top: Optional[int] = 20,
+         micro_batch_size: Optional[int] = None, top: Optional[int] = 20,
          include_unfit: bool = False, estimate_kw: Optional[dict[str, Any]] = None) -> list[Candidate]:
     """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first.
 
@@ -179,7 +178,7 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         formula: ``"lightning_4d"`` (:func:`~lightning_4d.memory.model.estimate_memory`) or ``"fujii2024"`` (the
             paper's estimator: ZeRO stage 1 is its distributed optimizer, stage 0 without it; stages 2-3 and
             checkpointing are not modelled by it, so those layouts are skipped).
-        supported_only, micro_batch_size: see :func:`enumerate_layouts`.
+        micro_batch_size: see :func:`enumerate_layouts`.
         top: how many to return (None: all).
         include_unfit: keep layouts that do not fit (ranked after those that do).
         estimate_kw: more keyword arguments of :func:`~lightning_4d.memory.model.estimate_memory` (``device_type``,
@@ -201,7 +200,7 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
     out: list[Candidate] = []
     n = model_config.num_parameters()
     for pc, b, m in enumerate_layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size,
-                                      supported_only=supported_only, micro_batch_size=micro_batch_size):
+                                      micro_batch_size=micro_batch_size):
         if formula == "fujii2024":
             if pc.zero_stage > 1 or pc.activation_checkpointing != "none":
                 continue
@@ -227,7 +226,7 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
 def suggest_layouts(model_config: Any, world_size: int, micro_batch_size: int, seq_length: int, precision: str,
                     device_memory: int, budget: float, gpus_per_node: Optional[int] = None, count: int = 3,
                     **estimate_kw: Any) -> list[tuple[ParallelConfig, MemoryEstimate]]:
-    """Up to ``count`` layouts of ``world_size`` GPUs that FourDStrategy runs today and that fit, with the same
+    """Up to ``count`` layouts of ``world_size`` GPUs that fit, with the same
     micro-batch size and sequence length, fastest predicted first (for :class:`MemoryBudgetExceeded`)."""
     from lightning_4d.memory.hardware import gpu_spec
 
@@ -235,7 +234,7 @@ def suggest_layouts(model_config: Any, world_size: int, micro_batch_size: int, s
     per_node = gpus_per_node or min(world_size, 8)
     found = []
     for cand in plan(model_config, world_size, per_node, gpu, seq_length, micro_batch_size * world_size,
-                     precision=precision, budget=budget, supported_only=True, micro_batch_size=micro_batch_size,
+                     precision=precision, budget=budget, micro_batch_size=micro_batch_size,
                      top=None, estimate_kw=estimate_kw):
         pc = cand.parallel_config()
         found.append((pc, estimate_memory(model_config, pc, micro_batch_size, seq_length, precision, **estimate_kw)))

@@ -31,9 +31,9 @@ change.
 
 **Kernels** (each returns the output and the log-sum-exp the merge needs, and has a backward taking the *final*
 output and log-sum-exp): ``"sdpa"`` uses ATen's fused flash kernels (``_scaled_dot_product_flash_attention_for_cpu``
-on CPU, any float dtype; ``_scaled_dot_product_flash_attention`` on CUDA for float16/bfloat16,
-``_scaled_dot_product_efficient_attention`` for float32); ``"flash"`` uses flash-attn 2 (CUDA); ``"eager"`` uses
-explicit matmuls (the reference, any device). Grouped-query attention: only the kv heads are exchanged; the kernels
+on CPU, any float dtype; ``_scaled_dot_product_flash_attention`` on CUDA for float16/bfloat16, explicit matmuls for
+float32 on CUDA); ``"flash"`` uses flash-attn 2 (CUDA); ``"eager"`` uses explicit matmuls (the reference, any
+device). Grouped-query attention: only the kv heads are exchanged; the kernels
 see K/V repeated to the query heads (``repeat_interleave``, Meta's ``repeat_kv``) and dK/dV are summed back.
 
 Shapes: ``q`` ``[b, s/c, n_q_heads, head_dim]``, ``k``, ``v`` ``[b, s/c, n_kv_heads, head_dim]`` (local tokens in
@@ -170,17 +170,19 @@ class _Kernel:
         if self.backend == "flash":
             return self._flash_forward(q, k, v, causal)
         k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
-        if self.backend == "eager":
+        if self._use_eager(q):
             return self._eager_forward(q, k, v, causal)
         aten = torch.ops.aten
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
             return out, lse
-        if q.dtype in (torch.float16, torch.bfloat16):
-            res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=self.scale)
-            return res[0], res[1]
-        res = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=self.scale)
+        res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=self.scale)
         return res[0], res[1]
+
+    def _use_eager(self, q: Tensor) -> bool:
+        # ATen's CUDA flash kernel takes float16/bfloat16 only; float32 on CUDA uses the explicit matmuls
+        return self.backend == "eager" or (
+            q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16))
 
     def _eager_forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
         compute = torch.promote_types(q.dtype, torch.float32)
@@ -208,23 +210,17 @@ class _Kernel:
         if self.backend == "flash":
             return self._flash_backward(dout, q, k, v, out, lse, causal)
         kr, vr = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
-        if self.backend == "eager":
+        if self._use_eager(q):
             dq, dk, dv = self._eager_backward(dout, q, kr, vr, out, lse, causal)
+        elif q.device.type == "cpu":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, kr, vr, out, lse, 0.0, causal, scale=self.scale)
         else:
-            aten = torch.ops.aten
-            if q.device.type == "cpu":
-                dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    dout, q, kr, vr, out, lse, 0.0, causal, scale=self.scale)
-            elif q.dtype in (torch.float16, torch.bfloat16):
-                sq, sk = q.shape[2], kr.shape[2]
-                empty = torch.empty(0, device=q.device)
-                dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                    dout, q, kr, vr, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=self.scale)
-            else:
-                empty = torch.empty(0, device=q.device)
-                dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                    dout, q, kr, vr, empty, out, lse, empty, empty, 0.0, [True, True, True, False], causal,
-                    scale=self.scale)
+            sq, sk = q.shape[2], kr.shape[2]
+            empty = torch.empty(0, device=q.device)
+            # philox seed/offset are unused without dropout
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, kr, vr, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=self.scale)
         return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
 
     def _eager_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -1,6 +1,7 @@
 """Measure, per rank, what one training step of FourDStrategy really holds, next to the memory model's figures.
 
-For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied, and pp, schedule, m for pipelines) one
+For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied, pp, schedule, m for pipelines and cp,
+method for context parallelism) one
 ``Trainer.fit`` runs one optimizer step per batch shape (b, s) in ``--shapes`` (a pipeline: two steps of the first
 shape, the second measured, with batches of b·m split by the schedule). Under a pipeline the pack hook also tracks
 when autograd frees each saved value, giving the peak of saved bytes alive at once during the schedule (the
@@ -165,7 +166,8 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
     kw = dict(data_parallel_size=layout.get("dp", 1), tensor_parallel_size=layout.get("tp", 1),
               zero_stage=layout.get("zero", 0), sequence_parallel=layout.get("sp"),
               activation_checkpointing=layout.get("ac", "none"), pipeline_parallel_size=layout.get("pp", 1),
-              pipeline_schedule=layout.get("schedule", "1f1b"), num_microbatches=layout.get("m"))
+              pipeline_schedule=layout.get("schedule", "1f1b"), num_microbatches=layout.get("m"),
+              context_parallel_size=layout.get("cp", 1), context_parallel_method=layout.get("method", "ring"))
     pp, m = layout.get("pp", 1), layout.get("m", 1)
     if pp > 1:
         # a pipeline keeps one batch shape (its stages' buffers are sized once); the first step also runs the

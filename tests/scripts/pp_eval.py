@@ -1,8 +1,8 @@
-"""Validation and prediction through a pipeline: ``trainer.validate`` and ``trainer.predict`` of an untrained tiny
+"""Validation, prediction (and, without pp, greedy generation) through a pipeline or under context parallelism: ``trainer.validate`` and ``trainer.predict`` of an untrained tiny
 Llama (same init seed, so the same weights on every layout) with the layout given, writing ``val_loss`` and the
 logits (on the ranks that hold the last stage) to ``--out``.
 
-Usage: ``torchrun --nproc-per-node 2 tests/scripts/pp_eval.py --out DIR --pp 2`` or ``python ... --pp 1`` (plain
+Usage: ``torchrun --nproc-per-node 2 tests/scripts/pp_eval.py --out DIR --pp 2`` (or ``--cp 2 --method ring``) or ``python ... --pp 1`` (plain
 Lightning, one process: the reference).
 """
 
@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--method", default="ring")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -40,15 +42,17 @@ def main() -> None:
     m = 2
     cfg = LlamaConfig.from_preset("tiny-test", num_layers=4)
     module = CausalLMModule(cfg, init_seed=7)
-    if args.pp > 1:
-        strategy = FourDStrategy(pipeline_parallel_size=args.pp, data_parallel_size=world // args.pp, zero_stage=0,
-                                 pipeline_schedule=args.schedule, num_microbatches=m, process_group_backend="gloo",
+    if args.pp > 1 or args.cp > 1:
+        strategy = FourDStrategy(pipeline_parallel_size=args.pp, context_parallel_size=args.cp,
+                                 context_parallel_method=args.method, data_parallel_size=world // (args.pp * args.cp),
+                                 zero_stage=0, pipeline_schedule=args.schedule,
+                                 num_microbatches=m if args.pp > 1 else None, process_group_backend="gloo",
                                  timeout=timedelta(seconds=120))
-        micro = 2
+        micro = 2 if args.pp > 1 else 2 * m
     else:
         strategy, micro = "auto", 2 * m  # the same sequences per batch as the pipeline's m micro-batches
     dm = LMDataModule(seq_length=32, micro_batch_size=micro, val_samples=8, seed=1234)
-    trainer = L.Trainer(accelerator="cpu", devices=world if args.pp > 1 else 1, strategy=strategy, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=world if strategy != "auto" else 1, strategy=strategy, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     (result,) = trainer.validate(module, dm)
     ids = torch.randint(0, cfg.vocab_size, (8, 32), generator=torch.Generator().manual_seed(3))
@@ -56,6 +60,9 @@ def main() -> None:
     predictions = trainer.predict(module, loader)
     rank = trainer.global_rank
     record = {"val_loss": result["val_loss"], "rank": rank}
+    if args.pp == 1:
+        divisor = strategy.parallel_config.sequence_divisor if strategy != "auto" else 1
+        record["generated"] = module.generate(list(b"def main("), 6, pad_to_multiple_of=divisor)
     (out / f"eval_rank{rank}.json").write_text(json.dumps(record))
     if predictions and predictions[0] is not None:
         torch.save(torch.cat(predictions), out / f"logits_rank{rank}.pt")

@@ -1,0 +1,217 @@
+"""Context parallelism against the single-process run (CPU, gloo, float32, tiny Llama with 4 heads / 2 kv heads,
+sequence 32, 10 AdamW steps): per-step ``train_loss`` to 1e-5 relative and final weights, for both methods at cp=2
+and cp=4 and composed with tp/sp, dp with ZeRO 1 and 3, and pp x tp; the attention alone against full causal
+attention in float64; validation, prediction and generation; the memory model on cp layouts; bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_4d import ParallelConfig
+from lightning_4d.memory.model import estimate_memory, saved_activation_bytes
+from lightning_4d.models import LlamaConfig
+from lightning_4d.models.rope import context_parallel_positions
+from lightning_4d.parallel.context import shard_batch, shard_sequence
+from tests._launch import SCRIPTS, torchrun
+from tests.test_parity import LOSS_RTOL, STEPS, WEIGHT_ATOL, _layout_id
+from tests.test_pipeline import _results
+
+WORLD2 = [
+    {"cp": 2, "method": "ring", "zero": 0},
+    {"cp": 2, "method": "allgather", "zero": 0},
+    {"cp": 2, "method": "ring", "zero": 1, "clip": 0.1, "ac": "full"},
+]
+WORLD4 = [
+    {"cp": 4, "method": "ring", "zero": 1},
+    {"cp": 4, "method": "allgather", "zero": 1},
+    {"cp": 2, "tp": 2, "method": "ring", "zero": 1},
+    {"cp": 2, "tp": 2, "method": "allgather", "zero": 3},
+    {"cp": 2, "dp": 2, "method": "ring", "zero": 1},
+    {"cp": 2, "dp": 2, "method": "ring", "zero": 3},
+    {"cp": 2, "dp": 2, "method": "allgather", "zero": 3},
+]
+WORLD8 = [
+    {"cp": 2, "pp": 2, "tp": 2, "method": "ring", "zero": 1, "schedule": "1f1b", "m": 2},
+    {"cp": 2, "pp": 2, "tp": 2, "method": "allgather", "zero": 3, "schedule": "interleaved_1f1b", "m": 2},
+]
+
+
+def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
+    out = tmp_path_factory.mktemp(name)
+    torchrun(nproc, SCRIPTS / "run_layouts.py", "--out", str(out), "--steps", str(STEPS), "--layers", "4",
+             "--layouts", json.dumps(layouts), timeout=900)
+    return _results(out, layouts)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return _run(tmp_path_factory, "cp_reference", 1, [{"reference": True}, {"reference": True, "clip": 0.1}])
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _run(tmp_path_factory, "cp_world2", 2, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _run(tmp_path_factory, "cp_world4", 4, WORLD4)
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory):
+    return _run(tmp_path_factory, "cp_world8", 8, WORLD8)
+
+
+def _check(references, result):
+    layout, ranks, weights = result
+    _, ref_ranks, ref_weights = references[1] if layout.get("clip") else references[0]
+    ref_losses = ref_ranks[0]["losses"]
+    assert len(ranks) >= 2 and len(ref_losses) == STEPS
+    for r in ranks:  # the mean over the global batch, the same on every rank
+        assert r["losses"] == ranks[0]["losses"], (layout, r["rank"])
+    losses = ranks[0]["losses"]
+    assert len(losses) == STEPS
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    assert set(weights) == set(ref_weights)
+    werr = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    print(f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max abs weight diff {werr:.2e}")
+    assert rel <= LOSS_RTOL
+    assert werr <= WEIGHT_ATOL
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
+def test_context_parallel_world2(references, world2, index):
+    _check(references, world2[index])
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
+def test_context_parallel_world4(references, world4, index):
+    _check(references, world4[index])
+
+
+@pytest.mark.parametrize("index", range(len(WORLD8)), ids=[_layout_id(x) for x in WORLD8])
+def test_context_parallel_world8(references, world8, index):
+    _check(references, world8[index])
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+def test_attention_equals_full_causal_attention(tmp_path):
+    """Output and q/k/v gradients of both methods and both CPU kernels equal full causal attention to 1e-6 (float64),
+    for c in {2, 4}, sequence lengths 16-64 and GQA ratios 1, 2, 4, 6."""
+    torchrun(4, SCRIPTS / "cp_attention.py", "--out", str(tmp_path))
+    worst = 0.0
+    cases = 0
+    for rank in range(4):
+        for record in json.loads((tmp_path / f"attention_rank{rank}.json").read_text()):
+            err = max(record["errors"].values())
+            worst = max(worst, err)
+            cases += 1
+            assert err <= 1e-6, record
+    assert cases == 4 * 2 * 2 * (4 + 3)  # ranks x methods x kernels x (cases at c=2 + cases at c=4)
+    print(f"\ncp attention: largest error over {cases} rank-cases: {worst:.1e}")
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_validate_predict_generate(tmp_path, method):
+    """val_loss, the logits of predict (gathered back to the full sequence) and greedy generation under cp=2 equal
+    one process."""
+    ref, cp = tmp_path / "ref", tmp_path / "cp"
+    torchrun(1, SCRIPTS / "pp_eval.py", "--out", str(ref))
+    torchrun(2, SCRIPTS / "pp_eval.py", "--out", str(cp), "--cp", "2", "--method", method)
+    expected = json.loads((ref / "eval_rank0.json").read_text())
+    ref_logits = torch.load(ref / "logits_rank0.pt")
+    for rank in (0, 1):
+        got = json.loads((cp / f"eval_rank{rank}.json").read_text())
+        assert abs(got["val_loss"] - expected["val_loss"]) <= 1e-5 * abs(expected["val_loss"])
+        assert got["generated"] == expected["generated"]
+        logits = torch.load(cp / f"logits_rank{rank}.pt")
+        assert logits.shape == ref_logits.shape == (8, 32, 256)
+        assert (logits - ref_logits).abs().max().item() <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------- sharding
+def test_zigzag_shard_and_positions():
+    x = torch.arange(16).view(1, 16)
+    assert shard_sequence(x, 0, 2).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert shard_sequence(x, 1, 2).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert shard_sequence(x, 1, 4).tolist() == [[2, 3, 12, 13]]
+    for c in (1, 2, 4):
+        for r in range(c):
+            assert context_parallel_positions(16 // c, r, c).tolist() == shard_sequence(x, r, c)[0].tolist()
+    # every token exactly once over the group, and equal causal work per rank: sum over tokens of (position + 1)
+    c = 4
+    shards = [shard_sequence(x, r, c)[0] for r in range(c)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(16))
+    assert len({int((s + 1).sum()) for s in shards}) == 1
+    batch = {"input_ids": x, "labels": x + 1, "doc": "kept"}
+    sharded = shard_batch(batch, 1, 2)
+    assert sharded["labels"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]] and sharded["doc"] == "kept"
+    with pytest.raises(ValueError, match=r"sequence length 12 is not a multiple of 2\*context_parallel_size = 8"):
+        shard_batch({"input_ids": torch.zeros(1, 12)}, 0, 4)
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+_MEM_WORLD2 = [
+    {"cp": 2, "method": "ring", "zero": 0},
+    {"cp": 2, "method": "allgather", "zero": 1, "precision": "bf16-mixed"},
+    {"cp": 2, "method": "ring", "zero": 0, "precision": "bf16-mixed"},
+    {"cp": 2, "method": "allgather", "zero": 3, "ac": "full"},
+]
+_MEM_WORLD4 = [
+    {"cp": 4, "method": "allgather", "zero": 1},
+    {"cp": 2, "tp": 2, "method": "ring", "zero": 1, "precision": "bf16-mixed"},
+    {"cp": 2, "dp": 2, "method": "allgather", "zero": 3},
+]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    from tests.test_memory_model import _measure
+
+    extra = ("--shapes", "[[1, 64], [2, 128]]")
+    return (_measure(tmp_path_factory, "memcp2", 2, _MEM_WORLD2, *extra)
+            + _measure(tmp_path_factory, "memcp4", 4, _MEM_WORLD4, *extra))
+
+
+def test_cp_model_states_exact(measured):
+    for ranks in measured:
+        for r in ranks:
+            assert r["states"] == r["estimated_states"], (r["layout"], r["rank"])
+
+
+def test_cp_activations_within_5_percent(measured):
+    """Saved-for-backward bytes per rank (saved_tensors_hooks, each storage once) against the model's."""
+    worst = 0.0
+    for ranks in measured:
+        for r in ranks:
+            for row in r["activations"]:
+                err = row["estimated"] / row["measured"] - 1
+                worst = max(worst, abs(err))
+                if r["rank"] == 0:
+                    print(f"activations {r['layout']} b={row['b']} s={row['s']}: measured {row['measured']} B, "
+                          f"estimated {row['estimated']} B, error {100 * err:+.2f}%")
+                assert abs(err) <= 0.05, (r["layout"], r["rank"], row)
+    print(f"largest cp activation error: {100 * worst:.2f}%")
+
+
+def test_estimate_divides_sequence_by_cp_and_adds_gathered_kv():
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    one = ParallelConfig(data_parallel_size=1, tensor_parallel_size=8)
+    ring = ParallelConfig(data_parallel_size=1, tensor_parallel_size=8, context_parallel_size=4)
+    gathered = ParallelConfig(data_parallel_size=1, tensor_parallel_size=8, context_parallel_size=4,
+                              context_parallel_method="allgather")
+    s = 131072
+    a1 = saved_activation_bytes(cfg, one, 1, s)
+    a4 = saved_activation_bytes(cfg, ring, 1, s)
+    assert a4["layers"] * 4 == a1["layers"] and a4["context_parallel_kv"] == 0
+    kv = 2 * 2 * s * (cfg.num_kv_heads // 8) * cfg.head_dim * cfg.num_layers  # bf16 K and V of all s tokens
+    assert saved_activation_bytes(cfg, gathered, 1, s)["context_parallel_kv"] == kv
+    est_ring = estimate_memory(cfg, ring, 1, s)
+    est_gathered = estimate_memory(cfg, gathered, 1, s)
+    assert est_ring.total < est_gathered.total < estimate_memory(cfg, one, 1, s).total
+    assert est_ring.details["context_parallel_buffers"] > 0
