@@ -112,7 +112,7 @@ def test_attention_equals_full_causal_attention(tmp_path):
             worst = max(worst, err)
             cases += 1
             assert err <= 1e-6, record
-    assert cases == 4 * 2 * 2 * (4 + 3)  # ranks x methods x kernels x (cases at c=2 + cases at c=4)
+    assert cases == 4 * 2 * 2 * (4 + 4)  # ranks x methods x kernels x (cases at c=2 + cases at c=4)
     print(f"\ncp attention: largest error over {cases} rank-cases: {worst:.1e}")
 
 

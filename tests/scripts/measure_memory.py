@@ -106,12 +106,12 @@ class Measured(CausalLMModule):
 
         def pack(t):
             ptrs = []
+            # the parameters' storages now: FSDP2's unsharded parameters come and go, and the allocator reuses a
+            # freed one's address for activations, so a remembered address would hide those
+            current = param_ptrs | params()
             for st in _storages(t):
                 ptr = st.data_ptr()
-                if ptr in param_ptrs:
-                    continue
-                if isinstance(t, torch.nn.Parameter) or ptr in params():  # FSDP2's unsharded params
-                    param_ptrs.add(ptr)
+                if isinstance(t, torch.nn.Parameter) or ptr in current:
                     continue
                 seen.setdefault(ptr, st.nbytes())
                 ptrs.append(ptr)
