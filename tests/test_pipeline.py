@@ -118,8 +118,14 @@ def test_pipeline_world8(references, world8, index):
 def test_pipeline_checkpoint_resume(tmp_path_factory):
     """A ModelCheckpoint saved at pp=2 loads back at pp=2 and training continues with the same losses."""
     layouts = [{"pp": 2, "schedule": "1f1b", "m": 2, "zero": 1}]
-    out = _run(tmp_path_factory, "pp_resume", 2, layouts, "--resume-check")
-    for path in sorted(out.glob("resume0_rank*.json")):
+    _check_resume(_run(tmp_path_factory, "pp_resume", 2, layouts, "--resume-check"), ranks=2)
+
+
+def _check_resume(out, ranks: int) -> None:
+    """Each rank's resumed losses (second half) equal the straight run's (run_layouts.py --resume-check)."""
+    paths = sorted(out.glob("resume0_rank*.json"))
+    assert len(paths) == ranks
+    for path in paths:
         record = json.loads(path.read_text())
         half = STEPS // 2
         assert record["first"] == record["straight"][:half]
