@@ -25,6 +25,11 @@ WORLD2 = [
     {"cp": 2, "method": "allgather", "zero": 0},
     {"cp": 2, "method": "ring", "zero": 1, "clip": 0.1, "ac": "full"},
 ]
+# bf16 under autocast through both methods, compared with the float32 reference at bf16 tolerance (as test_parity)
+WORLD2_BF16 = [
+    {"cp": 2, "method": "ring", "zero": 1, "precision": "bf16-mixed"},
+    {"cp": 2, "method": "allgather", "zero": 3, "precision": "bf16-mixed"},
+]
 WORLD4 = [
     {"cp": 4, "method": "ring", "zero": 1},
     {"cp": 4, "method": "allgather", "zero": 1},
@@ -54,7 +59,7 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(tmp_path_factory, "cp_world2", 2, WORLD2)
+    return _run(tmp_path_factory, "cp_world2", 2, WORLD2 + WORLD2_BF16)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +75,13 @@ def world8(tmp_path_factory):
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
 def test_context_parallel_world2(references, world2, index):
     _check(references, world2[index])
+
+
+@pytest.mark.parametrize("index", range(len(WORLD2_BF16)), ids=[_layout_id(x) for x in WORLD2_BF16])
+def test_context_parallel_bf16_close_to_float32(references, world2, index):
+    from tests.test_parity import BF16_LOSS_RTOL, _check_parity
+
+    _check_parity(references[0], world2[len(WORLD2) + index], loss_rtol=BF16_LOSS_RTOL, weight_atol=2e-2)
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])

@@ -50,8 +50,8 @@ saves only its input (r·b·s'·h) and the backward re-runs one layer at a time 
 ``total = parameters + optimizer_states + overhead + max(phases)``; ``overhead`` is the measured allowance for the
 CUDA context and fragmentation (:mod:`lightning_4d.memory.hardware`), zero on CPU.
 
-**Pipeline and context parallelism** are modelled for the planner before their implementation lands (issues 4 and
-5 validate and refine them): a stage holds ``L/p`` layers (the first also the embedding, the last the final norm,
+**Pipeline parallelism** (validated against measured per-stage bytes in ``tests/test_memory_model.py``): a stage
+holds ``L/p`` layers (the first also the embedding, the last the final norm,
 head and loss); 1F1B keeps ``min(m, p − stage)`` micro-batches of activations, GPipe ``m``, interleaved 1F1B (v
 chunks per rank) ``min(m·v, 2(p − stage − 1) + (v − 1)p + 1)`` chunks of ``L/(p·v)`` layers (Megatron-LM's warm-up
 count), plus two send/receive buffers of one micro-batch's hidden states.

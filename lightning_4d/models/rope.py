@@ -130,7 +130,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.to(x.dtype)
 
 
-
 def context_parallel_positions(local_length: int, cp_rank: int, cp_size: int, device: DeviceLike = None) -> Tensor:
     """Positions of the tokens a context-parallel rank holds under the load-balanced ("zigzag") split.
 

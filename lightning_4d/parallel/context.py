@@ -42,8 +42,9 @@ zigzag order); output like ``q``. Softmax scale ``1 / sqrt(head_dim)``, no dropo
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -273,6 +274,19 @@ def _merge_rows(acc_out: Tensor, acc_lse: Tensor, rows: slice, out: Tensor, lse:
     acc_lse[:, :, rows] = new_lse
 
 
+def _without_autocast(fn: Callable) -> Callable:
+    """Run an autograd.Function's forward/backward with autocast off: the inputs already have their compute dtype
+    (bf16 under ``bf16-mixed``), and the log-sum-exp merge and the eager kernel must stay in float32."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx: Any, *args: Any) -> Any:
+        device = next(a.device.type for a in args if isinstance(a, Tensor))
+        with torch.autocast(device_type=device, enabled=False):
+            return fn(ctx, *args)
+
+    return wrapper
+
+
 # ---------------------------------------------------------------------------------------------------- ring
 class _RingExchange:
     """Send a tensor to the next rank of the cp ring and receive the previous rank's (asynchronous)."""
@@ -307,6 +321,7 @@ class _RingAttention(torch.autograd.Function):
     """Zigzag ring attention (module docstring). Inputs/outputs in ``[b, heads, s_local, d]``."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         half = q.shape[2] // 2
@@ -338,6 +353,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
@@ -404,6 +420,7 @@ class _AllGatherAttention(torch.autograd.Function):
     """All-gather-K/V context-parallel attention (module docstring). Inputs/outputs in ``[b, heads, s_local, d]``."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         full = torch.cat(_gather_kv(torch.stack([k, v]).contiguous(), group, size), dim=3)  # [2, b, h_kv, s, d]
@@ -425,6 +442,7 @@ class _AllGatherAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
         q, full, out, lse = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
