@@ -272,6 +272,15 @@ def _layer_saved(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> in
     return 2 * norm + attn_in + ffn_in + sdpa + swiglu
 
 
+def _layer_input_grad_only(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
+    """Bytes of one layer's saved set that only the input gradient uses (not the weight gradients): the two norms'
+    float32 inputs and rsqrt, and attention's q, k, v, output and float32 log-sum-exp (see :func:`_zbv_peak`)."""
+    d = cfg.head_dim
+    a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
+    s_sp = s // tp if sp else s
+    return 2 * (4 * b * s_sp * cfg.hidden_size + 4 * b * s_sp) + 2 * dt.compute * b * s * (a + k) * d + 4 * b * a * s
+
+
 def saved_activation_bytes(
     model_config: Any,
     parallel_config: ParallelConfig,
@@ -362,8 +371,8 @@ def _in_flight(pc: ParallelConfig, rank: int, m: int) -> list[int]:
     - interleaved 1F1B: ``w = min(m·v, (v-1)·n + 2(p-1-r) + 1)`` forwards in flight (warm-up of
       ``_get_warmup_ops`` + 1; n = micro-batches per round = m // max(1, m // p)), handed out to the rank's
       stages in rounds of n (Narayanan et al. 2021, Megatron-LM, arXiv 2104.04473, §2.2);
-    - ZBV zero-bubble (and DualPipeV, approximated by it): see :func:`_zbv_peak`; the counts returned here are
-      those at that peak.
+    - ZBV zero-bubble (and DualPipeV, approximated by it): see :func:`_zbv_peak` (which also counts what stays
+      alive after each weight pass); the counts returned here are those at that peak.
     """
     chunks = len(_rank_chunks(1 if pc.pp == 1 else pc.num_stages, pc, rank)) if pc.pp > 1 else 1
     p, r, v = pc.pp, rank, chunks
@@ -384,10 +393,19 @@ def _in_flight(pc: ParallelConfig, rank: int, m: int) -> list[int]:
     return list(_zbv_peak(p, r, m, (1.0, 1.0))[1])  # zbv, dualpipev: (stage r, stage 2p-1-r)
 
 
-def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float]) -> tuple[float, tuple[int, int]]:
-    """Peak of ``held[0]·sizes[0] + held[1]·sizes[1]`` over ``ScheduleZBVZeroBubble``'s action list for rank r,
-    with ``held[i]`` the micro-batches forwarded through the rank's stage i (stage r, then stage 2p-1-r) whose weight
-    gradient (W, which frees what the input-gradient pass I kept) has not run yet; returns (peak, held at the peak).
+def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float],
+              retained: tuple[float, float] = (0.0, 0.0)) -> tuple[float, tuple[int, int]]:
+    """Peak of ``held[0]·sizes[0] + held[1]·sizes[1] + done[0]·retained[0] + done[1]·retained[1]`` over
+    ``ScheduleZBVZeroBubble``'s action list for rank r, with ``held[i]`` the micro-batches forwarded through the
+    rank's stage i (stage r, then stage 2p-1-r) whose weight gradient (W) has not run yet and ``done[i]`` those whose
+    W has run; returns (peak, held at the peak).
+
+    ``retained[i]``: bytes of one micro-batch that stay alive after its W until the end of the step. Measured
+    (torch 2.13, ``saved_tensors_hooks``): the input-gradient pass (I, ``stage_backward_input``) runs with
+    ``retain_graph=True`` and the weight pass frees only the nodes it traverses, so what only the input gradient
+    needs (the norms' inputs and rsqrt, the rotary tables, attention's q/k/v/output/log-sum-exp, the loss'
+    log-probabilities) is held to the end of the step on every stage whose input requires a gradient (all but
+    stage 0).
 
     The list is the schedule's (``torch.distributed.pipelining``): warm-up ``2(p-r)-1`` F of stage 0, ``r`` pairs
     (F stage 1, F stage 0), ``p-r`` triples (F, I, W of stage 1); steady pairs (F stage 0 while micro-batches remain;
@@ -395,7 +413,7 @@ def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float]) -> tuple[float
     schedule's micro-batch count ``max(2p-1, m)`` and actions on indices >= m dropped.
     """
     n = max(2 * p - 1, m)
-    held, best = [0, 0], (0.0, (0, 0))
+    held, done, best = [0, 0], [0, 0], (0.0, (0, 0))
     f = [0, 0]
 
     def step(chunk: int, delta: int, index: int) -> None:
@@ -403,7 +421,9 @@ def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float]) -> tuple[float
         if index >= m:
             return
         held[chunk] += delta
-        value = held[0] * sizes[0] + held[1] * sizes[1]
+        if delta < 0:
+            done[chunk] += 1
+        value = held[0] * sizes[0] + held[1] * sizes[1] + done[0] * retained[0] + done[1] * retained[1]
         if value > best[0]:
             best = (value, (held[0], held[1]))
 
@@ -589,7 +609,17 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
              + (saved["head"] + saved["loss"] if st == pc.num_stages - 1 or pc.pp == 1 else 0)
              + (saved["rope"] if pc.pp > 1 else 0) for st, layers in chunks]
     if pc.pp > 1 and pc.pipeline_schedule in ("zbv", "dualpipev"):
-        peak, _ = _zbv_peak(pc.pp, stage, m, (sizes[0], sizes[1]))
+        # what stays alive after a micro-batch's weight pass, to the end of the step (stages after the first)
+        s_loc = s // pc.cp
+        layer_kept = 0 if pc.activation_checkpointing == "full" else (
+            _layer_input_grad_only(cfg, dt, b, s_loc, tp, pc.sp) + saved["context_parallel_kv"] / max(1, n_layers))
+        s_sp = s_loc // tp if pc.sp else s_loc
+        # the final norm's float32 input and rsqrt and the loss' float32 log-probabilities (measured on one head in
+        # isolation; the whole pipeline keeps more on the last stage: see docs/pipeline.md)
+        head_kept = 4 * b * s_sp * h + 4 * b * s_sp + 4 * b * s_loc * (cfg.padded_vocab_size // tp)
+        retained = [0 if st == 0 else len(layers) * layer_kept + saved["rope"]
+                    + (head_kept if st == pc.num_stages - 1 else 0) for st, layers in chunks]
+        peak, _ = _zbv_peak(pc.pp, stage, m, (sizes[0], sizes[1]), (retained[0], retained[1]))
     else:
         peak = sum(c * size for c, size in zip(counts, sizes))
     activations = int(peak) + (saved["rope"] if pc.pp == 1 else 0) + saved["recompute"]
