@@ -51,7 +51,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_4d.config import CONTEXT_PARALLEL_METHODS
-from lightning_4d.models.rope import context_parallel_positions
 
 __all__ = [
     "CONTEXT_PARALLEL_METHODS",
@@ -552,9 +551,3 @@ def apply_context_parallel(model: Any, cp_mesh: Any, method: str = "ring") -> No
         if isinstance(module, Attention):
             module.core_attention = core
     model.context_parallel = (cp_mesh.get_local_rank(), size)
-
-
-def local_positions(seq_length: int, cp_rank: int, cp_size: int, device: Any = None) -> Tensor:
-    """Token positions of this cp rank's ``seq_length / c`` tokens (see
-    :func:`~lightning_4d.models.rope.context_parallel_positions`)."""
-    return context_parallel_positions(seq_length // cp_size, cp_rank, cp_size, device=device)
