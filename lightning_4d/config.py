@@ -17,9 +17,9 @@ if TYPE_CHECKING:  # pragma: no cover
 ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = ("none", "full")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
-# pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
 #: context-parallel attention methods (see lightning_4d/parallel/context.py)
 CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
+# pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 _SCHEDULE_STAGES = {
     "gpipe": ((1,), 1, "loop"),
@@ -49,8 +49,8 @@ class ParallelConfig:
         data_parallel_size: dp, the number of model replicas that see different data. ``"auto"`` (or -1) takes what
             is left of the world size after pp, cp and tp.
         tensor_parallel_size: tp, the ranks that split every matrix of a layer (Megatron-style column/row split).
-        pipeline_parallel_size: pp, the number of pipeline stages (not supported yet: raises NotImplementedError at
-            setup).
+        pipeline_parallel_size: pp, the number of pipeline stages' ranks (the layers are split into ``pp·v``
+            stages; ``lightning_4d/parallel/pipeline.py``).
         context_parallel_size: cp, the ranks that split the sequence of every sample (load-balanced: rank i holds
             chunks i and 2c-1-i of 2c); attention exchanges K/V over them (``lightning_4d/parallel/context.py``).
         zero_stage: ZeRO stage over the ``dp_cp`` group: 0 replicated, 1 optimizer states sharded, 2 + gradients

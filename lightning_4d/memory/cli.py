@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_4d.config import CONTEXT_PARALLEL_METHODS
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
 
 FORMULAS = ("lightning_4d", "fujii2024")
@@ -71,7 +72,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--cp", type=int, default=1)
-        p.add_argument("--cp-method", default="ring", choices=["ring", "allgather"],
+        p.add_argument("--cp-method", default="ring", choices=list(CONTEXT_PARALLEL_METHODS),
                        help="context-parallel attention (default ring)")
         group = p.add_mutually_exclusive_group()
         group.add_argument("--dp", type=int, help="data parallel size")

@@ -258,27 +258,40 @@ def model_state_bytes(
     return ModelStates(n_param * dt.param, n_grad * dt.param, 2 * n_opt * dt.param)
 
 
-def _layer_saved(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
-    """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length)."""
+def _norm_input_saved(b: int, s_sp: int, h: int) -> int:
+    """Bytes an RMSNorm saves for its input gradient: its float32 input ``[b, s', h]`` and rsqrt ``[b, s', 1]``."""
+    return 4 * b * s_sp * h + 4 * b * s_sp
+
+
+def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> dict[str, int]:
+    """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
+    part: ``norms`` (both norms' float32 inputs and rsqrt), ``norm_outputs`` (their outputs, inputs of the weight
+    gradients), ``attn_in`` / ``ffn_in`` (the projections' inputs, with autocast's casts), ``sdpa`` (q, k, v, output,
+    float32 log-sum-exp) and ``swiglu``."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
-    c, r = dt.compute, dt.residual
-    norm = 4 * b * s_sp * h + 4 * b * s_sp + r * b * s_sp * h
-    attn_in = c * b * s * h * (3 if dt.autocast else 1)
-    ffn_in = c * b * s * h * (2 if dt.autocast else 1)
-    sdpa = 2 * c * b * s * a * d + 2 * c * b * s * k * d + 4 * b * a * s
-    swiglu = 4 * c * b * s * (f // tp)
-    return 2 * norm + attn_in + ffn_in + sdpa + swiglu
+    c = dt.compute
+    return {
+        "norms": 2 * _norm_input_saved(b, s_sp, h),
+        "norm_outputs": 2 * dt.residual * b * s_sp * h,
+        "attn_in": c * b * s * h * (3 if dt.autocast else 1),
+        "ffn_in": c * b * s * h * (2 if dt.autocast else 1),
+        "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * k * d + 4 * b * a * s,
+        "swiglu": 4 * c * b * s * (f // tp),
+    }
+
+
+def _layer_saved(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
+    """Bytes one transformer layer saves for backward, per micro-batch (the sum of :func:`_layer_saved_parts`)."""
+    return sum(_layer_saved_parts(cfg, dt, b, s, tp, sp).values())
 
 
 def _layer_input_grad_only(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
     """Bytes of one layer's saved set that only the input gradient uses (not the weight gradients): the two norms'
     float32 inputs and rsqrt, and attention's q, k, v, output and float32 log-sum-exp (see :func:`_zbv_peak`)."""
-    d = cfg.head_dim
-    a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
-    s_sp = s // tp if sp else s
-    return 2 * (4 * b * s_sp * cfg.hidden_size + 4 * b * s_sp) + 2 * dt.compute * b * s * (a + k) * d + 4 * b * a * s
+    parts = _layer_saved_parts(cfg, dt, b, s, tp, sp)
+    return parts["norms"] + parts["sdpa"]
 
 
 def saved_activation_bytes(
@@ -321,7 +334,7 @@ def saved_activation_bytes(
         "layers": n_layers * (dt.residual * b * s_sp * h if full_ac else per_layer),
         "embedding": 8 * b * s if first else 0,
         "rope": 2 * 4 * s * (model_config.head_dim // 2),
-        "head": (4 * b * s_sp * h + 4 * b * s_sp + dt.residual * b * s_sp * h + dt.compute * b * s * h) if last else 0,
+        "head": (_norm_input_saved(b, s_sp, h) + dt.residual * b * s_sp * h + dt.compute * b * s * h) if last else 0,
         "loss": (4 * b * s * (vocab // tp) + 8 * b * s) if last else 0,
         "compute_weights": 0,
         "context_parallel_kv": 0,
@@ -616,7 +629,7 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
         s_sp = s_loc // tp if pc.sp else s_loc
         # the final norm's float32 input and rsqrt and the loss' float32 log-probabilities (measured on one head in
         # isolation; the whole pipeline keeps more on the last stage: see docs/pipeline.md)
-        head_kept = 4 * b * s_sp * h + 4 * b * s_sp + 4 * b * s_loc * (cfg.padded_vocab_size // tp)
+        head_kept = _norm_input_saved(b, s_sp, h) + 4 * b * s_loc * (cfg.padded_vocab_size // tp)
         retained = [0 if st == 0 else len(layers) * layer_kept + saved["rope"]
                     + (head_kept if st == pc.num_stages - 1 else 0) for st, layers in chunks]
         peak, _ = _zbv_peak(pc.pp, stage, m, (sizes[0], sizes[1]), (retained[0], retained[1]))

@@ -184,12 +184,18 @@ class _Kernel:
         return self.backend == "eager" or (
             q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16))
 
-    def _eager_forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    def _scores(self, q: Tensor, k: Tensor, causal: bool) -> Tensor:
+        """``q k^T · scale`` in float32 (float64 for float64), future keys at ``-inf`` when ``causal``."""
         compute = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * self.scale
         if causal:
             sq, sk = scores.shape[-2], scores.shape[-1]
             scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        return scores
+
+    def _eager_forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+        compute = torch.promote_types(q.dtype, torch.float32)
+        scores = self._scores(q, k, causal)
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(compute))
         return out.to(q.dtype), lse
@@ -229,10 +235,7 @@ class _Kernel:
         # D = rowsum(dO * O), dS = P * (dP - D), dQ = dS K * scale, dK = dS^T Q * scale
         compute = torch.promote_types(q.dtype, torch.float32)
         qc, kc, vc, doc = (t.to(compute) for t in (q, k, v, dout))
-        scores = torch.matmul(qc, kc.transpose(-2, -1)) * self.scale
-        if causal:
-            sq, sk = scores.shape[-2], scores.shape[-1]
-            scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        scores = self._scores(q, k, causal)
         p = torch.exp(scores - lse.to(compute).unsqueeze(-1))
         dv = torch.matmul(p.transpose(-2, -1), doc)
         dp = torch.matmul(doc, vc.transpose(-2, -1))
@@ -480,6 +483,12 @@ class _AllGatherAttention(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------------- public
+def _check_method(method: str) -> None:
+    if method not in CONTEXT_PARALLEL_METHODS:
+        raise ValueError(
+            f"context_parallel_method={method!r} is not valid: expected one of {list(CONTEXT_PARALLEL_METHODS)}.")
+
+
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "ring",
                                backend: str = "sdpa") -> Tensor:
     """Causal self-attention over the full sequence when each cp rank holds its zigzag shard of it.
@@ -499,9 +508,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.Proc
         ValueError: an unknown method or backend; q, k, v shapes that do not fit (odd local length, heads not a
             multiple of kv heads).
     """
-    if method not in CONTEXT_PARALLEL_METHODS:
-        raise ValueError(
-            f"context_parallel_method={method!r} is not valid: expected one of {list(CONTEXT_PARALLEL_METHODS)}.")
+    _check_method(method)
     if backend not in ("sdpa", "flash", "eager"):
         raise ValueError(f"attention backend={backend!r} is not valid: expected one of ['sdpa', 'flash', 'eager'].")
     if q.ndim != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
@@ -523,9 +530,7 @@ class ContextParallelAttention:
     :func:`context_parallel_attention`."""
 
     def __init__(self, group: dist.ProcessGroup, method: str) -> None:
-        if method not in CONTEXT_PARALLEL_METHODS:
-            raise ValueError(
-                f"context_parallel_method={method!r} is not valid: expected one of {list(CONTEXT_PARALLEL_METHODS)}.")
+        _check_method(method)
         self.group, self.method = group, method
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, backend: str) -> Tensor:
