@@ -38,8 +38,8 @@ from lightning_4d.mesh import build_mesh  # noqa: E402
 from lightning_4d.models.config import LlamaConfig  # noqa: E402
 from lightning_4d.models.llama import LlamaModel  # noqa: E402
 from lightning_4d.parallel.pipeline import PipelineRunner  # noqa: E402
-from lightning_4d.strategy import parallelize_llama  # noqa: E402
-from lightning_4d.tasks.causal_lm import causal_lm_loss  # noqa: E402
+from lightning_4d.parallel.parallelize import parallelize_llama  # noqa: E402
+from lightning_4d.parallel.tensor import causal_lm_loss  # noqa: E402
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 

@@ -8,7 +8,7 @@ fails in a second with a message that names the bad value and what would be vali
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,6 +28,13 @@ _SCHEDULE_STAGES = {
     "zbv": ((2,), 2, "v"),
     "dualpipev": ((2,), 2, "v"),
 }
+
+
+def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two chunks of the ``2·cp_size`` equal chunks of a sequence that cp rank ``cp_rank`` holds under the
+    load-balanced causal split: ``(cp_rank, 2·cp_size - 1 - cp_rank)`` (the "head-tail" split of Megatron-LM's
+    context parallelism; Brandon et al. 2023, "Striped Attention", arXiv 2311.09431, for the balance argument)."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
 def _divisors(n: int) -> list[int]:
@@ -192,6 +199,22 @@ class ParallelConfig:
         """Pipeline stages in all: ``pp * v``."""
         return self.pp * self.v
 
+    @property
+    def default_num_microbatches(self) -> int:
+        """m when ``num_microbatches`` is not given and the DataModule does not set it: ``2·pp`` for dualpipev (its
+        minimum), else ``pp`` (the fewest that keep every stage of 1F1B busy); 1 without pp."""
+        if self.pp == 1:
+            return 1
+        return 2 * self.pp if self.pipeline_schedule == "dualpipev" else self.pp
+
+    @property
+    def microbatches(self) -> int:
+        """m, the micro-batches the pipeline schedule runs per optimizer step: ``num_microbatches`` or
+        :attr:`default_num_microbatches` (1 without pp)."""
+        if self.pp == 1:
+            return 1
+        return self.num_microbatches or self.default_num_microbatches
+
     def stage_indices(self, pp_rank: int) -> list[int]:
         """The pipeline stages held by pp rank ``pp_rank``, in order.
 
@@ -203,6 +226,28 @@ class ParallelConfig:
         if _SCHEDULE_STAGES[self.pipeline_schedule][2] == "v" and p > 1:
             return [pp_rank, 2 * p - 1 - pp_rank]
         return [pp_rank + i * p for i in range(v)]
+
+    def stage_layer_ranges(self, num_layers: int) -> list[range]:
+        """The decoder-layer indices of every pipeline stage (``pp * v`` ranges, stage order): stage ``k`` holds
+        ``[sum(split[:k]), sum(split[:k+1]))`` of :meth:`layer_split` (one range of all layers without pp).
+
+        Raises:
+            ValueError: see :meth:`layer_split`.
+        """
+        if self.pp == 1:
+            return [range(num_layers)]
+        split = self.layer_split(num_layers)
+        starts = [sum(split[:k]) for k in range(len(split))]
+        return [range(start, start + n) for start, n in zip(starts, split)]
+
+    def rank_stages(self, num_layers: int, pp_rank: int) -> list[tuple[int, range]]:
+        """``[(stage index, decoder layers), ...]`` of pp rank ``pp_rank``, in the order of :meth:`stage_indices`.
+
+        Raises:
+            ValueError: see :meth:`layer_split`.
+        """
+        ranges = self.stage_layer_ranges(num_layers)
+        return [(st, ranges[st]) for st in self.stage_indices(pp_rank)] if self.pp > 1 else [(0, ranges[0])]
 
     def layer_split(self, num_layers: int) -> list[int]:
         """Decoder layers per pipeline stage (``pp * v`` counts, stage order).
@@ -267,9 +312,6 @@ class ParallelConfig:
     def sequence_divisor(self) -> int:
         """The sequence length must be a multiple of this: tp under sp, times 2*cp (load-balanced causal split)."""
         return (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     # ------------------------------------------------------------------ validation
     def resolve(self, world_size: int) -> "ParallelConfig":

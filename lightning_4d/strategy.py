@@ -1,94 +1,40 @@
 """``FourDStrategy``: a Lightning strategy that lays a Llama model out on a ``("pp", "dp", "cp", "tp")`` mesh.
 
-The order of parallelization (inside :meth:`FourDStrategy.setup`, on a model built on the meta device) is the one of
-``docs/architecture.md``: pipeline split, tensor + sequence parallel plans, context parallel attention,
-activation checkpointing per layer, ``torch.compile`` per layer, ZeRO over ``dp_cp``, then materialization and the
-layout-independent initialization. Each step is one short function so the order reads top to bottom in
-:func:`parallelize_llama`.
+Lightning hooks only, each delegating: the layout and its checks to :mod:`lightning_4d.config`, the mesh to
+:mod:`lightning_4d.mesh`, the order of parallelization to :mod:`lightning_4d.parallel.parallelize`, pipelining to
+:mod:`lightning_4d.parallel.pipeline`, ZeRO 0/1 to :mod:`lightning_4d.parallel.zero`, cp batch sharding to
+:mod:`lightning_4d.parallel.context`, checkpoint I/O to :mod:`lightning_4d.checkpoint`.
 """
 
 from __future__ import annotations
 
-import logging
-import shutil
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
-import torch.nn as nn
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import lightning_4d.checkpoint as _checkpoint
 from lightning_4d.config import ParallelConfig
 from lightning_4d.mesh import ParallelMesh, build_mesh
-from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
-from lightning_4d.parallel.context import apply_context_parallel, gather_sequence, shard_batch
-from lightning_4d.parallel.pipeline import PipelineRunner, clip_grad_norm_, split_llama
-from lightning_4d.parallel.tensor import apply_tensor_parallel
-from lightning_4d.parallel.zero import GradientSynchronizer, ShardedOptimizer, apply_fsdp
-
-log = logging.getLogger(__name__)
-# optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
-# parameters (pipeline stages) do not overwrite one another's param_groups
-_FLAT_OPTIM = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-
-
-def parallelize_llama(
-    model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, compile: bool = False
-) -> Optional[list[tuple[int, nn.Module]]]:
-    """Apply the pipeline split, tp/sp, context-parallel attention, activation checkpointing, compile and ZeRO 2/3 to
-    a meta-device ``LlamaModel``, in that order.
-
-    With pp > 1 the model is pruned to this rank's stages and every step after the split runs on each stage chunk
-    (:func:`~lightning_4d.parallel.pipeline.split_llama`); the chunks are returned (``None`` without pp). ZeRO stages
-    0 and 1 change nothing in the model: their gradient averaging and optimizer sharding are set up with the
-    optimizer (:class:`~lightning_4d.parallel.zero.GradientSynchronizer`,
-    :class:`~lightning_4d.parallel.zero.ShardedOptimizer`).
-    """
-    chunks: Optional[list[tuple[int, nn.Module]]] = None
-    if config.pp > 1:
-        model.hidden_sequence_shards = config.tp if config.sp else 1
-        chunks = split_llama(model, config, mesh.pp.get_local_rank())
-    for part in [c for _, c in chunks] if chunks is not None else [model]:
-        apply_tensor_parallel(part, mesh.tp, sequence_parallel=config.sp)
-        apply_context_parallel(part, mesh.cp, config.context_parallel_method)
-        apply_activation_checkpointing(part, config.activation_checkpointing)
-        if compile:
-            for block in part.layers.values():
-                block.compile()
-        if config.zero_stage >= 2:
-            # zero-bubble schedules run a micro-batch's weight gradients (W) after later forwards: parameters
-            # resharded by those forwards lose the W pass's unsharded gradients (measured: wrong losses with zbv +
-            # ZeRO-3), so their stage-3 parameters stay gathered from the first forward to the step's end
-            split_backward = config.pp > 1 and config.pipeline_schedule in ("zbv", "dualpipev")
-            apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=False if split_backward else None)
-        if part is not model:
-            for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
-                model.layers[name] = block
-    if chunks is not None:
-        model.context_parallel = chunks[0][1].context_parallel
-    model._lightning_4d_parallelized = True  # type: ignore[assignment]
-    return chunks
-
-
-def _is_parallelized(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    if getattr(module, "_lightning_4d_parallelized", False):
-        return True
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
+from lightning_4d.parallel._compat import materialize_distributed_module, optimizers_to_device
+from lightning_4d.parallel.context import gather_sequence, shard_batch
+from lightning_4d.parallel.parallelize import prepare_llamas
+from lightning_4d.parallel.pipeline import (
+    PipelineRunner,
+    pipeline_chunks,
+    resolve_num_microbatches,
+    use_pipeline_clipping,
+)
+from lightning_4d.parallel.tensor import causal_lm_loss, vocab_parallel_loss
+from lightning_4d.parallel.zero import GradientSynchronizer, ShardedOptimizer
 
 
 def _reduced_by_fsdp(p: torch.Tensor) -> bool:
@@ -199,7 +145,7 @@ class FourDStrategy(ModelParallelStrategy):
         if pipeline_parallel_size > 1 and not save_distributed_checkpoint:
             raise ValueError(
                 "save_distributed_checkpoint=False is not supported with pipeline_parallel_size > 1: no rank holds the "
-                "whole model. Use save_distributed_checkpoint=True (a sharded folder that loads into any layout)."
+                "whole model. Use save_distributed_checkpoint=True (a sharded folder)."
             )
         if compile and tensor_parallel_size > 1:
             # measured with torch 2.13: a compiled block with DTensor tp plans fails in backward inside DTensor's
@@ -212,6 +158,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.compile = compile
         self._mesh: Optional[ParallelMesh] = None
         self._grad_sync: Optional[GradientSynchronizer] = None
+        #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
 
     # ------------------------------------------------------------------ layout
@@ -227,21 +174,33 @@ class FourDStrategy(ModelParallelStrategy):
         """The process group the loss and gradients are averaged over (``None`` before setup)."""
         return self._mesh.dp_cp.get_group() if self._mesh is not None else None
 
-    def _resolve_layout(self) -> ParallelConfig:
-        world_size = self.num_nodes * self.num_processes
-        return self.parallel_config.resolve(world_size)
+    @property
+    def num_microbatches(self) -> int:
+        """m, the micro-batches the pipeline schedule runs per training step (1 without pp)."""
+        return self.parallel_config.microbatches
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Lightning's ``ModelParallelStrategy`` behaviour, stated: with ``empty_init=True`` tensors are created on
+        the meta device (``setup`` parallelizes, materializes and initializes them; ``CausalLMModule`` asks for
+        this), otherwise on the default device with the precision's dtype (a module of your own that builds and
+        seeds its weights in ``configure_model`` keeps them)."""
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def _configure_launcher(self) -> None:
         # runs when the Trainer is built: a bad world size fails before any process is started
-        self.parallel_config = self._resolve_layout()
+        self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     def _validate_against_module(self) -> None:
-        module = self.lightning_module
-        model_config = getattr(module, "model_config", None) if module is not None else None
+        """Check the layout against the model, the DataModule and the Trainer (before the process group exists)."""
         from lightning_4d.models.config import LlamaConfig
 
+        module = self.lightning_module
+        model_config = getattr(module, "model_config", None) if module is not None else None
         if isinstance(model_config, LlamaConfig):
             self.parallel_config.validate_model(model_config)
         trainer = getattr(module, "_trainer", None) if module is not None else None
@@ -252,47 +211,11 @@ class FourDStrategy(ModelParallelStrategy):
         if isinstance(seq_length, int):
             self.parallel_config.validate_sequence(seq_length)
         if self.parallel_config.pp > 1:
-            self._resolve_microbatches(trainer, datamodule)
-
-    def _resolve_microbatches(self, trainer: Any, datamodule: Any) -> None:
-        """Fill in and check ``num_microbatches`` (pp > 1) before the process group exists."""
-        config = self.parallel_config
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
-        if accumulate != 1:
-            raise ValueError(
-                f"accumulate_grad_batches={accumulate} is not supported with pipeline_parallel_size={config.pp}: the "
-                "pipeline schedule accumulates gradients over its micro-batches. Set accumulate_grad_batches=1 and "
-                f"num_microbatches={accumulate * (config.num_microbatches or config.pp)} (or let it follow the "
-                "DataModule's global_batch_size)."
-            )
-        if config.num_microbatches is None:
-            global_batch = getattr(datamodule, "global_batch_size", None)
-            micro = getattr(datamodule, "micro_batch_size", None)
-            per_replica = micro * config.dp if isinstance(micro, int) else None
-            if isinstance(global_batch, int) and per_replica and global_batch % per_replica == 0:
-                m = global_batch // per_replica
-            elif isinstance(global_batch, int) and per_replica:
-                raise ValueError(
-                    f"global_batch_size={global_batch} is not a multiple of micro_batch_size x dp = {micro} x "
-                    f"{config.dp} = {per_replica}, so num_microbatches cannot be derived; change the batch sizes or "
-                    "set num_microbatches."
-                )
-            else:
-                m = 2 * config.pp if config.pipeline_schedule == "dualpipev" else config.pp
-            config.num_microbatches = m
-        config.validate_microbatches(config.num_microbatches)
-
-    @property
-    def num_microbatches(self) -> int:
-        """m, the micro-batches the pipeline schedule runs per training step (1 without pp)."""
-        config = self.parallel_config
-        if config.pp == 1:
-            return 1
-        return config.num_microbatches or (2 * config.pp if config.pipeline_schedule == "dualpipev" else config.pp)
+            resolve_num_microbatches(self.parallel_config, trainer, datamodule)
 
     @override
     def setup_environment(self) -> None:
-        self.parallel_config = self._resolve_layout()
+        self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         self._validate_against_module()  # before the process group exists
         self._add_memory_check()
         self._setup_distributed()
@@ -343,64 +266,28 @@ class FourDStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ model
     @override
     def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
-        from lightning.fabric.utilities.init import _materialize_distributed_module
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
-        from lightning_4d.models.llama import LlamaModel
-
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        llamas = [m for m in module.modules() if isinstance(m, LlamaModel)]
-        if not llamas and not is_overridden("configure_model", module):
-            raise TypeError(
-                f"{type(self).__name__} parallelizes lightning_4d Llama models automatically; for another model, "
-                "override `configure_model()` in your LightningModule and apply plans there with `self.device_mesh`."
-            )
-        if self.parallel_config.pp > 1 and len(llamas) != 1:
-            raise TypeError(
-                f"pipeline_parallel_size={self.parallel_config.pp} needs exactly one lightning_4d LlamaModel in the "
-                f"LightningModule (found {len(llamas)})."
-            )
-        for llama in llamas:
-            if not _is_parallelized(llama):
-                parallelize_llama(llama, self.mesh, self.parallel_config, compile=self.compile)
-            if any(p.is_meta for p in llama.parameters()):
-                llama.to_empty(device=self.root_device)
-                with torch.no_grad():
-                    llama.init_weights()
-        _materialize_distributed_module(self.model, self.root_device)
+        llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile)
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        chunks = getattr(llamas[0], "_pipeline_chunks", None) if llamas else None
+        chunks = pipeline_chunks(llamas[0]) if llamas else None
         if chunks is not None and self.pipeline is None:
-            self.pipeline = self._build_pipeline(module, chunks)
+            loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
+            self.pipeline = PipelineRunner(
+                chunks, self.parallel_config, self.num_microbatches, self.mesh.pp.get_group(), self.root_device,
+                loss_fn=loss_fn, vocab_parallel=self.parallel_config.tp > 1,
+            )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if self.pipeline is not None:
-            self._use_pipeline_clipping()
+            use_pipeline_clipping(self.precision_plugin, self.mesh.pp.get_group())
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _use_pipeline_clipping(self) -> None:
-        """Make ``gradient_clip_val`` (norm) clip by the global norm over all shards AND all pipeline stages."""
-        plugin, group = self.precision_plugin, self.mesh.pp.get_group()
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), float(clip_val), pp_group=group)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-
-    def _build_pipeline(self, module: Any, chunks: list[tuple[int, nn.Module]]) -> PipelineRunner:
-        from lightning_4d.tasks.causal_lm import causal_lm_loss
-
-        loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
-        return PipelineRunner(
-            chunks, self.parallel_config, self.num_microbatches, self.mesh.pp.get_group(), self.root_device,
-            loss_fn=loss_fn, vocab_parallel=self.parallel_config.tp > 1,
-        )
+            optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def setup_optimizers(self, trainer: "L.Trainer") -> None:  # noqa: F821
@@ -411,19 +298,12 @@ class FourDStrategy(ModelParallelStrategy):
             self._grad_sync.close()
         self._grad_sync = GradientSynchronizer(params, group) if params else None
         if self.parallel_config.zero_stage == 1 and self.mesh.dp_cp.size() > 1:
-            for opt in self.optimizers:  # each optimizer keeps its ShardedOptimizer (see _zero1_for)
-                ShardedOptimizer(_unwrap(opt), group)
+            for opt in self.optimizers:  # each optimizer keeps its ShardedOptimizer (ShardedOptimizer.of)
+                ShardedOptimizer(_checkpoint.unwrap(opt), group)
 
     # ------------------------------------------------------------------ training step
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any):
-        # vocabulary-parallel cross-entropy needs its backward inside the same context as its forward
-        if isinstance(closure_loss, DTensor):
-            from lightning_4d.parallel.tensor import vocab_parallel_loss
-
-            ctx = vocab_parallel_loss()
-        else:
-            ctx = nullcontext()
         if self.pipeline is not None:
             # the schedule already ran forward and backward of every micro-batch inside training_step
             self.pre_backward(closure_loss)
@@ -432,7 +312,8 @@ class FourDStrategy(ModelParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
             return closure_loss
-        with ctx:
+        # vocabulary-parallel cross-entropy needs its backward inside the same context as its forward
+        with vocab_parallel_loss(isinstance(closure_loss, DTensor)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -452,126 +333,38 @@ class FourDStrategy(ModelParallelStrategy):
 
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-    # ------------------------------------------------------------------ checkpoints
-    def _zero1_for(self, optimizer: Optimizer) -> Optional[ShardedOptimizer]:
-        return getattr(_unwrap(optimizer), "_lightning_4d_zero1", None)
-
-    def _param_names(self) -> dict[int, str]:
-        return {id(p): name for name, p in self.model.named_parameters()}
-
+    # ------------------------------------------------------------------ checkpoints (lightning_4d.checkpoint)
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        zero1 = self._zero1_for(optimizer)
-        if zero1 is None and self._save_distributed_checkpoint:
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            return get_optimizer_state_dict(self.model, _unwrap(optimizer), options=_FLAT_OPTIM)
-        if zero1 is None:
-            return super().optimizer_state(optimizer)
-        # ZeRO-1: each rank's chunk of the states; saved as one file per rank inside the checkpoint folder
-        inner = zero1.optimizer
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-        return {"zero1": True, "state": zero1.sharded_state(self._param_names()), "param_groups": groups}
+        state = _checkpoint.optimizer_state(self.model, optimizer, self._save_distributed_checkpoint)
+        return state if state is not None else super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        """Save atomically: write ``<path>.tmp`` completely, then replace ``<path>`` (a crash never leaves a
-        half-written checkpoint in place of a good one)."""
+        """Save a sharded folder atomically (:func:`lightning_4d.checkpoint.save_sharded`), or one full file
+        (``save_distributed_checkpoint=False``, Lightning's ``ModelParallelStrategy``)."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        from torch.distributed.checkpoint import save as dcp_save
-
         path = Path(self.broadcast(str(filepath)))
-        tmp = path.with_name(path.name + ".tmp")
-        if self.global_rank == 0 and tmp.exists():
-            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
-        self.barrier()
-        tmp.mkdir(parents=True, exist_ok=True)
-        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-        for idx, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            if isinstance(opt_state, dict) and opt_state.get("zero1"):
-                torch.save(opt_state, tmp / f"zero1_optimizer_{idx}_rank{self.global_rank}.pt")
-            else:
-                state[f"optimizer_{idx}"] = opt_state
-        dcp_save(state, checkpoint_id=tmp)
-        if self.global_rank == 0:
-            torch.save(checkpoint, tmp / _METADATA_FILENAME)
-        self.barrier()
-        if self.global_rank == 0:
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                if path.is_dir():
-                    path.rename(old)
-                else:
-                    path.unlink()
-            tmp.rename(path)
-            if old.exists():
-                shutil.rmtree(old)
-        self.barrier()
+        _checkpoint.save_sharded(checkpoint, path, self.global_rank, self.barrier)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a sharded folder (:func:`lightning_4d.checkpoint.load_sharded`) or a full file
+        (:func:`lightning_4d.checkpoint.load_full`).
+
+        Raises:
+            ValueError: ``checkpoint_path`` does not exist.
+        """
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.exists():
             raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
-        if not path.is_dir():
-            return self._load_full_checkpoint(path, weights_only)
-        from torch.distributed.checkpoint import load as dcp_load
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         assert self.lightning_module is not None
         strict = self.lightning_module.strict_loading
-        model_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp_load(model_state, checkpoint_id=path)
-        set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
-        for idx, optimizer in enumerate(self.optimizers):
-            zero1 = self._zero1_for(optimizer)
-            if zero1 is not None:
-                saved = torch.load(path / f"zero1_optimizer_{idx}_rank{self.global_rank}.pt", weights_only=False)
-                zero1.load_sharded_state(self._param_names(), saved["state"])
-                for group, values in zip(zero1.optimizer.param_groups, saved["param_groups"]):
-                    group.update(values)
-                continue
-            key = f"optimizer_{idx}"
-            opt_state = {key: get_optimizer_state_dict(self.model, _unwrap(optimizer), options=_FLAT_OPTIM)}
-            dcp_load(opt_state, checkpoint_id=path)
-            set_optimizer_state_dict(self.model, _unwrap(optimizer), optim_state_dict=opt_state[key],
-                                     options=_FLAT_OPTIM)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False)
-
-
-    def _load_full_checkpoint(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
-        """Load a single-file checkpoint (``save_distributed_checkpoint=False``): every rank reads the file and
-        keeps its shards of the full state dicts."""
-        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        assert self.lightning_module is not None
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
-        for idx, optimizer in enumerate(self.optimizers):
-            state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][idx], self.model)
-            set_optimizer_state_dict(
-                self.model, _unwrap(optimizer), optim_state_dict=state, options=StateDictOptions(full_state_dict=True)
-            )
-        checkpoint.pop("optimizer_states", None)
-        return checkpoint
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if not path.is_dir():
+            return _checkpoint.load_full(path, self.model, self.optimizers, strict, weights_only)
+        return _checkpoint.load_sharded(path, self.model, self.optimizers, strict, self.global_rank, weights_only)

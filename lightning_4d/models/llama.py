@@ -20,8 +20,9 @@ Built for parallelism:
   by ``model.to_empty(device=...)`` and ``model.init_weights(seed)`` gives a complete model;
 - attention derives its local head count from the projected tensors, so tensor parallelism may column-shard
   ``wq``/``wk``/``wv`` and row-shard ``wo``;
-- ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` and entries of ``layers`` deleted by a pipeline
-  split;
+- ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` and entries of ``layers`` deleted (a pruned
+  model, e.g. one stage of a pipeline split made outside this file): without ``tok_embeddings`` ``forward`` takes
+  hidden states;
 - :meth:`LlamaModel.init_weights` draws every parameter's full tensor from a generator seeded by (seed, parameter
   name) and keeps this rank's shard, so the weights do not depend on the parallel layout.
 """
@@ -200,7 +201,7 @@ class LlamaModel(nn.Module):
     Submodules: ``tok_embeddings`` (``nn.Embedding(padded_vocab_size, h)``), ``layers`` (``nn.ModuleDict`` of
     :class:`TransformerBlock` keyed ``"0"`` .. ``"L-1"``), ``norm`` (:class:`RMSNorm`), ``output``
     (``nn.Linear(h, padded_vocab_size, bias=False)``; with ``tie_word_embeddings`` its weight *is* the embedding's).
-    A pipeline split may set ``tok_embeddings``, ``norm`` or ``output`` to ``None`` and delete layers.
+    ``tok_embeddings``, ``norm`` or ``output`` may be set to ``None`` and layers deleted (a pruned model).
 
     Building: on a real device the constructor ends with :meth:`init_weights`; on the meta device nothing is
     initialized, and the caller runs ``model.to_empty(device=...)`` then ``model.init_weights(seed)``.
@@ -210,9 +211,6 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.init_seed = init_seed
-        # a pipeline stage without the embedding receives hidden states split over this many sequence shards
-        # (tp under sequence parallelism): the rotary positions cover shape[1] * hidden_sequence_shards tokens
-        self.hidden_sequence_shards = 1
         # context parallelism: (cp rank, cp size) when the model sees only its zigzag shard of every sequence
         # (lightning_4d.parallel.context); default rotary positions are then those of the shard's tokens
         self.context_parallel: Optional[tuple[int, int]] = None
@@ -231,9 +229,9 @@ class LlamaModel(nn.Module):
         """Next-token logits.
 
         Args:
-            input_ids: token ids ``LongTensor [b, s]``; for a pipeline stage without ``tok_embeddings``, the hidden
-                states ``[b, s / hidden_sequence_shards, h]`` from the previous stage (this rank's sequence shard
-                under sequence parallelism).
+            input_ids: token ids ``LongTensor [b, s]``; for a model without ``tok_embeddings``, hidden states
+                ``[b, s_local, h]`` (``s_local`` = ``s / tp`` when they arrive sharded over the sequence by sequence
+                parallelism: pass ``positions`` of all ``s`` tokens then).
             positions: token positions ``LongTensor [s]`` or ``[b, s]`` for the rotary embedding; default
                 ``arange(s)``, or under context parallelism the positions of this cp rank's zigzag shard
                 (:func:`~lightning_4d.models.rope.context_parallel_positions`).
@@ -246,13 +244,11 @@ class LlamaModel(nn.Module):
             ValueError: ``positions`` whose last dimension is not ``s``.
         """
         s = input_ids.shape[1]
-        if self.tok_embeddings is None:
-            s *= self.hidden_sequence_shards
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
         if positions is None:
-            cp_rank, cp_size = getattr(self, "context_parallel", None) or (0, 1)
+            cp_rank, cp_size = self.context_parallel or (0, 1)
             positions = context_parallel_positions(s, cp_rank, cp_size, device=input_ids.device)
-        elif positions.shape[-1] != s:
+        elif self.tok_embeddings is not None and positions.shape[-1] != s:
             raise ValueError(
                 f"positions has shape {tuple(positions.shape)}: expected [s] or [b, s] with s={s} (the sequence "
                 "length of input_ids)."
@@ -274,13 +270,6 @@ class LlamaModel(nn.Module):
         owning module, which would silently untie ``output.weight`` from ``tok_embeddings.weight``. DTensor
         parameters are swapped in place and stay tied; plain ones are re-tied here.
         """
-        chunks = self.__dict__.get("_pipeline_chunks")
-        if chunks is not None and recurse:
-            # a pipeline-split model: every submodule belongs to exactly one stage chunk, and the chunks are the FSDP
-            # roots that must see the conversion (they re-point their sharded parameters after it)
-            for _, chunk in chunks:
-                chunk._apply(fn, recurse)
-            return self
         tied = (
             self.tok_embeddings is not None
             and self.output is not None
@@ -293,7 +282,7 @@ class LlamaModel(nn.Module):
 
     def num_parameters(self) -> int:
         """Number of parameter elements held by this module (global sizes for DTensors; a tied matrix counted once;
-        a pipeline stage counts its own layers only)."""
+        a pruned model counts its own layers only)."""
         return sum(p.numel() for p in self.parameters())
 
     def _init_std(self, module: nn.Module, canonical: str) -> Optional[float]:
@@ -329,7 +318,7 @@ class LlamaModel(nn.Module):
         same full tensor); a plain tensor gets all of it. Either way it is cast to the parameter's dtype. The same
         seed therefore gives the same full weights under any tensor / data / ZeRO layout (on one device type; CPU
         and CUDA generators produce different streams). With ``tie_word_embeddings``, an ``output.weight`` that is
-        not the embedding's (a pipeline stage holding only the head) is drawn under the name
+        not the embedding's (a pruned model holding only the head) is drawn under the name
         ``tok_embeddings.weight``, so both copies start equal. Transient memory: one full parameter in float32.
 
         Args:

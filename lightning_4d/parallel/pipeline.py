@@ -1,25 +1,38 @@
-"""Pipeline parallelism for ``lightning_4d`` Llama models: the stage split and the schedules.
+"""Pipeline parallelism for ``lightning_4d`` Llama models: all of it lives in this file.
 
-A model of ``L`` decoder layers is cut into ``p·v`` stages (``p`` = pipeline_parallel_size, ``v`` = stages per pp
-rank): stage ``k`` holds the layers ``[sum(split[:k]), sum(split[:k+1]))``, the first stage also the token
-embedding, the last also the final norm and the LM head. pp rank ``r`` holds the stages of
-:meth:`~lightning_4d.config.ParallelConfig.stage_indices` (looped ``r, r+p, ...`` or V-shaped ``r, 2p-1-r``).
+**Layout** (pure facts, in :class:`~lightning_4d.config.ParallelConfig`, shared with the memory model): a model of
+``L`` decoder layers is cut into ``p·v`` stages (``p`` = pipeline_parallel_size, ``v`` = stages per pp rank);
+stage ``k`` holds the layers :meth:`~lightning_4d.config.ParallelConfig.stage_layer_ranges` gives (equal, or
+``pipeline_layer_split``), the first stage also the token embedding, the last also the final norm and the LM head;
+pp rank ``r`` holds the stages of :meth:`~lightning_4d.config.ParallelConfig.stage_indices` (looped ``r, r+p, ...``
+or V-shaped ``r, 2p-1-r``).
 
-On each rank the LightningModule keeps ONE ``LlamaModel`` (the *union*), pruned to the layers of the rank's stages,
-so parameter names stay those of the unsplit model (``layers.17.attention.wq.weight``) and distributed checkpoints
-reshard across layouts. Each stage is a *chunk*: a ``LlamaModel`` shell whose submodules are the union's own
-(shared, not copied); FSDP2 and ``torch.distributed.pipelining.PipelineStage`` work on chunks.
+**Split** (:func:`split_llama`): on each rank the LightningModule keeps ONE ``LlamaModel`` (the *union*), pruned to
+the layers of the rank's stages, so parameter names stay those of the unsplit model (``layers.17.attention.wq.weight``)
+and distributed checkpoints keep one naming on every layout. Each stage is a :class:`StageChunk`: a ``LlamaModel``
+shell whose submodules are the union's own (shared, not copied); FSDP2 and ``torch.distributed.pipelining.PipelineStage``
+work on chunks, and the union's ``to`` / ``to_empty`` go through them.
 
-Schedules come from ``torch.distributed.pipelining`` (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV); the
-loss of each micro-batch is divided by ``m`` inside the loss function (``scale_grads=False``), so the accumulated
-gradients are those of the mean loss over the ``m`` micro-batches, exactly as one process computing the mean over
-the whole batch (all micro-batches have the same number of tokens).
+**Micro-batches** (:func:`resolve_num_microbatches`): m is ``num_microbatches``, else the DataModule's
+``global_batch_size / (micro_batch_size · dp)``, else the schedule's default; checked before the process group
+exists. The DataLoader batch of a dp rank holds ``micro_batch_size · m`` sequences (``LMDataModule`` asks the
+strategy's ``num_microbatches``); the schedule splits it.
+
+**Step** (:class:`PipelineRunner`): schedules come from ``torch.distributed.pipelining`` (GPipe, 1F1B,
+Interleaved1F1B, ZBVZeroBubble, DualPipeV) and run inside ``training_step``; the loss of each micro-batch is divided by
+``m`` inside the loss function (``scale_grads=False``), so the accumulated gradients are those of the mean loss over
+the ``m`` micro-batches, exactly as one process computing the mean over the whole batch (all micro-batches have the
+same number of tokens). Lightning zeroes gradients between ``training_step`` and ``backward``, so the schedule's
+gradients are stashed and restored by the strategy's ``backward`` (:meth:`PipelineRunner.restore_gradients`).
+
+**Clipping** (:func:`clip_grad_norm_`, installed by :func:`use_pipeline_clipping`): the global norm over all shards
+and all stages.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -29,25 +42,64 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.models.llama import LlamaModel
+from lightning_4d.models.rope import context_parallel_positions
+from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
+from lightning_4d.parallel.tensor import vocab_parallel_loss
 
 
 # ---------------------------------------------------------------------------------------------------- split
-def stage_layer_ranges(config: ParallelConfig, num_layers: int) -> list[range]:
-    """The decoder-layer indices of every pipeline stage (``pp * v`` ranges, stage order).
+class _PipelineUnion:
+    """Mixed into the class of a pipeline-split ``LlamaModel`` (the *union*; the way FSDP2's ``fully_shard`` swaps a
+    module's class): ``nn.Module._apply`` (behind ``to``, ``to_empty``, ``float``, ...) goes through the stage chunks,
+    which are the FSDP2 roots that must see the conversion (they re-point their sharded parameters after it); every
+    submodule of the union belongs to exactly one chunk."""
 
-    Raises:
-        ValueError: see :meth:`ParallelConfig.layer_split`.
+    _pipeline_chunks: list[tuple[int, nn.Module]]
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - signature of nn.Module._apply
+        if not recurse:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        for _, chunk in self._pipeline_chunks:
+            chunk._apply(fn, recurse)
+        return self
+
+
+_UNION_CLASSES: dict[type, type] = {}
+
+
+def _as_union(model: nn.Module, chunks: list[tuple[int, nn.Module]]) -> None:
+    cls = type(model)
+    if cls not in _UNION_CLASSES:
+        _UNION_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (_PipelineUnion, cls), {})
+    model.__class__ = _UNION_CLASSES[cls]
+    model._pipeline_chunks = chunks  # a second setup (validate after fit) reuses them: see pipeline_chunks()
+
+
+def pipeline_chunks(model: nn.Module) -> Optional[list[tuple[int, nn.Module]]]:
+    """The ``[(stage index, chunk), ...]`` of a model :func:`split_llama` has split, else ``None``."""
+    return model._pipeline_chunks if isinstance(model, _PipelineUnion) else None
+
+
+class StageChunk(LlamaModel):
+    """One pipeline stage of a ``LlamaModel``: a shell whose submodules are the union's own (shared, not copied).
+
+    A stage without the token embedding receives the previous stage's hidden states ``[b, s / sequence_shards, h]``
+    (this tp rank's sequence shard under sequence parallelism; this cp rank's zigzag shard under cp) and computes
+    the rotary positions of its ``s`` tokens itself (``torch.distributed.pipelining`` passes activations only).
     """
-    split = config.layer_split(num_layers)
-    starts = [sum(split[:k]) for k in range(len(split))]
-    return [range(start, start + n) for start, n in zip(starts, split)]
+
+    sequence_shards: int = 1
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
+        if positions is None and self.tok_embeddings is None:
+            cp_rank, cp_size = self.context_parallel or (0, 1)
+            positions = context_parallel_positions(x.shape[1] * self.sequence_shards, cp_rank, cp_size, x.device)
+        return super().forward(x, positions)
 
 
-def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
-    """A ``LlamaModel`` shell for one stage whose submodules are ``model``'s (shared, not copied)."""
-    from lightning_4d.models.llama import LlamaModel
-
-    chunk = LlamaModel.__new__(LlamaModel)
+def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool, sequence_shards: int) -> StageChunk:
+    chunk = StageChunk.__new__(StageChunk)
     nn.Module.__init__(chunk)
     chunk.config = model.config
     chunk.init_seed = model.init_seed
@@ -55,16 +107,17 @@ def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool) -> 
     chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
     chunk.norm = model.norm if last else None
     chunk.output = model.output if last else None
-    chunk.hidden_sequence_shards = getattr(model, "hidden_sequence_shards", 1)
-    chunk.context_parallel = getattr(model, "context_parallel", None)
+    chunk.context_parallel = model.context_parallel
+    chunk.sequence_shards = sequence_shards
     return chunk
 
 
-def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:
+def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[tuple[int, StageChunk]]:
     """Prune ``model`` (a ``LlamaModel``, usually on the meta device) to pp rank ``pp_rank``'s stages.
 
     Layers of other stages are deleted from ``model.layers``; the embedding is dropped unless the rank holds stage 0,
-    the final norm and the head unless it holds stage ``p·v - 1``.
+    the final norm and the head unless it holds stage ``p·v - 1``. ``model`` becomes the union of the returned
+    chunks (:func:`pipeline_chunks` returns them).
 
     Returns:
         ``[(stage_index, chunk), ...]`` in the order of :meth:`ParallelConfig.stage_indices`.
@@ -72,21 +125,60 @@ def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[
     Raises:
         ValueError: the layers cannot be split as configured (see :meth:`ParallelConfig.layer_split`).
     """
-    ranges = stage_layer_ranges(config, model.config.num_layers)
-    mine = config.stage_indices(pp_rank)
-    keep = {i for s in mine for i in ranges[s]}
+    mine = config.rank_stages(model.config.num_layers, pp_rank)
+    keep = {i for _, layers in mine for i in layers}
     for name in list(model.layers.keys()):
         if int(name) not in keep:
             del model.layers[name]
-    first, last = 0 in mine, config.num_stages - 1 in mine
+    last_stage = config.num_stages - 1
+    first, last = any(s == 0 for s, _ in mine), any(s == last_stage for s, _ in mine)
     if not first:
         model.tok_embeddings = None
     if not last:
         model.norm = None
         model.output = None
-    chunks = [(s, _chunk(model, ranges[s], first=s == 0, last=s == config.num_stages - 1)) for s in mine]
-    model._pipeline_chunks = chunks  # kept on the module: a second setup (validate after fit) reuses them
+    shards = config.tp if config.sp else 1
+    chunks = [(s, _chunk(model, layers, s == 0, s == last_stage, shards)) for s, layers in mine]
+    _as_union(model, chunks)
     return chunks
+
+
+# ---------------------------------------------------------------------------------------------------- micro-batches
+def resolve_num_microbatches(config: ParallelConfig, trainer: Any, datamodule: Any) -> int:
+    """Fill in ``config.num_microbatches`` (m) when pp > 1 and check it, before the process group exists.
+
+    m is ``num_microbatches`` when given; else the DataModule's ``global_batch_size / (micro_batch_size · dp)``
+    when it has both; else :attr:`ParallelConfig.default_num_microbatches`.
+
+    Raises:
+        ValueError: ``accumulate_grad_batches`` > 1 (the schedule accumulates over its micro-batches), a global
+            batch that is not a multiple of ``micro_batch_size · dp``, or an m the schedule cannot run
+            (:meth:`ParallelConfig.validate_microbatches`).
+    """
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+    if accumulate != 1:
+        raise ValueError(
+            f"accumulate_grad_batches={accumulate} is not supported with pipeline_parallel_size={config.pp}: the "
+            "pipeline schedule accumulates gradients over its micro-batches. Set accumulate_grad_batches=1 and "
+            f"num_microbatches={accumulate * config.microbatches} (or let it follow the DataModule's "
+            "global_batch_size)."
+        )
+    if config.num_microbatches is None:
+        global_batch = getattr(datamodule, "global_batch_size", None)
+        micro = getattr(datamodule, "micro_batch_size", None)
+        per_replica = micro * config.dp if isinstance(micro, int) else None
+        if isinstance(global_batch, int) and per_replica and global_batch % per_replica != 0:
+            raise ValueError(
+                f"global_batch_size={global_batch} is not a multiple of micro_batch_size x dp = {micro} x "
+                f"{config.dp} = {per_replica}, so num_microbatches cannot be derived; change the batch sizes or "
+                "set num_microbatches."
+            )
+        if isinstance(global_batch, int) and per_replica:
+            config.num_microbatches = global_batch // per_replica
+        else:
+            config.num_microbatches = config.default_num_microbatches
+    config.validate_microbatches(config.num_microbatches)
+    return config.num_microbatches
 
 
 # ---------------------------------------------------------------------------------------------------- schedules
@@ -100,15 +192,6 @@ def _schedule_class(name: str) -> type:
         "zbv": pl.ScheduleZBVZeroBubble,
         "dualpipev": pl.ScheduleDualPipeV,
     }[name]
-
-
-def _invalidate(schedule: Any) -> None:
-    """Make ``schedule`` re-run its stages' metadata inference on its next step (another schedule over the same
-    stages ran in between and left its own receive buffers in them)."""
-    for attr in ("_stage_forward_initialized", "_stage_backward_initialized", "_stages_forward_initialized",
-                 "_stages_backward_initialized"):
-        if hasattr(schedule, attr):
-            setattr(schedule, attr, False)
 
 
 def _as_local(t: Tensor) -> Tensor:
@@ -184,16 +267,12 @@ class PipelineRunner:
 
     def _use(self, schedule: Any) -> Any:
         if schedule is not self._current:
-            _invalidate(schedule)
+            reset_schedule_metadata(schedule)  # another schedule's receive buffers are in the stages
             self._current = schedule
         return schedule
 
     def _context(self) -> Any:
-        if not self.vocab_parallel:
-            return nullcontext()
-        from lightning_4d.parallel.tensor import vocab_parallel_loss
-
-        return vocab_parallel_loss()
+        return vocab_parallel_loss(self.vocab_parallel)
 
     def _check_batch(self, input_ids: Tensor) -> None:
         if input_ids.shape[0] % self.num_microbatches != 0:
@@ -342,5 +421,15 @@ def clip_grad_norm_(
         total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        (g._local_tensor if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+        local_tensor(g).mul_(coef.to(g.dtype))
     return total
+
+
+def use_pipeline_clipping(precision_plugin: Any, pp_group: dist.ProcessGroup) -> None:
+    """Make the Trainer's ``gradient_clip_val`` (norm) clip by the global norm over all shards AND all pipeline
+    stages (:func:`clip_grad_norm_`): Lightning's precision plugin would clip each stage by its own norm."""
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        clip_grad_norm_(precision_plugin.main_params(optimizer), float(clip_val), pp_group=pp_group)
+
+    precision_plugin.clip_grad_by_norm = clip_grad_by_norm

@@ -34,12 +34,10 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_4d.parallel._compat import local_tensor as _local
+from lightning_4d.parallel._compat import mark_wrapped_by_lr_scheduler
+
 _BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket size
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local tensor of a DTensor (shares storage), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _buckets(
@@ -233,7 +231,7 @@ class ShardedOptimizer:
 
         # the inner step is still the one an LR scheduler wrapped (it counts the calls), so keep the marker that
         # tells the scheduler its wrapper is in place
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        mark_wrapped_by_lr_scheduler(step)
         optimizer.step = step  # type: ignore[method-assign]
         optimizer._lightning_4d_zero1 = self  # type: ignore[attr-defined]
 
@@ -247,8 +245,10 @@ class ShardedOptimizer:
         self.chunk[id(p)] = chunk
         self.shard[id(p)] = nn.Parameter(local.view(-1)[start:end], requires_grad=p.requires_grad)
 
-    def shard_of(self, p: Tensor) -> nn.Parameter:
-        return self.shard[id(p)]
+    @staticmethod
+    def of(optimizer: torch.optim.Optimizer) -> Optional["ShardedOptimizer"]:
+        """The ``ShardedOptimizer`` wrapping ``optimizer`` (a torch optimizer), or ``None``."""
+        return getattr(optimizer, "_lightning_4d_zero1", None)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from typing import Any, Optional, Union
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
-
-# Peak dense bf16 tensor-core FLOP/s per GPU (vendor data sheets), for MFU.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-
+from lightning_4d.parallel.tensor import causal_lm_loss
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """Learning-rate multiplier at optimizer step ``step`` (0-based): linear warm-up then cosine decay.
@@ -32,26 +30,6 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     span = max(1, max_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean next-token cross-entropy in nats per token.
-
-    Args:
-        logits: ``[b, s, V]`` (a DTensor sharded over the vocabulary under tensor parallelism).
-        labels: ``[b, s]`` token ids (the inputs shifted by one).
-
-    Under tensor parallelism the loss is computed on the vocabulary-sharded logits with
-    ``torch.distributed.tensor.parallel.loss_parallel`` (no full-vocabulary logits are gathered).
-    """
-    flat_logits = logits.flatten(0, 1).float()
-    flat_labels = labels.flatten()
-    if isinstance(logits, DTensor):
-        from lightning_4d.parallel.tensor import vocab_parallel_loss
-
-        with vocab_parallel_loss():
-            return F.cross_entropy(flat_logits, flat_labels)
-    return F.cross_entropy(flat_logits, flat_labels)
 
 
 class CausalLMModule(L.LightningModule):
@@ -118,18 +96,16 @@ class CausalLMModule(L.LightningModule):
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
+        """Build the model inside the strategy's ``tensor_init_context(empty_init=True)``: on the meta device under
+        ``FourDStrategy`` (which parallelizes, materializes and initializes it with :meth:`LlamaModel.init_weights`)
+        and Lightning's ``ModelParallelStrategy``; on the device, initialized by the constructor, under single-device
+        and DDP strategies."""
         if self.model is not None:
             return
-        from lightning_4d.strategy import FourDStrategy
-
-        if isinstance(self.trainer.strategy, FourDStrategy):
-            # built on the meta device; the strategy parallelizes, materializes and initializes it
-            with torch.device("meta"):
-                self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
-        else:
+        trainer = self._trainer
+        init = trainer.strategy.tensor_init_context(empty_init=True) if trainer is not None else nullcontext()
+        with init:
             self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
-            self.model.to(self.device)
-            self.model.init_weights()
 
     def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[b, s, V]`` for ``input_ids`` ``[b, s]``."""
@@ -180,13 +156,10 @@ class CausalLMModule(L.LightningModule):
         tokens = b * s * dp.get("num_replicas", 1)
         self.log("tokens_per_sec", tokens / elapsed, prog_bar=True, on_step=True, on_epoch=False)
         if self.device.type == "cuda":
-            name = torch.cuda.get_device_name(self.device)
-            peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-            if peak:
-                # model FLOPs per token: 6N + 12·L·h·s (Chowdhery et al. 2022, PaLM, appendix B)
-                cfg = self.model_config
-                flops_per_token = 6 * cfg.num_parameters() + 12 * cfg.num_layers * cfg.hidden_size * s
-                self.log("mfu", tokens * flops_per_token / elapsed / (peak * self.trainer.world_size), on_step=True)
+            peak = peak_flops_of_device(torch.cuda.get_device_name(self.device))
+            if peak:  # the planner predicts MFU with the same flops_per_token and peak table
+                flops = self.model_config.flops_per_token(s)
+                self.log("mfu", tokens * flops / elapsed / (peak * self.trainer.world_size), on_step=True)
 
     def _context_parallel_size(self) -> int:
         config = getattr(self._trainer.strategy, "parallel_config", None) if self._trainer is not None else None

@@ -1,0 +1,220 @@
+"""Every private torch / Lightning / flash-attn name the package uses, in one place.
+
+Private APIs change without deprecation. Each one the package calls is reached through this module only, and
+``tests/test_compat.py`` checks that every name still exists on the installed versions, so an upgrade that removes
+one fails that test loudly instead of silently taking another code path (a missed attribute reset in a pipeline
+schedule leaves stale receive buffers and gives wrong results, not an error).
+
+Tested with torch 2.13.0 and lightning 2.6.6; flash-attn 2.7-2.8 for the ``flash`` kernel (see ``pyproject.toml``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import Tensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401  (re-exported)
+    _CHECKPOINT_WRAPPED_MODULE as CHECKPOINT_WRAPPED_MODULE,
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+# ---------------------------------------------------------------------------------------------------- Lightning
+from lightning.fabric.strategies.model_parallel import (  # noqa: F401  (re-exported)
+    _rekey_optimizer_state_if_needed as rekey_optimizer_state_if_needed,
+)
+from lightning.fabric.utilities.init import (  # noqa: F401
+    _materialize_distributed_module as materialize_distributed_module,
+)
+from lightning.fabric.utilities.load import _METADATA_FILENAME as LIGHTNING_METADATA_FILENAME  # noqa: F401
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
+from lightning.fabric.utilities.types import _PATH as PATH  # noqa: F401  (str | os.PathLike)
+
+#: private members of Lightning's ``ModelParallelStrategy`` that ``FourDStrategy`` (a subclass) reads, sets or
+#: overrides; ``tests/test_compat.py`` checks each exists on an instance of the installed version
+MODEL_PARALLEL_STRATEGY_PRIVATE = (
+    "_configure_launcher",
+    "_setup_distributed",
+    "_device_mesh",
+    "_data_parallel_size",
+    "_tensor_parallel_size",
+    "_save_distributed_checkpoint",
+)
+
+
+def attached_trainer(module: Any) -> Any:
+    """The ``Trainer`` a ``LightningModule`` is attached to, or ``None`` (``LightningModule._trainer``: the public
+    ``trainer`` property raises instead of returning ``None`` when the module is not attached)."""
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+def set_module_device_mesh(module: Any, mesh: "DeviceMesh") -> None:
+    """Make ``module.device_mesh`` return ``mesh`` (``LightningModule._device_mesh``: the public property has no
+    setter; Lightning's ``ModelParallelStrategy.setup_environment`` sets the private attribute the same way)."""
+    module._device_mesh = mesh
+
+
+# ---------------------------------------------------------------------------------------------------- DTensor
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor as the very storage the DTensor holds (``DTensor._local_tensor``; in-place
+    updates reach the DTensor, which ``to_local()`` does not promise under autograd); ``t`` itself otherwise."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# ---------------------------------------------------------------------------------------------------- DeviceMesh
+def flatten_mesh(mesh: "DeviceMesh", name: str) -> "DeviceMesh":
+    """The 1D mesh over all ranks of ``mesh`` (a sub-mesh such as ``world["dp", "cp"]``), registered under ``name``
+    (``DeviceMesh._flatten``). Keep the object this returns: it is the one whose process group is set up."""
+    return mesh._flatten(name)
+
+
+# ---------------------------------------------------------------------------------------------------- optimizers
+#: the attribute an LR scheduler sets on the ``optimizer.step`` it wrapped (``torch.optim.lr_scheduler``); a
+#: replacement ``step`` that still calls the wrapped one carries it, or the scheduler warns about the call order
+LR_SCHEDULER_STEP_MARKER = "_wrapped_by_lr_sched"
+
+
+def mark_wrapped_by_lr_scheduler(step: Callable) -> None:
+    """Tell ``torch.optim.lr_scheduler`` that ``step`` (a replacement ``optimizer.step``) calls the step it wrapped."""
+    setattr(step, LR_SCHEDULER_STEP_MARKER, True)
+
+
+# ---------------------------------------------------------------------------------------------------- wrappers
+#: the module level ``torch.compile`` (``OptimizedModule._orig_mod``) inserts into parameter names
+COMPILED_MODULE = "_orig_mod"
+#: the module level FSDP1 (``torch.distributed.fsdp._common_utils.FSDP_WRAPPED_MODULE``) inserts
+FSDP1_WRAPPED_MODULE = "_fsdp_wrapped_module"
+#: every module level a wrapper inserts into parameter names (activation checkpointing, ``torch.compile``, FSDP1)
+MODULE_WRAPPER_PREFIXES = (CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE, FSDP1_WRAPPED_MODULE)
+
+
+# ---------------------------------------------------------------------------------------------------- ATen attention
+#: ATen's fused flash-attention kernels that return the log-sum-exp (the public SDPA does not); each name with the
+#: leading arguments it is called with (``tests/test_compat.py`` checks these against the op schemas)
+ATEN_FLASH_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu": ("query", "key", "value", "dropout_p", "is_causal"),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        "grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal"),
+    "_scaled_dot_product_flash_attention": ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask"),
+    "_scaled_dot_product_flash_attention_backward": (
+        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+        "dropout_p", "is_causal", "philox_seed", "philox_offset"),
+}
+
+
+def aten_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out, logsumexp)`` of ATen's flash kernel on ``[b, heads, s, d]`` tensors (k, v with as many heads as q), no
+    dropout: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype),
+    ``_scaled_dot_product_flash_attention`` elsewhere (CUDA, float16/bfloat16)."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
+
+
+def aten_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`aten_flash_forward` given the output gradient and the final ``out`` and ``lse``."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        return dq, dk, dv
+    sq, sk = q.shape[2], k.shape[2]
+    empty = torch.empty(0, device=q.device)
+    # cumulative sequence lengths are for the varlen variant; philox seed/offset are unused without dropout
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------- flash-attn
+#: the extra that installs the flash-attn range whose private kernels :func:`flash_attn_forward` calls
+FLASH_ATTN_EXTRA = "lightning-4d[flash]"
+#: the private functions of ``flash_attn.flash_attn_interface`` used, and the leading parameters they are called
+#: with (flash-attn 2.7.0 - 2.8.x: ``window_size_left/right`` and ``softcap``; 2.6 took a ``window_size`` tuple)
+FLASH_ATTN_FUNCTIONS = {
+    "_flash_attn_forward": ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left",
+                            "window_size_right", "softcap", "alibi_slopes", "return_softmax"),
+    "_flash_attn_backward": ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p",
+                             "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
+                             "alibi_slopes", "deterministic"),
+}
+
+
+def flash_attn_interface() -> Any:
+    """``flash_attn.flash_attn_interface``, imported on first use.
+
+    Raises:
+        ImportError: flash-attn is not installed (or lacks the functions of :data:`FLASH_ATTN_FUNCTIONS`).
+    """
+    try:
+        from flash_attn import flash_attn_interface as fa
+    except ImportError as err:
+        raise ImportError(
+            f"the 'flash' attention kernel needs flash-attn 2.7-2.8, which is not installed: pip install "
+            f"'{FLASH_ATTN_EXTRA}' on a CUDA machine, or use the 'sdpa' kernel."
+        ) from err
+    missing = [name for name in FLASH_ATTN_FUNCTIONS if not hasattr(fa, name)]
+    if missing:
+        raise ImportError(
+            f"the installed flash-attn has no {missing}: the 'flash' kernel needs flash-attn 2.7-2.8 "
+            f"(pip install '{FLASH_ATTN_EXTRA}')."
+        )
+    return fa
+
+
+def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out, softmax_lse)`` of flash-attn 2's forward on ``[b, s, heads, d]`` tensors (GQA native), no dropout, no
+    window, no softcap; ``softmax_lse`` is ``[b, heads, s]`` float32."""
+    fa = flash_attn_interface()
+    out, lse, _, _ = fa._flash_attn_forward(q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False)
+    return out, lse
+
+
+def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor,
+                        dk: Tensor, dv: Tensor, causal: bool, scale: float, deterministic: bool = False) -> None:
+    """flash-attn 2's backward of :func:`flash_attn_forward` on ``[b, s, heads, d]`` tensors, writing ``dq``, ``dk``
+    and ``dv`` (allocated by the caller) in place."""
+    fa = flash_attn_interface()
+    fa._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, deterministic)
+
+
+# ---------------------------------------------------------------------------------------------------- pipelining
+#: the flags a ``torch.distributed.pipelining`` schedule sets once its stages' shapes are inferred (single-stage
+#: schedules: ``_stage_*``; multi-stage schedules: ``_stages_*``)
+SCHEDULE_INIT_FLAGS = {
+    "PipelineScheduleSingle": ("_stage_forward_initialized", "_stage_backward_initialized"),
+    "PipelineScheduleMulti": ("_stages_forward_initialized", "_stages_backward_initialized"),
+}
+
+
+def reset_schedule_metadata(schedule: Any) -> None:
+    """Make ``schedule`` re-infer its stages' metadata (shapes, receive buffers) on its next step, after another
+    schedule over the same stages ran in between.
+
+    Raises:
+        RuntimeError: the schedule's class derives from neither ``PipelineScheduleSingle`` nor
+            ``PipelineScheduleMulti``, or lacks the flags :data:`SCHEDULE_INIT_FLAGS` names (torch changed them).
+    """
+    from torch.distributed import pipelining
+
+    for base, flags in SCHEDULE_INIT_FLAGS.items():
+        if isinstance(schedule, getattr(pipelining.schedules, base)):
+            missing = [f for f in flags if not hasattr(schedule, f)]
+            if missing:
+                raise RuntimeError(
+                    f"{type(schedule).__name__} has no attribute(s) {missing}: this torch version changed the "
+                    "pipelining schedules' private state; update lightning_4d/parallel/_compat.py."
+                )
+            for f in flags:
+                setattr(schedule, f, False)
+            return
+    raise RuntimeError(f"{type(schedule).__name__} is not a torch.distributed.pipelining schedule this package knows.")

@@ -1,0 +1,112 @@
+"""The order of parallelization of a ``lightning_4d`` Llama model, one short step per line (torchtitan's
+``parallelize_llama`` shape): pipeline split, tensor + sequence parallel plans, context-parallel attention,
+activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2). Materialization and the layout-independent
+initialization follow in the strategy's ``setup``; ZeRO 0/1 act on gradients and the optimizer, not on the model
+(:mod:`lightning_4d.parallel.zero`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from lightning_4d.config import ParallelConfig
+from lightning_4d.mesh import ParallelMesh
+from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
+from lightning_4d.parallel.context import apply_context_parallel
+from lightning_4d.parallel.pipeline import split_llama
+from lightning_4d.parallel.tensor import apply_tensor_parallel
+from lightning_4d.parallel.zero import apply_fsdp
+
+#: pipeline schedules that run a micro-batch's weight gradients after later forwards (zero bubble)
+_SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")
+
+
+def parallelize_llama(
+    model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, compile: bool = False
+) -> Optional[list[tuple[int, nn.Module]]]:
+    """Apply the pipeline split, tp/sp, context-parallel attention, activation checkpointing, compile and ZeRO 2/3 to
+    a meta-device ``LlamaModel``, in that order.
+
+    With pp > 1 the model is pruned to this rank's stages and every step after the split runs on each stage chunk
+    (:func:`~lightning_4d.parallel.pipeline.split_llama`); the chunks are returned (``None`` without pp).
+
+    Raises:
+        ValueError: the model cannot be split by the layout (see :meth:`ParallelConfig.validate_model`).
+    """
+    chunks = split_llama(model, config, mesh.pp.get_local_rank()) if config.pp > 1 else None
+    for part in [c for _, c in chunks] if chunks is not None else [model]:
+        apply_tensor_parallel(part, mesh.tp, sequence_parallel=config.sp)
+        apply_context_parallel(part, mesh.cp, config.context_parallel_method)
+        apply_activation_checkpointing(part, config.activation_checkpointing)
+        if compile:
+            for block in part.layers.values():
+                block.compile()
+        if config.zero_stage >= 2:
+            apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=_reshard_after_forward(config))
+        if part is not model:
+            for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
+                model.layers[name] = block
+    if chunks is not None:
+        model.context_parallel = chunks[0][1].context_parallel
+    model._lightning_4d_parallelized = True  # type: ignore[assignment]
+    return chunks
+
+
+def _reshard_after_forward(config: ParallelConfig) -> Optional[bool]:
+    """FSDP2's ``reshard_after_forward`` (``None``: the ZeRO stage's default). Zero-bubble schedules run a
+    micro-batch's weight gradients (W) after later forwards: parameters resharded by those forwards lose the W pass's
+    unsharded gradients (measured: wrong losses with zbv + ZeRO-3), so their stage-3 parameters stay gathered from
+    the first forward to the step's end."""
+    return False if config.pp > 1 and config.pipeline_schedule in _SPLIT_BACKWARD_SCHEDULES else None
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether ``module`` was already parallelized (by :func:`parallelize_llama`, or by plans the user applied:
+    FSDP2 modules or DTensor parameters inside it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if getattr(module, "_lightning_4d_parallelized", False):
+        return True
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def prepare_llamas(
+    module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, device: torch.device, compile: bool = False
+) -> list[nn.Module]:
+    """Parallelize (:func:`parallelize_llama`, unless already done), materialize on ``device`` and initialize
+    (``LlamaModel.init_weights``, layout-independent) every ``lightning_4d`` Llama model inside ``module`` (a
+    LightningModule); returns them.
+
+    Raises:
+        TypeError: ``module`` holds no ``LlamaModel`` and does not override ``configure_model`` (nothing the strategy
+            could lay out), or pp > 1 and it does not hold exactly one ``LlamaModel``.
+    """
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_4d.models.llama import LlamaModel
+
+    llamas = [m for m in module.modules() if isinstance(m, LlamaModel)]
+    if not llamas and not is_overridden("configure_model", module):
+        raise TypeError(
+            "FourDStrategy parallelizes lightning_4d Llama models automatically; for another model, "
+            "override `configure_model()` in your LightningModule and apply plans there with `self.device_mesh`."
+        )
+    if config.pp > 1 and len(llamas) != 1:
+        raise TypeError(
+            f"pipeline_parallel_size={config.pp} needs exactly one lightning_4d LlamaModel in the "
+            f"LightningModule (found {len(llamas)})."
+        )
+    for llama in llamas:
+        if not is_parallelized(llama):
+            parallelize_llama(llama, mesh, config, compile=compile)
+        if any(p.is_meta for p in llama.parameters()):
+            llama.to_empty(device=device)
+            with torch.no_grad():
+                llama.init_weights()
+    return llamas
