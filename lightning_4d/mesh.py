@@ -13,6 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_4d.config import MESH_DIM_NAMES, ParallelConfig
+from lightning_4d.parallel._compat import flatten_mesh
 
 
 @dataclass
@@ -65,6 +66,5 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
     if world_size != config.world_size:
         raise RuntimeError(f"process group has {world_size} ranks but the layout needs {config.world_size}")
     mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
-    # keep the object `_flatten` returns: it is the one whose process group is set up
-    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # keep the returned object: it holds the process group
     return ParallelMesh(world=mesh, dp_cp=dp_cp, config=config)

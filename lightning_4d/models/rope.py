@@ -18,6 +18,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from lightning_4d.config import zigzag_chunks
 from lightning_4d.models.config import LlamaConfig
 
 DeviceLike = Union[torch.device, str, None]
@@ -134,7 +135,7 @@ def context_parallel_positions(local_length: int, cp_rank: int, cp_size: int, de
     """Positions of the tokens a context-parallel rank holds under the load-balanced ("zigzag") split.
 
     The full sequence of ``s = local_length * cp_size`` tokens is cut into ``2c`` chunks of ``C = s / 2c``; rank
-    ``i`` holds chunks ``i`` and ``2c - 1 - i`` (see ``lightning_4d/parallel/context.py``), so its positions are
+    ``i`` holds chunks ``i`` and ``2c - 1 - i`` (:func:`lightning_4d.config.zigzag_chunks`), so its positions are
     ``[iC, (i+1)C) ++ [(2c-1-i)C, (2c-i)C)``. With ``cp_size = 1``: ``arange(local_length)``.
 
     Returns:
@@ -151,6 +152,4 @@ def context_parallel_positions(local_length: int, cp_rank: int, cp_size: int, de
             "0 <= cp_rank < cp_size."
         )
     chunk = local_length // 2
-    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    tail = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device)
-    return torch.cat([head, tail])
+    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in zigzag_chunks(cp_rank, cp_size)])

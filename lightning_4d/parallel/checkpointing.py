@@ -9,7 +9,8 @@ deterministic initialization strip the wrapper's ``_checkpoint_wrapped_module.``
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+from lightning_4d.parallel._compat import CheckpointImpl, checkpoint_wrapper
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -32,9 +32,10 @@ change.
 **Kernels** (each returns the output and the log-sum-exp the merge needs, and has a backward taking the *final*
 output and log-sum-exp): ``"sdpa"`` uses ATen's fused flash kernels (``_scaled_dot_product_flash_attention_for_cpu``
 on CPU, any float dtype; ``_scaled_dot_product_flash_attention`` on CUDA for float16/bfloat16, explicit matmuls for
-float32 on CUDA); ``"flash"`` uses flash-attn 2 (CUDA); ``"eager"`` uses explicit matmuls (the reference, any
-device). Grouped-query attention: only the kv heads are exchanged; the kernels
-see K/V repeated to the query heads (``repeat_interleave``, Meta's ``repeat_kv``) and dK/dV are summed back.
+float32 on CUDA); ``"flash"`` uses flash-attn 2.7-2.8 (CUDA); ``"eager"`` uses explicit matmuls (the reference,
+any device). The private kernels are reached through :mod:`lightning_4d.parallel._compat`. Grouped-query attention:
+only the kv heads are exchanged; the kernels see K/V repeated to the query heads (``repeat_interleave``, Meta's
+``repeat_kv``) and dK/dV are summed back.
 
 Shapes: ``q`` ``[b, s/c, n_q_heads, head_dim]``, ``k``, ``v`` ``[b, s/c, n_kv_heads, head_dim]`` (local tokens in
 zigzag order); output like ``q``. Softmax scale ``1 / sqrt(head_dim)``, no dropout.
@@ -44,13 +45,19 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_4d.config import CONTEXT_PARALLEL_METHODS
+from lightning_4d.config import CONTEXT_PARALLEL_METHODS, zigzag_chunks
+from lightning_4d.parallel._compat import (
+    aten_flash_backward,
+    aten_flash_forward,
+    flash_attn_backward,
+    flash_attn_forward,
+)
 
 __all__ = [
     "CONTEXT_PARALLEL_METHODS",
@@ -73,6 +80,23 @@ def _check_divisible(seq_length: int, cp_size: int) -> None:
         )
 
 
+def _take_zigzag(chunks: Sequence[Tensor], cp_rank: int, cp_size: int, dim: int) -> Tensor:
+    """Cp rank ``cp_rank``'s two chunks of the ``2·cp_size`` ``chunks`` (:func:`~lightning_4d.config.zigzag_chunks`),
+    concatenated along ``dim``."""
+    return torch.cat([chunks[i] for i in zigzag_chunks(cp_rank, cp_size)], dim=dim)
+
+
+def _unzigzag(parts: list[Tensor], dim: int) -> list[Tensor]:
+    """The ``2c`` chunks of the full sequence in natural order from every cp rank's shard (``parts[r]``: rank
+    ``r``'s two chunks along ``dim``, as :func:`_take_zigzag` made them)."""
+    size = len(parts)
+    chunks: list[Tensor] = [parts[0]] * (2 * size)
+    for r, part in enumerate(parts):
+        for index, chunk in zip(zigzag_chunks(r, size), part.chunk(2, dim=dim)):
+            chunks[index] = chunk
+    return chunks
+
+
 def shard_sequence(x: Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> Tensor:
     """This cp rank's tokens of ``x``: chunks ``cp_rank`` and ``2c - 1 - cp_rank`` of ``2c`` along ``dim``.
 
@@ -90,8 +114,7 @@ def shard_sequence(x: Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> Tenso
     if cp_size == 1:
         return x
     _check_divisible(x.shape[dim], cp_size)
-    chunks = x.chunk(2 * cp_size, dim=dim)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim).contiguous()
+    return _take_zigzag(x.chunk(2 * cp_size, dim=dim), cp_rank, cp_size, dim).contiguous()
 
 
 def gather_sequence(x: Tensor, cp_group: Optional[dist.ProcessGroup], dim: int = 1) -> Tensor:
@@ -109,11 +132,7 @@ def gather_sequence(x: Tensor, cp_group: Optional[dist.ProcessGroup], dim: int =
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=cp_group)
-    chunks: list[Optional[Tensor]] = [None] * (2 * size)
-    for r, part in enumerate(parts):
-        head, tail = part.chunk(2, dim=dim)
-        chunks[r], chunks[2 * size - 1 - r] = head, tail
-    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+    return torch.cat(_unzigzag(parts, dim), dim=dim)
 
 
 #: batch keys sharded over the sequence (dim 1) by :func:`shard_batch`
@@ -172,12 +191,7 @@ class _Kernel:
         k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         if self._use_eager(q):
             return self._eager_forward(q, k, v, causal)
-        aten = torch.ops.aten
-        if q.device.type == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
-            return out, lse
-        res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=self.scale)
-        return res[0], res[1]
+        return aten_flash_forward(q, k, v, causal, self.scale)
 
     def _use_eager(self, q: Tensor) -> bool:
         # ATen's CUDA flash kernel takes float16/bfloat16 only; float32 on CUDA uses the explicit matmuls
@@ -201,12 +215,8 @@ class _Kernel:
         return out.to(q.dtype), lse
 
     def _flash_forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
-        from flash_attn.flash_attn_interface import _flash_attn_forward
-
-        # flash-attn >= 2.6: [b, s, heads, d] in, (out, softmax_lse [b, heads, s], S_dmask, rng_state) out; GQA native
-        out, lse, _, _ = _flash_attn_forward(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, self.scale, causal, -1, -1, 0.0, None, False
-        )
+        # flash-attn: [b, s, heads, d] in, softmax_lse [b, heads, s]; GQA native
+        out, lse = flash_attn_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, self.scale)
         return out.transpose(1, 2), lse
 
     # -- backward
@@ -218,15 +228,8 @@ class _Kernel:
         kr, vr = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         if self._use_eager(q):
             dq, dk, dv = self._eager_backward(dout, q, kr, vr, out, lse, causal)
-        elif q.device.type == "cpu":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, kr, vr, out, lse, 0.0, causal, scale=self.scale)
         else:
-            sq, sk = q.shape[2], kr.shape[2]
-            empty = torch.empty(0, device=q.device)
-            # philox seed/offset are unused without dropout
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, kr, vr, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=self.scale)
+            dq, dk, dv = aten_flash_backward(dout, q, kr, vr, out, lse, causal, self.scale)
         return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
 
     def _eager_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -247,12 +250,10 @@ class _Kernel:
 
     def _flash_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-        from flash_attn.flash_attn_interface import _flash_attn_backward
-
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        _flash_attn_backward(dout.transpose(1, 2).contiguous(), qt, kt, vt, out.transpose(1, 2).contiguous(), lse,
-                             dq, dk, dv, 0.0, self.scale, causal, -1, -1, 0.0, None, False)
+        flash_attn_backward(dout.transpose(1, 2).contiguous(), qt, kt, vt, out.transpose(1, 2).contiguous(), lse,
+                            dq, dk, dv, causal, self.scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -411,11 +412,7 @@ def _gather_kv(kv: Tensor, group: dist.ProcessGroup, size: int) -> list[Tensor]:
     order, each ``[2, b, h_kv, C, d]``."""
     parts = [torch.empty_like(kv) for _ in range(size)]
     dist.all_gather(parts, kv, group=group)
-    chunks: list[Tensor] = [kv] * (2 * size)
-    for r, part in enumerate(parts):
-        head, tail = part.chunk(2, dim=3)
-        chunks[r], chunks[2 * size - 1 - r] = head, tail
-    return chunks
+    return _unzigzag(parts, dim=3)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -428,7 +425,7 @@ class _AllGatherAttention(torch.autograd.Function):
         full = torch.cat(_gather_kv(torch.stack([k, v]).contiguous(), group, size), dim=3)  # [2, b, h_kv, s, d]
         chunk = q.shape[2] // 2
         outs, lses = [], []
-        for local, index in ((0, rank), (1, 2 * size - 1 - rank)):
+        for local, index in enumerate(zigzag_chunks(rank, size)):
             qa = q[:, :, local * chunk:(local + 1) * chunk]
             diag = full[:, :, :, index * chunk:(index + 1) * chunk]
             acc_out, acc_lse = _merge(None, None, *kernel.forward(qa, diag[0], diag[1], causal=True))
@@ -454,7 +451,7 @@ class _AllGatherAttention(torch.autograd.Function):
         grad_dtype = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=grad_dtype, device=q.device)
         dfull = torch.zeros(full.shape, dtype=grad_dtype, device=q.device)
-        for local, index in ((0, rank), (1, 2 * size - 1 - rank)):
+        for local, index in enumerate(zigzag_chunks(rank, size)):
             rows = slice(local * chunk, (local + 1) * chunk)
             args = (dout[:, :, rows], q[:, :, rows])
             tail = (out[:, :, rows], lse[:, :, rows])
@@ -473,12 +470,12 @@ class _AllGatherAttention(torch.autograd.Function):
         # every rank's dK/dV of the whole sequence, summed, and this rank's chunks kept
         blocks = dfull.chunk(2 * size, dim=3)
         if dist.get_backend(group) == "nccl":
-            send = torch.stack([torch.cat([blocks[r], blocks[2 * size - 1 - r]], dim=3) for r in range(size)])
+            send = torch.stack([_take_zigzag(blocks, r, size, dim=3) for r in range(size)])
             mine = torch.empty_like(send[0])  # [2, b, h_kv, s_local, d]
             dist.reduce_scatter_tensor(mine, send, group=group)
         else:  # gloo has no reduce-scatter
             dist.all_reduce(dfull, group=group)
-            mine = torch.cat([blocks[rank], blocks[2 * size - 1 - rank]], dim=3)
+            mine = _take_zigzag(blocks, rank, size, dim=3)
         return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None
 
 

@@ -1,0 +1,237 @@
+"""Every private torch / Lightning / flash-attn name ``lightning_4d.parallel._compat`` wraps exists on the installed
+versions, with the arguments the package passes; a name that disappears fails here, not silently at run time.
+
+Nothing is skipped: flash-attn is checked when it is importable, and otherwise the wrapper must raise the ImportError
+that names the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_4d.parallel import _compat
+
+
+def test_lightning_private_names_resolve():
+    from lightning.fabric.strategies import model_parallel as fabric_mp
+    from lightning.fabric.utilities import init, load, optimizer, types
+
+    assert _compat.rekey_optimizer_state_if_needed is fabric_mp._rekey_optimizer_state_if_needed
+    assert _compat.materialize_distributed_module is init._materialize_distributed_module
+    assert _compat.LIGHTNING_METADATA_FILENAME == load._METADATA_FILENAME == "meta.pt"
+    assert _compat.optimizers_to_device is optimizer._optimizers_to_device
+    assert _compat.PATH is types._PATH
+
+
+def test_model_parallel_strategy_private_members_exist():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy()
+    missing = [name for name in _compat.MODEL_PARALLEL_STRATEGY_PRIVATE if not hasattr(strategy, name)]
+    assert not missing, f"Lightning's ModelParallelStrategy lost {missing}: update FourDStrategy and _compat.py"
+    assert callable(strategy._configure_launcher) and callable(strategy._setup_distributed)
+
+
+def test_lightning_module_trainer_and_device_mesh():
+    import lightning.pytorch as pl
+
+    module = pl.LightningModule()
+    assert _compat.attached_trainer(module) is None
+    assert _compat.attached_trainer(None) is None
+    assert "_trainer" in vars(module), "LightningModule no longer keeps its trainer in `_trainer`"
+    mesh = object()
+    _compat.set_module_device_mesh(module, mesh)  # type: ignore[arg-type]
+    assert module.device_mesh is mesh, "LightningModule.device_mesh no longer reads `_device_mesh`"
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    """A one-rank gloo process group (pipeline stages need one), destroyed afterwards."""
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_local_tensor_is_the_dtensor_storage(single_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    t = torch.ones(3)
+    assert _compat.local_tensor(t) is t
+    dt = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Replicate()])
+    _compat.local_tensor(dt).add_(1)  # in place, through the wrapper, reaches the DTensor
+    assert torch.equal(dt.to_local(), torch.full((4,), 2.0))
+
+
+def test_flatten_mesh(single_rank_group):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    assert callable(getattr(DeviceMesh, "_flatten", None)), "DeviceMesh._flatten is gone: update flatten_mesh"
+    mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    flat = _compat.flatten_mesh(mesh["dp", "cp"], "dp_cp")
+    assert flat.mesh_dim_names == ("dp_cp",) and flat.size() == 1
+    assert flat.get_group() is not None
+
+
+def test_lr_scheduler_reads_the_step_marker():
+    """The marker name is the one ``torch.optim.lr_scheduler`` sets and reads, and a marked step keeps a scheduler
+    from wrapping it again."""
+    import torch.optim.lr_scheduler as lr_scheduler
+
+    source = inspect.getsource(lr_scheduler)
+    assert f'"{_compat.LR_SCHEDULER_STEP_MARKER}"' in source, "torch renamed the LR scheduler's optimizer.step marker"
+    opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    lr_scheduler.StepLR(opt, step_size=1)
+    assert hasattr(opt.step, _compat.LR_SCHEDULER_STEP_MARKER)
+
+    def step(closure=None):  # noqa: ANN001, ANN202
+        return None
+
+    _compat.mark_wrapped_by_lr_scheduler(step)
+    assert getattr(step, _compat.LR_SCHEDULER_STEP_MARKER) is True
+
+
+def test_module_wrapper_prefixes():
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+    from torch.distributed.fsdp import _common_utils
+
+    assert _compat.checkpoint_wrapper is cw.checkpoint_wrapper and _compat.CheckpointImpl is cw.CheckpointImpl
+    assert _compat.FSDP1_WRAPPED_MODULE == _common_utils.FSDP_WRAPPED_MODULE
+    wrapped = _compat.checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl=_compat.CheckpointImpl.NO_REENTRANT)
+    assert hasattr(wrapped, _compat.CHECKPOINT_WRAPPED_MODULE)
+    compiled = torch.compile(nn.Linear(2, 2))  # wraps lazily: nothing is compiled before a call
+    assert [n for n, _ in compiled.named_parameters()][0].startswith(_compat.COMPILED_MODULE + ".")
+    assert set(_compat.MODULE_WRAPPER_PREFIXES) == {
+        _compat.CHECKPOINT_WRAPPED_MODULE, _compat.COMPILED_MODULE, _compat.FSDP1_WRAPPED_MODULE}
+
+
+def test_canonical_parameter_names_strip_every_wrapper_prefix():
+    """``models/`` may not import ``parallel/``, so the model keeps its own copy of the prefixes: it must be this one."""
+    from lightning_4d.models import llama
+
+    assert set(llama._WRAPPER_PREFIXES) == set(_compat.MODULE_WRAPPER_PREFIXES)
+
+
+def test_module_apply_signature():
+    """``nn.Module._apply`` (behind ``to``, ``to_empty``, ...), which the model and the pipeline stage override."""
+    assert list(inspect.signature(nn.Module._apply).parameters) == ["self", "fn", "recurse"]
+
+
+@pytest.mark.parametrize("name", sorted(_compat.ATEN_FLASH_OPS))
+def test_aten_flash_ops_exist_with_the_arguments_passed(name):
+    assert hasattr(torch.ops.aten, name), f"torch.ops.aten.{name} is gone: update aten_flash_forward/backward"
+    schema = getattr(torch.ops.aten, name).default._schema
+    expected = _compat.ATEN_FLASH_OPS[name]
+    positional = [a.name for a in schema.arguments if not a.kwarg_only]
+    assert tuple(positional[: len(expected)]) == expected, f"aten.{name} changed its arguments: {schema}"
+    assert "scale" in [a.name for a in schema.arguments if a.kwarg_only]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_aten_flash_cpu_matches_sdpa(dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+    scale = 0.5
+    out, lse = _compat.aten_flash_forward(q, k, v, causal=True, scale=scale)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    assert lse.shape == (2, 3, 8)
+    torch.testing.assert_close(out, ref)
+    dout = torch.randn_like(out)
+    ref.backward(dout)
+    dq, dk, dv = _compat.aten_flash_backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+    for got, t in zip((dq, dk, dv), (q, k, v)):
+        torch.testing.assert_close(got, t.grad)
+
+
+def test_flash_attn_names_or_clear_import_error():
+    if importlib.util.find_spec("flash_attn") is not None:
+        fa = importlib.import_module("flash_attn.flash_attn_interface")
+        for name, expected in _compat.FLASH_ATTN_FUNCTIONS.items():
+            assert hasattr(fa, name), f"flash_attn.flash_attn_interface.{name} is gone"
+            params = list(inspect.signature(getattr(fa, name)).parameters)
+            assert tuple(params[: len(expected)]) == expected, f"{name} changed its parameters: {params}"
+        assert _compat.flash_attn_interface() is fa
+        return
+    x = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(ImportError, match=r"lightning-4d\[flash\]"):
+        _compat.flash_attn_interface()
+    with pytest.raises(ImportError, match=r"lightning-4d\[flash\]"):
+        _compat.flash_attn_forward(x, x, x, causal=True, scale=1.0)
+    with pytest.raises(ImportError, match=r"lightning-4d\[flash\]"):
+        _compat.flash_attn_backward(x, x, x, x, x, x[..., 0], x, x, x, causal=True, scale=1.0)
+
+
+def test_flash_attn_pin_matches_the_signature():
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '"flash-attn>=2.7,<2.9"' in pyproject
+
+
+# ---------------------------------------------------------------------------------------------------- schedules
+#: every schedule the strategy offers (config.PIPELINE_SCHEDULES) and the stages per rank it needs
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+    "dualpipev": ("ScheduleDualPipeV", 2),
+}
+
+
+def test_schedule_table_covers_the_offered_schedules():
+    from lightning_4d.config import PIPELINE_SCHEDULES
+
+    assert set(SCHEDULES) == set(PIPELINE_SCHEDULES)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_reset_schedule_metadata_resets_the_init_flags(single_rank_group, name):
+    """One step sets the flags the schedule's metadata inference is keyed on; the reset clears exactly those (and
+    they are all the ``*_initialized`` flags the schedule has); the next step infers again."""
+    from torch.distributed import pipelining
+
+    cls_name, n_stages = SCHEDULES[name]
+    cls = getattr(pipelining, cls_name)
+    torch.manual_seed(0)
+    stages = [pipelining.PipelineStage(nn.Linear(4, 4), i, n_stages, torch.device("cpu")) for i in range(n_stages)]
+    schedule = cls(stages[0] if n_stages == 1 else stages, n_microbatches=2, loss_fn=lambda out, target: out.sum())
+    base = next(b for b in _compat.SCHEDULE_INIT_FLAGS if isinstance(schedule, getattr(pipelining.schedules, b)))
+    flags = _compat.SCHEDULE_INIT_FLAGS[base]
+    state = {k for k in vars(schedule) if k.endswith("_initialized") and isinstance(vars(schedule)[k], bool)}
+    assert state == set(flags), f"{cls_name} keeps its init state in {sorted(state)}, _compat resets {flags}"
+
+    def step() -> None:
+        schedule.step(torch.randn(4, 4), target=torch.zeros(4, 4), losses=[])
+        assert all(getattr(schedule, f) is True for f in flags), f"{cls_name}.step no longer sets {flags}"
+
+    step()
+    _compat.reset_schedule_metadata(schedule)
+    assert all(getattr(schedule, f) is False for f in flags)
+    step()  # metadata inferred again over the same stages
+
+
+def test_reset_schedule_metadata_rejects_unknown_objects():
+    with pytest.raises(RuntimeError, match="not a torch.distributed.pipelining schedule"):
+        _compat.reset_schedule_metadata(object())
+
+
+def test_reset_schedule_metadata_raises_when_flags_are_gone():
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    schedule = ScheduleGPipe.__new__(ScheduleGPipe)  # no __init__: none of the flags are set
+    with pytest.raises(RuntimeError, match="changed the pipelining schedules' private state"):
+        _compat.reset_schedule_metadata(schedule)

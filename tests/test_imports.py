@@ -1,0 +1,196 @@
+"""The import graph of ``lightning_4d``: no circle, and the one-way rules of the design (``docs/architecture.md``).
+
+Every module is parsed with ``ast``; every import counts, also one inside a function (a lazy import closes a circle
+as surely as a top-level one, only later), except those under ``if TYPE_CHECKING:`` (never executed). Relative
+imports are resolved, ``from package import name`` is an edge to ``package.name`` when that is a module (else to
+the package), and ``import_module("lightning_4d.x." + ...)`` with a constant prefix is an edge to every module under
+that prefix. The implicit import of a module's parent packages is not an edge (every module would otherwise sit in
+a circle with ``lightning_4d/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "lightning_4d"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+@lru_cache(maxsize=None)
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def _is_package(name: str) -> bool:
+    return _modules()[name].name == "__init__.py"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk(node: ast.AST):
+    """``ast.walk`` without the bodies of ``if TYPE_CHECKING:`` (their ``else`` runs, and is walked)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for sub in child.orelse:
+                yield sub
+                yield from _walk(sub)
+            continue
+        yield child
+        yield from _walk(child)
+
+
+def _resolve_relative(module: str, level: int, name: Optional[str]) -> str:
+    base = module.split(".") if _is_package(module) else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join(base + ([name] if name else []))
+
+
+def _dynamic_prefix(call: ast.Call) -> Optional[str]:
+    """The constant prefix of ``import_module(<str or f-string>)``, or ``None``."""
+    func = call.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    if name not in ("import_module", "__import__") or not call.args:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        return str(arg.values[0].value)
+    if isinstance(arg, ast.BinOp) and isinstance(arg.left, ast.Constant) and isinstance(arg.left.value, str):
+        return arg.left.value
+    return None
+
+
+@lru_cache(maxsize=None)
+def imports_of(module: str) -> frozenset[str]:
+    """Every module ``module`` imports: ``lightning_4d`` modules by their module name, others (torch, ...) by the
+    dotted name written."""
+    tree = ast.parse(_modules()[module].read_text(), filename=str(_modules()[module]))
+    out: set[str] = set()
+    for node in _walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve_relative(module, node.level, node.module) if node.level else node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in _modules() else target)
+        elif isinstance(node, ast.Call):
+            prefix = _dynamic_prefix(node)
+            if prefix is not None and prefix.startswith(PACKAGE):
+                under = [m for m in _modules() if m == prefix or m.startswith(prefix)]
+                out.update(under or [prefix])
+            elif prefix:
+                out.add(prefix)
+    out.discard(module)
+    return frozenset(out)
+
+
+def graph() -> dict[str, set[str]]:
+    """``lightning_4d`` module -> the ``lightning_4d`` modules it imports."""
+    mods = _modules()
+    return {m: {i for i in imports_of(m) if i in mods} for m in mods}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> Optional[list[str]]:
+    """One circle of ``edges`` as ``[a, b, ..., a]``, or ``None`` (iterative depth-first search)."""
+    white, grey, black = 0, 1, 2
+    color = dict.fromkeys(edges, white)
+    for start in sorted(edges):
+        if color[start] != white:
+            continue
+        path = [start]
+        stack = [iter(sorted(edges[start]))]
+        color[start] = grey
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                color[path.pop()] = black
+                stack.pop()
+            elif color.get(nxt, black) == grey:
+                return path[path.index(nxt):] + [nxt]
+            elif color.get(nxt, black) == white:
+                color[nxt] = grey
+                path.append(nxt)
+                stack.append(iter(sorted(edges[nxt])))
+    return None
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _violations(modules: str, allowed) -> list[str]:  # noqa: ANN001 - a predicate on (importer, imported)
+    return sorted(f"{m} -> {i}" for m, deps in graph().items() if _in(m, modules) for i in deps if not allowed(m, i))
+
+
+# ---------------------------------------------------------------------------------------------------- tests
+def test_the_graph_sees_every_kind_of_import():
+    mods = _modules()
+    assert {"lightning_4d", "lightning_4d.config", "lightning_4d.strategy", "lightning_4d.parallel.context"} <= set(mods)
+    # an import inside a function (lightning_4d.__getattr__) counts
+    assert "lightning_4d.strategy" in graph()["lightning_4d"]
+    tree = ast.parse("from . import config\nfrom ..models import config as c\nif TYPE_CHECKING:\n    import x\n")
+    assert [type(n).__name__ for n in _walk(tree)].count("Import") == 0
+    assert _resolve_relative("lightning_4d.parallel.zero", 2, "models") == "lightning_4d.models"
+    assert _resolve_relative("lightning_4d.parallel", 1, "zero") == "lightning_4d.parallel.zero"
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_memory_never_imports_torch_distributed_nor_torch_outside_callback():
+    bad = []
+    for m in _modules():
+        if not _in(m, f"{PACKAGE}.memory"):
+            continue
+        for i in imports_of(m):
+            if _in(i, "torch.distributed") or (_in(i, "torch") and m != f"{PACKAGE}.memory.callback"):
+                bad.append(f"{m} -> {i}")
+    assert not bad, "memory/ runs on a laptop without torch (callback.py may import torch, never torch.distributed): " + ", ".join(sorted(bad))
+
+
+def test_models_import_only_config_and_models():
+    bad = _violations(f"{PACKAGE}.models", lambda m, i: i == f"{PACKAGE}.config" or _in(i, f"{PACKAGE}.models"))
+    assert not bad, "models/ may import lightning_4d.config and lightning_4d.models.* only: " + ", ".join(bad)
+
+
+def test_memory_imports_only_config_and_model_config():
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.models.config"}
+    bad = _violations(f"{PACKAGE}.memory", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.memory"))
+    assert not bad, ("memory/ may import lightning_4d.config, lightning_4d.models.config and memory/ only: "
+                     + ", ".join(bad))
+
+
+def test_tasks_import_no_strategy():
+    edges = graph()
+    bad = []
+    for m in edges:
+        if not _in(m, f"{PACKAGE}.tasks"):
+            continue
+        seen, todo = set(), [m]
+        while todo:  # transitively: through another module is still importing the strategy
+            cur = todo.pop()
+            for i in edges[cur] - seen:
+                seen.add(i)
+                todo.append(i)
+                if i == f"{PACKAGE}.strategy":
+                    bad.append(f"{m} -> ... -> {cur} -> {i}" if cur != m else f"{m} -> {i}")
+    assert not bad, "tasks/ must not import the strategy: " + ", ".join(sorted(bad))
