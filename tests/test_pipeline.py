@@ -183,6 +183,43 @@ def test_schedule_names_and_stages_per_rank():
     assert cfg.num_stages == 12 and cfg.stage_indices(1) == [1, 5, 9]
 
 
+def test_num_microbatches_resolution():
+    """m: given, else global batch / (micro-batch size x dp), else the schedule's default (2p for dualpipev, once
+    in config.py: the strategy, the DataModule and the memory model read the same value)."""
+    from types import SimpleNamespace
+
+    from lightning_4d.parallel.pipeline import resolve_num_microbatches
+
+    config = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="dualpipev")
+    assert config.microbatches == config.default_num_microbatches == 4
+    assert resolve_num_microbatches(config, None, None) == 4 and config.num_microbatches == 4
+    config = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2)
+    assert config.default_num_microbatches == 2
+    data = SimpleNamespace(global_batch_size=24, micro_batch_size=3)
+    assert resolve_num_microbatches(config, SimpleNamespace(accumulate_grad_batches=1), data) == 4
+    with pytest.raises(ValueError, match=r"global_batch_size=20 is not a multiple of micro_batch_size x dp = 3 x 2"):
+        resolve_num_microbatches(ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2), None,
+                                 SimpleNamespace(global_batch_size=20, micro_batch_size=3))
+    assert ParallelConfig(data_parallel_size=1).microbatches == 1
+
+
+def test_stage_layers_once_in_config():
+    """Layer ranges per stage and per pp rank come from ParallelConfig (the split and the memory model use them)."""
+    config = _config(pipeline_parallel_size=2, pipeline_schedule="zbv", pipeline_layer_split=[2, 1, 1, 2])
+    assert config.stage_layer_ranges(6) == [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]
+    assert config.rank_stages(6, 0) == [(0, range(0, 2)), (3, range(4, 6))]
+    assert config.rank_stages(6, 1) == [(1, range(2, 3)), (2, range(3, 4))]
+    assert _config().rank_stages(6, 0) == [(0, range(0, 6))]
+
+
+def test_full_file_checkpoint_refused_with_pp_says_what_is_true():
+    from lightning_4d import FourDStrategy
+
+    with pytest.raises(ValueError, match="not supported with pipeline_parallel_size > 1") as err:
+        FourDStrategy(pipeline_parallel_size=2, zero_stage=0, save_distributed_checkpoint=False)
+    assert "any layout" not in str(err.value)
+
+
 def test_strategy_rejects_bad_pipeline_before_process_group(tmp_path):
     """The Trainer fails in setup_environment (before any process group) with the ValueError."""
     import lightning as L
