@@ -43,7 +43,7 @@ _FLAT_OPTIM = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=Tr
 
 def unwrap(optimizer: Any) -> Optimizer:
     """The torch optimizer inside a Lightning ``LightningOptimizer`` (or ``optimizer`` itself)."""
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _zero1_file(index: int, global_rank: int) -> str:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.tensor import DTensor
@@ -22,24 +21,25 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_4d.checkpoint as _checkpoint
-from lightning_4d.config import ParallelConfig
-from lightning_4d.mesh import ParallelMesh, build_mesh
-from lightning_4d.parallel._compat import materialize_distributed_module, optimizers_to_device
-from lightning_4d.parallel.context import gather_sequence, shard_batch
-from lightning_4d.parallel.parallelize import prepare_llamas
-from lightning_4d.parallel.pipeline import (
-    PipelineRunner,
-    pipeline_chunks,
-    resolve_num_microbatches,
-    use_pipeline_clipping,
+from lightning_4d.config import (  # the Literal choices of the arguments below (LightningCLI reads them)
+    ACTIVATION_CHECKPOINTING,
+    CONTEXT_PARALLEL_METHODS,
+    PIPELINE_SCHEDULES,
+    ParallelConfig,
 )
+from lightning_4d.mesh import ParallelMesh, build_mesh
+from lightning_4d.parallel._compat import (
+    PATH,
+    attached_trainer,
+    materialize_distributed_module,
+    optimizers_to_device,
+    set_module_device_mesh,
+)
+from lightning_4d.parallel.context import gather_sequence, shard_batch
+from lightning_4d.parallel.parallelize import prepare_llamas, validate_against_module
+from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_pipeline_clipping
 from lightning_4d.parallel.tensor import causal_lm_loss, vocab_parallel_loss
-from lightning_4d.parallel.zero import GradientSynchronizer, ShardedOptimizer
-
-
-def _reduced_by_fsdp(p: torch.Tensor) -> bool:
-    """Whether FSDP2 (over ``dp_cp``) already averages this parameter's gradient."""
-    return isinstance(p, DTensor) and "dp_cp" in (p.device_mesh.mesh_dim_names or ())
+from lightning_4d.parallel.zero import GradientSynchronizer, setup_zero
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -103,12 +103,12 @@ class FourDStrategy(ModelParallelStrategy):
         context_parallel_size: int = 1,
         zero_stage: int = 1,
         sequence_parallel: Optional[bool] = None,
-        activation_checkpointing: Literal["none", "full"] = "none",
-        pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b",
+        activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = "none",
+        pipeline_schedule: Literal[PIPELINE_SCHEDULES] = "1f1b",
         virtual_pipeline_stages: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         pipeline_layer_split: Optional[list[int]] = None,
-        context_parallel_method: Literal["ring", "allgather"] = "ring",
+        context_parallel_method: Literal[CONTEXT_PARALLEL_METHODS] = "ring",
         compile: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -195,28 +195,10 @@ class FourDStrategy(ModelParallelStrategy):
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
-    def _validate_against_module(self) -> None:
-        """Check the layout against the model, the DataModule and the Trainer (before the process group exists)."""
-        from lightning_4d.models.config import LlamaConfig
-
-        module = self.lightning_module
-        model_config = getattr(module, "model_config", None) if module is not None else None
-        if isinstance(model_config, LlamaConfig):
-            self.parallel_config.validate_model(model_config)
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if datamodule is not None and hasattr(module, "validate_datamodule"):
-            module.validate_datamodule(datamodule)
-        seq_length = getattr(datamodule, "seq_length", None)
-        if isinstance(seq_length, int):
-            self.parallel_config.validate_sequence(seq_length)
-        if self.parallel_config.pp > 1:
-            resolve_num_microbatches(self.parallel_config, trainer, datamodule)
-
     @override
     def setup_environment(self) -> None:
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
-        self._validate_against_module()  # before the process group exists
+        validate_against_module(self.parallel_config, self.lightning_module)  # before the process group exists
         self._add_memory_check()
         self._setup_distributed()
         self._mesh = build_mesh(self.parallel_config, self.root_device.type)
@@ -224,14 +206,14 @@ class FourDStrategy(ModelParallelStrategy):
         self._data_parallel_size = self.parallel_config.dp
         self._tensor_parallel_size = self.parallel_config.tp
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_module_device_mesh(self.lightning_module, self._device_mesh)
 
     def _add_memory_check(self) -> None:
         """On CUDA, add the pre-fit memory check (it runs in ``Callback.setup``, before ``configure_model``)."""
         from lightning_4d.memory.callback import MemoryEstimatorCallback
 
         module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = attached_trainer(module)
         if not self.memory_check or trainer is None or self.root_device.type != "cuda":
             return
         if not any(isinstance(cb, MemoryEstimatorCallback) for cb in trainer.callbacks):
@@ -292,14 +274,10 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: "L.Trainer") -> None:  # noqa: F821
         super().setup_optimizers(trainer)
-        group = self.mesh.dp_cp.get_group()
-        params = [p for p in self.model.parameters() if p.requires_grad and not _reduced_by_fsdp(p)]
         if self._grad_sync is not None:
             self._grad_sync.close()
-        self._grad_sync = GradientSynchronizer(params, group) if params else None
-        if self.parallel_config.zero_stage == 1 and self.mesh.dp_cp.size() > 1:
-            for opt in self.optimizers:  # each optimizer keeps its ShardedOptimizer (ShardedOptimizer.of)
-                ShardedOptimizer(_checkpoint.unwrap(opt), group)
+        optimizers = [_checkpoint.unwrap(opt) for opt in self.optimizers]
+        self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), self.parallel_config.zero_stage)
 
     # ------------------------------------------------------------------ training step
     @override
@@ -341,7 +319,7 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Save a sharded folder atomically (:func:`lightning_4d.checkpoint.save_sharded`), or one full file
         (``save_distributed_checkpoint=False``, Lightning's ``ModelParallelStrategy``)."""
@@ -353,7 +331,7 @@ class FourDStrategy(ModelParallelStrategy):
         _checkpoint.save_sharded(checkpoint, path, self.global_rank, self.barrier)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a sharded folder (:func:`lightning_4d.checkpoint.load_sharded`) or a full file
         (:func:`lightning_4d.checkpoint.load_full`).
 

@@ -106,6 +106,7 @@ def test_trainer_with_context_parallel_and_bad_sequence_fails_before_any_process
     import lightning as L
 
     from lightning_4d.data import LMDataModule
+    from lightning_4d.parallel.parallelize import validate_against_module
     from lightning_4d.tasks import CausalLMModule
 
     strategy = FourDStrategy(context_parallel_size=2, process_group_backend="gloo")
@@ -117,9 +118,9 @@ def test_trainer_with_context_parallel_and_bad_sequence_fails_before_any_process
     module.trainer = trainer
     trainer.datamodule = LMDataModule(seq_length=30, micro_batch_size=1)
     with pytest.raises(ValueError, match=r"seq_length=30 is not a multiple of 4 \(2\*cp=4\); use e.g. seq_length=32"):
-        strategy._validate_against_module()
+        validate_against_module(strategy.parallel_config, module)
     trainer.datamodule = LMDataModule(seq_length=32, micro_batch_size=1)
-    strategy._validate_against_module()
+    validate_against_module(strategy.parallel_config, module)
     assert not dist.is_initialized()
 
 
@@ -150,3 +151,31 @@ def test_tokenizer_larger_than_model_vocabulary():
     with pytest.raises(ValueError, match=r"the tokenizer has 256 tokens but the model's vocab_size is 128"):
         module.validate_datamodule(LMDataModule())
     CausalLMModule("tiny-test").validate_datamodule(LMDataModule())
+
+
+def test_flops_per_token_is_palm_model_flops():
+    """6N + 12·L·h·s (PaLM, arXiv 2204.02311, appendix B), N = num_parameters(), by hand for llama3-8b at s=8192."""
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    # N: 32 layers x (4096·4096 wq + 2·4096·1024 wk, wv + 4096·4096 wo + 3·4096·14336 ffn + 2·4096 norms)
+    #    + 128256·4096 embedding + 4096 final norm + 128256·4096 head
+    n = 32 * (4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096) + 2 * 128256 * 4096 + 4096
+    assert n == cfg.num_parameters() == 8_030_261_248
+    assert cfg.flops_per_token(8192) == 6 * n + 12 * 32 * 4096 * 8192 == 61_066_469_376
+    with pytest.raises(ValueError, match="seq_length=0"):
+        cfg.flops_per_token(0)
+
+
+def test_planner_predicts_mfu_with_the_model_flops_the_task_logs():
+    """Predicted MFU uses flops_per_token (6N + 12·L·h·s); the step time the executed 6N + 6·L·h·s (causal)."""
+    from lightning_4d.memory.hardware import GPU_PRESETS
+    from lightning_4d.memory.planner import EFFICIENCY, executed_flops_per_token, plan, predict_step_time
+
+    cfg, s, gpu = LlamaConfig.from_preset("llama3.2-1b"), 4096, GPU_PRESETS["H100-80GB"]
+    assert executed_flops_per_token(cfg, s) == 6 * cfg.num_parameters() + 6 * 16 * 2048 * s
+    assert executed_flops_per_token(cfg, s, "full") == executed_flops_per_token(cfg, s) * (4 / 3)
+    one = ParallelConfig(data_parallel_size=1, zero_stage=0)
+    step = predict_step_time(cfg, one, 2, 1, s, gpu, 1, params_on_rank=0)  # one GPU: compute only
+    assert step == pytest.approx(executed_flops_per_token(cfg, s) * 2 * s / (EFFICIENCY * gpu.peak_flops))
+    for c in plan(cfg, 8, 8, gpu, s, 16, top=5):
+        assert c.tokens_per_sec == pytest.approx(16 * s / c.step_time)
+        assert c.mfu == pytest.approx(cfg.flops_per_token(s) * c.tokens_per_sec / (8 * gpu.peak_flops))

@@ -226,6 +226,7 @@ def test_strategy_rejects_bad_pipeline_before_process_group(tmp_path):
 
     from lightning_4d import FourDStrategy
     from lightning_4d.data import LMDataModule
+    from lightning_4d.parallel.parallelize import validate_against_module
     from lightning_4d.tasks import CausalLMModule
 
     with pytest.raises(ValueError, match="pipeline_schedule='looped' is not valid"):
@@ -248,7 +249,7 @@ def test_strategy_rejects_bad_pipeline_before_process_group(tmp_path):
         module.trainer = trainer
         trainer.datamodule = dm
         with pytest.raises(ValueError, match=match):
-            strategy._validate_against_module()
+            validate_against_module(strategy.parallel_config, module)
         assert not torch.distributed.is_initialized()
 
 

@@ -17,12 +17,39 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
 from lightning_4d.parallel.context import apply_context_parallel
-from lightning_4d.parallel.pipeline import split_llama
+from lightning_4d.parallel._compat import attached_trainer
+from lightning_4d.parallel.pipeline import resolve_num_microbatches, split_llama
 from lightning_4d.parallel.tensor import apply_tensor_parallel
 from lightning_4d.parallel.zero import apply_fsdp
 
 #: pipeline schedules that run a micro-batch's weight gradients after later forwards (zero bubble)
 _SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")
+
+
+def validate_against_module(config: ParallelConfig, module: Optional[nn.Module]) -> None:
+    """Check a resolved layout against the LightningModule's ``model_config`` (a ``LlamaConfig``), its Trainer's
+    DataModule (``seq_length``; the module's own ``validate_datamodule``) and Trainer (pp: the micro-batch count,
+    :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`). Pure Python: it runs in the strategy's
+    ``setup_environment`` before any process group exists.
+
+    Raises:
+        ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
+            :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`.
+    """
+    from lightning_4d.models.config import LlamaConfig
+
+    model_config = getattr(module, "model_config", None)
+    if isinstance(model_config, LlamaConfig):
+        config.validate_model(model_config)
+    trainer = attached_trainer(module)
+    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+    if datamodule is not None and hasattr(module, "validate_datamodule"):
+        module.validate_datamodule(datamodule)
+    seq_length = getattr(datamodule, "seq_length", None)
+    if isinstance(seq_length, int):
+        config.validate_sequence(seq_length)
+    if config.pp > 1:
+        resolve_num_microbatches(config, trainer, datamodule)
 
 
 def parallelize_llama(

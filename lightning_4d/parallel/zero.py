@@ -100,6 +100,24 @@ def apply_fsdp(
 
 
 # ---------------------------------------------------------------------------------------------------- stage 0, 1
+def reduced_by_fsdp(p: Tensor) -> bool:
+    """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``) already averages this parameter's gradient."""
+    return isinstance(p, DTensor) and "dp_cp" in (p.device_mesh.mesh_dim_names or ())
+
+
+def setup_zero(
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], group: dist.ProcessGroup, zero_stage: int
+) -> Optional["GradientSynchronizer"]:
+    """ZeRO 0/1 for the parameters FSDP2 does not own: a :class:`GradientSynchronizer` averaging their gradients
+    over ``group`` (``dp_cp``; returned, ``None`` when there is none), and with ``zero_stage=1`` (group size > 1) a
+    :class:`ShardedOptimizer` around every torch optimizer (found again with :meth:`ShardedOptimizer.of`)."""
+    params = [p for p in model.parameters() if p.requires_grad and not reduced_by_fsdp(p)]
+    if zero_stage == 1 and dist.get_world_size(group) > 1:
+        for optimizer in optimizers:
+            ShardedOptimizer(optimizer, group)
+    return GradientSynchronizer(params, group) if params else None
+
+
 class GradientSynchronizer:
     """Averages gradients over the ``dp_cp`` group (ZeRO stages 0 and 1): bucketed ``all_reduce``, overlapped with
     the backward pass.

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
+from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.tensor import causal_lm_loss
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -102,7 +103,7 @@ class CausalLMModule(L.LightningModule):
         and DDP strategies."""
         if self.model is not None:
             return
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         init = trainer.strategy.tensor_init_context(empty_init=True) if trainer is not None else nullcontext()
         with init:
             self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
@@ -132,7 +133,7 @@ class CausalLMModule(L.LightningModule):
 
     def _pipeline(self) -> Any:
         """The strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner` (pp > 1), else ``None``."""
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -162,12 +163,14 @@ class CausalLMModule(L.LightningModule):
                 self.log("mfu", tokens * flops / elapsed / (peak * self.trainer.world_size), on_step=True)
 
     def _context_parallel_size(self) -> int:
-        config = getattr(self._trainer.strategy, "parallel_config", None) if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        config = getattr(trainer.strategy, "parallel_config", None) if trainer is not None else None
         return int(getattr(config, "cp", 1))
 
     def _gather_sequence(self, x: Tensor) -> Tensor:
         """The full sequence of a per-cp-rank tensor ``[b, s/cp, ...]`` (itself without cp)."""
-        gather = getattr(self._trainer.strategy, "gather_sequence", None) if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        gather = getattr(trainer.strategy, "gather_sequence", None) if trainer is not None else None
         return gather(x) if gather is not None and self._context_parallel_size() > 1 else x
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
