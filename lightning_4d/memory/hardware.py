@@ -5,7 +5,13 @@ bandwidth inside a node (NVLink, bytes/s, one direction) and across nodes (Infin
 direction). Sources: NVIDIA A100 datasheet (2021: 312 TFLOP/s bf16, NVLink 3 600 GB/s bidirectional = 300 GB/s per
 direction, HDR InfiniBand 200 Gb/s = 25 GB/s per GPU), NVIDIA H100 datasheet (2023: SXM 989 TFLOP/s bf16 dense,
 NVLink 4 900 GB/s bidirectional = 450 GB/s per direction, NDR 400 Gb/s = 50 GB/s per GPU; H100 NVL 94 GB), NVIDIA
-H200 datasheet (2024: 141 GB HBM3e, same compute and NVLink as H100 SXM).
+H200 datasheet (2024: 141 GB HBM3e, same compute and NVLink as H100 SXM), NVIDIA L40S datasheet (2023: 48 GB,
+362 TFLOP/s bf16 dense, no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction), NVIDIA A10
+datasheet (2021: 24 GB, 125 TFLOP/s bf16 dense, PCIe Gen4 x16). The NIC of the two PCIe cards is not part of the
+card: 25 GB/s per GPU (as A100's HDR) is assumed.
+
+This is the one table of GPU figures: :func:`peak_flops_of_device` reads the dense bf16 peak of a CUDA device name
+from it (for the MFU the task logs).
 
 The *overhead allowance* (CUDA context, NCCL buffers and allocator fragmentation: what ``nvidia-smi`` shows beyond
 ``torch.cuda.max_memory_allocated``) is read from ``overhead.json`` next to this file, which
@@ -23,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["GPU_PRESETS", "GpuSpec", "OverheadAllowance", "gpu_spec", "overhead_allowance", "parse_bytes"]
+__all__ = ["GPU_PRESETS", "GpuSpec", "OverheadAllowance", "gpu_spec", "overhead_allowance", "parse_bytes",
+           "peak_flops_of_device"]
 
 GIB = 2**30
 GB = 10**9
@@ -48,6 +55,8 @@ GPU_PRESETS: dict[str, GpuSpec] = {
     "H100-80GB": GpuSpec("H100-80GB", 80 * GIB, 989e12, 450e9, 50e9),
     "H100-94GB": GpuSpec("H100-94GB", 94 * GB, 989e12, 450e9, 50e9),
     "H200": GpuSpec("H200", 141 * GB, 989e12, 450e9, 50e9),
+    "L40S": GpuSpec("L40S", 48 * GIB, 362e12, 32e9, 25e9),
+    "A10": GpuSpec("A10", 24 * GIB, 125e12, 32e9, 25e9),
 }
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -104,6 +113,26 @@ def gpu_spec(name_or_memory: Union[str, int, float], peak_flops: Optional[float]
         intra_node_bandwidth if intra_node_bandwidth is not None else base.intra_node_bandwidth,
         inter_node_bandwidth if inter_node_bandwidth is not None else base.inter_node_bandwidth,
     )
+
+
+def peak_flops_of_device(device_name: str) -> Optional[float]:
+    """The dense bf16 peak (FLOP/s) of a CUDA device name such as ``torch.cuda.get_device_name()``'s
+    ``"NVIDIA H100 80GB HBM3"`` or ``"NVIDIA A100-SXM4-40GB"``, from :data:`GPU_PRESETS`; ``None`` for a GPU the
+    table does not have.
+
+    A preset's family is its name up to the first ``-`` (``"H100"``, ``"A100"``, ``"A10"``, ...); it matches when it
+    appears in ``device_name`` as a word of its own (``"A10"`` does not match ``"A100"``, nor ``"H200"`` ``"GH200"``),
+    the longest family first. Every preset of one family has the same peak (H100 PCIe, whose peak is lower, is
+    counted as the SXM part, as the table's H100 presets are).
+    """
+    families: dict[str, float] = {}
+    for key, spec in GPU_PRESETS.items():
+        families.setdefault(key.split("-")[0].lower(), spec.peak_flops)
+    name = device_name.lower()
+    for family in sorted(families, key=len, reverse=True):
+        if re.search(rf"(?<![a-z0-9]){re.escape(family)}(?![a-z0-9])", name):
+            return families[family]
+    return None
 
 
 @dataclass(frozen=True)

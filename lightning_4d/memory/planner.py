@@ -6,11 +6,13 @@ with ``tp·pp·cp·dp = num_gpus``, tp inside a node, tp dividing the heads, kv 
 pp dividing the layers, ``seq_length`` divisible by ``2·cp`` (and by tp: sequence parallelism is on with tp > 1),
 ``b`` dividing ``global_batch / dp``, and for pp > 1 at least pp micro-batches ``m = global_batch / (dp·b)`` (1F1B).
 
-**Step-time model** (analytical, for ranking; not a measurement). With N parameters, ``F = 6N + 6·L·h·s`` training
-FLOPs per token (Kaplan et al. 2020 §2.1 for 6N; causal attention's ``12·L·h·s`` score and context FLOPs halved:
-Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", arXiv
-2104.04473, Eq. 3 without the LM head term, which ``6N`` holds), ``F·4/3`` with full activation checkpointing (one
-more forward), and an assumed efficiency ``eta = 0.5`` of the dense bf16 peak ``P``:
+**Step-time model** (analytical, for ranking; not a measurement). The FLOPs a step executes per token,
+:func:`executed_flops_per_token`: ``F = 6N + 6·L·h·s`` with N = ``num_parameters()`` (Kaplan et al. 2020 §2.1 for
+6N; causal attention computes half of the ``12·L·h·s`` score and context FLOPs of
+:meth:`~lightning_4d.models.LlamaConfig.flops_per_token`: Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", arXiv 2104.04473, Eq. 3 without the LM head term, which ``6N`` holds),
+``F·4/3`` with full activation checkpointing (one more forward), and an assumed efficiency ``eta = 0.5`` of the dense
+bf16 peak ``P``:
 
 - per micro-batch and GPU: compute ``t_c = F·b·s / (tp·pp·cp) / (eta·P)``;
 - tensor parallel (sp on): per layer 4 all-gathers / reduce-scatters forward and 4 backward of ``b·s·h/cp`` bf16
@@ -25,8 +27,9 @@ more forward), and an assumed efficiency ``eta = 0.5`` of the dense bf16 peak ``
   NVLink when the whole ``dp_cp`` group is inside a node, else ``B_inter``. Communication is not assumed to
   overlap compute (a pessimistic ranking model; the overlap our ZeRO 0/1 does is a bonus).
 
-Predicted tokens/s = ``global_batch·s / step``; predicted MFU = ``6N + 6Lhs`` FLOPs per token × tokens/s /
-(num_gpus·P).
+Predicted tokens/s = ``global_batch·s / step``; predicted MFU = model FLOPs per token × tokens/s / (num_gpus·P),
+with the model FLOPs of :meth:`~lightning_4d.models.LlamaConfig.flops_per_token` (``6N + 12·L·h·s``, PaLM appendix
+B), the figure the training task logs its MFU with, so that predicted and logged MFU compare.
 
 Pure Python: no torch import.
 """
@@ -37,12 +40,14 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Optional
 
-from lightning_4d.config import ParallelConfig, _check_positive_int, _divisors
+from lightning_4d.config import (ACTIVATION_CHECKPOINTING, ZERO_STAGES, ParallelConfig, _check_positive_int,
+                                  _divisors)
 from lightning_4d.memory.fujii2024 import fujii2024_from_config
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory, model_state_bytes
 
-__all__ = ["Candidate", "enumerate_layouts", "plan", "predict_step_time", "suggest_layouts"]
+__all__ = ["Candidate", "enumerate_layouts", "executed_flops_per_token", "plan", "predict_step_time",
+           "suggest_layouts"]
 
 EFFICIENCY = 0.5  # assumed fraction of the dense bf16 peak reached by the matmuls
 MAX_CONTEXT_PARALLEL = 32
@@ -68,18 +73,16 @@ class Candidate:
     mfu: float
 
     def parallel_config(self) -> ParallelConfig:
+        """The layout, with its micro-batch count when pp > 1 (the planner's schedule: the default 1F1B)."""
         return ParallelConfig(data_parallel_size=self.dp, tensor_parallel_size=self.tp,
                               pipeline_parallel_size=self.pp, context_parallel_size=self.cp,
-                              zero_stage=self.zero_stage, activation_checkpointing=self.activation_checkpointing)
+                              zero_stage=self.zero_stage, activation_checkpointing=self.activation_checkpointing,
+                              num_microbatches=self.num_microbatches if self.pp > 1 else None)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["memory_gib"] = self.memory / GIB
         return out
-
-    def describe(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp} micro_batch_size={self.micro_batch_size} "
-                f"zero_stage={self.zero_stage} activation_checkpointing={self.activation_checkpointing}")
 
 
 def _is_valid(model_config: Any, pc: ParallelConfig, seq_length: int) -> bool:
@@ -123,14 +126,24 @@ def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_
                     m = per_rank // b
                     if pp > 1 and m < pp:
                         continue
-                    for zero in (0, 1, 2, 3):
+                    for zero in ZERO_STAGES:
                         if zero > 0 and dp * cp == 1:
                             continue  # nothing to shard over
-                        for ac in ("none", "full"):
+                        for ac in ACTIVATION_CHECKPOINTING:
                             pc = ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp,
                                                 pipeline_parallel_size=pp, context_parallel_size=cp, zero_stage=zero,
                                                 activation_checkpointing=ac)
                             yield pc, b, m
+
+
+def executed_flops_per_token(model_config: Any, seq_length: int, activation_checkpointing: str = "none") -> float:
+    """FLOPs a training step executes per token, for the step-time prediction (module docstring): ``6N + 6·L·h·s``
+    (causal attention computes half the scores of :meth:`~lightning_4d.models.LlamaConfig.flops_per_token`'s
+    ``12·L·h·s``), × 4/3 under full activation checkpointing (the forward runs twice). Not the MFU numerator: that is
+    ``flops_per_token``."""
+    cfg = model_config
+    flops = 6 * cfg.num_parameters() + 6 * cfg.num_layers * cfg.hidden_size * seq_length
+    return flops * (4 / 3) if activation_checkpointing == "full" else flops
 
 
 def predict_step_time(model_config: Any, pc: ParallelConfig, micro_batch_size: int, num_microbatches: int,
@@ -139,10 +152,7 @@ def predict_step_time(model_config: Any, pc: ParallelConfig, micro_batch_size: i
     cfg, b, m, s = model_config, micro_batch_size, num_microbatches, seq_length
     tp, pp, cp, dp = pc.tp, pc.pp, pc.cp, pc.dp
     h, L = cfg.hidden_size, cfg.num_layers
-    n = cfg.num_parameters()
-    flops_per_token = 6 * n + 6 * L * h * s
-    if pc.activation_checkpointing == "full":
-        flops_per_token *= 4 / 3
+    flops_per_token = executed_flops_per_token(cfg, s, pc.activation_checkpointing)
     t_c = flops_per_token * b * s / (tp * pp * cp) / (EFFICIENCY * gpu.peak_flops)
     t_tp = 8 * (L / pp) * 2 * b * (s / cp) * h * (tp - 1) / tp / gpu.intra_node_bandwidth
     kv = cfg.num_kv_heads * cfg.head_dim // tp
@@ -198,7 +208,7 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         raise ValueError(f"formula={formula!r} is not valid: expected 'lightning_4d' or 'fujii2024'.")
     limit = budget * gpu.memory
     out: list[Candidate] = []
-    n = model_config.num_parameters()
+    model_flops_per_token = model_config.flops_per_token(seq_length)
     for pc, b, m in enumerate_layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size,
                                       micro_batch_size=micro_batch_size):
         if formula == "fujii2024":
@@ -215,8 +225,7 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
             continue
         step = predict_step_time(model_config, pc, b, m, seq_length, gpu, gpus_per_node, _params_on_rank(model_config, pc))
         tokens = global_batch_size * seq_length / step
-        mfu = (6 * n + 6 * model_config.num_layers * model_config.hidden_size * seq_length) * tokens / (
-            num_gpus * gpu.peak_flops)
+        mfu = model_flops_per_token * tokens / (num_gpus * gpu.peak_flops)
         out.append(Candidate(pc.tp, pc.pp, pc.cp, pc.dp, b, m, pc.zero_stage, pc.activation_checkpointing,
                              int(memory), memory / gpu.memory, fits, step, tokens, mfu))
     out.sort(key=lambda c: (not c.fits, c.step_time, c.memory))

@@ -218,6 +218,27 @@ class LlamaConfig:
         head = 0 if self.tie_word_embeddings else v * h
         return self.num_layers * block + v * h + h + head
 
+    def flops_per_token(self, seq_length: int) -> float:
+        """Model FLOPs of one training step (forward + backward) per token: ``6·N + 12·L·h·s``.
+
+        The standard definition behind model FLOPs utilization (MFU) of Chowdhery et al. 2022, "PaLM: Scaling
+        Language Modeling with Pathways", arXiv 2204.02311, appendix B: ``6N + 12·L·H·Q·T`` with H heads of size Q
+        (``H·Q = h``, the hidden size) and T = ``seq_length`` tokens of context. ``6N``: every parameter takes part
+        in one multiply-add (2 FLOPs) per token forward and two backward; ``12·L·h·s``: per layer the attention
+        scores ``QKᵀ`` and their product with V (2 matmuls of ``2·s·h`` FLOPs per token forward, twice as many
+        backward), counted in full although causal attention needs only half of them (the convention, so that MFU
+        is comparable across implementations), and recomputation (activation checkpointing) is not counted.
+
+        N is :meth:`num_parameters`: every parameter, the embedding table (and an untied LM head) included, as in
+        PaLM's count. The embedding lookup does no matmul, so for an untied model this counts ``6·V·h`` FLOPs per
+        token that are not executed (5.2% of the total for llama3-8b at s=8192).
+
+        Raises:
+            ValueError: ``seq_length`` is not a positive integer.
+        """
+        _check_positive_int("seq_length", seq_length)
+        return float(6 * self.num_parameters() + 12 * self.num_layers * self.hidden_size * seq_length)
+
     # ------------------------------------------------------------------ presets
     @staticmethod
     def preset_names() -> list[str]:
