@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_4d import ParallelConfig, estimate_memory
-from lightning_4d.memory.model import MemoryEstimate, estimate_all_stages, model_state_bytes, saved_activation_bytes
+from lightning_4d.memory.model import MemoryEstimate, estimate_all_pp_ranks, model_state_bytes, saved_activation_bytes
 from lightning_4d.models import LlamaConfig
 from tests._launch import SCRIPTS, torchrun
 
@@ -108,17 +108,17 @@ def test_estimate_moves_the_right_way():
     assert cp.activations < base.activations
 
 
-def test_pipeline_stages_are_all_reported():
+def test_every_pp_rank_is_reported():
     pc = _pc(data_parallel_size=1, pipeline_parallel_size=4, zero_stage=1)
-    stages = estimate_all_stages("llama3-8b", pc, 1, 4096, num_microbatches=8)
-    assert [s.stage for s in stages] == [0, 1, 2, 3]
-    # 1F1B: stage i keeps min(m, p - i) micro-batches
-    assert [s.details["in_flight_microbatches_x1000"] for s in stages] == [4000, 3000, 2000, 1000]
-    assert stages[0].details["saved_embedding"] > 0 and stages[3].details["saved_loss"] > 0
+    ranks = estimate_all_pp_ranks("llama3-8b", pc, 1, 4096, num_microbatches=8)
+    assert [r.pp_rank for r in ranks] == [0, 1, 2, 3]
+    # 1F1B: pp rank i keeps min(m, p - i) micro-batches
+    assert [r.details["in_flight_microbatches_x1000"] for r in ranks] == [4000, 3000, 2000, 1000]
+    assert ranks[0].details["saved_embedding"] > 0 and ranks[3].details["saved_loss"] > 0
     worst = estimate_memory("llama3-8b", pc, 1, 4096, num_microbatches=8)
-    assert worst.total == max(s.total for s in stages)
-    gpipe = estimate_memory("llama3-8b", pc, 1, 4096, num_microbatches=8, pipeline_schedule="gpipe", stage=0)
-    assert gpipe.activations > stages[0].activations
+    assert worst.total == max(r.total for r in ranks)
+    gpipe = estimate_memory("llama3-8b", pc, 1, 4096, num_microbatches=8, pipeline_schedule="gpipe", pp_rank=0)
+    assert gpipe.activations > ranks[0].activations
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,18 @@
 """Our strategy's own memory model: bytes per rank and per pipeline stage, counted from what our code allocates.
 
-``/work/shared/memory-model.md`` §2 asks for everything the paper (``fujii2024``) leaves to its 20% margin. The
-model below follows FourDStrategy's code, tensor by tensor:
+The paper's estimator (:mod:`lightning_4d.memory.fujii2024`: Fujii, Watanabe and Yokota 2024, arXiv 2411.06465)
+models Megatron-LM and leaves what it does not model to a 20% margin (a layout is trainable below 80% of the GPU).
+This model counts those things instead, because it follows FourDStrategy's own code, tensor by tensor:
 
-**Model states** (:func:`model_state_bytes`). Every parameter tensor of the stage with its tensor-parallel local
-shape (``wq``/``wk``/``wv``/``w1``/``w3``/``output`` split on rows, ``wo``/``w2`` on columns, the embedding by
-vocabulary rows, RMSNorm weights replicated), then its ZeRO shard over ``dp_cp`` (D = dp·cp ranks):
+**Model states** (:func:`model_state_bytes`). Every parameter tensor of the pp rank's pipeline stages with its
+tensor-parallel local shape (``wq``/``wk``/``wv``/``w1``/``w3``/``output`` split on rows, ``wo``/``w2`` on columns,
+the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO shard over ``dp_cp`` (D = dp·cp ranks):
 
-- stage 0: everything replicated;
-- stage 1 (``ShardedOptimizer``): Adam m and v for a flat chunk of ``ceil(n/D)`` elements of each tensor (rank r
+- ZeRO stage 0: everything replicated;
+- ZeRO stage 1 (``ShardedOptimizer``): Adam m and v for a flat chunk of ``ceil(n/D)`` elements of each tensor (rank r
   holds elements ``[r·chunk, (r+1)·chunk)``, clipped to n);
-- stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim 0 (rank
-  r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``.
+- ZeRO stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim
+  0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``.
 
 Parameter and gradient dtype: float32 for ``32-true`` and ``bf16-mixed`` (autocast keeps float32 weights), bfloat16
 for ``bf16-true``; Adam's m and v have the parameter's dtype (``torch.optim.AdamW``). The step counters (0-d
@@ -41,20 +42,21 @@ saves only its input (r·b·s'·h) and the backward re-runs one layer at a time 
 - start of backward: activations + logits working set (the saved log-probabilities, their gradient and the
   logits' gradient: ``(4 + 4 + 4) · b·s·V/t`` bytes, + ``c·b·s·V/t`` for the cast when the compute dtype is not
   float32) + compute copies + parameters gathered by FSDP2 + the head's gradient;
-- end of backward: the gradients (full for stages 0/1, this rank's shard + the root unit's unsharded gradients for
-  2/3) + gradient communication buffers (stages 0/1: ``GradientSynchronizer``'s flat bucket copies, one gradient's
-  worth; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
+- end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
+  gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: ``GradientSynchronizer``'s flat bucket
+  copies, one gradient's worth; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
 - optimizer step: the gradients + the temporaries of ``torch.optim.AdamW(foreach=True)`` (``_foreach_sqrt`` of the
   second moments: one moment's bytes) + ZeRO-1's all-gather buckets.
 
 ``total = parameters + optimizer_states + overhead + max(phases)``; ``overhead`` is the measured allowance for the
 CUDA context and fragmentation (:mod:`lightning_4d.memory.hardware`), zero on CPU.
 
-**Pipeline parallelism** (validated against measured per-stage bytes in ``tests/test_memory_model.py``): a stage
-holds ``L/p`` layers (the first also the embedding, the last the final norm,
-head and loss); 1F1B keeps ``min(m, p − stage)`` micro-batches of activations, GPipe ``m``, interleaved 1F1B (v
-chunks per rank) ``min(m·v, 2(p − stage − 1) + (v − 1)p + 1)`` chunks of ``L/(p·v)`` layers (Megatron-LM's warm-up
-count), plus two send/receive buffers of one micro-batch's hidden states.
+**Pipeline parallelism** (validated against measured per-pp-rank bytes in ``tests/test_memory_model.py``): pp rank
+r holds v pipeline stages (:meth:`~lightning_4d.config.ParallelConfig.rank_stages`) of ``L/(p·v)`` layers each (the
+first stage also the embedding, the last the final norm, head and loss); 1F1B keeps ``min(m, p − r)`` micro-batches
+of activations, GPipe ``m``, interleaved 1F1B ``min(m·v, 2(p − r − 1) + (v − 1)p + 1)`` stage-micro-batches
+(Megatron-LM's warm-up count), plus the receive buffers of one micro-batch's hidden states per micro-batch and
+stage boundary.
 
 **Context parallelism** (``lightning_4d/parallel/context.py``) divides every sequence-sized tensor by c (each rank
 holds ``s/c`` tokens of every sequence). What is not divided by c, per method: ``"ring"`` saves only the local
@@ -82,7 +84,7 @@ __all__ = [
     "PRECISIONS",
     "PIPELINE_SCHEDULES",
     "estimate_memory",
-    "estimate_all_stages",
+    "estimate_all_pp_ranks",
     "model_state_bytes",
     "saved_activation_bytes",
 ]
@@ -138,21 +140,11 @@ def _with_pipeline(pc: ParallelConfig, **overrides: Any) -> ParallelConfig:
     return replace(pc, **overrides) if overrides else pc
 
 
-def _rank_chunks(num_layers: int, pc: ParallelConfig, rank: int) -> list[tuple[int, range]]:
-    """``[(stage index, decoder layers), ...]`` of pp rank ``rank`` (its v stages; see
-    :meth:`ParallelConfig.stage_indices` and :meth:`ParallelConfig.layer_split`)."""
-    if pc.pp == 1:
-        return [(0, range(num_layers))]
-    split = pc.layer_split(num_layers)
-    starts = [sum(split[:k]) for k in range(len(split))]
-    return [(st, range(starts[st], starts[st] + split[st])) for st in pc.stage_indices(rank)]
-
-
-def _rank_layout(num_layers: int, pc: ParallelConfig, rank: int) -> tuple[int, bool, bool]:
-    """(decoder layers, holds the embedding, holds the final norm + head) of pp rank ``rank``."""
-    chunks = _rank_chunks(num_layers, pc, rank)
-    stages = {st for st, _ in chunks}
-    return sum(len(r) for _, r in chunks), 0 in stages, pc.num_stages - 1 in stages or pc.pp == 1
+def _rank_layout(num_layers: int, pc: ParallelConfig, pp_rank: int) -> tuple[int, bool, bool]:
+    """(decoder layers, holds the embedding, holds the final norm + head) of pp rank ``pp_rank``."""
+    stages = pc.rank_stages(num_layers, pp_rank)
+    indices = {st for st, _ in stages}
+    return sum(len(r) for _, r in stages), 0 in indices, pc.num_stages - 1 in indices or pc.pp == 1
 
 
 def _stage_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> list[_Param]:
@@ -193,10 +185,10 @@ def _chunk(n: int, world: int, rank: int) -> int:
     return max(0, min(n - rank * size, size))
 
 
-def _zero_numel(p: _Param, stage: int, world: int, rank: int) -> tuple[int, int, int]:
+def _zero_numel(p: _Param, zero_stage: int, world: int, rank: int) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-moment) elements of ``p`` held at rest on ``rank`` of ``dp_cp``."""
-    if stage <= 1:
-        opt = _chunk(p.numel, world, rank) if stage == 1 else p.numel
+    if zero_stage <= 1:
+        opt = _chunk(p.numel, world, rank) if zero_stage == 1 else p.numel
         return p.numel, p.numel, opt
     local = _chunk(p.rows, world, rank) * p.cols
     return local, local, local
@@ -221,7 +213,7 @@ def model_state_bytes(
     parallel_config: ParallelConfig,
     precision: str = "bf16-mixed",
     *,
-    stage: int = 0,
+    pp_rank: int = 0,
     dp_cp_rank: int = 0,
     pipeline_layer_split: Optional[list[int]] = None,
 ) -> ModelStates:
@@ -232,8 +224,8 @@ def model_state_bytes(
             ``head_dim``, ``tie_word_embeddings``).
         parallel_config: the layout (``data_parallel_size`` resolved).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
-        stage: the pp rank (0 .. pp−1); it holds the ``v`` pipeline stages of
-            :meth:`~lightning_4d.config.ParallelConfig.stage_indices` (schedule and v from ``parallel_config``).
+        pp_rank: the pp rank (0 .. pp−1); it holds the ``v`` pipeline stages of
+            :meth:`~lightning_4d.config.ParallelConfig.rank_stages` (schedule and v from ``parallel_config``).
         dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards).
         pipeline_layer_split: layers per pipeline stage (``pp·v`` counts; default ``parallel_config``'s, else
             equal).
@@ -242,15 +234,15 @@ def model_state_bytes(
         :class:`ModelStates`: parameters and gradients in the parameter dtype, optimizer states = 2 moments.
 
     Raises:
-        ValueError: an unknown precision, a stage or rank out of range.
+        ValueError: an unknown precision, a pp rank or dp_cp rank out of range.
     """
     dt = _Dtypes.of(_precision(precision))
     pc = _with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
-    if not 0 <= stage < pc.pp:
-        raise ValueError(f"stage={stage} is not valid: expected 0 .. {pc.pp - 1}.")
+    if not 0 <= pp_rank < pc.pp:
+        raise ValueError(f"pp_rank={pp_rank} is not valid: expected 0 .. {pc.pp - 1}.")
     if not 0 <= dp_cp_rank < pc.dp_cp:
         raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
-    n_layers, first, last = _rank_layout(model_config.num_layers, pc, stage)
+    n_layers, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
     n_param = n_grad = n_opt = 0
     for p, count in _weighted_params(model_config, pc.tp, n_layers, first, last):
         a, g, o = _zero_numel(p, pc.zero_stage, pc.dp_cp, dp_cp_rank)
@@ -301,12 +293,13 @@ def saved_activation_bytes(
     seq_length: int,
     precision: str = "bf16-mixed",
     *,
-    stage: int = 0,
+    pp_rank: int = 0,
     pipeline_layer_split: Optional[list[int]] = None,
 ) -> dict[str, int]:
-    """Bytes saved for backward by one micro-batch's forward through all stages of pp rank ``stage``, by part.
+    """Bytes saved for backward by one micro-batch's forward through all pipeline stages of pp rank ``pp_rank``, by
+    part.
 
-    Returns a dict with ``layers`` (all layers of the stage: their saved tensors, or only their inputs under full
+    Returns a dict with ``layers`` (all layers of the rank: their saved tensors, or only their inputs under full
     activation checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input),
     ``loss`` (float32 log-probabilities and labels), ``compute_weights`` (``bf16-mixed``: autocast's bfloat16 weight
     copies), ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the
@@ -327,7 +320,7 @@ def saved_activation_bytes(
     s = seq_length // cp
     s_sp = s // tp if sp else s
     h, vocab = model_config.hidden_size, model_config.padded_vocab_size
-    n_layers, first, last = _rank_layout(model_config.num_layers, pc, stage)
+    n_layers, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
     per_layer = _layer_saved(model_config, dt, b, s, tp, sp)
     full_ac = pc.activation_checkpointing == "full"
     out = {
@@ -373,10 +366,10 @@ def _context_parallel_buffers(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int,
     return 2 * 4 * seq_length * kv + dq
 
 
-def _in_flight(pc: ParallelConfig, rank: int, m: int) -> list[int]:
-    """Micro-batches whose activations pp rank ``rank`` holds at its peak, per stage it holds (the order of
-    :func:`_rank_chunks`), for the schedules of ``torch.distributed.pipelining`` (counts read off their action lists
-    for rank r of p, stages per rank v, m micro-batches):
+def _in_flight(pc: ParallelConfig, pp_rank: int, m: int) -> list[int]:
+    """Micro-batches whose activations pp rank ``pp_rank`` holds at its peak, per pipeline stage it holds (the order
+    of :meth:`~lightning_4d.config.ParallelConfig.rank_stages`), for the schedules of ``torch.distributed.pipelining``
+    (counts read off their action lists for rank r of p, stages per rank v, m micro-batches):
 
     - GPipe: all m forwards before the first backward: ``m``;
     - 1F1B: ``p - r - 1`` warm-up forwards, then one forward and one backward at a time: ``min(m, p - r)``
@@ -387,8 +380,7 @@ def _in_flight(pc: ParallelConfig, rank: int, m: int) -> list[int]:
     - ZBV zero-bubble (and DualPipeV, approximated by it): see :func:`_zbv_peak` (which also counts what stays
       alive after each weight pass); the counts returned here are those at that peak.
     """
-    chunks = len(_rank_chunks(1 if pc.pp == 1 else pc.num_stages, pc, rank)) if pc.pp > 1 else 1
-    p, r, v = pc.pp, rank, chunks
+    p, r, v = pc.pp, pp_rank, len(pc.stage_indices(pp_rank)) if pc.pp > 1 else 1
     if p == 1:
         return [1]
     name = pc.pipeline_schedule
@@ -473,7 +465,7 @@ def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float],
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak memory of one rank (the worst pipeline stage unless asked for a stage), bytes.
+    """Peak memory of one rank (the worst pp rank unless asked for one), bytes.
 
     Attributes:
         parameters: parameters at rest (this rank's ZeRO shard).
@@ -489,7 +481,8 @@ class MemoryEstimate:
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
         peak_phase: ``"backward start"``, ``"backward end"`` or ``"optimizer step"``.
-        stage: the pipeline stage this is for.
+        pp_rank: the pp rank this is for (it holds the pipeline stages of
+            :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
     """
 
@@ -502,7 +495,7 @@ class MemoryEstimate:
     overhead: int
     total: int
     peak_phase: str
-    stage: int = 0
+    pp_rank: int = 0
     details: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -532,7 +525,7 @@ def estimate_memory(
     pipeline_schedule: Optional[str] = None,
     virtual_pipeline_stages: Optional[int] = None,
     pipeline_layer_split: Optional[list[int]] = None,
-    stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
     dp_cp_rank: int = 0,
     device_type: str = "cuda",
     overhead: Optional[OverheadAllowance] = None,
@@ -546,13 +539,14 @@ def estimate_memory(
         micro_batch_size: samples per micro-batch per dp rank (b).
         seq_length: tokens per sample (s, the full sequence before cp splits it).
         precision: ``"32-true"``, ``"bf16-mixed"`` (default) or ``"bf16-true"``.
-        num_microbatches: m, micro-batches per optimizer step (default ``parallel_config.num_microbatches``, else
-            pp; 2·pp for dualpipev).
+        num_microbatches: m, micro-batches per optimizer step (default
+            :attr:`~lightning_4d.config.ParallelConfig.microbatches`: ``parallel_config.num_microbatches``, else pp;
+            2·pp for dualpipev).
         pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zbv"`` or ``"dualpipev"`` (default
             ``parallel_config``'s).
-        virtual_pipeline_stages: v, stages per pp rank (default ``parallel_config``'s, i.e. the schedule's).
+        virtual_pipeline_stages: v, pipeline stages per pp rank (default ``parallel_config``'s, i.e. the schedule's).
         pipeline_layer_split: layers per pipeline stage, ``pp·v`` counts (default ``parallel_config``'s).
-        stage: one pp rank; default: every pp rank is estimated and the largest returned.
+        pp_rank: one pp rank; default: every pp rank is estimated and the largest returned.
         dp_cp_rank: rank in ``dp_cp`` (0 holds the largest ZeRO shards).
         device_type: ``"cuda"`` adds the overhead allowance; ``"cpu"`` none.
         overhead: an explicit allowance (default: from ``overhead.json`` for ``gpu_name``).
@@ -572,22 +566,22 @@ def estimate_memory(
     pc = _with_pipeline(parallel_config, pipeline_schedule=pipeline_schedule,
                         virtual_pipeline_stages=virtual_pipeline_stages, pipeline_layer_split=pipeline_layer_split)
     pc.validate_model(cfg)
-    m = num_microbatches or pc.num_microbatches or (2 * pc.pp if pc.pipeline_schedule == "dualpipev" else pc.pp)
+    m = num_microbatches or pc.microbatches
     pc.validate_microbatches(m)
-    stages = [stage] if stage is not None else list(range(pc.pp))
+    ranks = [pp_rank] if pp_rank is not None else list(range(pc.pp))
     results = [
-        _estimate_stage(cfg, pc, micro_batch_size, seq_length, _precision(precision), st, m, dp_cp_rank,
-                        device_type, overhead, gpu_name)
-        for st in stages
+        _estimate_pp_rank(cfg, pc, micro_batch_size, seq_length, _precision(precision), r, m, dp_cp_rank,
+                          device_type, overhead, gpu_name)
+        for r in ranks
     ]
     return max(results, key=lambda e: e.total)
 
 
-def estimate_all_stages(model_config: Any, parallel_config: ParallelConfig, micro_batch_size: int, seq_length: int,
-                        precision: str = "bf16-mixed", **kw: Any) -> list[MemoryEstimate]:
-    """:func:`estimate_memory` for every pipeline stage, in stage order (same arguments, ``stage`` excepted)."""
-    return [estimate_memory(model_config, parallel_config, micro_batch_size, seq_length, precision, stage=st, **kw)
-            for st in range(parallel_config.pp)]
+def estimate_all_pp_ranks(model_config: Any, parallel_config: ParallelConfig, micro_batch_size: int, seq_length: int,
+                          precision: str = "bf16-mixed", **kw: Any) -> list[MemoryEstimate]:
+    """:func:`estimate_memory` for every pp rank, in pp-rank order (same arguments, ``pp_rank`` excepted)."""
+    return [estimate_memory(model_config, parallel_config, micro_batch_size, seq_length, precision, pp_rank=r, **kw)
+            for r in range(parallel_config.pp)]
 
 
 def _model(model_config: Any) -> Any:
@@ -598,29 +592,31 @@ def _model(model_config: Any) -> Any:
     return model_config
 
 
-def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str, stage: int, m: int, rank: int,
-                    device_type: str, overhead: Optional[OverheadAllowance], gpu_name: Optional[str]) -> MemoryEstimate:
-    from lightning_4d.memory.hardware import overhead_allowance
+@dataclass(frozen=True)
+class _Activations:
+    """The activation side of one pp rank's peak (bytes, except ``in_flight``)."""
 
-    dt = _Dtypes.of(precision)
-    states = model_state_bytes(cfg, pc, precision, stage=stage, dp_cp_rank=rank)
-    saved = saved_activation_bytes(cfg, pc, b, s, precision, stage=stage)
-    chunks = _rank_chunks(cfg.num_layers, pc, stage)
-    n_layers, first, last = _rank_layout(cfg.num_layers, pc, stage)
-    params = _weighted_params(cfg, pc.tp, n_layers, first, last)
-    world, zero = pc.dp_cp, pc.zero_stage
-    tp, vocab, h = pc.tp, cfg.padded_vocab_size, cfg.hidden_size
-    tokens = b * (s // pc.cp)
+    activations: int  # saved for backward at the schedule's peak (+ rope without pp, + one recompute set)
+    logits: int  # the loss working set beyond the saved log-probabilities
+    compute_weights: int  # autocast's weight copies, one per in-flight micro-batch under pp
+    in_flight: float  # micro-batches in flight, averaged over the rank's layers
 
-    # activations: every stage of the rank holds its in-flight micro-batches' saved tensors; the embedding's with
-    # the first stage, the head's and the loss's with the last
-    counts = _in_flight(pc, stage, m)
+
+def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int,
+                      saved: dict[str, int]) -> _Activations:
+    """Activations of pp rank ``pp_rank`` at its peak: every pipeline stage of the rank holds its in-flight
+    micro-batches' saved tensors (:func:`_in_flight`, :func:`_zbv_peak`), the embedding's with the first stage, the
+    head's and the loss's with the last (module docstring, **Activations** and **Pipeline parallelism**)."""
+    stages = pc.rank_stages(cfg.num_layers, pp_rank)
+    n_layers, _, last = _rank_layout(cfg.num_layers, pc, pp_rank)
+    tp, h = pc.tp, cfg.hidden_size
+    counts = _in_flight(pc, pp_rank, m)
     per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
     # one micro-batch's saved bytes per stage of the rank: its layers, the embedding's with the first stage, the
     # head's and the loss's with the last; under pp each stage's forward computes its own RoPE tables
     sizes = [len(layers) * per_layer + (saved["embedding"] if st == 0 else 0)
              + (saved["head"] + saved["loss"] if st == pc.num_stages - 1 or pc.pp == 1 else 0)
-             + (saved["rope"] if pc.pp > 1 else 0) for st, layers in chunks]
+             + (saved["rope"] if pc.pp > 1 else 0) for st, layers in stages]
     if pc.pp > 1 and pc.pipeline_schedule in ("zbv", "dualpipev"):
         # what stays alive after a micro-batch's weight pass, to the end of the step (stages after the first)
         s_loc = s // pc.cp
@@ -631,20 +627,44 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
         # isolation; the whole pipeline keeps more on the last stage: see docs/pipeline.md)
         head_kept = _norm_input_saved(b, s_sp, h) + 4 * b * s_loc * (cfg.padded_vocab_size // tp)
         retained = [0 if st == 0 else len(layers) * layer_kept + saved["rope"]
-                    + (head_kept if st == pc.num_stages - 1 else 0) for st, layers in chunks]
-        peak, _ = _zbv_peak(pc.pp, stage, m, (sizes[0], sizes[1]), (retained[0], retained[1]))
+                    + (head_kept if st == pc.num_stages - 1 else 0) for st, layers in stages]
+        peak, _ = _zbv_peak(pc.pp, pp_rank, m, (sizes[0], sizes[1]), (retained[0], retained[1]))
     else:
         peak = sum(c * size for c, size in zip(counts, sizes))
     activations = int(peak) + (saved["rope"] if pc.pp == 1 else 0) + saved["recompute"]
-    in_flight = sum(c * len(layers) for c, (_, layers) in zip(counts, chunks)) / max(1, n_layers)
+    in_flight = sum(c * len(layers) for c, (_, layers) in zip(counts, stages)) / max(1, n_layers)
     # the loss working set beyond the saved float32 log-probs (in activations, as saved_loss): their gradient and the
     # logits' gradient in float32, + the cast to the compute dtype
-    logits = (8 + (dt.compute if dt.compute != 4 else 0)) * tokens * (vocab // tp) if last else 0
+    tokens = b * (s // pc.cp)
+    logits = (8 + (dt.compute if dt.compute != 4 else 0)) * tokens * (cfg.padded_vocab_size // tp) if last else 0
     compute_weights = saved["compute_weights"]
     if pc.pp > 1:
         # autocast casts the weights again in every micro-batch's forward: one copy per in-flight micro-batch
         compute_weights = int(compute_weights * in_flight)
+    return _Activations(activations, logits, compute_weights, in_flight)
 
+
+@dataclass(frozen=True)
+class _Buffers:
+    """The transient buffers of one pp rank (bytes; module docstring, **Peak**)."""
+
+    gathered_start: int  # FSDP2-gathered parameters at the start of backward
+    gathered_end: int  # ... and at its end
+    gradient_buffers: int  # gradient communication: flat bucket copies (ZeRO 0/1) or unsharded gradients (2/3)
+    head_gradient: int  # the LM head's gradient, made at the start of backward
+    pipeline: int  # PipelineStage's receive buffers
+    context_parallel: int  # one layer's context-parallel attention backward
+    step_temporaries: int  # AdamW foreach temporaries + ZeRO-1's all-gather buckets
+
+
+def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int,
+                  states: ModelStates) -> _Buffers:
+    """The transient buffers of pp rank ``pp_rank``: FSDP2's gathered parameters and unsharded gradients, gradient
+    communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers and the
+    optimizer step's temporaries."""
+    n_layers, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
+    params = _weighted_params(cfg, pc.tp, n_layers, first, last)
+    world, zero = pc.dp_cp, pc.zero_stage
     # FSDP2: parameters gathered for compute (padded all-gather outputs), unsharded gradients before reduce-scatter
     largest_layer = sum(_padded_numel(p, world) for p, _ in params if p.unit != "root") * dt.param
     root = sum(_padded_numel(p, world) for p, _ in params if p.unit == "root") * dt.param
@@ -672,44 +692,61 @@ def _estimate_stage(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str
     # PipelineStage allocates, once, a receive buffer per micro-batch for the activations of every stage but the
     # first and for the gradients of every stage but the last (one micro-batch's hidden states each, in the residual
     # stream's dtype, sequence-sharded under sp)
-    hidden = dt.residual * tokens * h // (tp if pc.sp else 1)
-    boundaries = sum((st != 0) + (st != pc.num_stages - 1) for st, _ in chunks) if pc.pp > 1 else 0
-    pipeline_buffers = m * boundaries * hidden
-    cp_buffers = _context_parallel_buffers(cfg, pc, dt, b, s)
-
+    hidden = dt.residual * b * (s // pc.cp) * cfg.hidden_size // (pc.tp if pc.sp else 1)
+    boundaries = (sum((st != 0) + (st != pc.num_stages - 1) for st in pc.stage_indices(pp_rank))
+                  if pc.pp > 1 else 0)
     step_temp = states.optimizer_states // 2  # foreach AdamW: sqrt of the second moments
     if zero == 1 and world > 1:
         step_temp += int(min(_ZERO1_GATHER_BUCKET, states.parameters) * (1 + 1 / world))
+    return _Buffers(gathered_start, gathered_end, grad_buffers, head_grad, m * boundaries * hidden,
+                    _context_parallel_buffers(cfg, pc, dt, b, s), step_temp)
 
-    phases = {
-        "backward start": activations + logits + compute_weights + gathered_start + head_grad + pipeline_buffers
-        + cp_buffers,
-        "backward end": states.gradients + grad_buffers + gathered_end
-        + pipeline_buffers,
-        "optimizer step": states.gradients + step_temp,
+
+def _phases(states: ModelStates, act: _Activations, buf: _Buffers) -> dict[str, int]:
+    """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**)."""
+    return {
+        "backward start": act.activations + act.logits + act.compute_weights + buf.gathered_start
+        + buf.head_gradient + buf.pipeline + buf.context_parallel,
+        "backward end": states.gradients + buf.gradient_buffers + buf.gathered_end + buf.pipeline,
+        "optimizer step": states.gradients + buf.step_temporaries,
     }
+
+
+def _estimate_pp_rank(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str, pp_rank: int, m: int,
+                      dp_cp_rank: int, device_type: str, overhead: Optional[OverheadAllowance],
+                      gpu_name: Optional[str]) -> MemoryEstimate:
+    """:func:`estimate_memory` of one pp rank: model states, then activations, buffers and the three phases."""
+    from lightning_4d.memory.hardware import overhead_allowance
+
+    dt = _Dtypes.of(precision)
+    states = model_state_bytes(cfg, pc, precision, pp_rank=pp_rank, dp_cp_rank=dp_cp_rank)
+    saved = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank)
+    act = _activation_terms(cfg, pc, dt, b, s, pp_rank, m, saved)
+    buf = _buffer_terms(cfg, pc, dt, b, s, pp_rank, m, states)
+    phases = _phases(states, act, buf)
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
     allowance = overhead if overhead is not None else overhead_allowance(gpu_name, device_type)
     extra = allowance.bytes_for(tensors)
-    buffers = (compute_weights + max(gathered_start, gathered_end) + grad_buffers + step_temp + pipeline_buffers
-               + cp_buffers)
+    gathered = max(buf.gathered_start, buf.gathered_end)
+    buffers = (act.compute_weights + gathered + buf.gradient_buffers + buf.step_temporaries + buf.pipeline
+               + buf.context_parallel)
     details = {
         **{f"saved_{k}": val for k, val in saved.items()},
         "saved_for_backward": sum(saved.values()) - saved["recompute"],
-        "in_flight_microbatches_x1000": int(in_flight * 1000),
+        "in_flight_microbatches_x1000": int(act.in_flight * 1000),
         "num_microbatches": m if pc.pp > 1 else 1,
-        "compute_weights": compute_weights,
-        "gathered_parameters": max(gathered_start, gathered_end),
-        "gradient_buffers": grad_buffers,
-        "optimizer_step_temporaries": step_temp,
-        "pipeline_buffers": pipeline_buffers,
-        "context_parallel_buffers": cp_buffers,
-        "head_gradient": head_grad,
+        "compute_weights": act.compute_weights,
+        "gathered_parameters": gathered,
+        "gradient_buffers": buf.gradient_buffers,
+        "optimizer_step_temporaries": buf.step_temporaries,
+        "pipeline_buffers": buf.pipeline,
+        "context_parallel_buffers": buf.context_parallel,
+        "head_gradient": buf.head_gradient,
         **{f"phase_{k.replace(' ', '_')}": val for k, val in phases.items()},
     }
     return MemoryEstimate(
         parameters=states.parameters, gradients=states.gradients, optimizer_states=states.optimizer_states,
-        activations=activations, logits=logits, buffers=buffers, overhead=extra, total=tensors + extra,
-        peak_phase=peak_phase, stage=stage, details=details,
+        activations=act.activations, logits=act.logits, buffers=buffers, overhead=extra, total=tensors + extra,
+        peak_phase=peak_phase, pp_rank=pp_rank, details=details,
     )

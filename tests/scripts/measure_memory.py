@@ -186,15 +186,15 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
     rank = trainer.global_rank
     dp_cp_rank = (rank // pc.tp) % pc.dp_cp
     pp_rank = rank // (pc.tp * pc.dp_cp)
-    estimated_states = model_state_bytes(cfg, pc, precision, dp_cp_rank=dp_cp_rank, stage=pp_rank)
+    estimated_states = model_state_bytes(cfg, pc, precision, dp_cp_rank=dp_cp_rank, pp_rank=pp_rank)
     rows = []
     for i, ((b, s), measured) in enumerate(zip(shapes, module.saved)):
         if pp > 1 and i % 2 == 0:
             continue  # the step that also ran the schedule's shape inference
-        est = saved_activation_bytes(cfg, pc, b, s, precision, stage=pp_rank)
+        est = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank)
         row = {"b": b, "s": s, "measured": measured, "estimated": sum(est.values()) - est["recompute"], "parts": est}
         if pp > 1:
-            full = estimate_memory(cfg, pc, b, s, precision, stage=pp_rank, device_type="cpu")
+            full = estimate_memory(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type="cpu")
             row.update(measured_total=module.total_packed[i], estimated_total=m * row["estimated"],
                        measured_peak=module.peak_live[i],
                        estimated_peak=full.activations - est["recompute"] + full.details["compute_weights"],
