@@ -1,4 +1,5 @@
-"""Fujii et al. 2024 (arXiv 2411.06465) estimator, as /work/shared/memory-model.md §1 states it.
+"""The estimator of Fujii, Watanabe and Yokota 2024 (arXiv 2411.06465; Eq. 4, Eq. 12 and the pipeline terms, as
+docs/memory.md lists them).
 
 Every expected value is derived here by hand, term by term, in integer arithmetic (never by calling the module),
 and the final numbers are written out as literals too.

@@ -3,10 +3,20 @@
 Source: K. Fujii, K. Watanabe, R. Yokota, "Accelerating Large Language Model Training with 4D Parallelism and Memory
 Consumption Estimator", arXiv 2411.06465 (2024). It models Megatron-LM (bf16, FlashAttention, sequence parallel,
 distributed optimizer, fp32 gradient accumulation) training a Llama model, and calls a layout trainable when the
-estimate is at most 80% of the GPU's memory. The formulas below are those of ``/work/shared/memory-model.md`` §1
-("the paper's formula, reproduced faithfully"), quirks included: the ``·h`` of the input-to-embedding term
-``8·(s/c)·b·h·p/t`` and the RMSNorm weights divided by ``t``. This is a *reference to compare with*, not our
-strategy's own memory model.
+estimate is at most 80% of the GPU's memory (its finding over 454 runs on A100 and H100: no out-of-memory error
+below 80%). The authors' reference code is ``megatron/training/theoretical_memory_usage.py`` in the okoge-kaz fork
+of Megatron-LM. The formulas are reproduced as the paper states them, quirks included: the ``·h`` of the
+input-to-embedding term ``8·(s/c)·b·h·p/t`` and the RMSNorm weights divided by ``t``. ``docs/memory.md`` lists them
+with their equation numbers. This is a *reference to compare with*, not our strategy's own memory model.
+
+Parts, as :func:`fujii2024_estimate` adds them up:
+
+- parameters on the most loaded rank (:func:`_parameters_on_rank`; the paper's parameter count of the Llama
+  architecture);
+- bytes per parameter (:func:`_bytes_per_parameter`; Eq. 4 and §2.2: 18, or ``6 + 12/(d·c)`` with the
+  distributed optimizer);
+- activations (:func:`_activations`; Eq. 12 per layer, then the pipeline-schedule factors and the input and output
+  terms).
 
 Symbols (as on the page): h hidden, L layers, V vocabulary, f FFN size, a heads, k KV heads, t tp, p pp, d dp,
 c cp, s sequence, b micro-batch, m micro-batches, v virtual stages.
@@ -25,8 +35,8 @@ __all__ = ["Fujii2024Estimate", "fujii2024_estimate", "fujii2024_from_config"]
 
 GIB = 2**30
 
-#: The paper's rule (arXiv 2411.06465, its finding over 454 runs on A100 and H100, as memory-model.md §1 states it):
-#: no OOM was observed below 80% of the GPU's memory.
+#: The paper's rule (arXiv 2411.06465, its finding over 454 runs on A100 and H100): no out-of-memory error was
+#: observed below 80% of the GPU's memory.
 DEFAULT_BUDGET = 0.8
 
 
@@ -39,7 +49,7 @@ class Fujii2024Estimate:
         bytes_per_parameter: 18, or ``6 + 12/(d·c)`` with the distributed optimizer (paper Eq. 4 and §2.2).
         model_states: ``parameters_on_rank · bytes_per_parameter`` bytes.
         activations: activation bytes, including the input-to-embedding term and, when ``p == 1``, the final-norm
-            output and fp32 logits term (paper Eq. 12 and memory-model.md §1).
+            output and fp32 logits term (paper Eq. 12 and the pipeline terms: :func:`_activations`).
         total: ``model_states + activations`` bytes.
     """
 
@@ -50,13 +60,12 @@ class Fujii2024Estimate:
     total: float
 
     def total_gib(self) -> float:
-        """Total in GiB (2**30 bytes), as memory-model.md §1 ("in GiB = 2^30 bytes")."""
+        """Total in GiB (2**30 bytes), the paper's unit."""
         return self.total / GIB
 
     def fits(self, device_memory_bytes: float, budget: float = DEFAULT_BUDGET) -> bool:
-        """The paper's trainability rule: ``total <= budget · device_memory_bytes`` (80% by default).
-
-        memory-model.md §1: "A layout is called trainable when the total is at most 80% of the GPU's memory".
+        """The paper's trainability rule: ``total <= budget · device_memory_bytes`` (80% by default): a layout is
+        trainable when the estimate is at most 80% of the GPU's memory (arXiv 2411.06465, over 454 runs).
 
         Raises:
             ValueError: ``device_memory_bytes <= 0`` or ``budget`` outside ``(0, 1]``.
@@ -107,7 +116,7 @@ def fujii2024_estimate(
         flash_attention: if False, add the s² attention terms of Korthikanti et al. 2022.
         attention_dropout: adds ``a·s²·b`` per layer; only without FlashAttention (FlashAttention recomputes its
             dropout mask, and Eq. 12 has no such term).
-        tie_word_embeddings: share the embedding and the head (see the parameter count below).
+        tie_word_embeddings: share the embedding and the head (see :func:`_parameters_on_rank`).
 
     Raises:
         ValueError: a non-positive (or non-integer) size, ``num_heads`` not divisible by ``num_kv_heads``,
@@ -134,63 +143,11 @@ def fujii2024_estimate(
             f"num_heads={a} is not divisible by num_kv_heads={k}: expected num_kv_heads to be a divisor of num_heads"
         )
 
-    # --- Parameters ------------------------------------------------------------------------------------------
-    # memory-model.md §1, the page's P_layers line (arXiv 2411.06465's parameter count): all layers + final norm,
-    #   P_layers = 2·L·h²·((1 + k/a) + 1.5·f/h + 1/h) + h
-    # (attention: Q,O h² each, K,V h²·k/a each; SwiGLU's three h·f matrices; two RMSNorm vectors per layer; final
-    # norm).
-    P_layers = 2 * L * h * h * ((1 + k / a) + 1.5 * f / h + 1 / h) + h
-    # memory-model.md §1: "Embedding and untied LM head: V·h each".
-    embedding = V * h
-    # memory-model.md §1, most loaded rank (first stage):
-    #   p > 1: ((P_layers − h)/p + V·h)/t      (the per-layer norm weights are divided by t: the authors' quirk)
-    #   p = 1: the same rank also holds the head and the final norm: add V·h/t + h
-    # Our reading: "add V·h/t + h" is taken literally, so the final norm h is added undivided by t (unlike the
-    # per-layer norms inside P_layers − h). tie_word_embeddings: with p = 1 and tied weights the head *is* the
-    # embedding, so the extra V·h/t is not added (the final norm h still is). With p > 1 the first stage holds only
-    # the embedding either way, so tying changes nothing there (the copy on the last stage is not counted: the
-    # page, like Megatron's estimator, takes the first stage as the most loaded rank).
-    params = ((P_layers - h) / p + embedding) / t
-    if p == 1:
-        if not tie_word_embeddings:
-            params += embedding / t
-        params += h
-
-    # --- Bytes per parameter: paper Eq. 4 and §2.2 -------------------------------------------------------------
-    # 2 (bf16 weight) + 4 (fp32 main gradient) + 12 (fp32 master, Adam m, Adam v) = 18; with the distributed
-    # optimizer the 12 are sharded over the d·c data-parallel ranks: 6 + 12/(d·c).
-    bytes_per_param = 6 + 12 / (d * c) if distributed_optimizer else 18.0
+    params = _parameters_on_rank(h, L, V, f, a, k, t, p, tie_word_embeddings)
+    bytes_per_param = _bytes_per_parameter(d, c, distributed_optimizer)
     model_states = params * bytes_per_param
-
-    # --- Activations ---------------------------------------------------------------------------------------------
-    # Paper Eq. 12 (FlashAttention, no dropout), bytes per layer per micro-batch: s·b·h·(12 + 4·k/a + 8·f/h);
-    # per rank s -> s/c (context parallel) and / t (tensor + sequence parallel). memory-model.md §1.
-    s_r = s / c
-    per_layer = s_r * b * h * (12 + 4 * k / a + 8 * f / h)
-    if not flash_attention:
-        # Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198):
-        # the attention scores and softmax output 4·a·s²·b, + a·s²·b for the dropout mask. memory-model.md §1;
-        # "per rank use s/c for s", applied here too: 4·a·(s/c)²·b (before / t).
-        per_layer += 4 * a * s_r * s_r * b
-        if attention_dropout:
-            per_layer += a * s_r * s_r * b
-    per_layer /= t
-
-    # memory-model.md §1: the first stage under 1F1B holds p micro-batches of L/p layers: L × per-layer, whatever p
-    # is; plus the input-to-embedding term as the authors wrote it, 8·(s/c)·b·h·p/t (the ·h is their quirk).
-    activations = L * per_layer + 8 * s_r * b * h * p / t
-    if v > 1:
-        # memory-model.md §1: interleaved with v virtual stages, multiply by 1 + (p−1)/(p·v).
-        activations *= 1 + (p - 1) / (p * v)
-    elif m is not None and m < p:
-        # memory-model.md §1: fewer micro-batches than stages (m < p, non-interleaved): multiply by m/p.
-        activations *= m / p
-    if p == 1:
-        # memory-model.md §1: with p = 1 the rank also holds the final-norm output and fp32 logits:
-        # 4·(s/c)·b·h·(1 + V/h)/t.
-        activations += 4 * s_r * b * h * (1 + V / h) / t
-
-    # memory-model.md §1: Total = model states + activations.
+    activations = _activations(h, L, V, f, a, k, t, p, c, s, b, m, v, flash_attention, attention_dropout)
+    # Total = model states + activations (the paper's total per GPU, compared with 80% of the GPU's memory)
     total = model_states + activations
     return Fujii2024Estimate(
         parameters_on_rank=float(params),
@@ -199,6 +156,70 @@ def fujii2024_estimate(
         activations=float(activations),
         total=float(total),
     )
+
+
+def _parameters_on_rank(h: int, L: int, V: int, f: int, a: int, k: int, t: int, p: int, tie: bool) -> float:
+    """Parameters on the most loaded rank (the first pipeline stage), the paper's parameter count of Llama.
+
+    All layers plus the final norm, ``P_layers = 2·L·h²·((1 + k/a) + 1.5·f/h + 1/h) + h`` (attention: Q and O h²
+    each, K and V h²·k/a each with GQA; SwiGLU's three h·f matrices; two RMSNorm vectors per layer; the final norm);
+    embedding and untied LM head V·h each. On the first stage: ``((P_layers − h)/p + V·h)/t`` (the per-layer norm
+    weights divided by t, the authors' quirk); when p = 1 the same rank also holds the head and the final norm: add
+    ``V·h/t + h``.
+
+    Our reading: "add V·h/t + h" is taken literally, so the final norm h is added undivided by t (unlike the
+    per-layer norms inside P_layers − h). Tied weights: with p = 1 the head *is* the embedding, so the extra V·h/t is
+    not added (the final norm h still is). With p > 1 the first stage holds only the embedding either way, so tying
+    changes nothing there (the copy on the last stage is not counted: the paper, like Megatron's estimator, takes
+    the first stage as the most loaded rank).
+    """
+    P_layers = 2 * L * h * h * ((1 + k / a) + 1.5 * f / h + 1 / h) + h
+    embedding = V * h
+    params = ((P_layers - h) / p + embedding) / t
+    if p == 1:
+        if not tie:
+            params += embedding / t
+        params += h
+    return params
+
+
+def _bytes_per_parameter(d: int, c: int, distributed_optimizer: bool) -> float:
+    """Bytes per parameter, paper Eq. 4 and §2.2: 2 (bf16 weight) + 4 (fp32 main gradient) + 12 (fp32 master
+    weight, Adam m, Adam v) = 18; with the distributed optimizer the 12 are sharded over the d·c data-parallel
+    ranks: ``6 + 12/(d·c)``."""
+    return 6 + 12 / (d * c) if distributed_optimizer else 18.0
+
+
+def _activations(h: int, L: int, V: int, f: int, a: int, k: int, t: int, p: int, c: int, s: int, b: int,
+                 m: Optional[int], v: int, flash_attention: bool, attention_dropout: bool) -> float:
+    """Activation bytes of the first pipeline stage.
+
+    - Per layer per micro-batch, paper Eq. 12 (FlashAttention, no dropout): ``s·b·h·(12 + 4·k/a + 8·f/h)``, with s/c
+      for s (context parallel) and divided by t (tensor + sequence parallel). Without FlashAttention the s²
+      attention terms of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+      arXiv 2205.05198) are added: the scores and softmax output ``4·a·s²·b``, + ``a·s²·b`` for the dropout mask
+      (s/c for s here too, before / t).
+    - The first stage under 1F1B holds p micro-batches of L/p layers: L × the per-layer figure, whatever p is; plus
+      the input-to-embedding term as the authors wrote it, ``8·(s/c)·b·h·p/t`` (the ·h is their quirk).
+    - Interleaved with v virtual stages: × ``1 + (p−1)/(p·v)``; fewer micro-batches than stages (m < p,
+      non-interleaved): × ``m/p``.
+    - p = 1: the rank also holds the final-norm output and fp32 logits, ``4·(s/c)·b·h·(1 + V/h)/t``.
+    """
+    s_r = s / c
+    per_layer = s_r * b * h * (12 + 4 * k / a + 8 * f / h)
+    if not flash_attention:
+        per_layer += 4 * a * s_r * s_r * b
+        if attention_dropout:
+            per_layer += a * s_r * s_r * b
+    per_layer /= t
+    activations = L * per_layer + 8 * s_r * b * h * p / t
+    if v > 1:
+        activations *= 1 + (p - 1) / (p * v)
+    elif m is not None and m < p:
+        activations *= m / p
+    if p == 1:
+        activations += 4 * s_r * b * h * (1 + V / h) / t
+    return activations
 
 
 def fujii2024_from_config(
