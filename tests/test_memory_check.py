@@ -136,3 +136,85 @@ def test_plan_invalid_exit_2():
     proc = _cli("plan", "--model", "llama3-8b", "--num-gpus", "12", "--gpus-per-node", "8", "--seq-length", "8192",
                 "--global-batch-size", "64")
     assert proc.returncode == 2 and "num_gpus=12 is not a multiple of gpus_per_node=8" in proc.stderr
+
+
+def test_peak_flops_of_device_reads_the_gpu_table():
+    from lightning_4d.memory.hardware import peak_flops_of_device
+
+    assert peak_flops_of_device("NVIDIA H100 80GB HBM3") == GPU_PRESETS["H100-80GB"].peak_flops == 989e12
+    assert peak_flops_of_device("NVIDIA A100-SXM4-40GB") == GPU_PRESETS["A100-40GB"].peak_flops == 312e12
+    assert peak_flops_of_device("NVIDIA A100 80GB PCIe") == 312e12
+    assert peak_flops_of_device("NVIDIA H200") == GPU_PRESETS["H200"].peak_flops
+    assert peak_flops_of_device("NVIDIA L40S") == 362e12
+    assert peak_flops_of_device("NVIDIA A10") == 125e12  # A10, not A100's family
+    assert peak_flops_of_device("NVIDIA GeForce RTX 4090") is None
+    assert peak_flops_of_device("NVIDIA A10G") is None  # another chip than the A10
+
+
+def test_estimate_dualpipev_defaults_to_2p_microbatches(capsys):
+    """Without --num-microbatches, dualpipev runs m = 2·pp (its minimum), as the strategy does; both formulas."""
+    from lightning_4d.memory.cli import main
+
+    base = ["--model", "llama3-8b", "--pp", "4", "--num-gpus", "8", "--micro-batch-size", "1", "--seq-length", "4096",
+            "--pipeline-schedule", "dualpipev", "--json"]
+    for formula in ("lightning_4d", "fujii2024"):
+        assert main("estimate", [*base, "--formula", formula]) in (0, 1)
+        out = json.loads(capsys.readouterr().out)
+        assert out["layout"]["pipeline_schedule"] == "dualpipev" and out["layout"]["num_microbatches"] == 8
+    assert main("estimate", base) in (0, 1)
+    assert json.loads(capsys.readouterr().out)["details"]["num_microbatches"] == 8
+    assert main("estimate", [*base[:-2], "1f1b", "--json"]) in (0, 1)  # 1F1B: m = pp
+    assert json.loads(capsys.readouterr().out)["layout"]["num_microbatches"] == 4
+
+
+def _strategy_kwargs(line: str) -> dict:
+    """The keyword arguments of the ``FourDStrategy(...)`` call on a printed line (the comment after it dropped)."""
+    import ast
+
+    call = ast.parse(line.strip(), mode="exec").body[0].value
+    assert isinstance(call, ast.Call) and call.func.id == "FourDStrategy" and not call.args
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+
+
+def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
+    """llama3-8b, 8 GPUs, s=8192, b=1: the first layout that fits is tp=2 x cp=2 x dp=2; the printed line names every
+    dimension, so that it describes 8 GPUs (it used to print dp and tp only: 4 GPUs)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from lightning_4d import FourDStrategy, ParallelConfig
+    from lightning_4d.models import LlamaConfig
+
+    callback = MemoryEstimatorCallback(device_memory="80GiB")
+    monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
+    job = ParallelConfig(data_parallel_size=8, zero_stage=1)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_config=job), precision="bf16-mixed",
+                              datamodule=SimpleNamespace(micro_batch_size=1, seq_length=8192),
+                              accumulate_grad_batches=1, num_devices=8)
+    module = SimpleNamespace(model_config=LlamaConfig.from_preset("llama3-8b"))
+    with pytest.raises(MemoryBudgetExceeded) as info:
+        callback.setup(trainer, module, "fit")
+    lines = [line for line in str(info.value).splitlines() if line.strip().startswith("FourDStrategy(")]
+    assert len(lines) == len(info.value.suggestions) > 0
+    accepted = set(inspect.signature(FourDStrategy.__init__).parameters)
+    for line, (suggested, _) in zip(lines, info.value.suggestions):
+        assert "# with micro_batch_size=1" in line
+        kwargs = _strategy_kwargs(line)
+        assert set(kwargs) <= accepted
+        pc = ParallelConfig(**kwargs)
+        assert pc.world_size == job.world_size == 8
+        assert pc == suggested
+    first = ParallelConfig(**_strategy_kwargs(lines[0]))
+    assert (first.tp, first.cp, first.dp, first.pp) == (2, 2, 2, 1)
+
+
+def test_suggestion_line_with_a_pipeline_names_schedule_and_microbatches():
+    from lightning_4d import ParallelConfig
+    from lightning_4d.memory.callback import suggestion_line
+
+    pc = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1,
+                        pipeline_schedule="dualpipev")
+    line = suggestion_line(pc, 4)
+    kwargs = _strategy_kwargs(line)
+    assert kwargs["pipeline_schedule"] == "dualpipev" and kwargs["num_microbatches"] == 4  # 2·pp by default
+    assert ParallelConfig(**kwargs).world_size == 8 and line.endswith("# with micro_batch_size=4")

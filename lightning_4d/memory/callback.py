@@ -19,11 +19,25 @@ from lightning_4d.memory.hardware import GIB, parse_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryBudgetExceeded", "MemoryEstimatorCallback"]
+__all__ = ["MemoryBudgetExceeded", "MemoryEstimatorCallback", "suggestion_line"]
+
 
 def _size(n: float) -> str:
     """``n`` bytes as GiB (2^30), or MiB (2^20) below 1 GiB."""
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
+
+
+def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
+    """A ``FourDStrategy(...)`` call with every dimension of ``parallel_config`` (data, tensor, pipeline and context
+    parallel sizes, ZeRO stage, activation checkpointing; with pp > 1 the pipeline schedule and the micro-batch
+    count), followed by a comment naming the micro-batch size it assumes: a line that can be pasted as it is."""
+    pc = parallel_config
+    args = [f"data_parallel_size={pc.dp}", f"tensor_parallel_size={pc.tp}", f"pipeline_parallel_size={pc.pp}",
+            f"context_parallel_size={pc.cp}", f"zero_stage={pc.zero_stage}",
+            f"activation_checkpointing={pc.activation_checkpointing!r}"]
+    if pc.pp > 1:
+        args += [f"pipeline_schedule={pc.pipeline_schedule!r}", f"num_microbatches={pc.microbatches}"]
+    return f"FourDStrategy({', '.join(args)})  # with micro_batch_size={micro_batch_size}"
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -126,7 +140,7 @@ class MemoryEstimatorCallback(L.Callback):
                            f"modelled: {list(PRECISIONS)}).")
             return
         # micro-batches per step: the pipeline schedule's m (resolved by the strategy), else gradient accumulation
-        m = getattr(trainer.strategy, "num_microbatches", 1) if parallel_config.pp > 1 else trainer.accumulate_grad_batches
+        m = parallel_config.microbatches if parallel_config.pp > 1 else trainer.accumulate_grad_batches
         if self.formula == "fujii2024":
             from lightning_4d.memory.fujii2024 import fujii2024_from_config
 
@@ -152,7 +166,7 @@ class MemoryEstimatorCallback(L.Callback):
             return
         lines = [f"estimated peak memory {_size(total)} per GPU exceeds the budget {_size(limit)} "
                  f"({100 * self.budget:.0f}% of {_size(memory)}) for {layout} ({self.formula} estimate, "
-                 f"stage {getattr(est, 'stage', 0)}; nothing was allocated). Breakdown:"]
+                 f"pp rank {getattr(est, 'pp_rank', 0)}; nothing was allocated). Breakdown:"]
         lines += [f"  {k:<17}{_size(v):>14}" for k, v in breakdown.items()]
         if self.formula == "lightning_4d":
             lines.append(f"  (peak phase: {est.peak_phase}; total = parameters + optimizer_states + overhead + the "
@@ -161,9 +175,7 @@ class MemoryEstimatorCallback(L.Callback):
         if suggestions:
             lines.append(f"Layouts of the same {parallel_config.world_size} GPUs that fit (fastest predicted first):")
             for pc, e in suggestions:
-                lines.append(f"  FourDStrategy(data_parallel_size={pc.dp}, tensor_parallel_size={pc.tp}, "
-                             f"zero_stage={pc.zero_stage}, activation_checkpointing={pc.activation_checkpointing!r})"
-                             f": {_size(e.total)}")
+                lines.append(f"  {suggestion_line(pc, b)}: {_size(e.total)}")
         else:
             lines.append("No layout of this world size fits with this micro-batch size and sequence length: use more "
                          "GPUs, a smaller micro_batch_size or a shorter seq_length (try `lightning-4d plan`).")

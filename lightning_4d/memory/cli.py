@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_4d.config import CONTEXT_PARALLEL_METHODS
+from lightning_4d.config import (ACTIVATION_CHECKPOINTING, CONTEXT_PARALLEL_METHODS, PIPELINE_SCHEDULES, ZERO_STAGES,
+                                  ParallelConfig)
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
+from lightning_4d.memory.model import PRECISIONS
 
 FORMULAS = ("lightning_4d", "fujii2024")
 
@@ -57,7 +59,7 @@ def _gpu(args: argparse.Namespace):
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (e.g. llama3-8b) or a YAML file (configs/*.yaml)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
-    p.add_argument("--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed", "bf16-true"])
+    p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS))
     p.add_argument("--gpu-memory", default="H100-80GB",
                    help=f"a preset ({', '.join(GPU_PRESETS)}) or a size such as 80GiB / 94GB (default H100-80GB)")
     p.add_argument("--budget", type=float, default=0.8, help="fraction of the GPU memory a layout may use (0.8)")
@@ -78,13 +80,13 @@ def _parser(command: str) -> argparse.ArgumentParser:
         group.add_argument("--dp", type=int, help="data parallel size")
         group.add_argument("--num-gpus", type=int, help="world size (dp = num_gpus / (tp*pp*cp))")
         p.add_argument("--micro-batch-size", type=int, required=True)
-        p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
-        p.add_argument("--activation-checkpointing", default="none", choices=["none", "full"])
+        p.add_argument("--zero-stage", type=int, default=1, choices=list(ZERO_STAGES))
+        p.add_argument("--activation-checkpointing", default="none", choices=list(ACTIVATION_CHECKPOINTING))
         p.add_argument("--sequence-parallel", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                        help="default: on when tp > 1")
-        p.add_argument("--num-microbatches", type=int, help="micro-batches per step (pipeline schedules)")
-        p.add_argument("--pipeline-schedule", default="1f1b",
-                       choices=["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"])
+        p.add_argument("--num-microbatches", type=int,
+                       help="micro-batches per step (pipeline schedules; default pp, 2*pp for dualpipev)")
+        p.add_argument("--pipeline-schedule", default="1f1b", choices=list(PIPELINE_SCHEDULES))
         p.add_argument("--virtual-pipeline-stages", type=int, default=None,
                        help="stages per pp rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others)")
         p.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
@@ -99,7 +101,6 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_4d.config import ParallelConfig
     from lightning_4d.memory.fujii2024 import fujii2024_from_config
     from lightning_4d.memory.model import estimate_memory
 
@@ -116,7 +117,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError("give --dp or --num-gpus.")
         pc = pc.resolve(args.num_gpus)
     pc.validate_model(cfg)
-    m = args.num_microbatches or pc.pp
+    m = pc.microbatches
     if args.formula == "fujii2024":
         if pc.zero_stage > 1 or pc.activation_checkpointing != "none":
             raise ValueError("--formula fujii2024 models ZeRO stage 0 or 1 (its distributed optimizer) without "
@@ -130,13 +131,14 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         out = dict(est.to_dict())
     else:
         est = estimate_memory(cfg, pc, args.micro_batch_size, args.seq_length, args.precision,
-                              num_microbatches=args.num_microbatches, gpu_name=gpu.name)
+                              num_microbatches=m, gpu_name=gpu.name)
         out = est.to_dict()
     total = out["total"]
     out.update(total_gib=total / GIB, fraction=total / gpu.memory, fits=total <= args.budget * gpu.memory,
                budget=args.budget, gpu=gpu.name, gpu_memory=gpu.memory, formula=args.formula,
                layout=dict(tp=pc.tp, pp=pc.pp, cp=pc.cp, dp=pc.dp, zero_stage=pc.zero_stage,
                            sequence_parallel=pc.sp, activation_checkpointing=pc.activation_checkpointing,
+                           pipeline_schedule=pc.pipeline_schedule, num_microbatches=m,
                            micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                            precision=args.precision))
     return out
