@@ -27,7 +27,6 @@ class ParallelMesh:
 
     world: DeviceMesh
     dp_cp: DeviceMesh
-    config: ParallelConfig
 
     @property
     def tp(self) -> DeviceMesh:
@@ -67,4 +66,4 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
         raise RuntimeError(f"process group has {world_size} ranks but the layout needs {config.world_size}")
     mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # keep the returned object: it holds the process group
-    return ParallelMesh(world=mesh, dp_cp=dp_cp, config=config)
+    return ParallelMesh(world=mesh, dp_cp=dp_cp)
