@@ -1,5 +1,5 @@
 """Checkpoints of a :class:`~lightning_4d.strategy.FourDStrategy` job: what ``save_checkpoint`` / ``load_checkpoint``
-delegate to.
+delegate to. (Activation checkpointing is another thing: :mod:`lightning_4d.parallel.checkpointing`.)
 
 Two formats:
 
@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,16 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME, rekey_optimizer_state_if_needed
-from lightning_4d.parallel.zero import ShardedOptimizer
+from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer as unwrap
 
 # optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
 # parameters (pipeline stages) do not overwrite one another's param_groups
 _FLAT_OPTIM = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-
-
-def unwrap(optimizer: Any) -> Optimizer:
-    """The torch optimizer inside a Lightning ``LightningOptimizer`` (or ``optimizer`` itself)."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _zero1_file(index: int, global_rank: int) -> str:

@@ -21,6 +21,11 @@ MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
 # pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+#: schedules that split backward into input- and weight-gradient passes and run a micro-batch's weight pass after
+#: later forwards (zero bubble, V placement)
+ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")
+#: schedules that run one stage per pp rank (torch.distributed.pipelining's PipelineScheduleSingle)
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 _SCHEDULE_STAGES = {
     "gpipe": ((1,), 1, "loop"),
     "1f1b": ((1,), 1, "loop"),

@@ -8,10 +8,10 @@ Lightning hooks only, each delegating: the layout and its checks to :mod:`lightn
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -39,7 +39,7 @@ from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.parallelize import prepare_llamas, validate_against_module
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_pipeline_clipping
 from lightning_4d.parallel.tensor import causal_lm_loss, vocab_parallel_loss
-from lightning_4d.parallel.zero import GradientSynchronizer, setup_zero
+from lightning_4d.parallel.zero import GradientSynchronizer, setup_zero, unwrap_optimizer
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -94,6 +94,10 @@ class FourDStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "fourd"
+    #: ``CausalLMModule`` builds its ``LlamaModel`` inside ``tensor_init_context(empty_init=True)`` (the meta device,
+    #: as Lightning's ``ModelParallelStrategy`` gives it) when this is true: ``setup`` then parallelizes, materializes
+    #: and initializes it (``parallel/parallelize.py``)
+    initializes_llama_models = True
 
     def __init__(
         self,
@@ -178,16 +182,6 @@ class FourDStrategy(ModelParallelStrategy):
     def num_microbatches(self) -> int:
         """m, the micro-batches the pipeline schedule runs per training step (1 without pp)."""
         return self.parallel_config.microbatches
-
-    @override
-    @contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """Lightning's ``ModelParallelStrategy`` behaviour, stated: with ``empty_init=True`` tensors are created on
-        the meta device (``setup`` parallelizes, materializes and initializes them; ``CausalLMModule`` asks for
-        this), otherwise on the default device with the precision's dtype (a module of your own that builds and
-        seeds its weights in ``configure_model`` keeps them)."""
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
-            yield
 
     @override
     def _configure_launcher(self) -> None:
@@ -276,7 +270,7 @@ class FourDStrategy(ModelParallelStrategy):
         super().setup_optimizers(trainer)
         if self._grad_sync is not None:
             self._grad_sync.close()
-        optimizers = [_checkpoint.unwrap(opt) for opt in self.optimizers]
+        optimizers = [unwrap_optimizer(opt) for opt in self.optimizers]
         self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), self.parallel_config.zero_stage)
 
     # ------------------------------------------------------------------ training step

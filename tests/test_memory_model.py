@@ -275,3 +275,18 @@ def test_zero_bubble_activation_peak(measured_pipeline):
         print(f"zbv rank {r['rank']}: total {100 * total:+.2f}%, peak {100 * peak:+.2f}%")
         assert abs(total) <= 0.05
         assert abs(peak) <= 0.05
+
+
+def test_explicit_pipeline_layer_split_is_estimated():
+    """``pipeline_layer_split`` reaches the in-flight count as a layer split (it used to be handed the number of
+    stages where the number of layers belongs, so every explicit split raised); an explicit equal split estimates
+    exactly what the default split does, and moving layers off a pp rank lowers its estimate."""
+    from lightning_4d.models.config import LlamaConfig
+
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    pc = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2).resolve(2)
+    default = estimate_memory(cfg, pc, 1, 4096, "bf16-mixed", pp_rank=0)
+    explicit = estimate_memory(cfg, pc, 1, 4096, "bf16-mixed", pp_rank=0, pipeline_layer_split=[16, 16])
+    assert explicit.total == default.total
+    lighter = estimate_memory(cfg, pc, 1, 4096, "bf16-mixed", pp_rank=0, pipeline_layer_split=[12, 20])
+    assert lighter.total < default.total

@@ -520,3 +520,33 @@ def test_tiny_model_trains():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(config.vocab_size), rel=0.05)
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_task_builds_on_meta_only_for_a_strategy_that_initializes_llama_models():
+    """CausalLMModule.configure_model: a strategy with ``initializes_llama_models`` (FourDStrategy) gets the model on
+    the meta device; under any other strategy (here one whose tensor_init_context would give the meta device, as
+    Lightning's FSDPStrategy / ModelParallelStrategy do for empty_init=True) the task initializes the weights itself,
+    equal to LlamaModel(cfg, init_seed)."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from lightning_4d import FourDStrategy
+    from lightning_4d.tasks import CausalLMModule
+
+    @contextmanager
+    def meta_when_empty(empty_init=None):
+        with torch.device("meta") if empty_init else torch.device("cpu"):
+            yield
+
+    assert FourDStrategy.initializes_llama_models
+    cfg = LlamaConfig.from_preset("tiny-test")
+    reference = LlamaModel(cfg, init_seed=3)
+    for initializes, meta in ((True, True), (False, False)):
+        module = CausalLMModule(cfg, init_seed=3)
+        strategy = SimpleNamespace(tensor_init_context=meta_when_empty, initializes_llama_models=initializes)
+        module._trainer = SimpleNamespace(strategy=strategy)
+        module.configure_model()
+        assert all(p.is_meta == meta for p in module.model.parameters())
+        if not meta:
+            for (name, p), q in zip(module.model.named_parameters(), reference.parameters()):
+                assert torch.equal(p, q), name

@@ -76,7 +76,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Union
 
-from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, _check_positive_int
+from lightning_4d.config import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, _check_positive_int
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 
 __all__ = [
@@ -617,7 +617,7 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
     sizes = [len(layers) * per_layer + (saved["embedding"] if st == 0 else 0)
              + (saved["head"] + saved["loss"] if st == pc.num_stages - 1 or pc.pp == 1 else 0)
              + (saved["rope"] if pc.pp > 1 else 0) for st, layers in stages]
-    if pc.pp > 1 and pc.pipeline_schedule in ("zbv", "dualpipev"):
+    if pc.pp > 1 and pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
         # what stays alive after a micro-batch's weight pass, to the end of the step (stages after the first)
         s_loc = s // pc.cp
         layer_kept = 0 if pc.activation_checkpointing == "full" else (

@@ -231,7 +231,7 @@ class LlamaModel(nn.Module):
         Args:
             input_ids: token ids ``LongTensor [b, s]``; for a model without ``tok_embeddings``, hidden states
                 ``[b, s_local, h]`` (``s_local`` = ``s / tp`` when they arrive sharded over the sequence by sequence
-                parallelism: pass ``positions`` of all ``s`` tokens then).
+                parallelism: pass ``positions`` of all ``s`` tokens then, a multiple of ``s_local``).
             positions: token positions ``LongTensor [s]`` or ``[b, s]`` for the rotary embedding; default
                 ``arange(s)``, or under context parallelism the positions of this cp rank's zigzag shard
                 (:func:`~lightning_4d.models.rope.context_parallel_positions`).
@@ -241,14 +241,15 @@ class LlamaModel(nn.Module):
             ``[b, s, h]`` when ``output`` is ``None`` (before the final norm if ``norm`` is ``None`` too).
 
         Raises:
-            ValueError: ``positions`` whose last dimension is not ``s``.
+            ValueError: ``positions`` whose last dimension is not ``s`` (token input) or not a multiple of
+                ``s_local`` (hidden-state input).
         """
         s = input_ids.shape[1]
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
         if positions is None:
             cp_rank, cp_size = self.context_parallel or (0, 1)
             positions = context_parallel_positions(s, cp_rank, cp_size, device=input_ids.device)
-        elif self.tok_embeddings is not None and positions.shape[-1] != s:
+        elif positions.shape[-1] != s if self.tok_embeddings is not None else positions.shape[-1] % s != 0:
             raise ValueError(
                 f"positions has shape {tuple(positions.shape)}: expected [s] or [b, s] with s={s} (the sequence "
                 "length of input_ids)."

@@ -1,5 +1,6 @@
 """Activation checkpointing per transformer layer (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
-Cost", arXiv 1604.06174; "full" recomputation as in Korthikanti et al. 2022, arXiv 2205.05198).
+Cost", arXiv 1604.06174; "full" recomputation as in Korthikanti et al. 2022, arXiv 2205.05198). Saving and loading
+training checkpoints is another thing: :mod:`lightning_4d.checkpoint`.
 
 ``"full"`` keeps only each layer's input for backward and recomputes the layer's forward during backward, using
 PyTorch's non-reentrant ``checkpoint_wrapper`` (parameter names keep their meaning: DCP state dicts and our

@@ -18,13 +18,9 @@ from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
 from lightning_4d.parallel.context import apply_context_parallel
 from lightning_4d.parallel._compat import attached_trainer
-from lightning_4d.parallel.pipeline import resolve_num_microbatches, split_llama
+from lightning_4d.parallel.pipeline import reshard_after_forward, resolve_num_microbatches, split_llama
 from lightning_4d.parallel.tensor import apply_tensor_parallel
 from lightning_4d.parallel.zero import apply_fsdp
-
-#: pipeline schedules that run a micro-batch's weight gradients after later forwards (zero bubble)
-_SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")
-
 
 def validate_against_module(config: ParallelConfig, module: Optional[nn.Module]) -> None:
     """Check a resolved layout against the LightningModule's ``model_config`` (a ``LlamaConfig``), its Trainer's
@@ -73,7 +69,7 @@ def parallelize_llama(
             for block in part.layers.values():
                 block.compile()
         if config.zero_stage >= 2:
-            apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=_reshard_after_forward(config))
+            apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=reshard_after_forward(config))
         if part is not model:
             for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
                 model.layers[name] = block
@@ -81,14 +77,6 @@ def parallelize_llama(
         model.context_parallel = chunks[0][1].context_parallel
     model._lightning_4d_parallelized = True  # type: ignore[assignment]
     return chunks
-
-
-def _reshard_after_forward(config: ParallelConfig) -> Optional[bool]:
-    """FSDP2's ``reshard_after_forward`` (``None``: the ZeRO stage's default). Zero-bubble schedules run a
-    micro-batch's weight gradients (W) after later forwards: parameters resharded by those forwards lose the W pass's
-    unsharded gradients (measured: wrong losses with zbv + ZeRO-3), so their stage-3 parameters stay gathered from
-    the first forward to the step's end."""
-    return False if config.pp > 1 and config.pipeline_schedule in _SPLIT_BACKWARD_SCHEDULES else None
 
 
 def is_parallelized(module: nn.Module) -> bool:

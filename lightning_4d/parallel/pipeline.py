@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.config import ParallelConfig
+from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
@@ -92,9 +92,22 @@ class StageChunk(LlamaModel):
     sequence_shards: int = 1
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
-        if positions is None and self.tok_embeddings is None:
-            cp_rank, cp_size = self.context_parallel or (0, 1)
-            positions = context_parallel_positions(x.shape[1] * self.sequence_shards, cp_rank, cp_size, x.device)
+        """Like :meth:`LlamaModel.forward`; without the embedding, ``x`` is ``[b, s / sequence_shards, h]`` and
+        ``positions`` (default: those of this shard's ``s`` tokens) must cover ``s`` tokens.
+
+        Raises:
+            ValueError: ``positions`` whose last dimension is not ``s``.
+        """
+        if self.tok_embeddings is None:
+            s = x.shape[1] * self.sequence_shards
+            if positions is None:
+                cp_rank, cp_size = self.context_parallel or (0, 1)
+                positions = context_parallel_positions(s, cp_rank, cp_size, x.device)
+            elif positions.shape[-1] != s:
+                raise ValueError(
+                    f"positions has shape {tuple(positions.shape)}: expected [s] or [b, s] with s={s} (the stage's "
+                    f"input holds {x.shape[1]} tokens of each sequence, 1/{self.sequence_shards} of it)."
+                )
         return super().forward(x, positions)
 
 
@@ -141,6 +154,14 @@ def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[
     chunks = [(s, _chunk(model, layers, s == 0, s == last_stage, shards)) for s, layers in mine]
     _as_union(model, chunks)
     return chunks
+
+
+def reshard_after_forward(config: ParallelConfig) -> Optional[bool]:
+    """FSDP2's ``reshard_after_forward`` for the stage chunks (``None``: the ZeRO stage's default). Zero-bubble
+    schedules run a micro-batch's weight gradients (W) after later forwards: parameters resharded by those forwards
+    lose the W pass's unsharded gradients (measured: wrong losses with zbv + ZeRO-3), so their stage-3 parameters stay
+    gathered from the first forward to the step's end."""
+    return False if config.pp > 1 and config.pipeline_schedule in ZERO_BUBBLE_SCHEDULES else None
 
 
 # ---------------------------------------------------------------------------------------------------- micro-batches
@@ -208,8 +229,8 @@ class PipelineRunner:
     the forward for prediction.
 
     Args:
-        chunks: ``[(stage_index, chunk module), ...]`` from :func:`split_llama` (already tp/FSDP-parallelized and
-            materialized on ``device``).
+        chunks: ``[(stage_index, chunk module), ...]`` of :func:`split_llama` / :func:`pipeline_chunks` (already
+            tp/FSDP-parallelized and materialized on ``device``).
         config: the resolved layout (``pp``, ``v``, ``pipeline_schedule``, ``num_microbatches``).
         num_microbatches: m.
         pp_group: the pp process group (size p).
@@ -262,7 +283,7 @@ class PipelineRunner:
 
     def _make(self, loss_fn: Optional[Callable]) -> Any:
         cls = _schedule_class(self.config.pipeline_schedule)
-        stages: Any = self.stages[0] if self.config.pipeline_schedule in ("gpipe", "1f1b") else self.stages
+        stages: Any = self.stages[0] if self.config.pipeline_schedule in SINGLE_STAGE_SCHEDULES else self.stages
         return cls(stages, n_microbatches=self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def _use(self, schedule: Any) -> Any:
@@ -331,7 +352,7 @@ class PipelineRunner:
     def _forward_only_works(self) -> bool:
         # measured with torch 2.13: ZBV's and DualPipeV's action lists still hand backward inputs between their two
         # local stages in eval mode ("can't steal_bwd_input if this stage doesn't have backward")
-        return self.config.pipeline_schedule not in ("zbv", "dualpipev")
+        return self.config.pipeline_schedule not in ZERO_BUBBLE_SCHEDULES
 
     @contextmanager
     def _gradients_untouched(self) -> Iterator[None]:

@@ -101,7 +101,10 @@ def vocab_parallel_loss(enabled: bool = True) -> Iterator[None]:
     ``loss_parallel``.
     """
     global _loss_parallel_depth
-    if not enabled or _loss_parallel_depth > 0:
+    if not enabled:
+        yield
+        return
+    if _loss_parallel_depth > 0:
         _loss_parallel_depth += 1
         try:
             yield

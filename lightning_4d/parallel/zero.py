@@ -100,6 +100,13 @@ def apply_fsdp(
 
 
 # ---------------------------------------------------------------------------------------------------- stage 0, 1
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a Lightning ``LightningOptimizer`` (or ``optimizer`` itself)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
 def reduced_by_fsdp(p: Tensor) -> bool:
     """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``) already averages this parameter's gradient."""
     return isinstance(p, DTensor) and "dp_cp" in (p.device_mesh.mesh_dim_names or ())

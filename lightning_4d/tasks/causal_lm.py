@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -97,16 +96,25 @@ class CausalLMModule(L.LightningModule):
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Build the model inside the strategy's ``tensor_init_context(empty_init=True)``: on the meta device under
-        ``FourDStrategy`` (which parallelizes, materializes and initializes it with :meth:`LlamaModel.init_weights`)
-        and Lightning's ``ModelParallelStrategy``; on the device, initialized by the constructor, under single-device
-        and DDP strategies."""
+        """Build the model. A strategy that materializes and initializes ``lightning_4d`` Llama models itself (its
+        ``initializes_llama_models`` is true: ``FourDStrategy``) gets it on the meta device, through its
+        ``tensor_init_context(empty_init=True)``; under any other strategy the model is built on the device and
+        initialized here (:meth:`LlamaModel.init_weights`, the same weights for the same ``init_seed``)."""
         if self.model is not None:
             return
         trainer = attached_trainer(self)
-        init = trainer.strategy.tensor_init_context(empty_init=True) if trainer is not None else nullcontext()
-        with init:
-            self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
+        strategy = trainer.strategy if trainer is not None else None
+        if getattr(strategy, "initializes_llama_models", False):
+            with strategy.tensor_init_context(empty_init=True):
+                self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
+            return
+        self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
+        if any(p.is_meta for p in self.model.parameters()):  # built under an outer meta-device context
+            self.model.to_empty(device=self.device)
+        else:
+            self.model.to(self.device)
+        with torch.no_grad():
+            self.model.init_weights()
 
     def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[b, s, V]`` for ``input_ids`` ``[b, s]``."""
