@@ -142,7 +142,7 @@ def executed_flops_per_token(model_config: Any, seq_length: int, activation_chec
     ``12·L·h·s``), × 4/3 under full activation checkpointing (the forward runs twice). Not the MFU numerator: that is
     ``flops_per_token``."""
     cfg = model_config
-    flops = 6 * cfg.num_parameters() + 6 * cfg.num_layers * cfg.hidden_size * seq_length
+    flops = cfg.flops_per_token(seq_length) - 6 * cfg.num_layers * cfg.hidden_size * seq_length
     return flops * (4 / 3) if activation_checkpointing == "full" else flops
 
 

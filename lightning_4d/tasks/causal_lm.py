@@ -17,6 +17,7 @@ from lightning_4d.models.llama import LlamaModel
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.tensor import causal_lm_loss
 
+
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """Learning-rate multiplier at optimizer step ``step`` (0-based): linear warm-up then cosine decay.
 
