@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.config import LlamaConfig
 
+#: ZeRO 0/1 gradient buckets: about this many bytes of parameters each (as set up, before a cast to the compute
+#: dtype), PyTorch DDP's default ``bucket_cap_mb=25``
+GRADIENT_BUCKET_BYTES = 25 * 2**20
 ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = ("none", "full")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")

@@ -36,10 +36,11 @@ from lightning_4d.parallel._compat import (
     set_module_device_mesh,
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
-from lightning_4d.parallel.parallelize import prepare_llamas, validate_against_module
-from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_pipeline_clipping
+from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_llamas, validate_against_module
+from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_global_clipping
 from lightning_4d.parallel.tensor import causal_lm_loss, vocab_parallel_loss
-from lightning_4d.parallel.zero import GradientSynchronizer, setup_zero, unwrap_optimizer
+from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,
+                                        validate_precision)
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -161,7 +162,8 @@ class FourDStrategy(ModelParallelStrategy):
             )
         self.compile = compile
         self._mesh: Optional[ParallelMesh] = None
-        self._grad_sync: Optional[GradientSynchronizer] = None
+        self._grad_sync: Optional[GradientBuckets] = None
+        self._llamas: list[torch.nn.Module] = []
         #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
 
@@ -193,6 +195,7 @@ class FourDStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         validate_against_module(self.parallel_config, self.lightning_module)  # before the process group exists
+        validate_precision(getattr(self.precision_plugin, "precision", None), self.parallel_config.zero_stage)
         self._add_memory_check()
         self._setup_distributed()
         self._mesh = build_mesh(self.parallel_config, self.root_device.type)
@@ -245,7 +248,9 @@ class FourDStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile)
+        llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile,
+                                param_dtype=self._mixed_precision_dtype)
+        self._llamas = llamas
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -258,10 +263,10 @@ class FourDStrategy(ModelParallelStrategy):
             )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            self.setup_optimizers(trainer)  # the master weights are copied from the float32 parameters here
+        cast_to_compute_dtype(llamas, self.compute_dtype)
         self.setup_precision_plugin()
-        if self.pipeline is not None:
-            use_pipeline_clipping(self.precision_plugin, self.mesh.pp.get_group())
+        use_global_clipping(self.precision_plugin, self.mesh.pp.get_group() if self.pipeline is not None else None)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
@@ -271,7 +276,21 @@ class FourDStrategy(ModelParallelStrategy):
         if self._grad_sync is not None:
             self._grad_sync.close()
         optimizers = [unwrap_optimizer(opt) for opt in self.optimizers]
-        self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), self.parallel_config.zero_stage)
+        master = torch.float32 if self.compute_dtype is not None else None
+        self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), self.parallel_config.zero_stage,
+                                     master_dtype=master)
+
+    @property
+    def _mixed_precision_dtype(self) -> Optional[torch.dtype]:
+        return mixed_precision_dtype(getattr(self.precision_plugin, "precision", None))
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype ``lightning_4d`` Llama models compute in under mixed precision with float32 master weights
+        (``bf16-mixed``: bfloat16; :mod:`lightning_4d.parallel.zero`), ``None`` when their parameters are their
+        own master weights (``32-true``, ``bf16-true``, or a LightningModule without ``lightning_4d`` Llama models,
+        which keeps Lightning's autocast)."""
+        return self._mixed_precision_dtype if self._llamas else None
 
     # ------------------------------------------------------------------ training step
     @override
@@ -303,7 +322,10 @@ class FourDStrategy(ModelParallelStrategy):
                 sync.synchronize()
                 return out
 
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._grad_sync is not None:
+            self._grad_sync.start_accumulation()  # the next backward's gradients overwrite the buckets
+        return result
 
     # ------------------------------------------------------------------ checkpoints (lightning_4d.checkpoint)
     @override

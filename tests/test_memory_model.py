@@ -49,18 +49,38 @@ def test_model_states_by_hand_tp2_and_bf16_true():
 
 
 def test_model_states_zero_stages_shard_what_they_should():
+    # bf16-mixed: bf16 weights (2), fp32 gradients (4), fp32 master + Adam m, v (12) per parameter; n divisible by 4
+    n = 106_816
     base = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=0), "bf16-mixed")
     z1 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=1), "bf16-mixed")
     z2 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=2), "bf16-mixed")
     z3 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=3), "bf16-mixed")
-    assert z1.parameters == base.parameters and z1.gradients == base.gradients
-    assert z1.optimizer_states == base.optimizer_states // 4  # every tensor divisible by 4 here
-    assert z2.parameters == z3.parameters == base.parameters // 4
-    assert z2.optimizer_states == z1.optimizer_states
+    assert (base.parameters, base.gradients, base.optimizer_states, base.master_weights) == (2 * n, 4 * n, 12 * n, 4 * n)
+    # ZeRO 1: Megatron-LM's distributed optimizer, 2 + 4 + 12/D bytes per parameter
+    assert (z1.parameters, z1.gradients, z1.optimizer_states) == (2 * n, 4 * n, 12 * n // 4)
+    assert z1.parameters + z1.gradients + z1.optimizer_states == (2 + 4 + 12 / 4) * n
+    # ZeRO 2/3 (FSDP2 MixedPrecisionPolicy): the fp32 shard is the master, 16/D bytes per parameter at rest
+    assert (z2.parameters, z2.gradients, z2.optimizer_states) == (4 * n // 4, 4 * n // 4, 8 * n // 4)
+    assert z2 == z3 and z3.master_weights == 0
+    # 16-mixed keeps Lightning's autocast: fp32 weights, no master copy
+    fp16 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=1), "16-mixed")
+    assert (fp16.parameters, fp16.gradients, fp16.optimizer_states) == (4 * n, 4 * n, 8 * n // 4)
+    base = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=0), "32-true")
     # uneven: a 64-row norm over dp=3 -> rows 22, 22, 20 (torch.chunk); rank 0 holds the largest shard
     r = [model_state_bytes(TINY, _pc(data_parallel_size=3, zero_stage=3), "32-true", dp_cp_rank=i) for i in range(3)]
     assert sum(x.parameters for x in r) == base.parameters
     assert r[0].parameters == max(x.parameters for x in r)
+
+
+def test_zero1_owns_its_share_of_every_bucket():
+    # ZeRO 1 shards each gradient bucket (not each tensor): D ranks own equal ranges of every padded bucket, so the
+    # owned elements add up to all parameters whatever the bucket size, and no rank owns more than ceil per bucket
+    n = 106_816
+    for bucket in (8192, 65536, 25 * 2**20):
+        owned = [model_state_bytes(TINY, _pc(data_parallel_size=3, zero_stage=1), "32-true", dp_cp_rank=r,
+                                   bucket_bytes=bucket).optimizer_states // 8 for r in range(3)]
+        assert sum(owned) == n, bucket
+        assert max(owned) - min(owned) <= 2 * (n * 4 // bucket + 1), (bucket, owned)
 
 
 def test_tied_embedding_counted_once():
@@ -71,14 +91,14 @@ def test_tied_embedding_counted_once():
 
 
 def test_saved_activations_by_hand_fp32():
-    # b=1, s=64, fp32, no tp: per layer 2 norms (x, rsqrt, normed) + 2 linear inputs + SDPA (q, out, k, v, lse)
-    # + SwiGLU 4 x [s, f]: 2*(16384+256+16384) + 2*16384 + (2*16384 + 2*8192 + 1024) + 4*32768 = 280,064 bytes
+    # b=1, s=64, fp32, no tp: per layer 2 norms (input, reciprocal RMS) + 2 linear inputs + SDPA (q, out, k, v, lse)
+    # + SwiGLU 4 x [s, f]: 2*(16384+256) + 2*16384 + (2*16384 + 2*8192 + 1024) + 4*32768 = 247,296 bytes
     parts = saved_activation_bytes(TINY, _pc(zero_stage=0), 1, 64, "32-true")
-    assert parts["layers"] == 2 * 280_064
+    assert parts["layers"] == 2 * 247_296
     assert parts["loss"] == 4 * 64 * 256 + 8 * 64
     assert parts["rope"] == 2 * 4 * 64 * 8
     ac = saved_activation_bytes(TINY, _pc(zero_stage=0, activation_checkpointing="full"), 1, 64, "32-true")
-    assert ac["layers"] == 2 * 4 * 64 * 64 and ac["recompute"] == 280_064
+    assert ac["layers"] == 2 * 4 * 64 * 64 and ac["recompute"] == 247_296
 
 
 def test_estimate_fields_and_peak_rule():

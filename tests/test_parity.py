@@ -35,6 +35,15 @@ WORLD4 = (
 # bf16: compared with the float32 reference at bf16 tolerance (8 mantissa bits: ~4e-3 relative per rounding)
 WORLD4_BF16 = [{"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"}, {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-true"}]
 BF16_LOSS_RTOL = 1e-2
+# bf16-mixed (bf16 weights, fp32 master weights and gradients) against the single-process bf16-mixed run of the
+# same code (FourDStrategy on one process), to 1e-2 relative: every layout dimension under mixed precision
+BF16_MIXED_WORLD2 = [{"dp": 2, "zero": z, "precision": "bf16-mixed"} for z in (0, 1, 3)]
+BF16_MIXED_WORLD4 = [
+    {"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed", "clip": 0.1},
+    {"pp": 2, "dp": 2, "zero": 1, "m": 2, "precision": "bf16-mixed"},
+    {"pp": 2, "dp": 2, "zero": 3, "m": 2, "precision": "bf16-mixed"},
+    {"cp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"},
+]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 
@@ -46,7 +55,10 @@ def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
     results = []
     for i, layout in enumerate(layouts):
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
-        weights = torch.load(out / f"layout{i}_weights.pt")
+        weights: dict[str, torch.Tensor] = {}
+        # pipelines: each stage's rank saved its own layers
+        for path in sorted(out.glob(f"layout{i}_weights_rank*.pt")) or [out / f"layout{i}_weights.pt"]:
+            weights.update(torch.load(path))
         results.append((layout, ranks, weights))
     return results
 
@@ -63,13 +75,20 @@ def _reference_for(references, layout):
 
 
 @pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory):
+    """The single-process bf16-mixed runs of FourDStrategy (bf16 weights, fp32 masters): plain and clipped."""
+    return _run(tmp_path_factory, "bf16_reference", 1,
+                [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}])
+
+
+@pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(tmp_path_factory, "world2", 2, WORLD2)
+    return _run(tmp_path_factory, "world2", 2, WORLD2 + BF16_MIXED_WORLD2)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _run(tmp_path_factory, "world4", 4, WORLD4 + WORLD4_BF16)
+    return _run(tmp_path_factory, "world4", 4, WORLD4 + WORLD4_BF16 + BF16_MIXED_WORLD4)
 
 
 def _layout_id(layout: dict) -> str:
@@ -118,6 +137,26 @@ def test_bf16_close_to_float32(references, world4, index):
     _check_parity(references[0], world4[len(WORLD4) + index], loss_rtol=BF16_LOSS_RTOL, weight_atol=2e-2)
 
 
+@pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD2)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD2])
+def test_bf16_mixed_parity_world2(bf16_reference, world2, index):
+    _check_parity(bf16_reference[0], world2[len(WORLD2) + index], loss_rtol=BF16_LOSS_RTOL, weight_atol=2e-2)
+
+
+@pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD4)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD4])
+def test_bf16_mixed_parity_world4(bf16_reference, world4, index):
+    layout = BF16_MIXED_WORLD4[index]
+    result = world4[len(WORLD4) + len(WORLD4_BF16) + index]
+    _check_parity(bf16_reference[1 if layout.get("clip") else 0], result, loss_rtol=BF16_LOSS_RTOL, weight_atol=2e-2)
+
+
+def test_bf16_mixed_reference_keeps_fp32_master_weights(bf16_reference, references):
+    """The bf16-mixed reference trains (its loss follows the float32 run's to bf16 tolerance) and its weights are
+    bf16 values: the run really computed with bfloat16 weights."""
+    _check_parity(references[0], bf16_reference[0], loss_rtol=BF16_LOSS_RTOL, weight_atol=2e-2)
+    weights = bf16_reference[0][2]
+    assert all(torch.equal(w, w.to(torch.bfloat16).float()) for w in weights.values())
+
+
 def _check_bytes(result):
     layout, ranks, _ = result
     zero, dp, tp = layout.get("zero", 0), layout.get("dp", 1), layout.get("tp", 1)
@@ -128,11 +167,12 @@ def _check_bytes(result):
     pc = ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, zero_stage=zero)
     model_config = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=layout.get("tied", False))
     for r in ranks:
-        est = model_state_bytes(model_config, pc, layout.get("precision", "32-true"), dp_cp_rank=r["rank"] // tp % dp)
+        est = model_state_bytes(model_config, pc, layout.get("precision", "32-true"), dp_cp_rank=r["rank"] // tp % dp,
+                                bucket_bytes=layout.get("bucket", 25 * 2**20))
         real = r["bytes"]
         assert (real["params"], real["grads"], real["optimizer_states"]) == (
             est.parameters, est.gradients, est.optimizer_states), (layout, r["rank"])
-    if layout.get("precision") == "bf16-true":
+    if layout.get("precision") in ("bf16-true", "bf16-mixed"):
         return
     for tp_rank, group in by_tp.items():
         assert len(group) == dp

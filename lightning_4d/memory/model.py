@@ -76,7 +76,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Union
 
-from lightning_4d.config import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, _check_positive_int
+from lightning_4d.config import (GRADIENT_BUCKET_BYTES, PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig,
+                                 _check_positive_int)
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 
 __all__ = [
@@ -90,12 +91,11 @@ __all__ = [
 ]
 
 #: Lightning precision flags the model knows (names as ``Trainer(precision=...)``).
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 _PRECISION_ALIASES = {"32": "32-true", "fp32": "32-true", "float32": "32-true", "bf16": "bf16-mixed",
                       "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "32-true": "32-true",
-                      # float16 has bfloat16's byte counts
-                      "16": "bf16-mixed", "16-mixed": "bf16-mixed", "16-true": "bf16-true"}
-_ZERO1_GATHER_BUCKET = 100 * 2**20  # ShardedOptimizer.all_gather: buckets of 4 x 25 MiB of parameters
+                      "16": "16-mixed", "16-mixed": "16-mixed",
+                      "16-true": "bf16-true"}  # float16 weights have bfloat16's byte counts
 
 
 def _precision(precision: str) -> str:
@@ -107,18 +107,32 @@ def _precision(precision: str) -> str:
 
 @dataclass(frozen=True)
 class _Dtypes:
-    param: int  # parameter / gradient / Adam-moment bytes
+    param: int  # bytes of a parameter element as the layers compute with it (ZeRO 0/1 storage)
+    grad: int  # gradient (ZeRO 0/1: bucket) bytes
+    master: int  # bytes of a master weight element (0: the parameters are their own masters)
     compute: int  # matmul inputs and outputs
     residual: int  # residual stream between layers
-    autocast: bool  # bf16-mixed: weights and float32 inputs are cast per op
+    autocast: bool  # 16-mixed: float32 weights and inputs cast per op by Lightning's autocast
 
     @staticmethod
     def of(precision: str) -> "_Dtypes":
         if precision == "32-true":
-            return _Dtypes(4, 4, 4, False)
-        if precision == "bf16-mixed":
-            return _Dtypes(4, 2, 4, True)
-        return _Dtypes(2, 2, 2, False)
+            return _Dtypes(4, 4, 0, 4, 4, False)
+        if precision == "bf16-mixed":  # bf16 weights, fp32 gradients and master weights (parallel/zero.py)
+            return _Dtypes(2, 4, 4, 2, 2, False)
+        if precision == "16-mixed":  # Lightning's autocast with a gradient scaler: fp32 weights
+            return _Dtypes(4, 4, 0, 2, 4, True)
+        return _Dtypes(2, 2, 0, 2, 2, False)
+
+    @property
+    def setup(self) -> int:
+        """Bytes of a parameter element when the gradient buckets are built (before the cast to ``param``)."""
+        return 4 if self.master else self.param
+
+    @property
+    def moment(self) -> int:
+        """Bytes of one Adam moment element (the master's dtype, else the parameter's)."""
+        return self.master or self.param
 
 
 @dataclass(frozen=True)
@@ -185,13 +199,23 @@ def _chunk(n: int, world: int, rank: int) -> int:
     return max(0, min(n - rank * size, size))
 
 
-def _zero_numel(p: _Param, zero_stage: int, world: int, rank: int) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-moment) elements of ``p`` held at rest on ``rank`` of ``dp_cp``."""
-    if zero_stage <= 1:
-        opt = _chunk(p.numel, world, rank) if zero_stage == 1 else p.numel
-        return p.numel, p.numel, opt
-    local = _chunk(p.rows, world, rank) * p.cols
-    return local, local, local
+def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, bucket_bytes: int) -> int:
+    """Elements rank ``rank`` of ``world`` owns at ZeRO 1 (``GradientBuckets`` + ``ShardedOptimizer``): the
+    parameters, in reverse order, fill buckets of at most ``bucket_bytes`` (a bucket's first parameter may exceed it);
+    each bucket is padded to a multiple of ``world`` elements and cut in ``world`` equal ranges, rank r owning range r
+    (its real elements only)."""
+
+    def owned(n: int) -> int:
+        per = math.ceil(n / world)
+        return max(0, min(n, (rank + 1) * per) - min(n, rank * per))
+
+    total = size = 0
+    for n in reversed(numels):
+        if size and (size + n) * elem_bytes > bucket_bytes:
+            total += owned(size)
+            size = 0
+        size += n
+    return total + (owned(size) if size else 0)
 
 
 def _padded_numel(p: _Param, world: int) -> int:
@@ -201,11 +225,15 @@ def _padded_numel(p: _Param, world: int) -> int:
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of one rank's parameters, gradients (at the optimizer step) and Adam moments (m and v)."""
+    """Bytes of one rank's parameters, gradients (at the optimizer step) and optimizer states: Adam's m and v plus
+    the float32 master weights where they are separate from the parameters (``master_weights``, included in
+    ``optimizer_states``, as Megatron-LM counts them: ``bf16-mixed`` at ZeRO 1 is 2 + 4 + 12/D bytes per
+    parameter)."""
 
     parameters: int
     gradients: int
     optimizer_states: int
+    master_weights: int = 0
 
 
 def model_state_bytes(
@@ -216,6 +244,7 @@ def model_state_bytes(
     pp_rank: int = 0,
     dp_cp_rank: int = 0,
     pipeline_layer_split: Optional[list[int]] = None,
+    bucket_bytes: int = GRADIENT_BUCKET_BYTES,
 ) -> ModelStates:
     """Exact bytes of the model states held at rest by one rank (see the module docstring for the rules).
 
@@ -229,9 +258,11 @@ def model_state_bytes(
         dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards).
         pipeline_layer_split: layers per pipeline stage (``pp·v`` counts; default ``parallel_config``'s, else
             equal).
+        bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.config``);
+            at ZeRO 1 a rank owns its 1/D of every bucket.
 
     Returns:
-        :class:`ModelStates`: parameters and gradients in the parameter dtype, optimizer states = 2 moments.
+        :class:`ModelStates`.
 
     Raises:
         ValueError: an unknown precision, a pp rank or dp_cp rank out of range.
@@ -243,30 +274,41 @@ def model_state_bytes(
     if not 0 <= dp_cp_rank < pc.dp_cp:
         raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
     n_layers, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
-    n_param = n_grad = n_opt = 0
-    for p, count in _weighted_params(model_config, pc.tp, n_layers, first, last):
-        a, g, o = _zero_numel(p, pc.zero_stage, pc.dp_cp, dp_cp_rank)
-        n_param, n_grad, n_opt = n_param + count * a, n_grad + count * g, n_opt + count * o
-    return ModelStates(n_param * dt.param, n_grad * dt.param, 2 * n_opt * dt.param)
+    world, zero = pc.dp_cp, pc.zero_stage
+    weighted = _weighted_params(model_config, pc.tp, n_layers, first, last)
+    if zero >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor
+        n = sum(count * _chunk(p.rows, world, dp_cp_rank) * p.cols for p, count in weighted)
+        if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
+            return ModelStates(4 * n, 4 * n, 8 * n)
+        return ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param)
+    n = sum(count * p.numel for p, count in weighted)
+    n_opt = n
+    if zero == 1 and world > 1:
+        layers = sorted(i for _, r in pc.rank_stages(model_config.num_layers, pp_rank) for i in r)
+        numels = [p.numel for p in _stage_params(model_config, pc.tp, layers, first, last)]
+        n_opt = _bucket_owned(numels, dt.setup, world, dp_cp_rank, bucket_bytes)
+    master = n_opt * dt.master
+    return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master, master)
 
 
-def _norm_input_saved(b: int, s_sp: int, h: int) -> int:
-    """Bytes an RMSNorm saves for its input gradient: its float32 input ``[b, s', h]`` and rsqrt ``[b, s', 1]``."""
-    return 4 * b * s_sp * h + 4 * b * s_sp
+def _norm_input_saved(r: int, b: int, s_sp: int, h: int) -> int:
+    """Bytes an RMSNorm saves for backward: its input ``[b, s', h]`` as given (``r`` bytes per element, the residual
+    stream's dtype) and the float32 reciprocal RMS ``[b, s', 1]`` (``models/llama.py``'s ``_RMSNormFunction``)."""
+    return r * b * s_sp * h + 4 * b * s_sp
 
 
 def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> dict[str, int]:
     """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
-    part: ``norms`` (both norms' float32 inputs and rsqrt), ``norm_outputs`` (their outputs, inputs of the weight
-    gradients), ``attn_in`` / ``ffn_in`` (the projections' inputs, with autocast's casts), ``sdpa`` (q, k, v, output,
-    float32 log-sum-exp) and ``swiglu``."""
+    part: ``norms`` (both norms' inputs and float32 reciprocal RMS), ``attn_in`` / ``ffn_in`` (the projections'
+    inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3, all-gathered to the full sequence under sp;
+    under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v, output, float32 log-sum-exp) and
+    ``swiglu``."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
     c = dt.compute
     return {
-        "norms": 2 * _norm_input_saved(b, s_sp, h),
-        "norm_outputs": 2 * dt.residual * b * s_sp * h,
+        "norms": 2 * _norm_input_saved(dt.residual, b, s_sp, h),
         "attn_in": c * b * s * h * (3 if dt.autocast else 1),
         "ffn_in": c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * k * d + 4 * b * a * s,
@@ -327,7 +369,7 @@ def saved_activation_bytes(
         "layers": n_layers * (dt.residual * b * s_sp * h if full_ac else per_layer),
         "embedding": 8 * b * s if first else 0,
         "rope": 2 * 4 * s * (model_config.head_dim // 2),
-        "head": (_norm_input_saved(b, s_sp, h) + dt.residual * b * s_sp * h + dt.compute * b * s * h) if last else 0,
+        "head": (_norm_input_saved(dt.residual, b, s_sp, h) + dt.compute * b * s * h) if last else 0,
         "loss": (4 * b * s * (vocab // tp) + 8 * b * s) if last else 0,
         "compute_weights": 0,
         "context_parallel_kv": 0,
@@ -625,7 +667,7 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
         s_sp = s_loc // tp if pc.sp else s_loc
         # the final norm's float32 input and rsqrt and the loss' float32 log-probabilities (measured on one head in
         # isolation; the whole pipeline keeps more on the last stage: see docs/pipeline.md)
-        head_kept = _norm_input_saved(b, s_sp, h) + 4 * b * s_loc * (cfg.padded_vocab_size // tp)
+        head_kept = _norm_input_saved(dt.residual, b, s_sp, h) + 4 * b * s_loc * (cfg.padded_vocab_size // tp)
         retained = [0 if st == 0 else len(layers) * layer_kept + saved["rope"]
                     + (head_kept if st == pc.num_stages - 1 else 0) for st, layers in stages]
         peak, _ = _zbv_peak(pc.pp, pp_rank, m, (sizes[0], sizes[1]), (retained[0], retained[1]))
@@ -655,6 +697,7 @@ class _Buffers:
     pipeline: int  # PipelineStage's receive buffers
     context_parallel: int  # one layer's context-parallel attention backward
     step_temporaries: int  # AdamW foreach temporaries + ZeRO-1's all-gather buckets
+    resident_gradients: int  # gradients that exist before backward starts (ZeRO 0/1 buckets)
 
 
 def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int,
@@ -665,16 +708,21 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
     n_layers, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
     params = _weighted_params(cfg, pc.tp, n_layers, first, last)
     world, zero = pc.dp_cp, pc.zero_stage
-    # FSDP2: parameters gathered for compute (padded all-gather outputs), unsharded gradients before reduce-scatter
-    largest_layer = sum(_padded_numel(p, world) for p, _ in params if p.unit != "root") * dt.param
-    root = sum(_padded_numel(p, world) for p, _ in params if p.unit == "root") * dt.param
+    # FSDP2: parameters gathered for compute (padded all-gather outputs; bf16 under MixedPrecisionPolicy),
+    # unsharded gradients before reduce-scatter (bf16, then their float32 cast for the reduce-scatter)
+    gather_bytes = dt.compute if dt.master else dt.param
+    unsharded_grad_bytes = dt.compute + 4 if dt.master else dt.param
+    layer_numel = sum(_padded_numel(p, world) for p, _ in params if p.unit != "root")
+    root_numel = sum(_padded_numel(p, world) for p, _ in params if p.unit == "root")
+    largest_layer, root = layer_numel * gather_bytes, root_numel * gather_bytes
     gathered_start = gathered_end = grad_buffers = 0
     if zero >= 2 and pc.pp > 1:
         # under a pipeline schedule FSDP2 neither reshards after backward nor reduces gradients until the last
         # micro-batch (PipelineStage.backward_maybe_with_nosync): all the rank's parameters and their unsharded
-        # gradients are held from the first backward to the end of the step
+        # gradients (accumulated in float32 under MixedPrecisionPolicy) are held from the first backward to the end
+        # of the step
         gathered_start = gathered_end = root + n_layers * largest_layer
-        grad_buffers = root + n_layers * largest_layer
+        grad_buffers = (root_numel + n_layers * layer_numel) * (4 if dt.master else dt.param)
     elif zero == 2:
         gathered_start = root + n_layers * largest_layer  # kept unsharded from forward to backward
         gathered_end = root + largest_layer
@@ -682,31 +730,36 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
         gathered_start = root + 2 * largest_layer  # root + the layer in backward + the prefetched one
         gathered_end = root + 2 * largest_layer
     if zero >= 2 and pc.pp == 1:
-        grad_buffers = root + 2 * largest_layer  # root's unsharded gradients live to the end; 2 units in flight
-    elif zero <= 1 and world > 1:
-        grad_buffers = states.gradients  # GradientSynchronizer's flat bucket copies, all in flight at the end
+        # root's unsharded gradients live to the end; 2 units in flight
+        grad_buffers = (root_numel + 2 * layer_numel) * unsharded_grad_bytes
+    elif zero <= 1:
+        # GradientBuckets: a parameter's fresh gradient (its dtype) exists until the hook adds it into its bucket
+        grad_buffers = max((p.numel for p, _ in params), default=0) * dt.param
     head = next((p for p, _ in params if p.name == "output.weight"), None)
     if head is None and last and cfg.tie_word_embeddings:
         head = next(p for p, _ in params if p.name == "tok_embeddings.weight")
-    head_grad = head.numel * dt.param if head is not None else 0
+    head_grad = head.numel * (dt.compute if dt.master and zero >= 2 else dt.param) if head is not None else 0
     # PipelineStage allocates, once, a receive buffer per micro-batch for the activations of every stage but the
     # first and for the gradients of every stage but the last (one micro-batch's hidden states each, in the residual
     # stream's dtype, sequence-sharded under sp)
     hidden = dt.residual * b * (s // pc.cp) * cfg.hidden_size // (pc.tp if pc.sp else 1)
     boundaries = (sum((st != 0) + (st != pc.num_stages - 1) for st in pc.stage_indices(pp_rank))
                   if pc.pp > 1 else 0)
-    step_temp = states.optimizer_states // 2  # foreach AdamW: sqrt of the second moments
+    step_temp = (states.optimizer_states - states.master_weights) // 2  # foreach AdamW: sqrt of the second moments
     if zero == 1 and world > 1:
-        step_temp += int(min(_ZERO1_GATHER_BUCKET, states.parameters) * (1 + 1 / world))
+        # ShardedOptimizer's all-gather of one bucket at a time: this rank's range and the gathered bucket
+        bucket = min(GRADIENT_BUCKET_BYTES // dt.setup, states.parameters // dt.param) * dt.param
+        step_temp += int(bucket * (1 + 1 / world))
+    resident = states.gradients if zero <= 1 else 0  # ZeRO 0/1 gradient buckets exist through the whole step
     return _Buffers(gathered_start, gathered_end, grad_buffers, head_grad, m * boundaries * hidden,
-                    _context_parallel_buffers(cfg, pc, dt, b, s), step_temp)
+                    _context_parallel_buffers(cfg, pc, dt, b, s), step_temp, resident)
 
 
 def _phases(states: ModelStates, act: _Activations, buf: _Buffers) -> dict[str, int]:
     """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**)."""
     return {
         "backward start": act.activations + act.logits + act.compute_weights + buf.gathered_start
-        + buf.head_gradient + buf.pipeline + buf.context_parallel,
+        + buf.head_gradient + buf.pipeline + buf.context_parallel + buf.resident_gradients,
         "backward end": states.gradients + buf.gradient_buffers + buf.gathered_end + buf.pipeline,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
@@ -737,6 +790,7 @@ def _estimate_pp_rank(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: s
         "in_flight_microbatches_x1000": int(act.in_flight * 1000),
         "num_microbatches": m if pc.pp > 1 else 1,
         "compute_weights": act.compute_weights,
+        "master_weights": states.master_weights,
         "gathered_parameters": gathered,
         "gradient_buffers": buf.gradient_buffers,
         "optimizer_step_temporaries": buf.step_temporaries,

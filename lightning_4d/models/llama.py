@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -74,12 +74,47 @@ def _param_seed(seed: int, name: str) -> int:
     return z & ((1 << 63) - 1)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``y = (x · rrms).to(x.dtype) · weight`` with ``rrms = 1/sqrt(mean(x², last dim) + eps)`` computed in float32
+    (float64 for float64 input), saving for backward only ``x`` (as given: the residual stream's tensor, no copy),
+    the float32 ``rrms`` ``[..., 1]`` and ``weight``; the normalized tensor is recomputed in backward.
+
+    Backward (with ``n = x·rrms`` in float32, ``g`` the output gradient, ``H`` the last dimension):
+    ``dweight = sum(g · n.to(x.dtype))`` over all but the last dimension (in ``weight``'s dtype, as autograd's
+    ``mul``), ``gn = (g · weight)`` in float32, ``dx = rrms · (gn − n · mean(gn · n, last dim))`` (the derivative of
+    ``x / sqrt(mean(x²) + eps)``; Zhang & Sennrich 2019, arXiv 1910.07467, Eq. 4).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # noqa: D102
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rrms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rrms)
+        return (xf * rrms).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], Optional[Tensor], None]:  # noqa: D102
+        x, weight, rrms = ctx.saved_tensors
+        normed = x.to(rrms.dtype) * rrms
+        dweight = None
+        if ctx.needs_input_grad[1]:
+            dweight = (grad * normed.type_as(x)).sum(dim=tuple(range(grad.ndim - 1))).to(weight.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            gn = (grad * weight).to(rrms.dtype)
+            dx = (rrms * (gn - normed * (gn * normed).mean(-1, keepdim=True))).to(x.dtype)
+        return dx, dweight, None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer normalization (Zhang & Sennrich 2019, arXiv 1910.07467), as in Meta's ``RMSNorm``.
 
     ``y = x / sqrt(mean(x**2, last dim) + eps) * weight``, the normalization computed in float32 and cast back to
     ``x``'s dtype before the multiplication by ``weight`` (Meta: ``self._norm(x.float()).type_as(x) * self.weight``).
     float64 inputs are normalized in float64.
+
+    Memory: saves for backward only its input (as given, no copy) and the float32 reciprocal RMS ``[..., 1]``
+    (:class:`_RMSNormFunction`; the normalized tensor is recomputed in backward), as Megatron-LM's fused norm does.
 
     Args:
         dim: size of the last dimension.
@@ -99,9 +134,7 @@ class RMSNorm(nn.Module):
             self.weight.fill_(1.0)
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -50,13 +50,19 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
 
 
 def parallelize_llama(
-    model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, compile: bool = False
+    model: nn.Module,
+    mesh: ParallelMesh,
+    config: ParallelConfig,
+    compile: bool = False,
+    param_dtype: Optional[torch.dtype] = None,
 ) -> Optional[list[tuple[int, nn.Module]]]:
     """Apply the pipeline split, tp/sp, context-parallel attention, activation checkpointing, compile and ZeRO 2/3 to
     a meta-device ``LlamaModel``, in that order.
 
     With pp > 1 the model is pruned to this rank's stages and every step after the split runs on each stage chunk
     (:func:`~lightning_4d.parallel.pipeline.split_llama`); the chunks are returned (``None`` without pp).
+    ``param_dtype``: the compute dtype of mixed precision with master weights (ZeRO 2/3: FSDP2's
+    ``MixedPrecisionPolicy``, :func:`~lightning_4d.parallel.zero.apply_fsdp`).
 
     Raises:
         ValueError: the model cannot be split by the layout (see :meth:`ParallelConfig.validate_model`).
@@ -70,7 +76,8 @@ def parallelize_llama(
             for block in part.layers.values():
                 block.compile()
         if config.zero_stage >= 2:
-            apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=reshard_after_forward(config))
+            apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=reshard_after_forward(config),
+                       param_dtype=param_dtype)
         if part is not model:
             for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
                 model.layers[name] = block
@@ -93,11 +100,17 @@ def is_parallelized(module: nn.Module) -> bool:
 
 
 def prepare_llamas(
-    module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, device: torch.device, compile: bool = False
+    module: nn.Module,
+    mesh: ParallelMesh,
+    config: ParallelConfig,
+    device: torch.device,
+    compile: bool = False,
+    param_dtype: Optional[torch.dtype] = None,
 ) -> list[nn.Module]:
     """Parallelize (:func:`parallelize_llama`, unless already done), materialize on ``device`` and initialize
-    (``LlamaModel.init_weights``, layout-independent) every ``lightning_4d`` Llama model inside ``module`` (a
-    LightningModule); returns them.
+    (``LlamaModel.init_weights``, layout-independent, in float32) every ``lightning_4d`` Llama model inside ``module``
+    (a LightningModule); returns them. ``param_dtype``: see :func:`parallelize_llama` (the parameters stay float32
+    here: :func:`cast_to_compute_dtype` follows once the optimizer's master weights exist).
 
     Raises:
         TypeError: ``module`` holds no ``LlamaModel`` and does not override ``configure_model`` (nothing the strategy
@@ -120,9 +133,25 @@ def prepare_llamas(
         )
     for llama in llamas:
         if not is_parallelized(llama):
-            parallelize_llama(llama, mesh, config, compile=compile)
+            parallelize_llama(llama, mesh, config, compile=compile, param_dtype=param_dtype)
         if any(p.is_meta for p in llama.parameters()):
             llama.to_empty(device=device)
             with torch.no_grad():
                 llama.init_weights()
     return llamas
+
+
+def cast_to_compute_dtype(llamas: list[nn.Module], dtype: Optional[torch.dtype]) -> None:
+    """Cast the parameters FSDP2 does not own (ZeRO 0/1) of ``llamas`` to ``dtype`` in place (the same ``Parameter``
+    objects, so optimizers keep them); FSDP2 units (ZeRO 2/3) cast per unit at all-gather instead. ``None``: no-op.
+
+    Mixed precision with master weights (:mod:`lightning_4d.parallel.zero`): called after the optimizers' master
+    weights were copied from the float32 parameters.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if dtype is None:
+        return
+    for llama in llamas:
+        if not any(isinstance(m, FSDPModule) for m in llama.modules()):
+            llama.to(dtype)

@@ -25,7 +25,7 @@ the ``m`` micro-batches, exactly as one process computing the mean over the whol
 same number of tokens). Lightning zeroes gradients between ``training_step`` and ``backward``, so the schedule's
 gradients are stashed and restored by the strategy's ``backward`` (:meth:`PipelineRunner.restore_gradients`).
 
-**Clipping** (:func:`clip_grad_norm_`, installed by :func:`use_pipeline_clipping`): the global norm over all shards
+**Clipping** (:func:`clip_grad_norm_`, installed by :func:`use_global_clipping`): the global norm over all shards
 and all stages.
 """
 
@@ -446,11 +446,33 @@ def clip_grad_norm_(
     return total
 
 
-def use_pipeline_clipping(precision_plugin: Any, pp_group: dist.ProcessGroup) -> None:
-    """Make the Trainer's ``gradient_clip_val`` (norm) clip by the global norm over all shards AND all pipeline
-    stages (:func:`clip_grad_norm_`): Lightning's precision plugin would clip each stage by its own norm."""
+def use_global_clipping(precision_plugin: Any, pp_group: Optional[dist.ProcessGroup]) -> None:
+    """Make the Trainer's ``gradient_clip_val`` clip by the global norm over all shards and pipeline stages.
+
+    Per optimizer: one wrapped by a :class:`~lightning_4d.parallel.zero.ShardedOptimizer` (ZeRO 1, master weights)
+    clips the averaged gradients in its buckets (:meth:`~lightning_4d.parallel.zero.ShardedOptimizer.clip_grad_norm_`;
+    ``"value"`` clamps them); otherwise under a pipeline (``pp_group``) :func:`clip_grad_norm_` (Lightning's
+    precision plugin would clip each stage by its own norm); otherwise Lightning's own clipping.
+    """
+    from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
+
+    by_norm, by_value = precision_plugin.clip_grad_by_norm, precision_plugin.clip_grad_by_value
 
     def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-        clip_grad_norm_(precision_plugin.main_params(optimizer), float(clip_val), pp_group=pp_group)
+        sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
+        if sharded is not None:
+            sharded.clip_grad_norm_(float(clip_val))
+        elif pp_group is not None:
+            clip_grad_norm_(precision_plugin.main_params(optimizer), float(clip_val), pp_group=pp_group)
+        else:
+            by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
+        sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
+        if sharded is not None:
+            sharded.clip_grad_value_(float(clip_val))
+        else:
+            by_value(optimizer, clip_val)
 
     precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+    precision_plugin.clip_grad_by_value = clip_grad_by_value

@@ -1,19 +1,29 @@
 """ZeRO stages 0-3 over the ``dp_cp`` group (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
-Trillion Parameter Models", arXiv 1910.02054).
+Trillion Parameter Models", arXiv 1910.02054), and mixed precision with master weights.
 
 =====  ===========================================  ===============================================================
 stage  what is sharded over dp_cp (size D)           how
 =====  ===========================================  ===============================================================
-0      nothing (plain data parallel)                 :class:`GradientSynchronizer`: bucketed all-reduce of gradients,
-                                                     averaged over D, once per optimizer step
-1      optimizer states (Adam m, v, step)            stage 0 + :class:`ShardedOptimizer`: each rank keeps the states
-                                                     of a 1/D slice of every (flattened) parameter, steps that slice
-                                                     and all-gathers the updated parameters (one bucketed all-gather)
+0      nothing (plain data parallel)                 :class:`GradientBuckets`: gradients live in flat buckets,
+                                                     each all-reduced (averaged over D) as soon as backward filled it
+1      optimizer states (Adam m, v, step; master     stage 0 with ``reduce_scatter_tensor`` instead of all-reduce
+       weights)                                      + :class:`ShardedOptimizer`: each rank steps its 1/D of every
+                                                     bucket, then all-gathers the updated parameters (Megatron-LM's
+                                                     distributed optimizer)
 2      + gradients                                   FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients
                                                      reduce-scattered, parameters kept gathered between forward and
                                                      backward, sharded between steps
 3      + parameters                                  FSDP2 ``fully_shard(reshard_after_forward=True)`` per layer
 =====  ===========================================  ===============================================================
+
+**Mixed precision** (``bf16-mixed`` for ``lightning_4d`` Llama models; Micikevicius et al. 2018, "Mixed Precision
+Training", arXiv 1710.03740, as Megatron-LM and torchtitan do it): the weights the layers compute with are bfloat16,
+the float32 master weights live with the optimizer states and are sharded like them, gradients are accumulated and
+reduced in float32, the update runs in float32 and the bfloat16 weights are refreshed from the masters. Stages 0/1:
+``setup_zero(master_dtype=torch.float32)`` (bf16 parameters, fp32 gradient buckets, fp32 masters in
+:class:`ShardedOptimizer`: 2 + 4 + 12/D bytes per parameter at stage 1, 18 at stage 0); stages 2/3:
+``apply_fsdp(param_dtype=torch.bfloat16)`` (FSDP2 ``MixedPrecisionPolicy``: the fp32 shard is the master, 16/D bytes
+per parameter at rest plus the bf16 units gathered for compute).
 
 Parameters are replicated across dp and cp, so the group is the flattened ``("dp", "cp")`` mesh. Gradients are
 *averaged* over the group at every stage (the loss is a per-rank mean over equally many tokens); for FSDP2 the
@@ -32,12 +42,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_4d.config import GRADIENT_BUCKET_BYTES
 from lightning_4d.parallel._compat import local_tensor as _local
 from lightning_4d.parallel._compat import mark_wrapped_by_lr_scheduler
 
-_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket size
+_BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in config.py (the memory model reads it)
 
 
 def _buckets(
@@ -70,6 +81,7 @@ def apply_fsdp(
     zero_stage: int,
     blocks: Optional[Iterable[nn.Module]] = None,
     reshard_after_forward: Optional[bool] = None,
+    param_dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
 
@@ -80,11 +92,16 @@ def apply_fsdp(
         blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
         reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
             schedules pass ``False`` for stage 3 (see ``parallelize_llama``).
+        param_dtype: mixed precision (``bf16-mixed``): FSDP2's ``MixedPrecisionPolicy(param_dtype=param_dtype,
+            reduce_dtype=torch.float32, cast_forward_inputs=False)``: the sharded float32 parameters are the master
+            weights, each unit is all-gathered in ``param_dtype`` for compute and its gradients reduce-scattered
+            (and, under a pipeline's gradient accumulation, accumulated) in float32; the blocks' inputs are not
+            cast (the rotary tables stay float32). ``None``: parameters compute in their own dtype.
 
     Raises:
         ValueError: ``zero_stage`` is not 2 or 3.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp implements ZeRO stages 2 and 3, got zero_stage={zero_stage}")
@@ -92,8 +109,14 @@ def apply_fsdp(
     if blocks is None:
         layers = getattr(model, "layers", None)
         blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
-    units = [fully_shard(b, mesh=dp_cp_mesh, reshard_after_forward=reshard) for b in blocks]
-    root = fully_shard(model, mesh=dp_cp_mesh, reshard_after_forward=reshard)
+    kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
+    if param_dtype is not None:
+        # the blocks' float32 inputs stay as they are: the rotary tables must not be rounded to bf16 (the residual
+        # stream is in param_dtype already)
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                               cast_forward_inputs=False)
+    units = [fully_shard(b, **kw) for b in blocks]
+    root = fully_shard(model, **kw)
     for unit in [*units, root]:
         # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp
         unit.set_gradient_divide_factor(float(dp_cp_mesh.size()))
@@ -112,60 +135,177 @@ def reduced_by_fsdp(p: Tensor) -> bool:
     return isinstance(p, DTensor) and "dp_cp" in (p.device_mesh.mesh_dim_names or ())
 
 
+def mixed_precision_dtype(precision: Optional[str]) -> Optional[torch.dtype]:
+    """The compute dtype of mixed precision with master weights for a Lightning ``precision`` flag:
+    ``torch.bfloat16`` for ``"bf16-mixed"``, ``None`` for the others (``"16-mixed"`` keeps Lightning's autocast and
+    gradient scaler)."""
+    return torch.bfloat16 if precision == "bf16-mixed" else None
+
+
+def validate_precision(precision: Optional[str], zero_stage: int) -> None:
+    """Refuse a precision ZeRO cannot serve, before any process group exists.
+
+    Raises:
+        ValueError: ``"16-mixed"`` with ZeRO 1: Lightning's gradient scaler unscales the parameters' ``.grad``, which
+            ZeRO 1 keeps in its buckets instead.
+    """
+    if precision == "16-mixed" and zero_stage == 1:
+        raise ValueError(
+            "precision='16-mixed' (float16 with a gradient scaler) is not supported with zero_stage=1: use "
+            "precision='bf16-mixed' (bf16 weights, fp32 master weights, no scaler), or zero_stage 0, 2 or 3."
+        )
+
+
 def setup_zero(
-    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], group: dist.ProcessGroup, zero_stage: int
-) -> Optional["GradientSynchronizer"]:
-    """ZeRO 0/1 for the parameters FSDP2 does not own: a :class:`GradientSynchronizer` averaging their gradients
-    over ``group`` (``dp_cp``; returned, ``None`` when there is none), and with ``zero_stage=1`` (group size > 1) a
-    :class:`ShardedOptimizer` around every torch optimizer (found again with :meth:`ShardedOptimizer.of`)."""
+    model: nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    group: dist.ProcessGroup,
+    zero_stage: int,
+    master_dtype: Optional[torch.dtype] = None,
+) -> Optional["GradientBuckets"]:
+    """ZeRO 0/1 for the parameters FSDP2 does not own: their gradients in :class:`GradientBuckets` over ``group``
+    (``dp_cp``; returned, ``None`` when there is none), and a :class:`ShardedOptimizer` around every torch optimizer
+    (found again with :meth:`ShardedOptimizer.of`) when ``zero_stage == 1`` (the states of 1/D of the buckets per
+    rank) or when there are master weights (``master_dtype``: the parameters are in a lower precision and the
+    optimizer steps float32 copies of them).
+
+    Args:
+        model: the module whose parameters are trained.
+        optimizers: the torch optimizers (not Lightning's wrappers) over those parameters.
+        group: the ``dp_cp`` process group.
+        zero_stage: 0 or 1 (2, 3: the parameters FSDP2 owns are skipped, the rest get stage-0 treatment).
+        master_dtype: the dtype of master weights and gradients (``torch.float32`` under ``bf16-mixed`` for
+            ``lightning_4d`` Llama models, whose parameters are then bfloat16), or ``None`` (the parameters are the
+            master weights).
+
+    Raises:
+        ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
+            be sharded or given a master weight.
+    """
     params = [p for p in model.parameters() if p.requires_grad and not reduced_by_fsdp(p)]
-    if zero_stage == 1 and dist.get_world_size(group) > 1:
+    if not params:
+        return None
+    shard = zero_stage == 1 and dist.get_world_size(group) > 1
+    buckets = GradientBuckets(params, group, reduce_scatter=shard, grad_dtype=master_dtype)
+    if shard or master_dtype is not None:
         for optimizer in optimizers:
-            ShardedOptimizer(optimizer, group)
-    return GradientSynchronizer(params, group) if params else None
+            ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype)
+    return buckets
 
 
-class GradientSynchronizer:
-    """Averages gradients over the ``dp_cp`` group (ZeRO stages 0 and 1): bucketed ``all_reduce``, overlapped with
-    the backward pass.
+class _Bucket:
+    """One communication bucket: parameters in backward order and a flat gradient buffer ``[padded]`` holding their
+    gradients back to back (``padded`` = their local elements rounded up to a multiple of the group size)."""
 
-    Parameters are grouped into buckets of about ``bucket_bytes`` in reverse order (the order in which backward
-    produces their gradients, as in PyTorch DDP). Inside :meth:`overlap_with_backward` a post-accumulate-grad hook
-    launches a bucket's asynchronous all-reduce as soon as all its gradients are ready, so communication runs while
-    backward computes the earlier layers. :meth:`synchronize` launches what was not launched (a backward outside the
-    context: gradient accumulation's earlier micro-batches, manual optimization), waits, divides by the group size
-    and writes the averages back. The strategy opens the context only around the backward of the micro-batch that
-    is followed by an optimizer step, so accumulated micro-batches communicate once.
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, world: int) -> None:
+        self.params = params
+        self.offsets: dict[int, int] = {}
+        n = 0
+        for p in params:
+            self.offsets[id(p)] = n
+            n += _local(p).numel()
+        self.numel = n
+        self.padded = math.ceil(n / world) * world
+        self.buffer = torch.zeros(self.padded, dtype=dtype, device=_local(params[0]).device)
 
-    Parameters whose gradient is ``None`` are skipped (they must be ``None`` on every rank). A tensor-parallel
-    gradient whose placement differs from its parameter's (the vocabulary-parallel embedding's gradient comes back
-    partial over tp) is first redistributed to the parameter's placement, so every gradient has its parameter's
-    local shape (and no more memory than it).
+    def own_range(self, rank: int, world: int) -> tuple[int, int]:
+        """``[start, end)`` of rank ``rank``'s 1/world of the bucket."""
+        shard = self.padded // world
+        return rank * shard, (rank + 1) * shard
+
+
+class GradientBuckets:
+    """ZeRO stages 0 and 1 gradients: every parameter's gradient lives in a flat communication bucket (PyTorch DDP's
+    ``gradient_as_bucket_view``, Megatron-LM's contiguous gradient buffer), averaged over the ``dp_cp`` group by an
+    asynchronous collective per bucket overlapped with the backward pass.
+
+    Parameters are grouped into buckets of about ``bucket_bytes`` of parameters (default 25 MiB, DDP's) in reverse
+    order, the order backward produces their gradients. ``main_grad(p)`` is ``p``'s slice of its bucket (flat, the
+    local shard's elements, in ``grad_dtype``: float32 under master weights, else the parameter's dtype). A
+    post-accumulate-grad hook adds each fresh gradient into it (a copy at the first accumulation after an optimizer
+    step) and frees the parameter's own ``.grad``, so a gradient exists once, in its bucket (plus the one gradient
+    just produced). Inside :meth:`overlap_with_backward` a bucket's collective starts as soon as all its gradients
+    arrived:
+
+    - ZeRO 0: ``all_reduce`` of the bucket;
+    - ZeRO 1 (``reduce_scatter``): ``reduce_scatter_tensor`` into the rank's own 1/D of the bucket (Megatron-LM's
+      distributed optimizer; with the all-gather of the updated parameters 2/3 of the bytes of all-reduce +
+      all-gather per element, as all-reduce is itself a reduce-scatter and an all-gather).
+
+    :meth:`synchronize` takes in gradients set outside the hook (the zero-bubble schedules assign ``.grad``), starts
+    what was not started, waits and divides by D. Without master weights at ZeRO 0, each parameter's ``.grad`` is
+    then its bucket slice (a DTensor of the parameter's placements for a tensor-parallel one), for a plain torch
+    optimizer, clipping and user hooks. Otherwise ``.grad`` stays ``None`` and the :class:`ShardedOptimizer` hands
+    the bucket slices to the optimizer. :meth:`start_accumulation` (after each optimizer step) makes the next
+    gradient overwrite instead of add.
+
+    A tensor-parallel gradient whose placement differs from its parameter's (the vocabulary-parallel embedding's
+    comes back partial over tp) is redistributed to the parameter's placement first. A parameter that got no
+    gradient since the last step has none at the optimizer step (its slice is zeroed before the collective).
     """
 
     def __init__(
-        self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: Optional[int] = None
+        self,
+        params: Iterable[nn.Parameter],
+        group: dist.ProcessGroup,
+        *,
+        reduce_scatter: bool = False,
+        grad_dtype: Optional[torch.dtype] = None,
+        bucket_bytes: Optional[int] = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.reduce_scatter = reduce_scatter
+        self.grad_dtype = grad_dtype
         bucket_bytes = _BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        self.buckets: list[list[nn.Parameter]] = list(_buckets(self.params[::-1], bucket_bytes, key=_local))
-        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.buckets = [
+            _Bucket(ps, grad_dtype or _local(ps[0]).dtype, self.world)
+            for ps in _buckets(self.params[::-1], bucket_bytes, key=_local)
+        ]
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._main: dict[int, Tensor] = {}
+        for b in self.buckets:
+            for p in b.params:
+                start = b.offsets[id(p)]
+                self._main[id(p)] = b.buffer[start : start + _local(p).numel()]
+        self._fresh = {id(p) for p in self.params}  # no gradient since the last optimizer step
         self._ready = [0] * len(self.buckets)
-        self._pending: dict[int, tuple[Any, Tensor, list[nn.Parameter]]] = {}
+        self._pending: dict[int, Any] = {}
         self._overlap = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] if self.world > 1 else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
 
     def close(self) -> None:
-        """Remove the backward hooks (the strategy calls it before building a new synchronizer)."""
+        """Remove the backward hooks (the strategy calls it before building new buckets)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
 
+    def main_grad(self, p: Tensor) -> Tensor:
+        """``p``'s gradient slice of its bucket (flat, ``[local numel]``, ``grad_dtype``)."""
+        return self._main[id(p)]
+
+    def has_grad(self, p: Tensor) -> bool:
+        """Whether ``p`` received a gradient since the last optimizer step."""
+        return id(p) not in self._fresh
+
+    def buffers(self) -> list[Tensor]:
+        """The flat gradient buffers (for byte counts)."""
+        return [b.buffer for b in self.buckets]
+
+    def bucket_of(self, p: Tensor) -> tuple[_Bucket, int]:
+        """(the bucket holding ``p``, ``p``'s offset in it)."""
+        b = self.buckets[self._bucket_of[id(p)]]
+        return b, b.offsets[id(p)]
+
+    def start_accumulation(self) -> None:
+        """The next gradient of every parameter overwrites its slice (called after each optimizer step)."""
+        self._fresh = {id(p) for p in self.params}
+
     @contextmanager
     def overlap_with_backward(self) -> Iterator[None]:
-        """Launch each bucket's all-reduce from the backward pass that runs inside this context."""
+        """Start each bucket's collective from the backward pass that runs inside this context."""
         self._ready = [0] * len(self.buckets)
         self._overlap = True
         try:
@@ -173,79 +313,115 @@ class GradientSynchronizer:
         finally:
             self._overlap = False
 
+    @torch.no_grad()
+    def _accumulate(self, p: Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            g = g.redistribute(p.device_mesh, p.placements)
+        local = _local(g).reshape(-1)
+        main = self._main[id(p)]
+        if local.data_ptr() != main.data_ptr():  # not accumulated in place into an exposed slice
+            if id(p) in self._fresh:
+                main.copy_(local)
+            else:
+                main.add_(local)
+        self._fresh.discard(id(p))
+        p.grad = None
+
     def _grad_ready(self, p: Tensor) -> None:
-        if not self._overlap:
+        self._accumulate(p)
+        if not self._overlap or self.world == 1:
             return
         i = self._bucket_of[id(p)]
         self._ready[i] += 1
-        if self._ready[i] == len(self.buckets[i]):
+        if self._ready[i] == len(self.buckets[i].params):
             self._launch(i)
-
-    @staticmethod
-    @torch.no_grad()
-    def _normalize(params: Iterable[nn.Parameter]) -> None:
-        for p in params:
-            g = p.grad
-            if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
-                p.grad = g.redistribute(p.device_mesh, p.placements)
 
     @torch.no_grad()
     def _launch(self, i: int) -> None:
         if i in self._pending:
             return
-        bucket = [p for p in self.buckets[i] if p.grad is not None]
-        self._normalize(bucket)
-        if not bucket:
-            return
-        flat = torch.cat([_local(p.grad).reshape(-1) for p in bucket])
-        self._pending[i] = (dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket)
+        b = self.buckets[i]
+        for p in b.params:  # no gradient this step: zeros, not the last step's values
+            if id(p) in self._fresh:
+                self._main[id(p)].zero_()
+        if self.reduce_scatter:
+            start, end = b.own_range(self.rank, self.world)
+            work = dist.reduce_scatter_tensor(b.buffer[start:end], b.buffer, group=self.group, async_op=True)
+        else:
+            work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+        self._pending[i] = work
 
     @torch.no_grad()
     def synchronize(self) -> None:
-        """Finish the averaging: launch the remaining buckets, wait for all, write the averages back."""
-        if self.world == 1:
-            self._normalize(self.params)
-            return
-        for i in range(len(self.buckets)):
-            self._launch(i)
-        for i in sorted(self._pending):
-            work, flat, bucket = self._pending[i]
-            work.wait()
-            flat.div_(self.world)
-            offset = 0
-            for p in bucket:
-                g = _local(p.grad)
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        self._pending = {}
+        """Finish the averaging: take in gradients assigned outside the hook, start the remaining buckets' collectives,
+        wait, divide by D (ZeRO 1: the rank's own ranges only are meaningful afterwards)."""
+        for p in self.params:
+            if p.grad is not None:
+                self._accumulate(p)
+        if self.world > 1:
+            for i in range(len(self.buckets)):
+                self._launch(i)
+            for i in sorted(self._pending):
+                self._pending[i].wait()
+                b = self.buckets[i]
+                start, end = b.own_range(self.rank, self.world) if self.reduce_scatter else (0, b.padded)
+                b.buffer[start:end].div_(self.world)
+            self._pending = {}
+        if self.grad_dtype is None and not self.reduce_scatter:
+            self._expose()
+
+    def _expose(self) -> None:
+        """``p.grad`` = ``p``'s bucket slice (shaped and placed like ``p``) for every parameter with a gradient."""
+        for p in self.params:
+            if id(p) in self._fresh:
+                continue
+            view = self._main[id(p)].view(_local(p).shape)
+            if isinstance(p, DTensor):
+                view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
+            p.grad = view
 
 
 class ShardedOptimizer:
-    """ZeRO stage 1: shard the states of an existing ``torch.optim.Optimizer`` over a data-parallel group.
+    """ZeRO stage 1 and mixed-precision master weights around an existing element-wise ``torch.optim.Optimizer``
+    (SGD, Adam, AdamW, ...; not Shampoo or LAMB, which need whole tensors), over :class:`GradientBuckets`.
 
-    Every parameter's local tensor (the tensor-parallel shard for a DTensor) is flattened and split into D equal
-    chunks of ``ceil(n / D)`` elements (the last ones shorter or empty); rank r keeps optimizer states only for its
-    chunk. At rest the optimizer's ``param_groups`` hold the real parameters (so gradient clipping and LR
-    schedulers see the model); ``optimizer.step`` is replaced by a step that
+    Each parameter's *owned slice* is the part of its flat local tensor that falls in this rank's 1/D of its bucket
+    (ZeRO 1, Megatron-LM's distributed optimizer; a parameter may straddle ranks or own nothing) or all of it (ZeRO 0
+    with master weights). For each owned slice the optimizer steps one tensor: a float32 copy of the slice when
+    ``master_dtype`` is given (the master weight; the model's parameter is bfloat16), else a view of the parameter
+    itself. Per parameter that is, with D = dp·cp ranks: ZeRO 1 under ``bf16-mixed``, 2 (bf16 weight) + 4 (fp32
+    gradient in its bucket) + 12/D (fp32 master, Adam m and v) bytes, Megatron-LM's distributed optimizer; ZeRO 0
+    under ``bf16-mixed``, 18 bytes.
 
-    1. runs the closure (forward, backward, gradient synchronization, clipping),
-    2. points the param groups at this rank's chunk views (which share storage with the parameters) and their
-       gradient slices, runs the wrapped optimizer's step (so Adam's states are 1/D of the parameters),
-    3. restores the param groups and all-gathers the updated chunks into every rank's parameters (one bucketed
-       ``all_gather_into_tensor`` per dtype).
+    At rest the optimizer's ``param_groups`` hold the model's parameters (so LR schedulers and checkpoints see the
+    model); ``optimizer.step`` is replaced by a step that
 
-    Any element-wise optimizer works (SGD, Adam, AdamW, ...); optimizers that need whole tensors (Shampoo, LAMB's
-    per-tensor trust ratio) are not element-wise and must not be sharded this way.
+    1. runs the closure (forward, backward, gradient averaging, clipping),
+    2. points the param groups at the owned tensors, their gradients at the owned slices of the buckets, and runs
+       the wrapped optimizer's step (its states are those of the owned slices only),
+    3. restores the param groups, copies the updated masters into the parameters (cast to their dtype) and, at
+       ZeRO 1, all-gathers every bucket's updated parameters (``all_gather_into_tensor`` of each rank's range).
+
+    Raises:
+        ValueError: an optimizer parameter that is not in the buckets, or a non-contiguous one.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, buckets: GradientBuckets, master_dtype: Optional[torch.dtype] = None
+    ) -> None:
         self.optimizer = optimizer
-        self.group = group
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.buckets = buckets
+        self.master_dtype = master_dtype
+        self.world = buckets.world if buckets.reduce_scatter else 1
+        self.rank = buckets.rank if buckets.reduce_scatter else 0
         self._full_groups = [list(g["params"]) for g in optimizer.param_groups]
-        self.chunk: dict[int, int] = {}  # id(param) -> chunk length (padded)
-        self.shard: dict[int, nn.Parameter] = {}  # id(param) -> this rank's chunk view
+        self.owned: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) of its flat local tensor
+        self.shard: dict[int, nn.Parameter] = {}  # id(param) -> the tensor the optimizer steps
+        self.has_master: set[int] = set()  # id(param) of the parameters stepped through a separate master copy
         for params in self._full_groups:
             for p in params:
                 self._make_shard(p)
@@ -261,19 +437,43 @@ class ShardedOptimizer:
         optimizer._lightning_4d_zero1 = self  # type: ignore[attr-defined]
 
     def _make_shard(self, p: Tensor) -> None:
+        if id(p) not in self.buckets._bucket_of:
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(p.shape)} that is frozen or owned by FSDP2: ZeRO 1 "
+                "and master weights need every optimizer parameter to be trainable and outside FSDP2 units."
+            )
         local = _local(p.data)
         if not local.is_contiguous():
-            raise ValueError("ZeRO-1 needs contiguous parameters")
-        n = local.numel()
-        chunk = math.ceil(n / self.world) if n else 0
-        start, end = min(self.rank * chunk, n), min((self.rank + 1) * chunk, n)
-        self.chunk[id(p)] = chunk
-        self.shard[id(p)] = nn.Parameter(local.view(-1)[start:end], requires_grad=p.requires_grad)
+            raise ValueError("ZeRO 1 and master weights need contiguous parameters")
+        bucket, offset = self.buckets.bucket_of(p)
+        lo, hi = bucket.own_range(self.rank, self.world) if self.world > 1 else (0, bucket.padded)
+        start, end = min(max(lo - offset, 0), local.numel()), min(max(hi - offset, 0), local.numel())
+        self.owned[id(p)] = (start, end)
+        flat = local.view(-1)[start:end]
+        if self.master_dtype is not None:  # the parameter is cast to the compute dtype after this
+            flat = flat.detach().to(self.master_dtype, copy=True)
+            self.has_master.add(id(p))
+        self.shard[id(p)] = nn.Parameter(flat, requires_grad=p.requires_grad)
 
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> Optional["ShardedOptimizer"]:
         """The ``ShardedOptimizer`` wrapping ``optimizer`` (a torch optimizer), or ``None``."""
         return getattr(optimizer, "_lightning_4d_zero1", None)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The model parameters of the wrapped optimizer."""
+        return [p for params in self._full_groups for p in params]
+
+    def owned_grad(self, p: Tensor) -> Optional[Tensor]:
+        """The owned slice of ``p``'s averaged gradient in its bucket, ``None`` when ``p`` got no gradient."""
+        if not self.buckets.has_grad(p):
+            return None
+        start, end = self.owned[id(p)]
+        return self.buckets.main_grad(p)[start:end]
+
+    def master_tensors(self) -> list[Tensor]:
+        """The master weights (``[]`` without ``master_dtype``: the parameters are their own masters)."""
+        return [self.shard[i] for i in self.shard if i in self.has_master]
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
@@ -281,17 +481,9 @@ class ShardedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         for group, params in zip(self.optimizer.param_groups, self._full_groups):
-            shards = []
             for p in params:
-                s = self.shard[id(p)]
-                if p.grad is not None:
-                    n, chunk = s.numel(), self.chunk[id(p)]
-                    start = min(self.rank * chunk, _local(p.grad).numel())
-                    s.grad = _local(p.grad).reshape(-1)[start : start + n]
-                else:
-                    s.grad = None
-                shards.append(s)
-            group["params"] = shards
+                self.shard[id(p)].grad = self.owned_grad(p)
+            group["params"] = [self.shard[id(p)] for p in params]
         try:
             self._inner_step()
         finally:
@@ -299,51 +491,113 @@ class ShardedOptimizer:
                 group["params"] = params
                 for p in params:
                     self.shard[id(p)].grad = None
-        self.all_gather()
+        self._write_back()
         return loss
 
     @torch.no_grad()
-    def all_gather(self) -> None:
-        """Copy every rank's updated chunk into every rank's parameters (bucketed ``all_gather_into_tensor``)."""
+    def _write_back(self) -> None:
+        """Copy the updated masters into the parameters, then (ZeRO 1) all-gather every bucket's parameters."""
+        for p in self.parameters():
+            if id(p) in self.has_master:
+                start, end = self.owned[id(p)]
+                if end > start:
+                    _local(p.data).view(-1)[start:end].copy_(self.shard[id(p)])
         if self.world == 1:
             return
-        params = [p for params in self._full_groups for p in params if self.chunk[id(p)] > 0]
-        for bucket in _buckets([_local(p.data) for p in params], 4 * _BUCKET_BYTES):
-            chunks = [math.ceil(t.numel() / self.world) for t in bucket]
-            total = sum(chunks)
-            mine = torch.zeros(total, dtype=bucket[0].dtype, device=bucket[0].device)
-            offset = 0
-            for t, c in zip(bucket, chunks):
-                flat = t.reshape(-1)[self.rank * c : (self.rank + 1) * c]
-                mine[offset : offset + flat.numel()] = flat
-                offset += c
-            gathered = torch.empty(self.world * total, dtype=mine.dtype, device=mine.device)
-            _all_gather_flat(gathered, mine, self.group)
-            gathered = gathered.view(self.world, total)
-            offset = 0
-            for t, c in zip(bucket, chunks):
-                t.view(-1).copy_(gathered[:, offset : offset + c].reshape(-1)[: t.numel()])
-                offset += c
+        mine = set(map(id, self.parameters()))
+        for bucket in self.buckets.buckets:
+            params = [p for p in bucket.params if id(p) in mine]
+            if not params:
+                continue
+            lo, hi = bucket.own_range(self.rank, self.world)
+            dtype = _local(params[0]).dtype
+            own = torch.zeros(hi - lo, dtype=dtype, device=bucket.buffer.device)
+            for p in params:
+                start, end = self.owned[id(p)]
+                at = self.buckets.bucket_of(p)[1] + start - lo
+                own[at : at + end - start] = _local(p.data).view(-1)[start:end]
+            gathered = torch.empty(bucket.padded, dtype=dtype, device=own.device)
+            _all_gather_flat(gathered, own, self.buckets.group)
+            for p in params:
+                offset = self.buckets.bucket_of(p)[1]
+                local = _local(p.data).view(-1)
+                local.copy_(gathered[offset : offset + local.numel()])
+
+    # ------------------------------------------------------------------ clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the averaged gradients by their global norm over all ranks (dp/cp shards, tp shards, pipeline
+        stages), in place; returns the norm (float32 scalar, the same on every rank).
+
+        Each rank adds the norm of its owned slices (float32), counting a parameter replicated over tp (RMSNorm
+        weights) on tp rank 0 only (Megatron-LM's ``clip_grad_norm_fp32``); the sum of ``|g|^q`` (``max`` for
+        q = inf) goes through an all-reduce over all ranks, divided by D at ZeRO 0 (every dp/cp rank holds the
+        whole averaged gradient); coefficient ``min(1, max_norm / (norm + 1e-6))``, as
+        ``torch.nn.utils.clip_grad_norm_``.
+        """
+        grads = [(p, g) for p in self.parameters() if (g := self.owned_grad(p)) is not None]
+        device = self.buckets.buckets[0].buffer.device
+        inf = math.isinf(norm_type)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for p, g in grads:
+            if _tp_duplicate(p) or g.numel() == 0:
+                continue
+            n = torch.linalg.vector_norm(g.float(), norm_type)
+            total = torch.maximum(total, n) if inf else total + n**norm_type
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        if not inf:
+            if self.world == 1:
+                total = total / self.buckets.world  # every dp_cp rank counted the whole gradient
+            total = total ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for _, g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every averaged gradient element to ``[-clip_value, clip_value]``, in place."""
+        for p in self.parameters():
+            g = self.owned_grad(p)
+            if g is not None:
+                g.clamp_(-clip_value, clip_value)
 
     # ------------------------------------------------------------------ checkpoint support
     def sharded_state(self, names: dict[int, str]) -> dict[str, dict[str, Tensor]]:
-        """This rank's optimizer states keyed by parameter name: ``{name: {"exp_avg": chunk, ...}}``."""
+        """This rank's optimizer states keyed by parameter name: ``{name: {"exp_avg": slice, ..., "master": slice}}``
+        (``"master"`` with master weights)."""
         out: dict[str, dict[str, Tensor]] = {}
-        for params in self._full_groups:
-            for p in params:
-                state = self.optimizer.state.get(self.shard[id(p)])
-                if state:
-                    out[names[id(p)]] = {
-                        k: (v if isinstance(v, Tensor) else torch.tensor(v)) for k, v in state.items()
-                    }
+        for p in self.parameters():
+            shard = self.shard[id(p)]
+            state = dict(self.optimizer.state.get(shard) or {})
+            if id(p) in self.has_master:
+                state["master"] = shard.detach()
+            if state:
+                out[names[id(p)]] = {k: (v if isinstance(v, Tensor) else torch.tensor(v)) for k, v in state.items()}
         return out
 
+    @torch.no_grad()
     def load_sharded_state(self, names: dict[int, str], states: dict[str, dict[str, Tensor]]) -> None:
-        for params in self._full_groups:
-            for p in params:
-                s = states.get(names[id(p)])
-                if s is not None:
-                    self.optimizer.state[self.shard[id(p)]] = {k: v.clone() for k, v in s.items()}
+        """Inverse of :meth:`sharded_state` (same layout); then the parameters are refreshed from the masters."""
+        for p in self.parameters():
+            s = dict(states.get(names[id(p)]) or {})
+            master = s.pop("master", None)
+            if id(p) in self.has_master:  # no master saved (another precision): the loaded weights are the master
+                start, end = self.owned[id(p)]
+                self.shard[id(p)].copy_(master if master is not None else _local(p.data).view(-1)[start:end])
+            if s:
+                self.optimizer.state[self.shard[id(p)]] = {k: v.clone() for k, v in s.items()}
+        if self.has_master:
+            self._write_back()
+
+
+def _tp_duplicate(p: Tensor) -> bool:
+    """Whether ``p`` is replicated over its (1D, tensor-parallel) mesh and this is not its rank 0: its gradient is
+    counted once, on rank 0, in a global norm."""
+    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1:
+        return False
+    return all(isinstance(pl, Replicate) for pl in p.placements) and p.device_mesh.get_local_rank() != 0
 
 
 def _all_gather_flat(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
@@ -369,3 +623,30 @@ def local_bytes(tensors: Iterable[Optional[Tensor]]) -> int:
         seen.add(key)
         total += t.numel() * t.element_size()
     return total
+
+
+def model_state_tensors(
+    model: nn.Module, optimizers: Iterable[Any], buckets: Optional[GradientBuckets]
+) -> dict[str, list[Tensor]]:
+    """The tensors behind one rank's model states, by kind, for byte counts (:func:`local_bytes`) against the memory
+    model (``lightning_4d.memory.model.model_state_bytes``).
+
+    Returns ``{"parameters": [...], "gradients": [...], "optimizer_states": [...], "master_weights": [...]}``: the
+    parameters (the local
+    shards), the gradients (each parameter's slice of its bucket at ZeRO 0/1, padding excluded; ``.grad`` otherwise)
+    and the optimizer states (every tensor state of at least one dimension, e.g. Adam's m and v, plus the master
+    weights of :class:`ShardedOptimizer`).
+    """
+    params = list(model.parameters())
+    in_buckets = set() if buckets is None else {id(p) for p in buckets.params}
+    grads = [buckets.main_grad(p) for p in buckets.params] if buckets is not None else []
+    grads += [p.grad for p in params if id(p) not in in_buckets and p.grad is not None]
+    states: list[Tensor] = []
+    masters: list[Tensor] = []
+    for optimizer in optimizers:
+        torch_opt = unwrap_optimizer(optimizer)
+        states += [v for st in torch_opt.state.values() for v in st.values() if isinstance(v, Tensor) and v.ndim > 0]
+        sharded = ShardedOptimizer.of(torch_opt)
+        if sharded is not None:
+            masters += sharded.master_tensors()
+    return {"parameters": params, "gradients": grads, "optimizer_states": states + masters, "master_weights": masters}

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 from lightning_4d import FourDStrategy, ParallelConfig  # noqa: E402
 from lightning_4d.memory.model import estimate_memory, model_state_bytes, saved_activation_bytes  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
-from lightning_4d.parallel.zero import local_bytes  # noqa: E402
+from lightning_4d.parallel.zero import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 
@@ -146,15 +146,15 @@ class Measured(CausalLMModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.states:
             return
-        params = list(self.parameters())
-        self.states["parameters"] = local_bytes(params)
-        self.states["gradients"] = local_bytes(p.grad for p in params)
+        tensors = model_state_tensors(self, [], getattr(self.trainer.strategy, "_grad_sync", None))
+        self.states["parameters"] = local_bytes(tensors["parameters"])
+        self.states["gradients"] = local_bytes(tensors["gradients"])
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if "optimizer_states" not in self.states:
-            opt = self.trainer.optimizers[0]
-            moments = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim > 0]
-            self.states["optimizer_states"] = local_bytes(moments)
+            tensors = model_state_tensors(self, self.trainer.optimizers, None)
+            self.states["optimizer_states"] = local_bytes(tensors["optimizer_states"])
+            self.states["master_weights"] = local_bytes(tensors["master_weights"])
 
 
 def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | None = None) -> dict:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.models.llama import _canonical_name  # noqa: E402
-from lightning_4d.parallel.zero import local_bytes  # noqa: E402
+from lightning_4d.parallel.zero import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 
@@ -54,17 +54,17 @@ class Recorder(L.Callback):
         if "params" in self.bytes:
             return
         params = list(pl_module.parameters())
+        sync = getattr(trainer.strategy, "_grad_sync", None)
         self.bytes["params"] = local_bytes(params)
-        self.bytes["grads"] = local_bytes(p.grad for p in params)
+        self.bytes["grads"] = local_bytes(model_state_tensors(pl_module, [], sync)["gradients"])
         self.bytes["tp_local_params"] = sum(_tp_local_numel(p) * p.element_size() for p in params)
         self.bytes["num_params"] = len(params)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         if "optimizer_states" not in self.bytes and trainer.optimizers[0].state:  # after the first optimizer step
-            opt = trainer.optimizers[0]
-            moments = [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim > 0]
-            self.bytes["optimizer_states"] = local_bytes(moments)
+            states = model_state_tensors(pl_module, trainer.optimizers, None)["optimizer_states"]
+            self.bytes["optimizer_states"] = local_bytes(states)
 
 
 def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_steps: int | None = None,
