@@ -195,7 +195,8 @@ class FourDStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         validate_against_module(self.parallel_config, self.lightning_module)  # before the process group exists
-        validate_precision(getattr(self.precision_plugin, "precision", None), self.parallel_config.zero_stage)
+        validate_precision(getattr(self.precision_plugin, "precision", None), self.parallel_config.zero_stage,
+                           full_file_checkpoints=not self._save_distributed_checkpoint)
         self._add_memory_check()
         self._setup_distributed()
         self._mesh = build_mesh(self.parallel_config, self.root_device.type)

@@ -12,6 +12,10 @@ LAYOUTS = [
     {"dp": 2, "tp": 2, "zero": 1}, {"dp": 2, "tp": 2, "zero": 3}, {"dp": 4, "zero": 0}, {"dp": 4, "zero": 2},
     # save_distributed_checkpoint=False: one full file from rank 0, every rank keeps its shards on load
     {"dp": 2, "tp": 2, "zero": 3, "sdc": False}, {"dp": 4, "zero": 0, "sdc": False},
+    # bf16-mixed: the fp32 master weights are saved with the optimizer states (else the resumed run would restart
+    # from the bf16-rounded weights and drift)
+    {"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"}, {"dp": 4, "zero": 0, "precision": "bf16-mixed"},
+    {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-mixed", "sdc": False},
 ]
 
 

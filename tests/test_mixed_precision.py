@@ -70,6 +70,9 @@ def test_precision_flags():
     validate_precision("16-mixed", 0)
     with pytest.raises(ValueError, match="16-mixed.*zero_stage=1"):
         validate_precision("16-mixed", 1)
+    validate_precision("bf16-mixed", 3, full_file_checkpoints=True)
+    with pytest.raises(ValueError, match="save_distributed_checkpoint=False.*bf16-mixed"):
+        validate_precision("bf16-mixed", 0, full_file_checkpoints=True)
 
 
 @pytest.fixture()

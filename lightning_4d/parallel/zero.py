@@ -142,17 +142,25 @@ def mixed_precision_dtype(precision: Optional[str]) -> Optional[torch.dtype]:
     return torch.bfloat16 if precision == "bf16-mixed" else None
 
 
-def validate_precision(precision: Optional[str], zero_stage: int) -> None:
+def validate_precision(precision: Optional[str], zero_stage: int, full_file_checkpoints: bool = False) -> None:
     """Refuse a precision ZeRO cannot serve, before any process group exists.
 
     Raises:
-        ValueError: ``"16-mixed"`` with ZeRO 1: Lightning's gradient scaler unscales the parameters' ``.grad``, which
-            ZeRO 1 keeps in its buckets instead.
+        ValueError: ``"16-mixed"`` with ZeRO 1 (Lightning's gradient scaler unscales the parameters' ``.grad``, which
+            ZeRO 1 keeps in its buckets instead); master weights (``"bf16-mixed"``) at ZeRO 0 with full-file
+            checkpoints (``full_file_checkpoints``: ``save_distributed_checkpoint=False``; each rank's master weights
+            and optimizer states are saved in the sharded folder's per-rank files only).
     """
     if precision == "16-mixed" and zero_stage == 1:
         raise ValueError(
             "precision='16-mixed' (float16 with a gradient scaler) is not supported with zero_stage=1: use "
             "precision='bf16-mixed' (bf16 weights, fp32 master weights, no scaler), or zero_stage 0, 2 or 3."
+        )
+    if mixed_precision_dtype(precision) is not None and zero_stage == 0 and full_file_checkpoints:
+        raise ValueError(
+            f"save_distributed_checkpoint=False is not supported with precision={precision!r} and zero_stage=0: the "
+            "fp32 master weights live with the optimizer states, saved per rank in a sharded folder. Use "
+            "save_distributed_checkpoint=True, or zero_stage 2 or 3 (FSDP2: the fp32 parameters are the masters)."
         )
 
 
