@@ -300,17 +300,18 @@ def _norm_input_saved(r: int, b: int, s_sp: int, h: int) -> int:
 def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> dict[str, int]:
     """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
     part: ``norms`` (both norms' inputs and float32 reciprocal RMS), ``attn_in`` / ``ffn_in`` (the projections'
-    inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3, all-gathered to the full sequence under sp;
-    under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v, output, float32 log-sum-exp) and
-    ``swiglu``."""
+    inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
+    gathered again in backward; without sp under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v,
+    output, float32 log-sum-exp) and ``swiglu``."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
     c = dt.compute
     return {
         "norms": 2 * _norm_input_saved(dt.residual, b, s_sp, h),
-        "attn_in": c * b * s * h * (3 if dt.autocast else 1),
-        "ffn_in": c * b * s * h * (2 if dt.autocast else 1),
+        # under sp the projections save the sequence shard and gather it again in backward (parallel/tensor.py)
+        "attn_in": c * b * s_sp * h if sp else c * b * s * h * (3 if dt.autocast else 1),
+        "ffn_in": c * b * s_sp * h if sp else c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * k * d + 4 * b * a * s,
         "swiglu": 4 * c * b * s * (f // tp),
     }

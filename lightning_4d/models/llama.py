@@ -154,6 +154,10 @@ class Attention(nn.Module):
     ``core_attention``: ``None`` (plain causal attention over the tokens given), or a callable ``(q, k, v, backend)
     -> out`` that replaces it; context parallelism sets one that attends over the whole sequence of the cp group
     (:func:`lightning_4d.parallel.context.apply_context_parallel`).
+
+    ``input_projection``: ``None`` (``wq(x)``, ``wk(x)``, ``wv(x)``), or a callable ``(x, (wq, wk, wv)) -> (q, k, v)``
+    that replaces the three projections; sequence parallelism sets one that saves only this rank's sequence shard of
+    ``x`` for backward (:func:`lightning_4d.parallel.tensor.apply_tensor_parallel`).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -162,6 +166,7 @@ class Attention(nn.Module):
         self.head_dim = d
         self.backend = config.attention_backend
         self.core_attention = None
+        self.input_projection = None
         self.wq = nn.Linear(h, config.num_heads * d, bias=False)
         self.wk = nn.Linear(h, config.num_kv_heads * d, bias=False)
         self.wv = nn.Linear(h, config.num_kv_heads * d, bias=False)
@@ -170,7 +175,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Args: ``x`` ``[b, s, h]``; ``cos``, ``sin`` ``[s, d/2]`` or ``[b, s, d/2]`` float32 (from
         :func:`~lightning_4d.models.rope.rope_cos_sin`). Returns ``[b, s, h]``."""
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.input_projection is not None:
+            q, k, v = self.input_projection(x, (self.wq, self.wk, self.wv))
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, -1, self.head_dim)
         k = k.view(b, s, -1, self.head_dim)
@@ -190,17 +198,25 @@ class FeedForward(nn.Module):
 
     Submodules (no biases): ``w1`` gate ``h -> f``, ``w3`` up ``h -> f``, ``w2`` down ``f -> h``.
     Shapes: ``[b, s, h]`` -> ``[b, s, h]`` (``f`` may be a tensor-parallel shard).
+
+    ``input_projection``: ``None`` (``w1(x)``, ``w3(x)``), or a callable ``(x, (w1, w3)) -> (gate, up)`` replacing
+    them (see :class:`Attention`).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
+        self.input_projection = None
         h, f = config.hidden_size, config.intermediate_size
         self.w1 = nn.Linear(h, f, bias=False)
         self.w3 = nn.Linear(h, f, bias=False)
         self.w2 = nn.Linear(f, h, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.input_projection is not None:
+            gate, up = self.input_projection(x, (self.w1, self.w3))
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

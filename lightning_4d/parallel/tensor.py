@@ -8,7 +8,10 @@ Per transformer block, over a tp group of size t:
 - ``wo`` and ``w2`` are split by input features (row parallel); their partial outputs are summed across the group
   (all-reduce; with sequence parallelism a reduce-scatter over the sequence instead);
 - with sequence parallelism the RMSNorms and residual stream hold ``s/t`` tokens per rank (``Shard(1)`` of
-  ``[b, s, h]``) and the sequence is all-gathered before ``wq/wk/wv`` and ``w1/w3``;
+  ``[b, s, h]``) and the sequence is all-gathered before ``wq/wk/wv`` and ``w1/w3``, once per group of projections
+  (:class:`_SequenceParallelProjection`): only the rank's sequence shard is saved for backward, which all-gathers
+  it again for the weight gradients (Korthikanti et al. 2022, §4.2.2; Megatron-LM's
+  ``LinearWithGradAccumulationAndAsyncCommunication``), so these inputs cost ``1/t`` of the gathered tensor;
 - the embedding is split by vocabulary rows, the LM head by vocabulary columns; its logits stay vocabulary-sharded
   (``Shard(-1)``) as a DTensor, for ``torch.distributed.tensor.parallel.loss_parallel`` (no full-vocabulary logits
   on any rank).
@@ -17,8 +20,11 @@ Per transformer block, over a tp group of size t:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from functools import partial
+from typing import Any, Iterator, Optional
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,6 +37,67 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+
+class _SequenceParallelProjection(torch.autograd.Function):
+    """``outs[i] = all_gather_seq(x) @ weights[i].T`` for the column-parallel projections that share one input
+    under sequence parallelism, saving for backward only ``x`` (this rank's sequence shard) and the weights.
+
+    Forward: ``x`` ``[b, s/t, h]`` is all-gathered over the tp group along the sequence (rank order, as DTensor's
+    ``Shard(1)``) to ``[b, s, h]``, each local weight ``[o_i/t, h]`` gives ``[b, s, o_i/t]``. Backward: the sequence
+    is all-gathered again (one more all-gather per group of projections, Megatron-LM's trade), ``dW_i = g_i^T x_full``,
+    ``dx_full = sum_i g_i W_i``, reduce-scattered along the sequence to ``[b, s/t, h]``. Under autocast the inputs
+    are cast to the autocast dtype first, as autocast would; gradients come back in each input's own dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:  # noqa: D102
+        ctx.group, ctx.dtypes = group, (x.dtype, *(w.dtype for w in weights))
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), tuple(w.to(dtype) for w in weights)
+        with torch.autocast(x.device.type, enabled=False):
+            full = _gather_sequence(x, group)
+            outs = tuple(full @ w.t() for w in weights)
+        ctx.save_for_backward(x, *weights)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:  # noqa: D102
+        x, *weights = ctx.saved_tensors
+        full = _gather_sequence(x, ctx.group)
+        flat = full.reshape(-1, full.shape[-1])
+        grad_full = sum(g.to(w.dtype) @ w for g, w in zip(grads, weights))
+        grad_weights = [(g.reshape(-1, g.shape[-1]).to(flat.dtype).t() @ flat).to(dt)
+                        for g, dt in zip(grads, ctx.dtypes[1:])]
+        grad_x = _reduce_scatter_sequence(grad_full, ctx.group).to(ctx.dtypes[0])
+        return (None, grad_x, *grad_weights)
+
+
+def _gather_sequence(x: Tensor, group: Any) -> Tensor:
+    """``[b, s/t, h]`` of every tp rank -> ``[b, s, h]`` (rank order along the sequence)."""
+    t = dist.get_world_size(group)
+    out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out.view(t, *x.shape).permute(1, 0, *range(2, x.ndim + 1)).reshape(x.shape[0], t * x.shape[1], *x.shape[2:])
+
+
+def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
+    """``[b, s, h]`` summed over the tp ranks, this rank's ``[b, s/t, h]`` sequence shard kept."""
+    t = dist.get_world_size(group)
+    parts = x.reshape(x.shape[0], t, x.shape[1] // t, *x.shape[2:]).transpose(0, 1)
+    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, parts.reshape(-1, *parts.shape[2:]), group=group)
+    return out
+
+
+def sequence_parallel_projection(x: Tensor, linears: tuple[nn.Linear, ...], group: Any) -> tuple[Tensor, ...]:
+    """The column-parallel projections ``linears`` (weights ``Shard(0)`` DTensors over tp) of the sequence-sharded
+    ``x`` (a ``Shard(1)`` DTensor, or its local ``[b, s/t, h]``): the local outputs ``[b, s, o_i/t]`` (as
+    ``ColwiseParallel`` returns them), saving only the shard of ``x`` (:class:`_SequenceParallelProjection`)."""
+    local = x.to_local() if isinstance(x, DTensor) else x
+    weights = [lin.weight.to_local() if isinstance(lin.weight, DTensor) else lin.weight for lin in linears]
+    return _SequenceParallelProjection.apply(group, local, *weights)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -83,6 +150,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
+            # the projections gather the sequence themselves (the linears' plans only shard their weights)
+            del plan["attention"], plan["feed_forward"]
+            projection = partial(sequence_parallel_projection, group=tp_mesh.get_group())
+            block.attention.input_projection = projection
+            block.feed_forward.input_projection = projection
         parallelize_module(block, tp_mesh, plan)
 
 
