@@ -177,8 +177,9 @@ def _strategy_kwargs(line: str) -> dict:
 
 
 def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
-    """llama3-8b, 8 GPUs, s=8192, b=1: the first layout that fits is tp=2 x cp=2 x dp=2; the printed line names every
-    dimension, so that it describes 8 GPUs (it used to print dp and tp only: 4 GPUs)."""
+    """llama3-8b, 8 GPUs, s=8192, b=1: the first layout that fits is tp=2 x dp=4 with selective activation
+    checkpointing (tp=2 x cp=2 x dp=2 without checkpointing comes next); the printed line names every dimension, so
+    that it describes 8 GPUs (it used to print dp and tp only: 4 GPUs)."""
     import inspect
     from types import SimpleNamespace
 
@@ -205,7 +206,7 @@ def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
         assert pc.world_size == job.world_size == 8
         assert pc == suggested
     first = ParallelConfig(**_strategy_kwargs(lines[0]))
-    assert (first.tp, first.cp, first.dp, first.pp) == (2, 2, 2, 1)
+    assert (first.tp, first.cp, first.dp, first.pp, first.activation_checkpointing) == (2, 1, 4, 1, "selective")
 
 
 def test_suggestion_line_with_a_pipeline_names_schedule_and_microbatches():
