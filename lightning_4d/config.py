@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #: dtype), PyTorch DDP's default ``bucket_cap_mb=25``
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 ZERO_STAGES = (0, 1, 2, 3)
-ACTIVATION_CHECKPOINTING = ("none", "full")
+#: activation checkpointing modes (see lightning_4d/parallel/checkpointing.py)
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 #: context-parallel attention methods (see lightning_4d/parallel/context.py)
 CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
@@ -72,7 +73,9 @@ class ParallelConfig:
             sharded, 3 + parameters sharded (Rajbhandari et al. 2020, "ZeRO", arXiv 1910.02054).
         sequence_parallel: shard the norm / residual regions of a tp group over the sequence (Korthikanti et al.
             2022, arXiv 2205.05198). ``None`` means "on when tp > 1".
-        activation_checkpointing: ``"none"`` or ``"full"`` (recompute each transformer layer in backward).
+        activation_checkpointing: ``"none"``, ``"full"`` (keep each transformer layer's input, recompute the layer in
+            backward) or ``"selective"`` (keep the outputs of the layer's matmuls, attention kernels and tp
+            reductions, recompute its pointwise ops in backward; ``lightning_4d/parallel/checkpointing.py``).
         pipeline_schedule: ``"gpipe"`` (all forwards, then all backwards: m micro-batches of activations in flight),
             ``"1f1b"`` (one forward, one backward: at most p in flight; Narayanan et al. 2021, PipeDream-Flush,
             arXiv 2006.09503), ``"interleaved_1f1b"`` (v non-adjacent model chunks per rank, bubble / v; Narayanan et
@@ -91,7 +94,8 @@ class ParallelConfig:
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
-            unknown pipeline schedule, a ``virtual_pipeline_stages`` the schedule does not support or an unknown
+            unknown pipeline schedule, a ``virtual_pipeline_stages`` the schedule does not support, selective
+            checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1 or an unknown
             context-parallel method.
     """
 
@@ -143,6 +147,15 @@ class ParallelConfig:
                     f"{self.pipeline_schedule!r}, which runs {allowed[0]} stage(s) per rank; schedules that take "
                     f"{self.virtual_pipeline_stages} stages per rank: {fits}."
                 )
+        if (self.activation_checkpointing == "selective" and self.pipeline_parallel_size > 1
+                and self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES):
+            raise ValueError(
+                f"activation_checkpointing='selective' does not work with pipeline_schedule="
+                f"{self.pipeline_schedule!r}: a zero-bubble schedule runs each layer's backward in two passes (input "
+                "gradients, then weight gradients) and PyTorch's selective checkpointing can recompute a layer only "
+                "once. Use activation_checkpointing='full' with it, or 'selective' with one of "
+                f"{[x for x in PIPELINE_SCHEDULES if x not in ZERO_BUBBLE_SCHEDULES]}."
+            )
         if self.num_microbatches is not None:
             _check_positive_int("num_microbatches", self.num_microbatches)
         if self.pipeline_layer_split is not None:

@@ -72,7 +72,8 @@ class FourDStrategy(ModelParallelStrategy):
             ``docs/context_parallel.md``.
         zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
-        activation_checkpointing: ``"none"`` or ``"full"`` (recompute every transformer layer in backward).
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
+            ``"selective"`` (keep each layer's matmul and attention outputs, recompute its pointwise ops).
         compile: ``torch.compile`` each transformer layer (dp/ZeRO layouts; not yet with tp > 1).
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,26 @@ def test_command_line_overrides(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = _metrics(next((tmp_path / "logs" / "run").glob("version_*/metrics.csv")))
     assert len([r for r in rows if r.get("train_loss")]) == 2
+
+
+def test_activation_checkpointing_choices(tmp_path):
+    """The strategy's ``activation_checkpointing`` is a Literal of config.ACTIVATION_CHECKPOINTING: "selective"
+    parses, an unknown mode is refused by the parser with the valid ones (``--print_config``: nothing runs); the
+    ``estimate`` command takes it too."""
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.replace("OUT", str(tmp_path)))
+    proc = _cli("fit", "--config", str(config), "--trainer.strategy.activation_checkpointing=selective",
+                "--print_config", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "activation_checkpointing: selective" in proc.stdout
+    bad = _cli("fit", "--config", str(config), "--trainer.strategy.activation_checkpointing=some", "--print_config",
+               cwd=tmp_path)
+    assert bad.returncode != 0
+    assert "Literal['none', 'full', 'selective']" in bad.stderr
+    estimate = _cli("estimate", "--model", "llama3-8b", "--num-gpus", "8", "--tp", "8", "--micro-batch-size", "1",
+                    "--seq-length", "8192", "--activation-checkpointing", "selective", "--json", cwd=tmp_path)
+    assert estimate.returncode in (0, 1), estimate.stderr  # 1: does not fit
+    assert json.loads(estimate.stdout)["layout"]["activation_checkpointing"] == "selective"
 
 
 def test_model_that_tp_cannot_split_fails_before_process_group(tmp_path):

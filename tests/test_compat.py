@@ -142,6 +142,23 @@ def test_aten_flash_ops_exist_with_the_arguments_passed(name):
     assert "scale" in [a.name for a in schema.arguments if a.kwarg_only]
 
 
+@pytest.mark.parametrize("name", _compat.SAC_SAVED_PRIVATE_OPS)
+def test_selective_checkpointing_ops_exist(name):
+    """Each op selective activation checkpointing saves resolves under the name the policy compares (flash-attn's
+    when flash-attn is installed; otherwise it must be the forward of :data:`_compat.FLASH_ATTN_FUNCTIONS`)."""
+    import torch.distributed  # noqa: F401  (registers the _c10d_functional ops)
+
+    namespace, op = name.split("::")
+    if namespace == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        assert op in _compat.FLASH_ATTN_FUNCTIONS
+        return
+    if namespace == "flash_attn":
+        importlib.import_module("flash_attn.flash_attn_interface")  # registers torch.ops.flash_attn
+    packet = getattr(getattr(torch.ops, namespace), op, None)
+    assert packet is not None, f"torch.ops.{namespace}.{op} is gone: update SAC_SAVED_PRIVATE_OPS"
+    assert packet.default.name() == name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_aten_flash_cpu_matches_sdpa(dtype):
     g = torch.Generator().manual_seed(0)

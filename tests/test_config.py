@@ -36,8 +36,27 @@ def test_sizes_must_be_positive_ints(name):
 
 
 def test_unknown_activation_checkpointing():
-    with pytest.raises(ValueError, match=r"activation_checkpointing='some' .*\['none', 'full'\]"):
+    with pytest.raises(ValueError, match=r"activation_checkpointing='some' .*\['none', 'full', 'selective'\]"):
         ParallelConfig(activation_checkpointing="some")
+    with pytest.raises(ValueError, match="activation_checkpointing='some'"):
+        FourDStrategy(activation_checkpointing="some")
+
+
+def test_selective_activation_checkpointing_is_accepted():
+    assert ParallelConfig(activation_checkpointing="selective").activation_checkpointing == "selective"
+    strategy = FourDStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, activation_checkpointing="selective")
+    assert strategy.parallel_config.activation_checkpointing == "selective"
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_selective_checkpointing_refuses_the_zero_bubble_schedules(schedule):
+    """Their split backward recomputes each layer twice (input, then weight gradients); PyTorch's selective
+    checkpointing hands its saved outputs out once (measured: "Trying to backward an extra time")."""
+    with pytest.raises(ValueError, match=rf"activation_checkpointing='selective' does not work with pipeline_schedule="
+                                         rf"'{schedule}'.*'full'.*\['gpipe', '1f1b', 'interleaved_1f1b'\]"):
+        ParallelConfig(pipeline_parallel_size=2, pipeline_schedule=schedule, activation_checkpointing="selective")
+    ParallelConfig(pipeline_parallel_size=2, pipeline_schedule=schedule, activation_checkpointing="full")
+    ParallelConfig(pipeline_schedule=schedule, activation_checkpointing="selective")  # pp = 1: no pipeline
 
 
 def test_heads_not_divisible_by_tp():
@@ -179,3 +198,29 @@ def test_planner_predicts_mfu_with_the_model_flops_the_task_logs():
     for c in plan(cfg, 8, 8, gpu, s, 16, top=5):
         assert c.tokens_per_sec == pytest.approx(16 * s / c.step_time)
         assert c.mfu == pytest.approx(cfg.flops_per_token(s) * c.tokens_per_sec / (8 * gpu.peak_flops))
+
+
+def test_planner_lists_selective_checkpointing_and_prefers_none_at_equal_time():
+    """Selective checkpointing executes the FLOPs of none (its pointwise recomputation is not modelled), so the two
+    tie on predicted step time; the planner then ranks none first (it recomputes nothing) though it needs more
+    memory, and lists selective with at most none's memory and at least full's."""
+    from lightning_4d.config import ACTIVATION_CHECKPOINTING
+    from lightning_4d.memory.hardware import GPU_PRESETS
+    from lightning_4d.memory.planner import _RECOMPUTATION, executed_flops_per_token, plan
+
+    assert set(_RECOMPUTATION) == set(ACTIVATION_CHECKPOINTING)
+    cfg, s, gpu = LlamaConfig.from_preset("llama3.2-1b"), 4096, GPU_PRESETS["H100-80GB"]
+    assert executed_flops_per_token(cfg, s, "selective") == executed_flops_per_token(cfg, s)
+    ranked = plan(cfg, 8, 8, gpu, s, 16, top=None)
+    same_layout: dict[tuple, dict[str, tuple[int, object]]] = {}
+    for i, c in enumerate(ranked):
+        key = (c.tp, c.pp, c.cp, c.dp, c.micro_batch_size, c.zero_stage)
+        same_layout.setdefault(key, {})[c.activation_checkpointing] = (i, c)
+    triples = [modes for modes in same_layout.values() if set(modes) == set(ACTIVATION_CHECKPOINTING)]
+    assert triples
+    for modes in triples:
+        (i_none, none), (i_sel, sel), (i_full, full) = modes["none"], modes["selective"], modes["full"]
+        assert sel.step_time == none.step_time < full.step_time
+        assert full.memory <= sel.memory <= none.memory  # equal where the peak is not at the start of backward
+        assert i_none < i_sel < i_full
+    assert any(modes["full"][1].memory < modes["selective"][1].memory < modes["none"][1].memory for modes in triples)

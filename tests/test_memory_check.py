@@ -206,7 +206,7 @@ def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
         assert pc.world_size == job.world_size == 8
         assert pc == suggested
     first = ParallelConfig(**_strategy_kwargs(lines[0]))
-    assert (first.tp, first.cp, first.dp, first.pp) == (2, 1, 4, 1)
+    assert (first.tp, first.cp, first.dp, first.pp, first.activation_checkpointing) == (2, 1, 4, 1, "none")
 
 
 def test_suggestion_line_with_a_pipeline_names_schedule_and_microbatches():

@@ -5,8 +5,9 @@ Measured (CPU, gloo, tiny-test Llama, one optimizer step per batch shape; ``test
 - model-state bytes (parameters, gradients at the step, Adam moments) of every rank equal the model's figure for
   that rank exactly;
 - the bytes saved for backward (``saved_tensors_hooks``, each storage once, + the inputs kept by activation
-  checkpointing) are within 5% of the model's ``saved_for_backward``, for b in {1, 2}, s in {64, 256}, with and
-  without full activation checkpointing, in float32, bf16-mixed and bf16-true.
+  checkpointing and, under selective checkpointing, the outputs its policy keeps) are within 5% of the model's
+  ``saved_for_backward``, for b in {1, 2}, s in {64, 256}, without, with full and with selective activation
+  checkpointing, in float32, bf16-mixed and bf16-true.
 
 Run with ``-s`` to see the figures.
 """
@@ -99,6 +100,13 @@ def test_saved_activations_by_hand_fp32():
     assert parts["rope"] == 2 * 4 * 64 * 8
     ac = saved_activation_bytes(TINY, _pc(zero_stage=0, activation_checkpointing="full"), 1, 64, "32-true")
     assert ac["layers"] == 2 * 4 * 64 * 64 and ac["recompute"] == 247_296
+    # selective, per layer: the input 16384 + the 7 matmul outputs 4*64*(64 + 32 + 32 + 128 + 128 + 64 + 64)
+    # = 131072 + the SDPA output 16384 and log-sum-exp 1024 = 164,864; recomputed in a layer's backward: the norms'
+    # 2*(16384 + 256), the linear inputs 2*16384, rotated q, k 16384 + 8192, silu and product 2*32768
+    sel = saved_activation_bytes(TINY, _pc(zero_stage=0, activation_checkpointing="selective"), 1, 64, "32-true")
+    assert sel["layers"] == 2 * 164_864 and sel["recompute"] == 188_928 - 2 * 16384
+    assert {k: v for k, v in sel.items() if k not in ("layers", "recompute")} == {
+        k: v for k, v in parts.items() if k not in ("layers", "recompute")}
 
 
 def test_estimate_fields_and_peak_rule():
@@ -122,6 +130,9 @@ def test_estimate_moves_the_right_way():
     assert estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=3), **kw).total < base.total
     ac = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="full"), **kw)
     assert ac.activations < base.activations / 5
+    sel = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="selective"),
+                          **kw)
+    assert ac.activations < sel.activations < base.activations
     tp = estimate_memory("llama3-8b", _pc(data_parallel_size=4, tensor_parallel_size=2, zero_stage=1), **kw)
     assert tp.activations < base.activations and tp.parameters < base.parameters
     cp = estimate_memory("llama3-8b", _pc(data_parallel_size=4, context_parallel_size=2, zero_stage=1), **kw)
@@ -185,7 +196,7 @@ _WORLD4 = [
 
 
 def _with_ac(layouts):
-    return [dict(x, ac=ac) for x in layouts for ac in ("none", "full")]
+    return [dict(x, ac=ac) for x in layouts for ac in ("none", "full", "selective")]
 
 
 def _measure(tmp_path_factory, name, nproc, layouts, *extra):

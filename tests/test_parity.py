@@ -20,11 +20,17 @@ from lightning_4d.models import LlamaConfig
 from tests._launch import SCRIPTS, torchrun
 
 STEPS = 10
-WORLD2 = [{"dp": 2, "zero": z} for z in range(4)] + [{"tp": 2, "zero": 0}, {"dp": 2, "zero": 3, "compile": True}]
+WORLD2 = (
+    [{"dp": 2, "zero": z} for z in range(4)] + [{"tp": 2, "zero": 0}, {"dp": 2, "zero": 3, "compile": True}]
+    # selective checkpointing under tp without sp: the row-parallel outputs are all-reduced (and kept)
+    + [{"tp": 2, "sp": False, "zero": 0, "ac": "selective"}]
+)
 WORLD4 = (
     [{"dp": 2, "tp": 2, "zero": z} for z in range(4)]
     + [{"dp": 4, "zero": z} for z in range(4)]
     + [{"dp": 2, "tp": 2, "zero": 2, "ac": "full"}, {"dp": 2, "tp": 2, "zero": 3, "sp": False}]
+    # selective checkpointing under tp with sp (reduce-scatters kept, all-gathers recomputed) and FSDP2
+    + [{"dp": 2, "tp": 2, "zero": 3, "ac": "selective"}]
     + [{"dp": 2, "tp": 2, "zero": 1, "clip": 0.1}, {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1}, {"dp": 4, "zero": 0, "clip": 0.1}]
     # several gradient buckets (all-reduces launched during backward); gradient accumulation over 2 micro-batches
     + [{"dp": 2, "tp": 2, "zero": 1, "bucket": 8192}, {"dp": 4, "zero": 0, "bucket": 8192}]

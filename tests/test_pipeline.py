@@ -24,6 +24,7 @@ WORLD2 = [
     {"pp": 2, "schedule": "1f1b", "m": 2, "split": [3, 1]},  # fewer layers on the last stage (head + loss)
     {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1},
     {"pp": 2, "schedule": "1f1b", "m": 2, "ac": "full"},
+    {"pp": 2, "schedule": "interleaved_1f1b", "v": 2, "m": 2, "ac": "selective"},
 ]
 WORLD4 = [
     {"pp": 4, "schedule": "gpipe", "m": 4},

@@ -36,6 +36,25 @@ layers), the final norm (as above), the head's input (c·y), and the loss's save
 ``[b·s, V/t]`` with the labels. With ``bf16-mixed``, autocast's bfloat16 copies of the weight matrices are saved
 too (2 bytes per local matrix element; the embedding is not cast). With full activation checkpointing a layer
 saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one layer's saved set, transient).
+With selective activation checkpointing (``lightning_4d/parallel/checkpointing.py``: the outputs of the matmuls,
+attention kernels and tp reductions kept, everything else recomputed) a layer keeps (:func:`_layer_selective_parts`;
+measured as the outputs the policy keeps, plus the checkpoint's input):
+
+- its input (r·b·s'·h);
+- the outputs of its seven matmuls: c·b·s·((a + 2k)·d + 2f)/t for ``wq``/``wk``/``wv`` and ``w1``/``w3``, and
+  c·y each for ``wo`` and ``w2`` (under tp their partial sums before the reduction, not divided by t; ``w2``'s is
+  never read: the recomputation stops once it has ``w2``'s input);
+- each attention kernel call's output and float32 log-sum-exp, (c·d + 4)·b·a/t bytes per query token: s tokens
+  without cp; under cp (s the local sequence), cp rank r's calls cover s·(1 + r) + s·(cp − 1 − r)/2 tokens with
+  ``"ring"`` and 2·s (1.5·s on cp rank 0) with ``"allgather"``; the figure is the last cp rank's, the largest
+  (ring: cp·s, the whole sequence; allgather: 2·s);
+- under tp, the reduced outputs of ``wo`` and ``w2`` (all-reduce, or reduce-scatter under sp): 2·c·b·s'·h;
+
+and one layer's backward recomputes, transiently (``recompute``: derived from the parts above, not measured), what
+the layer would save without checkpointing less what it takes from the kept outputs (v, the attention output and
+log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs, rsqrt and outputs, the matmul inputs (sp all-gathers, autocast
+casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product; autocast's weight copies and ``"allgather"``'s
+gathered K/V are made again there as under full checkpointing.
 
 **Peak** (:class:`MemoryEstimate`): memory moves through three phases of a step, and the estimate is the largest:
 
@@ -329,6 +348,39 @@ def _layer_input_grad_only(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: b
     return parts["norms"] + parts["sdpa"]
 
 
+def _layer_selective_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool,
+                           attention_tokens: int) -> dict[str, int]:
+    """Bytes one transformer layer keeps for backward under selective activation checkpointing, per micro-batch
+    (``s`` = this rank's sequence length), by part: ``input`` (the layer's input, kept by the checkpoint),
+    ``matmuls`` (the outputs of the seven matmuls: ``wq``/``wk``/``wv`` and ``w1``/``w3`` on their tp-local columns,
+    ``wo``/``w2`` on all ``h``: under tp their partial sums before the reduction), ``attention`` (each attention
+    kernel call's output and float32 log-sum-exp, for ``attention_tokens`` query tokens over all calls: ``s``
+    without cp) and ``reductions`` (the reduced outputs of ``wo``/``w2`` under tp: all-reduce, or reduce-scatter to
+    ``s/t`` tokens under sp)."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
+    s_sp = s // tp if sp else s
+    c = dt.compute
+    return {
+        "input": dt.residual * b * s_sp * h,
+        "matmuls": c * b * s * ((a + 2 * k) * d + 2 * (f // tp) + 2 * h),
+        "attention": (c * a * d + 4 * a) * b * attention_tokens,
+        "reductions": 2 * c * b * s_sp * h if tp > 1 else 0,
+    }
+
+
+def _layer_selective_recompute(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
+    """Bytes one layer's backward recomputes under selective activation checkpointing (transient): its saved set
+    without checkpointing (:func:`_layer_saved_parts`) less what is taken from the kept outputs (v, the attention
+    output and log-sum-exp, ``w1 x`` and ``w3 x``), i.e. the norms' inputs and rsqrt, the matmul inputs
+    (sequence-parallel all-gathers and autocast casts included), the rotated q and k, ``silu(w1 x)`` and the
+    SwiGLU product."""
+    parts = _layer_saved_parts(cfg, dt, b, s, tp, sp)
+    rotated_qk = dt.compute * b * s * (cfg.num_heads + cfg.num_kv_heads) // tp * cfg.head_dim
+    return (parts["norms"] + parts["attn_in"] + parts["ffn_in"] + rotated_qk
+            + parts["swiglu"] // 2)
+
+
 def saved_activation_bytes(
     model_config: Any,
     parallel_config: ParallelConfig,
@@ -342,14 +394,18 @@ def saved_activation_bytes(
     """Bytes saved for backward by one micro-batch's forward through all pipeline stages of pp rank ``pp_rank``, by
     part.
 
-    Returns a dict with ``layers`` (all layers of the rank: their saved tensors, or only their inputs under full
-    activation checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input),
+    Returns a dict with ``layers`` (all layers of the rank: their saved tensors, only their inputs under full
+    activation checkpointing, their inputs and kept matmul / attention / reduction outputs under selective
+    checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input),
     ``loss`` (float32 log-probabilities and labels), ``compute_weights`` (``bf16-mixed``: autocast's bfloat16 weight
     copies), ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the
     whole sequence under ``context_parallel_method="allgather"``, none for ``"ring"``;
-    under full checkpointing they are part of ``recompute``) and ``recompute``
-    (one layer's saved set, transient, under full checkpointing). ``sum(...) - recompute`` is what
-    ``saved_tensors_hooks`` (plus the checkpointed layers' inputs) sees. Formulas: module docstring.
+    under full or selective checkpointing they are part of ``recompute``) and ``recompute``
+    (what one layer's backward recomputes, transient: its whole saved set under full checkpointing, its pointwise
+    tensors under selective checkpointing). ``sum(...) - recompute`` is what ``saved_tensors_hooks`` (plus the
+    checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under
+    context parallelism and selective checkpointing, the figure is that of the cp rank that keeps the most (the
+    last: module docstring). Formulas: module docstring.
 
     Raises:
         ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision.
@@ -366,6 +422,7 @@ def saved_activation_bytes(
     n_layers, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
     per_layer = _layer_saved(model_config, dt, b, s, tp, sp)
     full_ac = pc.activation_checkpointing == "full"
+    recomputed = pc.activation_checkpointing != "none"  # a layer's casts and gathered K/V are made again in backward
     out = {
         "layers": n_layers * (dt.residual * b * s_sp * h if full_ac else per_layer),
         "embedding": 8 * b * s if first else 0,
@@ -376,21 +433,29 @@ def saved_activation_bytes(
         "context_parallel_kv": 0,
         "recompute": per_layer if full_ac and n_layers else 0,
     }
+    if pc.activation_checkpointing == "selective" and n_layers:
+        # each attention kernel call keeps its output: one call of s tokens without cp; under cp the last cp rank's
+        # calls cover the most query tokens: every block of the ring in full (c·s = seq_length), or its two chunks
+        # against their diagonal and prefix blocks under allgather (2·s)
+        tokens = s if cp == 1 else seq_length if pc.context_parallel_method == "ring" else 2 * s
+        kept = _layer_selective_parts(model_config, dt, b, s, tp, sp, tokens)
+        out["layers"] = n_layers * sum(kept.values())
+        out["recompute"] = _layer_selective_recompute(model_config, dt, b, s, tp, sp)
     if dt.autocast:
         # autocast's bfloat16 weight copies; a checkpointed layer's are made again (and dropped) in its recompute
         cast = [(p, n) for p, n in _weighted_params(model_config, tp, n_layers, first, last)
                 if p.matrix and p.name != "tok_embeddings.weight"]
         in_layers = sum(p.numel * n for p, n in cast if p.unit != "root")
-        out["compute_weights"] = 2 * (sum(p.numel * n for p, n in cast) - (in_layers if full_ac else 0))
+        out["compute_weights"] = 2 * (sum(p.numel * n for p, n in cast) - (in_layers if recomputed else 0))
         if last and model_config.tie_word_embeddings and first:  # the tied head is cast too
             out["compute_weights"] += 2 * (vocab // tp) * h
-        if full_ac and n_layers:
+        if recomputed and n_layers:
             out["recompute"] += 2 * in_layers // n_layers
     if cp > 1 and pc.context_parallel_method == "allgather":
         # the gathered K/V of all s tokens, on top of the local-K/V-sized tensors the layer saves anyway (measured
         # with saved_tensors_hooks: exactly this much more than the ring, whatever c)
         kv = 2 * dt.compute * b * seq_length * (model_config.num_kv_heads // tp) * model_config.head_dim
-        if full_ac:  # made again in a layer's recompute, dropped after its backward
+        if recomputed:  # made again in a layer's recompute, dropped after its backward
             out["recompute"] += kv if n_layers else 0
         else:
             out["context_parallel_kv"] = n_layers * kv

@@ -11,8 +11,11 @@ pp dividing the layers, ``seq_length`` divisible by ``2·cp`` (and by tp: sequen
 6N; causal attention computes half of the ``12·L·h·s`` score and context FLOPs of
 :meth:`~lightning_4d.models.LlamaConfig.flops_per_token`: Narayanan et al. 2021, "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM", arXiv 2104.04473, Eq. 3 without the LM head term, which ``6N`` holds),
-``F·4/3`` with full activation checkpointing (one more forward), and an assumed efficiency ``eta = 0.5`` of the dense
-bf16 peak ``P``:
+``F·4/3`` with full activation checkpointing (one more forward), ``F`` with selective checkpointing (its backward
+re-runs no matmul and no attention kernel, only pointwise ops: their time is not modelled, nor is the communication
+a recomputation repeats — full: the layer's tp collectives, selective: sequence parallelism's two all-gathers per
+layer, both: context parallelism's K/V exchange), and an assumed efficiency ``eta = 0.5`` of the dense bf16 peak
+``P``:
 
 - per micro-batch and GPU: compute ``t_c = F·b·s / (tp·pp·cp) / (eta·P)``;
 - tensor parallel (sp on): per layer 4 all-gathers / reduce-scatters forward and 4 backward of ``b·s·h/cp`` bf16
@@ -26,6 +29,10 @@ bf16 peak ``P``:
   (ZeRO 1 here: all-reduce + all-gather, see ``parallel/zero.py``; ZeRO 3: + the forward all-gather), ``B_dp``
   NVLink when the whole ``dp_cp`` group is inside a node, else ``B_inter``. Communication is not assumed to
   overlap compute (a pessimistic ranking model; the overlap our ZeRO 0/1 does is a bonus).
+
+Layouts are ranked by predicted step time; at equal times (no checkpointing and selective checkpointing always tie)
+the one that recomputes less comes first (none, then selective, then full), then the one that needs less memory: the
+unmodelled pointwise recomputation makes selective the slower of the two.
 
 Predicted tokens/s = ``global_batch·s / step``; predicted MFU = model FLOPs per token × tokens/s / (num_gpus·P),
 with the model FLOPs of :meth:`~lightning_4d.models.LlamaConfig.flops_per_token` (``6N + 12·L·h·s``, PaLM appendix
@@ -50,6 +57,8 @@ __all__ = ["Candidate", "enumerate_layouts", "executed_flops_per_token", "plan",
            "suggest_layouts"]
 
 EFFICIENCY = 0.5  # assumed fraction of the dense bf16 peak reached by the matmuls
+#: how much each activation checkpointing mode recomputes, for ranking layouts of equal predicted step time
+_RECOMPUTATION = {"none": 0, "selective": 1, "full": 2}
 MAX_CONTEXT_PARALLEL = 32
 
 
@@ -139,8 +148,9 @@ def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_
 def executed_flops_per_token(model_config: Any, seq_length: int, activation_checkpointing: str = "none") -> float:
     """FLOPs a training step executes per token, for the step-time prediction (module docstring): ``6N + 6·L·h·s``
     (causal attention computes half the scores of :meth:`~lightning_4d.models.LlamaConfig.flops_per_token`'s
-    ``12·L·h·s``), × 4/3 under full activation checkpointing (the forward runs twice). Not the MFU numerator: that is
-    ``flops_per_token``."""
+    ``12·L·h·s``), × 4/3 under full activation checkpointing (the forward runs twice); unchanged under selective
+    checkpointing (the matmuls and attention kernels are not run again; the pointwise ops it re-runs are not
+    counted). Not the MFU numerator: that is ``flops_per_token``."""
     cfg = model_config
     flops = cfg.flops_per_token(seq_length) - 6 * cfg.num_layers * cfg.hidden_size * seq_length
     return flops * (4 / 3) if activation_checkpointing == "full" else flops
@@ -228,7 +238,7 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         mfu = model_flops_per_token * tokens / (num_gpus * gpu.peak_flops)
         out.append(Candidate(pc.tp, pc.pp, pc.cp, pc.dp, b, m, pc.zero_stage, pc.activation_checkpointing,
                              int(memory), memory / gpu.memory, fits, step, tokens, mfu))
-    out.sort(key=lambda c: (not c.fits, c.step_time, c.memory))
+    out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
     return out[:top] if top else out
 
 

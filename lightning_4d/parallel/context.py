@@ -260,11 +260,14 @@ class _Kernel:
 def _merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor,
            lse: Tensor) -> tuple[Tensor, Tensor]:
     """Merge two partial attention results over disjoint key sets by the log-sum-exp rule (module docstring).
-    ``acc_out`` float32/64 ``[b, h, s, d]``, ``acc_lse`` ``[b, h, s]``; returns the merged pair."""
-    out = out.to(torch.promote_types(out.dtype, torch.float32))
-    lse = lse.to(out.dtype)
+    ``acc_out`` float32/64 ``[b, h, s, d]``, ``acc_lse`` ``[b, h, s]``; returns the merged pair. Without an
+    accumulator the pair returned is a copy, never the kernel's own tensors: the ring updates its accumulators in
+    place (:func:`_merge_rows`), and selective activation checkpointing keeps the kernel's outputs for the
+    recomputation and refuses them mutated."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
     if acc_out is None or acc_lse is None:
-        return out, lse
+        return out.to(dtype, copy=True), lse.to(dtype, copy=True)
+    out, lse = out.to(dtype), lse.to(dtype)
     new_lse = torch.logaddexp(acc_lse, lse)
     merged = acc_out * torch.exp(acc_lse - new_lse).unsqueeze(-1) + out * torch.exp(lse - new_lse).unsqueeze(-1)
     return merged, new_lse

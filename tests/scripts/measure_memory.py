@@ -8,8 +8,11 @@ when autograd frees each saved value, giving the peak of saved bytes alive at on
 in-flight micro-batches) and the bytes saved over the step. Around each ``training_step`` (forward + loss) a
 ``torch.autograd.graph.saved_tensors_hooks`` pack hook records every storage saved for backward once (parameters
 excluded: they are model states), and a forward pre-hook on each activation-checkpointed block records the inputs
-the checkpoint keeps. Before the first optimizer step the bytes of the local parameter, gradient and Adam-moment
-shards are recorded. Each rank writes ``<out>/layout<i>_rank<r>.json`` with the measured and estimated figures.
+the checkpoint keeps; under selective checkpointing the block's policy is wrapped so that the outputs it decides to
+keep (``SelectiveCheckpointContext.op_output`` of each op it answers ``MUST_SAVE`` or ``PREFER_SAVE``: what
+PyTorch caches for the recomputation) are recorded too. Before the first optimizer step the bytes of the local
+parameter, gradient and Adam-moment shards are recorded. Each rank writes ``<out>/layout<i>_rank<r>.json`` with the
+measured and estimated figures.
 
 Usage: ``torchrun --nproc-per-node N tests/scripts/measure_memory.py --out DIR --layouts JSON --shapes JSON``.
 """
@@ -17,6 +20,7 @@ Usage: ``torchrun --nproc-per-node N tests/scripts/measure_memory.py --out DIR -
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from datetime import timedelta
@@ -29,6 +33,7 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 from torch.autograd.graph import saved_tensors_hooks  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 from lightning_4d import FourDStrategy, ParallelConfig  # noqa: E402
@@ -130,14 +135,35 @@ class Measured(CausalLMModule):
                     for st in _storages(a):
                         seen.setdefault(st.data_ptr(), st.nbytes())
 
-        hooks = [m.register_forward_pre_hook(keep_inputs) for m in self.modules()
-                 if type(m).__name__ == "CheckpointWrapper"]
+        def keep_outputs(policy):
+            def recording(ctx, func, *args, **kwargs):
+                decision = policy(ctx, func, *args, **kwargs)
+                if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+                    outputs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
+                    for t in outputs:
+                        if torch.is_tensor(t):
+                            for st in _storages(t):
+                                seen.setdefault(st.data_ptr(), st.nbytes())
+                return decision
+            return recording
+
+        # checkpoint_wrapper's modules (FSDP2 renames their class to FSDPCheckpointWrapper)
+        wrappers = [m for m in self.modules() if isinstance(getattr(m, "checkpoint_fn", None), functools.partial)]
+        hooks = [m.register_forward_pre_hook(keep_inputs) for m in wrappers]
+        originals = {m: m.checkpoint_fn for m in wrappers}
+        for m, fn in originals.items():
+            context_fn = fn.keywords.get("context_fn")
+            if isinstance(context_fn, functools.partial) and context_fn.func is create_selective_checkpoint_contexts:
+                recording = functools.partial(create_selective_checkpoint_contexts, keep_outputs(context_fn.args[0]))
+                m.checkpoint_fn = functools.partial(fn.func, *fn.args, **{**fn.keywords, "context_fn": recording})
         try:
             with saved_tensors_hooks(pack, lambda held: held.t):
                 loss = super().training_step(batch, batch_idx)
         finally:
             for h in hooks:
                 h.remove()
+            for m, fn in originals.items():
+                m.checkpoint_fn = fn
         self.saved.append(sum(seen.values()))
         self.peak_live.append(stats["peak"])
         self.total_packed.append(stats["total"])
