@@ -32,16 +32,20 @@ compute dtype, ``r`` = bytes of the residual stream (4, or 2 for ``bf16-true``):
 - SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each).
 
 Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all
-layers), the final norm (as above), the head's input (c·y), and the loss's saved float32 log-probabilities
-``[b·s, V/t]`` with the labels. With ``bf16-mixed``, autocast's bfloat16 copies of the weight matrices are saved
-too (2 bytes per local matrix element; the embedding is not cast). With full activation checkpointing a layer
-saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one layer's saved set, transient).
+layers), the final norm (as above), the head's input (c·y), and what the loss saves
+(:mod:`lightning_4d.parallel.loss`): the logits as the head made them, in the compute dtype (c·b·s·V/t, the local
+vocabulary shard under tp; a tensor that would otherwise be freed after the forward), the float32 log-sum-exp of
+every token (4·b·s) and the labels (int64, 8·b·s). With ``bf16-mixed``, autocast's bfloat16 copies of the weight
+matrices are saved too (2 bytes per local matrix element; the embedding is not cast). With full activation
+checkpointing a layer saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one layer's saved
+set, transient).
 
 **Peak** (:class:`MemoryEstimate`): memory moves through three phases of a step, and the estimate is the largest:
 
-- start of backward: activations + logits working set (the saved log-probabilities, their gradient and the
-  logits' gradient: ``(4 + 4 + 4) · b·s·V/t`` bytes, + ``c·b·s·V/t`` for the cast when the compute dtype is not
-  float32) + compute copies + parameters gathered by FSDP2 + the head's gradient;
+- start of backward: activations + the loss's backward working set (the logits' gradient in the compute dtype,
+  ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax, ``4·n·V/t`` with
+  ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.config.loss_chunk_tokens`;
+  a float32 gradient is computed in place) + compute copies + parameters gathered by FSDP2 + the head's gradient;
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: ``GradientSynchronizer``'s flat bucket
   copies, one gradient's worth; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
@@ -76,7 +80,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Union
 
-from lightning_4d.config import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, _check_positive_int
+from lightning_4d.config import (PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, _check_positive_int,
+                                 loss_chunk_tokens)
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 
 __all__ = [
@@ -301,9 +306,9 @@ def saved_activation_bytes(
 
     Returns a dict with ``layers`` (all layers of the rank: their saved tensors, or only their inputs under full
     activation checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input),
-    ``loss`` (float32 log-probabilities and labels), ``compute_weights`` (``bf16-mixed``: autocast's bfloat16 weight
-    copies), ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the
-    whole sequence under ``context_parallel_method="allgather"``, none for ``"ring"``;
+    ``loss`` (the logits, the float32 log-sum-exp and the labels), ``compute_weights`` (``bf16-mixed``: autocast's
+    bfloat16 weight copies), ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V
+    of the whole sequence under ``context_parallel_method="allgather"``, none for ``"ring"``;
     under full checkpointing they are part of ``recompute``) and ``recompute``
     (one layer's saved set, transient, under full checkpointing). ``sum(...) - recompute`` is what
     ``saved_tensors_hooks`` (plus the checkpointed layers' inputs) sees. Formulas: module docstring.
@@ -328,7 +333,7 @@ def saved_activation_bytes(
         "embedding": 8 * b * s if first else 0,
         "rope": 2 * 4 * s * (model_config.head_dim // 2),
         "head": (_norm_input_saved(b, s_sp, h) + dt.residual * b * s_sp * h + dt.compute * b * s * h) if last else 0,
-        "loss": (4 * b * s * (vocab // tp) + 8 * b * s) if last else 0,
+        "loss": (dt.compute * b * s * (vocab // tp) + 4 * b * s + 8 * b * s) if last else 0,
         "compute_weights": 0,
         "context_parallel_kv": 0,
         "recompute": per_layer if full_ac and n_layers else 0,
@@ -408,9 +413,9 @@ def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float],
     ``retained[i]``: bytes of one micro-batch that stay alive after its W until the end of the step. Measured
     (torch 2.13, ``saved_tensors_hooks``): the input-gradient pass (I, ``stage_backward_input``) runs with
     ``retain_graph=True`` and the weight pass frees only the nodes it traverses, so what only the input gradient
-    needs (the norms' inputs and rsqrt, the rotary tables, attention's q/k/v/output/log-sum-exp, the loss'
-    log-probabilities) is held to the end of the step on every stage whose input requires a gradient (all but
-    stage 0).
+    needs (the norms' inputs and rsqrt, the rotary tables, attention's q/k/v/output/log-sum-exp, the loss' saved
+    logits, log-sum-exp and labels) is held to the end of the step on every stage whose input requires a gradient
+    (all but stage 0).
 
     The list is the schedule's (``torch.distributed.pipelining``): warm-up ``2(p-r)-1`` F of stage 0, ``r`` pairs
     (F stage 1, F stage 0), ``p-r`` triples (F, I, W of stage 1); steady pairs (F stage 0 while micro-batches remain;
@@ -473,9 +478,8 @@ class MemoryEstimate:
         optimizer_states: Adam m and v.
         activations: saved for backward by all in-flight micro-batches (layers, embedding, rope, final norm,
             context-parallel K/V) + one layer's recompute set under full checkpointing.
-        logits: loss working set at the start of backward beyond the saved log-probabilities (counted in
-            ``activations``): their gradient and the logits' gradient in float32, + the logits' compute-dtype
-            gradient when that is not float32.
+        logits: the loss's backward working set beyond what it saved (the logits, counted in ``activations``): the
+            logits' gradient in the compute dtype, + one chunk's float32 softmax when that is not float32.
         buffers: transient buffers at their largest: autocast weight copies, FSDP2-gathered parameters, gradient
             communication buckets, optimizer-step temporaries, pipeline send/receive buffers.
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
@@ -597,7 +601,7 @@ class _Activations:
     """The activation side of one pp rank's peak (bytes, except ``in_flight``)."""
 
     activations: int  # saved for backward at the schedule's peak (+ rope without pp, + one recompute set)
-    logits: int  # the loss working set beyond the saved log-probabilities
+    logits: int  # the loss's backward working set beyond its saved tensors
     compute_weights: int  # autocast's weight copies, one per in-flight micro-batch under pp
     in_flight: float  # micro-batches in flight, averaged over the rank's layers
 
@@ -623,9 +627,9 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
         layer_kept = 0 if pc.activation_checkpointing == "full" else (
             _layer_input_grad_only(cfg, dt, b, s_loc, tp, pc.sp) + saved["context_parallel_kv"] / max(1, n_layers))
         s_sp = s_loc // tp if pc.sp else s_loc
-        # the final norm's float32 input and rsqrt and the loss' float32 log-probabilities (measured on one head in
-        # isolation; the whole pipeline keeps more on the last stage: see docs/pipeline.md)
-        head_kept = _norm_input_saved(b, s_sp, h) + 4 * b * s_loc * (cfg.padded_vocab_size // tp)
+        # the final norm's float32 input and rsqrt and the loss' saved logits, log-sum-exp and labels (measured on one
+        # head in isolation; the whole pipeline keeps more on the last stage: see docs/pipeline.md)
+        head_kept = _norm_input_saved(b, s_sp, h) + saved["loss"]
         retained = [0 if st == 0 else len(layers) * layer_kept + saved["rope"]
                     + (head_kept if st == pc.num_stages - 1 else 0) for st, layers in stages]
         peak, _ = _zbv_peak(pc.pp, pp_rank, m, (sizes[0], sizes[1]), (retained[0], retained[1]))
@@ -633,10 +637,11 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
         peak = sum(c * size for c, size in zip(counts, sizes))
     activations = int(peak) + (saved["rope"] if pc.pp == 1 else 0) + saved["recompute"]
     in_flight = sum(c * len(layers) for c, (_, layers) in zip(counts, stages)) / max(1, n_layers)
-    # the loss working set beyond the saved float32 log-probs (in activations, as saved_loss): their gradient and the
-    # logits' gradient in float32, + the cast to the compute dtype
-    tokens = b * (s // pc.cp)
-    logits = (8 + (dt.compute if dt.compute != 4 else 0)) * tokens * (cfg.padded_vocab_size // tp) if last else 0
+    # the loss's backward working set beyond its saved tensors (in activations, as saved_loss): the logits' gradient
+    # in the compute dtype, + one chunk's float32 softmax unless that gradient is float32 (then computed in place)
+    tokens, local_vocab = b * (s // pc.cp), cfg.padded_vocab_size // tp
+    chunk = 4 * min(tokens, loss_chunk_tokens(local_vocab)) * local_vocab if dt.compute != 4 else 0
+    logits = dt.compute * tokens * local_vocab + chunk if last else 0
     compute_weights = saved["compute_weights"]
     if pc.pp > 1:
         # autocast casts the weights again in every micro-batch's forward: one copy per in-flight micro-batch
