@@ -39,7 +39,7 @@ from lightning_4d.models.config import LlamaConfig  # noqa: E402
 from lightning_4d.models.llama import LlamaModel  # noqa: E402
 from lightning_4d.parallel.pipeline import PipelineRunner  # noqa: E402
 from lightning_4d.parallel.parallelize import parallelize_llama  # noqa: E402
-from lightning_4d.parallel.tensor import causal_lm_loss  # noqa: E402
+from lightning_4d.parallel.loss import causal_lm_loss  # noqa: E402
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 

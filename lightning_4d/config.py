@@ -37,6 +37,16 @@ _SCHEDULE_STAGES = {
     "zbv": ((2,), 2, "v"),
     "dualpipev": ((2,), 2, "v"),
 }
+#: bytes of one chunk's float32 temporary in the cross-entropy (parallel/loss.py; :func:`loss_chunk_tokens`)
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def loss_chunk_tokens(local_vocab: int) -> int:
+    """Tokens per chunk of the cross-entropy (:mod:`lightning_4d.parallel.loss`) over ``local_vocab`` logits per token
+    (V/t under tensor parallelism): ``max(1, LOSS_CHUNK_BYTES // (4·local_vocab))``, so one chunk's float32
+    ``[tokens, local_vocab]`` temporary holds at most :data:`LOSS_CHUNK_BYTES` bytes (64 MiB), or one token's row.
+    Shared by the loss and the memory model."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * max(1, local_vocab)))
 
 
 def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:

@@ -16,7 +16,6 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -36,9 +35,9 @@ from lightning_4d.parallel._compat import (
     set_module_device_mesh,
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
+from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_llamas, validate_against_module
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_global_clipping
-from lightning_4d.parallel.tensor import causal_lm_loss, vocab_parallel_loss
 from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,
                                         validate_precision)
 
@@ -261,7 +260,7 @@ class FourDStrategy(ModelParallelStrategy):
             loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
             self.pipeline = PipelineRunner(
                 chunks, self.parallel_config, self.num_microbatches, self.mesh.pp.get_group(), self.root_device,
-                loss_fn=loss_fn, vocab_parallel=self.parallel_config.tp > 1,
+                loss_fn=loss_fn,
             )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -305,9 +304,7 @@ class FourDStrategy(ModelParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
             return closure_loss
-        # vocabulary-parallel cross-entropy needs its backward inside the same context as its forward
-        with vocab_parallel_loss(isinstance(closure_loss, DTensor)):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(

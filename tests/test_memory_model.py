@@ -20,6 +20,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_4d import ParallelConfig, estimate_memory
+from lightning_4d.config import loss_chunk_tokens
 from lightning_4d.memory.model import MemoryEstimate, estimate_all_pp_ranks, model_state_bytes, saved_activation_bytes
 from lightning_4d.models import LlamaConfig
 from tests._launch import SCRIPTS, torchrun
@@ -96,7 +97,7 @@ def test_saved_activations_by_hand_fp32():
     # + SwiGLU 4 x [s, f]: 2*(16384+256) + 2*16384 + (2*16384 + 2*8192 + 1024) + 4*32768 = 247,296 bytes
     parts = saved_activation_bytes(TINY, _pc(zero_stage=0), 1, 64, "32-true")
     assert parts["layers"] == 2 * 247_296
-    assert parts["loss"] == 4 * 64 * 256 + 8 * 64
+    assert parts["loss"] == 4 * 64 * 256 + 4 * 64 + 8 * 64  # float32 logits, log-sum-exp, labels
     assert parts["rope"] == 2 * 4 * 64 * 8
     ac = saved_activation_bytes(TINY, _pc(zero_stage=0, activation_checkpointing="full"), 1, 64, "32-true")
     assert ac["layers"] == 2 * 4 * 64 * 64 and ac["recompute"] == 247_296
@@ -107,6 +108,23 @@ def test_saved_activations_by_hand_fp32():
     assert sel["layers"] == 2 * 164_864 and sel["recompute"] == 188_928 - 2 * 16384
     assert {k: v for k, v in sel.items() if k not in ("layers", "recompute")} == {
         k: v for k, v in parts.items() if k not in ("layers", "recompute")}
+
+
+def test_loss_terms_by_hand():
+    """The loss saves the logits in the compute dtype (the local vocabulary shard under tp), a float32 log-sum-exp
+    and the labels; its backward holds the logits' gradient in the compute dtype, plus one chunk's float32 softmax
+    when that is not float32 (lightning_4d/parallel/loss.py)."""
+    b, s, vocab = 2, 64, 256
+    for precision, c in (("32-true", 4), ("bf16-true", 2)):
+        for tp in (1, 2):
+            pc = _pc(tensor_parallel_size=tp, zero_stage=0)
+            parts = saved_activation_bytes(TINY, pc, b, s, precision)
+            assert parts["loss"] == c * b * s * vocab // tp + 4 * b * s + 8 * b * s
+            est = estimate_memory(TINY, pc, b, s, precision, device_type="cpu")
+            chunk = 4 * min(b * s, loss_chunk_tokens(vocab // tp)) * vocab // tp if c != 4 else 0
+            assert est.logits == c * b * s * vocab // tp + chunk
+    # llama3-8b (V = 128,256) at s = 8192: the float32 chunk is bounded (130 tokens, 64 MiB), not b·s·V
+    assert loss_chunk_tokens(128_256) == 130 and 4 * 130 * 128_256 <= 64 * 2**20
 
 
 def test_estimate_fields_and_peak_rule():
@@ -294,10 +312,13 @@ def test_pipeline_activations_within_5_percent(measured_pipeline):
         assert abs(peak) <= 0.05, (r["layout"], r["rank"], row)
 
 
-@pytest.mark.xfail(strict=True, reason="ZBV's last stage keeps more after its weight passes than the model's input-"
-                   "gradient-only remainder (measured at p=2, m=4: the rank holding the middle stages exact, the rank "
-                   "holding the last stage 4-15% low); see docs/pipeline.md")
+@pytest.mark.xfail(strict=True, reason="ZBV (p=2, m=4, fp32), measured: the rank holding the middle stages exact, the "
+                   "rank holding the first and last stages 10.7% HIGH at the peak (1,347,584 B estimated vs 1,217,024 "
+                   "B; the sum over the step within 1%): with the custom RMSNorm / loss autograd functions the weight "
+                   "pass frees more than the model's input-gradient-only remainder assumes; conservative. See "
+                   "docs/pipeline.md")
 def test_zero_bubble_activation_peak(measured_pipeline):
+    """ZBV (p=2, m=4, fp32): every rank's activation peak within 5% of the measured one."""
     rows = list(_pipeline_rows(measured_pipeline, zero_bubble=True))
     assert rows
     for r, row in rows:

@@ -9,7 +9,6 @@ local parameter, gradient and optimizer-state shards, checked against what the Z
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch

@@ -8,34 +8,42 @@ This model counts those things instead, because it follows FourDStrategy's own c
 tensor-parallel local shape (``wq``/``wk``/``wv``/``w1``/``w3``/``output`` split on rows, ``wo``/``w2`` on columns,
 the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO shard over ``dp_cp`` (D = dp·cp ranks):
 
-- ZeRO stage 0: everything replicated;
-- ZeRO stage 1 (``ShardedOptimizer``): Adam m and v for a flat chunk of ``ceil(n/D)`` elements of each tensor (rank r
-  holds elements ``[r·chunk, (r+1)·chunk)``, clipped to n);
+- ZeRO stage 0: everything replicated; gradients in ``GradientBuckets`` (one copy, from setup on);
+- ZeRO stage 1 (``GradientBuckets`` + ``ShardedOptimizer``): the parameters, in reverse order, fill gradient buckets
+  of ``GRADIENT_BUCKET_BYTES`` (25 MiB of parameters as built), each padded to a multiple of D; rank r owns range r
+  of every bucket and holds Adam m and v (and the master weights) for those elements only (:func:`_bucket_owned`);
 - ZeRO stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim
   0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``.
 
-Parameter and gradient dtype: float32 for ``32-true`` and ``bf16-mixed`` (autocast keeps float32 weights), bfloat16
-for ``bf16-true``; Adam's m and v have the parameter's dtype (``torch.optim.AdamW``). The step counters (0-d
-float32 tensors on the CPU unless ``capturable``) are not counted.
+Dtypes (:class:`_Dtypes`; ``lightning_4d/parallel/zero.py``): ``32-true`` float32 everywhere; ``bf16-mixed`` (master
+weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters, float32 gradients, float32 master
+weights + Adam m, v: 2 + 4 + 12 bytes per parameter at ZeRO 0, 2 + 4 + 12/D at ZeRO 1, and at ZeRO 2/3 the float32
+FSDP2 shard is the master (16/D); ``bf16-true`` bfloat16 everywhere; ``16-mixed`` (Lightning's autocast, kept for
+float16) float32 weights, gradients and moments. The step counters (0-d float32 tensors on the CPU unless
+``capturable``) are not counted.
 
 **Activations** (:func:`saved_activation_bytes`): the tensors our layers save for backward, as
 ``torch.autograd.graph.saved_tensors_hooks`` sees them (each storage once), for the SDPA backend (its fused CPU and
 CUDA kernels save q, k, v, the output and a float32 log-sum-exp ``[b, heads, s]``; kv heads are not repeated). Per
 layer, with ``y`` = b·s·h elements, ``s'`` = s/t under sequence parallelism (s otherwise), ``c`` = bytes of the
-compute dtype, ``r`` = bytes of the residual stream (4, or 2 for ``bf16-true``):
+compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``bf16-true``, 4 for ``32-true`` and
+``16-mixed``):
 
-- two RMSNorms: the input in float32 (4·b·s'·h), ``rsqrt`` (4·b·s'), the normalized tensor (r·b·s'·h);
-- the inputs of ``wq``/``wk``/``wv`` and of ``w1``/``w3`` (c·y each: all-gathered to the full sequence under sp,
-  as DTensor's ``PrepareModuleInput`` does; under ``bf16-mixed`` autocast casts the float32 norm output once per
-  linear: 3 + 2 copies);
+- two RMSNorms: the input as given (r·b·s'·h) and the float32 reciprocal RMS (4·b·s');
+- the inputs of ``wq``/``wk``/``wv`` and of ``w1``/``w3``, once per group: under sp the sequence shard (c·b·s'·h,
+  gathered again in backward: ``lightning_4d/parallel/tensor.py``), else c·y (under ``16-mixed`` autocast casts the
+  float32 norm output once per linear: 3 + 2 copies);
 - SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
 - SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each).
 
 Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all
-layers), the final norm (as above), the head's input (c·y), and the loss's saved float32 log-probabilities
-``[b·s, V/t]`` with the labels. With ``bf16-mixed``, autocast's bfloat16 copies of the weight matrices are saved
-too (2 bytes per local matrix element; the embedding is not cast). With full activation checkpointing a layer
-saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one layer's saved set, transient).
+layers), the final norm (as above), the head's input (c·y), and what the loss saves
+(:mod:`lightning_4d.parallel.loss`): the logits as the head made them, in the compute dtype (c·b·s·V/t, the local
+vocabulary shard under tp; a tensor that would otherwise be freed after the forward), the float32 log-sum-exp of
+every token (4·b·s) and the labels (int64, 8·b·s). With ``16-mixed`` (Lightning's autocast), autocast's float16
+copies of the weight matrices are saved too (2 bytes per local matrix element; the embedding is not cast). With full
+activation checkpointing a layer saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one
+layer's saved set, transient).
 With selective activation checkpointing (``lightning_4d/parallel/checkpointing.py``: the outputs of the matmuls,
 attention kernels and tp reductions kept, everything else recomputed) a layer keeps (:func:`_layer_selective_parts`;
 measured as the outputs the policy keeps, plus the checkpoint's input):
@@ -52,15 +60,16 @@ measured as the outputs the policy keeps, plus the checkpoint's input):
 
 and one layer's backward recomputes, transiently (``recompute``: derived from the parts above, not measured), what
 the layer would save without checkpointing less what it takes from the kept outputs (v, the attention output and
-log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs, rsqrt and outputs, the matmul inputs (sp all-gathers, autocast
+log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs and rsqrt, the matmul inputs (sp all-gathers, autocast
 casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product; autocast's weight copies and ``"allgather"``'s
 gathered K/V are made again there as under full checkpointing.
 
 **Peak** (:class:`MemoryEstimate`): memory moves through three phases of a step, and the estimate is the largest:
 
-- start of backward: activations + logits working set (the saved log-probabilities, their gradient and the
-  logits' gradient: ``(4 + 4 + 4) · b·s·V/t`` bytes, + ``c·b·s·V/t`` for the cast when the compute dtype is not
-  float32) + compute copies + parameters gathered by FSDP2 + the head's gradient;
+- start of backward: activations + the loss's backward working set (the logits' gradient in the compute dtype,
+  ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax, ``4·n·V/t`` with
+  ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.config.loss_chunk_tokens`;
+  a float32 gradient is computed in place) + compute copies + parameters gathered by FSDP2 + the head's gradient;
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: ``GradientSynchronizer``'s flat bucket
   copies, one gradient's worth; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
@@ -93,10 +102,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from lightning_4d.config import (GRADIENT_BUCKET_BYTES, PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig,
-                                 _check_positive_int)
+                                 _check_positive_int, loss_chunk_tokens)
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 
 __all__ = [
@@ -342,10 +351,10 @@ def _layer_saved(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> in
 
 
 def _layer_input_grad_only(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
-    """Bytes of one layer's saved set that only the input gradient uses (not the weight gradients): the two norms'
-    float32 inputs and rsqrt, and attention's q, k, v, output and float32 log-sum-exp (see :func:`_zbv_peak`)."""
-    parts = _layer_saved_parts(cfg, dt, b, s, tp, sp)
-    return parts["norms"] + parts["sdpa"]
+    """Bytes of one layer's saved set that only the input gradient uses (not the weight gradients): attention's q,
+    k, v, output and float32 log-sum-exp (see :func:`_zbv_peak`; the RMSNorms' saved input and reciprocal RMS serve
+    their weight gradient too, so the weight pass frees them)."""
+    return _layer_saved_parts(cfg, dt, b, s, tp, sp)["sdpa"]
 
 
 def _layer_selective_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool,
@@ -397,8 +406,8 @@ def saved_activation_bytes(
     Returns a dict with ``layers`` (all layers of the rank: their saved tensors, only their inputs under full
     activation checkpointing, their inputs and kept matmul / attention / reduction outputs under selective
     checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input),
-    ``loss`` (float32 log-probabilities and labels), ``compute_weights`` (``bf16-mixed``: autocast's bfloat16 weight
-    copies), ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the
+    ``loss`` (the logits, the float32 log-sum-exp and the labels), ``compute_weights`` (``16-mixed``: autocast's
+    weight copies), ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the
     whole sequence under ``context_parallel_method="allgather"``, none for ``"ring"``;
     under full or selective checkpointing they are part of ``recompute``) and ``recompute``
     (what one layer's backward recomputes, transient: its whole saved set under full checkpointing, its pointwise
@@ -428,7 +437,7 @@ def saved_activation_bytes(
         "embedding": 8 * b * s if first else 0,
         "rope": 2 * 4 * s * (model_config.head_dim // 2),
         "head": (_norm_input_saved(dt.residual, b, s_sp, h) + dt.compute * b * s * h) if last else 0,
-        "loss": (4 * b * s * (vocab // tp) + 8 * b * s) if last else 0,
+        "loss": (dt.compute * b * s * (vocab // tp) + 4 * b * s + 8 * b * s) if last else 0,
         "compute_weights": 0,
         "context_parallel_kv": 0,
         "recompute": per_layer if full_ac and n_layers else 0,
@@ -516,9 +525,9 @@ def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float],
     ``retained[i]``: bytes of one micro-batch that stay alive after its W until the end of the step. Measured
     (torch 2.13, ``saved_tensors_hooks``): the input-gradient pass (I, ``stage_backward_input``) runs with
     ``retain_graph=True`` and the weight pass frees only the nodes it traverses, so what only the input gradient
-    needs (the norms' inputs and rsqrt, the rotary tables, attention's q/k/v/output/log-sum-exp, the loss'
-    log-probabilities) is held to the end of the step on every stage whose input requires a gradient (all but
-    stage 0).
+    needs (the norms' inputs and rsqrt, the rotary tables, attention's q/k/v/output/log-sum-exp, the loss' saved
+    logits, log-sum-exp and labels) is held to the end of the step on every stage whose input requires a gradient
+    (all but stage 0).
 
     The list is the schedule's (``torch.distributed.pipelining``): warm-up ``2(p-r)-1`` F of stage 0, ``r`` pairs
     (F stage 1, F stage 0), ``p-r`` triples (F, I, W of stage 1); steady pairs (F stage 0 while micro-batches remain;
@@ -581,9 +590,8 @@ class MemoryEstimate:
         optimizer_states: Adam m and v.
         activations: saved for backward by all in-flight micro-batches (layers, embedding, rope, final norm,
             context-parallel K/V) + one layer's recompute set under full checkpointing.
-        logits: loss working set at the start of backward beyond the saved log-probabilities (counted in
-            ``activations``): their gradient and the logits' gradient in float32, + the logits' compute-dtype
-            gradient when that is not float32.
+        logits: the loss's backward working set beyond what it saved (the logits, counted in ``activations``): the
+            logits' gradient in the compute dtype, + one chunk's float32 softmax when that is not float32.
         buffers: transient buffers at their largest: autocast weight copies, FSDP2-gathered parameters, gradient
             communication buckets, optimizer-step temporaries, pipeline send/receive buffers.
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
@@ -705,7 +713,7 @@ class _Activations:
     """The activation side of one pp rank's peak (bytes, except ``in_flight``)."""
 
     activations: int  # saved for backward at the schedule's peak (+ rope without pp, + one recompute set)
-    logits: int  # the loss working set beyond the saved log-probabilities
+    logits: int  # the loss's backward working set beyond its saved tensors
     compute_weights: int  # autocast's weight copies, one per in-flight micro-batch under pp
     in_flight: float  # micro-batches in flight, averaged over the rank's layers
 
@@ -731,9 +739,9 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
         layer_kept = 0 if pc.activation_checkpointing == "full" else (
             _layer_input_grad_only(cfg, dt, b, s_loc, tp, pc.sp) + saved["context_parallel_kv"] / max(1, n_layers))
         s_sp = s_loc // tp if pc.sp else s_loc
-        # the final norm's float32 input and rsqrt and the loss' float32 log-probabilities (measured on one head in
-        # isolation; the whole pipeline keeps more on the last stage: see docs/pipeline.md)
-        head_kept = _norm_input_saved(dt.residual, b, s_sp, h) + 4 * b * s_loc * (cfg.padded_vocab_size // tp)
+        # the loss' saved logits, log-sum-exp and labels (no weight gradient passes through the loss; the final norm's
+        # saved tensors serve its weight gradient and are freed by the weight pass)
+        head_kept = saved["loss"]
         retained = [0 if st == 0 else len(layers) * layer_kept + saved["rope"]
                     + (head_kept if st == pc.num_stages - 1 else 0) for st, layers in stages]
         peak, _ = _zbv_peak(pc.pp, pp_rank, m, (sizes[0], sizes[1]), (retained[0], retained[1]))
@@ -741,10 +749,11 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
         peak = sum(c * size for c, size in zip(counts, sizes))
     activations = int(peak) + (saved["rope"] if pc.pp == 1 else 0) + saved["recompute"]
     in_flight = sum(c * len(layers) for c, (_, layers) in zip(counts, stages)) / max(1, n_layers)
-    # the loss working set beyond the saved float32 log-probs (in activations, as saved_loss): their gradient and the
-    # logits' gradient in float32, + the cast to the compute dtype
-    tokens = b * (s // pc.cp)
-    logits = (8 + (dt.compute if dt.compute != 4 else 0)) * tokens * (cfg.padded_vocab_size // tp) if last else 0
+    # the loss's backward working set beyond its saved tensors (in activations, as saved_loss): the logits' gradient
+    # in the compute dtype, + one chunk's float32 softmax unless that gradient is float32 (then computed in place)
+    tokens, local_vocab = b * (s // pc.cp), cfg.padded_vocab_size // tp
+    chunk = 4 * min(tokens, loss_chunk_tokens(local_vocab)) * local_vocab if dt.compute != 4 else 0
+    logits = dt.compute * tokens * local_vocab + chunk if last else 0
     compute_weights = saved["compute_weights"]
     if pc.pp > 1:
         # autocast casts the weights again in every micro-batch's forward: one copy per in-flight micro-batch

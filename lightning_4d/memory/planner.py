@@ -43,7 +43,6 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Optional
 

@@ -45,7 +45,6 @@ from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, P
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
-from lightning_4d.parallel.tensor import vocab_parallel_loss
 
 
 # ---------------------------------------------------------------------------------------------------- split
@@ -238,8 +237,6 @@ class PipelineRunner:
         loss_fn: ``loss_fn(output, target) -> scalar`` mean loss of one micro-batch; ``output`` is the last stage's
             output (logits ``[b/m, s, V]``, a vocabulary-sharded DTensor under tp), ``target`` the labels
             ``[b/m, s]``.
-        vocab_parallel: run the schedule inside ``loss_parallel()`` (the logits are vocabulary-sharded DTensors;
-            see :func:`~lightning_4d.parallel.tensor.vocab_parallel_loss`).
 
     Raises:
         ValueError: ``num_microbatches`` does not suit the schedule (see :meth:`ParallelConfig.validate_microbatches`).
@@ -253,7 +250,6 @@ class PipelineRunner:
         pp_group: dist.ProcessGroup,
         device: torch.device,
         loss_fn: Callable[[Any, Tensor], Tensor],
-        vocab_parallel: bool = False,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -261,7 +257,6 @@ class PipelineRunner:
         self.config = config
         self.num_microbatches = num_microbatches
         self.pp_group = pp_group
-        self.vocab_parallel = vocab_parallel
         self.loss_fn = loss_fn
         self.stages = [
             PipelineStage(chunk, index, config.num_stages, device, group=pp_group) for index, chunk in chunks
@@ -272,7 +267,7 @@ class PipelineRunner:
 
         def scaled_loss(output: Any, target: Tensor) -> Tensor:
             loss = loss_fn(output, target) / m
-            # a replicated DTensor loss (vocabulary-parallel cross-entropy) becomes a plain tensor: the schedule
+            # a replicated DTensor loss (a pipeline_loss on DTensor logits) becomes a plain tensor: the schedule
             # seeds its backward with plain tensors (to_local's backward turns the seed back into a DTensor)
             return loss.to_local() if isinstance(loss, DTensor) else loss
 
@@ -291,9 +286,6 @@ class PipelineRunner:
             reset_schedule_metadata(schedule)  # another schedule's receive buffers are in the stages
             self._current = schedule
         return schedule
-
-    def _context(self) -> Any:
-        return vocab_parallel_loss(self.vocab_parallel)
 
     def _check_batch(self, input_ids: Tensor) -> None:
         if input_ids.shape[0] % self.num_microbatches != 0:
@@ -329,8 +321,7 @@ class PipelineRunner:
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
-        with self._context():
-            schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)
+        schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)
         self._stashed = [(p, p.grad) for p in params]
         for p, grad in zip(params, before):
             p.grad = grad
@@ -376,10 +367,9 @@ class PipelineRunner:
         args = (input_ids,) if self.is_first else ()
         target = labels if self.is_last else None
         if self._forward_only_works:
-            with self._context():
-                self._use(self._train).eval(*args, target=target, losses=losses)
+            self._use(self._train).eval(*args, target=target, losses=losses)
         else:
-            with self._gradients_untouched(), self._context():
+            with self._gradients_untouched():
                 args = tuple(a.clone() for a in args)  # not inference tensors: autograd saves them
                 target = target.clone() if target is not None else None
                 self._use(self._train).step(*args, target=target, losses=losses, return_outputs=False)

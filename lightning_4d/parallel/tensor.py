@@ -13,20 +13,18 @@ Per transformer block, over a tp group of size t:
   it again for the weight gradients (Korthikanti et al. 2022, §4.2.2; Megatron-LM's
   ``LinearWithGradAccumulationAndAsyncCommunication``), so these inputs cost ``1/t`` of the gathered tensor;
 - the embedding is split by vocabulary rows, the LM head by vocabulary columns; its logits stay vocabulary-sharded
-  (``Shard(-1)``) as a DTensor, for ``torch.distributed.tensor.parallel.loss_parallel`` (no full-vocabulary logits
-  on any rank).
+  (``Shard(-1)``) as a DTensor, for the vocabulary-parallel cross-entropy of :mod:`lightning_4d.parallel.loss` (no
+  full-vocabulary logits on any rank).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -156,56 +154,3 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             block.attention.input_projection = projection
             block.feed_forward.input_projection = projection
         parallelize_module(block, tp_mesh, plan)
-
-
-_loss_parallel_depth = 0
-
-
-@contextmanager
-def vocab_parallel_loss(enabled: bool = True) -> Iterator[None]:
-    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``enabled`` (the logits are vocabulary-sharded
-    DTensors, tp > 1), else nothing; may be nested.
-
-    The cross-entropy's forward AND its backward must run inside it: :func:`causal_lm_loss` enters it for the
-    forward, the strategy's ``backward`` and the pipeline schedule (whose backward runs after the loss function
-    returned) for the backward. ``loss_parallel`` switches DTensor's custom cross-entropy handlers on at entry and
-    off at exit, so an inner use would switch them off for an outer one: only the outermost entry here enters
-    ``loss_parallel``.
-    """
-    global _loss_parallel_depth
-    if not enabled:
-        yield
-        return
-    if _loss_parallel_depth > 0:
-        _loss_parallel_depth += 1
-        try:
-            yield
-        finally:
-            _loss_parallel_depth -= 1
-        return
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    _loss_parallel_depth += 1
-    try:
-        with loss_parallel():
-            yield
-    finally:
-        _loss_parallel_depth -= 1
-
-
-def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean next-token cross-entropy in nats per token, computed in float32.
-
-    Args:
-        logits: ``[b, s, V]`` (a DTensor sharded over the vocabulary, ``Shard(-1)``, under tensor parallelism).
-        labels: ``[b, s]`` token ids (the inputs shifted by one).
-
-    Returns:
-        A float32 scalar (a replicated DTensor under tp).
-
-    Under tensor parallelism the loss is computed on the vocabulary-sharded logits inside
-    :func:`vocab_parallel_loss` (``torch.distributed.tensor.parallel.loss_parallel``: no full-vocabulary logits are
-    gathered); its backward must run inside :func:`vocab_parallel_loss` too.
-    """
-    with vocab_parallel_loss(isinstance(logits, DTensor)):
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

@@ -15,7 +15,7 @@ from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.parallel._compat import attached_trainer
-from lightning_4d.parallel.tensor import causal_lm_loss
+from lightning_4d.parallel.loss import causal_lm_loss
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
