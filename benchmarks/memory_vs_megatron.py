@@ -113,9 +113,9 @@ def main() -> None:
         worst = max(worst, tensors / ref)
         line = f"{preset:<12} {tp:>2} {pp:>2} {cp:>2} {dp:>2} {b:>2} {s:>5} {m or '-':>2} | {ref:>9.1f} "
         line += f"{before[i][0] / GIB:>7.1f} " if before else ""
-        line += f"{total / GIB:>7.1f} {tensors:>14.1f} {tensors / ref:>6.2f}  {phase}"
+        line += f"{total / GIB:>7.1f} {tensors:>14.1f} {tensors / ref:>6.3f}  {phase}"
         print(line)
-    print(f"\nlargest ratio (ours without the allowance / fujii2024): {worst:.2f}")
+    print(f"\nlargest ratio (ours without the allowance / fujii2024): {worst:.3f}")
 
 
 if __name__ == "__main__":

@@ -69,10 +69,12 @@ gathered K/V are made again there as under full checkpointing.
 - start of backward: activations + the loss's backward working set (the logits' gradient in the compute dtype,
   ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax, ``4·n·V/t`` with
   ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.config.loss_chunk_tokens`;
-  a float32 gradient is computed in place) + compute copies + parameters gathered by FSDP2 + the head's gradient;
+  a float32 gradient is computed in place), or instead the head's gradient (made once the loss' backward has
+  freed the saved logits: the larger of the two) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's
+  gradient buckets (they exist from setup on);
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
-  gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: ``GradientSynchronizer``'s flat bucket
-  copies, one gradient's worth; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
+  gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
+  hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
 - optimizer step: the gradients + the temporaries of ``torch.optim.AdamW(foreach=True)`` (``_foreach_sqrt`` of the
   second moments: one moment's bytes) + ZeRO-1's all-gather buckets.
 
@@ -100,6 +102,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
@@ -227,6 +230,33 @@ def _chunk(n: int, world: int, rank: int) -> int:
     return max(0, min(n - rank * size, size))
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """The model sizes :func:`_stage_params` reads, hashable (for :func:`_zero1_owned`'s cache)."""
+
+    hidden_size: int
+    head_dim: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    padded_vocab_size: int
+    tie_word_embeddings: bool
+
+    @staticmethod
+    def of(cfg: Any) -> "_Sizes":
+        return _Sizes(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.padded_vocab_size, bool(cfg.tie_word_embeddings))
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero1_owned(sizes: _Sizes, tp: int, layers: tuple[int, ...], first: bool, last: bool, elem_bytes: int,
+                 world: int, rank: int, bucket_bytes: int) -> int:
+    """:func:`_bucket_owned` of the parameters of ``layers`` (+ embedding / head), cached: the planner asks for the
+    same stage under many micro-batch sizes."""
+    numels = [p.numel for p in _stage_params(sizes, tp, layers, first, last)]
+    return _bucket_owned(numels, elem_bytes, world, rank, bucket_bytes)
+
+
 def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, bucket_bytes: int) -> int:
     """Elements rank ``rank`` of ``world`` owns at ZeRO 1 (``GradientBuckets`` + ``ShardedOptimizer``): the
     parameters, in reverse order, fill buckets of at most ``bucket_bytes`` (a bucket's first parameter may exceed it);
@@ -312,9 +342,9 @@ def model_state_bytes(
     n = sum(count * p.numel for p, count in weighted)
     n_opt = n
     if zero == 1 and world > 1:
-        layers = sorted(i for _, r in pc.rank_stages(model_config.num_layers, pp_rank) for i in r)
-        numels = [p.numel for p in _stage_params(model_config, pc.tp, layers, first, last)]
-        n_opt = _bucket_owned(numels, dt.setup, world, dp_cp_rank, bucket_bytes)
+        layers = tuple(sorted(i for _, r in pc.rank_stages(model_config.num_layers, pp_rank) for i in r))
+        n_opt = _zero1_owned(_Sizes.of(model_config), pc.tp, layers, first, last, dt.setup, world, dp_cp_rank,
+                             bucket_bytes)
     master = n_opt * dt.master
     return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master, master)
 
@@ -833,8 +863,10 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
 def _phases(states: ModelStates, act: _Activations, buf: _Buffers) -> dict[str, int]:
     """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**)."""
     return {
-        "backward start": act.activations + act.logits + act.compute_weights + buf.gathered_start
-        + buf.head_gradient + buf.pipeline + buf.context_parallel + buf.resident_gradients,
+        # the loss' backward (its working set beside the saved logits) ends before the head's weight gradient exists,
+        # and frees the saved logits (at least as large as the head's gradient for s >= h): the larger of the two
+        "backward start": act.activations + max(act.logits, buf.head_gradient) + act.compute_weights
+        + buf.gathered_start + buf.pipeline + buf.context_parallel + buf.resident_gradients,
         "backward end": states.gradients + buf.gradient_buffers + buf.gathered_end + buf.pipeline,
         "optimizer step": states.gradients + buf.step_temporaries,
     }

@@ -237,8 +237,25 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         mfu = model_flops_per_token * tokens / (num_gpus * gpu.peak_flops)
         out.append(Candidate(pc.tp, pc.pp, pc.cp, pc.dp, b, m, pc.zero_stage, pc.activation_checkpointing,
                              int(memory), memory / gpu.memory, fits, step, tokens, mfu))
+    out = _drop_dominated(out)
     out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
     return out[:top] if top else out
+
+
+def _drop_dominated(candidates: list[Candidate]) -> list[Candidate]:
+    """Drop a candidate when the same layout with less recomputation is predicted no slower and needs no more
+    memory (e.g. selective checkpointing under tp keeps the matmuls' partial sums and can need more than none)."""
+    by_layout: dict[tuple, list[Candidate]] = {}
+    for c in candidates:
+        key = (c.tp, c.pp, c.cp, c.dp, c.micro_batch_size, c.num_microbatches, c.zero_stage)
+        by_layout.setdefault(key, []).append(c)
+
+    def dominated(c: Candidate, peers: list[Candidate]) -> bool:
+        rank = _RECOMPUTATION[c.activation_checkpointing]
+        return any(_RECOMPUTATION[o.activation_checkpointing] < rank and o.step_time <= c.step_time
+                   and o.memory <= c.memory and (o.fits or not c.fits) for o in peers)
+
+    return [c for peers in by_layout.values() for c in peers if not dominated(c, peers)]
 
 
 def suggest_layouts(model_config: Any, world_size: int, micro_batch_size: int, seq_length: int, precision: str,
