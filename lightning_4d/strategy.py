@@ -250,7 +250,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile,
-                                param_dtype=self._mixed_precision_dtype)
+                                param_dtype=mixed_precision_dtype(getattr(self.precision_plugin, "precision", None)))
         self._llamas = llamas
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -282,16 +282,11 @@ class FourDStrategy(ModelParallelStrategy):
                                      master_dtype=master)
 
     @property
-    def _mixed_precision_dtype(self) -> Optional[torch.dtype]:
-        return mixed_precision_dtype(getattr(self.precision_plugin, "precision", None))
-
-    @property
     def compute_dtype(self) -> Optional[torch.dtype]:
-        """The dtype ``lightning_4d`` Llama models compute in under mixed precision with float32 master weights
-        (``bf16-mixed``: bfloat16; :mod:`lightning_4d.parallel.zero`), ``None`` when their parameters are their
-        own master weights (``32-true``, ``bf16-true``, or a LightningModule without ``lightning_4d`` Llama models,
-        which keeps Lightning's autocast)."""
-        return self._mixed_precision_dtype if self._llamas else None
+        """bfloat16 under ``bf16-mixed`` with ``lightning_4d`` Llama models (fp32 master weights:
+        :mod:`lightning_4d.parallel.zero`); ``None`` when the parameters are their own masters (other precisions, or
+        no Llama model: Lightning's autocast)."""
+        return mixed_precision_dtype(getattr(self.precision_plugin, "precision", None)) if self._llamas else None
 
     # ------------------------------------------------------------------ training step
     @override
