@@ -277,7 +277,8 @@ class FourDStrategy(ModelParallelStrategy):
         if self._grad_sync is not None:
             self._grad_sync.close()
         optimizers = [unwrap_optimizer(opt) for opt in self.optimizers]
-        master = torch.float32 if self.compute_dtype is not None else None
+        # FSDP2's MixedPrecisionPolicy keeps the masters of what it owns (ZeRO 2/3); the rest is never cast
+        master = torch.float32 if self.compute_dtype is not None and self.parallel_config.zero_stage <= 1 else None
         self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), self.parallel_config.zero_stage,
                                      master_dtype=master)
 
