@@ -37,7 +37,7 @@ compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``
 - SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each).
 
 Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all
-layers), the final norm (as above), the head's input (c·y), and what the loss saves
+layers), the final norm (as above), the head's input (c·b·s'·h: under sp the sequence shard), and what the loss saves
 (:mod:`lightning_4d.parallel.loss`): the logits as the head made them, in the compute dtype (c·b·s·V/t, the local
 vocabulary shard under tp; a tensor that would otherwise be freed after the forward), the float32 log-sum-exp of
 every token (4·b·s) and the labels (int64, 8·b·s). With ``16-mixed`` (Lightning's autocast), autocast's float16
@@ -466,7 +466,8 @@ def saved_activation_bytes(
         "layers": n_layers * (dt.residual * b * s_sp * h if full_ac else per_layer),
         "embedding": 8 * b * s if first else 0,
         "rope": 2 * 4 * s * (model_config.head_dim // 2),
-        "head": (_norm_input_saved(dt.residual, b, s_sp, h) + dt.compute * b * s * h) if last else 0,
+        # the head's input: under sp only the sequence shard (gathered again in backward, parallel/tensor.py)
+        "head": (_norm_input_saved(dt.residual, b, s_sp, h) + dt.compute * b * s_sp * h) if last else 0,
         "loss": (dt.compute * b * s * (vocab // tp) + 4 * b * s + 8 * b * s) if last else 0,
         "compute_weights": 0,
         "context_parallel_kv": 0,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -263,6 +263,9 @@ class LlamaModel(nn.Module):
         # context parallelism: (cp rank, cp size) when the model sees only its zigzag shard of every sequence
         # (lightning_4d.parallel.context); default rotary positions are then those of the shard's tokens
         self.context_parallel: Optional[tuple[int, int]] = None
+        # None, or a callable (hidden states, output linear) -> logits replacing ``output(h)``: sequence parallelism
+        # sets one that saves only this rank's sequence shard of the head's input (lightning_4d.parallel.tensor)
+        self.head_projection: Optional[Callable[[Tensor, nn.Linear], Tensor]] = None
         vocab, h = config.padded_vocab_size, config.hidden_size
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(vocab, h)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
@@ -309,7 +312,7 @@ class LlamaModel(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
-            h = self.output(h)
+            h = self.output(h) if self.head_projection is None else self.head_projection(h, self.output)
         return h
 
     # ------------------------------------------------------------------ parameters

@@ -120,6 +120,7 @@ def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool, seq
     chunk.norm = model.norm if last else None
     chunk.output = model.output if last else None
     chunk.context_parallel = model.context_parallel
+    chunk.head_projection = model.head_projection
     chunk.sequence_shards = sequence_shards
     return chunk
 

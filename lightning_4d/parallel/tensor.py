@@ -98,6 +98,14 @@ def sequence_parallel_projection(x: Tensor, linears: tuple[nn.Linear, ...], grou
     return _SequenceParallelProjection.apply(group, local, *weights)
 
 
+def _sequence_parallel_head(x: Tensor, output: nn.Linear, mesh: DeviceMesh) -> Tensor:
+    """The LM head on the sequence-sharded final hidden states ``x`` (``[b, s/t, h]``): logits ``[b, s, V]`` as a
+    vocabulary-sharded DTensor (``Shard(-1)``, local ``[b, s, V/t]``), as ``ColwiseParallel(input_layouts=Shard(1),
+    output_layouts=Shard(-1))`` gives them, saving only ``x`` (:func:`sequence_parallel_projection`)."""
+    (local,) = sequence_parallel_projection(x, (output,), mesh.get_group())
+    return DTensor.from_local(local, mesh, [Shard(-1)], run_check=False)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard a ``LlamaModel`` (or a pipeline stage of one) in place over ``tp_mesh``.
 
@@ -130,6 +138,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     parallelize_module(model, tp_mesh, top)
     if tied:
         model.output.weight = model.tok_embeddings.weight
+    if getattr(model, "output", None) is not None and sequence_parallel:
+        # the head gathers the sequence itself and saves only the shard (its plan above only shards its weight)
+        model.head_projection = partial(_sequence_parallel_head, mesh=tp_mesh)
 
     for block in model.layers.values():
         plan: dict[str, object] = {
