@@ -266,6 +266,11 @@ class FourDStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # the master weights are copied from the float32 parameters here
         cast_to_compute_dtype(llamas, self.compute_dtype)
+        if self._grad_sync is not None:
+            if self.compute_dtype is not None and self.parallel_config.zero_stage <= 1:
+                self._grad_sync.register_hooks()  # after the cast (which swaps DTensor parameters' tensors)
+            if self.pipeline is not None:  # evaluation runs of the schedule leave the buckets alone
+                self.pipeline.gradient_guard = self._grad_sync.suspended
         self.setup_precision_plugin()
         use_global_clipping(self.precision_plugin, self.mesh.pp.get_group() if self.pipeline is not None else None)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -280,7 +285,7 @@ class FourDStrategy(ModelParallelStrategy):
         # FSDP2's MixedPrecisionPolicy keeps the masters of what it owns (ZeRO 2/3); the rest is never cast
         master = torch.float32 if self.compute_dtype is not None and self.parallel_config.zero_stage <= 1 else None
         self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), self.parallel_config.zero_stage,
-                                     master_dtype=master)
+                                     master_dtype=master, tp_rank=self.mesh.tp.get_local_rank())
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:

@@ -94,6 +94,7 @@ def test_master_weights_step_in_float32(group):
     buckets = setup_zero(model, [optimizer], group, zero_stage=0, master_dtype=torch.float32)
     assert isinstance(buckets, GradientBuckets) and ShardedOptimizer.of(optimizer) is not None
     model.to(torch.bfloat16)
+    buckets.register_hooks()  # with master weights, once the parameters are cast
     xs = [torch.randn(3, 8, dtype=torch.bfloat16) for _ in range(2)]
     for x in xs:  # two micro-batches, accumulated
         model(x).float().square().mean().backward()

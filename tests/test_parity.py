@@ -31,6 +31,8 @@ WORLD4 = (
     # selective checkpointing under tp with sp (reduce-scatters kept, all-gathers recomputed) and FSDP2
     + [{"dp": 2, "tp": 2, "zero": 3, "ac": "selective"}]
     + [{"dp": 2, "tp": 2, "zero": 1, "clip": 0.1}, {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1}, {"dp": 4, "zero": 0, "clip": 0.1}]
+    # clipping with tp-replicated plain parameters (norm weights without sp): counted once in the global norm
+    + [{"dp": 2, "tp": 2, "zero": 1, "sp": False, "clip": 0.1}]
     # several gradient buckets (all-reduces launched during backward); gradient accumulation over 2 micro-batches
     + [{"dp": 2, "tp": 2, "zero": 1, "bucket": 8192}, {"dp": 4, "zero": 0, "bucket": 8192}]
     + [{"dp": 2, "tp": 2, "zero": 1, "accum": 2}, {"dp": 2, "tp": 2, "zero": 3, "accum": 2}]
@@ -152,6 +154,17 @@ def test_bf16_mixed_parity_world4(bf16_reference, world4, index):
     layout = BF16_MIXED_WORLD4[index]
     result = world4[len(WORLD4) + len(WORLD4_BF16) + index]
     _check_parity(bf16_reference[1 if layout.get("clip") else 0], result, loss_rtol=BF16_LOSS_RTOL, weight_atol=2e-2)
+
+
+@pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD4)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD4])
+def test_bf16_mixed_gradients_go_to_the_buckets_during_backward(world4, index):
+    """Under bf16-mixed at ZeRO 0/1 every gradient is added to its fp32 bucket by the backward hook (tensor-parallel
+    DTensor parameters included, whose hooks the bf16 cast would drop): no .grad is left after backward."""
+    layout, ranks, _ = world4[len(WORLD4) + len(WORLD4_BF16) + index]
+    if layout.get("zero", 0) > 1:
+        return
+    for r in ranks:
+        assert r["bytes"]["grads_left_after_backward"] == 0, (layout, r["rank"])
 
 
 def test_bf16_mixed_reference_keeps_fp32_master_weights(bf16_reference, references):

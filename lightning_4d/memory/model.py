@@ -60,7 +60,7 @@ measured as the outputs the policy keeps, plus the checkpoint's input):
 
 and one layer's backward recomputes, transiently (``recompute``: derived from the parts above, not measured), what
 the layer would save without checkpointing less what it takes from the kept outputs (v, the attention output and
-log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs and rsqrt, the matmul inputs (sp all-gathers, autocast
+log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs and rsqrt, the matmul inputs (sequence shards under sp, autocast
 casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product; autocast's weight copies and ``"allgather"``'s
 gathered K/V are made again there as under full checkpointing.
 
@@ -756,7 +756,7 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
     head's and the loss's with the last (module docstring, **Activations** and **Pipeline parallelism**)."""
     stages = pc.rank_stages(cfg.num_layers, pp_rank)
     n_layers, _, last = _rank_layout(cfg.num_layers, pc, pp_rank)
-    tp, h = pc.tp, cfg.hidden_size
+    tp = pc.tp
     counts = _in_flight(pc, pp_rank, m)
     per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
     # one micro-batch's saved bytes per stage of the rank: its layers, the embedding's with the first stage, the
@@ -769,7 +769,6 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
         s_loc = s // pc.cp
         layer_kept = 0 if pc.activation_checkpointing == "full" else (
             _layer_input_grad_only(cfg, dt, b, s_loc, tp, pc.sp) + saved["context_parallel_kv"] / max(1, n_layers))
-        s_sp = s_loc // tp if pc.sp else s_loc
         # the loss' saved logits, log-sum-exp and labels (no weight gradient passes through the loss; the final norm's
         # saved tensors serve its weight gradient and are freed by the weight pass)
         head_kept = saved["loss"]
@@ -853,8 +852,10 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
                   if pc.pp > 1 else 0)
     step_temp = (states.optimizer_states - states.master_weights) // 2  # foreach AdamW: sqrt of the second moments
     if zero == 1 and world > 1:
-        # ShardedOptimizer's all-gather of one bucket at a time: this rank's range and the gathered bucket
-        bucket = min(GRADIENT_BUCKET_BYTES // dt.setup, states.parameters // dt.param) * dt.param
+        # ShardedOptimizer's all-gather of one bucket at a time: this rank's range and the gathered bucket (a bucket
+        # holds at most GRADIENT_BUCKET_BYTES of parameters, or one larger parameter alone: the head, the embedding)
+        largest = max((p.numel for p, _ in params), default=0)
+        bucket = max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.parameters // dt.param), largest) * dt.param
         step_temp += int(bucket * (1 + 1 / world))
     resident = states.gradients if zero <= 1 else 0  # ZeRO 0/1 gradient buckets exist through the whole step
     return _Buffers(gathered_start, gathered_end, grad_buffers, head_grad, m * boundaries * hidden,

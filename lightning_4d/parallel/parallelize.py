@@ -143,7 +143,13 @@ def prepare_llamas(
 
 def cast_to_compute_dtype(llamas: list[nn.Module], dtype: Optional[torch.dtype]) -> None:
     """Cast the parameters FSDP2 does not own (ZeRO 0/1) of ``llamas`` to ``dtype`` in place (the same ``Parameter``
-    objects, so optimizers keep them); FSDP2 units (ZeRO 2/3) cast per unit at all-gather instead. ``None``: no-op.
+    objects, so optimizers keep them: ``Module.to`` sets ``.data`` of a plain parameter and swaps a DTensor one's
+    tensor with ``torch.utils.swap_tensors``, which loses gradient hooks registered before); FSDP2 units (ZeRO 2/3)
+    cast per unit at all-gather instead. ``None``: no-op.
+
+    Args:
+        llamas: the ``LlamaModel`` instances of the LightningModule (:func:`prepare_llamas`).
+        dtype: the compute dtype (``torch.bfloat16`` under ``bf16-mixed``) or ``None``.
 
     Mixed precision with master weights (:mod:`lightning_4d.parallel.zero`): called after the optimizers' master
     weights were copied from the float32 parameters.

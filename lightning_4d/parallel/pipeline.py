@@ -32,7 +32,7 @@ and all stages.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -276,6 +276,9 @@ class PipelineRunner:
         self._predict: Optional[Any] = None
         self._current: Any = self._train
         self._stashed: list[tuple[Tensor, Optional[Tensor]]] = []
+        #: a context a backward whose gradients are discarded runs in (the strategy sets the ZeRO 0/1 buckets'
+        #: ``suspended``, so that an evaluation run's gradients never reach them)
+        self.gradient_guard: Callable[[], Any] = nullcontext
 
     def _make(self, loss_fn: Optional[Callable]) -> Any:
         cls = _schedule_class(self.config.pipeline_schedule)
@@ -352,7 +355,7 @@ class PipelineRunner:
         params = self._parameters()
         before = [p.grad for p in params]
         try:
-            with torch.inference_mode(False), torch.enable_grad():
+            with torch.inference_mode(False), torch.enable_grad(), self.gradient_guard():
                 yield
         finally:
             for p, grad in zip(params, before):

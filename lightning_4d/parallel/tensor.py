@@ -92,7 +92,12 @@ def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
 def sequence_parallel_projection(x: Tensor, linears: tuple[nn.Linear, ...], group: Any) -> tuple[Tensor, ...]:
     """The column-parallel projections ``linears`` (weights ``Shard(0)`` DTensors over tp) of the sequence-sharded
     ``x`` (a ``Shard(1)`` DTensor, or its local ``[b, s/t, h]``): the local outputs ``[b, s, o_i/t]`` (as
-    ``ColwiseParallel`` returns them), saving only the shard of ``x`` (:class:`_SequenceParallelProjection`)."""
+    ``ColwiseParallel`` returns them), saving only the shard of ``x`` (:class:`_SequenceParallelProjection`;
+    Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2). ``group``: the tp process group.
+
+    Raises:
+        RuntimeError: from the collectives, when the ranks of ``group`` pass shards of different shapes.
+    """
     local = x.to_local() if isinstance(x, DTensor) else x
     weights = [lin.weight.to_local() if isinstance(lin.weight, DTensor) else lin.weight for lin in linears]
     return _SequenceParallelProjection.apply(group, local, *weights)

@@ -170,6 +170,7 @@ def setup_zero(
     group: dist.ProcessGroup,
     zero_stage: int,
     master_dtype: Optional[torch.dtype] = None,
+    tp_rank: int = 0,
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own: their gradients in :class:`GradientBuckets` over ``group``
     (``dp_cp``; returned, ``None`` when there is none), and a :class:`ShardedOptimizer` around every torch optimizer
@@ -184,7 +185,9 @@ def setup_zero(
         zero_stage: 0 or 1 (2, 3: the parameters FSDP2 owns are skipped, the rest get stage-0 treatment).
         master_dtype: the dtype of master weights and gradients (``torch.float32`` under ``bf16-mixed`` for
             ``lightning_4d`` Llama models, whose parameters are then bfloat16), or ``None`` (the parameters are the
-            master weights).
+            master weights). The buckets' hooks are then not registered yet: cast the parameters, then call
+            :meth:`GradientBuckets.register_hooks`.
+        tp_rank: this rank's tensor-parallel rank (tp-replicated parameters count once in the clipping norm).
 
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
@@ -194,10 +197,11 @@ def setup_zero(
     if not params:
         return None
     shard = zero_stage == 1 and dist.get_world_size(group) > 1
-    buckets = GradientBuckets(params, group, reduce_scatter=shard, grad_dtype=master_dtype)
+    # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
+    buckets = GradientBuckets(params, group, reduce_scatter=shard, grad_dtype=master_dtype, hooks=master_dtype is None)
     if shard or master_dtype is not None:
         for optimizer in optimizers:
-            ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype)
+            ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
     return buckets
 
 
@@ -260,6 +264,7 @@ class GradientBuckets:
         reduce_scatter: bool = False,
         grad_dtype: Optional[torch.dtype] = None,
         bucket_bytes: Optional[int] = None,
+        hooks: bool = True,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
@@ -282,6 +287,17 @@ class GradientBuckets:
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, Any] = {}
         self._overlap = False
+        self._suspended = False
+        self._hooks: list[Any] = []
+        if hooks:
+            self.register_hooks()
+
+    def register_hooks(self) -> None:
+        """Register the post-accumulate-grad hooks on the parameters. With ``hooks=False`` at construction, call it
+        once the parameters have their final dtype: ``Module.to`` swaps a DTensor parameter's tensor in place
+        (``torch.utils.swap_tensors``), and a hook registered before (even removed and registered again) no longer
+        fires (measured, torch 2.13)."""
+        self.close()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
 
     def close(self) -> None:
@@ -289,6 +305,16 @@ class GradientBuckets:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """A backward inside this context leaves the buckets alone (its gradients stay in ``.grad``): for backward
+        passes whose gradients are discarded, such as a pipeline schedule run for evaluation."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
 
     def main_grad(self, p: Tensor) -> Tensor:
         """``p``'s gradient slice of its bucket (flat, ``[local numel]``, ``grad_dtype``)."""
@@ -339,6 +365,8 @@ class GradientBuckets:
         p.grad = None
 
     def _grad_ready(self, p: Tensor) -> None:
+        if self._suspended:
+            return
         self._accumulate(p)
         if not self._overlap or self.world == 1:
             return
@@ -419,11 +447,16 @@ class ShardedOptimizer:
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, buckets: GradientBuckets, master_dtype: Optional[torch.dtype] = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        buckets: GradientBuckets,
+        master_dtype: Optional[torch.dtype] = None,
+        tp_rank: int = 0,
     ) -> None:
         self.optimizer = optimizer
         self.buckets = buckets
         self.master_dtype = master_dtype
+        self.tp_rank = tp_rank
         self.world = buckets.world if buckets.reduce_scatter else 1
         self.rank = buckets.rank if buckets.reduce_scatter else 0
         self._full_groups = [list(g["params"]) for g in optimizer.param_groups]
@@ -484,6 +517,8 @@ class ShardedOptimizer:
         return [self.shard[i] for i in self.shard if i in self.has_master]
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """The replacement of the wrapped optimizer's ``step`` (class docstring: closure, step of the owned slices,
+        master write-back, ZeRO-1 all-gather). Returns the closure's result (``None`` without closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -530,6 +565,7 @@ class ShardedOptimizer:
                 offset = self.buckets.bucket_of(p)[1]
                 local = _local(p.data).view(-1)
                 local.copy_(gathered[offset : offset + local.numel()])
+            del own, gathered  # one bucket's temporaries at a time
 
     # ------------------------------------------------------------------ clipping
     @torch.no_grad()
@@ -548,7 +584,7 @@ class ShardedOptimizer:
         inf = math.isinf(norm_type)
         total = torch.zeros((), dtype=torch.float32, device=device)
         for p, g in grads:
-            if _tp_duplicate(p) or g.numel() == 0:
+            if _tp_duplicate(p, self.tp_rank) or g.numel() == 0:
                 continue
             n = torch.linalg.vector_norm(g.float(), norm_type)
             total = torch.maximum(total, n) if inf else total + n**norm_type
@@ -600,12 +636,16 @@ class ShardedOptimizer:
             self._write_back()
 
 
-def _tp_duplicate(p: Tensor) -> bool:
-    """Whether ``p`` is replicated over its (1D, tensor-parallel) mesh and this is not its rank 0: its gradient is
-    counted once, on rank 0, in a global norm."""
-    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1:
+def _tp_duplicate(p: Tensor, tp_rank: int) -> bool:
+    """Whether ``p`` is replicated over the tensor-parallel group and this is not tp rank 0 (``tp_rank``): its
+    gradient is counted once, on tp rank 0, in a global norm. A plain (non-DTensor) parameter of a tensor-parallel
+    model is replicated (RMSNorm weights without sequence parallelism); a DTensor one is when all its placements are
+    ``Replicate``."""
+    if tp_rank == 0:
         return False
-    return all(isinstance(pl, Replicate) for pl in p.placements) and p.device_mesh.get_local_rank() != 0
+    if not isinstance(p, DTensor):
+        return True
+    return all(isinstance(pl, Replicate) for pl in p.placements)
 
 
 def _all_gather_flat(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:

@@ -60,6 +60,11 @@ class Recorder(L.Callback):
         self.bytes["tp_local_params"] = sum(_tp_local_numel(p) * p.element_size() for p in params)
         self.bytes["num_params"] = len(params)
 
+    def on_after_backward(self, trainer, pl_module) -> None:
+        # ZeRO 0/1 move every gradient into its bucket from a backward hook: none should be left in .grad here
+        if "grads_left_after_backward" not in self.bytes:
+            self.bytes["grads_left_after_backward"] = sum(p.grad is not None for p in pl_module.parameters())
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         if "optimizer_states" not in self.bytes and trainer.optimizers[0].state:  # after the first optimizer step
