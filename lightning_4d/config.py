@@ -8,6 +8,7 @@ fails in a second with a message that names the bad value and what would be vali
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
@@ -39,6 +40,28 @@ _SCHEDULE_STAGES = {
 }
 #: bytes of one chunk's float32 temporary in the cross-entropy (parallel/loss.py; :func:`loss_chunk_tokens`)
 LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def bucket_lengths(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
+    """How many consecutive items each gradient bucket takes (ZeRO 0/1, ``parallel/zero.py``; the memory model
+    simulates the same): items of ``nbytes`` bytes, in order, fill a bucket while it stays within ``bucket_bytes``;
+    an item that does not fit starts the next bucket (an item larger than ``bucket_bytes`` has a bucket of its own).
+    The lengths sum to ``len(nbytes)``."""
+    lengths: list[int] = []
+    count = size = 0
+    for n in nbytes:
+        if count and size + n > bucket_bytes:
+            lengths.append(count)
+            count = size = 0
+        count, size = count + 1, size + n
+    return lengths + ([count] if count else [])
+
+
+def bucket_shard(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s range of a bucket of ``numel`` elements padded to a multiple of ``world``
+    and cut in ``world`` equal ranges (ZeRO 1's reduce-scatter and ownership); ``end`` may pass ``numel`` (padding)."""
+    shard = math.ceil(numel / world)
+    return rank * shard, (rank + 1) * shard
 
 
 def loss_chunk_tokens(local_vocab: int) -> int:

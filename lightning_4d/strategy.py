@@ -195,7 +195,7 @@ class FourDStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         validate_against_module(self.parallel_config, self.lightning_module)  # before the process group exists
-        validate_precision(getattr(self.precision_plugin, "precision", None), self.parallel_config.zero_stage,
+        validate_precision(self._precision, self.parallel_config.zero_stage,
                            full_file_checkpoints=not self._save_distributed_checkpoint)
         self._add_memory_check()
         self._setup_distributed()
@@ -250,7 +250,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile,
-                                param_dtype=mixed_precision_dtype(getattr(self.precision_plugin, "precision", None)))
+                                param_dtype=mixed_precision_dtype(self._precision))
         self._llamas = llamas
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -267,8 +267,8 @@ class FourDStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)  # the master weights are copied from the float32 parameters here
         cast_to_compute_dtype(llamas, self.compute_dtype)
         if self._grad_sync is not None:
-            if self.compute_dtype is not None and self.parallel_config.zero_stage <= 1:
-                self._grad_sync.register_hooks()  # after the cast (which swaps DTensor parameters' tensors)
+            if self._grad_sync.grad_dtype is not None:  # master weights: hooks deferred until after the cast
+                self._grad_sync.register_hooks()  # (which swaps DTensor parameters' tensors)
             if self.pipeline is not None:  # evaluation runs of the schedule leave the buckets alone
                 self.pipeline.gradient_guard = self._grad_sync.suspended
         self.setup_precision_plugin()
@@ -292,7 +292,12 @@ class FourDStrategy(ModelParallelStrategy):
         """bfloat16 under ``bf16-mixed`` with ``lightning_4d`` Llama models (fp32 master weights:
         :mod:`lightning_4d.parallel.zero`); ``None`` when the parameters are their own masters (other precisions, or
         no Llama model: Lightning's autocast)."""
-        return mixed_precision_dtype(getattr(self.precision_plugin, "precision", None)) if self._llamas else None
+        return mixed_precision_dtype(self._precision) if self._llamas else None
+
+    @property
+    def _precision(self) -> Optional[str]:
+        """Lightning's precision flag (``"bf16-mixed"``, ...), from the precision plugin."""
+        return getattr(self.precision_plugin, "precision", None)
 
     # ------------------------------------------------------------------ training step
     @override

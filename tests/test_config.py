@@ -228,3 +228,14 @@ def test_planner_lists_selective_checkpointing_and_prefers_none_at_equal_time():
             assert sel.step_time < full.step_time and full.memory < sel.memory and i_sel < i_full
     triples = [modes for modes in same_layout.values() if set(modes) == set(ACTIVATION_CHECKPOINTING)]
     assert any(modes["full"][1].memory < modes["selective"][1].memory < modes["none"][1].memory for modes in triples)
+
+
+def test_gradient_bucket_rules():
+    """The one definition of ZeRO 0/1 buckets (parallel/zero.py builds them, memory/model.py simulates them)."""
+    from lightning_4d.config import bucket_lengths, bucket_shard
+
+    assert bucket_lengths([10, 10, 10, 30, 5], 25) == [2, 1, 1, 1]  # 20 | 10 | 30 (alone, too large) | 5
+    assert bucket_lengths([], 25) == []
+    assert sum(bucket_lengths([7] * 13, 20)) == 13
+    # 10 elements over 4 ranks: padded to 12, ranges of 3; the last rank holds 1 real element and 2 of padding
+    assert [bucket_shard(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]

@@ -108,7 +108,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.config import (GRADIENT_BUCKET_BYTES, PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig,
-                                 _check_positive_int, loss_chunk_tokens)
+                                 _check_positive_int, bucket_lengths, bucket_shard, loss_chunk_tokens)
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 
 __all__ = [
@@ -261,19 +261,16 @@ def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, buc
     """Elements rank ``rank`` of ``world`` owns at ZeRO 1 (``GradientBuckets`` + ``ShardedOptimizer``): the
     parameters, in reverse order, fill buckets of at most ``bucket_bytes`` (a bucket's first parameter may exceed it);
     each bucket is padded to a multiple of ``world`` elements and cut in ``world`` equal ranges, rank r owning range r
-    (its real elements only)."""
-
-    def owned(n: int) -> int:
-        per = math.ceil(n / world)
-        return max(0, min(n, (rank + 1) * per) - min(n, rank * per))
-
-    total = size = 0
-    for n in reversed(numels):
-        if size and (size + n) * elem_bytes > bucket_bytes:
-            total += owned(size)
-            size = 0
-        size += n
-    return total + (owned(size) if size else 0)
+    (its real elements only): :func:`lightning_4d.config.bucket_lengths` and
+    :func:`lightning_4d.config.bucket_shard`, the rules ``parallel/zero.py`` builds its buckets with."""
+    order = numels[::-1]
+    total = start = 0
+    for length in bucket_lengths([n * elem_bytes for n in order], bucket_bytes):
+        n = sum(order[start : start + length])
+        lo, hi = bucket_shard(n, world, rank)
+        total += max(0, min(n, hi) - min(n, lo))
+        start += length
+    return total
 
 
 def _padded_numel(p: _Param, world: int) -> int:

@@ -45,6 +45,7 @@ from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, P
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
+from lightning_4d.parallel.zero import ShardedOptimizer, clip_coefficient, unwrap_optimizer
 
 
 # ---------------------------------------------------------------------------------------------------- split
@@ -434,7 +435,7 @@ def clip_grad_norm_(
         if pp_group is not None and dist.get_world_size(pp_group) > 1:
             dist.all_reduce(total, group=pp_group)
         total = total ** (1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_coefficient(max_norm, total)
     for g in grads:
         local_tensor(g).mul_(coef.to(g.dtype))
     return total
@@ -448,8 +449,6 @@ def use_global_clipping(precision_plugin: Any, pp_group: Optional[dist.ProcessGr
     ``"value"`` clamps them); otherwise under a pipeline (``pp_group``) :func:`clip_grad_norm_` (Lightning's
     precision plugin would clip each stage by its own norm); otherwise Lightning's own clipping.
     """
-    from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
-
     by_norm, by_value = precision_plugin.clip_grad_by_norm, precision_plugin.clip_grad_by_value
 
     def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:

@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_4d.config import GRADIENT_BUCKET_BYTES
+from lightning_4d.config import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
 from lightning_4d.parallel._compat import local_tensor as _local
 from lightning_4d.parallel._compat import mark_wrapped_by_lr_scheduler
 
@@ -55,23 +55,16 @@ def _buckets(
     tensors: list[Tensor], bucket_bytes: int, key: Callable[[Tensor], Tensor] = lambda t: t
 ) -> Iterable[list[Tensor]]:
     """Group tensors of the same dtype and device (of ``key(t)``) into buckets of at most ``bucket_bytes`` of
-    ``key(t)`` (one tensor may exceed), keeping their order."""
+    ``key(t)`` (one tensor may exceed), keeping their order (:func:`lightning_4d.config.bucket_lengths`)."""
     by_key: dict[tuple, list[Tensor]] = {}
     for t in tensors:
         k = key(t)
         by_key.setdefault((k.dtype, k.device), []).append(t)
     for group in by_key.values():
-        bucket: list[Tensor] = []
-        size = 0
-        for t in group:
-            nbytes = key(t).numel() * key(t).element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(t)
-            size += nbytes
-        if bucket:
-            yield bucket
+        start = 0
+        for length in bucket_lengths([key(t).numel() * key(t).element_size() for t in group], bucket_bytes):
+            yield group[start : start + length]
+            start += length
 
 
 # ---------------------------------------------------------------------------------------------------- stage 2, 3
@@ -217,13 +210,12 @@ class _Bucket:
             self.offsets[id(p)] = n
             n += _local(p).numel()
         self.numel = n
-        self.padded = math.ceil(n / world) * world
+        self.padded = bucket_shard(n, world, world - 1)[1]  # the end of the last rank's range
         self.buffer = torch.zeros(self.padded, dtype=dtype, device=_local(params[0]).device)
 
     def own_range(self, rank: int, world: int) -> tuple[int, int]:
-        """``[start, end)`` of rank ``rank``'s 1/world of the bucket."""
-        shard = self.padded // world
-        return rank * shard, (rank + 1) * shard
+        """``[start, end)`` of rank ``rank``'s 1/world of the bucket (:func:`lightning_4d.config.bucket_shard`)."""
+        return bucket_shard(self.numel, world, rank)
 
 
 class GradientBuckets:
@@ -594,7 +586,7 @@ class ShardedOptimizer:
             if self.world == 1:
                 total = total / self.buckets.world  # every dp_cp rank counted the whole gradient
             total = total ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(max_norm, total)
         for _, g in grads:
             g.mul_(coef.to(g.dtype))
         return total
@@ -634,6 +626,12 @@ class ShardedOptimizer:
                 self.optimizer.state[self.shard[id(p)]] = {k: v.clone() for k, v in s.items()}
         if self.has_master:
             self._write_back()
+
+
+def clip_coefficient(max_norm: float, total_norm: Tensor) -> Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``, the factor gradients are scaled by (``torch.nn.utils.clip_grad_norm_``'s
+    coefficient; Megatron-LM's ``clip_grad_norm_fp32``)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
 def _tp_duplicate(p: Tensor, tp_rank: int) -> bool:
