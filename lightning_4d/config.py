@@ -8,6 +8,8 @@ fails in a second with a message that names the bad value and what would be vali
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
@@ -291,7 +293,7 @@ class ParallelConfig:
         if self.pp == 1:
             return [range(num_layers)]
         split = self.layer_split(num_layers)
-        starts = [sum(split[:k]) for k in range(len(split))]
+        starts = itertools.accumulate(split, initial=0)
         return [range(start, start + n) for start, n in zip(starts, split)]
 
     def rank_stages(self, num_layers: int, pp_rank: int) -> list[tuple[int, range]]:

@@ -184,52 +184,6 @@ def test_flops_per_token_is_palm_model_flops():
         cfg.flops_per_token(0)
 
 
-def test_planner_predicts_mfu_with_the_model_flops_the_task_logs():
-    """Predicted MFU uses flops_per_token (6N + 12·L·h·s); the step time the executed 6N + 6·L·h·s (causal)."""
-    from lightning_4d.memory.hardware import GPU_PRESETS
-    from lightning_4d.memory.planner import EFFICIENCY, executed_flops_per_token, plan, predict_step_time
-
-    cfg, s, gpu = LlamaConfig.from_preset("llama3.2-1b"), 4096, GPU_PRESETS["H100-80GB"]
-    assert executed_flops_per_token(cfg, s) == 6 * cfg.num_parameters() + 6 * 16 * 2048 * s
-    assert executed_flops_per_token(cfg, s, "full") == executed_flops_per_token(cfg, s) * (4 / 3)
-    one = ParallelConfig(data_parallel_size=1, zero_stage=0)
-    step = predict_step_time(cfg, one, 2, 1, s, gpu, 1, params_on_rank=0)  # one GPU: compute only
-    assert step == pytest.approx(executed_flops_per_token(cfg, s) * 2 * s / (EFFICIENCY * gpu.peak_flops))
-    for c in plan(cfg, 8, 8, gpu, s, 16, top=5):
-        assert c.tokens_per_sec == pytest.approx(16 * s / c.step_time)
-        assert c.mfu == pytest.approx(cfg.flops_per_token(s) * c.tokens_per_sec / (8 * gpu.peak_flops))
-
-
-def test_planner_lists_selective_checkpointing_and_prefers_none_at_equal_time():
-    """Selective checkpointing executes the FLOPs of none (its pointwise recomputation is not modelled), so the two
-    tie on predicted step time; the planner then ranks none first (it recomputes nothing), lists selective only where
-    it needs less memory than none (under tp it keeps the matmuls' partial sums and can need more: then it is
-    dropped), and full only where it needs less than the mode before it."""
-    from lightning_4d.config import ACTIVATION_CHECKPOINTING
-    from lightning_4d.memory.hardware import GPU_PRESETS
-    from lightning_4d.memory.planner import _RECOMPUTATION, executed_flops_per_token, plan
-
-    assert set(_RECOMPUTATION) == set(ACTIVATION_CHECKPOINTING)
-    cfg, s, gpu = LlamaConfig.from_preset("llama3.2-1b"), 4096, GPU_PRESETS["H100-80GB"]
-    assert executed_flops_per_token(cfg, s, "selective") == executed_flops_per_token(cfg, s)
-    ranked = plan(cfg, 8, 8, gpu, s, 16, top=None)
-    same_layout: dict[tuple, dict[str, tuple[int, object]]] = {}
-    for i, c in enumerate(ranked):
-        key = (c.tp, c.pp, c.cp, c.dp, c.micro_batch_size, c.zero_stage)
-        same_layout.setdefault(key, {})[c.activation_checkpointing] = (i, c)
-    assert any(set(modes) == set(ACTIVATION_CHECKPOINTING) for modes in same_layout.values())
-    assert any(set(modes) == {"none", "full"} for modes in same_layout.values())  # selective dominated there
-    for modes in same_layout.values():
-        if "none" in modes and "selective" in modes:
-            (i_none, none), (i_sel, sel) = modes["none"], modes["selective"]
-            assert sel.step_time == none.step_time and sel.memory < none.memory and i_none < i_sel
-        if "selective" in modes and "full" in modes:
-            (i_sel, sel), (i_full, full) = modes["selective"], modes["full"]
-            assert sel.step_time < full.step_time and full.memory < sel.memory and i_sel < i_full
-    triples = [modes for modes in same_layout.values() if set(modes) == set(ACTIVATION_CHECKPOINTING)]
-    assert any(modes["full"][1].memory < modes["selective"][1].memory < modes["none"][1].memory for modes in triples)
-
-
 def test_gradient_bucket_rules():
     """The one definition of ZeRO 0/1 buckets (parallel/zero.py builds them, memory/model.py simulates them)."""
     from lightning_4d.config import bucket_lengths, bucket_shard

@@ -192,18 +192,30 @@ def _print_plan(out: dict[str, Any]) -> None:
     table = Table(title=f"{out['model']} on {out['num_gpus']} x {out['gpu']}, s={out['seq_length']}, global batch "
                         f"{out['global_batch_size']}: layouts within {100 * out['budget']:.0f}% of memory, fastest "
                         "predicted first")
-    for col in ("#", "tp", "pp", "cp", "dp", "b", "m", "ZeRO", "ckpt", "GiB", "mem %", "step s", "tokens/s", "MFU"):
+    for col in ("#", "tp", "pp", "cp", "dp", "b", "m", "ZeRO", "ckpt", "sp", "schedule", "GiB", "mem %", "step s",
+                "tokens/s", "MFU", "bubble", "comm", "recomp"):
         table.add_column(col, justify="right")
     for i, c in enumerate(out["layouts"], 1):
-        table.add_row(str(i), str(c["tp"]), str(c["pp"]), str(c["cp"]), str(c["dp"]), str(c["micro_batch_size"]),
+        schedule = "-" if c["pp"] == 1 else (c["pipeline_schedule"] + (f" v{c['virtual_pipeline_stages']}"
+                                             if c["pipeline_schedule"] == "interleaved_1f1b" else ""))
+        cp = str(c["cp"]) + ("" if c["cp"] == 1 else f" {c['context_parallel_method']}")
+        table.add_row(str(i), str(c["tp"]), str(c["pp"]), cp, str(c["dp"]), str(c["micro_batch_size"]),
                       str(c["num_microbatches"]), str(c["zero_stage"]), c["activation_checkpointing"],
+                      "-" if c["tp"] == 1 else ("on" if c["sequence_parallel"] else "off"), schedule,
                       f"{c['memory_gib']:.1f}", f"{100 * c['fraction']:.0f}", f"{c['step_time']:.3f}",
-                      f"{c['tokens_per_sec']:,.0f}", f"{100 * c['mfu']:.1f}%")
-    console = Console(width=max(Console().width, 150))
+                      f"{c['tokens_per_sec']:,.0f}", f"{100 * c['mfu']:.1f}%", f"{100 * c['bubble_fraction']:.0f}%",
+                      f"{100 * c['communication_fraction']:.0f}%", f"{100 * c['recompute_fraction']:.0f}%")
+    console = Console(width=max(Console().width, 180))
     console.print(table)
     if not out["layouts"]:
         console.print("No layout fits: use more GPUs, a shorter sequence, or a larger GPU.")
-    console.print("Step time, tokens/s and MFU are predicted by the analytical model of docs/memory.md, not measured.")
+    for i, c in enumerate(out["layouts"], 1):
+        if c["pipeline_layer_split"]:
+            console.print(f"#{i}: pipeline_layer_split={c['pipeline_layer_split']}")
+            break
+    console.print("bubble, comm (exposed communication) and recomp (recomputation): fractions of the predicted step. "
+                  "Step time, tokens/s and MFU are predicted by the step-time model of docs/memory.md (calibrated on "
+                  "published runs), not measured.")
 
 
 def main(command: str, argv: list[str]) -> int:

@@ -2,13 +2,16 @@
 
 Each preset gives the device memory (bytes), the dense bf16 peak (FLOP/s, without sparsity), the per-GPU
 bandwidth inside a node (NVLink, bytes/s, one direction) and across nodes (InfiniBand / RoCE NIC, bytes/s, one
-direction). Sources: NVIDIA A100 datasheet (2021: 312 TFLOP/s bf16, NVLink 3 600 GB/s bidirectional = 300 GB/s per
-direction, HDR InfiniBand 200 Gb/s = 25 GB/s per GPU), NVIDIA H100 datasheet (2023: SXM 989 TFLOP/s bf16 dense,
-NVLink 4 900 GB/s bidirectional = 450 GB/s per direction, NDR 400 Gb/s = 50 GB/s per GPU; H100 NVL 94 GB), NVIDIA
-H200 datasheet (2024: 141 GB HBM3e, same compute and NVLink as H100 SXM), NVIDIA L40S datasheet (2023: 48 GB,
-362 TFLOP/s bf16 dense, no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction), NVIDIA A10
-datasheet (2021: 24 GB, 125 TFLOP/s bf16 dense, PCIe Gen4 x16). The NIC of the two PCIe cards is not part of the
-card: 25 GB/s per GPU (as A100's HDR) is assumed.
+direction) and the memory (HBM / GDDR) bandwidth (bytes/s). Sources: NVIDIA A100 datasheet (2021: 312 TFLOP/s bf16,
+NVLink 3 600 GB/s bidirectional = 300 GB/s per direction, HDR InfiniBand 200 Gb/s = 25 GB/s per GPU, 1,555 GB/s
+(40GB) and 2,039 GB/s (80GB SXM) memory bandwidth), NVIDIA H100 datasheet (2023: SXM 989 TFLOP/s bf16 dense,
+NVLink 4 900 GB/s bidirectional = 450 GB/s per direction, NDR 400 Gb/s = 50 GB/s per GPU, 3.35 TB/s HBM3; H100 NVL
+94 GB, 3.9 TB/s), the H100 96GB HBM2e of Meta's Grand Teton hosts that torchtitan's published runs used (torchtitan
+``docs/performance.md``: 96 GB, 2.4 TB/s, SXM compute and NVLink, run at a 500 W power limit of the 700 W TDP), NVIDIA H200 datasheet (2024: 141 GB HBM3e,
+4.8 TB/s, same compute and NVLink as H100 SXM), NVIDIA L40S datasheet (2023: 48 GB, 362 TFLOP/s bf16 dense,
+864 GB/s, no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction), NVIDIA A10 datasheet (2021:
+24 GB, 125 TFLOP/s bf16 dense, 600 GB/s, PCIe Gen4 x16). The NIC of the two PCIe cards is not part of the card:
+25 GB/s per GPU (as A100's HDR) is assumed.
 
 This is the one table of GPU figures: :func:`peak_flops_of_device` reads the dense bf16 peak of a CUDA device name
 from it (for the MFU the task logs).
@@ -40,23 +43,30 @@ OVERHEAD_FILE = Path(__file__).with_name("overhead.json")
 @dataclass(frozen=True)
 class GpuSpec:
     """One GPU kind: ``memory`` bytes, ``peak_flops`` dense bf16 FLOP/s, ``intra_node_bandwidth`` and
-    ``inter_node_bandwidth`` in bytes/s per GPU and direction."""
+    ``inter_node_bandwidth`` in bytes/s per GPU and direction, ``memory_bandwidth`` bytes/s of its device memory,
+    ``compute_fraction`` the fraction of ``peak_flops`` its tensor cores can sustain under the power limit it runs
+    at: 1 at the datasheet TDP; below it, the ratio of the limit to the TDP (an assumption of the step-time model:
+    large GEMMs are power-bound on H100, so their throughput follows the power limit). ``peak_flops`` stays the
+    datasheet figure, the MFU denominator."""
 
     name: str
     memory: int
     peak_flops: float
     intra_node_bandwidth: float
     inter_node_bandwidth: float
+    memory_bandwidth: float
+    compute_fraction: float = 1.0
 
 
 GPU_PRESETS: dict[str, GpuSpec] = {
-    "A100-40GB": GpuSpec("A100-40GB", 40 * GIB, 312e12, 300e9, 25e9),
-    "A100-80GB": GpuSpec("A100-80GB", 80 * GIB, 312e12, 300e9, 25e9),
-    "H100-80GB": GpuSpec("H100-80GB", 80 * GIB, 989e12, 450e9, 50e9),
-    "H100-94GB": GpuSpec("H100-94GB", 94 * GB, 989e12, 450e9, 50e9),
-    "H200": GpuSpec("H200", 141 * GB, 989e12, 450e9, 50e9),
-    "L40S": GpuSpec("L40S", 48 * GIB, 362e12, 32e9, 25e9),
-    "A10": GpuSpec("A10", 24 * GIB, 125e12, 32e9, 25e9),
+    "A100-40GB": GpuSpec("A100-40GB", 40 * GIB, 312e12, 300e9, 25e9, 1555e9),
+    "A100-80GB": GpuSpec("A100-80GB", 80 * GIB, 312e12, 300e9, 25e9, 2039e9),
+    "H100-80GB": GpuSpec("H100-80GB", 80 * GIB, 989e12, 450e9, 50e9, 3350e9),
+    "H100-94GB": GpuSpec("H100-94GB", 94 * GB, 989e12, 450e9, 50e9, 3900e9),
+    "H100-96GB": GpuSpec("H100-96GB", 96 * GB, 989e12, 450e9, 50e9, 2400e9, 500 / 700),
+    "H200": GpuSpec("H200", 141 * GB, 989e12, 450e9, 50e9, 4800e9),
+    "L40S": GpuSpec("L40S", 48 * GIB, 362e12, 32e9, 25e9, 864e9),
+    "A10": GpuSpec("A10", 24 * GIB, 125e12, 32e9, 25e9, 600e9),
 }
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -88,7 +98,8 @@ def parse_bytes(value: Union[int, float, str]) -> int:
 
 
 def gpu_spec(name_or_memory: Union[str, int, float], peak_flops: Optional[float] = None,
-             intra_node_bandwidth: Optional[float] = None, inter_node_bandwidth: Optional[float] = None) -> GpuSpec:
+             intra_node_bandwidth: Optional[float] = None, inter_node_bandwidth: Optional[float] = None,
+             memory_bandwidth: Optional[float] = None) -> GpuSpec:
     """A preset by name (case-insensitive: ``"h100-80gb"``), or a custom GPU from a memory size (``"64GiB"``) whose
     missing figures default to the H100-80GB preset's.
 
@@ -112,6 +123,7 @@ def gpu_spec(name_or_memory: Union[str, int, float], peak_flops: Optional[float]
         peak_flops if peak_flops is not None else base.peak_flops,
         intra_node_bandwidth if intra_node_bandwidth is not None else base.intra_node_bandwidth,
         inter_node_bandwidth if inter_node_bandwidth is not None else base.inter_node_bandwidth,
+        memory_bandwidth if memory_bandwidth is not None else base.memory_bandwidth,
     )
 
 

@@ -543,6 +543,7 @@ def _in_flight(pc: ParallelConfig, pp_rank: int, m: int) -> list[int]:
     return list(_zbv_peak(p, r, m, (1.0, 1.0))[1])  # zbv, dualpipev: (stage r, stage 2p-1-r)
 
 
+@functools.lru_cache(maxsize=65536)
 def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float],
               retained: tuple[float, float] = (0.0, 0.0)) -> tuple[float, tuple[int, int]]:
     """Peak of ``held[0]·sizes[0] + held[1]·sizes[1] + done[0]·retained[0] + done[1]·retained[1]`` over
@@ -562,50 +563,52 @@ def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float],
     I, W stage 0; F, I, W stage 1); cool-down (I of both, then I, W of stage 0, then the remaining W), with the
     schedule's micro-batch count ``max(2p-1, m)`` and actions on indices >= m dropped.
     """
-    n = max(2 * p - 1, m)
-    held, done, best = [0, 0], [0, 0], (0.0, (0, 0))
-    f = [0, 0]
+    best = (-1.0, (0, 0))
+    for h0, h1, d0, d1 in _zbv_states(p, r, m):
+        value = h0 * sizes[0] + h1 * sizes[1] + d0 * retained[0] + d1 * retained[1]
+        if value > best[0]:
+            best = (value, (h0, h1))
+    return (max(best[0], 0.0), best[1]) if best[0] > 0 else (0.0, (0, 0))
 
-    def step(chunk: int, delta: int, index: int) -> None:
-        nonlocal best
+
+@functools.lru_cache(maxsize=4096)
+def _zbv_states(p: int, r: int, m: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The distinct ``(held[0], held[1], done[0], done[1])`` after each action of ``ScheduleZBVZeroBubble``'s list
+    for rank r (see :func:`_zbv_peak`), in order of first appearance (the peak is a linear function of them)."""
+    n = max(2 * p - 1, m)
+    held, done = [0, 0], [0, 0]
+    f, w = [0, 0], [0, 0]
+    states: dict[tuple[int, int, int, int], None] = {}
+
+    def act(chunk: int, delta: int, counter: list[int]) -> None:
+        index = counter[chunk]
+        counter[chunk] += 1
         if index >= m:
             return
         held[chunk] += delta
         if delta < 0:
             done[chunk] += 1
-        value = held[0] * sizes[0] + held[1] * sizes[1] + done[0] * retained[0] + done[1] * retained[1]
-        if value > best[0]:
-            best = (value, (held[0], held[1]))
-
-    def forward(chunk: int) -> None:
-        step(chunk, +1, f[chunk])
-        f[chunk] += 1
-
-    w = [0, 0]
-
-    def weight(chunk: int) -> None:
-        step(chunk, -1, w[chunk])
-        w[chunk] += 1
+        states[(held[0], held[1], done[0], done[1])] = None
 
     for _ in range(2 * (p - r) - 1):
-        forward(0)
+        act(0, +1, f)
     for _ in range(r):
-        forward(1)
-        forward(0)
+        act(1, +1, f)
+        act(0, +1, f)
     for _ in range(p - r):
-        forward(1)
-        weight(1)
+        act(1, +1, f)
+        act(1, -1, w)
     while f[1] < f[0] or f[0] < n:
         if f[0] < n:
-            forward(0)
-        weight(0)
-        forward(1)
-        weight(1)
+            act(0, +1, f)
+        act(0, -1, w)
+        act(1, +1, f)
+        act(1, -1, w)
     while w[1] < f[1]:
-        weight(1)
+        act(1, -1, w)
     while w[0] < f[0]:
-        weight(0)
-    return best
+        act(0, -1, w)
+    return tuple(states)
 
 
 @dataclass(frozen=True)

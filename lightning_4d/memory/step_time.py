@@ -1,0 +1,313 @@
+"""The step-time model of the planner: predicted seconds per optimizer step of one layout, term by term.
+
+An analytical model of FourDStrategy's step (``lightning_4d/parallel``), for ranking layouts and for the MFU
+``lightning-4d plan`` predicts; it is calibrated on published runs (:data:`CALIBRATION_RUNS`, compared in
+``docs/memory.md`` and ``tests/test_step_time.py``), not measured here (we have no GPU). Symbols: h hidden size,
+f FFN size, a heads, k kv heads, d head size, V vocabulary, L layers, s sequence length, b micro-batch size, m
+micro-batches per step, tp/pp/cp/dp the layout, v pipeline stages per pp rank, D = dp·cp, P the dense bf16 peak,
+T = b·s/cp tokens per micro-batch per GPU, c = 2 bytes (bf16 compute).
+
+**Compute of one layer, one micro-batch** (forward + backward):
+
+- matmuls: ``6·P_layer/tp·T`` FLOPs (``P_layer = h·(a + 2k)·d + a·d·h + 3·h·f``, every weight in one multiply-add
+  per token forward and two backward: Kaplan et al. 2020 §2.1) at a fraction of the peak that depends on the GEMM
+  shape (:func:`gemm_efficiency`, :data:`GEMM_EFFICIENCY`): the smallest of the layer's GEMM dimensions (T, h,
+  f/tp, a·d/tp) picks the class;
+- causal attention: ``6·a·d·s·T/tp`` FLOPs (half of the ``12·L·h·s`` of the MFU convention: PaLM appendix B) at
+  :data:`ATTENTION_EFFICIENCY` of the peak;
+- pointwise ops (norms, RoPE, SiLU and the SwiGLU product, residual additions, casts): memory-bound, ``bytes /
+  (POINTWISE_EFFICIENCY · memory bandwidth)`` with the bytes our eager layer reads and writes per token, measured on
+  it (:data:`POINTWISE_BYTES`; ``tests/test_step_time.py`` measures them again with a ``TorchDispatchMode``):
+  ``348·h + 52·(a + 2k)·d + 28·f`` bytes per token forward + backward in bf16, the h term divided by tp under
+  sequence parallelism (the norms and residuals run on s/tp tokens), the others by tp;
+- the LM head on the last stage: ``6·V·h/tp·T`` FLOPs (a GEMM of the large class) and the chunked cross-entropy's
+  pointwise work, :data:`LOSS_BYTES_PER_LOGIT` bytes per local logit.
+
+Activation checkpointing adds, per layer: ``"full"`` the forward again (a third of the matmul, attention and
+pointwise time) and its tp collectives; ``"selective"`` the forward pointwise ops (a third of the pointwise time)
+and, under sp, the two all-gathers of the layer's saved sequence shards.
+
+**Tensor parallel** (not overlapped with compute: FourDStrategy issues DTensor collectives synchronously): per layer
+and micro-batch, under sp 2 all-gathers + 2 reduce-scatters forward, as many backward, and 2 more all-gathers in
+backward (the matmul inputs saved as sequence shards, ``parallel/tensor.py``); without sp 2 + 2 all-reduces
+(twice the volume each). Each moves ``(tp−1)/tp·T·h·c`` bytes per GPU over NVLink.
+
+**Context parallel**: ``"ring"`` passes K and V (``T·k·d/tp·c`` bytes each) cp−1 times forward and K, V, dK, dV
+backward, overlapped with the attention it feeds (exposed: what exceeds the attention time);
+``"allgather"`` gathers K and V forward and reduce-scatters their float32 gradients backward, not overlapped.
+
+**Pipeline** (the slowest pp rank t_max sets the pace): 1F1B and interleaved 1F1B ``(m + (p−1)/v)·t_max``
+(bubble fraction ``(p−1)/(v·m + p−1)``: Narayanan et al. 2021, arXiv 2104.04473, §2.2); ZBV
+``m·t_max + (p−1)·(t_chunk − t_mm,chunk)``: Qi et al. 2024 (arXiv 2401.10241) §3 give the ZB-V bubble as
+``(p−1)·(T_F + T_B − 2·T_W)`` per chunk, which is a chunk's time less three times its weight-gradient pass, i.e.
+less its matmul time. Stage-to-stage sends (``T·h·c`` bytes, ``/tp`` under sp), 2·v per micro-batch, are exposed.
+
+**Data parallel** (bytes per GPU of the rank's ``P_r`` parameters, ring collectives: all-reduce ``2(D−1)/D``,
+reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy overlaps them:
+
+- ZeRO 0: float32 gradient all-reduce, bucket by bucket during the last micro-batch's backward (exposed: what
+  exceeds that backward, at least the last bucket);
+- ZeRO 1: float32 reduce-scatter as above + the all-gather of the updated parameters (c bytes) after the
+  optimizer step (exposed);
+- ZeRO 2 / 3 (FSDP2, one unit per layer): the parameters all-gathered once (ZeRO 2) or twice (ZeRO 3, forward and
+  backward) per micro-batch, prefetched behind the previous unit's compute, the float32 reduce-scatter behind the
+  last backward (exposed: what exceeds the compute it hides behind, plus the first unit's all-gather).
+
+Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
+step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_4d.config import ParallelConfig
+
+__all__ = ["ATTENTION_EFFICIENCY", "CALIBRATION_RUNS", "GEMM_EFFICIENCY", "LINK_LATENCY", "POINTWISE_BYTES",
+           "StepTime", "attention_efficiency", "gemm_efficiency", "predict_step_time", "step_time_of"]
+
+#: Fraction of the dense bf16 peak a GEMM reaches, by the class of its smallest dimension (>= 2048, >= 1024, below).
+#: The large class is the maximum achievable matmul throughput measured on H100 SXM and A100 (about 0.8 of the
+#: datasheet peak: S. Bekman, "Machine Learning Engineering", chapter compute/accelerator, "Maximum Achievable
+#: Matmul FLOPS"); the smaller classes lose to wave and tile quantization (NVIDIA, "Matrix Multiplication
+#: Background User's Guide"); all three are calibrated with :data:`CALIBRATION_RUNS`.
+GEMM_EFFICIENCY = ((2048, 0.78), (1024, 0.70), (0, 0.55))
+#: Fraction of the peak of the fused attention kernel (FlashAttention 2, PyTorch's SDPA flash backend) forward +
+#: backward at head size 128 on H100, by the length of the query/key blocks it runs on (s, or s/(2·cp) under
+#: context parallelism): about 330 TFLOP/s forward at 4k-16k tokens, falling to about half at 512 (Shah et al.
+#: 2024, FlashAttention-3, arXiv 2407.08608, Fig. 5-7, the FlashAttention-2 curves), less backward.
+ATTENTION_EFFICIENCY = ((4096, 0.35), (2048, 0.31), (1024, 0.26), (512, 0.20), (0, 0.15))
+#: Pointwise bytes per token of one decoder layer, forward + backward, bf16 (eager, our layer): coefficients of
+#: (h, (a + 2k)·d, f), measured with a TorchDispatchMode over every non-matmul op (``tests/test_step_time.py``).
+POINTWISE_BYTES = (348, 52, 28)
+#: Bytes per local logit the chunked cross-entropy reads and writes forward + backward (``parallel/loss.py``:
+#: the bf16 logits read twice, a float32 chunk written and read, the bf16 gradient written).
+LOSS_BYTES_PER_LOGIT = 20
+#: Fraction of the memory bandwidth eager pointwise kernels reach (large contiguous tensors).
+POINTWISE_EFFICIENCY = 0.8
+#: Fraction of the link bandwidth NCCL's ring collectives reach (bus bandwidth of nccl-tests on NVLink 4 / NDR).
+COLLECTIVE_EFFICIENCY = 0.8
+#: Seconds per ring step of a collective (alpha of the alpha-beta model): inside a node, across nodes.
+LINK_LATENCY = (3e-6, 8e-6)
+#: float32 bytes the optimizer step reads and writes per owned parameter (gradient, master, m, v read; master,
+#: m, v written) + the compute-dtype parameter written.
+OPTIMIZER_BYTES_PER_PARAM = 4 * 7 + 2
+
+#: Published runs the model is calibrated with and tested against (``tests/test_step_time.py``, ``docs/memory.md``).
+#: ``mfu`` is the publication's figure; ``layout`` our FourDStrategy equivalent.
+CALIBRATION_RUNS: tuple[dict[str, Any], ...] = (
+    dict(name="torchtitan Llama 3.1 8B, 8 H100, FSDP, eager", model="llama3.1-8b", gpu="H100-96GB",
+         num_gpus=8, gpus_per_node=8, seq_length=8192, global_batch_size=16,
+         layout=dict(tp=1, pp=1, cp=1, dp=8, zero_stage=3, activation_checkpointing="selective",
+                     micro_batch_size=2),
+         tokens_per_sec_per_gpu=5762, mfu=None,
+         source="torchtitan docs/performance.md, Table 1 (FSDP, local batch 2, selective AC): 5,762 tokens/s/GPU; "
+                "33-39% MFU"),
+    dict(name="Meta Llama 3.1 405B, 8,192 H100", model="llama3.1-405b", gpu="H100-80GB",
+         num_gpus=8192, gpus_per_node=8, seq_length=8192, global_batch_size=2048,
+         layout=dict(tp=8, pp=16, cp=1, dp=64, zero_stage=1, micro_batch_size=1),
+         tokens_per_sec_per_gpu=None, mfu=0.43,
+         source="Llama 3 paper (arXiv 2407.21783) Table 4: tp8 cp1 pp16 dp64, 430 TFLOP/s per GPU, 43% MFU"),
+    dict(name="Meta Llama 3.1 405B, 16,384 H100", model="llama3.1-405b", gpu="H100-80GB",
+         num_gpus=16384, gpus_per_node=8, seq_length=8192, global_batch_size=2048,
+         layout=dict(tp=8, pp=16, cp=1, dp=128, zero_stage=1, micro_batch_size=1),
+         tokens_per_sec_per_gpu=None, mfu=0.41,
+         source="Llama 3 paper (arXiv 2407.21783) Table 4: tp8 cp1 pp16 dp128, 400 TFLOP/s per GPU, 41% MFU"),
+)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step and its parts (all seconds, on the slowest pp rank).
+
+    ``total = compute + recompute + bubble + tp + cp + pp + dp + optimizer``; ``compute`` is the forward + backward
+    of the step's micro-batches (matmuls, attention, pointwise), ``recompute`` what activation checkpointing adds,
+    ``bubble`` the pipeline's idle time, ``tp``/``cp``/``pp``/``dp`` the exposed communication of each dimension.
+    """
+
+    compute: float
+    recompute: float
+    bubble: float
+    tp: float
+    cp: float
+    pp: float
+    dp: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.bubble + self.tp + self.cp + self.pp + self.dp + self.optimizer
+
+    @property
+    def exposed_communication(self) -> float:
+        return self.tp + self.cp + self.pp + self.dp
+
+
+def gemm_efficiency(smallest_dimension: float) -> float:
+    """Fraction of the peak of a GEMM whose smallest dimension is ``smallest_dimension`` (:data:`GEMM_EFFICIENCY`)."""
+    for bound, eta in GEMM_EFFICIENCY:
+        if smallest_dimension >= bound:
+            return eta
+    return GEMM_EFFICIENCY[-1][1]
+
+
+def _ring(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring all-gather / reduce-scatter of a ``nbytes`` buffer over ``ranks`` ranks (per GPU
+    ``(n−1)/n·nbytes`` at ``COLLECTIVE_EFFICIENCY·bandwidth``, plus ``(n−1)·latency``)."""
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ranks - 1) * latency
+
+
+def _dims(cfg: Any) -> tuple[int, ...]:
+    return (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+            cfg.padded_vocab_size, cfg.num_layers)
+
+
+def attention_efficiency(block_tokens: float) -> float:
+    """Fraction of the peak of the fused attention kernel on query/key blocks of ``block_tokens`` tokens
+    (:data:`ATTENTION_EFFICIENCY`)."""
+    for bound, eta in ATTENTION_EFFICIENCY:
+        if block_tokens >= bound:
+            return eta
+    return ATTENTION_EFFICIENCY[-1][1]
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_terms(dims: tuple[int, ...], tp: int, cp: int, b: int, s: int, sp: bool, method: str, gpu: Any,
+                 gpus_per_node: int) -> tuple[float, ...]:
+    """Seconds of one layer and one micro-batch: (matmuls, attention, pointwise, tp collectives, exposed cp
+    exchange, one tp collective, head + loss)."""
+    h, f, d, a, k, vocab, _ = dims
+    c = 2
+    peak, hbm = gpu.peak_flops * gpu.compute_fraction, POINTWISE_EFFICIENCY * gpu.memory_bandwidth
+    intra, inter = gpu.intra_node_bandwidth, gpu.inter_node_bandwidth
+    tokens = b * s / cp
+    p_layer = h * (a + 2 * k) * d + a * d * h + 3 * h * f
+    t_mm = 6 * p_layer / tp * tokens / (gemm_efficiency(min(tokens, h, f / tp, a * d / tp)) * peak)
+    block = s / (2 * cp) if cp > 1 else s  # the load-balanced causal split: 2·cp chunks
+    t_att = 6 * a * d * s * tokens / tp / (attention_efficiency(block) * peak)
+    ch, cq, cf = POINTWISE_BYTES
+    t_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * f) / tp) * tokens / hbm
+    coll = _ring(tokens * h * c, tp, intra, LINK_LATENCY[0])
+    t_tp = ((10 if sp else 8) if tp > 1 else 0) * coll  # an all-reduce counted as two
+    t_cp = 0.0
+    if cp > 1:
+        kv_bytes = tokens * k * d / tp * c
+        near = tp * cp <= gpus_per_node
+        b_cp, lat = (intra, LINK_LATENCY[0]) if near else (inter, LINK_LATENCY[1])
+        if method == "ring":
+            comm = 3 * 2 * kv_bytes * (cp - 1) / (COLLECTIVE_EFFICIENCY * b_cp) + 3 * (cp - 1) * lat
+            t_cp = max(0.0, comm - t_att)
+        else:
+            t_cp = _ring(2 * kv_bytes * cp, cp, b_cp, lat) + _ring(2 * 2 * kv_bytes * cp, cp, b_cp, lat)
+    t_head = (6 * vocab * h / tp * tokens / (gemm_efficiency(min(tokens, h, vocab / tp)) * peak)
+              + LOSS_BYTES_PER_LOGIT * vocab / tp * tokens / hbm + (3 * coll if tp > 1 else 0.0))
+    return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_layers(num_layers: int, pp: int, schedule: str, v: int,
+                     split: Optional[tuple[int, ...]]) -> tuple[tuple[int, ...], int]:
+    """(decoder layers of every pp rank, the pp rank holding the last stage)."""
+    if pp == 1:
+        return (num_layers,), 0
+    pc = ParallelConfig(pipeline_parallel_size=pp, pipeline_schedule=schedule, virtual_pipeline_stages=v,
+                        pipeline_layer_split=list(split) if split else None)
+    layers = tuple(sum(len(r) for _, r in pc.rank_stages(num_layers, r)) for r in range(pp))
+    return layers, next(r for r in range(pp) if pc.num_stages - 1 in pc.stage_indices(r))
+
+
+@functools.lru_cache(maxsize=65536)
+def _pipeline_terms(dims: tuple[int, ...], tp: int, pp: int, cp: int, b: int, s: int, sp: bool, method: str,
+                    schedule: str, v: int, split: Optional[tuple[int, ...]], activation_checkpointing: str, gpu: Any,
+                    gpus_per_node: int) -> tuple:
+    """(t_max, compute of the slowest rank, its layers, bubble, recompute / tp / cp seconds per layer, layers per
+    rank) of one micro-batch (module docstring, **Pipeline**)."""
+    num_layers = dims[-1]
+    t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head = _layer_terms(dims, tp, cp, b, s, sp, method, gpu, gpus_per_node)
+    ac = activation_checkpointing
+    if ac == "full":
+        t_re = (t_mm + t_att + t_pw) / 3 + (4 * coll if tp > 1 else 0.0)
+    elif ac == "selective":
+        t_re = t_pw / 3 + (2 * coll if sp else 0.0)
+    else:
+        t_re = 0.0
+    layers_of, last_rank = _pipeline_layers(num_layers, pp, schedule, v, split)
+    layer = t_mm + t_att + t_pw
+    best = None
+    for r, n in enumerate(layers_of):  # the slowest pp rank sets the pace
+        work = n * layer + (t_head if r == last_rank else 0.0)
+        busy = work + n * (t_re + t_tp + t_cp)
+        if best is None or busy > best[0]:
+            best = (busy, work, n)
+    t_max, work, n_max = best
+    if pp == 1:
+        bubble = 0.0
+    elif schedule in ("zbv", "dualpipev"):
+        bubble = (pp - 1) * max(0.0, (t_max - n_max * t_mm) / v)
+    else:
+        bubble = (pp - 1) / v * t_max
+    return t_max, work, n_max, bubble, t_re, t_tp, t_cp, layers_of
+
+
+def predict_step_time(model_config: Any, pc: ParallelConfig, micro_batch_size: int, num_microbatches: int,
+                      seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
+    """Predicted :class:`StepTime` of one optimizer step (module docstring: every term and its source).
+
+    Args:
+        model_config: a :class:`~lightning_4d.models.LlamaConfig`.
+        pc: the layout (schedule, v, layer split, sp, cp method, ZeRO stage, activation checkpointing).
+        micro_batch_size: b; num_microbatches: m (pipeline micro-batches or gradient-accumulation steps).
+        seq_length: s, tokens per sample.
+        gpu: a :class:`~lightning_4d.memory.hardware.GpuSpec`; gpus_per_node: GPUs per node.
+    """
+    split = tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None
+    return step_time_of(_dims(model_config), pc.tp, pc.pp, pc.cp, pc.dp, micro_batch_size, num_microbatches,
+                        seq_length, pc.sp, pc.context_parallel_method, pc.pipeline_schedule,
+                        pc.v if pc.pp > 1 else 1, split, pc.zero_stage, pc.activation_checkpointing, gpu,
+                        gpus_per_node)
+
+
+def step_time_of(dims: tuple[int, ...], tp: int, pp: int, cp: int, dp: int, b: int, m: int, s: int, sp: bool,
+                 method: str, schedule: str, v: int, split: Optional[tuple[int, ...]], zero_stage: int,
+                 activation_checkpointing: str, gpu: Any, gpus_per_node: int) -> StepTime:
+    """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L))."""
+    h, f, d, a, k, vocab, num_layers = dims
+    c = 2
+    t_max, work, n_max, bubble, t_re, t_tp, t_cp, layers_of = _pipeline_terms(
+        dims, tp, pp, cp, b, s, sp, method, schedule, v, split, activation_checkpointing, gpu, gpus_per_node)
+    hbm = POINTWISE_EFFICIENCY * gpu.memory_bandwidth
+    intra, inter = gpu.intra_node_bandwidth, gpu.inter_node_bandwidth
+    tokens = b * s / cp
+    world = tp * pp * cp * dp
+    t_pp = 0.0
+    if pp > 1:
+        b_pp, lat = (intra, LINK_LATENCY[0]) if world <= gpus_per_node else (inter, LINK_LATENCY[1])
+        t_pp = 2 * v * m * (tokens * h * c / (tp if sp else 1) / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
+    # data parallel over dp_cp: the parameters of the largest pp rank
+    dd = dp * cp
+    p_layer = h * (a + 2 * k) * d + a * d * h + 3 * h * f
+    params = max(layers_of) * p_layer / tp + vocab * h / tp * (2 if pp == 1 else 1)
+    owned = params / dd if zero_stage >= 1 else params
+    t_dp = 0.0
+    if dd > 1:
+        b_dp, lat = (intra, LINK_LATENCY[0]) if tp * dd <= gpus_per_node else (inter, LINK_LATENCY[1])
+        last_backward = 2 / 3 * t_max
+        units = max(1, max(layers_of))
+        rs = _ring(4 * params, dd, b_dp, lat)
+        if zero_stage == 0:
+            t_dp = max(2 * rs - last_backward, 2 * rs / units)
+        elif zero_stage == 1:
+            t_dp = max(rs - last_backward, rs / units) + _ring(c * params, dd, b_dp, lat)
+        else:
+            gathers = 1 if zero_stage == 2 else 2
+            ag = _ring(c * params, dd, b_dp, lat)
+            t_dp = m * (max(0.0, gathers * ag - t_max) + ag / units) + max(rs - last_backward, rs / units)
+    t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / hbm
+    return StepTime(compute=m * work, recompute=m * n_max * t_re, bubble=bubble, tp=m * n_max * t_tp,
+                    cp=m * n_max * t_cp, pp=t_pp, dp=t_dp, optimizer=t_opt)
