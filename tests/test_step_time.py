@@ -199,3 +199,21 @@ def test_candidates_say_why_they_rank_where_they_do():
     assert rows[0].micro_batch_size == 1 and rows[0].sequence_parallel
     pcs = [c.parallel_config() for c in rows]
     assert all(pc.pp == 1 or pc.pipeline_layer_split is None or sum(pc.pipeline_layer_split) == 126 for pc in pcs)
+
+
+def test_estimate_accepts_an_uneven_pipeline_layer_split(capsys):
+    """`estimate --pp 16 --pipeline-layer-split <16 counts summing to 126>` answers (exit 0 fits / 1 does not);
+    a split of the wrong length is one line, exit 2."""
+    from lightning_4d.cli import main
+
+    split = [str(n) for n in propose_layer_split(126, 16)]
+    base = ["estimate", "--model", "llama3.1-405b", "--tp", "8", "--pp", "16", "--dp", "64", "--micro-batch-size",
+            "1", "--seq-length", "8192", "--activation-checkpointing", "full", "--num-microbatches", "32", "--json"]
+    assert main(base + ["--pipeline-layer-split", *split]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["layout"]["pp"] == 16
+    assert main(base + ["--pipeline-layer-split", *split[:-1]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pipeline_layer_split" in err[0]
