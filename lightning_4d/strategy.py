@@ -79,7 +79,8 @@ class FourDStrategy(ModelParallelStrategy):
         timeout: process group timeout (a mismatched collective fails after this instead of hanging).
         memory_check: on CUDA, add a :class:`~lightning_4d.memory.callback.MemoryEstimatorCallback` (budget 0.8 of
             the device's memory) unless the Trainer already has one: a layout whose estimated peak would not fit
-            raises ``MemoryBudgetExceeded`` before the model is allocated. ``False`` turns it off.
+            raises ``MemoryBudgetExceeded`` before the model is allocated; a batch shape it cannot find (see the
+            callback) raises ``ValueError``. ``False`` turns it off.
 
     Raises:
         ValueError: at construction for a bad value (ZeRO stage outside 0-3, a non-positive size, an unknown

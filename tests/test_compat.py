@@ -53,6 +53,35 @@ def test_lightning_module_trainer_and_device_mesh():
     assert module.device_mesh is mesh, "LightningModule.device_mesh no longer reads `_device_mesh`"
 
 
+def test_train_data_source_of_a_trainer():
+    """``trainer.fit_loop._data_source`` exists with the members the memory check uses: ``dataloader()`` returns the
+    ``train_dataloaders`` object itself, or calls the module's ``train_dataloader()`` hook, and ``is_defined()`` says
+    whether the module overrides that hook."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    source = _compat.train_data_source(trainer)
+    missing = [name for name in _compat.TRAIN_DATA_SOURCE_MEMBERS if not hasattr(source, name)]
+    assert not missing, f"Lightning's train data source lost {missing}: update _compat.train_data_source's callers"
+    assert source is trainer.fit_loop._data_source and source.instance is None
+    loader = DataLoader(range(4), batch_size=2)
+    source.instance = loader  # what trainer.fit(model, train_dataloaders=loader) sets
+    assert source.is_defined() and source.dataloader() is loader
+
+    class Module(pl.LightningModule):
+        def train_dataloader(self):
+            return loader
+
+    module = Module()
+    module.trainer = trainer
+    source.instance = module  # trainer.fit(module)
+    assert source.is_defined() and source.dataloader() is loader
+    source.instance = pl.LightningModule()  # no train_dataloader hook
+    assert not source.is_defined()
+    assert _compat.train_data_source(object()) is None
+
+
 @pytest.fixture(scope="module")
 def single_rank_group():
     """A one-rank gloo process group (pipeline stages need one), destroyed afterwards."""

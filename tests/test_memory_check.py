@@ -52,6 +52,10 @@ def test_callback_arguments():
         MemoryEstimatorCallback(device_memory="80 apples")
     with pytest.raises(ValueError, match="formula='megatron'"):
         MemoryEstimatorCallback(formula="megatron")
+    with pytest.raises(ValueError, match="micro_batch_size=0 is not valid: expected a positive int"):
+        MemoryEstimatorCallback(micro_batch_size=0)
+    with pytest.raises(ValueError, match="seq_length='4096' is not valid"):
+        MemoryEstimatorCallback(seq_length="4096")
     assert issubclass(MemoryBudgetExceeded, RuntimeError)
 
 
@@ -221,3 +225,325 @@ def test_suggestion_line_with_a_pipeline_names_schedule_and_microbatches():
     kwargs = _strategy_kwargs(line)
     assert kwargs["pipeline_schedule"] == "dualpipev" and kwargs["num_microbatches"] == 4  # 2·pp by default
     assert ParallelConfig(**kwargs).world_size == 8 and line.endswith("# with micro_batch_size=4")
+
+
+# ---------------------------------------------------------------------------------------------------- batch shape
+def test_batch_conventions():
+    """A dict's input_ids, a tuple's or list's first tensor, a tensor: [b, s]; anything else is described."""
+    import torch
+
+    from lightning_4d.memory.callback import _batch_dims, _NoShape
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    assert _batch_dims({"input_ids": ids, "labels": ids}) == (2, 8)
+    assert _batch_dims((torch.zeros(3, 5), 1)) == (3, 5)
+    assert _batch_dims(["text", torch.zeros(4, 6), torch.zeros(7)]) == (4, 6)
+    assert _batch_dims(ids) == (2, 8)
+    for batch, said in [({"tokens": ids}, "a dict with keys ['tokens'] and no 'input_ids'"),
+                        ({"input_ids": [1, 2]}, "a dict whose 'input_ids' is a list, not a tensor"),
+                        (("text",), "a tuple of 1 items, none of them a tensor"),
+                        (torch.zeros(3), "a tensor of shape [3], not [batch, seq]"),
+                        ([torch.zeros(2, 3, 4)], "a list whose first tensor has shape [2, 3, 4], not [batch, seq]"),
+                        (5, "an object of type int")]:
+        with pytest.raises(_NoShape) as info:
+            _batch_dims(batch)
+        assert str(info.value) == said
+
+
+def test_new_users_llama3_70b_fit_is_refused_before_configure_model(tmp_path):
+    """Issue 16: llama3-70b, a plain DataLoader of {"input_ids", "labels"} [1, 4096] batches (no DataModule, no shape
+    arguments), MemoryEstimatorCallback(device_memory="8GiB"), FourDStrategy on CPU, one process: refused with
+    MemoryBudgetExceeded before configure_model, the batch shape read from the DataLoader, and the process's peak RSS
+    grows by less than 1 GiB during fit (the model, 263 GiB of fp32 parameters, is never materialized)."""
+    torchrun(1, SCRIPTS / "memory_check.py", "--out", str(tmp_path), "--device-memory", "8GiB", "--model",
+             "llama3-70b", "--data", "plain", "--dp", "1", "--seq-length", "4096", "--micro-batch-size", "1",
+             "--max-data-gib", "4", timeout=300)
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record["error"] is not None and record["error"]["type"] == "MemoryBudgetExceeded", record["error"]
+    assert record["configure_model_called"] is False and record["parameters"] == 0
+    message = record["error"]["message"]
+    assert "micro_batch_size=1, seq_length=4096 (batch shape from the first batch of the train dataloader)" in message
+    growth = record["peak_rss_after"] - record["peak_rss_before"]
+    print(f"\npeak RSS {record['peak_rss_before'] / 2**20:.0f} MiB before fit, +{growth / 2**20:.1f} MiB during it")
+    assert growth < 2**30
+
+
+@pytest.fixture
+def in_process_fit():
+    """Real one-process fits under FourDStrategy in this process: afterwards destroy the gloo process group Lightning
+    leaves behind and restore ``os.environ`` (it sets MASTER_ADDR / MASTER_PORT, which subprocesses would inherit)."""
+    import os
+
+    import torch.distributed as dist
+
+    env = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _samples(n: int = 8, s: int = 16) -> list:
+    import torch
+
+    return [{"input_ids": torch.full((s,), i, dtype=torch.long), "labels": torch.full((s,), i, dtype=torch.long)}
+            for i in range(n)]
+
+
+def _trainer(callback, devices: int = 1, **strategy_kwargs):
+    from datetime import timedelta
+
+    import lightning as L
+
+    from lightning_4d import FourDStrategy
+
+    return L.Trainer(accelerator="cpu", devices=devices, max_steps=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                     num_sanity_val_steps=0, callbacks=[callback] if callback is not None else [],
+                     strategy=FourDStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60),
+                                            **strategy_kwargs))
+
+
+def test_batch_shape_from_every_train_data_source(in_process_fit):
+    """The first batch of the train dataloader gives the shape whichever way fit gets it: train_dataloaders=DataLoader,
+    the module's train_dataloader() hook, a DataModule without micro_batch_size/seq_length; a tuple batch and a
+    tensor batch; the module's example_input_array when there is no usable batch; the callback's arguments first."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_4d.tasks import CausalLMModule
+
+    class Hook(CausalLMModule):
+        def train_dataloader(self):
+            return DataLoader(_samples(), batch_size=3)
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self):
+            return DataLoader(_samples(s=32), batch_size=4)
+
+    tensors = [torch.zeros(24, dtype=torch.long) for _ in range(4)]
+    cases = [
+        (CausalLMModule("tiny-test"), dict(train_dataloaders=DataLoader(_samples(), batch_size=2)), {}, (2, 16)),
+        (Hook("tiny-test"), {}, {}, (3, 16)),
+        (CausalLMModule("tiny-test"), dict(datamodule=Data()), {}, (4, 32)),
+        (CausalLMModule("tiny-test"), dict(train_dataloaders=DataLoader([(t, t) for t in tensors], batch_size=2)), {},
+         (2, 24)),
+        (CausalLMModule("tiny-test"), dict(train_dataloaders=DataLoader(tensors, batch_size=4)), {}, (4, 24)),
+        (CausalLMModule("tiny-test"), dict(datamodule=Data()), dict(micro_batch_size=1), (1, 32)),
+    ]
+    for module, data, kwargs, (b, s) in cases:
+        callback = MemoryEstimatorCallback(device_memory="1MiB", **kwargs)
+        with pytest.raises(MemoryBudgetExceeded, match=rf"micro_batch_size={b}, seq_length={s} \(") as info:
+            _trainer(callback).fit(module, **data)
+        assert module.model is None  # refused before configure_model
+        source = "the first batch of the train dataloader"
+        assert (f"batch shape from {source}" if not kwargs else
+                f"micro_batch_size from the callback's arguments, seq_length from {source}") in str(info.value)
+
+    module = CausalLMModule("tiny-test")
+    module.example_input_array = torch.zeros(5, 48, dtype=torch.long)
+    with pytest.raises(MemoryBudgetExceeded, match=r"micro_batch_size=5, seq_length=48 \(batch shape from the "
+                                                   r"module's example_input_array\)"):
+        _trainer(MemoryEstimatorCallback(device_memory="1MiB")).fit(
+            module, train_dataloaders=DataLoader([{"tokens": t} for t in tensors], batch_size=2))
+
+
+def test_the_first_batch_is_not_taken_from_the_run(in_process_fit):
+    """Reading the first batch leaves the run as it was: training step 0 gets the stream's first batch (an iterable
+    dataset, which Lightning does not re-sample), and every random state the read advanced (a shuffling
+    DataLoader's permutation and its iterator's worker seed draw from torch's global generator) is restored before
+    the module's setup."""
+    import random
+
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_4d.tasks import CausalLMModule
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(_samples())
+
+    probe = DataLoader(_samples(), batch_size=2, shuffle=True)
+    state = torch.get_rng_state()
+    next(iter(probe))
+    assert not torch.equal(state, torch.get_rng_state())  # reading a shuffled batch does move the generator
+
+    class Module(CausalLMModule):
+        seen: list = []
+        states: list = []
+
+        def train_dataloader(self):
+            Module.states.append((torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()))
+            return probe
+
+        def setup(self, stage):
+            Module.states.append((torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()))
+            super().setup(stage)
+
+        def training_step(self, batch, batch_idx):
+            Module.seen.append(batch["input_ids"][:, 0].tolist())
+            return super().training_step(batch, batch_idx)
+
+    callback = MemoryEstimatorCallback(device_memory="64GiB")
+    module = Module("tiny-test")
+    _trainer(callback).fit(module, train_dataloaders=DataLoader(Stream(), batch_size=2))
+    assert callback.estimate is not None and module.model is not None  # checked, then built and trained
+    assert Module.seen == [[0, 1]]  # the stream's first batch
+
+    Module.states.clear()
+    callback = MemoryEstimatorCallback(device_memory="64GiB")
+    _trainer(callback).fit(Module("tiny-test"))  # its train_dataloader(): the shuffling probe
+    assert callback.estimate is not None and len(Module.states) == 3  # hook (the check's call), setup, hook (fit's)
+    (cpu0, py0, np0), (cpu1, py1, np1) = Module.states[:2]
+    assert torch.equal(cpu0, cpu1) and py0 == py1 and (np0 == np1).all()
+
+
+def test_unknown_batch_shape_raises_on_cuda_and_warns_on_cpu(monkeypatch):
+    """A lightning_4d Llama under FourDStrategy whose batch shape is nowhere to be found: on CUDA a ValueError naming
+    every place looked at, micro_batch_size= / seq_length= and enabled=False; on CPU the same as a UserWarning."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_4d.parallel._compat import train_data_source
+    from lightning_4d.tasks import CausalLMModule
+
+    callback = MemoryEstimatorCallback(device_memory="80GiB")
+    trainer = _trainer(callback)
+    module = CausalLMModule("tiny-test")
+    module.trainer = trainer
+    train_data_source(trainer).instance = DataLoader([torch.zeros(2, 3, 4)], batch_size=None)  # a [2, 3, 4] batch
+    with pytest.warns(UserWarning) as record:
+        callback.setup(trainer, module, "fit")
+    messages = [str(w.message) for w in record if "MemoryEstimatorCallback" in str(w.message)]
+    assert len(messages) == 1
+    message = messages[0]
+    for part in ("micro_batch_size and seq_length are unknown", "the callback's micro_batch_size= and seq_length= "
+                 "(not given)", "(no DataModule)", "first batch of the train dataloader (a tensor of shape [2, 3, 4], "
+                 "not [batch, seq]", "example_input_array (not set)",
+                 "MemoryEstimatorCallback(micro_batch_size=1, seq_length=4096)", "enabled=False",
+                 "FourDStrategy(memory_check=False)", "Nothing was checked"):
+        assert part in message, part
+    assert callback.estimate is None
+
+    monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
+    with pytest.raises(ValueError, match=r"micro_batch_size and seq_length are unknown.*MemoryEstimatorCallback\("
+                                         r"micro_batch_size=1, seq_length=4096\).*enabled=False"):
+        callback.setup(trainer, module, "fit")
+
+    def broken():
+        raise FileNotFoundError("tokens.bin")
+
+    monkeypatch.setattr(module, "train_dataloader", broken)
+    train_data_source(trainer).instance = module
+    with pytest.raises(ValueError, match=r"train_dataloader\(\) raised FileNotFoundError: tokens.bin"):
+        callback.setup(trainer, module, "fit")
+
+
+def test_what_cannot_be_checked_is_said_once(in_process_fit):
+    """Not a lightning_4d Llama: one warning, however many fits, and training goes on. No device memory on CPU and a
+    precision the model does not cover: a warning each, no error."""
+    import warnings
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_4d.tasks import CausalLMModule
+
+    class Regression(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = None
+
+        def configure_model(self):  # a model of one's own under FourDStrategy is built here
+            if self.layer is None:
+                self.layer = torch.nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch["input_ids"].float()).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = MemoryEstimatorCallback(device_memory="80GiB")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            module = Regression()
+            trainer = _trainer(callback)
+            trainer.fit(module, train_dataloaders=DataLoader(_samples(), batch_size=2))
+            assert trainer.global_step == 1
+    said = [str(w.message) for w in record if "MemoryEstimatorCallback" in str(w.message)]
+    assert said == ["MemoryEstimatorCallback: cannot estimate the memory of Regression: it has no lightning_4d "
+                    "LlamaConfig (a `model_config` attribute, or a Llama model built before configure_model), so "
+                    "nothing was checked. Silence this with MemoryEstimatorCallback(enabled=False) or "
+                    "FourDStrategy(memory_check=False)."]
+
+    module = CausalLMModule("tiny-test")
+    with pytest.warns(UserWarning, match=r"nothing checked: the device is cpu, not CUDA, and no device_memory"):
+        _trainer(MemoryEstimatorCallback()).fit(module, train_dataloaders=DataLoader(_samples(), batch_size=2))
+
+    # Lightning's ModelParallelStrategy admits only modelled precisions (32-true, bf16-mixed, bf16-true, 16-true): a
+    # stand-in trainer reaches the branch
+    from types import SimpleNamespace
+
+    from lightning_4d import ParallelConfig
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_config=ParallelConfig(data_parallel_size=1),
+                                                       root_device=torch.device("cpu")), precision="64-true")
+    with pytest.warns(UserWarning, match=r"nothing checked: precision '64-true' is not modelled"):
+        MemoryEstimatorCallback(device_memory="80GiB").setup(trainer, module, "fit")
+
+
+def test_estimate_with_an_uneven_pipeline_layer_split():
+    """FourDStrategy(pipeline_parallel_size=2, pipeline_layer_split=[3, 1]) on a 4-layer model: the check estimates
+    the layout the strategy will build (pp rank 0 holds 3 layers and the embedding: the worst rank), with the
+    micro-batch size of a batch of m micro-batches read from the DataLoader (8 sequences / m=2 -> 4); a batch that
+    does not split into m micro-batches is refused with the fix."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_4d.memory.model import estimate_memory
+    from lightning_4d.parallel._compat import train_data_source
+    from lightning_4d.tasks import CausalLMModule
+
+    module = CausalLMModule("tiny")
+    cfg = module.model_config
+    assert cfg.num_layers == 4
+
+    def check(split, batch_size=8):
+        callback = MemoryEstimatorCallback(device_memory="80GiB")
+        trainer = _trainer(callback, devices=2, pipeline_parallel_size=2, pipeline_layer_split=split)
+        module.trainer = trainer
+        train_data_source(trainer).instance = DataLoader(_samples(n=16, s=64), batch_size=batch_size)
+        callback.setup(trainer, module, "fit")
+        return callback.estimate, trainer.strategy.parallel_config
+
+    uneven, pc = check([3, 1])
+    assert pc.pipeline_layer_split == [3, 1] and pc.pp == 2 and pc.dp == 1 and pc.microbatches == 2
+    assert uneven == estimate_memory(cfg, pc, 4, 64, "32-true", num_microbatches=2, device_type="cpu")
+    assert uneven.pp_rank == 0
+    per_rank = [estimate_memory(cfg, pc, 4, 64, "32-true", num_microbatches=2, device_type="cpu", pp_rank=r)
+                for r in (0, 1)]
+    assert uneven.total == max(e.total for e in per_rank) and per_rank[0].total > per_rank[1].total
+    even, _ = check(None)
+    assert uneven.total > even.total and uneven.parameters > even.parameters
+    assert uneven.parameters - even.parameters == pytest.approx(
+        4 * sum(p.numel() for p in _llama_layer(cfg).parameters()))  # one more fp32 layer on rank 0
+    with pytest.raises(ValueError, match=r"has 7 sequences, which cannot be split into num_microbatches=2"):
+        check([3, 1], batch_size=7)
+    assert not torch.distributed.is_initialized()
+
+
+def _llama_layer(cfg):
+    """One decoder layer of ``cfg`` on the meta device (for its parameter count)."""
+    import torch
+
+    from lightning_4d.models.llama import LlamaModel
+
+    with torch.device("meta"):
+        return LlamaModel(cfg).layers["0"]

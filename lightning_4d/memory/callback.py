@@ -5,21 +5,33 @@ It runs in ``Callback.setup`` (Lightning calls it after the strategy has built t
 before ``configure_model`` and the strategy's ``setup`` allocate the model), on every rank. The estimate is a pure
 function of the model config, the layout, the batch shape, the precision and the device memory, so every rank
 computes the same figure and every rank raises (or none does): no rank is left waiting in a collective.
+
+It never skips itself silently: what it cannot check it says, as a warning (or, on CUDA, for a lightning_4d Llama
+under ``FourDStrategy`` whose batch shape is unknown, as an error), see :class:`MemoryEstimatorCallback`.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional, Union
 
 import lightning as L
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_4d.memory.hardware import GIB, parse_bytes
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MemoryBudgetExceeded", "MemoryEstimatorCallback", "suggestion_line"]
+
+_DISABLE = "MemoryEstimatorCallback(enabled=False) or FourDStrategy(memory_check=False)"
+_BATCH_CONVENTIONS = ("a dict with 'input_ids' [batch, seq], a tuple/list whose first tensor is [batch, seq], or a "
+                      "[batch, seq] tensor")
 
 
 def _size(n: float) -> str:
@@ -51,25 +63,150 @@ class MemoryBudgetExceeded(RuntimeError):
         self.suggestions = suggestions or []
 
 
+# ---------------------------------------------------------------------------------------------------- batch shape
+class _NoShape(Exception):
+    """A place the batch shape could come from did not give it; the message says why (it goes into the warning or
+    error that names every place looked at)."""
+
+
+def _batch_dims(batch: Any) -> tuple[int, int]:
+    """``(rows, seq_length)`` of a batch by the conventions of :data:`_BATCH_CONVENTIONS`.
+
+    Raises:
+        _NoShape: the batch follows none of them (the message says what it is).
+    """
+    kind = type(batch).__name__
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch:
+            raise _NoShape(f"a {kind} with keys {sorted(map(str, batch))} and no 'input_ids'")
+        tensor = batch["input_ids"]
+        if not isinstance(tensor, torch.Tensor):
+            raise _NoShape(f"a {kind} whose 'input_ids' is a {type(tensor).__name__}, not a tensor")
+        described = f"a {kind} whose 'input_ids' has shape"
+    elif isinstance(batch, (tuple, list)):
+        tensor = next((x for x in batch if isinstance(x, torch.Tensor)), None)
+        if tensor is None:
+            raise _NoShape(f"a {kind} of {len(batch)} items, none of them a tensor")
+        described = f"a {kind} whose first tensor has shape"
+    elif isinstance(batch, torch.Tensor):
+        tensor, described = batch, "a tensor of shape"
+    else:
+        raise _NoShape(f"an object of type {kind}")
+    if tensor.dim() != 2:
+        raise _NoShape(f"{described} {list(tensor.shape)}, not [batch, seq]")
+    return int(tensor.shape[0]), int(tensor.shape[1])
+
+
+@contextmanager
+def _rng_preserved(loader: Any) -> Iterator[None]:
+    """Restore, on exit, every random state that reading a batch from ``loader`` can advance: torch's CPU (and, once
+    initialized, CUDA) generators, Python's and NumPy's global ones, and the ``torch.Generator`` of the loader and of
+    its (batch) sampler (a shuffling sampler draws its permutation from one of them, a ``DataLoader`` iterator its
+    workers' base seed)."""
+    sampler = getattr(loader, "sampler", None)
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    generators = {id(g): g for g in (getattr(x, "generator", None) for x in (loader, sampler, inner))
+                  if isinstance(g, torch.Generator)}
+    saved = [(g, g.get_state()) for g in generators.values()]
+    cpu, py = torch.get_rng_state(), random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    np_random = sys.modules["numpy"].random if "numpy" in sys.modules else None
+    np_state = np_random.get_state() if np_random is not None else None
+    try:
+        yield
+    finally:
+        for g, state in saved:
+            g.set_state(state)
+        torch.set_rng_state(cpu)
+        random.setstate(py)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if np_random is not None:
+            np_random.set_state(np_state)
+
+
+def _first_train_batch(trainer: L.Trainer) -> Any:
+    """The first batch of the train dataloader, read before the fit loop reads any, from a fresh iterator, without
+    taking it from the run: the DataLoader comes from the data source ``trainer.fit`` was given (the
+    ``train_dataloader()`` hook of the DataModule or LightningModule, called once more, or the ``train_dataloaders``
+    object itself), the iterator is dropped after one batch (the fit loop makes its own later) and every random state
+    the read advances is restored (:func:`_rng_preserved`). A one-pass stream (an iterable that cannot be iterated
+    twice) would lose its first batch: give such a run ``micro_batch_size`` and ``seq_length``.
+
+    Raises:
+        _NoShape: there is no train dataloader, several, it is empty, or getting it or its batch raised (the
+            message names the exception).
+    """
+    from lightning.pytorch.utilities import CombinedLoader
+
+    from lightning_4d.parallel._compat import train_data_source
+
+    source = train_data_source(trainer)
+    if source is None or source.instance is None or not source.is_defined():
+        raise _NoShape("there is none: no train_dataloaders, and neither the DataModule nor the module defines "
+                       "train_dataloader()")
+    try:
+        loaders = source.dataloader()
+    except Exception as err:  # noqa: BLE001 - said in the warning or error; the fit loop calls it again later
+        raise _NoShape(f"train_dataloader() raised {type(err).__name__}: {err}") from err
+    flat = (loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "max_size_cycle")).flattened
+    if len(flat) != 1:
+        raise _NoShape(f"there are {len(flat)} train dataloaders, so no single batch shape")
+    with _rng_preserved(flat[0]):
+        try:
+            iterator = iter(flat[0])
+            try:
+                return next(iterator)
+            finally:
+                del iterator  # a multi-process DataLoader iterator shuts its workers down
+        except StopIteration:
+            raise _NoShape("the train dataloader is empty") from None
+        except Exception as err:  # noqa: BLE001 - said in the warning or error
+            raise _NoShape(f"reading it raised {type(err).__name__}: {err}") from err
+
+
 class MemoryEstimatorCallback(L.Callback):
     """Check the memory estimate of the job before the model is built.
+
+    It checks a ``lightning_4d`` Llama (a module with a ``model_config`` :class:`~lightning_4d.models.LlamaConfig`,
+    such as :class:`~lightning_4d.tasks.CausalLMModule`, or one holding a Llama model before ``configure_model``)
+    under :class:`~lightning_4d.FourDStrategy`. The batch shape (``micro_batch_size`` sequences of ``seq_length``
+    tokens per rank and micro-batch) comes from the first of these that gives it (each dimension separately):
+
+    1. this callback's ``micro_batch_size`` and ``seq_length`` arguments;
+    2. the DataModule's ``micro_batch_size`` and ``seq_length`` attributes (as :class:`~lightning_4d.data.LMDataModule`
+       has);
+    3. the first batch of the train dataloader (the DataModule's or module's ``train_dataloader()``, or the
+       ``train_dataloaders`` given to ``fit``), read from a fresh iterator before the fit loop starts and not taken
+       from the run (random states are restored; the fit loop makes its own iterator): ``input_ids`` ``[b, s]`` of a
+       dict, the first tensor of a tuple or list, or a ``[b, s]`` tensor. With pp > 1 the batch holds the
+       ``num_microbatches`` micro-batches, so ``micro_batch_size = b / num_microbatches``;
+    4. the module's ``example_input_array`` (the input of one forward: one micro-batch), by the same conventions.
+
+    When it cannot check, it says so and why: with a lightning_4d Llama under FourDStrategy and an unknown batch shape
+    it raises ``ValueError`` on CUDA (naming every place it looked, ``micro_batch_size=`` / ``seq_length=`` to pass,
+    and ``enabled=False``) and warns elsewhere; a module with no lightning_4d Llama config (it cannot estimate other
+    models), another strategy than FourDStrategy, no device memory (not CUDA and no ``device_memory``) or a precision
+    the model does not cover: a warning (once per callback) that nothing was checked, and the fit goes on.
 
     Args:
         budget: fraction of the device memory the estimated peak may use (0.8: the paper's rule; our estimate
             already includes the overhead allowance, so 0.8 leaves a further margin).
         device_memory: bytes or a size such as ``"80GiB"`` / ``"94GB"``; default the CUDA device's total memory.
-            Without CUDA and without this argument there is nothing to check against and the check is skipped
-            (logged).
+            Without CUDA and without this argument there is nothing to check against: a warning says so.
         formula: ``"lightning_4d"`` (:func:`~lightning_4d.memory.model.estimate_memory`) or ``"fujii2024"``.
         enabled: ``False`` turns the check off.
-        micro_batch_size, seq_length: the batch shape (default: read from the datamodule's ``micro_batch_size``
-            and ``seq_length``).
+        micro_batch_size, seq_length: the batch shape, sequences per micro-batch and tokens per sequence (default:
+            found as above).
 
     Raises:
         MemoryBudgetExceeded: (in ``setup``) the estimate of the worst pipeline stage exceeds
             ``budget · device_memory``; the message gives its breakdown and up to three layouts of the same world
             size that fit.
-        ValueError: (at construction) a budget outside (0, 1], an unparsable ``device_memory``, an unknown formula.
+        ValueError: (at construction) a budget outside (0, 1], an unparsable ``device_memory``, an unknown formula,
+            a ``micro_batch_size`` or ``seq_length`` that is not a positive int;
+            (in ``setup``) on CUDA, a batch shape it cannot find (see above); with pp > 1, a first training batch
+            whose number of sequences is not a multiple of ``num_microbatches``.
     """
 
     def __init__(self, budget: float = 0.8, device_memory: Union[None, int, str] = None,
@@ -79,6 +216,10 @@ class MemoryEstimatorCallback(L.Callback):
             raise ValueError(f"budget={budget!r} is not valid: expected a fraction in (0, 1], e.g. 0.8.")
         if formula not in ("lightning_4d", "fujii2024"):
             raise ValueError(f"formula={formula!r} is not valid: expected 'lightning_4d' or 'fujii2024'.")
+        for name, value in (("micro_batch_size", micro_batch_size), ("seq_length", seq_length)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is not valid: expected a positive int, or None to find it in the "
+                                 "data.")
         self.budget = budget
         self.device_memory = parse_bytes(device_memory) if device_memory is not None else None
         self.formula = formula
@@ -86,6 +227,13 @@ class MemoryEstimatorCallback(L.Callback):
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length
         self.estimate: Any = None
+        self._said: set[str] = set()
+
+    def _warn_once(self, message: str) -> None:
+        """A ``UserWarning`` on rank 0, the first time this callback has this to say."""
+        if message not in self._said:
+            self._said.add(message)
+            rank_zero_warn(message)
 
     # ------------------------------------------------------------------ inputs
     @staticmethod
@@ -100,47 +248,130 @@ class MemoryEstimatorCallback(L.Callback):
                 return m.config
         return None
 
-    def _batch_shape(self, trainer: L.Trainer) -> tuple[Optional[int], Optional[int]]:
+    def _batch_shape(self, trainer: L.Trainer, pl_module: L.LightningModule, pp: int,
+                     num_microbatches: int) -> tuple[dict[str, Optional[int]], dict[str, str], list[str]]:
+        """``(shape, origin, looked)``: ``micro_batch_size`` and ``seq_length`` (``None`` where not found), where each
+        came from, and what each place looked at gave (for the message when something is missing).
+
+        Raises:
+            ValueError: pp > 1 and the first training batch's rows are not a multiple of ``num_microbatches``.
+        """
+        shape: dict[str, Optional[int]] = {"micro_batch_size": None, "seq_length": None}
+        origin: dict[str, str] = {}
+        looked: list[str] = []
+
+        def take(where: str, b: Optional[int], s: Optional[int]) -> None:
+            for key, value in (("micro_batch_size", b), ("seq_length", s)):
+                if shape[key] is None and value is not None:
+                    shape[key], origin[key] = int(value), where
+
+        def missing() -> bool:
+            return None in shape.values()
+
+        take("the callback's arguments", self.micro_batch_size, self.seq_length)
+        looked.append("the callback's micro_batch_size= and seq_length= (not given)" if not origin else
+                      f"the callback's arguments (gave {', '.join(origin)})")
         dm = getattr(trainer, "datamodule", None)
-        b = self.micro_batch_size or getattr(dm, "micro_batch_size", None)
-        s = self.seq_length or getattr(dm, "seq_length", None)
-        return b, s
+        if missing():
+            if dm is None:
+                looked.append("the DataModule's micro_batch_size and seq_length (no DataModule)")
+            else:
+                b, s = getattr(dm, "micro_batch_size", None), getattr(dm, "seq_length", None)
+                take(f"the DataModule ({type(dm).__name__})", b, s)
+                looked.append(f"the DataModule {type(dm).__name__}'s micro_batch_size and seq_length ("
+                              f"{'neither' if b is None and s is None else 'only one'} defined)")
+        if missing():
+            where = "the first batch of the train dataloader"
+            try:
+                rows, s = _batch_dims(_first_train_batch(trainer))
+            except _NoShape as err:
+                looked.append(f"{where} ({err}; expected {_BATCH_CONVENTIONS})")
+            else:
+                if pp > 1 and rows % num_microbatches:
+                    raise ValueError(
+                        f"{where} has {rows} sequences, which cannot be split into num_microbatches="
+                        f"{num_microbatches} equal micro-batches (pipeline_parallel_size={pp}); the DataLoader's batch "
+                        f"size per data-parallel rank must be a multiple of {num_microbatches} (micro_batch_size x "
+                        "num_microbatches)."
+                    )
+                take(where, rows // num_microbatches if pp > 1 else rows, s)
+        if missing():
+            where = "the module's example_input_array"
+            example = getattr(pl_module, "example_input_array", None)
+            if example is None:
+                looked.append(f"{where} (not set)")
+            else:
+                try:
+                    take(where, *_batch_dims(example))
+                except _NoShape as err:
+                    looked.append(f"{where} ({err}; expected {_BATCH_CONVENTIONS})")
+        return shape, origin, looked
 
     def _device(self, trainer: L.Trainer) -> tuple[Optional[int], Optional[str], str]:
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            import torch
-
             props = torch.cuda.get_device_properties(device)
             return self.device_memory or props.total_memory, props.name, "cuda"
         return self.device_memory, None, device.type
 
     # ------------------------------------------------------------------ the check
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Estimate the peak memory per rank and raise when it exceeds the budget; see the class docstring for what
+        it reads and what it says when it cannot check.
+
+        Raises:
+            MemoryBudgetExceeded: over budget (the breakdown and layouts that fit in the message).
+            ValueError: on CUDA, an unknown batch shape; with pp > 1, a first training batch not divisible into
+                ``num_microbatches`` micro-batches.
+        """
         if not self.enabled or stage != "fit":
             return
-        from lightning_4d.memory.model import estimate_memory
+        from lightning_4d.memory.model import PRECISIONS, _precision, estimate_memory
 
         parallel_config = getattr(trainer.strategy, "parallel_config", None)
-        cfg = self._model_config(pl_module)
-        b, s = self._batch_shape(trainer)
-        memory, gpu_name, device_type = self._device(trainer)
-        missing = [name for name, value in (("a FourDStrategy layout", parallel_config), ("a lightning_4d Llama "
-                   "model config", cfg), ("micro_batch_size", b), ("seq_length", s), ("device memory", memory))
-                   if value is None]
-        if missing:
-            rank_zero_info(f"MemoryEstimatorCallback: check skipped (no {', '.join(missing)}).")
+        if parallel_config is None:
+            self._warn_once(f"MemoryEstimatorCallback: nothing checked: it estimates FourDStrategy layouts and the "
+                            f"strategy is {type(trainer.strategy).__name__}. Use FourDStrategy, or remove the "
+                            "callback.")
             return
-        from lightning_4d.memory.model import PRECISIONS, _precision
-
+        cfg = self._model_config(pl_module)
+        if cfg is None:
+            self._warn_once(f"MemoryEstimatorCallback: cannot estimate the memory of {type(pl_module).__name__}: it "
+                            "has no lightning_4d LlamaConfig (a `model_config` attribute, or a Llama model built before "
+                            f"configure_model), so nothing was checked. Silence this with {_DISABLE}.")
+            return
+        memory, gpu_name, device_type = self._device(trainer)
+        if memory is None:
+            self._warn_once(f"MemoryEstimatorCallback: nothing checked: the device is {device_type}, not CUDA, and no "
+                            "device_memory was given; pass e.g. MemoryEstimatorCallback(device_memory=\"80GiB\") to "
+                            "check against a GPU's memory.")
+            return
         try:
             precision = _precision(str(trainer.precision))
         except ValueError:
-            rank_zero_info(f"MemoryEstimatorCallback: check skipped (precision {trainer.precision!r} is not modelled; "
-                           f"modelled: {list(PRECISIONS)}).")
+            self._warn_once(f"MemoryEstimatorCallback: nothing checked: precision {trainer.precision!r} is not "
+                            f"modelled (modelled: {list(PRECISIONS)}).")
             return
         # micro-batches per step: the pipeline schedule's m (resolved by the strategy), else gradient accumulation
         m = parallel_config.microbatches if parallel_config.pp > 1 else trainer.accumulate_grad_batches
+        shape, origin, looked = self._batch_shape(trainer, pl_module, parallel_config.pp,
+                                                  parallel_config.microbatches)
+        b, s = shape["micro_batch_size"], shape["seq_length"]
+        if b is None or s is None:
+            unknown = [k for k, v in shape.items() if v is None]
+            message = (f"MemoryEstimatorCallback cannot estimate the memory of this job: its {' and '.join(unknown)} "
+                       f"{'is' if len(unknown) == 1 else 'are'} unknown. "
+                       f"It looked, in order, at: {'; '.join(looked)}. Pass the shape, e.g. "
+                       "MemoryEstimatorCallback(micro_batch_size=1, seq_length=4096) in the Trainer's callbacks "
+                       f"(FourDStrategy then adds no other), or turn the check off with {_DISABLE}.")
+            if device_type == "cuda":
+                raise ValueError(message)
+            self._warn_once(f"{message} Nothing was checked (not on CUDA: a warning, not an error).")
+            return
+        if origin["micro_batch_size"] == origin["seq_length"]:
+            found = f"batch shape from {origin['seq_length']}"
+        else:
+            found = f"micro_batch_size from {origin['micro_batch_size']}, seq_length from {origin['seq_length']}"
         if self.formula == "fujii2024":
             from lightning_4d.memory.fujii2024 import fujii2024_from_config
 
@@ -158,7 +389,8 @@ class MemoryEstimatorCallback(L.Callback):
         limit = self.budget * memory
         layout = (f"tp={parallel_config.tp} pp={parallel_config.pp} cp={parallel_config.cp} dp={parallel_config.dp} "
                   f"zero_stage={parallel_config.zero_stage} activation_checkpointing="
-                  f"{parallel_config.activation_checkpointing}, micro_batch_size={b}, seq_length={s}, {precision}")
+                  f"{parallel_config.activation_checkpointing}, micro_batch_size={b}, seq_length={s} ({found}), "
+                  f"{precision}")
         if total <= limit:
             rank_zero_info(f"MemoryEstimatorCallback ({self.formula}): {layout}: estimated peak {_size(total)} "
                            f"per GPU = {100 * total / memory:.1f}% of {_size(memory)} (budget "

@@ -53,6 +53,21 @@ def attached_trainer(module: Any) -> Any:
     return getattr(module, "_trainer", None) if module is not None else None
 
 
+#: the members of the training data source (``trainer.fit_loop._data_source``, Lightning's ``_DataLoaderSource``) that
+#: :func:`train_data_source`'s callers use; ``tests/test_compat.py`` checks each exists
+TRAIN_DATA_SOURCE_MEMBERS = ("instance", "dataloader", "is_defined")
+
+
+def train_data_source(trainer: Any) -> Any:
+    """Where ``trainer.fit`` takes its training data from: ``trainer.fit_loop._data_source`` (Lightning's
+    ``_DataLoaderSource``, set by ``fit`` before any hook runs). ``.instance`` is the LightningModule, the DataModule
+    or the ``train_dataloaders`` object; ``.is_defined()`` whether a train dataloader can be had (a module overrides
+    ``train_dataloader``); ``.dataloader()`` returns it (calling that hook, or the object itself). ``None`` for an
+    object without a ``fit_loop`` (not a Trainer)."""
+    loop = getattr(trainer, "fit_loop", None)
+    return None if loop is None else loop._data_source
+
+
 def set_module_device_mesh(module: Any, mesh: "DeviceMesh") -> None:
     """Make ``module.device_mesh`` return ``mesh`` (``LightningModule._device_mesh``: the public property has no
     setter; Lightning's ``ModelParallelStrategy.setup_environment`` sets the private attribute the same way)."""
