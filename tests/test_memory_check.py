@@ -225,6 +225,12 @@ def test_suggestion_line_with_a_pipeline_names_schedule_and_microbatches():
     kwargs = _strategy_kwargs(line)
     assert kwargs["pipeline_schedule"] == "dualpipev" and kwargs["num_microbatches"] == 4  # 2·pp by default
     assert ParallelConfig(**kwargs).world_size == 8 and line.endswith("# with micro_batch_size=4")
+    # the planner's layouts: interleaved with an uneven split, sp off, the allgather cp method: pasted back equal
+    pc = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2, tensor_parallel_size=2, context_parallel_size=2,
+                        zero_stage=1, pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=2,
+                        pipeline_layer_split=[1, 2, 2, 1], num_microbatches=4, sequence_parallel=False,
+                        context_parallel_method="allgather")
+    assert ParallelConfig(**_strategy_kwargs(suggestion_line(pc, 1))) == pc
 
 
 # ---------------------------------------------------------------------------------------------------- batch shape

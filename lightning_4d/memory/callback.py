@@ -41,14 +41,23 @@ def _size(n: float) -> str:
 
 def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
     """A ``FourDStrategy(...)`` call with every dimension of ``parallel_config`` (data, tensor, pipeline and context
-    parallel sizes, ZeRO stage, activation checkpointing; with pp > 1 the pipeline schedule and the micro-batch
-    count), followed by a comment naming the micro-batch size it assumes: a line that can be pasted as it is."""
+    parallel sizes, ZeRO stage, activation checkpointing; sequence parallelism when off under tp; the context-parallel
+    method under cp; with pp > 1 the pipeline schedule, its stages per rank, the layer split when uneven and the
+    micro-batch count), followed by a comment naming the micro-batch size it assumes: a line that can be pasted as
+    it is."""
     pc = parallel_config
     args = [f"data_parallel_size={pc.dp}", f"tensor_parallel_size={pc.tp}", f"pipeline_parallel_size={pc.pp}",
             f"context_parallel_size={pc.cp}", f"zero_stage={pc.zero_stage}",
             f"activation_checkpointing={pc.activation_checkpointing!r}"]
+    if pc.tp > 1 and not pc.sp:
+        args.append("sequence_parallel=False")
+    if pc.cp > 1:
+        args.append(f"context_parallel_method={pc.context_parallel_method!r}")
     if pc.pp > 1:
-        args += [f"pipeline_schedule={pc.pipeline_schedule!r}", f"num_microbatches={pc.microbatches}"]
+        args += [f"pipeline_schedule={pc.pipeline_schedule!r}", f"virtual_pipeline_stages={pc.v}"]
+        if pc.pipeline_layer_split is not None:
+            args.append(f"pipeline_layer_split={list(pc.pipeline_layer_split)}")
+        args.append(f"num_microbatches={pc.microbatches}")
     return f"FourDStrategy({', '.join(args)})  # with micro_batch_size={micro_batch_size}"
 
 
