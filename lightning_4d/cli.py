@@ -1,6 +1,6 @@
 """The ``lightning-4d`` program (also ``python -m lightning_4d``).
 
-Subcommands:
+Subcommands (``lightning-4d --help`` lists them, :data:`COMMANDS`):
 
 - ``fit``, ``validate``, ``test``, ``predict``: a ``LightningCLI`` over :class:`~lightning_4d.tasks.CausalLMModule`
   and :class:`~lightning_4d.data.LMDataModule` (``lightning-4d fit --config configs/tiny.yaml``; any argument can be
@@ -13,12 +13,47 @@ Subcommands:
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Optional
 
-EXTRA_COMMANDS = ("prepare-data", "estimate", "plan")
+#: every subcommand with its one-line description, in the order ``lightning-4d --help`` lists them (the first four
+#: are LightningCLI's; the others are ours, dispatched before LightningCLI is imported)
+COMMANDS = {
+    "fit": "train (LightningCLI over CausalLMModule and LMDataModule: --config configs/tiny.yaml, any "
+           "--trainer./--model./--data. override)",
+    "validate": "one evaluation pass over the validation set (--ckpt_path to evaluate a checkpoint)",
+    "test": "one evaluation pass over the test set",
+    "predict": "inference over the predict set",
+    "prepare-data": "tokenize text files into a memory-mapped token file",
+    "estimate": "the memory of one layout per GPU, before anything is allocated (no torch import)",
+    "plan": "the layouts of a job that fit, fastest predicted first (no torch import)",
+}
+
+#: third-party warnings a training run would print once per process and step, none about the user's code: filtered
+#: once, where the program starts (``main``), by exact category and message
+KNOWN_WARNINGS = (
+    # Lightning 2.6's own pytree copy (lightning/pytorch/utilities/_pytree.py) builds torch's LeafSpec, deprecated in
+    # torch 2.10+; harmless (Lightning's code, not ours) and printed on every rank
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+)
 
 
-def _lightning_cli(args: list[str]) -> None:
+def filter_known_warnings() -> None:
+    """Ignore :data:`KNOWN_WARNINGS` in this process (``main`` calls it; launched ranks run ``main`` too)."""
+    for category, message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def usage() -> str:
+    """The text of ``lightning-4d --help``: every subcommand with one line."""
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: lightning-4d <command> [options]   (lightning-4d <command> --help for its options)", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _lightning_cli(args: Optional[list[str]]) -> None:
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_4d.data import LMDataModule
@@ -42,7 +77,11 @@ def _lightning_cli(args: list[str]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``lightning-4d`` console script. Returns the process exit code."""
+    filter_known_warnings()
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
     if args and args[0] == "prepare-data":
         from lightning_4d.data import prepare_data_main
 
@@ -51,7 +90,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_4d.memory.cli import main as memory_main
 
         return memory_main(args[0], args[1:])
-    _lightning_cli(args)
+    # LightningCLI reads sys.argv itself when run as the console script (given args too, it warns)
+    _lightning_cli(None if argv is None else args)
     return 0
 
 

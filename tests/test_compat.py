@@ -281,3 +281,13 @@ def test_reset_schedule_metadata_raises_when_flags_are_gone():
     schedule = ScheduleGPipe.__new__(ScheduleGPipe)  # no __init__: none of the flags are set
     with pytest.raises(RuntimeError, match="changed the pipelining schedules' private state"):
         _compat.reset_schedule_metadata(schedule)
+
+
+def test_flat_collectives_use_the_current_names():
+    """torch 2.10+ renamed the flat all-gather / reduce-scatter (the old names warn a FutureWarning per call)."""
+    import torch.distributed as dist
+
+    from lightning_4d.parallel import _compat
+
+    assert _compat.all_gather_single is getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    assert _compat.reduce_scatter_single is getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning_4d.config import (ACTIVATION_CHECKPOINTING, CONTEXT_PARALLEL_METHODS, PIPELINE_SCHEDULES, ZERO_STAGES,
                                   ParallelConfig)
@@ -21,13 +22,22 @@ from lightning_4d.memory.model import PRECISIONS
 FORMULAS = ("lightning_4d", "fujii2024")
 
 
+#: fields a model YAML must give when it does not name a ``preset`` to start from (the sizes; the others have
+#: meaningful defaults: RoPE theta, norm epsilon, ...)
+REQUIRED_MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+
+
 def load_model_config(spec: str) -> Any:
     """A :class:`~lightning_4d.models.LlamaConfig` from a preset name, or from a YAML file holding either a training
-    config (``model: {model_config: <preset or fields>}``, as ``configs/*.yaml``) or the config's fields.
+    config (``model: {model_config: <preset or fields>}``, as ``configs/*.yaml``) or the config's fields. The fields
+    must be complete (:data:`REQUIRED_MODEL_FIELDS`) unless ``preset: <name>`` names a preset they override.
 
     Raises:
-        ValueError: an unknown preset, a missing file, a YAML without a model config.
+        ValueError: an unknown preset, a missing file, a YAML syntax error, a file that is empty or not a mapping,
+            no model config in it, an unknown field, a missing field (each message names the file and the value).
     """
+    import dataclasses
+
     from lightning_4d.models.config import LlamaConfig
 
     path = Path(spec)
@@ -37,66 +47,137 @@ def load_model_config(spec: str) -> Any:
         raise ValueError(f"--model {spec!r}: no such file (expected a preset: {', '.join(LlamaConfig.preset_names())}).")
     import yaml
 
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"--model {spec!r}: not valid YAML{where} ({getattr(err, 'problem', None) or err}).") \
+            from None
+    if not isinstance(data, dict):
+        what = "empty" if data is None else f"a {type(data).__name__}, not a mapping"
+        raise ValueError(f"--model {spec!r}: the file is {what}; expected LlamaConfig fields (or preset: NAME) or a "
+                         "training config with model.model_config.")
     model = data.get("model", data)
     if isinstance(model, dict) and "init_args" in model:
         model = model["init_args"]
     value = model.get("model_config", model) if isinstance(model, dict) else None
     if isinstance(value, str):
         return LlamaConfig.from_preset(value)
-    if isinstance(value, dict):
-        if "init_args" in value:
-            value = value["init_args"]
-        preset = value.pop("preset", None)
-        return LlamaConfig.from_preset(preset, **value) if preset else LlamaConfig(**value)
-    raise ValueError(f"--model {spec!r}: the YAML file has no model config (model.model_config or LlamaConfig fields).")
+    if not isinstance(value, dict):
+        raise ValueError(f"--model {spec!r}: the YAML file has no model config (model.model_config or LlamaConfig "
+                         "fields).")
+    value = dict(value.get("init_args", value))
+    preset = value.pop("preset", None)
+    fields = [f.name for f in dataclasses.fields(LlamaConfig)]
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ValueError(f"--model {spec!r}: unknown field(s) {unknown}; valid: preset, {', '.join(fields)}.")
+    missing = [name for name in REQUIRED_MODEL_FIELDS if name not in value]
+    if missing and preset is None:
+        raise ValueError(f"--model {spec!r}: missing field(s) {missing}; give every one of "
+                         f"{list(REQUIRED_MODEL_FIELDS)}, or name a preset to start from (preset: llama3-8b).")
+    return LlamaConfig.from_preset(str(preset), **value) if preset is not None else LlamaConfig(**value)
 
 
 def _gpu(args: argparse.Namespace):
     return gpu_spec(args.gpu_memory, peak_flops=getattr(args, "peak_tflops", None) and args.peak_tflops * 1e12)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (expected an integer >= 1)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: expected an integer >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (expected a finite number > 0)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: expected a finite number > 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:  # nan fails too
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: expected a fraction in (0, 1], e.g. 0.8")
+    return value
+
+
+def strict_bool(text: str) -> bool:
+    """argparse type: true/false, yes/no, 1/0 (any case)."""
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not valid: expected true or false (also yes/no, 1/0)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr and exit code 2 (``prog: error: ...``)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (e.g. llama3-8b) or a YAML file (configs/*.yaml)")
-    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    p.add_argument("--seq-length", type=positive_int, required=True, help="tokens per sample")
     p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS))
     p.add_argument("--gpu-memory", default="H100-80GB",
                    help=f"a preset ({', '.join(GPU_PRESETS)}) or a size such as 80GiB / 94GB (default H100-80GB)")
-    p.add_argument("--budget", type=float, default=0.8, help="fraction of the GPU memory a layout may use (0.8)")
+    p.add_argument("--budget", type=fraction, default=0.8, help="fraction of the GPU memory a layout may use (0.8)")
     p.add_argument("--formula", default="lightning_4d", choices=FORMULAS)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"lightning-4d {command}")
+    p = _Parser(prog=f"lightning-4d {command}")
     _common(p)
     if command == "estimate":
-        p.add_argument("--tp", type=int, default=1)
-        p.add_argument("--pp", type=int, default=1)
-        p.add_argument("--cp", type=int, default=1)
+        p.add_argument("--tp", type=positive_int, default=1)
+        p.add_argument("--pp", type=positive_int, default=1)
+        p.add_argument("--cp", type=positive_int, default=1)
         p.add_argument("--cp-method", default="ring", choices=list(CONTEXT_PARALLEL_METHODS),
                        help="context-parallel attention (default ring)")
         group = p.add_mutually_exclusive_group()
-        group.add_argument("--dp", type=int, help="data parallel size")
-        group.add_argument("--num-gpus", type=int, help="world size (dp = num_gpus / (tp*pp*cp))")
-        p.add_argument("--micro-batch-size", type=int, required=True)
+        group.add_argument("--dp", type=positive_int, help="data parallel size")
+        group.add_argument("--num-gpus", type=positive_int, help="world size (dp = num_gpus / (tp*pp*cp))")
+        p.add_argument("--micro-batch-size", type=positive_int, required=True)
         p.add_argument("--zero-stage", type=int, default=1, choices=list(ZERO_STAGES))
         p.add_argument("--activation-checkpointing", default="none", choices=list(ACTIVATION_CHECKPOINTING))
-        p.add_argument("--sequence-parallel", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
-                       help="default: on when tp > 1")
-        p.add_argument("--num-microbatches", type=int,
+        p.add_argument("--sequence-parallel", default=None, type=strict_bool,
+                       help="true or false (default: on when tp > 1)")
+        p.add_argument("--num-microbatches", type=positive_int,
                        help="micro-batches per step (pipeline schedules; default pp, 2*pp for dualpipev)")
         p.add_argument("--pipeline-schedule", default="1f1b", choices=list(PIPELINE_SCHEDULES))
-        p.add_argument("--virtual-pipeline-stages", type=int, default=None,
+        p.add_argument("--virtual-pipeline-stages", type=positive_int, default=None,
                        help="stages per pp rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others)")
-        p.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
+        p.add_argument("--pipeline-layer-split", type=positive_int, nargs="+", default=None,
                        help="decoder layers per pipeline stage (pp*v counts)")
     else:
-        p.add_argument("--num-gpus", type=int, required=True)
-        p.add_argument("--gpus-per-node", type=int, default=8)
-        p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
-        p.add_argument("--top", type=int, default=20)
-        p.add_argument("--peak-tflops", type=float, help="custom GPU: dense bf16 peak (TFLOP/s)")
+        p.add_argument("--num-gpus", type=positive_int, required=True)
+        p.add_argument("--gpus-per-node", type=positive_int, default=8)
+        p.add_argument("--global-batch-size", type=positive_int, required=True, help="samples per optimizer step")
+        p.add_argument("--top", type=positive_int, default=20, help="how many layouts to list (20)")
+        p.add_argument("--peak-tflops", type=positive_float, help="custom GPU: dense bf16 peak (TFLOP/s)")
+        for dim in ("tp", "pp", "cp", "dp"):
+            p.add_argument(f"--{dim}", type=positive_int, help=f"only layouts with this {dim} size")
+        p.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), help="only layouts with this ZeRO stage")
     return p
 
 
@@ -176,9 +257,10 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
+    fixed = {key: getattr(args, key) for key in ("tp", "pp", "cp", "dp", "zero_stage")
+             if getattr(args, key) is not None}
     rows = plan(cfg, args.num_gpus, args.gpus_per_node, gpu, args.seq_length, args.global_batch_size,
-                precision=args.precision, budget=args.budget, formula=args.formula,
-                top=args.top)
+                precision=args.precision, budget=args.budget, formula=args.formula, top=args.top, fixed=fixed)
     return {"model": args.model, "num_gpus": args.num_gpus, "gpus_per_node": args.gpus_per_node, "gpu": gpu.name,
             "gpu_memory": gpu.memory, "budget": args.budget, "seq_length": args.seq_length,
             "global_batch_size": args.global_batch_size, "precision": args.precision, "formula": args.formula,

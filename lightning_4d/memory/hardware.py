@@ -112,10 +112,11 @@ def gpu_spec(name_or_memory: Union[str, int, float], peak_flops: Optional[float]
                 return spec
     try:
         memory = parse_bytes(name_or_memory)
-    except ValueError:
+    except ValueError as err:
+        reason = " (a memory size must be positive)" if "positive" in str(err) else ""
         raise ValueError(
-            f"GPU {name_or_memory!r} is not valid: expected a preset ({', '.join(GPU_PRESETS)}) or a memory size "
-            "such as '80GiB' (a custom GPU)."
+            f"GPU {name_or_memory!r} is not valid{reason}: expected a preset ({', '.join(GPU_PRESETS)}) or a memory "
+            "size such as '80GiB' (a custom GPU)."
         ) from None
     base = GPU_PRESETS["H100-80GB"]
     return GpuSpec(

@@ -241,7 +241,8 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
 
     Raises:
         ValueError: non-positive sizes, ``num_gpus`` not a multiple of ``gpus_per_node`` (when above it), an unknown
-            formula, a budget outside (0, 1], a ``top`` below 1, an unknown key in ``fixed``.
+            formula, a budget outside (0, 1], a ``top`` below 1, an unknown key in ``fixed``, fixed sizes the model
+            or the job cannot take, no valid layout at all (the message says why).
     """
     unknown = set(fixed or {}) - {"tp", "pp", "cp", "dp", "zero_stage"}
     if unknown:
@@ -258,6 +259,16 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         raise ValueError(f"num_gpus={num_gpus} is not a multiple of gpus_per_node={gpus_per_node}.")
     if formula not in ("lightning_4d", "fujii2024"):
         raise ValueError(f"formula={formula!r} is not valid: expected 'lightning_4d' or 'fujii2024'.")
+    if fixed:  # the sizes asked for must suit the model and the job on their own (the message says why not)
+        pinned = ParallelConfig(tensor_parallel_size=fixed.get("tp", 1), pipeline_parallel_size=fixed.get("pp", 1),
+                                context_parallel_size=fixed.get("cp", 1), data_parallel_size=fixed.get("dp", 1),
+                                pipeline_layer_split=propose_layer_split(model_config.num_layers, fixed["pp"])
+                                if fixed.get("pp", 1) > 1 and fixed["pp"] <= model_config.num_layers else None)
+        pinned.validate_model(model_config)
+        pinned.validate_sequence(seq_length)
+        product = pinned.tp * pinned.pp * pinned.cp * (pinned.dp if "dp" in fixed else 1)
+        if num_gpus % product:
+            raise ValueError(f"fixed sizes {fixed} do not divide num_gpus={num_gpus}.")
     limit = budget * gpu.memory
     model_flops_per_token = model_config.flops_per_token(seq_length)
     dims = _dims(model_config)
@@ -270,6 +281,11 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         st = step_time_of(dims, tp, pp, cp, dp, b, m, seq_length, sp, method, name, v, split, zero, ac, gpu,
                           gpus_per_node)
         timed.append((st.total, _RECOMPUTATION[ac], lay, st))
+    if not timed:
+        raise ValueError(f"no valid layout of {num_gpus} GPUs ({gpus_per_node} per node) for this model with "
+                         f"seq_length={seq_length} and global_batch_size={global_batch_size}"
+                         + (f" and {fixed}" if fixed else "") + ": the global batch must be a multiple of dp, tp must "
+                         "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp).")
     timed.sort(key=lambda t: (t[0], t[1]))
     out: list[Candidate] = []
     fitting = 0

@@ -26,8 +26,8 @@ All fields are typed and defaulted so that jsonargparse / ``LightningCLI`` can b
 from __future__ import annotations
 
 import copy
-import sys
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -179,6 +179,11 @@ class LlamaConfig:
                 f"{list(ATTENTION_BACKENDS)}."
             )
         if isinstance(self.rope_scaling, dict):
+            valid = [f.name for f in dataclasses.fields(RopeScaling)]
+            unknown = sorted(set(self.rope_scaling) - set(valid))
+            if unknown:
+                raise ValueError(f"rope_scaling={self.rope_scaling!r} is not valid: unknown field(s) {unknown}; "
+                                 f"valid: {valid}.")
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(

@@ -24,6 +24,15 @@ from torch.distributed.tensor import DTensor
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
+# ---------------------------------------------------------------------------------------------------- collectives
+import torch.distributed as _dist  # noqa: E402
+
+#: ``all_gather_single(output, input, group=, async_op=)``: torch's current name of the flat all-gather (its older
+#: name ``all_gather_into_tensor``, same signature, warns a FutureWarning on every call since torch 2.10)
+all_gather_single = getattr(_dist, "all_gather_single", None) or _dist.all_gather_into_tensor
+#: ``reduce_scatter_single(output, input, op=, group=, async_op=)``: the current name of ``reduce_scatter_tensor``
+reduce_scatter_single = getattr(_dist, "reduce_scatter_single", None) or _dist.reduce_scatter_tensor
+
 # ---------------------------------------------------------------------------------------------------- Lightning
 from lightning.fabric.strategies.model_parallel import (  # noqa: F401  (re-exported)
     _rekey_optimizer_state_if_needed as rekey_optimizer_state_if_needed,

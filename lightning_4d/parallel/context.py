@@ -57,6 +57,7 @@ from lightning_4d.parallel._compat import (
     aten_flash_forward,
     flash_attn_backward,
     flash_attn_forward,
+    reduce_scatter_single,
 )
 
 __all__ = [
@@ -475,7 +476,7 @@ class _AllGatherAttention(torch.autograd.Function):
         if dist.get_backend(group) == "nccl":
             send = torch.stack([_take_zigzag(blocks, r, size, dim=3) for r in range(size)])
             mine = torch.empty_like(send[0])  # [2, b, h_kv, s_local, d]
-            dist.reduce_scatter_tensor(mine, send, group=group)
+            reduce_scatter_single(mine, send, group=group)
         else:  # gloo has no reduce-scatter
             dist.all_reduce(dfull, group=group)
             mine = _take_zigzag(blocks, rank, size, dim=3)

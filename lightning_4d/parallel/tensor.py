@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
+
 
 class _SequenceParallelProjection(torch.autograd.Function):
     """``outs[i] = all_gather_seq(x) @ weights[i].T`` for the column-parallel projections that share one input
@@ -76,7 +78,7 @@ def _gather_sequence(x: Tensor, group: Any) -> Tensor:
     """``[b, s/t, h]`` of every tp rank -> ``[b, s, h]`` (rank order along the sequence)."""
     t = dist.get_world_size(group)
     out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out.view(t, *x.shape).permute(1, 0, *range(2, x.ndim + 1)).reshape(x.shape[0], t * x.shape[1], *x.shape[2:])
 
 
@@ -85,7 +87,7 @@ def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
     t = dist.get_world_size(group)
     parts = x.reshape(x.shape[0], t, x.shape[1] // t, *x.shape[2:]).transpose(0, 1)
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, parts.reshape(-1, *parts.shape[2:]), group=group)
+    reduce_scatter_single(out, parts.reshape(-1, *parts.shape[2:]), group=group)
     return out
 
 

@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_4d.config import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
+from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
 from lightning_4d.parallel._compat import local_tensor as _local
 from lightning_4d.parallel._compat import mark_wrapped_by_lr_scheduler
 
@@ -377,7 +378,7 @@ class GradientBuckets:
                 self._main[id(p)].zero_()
         if self.reduce_scatter:
             start, end = b.own_range(self.rank, self.world)
-            work = dist.reduce_scatter_tensor(b.buffer[start:end], b.buffer, group=self.group, async_op=True)
+            work = reduce_scatter_single(b.buffer[start:end], b.buffer, group=self.group, async_op=True)
         else:
             work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
         self._pending[i] = work
@@ -647,9 +648,8 @@ def _tp_duplicate(p: Tensor, tp_rank: int) -> bool:
 
 
 def _all_gather_flat(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
-    """``output = cat(input of every rank)`` (``all_gather_single`` where torch has it, else the older name)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, input, group=group)
+    """``output = cat(input of every rank)``."""
+    all_gather_single(output, input, group=group)
 
 
 def local_bytes(tensors: Iterable[Optional[Tensor]]) -> int:
