@@ -18,8 +18,11 @@ from lightning_4d.config import (ACTIVATION_CHECKPOINTING, CONTEXT_PARALLEL_METH
                                   ParallelConfig)
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
 from lightning_4d.memory.model import PRECISIONS
+from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
 
 FORMULAS = ("lightning_4d", "fujii2024")
+#: how many layouts (the fastest predicted) ``plan --plot`` estimates and draws
+PLOT_LAYOUTS = 400
 
 
 #: fields a model YAML must give when it does not name a ``preset`` to start from (the sizes; the others have
@@ -178,6 +181,13 @@ def _parser(command: str) -> argparse.ArgumentParser:
         for dim in ("tp", "pp", "cp", "dp"):
             p.add_argument(f"--{dim}", type=positive_int, help=f"only layouts with this {dim} size")
         p.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), help="only layouts with this ZeRO stage")
+        p.add_argument("--checkpoint-write-gbps", type=positive_float, default=DEFAULT_CHECKPOINT_WRITE_GBPS,
+                       help=f"GB/s each node writes checkpoints at (default {DEFAULT_CHECKPOINT_WRITE_GBPS:g}, an "
+                            "assumption: see docs/memory.md)")
+        p.add_argument("--mtbf-gpu-hours", type=positive_float, default=DEFAULT_MTBF_GPU_HOURS,
+                       help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
+                            "paper, 419 interruptions in 54 days on 16,384 GPUs)")
+        p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory (needs matplotlib)")
     return p
 
 
@@ -254,17 +264,43 @@ def _print_estimate(out: dict[str, Any]) -> None:
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_4d.memory.planner import plan
+    from lightning_4d.memory.reliability import checkpoint_interval
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
     fixed = {key: getattr(args, key) for key in ("tp", "pp", "cp", "dp", "zero_stage")
              if getattr(args, key) is not None}
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install 'lightning-4d[plot]'")
     rows = plan(cfg, args.num_gpus, args.gpus_per_node, gpu, args.seq_length, args.global_batch_size,
                 precision=args.precision, budget=args.budget, formula=args.formula, top=args.top, fixed=fixed)
-    return {"model": args.model, "num_gpus": args.num_gpus, "gpus_per_node": args.gpus_per_node, "gpu": gpu.name,
-            "gpu_memory": gpu.memory, "budget": args.budget, "seq_length": args.seq_length,
-            "global_batch_size": args.global_batch_size, "precision": args.precision, "formula": args.formula,
-            "layouts": [c.to_dict() for c in rows]}
+    layouts = []
+    for c in rows:
+        ckpt = checkpoint_interval(cfg, args.num_gpus, args.gpus_per_node, c.step_time, precision=args.precision,
+                                   checkpoint_write_gbps=args.checkpoint_write_gbps,
+                                   mtbf_gpu_hours=args.mtbf_gpu_hours)
+        layouts.append({**c.to_dict(), "checkpoint_interval_s": ckpt.interval_s,
+                        "checkpoint_interval_steps": ckpt.interval_steps, "checkpoint_write_s": ckpt.write_s,
+                        "checkpoint_lost_fraction": ckpt.lost_fraction, "job_mtbf_s": ckpt.mtbf_s,
+                        "checkpoint_bytes": ckpt.checkpoint_bytes})
+    out = {"model": args.model, "num_gpus": args.num_gpus, "gpus_per_node": args.gpus_per_node, "gpu": gpu.name,
+           "gpu_memory": gpu.memory, "budget": args.budget, "seq_length": args.seq_length,
+           "global_batch_size": args.global_batch_size, "precision": args.precision, "formula": args.formula,
+           "checkpoint_write_gbps": args.checkpoint_write_gbps, "mtbf_gpu_hours": args.mtbf_gpu_hours,
+           "layouts": layouts}
+    if args.plot:
+        from lightning_4d.memory.plot import plot_plan
+
+        points = plan(cfg, args.num_gpus, args.gpus_per_node, gpu, args.seq_length, args.global_batch_size,
+                      precision=args.precision, budget=args.budget, formula=args.formula, top=None,
+                      include_unfit=True, fixed=fixed, max_estimated=PLOT_LAYOUTS)
+        title = (f"{args.model} on {args.num_gpus} x {gpu.name}, s={args.seq_length}, global batch "
+                 f"{args.global_batch_size}: the {len(points)} fastest predicted layouts")
+        out["plot"] = plot_plan(points, gpu.memory, args.budget, args.plot, title)["path"]
+    return out
 
 
 def _print_plan(out: dict[str, Any]) -> None:
@@ -295,6 +331,15 @@ def _print_plan(out: dict[str, Any]) -> None:
         if c["pipeline_layer_split"]:
             console.print(f"#{i}: pipeline_layer_split={c['pipeline_layer_split']}")
             break
+    if out["layouts"]:
+        c = out["layouts"][0]
+        console.print(f"#1: checkpoint every {c['checkpoint_interval_steps']:,} steps ({c['checkpoint_interval_s'] / 60:.0f}"
+                      f" min; Young: sqrt(2 x write {c['checkpoint_write_s']:.3g} s x job MTBF "
+                      f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
+                      f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
+                      f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU).")
+    if out.get("plot"):
+        console.print(f"plot: {out['plot']}")
     console.print("bubble, comm (exposed communication) and recomp (recomputation): fractions of the predicted step. "
                   "Step time, tokens/s and MFU are predicted by the step-time model of docs/memory.md (calibrated on "
                   "published runs), not measured.")

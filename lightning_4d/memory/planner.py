@@ -221,7 +221,8 @@ def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_
 def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq_length: int,
          global_batch_size: int, *, precision: str = "bf16-mixed", budget: float = 0.8, formula: str = "lightning_4d",
          micro_batch_size: Optional[int] = None, top: Optional[int] = 20, include_unfit: bool = False,
-         fixed: Optional[dict[str, int]] = None, estimate_kw: Optional[dict[str, Any]] = None) -> list[Candidate]:
+         fixed: Optional[dict[str, int]] = None, max_estimated: Optional[int] = None,
+         estimate_kw: Optional[dict[str, Any]] = None) -> list[Candidate]:
     """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first.
 
     Args:
@@ -236,6 +237,8 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         micro_batch_size, fixed: see :func:`enumerate_layouts` (``fixed={"tp": 8, "pp": 16}``: only those layouts).
         top: how many to return (None: all, every layout's memory is then estimated: seconds on large jobs).
         include_unfit: keep layouts that do not fit (ranked after those that do; estimates every layout).
+        max_estimated: estimate the memory of at most this many layouts, the fastest predicted (for a plot of a
+            large job: its ~10^5 layouts take minutes to estimate).
         estimate_kw: more keyword arguments of :func:`~lightning_4d.memory.model.estimate_memory` (``device_type``,
             ``overhead``, ``gpu_name``).
 
@@ -290,9 +293,11 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
     out: list[Candidate] = []
     fitting = 0
     worst_rank: dict[tuple, int] = {}  # the pp rank that needed the most memory, per (pp, schedule, v)
-    for total, _, lay, st in timed:
+    for visited, (total, _, lay, st) in enumerate(timed):
         if top and not include_unfit and fitting >= top and total > out[-1].step_time:
             break  # every later layout is slower than the last one kept
+        if max_estimated is not None and visited >= max_estimated:
+            break
         pc, b, m = _config(lay), lay[4], lay[5]
         if formula == "fujii2024":
             memory = fujii2024_from_config(model_config, tp=pc.tp, pp=pc.pp, dp=pc.dp, cp=pc.cp,
