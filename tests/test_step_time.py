@@ -195,7 +195,7 @@ def test_candidates_say_why_they_rank_where_they_do():
         for o in rows:
             same = (o.tp, o.pp, o.cp, o.dp, o.micro_batch_size) == (c.tp, c.pp, c.cp, c.dp, c.micro_batch_size)
             assert not (same and o is not c and o.step_time <= c.step_time and o.memory <= c.memory
-                        and (o.step_time < c.step_time or o.memory < c.memory))
+                        and (o.step_time < c.step_time or o.memory < c.memory or o.zero_stage < c.zero_stage))
     assert rows[0].micro_batch_size == 1 and rows[0].sequence_parallel
     pcs = [c.parallel_config() for c in rows]
     assert all(pc.pp == 1 or pc.pipeline_layer_split is None or sum(pc.pipeline_layer_split) == 126 for pc in pcs)

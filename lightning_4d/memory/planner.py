@@ -343,14 +343,16 @@ def _candidate(pc: ParallelConfig, b: int, m: int, st: StepTime, memory: float, 
 def _dominated(c: Candidate, others: list[Candidate]) -> bool:
     """``c`` is dominated when another candidate of the same parallel sizes and micro-batch size (any ZeRO stage,
     checkpointing, schedule, sp, cp method) is predicted no slower, needs no more memory, fits if ``c`` does, and is
-    strictly better in one of time, memory or recomputation."""
+    strictly better in one of time, memory or recomputation, or equal in all three with a lower ZeRO stage (it
+    communicates less than the model's overlap assumptions show)."""
     key = (c.tp, c.pp, c.cp, c.dp, c.micro_batch_size)
     rank = _RECOMPUTATION[c.activation_checkpointing]
     for o in others:
         if o is c or (o.tp, o.pp, o.cp, o.dp, o.micro_batch_size) != key:
             continue
         if o.step_time <= c.step_time and o.memory <= c.memory and (o.fits or not c.fits) and (
-                o.step_time < c.step_time or o.memory < c.memory or _RECOMPUTATION[o.activation_checkpointing] < rank):
+                o.step_time < c.step_time or o.memory < c.memory or _RECOMPUTATION[o.activation_checkpointing] < rank
+                or (_RECOMPUTATION[o.activation_checkpointing] == rank and o.zero_stage < c.zero_stage)):
             return True
     return False
 
