@@ -291,3 +291,13 @@ def test_flat_collectives_use_the_current_names():
 
     assert _compat.all_gather_single is getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     assert _compat.reduce_scatter_single is getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def test_process_group_lookups_of_the_comm_meter():
+    """CommMeter names a collective's group: c10d operators pass it as a ScriptObject (ProcessGroup.unbox), the
+    functional collectives by name (distributed_c10d._resolve_process_group)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    assert callable(getattr(dist.ProcessGroup, "unbox", None))
+    assert callable(getattr(distributed_c10d, "_resolve_process_group", None))

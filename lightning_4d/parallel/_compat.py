@@ -33,6 +33,23 @@ all_gather_single = getattr(_dist, "all_gather_single", None) or _dist.all_gathe
 #: ``reduce_scatter_single(output, input, op=, group=, async_op=)``: the current name of ``reduce_scatter_tensor``
 reduce_scatter_single = getattr(_dist, "reduce_scatter_single", None) or _dist.reduce_scatter_tensor
 
+
+
+def unbox_process_group(obj: Any) -> Any:
+    """The ``ProcessGroup`` a ``torch.ops.c10d`` operator receives as a ``torch.ScriptObject`` argument, else
+    ``None`` (a ``ReduceOp`` or ``Work`` object) (``ProcessGroup.unbox``: a TorchScript binding, not documented)."""
+    try:
+        return _dist.ProcessGroup.unbox(obj)
+    except (RuntimeError, TypeError):
+        return None
+
+
+def process_group_of_name(name: str) -> Any:
+    """The ``ProcessGroup`` registered under ``name`` (the ``group_name`` functional collectives carry)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
 # ---------------------------------------------------------------------------------------------------- Lightning
 from lightning.fabric.strategies.model_parallel import (  # noqa: F401  (re-exported)
     _rekey_optimizer_state_if_needed as rekey_optimizer_state_if_needed,

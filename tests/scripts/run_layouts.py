@@ -108,6 +108,19 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         )
     recorder = Recorder()
     callbacks: list = [recorder]
+    if layout.get("comm"):  # bytes on the wire per step (lightning_4d.parallel.comm)
+        from lightning_4d.parallel.comm import CommMeterCallback
+
+        class _Meter(CommMeterCallback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                meter = self.meter
+                super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+                recorder.bytes.setdefault("comm_events", []).append(meter.events)
+                sync = getattr(trainer.strategy, "_grad_sync", None)
+                if sync is not None and "bucket_bytes" not in recorder.bytes:
+                    recorder.bytes["bucket_bytes"] = [b.numel() * b.element_size() for b in sync.buffers()]
+
+        callbacks.append(_Meter(per_kind=True))
     if ckpt_dir is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -126,7 +139,9 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         full = p.full_tensor() if isinstance(p, DTensor) else p
         weights[_canonical_name(name)] = full.detach().float().cpu().clone()
     rank = trainer.global_rank
-    record = {"layout": layout, "losses": recorder.losses, "bytes": recorder.bytes, "rank": rank}
+    record = {"layout": layout, "losses": recorder.losses, "bytes": recorder.bytes, "rank": rank,
+              "param_shapes": {_canonical_name(n): [list(p.shape), p.element_size()]
+                               for n, p in module.model.named_parameters()}}
     (out / f"layout{index}_rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
         torch.save(weights, out / f"layout{index}_weights.pt")
