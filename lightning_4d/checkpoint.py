@@ -6,7 +6,8 @@ Two formats:
 - **Sharded folder** (``save_distributed_checkpoint=True``, the default): the model state dict and the optimizer
   states of ZeRO 0/2/3 written with ``torch.distributed.checkpoint`` (DCP; every rank writes its shards, parameter
   names are the unsplit model's), one file per rank ``zero1_optimizer_<i>_rank<r>.pt`` for the ZeRO-1 optimizer
-  chunks, and Lightning's metadata (epoch, loops, callbacks, ...) in ``meta.pt``. Loads into the same layout (dp,
+  chunks, one per rank ``powersgd_rank<r>.pt`` for PowerSGD's error feedback and warm start (each rank's own), and
+  Lightning's metadata (epoch, loops, callbacks, ...) in ``meta.pt``. Loads into the same layout (dp,
   tp, pp, cp and ZeRO stage as when saved).
 - **Full file** (``save_distributed_checkpoint=False``; not with ZeRO 1 or pp): one ``torch.save`` file holding
   full state dicts, written by Lightning's ``ModelParallelStrategy``; every rank reads it and keeps its shards.
@@ -44,7 +45,13 @@ def _zero1_file(index: int, global_rank: int) -> str:
     return f"zero1_optimizer_{index}_rank{global_rank}.pt"
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
+def _compression_file(global_rank: int) -> str:
+    return f"powersgd_rank{global_rank}.pt"
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): its name in model.named_parameters()}`` (the keys of per-rank optimizer and compression
+    state files)."""
     return {id(p): name for name, p in model.named_parameters()}
 
 
@@ -55,7 +62,7 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, distributed: bool) -
     if zero1 is None:
         return get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM) if distributed else None
     groups = [{k: v for k, v in g.items() if k != "params"} for g in zero1.optimizer.param_groups]
-    return {"zero1": True, "state": zero1.sharded_state(_param_names(model)), "param_groups": groups}
+    return {"zero1": True, "state": zero1.sharded_state(param_names(model)), "param_groups": groups}
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barrier: Callable[[], None]) -> None:
@@ -70,6 +77,9 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barri
     barrier()
     tmp.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+    compression = checkpoint.pop("compression_state", None)
+    if compression is not None:
+        torch.save(compression, tmp / _compression_file(global_rank))
     for idx, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
         if isinstance(opt_state, dict) and opt_state.get("zero1"):
             torch.save(opt_state, tmp / _zero1_file(idx, global_rank))
@@ -93,10 +103,12 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barri
 
 
 def load_sharded(
-    path: Path, model: nn.Module, optimizers: list[Any], strict: bool, global_rank: int, weights_only: Optional[bool]
+    path: Path, model: nn.Module, optimizers: list[Any], strict: bool, global_rank: int, weights_only: Optional[bool],
+    buckets: Optional[Any] = None,
 ) -> dict[str, Any]:
-    """Load a sharded folder written by :func:`save_sharded` under the same layout into ``model`` and
-    ``optimizers`` (this rank's shards only); returns Lightning's metadata dict."""
+    """Load a sharded folder written by :func:`save_sharded` under the same layout into ``model``, ``optimizers``
+    and the PowerSGD state of ``buckets`` (``GradientBuckets``; this rank's shards only); returns Lightning's
+    metadata dict."""
     from torch.distributed.checkpoint import load as dcp_load
 
     model_state = {"state_dict": get_model_state_dict(model)}
@@ -106,7 +118,7 @@ def load_sharded(
         zero1 = ShardedOptimizer.of(unwrap(optimizer))
         if zero1 is not None:
             saved = torch.load(path / _zero1_file(idx, global_rank), weights_only=False)
-            zero1.load_sharded_state(_param_names(model), saved["state"])
+            zero1.load_sharded_state(param_names(model), saved["state"])
             for group, values in zip(zero1.optimizer.param_groups, saved["param_groups"]):
                 group.update(values)
             continue
@@ -114,6 +126,15 @@ def load_sharded(
         opt_state = {key: get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)}
         dcp_load(opt_state, checkpoint_id=path)
         set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=opt_state[key], options=_FLAT_OPTIM)
+    if buckets is not None and buckets.powersgd is not None:
+        saved_compression = path / _compression_file(global_rank)
+        if saved_compression.exists():
+            buckets.load_compression_state(param_names(model), torch.load(saved_compression, weights_only=True))
+        else:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(f"{str(path)!r} holds no PowerSGD state (it was saved without gradient_compression="
+                           "'powersgd'): the error feedback starts from zero and the warm start from a random Q.")
     return torch.load(path / LIGHTNING_METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False)
 
 

@@ -26,6 +26,10 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 #: context-parallel attention methods (see lightning_4d/parallel/context.py)
 CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
+#: data-parallel gradient compression (see lightning_4d/parallel/compression.py)
+GRADIENT_COMPRESSIONS = ("none", "bf16", "powersgd")
+#: the dtype of the activations and gradients sent between pipeline stages (None: the model's)
+PIPELINE_COMM_DTYPES = (None, "bfloat16", "float8")
 # pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 #: schedules that split backward into input- and weight-gradient passes and run a micro-batch's weight pass after
@@ -42,6 +46,13 @@ _SCHEDULE_STAGES = {
 }
 #: bytes of one chunk's float32 temporary in the cross-entropy (parallel/loss.py; :func:`loss_chunk_tokens`)
 LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def powersgd_compressible(shape: Sequence[int], rank: int) -> bool:
+    """Whether PowerSGD compresses a gradient of ``shape`` at rank ``rank``: a matrix whose rank-r factors are
+    smaller than it, ``r·(m + n) < m·n`` (``parallel/compression.py``; the memory model counts its state by the same
+    rule)."""
+    return len(shape) == 2 and rank * (shape[0] + shape[1]) < shape[0] * shape[1]
 
 
 def bucket_lengths(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
@@ -126,12 +137,20 @@ class ParallelConfig:
         context_parallel_method: ``"ring"`` (K/V blocks passed around the cp group point to point, partial results
             merged by log-sum-exp; Liu et al. 2023, arXiv 2310.01889) or ``"allgather"`` (K/V of the whole sequence
             all-gathered, Llama 3's method, arXiv 2407.21783 §3.3.2). Both are exact.
+        gradient_compression: how the dp gradients are reduced (``lightning_4d/parallel/compression.py``):
+            ``"none"`` (in their dtype, float32 under ``bf16-mixed``), ``"bf16"`` (cast to bfloat16 for the
+            collective: half the bytes) or ``"powersgd"`` (rank-``powersgd_rank`` approximation of every matrix
+            gradient with error feedback and warm start, Vogels et al. 2019, arXiv 1905.13727; ZeRO 0 and 1 only).
+        powersgd_rank: r of ``"powersgd"``.
+        pipeline_comm_dtype: ``None`` (send pipeline activations and their gradients in the model's dtype),
+            ``"bfloat16"`` or ``"float8"`` (e4m3 with a per-tensor scale): lighter stage-to-stage sends.
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
             unknown pipeline schedule, a ``virtual_pipeline_stages`` the schedule does not support, selective
-            checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1 or an unknown
-            context-parallel method.
+            checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1, an unknown
+            context-parallel method, an unknown gradient compression or pipeline comm dtype, ``"powersgd"`` with
+            ZeRO 2 or 3, a ``powersgd_rank`` below 1.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -146,6 +165,9 @@ class ParallelConfig:
     num_microbatches: Optional[int] = None
     pipeline_layer_split: Optional[Sequence[int]] = None
     context_parallel_method: str = "ring"
+    gradient_compression: str = "none"
+    powersgd_rank: int = 4
+    pipeline_comm_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.data_parallel_size == -1:
@@ -170,6 +192,23 @@ class ParallelConfig:
             raise ValueError(
                 f"context_parallel_method={self.context_parallel_method!r} is not valid: expected one of "
                 f"{list(CONTEXT_PARALLEL_METHODS)}."
+            )
+        if self.gradient_compression not in GRADIENT_COMPRESSIONS:
+            raise ValueError(
+                f"gradient_compression={self.gradient_compression!r} is not valid: expected one of "
+                f"{list(GRADIENT_COMPRESSIONS)}."
+            )
+        _check_positive_int("powersgd_rank", self.powersgd_rank)
+        if self.gradient_compression == "powersgd" and self.zero_stage >= 2:
+            raise ValueError(
+                f"gradient_compression='powersgd' is not supported with zero_stage={self.zero_stage}: FSDP2 "
+                "reduce-scatters each gradient shard as it comes and PowerSGD needs whole matrices. Use zero_stage 0 "
+                "or 1 with it, or gradient_compression='bf16' with ZeRO 2/3."
+            )
+        if self.pipeline_comm_dtype not in PIPELINE_COMM_DTYPES:
+            raise ValueError(
+                f"pipeline_comm_dtype={self.pipeline_comm_dtype!r} is not valid: expected one of "
+                f"{list(PIPELINE_COMM_DTYPES)}."
             )
         allowed, _, _ = _SCHEDULE_STAGES[self.pipeline_schedule]
         if self.virtual_pipeline_stages is not None:

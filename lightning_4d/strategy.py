@@ -23,6 +23,8 @@ import lightning_4d.checkpoint as _checkpoint
 from lightning_4d.config import (  # the Literal choices of the arguments below (LightningCLI reads them)
     ACTIVATION_CHECKPOINTING,
     CONTEXT_PARALLEL_METHODS,
+    GRADIENT_COMPRESSIONS,
+    PIPELINE_COMM_DTYPES,
     PIPELINE_SCHEDULES,
     ParallelConfig,
 )
@@ -73,6 +75,12 @@ class FourDStrategy(ModelParallelStrategy):
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
             ``"selective"`` (keep each layer's matmul and attention outputs, recompute its pointwise ops).
+        gradient_compression: ``"none"``, ``"bf16"`` (dp gradients reduced in bfloat16: half the bytes) or
+            ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD with error feedback, ZeRO 0/1); see
+            ``docs/communication.md``.
+        powersgd_rank: r of PowerSGD (default 4).
+        pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
+            activations and gradients sent between pipeline stages.
         compile: ``torch.compile`` each transformer layer (dp/ZeRO layouts; not yet with tp > 1).
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).
@@ -115,6 +123,9 @@ class FourDStrategy(ModelParallelStrategy):
         num_microbatches: Optional[int] = None,
         pipeline_layer_split: Optional[list[int]] = None,
         context_parallel_method: Literal[CONTEXT_PARALLEL_METHODS] = "ring",
+        gradient_compression: Literal[GRADIENT_COMPRESSIONS] = "none",
+        powersgd_rank: int = 4,
+        pipeline_comm_dtype: Optional[Literal[PIPELINE_COMM_DTYPES]] = None,
         compile: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -135,6 +146,9 @@ class FourDStrategy(ModelParallelStrategy):
             num_microbatches=num_microbatches,
             pipeline_layer_split=pipeline_layer_split,
             context_parallel_method=context_parallel_method,
+            gradient_compression=gradient_compression,
+            powersgd_rank=powersgd_rank,
+            pipeline_comm_dtype=pipeline_comm_dtype,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -147,6 +161,11 @@ class FourDStrategy(ModelParallelStrategy):
             raise ValueError(
                 "save_distributed_checkpoint=False is not supported with zero_stage=1: each rank holds its own chunk of "
                 "the optimizer states. Use save_distributed_checkpoint=True (a sharded folder) or zero_stage 0, 2 or 3."
+            )
+        if gradient_compression == "powersgd" and not save_distributed_checkpoint:
+            raise ValueError(
+                "save_distributed_checkpoint=False is not supported with gradient_compression='powersgd': each rank "
+                "holds its own error-feedback state. Use save_distributed_checkpoint=True (a sharded folder)."
             )
         if pipeline_parallel_size > 1 and not save_distributed_checkpoint:
             raise ValueError(
@@ -285,8 +304,10 @@ class FourDStrategy(ModelParallelStrategy):
         optimizers = [unwrap_optimizer(opt) for opt in self.optimizers]
         # FSDP2's MixedPrecisionPolicy keeps the masters of what it owns (ZeRO 2/3); the rest is never cast
         master = torch.float32 if self.compute_dtype is not None and self.parallel_config.zero_stage <= 1 else None
-        self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), self.parallel_config.zero_stage,
-                                     master_dtype=master, tp_rank=self.mesh.tp.get_local_rank())
+        pc = self.parallel_config
+        self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), pc.zero_stage,
+                                     master_dtype=master, tp_rank=self.mesh.tp.get_local_rank(),
+                                     compression=pc.gradient_compression, powersgd_rank=pc.powersgd_rank)
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -350,6 +371,8 @@ class FourDStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
+        if self._grad_sync is not None and self._grad_sync.powersgd is not None:
+            checkpoint["compression_state"] = self._grad_sync.compression_state(_checkpoint.param_names(self.model))
         _checkpoint.save_sharded(checkpoint, path, self.global_rank, self.barrier)
 
     @override
@@ -367,4 +390,5 @@ class FourDStrategy(ModelParallelStrategy):
         strict = self.lightning_module.strict_loading
         if not path.is_dir():
             return _checkpoint.load_full(path, self.model, self.optimizers, strict, weights_only)
-        return _checkpoint.load_sharded(path, self.model, self.optimizers, strict, self.global_rank, weights_only)
+        return _checkpoint.load_sharded(path, self.model, self.optimizers, strict, self.global_rank, weights_only,
+                                        self._grad_sync)

@@ -108,7 +108,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.config import (GRADIENT_BUCKET_BYTES, PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig,
-                                 _check_positive_int, bucket_lengths, bucket_shard, loss_chunk_tokens)
+                                 _check_positive_int, bucket_lengths, bucket_shard, loss_chunk_tokens,
+                                 powersgd_compressible)
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 
 __all__ = [
@@ -283,12 +284,14 @@ class ModelStates:
     """Bytes of one rank's parameters, gradients (at the optimizer step) and optimizer states: Adam's m and v plus
     the float32 master weights where they are separate from the parameters (``master_weights``, included in
     ``optimizer_states``, as Megatron-LM counts them: ``bf16-mixed`` at ZeRO 1 is 2 + 4 + 12/D bytes per
-    parameter)."""
+    parameter) and PowerSGD's state (``compression``, included too: float32 error feedback ``m·n`` and warm start
+    ``n·r`` per compressed matrix, ``parallel/compression.py``)."""
 
     parameters: int
     gradients: int
     optimizer_states: int
     master_weights: int = 0
+    compression: int = 0
 
 
 def model_state_bytes(
@@ -343,7 +346,12 @@ def model_state_bytes(
         n_opt = _zero1_owned(_Sizes.of(model_config), pc.tp, layers, first, last, dt.setup, world, dp_cp_rank,
                              bucket_bytes)
     master = n_opt * dt.master
-    return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master, master)
+    compression = 0
+    if pc.gradient_compression == "powersgd" and world > 1:  # every rank's own E and Q, whole local matrices
+        r = pc.powersgd_rank
+        compression = sum(count * 4 * (p.rows * p.cols + p.cols * r) for p, count in weighted
+                          if p.matrix and powersgd_compressible((p.rows, p.cols), r))
+    return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master + compression, master, compression)
 
 
 def _norm_input_saved(r: int, b: int, s_sp: int, h: int) -> int:
@@ -840,6 +848,12 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
     elif zero <= 1:
         # GradientBuckets: a parameter's fresh gradient (its dtype) exists until the hook adds it into its bucket
         grad_buffers = max((p.numel for p, _ in params), default=0) * dt.param
+        if world > 1 and pc.gradient_compression == "bf16":  # every bucket's bfloat16 copy on the wire at once
+            grad_buffers += states.gradients // dt.grad * 2
+        elif world > 1 and pc.gradient_compression == "powersgd":
+            # one bucket at a time: its float32 M (gradient + error), the approximation and the new error
+            largest = max((p.numel for p, _ in params), default=0)
+            grad_buffers += 3 * 4 * max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.gradients // dt.grad), largest)
     head = next((p for p, _ in params if p.name == "output.weight"), None)
     if head is None and last and cfg.tie_word_embeddings:
         head = next(p for p, _ in params if p.name == "tok_embeddings.weight")
@@ -850,7 +864,8 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
     hidden = dt.residual * b * (s // pc.cp) * cfg.hidden_size // (pc.tp if pc.sp else 1)
     boundaries = (sum((st != 0) + (st != pc.num_stages - 1) for st in pc.stage_indices(pp_rank))
                   if pc.pp > 1 else 0)
-    step_temp = (states.optimizer_states - states.master_weights) // 2  # foreach AdamW: sqrt of the second moments
+    # foreach AdamW: sqrt of the second moments
+    step_temp = (states.optimizer_states - states.master_weights - states.compression) // 2
     if zero == 1 and world > 1:
         # ShardedOptimizer's all-gather of one bucket at a time: this rank's range and the gathered bucket (a bucket
         # holds at most GRADIENT_BUCKET_BYTES of parameters, or one larger parameter alone: the head, the embedding)

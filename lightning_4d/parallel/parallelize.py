@@ -77,7 +77,8 @@ def parallelize_llama(
                 block.compile()
         if config.zero_stage >= 2:
             apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=reshard_after_forward(config),
-                       param_dtype=param_dtype)
+                       param_dtype=param_dtype,
+                       reduce_dtype=torch.bfloat16 if config.gradient_compression == "bf16" else None)
         if part is not model:
             for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
                 model.layers[name] = block

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_4d.config import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
 from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
+from lightning_4d.parallel.compression import PowerSGD, compressible
 from lightning_4d.parallel._compat import local_tensor as _local
 from lightning_4d.parallel._compat import mark_wrapped_by_lr_scheduler
 
@@ -76,6 +77,7 @@ def apply_fsdp(
     blocks: Optional[Iterable[nn.Module]] = None,
     reshard_after_forward: Optional[bool] = None,
     param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
 
@@ -91,6 +93,8 @@ def apply_fsdp(
             weights, each unit is all-gathered in ``param_dtype`` for compute and its gradients reduce-scattered
             (and, under a pipeline's gradient accumulation, accumulated) in float32; the blocks' inputs are not
             cast (the rotary tables stay float32). ``None``: parameters compute in their own dtype.
+        reduce_dtype: the dtype gradients are reduce-scattered in (``gradient_compression="bf16"``:
+            ``torch.bfloat16``); default float32 under ``param_dtype``, else the parameters' dtype.
 
     Raises:
         ValueError: ``zero_stage`` is not 2 or 3.
@@ -104,11 +108,12 @@ def apply_fsdp(
         layers = getattr(model, "layers", None)
         blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
     kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
-    if param_dtype is not None:
+    if param_dtype is not None or reduce_dtype is not None:
         # the blocks' float32 inputs stay as they are: the rotary tables must not be rounded to bf16 (the residual
         # stream is in param_dtype already)
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                               cast_forward_inputs=False)
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=param_dtype, cast_forward_inputs=False,
+            reduce_dtype=reduce_dtype or (torch.float32 if param_dtype is not None else None))
     units = [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
     for unit in [*units, root]:
@@ -165,6 +170,8 @@ def setup_zero(
     zero_stage: int,
     master_dtype: Optional[torch.dtype] = None,
     tp_rank: int = 0,
+    compression: str = "none",
+    powersgd_rank: int = 4,
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own: their gradients in :class:`GradientBuckets` over ``group``
     (``dp_cp``; returned, ``None`` when there is none), and a :class:`ShardedOptimizer` around every torch optimizer
@@ -182,6 +189,7 @@ def setup_zero(
             master weights). The buckets' hooks are then not registered yet: cast the parameters, then call
             :meth:`GradientBuckets.register_hooks`.
         tp_rank: this rank's tensor-parallel rank (tp-replicated parameters count once in the clipping norm).
+        compression, powersgd_rank: the buckets' gradient compression (``ParallelConfig.gradient_compression``).
 
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
@@ -192,7 +200,8 @@ def setup_zero(
         return None
     shard = zero_stage == 1 and dist.get_world_size(group) > 1
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
-    buckets = GradientBuckets(params, group, reduce_scatter=shard, grad_dtype=master_dtype, hooks=master_dtype is None)
+    buckets = GradientBuckets(params, group, reduce_scatter=shard, grad_dtype=master_dtype, hooks=master_dtype is None,
+                              compression=compression, powersgd_rank=powersgd_rank)
     if shard or master_dtype is not None:
         for optimizer in optimizers:
             ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
@@ -258,8 +267,12 @@ class GradientBuckets:
         grad_dtype: Optional[torch.dtype] = None,
         bucket_bytes: Optional[int] = None,
         hooks: bool = True,
+        compression: str = "none",
+        powersgd_rank: int = 4,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.compression = compression
+        self.powersgd = PowerSGD(powersgd_rank, group) if compression == "powersgd" else None
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -361,8 +374,8 @@ class GradientBuckets:
         if self._suspended:
             return
         self._accumulate(p)
-        if not self._overlap or self.world == 1:
-            return
+        if not self._overlap or self.world == 1 or self.powersgd is not None:
+            return  # PowerSGD reduces in synchronize (its two all-reduces need every matrix of the bucket)
         i = self._bucket_of[id(p)]
         self._ready[i] += 1
         if self._ready[i] == len(self.buckets[i].params):
@@ -376,12 +389,13 @@ class GradientBuckets:
         for p in b.params:  # no gradient this step: zeros, not the last step's values
             if id(p) in self._fresh:
                 self._main[id(p)].zero_()
+        wire = b.buffer.to(torch.bfloat16) if self.compression == "bf16" else b.buffer  # the bytes sent
         if self.reduce_scatter:
             start, end = b.own_range(self.rank, self.world)
-            work = reduce_scatter_single(b.buffer[start:end], b.buffer, group=self.group, async_op=True)
+            work = reduce_scatter_single(wire[start:end], wire, group=self.group, async_op=True)
         else:
-            work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
-        self._pending[i] = work
+            work = dist.all_reduce(wire, group=self.group, async_op=True)
+        self._pending[i] = (work, wire)
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -390,17 +404,48 @@ class GradientBuckets:
         for p in self.params:
             if p.grad is not None:
                 self._accumulate(p)
-        if self.world > 1:
+        if self.world > 1 and self.powersgd is not None:
+            self._powersgd_reduce()
+        elif self.world > 1:
             for i in range(len(self.buckets)):
                 self._launch(i)
             for i in sorted(self._pending):
-                self._pending[i].wait()
+                work, wire = self._pending[i]
+                work.wait()
                 b = self.buckets[i]
                 start, end = b.own_range(self.rank, self.world) if self.reduce_scatter else (0, b.padded)
+                if wire is not b.buffer:  # bf16 on the wire: back into the float32 bucket
+                    b.buffer[start:end].copy_(wire[start:end])
                 b.buffer[start:end].div_(self.world)
             self._pending = {}
         if self.grad_dtype is None and not self.reduce_scatter:
             self._expose()
+
+    @torch.no_grad()
+    def _powersgd_reduce(self) -> None:
+        """Every bucket's mean gradient through :class:`~lightning_4d.parallel.compression.PowerSGD` (the whole
+        bucket, on every rank: at ZeRO 1 the rank then reads its own range)."""
+        for b in self.buckets:
+            matrices, vectors = [], []
+            for p in b.params:
+                if id(p) in self._fresh:  # no gradient this step: zeros, not the last step's values
+                    self._main[id(p)].zero_()
+                shape = _local(p).shape
+                if compressible(shape, self.powersgd.rank):
+                    matrices.append((id(p), self._main[id(p)].view(shape)))
+                else:
+                    vectors.append(self._main[id(p)])
+            self.powersgd.reduce(matrices, vectors)
+
+    def compression_state(self, names: dict[int, str]) -> Optional[dict[str, dict[str, Tensor]]]:
+        """PowerSGD's error-feedback and warm-start state by parameter name (``None`` without PowerSGD)."""
+        return self.powersgd.state(names) if self.powersgd is not None else None
+
+    def load_compression_state(self, names: dict[int, str], state: dict[str, dict[str, Tensor]]) -> None:
+        """Restore :meth:`compression_state`."""
+        if self.powersgd is not None:
+            self.powersgd.load_state({id(p): names[id(p)] for p in self.params if id(p) in names}, state,
+                                     self.buckets[0].buffer.device)
 
     def _expose(self) -> None:
         """``p.grad`` = ``p``'s bucket slice (shaped and placed like ``p``) for every parameter with a gradient."""
@@ -677,11 +722,12 @@ def model_state_tensors(
     """The tensors behind one rank's model states, by kind, for byte counts (:func:`local_bytes`) against the memory
     model (``lightning_4d.memory.model.model_state_bytes``).
 
-    Returns ``{"parameters": [...], "gradients": [...], "optimizer_states": [...], "master_weights": [...]}``: the
+    Returns ``{"parameters": [...], "gradients": [...], "optimizer_states": [...], "master_weights": [...],
+    "compression": [...]}``: the
     parameters (the local
     shards), the gradients (each parameter's slice of its bucket at ZeRO 0/1, padding excluded; ``.grad`` otherwise)
     and the optimizer states (every tensor state of at least one dimension, e.g. Adam's m and v, plus the master
-    weights of :class:`ShardedOptimizer`).
+    weights of :class:`ShardedOptimizer` and PowerSGD's error-feedback and warm-start matrices).
     """
     params = list(model.parameters())
     in_buckets = set() if buckets is None else {id(p) for p in buckets.params}
@@ -695,4 +741,7 @@ def model_state_tensors(
         sharded = ShardedOptimizer.of(torch_opt)
         if sharded is not None:
             masters += sharded.master_tensors()
-    return {"parameters": params, "gradients": grads, "optimizer_states": states + masters, "master_weights": masters}
+    # PowerSGD's error feedback and warm start: persistent state, counted with the optimizer's
+    compression = buckets.powersgd.tensors() if buckets is not None and buckets.powersgd is not None else []
+    return {"parameters": params, "gradients": grads, "optimizer_states": states + masters + compression,
+            "master_weights": masters, "compression": compression}

@@ -178,9 +178,11 @@ class Measured(CausalLMModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if "optimizer_states" not in self.states:
-            tensors = model_state_tensors(self, self.trainer.optimizers, None)
+            tensors = model_state_tensors(self, self.trainer.optimizers,
+                                          getattr(self.trainer.strategy, "_grad_sync", None))
             self.states["optimizer_states"] = local_bytes(tensors["optimizer_states"])
             self.states["master_weights"] = local_bytes(tensors["master_weights"])
+            self.states["compression"] = local_bytes(tensors["compression"])
 
 
 def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | None = None) -> dict:

@@ -5,8 +5,9 @@ shards, and (rank 0) the final full weights.
 Usage (from the tests): ``torchrun --nproc-per-node N tests/scripts/run_layouts.py --out DIR --layouts JSON``,
 or ``python tests/scripts/run_layouts.py --out DIR --layouts '[{"reference": true}]'`` for the single-process
 reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, precision, ac, clip,
-compile, tied, accum, bucket, sdc, for pipeline parallelism pp, schedule, v (stages per rank), m (micro-batches
-per step) and split (layers per stage), and for context parallelism cp and method ("ring" / "allgather").
+compile, tied, accum, bucket, sdc, compress (gradient compression) and rank (PowerSGD's), comm (record CommMeter
+events), for pipeline parallelism pp, schedule, v (stages per rank), m (micro-batches per step), split (layers per
+stage) and pcd (pipeline comm dtype), and for context parallelism cp and method ("ring" / "allgather").
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         if "optimizer_states" not in self.bytes and trainer.optimizers[0].state:  # after the first optimizer step
-            states = model_state_tensors(pl_module, trainer.optimizers, None)["optimizer_states"]
+            sync = getattr(trainer.strategy, "_grad_sync", None)  # its PowerSGD state counts as optimizer state
+            states = model_state_tensors(pl_module, trainer.optimizers, sync)["optimizer_states"]
             self.bytes["optimizer_states"] = local_bytes(states)
 
 
@@ -104,6 +106,8 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
             virtual_pipeline_stages=layout.get("v"), pipeline_layer_split=layout.get("split"),
             sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
             compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),
+            gradient_compression=layout.get("compress", "none"), powersgd_rank=layout.get("rank", 4),
+            pipeline_comm_dtype=layout.get("pcd"),
             process_group_backend="gloo", timeout=timedelta(seconds=120),
         )
     recorder = Recorder()
