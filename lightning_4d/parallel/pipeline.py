@@ -90,6 +90,9 @@ class StageChunk(LlamaModel):
     """
 
     sequence_shards: int = 1
+    #: the dtype of the hidden states sent to the next stage and received from the previous one (and of their
+    #: gradients, which autograd casts alike); ``None``: the model's own (``ParallelConfig.pipeline_comm_dtype``)
+    comm_dtype: Optional[torch.dtype] = None
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
         """Like :meth:`LlamaModel.forward`; without the embedding, ``x`` is ``[b, s / sequence_shards, h]`` and
@@ -108,7 +111,12 @@ class StageChunk(LlamaModel):
                     f"positions has shape {tuple(positions.shape)}: expected [s] or [b, s] with s={s} (the stage's "
                     f"input holds {x.shape[1]} tokens of each sequence, 1/{self.sequence_shards} of it)."
                 )
-        return super().forward(x, positions)
+            if self.comm_dtype is not None:  # received in the wire dtype: back to the stage's own
+                x = x.to(next(iter(self.layers.values())).attention_norm.weight.dtype)
+        out = super().forward(x, positions)
+        if self.output is None and self.comm_dtype is not None:
+            out = out.to(self.comm_dtype)  # the next stage receives (and sends its gradient back) in this dtype
+        return out
 
 
 def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool, sequence_shards: int) -> StageChunk:
@@ -124,6 +132,10 @@ def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool, seq
     chunk.head_projection = model.head_projection
     chunk.sequence_shards = sequence_shards
     return chunk
+
+
+#: ``ParallelConfig.pipeline_comm_dtype`` -> the torch dtype of the stage-to-stage sends
+PIPELINE_COMM_TORCH_DTYPES = {"bfloat16": torch.bfloat16}
 
 
 def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[tuple[int, StageChunk]]:
@@ -153,6 +165,9 @@ def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[
         model.output = None
     shards = config.tp if config.sp else 1
     chunks = [(s, _chunk(model, layers, s == 0, s == last_stage, shards)) for s, layers in mine]
+    if config.pipeline_comm_dtype is not None:
+        for _, chunk in chunks:
+            chunk.comm_dtype = PIPELINE_COMM_TORCH_DTYPES[config.pipeline_comm_dtype]
     _as_union(model, chunks)
     return chunks
 
