@@ -28,9 +28,9 @@ MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
 #: data-parallel gradient compression (see lightning_4d/parallel/compression.py)
 GRADIENT_COMPRESSIONS = ("none", "bf16", "powersgd")
-#: the dtype of the activations and gradients sent between pipeline stages (None: the model's); float8 (e4m3 with a
-#: per-tensor scale) is not built yet: it needs the scale to travel with the activation and its gradient
-PIPELINE_COMM_DTYPES = (None, "bfloat16")
+#: the dtype of the activations and gradients sent between pipeline stages (None: the model's; float8: e4m3 with a
+#: per-tensor scale, parallel/compression.py)
+PIPELINE_COMM_DTYPES = (None, "bfloat16", "float8")
 # pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 #: schedules that split backward into input- and weight-gradient passes and run a micro-batch's weight pass after
@@ -143,8 +143,9 @@ class ParallelConfig:
             collective: half the bytes) or ``"powersgd"`` (rank-``powersgd_rank`` approximation of every matrix
             gradient with error feedback and warm start, Vogels et al. 2019, arXiv 1905.13727; ZeRO 0 and 1 only).
         powersgd_rank: r of ``"powersgd"``.
-        pipeline_comm_dtype: ``None`` (send pipeline activations and their gradients in the model's dtype) or
-            ``"bfloat16"`` (half the bytes of a float32 model; ``parallel/pipeline.py``).
+        pipeline_comm_dtype: ``None`` (send pipeline activations and their gradients in the model's dtype),
+            ``"bfloat16"`` (half the bytes of a float32 model) or ``"float8"`` (e4m3 with a per-tensor scale, a
+            quarter; ``parallel/pipeline.py``, ``parallel/compression.py``).
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an

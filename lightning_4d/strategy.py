@@ -79,8 +79,8 @@ class FourDStrategy(ModelParallelStrategy):
             ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD with error feedback, ZeRO 0/1); see
             ``docs/communication.md``.
         powersgd_rank: r of PowerSGD (default 4).
-        pipeline_comm_dtype: ``None`` or ``"bfloat16"``: the dtype of the activations and gradients sent between
-            pipeline stages.
+        pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
+            activations and gradients sent between pipeline stages.
         compile: ``torch.compile`` each transformer layer (dp/ZeRO layouts; not yet with tp > 1).
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).

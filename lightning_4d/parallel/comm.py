@@ -184,18 +184,24 @@ class CommMeterCallback(L.Callback):
 
     Args:
         per_kind: also log ``comm_bytes/<dim>/<kind>``.
+        every_n_steps: measure one step in this many (the first included): the meter slows the steps it measures.
 
     The meter slows the step (every operator passes through a Python dispatch mode): for measuring, not for
     production runs.
     """
 
-    def __init__(self, per_kind: bool = False) -> None:
+    def __init__(self, per_kind: bool = False, every_n_steps: int = 1) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps!r} is not valid: expected an integer >= 1.")
         self.per_kind = per_kind
+        self.every_n_steps = every_n_steps
         self.meter: Optional[CommMeter] = None
         self.history: list[dict[str, int]] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if trainer.global_step % self.every_n_steps:
+            return
         mesh = getattr(trainer.strategy, "mesh", None)
         if mesh is None:
             raise ValueError("CommMeterCallback needs a strategy with a mesh (lightning_4d.FourDStrategy); got "
@@ -213,9 +219,10 @@ class CommMeterCallback(L.Callback):
         row["comm_bytes/total"] = meter.total()
         if self.per_kind:
             row.update({f"comm_bytes/{d}/{k}": v for d, kinds in meter.sent.items() for k, v in kinds.items()})
+        row["step"] = trainer.global_step
         self.history.append(row)
-        pl_module.log_dict({k: float(v) for k, v in row.items()}, on_step=True, on_epoch=False, sync_dist=False,
-                           rank_zero_only=True)
+        pl_module.log_dict({k: float(v) for k, v in row.items() if k != "step"}, on_step=True, on_epoch=False,
+                           sync_dist=False, rank_zero_only=True)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if self.meter is not None:

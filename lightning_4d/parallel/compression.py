@@ -121,3 +121,63 @@ class PowerSGD:
     def tensors(self) -> list[Tensor]:
         """The state tensors (for byte counts)."""
         return [*self.errors.values(), *self.qs.values()]
+
+
+# ---------------------------------------------------------------------------------------------------- pipeline sends
+#: the largest finite float8 e4m3 value (``torch.finfo(torch.float8_e4m3fn).max``): a tensor is scaled so that its
+#: largest magnitude lands there
+FLOAT8_MAX = 448.0
+
+
+def encode_float8(x: Tensor) -> Tensor:
+    """``x`` ``[b, ...]`` as float8 e4m3 with one float32 scale for the whole tensor (``amax / 448``), packed as the
+    bytes of a bfloat16 tensor ``[b, (n + n % 2 + 4) / 2]`` (n = elements per sample; each row ends with the scale's
+    4 bytes): a floating-point tensor that autograd and the pipeline's send and receive carry as they are (gloo has no
+    float8), a quarter of ``x``'s float32 bytes."""
+    b = x.shape[0]
+    flat = x.reshape(b, -1).float()
+    scale = flat.abs().amax().clamp(min=torch.finfo(torch.float32).tiny) / FLOAT8_MAX
+    q = (flat / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    if q.shape[1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    tail = scale.reshape(1).expand(b).contiguous().view(torch.uint8).reshape(b, 4)
+    return torch.cat([q, tail], dim=1).view(torch.bfloat16)
+
+
+def decode_float8(wire: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """The inverse of :func:`encode_float8`: a ``dtype`` tensor of ``shape`` (``shape[0]`` rows)."""
+    raw = wire.contiguous().view(torch.uint8)
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    scale = raw[0, -4:].contiguous().view(torch.float32)
+    return (raw[:, :n].contiguous().view(torch.float8_e4m3fn).float() * scale).reshape(shape).to(dtype)
+
+
+class SendFloat8(torch.autograd.Function):
+    """At a stage's output: the activation as the float8 wire (:func:`encode_float8`); its gradient comes back as a
+    float8 wire too and is decoded to the activation's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # noqa: D102
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return encode_float8(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_wire: Tensor) -> Tensor:  # noqa: D102
+        return decode_float8(grad_wire, ctx.shape, ctx.dtype)
+
+
+class ReceiveFloat8(torch.autograd.Function):
+    """At a stage's input: the float8 wire decoded to ``[b, n / last_dim, last_dim]`` in ``dtype``; the gradient
+    goes back encoded."""
+
+    @staticmethod
+    def forward(ctx: Any, wire: Tensor, last_dim: int, dtype: torch.dtype) -> Tensor:  # noqa: D102
+        n = 2 * wire.shape[1] - 4
+        n -= n % last_dim  # the pad byte of an odd element count
+        return decode_float8(wire, torch.Size((wire.shape[0], n // last_dim, last_dim)), dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
+        return encode_float8(grad), None, None

@@ -45,6 +45,7 @@ from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, P
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
+from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
 from lightning_4d.parallel.zero import ShardedOptimizer, clip_coefficient, unwrap_optimizer
 
 
@@ -90,9 +91,10 @@ class StageChunk(LlamaModel):
     """
 
     sequence_shards: int = 1
-    #: the dtype of the hidden states sent to the next stage and received from the previous one (and of their
-    #: gradients, which autograd casts alike); ``None``: the model's own (``ParallelConfig.pipeline_comm_dtype``)
-    comm_dtype: Optional[torch.dtype] = None
+    #: how the hidden states are sent to the next stage and received from the previous one, with their gradients
+    #: (``ParallelConfig.pipeline_comm_dtype``): ``None`` (the model's dtype), ``"bfloat16"`` (cast; autograd casts
+    #: the gradient alike) or ``"float8"`` (e4m3 and a per-tensor scale: ``parallel/compression.py``)
+    comm_dtype: Optional[str] = None
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
         """Like :meth:`LlamaModel.forward`; without the embedding, ``x`` is ``[b, s / sequence_shards, h]`` and
@@ -102,6 +104,11 @@ class StageChunk(LlamaModel):
             ValueError: ``positions`` whose last dimension is not ``s``.
         """
         if self.tok_embeddings is None:
+            own = next(iter(self.layers.values())).attention_norm.weight.dtype
+            if self.comm_dtype == "float8":  # the float8 wire (parallel/compression.py), decoded
+                x = ReceiveFloat8.apply(x, self.config.hidden_size, own)
+            elif self.comm_dtype is not None:  # received in the wire dtype: back to the stage's own
+                x = x.to(own)
             s = x.shape[1] * self.sequence_shards
             if positions is None:
                 cp_rank, cp_size = self.context_parallel or (0, 1)
@@ -111,11 +118,11 @@ class StageChunk(LlamaModel):
                     f"positions has shape {tuple(positions.shape)}: expected [s] or [b, s] with s={s} (the stage's "
                     f"input holds {x.shape[1]} tokens of each sequence, 1/{self.sequence_shards} of it)."
                 )
-            if self.comm_dtype is not None:  # received in the wire dtype: back to the stage's own
-                x = x.to(next(iter(self.layers.values())).attention_norm.weight.dtype)
         out = super().forward(x, positions)
-        if self.output is None and self.comm_dtype is not None:
-            out = out.to(self.comm_dtype)  # the next stage receives (and sends its gradient back) in this dtype
+        if self.output is None and self.comm_dtype == "float8":
+            out = SendFloat8.apply(out)
+        elif self.output is None and self.comm_dtype is not None:
+            out = out.to(PIPELINE_COMM_TORCH_DTYPES[self.comm_dtype])  # its gradient comes back in this dtype too
         return out
 
 
@@ -165,9 +172,8 @@ def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[
         model.output = None
     shards = config.tp if config.sp else 1
     chunks = [(s, _chunk(model, layers, s == 0, s == last_stage, shards)) for s, layers in mine]
-    if config.pipeline_comm_dtype is not None:
-        for _, chunk in chunks:
-            chunk.comm_dtype = PIPELINE_COMM_TORCH_DTYPES[config.pipeline_comm_dtype]
+    for _, chunk in chunks:
+        chunk.comm_dtype = config.pipeline_comm_dtype
     _as_union(model, chunks)
     return chunks
 
