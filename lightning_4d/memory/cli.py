@@ -87,26 +87,25 @@ def _gpu(args: argparse.Namespace):
     return gpu_spec(args.gpu_memory, peak_flops=getattr(args, "peak_tflops", None) and args.peak_tflops * 1e12)
 
 
+def _positive(text: str, convert: Any, noun: str, expected: str) -> Any:
+    """``convert(text)`` when it is finite and > 0, else ``argparse.ArgumentTypeError`` naming ``text``."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun} (expected {expected})") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: expected {expected}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (expected an integer >= 1)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid: expected an integer >= 1")
-    return value
+    return _positive(text, int, "an integer", "an integer >= 1")
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (expected a finite number > 0)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid: expected a finite number > 0")
-    return value
+    return _positive(text, float, "a number", "a finite number > 0")
 
 
 def fraction(text: str) -> float:

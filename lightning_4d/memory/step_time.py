@@ -65,7 +65,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_4d.config import ParallelConfig
+from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 
 __all__ = ["ATTENTION_EFFICIENCY", "CALIBRATION_RUNS", "GEMM_EFFICIENCY", "LINK_LATENCY", "POINTWISE_BYTES",
            "StepTime", "attention_efficiency", "gemm_efficiency", "predict_step_time", "step_time_of"]
@@ -147,12 +147,15 @@ class StepTime:
         return self.tp + self.cp + self.pp + self.dp
 
 
+def _by_class(table: tuple[tuple[float, float], ...], value: float) -> float:
+    """The fraction of the first class of ``table`` (``(lower bound, fraction)``, bounds descending) ``value``
+    reaches."""
+    return next((eta for bound, eta in table if value >= bound), table[-1][1])
+
+
 def gemm_efficiency(smallest_dimension: float) -> float:
     """Fraction of the peak of a GEMM whose smallest dimension is ``smallest_dimension`` (:data:`GEMM_EFFICIENCY`)."""
-    for bound, eta in GEMM_EFFICIENCY:
-        if smallest_dimension >= bound:
-            return eta
-    return GEMM_EFFICIENCY[-1][1]
+    return _by_class(GEMM_EFFICIENCY, smallest_dimension)
 
 
 def _ring(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
@@ -163,6 +166,17 @@ def _ring(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
     return (ranks - 1) / ranks * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ranks - 1) * latency
 
 
+def _link(gpu: Any, inside_node: bool) -> tuple[float, float]:
+    """(bandwidth, ring-step latency) of a collective whose group is inside one node (NVLink) or spans nodes."""
+    return (gpu.intra_node_bandwidth, LINK_LATENCY[0]) if inside_node else (gpu.inter_node_bandwidth, LINK_LATENCY[1])
+
+
+def _layer_params(dims: tuple[int, ...]) -> int:
+    """``P_layer``: the matmul weights of one decoder layer, ``h·(a + 2k)·d + a·d·h + 3·h·f``."""
+    h, f, d, a, k = dims[:5]
+    return h * (a + 2 * k) * d + a * d * h + 3 * h * f
+
+
 def _dims(cfg: Any) -> tuple[int, ...]:
     return (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
             cfg.padded_vocab_size, cfg.num_layers)
@@ -171,10 +185,7 @@ def _dims(cfg: Any) -> tuple[int, ...]:
 def attention_efficiency(block_tokens: float) -> float:
     """Fraction of the peak of the fused attention kernel on query/key blocks of ``block_tokens`` tokens
     (:data:`ATTENTION_EFFICIENCY`)."""
-    for bound, eta in ATTENTION_EFFICIENCY:
-        if block_tokens >= bound:
-            return eta
-    return ATTENTION_EFFICIENCY[-1][1]
+    return _by_class(ATTENTION_EFFICIENCY, block_tokens)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -185,21 +196,18 @@ def _layer_terms(dims: tuple[int, ...], tp: int, cp: int, b: int, s: int, sp: bo
     h, f, d, a, k, vocab, _ = dims
     c = 2
     peak, hbm = gpu.peak_flops * gpu.compute_fraction, POINTWISE_EFFICIENCY * gpu.memory_bandwidth
-    intra, inter = gpu.intra_node_bandwidth, gpu.inter_node_bandwidth
     tokens = b * s / cp
-    p_layer = h * (a + 2 * k) * d + a * d * h + 3 * h * f
-    t_mm = 6 * p_layer / tp * tokens / (gemm_efficiency(min(tokens, h, f / tp, a * d / tp)) * peak)
+    t_mm = 6 * _layer_params(dims) / tp * tokens / (gemm_efficiency(min(tokens, h, f / tp, a * d / tp)) * peak)
     block = s / (2 * cp) if cp > 1 else s  # the load-balanced causal split: 2·cp chunks
     t_att = 6 * a * d * s * tokens / tp / (attention_efficiency(block) * peak)
     ch, cq, cf = POINTWISE_BYTES
     t_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * f) / tp) * tokens / hbm
-    coll = _ring(tokens * h * c, tp, intra, LINK_LATENCY[0])
+    coll = _ring(tokens * h * c, tp, *_link(gpu, True))
     t_tp = ((10 if sp else 8) if tp > 1 else 0) * coll  # an all-reduce counted as two
     t_cp = 0.0
     if cp > 1:
         kv_bytes = tokens * k * d / tp * c
-        near = tp * cp <= gpus_per_node
-        b_cp, lat = (intra, LINK_LATENCY[0]) if near else (inter, LINK_LATENCY[1])
+        b_cp, lat = _link(gpu, tp * cp <= gpus_per_node)
         if method == "ring":
             comm = 3 * 2 * kv_bytes * (cp - 1) / (COLLECTIVE_EFFICIENCY * b_cp) + 3 * (cp - 1) * lat
             t_cp = max(0.0, comm - t_att)
@@ -248,7 +256,7 @@ def _pipeline_terms(dims: tuple[int, ...], tp: int, pp: int, cp: int, b: int, s:
     t_max, work, n_max = best
     if pp == 1:
         bubble = 0.0
-    elif schedule in ("zbv", "dualpipev"):
+    elif schedule in ZERO_BUBBLE_SCHEDULES:
         bubble = (pp - 1) * max(0.0, (t_max - n_max * t_mm) / v)
     else:
         bubble = (pp - 1) / v * t_max
@@ -277,26 +285,24 @@ def step_time_of(dims: tuple[int, ...], tp: int, pp: int, cp: int, dp: int, b: i
                  method: str, schedule: str, v: int, split: Optional[tuple[int, ...]], zero_stage: int,
                  activation_checkpointing: str, gpu: Any, gpus_per_node: int) -> StepTime:
     """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L))."""
-    h, f, d, a, k, vocab, num_layers = dims
+    h, vocab = dims[0], dims[5]
     c = 2
     t_max, work, n_max, bubble, t_re, t_tp, t_cp, layers_of = _pipeline_terms(
         dims, tp, pp, cp, b, s, sp, method, schedule, v, split, activation_checkpointing, gpu, gpus_per_node)
     hbm = POINTWISE_EFFICIENCY * gpu.memory_bandwidth
-    intra, inter = gpu.intra_node_bandwidth, gpu.inter_node_bandwidth
     tokens = b * s / cp
     world = tp * pp * cp * dp
     t_pp = 0.0
     if pp > 1:
-        b_pp, lat = (intra, LINK_LATENCY[0]) if world <= gpus_per_node else (inter, LINK_LATENCY[1])
+        b_pp, lat = _link(gpu, world <= gpus_per_node)
         t_pp = 2 * v * m * (tokens * h * c / (tp if sp else 1) / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
     # data parallel over dp_cp: the parameters of the largest pp rank
     dd = dp * cp
-    p_layer = h * (a + 2 * k) * d + a * d * h + 3 * h * f
-    params = max(layers_of) * p_layer / tp + vocab * h / tp * (2 if pp == 1 else 1)
+    params = max(layers_of) * _layer_params(dims) / tp + vocab * h / tp * (2 if pp == 1 else 1)
     owned = params / dd if zero_stage >= 1 else params
     t_dp = 0.0
     if dd > 1:
-        b_dp, lat = (intra, LINK_LATENCY[0]) if tp * dd <= gpus_per_node else (inter, LINK_LATENCY[1])
+        b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
         last_backward = 2 / 3 * t_max
         units = max(1, max(layers_of))
         rs = _ring(4 * params, dd, b_dp, lat)

@@ -381,14 +381,18 @@ class GradientBuckets:
         if self._ready[i] == len(self.buckets[i].params):
             self._launch(i)
 
+    def _zero_missing(self, b: _Bucket) -> None:
+        """Zero the slices of ``b``'s parameters that got no gradient this step (not the last step's values)."""
+        for p in b.params:
+            if id(p) in self._fresh:
+                self._main[id(p)].zero_()
+
     @torch.no_grad()
     def _launch(self, i: int) -> None:
         if i in self._pending:
             return
         b = self.buckets[i]
-        for p in b.params:  # no gradient this step: zeros, not the last step's values
-            if id(p) in self._fresh:
-                self._main[id(p)].zero_()
+        self._zero_missing(b)
         wire = b.buffer.to(torch.bfloat16) if self.compression == "bf16" else b.buffer  # the bytes sent
         if self.reduce_scatter:
             start, end = b.own_range(self.rank, self.world)
@@ -426,10 +430,9 @@ class GradientBuckets:
         """Every bucket's mean gradient through :class:`~lightning_4d.parallel.compression.PowerSGD` (the whole
         bucket, on every rank: at ZeRO 1 the rank then reads its own range)."""
         for b in self.buckets:
+            self._zero_missing(b)
             matrices, vectors = [], []
             for p in b.params:
-                if id(p) in self._fresh:  # no gradient this step: zeros, not the last step's values
-                    self._main[id(p)].zero_()
                 shape = _local(p).shape
                 if compressible(shape, self.powersgd.rank):
                     matrices.append((id(p), self._main[id(p)].view(shape)))
