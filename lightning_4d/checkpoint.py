@@ -3,12 +3,13 @@ delegate to. (Activation checkpointing is another thing: :mod:`lightning_4d.para
 
 Two formats:
 
-- **Sharded folder** (``save_distributed_checkpoint=True``, the default): the model state dict and the optimizer
-  states of ZeRO 0/2/3 written with ``torch.distributed.checkpoint`` (DCP; every rank writes its shards, parameter
-  names are the unsplit model's), one file per rank ``zero1_optimizer_<i>_rank<r>.pt`` for the ZeRO-1 optimizer
-  chunks, one per rank ``powersgd_rank<r>.pt`` for PowerSGD's error feedback and warm start (each rank's own), and
-  Lightning's metadata (epoch, loops, callbacks, ...) in ``meta.pt``. Loads into the same layout (dp,
-  tp, pp, cp and ZeRO stage as when saved).
+- **Sharded folder** (``save_distributed_checkpoint=True``, the default): written with ``torch.distributed.checkpoint``
+  (DCP; every rank writes its shards): the model state dict and the optimizer states of every ZeRO stage (ZeRO 1's
+  per-rank chunks and master weights gathered over dp into the same per-parameter form as ZeRO 0/2/3), all keyed by
+  the unsplit model's parameter names with their global shapes, so the folder loads into ANY layout (dp, tp, pp with
+  any schedule / v / layer split, cp, ZeRO stage); one file per rank ``powersgd_rank<r>.pt`` for PowerSGD's error
+  feedback and warm start (restored on the same layout only), and Lightning's metadata (epoch, loops, callbacks,
+  LR schedulers, the saving layout) in ``meta.pt``.
 - **Full file** (``save_distributed_checkpoint=False``; not with ZeRO 1 or pp): one ``torch.save`` file holding
   full state dicts, written by Lightning's ``ModelParallelStrategy``; every rank reads it and keeps its shards.
 
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME, rekey_optimizer_state_if_needed
@@ -45,6 +47,19 @@ def _zero1_file(index: int, global_rank: int) -> str:
     return f"zero1_optimizer_{index}_rank{global_rank}.pt"
 
 
+#: the key of the saving run's layout (``ParallelConfig`` sizes) in a sharded folder's Lightning metadata
+LAYOUT_KEY = "lightning_4d_layout"
+
+
+def layout_of(config: Any) -> dict[str, Any]:
+    """The sizes of a ``ParallelConfig`` that decide which parameter slices a rank holds (saved with a sharded
+    folder under :data:`LAYOUT_KEY`)."""
+    split = config.pipeline_layer_split
+    return {"pp": config.pp, "dp": config.dp, "cp": config.cp, "tp": config.tp, "zero_stage": config.zero_stage,
+            "v": config.v, "pipeline_layer_split": list(split) if split is not None else None,
+            "sequence_parallel": config.sequence_parallel, "powersgd_rank": config.powersgd_rank}
+
+
 def _compression_file(global_rank: int) -> str:
     return f"powersgd_rank{global_rank}.pt"
 
@@ -55,14 +70,26 @@ def param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
+def param_fqns(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): its fully qualified name as torch.distributed.checkpoint names it}``: the
+    ``named_parameters()`` name without wrapper levels (:func:`lightning_4d.models.llama._canonical_name`), the same
+    on every layout (pipeline stages keep the unsplit model's names). The keys of the optimizer states in a sharded
+    folder."""
+    from lightning_4d.models.llama import _canonical_name
+
+    return {id(p): _canonical_name(name) for name, p in model.named_parameters()}
+
+
 def optimizer_state(model: nn.Module, optimizer: Optimizer, distributed: bool) -> Optional[dict[str, Any]]:
-    """The state of ``optimizer`` to save: this rank's ZeRO-1 chunk (``{"zero1": True, "state", "param_groups"}``),
-    a flattened DCP optimizer state dict (``distributed``), or ``None`` when Lightning's full state dict applies."""
+    """The state of ``optimizer`` to save: a flattened, layout-free DCP optimizer state dict
+    (``{"state.<fqn>.<key>": tensor, "param_groups.<fqn>.<hyper-parameter>": value}``) when ``distributed``, else
+    ``None`` (Lightning's full state dict applies). ZeRO 1 and master weights (:class:`ShardedOptimizer`) write the
+    same form as ZeRO 0/2/3, gathered over dp (:meth:`ShardedOptimizer.gathered_state`; collective), so that any
+    layout can load it."""
     zero1 = ShardedOptimizer.of(unwrap(optimizer))
-    if zero1 is None:
-        return get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM) if distributed else None
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in zero1.optimizer.param_groups]
-    return {"zero1": True, "state": zero1.sharded_state(param_names(model)), "param_groups": groups}
+    if zero1 is not None:
+        return zero1.gathered_state(param_fqns(model)) if distributed else None
+    return get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM) if distributed else None
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barrier: Callable[[], None]) -> None:
@@ -81,10 +108,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barri
     if compression is not None:
         torch.save(compression, tmp / _compression_file(global_rank))
     for idx, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-        if isinstance(opt_state, dict) and opt_state.get("zero1"):
-            torch.save(opt_state, tmp / _zero1_file(idx, global_rank))
-        else:
-            state[f"optimizer_{idx}"] = opt_state
+        state[f"optimizer_{idx}"] = opt_state
     dcp_save(state, checkpoint_id=tmp)
     if global_rank == 0:
         torch.save(checkpoint, tmp / LIGHTNING_METADATA_FILENAME)
@@ -102,40 +126,125 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barri
     barrier()
 
 
-def load_sharded(
-    path: Path, model: nn.Module, optimizers: list[Any], strict: bool, global_rank: int, weights_only: Optional[bool],
-    buckets: Optional[Any] = None,
-) -> dict[str, Any]:
-    """Load a sharded folder written by :func:`save_sharded` under the same layout into ``model``, ``optimizers``
-    and the PowerSGD state of ``buckets`` (``GradientBuckets``; this rank's shards only); returns Lightning's
-    metadata dict."""
+def _check_complete(path: Path) -> None:
+    """Raise a clear error when the sharded folder ``path`` lacks a file every complete save writes."""
+    for name in (".metadata", LIGHTNING_METADATA_FILENAME):
+        if not (path / name).is_file():
+            raise ValueError(
+                f"checkpoint folder {str(path)!r} is incomplete: {name!r} is missing (a save that did not finish "
+                "writes into '<path>.tmp' and never replaces a complete folder; pass a folder ModelCheckpoint completed)"
+            )
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state`` from ``path``, with a read failure (a truncated or corrupted
+    shard file) reported as a ``ValueError`` that names the folder and the files in it."""
     from torch.distributed.checkpoint import load as dcp_load
 
+    try:
+        dcp_load(state, checkpoint_id=path)
+    except Exception as e:  # DCP wraps each rank's failure in a CheckpointException
+        files = sorted(f.name for f in path.iterdir() if f.suffix == ".distcp")
+        sizes = ", ".join(f"{f} ({(path / f).stat().st_size} bytes)" for f in files)
+        raise ValueError(
+            f"could not read checkpoint folder {str(path)!r}: a shard file is truncated or corrupted ({sizes}): "
+            f"{type(e).__name__}: {str(e)[-800:]}"
+        ) from e
+
+
+def _zero1_template(path: Path, key: str, model: nn.Module, fqns: dict[int, str]) -> dict[str, Any]:
+    """What a :class:`ShardedOptimizer` asks the folder for: each of its parameters' saved states as a tensor of the
+    parameter's whole local shape (a DTensor with its placements: DCP reads just this rank's tp shard of the saved
+    tensor, whatever layout wrote it), scalars as scalars, hyper-parameters as placeholders."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    out: dict[str, Any] = {}
+    params = {fqn: p for p in model.parameters() if (fqn := fqns.get(id(p))) is not None}
+    for name, meta in saved.items():
+        if not name.startswith(key + "."):
+            continue
+        kind, _, rest = name[len(key) + 1:].partition(".")
+        fqn, _, field = rest.rpartition(".")
+        p = params.get(fqn)
+        if p is None or kind not in ("state", "param_groups"):
+            continue
+        entry = name[len(key) + 1:]
+        if kind == "param_groups" or not isinstance(meta, TensorStorageMetadata):
+            out[entry] = None
+        elif tuple(meta.size) == ():
+            out[entry] = torch.zeros((), dtype=meta.properties.dtype)
+        elif tuple(meta.size) == tuple(p.shape):
+            local = torch.zeros(_local_shape(p), dtype=meta.properties.dtype)
+            out[entry] = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) \
+                if isinstance(p, DTensor) else local
+        else:
+            raise ValueError(f"checkpoint {str(path)!r}: optimizer state {name!r} has shape {tuple(meta.size)}, "
+                             f"the model's parameter {fqn!r} {tuple(p.shape)}: it was saved from another model")
+    return out
+
+
+def _local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+
+
+def load_sharded(
+    path: Path, model: nn.Module, optimizers: list[Any], strict: bool, global_rank: int, weights_only: Optional[bool],
+    buckets: Optional[Any] = None, layout: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Load a sharded folder written by :func:`save_sharded` under ANY layout into ``model``, ``optimizers`` and the
+    PowerSGD state of ``buckets`` (``GradientBuckets``); returns Lightning's metadata dict.
+
+    Model weights and optimizer states are keyed by the unsplit model's parameter names and stored whole (DCP keeps
+    each tensor's global shape), so each rank reads just the slices its layout needs: dp, tp, pp (any schedule,
+    v, layer split), cp and ZeRO stage may all differ from the saving run. PowerSGD's per-rank state is restored
+    only under the layout that saved it (``layout``, a dict compared with the one saved in the metadata); on
+    another layout it restarts from zero with a warning. A folder saved by an earlier version with per-rank ZeRO-1
+    files (``zero1_optimizer_<i>_rank<r>.pt``) loads under its own layout only.
+
+    Raises:
+        ValueError: the folder is incomplete (names the missing file), a shard file cannot be read (names the
+            files), or an optimizer state's shape differs from the model's parameter.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    _check_complete(path)
     model_state = {"state_dict": get_model_state_dict(model)}
-    dcp_load(model_state, checkpoint_id=path)
+    _dcp_load(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
+    metadata = torch.load(path / LIGHTNING_METADATA_FILENAME,
+                          weights_only=weights_only if weights_only is not None else False)
+    fqns = param_fqns(model)
     for idx, optimizer in enumerate(optimizers):
+        key = f"optimizer_{idx}"
         zero1 = ShardedOptimizer.of(unwrap(optimizer))
-        if zero1 is not None:
+        if zero1 is not None and (path / _zero1_file(idx, global_rank)).exists():  # an earlier version's files
             saved = torch.load(path / _zero1_file(idx, global_rank), weights_only=False)
             zero1.load_sharded_state(param_names(model), saved["state"])
             for group, values in zip(zero1.optimizer.param_groups, saved["param_groups"]):
                 group.update(values)
-            continue
-        key = f"optimizer_{idx}"
-        opt_state = {key: get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)}
-        dcp_load(opt_state, checkpoint_id=path)
-        set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=opt_state[key], options=_FLAT_OPTIM)
+        elif zero1 is not None:
+            opt_state = {key: _zero1_template(path, key, model, fqns)}
+            _dcp_load(opt_state, path)
+            zero1.load_gathered_state(fqns, opt_state[key])
+        else:
+            opt_state = {key: get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)}
+            _dcp_load(opt_state, path)
+            set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=opt_state[key], options=_FLAT_OPTIM)
     if buckets is not None and buckets.powersgd is not None:
         saved_compression = path / _compression_file(global_rank)
-        if saved_compression.exists():
+        saved_layout = metadata.get(LAYOUT_KEY)
+        if saved_compression.exists() and (layout is None or saved_layout == layout):
             buckets.load_compression_state(param_names(model), torch.load(saved_compression, weights_only=True))
+        elif saved_compression.exists():
+            rank_zero_warn(f"{str(path)!r} was saved on another layout ({saved_layout}, now {layout}): PowerSGD's "
+                           "error feedback restarts from zero and its warm start from a random Q.")
         else:
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
             rank_zero_warn(f"{str(path)!r} holds no PowerSGD state (it was saved without gradient_compression="
                            "'powersgd'): the error feedback starts from zero and the warm start from a random Q.")
-    return torch.load(path / LIGHTNING_METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False)
+    metadata.pop(LAYOUT_KEY, None)
+    return metadata
 
 
 def load_full(

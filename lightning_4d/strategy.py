@@ -373,6 +373,7 @@ class FourDStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         if self._grad_sync is not None and self._grad_sync.powersgd is not None:
             checkpoint["compression_state"] = self._grad_sync.compression_state(_checkpoint.param_names(self.model))
+        checkpoint[_checkpoint.LAYOUT_KEY] = _checkpoint.layout_of(self.parallel_config)
         _checkpoint.save_sharded(checkpoint, path, self.global_rank, self.barrier)
 
     @override
@@ -391,4 +392,4 @@ class FourDStrategy(ModelParallelStrategy):
         if not path.is_dir():
             return _checkpoint.load_full(path, self.model, self.optimizers, strict, weights_only)
         return _checkpoint.load_sharded(path, self.model, self.optimizers, strict, self.global_rank, weights_only,
-                                        self._grad_sync)
+                                        self._grad_sync, _checkpoint.layout_of(self.parallel_config))

@@ -649,22 +649,98 @@ class ShardedOptimizer:
                 g.clamp_(-clip_value, clip_value)
 
     # ------------------------------------------------------------------ checkpoint support
-    def sharded_state(self, names: dict[int, str]) -> dict[str, dict[str, Tensor]]:
-        """This rank's optimizer states keyed by parameter name: ``{name: {"exp_avg": slice, ..., "master": slice}}``
-        (``"master"`` with master weights)."""
-        out: dict[str, dict[str, Tensor]] = {}
-        for p in self.parameters():
-            shard = self.shard[id(p)]
-            state = dict(self.optimizer.state.get(shard) or {})
-            if id(p) in self.has_master:
-                state["master"] = shard.detach()
-            if state:
-                out[names[id(p)]] = {k: (v if isinstance(v, Tensor) else torch.tensor(v)) for k, v in state.items()}
+    @torch.no_grad()
+    def gathered_state(self, fqns: dict[int, str]) -> dict[str, Any]:
+        """The optimizer state in the layout-free form of ``torch.distributed.checkpoint.state_dict``'s
+        ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, the form ZeRO 0/2/3 save:
+        ``{"state.<fqn>.<key>": tensor, "param_groups.<fqn>.<hyper-parameter>": value}``. Collective over the
+        ``dp_cp`` group (call it on every rank).
+
+        Each element-wise state (Adam's ``exp_avg`` / ``exp_avg_sq``, the float32 ``master`` weight) is all-gathered
+        over ``dp_cp``, one bucket and one state at a time, into the parameter's whole local (tp-shard) tensor, then
+        moved to the CPU and, for a DTensor parameter, wrapped as a DTensor with the parameter's mesh and placements
+        (so the checkpoint reshards on load to any tp / pp / dp / ZeRO stage). Scalar states (``step``) are kept as
+        they are. Transient memory: one bucket's gather on the device; on the CPU, this rank's tp-shard of every
+        state (12 bytes per local parameter with masters, 8 without), freed once the checkpoint is written.
+        """
+        out: dict[str, Any] = {}
+        mine = set(map(id, self.parameters()))
+        for bucket in self.buckets.buckets:
+            params = [p for p in bucket.params if id(p) in mine]
+            states = {id(p): self._state_with_master(p) for p in params}
+            keys = sorted({k for st in states.values() for k, v in st.items() if v.ndim == 1})
+            lo, hi = bucket.own_range(self.rank, self.world) if self.world > 1 else (0, bucket.padded)
+            for key in keys:
+                dtype = next(st[key].dtype for st in states.values() if key in st)
+                own = torch.zeros(hi - lo, dtype=dtype, device=bucket.buffer.device)
+                for p in params:
+                    if key in states[id(p)]:
+                        start, end = self.owned[id(p)]
+                        at = bucket.offsets[id(p)] + start - lo
+                        own[at : at + end - start] = states[id(p)][key]
+                gathered = own
+                if self.world > 1:
+                    gathered = torch.empty(bucket.padded, dtype=dtype, device=own.device)
+                    _all_gather_flat(gathered, own, self.buckets.group)
+                for p in params:
+                    offset, local = bucket.offsets[id(p)], _local(p.data)
+                    full = gathered[offset : offset + local.numel()].view(local.shape).cpu().clone()
+                    if isinstance(p, DTensor):
+                        full = DTensor.from_local(full, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                    out[f"state.{fqns[id(p)]}.{key}"] = full
+                del own, gathered
+            for p in params:
+                for k, v in states[id(p)].items():
+                    if v.ndim == 0:
+                        out[f"state.{fqns[id(p)]}.{k}"] = v.detach().cpu().clone()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for k, v in group.items():
+                    if k != "params":
+                        out[f"param_groups.{fqns[id(p)]}.{k}"] = v
         return out
+
+    def _state_with_master(self, p: Tensor) -> dict[str, Tensor]:
+        shard = self.shard[id(p)]
+        state = {k: (v if isinstance(v, Tensor) else torch.tensor(v)) for k, v in (self.optimizer.state.get(shard) or {}).items()}
+        if id(p) in self.has_master:
+            state["master"] = shard.detach()
+        return state
+
+    @torch.no_grad()
+    def load_gathered_state(self, fqns: dict[int, str], flat: dict[str, Any]) -> None:
+        """Inverse of :meth:`gathered_state` on any layout: ``flat`` holds, for this rank's parameters, whole local
+        (tp-shard) states as the checkpoint loader filled them (:func:`lightning_4d.checkpoint.load_sharded`); each
+        rank keeps its owned slices. Without a saved ``master`` the loaded weights are the master (a checkpoint of
+        another precision). The parameters are then refreshed from the masters."""
+        for p in self.parameters():
+            shard, prefix = self.shard[id(p)], f"state.{fqns[id(p)]}."
+            start, end = self.owned[id(p)]
+            state: dict[str, Tensor] = {}
+            for key, value in flat.items():
+                if not key.startswith(prefix) or "." in key[len(prefix):]:
+                    continue
+                value = _local(value)
+                state[key[len(prefix):]] = value.clone() if value.ndim == 0 else \
+                    value.reshape(-1)[start:end].to(device=shard.device, copy=True)
+            master = state.pop("master", None)
+            if id(p) in self.has_master:
+                shard.copy_(master if master is not None else _local(p.data).view(-1)[start:end])
+            if state:
+                self.optimizer.state[shard] = state
+            for group in self.optimizer.param_groups:
+                if any(q is p for q in group["params"]):
+                    for key in group:
+                        if key != "params" and f"param_groups.{fqns[id(p)]}.{key}" in flat:
+                            group[key] = flat[f"param_groups.{fqns[id(p)]}.{key}"]
+        if self.has_master:
+            self._write_back()
 
     @torch.no_grad()
     def load_sharded_state(self, names: dict[int, str], states: dict[str, dict[str, Tensor]]) -> None:
-        """Inverse of :meth:`sharded_state` (same layout); then the parameters are refreshed from the masters."""
+        """Load the per-rank ZeRO-1 files of folders saved before :meth:`gathered_state` existed
+        (``{name: {"exp_avg": slice, ..., "master": slice}}``, same layout only); then the parameters are refreshed
+        from the masters."""
         for p in self.parameters():
             s = dict(states.get(names[id(p)]) or {})
             master = s.pop("master", None)

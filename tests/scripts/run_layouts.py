@@ -168,6 +168,23 @@ def resume_check(layout: dict, args: argparse.Namespace, out: Path, index: int) 
     (out / f"resume{index}_rank{rank}.json").write_text(json.dumps(record))
 
 
+def reshard(layouts: list, args: argparse.Namespace, out: Path) -> None:
+    """``--reshard first``: for each layout (a dict with a ``"name"``), train ``args.steps`` straight, then the first
+    half with a checkpoint (``out/<name>/last.ckpt``); ``--reshard resume``: resume each layout from the checkpoint
+    of the same ``name`` (saved on another layout) to ``args.steps``. One JSON record per layout and rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    for i, layout in enumerate(layouts):
+        name = layout["name"]
+        if args.reshard == "first":
+            straight = run_one(layout, args, out, i)
+            first = run_one(layout, args, out, i, max_steps=args.steps // 2, ckpt_dir=out / name)
+            record = {"straight": straight.losses, "first": first.losses}
+        else:
+            second = run_one(layout, args, out, i, ckpt_path=str(out / name / "last.ckpt"))
+            record = {"resumed": second.losses}
+        (out / f"{name}_{args.reshard}_rank{rank}.json").write_text(json.dumps({"layout": layout, **record}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -179,10 +196,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="override the preset's num_layers")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--resume-check", action="store_true")
+    parser.add_argument("--reshard", choices=["first", "resume"], help="see reshard()")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for i, layout in enumerate(json.loads(args.layouts)):
+    if args.reshard:
+        reshard(json.loads(args.layouts), args, out)
+    for i, layout in enumerate(json.loads(args.layouts) if not args.reshard else []):
         (resume_check if args.resume_check else run_one)(layout, args, out, i)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # no rank tears gloo down while another still uses it
