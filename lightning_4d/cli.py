@@ -7,7 +7,8 @@ Subcommands (``lightning-4d --help`` lists them, :data:`COMMANDS`):
   overridden on the command line, e.g. ``--trainer.strategy.tensor_parallel_size=1 --trainer.devices=2``);
 - ``prepare-data``: tokenize text files into a memory-mapped token file (``lightning-4d prepare-data --help``);
 - ``estimate``: the memory of one layout per GPU (``lightning-4d estimate --help``; no torch import);
-- ``plan``: the layouts of a job that fit, ranked by predicted step time (``lightning-4d plan --help``).
+- ``plan``: the layouts of a job that fit, ranked by predicted step time (``lightning-4d plan --help``);
+- ``export-hf``: a checkpoint of any layout as a Hugging Face Llama directory (``lightning-4d export-hf --help``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ COMMANDS = {
     "prepare-data": "tokenize text files into a memory-mapped token file",
     "estimate": "the memory of one layout per GPU, before anything is allocated (no torch import)",
     "plan": "the layouts of a job that fit, fastest predicted first (no torch import)",
+    "export-hf": "write a checkpoint (any layout) as a Hugging Face Llama directory (safetensors + config.json)",
 }
 
 #: third-party warnings a training run would print once per process and step, none about the user's code: filtered
@@ -86,6 +88,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_4d.data import prepare_data_main
 
         return prepare_data_main(args[1:])
+    if args and args[0] == "export-hf":
+        from lightning_4d.checkpoint import export_hf_main
+
+        return export_hf_main(args[1:])
     if args and args[0] in ("estimate", "plan"):
         from lightning_4d.memory.cli import main as memory_main
 

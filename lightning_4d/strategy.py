@@ -282,6 +282,9 @@ class FourDStrategy(ModelParallelStrategy):
                 chunks, self.parallel_config, self.num_microbatches, self.mesh.pp.get_group(), self.root_device,
                 loss_fn=loss_fn,
             )
+        init_from = getattr(module, "init_from", None)
+        if init_from is not None and not trainer.ckpt_path:  # each rank reads its slices, before masters exist
+            _checkpoint.load_initial_weights(module, init_from)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # the master weights are copied from the float32 parameters here

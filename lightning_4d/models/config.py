@@ -29,7 +29,8 @@ import copy
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Optional
+import os
+from typing import Optional, Union
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "eager")
 
@@ -261,6 +262,100 @@ class LlamaConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}: expected one of {cls.preset_names()}.")
         return dataclasses.replace(copy.deepcopy(PRESETS[name]), **overrides)
+
+    @classmethod
+    def from_name(cls, name: Union[str, "os.PathLike[str]"]) -> "LlamaConfig":
+        """A preset (:meth:`from_preset`) or, when ``name`` is an existing path, a Hugging Face Llama directory or
+        ``config.json`` (:meth:`from_hf`). What ``CausalLMModule(model_config=...)`` and YAML's ``model_config:``
+        accept as a string.
+
+        Raises:
+            ValueError: neither a preset name nor an existing path (the message lists the presets).
+        """
+        if str(name) in PRESETS:
+            return cls.from_preset(str(name))
+        if os.path.exists(name):
+            return cls.from_hf(name)
+        raise ValueError(f"model_config={str(name)!r} is not valid: expected a preset ({cls.preset_names()}), the "
+                         "directory of a Hugging Face Llama (holding config.json), or a LlamaConfig")
+
+    @classmethod
+    def from_hf(cls, path: Union[str, "os.PathLike[str]"], **overrides: object) -> "LlamaConfig":
+        """The config of a Hugging Face Llama checkpoint: ``path`` is its directory (holding ``config.json``) or the
+        ``config.json`` itself (Llama 2, 3, 3.1 / 3.2 with ``rope_scaling`` / ``rope_parameters`` of type
+        ``llama3``, tied 3.2). Field mapping (transformers' ``LlamaConfig`` -> ours): ``num_hidden_layers`` ->
+        ``num_layers``, ``num_attention_heads`` -> ``num_heads``, ``num_key_value_heads`` -> ``num_kv_heads``
+        (default: ``num_heads``), ``max_position_embeddings`` -> ``max_seq_length``, ``rms_norm_eps`` ->
+        ``norm_eps``, ``rope_theta`` (top level, or inside ``rope_parameters`` since transformers 5), the llama3
+        ``rope_scaling`` fields -> :class:`RopeScaling`; ``vocab_size``, ``hidden_size``, ``intermediate_size``,
+        ``tie_word_embeddings`` and ``initializer_range`` keep their names. ``overrides`` are applied last.
+
+        Raises:
+            ValueError: the file is missing or not JSON, ``model_type`` is not ``"llama"``, or the checkpoint uses
+                what our Llama does not have (biases, an activation other than SiLU, a ``head_dim`` other than
+                ``hidden_size / num_attention_heads``, a rope type other than ``default`` / ``llama3``); the
+                message names the field.
+        """
+        import json
+        from pathlib import Path
+
+        file = Path(path)
+        file = file / "config.json" if file.is_dir() else file
+        if not file.is_file():
+            raise ValueError(f"{str(path)!r} holds no Hugging Face config.json: pass the model directory written by "
+                             "save_pretrained (or the config.json itself)")
+        try:
+            hf = json.loads(file.read_text())
+        except ValueError as e:
+            raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
+        if hf.get("model_type") != "llama":
+            raise ValueError(f"{str(file)!r}: model_type={hf.get('model_type')!r} is not supported: expected 'llama'")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ValueError(f"{str(file)!r}: {flag}=true is not supported (our Llama has no biases)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{str(file)!r}: hidden_act={hf['hidden_act']!r} is not supported: expected 'silu'")
+        heads = hf["num_attention_heads"]
+        if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+            raise ValueError(f"{str(file)!r}: head_dim={hf['head_dim']} is not supported: expected hidden_size / "
+                             f"num_attention_heads = {hf['hidden_size'] // heads}")
+        rope = dict(hf.get("rope_parameters") or {})
+        rope.update(hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise ValueError(f"{str(file)!r}: rope type {kind!r} is not supported: expected 'default' or 'llama3'")
+        scaling = None
+        if kind == "llama3":
+            scaling = RopeScaling(**{f.name: rope[f.name] for f in dataclasses.fields(RopeScaling) if f.name in rope})
+        fields = dict(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            max_seq_length=hf.get("max_position_embeddings", 2048), rope_theta=float(theta), rope_scaling=scaling,
+            norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            initializer_range=hf.get("initializer_range", 0.02),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf(self) -> dict:
+        """This config as a Hugging Face Llama ``config.json`` dict (the inverse of :meth:`from_hf`; rope scaling
+        as transformers 5 writes it, ``rope_parameters`` with ``rope_type`` ``llama3``, and as ``rope_scaling`` for
+        older readers). The padded vocabulary rows are not part of it: ``vocab_size`` is the tokenizer's."""
+        rope: dict = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_seq_length, "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta, "rope_parameters": rope,
+            "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if self.rope_scaling else None,
+            "tie_word_embeddings": self.tie_word_embeddings, "initializer_range": self.initializer_range,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        }
 
 
 def _llama3_scaling(factor: float = 8.0) -> RopeScaling:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_4d.checkpoint import load_initial_weights
 from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
@@ -37,8 +39,8 @@ class CausalLMModule(L.LightningModule):
     """Next-token prediction with AdamW and warm-up + cosine learning rate.
 
     Args:
-        model_config: a preset name (``"tiny"``, ``"llama3-8b"``, ... see ``LlamaConfig.preset_names()``) or a
-            ``LlamaConfig``.
+        model_config: a preset name (``"tiny"``, ``"llama3-8b"``, ... see ``LlamaConfig.preset_names()``), the
+            directory of a Hugging Face Llama (its ``config.json``: :meth:`LlamaConfig.from_hf`) or a ``LlamaConfig``.
         learning_rate: peak learning rate.
         min_lr_ratio: final learning rate as a fraction of the peak.
         warmup_steps: optimizer steps of linear warm-up.
@@ -48,6 +50,13 @@ class CausalLMModule(L.LightningModule):
             norm weights).
         betas, eps: AdamW hyper-parameters.
         init_seed: seed of the layout-independent weight initialization (same seed ⇒ same weights on every layout).
+        init_from: start from these weights instead of the random initialization (fit, validate, test and predict
+            alike): a Hugging Face Llama directory (``config.json`` + ``model.safetensors`` or sharded with
+            ``model.safetensors.index.json``; pair it with ``model_config=LlamaConfig.from_hf(dir)``, or in YAML
+            ``model_config: <dir>``) or one of our checkpoints (a sharded folder or a full file; weights only).
+            Under ``FourDStrategy`` each rank reads only its own slices after parallelization
+            (:func:`lightning_4d.checkpoint.load_initial_weights`). Ignored when Lightning resumes from
+            ``ckpt_path``.
 
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss``, ``lr``,
     ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``.
@@ -66,10 +75,11 @@ class CausalLMModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         init_seed: int = 0,
+        init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
         if isinstance(model_config, str):
-            model_config = LlamaConfig.from_preset(model_config)
+            model_config = LlamaConfig.from_name(model_config)
         if not isinstance(model_config, LlamaConfig):
             raise ValueError(f"model_config={model_config!r} is not valid: expected a preset name or a LlamaConfig")
         if learning_rate <= 0:
@@ -78,6 +88,10 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"warmup_steps={warmup_steps} is not valid: expected >= 0")
         self.save_hyperparameters()
         self.model_config = model_config
+        self.init_from = str(init_from) if init_from is not None else None
+        if self.init_from is not None and not Path(self.init_from).exists():
+            raise ValueError(f"init_from={self.init_from!r} does not exist: pass a Hugging Face model directory or "
+                             "a checkpoint of ours")
         self.model: Optional[LlamaModel] = None
         self._batch_start = 0.0
 
@@ -116,6 +130,8 @@ class CausalLMModule(L.LightningModule):
             self.model.to(self.device)
         with torch.no_grad():
             self.model.init_weights()
+        if self.init_from is not None and not (trainer is not None and trainer.ckpt_path):
+            load_initial_weights(self, self.init_from)
 
     def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[b, s, V]`` for ``input_ids`` ``[b, s]``."""
