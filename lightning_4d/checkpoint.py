@@ -116,35 +116,86 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barri
         torch.save(checkpoint, tmp / LIGHTNING_METADATA_FILENAME)
     barrier()
     if global_rank == 0:
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            if path.is_dir():
-                path.rename(old)
-            else:
-                path.unlink()
-        tmp.rename(path)
-        if old.exists():
-            shutil.rmtree(old)
+        _rename_into_place(tmp, path)
     barrier()
 
 
+def _old(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
+
+
+def _rename_into_place(tmp: Path, path: Path) -> None:
+    """Replace ``path`` by the complete folder ``tmp``: ``path`` -> ``path.old``, ``tmp`` -> ``path``, remove
+    ``path.old``. A crash between the two renames leaves ``path.old`` complete, and :func:`resolve` loads it."""
+    old = _old(path)
+    if path.exists():
+        if old.exists():  # a stale one from an earlier crash: path is the newer complete folder
+            shutil.rmtree(old)
+        if path.is_dir():
+            path.rename(old)
+        else:
+            path.unlink()
+    tmp.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def resolve(path: Path) -> Path:
+    """The folder to load for ``path``: ``path`` itself, or, when a crash came between the two renames of
+    :func:`_rename_into_place` (``path`` missing), the complete previous folder ``path.old`` (with a warning).
+
+    Raises:
+        ValueError: neither exists.
+    """
+    if path.exists():
+        return path
+    if _old(path).is_dir():
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"checkpoint {str(path)!r} is missing but {str(_old(path))!r} is complete (a save was "
+                       "interrupted while replacing it): loading that one")
+        return _old(path)
+    raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
+
+
 def _check_complete(path: Path) -> None:
-    """Raise a clear error when the sharded folder ``path`` lacks a file every complete save writes."""
+    """Raise a clear error when the sharded folder ``path`` lacks a file every complete save writes, or when a
+    shard file is shorter than the byte ranges DCP's ``.metadata`` records in it (a truncated copy).
+
+    Raises:
+        ValueError: naming the missing or truncated file (and, for a truncated one, its size and the size needed).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
     for name in (".metadata", LIGHTNING_METADATA_FILENAME):
         if not (path / name).is_file():
             raise ValueError(
                 f"checkpoint folder {str(path)!r} is incomplete: {name!r} is missing (a save that did not finish "
                 "writes into '<path>.tmp' and never replaces a complete folder; pass a folder ModelCheckpoint completed)"
             )
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:
+        raise ValueError(f"checkpoint folder {str(path)!r}: '.metadata' cannot be read ({type(e).__name__}: {e})") from e
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint folder {str(path)!r} is incomplete: shard file {name!r} is missing")
+        if file.stat().st_size < size:
+            raise ValueError(f"checkpoint folder {str(path)!r}: shard file {name!r} is truncated ({file.stat().st_size} "
+                             f"bytes; .metadata records data up to byte {size}): restore it or use another checkpoint")
 
 
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
+def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` from ``path``, with a read failure (a truncated or corrupted
     shard file) reported as a ``ValueError`` that names the folder and the files in it."""
     from torch.distributed.checkpoint import load as dcp_load
 
     try:
-        dcp_load(state, checkpoint_id=path)
+        dcp_load(state, checkpoint_id=path, no_dist=no_dist)
     except Exception as e:  # DCP wraps each rank's failure in a CheckpointException
         files = sorted(f.name for f in path.iterdir() if f.suffix == ".distcp")
         sizes = ", ".join(f"{f} ({(path / f).stat().st_size} bytes)" for f in files)
@@ -536,11 +587,9 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
     weight_map, total = {}, 0
     for file, group in zip(names, groups):
         if full is None:
-            from torch.distributed.checkpoint import load as dcp_load
-
             state = {"state_dict": {keys[hf]: torch.empty(entries[keys[hf]][0], dtype=entries[keys[hf]][1])
                                     for hf in group}}
-            dcp_load(state, checkpoint_id=ckpt, no_dist=True)
+            _dcp_load(state, ckpt, no_dist=True)
             tensors = state["state_dict"]
         else:
             tensors = {keys[hf]: full[keys[hf]] for hf in group}

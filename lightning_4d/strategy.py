@@ -387,9 +387,7 @@ class FourDStrategy(ModelParallelStrategy):
         Raises:
             ValueError: ``checkpoint_path`` does not exist.
         """
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.exists():
-            raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
+        path = _checkpoint.resolve(Path(self.broadcast(str(checkpoint_path))))
         assert self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         if not path.is_dir():
