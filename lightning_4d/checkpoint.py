@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME, rekey_optimizer_state_if_needed
+from lightning_4d.parallel._compat import local_tensor as _local
 from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer as unwrap
 
 # optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
@@ -110,6 +111,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barri
     if compression is not None:
         torch.save(compression, tmp / _compression_file(global_rank))
     for idx, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        _masters_into_weights(opt_state, state["state_dict"])
         state[f"optimizer_{idx}"] = opt_state
     dcp_save(state, checkpoint_id=tmp)
     if global_rank == 0:
@@ -118,6 +120,23 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barri
     if global_rank == 0:
         _rename_into_place(tmp, path)
     barrier()
+
+
+def _masters_into_weights(opt_state: Any, model_state: dict[str, Any]) -> None:
+    """Move the float32 master weights of a :meth:`ShardedOptimizer.gathered_state` (``state.<fqn>.master``) into the
+    model state dict in place of the bfloat16 parameters (a tied weight's every name), so that a folder's weights
+    are always the full-precision ones, as FSDP2's (whose float32 shards are the masters) are: any layout and ZeRO
+    stage then resumes from the same float32 values."""
+    if not isinstance(opt_state, dict):
+        return
+    for key in [k for k in opt_state if k.startswith("state.") and k.endswith(".master")]:
+        fqn, master = key[len("state."):-len(".master")], opt_state.pop(key)
+        if fqn not in model_state:
+            continue
+        storage = _local(model_state[fqn]).data_ptr()
+        for name, value in model_state.items():
+            if isinstance(value, torch.Tensor) and _local(value).data_ptr() == storage:
+                model_state[name] = master
 
 
 def _old(path: Path) -> Path:
@@ -229,9 +248,7 @@ def _zero1_template(path: Path, key: str, model: nn.Module, fqns: dict[int, str]
         elif tuple(meta.size) == ():
             out[entry] = torch.zeros((), dtype=meta.properties.dtype)
         elif tuple(meta.size) == tuple(p.shape):
-            local = torch.zeros(_local_shape(p), dtype=meta.properties.dtype)
-            out[entry] = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) \
-                if isinstance(p, DTensor) else local
+            out[entry] = _empty_like_param(p, meta.properties.dtype)
         else:
             raise ValueError(f"checkpoint {str(path)!r}: optimizer state {name!r} has shape {tuple(meta.size)}, "
                              f"the model's parameter {fqn!r} {tuple(p.shape)}: it was saved from another model")
@@ -240,6 +257,15 @@ def _zero1_template(path: Path, key: str, model: nn.Module, fqns: dict[int, str]
 
 def _local_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+
+
+def _empty_like_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor of ``p``'s global shape in ``dtype`` on the CPU, a DTensor with ``p``'s placements for a DTensor
+    ``p`` (DCP then reads just this rank's slice into it)."""
+    local = torch.zeros(_local_shape(p), dtype=dtype)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    return local
 
 
 def load_sharded(
@@ -263,12 +289,20 @@ def load_sharded(
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     _check_complete(path)
+    fqns = param_fqns(model)
     model_state = {"state_dict": get_model_state_dict(model)}
+    # parameters stepped through float32 masters (ZeRO 0/1 under bf16-mixed) read the saved weights in float32
+    masters: dict[str, torch.Tensor] = {}
+    for optimizer in optimizers:
+        zero1 = ShardedOptimizer.of(unwrap(optimizer))
+        for p in zero1.parameters() if zero1 is not None else []:
+            if id(p) in zero1.has_master and fqns[id(p)] in model_state["state_dict"]:
+                masters[fqns[id(p)]] = _empty_like_param(p, torch.float32)
+                model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
     _dcp_load(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
     metadata = torch.load(path / LIGHTNING_METADATA_FILENAME,
                           weights_only=weights_only if weights_only is not None else False)
-    fqns = param_fqns(model)
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         zero1 = ShardedOptimizer.of(unwrap(optimizer))
@@ -280,7 +314,7 @@ def load_sharded(
         elif zero1 is not None:
             opt_state = {key: _zero1_template(path, key, model, fqns)}
             _dcp_load(opt_state, path)
-            zero1.load_gathered_state(fqns, opt_state[key])
+            zero1.load_gathered_state(fqns, opt_state[key], weights=masters)
         else:
             opt_state = {key: get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)}
             _dcp_load(opt_state, path)

@@ -708,11 +708,15 @@ class ShardedOptimizer:
         return state
 
     @torch.no_grad()
-    def load_gathered_state(self, fqns: dict[int, str], flat: dict[str, Any]) -> None:
+    def load_gathered_state(self, fqns: dict[int, str], flat: dict[str, Any],
+                            weights: Optional[dict[str, Tensor]] = None) -> None:
         """Inverse of :meth:`gathered_state` on any layout: ``flat`` holds, for this rank's parameters, whole local
         (tp-shard) states as the checkpoint loader filled them (:func:`lightning_4d.checkpoint.load_sharded`); each
-        rank keeps its owned slices. Without a saved ``master`` the loaded weights are the master (a checkpoint of
-        another precision). The parameters are then refreshed from the masters."""
+        rank keeps its owned slices. The master weights come from ``flat``'s ``master`` entries when present, else
+        from ``weights`` (``{fqn: the saved weight read in float32}``, what a folder holds since the masters are
+        saved as the model's weights), else from the loaded parameters. The parameters are then refreshed from the
+        masters."""
+        weights = weights or {}
         for p in self.parameters():
             shard, prefix = self.shard[id(p)], f"state.{fqns[id(p)]}."
             start, end = self.owned[id(p)]
@@ -724,6 +728,8 @@ class ShardedOptimizer:
                 state[key[len(prefix):]] = value.clone() if value.ndim == 0 else \
                     value.reshape(-1)[start:end].to(device=shard.device, copy=True)
             master = state.pop("master", None)
+            if master is None and fqns[id(p)] in weights:
+                master = _local(weights[fqns[id(p)]]).reshape(-1)[start:end]
             if id(p) in self.has_master:
                 shard.copy_(master if master is not None else _local(p.data).view(-1)[start:end])
             if state:
