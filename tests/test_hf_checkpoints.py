@@ -128,3 +128,34 @@ def test_export_hf_refuses_bad_input(tmp_path):
         export_hf(tmp_path / "ckpt", tmp_path / "out")
     with pytest.raises(ValueError, match="dtype='int8'"):
         export_hf(tmp_path / "ckpt", tmp_path / "out", dtype="int8")
+
+
+def test_cli_validate_with_hf_model_config_and_init_from(tmp_path):
+    """YAML / command line: ``model_config: <hf dir>`` and ``init_from: <hf dir>``; the val_loss printed equals
+    transformers' loss on the same batch."""
+    import re
+    import subprocess
+    import sys
+
+    import torch.nn.functional as F
+
+    from lightning_4d.data import LMDataModule
+    from tests._launch import ROOT, worker_env
+
+    hf = _hf_model(tmp_path / "hf", shard=True)
+    data = ["--data.seq_length=32", "--data.micro_batch_size=2", "--data.global_batch_size=2", "--data.val_samples=2"]
+    cmd = [sys.executable, "-m", "lightning_4d", "validate", "--config", "configs/tiny.yaml",
+           f"--model.model_config={tmp_path / 'hf'}", f"--model.init_from={tmp_path / 'hf'}", "--trainer.devices=1",
+           "--trainer.strategy=auto", "--trainer.limit_val_batches=1", "--trainer.logger=false",
+           "--trainer.callbacks=null", *data]
+    proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    printed = float(re.search(r"val_loss\D+([0-9.]+)", proc.stdout).group(1))
+    dm = LMDataModule(seq_length=32, micro_batch_size=2, global_batch_size=2, val_samples=2, seed=1234)
+    dm.setup("validate")
+    batch = next(iter(dm.val_dataloader()))
+    with torch.no_grad():
+        logits = hf(batch["input_ids"]).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
+    print(f"\nCLI val_loss {printed}, transformers {expected}")
+    assert printed == pytest.approx(expected, rel=1e-5)
