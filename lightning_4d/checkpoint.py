@@ -470,6 +470,30 @@ def _load_hf(llama: nn.Module, path: Path) -> None:
 
 
 @torch.no_grad()
+def _load_hf_native(model: nn.Module, path: Path) -> None:
+    """Read this rank's slices of a transformers ``LlamaForCausalLM`` (split by :mod:`lightning_4d.adapters.hf_llama`)
+    from the Hugging Face directory ``path``: the file's keys are the model's own state-dict keys, so DCP's
+    ``HuggingFaceStorageReader`` fills each (DTensor) shard in place. A tied ``lm_head.weight`` absent from the file
+    is the embedding."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    reader = HuggingFaceStorageReader(str(path))
+    available = set(reader.read_metadata().state_dict_metadata)
+    state = model.state_dict()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = [k for k in state if k not in available and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"init_from={str(path)!r} holds no tensor {missing[0]!r} ({len(missing)} missing): is it a "
+                         "checkpoint of this model?")
+    try:
+        dcp_load({k: v for k, v in state.items() if k in available}, storage_reader=reader)
+    except Exception as e:
+        raise ValueError(f"could not read the Hugging Face weights in {str(path)!r}: {type(e).__name__}: "
+                         f"{str(e)[-800:]}") from e
+
+
+@torch.no_grad()
 def _load_ours(prefix: str, llama: nn.Module, path: Path) -> None:
     """Load only the weights of ``llama`` (under ``prefix`` in the LightningModule) from one of our checkpoints: a
     sharded folder (DCP reads this rank's slices) or a full file (memory-mapped; each rank keeps its shards)."""
@@ -508,11 +532,16 @@ def load_initial_weights(module: nn.Module, init_from: Union[str, Path]) -> None
         ValueError: ``init_from`` does not exist or is neither kind, ``module`` holds no (or several) Llama models
             for a Hugging Face directory, or a tensor is missing or unreadable (the message names it).
     """
+    from lightning_4d.adapters.hf_llama import find_hf_llamas
+
     path = Path(init_from)
     llamas = _llamas(module)
     if not path.exists():
         raise ValueError(f"init_from={str(init_from)!r} does not exist: pass a Hugging Face model directory "
                          "(config.json + model.safetensors[.index.json]) or a checkpoint of ours")
+    if not llamas and is_hf_model_dir(path) and len(find_hf_llamas(module)) == 1:
+        _load_hf_native(find_hf_llamas(module)[0], path)
+        return
     if not llamas:
         raise ValueError(f"init_from={str(init_from)!r}: {type(module).__name__} holds no lightning_4d Llama model")
     if is_hf_model_dir(path):

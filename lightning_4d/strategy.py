@@ -82,6 +82,11 @@ class FourDStrategy(ModelParallelStrategy):
         pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
             activations and gradients sent between pipeline stages.
         compile: ``torch.compile`` each transformer layer (dp/ZeRO layouts; not yet with tp > 1).
+        fsdp_blocks: for a LightningModule that is not a ``lightning_4d`` Llama (any module: data parallel only)
+            at ZeRO 2/3, the classes whose instances become their own FSDP2 units, as dotted class paths
+            (``["torch.nn.TransformerEncoderLayer"]``) or bare class names; ``None`` = the children of every
+            ``nn.ModuleList`` / ``nn.ModuleDict`` (:func:`lightning_4d.parallel.parallelize.fsdp_block_modules`).
+            Lightning's ``FSDPStrategy(auto_wrap_policy=...)`` for FSDP2, on CPU too.
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).
         timeout: process group timeout (a mismatched collective fails after this instead of hanging).
@@ -94,7 +99,8 @@ class FourDStrategy(ModelParallelStrategy):
         ValueError: at construction for a bad value (ZeRO stage outside 0-3, a non-positive size, an unknown
             pipeline schedule, a ``virtual_pipeline_stages`` the schedule cannot run, ...); when the Trainer is built
             for a world size that is not pp·dp·cp·tp; at ``setup_environment`` (before the process group exists)
-            for a model the layout cannot split (heads, kv heads or vocabulary not divisible by tp, layers not
+            for a model the layout cannot split (tp, pp or cp > 1 for a module that is neither a ``lightning_4d``
+            Llama nor applies its own plans in ``configure_model``; heads, kv heads or vocabulary not divisible by tp, layers not
             divisible into pp·v stages, a ``pipeline_layer_split`` that does not sum to the layers), a
             ``num_microbatches`` the schedule cannot run (m < pp for 1f1b, m not a multiple of pp for interleaved)
             or ``accumulate_grad_batches`` > 1 with pp > 1 (the schedule accumulates over its micro-batches).
@@ -127,6 +133,7 @@ class FourDStrategy(ModelParallelStrategy):
         powersgd_rank: int = 4,
         pipeline_comm_dtype: Optional[Literal[PIPELINE_COMM_DTYPES]] = None,
         compile: bool = False,
+        fsdp_blocks: Optional[list[str]] = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = timedelta(seconds=1800),
@@ -181,6 +188,7 @@ class FourDStrategy(ModelParallelStrategy):
                 "with tensor_parallel_size=1 (dp/ZeRO layouts)."
             )
         self.compile = compile
+        self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
         self._grad_sync: Optional[GradientBuckets] = None
         self._llamas: list[torch.nn.Module] = []
@@ -270,7 +278,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile,
-                                param_dtype=mixed_precision_dtype(self._precision))
+                                param_dtype=mixed_precision_dtype(self._precision), fsdp_blocks=self.fsdp_blocks)
         self._llamas = llamas
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)

@@ -179,7 +179,9 @@ class MemoryEstimatorCallback(L.Callback):
 
     It checks a ``lightning_4d`` Llama (a module with a ``model_config`` :class:`~lightning_4d.models.LlamaConfig`,
     such as :class:`~lightning_4d.tasks.CausalLMModule`, or one holding a Llama model before ``configure_model``)
-    under :class:`~lightning_4d.FourDStrategy`. The batch shape (``micro_batch_size`` sequences of ``seq_length``
+    or a Hugging Face transformers Llama (a module whose ``config`` / ``model_config`` has ``model_type == "llama"``,
+    converted with :meth:`LlamaConfig.from_hf_dict` and estimated as our Llama of that shape) under
+    :class:`~lightning_4d.FourDStrategy`. The batch shape (``micro_batch_size`` sequences of ``seq_length``
     tokens per rank and micro-batch) comes from the first of these that gives it (each dimension separately):
 
     1. this callback's ``micro_batch_size`` and ``seq_length`` arguments;
@@ -249,12 +251,16 @@ class MemoryEstimatorCallback(L.Callback):
     def _model_config(pl_module: L.LightningModule) -> Any:
         from lightning_4d.models.config import LlamaConfig
 
-        cfg = getattr(pl_module, "model_config", None)
-        if isinstance(cfg, LlamaConfig):
-            return cfg
-        for m in pl_module.modules():
-            if isinstance(getattr(m, "config", None), LlamaConfig):
-                return m.config
+        candidates = [getattr(pl_module, "model_config", None)] + [getattr(m, "config", None) for m in pl_module.modules()]
+        for cfg in candidates:
+            if isinstance(cfg, LlamaConfig):
+                return cfg
+            # a Hugging Face transformers Llama (LlamaForCausalLM.config): estimated as our Llama of the same shape
+            if getattr(cfg, "model_type", None) == "llama" and callable(getattr(cfg, "to_dict", None)):
+                try:
+                    return LlamaConfig.from_hf_dict(cfg.to_dict(), source=f"{type(pl_module).__name__}'s config")
+                except (ValueError, KeyError, TypeError):
+                    return None  # a Llama variant ours does not model: setup says it cannot estimate
         return None
 
     def _batch_shape(self, trainer: L.Trainer, pl_module: L.LightningModule, pp: int,

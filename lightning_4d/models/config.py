@@ -308,6 +308,13 @@ class LlamaConfig:
             hf = json.loads(file.read_text())
         except ValueError as e:
             raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
+        return cls.from_hf_dict(hf, source=str(file), **overrides)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, source: str = "the Hugging Face config", **overrides: object) -> "LlamaConfig":
+        """:meth:`from_hf` for a ``config.json`` already read (or a transformers ``LlamaConfig.to_dict()``);
+        ``source`` names it in errors. Raises ``ValueError`` as :meth:`from_hf` does."""
+        file = source
         if hf.get("model_type") != "llama":
             raise ValueError(f"{str(file)!r}: model_type={hf.get('model_type')!r} is not supported: expected 'llama'")
         for flag in ("attention_bias", "mlp_bias"):

@@ -7,7 +7,7 @@ initialization follow in the strategy's ``setup``; ZeRO 0/1 act on gradients and
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -35,9 +35,16 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
     """
     from lightning_4d.models.config import LlamaConfig
 
+    from lightning_4d.adapters.hf_llama import find_hf_llamas, validate
+
     model_config = getattr(module, "model_config", None)
     if isinstance(model_config, LlamaConfig):
         config.validate_model(model_config)
+    elif module is not None and find_hf_llamas(module):
+        for hf in find_hf_llamas(module):
+            validate(hf, config)
+    elif module is not None and max(config.tp, config.pp, config.cp) > 1 and not _splittable(module):
+        raise ValueError(_cannot_split(config, module))
     trainer = attached_trainer(module)
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
     if datamodule is not None and hasattr(module, "validate_datamodule"):
@@ -47,6 +54,86 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
         config.validate_sequence(seq_length)
     if config.pp > 1:
         resolve_num_microbatches(config, trainer, datamodule)
+
+
+def _splittable(module: nn.Module) -> bool:
+    """Whether tp / pp / cp can apply to ``module``: it holds (or will build: a ``model_config`` LlamaConfig) a
+    ``lightning_4d`` Llama, or it overrides ``configure_model`` (where it may apply its own plans)."""
+    import lightning as L
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_4d.models.llama import LlamaModel
+
+    from lightning_4d.adapters.hf_llama import find_hf_llamas
+
+    return any(isinstance(m, LlamaModel) for m in module.modules()) or bool(find_hf_llamas(module)) or (
+        isinstance(module, L.LightningModule) and is_overridden("configure_model", module))
+
+
+def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:
+    return (
+        f"tensor_parallel_size={config.tp}, pipeline_parallel_size={config.pp}, context_parallel_size={config.cp}: "
+        f"FourDStrategy cannot split {type(module).__name__}. tp, pp and cp apply to lightning_4d Llama models "
+        "(CausalLMModule, or a LightningModule holding a lightning_4d.models.LlamaModel), tp and cp to a Hugging Face "
+        "transformers LlamaForCausalLM inside the LightningModule, and all three to modules that apply "
+        "their own plans in configure_model() with self.device_mesh; any other module trains with data parallelism "
+        "and ZeRO stages 0-3: set tensor_parallel_size=1, pipeline_parallel_size=1, context_parallel_size=1."
+    )
+
+
+def fsdp_block_modules(module: nn.Module, fsdp_blocks: Optional[Sequence[str]] = None) -> list[nn.Module]:
+    """The submodules of ``module`` that become their own FSDP2 units at ZeRO 2/3, innermost first (FSDP2 wants
+    children sharded before their parents): the instances of the classes named in ``fsdp_blocks`` (dotted paths
+    such as ``"torch.nn.TransformerEncoderLayer"``, or bare class names matched against every submodule's class),
+    else the children of every ``nn.ModuleList`` / ``nn.ModuleDict`` that hold parameters (the repeated blocks;
+    Lightning's ``FSDPStrategy(auto_wrap_policy={Block})`` and torchtitan's per-layer units).
+
+    Raises:
+        ValueError: a dotted path that does not import, or classes no submodule is an instance of.
+    """
+    import importlib
+
+    named = [(n, m) for n, m in module.named_modules() if n]
+    if fsdp_blocks:
+        classes, bare = [], set()
+        for path in fsdp_blocks:
+            if "." not in path:
+                bare.add(path)
+                continue
+            mod, _, name = path.rpartition(".")
+            try:
+                classes.append(getattr(importlib.import_module(mod), name))
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"fsdp_blocks: {path!r} is not an importable class ({e}); give dotted class paths "
+                                 "such as 'torch.nn.TransformerEncoderLayer' or bare class names") from e
+        chosen = [(n, m) for n, m in named if isinstance(m, tuple(classes)) or type(m).__name__ in bare]
+        if not chosen:
+            found = sorted({type(m).__name__ for _, m in named})
+            raise ValueError(f"fsdp_blocks={list(fsdp_blocks)}: no submodule of {type(module).__name__} is one of "
+                             f"them; its submodule classes are {found}")
+    else:
+        stacks = {n for n, m in named if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+        chosen = [(n, m) for n, m in named if n.rpartition(".")[0] in stacks and any(True for _ in m.parameters())]
+    chosen.sort(key=lambda nm: -nm[0].count("."))
+    return [m for _, m in chosen]
+
+
+def shard_any_module(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
+                     fsdp_blocks: Optional[Sequence[str]] = None) -> None:
+    """ZeRO 2/3 for a LightningModule that is not a ``lightning_4d`` Llama and applied no plans itself: FSDP2 over
+    ``dp_cp``, one unit per block (:func:`fsdp_block_modules`), then one root unit per top-level child that holds
+    parameters outside the blocks. Parameters held by the LightningModule itself stay replicated, their gradients
+    averaged in ZeRO-0 buckets (:func:`lightning_4d.parallel.zero.setup_zero`). Each unit's forward must run
+    through the module's ``__call__`` (FSDP2 gathers its parameters in a forward pre-hook)."""
+    blocks = fsdp_block_modules(module, fsdp_blocks)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    for child in module.children():
+        inner = [b for b in blocks if b is not child and any(b is m for m in child.modules())]
+        if child in blocks or any(id(p) not in in_blocks for p in child.parameters()):
+            apply_fsdp(child, mesh.dp_cp, config.zero_stage, blocks=inner)
+    outside = [b for b in blocks if not any(b is m for c in module.children() for m in c.modules())]
+    if outside:  # blocks held by the LightningModule itself (an nn.ModuleList attribute of it)
+        apply_fsdp(module, mesh.dp_cp, config.zero_stage, blocks=outside)
 
 
 def parallelize_llama(
@@ -107,26 +194,39 @@ def prepare_llamas(
     device: torch.device,
     compile: bool = False,
     param_dtype: Optional[torch.dtype] = None,
+    fsdp_blocks: Optional[Sequence[str]] = None,
 ) -> list[nn.Module]:
     """Parallelize (:func:`parallelize_llama`, unless already done), materialize on ``device`` and initialize
     (``LlamaModel.init_weights``, layout-independent, in float32) every ``lightning_4d`` Llama model inside ``module``
     (a LightningModule); returns them. ``param_dtype``: see :func:`parallelize_llama` (the parameters stay float32
     here: :func:`cast_to_compute_dtype` follows once the optimizer's master weights exist).
 
-    Raises:
-        TypeError: ``module`` holds no ``LlamaModel`` and does not override ``configure_model`` (nothing the strategy
-            could lay out), or pp > 1 and it does not hold exactly one ``LlamaModel``.
-    """
-    from lightning.pytorch.utilities.model_helpers import is_overridden
+    Any other module (no ``LlamaModel`` inside, no plans of its own) gets data parallelism: nothing here at ZeRO 0/1
+    (the strategy's gradient buckets and sharded optimizer act on it), FSDP2 units at ZeRO 2/3
+    (:func:`shard_any_module`, blocks from ``fsdp_blocks``).
 
+    Raises:
+        ValueError: tp / pp / cp > 1 for a module that holds no ``LlamaModel`` and applied no plans.
+        TypeError: pp > 1 and the module does not hold exactly one ``LlamaModel``.
+    """
     from lightning_4d.models.llama import LlamaModel
 
+    from lightning_4d.adapters.hf_llama import find_hf_llamas, parallelize_hf_llama
+
     llamas = [m for m in module.modules() if isinstance(m, LlamaModel)]
-    if not llamas and not is_overridden("configure_model", module):
-        raise TypeError(
-            "FourDStrategy parallelizes lightning_4d Llama models automatically; for another model, "
-            "override `configure_model()` in your LightningModule and apply plans there with `self.device_mesh`."
-        )
+    if not llamas:
+        if is_parallelized(module):  # the user's own plans (configure_model)
+            return []
+        hf_llamas = find_hf_llamas(module)
+        for hf in hf_llamas:  # a Hugging Face transformers Llama (lightning_4d/adapters/hf_llama.py)
+            parallelize_hf_llama(hf, mesh, config)
+        if hf_llamas:
+            return []
+        if max(config.tp, config.pp, config.cp) > 1:
+            raise ValueError(_cannot_split(config, module))
+        if config.zero_stage >= 2:
+            shard_any_module(module, mesh, config, fsdp_blocks)
+        return []
     if config.pp > 1 and len(llamas) != 1:
         raise TypeError(
             f"pipeline_parallel_size={config.pp} needs exactly one lightning_4d LlamaModel in the "

@@ -1,0 +1,205 @@
+"""Hugging Face transformers' ``LlamaForCausalLM`` in 4D: everything the strategy needs to split one, in one file.
+
+A LightningModule that holds a ``transformers`` ``LlamaForCausalLM`` (built in ``__init__``, loaded with
+``from_pretrained``, or built with ``from_config`` on the meta device in ``configure_model``) gets, from the same
+``FourDStrategy`` arguments as our own Llama:
+
+- **dp + ZeRO 0-3**: ZeRO 0/1 through the strategy's gradient buckets and sharded optimizer; ZeRO 2/3 as FSDP2 units,
+  one per ``LlamaDecoderLayer`` then the model (:func:`lightning_4d.parallel.zero.apply_fsdp`).
+- **tp + sp** (Megatron-LM's split, Korthikanti et al. 2022, arXiv 2205.05198): transformers' own
+  ``config.base_model_tp_plan`` decides which projections are column- and which row-parallel ("colwise" q/k/v,
+  gate/up; "rowwise" o/down), applied with ``torch.distributed.tensor.parallel``'s ``ColwiseParallel`` /
+  ``RowwiseParallel``; under sp the embedding output, the RMSNorms and the residual stream are sharded over the
+  sequence (``SequenceParallel``; ``PrepareModuleInput`` all-gathers before attention and the MLP, the row-parallel
+  outputs are reduce-scattered). The LM head is column-parallel with its logits gathered (``[b, s, V]`` on every tp
+  rank, so the module's own loss works unchanged). Attention heads split with the projections: transformers'
+  attention reshapes with ``-1`` heads, so it runs on the local heads as is.
+- **cp** (ring or all-gather, :mod:`lightning_4d.parallel.context`): an attention function registered in transformers'
+  ``AttentionInterface`` under :data:`ATTENTION` (the model's ``_attn_implementation`` is set to it) runs
+  :func:`~lightning_4d.parallel.context.context_parallel_attention` on the rank's zigzag shard; a forward pre-hook on
+  the base ``LlamaModel`` feeds the model's own rotary embedding the shard's global positions
+  (:func:`~lightning_4d.models.rope.context_parallel_positions`) and, under sp, the full-length positions.
+  With tp or cp, the attention is always causal over the whole sequence: a padding ``attention_mask`` is refused.
+
+The strategy calls :func:`parallelize_hf_llama` in ``setup`` (after ``configure_model``, before materialization).
+Weights: ``init_from`` on the LightningModule (a Hugging Face directory) loads each rank's slices after
+parallelization (:func:`lightning_4d.checkpoint.load_initial_weights`): the memory path for big models.
+transformers is not imported here: the model is recognized by duck typing (``config.model_type == "llama"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+#: the name of our attention function in transformers' ``AttentionInterface``
+ATTENTION = "lightning_4d"
+_TP_STYLES = ("colwise", "rowwise")
+
+
+def is_hf_llama(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``LlamaForCausalLM`` (class name and ``config.model_type == "llama"``)."""
+    config = getattr(module, "config", None)
+    return type(module).__name__ == "LlamaForCausalLM" and getattr(config, "model_type", None) == "llama" \
+        and isinstance(getattr(module, "model", None), nn.Module)
+
+
+def find_hf_llamas(module: nn.Module) -> list[nn.Module]:
+    """The transformers ``LlamaForCausalLM`` models inside ``module`` (itself included)."""
+    return [m for m in module.modules() if is_hf_llama(m)]
+
+
+def our_config(model: nn.Module) -> Any:
+    """The ``lightning_4d`` :class:`~lightning_4d.models.LlamaConfig` of the same shape (for layout validation and the
+    memory estimate). Raises ``ValueError`` for a Llama variant ours does not model (names the field)."""
+    from lightning_4d.models.config import LlamaConfig
+
+    return LlamaConfig.from_hf_dict(model.config.to_dict(), source=f"{type(model).__name__}.config")
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
+
+
+def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+              scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention-function signature: ``query`` ``[b, heads, s_local, d]``, ``key`` / ``value``
+    ``[b, kv_heads, s_local, d]`` (local heads under tp) -> ``([b, s_local, heads, d], None)``. Causal over the full
+    sequence: under cp (``module._lightning_4d_cp = (group, method)``) through
+    :func:`~lightning_4d.parallel.context.context_parallel_attention`, else ``F.scaled_dot_product_attention``
+    (``is_causal``, grouped-query). The scale is ``1/sqrt(d)`` (Llama's ``scaling``).
+
+    Raises:
+        ValueError: a dropout probability > 0 or a scale other than ``1/sqrt(d)`` (not modelled).
+    """
+    d = query.shape[-1]
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} is not supported under tp / cp (Llama trains without)")
+    if scaling is not None and abs(scaling - d ** -0.5) > 1e-12 * d:
+        raise ValueError(f"attention scaling={scaling} is not supported: expected 1/sqrt(head_dim) = {d ** -0.5}")
+    cp = getattr(module, "_lightning_4d_cp", None)
+    if cp is not None:
+        from lightning_4d.parallel.context import context_parallel_attention
+
+        group, method = cp
+        out = context_parallel_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), group,
+                                         method, "sdpa")
+        return out.contiguous(), None
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                         enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _Positions:
+    """Forward pre-hook of the base ``LlamaModel``: passes ``position_ids`` of the full sequence (sp) or of the cp
+    shard (zigzag) when the caller gave none, and refuses padding masks (the attention is causal over all tokens)."""
+
+    def __init__(self, cp_rank: int, cp_size: int) -> None:
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        from lightning_4d.models.rope import context_parallel_positions
+
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(torch.all(mask != 0)):
+            raise ValueError("a padding attention_mask is not supported with tensor or context parallelism: the "
+                             "attention is causal over every token (pack sequences instead, or pass no mask)")
+        if kwargs.get("position_ids") is None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None:
+                ids = kwargs["inputs_embeds"]
+            local = ids.shape[1]
+            positions = context_parallel_positions(local, self.cp_rank, self.cp_size, device=ids.device)
+            kwargs["position_ids"] = positions.unsqueeze(0)
+        return args, kwargs
+
+
+def _tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
+    """The ``parallelize_module`` plan of a ``LlamaForCausalLM`` (module docstring): transformers'
+    ``base_model_tp_plan`` for the projections, plus the embedding, norms, LM head and, under sp, the inputs of
+    attention and MLP."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    tp_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    if not tp_plan:
+        raise ValueError(f"{type(model).__name__}.config has no base_model_tp_plan: transformers >= 4.45 is needed")
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {}
+    for pattern, style in tp_plan.items():
+        if style not in _TP_STYLES:
+            raise ValueError(f"base_model_tp_plan[{pattern!r}] = {style!r} is not supported: expected {_TP_STYLES}")
+        plan[f"model.{pattern}"] = ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=residual)
+    plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+    if sequence_parallel:
+        for norm in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm"):
+            plan[norm] = SequenceParallel()
+        plan["model.layers.*.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        plan["model.layers.*.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def validate(model: nn.Module, config: Any) -> None:
+    """Check ``config`` (``ParallelConfig``) against the shape of the transformers Llama ``model``: heads, kv heads
+    and vocabulary divisible by tp (``ParallelConfig.validate_model``); tied embeddings and pp are refused for now.
+
+    Raises:
+        ValueError: naming the value and what would be valid.
+    """
+    ours = our_config(model)
+    config.validate_model(ours)
+    if config.tp > 1 and ours.tie_word_embeddings:
+        raise ValueError(f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
+                         "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; use tp=1 (dp, ZeRO, cp) or an untied model")
+    if config.pp > 1:
+        raise ValueError(f"pipeline_parallel_size={config.pp}: a transformers LlamaForCausalLM cannot be pipelined yet "
+                         "(dp + ZeRO 0-3, tp + sp and cp can); use lightning_4d's own Llama (CausalLMModule, "
+                         "init_from=<hf dir>) for pp")
+
+
+def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
+    """Split a transformers ``LlamaForCausalLM`` in place for ``config`` (``ParallelConfig``) on ``mesh``
+    (``ParallelMesh``): tp + sp plan, cp attention and positions, then FSDP2 units at ZeRO 2/3 (module docstring).
+    The parameters may be real (every rank holds the same full weights: each keeps its shards) or on the meta
+    device (materialized by the strategy afterwards; give ``init_from``).
+
+    Raises:
+        ValueError: see :func:`validate`.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_4d.parallel.zero import apply_fsdp
+
+    validate(model, config)
+    split = config.tp > 1 or config.cp > 1
+    if split:
+        _register_attention()
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(ATTENTION)
+        else:  # transformers 4.x
+            model.config._attn_implementation = ATTENTION
+        cp_rank = mesh.cp.get_local_rank() if config.cp > 1 else 0
+        model.model.register_forward_pre_hook(_Positions(cp_rank, config.cp), with_kwargs=True)
+    if config.tp > 1:
+        parallelize_module(model, mesh.tp, _tp_plan(model, config.sp))
+    if config.cp > 1:
+        group = mesh.cp.get_group()
+        for m in model.modules():
+            if type(m).__name__ == "LlamaAttention":
+                m._lightning_4d_cp = (group, config.context_parallel_method)
+    if config.zero_stage >= 2:
+        apply_fsdp(model, mesh.dp_cp, config.zero_stage, blocks=list(model.model.layers))
+    model._lightning_4d_parallelized = True

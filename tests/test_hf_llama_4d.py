@@ -1,0 +1,90 @@
+"""Hugging Face transformers' ``LlamaForCausalLM`` inside a user's LightningModule, split by FourDStrategy
+(lightning_4d/adapters/hf_llama.py; issue 13): per-step losses and final weights equal the single-process run of the
+same module with plain Lightning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests._launch import SCRIPTS, torchrun
+
+pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
+
+LAYOUTS = {
+    2: [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}, {"tp": 2}, {"tp": 2, "sp": False}, {"cp": 2},
+        {"cp": 2, "method": "allgather"}],
+    4: [{"dp": 2, "tp": 2, "zero": 1}, {"cp": 2, "tp": 2, "zero": 3}],
+}
+# weights after 10 AdamW steps (lr 3e-3): AdamW turns ~1e-8 gradient differences on near-zero gradients into weight
+# differences (docs: design notes); measured here at most 1.9e-5, under 1% of one step's size
+WEIGHT_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf4d")
+    torchrun(1, SCRIPTS / "hf_llama_4d.py", "--out", str(out), "--reference", timeout=600)
+    records = []
+    for world, layouts in LAYOUTS.items():
+        sub = out / f"w{world}"
+        sub.mkdir()
+        torchrun(world, SCRIPTS / "hf_llama_4d.py", "--out", str(sub), "--layouts", json.dumps(layouts), timeout=900)
+        records += [torch.load(sub / f"hf{i}.pt") for i in range(len(layouts))]
+    return torch.load(out / "reference.pt"), records
+
+
+@pytest.mark.parametrize("index", range(sum(map(len, LAYOUTS.values()))),
+                         ids=[str(x) for v in LAYOUTS.values() for x in v])
+def test_hf_llama_layout_matches_one_process(runs, index):
+    reference, records = runs
+    record = records[index]
+    layout = record["layout"]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(record["losses"], reference["losses"]))
+    weights = max((record["weights"][k] - w).abs().max().item() for k, w in reference["weights"].items())
+    print(f"\n{layout}: max rel loss diff {rel:.2e}, max abs weight diff {weights:.2e}, "
+          f"{record['dtensor_params']} DTensor parameters, attention {record['attention']!r}")
+    assert len(record["losses"]) == 10
+    assert record["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert weights < WEIGHT_ATOL
+    split = layout.get("tp", 1) > 1 or layout.get("cp", 1) > 1
+    assert record["attention"] == ("lightning_4d" if split else "sdpa")
+    if layout.get("tp", 1) > 1 and layout.get("sp") is False:
+        assert record["dtensor_params"] == 30  # the 9 RMSNorm weights stay plain (replicated) without sp
+    elif layout.get("tp", 1) > 1 or layout.get("zero", 1) == 3:
+        assert record["dtensor_params"] == 39  # 4 layers x 9 + embedding, final norm, head: all split
+
+
+def _module(**config):
+    import lightning as L
+    import transformers
+
+    class HFModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2)
+            fields.update(config)
+            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+
+    return HFModule()
+
+
+@pytest.mark.parametrize("kwargs,config,match", [
+    ({"pipeline_parallel_size": 2}, {}, "cannot be pipelined yet"),
+    ({"tensor_parallel_size": 2}, {"tie_word_embeddings": True}, "tie_word_embeddings=True"),
+    ({"tensor_parallel_size": 4}, {}, "num_kv_heads=2 is not divisible by tensor_parallel_size=4"),
+])
+def test_hf_llama_layouts_refused_before_the_process_group(kwargs, config, match):
+    import lightning as L
+
+    from lightning_4d import FourDStrategy
+
+    devices = 4 if kwargs.get("tensor_parallel_size") == 4 else 2
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=FourDStrategy(**kwargs), logger=False)
+    trainer.strategy._lightning_module = _module(**config)
+    with pytest.raises(ValueError, match=match):
+        trainer.strategy.setup_environment()
+    assert not torch.distributed.is_initialized()
