@@ -32,6 +32,18 @@ def test_demo_transformer_matches_lightning_ddp(ddp, tmp_path, zero, blocks):
     assert record["fsdp_units"] == (5 if zero >= 2 else 0)
 
 
+def test_top_level_module_list_is_sharded_per_block(tmp_path):
+    """Blocks in a top-level nn.ModuleList (FSDP2 cannot shard the container) and a top-level embedding and head:
+    ZeRO 3 gives 3 block units + the embedding + the head, with DDP's losses."""
+    ref, out = tmp_path / "ddp.json", tmp_path / "fourd.json"
+    torchrun(2, SCRIPTS / "any_module.py", "--out", str(ref), "--strategy", "ddp", "--module", "stack")
+    torchrun(2, SCRIPTS / "any_module.py", "--out", str(out), "--zero", "3", "--module", "stack")
+    ddp, record = json.loads(ref.read_text())["losses"], json.loads(out.read_text())
+    print(f"\nstack ZeRO 3: {record['losses']}\n  ddp {ddp}")
+    assert record["losses"] == pytest.approx(ddp, rel=1e-5)
+    assert record["fsdp_units"] == 5
+
+
 def test_tp_on_a_module_it_cannot_split_fails_before_the_process_group():
     import lightning as L
     import torch

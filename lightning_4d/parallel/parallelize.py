@@ -7,7 +7,7 @@ initialization follow in the strategy's ``setup``; ZeRO 0/1 act on gradients and
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -122,18 +122,24 @@ def shard_any_module(module: nn.Module, mesh: ParallelMesh, config: ParallelConf
                      fsdp_blocks: Optional[Sequence[str]] = None) -> None:
     """ZeRO 2/3 for a LightningModule that is not a ``lightning_4d`` Llama and applied no plans itself: FSDP2 over
     ``dp_cp``, one unit per block (:func:`fsdp_block_modules`), then one root unit per top-level child that holds
-    parameters outside the blocks. Parameters held by the LightningModule itself stay replicated, their gradients
+    parameters outside the blocks (the children of a top-level ``nn.ModuleList`` / ``nn.ModuleDict``, which have no
+    forward of their own, count as top-level). Parameters held by the LightningModule itself stay replicated, their gradients
     averaged in ZeRO-0 buckets (:func:`lightning_4d.parallel.zero.setup_zero`). Each unit's forward must run
     through the module's ``__call__`` (FSDP2 gathers its parameters in a forward pre-hook)."""
     blocks = fsdp_block_modules(module, fsdp_blocks)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    for child in module.children():
+
+    def roots(parent: nn.Module) -> Iterator[nn.Module]:  # FSDP2 cannot shard a container that has no forward
+        for child in parent.children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                yield from roots(child)
+            else:
+                yield child
+
+    for child in roots(module):
         inner = [b for b in blocks if b is not child and any(b is m for m in child.modules())]
         if child in blocks or any(id(p) not in in_blocks for p in child.parameters()):
             apply_fsdp(child, mesh.dp_cp, config.zero_stage, blocks=inner)
-    outside = [b for b in blocks if not any(b is m for c in module.children() for m in c.modules())]
-    if outside:  # blocks held by the LightningModule itself (an nn.ModuleList attribute of it)
-        apply_fsdp(module, mesh.dp_cp, config.zero_stage, blocks=outside)
 
 
 def parallelize_llama(

@@ -32,12 +32,35 @@ class DemoLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
+class StackLM(L.LightningModule):
+    """Blocks in a top-level ``nn.ModuleList`` (no forward of its own) next to a top-level embedding and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3))
+        self.head = torch.nn.Linear(32, 64)
+
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        h = self.embed(inputs)
+        for block in self.blocks:
+            h = h + block(h)
+        loss = torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), target.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--strategy", default="fourd")
     parser.add_argument("--zero", type=int, default=0)
     parser.add_argument("--blocks", default=None, help="fsdp_blocks, comma-separated")
+    parser.add_argument("--module", default="demo", choices=["demo", "stack"])
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
@@ -59,7 +82,7 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Record()])
-    module = DemoLM()
+    module = DemoLM() if args.module == "demo" else StackLM()
     trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
     if trainer.global_rank == 0:
         units = sum(type(m).__name__.startswith("FSDP") for m in module.modules())
