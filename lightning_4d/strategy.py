@@ -38,6 +38,7 @@ from lightning_4d.parallel._compat import (
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
+from lightning_4d.adapters.hf_llama import find_hf_llamas, reset_rotary
 from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_llamas, validate_against_module
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_global_clipping
 from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,
@@ -280,7 +281,10 @@ class FourDStrategy(ModelParallelStrategy):
         llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile,
                                 param_dtype=mixed_precision_dtype(self._precision), fsdp_blocks=self.fsdp_blocks)
         self._llamas = llamas
+        meta_rotary = [hf for hf in find_hf_llamas(module) if any(b.is_meta for b in hf.buffers())]
         materialize_distributed_module(self.model, self.root_device)
+        for hf in meta_rotary:  # built on the meta device: its rotary tables are in no checkpoint
+            reset_rotary(hf, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         chunks = pipeline_chunks(llamas[0]) if llamas else None

@@ -16,7 +16,9 @@ pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a t
 LAYOUTS = {
     2: [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}, {"tp": 2}, {"tp": 2, "sp": False}, {"cp": 2},
         {"cp": 2, "method": "allgather"}],
-    4: [{"dp": 2, "tp": 2, "zero": 1}, {"cp": 2, "tp": 2, "zero": 3}],
+    4: [{"dp": 2, "tp": 2, "zero": 1}, {"cp": 2, "tp": 2, "zero": 3},
+        # built on the meta device in configure_model, weights from init_from=<hf dir> (each rank reads its slices)
+        {"dp": 2, "tp": 2, "zero": 3, "meta": True}, {"cp": 2, "tp": 2, "zero": 1, "meta": True}],
 }
 # weights after 10 AdamW steps (lr 3e-3): AdamW turns ~1e-8 gradient differences on near-zero gradients into weight
 # differences (docs: design notes); measured here at most 1.9e-5, under 1% of one step's size

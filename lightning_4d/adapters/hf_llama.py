@@ -41,10 +41,15 @@ ATTENTION = "lightning_4d"
 _TP_STYLES = ("colwise", "rowwise")
 
 
+def _is(module: nn.Module, class_name: str) -> bool:
+    """Whether ``module``'s class or a base is named ``class_name`` (FSDP2 subclasses the classes it shards)."""
+    return any(c.__name__ == class_name for c in type(module).__mro__)
+
+
 def is_hf_llama(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers ``LlamaForCausalLM`` (class name and ``config.model_type == "llama"``)."""
     config = getattr(module, "config", None)
-    return type(module).__name__ == "LlamaForCausalLM" and getattr(config, "model_type", None) == "llama" \
+    return _is(module, "LlamaForCausalLM") and getattr(config, "model_type", None) == "llama" \
         and isinstance(getattr(module, "model", None), nn.Module)
 
 
@@ -170,6 +175,24 @@ def validate(model: nn.Module, config: Any) -> None:
                          "init_from=<hf dir>) for pp")
 
 
+@torch.no_grad()
+def reset_rotary(model: nn.Module, device: torch.device) -> None:
+    """Recompute the rotary embedding's ``inv_freq`` buffers of a ``LlamaForCausalLM`` built on the meta device
+    (non-persistent buffers: materialization leaves them empty and no checkpoint holds them), with transformers' own
+    rope-initialization function for the config's rope type."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for m in model.modules():
+        if _is(m, "LlamaRotaryEmbedding"):
+            kind = getattr(m, "rope_type", "default")
+            fn = m.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
+            with torch.device("cpu"):
+                inv_freq, scaling = fn(m.config)
+            m.inv_freq = inv_freq.to(device)
+            m.original_inv_freq = inv_freq.clone().to(device)
+            m.attention_scaling = scaling
+
+
 def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
     """Split a transformers ``LlamaForCausalLM`` in place for ``config`` (``ParallelConfig``) on ``mesh``
     (``ParallelMesh``): tp + sp plan, cp attention and positions, then FSDP2 units at ZeRO 2/3 (module docstring).
@@ -198,7 +221,7 @@ def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
     if config.cp > 1:
         group = mesh.cp.get_group()
         for m in model.modules():
-            if type(m).__name__ == "LlamaAttention":
+            if _is(m, "LlamaAttention"):
                 m._lightning_4d_cp = (group, config.context_parallel_method)
     if config.zero_stage >= 2:
         apply_fsdp(model, mesh.dp_cp, config.zero_stage, blocks=list(model.model.layers))

@@ -27,15 +27,28 @@ from lightning_4d.data import LMDataModule  # noqa: E402
 STEPS = 10
 
 
+def reference_model() -> "transformers.LlamaForCausalLM":
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).float()
+
+
 class HFLlamaLM(L.LightningModule):
     """What a user writes: the model from transformers, its logits, our data's shifted labels, AdamW."""
 
-    def __init__(self) -> None:
+    def __init__(self, init_from: str | None = None) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-        self.model = transformers.LlamaForCausalLM(config).float()
+        self.init_from = init_from  # a Hugging Face directory: built on meta in configure_model, loaded by the strategy
+        self.model = None
+        if init_from is None:
+            self.model = reference_model()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            config = transformers.AutoConfig.from_pretrained(self.init_from)
+            with torch.device("meta"):
+                self.model = transformers.LlamaForCausalLM(config)
 
     def training_step(self, batch, batch_idx):
         logits = self.model(input_ids=batch["input_ids"]).logits
@@ -79,7 +92,10 @@ def main() -> None:
                             max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                             callbacks=[Record()])
-        module = HFLlamaLM()
+        init = Path(args.out) / f"init_rank{os.environ.get('RANK', '0')}"  # each rank its own copy: no race
+        if layout.get("meta") and not init.exists():
+            reference_model().save_pretrained(init, max_shard_size="400KB")  # the initial weights in two files
+        module = HFLlamaLM(str(init) if layout.get("meta") else None)
         trainer.fit(module, dm)
         weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
                    for n, p in module.model.named_parameters()}
