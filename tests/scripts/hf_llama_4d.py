@@ -68,6 +68,11 @@ def main() -> None:
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layouts = [{"reference": True}] if args.reference else json.loads(args.layouts)
+    # each rank its own copy of the initial weights (no race), written before any process group exists
+    # (transformers' save_pretrained writes config.json on the main process only once one does)
+    init = Path(args.out) / f"init_rank{os.environ.get('RANK', '0')}"
+    if any(layout.get("meta") for layout in layouts):
+        reference_model().save_pretrained(init, max_shard_size="400KB")  # two safetensors files + index
     for i, layout in enumerate(layouts):
         L.seed_everything(0, verbose=False)
         dp = layout.get("dp", 1)
@@ -92,9 +97,6 @@ def main() -> None:
                             max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                             callbacks=[Record()])
-        init = Path(args.out) / f"init_rank{os.environ.get('RANK', '0')}"  # each rank its own copy: no race
-        if layout.get("meta") and not init.exists():
-            reference_model().save_pretrained(init, max_shard_size="400KB")  # the initial weights in two files
         module = HFLlamaLM(str(init) if layout.get("meta") else None)
         trainer.fit(module, dm)
         weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
