@@ -1,9 +1,10 @@
-"""A Hugging Face ``transformers.LlamaForCausalLM`` in your own LightningModule, split by FourDStrategy: tp + sp, cp
-and dp with ZeRO, from the same arguments as lightning_4d's own Llama. Trains on the embedded corpus.
+"""A Hugging Face ``transformers.LlamaForCausalLM`` in your own LightningModule, split by FourDStrategy: tp + sp, cp,
+pp and dp with ZeRO, from the same arguments as lightning_4d's own Llama. Trains on the embedded corpus.
 
     pip install 'lightning-4d[hf]'
     python examples/hf_llama_4d.py                              # 4 CPU processes: tp=2 x cp=2, ZeRO 1
     python examples/hf_llama_4d.py --tp 1 --cp 1 --zero-stage 3 --devices 2
+    python examples/hf_llama_4d.py --pp 2 --cp 1 --devices 4      # tp=2 x pp=2, 1F1B
     python examples/hf_llama_4d.py --hf-dir /models/Llama-3.2-1B  # real weights: each rank reads its slices
 
 Without ``--hf-dir`` the model is a small random Llama (built in ``__init__``, the same on every rank). With it the
@@ -40,9 +41,13 @@ class HFLlamaLM(L.LightningModule):
                 self.model = transformers.LlamaForCausalLM(config)
 
     def training_step(self, batch, batch_idx):
-        # our LMDataModule gives labels already shifted by one token (under cp each rank holds its shard of both)
-        logits = self.model(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        if pipeline is not None:  # pp > 1: the schedule runs forward + backward of all micro-batches here
+            loss = pipeline.train_step(batch["input_ids"], batch["labels"])
+        else:
+            # our LMDataModule gives labels already shifted by one token (under cp each rank holds its shard of both)
+            logits = self.model(input_ids=batch["input_ids"]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
@@ -55,12 +60,14 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--hf-dir", default=None)
     args = parser.parse_args()
     L.seed_everything(0)
-    strategy = FourDStrategy(tensor_parallel_size=args.tp, context_parallel_size=args.cp, zero_stage=args.zero_stage)
+    strategy = FourDStrategy(tensor_parallel_size=args.tp, context_parallel_size=args.cp,
+                             pipeline_parallel_size=args.pp, zero_stage=args.zero_stage)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         logger=False, enable_checkpointing=False)
     tokenizer = args.hf_dir if args.hf_dir else "byte"  # the tokenizer.json next to the weights

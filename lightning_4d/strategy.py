@@ -39,6 +39,7 @@ from lightning_4d.parallel._compat import (
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.adapters.hf_llama import find_hf_llamas, reset_rotary
+from lightning_4d.adapters.hf_llama import pipeline_chunks as hf_pipeline_chunks
 from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_llamas, validate_against_module
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_global_clipping
 from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,
@@ -287,7 +288,8 @@ class FourDStrategy(ModelParallelStrategy):
             reset_rotary(hf, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        chunks = pipeline_chunks(llamas[0]) if llamas else None
+        chunks = pipeline_chunks(llamas[0]) if llamas else next(
+            (c for hf in find_hf_llamas(module) if (c := hf_pipeline_chunks(hf)) is not None), None)
         if chunks is not None and self.pipeline is None:
             loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
             self.pipeline = PipelineRunner(

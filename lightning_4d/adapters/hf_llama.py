@@ -20,6 +20,12 @@ A LightningModule that holds a ``transformers`` ``LlamaForCausalLM`` (built in `
   the base ``LlamaModel`` feeds the model's own rotary embedding the shard's global positions
   (:func:`~lightning_4d.models.rope.context_parallel_positions`) and, under sp, the full-length positions.
   With tp or cp, the attention is always causal over the whole sequence: a padding ``attention_mask`` is refused.
+- **pp** (every schedule of :mod:`lightning_4d.parallel.pipeline`, the same layer split as our Llama): the model is
+  pruned to this rank's stages (other ranks' decoder layers become parameter-free placeholders, so parameter names
+  stay the unsplit model's) and each stage runs as a :class:`StageChunk`. As for our Llama, the schedule runs inside
+  ``training_step``: call ``self.trainer.strategy.pipeline.train_step(input_ids, labels)`` there (the mean loss of
+  the batch; forward and backward of all micro-batches) when ``strategy.pipeline`` is set; the loss per micro-batch
+  is the module's ``pipeline_loss(logits, labels)`` if it has one, else the mean cross-entropy.
 
 The strategy calls :func:`parallelize_hf_llama` in ``setup`` (after ``configure_model``, before materialization).
 Weights: ``init_from`` on the LightningModule (a Hugging Face directory) loads each rank's slices after
@@ -128,7 +134,7 @@ class _Positions:
 def _tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     """The ``parallelize_module`` plan of a ``LlamaForCausalLM`` (module docstring): transformers'
     ``base_model_tp_plan`` for the projections, plus the embedding, norms, LM head and, under sp, the inputs of
-    attention and MLP."""
+    attention and MLP; only for the modules this rank holds (a pipeline stage's layers, embedding, head)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -141,25 +147,103 @@ def _tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     if not tp_plan:
         raise ValueError(f"{type(model).__name__}.config has no base_model_tp_plan: transformers >= 4.45 is needed")
     residual = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {}
+    layer_plan: dict[str, Any] = {}
     for pattern, style in tp_plan.items():
         if style not in _TP_STYLES:
             raise ValueError(f"base_model_tp_plan[{pattern!r}] = {style!r} is not supported: expected {_TP_STYLES}")
-        plan[f"model.{pattern}"] = ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=residual)
-    plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-    plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+        if not pattern.startswith("layers.*."):
+            raise ValueError(f"base_model_tp_plan[{pattern!r}]: expected per-layer entries 'layers.*.<module>'")
+        layer_plan[pattern[len("layers.*."):]] = (
+            ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=residual))
     if sequence_parallel:
-        for norm in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm"):
-            plan[norm] = SequenceParallel()
-        plan["model.layers.*.self_attn"] = PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
-        plan["model.layers.*.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        layer_plan.update({
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    plan: dict[str, Any] = {}
+    for i, layer in enumerate(model.model.layers):
+        if not isinstance(layer, _Pruned):
+            plan.update({f"model.layers.{i}.{name}": style for name, style in layer_plan.items()})
+    if model.model.embed_tokens is not None:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+    if model.model.norm is not None and sequence_parallel:
+        plan["model.norm"] = SequenceParallel()
     return plan
+
+
+class _Pruned(nn.Module):
+    """The place of a decoder layer another pipeline rank holds (no parameters; keeps the others' indices)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage of a ``LlamaForCausalLM``: its embedding (first stage), decoder layers, final norm and LM
+    head (last stage), shared with the model (not copied). ``forward(x)``: token ids ``[b, s]`` on the first stage,
+    else the previous stage's hidden states ``[b, s / sequence_shards, h]``; returns hidden states, or logits
+    ``[b, s, V]`` on the last stage. The model's own rotary embedding gets the positions of the stage's ``s`` tokens
+    (the cp shard's zigzag positions): ``torch.distributed.pipelining`` passes activations only."""
+
+    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool, sequence_shards: int,
+                 cp: tuple[int, int]) -> None:
+        super().__init__()
+        self.embed_tokens = model.model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+        self.norm = model.model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.rotary_emb = model.model.rotary_emb
+        self.sequence_shards, self.cp = sequence_shards, cp
+
+    def forward(self, x: Tensor) -> Tensor:
+        from lightning_4d.models.rope import context_parallel_positions
+
+        if self.embed_tokens is not None:
+            s, h = x.shape[1], self.embed_tokens(x)
+        else:
+            s, h = x.shape[1] * self.sequence_shards, x
+        positions = context_parallel_positions(s, self.cp[0], self.cp[1], device=x.device).unsqueeze(0)
+        rotary = self.rotary_emb(h, positions)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        if self.norm is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def _split(model: nn.Module, config: Any, pp_rank: int, cp: tuple[int, int]) -> list[tuple[int, StageChunk]]:
+    """Prune ``model`` to pp rank ``pp_rank``'s stages (:meth:`ParallelConfig.rank_stages`; the same layer split as
+    our own Llama) and return ``[(stage index, chunk), ...]``."""
+    layers = model.model.layers
+    mine = config.rank_stages(len(layers), pp_rank)
+    keep = {i for _, ls in mine for i in ls}
+    for i in range(len(layers)):
+        if i not in keep:
+            layers[i] = _Pruned()
+    last_stage = config.num_stages - 1
+    shards = config.tp if config.sp else 1
+    chunks = [(s, StageChunk(model, list(ls), s == 0, s == last_stage, shards, cp)) for s, ls in mine]
+    if not any(s == 0 for s, _ in mine):
+        model.model.embed_tokens = None
+    if not any(s == last_stage for s, _ in mine):
+        model.model.norm = None
+        model.lm_head = None
+    return chunks
+
+
+def pipeline_chunks(model: nn.Module) -> Optional[list[tuple[int, StageChunk]]]:
+    """The stage chunks :func:`parallelize_hf_llama` made for this pp rank, else ``None`` (pp = 1)."""
+    return getattr(model, "_lightning_4d_pipeline_chunks", None)
 
 
 def validate(model: nn.Module, config: Any) -> None:
     """Check ``config`` (``ParallelConfig``) against the shape of the transformers Llama ``model``: heads, kv heads
-    and vocabulary divisible by tp (``ParallelConfig.validate_model``); tied embeddings and pp are refused for now.
+    and vocabulary divisible by tp, layers into pp·v stages, no tied embeddings with pp
+    (``ParallelConfig.validate_model``); tied embeddings are refused with tp too.
 
     Raises:
         ValueError: naming the value and what would be valid.
@@ -169,10 +253,6 @@ def validate(model: nn.Module, config: Any) -> None:
     if config.tp > 1 and ours.tie_word_embeddings:
         raise ValueError(f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
                          "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; use tp=1 (dp, ZeRO, cp) or an untied model")
-    if config.pp > 1:
-        raise ValueError(f"pipeline_parallel_size={config.pp}: a transformers LlamaForCausalLM cannot be pipelined yet "
-                         "(dp + ZeRO 0-3, tp + sp and cp can); use lightning_4d's own Llama (CausalLMModule, "
-                         "init_from=<hf dir>) for pp")
 
 
 @torch.no_grad()
@@ -195,7 +275,8 @@ def reset_rotary(model: nn.Module, device: torch.device) -> None:
 
 def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
     """Split a transformers ``LlamaForCausalLM`` in place for ``config`` (``ParallelConfig``) on ``mesh``
-    (``ParallelMesh``): tp + sp plan, cp attention and positions, then FSDP2 units at ZeRO 2/3 (module docstring).
+    (``ParallelMesh``): pipeline split, tp + sp plan, cp attention and positions, then FSDP2 units at ZeRO 2/3 (per
+    stage chunk under pp) (module docstring). :func:`pipeline_chunks` returns the stage chunks afterwards.
     The parameters may be real (every rank holds the same full weights: each keeps its shards) or on the meta
     device (materialized by the strategy afterwards; give ``init_from``).
 
@@ -206,15 +287,18 @@ def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
 
     from lightning_4d.parallel.zero import apply_fsdp
 
+    from lightning_4d.parallel.pipeline import reshard_after_forward
+
     validate(model, config)
-    split = config.tp > 1 or config.cp > 1
+    cp_rank = mesh.cp.get_local_rank() if config.cp > 1 else 0
+    chunks = _split(model, config, mesh.pp.get_local_rank(), (cp_rank, config.cp)) if config.pp > 1 else None
+    split = config.tp > 1 or config.cp > 1 or config.pp > 1
     if split:
         _register_attention()
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(ATTENTION)
         else:  # transformers 4.x
             model.config._attn_implementation = ATTENTION
-        cp_rank = mesh.cp.get_local_rank() if config.cp > 1 else 0
         model.model.register_forward_pre_hook(_Positions(cp_rank, config.cp), with_kwargs=True)
     if config.tp > 1:
         parallelize_module(model, mesh.tp, _tp_plan(model, config.sp))
@@ -223,6 +307,11 @@ def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
         for m in model.modules():
             if _is(m, "LlamaAttention"):
                 m._lightning_4d_cp = (group, config.context_parallel_method)
-    if config.zero_stage >= 2:
+    if config.zero_stage >= 2 and chunks is not None:  # each chunk is a root: the schedule calls the chunks
+        for _, chunk in chunks:
+            apply_fsdp(chunk, mesh.dp_cp, config.zero_stage, blocks=list(chunk.layers.values()),
+                       reshard_after_forward=reshard_after_forward(config))
+    elif config.zero_stage >= 2:
         apply_fsdp(model, mesh.dp_cp, config.zero_stage, blocks=list(model.model.layers))
+    model._lightning_4d_pipeline_chunks = chunks
     model._lightning_4d_parallelized = True

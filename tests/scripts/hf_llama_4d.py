@@ -51,8 +51,12 @@ class HFLlamaLM(L.LightningModule):
                 self.model = transformers.LlamaForCausalLM(config)
 
     def training_step(self, batch, batch_idx):
-        logits = self.model(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        if pipeline is not None:  # pp: the schedule runs forward and backward of every micro-batch here
+            loss = pipeline.train_step(batch["input_ids"], batch["labels"])
+        else:
+            logits = self.model(input_ids=batch["input_ids"]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -75,8 +79,8 @@ def main() -> None:
         reference_model().save_pretrained(init, max_shard_size="400KB")  # two safetensors files + index
     for i, layout in enumerate(layouts):
         L.seed_everything(0, verbose=False)
-        dp = layout.get("dp", 1)
-        dm = LMDataModule(seq_length=32, micro_batch_size=8 // dp, global_batch_size=8, train_samples=8 * STEPS,
+        dp, m = layout.get("dp", 1), layout.get("m", 1)
+        dm = LMDataModule(seq_length=32, micro_batch_size=8 // (dp * m), global_batch_size=8, train_samples=8 * STEPS,
                           val_samples=8, seed=1234)
         if args.reference:
             strategy = "auto"
@@ -86,6 +90,7 @@ def main() -> None:
             strategy = FourDStrategy(
                 data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 1),
                 context_parallel_size=layout.get("cp", 1), context_parallel_method=layout.get("method", "ring"),
+                pipeline_parallel_size=layout.get("pp", 1), pipeline_schedule=layout.get("schedule", "1f1b"),
                 sequence_parallel=layout.get("sp"), process_group_backend="gloo", timeout=timedelta(seconds=120))
         losses: list[float] = []
 
@@ -101,6 +106,8 @@ def main() -> None:
         trainer.fit(module, dm)
         weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
                    for n, p in module.model.named_parameters()}
+        if layout.get("pp", 1) > 1:  # each pipeline rank holds its own layers: every rank saves, the test merges
+            torch.save(weights, Path(args.out) / f"hf{i}_weights_rank{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
             split = {"dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
                      "attention": module.model.config._attn_implementation}
