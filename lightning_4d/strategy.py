@@ -101,9 +101,9 @@ class FourDStrategy(ModelParallelStrategy):
         ValueError: at construction for a bad value (ZeRO stage outside 0-3, a non-positive size, an unknown
             pipeline schedule, a ``virtual_pipeline_stages`` the schedule cannot run, ...); when the Trainer is built
             for a world size that is not pp·dp·cp·tp; at ``setup_environment`` (before the process group exists)
-            for a model the layout cannot split (tp, pp or cp > 1 for a module that is neither a ``lightning_4d``
-            Llama nor applies its own plans in ``configure_model``; heads, kv heads or vocabulary not divisible by tp, layers not
-            divisible into pp·v stages, a ``pipeline_layer_split`` that does not sum to the layers), a
+            for a model the layout cannot split (tp, pp or cp > 1 for a module that holds neither a ``lightning_4d``
+            Llama nor a transformers ``LlamaForCausalLM`` and applies no plans of its own in ``configure_model``;
+            heads, kv heads or vocabulary not divisible by tp, layers not divisible into pp·v stages, a ``pipeline_layer_split`` that does not sum to the layers), a
             ``num_microbatches`` the schedule cannot run (m < pp for 1f1b, m not a multiple of pp for interleaved)
             or ``accumulate_grad_batches`` > 1 with pp > 1 (the schedule accumulates over its micro-batches).
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a

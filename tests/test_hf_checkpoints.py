@@ -120,6 +120,21 @@ def test_export_hf_after_training_loads_in_transformers(tmp_path, ids):
         assert seen >= 2
 
 
+    # bfloat16, with a tokenizer given: the files transformers reads, weights in bf16, the tokenizer copied
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["def f(x): return x + 1"] * 10, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = export_hf(tmp_path / "ckpt0" / "last.ckpt", tmp_path / "bf16", dtype="bfloat16",
+                    tokenizer=tmp_path / "tokenizer.json")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    hf = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 def test_export_hf_refuses_bad_input(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         export_hf(tmp_path / "missing", tmp_path / "out")

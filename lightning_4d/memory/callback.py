@@ -251,8 +251,13 @@ class MemoryEstimatorCallback(L.Callback):
     def _model_config(pl_module: L.LightningModule) -> Any:
         from lightning_4d.models.config import LlamaConfig
 
-        candidates = [getattr(pl_module, "model_config", None)] + [getattr(m, "config", None) for m in pl_module.modules()]
-        for cfg in candidates:
+        def candidates() -> Iterator[Any]:  # lazily: the first match wins
+            yield getattr(pl_module, "model_config", None)
+            modules = getattr(pl_module, "modules", None)
+            for m in modules() if callable(modules) else ():
+                yield getattr(m, "config", None)
+
+        for cfg in candidates():
             if isinstance(cfg, LlamaConfig):
                 return cfg
             # a Hugging Face transformers Llama (LlamaForCausalLM.config): estimated as our Llama of the same shape

@@ -33,9 +33,8 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
         ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
             :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`.
     """
-    from lightning_4d.models.config import LlamaConfig
-
     from lightning_4d.adapters.hf_llama import find_hf_llamas, validate
+    from lightning_4d.models.config import LlamaConfig
 
     model_config = getattr(module, "model_config", None)
     if isinstance(model_config, LlamaConfig):
@@ -62,9 +61,8 @@ def _splittable(module: nn.Module) -> bool:
     import lightning as L
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_4d.models.llama import LlamaModel
-
     from lightning_4d.adapters.hf_llama import find_hf_llamas
+    from lightning_4d.models.llama import LlamaModel
 
     return any(isinstance(m, LlamaModel) for m in module.modules()) or bool(find_hf_llamas(module)) or (
         isinstance(module, L.LightningModule) and is_overridden("configure_model", module))
@@ -74,9 +72,9 @@ def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:
     return (
         f"tensor_parallel_size={config.tp}, pipeline_parallel_size={config.pp}, context_parallel_size={config.cp}: "
         f"FourDStrategy cannot split {type(module).__name__}. tp, pp and cp apply to lightning_4d Llama models "
-        "(CausalLMModule, or a LightningModule holding a lightning_4d.models.LlamaModel), tp and cp to a Hugging Face "
-        "transformers LlamaForCausalLM inside the LightningModule, and all three to modules that apply "
-        "their own plans in configure_model() with self.device_mesh; any other module trains with data parallelism "
+        "(CausalLMModule, or a LightningModule holding a lightning_4d.models.LlamaModel), to a Hugging Face "
+        "transformers LlamaForCausalLM held by the LightningModule, and to modules that apply their own plans in "
+        "configure_model() with self.device_mesh; any other module trains with data parallelism "
         "and ZeRO stages 0-3: set tensor_parallel_size=1, pipeline_parallel_size=1, context_parallel_size=1."
     )
 
@@ -215,9 +213,8 @@ def prepare_llamas(
         ValueError: tp / pp / cp > 1 for a module that holds no ``LlamaModel`` and applied no plans.
         TypeError: pp > 1 and the module does not hold exactly one ``LlamaModel``.
     """
-    from lightning_4d.models.llama import LlamaModel
-
     from lightning_4d.adapters.hf_llama import find_hf_llamas, parallelize_hf_llama
+    from lightning_4d.models.llama import LlamaModel
 
     llamas = [m for m in module.modules() if isinstance(m, LlamaModel)]
     if not llamas:
