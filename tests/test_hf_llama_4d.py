@@ -89,6 +89,7 @@ def _module(**config):
      "num_layers=4"),
     ({"tensor_parallel_size": 2}, {"tie_word_embeddings": True}, "tie_word_embeddings=True"),
     ({"tensor_parallel_size": 4}, {}, "num_kv_heads=2 is not divisible by tensor_parallel_size=4"),
+    ({"context_parallel_size": 2}, {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
 ])
 def test_hf_llama_layouts_refused_before_the_process_group(kwargs, config, match):
     import lightning as L

@@ -243,13 +243,17 @@ def pipeline_chunks(model: nn.Module) -> Optional[list[tuple[int, StageChunk]]]:
 def validate(model: nn.Module, config: Any) -> None:
     """Check ``config`` (``ParallelConfig``) against the shape of the transformers Llama ``model``: heads, kv heads
     and vocabulary divisible by tp, layers into pp·v stages, no tied embeddings with pp
-    (``ParallelConfig.validate_model``); tied embeddings are refused with tp too.
+    (``ParallelConfig.validate_model``); tied embeddings are refused with tp too, attention dropout with any split.
 
     Raises:
         ValueError: naming the value and what would be valid.
     """
     ours = our_config(model)
     config.validate_model(ours)
+    dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
+    if dropout and max(config.tp, config.cp, config.pp) > 1:
+        raise ValueError(f"attention_dropout={dropout} is not supported with tp, cp or pp > 1 (the split attention "
+                         "has no dropout; Llama trains without): set the model config's attention_dropout=0.0")
     if config.tp > 1 and ours.tie_word_embeddings:
         raise ValueError(f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
                          "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; use tp=1 (dp, ZeRO, cp) or an untied model")

@@ -218,12 +218,11 @@ def prepare_llamas(
 
     llamas = [m for m in module.modules() if isinstance(m, LlamaModel)]
     if not llamas:
-        if is_parallelized(module):  # the user's own plans (configure_model)
-            return []
         hf_llamas = find_hf_llamas(module)
-        for hf in hf_llamas:  # a Hugging Face transformers Llama (lightning_4d/adapters/hf_llama.py)
-            parallelize_hf_llama(hf, mesh, config)
-        if hf_llamas:
+        for hf in hf_llamas:  # a Hugging Face transformers Llama (lightning_4d/adapters/hf_llama.py), once
+            if not getattr(hf, "_lightning_4d_parallelized", False):
+                parallelize_hf_llama(hf, mesh, config)
+        if hf_llamas or is_parallelized(module):  # or the user's own plans (configure_model)
             return []
         if max(config.tp, config.pp, config.cp) > 1:
             raise ValueError(_cannot_split(config, module))
