@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME, rekey_optimizer_state_if_needed
+from lightning_4d.parallel._compat import dcp_file_extents
 from lightning_4d.parallel._compat import local_tensor as _local
 from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer as unwrap
 
@@ -196,10 +197,7 @@ def _check_complete(path: Path) -> None:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:
         raise ValueError(f"checkpoint folder {str(path)!r}: '.metadata' cannot be read ({type(e).__name__}: {e})") from e
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
+    for name, size in sorted(dcp_file_extents(storage).items()):
         file = path / name
         if not file.is_file():
             raise ValueError(f"checkpoint folder {str(path)!r} is incomplete: shard file {name!r} is missing")

@@ -301,3 +301,18 @@ def test_process_group_lookups_of_the_comm_meter():
 
     assert callable(getattr(dist.ProcessGroup, "unbox", None))
     assert callable(getattr(distributed_c10d, "_resolve_process_group", None))
+
+
+def test_dcp_storage_info_fields(tmp_path):
+    """DCP's private _StorageInfo still has the fields the truncation check reads (torch 2.13: relative_path,
+    offset, length)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_4d.parallel._compat import DCP_STORAGE_INFO_FIELDS, dcp_file_extents
+
+    dcp.save({"a": torch.zeros(3), "b": torch.ones(5)}, checkpoint_id=tmp_path, no_dist=True)
+    storage = dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data
+    info = next(iter(storage.values()))
+    assert all(hasattr(info, f) for f in DCP_STORAGE_INFO_FIELDS)
+    extents = dcp_file_extents(storage)
+    assert extents and all((tmp_path / name).stat().st_size >= end for name, end in extents.items())

@@ -278,3 +278,17 @@ def reset_schedule_metadata(schedule: Any) -> None:
                 setattr(schedule, f, False)
             return
     raise RuntimeError(f"{type(schedule).__name__} is not a torch.distributed.pipelining schedule this package knows.")
+
+
+#: the fields of DCP's ``_StorageInfo`` (a private class: the values of ``Metadata.storage_data``) we read
+DCP_STORAGE_INFO_FIELDS = ("relative_path", "offset", "length")
+
+
+def dcp_file_extents(storage_data: dict) -> dict[str, int]:
+    """``{shard file name: the end of the last byte range .metadata records in it}`` from a DCP ``Metadata``'s
+    ``storage_data`` (values: ``torch.distributed.checkpoint.filesystem._StorageInfo``), for the truncation check of
+    :func:`lightning_4d.checkpoint._check_complete`."""
+    extents: dict[str, int] = {}
+    for info in storage_data.values():
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
+    return extents
