@@ -1,6 +1,6 @@
 """The main job (configs/tiny.yaml: dp=2 x tp=2, ZeRO 1, 450 steps) with each gradient compression, side by side.
 
-    python benchmarks/compression.py [--steps 450] [--modes none bf16 powersgd]
+    python benchmarks/compression.py [--steps 450] [--modes none bf16 powersgd] [--seed 0]
 
 For each ``gradient_compression`` ("none", "bf16", "powersgd" with rank 4) it trains the main job from the same seed
 (4 CPU processes, one run after another), measures the bytes rank 0 sends over each mesh dimension in one step of
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RANKS = {"powersgd": 4}
 
 
-def _train(mode: str, steps: int, out: Path) -> None:
+def _train(mode: str, steps: int, out: Path, seed: int = 0) -> None:
     """One run (every launched process runs this; rank 0 writes ``out/<mode>.json``)."""
     from lightning.pytorch.cli import LightningCLI
 
@@ -33,7 +33,8 @@ def _train(mode: str, steps: int, out: Path) -> None:
 
     args = ["--config", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.max_steps={steps}",
             f"--trainer.val_check_interval={min(150, steps)}", f"--trainer.strategy.gradient_compression={mode}",
-            f"--trainer.strategy.powersgd_rank={RANKS.get(mode, 4)}", "--trainer.enable_progress_bar=false"]
+            f"--trainer.strategy.powersgd_rank={RANKS.get(mode, 4)}", "--trainer.enable_progress_bar=false",
+            f"--seed_everything={seed}", f"--model.init_seed={seed}"]
     cli = LightningCLI(CausalLMModule, LMDataModule, args=args, run=False, save_config_kwargs={"overwrite": True})
     meter = CommMeterCallback(per_kind=True, every_n_steps=50)
     cli.trainer.callbacks.append(meter)
@@ -47,11 +48,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=450)
     parser.add_argument("--modes", nargs="+", default=["none", "bf16", "powersgd"])
+    parser.add_argument("--seed", type=int, default=0, help="seed_everything and the model's init_seed (default 0, "
+                        "the config's)")
     parser.add_argument("--train", help=argparse.SUPPRESS)  # internal: one run in this process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.train:
-        _train(args.train, args.steps, Path(args.out))
+        _train(args.train, args.steps, Path(args.out), args.seed)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -59,7 +62,8 @@ def main() -> None:
         for mode in args.modes:
             run_dir = Path(tmp) / mode  # the config's relative logger and checkpoint folders land here
             run_dir.mkdir()
-            subprocess.run([sys.executable, __file__, "--train", mode, "--out", tmp, "--steps", str(args.steps)],
+            subprocess.run([sys.executable, __file__, "--train", mode, "--out", tmp, "--steps", str(args.steps),
+                            "--seed", str(args.seed)],
                            check=True, env=env, cwd=run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         results = {mode: json.loads((Path(tmp) / f"{mode}.json").read_text()) for mode in args.modes}
     base = results.get("none")
