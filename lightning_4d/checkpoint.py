@@ -178,9 +178,10 @@ def resolve(path: Path) -> Path:
     raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
 
 
-def _check_complete(path: Path) -> None:
+def _check_complete(path: Path) -> dict[str, Any]:
     """Raise a clear error when the sharded folder ``path`` lacks a file every complete save writes, or when a
-    shard file is shorter than the byte ranges DCP's ``.metadata`` records in it (a truncated copy).
+    shard file is shorter than the byte ranges DCP's ``.metadata`` records in it (a truncated copy). Returns the
+    folder's ``state_dict_metadata`` (``{key: TensorStorageMetadata | BytesStorageMetadata}``), read once here.
 
     Raises:
         ValueError: naming the missing or truncated file (and, for a truncated one, its size and the size needed).
@@ -194,16 +195,17 @@ def _check_complete(path: Path) -> None:
                 "writes into '<path>.tmp' and never replaces a complete folder; pass a folder ModelCheckpoint completed)"
             )
     try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
+        metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:
         raise ValueError(f"checkpoint folder {str(path)!r}: '.metadata' cannot be read ({type(e).__name__}: {e})") from e
-    for name, size in sorted(dcp_file_extents(storage).items()):
+    for name, size in sorted(dcp_file_extents(metadata.storage_data).items()):
         file = path / name
         if not file.is_file():
             raise ValueError(f"checkpoint folder {str(path)!r} is incomplete: shard file {name!r} is missing")
         if file.stat().st_size < size:
             raise ValueError(f"checkpoint folder {str(path)!r}: shard file {name!r} is truncated ({file.stat().st_size} "
                              f"bytes; .metadata records data up to byte {size}): restore it or use another checkpoint")
+    return metadata.state_dict_metadata
 
 
 def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
@@ -222,14 +224,14 @@ def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
         ) from e
 
 
-def _zero1_template(path: Path, key: str, model: nn.Module, fqns: dict[int, str]) -> dict[str, Any]:
-    """What a :class:`ShardedOptimizer` asks the folder for: each of its parameters' saved states as a tensor of the
-    parameter's whole local shape (a DTensor with its placements: DCP reads just this rank's tp shard of the saved
-    tensor, whatever layout wrote it), scalars as scalars, hyper-parameters as placeholders."""
-    from torch.distributed.checkpoint import FileSystemReader
+def _zero1_template(path: Path, saved: dict[str, Any], key: str, model: nn.Module,
+                    fqns: dict[int, str]) -> dict[str, Any]:
+    """What a :class:`ShardedOptimizer` asks the folder ``path`` (its ``state_dict_metadata``: ``saved``) for: each
+    of its parameters' saved states as a tensor of the parameter's whole local shape (a DTensor with its placements:
+    DCP reads just this rank's tp shard of the saved tensor, whatever layout wrote it), scalars as scalars,
+    hyper-parameters as placeholders."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     out: dict[str, Any] = {}
     params = {fqn: p for p in model.parameters() if (fqn := fqns.get(id(p))) is not None}
     for name, meta in saved.items():
@@ -253,14 +255,10 @@ def _zero1_template(path: Path, key: str, model: nn.Module, fqns: dict[int, str]
     return out
 
 
-def _local_shape(p: torch.Tensor) -> tuple[int, ...]:
-    return tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
-
-
 def _empty_like_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor of ``p``'s global shape in ``dtype`` on the CPU, a DTensor with ``p``'s placements for a DTensor
     ``p`` (DCP then reads just this rank's slice into it)."""
-    local = torch.zeros(_local_shape(p), dtype=dtype)
+    local = torch.zeros(_local(p).shape, dtype=dtype)
     if isinstance(p, DTensor):
         return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
     return local
@@ -286,7 +284,7 @@ def load_sharded(
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    _check_complete(path)
+    saved = _check_complete(path)
     fqns = param_fqns(model)
     model_state = {"state_dict": get_model_state_dict(model)}
     # parameters stepped through float32 masters (ZeRO 0/1 under bf16-mixed) read the saved weights in float32
@@ -310,7 +308,7 @@ def load_sharded(
             for group, values in zip(zero1.optimizer.param_groups, saved["param_groups"]):
                 group.update(values)
         elif zero1 is not None:
-            opt_state = {key: _zero1_template(path, key, model, fqns)}
+            opt_state = {key: _zero1_template(path, saved, key, model, fqns)}
             _dcp_load(opt_state, path)
             zero1.load_gathered_state(fqns, opt_state[key], weights=masters)
         else:
@@ -420,14 +418,31 @@ def _tp_only(p: DTensor) -> list:
     return [pl if (names[i] if i < len(names) else None) == "tp" else Replicate() for i, pl in enumerate(p.placements)]
 
 
+def _hf_reader(path: Path) -> tuple[Any, set[str]]:
+    """DCP's ``HuggingFaceStorageReader`` of the directory ``path`` and the tensor names its files hold."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(str(path))
+    return reader, set(reader.read_metadata().state_dict_metadata)
+
+
+def _hf_load(state: dict[str, torch.Tensor], reader: Any, path: Path) -> None:
+    """Fill ``state`` (HF names -> this rank's tensors) in place, a read failure reported as a ``ValueError``."""
+    from torch.distributed.checkpoint import load as dcp_load
+
+    try:
+        dcp_load(state, storage_reader=reader)
+    except Exception as e:
+        raise ValueError(f"could not read the Hugging Face weights in {str(path)!r}: {type(e).__name__}: "
+                         f"{str(e)[-800:]}") from e
+
+
 @torch.no_grad()
 def _load_hf(llama: nn.Module, path: Path) -> None:
     """Read this rank's slices of every parameter of ``llama`` (a ``LlamaModel``, possibly split, sharded and on
     the meta device no more) from the Hugging Face directory ``path`` with DCP's ``HuggingFaceStorageReader``: each
     DTensor parameter receives just its shard of the file's tensor; q/k rows are permuted after reading their whole
     heads (the tp shard, a tp-only DTensor), then redistributed into the parameter's placements."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.tensor import empty as dtensor_empty
 
     from lightning_4d.models.llama import _canonical_name
@@ -437,8 +452,7 @@ def _load_hf(llama: nn.Module, path: Path) -> None:
         raise ValueError(f"init_from={str(path)!r}: Hugging Face weights have vocab_size={config.vocab_size} rows; "
                          f"the model pads to {config.padded_vocab_size} (pad_vocab_to_multiple_of="
                          f"{config.pad_vocab_to_multiple_of}): use pad_vocab_to_multiple_of=1 to load them")
-    reader = HuggingFaceStorageReader(str(path))
-    available = set(reader.read_metadata().state_dict_metadata)
+    reader, available = _hf_reader(path)
     state: dict[str, torch.Tensor] = {}
     rotary: list[tuple[nn.Parameter, torch.Tensor]] = []
     for name, p in llama.named_parameters():
@@ -453,11 +467,7 @@ def _load_hf(llama: nn.Module, path: Path) -> None:
             state[key] = tmp
         else:
             state[key] = p.data
-    try:
-        dcp_load(state, storage_reader=reader)
-    except Exception as e:
-        raise ValueError(f"could not read the Hugging Face weights in {str(path)!r}: {type(e).__name__}: "
-                         f"{str(e)[-800:]}") from e
+    _hf_load(state, reader, path)
     for p, tmp in rotary:
         if isinstance(p, DTensor):
             local = rotary_from_hf(tmp.to_local(), config.head_dim)
@@ -473,22 +483,14 @@ def _load_hf_native(model: nn.Module, path: Path) -> None:
     from the Hugging Face directory ``path``: the file's keys are the model's own state-dict keys, so DCP's
     ``HuggingFaceStorageReader`` fills each (DTensor) shard in place. A tied ``lm_head.weight`` absent from the file
     is the embedding."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint import load as dcp_load
-
-    reader = HuggingFaceStorageReader(str(path))
-    available = set(reader.read_metadata().state_dict_metadata)
+    reader, available = _hf_reader(path)
     state = model.state_dict()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     missing = [k for k in state if k not in available and not (tied and k == "lm_head.weight")]
     if missing:
         raise ValueError(f"init_from={str(path)!r} holds no tensor {missing[0]!r} ({len(missing)} missing): is it a "
                          "checkpoint of this model?")
-    try:
-        dcp_load({k: v for k, v in state.items() if k in available}, storage_reader=reader)
-    except Exception as e:
-        raise ValueError(f"could not read the Hugging Face weights in {str(path)!r}: {type(e).__name__}: "
-                         f"{str(e)[-800:]}") from e
+    _hf_load({k: v for k, v in state.items() if k in available}, reader, path)
 
 
 @torch.no_grad()
@@ -537,8 +539,9 @@ def load_initial_weights(module: nn.Module, init_from: Union[str, Path]) -> None
     if not path.exists():
         raise ValueError(f"init_from={str(init_from)!r} does not exist: pass a Hugging Face model directory "
                          "(config.json + model.safetensors[.index.json]) or a checkpoint of ours")
-    if not llamas and is_hf_model_dir(path) and len(find_hf_llamas(module)) == 1:
-        _load_hf_native(find_hf_llamas(module)[0], path)
+    hf_llamas = find_hf_llamas(module) if not llamas else []
+    if len(hf_llamas) == 1 and is_hf_model_dir(path):
+        _load_hf_native(hf_llamas[0], path)
         return
     if not llamas:
         raise ValueError(f"init_from={str(init_from)!r}: {type(module).__name__} holds no lightning_4d Llama model")
@@ -567,15 +570,14 @@ def _saved_hparams(ckpt: Path) -> dict[str, Any]:
     return {"model": dict(meta.get("hyper_parameters") or {}), "data": dict(meta.get("datamodule_hyper_parameters") or {})}
 
 
-def _weight_entries(ckpt: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Optional[dict[str, Any]]]:
-    """``{saved key: (global shape, dtype)}`` of the model weights in ``ckpt`` (keys ``<prefix>.<name>``), and the
-    full state dict when ``ckpt`` is a full file."""
-    if ckpt.is_dir():
-        from torch.distributed.checkpoint import FileSystemReader
+def _weight_entries(ckpt: Path, meta: Optional[dict[str, Any]]
+                    ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Optional[dict[str, Any]]]:
+    """``{saved key: (global shape, dtype)}`` of the model weights in ``ckpt`` (keys ``<prefix>.<name>``): from a
+    folder's ``state_dict_metadata`` ``meta`` (:func:`_check_complete`), else from the full file, whose state dict is
+    returned too."""
+    if meta is not None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        _check_complete(ckpt)
-        meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
         return {k[len("state_dict."):]: (tuple(m.size), m.properties.dtype) for k, m in meta.items()
                 if k.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)}, None
     full = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
@@ -604,6 +606,7 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
 
     from safetensors.torch import save_file
 
+    from lightning_4d.data.tokenizers import HFTokenizer, load_tokenizer
     from lightning_4d.models.config import LlamaConfig
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
@@ -611,8 +614,7 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
         raise ValueError(f"dtype={dtype!r} is not valid: expected one of {list(_EXPORT_DTYPES)}")
     if not ckpt.exists():
         raise ValueError(f"checkpoint {str(ckpt)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
-    if ckpt.is_dir():
-        _check_complete(ckpt)
+    saved = _check_complete(ckpt) if ckpt.is_dir() else None
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output directory {str(out_dir)!r} exists and is not empty: pass a new directory")
     hparams = _saved_hparams(ckpt)
@@ -621,14 +623,21 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
         raise ValueError(f"{str(ckpt)!r} is not a checkpoint of lightning_4d's CausalLMModule (its hyper_parameters "
                          "hold no model_config)")
     config = spec if isinstance(spec, LlamaConfig) else LlamaConfig.from_name(spec)
-    entries, full = _weight_entries(ckpt)
-    suffixes = {f"{n}": hf_name(n) for n in _our_param_names(config)}
+    source = tokenizer if tokenizer is not None else hparams["data"].get("tokenizer")
+    tok = load_tokenizer(str(source)) if source is not None else None  # ValueError for a bad path, as LMDataModule
+    entries, full = _weight_entries(ckpt, saved)
     keys: dict[str, str] = {}  # HF key -> saved key
-    for ours, hf in suffixes.items():
+    rotary, vocab = set(), set()  # HF keys whose rows are permuted / cut to the vocabulary
+    for ours in _our_param_names(config):
         found = [k for k in entries if k == ours or k.endswith("." + ours)]
         if not found:
             raise ValueError(f"checkpoint {str(ckpt)!r} holds no weight for {ours!r}")
+        hf = hf_name(ours)
         keys[hf] = found[0]
+        if ours.endswith(_ROTARY):
+            rotary.add(hf)
+        if ours in ("tok_embeddings.weight", "output.weight"):
+            vocab.add(hf)
     torch_dtype = _EXPORT_DTYPES[dtype]
     groups: list[list[str]] = [[]]
     size = 0
@@ -657,9 +666,9 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
         out: dict[str, torch.Tensor] = {}
         for hf in group:
             t = tensors[keys[hf]].to(torch.float32)
-            if hf.endswith(("q_proj.weight", "k_proj.weight")):
+            if hf in rotary:
                 t = rotary_to_hf(t, config.head_dim)
-            if hf in ("model.embed_tokens.weight", "lm_head.weight"):
+            if hf in vocab:
                 t = t[: config.vocab_size]
             out[hf] = t.to(torch_dtype).contiguous()
             weight_map[hf] = file
@@ -672,11 +681,8 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
     hf_config = config.to_hf()
     hf_config["torch_dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    source = tokenizer if tokenizer is not None else hparams["data"].get("tokenizer")
-    if source is not None and str(source) != "byte":
-        file = Path(source) / "tokenizer.json" if Path(source).is_dir() else Path(source)
-        if not file.is_file():
-            raise ValueError(f"tokenizer {str(source)!r} is not a tokenizer.json file or a directory holding one")
+    if isinstance(tok, HFTokenizer):
+        file = Path(tok.name)
         _shutil.copy(file, tmp / "tokenizer.json")
         for extra in ("tokenizer_config.json", "special_tokens_map.json"):
             if (file.parent / extra).is_file():

@@ -282,14 +282,15 @@ class FourDStrategy(ModelParallelStrategy):
         llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile,
                                 param_dtype=mixed_precision_dtype(self._precision), fsdp_blocks=self.fsdp_blocks)
         self._llamas = llamas
-        meta_rotary = [hf for hf in find_hf_llamas(module) if any(b.is_meta for b in hf.buffers())]
+        hf_llamas = find_hf_llamas(module)
+        meta_rotary = [hf for hf in hf_llamas if any(b.is_meta for b in hf.buffers())]
         materialize_distributed_module(self.model, self.root_device)
         for hf in meta_rotary:  # built on the meta device: its rotary tables are in no checkpoint
             reset_rotary(hf, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         chunks = pipeline_chunks(llamas[0]) if llamas else next(
-            (c for hf in find_hf_llamas(module) if (c := hf_pipeline_chunks(hf)) is not None), None)
+            (c for hf in hf_llamas if (c := hf_pipeline_chunks(hf)) is not None), None)
         if chunks is not None and self.pipeline is None:
             loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
             self.pipeline = PipelineRunner(

@@ -289,9 +289,8 @@ def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_4d.parallel.zero import apply_fsdp
-
     from lightning_4d.parallel.pipeline import reshard_after_forward
+    from lightning_4d.parallel.zero import apply_fsdp
 
     validate(model, config)
     cp_rank = mesh.cp.get_local_rank() if config.cp > 1 else 0

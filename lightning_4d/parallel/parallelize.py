@@ -135,7 +135,8 @@ def shard_any_module(module: nn.Module, mesh: ParallelMesh, config: ParallelConf
                 yield child
 
     for child in roots(module):
-        inner = [b for b in blocks if b is not child and any(b is m for m in child.modules())]
+        below = {id(m) for m in child.modules()}
+        inner = [b for b in blocks if b is not child and id(b) in below]
         if child in blocks or any(id(p) not in in_blocks for p in child.parameters()):
             apply_fsdp(child, mesh.dp_cp, config.zero_stage, blocks=inner)
 

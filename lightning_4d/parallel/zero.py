@@ -593,20 +593,31 @@ class ShardedOptimizer:
             params = [p for p in bucket.params if id(p) in mine]
             if not params:
                 continue
-            lo, hi = bucket.own_range(self.rank, self.world)
-            dtype = _local(params[0]).dtype
-            own = torch.zeros(hi - lo, dtype=dtype, device=bucket.buffer.device)
+            slices = {id(p): _local(p.data).view(-1)[slice(*self.owned[id(p)])] for p in params}
+            gathered = self._gather_owned(bucket, params, slices, _local(params[0]).dtype)
             for p in params:
-                start, end = self.owned[id(p)]
-                at = self.buckets.bucket_of(p)[1] + start - lo
-                own[at : at + end - start] = _local(p.data).view(-1)[start:end]
-            gathered = torch.empty(bucket.padded, dtype=dtype, device=own.device)
-            _all_gather_flat(gathered, own, self.buckets.group)
-            for p in params:
-                offset = self.buckets.bucket_of(p)[1]
+                offset = bucket.offsets[id(p)]
                 local = _local(p.data).view(-1)
                 local.copy_(gathered[offset : offset + local.numel()])
-            del own, gathered  # one bucket's temporaries at a time
+            del gathered  # one bucket's temporaries at a time
+
+    def _gather_owned(self, bucket: _Bucket, params: list[Tensor], slices: dict[int, Tensor],
+                      dtype: torch.dtype) -> Tensor:
+        """The whole bucket ``[padded]`` in ``dtype`` from every rank's owned slices: this rank's ``slices``
+        (``{id(p): owned slice of p's tensor}``; a missing one counts as zeros) are placed at their bucket offsets
+        in its own range, which is all-gathered over ``dp_cp`` (without ZeRO 1 the range is the whole bucket)."""
+        lo, hi = bucket.own_range(self.rank, self.world) if self.world > 1 else (0, bucket.padded)
+        own = torch.zeros(hi - lo, dtype=dtype, device=bucket.buffer.device)
+        for p in params:
+            if id(p) in slices:
+                start, end = self.owned[id(p)]
+                at = bucket.offsets[id(p)] + start - lo
+                own[at : at + end - start] = slices[id(p)]
+        if self.world == 1:
+            return own
+        gathered = torch.empty(bucket.padded, dtype=dtype, device=own.device)
+        _all_gather_flat(gathered, own, self.buckets.group)
+        return gathered
 
     # ------------------------------------------------------------------ clipping
     @torch.no_grad()
@@ -669,26 +680,17 @@ class ShardedOptimizer:
             params = [p for p in bucket.params if id(p) in mine]
             states = {id(p): self._state_with_master(p) for p in params}
             keys = sorted({k for st in states.values() for k, v in st.items() if v.ndim == 1})
-            lo, hi = bucket.own_range(self.rank, self.world) if self.world > 1 else (0, bucket.padded)
             for key in keys:
                 dtype = next(st[key].dtype for st in states.values() if key in st)
-                own = torch.zeros(hi - lo, dtype=dtype, device=bucket.buffer.device)
-                for p in params:
-                    if key in states[id(p)]:
-                        start, end = self.owned[id(p)]
-                        at = bucket.offsets[id(p)] + start - lo
-                        own[at : at + end - start] = states[id(p)][key]
-                gathered = own
-                if self.world > 1:
-                    gathered = torch.empty(bucket.padded, dtype=dtype, device=own.device)
-                    _all_gather_flat(gathered, own, self.buckets.group)
+                slices = {id(p): st[key] for p in params if key in (st := states[id(p)])}
+                gathered = self._gather_owned(bucket, params, slices, dtype)
                 for p in params:
                     offset, local = bucket.offsets[id(p)], _local(p.data)
                     full = gathered[offset : offset + local.numel()].view(local.shape).cpu().clone()
                     if isinstance(p, DTensor):
                         full = DTensor.from_local(full, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                     out[f"state.{fqns[id(p)]}.{key}"] = full
-                del own, gathered
+                del gathered
             for p in params:
                 for k, v in states[id(p)].items():
                     if v.ndim == 0:
@@ -717,15 +719,18 @@ class ShardedOptimizer:
         saved as the model's weights), else from the loaded parameters. The parameters are then refreshed from the
         masters."""
         weights = weights or {}
+        by_fqn: dict[str, dict[str, Any]] = {}  # "state.<fqn>.<field>" -> {fqn: {field: value}}, one pass
+        for key, value in flat.items():
+            if key.startswith("state."):
+                fqn, _, field = key[len("state."):].rpartition(".")
+                by_fqn.setdefault(fqn, {})[field] = value
         for p in self.parameters():
-            shard, prefix = self.shard[id(p)], f"state.{fqns[id(p)]}."
+            shard = self.shard[id(p)]
             start, end = self.owned[id(p)]
             state: dict[str, Tensor] = {}
-            for key, value in flat.items():
-                if not key.startswith(prefix) or "." in key[len(prefix):]:
-                    continue
+            for field, value in by_fqn.get(fqns[id(p)], {}).items():
                 value = _local(value)
-                state[key[len(prefix):]] = value.clone() if value.ndim == 0 else \
+                state[field] = value.clone() if value.ndim == 0 else \
                     value.reshape(-1)[start:end].to(device=shard.device, copy=True)
             master = state.pop("master", None)
             if master is None and fqns[id(p)] in weights:
@@ -734,11 +739,11 @@ class ShardedOptimizer:
                 shard.copy_(master if master is not None else _local(p.data).view(-1)[start:end])
             if state:
                 self.optimizer.state[shard] = state
-            for group in self.optimizer.param_groups:
-                if any(q is p for q in group["params"]):
-                    for key in group:
-                        if key != "params" and f"param_groups.{fqns[id(p)]}.{key}" in flat:
-                            group[key] = flat[f"param_groups.{fqns[id(p)]}.{key}"]
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key in group:
+                    if key != "params" and f"param_groups.{fqns[id(p)]}.{key}" in flat:
+                        group[key] = flat[f"param_groups.{fqns[id(p)]}.{key}"]
         if self.has_master:
             self._write_back()
 
