@@ -343,8 +343,14 @@ class ParallelConfig:
         Raises:
             ValueError: see :meth:`layer_split`.
         """
-        ranges = self.stage_layer_ranges(num_layers)
-        return [(st, ranges[st]) for st in self.stage_indices(pp_rank)] if self.pp > 1 else [(0, ranges[0])]
+        if self.pp == 1:
+            return [(0, range(num_layers))]
+        split = self.layer_split(num_layers)
+        out = []
+        for st in self.stage_indices(pp_rank):
+            start = sum(split[:st])
+            out.append((st, range(start, start + split[st])))
+        return out
 
     def layer_split(self, num_layers: int) -> list[int]:
         """Decoder layers per pipeline stage (``pp * v`` counts, stage order).

@@ -26,11 +26,12 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 __all__ = ["GPU_PRESETS", "GpuSpec", "OverheadAllowance", "gpu_spec", "overhead_allowance", "parse_bytes",
            "peak_flops_of_device"]
@@ -166,13 +167,19 @@ class OverheadAllowance:
         return int(self.fixed + self.fraction * tensor_bytes)
 
 
+@functools.lru_cache(maxsize=1)
+def _overhead_table() -> dict[str, Any]:
+    """``overhead.json``, read once per process (the planner asks for it once per layout)."""
+    return json.loads(OVERHEAD_FILE.read_text())
+
+
 def overhead_allowance(gpu_name: Optional[str] = None, device_type: str = "cuda") -> OverheadAllowance:
     """The allowance for ``gpu_name`` (``torch.cuda.get_device_name()``, e.g. "NVIDIA H100 80GB HBM3") from
     ``overhead.json``: the entry whose key is contained in the name (longest match), else ``"default"``. On a CPU
     (``device_type="cpu"``) there is no CUDA context: zero."""
     if device_type != "cuda":
         return OverheadAllowance(0, 0.0, "cpu: no CUDA context, no caching allocator")
-    table = json.loads(OVERHEAD_FILE.read_text())
+    table = _overhead_table()
     key = "default"
     if gpu_name:
         matches = [k for k in table if k != "default" and k.lower() in gpu_name.lower()]

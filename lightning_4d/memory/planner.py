@@ -306,12 +306,19 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         else:
             kw = {"gpu_name": gpu.name, **(estimate_kw or {})}
             hint = (pc.pp, pc.pipeline_schedule, pc.v)
-            if not include_unfit and pc.pp > 1 and any(
-                    estimate_memory(model_config, pc, b, seq_length, precision, num_microbatches=m, pp_rank=r,
-                                    **kw).total > limit for r in dict.fromkeys((0, worst_rank.get(hint, 0)))):
-                continue  # one pp rank already does not fit: no need to estimate them all
-            est = estimate_memory(model_config, pc, b, seq_length, precision, num_microbatches=m, **kw)
+            # every pp rank, the largest kept (estimate_memory's answer), rank 0 and the rank that needed the most
+            # on the last layout of this pipeline shape first: once one does not fit, the rest need no estimate
+            est = None
+            for r in dict.fromkeys((0, worst_rank.get(hint, 0), *range(pc.pp))):
+                one = estimate_memory(model_config, pc, b, seq_length, precision, num_microbatches=m, pp_rank=r,
+                                      **kw)
+                if est is None or (one.total, -r) > (est.total, -est.pp_rank):
+                    est = one
+                if one.total > limit and not include_unfit:
+                    break
             memory = est.total
+            if memory > limit and not include_unfit:
+                continue
             worst_rank[hint] = est.pp_rank
         fits = memory <= limit
         if not fits and not include_unfit:
