@@ -31,6 +31,8 @@ GRADIENT_COMPRESSIONS = ("none", "bf16", "powersgd")
 #: the dtype of the activations and gradients sent between pipeline stages (None: the model's; float8: e4m3 with a
 #: per-tensor scale, parallel/compression.py)
 PIPELINE_COMM_DTYPES = (None, "bfloat16", "float8")
+#: the dtype PowerSGD's factors P and Q are all-reduced in (None: float32)
+POWERSGD_COMM_DTYPES = (None, "bfloat16")
 # pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 #: schedules that split backward into input- and weight-gradient passes and run a micro-batch's weight pass after
@@ -143,6 +145,9 @@ class ParallelConfig:
             collective: half the bytes) or ``"powersgd"`` (rank-``powersgd_rank`` approximation of every matrix
             gradient with error feedback and warm start, Vogels et al. 2019, arXiv 1905.13727; ZeRO 0 and 1 only).
         powersgd_rank: r of ``"powersgd"``.
+        powersgd_start_step: the optimizer steps reduced exactly before ``"powersgd"`` starts compressing (PyTorch's
+            ``start_powerSGD_iter``; ``trainer.global_step`` below it: uncompressed).
+        powersgd_comm_dtype: ``None`` (P and Q all-reduced in float32) or ``"bfloat16"`` (half their bytes).
         pipeline_comm_dtype: ``None`` (send pipeline activations and their gradients in the model's dtype),
             ``"bfloat16"`` (half the bytes of a float32 model) or ``"float8"`` (e4m3 with a per-tensor scale, a
             quarter; ``parallel/pipeline.py``, ``parallel/compression.py``).
@@ -152,7 +157,8 @@ class ParallelConfig:
             unknown pipeline schedule, a ``virtual_pipeline_stages`` the schedule does not support, selective
             checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1, an unknown
             context-parallel method, an unknown gradient compression or pipeline comm dtype, ``"powersgd"`` with
-            ZeRO 2 or 3, a ``powersgd_rank`` below 1.
+            ZeRO 2 or 3, a ``powersgd_rank`` below 1, a negative ``powersgd_start_step``, an unknown
+            ``powersgd_comm_dtype``.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -169,6 +175,8 @@ class ParallelConfig:
     context_parallel_method: str = "ring"
     gradient_compression: str = "none"
     powersgd_rank: int = 4
+    powersgd_start_step: int = 0
+    powersgd_comm_dtype: Optional[str] = None
     pipeline_comm_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -201,6 +209,13 @@ class ParallelConfig:
                 f"{list(GRADIENT_COMPRESSIONS)}."
             )
         _check_positive_int("powersgd_rank", self.powersgd_rank)
+        if isinstance(self.powersgd_start_step, bool) or not isinstance(self.powersgd_start_step, int) \
+                or self.powersgd_start_step < 0:
+            raise ValueError(f"powersgd_start_step={self.powersgd_start_step!r} is not valid: expected an integer >= 0 "
+                             "(optimizer steps reduced exactly before PowerSGD starts).")
+        if self.powersgd_comm_dtype not in POWERSGD_COMM_DTYPES:
+            raise ValueError(f"powersgd_comm_dtype={self.powersgd_comm_dtype!r} is not valid: expected one of "
+                             f"{list(POWERSGD_COMM_DTYPES)}.")
         if self.gradient_compression == "powersgd" and self.zero_stage >= 2:
             raise ValueError(
                 f"gradient_compression='powersgd' is not supported with zero_stage={self.zero_stage}: FSDP2 "

@@ -26,6 +26,7 @@ from lightning_4d.config import (  # the Literal choices of the arguments below 
     GRADIENT_COMPRESSIONS,
     PIPELINE_COMM_DTYPES,
     PIPELINE_SCHEDULES,
+    POWERSGD_COMM_DTYPES,
     ParallelConfig,
 )
 from lightning_4d.mesh import ParallelMesh, build_mesh
@@ -81,6 +82,9 @@ class FourDStrategy(ModelParallelStrategy):
             ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD with error feedback, ZeRO 0/1); see
             ``docs/communication.md``.
         powersgd_rank: r of PowerSGD (default 4).
+        powersgd_start_step: optimizer steps reduced exactly before PowerSGD starts (default 0; PyTorch's
+            ``start_powerSGD_iter``).
+        powersgd_comm_dtype: ``None`` (PowerSGD's factors all-reduced in float32) or ``"bfloat16"`` (half the bytes).
         pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
             activations and gradients sent between pipeline stages.
         compile: ``torch.compile`` each transformer layer (dp/ZeRO layouts; not yet with tp > 1).
@@ -133,6 +137,8 @@ class FourDStrategy(ModelParallelStrategy):
         context_parallel_method: Literal[CONTEXT_PARALLEL_METHODS] = "ring",
         gradient_compression: Literal[GRADIENT_COMPRESSIONS] = "none",
         powersgd_rank: int = 4,
+        powersgd_start_step: int = 0,
+        powersgd_comm_dtype: Optional[Literal[POWERSGD_COMM_DTYPES]] = None,
         pipeline_comm_dtype: Optional[Literal[PIPELINE_COMM_DTYPES]] = None,
         compile: bool = False,
         fsdp_blocks: Optional[list[str]] = None,
@@ -157,6 +163,8 @@ class FourDStrategy(ModelParallelStrategy):
             context_parallel_method=context_parallel_method,
             gradient_compression=gradient_compression,
             powersgd_rank=powersgd_rank,
+            powersgd_start_step=powersgd_start_step,
+            powersgd_comm_dtype=powersgd_comm_dtype,
             pipeline_comm_dtype=pipeline_comm_dtype,
         )
         super().__init__(
@@ -325,7 +333,10 @@ class FourDStrategy(ModelParallelStrategy):
         pc = self.parallel_config
         self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), pc.zero_stage,
                                      master_dtype=master, tp_rank=self.mesh.tp.get_local_rank(),
-                                     compression=pc.gradient_compression, powersgd_rank=pc.powersgd_rank)
+                                     compression=pc.gradient_compression, powersgd_rank=pc.powersgd_rank,
+                                     powersgd_start_step=pc.powersgd_start_step,
+                                     powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype)
+                                     if pc.powersgd_comm_dtype else None)
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -364,7 +375,8 @@ class FourDStrategy(ModelParallelStrategy):
                 # a pipeline accumulates over its m micro-batches: reduce once, after the schedule
                 with nullcontext() if pipelined else sync.overlap_with_backward():
                     out = inner()
-                sync.synchronize()
+                trainer = attached_trainer(self.lightning_module)
+                sync.synchronize(trainer.global_step if trainer is not None else 0)
                 return out
 
         result = super().optimizer_step(optimizer, closure, model, **kwargs)

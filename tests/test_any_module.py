@@ -44,6 +44,26 @@ def test_top_level_module_list_is_sharded_per_block(tmp_path):
     assert record["fsdp_units"] == 5
 
 
+def test_bf16_gradients_of_any_module_are_reduce_scattered_in_bfloat16(tmp_path):
+    """gradient_compression='bf16' at ZeRO 3 reaches the FSDP2 units the strategy applies to any module: every
+    step's reduce-scatter sends half the bytes of the float32 run (CommMeter, rank 0), the all-gathers the same, and
+    the losses stay close to the float32 run's."""
+    runs = {}
+    for mode in ("none", "bf16"):
+        out = tmp_path / f"{mode}.json"
+        torchrun(2, SCRIPTS / "any_module.py", "--out", str(out), "--zero", "3", "--compress", mode)
+        runs[mode] = json.loads(out.read_text())
+    assert len(runs["none"]["dp_sent"]) == len(runs["bf16"]["dp_sent"]) == 5
+    for a, b in zip(runs["none"]["dp_sent"], runs["bf16"]["dp_sent"]):
+        assert a["reduce_scatter"] > 0 and b["reduce_scatter"] * 2 == a["reduce_scatter"]
+        assert b["all_gather"] == a["all_gather"]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(runs["bf16"]["losses"], runs["none"]["losses"]))
+    print(f"\ndemo Transformer ZeRO 3, bf16 gradients: max rel loss diff {rel:.2e}")
+    # measured 1.3e-4 over 5 AdamW steps (lr 3e-3): bf16 keeps 8 bits of mantissa, each summed gradient is rounded
+    # by up to 2^-9 of itself, and AdamW's normalized step passes that on; not 0: the reduction did run in bf16
+    assert 0 < rel < 1e-3
+
+
 def test_tp_on_a_module_it_cannot_split_fails_before_the_process_group():
     import lightning as L
     import torch

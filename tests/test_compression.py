@@ -24,6 +24,8 @@ LAYOUTS = [
     {"dp": 2, "zero": 3, "compress": "bf16"},
     {"dp": 2, "zero": 0, "compress": "powersgd", "rank": 2},
     {"dp": 2, "zero": 1, "compress": "powersgd", "rank": 4},
+    {"dp": 2, "zero": 0, "compress": "powersgd", "rank": 2, "pcomm": "bfloat16"},
+    {"dp": 2, "zero": 1, "compress": "powersgd", "rank": 4, "start": 3},
 ]
 #: measured (10 AdamW steps, tiny-test, fp32): bf16 8.9e-6, PowerSGD r=2 3.0e-3, r=4 1.7e-3 relative to "none"
 LOSS_RTOL = {"bf16": 5e-5, "powersgd": 1e-2}
@@ -45,10 +47,22 @@ def test_compressed_losses_follow_the_uncompressed_run(trained, index):
     assert 0 < rel < LOSS_RTOL[LAYOUTS[index]["compress"]], rel  # compressed: not bit-equal, but close
 
 
-def _dp_bytes(record) -> int:
-    """Bytes rank 0 sent over dp_cp in the second step (without the loss' 4-byte mean)."""
-    return sum(bytes_sent(kind, n, size) for dim, kind, n, size in record["bytes"]["comm_events"][1]
+def _dp_bytes(record, step: int = 1) -> int:
+    """Bytes rank 0 sent over dp_cp in step ``step`` (0-based; without the loss' 4-byte mean)."""
+    return sum(bytes_sent(kind, n, size) for dim, kind, n, size in record["bytes"]["comm_events"][step]
                if dim == "dp_cp" and n > 4)
+
+
+def _factor_bytes(record, rank: int, factor_bytes: int = 4) -> tuple[int, int]:
+    """(vectors and small matrices at 4 bytes, P and Q at ``factor_bytes``): what one PowerSGD all-reduce round of
+    rank ``rank`` moves per rank for D = 2 (2(D-1)/D = 1)."""
+    vectors = matrices = 0
+    for shape, elem in record["param_shapes"].values():
+        if powersgd_compressible(shape, rank):
+            matrices += rank * (shape[0] + shape[1]) * factor_bytes
+        else:
+            vectors += math.prod(shape) * 4
+    return vectors, matrices
 
 
 def test_bf16_halves_the_gradient_bytes(trained):
@@ -63,17 +77,36 @@ def test_powersgd_sends_the_low_rank_factors(trained):
     without compression."""
     for index in (4, 5):
         record, rank = trained[index][0], LAYOUTS[index]["rank"]
-        vectors = matrices = 0
-        for shape, elem in record["param_shapes"].values():
-            if powersgd_compressible(shape, rank):
-                matrices += rank * (shape[0] + shape[1]) * 4
-            else:
-                vectors += math.prod(shape) * 4
+        vectors, matrices = _factor_bytes(record, rank)
         gradients = _dp_bytes(record)
         if LAYOUTS[index]["zero"] == 1:  # ZeRO 1 still all-gathers the updated fp32 parameters: (D-1)/D·4P
             gradients -= record["bytes"]["params"] // 2
         assert gradients == vectors + matrices  # D = 2: 2(D-1)/D = 1
         assert gradients * 8 < _dp_bytes(trained[0][0])  # issue 15: at most 1/8 of "none"
+
+
+def test_powersgd_factors_in_bfloat16_send_half(trained):
+    """powersgd_comm_dtype='bfloat16': P and Q cross the wire in bfloat16 (half their float32 bytes), the vectors
+    stay float32; the loss stays as close to the uncompressed run as float32 factors' (LOSS_RTOL)."""
+    record = trained[6][0]
+    vectors, matrices = _factor_bytes(record, 2, factor_bytes=2)
+    assert _dp_bytes(record) == vectors + matrices
+    fp32 = _factor_bytes(record, 2)
+    assert fp32[1] == 2 * matrices
+
+
+def test_powersgd_start_step_reduces_exactly_first(trained):
+    """powersgd_start_step=3: steps 0-2 reduce every gradient exactly (ZeRO 1's reduce-scatter, the bytes of the
+    uncompressed ZeRO 1 run), step 3 on sends the factors; the first three losses equal the uncompressed run's."""
+    base, record = trained[0][0], trained[7][0]
+    assert record["losses"][:3] == pytest.approx(base["losses"][:3], rel=1e-6, abs=0)
+    assert record["losses"][3:] != pytest.approx(base["losses"][3:], rel=1e-6, abs=0)
+    for step in range(3):  # ZeRO 1, D = 2: reduce-scatter n/2 + all-gather n/2 = ZeRO 0's all-reduce n
+        kinds = {kind for dim, kind, n, size in record["bytes"]["comm_events"][step] if dim == "dp_cp" and n > 4}
+        assert kinds == {"reduce_scatter", "all_gather"} and _dp_bytes(record, step) == _dp_bytes(base)
+    vectors, matrices = _factor_bytes(record, 4)
+    for step in range(3, 10):
+        assert _dp_bytes(record, step) - record["bytes"]["params"] // 2 == vectors + matrices
 
 
 def test_powersgd_state_is_what_the_memory_model_counts(trained):

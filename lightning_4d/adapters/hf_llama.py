@@ -290,7 +290,7 @@ def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_4d.parallel.pipeline import reshard_after_forward
-    from lightning_4d.parallel.zero import apply_fsdp
+    from lightning_4d.parallel.zero import apply_fsdp, fsdp_reduce_dtype
 
     validate(model, config)
     cp_rank = mesh.cp.get_local_rank() if config.cp > 1 else 0
@@ -313,8 +313,10 @@ def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
     if config.zero_stage >= 2 and chunks is not None:  # each chunk is a root: the schedule calls the chunks
         for _, chunk in chunks:
             apply_fsdp(chunk, mesh.dp_cp, config.zero_stage, blocks=list(chunk.layers.values()),
-                       reshard_after_forward=reshard_after_forward(config))
+                       reshard_after_forward=reshard_after_forward(config),
+                       reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
     elif config.zero_stage >= 2:
-        apply_fsdp(model, mesh.dp_cp, config.zero_stage, blocks=list(model.model.layers))
+        apply_fsdp(model, mesh.dp_cp, config.zero_stage, blocks=list(model.model.layers),
+                   reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
     model._lightning_4d_pipeline_chunks = chunks
     model._lightning_4d_parallelized = True

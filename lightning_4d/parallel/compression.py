@@ -15,8 +15,14 @@ of ``r·(m + n)`` values:
    ``E = M − P·Qᵀ`` (what this rank's update missed, added back next step).
 
 Vectors (norm weights) and matrices too small to gain are all-reduced uncompressed. Bytes per step for a matrix:
-``2·(D−1)/D·4·r·(m + n)`` instead of ``2·(D−1)/D·4·m·n``. State per compressed matrix, saved in checkpoints: E
-(float32, ``m × n``) and Q (float32, ``n × r``).
+``2·(D−1)/D·w·r·(m + n)`` instead of ``2·(D−1)/D·4·m·n``, ``w`` the bytes of a factor element on the wire (4, or 2
+with ``comm_dtype=torch.bfloat16``: P and Q are cast for their all-reduces and summed in bfloat16, the
+orthonormalization and the error stay float32). State per compressed matrix, saved in checkpoints: E (float32,
+``m × n``) and Q (float32, ``n × r``).
+
+``start_step`` (PyTorch's ``start_powerSGD_iter`` of its DDP ``powerSGD_hook``, which its documentation recommends for
+accuracy): the first ``start_step`` optimizer steps reduce every gradient exactly (the caller's ordinary
+collective: ZeRO 1's reduce-scatter), compression starts after them, with E zero and Q random.
 """
 
 from __future__ import annotations
@@ -41,15 +47,19 @@ class PowerSGD:
     Args:
         rank: r, the rank of the approximation.
         group: the data-parallel process group (``dp_cp``).
+        start_step: the optimizer steps before compression starts (:meth:`active`).
+        comm_dtype: the dtype P and Q are all-reduced in (``None``: float32; ``torch.bfloat16``: half the bytes).
 
     Attributes:
         errors: ``{key: E}`` float32 ``[m, n]`` per compressed matrix.
         qs: ``{key: Q}`` float32 ``[n, r]`` per compressed matrix.
     """
 
-    def __init__(self, rank: int, group: Any) -> None:
+    def __init__(self, rank: int, group: Any, start_step: int = 0, comm_dtype: Optional[torch.dtype] = None) -> None:
         self.rank = rank
         self.group = group
+        self.start_step = start_step
+        self.comm_dtype = comm_dtype
         self.world = dist.get_world_size(group)
         self.errors: dict[Any, Tensor] = {}
         self.qs: dict[Any, Tensor] = {}
@@ -59,6 +69,10 @@ class PowerSGD:
         if self._generator is None:
             self._generator = torch.Generator(device="cpu").manual_seed(POWERSGD_SEED)
         return torch.randn(n, self.rank, generator=self._generator).to(device)
+
+    def active(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (0-based, ``trainer.global_step``) is compressed: ``step >= start_step``."""
+        return step >= self.start_step
 
     @torch.no_grad()
     def reduce(self, matrices: list[tuple[Any, Tensor]], vectors: list[Tensor]) -> None:
@@ -98,8 +112,10 @@ class PowerSGD:
             g.copy_(approx)
 
     def _all_reduce(self, tensors: list[Tensor]) -> None:
-        """Sum ``tensors`` over the group in one all-reduce of their concatenation."""
+        """Sum ``tensors`` over the group in one all-reduce of their concatenation (in ``comm_dtype``)."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
+        if self.comm_dtype is not None:
+            flat = flat.to(self.comm_dtype)
         dist.all_reduce(flat, group=self.group)
         offset = 0
         for t in tensors:

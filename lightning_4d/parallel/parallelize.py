@@ -20,7 +20,7 @@ from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
 from lightning_4d.parallel.context import apply_context_parallel
 from lightning_4d.parallel.pipeline import reshard_after_forward, resolve_num_microbatches, split_llama
 from lightning_4d.parallel.tensor import apply_tensor_parallel
-from lightning_4d.parallel.zero import apply_fsdp
+from lightning_4d.parallel.zero import apply_fsdp, fsdp_reduce_dtype
 
 
 def validate_against_module(config: ParallelConfig, module: Optional[nn.Module]) -> None:
@@ -138,7 +138,8 @@ def shard_any_module(module: nn.Module, mesh: ParallelMesh, config: ParallelConf
         below = {id(m) for m in child.modules()}
         inner = [b for b in blocks if b is not child and id(b) in below]
         if child in blocks or any(id(p) not in in_blocks for p in child.parameters()):
-            apply_fsdp(child, mesh.dp_cp, config.zero_stage, blocks=inner)
+            apply_fsdp(child, mesh.dp_cp, config.zero_stage, blocks=inner,
+                       reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
 
 
 def parallelize_llama(
@@ -170,7 +171,7 @@ def parallelize_llama(
         if config.zero_stage >= 2:
             apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=reshard_after_forward(config),
                        param_dtype=param_dtype,
-                       reduce_dtype=torch.bfloat16 if config.gradient_compression == "bf16" else None)
+                       reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
         if part is not model:
             for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
                 model.layers[name] = block

@@ -70,6 +70,14 @@ def _buckets(
 
 
 # ---------------------------------------------------------------------------------------------------- stage 2, 3
+def fsdp_reduce_dtype(gradient_compression: str) -> Optional[torch.dtype]:
+    """The ``reduce_dtype`` of FSDP2's ``MixedPrecisionPolicy`` for ``ParallelConfig.gradient_compression`` at ZeRO
+    2/3: ``torch.bfloat16`` for ``"bf16"`` (half the reduce-scatter bytes), else ``None`` (:func:`apply_fsdp`'s
+    default). Every caller of :func:`apply_fsdp` for a strategy layout passes this (our Llama, any module,
+    transformers' Llama)."""
+    return torch.bfloat16 if gradient_compression == "bf16" else None
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_cp_mesh: DeviceMesh,
@@ -172,6 +180,8 @@ def setup_zero(
     tp_rank: int = 0,
     compression: str = "none",
     powersgd_rank: int = 4,
+    powersgd_start_step: int = 0,
+    powersgd_comm_dtype: Optional[torch.dtype] = None,
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own: their gradients in :class:`GradientBuckets` over ``group``
     (``dp_cp``; returned, ``None`` when there is none), and a :class:`ShardedOptimizer` around every torch optimizer
@@ -189,7 +199,9 @@ def setup_zero(
             master weights). The buckets' hooks are then not registered yet: cast the parameters, then call
             :meth:`GradientBuckets.register_hooks`.
         tp_rank: this rank's tensor-parallel rank (tp-replicated parameters count once in the clipping norm).
-        compression, powersgd_rank: the buckets' gradient compression (``ParallelConfig.gradient_compression``).
+        compression, powersgd_rank, powersgd_start_step, powersgd_comm_dtype: the buckets' gradient compression
+            (``ParallelConfig.gradient_compression`` and its PowerSGD options;
+            :class:`~lightning_4d.parallel.compression.PowerSGD`).
 
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
@@ -201,7 +213,8 @@ def setup_zero(
     shard = zero_stage == 1 and dist.get_world_size(group) > 1
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
     buckets = GradientBuckets(params, group, reduce_scatter=shard, grad_dtype=master_dtype, hooks=master_dtype is None,
-                              compression=compression, powersgd_rank=powersgd_rank)
+                              compression=compression, powersgd_rank=powersgd_rank,
+                              powersgd_start_step=powersgd_start_step, powersgd_comm_dtype=powersgd_comm_dtype)
     if shard or master_dtype is not None:
         for optimizer in optimizers:
             ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
@@ -269,10 +282,13 @@ class GradientBuckets:
         hooks: bool = True,
         compression: str = "none",
         powersgd_rank: int = 4,
+        powersgd_start_step: int = 0,
+        powersgd_comm_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.compression = compression
-        self.powersgd = PowerSGD(powersgd_rank, group) if compression == "powersgd" else None
+        self.powersgd = (PowerSGD(powersgd_rank, group, powersgd_start_step, powersgd_comm_dtype)
+                         if compression == "powersgd" else None)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -402,13 +418,14 @@ class GradientBuckets:
         self._pending[i] = (work, wire)
 
     @torch.no_grad()
-    def synchronize(self) -> None:
+    def synchronize(self, step: int = 0) -> None:
         """Finish the averaging: take in gradients assigned outside the hook, start the remaining buckets' collectives,
-        wait, divide by D (ZeRO 1: the rank's own ranges only are meaningful afterwards)."""
+        wait, divide by D (ZeRO 1: the rank's own ranges only are meaningful afterwards). ``step``: the optimizer
+        step (``trainer.global_step``), which tells PowerSGD whether it compresses yet."""
         for p in self.params:
             if p.grad is not None:
                 self._accumulate(p)
-        if self.world > 1 and self.powersgd is not None:
+        if self.world > 1 and self.powersgd is not None and self.powersgd.active(step):
             self._powersgd_reduce()
         elif self.world > 1:
             for i in range(len(self.buckets)):

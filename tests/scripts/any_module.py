@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=0)
     parser.add_argument("--blocks", default=None, help="fsdp_blocks, comma-separated")
     parser.add_argument("--module", default="demo", choices=["demo", "stack"])
+    parser.add_argument("--compress", default="none", help="gradient_compression")
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
@@ -72,11 +73,22 @@ def main() -> None:
         from lightning_4d import FourDStrategy
 
         strategy = FourDStrategy(zero_stage=args.zero, process_group_backend="gloo", timeout=timedelta(seconds=60),
-                                 fsdp_blocks=args.blocks.split(",") if args.blocks else None)
+                                 fsdp_blocks=args.blocks.split(",") if args.blocks else None,
+                                 gradient_compression=args.compress)
     losses: list[float] = []
+    sent: list[dict] = []  # FourDStrategy: bytes this rank sent over dp_cp per collective kind, per step
 
     class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if args.strategy != "ddp":
+                from lightning_4d.parallel.comm import CommMeter
+
+                self.meter = CommMeter.for_mesh(trainer.strategy.mesh).__enter__()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if args.strategy != "ddp":
+                self.meter.__exit__(None, None, None)
+                sent.append(dict(self.meter.sent.get("dp_cp", {})))
             losses.append(float(trainer.callback_metrics["train_loss"]))
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
@@ -87,7 +99,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         units = sum(type(m).__name__.startswith("FSDP") for m in module.modules())
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "fsdp_units": units}, f)
+            json.dump({"losses": losses, "fsdp_units": units, "dp_sent": sent}, f)
 
 
 if __name__ == "__main__":

@@ -91,11 +91,22 @@ def main() -> None:
                 data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 1),
                 context_parallel_size=layout.get("cp", 1), context_parallel_method=layout.get("method", "ring"),
                 pipeline_parallel_size=layout.get("pp", 1), pipeline_schedule=layout.get("schedule", "1f1b"),
-                sequence_parallel=layout.get("sp"), process_group_backend="gloo", timeout=timedelta(seconds=120))
+                sequence_parallel=layout.get("sp"), gradient_compression=layout.get("compress", "none"),
+                process_group_backend="gloo", timeout=timedelta(seconds=120))
         losses: list[float] = []
+        sent: list[dict] = []  # bytes this rank sent over dp_cp per collective kind, per step
 
         class Record(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if not args.reference:
+                    from lightning_4d.parallel.comm import CommMeter
+
+                    self.meter = CommMeter.for_mesh(trainer.strategy.mesh).__enter__()
+
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if not args.reference:
+                    self.meter.__exit__(None, None, None)
+                    sent.append(dict(self.meter.sent.get("dp_cp", {})))
                 losses.append(float(trainer.callback_metrics["train_loss"]))
 
         trainer = L.Trainer(accelerator="cpu", devices=1 if args.reference else world, strategy=strategy,
@@ -111,7 +122,7 @@ def main() -> None:
         if trainer.global_rank == 0:
             split = {"dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
                      "attention": module.model.config._attn_implementation}
-            torch.save({"layout": layout, "losses": losses, "weights": weights, **split}, Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"))
+            torch.save({"layout": layout, "losses": losses, "weights": weights, "dp_sent": sent, **split}, Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

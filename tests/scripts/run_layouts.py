@@ -5,8 +5,8 @@ shards, and (rank 0) the final full weights.
 Usage (from the tests): ``torchrun --nproc-per-node N tests/scripts/run_layouts.py --out DIR --layouts JSON``,
 or ``python tests/scripts/run_layouts.py --out DIR --layouts '[{"reference": true}]'`` for the single-process
 reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, precision, ac, clip,
-compile, tied, accum, bucket, sdc, compress (gradient compression) and rank (PowerSGD's), comm (record CommMeter
-events), for pipeline parallelism pp, schedule, v (stages per rank), m (micro-batches per step), split (layers per
+compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start and pcomm (PowerSGD's rank, start
+step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank), m (micro-batches per step), split (layers per
 stage) and pcd (pipeline comm dtype), and for context parallelism cp and method ("ring" / "allgather").
 """
 
@@ -107,6 +107,7 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
             sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
             compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),
             gradient_compression=layout.get("compress", "none"), powersgd_rank=layout.get("rank", 4),
+            powersgd_start_step=layout.get("start", 0), powersgd_comm_dtype=layout.get("pcomm"),
             pipeline_comm_dtype=layout.get("pcd"),
             process_group_backend="gloo", timeout=timedelta(seconds=120),
         )
