@@ -17,8 +17,8 @@ layout and the ratio:
   max and sums (small);
 - pp: each micro-batch's hidden states (or their gradient) sent once per stage boundary: ``m·b/m·s/cp·h·4/tp``;
 - cp (ring), per layer: K and V of the local tokens gathered forward and again backward, their gradients
-  reduce-scattered: ``3·(cp−1)·KV`` with KV the local K and V bytes; the ring passes the gradients a full circle
-  back to their owner: ``(3cp − 2)·KV``.
+  reduce-scattered: ``3·(cp−1)·KV`` with KV the local K and V bytes; the ring sends each block's gradients
+  ``cp − 1`` hops back to their owner, so it moves the minimum.
 
 Not a timed test: bytes are exact, measured in one run.
 """

@@ -116,12 +116,13 @@ def test_pipeline_sends_one_activation_per_micro_batch(measured):
 
 def test_context_parallel_ring_passes_kv_around(measured):
     """cp=2 ring (parallel/context.py): per layer, K and V of the local s/cp tokens (stacked) are passed cp-1
-    times forward; backward passes K/V cp-1 times again and their gradients cp times (a full circle back to their
-    owner): 3·cp - 2 sends per layer. Counted under cp although with dp=1 the cp group is the dp_cp group."""
+    times forward; backward passes K/V cp-1 times again and their gradients cp-1 times (from the rank after the
+    owner round to the owner, a reduce-scatter's volume): 3·(cp - 1) sends per layer, the minimum. Counted under cp
+    although with dp=1 the cp group is the dp_cp group."""
     record = measured[6]
     cfg = LlamaConfig.from_preset("tiny-test")
     kv = 2 * GLOBAL_BATCH * (SEQ // 2) * cfg.num_kv_heads * cfg.head_dim * F32  # K and V stacked
     events = _events(record)
     sends = {key: c for key, c in events.items() if key[1] == "send"}
     assert set(sends) == {("cp", "send", kv, 2)}
-    assert sends[("cp", "send", kv, 2)] == (3 * 2 - 2) * cfg.num_layers
+    assert sends[("cp", "send", kv, 2)] == 3 * (2 - 1) * cfg.num_layers

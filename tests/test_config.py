@@ -193,3 +193,22 @@ def test_gradient_bucket_rules():
     assert sum(bucket_lengths([7] * 13, 20)) == 13
     # 10 elements over 4 ranks: padded to 12, ranges of 3; the last rank holds 1 real element and 2 of padding
     assert [bucket_shard(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"gradient_compression": "zip"}, r"gradient_compression='zip' is not valid: expected one of \['none', 'bf16', "
+                                      r"'powersgd'\]"),
+    ({"powersgd_rank": 0}, "powersgd_rank=0 is not valid"),
+    ({"powersgd_start_step": -1}, r"powersgd_start_step=-1 is not valid: expected an integer >= 0"),
+    ({"powersgd_start_step": True}, r"powersgd_start_step=True is not valid"),
+    ({"powersgd_comm_dtype": "float8"}, r"powersgd_comm_dtype='float8' is not valid: expected one of \[None, "
+                                        r"'bfloat16'\]"),
+    ({"gradient_compression": "powersgd", "zero_stage": 3}, r"'powersgd' is not supported with zero_stage=3"),
+])
+def test_gradient_compression_options_are_checked(kwargs, match):
+    """Bad compression options fail in ParallelConfig, before any process group, naming the value and the valid ones
+    (FourDStrategy's arguments are the same fields)."""
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        FourDStrategy(**kwargs)

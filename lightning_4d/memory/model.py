@@ -92,7 +92,8 @@ stage boundary.
 holds ``s/c`` tokens of every sequence). What is not divided by c, per method: ``"ring"`` saves only the local
 q, k, v, output and float32 log-sum-exp (the same tensors as plain attention) and holds, transiently in one layer's
 backward, the K/V block in hand and the one arriving, the block's float32 dK/dV accumulator and the one arriving,
-and float32 dq (``2·(2·c_b + 2·4)·b·(s/c)·k·d/t + 4·b·(s/c)·a·d/t`` bytes, ``c_b`` the compute dtype's bytes);
+the rank's own block's float32 dK/dV (kept to the end, so that the accumulators travel ``c − 1`` hops), and float32
+dq (``2·(2·c_b + 3·4)·b·(s/c)·k·d/t + 4·b·(s/c)·a·d/t`` bytes, ``c_b`` the compute dtype's bytes);
 ``"allgather"`` saves the gathered K and V of the whole sequence besides the local ones
 (``2·c_b·b·s·k·d/t`` more bytes per layer) and, in one layer's backward, their float32 gradient for all
 ``s`` tokens and float32 dq (``2·4·b·s·k·d/t + 4·b·(s/c)·a·d/t``).
@@ -515,7 +516,7 @@ def _context_parallel_buffers(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int,
     kv = b * (cfg.num_kv_heads // tp) * cfg.head_dim  # elements of K (or V) per token
     dq = 4 * b * s * (cfg.num_heads // tp) * cfg.head_dim
     if pc.context_parallel_method == "ring":
-        return 2 * (2 * dt.compute + 2 * 4) * s * kv + dq
+        return 2 * (2 * dt.compute + 3 * 4) * s * kv + dq
     return 2 * 4 * seq_length * kv + dq
 
 

@@ -22,8 +22,10 @@ change.
 
       lse = logaddexp(lse_a, lse_b);  out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
 
-  Backward runs the ring again: dq accumulates locally, and the dK/dV of each block travels with the block and
-  returns to its owner after ``c`` steps. Only the local q, k, v, the output and the log-sum-exp are saved.
+  Backward runs the ring again: dq accumulates locally, and the dK/dV of each block travels with the block from the
+  first rank after its owner round the ring back to the owner (``c − 1`` sends, a reduce-scatter's volume); the
+  owner keeps its own contribution, computed first, and adds the arriving sum last. Only the local q, k, v, the
+  output and the log-sum-exp are saved.
 - ``"allgather"`` (Llama 3's method, arXiv 2407.21783 §3.3.2): K and V of the whole sequence are all-gathered
   (kv heads only, so cheap for GQA models), each local query chunk ``a`` attends fully to chunks ``0 .. a-1`` and
   causally to chunk ``a`` (two kernel calls merged by log-sum-exp). Backward reduce-scatters dK/dV to their owners
@@ -373,7 +375,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         kv_comm = _RingExchange(group) if size > 1 else None
         dkv_comm = _RingExchange(group) if size > 1 else None
-        dkv: Optional[Tensor] = None  # the dK/dV of the block held at this step, summed over the ranks it visited
+        own: Optional[Tensor] = None  # this rank's contribution to its own block's dK/dV (step 0), kept to the end
         for step in range(size):
             if kv_comm is not None and step + 1 < size:
                 kv_comm.start(kv)
@@ -396,17 +398,17 @@ class _RingAttention(torch.autograd.Function):
                 dq[:, :, second] += dq_b
                 block[0] += dk_b
                 block[1] += dv_b
-            if dkv_comm is not None and step > 0:
-                block += dkv_comm.wait()  # the partial dK/dV of this block from the ranks it visited before
-            if dkv_comm is not None:
-                dkv_comm.start(block)  # travels with its block; after c sends it is back at the owner
+            if step == 0:
+                own = block  # not sent: the other ranks' sum comes back to it after the loop
             else:
-                dkv = block
+                assert dkv_comm is not None
+                if step > 1:
+                    block += dkv_comm.wait()  # the partial dK/dV of this block from the ranks it visited before
+                dkv_comm.start(block)  # travels with its block; the send at step c - 1 reaches the owner
             if kv_comm is not None and step + 1 < size:
                 kv = kv_comm.wait()
-        if dkv_comm is not None:
-            dkv = dkv_comm.wait()
-        assert dkv is not None
+        assert own is not None
+        dkv = own + dkv_comm.wait() if dkv_comm is not None else own
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
