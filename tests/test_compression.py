@@ -87,7 +87,7 @@ def test_powersgd_sends_the_low_rank_factors(trained):
 
 def test_powersgd_factors_in_bfloat16_send_half(trained):
     """powersgd_comm_dtype='bfloat16': P and Q cross the wire in bfloat16 (half their float32 bytes), the vectors
-    stay float32; the loss stays as close to the uncompressed run as float32 factors' (LOSS_RTOL)."""
+    stay float32 (its loss: test_compressed_losses_follow_the_uncompressed_run, within LOSS_RTOL)."""
     record = trained[6][0]
     vectors, matrices = _factor_bytes(record, 2, factor_bytes=2)
     assert _dp_bytes(record) == vectors + matrices
