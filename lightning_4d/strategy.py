@@ -370,13 +370,14 @@ class FourDStrategy(ModelParallelStrategy):
         if self._grad_sync is not None:
             inner, sync = closure, self._grad_sync
             pipelined = self.pipeline is not None
+            trainer = attached_trainer(self.lightning_module)
+            step = trainer.global_step if trainer is not None else 0
 
             def closure() -> Any:  # forward + backward (gradients averaged over dp_cp while backward runs)
                 # a pipeline accumulates over its m micro-batches: reduce once, after the schedule
-                with nullcontext() if pipelined else sync.overlap_with_backward():
+                with nullcontext() if pipelined else sync.overlap_with_backward(step):
                     out = inner()
-                trainer = attached_trainer(self.lightning_module)
-                sync.synchronize(trainer.global_step if trainer is not None else 0)
+                sync.synchronize(step)
                 return out
 
         result = super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -309,6 +309,7 @@ class GradientBuckets:
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, Any] = {}
         self._overlap = False
+        self._step = 0  # the optimizer step being accumulated (overlap_with_backward): PowerSGD's start
         self._suspended = False
         self._hooks: list[Any] = []
         if hooks:
@@ -360,9 +361,12 @@ class GradientBuckets:
         self._fresh = {id(p) for p in self.params}
 
     @contextmanager
-    def overlap_with_backward(self) -> Iterator[None]:
-        """Start each bucket's collective from the backward pass that runs inside this context."""
+    def overlap_with_backward(self, step: int = 0) -> Iterator[None]:
+        """Start each bucket's collective from the backward pass that runs inside this context. ``step``: the
+        optimizer step (``trainer.global_step``); PowerSGD's steps reduce in :meth:`synchronize` instead (its two
+        all-reduces need every matrix of the bucket), its start steps overlap like uncompressed ones."""
         self._ready = [0] * len(self.buckets)
+        self._step = step
         self._overlap = True
         try:
             yield
@@ -390,7 +394,7 @@ class GradientBuckets:
         if self._suspended:
             return
         self._accumulate(p)
-        if not self._overlap or self.world == 1 or self.powersgd is not None:
+        if not self._overlap or self.world == 1 or (self.powersgd is not None and self.powersgd.active(self._step)):
             return  # PowerSGD reduces in synchronize (its two all-reduces need every matrix of the bucket)
         i = self._bucket_of[id(p)]
         self._ready[i] += 1
