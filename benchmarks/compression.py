@@ -20,11 +20,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train(mode: str, steps: int, out: Path, seed: int, powersgd: list[str]) -> None:
+def _train(mode: str, out: Path, args: argparse.Namespace) -> None:
     """One run (every launched process runs this; rank 0 writes ``out/<mode>.json``)."""
     from lightning.pytorch.cli import LightningCLI
 
@@ -32,11 +33,16 @@ def _train(mode: str, steps: int, out: Path, seed: int, powersgd: list[str]) -> 
     from lightning_4d.parallel.comm import CommMeterCallback
     from lightning_4d.tasks import CausalLMModule
 
-    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.max_steps={steps}",
-            f"--trainer.val_check_interval={min(150, steps)}", f"--trainer.strategy.gradient_compression={mode}",
-            "--trainer.enable_progress_bar=false", f"--seed_everything={seed}", f"--model.init_seed={seed}",
-            *(powersgd if mode == "powersgd" else [])]
-    cli = LightningCLI(CausalLMModule, LMDataModule, args=args, run=False, save_config_kwargs={"overwrite": True})
+    cli_args = ["--config", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.max_steps={args.steps}",
+                f"--trainer.val_check_interval={min(150, args.steps)}",
+                f"--trainer.strategy.gradient_compression={mode}", "--trainer.enable_progress_bar=false",
+                f"--seed_everything={args.seed}", f"--model.init_seed={args.seed}"]
+    if mode == "powersgd":
+        cli_args += [f"--trainer.strategy.powersgd_rank={args.powersgd_rank}",
+                     f"--trainer.strategy.powersgd_start_step={args.powersgd_start_step}"]
+        if args.powersgd_comm_dtype:
+            cli_args.append(f"--trainer.strategy.powersgd_comm_dtype={args.powersgd_comm_dtype}")
+    cli = LightningCLI(CausalLMModule, LMDataModule, args=cli_args, run=False, save_config_kwargs={"overwrite": True})
     meter = CommMeterCallback(per_kind=True, every_n_steps=50)
     cli.trainer.callbacks.append(meter)
     cli.trainer.fit(cli.model, cli.datamodule)
@@ -57,15 +63,11 @@ def main() -> None:
     parser.add_argument("--train", help=argparse.SUPPRESS)  # internal: one run in this process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    powersgd = [f"--trainer.strategy.powersgd_rank={args.powersgd_rank}",
-                f"--trainer.strategy.powersgd_start_step={args.powersgd_start_step}"]
-    if args.powersgd_comm_dtype:
-        powersgd.append(f"--trainer.strategy.powersgd_comm_dtype={args.powersgd_comm_dtype}")
+    if args.train:
+        _train(args.train, Path(args.out), args)
+        return
     options = ["--powersgd-rank", str(args.powersgd_rank), "--powersgd-start-step", str(args.powersgd_start_step)]
     options += ["--powersgd-comm-dtype", args.powersgd_comm_dtype] if args.powersgd_comm_dtype else []
-    if args.train:
-        _train(args.train, args.steps, Path(args.out), args.seed, powersgd)
-        return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,8 +80,8 @@ def main() -> None:
         results = {mode: json.loads((Path(tmp) / f"{mode}.json").read_text()) for mode in args.modes}
     base = results.get("none")
 
-    def mean(result: dict, *keys: str) -> float:
-        rows = result["history"]
+    def mean(result: dict, *keys: str, rows: Optional[list[dict]] = None) -> float:
+        rows = result["history"] if rows is None else rows
         return sum(sum(r.get(k, 0) for k in keys) for r in rows) / len(rows)
 
     def gradient_bytes(result: dict, compressed: bool = True) -> float:
@@ -88,8 +90,7 @@ def main() -> None:
         reduce-scatter) or over the others (its uncompressed start steps)."""
         rows = [r for r in result["history"]
                 if (r.get("comm_bytes/dp_cp/reduce_scatter", 0) == 0) == compressed or result["mode"] != "powersgd"]
-        keys = ("comm_bytes/dp_cp/all_reduce", "comm_bytes/dp_cp/reduce_scatter")
-        return sum(sum(r.get(k, 0) for k in keys) for r in rows) / len(rows)
+        return mean(result, "comm_bytes/dp_cp/all_reduce", "comm_bytes/dp_cp/reduce_scatter", rows=rows)
 
     def run_bytes(result: dict) -> float:  # per step over the whole run: the start steps are uncompressed
         if result["mode"] != "powersgd" or not args.powersgd_start_step:
@@ -117,6 +118,7 @@ def main() -> None:
     print("Bytes rank 0 sends, the mean of one step in 50 (CommMeter): per compressed step, and over the run (PowerSGD's "
           "start steps reduce exactly). ZeRO 1 all-gathers the updated float32 parameters whatever the gradients' "
           "compression.")
+
 
 if __name__ == "__main__":
     main()

@@ -14,10 +14,11 @@ from tests._launch import SCRIPTS, torchrun
 pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
 
 LAYOUTS = {
-    2: [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}, {"tp": 2}, {"tp": 2, "sp": False}, {"cp": 2},
+    2: [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 3, "comm": True}, {"tp": 2}, {"tp": 2, "sp": False}, {"cp": 2},
         {"cp": 2, "method": "allgather"}, {"pp": 2, "m": 2, "zero": 1},
-        # FSDP2 reduce-scatters in bfloat16 (test_bf16_gradients_are_reduce_scattered_in_bfloat16)
-        {"dp": 2, "zero": 3, "compress": "bf16"}],
+        # "comm": bytes on the wire per step; FSDP2 reduce-scatters in bfloat16
+        # (test_bf16_gradients_are_reduce_scattered_in_bfloat16)
+        {"dp": 2, "zero": 3, "compress": "bf16", "comm": True}],
     4: [{"dp": 2, "tp": 2, "zero": 1}, {"cp": 2, "tp": 2, "zero": 3},
         # built on the meta device in configure_model, weights from init_from=<hf dir> (each rank reads its slices)
         {"dp": 2, "tp": 2, "zero": 3, "meta": True}, {"cp": 2, "tp": 2, "zero": 1, "meta": True}],
@@ -79,12 +80,13 @@ def test_bf16_gradients_are_reduce_scattered_in_bfloat16(runs):
     of one process (measured 8.5e-5: bf16 keeps 8 bits of mantissa, each summed gradient is rounded by up to 2^-9 of
     itself, and AdamW's normalized step passes that on)."""
     reference, records = runs
-    plain = next(r for r in records if r["layout"] == {"dp": 2, "zero": 3})
+    plain = next(r for r in records if r["layout"] == {"dp": 2, "zero": 3, "comm": True})
     bf16 = next(r for r in records if r["layout"].get("compress") == "bf16")
-    assert len(bf16["dp_sent"]) == len(plain["dp_sent"]) == 10
-    for a, b in zip(plain["dp_sent"], bf16["dp_sent"]):
-        assert a["reduce_scatter"] > 0 and b["reduce_scatter"] * 2 == a["reduce_scatter"]
-        assert b["all_gather"] == a["all_gather"]
+    assert len(bf16["comm"]) == len(plain["comm"]) == 10  # CommMeterCallback's rows, one per step
+    rs, ag = "comm_bytes/dp_cp/reduce_scatter", "comm_bytes/dp_cp/all_gather"
+    for a, b in zip(plain["comm"], bf16["comm"]):
+        assert a[rs] > 0 and b[rs] * 2 == a[rs]
+        assert b[ag] == a[ag]
     rel = max(abs(a - b) / abs(b) for a, b in zip(bf16["losses"], reference["losses"]))
     print(f"\nHF Llama dp2 ZeRO 3 bf16 gradients: max rel loss diff {rel:.2e}")
     assert 0 < rel < 1e-3  # measured 8.5e-5 over 10 steps; not 0: the reduction did run in bf16

@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--blocks", default=None, help="fsdp_blocks, comma-separated")
     parser.add_argument("--module", default="demo", choices=["demo", "stack"])
     parser.add_argument("--compress", default="none", help="gradient_compression")
+    parser.add_argument("--comm", action="store_true", help="record the bytes sent over dp_cp per step (FourDStrategy)")
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
@@ -76,30 +77,26 @@ def main() -> None:
                                  fsdp_blocks=args.blocks.split(",") if args.blocks else None,
                                  gradient_compression=args.compress)
     losses: list[float] = []
-    sent: list[dict] = []  # FourDStrategy: bytes this rank sent over dp_cp per collective kind, per step
 
     class Record(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if args.strategy != "ddp":
-                from lightning_4d.parallel.comm import CommMeter
-
-                self.meter = CommMeter.for_mesh(trainer.strategy.mesh).__enter__()
-
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if args.strategy != "ddp":
-                self.meter.__exit__(None, None, None)
-                sent.append(dict(self.meter.sent.get("dp_cp", {})))
             losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    meter = None
+    if args.comm:  # bytes on the wire per step (lightning_4d.parallel.comm)
+        from lightning_4d.parallel.comm import CommMeterCallback
+
+        meter = CommMeterCallback(per_kind=True)
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Record()])
+                        callbacks=[Record(), *([meter] if meter else [])])
     module = DemoLM() if args.module == "demo" else StackLM()
     trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
     if trainer.global_rank == 0:
         units = sum(type(m).__name__.startswith("FSDP") for m in module.modules())
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "fsdp_units": units, "dp_sent": sent}, f)
+            json.dump({"losses": losses, "fsdp_units": units, "comm": meter.history if meter else []}, f)
 
 
 if __name__ == "__main__":

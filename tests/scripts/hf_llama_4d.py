@@ -94,25 +94,21 @@ def main() -> None:
                 sequence_parallel=layout.get("sp"), gradient_compression=layout.get("compress", "none"),
                 process_group_backend="gloo", timeout=timedelta(seconds=120))
         losses: list[float] = []
-        sent: list[dict] = []  # bytes this rank sent over dp_cp per collective kind, per step
 
         class Record(L.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                if not args.reference:
-                    from lightning_4d.parallel.comm import CommMeter
-
-                    self.meter = CommMeter.for_mesh(trainer.strategy.mesh).__enter__()
-
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                if not args.reference:
-                    self.meter.__exit__(None, None, None)
-                    sent.append(dict(self.meter.sent.get("dp_cp", {})))
                 losses.append(float(trainer.callback_metrics["train_loss"]))
+
+        meter = None
+        if layout.get("comm"):  # bytes on the wire per step (lightning_4d.parallel.comm)
+            from lightning_4d.parallel.comm import CommMeterCallback
+
+            meter = CommMeterCallback(per_kind=True)
 
         trainer = L.Trainer(accelerator="cpu", devices=1 if args.reference else world, strategy=strategy,
                             max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                            callbacks=[Record()])
+                            callbacks=[Record(), *([meter] if meter else [])])
         module = HFLlamaLM(str(init) if layout.get("meta") else None)
         trainer.fit(module, dm)
         weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
@@ -122,7 +118,7 @@ def main() -> None:
         if trainer.global_rank == 0:
             split = {"dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
                      "attention": module.model.config._attn_implementation}
-            torch.save({"layout": layout, "losses": losses, "weights": weights, "dp_sent": sent, **split}, Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"))
+            torch.save({"layout": layout, "losses": losses, "weights": weights, "comm": meter.history if meter else [], **split}, Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
