@@ -223,13 +223,6 @@ class FourDStrategy(ModelParallelStrategy):
         """m, the micro-batches the pipeline schedule runs per training step (1 without pp)."""
         return self.parallel_config.microbatches
 
-    @property
-    def powersgd_residual(self) -> Optional[float]:
-        """The last optimizer step's PowerSGD relative residual on this rank (:attr:`PowerSGD.residual
-        <lightning_4d.parallel.compression.PowerSGD.residual>`): ``None`` without PowerSGD or before it starts."""
-        sync = self._grad_sync
-        return sync.powersgd.residual if sync is not None and sync.powersgd is not None else None
-
     @override
     def _configure_launcher(self) -> None:
         # runs when the Trainer is built: a bad world size fails before any process is started

@@ -186,10 +186,6 @@ class CommMeterCallback(L.Callback):
         per_kind: also log ``comm_bytes/<dim>/<kind>``.
         every_n_steps: measure one step in this many (the first included): the meter slows the steps it measures.
 
-    Under ``gradient_compression="powersgd"`` it also logs ``powersgd/residual`` after every compressed step (not
-    only the measured ones; free: :attr:`~lightning_4d.parallel.compression.PowerSGD.residual`, rank 0's): the part
-    of the gradient plus carried error that the step's low-rank approximation did not pass on.
-
     The meter slows the step (every operator passes through a Python dispatch mode): for measuring, not for
     production runs.
     """
@@ -200,7 +196,7 @@ class CommMeterCallback(L.Callback):
         self.per_kind = per_kind
         self.every_n_steps = every_n_steps
         self.meter: Optional[CommMeter] = None
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, int]] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -215,19 +211,14 @@ class CommMeterCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        residual = getattr(trainer.strategy, "powersgd_residual", None)
-        if residual is not None and self.meter is None:
-            pl_module.log("powersgd/residual", residual, on_step=True, on_epoch=False, rank_zero_only=True)
         if self.meter is None:
             return
         self.meter.__exit__(None, None, None)
         meter, self.meter = self.meter, None
-        row: dict[str, Any] = {f"comm_bytes/{d}": v for d, v in meter.by_dim().items()}
+        row = {f"comm_bytes/{d}": v for d, v in meter.by_dim().items()}
         row["comm_bytes/total"] = meter.total()
         if self.per_kind:
             row.update({f"comm_bytes/{d}/{k}": v for d, kinds in meter.sent.items() for k, v in kinds.items()})
-        if residual is not None:
-            row["powersgd/residual"] = residual
         row["step"] = trainer.global_step
         self.history.append(row)
         pl_module.log_dict({k: float(v) for k, v in row.items() if k != "step"}, on_step=True, on_epoch=False,

@@ -20,11 +20,6 @@ with ``comm_dtype=torch.bfloat16``: P and Q are cast for their all-reduces and s
 orthonormalization and the error stay float32). State per compressed matrix, saved in checkpoints: E (float32,
 ``m × n``) and Q (float32, ``n × r``).
 
-How much a step leaves behind: :attr:`PowerSGD.residual`, ``sqrt(Σ‖E‖² / Σ‖M‖²)`` (Frobenius norms over the
-matrices this rank compressed in the step; 0: the approximation passed everything on; 1, with one rank: nothing;
-above 1 on a rank whose M differs from the ranks' mean that P·Qᵀ approximates), logged as
-``powersgd/residual`` by :class:`~lightning_4d.parallel.comm.CommMeterCallback`.
-
 ``start_step`` (PyTorch's ``start_powerSGD_iter`` of its DDP ``powerSGD_hook``, which its documentation recommends for
 accuracy): the first ``start_step`` optimizer steps reduce every gradient exactly (the caller's ordinary
 collective: ZeRO 1's reduce-scatter), compression starts after them, with E zero and Q random.
@@ -58,9 +53,6 @@ class PowerSGD:
     Attributes:
         errors: ``{key: E}`` float32 ``[m, n]`` per compressed matrix.
         qs: ``{key: Q}`` float32 ``[n, r]`` per compressed matrix.
-        residual: the last compressed step's relative residual ``sqrt(Σ‖M − P·Qᵀ‖² / Σ‖M‖²)`` over this rank's
-            matrices (``M``: gradient + carried error; a float >= 0, at most 1 with one rank), ``None`` before the
-            first compressed step.
     """
 
     def __init__(self, rank: int, group: Any, start_step: int = 0, comm_dtype: Optional[torch.dtype] = None) -> None:
@@ -72,18 +64,6 @@ class PowerSGD:
         self.errors: dict[Any, Tensor] = {}
         self.qs: dict[Any, Tensor] = {}
         self._generator: Optional[torch.Generator] = None
-        self._sums: Optional[tuple[Tensor, Tensor]] = None  # Σ‖E‖², Σ‖M‖² of the step (new_step starts them)
-
-    def new_step(self) -> None:
-        """Start a step's :attr:`residual` (the caller reduces the step's buckets with :meth:`reduce` after it)."""
-        self._sums = None
-
-    @property
-    def residual(self) -> Optional[float]:  # noqa: D102 (class docstring)
-        if self._sums is None:
-            return None
-        error_sq, input_sq = (float(t) for t in self._sums)
-        return (error_sq / input_sq) ** 0.5 if input_sq > 0 else 0.0
 
     def _first_q(self, n: int, device: torch.device) -> Tensor:
         if self._generator is None:
@@ -127,9 +107,7 @@ class PowerSGD:
         for (key, g), m, p, q in zip(matrices, ms, ps, qs):
             q.div_(self.world)
             approx = p @ q.t()
-            error = self.errors[key] = m - approx
-            sums = (error.square().sum(), m.square().sum())  # before g is overwritten: m may be g itself
-            self._sums = sums if self._sums is None else (self._sums[0] + sums[0], self._sums[1] + sums[1])
+            self.errors[key] = m - approx
             self.qs[key] = q
             g.copy_(approx)
 

@@ -450,7 +450,6 @@ class GradientBuckets:
     def _powersgd_reduce(self) -> None:
         """Every bucket's mean gradient through :class:`~lightning_4d.parallel.compression.PowerSGD` (the whole
         bucket, on every rank: at ZeRO 1 the rank then reads its own range)."""
-        self.powersgd.new_step()
         for b in self.buckets:
             self._zero_missing(b)
             matrices, vectors = [], []

@@ -121,7 +121,6 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
                 meter = self.meter
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
                 recorder.bytes.setdefault("comm_events", []).append(meter.events)
-                recorder.bytes.setdefault("powersgd_residual", []).append(self.history[-1].get("powersgd/residual"))
                 sync = getattr(trainer.strategy, "_grad_sync", None)
                 if sync is not None and "bucket_bytes" not in recorder.bytes:
                     recorder.bytes["bucket_bytes"] = [b.numel() * b.element_size() for b in sync.buffers()]
