@@ -19,9 +19,10 @@ error carried into it: the part of M the step did not pass on) and mean ``â€–Eâ€
 the step's gradient), and for the uncompressed run the share of the step's gradient energy in each matrix's top 4, 6 and
 16 singular values at steps 45, 150 and 300 (how low-rank one step's gradient is).
 
-The first ``--start-step`` steps are uncompressed (``powersgd_start_step``). Matrices are whole (tp=1), so rank r
-compresses them less than the main job's tp=2 shards (half as wide): ratios here are per setting, not the main job's
-bytes. Not a timed test; one run per setting, deterministic on CPU.
+The first ``--start-step`` steps are uncompressed (``powersgd_start_step``). Matrices are whole (tp=1), so a rank-r
+approximation keeps a smaller share of them than of the main job's tp=2 shards (half as wide) and saves more bytes:
+compare the settings with each other here, and the main job's bytes with ``benchmarks/compression.py``. Not a timed
+test; one run per setting, deterministic on CPU.
 """
 
 from __future__ import annotations
