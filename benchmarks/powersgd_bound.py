@@ -157,5 +157,6 @@ def main() -> None:
         print(f"uncompressed run, step {step}: the top " + ", ".join(f"{r}: {e:.1%}" for r, e in energy.items())
               + " singular values of each matrix hold that share of the step's gradient energy")
 
+
 if __name__ == "__main__":
     main()
