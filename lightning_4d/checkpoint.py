@@ -1,5 +1,5 @@
 """Checkpoints of a :class:`~lightning_4d.strategy.FourDStrategy` job: what ``save_checkpoint`` / ``load_checkpoint``
-delegate to. (Activation checkpointing is another thing: :mod:`lightning_4d.parallel.checkpointing`.)
+delegate to. (Activation checkpointing is another thing: :mod:`lightning_4d.parallel.activation_checkpoint`.)
 
 Two formats:
 
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_4d.models.llama import canonical_name
 from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME, rekey_optimizer_state_if_needed
 from lightning_4d.parallel._compat import dcp_file_extents
 from lightning_4d.parallel._compat import local_tensor as _local
@@ -76,12 +77,10 @@ def param_names(model: nn.Module) -> dict[int, str]:
 
 def param_fqns(model: nn.Module) -> dict[int, str]:
     """``{id(parameter): its fully qualified name as torch.distributed.checkpoint names it}``: the
-    ``named_parameters()`` name without wrapper levels (:func:`lightning_4d.models.llama._canonical_name`), the same
+    ``named_parameters()`` name without wrapper levels (:func:`lightning_4d.models.llama.canonical_name`), the same
     on every layout (pipeline stages keep the unsplit model's names). The keys of the optimizer states in a sharded
     folder."""
-    from lightning_4d.models.llama import _canonical_name
-
-    return {id(p): _canonical_name(name) for name, p in model.named_parameters()}
+    return {id(p): canonical_name(name) for name, p in model.named_parameters()}
 
 
 def optimizer_state(model: nn.Module, optimizer: Optimizer, distributed: bool) -> Optional[dict[str, Any]]:
@@ -178,7 +177,7 @@ def resolve(path: Path) -> Path:
     raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
 
 
-def _check_complete(path: Path) -> dict[str, Any]:
+def check_complete(path: Path) -> dict[str, Any]:
     """Raise a clear error when the sharded folder ``path`` lacks a file every complete save writes, or when a
     shard file is shorter than the byte ranges DCP's ``.metadata`` records in it (a truncated copy). Returns the
     folder's ``state_dict_metadata`` (``{key: TensorStorageMetadata | BytesStorageMetadata}``), read once here.
@@ -208,7 +207,7 @@ def _check_complete(path: Path) -> dict[str, Any]:
     return metadata.state_dict_metadata
 
 
-def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+def read_folder(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` from ``path``, with a read failure (a truncated or corrupted
     shard file) reported as a ``ValueError`` that names the folder and the files in it."""
     from torch.distributed.checkpoint import load as dcp_load
@@ -284,7 +283,7 @@ def load_sharded(
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    saved = _check_complete(path)
+    saved = check_complete(path)
     fqns = param_fqns(model)
     model_state = {"state_dict": get_model_state_dict(model)}
     # parameters stepped through float32 masters (ZeRO 0/1 under bf16-mixed) read the saved weights in float32
@@ -295,7 +294,7 @@ def load_sharded(
             if id(p) in zero1.has_master and fqns[id(p)] in model_state["state_dict"]:
                 masters[fqns[id(p)]] = _empty_like_param(p, torch.float32)
                 model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
-    _dcp_load(model_state, path)
+    read_folder(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
     metadata = torch.load(path / LIGHTNING_METADATA_FILENAME,
                           weights_only=weights_only if weights_only is not None else False)
@@ -309,11 +308,11 @@ def load_sharded(
                 group.update(values)
         elif zero1 is not None:
             opt_state = {key: _zero1_template(path, saved, key, model, fqns)}
-            _dcp_load(opt_state, path)
+            read_folder(opt_state, path)
             zero1.load_gathered_state(fqns, opt_state[key], weights=masters)
         else:
             opt_state = {key: get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)}
-            _dcp_load(opt_state, path)
+            read_folder(opt_state, path)
             set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=opt_state[key], options=_FLAT_OPTIM)
     if buckets is not None and buckets.powersgd is not None:
         saved_compression = path / _compression_file(global_rank)
@@ -345,383 +344,3 @@ def load_full(
         )
     checkpoint.pop("optimizer_states", None)
     return checkpoint
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Hugging Face safetensors in (init_from) and out (export-hf)
-
-#: our Llama's per-layer parameter paths -> those of transformers' ``LlamaForCausalLM`` (``model.layers.<i>.``)
-_HF_LAYER = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_HF_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-#: the parameters whose rows Hugging Face stores in rotate-half order (rotary embedding of q and k)
-_ROTARY = ("attention.wq.weight", "attention.wk.weight")
-
-
-def hf_name(name: str) -> str:
-    """The transformers ``LlamaForCausalLM`` state-dict key of our ``LlamaModel`` parameter ``name`` (canonical,
-    :func:`lightning_4d.models.llama._canonical_name`): ``"layers.3.attention.wq.weight"`` ->
-    ``"model.layers.3.self_attn.q_proj.weight"``.
-
-    Raises:
-        ValueError: ``name`` is not a parameter of our Llama.
-    """
-    if name in _HF_TOP:
-        return _HF_TOP[name]
-    parts = name.split(".")
-    if len(parts) >= 4 and parts[0] == "layers":
-        module, leaf = ".".join(parts[2:-1]), parts[-1]
-        if module in _HF_LAYER:
-            return f"model.layers.{parts[1]}.{_HF_LAYER[module]}.{leaf}"
-    raise ValueError(f"{name!r} is not a parameter of lightning_4d's Llama (expected tok_embeddings, layers.<i>...., "
-                     "norm or output)")
-
-
-def rotary_from_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of a Hugging Face ``q_proj`` / ``k_proj`` weight ``[heads·d, h]`` (any whole number of heads) in our
-    order: transformers rotates halves (row ``j`` pairs with ``j + d/2`` in a head), Meta's Llama and ours rotate
-    interleaved pairs (``2j`` with ``2j+1``). The inverse of the permutation in transformers'
-    ``convert_llama_weights_to_hf.py``: ``w.view(heads, 2, d/2, h).transpose(1, 2)``."""
-    heads, h = w.shape[0] // head_dim, w.shape[1]
-    return w.reshape(heads, 2, head_dim // 2, h).transpose(1, 2).reshape(heads * head_dim, h)
-
-
-def rotary_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The inverse of :func:`rotary_from_hf` (ours -> Hugging Face row order), as transformers' conversion script
-    permutes Meta's weights."""
-    heads, h = w.shape[0] // head_dim, w.shape[1]
-    return w.reshape(heads, head_dim // 2, 2, h).transpose(1, 2).reshape(heads * head_dim, h)
-
-
-def is_hf_model_dir(path: Path) -> bool:
-    """Whether ``path`` is a Hugging Face model directory: ``config.json`` and ``model.safetensors`` or a sharded
-    ``model.safetensors.index.json``."""
-    return path.is_dir() and (path / "config.json").is_file() and (
-        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file())
-
-
-def _llamas(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    from lightning_4d.models.llama import LlamaModel
-
-    return [(name, m) for name, m in module.named_modules() if isinstance(m, LlamaModel)]
-
-
-def _tp_only(p: DTensor) -> list:
-    """``p``'s placements with every mesh dimension but ``tp`` replicated: a local tensor of whole heads."""
-    from torch.distributed.tensor import Replicate
-
-    names = p.device_mesh.mesh_dim_names or ()
-    return [pl if (names[i] if i < len(names) else None) == "tp" else Replicate() for i, pl in enumerate(p.placements)]
-
-
-def _hf_reader(path: Path) -> tuple[Any, set[str]]:
-    """DCP's ``HuggingFaceStorageReader`` of the directory ``path`` and the tensor names its files hold."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    reader = HuggingFaceStorageReader(str(path))
-    return reader, set(reader.read_metadata().state_dict_metadata)
-
-
-def _hf_load(state: dict[str, torch.Tensor], reader: Any, path: Path) -> None:
-    """Fill ``state`` (HF names -> this rank's tensors) in place, a read failure reported as a ``ValueError``."""
-    from torch.distributed.checkpoint import load as dcp_load
-
-    try:
-        dcp_load(state, storage_reader=reader)
-    except Exception as e:
-        raise ValueError(f"could not read the Hugging Face weights in {str(path)!r}: {type(e).__name__}: "
-                         f"{str(e)[-800:]}") from e
-
-
-@torch.no_grad()
-def _load_hf(llama: nn.Module, path: Path) -> None:
-    """Read this rank's slices of every parameter of ``llama`` (a ``LlamaModel``, possibly split, sharded and on
-    the meta device no more) from the Hugging Face directory ``path`` with DCP's ``HuggingFaceStorageReader``: each
-    DTensor parameter receives just its shard of the file's tensor; q/k rows are permuted after reading their whole
-    heads (the tp shard, a tp-only DTensor), then redistributed into the parameter's placements."""
-    from torch.distributed.tensor import empty as dtensor_empty
-
-    from lightning_4d.models.llama import _canonical_name
-
-    config = llama.config
-    if config.padded_vocab_size != config.vocab_size:
-        raise ValueError(f"init_from={str(path)!r}: Hugging Face weights have vocab_size={config.vocab_size} rows; "
-                         f"the model pads to {config.padded_vocab_size} (pad_vocab_to_multiple_of="
-                         f"{config.pad_vocab_to_multiple_of}): use pad_vocab_to_multiple_of=1 to load them")
-    reader, available = _hf_reader(path)
-    state: dict[str, torch.Tensor] = {}
-    rotary: list[tuple[nn.Parameter, torch.Tensor]] = []
-    for name, p in llama.named_parameters():
-        key = hf_name(_canonical_name(name))
-        if key not in available:
-            raise ValueError(f"init_from={str(path)!r} holds no tensor {key!r} (for our {name!r}); it holds "
-                             f"{len(available)} tensors, e.g. {sorted(available)[:3]}: is it a Llama of this config?")
-        if _canonical_name(name).endswith(_ROTARY):
-            tmp = dtensor_empty(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=_tp_only(p)) \
-                if isinstance(p, DTensor) else torch.empty_like(p)
-            rotary.append((p, tmp))
-            state[key] = tmp
-        else:
-            state[key] = p.data
-    _hf_load(state, reader, path)
-    for p, tmp in rotary:
-        if isinstance(p, DTensor):
-            local = rotary_from_hf(tmp.to_local(), config.head_dim)
-            whole = DTensor.from_local(local, p.device_mesh, tmp.placements, shape=p.shape, stride=p.stride())
-            p.data.to_local().copy_(whole.redistribute(p.device_mesh, p.placements).to_local())
-        else:
-            p.data.copy_(rotary_from_hf(tmp, config.head_dim))
-
-
-@torch.no_grad()
-def _load_hf_native(model: nn.Module, path: Path) -> None:
-    """Read this rank's slices of a transformers ``LlamaForCausalLM`` (split by :mod:`lightning_4d.adapters.hf_llama`)
-    from the Hugging Face directory ``path``: the file's keys are the model's own state-dict keys, so DCP's
-    ``HuggingFaceStorageReader`` fills each (DTensor) shard in place. A tied ``lm_head.weight`` absent from the file
-    is the embedding."""
-    reader, available = _hf_reader(path)
-    state = model.state_dict()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    missing = [k for k in state if k not in available and not (tied and k == "lm_head.weight")]
-    if missing:
-        raise ValueError(f"init_from={str(path)!r} holds no tensor {missing[0]!r} ({len(missing)} missing): is it a "
-                         "checkpoint of this model?")
-    _hf_load({k: v for k, v in state.items() if k in available}, reader, path)
-
-
-@torch.no_grad()
-def _load_ours(prefix: str, llama: nn.Module, path: Path) -> None:
-    """Load only the weights of ``llama`` (under ``prefix`` in the LightningModule) from one of our checkpoints: a
-    sharded folder (DCP reads this rank's slices) or a full file (memory-mapped; each rank keeps its shards)."""
-    from torch.distributed.tensor import distribute_tensor
-
-    from lightning_4d.models.llama import _canonical_name
-
-    params = {f"{prefix}.{_canonical_name(n)}" if prefix else _canonical_name(n): p
-              for n, p in llama.named_parameters()}
-    if path.is_dir():
-        _check_complete(path)
-        state = {"state_dict": {k: p.data for k, p in params.items()}}
-        _dcp_load(state, path)
-        return
-    saved = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
-    saved = saved.get("state_dict", saved)
-    for key, p in params.items():
-        if key not in saved:
-            raise ValueError(f"init_from={str(path)!r} holds no weight {key!r}")
-        full = saved[key]
-        if isinstance(p, DTensor):
-            local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
-            p.data.to_local().copy_(local)
-        else:
-            p.data.copy_(full)
-
-
-def load_initial_weights(module: nn.Module, init_from: Union[str, Path]) -> None:
-    """Replace the initial weights of the ``lightning_4d`` Llama inside ``module`` (after parallelization and
-    initialization, before the optimizer copies master weights) with those at ``init_from``: a Hugging Face model
-    directory (:func:`is_hf_model_dir`; ``config.json`` + ``model.safetensors`` or sharded with an index) or one of
-    our checkpoints (sharded folder or full file). Every rank reads only the slices it holds (DCP), so no rank
-    materializes a full fp32 copy of the model. Works on every layout and on one process.
-
-    Raises:
-        ValueError: ``init_from`` does not exist or is neither kind, ``module`` holds no (or several) Llama models
-            for a Hugging Face directory, or a tensor is missing or unreadable (the message names it).
-    """
-    from lightning_4d.adapters.hf_llama import find_hf_llamas
-
-    path = Path(init_from)
-    llamas = _llamas(module)
-    if not path.exists():
-        raise ValueError(f"init_from={str(init_from)!r} does not exist: pass a Hugging Face model directory "
-                         "(config.json + model.safetensors[.index.json]) or a checkpoint of ours")
-    hf_llamas = find_hf_llamas(module) if not llamas else []
-    if len(hf_llamas) == 1 and is_hf_model_dir(path):
-        _load_hf_native(hf_llamas[0], path)
-        return
-    if not llamas:
-        raise ValueError(f"init_from={str(init_from)!r}: {type(module).__name__} holds no lightning_4d Llama model")
-    if is_hf_model_dir(path):
-        if len(llamas) > 1:
-            raise ValueError(f"init_from={str(init_from)!r}: {type(module).__name__} holds {len(llamas)} Llama models "
-                             f"({[n for n, _ in llamas]}); a Hugging Face directory holds one")
-        _load_hf(llamas[0][1], path)
-    elif path.is_dir() and not (path / ".metadata").is_file():
-        raise ValueError(f"init_from={str(init_from)!r} is neither a Hugging Face model directory (config.json + "
-                         "model.safetensors or model.safetensors.index.json) nor a sharded checkpoint (.metadata)")
-    else:
-        for prefix, llama in llamas:
-            _load_ours(prefix, llama, path)
-
-
-#: the largest safetensors file :func:`export_hf` writes (bytes; transformers' ``save_pretrained`` default is 5 GB)
-HF_SHARD_BYTES = 5 * 10**9
-_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _saved_hparams(ckpt: Path) -> dict[str, Any]:
-    """Lightning's ``hyper_parameters`` and ``datamodule_hyper_parameters`` of a checkpoint (folder or file)."""
-    meta = torch.load(ckpt / LIGHTNING_METADATA_FILENAME if ckpt.is_dir() else ckpt, map_location="cpu", mmap=True,
-                      weights_only=False)
-    return {"model": dict(meta.get("hyper_parameters") or {}), "data": dict(meta.get("datamodule_hyper_parameters") or {})}
-
-
-def _weight_entries(ckpt: Path, meta: Optional[dict[str, Any]]
-                    ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Optional[dict[str, Any]]]:
-    """``{saved key: (global shape, dtype)}`` of the model weights in ``ckpt`` (keys ``<prefix>.<name>``): from a
-    folder's ``state_dict_metadata`` ``meta`` (:func:`_check_complete`), else from the full file, whose state dict is
-    returned too."""
-    if meta is not None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        return {k[len("state_dict."):]: (tuple(m.size), m.properties.dtype) for k, m in meta.items()
-                if k.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)}, None
-    full = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
-    return {k: (tuple(v.shape), v.dtype) for k, v in full.items()}, full
-
-
-def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "float32",
-              tokenizer: Optional[Union[str, Path]] = None, shard_bytes: int = HF_SHARD_BYTES) -> Path:
-    """Write one of our checkpoints as a Hugging Face Llama directory that
-    ``transformers.LlamaForCausalLM.from_pretrained(out_dir)`` loads: ``config.json`` (:meth:`LlamaConfig.to_hf`),
-    the weights in safetensors files of at most ``shard_bytes`` (``model.safetensors``, or
-    ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``) in ``dtype``, and the tokenizer's
-    ``tokenizer.json`` (``tokenizer``, else the one the checkpoint's data module used, if it was a file).
-
-    ``ckpt`` is a sharded folder of any layout or a full file. One process, no process group: a folder is read one
-    output file's tensors at a time (DCP, ``no_dist``), so peak host memory is about one shard file, not the model.
-    The q/k rows are permuted to Hugging Face's rotate-half order (:func:`rotary_to_hf`) and the padded vocabulary
-    rows dropped. The directory is written to ``<out_dir>.tmp`` and renamed into place when complete.
-
-    Raises:
-        ValueError: ``ckpt`` missing or incomplete, not a checkpoint of a ``lightning_4d`` Llama
-            (``hyper_parameters.model_config``), an unknown ``dtype``, or ``out_dir`` exists and is not empty.
-    """
-    import json
-    import shutil as _shutil
-
-    from safetensors.torch import save_file
-
-    from lightning_4d.data.tokenizers import HFTokenizer, load_tokenizer
-    from lightning_4d.models.config import LlamaConfig
-
-    ckpt, out_dir = Path(ckpt), Path(out_dir)
-    if dtype not in _EXPORT_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not valid: expected one of {list(_EXPORT_DTYPES)}")
-    if not ckpt.exists():
-        raise ValueError(f"checkpoint {str(ckpt)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
-    saved = _check_complete(ckpt) if ckpt.is_dir() else None
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"output directory {str(out_dir)!r} exists and is not empty: pass a new directory")
-    hparams = _saved_hparams(ckpt)
-    spec = hparams["model"].get("model_config")
-    if spec is None:
-        raise ValueError(f"{str(ckpt)!r} is not a checkpoint of lightning_4d's CausalLMModule (its hyper_parameters "
-                         "hold no model_config)")
-    config = spec if isinstance(spec, LlamaConfig) else LlamaConfig.from_name(spec)
-    source = tokenizer if tokenizer is not None else hparams["data"].get("tokenizer")
-    tok = load_tokenizer(str(source)) if source is not None else None  # ValueError for a bad path, as LMDataModule
-    entries, full = _weight_entries(ckpt, saved)
-    keys: dict[str, str] = {}  # HF key -> saved key
-    rotary, vocab = set(), set()  # HF keys whose rows are permuted / cut to the vocabulary
-    for ours in _our_param_names(config):
-        found = [k for k in entries if k == ours or k.endswith("." + ours)]
-        if not found:
-            raise ValueError(f"checkpoint {str(ckpt)!r} holds no weight for {ours!r}")
-        hf = hf_name(ours)
-        keys[hf] = found[0]
-        if ours.endswith(_ROTARY):
-            rotary.add(hf)
-        if ours in ("tok_embeddings.weight", "output.weight"):
-            vocab.add(hf)
-    torch_dtype = _EXPORT_DTYPES[dtype]
-    groups: list[list[str]] = [[]]
-    size = 0
-    for hf in keys:
-        n = math.prod(entries[keys[hf]][0]) * torch_dtype.itemsize
-        if groups[-1] and size + n > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(hf)
-        size += n
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        _shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    names = ["model.safetensors"] if len(groups) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    weight_map, total = {}, 0
-    for file, group in zip(names, groups):
-        if full is None:
-            state = {"state_dict": {keys[hf]: torch.empty(entries[keys[hf]][0], dtype=entries[keys[hf]][1])
-                                    for hf in group}}
-            _dcp_load(state, ckpt, no_dist=True)
-            tensors = state["state_dict"]
-        else:
-            tensors = {keys[hf]: full[keys[hf]] for hf in group}
-        out: dict[str, torch.Tensor] = {}
-        for hf in group:
-            t = tensors[keys[hf]].to(torch.float32)
-            if hf in rotary:
-                t = rotary_to_hf(t, config.head_dim)
-            if hf in vocab:
-                t = t[: config.vocab_size]
-            out[hf] = t.to(torch_dtype).contiguous()
-            weight_map[hf] = file
-            total += out[hf].numel() * out[hf].element_size()
-        save_file(out, str(tmp / file), metadata={"format": "pt"})
-        del out, tensors
-    if len(groups) > 1:
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    hf_config = config.to_hf()
-    hf_config["torch_dtype"] = dtype
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    if isinstance(tok, HFTokenizer):
-        file = Path(tok.name)
-        _shutil.copy(file, tmp / "tokenizer.json")
-        for extra in ("tokenizer_config.json", "special_tokens_map.json"):
-            if (file.parent / extra).is_file():
-                _shutil.copy(file.parent / extra, tmp / extra)
-    if out_dir.exists():
-        out_dir.rmdir()
-    tmp.rename(out_dir)
-    return out_dir
-
-
-def _our_param_names(config: Any) -> list[str]:
-    """The canonical parameter names of an unsplit ``LlamaModel`` of ``config`` (the tied head excluded)."""
-    names = ["tok_embeddings.weight"]
-    for i in range(config.num_layers):
-        names += [f"layers.{i}.{m}.weight" for m in _HF_LAYER]
-    names.append("norm.weight")
-    if not config.tie_word_embeddings:
-        names.append("output.weight")
-    return names
-
-
-def export_hf_main(argv: list[str]) -> int:
-    """``lightning-4d export-hf CKPT OUT_DIR [--dtype float32|bfloat16|float16] [--tokenizer PATH]``: see
-    :func:`export_hf`. Returns the exit code (2 with a one-line error on bad input)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="lightning-4d export-hf", description=(
-        "Write a lightning_4d checkpoint (sharded folder of any layout, or full file) as a Hugging Face Llama "
-        "directory (config.json, safetensors shards + index, tokenizer.json) for transformers, vLLM, llama.cpp."))
-    parser.add_argument("ckpt", help="a checkpoint ModelCheckpoint wrote (e.g. checkpoints/last.ckpt)")
-    parser.add_argument("out_dir", help="the directory to create (must not exist or be empty)")
-    parser.add_argument("--dtype", default="float32", choices=list(_EXPORT_DTYPES), help="weights dtype (default float32)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) to copy; default: the "
-                        "one the checkpoint's LMDataModule used, if any")
-    args = parser.parse_args(argv)
-    try:
-        out = export_hf(args.ckpt, args.out_dir, dtype=args.dtype, tokenizer=args.tokenizer)
-    except ValueError as e:
-        print(f"lightning-4d export-hf: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
-    return 0

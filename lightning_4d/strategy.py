@@ -39,9 +39,8 @@ from lightning_4d.parallel._compat import (
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
-from lightning_4d.adapters.hf_llama import find_hf_llamas, reset_rotary
-from lightning_4d.adapters.hf_llama import pipeline_chunks as hf_pipeline_chunks
-from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_llamas, validate_against_module
+from lightning_4d.families import load_initial_weights
+from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_models, validate_against_module
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_global_clipping
 from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,
                                         validate_precision)
@@ -201,7 +200,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
         self._grad_sync: Optional[GradientBuckets] = None
-        self._llamas: list[torch.nn.Module] = []
+        self._models: list[tuple[Any, torch.nn.Module]] = []  # (family, model) of lightning_4d.families
         #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
 
@@ -287,18 +286,13 @@ class FourDStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        llamas = prepare_llamas(module, self.mesh, self.parallel_config, self.root_device, compile=self.compile,
-                                param_dtype=mixed_precision_dtype(self._precision), fsdp_blocks=self.fsdp_blocks)
-        self._llamas = llamas
-        hf_llamas = find_hf_llamas(module)
-        meta_rotary = [hf for hf in hf_llamas if any(b.is_meta for b in hf.buffers())]
+        self._models = prepare_models(module, self.mesh, self.parallel_config, self.root_device,
+                                      compile=self.compile, param_dtype=mixed_precision_dtype(self._precision),
+                                      fsdp_blocks=self.fsdp_blocks)
         materialize_distributed_module(self.model, self.root_device)
-        for hf in meta_rotary:  # built on the meta device: its rotary tables are in no checkpoint
-            reset_rotary(hf, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        chunks = pipeline_chunks(llamas[0]) if llamas else next(
-            (c for hf in hf_llamas if (c := hf_pipeline_chunks(hf)) is not None), None)
+        chunks = next((c for _, m in self._models if (c := pipeline_chunks(m)) is not None), None)
         if chunks is not None and self.pipeline is None:
             loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
             self.pipeline = PipelineRunner(
@@ -307,11 +301,11 @@ class FourDStrategy(ModelParallelStrategy):
             )
         init_from = getattr(module, "init_from", None)
         if init_from is not None and not trainer.ckpt_path:  # each rank reads its slices, before masters exist
-            _checkpoint.load_initial_weights(module, init_from)
+            load_initial_weights(module, init_from)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # the master weights are copied from the float32 parameters here
-        cast_to_compute_dtype(llamas, self.compute_dtype)
+        cast_to_compute_dtype(self._models, self.compute_dtype)
         if self._grad_sync is not None:
             if self._grad_sync.grad_dtype is not None:  # master weights: hooks deferred until after the cast
                 self._grad_sync.register_hooks()  # (which swaps DTensor parameters' tensors)
@@ -340,10 +334,10 @@ class FourDStrategy(ModelParallelStrategy):
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
-        """bfloat16 under ``bf16-mixed`` with ``lightning_4d`` Llama models (fp32 master weights:
+        """bfloat16 under ``bf16-mixed`` with a model whose family keeps fp32 master weights (our Llama:
         :mod:`lightning_4d.parallel.zero`); ``None`` when the parameters are their own masters (other precisions, or
-        no Llama model: Lightning's autocast)."""
-        return mixed_precision_dtype(self._precision) if self._llamas else None
+        no such model: Lightning's autocast)."""
+        return mixed_precision_dtype(self._precision) if any(f.master_weights for f, _ in self._models) else None
 
     @property
     def _precision(self) -> Optional[str]:

@@ -1,4 +1,4 @@
-"""Activation checkpointing (``lightning_4d.parallel.checkpointing``) on the tiny Llama, one process, CPU, float32:
+"""Activation checkpointing (``lightning_4d.parallel.activation_checkpoint``) on the tiny Llama, one process, CPU, float32:
 every mode gives the loss and gradients of no checkpointing; the selective policy keeps the matmul, attention and
 tp-reduction outputs and nothing else, so its backward runs no matmul again (full runs the forward's again). The
 multi-process cases (tp=2, pp=2, cp=2, ZeRO 3) are in ``tests/test_parity.py``, ``tests/test_pipeline.py`` and
@@ -15,21 +15,21 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_4d.config import ACTIVATION_CHECKPOINTING
 from lightning_4d.models import LlamaConfig, LlamaModel
-from lightning_4d.models.llama import _canonical_name
-from lightning_4d.parallel.checkpointing import apply_activation_checkpointing, selective_checkpoint_policy
+from lightning_4d.models.llama import canonical_name
+from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing, selective_checkpoint_policy
 
 TINY = LlamaConfig.from_preset("tiny-test")  # h=64, f=128, L=2, a=4, k=2, V=256
 
 
 def _loss(mode: str, ids: torch.Tensor) -> tuple[LlamaModel, torch.Tensor]:
     model = LlamaModel(TINY, init_seed=3)
-    apply_activation_checkpointing(model, mode)
+    apply_activation_checkpointing(model.layers, mode)
     logits = model(ids[:, :-1])
     return model, F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
 def _grads(model: LlamaModel) -> dict[str, torch.Tensor]:
-    return {_canonical_name(n): p.grad for n, p in model.named_parameters()}
+    return {canonical_name(n): p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -97,7 +97,7 @@ def test_selective_policy(op, saved):
 def test_none_leaves_the_model_alone_and_unknown_modes_are_refused():
     model = LlamaModel(TINY, init_seed=3)
     blocks = list(model.layers.values())
-    apply_activation_checkpointing(model, "none")
+    apply_activation_checkpointing(model.layers, "none")
     assert list(model.layers.values()) == blocks
     with pytest.raises(ValueError, match=r"activation_checkpointing='some' .*\['none', 'full', 'selective'\]"):
-        apply_activation_checkpointing(model, "some")
+        apply_activation_checkpointing(model.layers, "some")

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from lightning_4d.checkpoint import _check_complete, export_hf
+from lightning_4d.checkpoint import check_complete
+from lightning_4d.families.hf_io import export_hf
 from tests._launch import ROOT, SCRIPTS, worker_env
 
 STEPS, AT = 6, 3
@@ -49,9 +50,9 @@ def test_killed_run_resumes_from_last_with_the_straight_losses(tmp_path, straigh
     last = tmp_path / "ckpt" / "last.ckpt"
     if kill == "rename":  # killed between the two renames: last.ckpt is gone, the previous one is complete
         assert not last.exists()
-        _check_complete(last.with_name("last.ckpt.old"))
+        check_complete(last.with_name("last.ckpt.old"))
     else:
-        _check_complete(last)
+        check_complete(last)
     proc = _run(tmp_path, "resumed", "--ckpt-path", str(last))
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = _losses(tmp_path, "resumed")
@@ -61,7 +62,7 @@ def test_killed_run_resumes_from_last_with_the_straight_losses(tmp_path, straigh
     for step, loss in expected.items():
         assert resumed[step] == pytest.approx(loss, rel=1e-5)
     # the resumed run's saves replaced last.ckpt again and removed the stale .old
-    _check_complete(last)
+    check_complete(last)
     assert not last.with_name("last.ckpt.old").exists() and not last.with_name("last.ckpt.tmp").exists()
 
 
@@ -72,7 +73,7 @@ def test_truncated_shard_file_is_named(tmp_path, straight):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=f"shard file '{shard.name}' is truncated"):
-        _check_complete(bad)
+        check_complete(bad)
     with pytest.raises(ValueError, match="is truncated"):
         export_hf(bad, tmp_path / "hf")
     proc = _run(tmp_path, "truncated", "--ckpt-path", str(bad))

@@ -24,7 +24,7 @@ from lightning_4d.models import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from lightning_4d.models.llama import _canonical_name, _param_seed
+from lightning_4d.models.llama import canonical_name, _param_seed
 
 # Published parameter counts (Meta model cards / Hugging Face safetensors metadata).
 PUBLISHED = {
@@ -381,7 +381,7 @@ def test_pipeline_stages_compose_to_the_full_model(tiny):
 # ---------------------------------------------------------------------------------------------- initialization
 def test_canonical_name_strips_wrappers():
     name = "_orig_mod.layers.3._checkpoint_wrapped_module._fsdp_wrapped_module.attention.wq.weight"
-    assert _canonical_name(name) == "layers.3.attention.wq.weight"
+    assert canonical_name(name) == "layers.3.attention.wq.weight"
 
 
 def test_param_seed_is_a_stable_63_bit_value():

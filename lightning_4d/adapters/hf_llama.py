@@ -22,25 +22,34 @@ A LightningModule that holds a ``transformers`` ``LlamaForCausalLM`` (built in `
   With tp or cp, the attention is always causal over the whole sequence: a padding ``attention_mask`` is refused.
 - **pp** (every schedule of :mod:`lightning_4d.parallel.pipeline`, the same layer split as our Llama): the model is
   pruned to this rank's stages (other ranks' decoder layers become parameter-free placeholders, so parameter names
-  stay the unsplit model's) and each stage runs as a :class:`StageChunk`. As for our Llama, the schedule runs inside
+  stay the unsplit model's) and each stage runs as a :class:`~lightning_4d.parallel.pipeline.StageChunk`. As for our Llama, the schedule runs inside
   ``training_step``: call ``self.trainer.strategy.pipeline.train_step(input_ids, labels)`` there (the mean loss of
   the batch; forward and backward of all micro-batches) when ``strategy.pipeline`` is set; the loss per micro-batch
   is the module's ``pipeline_loss(logits, labels)`` if it has one, else the mean cross-entropy.
 
-The strategy calls :func:`parallelize_hf_llama` in ``setup`` (after ``configure_model``, before materialization).
+The strategy's one parallelization path (:func:`lightning_4d.parallel.parallelize.parallelize_model`) applies
+this family's answers (:class:`HFLlamaFamily`) in ``setup``, after ``configure_model``, before materialization.
 Weights: ``init_from`` on the LightningModule (a Hugging Face directory) loads each rank's slices after
-parallelization (:func:`lightning_4d.checkpoint.load_initial_weights`): the memory path for big models.
-transformers is not imported here: the model is recognized by duck typing (``config.model_type == "llama"``).
+parallelization (:func:`lightning_4d.families.load_initial_weights`): the memory path for big models.
+transformers is imported only inside the functions that call it: the model is recognized by duck typing.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from lightning_4d.families.base import ModelFamily, PipelineLayout
+from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.models.rope import context_parallel_positions
+from lightning_4d.parallel._compat import materialize_distributed_module, set_attention_implementation
+from lightning_4d.parallel.context import context_parallel_attention
+from lightning_4d.parallel.tensor import TensorParallelPlan
 
 #: the name of our attention function in transformers' ``AttentionInterface``
 ATTENTION = "lightning_4d"
@@ -50,32 +59,6 @@ _TP_STYLES = ("colwise", "rowwise")
 def _is(module: nn.Module, class_name: str) -> bool:
     """Whether ``module``'s class or a base is named ``class_name`` (FSDP2 subclasses the classes it shards)."""
     return any(c.__name__ == class_name for c in type(module).__mro__)
-
-
-def is_hf_llama(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers ``LlamaForCausalLM`` (class name and ``config.model_type == "llama"``)."""
-    config = getattr(module, "config", None)
-    return _is(module, "LlamaForCausalLM") and getattr(config, "model_type", None) == "llama" \
-        and isinstance(getattr(module, "model", None), nn.Module)
-
-
-def find_hf_llamas(module: nn.Module) -> list[nn.Module]:
-    """The transformers ``LlamaForCausalLM`` models inside ``module`` (itself included)."""
-    return [m for m in module.modules() if is_hf_llama(m)]
-
-
-def our_config(model: nn.Module) -> Any:
-    """The ``lightning_4d`` :class:`~lightning_4d.models.LlamaConfig` of the same shape (for layout validation and the
-    memory estimate). Raises ``ValueError`` for a Llama variant ours does not model (names the field)."""
-    from lightning_4d.models.config import LlamaConfig
-
-    return LlamaConfig.from_hf_dict(model.config.to_dict(), source=f"{type(model).__name__}.config")
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, attention)
 
 
 def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -96,8 +79,6 @@ def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, atte
         raise ValueError(f"attention scaling={scaling} is not supported: expected 1/sqrt(head_dim) = {d ** -0.5}")
     cp = getattr(module, "_lightning_4d_cp", None)
     if cp is not None:
-        from lightning_4d.parallel.context import context_parallel_attention
-
         group, method = cp
         out = context_parallel_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), group,
                                          method, "sdpa")
@@ -115,8 +96,6 @@ class _Positions:
         self.cp_rank, self.cp_size = cp_rank, cp_size
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from lightning_4d.models.rope import context_parallel_positions
-
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.all(mask != 0)):
             raise ValueError("a padding attention_mask is not supported with tensor or context parallelism: the "
@@ -129,134 +108,6 @@ class _Positions:
             positions = context_parallel_positions(local, self.cp_rank, self.cp_size, device=ids.device)
             kwargs["position_ids"] = positions.unsqueeze(0)
         return args, kwargs
-
-
-def _tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
-    """The ``parallelize_module`` plan of a ``LlamaForCausalLM`` (module docstring): transformers'
-    ``base_model_tp_plan`` for the projections, plus the embedding, norms, LM head and, under sp, the inputs of
-    attention and MLP; only for the modules this rank holds (a pipeline stage's layers, embedding, head)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    tp_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    if not tp_plan:
-        raise ValueError(f"{type(model).__name__}.config has no base_model_tp_plan: transformers >= 4.45 is needed")
-    residual = Shard(1) if sequence_parallel else Replicate()
-    layer_plan: dict[str, Any] = {}
-    for pattern, style in tp_plan.items():
-        if style not in _TP_STYLES:
-            raise ValueError(f"base_model_tp_plan[{pattern!r}] = {style!r} is not supported: expected {_TP_STYLES}")
-        if not pattern.startswith("layers.*."):
-            raise ValueError(f"base_model_tp_plan[{pattern!r}]: expected per-layer entries 'layers.*.<module>'")
-        layer_plan[pattern[len("layers.*."):]] = (
-            ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=residual))
-    if sequence_parallel:
-        layer_plan.update({
-            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
-    plan: dict[str, Any] = {}
-    for i, layer in enumerate(model.model.layers):
-        if not isinstance(layer, _Pruned):
-            plan.update({f"model.layers.{i}.{name}": style for name, style in layer_plan.items()})
-    if model.model.embed_tokens is not None:
-        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-    if model.lm_head is not None:
-        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
-    if model.model.norm is not None and sequence_parallel:
-        plan["model.norm"] = SequenceParallel()
-    return plan
-
-
-class _Pruned(nn.Module):
-    """The place of a decoder layer another pipeline rank holds (no parameters; keeps the others' indices)."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("this decoder layer belongs to another pipeline stage")
-
-
-class StageChunk(nn.Module):
-    """One pipeline stage of a ``LlamaForCausalLM``: its embedding (first stage), decoder layers, final norm and LM
-    head (last stage), shared with the model (not copied). ``forward(x)``: token ids ``[b, s]`` on the first stage,
-    else the previous stage's hidden states ``[b, s / sequence_shards, h]``; returns hidden states, or logits
-    ``[b, s, V]`` on the last stage. The model's own rotary embedding gets the positions of the stage's ``s`` tokens
-    (the cp shard's zigzag positions): ``torch.distributed.pipelining`` passes activations only."""
-
-    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool, sequence_shards: int,
-                 cp: tuple[int, int]) -> None:
-        super().__init__()
-        self.embed_tokens = model.model.embed_tokens if first else None
-        self.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
-        self.norm = model.model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self.rotary_emb = model.model.rotary_emb
-        self.sequence_shards, self.cp = sequence_shards, cp
-
-    def forward(self, x: Tensor) -> Tensor:
-        from lightning_4d.models.rope import context_parallel_positions
-
-        if self.embed_tokens is not None:
-            s, h = x.shape[1], self.embed_tokens(x)
-        else:
-            s, h = x.shape[1] * self.sequence_shards, x
-        positions = context_parallel_positions(s, self.cp[0], self.cp[1], device=x.device).unsqueeze(0)
-        rotary = self.rotary_emb(h, positions)
-        for layer in self.layers.values():
-            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
-        if self.norm is not None:
-            h = self.lm_head(self.norm(h))
-        return h
-
-
-def _split(model: nn.Module, config: Any, pp_rank: int, cp: tuple[int, int]) -> list[tuple[int, StageChunk]]:
-    """Prune ``model`` to pp rank ``pp_rank``'s stages (:meth:`ParallelConfig.rank_stages`; the same layer split as
-    our own Llama) and return ``[(stage index, chunk), ...]``."""
-    layers = model.model.layers
-    mine = config.rank_stages(len(layers), pp_rank)
-    keep = {i for _, ls in mine for i in ls}
-    for i in range(len(layers)):
-        if i not in keep:
-            layers[i] = _Pruned()
-    last_stage = config.num_stages - 1
-    shards = config.tp if config.sp else 1
-    chunks = [(s, StageChunk(model, list(ls), s == 0, s == last_stage, shards, cp)) for s, ls in mine]
-    if not any(s == 0 for s, _ in mine):
-        model.model.embed_tokens = None
-    if not any(s == last_stage for s, _ in mine):
-        model.model.norm = None
-        model.lm_head = None
-    return chunks
-
-
-def pipeline_chunks(model: nn.Module) -> Optional[list[tuple[int, StageChunk]]]:
-    """The stage chunks :func:`parallelize_hf_llama` made for this pp rank, else ``None`` (pp = 1)."""
-    return getattr(model, "_lightning_4d_pipeline_chunks", None)
-
-
-def validate(model: nn.Module, config: Any) -> None:
-    """Check ``config`` (``ParallelConfig``) against the shape of the transformers Llama ``model``: heads, kv heads
-    and vocabulary divisible by tp, layers into pp·v stages, no tied embeddings with pp
-    (``ParallelConfig.validate_model``); tied embeddings are refused with tp too, attention dropout with any split.
-
-    Raises:
-        ValueError: naming the value and what would be valid.
-    """
-    ours = our_config(model)
-    config.validate_model(ours)
-    dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
-    if dropout and max(config.tp, config.cp, config.pp) > 1:
-        raise ValueError(f"attention_dropout={dropout} is not supported with tp, cp or pp > 1 (the split attention "
-                         "has no dropout; Llama trains without): set the model config's attention_dropout=0.0")
-    if config.tp > 1 and ours.tie_word_embeddings:
-        raise ValueError(f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
-                         "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; use tp=1 (dp, ZeRO, cp) or an untied model")
 
 
 @torch.no_grad()
@@ -277,46 +128,122 @@ def reset_rotary(model: nn.Module, device: torch.device) -> None:
             m.attention_scaling = scaling
 
 
-def parallelize_hf_llama(model: nn.Module, mesh: Any, config: Any) -> None:
-    """Split a transformers ``LlamaForCausalLM`` in place for ``config`` (``ParallelConfig``) on ``mesh``
-    (``ParallelMesh``): pipeline split, tp + sp plan, cp attention and positions, then FSDP2 units at ZeRO 2/3 (per
-    stage chunk under pp) (module docstring). :func:`pipeline_chunks` returns the stage chunks afterwards.
-    The parameters may be real (every rank holds the same full weights: each keeps its shards) or on the meta
-    device (materialized by the strategy afterwards; give ``init_from``).
+class HFLlamaFamily(ModelFamily):
+    """transformers' ``LlamaForCausalLM`` (module docstring), recognized by duck typing: its class (or a base) is
+    named ``LlamaForCausalLM``, ``config.model_type == "llama"`` and it has a ``model``."""
 
-    Raises:
-        ValueError: see :func:`validate`.
-    """
-    from torch.distributed.tensor.parallel import parallelize_module
+    name = "transformers LlamaForCausalLM"
 
-    from lightning_4d.parallel.pipeline import reshard_after_forward
-    from lightning_4d.parallel.zero import apply_fsdp, fsdp_reduce_dtype
+    def is_model(self, module: nn.Module) -> bool:
+        config = getattr(module, "config", None)
+        return _is(module, "LlamaForCausalLM") and getattr(config, "model_type", None) == "llama" \
+            and isinstance(getattr(module, "model", None), nn.Module)
 
-    validate(model, config)
-    cp_rank = mesh.cp.get_local_rank() if config.cp > 1 else 0
-    chunks = _split(model, config, mesh.pp.get_local_rank(), (cp_rank, config.cp)) if config.pp > 1 else None
-    split = config.tp > 1 or config.cp > 1 or config.pp > 1
-    if split:
-        _register_attention()
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(ATTENTION)
-        else:  # transformers 4.x
-            model.config._attn_implementation = ATTENTION
+    def model_config(self, model: nn.Module) -> Any:
+        """Our ``LlamaConfig`` of the same shape; ``ValueError`` for a Llama variant ours does not model."""
+        from lightning_4d.models.config import LlamaConfig
+
+        return LlamaConfig.from_hf_dict(model.config.to_dict(), source=f"{type(model).__name__}.config")
+
+    def validate(self, model: nn.Module, config: Any) -> None:
+        """Heads, kv heads and vocabulary divisible by tp, layers into pp·v stages, no tied embeddings with pp
+        (``ParallelConfig.validate_model``); tied embeddings are refused with tp too, attention dropout with any
+        split, activation checkpointing always (not applied to transformers' layers yet).
+
+        Raises:
+            ValueError: naming the value and what would be valid.
+        """
+        ours = self.model_config(model)
+        config.validate_model(ours)
+        dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
+        if dropout and max(config.tp, config.cp, config.pp) > 1:
+            raise ValueError(f"attention_dropout={dropout} is not supported with tp, cp or pp > 1 (the split attention "
+                             "has no dropout; Llama trains without): set the model config's attention_dropout=0.0")
+        if config.tp > 1 and ours.tie_word_embeddings:
+            raise ValueError(f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
+                             "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; use tp=1 (dp, ZeRO, cp) or an untied model")
+        if config.activation_checkpointing != "none":
+            raise ValueError(f"activation_checkpointing={config.activation_checkpointing!r} is not supported for a "
+                             "transformers LlamaForCausalLM yet: use activation_checkpointing='none' (or call the "
+                             "model's gradient_checkpointing_enable() yourself)")
+
+    def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
+        return PipelineLayout(embedding="model.embed_tokens", layers="model.layers", norm="model.norm", head="lm_head")
+
+    def rotary(self, model: nn.Module, h: Tensor, positions: Tensor) -> Any:
+        return model.model.rotary_emb(h, positions.unsqueeze(0))
+
+    def run_layer(self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor) -> Tensor:
+        return layer(h, attention_mask=None, position_ids=positions.unsqueeze(0), position_embeddings=rotary)
+
+    def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan:
+        """transformers' own ``config.base_model_tp_plan`` decides which projections are column- and which
+        row-parallel ("colwise" q/k/v, gate/up; "rowwise" o/down); the LM head's logits are gathered (``[b, s, V]``
+        on every tp rank, so the module's own loss works unchanged).
+
+        Raises:
+            ValueError: no ``base_model_tp_plan`` (transformers < 4.45), or a style or pattern not supported.
+        """
+        tp_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+        if not tp_plan:
+            raise ValueError(f"{type(model).__name__}.config has no base_model_tp_plan: transformers >= 4.45 is needed")
+        colwise, rowwise = [], []
+        for pattern, style in tp_plan.items():
+            if style not in _TP_STYLES:
+                raise ValueError(f"base_model_tp_plan[{pattern!r}] = {style!r} is not supported: expected {_TP_STYLES}")
+            if not pattern.startswith("layers.*."):
+                raise ValueError(f"base_model_tp_plan[{pattern!r}]: expected per-layer entries 'layers.*.<module>'")
+            (colwise if style == "colwise" else rowwise).append(pattern[len("layers.*."):])
+        return TensorParallelPlan(
+            embedding="model.embed_tokens", layers="model.layers", norm="model.norm", head="lm_head",
+            colwise=tuple(colwise), rowwise=tuple(rowwise),
+            layer_norms=("input_layernorm", "post_attention_layernorm"),
+            gathered_inputs=(("self_attn", ("kwarg", "hidden_states")), ("mlp", ("args", 1))),
+            vocab_parallel_logits=False,
+        )
+
+    def prepare(self, model: nn.Module, config: Any, mesh: Any) -> None:
+        """Register :func:`attention` in transformers' ``AttentionInterface`` and make the model use it; a forward
+        pre-hook on the base ``LlamaModel`` feeds the model's own rotary embedding the positions of the rank's tokens
+        (:class:`_Positions`)."""
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION, attention)
+        set_attention_implementation(model, ATTENTION)
+        cp_rank = mesh.cp.get_local_rank() if config.cp > 1 else 0
         model.model.register_forward_pre_hook(_Positions(cp_rank, config.cp), with_kwargs=True)
-    if config.tp > 1:
-        parallelize_module(model, mesh.tp, _tp_plan(model, config.sp))
-    if config.cp > 1:
-        group = mesh.cp.get_group()
+
+    def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
+        group = cp_mesh.get_group()
         for m in model.modules():
             if _is(m, "LlamaAttention"):
-                m._lightning_4d_cp = (group, config.context_parallel_method)
-    if config.zero_stage >= 2 and chunks is not None:  # each chunk is a root: the schedule calls the chunks
-        for _, chunk in chunks:
-            apply_fsdp(chunk, mesh.dp_cp, config.zero_stage, blocks=list(chunk.layers.values()),
-                       reshard_after_forward=reshard_after_forward(config),
-                       reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
-    elif config.zero_stage >= 2:
-        apply_fsdp(model, mesh.dp_cp, config.zero_stage, blocks=list(model.model.layers),
-                   reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
-    model._lightning_4d_pipeline_chunks = chunks
-    model._lightning_4d_parallelized = True
+                m._lightning_4d_cp = (group, method)
+
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        """Lightning's materialization (``to_empty`` then each module's ``reset_parameters``), then the rotary tables,
+        which no checkpoint holds (:func:`reset_rotary`); weights come from ``init_from``."""
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            materialize_distributed_module(model, device)
+            reset_rotary(model, device)
+
+    @torch.no_grad()
+    def load_hf(self, model: nn.Module, path: Path) -> None:
+        """The file's keys are the model's own state-dict keys, so DCP's ``HuggingFaceStorageReader`` fills each
+        (DTensor) shard in place. A tied ``lm_head.weight`` absent from the file is the embedding."""
+        reader, available = hf_reader(path)
+        state = model.state_dict()
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        missing = [k for k in state if k not in available and not (tied and k == "lm_head.weight")]
+        if missing:
+            raise ValueError(f"init_from={str(path)!r} holds no tensor {missing[0]!r} ({len(missing)} missing): is it a "
+                             "checkpoint of this model?")
+        hf_load({k: v for k, v in state.items() if k in available}, reader, path)
+
+    def load_checkpoint_weights(self, prefix: str, model: nn.Module, path: Path) -> None:
+        raise ValueError(f"init_from={str(path)!r}: a transformers LlamaForCausalLM starts from a Hugging Face "
+                         "directory (config.json + model.safetensors[.index.json]); resume from our checkpoints with "
+                         "the Trainer's ckpt_path")
+
+
+#: the family instance the registry lists
+HF_LLAMA = HFLlamaFamily()

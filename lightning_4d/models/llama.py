@@ -49,7 +49,7 @@ _MASK64 = (1 << 64) - 1
 _allow_in_weights_only_checkpoints()
 
 
-def _canonical_name(name: str) -> str:
+def canonical_name(name: str) -> str:
     """The parameter name without wrapper components.
 
     Activation checkpointing (``checkpoint_wrapper``: ``_checkpoint_wrapped_module.``), ``torch.compile``
@@ -355,7 +355,7 @@ class LlamaModel(nn.Module):
         """Deterministic, layout-independent initialization of every parameter, in place.
 
         For each parameter (a tied matrix once), with ``name`` its canonical name (wrapper components removed, see
-        :func:`_canonical_name`): a ``torch.Generator`` on the parameter's device is seeded with a 63-bit mix of
+        :func:`canonical_name`): a ``torch.Generator`` on the parameter's device is seeded with a 63-bit mix of
         ``seed`` and ``crc32(name)`` (:func:`_param_seed`) and the FULL tensor (the global shape for a DTensor) is
         drawn in float32:
 
@@ -390,7 +390,7 @@ class LlamaModel(nn.Module):
                 raise RuntimeError(
                     f"parameter {name} is on the meta device: call model.to_empty(device=...) before init_weights()."
                 )
-            canonical = _canonical_name(name)
+            canonical = canonical_name(name)
             module_name, _, _ = name.rpartition(".")
             std = self._init_std(modules[module_name], canonical)
             key = canonical

@@ -135,7 +135,7 @@ MODULE_WRAPPER_PREFIXES = (CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE, FSDP1_WRA
 
 
 # ---------------------------------------------------------------------------------------------------- selective AC
-#: the private ops whose outputs selective activation checkpointing saves (``parallel/checkpointing.py``), by
+#: the private ops whose outputs selective activation checkpointing saves (``parallel/activation_checkpoint.py``), by
 #: qualified name without the overload (``OpOverload.name()`` up to the first dot): ATen's fused attention kernels
 #: (those ``scaled_dot_product_attention`` dispatches to on CPU and CUDA, and the flash kernels context parallelism
 #: calls), flash-attn 2's forward (a torch custom op since flash-attn 2.7) and the functional collectives with which
@@ -292,3 +292,13 @@ def dcp_file_extents(storage_data: dict) -> dict[str, int]:
     for info in storage_data.values():
         extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
     return extents
+
+
+def set_attention_implementation(model: Any, name: str) -> None:
+    """Make a transformers model use the attention function registered as ``name`` in its ``AttentionInterface``:
+    the public ``set_attn_implementation`` (transformers 5), else the config's private ``_attn_implementation``
+    (transformers 4.x, where it is the only way)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name

@@ -14,11 +14,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.families import find_models
+from lightning_4d.families.base import ModelFamily, find_submodel
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat import attached_trainer
-from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
-from lightning_4d.parallel.context import apply_context_parallel
-from lightning_4d.parallel.pipeline import reshard_after_forward, resolve_num_microbatches, split_llama
+from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_4d.parallel.pipeline import (layer_items, reshard_after_forward, resolve_num_microbatches, split_model,
+                                            sync_chunk_layers)
 from lightning_4d.parallel.tensor import apply_tensor_parallel
 from lightning_4d.parallel.zero import apply_fsdp, fsdp_reduce_dtype
 
@@ -33,16 +35,15 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
         ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
             :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`.
     """
-    from lightning_4d.adapters.hf_llama import find_hf_llamas, validate
     from lightning_4d.models.config import LlamaConfig
 
     model_config = getattr(module, "model_config", None)
+    models = find_models(module) if module is not None else []
     if isinstance(model_config, LlamaConfig):
         config.validate_model(model_config)
-    elif module is not None and find_hf_llamas(module):
-        for hf in find_hf_llamas(module):
-            validate(hf, config)
-    elif module is not None and max(config.tp, config.pp, config.cp) > 1 and not _splittable(module):
+    for _, family, model in models:
+        family.validate(model, config)
+    if module is not None and not models and max(config.tp, config.pp, config.cp) > 1 and not _splittable(module):
         raise ValueError(_cannot_split(config, module))
     trainer = attached_trainer(module)
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
@@ -56,15 +57,14 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
 
 
 def _splittable(module: nn.Module) -> bool:
-    """Whether tp / pp / cp can apply to ``module``: it holds (or will build: a ``model_config`` LlamaConfig) a
-    ``lightning_4d`` Llama, or it overrides ``configure_model`` (where it may apply its own plans)."""
+    """Whether tp / pp / cp can apply to a ``module`` that holds no model of a registered family yet: it will build
+    one (a ``model_config`` LlamaConfig), or it overrides ``configure_model`` (where it may apply its own plans)."""
     import lightning as L
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_4d.adapters.hf_llama import find_hf_llamas
-    from lightning_4d.models.llama import LlamaModel
+    from lightning_4d.models.config import LlamaConfig
 
-    return any(isinstance(m, LlamaModel) for m in module.modules()) or bool(find_hf_llamas(module)) or (
+    return isinstance(getattr(module, "model_config", None), LlamaConfig) or (
         isinstance(module, L.LightningModule) and is_overridden("configure_model", module))
 
 
@@ -142,7 +142,8 @@ def shard_any_module(module: nn.Module, mesh: ParallelMesh, config: ParallelConf
                        reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
 
 
-def parallelize_llama(
+def parallelize_model(
+    family: ModelFamily,
     model: nn.Module,
     mesh: ParallelMesh,
     config: ParallelConfig,
@@ -150,33 +151,44 @@ def parallelize_llama(
     param_dtype: Optional[torch.dtype] = None,
 ) -> Optional[list[tuple[int, nn.Module]]]:
     """Apply the pipeline split, tp/sp, context-parallel attention, activation checkpointing, compile and ZeRO 2/3 to
-    a meta-device ``LlamaModel``, in that order.
+    ``model`` (a meta-device model of ``family``; real weights work too, each rank keeping its shards), in that
+    order, the same steps for every family (:class:`~lightning_4d.families.base.ModelFamily` says where the parts are
+    and what its plans are).
 
-    With pp > 1 the model is pruned to this rank's stages and every step after the split runs on each stage chunk
-    (:func:`~lightning_4d.parallel.pipeline.split_llama`); the chunks are returned (``None`` without pp).
-    ``param_dtype``: the compute dtype of mixed precision with master weights (ZeRO 2/3: FSDP2's
-    ``MixedPrecisionPolicy``, :func:`~lightning_4d.parallel.zero.apply_fsdp`).
+    With pp > 1 the model is pruned to this rank's stages (:func:`~lightning_4d.parallel.pipeline.split_model`),
+    tp, cp, checkpointing and compile act on the pruned model, and each stage chunk becomes its own FSDP2 root; the
+    chunks are returned (``None`` without pp). ``param_dtype``: the compute dtype of mixed precision with master
+    weights (ZeRO 2/3: FSDP2's ``MixedPrecisionPolicy``, :func:`~lightning_4d.parallel.zero.apply_fsdp`), for a
+    family that keeps them.
 
     Raises:
-        ValueError: the model cannot be split by the layout (see :meth:`ParallelConfig.validate_model`).
+        ValueError: the model cannot be split by the layout (:meth:`ModelFamily.validate`), or ``compile`` /
+            activation checkpointing for a family whose layers take neither.
     """
-    chunks = split_llama(model, config, mesh.pp.get_local_rank()) if config.pp > 1 else None
-    for part in [c for _, c in chunks] if chunks is not None else [model]:
-        apply_tensor_parallel(part, mesh.tp, sequence_parallel=config.sp)
-        apply_context_parallel(part, mesh.cp, config.context_parallel_method)
-        apply_activation_checkpointing(part, config.activation_checkpointing)
-        if compile:
-            for block in part.layers.values():
-                block.compile()
-        if config.zero_stage >= 2:
-            apply_fsdp(part, mesh.dp_cp, config.zero_stage, reshard_after_forward=reshard_after_forward(config),
-                       param_dtype=param_dtype,
-                       reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
-        if part is not model:
-            for name, block in part.layers.items():  # the union holds the same (wrapped) blocks as its chunks
-                model.layers[name] = block
-    if chunks is not None:
-        model.context_parallel = chunks[0][1].context_parallel
+    family.validate(model, config)
+    if compile and not family.activation_checkpointing:
+        raise ValueError(f"compile=True is not supported for a {family.name} yet: use compile=False")
+    cp = (mesh.cp.get_local_rank(), config.cp) if config.cp > 1 else (0, 1)
+    chunks = split_model(family, model, config, mesh.pp.get_local_rank(), cp) if config.pp > 1 else None
+    if max(config.tp, config.cp, config.pp) > 1:
+        family.prepare(model, config, mesh)
+    apply_tensor_parallel(model, family.tensor_parallel_plan(model), mesh.tp, sequence_parallel=config.sp)
+    if config.cp > 1:
+        family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
+    layers = find_submodel(model, family.pipeline_layout(model).layers)
+    apply_activation_checkpointing(layers, config.activation_checkpointing)
+    if compile:
+        for _, block in layer_items(layers):
+            block.compile()
+    sync_chunk_layers(model, family)
+    if config.zero_stage >= 2:
+        fsdp = dict(reshard_after_forward=reshard_after_forward(config),
+                    param_dtype=param_dtype if family.master_weights else None,
+                    reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
+        for part in [c for _, c in chunks] if chunks is not None else [model]:
+            blocks = [b for _, b in layer_items(find_submodel(part, "layers") if part is not model else layers)
+                      if any(True for _ in b.parameters())]
+            apply_fsdp(part, mesh.dp_cp, config.zero_stage, blocks=blocks, **fsdp)
     model._lightning_4d_parallelized = True  # type: ignore[assignment]
     return chunks
 
@@ -193,7 +205,7 @@ def is_parallelized(module: nn.Module) -> bool:
     )
 
 
-def prepare_llamas(
+def prepare_models(
     module: nn.Module,
     mesh: ParallelMesh,
     config: ParallelConfig,
@@ -201,59 +213,48 @@ def prepare_llamas(
     compile: bool = False,
     param_dtype: Optional[torch.dtype] = None,
     fsdp_blocks: Optional[Sequence[str]] = None,
-) -> list[nn.Module]:
-    """Parallelize (:func:`parallelize_llama`, unless already done), materialize on ``device`` and initialize
-    (``LlamaModel.init_weights``, layout-independent, in float32) every ``lightning_4d`` Llama model inside ``module``
-    (a LightningModule); returns them. ``param_dtype``: see :func:`parallelize_llama` (the parameters stay float32
-    here: :func:`cast_to_compute_dtype` follows once the optimizer's master weights exist).
+) -> list[tuple[ModelFamily, nn.Module]]:
+    """Parallelize (:func:`parallelize_model`, unless already done) and materialize on ``device``
+    (:meth:`ModelFamily.materialize`: our Llama initialized layout-independently, in float32) every model of a
+    registered family inside ``module`` (a LightningModule); returns ``[(family, model), ...]``. ``param_dtype``:
+    see :func:`parallelize_model` (the parameters stay float32 here: :func:`cast_to_compute_dtype` follows once the
+    optimizer's master weights exist).
 
-    Any other module (no ``LlamaModel`` inside, no plans of its own) gets data parallelism: nothing here at ZeRO 0/1
-    (the strategy's gradient buckets and sharded optimizer act on it), FSDP2 units at ZeRO 2/3
+    Any other module (no registered model inside, no plans of its own) gets data parallelism: nothing here at ZeRO
+    0/1 (the strategy's gradient buckets and sharded optimizer act on it), FSDP2 units at ZeRO 2/3
     (:func:`shard_any_module`, blocks from ``fsdp_blocks``).
 
     Raises:
-        ValueError: tp / pp / cp > 1 for a module that holds no ``LlamaModel`` and applied no plans.
-        TypeError: pp > 1 and the module does not hold exactly one ``LlamaModel``.
+        ValueError: tp / pp / cp > 1 for a module that holds no registered model and applied no plans.
+        TypeError: pp > 1 and the module does not hold exactly one model.
     """
-    from lightning_4d.adapters.hf_llama import find_hf_llamas, parallelize_hf_llama
-    from lightning_4d.models.llama import LlamaModel
-
-    llamas = [m for m in module.modules() if isinstance(m, LlamaModel)]
-    if not llamas:
-        hf_llamas = find_hf_llamas(module)
-        for hf in hf_llamas:  # a Hugging Face transformers Llama (lightning_4d/adapters/hf_llama.py), once
-            if not getattr(hf, "_lightning_4d_parallelized", False):
-                parallelize_hf_llama(hf, mesh, config)
-        if hf_llamas or is_parallelized(module):  # or the user's own plans (configure_model)
+    models = [(family, model) for _, family, model in find_models(module)]
+    if not models:
+        if is_parallelized(module):  # the user's own plans (configure_model)
             return []
         if max(config.tp, config.pp, config.cp) > 1:
             raise ValueError(_cannot_split(config, module))
         if config.zero_stage >= 2:
             shard_any_module(module, mesh, config, fsdp_blocks)
         return []
-    if config.pp > 1 and len(llamas) != 1:
-        raise TypeError(
-            f"pipeline_parallel_size={config.pp} needs exactly one lightning_4d LlamaModel in the "
-            f"LightningModule (found {len(llamas)})."
-        )
-    for llama in llamas:
-        if not is_parallelized(llama):
-            parallelize_llama(llama, mesh, config, compile=compile, param_dtype=param_dtype)
-        if any(p.is_meta for p in llama.parameters()):
-            llama.to_empty(device=device)
-            with torch.no_grad():
-                llama.init_weights()
-    return llamas
+    if config.pp > 1 and len(models) != 1:
+        raise TypeError(f"pipeline_parallel_size={config.pp} needs exactly one model in the LightningModule (found "
+                        f"{len(models)}: {', '.join(f.name for f, _ in models)}).")
+    for family, model in models:
+        if not is_parallelized(model):
+            parallelize_model(family, model, mesh, config, compile=compile, param_dtype=param_dtype)
+        family.materialize(model, device)
+    return models
 
 
-def cast_to_compute_dtype(llamas: list[nn.Module], dtype: Optional[torch.dtype]) -> None:
-    """Cast the parameters FSDP2 does not own (ZeRO 0/1) of ``llamas`` to ``dtype`` in place (the same ``Parameter``
-    objects, so optimizers keep them: ``Module.to`` sets ``.data`` of a plain parameter and swaps a DTensor one's
-    tensor with ``torch.utils.swap_tensors``, which loses gradient hooks registered before); FSDP2 units (ZeRO 2/3)
-    cast per unit at all-gather instead. ``None``: no-op.
+def cast_to_compute_dtype(models: list[tuple[ModelFamily, nn.Module]], dtype: Optional[torch.dtype]) -> None:
+    """Cast the parameters FSDP2 does not own (ZeRO 0/1) of the models whose family keeps master weights to
+    ``dtype`` in place (the same ``Parameter`` objects, so optimizers keep them: ``Module.to`` sets ``.data`` of a
+    plain parameter and swaps a DTensor one's tensor with ``torch.utils.swap_tensors``, which loses gradient hooks
+    registered before); FSDP2 units (ZeRO 2/3) cast per unit at all-gather instead. ``None``: no-op.
 
     Args:
-        llamas: the ``LlamaModel`` instances of the LightningModule (:func:`prepare_llamas`).
+        models: ``[(family, model), ...]`` of :func:`prepare_models`.
         dtype: the compute dtype (``torch.bfloat16`` under ``bf16-mixed``) or ``None``.
 
     Mixed precision with master weights (:mod:`lightning_4d.parallel.zero`): called after the optimizers' master
@@ -263,6 +264,6 @@ def cast_to_compute_dtype(llamas: list[nn.Module], dtype: Optional[torch.dtype])
 
     if dtype is None:
         return
-    for llama in llamas:
-        if not any(isinstance(m, FSDPModule) for m in llama.modules()):
-            llama.to(dtype)
+    for family, model in models:
+        if family.master_weights and not any(isinstance(m, FSDPModule) for m in model.modules()):
+            model.to(dtype)

@@ -42,7 +42,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
-from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
@@ -51,10 +50,16 @@ from lightning_4d.parallel.zero import ShardedOptimizer, clip_coefficient, unwra
 
 # ---------------------------------------------------------------------------------------------------- split
 class _PipelineUnion:
-    """Mixed into the class of a pipeline-split ``LlamaModel`` (the *union*; the way FSDP2's ``fully_shard`` swaps a
-    module's class): ``nn.Module._apply`` (behind ``to``, ``to_empty``, ``float``, ...) goes through the stage chunks,
-    which are the FSDP2 roots that must see the conversion (they re-point their sharded parameters after it); every
-    submodule of the union belongs to exactly one chunk."""
+    """Mixed into the class of a pipeline-split model (the *union*; the way FSDP2's ``fully_shard`` swaps a module's
+    class): ``nn.Module._apply`` (behind ``to``, ``to_empty``, ``float``, ``cpu``, ...) goes through the stage chunks,
+    which are the FSDP2 roots that must see the conversion (they re-point their sharded parameters after it), then
+    through the union's modules no chunk holds (a rotary-embedding module, placeholders).
+
+    Why a class swap: the chunks are FSDP2 roots (``PipelineStage`` runs them and manages their gradient sync), yet
+    the LightningModule holds the union, and Lightning moves and converts it through ``nn.Module._apply`` on the
+    root (``materialize_distributed_module``, ``model_to_device``, the precision plugin's ``convert_module``,
+    ``teardown``'s ``cpu()``); torch offers no per-module hook on ``_apply``. Registering the chunks as submodules
+    instead would rename every parameter (checkpoints keep the unsplit names)."""
 
     _pipeline_chunks: list[tuple[int, nn.Module]]
 
@@ -63,7 +68,21 @@ class _PipelineUnion:
             return super()._apply(fn, recurse)  # type: ignore[misc]
         for _, chunk in self._pipeline_chunks:
             chunk._apply(fn, recurse)
+        owned = {id(m) for _, chunk in self._pipeline_chunks for m in chunk.modules()}
+        _apply_outside(self, fn, owned)
         return self
+
+
+def _apply_outside(module: nn.Module, fn: Any, owned: set[int]) -> None:
+    """``fn`` on the parameters and buffers of ``module`` and its submodules that are not in ``owned``."""
+    nn.Module._apply(module, fn, recurse=False)
+    for child in module.children():
+        if id(child) in owned:
+            continue
+        if any(id(m) in owned for m in child.modules()):
+            _apply_outside(child, fn, owned)
+        else:
+            child._apply(fn)
 
 
 _UNION_CLASSES: dict[type, type] = {}
@@ -78,79 +97,92 @@ def _as_union(model: nn.Module, chunks: list[tuple[int, nn.Module]]) -> None:
 
 
 def pipeline_chunks(model: nn.Module) -> Optional[list[tuple[int, nn.Module]]]:
-    """The ``[(stage index, chunk), ...]`` of a model :func:`split_llama` has split, else ``None``."""
+    """The ``[(stage index, chunk), ...]`` of a model :func:`split_model` has split, else ``None``."""
     return model._pipeline_chunks if isinstance(model, _PipelineUnion) else None
 
 
-class StageChunk(LlamaModel):
-    """One pipeline stage of a ``LlamaModel``: a shell whose submodules are the union's own (shared, not copied).
+class PrunedLayer(nn.Module):
+    """The place of a decoder layer another pipeline rank holds in an ``nn.ModuleList`` (no parameters; keeps the
+    indices, so parameter names stay the unsplit model's)."""
 
-    A stage without the token embedding receives the previous stage's hidden states ``[b, s / sequence_shards, h]``
-    (this tp rank's sequence shard under sequence parallelism; this cp rank's zigzag shard under cp) and computes
-    the rotary positions of its ``s`` tokens itself (``torch.distributed.pipelining`` passes activations only).
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage of any family's model: its token embedding (first stage), decoder layers, final norm and
+    LM head (last stage), the union model's own modules (shared, not copied).
+
+    ``forward(x)``: token ids ``[b, s]`` on the first stage, else the previous stage's hidden states
+    ``[b, s / sequence_shards, h]`` (this tp rank's sequence shard under sequence parallelism; this cp rank's zigzag
+    shard under cp); returns hidden states, or the head's logits ``[b, s, V]`` on the last stage. The chunk computes
+    the rotary positions of its ``s`` tokens itself (``torch.distributed.pipelining`` passes activations only; the
+    cp shard's zigzag positions, :func:`~lightning_4d.models.rope.context_parallel_positions`) and asks the family
+    (:class:`~lightning_4d.families.base.ModelFamily`) for the rotary embedding, each layer's call and the head.
     """
 
-    sequence_shards: int = 1
     #: how the hidden states are sent to the next stage and received from the previous one, with their gradients
     #: (``ParallelConfig.pipeline_comm_dtype``): ``None`` (the model's dtype), ``"bfloat16"`` (cast; autograd casts
     #: the gradient alike) or ``"float8"`` (e4m3 and a per-tensor scale: ``parallel/compression.py``)
     comm_dtype: Optional[str] = None
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
-        """Like :meth:`LlamaModel.forward`; without the embedding, ``x`` is ``[b, s / sequence_shards, h]`` and
-        ``positions`` (default: those of this shard's ``s`` tokens) must cover ``s`` tokens.
+    def __init__(self, family: Any, model: nn.Module, layers: dict[str, nn.Module], embedding: Optional[nn.Module],
+                 norm: Optional[nn.Module], head: Optional[nn.Module], sequence_shards: int, cp: tuple[int, int],
+                 hidden_size: int) -> None:
+        super().__init__()
+        self.family = family
+        object.__setattr__(self, "union", model)  # not a submodule: the union's parameters keep their own names
+        self.embedding = embedding
+        self.layers = nn.ModuleDict(layers)
+        self.norm = norm
+        self.head = head
+        self.sequence_shards, self.cp, self.hidden_size = sequence_shards, cp, hidden_size
 
-        Raises:
-            ValueError: ``positions`` whose last dimension is not ``s``.
-        """
-        if self.tok_embeddings is None:
-            own = next(iter(self.layers.values())).attention_norm.weight.dtype
+    def forward(self, x: Tensor) -> Tensor:
+        """See the class docstring."""
+        if self.embedding is not None:
+            s, h = x.shape[1], self.embedding(x)
+        else:
+            own = next(next(iter(self.layers.values())).parameters()).dtype
             if self.comm_dtype == "float8":  # the float8 wire (parallel/compression.py), decoded
-                x = ReceiveFloat8.apply(x, self.config.hidden_size, own)
+                x = ReceiveFloat8.apply(x, self.hidden_size, own)
             elif self.comm_dtype is not None:  # received in the wire dtype: back to the stage's own
                 x = x.to(own)
-            s = x.shape[1] * self.sequence_shards
-            if positions is None:
-                cp_rank, cp_size = self.context_parallel or (0, 1)
-                positions = context_parallel_positions(s, cp_rank, cp_size, x.device)
-            elif positions.shape[-1] != s:
-                raise ValueError(
-                    f"positions has shape {tuple(positions.shape)}: expected [s] or [b, s] with s={s} (the stage's "
-                    f"input holds {x.shape[1]} tokens of each sequence, 1/{self.sequence_shards} of it)."
-                )
-        out = super().forward(x, positions)
-        if self.output is None and self.comm_dtype == "float8":
-            out = SendFloat8.apply(out)
-        elif self.output is None and self.comm_dtype is not None:
-            out = out.to(PIPELINE_COMM_TORCH_DTYPES[self.comm_dtype])  # its gradient comes back in this dtype too
-        return out
-
-
-def _chunk(model: nn.Module, layers: Iterable[int], first: bool, last: bool, sequence_shards: int) -> StageChunk:
-    chunk = StageChunk.__new__(StageChunk)
-    nn.Module.__init__(chunk)
-    chunk.config = model.config
-    chunk.init_seed = model.init_seed
-    chunk.tok_embeddings = model.tok_embeddings if first else None
-    chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
-    chunk.norm = model.norm if last else None
-    chunk.output = model.output if last else None
-    chunk.context_parallel = model.context_parallel
-    chunk.head_projection = model.head_projection
-    chunk.sequence_shards = sequence_shards
-    return chunk
+            s, h = x.shape[1] * self.sequence_shards, x
+        positions = context_parallel_positions(s, self.cp[0], self.cp[1], device=x.device)
+        rotary = self.family.rotary(self.union, h, positions)
+        for layer in self.layers.values():
+            h = self.family.run_layer(self.union, layer, h, rotary, positions)
+        if self.head is not None:
+            return self.family.run_head(self.union, self.head, self.norm(h))
+        if self.comm_dtype == "float8":
+            return SendFloat8.apply(h)
+        if self.comm_dtype is not None:
+            return h.to(PIPELINE_COMM_TORCH_DTYPES[self.comm_dtype])  # its gradient comes back in this dtype too
+        return h
 
 
 #: ``ParallelConfig.pipeline_comm_dtype`` -> the torch dtype of the stage-to-stage sends
 PIPELINE_COMM_TORCH_DTYPES = {"bfloat16": torch.bfloat16}
 
 
-def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[tuple[int, StageChunk]]:
-    """Prune ``model`` (a ``LlamaModel``, usually on the meta device) to pp rank ``pp_rank``'s stages.
+def layer_items(container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(key, layer)`` of a decoder-layer container in order: an ``nn.ModuleDict``'s items, or an
+    ``nn.ModuleList``'s ``(str(index), layer)``."""
+    return list(container.items()) if isinstance(container, nn.ModuleDict) else \
+        [(str(i), m) for i, m in enumerate(container)]
 
-    Layers of other stages are deleted from ``model.layers``; the embedding is dropped unless the rank holds stage 0,
+
+def split_model(family: Any, model: nn.Module, config: ParallelConfig, pp_rank: int,
+                cp: tuple[int, int] = (0, 1)) -> list[tuple[int, StageChunk]]:
+    """Prune ``model`` (any family's, usually on the meta device) to pp rank ``pp_rank``'s stages, the one splitter
+    (torchtitan's ``pipeline_parallel.py`` shape).
+
+    The family says where the parts are (:meth:`~lightning_4d.families.base.ModelFamily.pipeline_layout`). Layers of
+    other stages are deleted from an ``nn.ModuleDict`` or replaced by a :class:`PrunedLayer` in an ``nn.ModuleList``
+    (either way the kept layers keep their names); the embedding is set to ``None`` unless the rank holds stage 0,
     the final norm and the head unless it holds stage ``p·v - 1``. ``model`` becomes the union of the returned
-    chunks (:func:`pipeline_chunks` returns them).
+    chunks (:func:`pipeline_chunks` returns them); ``cp`` is ``(cp rank, cp size)``.
 
     Returns:
         ``[(stage_index, chunk), ...]`` in the order of :meth:`ParallelConfig.stage_indices`.
@@ -158,24 +190,52 @@ def split_llama(model: nn.Module, config: ParallelConfig, pp_rank: int) -> list[
     Raises:
         ValueError: the layers cannot be split as configured (see :meth:`ParallelConfig.layer_split`).
     """
-    mine = config.rank_stages(model.config.num_layers, pp_rank)
+    from lightning_4d.families.base import find_submodel, set_submodel
+
+    where = family.pipeline_layout(model)
+    container = find_submodel(model, where.layers)
+    items = layer_items(container)
+    mine = config.rank_stages(len(items), pp_rank)
     keep = {i for _, layers in mine for i in layers}
-    for name in list(model.layers.keys()):
-        if int(name) not in keep:
-            del model.layers[name]
+    for i, (key, _) in enumerate(items):
+        if i in keep:
+            continue
+        if isinstance(container, nn.ModuleDict):
+            del container[key]
+        else:
+            container[i] = PrunedLayer()
     last_stage = config.num_stages - 1
     first, last = any(s == 0 for s, _ in mine), any(s == last_stage for s, _ in mine)
-    if not first:
-        model.tok_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
+    parts = {name: find_submodel(model, getattr(where, name)) for name in ("embedding", "norm", "head")}
     shards = config.tp if config.sp else 1
-    chunks = [(s, _chunk(model, layers, s == 0, s == last_stage, shards)) for s, layers in mine]
+    hidden = family.model_config(model).hidden_size
+    chunks = [(s, StageChunk(family, model, {items[i][0]: items[i][1] for i in layers},
+                             parts["embedding"] if s == 0 else None, parts["norm"] if s == last_stage else None,
+                             parts["head"] if s == last_stage else None, shards, cp, hidden))
+              for s, layers in mine]
     for _, chunk in chunks:
         chunk.comm_dtype = config.pipeline_comm_dtype
+    if not first:
+        set_submodel(model, where.embedding, None)
+    if not last:
+        set_submodel(model, where.norm, None)
+        set_submodel(model, where.head, None)
     _as_union(model, chunks)
     return chunks
+
+
+def sync_chunk_layers(model: nn.Module, family: Any) -> None:
+    """Point each stage chunk's layers at the union's again, after a step that replaced layers in the union's
+    container (activation checkpointing wraps them)."""
+    from lightning_4d.families.base import find_submodel
+
+    chunks = pipeline_chunks(model)
+    if chunks is None:
+        return
+    current = dict(layer_items(find_submodel(model, family.pipeline_layout(model).layers)))
+    for _, chunk in chunks:
+        for key in list(chunk.layers.keys()):
+            chunk.layers[key] = current[key]
 
 
 def reshard_after_forward(config: ParallelConfig) -> Optional[bool]:

@@ -19,6 +19,7 @@ Per transformer block, over a tp group of size t:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
@@ -113,12 +114,68 @@ def _sequence_parallel_head(x: Tensor, output: nn.Linear, mesh: DeviceMesh) -> T
     return DTensor.from_local(local, mesh, [Shard(-1)], run_check=False)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard a ``LlamaModel`` (or a pipeline stage of one) in place over ``tp_mesh``.
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """A model family's tensor-parallel plan (:meth:`lightning_4d.families.ModelFamily.tensor_parallel_plan`), applied
+    by :func:`apply_tensor_parallel` (the module docstring's split, Megatron-LM's).
+
+    Paths are dotted attribute paths on the model (a part may be ``None`` or absent: a pipeline stage);
+    per-layer names are relative to one decoder layer.
+
+    Attributes:
+        embedding, layers, norm, head: the token embedding (split by vocabulary rows), the decoder-layer container
+            (``nn.ModuleDict`` or ``nn.ModuleList``; pruned entries, modules without parameters, are skipped), the
+            final norm (sequence parallel under sp) and the LM head (split by vocabulary columns).
+        colwise: per-layer projections split by output features (``wq``, ``wk``, ``wv``, ``w1``, ``w3``).
+        rowwise: per-layer projections split by input features (``wo``, ``w2``): partial sums reduced (all-reduce, or
+            reduce-scatter over the sequence under sp).
+        layer_norms: per-layer norms (sequence parallel under sp).
+        gathered_inputs: per-layer modules whose input is the full sequence (attention, MLP), each with where that
+            input is: ``("args", n)`` (the first of ``n`` positional arguments) or ``("kwarg", name)``. A module with
+            an ``input_projection`` attribute (our Llama's) gets the fused sequence-parallel projection under sp
+            (:func:`sequence_parallel_projection`: only the shard is saved); any other gets DTensor's
+            ``PrepareModuleInput`` (the input gathered before the module).
+        vocab_parallel_logits: the head returns the logits sharded over the vocabulary (``Shard(-1)`` DTensor, for the
+            vocabulary-parallel cross-entropy of :mod:`lightning_4d.parallel.loss`); ``False``: gathered to
+            ``[b, s, V]`` on every tp rank (a foreign model's own loss works unchanged). With vocabulary-parallel
+            logits, sp and a model attribute ``head_projection``, the head saves only the sequence shard of its input.
+    """
+
+    embedding: str
+    layers: str
+    norm: str
+    head: str
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    layer_norms: tuple[str, ...]
+    gathered_inputs: tuple[tuple[str, tuple[str, Any]], ...]
+    vocab_parallel_logits: bool = True
+
+
+def _find(module: Optional[nn.Module], path: str) -> Optional[nn.Module]:
+    for part in path.split("."):
+        module = getattr(module, part, None) if module is not None else None
+    return module
+
+
+def _layer_items(container: Optional[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """``(key, layer)`` of a ``ModuleDict`` / ``ModuleList`` of decoder layers, those without parameters (the
+    placeholders of layers another pipeline rank holds) left out."""
+    if container is None:
+        return []
+    items = container.items() if isinstance(container, nn.ModuleDict) else [(str(i), m) for i, m in enumerate(container)]
+    return [(k, m) for k, m in items if any(True for _ in m.parameters())]
+
+
+def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh,
+                          sequence_parallel: bool) -> None:
+    """Shard ``model`` (any family's, or the part of it a pipeline rank holds) in place over ``tp_mesh`` following
+    ``plan`` (module docstring).
 
     Args:
-        model: a :class:`lightning_4d.models.LlamaModel`, usually still on the meta device.
-        tp_mesh: the 1D ``"tp"`` mesh.
+        model: the model, usually still on the meta device.
+        plan: the family's :class:`TensorParallelPlan`.
+        tp_mesh: the 1D ``"tp"`` mesh (size 1: nothing changes).
         sequence_parallel: shard norms and the residual stream over the sequence (requires s % t == 0).
 
     Tied embeddings: the embedding and the head both shard the ``[V, h]`` matrix by rows (``Shard(0)``); they are
@@ -127,48 +184,39 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if tp_mesh.size() == 1:
         return
     seq = Shard(1) if sequence_parallel else Replicate()
-    tied = (
-        getattr(model, "tok_embeddings", None) is not None
-        and getattr(model, "output", None) is not None
-        and model.output.weight is model.tok_embeddings.weight
-    )
-    top: dict[str, object] = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if getattr(model, "norm", None) is not None and sequence_parallel:
-        top["norm"] = SequenceParallel()
-    if getattr(model, "output", None) is not None:
-        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    embedding, norm, head = _find(model, plan.embedding), _find(model, plan.norm), _find(model, plan.head)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    styles: dict[str, object] = {}
+    if embedding is not None:
+        styles[plan.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if norm is not None and sequence_parallel:
+        styles[plan.norm] = SequenceParallel()
+    if head is not None and plan.vocab_parallel_logits:
+        styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    elif head is not None:
+        styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    projection = partial(sequence_parallel_projection, group=tp_mesh.get_group())
+    for key, layer in _layer_items(_find(model, plan.layers)):
+        prefix = f"{plan.layers}.{key}."
+        styles.update({prefix + name: ColwiseParallel() for name in plan.colwise})
+        styles.update({prefix + name: RowwiseParallel(output_layouts=seq) for name in plan.rowwise})
+        if sequence_parallel:
+            styles.update({prefix + name: SequenceParallel() for name in plan.layer_norms})
+        for name, (kind, where) in plan.gathered_inputs:
+            module = _find(layer, name)
+            if sequence_parallel and hasattr(module, "input_projection"):
+                module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)
+            elif kind == "kwarg":
+                styles[prefix + name] = PrepareModuleInput(input_kwarg_layouts={where: seq},
+                                                           desired_input_kwarg_layouts={where: Replicate()})
+            else:
+                styles[prefix + name] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (where - 1),
+                                                           desired_input_layouts=(Replicate(),) + (None,) * (where - 1))
+    if tied:  # distribute the shared matrix once (through the embedding), then re-tie below
+        head.weight = nn.Parameter(embedding.weight.detach().clone())
+    parallelize_module(model, tp_mesh, styles)
     if tied:
-        # distribute the shared matrix once (through the embedding), then re-tie below
-        model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())
-    parallelize_module(model, tp_mesh, top)
-    if tied:
-        model.output.weight = model.tok_embeddings.weight
-    if getattr(model, "output", None) is not None and sequence_parallel:
+        head.weight = embedding.weight
+    if head is not None and sequence_parallel and plan.vocab_parallel_logits and hasattr(model, "head_projection"):
         # the head gathers the sequence itself and saves only the shard (its plan above only shards its weight)
         model.head_projection = partial(_sequence_parallel_head, mesh=tp_mesh)
-
-    for block in model.layers.values():
-        plan: dict[str, object] = {
-            "attention": PrepareModuleInput(
-                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        }
-        if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
-            # the projections gather the sequence themselves (the linears' plans only shard their weights)
-            del plan["attention"], plan["feed_forward"]
-            projection = partial(sequence_parallel_projection, group=tp_mesh.get_group())
-            block.attention.input_projection = projection
-            block.feed_forward.input_projection = projection
-        parallelize_module(block, tp_mesh, plan)

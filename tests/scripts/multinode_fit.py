@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
-from lightning_4d.models.llama import _canonical_name  # noqa: E402
+from lightning_4d.models.llama import canonical_name  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -102,7 +102,7 @@ def main() -> None:
     weights = {}
     for name, p in module.model.named_parameters():  # full_tensor is a collective: every rank joins
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        weights[_canonical_name(name)] = full.detach().float().cpu().clone()
+        weights[canonical_name(name)] = full.detach().float().cpu().clone()
     (out / f"layout0_rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
         torch.save(weights, out / "layout0_weights.pt")

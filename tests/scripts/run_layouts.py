@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
-from lightning_4d.models.llama import _canonical_name  # noqa: E402
+from lightning_4d.models.llama import canonical_name  # noqa: E402
 from lightning_4d.parallel.zero import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
@@ -142,10 +142,10 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
     weights = {}
     for name, p in module.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        weights[_canonical_name(name)] = full.detach().float().cpu().clone()
+        weights[canonical_name(name)] = full.detach().float().cpu().clone()
     rank = trainer.global_rank
     record = {"layout": layout, "losses": recorder.losses, "bytes": recorder.bytes, "rank": rank,
-              "param_shapes": {_canonical_name(n): [list(p.shape), p.element_size()]
+              "param_shapes": {canonical_name(n): [list(p.shape), p.element_size()]
                                for n, p in module.model.named_parameters()}}
     (out / f"layout{index}_rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:

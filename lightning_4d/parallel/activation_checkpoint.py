@@ -61,11 +61,12 @@ def selective_checkpoint_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) 
     return CheckpointPolicy.MUST_SAVE if _op_name(func) in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Wrap every block of ``model.layers`` (a ``ModuleDict``) in place.
+def apply_activation_checkpointing(layers: nn.Module, mode: str) -> None:
+    """Wrap every decoder layer of ``layers`` (an ``nn.ModuleDict`` or ``nn.ModuleList``; layers without parameters,
+    a pipeline's placeholders, stay as they are) in place.
 
     Args:
-        model: a ``LlamaModel`` or a pipeline stage of one.
+        layers: the model's decoder-layer container (``LlamaModel.layers``, or a pruned one of a pipeline rank).
         mode: ``"none"`` (no-op), ``"full"`` or ``"selective"`` (module docstring).
 
     Raises:
@@ -80,5 +81,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     kwargs: dict[str, Any] = {}
     if mode == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy)
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+    keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else list(range(len(layers)))
+    for key in keys:
+        if any(True for _ in layers[key].parameters()):
+            layers[key] = checkpoint_wrapper(layers[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)

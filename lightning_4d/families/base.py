@@ -1,0 +1,166 @@
+"""The model-family interface: what :class:`~lightning_4d.strategy.FourDStrategy` must know about one kind of model to
+lay it out in 4D, answered once per family (torchtitan's ``TrainSpec``, ``torchtitan/protocols/train_spec.py``).
+
+A family *describes* its model; the machinery that acts on the description is written once for every family:
+
+========================================  ==========================================================================
+the family answers                        used by
+========================================  ==========================================================================
+:meth:`~ModelFamily.is_model`              the registry (:mod:`lightning_4d.families`): find the models in a
+                                           LightningModule (the only ``isinstance`` on a family, in its own file)
+:meth:`~ModelFamily.model_config`          layout validation and the memory estimate (a ``LlamaConfig``)
+:meth:`~ModelFamily.validate`              ``FourDStrategy.setup_environment``, before any process group
+:meth:`~ModelFamily.pipeline_layout`       the ONE splitter and :class:`~lightning_4d.parallel.pipeline.StageChunk`
+:meth:`~ModelFamily.rotary`,               the stage chunk's forward (positions of the stage's tokens under sp and
+:meth:`~ModelFamily.run_layer`,            cp, computed by the chunk: ``torch.distributed.pipelining`` passes
+:meth:`~ModelFamily.run_head`              activations only)
+:meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
+:meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
+:meth:`~ModelFamily.materialize`           ``FourDStrategy.setup``: the meta-device model made real (and initialized)
+:meth:`~ModelFamily.load_hf`,              ``init_from`` (a Hugging Face directory, each rank reading its slices) and
+:meth:`~ModelFamily.load_checkpoint_weights`  one of our checkpoints (weights only)
+========================================  ==========================================================================
+
+Adding a family is one file that subclasses :class:`ModelFamily` and one line in
+:data:`lightning_4d.families.FAMILIES` (``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.parallel.tensor import TensorParallelPlan
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where a decoder-only model keeps the parts a pipeline split cuts, as dotted attribute paths on the model:
+    ``embedding`` (token embedding; first stage), ``layers`` (an ``nn.ModuleDict`` keyed ``"0" .. "L-1"`` or an
+    ``nn.ModuleList`` of the decoder layers, in order), ``norm`` (final norm) and ``head`` (LM head; both last
+    stage)."""
+
+    embedding: str
+    layers: str
+    norm: str
+    head: str
+
+
+class ModelFamily:
+    """One kind of model the strategy can split (module docstring). Subclasses override every method; the defaults
+    raise ``NotImplementedError`` naming the family and the method.
+
+    Attributes:
+        name: a short name for messages (``"lightning_4d Llama"``).
+        master_weights: the strategy keeps float32 master weights for this family and casts the model to the compute
+            dtype under ``bf16-mixed`` (our Llama); ``False``: precision is left to Lightning's precision plugin.
+        activation_checkpointing: the family's decoder layers may be wrapped by activation checkpointing and
+            ``torch.compile`` (:mod:`lightning_4d.parallel.activation_checkpoint`).
+    """
+
+    name: str = "model"
+    master_weights: bool = False
+    activation_checkpointing: bool = False
+
+    def _missing(self, method: str) -> NotImplementedError:
+        return NotImplementedError(f"the model family {self.name!r} does not implement {method}()")
+
+    # ------------------------------------------------------------------ what the model is
+    def is_model(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a model of this family (its root: a ``LlamaModel``, a ``LlamaForCausalLM``)."""
+        raise self._missing("is_model")
+
+    def model_config(self, model: nn.Module) -> "LlamaConfig":
+        """The :class:`~lightning_4d.models.LlamaConfig` of ``model``'s shape (layout validation, memory estimate).
+
+        Raises:
+            ValueError: a variant the memory model does not model (names the field).
+        """
+        raise self._missing("model_config")
+
+    def validate(self, model: nn.Module, config: "ParallelConfig") -> None:
+        """Check the layout ``config`` against ``model`` before any process group exists.
+
+        Raises:
+            ValueError: naming the value and what would be valid.
+        """
+        config.validate_model(self.model_config(model))
+
+    # ------------------------------------------------------------------ pipeline
+    def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
+        """Where ``model`` keeps its embedding, decoder layers, final norm and head."""
+        raise self._missing("pipeline_layout")
+
+    def rotary(self, model: nn.Module, h: Tensor, positions: Tensor) -> Any:
+        """The rotary embedding of ``positions`` (``[s]``, global token positions) for hidden states ``h``
+        ``[b, s_local, h]``, in whatever form :meth:`run_layer` takes."""
+        raise self._missing("rotary")
+
+    def run_layer(self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor) -> Tensor:
+        """One decoder layer: ``h`` ``[b, s_local, hidden]`` -> ``[b, s_local, hidden]`` (causal over the whole
+        sequence)."""
+        raise self._missing("run_layer")
+
+    def run_head(self, model: nn.Module, head: nn.Module, h: Tensor) -> Any:
+        """The LM head on the final-norm output ``h``: logits ``[b, s, V]`` (a DTensor under tp if the family's
+        loss wants the vocabulary-sharded logits)."""
+        return head(h)
+
+    # ------------------------------------------------------------------ tp, cp
+    def tensor_parallel_plan(self, model: nn.Module) -> "TensorParallelPlan":
+        """Which modules of ``model`` are column-/row-parallel, where the embedding, norms and head are."""
+        raise self._missing("tensor_parallel_plan")
+
+    def prepare(self, model: nn.Module, config: "ParallelConfig", mesh: Any) -> None:
+        """Anything the family needs before the plans are applied when tp, cp or pp > 1 (default: nothing)."""
+
+    def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
+        """Make ``model``'s attention exchange K/V over ``cp_mesh`` (``method``: ``"ring"`` or ``"allgather"``) and
+        its rotary positions those of the rank's zigzag shard. Called only when cp > 1."""
+        raise self._missing("apply_context_parallel")
+
+    # ------------------------------------------------------------------ weights
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        """Move a (parallelized) meta-device ``model`` to ``device`` and give it initial weights; nothing when it
+        holds no meta tensor."""
+        raise self._missing("materialize")
+
+    def load_hf(self, model: nn.Module, path: Path) -> None:
+        """Read this rank's slices of ``model``'s weights from the Hugging Face directory ``path``.
+
+        Raises:
+            ValueError: a tensor missing or unreadable (named).
+        """
+        raise self._missing("load_hf")
+
+    def load_checkpoint_weights(self, prefix: str, model: nn.Module, path: Path) -> None:
+        """Read this rank's slices of ``model``'s weights (``prefix`` in the LightningModule) from one of our
+        checkpoints at ``path`` (a sharded folder or a full file).
+
+        Raises:
+            ValueError: a weight missing (named).
+        """
+        raise self._missing("load_checkpoint_weights")
+
+
+def find_submodel(module: nn.Module, path: str) -> Optional[nn.Module]:
+    """``module``'s submodule at the dotted attribute ``path`` (``None`` where an attribute on the way is ``None``)."""
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def set_submodel(module: nn.Module, path: str, value: Optional[nn.Module]) -> None:
+    """Set ``module``'s attribute at the dotted ``path`` (its parent must exist) to ``value``."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(find_submodel(module, parent) if parent else module, leaf, value)

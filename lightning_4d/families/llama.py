@@ -1,0 +1,154 @@
+"""Our Llama (:class:`lightning_4d.models.llama.LlamaModel`) as a model family (:mod:`lightning_4d.families.base`).
+
+It keeps Meta's module names (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), exposes fused
+sequence-parallel input projections (``Attention.input_projection``, ``FeedForward.input_projection``,
+``LlamaModel.head_projection``), computes vocabulary-parallel logits for :mod:`lightning_4d.parallel.loss`, keeps
+float32 master weights under ``bf16-mixed`` and initializes its weights independently of the layout
+(:meth:`LlamaModel.init_weights`). Its Hugging Face names and q/k permutation live beside the model
+(:mod:`lightning_4d.models.hf_mapping`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_4d.checkpoint import check_complete, read_folder
+from lightning_4d.families.base import ModelFamily, PipelineLayout
+from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.models import hf_mapping
+from lightning_4d.models.llama import LlamaModel, canonical_name
+from lightning_4d.models.rope import rope_cos_sin
+from lightning_4d.parallel.context import apply_context_parallel
+from lightning_4d.parallel.tensor import TensorParallelPlan
+
+_PLAN = TensorParallelPlan(
+    embedding="tok_embeddings", layers="layers", norm="norm", head="output",
+    colwise=("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
+    rowwise=("attention.wo", "feed_forward.w2"),
+    layer_norms=("attention_norm", "ffn_norm"),
+    gathered_inputs=(("attention", ("args", 3)), ("feed_forward", ("args", 1))),  # (x, cos, sin) / (x,)
+    vocab_parallel_logits=True,
+)
+
+
+class LlamaFamily(ModelFamily):
+    """``lightning_4d.models.LlamaModel`` (module docstring)."""
+
+    name = "lightning_4d Llama"
+    master_weights = True
+    activation_checkpointing = True
+
+    def is_model(self, module: nn.Module) -> bool:
+        return isinstance(module, LlamaModel)
+
+    def model_config(self, model: nn.Module) -> Any:
+        return model.config
+
+    def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
+        return PipelineLayout(embedding="tok_embeddings", layers="layers", norm="norm", head="output")
+
+    def rotary(self, model: nn.Module, h: Tensor, positions: Tensor) -> Any:
+        return rope_cos_sin(model.config, positions)
+
+    def run_layer(self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor) -> Tensor:
+        return layer(h, *rotary)
+
+    def run_head(self, model: nn.Module, head: nn.Module, h: Tensor) -> Any:
+        return head(h) if model.head_projection is None else model.head_projection(h, head)
+
+    def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan:
+        return _PLAN
+
+    def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
+        apply_context_parallel(model, cp_mesh, method)
+
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        """``to_empty`` on ``device`` and :meth:`LlamaModel.init_weights` (the same full weights for the same seed on
+        every layout), when ``model`` still has meta parameters."""
+        if any(p.is_meta for p in model.parameters()):
+            model.to_empty(device=device)
+            with torch.no_grad():
+                model.init_weights()
+
+    @torch.no_grad()
+    def load_hf(self, model: nn.Module, path: Path) -> None:
+        """Read this rank's slices of every parameter of ``model`` (possibly split and sharded) from the Hugging Face
+        directory ``path`` with DCP's ``HuggingFaceStorageReader``: each DTensor parameter receives just its shard of
+        the file's tensor; q/k rows are permuted after reading their whole heads (the tp shard, a tp-only DTensor),
+        then redistributed into the parameter's placements.
+
+        Raises:
+            ValueError: a padded vocabulary (Hugging Face files hold ``vocab_size`` rows), a tensor missing (named).
+        """
+        from torch.distributed.tensor import empty as dtensor_empty
+
+        config = model.config
+        if config.padded_vocab_size != config.vocab_size:
+            raise ValueError(f"init_from={str(path)!r}: Hugging Face weights have vocab_size={config.vocab_size} rows; "
+                             f"the model pads to {config.padded_vocab_size} (pad_vocab_to_multiple_of="
+                             f"{config.pad_vocab_to_multiple_of}): use pad_vocab_to_multiple_of=1 to load them")
+        reader, available = hf_reader(path)
+        state: dict[str, torch.Tensor] = {}
+        rotary: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for name, p in model.named_parameters():
+            key = hf_mapping.hf_name(canonical_name(name))
+            if key not in available:
+                raise ValueError(f"init_from={str(path)!r} holds no tensor {key!r} (for our {name!r}); it holds "
+                                 f"{len(available)} tensors, e.g. {sorted(available)[:3]}: is it a Llama of this config?")
+            if canonical_name(name).endswith(hf_mapping.ROTARY):
+                tmp = dtensor_empty(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=_tp_only(p)) \
+                    if isinstance(p, DTensor) else torch.empty_like(p)
+                rotary.append((p, tmp))
+                state[key] = tmp
+            else:
+                state[key] = p.data
+        hf_load(state, reader, path)
+        for p, tmp in rotary:
+            if isinstance(p, DTensor):
+                local = hf_mapping.rotary_from_hf(tmp.to_local(), config.head_dim)
+                whole = DTensor.from_local(local, p.device_mesh, tmp.placements, shape=p.shape, stride=p.stride())
+                p.data.to_local().copy_(whole.redistribute(p.device_mesh, p.placements).to_local())
+            else:
+                p.data.copy_(hf_mapping.rotary_from_hf(tmp, config.head_dim))
+
+    @torch.no_grad()
+    def load_checkpoint_weights(self, prefix: str, model: nn.Module, path: Path) -> None:
+        """Only the weights of ``model`` (``prefix`` in the LightningModule) from one of our checkpoints: a sharded
+        folder (DCP reads this rank's slices) or a full file (memory-mapped; each rank keeps its shards)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        params = {f"{prefix}.{canonical_name(n)}" if prefix else canonical_name(n): p
+                  for n, p in model.named_parameters()}
+        if path.is_dir():
+            check_complete(path)
+            read_folder({"state_dict": {k: p.data for k, p in params.items()}}, path)
+            return
+        saved = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        saved = saved.get("state_dict", saved)
+        for key, p in params.items():
+            if key not in saved:
+                raise ValueError(f"init_from={str(path)!r} holds no weight {key!r}")
+            full = saved[key]
+            if isinstance(p, DTensor):
+                local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.data.to_local().copy_(local)
+            else:
+                p.data.copy_(full)
+
+
+def _tp_only(p: DTensor) -> list:
+    """``p``'s placements with every mesh dimension but ``tp`` replicated: a local tensor of whole heads."""
+    from torch.distributed.tensor import Replicate
+
+    names = p.device_mesh.mesh_dim_names or ()
+    return [pl if (names[i] if i < len(names) else None) == "tp" else Replicate() for i, pl in enumerate(p.placements)]
+
+
+#: the family instance the registry lists
+LLAMA = LlamaFamily()

@@ -1,0 +1,82 @@
+"""Our Llama's Hugging Face state-dict adapter: parameter names to and from transformers' ``LlamaForCausalLM`` and
+the q/k row permutation (torchtitan's ``models/llama3/model/state_dict_adapter.py``, beside the model).
+
+Pure torch, no I/O: :mod:`lightning_4d.families.llama` reads Hugging Face directories with it (``init_from``) and
+:mod:`lightning_4d.families.hf_io` writes them (``export-hf``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: our Llama's per-layer parameter paths -> those of transformers' ``LlamaForCausalLM`` (``model.layers.<i>.``)
+HF_LAYER = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+HF_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+          "output.weight": "lm_head.weight"}
+#: the parameters whose rows Hugging Face stores in rotate-half order (rotary embedding of q and k)
+ROTARY = ("attention.wq.weight", "attention.wk.weight")
+#: the parameters with one row per (padded) vocabulary entry
+VOCABULARY = ("tok_embeddings.weight", "output.weight")
+
+
+def hf_name(name: str) -> str:
+    """The transformers ``LlamaForCausalLM`` state-dict key of our ``LlamaModel`` parameter ``name`` (canonical,
+    :func:`lightning_4d.models.llama.canonical_name`): ``"layers.3.attention.wq.weight"`` ->
+    ``"model.layers.3.self_attn.q_proj.weight"``.
+
+    Raises:
+        ValueError: ``name`` is not a parameter of our Llama.
+    """
+    if name in HF_TOP:
+        return HF_TOP[name]
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[0] == "layers":
+        module, leaf = ".".join(parts[2:-1]), parts[-1]
+        if module in HF_LAYER:
+            return f"model.layers.{parts[1]}.{HF_LAYER[module]}.{leaf}"
+    raise ValueError(f"{name!r} is not a parameter of lightning_4d's Llama (expected tok_embeddings, layers.<i>...., "
+                     "norm or output)")
+
+
+def rotary_from_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a Hugging Face ``q_proj`` / ``k_proj`` weight ``[heads·d, h]`` (any whole number of heads) in our
+    order: transformers rotates halves (row ``j`` pairs with ``j + d/2`` in a head), Meta's Llama and ours rotate
+    interleaved pairs (``2j`` with ``2j+1``). The inverse of the permutation in transformers'
+    ``convert_llama_weights_to_hf.py``: ``w.view(heads, 2, d/2, h).transpose(1, 2)``."""
+    heads, h = w.shape[0] // head_dim, w.shape[1]
+    return w.reshape(heads, 2, head_dim // 2, h).transpose(1, 2).reshape(heads * head_dim, h)
+
+
+def rotary_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of :func:`rotary_from_hf` (ours -> Hugging Face row order), as transformers' conversion script
+    permutes Meta's weights."""
+    heads, h = w.shape[0] // head_dim, w.shape[1]
+    return w.reshape(heads, head_dim // 2, 2, h).transpose(1, 2).reshape(heads * head_dim, h)
+
+
+def param_names(config: Any) -> list[str]:
+    """The canonical parameter names of an unsplit ``LlamaModel`` of ``config`` (a ``LlamaConfig``; the tied head
+    excluded)."""
+    names = ["tok_embeddings.weight"]
+    for i in range(config.num_layers):
+        names += [f"layers.{i}.{m}.weight" for m in HF_LAYER]
+    names.append("norm.weight")
+    if not config.tie_word_embeddings:
+        names.append("output.weight")
+    return names
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, config: Any) -> torch.Tensor:
+    """Our parameter ``name``'s full tensor in Hugging Face's form: q/k rows permuted (:func:`rotary_to_hf`), the
+    padded vocabulary rows dropped."""
+    if name.endswith(ROTARY):
+        tensor = rotary_to_hf(tensor, config.head_dim)
+    if name in VOCABULARY:
+        tensor = tensor[: config.vocab_size]
+    return tensor
