@@ -38,7 +38,8 @@ from lightning_4d.mesh import build_mesh  # noqa: E402
 from lightning_4d.models.config import LlamaConfig  # noqa: E402
 from lightning_4d.models.llama import LlamaModel  # noqa: E402
 from lightning_4d.parallel.pipeline import PipelineRunner  # noqa: E402
-from lightning_4d.parallel.parallelize import parallelize_llama  # noqa: E402
+from lightning_4d.families.llama import LLAMA  # noqa: E402
+from lightning_4d.parallel.parallelize import parallelize_model  # noqa: E402
 from lightning_4d.parallel.loss import causal_lm_loss  # noqa: E402
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
@@ -63,10 +64,8 @@ def build(schedule: str, args: argparse.Namespace, p: int, device: torch.device)
     mesh = build_mesh(config, device.type)
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    chunks = parallelize_llama(model, mesh, config)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
+    chunks = parallelize_model(LLAMA, model, mesh, config)
+    LLAMA.materialize(model, device)
     runner = PipelineRunner(chunks, config, args.micro_batches, mesh.pp.get_group(), device, causal_lm_loss)
     return cfg, chunks, runner, v
 
@@ -78,10 +77,10 @@ def ideal_time(cfg, chunks, args, device) -> float:
 
     def once() -> None:
         for _, chunk in chunks:
-            x = ids if chunk.tok_embeddings is not None else torch.randn(b, s, cfg.hidden_size, device=device,
+            x = ids if chunk.embedding is not None else torch.randn(b, s, cfg.hidden_size, device=device,
                                                                         requires_grad=True)
             out = chunk(x)
-            loss = causal_lm_loss(out, ids) if chunk.output is not None else out.float().pow(2).mean()
+            loss = causal_lm_loss(out, ids) if chunk.head is not None else out.float().pow(2).mean()
             loss.backward()
 
     for _ in range(args.warmup):

@@ -39,7 +39,7 @@ from lightning_4d.parallel._compat import (
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
-from lightning_4d.families import load_initial_weights
+from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_models, validate_against_module
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_global_clipping
 from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,

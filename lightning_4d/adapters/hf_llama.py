@@ -30,7 +30,7 @@ A LightningModule that holds a ``transformers`` ``LlamaForCausalLM`` (built in `
 The strategy's one parallelization path (:func:`lightning_4d.parallel.parallelize.parallelize_model`) applies
 this family's answers (:class:`HFLlamaFamily`) in ``setup``, after ``configure_model``, before materialization.
 Weights: ``init_from`` on the LightningModule (a Hugging Face directory) loads each rank's slices after
-parallelization (:func:`lightning_4d.families.load_initial_weights`): the memory path for big models.
+parallelization (:func:`lightning_4d.families.registry.load_initial_weights`): the memory path for big models.
 transformers is imported only inside the functions that call it: the model is recognized by duck typing.
 """
 

@@ -6,7 +6,7 @@ A family *describes* its model; the machinery that acts on the description is wr
 ========================================  ==========================================================================
 the family answers                        used by
 ========================================  ==========================================================================
-:meth:`~ModelFamily.is_model`              the registry (:mod:`lightning_4d.families`): find the models in a
+:meth:`~ModelFamily.is_model`              the registry (:mod:`lightning_4d.families.registry`): find the models in a
                                            LightningModule (the only ``isinstance`` on a family, in its own file)
 :meth:`~ModelFamily.model_config`          layout validation and the memory estimate (a ``LlamaConfig``)
 :meth:`~ModelFamily.validate`              ``FourDStrategy.setup_environment``, before any process group
@@ -22,7 +22,7 @@ the family answers                        used by
 ========================================  ==========================================================================
 
 Adding a family is one file that subclasses :class:`ModelFamily` and one line in
-:data:`lightning_4d.families.FAMILIES` (``docs/architecture.md``).
+:data:`lightning_4d.families.registry.FAMILIES` (``docs/architecture.md``).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from lightning_4d.checkpoint import check_complete, read_folder
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.models import hf_mapping
-from lightning_4d.models.llama import LlamaModel, canonical_name
+from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
 from lightning_4d.models.rope import rope_cos_sin
-from lightning_4d.parallel.context import apply_context_parallel
+from lightning_4d.parallel.context import ContextParallelAttention
 from lightning_4d.parallel.tensor import TensorParallelPlan
 
 _PLAN = TensorParallelPlan(
@@ -66,7 +66,14 @@ class LlamaFamily(ModelFamily):
         return _PLAN
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
-        apply_context_parallel(model, cp_mesh, method)
+        """Every ``Attention``'s ``core_attention`` becomes ring or all-gather attention over ``cp_mesh``
+        (:class:`~lightning_4d.parallel.context.ContextParallelAttention`) and the model computes the zigzag rotary
+        positions of its local tokens (``LlamaModel.context_parallel``)."""
+        core = ContextParallelAttention(cp_mesh.get_group(), method)
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.core_attention = core
+        model.context_parallel = (cp_mesh.get_local_rank(), cp_mesh.size())
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         """``to_empty`` on ``device`` and :meth:`LlamaModel.init_weights` (the same full weights for the same seed on

@@ -153,7 +153,7 @@ class Attention(nn.Module):
 
     ``core_attention``: ``None`` (plain causal attention over the tokens given), or a callable ``(q, k, v, backend)
     -> out`` that replaces it; context parallelism sets one that attends over the whole sequence of the cp group
-    (:func:`lightning_4d.parallel.context.apply_context_parallel`).
+    (``LlamaFamily.apply_context_parallel``, :mod:`lightning_4d.families.llama`).
 
     ``input_projection``: ``None`` (``wq(x)``, ``wk(x)``, ``wv(x)``), or a callable ``(x, (wq, wk, wv)) -> (q, k, v)``
     that replaces the three projections; sequence parallelism sets one that saves only this rank's sequence shard of

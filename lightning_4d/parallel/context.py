@@ -65,7 +65,6 @@ from lightning_4d.parallel._compat import (
 __all__ = [
     "CONTEXT_PARALLEL_METHODS",
     "ContextParallelAttention",
-    "apply_context_parallel",
     "context_parallel_attention",
     "gather_sequence",
     "shard_batch",
@@ -529,7 +528,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.Proc
 
 class ContextParallelAttention:
     """The attention function a ``lightning_4d`` ``Attention`` module calls instead of plain causal attention under
-    cp (set by :func:`apply_context_parallel`): ``__call__(q, k, v, backend) -> out`` with the shapes of
+    cp (set by the model family's ``apply_context_parallel``, :mod:`lightning_4d.families.llama`): ``__call__(q, k, v, backend) -> out`` with the shapes of
     :func:`context_parallel_attention`."""
 
     def __init__(self, group: dist.ProcessGroup, method: str) -> None:
@@ -538,24 +537,3 @@ class ContextParallelAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, backend: str) -> Tensor:
         return context_parallel_attention(q, k, v, self.group, self.method, backend)
-
-
-def apply_context_parallel(model: Any, cp_mesh: Any, method: str = "ring") -> None:
-    """Swap context-parallel attention into every attention module of a ``LlamaModel`` (or a pipeline stage chunk)
-    and make the model compute zigzag rotary positions for its local tokens.
-
-    Args:
-        model: a :class:`~lightning_4d.models.llama.LlamaModel`.
-        cp_mesh: the 1D ``"cp"`` mesh (size 1: nothing changes).
-        method: ``"ring"`` or ``"allgather"``.
-    """
-    size = cp_mesh.size()
-    if size == 1:
-        return
-    from lightning_4d.models.llama import Attention
-
-    core = ContextParallelAttention(cp_mesh.get_group(), method)
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.core_attention = core
-    model.context_parallel = (cp_mesh.get_local_rank(), size)

@@ -1,6 +1,6 @@
-"""The order of parallelization of a ``lightning_4d`` Llama model, one short step per line (torchtitan's
-``parallelize_llama`` shape): pipeline split, tensor + sequence parallel plans, context-parallel attention,
-activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2). Materialization and the layout-independent
+"""The order of parallelization of a model of any registered family (:mod:`lightning_4d.families`), one short step
+per line (torchtitan's ``parallelize_llama`` shape): pipeline split, tensor + sequence parallel plans,
+context-parallel attention, activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2). Materialization and the layout-independent
 initialization follow in the strategy's ``setup``; ZeRO 0/1 act on gradients and the optimizer, not on the model
 (:mod:`lightning_4d.parallel.zero`).
 """
@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.families import find_models
+from lightning_4d.families.registry import find_models
 from lightning_4d.families.base import ModelFamily, find_submodel
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat import attached_trainer
@@ -194,7 +194,7 @@ def parallelize_model(
 
 
 def is_parallelized(module: nn.Module) -> bool:
-    """Whether ``module`` was already parallelized (by :func:`parallelize_llama`, or by plans the user applied:
+    """Whether ``module`` was already parallelized (by :func:`parallelize_model`, or by plans the user applied:
     FSDP2 modules or DTensor parameters inside it)."""
     from torch.distributed.fsdp import FSDPModule
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism for ``lightning_4d`` Llama models: all of it lives in this file.
+"""Pipeline parallelism for every model family (:mod:`lightning_4d.families`): all of it lives in this file.
 
 **Layout** (pure facts, in :class:`~lightning_4d.config.ParallelConfig`, shared with the memory model): a model of
 ``L`` decoder layers is cut into ``p·v`` stages (``p`` = pipeline_parallel_size, ``v`` = stages per pp rank);
@@ -7,11 +7,13 @@ stage ``k`` holds the layers :meth:`~lightning_4d.config.ParallelConfig.stage_la
 pp rank ``r`` holds the stages of :meth:`~lightning_4d.config.ParallelConfig.stage_indices` (looped ``r, r+p, ...``
 or V-shaped ``r, 2p-1-r``).
 
-**Split** (:func:`split_llama`): on each rank the LightningModule keeps ONE ``LlamaModel`` (the *union*), pruned to
-the layers of the rank's stages, so parameter names stay those of the unsplit model (``layers.17.attention.wq.weight``)
-and distributed checkpoints keep one naming on every layout. Each stage is a :class:`StageChunk`: a ``LlamaModel``
-shell whose submodules are the union's own (shared, not copied); FSDP2 and ``torch.distributed.pipelining.PipelineStage``
-work on chunks, and the union's ``to`` / ``to_empty`` go through them.
+**Split** (:func:`split_model`, one splitter for every family, torchtitan's shape): on each rank the LightningModule
+keeps ONE model (the *union*), pruned to the layers of the rank's stages, so parameter names stay those of the unsplit
+model (``layers.17.attention.wq.weight``) and distributed checkpoints keep one naming on every layout. The family says
+where the embedding, layers, norm and head are (:meth:`~lightning_4d.families.base.ModelFamily.pipeline_layout`). Each
+stage is a :class:`StageChunk` holding the union's own modules (shared, not copied) and asking the family how to run
+them; FSDP2 and ``torch.distributed.pipelining.PipelineStage`` work on chunks, and the union's ``to`` / ``to_empty``
+go through them.
 
 **Micro-batches** (:func:`resolve_num_microbatches`): m is ``num_microbatches``, else the DataModule's
 ``global_batch_size / (micro_batch_size · dp)``, else the schedule's default; checked before the process group
@@ -41,6 +43,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_4d.families.base import find_submodel, set_submodel
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
@@ -190,8 +193,6 @@ def split_model(family: Any, model: nn.Module, config: ParallelConfig, pp_rank: 
     Raises:
         ValueError: the layers cannot be split as configured (see :meth:`ParallelConfig.layer_split`).
     """
-    from lightning_4d.families.base import find_submodel, set_submodel
-
     where = family.pipeline_layout(model)
     container = find_submodel(model, where.layers)
     items = layer_items(container)
@@ -227,8 +228,6 @@ def split_model(family: Any, model: nn.Module, config: ParallelConfig, pp_rank: 
 def sync_chunk_layers(model: nn.Module, family: Any) -> None:
     """Point each stage chunk's layers at the union's again, after a step that replaced layers in the union's
     container (activation checkpointing wraps them)."""
-    from lightning_4d.families.base import find_submodel
-
     chunks = pipeline_chunks(model)
     if chunks is None:
         return
@@ -311,7 +310,7 @@ class PipelineRunner:
     the forward for prediction.
 
     Args:
-        chunks: ``[(stage_index, chunk module), ...]`` of :func:`split_llama` / :func:`pipeline_chunks` (already
+        chunks: ``[(stage_index, chunk module), ...]`` of :func:`split_model` / :func:`pipeline_chunks` (already
             tp/FSDP-parallelized and materialized on ``device``).
         config: the resolved layout (``pp``, ``v``, ``pipeline_schedule``, ``num_microbatches``).
         num_microbatches: m.

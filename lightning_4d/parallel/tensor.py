@@ -116,7 +116,7 @@ def _sequence_parallel_head(x: Tensor, output: nn.Linear, mesh: DeviceMesh) -> T
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """A model family's tensor-parallel plan (:meth:`lightning_4d.families.ModelFamily.tensor_parallel_plan`), applied
+    """A model family's tensor-parallel plan (:meth:`lightning_4d.families.base.ModelFamily.tensor_parallel_plan`), applied
     by :func:`apply_tensor_parallel` (the module docstring's split, Megatron-LM's).
 
     Paths are dotted attribute paths on the model (a part may be ``None`` or absent: a pipeline stage);

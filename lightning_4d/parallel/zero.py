@@ -95,7 +95,7 @@ def apply_fsdp(
         zero_stage: 2 (``reshard_after_forward=False``) or 3 (``True``).
         blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
         reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
-            schedules pass ``False`` for stage 3 (see ``parallelize_llama``).
+            schedules pass ``False`` for stage 3 (see ``parallelize_model``).
         param_dtype: mixed precision (``bf16-mixed``): FSDP2's ``MixedPrecisionPolicy(param_dtype=param_dtype,
             reduce_dtype=torch.float32, cast_forward_inputs=False)``: the sharded float32 parameters are the master
             weights, each unit is all-gathered in ``param_dtype`` for compute and its gradients reduce-scattered

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.families import load_initial_weights
+from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
@@ -55,7 +55,7 @@ class CausalLMModule(L.LightningModule):
             ``model.safetensors.index.json``; pair it with ``model_config=LlamaConfig.from_hf(dir)``, or in YAML
             ``model_config: <dir>``) or one of our checkpoints (a sharded folder or a full file; weights only).
             Under ``FourDStrategy`` each rank reads only its own slices after parallelization
-            (:func:`lightning_4d.families.load_initial_weights`). Ignored when Lightning resumes from
+            (:func:`lightning_4d.families.registry.load_initial_weights`). Ignored when Lightning resumes from
             ``ckpt_path``.
 
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss``, ``lr``,
