@@ -1,5 +1,5 @@
 """Checkpoints of a :class:`~lightning_4d.strategy.FourDStrategy` job: what ``save_checkpoint`` / ``load_checkpoint``
-delegate to. (Activation checkpointing is another thing: :mod:`lightning_4d.parallel.checkpointing`.)
+delegate to. (Activation checkpointing is another thing: :mod:`lightning_4d.parallel.activation_checkpoint`.)
 
 Two formats:
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: dtype), PyTorch DDP's default ``bucket_cap_mb=25``
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 ZERO_STAGES = (0, 1, 2, 3)
-#: activation checkpointing modes (see lightning_4d/parallel/checkpointing.py)
+#: activation checkpointing modes (see lightning_4d/parallel/activation_checkpoint.py)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 #: context-parallel attention methods (see lightning_4d/parallel/context.py)
@@ -124,7 +124,7 @@ class ParallelConfig:
             2022, arXiv 2205.05198). ``None`` means "on when tp > 1".
         activation_checkpointing: ``"none"``, ``"full"`` (keep each transformer layer's input, recompute the layer in
             backward) or ``"selective"`` (keep the outputs of the layer's matmuls, attention kernels and tp
-            reductions, recompute its pointwise ops in backward; ``lightning_4d/parallel/checkpointing.py``).
+            reductions, recompute its pointwise ops in backward; ``lightning_4d/parallel/activation_checkpoint.py``).
         pipeline_schedule: ``"gpipe"`` (all forwards, then all backwards: m micro-batches of activations in flight),
             ``"1f1b"`` (one forward, one backward: at most p in flight; Narayanan et al. 2021, PipeDream-Flush,
             arXiv 2006.09503), ``"interleaved_1f1b"`` (v non-adjacent model chunks per rank, bubble / v; Narayanan et

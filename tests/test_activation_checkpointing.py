@@ -1,4 +1,4 @@
-"""Activation checkpointing (``lightning_4d.parallel.checkpointing``) on the tiny Llama, one process, CPU, float32:
+"""Activation checkpointing (``lightning_4d.parallel.activation_checkpoint``) on the tiny Llama, one process, CPU, float32:
 every mode gives the loss and gradients of no checkpointing; the selective policy keeps the matmul, attention and
 tp-reduction outputs and nothing else, so its backward runs no matmul again (full runs the forward's again). The
 multi-process cases (tp=2, pp=2, cp=2, ZeRO 3) are in ``tests/test_parity.py``, ``tests/test_pipeline.py`` and
@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_4d.config import ACTIVATION_CHECKPOINTING
 from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.models.llama import _canonical_name
-from lightning_4d.parallel.checkpointing import apply_activation_checkpointing, selective_checkpoint_policy
+from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing, selective_checkpoint_policy
 
 TINY = LlamaConfig.from_preset("tiny-test")  # h=64, f=128, L=2, a=4, k=2, V=256
 

@@ -44,7 +44,7 @@ every token (4·b·s) and the labels (int64, 8·b·s). With ``16-mixed`` (Lightn
 copies of the weight matrices are saved too (2 bytes per local matrix element; the embedding is not cast). With full
 activation checkpointing a layer saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one
 layer's saved set, transient).
-With selective activation checkpointing (``lightning_4d/parallel/checkpointing.py``: the outputs of the matmuls,
+With selective activation checkpointing (``lightning_4d/parallel/activation_checkpoint.py``: the outputs of the matmuls,
 attention kernels and tp reductions kept, everything else recomputed) a layer keeps (:func:`_layer_selective_parts`;
 measured as the outputs the policy keeps, plus the checkpoint's input):
 

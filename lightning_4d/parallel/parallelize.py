@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.config import ParallelConfig
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat import attached_trainer
-from lightning_4d.parallel.checkpointing import apply_activation_checkpointing
+from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.context import apply_context_parallel
 from lightning_4d.parallel.pipeline import reshard_after_forward, resolve_num_microbatches, split_llama
 from lightning_4d.parallel.tensor import apply_tensor_parallel
