@@ -50,7 +50,7 @@ def theory(schedule: str, p: int, m: int, v: int) -> str:
         return f"{(p - 1) / (m + p - 1):.3f}"
     if schedule == "interleaved_1f1b":
         return f"{(p - 1) / (v * m + p - 1):.3f}"
-    return "~0" if m >= 2 * p else f"> 0 (m < 2p)"
+    return "~0" if m >= 2 * p else "> 0 (m < 2p)"
 
 
 def build(schedule: str, args: argparse.Namespace, p: int, device: torch.device):

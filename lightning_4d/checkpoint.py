@@ -19,11 +19,9 @@ moved aside first and removed after), so a crash never leaves a half-written che
 
 from __future__ import annotations
 
-import math
 import shutil
-import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -48,7 +46,9 @@ from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer as unw
 _FLAT_OPTIM = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
 
 
-def _zero1_file(index: int, global_rank: int) -> str:
+def _legacy_sharded_optimizer_file(index: int, global_rank: int) -> str:
+    """The per-rank file in which versions before :meth:`ShardedOptimizer.gathered_state` saved a
+    :class:`ShardedOptimizer`'s slices (ZeRO 1 and master weights alike): read, never written any more."""
     return f"zero1_optimizer_{index}_rank{global_rank}.pt"
 
 
@@ -89,9 +89,9 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, distributed: bool) -
     ``None`` (Lightning's full state dict applies). ZeRO 1 and master weights (:class:`ShardedOptimizer`) write the
     same form as ZeRO 0/2/3, gathered over dp (:meth:`ShardedOptimizer.gathered_state`; collective), so that any
     layout can load it."""
-    zero1 = ShardedOptimizer.of(unwrap(optimizer))
-    if zero1 is not None:
-        return zero1.gathered_state(param_fqns(model)) if distributed else None
+    sharded = ShardedOptimizer.of(unwrap(optimizer))
+    if sharded is not None:
+        return sharded.gathered_state(param_fqns(model)) if distributed else None
     return get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM) if distributed else None
 
 
@@ -223,7 +223,7 @@ def read_folder(state: dict[str, Any], path: Path, no_dist: bool = False) -> Non
         ) from e
 
 
-def _zero1_template(path: Path, saved: dict[str, Any], key: str, model: nn.Module,
+def _sharded_optimizer_template(path: Path, saved: dict[str, Any], key: str, model: nn.Module,
                     fqns: dict[int, str]) -> dict[str, Any]:
     """What a :class:`ShardedOptimizer` asks the folder ``path`` (its ``state_dict_metadata``: ``saved``) for: each
     of its parameters' saved states as a tensor of the parameter's whole local shape (a DTensor with its placements:
@@ -275,7 +275,8 @@ def load_sharded(
     v, layer split), cp and ZeRO stage may all differ from the saving run. PowerSGD's per-rank state is restored
     only under the layout that saved it (``layout``, a dict compared with the one saved in the metadata); on
     another layout it restarts from zero with a warning. A folder saved by an earlier version with per-rank ZeRO-1
-    files (``zero1_optimizer_<i>_rank<r>.pt``) loads under its own layout only.
+    files (``zero1_optimizer_<i>_rank<r>.pt``, the legacy name, for ZeRO 0 master weights too) loads under its own
+    layout only.
 
     Raises:
         ValueError: the folder is incomplete (names the missing file), a shard file cannot be read (names the
@@ -289,9 +290,9 @@ def load_sharded(
     # parameters stepped through float32 masters (ZeRO 0/1 under bf16-mixed) read the saved weights in float32
     masters: dict[str, torch.Tensor] = {}
     for optimizer in optimizers:
-        zero1 = ShardedOptimizer.of(unwrap(optimizer))
-        for p in zero1.parameters() if zero1 is not None else []:
-            if id(p) in zero1.has_master and fqns[id(p)] in model_state["state_dict"]:
+        sharded = ShardedOptimizer.of(unwrap(optimizer))
+        for p in sharded.parameters() if sharded is not None else []:
+            if id(p) in sharded.has_master and fqns[id(p)] in model_state["state_dict"]:
                 masters[fqns[id(p)]] = _empty_like_param(p, torch.float32)
                 model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
     read_folder(model_state, path)
@@ -300,16 +301,17 @@ def load_sharded(
                           weights_only=weights_only if weights_only is not None else False)
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
-        zero1 = ShardedOptimizer.of(unwrap(optimizer))
-        if zero1 is not None and (path / _zero1_file(idx, global_rank)).exists():  # an earlier version's files
-            saved = torch.load(path / _zero1_file(idx, global_rank), weights_only=False)
-            zero1.load_sharded_state(param_names(model), saved["state"])
-            for group, values in zip(zero1.optimizer.param_groups, saved["param_groups"]):
+        sharded = ShardedOptimizer.of(unwrap(optimizer))
+        legacy = path / _legacy_sharded_optimizer_file(idx, global_rank)
+        if sharded is not None and legacy.exists():  # an earlier version's per-rank files
+            saved = torch.load(legacy, weights_only=False)
+            sharded.load_sharded_state(param_names(model), saved["state"])
+            for group, values in zip(sharded.optimizer.param_groups, saved["param_groups"]):
                 group.update(values)
-        elif zero1 is not None:
-            opt_state = {key: _zero1_template(path, saved, key, model, fqns)}
+        elif sharded is not None:
+            opt_state = {key: _sharded_optimizer_template(path, saved, key, model, fqns)}
             read_folder(opt_state, path)
-            zero1.load_gathered_state(fqns, opt_state[key], weights=masters)
+            sharded.load_gathered_state(fqns, opt_state[key], weights=masters)
         else:
             opt_state = {key: get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)}
             read_folder(opt_state, path)

@@ -41,9 +41,10 @@ from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_models, validate_against_module
-from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, use_global_clipping
+from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
 from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,
                                         validate_precision)
+from lightning_4d.precision import four_d_precision
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -199,12 +200,14 @@ class FourDStrategy(ModelParallelStrategy):
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
-        self._grad_sync: Optional[GradientBuckets] = None
-        self._models: list[tuple[Any, torch.nn.Module]] = []  # (family, model) of lightning_4d.families
+        self._buckets: Optional[GradientBuckets] = None
+        self._models: list[tuple[Any, torch.nn.Module]] = []  # (family, model) of lightning_4d.families.registry
         #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
 
     # ------------------------------------------------------------------ layout
+    # initializes_llama_models, pipeline, dp_cp_group, context_parallel_size, context_parallel_rank and
+    # gather_sequence are what CausalLMModule asks of the strategy (lightning_4d.tasks.causal_lm.LayoutStrategy)
     @property
     def mesh(self) -> ParallelMesh:
         """All process groups by name (``mesh.tp``, ``mesh.dp``, ``mesh.dp_cp``, ...); exists after setup_environment."""
@@ -216,6 +219,17 @@ class FourDStrategy(ModelParallelStrategy):
     def dp_cp_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """The process group the loss and gradients are averaged over (``None`` before setup)."""
         return self._mesh.dp_cp.get_group() if self._mesh is not None else None
+
+    @property
+    def context_parallel_size(self) -> int:
+        """cp, the ranks that split every sequence (1 without cp)."""
+        return self.parallel_config.cp
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """This rank's index in its cp group, 0..cp-1 (0 before setup_environment): which zigzag shard of every
+        sequence it holds (:func:`lightning_4d.parallel.context.shard_sequence`)."""
+        return self._mesh.cp.get_local_rank() if self._mesh is not None else 0
 
     @property
     def num_microbatches(self) -> int:
@@ -306,26 +320,28 @@ class FourDStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # the master weights are copied from the float32 parameters here
         cast_to_compute_dtype(self._models, self.compute_dtype)
-        if self._grad_sync is not None:
-            if self._grad_sync.grad_dtype is not None:  # master weights: hooks deferred until after the cast
-                self._grad_sync.register_hooks()  # (which swaps DTensor parameters' tensors)
+        if self._buckets is not None:
+            if self._buckets.grad_dtype is not None:  # master weights: hooks deferred until after the cast
+                self._buckets.register_hooks()  # (which swaps DTensor parameters' tensors)
             if self.pipeline is not None:  # evaluation runs of the schedule leave the buckets alone
-                self.pipeline.gradient_guard = self._grad_sync.suspended
+                self.pipeline.gradient_guard = self._buckets.suspended
         self.setup_precision_plugin()
-        use_global_clipping(self.precision_plugin, self.mesh.pp.get_group() if self.pipeline is not None else None)
+        # ShardedOptimizer steps and global-norm clipping: Lightning's plugin with our overrides (lightning_4d.precision)
+        self.precision_plugin = four_d_precision(self.precision_plugin,
+                                                 self.mesh.pp.get_group() if self.pipeline is not None else None)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def setup_optimizers(self, trainer: "L.Trainer") -> None:  # noqa: F821
         super().setup_optimizers(trainer)
-        if self._grad_sync is not None:
-            self._grad_sync.close()
+        if self._buckets is not None:
+            self._buckets.close()
         optimizers = [unwrap_optimizer(opt) for opt in self.optimizers]
         # FSDP2's MixedPrecisionPolicy keeps the masters of what it owns (ZeRO 2/3); the rest is never cast
         master = torch.float32 if self.compute_dtype is not None and self.parallel_config.zero_stage <= 1 else None
         pc = self.parallel_config
-        self._grad_sync = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), pc.zero_stage,
+        self._buckets = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), pc.zero_stage,
                                      master_dtype=master, tp_rank=self.mesh.tp.get_local_rank(),
                                      compression=pc.gradient_compression, powersgd_rank=pc.powersgd_rank,
                                      powersgd_start_step=pc.powersgd_start_step,
@@ -361,8 +377,8 @@ class FourDStrategy(ModelParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
     ) -> Any:
-        if self._grad_sync is not None:
-            inner, sync = closure, self._grad_sync
+        if self._buckets is not None:
+            inner, sync = closure, self._buckets
             pipelined = self.pipeline is not None
             trainer = attached_trainer(self.lightning_module)
             step = trainer.global_step if trainer is not None else 0
@@ -375,8 +391,8 @@ class FourDStrategy(ModelParallelStrategy):
                 return out
 
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._grad_sync is not None:
-            self._grad_sync.start_accumulation()  # the next backward's gradients overwrite the buckets
+        if self._buckets is not None:
+            self._buckets.start_accumulation()  # the next backward's gradients overwrite the buckets
         return result
 
     # ------------------------------------------------------------------ checkpoints (lightning_4d.checkpoint)
@@ -396,8 +412,8 @@ class FourDStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
-        if self._grad_sync is not None and self._grad_sync.powersgd is not None:
-            checkpoint["compression_state"] = self._grad_sync.compression_state(_checkpoint.param_names(self.model))
+        if self._buckets is not None and self._buckets.powersgd is not None:
+            checkpoint["compression_state"] = self._buckets.compression_state(_checkpoint.param_names(self.model))
         checkpoint[_checkpoint.LAYOUT_KEY] = _checkpoint.layout_of(self.parallel_config)
         _checkpoint.save_sharded(checkpoint, path, self.global_rank, self.barrier)
 
@@ -415,4 +431,4 @@ class FourDStrategy(ModelParallelStrategy):
         if not path.is_dir():
             return _checkpoint.load_full(path, self.model, self.optimizers, strict, weights_only)
         return _checkpoint.load_sharded(path, self.model, self.optimizers, strict, self.global_rank, weights_only,
-                                        self._grad_sync, _checkpoint.layout_of(self.parallel_config))
+                                        self._buckets, _checkpoint.layout_of(self.parallel_config))

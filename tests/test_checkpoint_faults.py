@@ -78,3 +78,28 @@ def test_truncated_shard_file_is_named(tmp_path, straight):
         export_hf(bad, tmp_path / "hf")
     proc = _run(tmp_path, "truncated", "--ckpt-path", str(bad))
     assert proc.returncode != 0 and f"shard file '{shard.name}' is truncated" in proc.stderr
+
+
+def test_export_hf_of_a_folder_prints_no_single_process_warning(tmp_path):
+    """export-hf reads a sharded folder in one process (DCP ``no_dist``) on purpose: torch's UserWarning that it
+    assumes a single process says nothing to the user, and is not shown."""
+    import warnings
+
+    import torch
+
+    from lightning_4d.checkpoint import save_sharded
+    from lightning_4d.tasks import CausalLMModule
+
+    module = CausalLMModule("tiny")
+    module.configure_model()  # no Trainer: built and initialized on the CPU
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the save's own single-process warning is not the export's
+        save_sharded({"state_dict": module.state_dict(), "hyper_parameters": {"model_config": "tiny"}},
+                     tmp_path / "ckpt", 0, lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert (out / "config.json").is_file()
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "assuming the intent is to load in a single process" in m], messages
+    assert not torch.distributed.is_initialized()

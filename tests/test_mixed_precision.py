@@ -111,7 +111,7 @@ def test_master_weights_step_in_float32(group):
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g.view_as(e), e, rtol=0, atol=0)
     buckets.synchronize()
-    optimizer.step()
+    ShardedOptimizer.of(optimizer).step()
     buckets.start_accumulation()
     masters = [p.detach().clone().requires_grad_() for p in reference]
     for m, e in zip(masters, expected):

@@ -10,7 +10,7 @@ Tested with torch 2.13.0 and lightning 2.6.6; flash-attn 2.7-2.8 for the ``flash
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -33,6 +33,12 @@ all_gather_single = getattr(_dist, "all_gather_single", None) or _dist.all_gathe
 #: ``reduce_scatter_single(output, input, op=, group=, async_op=)``: the current name of ``reduce_scatter_tensor``
 reduce_scatter_single = getattr(_dist, "reduce_scatter_single", None) or _dist.reduce_scatter_tensor
 
+
+#: ``TorchDispatchMode``: the base of a mode that sees every ATen op below autograd (``torch.utils._python_dispatch``;
+#: the communication meter, ``parallel/comm.py``)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402, F401  (re-exported)
+#: ``tree_flatten(obj) -> (leaves, spec)`` of nested lists / tuples / dicts (``torch.utils._pytree``)
+from torch.utils._pytree import tree_flatten  # noqa: E402, F401  (re-exported)
 
 
 def unbox_process_group(obj: Any) -> Any:
@@ -71,6 +77,12 @@ MODEL_PARALLEL_STRATEGY_PRIVATE = (
     "_tensor_parallel_size",
     "_save_distributed_checkpoint",
 )
+
+
+#: protected members of Lightning's ``Precision`` that ``lightning_4d.precision.FourDPrecision`` (placed before the
+#: Trainer's plugin class) calls: ``_wrap_closure(model, optimizer, closure)`` runs the closure, then
+#: ``on_before_optimizer_step`` and clipping, as ``Precision.optimizer_step`` passes it to ``optimizer.step``
+PRECISION_PRIVATE = ("_wrap_closure",)
 
 
 def attached_trainer(module: Any) -> Any:
@@ -112,17 +124,6 @@ def flatten_mesh(mesh: "DeviceMesh", name: str) -> "DeviceMesh":
     """The 1D mesh over all ranks of ``mesh`` (a sub-mesh such as ``world["dp", "cp"]``), registered under ``name``
     (``DeviceMesh._flatten``). Keep the object this returns: it is the one whose process group is set up."""
     return mesh._flatten(name)
-
-
-# ---------------------------------------------------------------------------------------------------- optimizers
-#: the attribute an LR scheduler sets on the ``optimizer.step`` it wrapped (``torch.optim.lr_scheduler``); a
-#: replacement ``step`` that still calls the wrapped one carries it, or the scheduler warns about the call order
-LR_SCHEDULER_STEP_MARKER = "_wrapped_by_lr_sched"
-
-
-def mark_wrapped_by_lr_scheduler(step: Callable) -> None:
-    """Tell ``torch.optim.lr_scheduler`` that ``step`` (a replacement ``optimizer.step``) calls the step it wrapped."""
-    setattr(step, LR_SCHEDULER_STEP_MARKER, True)
 
 
 # ---------------------------------------------------------------------------------------------------- wrappers

@@ -36,10 +36,8 @@ from typing import Any, Iterable, Optional
 import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from lightning_4d.parallel._compat import process_group_of_name, unbox_process_group
+from lightning_4d.parallel._compat import TorchDispatchMode, process_group_of_name, tree_flatten, unbox_process_group
 
 __all__ = ["COLLECTIVE_KINDS", "CommMeter", "CommMeterCallback", "bytes_sent"]
 

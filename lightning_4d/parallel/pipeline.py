@@ -27,8 +27,8 @@ the ``m`` micro-batches, exactly as one process computing the mean over the whol
 same number of tokens). Lightning zeroes gradients between ``training_step`` and ``backward``, so the schedule's
 gradients are stashed and restored by the strategy's ``backward`` (:meth:`PipelineRunner.restore_gradients`).
 
-**Clipping** (:func:`clip_grad_norm_`, installed by :func:`use_global_clipping`): the global norm over all shards
-and all stages.
+**Clipping** (:func:`clip_grad_norm_`, which the strategy's precision plugin calls under pp:
+:class:`lightning_4d.precision.FourDPrecision`): the global norm over all shards and all stages.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, P
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
-from lightning_4d.parallel.zero import ShardedOptimizer, clip_coefficient, unwrap_optimizer
+from lightning_4d.parallel.zero import clip_coefficient
 
 
 # ---------------------------------------------------------------------------------------------------- split
@@ -296,7 +296,8 @@ def _schedule_class(name: str) -> type:
     }[name]
 
 
-def _as_local(t: Tensor) -> Tensor:
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (``full_tensor()``: a collective over its mesh), or ``t``."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -383,7 +384,7 @@ class PipelineRunner:
     def _reduce_loss(self, losses: list[Tensor], device: torch.device) -> Tensor:
         """Sum the last stage's scaled micro-batch losses and share the result with every pp rank."""
         if self.is_last:
-            total = torch.stack([_as_local(x).detach().float().reshape(()) for x in losses]).sum()
+            total = torch.stack([_full(x).detach().float().reshape(()) for x in losses]).sum()
         else:
             total = torch.zeros((), dtype=torch.float32, device=device)
         if dist.get_world_size(self.pp_group) > 1:
@@ -505,7 +506,7 @@ def clip_grad_norm_(
     norms = []
     for members in groups.values():
         n = torch.nn.utils.get_total_norm(members, norm_type)
-        norms.append(_as_local(n).float().to(device))
+        norms.append(_full(n).float().to(device))
     if math.isinf(norm_type):
         total = torch.stack(norms).max() if norms else torch.zeros((), device=device)
         if pp_group is not None and dist.get_world_size(pp_group) > 1:
@@ -520,32 +521,3 @@ def clip_grad_norm_(
         local_tensor(g).mul_(coef.to(g.dtype))
     return total
 
-
-def use_global_clipping(precision_plugin: Any, pp_group: Optional[dist.ProcessGroup]) -> None:
-    """Make the Trainer's ``gradient_clip_val`` clip by the global norm over all shards and pipeline stages.
-
-    Per optimizer: one wrapped by a :class:`~lightning_4d.parallel.zero.ShardedOptimizer` (ZeRO 1, master weights)
-    clips the averaged gradients in its buckets (:meth:`~lightning_4d.parallel.zero.ShardedOptimizer.clip_grad_norm_`;
-    ``"value"`` clamps them); otherwise under a pipeline (``pp_group``) :func:`clip_grad_norm_` (Lightning's
-    precision plugin would clip each stage by its own norm); otherwise Lightning's own clipping.
-    """
-    by_norm, by_value = precision_plugin.clip_grad_by_norm, precision_plugin.clip_grad_by_value
-
-    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-        sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
-        if sharded is not None:
-            sharded.clip_grad_norm_(float(clip_val))
-        elif pp_group is not None:
-            clip_grad_norm_(precision_plugin.main_params(optimizer), float(clip_val), pp_group=pp_group)
-        else:
-            by_norm(optimizer, clip_val)
-
-    def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
-        sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
-        if sharded is not None:
-            sharded.clip_grad_value_(float(clip_val))
-        else:
-            by_value(optimizer, clip_val)
-
-    precision_plugin.clip_grad_by_norm = clip_grad_by_norm
-    precision_plugin.clip_grad_by_value = clip_grad_by_value

@@ -58,7 +58,7 @@ class _SequenceParallelProjection(torch.autograd.Function):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), tuple(w.to(dtype) for w in weights)
         with torch.autocast(x.device.type, enabled=False):
-            full = _gather_sequence(x, group)
+            full = _all_gather_sequence_shards(x, group)
             outs = tuple(full @ w.t() for w in weights)
         ctx.save_for_backward(x, *weights)
         return outs
@@ -66,16 +66,16 @@ class _SequenceParallelProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:  # noqa: D102
         x, *weights = ctx.saved_tensors
-        full = _gather_sequence(x, ctx.group)
+        full = _all_gather_sequence_shards(x, ctx.group)
         flat = full.reshape(-1, full.shape[-1])
         grad_full = sum(g.to(w.dtype) @ w for g, w in zip(grads, weights))
         grad_weights = [(g.reshape(-1, g.shape[-1]).to(flat.dtype).t() @ flat).to(dt)
                         for g, dt in zip(grads, ctx.dtypes[1:])]
-        grad_x = _reduce_scatter_sequence(grad_full, ctx.group).to(ctx.dtypes[0])
+        grad_x = _reduce_scatter_sequence_shards(grad_full, ctx.group).to(ctx.dtypes[0])
         return (None, grad_x, *grad_weights)
 
 
-def _gather_sequence(x: Tensor, group: Any) -> Tensor:
+def _all_gather_sequence_shards(x: Tensor, group: Any) -> Tensor:
     """``[b, s/t, h]`` of every tp rank -> ``[b, s, h]`` (rank order along the sequence)."""
     t = dist.get_world_size(group)
     out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -83,7 +83,7 @@ def _gather_sequence(x: Tensor, group: Any) -> Tensor:
     return out.view(t, *x.shape).permute(1, 0, *range(2, x.ndim + 1)).reshape(x.shape[0], t * x.shape[1], *x.shape[2:])
 
 
-def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
+def _reduce_scatter_sequence_shards(x: Tensor, group: Any) -> Tensor:
     """``[b, s, h]`` summed over the tp ranks, this rank's ``[b, s/t, h]`` sequence shard kept."""
     t = dist.get_world_size(group)
     parts = x.reshape(x.shape[0], t, x.shape[1] // t, *x.shape[2:]).transpose(0, 1)

@@ -34,6 +34,7 @@ been reported to sum instead of average, pytorch issue 162338; the parity tests 
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -48,7 +49,6 @@ from lightning_4d.config import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_sh
 from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
 from lightning_4d.parallel.compression import PowerSGD, compressible
 from lightning_4d.parallel._compat import local_tensor as _local
-from lightning_4d.parallel._compat import mark_wrapped_by_lr_scheduler
 
 _BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in config.py (the memory model reads it)
 
@@ -483,6 +483,11 @@ class GradientBuckets:
             p.grad = view
 
 
+#: ``{torch optimizer: the ShardedOptimizer around it}`` (:meth:`ShardedOptimizer.of`); weak keys: an entry goes
+#: with its optimizer
+_SHARDED_OPTIMIZERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, ShardedOptimizer]" = weakref.WeakKeyDictionary()
+
+
 class ShardedOptimizer:
     """ZeRO stage 1 and mixed-precision master weights around an existing element-wise ``torch.optim.Optimizer``
     (SGD, Adam, AdamW, ...; not Shampoo or LAMB, which need whole tensors), over :class:`GradientBuckets`.
@@ -496,7 +501,9 @@ class ShardedOptimizer:
     under ``bf16-mixed``, 18 bytes.
 
     At rest the optimizer's ``param_groups`` hold the model's parameters (so LR schedulers and checkpoints see the
-    model); ``optimizer.step`` is replaced by a step that
+    model). The optimizer itself is left untouched: :meth:`of` finds the ``ShardedOptimizer`` of an optimizer, and
+    the strategy's precision plugin (:class:`lightning_4d.precision.FourDPrecision`) calls :meth:`step` in place of
+    ``optimizer.step``, which
 
     1. runs the closure (forward, backward, gradient averaging, clipping),
     2. points the param groups at the owned tensors, their gradients at the owned slices of the buckets, and runs
@@ -515,7 +522,7 @@ class ShardedOptimizer:
         master_dtype: Optional[torch.dtype] = None,
         tp_rank: int = 0,
     ) -> None:
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)  # weak: the registry's value must not keep its key alive
         self.buckets = buckets
         self.master_dtype = master_dtype
         self.tp_rank = tp_rank
@@ -528,16 +535,8 @@ class ShardedOptimizer:
         for params in self._full_groups:
             for p in params:
                 self._make_shard(p)
-        self._inner_step = optimizer.step
-
-        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
-            return self.step(closure)
-
-        # the inner step is still the one an LR scheduler wrapped (it counts the calls), so keep the marker that
-        # tells the scheduler its wrapper is in place
-        mark_wrapped_by_lr_scheduler(step)
-        optimizer.step = step  # type: ignore[method-assign]
-        optimizer._lightning_4d_zero1 = self  # type: ignore[attr-defined]
+        # looked up by the optimizer (:meth:`of`) without touching it; the entry lives as long as the optimizer
+        _SHARDED_OPTIMIZERS[optimizer] = self
 
     def _make_shard(self, p: Tensor) -> None:
         if id(p) not in self.buckets._bucket_of:
@@ -558,10 +557,17 @@ class ShardedOptimizer:
             self.has_master.add(id(p))
         self.shard[id(p)] = nn.Parameter(flat, requires_grad=p.requires_grad)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer."""
+        optimizer = self._optimizer()
+        assert optimizer is not None, "the wrapped optimizer no longer exists"
+        return optimizer
+
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> Optional["ShardedOptimizer"]:
-        """The ``ShardedOptimizer`` wrapping ``optimizer`` (a torch optimizer), or ``None``."""
-        return getattr(optimizer, "_lightning_4d_zero1", None)
+        """The ``ShardedOptimizer`` wrapping ``optimizer`` (a torch optimizer, not Lightning's wrapper), or ``None``."""
+        return _SHARDED_OPTIMIZERS.get(optimizer)
 
     def parameters(self) -> list[nn.Parameter]:
         """The model parameters of the wrapped optimizer."""
@@ -579,8 +585,9 @@ class ShardedOptimizer:
         return [self.shard[i] for i in self.shard if i in self.has_master]
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """The replacement of the wrapped optimizer's ``step`` (class docstring: closure, step of the owned slices,
-        master write-back, ZeRO-1 all-gather). Returns the closure's result (``None`` without closure)."""
+        """One optimizer step in place of the wrapped optimizer's (class docstring: closure, step of the owned slices,
+        master write-back, ZeRO-1 all-gather); the wrapped ``optimizer.step`` runs inside it, so an LR scheduler
+        that wrapped that method counts the step. Returns the closure's result (``None`` without closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -590,7 +597,7 @@ class ShardedOptimizer:
                 self.shard[id(p)].grad = self.owned_grad(p)
             group["params"] = [self.shard[id(p)] for p in params]
         try:
-            self._inner_step()
+            self.optimizer.step()
         finally:
             for group, params in zip(self.optimizer.param_groups, self._full_groups):
                 group["params"] = params

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, ContextManager, Optional, Protocol, Union, runtime_checkable
 
 import lightning as L
 import torch
@@ -18,6 +18,44 @@ from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.loss import causal_lm_loss
+
+
+@runtime_checkable
+class LayoutStrategy(Protocol):
+    """What :class:`CausalLMModule` asks of a strategy that lays the model out itself: ``FourDStrategy`` (which this
+    package's tasks do not import, ``tests/test_imports.py``) has these members. Under any other Lightning strategy
+    (DDP, one device, ...) the module builds and initializes its model itself, runs no pipeline, no context
+    parallelism, and averages the logged loss over the whole world."""
+
+    #: build ``lightning_4d`` Llama models on the meta device (:meth:`tensor_init_context` with
+    #: ``empty_init=True``): the strategy materializes and initializes them
+    initializes_llama_models: bool
+    #: the pipeline schedule's runner (:class:`~lightning_4d.parallel.pipeline.PipelineRunner`; pp > 1, after setup)
+    #: whose ``train_step`` / ``eval_step`` / ``forward`` the steps call, or ``None``
+    pipeline: Optional[Any]
+
+    @property
+    def dp_cp_group(self) -> Optional[Any]:
+        """The process group the loss is averaged over (``dp_cp``), ``None`` before setup."""
+
+    @property
+    def context_parallel_size(self) -> int:
+        """cp, the ranks that split every sequence (1 without cp)."""
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """This rank's index in its cp group (which shard of every sequence it holds)."""
+
+    def gather_sequence(self, x: Tensor, dim: int = 1) -> Tensor:
+        """The full sequence of a per-cp-rank tensor ``[b, s/cp, ...]`` (collective over the cp group)."""
+
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
+        """Lightning's ``Strategy.tensor_init_context``."""
+
+
+def layout_strategy(strategy: Any) -> Optional[LayoutStrategy]:
+    """``strategy`` when it is a :class:`LayoutStrategy` (``FourDStrategy``), else ``None``."""
+    return strategy if isinstance(strategy, LayoutStrategy) else None
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -118,9 +156,9 @@ class CausalLMModule(L.LightningModule):
         if self.model is not None:
             return
         trainer = attached_trainer(self)
-        strategy = trainer.strategy if trainer is not None else None
-        if getattr(strategy, "initializes_llama_models", False):
-            with strategy.tensor_init_context(empty_init=True):
+        layout = self._layout()
+        if layout is not None and layout.initializes_llama_models:
+            with layout.tensor_init_context(empty_init=True):
                 self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
             return
         self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
@@ -145,8 +183,8 @@ class CausalLMModule(L.LightningModule):
         if isinstance(value, DTensor):
             value = value.full_tensor()
         value = value.float().clone()
-        strategy = self.trainer.strategy
-        group = getattr(strategy, "dp_cp_group", None)
+        layout = layout_strategy(self.trainer.strategy)
+        group = layout.dp_cp_group if layout is not None else None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(value, group=group)
             value /= torch.distributed.get_world_size(group)
@@ -156,10 +194,16 @@ class CausalLMModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
+    def _layout(self) -> Optional[LayoutStrategy]:
+        """The Trainer's strategy when it is a :class:`LayoutStrategy` (``FourDStrategy``), else ``None`` (also
+        without a Trainer)."""
+        trainer = attached_trainer(self)
+        return layout_strategy(trainer.strategy) if trainer is not None else None
+
     def _pipeline(self) -> Any:
         """The strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner` (pp > 1), else ``None``."""
-        trainer = attached_trainer(self)
-        return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
+        layout = self._layout()
+        return layout.pipeline if layout is not None else None
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         pipeline = self._pipeline()
@@ -188,15 +232,14 @@ class CausalLMModule(L.LightningModule):
                 self.log("mfu", tokens * flops / elapsed / (peak * self.trainer.world_size), on_step=True)
 
     def _context_parallel_size(self) -> int:
-        trainer = attached_trainer(self)
-        config = getattr(trainer.strategy, "parallel_config", None) if trainer is not None else None
-        return int(getattr(config, "cp", 1))
+        """cp (1 without a :class:`LayoutStrategy`)."""
+        layout = self._layout()
+        return layout.context_parallel_size if layout is not None else 1
 
     def _gather_sequence(self, x: Tensor) -> Tensor:
         """The full sequence of a per-cp-rank tensor ``[b, s/cp, ...]`` (itself without cp)."""
-        trainer = attached_trainer(self)
-        gather = getattr(trainer.strategy, "gather_sequence", None) if trainer is not None else None
-        return gather(x) if gather is not None and self._context_parallel_size() > 1 else x
+        layout = self._layout()
+        return layout.gather_sequence(x) if layout is not None and layout.context_parallel_size > 1 else x
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         pipeline = self._pipeline()
@@ -275,7 +318,7 @@ class CausalLMModule(L.LightningModule):
             if cp > 1:  # this cp rank's shard of the sequence in, the full sequence's logits gathered back
                 from lightning_4d.parallel.context import shard_sequence
 
-                x = shard_sequence(x, self.trainer.strategy.mesh.cp.get_local_rank(), cp)
+                x = shard_sequence(x, self._layout().context_parallel_rank, cp)
             logits = self(x)
             if isinstance(logits, DTensor):
                 logits = logits.full_tensor()

@@ -1,0 +1,85 @@
+"""The precision plugin ``FourDStrategy`` runs with: the Trainer's own plugin (``32-true``, ``bf16-mixed``, ...) plus
+the two things of an optimizer step that our layouts change, as Lightning overrides rather than patches:
+
+- the step of an optimizer wrapped by a :class:`~lightning_4d.parallel.zero.ShardedOptimizer` (ZeRO 1, master
+  weights) is that ``ShardedOptimizer``'s, not ``optimizer.step`` (:meth:`FourDPrecision.optimizer_step`);
+- the Trainer's ``gradient_clip_val`` clips by the global norm over all shards and pipeline stages
+  (:meth:`FourDPrecision.clip_grad_by_norm`, :meth:`FourDPrecision.clip_grad_by_value`).
+
+Lightning's call path is ``Strategy.optimizer_step -> precision_plugin.optimizer_step`` and ``LightningModule
+.clip_gradients -> trainer.precision_plugin.clip_gradients -> clip_grad_by_norm / clip_grad_by_value``; the Trainer's
+plugin class depends on the precision flag, so :func:`four_d_precision` derives a subclass of whichever class it is
+(``FourDPrecision`` first in the method order), as Lightning's ``LightningOptimizer`` derives one of the optimizer's
+class, and the strategy installs it through its ``precision_plugin`` setter.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache, partial
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+
+from lightning_4d.parallel.pipeline import clip_grad_norm_
+from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
+
+
+class FourDPrecision(Precision):
+    """Placed before the Trainer's precision plugin class (:func:`four_d_precision`); every other method is that
+    class's.
+
+    Attributes:
+        pp_group: the pipeline's process group (pp > 1), over which :meth:`clip_grad_by_norm` makes the norm
+            global (each stage holds other parameters), or ``None``.
+    """
+
+    pp_group: Optional[dist.ProcessGroup] = None
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """An optimizer with a :class:`~lightning_4d.parallel.zero.ShardedOptimizer` steps through it
+        (:meth:`ShardedOptimizer.step <lightning_4d.parallel.zero.ShardedOptimizer.step>`: the closure, then the
+        owned slices, then the all-gather), with the closure of Lightning's ``Precision.optimizer_step`` (forward,
+        backward, ``on_before_optimizer_step``, clipping); any other optimizer as the Trainer's plugin steps it."""
+        sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
+        if sharded is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        return sharded.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip by the global norm: the averaged gradients in a ``ShardedOptimizer``'s buckets
+        (:meth:`~lightning_4d.parallel.zero.ShardedOptimizer.clip_grad_norm_`), else under a pipeline
+        :func:`~lightning_4d.parallel.pipeline.clip_grad_norm_` (Lightning's own would clip each stage by its own
+        norm), else Lightning's own clipping."""
+        sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
+        if sharded is not None:
+            sharded.clip_grad_norm_(float(clip_val))
+        elif self.pp_group is not None:
+            clip_grad_norm_(self.main_params(optimizer), float(clip_val), pp_group=self.pp_group)
+        else:
+            super().clip_grad_by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        """Clamp the averaged gradients in a ``ShardedOptimizer``'s buckets, else Lightning's own clipping."""
+        sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
+        if sharded is not None:
+            sharded.clip_grad_value_(float(clip_val))
+        else:
+            super().clip_grad_by_value(optimizer, clip_val)
+
+
+@lru_cache(maxsize=None)
+def _four_d_class(base: type) -> type:
+    return type(f"FourD{base.__name__}", (FourDPrecision, base), {})
+
+
+def four_d_precision(plugin: Precision, pp_group: Optional[dist.ProcessGroup]) -> FourDPrecision:
+    """``plugin`` as an instance of ``FourDPrecision`` + ``plugin``'s class, sharing ``plugin``'s state (its
+    ``__dict__``), with ``pp_group`` (see :class:`FourDPrecision`); ``plugin`` itself, given the new ``pp_group``, when
+    it is one already (a second ``setup``)."""
+    if not isinstance(plugin, FourDPrecision):
+        wrapped = _four_d_class(type(plugin)).__new__(_four_d_class(type(plugin)))
+        wrapped.__dict__ = plugin.__dict__  # one state, as LightningOptimizer shares its optimizer's
+        plugin = wrapped
+    plugin.pp_group = pp_group
+    return plugin
