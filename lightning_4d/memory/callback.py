@@ -249,24 +249,15 @@ class MemoryEstimatorCallback(L.Callback):
     # ------------------------------------------------------------------ inputs
     @staticmethod
     def _model_config(pl_module: L.LightningModule) -> Any:
+        """The ``LlamaConfig`` to estimate: the module's ``model_config`` (a ``CausalLMModule`` before
+        ``configure_model``), else the config of the first model of a registered family it holds
+        (:func:`lightning_4d.families.registry.estimate_config`: a transformers Llama is estimated as our Llama of the
+        same shape), else ``None``."""
+        from lightning_4d.families.registry import estimate_config
         from lightning_4d.models.config import LlamaConfig
 
-        def candidates() -> Iterator[Any]:  # lazily: the first match wins
-            yield getattr(pl_module, "model_config", None)
-            modules = getattr(pl_module, "modules", None)
-            for m in modules() if callable(modules) else ():
-                yield getattr(m, "config", None)
-
-        for cfg in candidates():
-            if isinstance(cfg, LlamaConfig):
-                return cfg
-            # a Hugging Face transformers Llama (LlamaForCausalLM.config): estimated as our Llama of the same shape
-            if getattr(cfg, "model_type", None) == "llama" and callable(getattr(cfg, "to_dict", None)):
-                try:
-                    return LlamaConfig.from_hf_dict(cfg.to_dict(), source=f"{type(pl_module).__name__}'s config")
-                except (ValueError, KeyError, TypeError):
-                    return None  # a Llama variant ours does not model: setup says it cannot estimate
-        return None
+        cfg = getattr(pl_module, "model_config", None)
+        return cfg if isinstance(cfg, LlamaConfig) else estimate_config(pl_module)
 
     def _batch_shape(self, trainer: L.Trainer, pl_module: L.LightningModule, pp: int,
                      num_microbatches: int) -> tuple[dict[str, Optional[int]], dict[str, str], list[str]]:
