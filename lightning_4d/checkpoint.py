@@ -52,6 +52,33 @@ def _legacy_sharded_optimizer_file(index: int, global_rank: int) -> str:
     return f"zero1_optimizer_{index}_rank{global_rank}.pt"
 
 
+def validate_format(config: Any, distributed: bool) -> None:
+    """Refuse a full-file checkpoint (``save_distributed_checkpoint=False``, ``distributed`` false) for a layout no
+    rank can write one for, when the strategy is built.
+
+    Raises:
+        ValueError: ZeRO 1 (each rank holds its own chunk of the optimizer states), PowerSGD (per-rank
+            error-feedback state) or pp > 1 (no rank holds the whole model), naming the fix.
+    """
+    if distributed:
+        return
+    if config.zero_stage == 1:
+        raise ValueError(
+            "save_distributed_checkpoint=False is not supported with zero_stage=1: each rank holds its own chunk of "
+            "the optimizer states. Use save_distributed_checkpoint=True (a sharded folder) or zero_stage 0, 2 or 3."
+        )
+    if config.gradient_compression == "powersgd":
+        raise ValueError(
+            "save_distributed_checkpoint=False is not supported with gradient_compression='powersgd': each rank "
+            "holds its own error-feedback state. Use save_distributed_checkpoint=True (a sharded folder)."
+        )
+    if config.pp > 1:
+        raise ValueError(
+            "save_distributed_checkpoint=False is not supported with pipeline_parallel_size > 1: no rank holds the "
+            "whole model. Use save_distributed_checkpoint=True (a sharded folder)."
+        )
+
+
 #: the key of the saving run's layout (``ParallelConfig`` sizes) in a sharded folder's Lightning metadata
 LAYOUT_KEY = "lightning_4d_layout"
 

@@ -40,7 +40,8 @@ from lightning_4d.parallel._compat import (
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.families.registry import load_initial_weights
-from lightning_4d.parallel.parallelize import cast_to_compute_dtype, prepare_models, validate_against_module
+from lightning_4d.parallel.parallelize import (cast_to_compute_dtype, prepare_models, validate_against_module,
+                                              validate_compile)
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
 from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,
                                         validate_precision)
@@ -174,29 +175,8 @@ class FourDStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if zero_stage == 1 and not save_distributed_checkpoint:
-            raise ValueError(
-                "save_distributed_checkpoint=False is not supported with zero_stage=1: each rank holds its own chunk of "
-                "the optimizer states. Use save_distributed_checkpoint=True (a sharded folder) or zero_stage 0, 2 or 3."
-            )
-        if gradient_compression == "powersgd" and not save_distributed_checkpoint:
-            raise ValueError(
-                "save_distributed_checkpoint=False is not supported with gradient_compression='powersgd': each rank "
-                "holds its own error-feedback state. Use save_distributed_checkpoint=True (a sharded folder)."
-            )
-        if pipeline_parallel_size > 1 and not save_distributed_checkpoint:
-            raise ValueError(
-                "save_distributed_checkpoint=False is not supported with pipeline_parallel_size > 1: no rank holds the "
-                "whole model. Use save_distributed_checkpoint=True (a sharded folder)."
-            )
-        if compile and tensor_parallel_size > 1:
-            # measured with torch 2.13: a compiled block with DTensor tp plans fails in backward inside DTensor's
-            # redistribute ("'Tensor' object has no attribute '_local_tensor'"); fail now, not after the queue wait
-            raise NotImplementedError(
-                f"compile=True with tensor_parallel_size={tensor_parallel_size} is not supported yet (torch.compile of "
-                "tensor-parallel layers fails in backward with this PyTorch); use compile=False, or compile=True "
-                "with tensor_parallel_size=1 (dp/ZeRO layouts)."
-            )
+        _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
+        validate_compile(compile, tensor_parallel_size)
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None

@@ -79,6 +79,22 @@ def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:
     )
 
 
+def validate_compile(compile: bool, tp: int) -> None:
+    """Refuse ``compile=True`` with tensor parallelism when the strategy is built (measured with torch 2.13: a
+    compiled block with DTensor tp plans fails in backward inside DTensor's redistribute, "'Tensor' object has no
+    attribute '_local_tensor'"): fail now, not after the queue wait.
+
+    Raises:
+        NotImplementedError: ``compile`` and ``tp`` > 1.
+    """
+    if compile and tp > 1:
+        raise NotImplementedError(
+            f"compile=True with tensor_parallel_size={tp} is not supported yet (torch.compile of "
+            "tensor-parallel layers fails in backward with this PyTorch); use compile=False, or compile=True "
+            "with tensor_parallel_size=1 (dp/ZeRO layouts)."
+        )
+
+
 def fsdp_block_modules(module: nn.Module, fsdp_blocks: Optional[Sequence[str]] = None) -> list[nn.Module]:
     """The submodules of ``module`` that become their own FSDP2 units at ZeRO 2/3, innermost first (FSDP2 wants
     children sharded before their parents): the instances of the classes named in ``fsdp_blocks`` (dotted paths
