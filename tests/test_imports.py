@@ -175,11 +175,11 @@ def test_models_import_only_config_and_models():
 def test_memory_imports_only_config_and_model_config():
     """memory/ is the torch-free estimator; its one Lightning callback reaches Lightning's private data source (to
     read the first batch's shape) through the compatibility module, as every private API is."""
-    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.models.config"}
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.partition", f"{PACKAGE}.models.config"}
     bad = _violations(f"{PACKAGE}.memory", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.memory")
                       or (m == f"{PACKAGE}.memory.callback" and i == f"{PACKAGE}.parallel._compat"))
-    assert not bad, ("memory/ may import lightning_4d.config, lightning_4d.models.config and memory/ only (its "
-                     "callback also parallel._compat): " + ", ".join(bad))
+    assert not bad, ("memory/ may import lightning_4d.config, lightning_4d.partition, lightning_4d.models.config and "
+                     "memory/ only (its callback also parallel._compat): " + ", ".join(bad))
 
 
 def test_tasks_import_no_strategy():
