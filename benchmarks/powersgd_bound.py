@@ -40,7 +40,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_4d.config import powersgd_compressible  # noqa: E402
+from lightning_4d.partition import powersgd_compressible  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.parallel.compression import PowerSGD  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402

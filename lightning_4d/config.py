@@ -9,17 +9,12 @@ fails in a second with a message that names the bad value and what would be vali
 from __future__ import annotations
 
 import itertools
-
-import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.config import LlamaConfig
 
-#: ZeRO 0/1 gradient buckets: about this many bytes of parameters each (as set up, before a cast to the compute
-#: dtype), PyTorch DDP's default ``bucket_cap_mb=25``
-GRADIENT_BUCKET_BYTES = 25 * 2**20
 ZERO_STAGES = (0, 1, 2, 3)
 #: activation checkpointing modes (see lightning_4d/parallel/activation_checkpoint.py)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -47,45 +42,6 @@ _SCHEDULE_STAGES = {
     "zbv": ((2,), 2, "v"),
     "dualpipev": ((2,), 2, "v"),
 }
-#: bytes of one chunk's float32 temporary in the cross-entropy (parallel/loss.py; :func:`loss_chunk_tokens`)
-LOSS_CHUNK_BYTES = 64 * 2**20
-
-
-def powersgd_compressible(shape: Sequence[int], rank: int) -> bool:
-    """Whether PowerSGD compresses a gradient of ``shape`` at rank ``rank``: a matrix whose rank-r factors are
-    smaller than it, ``r·(m + n) < m·n`` (``parallel/compression.py``; the memory model counts its state by the same
-    rule)."""
-    return len(shape) == 2 and rank * (shape[0] + shape[1]) < shape[0] * shape[1]
-
-
-def bucket_lengths(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
-    """How many consecutive items each gradient bucket takes (ZeRO 0/1, ``parallel/zero.py``; the memory model
-    simulates the same): items of ``nbytes`` bytes, in order, fill a bucket while it stays within ``bucket_bytes``;
-    an item that does not fit starts the next bucket (an item larger than ``bucket_bytes`` has a bucket of its own).
-    The lengths sum to ``len(nbytes)``."""
-    lengths: list[int] = []
-    count = size = 0
-    for n in nbytes:
-        if count and size + n > bucket_bytes:
-            lengths.append(count)
-            count = size = 0
-        count, size = count + 1, size + n
-    return lengths + ([count] if count else [])
-
-
-def bucket_shard(numel: int, world: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of rank ``rank``'s range of a bucket of ``numel`` elements padded to a multiple of ``world``
-    and cut in ``world`` equal ranges (ZeRO 1's reduce-scatter and ownership); ``end`` may pass ``numel`` (padding)."""
-    shard = math.ceil(numel / world)
-    return rank * shard, (rank + 1) * shard
-
-
-def loss_chunk_tokens(local_vocab: int) -> int:
-    """Tokens per chunk of the cross-entropy (:mod:`lightning_4d.parallel.loss`) over ``local_vocab`` logits per token
-    (V/t under tensor parallelism): ``max(1, LOSS_CHUNK_BYTES // (4·local_vocab))``, so one chunk's float32
-    ``[tokens, local_vocab]`` temporary holds at most :data:`LOSS_CHUNK_BYTES` bytes (64 MiB), or one token's row.
-    Shared by the loss and the memory model."""
-    return max(1, LOSS_CHUNK_BYTES // (4 * max(1, local_vocab)))
 
 
 def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:

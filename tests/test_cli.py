@@ -135,6 +135,31 @@ def test_help_and_console_script_are_the_same_program():
         assert proc2.stdout == proc.stdout
 
 
+def test_estimate_proposes_the_planners_layer_split(capsys):
+    """`estimate --pp 16` of Llama 3.1 405B (126 layers, not a multiple of 16) estimates with the planner's split
+    (7, 8, ..., 8, 7), says so in one line, and gives the estimate of that split given explicitly."""
+    from lightning_4d.cli import main
+    from lightning_4d.memory.planner import propose_layer_split
+    from lightning_4d.models import LlamaConfig
+
+    assert "llama3.1-405b" in LlamaConfig.preset_names()
+    split = [7] + [8] * 14 + [7]
+    assert propose_layer_split(126, 16) == split
+    base = ["estimate", "--model", "llama3.1-405b", "--tp", "8", "--pp", "16", "--dp", "64", "--micro-batch-size",
+            "1", "--seq-length", "8192", "--activation-checkpointing", "full", "--num-microbatches", "32"]
+    assert main(base) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "pipeline_layer_split" in line]
+    assert len(lines) == 1, lines
+    assert f"pipeline_layer_split={split}" in lines[0] and "--pipeline-layer-split overrides it" in lines[0]
+    assert main(base + ["--json"]) == 0
+    proposed = json.loads(capsys.readouterr().out)
+    assert main(base + ["--json", "--pipeline-layer-split", *map(str, split)]) == 0
+    explicit = json.loads(capsys.readouterr().out)
+    assert proposed.pop("pipeline_layer_split_proposed") and not explicit.pop("pipeline_layer_split_proposed")
+    assert proposed["layout"]["pipeline_layer_split"] == split
+    assert proposed == explicit and proposed["fits"]
+
+
 def test_prepare_data_subcommand(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     (tmp_path / "b.txt").write_text("def f(x):\n    return x\n" * 50)

@@ -176,12 +176,12 @@ def test_memory_imports_only_config_and_model_config():
     """memory/ is the torch-free estimator; its one Lightning callback reaches Lightning's private data source (to
     read the first batch's shape) through the compatibility module, as every private API is, and asks the model-family
     registry for the config of the model it checks (issue 22: no family test of its own)."""
-    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.models.config"}
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.partition", f"{PACKAGE}.models.config"}
     bad = _violations(f"{PACKAGE}.memory", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.memory")
                       or (m == f"{PACKAGE}.memory.callback"
                           and i in (f"{PACKAGE}.parallel._compat", f"{PACKAGE}.families.registry")))
-    assert not bad, ("memory/ may import lightning_4d.config, lightning_4d.models.config and memory/ only (its "
-                     "callback also parallel._compat and families.registry): " + ", ".join(bad))
+    assert not bad, ("memory/ may import lightning_4d.config, lightning_4d.partition, lightning_4d.models.config and "
+                     "memory/ only (its callback also parallel._compat and families.registry): " + ", ".join(bad))
 
 
 def test_tasks_import_no_strategy():

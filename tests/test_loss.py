@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lightning_4d.config as config
+import lightning_4d.partition as config
 from lightning_4d.parallel.loss import causal_lm_loss, vocab_parallel_cross_entropy
 from tests._launch import SCRIPTS, torchrun
 

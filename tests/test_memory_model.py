@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_4d import ParallelConfig, estimate_memory
-from lightning_4d.config import loss_chunk_tokens
+from lightning_4d.partition import loss_chunk_tokens
 from lightning_4d.memory.model import MemoryEstimate, estimate_all_pp_ranks, model_state_bytes, saved_activation_bytes
 from lightning_4d.models import LlamaConfig
 from tests._launch import SCRIPTS, torchrun

@@ -337,65 +337,17 @@ class MemoryEstimatorCallback(L.Callback):
         """
         if not self.enabled or stage != "fit":
             return
-        from lightning_4d.memory.model import PRECISIONS, _precision, estimate_memory
-
-        parallel_config = getattr(trainer.strategy, "parallel_config", None)
-        if parallel_config is None:
-            self._warn_once(f"MemoryEstimatorCallback: nothing checked: it estimates FourDStrategy layouts and the "
-                            f"strategy is {type(trainer.strategy).__name__}. Use FourDStrategy, or remove the "
-                            "callback.")
+        job = self._checkable_job(trainer, pl_module)
+        if job is None:
             return
-        cfg = self._model_config(pl_module)
-        if cfg is None:
-            self._warn_once(f"MemoryEstimatorCallback: cannot estimate the memory of {type(pl_module).__name__}: it "
-                            "has no lightning_4d LlamaConfig (a `model_config` attribute, or a Llama model built before "
-                            f"configure_model), so nothing was checked. Silence this with {_DISABLE}.")
-            return
-        memory, gpu_name, device_type = self._device(trainer)
-        if memory is None:
-            self._warn_once(f"MemoryEstimatorCallback: nothing checked: the device is {device_type}, not CUDA, and no "
-                            "device_memory was given; pass e.g. MemoryEstimatorCallback(device_memory=\"80GiB\") to "
-                            "check against a GPU's memory.")
-            return
-        try:
-            precision = _precision(str(trainer.precision))
-        except ValueError:
-            self._warn_once(f"MemoryEstimatorCallback: nothing checked: precision {trainer.precision!r} is not "
-                            f"modelled (modelled: {list(PRECISIONS)}).")
-            return
+        parallel_config, cfg, memory, gpu_name, device_type, precision = job
         # micro-batches per step: the pipeline schedule's m (resolved by the strategy), else gradient accumulation
         m = parallel_config.microbatches if parallel_config.pp > 1 else trainer.accumulate_grad_batches
-        shape, origin, looked = self._batch_shape(trainer, pl_module, parallel_config.pp,
-                                                  parallel_config.microbatches)
-        b, s = shape["micro_batch_size"], shape["seq_length"]
-        if b is None or s is None:
-            unknown = [k for k, v in shape.items() if v is None]
-            message = (f"MemoryEstimatorCallback cannot estimate the memory of this job: its {' and '.join(unknown)} "
-                       f"{'is' if len(unknown) == 1 else 'are'} unknown. "
-                       f"It looked, in order, at: {'; '.join(looked)}. Pass the shape, e.g. "
-                       "MemoryEstimatorCallback(micro_batch_size=1, seq_length=4096) in the Trainer's callbacks "
-                       f"(FourDStrategy then adds no other), or turn the check off with {_DISABLE}.")
-            if device_type == "cuda":
-                raise ValueError(message)
-            self._warn_once(f"{message} Nothing was checked (not on CUDA: a warning, not an error).")
+        shape = self._known_batch_shape(trainer, pl_module, parallel_config, device_type)
+        if shape is None:
             return
-        if origin["micro_batch_size"] == origin["seq_length"]:
-            found = f"batch shape from {origin['seq_length']}"
-        else:
-            found = f"micro_batch_size from {origin['micro_batch_size']}, seq_length from {origin['seq_length']}"
-        if self.formula == "fujii2024":
-            from lightning_4d.memory.fujii2024 import fujii2024_from_config
-
-            est = fujii2024_from_config(cfg, tp=parallel_config.tp, pp=parallel_config.pp, dp=parallel_config.dp,
-                                        cp=parallel_config.cp, seq_length=s, micro_batch_size=b, num_microbatches=m,
-                                        distributed_optimizer=parallel_config.zero_stage >= 1)
-            total, breakdown = est.total, {"model_states": est.model_states, "activations": est.activations}
-        else:
-            est = estimate_memory(cfg, parallel_config, b, s, precision, num_microbatches=m,
-                                  device_type=device_type, gpu_name=gpu_name)
-            total = est.total
-            breakdown = {k: getattr(est, k) for k in ("parameters", "gradients", "optimizer_states", "activations",
-                                                      "logits", "buffers", "overhead")}
+        b, s, found = shape
+        est, total, breakdown = self._estimate(cfg, parallel_config, b, s, m, precision, device_type, gpu_name)
         self.estimate = est
         limit = self.budget * memory
         layout = (f"tp={parallel_config.tp} pp={parallel_config.pp} cp={parallel_config.cp} dp={parallel_config.dp} "
@@ -415,16 +367,102 @@ class MemoryEstimatorCallback(L.Callback):
             lines.append(f"  (peak phase: {est.peak_phase}; total = parameters + optimizer_states + overhead + the "
                          "largest phase, see docs/memory.md)")
         suggestions = self._suggest(trainer, cfg, b, s, precision, memory, device_type, gpu_name)
-        if suggestions:
-            lines.append(f"Layouts of the same {parallel_config.world_size} GPUs that fit (fastest predicted first):")
-            for pc, e in suggestions:
-                lines.append(f"  {suggestion_line(pc, b)}: {_size(e.total)}")
+        lines += self._suggestion_lines(suggestions, parallel_config.world_size, b)
+        raise MemoryBudgetExceeded("\n".join(lines), est, suggestions)
+
+    def _checkable_job(self, trainer: L.Trainer,
+                       pl_module: L.LightningModule) -> Optional[tuple[Any, Any, int, Optional[str], str, str]]:
+        """``(parallel_config, model config, device memory in bytes, GPU name, device type, precision)`` of the job,
+        or ``None`` after a warning (once per callback) that says why nothing is checked: another strategy than
+        FourDStrategy, a module with no lightning_4d Llama config, no device memory, a precision not modelled."""
+        from lightning_4d.memory.model import PRECISIONS, _precision
+
+        parallel_config = getattr(trainer.strategy, "parallel_config", None)
+        if parallel_config is None:
+            self._warn_once(f"MemoryEstimatorCallback: nothing checked: it estimates FourDStrategy layouts and the "
+                            f"strategy is {type(trainer.strategy).__name__}. Use FourDStrategy, or remove the "
+                            "callback.")
+            return None
+        cfg = self._model_config(pl_module)
+        if cfg is None:
+            self._warn_once(f"MemoryEstimatorCallback: cannot estimate the memory of {type(pl_module).__name__}: it "
+                            "has no lightning_4d LlamaConfig (a `model_config` attribute, or a Llama model built before "
+                            f"configure_model), so nothing was checked. Silence this with {_DISABLE}.")
+            return None
+        memory, gpu_name, device_type = self._device(trainer)
+        if memory is None:
+            self._warn_once(f"MemoryEstimatorCallback: nothing checked: the device is {device_type}, not CUDA, and no "
+                            "device_memory was given; pass e.g. MemoryEstimatorCallback(device_memory=\"80GiB\") to "
+                            "check against a GPU's memory.")
+            return None
+        try:
+            precision = _precision(str(trainer.precision))
+        except ValueError:
+            self._warn_once(f"MemoryEstimatorCallback: nothing checked: precision {trainer.precision!r} is not "
+                            f"modelled (modelled: {list(PRECISIONS)}).")
+            return None
+        return parallel_config, cfg, memory, gpu_name, device_type, precision
+
+    def _known_batch_shape(self, trainer: L.Trainer, pl_module: L.LightningModule, parallel_config: Any,
+                           device_type: str) -> Optional[tuple[int, int, str]]:
+        """``(micro_batch_size, seq_length, where they came from)`` (:meth:`_batch_shape`), or ``None`` after a
+        warning when either is unknown off CUDA.
+
+        Raises:
+            ValueError: on CUDA, an unknown micro-batch size or sequence length (the message names every place
+                looked at and the fix); see also :meth:`_batch_shape`.
+        """
+        shape, origin, looked = self._batch_shape(trainer, pl_module, parallel_config.pp,
+                                                  parallel_config.microbatches)
+        b, s = shape["micro_batch_size"], shape["seq_length"]
+        if b is None or s is None:
+            unknown = [k for k, v in shape.items() if v is None]
+            message = (f"MemoryEstimatorCallback cannot estimate the memory of this job: its {' and '.join(unknown)} "
+                       f"{'is' if len(unknown) == 1 else 'are'} unknown. "
+                       f"It looked, in order, at: {'; '.join(looked)}. Pass the shape, e.g. "
+                       "MemoryEstimatorCallback(micro_batch_size=1, seq_length=4096) in the Trainer's callbacks "
+                       f"(FourDStrategy then adds no other), or turn the check off with {_DISABLE}.")
+            if device_type == "cuda":
+                raise ValueError(message)
+            self._warn_once(f"{message} Nothing was checked (not on CUDA: a warning, not an error).")
+            return None
+        if origin["micro_batch_size"] == origin["seq_length"]:
+            found = f"batch shape from {origin['seq_length']}"
         else:
-            lines.append("No layout of this world size fits with this micro-batch size and sequence length: use more "
-                         "GPUs, a smaller micro_batch_size or a shorter seq_length (try `lightning-4d plan`).")
+            found = f"micro_batch_size from {origin['micro_batch_size']}, seq_length from {origin['seq_length']}"
+        return b, s, found
+
+    def _estimate(self, cfg: Any, parallel_config: Any, b: int, s: int, m: int, precision: str, device_type: str,
+                  gpu_name: Optional[str]) -> tuple[Any, float, dict[str, float]]:
+        """``(estimate, its total in bytes, its parts in bytes by name)`` of this callback's formula (the worst pp
+        rank's :class:`~lightning_4d.memory.model.MemoryEstimate`, or the paper's estimate)."""
+        if self.formula == "fujii2024":
+            from lightning_4d.memory.fujii2024 import fujii2024_from_config
+
+            est = fujii2024_from_config(cfg, tp=parallel_config.tp, pp=parallel_config.pp, dp=parallel_config.dp,
+                                        cp=parallel_config.cp, seq_length=s, micro_batch_size=b, num_microbatches=m,
+                                        distributed_optimizer=parallel_config.zero_stage >= 1)
+            return est, est.total, {"model_states": est.model_states, "activations": est.activations}
+        from lightning_4d.memory.model import estimate_memory
+
+        est = estimate_memory(cfg, parallel_config, b, s, precision, num_microbatches=m,
+                              device_type=device_type, gpu_name=gpu_name)
+        return est, est.total, {k: getattr(est, k) for k in ("parameters", "gradients", "optimizer_states",
+                                                             "activations", "logits", "buffers", "overhead")}
+
+    @staticmethod
+    def _suggestion_lines(suggestions: list, world_size: int, b: int) -> list[str]:
+        """The end of the over-budget message: the layouts that fit (or what to do when none does), and how to turn
+        the check off."""
+        if suggestions:
+            lines = [f"Layouts of the same {world_size} GPUs that fit (fastest predicted first):"]
+            lines += [f"  {suggestion_line(pc, b)}: {_size(e.total)}" for pc, e in suggestions]
+        else:
+            lines = ["No layout of this world size fits with this micro-batch size and sequence length: use more "
+                     "GPUs, a smaller micro_batch_size or a shorter seq_length (try `lightning-4d plan`)."]
         lines.append("Disable this check with FourDStrategy(memory_check=False) or MemoryEstimatorCallback(enabled="
                      "False).")
-        raise MemoryBudgetExceeded("\n".join(lines), est, suggestions)
+        return lines
 
     def _suggest(self, trainer: L.Trainer, cfg: Any, b: int, s: int, precision: str, memory: int,
                  device_type: str, gpu_name: Optional[str]) -> list:

@@ -11,8 +11,9 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_4d.config import (ACTIVATION_CHECKPOINTING, CONTEXT_PARALLEL_METHODS, PIPELINE_SCHEDULES, ZERO_STAGES,
                                   ParallelConfig)
@@ -170,7 +171,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--virtual-pipeline-stages", type=positive_int, default=None,
                        help="stages per pp rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others)")
         p.add_argument("--pipeline-layer-split", type=positive_int, nargs="+", default=None,
-                       help="decoder layers per pipeline stage (pp*v counts)")
+                       help="decoder layers per pipeline stage (pp*v counts; default: equal, or the planner's split "
+                            "when pp*v does not divide the layers)")
     else:
         p.add_argument("--num-gpus", type=positive_int, required=True)
         p.add_argument("--gpus-per-node", type=positive_int, default=8)
@@ -190,6 +192,17 @@ def _parser(command: str) -> argparse.ArgumentParser:
     return p
 
 
+def _propose_split(pc: ParallelConfig, num_layers: int) -> Optional[list[int]]:
+    """The planner's layer split (:func:`~lightning_4d.memory.planner.propose_layer_split`) when ``pc`` has pp > 1,
+    no ``pipeline_layer_split`` and ``pp·v`` stages that do not divide ``num_layers`` evenly (at least one layer
+    each); else ``None`` (the even split, or the layout's own, or an error of ``validate_model`` to come)."""
+    from lightning_4d.memory.planner import propose_layer_split
+
+    if pc.pp == 1 or pc.pipeline_layer_split is not None or num_layers < pc.num_stages:
+        return None
+    return propose_layer_split(num_layers, pc.num_stages)
+
+
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_4d.memory.fujii2024 import fujii2024_from_config
     from lightning_4d.memory.model import estimate_memory
@@ -206,6 +219,9 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         if args.num_gpus is None:
             raise ValueError("give --dp or --num-gpus.")
         pc = pc.resolve(args.num_gpus)
+    proposed = _propose_split(pc, cfg.num_layers)
+    if proposed is not None:
+        pc = replace(pc, pipeline_layer_split=proposed)
     pc.validate_model(cfg)
     m = pc.microbatches
     if args.formula == "fujii2024":
@@ -229,8 +245,9 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
                layout=dict(tp=pc.tp, pp=pc.pp, cp=pc.cp, dp=pc.dp, zero_stage=pc.zero_stage,
                            sequence_parallel=pc.sp, activation_checkpointing=pc.activation_checkpointing,
                            pipeline_schedule=pc.pipeline_schedule, num_microbatches=m,
-                           micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                           precision=args.precision))
+                           pipeline_layer_split=pc.pipeline_layer_split, micro_batch_size=args.micro_batch_size,
+                           seq_length=args.seq_length, precision=args.precision),
+               pipeline_layer_split_proposed=proposed is not None, num_layers=cfg.num_layers)
     return out
 
 
@@ -253,6 +270,11 @@ def _print_estimate(out: dict[str, Any]) -> None:
     table.add_row("total (peak)", f"{out['total_gib']:.2f}", f"{int(out['total']):,}", style="bold")
     console = Console(width=max(Console().width, 150))
     console.print(table)
+    if out["pipeline_layer_split_proposed"]:
+        console.print(f"pipeline_layer_split={lay['pipeline_layer_split']}: the planner's split ({out['num_layers']} "
+                      f"layers do not divide into {len(lay['pipeline_layer_split'])} equal stages; the first and last "
+                      "stages, which also hold the embedding and the LM head, get the fewer); --pipeline-layer-split "
+                      "overrides it.", soft_wrap=True, markup=False)
     if out["formula"] == "lightning_4d":
         console.print(f"peak phase: {out['peak_phase']} (total = parameters + optimizer_states + overhead + the "
                       "largest phase; see docs/memory.md)")

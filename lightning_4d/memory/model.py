@@ -68,7 +68,7 @@ gathered K/V are made again there as under full checkpointing.
 
 - start of backward: activations + the loss's backward working set (the logits' gradient in the compute dtype,
   ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax, ``4·n·V/t`` with
-  ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.config.loss_chunk_tokens`;
+  ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.partition.loss_chunk_tokens`;
   a float32 gradient is computed in place), or instead the head's gradient (made once the loss' backward has
   freed the saved logits: the larger of the two) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's
   gradient buckets (they exist from setup on);
@@ -108,9 +108,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
-from lightning_4d.config import (GRADIENT_BUCKET_BYTES, PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig,
-                                 _check_positive_int, bucket_lengths, bucket_shard, loss_chunk_tokens,
-                                 powersgd_compressible)
+from lightning_4d.config import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, _check_positive_int
+from lightning_4d.partition import (GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard, loss_chunk_tokens,
+                                    powersgd_compressible)
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 
 __all__ = [
@@ -263,8 +263,8 @@ def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, buc
     """Elements rank ``rank`` of ``world`` owns at ZeRO 1 (``GradientBuckets`` + ``ShardedOptimizer``): the
     parameters, in reverse order, fill buckets of at most ``bucket_bytes`` (a bucket's first parameter may exceed it);
     each bucket is padded to a multiple of ``world`` elements and cut in ``world`` equal ranges, rank r owning range r
-    (its real elements only): :func:`lightning_4d.config.bucket_lengths` and
-    :func:`lightning_4d.config.bucket_shard`, the rules ``parallel/zero.py`` builds its buckets with."""
+    (its real elements only): :func:`lightning_4d.partition.bucket_lengths` and
+    :func:`lightning_4d.partition.bucket_shard`, the rules ``parallel/zero.py`` builds its buckets with."""
     order = numels[::-1]
     total = start = 0
     for length in bucket_lengths([n * elem_bytes for n in order], bucket_bytes):
@@ -317,7 +317,7 @@ def model_state_bytes(
         dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards).
         pipeline_layer_split: layers per pipeline stage (``pp·v`` counts; default ``parallel_config``'s, else
             equal).
-        bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.config``);
+        bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
             at ZeRO 1 a rank owns its 1/D of every bucket.
 
     Returns:

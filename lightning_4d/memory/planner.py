@@ -38,15 +38,16 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional
+import functools
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 from lightning_4d.config import (ACTIVATION_CHECKPOINTING, CONTEXT_PARALLEL_METHODS, ZERO_STAGES, ParallelConfig,
                                   _check_positive_int, _divisors)
 from lightning_4d.memory.fujii2024 import fujii2024_from_config
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
-from lightning_4d.memory.step_time import StepTime, _dims, step_time_of
+from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_of
 
 __all__ = ["Candidate", "enumerate_layouts", "plan", "propose_layer_split", "suggest_layouts"]
 
@@ -92,17 +93,10 @@ class Candidate:
     def parallel_config(self) -> ParallelConfig:
         """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
         and micro-batch count)."""
-        pipe = self.pp > 1
-        return ParallelConfig(data_parallel_size=self.dp, tensor_parallel_size=self.tp,
-                              pipeline_parallel_size=self.pp, context_parallel_size=self.cp,
-                              zero_stage=self.zero_stage, activation_checkpointing=self.activation_checkpointing,
-                              sequence_parallel=self.sequence_parallel if self.tp > 1 else None,
-                              context_parallel_method=self.context_parallel_method,
-                              pipeline_schedule=self.pipeline_schedule if pipe else "1f1b",
-                              virtual_pipeline_stages=self.virtual_pipeline_stages if pipe else None,
-                              pipeline_layer_split=list(self.pipeline_layer_split) if self.pipeline_layer_split
-                              else None,
-                              num_microbatches=self.num_microbatches if pipe else None)
+        return Layout(self.tp, self.pp, self.cp, self.dp, self.micro_batch_size, self.num_microbatches,
+                      self.sequence_parallel, self.context_parallel_method,
+                      self.pipeline_schedule if self.pp > 1 else "1f1b", self.virtual_pipeline_stages,
+                      self.pipeline_layer_split, self.zero_stage, self.activation_checkpointing).parallel_config()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -151,9 +145,8 @@ def _pipelines(model_config: Any, pp: int, m: int) -> Iterator[tuple[str, int, O
 
 
 def _layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: int, global_batch_size: int,
-             micro_batch_size: Optional[int], fixed: Optional[dict[str, int]] = None) -> Iterator[tuple]:
-    """The layouts of :func:`enumerate_layouts` as plain tuples ``(tp, pp, cp, dp, b, m, sp, cp method, schedule,
-    v, layer split, ZeRO stage, activation checkpointing)``."""
+             micro_batch_size: Optional[int], fixed: Optional[dict[str, int]] = None) -> Iterator[Layout]:
+    """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`)."""
     fixed = fixed or {}
     for tp in _divisors(min(num_gpus, gpus_per_node)):
         if num_gpus % tp or fixed.get("tp", tp) != tp:
@@ -191,17 +184,7 @@ def _layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: i
                                     for ac in ACTIVATION_CHECKPOINTING:
                                         if ac == "selective" and name in ("zbv", "dualpipev"):
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
-                                        yield tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac
-
-
-def _config(layout: tuple) -> ParallelConfig:
-    tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac = layout
-    return ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                          context_parallel_size=cp, zero_stage=zero, activation_checkpointing=ac,
-                          sequence_parallel=sp if tp > 1 else None, context_parallel_method=method,
-                          pipeline_schedule=name, virtual_pipeline_stages=v if pp > 1 else None,
-                          pipeline_layer_split=list(split) if split else None,
-                          num_microbatches=m if pp > 1 else None)
+                                        yield Layout(tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac)
 
 
 def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: int, global_batch_size: int,
@@ -215,7 +198,7 @@ def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_
     """
     for layout in _layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size,
                            fixed):
-        yield _config(layout), layout[4], layout[5]
+        yield layout.parallel_config(), layout.micro_batch_size, layout.num_microbatches
 
 
 def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq_length: int,
@@ -247,6 +230,26 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
             formula, a budget outside (0, 1], a ``top`` below 1, an unknown key in ``fixed``, fixed sizes the model
             or the job cannot take, no valid layout at all (the message says why).
     """
+    _check_job(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, budget, formula, top, fixed)
+    limit = budget * gpu.memory
+    timed = _timed_layouts(model_config, num_gpus, gpus_per_node, gpu, seq_length, global_batch_size, formula,
+                           micro_batch_size, fixed)
+    memory_of = _MemoryOf(model_config, seq_length, precision, formula, limit, include_unfit,
+                          {"gpu_name": gpu.name, **(estimate_kw or {})})
+    candidate = functools.partial(_candidate, gpu=gpu, tokens_per_step=global_batch_size * seq_length,
+                                  model_flops_per_token=model_config.flops_per_token(seq_length), num_gpus=num_gpus)
+    out = _fastest_that_fit(timed, memory_of, candidate, top, max_estimated)
+    out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
+    return out[:top] if top else out
+
+
+def _check_job(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: int, global_batch_size: int,
+               budget: float, formula: str, top: Optional[int], fixed: Optional[dict[str, int]]) -> None:
+    """Check :func:`plan`'s arguments, and that the sizes in ``fixed`` suit the model and the job on their own.
+
+    Raises:
+        ValueError: see :func:`plan` (all but "no valid layout").
+    """
     unknown = set(fixed or {}) - {"tp", "pp", "cp", "dp", "zero_stage"}
     if unknown:
         raise ValueError(f"fixed={fixed!r}: unknown keys {sorted(unknown)}; valid: tp, pp, cp, dp, zero_stage.")
@@ -272,66 +275,97 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
         product = pinned.tp * pinned.pp * pinned.cp * (pinned.dp if "dp" in fixed else 1)
         if num_gpus % product:
             raise ValueError(f"fixed sizes {fixed} do not divide num_gpus={num_gpus}.")
-    limit = budget * gpu.memory
-    model_flops_per_token = model_config.flops_per_token(seq_length)
+
+
+def _timed_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq_length: int,
+                   global_batch_size: int, formula: str, micro_batch_size: Optional[int],
+                   fixed: Optional[dict[str, int]]) -> list[tuple[float, int, Layout, StepTime]]:
+    """``(predicted step seconds, recomputation rank, layout, step time)`` of every layout of the job the formula
+    models, fastest first (at equal times, the one that recomputes less).
+
+    Raises:
+        ValueError: no valid layout at all (the message says what a layout needs).
+    """
     dims = _dims(model_config)
-    timed: list[tuple[float, int, tuple, StepTime]] = []
+    timed: list[tuple[float, int, Layout, StepTime]] = []
     for lay in _layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size,
                         fixed):
-        tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac = lay
-        if formula == "fujii2024" and (zero > 1 or ac != "none" or name == "zbv" or method != "ring" or not sp):
+        if formula == "fujii2024" and (lay.zero_stage > 1 or lay.activation_checkpointing != "none"
+                                       or lay.pipeline_schedule == "zbv" or lay.context_parallel_method != "ring"
+                                       or not lay.sequence_parallel):
             continue
-        st = step_time_of(dims, tp, pp, cp, dp, b, m, seq_length, sp, method, name, v, split, zero, ac, gpu,
-                          gpus_per_node)
-        timed.append((st.total, _RECOMPUTATION[ac], lay, st))
+        st = step_time_of(dims, lay, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node)
+        timed.append((st.total, _RECOMPUTATION[lay.activation_checkpointing], lay, st))
     if not timed:
         raise ValueError(f"no valid layout of {num_gpus} GPUs ({gpus_per_node} per node) for this model with "
                          f"seq_length={seq_length} and global_batch_size={global_batch_size}"
                          + (f" and {fixed}" if fixed else "") + ": the global batch must be a multiple of dp, tp must "
                          "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp).")
     timed.sort(key=lambda t: (t[0], t[1]))
+    return timed
+
+
+@dataclass
+class _MemoryOf:
+    """Bytes per GPU of a layout for :func:`plan`: the paper's estimate (``formula="fujii2024"``), or ours on the pp
+    rank that needs the most. Ours visits rank 0 and the rank that needed the most on the last kept layout of the same
+    pipeline shape (pp, schedule, v) first, and stops at the first rank over ``limit`` (unless ``include_unfit``):
+    such a layout is dropped, so the rest need no estimate."""
+
+    model_config: Any
+    seq_length: int
+    precision: str
+    formula: str
+    limit: float
+    include_unfit: bool
+    estimate_kw: dict[str, Any]
+    worst_rank: dict[tuple, int] = field(default_factory=dict)  # per (pp, schedule, v), of the last kept layout
+
+    def __call__(self, pc: ParallelConfig, b: int, m: int) -> float:
+        if self.formula == "fujii2024":
+            return fujii2024_from_config(self.model_config, tp=pc.tp, pp=pc.pp, dp=pc.dp, cp=pc.cp,
+                                         seq_length=self.seq_length, micro_batch_size=b, num_microbatches=m,
+                                         virtual_stages=pc.v, distributed_optimizer=pc.zero_stage == 1).total
+        hint = (pc.pp, pc.pipeline_schedule, pc.v)
+        est = None
+        for r in dict.fromkeys((0, self.worst_rank.get(hint, 0), *range(pc.pp))):
+            one = estimate_memory(self.model_config, pc, b, self.seq_length, self.precision, num_microbatches=m,
+                                  pp_rank=r, **self.estimate_kw)
+            if est is None or (one.total, -r) > (est.total, -est.pp_rank):
+                est = one
+            if one.total > self.limit and not self.include_unfit:
+                break
+        if est.total <= self.limit or self.include_unfit:
+            self.worst_rank[hint] = est.pp_rank
+        return est.total
+
+
+def _fastest_that_fit(timed: list[tuple[float, int, Layout, StepTime]], memory_of: _MemoryOf,
+                      candidate: Callable[..., Candidate], top: Optional[int],
+                      max_estimated: Optional[int]) -> list[Candidate]:
+    """The candidates of ``timed`` (fastest first) that fit (all of them with ``include_unfit``) and that no other
+    dominates (:func:`_dominated`), estimating memory only while a layout could still be among the ``top``
+    fastest that fit, and for at most ``max_estimated`` layouts."""
+    include_unfit = memory_of.include_unfit
     out: list[Candidate] = []
     fitting = 0
-    worst_rank: dict[tuple, int] = {}  # the pp rank that needed the most memory, per (pp, schedule, v)
     for visited, (total, _, lay, st) in enumerate(timed):
         if top and not include_unfit and fitting >= top and total > out[-1].step_time:
             break  # every later layout is slower than the last one kept
         if max_estimated is not None and visited >= max_estimated:
             break
-        pc, b, m = _config(lay), lay[4], lay[5]
-        if formula == "fujii2024":
-            memory = fujii2024_from_config(model_config, tp=pc.tp, pp=pc.pp, dp=pc.dp, cp=pc.cp,
-                                           seq_length=seq_length, micro_batch_size=b, num_microbatches=m,
-                                           virtual_stages=pc.v, distributed_optimizer=pc.zero_stage == 1).total
-        else:
-            kw = {"gpu_name": gpu.name, **(estimate_kw or {})}
-            hint = (pc.pp, pc.pipeline_schedule, pc.v)
-            # every pp rank, the largest kept (estimate_memory's answer), rank 0 and the rank that needed the most
-            # on the last layout of this pipeline shape first: once one does not fit, the rest need no estimate
-            est = None
-            for r in dict.fromkeys((0, worst_rank.get(hint, 0), *range(pc.pp))):
-                one = estimate_memory(model_config, pc, b, seq_length, precision, num_microbatches=m, pp_rank=r,
-                                      **kw)
-                if est is None or (one.total, -r) > (est.total, -est.pp_rank):
-                    est = one
-                if one.total > limit and not include_unfit:
-                    break
-            memory = est.total
-            if memory > limit and not include_unfit:
-                continue
-            worst_rank[hint] = est.pp_rank
-        fits = memory <= limit
+        pc, b, m = lay.parallel_config(), lay.micro_batch_size, lay.num_microbatches
+        memory = memory_of(pc, b, m)
+        fits = memory <= memory_of.limit
         if not fits and not include_unfit:
             continue
-        cand = _candidate(pc, b, m, st, memory, gpu, fits, global_batch_size * seq_length, model_flops_per_token,
-                          num_gpus)
+        cand = candidate(pc, b, m, st, memory, fits=fits)
         if _dominated(cand, out):
             continue
         out = [c for c in out if not _dominated(c, [cand])]
         out.append(cand)
         fitting = sum(c.fits for c in out)
-    out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
-    return out[:top] if top else out
+    return out
 
 
 def _candidate(pc: ParallelConfig, b: int, m: int, st: StepTime, memory: float, gpu: GpuSpec, fits: bool,

@@ -68,7 +68,7 @@ from typing import Any, Optional
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 
 __all__ = ["ATTENTION_EFFICIENCY", "CALIBRATION_RUNS", "GEMM_EFFICIENCY", "LINK_LATENCY", "POINTWISE_BYTES",
-           "StepTime", "attention_efficiency", "gemm_efficiency", "predict_step_time", "step_time_of"]
+           "Layout", "StepTime", "attention_efficiency", "gemm_efficiency", "predict_step_time", "step_time_of"]
 
 #: Fraction of the dense bf16 peak a GEMM reaches, by the class of its smallest dimension (>= 2048, >= 1024, below).
 #: The large class is the maximum achievable matmul throughput measured on H100 SXM and A100 (about 0.8 of the
@@ -145,6 +145,57 @@ class StepTime:
     @property
     def exposed_communication(self) -> float:
         return self.tp + self.cp + self.pp + self.dp
+
+
+@dataclass(slots=True)
+class Layout:
+    """One layout of a job as plain values: what the step-time model reads, and what the planner enumerates (a
+    :class:`~lightning_4d.config.ParallelConfig` with its micro-batch shape, built without validation because the
+    planner visits ~10^5 of them; :meth:`parallel_config` gives the validated one).
+
+    ``virtual_pipeline_stages`` is v (1 without pp); ``pipeline_layer_split`` the decoder layers per stage, or
+    ``None`` for the even split; ``sequence_parallel`` whether sp is on (False with tp = 1).
+    """
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    micro_batch_size: int
+    num_microbatches: int
+    sequence_parallel: bool
+    context_parallel_method: str
+    pipeline_schedule: str
+    virtual_pipeline_stages: int
+    pipeline_layer_split: Optional[tuple[int, ...]]
+    zero_stage: int
+    activation_checkpointing: str
+
+    @classmethod
+    def of(cls, pc: ParallelConfig, micro_batch_size: int, num_microbatches: int) -> "Layout":
+        """The layout of ``pc`` (a resolved ``data_parallel_size``) with micro-batch size b and m micro-batches."""
+        return cls(pc.tp, pc.pp, pc.cp, pc.dp, micro_batch_size, num_microbatches, pc.sp,
+                   pc.context_parallel_method, pc.pipeline_schedule, pc.v if pc.pp > 1 else 1,
+                   tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None, pc.zero_stage,
+                   pc.activation_checkpointing)
+
+    def parallel_config(self) -> ParallelConfig:
+        """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its v, layer split and m).
+
+        Raises:
+            ValueError: see :class:`~lightning_4d.config.ParallelConfig`.
+        """
+        pipe = self.pp > 1
+        return ParallelConfig(data_parallel_size=self.dp, tensor_parallel_size=self.tp,
+                              pipeline_parallel_size=self.pp, context_parallel_size=self.cp,
+                              zero_stage=self.zero_stage, activation_checkpointing=self.activation_checkpointing,
+                              sequence_parallel=self.sequence_parallel if self.tp > 1 else None,
+                              context_parallel_method=self.context_parallel_method,
+                              pipeline_schedule=self.pipeline_schedule,
+                              virtual_pipeline_stages=self.virtual_pipeline_stages if pipe else None,
+                              pipeline_layer_split=list(self.pipeline_layer_split) if self.pipeline_layer_split
+                              else None,
+                              num_microbatches=self.num_microbatches if pipe else None)
 
 
 def _by_class(table: tuple[tuple[float, float], ...], value: float) -> float:
@@ -274,21 +325,22 @@ def predict_step_time(model_config: Any, pc: ParallelConfig, micro_batch_size: i
         seq_length: s, tokens per sample.
         gpu: a :class:`~lightning_4d.memory.hardware.GpuSpec`; gpus_per_node: GPUs per node.
     """
-    split = tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None
-    return step_time_of(_dims(model_config), pc.tp, pc.pp, pc.cp, pc.dp, micro_batch_size, num_microbatches,
-                        seq_length, pc.sp, pc.context_parallel_method, pc.pipeline_schedule,
-                        pc.v if pc.pp > 1 else 1, split, pc.zero_stage, pc.activation_checkpointing, gpu,
-                        gpus_per_node)
+    return step_time_of(_dims(model_config), Layout.of(pc, micro_batch_size, num_microbatches),
+                        seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node)
 
 
-def step_time_of(dims: tuple[int, ...], tp: int, pp: int, cp: int, dp: int, b: int, m: int, s: int, sp: bool,
-                 method: str, schedule: str, v: int, split: Optional[tuple[int, ...]], zero_stage: int,
-                 activation_checkpointing: str, gpu: Any, gpus_per_node: int) -> StepTime:
-    """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L))."""
+def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any,
+                 gpus_per_node: int) -> StepTime:
+    """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L), as
+    ``_dims`` reads them from a model config)."""
+    tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
+    b, m, v = layout.micro_batch_size, layout.num_microbatches, layout.virtual_pipeline_stages
+    s, sp, zero_stage = seq_length, layout.sequence_parallel, layout.zero_stage
     h, vocab = dims[0], dims[5]
     c = 2
     t_max, work, n_max, bubble, t_re, t_tp, t_cp, layers_of = _pipeline_terms(
-        dims, tp, pp, cp, b, s, sp, method, schedule, v, split, activation_checkpointing, gpu, gpus_per_node)
+        dims, tp, pp, cp, b, s, sp, layout.context_parallel_method, layout.pipeline_schedule, v,
+        layout.pipeline_layer_split, layout.activation_checkpointing, gpu, gpus_per_node)
     hbm = POINTWISE_EFFICIENCY * gpu.memory_bandwidth
     tokens = b * s / cp
     world = tp * pp * cp * dp

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_4d.config import powersgd_compressible as compressible
+from lightning_4d.partition import powersgd_compressible as compressible
 
 __all__ = ["PowerSGD", "compressible"]
 

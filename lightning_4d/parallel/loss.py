@@ -9,7 +9,7 @@ tensor-parallel size, 1 without tp) and c bytes per logit (the compute dtype):
 - the logits as the LM head produced them (the same storage, no copy): ``c·N·V/t`` bytes;
 - the float32 log-sum-exp of every token: ``4·N``; the labels (int64): ``8·N``.
 
-Its forward takes the tokens ``loss_chunk_tokens(V/t)`` at a time (:func:`lightning_4d.config.loss_chunk_tokens`:
+Its forward takes the tokens ``loss_chunk_tokens(V/t)`` at a time (:func:`lightning_4d.partition.loss_chunk_tokens`:
 at most ``LOSS_CHUNK_BYTES`` = 64 MiB of float32 per chunk, or one token), so beyond the saved tensors it holds one
 chunk's float32 ``exp(x - max)``. Its backward recomputes the softmax of one chunk at a time from the logits and the
 saved log-sum-exp (the way FlashAttention's backward recomputes attention from its saved log-sum-exp: Dao et al.
@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.config import loss_chunk_tokens
+from lightning_4d.partition import loss_chunk_tokens
 
 __all__ = ["causal_lm_loss", "vocab_parallel_cross_entropy"]
 
@@ -125,7 +125,7 @@ def vocab_parallel_cross_entropy(
         group: the tensor-parallel process group over which the vocabulary is split, ``None`` without tp.
         vocab_start: the first vocabulary column this rank holds (``rank · V/t``; 0 without tp).
         ignore_index: a label that contributes neither to the loss nor to the token count.
-        chunk_tokens: tokens per chunk (default :func:`lightning_4d.config.loss_chunk_tokens`, about 64 MiB of float32
+        chunk_tokens: tokens per chunk (default :func:`lightning_4d.partition.loss_chunk_tokens`, about 64 MiB of float32
             per chunk).
 
     Returns:

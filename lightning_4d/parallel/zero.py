@@ -45,19 +45,19 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_4d.config import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
 from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
 from lightning_4d.parallel.compression import PowerSGD, compressible
 from lightning_4d.parallel._compat import local_tensor as _local
 
-_BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in config.py (the memory model reads it)
+_BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in partition.py (the memory model reads it)
 
 
 def _buckets(
     tensors: list[Tensor], bucket_bytes: int, key: Callable[[Tensor], Tensor] = lambda t: t
 ) -> Iterable[list[Tensor]]:
     """Group tensors of the same dtype and device (of ``key(t)``) into buckets of at most ``bucket_bytes`` of
-    ``key(t)`` (one tensor may exceed), keeping their order (:func:`lightning_4d.config.bucket_lengths`)."""
+    ``key(t)`` (one tensor may exceed), keeping their order (:func:`lightning_4d.partition.bucket_lengths`)."""
     by_key: dict[tuple, list[Tensor]] = {}
     for t in tensors:
         k = key(t)
@@ -237,7 +237,7 @@ class _Bucket:
         self.buffer = torch.zeros(self.padded, dtype=dtype, device=_local(params[0]).device)
 
     def own_range(self, rank: int, world: int) -> tuple[int, int]:
-        """``[start, end)`` of rank ``rank``'s 1/world of the bucket (:func:`lightning_4d.config.bucket_shard`)."""
+        """``[start, end)`` of rank ``rank``'s 1/world of the bucket (:func:`lightning_4d.partition.bucket_shard`)."""
         return bucket_shard(self.numel, world, rank)
 
 
