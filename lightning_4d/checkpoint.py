@@ -122,12 +122,19 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, distributed: bool) -
     return get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM) if distributed else None
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barrier: Callable[[], None]) -> None:
+def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barrier: Callable[[], None],
+                 config: Any = None, model: Optional[nn.Module] = None, buckets: Optional[Any] = None) -> None:
     """Write ``checkpoint`` (Lightning's dict: ``state_dict``, ``optimizer_states`` from :func:`optimizer_state`,
-    metadata) as a sharded folder at ``path``, atomically (module docstring). Collective: every rank calls it with
-    the same ``path``. ``checkpoint`` is emptied of its state dicts on the way."""
+    metadata) as a sharded folder at ``path``, atomically (module docstring), with the saving layout ``config``
+    (a ``ParallelConfig``, :func:`layout_of`) and PowerSGD's per-rank state when ``buckets`` (``GradientBuckets``
+    of ``model``) compress. Collective: every rank calls it with the same ``path``. ``checkpoint`` is emptied of its
+    state dicts on the way."""
     from torch.distributed.checkpoint import save as dcp_save
 
+    if buckets is not None and buckets.powersgd is not None and model is not None:
+        checkpoint["compression_state"] = buckets.compression_state(param_names(model))
+    if config is not None:
+        checkpoint[LAYOUT_KEY] = layout_of(config)
     tmp = path.with_name(path.name + ".tmp")
     if global_rank == 0 and tmp.exists():
         shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()

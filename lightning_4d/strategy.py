@@ -1,9 +1,10 @@
-"""``FourDStrategy``: a Lightning strategy that lays a Llama model out on a ``("pp", "dp", "cp", "tp")`` mesh.
+"""``FourDStrategy``: a Lightning strategy that lays a model out on a ``("pp", "dp", "cp", "tp")`` mesh.
 
 Lightning hooks only, each delegating: the layout and its checks to :mod:`lightning_4d.config`, the mesh to
-:mod:`lightning_4d.mesh`, the order of parallelization to :mod:`lightning_4d.parallel.parallelize`, pipelining to
-:mod:`lightning_4d.parallel.pipeline`, ZeRO 0/1 to :mod:`lightning_4d.parallel.zero`, cp batch sharding to
-:mod:`lightning_4d.parallel.context`, checkpoint I/O to :mod:`lightning_4d.checkpoint`.
+:mod:`lightning_4d.mesh`, the models a module holds to :mod:`lightning_4d.families.registry`, the order of
+parallelization to :mod:`lightning_4d.parallel.parallelize`, pipelining to :mod:`lightning_4d.parallel.pipeline`, ZeRO
+0/1 to :mod:`lightning_4d.parallel.zero`, optimizer steps and clipping to :mod:`lightning_4d.precision`, cp batch
+sharding to :mod:`lightning_4d.parallel.context`, checkpoint I/O to :mod:`lightning_4d.checkpoint`.
 """
 
 from __future__ import annotations
@@ -29,17 +30,13 @@ from lightning_4d.config import (  # the Literal choices of the arguments below 
     POWERSGD_COMM_DTYPES,
     ParallelConfig,
 )
+from lightning_4d.memory.callback import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh
-from lightning_4d.parallel._compat import (
-    PATH,
-    attached_trainer,
-    materialize_distributed_module,
-    optimizers_to_device,
-    set_module_device_mesh,
-)
+from lightning_4d.families.registry import load_initial_weights
+from lightning_4d.parallel._compat import (PATH, attached_trainer, materialize_distributed_module, optimizers_to_device,
+                                           set_module_device_mesh)
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
-from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.parallel.parallelize import (cast_to_compute_dtype, prepare_models, validate_against_module,
                                               validate_compile)
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
@@ -228,7 +225,8 @@ class FourDStrategy(ModelParallelStrategy):
         validate_against_module(self.parallel_config, self.lightning_module)  # before the process group exists
         validate_precision(self._precision, self.parallel_config.zero_stage,
                            full_file_checkpoints=not self._save_distributed_checkpoint)
-        self._add_memory_check()
+        if self.memory_check and self.root_device.type == "cuda":  # runs in Callback.setup, before configure_model
+            add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()
         self._mesh = build_mesh(self.parallel_config, self.root_device.type)
         self._device_mesh = self._mesh.world
@@ -236,17 +234,6 @@ class FourDStrategy(ModelParallelStrategy):
         self._tensor_parallel_size = self.parallel_config.tp
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self._device_mesh)
-
-    def _add_memory_check(self) -> None:
-        """On CUDA, add the pre-fit memory check (it runs in ``Callback.setup``, before ``configure_model``)."""
-        from lightning_4d.memory.callback import MemoryEstimatorCallback
-
-        module = self.lightning_module
-        trainer = attached_trainer(module)
-        if not self.memory_check or trainer is None or self.root_device.type != "cuda":
-            return
-        if not any(isinstance(cb, MemoryEstimatorCallback) for cb in trainer.callbacks):
-            trainer.callbacks.append(MemoryEstimatorCallback())
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -391,11 +378,8 @@ class FourDStrategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
-        if self._buckets is not None and self._buckets.powersgd is not None:
-            checkpoint["compression_state"] = self._buckets.compression_state(_checkpoint.param_names(self.model))
-        checkpoint[_checkpoint.LAYOUT_KEY] = _checkpoint.layout_of(self.parallel_config)
-        _checkpoint.save_sharded(checkpoint, path, self.global_rank, self.barrier)
+        _checkpoint.save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank, self.barrier,
+                                 self.parallel_config, self.model, self._buckets)
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:

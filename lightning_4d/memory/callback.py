@@ -475,3 +475,11 @@ class MemoryEstimatorCallback(L.Callback):
         except ValueError as err:  # no suggestion is better than hiding the real error
             log.debug("no layout suggestions: %s", err)
             return []
+
+
+def add_memory_check(trainer: Optional[L.Trainer]) -> None:
+    """Add a :class:`MemoryEstimatorCallback` (budget 0.8) to ``trainer`` unless it has one (``FourDStrategy`` does
+    so on CUDA, where ``memory_check=True``); ``None``: nothing."""
+    if trainer is not None and not any(isinstance(cb, MemoryEstimatorCallback) for cb in trainer.callbacks):
+        trainer.callbacks.append(MemoryEstimatorCallback())
+
