@@ -156,9 +156,10 @@ class CausalLMModule(L.LightningModule):
         if self.model is not None:
             return
         trainer = attached_trainer(self)
-        layout = self._layout()
-        if layout is not None and layout.initializes_llama_models:
-            with layout.tensor_init_context(empty_init=True):
+        strategy = trainer.strategy if trainer is not None else None
+        # the one member a strategy needs to opt in (any strategy may declare it, not only a full LayoutStrategy)
+        if getattr(strategy, "initializes_llama_models", False):
+            with strategy.tensor_init_context(empty_init=True):
                 self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
             return
         self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
