@@ -1,8 +1,8 @@
 """The order of parallelization of a model of any registered family (:mod:`lightning_4d.families`), one short step
 per line (torchtitan's ``parallelize_llama`` shape): pipeline split, tensor + sequence parallel plans,
-context-parallel attention, activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2). Materialization and the layout-independent
-initialization follow in the strategy's ``setup``; ZeRO 0/1 act on gradients and the optimizer, not on the model
-(:mod:`lightning_4d.parallel.zero`).
+context-parallel attention, activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2). Materialization
+(the family's; for our Llama the layout-independent initialization) follows in :func:`prepare_models`; ZeRO 0/1 act on
+gradients and the optimizer, not on the model (:mod:`lightning_4d.parallel.zero`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.families.registry import find_models
 from lightning_4d.families.base import ModelFamily, find_submodel
+from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
