@@ -163,7 +163,8 @@ def test_cli_validate_with_hf_model_config_and_init_from(tmp_path):
     cmd = [sys.executable, "-m", "lightning_4d", "validate", "--config", "configs/tiny.yaml",
            f"--model.model_config={tmp_path / 'hf'}", f"--model.init_from={tmp_path / 'hf'}", "--trainer.devices=1",
            "--trainer.strategy=auto", "--trainer.limit_val_batches=1", "--trainer.logger=false",
-           "--trainer.callbacks=null", *data]
+           # without a logger LightningCLI saves config.yaml in default_root_dir (the cwd by default): keep it here
+           f"--trainer.default_root_dir={tmp_path}", "--trainer.callbacks=null", *data]
     proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     printed = float(re.search(r"val_loss\D+([0-9.]+)", proc.stdout).group(1))
