@@ -82,8 +82,12 @@ def test_resume_with_ckpt_path(fitted):
                 "--trainer.max_steps=9", cwd=out)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     versions = sorted((out / "logs" / "run").glob("version_*/metrics.csv"))
-    steps = [int(r["step"]) for r in _metrics(versions[-1]) if r.get("train_loss")]
-    assert steps == [6, 7, 8]  # continues after step 6 (0-based steps 6..8), not from scratch
+    rows = [r for r in _metrics(versions[-1]) if r.get("train_loss")]
+    assert [int(r["step"]) for r in rows] == [6, 7, 8]  # continues after step 6 (0-based steps 6..8), not from scratch
+    # the 6-step LR schedule the run was started with continues (ended: its final LR), not one over 9 steps
+    from lightning_4d.tasks import lr_lambda
+
+    assert [float(r["lr"]) for r in rows] == pytest.approx([1e-3 * lr_lambda(k, 2, 6, 0.1) for k in (6, 7, 8)])
 
 
 def test_command_line_overrides(tmp_path):
