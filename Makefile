@@ -8,7 +8,7 @@ EXTRAS ?= dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lightning_4d-installed
 
-.PHONY: run test install clean
+.PHONY: run test install clean docs-figures
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -s tests
+
+# regenerate every figure the docs quote between <!-- figure: ... --> markers (benchmarks/docs_figures.py;
+# tests/test_docs.py fails when one is stale, or when a command the docs show exits otherwise than they say)
+docs-figures: $(STAMP)
+	$(BIN)/python benchmarks/docs_figures.py
 
 clean:
 	rm -rf $(VENV) checkpoints lightning_logs

@@ -82,8 +82,12 @@ def test_resume_with_ckpt_path(fitted):
                 "--trainer.max_steps=9", cwd=out)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     versions = sorted((out / "logs" / "run").glob("version_*/metrics.csv"))
-    steps = [int(r["step"]) for r in _metrics(versions[-1]) if r.get("train_loss")]
-    assert steps == [6, 7, 8]  # continues after step 6 (0-based steps 6..8), not from scratch
+    rows = [r for r in _metrics(versions[-1]) if r.get("train_loss")]
+    assert [int(r["step"]) for r in rows] == [6, 7, 8]  # continues after step 6 (0-based steps 6..8), not from scratch
+    # the 6-step LR schedule the run was started with continues (ended: its final LR), not one over 9 steps
+    from lightning_4d.tasks import lr_lambda
+
+    assert [float(r["lr"]) for r in rows] == pytest.approx([1e-3 * lr_lambda(k, 2, 6, 0.1) for k in (6, 7, 8)])
 
 
 def test_command_line_overrides(tmp_path):
@@ -158,6 +162,42 @@ def test_estimate_proposes_the_planners_layer_split(capsys):
     assert proposed.pop("pipeline_layer_split_proposed") and not explicit.pop("pipeline_layer_split_proposed")
     assert proposed["layout"]["pipeline_layer_split"] == split
     assert proposed == explicit and proposed["fits"]
+
+
+def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
+    """`estimate` on a layout over budget (Llama 3 8B, dp8 ZeRO 0 on H100s) exits 1 and names, as the memory check
+    does (suggest_layouts + suggestion_line), the layouts of the same 8 GPUs that fit; each one, estimated again with
+    `estimate`, fits with the figure printed. A layout that fits names none."""
+    from lightning_4d.cli import main
+    from lightning_4d.memory.planner import suggest_layouts, suggestion_line
+    from lightning_4d.models import LlamaConfig
+
+    base = ["estimate", "--model", "llama3-8b", "--num-gpus", "8", "--micro-batch-size", "1", "--seq-length", "8192"]
+    assert main(base + ["--zero-stage", "0"]) == 1
+    text = capsys.readouterr().out
+    assert "does NOT fit" in text and "Layouts of the same 8 GPUs that fit (fastest predicted first):" in text
+    printed = [line.strip() for line in text.splitlines() if line.strip().startswith("FourDStrategy(")]
+    expected = suggest_layouts(LlamaConfig.from_preset("llama3-8b"), 8, 1, 8192, "bf16-mixed", 80 * 2**30, 0.8,
+                               gpu_name="H100-80GB")
+    assert expected and [p.split(":")[0] for p in printed] == [suggestion_line(pc, 1) for pc, _ in expected]
+    assert main(base + ["--zero-stage", "0", "--json"]) == 1
+    suggestions = json.loads(capsys.readouterr().out)["suggestions"]
+    assert [s["line"] for s in suggestions] == [suggestion_line(pc, 1) for pc, _ in expected]
+    for s in suggestions:
+        lay = s["layout"]
+        again = ["estimate", "--model", "llama3-8b", "--micro-batch-size", "1", "--seq-length", "8192", "--json",
+                 "--tp", str(lay["tp"]), "--pp", str(lay["pp"]), "--cp", str(lay["cp"]), "--dp", str(lay["dp"]),
+                 "--zero-stage", str(lay["zero_stage"]), "--activation-checkpointing", lay["activation_checkpointing"],
+                 "--cp-method", lay["context_parallel_method"]]
+        if lay["pp"] > 1:
+            again += ["--pipeline-schedule", lay["pipeline_schedule"], "--num-microbatches",
+                      str(lay["num_microbatches"]), "--virtual-pipeline-stages", str(lay["virtual_pipeline_stages"])]
+        if lay["tp"] > 1:
+            again += ["--sequence-parallel", str(lay["sequence_parallel"]).lower()]
+        assert main(again) == 0, s["line"]
+        assert json.loads(capsys.readouterr().out)["total"] == s["total"]
+    assert main(base + ["--zero-stage", "3"]) == 0  # fits: nothing suggested
+    assert "Layouts of the same" not in capsys.readouterr().out
 
 
 def test_prepare_data_subcommand(tmp_path):

@@ -23,7 +23,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_4d.memory.hardware import GIB, parse_bytes
+from lightning_4d.memory.hardware import parse_bytes
+from lightning_4d.memory.planner import fitting_layout_lines, format_size as _size, suggestion_line
 
 log = logging.getLogger(__name__)
 
@@ -32,33 +33,6 @@ __all__ = ["MemoryBudgetExceeded", "MemoryEstimatorCallback", "suggestion_line"]
 _DISABLE = "MemoryEstimatorCallback(enabled=False) or FourDStrategy(memory_check=False)"
 _BATCH_CONVENTIONS = ("a dict with 'input_ids' [batch, seq], a tuple/list whose first tensor is [batch, seq], or a "
                       "[batch, seq] tensor")
-
-
-def _size(n: float) -> str:
-    """``n`` bytes as GiB (2^30), or MiB (2^20) below 1 GiB."""
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
-
-
-def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
-    """A ``FourDStrategy(...)`` call with every dimension of ``parallel_config`` (data, tensor, pipeline and context
-    parallel sizes, ZeRO stage, activation checkpointing; sequence parallelism when off under tp; the context-parallel
-    method under cp; with pp > 1 the pipeline schedule, its stages per rank, the layer split when uneven and the
-    micro-batch count), followed by a comment naming the micro-batch size it assumes: a line that can be pasted as
-    it is."""
-    pc = parallel_config
-    args = [f"data_parallel_size={pc.dp}", f"tensor_parallel_size={pc.tp}", f"pipeline_parallel_size={pc.pp}",
-            f"context_parallel_size={pc.cp}", f"zero_stage={pc.zero_stage}",
-            f"activation_checkpointing={pc.activation_checkpointing!r}"]
-    if pc.tp > 1 and not pc.sp:
-        args.append("sequence_parallel=False")
-    if pc.cp > 1:
-        args.append(f"context_parallel_method={pc.context_parallel_method!r}")
-    if pc.pp > 1:
-        args += [f"pipeline_schedule={pc.pipeline_schedule!r}", f"virtual_pipeline_stages={pc.v}"]
-        if pc.pipeline_layer_split is not None:
-            args.append(f"pipeline_layer_split={list(pc.pipeline_layer_split)}")
-        args.append(f"num_microbatches={pc.microbatches}")
-    return f"FourDStrategy({', '.join(args)})  # with micro_batch_size={micro_batch_size}"
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -454,12 +428,7 @@ class MemoryEstimatorCallback(L.Callback):
     def _suggestion_lines(suggestions: list, world_size: int, b: int) -> list[str]:
         """The end of the over-budget message: the layouts that fit (or what to do when none does), and how to turn
         the check off."""
-        if suggestions:
-            lines = [f"Layouts of the same {world_size} GPUs that fit (fastest predicted first):"]
-            lines += [f"  {suggestion_line(pc, b)}: {_size(e.total)}" for pc, e in suggestions]
-        else:
-            lines = ["No layout of this world size fits with this micro-batch size and sequence length: use more "
-                     "GPUs, a smaller micro_batch_size or a shorter seq_length (try `lightning-4d plan`)."]
+        lines = fitting_layout_lines([(suggestion_line(pc, b), e.total) for pc, e in suggestions], world_size)
         lines.append("Disable this check with FourDStrategy(memory_check=False) or MemoryEstimatorCallback(enabled="
                      "False).")
         return lines

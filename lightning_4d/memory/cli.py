@@ -248,7 +248,28 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
                            pipeline_layer_split=pc.pipeline_layer_split, micro_batch_size=args.micro_batch_size,
                            seq_length=args.seq_length, precision=args.precision),
                pipeline_layer_split_proposed=proposed is not None, num_layers=cfg.num_layers)
+    if not out["fits"] and args.formula == "lightning_4d":
+        out["suggestions"] = _suggestions(cfg, pc, args, gpu)
     return out
+
+
+def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
+    """The nearest layouts of the same world size that fit (``suggest_layouts``, as ``MemoryEstimatorCallback``
+    names them when it refuses a layout): ``{"line": the FourDStrategy(...) call, "total", "total_gib",
+    "layout"}`` each, fastest predicted first."""
+    from lightning_4d.memory.planner import suggest_layouts, suggestion_line
+
+    try:
+        found = suggest_layouts(cfg, pc.world_size, args.micro_batch_size, args.seq_length, args.precision,
+                                gpu.memory, args.budget, gpu_name=gpu.name)
+    except ValueError:  # no suggestion is better than hiding the verdict (as the callback does)
+        return []
+    return [{"line": suggestion_line(s, args.micro_batch_size), "total": e.total, "total_gib": e.total / GIB,
+             "layout": dict(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero_stage=s.zero_stage, sequence_parallel=s.sp,
+                            activation_checkpointing=s.activation_checkpointing, pipeline_schedule=s.pipeline_schedule,
+                            virtual_pipeline_stages=s.v, num_microbatches=s.microbatches,
+                            pipeline_layer_split=s.pipeline_layer_split, context_parallel_method=s.context_parallel_method)}
+            for s, e in found]
 
 
 def _print_estimate(out: dict[str, Any]) -> None:
@@ -281,6 +302,12 @@ def _print_estimate(out: dict[str, Any]) -> None:
     verdict = "fits" if out["fits"] else "does NOT fit"
     console.print(f"{out['total_gib']:.2f} GiB = {100 * out['fraction']:.1f}% of {out['gpu']} "
                   f"({out['gpu_memory'] / GIB:.1f} GiB): {verdict} within the {100 * out['budget']:.0f}% budget.")
+    if "suggestions" in out:
+        from lightning_4d.memory.planner import fitting_layout_lines
+
+        world_size = lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"]
+        for line in fitting_layout_lines([(s["line"], s["total"]) for s in out["suggestions"]], world_size):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:

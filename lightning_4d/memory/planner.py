@@ -49,7 +49,8 @@ from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_of
 
-__all__ = ["Candidate", "enumerate_layouts", "plan", "propose_layer_split", "suggest_layouts"]
+__all__ = ["Candidate", "enumerate_layouts", "fitting_layout_lines", "format_size", "plan", "propose_layer_split",
+           "suggest_layouts", "suggestion_line"]
 
 #: how much each activation checkpointing mode recomputes, for ranking layouts of equal predicted step time
 _RECOMPUTATION = {"none": 0, "selective": 1, "full": 2}
@@ -396,6 +397,44 @@ def _dominated(c: Candidate, others: list[Candidate]) -> bool:
                 or (_RECOMPUTATION[o.activation_checkpointing] == rank and o.zero_stage < c.zero_stage)):
             return True
     return False
+
+
+def format_size(n: float) -> str:
+    """``n`` bytes as GiB (2^30), or MiB (2^20) below 1 GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
+
+
+def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
+    """A ``FourDStrategy(...)`` call with every dimension of ``parallel_config`` (data, tensor, pipeline and context
+    parallel sizes, ZeRO stage, activation checkpointing; sequence parallelism when off under tp; the context-parallel
+    method under cp; with pp > 1 the pipeline schedule, its stages per rank, the layer split when uneven and the
+    micro-batch count), followed by a comment naming the micro-batch size it assumes: a line that can be pasted as
+    it is."""
+    pc = parallel_config
+    args = [f"data_parallel_size={pc.dp}", f"tensor_parallel_size={pc.tp}", f"pipeline_parallel_size={pc.pp}",
+            f"context_parallel_size={pc.cp}", f"zero_stage={pc.zero_stage}",
+            f"activation_checkpointing={pc.activation_checkpointing!r}"]
+    if pc.tp > 1 and not pc.sp:
+        args.append("sequence_parallel=False")
+    if pc.cp > 1:
+        args.append(f"context_parallel_method={pc.context_parallel_method!r}")
+    if pc.pp > 1:
+        args += [f"pipeline_schedule={pc.pipeline_schedule!r}", f"virtual_pipeline_stages={pc.v}"]
+        if pc.pipeline_layer_split is not None:
+            args.append(f"pipeline_layer_split={list(pc.pipeline_layer_split)}")
+        args.append(f"num_microbatches={pc.microbatches}")
+    return f"FourDStrategy({', '.join(args)})  # with micro_batch_size={micro_batch_size}"
+
+
+def fitting_layout_lines(layouts: list[tuple[str, float]], world_size: int) -> list[str]:
+    """The lines that name the layouts that fit, given as ``(suggestion_line, estimated peak in bytes)`` of
+    :func:`suggest_layouts`' pairs, or what to do when none does: the end of ``MemoryBudgetExceeded``'s message and
+    of ``lightning-4d estimate`` on a layout that does not fit."""
+    if not layouts:
+        return ["No layout of this world size fits with this micro-batch size and sequence length: use more GPUs, a "
+                "smaller micro_batch_size or a shorter seq_length (try `lightning-4d plan`)."]
+    return ([f"Layouts of the same {world_size} GPUs that fit (fastest predicted first):"]
+            + [f"  {line}: {format_size(total)}" for line, total in layouts])
 
 
 def suggest_layouts(model_config: Any, world_size: int, micro_batch_size: int, seq_length: int, precision: str,

@@ -73,6 +73,26 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class WarmupCosine:
+    """The learning-rate multiplier of :class:`CausalLMModule` (:func:`lr_lambda` with its three settings), as an
+    object rather than a closure: ``LambdaLR`` saves a callable object's ``__dict__`` with the scheduler's state, so
+    a checkpoint records the schedule (``warmup_steps``, ``total_steps``, ``min_lr_ratio``) and a resume continues the
+    schedule the run was started with, whatever the resuming Trainer's ``max_steps`` (a function would be saved as
+    ``None`` and the schedule rebuilt from the new ``max_steps``: the LR would jump at the resume)."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        return lr_lambda(step, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+
+    def __repr__(self) -> str:
+        return (f"WarmupCosine(warmup_steps={self.warmup_steps}, total_steps={self.total_steps}, "
+                f"min_lr_ratio={self.min_lr_ratio})")
+
+
 class CausalLMModule(L.LightningModule):
     """Next-token prediction with AdamW and warm-up + cosine learning rate.
 
@@ -83,7 +103,12 @@ class CausalLMModule(L.LightningModule):
         min_lr_ratio: final learning rate as a fraction of the peak.
         warmup_steps: optimizer steps of linear warm-up.
         max_steps: length of the cosine schedule in optimizer steps (default: the Trainer's ``max_steps``, else its
-            estimated stepping batches).
+            estimated stepping batches). The schedule is saved in checkpoints (:class:`WarmupCosine`): resuming with
+            ``ckpt_path`` continues the schedule the run was started with (warm-up, length, final ratio), also
+            when the resuming Trainer's ``max_steps`` is larger (the steps past the schedule's end run at
+            ``min_lr_ratio``), unless ``max_steps`` is given here: then the resumed run follows the new schedule
+            (``warmup_steps``, ``max_steps``, ``min_lr_ratio`` of this module) from the resumed step on
+            (``--model.max_steps=600``; ``docs/checkpoints.md``).
         weight_decay: AdamW decoupled weight decay, applied to matrices only (embeddings and linear weights; not to
             norm weights).
         betas, eps: AdamW hyper-parameters.
@@ -281,11 +306,32 @@ class CausalLMModule(L.LightningModule):
             max_steps = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None
         if max_steps is None:
             max_steps = int(self.trainer.estimated_stepping_batches)
-        warmup, ratio = hp.warmup_steps, hp.min_lr_ratio
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_lambda(step, max(1, warmup) if warmup else 0, max_steps, ratio)
-        )
+        warmup = max(1, hp.warmup_steps) if hp.warmup_steps else 0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, max_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resuming: with ``max_steps`` given to this module, drop the saved schedule settings so that the scheduler
+        keeps this module's (a new schedule, asked for); without, the scheduler restores the saved ones (the
+        schedule the run was started with). Lightning restores the schedulers after this hook, from this dict."""
+        if self.hparams.get("max_steps") is None:
+            return
+        for state in checkpoint.get("lr_schedulers") or []:
+            if isinstance(state, dict) and "lr_lambdas" in state:
+                state["lr_lambdas"] = [None] * len(state["lr_lambdas"])
+
+    def on_train_start(self) -> None:
+        """Set each optimizer's LR to its scheduler's value at the current step: a no-op on a fresh run or when the
+        saved schedule continues; on a resume with a new schedule (``max_steps`` given) the resumed step's LR is
+        the new schedule's, not the one the saving run's scheduler had set."""
+        trainer = attached_trainer(self)
+        for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+            sched = config.scheduler
+            if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and all(
+                    isinstance(fn, WarmupCosine) for fn in sched.lr_lambdas):
+                for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                    group["lr"] = base * fn(sched.last_epoch)
+                sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
