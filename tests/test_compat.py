@@ -319,3 +319,15 @@ def test_dcp_storage_info_fields(tmp_path):
     assert all(hasattr(info, f) for f in DCP_STORAGE_INFO_FIELDS)
     extents = dcp_file_extents(storage)
     assert extents and all((tmp_path / name).stat().st_size >= end for name, end in extents.items())
+
+
+def test_scheduler_last_lr_is_what_set_scheduler_lrs_sets():
+    """``LRScheduler._last_lr`` (private) still backs ``get_last_lr()``: ``set_scheduler_lrs`` writes both."""
+    import torch
+
+    from lightning_4d.parallel._compat import set_scheduler_lrs
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    set_scheduler_lrs(sched, [0.25])
+    assert sched.get_last_lr() == [0.25] and opt.param_groups[0]["lr"] == 0.25

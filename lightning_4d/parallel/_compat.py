@@ -303,3 +303,12 @@ def set_attention_implementation(model: Any, name: str) -> None:
         model.set_attn_implementation(name)
     else:
         model.config._attn_implementation = name
+
+
+def set_scheduler_lrs(scheduler: Any, lrs: list[float]) -> None:
+    """Set the learning rates of ``scheduler``'s optimizer's param groups to ``lrs`` and its ``get_last_lr()`` to
+    match, between steps: torch's ``LRScheduler`` keeps the last rates in the private ``_last_lr`` (no public
+    setter)."""
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)

@@ -16,7 +16,7 @@ from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
-from lightning_4d.parallel._compat import attached_trainer
+from lightning_4d.parallel._compat import attached_trainer, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
 
 
@@ -329,9 +329,8 @@ class CausalLMModule(L.LightningModule):
             sched = config.scheduler
             if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and all(
                     isinstance(fn, WarmupCosine) for fn in sched.lr_lambdas):
-                for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-                    group["lr"] = base * fn(sched.last_epoch)
-                sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
+                set_scheduler_lrs(sched, [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs,
+                                                                                           sched.lr_lambdas)])
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
