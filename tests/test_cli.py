@@ -200,6 +200,64 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
     assert "Layouts of the same" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("extra", [[], ["--pp", "2", "--tp", "2"]], ids=["first-pick", "pp2-tp2"])
+def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
+    """`plan --emit-config FILE.yaml` writes the first row as a LightningCLI config: it parses with yaml, the
+    strategy builds from its init_args (no process group needed) with the row's sizes, devices x num_nodes is the
+    job's GPUs, data's batch sizes are the row's, and `lightning-4d fit --config FILE.yaml --print_config` accepts
+    it as it is. No layout that fits, or a folder that does not exist: exit 2, one line naming the value."""
+    import yaml
+
+    from lightning_4d import FourDStrategy
+    from lightning_4d.cli import main
+
+    base = ["plan", "--model", "tiny", "--num-gpus", "16", "--gpus-per-node", "8", "--seq-length", "256",
+            "--global-batch-size", "64", *extra]
+    assert main(base + ["--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["layouts"][0]
+    path = tmp_path / "plan.yaml"
+    assert main(base + ["--emit-config", str(path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if str(path) in line]
+    assert len(lines) == 1 and "wrote" in lines[0], lines
+
+    config = yaml.safe_load(path.read_text())
+    trainer, data = config["trainer"], config["data"]
+    assert trainer["strategy"]["class_path"] == "lightning_4d.FourDStrategy"
+    init_args = trainer["strategy"]["init_args"]
+    pc = FourDStrategy(**init_args).parallel_config
+    assert (pc.tp, pc.pp, pc.cp, pc.dp) == (row["tp"], row["pp"], row["cp"], row["dp"])
+    assert pc.zero_stage == row["zero_stage"] and pc.activation_checkpointing == row["activation_checkpointing"]
+    assert pc.sp == row["sequence_parallel"] and pc.context_parallel_method == row["context_parallel_method"]
+    assert trainer["devices"] * trainer["num_nodes"] == 16 and trainer["devices"] == 8
+    assert data == {"seq_length": 256, "micro_batch_size": row["micro_batch_size"], "global_batch_size": 64}
+    assert config["model"] == {"model_config": "tiny"}
+    if row["pp"] > 1:
+        assert pc.microbatches == row["num_microbatches"] and trainer["accumulate_grad_batches"] == 1
+        assert pc.pipeline_schedule == row["pipeline_schedule"] and pc.v == row["virtual_pipeline_stages"]
+        assert pc.pipeline_layer_split == row["pipeline_layer_split"]
+    else:
+        assert trainer["accumulate_grad_batches"] == row["num_microbatches"]
+    assert row["micro_batch_size"] * row["dp"] * row["num_microbatches"] == 64
+
+    monkeypatch.setattr(sys, "argv", ["lightning-4d"])  # LightningCLI warns when given args beside pytest's argv
+    with pytest.raises(SystemExit) as exit_info:  # LightningCLI exits 0 after printing the config
+        main(["fit", "--config", str(path), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["strategy"]["init_args"] | init_args == printed["trainer"]["strategy"]["init_args"]
+    assert printed["data"]["micro_batch_size"] == row["micro_batch_size"]
+
+    missing = tmp_path / "no-such-folder" / "plan.yaml"
+    assert main(base + ["--emit-config", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-folder" in err[0] and not missing.exists()
+    too_big = ["plan", "--model", "llama3-70b", "--num-gpus", "1", "--seq-length", "8192", "--global-batch-size", "8"]
+    assert main(too_big + ["--emit-config", str(tmp_path / "none.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no layout fits" in err[0] and "none.yaml" in err[0]
+    assert not (tmp_path / "none.yaml").exists()
+
+
 def test_prepare_data_subcommand(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     (tmp_path / "b.txt").write_text("def f(x):\n    return x\n" * 50)

@@ -189,6 +189,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
                        help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
                             "paper, 419 interruptions in 54 days on 16,384 GPUs)")
         p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory (needs matplotlib)")
+        p.add_argument("--emit-config", metavar="FILE.yaml",
+                       help="write the first pick as a config for `lightning-4d fit --config FILE.yaml` "
+                            "(trainer.strategy, devices, num_nodes, data batch sizes; docs/memory.md)")
     return p
 
 
@@ -351,6 +354,79 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def plan_config(out: dict[str, Any]) -> dict[str, Any]:
+    """The first layout of a ``plan`` result (``out``, as ``--json`` prints it) as a LightningCLI config for
+    ``lightning-4d fit`` (docs/memory.md, "From a row to a config"): ``trainer`` (devices x num_nodes = the job's GPUs,
+    precision, ``accumulate_grad_batches`` = m with pp = 1, else 1, and ``strategy``: ``lightning_4d.FourDStrategy``
+    with every dimension of the layout), ``model.model_config`` when ``--model`` named a preset, and ``data``'s
+    ``seq_length``, ``micro_batch_size`` and ``global_batch_size`` (= b·dp·m).
+
+    Raises:
+        ValueError: ``out`` has no layout (none fits).
+    """
+    if not out["layouts"]:
+        raise ValueError("no layout fits, so there is no first pick to write")
+    c = out["layouts"][0]
+    pipe = c["pp"] > 1
+    init_args: dict[str, Any] = {
+        "data_parallel_size": c["dp"], "tensor_parallel_size": c["tp"], "pipeline_parallel_size": c["pp"],
+        "context_parallel_size": c["cp"], "zero_stage": c["zero_stage"],
+        "sequence_parallel": bool(c["sequence_parallel"]) if c["tp"] > 1 else False,
+        "activation_checkpointing": c["activation_checkpointing"],
+        "pipeline_schedule": c["pipeline_schedule"] if pipe else "1f1b",
+        "virtual_pipeline_stages": c["virtual_pipeline_stages"] if pipe else 1,
+    }
+    if pipe:
+        init_args["num_microbatches"] = c["num_microbatches"]
+        if c["pipeline_layer_split"]:
+            init_args["pipeline_layer_split"] = list(c["pipeline_layer_split"])
+    init_args["context_parallel_method"] = c["context_parallel_method"]
+    num_gpus, per_node = out["num_gpus"], out["gpus_per_node"]
+    trainer = {"accelerator": "gpu", "devices": min(num_gpus, per_node), "num_nodes": max(1, num_gpus // per_node),
+               "precision": out["precision"], "accumulate_grad_batches": 1 if pipe else c["num_microbatches"],
+               "strategy": {"class_path": "lightning_4d.FourDStrategy", "init_args": init_args}}
+    config: dict[str, Any] = {"trainer": trainer}
+    if not str(out["model"]).endswith((".yaml", ".yml")) and not Path(out["model"]).is_file():
+        config["model"] = {"model_config": out["model"]}
+    config["data"] = {"seq_length": out["seq_length"], "micro_batch_size": c["micro_batch_size"],
+                      "global_batch_size": c["micro_batch_size"] * c["dp"] * c["num_microbatches"]}
+    return config
+
+
+def fit_command(out: dict[str, Any], path: str) -> str:
+    """The ``lightning-4d fit`` command that runs the config ``path`` written for ``out``: with a ``--model`` YAML
+    file, that file first (for its model and the rest of its job), then ``path``."""
+    if "model" in plan_config(out):
+        return f"lightning-4d fit --config {path}"
+    return f"lightning-4d fit --config {out['model']} --config {path}"
+
+
+def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
+    """Write :func:`plan_config` of ``out`` to ``path`` as YAML under a comment naming the plan ``command``, the
+    layout's prediction and how to run it; returns ``path``."""
+    import yaml
+
+    config = plan_config(out)
+    c = out["layouts"][0]
+    run = fit_command(out, path)
+    header = [
+        f"# The first pick of: {command}",
+        f"# tp={c['tp']} pp={c['pp']} cp={c['cp']} dp={c['dp']} b={c['micro_batch_size']} m={c['num_microbatches']} "
+        f"ZeRO {c['zero_stage']} checkpointing={c['activation_checkpointing']}: {c['memory_gib']:.1f} GiB per GPU "
+        f"({100 * c['fraction']:.0f}% of {out['gpu']}), predicted step {c['step_time']:.4g} s (not measured).",
+        f"#   {run} --data.data_path /data/corpus.bin --data.tokenizer path/to/tokenizer.json",
+        "# (rows to arguments: docs/memory.md, \"From a row to a config\")",
+    ]
+    class _Dumper(yaml.SafeDumper):  # lists (the layer split) on one line: [7, 8, 8, 7]
+        pass
+
+    _Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+    text = "\n".join(header) + "\n" + yaml.dump(config, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                                                width=1 << 30)
+    Path(path).write_text(text)
+    return path
+
+
 def _print_plan(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -396,8 +472,18 @@ def _print_plan(out: dict[str, Any]) -> None:
 def main(command: str, argv: list[str]) -> int:
     """Run ``estimate`` or ``plan`` with ``argv``; returns the exit code (0 fits, 1 does not fit, 2 bad input)."""
     args = _parser(command).parse_args(argv)
+    emit = getattr(args, "emit_config", None)
     try:
+        if emit is not None:
+            folder = Path(emit).parent
+            if not folder.is_dir():
+                raise ValueError(f"--emit-config {emit!r}: the folder {str(folder)!r} does not exist.")
         out = _estimate(args) if command == "estimate" else _plan(args)
+        if emit is not None:
+            if not out["layouts"]:
+                raise ValueError(f"--emit-config {emit!r}: no layout fits, so there is no first pick to write (use "
+                                 "more GPUs, a shorter sequence, or a larger GPU).")
+            out["emit_config"] = write_plan_config(out, emit, " ".join(["lightning-4d", command, *argv]))
     except ValueError as err:
         print(f"lightning-4d {command}: error: {err}", file=sys.stderr)
         return 2
@@ -411,4 +497,6 @@ def main(command: str, argv: list[str]) -> int:
         print(json.dumps(out))
     else:
         _print_plan(out)
+        if emit is not None:
+            print(f"config: wrote the first pick to {emit} ({fit_command(out, emit)})")
     return 0 if out["layouts"] else 1

@@ -1,0 +1,82 @@
+"""No declared dependency or extra that nothing uses (issue 26): every package of pyproject.toml's
+``dependencies`` and of each ``optional-dependencies`` extra is imported somewhere in lightning_4d/, benchmarks/,
+examples/ or tests/, or used in a way named below (a pytest plugin configured in pyproject, a library that a
+Lightning API we import needs)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+
+from tests._launch import ROOT
+
+#: where a declared package may be imported
+SOURCE_DIRS = ("lightning_4d", "benchmarks", "examples", "tests")
+#: distribution name (normalized) -> the module it installs, where they differ
+IMPORT_NAMES = {"pyyaml": "yaml", "flash-attn": "flash_attn", "pytest-timeout": "pytest_timeout",
+                "scikit-learn": "sklearn", "pillow": "PIL"}
+
+
+def _pyproject() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _normalize(requirement: str) -> str:
+    """The distribution name of a requirement string (``"jsonargparse[signatures]>=4.30"`` -> ``jsonargparse``),
+    normalized as PEP 503 does."""
+    name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement).group(1)
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _sources() -> str:
+    here = ROOT / "tests" / "test_dependencies.py"
+    texts = [p.read_text(encoding="utf-8") for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*.py"))
+             if p != here]
+    return "\n".join(texts)
+
+
+def _imported(module: str, sources: str) -> bool:
+    pattern = (rf"^\s*(?:import|from)\s+{re.escape(module)}(?:\.|\s|,|$)"
+               rf"|import_module\(\s*[\"']{re.escape(module)}(?:\.|[\"'])")
+    return re.search(pattern, sources, flags=re.MULTILINE) is not None
+
+
+def _used_indirectly(name: str, pyproject: dict) -> bool:
+    """Packages that serve without an import statement of their own, each with the check that it still does."""
+    if name == "pytest-timeout":  # a pytest plugin: pyproject's [tool.pytest.ini_options] sets its `timeout`
+        return "timeout" in pyproject.get("tool", {}).get("pytest", {}).get("ini_options", {})
+    if name == "jsonargparse":  # LightningCLI (lightning.pytorch.cli) needs it; lightning does not install it
+        return _imported("lightning.pytorch.cli", _sources())
+    return False
+
+
+def _declared() -> list[tuple[str, str]]:
+    """(where, distribution name) of every declared package: ``dependencies`` and each extra."""
+    project = _pyproject()["project"]
+    out = [("dependencies", _normalize(r)) for r in project.get("dependencies", [])]
+    for extra, requirements in project.get("optional-dependencies", {}).items():
+        out += [(f"extra-{extra}", _normalize(r)) for r in requirements]
+    return out
+
+
+def test_pyproject_is_valid_and_names_are_parsed():
+    names = [name for _, name in _declared()]
+    assert "torch" in names and "lightning" in names
+    assert _normalize("jsonargparse[signatures]>=4.30") == "jsonargparse"
+    assert _normalize("Flash_Attn>=2.7,<2.9") == "flash-attn"
+
+
+def test_every_extra_has_packages():
+    extras = _pyproject()["project"].get("optional-dependencies", {})
+    assert all(extras.values()), {k: v for k, v in extras.items() if not v}
+
+
+@pytest.mark.parametrize("where,name", _declared(), ids=lambda x: x)
+def test_declared_package_is_used(where, name):
+    module = IMPORT_NAMES.get(name, name.replace("-", "_"))
+    assert _imported(module, _sources()) or _used_indirectly(name, _pyproject()), (
+        f"{name} ({where} in pyproject.toml) is declared but nothing in {', '.join(SOURCE_DIRS)} imports "
+        f"{module!r}: remove it, or use it")
