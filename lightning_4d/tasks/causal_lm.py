@@ -18,6 +18,7 @@ from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.parallel._compat import attached_trainer, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
+from lightning_4d.tasks.metrics import TokenMeanLoss
 
 
 @runtime_checkable
@@ -121,8 +122,10 @@ class CausalLMModule(L.LightningModule):
             (:func:`lightning_4d.families.registry.load_initial_weights`). Ignored when Lightning resumes from
             ``ckpt_path``.
 
-    Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss``, ``lr``,
-    ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``.
+    Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss`` and ``val_ppl``
+    (torchmetrics, :class:`~lightning_4d.tasks.metrics.TokenMeanLoss`: the token-weighted mean loss over the whole
+    validation set and its ``exp``, summed over the data-parallel ranks at the end of the epoch, identical on every
+    rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``.
 
     Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``.
     """
@@ -157,6 +160,9 @@ class CausalLMModule(L.LightningModule):
                              "a checkpoint of ours")
         self.model: Optional[LlamaModel] = None
         self._batch_start = 0.0
+        # validation metrics (torchmetrics, synchronized over the dp x cp group: _validation_metrics)
+        self.val_loss_metric = TokenMeanLoss()
+        self.val_ppl_metric = TokenMeanLoss(perplexity=True)
 
     # ------------------------------------------------------------------ checks
     def validate_datamodule(self, datamodule: Any) -> None:
@@ -273,9 +279,23 @@ class CausalLMModule(L.LightningModule):
             loss = pipeline.eval_step(batch["input_ids"], batch["labels"])  # forward only through the stages
         else:
             loss = causal_lm_loss(self(batch["input_ids"]), batch["labels"])
-        # already the global mean (identical on every rank); sync_dist averages identical values at epoch end
-        self.log("val_loss", self._global_mean(loss), prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
+        # this rank's tokens (its shard of the sequence under cp): the loss is the mean over them (micro-batches of
+        # equal token counts under pp); the metrics sum loss x tokens and tokens over dp x cp at the end of the epoch
+        tokens = (batch["labels"] != -100).sum()
+        value = loss.detach()
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        for name, metric in (("val_loss", self.val_loss_metric), ("val_ppl", self.val_ppl_metric)):
+            metric.process_group = self._metric_group()
+            metric.update(value, tokens)
+            self.log(name, metric, prog_bar=name == "val_loss", on_step=False, on_epoch=True)
         return loss
+
+    def _metric_group(self) -> Optional[Any]:
+        """The group the validation metrics are summed over: ``dp_cp`` under a :class:`LayoutStrategy` (tp ranks
+        hold the same loss, and so does every pp rank), else ``None`` (the whole world: DDP, one device)."""
+        layout = self._layout()
+        return layout.dp_cp_group if layout is not None else None
 
     def predict_step(self, batch: Union[dict[str, Tensor], Tensor], batch_idx: int) -> Optional[Tensor]:
         """Logits ``[b, s, padded_vocab_size]`` (full vocabulary, also under tp; the full sequence, also under cp) of

@@ -3,7 +3,8 @@ Llama (same init seed, so the same weights on every layout) with the layout give
 logits (on the ranks that hold the last stage) to ``--out``.
 
 Usage: ``torchrun --nproc-per-node 2 tests/scripts/pp_eval.py --out DIR --pp 2`` (or ``--cp 2 --method ring``) or ``python ... --pp 1`` (plain
-Lightning, one process: the reference).
+Lightning, one process: the reference). ``--tp``, ``--dp`` set those sizes (default dp: the rest of the world);
+``--validate-only`` skips prediction and generation (``val_loss`` / ``val_ppl`` only, ``tests/test_val_metrics.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--method", default="ring")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=None)
+    parser.add_argument("--validate-only", action="store_true")
+    parser.add_argument("--val-samples", type=int, default=8)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -42,23 +47,31 @@ def main() -> None:
     m = 2
     cfg = LlamaConfig.from_preset("tiny-test", num_layers=4)
     module = CausalLMModule(cfg, init_seed=7)
-    if args.pp > 1 or args.cp > 1:
+    if world > 1:
+        dp = args.dp if args.dp is not None else world // (args.pp * args.cp * args.tp)
         strategy = FourDStrategy(pipeline_parallel_size=args.pp, context_parallel_size=args.cp,
-                                 context_parallel_method=args.method, data_parallel_size=world // (args.pp * args.cp),
+                                 context_parallel_method=args.method, data_parallel_size=dp,
+                                 tensor_parallel_size=args.tp,
                                  zero_stage=0, pipeline_schedule=args.schedule,
                                  num_microbatches=m if args.pp > 1 else None, process_group_backend="gloo",
                                  timeout=timedelta(seconds=120))
         micro = 2 if args.pp > 1 else 2 * m
     else:
         strategy, micro = "auto", 2 * m  # the same sequences per batch as the pipeline's m micro-batches
-    dm = LMDataModule(seq_length=32, micro_batch_size=micro, val_samples=8, seed=1234)
+    dm = LMDataModule(seq_length=32, micro_batch_size=micro, val_samples=args.val_samples, seed=1234)
     trainer = L.Trainer(accelerator="cpu", devices=world if strategy != "auto" else 1, strategy=strategy, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     (result,) = trainer.validate(module, dm)
+    rank = trainer.global_rank
+    if args.validate_only:
+        record = {"val_loss": result["val_loss"], "val_ppl": result["val_ppl"], "rank": rank}
+        (out / f"eval_rank{rank}.json").write_text(json.dumps(record))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return
     ids = torch.randint(0, cfg.vocab_size, (8, 32), generator=torch.Generator().manual_seed(3))
     loader = DataLoader([{"input_ids": ids[i]} for i in range(8)], batch_size=2 * m)
     predictions = trainer.predict(module, loader)
-    rank = trainer.global_rank
     record = {"val_loss": result["val_loss"], "rank": rank}
     if args.pp == 1:
         divisor = strategy.parallel_config.sequence_divisor if strategy != "auto" else 1
