@@ -8,7 +8,7 @@ EXTRAS ?= dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lightning_4d-installed
 
-.PHONY: run test install clean docs-figures
+.PHONY: run test lint install clean docs-figures
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -s tests
+
+# lint only (pyproject's [tool.ruff]: pycodestyle errors and warnings, pyflakes, import order; line length 120)
+lint: $(STAMP)
+	$(BIN)/ruff check lightning_4d tests benchmarks examples
 
 # regenerate every figure the docs quote between <!-- figure: ... --> markers (benchmarks/docs_figures.py;
 # tests/test_docs.py fails when one is stale, or when a command the docs show exits otherwise than they say)

@@ -8,7 +8,8 @@ job from the same seed (4 CPU processes, one run after another), measures the by
 dimension in one step of 50 (CommMeterCallback) and prints, next to "none": the data-parallel gradient bytes per
 step (ZeRO 1's reduce-scatter, bf16's, PowerSGD's all-reduces of P and Q) per compressed step and over the whole run
 (PowerSGD's start steps are uncompressed), their ratios, the all-gather of the updated parameters (ZeRO 1, not
-compressed), the final validation loss and its relative difference. Not a timed test: bytes are exact, losses are one run each.
+compressed), the final validation loss and its relative difference. Not a timed test: bytes are exact, losses are
+one run each.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def main() -> None:
     factors = args.powersgd_comm_dtype or "float32"
     print(f"main job (configs/tiny.yaml, dp=2 x tp=2, ZeRO 1, {args.steps} steps, seed {args.seed}): gradient "
           "compression side by side")
-    print("| gradient_compression | dp gradient bytes/step | vs none | over the run | vs none | dp parameter all-gather "
+    print("| gradient_compression | dp gradient bytes/step | vs none | over the run | vs none "
+          "| dp parameter all-gather "
           "| tp bytes/step | final val_loss | vs none |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, result in results.items():
@@ -115,7 +117,8 @@ def main() -> None:
         print(f"| {name} | {gradient_bytes(result):,.0f} | {ratio} | {run_bytes(result):,.0f} | {run_ratio} "
               f"| {mean(result, 'comm_bytes/dp_cp/all_gather'):,.0f} | {mean(result, 'comm_bytes/tp'):,.0f} "
               f"| {result['val_loss']:.4f} | {loss} |")
-    print("Bytes rank 0 sends, the mean of one step in 50 (CommMeter): per compressed step, and over the run (PowerSGD's "
+    print("Bytes rank 0 sends, the mean of one step in 50 (CommMeter): per compressed step, and over the run "
+          "(PowerSGD's "
           "start steps reduce exactly). ZeRO 1 all-gathers the updated float32 parameters whatever the gradients' "
           "compression.")
 

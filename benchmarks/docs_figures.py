@@ -252,7 +252,8 @@ def stale_figures(path: Path) -> list[str]:
             stale.append(f"{path.name}:{1 + text.count(chr(10), 0, m.start())}: block of `{m['cmd']}`")
     for m in _ROWS.finditer(text):
         if m["body"] != render_rows(m["spec"]):
-            stale.append(f"{path.name}:{1 + text.count(chr(10), 0, m.start())}: table of {m['spec'].count('lightning-4d')}"
+            stale.append(f"{path.name}:{1 + text.count(chr(10), 0, m.start())}: "
+                         f"table of {m['spec'].count('lightning-4d')}"
                          " commands")
     for m in _INLINE.finditer(text):
         new = render_inline(m["cmd"], m["fmt"])

@@ -40,9 +40,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_4d.partition import powersgd_compressible  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.parallel.compression import PowerSGD  # noqa: E402
+from lightning_4d.partition import powersgd_compressible  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 from lightning_4d.tasks.causal_lm import causal_lm_loss  # noqa: E402
 
@@ -144,7 +144,8 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
     base = results["none"]["val_loss"]
-    print(f"main job's model, data and optimizer (configs/tiny.yaml), one process, {args.steps} steps, compression from "
+    print(f"main job's model, data and optimizer (configs/tiny.yaml), one process, {args.steps} steps, "
+          "compression from "
           f"step {args.start_step}, error feedback")
     print("| gradients | mean residual | mean ‖E‖/‖G‖ | final val_loss | vs none |")
     print("|---|---:|---:|---:|---:|")

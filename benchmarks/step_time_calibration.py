@@ -35,7 +35,8 @@ def main() -> None:
                                 zero_stage=lay["zero_stage"], activation_checkpointing=lay["activation_checkpointing"])
             b = lay["micro_batch_size"]
             t = predict_step_time(cfg, pc, b, gb // (lay["dp"] * b), s, gpu, run["gpus_per_node"]).total
-            best = SimpleNamespace(tokens_per_sec=gb * s / t, mfu=cfg.flops_per_token(s) * gb * s / t / (n * gpu.peak_flops),
+            best = SimpleNamespace(tokens_per_sec=gb * s / t,
+                                   mfu=cfg.flops_per_token(s) * gb * s / t / (n * gpu.peak_flops),
                                    tp=pc.tp, pp=pc.pp, cp=pc.cp, dp=pc.dp, micro_batch_size=b, zero_stage=pc.zero_stage,
                                    activation_checkpointing=pc.activation_checkpointing)
         else:  # the planner's fastest variant of the published sizes that fits the default budget

@@ -36,9 +36,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_4d.models.llama import canonical_name
-from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME, rekey_optimizer_state_if_needed
-from lightning_4d.parallel._compat import dcp_file_extents
-from lightning_4d.parallel._compat import local_tensor as _local
+from lightning_4d.parallel._compat import (
+    LIGHTNING_METADATA_FILENAME,
+    dcp_file_extents,
+    local_tensor as _local,
+    rekey_optimizer_state_if_needed,
+)
 from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer as unwrap
 
 # optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
@@ -225,18 +228,22 @@ def check_complete(path: Path) -> dict[str, Any]:
         if not (path / name).is_file():
             raise ValueError(
                 f"checkpoint folder {str(path)!r} is incomplete: {name!r} is missing (a save that did not finish "
-                "writes into '<path>.tmp' and never replaces a complete folder; pass a folder ModelCheckpoint completed)"
+                "writes into '<path>.tmp' and never replaces a complete folder; "
+                "pass a folder ModelCheckpoint completed)"
             )
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:
-        raise ValueError(f"checkpoint folder {str(path)!r}: '.metadata' cannot be read ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"checkpoint folder {str(path)!r}: '.metadata' cannot be read ({type(e).__name__}: {e})"
+        ) from e
     for name, size in sorted(dcp_file_extents(metadata.storage_data).items()):
         file = path / name
         if not file.is_file():
             raise ValueError(f"checkpoint folder {str(path)!r} is incomplete: shard file {name!r} is missing")
         if file.stat().st_size < size:
-            raise ValueError(f"checkpoint folder {str(path)!r}: shard file {name!r} is truncated ({file.stat().st_size} "
+            raise ValueError(f"checkpoint folder {str(path)!r}: shard file {name!r} is truncated "
+                             f"({file.stat().st_size} "
                              f"bytes; .metadata records data up to byte {size}): restore it or use another checkpoint")
     return metadata.state_dict_metadata
 

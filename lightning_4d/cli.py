@@ -56,12 +56,11 @@ def usage() -> str:
 
 
 def _lightning_cli(args: Optional[list[str]]) -> None:
+    import torch.distributed as dist
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_4d.data import LMDataModule
     from lightning_4d.tasks import CausalLMModule
-
-    import torch.distributed as dist
 
     LightningCLI(
         CausalLMModule,

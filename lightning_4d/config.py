@@ -152,7 +152,8 @@ class ParallelConfig:
             )
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(
-                f"pipeline_schedule={self.pipeline_schedule!r} is not valid: expected one of {list(PIPELINE_SCHEDULES)}."
+                f"pipeline_schedule={self.pipeline_schedule!r} is not valid: "
+                f"expected one of {list(PIPELINE_SCHEDULES)}."
             )
         if self.context_parallel_method not in CONTEXT_PARALLEL_METHODS:
             raise ValueError(
@@ -350,7 +351,8 @@ class ParallelConfig:
                 )
             raise ValueError(
                 f"num_layers={num_layers} cannot be split into pp*v = {self.pp}*{self.v} = {n} equal pipeline stages; "
-                f"set pipeline_layer_split to {n} layer counts summing to {num_layers}, or use a pipeline_parallel_size "
+                f"set pipeline_layer_split to {n} layer counts summing to {num_layers}, "
+                "or use a pipeline_parallel_size "
                 f"with pp*{self.v} dividing {num_layers} (valid pp: {[d // self.v for d in valid]})."
             )
         return [num_layers // n] * n
@@ -408,7 +410,8 @@ class ParallelConfig:
             raise ValueError(
                 f"world size {world_size} != pp*dp*cp*tp = {self.pp}*{self.dp}*{self.cp}*{self.tp} = "
                 f"{self.pp * self.dp * self.cp * self.tp}. Set data_parallel_size='auto' or choose sizes whose "
-                f"product is {world_size} (e.g. data_parallel_size={world_size // other if world_size % other == 0 else 'auto'})."
+                f"product is {world_size} "
+                f"(e.g. data_parallel_size={world_size // other if world_size % other == 0 else 'auto'})."
             )
         return replace(self)
 
@@ -439,10 +442,12 @@ class ParallelConfig:
             needed = tp * model_config.pad_vocab_to_multiple_of
             padded = -(-model_config.vocab_size // needed) * needed
             raise ValueError(
-                f"vocab_size={model_config.vocab_size} (padded to {model_config.padded_vocab_size}) is not divisible by "
+                f"vocab_size={model_config.vocab_size} (padded to {model_config.padded_vocab_size}) "
+                "is not divisible by "
                 f"tensor_parallel_size={tp}: the embedding and the LM head are split by vocabulary. Set "
                 f"pad_vocab_to_multiple_of={needed} in the model config (pads the vocabulary to {padded}; the extra "
-                f"rows are never targets) or choose a tensor_parallel_size that divides {model_config.padded_vocab_size}."
+                "rows are never targets) or choose a tensor_parallel_size that divides "
+                f"{model_config.padded_vocab_size}."
             )
         if self.pp > 1:
             self.layer_split(model_config.num_layers)

@@ -30,18 +30,32 @@ from lightning_4d.config import (  # the Literal choices of the arguments below 
     POWERSGD_COMM_DTYPES,
     ParallelConfig,
 )
+from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.memory.callback import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh
-from lightning_4d.families.registry import load_initial_weights
-from lightning_4d.parallel._compat import (PATH, attached_trainer, materialize_distributed_module, optimizers_to_device,
-                                           set_module_device_mesh)
+from lightning_4d.parallel._compat import (
+    PATH,
+    attached_trainer,
+    materialize_distributed_module,
+    optimizers_to_device,
+    set_module_device_mesh,
+)
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
-from lightning_4d.parallel.parallelize import (cast_to_compute_dtype, prepare_models, validate_against_module,
-                                              validate_compile)
+from lightning_4d.parallel.parallelize import (
+    cast_to_compute_dtype,
+    prepare_models,
+    validate_against_module,
+    validate_compile,
+)
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
-from lightning_4d.parallel.zero import (GradientBuckets, mixed_precision_dtype, setup_zero, unwrap_optimizer,
-                                        validate_precision)
+from lightning_4d.parallel.zero import (
+    GradientBuckets,
+    mixed_precision_dtype,
+    setup_zero,
+    unwrap_optimizer,
+    validate_precision,
+)
 from lightning_4d.precision import four_d_precision
 
 
@@ -105,7 +119,8 @@ class FourDStrategy(ModelParallelStrategy):
             for a world size that is not pp·dp·cp·tp; at ``setup_environment`` (before the process group exists)
             for a model the layout cannot split (tp, pp or cp > 1 for a module that holds neither a ``lightning_4d``
             Llama nor a transformers ``LlamaForCausalLM`` and applies no plans of its own in ``configure_model``;
-            heads, kv heads or vocabulary not divisible by tp, layers not divisible into pp·v stages, a ``pipeline_layer_split`` that does not sum to the layers), a
+            heads, kv heads or vocabulary not divisible by tp, layers not divisible into pp·v stages, a
+            ``pipeline_layer_split`` that does not sum to the layers), a
             ``num_microbatches`` the schedule cannot run (m < pp for 1f1b, m not a multiple of pp for interleaved)
             or ``accumulate_grad_batches`` > 1 with pp > 1 (the schedule accumulates over its micro-batches).
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
@@ -187,7 +202,8 @@ class FourDStrategy(ModelParallelStrategy):
     # gather_sequence are what CausalLMModule asks of the strategy (lightning_4d.tasks.causal_lm.LayoutStrategy)
     @property
     def mesh(self) -> ParallelMesh:
-        """All process groups by name (``mesh.tp``, ``mesh.dp``, ``mesh.dp_cp``, ...); exists after setup_environment."""
+        """All process groups by name (``mesh.tp``, ``mesh.dp``, ``mesh.dp_cp``, ...); exists after
+        setup_environment."""
         if self._mesh is None:
             raise RuntimeError("The mesh exists only after the strategy's setup_environment().")
         return self._mesh
@@ -293,7 +309,8 @@ class FourDStrategy(ModelParallelStrategy):
             if self.pipeline is not None:  # evaluation runs of the schedule leave the buckets alone
                 self.pipeline.gradient_guard = self._buckets.suspended
         self.setup_precision_plugin()
-        # ShardedOptimizer steps and global-norm clipping: Lightning's plugin with our overrides (lightning_4d.precision)
+        # ShardedOptimizer steps and global-norm clipping: Lightning's plugin with our overrides
+        # (lightning_4d.precision)
         self.precision_plugin = four_d_precision(self.precision_plugin,
                                                  self.mesh.pp.get_group() if self.pipeline is not None else None)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -1,4 +1,5 @@
-"""Activation checkpointing (``lightning_4d.parallel.activation_checkpoint``) on the tiny Llama, one process, CPU, float32:
+"""Activation checkpointing (``lightning_4d.parallel.activation_checkpoint``) on the tiny Llama, one process, CPU,
+float32:
 every mode gives the loss and gradients of no checkpointing; the selective policy keeps the matmul, attention and
 tp-reduction outputs and nothing else, so its backward runs no matmul again (full runs the forward's again). The
 multi-process cases (tp=2, pp=2, cp=2, ZeRO 3) are in ``tests/test_parity.py``, ``tests/test_pipeline.py`` and

@@ -57,7 +57,8 @@ def test_zero0_all_reduces_every_bucket_once(measured):
 def test_zero1_reduce_scatters_and_all_gathers_every_bucket(measured):
     record = measured[1]
     (bucket,) = record["bytes"]["bucket_bytes"]
-    assert _events(record) == Counter({("dp_cp", "reduce_scatter", bucket, 2): 1, ("dp_cp", "all_gather", bucket, 2): 1})
+    assert _events(record) == Counter({("dp_cp", "reduce_scatter", bucket, 2): 1,
+                                       ("dp_cp", "all_gather", bucket, 2): 1})
 
 
 def _fsdp_units(record, dp: int) -> dict[str, int]:

@@ -153,7 +153,8 @@ def test_module_wrapper_prefixes():
 
 
 def test_canonical_parameter_names_strip_every_wrapper_prefix():
-    """``models/`` may not import ``parallel/``, so the model keeps its own copy of the prefixes: it must be this one."""
+    """``models/`` may not import ``parallel/``, so the model keeps its own copy of the prefixes: it must be this
+    one."""
     from lightning_4d.models import llama
 
     assert set(llama._WRAPPER_PREFIXES) == set(_compat.MODULE_WRAPPER_PREFIXES)

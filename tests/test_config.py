@@ -61,7 +61,8 @@ def test_selective_checkpointing_refuses_the_zero_bubble_schedules(schedule):
 
 def test_heads_not_divisible_by_tp():
     model = LlamaConfig(hidden_size=96, num_heads=6, num_kv_heads=6, intermediate_size=192)
-    with pytest.raises(ValueError, match=r"num_heads=6 is not divisible by tensor_parallel_size=4; valid .*\[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError,
+                       match=r"num_heads=6 is not divisible by tensor_parallel_size=4; valid .*\[1, 2, 3, 6\]"):
         ParallelConfig(tensor_parallel_size=4).resolve(4).validate_model(model)
 
 
@@ -73,7 +74,8 @@ def test_kv_heads_not_divisible_by_tp():
 
 def test_vocab_not_divisible_by_tp_says_how_to_pad():
     model = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
-    with pytest.raises(ValueError, match=r"vocab_size=32001 .* pad_vocab_to_multiple_of=2 in the model config \(pads the vocabulary to 32002"):
+    with pytest.raises(ValueError, match=r"vocab_size=32001 .* pad_vocab_to_multiple_of=2 in the model config "
+                                         r"\(pads the vocabulary to 32002"):
         ParallelConfig(tensor_parallel_size=2).resolve(2).validate_model(model)
     padded = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
                          pad_vocab_to_multiple_of=2)

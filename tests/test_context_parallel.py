@@ -17,8 +17,7 @@ from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel.context import shard_batch, shard_sequence
 from tests._launch import SCRIPTS, torchrun
 from tests.test_parity import STEPS, _layout_id
-from tests.test_pipeline import _check, _check_resume, _results
-from tests.test_pipeline import _run as _run_to_folder
+from tests.test_pipeline import _check, _check_resume, _results, _run as _run_to_folder
 
 WORLD2 = [
     {"cp": 2, "method": "ring", "zero": 0},

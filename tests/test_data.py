@@ -16,8 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_4d.data import (
@@ -27,6 +26,7 @@ from lightning_4d.data import (
     LMDataModule,
     RandomWindowDataset,
     ResumableDataLoader,
+    datamodule as datamodule_module,
     load_tokenizer,
     prepare_data_main,
     read_token_file,
@@ -34,14 +34,14 @@ from lightning_4d.data import (
     split_files,
     stdlib_corpus_files,
     stdlib_root,
+    token_file as token_file_module,
     tokenize_files,
     unigram_entropy,
     write_token_file,
 )
-from lightning_4d.data import datamodule as datamodule_module
-from lightning_4d.data import token_file as token_file_module
 
-LAYOUTS = [(1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2), (8, 1, 1)]  # (R data-parallel ranks, micro-batch b, accumulate a)
+# (R data-parallel ranks, micro-batch b, accumulate a)
+LAYOUTS = [(1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2), (8, 1, 1)]
 
 
 def _entropy_direct(data: bytes) -> float:
@@ -399,7 +399,7 @@ def test_load_tokenizer_rejects_unknown_spec(tmp_path):
         load_tokenizer(str(bad))
 
 
-# ---------------------------------------------------------------------------------------------- text files, prepare-data
+# ------------------------------------------------------------------------------------- text files, prepare-data
 def _write_text_tree(root: Path, count: int = 40) -> list[Path]:
     files = []
     for i in range(count):
@@ -526,7 +526,8 @@ def test_datamodule_global_batch_arithmetic():
     assert len(dm.val_dataset) == 8  # 5 rounded up to a multiple of b * R = 4
     dm = LMDataModule(seq_length=32, micro_batch_size=2, global_batch_size=16)
     dm.trainer = _fake_trainer(dp=2, accumulate=2)
-    with pytest.raises(ValueError, match=r"global_batch_size=16.*micro_batch_size=2.*size=2.*accumulate_grad_batches=2"):
+    with pytest.raises(ValueError,
+                       match=r"global_batch_size=16.*micro_batch_size=2.*size=2.*accumulate_grad_batches=2"):
         dm.setup("fit")
     dm = LMDataModule(seq_length=32, micro_batch_size=2, train_samples=30)
     dm.trainer = _fake_trainer(dp=4, accumulate=1)
@@ -584,7 +585,8 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
     def fit(max_steps, ckpt_dir=None, ckpt_path=None):
         dm = LMDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, train_samples=16, seed=5)
         module = Recorder()
-        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_last=True)] if ckpt_dir else []
+        callbacks = ([ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_last=True)]
+                     if ckpt_dir else [])
         trainer = L.Trainer(
             accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=2, logger=False,
             enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,

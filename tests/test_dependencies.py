@@ -1,7 +1,7 @@
 """No declared dependency or extra that nothing uses (issue 26): every package of pyproject.toml's
 ``dependencies`` and of each ``optional-dependencies`` extra is imported somewhere in lightning_4d/, benchmarks/,
-examples/ or tests/, or used in a way named below (a pytest plugin configured in pyproject, a library that a
-Lightning API we import needs)."""
+examples/ or tests/, or used in a way named below (a pytest plugin configured in pyproject, a linter configured in
+pyproject and run by the Makefile, a library that a Lightning API we import needs)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def _used_indirectly(name: str, pyproject: dict) -> bool:
     """Packages that serve without an import statement of their own, each with the check that it still does."""
     if name == "pytest-timeout":  # a pytest plugin: pyproject's [tool.pytest.ini_options] sets its `timeout`
         return "timeout" in pyproject.get("tool", {}).get("pytest", {}).get("ini_options", {})
+    if name == "ruff":  # a linter: pyproject's [tool.ruff] configures it and the Makefile's `lint` target runs it
+        makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+        lint = re.search(r"^lint:.*\n((?:\t.*\n)+)", makefile, flags=re.MULTILINE)
+        return "ruff" in pyproject.get("tool", {}) and lint is not None and "ruff check" in lint.group(1)
     if name == "jsonargparse":  # LightningCLI (lightning.pytorch.cli) needs it; lightning does not install it
         return _imported("lightning.pytorch.cli", _sources())
     return False

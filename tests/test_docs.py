@@ -42,7 +42,8 @@ def test_the_extraction_and_the_exit_convention_on_a_sample(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "configs").mkdir()
     (tmp_path / "README.md").write_text(
-        "```bash\nlightning-4d estimate --model tiny --dp 1 \\\n    --micro-batch-size 1 --seq-length 64   # fits\n```\n"
+        "```bash\nlightning-4d estimate --model tiny --dp 1 \\\n"
+        "    --micro-batch-size 1 --seq-length 64   # fits\n```\n"
         "Too big: `lightning-4d estimate --model llama3-70b --dp 1 --micro-batch-size 1 --seq-length 8192` exits 1.\n"
         "A template: `lightning-4d estimate --model M --tp T`; a mention: `lightning-4d plan`.\n")
     (tmp_path / "configs" / "x.yaml").write_text("# check: lightning-4d plan --model tiny --num-gpus 2 \\\n"
@@ -54,7 +55,8 @@ def test_the_extraction_and_the_exit_convention_on_a_sample(tmp_path):
         (5, ["estimate", "--model", "llama3-70b", "--dp", "1", "--micro-batch-size", "1", "--seq-length", "8192"], 1),
         (1, ["plan", "--model", "tiny", "--num-gpus", "2", "--seq-length", "64", "--global-batch-size", "2"], 0),
     ]
-    assert sorted(c.why_not_run for c in found if not c.argv) == ["placeholder value M", "the command named, no arguments"]
+    assert sorted(c.why_not_run for c in found if not c.argv) == ["placeholder value M",
+                                                                   "the command named, no arguments"]
     for _, argv, code in runnable:
         assert docs_figures.run(argv)[0] == code
 
@@ -106,6 +108,7 @@ def test_block_figure_is_the_commands_output(tmp_path):
     assert docs_figures.main(["--check", str(page)]) == 1
     assert docs_figures.main([str(page)]) == 0
     text = page.read_text()
-    assert text.startswith(f"Before.\n\n<!-- figure: {cmd} -->\n```text\n") and text.endswith("<!-- /figure -->\n\nAfter.\n")
+    assert (text.startswith(f"Before.\n\n<!-- figure: {cmd} -->\n```text\n")
+            and text.endswith("<!-- /figure -->\n\nAfter.\n"))
     assert "fits within the 80% budget" in text and "typed by hand" not in text
     assert docs_figures.stale_figures(page) == [] and docs_figures.main(["--check", str(page)]) == 0

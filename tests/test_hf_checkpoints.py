@@ -13,8 +13,8 @@ from tests._launch import SCRIPTS, torchrun
 transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
 
 from lightning_4d.families.hf_io import export_hf  # noqa: E402
-from lightning_4d.models.hf_mapping import hf_name, rotary_from_hf, rotary_to_hf  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
+from lightning_4d.models.hf_mapping import hf_name, rotary_from_hf, rotary_to_hf  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 # 1e-5 relative (the bound); measured: ~3e-7 of the largest logit on one process, see the prints
@@ -126,7 +126,8 @@ def test_export_hf_after_training_loads_in_transformers(tmp_path, ids):
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["def f(x): return x + 1"] * 10, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.train_from_iterator(["def f(x): return x + 1"] * 10,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
     tok.save(str(tmp_path / "tokenizer.json"))
     out = export_hf(tmp_path / "ckpt0" / "last.ckpt", tmp_path / "bf16", dtype="bfloat16",
                     tokenizer=tmp_path / "tokenizer.json")

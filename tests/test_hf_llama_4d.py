@@ -108,7 +108,8 @@ def _module(**config):
 
 
 @pytest.mark.parametrize("kwargs,config,match", [
-    ({"pipeline_parallel_size": 2}, {"tie_word_embeddings": True}, "tie_word_embeddings=True is not supported with pipeline"),
+    ({"pipeline_parallel_size": 2}, {"tie_word_embeddings": True},
+     "tie_word_embeddings=True is not supported with pipeline"),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 4}, {},
      "num_layers=4"),
     ({"tensor_parallel_size": 2}, {"tie_word_embeddings": True}, "tie_word_embeddings=True"),

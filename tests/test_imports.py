@@ -140,7 +140,8 @@ def _violations(modules: str, allowed) -> list[str]:  # noqa: ANN001 - a predica
 # ---------------------------------------------------------------------------------------------------- tests
 def test_the_graph_sees_every_kind_of_import():
     mods = _modules()
-    assert {"lightning_4d", "lightning_4d.config", "lightning_4d.strategy", "lightning_4d.parallel.context"} <= set(mods)
+    assert {"lightning_4d", "lightning_4d.config", "lightning_4d.strategy",
+            "lightning_4d.parallel.context"} <= set(mods)
     # an import inside a function (lightning_4d.__getattr__) counts
     assert "lightning_4d.strategy" in graph()["lightning_4d"]
     tree = ast.parse("from . import config\nfrom ..models import config as c\nif TYPE_CHECKING:\n    import x\n")
@@ -164,7 +165,8 @@ def test_memory_never_imports_torch_distributed_nor_torch_outside_callback():
         for i in imports_of(m):
             if _in(i, "torch.distributed") or (_in(i, "torch") and m != f"{PACKAGE}.memory.callback"):
                 bad.append(f"{m} -> {i}")
-    assert not bad, "memory/ runs on a laptop without torch (callback.py may import torch, never torch.distributed): " + ", ".join(sorted(bad))
+    assert not bad, ("memory/ runs on a laptop without torch (callback.py may import torch, never torch.distributed): "
+                     + ", ".join(sorted(bad)))
 
 
 def test_models_import_only_config_and_models():

@@ -20,9 +20,9 @@ from dataclasses import replace
 import pytest
 
 from lightning_4d import ParallelConfig, estimate_memory
-from lightning_4d.partition import loss_chunk_tokens
 from lightning_4d.memory.model import MemoryEstimate, estimate_all_pp_ranks, model_state_bytes, saved_activation_bytes
 from lightning_4d.models import LlamaConfig
+from lightning_4d.partition import loss_chunk_tokens
 from tests._launch import SCRIPTS, torchrun
 
 TINY = LlamaConfig.from_preset("tiny-test")  # h=64, f=128, L=2, a=4, k=2, V=256
@@ -57,7 +57,8 @@ def test_model_states_zero_stages_shard_what_they_should():
     z1 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=1), "bf16-mixed")
     z2 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=2), "bf16-mixed")
     z3 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=3), "bf16-mixed")
-    assert (base.parameters, base.gradients, base.optimizer_states, base.master_weights) == (2 * n, 4 * n, 12 * n, 4 * n)
+    assert (base.parameters, base.gradients, base.optimizer_states, base.master_weights) == (
+        2 * n, 4 * n, 12 * n, 4 * n)
     # ZeRO 1: Megatron-LM's distributed optimizer, 2 + 4 + 12/D bytes per parameter
     assert (z1.parameters, z1.gradients, z1.optimizer_states) == (2 * n, 4 * n, 12 * n // 4)
     assert z1.parameters + z1.gradients + z1.optimizer_states == (2 + 4 + 12 / 4) * n
@@ -174,7 +175,8 @@ def test_every_pp_rank_is_reported():
     "kw, match",
     [
         (dict(layout=dict(tensor_parallel_size=3)), "num_heads=32 is not divisible by tensor_parallel_size=3"),
-        (dict(layout=dict(pipeline_parallel_size=64)), r"num_layers=32 cannot be split into pp\*v = 64\*1 = 64 pipeline stages"),
+        (dict(layout=dict(pipeline_parallel_size=64)),
+         r"num_layers=32 cannot be split into pp\*v = 64\*1 = 64 pipeline stages"),
         (dict(precision="fp8"), "precision='fp8' is not valid"),
         (dict(seq=1001, layout=dict(tensor_parallel_size=2)), "seq_length=1001 is not a multiple of 2"),
         (dict(schedule="zigzag"), "pipeline_schedule='zigzag' is not valid"),

@@ -24,7 +24,7 @@ from lightning_4d.models import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from lightning_4d.models.llama import canonical_name, _param_seed
+from lightning_4d.models.llama import _param_seed, canonical_name
 
 # Published parameter counts (Meta model cards / Hugging Face safetensors metadata).
 PUBLISHED = {

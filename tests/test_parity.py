@@ -30,7 +30,8 @@ WORLD4 = (
     + [{"dp": 2, "tp": 2, "zero": 2, "ac": "full"}, {"dp": 2, "tp": 2, "zero": 3, "sp": False}]
     # selective checkpointing under tp with sp (reduce-scatters kept, all-gathers recomputed) and FSDP2
     + [{"dp": 2, "tp": 2, "zero": 3, "ac": "selective"}]
-    + [{"dp": 2, "tp": 2, "zero": 1, "clip": 0.1}, {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1}, {"dp": 4, "zero": 0, "clip": 0.1}]
+    + [{"dp": 2, "tp": 2, "zero": 1, "clip": 0.1}, {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1},
+       {"dp": 4, "zero": 0, "clip": 0.1}]
     # clipping with tp-replicated plain parameters (norm weights without sp): counted once in the global norm
     + [{"dp": 2, "tp": 2, "zero": 1, "sp": False, "clip": 0.1}]
     # several gradient buckets (all-reduces launched during backward); gradient accumulation over 2 micro-batches
@@ -40,7 +41,8 @@ WORLD4 = (
     + [{"dp": 2, "tp": 2, "zero": 1, "tied": True}, {"dp": 2, "tp": 2, "zero": 3, "tied": True}]
 )
 # bf16: compared with the float32 reference at bf16 tolerance (8 mantissa bits: ~4e-3 relative per rounding)
-WORLD4_BF16 = [{"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"}, {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-true"}]
+WORLD4_BF16 = [{"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"},
+               {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-true"}]
 BF16_LOSS_RTOL = 1e-2
 # bf16-mixed (bf16 weights, fp32 master weights and gradients) against the single-process bf16-mixed run of the
 # same code (FourDStrategy on one process), to 1e-2 relative: every layout dimension under mixed precision

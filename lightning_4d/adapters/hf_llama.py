@@ -162,7 +162,8 @@ class HFLlamaFamily(ModelFamily):
                              "has no dropout; Llama trains without): set the model config's attention_dropout=0.0")
         if config.tp > 1 and ours.tie_word_embeddings:
             raise ValueError(f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
-                             "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; use tp=1 (dp, ZeRO, cp) or an untied model")
+                             "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; "
+                             "use tp=1 (dp, ZeRO, cp) or an untied model")
         if config.activation_checkpointing != "none":
             raise ValueError(f"activation_checkpointing={config.activation_checkpointing!r} is not supported for a "
                              "transformers LlamaForCausalLM yet: use activation_checkpointing='none' (or call the "
@@ -236,7 +237,8 @@ class HFLlamaFamily(ModelFamily):
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         missing = [k for k in state if k not in available and not (tied and k == "lm_head.weight")]
         if missing:
-            raise ValueError(f"init_from={str(path)!r} holds no tensor {missing[0]!r} ({len(missing)} missing): is it a "
+            raise ValueError(f"init_from={str(path)!r} holds no tensor {missing[0]!r} ({len(missing)} missing): "
+                             "is it a "
                              "checkpoint of this model?")
         hf_load({k: v for k, v in state.items() if k in available}, reader, path)
 

@@ -149,7 +149,8 @@ def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"sidecar {str(side)!r} is not a {FORMAT!r} sidecar")
     if meta.get("version") != VERSION:
-        raise ValueError(f"sidecar {str(side)!r} has version {meta.get('version')!r}; this code reads version {VERSION}")
+        raise ValueError(f"sidecar {str(side)!r} has version {meta.get('version')!r}; "
+                         f"this code reads version {VERSION}")
     for key in ("dtype", "vocab_size", "tokenizer", "num_tokens"):
         if key not in meta:
             raise ValueError(f"sidecar {str(side)!r} lacks the key {key!r}")

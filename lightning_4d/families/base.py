@@ -14,7 +14,8 @@ the family answers                        used by
 :meth:`~ModelFamily.rotary`,               the stage chunk's forward (positions of the stage's tokens under sp and
 :meth:`~ModelFamily.run_layer`,            cp, computed by the chunk: ``torch.distributed.pipelining`` passes
 :meth:`~ModelFamily.run_head`              activations only)
-:meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
+:meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier
+                                           (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
 :meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
 :meth:`~ModelFamily.materialize`           ``FourDStrategy.setup``: the meta-device model made real (and initialized)
 :meth:`~ModelFamily.load_hf`,              ``init_from`` (a Hugging Face directory, each rank reading its slices) and

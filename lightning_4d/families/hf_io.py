@@ -61,7 +61,8 @@ def _saved_hparams(ckpt: Path) -> dict[str, Any]:
     """Lightning's ``hyper_parameters`` and ``datamodule_hyper_parameters`` of a checkpoint (folder or file)."""
     meta = torch.load(ckpt / LIGHTNING_METADATA_FILENAME if ckpt.is_dir() else ckpt, map_location="cpu", mmap=True,
                       weights_only=False)
-    return {"model": dict(meta.get("hyper_parameters") or {}), "data": dict(meta.get("datamodule_hyper_parameters") or {})}
+    return {"model": dict(meta.get("hyper_parameters") or {}),
+            "data": dict(meta.get("datamodule_hyper_parameters") or {})}
 
 
 def _weight_entries(ckpt: Path, meta: Optional[dict[str, Any]]
@@ -212,7 +213,8 @@ def export_hf_main(argv: list[str]) -> int:
         "directory (config.json, safetensors shards + index, tokenizer.json) for transformers, vLLM, llama.cpp."))
     parser.add_argument("ckpt", help="a checkpoint ModelCheckpoint wrote (e.g. checkpoints/last.ckpt)")
     parser.add_argument("out_dir", help="the directory to create (must not exist or be empty)")
-    parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES), help="weights dtype (default float32)")
+    parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
+                        help="weights dtype (default float32)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) to copy; default: the "
                         "one the checkpoint's LMDataModule used, if any")
     args = parser.parse_args(argv)

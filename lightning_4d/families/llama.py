@@ -107,7 +107,8 @@ class LlamaFamily(ModelFamily):
             key = hf_mapping.hf_name(canonical_name(name))
             if key not in available:
                 raise ValueError(f"init_from={str(path)!r} holds no tensor {key!r} (for our {name!r}); it holds "
-                                 f"{len(available)} tensors, e.g. {sorted(available)[:3]}: is it a Llama of this config?")
+                                 f"{len(available)} tensors, e.g. {sorted(available)[:3]}: "
+                                 "is it a Llama of this config?")
             if canonical_name(name).endswith(hf_mapping.ROTARY):
                 tmp = dtensor_empty(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=_tp_only(p)) \
                     if isinstance(p, DTensor) else torch.empty_like(p)

@@ -360,7 +360,8 @@ class MemoryEstimatorCallback(L.Callback):
         cfg = self._model_config(pl_module)
         if cfg is None:
             self._warn_once(f"MemoryEstimatorCallback: cannot estimate the memory of {type(pl_module).__name__}: it "
-                            "has no lightning_4d LlamaConfig (a `model_config` attribute, or a Llama model built before "
+                            "has no lightning_4d LlamaConfig (a `model_config` attribute, "
+                            "or a Llama model built before "
                             f"configure_model), so nothing was checked. Silence this with {_DISABLE}.")
             return None
         memory, gpu_name, device_type = self._device(trainer)

@@ -15,8 +15,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_4d.config import (ACTIVATION_CHECKPOINTING, CONTEXT_PARALLEL_METHODS, PIPELINE_SCHEDULES, ZERO_STAGES,
-                                  ParallelConfig)
+from lightning_4d.config import (
+    ACTIVATION_CHECKPOINTING,
+    CONTEXT_PARALLEL_METHODS,
+    PIPELINE_SCHEDULES,
+    ZERO_STAGES,
+    ParallelConfig,
+)
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
 from lightning_4d.memory.model import PRECISIONS
 from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
@@ -48,7 +53,8 @@ def load_model_config(spec: str) -> Any:
     if not (spec.endswith((".yaml", ".yml")) or path.is_file()):
         return LlamaConfig.from_preset(spec)
     if not path.is_file():
-        raise ValueError(f"--model {spec!r}: no such file (expected a preset: {', '.join(LlamaConfig.preset_names())}).")
+        raise ValueError(f"--model {spec!r}: no such file "
+                         f"(expected a preset: {', '.join(LlamaConfig.preset_names())}).")
     import yaml
 
     try:
@@ -214,7 +220,8 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     gpu = _gpu(args)
     pc = ParallelConfig(data_parallel_size=args.dp or "auto", tensor_parallel_size=args.tp,
                         pipeline_parallel_size=args.pp, context_parallel_size=args.cp, zero_stage=args.zero_stage,
-                        sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
+                        sequence_parallel=args.sequence_parallel,
+                        activation_checkpointing=args.activation_checkpointing,
                         pipeline_schedule=args.pipeline_schedule, virtual_pipeline_stages=args.virtual_pipeline_stages,
                         num_microbatches=args.num_microbatches, pipeline_layer_split=args.pipeline_layer_split,
                         context_parallel_method=args.cp_method)
@@ -271,7 +278,8 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
              "layout": dict(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero_stage=s.zero_stage, sequence_parallel=s.sp,
                             activation_checkpointing=s.activation_checkpointing, pipeline_schedule=s.pipeline_schedule,
                             virtual_pipeline_stages=s.v, num_microbatches=s.microbatches,
-                            pipeline_layer_split=s.pipeline_layer_split, context_parallel_method=s.context_parallel_method)}
+                            pipeline_layer_split=s.pipeline_layer_split,
+                            context_parallel_method=s.context_parallel_method)}
             for s, e in found]
 
 
@@ -457,7 +465,8 @@ def _print_plan(out: dict[str, Any]) -> None:
             break
     if out["layouts"]:
         c = out["layouts"][0]
-        console.print(f"#1: checkpoint every {c['checkpoint_interval_steps']:,} steps ({c['checkpoint_interval_s'] / 60:.0f}"
+        console.print(f"#1: checkpoint every {c['checkpoint_interval_steps']:,} steps "
+                      f"({c['checkpoint_interval_s'] / 60:.0f}"
                       f" min; Young: sqrt(2 x write {c['checkpoint_write_s']:.3g} s x job MTBF "
                       f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
                       f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "

@@ -7,7 +7,8 @@ NVLink 3 600 GB/s bidirectional = 300 GB/s per direction, HDR InfiniBand 200 Gb/
 (40GB) and 2,039 GB/s (80GB SXM) memory bandwidth), NVIDIA H100 datasheet (2023: SXM 989 TFLOP/s bf16 dense,
 NVLink 4 900 GB/s bidirectional = 450 GB/s per direction, NDR 400 Gb/s = 50 GB/s per GPU, 3.35 TB/s HBM3; H100 NVL
 94 GB, 3.9 TB/s), the H100 96GB HBM2e of Meta's Grand Teton hosts that torchtitan's published runs used (torchtitan
-``docs/performance.md``: 96 GB, 2.4 TB/s, SXM compute and NVLink, run at a 500 W power limit of the 700 W TDP), NVIDIA H200 datasheet (2024: 141 GB HBM3e,
+``docs/performance.md``: 96 GB, 2.4 TB/s, SXM compute and NVLink, run at a 500 W power limit of the 700 W TDP),
+NVIDIA H200 datasheet (2024: 141 GB HBM3e,
 4.8 TB/s, same compute and NVLink as H100 SXM), NVIDIA L40S datasheet (2023: 48 GB, 362 TFLOP/s bf16 dense,
 864 GB/s, no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction), NVIDIA A10 datasheet (2021:
 24 GB, 125 TFLOP/s bf16 dense, 600 GB/s, PCIe Gen4 x16). The NIC of the two PCIe cards is not part of the card:

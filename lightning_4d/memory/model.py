@@ -109,9 +109,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.config import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, _check_positive_int
-from lightning_4d.partition import (GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard, loss_chunk_tokens,
-                                    powersgd_compressible)
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
+from lightning_4d.partition import (
+    GRADIENT_BUCKET_BYTES,
+    bucket_lengths,
+    bucket_shard,
+    loss_chunk_tokens,
+    powersgd_compressible,
+)
 
 __all__ = [
     "MemoryEstimate",

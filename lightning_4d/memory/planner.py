@@ -21,7 +21,8 @@ published runs) and its memory by :func:`~lightning_4d.memory.model.estimate_mem
 predicted step time; at equal times the one that recomputes less comes first (none, then selective, then full),
 then the one that needs less memory. A layout is dropped when another of the same parallel sizes and micro-batch
 size is predicted no slower and needs no more memory (e.g. ZeRO 0 where ZeRO 1 is as fast, sequence parallelism
-off, or selective checkpointing where none fits). Each :class:`Candidate` carries the fractions of its step spent in the pipeline
+off, or selective checkpointing where none fits). Each :class:`Candidate` carries the fractions of its step spent in
+the pipeline
 bubble, in exposed communication and in recomputation: why it ranks where it does (Hagemann et al. 2023,
 arXiv 2311.05610: micro-batch size 1 is usually best; sequence parallelism beats activation checkpointing where
 memory allows).
@@ -42,8 +43,14 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from lightning_4d.config import (ACTIVATION_CHECKPOINTING, CONTEXT_PARALLEL_METHODS, ZERO_STAGES, ParallelConfig,
-                                  _check_positive_int, _divisors)
+from lightning_4d.config import (
+    ACTIVATION_CHECKPOINTING,
+    CONTEXT_PARALLEL_METHODS,
+    ZERO_STAGES,
+    ParallelConfig,
+    _check_positive_int,
+    _divisors,
+)
 from lightning_4d.memory.fujii2024 import fujii2024_from_config
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
@@ -374,7 +381,8 @@ def _candidate(pc: ParallelConfig, b: int, m: int, st: StepTime, memory: float, 
     total = st.total
     tokens = tokens_per_step / total
     return Candidate(pc.tp, pc.pp, pc.cp, pc.dp, b, m, pc.zero_stage, pc.activation_checkpointing, int(memory),
-                     memory / gpu.memory, fits, total, tokens, model_flops_per_token * tokens / (num_gpus * gpu.peak_flops),
+                     memory / gpu.memory, fits, total, tokens,
+                     model_flops_per_token * tokens / (num_gpus * gpu.peak_flops),
                      sequence_parallel=pc.sp, context_parallel_method=pc.context_parallel_method,
                      pipeline_schedule=pc.pipeline_schedule, virtual_pipeline_stages=pc.v,
                      pipeline_layer_split=tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None,

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
-import os
 from typing import Optional, Union
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "eager")

@@ -37,6 +37,7 @@ reduce_scatter_single = getattr(_dist, "reduce_scatter_single", None) or _dist.r
 #: ``TorchDispatchMode``: the base of a mode that sees every ATen op below autograd (``torch.utils._python_dispatch``;
 #: the communication meter, ``parallel/comm.py``)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402, F401  (re-exported)
+
 #: ``tree_flatten(obj) -> (leaves, spec)`` of nested lists / tuples / dicts (``torch.utils._pytree``)
 from torch.utils._pytree import tree_flatten  # noqa: E402, F401  (re-exported)
 
@@ -57,15 +58,15 @@ def process_group_of_name(name: str) -> Any:
     return _resolve_process_group(name)
 
 # ---------------------------------------------------------------------------------------------------- Lightning
-from lightning.fabric.strategies.model_parallel import (  # noqa: F401  (re-exported)
+from lightning.fabric.strategies.model_parallel import (  # noqa: E402, F401  (re-exported)
     _rekey_optimizer_state_if_needed as rekey_optimizer_state_if_needed,
 )
-from lightning.fabric.utilities.init import (  # noqa: F401
+from lightning.fabric.utilities.init import (  # noqa: E402, F401
     _materialize_distributed_module as materialize_distributed_module,
 )
-from lightning.fabric.utilities.load import _METADATA_FILENAME as LIGHTNING_METADATA_FILENAME  # noqa: F401
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
-from lightning.fabric.utilities.types import _PATH as PATH  # noqa: F401  (str | os.PathLike)
+from lightning.fabric.utilities.load import _METADATA_FILENAME as LIGHTNING_METADATA_FILENAME  # noqa: E402, F401
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402, F401
+from lightning.fabric.utilities.types import _PATH as PATH  # noqa: E402, F401  (str | os.PathLike)
 
 #: private members of Lightning's ``ModelParallelStrategy`` that ``FourDStrategy`` (a subclass) reads, sets or
 #: overrides; ``tests/test_compat.py`` checks each exists on an instance of the installed version

@@ -528,7 +528,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.Proc
 
 class ContextParallelAttention:
     """The attention function a ``lightning_4d`` ``Attention`` module calls instead of plain causal attention under
-    cp (set by the model family's ``apply_context_parallel``, :mod:`lightning_4d.families.llama`): ``__call__(q, k, v, backend) -> out`` with the shapes of
+    cp (set by the model family's ``apply_context_parallel``, :mod:`lightning_4d.families.llama`):
+    ``__call__(q, k, v, backend) -> out`` with the shapes of
     :func:`context_parallel_attention`."""
 
     def __init__(self, group: dist.ProcessGroup, method: str) -> None:

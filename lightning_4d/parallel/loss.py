@@ -125,8 +125,8 @@ def vocab_parallel_cross_entropy(
         group: the tensor-parallel process group over which the vocabulary is split, ``None`` without tp.
         vocab_start: the first vocabulary column this rank holds (``rank · V/t``; 0 without tp).
         ignore_index: a label that contributes neither to the loss nor to the token count.
-        chunk_tokens: tokens per chunk (default :func:`lightning_4d.partition.loss_chunk_tokens`, about 64 MiB of float32
-            per chunk).
+        chunk_tokens: tokens per chunk (default :func:`lightning_4d.partition.loss_chunk_tokens`, about 64 MiB of
+            float32 per chunk).
 
     Returns:
         A float32 scalar (a plain tensor, the same on every rank of ``group``); ``nan`` when every label is ignored,

@@ -19,8 +19,13 @@ from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_4d.parallel.pipeline import (layer_items, reshard_after_forward, resolve_num_microbatches, split_model,
-                                            sync_chunk_layers)
+from lightning_4d.parallel.pipeline import (
+    layer_items,
+    reshard_after_forward,
+    resolve_num_microbatches,
+    split_model,
+    sync_chunk_layers,
+)
 from lightning_4d.parallel.tensor import apply_tensor_parallel
 from lightning_4d.parallel.zero import apply_fsdp, fsdp_reduce_dtype
 
@@ -137,7 +142,8 @@ def shard_any_module(module: nn.Module, mesh: ParallelMesh, config: ParallelConf
     """ZeRO 2/3 for a LightningModule that is not a ``lightning_4d`` Llama and applied no plans itself: FSDP2 over
     ``dp_cp``, one unit per block (:func:`fsdp_block_modules`), then one root unit per top-level child that holds
     parameters outside the blocks (the children of a top-level ``nn.ModuleList`` / ``nn.ModuleDict``, which have no
-    forward of their own, count as top-level). Parameters held by the LightningModule itself stay replicated, their gradients
+    forward of their own, count as top-level). Parameters held by the LightningModule itself stay replicated, their
+    gradients
     averaged in ZeRO-0 buckets (:func:`lightning_4d.parallel.zero.setup_zero`). Each unit's forward must run
     through the module's ``__call__`` (FSDP2 gathers its parameters in a forward pre-hook)."""
     blocks = fsdp_block_modules(module, fsdp_blocks)

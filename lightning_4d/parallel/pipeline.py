@@ -43,8 +43,8 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.families.base import find_submodel, set_submodel
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from lightning_4d.families.base import find_submodel, set_submodel
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
@@ -394,7 +394,8 @@ class PipelineRunner:
     def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """Forward and backward of all ``m`` micro-batches of ``input_ids`` / ``labels`` (``[b, s]``, b = m x
         micro-batch size). The gradients (of the mean loss; not yet averaged over dp) are held aside until
-        :meth:`restore_gradients`, because Lightning zeroes gradients between ``training_step`` and ``backward``. Returns the mean loss over the batch (float32 scalar, detached, the same on every
+        :meth:`restore_gradients`, because Lightning zeroes gradients between ``training_step`` and ``backward``.
+        Returns the mean loss over the batch (float32 scalar, detached, the same on every
         pp rank)."""
         self._check_batch(input_ids)
         schedule = self._use(self._train)
@@ -490,7 +491,8 @@ def clip_grad_norm_(
     ``torch.nn.utils.get_total_norm`` and made global over its mesh (``full_tensor``); the per-group norms are
     combined as ``(sum_g ||g||^q)^(1/q)`` (``max`` for ``q = inf``), then over the pp group (each stage holds other
     parameters) with an all-reduce; finally every gradient (its local shard) is scaled by
-    ``min(1, max_norm / (norm + 1e-6))``, the coefficient of ``torch.nn.utils.clip_grad_norm_`` (the approach of Megatron-LM's
+    ``min(1, max_norm / (norm + 1e-6))``, the coefficient of ``torch.nn.utils.clip_grad_norm_`` (the approach of
+    Megatron-LM's
     ``clip_grad_norm_fp32`` and torchtitan's pp-aware clipping).
 
     Returns:

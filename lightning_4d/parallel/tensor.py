@@ -116,7 +116,8 @@ def _sequence_parallel_head(x: Tensor, output: nn.Linear, mesh: DeviceMesh) -> T
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """A model family's tensor-parallel plan (:meth:`lightning_4d.families.base.ModelFamily.tensor_parallel_plan`), applied
+    """A model family's tensor-parallel plan (:meth:`lightning_4d.families.base.ModelFamily.tensor_parallel_plan`),
+    applied
     by :func:`apply_tensor_parallel` (the module docstring's split, Megatron-LM's).
 
     Paths are dotted attribute paths on the model (a part may be ``None`` or absent: a pipeline stage);
@@ -163,7 +164,8 @@ def _layer_items(container: Optional[nn.Module]) -> list[tuple[str, nn.Module]]:
     placeholders of layers another pipeline rank holds) left out."""
     if container is None:
         return []
-    items = container.items() if isinstance(container, nn.ModuleDict) else [(str(i), m) for i, m in enumerate(container)]
+    items = (container.items() if isinstance(container, nn.ModuleDict)
+             else [(str(i), m) for i, m in enumerate(container)])
     return [(k, m) for k, m in items if any(True for _ in m.parameters())]
 
 

@@ -45,10 +45,9 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
-from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
+from lightning_4d.parallel._compat import all_gather_single, local_tensor as _local, reduce_scatter_single
 from lightning_4d.parallel.compression import PowerSGD, compressible
-from lightning_4d.parallel._compat import local_tensor as _local
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
 
 _BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in partition.py (the memory model reads it)
 
@@ -732,7 +731,8 @@ class ShardedOptimizer:
 
     def _state_with_master(self, p: Tensor) -> dict[str, Tensor]:
         shard = self.shard[id(p)]
-        state = {k: (v if isinstance(v, Tensor) else torch.tensor(v)) for k, v in (self.optimizer.state.get(shard) or {}).items()}
+        state = {k: (v if isinstance(v, Tensor) else torch.tensor(v))
+                 for k, v in (self.optimizer.state.get(shard) or {}).items()}
         if id(p) in self.has_master:
             state["master"] = shard.detach()
         return state
@@ -793,8 +793,8 @@ class ShardedOptimizer:
 
 
 def clip_coefficient(max_norm: float, total_norm: Tensor) -> Tensor:
-    """``min(1, max_norm / (total_norm + 1e-6))``, the factor gradients are scaled by (``torch.nn.utils.clip_grad_norm_``'s
-    coefficient; Megatron-LM's ``clip_grad_norm_fp32``)."""
+    """``min(1, max_norm / (total_norm + 1e-6))``, the factor gradients are scaled by
+    (``torch.nn.utils.clip_grad_norm_``'s coefficient; Megatron-LM's ``clip_grad_norm_fp32``)."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 

@@ -37,7 +37,9 @@ class StackLM(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(64, 32)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3)
+        )
         self.head = torch.nn.Linear(32, 64)
 
     def training_step(self, batch, batch_idx):

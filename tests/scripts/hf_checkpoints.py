@@ -26,8 +26,8 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_4d import FourDStrategy  # noqa: E402
-from lightning_4d.families.hf_io import export_hf  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
+from lightning_4d.families.hf_io import export_hf  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 

@@ -118,7 +118,9 @@ def main() -> None:
         if trainer.global_rank == 0:
             split = {"dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
                      "attention": module.model.config._attn_implementation}
-            torch.save({"layout": layout, "losses": losses, "weights": weights, "comm": meter.history if meter else [], **split}, Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"))
+            torch.save({"layout": layout, "losses": losses, "weights": weights,
+                        "comm": meter.history if meter else [], **split},
+                       Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -1,8 +1,10 @@
-"""Validation, prediction (and, without pp, greedy generation) through a pipeline or under context parallelism: ``trainer.validate`` and ``trainer.predict`` of an untrained tiny
+"""Validation, prediction (and, without pp, greedy generation) through a pipeline or under context parallelism:
+``trainer.validate`` and ``trainer.predict`` of an untrained tiny
 Llama (same init seed, so the same weights on every layout) with the layout given, writing ``val_loss`` and the
 logits (on the ranks that hold the last stage) to ``--out``.
 
-Usage: ``torchrun --nproc-per-node 2 tests/scripts/pp_eval.py --out DIR --pp 2`` (or ``--cp 2 --method ring``) or ``python ... --pp 1`` (plain
+Usage: ``torchrun --nproc-per-node 2 tests/scripts/pp_eval.py --out DIR --pp 2`` (or ``--cp 2 --method ring``) or
+``python ... --pp 1`` (plain
 Lightning, one process: the reference). ``--tp``, ``--dp`` set those sizes (default dp: the rest of the world);
 ``--validate-only`` skips prediction and generation (``val_loss`` / ``val_ppl`` only, ``tests/test_val_metrics.py``).
 """

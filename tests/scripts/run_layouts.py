@@ -6,7 +6,8 @@ Usage (from the tests): ``torchrun --nproc-per-node N tests/scripts/run_layouts.
 or ``python tests/scripts/run_layouts.py --out DIR --layouts '[{"reference": true}]'`` for the single-process
 reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, precision, ac, clip,
 compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start and pcomm (PowerSGD's rank, start
-step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank), m (micro-batches per step), split (layers per
+step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
+m (micro-batches per step), split (layers per
 stage) and pcd (pipeline comm dtype), and for context parallelism cp and method ("ring" / "allgather").
 """
 
