@@ -165,3 +165,10 @@ def set_submodel(module: nn.Module, path: str, value: Optional[nn.Module]) -> No
     """Set ``module``'s attribute at the dotted ``path`` (its parent must exist) to ``value``."""
     parent, _, leaf = path.rpartition(".")
     setattr(find_submodel(module, parent) if parent else module, leaf, value)
+
+
+def layer_items(container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(key, layer)`` of a decoder-layer container in order: an ``nn.ModuleDict``'s items, or an
+    ``nn.ModuleList``'s ``(str(index), layer)``."""
+    return list(container.items()) if isinstance(container, nn.ModuleDict) else \
+        [(str(i), m) for i, m in enumerate(container)]

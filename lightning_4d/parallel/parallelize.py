@@ -14,13 +14,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.families.base import ModelFamily, find_submodel
+from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.pipeline import (
-    layer_items,
     reshard_after_forward,
     resolve_num_microbatches,
     split_model,

@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
-from lightning_4d.families.base import find_submodel, set_submodel
+from lightning_4d.families.base import find_submodel, layer_items, set_submodel
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
@@ -167,13 +167,6 @@ class StageChunk(nn.Module):
 
 #: ``ParallelConfig.pipeline_comm_dtype`` -> the torch dtype of the stage-to-stage sends
 PIPELINE_COMM_TORCH_DTYPES = {"bfloat16": torch.bfloat16}
-
-
-def layer_items(container: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(key, layer)`` of a decoder-layer container in order: an ``nn.ModuleDict``'s items, or an
-    ``nn.ModuleList``'s ``(str(index), layer)``."""
-    return list(container.items()) if isinstance(container, nn.ModuleDict) else \
-        [(str(i), m) for i, m in enumerate(container)]
 
 
 def split_model(family: Any, model: nn.Module, config: ParallelConfig, pp_rank: int,

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_4d.families.base import find_submodel, layer_items
 from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
 
 
@@ -153,22 +154,6 @@ class TensorParallelPlan:
     vocab_parallel_logits: bool = True
 
 
-def _find(module: Optional[nn.Module], path: str) -> Optional[nn.Module]:
-    for part in path.split("."):
-        module = getattr(module, part, None) if module is not None else None
-    return module
-
-
-def _layer_items(container: Optional[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """``(key, layer)`` of a ``ModuleDict`` / ``ModuleList`` of decoder layers, those without parameters (the
-    placeholders of layers another pipeline rank holds) left out."""
-    if container is None:
-        return []
-    items = (container.items() if isinstance(container, nn.ModuleDict)
-             else [(str(i), m) for i, m in enumerate(container)])
-    return [(k, m) for k, m in items if any(True for _ in m.parameters())]
-
-
 def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh,
                           sequence_parallel: bool) -> None:
     """Shard ``model`` (any family's, or the part of it a pipeline rank holds) in place over ``tp_mesh`` following
@@ -186,7 +171,7 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, tp_mesh: D
     if tp_mesh.size() == 1:
         return
     seq = Shard(1) if sequence_parallel else Replicate()
-    embedding, norm, head = _find(model, plan.embedding), _find(model, plan.norm), _find(model, plan.head)
+    embedding, norm, head = (find_submodel(model, path) for path in (plan.embedding, plan.norm, plan.head))
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     styles: dict[str, object] = {}
     if embedding is not None:
@@ -198,14 +183,17 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, tp_mesh: D
     elif head is not None:
         styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     projection = partial(sequence_parallel_projection, group=tp_mesh.get_group())
-    for key, layer in _layer_items(_find(model, plan.layers)):
+    container = find_submodel(model, plan.layers)
+    layers = layer_items(container) if container is not None else []
+    # layers without parameters: the placeholders of layers another pipeline rank holds
+    for key, layer in [(k, m) for k, m in layers if any(True for _ in m.parameters())]:
         prefix = f"{plan.layers}.{key}."
         styles.update({prefix + name: ColwiseParallel() for name in plan.colwise})
         styles.update({prefix + name: RowwiseParallel(output_layouts=seq) for name in plan.rowwise})
         if sequence_parallel:
             styles.update({prefix + name: SequenceParallel() for name in plan.layer_norms})
         for name, (kind, where) in plan.gathered_inputs:
-            module = _find(layer, name)
+            module = find_submodel(layer, name)
             if sequence_parallel and hasattr(module, "input_projection"):
                 module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)
             elif kind == "kwarg":
