@@ -8,6 +8,8 @@ Subcommands (``lightning-4d --help`` lists them, :data:`COMMANDS`):
 - ``prepare-data``: tokenize text files into a memory-mapped token file (``lightning-4d prepare-data --help``);
 - ``estimate``: the memory of one layout per GPU (``lightning-4d estimate --help``; no torch import);
 - ``plan``: the layouts of a job that fit, ranked by predicted step time (``lightning-4d plan --help``);
+- ``measure``: one rank of any layout built and run in this process on a fake process group, its measured memory
+  beside the estimate (``lightning-4d measure --help``; ``lightning_4d.memory.measure``);
 - ``export-hf``: a checkpoint of any layout as a Hugging Face Llama directory (``lightning-4d export-hf --help``).
 """
 
@@ -28,6 +30,8 @@ COMMANDS = {
     "prepare-data": "tokenize text files into a memory-mapped token file",
     "estimate": "the memory of one layout per GPU, before anything is allocated (no torch import)",
     "plan": "the layouts of a job that fit, fastest predicted first (no torch import)",
+    "measure": "run one rank of any layout in this process (fake process group) and measure its memory beside "
+               "the estimate",
     "export-hf": "write a checkpoint (any layout) as a Hugging Face Llama directory (safetensors + config.json)",
 }
 
@@ -91,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_4d.families.hf_io import export_hf_main
 
         return export_hf_main(args[1:])
-    if args and args[0] in ("estimate", "plan"):
+    if args and args[0] in ("estimate", "plan", "measure"):
         from lightning_4d.memory.cli import main as memory_main
 
         return memory_main(args[0], args[1:])

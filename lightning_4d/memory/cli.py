@@ -157,7 +157,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _parser(command: str) -> argparse.ArgumentParser:
     p = _Parser(prog=f"lightning-4d {command}")
     _common(p)
-    if command == "estimate":
+    if command == "measure":
+        p.add_argument("--rank", type=_rank, default="worst",
+                       help="the global rank to build and run (0 .. world size - 1), or 'worst' (default): rank 0 of "
+                            "the pp rank the estimate names as the largest")
+        p.add_argument("--steps", type=positive_int, default=2, help="optimizer steps to run (default 2)")
+        p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the rank runs (default cpu)")
+    if command in ("estimate", "measure"):
         p.add_argument("--tp", type=positive_int, default=1)
         p.add_argument("--pp", type=positive_int, default=1)
         p.add_argument("--cp", type=positive_int, default=1)
@@ -212,12 +218,22 @@ def _propose_split(pc: ParallelConfig, num_layers: int) -> Optional[list[int]]:
     return propose_layer_split(num_layers, pc.num_stages)
 
 
-def _estimate(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_4d.memory.fujii2024 import fujii2024_from_config
-    from lightning_4d.memory.model import estimate_memory
+def _rank(text: str) -> Any:
+    """argparse type: ``worst`` or an integer >= 0."""
+    if text == "worst":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: expected a rank (an integer >= 0) or 'worst'")
+    return value
 
-    cfg = load_model_config(args.model)
-    gpu = _gpu(args)
+
+def _layout(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optional[list[int]]]:
+    """The layout ``estimate`` and ``measure`` are asked for, resolved and validated against the model, and the
+    planner's layer split when it proposed one (``None`` else)."""
     pc = ParallelConfig(data_parallel_size=args.dp or "auto", tensor_parallel_size=args.tp,
                         pipeline_parallel_size=args.pp, context_parallel_size=args.cp, zero_stage=args.zero_stage,
                         sequence_parallel=args.sequence_parallel,
@@ -233,6 +249,16 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     if proposed is not None:
         pc = replace(pc, pipeline_layer_split=proposed)
     pc.validate_model(cfg)
+    return pc, proposed
+
+
+def _estimate(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_4d.memory.fujii2024 import fujii2024_from_config
+    from lightning_4d.memory.model import estimate_memory
+
+    cfg = load_model_config(args.model)
+    gpu = _gpu(args)
+    pc, proposed = _layout(args, cfg)
     m = pc.microbatches
     if args.formula == "fujii2024":
         if pc.zero_stage > 1 or pc.activation_checkpointing != "none":
@@ -478,9 +504,82 @@ def _print_plan(out: dict[str, Any]) -> None:
                   "published runs), not measured.")
 
 
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_4d.memory.measure import measure_rank, worst_rank
+
+    if args.formula != "lightning_4d":
+        raise ValueError(f"--formula {args.formula}: measure compares with this package's estimate (lightning_4d) "
+                         "only.")
+    cfg = load_model_config(args.model)
+    pc, _ = _layout(args, cfg)
+    pc.validate_sequence(args.seq_length)
+    pc.validate_microbatches(pc.microbatches)
+    rank = args.rank
+    if rank == "worst":
+        rank = worst_rank(cfg, pc, args.micro_batch_size, args.seq_length, args.precision)
+    out = measure_rank(cfg, pc, rank, args.micro_batch_size, args.seq_length, args.precision, steps=args.steps,
+                       device=args.device)
+    est, got = out["estimate"], out["measured"]
+    states = {k: got.get(k) for k in ("parameters", "gradients", "optimizer_states")}
+    est_rest = est["total"] - est["parameters"] - est["optimizer_states"]
+    got_rest = got["peak_allocated"] - states["parameters"] - states["optimizer_states"]
+    rows = [(k, est[k], states[k]) for k in states]
+    rows += [("peak - parameters - optimizer states", est_rest, got_rest), ("total (peak)", est["total"],
+                                                                            got["peak_allocated"])]
+    out.update(model=args.model, device=args.device, seq_length=args.seq_length,
+               micro_batch_size=args.micro_batch_size, precision=args.precision, steps=args.steps,
+               layout=dict(tp=pc.tp, pp=pc.pp, cp=pc.cp, dp=pc.dp, zero_stage=pc.zero_stage, sequence_parallel=pc.sp,
+                           activation_checkpointing=pc.activation_checkpointing,
+                           pipeline_schedule=pc.pipeline_schedule, num_microbatches=pc.microbatches,
+                           virtual_pipeline_stages=pc.v),
+               rows=[{"component": k, "estimated": e, "measured": g, "ratio": (e / g) if g else None}
+                     for k, e, g in rows])
+    if args.device == "cuda":
+        out["fragmentation"] = got["peak_reserved"] / got["peak_allocated"] - 1
+    return out
+
+
+def _print_measure(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    lay, c = out["layout"], out["coordinates"]
+    table = Table(title=f"{out['model']} rank {out['rank']} (pp {c['pp']}, dp {c['dp']}, cp {c['cp']}, tp {c['tp']}) "
+                        f"of tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} ZeRO {lay['zero_stage']} "
+                        f"b={out['micro_batch_size']} s={out['seq_length']} {out['precision']} "
+                        f"checkpointing={lay['activation_checkpointing']} on {out['device']}")
+    for col in ("component", "estimated GiB", "measured GiB", "estimated / measured"):
+        table.add_column(col, justify="right" if col != "component" else "left")
+    for r in out["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        table.add_row(r["component"], f"{r['estimated'] / GIB:.3f}", f"{r['measured'] / GIB:.3f}", ratio)
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    got = out["measured"]
+    if out["device"] == "cuda":
+        console.print(f"CUDA allocator: max allocated {got['peak_allocated'] / GIB:.3f} GiB, max reserved "
+                      f"{got['peak_reserved'] / GIB:.3f} GiB (fragmentation {100 * out['fragmentation']:.1f}%).")
+    else:
+        console.print("CPU: the peak of live tensor bytes (lightning_4d.memory.measure.LiveTensorBytes).")
+    console.print("The collectives of the fake process group carry no data: losses are meaningless, memory is real. "
+                  "Estimated = estimate without the overhead allowance (CUDA context, fragmentation).")
+
+
 def main(command: str, argv: list[str]) -> int:
-    """Run ``estimate`` or ``plan`` with ``argv``; returns the exit code (0 fits, 1 does not fit, 2 bad input)."""
+    """Run ``estimate``, ``plan`` or ``measure`` with ``argv``; returns the exit code (0 fits / measured, 1 does not
+    fit, 2 bad input)."""
     args = _parser(command).parse_args(argv)
+    if command == "measure":
+        try:
+            out = _measure(args)
+        except ValueError as err:
+            print(f"lightning-4d {command}: error: {err}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(out))
+        else:
+            _print_measure(out)
+        return 0
     emit = getattr(args, "emit_config", None)
     try:
         if emit is not None:

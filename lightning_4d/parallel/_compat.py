@@ -282,6 +282,65 @@ def reset_schedule_metadata(schedule: Any) -> None:
     raise RuntimeError(f"{type(schedule).__name__} is not a torch.distributed.pipelining schedule this package knows.")
 
 
+# ---------------------------------------------------------------------------------------------------- fake ranks
+#: where torch keeps its fake process group (``FakeStore`` + the ``"fake"`` backend it registers on import): every
+#: collective and send/recv returns at once without moving data, so one process can run any rank of any world size
+FAKE_PG_MODULE = "torch.testing._internal.distributed.fake_pg"
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Initialize the default process group as rank ``rank`` of ``world_size`` on torch's fake backend
+    (:data:`FAKE_PG_MODULE`; Megatron-LM's ``--fake-process-group`` uses the same). Collectives carry no data."""
+    import importlib
+
+    fake = importlib.import_module(FAKE_PG_MODULE)
+    _dist.init_process_group("fake", store=fake.FakeStore(), rank=rank, world_size=world_size)
+
+
+def answer_pipeline_metadata(stages: list, boundary: Tensor) -> Any:
+    """Make the pipeline ``stages`` of this rank learn their neighbours' metadata without receiving it, for a fake
+    process group (which receives nothing): every stage-to-stage tensor of a :class:`StageChunk` pipeline is the
+    hidden state, whose shape, stride and dtype ``boundary`` (a meta tensor) gives, and its gradient has the same.
+
+    torch >= 2.13 exchanges ``_StageForwardMeta`` / ``_StageBackwardMeta`` objects through
+    ``PipelineStage._recv_meta(src_stage)``: each stage's method is replaced on the instance. Earlier torch
+    (``_shape_inference``) receives one tuple of meta tensors through ``torch.distributed.recv_object_list``: the
+    returned context manager replaces that function while it is entered (use it around the run).
+
+    Returns:
+        A context manager (``contextlib.nullcontext`` on torch >= 2.13).
+    """
+    import contextlib
+
+    if all(hasattr(stage, "_recv_meta") for stage in stages):
+        from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+
+        meta = extract_tensor_metas((boundary,))
+        for stage in stages:
+            def recv_meta(src_stage: int, stage: Any = stage) -> Any:
+                if src_stage < stage.stage_index:
+                    return _StageForwardMeta(forward_metas=meta)
+                return _StageBackwardMeta(backward_metas=meta)
+
+            stage._recv_meta = recv_meta
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def answered() -> Any:
+        original = _dist.recv_object_list
+
+        def recv_object_list(object_list: list, *args: Any, **kwargs: Any) -> None:
+            object_list[0] = (boundary,)
+
+        _dist.recv_object_list = recv_object_list
+        try:
+            yield
+        finally:
+            _dist.recv_object_list = original
+
+    return answered()
+
+
 #: the fields of DCP's ``_StorageInfo`` (a private class: the values of ``Metadata.storage_data``) we read
 DCP_STORAGE_INFO_FIELDS = ("relative_path", "offset", "length")
 

@@ -1,0 +1,189 @@
+"""The prepared checks of a lent GPU, as one program (``benchmarks/gpu_check.sh`` runs it; docs/memory.md shows what
+it found).
+
+(a) ``lightning-4d measure --device cuda`` for per-rank layouts up to the GPU's size: llama3.1-8b and llama3-70b
+    ranks, and rank ``worst`` of llama3.1-405b tp8 pp16 s=8192 (Meta's layout) with full checkpointing and without;
+(b) ``benchmarks/gpu_step_time.py``: our single-GPU step against plain PyTorch (tokens/s, MFU), SDPA against eager;
+(c) ``benchmarks/memory_accuracy.py --write``: estimate against ``max_memory_allocated`` on one GPU, and the
+    measured overhead allowance (CUDA context, fragmentation) written to ``lightning_4d/memory/overhead.json``
+    (copied to the output folder);
+(d) ``tests/test_compat.py`` on the GPU machine's torch (each private name still there).
+
+Each part runs as its own process under a time limit taken from what is left of ``--budget-s`` (a part that runs out
+of time or memory is recorded as such, and the rest goes on). Writes ``gpu_check_<GPU>_<date>.json`` and ``.md``
+(and the parts' logs) into ``--out``.
+
+Usage::
+
+    python benchmarks/gpu_check.py --out benchmarks/results [--device cpu]   # cpu: a dry run at tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: (name, measure arguments) on a GPU: llama3.1-8b's README layout (tp2 dp4 ZeRO 1 s=8192: 60 GiB claimed), the same
+#: with selective checkpointing, a 1F1B pipeline rank, a llama3-70b rank, and Meta's llama3.1-405b layout
+GPU_ROWS = [
+    ("8b tp2 dp4 z1 s8192", "--model llama3.1-8b --tp 2 --dp 4 --zero-stage 1 --seq-length 8192 --micro-batch-size 1"),
+    ("8b tp2 dp4 z1 s8192 selective", "--model llama3.1-8b --tp 2 --dp 4 --zero-stage 1 --seq-length 8192 "
+                                      "--micro-batch-size 1 --activation-checkpointing selective"),
+    ("8b tp2 pp2 dp2 z1 1f1b m4", "--model llama3.1-8b --tp 2 --pp 2 --dp 2 --zero-stage 1 --seq-length 4096 "
+                                  "--micro-batch-size 1 --num-microbatches 4"),
+    ("70b tp8 pp4 dp8 z1 s4096 m8", "--model llama3-70b --tp 8 --pp 4 --dp 8 --zero-stage 1 --seq-length 4096 "
+                                    "--micro-batch-size 1 --num-microbatches 8"),
+    ("405b tp8 pp16 dp128 z1 s8192 full", "--model llama3.1-405b --tp 8 --pp 16 --dp 128 --zero-stage 1 "
+                                          "--seq-length 8192 --micro-batch-size 1 --num-microbatches 16 "
+                                          "--activation-checkpointing full"),
+    ("405b tp8 pp16 dp128 z1 s8192 none", "--model llama3.1-405b --tp 8 --pp 16 --dp 128 --zero-stage 1 "
+                                          "--seq-length 8192 --micro-batch-size 1 --num-microbatches 16"),
+]
+#: the same code paths at tiny sizes, for a dry run on CPU
+CPU_ROWS = [
+    ("tiny tp2 dp4 z1", "--model tiny-test --tp 2 --dp 4 --zero-stage 1 --seq-length 64 --micro-batch-size 1"),
+    ("tiny tp2 pp2 dp2 z1 1f1b m4", "--model tiny-test --tp 2 --pp 2 --dp 2 --zero-stage 1 --seq-length 64 "
+                                    "--micro-batch-size 1 --num-microbatches 4"),
+]
+
+
+def _run(cmd: list[str], limit: float, log: Path) -> tuple[int, str, float]:
+    """Run ``cmd`` (cwd: the repository) for at most ``limit`` seconds; its output goes to ``log``."""
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, limit))
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        out += f"\n[timed out after {limit:.0f} s]"
+        rc = 124
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{out}\n[rc={rc}, {time.time() - t0:.1f} s]\n\n")
+    return rc, out, time.time() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--budget-s", type=float, default=480.0, help="time for all parts together (seconds)")
+    p.add_argument("--parts", default="measure,step,accuracy,compat")
+    args = p.parse_args()
+    start = time.time()
+    left = lambda: args.budget_s - (time.time() - start)  # noqa: E731
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    import torch
+
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + "_" + datetime.date.today().isoformat()
+    log = out / f"gpu_check_{tag}.log"
+    result = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "device": args.device, "measure": [], "step_time": None, "memory_accuracy": None, "compat": None}
+    parts = args.parts.split(",")
+    json_path = out / f"gpu_check_{tag}.json"
+
+    def save() -> None:
+        json_path.write_text(json.dumps(result, indent=1))
+
+    if "measure" in parts:
+        rows = GPU_ROWS if args.device == "cuda" else CPU_ROWS
+        for i, (name, argv) in enumerate(rows):
+            limit = min(150.0, left() - 60 * (len(parts) - 1)) if args.device == "cuda" else left()
+            if limit < 20:
+                result["measure"].append({"name": name, "status": "skipped: out of time"})
+                continue
+            cmd = [py, "-m", "lightning_4d", "measure", *argv.split(), "--device", args.device, "--json"]
+            rc, text, secs = _run(cmd, limit, log)
+            row = {"name": name, "args": argv, "rc": rc, "seconds": round(secs, 1)}
+            lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+            if rc == 0 and lines:
+                got = json.loads(lines[-1])
+                row.update(status="ok", rank=got["rank"], coordinates=got["coordinates"], rows=got["rows"],
+                           measured=got["measured"], fragmentation=got.get("fragmentation"))
+            else:
+                oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
+                row["status"] = "out of memory" if oom else ("timed out" if rc == 124 else "failed")
+                row["tail"] = text[-1500:]
+            result["measure"].append(row)
+            print(f"measure {name}: {row['status']} ({secs:.0f} s)", flush=True)
+            save()
+    if "step" in parts and left() > 60:
+        step_args = ["--device", args.device]
+        if args.device == "cpu":
+            step_args += ["--preset", "tiny-test", "--sdpa-preset", "tiny-test", "--shapes", "2x64", "--steps", "4",
+                          "--warmup", "1"]
+        rc, text, secs = _run([py, "benchmarks/gpu_step_time.py", "--out", str(out), *step_args],
+                              min(240.0, left() - 60), log)
+        path = out / "gpu_step_time.json"
+        result["step_time"] = json.loads(path.read_text()) if path.is_file() else {"rc": rc, "tail": text[-1500:]}
+        result["step_time"]["rc"] = rc
+        print(f"step time: rc={rc} ({secs:.0f} s)", flush=True)
+        save()
+    if "accuracy" in parts and args.device == "cuda" and left() > 40:
+        rc, text, secs = _run([py, "benchmarks/memory_accuracy.py", "--write"], left() - 30, log)
+        result["memory_accuracy"] = {"rc": rc, "output": text[-4000:]}
+        overhead = ROOT / "lightning_4d" / "memory" / "overhead.json"
+        shutil.copy(overhead, out / "overhead.json")
+        print(f"memory accuracy: rc={rc} ({secs:.0f} s)", flush=True)
+        save()
+    if "compat" in parts and left() > 15:
+        rc, text, secs = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compat.py"],
+                              left() - 5, log)
+        result["compat"] = {"rc": rc, "tail": text[-1500:]}
+        print(f"compat: rc={rc} ({secs:.0f} s)", flush=True)
+        save()
+    save()
+    (out / f"gpu_check_{tag}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    """The tables of one run, as docs/memory.md quotes them."""
+    gib = 2**30
+    lines = [f"GPU check on {result['gpu']}, torch {result['torch']}, {result['date']}", "",
+             "| layout (rank) | status | params GiB est/meas | opt. states GiB est/meas | rest of peak GiB est/meas | "
+             "peak GiB est/meas | est/meas | reserved/allocated |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["measure"]:
+        if row.get("status") != "ok":
+            lines.append(f"| {row['name']} | {row.get('status')} | | | | | | |")
+            continue
+        r = {x["component"]: x for x in row["rows"]}
+
+        def pair(k: str) -> str:
+            return f"{r[k]['estimated'] / gib:.2f} / {r[k]['measured'] / gib:.2f}"
+
+        frag = row.get("fragmentation")
+        lines.append(f"| {row['name']} (rank {row['rank']}) | ok | {pair('parameters')} | {pair('optimizer_states')} | "
+                     f"{pair('peak - parameters - optimizer states')} | {pair('total (peak)')} | "
+                     f"{r['total (peak)']['ratio']:.3f} | {'-' if frag is None else f'{1 + frag:.3f}'} |")
+    st = result.get("step_time")
+    if st and st.get("rows"):
+        lines += ["", f"Single-GPU step, {st['preset']} bf16-mixed ZeRO 0, SDPA flash (median of timed steps):", "",
+                  "| b x s | run | step ms | tokens/s | MFU | peak GiB | / plain |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in st["rows"]:
+            for key in ("plain", "ours_none", "ours_selective"):
+                x = row[key]
+                mfu = f"{100 * x['mfu']:.1f}%" if x.get("mfu") else "-"
+                lines.append(f"| {row['b']} x {row['s']} | {key} | {1e3 * x['step_s']:.1f} | "
+                             f"{x['tokens_per_s']:,.0f} | {mfu} | {x['peak_gib']:.2f} | {x.get('ratio_to_plain', 1.0):.3f} |")
+        lines += ["", f"SDPA vs eager, max |diff| / max |logit|: {st.get('sdpa_vs_eager')}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,377 @@
+"""One rank of any layout, measured in one process: ``lightning-4d measure``.
+
+torch's fake process group (:func:`lightning_4d.parallel._compat.init_fake_process_group`: every collective and
+send/recv returns at once and moves no data, any rank of any world size; Megatron-LM's ``--fake-process-group``)
+lets one process build and run exactly the tensors rank ``r`` of a layout allocates: the same ``Trainer.fit``
+through :class:`~lightning_4d.FourDStrategy` (mesh, split, tp/sp, cp, activation checkpointing, FSDP2 or the ZeRO 0/1
+buckets, the optimizer, the pipeline schedule, the step) that a real run takes, on synthetic tokens. Losses are
+meaningless (the collectives carry no data); memory is real.
+
+What differs from a real run, and why it does not change the bytes:
+
+- :class:`MeasureStrategy` answers ``broadcast`` with the object itself (every rank computes the same object; the
+  fake group cannot carry a pickled one);
+- under pp the stages learn their neighbours' tensor metadata from the layout instead of from a receive
+  (:func:`~lightning_4d.parallel._compat.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``.
+
+Measured peak:
+
+- CUDA: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of PyTorch's caching allocator (reserved −
+  allocated is the fragmentation the overhead allowance covers);
+- CPU: :class:`LiveTensorBytes`, the largest sum of bytes of the CPU storages alive at once (each storage once,
+  FSDP2's storage resizes followed), seen by a ``TorchDispatchMode`` around the whole fit.
+
+The model states (parameters, gradients at the optimizer step, optimizer states) are counted on the real tensors
+as ``tests/test_memory_model.py`` counts them (:func:`lightning_4d.parallel.zero.model_state_tensors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from lightning_4d.config import ParallelConfig
+from lightning_4d.memory.hardware import OverheadAllowance
+from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
+from lightning_4d.parallel._compat import TorchDispatchMode, tree_flatten
+
+#: the estimate's fields compared with the measurement, in the order the table prints them
+COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers")
+
+
+def rank_coordinates(pc: ParallelConfig, rank: int) -> dict[str, int]:
+    """The ``pp``, ``dp``, ``cp``, ``tp`` coordinates of global ``rank`` on the mesh ``("pp", "dp", "cp", "tp")``
+    (tp innermost, ``lightning_4d/mesh.py``), and its index in ``dp_cp`` (``dp·cp + cp``).
+
+    Raises:
+        ValueError: ``rank`` is not in ``0 .. world_size - 1``.
+    """
+    world = pc.world_size
+    if not 0 <= rank < world:
+        raise ValueError(f"--rank {rank} is not valid: the layout tp={pc.tp} pp={pc.pp} cp={pc.cp} dp={pc.dp} has "
+                         f"{world} ranks (0 .. {world - 1}), or 'worst'.")
+    tp_i = rank % pc.tp
+    cp_i = rank // pc.tp % pc.cp
+    dp_i = rank // (pc.tp * pc.cp) % pc.dp
+    pp_i = rank // (pc.tp * pc.cp * pc.dp)
+    return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i, "dp_cp": dp_i * pc.cp + cp_i}
+
+
+def worst_rank(model_config: Any, pc: ParallelConfig, micro_batch_size: int, seq_length: int, precision: str,
+               num_microbatches: Optional[int] = None) -> int:
+    """The global rank (dp, cp and tp coordinates 0: rank 0 of ``dp_cp`` holds the largest ZeRO shard) of the pp
+    rank whose estimated peak is the largest (:func:`~lightning_4d.memory.model.estimate_all_pp_ranks`)."""
+    estimates = estimate_all_pp_ranks(model_config, pc, micro_batch_size, seq_length, precision,
+                                      num_microbatches=num_microbatches)
+    pp_rank = max(range(pc.pp), key=lambda r: estimates[r].total)
+    return pp_rank * pc.dp * pc.cp * pc.tp
+
+
+# ---------------------------------------------------------------------------------------------------- CPU tracker
+def _storages(t: torch.Tensor) -> list:
+    """The storages behind ``t``: a wrapper subclass (DTensor, ...) has none of its own; its inner tensors do."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return [st for a in attrs if torch.is_tensor(x := getattr(t, a)) for st in _storages(x)]
+    return [t.untyped_storage()]
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The bytes of the storages on ``device_type`` alive at once, and their peak, while the mode is entered.
+
+    Every ATen op's outputs are seen (a storage counted once, from its first appearance until Python frees it:
+    ``weakref.finalize``); ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates its unsharded parameters that
+    way, outside any op) is followed while the mode is entered. Storages alive before the mode are not counted:
+    enter it before anything of the run is allocated.
+
+    Attributes:
+        current: bytes alive now.
+        peak: the largest ``current`` seen (bytes).
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.device_type = device_type
+        self.current = 0
+        self.peak = 0
+        self._sizes: Any = WeakIdKeyDictionary()  # storage -> [bytes]
+        self._resize: Any = None
+
+    def _add(self, delta: int) -> None:
+        self.current += delta
+        self.peak = max(self.peak, self.current)
+
+    def _release(self, holder: list) -> None:
+        self.current -= holder[0]
+
+    def track(self, st: Any) -> None:
+        """Count storage ``st`` (once) until it is freed."""
+        if st.device.type != self.device_type or st in self._sizes:
+            return
+        holder = [st.nbytes()]
+        self._sizes[st] = holder
+        weakref.finalize(st, self._release, holder)
+        self._add(holder[0])
+
+    def __enter__(self) -> "LiveTensorBytes":
+        resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st: Any, size: int) -> Any:
+            out = resize(st, size)
+            holder = tracker._sizes.get(st)
+            if holder is None:
+                tracker.track(st)
+            else:
+                tracker._add(size - holder[0])
+                holder[0] = size
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if torch.is_tensor(t):
+                for st in _storages(t):
+                    self.track(st)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+def _strategy_class() -> type:
+    from lightning_4d.parallel.pipeline import PIPELINE_COMM_TORCH_DTYPES
+    from lightning_4d.strategy import FourDStrategy
+
+    class MeasureStrategy(FourDStrategy):
+        """FourDStrategy for one rank on a fake process group (module docstring: what differs and why)."""
+
+        micro_batch_size: int = 1
+        seq_length: int = 1
+        _answered: Any = None
+
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            return obj  # every rank computes the same object; the fake group carries none
+
+        def setup(self, trainer: Any) -> None:
+            super().setup(trainer)
+            if self.pipeline is None:
+                return
+            pc = self.parallel_config
+            chunk = self.pipeline.stages[0].submod
+            comm = pc.pipeline_comm_dtype
+            if comm == "float8":
+                raise ValueError("measure does not model the float8 pipeline wire (pipeline_comm_dtype='float8').")
+            dtype = PIPELINE_COMM_TORCH_DTYPES[comm] if comm else (self.compute_dtype or torch.float32)
+            boundary = torch.empty(self.micro_batch_size, self.seq_length // pc.cp // chunk.sequence_shards,
+                                   chunk.hidden_size, dtype=dtype, device="meta")
+            from lightning_4d.parallel._compat import answer_pipeline_metadata
+
+            self._answered = answer_pipeline_metadata(self.pipeline.stages, boundary)
+            self._answered.__enter__()
+
+        def teardown(self) -> None:
+            if self._answered is not None:
+                self._answered.__exit__(None, None, None)
+                self._answered = None
+            super().teardown()
+
+    return MeasureStrategy
+
+
+def _environment(world_size: int, rank: int) -> Any:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+
+    class OneRank(ClusterEnvironment):
+        """Rank ``rank`` of ``world_size``, in this process (the process group exists before the Trainer)."""
+
+        @property
+        def creates_processes_externally(self) -> bool:
+            return True
+
+        @property
+        def main_address(self) -> str:
+            return "localhost"
+
+        @property
+        def main_port(self) -> int:
+            return 0
+
+        @staticmethod
+        def detect() -> bool:
+            return True
+
+        def world_size(self) -> int:
+            return world_size
+
+        def set_world_size(self, size: int) -> None:
+            pass
+
+        def global_rank(self) -> int:
+            return rank
+
+        def set_global_rank(self, rank: int) -> None:
+            pass
+
+        def local_rank(self) -> int:
+            return 0
+
+        def node_rank(self) -> int:
+            return 0
+
+    return OneRank()
+
+
+def fit_and_measure(model_config: Any, pc: ParallelConfig, micro_batch_size: int, seq_length: int, precision: str,
+                    steps: int = 2, device: str = "cpu", strategy: Any = None, trainer_kwargs: Any = None
+                    ) -> dict[str, Any]:
+    """Run ``steps`` optimizer steps of :class:`~lightning_4d.tasks.CausalLMModule` on synthetic tokens under
+    ``strategy`` (default: a :class:`~lightning_4d.FourDStrategy` of ``pc``) and return the bytes this rank held.
+
+    The process group must exist (a fake one, or a real one under ``torchrun``) unless the layout has one rank.
+    ``trainer_kwargs`` override the Trainer's arguments (default ``devices=1, num_nodes=world_size``: one process
+    per rank; under ``torchrun --nproc-per-node N`` pass ``devices=N, num_nodes=1``).
+
+    Returns:
+        ``{"peak_allocated": bytes, "peak_reserved": bytes (CUDA; None on CPU), "parameters", "gradients",
+        "optimizer_states" (incl. master weights and compression state), "loss_finite": bool}``.
+    """
+    import lightning as L
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_4d.parallel.zero import local_bytes, model_state_tensors
+    from lightning_4d.strategy import FourDStrategy
+    from lightning_4d.tasks import CausalLMModule
+
+    m = pc.microbatches if pc.pp > 1 else 1
+    batch = micro_batch_size * m
+    vocab = model_config.vocab_size
+
+    class Tokens(IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for _ in range(steps):
+                ids = torch.randint(0, vocab, (batch, seq_length + 1), generator=g)
+                yield {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+    states: dict[str, int] = {}
+
+    class StateBytes(L.Callback):
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            if "parameters" not in states:
+                t = model_state_tensors(module, [], getattr(trainer.strategy, "_buckets", None))
+                states["parameters"] = local_bytes(t["parameters"])
+                states["gradients"] = local_bytes(t["gradients"])
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            if "optimizer_states" not in states:
+                t = model_state_tensors(module, trainer.optimizers, getattr(trainer.strategy, "_buckets", None))
+                states["optimizer_states"] = sum(local_bytes(t[k]) for k in
+                                                 ("optimizer_states", "master_weights", "compression"))
+
+    if strategy is None:
+        strategy = FourDStrategy(**_strategy_kwargs(pc), memory_check=False)
+    cuda = device == "cuda"
+    tracker = LiveTensorBytes("cpu") if not cuda else contextlib.nullcontext()
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    losses: list[float] = []
+    with tracker:
+        module = CausalLMModule(model_config, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
+        kwargs = dict(accelerator=device, devices=1, num_nodes=pc.world_size, strategy=strategy,
+                      precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[StateBytes()])
+        trainer = L.Trainer(**{**kwargs, **(trainer_kwargs or {})})
+        trainer.fit(module, DataLoader(Tokens(), batch_size=None))
+        loss = trainer.callback_metrics.get("train_loss")
+        if loss is not None:
+            losses.append(float(loss))
+    if cuda:
+        torch.cuda.synchronize()
+        out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+    else:
+        out = {"peak_allocated": tracker.peak, "peak_reserved": None}
+    out.update(states)
+    out["loss_finite"] = bool(losses) and all(map(lambda x: x == x and abs(x) != float("inf"), losses))
+    del trainer, module
+    gc.collect()
+    return out
+
+
+def _strategy_kwargs(pc: ParallelConfig) -> dict[str, Any]:
+    return dict(data_parallel_size=pc.dp, tensor_parallel_size=pc.tp, pipeline_parallel_size=pc.pp,
+                context_parallel_size=pc.cp, zero_stage=pc.zero_stage, sequence_parallel=pc.sequence_parallel,
+                activation_checkpointing=pc.activation_checkpointing, pipeline_schedule=pc.pipeline_schedule,
+                virtual_pipeline_stages=pc.virtual_pipeline_stages, num_microbatches=pc.num_microbatches,
+                pipeline_layer_split=pc.pipeline_layer_split, context_parallel_method=pc.context_parallel_method)
+
+
+def measure_rank(model_config: Any, pc: ParallelConfig, rank: int, micro_batch_size: int, seq_length: int,
+                 precision: str = "bf16-mixed", steps: int = 2, device: str = "cpu") -> dict[str, Any]:
+    """Rank ``rank`` of layout ``pc`` trained for ``steps`` steps in this process on a fake process group, measured
+    (:func:`fit_and_measure`) beside :func:`~lightning_4d.memory.model.estimate_memory` of its pp rank and
+    ``dp_cp`` rank (without the overhead allowance: the allocator does not see the CUDA context).
+
+    Args:
+        model_config: a :class:`~lightning_4d.models.LlamaConfig`.
+        pc: a resolved layout (``dp`` an int), validated against the model and the sequence length.
+        rank: the global rank, ``0 .. world_size - 1``.
+        micro_batch_size: b; seq_length: s (tokens, before cp splits it).
+        precision: Lightning's precision flag.
+        steps: optimizer steps (>= 2: the first step allocates the optimizer states).
+        device: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        ``{"rank", "coordinates", "measured": fit_and_measure's dict, "estimate": MemoryEstimate.to_dict()}``.
+
+    Raises:
+        ValueError: a rank outside the world, ``steps`` < 1, an unknown device, CUDA asked for but absent; layout
+            errors come from ``ParallelConfig`` before this is called.
+        RuntimeError: a process group already exists in this process.
+    """
+    import torch.distributed as dist
+
+    from lightning_4d.parallel._compat import init_fake_process_group
+
+    coords = rank_coordinates(pc, rank)
+    if steps < 1:
+        raise ValueError(f"--steps {steps} is not valid: expected an integer >= 1.")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r} is not valid: expected cpu or cuda.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu).")
+    if dist.is_initialized():
+        raise RuntimeError("measure needs a process of its own: a process group is already initialized.")
+    estimate = estimate_memory(model_config, pc, micro_batch_size, seq_length, precision,
+                               num_microbatches=pc.microbatches, pp_rank=coords["pp"], dp_cp_rank=coords["dp_cp"],
+                               overhead=OverheadAllowance(0, 0.0, "none"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    init_fake_process_group(rank, pc.world_size)
+    try:
+        strategy = _strategy_class()(**_strategy_kwargs(pc), memory_check=False,
+                                     process_group_backend="fake")
+        strategy.micro_batch_size, strategy.seq_length = micro_batch_size, seq_length
+        measured = fit_and_measure(model_config, pc, micro_batch_size, seq_length, precision, steps, device,
+                                   strategy=strategy, trainer_kwargs={"plugins": [_environment(pc.world_size, rank)]})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {"rank": rank, "coordinates": coords, "measured": measured, "estimate": estimate.to_dict()}
