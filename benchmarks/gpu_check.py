@@ -179,7 +179,8 @@ def markdown(result: dict) -> str:
                 x = row[key]
                 mfu = f"{100 * x['mfu']:.1f}%" if x.get("mfu") else "-"
                 lines.append(f"| {row['b']} x {row['s']} | {key} | {1e3 * x['step_s']:.1f} | "
-                             f"{x['tokens_per_s']:,.0f} | {mfu} | {x['peak_gib']:.2f} | {x.get('ratio_to_plain', 1.0):.3f} |")
+                             f"{x['tokens_per_s']:,.0f} | {mfu} | {x['peak_gib']:.2f} | "
+                             f"{x.get('ratio_to_plain', 1.0):.3f} |")
         lines += ["", f"SDPA vs eager, max |diff| / max |logit|: {st.get('sdpa_vs_eager')}"]
     return "\n".join(lines) + "\n"
 

@@ -188,7 +188,8 @@ def main() -> None:
                 r["ratio_to_plain"] = r["step_s"] / row["plain"]["step_s"]
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
             print(f"{args.preset} b={b} s={s} {key:>15}: {r['step_s'] * 1e3:8.1f} ms  "
-                  f"{r['tokens_per_s']:10,.0f} tok/s  MFU {mfu}  peak {r['peak_gib']:.2f} GiB  ratio {r.get('ratio_to_plain', 1.0):.3f}", flush=True)
+                  f"{r['tokens_per_s']:10,.0f} tok/s  MFU {mfu}  peak {r['peak_gib']:.2f} GiB  "
+                  f"ratio {r.get('ratio_to_plain', 1.0):.3f}", flush=True)
         result["rows"].append(row)
         out_path.write_text(json.dumps(result, indent=1))
     out_path.write_text(json.dumps(result, indent=1))

@@ -25,6 +25,7 @@ import datetime
 import gc
 import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -86,19 +87,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--write", action="store_true", help="record the overhead allowance for this GPU")
+    parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: run GRID[row], print its JSON
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/memory_accuracy.py needs a CUDA GPU; none is available here. Nothing measured.")
         return 0
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
+    if args.row is not None:
+        print(json.dumps(run_row(*GRID[args.row], steps=args.steps)))
+        return 0
     name = torch.cuda.get_device_name()
     rows = []
     print(f"{name}: estimate (without overhead) vs torch.cuda.max_memory_allocated, {args.steps} steps per row")
     print(f"{'model':<12}{'b':>3}{'s':>6} {'ckpt':<5}{'precision':<11}{'estimate GiB':>13}{'measured GiB':>13}"
           f"{'error %':>9}  peak phase")
-    for row in GRID:
-        r = run_row(*row, steps=args.steps)
+    for i in range(len(GRID)):
+        # one process per row: a Trainer leaves tensors behind (measured on an H200: each row in one process
+        # measured the rows before it too, 25 -> 49 -> 53 -> 64 GiB), and the CUDA context is each row's own
+        proc = subprocess.run([sys.executable, __file__, "--row", str(i), "--steps", str(args.steps)],
+                              capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            print(f"row {GRID[i]} failed:\n{proc.stderr[-2000:]}")
+            return 1
+        r = json.loads(lines[-1])
         rows.append(r)
         print(f"{r['model']:<12}{r['b']:>3}{r['s']:>6} {r['ac']:<5}{r['precision']:<11}{r['estimate'] / 2**30:>13.3f}"
               f"{r['max_allocated'] / 2**30:>13.3f}{r['error_pct']:>+9.2f}  {r['peak_phase']}")

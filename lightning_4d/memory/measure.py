@@ -249,7 +249,8 @@ def fit_and_measure(model_config: Any, pc: ParallelConfig, micro_batch_size: int
 
     Returns:
         ``{"peak_allocated": bytes, "peak_reserved": bytes (CUDA; None on CPU), "parameters", "gradients",
-        "optimizer_states" (incl. master weights and compression state), "loss_finite": bool}``.
+        "optimizer_states", "master_weights"}`` (bytes; the optimizer states include the master weights and
+        PowerSGD's state, as :class:`~lightning_4d.memory.model.ModelStates` counts them).
     """
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
@@ -281,8 +282,9 @@ def fit_and_measure(model_config: Any, pc: ParallelConfig, micro_batch_size: int
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
             if "optimizer_states" not in states:
                 t = model_state_tensors(module, trainer.optimizers, getattr(trainer.strategy, "_buckets", None))
-                states["optimizer_states"] = sum(local_bytes(t[k]) for k in
-                                                 ("optimizer_states", "master_weights", "compression"))
+                # the optimizer states include the master weights and PowerSGD's state, as the estimate's do
+                states["optimizer_states"] = local_bytes(t["optimizer_states"])
+                states["master_weights"] = local_bytes(t["master_weights"])
 
     if strategy is None:
         strategy = FourDStrategy(**_strategy_kwargs(pc), memory_check=False)
@@ -292,7 +294,6 @@ def fit_and_measure(model_config: Any, pc: ParallelConfig, micro_batch_size: int
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    losses: list[float] = []
     with tracker:
         module = CausalLMModule(model_config, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
         kwargs = dict(accelerator=device, devices=1, num_nodes=pc.world_size, strategy=strategy,
@@ -301,16 +302,12 @@ def fit_and_measure(model_config: Any, pc: ParallelConfig, micro_batch_size: int
                       num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[StateBytes()])
         trainer = L.Trainer(**{**kwargs, **(trainer_kwargs or {})})
         trainer.fit(module, DataLoader(Tokens(), batch_size=None))
-        loss = trainer.callback_metrics.get("train_loss")
-        if loss is not None:
-            losses.append(float(loss))
     if cuda:
         torch.cuda.synchronize()
         out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
     else:
         out = {"peak_allocated": tracker.peak, "peak_reserved": None}
     out.update(states)
-    out["loss_finite"] = bool(losses) and all(map(lambda x: x == x and abs(x) != float("inf"), losses))
     del trainer, module
     gc.collect()
     return out

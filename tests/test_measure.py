@@ -1,0 +1,129 @@
+"""``lightning-4d measure``: one rank of a layout run in one process on the fake process group holds the same bytes
+as that rank of a real multi-process run (gloo), and bad input gets ``estimate``'s one-line errors.
+
+Measured (CPU, tiny-test, s=64, b=1, two steps; ``tests/scripts/measure_peak.py`` under torchrun against
+``lightning-4d measure --rank r``, both counting live CPU tensor bytes with ``LiveTensorBytes``):
+
+- model states (parameters, gradients at the step, optimizer states, master weights) equal on every rank tried;
+- the peak equal, except on a pipeline rank that sends: gloo holds a sent tensor until the peer has received it,
+  the fake group's send completes at once. Measured on the last stage of pp2 x dp2 ZeRO 1 (32-true): the real run's
+  peak is 16,384 B (= one hidden state [1, 64, 64] float32, the output of an ``aten.add``) above measure's, and no
+  other op's bytes differ. The test allows exactly one stage-to-stage tensor on pipeline ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_4d.cli import main
+from lightning_4d.config import ParallelConfig
+from lightning_4d.memory.measure import rank_coordinates, worst_rank
+from lightning_4d.models import LlamaConfig
+from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
+
+TINY = LlamaConfig.from_preset("tiny-test")  # h=64, L=2
+
+LAYOUTS = [
+    # (measure's arguments, ParallelConfig keywords, precision, ranks to compare)
+    (["--pp", "2", "--dp", "2", "--zero-stage", "1", "--num-microbatches", "2"],
+     {"data_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1, "num_microbatches": 2},
+     "32-true", [0, 3]),
+    (["--tp", "2", "--dp", "2", "--zero-stage", "3", "--activation-checkpointing", "selective"],
+     {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3, "activation_checkpointing": "selective"},
+     "bf16-mixed", [0, 3]),
+]
+
+
+def _measure_cli(args: list[str], rank: int, precision: str) -> dict:
+    cmd = [sys.executable, "-m", "lightning_4d", "measure", "--model", "tiny-test", "--seq-length", "64",
+           "--micro-batch-size", "1", "--precision", precision, "--rank", str(rank), "--json", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+@pytest.mark.parametrize("args, layout, precision, ranks", LAYOUTS)
+def test_measure_equals_the_real_multi_process_run(tmp_path, args, layout, precision, ranks):
+    torchrun(4, SCRIPTS / "measure_peak.py", "--out", str(tmp_path), "--layout", json.dumps(layout),
+             "--precision", precision)
+    pc = ParallelConfig(**layout)
+    for rank in ranks:
+        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        out = _measure_cli(args, rank, precision)
+        fake = out["measured"]
+        print(f"{layout} {precision} rank {rank}: real peak {real['peak_allocated']:,} B, measure "
+              f"{fake['peak_allocated']:,} B; optimizer states {real['optimizer_states']:,} B")
+        for key in ("parameters", "gradients", "optimizer_states", "master_weights"):
+            assert fake[key] == real[key], (rank, key)
+        # and they are what the estimate says (the states of tests/test_memory_model.py)
+        rows = {r["component"]: r for r in out["rows"]}
+        for key in ("parameters", "gradients", "optimizer_states"):
+            assert rows[key]["estimated"] == rows[key]["measured"], (rank, key)
+        send = 0
+        if pc.pp > 1 and rank_coordinates(pc, rank)["pp"] > 0:  # a stage that sends gradients back (docstring)
+            send = 1 * 64 * TINY.hidden_size * (4 if precision == "32-true" else 2)
+        assert fake["peak_allocated"] <= real["peak_allocated"] <= fake["peak_allocated"] + send, rank
+
+
+def test_rank_coordinates_follow_the_mesh_order():
+    pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2,
+                        context_parallel_size=2)
+    # mesh ("pp", "dp", "cp", "tp"), tp innermost
+    assert rank_coordinates(pc, 0) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "dp_cp": 0}
+    assert rank_coordinates(pc, 1) == {"pp": 0, "dp": 0, "cp": 0, "tp": 1, "dp_cp": 0}
+    assert rank_coordinates(pc, 2) == {"pp": 0, "dp": 0, "cp": 1, "tp": 0, "dp_cp": 1}
+    assert rank_coordinates(pc, 4) == {"pp": 0, "dp": 1, "cp": 0, "tp": 0, "dp_cp": 2}
+    assert rank_coordinates(pc, 15) == {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "dp_cp": 3}
+    with pytest.raises(ValueError, match=r"--rank 16 is not valid: .* has 16 ranks \(0 \.\. 15\)"):
+        rank_coordinates(pc, 16)
+
+
+def test_worst_rank_is_the_largest_pp_rank():
+    pc = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=4)
+    tied = LlamaConfig.from_preset("tiny-test", num_layers=4)
+    rank = worst_rank(tied, pc, 1, 64, "32-true")
+    from lightning_4d.memory.model import estimate_all_pp_ranks
+
+    est = estimate_all_pp_ranks(tied, pc, 1, 64, "32-true")
+    assert rank == max(range(2), key=lambda r: est[r].total) * 2
+
+
+BAD = [
+    ["--model", "no-such-model", "--tp", "2", "--dp", "1", "--seq-length", "64", "--micro-batch-size", "1"],
+    ["--model", "tiny-test", "--tp", "3", "--dp", "1", "--seq-length", "64", "--micro-batch-size", "1"],
+    ["--model", "tiny-test", "--cp", "2", "--dp", "1", "--seq-length", "66", "--micro-batch-size", "1"],
+    ["--model", "tiny-test", "--pp", "3", "--dp", "1", "--seq-length", "64", "--micro-batch-size", "1"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD)
+def test_bad_input_gets_the_same_one_line_error_as_estimate(argv, capsys):
+    assert main(["estimate", *argv]) == 2
+    estimate = capsys.readouterr().err.strip().replace("lightning-4d estimate: ", "")
+    assert main(["measure", *argv]) == 2
+    measure = capsys.readouterr().err.strip().replace("lightning-4d measure: ", "")
+    assert "\n" not in measure
+    if "--seq-length" in argv and "66" in argv:  # estimate accepts a sequence it need not split; measure must
+        assert "66" in measure, measure
+    else:
+        assert measure == estimate
+
+
+def test_rank_outside_the_world_is_refused_before_any_process_group(capsys):
+    argv = ["measure", "--model", "tiny-test", "--tp", "2", "--dp", "2", "--seq-length", "64", "--micro-batch-size",
+            "1", "--rank", "4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("lightning-4d measure: error: --rank 4 is not valid: the layout tp=2 pp=1 cp=1 dp=2 has 4 "
+                           "ranks (0 .. 3), or 'worst'.")
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(SystemExit) as exit_info:  # argparse's type check, as for estimate's sizes
+        main(argv[:-1] + ["-1"])
+    assert exit_info.value.code == 2
+    assert "expected a rank (an integer >= 0) or 'worst'" in capsys.readouterr().err
