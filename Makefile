@@ -7,8 +7,9 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lightning_4d-installed
+DOCS_STAMP := $(VENV)/.lightning_4d-docs-installed
 
-.PHONY: run test lint install clean docs-figures
+.PHONY: run test lint install clean docs docs-figures
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,7 +28,18 @@ test: $(STAMP)
 
 # lint only (pyproject's [tool.ruff]: pycodestyle errors and warnings, pyflakes, import order; line length 120)
 lint: $(STAMP)
-	$(BIN)/ruff check lightning_4d tests benchmarks examples
+	$(BIN)/ruff check lightning_4d tests benchmarks examples docs
+
+# the docs extra, on top of the install above (its own stamp, so `make test` and `make lint` install what they did)
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS),docs]"
+	touch $(DOCS_STAMP)
+
+# the docs site into site/ (mkdocs.yml): strict, so a broken link or anchor, a page left out of the nav, a `:::`
+# reference to a missing object or a docstring griffe cannot parse fails; the CLI reference is generated from
+# `lightning-4d <command> --help` (docs/hooks.py). NO_MKDOCS_2_WARNING: mkdocs-material's notice about MkDocs 2.0
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 # regenerate every figure the docs quote between <!-- figure: ... --> markers (benchmarks/docs_figures.py;
 # tests/test_docs.py fails when one is stale, or when a command the docs show exits otherwise than they say)
@@ -35,4 +47,4 @@ docs-figures: $(STAMP)
 	$(BIN)/python benchmarks/docs_figures.py
 
 clean:
-	rm -rf $(VENV) checkpoints lightning_logs
+	rm -rf $(VENV) checkpoints lightning_logs site

@@ -181,8 +181,8 @@ class MemoryEstimatorCallback(L.Callback):
             Without CUDA and without this argument there is nothing to check against: a warning says so.
         formula: ``"lightning_4d"`` (:func:`~lightning_4d.memory.model.estimate_memory`) or ``"fujii2024"``.
         enabled: ``False`` turns the check off.
-        micro_batch_size, seq_length: the batch shape, sequences per micro-batch and tokens per sequence (default:
-            found as above).
+        micro_batch_size: the batch shape's sequences per micro-batch (default: found as above).
+        seq_length: the batch shape's tokens per sequence (default: found as above).
 
     Raises:
         MemoryBudgetExceeded: (in ``setup``) the estimate of the worst pipeline stage exceeds

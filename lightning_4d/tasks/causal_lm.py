@@ -112,7 +112,8 @@ class CausalLMModule(L.LightningModule):
             (``--model.max_steps=600``; ``docs/checkpoints.md``).
         weight_decay: AdamW decoupled weight decay, applied to matrices only (embeddings and linear weights; not to
             norm weights).
-        betas, eps: AdamW hyper-parameters.
+        betas: AdamW's ``(beta1, beta2)``.
+        eps: AdamW's epsilon.
         init_seed: seed of the layout-independent weight initialization (same seed ⇒ same weights on every layout).
         init_from: start from these weights instead of the random initialization (fit, validate, test and predict
             alike): a Hugging Face Llama directory (``config.json`` + ``model.safetensors`` or sharded with
