@@ -344,3 +344,22 @@ def test_explicit_pipeline_layer_split_is_estimated():
     assert explicit.total == default.total
     lighter = estimate_memory(cfg, pc, 1, 4096, "bf16-mixed", pp_rank=0, pipeline_layer_split=[12, 20])
     assert lighter.total < default.total
+
+
+def test_float32_gqa_on_cuda_counts_the_repeated_kv_heads():
+    """``sdpa`` repeats the kv heads for float32 GQA on CUDA (the math kernel it would fall back to materializes the
+    scores: ``models/attention_backends.sdpa_repeats_kv_heads``): each layer saves k and v with every query head."""
+    import torch
+
+    from lightning_4d.models.attention_backends import sdpa_repeats_kv_heads
+
+    q, k = torch.zeros(1, 8, 4, 2), torch.zeros(1, 8, 2, 2)
+    assert not sdpa_repeats_kv_heads(q, k)  # on CPU SDPA takes enable_gqa in float32
+    pc, b, s = _pc(zero_stage=0), 2, 64
+    a, kv, d = TINY.num_heads, TINY.num_kv_heads, TINY.head_dim
+    cpu = saved_activation_bytes(TINY, pc, b, s, "32-true", device_type="cpu")["layers"]
+    cuda = saved_activation_bytes(TINY, pc, b, s, "32-true", device_type="cuda")["layers"]
+    assert cuda - cpu == TINY.num_layers * 2 * 4 * b * s * (a - kv) * d
+    for precision in ("bf16-mixed", "bf16-true"):  # flash takes GQA: nothing repeated
+        assert (saved_activation_bytes(TINY, pc, b, s, precision, device_type="cuda")
+                == saved_activation_bytes(TINY, pc, b, s, precision, device_type="cpu"))

@@ -516,7 +516,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     pc.validate_microbatches(pc.microbatches)
     rank = args.rank
     if rank == "worst":
-        rank = worst_rank(cfg, pc, args.micro_batch_size, args.seq_length, args.precision)
+        rank = worst_rank(cfg, pc, args.micro_batch_size, args.seq_length, args.precision, device_type=args.device)
     out = measure_rank(cfg, pc, rank, args.micro_batch_size, args.seq_length, args.precision, steps=args.steps,
                        device=args.device)
     est, got = out["estimate"], out["measured"]

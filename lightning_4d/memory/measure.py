@@ -63,11 +63,11 @@ def rank_coordinates(pc: ParallelConfig, rank: int) -> dict[str, int]:
 
 
 def worst_rank(model_config: Any, pc: ParallelConfig, micro_batch_size: int, seq_length: int, precision: str,
-               num_microbatches: Optional[int] = None) -> int:
+               num_microbatches: Optional[int] = None, device_type: str = "cuda") -> int:
     """The global rank (dp, cp and tp coordinates 0: rank 0 of ``dp_cp`` holds the largest ZeRO shard) of the pp
     rank whose estimated peak is the largest (:func:`~lightning_4d.memory.model.estimate_all_pp_ranks`)."""
     estimates = estimate_all_pp_ranks(model_config, pc, micro_batch_size, seq_length, precision,
-                                      num_microbatches=num_microbatches)
+                                      num_microbatches=num_microbatches, device_type=device_type)
     pp_rank = max(range(pc.pp), key=lambda r: estimates[r].total)
     return pp_rank * pc.dp * pc.cp * pc.tp
 
@@ -359,7 +359,7 @@ def measure_rank(model_config: Any, pc: ParallelConfig, rank: int, micro_batch_s
         raise RuntimeError("measure needs a process of its own: a process group is already initialized.")
     estimate = estimate_memory(model_config, pc, micro_batch_size, seq_length, precision,
                                num_microbatches=pc.microbatches, pp_rank=coords["pp"], dp_cp_rank=coords["dp_cp"],
-                               overhead=OverheadAllowance(0, 0.0, "none"))
+                               device_type=device, overhead=OverheadAllowance(0, 0.0, "none"))
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     init_fake_process_group(rank, pc.world_size)
     try:

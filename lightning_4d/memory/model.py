@@ -151,6 +151,18 @@ class _Dtypes:
     compute: int  # matmul inputs and outputs
     residual: int  # residual stream between layers
     autocast: bool  # 16-mixed: float32 weights and inputs cast per op by Lightning's autocast
+    #: SDPA saves k and v with every query head's copy: float32 GQA on CUDA (models/attention_backends.py,
+    #: ``sdpa_repeats_kv_heads``)
+    kv_repeated: bool = False
+
+    @staticmethod
+    def for_layout(precision: str, model_config: Any, pc: ParallelConfig, device_type: str) -> "_Dtypes":
+        """:meth:`of` ``precision``, with ``kv_repeated`` where the ``sdpa`` backend repeats the kv heads."""
+        dt = _Dtypes.of(precision)
+        repeats = (device_type == "cuda" and precision == "32-true" and pc.cp == 1
+                   and getattr(model_config, "attention_backend", "sdpa") == "sdpa"
+                   and model_config.num_kv_heads != model_config.num_heads)
+        return replace(dt, kv_repeated=True) if repeats else dt
 
     @staticmethod
     def of(precision: str) -> "_Dtypes":
@@ -381,7 +393,7 @@ def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool)
         # under sp the projections save the sequence shard and gather it again in backward (parallel/tensor.py)
         "attn_in": c * b * s_sp * h if sp else c * b * s * h * (3 if dt.autocast else 1),
         "ffn_in": c * b * s_sp * h if sp else c * b * s * h * (2 if dt.autocast else 1),
-        "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * k * d + 4 * b * a * s,
+        "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * (a if dt.kv_repeated else k) * d + 4 * b * a * s,
         "swiglu": 4 * c * b * s * (f // tp),
     }
 
@@ -440,9 +452,11 @@ def saved_activation_bytes(
     *,
     pp_rank: int = 0,
     pipeline_layer_split: Optional[list[int]] = None,
+    device_type: str = "cpu",
 ) -> dict[str, int]:
     """Bytes saved for backward by one micro-batch's forward through all pipeline stages of pp rank ``pp_rank``, by
-    part.
+    part. ``device_type="cuda"`` counts, for ``32-true`` GQA models on the ``sdpa`` backend, the k and v heads the
+    backend repeats there (``sdpa_repeats_kv_heads`` of ``lightning_4d.models.attention_backends``).
 
     Returns a dict with ``layers`` (all layers of the rank: their saved tensors, only their inputs under full
     activation checkpointing, their inputs and kept matmul / attention / reduction outputs under selective
@@ -464,7 +478,7 @@ def saved_activation_bytes(
     _check_positive_int("seq_length", seq_length)
     pc = _with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
     pc.validate_sequence(seq_length)
-    dt = _Dtypes.of(_precision(precision))
+    dt = _Dtypes.for_layout(_precision(precision), model_config, pc, device_type)
     tp, sp, cp = pc.tp, pc.sp, pc.cp
     s = seq_length // cp
     s_sp = s // tp if sp else s
@@ -901,9 +915,9 @@ def _estimate_pp_rank(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: s
     """:func:`estimate_memory` of one pp rank: model states, then activations, buffers and the three phases."""
     from lightning_4d.memory.hardware import overhead_allowance
 
-    dt = _Dtypes.of(precision)
+    dt = _Dtypes.for_layout(precision, cfg, pc, device_type)
     states = model_state_bytes(cfg, pc, precision, pp_rank=pp_rank, dp_cp_rank=dp_cp_rank)
-    saved = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank)
+    saved = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type=device_type)
     act = _activation_terms(cfg, pc, dt, b, s, pp_rank, m, saved)
     buf = _buffer_terms(cfg, pc, dt, b, s, pp_rank, m, states)
     phases = _phases(states, act, buf)
