@@ -45,6 +45,7 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
     models = find_models(module) if module is not None else []
     if isinstance(model_config, LlamaConfig):
         config.validate_model(model_config)
+        config.validate_moe(model_config)
     for _, family, model in models:
         family.validate(model, config)
     if module is not None and not models and max(config.tp, config.pp, config.cp) > 1 and not _splittable(module):
@@ -196,6 +197,8 @@ def parallelize_model(
     apply_tensor_parallel(model, family.tensor_parallel_plan(model), mesh.tp, sequence_parallel=config.sp)
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
+    if config.dp_cp > 1:
+        family.apply_data_parallel(model, mesh.dp_cp)
     layers = find_submodel(model, family.pipeline_layout(model).layers)
     apply_activation_checkpointing(layers, config.activation_checkpointing)
     if compile:
