@@ -150,22 +150,23 @@ class MoEFeedForward(nn.Module):
         self.dropped: Optional[Tensor] = None
         self.assignments: Optional[Tensor] = None
 
-    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """``(weights, experts)``, both ``[T, k]``: the float32 weights and the chosen experts of every token
-        (module docstring: softmax or sigmoid)."""
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(weights, experts, probs)``: the float32 weights and the chosen experts of every token (``[T, k]``
+        each; module docstring: softmax or sigmoid) and the float32 ``softmax(logits)`` ``[T, E]`` the
+        load-balancing loss averages (for the softmax router, the very tensor it routed with: saved once)."""
+        probs = torch.softmax(logits.float(), dim=-1)
         if self.config.router_score == "softmax":
-            probs = torch.softmax(logits.float(), dim=-1)
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
-            return weights / weights.sum(dim=-1, keepdim=True), experts
+            return weights / weights.sum(dim=-1, keepdim=True), experts, probs
         top, experts = torch.topk(logits, self.top_k, dim=-1)
-        return torch.sigmoid(top.float()), experts
+        return torch.sigmoid(top.float()), experts, probs
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         n_tokens, k, n_experts = tokens.shape[0], self.top_k, self.config.num_experts
         logits = self.router(tokens)
-        weights, experts = self.route(logits)
+        weights, experts, probs = self.route(logits)
         flat_expert = experts.reshape(-1)  # assignment i = (token i // k, slot i % k)
         counts = torch.bincount(flat_expert, minlength=n_experts)
         # group the assignments by expert, each expert's in token order (a stable sort of token-major indices)
@@ -184,13 +185,18 @@ class MoEFeedForward(nn.Module):
             routed_out = self.experts((routed_in * w).to(routed_in.dtype), kept_counts)
         else:  # Mixtral: the weight scales the expert's output
             routed_out = self.experts(routed_in, kept_counts) * w
-        out = torch.zeros_like(tokens).index_add_(0, token_of, routed_out.to(tokens.dtype))
+        # combine: every assignment's output into its (token, slot) row, then the sum over the k slots (a dropped
+        # assignment's row stays zero); index_put_ saves only the indices for backward (index_add_ would keep a copy
+        # of the outputs)
+        slots = tokens.new_zeros(n_tokens * k, shape[-1])
+        slots[order] = routed_out.to(tokens.dtype)
+        out = slots.view(n_tokens, k, shape[-1]).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
-        self._record(logits, counts, n_tokens, n_tokens * k - order.numel())
+        self._record(probs, counts, n_tokens, n_tokens * k - order.numel())
         return out.reshape(shape)
 
-    def _record(self, logits: Tensor, counts: Tensor, n_tokens: int, dropped: int) -> None:
+    def _record(self, probs: Tensor, counts: Tensor, n_tokens: int, dropped: int) -> None:
         """The load-balancing term and the routing statistics of this forward (class docstring)."""
         stats = torch.cat([counts, counts.new_tensor([dropped, n_tokens * self.top_k])])
         if self.stats_group is not None:
@@ -199,8 +205,7 @@ class MoEFeedForward(nn.Module):
         self.tokens_per_expert = counts
         # f_e: fraction of the global batch's tokens routed to e (T_global = assignments / k); P_e: this rank's mean
         f = counts.to(torch.float32) * self.top_k / self.assignments.to(torch.float32)
-        p = torch.softmax(logits.float(), dim=-1).mean(dim=0)
-        self.aux_loss = self.config.num_experts * (f * p).sum()
+        self.aux_loss = self.config.num_experts * (f * probs.mean(dim=0)).sum()
 
     def extra_repr(self) -> str:
         c = self.config
