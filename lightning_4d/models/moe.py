@@ -154,12 +154,13 @@ class MoEFeedForward(nn.Module):
         """``(weights, experts, probs)``: the float32 weights and the chosen experts of every token (``[T, k]``
         each; module docstring: softmax or sigmoid) and the float32 ``softmax(logits)`` ``[T, E]`` the
         load-balancing loss averages (for the softmax router, the very tensor it routed with: saved once)."""
-        probs = torch.softmax(logits.float(), dim=-1)
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # float32 (float64 stays float64)
+        probs = torch.softmax(logits.to(dtype), dim=-1)
         if self.config.router_score == "softmax":
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
             return weights / weights.sum(dim=-1, keepdim=True), experts, probs
         top, experts = torch.topk(logits, self.top_k, dim=-1)
-        return torch.sigmoid(top.float()), experts, probs
+        return torch.sigmoid(top.to(dtype)), experts, probs
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -204,7 +205,7 @@ class MoEFeedForward(nn.Module):
         counts, self.dropped, self.assignments = stats[:-2], stats[-2], stats[-1]
         self.tokens_per_expert = counts
         # f_e: fraction of the global batch's tokens routed to e (T_global = assignments / k); P_e: this rank's mean
-        f = counts.to(torch.float32) * self.top_k / self.assignments.to(torch.float32)
+        f = counts.to(probs.dtype) * self.top_k / self.assignments.to(probs.dtype)
         self.aux_loss = self.config.num_experts * (f * probs.mean(dim=0)).sum()
 
     def extra_repr(self) -> str:
