@@ -52,12 +52,6 @@ class LlamaFamily(ModelFamily):
     def model_config(self, model: nn.Module) -> Any:
         return model.config
 
-    def validate(self, model: nn.Module, config: Any) -> None:
-        """:meth:`ModelFamily.validate`, and for a Mixture-of-Experts model :meth:`ParallelConfig.validate_moe`
-        (dp + ZeRO only, for now)."""
-        super().validate(model, config)
-        config.validate_moe(model.config)
-
     def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
         return PipelineLayout(embedding="tok_embeddings", layers="layers", norm="norm", head="output")
 

@@ -45,7 +45,6 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
     models = find_models(module) if module is not None else []
     if isinstance(model_config, LlamaConfig):
         config.validate_model(model_config)
-        config.validate_moe(model_config)
     for _, family, model in models:
         family.validate(model, config)
     if module is not None and not models and max(config.tp, config.pp, config.cp) > 1 and not _splittable(module):
