@@ -420,7 +420,8 @@ class ParallelConfig:
 
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
-                split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1.
+                split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1; a
+                Mixture-of-Experts model with tp, pp or cp > 1 (not implemented yet: ``docs/moe.md``).
         """
         tp = self.tp
         valid_tp = [d for d in _divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -449,6 +450,17 @@ class ParallelConfig:
                 "rows are never targets) or choose a tensor_parallel_size that divides "
                 f"{model_config.padded_vocab_size}."
             )
+        if getattr(model_config, "is_moe", False):
+            # what training a Mixture-of-Experts model supports today (docs/moe.md): dp + ZeRO 0-3; the estimator
+            # and the planner follow, so that they propose only layouts FourDStrategy runs
+            for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", self.pp),
+                               ("context_parallel_size", self.cp)):
+                if size > 1:
+                    raise ValueError(
+                        f"{name}={size} is not supported for a Mixture-of-Experts model (num_experts="
+                        f"{model_config.num_experts}) yet: MoE models train with data parallelism and ZeRO stages "
+                        f"0-3 (data_parallel_size, zero_stage); set {name}=1 (docs/moe.md)."
+                    )
         if self.pp > 1:
             self.layer_split(model_config.num_layers)
             if model_config.tie_word_embeddings:

@@ -332,3 +332,13 @@ def test_scheduler_last_lr_is_what_set_scheduler_lrs_sets():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
     set_scheduler_lrs(sched, [0.25])
     assert sched.get_last_lr() == [0.25] and opt.param_groups[0]["lr"] == 0.25
+
+
+def test_grouped_mm_and_local_offset():
+    """``torch._grouped_mm`` (MoE experts on CUDA, bfloat16) is found when torch has it; ``local_offset`` reads a
+    DTensor shard's global offset (Mixtral ``init_from`` under ZeRO 3)."""
+    assert _compat.grouped_mm is getattr(torch, "_grouped_mm", None)
+    assert _compat.grouped_mm is None or callable(_compat.grouped_mm)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    assert callable(compute_local_shape_and_global_offset)

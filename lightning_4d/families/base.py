@@ -17,6 +17,7 @@ the family answers                        used by
 :meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier
                                            (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
 :meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
+:meth:`~ModelFamily.apply_data_parallel`   statistics over the global batch (MoE tokens per expert, over ``dp_cp``)
 :meth:`~ModelFamily.materialize`           ``FourDStrategy.setup``: the meta-device model made real (and initialized)
 :meth:`~ModelFamily.load_hf`,              ``init_from`` (a Hugging Face directory, each rank reading its slices) and
 :meth:`~ModelFamily.load_checkpoint_weights`  one of our checkpoints (weights only)
@@ -122,6 +123,11 @@ class ModelFamily:
 
     def prepare(self, model: nn.Module, config: "ParallelConfig", mesh: Any) -> None:
         """Anything the family needs before the plans are applied when tp, cp or pp > 1 (default: nothing)."""
+
+    def apply_data_parallel(self, model: nn.Module, dp_cp_mesh: Any) -> None:
+        """Give ``model`` what it computes over the whole data-parallel batch: the ``dp_cp`` mesh (our MoE layers sum
+        their tokens per expert over it, :mod:`lightning_4d.models.moe`). Called when dp·cp > 1; default:
+        nothing."""
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
         """Make ``model``'s attention exchange K/V over ``cp_mesh`` (``method``: ``"ring"`` or ``"allgather"``) and

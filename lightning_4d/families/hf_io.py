@@ -128,7 +128,9 @@ def _copy_tokenizer(tok: Any, out: Path) -> None:
 def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "float32",
               tokenizer: Optional[Union[str, Path]] = None, shard_bytes: int = HF_SHARD_BYTES) -> Path:
     """Write one of our checkpoints as a Hugging Face Llama directory that
-    ``transformers.LlamaForCausalLM.from_pretrained(out_dir)`` loads: ``config.json`` (:meth:`LlamaConfig.to_hf`),
+    ``transformers.LlamaForCausalLM.from_pretrained(out_dir)`` loads (a Mixture-of-Experts config: a Mixtral directory
+    for ``MixtralForCausalLM``, the experts one tensor each, :func:`lightning_4d.models.hf_mapping.hf_slices`):
+    ``config.json`` (:meth:`LlamaConfig.to_hf`),
     the weights in safetensors files of at most ``shard_bytes`` (``model.safetensors``, or
     ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``) in ``dtype``, and the tokenizer's
     ``tokenizer.json`` (``tokenizer``, else the one the checkpoint's data module used, if it was a file).
@@ -146,7 +148,8 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
 
     Raises:
         ValueError: ``ckpt`` missing or incomplete, not a checkpoint of a ``lightning_4d`` Llama
-            (``hyper_parameters.model_config``), an unknown ``dtype``, or ``out_dir`` exists and is not empty.
+            (``hyper_parameters.model_config``), an unknown ``dtype``, ``out_dir`` exists and is not empty, or an
+            MoE config transformers' Mixtral cannot express (:meth:`LlamaConfig.to_hf`).
     """
     from safetensors.torch import save_file
 
@@ -167,6 +170,7 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
         raise ValueError(f"{str(ckpt)!r} is not a checkpoint of lightning_4d's CausalLMModule (its hyper_parameters "
                          "hold no model_config)")
     config = spec if isinstance(spec, LlamaConfig) else LlamaConfig.from_name(spec)
+    hf_config = config.to_hf()  # ValueError for an MoE config transformers' Mixtral cannot express, before any write
     source = tokenizer if tokenizer is not None else hparams["data"].get("tokenizer")
     tok = load_tokenizer(str(source)) if source is not None else None  # ValueError for a bad path, as LMDataModule
     entries, full = _weight_entries(ckpt, saved)
@@ -184,16 +188,15 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
         out: dict[str, torch.Tensor] = {}
         for ours in group:
             t = hf_mapping.to_hf_tensor(ours, tensors[keys[ours]].to(torch.float32), config)
-            hf = hf_mapping.hf_name(ours)
-            out[hf] = t.to(torch_dtype).contiguous()
-            weight_map[hf] = file
-            total += out[hf].numel() * out[hf].element_size()
+            for hf, index in hf_mapping.hf_slices(ours, config.num_experts):  # a stacked expert weight: one per expert
+                out[hf] = (t if index is None else t[index]).to(torch_dtype).contiguous()
+                weight_map[hf] = file
+                total += out[hf].numel() * out[hf].element_size()
         save_file(out, str(tmp / file), metadata={"format": "pt"})
         del out, tensors
     if len(groups) > 1:
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    hf_config = config.to_hf()
     hf_config["torch_dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     _copy_tokenizer(tok, tmp)

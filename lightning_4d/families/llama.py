@@ -23,7 +23,9 @@ from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
+from lightning_4d.models.moe import MoEFeedForward
 from lightning_4d.models.rope import rope_cos_sin
+from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
 from lightning_4d.parallel.tensor import TensorParallelPlan
 
@@ -65,6 +67,13 @@ class LlamaFamily(ModelFamily):
     def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan:
         return _PLAN
 
+    def apply_data_parallel(self, model: nn.Module, dp_cp_mesh: Any) -> None:
+        """Every MoE layer sums its routing counts over ``dp_cp`` (``MoEFeedForward.stats_group``): the
+        load-balancing loss of the global batch, the same on every layout (:mod:`lightning_4d.models.moe`)."""
+        for module in model.modules():
+            if isinstance(module, MoEFeedForward):
+                module.stats_group = dp_cp_mesh.get_group()
+
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
         """Every ``Attention``'s ``core_attention`` becomes ring or all-gather attention over ``cp_mesh``
         (:class:`~lightning_4d.parallel.context.ContextParallelAttention`) and the model computes the zigzag rotary
@@ -100,10 +109,14 @@ class LlamaFamily(ModelFamily):
             raise ValueError(f"init_from={str(path)!r}: Hugging Face weights have vocab_size={config.vocab_size} rows; "
                              f"the model pads to {config.padded_vocab_size} (pad_vocab_to_multiple_of="
                              f"{config.pad_vocab_to_multiple_of}): use pad_vocab_to_multiple_of=1 to load them")
+        config.check_trainable("init_from")
         reader, available = hf_reader(path)
         state: dict[str, torch.Tensor] = {}
         rotary: list[tuple[nn.Parameter, torch.Tensor]] = []
         for name, p in model.named_parameters():
+            if hf_mapping.expert_weight(canonical_name(name)):  # one Hugging Face tensor per expert: dim 0's rows
+                state.update(_expert_targets(p, canonical_name(name), config.num_experts, available, path))
+                continue
             key = hf_mapping.hf_name(canonical_name(name))
             if key not in available:
                 raise ValueError(f"init_from={str(path)!r} holds no tensor {key!r} (for our {name!r}); it holds "
@@ -148,6 +161,33 @@ class LlamaFamily(ModelFamily):
                 p.data.to_local().copy_(local)
             else:
                 p.data.copy_(full)
+
+
+def _expert_targets(p: torch.Tensor, name: str, num_experts: int, available: set[str], path: Path
+                    ) -> dict[str, torch.Tensor]:
+    """``{Hugging Face key: the row of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, ...]``
+    (:func:`~lightning_4d.models.hf_mapping.hf_slices`): every expert of a plain tensor; of a DTensor sharded on
+    dim 0 only (ZeRO 3), the experts of this rank's rows.
+
+    Raises:
+        ValueError: an expert's tensor missing from the directory. NotImplementedError: a DTensor split on another
+            dimension (expert tensor parallelism is not implemented).
+    """
+    local, offset = p.data, 0
+    if isinstance(p, DTensor):
+        if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):
+            raise NotImplementedError(f"{name}: placements {p.placements} split an expert; only dim-0 (whole "
+                                      "experts) sharding is supported")
+        local = p.data.to_local()
+        offset = local_offset(p)[0]
+    targets = {}
+    for key, e in hf_mapping.hf_slices(name, num_experts):
+        if key not in available:
+            raise ValueError(f"init_from={str(path)!r} holds no tensor {key!r} (expert {e} of our {name!r}): is it "
+                             "a Mixtral of this config?")
+        if offset <= e < offset + local.shape[0]:
+            targets[key] = local[e - offset]
+    return targets
 
 
 def _tp_only(p: DTensor) -> list:

@@ -231,7 +231,17 @@ def fujii2024_from_config(
     ``num_heads``, ``num_kv_heads`` and ``tie_word_embeddings`` (as :class:`lightning_4d.models.LlamaConfig` has);
     ``vocab_size`` is taken as is (no padding). ``kw`` passes the other keyword arguments of
     :func:`fujii2024_estimate`; a ``tie_word_embeddings`` given there overrides the config's.
+
+    Raises:
+        ValueError: a Mixture-of-Experts config (``num_experts`` > 0): the paper models dense Llama only and has no
+            term for routed experts, the router or the dispatch (use our model, ``formula="lightning_4d"``).
     """
+    if getattr(model_config, "num_experts", 0):
+        raise ValueError(
+            f"the fujii2024 formula (Fujii et al. 2024, arXiv 2411.06465) has no Mixture-of-Experts terms: it models "
+            f"dense Llama only, and this model has num_experts={model_config.num_experts}; use --formula "
+            "lightning_4d (our memory model counts the router, the experts and the shared experts)."
+        )
     tie = kw.pop("tie_word_embeddings", getattr(model_config, "tie_word_embeddings", False))
     return fujii2024_estimate(
         hidden_size=model_config.hidden_size,

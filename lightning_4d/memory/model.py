@@ -188,10 +188,11 @@ class _Dtypes:
 @dataclass(frozen=True)
 class _Param:
     name: str
-    rows: int  # dim 0 of the tp-local tensor
+    rows: int  # dim 0 of the tp-local tensor (experts: the experts this rank holds)
     cols: int  # elements per row (1 for a vector)
     matrix: bool
     unit: str  # FSDP2 unit: "layers.<i>" or "root"
+    expert: bool = False  # a routed experts' stacked weight [E, ...] (expert parallelism will shard dim 0 over ep)
 
     @property
     def numel(self) -> int:
@@ -211,7 +212,19 @@ def _rank_layout(num_layers: int, pc: ParallelConfig, pp_rank: int) -> tuple[int
     return sum(len(r) for _, r in stages), 0 in indices, pc.num_stages - 1 in indices or pc.pp == 1
 
 
-def _stage_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> list[_Param]:
+def _is_moe_layer(cfg: Any, index: int) -> bool:
+    """Whether layer ``index`` of ``cfg`` is a Mixture-of-Experts layer (``LlamaConfig.is_moe_layer``; a duck-typed
+    config without it is dense)."""
+    test = getattr(cfg, "is_moe_layer", None)
+    return bool(test(index)) if test is not None else False
+
+
+def _stage_params(cfg: Any, tp: int, layers: Any, first: bool, last: bool, ep: int = 1) -> list[_Param]:
+    """The parameters of layers ``layers`` (+ embedding / final norm and head), in the model's order (the order
+    ``model.parameters()`` yields them: ZeRO 1's buckets follow it). An MoE layer's feed-forward is the router
+    ``[E, h]``, the experts' stacked ``w1``, ``w3`` ``[E, f_e, h]`` and ``w2`` ``[E, h, f_e]`` (``E/ep`` rows each: ep
+    is 1 until expert parallelism exists) and the shared experts' ``w1``, ``w3``, ``w2`` (width ``n_s·f_e``); MoE
+    configs take no tp (``ParallelConfig.validate_model``)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.padded_vocab_size
     out: list[_Param] = []
@@ -226,10 +239,28 @@ def _stage_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> 
             _Param(f"{u}.attention.wv.weight", k * d // tp, h, True, u),
             _Param(f"{u}.attention.wo.weight", h, a * d // tp, True, u),
             _Param(f"{u}.ffn_norm.weight", h, 1, False, u),
-            _Param(f"{u}.feed_forward.w1.weight", f // tp, h, True, u),
-            _Param(f"{u}.feed_forward.w3.weight", f // tp, h, True, u),
-            _Param(f"{u}.feed_forward.w2.weight", h, f // tp, True, u),
         ]
+        if _is_moe_layer(cfg, i):
+            e, fe, fs = cfg.num_experts, cfg.expert_intermediate_size, cfg.num_shared_experts
+            ff = f"{u}.feed_forward"
+            out += [
+                _Param(f"{ff}.router.weight", e, h, True, u),
+                _Param(f"{ff}.experts.w1", e // ep, fe * h, True, u, expert=True),
+                _Param(f"{ff}.experts.w3", e // ep, fe * h, True, u, expert=True),
+                _Param(f"{ff}.experts.w2", e // ep, h * fe, True, u, expert=True),
+            ]
+            if fs:
+                out += [
+                    _Param(f"{ff}.shared_experts.w1.weight", fs * fe, h, True, u),
+                    _Param(f"{ff}.shared_experts.w3.weight", fs * fe, h, True, u),
+                    _Param(f"{ff}.shared_experts.w2.weight", h, fs * fe, True, u),
+                ]
+        else:
+            out += [
+                _Param(f"{u}.feed_forward.w1.weight", f // tp, h, True, u),
+                _Param(f"{u}.feed_forward.w3.weight", f // tp, h, True, u),
+                _Param(f"{u}.feed_forward.w2.weight", h, f // tp, True, u),
+            ]
     if last:
         out.append(_Param("norm.weight", h, 1, False, "root"))
         if not (cfg.tie_word_embeddings and first):  # tied on one stage: one tensor
@@ -237,10 +268,19 @@ def _stage_params(cfg: Any, tp: int, layers: range, first: bool, last: bool) -> 
     return out
 
 
-def _weighted_params(cfg: Any, tp: int, num_layers: int, first: bool, last: bool) -> list[tuple[_Param, int]]:
-    """:func:`_stage_params` with the (identical) layers folded into one representative layer and a count."""
-    one = range(0, 1) if num_layers else range(0)
-    return [(p, num_layers if p.unit != "root" else 1) for p in _stage_params(cfg, tp, one, first, last)]
+def _rank_layers(num_layers: int, pc: ParallelConfig, pp_rank: int) -> list[int]:
+    """The indices of the decoder layers pp rank ``pp_rank`` holds, in order."""
+    return sorted(i for _, r in pc.rank_stages(num_layers, pp_rank) for i in r)
+
+
+def _weighted_params(cfg: Any, tp: int, layers: list[int], first: bool, last: bool) -> list[tuple[_Param, int]]:
+    """:func:`_stage_params` of ``layers`` with the identical layers folded into one representative layer and a
+    count: one dense layer and, in an MoE config, one MoE layer."""
+    moe = [i for i in layers if _is_moe_layer(cfg, i)]
+    dense = [i for i in layers if not _is_moe_layer(cfg, i)]
+    reps = {group[0]: len(group) for group in (dense, moe) if group}
+    return [(p, reps[int(p.unit.split(".")[1])] if p.unit != "root" else 1)
+            for p in _stage_params(cfg, tp, sorted(reps), first, last)]
 
 
 def _chunk(n: int, world: int, rank: int) -> int:
@@ -260,11 +300,21 @@ class _Sizes:
     num_kv_heads: int
     padded_vocab_size: int
     tie_word_embeddings: bool
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     @staticmethod
-    def of(cfg: Any) -> "_Sizes":
+    def of(cfg: Any, num_layers: int) -> "_Sizes":
+        moe = tuple(i for i in range(num_layers) if _is_moe_layer(cfg, i))
         return _Sizes(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.padded_vocab_size, bool(cfg.tie_word_embeddings))
+                      cfg.padded_vocab_size, bool(cfg.tie_word_embeddings),
+                      getattr(cfg, "num_experts", 0), getattr(cfg, "expert_intermediate_size", 0) if moe else 0,
+                      getattr(cfg, "num_shared_experts", 0), moe)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index in self.moe_layers
 
 
 @functools.lru_cache(maxsize=4096)
@@ -349,9 +399,9 @@ def model_state_bytes(
         raise ValueError(f"pp_rank={pp_rank} is not valid: expected 0 .. {pc.pp - 1}.")
     if not 0 <= dp_cp_rank < pc.dp_cp:
         raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
-    n_layers, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
+    _, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
     world, zero = pc.dp_cp, pc.zero_stage
-    weighted = _weighted_params(model_config, pc.tp, n_layers, first, last)
+    weighted = _weighted_params(model_config, pc.tp, _rank_layers(model_config.num_layers, pc, pp_rank), first, last)
     if zero >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor
         n = sum(count * _chunk(p.rows, world, dp_cp_rank) * p.cols for p, count in weighted)
         if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
@@ -360,9 +410,9 @@ def model_state_bytes(
     n = sum(count * p.numel for p, count in weighted)
     n_opt = n
     if zero == 1 and world > 1:
-        layers = tuple(sorted(i for _, r in pc.rank_stages(model_config.num_layers, pp_rank) for i in r))
-        n_opt = _zero1_owned(_Sizes.of(model_config), pc.tp, layers, first, last, dt.setup, world, dp_cp_rank,
-                             bucket_bytes)
+        layers = tuple(_rank_layers(model_config.num_layers, pc, pp_rank))
+        n_opt = _zero1_owned(_Sizes.of(model_config, model_config.num_layers), pc.tp, layers, first, last, dt.setup,
+                             world, dp_cp_rank, bucket_bytes)
     master = n_opt * dt.master
     compression = 0
     if pc.gradient_compression == "powersgd" and world > 1:  # every rank's own E and Q, whole local matrices
@@ -378,7 +428,44 @@ def _norm_input_saved(r: int, b: int, s_sp: int, h: int) -> int:
     return r * b * s_sp * h + 4 * b * s_sp
 
 
-def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> dict[str, int]:
+def _moe_assignments(cfg: Any, tokens: int) -> int:
+    """Expert assignments one MoE layer processes for ``tokens`` tokens at balanced load: ``tokens·k`` dropless,
+    else at most ``E · capacity`` (``lightning_4d.models.moe.capacity``). Dropless, the count is exact whatever the
+    balance (every assignment is processed on the rank that routed it until expert parallelism exists)."""
+    n = tokens * cfg.num_experts_per_token
+    if cfg.capacity_factor is None:
+        return n
+    cap = math.ceil(cfg.capacity_factor * tokens * cfg.num_experts_per_token / cfg.num_experts)
+    return min(n, cfg.num_experts * cap)
+
+
+def _moe_saved(cfg: Any, dt: _Dtypes, b: int, s: int) -> int:
+    """Bytes one MoE feed-forward saves for backward beyond its input (``lightning_4d/models/moe.py``; ``T = b·s``
+    tokens, ``N`` assignments :func:`_moe_assignments`, ``c`` the compute dtype's bytes), as
+    ``saved_tensors_hooks`` sees them:
+
+    - the router: softmax: the float32 probabilities ``[T, E]`` (shared with the load-balancing loss), the top-k
+      indices (int64 ``[T, k]``), the division's float32 operands (top-k probabilities ``[T, k]`` and their sum
+      ``[T, 1]``); sigmoid: the top-k indices, the float32 sigmoid ``[T, k]`` and the loss's float32 softmax
+      ``[T, E]``; the loss's float32 counts ``[E]``;
+    - dispatch: the assignment order and each assignment's token (int64 ``[N]`` each), the float32 weights
+      ``[N, 1]``, the gathered tokens ``[N, h]`` (c), and the weighted experts' output (softmax, c·N·h) or the
+      weighted experts' input (sigmoid, c·N·h);
+    - the experts: ``w1 x``, ``w3 x``, their silu and product (4·c·N·f_e);
+    - the shared experts: 4·c·T·n_s·f_e (their input is the layer's ffn input, counted once).
+    """
+    t, e, k, h = b * s, cfg.num_experts, cfg.num_experts_per_token, cfg.hidden_size
+    n, fe, c = _moe_assignments(cfg, t), cfg.expert_intermediate_size, dt.compute
+    if cfg.router_score == "softmax":
+        router = 4 * t * e + 8 * t * k + 4 * t * k + 4 * t
+    else:
+        router = 8 * t * k + 4 * t * k + 4 * t * e
+    dispatch = 2 * 8 * n + 4 * n + 2 * c * n * h
+    return router + 4 * e + dispatch + 4 * c * n * fe + 4 * c * t * cfg.num_shared_experts * fe
+
+
+def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool,
+                       moe: bool = False) -> dict[str, int]:
     """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
     part: ``norms`` (both norms' inputs and float32 reciprocal RMS), ``attn_in`` / ``ffn_in`` (the projections'
     inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
@@ -394,13 +481,14 @@ def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool)
         "attn_in": c * b * s_sp * h if sp else c * b * s * h * (3 if dt.autocast else 1),
         "ffn_in": c * b * s_sp * h if sp else c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * (a if dt.kv_repeated else k) * d + 4 * b * a * s,
-        "swiglu": 4 * c * b * s * (f // tp),
+        # an MoE layer (moe=True): the router, dispatch, experts and shared experts instead (_moe_saved)
+        "swiglu": _moe_saved(cfg, dt, b, s) if moe else 4 * c * b * s * (f // tp),
     }
 
 
-def _layer_saved(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
+def _layer_saved(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool, moe: bool = False) -> int:
     """Bytes one transformer layer saves for backward, per micro-batch (the sum of :func:`_layer_saved_parts`)."""
-    return sum(_layer_saved_parts(cfg, dt, b, s, tp, sp).values())
+    return sum(_layer_saved_parts(cfg, dt, b, s, tp, sp, moe).values())
 
 
 def _layer_input_grad_only(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
@@ -484,11 +572,16 @@ def saved_activation_bytes(
     s_sp = s // tp if sp else s
     h, vocab = model_config.hidden_size, model_config.padded_vocab_size
     n_layers, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
-    per_layer = _layer_saved(model_config, dt, b, s, tp, sp)
+    indices = _rank_layers(model_config.num_layers, pc, pp_rank)
+    n_moe = sum(_is_moe_layer(model_config, i) for i in indices)
+    dense_layer = _layer_saved(model_config, dt, b, s, tp, sp)
+    moe_layer = _layer_saved(model_config, dt, b, s, tp, sp, moe=True) if n_moe else 0
+    per_layer = max(dense_layer if n_layers > n_moe else 0, moe_layer)  # the largest layer's (one recompute)
+    all_layers = (n_layers - n_moe) * dense_layer + n_moe * moe_layer
     full_ac = pc.activation_checkpointing == "full"
     recomputed = pc.activation_checkpointing != "none"  # a layer's casts and gathered K/V are made again in backward
     out = {
-        "layers": n_layers * (dt.residual * b * s_sp * h if full_ac else per_layer),
+        "layers": n_layers * dt.residual * b * s_sp * h if full_ac else all_layers,
         "embedding": 8 * b * s if first else 0,
         "rope": 2 * 4 * s * (model_config.head_dim // 2),
         # the head's input: under sp only the sequence shard (gathered again in backward, parallel/tensor.py)
@@ -504,11 +597,12 @@ def saved_activation_bytes(
         # against their diagonal and prefix blocks under allgather (2·s)
         tokens = s if cp == 1 else seq_length if pc.context_parallel_method == "ring" else 2 * s
         kept = _layer_selective_parts(model_config, dt, b, s, tp, sp, tokens)
-        out["layers"] = n_layers * sum(kept.values())
+        # MoE layers (not measured under selective checkpointing): counted as saving everything, an upper bound
+        out["layers"] = (n_layers - n_moe) * sum(kept.values()) + n_moe * moe_layer
         out["recompute"] = _layer_selective_recompute(model_config, dt, b, s, tp, sp)
     if dt.autocast:
         # autocast's bfloat16 weight copies; a checkpointed layer's are made again (and dropped) in its recompute
-        cast = [(p, n) for p, n in _weighted_params(model_config, tp, n_layers, first, last)
+        cast = [(p, n) for p, n in _weighted_params(model_config, tp, indices, first, last)
                 if p.matrix and p.name != "tok_embeddings.weight"]
         in_layers = sum(p.numel * n for p, n in cast if p.unit != "root")
         out["compute_weights"] = 2 * (sum(p.numel * n for p, n in cast) - (in_layers if recomputed else 0))
@@ -838,14 +932,19 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
     """The transient buffers of pp rank ``pp_rank``: FSDP2's gathered parameters and unsharded gradients, gradient
     communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers and the
     optimizer step's temporaries."""
-    n_layers, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
-    params = _weighted_params(cfg, pc.tp, n_layers, first, last)
+    _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
+    params = _weighted_params(cfg, pc.tp, _rank_layers(cfg.num_layers, pc, pp_rank), first, last)
     world, zero = pc.dp_cp, pc.zero_stage
     # FSDP2: parameters gathered for compute (padded all-gather outputs; bf16 under MixedPrecisionPolicy),
     # unsharded gradients before reduce-scatter (bf16, then their float32 cast for the reduce-scatter)
     gather_bytes = dt.compute if dt.master else dt.param
     unsharded_grad_bytes = dt.compute + 4 if dt.master else dt.param
-    layer_numel = sum(_padded_numel(p, world) for p, _ in params if p.unit != "root")
+    units: dict[str, list[int]] = {}  # representative layer -> [padded elements, layers like it]
+    for p, count in params:
+        if p.unit != "root":
+            units.setdefault(p.unit, [0, count])[0] += _padded_numel(p, world)
+    layer_numel = max((n for n, _ in units.values()), default=0)  # the largest FSDP2 layer unit
+    all_layers_numel = sum(n * count for n, count in units.values())
     root_numel = sum(_padded_numel(p, world) for p, _ in params if p.unit == "root")
     largest_layer, root = layer_numel * gather_bytes, root_numel * gather_bytes
     gathered_start = gathered_end = grad_buffers = 0
@@ -854,10 +953,10 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
         # micro-batch (PipelineStage.backward_maybe_with_nosync): all the rank's parameters and their unsharded
         # gradients (accumulated in float32 under MixedPrecisionPolicy) are held from the first backward to the end
         # of the step
-        gathered_start = gathered_end = root + n_layers * largest_layer
-        grad_buffers = (root_numel + n_layers * layer_numel) * (4 if dt.master else dt.param)
+        gathered_start = gathered_end = root + all_layers_numel * gather_bytes
+        grad_buffers = (root_numel + all_layers_numel) * (4 if dt.master else dt.param)
     elif zero == 2:
-        gathered_start = root + n_layers * largest_layer  # kept unsharded from forward to backward
+        gathered_start = root + all_layers_numel * gather_bytes  # kept unsharded from forward to backward
         gathered_end = root + largest_layer
     elif zero == 3:
         gathered_start = root + 2 * largest_layer  # root + the layer in backward + the prefetched one

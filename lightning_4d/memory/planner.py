@@ -162,8 +162,8 @@ def _layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: i
         for pp in _divisors(num_gpus // tp):
             if pp > model_config.num_layers:
                 break
-            if fixed.get("pp", pp) != pp:
-                continue
+            if fixed.get("pp", pp) != pp or (pp > 1 and getattr(model_config, "is_moe", False)):
+                continue  # not the size asked for; MoE models take no pp yet (ParallelConfig.validate_model)
             for cp in _divisors(num_gpus // (tp * pp)):
                 if cp > MAX_CONTEXT_PARALLEL or (cp > 1 and seq_length < 2 * cp * MIN_CONTEXT_CHUNK):
                     break

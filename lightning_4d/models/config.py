@@ -20,6 +20,22 @@ github.com/meta-llama/llama and ``llama/model.py`` of github.com/meta-llama/llam
 ``max_seq_length``         ``max_seq_len``
 =========================  ==========================================================================
 
+Mixture-of-Experts fields (``num_experts`` > 0; ``docs/moe.md``) and their names in transformers' ``MixtralConfig``
+and Llama 4's ``Llama4TextConfig``:
+
+=========================  ==========================================================================
+``LlamaConfig``            transformers
+=========================  ==========================================================================
+``num_experts``            ``num_local_experts``
+``num_experts_per_token``  ``num_experts_per_tok`` (top-k)
+``moe_intermediate_size``  Mixtral ``intermediate_size``; Llama 4 ``intermediate_size`` (while its dense layers
+                           use ``intermediate_size_mlp``, our ``intermediate_size``)
+``num_shared_experts``     Mixtral: 0; Llama 4: 1 (``shared_expert``)
+``moe_layer_interval``     Llama 4 ``interleave_moe_layer_step``; Mixtral: 1
+``router_score``           Mixtral: ``"softmax"``; Llama 4: ``"sigmoid"``
+``router_aux_loss_coef``   ``router_aux_loss_coef``
+=========================  ==========================================================================
+
 All fields are typed and defaulted so that jsonargparse / ``LightningCLI`` can build a config from YAML.
 """
 
@@ -33,6 +49,14 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "eager")
+#: ``LlamaConfig.router_score``: how router logits become expert weights (``lightning_4d/models/moe.py``)
+ROUTER_SCORES = ("softmax", "sigmoid")
+#: transformers' ``model_type`` of Llama 4 checkpoints (multimodal wrapper and text model)
+LLAMA4_MODEL_TYPES = ("llama4", "llama4_text")
+#: what transformers' ``Llama4TextModel`` has and our Llama does not (both Scout and Maverick)
+LLAMA4_UNIMPLEMENTED = ("NoPE layers (no_rope_layers: every 4th layer without RoPE)",
+                        "chunked local attention (attention_chunk_size=8192 on the RoPE layers)",
+                        "attention temperature tuning on the NoPE layers (attn_temperature_tuning)")
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -114,11 +138,36 @@ class LlamaConfig:
         initializer_range: standard deviation of the normal initialization of embeddings and linear weights.
         pad_vocab_to_multiple_of: round the embedding / LM head rows up to a multiple of this (e.g. for tensor
             parallelism); the extra rows are never targets.
+        num_experts: routed experts per Mixture-of-Experts layer; 0 (the default) is a dense Llama and every MoE
+            field below is ignored (``docs/moe.md``).
+        num_experts_per_token: top-k, the routed experts each token goes to (1 .. ``num_experts``).
+        moe_intermediate_size: SwiGLU width of one expert (and of one shared expert); ``None``: ``intermediate_size``.
+        num_shared_experts: experts every token goes through, as one dense SwiGLU of width
+            ``num_shared_experts * moe_intermediate_size`` added to the routed output (Llama 4: 1; Mixtral: 0).
+        moe_layer_interval: layer ``i`` (0-based) is an MoE layer when ``(i + 1) % moe_layer_interval == 0``, the
+            others dense (transformers' Llama 4 ``interleave_moe_layer_step``: ``moe_layers = range(step - 1, L,
+            step)``; Megatron-LM's ``moe_layer_freq=k`` puts MoE on layers ``0, k, 2k, ...`` instead). 1: every layer.
+        router_score: ``"softmax"`` (Mixtral: softmax over all experts in float32, top-k of the probabilities,
+            renormalized to sum 1, weighting the experts' outputs) or ``"sigmoid"`` (Llama 4: top-k of the logits,
+            ``sigmoid`` of them, not renormalized, scaling the experts' inputs).
+        router_aux_loss_coef: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, arXiv
+            2101.03961, Eq. 4-6; transformers' ``load_balancing_loss_func``) added to the training loss; the loss is
+            the mean over MoE layers of ``E · sum_e f_e · P_e`` (``lightning_4d/models/moe.py``).
+        capacity_factor: ``None`` (dropless: every token reaches its top-k experts) or a number > 0: each expert
+            takes at most ``ceil(capacity_factor · T · k / E)`` of the ``T`` tokens of one forward (on one rank),
+            first come first served in token order; the assignments past it are dropped (their expert output is
+            zero, the token keeps its other experts and the residual).
+        unimplemented_features: parts of the architecture this package does not implement (Llama 4's NoPE layers,
+            chunked attention, QK norm). A config naming any serves ``estimate`` / ``plan`` only:
+            :meth:`check_trainable` raises (``CausalLMModule``, ``LlamaModel``).
 
     Raises:
         ValueError: a non-positive size, ``hidden_size`` not divisible by ``num_heads``, ``num_heads`` not divisible
             by ``num_kv_heads``, an odd head dimension, an unknown ``attention_backend`` or
-            ``pad_vocab_to_multiple_of < 1``. The message names the bad value and what would be valid.
+            ``pad_vocab_to_multiple_of < 1``; for an MoE config (``num_experts`` > 0) a top-k outside
+            ``1 .. num_experts``, ``capacity_factor`` <= 0, ``moe_layer_interval`` < 1 or larger than
+            ``num_layers``, an unknown ``router_score``, a negative ``router_aux_loss_coef`` or
+            ``num_shared_experts``. The message names the bad value and what would be valid.
     """
 
     vocab_size: int = 256
@@ -135,6 +184,15 @@ class LlamaConfig:
     attention_backend: str = "sdpa"
     initializer_range: float = 0.02
     pad_vocab_to_multiple_of: int = 1
+    num_experts: int = 0
+    num_experts_per_token: int = 2
+    moe_intermediate_size: Optional[int] = None
+    num_shared_experts: int = 0
+    moe_layer_interval: int = 1
+    router_score: str = "softmax"
+    router_aux_loss_coef: float = 0.01
+    capacity_factor: Optional[float] = None
+    unimplemented_features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
@@ -191,6 +249,72 @@ class LlamaConfig:
                 f"rope_scaling={self.rope_scaling!r} is not valid: expected None, a RopeScaling or a dict of its "
                 "fields."
             )
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        """The Mixture-of-Experts fields (class docstring, Raises)."""
+        e = self.num_experts
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise ValueError(f"num_experts={e!r} is not valid: expected 0 (a dense Llama) or a positive integer.")
+        self.unimplemented_features = tuple(self.unimplemented_features)
+        if e == 0:
+            return
+        k = self.num_experts_per_token
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+            raise ValueError(f"num_experts_per_token={k!r} is not valid: top-k must be an integer in 1 .. "
+                             f"num_experts={e}.")
+        if self.moe_intermediate_size is not None:
+            _check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
+        s = self.num_shared_experts
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"num_shared_experts={s!r} is not valid: expected 0 or a positive integer.")
+        interval = self.moe_layer_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= self.num_layers:
+            raise ValueError(f"moe_layer_interval={interval!r} is not valid: expected an integer in 1 .. "
+                             f"num_layers={self.num_layers} (layer i is MoE when (i + 1) % interval == 0; 1: every "
+                             "layer).")
+        if self.router_score not in ROUTER_SCORES:
+            raise ValueError(f"router_score={self.router_score!r} is not valid: expected one of "
+                             f"{list(ROUTER_SCORES)}.")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+            raise ValueError(f"router_aux_loss_coef={coef!r} is not valid: expected a number >= 0 (0 turns the "
+                             "load-balancing loss off).")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ValueError(f"capacity_factor={cf!r} is not valid: expected None (dropless) or a number > 0 "
+                             "(e.g. 1.25).")
+
+    # ------------------------------------------------------------------ Mixture of Experts
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has Mixture-of-Experts layers (``num_experts`` > 0)."""
+        return self.num_experts > 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """SwiGLU width of one routed (or shared) expert: ``moe_intermediate_size``, else ``intermediate_size``."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) is a Mixture-of-Experts layer: ``(index + 1) % moe_layer_interval ==
+        0`` in an MoE config (the rule of transformers' Llama 4, ``interleave_moe_layer_step``), never in a dense
+        one."""
+        return self.is_moe and (index + 1) % self.moe_layer_interval == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Number of Mixture-of-Experts layers (0 for a dense config)."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def check_trainable(self, what: str = "this package's Llama") -> None:
+        """Raise ``ValueError`` when the config names parts of its architecture that the model does not implement
+        (``unimplemented_features``: such a preset serves ``estimate`` / ``plan`` only). ``what`` names the caller
+        in the message."""
+        if self.unimplemented_features:
+            raise ValueError(f"{what} cannot build this model: it needs {', '.join(self.unimplemented_features)}, "
+                             "which lightning_4d's Llama does not implement; the config serves `lightning-4d "
+                             "estimate` / `plan` only (docs/moe.md).")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -214,15 +338,32 @@ class LlamaConfig:
             per block = h*a*d (wq) + 2*h*k*d (wk, wv) + a*d*h (wo) + 3*h*f (w1, w2, w3) + 2*h (two RMSNorms)
             total     = L * per block + V*h (embedding) + h (final RMSNorm) + V*h (LM head, unless tied)
 
-        No biases (Meta's reference uses ``bias=False`` everywhere).
+        No biases (Meta's reference uses ``bias=False`` everywhere). A Mixture-of-Experts layer replaces the
+        ``3*h*f`` of its feed-forward by ``E*h`` (router) ``+ 3*E*h*f_e`` (routed experts) ``+ 3*h*n_s*f_e`` (shared
+        experts), with ``E`` = num_experts, ``f_e`` = :attr:`expert_intermediate_size`, ``n_s`` =
+        num_shared_experts.
         """
+        return self._count_parameters(active=False)
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token goes through: :meth:`num_parameters` less, in every MoE layer, the ``E - k`` routed
+        experts it does not reach (``3*h*f_e`` each). Equal to :meth:`num_parameters` for a dense config."""
+        return self._count_parameters(active=True)
+
+    def _count_parameters(self, active: bool) -> int:
         h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
         a, k, v = self.num_heads, self.num_kv_heads, self.padded_vocab_size
         attention = h * a * d + 2 * h * k * d + a * d * h
         feed_forward = 3 * h * f
         block = attention + feed_forward + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
-        return self.num_layers * block + v * h + h + head
+        total = self.num_layers * block + v * h + h + head
+        if self.is_moe:
+            fe, e = self.expert_intermediate_size, self.num_experts
+            routed = self.num_experts_per_token if active else e
+            moe = e * h + 3 * routed * h * fe + 3 * h * self.num_shared_experts * fe
+            total += self.num_moe_layers * (moe - feed_forward)
+        return total
 
     def flops_per_token(self, seq_length: int) -> float:
         """Model FLOPs of one training step (forward + backward) per token: ``6·N + 12·L·h·s``.
@@ -239,11 +380,15 @@ class LlamaConfig:
         PaLM's count. The embedding lookup does no matmul, so for an untied model this counts ``6·V·h`` FLOPs per
         token that are not executed (5.2% of the total for llama3-8b at s=8192).
 
+        For a Mixture-of-Experts config N is :meth:`num_active_parameters` (the parameters one token goes through:
+        the router, its top-k routed experts and the shared experts), as MFU is reported for MoE models (e.g.
+        DeepSeek-V3, arXiv 2412.19437); equal to :meth:`num_parameters` for a dense config.
+
         Raises:
             ValueError: ``seq_length`` is not a positive integer.
         """
         _check_positive_int("seq_length", seq_length)
-        return float(6 * self.num_parameters() + 12 * self.num_layers * self.hidden_size * seq_length)
+        return float(6 * self.num_active_parameters() + 12 * self.num_layers * self.hidden_size * seq_length)
 
     # ------------------------------------------------------------------ presets
     @staticmethod
@@ -288,10 +433,15 @@ class LlamaConfig:
         (default: ``num_heads``), ``max_position_embeddings`` -> ``max_seq_length``, ``rms_norm_eps`` ->
         ``norm_eps``, ``rope_theta`` (top level, or inside ``rope_parameters`` since transformers 5), the llama3
         ``rope_scaling`` fields -> :class:`RopeScaling`; ``vocab_size``, ``hidden_size``, ``intermediate_size``,
-        ``tie_word_embeddings`` and ``initializer_range`` keep their names. ``overrides`` are applied last.
+        ``tie_word_embeddings`` and ``initializer_range`` keep their names. A transformers Mixtral
+        (``model_type`` ``"mixtral"``, no sliding window, no router jitter): ``num_local_experts`` ->
+        ``num_experts``, ``num_experts_per_tok`` -> ``num_experts_per_token``, ``intermediate_size`` -> both
+        ``intermediate_size`` and ``moe_intermediate_size``, ``router_aux_loss_coef`` kept, every layer MoE,
+        softmax router, no shared expert. ``overrides`` are applied last.
 
         Raises:
-            ValueError: the file is missing or not JSON, ``model_type`` is not ``"llama"``, or the checkpoint uses
+            ValueError: the file is missing or not JSON, ``model_type`` is not ``"llama"`` or ``"mixtral"`` (Llama
+                4 names the parts our Llama lacks), or the checkpoint uses
                 what our Llama does not have (biases, an activation other than SiLU, a ``head_dim`` other than
                 ``hidden_size / num_attention_heads``, a rope type other than ``default`` / ``llama3``); the
                 message names the field.
@@ -315,8 +465,24 @@ class LlamaConfig:
         """:meth:`from_hf` for a ``config.json`` already read (or a transformers ``LlamaConfig.to_dict()``);
         ``source`` names it in errors. Raises ``ValueError`` as :meth:`from_hf` does."""
         file = source
-        if hf.get("model_type") != "llama":
-            raise ValueError(f"{str(file)!r}: model_type={hf.get('model_type')!r} is not supported: expected 'llama'")
+        kind = hf.get("model_type")
+        if kind in LLAMA4_MODEL_TYPES:
+            raise ValueError(f"{str(file)!r}: model_type={kind!r} (Llama 4) is not supported: lightning_4d's Llama "
+                             f"does not implement {', '.join(LLAMA4_UNIMPLEMENTED)}; the presets "
+                             "llama4-scout-17b-16e and llama4-maverick-17b-128e serve estimate / plan only")
+        if kind not in ("llama", "mixtral"):
+            raise ValueError(f"{str(file)!r}: model_type={kind!r} is not supported: expected 'llama' or 'mixtral'")
+        moe: dict = {}
+        if kind == "mixtral":
+            if hf.get("sliding_window") is not None:
+                raise ValueError(f"{str(file)!r}: sliding_window={hf['sliding_window']} is not supported (our "
+                                 "attention is full causal): expected null, as Mixtral 8x7B / 8x22B")
+            if hf.get("router_jitter_noise", 0.0):
+                raise ValueError(f"{str(file)!r}: router_jitter_noise={hf['router_jitter_noise']} is not supported: "
+                                 "expected 0.0")
+            moe = dict(num_experts=hf["num_local_experts"], num_experts_per_token=hf.get("num_experts_per_tok", 2),
+                       moe_intermediate_size=hf["intermediate_size"], num_shared_experts=0, moe_layer_interval=1,
+                       router_score="softmax", router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"{str(file)!r}: {flag}=true is not supported (our Llama has no biases)")
@@ -340,7 +506,7 @@ class LlamaConfig:
             num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
             max_seq_length=hf.get("max_position_embeddings", 2048), rope_theta=float(theta), rope_scaling=scaling,
             norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            initializer_range=hf.get("initializer_range", 0.02),
+            initializer_range=hf.get("initializer_range", 0.02), **moe,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -348,10 +514,43 @@ class LlamaConfig:
     def to_hf(self) -> dict:
         """This config as a Hugging Face Llama ``config.json`` dict (the inverse of :meth:`from_hf`; rope scaling
         as transformers 5 writes it, ``rope_parameters`` with ``rope_type`` ``llama3``, and as ``rope_scaling`` for
-        older readers). The padded vocabulary rows are not part of it: ``vocab_size`` is the tokenizer's."""
+        older readers). The padded vocabulary rows are not part of it: ``vocab_size`` is the tokenizer's.
+
+        A Mixture-of-Experts config becomes a transformers ``MixtralConfig`` dict (``model_type`` ``"mixtral"``):
+        ``num_local_experts``, ``num_experts_per_tok``, ``intermediate_size`` = the expert width,
+        ``router_aux_loss_coef``, no sliding window, no router jitter. ``capacity_factor`` is a training rule with no
+        Hugging Face field (transformers' Mixtral is dropless).
+
+        Raises:
+            ValueError: an MoE config Mixtral cannot express (shared experts, dense layers between MoE layers,
+                ``router_score="sigmoid"``, rope scaling), or one with ``unimplemented_features``.
+        """
+        self.check_trainable("to_hf")
         rope: dict = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")
+        if self.is_moe:
+            bad = {"num_shared_experts": (self.num_shared_experts, 0),
+                   "moe_layer_interval": (self.moe_layer_interval, 1),
+                   "router_score": (self.router_score, "softmax"), "rope_scaling": (self.rope_scaling, None)}
+            for name, (value, want) in bad.items():
+                if value != want:
+                    raise ValueError(f"to_hf: {name}={value!r} has no transformers Mixtral equivalent: expected "
+                                     f"{want!r} (Mixtral: every layer MoE, softmax top-k router, no shared expert, "
+                                     "plain RoPE)")
+            return {
+                "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size, "intermediate_size": self.expert_intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "max_position_embeddings": self.max_seq_length, "rms_norm_eps": self.norm_eps,
+                "rope_theta": self.rope_theta, "rope_parameters": rope, "sliding_window": None,
+                "num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_token,
+                "router_aux_loss_coef": self.router_aux_loss_coef, "router_jitter_noise": 0.0,
+                "output_router_logits": False, "tie_word_embeddings": self.tie_word_embeddings,
+                "initializer_range": self.initializer_range, "hidden_act": "silu", "attention_dropout": 0.0,
+                "torch_dtype": "float32",
+            }
         return {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -412,6 +611,37 @@ PRESETS: dict[str, LlamaConfig] = {
         vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8,
         max_seq_length=131072, rope_theta=500000.0, rope_scaling=_llama3_scaling(32.0), tie_word_embeddings=True,
     ),
+    # Mixture of Experts. Mixtral: transformers' MixtralConfig of mistralai/Mixtral-8x7B-v0.1 and
+    # mistral-community/Mixtral-8x22B-v0.1 (config.json): every layer MoE, 8 experts, top-2, softmax router
+    "mixtral-8x7b": LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        max_seq_length=32768, rope_theta=1e6, num_experts=8, num_experts_per_token=2, moe_intermediate_size=14336,
+        router_aux_loss_coef=0.02,
+    ),
+    "mixtral-8x22b": LlamaConfig(
+        vocab_size=32000, hidden_size=6144, intermediate_size=16384, num_layers=56, num_heads=48, num_kv_heads=8,
+        max_seq_length=65536, rope_theta=1e6, num_experts=8, num_experts_per_token=2, moe_intermediate_size=16384,
+        router_aux_loss_coef=0.001,
+    ),
+    # Llama 4 text models (text_config of meta-llama/Llama-4-Scout-17B-16E and -Maverick-17B-128E): top-1 sigmoid
+    # router, one shared expert of the expert width, dense layers of intermediate_size_mlp = 16384 (Maverick: every
+    # other layer, interleave_moe_layer_step=2). Estimate / plan only (unimplemented_features). Not represented:
+    # Scout's rope_scaling (llama3 type, factor 16, low_freq_factor = high_freq_factor = 1: RopeScaling needs
+    # high > low; RoPE does not enter the memory estimate) and Scout's QK norm (no parameters)
+    "llama4-scout-17b-16e": LlamaConfig(
+        vocab_size=202048, hidden_size=5120, intermediate_size=16384, num_layers=48, num_heads=40, num_kv_heads=8,
+        max_seq_length=10485760, rope_theta=500000.0, num_experts=16, num_experts_per_token=1,
+        moe_intermediate_size=8192, num_shared_experts=1, moe_layer_interval=1, router_score="sigmoid",
+        router_aux_loss_coef=0.001,
+        unimplemented_features=(*LLAMA4_UNIMPLEMENTED, "QK norm (use_qk_norm)",
+                                "llama3 rope scaling with low_freq_factor = high_freq_factor"),
+    ),
+    "llama4-maverick-17b-128e": LlamaConfig(
+        vocab_size=202048, hidden_size=5120, intermediate_size=16384, num_layers=48, num_heads=40, num_kv_heads=8,
+        max_seq_length=1048576, rope_theta=500000.0, num_experts=128, num_experts_per_token=1,
+        moe_intermediate_size=8192, num_shared_experts=1, moe_layer_interval=2, router_score="sigmoid",
+        router_aux_loss_coef=0.001, unimplemented_features=LLAMA4_UNIMPLEMENTED,
+    ),
     # small models for tests and CPU demos (byte-level vocabulary)
     "tiny-test": LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -420,6 +650,10 @@ PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(
         vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=8, num_kv_heads=4,
         max_seq_length=1024,
+    ),
+    "tiny-moe": LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        max_seq_length=512, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64,
     ),
     "small": LlamaConfig(
         vocab_size=256, hidden_size=256, intermediate_size=688, num_layers=6, num_heads=8, num_kv_heads=4,

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from lightning_4d.models.attention_backends import attention
 from lightning_4d.models.config import LlamaConfig, _allow_in_weights_only_checkpoints
+from lightning_4d.models.moe import GroupedExperts, MoEFeedForward
 from lightning_4d.models.rope import apply_rotary, context_parallel_positions, rope_cos_sin
 
 # module names inserted by wrappers; removed from parameter names so that a parameter keeps one name on every layout
@@ -225,15 +226,19 @@ class TransformerBlock(nn.Module):
         h   = x + attention(attention_norm(x), cos, sin)
         out = h + feed_forward(ffn_norm(h))
 
+    ``feed_forward`` is a :class:`FeedForward`, or in a Mixture-of-Experts layer (``config.is_moe_layer(
+    layer_index)``) a :class:`~lightning_4d.models.moe.MoEFeedForward`.
+
     Shapes: ``x`` ``[b, s, h]`` -> ``[b, s, h]``.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer_index: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward: nn.Module = MoEFeedForward(config) if config.is_moe_layer(layer_index) \
+            else FeedForward(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -258,6 +263,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: LlamaConfig, init_seed: int = 0) -> None:
         super().__init__()
+        config.check_trainable("LlamaModel")
         self.config = config
         self.init_seed = init_seed
         # context parallelism: (cp rank, cp size) when the model sees only its zigzag shard of every sequence
@@ -268,7 +274,7 @@ class LlamaModel(nn.Module):
         self.head_projection: Optional[Callable[[Tensor, nn.Linear], Tensor]] = None
         vocab, h = config.padded_vocab_size, config.hidden_size
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(vocab, h)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.num_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(h, eps=config.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(h, vocab, bias=False)
         if config.tie_word_embeddings:
@@ -315,6 +321,43 @@ class LlamaModel(nn.Module):
             h = self.output(h) if self.head_projection is None else self.head_projection(h, self.output)
         return h
 
+    # ------------------------------------------------------------------ Mixture of Experts
+    def moe_layers(self) -> list[MoEFeedForward]:
+        """The Mixture-of-Experts feed-forwards of the layers this (possibly pruned) model holds, in layer order."""
+        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+
+    def moe_aux_loss(self) -> Optional[Tensor]:
+        """The load-balancing loss of the last forward (differentiable): the sum of this model's MoE layers' terms
+        divided by the config's number of MoE layers (the mean over all of them; a pipeline stage's share), ``None``
+        for a dense model or before a forward (:mod:`lightning_4d.models.moe`). Not multiplied by
+        ``router_aux_loss_coef``."""
+        terms = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        if not terms:
+            return None
+        return torch.stack([t.float() for t in terms]).sum() / self.config.num_moe_layers
+
+    @torch.no_grad()
+    def moe_stats(self) -> dict[str, Tensor]:
+        """Routing statistics of the last forward over this model's MoE layers (summed over the data-parallel group
+        when one is set), float32 scalars: ``tokens_per_expert_max`` (the most assignments one expert received in one
+        layer), ``tokens_per_expert_mean`` (assignments per expert: ``T·k/E``), ``dropped_fraction`` (assignments
+        dropped by the capacity over all assignments). Empty for a dense model."""
+        layers = [m for m in self.moe_layers() if m.tokens_per_expert is not None]
+        if not layers:
+            return {}
+        counts = torch.stack([m.tokens_per_expert for m in layers]).float()
+        dropped = sum(m.dropped.float() for m in layers)
+        total = sum(m.assignments.float() for m in layers)
+        return {"tokens_per_expert_max": counts.max(), "tokens_per_expert_mean": counts.mean(),
+                "dropped_fraction": dropped / total}
+
+    def set_grouped_mm(self, fn: Optional[Callable[..., Tensor]]) -> None:
+        """Let the routed experts use ``fn`` (``torch._grouped_mm``, :data:`lightning_4d.parallel._compat.grouped_mm`)
+        on CUDA with bfloat16 weights (:class:`~lightning_4d.models.moe.GroupedExperts`); ``None``: the loop."""
+        for m in self.modules():
+            if isinstance(m, GroupedExperts):
+                m.grouped_mm = fn
+
     # ------------------------------------------------------------------ parameters
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - signature of nn.Module._apply
         """``nn.Module._apply`` (behind ``to``, ``to_empty``, ``cuda``, ``float``, ...), then re-tie the head.
@@ -344,7 +387,7 @@ class LlamaModel(nn.Module):
             return None
         std = self.config.initializer_range
         owner = canonical.rsplit(".", 1)[0]
-        if owner.endswith("attention.wo") or owner.endswith("feed_forward.w2"):
+        if owner.endswith(("attention.wo", "feed_forward.w2", "shared_experts.w2")) or canonical.endswith("experts.w2"):
             # residual-branch output projections: std / sqrt(2 L), two residual additions per block
             # (Radford et al. 2019, GPT-2, section 2.3; Shoeybi et al. 2019, Megatron-LM, arXiv 1909.08053)
             std = std / math.sqrt(2 * self.config.num_layers)
@@ -362,6 +405,9 @@ class LlamaModel(nn.Module):
         - RMSNorm weights: 1;
         - ``tok_embeddings``, ``wq``, ``wk``, ``wv``, ``w1``, ``w3`` and the untied ``output``:
           ``Normal(0, initializer_range)``;
+        - Mixture-of-Experts layers: ``router``, the experts' stacked ``w1`` / ``w3`` ``[E, f_e, h]`` and the shared
+          experts' ``w1`` / ``w3`` as the linear weights, their ``w2`` as ``feed_forward.w2`` (the full ``[E, ...]``
+          tensor drawn at once, so expert parallelism keeps the same weights);
         - ``attention.wo`` and ``feed_forward.w2``: ``Normal(0, initializer_range / sqrt(2 * num_layers))``, the
           scaled initialization of the residual-branch output projections (GPT-2, Radford et al. 2019, section 2.3;
           Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053).

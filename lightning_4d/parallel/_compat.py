@@ -57,6 +57,12 @@ def process_group_of_name(name: str) -> Any:
 
     return _resolve_process_group(name)
 
+# ---------------------------------------------------------------------------------------------------- MoE
+#: ``torch._grouped_mm(x [N, k], w [G, k, n], offs=int32 [G]) -> [N, n]``: one GEMM per row group of ``x`` (group g the
+#: rows up to ``offs[g]``) with ``w[g]``, CUDA and bfloat16 (the Mixture-of-Experts experts,
+#: ``lightning_4d/models/moe.py``; torchtitan's grouped experts); ``None`` on a torch without it (the loop then)
+grouped_mm = getattr(torch, "_grouped_mm", None)
+
 # ---------------------------------------------------------------------------------------------------- Lightning
 from lightning.fabric.strategies.model_parallel import (  # noqa: E402, F401  (re-exported)
     _rekey_optimizer_state_if_needed as rekey_optimizer_state_if_needed,
@@ -118,6 +124,14 @@ def local_tensor(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor as the very storage the DTensor holds (``DTensor._local_tensor``; in-place
     updates reach the DTensor, which ``to_local()`` does not promise under autograd); ``t`` itself otherwise."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def local_offset(t: DTensor) -> tuple[int, ...]:
+    """The global index of this rank's shard's first element of DTensor ``t``, per dimension
+    (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
 
 
 # ---------------------------------------------------------------------------------------------------- DeviceMesh

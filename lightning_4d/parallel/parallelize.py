@@ -196,6 +196,8 @@ def parallelize_model(
     apply_tensor_parallel(model, family.tensor_parallel_plan(model), mesh.tp, sequence_parallel=config.sp)
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
+    if config.dp_cp > 1:
+        family.apply_data_parallel(model, mesh.dp_cp)
     layers = find_submodel(model, family.pipeline_layout(model).layers)
     apply_activation_checkpointing(layers, config.activation_checkpointing)
     if compile:

@@ -16,7 +16,7 @@ from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
-from lightning_4d.parallel._compat import attached_trainer, set_scheduler_lrs
+from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.tasks.metrics import TokenMeanLoss
 
@@ -126,7 +126,11 @@ class CausalLMModule(L.LightningModule):
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss`` and ``val_ppl``
     (torchmetrics, :class:`~lightning_4d.tasks.metrics.TokenMeanLoss`: the token-weighted mean loss over the whole
     validation set and its ``exp``, summed over the data-parallel ranks at the end of the epoch, identical on every
-    rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``.
+    rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``. A Mixture-of-Experts model
+    (``model_config.num_experts`` > 0) adds ``router_aux_loss_coef`` × its load-balancing loss to the loss it
+    trains on (``train_loss`` stays the language-model loss) and logs ``train_aux_loss``,
+    ``moe_tokens_per_expert_max``, ``moe_tokens_per_expert_mean`` and ``moe_dropped_fraction``
+    (:meth:`_moe_step`, ``docs/moe.md``).
 
     Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``.
     """
@@ -149,6 +153,7 @@ class CausalLMModule(L.LightningModule):
             model_config = LlamaConfig.from_name(model_config)
         if not isinstance(model_config, LlamaConfig):
             raise ValueError(f"model_config={model_config!r} is not valid: expected a preset name or a LlamaConfig")
+        model_config.check_trainable("CausalLMModule")  # e.g. the Llama 4 presets: estimate / plan only
         if learning_rate <= 0:
             raise ValueError(f"learning_rate={learning_rate} is not valid: expected > 0")
         if warmup_steps < 0:
@@ -193,8 +198,10 @@ class CausalLMModule(L.LightningModule):
         if getattr(strategy, "initializes_llama_models", False):
             with strategy.tensor_init_context(empty_init=True):
                 self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
+            self.model.set_grouped_mm(grouped_mm)
             return
         self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
+        self.model.set_grouped_mm(grouped_mm)  # MoE experts: grouped GEMMs on CUDA in bfloat16
         if any(p.is_meta for p in self.model.parameters()):  # built under an outer meta-device context
             self.model.to_empty(device=self.device)
         else:
@@ -247,7 +254,24 @@ class CausalLMModule(L.LightningModule):
             loss = causal_lm_loss(self(batch["input_ids"]), batch["labels"])
         self.log("train_loss", self._global_mean(loss), prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        if self.model_config.is_moe:
+            loss = loss + self._moe_step()
         return loss
+
+    def _moe_step(self) -> Tensor:
+        """``router_aux_loss_coef`` × the load-balancing loss of the step's forward (this rank's share: the mean
+        over the dp·cp ranks is the global batch's, :mod:`lightning_4d.models.moe`), to add to the loss; logs
+        ``train_aux_loss`` (the global batch's, without the coefficient), ``moe_tokens_per_expert_max`` /
+        ``moe_tokens_per_expert_mean`` (assignments per expert in the most loaded layer's busiest expert, and on
+        average; summed over dp·cp) and ``moe_dropped_fraction`` (assignments dropped by the capacity)."""
+        assert self.model is not None
+        aux = self.model.moe_aux_loss()
+        if aux is None:
+            return torch.zeros((), device=self.device)
+        self.log("train_aux_loss", self._global_mean(aux), on_step=True, on_epoch=False)
+        for name, value in self.model.moe_stats().items():
+            self.log(f"moe_{name}", value, on_step=True, on_epoch=False)
+        return self.model_config.router_aux_loss_coef * aux
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         elapsed = time.perf_counter() - self._batch_start

@@ -3,7 +3,8 @@
 ``--mode import --hf DIR``: for each layout, ``CausalLMModule(model_config=DIR, init_from=DIR)`` under
 ``FourDStrategy`` predicts the logits of the ids in ``--ids`` (a ``torch.save``d LongTensor ``[n, s]``); each rank
 saves ``(ids, logits)`` pairs it produced to ``OUT/import<i>_rank<r>.pt``.
-``--mode export``: for each layout, train 3 steps of the tiny-test model (4 heads, 2 kv heads), save a checkpoint,
+``--mode export``: for each layout, train 3 steps of the tiny-test model (4 heads, 2 kv heads; ``--model tiny-moe``:
+the tiny Mixture-of-Experts model, exported as a Mixtral), save a checkpoint,
 predict the logits of ``--ids``, and on rank 0 ``export_hf`` the checkpoint to ``OUT/export<i>``; pairs go to
 ``OUT/export<i>_rank<r>.pt``.
 """
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--layouts", required=True)
     parser.add_argument("--ids", required=True)
     parser.add_argument("--hf", default=None)
+    parser.add_argument("--model", default="tiny-test", help="--mode export: the preset trained (tiny-moe: Mixtral)")
     args = parser.parse_args()
     out, ids = Path(args.out), torch.load(args.ids)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -77,7 +79,7 @@ def main() -> None:
             continue
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        config = LlamaConfig.from_preset("tiny-test", norm_eps=1e-6)
+        config = LlamaConfig.from_preset(args.model, norm_eps=1e-6)
         module = CausalLMModule(config, learning_rate=1e-2, warmup_steps=1, max_steps=3, init_seed=3)
         dm = LMDataModule(seq_length=32, micro_batch_size=8 // (layout.get("dp", 1) * layout.get("m", 1)),
                           global_batch_size=8, train_samples=24, val_samples=8, seed=1)

@@ -1,7 +1,7 @@
 """Measure, per rank, what one training step of FourDStrategy really holds, next to the memory model's figures.
 
-For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied, pp, schedule, m for pipelines and cp,
-method for context parallelism) one
+For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied, pp, schedule, m for pipelines, cp,
+method for context parallelism and config: model config fields to override, e.g. the MoE ones) one
 ``Trainer.fit`` runs one optimizer step per batch shape (b, s) in ``--shapes`` (a pipeline: two steps of the first
 shape, the second measured, with batches of b·m split by the schedule). Under a pipeline the pack hook also tracks
 when autograd frees each saved value, giving the peak of saved bytes alive at once during the schedule (the
@@ -189,6 +189,7 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
     L.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     overrides = {"num_layers": layers} if layers else {}
+    overrides.update(layout.get("config", {}))  # model config fields, e.g. the MoE ones
     cfg = LlamaConfig.from_preset(model, tie_word_embeddings=layout.get("tied", False), **overrides)
     module = Measured(cfg, learning_rate=1e-3, warmup_steps=1, max_steps=len(shapes), init_seed=7)
     kw = dict(data_parallel_size=layout.get("dp", 1), tensor_parallel_size=layout.get("tp", 1),

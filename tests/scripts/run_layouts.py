@@ -8,7 +8,8 @@ reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys d
 compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start and pcomm (PowerSGD's rank, start
 step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
 m (micro-batches per step), split (layers per
-stage) and pcd (pipeline comm dtype), and for context parallelism cp and method ("ring" / "allgather").
+stage) and pcd (pipeline comm dtype), for context parallelism cp and method ("ring" / "allgather"), and config (a
+dict of model config fields to override, e.g. the MoE ones).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if "train_aux_loss" in trainer.callback_metrics:  # MoE: the load-balancing loss and routing statistics
+            self.bytes.setdefault("aux_losses", []).append(float(trainer.callback_metrics["train_aux_loss"]))
+            self.bytes.setdefault("tokens_per_expert_max", []).append(
+                float(trainer.callback_metrics["moe_tokens_per_expert_max"]))
         if "optimizer_states" not in self.bytes and trainer.optimizers[0].state:  # after the first optimizer step
             sync = getattr(trainer.strategy, "_buckets", None)  # its PowerSGD state counts as optimizer state
             states = model_state_tensors(pl_module, trainer.optimizers, sync)["optimizer_states"]
@@ -95,6 +100,7 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
     from lightning_4d.models import LlamaConfig
 
     overrides = {"num_layers": args.layers} if args.layers else {}
+    overrides.update(layout.get("config", {}))  # model config fields, e.g. MoE: {"num_shared_experts": 1}
     model_config = LlamaConfig.from_preset(args.model, tie_word_embeddings=layout.get("tied", False), **overrides)
     module = CausalLMModule(model_config, learning_rate=args.lr, warmup_steps=2, max_steps=args.steps, init_seed=7)
     if reference:

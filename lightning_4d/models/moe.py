@@ -1,0 +1,214 @@
+"""The Mixture-of-Experts feed-forward of our Llama (``LlamaConfig.num_experts`` > 0): a router, routed SwiGLU
+experts held as stacked weights ``[E, ...]``, optional shared experts, the load-balancing loss and the routing
+statistics. ``docs/moe.md`` describes the arguments, what is measured and the limits.
+
+Sources: Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts Layer",
+arXiv 1701.06538; Lepikhin et al. 2020, "GShard", arXiv 2006.16668 (capacity); Fedus et al. 2021, "Switch
+Transformers", arXiv 2101.03961 (load-balancing loss, Eq. 4-6); Jiang et al. 2024, "Mixtral of Experts", arXiv
+2401.04088, and transformers' ``modeling_mixtral.py`` (softmax top-k router, renormalized); transformers'
+``modeling_llama4.py`` (sigmoid top-k router scaling the experts' input, shared expert); torchtitan's
+``models/moe`` (stacked expert weights, ``torch._grouped_mm``).
+
+One MoE layer, for the ``T`` tokens ``x`` ``[T, h]`` of one forward::
+
+    logits  = router(x)                                   # [T, E], nn.Linear(h, E, bias=False)
+    softmax: p = softmax(float32(logits)); w, idx = topk(p, k); w = w / sum(w)     (Mixtral)
+             y = sum_j w_j · expert_{idx_j}(x)
+    sigmoid: l, idx = topk(logits, k); w = sigmoid(float32(l))                      (Llama 4)
+             y = sum_j expert_{idx_j}(w_j · x)
+    out     = y + shared(x)                               # shared: one SwiGLU of width n_s · f_e (if n_s > 0)
+
+``expert_e(x) = w2[e] (silu(w1[e] x) * w3[e] x)`` with ``w1``, ``w3`` ``[E, f_e, h]`` and ``w2`` ``[E, h, f_e]`` (each
+expert's slice in ``nn.Linear``'s ``[out, in]`` layout, so expert parallelism can shard dim 0).
+
+**Capacity** (``capacity_factor`` not ``None``): each expert takes at most ``C = ceil(capacity_factor · T · k / E)``
+assignments; its assignments are taken in token order (token 0 first) and those past ``C`` are dropped (the
+expert's contribution to that token is zero; the token keeps its other experts, their weights not renormalized,
+and the residual). ``T`` is the tokens of one forward on one rank, so which tokens drop depends on the layout (as in
+GShard and Megatron-LM); dropless routing (the default) does not.
+
+**Load-balancing loss** of one layer (Switch Transformer Eq. 4-6 with top-k, transformers'
+``load_balancing_loss_func`` for one layer): ``aux = E · sum_e f_e · P_e`` with ``f_e`` the fraction of the ``T``
+tokens whose top-k includes expert ``e`` (counted before capacity drops; ``sum_e f_e = k``) and ``P_e`` the mean over
+tokens of ``softmax(logits)_e`` (also for the sigmoid router: the softmax of its logits, as transformers computes
+it for Llama 4). Perfect balance gives ``aux = k``. The model's loss is the mean over its MoE layers (transformers'
+Mixtral pools the counts and probabilities of all layers into one term instead: equal for one MoE layer).
+
+Under data parallelism the counts ``f_e`` are those of the global batch (summed over the ``dp_cp`` group, one
+all-reduce of ``E + 2`` integers per layer and forward, :attr:`MoEFeedForward.stats_group`) while ``P_e`` is this
+rank's mean: every rank's term ``E · sum_e f_e^global · P_e^local`` then averages (as the gradients do) to the
+single-process loss, and its gradient to the single-process gradient, whatever dp and cp are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_4d.models.config import LlamaConfig
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)`` of width ``intermediate_size`` (the shared experts; ``FeedForward``'s math)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts as stacked weights: ``w1``, ``w3`` ``[E, f_e, h]``, ``w2`` ``[E, h, f_e]``.
+
+    ``forward(x, counts)``: ``x`` ``[N, h]`` holds the tokens sorted by expert (``counts[e]`` rows for expert ``e``,
+    in expert order); returns ``[N, h]``, row ``i`` the output of its expert.
+
+    ``grouped_mm``: ``None`` (a loop over the experts, the reference path), or ``torch._grouped_mm`` as
+    :data:`lightning_4d.parallel._compat.grouped_mm` finds it (``LlamaModel.set_grouped_mm``; ``CausalLMModule``
+    sets it): then on CUDA with bfloat16 weights the three matmuls are grouped GEMMs over the experts' row groups
+    (the loop elsewhere). The models package imports nothing of ``parallel/``, so the private name is handed in.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.grouped_mm: Optional[Callable[..., Tensor]] = None
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        if self.grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 \
+                and self.w1.dtype == torch.bfloat16:
+            return self._grouped(x, counts)
+        out = []
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                xe = x[start : start + n]
+                out.append(F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e]))
+            start += n
+        return torch.cat(out) if out else x.new_zeros(0, self.w2.shape[1])
+
+    def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The three matmuls as grouped GEMMs over the experts' row groups (``offs``: cumulative row counts)."""
+        mm, offs = self.grouped_mm, torch.cumsum(counts, 0, dtype=torch.int32)
+        gate = mm(x, self.w1.transpose(-2, -1), offs=offs)
+        up = mm(x, self.w3.transpose(-2, -1), offs=offs)
+        return mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
+
+    def extra_repr(self) -> str:
+        e, f, h = self.w1.shape
+        return f"num_experts={e}, hidden_size={h}, intermediate_size={f}"
+
+
+def capacity(config: LlamaConfig, tokens: int) -> Optional[int]:
+    """Assignments one expert takes from ``tokens`` tokens: ``ceil(capacity_factor · tokens · k / E)``, ``None``
+    when dropless."""
+    if config.capacity_factor is None:
+        return None
+    return math.ceil(config.capacity_factor * tokens * config.num_experts_per_token / config.num_experts)
+
+
+class MoEFeedForward(nn.Module):
+    """The Mixture-of-Experts feed-forward (module docstring): ``router`` (``nn.Linear(h, E, bias=False)``),
+    ``experts`` (:class:`GroupedExperts`), ``shared_experts`` (:class:`SwiGLU` of width ``n_s · f_e``, or
+    ``None``).
+
+    Shapes: ``[b, s, h]`` -> ``[b, s, h]``.
+
+    After each forward (detached unless said): ``aux_loss`` (the layer's load-balancing term, differentiable: this
+    rank's share, module docstring), ``tokens_per_expert`` (int64 ``[E]``, top-k assignments per expert of the
+    global batch, before drops), ``dropped`` (assignments dropped by the capacity, summed over the group) and
+    ``assignments`` (all assignments, ``T · k`` summed over the group). A recomputation (activation checkpointing)
+    overwrites them with the same values.
+
+    ``stats_group``: ``None`` (one process), or the ``dp_cp`` process group the counts are summed over (set by
+    :meth:`lightning_4d.families.llama.LlamaFamily.apply_data_parallel`).
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, e, fe = config.hidden_size, config.num_experts, config.expert_intermediate_size
+        self.top_k = config.num_experts_per_token
+        self.router = nn.Linear(h, e, bias=False)
+        self.experts = GroupedExperts(e, h, fe)
+        self.shared_experts = SwiGLU(h, config.num_shared_experts * fe) if config.num_shared_experts else None
+        self.stats_group: Any = None
+        self.aux_loss: Optional[Tensor] = None
+        self.tokens_per_expert: Optional[Tensor] = None
+        self.dropped: Optional[Tensor] = None
+        self.assignments: Optional[Tensor] = None
+
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(weights, experts, probs)``: the float32 weights and the chosen experts of every token (``[T, k]``
+        each; module docstring: softmax or sigmoid) and the float32 ``softmax(logits)`` ``[T, E]`` the
+        load-balancing loss averages (for the softmax router, the very tensor it routed with: saved once)."""
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # float32 (float64 stays float64)
+        probs = torch.softmax(logits.to(dtype), dim=-1)
+        if self.config.router_score == "softmax":
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            return weights / weights.sum(dim=-1, keepdim=True), experts, probs
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return torch.sigmoid(top.to(dtype)), experts, probs
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        n_tokens, k, n_experts = tokens.shape[0], self.top_k, self.config.num_experts
+        logits = self.router(tokens)
+        weights, experts, probs = self.route(logits)
+        flat_expert = experts.reshape(-1)  # assignment i = (token i // k, slot i % k)
+        counts = torch.bincount(flat_expert, minlength=n_experts)
+        # group the assignments by expert, each expert's in token order (a stable sort of token-major indices)
+        order = torch.argsort(flat_expert, stable=True)
+        cap = capacity(self.config, n_tokens)
+        kept_counts = counts
+        if cap is not None:
+            starts = torch.cumsum(counts, 0) - counts
+            position = torch.arange(order.numel(), device=x.device) - starts[flat_expert[order]]
+            order = order[position < cap]
+            kept_counts = counts.clamp(max=cap)
+        token_of = order // k
+        routed_in = tokens[token_of]
+        w = weights.reshape(-1)[order].unsqueeze(-1)
+        if self.config.router_score == "sigmoid":  # Llama 4: the score scales the expert's input
+            routed_out = self.experts((routed_in * w).to(routed_in.dtype), kept_counts)
+        else:  # Mixtral: the weight scales the expert's output
+            routed_out = self.experts(routed_in, kept_counts) * w
+        # combine: every assignment's output into its (token, slot) row, then the sum over the k slots (a dropped
+        # assignment's row stays zero); index_put_ saves only the indices for backward (index_add_ would keep a copy
+        # of the outputs)
+        slots = tokens.new_zeros(n_tokens * k, shape[-1])
+        slots[order] = routed_out.to(tokens.dtype)
+        out = slots.view(n_tokens, k, shape[-1]).sum(dim=1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        self._record(probs, counts, n_tokens, n_tokens * k - order.numel())
+        return out.reshape(shape)
+
+    def _record(self, probs: Tensor, counts: Tensor, n_tokens: int, dropped: int) -> None:
+        """The load-balancing term and the routing statistics of this forward (class docstring)."""
+        stats = torch.cat([counts, counts.new_tensor([dropped, n_tokens * self.top_k])])
+        if self.stats_group is not None:
+            torch.distributed.all_reduce(stats, group=self.stats_group)
+        counts, self.dropped, self.assignments = stats[:-2], stats[-2], stats[-1]
+        self.tokens_per_expert = counts
+        # f_e: fraction of the global batch's tokens routed to e (T_global = assignments / k); P_e: this rank's mean
+        f = counts.to(probs.dtype) * self.top_k / self.assignments.to(probs.dtype)
+        self.aux_loss = self.config.num_experts * (f * probs.mean(dim=0)).sum()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"top_k={self.top_k}, router_score={c.router_score!r}, capacity_factor={c.capacity_factor}, "
+                f"shared={c.num_shared_experts}")
