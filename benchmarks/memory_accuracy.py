@@ -117,7 +117,10 @@ def main() -> int:
               f"{r['max_allocated'] / 2**30:>13.3f}{r['error_pct']:>+9.2f}  {r['peak_phase']}")
         sys.stdout.flush()
     worst = max(abs(r["error_pct"]) for r in rows)
-    fraction = max(r["max_reserved"] / r["max_allocated"] - 1 for r in rows)
+    # fragmentation from the rows of real size only: on an H200 the ~1 GiB rows of the `small` model showed 11.7%
+    # (a few MiB of allocator blocks against little allocated) while ranks of 28-92 GiB showed 0.6-7.9%
+    large = [r for r in rows if r["max_allocated"] >= 8 * 2**30] or rows
+    fraction = max(r["max_reserved"] / r["max_allocated"] - 1 for r in large)
     fixed = max(r["fixed"] for r in rows)
     print(f"largest |error| {worst:.2f}% (goal 5%, required 10%); overhead: fixed {fixed / 2**30:.2f} GiB, "
           f"fragmentation {100 * fraction:.1f}%")

@@ -9,7 +9,7 @@ Subcommands (``lightning-4d --help`` lists them, :data:`COMMANDS`):
 - ``estimate``: the memory of one layout per GPU (``lightning-4d estimate --help``; no torch import);
 - ``plan``: the layouts of a job that fit, ranked by predicted step time (``lightning-4d plan --help``);
 - ``measure``: one rank of any layout built and run in this process on a fake process group, its measured memory
-  beside the estimate (``lightning-4d measure --help``; ``lightning_4d.memory.measure``);
+  beside the estimate (``lightning-4d measure --help``; :mod:`lightning_4d.measure`);
 - ``export-hf``: a checkpoint of any layout as a Hugging Face Llama directory (``lightning-4d export-hf --help``).
 """
 
@@ -95,7 +95,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_4d.families.hf_io import export_hf_main
 
         return export_hf_main(args[1:])
-    if args and args[0] in ("estimate", "plan", "measure"):
+    if args and args[0] == "measure":
+        from lightning_4d.measure import main as measure_main
+
+        return measure_main(args[1:])
+    if args and args[0] in ("estimate", "plan"):
         from lightning_4d.memory.cli import main as memory_main
 
         return memory_main(args[0], args[1:])

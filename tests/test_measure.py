@@ -21,7 +21,7 @@ import pytest
 
 from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.measure import rank_coordinates, worst_rank
+from lightning_4d.measure import rank_coordinates, worst_rank
 from lightning_4d.models import LlamaConfig
 from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
 

@@ -154,7 +154,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _parser(command: str) -> argparse.ArgumentParser:
+def command_parser(command: str) -> argparse.ArgumentParser:
+    """The options of `lightning-4d <command>` (``estimate``, ``plan`` or ``measure``)."""
     p = _Parser(prog=f"lightning-4d {command}")
     _common(p)
     if command == "measure":
@@ -231,7 +232,7 @@ def _rank(text: str) -> Any:
     return value
 
 
-def _layout(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optional[list[int]]]:
+def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optional[list[int]]]:
     """The layout ``estimate`` and ``measure`` are asked for, resolved and validated against the model, and the
     planner's layer split when it proposed one (``None`` else)."""
     pc = ParallelConfig(data_parallel_size=args.dp or "auto", tensor_parallel_size=args.tp,
@@ -258,7 +259,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
-    pc, proposed = _layout(args, cfg)
+    pc, proposed = layout_of(args, cfg)
     m = pc.microbatches
     if args.formula == "fujii2024":
         if pc.zero_stage > 1 or pc.activation_checkpointing != "none":
@@ -504,82 +505,10 @@ def _print_plan(out: dict[str, Any]) -> None:
                   "published runs), not measured.")
 
 
-def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_4d.memory.measure import measure_rank, worst_rank
-
-    if args.formula != "lightning_4d":
-        raise ValueError(f"--formula {args.formula}: measure compares with this package's estimate (lightning_4d) "
-                         "only.")
-    cfg = load_model_config(args.model)
-    pc, _ = _layout(args, cfg)
-    pc.validate_sequence(args.seq_length)
-    pc.validate_microbatches(pc.microbatches)
-    rank = args.rank
-    if rank == "worst":
-        rank = worst_rank(cfg, pc, args.micro_batch_size, args.seq_length, args.precision, device_type=args.device)
-    out = measure_rank(cfg, pc, rank, args.micro_batch_size, args.seq_length, args.precision, steps=args.steps,
-                       device=args.device)
-    est, got = out["estimate"], out["measured"]
-    states = {k: got.get(k) for k in ("parameters", "gradients", "optimizer_states")}
-    est_rest = est["total"] - est["parameters"] - est["optimizer_states"]
-    got_rest = got["peak_allocated"] - states["parameters"] - states["optimizer_states"]
-    rows = [(k, est[k], states[k]) for k in states]
-    rows += [("peak - parameters - optimizer states", est_rest, got_rest), ("total (peak)", est["total"],
-                                                                            got["peak_allocated"])]
-    out.update(model=args.model, device=args.device, seq_length=args.seq_length,
-               micro_batch_size=args.micro_batch_size, precision=args.precision, steps=args.steps,
-               layout=dict(tp=pc.tp, pp=pc.pp, cp=pc.cp, dp=pc.dp, zero_stage=pc.zero_stage, sequence_parallel=pc.sp,
-                           activation_checkpointing=pc.activation_checkpointing,
-                           pipeline_schedule=pc.pipeline_schedule, num_microbatches=pc.microbatches,
-                           virtual_pipeline_stages=pc.v),
-               rows=[{"component": k, "estimated": e, "measured": g, "ratio": (e / g) if g else None}
-                     for k, e, g in rows])
-    if args.device == "cuda":
-        out["fragmentation"] = got["peak_reserved"] / got["peak_allocated"] - 1
-    return out
-
-
-def _print_measure(out: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    lay, c = out["layout"], out["coordinates"]
-    table = Table(title=f"{out['model']} rank {out['rank']} (pp {c['pp']}, dp {c['dp']}, cp {c['cp']}, tp {c['tp']}) "
-                        f"of tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} ZeRO {lay['zero_stage']} "
-                        f"b={out['micro_batch_size']} s={out['seq_length']} {out['precision']} "
-                        f"checkpointing={lay['activation_checkpointing']} on {out['device']}")
-    for col in ("component", "estimated GiB", "measured GiB", "estimated / measured"):
-        table.add_column(col, justify="right" if col != "component" else "left")
-    for r in out["rows"]:
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        table.add_row(r["component"], f"{r['estimated'] / GIB:.3f}", f"{r['measured'] / GIB:.3f}", ratio)
-    console = Console(width=max(Console().width, 150))
-    console.print(table)
-    got = out["measured"]
-    if out["device"] == "cuda":
-        console.print(f"CUDA allocator: max allocated {got['peak_allocated'] / GIB:.3f} GiB, max reserved "
-                      f"{got['peak_reserved'] / GIB:.3f} GiB (fragmentation {100 * out['fragmentation']:.1f}%).")
-    else:
-        console.print("CPU: the peak of live tensor bytes (lightning_4d.memory.measure.LiveTensorBytes).")
-    console.print("The collectives of the fake process group carry no data: losses are meaningless, memory is real. "
-                  "Estimated = estimate without the overhead allowance (CUDA context, fragmentation).")
-
-
 def main(command: str, argv: list[str]) -> int:
-    """Run ``estimate``, ``plan`` or ``measure`` with ``argv``; returns the exit code (0 fits / measured, 1 does not
-    fit, 2 bad input)."""
-    args = _parser(command).parse_args(argv)
-    if command == "measure":
-        try:
-            out = _measure(args)
-        except ValueError as err:
-            print(f"lightning-4d {command}: error: {err}", file=sys.stderr)
-            return 2
-        if args.json:
-            print(json.dumps(out))
-        else:
-            _print_measure(out)
-        return 0
+    """Run ``estimate`` or ``plan`` with ``argv``; returns the exit code (0 fits, 1 does not fit, 2 bad input).
+    (``measure``'s options are defined here too, :func:`command_parser`; it runs in :mod:`lightning_4d.measure`.)"""
+    args = command_parser(command).parse_args(argv)
     emit = getattr(args, "emit_config", None)
     try:
         if emit is not None:

@@ -1,5 +1,5 @@
 """The bytes one rank of a layout holds in a real multi-process run (gloo), measured the way ``lightning-4d measure``
-measures one rank on the fake process group (``lightning_4d.memory.measure.fit_and_measure``: live CPU tensor bytes,
+measures one rank on the fake process group (``lightning_4d.measure.fit_and_measure``: live CPU tensor bytes,
 model states on the real tensors). Each rank writes ``<out>/rank<r>.json``.
 
 Usage: ``torchrun --nproc-per-node N tests/scripts/measure_peak.py --out DIR --layout JSON`` (``ParallelConfig``
@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 from lightning_4d.config import ParallelConfig  # noqa: E402
-from lightning_4d.memory.measure import fit_and_measure  # noqa: E402
+from lightning_4d.measure import fit_and_measure  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
 
 p = argparse.ArgumentParser()

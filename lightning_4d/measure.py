@@ -27,16 +27,20 @@ as ``tests/test_memory_model.py`` counts them (:func:`lightning_4d.parallel.zero
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
+import json
 import os
+import sys
 import weakref
 from typing import Any, Optional
 
 import torch
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.hardware import OverheadAllowance
+from lightning_4d.memory.cli import command_parser, layout_of, load_model_config
+from lightning_4d.memory.hardware import GIB, OverheadAllowance
 from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
 from lightning_4d.parallel._compat import TorchDispatchMode, tree_flatten
 
@@ -372,3 +376,79 @@ def measure_rank(model_config: Any, pc: ParallelConfig, rank: int, micro_batch_s
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"rank": rank, "coordinates": coords, "measured": measured, "estimate": estimate.to_dict()}
+
+
+# ---------------------------------------------------------------------------------------------------- the command
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.formula != "lightning_4d":
+        raise ValueError(f"--formula {args.formula}: measure compares with this package's estimate (lightning_4d) "
+                         "only.")
+    cfg = load_model_config(args.model)
+    pc, _ = layout_of(args, cfg)
+    pc.validate_sequence(args.seq_length)
+    pc.validate_microbatches(pc.microbatches)
+    rank = args.rank
+    if rank == "worst":
+        rank = worst_rank(cfg, pc, args.micro_batch_size, args.seq_length, args.precision, device_type=args.device)
+    out = measure_rank(cfg, pc, rank, args.micro_batch_size, args.seq_length, args.precision, steps=args.steps,
+                       device=args.device)
+    est, got = out["estimate"], out["measured"]
+    states = {k: got.get(k) for k in ("parameters", "gradients", "optimizer_states")}
+    est_rest = est["total"] - est["parameters"] - est["optimizer_states"]
+    got_rest = got["peak_allocated"] - states["parameters"] - states["optimizer_states"]
+    rows = [(k, est[k], states[k]) for k in states]
+    rows += [("peak - parameters - optimizer states", est_rest, got_rest), ("total (peak)", est["total"],
+                                                                            got["peak_allocated"])]
+    out.update(model=args.model, device=args.device, seq_length=args.seq_length,
+               micro_batch_size=args.micro_batch_size, precision=args.precision, steps=args.steps,
+               layout=dict(tp=pc.tp, pp=pc.pp, cp=pc.cp, dp=pc.dp, zero_stage=pc.zero_stage, sequence_parallel=pc.sp,
+                           activation_checkpointing=pc.activation_checkpointing,
+                           pipeline_schedule=pc.pipeline_schedule, num_microbatches=pc.microbatches,
+                           virtual_pipeline_stages=pc.v),
+               rows=[{"component": k, "estimated": e, "measured": g, "ratio": (e / g) if g else None}
+                     for k, e, g in rows])
+    if args.device == "cuda":
+        out["fragmentation"] = got["peak_reserved"] / got["peak_allocated"] - 1
+    return out
+
+
+def _print(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    lay, c = out["layout"], out["coordinates"]
+    table = Table(title=f"{out['model']} rank {out['rank']} (pp {c['pp']}, dp {c['dp']}, cp {c['cp']}, tp {c['tp']}) "
+                        f"of tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} ZeRO {lay['zero_stage']} "
+                        f"b={out['micro_batch_size']} s={out['seq_length']} {out['precision']} "
+                        f"checkpointing={lay['activation_checkpointing']} on {out['device']}")
+    for col in ("component", "estimated GiB", "measured GiB", "estimated / measured"):
+        table.add_column(col, justify="right" if col != "component" else "left")
+    for r in out["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        table.add_row(r["component"], f"{r['estimated'] / GIB:.3f}", f"{r['measured'] / GIB:.3f}", ratio)
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    got = out["measured"]
+    if out["device"] == "cuda":
+        console.print(f"CUDA allocator: max allocated {got['peak_allocated'] / GIB:.3f} GiB, max reserved "
+                      f"{got['peak_reserved'] / GIB:.3f} GiB (fragmentation {100 * out['fragmentation']:.1f}%).")
+    else:
+        console.print("CPU: the peak of live tensor bytes (lightning_4d.measure.LiveTensorBytes).")
+    console.print("The collectives of the fake process group carry no data: losses are meaningless, memory is real. "
+                  "Estimated = estimate without the overhead allowance (CUDA context, fragmentation).")
+
+
+def main(argv: list[str]) -> int:
+    """``lightning-4d measure`` with ``argv`` (options: ``lightning-4d measure --help``); returns the exit code (0
+    measured, 2 bad input: the one-line error ``estimate`` gives for the same layout)."""
+    args = command_parser("measure").parse_args(argv)
+    try:
+        out = _run(args)
+    except ValueError as err:
+        print(f"lightning-4d measure: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print(out)
+    return 0
