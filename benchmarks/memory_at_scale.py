@@ -31,11 +31,11 @@ ROWS = [
                                       "--activation-checkpointing selective"),
     ("1b tp4 cp2 dp2 z1 s4096 full", "--model llama3.2-1b --tp 4 --cp 2 --dp 2 --zero-stage 1 --seq-length 4096 "
                                      "--activation-checkpointing full"),
-    ("1b tp8 pp2 dp2 z1 s2048 1f1b m2", "--model llama3.2-1b --tp 8 --pp 2 --dp 2 --zero-stage 1 --seq-length 2048 "
-                                        "--num-microbatches 2"),
-    ("3b tp8 pp2 dp2 z1 s2048 interleaved v2 m2", "--model llama3.2-3b --tp 8 --pp 2 --dp 2 --zero-stage 1 "
-                                                  "--seq-length 2048 --pipeline-schedule interleaved_1f1b "
-                                                  "--num-microbatches 2"),
+    ("3b tp8 dp4 z3 s4096 none", "--model llama3.2-3b --tp 8 --dp 4 --zero-stage 3 --seq-length 4096"),
+    # llama3.2's embeddings are tied, which pp does not take yet: the pipeline rows are llama3.1-8b's
+    ("8b tp8 pp4 z1 s2048 interleaved v2 m4 selective", "--model llama3.1-8b --tp 8 --pp 4 --dp 1 --zero-stage 1 "
+                                                        "--seq-length 2048 --pipeline-schedule interleaved_1f1b "
+                                                        "--num-microbatches 4 --activation-checkpointing selective"),
     ("8b tp8 pp4 dp2 z1 s2048 1f1b m4 full", "--model llama3.1-8b --tp 8 --pp 4 --dp 2 --zero-stage 1 "
                                              "--seq-length 2048 --num-microbatches 4 --activation-checkpointing full"),
 ]

@@ -127,3 +127,15 @@ def test_rank_outside_the_world_is_refused_before_any_process_group(capsys):
         main(argv[:-1] + ["-1"])
     assert exit_info.value.code == 2
     assert "expected a rank (an integer >= 0) or 'worst'" in capsys.readouterr().err
+
+
+def test_the_measured_h200_allowance_serves_the_preset_and_the_device_name():
+    """``overhead.json``'s H200 entry (measured: benchmarks/results/gpu_check_NVIDIA_H200_2026-11-26.md) is what the
+    pre-fit check (device name) and ``estimate --gpu-memory H200`` (preset) use; other GPUs keep the default."""
+    from lightning_4d.memory.hardware import overhead_allowance
+
+    measured = overhead_allowance("NVIDIA H200")
+    assert measured.source.startswith("measured on NVIDIA H200")
+    assert overhead_allowance("H200") == measured
+    assert overhead_allowance("GH200").source.startswith("default")
+    assert overhead_allowance("H100-80GB").source.startswith("default")

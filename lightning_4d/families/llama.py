@@ -39,6 +39,15 @@ _PLAN = TensorParallelPlan(
 )
 
 
+def _local_piece(full: torch.Tensor, p: Any) -> torch.Tensor:
+    """This rank's piece of DTensor ``p`` as a view of its whole tensor ``full`` (its offset and local shape: shards
+    of shards on one dimension, as tp and FSDP2 make them, are one contiguous block), so that initialization holds
+    nothing beside ``full`` (``distribute_tensor`` builds every rank's piece: measured on llama3.2-1b tp8 dp8 ZeRO 3,
+    two 0.98 GiB copies of the embedding)."""
+    offset, shape = local_offset(p), p.to_local().shape
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
 class LlamaFamily(ModelFamily):
     """``lightning_4d.models.LlamaModel`` (module docstring)."""
 
@@ -90,7 +99,7 @@ class LlamaFamily(ModelFamily):
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device=device)
             with torch.no_grad():
-                model.init_weights()
+                model.init_weights(local_piece=_local_piece)
 
     @torch.no_grad()
     def load_hf(self, model: nn.Module, path: Path) -> None:

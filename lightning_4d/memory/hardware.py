@@ -175,15 +175,19 @@ def _overhead_table() -> dict[str, Any]:
 
 
 def overhead_allowance(gpu_name: Optional[str] = None, device_type: str = "cuda") -> OverheadAllowance:
-    """The allowance for ``gpu_name`` (``torch.cuda.get_device_name()``, e.g. "NVIDIA H100 80GB HBM3") from
-    ``overhead.json``: the entry whose key is contained in the name (longest match), else ``"default"``. On a CPU
-    (``device_type="cpu"``) there is no CUDA context: zero."""
+    """The allowance for ``gpu_name`` (``torch.cuda.get_device_name()``, e.g. "NVIDIA H100 80GB HBM3", or a preset
+    of :data:`GPU_PRESETS` such as ``"H200"``) from ``overhead.json``: the entry whose key is contained in the name,
+    or whose key holds the preset's family (its name up to the first ``-``) as a word (longest match), else
+    ``"default"``. On a CPU (``device_type="cpu"``) there is no CUDA context: zero."""
     if device_type != "cuda":
         return OverheadAllowance(0, 0.0, "cpu: no CUDA context, no caching allocator")
     table = _overhead_table()
     key = "default"
     if gpu_name:
-        matches = [k for k in table if k != "default" and k.lower() in gpu_name.lower()]
+        name = gpu_name.lower()
+        family = name.split("-")[0] if gpu_name in GPU_PRESETS else None
+        matches = [k for k in table if k != "default" and (
+            k.lower() in name or (family and re.search(rf"(?<![a-z0-9]){re.escape(family)}(?![a-z0-9])", k.lower())))]
         if matches:
             key = max(matches, key=len)
     entry = table[key]

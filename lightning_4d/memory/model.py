@@ -64,7 +64,8 @@ log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs and rsqrt, the matmul inputs
 casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product; autocast's weight copies and ``"allgather"``'s
 gathered K/V are made again there as under full checkpointing.
 
-**Peak** (:class:`MemoryEstimate`): memory moves through three phases of a step, and the estimate is the largest:
+**Peak** (:class:`MemoryEstimate`): memory moves through three phases of a step (and initialization before the
+first one), and the estimate is the largest:
 
 - start of backward: activations + the loss's backward working set (the logits' gradient in the compute dtype,
   ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax, ``4·n·V/t`` with
@@ -76,7 +77,14 @@ gathered K/V are made again there as under full checkpointing.
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
   hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
 - optimizer step: the gradients + the temporaries of ``torch.optim.AdamW(foreach=True)`` (``_foreach_sqrt`` of the
-  second moments: one moment's bytes) + ZeRO-1's all-gather buckets.
+  second moments: one moment's bytes) + ZeRO-1's all-gather buckets;
+- initialization (before the first step; :func:`_initialization_bytes`): ``LlamaModel.init_weights`` draws every
+  parameter whole in float32 (so that every layout starts from one process's weights) and copies this rank's piece
+  out of it: the rank's parameters in their setup dtype + the largest whole parameter of its stages (the embedding,
+  ``V·h``, not divided by tp); under ``bf16-mixed`` at ZeRO 0/1, the cast to bfloat16 after the optimizer's setup
+  (float32 parameters + master weights + gradient buckets + one parameter's bfloat16 copy) if larger. Measured with
+  ``lightning-4d measure`` on CPU (llama3.2-1b, the peak at the end of setup): tp8 dp8 ZeRO 3 1.052 GiB (estimated
+  1.050), dp8 ZeRO 3 1.554 (1.554), tp4 cp2 dp2 ZeRO 1 2.712 (2.712).
 
 ``total = parameters + optimizer_states + overhead + max(phases)``; ``overhead`` is the measured allowance for the
 CUDA context and fragmentation (:mod:`lightning_4d.memory.hardware`), zero on CPU.
@@ -749,7 +757,7 @@ class MemoryEstimate:
             communication buckets, optimizer-step temporaries, pipeline send/receive buffers.
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
-        peak_phase: ``"backward start"``, ``"backward end"`` or ``"optimizer step"``.
+        peak_phase: ``"backward start"``, ``"backward end"``, ``"optimizer step"`` or ``"initialization"``.
         pp_rank: the pp rank this is for (it holds the pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
@@ -925,6 +933,11 @@ class _Buffers:
     context_parallel: int  # one layer's context-parallel attention backward
     step_temporaries: int  # AdamW foreach temporaries + ZeRO-1's all-gather buckets
     resident_gradients: int  # gradients that exist before backward starts (ZeRO 0/1 buckets)
+    #: tp > 1, the rank holding the embedding: torch's vocabulary-parallel embedding backward (DTensor's
+    #: ``RowwiseParallel`` on ``nn.Embedding``) runs ``embedding_dense_backward`` with the whole vocabulary
+    #: (``num_weights = V``; measured: tiny-test tp2 gave a [256, 64] gradient for its [128, 64] shard) and reduces
+    #: the ``[V, h]`` partial sum to the rank's rows: ``V·h`` in the compute dtype at the end of backward
+    embedding_gradient: int = 0
 
 
 def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int,
@@ -992,18 +1005,40 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
         bucket = max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.parameters // dt.param), largest) * dt.param
         step_temp += int(bucket * (1 + 1 / world))
     resident = states.gradients if zero <= 1 else 0  # ZeRO 0/1 gradient buckets exist through the whole step
+    embedding_grad = dt.compute * cfg.padded_vocab_size * cfg.hidden_size if pc.tp > 1 and first else 0
     return _Buffers(gathered_start, gathered_end, grad_buffers, head_grad, m * boundaries * hidden,
-                    _context_parallel_buffers(cfg, pc, dt, b, s), step_temp, resident)
+                    _context_parallel_buffers(cfg, pc, dt, b, s), step_temp, resident, embedding_grad)
 
 
-def _phases(states: ModelStates, act: _Activations, buf: _Buffers) -> dict[str, int]:
-    """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**)."""
+def _initialization_bytes(cfg: Any, pc: ParallelConfig, dt: _Dtypes, pp_rank: int, states: ModelStates,
+                          buf: _Buffers) -> int:
+    """Bytes held at the peak of setup, before the first step (module docstring, **Peak**): the larger of
+    initialization (the rank's parameters in their setup dtype + the largest whole float32 parameter of its stages:
+    ``families/llama.py``'s ``_local_piece`` copies the rank's piece out of a view of it) and the cast that follows
+    the optimizer's setup (setup-dtype parameters + master weights + ZeRO 0/1's gradient buckets + the compute-dtype
+    copy of the largest parameter being made)."""
+    layers = sorted(i for _, r in pc.rank_stages(cfg.num_layers, pp_rank) for i in r)
+    _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
+    largest = max(p.numel for p, _ in _weighted_params(cfg, 1, layers, first, last))
+    largest_local = max(p.numel for p, _ in _weighted_params(cfg, pc.tp, layers, first, last))
+    params = states.parameters if pc.zero_stage >= 2 else states.parameters // dt.param * dt.setup
+    cast = 0
+    if pc.zero_stage < 2 and dt.master:
+        cast = states.master_weights + buf.resident_gradients + largest_local * dt.param
+    return params + max(4 * largest, cast)
+
+
+def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initialization: int = 0) -> dict[str, int]:
+    """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**);
+    ``initialization``: :func:`_initialization_bytes` (before the first step: no optimizer states yet)."""
     return {
+        "initialization": initialization - states.parameters - states.optimizer_states,
         # the loss' backward (its working set beside the saved logits) ends before the head's weight gradient exists,
         # and frees the saved logits (at least as large as the head's gradient for s >= h): the larger of the two
         "backward start": act.activations + max(act.logits, buf.head_gradient) + act.compute_weights
         + buf.gathered_start + buf.pipeline + buf.context_parallel + buf.resident_gradients,
-        "backward end": states.gradients + buf.gradient_buffers + buf.gathered_end + buf.pipeline,
+        "backward end": states.gradients + buf.gradient_buffers + buf.gathered_end + buf.pipeline
+        + buf.embedding_gradient,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
 
@@ -1019,14 +1054,14 @@ def _estimate_pp_rank(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: s
     saved = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type=device_type)
     act = _activation_terms(cfg, pc, dt, b, s, pp_rank, m, saved)
     buf = _buffer_terms(cfg, pc, dt, b, s, pp_rank, m, states)
-    phases = _phases(states, act, buf)
+    phases = _phases(states, act, buf, _initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
     allowance = overhead if overhead is not None else overhead_allowance(gpu_name, device_type)
     extra = allowance.bytes_for(tensors)
     gathered = max(buf.gathered_start, buf.gathered_end)
     buffers = (act.compute_weights + gathered + buf.gradient_buffers + buf.step_temporaries + buf.pipeline
-               + buf.context_parallel)
+               + buf.context_parallel + buf.embedding_gradient)
     details = {
         **{f"saved_{k}": val for k, val in saved.items()},
         "saved_for_backward": sum(saved.values()) - saved["recompute"],

@@ -394,7 +394,8 @@ class LlamaModel(nn.Module):
         return std
 
     @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None) -> None:
+    def init_weights(self, seed: Optional[int] = None,
+                     local_piece: Optional[Callable[[Tensor, Any], Tensor]] = None) -> None:
         """Deterministic, layout-independent initialization of every parameter, in place.
 
         For each parameter (a tied matrix once), with ``name`` its canonical name (wrapper components removed, see
@@ -412,13 +413,15 @@ class LlamaModel(nn.Module):
           scaled initialization of the residual-branch output projections (GPT-2, Radford et al. 2019, section 2.3;
           Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053).
 
-        A DTensor parameter keeps this rank's shard of the full tensor
-        (``distribute_tensor(full, mesh, placements, src_data_rank=None)``: no communication, every rank draws the
-        same full tensor); a plain tensor gets all of it. Either way it is cast to the parameter's dtype. The same
-        seed therefore gives the same full weights under any tensor / data / ZeRO layout (on one device type; CPU
-        and CUDA generators produce different streams). With ``tie_word_embeddings``, an ``output.weight`` that is
-        not the embedding's (a pruned model holding only the head) is drawn under the name
-        ``tok_embeddings.weight``, so both copies start equal. Transient memory: one full parameter in float32.
+        A DTensor parameter keeps this rank's shard of the full tensor: ``local_piece(full, p)``, a view of ``full``
+        (the strategy passes one built from the DTensor's offset: only ``full`` is allocated beside the parameters),
+        else ``distribute_tensor(full, mesh, placements, src_data_rank=None)`` (no communication, every rank draws the
+        same full tensor; it allocates the pieces beside ``full``); a plain tensor gets all of it. Either way it is cast
+        to the parameter's dtype. The same seed therefore gives the same full weights under any tensor / data / ZeRO
+        layout (on one device type; CPU and CUDA generators produce different streams). With ``tie_word_embeddings``, an
+        ``output.weight`` that is not the embedding's (a pruned model holding only the head) is drawn under the name
+        ``tok_embeddings.weight``, so both copies start equal. Transient memory: one full parameter in float32 (with
+        ``local_piece``).
 
         Args:
             seed: the seed; default ``self.init_seed``.
@@ -450,7 +453,9 @@ class LlamaModel(nn.Module):
                 generator.manual_seed(_param_seed(seed, key))
                 full = torch.empty(p.shape, dtype=torch.float32, device=device)
                 full.normal_(mean=0.0, std=std, generator=generator)
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and local_piece is not None:  # a view: nothing beside ``full`` is allocated
+                local.copy_(local_piece(full, p))
+            elif isinstance(p, DTensor):
                 shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
                 local.copy_(shard)
             else:
