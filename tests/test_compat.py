@@ -342,3 +342,25 @@ def test_grouped_mm_and_local_offset():
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     assert callable(compute_local_shape_and_global_offset)
+
+
+def test_fake_process_group_and_pipeline_metadata_names():
+    """``lightning-4d measure`` (lightning_4d/measure.py): torch's fake process group module and what
+    ``answer_pipeline_metadata`` replaces (torch >= 2.13: ``PipelineStage._recv_meta`` and the metadata classes it
+    returns; earlier: ``torch.distributed.recv_object_list``, public)."""
+    import importlib
+
+    from torch.distributed.pipelining import PipelineStage
+
+    fake = importlib.import_module(_compat.FAKE_PG_MODULE)
+    assert hasattr(fake, "FakeStore")
+    if hasattr(PipelineStage, "_recv_meta"):
+        from torch.distributed.pipelining import _utils
+
+        for name in ("_StageForwardMeta", "_StageBackwardMeta", "extract_tensor_metas"):
+            assert hasattr(_utils, name), name
+        import inspect
+
+        assert list(inspect.signature(PipelineStage._recv_meta).parameters) == ["self", "src_stage"]
+    else:
+        assert hasattr(PipelineStage, "_shape_inference")

@@ -67,13 +67,13 @@ def test_rest_tables_and_literal_blocks_become_markdown():
                                   "| :meth:`~F.rotary`, :meth:`~F.run_layer` | the chunk's forward |\n"
                                   "| ``x \\| y`` | one two |\n")
     assert rst._literal_blocks("Formula::\n\n    a = b\n\nDone.") == "Formula:\n\n    a = b\n\nDone."
-    # the table of families/base.py (on the reference's "Model families" page): 9 rows of methods, the first cells
+    # the table of families/base.py (on the reference's "Model families" page): 10 rows of methods, the first cells
     # that end in a comma merged with the next (rotary, run_layer, run_head; load_hf, load_checkpoint_weights)
     doc = (ROOT / "lightning_4d" / "families" / "base.py").read_text(encoding="utf-8").split('"""')[1]
     rows = [line for line in rst._tables(doc).split("\n") if line.startswith("| :meth:")]
-    assert len(rows) == 9, rows
+    assert len(rows) == 10, rows
     assert rows[4].startswith("| :meth:`~ModelFamily.rotary`, :meth:`~ModelFamily.run_layer`, :meth:`~ModelFamily.run")
-    assert rows[8].startswith("| :meth:`~ModelFamily.load_hf`, :meth:`~ModelFamily.load_checkpoint_weights` | ")
+    assert rows[9].startswith("| :meth:`~ModelFamily.load_hf`, :meth:`~ModelFamily.load_checkpoint_weights` | ")
 
 
 def test_roles_link_what_the_reference_shows_and_name_the_rest(tmp_path, monkeypatch):
