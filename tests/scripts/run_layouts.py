@@ -8,8 +8,8 @@ reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys d
 compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start and pcomm (PowerSGD's rank, start
 step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
 m (micro-batches per step), split (layers per
-stage) and pcd (pipeline comm dtype), for context parallelism cp and method ("ring" / "allgather"), and config (a
-dict of model config fields to override, e.g. the MoE ones).
+stage) and pcd (pipeline comm dtype), for context parallelism cp and method ("ring" / "allgather"), for expert
+parallelism ep, and config (a dict of model config fields to override, e.g. the MoE ones).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
             compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),
             gradient_compression=layout.get("compress", "none"), powersgd_rank=layout.get("rank", 4),
             powersgd_start_step=layout.get("start", 0), powersgd_comm_dtype=layout.get("pcomm"),
-            pipeline_comm_dtype=layout.get("pcd"),
+            pipeline_comm_dtype=layout.get("pcd"), expert_parallel_size=layout.get("ep", 1),
             process_group_backend="gloo", timeout=timedelta(seconds=120),
         )
     recorder = Recorder()
