@@ -93,10 +93,13 @@ def test_memory_model_divides_experts_by_ep_and_their_states_by_the_expert_group
 # ---------------------------------------------------------------------------------------------------- parity
 VARIANT = {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2, "router_aux_loss_coef": 0.1}
 CAPACITY = {"capacity_factor": 1.0}
-REF = [{"reference": True, "norm": True}, {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True}]
+REF = [{"reference": True, "norm": True}, {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True},
+       {"reference": True, "precision": "bf16-mixed"}]
+BF16_RTOL = 1e-2  # issue 23's bar for bf16-mixed layouts vs one-process bf16-mixed
 DP2 = [{"dp": 2, "zero": 1, "ep": 2, "norm": True},
        {"dp": 2, "zero": 0, "ep": 2, "config": VARIANT, "clip": 0.1, "ac": "full", "norm": True},
-       {"dp": 2, "zero": 1, "config": CAPACITY}, {"dp": 2, "zero": 1, "ep": 2, "config": CAPACITY}]
+       {"dp": 2, "zero": 1, "config": CAPACITY}, {"dp": 2, "zero": 1, "ep": 2, "config": CAPACITY},
+       {"dp": 2, "zero": 1, "ep": 2, "precision": "bf16-mixed"}]
 DP4 = [{"dp": 4, "zero": 1, "ep": 2, "norm": True},
        {"dp": 4, "zero": 1, "ep": 4, "config": VARIANT, "clip": 0.1, "norm": True},
        {"dp": 4, "zero": 0, "ep": 4, "norm": True}]
@@ -131,7 +134,8 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
     process, the busiest expert's tokens identical; model-state bytes of every rank equal to the memory model's."""
     which, index = case
     layout = (DP2 if which == "dp2" else DP4)[index]
-    ref = _records(runs["ref"], 1 if "config" in layout else 0)[0]
+    bf16 = layout.get("precision") == "bf16-mixed"
+    ref = _records(runs["ref"], 2 if bf16 else 1 if "config" in layout else 0)[0]
     ranks = _records(runs[which], index)
     assert len(ranks) == layout["dp"]
     for r in ranks:
@@ -139,17 +143,18 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
         rel, aux = _rel(r["losses"], ref["losses"]), _rel(b["aux_losses"], ref["bytes"]["aux_losses"])
         norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"]) if "norm" in layout else 0.0
         print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
-        assert rel <= LOSS_RTOL and aux <= LOSS_RTOL and norm <= LOSS_RTOL
-        assert b["tokens_per_expert_max"] == ref["bytes"]["tokens_per_expert_max"]
+        assert max(rel, aux, norm) <= (BF16_RTOL if bf16 else LOSS_RTOL)
+        if not bf16:  # bf16 rounding may flip a near tie of the router
+            assert b["tokens_per_expert_max"] == ref["bytes"]["tokens_per_expert_max"]
         cfg = LlamaConfig.from_preset("tiny-moe", **layout.get("config", {}))
         pc = ParallelConfig(data_parallel_size=layout["dp"], zero_stage=layout["zero"],
                             expert_parallel_size=layout.get("ep", 1))
-        est = model_state_bytes(cfg, pc, "32-true", dp_cp_rank=r["rank"])
+        est = model_state_bytes(cfg, pc, layout.get("precision", "32-true"), dp_cp_rank=r["rank"])
         assert (b["params"], b["grads"], b["optimizer_states"]) == (est.parameters, est.gradients,
                                                                     est.optimizer_states)
         if layout.get("ep", 1) > 1:  # the experts really are split: fewer parameter bytes than ep = 1
             ep1 = ParallelConfig(data_parallel_size=layout["dp"], zero_stage=layout["zero"])
-            assert est.parameters < model_state_bytes(cfg, ep1, "32-true").parameters
+            assert est.parameters < model_state_bytes(cfg, ep1, layout.get("precision", "32-true")).parameters
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 
