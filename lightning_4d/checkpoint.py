@@ -92,7 +92,8 @@ def layout_of(config: Any) -> dict[str, Any]:
     split = config.pipeline_layer_split
     return {"pp": config.pp, "dp": config.dp, "cp": config.cp, "tp": config.tp, "zero_stage": config.zero_stage,
             "v": config.v, "pipeline_layer_split": list(split) if split is not None else None,
-            "sequence_parallel": config.sequence_parallel, "powersgd_rank": config.powersgd_rank}
+            "sequence_parallel": config.sequence_parallel, "powersgd_rank": config.powersgd_rank,
+            **({"ep": config.ep} if config.ep > 1 else {})}
 
 
 def _compression_file(global_rank: int) -> str:

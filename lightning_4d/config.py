@@ -107,6 +107,12 @@ class ParallelConfig:
         pipeline_comm_dtype: ``None`` (send pipeline activations and their gradients in the model's dtype),
             ``"bfloat16"`` (half the bytes of a float32 model) or ``"float8"`` (e4m3 with a per-tensor scale, a
             quarter; ``parallel/pipeline.py``, ``parallel/compression.py``).
+        expert_parallel_size: ep, the ranks that split the routed experts of every Mixture-of-Experts layer
+            (each holds ``num_experts / ep`` of them; tokens travel to their experts and back by all-to-all,
+            ``parallel/expert.py``). No mesh dimension of its own: ep groups are blocks of ``ep`` consecutive ranks
+            of the flattened ``dp_cp`` mesh, so ep must divide dp·cp; the expert parameters' gradients and ZeRO
+            shards go over the expert data-parallel group (``dp_cp / ep``: the ranks of ``dp_cp`` with the same
+            position in their ep block). ZeRO 0 and 1 only (``docs/moe.md``).
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -114,7 +120,7 @@ class ParallelConfig:
             checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1, an unknown
             context-parallel method, an unknown gradient compression or pipeline comm dtype, ``"powersgd"`` with
             ZeRO 2 or 3, a ``powersgd_rank`` below 1, a negative ``powersgd_start_step``, an unknown
-            ``powersgd_comm_dtype``.
+            ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with ZeRO 2/3 or PowerSGD.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -134,6 +140,7 @@ class ParallelConfig:
     powersgd_start_step: int = 0
     powersgd_comm_dtype: Optional[str] = None
     pipeline_comm_dtype: Optional[str] = None
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.data_parallel_size == -1:
@@ -143,6 +150,7 @@ class ParallelConfig:
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive_int("context_parallel_size", self.context_parallel_size)
+        _check_positive_int("expert_parallel_size", self.expert_parallel_size)
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage={self.zero_stage!r} is not valid: expected one of {list(ZERO_STAGES)}.")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -178,6 +186,18 @@ class ParallelConfig:
                 f"gradient_compression='powersgd' is not supported with zero_stage={self.zero_stage}: FSDP2 "
                 "reduce-scatters each gradient shard as it comes and PowerSGD needs whole matrices. Use zero_stage 0 "
                 "or 1 with it, or gradient_compression='bf16' with ZeRO 2/3."
+            )
+        if self.expert_parallel_size > 1 and self.zero_stage >= 2:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} is not supported with zero_stage="
+                f"{self.zero_stage} yet: expert parallelism runs with ZeRO stages 0 and 1 (expert gradients reduced "
+                "and optimizer states sharded over the expert data-parallel group dp*cp/ep). Use zero_stage=0 or 1, "
+                "or expert_parallel_size=1 with ZeRO 2/3."
+            )
+        if self.expert_parallel_size > 1 and self.gradient_compression == "powersgd":
+            raise ValueError(
+                f"gradient_compression='powersgd' is not supported with expert_parallel_size="
+                f"{self.expert_parallel_size}: use gradient_compression='none' or 'bf16' with expert parallelism."
             )
         if self.pipeline_comm_dtype not in PIPELINE_COMM_DTYPES:
             raise ValueError(
@@ -241,6 +261,22 @@ class ParallelConfig:
     def dp_cp(self) -> int:
         """Size of the group that ZeRO shards over and gradients are reduced over (dp * cp)."""
         return self.dp * self.cp
+
+    @property
+    def ep(self) -> int:
+        """Expert parallel size (1 without expert parallelism)."""
+        return self.expert_parallel_size
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of the expert data-parallel group (dp·cp / ep): the ranks holding the same experts, over which the
+        expert parameters' gradients are reduced and their ZeRO 1 states sharded."""
+        return self.dp_cp // self.ep
+
+    def ep_coordinates(self, dp_cp_rank: int) -> tuple[int, int]:
+        """``(ep rank, expert data-parallel rank)`` of the rank at index ``dp_cp_rank`` of the flattened ``dp_cp``
+        mesh: ep groups are blocks of ``ep`` consecutive ``dp_cp`` ranks (``mesh.py``), so ``(i % ep, i // ep)``."""
+        return dp_cp_rank % self.ep, dp_cp_rank // self.ep
 
     @property
     def sp(self) -> bool:
@@ -405,7 +441,7 @@ class ParallelConfig:
                     f"so data_parallel_size='auto' cannot be filled in. Valid tensor_parallel_size values for this "
                     f"world size (pp=cp=1): {_divisors(world_size)}."
                 )
-            return replace(self, data_parallel_size=world_size // other)
+            return replace(self, data_parallel_size=world_size // other)._check_ep()
         if self.pp * self.dp * self.cp * self.tp != world_size:
             raise ValueError(
                 f"world size {world_size} != pp*dp*cp*tp = {self.pp}*{self.dp}*{self.cp}*{self.tp} = "
@@ -413,7 +449,20 @@ class ParallelConfig:
                 f"product is {world_size} "
                 f"(e.g. data_parallel_size={world_size // other if world_size % other == 0 else 'auto'})."
             )
-        return replace(self)
+        return replace(self)._check_ep()
+
+    def _check_ep(self) -> "ParallelConfig":
+        """``self`` when ep divides dp·cp (resolved sizes).
+
+        Raises:
+            ValueError: it does not (names the valid ep values)."""
+        if self.dp_cp % self.ep != 0:
+            raise ValueError(
+                f"expert_parallel_size={self.ep} does not divide dp*cp = {self.dp}*{self.cp} = {self.dp_cp}: ep ranks "
+                f"are carved out of the data-parallel ranks; valid expert_parallel_size values for this layout: "
+                f"{_divisors(self.dp_cp)}."
+            )
+        return self
 
     def validate_model(self, model_config: "LlamaConfig") -> None:
         """Check that a Llama model can be split by this layout.
@@ -421,7 +470,8 @@ class ParallelConfig:
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1; a
-                Mixture-of-Experts model with tp, pp or cp > 1 (not implemented yet: ``docs/moe.md``).
+                Mixture-of-Experts model with tp, pp or cp > 1 (not implemented yet: ``docs/moe.md``); ep > 1 for a
+                dense model, or an ep that does not divide ``num_experts``.
         """
         tp = self.tp
         valid_tp = [d for d in _divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -450,6 +500,18 @@ class ParallelConfig:
                 "rows are never targets) or choose a tensor_parallel_size that divides "
                 f"{model_config.padded_vocab_size}."
             )
+        ep = self.expert_parallel_size
+        if ep > 1 and not getattr(model_config, "is_moe", False):
+            raise ValueError(
+                f"expert_parallel_size={ep} needs a Mixture-of-Experts model (num_experts > 0); this model is dense "
+                f"(num_experts={getattr(model_config, 'num_experts', 0)}): the only valid expert_parallel_size is 1."
+            )
+        if ep > 1 and model_config.num_experts % ep != 0:
+            raise ValueError(
+                f"expert_parallel_size={ep} does not divide num_experts={model_config.num_experts} (each ep rank holds "
+                f"num_experts/ep whole experts); valid expert_parallel_size values for this model: "
+                f"{_divisors(model_config.num_experts)}."
+            )
         if getattr(model_config, "is_moe", False):
             # what training a Mixture-of-Experts model supports today (docs/moe.md): dp + ZeRO 0-3; the estimator
             # and the planner follow, so that they propose only layouts FourDStrategy runs
@@ -458,8 +520,9 @@ class ParallelConfig:
                 if size > 1:
                     raise ValueError(
                         f"{name}={size} is not supported for a Mixture-of-Experts model (num_experts="
-                        f"{model_config.num_experts}) yet: MoE models train with data parallelism and ZeRO stages "
-                        f"0-3 (data_parallel_size, zero_stage); set {name}=1 (docs/moe.md)."
+                        f"{model_config.num_experts}) yet: MoE models train with data parallelism, ZeRO stages 0-3 "
+                        f"and expert parallelism (data_parallel_size, zero_stage, expert_parallel_size); set "
+                        f"{name}=1 (docs/moe.md)."
                     )
         if self.pp > 1:
             self.layer_split(model_config.num_layers)

@@ -344,7 +344,8 @@ def measure_rank(model_config: Any, pc: ParallelConfig, rank: int, micro_batch_s
         ``{"rank", "coordinates", "measured": fit_and_measure's dict, "estimate": MemoryEstimate.to_dict()}``.
 
     Raises:
-        ValueError: a rank outside the world, ``steps`` < 1, an unknown device, CUDA asked for but absent; layout
+        ValueError: a rank outside the world, ``steps`` < 1, an unknown device, CUDA asked for but absent,
+            ``expert_parallel_size`` > 1 (the fake process group's all-to-all carries no token counts); layout
             errors come from ``ParallelConfig`` before this is called.
         RuntimeError: a process group already exists in this process.
     """
@@ -355,6 +356,10 @@ def measure_rank(model_config: Any, pc: ParallelConfig, rank: int, micro_batch_s
     coords = rank_coordinates(pc, rank)
     if steps < 1:
         raise ValueError(f"--steps {steps} is not valid: expected an integer >= 1.")
+    if pc.ep > 1:
+        raise ValueError(f"expert_parallel_size={pc.ep}: measure cannot run expert parallelism on torch's fake "
+                         "process group (its all-to-all carries no token counts); measure ep layouts with torchrun "
+                         "on gloo (tests/test_expert_parallel.py), or expert_parallel_size=1 here.")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device {device!r} is not valid: expected cpu or cuda.")
     if device == "cuda" and not torch.cuda.is_available():

@@ -3,17 +3,25 @@
 tp is innermost, so a tp group sits on consecutive ranks (one node, NVLink); pp is outermost (the only dimension
 whose traffic is point-to-point). Parameters are replicated across dp and cp, so ZeRO shards over and gradients
 are reduced over the flattened ``("dp", "cp")`` mesh, named ``dp_cp`` (Megatron-core's rank order ``tp-cp-dp-pp``).
+
+Expert parallelism (ep > 1) adds no dimension to the world mesh: ``dp_cp`` (size D) is unflattened into
+``("edp", "ep")`` of sizes ``(D/ep, ep)``, ep innermost, so an ep group is ``ep`` consecutive ranks of the flattened
+``dp_cp`` mesh (``dp_cp`` index i: ep rank ``i % ep``, expert data-parallel rank ``i // ep``; with cp = 1 and tp = pp
+= 1, consecutive global ranks: the all-to-all stays within a node when ep divides the GPUs per node), and the expert
+data-parallel group ``edp`` is the D/ep ranks holding the same experts (torchtitan's ``ep`` /
+``dp_shard_mod_ep``, Megatron-core's expert-data-parallel group).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_4d.config import MESH_DIM_NAMES, ParallelConfig
-from lightning_4d.parallel._compat import flatten_mesh
+from lightning_4d.parallel._compat import flatten_mesh, unflatten_mesh
 
 
 @dataclass
@@ -23,10 +31,17 @@ class ParallelMesh:
     Attributes:
         world: the 4D mesh with dims ``("pp", "dp", "cp", "tp")``.
         dp_cp: the 1D flattened ``("dp", "cp")`` mesh (ZeRO sharding, gradient reduction, loss averaging).
+        ep: the 1D expert-parallel mesh (``ep`` consecutive ranks of ``dp_cp``; the experts are split over it and
+            tokens exchanged over it by all-to-all), ``None`` without expert parallelism.
+        edp: the 1D expert data-parallel mesh (``dp_cp / ep`` ranks holding the same experts: the expert
+            parameters' gradients are reduced and their ZeRO 1 states sharded over it), ``None`` without expert
+            parallelism.
     """
 
     world: DeviceMesh
     dp_cp: DeviceMesh
+    ep: Optional[DeviceMesh] = None
+    edp: Optional[DeviceMesh] = None
 
     @property
     def tp(self) -> DeviceMesh:
@@ -66,4 +81,7 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
         raise RuntimeError(f"process group has {world_size} ranks but the layout needs {config.world_size}")
     mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # keep the returned object: it holds the process group
-    return ParallelMesh(world=mesh, dp_cp=dp_cp)
+    if config.ep == 1:
+        return ParallelMesh(world=mesh, dp_cp=dp_cp)
+    experts = unflatten_mesh(dp_cp, (config.expert_dp, config.ep), ("edp", "ep"))
+    return ParallelMesh(world=mesh, dp_cp=dp_cp, ep=experts["ep"], edp=experts["edp"])

@@ -87,6 +87,12 @@ class FourDStrategy(ModelParallelStrategy):
             compute) or ``"allgather"`` (K/V of the whole sequence all-gathered; cheaper for few kv heads). See
             ``docs/context_parallel.md``.
         zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
+        expert_parallel_size: ep, for a Mixture-of-Experts model: the ranks that split the routed experts of every
+            MoE layer (``num_experts / ep`` each; tokens dispatched and combined by all-to-all). ep ranks are blocks
+            of ep consecutive ranks of the flattened ``dp_cp`` mesh (ep divides dp·cp and ``num_experts``); the
+            expert parameters' gradients are reduced and their ZeRO 1 states sharded over the expert
+            data-parallel group (dp·cp/ep ranks), the dense ones over dp·cp. ZeRO 0 and 1 only; see
+            ``docs/moe.md``.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
             ``"selective"`` (keep each layer's matmul and attention outputs, recompute its pointwise ops).
@@ -153,6 +159,7 @@ class FourDStrategy(ModelParallelStrategy):
         powersgd_start_step: int = 0,
         powersgd_comm_dtype: Optional[Literal[POWERSGD_COMM_DTYPES]] = None,
         pipeline_comm_dtype: Optional[Literal[PIPELINE_COMM_DTYPES]] = None,
+        expert_parallel_size: int = 1,
         compile: bool = False,
         fsdp_blocks: Optional[list[str]] = None,
         save_distributed_checkpoint: bool = True,
@@ -179,6 +186,7 @@ class FourDStrategy(ModelParallelStrategy):
             powersgd_start_step=powersgd_start_step,
             powersgd_comm_dtype=powersgd_comm_dtype,
             pipeline_comm_dtype=pipeline_comm_dtype,
+            expert_parallel_size=expert_parallel_size,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -330,7 +338,8 @@ class FourDStrategy(ModelParallelStrategy):
                                      compression=pc.gradient_compression, powersgd_rank=pc.powersgd_rank,
                                      powersgd_start_step=pc.powersgd_start_step,
                                      powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype)
-                                     if pc.powersgd_comm_dtype else None)
+                                     if pc.powersgd_comm_dtype else None,
+                                     expert_group=self.mesh.edp.get_group() if self.mesh.edp is not None else None)
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:

@@ -129,6 +129,12 @@ class ModelFamily:
         their tokens per expert over it, :mod:`lightning_4d.models.moe`). Called when dp·cp > 1; default:
         nothing."""
 
+    def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
+        """Split ``model``'s routed experts over ``ep_mesh`` and dispatch tokens to them by all-to-all
+        (:mod:`lightning_4d.parallel.expert`). Called only when ep > 1 (``ParallelConfig.validate_model`` refuses
+        ep > 1 for a dense model first)."""
+        raise self._missing("apply_expert_parallel")
+
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
         """Make ``model``'s attention exchange K/V over ``cp_mesh`` (``method``: ``"ring"`` or ``"allgather"``) and
         its rotary positions those of the rank's zigzag shard. Called only when cp > 1."""

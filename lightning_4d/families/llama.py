@@ -27,6 +27,7 @@ from lightning_4d.models.moe import MoEFeedForward
 from lightning_4d.models.rope import rope_cos_sin
 from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
+from lightning_4d.parallel.expert import shard_experts
 from lightning_4d.parallel.tensor import TensorParallelPlan
 
 _PLAN = TensorParallelPlan(
@@ -82,6 +83,13 @@ class LlamaFamily(ModelFamily):
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
                 module.stats_group = dp_cp_mesh.get_group()
+
+    def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
+        """Every MoE layer's stacked experts become DTensors ``Shard(0)`` on ``ep_mesh`` (this rank's ``E/ep``
+        experts) and its tokens travel to them by all-to-all (:func:`lightning_4d.parallel.expert.shard_experts`)."""
+        for module in model.modules():
+            if isinstance(module, MoEFeedForward):
+                shard_experts(module.experts, ep_mesh)
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
         """Every ``Attention``'s ``core_attention`` becomes ring or all-gather attention over ``cp_mesh``

@@ -200,7 +200,7 @@ class _Param:
     cols: int  # elements per row (1 for a vector)
     matrix: bool
     unit: str  # FSDP2 unit: "layers.<i>" or "root"
-    expert: bool = False  # a routed experts' stacked weight [E, ...] (expert parallelism will shard dim 0 over ep)
+    expert: bool = False  # a routed experts' stacked weight [E/ep, ...] (sharded over ep, ZeRO over dp·cp/ep)
 
     @property
     def numel(self) -> int:
@@ -230,8 +230,8 @@ def _is_moe_layer(cfg: Any, index: int) -> bool:
 def _stage_params(cfg: Any, tp: int, layers: Any, first: bool, last: bool, ep: int = 1) -> list[_Param]:
     """The parameters of layers ``layers`` (+ embedding / final norm and head), in the model's order (the order
     ``model.parameters()`` yields them: ZeRO 1's buckets follow it). An MoE layer's feed-forward is the router
-    ``[E, h]``, the experts' stacked ``w1``, ``w3`` ``[E, f_e, h]`` and ``w2`` ``[E, h, f_e]`` (``E/ep`` rows each: ep
-    is 1 until expert parallelism exists) and the shared experts' ``w1``, ``w3``, ``w2`` (width ``n_s·f_e``); MoE
+    ``[E, h]``, the experts' stacked ``w1``, ``w3`` ``[E, f_e, h]`` and ``w2`` ``[E, h, f_e]`` (``E/ep`` rows each:
+    the experts of this ep rank) and the shared experts' ``w1``, ``w3``, ``w2`` (width ``n_s·f_e``); MoE
     configs take no tp (``ParallelConfig.validate_model``)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.padded_vocab_size
@@ -281,14 +281,15 @@ def _rank_layers(num_layers: int, pc: ParallelConfig, pp_rank: int) -> list[int]
     return sorted(i for _, r in pc.rank_stages(num_layers, pp_rank) for i in r)
 
 
-def _weighted_params(cfg: Any, tp: int, layers: list[int], first: bool, last: bool) -> list[tuple[_Param, int]]:
+def _weighted_params(cfg: Any, tp: int, layers: list[int], first: bool, last: bool, ep: int = 1
+                     ) -> list[tuple[_Param, int]]:
     """:func:`_stage_params` of ``layers`` with the identical layers folded into one representative layer and a
     count: one dense layer and, in an MoE config, one MoE layer."""
     moe = [i for i in layers if _is_moe_layer(cfg, i)]
     dense = [i for i in layers if not _is_moe_layer(cfg, i)]
     reps = {group[0]: len(group) for group in (dense, moe) if group}
     return [(p, reps[int(p.unit.split(".")[1])] if p.unit != "root" else 1)
-            for p in _stage_params(cfg, tp, sorted(reps), first, last)]
+            for p in _stage_params(cfg, tp, sorted(reps), first, last, ep)]
 
 
 def _chunk(n: int, world: int, rank: int) -> int:
@@ -327,11 +328,18 @@ class _Sizes:
 
 @functools.lru_cache(maxsize=4096)
 def _zero1_owned(sizes: _Sizes, tp: int, layers: tuple[int, ...], first: bool, last: bool, elem_bytes: int,
-                 world: int, rank: int, bucket_bytes: int) -> int:
+                 world: int, rank: int, bucket_bytes: int, ep: int = 1) -> int:
     """:func:`_bucket_owned` of the parameters of ``layers`` (+ embedding / head), cached: the planner asks for the
-    same stage under many micro-batch sizes."""
-    numels = [p.numel for p in _stage_params(sizes, tp, layers, first, last)]
-    return _bucket_owned(numels, elem_bytes, world, rank, bucket_bytes)
+    same stage under many micro-batch sizes. Under expert parallelism (``ep`` > 1) the expert weights fill buckets
+    of their own, sharded over the expert data-parallel group (``world / ep`` ranks; this rank is ``rank // ep`` of
+    it, ``ParallelConfig.ep_coordinates``), the others over all ``world`` ranks (``parallel/zero.py``)."""
+    params = _stage_params(sizes, tp, layers, first, last, ep)
+    dense = [p.numel for p in params if not (p.expert and ep > 1)]
+    owned = _bucket_owned(dense, elem_bytes, world, rank, bucket_bytes)
+    if ep > 1:
+        experts = [p.numel for p in params if p.expert]
+        owned += _bucket_owned(experts, elem_bytes, world // ep, rank // ep, bucket_bytes)
+    return owned
 
 
 def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, bucket_bytes: int) -> int:
@@ -389,7 +397,8 @@ def model_state_bytes(
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
         pp_rank: the pp rank (0 .. pp−1); it holds the ``v`` pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages` (schedule and v from ``parallel_config``).
-        dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards).
+        dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards); under expert
+            parallelism its ep rank is ``dp_cp_rank % ep`` and its expert data-parallel rank ``dp_cp_rank // ep``.
         pipeline_layer_split: layers per pipeline stage (``pp·v`` counts; default ``parallel_config``'s, else
             equal).
         bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
@@ -409,7 +418,8 @@ def model_state_bytes(
         raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
     _, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
     world, zero = pc.dp_cp, pc.zero_stage
-    weighted = _weighted_params(model_config, pc.tp, _rank_layers(model_config.num_layers, pc, pp_rank), first, last)
+    weighted = _weighted_params(model_config, pc.tp, _rank_layers(model_config.num_layers, pc, pp_rank), first, last,
+                                pc.ep)
     if zero >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor
         n = sum(count * _chunk(p.rows, world, dp_cp_rank) * p.cols for p, count in weighted)
         if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
@@ -420,7 +430,7 @@ def model_state_bytes(
     if zero == 1 and world > 1:
         layers = tuple(_rank_layers(model_config.num_layers, pc, pp_rank))
         n_opt = _zero1_owned(_Sizes.of(model_config, model_config.num_layers), pc.tp, layers, first, last, dt.setup,
-                             world, dp_cp_rank, bucket_bytes)
+                             world, dp_cp_rank, bucket_bytes, pc.ep)
     master = n_opt * dt.master
     compression = 0
     if pc.gradient_compression == "powersgd" and world > 1:  # every rank's own E and Q, whole local matrices
@@ -610,7 +620,7 @@ def saved_activation_bytes(
         out["recompute"] = _layer_selective_recompute(model_config, dt, b, s, tp, sp)
     if dt.autocast:
         # autocast's bfloat16 weight copies; a checkpointed layer's are made again (and dropped) in its recompute
-        cast = [(p, n) for p, n in _weighted_params(model_config, tp, indices, first, last)
+        cast = [(p, n) for p, n in _weighted_params(model_config, tp, indices, first, last, pc.ep)
                 if p.matrix and p.name != "tok_embeddings.weight"]
         in_layers = sum(p.numel * n for p, n in cast if p.unit != "root")
         out["compute_weights"] = 2 * (sum(p.numel * n for p, n in cast) - (in_layers if recomputed else 0))
@@ -946,7 +956,7 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
     communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers and the
     optimizer step's temporaries."""
     _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
-    params = _weighted_params(cfg, pc.tp, _rank_layers(cfg.num_layers, pc, pp_rank), first, last)
+    params = _weighted_params(cfg, pc.tp, _rank_layers(cfg.num_layers, pc, pp_rank), first, last, pc.ep)
     world, zero = pc.dp_cp, pc.zero_stage
     # FSDP2: parameters gathered for compute (padded all-gather outputs; bf16 under MixedPrecisionPolicy),
     # unsharded gradients before reduce-scatter (bf16, then their float32 cast for the reduce-scatter)
@@ -1020,7 +1030,7 @@ def _initialization_bytes(cfg: Any, pc: ParallelConfig, dt: _Dtypes, pp_rank: in
     layers = sorted(i for _, r in pc.rank_stages(cfg.num_layers, pp_rank) for i in r)
     _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
     largest = max(p.numel for p, _ in _weighted_params(cfg, 1, layers, first, last))
-    largest_local = max(p.numel for p, _ in _weighted_params(cfg, pc.tp, layers, first, last))
+    largest_local = max(p.numel for p, _ in _weighted_params(cfg, pc.tp, layers, first, last, pc.ep))
     params = states.parameters if pc.zero_stage >= 2 else states.parameters // dt.param * dt.setup
     cast = 0
     if pc.zero_stage < 2 and dt.master:

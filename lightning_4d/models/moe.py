@@ -76,35 +76,47 @@ class GroupedExperts(nn.Module):
     :data:`lightning_4d.parallel._compat.grouped_mm` finds it (``LlamaModel.set_grouped_mm``; ``CausalLMModule``
     sets it): then on CUDA with bfloat16 weights the three matmuls are grouped GEMMs over the experts' row groups
     (the loop elsewhere). The models package imports nothing of ``parallel/``, so the private name is handed in.
+
+    ``dispatch``: ``None`` (every expert here), or under expert parallelism the callable ``dispatch(experts, x,
+    counts)`` of :mod:`lightning_4d.parallel.expert` (set by the family): ``w1``, ``w3``, ``w2`` are then DTensors
+    sharded on dim 0 over the ep mesh (this rank's ``E/ep`` experts), and it sends the rows to the ranks holding
+    their experts, runs :meth:`run` on the rows it received and sends the outputs back, in ``x``'s order.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.grouped_mm: Optional[Callable[..., Tensor]] = None
+        self.dispatch: Optional[Callable[["GroupedExperts", Tensor, Tensor], Tensor]] = None
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        if self.grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 \
-                and self.w1.dtype == torch.bfloat16:
-            return self._grouped(x, counts)
+        if self.dispatch is not None:  # expert parallelism: the tokens travel to the ranks holding their experts
+            return self.dispatch(self, x, counts)
+        return self.run(x, counts, self.w1, self.w3, self.w2)
+
+    def run(self, x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+        """The experts of the stacked weights ``w1``, ``w3``, ``w2`` (plain tensors of ``len(counts)`` experts: all of
+        them, or under expert parallelism this rank's) on ``x`` sorted by expert (``counts[e]`` rows each)."""
+        if self.grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 and w1.dtype == torch.bfloat16:
+            return self._grouped(x, counts, w1, w3, w2)
         out = []
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
                 xe = x[start : start + n]
-                out.append(F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e]))
+                out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
             start += n
-        return torch.cat(out) if out else x.new_zeros(0, self.w2.shape[1])
+        return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
 
-    def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
+    def _grouped(self, x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
         """The three matmuls as grouped GEMMs over the experts' row groups (``offs``: cumulative row counts)."""
         mm, offs = self.grouped_mm, torch.cumsum(counts, 0, dtype=torch.int32)
-        gate = mm(x, self.w1.transpose(-2, -1), offs=offs)
-        up = mm(x, self.w3.transpose(-2, -1), offs=offs)
-        return mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
+        gate = mm(x, w1.transpose(-2, -1), offs=offs)
+        up = mm(x, w3.transpose(-2, -1), offs=offs)
+        return mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
 
     def extra_repr(self) -> str:
         e, f, h = self.w1.shape

@@ -141,6 +141,17 @@ def flatten_mesh(mesh: "DeviceMesh", name: str) -> "DeviceMesh":
     return mesh._flatten(name)
 
 
+def unflatten_mesh(mesh: "DeviceMesh", sizes: tuple[int, ...], names: tuple[str, ...]) -> "DeviceMesh":
+    """The 1D ``mesh`` (e.g. the flattened ``dp_cp``) split into ``len(sizes)`` dims, the last innermost (consecutive
+    ranks of ``mesh``), with process groups for each (``DeviceMesh._unflatten``, torch >= 2.9; its root is the world
+    mesh's)."""
+    unflatten = getattr(mesh, "_unflatten", None)
+    if unflatten is None:  # pragma: no cover - older torch
+        raise RuntimeError(f"expert parallelism needs DeviceMesh._unflatten (torch >= 2.9), torch {torch.__version__} "
+                           "lacks it")
+    return unflatten(0, tuple(sizes), tuple(names))
+
+
 # ---------------------------------------------------------------------------------------------------- wrappers
 #: the module level ``torch.compile`` (``OptimizedModule._orig_mod``) inserts into parameter names
 COMPILED_MODULE = "_orig_mod"

@@ -1,6 +1,7 @@
 """The order of parallelization of a model of any registered family (:mod:`lightning_4d.families`), one short step
 per line (torchtitan's ``parallelize_llama`` shape): pipeline split, tensor + sequence parallel plans,
-context-parallel attention, activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2). Materialization
+context-parallel attention, expert parallelism, activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3
+(FSDP2). Materialization
 (the family's; for our Llama the layout-independent initialization) follows in :func:`prepare_models`; ZeRO 0/1 act on
 gradients and the optimizer, not on the model (:mod:`lightning_4d.parallel.zero`).
 """
@@ -171,10 +172,10 @@ def parallelize_model(
     compile: bool = False,
     param_dtype: Optional[torch.dtype] = None,
 ) -> Optional[list[tuple[int, nn.Module]]]:
-    """Apply the pipeline split, tp/sp, context-parallel attention, activation checkpointing, compile and ZeRO 2/3 to
-    ``model`` (a meta-device model of ``family``; real weights work too, each rank keeping its shards), in that
-    order, the same steps for every family (:class:`~lightning_4d.families.base.ModelFamily` says where the parts are
-    and what its plans are).
+    """Apply the pipeline split, tp/sp, context-parallel attention, expert parallelism, activation checkpointing,
+    compile and ZeRO 2/3 to ``model`` (a meta-device model of ``family``; real weights work too, each rank keeping its
+    shards), in that order, the same steps for every family (:class:`~lightning_4d.families.base.ModelFamily` says
+    where the parts are and what its plans are).
 
     With pp > 1 the model is pruned to this rank's stages (:func:`~lightning_4d.parallel.pipeline.split_model`),
     tp, cp, checkpointing and compile act on the pruned model, and each stage chunk becomes its own FSDP2 root; the
@@ -198,6 +199,8 @@ def parallelize_model(
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
     if config.dp_cp > 1:
         family.apply_data_parallel(model, mesh.dp_cp)
+    if config.ep > 1:
+        family.apply_expert_parallel(model, mesh.ep)
     layers = find_submodel(model, family.pipeline_layout(model).layers)
     apply_activation_checkpointing(layers, config.activation_checkpointing)
     if compile:

@@ -53,14 +53,16 @@ _BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in partition.py (
 
 
 def _buckets(
-    tensors: list[Tensor], bucket_bytes: int, key: Callable[[Tensor], Tensor] = lambda t: t
+    tensors: list[Tensor], bucket_bytes: int, key: Callable[[Tensor], Tensor] = lambda t: t,
+    kind: Callable[[Tensor], Any] = lambda t: None,
 ) -> Iterable[list[Tensor]]:
-    """Group tensors of the same dtype and device (of ``key(t)``) into buckets of at most ``bucket_bytes`` of
-    ``key(t)`` (one tensor may exceed), keeping their order (:func:`lightning_4d.partition.bucket_lengths`)."""
+    """Group tensors of the same dtype, device (of ``key(t)``) and ``kind(t)`` (expert parameters apart: another
+    process group) into buckets of at most ``bucket_bytes`` of ``key(t)`` (one tensor may exceed), keeping their
+    order (:func:`lightning_4d.partition.bucket_lengths`)."""
     by_key: dict[tuple, list[Tensor]] = {}
     for t in tensors:
         k = key(t)
-        by_key.setdefault((k.dtype, k.device), []).append(t)
+        by_key.setdefault((k.dtype, k.device, kind(t)), []).append(t)
     for group in by_key.values():
         start = 0
         for length in bucket_lengths([key(t).numel() * key(t).element_size() for t in group], bucket_bytes):
@@ -181,6 +183,7 @@ def setup_zero(
     powersgd_rank: int = 4,
     powersgd_start_step: int = 0,
     powersgd_comm_dtype: Optional[torch.dtype] = None,
+    expert_group: Optional[dist.ProcessGroup] = None,
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own: their gradients in :class:`GradientBuckets` over ``group``
     (``dp_cp``; returned, ``None`` when there is none), and a :class:`ShardedOptimizer` around every torch optimizer
@@ -201,6 +204,10 @@ def setup_zero(
         compression, powersgd_rank, powersgd_start_step, powersgd_comm_dtype: the buckets' gradient compression
             (``ParallelConfig.gradient_compression`` and its PowerSGD options;
             :class:`~lightning_4d.parallel.compression.PowerSGD`).
+        expert_group: under expert parallelism the expert data-parallel group (``dp_cp / ep``): the expert
+            parameters (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) get buckets of their own over it
+            (averaged over D all the same, :class:`GradientBuckets`), and every optimizer a
+            :class:`ShardedOptimizer` (also at ZeRO 0: the global-norm clipping counts each expert once).
 
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
@@ -213,8 +220,9 @@ def setup_zero(
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
     buckets = GradientBuckets(params, group, reduce_scatter=shard, grad_dtype=master_dtype, hooks=master_dtype is None,
                               compression=compression, powersgd_rank=powersgd_rank,
-                              powersgd_start_step=powersgd_start_step, powersgd_comm_dtype=powersgd_comm_dtype)
-    if shard or master_dtype is not None:
+                              powersgd_start_step=powersgd_start_step, powersgd_comm_dtype=powersgd_comm_dtype,
+                              expert_group=expert_group)
+    if shard or master_dtype is not None or expert_group is not None:
         for optimizer in optimizers:
             ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
     return buckets
@@ -222,9 +230,14 @@ def setup_zero(
 
 class _Bucket:
     """One communication bucket: parameters in backward order and a flat gradient buffer ``[padded]`` holding their
-    gradients back to back (``padded`` = their local elements rounded up to a multiple of the group size)."""
+    gradients back to back (``padded`` = their local elements rounded up to a multiple of the group size), reduced
+    over ``group`` (``dp_cp``, or for expert parameters the expert data-parallel group) of ``world`` ranks, this one
+    ``rank``."""
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, world: int) -> None:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.world = world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.params = params
         self.offsets: dict[int, int] = {}
         n = 0
@@ -283,7 +296,10 @@ class GradientBuckets:
         powersgd_rank: int = 4,
         powersgd_start_step: int = 0,
         powersgd_comm_dtype: Optional[torch.dtype] = None,
+        expert_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
+        from lightning_4d.parallel.expert import is_expert_parameter
+
         self.params = [p for p in params if p.requires_grad]
         self.compression = compression
         self.powersgd = (PowerSGD(powersgd_rank, group, powersgd_start_step, powersgd_comm_dtype)
@@ -294,9 +310,14 @@ class GradientBuckets:
         self.reduce_scatter = reduce_scatter
         self.grad_dtype = grad_dtype
         bucket_bytes = _BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.expert_group = expert_group
+
+        def kind(p: Tensor) -> bool:
+            return expert_group is not None and is_expert_parameter(p)
+
         self.buckets = [
-            _Bucket(ps, grad_dtype or _local(ps[0]).dtype, self.world)
-            for ps in _buckets(self.params[::-1], bucket_bytes, key=_local)
+            _Bucket(ps, grad_dtype or _local(ps[0]).dtype, expert_group if kind(ps[0]) else group)
+            for ps in _buckets(self.params[::-1], bucket_bytes, key=_local, kind=kind)
         ]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._main: dict[int, Tensor] = {}
@@ -412,12 +433,15 @@ class GradientBuckets:
             return
         b = self.buckets[i]
         self._zero_missing(b)
+        if b.world == 1:  # experts with ep = dp·cp: no other rank holds them (divided by D in synchronize)
+            self._pending[i] = (None, b.buffer)
+            return
         wire = b.buffer.to(torch.bfloat16) if self.compression == "bf16" else b.buffer  # the bytes sent
         if self.reduce_scatter:
-            start, end = b.own_range(self.rank, self.world)
-            work = reduce_scatter_single(wire[start:end], wire, group=self.group, async_op=True)
+            start, end = b.own_range(b.rank, b.world)
+            work = reduce_scatter_single(wire[start:end], wire, group=b.group, async_op=True)
         else:
-            work = dist.all_reduce(wire, group=self.group, async_op=True)
+            work = dist.all_reduce(wire, group=b.group, async_op=True)
         self._pending[i] = (work, wire)
 
     @torch.no_grad()
@@ -435,12 +459,13 @@ class GradientBuckets:
                 self._launch(i)
             for i in sorted(self._pending):
                 work, wire = self._pending[i]
-                work.wait()
+                if work is not None:
+                    work.wait()
                 b = self.buckets[i]
-                start, end = b.own_range(self.rank, self.world) if self.reduce_scatter else (0, b.padded)
+                start, end = b.own_range(b.rank, b.world) if self.reduce_scatter else (0, b.padded)
                 if wire is not b.buffer:  # bf16 on the wire: back into the float32 bucket
                     b.buffer[start:end].copy_(wire[start:end])
-                b.buffer[start:end].div_(self.world)
+                b.buffer[start:end].div_(self.world)  # D also for expert buckets (parallel/expert.py)
             self._pending = {}
         if self.grad_dtype is None and not self.reduce_scatter:
             self._expose()
@@ -527,6 +552,7 @@ class ShardedOptimizer:
         self.tp_rank = tp_rank
         self.world = buckets.world if buckets.reduce_scatter else 1
         self.rank = buckets.rank if buckets.reduce_scatter else 0
+        self.sharded = buckets.reduce_scatter  # ZeRO 1: each rank owns its range of every bucket (over its group)
         self._full_groups = [list(g["params"]) for g in optimizer.param_groups]
         self.owned: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) of its flat local tensor
         self.shard: dict[int, nn.Parameter] = {}  # id(param) -> the tensor the optimizer steps
@@ -547,7 +573,7 @@ class ShardedOptimizer:
         if not local.is_contiguous():
             raise ValueError("ZeRO 1 and master weights need contiguous parameters")
         bucket, offset = self.buckets.bucket_of(p)
-        lo, hi = bucket.own_range(self.rank, self.world) if self.world > 1 else (0, bucket.padded)
+        lo, hi = self._own_range(bucket)
         start, end = min(max(lo - offset, 0), local.numel()), min(max(hi - offset, 0), local.numel())
         self.owned[id(p)] = (start, end)
         flat = local.view(-1)[start:end]
@@ -555,6 +581,10 @@ class ShardedOptimizer:
             flat = flat.detach().to(self.master_dtype, copy=True)
             self.has_master.add(id(p))
         self.shard[id(p)] = nn.Parameter(flat, requires_grad=p.requires_grad)
+
+    def _own_range(self, bucket: _Bucket) -> tuple[int, int]:
+        """This rank's range of ``bucket`` at ZeRO 1 (over the bucket's group), the whole bucket otherwise."""
+        return bucket.own_range(bucket.rank, bucket.world) if self.sharded and bucket.world > 1 else (0, bucket.padded)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -613,12 +643,12 @@ class ShardedOptimizer:
                 start, end = self.owned[id(p)]
                 if end > start:
                     _local(p.data).view(-1)[start:end].copy_(self.shard[id(p)])
-        if self.world == 1:
+        if not self.sharded:
             return
         mine = set(map(id, self.parameters()))
         for bucket in self.buckets.buckets:
             params = [p for p in bucket.params if id(p) in mine]
-            if not params:
+            if not params or bucket.world == 1:
                 continue
             slices = {id(p): _local(p.data).view(-1)[slice(*self.owned[id(p)])] for p in params}
             gathered = self._gather_owned(bucket, params, slices, _local(params[0]).dtype)
@@ -632,18 +662,19 @@ class ShardedOptimizer:
                       dtype: torch.dtype) -> Tensor:
         """The whole bucket ``[padded]`` in ``dtype`` from every rank's owned slices: this rank's ``slices``
         (``{id(p): owned slice of p's tensor}``; a missing one counts as zeros) are placed at their bucket offsets
-        in its own range, which is all-gathered over ``dp_cp`` (without ZeRO 1 the range is the whole bucket)."""
-        lo, hi = bucket.own_range(self.rank, self.world) if self.world > 1 else (0, bucket.padded)
+        in its own range, which is all-gathered over the bucket's group (without ZeRO 1 the range is the whole
+        bucket)."""
+        lo, hi = self._own_range(bucket)
         own = torch.zeros(hi - lo, dtype=dtype, device=bucket.buffer.device)
         for p in params:
             if id(p) in slices:
                 start, end = self.owned[id(p)]
                 at = bucket.offsets[id(p)] + start - lo
                 own[at : at + end - start] = slices[id(p)]
-        if self.world == 1:
+        if not self.sharded or bucket.world == 1:
             return own
         gathered = torch.empty(bucket.padded, dtype=dtype, device=own.device)
-        _all_gather_flat(gathered, own, self.buckets.group)
+        _all_gather_flat(gathered, own, bucket.group)
         return gathered
 
     # ------------------------------------------------------------------ clipping
@@ -655,24 +686,32 @@ class ShardedOptimizer:
         Each rank adds the norm of its owned slices (float32), counting a parameter replicated over tp (RMSNorm
         weights) on tp rank 0 only (Megatron-LM's ``clip_grad_norm_fp32``); the sum of ``|g|^q`` (``max`` for
         q = inf) goes through an all-reduce over all ranks, divided by D at ZeRO 0 (every dp/cp rank holds the
-        whole averaged gradient); coefficient ``min(1, max_norm / (norm + 1e-6))``, as
-        ``torch.nn.utils.clip_grad_norm_``.
+        whole averaged gradient; under expert parallelism the experts' sum by D/ep, the ranks holding them);
+        coefficient ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
         """
         grads = [(p, g) for p in self.parameters() if (g := self.owned_grad(p)) is not None]
         device = self.buckets.buckets[0].buffer.device
         inf = math.isinf(norm_type)
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        # [dense, expert] sums: at ZeRO 0 the ranks of a bucket's group all hold its whole gradient (D of them for
+        # dense parameters, D/ep for experts), so each sum is divided by its group's size after the all-reduce
+        totals = torch.zeros(2, dtype=torch.float32, device=device)
         for p, g in grads:
             if _tp_duplicate(p, self.tp_rank) or g.numel() == 0:
                 continue
             n = torch.linalg.vector_norm(g.float(), norm_type)
-            total = torch.maximum(total, n) if inf else total + n**norm_type
+            i = int(self.buckets.bucket_of(p)[0].group is not self.buckets.group)
+            totals[i] = torch.maximum(totals[i], n) if inf else totals[i] + n**norm_type
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-        if not inf:
-            if self.world == 1:
-                total = total / self.buckets.world  # every dp_cp rank counted the whole gradient
-            total = total ** (1.0 / norm_type)
+            dist.all_reduce(totals, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        if inf:
+            total = totals.max()
+        else:
+            dense, expert = totals[0], totals[1]
+            if not self.sharded:  # every rank of a group counted the whole gradient
+                dense = dense / self.buckets.world
+                if self.buckets.expert_group is not None:
+                    expert = expert / dist.get_world_size(self.buckets.expert_group)
+            total = (dense + expert) ** (1.0 / norm_type)
         coef = clip_coefficient(max_norm, total)
         for _, g in grads:
             g.mul_(coef.to(g.dtype))

@@ -8,8 +8,9 @@ reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys d
 compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start and pcomm (PowerSGD's rank, start
 step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
 m (micro-batches per step), split (layers per
-stage) and pcd (pipeline comm dtype), for context parallelism cp and method ("ring" / "allgather"), and config (a
-dict of model config fields to override, e.g. the MoE ones).
+stage) and pcd (pipeline comm dtype), for context parallelism cp and method ("ring" / "allgather"), for expert
+parallelism ep, norm (record the global gradient norm before clipping at every step), and config (a dict of model
+config fields to override, e.g. the MoE ones).
 """
 
 from __future__ import annotations
@@ -49,11 +50,21 @@ def _tp_local_numel(p: torch.Tensor) -> int:
 
 
 class Recorder(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, record_norm: bool = False) -> None:
+        self.record_norm = record_norm
         self.losses: list[float] = []
         self.bytes: dict[str, int] = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.record_norm:  # the global gradient norm before clipping (the ShardedOptimizer's, else torch's)
+            from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
+
+            sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
+            if sharded is not None:
+                norm = sharded.clip_grad_norm_(float("inf"))  # coefficient 1: measures, changes nothing
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in pl_module.parameters() if p.grad is not None])
+            self.bytes.setdefault("grad_norms", []).append(float(norm))
         if "params" in self.bytes:
             return
         params = list(pl_module.parameters())
@@ -115,10 +126,10 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
             compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),
             gradient_compression=layout.get("compress", "none"), powersgd_rank=layout.get("rank", 4),
             powersgd_start_step=layout.get("start", 0), powersgd_comm_dtype=layout.get("pcomm"),
-            pipeline_comm_dtype=layout.get("pcd"),
+            pipeline_comm_dtype=layout.get("pcd"), expert_parallel_size=layout.get("ep", 1),
             process_group_backend="gloo", timeout=timedelta(seconds=120),
         )
-    recorder = Recorder()
+    recorder = Recorder(record_norm=layout.get("norm", False))
     callbacks: list = [recorder]
     if layout.get("comm"):  # bytes on the wire per step (lightning_4d.parallel.comm)
         from lightning_4d.parallel.comm import CommMeterCallback

@@ -1,0 +1,198 @@
+"""Expert parallelism (issue 23): ``FourDStrategy(expert_parallel_size=ep)`` on the tiny MoE Llama.
+
+Bad input before any process group; the all-to-all dispatch's row order; 10 AdamW steps in float32 against one
+process (losses, load-balancing losses, routing statistics and the global gradient norm before clipping, within 1e-5
+relative) for ep2 (dp2), ep2 within dp4 (expert data-parallel group of 2) and ep4 (dp4), ZeRO 0 and 1, shared expert
+on and off, MoE on every layer and every other layer, activation checkpointing and clipping; the capacity rule at ep2
+equal to ep1 at the same dp; model-state bytes per rank exactly as the memory model says; a checkpoint saved at ep2
+resumed at ep2 and at ep1 with the straight run's losses. Three torchrun launches for parity (1, 2 and 4
+processes) and two for checkpoints (2 processes each)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lightning_4d import FourDStrategy, ParallelConfig
+from lightning_4d.memory.model import model_state_bytes
+from lightning_4d.models import LlamaConfig
+from tests._launch import SCRIPTS, torchrun
+
+STEPS = 10
+LOSS_RTOL = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kw, world, words", [
+    (dict(expert_parallel_size=3), 4, ["expert_parallel_size=3", "dp*cp = 4*1 = 4", "[1, 2, 4]"]),
+    (dict(expert_parallel_size=4, data_parallel_size=2), 2, ["expert_parallel_size=4", "[1, 2]"]),
+    (dict(expert_parallel_size=0), 2, ["expert_parallel_size=0"]),
+])
+def test_ep_must_divide_dp_cp_before_any_process_group(kw, world, words):
+    with pytest.raises(ValueError) as e:
+        ParallelConfig(**kw).resolve(world)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_ep_refusals_name_the_value_and_what_is_supported():
+    from lightning_4d.parallel.parallelize import validate_against_module
+    from lightning_4d.tasks import CausalLMModule
+
+    moe = CausalLMModule("tiny-moe")  # 8 experts
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 needs a Mixture-of-Experts model.*valid "
+                                         r"expert_parallel_size is 1"):
+        validate_against_module(ParallelConfig(expert_parallel_size=2).resolve(2), CausalLMModule("tiny-test"))
+    moe6 = CausalLMModule(LlamaConfig.from_preset("tiny-moe", num_experts=6))
+    with pytest.raises(ValueError, match=r"expert_parallel_size=4 does not divide num_experts=6.*\[1, 2, 3, 6\]"):
+        validate_against_module(ParallelConfig(expert_parallel_size=4).resolve(4), moe6)
+    validate_against_module(ParallelConfig(expert_parallel_size=4, zero_stage=1).resolve(4), moe)  # fine
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match=f"expert_parallel_size=2 is not supported with zero_stage={stage}.*"
+                                             "ZeRO stages 0 and 1"):
+            FourDStrategy(expert_parallel_size=2, zero_stage=stage)
+    with pytest.raises(ValueError, match="powersgd.*expert_parallel_size=2"):
+        ParallelConfig(expert_parallel_size=2, gradient_compression="powersgd", zero_stage=1)
+    # tp / pp / cp for MoE models stay refused, ep or not
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for a Mixture-of-Experts model"):
+        validate_against_module(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2).resolve(4), moe)
+
+
+def test_measure_refuses_ep():
+    from lightning_4d.measure import measure_rank
+
+    pc = ParallelConfig(data_parallel_size=2, expert_parallel_size=2).resolve(2)
+    with pytest.raises(ValueError, match="expert_parallel_size=2: measure cannot run expert parallelism"):
+        measure_rank(LlamaConfig.from_preset("tiny-moe"), pc, 0, 1, 32)
+
+
+def test_ep_coordinates_are_consecutive_dp_cp_ranks():
+    pc = ParallelConfig(data_parallel_size=4, expert_parallel_size=2).resolve(4)
+    assert [pc.ep_coordinates(i) for i in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert (pc.ep, pc.expert_dp) == (2, 2)
+
+
+def test_expert_major_regrouping():
+    from lightning_4d.parallel.expert import _expert_major
+
+    # 2 sources x 2 local experts: source 0 sends 2 rows to expert 0, 1 to expert 1; source 1 sends 0 and 3
+    counts = torch.tensor([[2, 1], [0, 3]])
+    received = torch.tensor([0, 1, 2, 3, 4, 5])  # rows: s0e0, s0e0, s0e1, s1e1, s1e1, s1e1
+    assert received[_expert_major(counts)].tolist() == [0, 1, 2, 3, 4, 5]
+    counts = torch.tensor([[1, 2], [3, 0], [0, 1]])
+    received = torch.arange(7)  # s0e0 | s0e1 s0e1 | s1e0 s1e0 s1e0 | s2e1
+    assert received[_expert_major(counts)].tolist() == [0, 3, 4, 5, 1, 2, 6]
+
+
+def test_memory_model_divides_experts_by_ep_and_their_states_by_the_expert_group():
+    cfg = LlamaConfig.from_preset("mixtral-8x7b")
+    n = cfg.num_parameters()
+    experts = cfg.num_moe_layers * 3 * cfg.num_experts * cfg.hidden_size * cfg.expert_intermediate_size
+    st = model_state_bytes(cfg, ParallelConfig(data_parallel_size=8, zero_stage=0, expert_parallel_size=8), "32-true")
+    assert st.parameters == 4 * (n - experts + experts // 8)
+    # ZeRO 1, ep = dp·cp: the experts' states are not sharded further (their group has one rank), the rest by 8
+    st1 = model_state_bytes(cfg, ParallelConfig(data_parallel_size=8, zero_stage=1, expert_parallel_size=8), "32-true")
+    assert abs(st1.optimizer_states - 8 * ((n - experts) / 8 + experts / 8)) < 8 * 8 * 2**20  # bucket padding
+
+
+# ---------------------------------------------------------------------------------------------------- parity
+VARIANT = {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2, "router_aux_loss_coef": 0.1}
+CAPACITY = {"capacity_factor": 1.0}
+REF = [{"reference": True, "norm": True}, {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True},
+       {"reference": True, "precision": "bf16-mixed"}]
+BF16_RTOL = 1e-2  # issue 23's bar for bf16-mixed layouts vs one-process bf16-mixed
+DP2 = [{"dp": 2, "zero": 1, "ep": 2, "norm": True},
+       {"dp": 2, "zero": 0, "ep": 2, "config": VARIANT, "clip": 0.1, "ac": "full", "norm": True},
+       {"dp": 2, "zero": 1, "config": CAPACITY}, {"dp": 2, "zero": 1, "ep": 2, "config": CAPACITY},
+       {"dp": 2, "zero": 1, "ep": 2, "precision": "bf16-mixed"}]
+DP4 = [{"dp": 4, "zero": 1, "ep": 2, "norm": True},
+       {"dp": 4, "zero": 1, "ep": 4, "config": VARIANT, "clip": 0.1, "norm": True},
+       {"dp": 4, "zero": 0, "ep": 4, "norm": True}]
+CASES = [("dp2", i) for i in range(len(DP2)) if "capacity_factor" not in DP2[i].get("config", {})] + \
+        [("dp4", i) for i in range(len(DP4))]
+
+
+def _records(out, index):
+    return [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{index}_rank*.json"))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    dirs = {k: tmp_path_factory.mktemp(f"ep_{k}") for k in ("ref", "dp2", "dp4")}
+    common = ["--model", "tiny-moe", "--steps", str(STEPS)]
+    torchrun(1, SCRIPTS / "run_layouts.py", "--out", str(dirs["ref"]), *common, "--layouts", json.dumps(REF))
+    torchrun(2, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp2"]), *common, "--layouts", json.dumps(DP2),
+             timeout=900)
+    torchrun(4, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp4"]), *common, "--layouts", json.dumps(DP4),
+             timeout=900)
+    return dirs
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == STEPS
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{w}-{json.dumps((DP2 if w == 'dp2' else DP4)[i])}" for w, i in CASES])
+def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
+    """Per step: the loss, the aux loss and the global gradient norm (before clipping) within 1e-5 relative of one
+    process, the busiest expert's tokens identical; model-state bytes of every rank equal to the memory model's."""
+    which, index = case
+    layout = (DP2 if which == "dp2" else DP4)[index]
+    bf16 = layout.get("precision") == "bf16-mixed"
+    ref = _records(runs["ref"], 2 if bf16 else 1 if "config" in layout else 0)[0]
+    ranks = _records(runs[which], index)
+    assert len(ranks) == layout["dp"]
+    for r in ranks:
+        b = r["bytes"]
+        rel, aux = _rel(r["losses"], ref["losses"]), _rel(b["aux_losses"], ref["bytes"]["aux_losses"])
+        norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"]) if "norm" in layout else 0.0
+        print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
+        assert max(rel, aux, norm) <= (BF16_RTOL if bf16 else LOSS_RTOL)
+        if not bf16:  # bf16 rounding may flip a near tie of the router
+            assert b["tokens_per_expert_max"] == ref["bytes"]["tokens_per_expert_max"]
+        cfg = LlamaConfig.from_preset("tiny-moe", **layout.get("config", {}))
+        pc = ParallelConfig(data_parallel_size=layout["dp"], zero_stage=layout["zero"],
+                            expert_parallel_size=layout.get("ep", 1))
+        est = model_state_bytes(cfg, pc, layout.get("precision", "32-true"), dp_cp_rank=r["rank"])
+        assert (b["params"], b["grads"], b["optimizer_states"]) == (est.parameters, est.gradients,
+                                                                    est.optimizer_states)
+        if layout.get("ep", 1) > 1:  # the experts really are split: fewer parameter bytes than ep = 1
+            ep1 = ParallelConfig(data_parallel_size=layout["dp"], zero_stage=layout["zero"])
+            assert est.parameters < model_state_bytes(cfg, ep1, layout.get("precision", "32-true")).parameters
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+def test_capacity_at_ep2_equals_ep1_at_the_same_dp(runs):
+    """The capacity applies to each source rank's own tokens before dispatch: ep changes nothing in which
+    assignments drop, so ep2 gives ep1's losses and dropped fractions at the same dp."""
+    ep1, ep2 = (_records(runs["dp2"], i) for i in (2, 3))
+    for a, b in zip(ep1, ep2):
+        rel = _rel(b["losses"], a["losses"])
+        print(f"\ncapacity_factor=1.0, dp2: ep2 vs ep1 loss rel {rel:.1e}")
+        assert rel <= LOSS_RTOL
+        assert b["bytes"]["tokens_per_expert_max"] == a["bytes"]["tokens_per_expert_max"]
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def test_checkpoint_at_ep2_resumes_at_ep2_and_at_ep1(tmp_path):
+    """Train 10 steps straight at dp2 ep2 ZeRO 1, and 5 steps with a sharded checkpoint; resume it at dp2 ep2 and
+    at dp2 ep1 (the experts' DTensors are saved with their global shapes): steps 6-10 equal the straight run's."""
+    saved = {"name": "a", "dp": 2, "zero": 1, "ep": 2}
+    common = ["--model", "tiny-moe", "--steps", str(STEPS), "--out", str(tmp_path)]
+    torchrun(2, SCRIPTS / "run_layouts.py", *common, "--reshard", "first", "--layouts", json.dumps([saved]))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    resumed = [saved, {"name": "b", "dp": 2, "zero": 1}]
+    torchrun(2, SCRIPTS / "run_layouts.py", *common, "--reshard", "resume", "--layouts", json.dumps(resumed))
+    for rank in range(2):
+        first = json.loads((tmp_path / f"a_first_rank{rank}.json").read_text())
+        for name in ("a", "b"):
+            second = json.loads((tmp_path / f"{name}_resume_rank{rank}.json").read_text())
+            curve = second["resumed"]
+            tail = first["straight"][STEPS // 2:]
+            rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail):], tail))
+            print(f"\nresume {second['layout']} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
+            assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
