@@ -127,3 +127,18 @@ def test_declared_package_is_used(where, name):
     assert _imported(module, _sources()) or _used_indirectly(name, _pyproject()), (
         f"{name} ({where} in pyproject.toml) is declared but nothing in {', '.join(SOURCE_DIRS)} imports "
         f"{module!r}: remove it, or use it")
+
+
+def test_benchmark_extra_is_what_its_benchmark_imports():
+    """An extra named for a benchmark (``peers``: ``benchmarks/peers.py``) holds what that script imports: its
+    packages count as used because that file imports them, not because something else happens to."""
+    extras = _pyproject()["project"].get("optional-dependencies", {})
+    for extra, requirements in extras.items():
+        script = ROOT / "benchmarks" / f"{extra}.py"
+        if not script.is_file():
+            continue
+        source = script.read_text(encoding="utf-8")
+        for name in (_normalize(r) for r in requirements):
+            module = IMPORT_NAMES.get(name, name.replace("-", "_"))
+            assert _imported(module, source), f"extra {extra!r}: {script.name} does not import {module!r} ({name})"
+    assert "peers" in extras and (ROOT / "benchmarks" / "peers.py").is_file()
