@@ -26,9 +26,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -s tests
 
-# lint only (pyproject's [tool.ruff]: pycodestyle errors and warnings, pyflakes, import order; line length 120)
+# lint: ruff check (pyproject's [tool.ruff]: pycodestyle errors and warnings, pyflakes, import order; line length
+# 120) and ruff format --check (apply with: .venv/bin/ruff format lightning_4d tests benchmarks examples docs)
 lint: $(STAMP)
 	$(BIN)/ruff check lightning_4d tests benchmarks examples docs
+	$(BIN)/ruff format --check lightning_4d tests benchmarks examples docs
 
 # the docs extra, on top of the install above (its own stamp, so `make test` and `make lint` install what they did)
 $(DOCS_STAMP): $(STAMP) pyproject.toml

@@ -4,6 +4,7 @@
 ``saved_activation_bytes(...)["layers"] / (num_layers · seq_length)`` at bf16-true, micro-batch 1, s = 8192, sp on
 when tp > 1. A model figure (no training runs): instant on any machine.
 """
+
 from __future__ import annotations
 
 from lightning_4d.config import ParallelConfig
@@ -21,8 +22,10 @@ def main() -> None:
         for mode in ("none", "selective", "full"):
             pc = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=1, activation_checkpointing=mode)
             row[mode] = saved_activation_bytes(mc, pc, 1, s, "bf16-true")["layers"] / (mc.num_layers * s)
-        print(f"| {tp} ({'on' if tp > 1 else 'off'}) | {row['none']:,.0f} | {row['selective']:,.0f} | "
-              f"{row['full']:,.0f} | {row['selective'] / row['none']:.0%} |")
+        print(
+            f"| {tp} ({'on' if tp > 1 else 'off'}) | {row['none']:,.0f} | {row['selective']:,.0f} | "
+            f"{row['full']:,.0f} | {row['selective'] / row['none']:.0%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, GLOBAL_BATCH, PRESET = 128, 8, "small"
-LAYOUTS = {2: [dict(dp=2, zero=z) for z in range(4)],
-           4: [dict(dp=2, tp=2, zero=1), dict(pp=2, dp=2, zero=1, m=2), dict(cp=2, dp=2, zero=1)]}
+LAYOUTS = {
+    2: [dict(dp=2, zero=z) for z in range(4)],
+    4: [dict(dp=2, tp=2, zero=1), dict(pp=2, dp=2, zero=1, m=2), dict(cp=2, dp=2, zero=1)],
+}
 
 
 def _run_layout(layout: dict, out: Path) -> None:
@@ -56,12 +58,23 @@ def _run_layout(layout: dict, out: Path) -> None:
     micro = GLOBAL_BATCH // (dp * m)
     cfg = LlamaConfig.from_preset(PRESET)
     module = CausalLMModule(cfg, learning_rate=1e-3, warmup_steps=1, max_steps=2)
-    dm = LMDataModule(seq_length=SEQ, micro_batch_size=micro, global_batch_size=GLOBAL_BATCH,
-                      train_samples=GLOBAL_BATCH * 2, val_samples=micro * dp, seed=1)
-    strategy = FourDStrategy(data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1),
-                             pipeline_parallel_size=pp, context_parallel_size=layout.get("cp", 1),
-                             zero_stage=layout["zero"], num_microbatches=m if pp > 1 else None,
-                             process_group_backend="gloo")
+    dm = LMDataModule(
+        seq_length=SEQ,
+        micro_batch_size=micro,
+        global_batch_size=GLOBAL_BATCH,
+        train_samples=GLOBAL_BATCH * 2,
+        val_samples=micro * dp,
+        seed=1,
+    )
+    strategy = FourDStrategy(
+        data_parallel_size=dp,
+        tensor_parallel_size=layout.get("tp", 1),
+        pipeline_parallel_size=pp,
+        context_parallel_size=layout.get("cp", 1),
+        zero_stage=layout["zero"],
+        num_microbatches=m if pp > 1 else None,
+        process_group_backend="gloo",
+    )
     events = []
 
     class Meter(CommMeterCallback):
@@ -71,9 +84,19 @@ def _run_layout(layout: dict, out: Path) -> None:
             events.append(current.events)
 
     meter = Meter()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[meter])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[meter],
+    )
     trainer.fit(module, dm)
     tp_mesh = strategy.mesh.tp
     local = 0
@@ -86,8 +109,9 @@ def _run_layout(layout: dict, out: Path) -> None:
                     n //= tp_mesh.size()
         local += n
     if trainer.global_rank == 0:
-        (out / f"{json.dumps(layout, sort_keys=True)}.json").write_text(json.dumps({"events": events[-1],
-                                                                                     "params": local}))
+        (out / f"{json.dumps(layout, sort_keys=True)}.json").write_text(
+            json.dumps({"events": events[-1], "params": local})
+        )
     torch.distributed.barrier()
 
 
@@ -126,8 +150,10 @@ def _report(out: Path) -> None:
                 measured.setdefault(dim, {}).setdefault(kind, 0)
                 measured[dim][kind] += bytes_sent(kind, n, size)
             minimum = _minimum(layout, record["params"])
-            name = " ".join(f"{k}{v}" for k, v in layout.items() if k in ("dp", "tp", "pp", "cp")) + \
-                f" ZeRO {layout['zero']}"
+            name = (
+                " ".join(f"{k}{v}" for k, v in layout.items() if k in ("dp", "tp", "pp", "cp"))
+                + f" ZeRO {layout['zero']}"
+            )
             for dim in sorted(set(minimum) | {d for d in measured if sum(measured[d].values())}):
                 got = sum(measured.get(dim, {}).values())
                 least = minimum.get(dim, 0)
@@ -145,13 +171,30 @@ def main() -> None:
 
         torch.distributed.destroy_process_group()
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for world in LAYOUTS:
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                            __file__, tmp], check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={world}",
+                    __file__,
+                    tmp,
+                ],
+                check=True,
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         _report(Path(tmp))
 
 

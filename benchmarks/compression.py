@@ -34,13 +34,21 @@ def _train(mode: str, out: Path, args: argparse.Namespace) -> None:
     from lightning_4d.parallel.comm import CommMeterCallback
     from lightning_4d.tasks import CausalLMModule
 
-    cli_args = ["--config", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.max_steps={args.steps}",
-                f"--trainer.val_check_interval={min(150, args.steps)}",
-                f"--trainer.strategy.gradient_compression={mode}", "--trainer.enable_progress_bar=false",
-                f"--seed_everything={args.seed}", f"--model.init_seed={args.seed}"]
+    cli_args = [
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        f"--trainer.max_steps={args.steps}",
+        f"--trainer.val_check_interval={min(150, args.steps)}",
+        f"--trainer.strategy.gradient_compression={mode}",
+        "--trainer.enable_progress_bar=false",
+        f"--seed_everything={args.seed}",
+        f"--model.init_seed={args.seed}",
+    ]
     if mode == "powersgd":
-        cli_args += [f"--trainer.strategy.powersgd_rank={args.powersgd_rank}",
-                     f"--trainer.strategy.powersgd_start_step={args.powersgd_start_step}"]
+        cli_args += [
+            f"--trainer.strategy.powersgd_rank={args.powersgd_rank}",
+            f"--trainer.strategy.powersgd_start_step={args.powersgd_start_step}",
+        ]
         if args.powersgd_comm_dtype:
             cli_args.append(f"--trainer.strategy.powersgd_comm_dtype={args.powersgd_comm_dtype}")
     cli = LightningCLI(CausalLMModule, LMDataModule, args=cli_args, run=False, save_config_kwargs={"overwrite": True})
@@ -56,8 +64,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=450)
     parser.add_argument("--modes", nargs="+", default=["none", "bf16", "powersgd"])
-    parser.add_argument("--seed", type=int, default=0, help="seed_everything and the model's init_seed (default 0, "
-                        "the config's)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed_everything and the model's init_seed (default 0, the config's)"
+    )
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--powersgd-start-step", type=int, default=0)
     parser.add_argument("--powersgd-comm-dtype", choices=["bfloat16"], default=None)
@@ -69,15 +78,36 @@ def main() -> None:
         return
     options = ["--powersgd-rank", str(args.powersgd_rank), "--powersgd-start-step", str(args.powersgd_start_step)]
     options += ["--powersgd-comm-dtype", args.powersgd_comm_dtype] if args.powersgd_comm_dtype else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
             run_dir = Path(tmp) / mode  # the config's relative logger and checkpoint folders land here
             run_dir.mkdir()
-            subprocess.run([sys.executable, __file__, "--train", mode, "--out", tmp, "--steps", str(args.steps),
-                            "--seed", str(args.seed), *options],
-                           check=True, env=env, cwd=run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--train",
+                    mode,
+                    "--out",
+                    tmp,
+                    "--steps",
+                    str(args.steps),
+                    "--seed",
+                    str(args.seed),
+                    *options,
+                ],
+                check=True,
+                env=env,
+                cwd=run_dir,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         results = {mode: json.loads((Path(tmp) / f"{mode}.json").read_text()) for mode in args.modes}
     base = results.get("none")
 
@@ -89,8 +119,11 @@ def main() -> None:
         """The gradients' reduction per step (ZeRO 1: reduce-scatter; PowerSGD: the all-reduces of P, Q and the
         vectors), the mean over the sampled steps that PowerSGD compressed (``compressed``; they have no
         reduce-scatter) or over the others (its uncompressed start steps)."""
-        rows = [r for r in result["history"]
-                if (r.get("comm_bytes/dp_cp/reduce_scatter", 0) == 0) == compressed or result["mode"] != "powersgd"]
+        rows = [
+            r
+            for r in result["history"]
+            if (r.get("comm_bytes/dp_cp/reduce_scatter", 0) == 0) == compressed or result["mode"] != "powersgd"
+        ]
         return mean(result, "comm_bytes/dp_cp/all_reduce", "comm_bytes/dp_cp/reduce_scatter", rows=rows)
 
     def run_bytes(result: dict) -> float:  # per step over the whole run: the start steps are uncompressed
@@ -102,25 +135,36 @@ def main() -> None:
     for mode, result in results.items():
         result["mode"] = mode
     factors = args.powersgd_comm_dtype or "float32"
-    print(f"main job (configs/tiny.yaml, dp=2 x tp=2, ZeRO 1, {args.steps} steps, seed {args.seed}): gradient "
-          "compression side by side")
-    print("| gradient_compression | dp gradient bytes/step | vs none | over the run | vs none "
-          "| dp parameter all-gather "
-          "| tp bytes/step | final val_loss | vs none |")
+    print(
+        f"main job (configs/tiny.yaml, dp=2 x tp=2, ZeRO 1, {args.steps} steps, seed {args.seed}): gradient "
+        "compression side by side"
+    )
+    print(
+        "| gradient_compression | dp gradient bytes/step | vs none | over the run | vs none "
+        "| dp parameter all-gather "
+        "| tp bytes/step | final val_loss | vs none |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, result in results.items():
         ratio = f"{gradient_bytes(result) / gradient_bytes(base):.3f}" if base else "-"
         run_ratio = f"{run_bytes(result) / gradient_bytes(base):.3f}" if base else "-"
         loss = f"{(result['val_loss'] - base['val_loss']) / base['val_loss']:+.2%}" if base else "-"
-        name = (f"powersgd (rank {args.powersgd_rank}, {factors} factors, start step {args.powersgd_start_step})"
-                if mode == "powersgd" else mode)
-        print(f"| {name} | {gradient_bytes(result):,.0f} | {ratio} | {run_bytes(result):,.0f} | {run_ratio} "
-              f"| {mean(result, 'comm_bytes/dp_cp/all_gather'):,.0f} | {mean(result, 'comm_bytes/tp'):,.0f} "
-              f"| {result['val_loss']:.4f} | {loss} |")
-    print("Bytes rank 0 sends, the mean of one step in 50 (CommMeter): per compressed step, and over the run "
-          "(PowerSGD's "
-          "start steps reduce exactly). ZeRO 1 all-gathers the updated float32 parameters whatever the gradients' "
-          "compression.")
+        name = (
+            f"powersgd (rank {args.powersgd_rank}, {factors} factors, start step {args.powersgd_start_step})"
+            if mode == "powersgd"
+            else mode
+        )
+        print(
+            f"| {name} | {gradient_bytes(result):,.0f} | {ratio} | {run_bytes(result):,.0f} | {run_ratio} "
+            f"| {mean(result, 'comm_bytes/dp_cp/all_gather'):,.0f} | {mean(result, 'comm_bytes/tp'):,.0f} "
+            f"| {result['val_loss']:.4f} | {loss} |"
+        )
+    print(
+        "Bytes rank 0 sends, the mean of one step in 50 (CommMeter): per compressed step, and over the run "
+        "(PowerSGD's "
+        "start steps reduce exactly). ZeRO 1 all-gathers the updated float32 parameters whatever the gradients' "
+        "compression."
+    )
 
 
 if __name__ == "__main__":

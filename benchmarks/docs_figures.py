@@ -120,15 +120,15 @@ def _commands_in(text: str, page: str, first_line: int, code: bool) -> list[Comm
             code_part, _, comment = ("", "", line) if line.lstrip().startswith("#") else line.partition(" #")
             m = _PROGRAM.search(code_part)
             if m:
-                found.append((first_line + start, code_part[m.end():], comment))
+                found.append((first_line + start, code_part[m.end() :], comment))
     else:
         for span in re.finditer(r"`([^`]+)`", text):
             inner = re.sub(r"\\\s*\n", " ", span.group(1))
             m = _PROGRAM.match(inner.strip())
             if not m:
                 continue
-            after = text[span.end():].split("\n", 1)[0]
-            found.append((first_line + text.count("\n", 0, span.start()), inner.strip()[m.end():], after))
+            after = text[span.end() :].split("\n", 1)[0]
+            found.append((first_line + text.count("\n", 0, span.start()), inner.strip()[m.end() :], after))
     out = []
     for line, body, after in found:
         body = " ".join(body.split())
@@ -153,7 +153,7 @@ def commands(root: Path = ROOT) -> list[Command]:
             continue
         pos = 0
         for block in re.finditer(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
-            prose = text[pos:block.start()]
+            prose = text[pos : block.start()]
             out += _commands_in(prose, page, 1 + text.count("\n", 0, pos), code=False)
             out += _commands_in(block.group(1), page, 1 + text.count("\n", 0, block.start(1)), code=True)
             pos = block.end()
@@ -192,7 +192,7 @@ def _figure_argv(cmd: str) -> list[str]:
     m = _PROGRAM.match(cmd.strip())
     if not m:
         raise ValueError(f"figure command {cmd!r}: expected `lightning-4d ...`")
-    return shlex.split(cmd.strip()[m.end():])
+    return shlex.split(cmd.strip()[m.end() :])
 
 
 def _json_fields(data: dict) -> dict:
@@ -223,7 +223,7 @@ def render_block(cmd: str) -> str:
 
 def render_rows(spec: str) -> str:
     lines = [line for line in spec.split("\n") if line.strip()]
-    rows = [line[len("row:"):].strip() for line in lines if line.startswith("row:")]
+    rows = [line[len("row:") :].strip() for line in lines if line.startswith("row:")]
     if len(rows) != 1:
         raise ValueError(f"figure-rows needs one `row:` format line, got {len(rows)}")
     cmds = [line for line in lines if _PROGRAM.match(line.strip())]
@@ -235,8 +235,9 @@ def regenerate(text: str) -> str:
     """``text`` with every figure between markers produced anew."""
     text = _ROWS.sub(lambda m: f"<!-- figure-rows:\n{m['spec']}-->\n{render_rows(m['spec'])}<!-- /figure -->", text)
     text = _BLOCK.sub(lambda m: f"<!-- figure: {m['cmd']} -->\n{render_block(m['cmd'])}<!-- /figure -->", text)
-    return _INLINE.sub(lambda m: f"<!-- figure: {m['cmd']} | {m['fmt']} -->{render_inline(m['cmd'], m['fmt'])}"
-                                 "<!-- /figure -->", text)
+    return _INLINE.sub(
+        lambda m: f"<!-- figure: {m['cmd']} | {m['fmt']} -->{render_inline(m['cmd'], m['fmt'])}<!-- /figure -->", text
+    )
 
 
 def figure_count(text: str) -> int:
@@ -252,14 +253,18 @@ def stale_figures(path: Path) -> list[str]:
             stale.append(f"{path.name}:{1 + text.count(chr(10), 0, m.start())}: block of `{m['cmd']}`")
     for m in _ROWS.finditer(text):
         if m["body"] != render_rows(m["spec"]):
-            stale.append(f"{path.name}:{1 + text.count(chr(10), 0, m.start())}: "
-                         f"table of {m['spec'].count('lightning-4d')}"
-                         " commands")
+            stale.append(
+                f"{path.name}:{1 + text.count(chr(10), 0, m.start())}: "
+                f"table of {m['spec'].count('lightning-4d')}"
+                " commands"
+            )
     for m in _INLINE.finditer(text):
         new = render_inline(m["cmd"], m["fmt"])
         if m["body"] != new:
-            stale.append(f"{path.name}:{1 + text.count(chr(10), 0, m.start())}: {m['body']!r} should be {new!r} "
-                         f"(`{m['cmd']} | {m['fmt']}`)")
+            stale.append(
+                f"{path.name}:{1 + text.count(chr(10), 0, m.start())}: {m['body']!r} should be {new!r} "
+                f"(`{m['cmd']} | {m['fmt']}`)"
+            )
     return stale
 
 

@@ -37,23 +37,41 @@ ROOT = Path(__file__).resolve().parent.parent
 #: with selective checkpointing, a 1F1B pipeline rank, a llama3-70b rank, and Meta's llama3.1-405b layout
 GPU_ROWS = [
     ("8b tp2 dp4 z1 s8192", "--model llama3.1-8b --tp 2 --dp 4 --zero-stage 1 --seq-length 8192 --micro-batch-size 1"),
-    ("8b tp2 dp4 z1 s8192 selective", "--model llama3.1-8b --tp 2 --dp 4 --zero-stage 1 --seq-length 8192 "
-                                      "--micro-batch-size 1 --activation-checkpointing selective"),
-    ("8b tp2 pp2 dp2 z1 1f1b m4", "--model llama3.1-8b --tp 2 --pp 2 --dp 2 --zero-stage 1 --seq-length 4096 "
-                                  "--micro-batch-size 1 --num-microbatches 4"),
-    ("70b tp8 pp4 dp8 z1 s4096 m8", "--model llama3-70b --tp 8 --pp 4 --dp 8 --zero-stage 1 --seq-length 4096 "
-                                    "--micro-batch-size 1 --num-microbatches 8"),
-    ("405b tp8 pp16 dp128 z1 s8192 full", "--model llama3.1-405b --tp 8 --pp 16 --dp 128 --zero-stage 1 "
-                                          "--seq-length 8192 --micro-batch-size 1 --num-microbatches 16 "
-                                          "--activation-checkpointing full"),
-    ("405b tp8 pp16 dp128 z1 s8192 none", "--model llama3.1-405b --tp 8 --pp 16 --dp 128 --zero-stage 1 "
-                                          "--seq-length 8192 --micro-batch-size 1 --num-microbatches 16"),
+    (
+        "8b tp2 dp4 z1 s8192 selective",
+        "--model llama3.1-8b --tp 2 --dp 4 --zero-stage 1 --seq-length 8192 "
+        "--micro-batch-size 1 --activation-checkpointing selective",
+    ),
+    (
+        "8b tp2 pp2 dp2 z1 1f1b m4",
+        "--model llama3.1-8b --tp 2 --pp 2 --dp 2 --zero-stage 1 --seq-length 4096 "
+        "--micro-batch-size 1 --num-microbatches 4",
+    ),
+    (
+        "70b tp8 pp4 dp8 z1 s4096 m8",
+        "--model llama3-70b --tp 8 --pp 4 --dp 8 --zero-stage 1 --seq-length 4096 "
+        "--micro-batch-size 1 --num-microbatches 8",
+    ),
+    (
+        "405b tp8 pp16 dp128 z1 s8192 full",
+        "--model llama3.1-405b --tp 8 --pp 16 --dp 128 --zero-stage 1 "
+        "--seq-length 8192 --micro-batch-size 1 --num-microbatches 16 "
+        "--activation-checkpointing full",
+    ),
+    (
+        "405b tp8 pp16 dp128 z1 s8192 none",
+        "--model llama3.1-405b --tp 8 --pp 16 --dp 128 --zero-stage 1 "
+        "--seq-length 8192 --micro-batch-size 1 --num-microbatches 16",
+    ),
 ]
 #: the same code paths at tiny sizes, for a dry run on CPU
 CPU_ROWS = [
     ("tiny tp2 dp4 z1", "--model tiny-test --tp 2 --dp 4 --zero-stage 1 --seq-length 64 --micro-batch-size 1"),
-    ("tiny tp2 pp2 dp2 z1 1f1b m4", "--model tiny-test --tp 2 --pp 2 --dp 2 --zero-stage 1 --seq-length 64 "
-                                    "--micro-batch-size 1 --num-microbatches 4"),
+    (
+        "tiny tp2 pp2 dp2 z1 1f1b m4",
+        "--model tiny-test --tp 2 --pp 2 --dp 2 --zero-stage 1 --seq-length 64 "
+        "--micro-batch-size 1 --num-microbatches 4",
+    ),
 ]
 
 
@@ -89,8 +107,16 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     tag = re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + "_" + datetime.date.today().isoformat()
     log = out / f"gpu_check_{tag}.log"
-    result = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "device": args.device, "measure": [], "step_time": None, "memory_accuracy": None, "compat": None}
+    result = {
+        "gpu": gpu,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "device": args.device,
+        "measure": [],
+        "step_time": None,
+        "memory_accuracy": None,
+        "compat": None,
+    }
     parts = args.parts.split(",")
     json_path = out / f"gpu_check_{tag}.json"
 
@@ -110,8 +136,14 @@ def main() -> None:
             lines = [ln for ln in text.splitlines() if ln.startswith("{")]
             if rc == 0 and lines:
                 got = json.loads(lines[-1])
-                row.update(status="ok", rank=got["rank"], coordinates=got["coordinates"], rows=got["rows"],
-                           measured=got["measured"], fragmentation=got.get("fragmentation"))
+                row.update(
+                    status="ok",
+                    rank=got["rank"],
+                    coordinates=got["coordinates"],
+                    rows=got["rows"],
+                    measured=got["measured"],
+                    fragmentation=got.get("fragmentation"),
+                )
             else:
                 oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
                 row["status"] = "out of memory" if oom else ("timed out" if rc == 124 else "failed")
@@ -122,10 +154,21 @@ def main() -> None:
     if "step" in parts and left() > 60:
         step_args = ["--device", args.device]
         if args.device == "cpu":
-            step_args += ["--preset", "tiny-test", "--sdpa-preset", "tiny-test", "--shapes", "2x64", "--steps", "4",
-                          "--warmup", "1"]
-        rc, text, secs = _run([py, "benchmarks/gpu_step_time.py", "--out", str(out), *step_args],
-                              min(240.0, left() - 60), log)
+            step_args += [
+                "--preset",
+                "tiny-test",
+                "--sdpa-preset",
+                "tiny-test",
+                "--shapes",
+                "2x64",
+                "--steps",
+                "4",
+                "--warmup",
+                "1",
+            ]
+        rc, text, secs = _run(
+            [py, "benchmarks/gpu_step_time.py", "--out", str(out), *step_args], min(240.0, left() - 60), log
+        )
         path = out / "gpu_step_time.json"
         result["step_time"] = json.loads(path.read_text()) if path.is_file() else {"rc": rc, "tail": text[-1500:]}
         result["step_time"]["rc"] = rc
@@ -139,8 +182,9 @@ def main() -> None:
         print(f"memory accuracy: rc={rc} ({secs:.0f} s)", flush=True)
         save()
     if "compat" in parts and left() > 15:
-        rc, text, secs = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compat.py"],
-                              left() - 5, log)
+        rc, text, secs = _run(
+            [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compat.py"], left() - 5, log
+        )
         result["compat"] = {"rc": rc, "tail": text[-1500:]}
         print(f"compat: rc={rc} ({secs:.0f} s)", flush=True)
         save()
@@ -152,10 +196,13 @@ def main() -> None:
 def markdown(result: dict) -> str:
     """The tables of one run, as docs/memory.md quotes them."""
     gib = 2**30
-    lines = [f"GPU check on {result['gpu']}, torch {result['torch']}, {result['date']}", "",
-             "| layout (rank) | status | params GiB est/meas | opt. states GiB est/meas | rest of peak GiB est/meas | "
-             "peak GiB est/meas | est/meas | reserved/allocated |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"GPU check on {result['gpu']}, torch {result['torch']}, {result['date']}",
+        "",
+        "| layout (rank) | status | params GiB est/meas | opt. states GiB est/meas | rest of peak GiB est/meas | "
+        "peak GiB est/meas | est/meas | reserved/allocated |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in result["measure"]:
         if row.get("status") != "ok":
             lines.append(f"| {row['name']} | {row.get('status')} | | | | | | |")
@@ -166,21 +213,29 @@ def markdown(result: dict) -> str:
             return f"{r[k]['estimated'] / gib:.2f} / {r[k]['measured'] / gib:.2f}"
 
         frag = row.get("fragmentation")
-        lines.append(f"| {row['name']} (rank {row['rank']}) | ok | {pair('parameters')} | {pair('optimizer_states')} | "
-                     f"{pair('peak - parameters - optimizer states')} | {pair('total (peak)')} | "
-                     f"{r['total (peak)']['ratio']:.3f} | {'-' if frag is None else f'{1 + frag:.3f}'} |")
+        lines.append(
+            f"| {row['name']} (rank {row['rank']}) | ok | {pair('parameters')} | {pair('optimizer_states')} | "
+            f"{pair('peak - parameters - optimizer states')} | {pair('total (peak)')} | "
+            f"{r['total (peak)']['ratio']:.3f} | {'-' if frag is None else f'{1 + frag:.3f}'} |"
+        )
     st = result.get("step_time")
     if st and st.get("rows"):
-        lines += ["", f"Single-GPU step, {st['preset']} bf16-mixed ZeRO 0, SDPA flash (median of timed steps):", "",
-                  "| b x s | run | step ms | tokens/s | MFU | peak GiB | / plain |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"Single-GPU step, {st['preset']} bf16-mixed ZeRO 0, SDPA flash (median of timed steps):",
+            "",
+            "| b x s | run | step ms | tokens/s | MFU | peak GiB | / plain |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for row in st["rows"]:
             for key in ("plain", "ours_none", "ours_selective"):
                 x = row[key]
                 mfu = f"{100 * x['mfu']:.1f}%" if x.get("mfu") else "-"
-                lines.append(f"| {row['b']} x {row['s']} | {key} | {1e3 * x['step_s']:.1f} | "
-                             f"{x['tokens_per_s']:,.0f} | {mfu} | {x['peak_gib']:.2f} | "
-                             f"{x.get('ratio_to_plain', 1.0):.3f} |")
+                lines.append(
+                    f"| {row['b']} x {row['s']} | {key} | {1e3 * x['step_s']:.1f} | "
+                    f"{x['tokens_per_s']:,.0f} | {mfu} | {x['peak_gib']:.2f} | "
+                    f"{x.get('ratio_to_plain', 1.0):.3f} |"
+                )
         lines += ["", f"SDPA vs eager, max |diff| / max |logit|: {st.get('sdpa_vs_eager')}"]
     return "\n".join(lines) + "\n"
 

@@ -117,13 +117,27 @@ def ours(cfg, b: int, s: int, steps: int, warmup: int, device: str, ac: str) -> 
     _reset(device)
     module = CausalLMModule(cfg, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
     strategy = FourDStrategy(data_parallel_size=1, zero_stage=0, activation_checkpointing=ac, memory_check=False)
-    trainer = L.Trainer(accelerator=device, devices=1, strategy=strategy, precision="bf16-mixed", max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        use_distributed_sampler=False, callbacks=[Timer()])
+    trainer = L.Trainer(
+        accelerator=device,
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[Timer()],
+    )
     trainer.fit(module, DataLoader(Tokens(), batch_size=None))
-    out = {"step_s": statistics.median(times[warmup:]), "peak_gib": _peak(device),
-           "loss": float(trainer.callback_metrics["train_loss"])}
+    out = {
+        "step_s": statistics.median(times[warmup:]),
+        "peak_gib": _peak(device),
+        "loss": float(trainer.callback_metrics["train_loss"]),
+    }
     del trainer, module
     return out
 
@@ -187,9 +201,12 @@ def main() -> None:
             if key != "plain":
                 r["ratio_to_plain"] = r["step_s"] / row["plain"]["step_s"]
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-            print(f"{args.preset} b={b} s={s} {key:>15}: {r['step_s'] * 1e3:8.1f} ms  "
-                  f"{r['tokens_per_s']:10,.0f} tok/s  MFU {mfu}  peak {r['peak_gib']:.2f} GiB  "
-                  f"ratio {r.get('ratio_to_plain', 1.0):.3f}", flush=True)
+            print(
+                f"{args.preset} b={b} s={s} {key:>15}: {r['step_s'] * 1e3:8.1f} ms  "
+                f"{r['tokens_per_s']:10,.0f} tok/s  MFU {mfu}  peak {r['peak_gib']:.2f} GiB  "
+                f"ratio {r.get('ratio_to_plain', 1.0):.3f}",
+                flush=True,
+            )
         result["rows"].append(row)
         out_path.write_text(json.dumps(result, indent=1))
     out_path.write_text(json.dumps(result, indent=1))

@@ -77,19 +77,34 @@ def _worker(args: argparse.Namespace) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = LlamaConfig.from_preset("tiny", max_seq_length=args.seq_length)
     module = Measured(cfg, warmup_steps=1, max_steps=2)
-    strategy = FourDStrategy(context_parallel_size=world, context_parallel_method=args.method, zero_stage=0,
-                             process_group_backend="gloo")
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)
+    strategy = FourDStrategy(
+        context_parallel_size=world, context_parallel_method=args.method, zero_stage=0, process_group_backend="gloo"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     trainer.fit(module, DataLoader(Batches(), batch_size=None))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pc = ParallelConfig(data_parallel_size=1, context_parallel_size=world, context_parallel_method=args.method)
     est = saved_activation_bytes(cfg, pc, 1, args.seq_length, "32-true")
-    record = {"rank": trainer.global_rank, "cp": world, "saved": module.saved[-1],
-              "estimated": sum(est.values()) - est["recompute"], "rss_added": peak - before,
-              "step_s": module.times[-1]}
+    record = {
+        "rank": trainer.global_rank,
+        "cp": world,
+        "saved": module.saved[-1],
+        "estimated": sum(est.values()) - est["recompute"],
+        "rss_added": peak - before,
+        "step_s": module.times[-1],
+    }
     Path(args.out, f"cp{world}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -97,10 +112,27 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _launch(nproc: int, args: argparse.Namespace, out: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-           "--worker", "--out", out, "--seq-length", str(args.seq_length), "--method", args.method]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        __file__,
+        "--worker",
+        "--out",
+        out,
+        "--seq-length",
+        str(args.seq_length),
+        "--method",
+        args.method,
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
@@ -121,11 +153,15 @@ def main() -> None:
     base = next(r for r in rows if r["cp"] == 1)
     mib = 2**20
     print(f"tiny Llama, one sequence of {args.seq_length} tokens, method {args.method}, float32, CPU/gloo")
-    print(f"{'layout':>12} {'rank':>4} {'saved MiB':>10} {'model MiB':>10} {'RSS added MiB':>14} {'step s':>7} "
-          f"{'saved vs cp=1':>14}")
+    print(
+        f"{'layout':>12} {'rank':>4} {'saved MiB':>10} {'model MiB':>10} {'RSS added MiB':>14} {'step s':>7} "
+        f"{'saved vs cp=1':>14}"
+    )
     for r in sorted(rows, key=lambda r: (r["cp"], r["rank"])):
-        print(f"{'cp=' + str(r['cp']):>12} {r['rank']:>4} {r['saved'] / mib:>10.1f} {r['estimated'] / mib:>10.1f} "
-              f"{r['rss_added'] / mib:>14.1f} {r['step_s']:>7.2f} {r['saved'] / base['saved']:>14.3f}")
+        print(
+            f"{'cp=' + str(r['cp']):>12} {r['rank']:>4} {r['saved'] / mib:>10.1f} {r['estimated'] / mib:>10.1f} "
+            f"{r['rss_added'] / mib:>14.1f} {r['step_s']:>7.2f} {r['saved'] / base['saved']:>14.3f}"
+        )
 
 
 if __name__ == "__main__":

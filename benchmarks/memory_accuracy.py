@@ -65,22 +65,48 @@ def run_row(preset: str, b: int, s: int, ac: str, precision: str, steps: int) ->
     torch.cuda.reset_peak_memory_stats()
     module = CausalLMModule(cfg, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
     strategy = FourDStrategy(data_parallel_size=1, zero_stage=0, activation_checkpointing=ac, memory_check=False)
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision=precision, max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
     trainer.fit(module, DataLoader(Random(), batch_size=None))
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     free, total = torch.cuda.mem_get_info()
     fixed = total - free - torch.cuda.memory_reserved()
-    est = estimate_memory(cfg, ParallelConfig(data_parallel_size=1, zero_stage=0, activation_checkpointing=ac), b, s,
-                          precision, overhead=OverheadAllowance(0, 0.0, "none"))
+    est = estimate_memory(
+        cfg,
+        ParallelConfig(data_parallel_size=1, zero_stage=0, activation_checkpointing=ac),
+        b,
+        s,
+        precision,
+        overhead=OverheadAllowance(0, 0.0, "none"),
+    )
     del trainer, module
     gc.collect()
-    return {"model": preset, "b": b, "s": s, "ac": ac, "precision": precision, "estimate": est.total,
-            "max_allocated": allocated, "max_reserved": reserved, "fixed": fixed,
-            "error_pct": 100 * (est.total / allocated - 1), "peak_phase": est.peak_phase}
+    return {
+        "model": preset,
+        "b": b,
+        "s": s,
+        "ac": ac,
+        "precision": precision,
+        "estimate": est.total,
+        "max_allocated": allocated,
+        "max_reserved": reserved,
+        "fixed": fixed,
+        "error_pct": 100 * (est.total / allocated - 1),
+        "peak_phase": est.peak_phase,
+    }
 
 
 def main() -> int:
@@ -100,21 +126,26 @@ def main() -> int:
     name = torch.cuda.get_device_name()
     rows = []
     print(f"{name}: estimate (without overhead) vs torch.cuda.max_memory_allocated, {args.steps} steps per row")
-    print(f"{'model':<12}{'b':>3}{'s':>6} {'ckpt':<5}{'precision':<11}{'estimate GiB':>13}{'measured GiB':>13}"
-          f"{'error %':>9}  peak phase")
+    print(
+        f"{'model':<12}{'b':>3}{'s':>6} {'ckpt':<5}{'precision':<11}{'estimate GiB':>13}{'measured GiB':>13}"
+        f"{'error %':>9}  peak phase"
+    )
     for i in range(len(GRID)):
         # one process per row: a Trainer leaves tensors behind (measured on an H200: each row in one process
         # measured the rows before it too, 25 -> 49 -> 53 -> 64 GiB), and the CUDA context is each row's own
-        proc = subprocess.run([sys.executable, __file__, "--row", str(i), "--steps", str(args.steps)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--row", str(i), "--steps", str(args.steps)], capture_output=True, text=True
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             print(f"row {GRID[i]} failed:\n{proc.stderr[-2000:]}")
             return 1
         r = json.loads(lines[-1])
         rows.append(r)
-        print(f"{r['model']:<12}{r['b']:>3}{r['s']:>6} {r['ac']:<5}{r['precision']:<11}{r['estimate'] / 2**30:>13.3f}"
-              f"{r['max_allocated'] / 2**30:>13.3f}{r['error_pct']:>+9.2f}  {r['peak_phase']}")
+        print(
+            f"{r['model']:<12}{r['b']:>3}{r['s']:>6} {r['ac']:<5}{r['precision']:<11}{r['estimate'] / 2**30:>13.3f}"
+            f"{r['max_allocated'] / 2**30:>13.3f}{r['error_pct']:>+9.2f}  {r['peak_phase']}"
+        )
         sys.stdout.flush()
     worst = max(abs(r["error_pct"]) for r in rows)
     # fragmentation from the rows of real size only: on an H200 the ~1 GiB rows of the `small` model showed 11.7%
@@ -122,15 +153,20 @@ def main() -> int:
     large = [r for r in rows if r["max_allocated"] >= 8 * 2**30] or rows
     fraction = max(r["max_reserved"] / r["max_allocated"] - 1 for r in large)
     fixed = max(r["fixed"] for r in rows)
-    print(f"largest |error| {worst:.2f}% (goal 5%, required 10%); overhead: fixed {fixed / 2**30:.2f} GiB, "
-          f"fragmentation {100 * fraction:.1f}%")
+    print(
+        f"largest |error| {worst:.2f}% (goal 5%, required 10%); overhead: fixed {fixed / 2**30:.2f} GiB, "
+        f"fragmentation {100 * fraction:.1f}%"
+    )
     if args.write:
         from lightning_4d.memory.hardware import OVERHEAD_FILE
 
         table = json.loads(OVERHEAD_FILE.read_text())
-        table[name] = {"fixed_bytes": int(fixed), "fraction": round(fraction, 4),
-                       "source": f"measured by benchmarks/memory_accuracy.py on {name}, torch {torch.__version__}, "
-                                 f"{datetime.date.today().isoformat()}; largest estimate error {worst:.2f}%"}
+        table[name] = {
+            "fixed_bytes": int(fixed),
+            "fraction": round(fraction, 4),
+            "source": f"measured by benchmarks/memory_accuracy.py on {name}, torch {torch.__version__}, "
+            f"{datetime.date.today().isoformat()}; largest estimate error {worst:.2f}%",
+        }
         OVERHEAD_FILE.write_text(json.dumps(table, indent=2) + "\n")
         print(f"recorded in {OVERHEAD_FILE}")
     return 0 if worst <= 10 else 1

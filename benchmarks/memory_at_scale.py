@@ -27,17 +27,27 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (name, ``lightning-4d measure`` arguments); all bf16-mixed, b=1
 ROWS = [
     ("1b tp8 z1 s2048 none", "--model llama3.2-1b --tp 8 --dp 1 --zero-stage 1 --seq-length 2048"),
-    ("1b tp8 dp8 z3 s2048 selective", "--model llama3.2-1b --tp 8 --dp 8 --zero-stage 3 --seq-length 2048 "
-                                      "--activation-checkpointing selective"),
-    ("1b tp4 cp2 dp2 z1 s4096 full", "--model llama3.2-1b --tp 4 --cp 2 --dp 2 --zero-stage 1 --seq-length 4096 "
-                                     "--activation-checkpointing full"),
+    (
+        "1b tp8 dp8 z3 s2048 selective",
+        "--model llama3.2-1b --tp 8 --dp 8 --zero-stage 3 --seq-length 2048 --activation-checkpointing selective",
+    ),
+    (
+        "1b tp4 cp2 dp2 z1 s4096 full",
+        "--model llama3.2-1b --tp 4 --cp 2 --dp 2 --zero-stage 1 --seq-length 4096 --activation-checkpointing full",
+    ),
     ("3b tp8 dp4 z3 s4096 none", "--model llama3.2-3b --tp 8 --dp 4 --zero-stage 3 --seq-length 4096"),
     # llama3.2's embeddings are tied, which pp does not take yet: the pipeline rows are llama3.1-8b's
-    ("8b tp8 pp4 z1 s2048 interleaved v2 m4 selective", "--model llama3.1-8b --tp 8 --pp 4 --dp 1 --zero-stage 1 "
-                                                        "--seq-length 2048 --pipeline-schedule interleaved_1f1b "
-                                                        "--num-microbatches 4 --activation-checkpointing selective"),
-    ("8b tp8 pp4 dp2 z1 s2048 1f1b m4 full", "--model llama3.1-8b --tp 8 --pp 4 --dp 2 --zero-stage 1 "
-                                             "--seq-length 2048 --num-microbatches 4 --activation-checkpointing full"),
+    (
+        "8b tp8 pp4 z1 s2048 interleaved v2 m4 selective",
+        "--model llama3.1-8b --tp 8 --pp 4 --dp 1 --zero-stage 1 "
+        "--seq-length 2048 --pipeline-schedule interleaved_1f1b "
+        "--num-microbatches 4 --activation-checkpointing selective",
+    ),
+    (
+        "8b tp8 pp4 dp2 z1 s2048 1f1b m4 full",
+        "--model llama3.1-8b --tp 8 --pp 4 --dp 2 --zero-stage 1 "
+        "--seq-length 2048 --num-microbatches 4 --activation-checkpointing full",
+    ),
 ]
 
 
@@ -48,14 +58,27 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-               PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)), PYTHONWARNINGS="ignore"
+    )
     results = []
     for i in args.rows if args.rows is not None else range(len(ROWS)):
         name, argv = ROWS[i]
         t0 = time.time()
-        cmd = [sys.executable, "-m", "lightning_4d", "measure", *argv.split(), "--micro-batch-size", "1",
-               "--precision", "bf16-mixed", "--device", "cpu", "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_4d",
+            "measure",
+            *argv.split(),
+            "--micro-batch-size",
+            "1",
+            "--precision",
+            "bf16-mixed",
+            "--device",
+            "cpu",
+            "--json",
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
@@ -63,10 +86,19 @@ def main() -> int:
             results.append({"name": name, "args": argv, "status": "failed", "tail": proc.stderr[-3000:]})
             continue
         got = json.loads(lines[-1])
-        results.append({"name": name, "args": argv, "status": "ok", "seconds": round(time.time() - t0),
-                        "rank": got["rank"], "rows": got["rows"]})
-        print(f"{name}: total estimated / measured {got['rows'][-1]['ratio']:.3f} ({time.time() - t0:.0f} s)",
-              flush=True)
+        results.append(
+            {
+                "name": name,
+                "args": argv,
+                "status": "ok",
+                "seconds": round(time.time() - t0),
+                "rank": got["rank"],
+                "rows": got["rows"],
+            }
+        )
+        print(
+            f"{name}: total estimated / measured {got['rows'][-1]['ratio']:.3f} ({time.time() - t0:.0f} s)", flush=True
+        )
         (out / "memory_at_scale_cpu.json").write_text(json.dumps(results, indent=1))
     text = table(results)
     (out / "memory_at_scale_cpu.md").write_text(text)
@@ -77,8 +109,10 @@ def main() -> int:
 def table(results: list[dict]) -> str:
     """The markdown table of ``results``: per row, estimated / measured GiB of each component and the ratio."""
     gib = 2**30
-    lines = ["| rank of layout (bf16-mixed, b=1) | params | grads | opt. states | rest of peak | peak | est / meas |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| rank of layout (bf16-mixed, b=1) | params | grads | opt. states | rest of peak | peak | est / meas |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | failed | | | | | |")
@@ -88,9 +122,11 @@ def table(results: list[dict]) -> str:
         def pair(key: str) -> str:
             return f"{c[key]['estimated'] / gib:.3f} / {c[key]['measured'] / gib:.3f}"
 
-        lines.append(f"| {r['name']} (rank {r['rank']}) | {pair('parameters')} | {pair('gradients')} | "
-                     f"{pair('optimizer_states')} | {pair('peak - parameters - optimizer states')} | "
-                     f"{pair('total (peak)')} | {c['total (peak)']['ratio']:.3f} |")
+        lines.append(
+            f"| {r['name']} (rank {r['rank']}) | {pair('parameters')} | {pair('gradients')} | "
+            f"{pair('optimizer_states')} | {pair('peak - parameters - optimizer states')} | "
+            f"{pair('total (peak)')} | {c['total (peak)']['ratio']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

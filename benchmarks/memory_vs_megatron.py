@@ -69,8 +69,14 @@ def ours(grid: list[tuple], pythonpath: str | None = None) -> list[list]:
     env = dict(os.environ)
     env["PYTHONPATH"] = pythonpath or str(Path(__file__).resolve().parents[1])
     # run from that folder: ``python -c`` puts the working directory first on sys.path
-    result = subprocess.run([sys.executable, "-c", _ROW_SCRIPT, json.dumps(grid)], env=env, check=True,
-                            capture_output=True, text=True, cwd=env["PYTHONPATH"])
+    result = subprocess.run(
+        [sys.executable, "-c", _ROW_SCRIPT, json.dumps(grid)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=env["PYTHONPATH"],
+    )
     return json.loads(result.stdout)
 
 
@@ -79,13 +85,15 @@ def baseline(ref: str, grid: list[tuple]) -> list[list]:
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), ref], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", str(tree), ref], check=True, capture_output=True
+        )
         try:
             return ours(grid, str(tree))
         finally:
-            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=True, capture_output=True
+            )
 
 
 def main() -> None:
@@ -106,8 +114,12 @@ def main() -> None:
     worst = 0.0
     for i, (preset, tp, pp, cp, dp, b, s, m) in enumerate(GRID):
         cfg = LlamaConfig.from_preset(preset)
-        ref = fujii2024_from_config(cfg, tp=tp, pp=pp, dp=dp, cp=cp, seq_length=s, micro_batch_size=b,
-                                    num_microbatches=m).total / GIB
+        ref = (
+            fujii2024_from_config(
+                cfg, tp=tp, pp=pp, dp=dp, cp=cp, seq_length=s, micro_batch_size=b, num_microbatches=m
+            ).total
+            / GIB
+        )
         total, overhead, phase = now[i]
         tensors = (total - overhead) / GIB
         worst = max(worst, tensors / ref)

@@ -49,10 +49,23 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parents[1]
 
 #: (peer, ZeRO stage) in the order of the table: each stage's peers, then ours
-CONFIGS = [("ddp", 0), ("fourd", 0), ("deepspeed", 1), ("fourd", 1), ("deepspeed", 2), ("fourd", 2),
-           ("deepspeed", 3), ("fsdp2", 3), ("fourd", 3)]
-LABELS = {"ddp": "Lightning DDPStrategy", "deepspeed": "Lightning DeepSpeedStrategy",
-          "fsdp2": "Lightning ModelParallelStrategy + FSDP2", "fourd": "FourDStrategy"}
+CONFIGS = [
+    ("ddp", 0),
+    ("fourd", 0),
+    ("deepspeed", 1),
+    ("fourd", 1),
+    ("deepspeed", 2),
+    ("fourd", 2),
+    ("deepspeed", 3),
+    ("fsdp2", 3),
+    ("fourd", 3),
+]
+LABELS = {
+    "ddp": "Lightning DDPStrategy",
+    "deepspeed": "Lightning DeepSpeedStrategy",
+    "fsdp2": "Lightning ModelParallelStrategy + FSDP2",
+    "fourd": "FourDStrategy",
+}
 SEQ_LENGTH, MICRO_BATCH, WORLD = 256, 4, 2
 
 
@@ -104,9 +117,14 @@ def _cpu_deepspeed_strategy() -> type:
             import argparse
 
             engine, ds_optimizer, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
-                lr_scheduler=lr_scheduler, dist_init_required=False)
+                args=argparse.Namespace(device_rank=self.local_rank),
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
             return engine, ds_optimizer
 
         def model_sharded_context(self) -> Any:
@@ -141,8 +159,9 @@ def _module_class(peer: str) -> type:
     return FSDP2Module
 
 
-def worker(peer: str, zero: int, steps: int, precision: str, memory: bool, out: str,
-           ds_bucket: Optional[int] = None) -> None:
+def worker(
+    peer: str, zero: int, steps: int, precision: str, memory: bool, out: str, ds_bucket: Optional[int] = None
+) -> None:
     """One fit on this rank (under ``torchrun --nproc-per-node 2``); writes ``out.<rank>.json``: per-step times and
     ``train_loss``, and with ``memory`` the peak live tensor bytes."""
     import contextlib
@@ -172,15 +191,33 @@ def worker(peer: str, zero: int, steps: int, precision: str, memory: bool, out: 
     L.seed_everything(0, verbose=False)
     torch.manual_seed(0)
     tracker = LiveTensorBytes("cpu") if memory else contextlib.nullcontext()
-    dm = LMDataModule(seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * WORLD,
-                      train_samples=MICRO_BATCH * WORLD * steps, val_samples=8, seed=1234)
+    dm = LMDataModule(
+        seq_length=SEQ_LENGTH,
+        micro_batch_size=MICRO_BATCH,
+        global_batch_size=MICRO_BATCH * WORLD,
+        train_samples=MICRO_BATCH * WORLD * steps,
+        val_samples=8,
+        seed=1234,
+    )
     with tracker:
-        module = _module_class(peer)(LlamaConfig.from_preset("small"), learning_rate=1e-3, warmup_steps=2,
-                                     max_steps=steps)
-        trainer = L.Trainer(accelerator="cpu", devices=WORLD, num_nodes=1, precision=precision, max_steps=steps,
-                            strategy=_strategy(peer, zero, ds_bucket), logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            num_sanity_val_steps=0, callbacks=[Record()])
+        module = _module_class(peer)(
+            LlamaConfig.from_preset("small"), learning_rate=1e-3, warmup_steps=2, max_steps=steps
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            num_nodes=1,
+            precision=precision,
+            max_steps=steps,
+            strategy=_strategy(peer, zero, ds_bucket),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[Record()],
+        )
         trainer.fit(module, dm)
     result = {"times": times, "cpu_times": cpu_times, "losses": losses, "peak": tracker.peak if memory else None}
     with open(f"{out}.{trainer.global_rank}.json", "w") as f:
@@ -191,8 +228,10 @@ def worker(peer: str, zero: int, steps: int, precision: str, memory: bool, out: 
 def deepspeed_unavailable() -> Optional[str]:
     """Why DeepSpeed's rows cannot run here (``None``: they can), checked in a subprocess with ``DS_ACCELERATOR=cpu``:
     DeepSpeed importable, its accelerator the CPU one and its communication backend one that torch has."""
-    probe = ("import deepspeed, torch.distributed as d; from deepspeed.accelerator import get_accelerator as g; "
-             "a = g(); print(a.device_name(), a.communication_backend_name(), deepspeed.__version__)")
+    probe = (
+        "import deepspeed, torch.distributed as d; from deepspeed.accelerator import get_accelerator as g; "
+        "a = g(); print(a.device_name(), a.communication_backend_name(), deepspeed.__version__)"
+    )
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     p = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
@@ -214,16 +253,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(peer: str, zero: int, steps: int, precision: str, memory: bool, workdir: Path, tag: str,
-        ds_bucket: Optional[int] = None) -> dict:
+def run(
+    peer: str,
+    zero: int,
+    steps: int,
+    precision: str,
+    memory: bool,
+    workdir: Path,
+    tag: str,
+    ds_bucket: Optional[int] = None,
+) -> dict:
     """One fit of ``peer`` at ``zero`` in 2 ``torchrun`` processes. Returns ``{"times", "losses", "peak"}`` (peak:
     the largest over the ranks) or ``{"error": the last lines of the output}``."""
     out = workdir / tag
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
-           str(_free_port()), str(Path(__file__).resolve()), "--worker", peer, str(zero), "--steps", str(steps),
-           "--precision", precision, "--out", str(out)] + (["--memory"] if memory else []) + (
-           ["--ds-bucket", str(ds_bucket)] if ds_bucket else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(WORLD),
+            "--master-port",
+            str(_free_port()),
+            str(Path(__file__).resolve()),
+            "--worker",
+            peer,
+            str(zero),
+            "--steps",
+            str(steps),
+            "--precision",
+            precision,
+            "--out",
+            str(out),
+        ]
+        + (["--memory"] if memory else [])
+        + (["--ds-bucket", str(ds_bucket)] if ds_bucket else [])
+    )
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     ranks = [out.with_name(f"{tag}.{r}.json") for r in range(WORLD)]
     if p.returncode != 0 or not all(f.exists() for f in ranks):
@@ -232,8 +298,12 @@ def run(peer: str, zero: int, steps: int, precision: str, memory: bool, workdir:
         return {"error": (errors or lines or ["(no output)"])[-1].strip()[:300]}
     results = [json.loads(f.read_text()) for f in ranks]
     peaks = [r["peak"] for r in results if r["peak"] is not None]
-    return {"times": results[0]["times"], "cpu_times": results[0]["cpu_times"], "losses": results[0]["losses"],
-            "peak": max(peaks) if peaks else None}
+    return {
+        "times": results[0]["times"],
+        "cpu_times": results[0]["cpu_times"],
+        "losses": results[0]["losses"],
+        "peak": max(peaks) if peaks else None,
+    }
 
 
 def main() -> None:
@@ -246,8 +316,13 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated peers to run (ddp, deepspeed, fsdp2, fourd)")
     parser.add_argument("--zero", default=None, help="comma-separated ZeRO stages to run (default all: 0,1,2,3)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
-    parser.add_argument("--ds-bucket", type=int, default=None, metavar="ELEMENTS",
-                        help="DeepSpeed's reduce and all-gather bucket sizes (default Lightning's: 2e8 elements)")
+    parser.add_argument(
+        "--ds-bucket",
+        type=int,
+        default=None,
+        metavar="ELEMENTS",
+        help="DeepSpeed's reduce and all-gather bucket sizes (default Lightning's: 2e8 elements)",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("PEER", "ZERO"), help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -259,8 +334,12 @@ def main() -> None:
     import lightning
     import torch
 
-    configs = [c for c in CONFIGS if (args.only is None or c[0] in args.only.split(","))
-               and (args.zero is None or str(c[1]) in args.zero.split(","))]
+    configs = [
+        c
+        for c in CONFIGS
+        if (args.only is None or c[0] in args.only.split(","))
+        and (args.zero is None or str(c[1]) in args.zero.split(","))
+    ]
     skipped: dict[tuple[str, int], str] = {}
     if any(peer == "deepspeed" for peer, _ in configs):
         reason = deepspeed_unavailable()
@@ -268,8 +347,10 @@ def main() -> None:
             print(f"DeepSpeedStrategy rows skipped: {reason}")
             skipped.update({c: reason for c in configs if c[0] == "deepspeed"})
     configs = [c for c in configs if c not in skipped]
-    print(f"small preset, {WORLD} CPU processes (gloo, OMP_NUM_THREADS=1), s={SEQ_LENGTH}, micro-batch {MICRO_BATCH}, "
-          f"{args.precision}; torch {torch.__version__}, lightning {lightning.__version__}, {os.cpu_count()} CPUs")
+    print(
+        f"small preset, {WORLD} CPU processes (gloo, OMP_NUM_THREADS=1), s={SEQ_LENGTH}, micro-batch {MICRO_BATCH}, "
+        f"{args.precision}; torch {torch.__version__}, lightning {lightning.__version__}, {os.cpu_count()} CPUs"
+    )
     walls: dict[tuple[str, int], list[float]] = {c: [] for c in configs}  # per round: median s/step
     cpus: dict[tuple[str, int], list[float]] = {c: [] for c in configs}  # per round: median CPU s/step, rank 0
     peaks: dict[tuple[str, int], Optional[int]] = {}
@@ -285,8 +366,11 @@ def main() -> None:
                 print(f"memory run {LABELS[peer]} ZeRO {zero}: FAILED: {got['error']}", flush=True)
                 continue
             peaks[(peer, zero)] = got["peak"]
-            print(f"memory run {LABELS[peer]} ZeRO {zero}: peak {got['peak'] / 2**20:.1f} MiB "
-                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+            print(
+                f"memory run {LABELS[peer]} ZeRO {zero}: peak {got['peak'] / 2**20:.1f} MiB "
+                f"({time.perf_counter() - t:.0f} s)",
+                flush=True,
+            )
         for r in range(args.rounds):
             for c in configs:
                 if c in failed:
@@ -296,11 +380,13 @@ def main() -> None:
                     failed[c] = got["error"]
                     print(f"round {r} {LABELS[c[0]]} ZeRO {c[1]}: FAILED: {got['error']}", flush=True)
                     continue
-                walls[c].append(statistics.median(got["times"][args.warmup:]))
-                cpus[c].append(statistics.median(got["cpu_times"][args.warmup:]))
+                walls[c].append(statistics.median(got["times"][args.warmup :]))
+                cpus[c].append(statistics.median(got["cpu_times"][args.warmup :]))
                 losses[c] = got["losses"]
-                print(f"round {r} {LABELS[c[0]]} ZeRO {c[1]}: {walls[c][-1]:.3f} s/step, CPU {cpus[c][-1]:.3f} s/step",
-                      flush=True)
+                print(
+                    f"round {r} {LABELS[c[0]]} ZeRO {c[1]}: {walls[c][-1]:.3f} s/step, CPU {cpus[c][-1]:.3f} s/step",
+                    flush=True,
+                )
     _table(configs, walls, cpus, peaks, losses, failed, skipped)
 
 
@@ -315,8 +401,10 @@ def _table(configs: list, walls: dict, cpus: dict, peaks: dict, losses: dict, fa
     wall = {c: statistics.median(walls[c]) for c in ok}
     cpu = {c: statistics.median(cpus[c]) for c in ok}
     print()
-    print("| ZeRO | strategy | s/step, median (per round) | ours / this (paired) | CPU s/step rank 0 | ours / this | "
-          "peak live MiB per rank | ours / this | first loss | final loss |")
+    print(
+        "| ZeRO | strategy | s/step, median (per round) | ours / this (paired) | CPU s/step rank 0 | ours / this | "
+        "peak live MiB per rank | ours / this | first loss | final loss |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for c in sorted(set(configs) | set(skipped), key=CONFIGS.index):
         peer, zero = c
@@ -334,18 +422,24 @@ def _table(configs: list, walls: dict, cpus: dict, peaks: dict, losses: dict, fa
         c_ratio = f"{cpu[ours] / cpu[c]:.2f}" if versus else ""
         p_ratio = f"{peaks[ours] / peaks[c]:.2f}" if peer != "fourd" and peaks.get(ours) and peaks.get(c) else ""
         peak = f"{peaks[c] / 2**20:.1f}" if peaks.get(c) else "-"
-        print(f"| {zero} | {LABELS[peer]} | {wall[c]:.3f} ({rounds}) | {w_ratio} | {cpu[c]:.3f} | {c_ratio} | {peak} | "
-              f"{p_ratio} | {losses[c][0]:.4f} | {losses[c][-1]:.4f} |")
-    print("\nours / this: FourDStrategy's value over this row's, at the same ZeRO stage (below 1: ours faster or "
-          "smaller); (paired): the median over rounds of the same round's ratio.")
+        print(
+            f"| {zero} | {LABELS[peer]} | {wall[c]:.3f} ({rounds}) | {w_ratio} | {cpu[c]:.3f} | {c_ratio} | {peak} | "
+            f"{p_ratio} | {losses[c][0]:.4f} | {losses[c][-1]:.4f} |"
+        )
+    print(
+        "\nours / this: FourDStrategy's value over this row's, at the same ZeRO stage (below 1: ours faster or "
+        "smaller); (paired): the median over rounds of the same round's ratio."
+    )
     for zero in sorted({z for _, z in configs}):
         ours = ("fourd", zero)
         peers = {c: wall[c] for c in ok if c[1] == zero and c[0] != "fourd"}
         if ours in ok and peers:
             fastest = min(peers, key=peers.get)
             ratio = wall[ours] / peers[fastest]
-            print(f"ZeRO {zero}: FourDStrategy / fastest peer ({LABELS[fastest[0]]}) = {ratio:.2f}"
-                  f"{'' if ratio <= 1.0 else '  (goal <= 1.00 not met)'}")
+            print(
+                f"ZeRO {zero}: FourDStrategy / fastest peer ({LABELS[fastest[0]]}) = {ratio:.2f}"
+                f"{'' if ratio <= 1.0 else '  (goal <= 1.00 not met)'}"
+            )
 
 
 if __name__ == "__main__":

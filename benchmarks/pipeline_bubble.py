@@ -55,11 +55,23 @@ def theory(schedule: str, p: int, m: int, v: int) -> str:
 
 def build(schedule: str, args: argparse.Namespace, p: int, device: torch.device):
     v = SCHEDULES[schedule]
-    config = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=p, zero_stage=0, pipeline_schedule=schedule,
-                            virtual_pipeline_stages=v, num_microbatches=args.micro_batches).resolve(p)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                      num_layers=args.layers, num_heads=args.hidden // 32, num_kv_heads=max(1, args.hidden // 128),
-                      max_seq_length=args.seq_length)
+    config = ParallelConfig(
+        data_parallel_size=1,
+        pipeline_parallel_size=p,
+        zero_stage=0,
+        pipeline_schedule=schedule,
+        virtual_pipeline_stages=v,
+        num_microbatches=args.micro_batches,
+    ).resolve(p)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_layers=args.layers,
+        num_heads=args.hidden // 32,
+        num_kv_heads=max(1, args.hidden // 128),
+        max_seq_length=args.seq_length,
+    )
     config.validate_model(cfg)
     mesh = build_mesh(config, device.type)
     with torch.device("meta"):
@@ -77,8 +89,11 @@ def ideal_time(cfg, chunks, args, device) -> float:
 
     def once() -> None:
         for _, chunk in chunks:
-            x = ids if chunk.embedding is not None else torch.randn(b, s, cfg.hidden_size, device=device,
-                                                                        requires_grad=True)
+            x = (
+                ids
+                if chunk.embedding is not None
+                else torch.randn(b, s, cfg.hidden_size, device=device, requires_grad=True)
+            )
             out = chunk(x)
             loss = causal_lm_loss(out, ids) if chunk.head is not None else out.float().pow(2).mean()
             loss.backward()
@@ -129,8 +144,10 @@ def main() -> None:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank / the busiest rank
         rows.append((schedule, v, float(times[0]), float(times[1]), theory(schedule, p, m, v)))
     if rank == 0:
-        print(f"\npipeline bubble: p={p}, m={args.micro_batches}, {args.layers} layers, hidden {args.hidden}, "
-              f"micro-batch {args.micro_batch_size} x {args.seq_length} tokens, gloo on {device.type}")
+        print(
+            f"\npipeline bubble: p={p}, m={args.micro_batches}, {args.layers} layers, hidden {args.hidden}, "
+            f"micro-batch {args.micro_batch_size} x {args.seq_length} tokens, gloo on {device.type}"
+        )
         print(f"{'schedule':<18}{'v':>3}{'step s':>10}{'ideal s':>10}{'bubble':>9}{'theory':>9}")
         for schedule, v, step, ideal, th in rows:
             print(f"{schedule:<18}{v:>3}{step:>10.4f}{ideal:>10.4f}{1 - ideal / step:>9.3f}{th:>9}")

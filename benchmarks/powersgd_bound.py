@@ -59,7 +59,7 @@ class ExactLowRank:
         for key, g in matrices:
             m = g + self.errors.get(key, 0)
             u, s, vh = torch.linalg.svd(m, full_matrices=False)
-            approx = (u[:, :self.rank] * s[:self.rank]) @ vh[:self.rank]
+            approx = (u[:, : self.rank] * s[: self.rank]) @ vh[: self.rank]
             self.errors[key] = m - approx
             g.copy_(approx)
 
@@ -106,11 +106,15 @@ def train(config: dict, steps: int, start_step: int, compressor=None) -> dict:
         if compressor is not None and step >= start_step:
             matrices = [(n, p.grad) for n, p in params if powersgd_compressible(p.shape, compressor.rank)]
             errors = [compressor.errors.get(n, torch.zeros_like(g)) for n, g in matrices]
-            carried.append(math.sqrt(sum(float(e.square().sum()) for e in errors)
-                                     / sum(float(g.square().sum()) for _, g in matrices)))
+            carried.append(
+                math.sqrt(
+                    sum(float(e.square().sum()) for e in errors) / sum(float(g.square().sum()) for _, g in matrices)
+                )
+            )
             input_sq = sum(float((g + e).square().sum()) for (_, g), e in zip(matrices, errors))  # ‖M‖², M = G + E
-            compressor.reduce(matrices,
-                              [p.grad for n, p in params if not powersgd_compressible(p.shape, compressor.rank)])
+            compressor.reduce(
+                matrices, [p.grad for n, p in params if not powersgd_compressible(p.shape, compressor.rank)]
+            )
             left_sq = sum(float(compressor.errors[n].square().sum()) for n, _ in matrices)  # ‖M − approximation‖²
             residuals.append(math.sqrt(left_sq / input_sq))
         torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
@@ -118,8 +122,12 @@ def train(config: dict, steps: int, start_step: int, compressor=None) -> dict:
         scheduler.step()
     with torch.no_grad():
         losses = [float(causal_lm_loss(module(b["input_ids"]), b["labels"])) for b in data.val_dataloader()]
-    return {"val_loss": sum(losses) / len(losses), "residual": sum(residuals) / len(residuals) if residuals else None,
-            "carried": sum(carried) / len(carried) if carried else None, "spectrum": spectrum}
+    return {
+        "val_loss": sum(losses) / len(losses),
+        "residual": sum(residuals) / len(residuals) if residuals else None,
+        "carried": sum(carried) / len(carried) if carried else None,
+        "spectrum": spectrum,
+    }
 
 
 def main() -> None:
@@ -144,19 +152,26 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
     base = results["none"]["val_loss"]
-    print(f"main job's model, data and optimizer (configs/tiny.yaml), one process, {args.steps} steps, "
-          "compression from "
-          f"step {args.start_step}, error feedback")
+    print(
+        f"main job's model, data and optimizer (configs/tiny.yaml), one process, {args.steps} steps, "
+        "compression from "
+        f"step {args.start_step}, error feedback"
+    )
     print("| gradients | mean residual | mean ‖E‖/‖G‖ | final val_loss | vs none |")
     print("|---|---:|---:|---:|---:|")
     for name, result in results.items():
         res, car = (f"{result[k]:.3f}" if result[k] is not None else "-" for k in ("residual", "carried"))
         print(f"| {name} | {res} | {car} | {result['val_loss']:.4f} | {(result['val_loss'] - base) / base:+.2%} |")
-    print("Residual: sqrt(Σ‖M − approximation‖² / Σ‖M‖²), M = gradient + carried error E; ‖E‖/‖G‖: the error carried "
-          "into a step relative to its gradient; both means over the compressed steps.")
+    print(
+        "Residual: sqrt(Σ‖M − approximation‖² / Σ‖M‖²), M = gradient + carried error E; ‖E‖/‖G‖: the error carried "
+        "into a step relative to its gradient; both means over the compressed steps."
+    )
     for step, energy in results["none"]["spectrum"].items():
-        print(f"uncompressed run, step {step}: the top " + ", ".join(f"{r}: {e:.1%}" for r, e in energy.items())
-              + " singular values of each matrix hold that share of the step's gradient energy")
+        print(
+            f"uncompressed run, step {step}: the top "
+            + ", ".join(f"{r}: {e:.1%}" for r, e in energy.items())
+            + " singular values of each matrix hold that share of the step's gradient energy"
+        )
 
 
 if __name__ == "__main__":

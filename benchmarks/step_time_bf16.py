@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-_TIMING_SCRIPT = r'''
+_TIMING_SCRIPT = r"""
 import json, os, sys, time
 import lightning as L
 from lightning_4d import FourDStrategy
@@ -61,7 +61,7 @@ trainer.fit(module, dm)
 if trainer.global_rank == 0:
     with open(out, "w") as f:
         json.dump({"times": timer.times, "loss": float(trainer.callback_metrics["train_loss"])}, f)
-'''
+"""
 
 
 def run(tree: Path, steps: int, workdir: Path, tag: str) -> dict:
@@ -71,8 +71,14 @@ def run(tree: Path, steps: int, workdir: Path, tag: str) -> dict:
     out = workdir / f"{tag}.json"
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533"]
-    subprocess.run([*torchrun, str(script), str(steps), str(out)], env=env, check=True, cwd=tree,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [*torchrun, str(script), str(steps), str(out)],
+        env=env,
+        check=True,
+        cwd=tree,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return json.loads(out.read_text())
 
 
@@ -87,8 +93,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         base = work / "baseline"
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(base), args.baseline], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", str(base), args.baseline],
+            check=True,
+            capture_output=True,
+        )
         try:
             medians: dict[str, list[float]] = {"baseline": [], "ours": []}
             losses: dict[str, float] = {}
@@ -96,16 +105,21 @@ def main() -> None:
             for r in range(args.rounds):
                 for name, tree in (("baseline", base), ("ours", root)):
                     result = run(tree, args.steps, work, f"{name}{r}")
-                    medians[name].append(statistics.median(result["times"][args.warmup:]))
+                    medians[name].append(statistics.median(result["times"][args.warmup :]))
                     losses[name] = result["loss"]
-                print(f"{r:>5} {medians['baseline'][-1]:>16.3f} {medians['ours'][-1]:>12.3f} "
-                      f"{medians['ours'][-1] / medians['baseline'][-1]:>6.2f}")
+                print(
+                    f"{r:>5} {medians['baseline'][-1]:>16.3f} {medians['ours'][-1]:>12.3f} "
+                    f"{medians['ours'][-1] / medians['baseline'][-1]:>6.2f}"
+                )
         finally:
-            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(base)], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "remove", "--force", str(base)], check=True, capture_output=True
+            )
     ratio = statistics.median(medians["ours"]) / statistics.median(medians["baseline"])
-    print(f"\nmedian step time: baseline {statistics.median(medians['baseline']):.3f} s, ours "
-          f"{statistics.median(medians['ours']):.3f} s; ratio ours/baseline {ratio:.2f}")
+    print(
+        f"\nmedian step time: baseline {statistics.median(medians['baseline']):.3f} s, ours "
+        f"{statistics.median(medians['ours']):.3f} s; ratio ours/baseline {ratio:.2f}"
+    )
     print(f"last train_loss: baseline {losses['baseline']:.4f}, ours {losses['ours']:.4f}")
 
 

@@ -59,8 +59,13 @@ class RestToMarkdown(griffe.Extension):
         for obj in _walk(pkg):
             if obj.is_attribute and obj.docstring is None:
                 _comment_docstring(obj, loader)
-        shown = {c for c in (_canonical(o) for o in (_lookup(collection, i) for i in _reference_identifiers())
-                             if o is not None) if c}
+        shown = {
+            c
+            for c in (
+                _canonical(o) for o in (_lookup(collection, i) for i in _reference_identifiers()) if o is not None
+            )
+            if c
+        }
         for obj in _walk(pkg):
             if obj.docstring is not None:
                 text = _tables(_literal_blocks(obj.docstring.value))
@@ -82,9 +87,14 @@ def _comment_docstring(obj: Any, loader: Any) -> None:
         comment.insert(0, lines[i].strip()[2:].strip())
         i -= 1
     if comment:
-        obj.docstring = griffe.Docstring("\n".join(comment), lineno=i + 2, endlineno=obj.lineno - 1, parent=obj,
-                                         parser=getattr(loader, "docstring_parser", None),
-                                         parser_options=getattr(loader, "docstring_options", None))
+        obj.docstring = griffe.Docstring(
+            "\n".join(comment),
+            lineno=i + 2,
+            endlineno=obj.lineno - 1,
+            parent=obj,
+            parser=getattr(loader, "docstring_parser", None),
+            parser_options=getattr(loader, "docstring_options", None),
+        )
 
 
 def _walk(obj: Any):
@@ -125,7 +135,7 @@ def _is_shown(path: str, obj: Any, shown: set[str]) -> bool:
         return True
     for root in shown:
         if path.startswith(root + "."):
-            rest = path[len(root) + 1:].split(".")
+            rest = path[len(root) + 1 :].split(".")
             return not any(part.startswith("_") for part in rest) and bool(obj.docstring)
     return False
 
@@ -148,8 +158,8 @@ def _tables(text: str) -> str:
             i += 1
             continue
         starts = [m.start() for m in re.finditer(r"=+", lines[i])]
-        header = _rows(lines[rules[0] + 1:rules[1]], starts)
-        body = _rows(lines[rules[1] + 1:rules[2]], starts)
+        header = _rows(lines[rules[0] + 1 : rules[1]], starts)
+        body = _rows(lines[rules[1] + 1 : rules[2]], starts)
         indent = _RULE.match(lines[i])["indent"]
         for row in header[:1] + [["---"] * len(starts)] + body:
             out.append(indent + "| " + " | ".join(cell.replace("|", r"\|") for cell in row) + " |")
@@ -166,7 +176,7 @@ def _rows(lines: list[str], starts: list[int]) -> list[list[str]]:
         first = len(line) - len(line.lstrip())
         if first < starts[1] and rows is not None:  # text in the first column: a new row
             parts = re.split(r"\s{2,}", line.strip(), maxsplit=len(starts) - 1)
-            cells[:len(parts)] = parts
+            cells[: len(parts)] = parts
             if rows and rows[-1][0].endswith(","):  # the first cell continues (a list of names)
                 rows[-1] = [f"{a} {b}".strip() for a, b in zip(rows[-1], cells)]
             else:

@@ -75,10 +75,16 @@ def _run_help(commands: list[str]) -> dict[str, str]:
     Raises:
         RuntimeError: a ``--help`` that exits non-zero (the build fails).
     """
-    env = {**os.environ, "COLUMNS": COLUMNS, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-c", _HELP_SCRIPT, *commands], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = {
+        **os.environ,
+        "COLUMNS": COLUMNS,
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _HELP_SCRIPT, *commands], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the --help run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     texts = {}
@@ -130,8 +136,11 @@ def _rebase(text: str, source: Path, page: Path, docs_dir: Path) -> str:
             return m.group(0)
         path, sep, anchor = target.partition("#")
         absolute = (source.parent / path).resolve()
-        new = posixpath.relpath(absolute.as_posix(), page.parent.as_posix()) if absolute.is_relative_to(
-            docs_dir) else target  # outside the site: left for mkdocs to report
+        new = (
+            posixpath.relpath(absolute.as_posix(), page.parent.as_posix())
+            if absolute.is_relative_to(docs_dir)
+            else target
+        )  # outside the site: left for mkdocs to report
         return f"{m['head']}{new}{sep}{anchor}{m['tail']}"
 
     return _LINK.sub(fix, text)
@@ -149,7 +158,7 @@ def _link_page_names(markdown: str, page: Path, docs_dir: Path) -> str:
 
     pieces, last = [], 0
     for fence in _FENCE.finditer(markdown):
-        pieces += [_PAGE_NAME.sub(link, markdown[last:fence.start()]), fence.group(0)]
+        pieces += [_PAGE_NAME.sub(link, markdown[last : fence.start()]), fence.group(0)]
         last = fence.end()
     pieces.append(_PAGE_NAME.sub(link, markdown[last:]))
     return "".join(pieces)

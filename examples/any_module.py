@@ -43,10 +43,17 @@ def main() -> None:
     L.seed_everything(0)
     ids = torch.randint(0, 1000, (512, 33))
     loader = DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8, shuffle=True)
-    strategy = FourDStrategy(zero_stage=args.zero_stage,
-                             fsdp_blocks=args.fsdp_blocks.split(",") if args.fsdp_blocks else None)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                        logger=False, enable_checkpointing=False)
+    strategy = FourDStrategy(
+        zero_stage=args.zero_stage, fsdp_blocks=args.fsdp_blocks.split(",") if args.fsdp_blocks else None
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(DemoLM(), loader)
 
 

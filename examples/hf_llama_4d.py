@@ -30,9 +30,17 @@ class HFLlamaLM(L.LightningModule):
         self.model = None
         if hf_dir is None:
             torch.manual_seed(0)
-            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-                vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=4, max_position_embeddings=1024))
+            self.model = transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(
+                    vocab_size=256,
+                    hidden_size=128,
+                    intermediate_size=352,
+                    num_hidden_layers=4,
+                    num_attention_heads=8,
+                    num_key_value_heads=4,
+                    max_position_embeddings=1024,
+                )
+            )
 
     def configure_model(self) -> None:
         if self.model is None:  # real weights: an empty model on the meta device, filled by init_from
@@ -66,10 +74,20 @@ def main() -> None:
     parser.add_argument("--hf-dir", default=None)
     args = parser.parse_args()
     L.seed_everything(0)
-    strategy = FourDStrategy(tensor_parallel_size=args.tp, context_parallel_size=args.cp,
-                             pipeline_parallel_size=args.pp, zero_stage=args.zero_stage)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                        logger=False, enable_checkpointing=False)
+    strategy = FourDStrategy(
+        tensor_parallel_size=args.tp,
+        context_parallel_size=args.cp,
+        pipeline_parallel_size=args.pp,
+        zero_stage=args.zero_stage,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+    )
     tokenizer = args.hf_dir if args.hf_dir else "byte"  # the tokenizer.json next to the weights
     trainer.fit(HFLlamaLM(args.hf_dir), LMDataModule(tokenizer=tokenizer, seq_length=128, micro_batch_size=4))
 

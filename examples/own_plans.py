@@ -63,8 +63,9 @@ def main() -> None:
     ids = torch.randint(0, 256, (256, 17))
     loader = DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8)
     strategy = FourDStrategy(tensor_parallel_size=2, zero_stage=3)
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=False, enable_checkpointing=False
+    )
     trainer.fit(MLPLM(), loader)
 
 

@@ -16,8 +16,14 @@ from typing import Any
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 
-__all__ = ["FourDStrategy", "MemoryBudgetExceeded", "MemoryEstimate", "MemoryEstimatorCallback", "ParallelConfig",
-           "estimate_memory"]
+__all__ = [
+    "FourDStrategy",
+    "MemoryBudgetExceeded",
+    "MemoryEstimate",
+    "MemoryEstimatorCallback",
+    "ParallelConfig",
+    "estimate_memory",
+]
 __version__ = "0.1.0"
 
 

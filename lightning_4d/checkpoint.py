@@ -90,10 +90,18 @@ def layout_of(config: Any) -> dict[str, Any]:
     """The sizes of a ``ParallelConfig`` that decide which parameter slices a rank holds (saved with a sharded
     folder under :data:`LAYOUT_KEY`)."""
     split = config.pipeline_layer_split
-    return {"pp": config.pp, "dp": config.dp, "cp": config.cp, "tp": config.tp, "zero_stage": config.zero_stage,
-            "v": config.v, "pipeline_layer_split": list(split) if split is not None else None,
-            "sequence_parallel": config.sequence_parallel, "powersgd_rank": config.powersgd_rank,
-            **({"ep": config.ep} if config.ep > 1 else {})}
+    return {
+        "pp": config.pp,
+        "dp": config.dp,
+        "cp": config.cp,
+        "tp": config.tp,
+        "zero_stage": config.zero_stage,
+        "v": config.v,
+        "pipeline_layer_split": list(split) if split is not None else None,
+        "sequence_parallel": config.sequence_parallel,
+        "powersgd_rank": config.powersgd_rank,
+        **({"ep": config.ep} if config.ep > 1 else {}),
+    }
 
 
 def _compression_file(global_rank: int) -> str:
@@ -126,8 +134,15 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, distributed: bool) -
     return get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM) if distributed else None
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int, barrier: Callable[[], None],
-                 config: Any = None, model: Optional[nn.Module] = None, buckets: Optional[Any] = None) -> None:
+def save_sharded(
+    checkpoint: dict[str, Any],
+    path: Path,
+    global_rank: int,
+    barrier: Callable[[], None],
+    config: Any = None,
+    model: Optional[nn.Module] = None,
+    buckets: Optional[Any] = None,
+) -> None:
     """Write ``checkpoint`` (Lightning's dict: ``state_dict``, ``optimizer_states`` from :func:`optimizer_state`,
     metadata) as a sharded folder at ``path``, atomically (module docstring), with the saving layout ``config``
     (a ``ParallelConfig``, :func:`layout_of`) and PowerSGD's per-rank state when ``buckets`` (``GradientBuckets``
@@ -168,7 +183,7 @@ def _masters_into_weights(opt_state: Any, model_state: dict[str, Any]) -> None:
     if not isinstance(opt_state, dict):
         return
     for key in [k for k in opt_state if k.startswith("state.") and k.endswith(".master")]:
-        fqn, master = key[len("state."):-len(".master")], opt_state.pop(key)
+        fqn, master = key[len("state.") : -len(".master")], opt_state.pop(key)
         if fqn not in model_state:
             continue
         storage = _local(model_state[fqn]).data_ptr()
@@ -209,8 +224,10 @@ def resolve(path: Path) -> Path:
     if _old(path).is_dir():
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        rank_zero_warn(f"checkpoint {str(path)!r} is missing but {str(_old(path))!r} is complete (a save was "
-                       "interrupted while replacing it): loading that one")
+        rank_zero_warn(
+            f"checkpoint {str(path)!r} is missing but {str(_old(path))!r} is complete (a save was "
+            "interrupted while replacing it): loading that one"
+        )
         return _old(path)
     raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
 
@@ -243,9 +260,11 @@ def check_complete(path: Path) -> dict[str, Any]:
         if not file.is_file():
             raise ValueError(f"checkpoint folder {str(path)!r} is incomplete: shard file {name!r} is missing")
         if file.stat().st_size < size:
-            raise ValueError(f"checkpoint folder {str(path)!r}: shard file {name!r} is truncated "
-                             f"({file.stat().st_size} "
-                             f"bytes; .metadata records data up to byte {size}): restore it or use another checkpoint")
+            raise ValueError(
+                f"checkpoint folder {str(path)!r}: shard file {name!r} is truncated "
+                f"({file.stat().st_size} "
+                f"bytes; .metadata records data up to byte {size}): restore it or use another checkpoint"
+            )
     return metadata.state_dict_metadata
 
 
@@ -265,8 +284,9 @@ def read_folder(state: dict[str, Any], path: Path, no_dist: bool = False) -> Non
         ) from e
 
 
-def _sharded_optimizer_template(path: Path, saved: dict[str, Any], key: str, model: nn.Module,
-                    fqns: dict[int, str]) -> dict[str, Any]:
+def _sharded_optimizer_template(
+    path: Path, saved: dict[str, Any], key: str, model: nn.Module, fqns: dict[int, str]
+) -> dict[str, Any]:
     """What a :class:`ShardedOptimizer` asks the folder ``path`` (its ``state_dict_metadata``: ``saved``) for: each
     of its parameters' saved states as a tensor of the parameter's whole local shape (a DTensor with its placements:
     DCP reads just this rank's tp shard of the saved tensor, whatever layout wrote it), scalars as scalars,
@@ -278,12 +298,12 @@ def _sharded_optimizer_template(path: Path, saved: dict[str, Any], key: str, mod
     for name, meta in saved.items():
         if not name.startswith(key + "."):
             continue
-        kind, _, rest = name[len(key) + 1:].partition(".")
+        kind, _, rest = name[len(key) + 1 :].partition(".")
         fqn, _, field = rest.rpartition(".")
         p = params.get(fqn)
         if p is None or kind not in ("state", "param_groups"):
             continue
-        entry = name[len(key) + 1:]
+        entry = name[len(key) + 1 :]
         if kind == "param_groups" or not isinstance(meta, TensorStorageMetadata):
             out[entry] = None
         elif tuple(meta.size) == ():
@@ -291,8 +311,10 @@ def _sharded_optimizer_template(path: Path, saved: dict[str, Any], key: str, mod
         elif tuple(meta.size) == tuple(p.shape):
             out[entry] = _empty_like_param(p, meta.properties.dtype)
         else:
-            raise ValueError(f"checkpoint {str(path)!r}: optimizer state {name!r} has shape {tuple(meta.size)}, "
-                             f"the model's parameter {fqn!r} {tuple(p.shape)}: it was saved from another model")
+            raise ValueError(
+                f"checkpoint {str(path)!r}: optimizer state {name!r} has shape {tuple(meta.size)}, "
+                f"the model's parameter {fqn!r} {tuple(p.shape)}: it was saved from another model"
+            )
     return out
 
 
@@ -306,8 +328,14 @@ def _empty_like_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def load_sharded(
-    path: Path, model: nn.Module, optimizers: list[Any], strict: bool, global_rank: int, weights_only: Optional[bool],
-    buckets: Optional[Any] = None, layout: Optional[dict[str, Any]] = None,
+    path: Path,
+    model: nn.Module,
+    optimizers: list[Any],
+    strict: bool,
+    global_rank: int,
+    weights_only: Optional[bool],
+    buckets: Optional[Any] = None,
+    layout: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Load a sharded folder written by :func:`save_sharded` under ANY layout into ``model``, ``optimizers`` and the
     PowerSGD state of ``buckets`` (``GradientBuckets``); returns Lightning's metadata dict.
@@ -339,8 +367,9 @@ def load_sharded(
                 model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
     read_folder(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
-    metadata = torch.load(path / LIGHTNING_METADATA_FILENAME,
-                          weights_only=weights_only if weights_only is not None else False)
+    metadata = torch.load(
+        path / LIGHTNING_METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False
+    )
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         sharded = ShardedOptimizer.of(unwrap(optimizer))
@@ -364,11 +393,15 @@ def load_sharded(
         if saved_compression.exists() and (layout is None or saved_layout == layout):
             buckets.load_compression_state(param_names(model), torch.load(saved_compression, weights_only=True))
         elif saved_compression.exists():
-            rank_zero_warn(f"{str(path)!r} was saved on another layout ({saved_layout}, now {layout}): PowerSGD's "
-                           "error feedback restarts from zero and its warm start from a random Q.")
+            rank_zero_warn(
+                f"{str(path)!r} was saved on another layout ({saved_layout}, now {layout}): PowerSGD's "
+                "error feedback restarts from zero and its warm start from a random Q."
+            )
         else:
-            rank_zero_warn(f"{str(path)!r} holds no PowerSGD state (it was saved without gradient_compression="
-                           "'powersgd'): the error feedback starts from zero and the warm start from a random Q.")
+            rank_zero_warn(
+                f"{str(path)!r} holds no PowerSGD state (it was saved without gradient_compression="
+                "'powersgd'): the error feedback starts from zero and the warm start from a random Q."
+            )
     metadata.pop(LAYOUT_KEY, None)
     return metadata
 

@@ -23,7 +23,7 @@ from typing import Optional
 #: are LightningCLI's; the others are ours, dispatched before LightningCLI is imported)
 COMMANDS = {
     "fit": "train (LightningCLI over CausalLMModule and LMDataModule: --config configs/tiny.yaml, any "
-           "--trainer./--model./--data. override)",
+    "--trainer./--model./--data. override)",
     "validate": "one evaluation pass over the validation set (--ckpt_path to evaluate a checkpoint)",
     "test": "one evaluation pass over the test set",
     "predict": "inference over the predict set",
@@ -31,7 +31,7 @@ COMMANDS = {
     "estimate": "the memory of one layout per GPU, before anything is allocated (no torch import)",
     "plan": "the layouts of a job that fit, fastest predicted first (no torch import)",
     "measure": "run one rank of any layout in this process (fake process group) and measure its memory beside "
-               "the estimate",
+    "the estimate",
     "export-hf": "write a checkpoint (any layout) as a Hugging Face Llama directory (safetensors + config.json)",
 }
 
@@ -53,8 +53,11 @@ def filter_known_warnings() -> None:
 def usage() -> str:
     """The text of ``lightning-4d --help``: every subcommand with one line."""
     width = max(len(name) for name in COMMANDS)
-    lines = ["usage: lightning-4d <command> [options]   (lightning-4d <command> --help for its options)", "",
-             "commands:"]
+    lines = [
+        "usage: lightning-4d <command> [options]   (lightning-4d <command> --help for its options)",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 

@@ -174,13 +174,20 @@ class ParallelConfig:
                 f"{list(GRADIENT_COMPRESSIONS)}."
             )
         _check_positive_int("powersgd_rank", self.powersgd_rank)
-        if isinstance(self.powersgd_start_step, bool) or not isinstance(self.powersgd_start_step, int) \
-                or self.powersgd_start_step < 0:
-            raise ValueError(f"powersgd_start_step={self.powersgd_start_step!r} is not valid: expected an integer >= 0 "
-                             "(optimizer steps reduced exactly before PowerSGD starts).")
+        if (
+            isinstance(self.powersgd_start_step, bool)
+            or not isinstance(self.powersgd_start_step, int)
+            or self.powersgd_start_step < 0
+        ):
+            raise ValueError(
+                f"powersgd_start_step={self.powersgd_start_step!r} is not valid: expected an integer >= 0 "
+                "(optimizer steps reduced exactly before PowerSGD starts)."
+            )
         if self.powersgd_comm_dtype not in POWERSGD_COMM_DTYPES:
-            raise ValueError(f"powersgd_comm_dtype={self.powersgd_comm_dtype!r} is not valid: expected one of "
-                             f"{list(POWERSGD_COMM_DTYPES)}.")
+            raise ValueError(
+                f"powersgd_comm_dtype={self.powersgd_comm_dtype!r} is not valid: expected one of "
+                f"{list(POWERSGD_COMM_DTYPES)}."
+            )
         if self.gradient_compression == "powersgd" and self.zero_stage >= 2:
             raise ValueError(
                 f"gradient_compression='powersgd' is not supported with zero_stage={self.zero_stage}: FSDP2 "
@@ -208,15 +215,21 @@ class ParallelConfig:
         if self.virtual_pipeline_stages is not None:
             _check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
             if allowed is not None and self.virtual_pipeline_stages not in allowed:
-                fits = [name for name, (a, _, _) in _SCHEDULE_STAGES.items()
-                        if a is None or self.virtual_pipeline_stages in a]
+                fits = [
+                    name
+                    for name, (a, _, _) in _SCHEDULE_STAGES.items()
+                    if a is None or self.virtual_pipeline_stages in a
+                ]
                 raise ValueError(
                     f"virtual_pipeline_stages={self.virtual_pipeline_stages} is not supported by pipeline_schedule="
                     f"{self.pipeline_schedule!r}, which runs {allowed[0]} stage(s) per rank; schedules that take "
                     f"{self.virtual_pipeline_stages} stages per rank: {fits}."
                 )
-        if (self.activation_checkpointing == "selective" and self.pipeline_parallel_size > 1
-                and self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES):
+        if (
+            self.activation_checkpointing == "selective"
+            and self.pipeline_parallel_size > 1
+            and self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
+        ):
             raise ValueError(
                 f"activation_checkpointing='selective' does not work with pipeline_schedule="
                 f"{self.pipeline_schedule!r}: a zero-bubble schedule runs each layer's backward in two passes (input "
@@ -515,8 +528,11 @@ class ParallelConfig:
         if getattr(model_config, "is_moe", False):
             # what training a Mixture-of-Experts model supports today (docs/moe.md): dp + ZeRO 0-3; the estimator
             # and the planner follow, so that they propose only layouts FourDStrategy runs
-            for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", self.pp),
-                               ("context_parallel_size", self.cp)):
+            for name, size in (
+                ("tensor_parallel_size", tp),
+                ("pipeline_parallel_size", self.pp),
+                ("context_parallel_size", self.cp),
+            ):
                 if size > 1:
                     raise ValueError(
                         f"{name}={size} is not supported for a Mixture-of-Experts model (num_experts="

@@ -57,8 +57,10 @@ def rank_coordinates(pc: ParallelConfig, rank: int) -> dict[str, int]:
     """
     world = pc.world_size
     if not 0 <= rank < world:
-        raise ValueError(f"--rank {rank} is not valid: the layout tp={pc.tp} pp={pc.pp} cp={pc.cp} dp={pc.dp} has "
-                         f"{world} ranks (0 .. {world - 1}), or 'worst'.")
+        raise ValueError(
+            f"--rank {rank} is not valid: the layout tp={pc.tp} pp={pc.pp} cp={pc.cp} dp={pc.dp} has "
+            f"{world} ranks (0 .. {world - 1}), or 'worst'."
+        )
     tp_i = rank % pc.tp
     cp_i = rank // pc.tp % pc.cp
     dp_i = rank // (pc.tp * pc.cp) % pc.dp
@@ -66,12 +68,26 @@ def rank_coordinates(pc: ParallelConfig, rank: int) -> dict[str, int]:
     return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i, "dp_cp": dp_i * pc.cp + cp_i}
 
 
-def worst_rank(model_config: Any, pc: ParallelConfig, micro_batch_size: int, seq_length: int, precision: str,
-               num_microbatches: Optional[int] = None, device_type: str = "cuda") -> int:
+def worst_rank(
+    model_config: Any,
+    pc: ParallelConfig,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str,
+    num_microbatches: Optional[int] = None,
+    device_type: str = "cuda",
+) -> int:
     """The global rank (dp, cp and tp coordinates 0: rank 0 of ``dp_cp`` holds the largest ZeRO shard) of the pp
     rank whose estimated peak is the largest (:func:`~lightning_4d.memory.model.estimate_all_pp_ranks`)."""
-    estimates = estimate_all_pp_ranks(model_config, pc, micro_batch_size, seq_length, precision,
-                                      num_microbatches=num_microbatches, device_type=device_type)
+    estimates = estimate_all_pp_ranks(
+        model_config,
+        pc,
+        micro_batch_size,
+        seq_length,
+        precision,
+        num_microbatches=num_microbatches,
+        device_type=device_type,
+    )
     pp_rank = max(range(pc.pp), key=lambda r: estimates[r].total)
     return pp_rank * pc.dp * pc.cp * pc.tp
 
@@ -182,8 +198,13 @@ def _strategy_class() -> type:
             if comm == "float8":
                 raise ValueError("measure does not model the float8 pipeline wire (pipeline_comm_dtype='float8').")
             dtype = PIPELINE_COMM_TORCH_DTYPES[comm] if comm else (self.compute_dtype or torch.float32)
-            boundary = torch.empty(self.micro_batch_size, self.seq_length // pc.cp // chunk.sequence_shards,
-                                   chunk.hidden_size, dtype=dtype, device="meta")
+            boundary = torch.empty(
+                self.micro_batch_size,
+                self.seq_length // pc.cp // chunk.sequence_shards,
+                chunk.hidden_size,
+                dtype=dtype,
+                device="meta",
+            )
             from lightning_4d.parallel._compat import answer_pipeline_metadata
 
             self._answered = answer_pipeline_metadata(self.pipeline.stages, boundary)
@@ -241,9 +262,17 @@ def _environment(world_size: int, rank: int) -> Any:
     return OneRank()
 
 
-def fit_and_measure(model_config: Any, pc: ParallelConfig, micro_batch_size: int, seq_length: int, precision: str,
-                    steps: int = 2, device: str = "cpu", strategy: Any = None, trainer_kwargs: Any = None
-                    ) -> dict[str, Any]:
+def fit_and_measure(
+    model_config: Any,
+    pc: ParallelConfig,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str,
+    steps: int = 2,
+    device: str = "cpu",
+    strategy: Any = None,
+    trainer_kwargs: Any = None,
+) -> dict[str, Any]:
     """Run ``steps`` optimizer steps of :class:`~lightning_4d.tasks.CausalLMModule` on synthetic tokens under
     ``strategy`` (default: a :class:`~lightning_4d.FourDStrategy` of ``pc``) and return the bytes this rank held.
 
@@ -300,10 +329,22 @@ def fit_and_measure(model_config: Any, pc: ParallelConfig, micro_batch_size: int
         torch.cuda.reset_peak_memory_stats()
     with tracker:
         module = CausalLMModule(model_config, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
-        kwargs = dict(accelerator=device, devices=1, num_nodes=pc.world_size, strategy=strategy,
-                      precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[StateBytes()])
+        kwargs = dict(
+            accelerator=device,
+            devices=1,
+            num_nodes=pc.world_size,
+            strategy=strategy,
+            precision=precision,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+            callbacks=[StateBytes()],
+        )
         trainer = L.Trainer(**{**kwargs, **(trainer_kwargs or {})})
         trainer.fit(module, DataLoader(Tokens(), batch_size=None))
     if cuda:
@@ -318,15 +359,32 @@ def fit_and_measure(model_config: Any, pc: ParallelConfig, micro_batch_size: int
 
 
 def _strategy_kwargs(pc: ParallelConfig) -> dict[str, Any]:
-    return dict(data_parallel_size=pc.dp, tensor_parallel_size=pc.tp, pipeline_parallel_size=pc.pp,
-                context_parallel_size=pc.cp, zero_stage=pc.zero_stage, sequence_parallel=pc.sequence_parallel,
-                activation_checkpointing=pc.activation_checkpointing, pipeline_schedule=pc.pipeline_schedule,
-                virtual_pipeline_stages=pc.virtual_pipeline_stages, num_microbatches=pc.num_microbatches,
-                pipeline_layer_split=pc.pipeline_layer_split, context_parallel_method=pc.context_parallel_method)
+    return dict(
+        data_parallel_size=pc.dp,
+        tensor_parallel_size=pc.tp,
+        pipeline_parallel_size=pc.pp,
+        context_parallel_size=pc.cp,
+        zero_stage=pc.zero_stage,
+        sequence_parallel=pc.sequence_parallel,
+        activation_checkpointing=pc.activation_checkpointing,
+        pipeline_schedule=pc.pipeline_schedule,
+        virtual_pipeline_stages=pc.virtual_pipeline_stages,
+        num_microbatches=pc.num_microbatches,
+        pipeline_layer_split=pc.pipeline_layer_split,
+        context_parallel_method=pc.context_parallel_method,
+    )
 
 
-def measure_rank(model_config: Any, pc: ParallelConfig, rank: int, micro_batch_size: int, seq_length: int,
-                 precision: str = "bf16-mixed", steps: int = 2, device: str = "cpu") -> dict[str, Any]:
+def measure_rank(
+    model_config: Any,
+    pc: ParallelConfig,
+    rank: int,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str = "bf16-mixed",
+    steps: int = 2,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Rank ``rank`` of layout ``pc`` trained for ``steps`` steps in this process on a fake process group, measured
     (:func:`fit_and_measure`) beside :func:`~lightning_4d.memory.model.estimate_memory` of its pp rank and
     ``dp_cp`` rank (without the overhead allowance: the allocator does not see the CUDA context).
@@ -357,26 +415,45 @@ def measure_rank(model_config: Any, pc: ParallelConfig, rank: int, micro_batch_s
     if steps < 1:
         raise ValueError(f"--steps {steps} is not valid: expected an integer >= 1.")
     if pc.ep > 1:
-        raise ValueError(f"expert_parallel_size={pc.ep}: measure cannot run expert parallelism on torch's fake "
-                         "process group (its all-to-all carries no token counts); measure ep layouts with torchrun "
-                         "on gloo (tests/test_expert_parallel.py), or expert_parallel_size=1 here.")
+        raise ValueError(
+            f"expert_parallel_size={pc.ep}: measure cannot run expert parallelism on torch's fake "
+            "process group (its all-to-all carries no token counts); measure ep layouts with torchrun "
+            "on gloo (tests/test_expert_parallel.py), or expert_parallel_size=1 here."
+        )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device {device!r} is not valid: expected cpu or cuda.")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu).")
     if dist.is_initialized():
         raise RuntimeError("measure needs a process of its own: a process group is already initialized.")
-    estimate = estimate_memory(model_config, pc, micro_batch_size, seq_length, precision,
-                               num_microbatches=pc.microbatches, pp_rank=coords["pp"], dp_cp_rank=coords["dp_cp"],
-                               device_type=device, overhead=OverheadAllowance(0, 0.0, "none"))
+    estimate = estimate_memory(
+        model_config,
+        pc,
+        micro_batch_size,
+        seq_length,
+        precision,
+        num_microbatches=pc.microbatches,
+        pp_rank=coords["pp"],
+        dp_cp_rank=coords["dp_cp"],
+        device_type=device,
+        overhead=OverheadAllowance(0, 0.0, "none"),
+    )
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     init_fake_process_group(rank, pc.world_size)
     try:
-        strategy = _strategy_class()(**_strategy_kwargs(pc), memory_check=False,
-                                     process_group_backend="fake")
+        strategy = _strategy_class()(**_strategy_kwargs(pc), memory_check=False, process_group_backend="fake")
         strategy.micro_batch_size, strategy.seq_length = micro_batch_size, seq_length
-        measured = fit_and_measure(model_config, pc, micro_batch_size, seq_length, precision, steps, device,
-                                   strategy=strategy, trainer_kwargs={"plugins": [_environment(pc.world_size, rank)]})
+        measured = fit_and_measure(
+            model_config,
+            pc,
+            micro_batch_size,
+            seq_length,
+            precision,
+            steps,
+            device,
+            strategy=strategy,
+            trainer_kwargs={"plugins": [_environment(pc.world_size, rank)]},
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -386,8 +463,9 @@ def measure_rank(model_config: Any, pc: ParallelConfig, rank: int, micro_batch_s
 # ---------------------------------------------------------------------------------------------------- the command
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.formula != "lightning_4d":
-        raise ValueError(f"--formula {args.formula}: measure compares with this package's estimate (lightning_4d) "
-                         "only.")
+        raise ValueError(
+            f"--formula {args.formula}: measure compares with this package's estimate (lightning_4d) only."
+        )
     cfg = load_model_config(args.model)
     pc, _ = layout_of(args, cfg)
     pc.validate_sequence(args.seq_length)
@@ -395,23 +473,39 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     rank = args.rank
     if rank == "worst":
         rank = worst_rank(cfg, pc, args.micro_batch_size, args.seq_length, args.precision, device_type=args.device)
-    out = measure_rank(cfg, pc, rank, args.micro_batch_size, args.seq_length, args.precision, steps=args.steps,
-                       device=args.device)
+    out = measure_rank(
+        cfg, pc, rank, args.micro_batch_size, args.seq_length, args.precision, steps=args.steps, device=args.device
+    )
     est, got = out["estimate"], out["measured"]
     states = {k: got.get(k) for k in ("parameters", "gradients", "optimizer_states")}
     est_rest = est["total"] - est["parameters"] - est["optimizer_states"]
     got_rest = got["peak_allocated"] - states["parameters"] - states["optimizer_states"]
     rows = [(k, est[k], states[k]) for k in states]
-    rows += [("peak - parameters - optimizer states", est_rest, got_rest), ("total (peak)", est["total"],
-                                                                            got["peak_allocated"])]
-    out.update(model=args.model, device=args.device, seq_length=args.seq_length,
-               micro_batch_size=args.micro_batch_size, precision=args.precision, steps=args.steps,
-               layout=dict(tp=pc.tp, pp=pc.pp, cp=pc.cp, dp=pc.dp, zero_stage=pc.zero_stage, sequence_parallel=pc.sp,
-                           activation_checkpointing=pc.activation_checkpointing,
-                           pipeline_schedule=pc.pipeline_schedule, num_microbatches=pc.microbatches,
-                           virtual_pipeline_stages=pc.v),
-               rows=[{"component": k, "estimated": e, "measured": g, "ratio": (e / g) if g else None}
-                     for k, e, g in rows])
+    rows += [
+        ("peak - parameters - optimizer states", est_rest, got_rest),
+        ("total (peak)", est["total"], got["peak_allocated"]),
+    ]
+    out.update(
+        model=args.model,
+        device=args.device,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        precision=args.precision,
+        steps=args.steps,
+        layout=dict(
+            tp=pc.tp,
+            pp=pc.pp,
+            cp=pc.cp,
+            dp=pc.dp,
+            zero_stage=pc.zero_stage,
+            sequence_parallel=pc.sp,
+            activation_checkpointing=pc.activation_checkpointing,
+            pipeline_schedule=pc.pipeline_schedule,
+            num_microbatches=pc.microbatches,
+            virtual_pipeline_stages=pc.v,
+        ),
+        rows=[{"component": k, "estimated": e, "measured": g, "ratio": (e / g) if g else None} for k, e, g in rows],
+    )
     if args.device == "cuda":
         out["fragmentation"] = got["peak_reserved"] / got["peak_allocated"] - 1
     return out
@@ -422,10 +516,12 @@ def _print(out: dict[str, Any]) -> None:
     from rich.table import Table
 
     lay, c = out["layout"], out["coordinates"]
-    table = Table(title=f"{out['model']} rank {out['rank']} (pp {c['pp']}, dp {c['dp']}, cp {c['cp']}, tp {c['tp']}) "
-                        f"of tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} ZeRO {lay['zero_stage']} "
-                        f"b={out['micro_batch_size']} s={out['seq_length']} {out['precision']} "
-                        f"checkpointing={lay['activation_checkpointing']} on {out['device']}")
+    table = Table(
+        title=f"{out['model']} rank {out['rank']} (pp {c['pp']}, dp {c['dp']}, cp {c['cp']}, tp {c['tp']}) "
+        f"of tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} ZeRO {lay['zero_stage']} "
+        f"b={out['micro_batch_size']} s={out['seq_length']} {out['precision']} "
+        f"checkpointing={lay['activation_checkpointing']} on {out['device']}"
+    )
     for col in ("component", "estimated GiB", "measured GiB", "estimated / measured"):
         table.add_column(col, justify="right" if col != "component" else "left")
     for r in out["rows"]:
@@ -435,12 +531,16 @@ def _print(out: dict[str, Any]) -> None:
     console.print(table)
     got = out["measured"]
     if out["device"] == "cuda":
-        console.print(f"CUDA allocator: max allocated {got['peak_allocated'] / GIB:.3f} GiB, max reserved "
-                      f"{got['peak_reserved'] / GIB:.3f} GiB (fragmentation {100 * out['fragmentation']:.1f}%).")
+        console.print(
+            f"CUDA allocator: max allocated {got['peak_allocated'] / GIB:.3f} GiB, max reserved "
+            f"{got['peak_reserved'] / GIB:.3f} GiB (fragmentation {100 * out['fragmentation']:.1f}%)."
+        )
     else:
         console.print("CPU: the peak of live tensor bytes (lightning_4d.measure.LiveTensorBytes).")
-    console.print("The collectives of the fake process group carry no data: losses are meaningless, memory is real. "
-                  "Estimated = estimate without the overhead allowance (CUDA context, fragmentation).")
+    console.print(
+        "The collectives of the fake process group carry no data: losses are meaningless, memory is real. "
+        "Estimated = estimate without the overhead allowance (CUDA context, fragmentation)."
+    )
 
 
 def main(argv: list[str]) -> int:

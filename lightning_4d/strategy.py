@@ -247,8 +247,11 @@ class FourDStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         validate_against_module(self.parallel_config, self.lightning_module)  # before the process group exists
-        validate_precision(self._precision, self.parallel_config.zero_stage,
-                           full_file_checkpoints=not self._save_distributed_checkpoint)
+        validate_precision(
+            self._precision,
+            self.parallel_config.zero_stage,
+            full_file_checkpoints=not self._save_distributed_checkpoint,
+        )
         if self.memory_check and self.root_device.type == "cuda":  # runs in Callback.setup, before configure_model
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()
@@ -291,9 +294,15 @@ class FourDStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        self._models = prepare_models(module, self.mesh, self.parallel_config, self.root_device,
-                                      compile=self.compile, param_dtype=mixed_precision_dtype(self._precision),
-                                      fsdp_blocks=self.fsdp_blocks)
+        self._models = prepare_models(
+            module,
+            self.mesh,
+            self.parallel_config,
+            self.root_device,
+            compile=self.compile,
+            param_dtype=mixed_precision_dtype(self._precision),
+            fsdp_blocks=self.fsdp_blocks,
+        )
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -301,7 +310,11 @@ class FourDStrategy(ModelParallelStrategy):
         if chunks is not None and self.pipeline is None:
             loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
             self.pipeline = PipelineRunner(
-                chunks, self.parallel_config, self.num_microbatches, self.mesh.pp.get_group(), self.root_device,
+                chunks,
+                self.parallel_config,
+                self.num_microbatches,
+                self.mesh.pp.get_group(),
+                self.root_device,
                 loss_fn=loss_fn,
             )
         init_from = getattr(module, "init_from", None)
@@ -319,8 +332,9 @@ class FourDStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         # ShardedOptimizer steps and global-norm clipping: Lightning's plugin with our overrides
         # (lightning_4d.precision)
-        self.precision_plugin = four_d_precision(self.precision_plugin,
-                                                 self.mesh.pp.get_group() if self.pipeline is not None else None)
+        self.precision_plugin = four_d_precision(
+            self.precision_plugin, self.mesh.pp.get_group() if self.pipeline is not None else None
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
@@ -333,13 +347,19 @@ class FourDStrategy(ModelParallelStrategy):
         # FSDP2's MixedPrecisionPolicy keeps the masters of what it owns (ZeRO 2/3); the rest is never cast
         master = torch.float32 if self.compute_dtype is not None and self.parallel_config.zero_stage <= 1 else None
         pc = self.parallel_config
-        self._buckets = setup_zero(self.model, optimizers, self.mesh.dp_cp.get_group(), pc.zero_stage,
-                                     master_dtype=master, tp_rank=self.mesh.tp.get_local_rank(),
-                                     compression=pc.gradient_compression, powersgd_rank=pc.powersgd_rank,
-                                     powersgd_start_step=pc.powersgd_start_step,
-                                     powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype)
-                                     if pc.powersgd_comm_dtype else None,
-                                     expert_group=self.mesh.edp.get_group() if self.mesh.edp is not None else None)
+        self._buckets = setup_zero(
+            self.model,
+            optimizers,
+            self.mesh.dp_cp.get_group(),
+            pc.zero_stage,
+            master_dtype=master,
+            tp_rank=self.mesh.tp.get_local_rank(),
+            compression=pc.gradient_compression,
+            powersgd_rank=pc.powersgd_rank,
+            powersgd_start_step=pc.powersgd_start_step,
+            powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
+            expert_group=self.mesh.edp.get_group() if self.mesh.edp is not None else None,
+        )
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -404,8 +424,15 @@ class FourDStrategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        _checkpoint.save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank, self.barrier,
-                                 self.parallel_config, self.model, self._buckets)
+        _checkpoint.save_sharded(
+            checkpoint,
+            Path(self.broadcast(str(filepath))),
+            self.global_rank,
+            self.barrier,
+            self.parallel_config,
+            self.model,
+            self._buckets,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -420,5 +447,13 @@ class FourDStrategy(ModelParallelStrategy):
         strict = self.lightning_module.strict_loading
         if not path.is_dir():
             return _checkpoint.load_full(path, self.model, self.optimizers, strict, weights_only)
-        return _checkpoint.load_sharded(path, self.model, self.optimizers, strict, self.global_rank, weights_only,
-                                        self._buckets, _checkpoint.layout_of(self.parallel_config))
+        return _checkpoint.load_sharded(
+            path,
+            self.model,
+            self.optimizers,
+            strict,
+            self.global_rank,
+            weights_only,
+            self._buckets,
+            _checkpoint.layout_of(self.parallel_config),
+        )

@@ -18,12 +18,15 @@ def ddp(tmp_path_factory):
     return json.loads(out.read_text())["losses"]
 
 
-@pytest.mark.parametrize("zero,blocks", [(0, None), (1, None), (2, None), (3, None),
-                                         (3, "torch.nn.TransformerDecoderLayer,TransformerEncoderLayer")])
+@pytest.mark.parametrize(
+    "zero,blocks",
+    [(0, None), (1, None), (2, None), (3, None), (3, "torch.nn.TransformerDecoderLayer,TransformerEncoderLayer")],
+)
 def test_demo_transformer_matches_lightning_ddp(ddp, tmp_path, zero, blocks):
     out = tmp_path / "fourd.json"
-    torchrun(2, SCRIPTS / "any_module.py", "--out", str(out), "--zero", str(zero),
-             *(["--blocks", blocks] if blocks else []))
+    torchrun(
+        2, SCRIPTS / "any_module.py", "--out", str(out), "--zero", str(zero), *(["--blocks", blocks] if blocks else [])
+    )
     record = json.loads(out.read_text())
     print(f"\nZeRO {zero} (fsdp_blocks={blocks}): {record['losses']}\n  ddp {ddp}")
     assert len(ddp) == 5
@@ -107,9 +110,17 @@ def test_memory_check_recognizes_a_transformers_llama_and_no_other_module():
     class HFModule(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-                vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, tie_word_embeddings=True))
+            self.model = transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(
+                    vocab_size=256,
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_hidden_layers=3,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    tie_word_embeddings=True,
+                )
+            )
 
     class DemoLM(L.LightningModule):
         def __init__(self):
@@ -117,6 +128,11 @@ def test_memory_check_recognizes_a_transformers_llama_and_no_other_module():
             self.model = Transformer(vocab_size=64, ninp=32, nhead=2, nhid=64, nlayers=2)
 
     cfg = MemoryEstimatorCallback._model_config(HFModule())
-    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size, cfg.tie_word_embeddings) == \
-        (3, 4, 2, 64, True)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size, cfg.tie_word_embeddings) == (
+        3,
+        4,
+        2,
+        64,
+        True,
+    )
     assert MemoryEstimatorCallback._model_config(DemoLM()) is None

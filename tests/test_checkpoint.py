@@ -9,12 +9,17 @@ import pytest
 from tests._launch import SCRIPTS, torchrun
 
 LAYOUTS = [
-    {"dp": 2, "tp": 2, "zero": 1}, {"dp": 2, "tp": 2, "zero": 3}, {"dp": 4, "zero": 0}, {"dp": 4, "zero": 2},
+    {"dp": 2, "tp": 2, "zero": 1},
+    {"dp": 2, "tp": 2, "zero": 3},
+    {"dp": 4, "zero": 0},
+    {"dp": 4, "zero": 2},
     # save_distributed_checkpoint=False: one full file from rank 0, every rank keeps its shards on load
-    {"dp": 2, "tp": 2, "zero": 3, "sdc": False}, {"dp": 4, "zero": 0, "sdc": False},
+    {"dp": 2, "tp": 2, "zero": 3, "sdc": False},
+    {"dp": 4, "zero": 0, "sdc": False},
     # bf16-mixed: the fp32 master weights are saved with the optimizer states (else the resumed run would restart
     # from the bf16-rounded weights and drift)
-    {"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"}, {"dp": 4, "zero": 0, "precision": "bf16-mixed"},
+    {"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"},
+    {"dp": 4, "zero": 0, "precision": "bf16-mixed"},
     {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-mixed", "sdc": False},
 ]
 
@@ -22,8 +27,18 @@ LAYOUTS = [
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
-    torchrun(4, SCRIPTS / "run_layouts.py", "--out", str(out), "--steps", "6", "--resume-check", "--layouts",
-             json.dumps(LAYOUTS), timeout=900)
+    torchrun(
+        4,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(out),
+        "--steps",
+        "6",
+        "--resume-check",
+        "--layouts",
+        json.dumps(LAYOUTS),
+        timeout=900,
+    )
     return [[json.loads(p.read_text()) for p in sorted(out.glob(f"resume{i}_rank*.json"))] for i in range(len(LAYOUTS))]
 
 

@@ -19,8 +19,23 @@ STEPS, AT = 6, 3
 
 
 def _run(out, tag, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(SCRIPTS / "fault.py"), "--out", str(out), "--tag", tag, "--steps", str(STEPS), "--at", str(AT), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(SCRIPTS / "fault.py"),
+        "--out",
+        str(out),
+        "--tag",
+        tag,
+        "--steps",
+        str(STEPS),
+        "--at",
+        str(AT),
+        *args,
+    ]
     return subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -94,8 +109,12 @@ def test_export_hf_of_a_folder_prints_no_single_process_warning(tmp_path):
     module.configure_model()  # no Trainer: built and initialized on the CPU
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the save's own single-process warning is not the export's
-        save_sharded({"state_dict": module.state_dict(), "hyper_parameters": {"model_config": "tiny"}},
-                     tmp_path / "ckpt", 0, lambda: None)
+        save_sharded(
+            {"state_dict": module.state_dict(), "hyper_parameters": {"model_config": "tiny"}},
+            tmp_path / "ckpt",
+            0,
+            lambda: None,
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = export_hf(tmp_path / "ckpt", tmp_path / "hf")

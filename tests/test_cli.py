@@ -78,8 +78,9 @@ def test_fit_from_yaml_trains_and_summarizes(fitted):
 
 def test_resume_with_ckpt_path(fitted):
     out, config, _ = fitted
-    proc = _cli("fit", "--config", str(config), "--ckpt_path", str(out / "ckpt" / "last.ckpt"),
-                "--trainer.max_steps=9", cwd=out)
+    proc = _cli(
+        "fit", "--config", str(config), "--ckpt_path", str(out / "ckpt" / "last.ckpt"), "--trainer.max_steps=9", cwd=out
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     versions = sorted((out / "logs" / "run").glob("version_*/metrics.csv"))
     rows = [r for r in _metrics(versions[-1]) if r.get("train_loss")]
@@ -93,8 +94,16 @@ def test_resume_with_ckpt_path(fitted):
 def test_command_line_overrides(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.replace("OUT", str(tmp_path)))
-    proc = _cli("fit", "--config", str(config), "--trainer.devices=2", "--trainer.strategy.tensor_parallel_size=1",
-                "--trainer.strategy.zero_stage=3", "--trainer.max_steps=2", cwd=tmp_path)
+    proc = _cli(
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.devices=2",
+        "--trainer.strategy.tensor_parallel_size=1",
+        "--trainer.strategy.zero_stage=3",
+        "--trainer.max_steps=2",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = _metrics(next((tmp_path / "logs" / "run").glob("version_*/metrics.csv")))
     assert len([r for r in rows if r.get("train_loss")]) == 2
@@ -106,16 +115,43 @@ def test_activation_checkpointing_choices(tmp_path):
     ``estimate`` command takes it too."""
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.replace("OUT", str(tmp_path)))
-    proc = _cli("fit", "--config", str(config), "--trainer.strategy.activation_checkpointing=selective",
-                "--print_config", cwd=tmp_path)
+    proc = _cli(
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.strategy.activation_checkpointing=selective",
+        "--print_config",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "activation_checkpointing: selective" in proc.stdout
-    bad = _cli("fit", "--config", str(config), "--trainer.strategy.activation_checkpointing=some", "--print_config",
-               cwd=tmp_path)
+    bad = _cli(
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.strategy.activation_checkpointing=some",
+        "--print_config",
+        cwd=tmp_path,
+    )
     assert bad.returncode != 0
     assert "Literal['none', 'full', 'selective']" in bad.stderr
-    estimate = _cli("estimate", "--model", "llama3-8b", "--num-gpus", "8", "--tp", "8", "--micro-batch-size", "1",
-                    "--seq-length", "8192", "--activation-checkpointing", "selective", "--json", cwd=tmp_path)
+    estimate = _cli(
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--num-gpus",
+        "8",
+        "--tp",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "8192",
+        "--activation-checkpointing",
+        "selective",
+        "--json",
+        cwd=tmp_path,
+    )
     assert estimate.returncode in (0, 1), estimate.stderr  # 1: does not fit
     assert json.loads(estimate.stdout)["layout"]["activation_checkpointing"] == "selective"
 
@@ -123,8 +159,16 @@ def test_activation_checkpointing_choices(tmp_path):
 def test_model_that_tp_cannot_split_fails_before_process_group(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.replace("OUT", str(tmp_path)))
-    proc = _cli("fit", "--config", str(config), "--trainer.devices=4", "--trainer.strategy.tensor_parallel_size=4",
-                "--trainer.strategy.data_parallel_size=1", "--model.model_config=tiny-test", cwd=tmp_path)
+    proc = _cli(
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.devices=4",
+        "--trainer.strategy.tensor_parallel_size=4",
+        "--trainer.strategy.data_parallel_size=1",
+        "--model.model_config=tiny-test",
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0
     assert "num_kv_heads=2 is not divisible by tensor_parallel_size=4" in proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr
@@ -149,8 +193,25 @@ def test_estimate_proposes_the_planners_layer_split(capsys):
     assert "llama3.1-405b" in LlamaConfig.preset_names()
     split = [7] + [8] * 14 + [7]
     assert propose_layer_split(126, 16) == split
-    base = ["estimate", "--model", "llama3.1-405b", "--tp", "8", "--pp", "16", "--dp", "64", "--micro-batch-size",
-            "1", "--seq-length", "8192", "--activation-checkpointing", "full", "--num-microbatches", "32"]
+    base = [
+        "estimate",
+        "--model",
+        "llama3.1-405b",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--dp",
+        "64",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "8192",
+        "--activation-checkpointing",
+        "full",
+        "--num-microbatches",
+        "32",
+    ]
     assert main(base) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "pipeline_layer_split" in line]
     assert len(lines) == 1, lines
@@ -177,21 +238,48 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
     text = capsys.readouterr().out
     assert "does NOT fit" in text and "Layouts of the same 8 GPUs that fit (fastest predicted first):" in text
     printed = [line.strip() for line in text.splitlines() if line.strip().startswith("FourDStrategy(")]
-    expected = suggest_layouts(LlamaConfig.from_preset("llama3-8b"), 8, 1, 8192, "bf16-mixed", 80 * 2**30, 0.8,
-                               gpu_name="H100-80GB")
+    expected = suggest_layouts(
+        LlamaConfig.from_preset("llama3-8b"), 8, 1, 8192, "bf16-mixed", 80 * 2**30, 0.8, gpu_name="H100-80GB"
+    )
     assert expected and [p.split(":")[0] for p in printed] == [suggestion_line(pc, 1) for pc, _ in expected]
     assert main(base + ["--zero-stage", "0", "--json"]) == 1
     suggestions = json.loads(capsys.readouterr().out)["suggestions"]
     assert [s["line"] for s in suggestions] == [suggestion_line(pc, 1) for pc, _ in expected]
     for s in suggestions:
         lay = s["layout"]
-        again = ["estimate", "--model", "llama3-8b", "--micro-batch-size", "1", "--seq-length", "8192", "--json",
-                 "--tp", str(lay["tp"]), "--pp", str(lay["pp"]), "--cp", str(lay["cp"]), "--dp", str(lay["dp"]),
-                 "--zero-stage", str(lay["zero_stage"]), "--activation-checkpointing", lay["activation_checkpointing"],
-                 "--cp-method", lay["context_parallel_method"]]
+        again = [
+            "estimate",
+            "--model",
+            "llama3-8b",
+            "--micro-batch-size",
+            "1",
+            "--seq-length",
+            "8192",
+            "--json",
+            "--tp",
+            str(lay["tp"]),
+            "--pp",
+            str(lay["pp"]),
+            "--cp",
+            str(lay["cp"]),
+            "--dp",
+            str(lay["dp"]),
+            "--zero-stage",
+            str(lay["zero_stage"]),
+            "--activation-checkpointing",
+            lay["activation_checkpointing"],
+            "--cp-method",
+            lay["context_parallel_method"],
+        ]
         if lay["pp"] > 1:
-            again += ["--pipeline-schedule", lay["pipeline_schedule"], "--num-microbatches",
-                      str(lay["num_microbatches"]), "--virtual-pipeline-stages", str(lay["virtual_pipeline_stages"])]
+            again += [
+                "--pipeline-schedule",
+                lay["pipeline_schedule"],
+                "--num-microbatches",
+                str(lay["num_microbatches"]),
+                "--virtual-pipeline-stages",
+                str(lay["virtual_pipeline_stages"]),
+            ]
         if lay["tp"] > 1:
             again += ["--sequence-parallel", str(lay["sequence_parallel"]).lower()]
         assert main(again) == 0, s["line"]
@@ -211,8 +299,20 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     from lightning_4d import FourDStrategy
     from lightning_4d.cli import main
 
-    base = ["plan", "--model", "tiny", "--num-gpus", "16", "--gpus-per-node", "8", "--seq-length", "256",
-            "--global-batch-size", "64", *extra]
+    base = [
+        "plan",
+        "--model",
+        "tiny",
+        "--num-gpus",
+        "16",
+        "--gpus-per-node",
+        "8",
+        "--seq-length",
+        "256",
+        "--global-batch-size",
+        "64",
+        *extra,
+    ]
     assert main(base + ["--json"]) == 0
     row = json.loads(capsys.readouterr().out)["layouts"][0]
     path = tmp_path / "plan.yaml"
@@ -261,12 +361,21 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
 def test_prepare_data_subcommand(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     (tmp_path / "b.txt").write_text("def f(x):\n    return x\n" * 50)
-    proc = _cli("prepare-data", "--input", str(tmp_path / "*.txt"), "--output", str(tmp_path / "corpus.bin"),
-                "--val-fraction", "0", cwd=tmp_path)
+    proc = _cli(
+        "prepare-data",
+        "--input",
+        str(tmp_path / "*.txt"),
+        "--output",
+        str(tmp_path / "corpus.bin"),
+        "--val-fraction",
+        "0",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "corpus.bin").exists()
-    bad = _cli("prepare-data", "--input", str(tmp_path / "missing*.txt"), "--output", str(tmp_path / "x.bin"),
-               cwd=tmp_path)
+    bad = _cli(
+        "prepare-data", "--input", str(tmp_path / "missing*.txt"), "--output", str(tmp_path / "x.bin"), cwd=tmp_path
+    )
     assert bad.returncode == 2 and "missing" in bad.stderr
 
 
@@ -274,8 +383,15 @@ def test_main_job_config_learns_below_unigram_entropy(tmp_path):
     """configs/tiny.yaml (what `make run` runs: dp=2 x tp=2, ZeRO 1, 4 processes), shortened to 60 steps."""
     import re
 
-    proc = _cli("fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=60",
-                "--trainer.val_check_interval=60", "--trainer.limit_val_batches=4", cwd=tmp_path)
+    proc = _cli(
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--trainer.max_steps=60",
+        "--trainer.val_check_interval=60",
+        "--trainer.limit_val_batches=4",
+        cwd=tmp_path,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     val = float(re.search(r"final validation loss : ([0-9.]+)", out).group(1))

@@ -28,49 +28,72 @@ def _one_line_error(capsys, argv: list[str], *expected: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("extra,expected", [
-    (["--budget", "-0.5"], ["--budget", "'-0.5'", "(0, 1]"]),
-    (["--budget", "1.5"], ["--budget", "'1.5'", "(0, 1]"]),
-    (["--budget", "nan"], ["--budget", "'nan'", "(0, 1]"]),
-    (["--gpu-memory", "0GiB"], ["'0GiB'", "must be positive", "H100-80GB"]),
-    (["--top", "0"], ["--top", "'0'", ">= 1"]),
-    (["--top", "-1"], ["--top", "'-1'", ">= 1"]),
-    (["--peak-tflops", "-1"], ["--peak-tflops", "'-1'", "> 0"]),
-    (["--peak-tflops", "inf"], ["--peak-tflops", "'inf'"]),
-    (["--num-gpus", "x"], ["--num-gpus", "'x'", "integer"]),
-    (["--tp", "3"], ["tensor_parallel_size=3", "[1, 2, 4, 8]"]),
-])
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--budget", "-0.5"], ["--budget", "'-0.5'", "(0, 1]"]),
+        (["--budget", "1.5"], ["--budget", "'1.5'", "(0, 1]"]),
+        (["--budget", "nan"], ["--budget", "'nan'", "(0, 1]"]),
+        (["--gpu-memory", "0GiB"], ["'0GiB'", "must be positive", "H100-80GB"]),
+        (["--top", "0"], ["--top", "'0'", ">= 1"]),
+        (["--top", "-1"], ["--top", "'-1'", ">= 1"]),
+        (["--peak-tflops", "-1"], ["--peak-tflops", "'-1'", "> 0"]),
+        (["--peak-tflops", "inf"], ["--peak-tflops", "'inf'"]),
+        (["--num-gpus", "x"], ["--num-gpus", "'x'", "integer"]),
+        (["--tp", "3"], ["tensor_parallel_size=3", "[1, 2, 4, 8]"]),
+    ],
+)
 def test_plan_bad_input_is_one_line_exit_2(capsys, extra, expected):
     err = _one_line_error(capsys, PLAN + extra, *expected)
     assert err.startswith("lightning-4d plan: error:")
 
 
-@pytest.mark.parametrize("extra,expected", [
-    (["--sequence-parallel", "ture", "--tp", "2"], ["--sequence-parallel", "'ture'", "true or false"]),
-    (["--micro-batch-size", "0"], ["--micro-batch-size", "'0'"]),
-    (["--pipeline-layer-split", "16", "-1", "--pp", "2"], ["--pipeline-layer-split", "'-1'"]),
-    (["--budget", "0"], ["--budget", "'0'"]),
-])
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--sequence-parallel", "ture", "--tp", "2"], ["--sequence-parallel", "'ture'", "true or false"]),
+        (["--micro-batch-size", "0"], ["--micro-batch-size", "'0'"]),
+        (["--pipeline-layer-split", "16", "-1", "--pp", "2"], ["--pipeline-layer-split", "'-1'"]),
+        (["--budget", "0"], ["--budget", "'0'"]),
+    ],
+)
 def test_estimate_bad_input_is_one_line_exit_2(capsys, extra, expected):
     _one_line_error(capsys, ESTIMATE + extra, *expected)
 
 
 def test_strict_booleans_are_accepted(capsys):
-    assert main(ESTIMATE[:3] + ["--tp", "2", "--num-gpus", "8", "--micro-batch-size", "1", "--seq-length", "4096",
-                                "--sequence-parallel", "FALSE", "--json"]) in (0, 1)
+    assert main(
+        ESTIMATE[:3]
+        + [
+            "--tp",
+            "2",
+            "--num-gpus",
+            "8",
+            "--micro-batch-size",
+            "1",
+            "--seq-length",
+            "4096",
+            "--sequence-parallel",
+            "FALSE",
+            "--json",
+        ]
+    ) in (0, 1)
     assert '"sequence_parallel": false' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("", ["is empty"]),
-    ("a: [1,\n", ["not valid YAML", "line 2"]),
-    ("- 1\n- 2\n", ["a list, not a mapping"]),
-    ("hidden_size: 4096\nfoo: 1\n", ["unknown field(s) ['foo']", "num_kv_heads"]),
-    ("hidden_size: 4096\nnum_layers: 32\n", ["missing field(s)", "vocab_size", "preset"]),
-    ("model:\n  model_config: {preset: llama3-8b, hidden: 1}\n", ["unknown field(s) ['hidden']"]),
-    ("rope_scaling: {factr: 2}\npreset: llama3-8b\n", ["rope_scaling", "factr"]),
-    ("trainer: {}\n", ["unknown field(s) ['trainer']"]),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("", ["is empty"]),
+        ("a: [1,\n", ["not valid YAML", "line 2"]),
+        ("- 1\n- 2\n", ["a list, not a mapping"]),
+        ("hidden_size: 4096\nfoo: 1\n", ["unknown field(s) ['foo']", "num_kv_heads"]),
+        ("hidden_size: 4096\nnum_layers: 32\n", ["missing field(s)", "vocab_size", "preset"]),
+        ("model:\n  model_config: {preset: llama3-8b, hidden: 1}\n", ["unknown field(s) ['hidden']"]),
+        ("rope_scaling: {factr: 2}\npreset: llama3-8b\n", ["rope_scaling", "factr"]),
+        ("trainer: {}\n", ["unknown field(s) ['trainer']"]),
+    ],
+)
 def test_model_yaml_must_be_complete_and_known(capsys, tmp_path, text, expected):
     path = tmp_path / "model.yaml"
     path.write_text(text)
@@ -84,8 +107,7 @@ def test_model_yaml_from_a_preset_or_complete_fields(capsys, tmp_path):
 
     (tmp_path / "p.yaml").write_text("preset: llama3-8b\nnum_layers: 16\n")
     assert load_model_config(str(tmp_path / "p.yaml")) == LlamaConfig.from_preset("llama3-8b", num_layers=16)
-    full = ("vocab_size: 1024\nhidden_size: 256\nintermediate_size: 512\nnum_layers: 2\nnum_heads: 4\n"
-            "num_kv_heads: 2\n")
+    full = "vocab_size: 1024\nhidden_size: 256\nintermediate_size: 512\nnum_layers: 2\nnum_heads: 4\nnum_kv_heads: 2\n"
     (tmp_path / "f.yaml").write_text(full)
     assert load_model_config(str(tmp_path / "f.yaml")).vocab_size == 1024
     for config in sorted((ROOT / "configs").glob("*.yaml")):  # every shipped training config still loads
@@ -93,14 +115,28 @@ def test_model_yaml_from_a_preset_or_complete_fields(capsys, tmp_path):
 
 
 def test_help_lists_every_command_and_warns_nothing():
-    proc = subprocess.run([sys.executable, "-m", "lightning_4d", "--help"], cwd=ROOT, env={
-        **worker_env(), "PYTHONWARNINGS": "default"}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_4d", "--help"],
+        cwd=ROOT,
+        env={**worker_env(), "PYTHONWARNINGS": "default"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
-    assert listed == list(COMMANDS) and {"fit", "validate", "test", "predict", "estimate", "plan",
-                                         "prepare-data"} <= set(listed)
-    no_args = subprocess.run([sys.executable, "-m", "lightning_4d"], cwd=ROOT, env=worker_env(), capture_output=True,
-                             text=True, timeout=120)
+    assert listed == list(COMMANDS) and {
+        "fit",
+        "validate",
+        "test",
+        "predict",
+        "estimate",
+        "plan",
+        "prepare-data",
+    } <= set(listed)
+    no_args = subprocess.run(
+        [sys.executable, "-m", "lightning_4d"], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=120
+    )
     assert no_args.returncode == 2 and "commands:" in no_args.stderr
 
 

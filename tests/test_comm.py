@@ -13,8 +13,15 @@ from lightning_4d.models.config import LlamaConfig
 from lightning_4d.parallel.comm import bytes_sent
 from tests._launch import SCRIPTS, torchrun
 
-LAYOUTS = [{"dp": 2, "zero": 0}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3}, {"tp": 2},
-           {"pp": 2, "m": 2}, {"cp": 2}]
+LAYOUTS = [
+    {"dp": 2, "zero": 0},
+    {"dp": 2, "zero": 1},
+    {"dp": 2, "zero": 2},
+    {"dp": 2, "zero": 3},
+    {"tp": 2},
+    {"pp": 2, "m": 2},
+    {"cp": 2},
+]
 GLOBAL_BATCH, SEQ = 8, 32
 F32 = 4
 
@@ -32,8 +39,20 @@ def test_bytes_sent_conventions():
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
     layouts = [dict(layout, comm=True) for layout in LAYOUTS]
-    torchrun(2, SCRIPTS / "run_layouts.py", "--out", str(out), "--steps", "2", "--global-batch", str(GLOBAL_BATCH),
-             "--seq-length", str(SEQ), "--layouts", json.dumps(layouts))
+    torchrun(
+        2,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--seq-length",
+        str(SEQ),
+        "--layouts",
+        json.dumps(layouts),
+    )
     return [json.loads((out / f"layout{i}_rank0.json").read_text()) for i in range(len(LAYOUTS))]
 
 
@@ -57,8 +76,9 @@ def test_zero0_all_reduces_every_bucket_once(measured):
 def test_zero1_reduce_scatters_and_all_gathers_every_bucket(measured):
     record = measured[1]
     (bucket,) = record["bytes"]["bucket_bytes"]
-    assert _events(record) == Counter({("dp_cp", "reduce_scatter", bucket, 2): 1,
-                                       ("dp_cp", "all_gather", bucket, 2): 1})
+    assert _events(record) == Counter(
+        {("dp_cp", "reduce_scatter", bucket, 2): 1, ("dp_cp", "all_gather", bucket, 2): 1}
+    )
 
 
 def _fsdp_units(record, dp: int) -> dict[str, int]:
@@ -98,11 +118,15 @@ def test_tensor_parallel_collectives_per_layer(measured):
     act = GLOBAL_BATCH * SEQ * cfg.hidden_size * F32
     tokens = GLOBAL_BATCH * SEQ
     L = cfg.num_layers
-    assert _events(record) == Counter({
-        ("tp", "all_gather", act, 2): 6 * L + 3, ("tp", "reduce_scatter", act, 2): 4 * L + 2,
-        ("tp", "all_reduce", cfg.hidden_size * F32, 2): 2 * L + 1,
-        ("tp", "all_reduce", tokens * F32, 2): 1, ("tp", "all_reduce", 2 * tokens * F32, 2): 1,
-    })
+    assert _events(record) == Counter(
+        {
+            ("tp", "all_gather", act, 2): 6 * L + 3,
+            ("tp", "reduce_scatter", act, 2): 4 * L + 2,
+            ("tp", "all_reduce", cfg.hidden_size * F32, 2): 2 * L + 1,
+            ("tp", "all_reduce", tokens * F32, 2): 1,
+            ("tp", "all_reduce", 2 * tokens * F32, 2): 1,
+        }
+    )
 
 
 def test_pipeline_sends_one_activation_per_micro_batch(measured):

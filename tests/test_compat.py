@@ -149,7 +149,10 @@ def test_module_wrapper_prefixes():
     compiled = torch.compile(nn.Linear(2, 2))  # wraps lazily: nothing is compiled before a call
     assert [n for n, _ in compiled.named_parameters()][0].startswith(_compat.COMPILED_MODULE + ".")
     assert set(_compat.MODULE_WRAPPER_PREFIXES) == {
-        _compat.CHECKPOINT_WRAPPED_MODULE, _compat.COMPILED_MODULE, _compat.FSDP1_WRAPPED_MODULE}
+        _compat.CHECKPOINT_WRAPPED_MODULE,
+        _compat.COMPILED_MODULE,
+        _compat.FSDP1_WRAPPED_MODULE,
+    }
 
 
 def test_canonical_parameter_names_strip_every_wrapper_prefix():

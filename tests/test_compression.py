@@ -50,8 +50,11 @@ def test_compressed_losses_follow_the_uncompressed_run(trained, index):
 
 def _dp_bytes(record, step: int = 1) -> int:
     """Bytes rank 0 sent over dp_cp in step ``step`` (0-based; without the loss' 4-byte mean)."""
-    return sum(bytes_sent(kind, n, size) for dim, kind, n, size in record["bytes"]["comm_events"][step]
-               if dim == "dp_cp" and n > 4)
+    return sum(
+        bytes_sent(kind, n, size)
+        for dim, kind, n, size in record["bytes"]["comm_events"][step]
+        if dim == "dp_cp" and n > 4
+    )
 
 
 def _factor_bytes(record, rank: int, factor_bytes: int = 4) -> tuple[int, int]:
@@ -114,13 +117,21 @@ def test_powersgd_state_is_what_the_memory_model_counts(trained):
     model_config = LlamaConfig.from_preset("tiny-test")
     for index in (4, 5):
         layout = LAYOUTS[index]
-        pc = ParallelConfig(data_parallel_size=2, zero_stage=layout["zero"], gradient_compression="powersgd",
-                            powersgd_rank=layout["rank"])
+        pc = ParallelConfig(
+            data_parallel_size=2,
+            zero_stage=layout["zero"],
+            gradient_compression="powersgd",
+            powersgd_rank=layout["rank"],
+        )
         for r in trained[index]:
             est = model_state_bytes(model_config, pc, "32-true", dp_cp_rank=r["rank"])
             assert r["bytes"]["optimizer_states"] == est.optimizer_states
-            plain = model_state_bytes(model_config, ParallelConfig(data_parallel_size=2, zero_stage=layout["zero"]),
-                                      "32-true", dp_cp_rank=r["rank"])
+            plain = model_state_bytes(
+                model_config,
+                ParallelConfig(data_parallel_size=2, zero_stage=layout["zero"]),
+                "32-true",
+                dp_cp_rank=r["rank"],
+            )
             assert est.compression == est.optimizer_states - plain.optimizer_states > 0
 
 
@@ -128,8 +139,17 @@ def test_powersgd_resumes_exactly(tmp_path):
     """Train 2 steps, save (each rank's error feedback and Q in powersgd_rank<r>.pt), resume to 4: the losses of
     steps 3-4 equal the straight run's (without the state they would not: the error feedback changes them)."""
     layout = {"dp": 2, "zero": 1, "compress": "powersgd", "rank": 2}
-    torchrun(2, SCRIPTS / "run_layouts.py", "--out", str(tmp_path), "--steps", "4", "--resume-check",
-             "--layouts", json.dumps([layout]))
+    torchrun(
+        2,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "4",
+        "--resume-check",
+        "--layouts",
+        json.dumps([layout]),
+    )
     record = json.loads((tmp_path / "resume0_rank0.json").read_text())
     assert "powersgd_rank0.pt" in record["files"] and "powersgd_rank1.pt" in record["files"]
     assert record["resumed"] == pytest.approx(record["straight"][2:], rel=1e-6, abs=0)
@@ -166,16 +186,20 @@ def test_pipeline_sends_in_bfloat16_and_float8(tmp_path):
     stage boundary in bfloat16 (half the pp bytes, CommMeter), with 'float8' as e4m3 with a per-tensor scale (a
     quarter, + the 4-byte scale per sample row); over 10 steps the losses stay within 1e-3 (bf16; measured 1.6e-5)
     and 1e-2 (float8; measured 8.3e-5) of the float32 sends."""
-    layouts = [{"pp": 2, "dp": 2, "m": 2, "zero": 1, "comm": True},
-               {"pp": 2, "dp": 2, "m": 2, "zero": 1, "comm": True, "pcd": "bfloat16"},
-               {"pp": 2, "dp": 2, "m": 2, "zero": 1, "comm": True, "pcd": "float8"}]
+    layouts = [
+        {"pp": 2, "dp": 2, "m": 2, "zero": 1, "comm": True},
+        {"pp": 2, "dp": 2, "m": 2, "zero": 1, "comm": True, "pcd": "bfloat16"},
+        {"pp": 2, "dp": 2, "m": 2, "zero": 1, "comm": True, "pcd": "float8"},
+    ]
     torchrun(4, SCRIPTS / "run_layouts.py", "--out", str(tmp_path), "--steps", "10", "--layouts", json.dumps(layouts))
     full, half, quarter = (json.loads((tmp_path / f"layout{i}_rank0.json").read_text()) for i in range(3))
     for record, tolerance in ((half, 1e-3), (quarter, 1e-2)):
         rel = max(abs(a - b) / abs(b) for a, b in zip(record["losses"], full["losses"]))
         assert 0 < rel < tolerance, (record["layout"], rel)
-    sends = [[n for dim, kind, n, _ in r["bytes"]["comm_events"][1] if dim == "pp" and kind == "send"]
-             for r in (full, half, quarter)]  # (not the loss' 4-byte all-reduce)
+    sends = [
+        [n for dim, kind, n, _ in r["bytes"]["comm_events"][1] if dim == "pp" and kind == "send"]
+        for r in (full, half, quarter)
+    ]  # (not the loss' 4-byte all-reduce)
     rows = 8 // 2 // 2  # global batch 8 over dp 2, m = 2 micro-batches
     assert sends[0] and [2 * n for n in sends[1]] == sends[0]
     assert [4 * (n - 4 * rows) for n in sends[2]] == sends[0]

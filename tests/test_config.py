@@ -52,8 +52,11 @@ def test_selective_activation_checkpointing_is_accepted():
 def test_selective_checkpointing_refuses_the_zero_bubble_schedules(schedule):
     """Their split backward recomputes each layer twice (input, then weight gradients); PyTorch's selective
     checkpointing hands its saved outputs out once (measured: "Trying to backward an extra time")."""
-    with pytest.raises(ValueError, match=rf"activation_checkpointing='selective' does not work with pipeline_schedule="
-                                         rf"'{schedule}'.*'full'.*\['gpipe', '1f1b', 'interleaved_1f1b'\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"activation_checkpointing='selective' does not work with pipeline_schedule="
+        rf"'{schedule}'.*'full'.*\['gpipe', '1f1b', 'interleaved_1f1b'\]",
+    ):
         ParallelConfig(pipeline_parallel_size=2, pipeline_schedule=schedule, activation_checkpointing="selective")
     ParallelConfig(pipeline_parallel_size=2, pipeline_schedule=schedule, activation_checkpointing="full")
     ParallelConfig(pipeline_schedule=schedule, activation_checkpointing="selective")  # pp = 1: no pipeline
@@ -61,8 +64,9 @@ def test_selective_checkpointing_refuses_the_zero_bubble_schedules(schedule):
 
 def test_heads_not_divisible_by_tp():
     model = LlamaConfig(hidden_size=96, num_heads=6, num_kv_heads=6, intermediate_size=192)
-    with pytest.raises(ValueError,
-                       match=r"num_heads=6 is not divisible by tensor_parallel_size=4; valid .*\[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError, match=r"num_heads=6 is not divisible by tensor_parallel_size=4; valid .*\[1, 2, 3, 6\]"
+    ):
         ParallelConfig(tensor_parallel_size=4).resolve(4).validate_model(model)
 
 
@@ -74,11 +78,15 @@ def test_kv_heads_not_divisible_by_tp():
 
 def test_vocab_not_divisible_by_tp_says_how_to_pad():
     model = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
-    with pytest.raises(ValueError, match=r"vocab_size=32001 .* pad_vocab_to_multiple_of=2 in the model config "
-                                         r"\(pads the vocabulary to 32002"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab_size=32001 .* pad_vocab_to_multiple_of=2 in the model config "
+        r"\(pads the vocabulary to 32002",
+    ):
         ParallelConfig(tensor_parallel_size=2).resolve(2).validate_model(model)
-    padded = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                         pad_vocab_to_multiple_of=2)
+    padded = LlamaConfig(
+        vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, pad_vocab_to_multiple_of=2
+    )
     ParallelConfig(tensor_parallel_size=2).resolve(2).validate_model(padded)  # accepted once padded
 
 
@@ -100,15 +108,21 @@ def test_cp_layout_and_sequence_divisor():
     assert ParallelConfig(context_parallel_size=4, tensor_parallel_size=2).sequence_divisor == 16
     with pytest.raises(ValueError, match=r"seq_length=36 is not a multiple of 8 \(2\*cp=8\)"):
         ParallelConfig(context_parallel_size=4).validate_sequence(36)
-    with pytest.raises(ValueError, match=r"seq_length=40 is not a multiple of 16 \(tp=2 with sequence parallelism "
-                                         r"and 2\*cp=8\); use e.g. seq_length=48"):
+    with pytest.raises(
+        ValueError,
+        match=r"seq_length=40 is not a multiple of 16 \(tp=2 with sequence parallelism "
+        r"and 2\*cp=8\); use e.g. seq_length=48",
+    ):
         ParallelConfig(context_parallel_size=4, tensor_parallel_size=2).validate_sequence(40)
     ParallelConfig(context_parallel_size=4, tensor_parallel_size=2).validate_sequence(48)
 
 
 def test_unknown_context_parallel_method():
-    with pytest.raises(ValueError, match=r"context_parallel_method='ulysses' is not valid: expected one of "
-                                         r"\['ring', 'allgather'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"context_parallel_method='ulysses' is not valid: expected one of "
+        r"\['ring', 'allgather'\]",
+    ):
         ParallelConfig(context_parallel_size=2, context_parallel_method="ulysses")
     with pytest.raises(ValueError, match="context_parallel_method='zigzag'"):
         FourDStrategy(context_parallel_size=2, context_parallel_method="zigzag")
@@ -118,8 +132,12 @@ def test_trainer_with_wrong_world_size_fails_before_any_process_group():
     import lightning as L
 
     with pytest.raises(ValueError, match=r"world size 2 != pp\*dp\*cp\*tp"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(data_parallel_size=2, tensor_parallel_size=2),
-                  logger=False)
+        L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=FourDStrategy(data_parallel_size=2, tensor_parallel_size=2),
+            logger=False,
+        )
     assert not dist.is_initialized()
 
 
@@ -131,8 +149,15 @@ def test_trainer_with_context_parallel_and_bad_sequence_fails_before_any_process
     from lightning_4d.tasks import CausalLMModule
 
     strategy = FourDStrategy(context_parallel_size=2, process_group_backend="gloo")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, max_steps=1,
-                        enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        max_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     assert strategy.parallel_config.mesh_shape == (1, 1, 2, 1)
     module = CausalLMModule("tiny-test")
     strategy._lightning_module = module
@@ -167,8 +192,9 @@ def test_tokenizer_larger_than_model_vocabulary():
     from lightning_4d.data import LMDataModule
     from lightning_4d.tasks import CausalLMModule
 
-    module = CausalLMModule(LlamaConfig(vocab_size=128, hidden_size=64, num_heads=4, num_kv_heads=2,
-                                        intermediate_size=128))
+    module = CausalLMModule(
+        LlamaConfig(vocab_size=128, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    )
     with pytest.raises(ValueError, match=r"the tokenizer has 256 tokens but the model's vocab_size is 128"):
         module.validate_datamodule(LMDataModule())
     CausalLMModule("tiny-test").validate_datamodule(LMDataModule())
@@ -197,16 +223,25 @@ def test_gradient_bucket_rules():
     assert [bucket_shard(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"gradient_compression": "zip"}, r"gradient_compression='zip' is not valid: expected one of \['none', 'bf16', "
-                                      r"'powersgd'\]"),
-    ({"powersgd_rank": 0}, "powersgd_rank=0 is not valid"),
-    ({"powersgd_start_step": -1}, r"powersgd_start_step=-1 is not valid: expected an integer >= 0"),
-    ({"powersgd_start_step": True}, r"powersgd_start_step=True is not valid"),
-    ({"powersgd_comm_dtype": "float8"}, r"powersgd_comm_dtype='float8' is not valid: expected one of \[None, "
-                                        r"'bfloat16'\]"),
-    ({"gradient_compression": "powersgd", "zero_stage": 3}, r"'powersgd' is not supported with zero_stage=3"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            {"gradient_compression": "zip"},
+            r"gradient_compression='zip' is not valid: expected one of \['none', 'bf16', "
+            r"'powersgd'\]",
+        ),
+        ({"powersgd_rank": 0}, "powersgd_rank=0 is not valid"),
+        ({"powersgd_start_step": -1}, r"powersgd_start_step=-1 is not valid: expected an integer >= 0"),
+        ({"powersgd_start_step": True}, r"powersgd_start_step=True is not valid"),
+        (
+            {"powersgd_comm_dtype": "float8"},
+            r"powersgd_comm_dtype='float8' is not valid: expected one of \[None, "
+            r"'bfloat16'\]",
+        ),
+        ({"gradient_compression": "powersgd", "zero_stage": 3}, r"'powersgd' is not supported with zero_stage=3"),
+    ],
+)
 def test_gradient_compression_options_are_checked(kwargs, match):
     """Bad compression options fail in ParallelConfig, before any process group, naming the value and the valid ones
     (FourDStrategy's arguments are the same fields)."""

@@ -48,8 +48,19 @@ WORLD8 = [
 
 def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
     out = tmp_path_factory.mktemp(name)
-    torchrun(nproc, SCRIPTS / "run_layouts.py", "--out", str(out), "--steps", str(STEPS), "--layers", "4",
-             "--layouts", json.dumps(layouts), timeout=900)
+    torchrun(
+        nproc,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--layers",
+        "4",
+        "--layouts",
+        json.dumps(layouts),
+        timeout=900,
+    )
     return _results(out, layouts)
 
 
@@ -98,8 +109,10 @@ def test_context_parallel_world8(references, world8, index):
 def test_context_parallel_checkpoint_resume(tmp_path_factory):
     """A ModelCheckpoint saved at cp=2 (ZeRO 1: per-rank optimizer chunks over dp_cp) loads back at cp=2 and
     training continues with the straight run's losses."""
-    _check_resume(_run_to_folder(tmp_path_factory, "cp_resume", 2, [{"cp": 2, "zero": 1, "method": "ring"}],
-                                 "--resume-check"), ranks=2)
+    _check_resume(
+        _run_to_folder(tmp_path_factory, "cp_resume", 2, [{"cp": 2, "zero": 1, "method": "ring"}], "--resume-check"),
+        ranks=2,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- attention
@@ -180,8 +193,9 @@ def measured(tmp_path_factory):
     from tests.test_memory_model import _measure
 
     extra = ("--shapes", "[[1, 64], [2, 128]]")
-    return (_measure(tmp_path_factory, "memcp2", 2, _MEM_WORLD2, *extra)
-            + _measure(tmp_path_factory, "memcp4", 4, _MEM_WORLD4, *extra))
+    return _measure(tmp_path_factory, "memcp2", 2, _MEM_WORLD2, *extra) + _measure(
+        tmp_path_factory, "memcp4", 4, _MEM_WORLD4, *extra
+    )
 
 
 def test_cp_model_states_exact(measured):
@@ -213,8 +227,10 @@ def test_cp_selective_checkpointing_estimates_the_last_cp_rank(measured):
         err = row["estimated"] / row["measured"] - 1
         cp = r["layout"]["cp"]
         last = r["rank"] % cp == cp - 1  # tp = dp = 1 here: the rank is the cp rank
-        print(f"selective {r['layout']} rank {r['rank']} b={row['b']} s={row['s']}: measured {row['measured']} B, "
-              f"estimated {row['estimated']} B, error {100 * err:+.2f}%")
+        print(
+            f"selective {r['layout']} rank {r['rank']} b={row['b']} s={row['s']}: measured {row['measured']} B, "
+            f"estimated {row['estimated']} B, error {100 * err:+.2f}%"
+        )
         assert err >= -0.05, (r["layout"], r["rank"], row)
         if last:
             assert abs(err) <= 0.05, (r["layout"], r["rank"], row)
@@ -224,8 +240,9 @@ def test_estimate_divides_sequence_by_cp_and_adds_gathered_kv():
     cfg = LlamaConfig.from_preset("llama3-8b")
     one = ParallelConfig(data_parallel_size=1, tensor_parallel_size=8)
     ring = ParallelConfig(data_parallel_size=1, tensor_parallel_size=8, context_parallel_size=4)
-    gathered = ParallelConfig(data_parallel_size=1, tensor_parallel_size=8, context_parallel_size=4,
-                              context_parallel_method="allgather")
+    gathered = ParallelConfig(
+        data_parallel_size=1, tensor_parallel_size=8, context_parallel_size=4, context_parallel_method="allgather"
+    )
     s = 131072
     a1 = saved_activation_bytes(cfg, one, 1, s)
     a4 = saved_activation_bytes(cfg, ring, 1, s)

@@ -103,6 +103,8 @@ def test_ring_tokens_per_second_at_cp1_close_to_flash(group):
 
     plain = timed(lambda a, b, c: attention(a, b, c, backend="sdpa"))
     ring = timed(lambda a, b, c: context_parallel_attention(a, b, c, group, method="ring", backend="sdpa"))
-    print(f"\nforward+backward tokens/s at s={s}: ring cp=1 {ring:,.0f}, plain SDPA {plain:,.0f}, "
-          f"ratio {ring / plain:.3f}")
+    print(
+        f"\nforward+backward tokens/s at s={s}: ring cp=1 {ring:,.0f}, plain SDPA {plain:,.0f}, "
+        f"ratio {ring / plain:.3f}"
+    )
     assert ring / plain >= 0.95

@@ -94,8 +94,10 @@ def test_stdlib_byte_corpus_loads_fast_and_has_plausible_entropy(monkeypatch):
     assert dm.num_val_tokens == sum(p.stat().st_size for p in val) + len(val) - 1
     h = dm.unigram_entropy()
     direct = _entropy_direct(raw)
-    print(f"\nstdlib byte corpus: {dm.num_train_tokens:,} train tokens loaded in {load_s:.2f} s; "
-          f"unigram entropy {h:.4f} nats/token (direct {direct:.4f})")
+    print(
+        f"\nstdlib byte corpus: {dm.num_train_tokens:,} train tokens loaded in {load_s:.2f} s; "
+        f"unigram entropy {h:.4f} nats/token (direct {direct:.4f})"
+    )
     assert load_s < 3.0
     assert 2.0 < h < 5.0
     assert h == pytest.approx(direct, rel=1e-9)
@@ -120,8 +122,10 @@ def test_global_batch_is_the_same_set_of_sequences_on_every_layout(resumable):
     tokens = np.random.default_rng(1).integers(0, 256, 5000).astype(np.uint16)
     steps, global_batch = 5, 8
     ds = RandomWindowDataset(tokens, seq_length=16, num_samples=global_batch * steps, seed=42)
-    expected = [collections.Counter(_window(ds[i]) for i in range(k * global_batch, (k + 1) * global_batch))
-                for k in range(steps)]
+    expected = [
+        collections.Counter(_window(ds[i]) for i in range(k * global_batch, (k + 1) * global_batch))
+        for k in range(steps)
+    ]
     assert len(set().union(*expected)) == global_batch * steps  # distinct windows: the comparison is not vacuous
     loader_cls = ResumableDataLoader if resumable else DataLoader
     for dp, micro, accumulate in LAYOUTS:
@@ -148,8 +152,13 @@ def test_datamodule_loaders_give_the_same_global_batches_on_every_layout():
     for dp, micro, accumulate in LAYOUTS:
         per_step = [collections.Counter() for _ in range(steps)]
         for rank in range(dp):
-            dm = LMDataModule(seq_length=16, micro_batch_size=micro, global_batch_size=global_batch,
-                              train_samples=global_batch * steps, seed=11)
+            dm = LMDataModule(
+                seq_length=16,
+                micro_batch_size=micro,
+                global_batch_size=global_batch,
+                train_samples=global_batch * steps,
+                seed=11,
+            )
             dm.trainer = _fake_trainer(dp, accumulate, rank)
             dm.setup("fit")
             loader = dm.train_dataloader()
@@ -160,9 +169,12 @@ def test_datamodule_loaders_give_the_same_global_batches_on_every_layout():
                     per_step[m // accumulate][tuple(batch["input_ids"][row].tolist())] += 1
         if expected is None:
             ds = dm.train_dataset
-            expected = [collections.Counter(tuple(ds[i]["input_ids"].tolist())
-                                            for i in range(k * global_batch, (k + 1) * global_batch))
-                        for k in range(steps)]
+            expected = [
+                collections.Counter(
+                    tuple(ds[i]["input_ids"].tolist()) for i in range(k * global_batch, (k + 1) * global_batch)
+                )
+                for k in range(steps)
+            ]
         assert per_step == expected, f"layout (R={dp}, b={micro}, a={accumulate}) differs"
 
 
@@ -274,8 +286,14 @@ def test_token_file_round_trip(tmp_path, vocab_size, dtype):
     assert path == tmp_path / "corpus.bin"
     assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.bin.json"]  # no temp files left behind
     meta = json.loads((tmp_path / "corpus.bin.json").read_text())
-    assert meta == {"format": "lightning_4d.tokens", "version": 1, "dtype": dtype, "vocab_size": vocab_size,
-                    "tokenizer": "some-tokenizer", "num_tokens": 12345}
+    assert meta == {
+        "format": "lightning_4d.tokens",
+        "version": 1,
+        "dtype": dtype,
+        "vocab_size": vocab_size,
+        "tokenizer": "some-tokenizer",
+        "num_tokens": 12345,
+    }
     assert path.stat().st_size == 12345 * np.dtype(dtype).itemsize
     umask = os.umask(0)
     os.umask(umask)
@@ -325,8 +343,13 @@ def test_token_file_errors_name_the_path(tmp_path):
     with pytest.raises(ValueError, match="c.bin.json"):
         read_token_file(path)
     meta = json.loads(good)
-    for key, value in (("num_tokens", 999), ("dtype", "uint32"), ("dtype", "float32"), ("format", "other"),
-                       ("version", 2)):
+    for key, value in (
+        ("num_tokens", 999),
+        ("dtype", "uint32"),
+        ("dtype", "float32"),
+        ("format", "other"),
+        ("version", 2),
+    ):
         side.write_text(json.dumps({**meta, key: value}))
         with pytest.raises(ValueError, match="c.bin"):
             read_token_file(path)
@@ -347,8 +370,12 @@ def _train_tiny_bpe(directory: Path, corpus: list[str]) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
     path = directory / "tokenizer.json"
     tok.save(str(path))
@@ -444,8 +471,12 @@ def test_prepare_data_writes_train_and_validation(tmp_path, capsys):
     assert meta["tokenizer"] == "byte" and meta["vocab_size"] == 256 and meta["dtype"] == "uint16"
     assert bytes(train.astype(np.uint8)) == b"\n".join(f.read_bytes() for f in train_files)
     assert bytes(val.astype(np.uint8)) == b"\n".join(f.read_bytes() for f in val_files)
-    assert sorted(p.name for p in out.parent.iterdir()) == ["corpus.bin", "corpus.bin.json", "corpus.val.bin",
-                                                            "corpus.val.bin.json"]
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "corpus.bin",
+        "corpus.bin.json",
+        "corpus.val.bin",
+        "corpus.val.bin.json",
+    ]
     # LMDataModule picks the .val.bin sibling up
     dm = LMDataModule(data_path=str(out), seq_length=16, micro_batch_size=2)
     assert (dm.num_train_tokens, dm.num_val_tokens) == (len(train), len(val))
@@ -460,8 +491,9 @@ def test_prepare_data_with_hf_tokenizer_and_glob(tmp_path, capsys):
     files = _write_text_tree(src, count=10)
     tok_path = _train_tiny_bpe(tmp_path, [f.read_text() for f in files])
     out = tmp_path / "hf.bin"
-    code = prepare_data_main(["--input", str(src / "**" / "*.py"), "--output", str(out), "--tokenizer", str(tok_path),
-                              "--val-fraction", "0"])
+    code = prepare_data_main(
+        ["--input", str(src / "**" / "*.py"), "--output", str(out), "--tokenizer", str(tok_path), "--val-fraction", "0"]
+    )
     assert code == 0
     tokens, meta = read_token_file(out)
     tok = load_tokenizer(str(tok_path))
@@ -510,8 +542,14 @@ def test_datamodule_validates_arguments(tmp_path):
         LMDataModule(val_data_path=str(tmp_path / "gone.txt"))
     with pytest.raises(ValueError, match="global_batch_size=12.*micro_batch_size=8"):
         LMDataModule(global_batch_size=12, micro_batch_size=8)
-    for kwargs in ({"seq_length": 0}, {"micro_batch_size": -1}, {"val_samples": 0}, {"train_samples": 0},
-                   {"seed": -1}, {"num_workers": -2}):
+    for kwargs in (
+        {"seq_length": 0},
+        {"micro_batch_size": -1},
+        {"val_samples": 0},
+        {"train_samples": 0},
+        {"seed": -1},
+        {"num_workers": -2},
+    ):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             LMDataModule(**kwargs)
     with pytest.raises(ValueError, match="tokenizer"):
@@ -526,8 +564,9 @@ def test_datamodule_global_batch_arithmetic():
     assert len(dm.val_dataset) == 8  # 5 rounded up to a multiple of b * R = 4
     dm = LMDataModule(seq_length=32, micro_batch_size=2, global_batch_size=16)
     dm.trainer = _fake_trainer(dp=2, accumulate=2)
-    with pytest.raises(ValueError,
-                       match=r"global_batch_size=16.*micro_batch_size=2.*size=2.*accumulate_grad_batches=2"):
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=16.*micro_batch_size=2.*size=2.*accumulate_grad_batches=2"
+    ):
         dm.setup("fit")
     dm = LMDataModule(seq_length=32, micro_batch_size=2, train_samples=30)
     dm.trainer = _fake_trainer(dp=4, accumulate=1)
@@ -585,12 +624,21 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
     def fit(max_steps, ckpt_dir=None, ckpt_path=None):
         dm = LMDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, train_samples=16, seed=5)
         module = Recorder()
-        callbacks = ([ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_last=True)]
-                     if ckpt_dir else [])
+        callbacks = (
+            [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_last=True)] if ckpt_dir else []
+        )
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=2, logger=False,
-            enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            accumulate_grad_batches=2,
+            logger=False,
+            enable_checkpointing=bool(ckpt_dir),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=callbacks,
         )
         trainer.fit(module, dm, ckpt_path=ckpt_path)
         loader = trainer.train_dataloader
@@ -644,8 +692,15 @@ def test_global_batches_under_real_lightning_ddp(tmp_path):
     script = tmp_path / "ddp_run.py"
     script.write_text(_DDP_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -654,6 +709,7 @@ def test_global_batches_under_real_lightning_ddp(tmp_path):
         assert record["sampler"] == "DistributedSampler" and record["shuffle"] is False
         assert len(record["seen"]) == 6  # 3 steps x 2 micro-batches
     for step in range(3):
-        got = collections.Counter(tuple(row) for record in records for batch in record["seen"][2 * step : 2 * step + 2]
-                                  for row in batch)
+        got = collections.Counter(
+            tuple(row) for record in records for batch in record["seen"][2 * step : 2 * step + 2] for row in batch
+        )
         assert got == collections.Counter(tuple(w) for w in dataset[8 * step : 8 * step + 8])

@@ -17,8 +17,13 @@ from tests._launch import ROOT
 #: where a declared package may be imported
 SOURCE_DIRS = ("lightning_4d", "benchmarks", "examples", "tests")
 #: distribution name (normalized) -> the module it installs, where they differ
-IMPORT_NAMES = {"pyyaml": "yaml", "flash-attn": "flash_attn", "pytest-timeout": "pytest_timeout",
-                "scikit-learn": "sklearn", "pillow": "PIL"}
+IMPORT_NAMES = {
+    "pyyaml": "yaml",
+    "flash-attn": "flash_attn",
+    "pytest-timeout": "pytest_timeout",
+    "scikit-learn": "sklearn",
+    "pillow": "PIL",
+}
 #: mkdocs.yml's theme / plugin name -> the distribution that provides it (mkdocs' own `search` plugin: none)
 MKDOCS_THEMES = {"material": "mkdocs-material"}
 MKDOCS_PLUGINS = {"mkdocstrings": "mkdocstrings", "search": None}
@@ -38,14 +43,15 @@ def _normalize(requirement: str) -> str:
 
 def _sources() -> str:
     here = ROOT / "tests" / "test_dependencies.py"
-    texts = [p.read_text(encoding="utf-8") for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*.py"))
-             if p != here]
+    texts = [p.read_text(encoding="utf-8") for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*.py")) if p != here]
     return "\n".join(texts)
 
 
 def _imported(module: str, sources: str) -> bool:
-    pattern = (rf"^\s*(?:import|from)\s+{re.escape(module)}(?:\.|\s|,|$)"
-               rf"|import_module\(\s*[\"']{re.escape(module)}(?:\.|[\"'])")
+    pattern = (
+        rf"^\s*(?:import|from)\s+{re.escape(module)}(?:\.|\s|,|$)"
+        rf"|import_module\(\s*[\"']{re.escape(module)}(?:\.|[\"'])"
+    )
     return re.search(pattern, sources, flags=re.MULTILINE) is not None
 
 
@@ -79,8 +85,9 @@ def _used_indirectly(name: str, pyproject: dict) -> bool:
         return _imported("lightning.pytorch.cli", _sources())
     mkdocs_yml = ROOT / "mkdocs.yml"
     # the docs site (`make docs`): mkdocs, and the theme and plugins of mkdocs.yml
-    return name in _docs_site_packages(mkdocs_yml.read_text(encoding="utf-8") if mkdocs_yml.is_file() else None,
-                                       makefile)
+    return name in _docs_site_packages(
+        mkdocs_yml.read_text(encoding="utf-8") if mkdocs_yml.is_file() else None, makefile
+    )
 
 
 def _declared() -> list[tuple[str, str]]:
@@ -126,7 +133,8 @@ def test_declared_package_is_used(where, name):
     module = IMPORT_NAMES.get(name, name.replace("-", "_"))
     assert _imported(module, _sources()) or _used_indirectly(name, _pyproject()), (
         f"{name} ({where} in pyproject.toml) is declared but nothing in {', '.join(SOURCE_DIRS)} imports "
-        f"{module!r}: remove it, or use it")
+        f"{module!r}: remove it, or use it"
+    )
 
 
 def test_benchmark_extra_is_what_its_benchmark_imports():

@@ -45,9 +45,12 @@ def test_the_extraction_and_the_exit_convention_on_a_sample(tmp_path):
         "```bash\nlightning-4d estimate --model tiny --dp 1 \\\n"
         "    --micro-batch-size 1 --seq-length 64   # fits\n```\n"
         "Too big: `lightning-4d estimate --model llama3-70b --dp 1 --micro-batch-size 1 --seq-length 8192` exits 1.\n"
-        "A template: `lightning-4d estimate --model M --tp T`; a mention: `lightning-4d plan`.\n")
-    (tmp_path / "configs" / "x.yaml").write_text("# check: lightning-4d plan --model tiny --num-gpus 2 \\\n"
-                                                   "#   --seq-length 64 --global-batch-size 2\nseed_everything: 0\n")
+        "A template: `lightning-4d estimate --model M --tp T`; a mention: `lightning-4d plan`.\n"
+    )
+    (tmp_path / "configs" / "x.yaml").write_text(
+        "# check: lightning-4d plan --model tiny --num-gpus 2 \\\n"
+        "#   --seq-length 64 --global-batch-size 2\nseed_everything: 0\n"
+    )
     found = docs_figures.commands(tmp_path)
     runnable = [(c.line, c.argv, c.expected_exit) for c in found if c.argv]
     assert runnable == [
@@ -55,8 +58,10 @@ def test_the_extraction_and_the_exit_convention_on_a_sample(tmp_path):
         (5, ["estimate", "--model", "llama3-70b", "--dp", "1", "--micro-batch-size", "1", "--seq-length", "8192"], 1),
         (1, ["plan", "--model", "tiny", "--num-gpus", "2", "--seq-length", "64", "--global-batch-size", "2"], 0),
     ]
-    assert sorted(c.why_not_run for c in found if not c.argv) == ["placeholder value M",
-                                                                   "the command named, no arguments"]
+    assert sorted(c.why_not_run for c in found if not c.argv) == [
+        "placeholder value M",
+        "the command named, no arguments",
+    ]
     for _, argv, code in runnable:
         assert docs_figures.run(argv)[0] == code
 
@@ -64,8 +69,10 @@ def test_the_extraction_and_the_exit_convention_on_a_sample(tmp_path):
 @pytest.mark.parametrize("command", RUNNABLE, ids=lambda c: f"{c.page}:{c.line}")
 def test_documented_command_exits_as_the_page_says(command):
     code, out, err = docs_figures.run(command.argv)
-    assert code == command.expected_exit, (f"{command} exited {code}, the page says {command.expected_exit} "
-                                           f"(write `exits {code}` after it if that is meant): {err.strip()[-2000:]}")
+    assert code == command.expected_exit, (
+        f"{command} exited {code}, the page says {command.expected_exit} "
+        f"(write `exits {code}` after it if that is meant): {err.strip()[-2000:]}"
+    )
 
 
 PAGES_WITH_FIGURES = [p for p in docs_figures.pages() if docs_figures.figure_count(p.read_text())]
@@ -85,15 +92,17 @@ def test_quoted_figures_are_what_the_commands_print(page):
 def test_a_changed_figure_is_caught(tmp_path):
     """The check can fail: one figure changed by hand, inline (docs/memory.md) or in a generated table
     (docs/context_parallel.md), is reported, and regenerating restores the page."""
-    for name, pattern, typed in (("memory.md", docs_figures._INLINE, "12345.6"),
-                                 ("context_parallel.md", docs_figures._ROWS, "| 1 | 8 | 99.9 |")):
+    for name, pattern, typed in (
+        ("memory.md", docs_figures._INLINE, "12345.6"),
+        ("context_parallel.md", docs_figures._ROWS, "| 1 | 8 | 99.9 |"),
+    ):
         text = (ROOT / "docs" / name).read_text()
         m = pattern.search(text)
         assert m, f"docs/{name} has no such figure"
         body = m["body"]
         wrong = typed if pattern is docs_figures._INLINE else body.replace(body.split("\n")[2], typed + " x |")
         copy = tmp_path / name
-        copy.write_text(text[:m.start("body")] + wrong + text[m.end("body"):])
+        copy.write_text(text[: m.start("body")] + wrong + text[m.end("body") :])
         stale = docs_figures.stale_figures(copy)
         assert len(stale) == 1, stale
         assert docs_figures.main(["--check", str(copy)]) == 1
@@ -108,7 +117,8 @@ def test_block_figure_is_the_commands_output(tmp_path):
     assert docs_figures.main(["--check", str(page)]) == 1
     assert docs_figures.main([str(page)]) == 0
     text = page.read_text()
-    assert (text.startswith(f"Before.\n\n<!-- figure: {cmd} -->\n```text\n")
-            and text.endswith("<!-- /figure -->\n\nAfter.\n"))
+    assert text.startswith(f"Before.\n\n<!-- figure: {cmd} -->\n```text\n") and text.endswith(
+        "<!-- /figure -->\n\nAfter.\n"
+    )
     assert "fits within the 80% budget" in text and "typed by hand" not in text
     assert docs_figures.stale_figures(page) == [] and docs_figures.main(["--check", str(page)]) == 0

@@ -26,11 +26,14 @@ LOSS_RTOL = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("kw, world, words", [
-    (dict(expert_parallel_size=3), 4, ["expert_parallel_size=3", "dp*cp = 4*1 = 4", "[1, 2, 4]"]),
-    (dict(expert_parallel_size=4, data_parallel_size=2), 2, ["expert_parallel_size=4", "[1, 2]"]),
-    (dict(expert_parallel_size=0), 2, ["expert_parallel_size=0"]),
-])
+@pytest.mark.parametrize(
+    "kw, world, words",
+    [
+        (dict(expert_parallel_size=3), 4, ["expert_parallel_size=3", "dp*cp = 4*1 = 4", "[1, 2, 4]"]),
+        (dict(expert_parallel_size=4, data_parallel_size=2), 2, ["expert_parallel_size=4", "[1, 2]"]),
+        (dict(expert_parallel_size=0), 2, ["expert_parallel_size=0"]),
+    ],
+)
 def test_ep_must_divide_dp_cp_before_any_process_group(kw, world, words):
     with pytest.raises(ValueError) as e:
         ParallelConfig(**kw).resolve(world)
@@ -43,16 +46,20 @@ def test_ep_refusals_name_the_value_and_what_is_supported():
     from lightning_4d.tasks import CausalLMModule
 
     moe = CausalLMModule("tiny-moe")  # 8 experts
-    with pytest.raises(ValueError, match=r"expert_parallel_size=2 needs a Mixture-of-Experts model.*valid "
-                                         r"expert_parallel_size is 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert_parallel_size=2 needs a Mixture-of-Experts model.*valid "
+        r"expert_parallel_size is 1",
+    ):
         validate_against_module(ParallelConfig(expert_parallel_size=2).resolve(2), CausalLMModule("tiny-test"))
     moe6 = CausalLMModule(LlamaConfig.from_preset("tiny-moe", num_experts=6))
     with pytest.raises(ValueError, match=r"expert_parallel_size=4 does not divide num_experts=6.*\[1, 2, 3, 6\]"):
         validate_against_module(ParallelConfig(expert_parallel_size=4).resolve(4), moe6)
     validate_against_module(ParallelConfig(expert_parallel_size=4, zero_stage=1).resolve(4), moe)  # fine
     for stage in (2, 3):
-        with pytest.raises(ValueError, match=f"expert_parallel_size=2 is not supported with zero_stage={stage}.*"
-                                             "ZeRO stages 0 and 1"):
+        with pytest.raises(
+            ValueError, match=f"expert_parallel_size=2 is not supported with zero_stage={stage}.*ZeRO stages 0 and 1"
+        ):
             FourDStrategy(expert_parallel_size=2, zero_stage=stage)
     with pytest.raises(ValueError, match="powersgd.*expert_parallel_size=2"):
         ParallelConfig(expert_parallel_size=2, gradient_compression="powersgd", zero_stage=1)
@@ -101,18 +108,27 @@ def test_memory_model_divides_experts_by_ep_and_their_states_by_the_expert_group
 # ---------------------------------------------------------------------------------------------------- parity
 VARIANT = {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2, "router_aux_loss_coef": 0.1}
 CAPACITY = {"capacity_factor": 1.0}
-REF = [{"reference": True, "norm": True}, {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True},
-       {"reference": True, "precision": "bf16-mixed"}]
+REF = [
+    {"reference": True, "norm": True},
+    {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True},
+    {"reference": True, "precision": "bf16-mixed"},
+]
 BF16_RTOL = 1e-2  # issue 23's bar for bf16-mixed layouts vs one-process bf16-mixed
-DP2 = [{"dp": 2, "zero": 1, "ep": 2, "norm": True},
-       {"dp": 2, "zero": 0, "ep": 2, "config": VARIANT, "clip": 0.1, "ac": "full", "norm": True},
-       {"dp": 2, "zero": 1, "config": CAPACITY}, {"dp": 2, "zero": 1, "ep": 2, "config": CAPACITY},
-       {"dp": 2, "zero": 1, "ep": 2, "precision": "bf16-mixed"}]
-DP4 = [{"dp": 4, "zero": 1, "ep": 2, "norm": True},
-       {"dp": 4, "zero": 1, "ep": 4, "config": VARIANT, "clip": 0.1, "norm": True},
-       {"dp": 4, "zero": 0, "ep": 4, "norm": True}]
-CASES = [("dp2", i) for i in range(len(DP2)) if "capacity_factor" not in DP2[i].get("config", {})] + \
-        [("dp4", i) for i in range(len(DP4))]
+DP2 = [
+    {"dp": 2, "zero": 1, "ep": 2, "norm": True},
+    {"dp": 2, "zero": 0, "ep": 2, "config": VARIANT, "clip": 0.1, "ac": "full", "norm": True},
+    {"dp": 2, "zero": 1, "config": CAPACITY},
+    {"dp": 2, "zero": 1, "ep": 2, "config": CAPACITY},
+    {"dp": 2, "zero": 1, "ep": 2, "precision": "bf16-mixed"},
+]
+DP4 = [
+    {"dp": 4, "zero": 1, "ep": 2, "norm": True},
+    {"dp": 4, "zero": 1, "ep": 4, "config": VARIANT, "clip": 0.1, "norm": True},
+    {"dp": 4, "zero": 0, "ep": 4, "norm": True},
+]
+CASES = [("dp2", i) for i in range(len(DP2)) if "capacity_factor" not in DP2[i].get("config", {})] + [
+    ("dp4", i) for i in range(len(DP4))
+]
 
 
 def _records(out, index):
@@ -124,10 +140,12 @@ def runs(tmp_path_factory):
     dirs = {k: tmp_path_factory.mktemp(f"ep_{k}") for k in ("ref", "dp2", "dp4")}
     common = ["--model", "tiny-moe", "--steps", str(STEPS)]
     torchrun(1, SCRIPTS / "run_layouts.py", "--out", str(dirs["ref"]), *common, "--layouts", json.dumps(REF))
-    torchrun(2, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp2"]), *common, "--layouts", json.dumps(DP2),
-             timeout=900)
-    torchrun(4, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp4"]), *common, "--layouts", json.dumps(DP4),
-             timeout=900)
+    torchrun(
+        2, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp2"]), *common, "--layouts", json.dumps(DP2), timeout=900
+    )
+    torchrun(
+        4, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp4"]), *common, "--layouts", json.dumps(DP4), timeout=900
+    )
     return dirs
 
 
@@ -155,11 +173,11 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
         if not bf16:  # bf16 rounding may flip a near tie of the router
             assert b["tokens_per_expert_max"] == ref["bytes"]["tokens_per_expert_max"]
         cfg = LlamaConfig.from_preset("tiny-moe", **layout.get("config", {}))
-        pc = ParallelConfig(data_parallel_size=layout["dp"], zero_stage=layout["zero"],
-                            expert_parallel_size=layout.get("ep", 1))
+        pc = ParallelConfig(
+            data_parallel_size=layout["dp"], zero_stage=layout["zero"], expert_parallel_size=layout.get("ep", 1)
+        )
         est = model_state_bytes(cfg, pc, layout.get("precision", "32-true"), dp_cp_rank=r["rank"])
-        assert (b["params"], b["grads"], b["optimizer_states"]) == (est.parameters, est.gradients,
-                                                                    est.optimizer_states)
+        assert (b["params"], b["grads"], b["optimizer_states"]) == (est.parameters, est.gradients, est.optimizer_states)
         if layout.get("ep", 1) > 1:  # the experts really are split: fewer parameter bytes than ep = 1
             ep1 = ParallelConfig(data_parallel_size=layout["dp"], zero_stage=layout["zero"])
             assert est.parameters < model_state_bytes(cfg, ep1, layout.get("precision", "32-true")).parameters
@@ -192,7 +210,7 @@ def test_checkpoint_at_ep2_resumes_at_ep2_and_at_ep1(tmp_path):
         for name in ("a", "b"):
             second = json.loads((tmp_path / f"{name}_resume_rank{rank}.json").read_text())
             curve = second["resumed"]
-            tail = first["straight"][STEPS // 2:]
-            rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail):], tail))
+            tail = first["straight"][STEPS // 2 :]
+            rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
             print(f"\nresume {second['layout']} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
             assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL

@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers", reason="the 'hf' extra (trans
 
 from lightning_4d.adapters.hf_llama import HF_LLAMA  # noqa: E402
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-            max_seq_length=64)
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_seq_length=64
+)
 
 
 def _ours() -> LlamaModel:
@@ -32,8 +33,15 @@ def _ours() -> LlamaModel:
 
 def _theirs() -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(config).float().eval()
 
 
@@ -71,8 +79,8 @@ def test_one_splitter_and_stage_chunk_give_the_unsplit_logits(family):
         full = full if isinstance(full, torch.Tensor) else full.logits
     config = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2, zero_stage=0).resolve(2)
     first, second = copy.deepcopy(model), copy.deepcopy(model)
-    (s0, chunk0), = split_model(fam, first, config, pp_rank=0)
-    (s1, chunk1), = split_model(fam, second, config, pp_rank=1)
+    ((s0, chunk0),) = split_model(fam, first, config, pp_rank=0)
+    ((s1, chunk1),) = split_model(fam, second, config, pp_rank=1)
     assert (s0, s1) == (0, 1) and pipeline_chunks(first) == [(0, chunk0)]
     # the union keeps the unsplit names: rank 0 holds layers 0-1 and the embedding, rank 1 layers 2-3 and the head
     names0, names1 = {n for n, _ in first.named_parameters()}, {n for n, _ in second.named_parameters()}

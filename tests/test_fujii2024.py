@@ -119,9 +119,7 @@ def test_llama3_8b_tp4_pp4_dp2_cp2_enough_microbatches():
     total = model_states + activations
     assert total == 10_745_167_872
 
-    est = fujii2024_estimate(
-        **LLAMA3_8B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b, num_microbatches=m
-    )
+    est = fujii2024_estimate(**LLAMA3_8B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b, num_microbatches=m)
     assert _same(est.parameters_on_rank, params)
     assert _same(est.model_states, model_states)
     assert _same(est.activations, activations)
@@ -152,7 +150,14 @@ def test_llama2_7b_pp4_fewer_microbatches_than_stages_no_distributed_optimizer()
     assert total == 20_918_632_448
 
     est = fujii2024_estimate(
-        **LLAMA2_7B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b, num_microbatches=m,
+        **LLAMA2_7B,
+        tp=t,
+        pp=p,
+        dp=d,
+        cp=c,
+        seq_length=s,
+        micro_batch_size=b,
+        num_microbatches=m,
         distributed_optimizer=False,
     )
     assert est.bytes_per_parameter == 18

@@ -23,8 +23,15 @@ REL = 1e-5
 
 def _hf_model(tmp, shard: bool, **overrides) -> "transformers.LlamaForCausalLM":
     torch.manual_seed(0)
-    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
+    fields = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     fields.update(overrides)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).float().eval()
     # sharded: about half the weights per file (two safetensors files + model.safetensors.index.json)
@@ -44,9 +51,20 @@ def ids():
 
 @pytest.mark.parametrize("case", ["llama2", "llama3.1", "llama3.2-tied"])
 def test_init_from_hf_on_one_process_gives_transformers_logits(tmp_path, ids, case):
-    overrides = {"llama2": {}, "llama3.1": {"rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}}, "llama3.2-tied": {"tie_word_embeddings": True}}[case]
+    overrides = {
+        "llama2": {},
+        "llama3.1": {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        "llama3.2-tied": {"tie_word_embeddings": True},
+    }[case]
     hf = _hf_model(tmp_path, shard=False, **overrides)
     module = CausalLMModule(model_config=str(tmp_path), init_from=str(tmp_path))
     assert module.model_config.tie_word_embeddings == (case == "llama3.2-tied")
@@ -87,8 +105,21 @@ def test_init_from_hf_sharded_under_parallel_layouts(tmp_path, ids):
     hf = _hf_model(tmp_path / "hf", shard=True)
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 2
     torch.save(ids, tmp_path / "ids.pt")
-    torchrun(4, SCRIPTS / "hf_checkpoints.py", "--mode", "import", "--hf", str(tmp_path / "hf"), "--out",
-             str(tmp_path), "--ids", str(tmp_path / "ids.pt"), "--layouts", json.dumps(IMPORT_LAYOUTS), timeout=600)
+    torchrun(
+        4,
+        SCRIPTS / "hf_checkpoints.py",
+        "--mode",
+        "import",
+        "--hf",
+        str(tmp_path / "hf"),
+        "--out",
+        str(tmp_path),
+        "--ids",
+        str(tmp_path / "ids.pt"),
+        "--layouts",
+        json.dumps(IMPORT_LAYOUTS),
+        timeout=600,
+    )
     for i, layout in enumerate(IMPORT_LAYOUTS):
         seen = 0
         for path in sorted(tmp_path.glob(f"import{i}_rank*.pt")):
@@ -106,8 +137,19 @@ EXPORT_LAYOUTS = [{"dp": 2, "tp": 2, "zero": 1}, {"pp": 2, "dp": 2, "m": 2, "zer
 
 def test_export_hf_after_training_loads_in_transformers(tmp_path, ids):
     torch.save(ids, tmp_path / "ids.pt")
-    torchrun(4, SCRIPTS / "hf_checkpoints.py", "--mode", "export", "--out", str(tmp_path), "--ids",
-             str(tmp_path / "ids.pt"), "--layouts", json.dumps(EXPORT_LAYOUTS), timeout=600)
+    torchrun(
+        4,
+        SCRIPTS / "hf_checkpoints.py",
+        "--mode",
+        "export",
+        "--out",
+        str(tmp_path),
+        "--ids",
+        str(tmp_path / "ids.pt"),
+        "--layouts",
+        json.dumps(EXPORT_LAYOUTS),
+        timeout=600,
+    )
     for i, layout in enumerate(EXPORT_LAYOUTS):
         hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / f"export{i}").float().eval()
         seen = 0
@@ -120,17 +162,18 @@ def test_export_hf_after_training_loads_in_transformers(tmp_path, ids):
                 seen += 1
         assert seen >= 2
 
-
     # bfloat16, with a tokenizer given: the files transformers reads, weights in bf16, the tokenizer copied
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["def f(x): return x + 1"] * 10,
-                            trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.train_from_iterator(
+        ["def f(x): return x + 1"] * 10, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"])
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
-    out = export_hf(tmp_path / "ckpt0" / "last.ckpt", tmp_path / "bf16", dtype="bfloat16",
-                    tokenizer=tmp_path / "tokenizer.json")
+    out = export_hf(
+        tmp_path / "ckpt0" / "last.ckpt", tmp_path / "bf16", dtype="bfloat16", tokenizer=tmp_path / "tokenizer.json"
+    )
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     hf = transformers.LlamaForCausalLM.from_pretrained(out)
     assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -161,11 +204,24 @@ def test_cli_validate_with_hf_model_config_and_init_from(tmp_path):
 
     hf = _hf_model(tmp_path / "hf", shard=True)
     data = ["--data.seq_length=32", "--data.micro_batch_size=2", "--data.global_batch_size=2", "--data.val_samples=2"]
-    cmd = [sys.executable, "-m", "lightning_4d", "validate", "--config", "configs/tiny.yaml",
-           f"--model.model_config={tmp_path / 'hf'}", f"--model.init_from={tmp_path / 'hf'}", "--trainer.devices=1",
-           "--trainer.strategy=auto", "--trainer.limit_val_batches=1", "--trainer.logger=false",
-           # without a logger LightningCLI saves config.yaml in default_root_dir (the cwd by default): keep it here
-           f"--trainer.default_root_dir={tmp_path}", "--trainer.callbacks=null", *data]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_4d",
+        "validate",
+        "--config",
+        "configs/tiny.yaml",
+        f"--model.model_config={tmp_path / 'hf'}",
+        f"--model.init_from={tmp_path / 'hf'}",
+        "--trainer.devices=1",
+        "--trainer.strategy=auto",
+        "--trainer.limit_val_batches=1",
+        "--trainer.logger=false",
+        # without a logger LightningCLI saves config.yaml in default_root_dir (the cwd by default): keep it here
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks=null",
+        *data,
+    ]
     proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     printed = float(re.search(r"val_loss\D+([0-9.]+)", proc.stdout).group(1))

@@ -14,16 +14,29 @@ from tests._launch import SCRIPTS, torchrun
 pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
 
 LAYOUTS = {
-    2: [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 3, "comm": True}, {"tp": 2}, {"tp": 2, "sp": False}, {"cp": 2},
-        {"cp": 2, "method": "allgather"}, {"pp": 2, "m": 2, "zero": 1},
+    2: [
+        {"dp": 2, "zero": 1},
+        {"dp": 2, "zero": 3, "comm": True},
+        {"tp": 2},
+        {"tp": 2, "sp": False},
+        {"cp": 2},
+        {"cp": 2, "method": "allgather"},
+        {"pp": 2, "m": 2, "zero": 1},
         # "comm": bytes on the wire per step; FSDP2 reduce-scatters in bfloat16
         # (test_bf16_gradients_are_reduce_scattered_in_bfloat16)
-        {"dp": 2, "zero": 3, "compress": "bf16", "comm": True}],
-    4: [{"dp": 2, "tp": 2, "zero": 1}, {"cp": 2, "tp": 2, "zero": 3},
+        {"dp": 2, "zero": 3, "compress": "bf16", "comm": True},
+    ],
+    4: [
+        {"dp": 2, "tp": 2, "zero": 1},
+        {"cp": 2, "tp": 2, "zero": 3},
         # built on the meta device in configure_model, weights from init_from=<hf dir> (each rank reads its slices)
-        {"dp": 2, "tp": 2, "zero": 3, "meta": True}, {"cp": 2, "tp": 2, "zero": 1, "meta": True}],
-    8: [{"cp": 2, "pp": 2, "tp": 2, "m": 2, "zero": 1},
-        {"cp": 2, "pp": 2, "tp": 2, "m": 2, "zero": 3, "schedule": "interleaved_1f1b"}],
+        {"dp": 2, "tp": 2, "zero": 3, "meta": True},
+        {"cp": 2, "tp": 2, "zero": 1, "meta": True},
+    ],
+    8: [
+        {"cp": 2, "pp": 2, "tp": 2, "m": 2, "zero": 1},
+        {"cp": 2, "pp": 2, "tp": 2, "m": 2, "zero": 3, "schedule": "interleaved_1f1b"},
+    ],
 }
 # weights after 10 AdamW steps (lr 3e-3): AdamW turns ~1e-8 gradient differences on near-zero gradients into weight
 # differences (docs: design notes); measured here at most 2.2e-5, under 1% of one step's size
@@ -59,8 +72,10 @@ def test_hf_llama_layout_matches_one_process(runs, index):
     rel = max(abs(a - b) / abs(b) for a, b in zip(record["losses"], reference["losses"]))
     assert set(record["weights"]) == set(reference["weights"])
     weights = max((record["weights"][k] - w).abs().max().item() for k, w in reference["weights"].items())
-    print(f"\n{layout}: max rel loss diff {rel:.2e}, max abs weight diff {weights:.2e}, "
-          f"{record['dtensor_params']} DTensor parameters, attention {record['attention']!r}")
+    print(
+        f"\n{layout}: max rel loss diff {rel:.2e}, max abs weight diff {weights:.2e}, "
+        f"{record['dtensor_params']} DTensor parameters, attention {record['attention']!r}"
+    )
     assert len(record["losses"]) == 10
     assert record["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert weights < WEIGHT_ATOL
@@ -99,23 +114,38 @@ def _module(**config):
     class HFModule(L.LightningModule):
         def __init__(self):
             super().__init__()
-            fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2)
+            fields = dict(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
             fields.update(config)
             self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
 
     return HFModule()
 
 
-@pytest.mark.parametrize("kwargs,config,match", [
-    ({"pipeline_parallel_size": 2}, {"tie_word_embeddings": True},
-     "tie_word_embeddings=True is not supported with pipeline"),
-    ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 4}, {},
-     "num_layers=4"),
-    ({"tensor_parallel_size": 2}, {"tie_word_embeddings": True}, "tie_word_embeddings=True"),
-    ({"tensor_parallel_size": 4}, {}, "num_kv_heads=2 is not divisible by tensor_parallel_size=4"),
-    ({"context_parallel_size": 2}, {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
-])
+@pytest.mark.parametrize(
+    "kwargs,config,match",
+    [
+        (
+            {"pipeline_parallel_size": 2},
+            {"tie_word_embeddings": True},
+            "tie_word_embeddings=True is not supported with pipeline",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 4},
+            {},
+            "num_layers=4",
+        ),
+        ({"tensor_parallel_size": 2}, {"tie_word_embeddings": True}, "tie_word_embeddings=True"),
+        ({"tensor_parallel_size": 4}, {}, "num_kv_heads=2 is not divisible by tensor_parallel_size=4"),
+        ({"context_parallel_size": 2}, {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+    ],
+)
 def test_hf_llama_layouts_refused_before_the_process_group(kwargs, config, match):
     import lightning as L
 

@@ -37,7 +37,8 @@ def _is_package(name: str) -> bool:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _walk(node: ast.AST):
@@ -121,7 +122,7 @@ def find_cycle(edges: dict[str, set[str]]) -> Optional[list[str]]:
                 color[path.pop()] = black
                 stack.pop()
             elif color.get(nxt, black) == grey:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             elif color.get(nxt, black) == white:
                 color[nxt] = grey
                 path.append(nxt)
@@ -140,8 +141,9 @@ def _violations(modules: str, allowed) -> list[str]:  # noqa: ANN001 - a predica
 # ---------------------------------------------------------------------------------------------------- tests
 def test_the_graph_sees_every_kind_of_import():
     mods = _modules()
-    assert {"lightning_4d", "lightning_4d.config", "lightning_4d.strategy",
-            "lightning_4d.parallel.context"} <= set(mods)
+    assert {"lightning_4d", "lightning_4d.config", "lightning_4d.strategy", "lightning_4d.parallel.context"} <= set(
+        mods
+    )
     # an import inside a function (lightning_4d.__getattr__) counts
     assert "lightning_4d.strategy" in graph()["lightning_4d"]
     tree = ast.parse("from . import config\nfrom ..models import config as c\nif TYPE_CHECKING:\n    import x\n")
@@ -165,8 +167,10 @@ def test_memory_never_imports_torch_distributed_nor_torch_outside_callback():
         for i in imports_of(m):
             if _in(i, "torch.distributed") or (_in(i, "torch") and m != f"{PACKAGE}.memory.callback"):
                 bad.append(f"{m} -> {i}")
-    assert not bad, ("memory/ runs on a laptop without torch (callback.py may import torch, never torch.distributed): "
-                     + ", ".join(sorted(bad)))
+    assert not bad, (
+        "memory/ runs on a laptop without torch (callback.py may import torch, never torch.distributed): "
+        + ", ".join(sorted(bad))
+    )
 
 
 def test_models_import_only_config_and_models():
@@ -179,11 +183,21 @@ def test_memory_imports_only_config_and_model_config():
     read the first batch's shape) through the compatibility module, as every private API is, and asks the model-family
     registry for the config of the model it checks (issue 22: no family test of its own)."""
     allowed = {f"{PACKAGE}.config", f"{PACKAGE}.partition", f"{PACKAGE}.models.config"}
-    bad = _violations(f"{PACKAGE}.memory", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.memory")
-                      or (m == f"{PACKAGE}.memory.callback"
-                          and i in (f"{PACKAGE}.parallel._compat", f"{PACKAGE}.families.registry")))
-    assert not bad, ("memory/ may import lightning_4d.config, lightning_4d.partition, lightning_4d.models.config and "
-                     "memory/ only (its callback also parallel._compat and families.registry): " + ", ".join(bad))
+    bad = _violations(
+        f"{PACKAGE}.memory",
+        lambda m, i: (
+            i in allowed
+            or _in(i, f"{PACKAGE}.memory")
+            or (
+                m == f"{PACKAGE}.memory.callback"
+                and i in (f"{PACKAGE}.parallel._compat", f"{PACKAGE}.families.registry")
+            )
+        ),
+    )
+    assert not bad, (
+        "memory/ may import lightning_4d.config, lightning_4d.partition, lightning_4d.models.config and "
+        "memory/ only (its callback also parallel._compat and families.registry): " + ", ".join(bad)
+    )
 
 
 def test_tasks_import_no_strategy():

@@ -78,8 +78,9 @@ def test_causal_lm_loss_shapes_and_every_label_ignored():
     logits = torch.randn(2, 5, V, requires_grad=True)
     labels = torch.randint(0, V, (2, 5))
     loss = causal_lm_loss(logits, labels)
-    torch.testing.assert_close(loss, F.cross_entropy(logits.detach().flatten(0, 1), labels.flatten()), rtol=1e-6,
-                               atol=0)
+    torch.testing.assert_close(
+        loss, F.cross_entropy(logits.detach().flatten(0, 1), labels.flatten()), rtol=1e-6, atol=0
+    )
     loss.backward()
     assert logits.grad.shape == logits.shape
     # as F.cross_entropy: a nan loss and a zero gradient when no label counts

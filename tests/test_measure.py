@@ -29,18 +29,40 @@ TINY = LlamaConfig.from_preset("tiny-test")  # h=64, L=2
 
 LAYOUTS = [
     # (measure's arguments, ParallelConfig keywords, precision, ranks to compare)
-    (["--pp", "2", "--dp", "2", "--zero-stage", "1", "--num-microbatches", "2"],
-     {"data_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1, "num_microbatches": 2},
-     "32-true", [0, 3]),
-    (["--tp", "2", "--dp", "2", "--zero-stage", "3", "--activation-checkpointing", "selective"],
-     {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3, "activation_checkpointing": "selective"},
-     "bf16-mixed", [0, 3]),
+    (
+        ["--pp", "2", "--dp", "2", "--zero-stage", "1", "--num-microbatches", "2"],
+        {"data_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1, "num_microbatches": 2},
+        "32-true",
+        [0, 3],
+    ),
+    (
+        ["--tp", "2", "--dp", "2", "--zero-stage", "3", "--activation-checkpointing", "selective"],
+        {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3, "activation_checkpointing": "selective"},
+        "bf16-mixed",
+        [0, 3],
+    ),
 ]
 
 
 def _measure_cli(args: list[str], rank: int, precision: str) -> dict:
-    cmd = [sys.executable, "-m", "lightning_4d", "measure", "--model", "tiny-test", "--seq-length", "64",
-           "--micro-batch-size", "1", "--precision", precision, "--rank", str(rank), "--json", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_4d",
+        "measure",
+        "--model",
+        "tiny-test",
+        "--seq-length",
+        "64",
+        "--micro-batch-size",
+        "1",
+        "--precision",
+        precision,
+        "--rank",
+        str(rank),
+        "--json",
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
@@ -48,15 +70,18 @@ def _measure_cli(args: list[str], rank: int, precision: str) -> dict:
 
 @pytest.mark.parametrize("args, layout, precision, ranks", LAYOUTS)
 def test_measure_equals_the_real_multi_process_run(tmp_path, args, layout, precision, ranks):
-    torchrun(4, SCRIPTS / "measure_peak.py", "--out", str(tmp_path), "--layout", json.dumps(layout),
-             "--precision", precision)
+    torchrun(
+        4, SCRIPTS / "measure_peak.py", "--out", str(tmp_path), "--layout", json.dumps(layout), "--precision", precision
+    )
     pc = ParallelConfig(**layout)
     for rank in ranks:
         real = json.loads((tmp_path / f"rank{rank}.json").read_text())
         out = _measure_cli(args, rank, precision)
         fake = out["measured"]
-        print(f"{layout} {precision} rank {rank}: real peak {real['peak_allocated']:,} B, measure "
-              f"{fake['peak_allocated']:,} B; optimizer states {real['optimizer_states']:,} B")
+        print(
+            f"{layout} {precision} rank {rank}: real peak {real['peak_allocated']:,} B, measure "
+            f"{fake['peak_allocated']:,} B; optimizer states {real['optimizer_states']:,} B"
+        )
         for key in ("parameters", "gradients", "optimizer_states", "master_weights"):
             assert fake[key] == real[key], (rank, key)
         # and they are what the estimate says (the states of tests/test_memory_model.py)
@@ -70,8 +95,7 @@ def test_measure_equals_the_real_multi_process_run(tmp_path, args, layout, preci
 
 
 def test_rank_coordinates_follow_the_mesh_order():
-    pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2,
-                        context_parallel_size=2)
+    pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, context_parallel_size=2)
     # mesh ("pp", "dp", "cp", "tp"), tp innermost
     assert rank_coordinates(pc, 0) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "dp_cp": 0}
     assert rank_coordinates(pc, 1) == {"pp": 0, "dp": 0, "cp": 0, "tp": 1, "dp_cp": 0}
@@ -114,12 +138,27 @@ def test_bad_input_gets_the_same_one_line_error_as_estimate(argv, capsys):
 
 
 def test_rank_outside_the_world_is_refused_before_any_process_group(capsys):
-    argv = ["measure", "--model", "tiny-test", "--tp", "2", "--dp", "2", "--seq-length", "64", "--micro-batch-size",
-            "1", "--rank", "4"]
+    argv = [
+        "measure",
+        "--model",
+        "tiny-test",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--seq-length",
+        "64",
+        "--micro-batch-size",
+        "1",
+        "--rank",
+        "4",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.strip() == ("lightning-4d measure: error: --rank 4 is not valid: the layout tp=2 pp=1 cp=1 dp=2 has 4 "
-                           "ranks (0 .. 3), or 'worst'.")
+    assert err.strip() == (
+        "lightning-4d measure: error: --rank 4 is not valid: the layout tp=2 pp=1 cp=1 dp=2 has 4 "
+        "ranks (0 .. 3), or 'worst'."
+    )
     import torch.distributed as dist
 
     assert not dist.is_initialized()

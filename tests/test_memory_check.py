@@ -68,18 +68,52 @@ def test_hardware_presets():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "lightning_4d", *args], cwd=ROOT, env=worker_env(),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_4d", *args],
+        cwd=ROOT,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_estimate_json():
-    proc = _cli("estimate", "--model", "llama3-8b", "--tp", "2", "--num-gpus", "8", "--micro-batch-size", "1",
-                "--seq-length", "4096", "--zero-stage", "3", "--activation-checkpointing", "full",
-                "--gpu-memory", "80GiB", "--json")
+    proc = _cli(
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--tp",
+        "2",
+        "--num-gpus",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "4096",
+        "--zero-stage",
+        "3",
+        "--activation-checkpointing",
+        "full",
+        "--gpu-memory",
+        "80GiB",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    for key in ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead",
-                "total", "total_gib", "fraction", "fits"):
+    for key in (
+        "parameters",
+        "gradients",
+        "optimizer_states",
+        "activations",
+        "logits",
+        "buffers",
+        "overhead",
+        "total",
+        "total_gib",
+        "fraction",
+        "fits",
+    ):
         assert key in out
     assert out["fits"] is True and out["layout"]["dp"] == 4
     assert out["total_gib"] == pytest.approx(out["total"] / 2**30)
@@ -87,15 +121,40 @@ def test_estimate_json():
 
 
 def test_estimate_table_and_verdict():
-    proc = _cli("estimate", "--model", "configs/llama3_8b.yaml", "--dp", "1", "--micro-batch-size", "4",
-                "--seq-length", "8192", "--gpu-memory", "A100-40GB")
+    proc = _cli(
+        "estimate",
+        "--model",
+        "configs/llama3_8b.yaml",
+        "--dp",
+        "1",
+        "--micro-batch-size",
+        "4",
+        "--seq-length",
+        "8192",
+        "--gpu-memory",
+        "A100-40GB",
+    )
     assert proc.returncode == 1  # does not fit
     assert "does NOT fit" in proc.stdout and "optimizer_states" in proc.stdout
 
 
 def test_estimate_fujii2024_formula():
-    proc = _cli("estimate", "--model", "llama3-8b", "--tp", "2", "--dp", "4", "--micro-batch-size", "1",
-                "--seq-length", "8192", "--formula", "fujii2024", "--json")
+    proc = _cli(
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--tp",
+        "2",
+        "--dp",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "8192",
+        "--formula",
+        "fujii2024",
+        "--json",
+    )
     out = json.loads(proc.stdout)
     assert out["total"] == 60_450_574_336  # the paper's formula, hand-derived in tests/test_fujii2024.py
 
@@ -124,8 +183,24 @@ def test_plan_405b_on_16384_gpus_under_a_second(capsys):
     from lightning_4d.memory.cli import main
 
     t0 = time.perf_counter()
-    code = main("plan", ["--model", "llama3.1-405b", "--num-gpus", "16384", "--gpus-per-node", "8",
-                 "--gpu-memory", "H100-80GB", "--seq-length", "8192", "--global-batch-size", "2048", "--json"])
+    code = main(
+        "plan",
+        [
+            "--model",
+            "llama3.1-405b",
+            "--num-gpus",
+            "16384",
+            "--gpus-per-node",
+            "8",
+            "--gpu-memory",
+            "H100-80GB",
+            "--seq-length",
+            "8192",
+            "--global-batch-size",
+            "2048",
+            "--json",
+        ],
+    )
     elapsed = time.perf_counter() - t0
     assert code == 0
     out = json.loads(capsys.readouterr().out)
@@ -143,8 +218,19 @@ def test_plan_405b_on_16384_gpus_under_a_second(capsys):
 
 
 def test_plan_invalid_exit_2():
-    proc = _cli("plan", "--model", "llama3-8b", "--num-gpus", "12", "--gpus-per-node", "8", "--seq-length", "8192",
-                "--global-batch-size", "64")
+    proc = _cli(
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--num-gpus",
+        "12",
+        "--gpus-per-node",
+        "8",
+        "--seq-length",
+        "8192",
+        "--global-batch-size",
+        "64",
+    )
     assert proc.returncode == 2 and "num_gpus=12 is not a multiple of gpus_per_node=8" in proc.stderr
 
 
@@ -165,8 +251,21 @@ def test_estimate_dualpipev_defaults_to_2p_microbatches(capsys):
     """Without --num-microbatches, dualpipev runs m = 2·pp (its minimum), as the strategy does; both formulas."""
     from lightning_4d.memory.cli import main
 
-    base = ["--model", "llama3-8b", "--pp", "4", "--num-gpus", "8", "--micro-batch-size", "1", "--seq-length", "4096",
-            "--pipeline-schedule", "dualpipev", "--json"]
+    base = [
+        "--model",
+        "llama3-8b",
+        "--pp",
+        "4",
+        "--num-gpus",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "4096",
+        "--pipeline-schedule",
+        "dualpipev",
+        "--json",
+    ]
     for formula in ("lightning_4d", "fujii2024"):
         assert main("estimate", [*base, "--formula", formula]) in (0, 1)
         out = json.loads(capsys.readouterr().out)
@@ -200,9 +299,13 @@ def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
     callback = MemoryEstimatorCallback(device_memory="80GiB")
     monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
     job = ParallelConfig(data_parallel_size=8, zero_stage=1)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_config=job), precision="bf16-mixed",
-                              datamodule=SimpleNamespace(micro_batch_size=1, seq_length=8192),
-                              accumulate_grad_batches=1, num_devices=8)
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(parallel_config=job),
+        precision="bf16-mixed",
+        datamodule=SimpleNamespace(micro_batch_size=1, seq_length=8192),
+        accumulate_grad_batches=1,
+        num_devices=8,
+    )
     module = SimpleNamespace(model_config=LlamaConfig.from_preset("llama3-8b"))
     with pytest.raises(MemoryBudgetExceeded) as info:
         callback.setup(trainer, module, "fit")
@@ -217,25 +320,45 @@ def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
         assert pc.world_size == job.world_size == 8
         assert pc == suggested
     first = ParallelConfig(**_strategy_kwargs(lines[0]))
-    assert (first.tp, first.cp, first.dp, first.pp, first.zero_stage, first.activation_checkpointing) == \
-        (1, 1, 8, 1, 3, "none")
+    assert (first.tp, first.cp, first.dp, first.pp, first.zero_stage, first.activation_checkpointing) == (
+        1,
+        1,
+        8,
+        1,
+        3,
+        "none",
+    )
 
 
 def test_suggestion_line_with_a_pipeline_names_schedule_and_microbatches():
     from lightning_4d import ParallelConfig
     from lightning_4d.memory.callback import suggestion_line
 
-    pc = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1,
-                        pipeline_schedule="dualpipev")
+    pc = ParallelConfig(
+        data_parallel_size=2,
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+        zero_stage=1,
+        pipeline_schedule="dualpipev",
+    )
     line = suggestion_line(pc, 4)
     kwargs = _strategy_kwargs(line)
     assert kwargs["pipeline_schedule"] == "dualpipev" and kwargs["num_microbatches"] == 4  # 2·pp by default
     assert ParallelConfig(**kwargs).world_size == 8 and line.endswith("# with micro_batch_size=4")
     # the planner's layouts: interleaved with an uneven split, sp off, the allgather cp method: pasted back equal
-    pc = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2, tensor_parallel_size=2, context_parallel_size=2,
-                        zero_stage=1, pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=2,
-                        pipeline_layer_split=[1, 2, 2, 1], num_microbatches=4, sequence_parallel=False,
-                        context_parallel_method="allgather")
+    pc = ParallelConfig(
+        data_parallel_size=1,
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+        context_parallel_size=2,
+        zero_stage=1,
+        pipeline_schedule="interleaved_1f1b",
+        virtual_pipeline_stages=2,
+        pipeline_layer_split=[1, 2, 2, 1],
+        num_microbatches=4,
+        sequence_parallel=False,
+        context_parallel_method="allgather",
+    )
     assert ParallelConfig(**_strategy_kwargs(suggestion_line(pc, 1))) == pc
 
 
@@ -251,12 +374,14 @@ def test_batch_conventions():
     assert _batch_dims((torch.zeros(3, 5), 1)) == (3, 5)
     assert _batch_dims(["text", torch.zeros(4, 6), torch.zeros(7)]) == (4, 6)
     assert _batch_dims(ids) == (2, 8)
-    for batch, said in [({"tokens": ids}, "a dict with keys ['tokens'] and no 'input_ids'"),
-                        ({"input_ids": [1, 2]}, "a dict whose 'input_ids' is a list, not a tensor"),
-                        (("text",), "a tuple of 1 items, none of them a tensor"),
-                        (torch.zeros(3), "a tensor of shape [3], not [batch, seq]"),
-                        ([torch.zeros(2, 3, 4)], "a list whose first tensor has shape [2, 3, 4], not [batch, seq]"),
-                        (5, "an object of type int")]:
+    for batch, said in [
+        ({"tokens": ids}, "a dict with keys ['tokens'] and no 'input_ids'"),
+        ({"input_ids": [1, 2]}, "a dict whose 'input_ids' is a list, not a tensor"),
+        (("text",), "a tuple of 1 items, none of them a tensor"),
+        (torch.zeros(3), "a tensor of shape [3], not [batch, seq]"),
+        ([torch.zeros(2, 3, 4)], "a list whose first tensor has shape [2, 3, 4], not [batch, seq]"),
+        (5, "an object of type int"),
+    ]:
         with pytest.raises(_NoShape) as info:
             _batch_dims(batch)
         assert str(info.value) == said
@@ -267,9 +392,27 @@ def test_new_users_llama3_70b_fit_is_refused_before_configure_model(tmp_path):
     arguments), MemoryEstimatorCallback(device_memory="8GiB"), FourDStrategy on CPU, one process: refused with
     MemoryBudgetExceeded before configure_model, the batch shape read from the DataLoader, and the process's peak RSS
     grows by less than 1 GiB during fit (the model, 263 GiB of fp32 parameters, is never materialized)."""
-    torchrun(1, SCRIPTS / "memory_check.py", "--out", str(tmp_path), "--device-memory", "8GiB", "--model",
-             "llama3-70b", "--data", "plain", "--dp", "1", "--seq-length", "4096", "--micro-batch-size", "1",
-             "--max-data-gib", "4", timeout=300)
+    torchrun(
+        1,
+        SCRIPTS / "memory_check.py",
+        "--out",
+        str(tmp_path),
+        "--device-memory",
+        "8GiB",
+        "--model",
+        "llama3-70b",
+        "--data",
+        "plain",
+        "--dp",
+        "1",
+        "--seq-length",
+        "4096",
+        "--micro-batch-size",
+        "1",
+        "--max-data-gib",
+        "4",
+        timeout=300,
+    )
     record = json.loads((tmp_path / "rank0.json").read_text())
     assert record["error"] is not None and record["error"]["type"] == "MemoryBudgetExceeded", record["error"]
     assert record["configure_model_called"] is False and record["parameters"] == 0
@@ -299,8 +442,10 @@ def in_process_fit():
 def _samples(n: int = 8, s: int = 16) -> list:
     import torch
 
-    return [{"input_ids": torch.full((s,), i, dtype=torch.long), "labels": torch.full((s,), i, dtype=torch.long)}
-            for i in range(n)]
+    return [
+        {"input_ids": torch.full((s,), i, dtype=torch.long), "labels": torch.full((s,), i, dtype=torch.long)}
+        for i in range(n)
+    ]
 
 
 def _trainer(callback, devices: int = 1, **strategy_kwargs):
@@ -310,11 +455,19 @@ def _trainer(callback, devices: int = 1, **strategy_kwargs):
 
     from lightning_4d import FourDStrategy
 
-    return L.Trainer(accelerator="cpu", devices=devices, max_steps=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                     num_sanity_val_steps=0, callbacks=[callback] if callback is not None else [],
-                     strategy=FourDStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60),
-                                            **strategy_kwargs))
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[callback] if callback is not None else [],
+        strategy=FourDStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60), **strategy_kwargs),
+    )
 
 
 def test_batch_shape_from_every_train_data_source(in_process_fit):
@@ -340,8 +493,12 @@ def test_batch_shape_from_every_train_data_source(in_process_fit):
         (CausalLMModule("tiny-test"), dict(train_dataloaders=DataLoader(_samples(), batch_size=2)), {}, (2, 16)),
         (Hook("tiny-test"), {}, {}, (3, 16)),
         (CausalLMModule("tiny-test"), dict(datamodule=Data()), {}, (4, 32)),
-        (CausalLMModule("tiny-test"), dict(train_dataloaders=DataLoader([(t, t) for t in tensors], batch_size=2)), {},
-         (2, 24)),
+        (
+            CausalLMModule("tiny-test"),
+            dict(train_dataloaders=DataLoader([(t, t) for t in tensors], batch_size=2)),
+            {},
+            (2, 24),
+        ),
         (CausalLMModule("tiny-test"), dict(train_dataloaders=DataLoader(tensors, batch_size=4)), {}, (4, 24)),
         (CausalLMModule("tiny-test"), dict(datamodule=Data()), dict(micro_batch_size=1), (1, 32)),
     ]
@@ -351,15 +508,22 @@ def test_batch_shape_from_every_train_data_source(in_process_fit):
             _trainer(callback).fit(module, **data)
         assert module.model is None  # refused before configure_model
         source = "the first batch of the train dataloader"
-        assert (f"batch shape from {source}" if not kwargs else
-                f"micro_batch_size from the callback's arguments, seq_length from {source}") in str(info.value)
+        assert (
+            f"batch shape from {source}"
+            if not kwargs
+            else f"micro_batch_size from the callback's arguments, seq_length from {source}"
+        ) in str(info.value)
 
     module = CausalLMModule("tiny-test")
     module.example_input_array = torch.zeros(5, 48, dtype=torch.long)
-    with pytest.raises(MemoryBudgetExceeded, match=r"micro_batch_size=5, seq_length=48 \(batch shape from the "
-                                                   r"module's example_input_array\)"):
+    with pytest.raises(
+        MemoryBudgetExceeded,
+        match=r"micro_batch_size=5, seq_length=48 \(batch shape from the "
+        r"module's example_input_array\)",
+    ):
         _trainer(MemoryEstimatorCallback(device_memory="1MiB")).fit(
-            module, train_dataloaders=DataLoader([{"tokens": t} for t in tensors], batch_size=2))
+            module, train_dataloaders=DataLoader([{"tokens": t} for t in tensors], batch_size=2)
+        )
 
 
 def test_the_first_batch_is_not_taken_from_the_run(in_process_fit):
@@ -433,17 +597,26 @@ def test_unknown_batch_shape_raises_on_cuda_and_warns_on_cpu(monkeypatch):
     messages = [str(w.message) for w in record if "MemoryEstimatorCallback" in str(w.message)]
     assert len(messages) == 1
     message = messages[0]
-    for part in ("micro_batch_size and seq_length are unknown", "the callback's micro_batch_size= and seq_length= "
-                 "(not given)", "(no DataModule)", "first batch of the train dataloader (a tensor of shape [2, 3, 4], "
-                 "not [batch, seq]", "example_input_array (not set)",
-                 "MemoryEstimatorCallback(micro_batch_size=1, seq_length=4096)", "enabled=False",
-                 "FourDStrategy(memory_check=False)", "Nothing was checked"):
+    for part in (
+        "micro_batch_size and seq_length are unknown",
+        "the callback's micro_batch_size= and seq_length= (not given)",
+        "(no DataModule)",
+        "first batch of the train dataloader (a tensor of shape [2, 3, 4], not [batch, seq]",
+        "example_input_array (not set)",
+        "MemoryEstimatorCallback(micro_batch_size=1, seq_length=4096)",
+        "enabled=False",
+        "FourDStrategy(memory_check=False)",
+        "Nothing was checked",
+    ):
         assert part in message, part
     assert callback.estimate is None
 
     monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
-    with pytest.raises(ValueError, match=r"micro_batch_size and seq_length are unknown.*MemoryEstimatorCallback\("
-                                         r"micro_batch_size=1, seq_length=4096\).*enabled=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"micro_batch_size and seq_length are unknown.*MemoryEstimatorCallback\("
+        r"micro_batch_size=1, seq_length=4096\).*enabled=False",
+    ):
         callback.setup(trainer, module, "fit")
 
     def broken():
@@ -490,10 +663,12 @@ def test_what_cannot_be_checked_is_said_once(in_process_fit):
             trainer.fit(module, train_dataloaders=DataLoader(_samples(), batch_size=2))
             assert trainer.global_step == 1
     said = [str(w.message) for w in record if "MemoryEstimatorCallback" in str(w.message)]
-    assert said == ["MemoryEstimatorCallback: cannot estimate the memory of Regression: it has no lightning_4d "
-                    "LlamaConfig (a `model_config` attribute, or a Llama model built before configure_model), so "
-                    "nothing was checked. Silence this with MemoryEstimatorCallback(enabled=False) or "
-                    "FourDStrategy(memory_check=False)."]
+    assert said == [
+        "MemoryEstimatorCallback: cannot estimate the memory of Regression: it has no lightning_4d "
+        "LlamaConfig (a `model_config` attribute, or a Llama model built before configure_model), so "
+        "nothing was checked. Silence this with MemoryEstimatorCallback(enabled=False) or "
+        "FourDStrategy(memory_check=False)."
+    ]
 
     module = CausalLMModule("tiny-test")
     with pytest.warns(UserWarning, match=r"nothing checked: the device is cpu, not CUDA, and no device_memory"):
@@ -505,8 +680,10 @@ def test_what_cannot_be_checked_is_said_once(in_process_fit):
 
     from lightning_4d import ParallelConfig
 
-    trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_config=ParallelConfig(data_parallel_size=1),
-                                                       root_device=torch.device("cpu")), precision="64-true")
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(parallel_config=ParallelConfig(data_parallel_size=1), root_device=torch.device("cpu")),
+        precision="64-true",
+    )
     with pytest.warns(UserWarning, match=r"nothing checked: precision '64-true' is not modelled"):
         MemoryEstimatorCallback(device_memory="80GiB").setup(trainer, module, "fit")
 
@@ -539,13 +716,15 @@ def test_estimate_with_an_uneven_pipeline_layer_split():
     assert pc.pipeline_layer_split == [3, 1] and pc.pp == 2 and pc.dp == 1 and pc.microbatches == 2
     assert uneven == estimate_memory(cfg, pc, 4, 64, "32-true", num_microbatches=2, device_type="cpu")
     assert uneven.pp_rank == 0
-    per_rank = [estimate_memory(cfg, pc, 4, 64, "32-true", num_microbatches=2, device_type="cpu", pp_rank=r)
-                for r in (0, 1)]
+    per_rank = [
+        estimate_memory(cfg, pc, 4, 64, "32-true", num_microbatches=2, device_type="cpu", pp_rank=r) for r in (0, 1)
+    ]
     assert uneven.total == max(e.total for e in per_rank) and per_rank[0].total > per_rank[1].total
     even, _ = check(None)
     assert uneven.total > even.total and uneven.parameters > even.parameters
     assert uneven.parameters - even.parameters == pytest.approx(
-        4 * sum(p.numel() for p in _llama_layer(cfg).parameters()))  # one more fp32 layer on rank 0
+        4 * sum(p.numel() for p in _llama_layer(cfg).parameters())
+    )  # one more fp32 layer on rank 0
     with pytest.raises(ValueError, match=r"has 7 sequences, which cannot be split into num_microbatches=2"):
         check([3, 1], batch_size=7)
     assert not torch.distributed.is_initialized()

@@ -58,7 +58,11 @@ def test_model_states_zero_stages_shard_what_they_should():
     z2 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=2), "bf16-mixed")
     z3 = model_state_bytes(TINY, _pc(data_parallel_size=4, zero_stage=3), "bf16-mixed")
     assert (base.parameters, base.gradients, base.optimizer_states, base.master_weights) == (
-        2 * n, 4 * n, 12 * n, 4 * n)
+        2 * n,
+        4 * n,
+        12 * n,
+        4 * n,
+    )
     # ZeRO 1: Megatron-LM's distributed optimizer, 2 + 4 + 12/D bytes per parameter
     assert (z1.parameters, z1.gradients, z1.optimizer_states) == (2 * n, 4 * n, 12 * n // 4)
     assert z1.parameters + z1.gradients + z1.optimizer_states == (2 + 4 + 12 / 4) * n
@@ -80,8 +84,13 @@ def test_zero1_owns_its_share_of_every_bucket():
     # owned elements add up to all parameters whatever the bucket size, and no rank owns more than ceil per bucket
     n = 106_816
     for bucket in (8192, 65536, 25 * 2**20):
-        owned = [model_state_bytes(TINY, _pc(data_parallel_size=3, zero_stage=1), "32-true", dp_cp_rank=r,
-                                   bucket_bytes=bucket).optimizer_states // 8 for r in range(3)]
+        owned = [
+            model_state_bytes(
+                TINY, _pc(data_parallel_size=3, zero_stage=1), "32-true", dp_cp_rank=r, bucket_bytes=bucket
+            ).optimizer_states
+            // 8
+            for r in range(3)
+        ]
         assert sum(owned) == n, bucket
         assert max(owned) - min(owned) <= 2 * (n * 4 // bucket + 1), (bucket, owned)
 
@@ -108,7 +117,8 @@ def test_saved_activations_by_hand_fp32():
     sel = saved_activation_bytes(TINY, _pc(zero_stage=0, activation_checkpointing="selective"), 1, 64, "32-true")
     assert sel["layers"] == 2 * 164_864 and sel["recompute"] == 188_928 - 2 * 16384
     assert {k: v for k, v in sel.items() if k not in ("layers", "recompute")} == {
-        k: v for k, v in parts.items() if k not in ("layers", "recompute")}
+        k: v for k, v in parts.items() if k not in ("layers", "recompute")
+    }
 
 
 def test_loss_terms_by_hand():
@@ -129,11 +139,22 @@ def test_loss_terms_by_hand():
 
 
 def test_estimate_fields_and_peak_rule():
-    est = estimate_memory("llama3-8b", _pc(data_parallel_size=8, tensor_parallel_size=1, zero_stage=3), 1, 8192,
-                          device_type="cuda")
+    est = estimate_memory(
+        "llama3-8b", _pc(data_parallel_size=8, tensor_parallel_size=1, zero_stage=3), 1, 8192, device_type="cuda"
+    )
     d = est.to_dict()
-    for key in ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead",
-                "total", "total_gib", "peak_phase"):
+    for key in (
+        "parameters",
+        "gradients",
+        "optimizer_states",
+        "activations",
+        "logits",
+        "buffers",
+        "overhead",
+        "total",
+        "total_gib",
+        "peak_phase",
+    ):
         assert key in d
     phases = {k: v for k, v in est.details.items() if k.startswith("phase_")}
     assert est.total == est.parameters + est.optimizer_states + est.overhead + max(phases.values())
@@ -149,8 +170,9 @@ def test_estimate_moves_the_right_way():
     assert estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=3), **kw).total < base.total
     ac = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="full"), **kw)
     assert ac.activations < base.activations / 5
-    sel = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="selective"),
-                          **kw)
+    sel = estimate_memory(
+        "llama3-8b", _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="selective"), **kw
+    )
     assert ac.activations < sel.activations < base.activations
     tp = estimate_memory("llama3-8b", _pc(data_parallel_size=4, tensor_parallel_size=2, zero_stage=1), **kw)
     assert tp.activations < base.activations and tp.parameters < base.parameters
@@ -175,8 +197,10 @@ def test_every_pp_rank_is_reported():
     "kw, match",
     [
         (dict(layout=dict(tensor_parallel_size=3)), "num_heads=32 is not divisible by tensor_parallel_size=3"),
-        (dict(layout=dict(pipeline_parallel_size=64)),
-         r"num_layers=32 cannot be split into pp\*v = 64\*1 = 64 pipeline stages"),
+        (
+            dict(layout=dict(pipeline_parallel_size=64)),
+            r"num_layers=32 cannot be split into pp\*v = 64\*1 = 64 pipeline stages",
+        ),
         (dict(precision="fp8"), "precision='fp8' is not valid"),
         (dict(seq=1001, layout=dict(tensor_parallel_size=2)), "seq_length=1001 is not a multiple of 2"),
         (dict(schedule="zigzag"), "pipeline_schedule='zigzag' is not valid"),
@@ -185,8 +209,14 @@ def test_every_pp_rank_is_reported():
 def test_estimate_rejects_bad_input(kw, match):
     layout = dict(data_parallel_size=1, **kw.get("layout", {}))
     with pytest.raises(ValueError, match=match):
-        estimate_memory("llama3-8b", ParallelConfig(**layout), 1, kw.get("seq", 1024),
-                        precision=kw.get("precision", "bf16-mixed"), pipeline_schedule=kw.get("schedule", "1f1b"))
+        estimate_memory(
+            "llama3-8b",
+            ParallelConfig(**layout),
+            1,
+            kw.get("seq", 1024),
+            precision=kw.get("precision", "bf16-mixed"),
+            pipeline_schedule=kw.get("schedule", "1f1b"),
+        )
 
 
 def test_auto_dp_must_be_resolved():
@@ -222,14 +252,16 @@ def _with_ac(layouts):
 def _measure(tmp_path_factory, name, nproc, layouts, *extra):
     out = tmp_path_factory.mktemp(name)
     torchrun(nproc, SCRIPTS / "measure_memory.py", "--out", str(out), "--layouts", json.dumps(layouts), *extra)
-    return [[json.loads((out / f"layout{i}_rank{r}.json").read_text()) for r in range(nproc)]
-            for i in range(len(layouts))]
+    return [
+        [json.loads((out / f"layout{i}_rank{r}.json").read_text()) for r in range(nproc)] for i in range(len(layouts))
+    ]
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    return (_measure(tmp_path_factory, "mem2", 2, _with_ac(_WORLD2))
-            + _measure(tmp_path_factory, "mem4", 4, _with_ac(_WORLD4)))
+    return _measure(tmp_path_factory, "mem2", 2, _with_ac(_WORLD2)) + _measure(
+        tmp_path_factory, "mem4", 4, _with_ac(_WORLD4)
+    )
 
 
 def test_model_state_bytes_equal_real_shards(measured):
@@ -248,8 +280,10 @@ def _check_activations(measured) -> float:
                 err = row["estimated"] / row["measured"] - 1
                 worst = max(worst, abs(err))
                 if r["rank"] == 0:
-                    print(f"activations {r['layout']} b={row['b']} s={row['s']}: measured {row['measured']} B, "
-                          f"estimated {row['estimated']} B, error {100 * err:+.2f}%")
+                    print(
+                        f"activations {r['layout']} b={row['b']} s={row['s']}: measured {row['measured']} B, "
+                        f"estimated {row['estimated']} B, error {100 * err:+.2f}%"
+                    )
                 assert abs(err) <= 0.05, (r["layout"], r["rank"], row)
     return worst
 
@@ -278,8 +312,9 @@ _PP_WORLD4 = [
 @pytest.fixture(scope="module")
 def measured_pipeline(tmp_path_factory):
     extra = ("--layers", "4", "--shapes", "[[1, 64]]")
-    return (_measure(tmp_path_factory, "mempp2", 2, _PP_WORLD2, *extra)
-            + _measure(tmp_path_factory, "mempp4", 4, _PP_WORLD4, *extra))
+    return _measure(tmp_path_factory, "mempp2", 2, _PP_WORLD2, *extra) + _measure(
+        tmp_path_factory, "mempp4", 4, _PP_WORLD4, *extra
+    )
 
 
 def _pipeline_rows(measured_pipeline, zero_bubble: bool):
@@ -307,18 +342,23 @@ def test_pipeline_activations_within_5_percent(measured_pipeline):
     for r, row in rows:
         total = row["estimated_total"] / row["measured_total"] - 1
         peak = row["estimated_peak"] / row["measured_peak"] - 1
-        print(f"pipeline {r['layout']} rank {r['rank']}: saved over the step measured {row['measured_total']} B "
-              f"estimated {row['estimated_total']} B ({100 * total:+.2f}%); peak alive measured {row['measured_peak']} "
-              f"B estimated {row['estimated_peak']} B ({100 * peak:+.2f}%, {row['in_flight']} micro-batches)")
+        print(
+            f"pipeline {r['layout']} rank {r['rank']}: saved over the step measured {row['measured_total']} B "
+            f"estimated {row['estimated_total']} B ({100 * total:+.2f}%); peak alive measured {row['measured_peak']} "
+            f"B estimated {row['estimated_peak']} B ({100 * peak:+.2f}%, {row['in_flight']} micro-batches)"
+        )
         assert abs(total) <= 0.05, (r["layout"], r["rank"], row)
         assert abs(peak) <= 0.05, (r["layout"], r["rank"], row)
 
 
-@pytest.mark.xfail(strict=True, reason="ZBV (p=2, m=4, fp32), measured: the rank holding the middle stages exact, the "
-                   "rank holding the first and last stages 10.7% HIGH at the peak (1,347,584 B estimated vs 1,217,024 "
-                   "B; the sum over the step within 1%): with the custom RMSNorm / loss autograd functions the weight "
-                   "pass frees more than the model's input-gradient-only remainder assumes; conservative. See "
-                   "docs/pipeline.md")
+@pytest.mark.xfail(
+    strict=True,
+    reason="ZBV (p=2, m=4, fp32), measured: the rank holding the middle stages exact, the "
+    "rank holding the first and last stages 10.7% HIGH at the peak (1,347,584 B estimated vs 1,217,024 "
+    "B; the sum over the step within 1%): with the custom RMSNorm / loss autograd functions the weight "
+    "pass frees more than the model's input-gradient-only remainder assumes; conservative. See "
+    "docs/pipeline.md",
+)
 def test_zero_bubble_activation_peak(measured_pipeline):
     """ZBV (p=2, m=4, fp32): every rank's activation peak within 5% of the measured one."""
     rows = list(_pipeline_rows(measured_pipeline, zero_bubble=True))
@@ -361,5 +401,6 @@ def test_float32_gqa_on_cuda_counts_the_repeated_kv_heads():
     cuda = saved_activation_bytes(TINY, pc, b, s, "32-true", device_type="cuda")["layers"]
     assert cuda - cpu == TINY.num_layers * 2 * 4 * b * s * (a - kv) * d
     for precision in ("bf16-mixed", "bf16-true"):  # flash takes GQA: nothing repeated
-        assert (saved_activation_bytes(TINY, pc, b, s, precision, device_type="cuda")
-                == saved_activation_bytes(TINY, pc, b, s, precision, device_type="cpu"))
+        assert saved_activation_bytes(TINY, pc, b, s, precision, device_type="cuda") == saved_activation_bytes(
+            TINY, pc, b, s, precision, device_type="cpu"
+        )

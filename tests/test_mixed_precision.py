@@ -58,8 +58,10 @@ def test_rmsnorm_saves_its_input_and_the_reciprocal_rms_only():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         norm(h)
     activations = [t for t in saved if t.data_ptr() != norm.weight.data_ptr()]
-    assert sorted((tuple(t.shape), t.dtype) for t in activations) == [((2, 8, 1), torch.float32),
-                                                                      ((2, 8, 64), torch.bfloat16)]
+    assert sorted((tuple(t.shape), t.dtype) for t in activations) == [
+        ((2, 8, 1), torch.float32),
+        ((2, 8, 64), torch.bfloat16),
+    ]
     assert any(t.data_ptr() == h.data_ptr() for t in activations)  # the input itself, no copy
 
 

@@ -221,7 +221,7 @@ def test_rotary_score_depends_only_on_relative_position():
     k = torch.randn(1, 1, 1, 32, dtype=torch.float64, generator=generator)
 
     def rotated(x, position):
-        angles = (torch.tensor([position], dtype=torch.float64)[:, None] * inv_freq)  # [1, 16] float64
+        angles = torch.tensor([position], dtype=torch.float64)[:, None] * inv_freq  # [1, 16] float64
         return apply_rotary(x, angles.cos(), angles.sin())
 
     scores = [(rotated(q, m) * rotated(k, n)).sum().item() for m, n in [(3, 1), (10, 8), (500, 498), (4097, 4095)]]

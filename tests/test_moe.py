@@ -22,19 +22,22 @@ LOSS_RTOL = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------- config
-@pytest.mark.parametrize("field, value, words", [
-    ("num_experts_per_token", 9, ["num_experts_per_token=9", "1 .. num_experts=8"]),
-    ("num_experts_per_token", 0, ["num_experts_per_token=0"]),
-    ("capacity_factor", 0.0, ["capacity_factor=0.0", "None (dropless)"]),
-    ("capacity_factor", -1.25, ["capacity_factor=-1.25"]),
-    ("moe_layer_interval", 0, ["moe_layer_interval=0", "1 .. num_layers=2"]),
-    ("moe_layer_interval", 3, ["moe_layer_interval=3", "1 .. num_layers=2"]),
-    ("router_score", "relu", ["router_score='relu'", "'softmax', 'sigmoid'"]),
-    ("router_aux_loss_coef", -0.1, ["router_aux_loss_coef=-0.1", ">= 0"]),
-    ("num_shared_experts", -1, ["num_shared_experts=-1"]),
-    ("moe_intermediate_size", 0, ["moe_intermediate_size=0"]),
-    ("num_experts", -2, ["num_experts=-2", "0 (a dense Llama)"]),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("num_experts_per_token", 9, ["num_experts_per_token=9", "1 .. num_experts=8"]),
+        ("num_experts_per_token", 0, ["num_experts_per_token=0"]),
+        ("capacity_factor", 0.0, ["capacity_factor=0.0", "None (dropless)"]),
+        ("capacity_factor", -1.25, ["capacity_factor=-1.25"]),
+        ("moe_layer_interval", 0, ["moe_layer_interval=0", "1 .. num_layers=2"]),
+        ("moe_layer_interval", 3, ["moe_layer_interval=3", "1 .. num_layers=2"]),
+        ("router_score", "relu", ["router_score='relu'", "'softmax', 'sigmoid'"]),
+        ("router_aux_loss_coef", -0.1, ["router_aux_loss_coef=-0.1", ">= 0"]),
+        ("num_shared_experts", -1, ["num_shared_experts=-1"]),
+        ("moe_intermediate_size", 0, ["moe_intermediate_size=0"]),
+        ("num_experts", -2, ["num_experts=-2", "0 (a dense Llama)"]),
+    ],
+)
 def test_bad_moe_config_names_value_and_valid_ones(field, value, words):
     with pytest.raises(ValueError) as e:
         LlamaConfig.from_preset("tiny-moe", **{field: value})
@@ -99,9 +102,11 @@ def test_layouts_moe_does_not_support_yet_fail_before_any_process_group():
     from lightning_4d.tasks import CausalLMModule
 
     module = CausalLMModule("tiny-moe")
-    for kw, word in ((dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
-                     (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
-                     (dict(context_parallel_size=2), "context_parallel_size=2")):
+    for kw, word in (
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
+        (dict(context_parallel_size=2), "context_parallel_size=2"),
+    ):
         pc = ParallelConfig(data_parallel_size=1, **kw)
         with pytest.raises(ValueError, match=f"{word} is not supported for a Mixture-of-Experts model"):
             validate_against_module(pc, module)
@@ -126,8 +131,10 @@ def _naive(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
             w = torch.sigmoid(top)
         y = torch.zeros_like(t)
         for wj, j in zip(w, idx):
+
             def expert(v):
                 return e.w2[j] @ (torch.nn.functional.silu(e.w1[j] @ v) * (e.w3[j] @ v))
+
             y = y + (wj * expert(t) if cfg.router_score == "softmax" else expert(wj * t))
         if moe.shared_experts is not None:
             y = y + moe.shared_experts(t)
@@ -135,9 +142,15 @@ def _naive(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(out).reshape(x.shape)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_shared_experts": 1},
-                                       {"router_score": "sigmoid", "num_experts_per_token": 1},
-                                       {"router_score": "sigmoid", "num_shared_experts": 2}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"num_shared_experts": 1},
+        {"router_score": "sigmoid", "num_experts_per_token": 1},
+        {"router_score": "sigmoid", "num_shared_experts": 2},
+    ],
+)
 def test_moe_forward_equals_token_by_token_reference(overrides):
     torch.manual_seed(0)
     moe = MoEFeedForward(LlamaConfig.from_preset("tiny-moe", **overrides)).double()
@@ -196,9 +209,18 @@ REL = 1e-6
 
 def _mixtral(tmp, layers: int = 2, **overrides):
     torch.manual_seed(0)
-    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-                  max_position_embeddings=256, rms_norm_eps=1e-5)
+    fields = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
     fields.update(overrides)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**fields)).float().eval()
     with torch.no_grad():  # routers far from uniform, so that the top-k choice is not decided by rounding
@@ -261,10 +283,34 @@ def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
     experts' rows sharded over the two ranks."""
     torch.save(ids, tmp_path / "ids.pt")
     layouts = [{"dp": 2, "zero": 3}]
-    torchrun(1, SCRIPTS / "hf_checkpoints.py", "--mode", "export", "--model", "tiny-moe", "--out",
-             str(tmp_path / "one"), "--ids", str(tmp_path / "ids.pt"), "--layouts", json.dumps([{}]))
-    torchrun(2, SCRIPTS / "hf_checkpoints.py", "--mode", "export", "--model", "tiny-moe", "--out",
-             str(tmp_path / "dp2"), "--ids", str(tmp_path / "ids.pt"), "--layouts", json.dumps(layouts))
+    torchrun(
+        1,
+        SCRIPTS / "hf_checkpoints.py",
+        "--mode",
+        "export",
+        "--model",
+        "tiny-moe",
+        "--out",
+        str(tmp_path / "one"),
+        "--ids",
+        str(tmp_path / "ids.pt"),
+        "--layouts",
+        json.dumps([{}]),
+    )
+    torchrun(
+        2,
+        SCRIPTS / "hf_checkpoints.py",
+        "--mode",
+        "export",
+        "--model",
+        "tiny-moe",
+        "--out",
+        str(tmp_path / "dp2"),
+        "--ids",
+        str(tmp_path / "ids.pt"),
+        "--layouts",
+        json.dumps(layouts),
+    )
     for run in ("one", "dp2"):
         hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / run / "export0").float().eval()
         seen = 0
@@ -279,8 +325,20 @@ def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
         assert seen >= 1
     source = tmp_path / "hf"
     hf = _mixtral(source, 2, intermediate_size=64)
-    torchrun(2, SCRIPTS / "hf_checkpoints.py", "--mode", "import", "--hf", str(source), "--out", str(tmp_path),
-             "--ids", str(tmp_path / "ids.pt"), "--layouts", json.dumps(layouts))
+    torchrun(
+        2,
+        SCRIPTS / "hf_checkpoints.py",
+        "--mode",
+        "import",
+        "--hf",
+        str(source),
+        "--out",
+        str(tmp_path),
+        "--ids",
+        str(tmp_path / "ids.pt"),
+        "--layouts",
+        json.dumps(layouts),
+    )
     for path in sorted(tmp_path.glob("import0_rank*.pt")):
         for batch, logits in torch.load(path):
             with torch.no_grad():
@@ -290,8 +348,13 @@ def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
 
 # ---------------------------------------------------------------------------------------------------- dp parity
 VARIANT = {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2, "router_aux_loss_coef": 0.1}
-DP2 = [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}, {"dp": 2, "zero": 1, "config": VARIANT},
-       {"dp": 2, "zero": 3, "config": VARIANT}, {"dp": 2, "zero": 0, "ac": "full"}]
+DP2 = [
+    {"dp": 2, "zero": 1},
+    {"dp": 2, "zero": 3},
+    {"dp": 2, "zero": 1, "config": VARIANT},
+    {"dp": 2, "zero": 3, "config": VARIANT},
+    {"dp": 2, "zero": 0, "ac": "full"},
+]
 
 
 def _records(out, index):
@@ -301,10 +364,31 @@ def _records(out, index):
 @pytest.fixture(scope="module")
 def dp_runs(tmp_path_factory):
     ref, dp2 = tmp_path_factory.mktemp("moe_ref"), tmp_path_factory.mktemp("moe_dp2")
-    torchrun(1, SCRIPTS / "run_layouts.py", "--out", str(ref), "--model", "tiny-moe", "--steps", str(STEPS),
-             "--layouts", json.dumps([{"reference": True}, {"reference": True, "config": VARIANT}]))
-    torchrun(2, SCRIPTS / "run_layouts.py", "--out", str(dp2), "--model", "tiny-moe", "--steps", str(STEPS),
-             "--layouts", json.dumps(DP2), timeout=900)
+    torchrun(
+        1,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(ref),
+        "--model",
+        "tiny-moe",
+        "--steps",
+        str(STEPS),
+        "--layouts",
+        json.dumps([{"reference": True}, {"reference": True, "config": VARIANT}]),
+    )
+    torchrun(
+        2,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(dp2),
+        "--model",
+        "tiny-moe",
+        "--steps",
+        str(STEPS),
+        "--layouts",
+        json.dumps(DP2),
+        timeout=900,
+    )
     return ref, dp2
 
 
@@ -326,12 +410,12 @@ def test_dp2_zero_losses_aux_and_routing_equal_one_process(dp_runs, index):
         assert rel <= LOSS_RTOL and aux <= LOSS_RTOL
         assert r["bytes"]["tokens_per_expert_max"] == ref["bytes"]["tokens_per_expert_max"]
         cfg = LlamaConfig.from_preset("tiny-moe", **layout.get("config", {}))
-        pc = ParallelConfig(data_parallel_size=2, zero_stage=layout["zero"], activation_checkpointing=layout.get(
-            "ac", "none"))
+        pc = ParallelConfig(
+            data_parallel_size=2, zero_stage=layout["zero"], activation_checkpointing=layout.get("ac", "none")
+        )
         est = model_state_bytes(cfg, pc, "32-true", dp_cp_rank=r["rank"])
         b = r["bytes"]
-        assert (b["params"], b["grads"], b["optimizer_states"]) == (est.parameters, est.gradients,
-                                                                    est.optimizer_states)
+        assert (b["params"], b["grads"], b["optimizer_states"]) == (est.parameters, est.gradients, est.optimizer_states)
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 
@@ -340,11 +424,25 @@ def test_memory_model_matches_measured_moe_states_and_activations(tmp_path):
     """One process, tiny-moe variants: parameter, gradient and Adam-state bytes exact; saved activations (dropless:
     the assignment count is exact whatever the routing) within 1% (measured: exact at b=2, +0.07% to +0.4% at b=1,
     as for the dense model)."""
-    layouts = [{}, {"config": {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2}},
-               {"config": {"router_score": "sigmoid", "num_shared_experts": 2}}, {"precision": "bf16-mixed"},
-               {"ac": "full"}]
-    torchrun(1, SCRIPTS / "measure_memory.py", "--out", str(tmp_path), "--model", "tiny-moe", "--layouts",
-             json.dumps(layouts), "--shapes", "[[1, 64], [2, 64], [2, 128]]")
+    layouts = [
+        {},
+        {"config": {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2}},
+        {"config": {"router_score": "sigmoid", "num_shared_experts": 2}},
+        {"precision": "bf16-mixed"},
+        {"ac": "full"},
+    ]
+    torchrun(
+        1,
+        SCRIPTS / "measure_memory.py",
+        "--out",
+        str(tmp_path),
+        "--model",
+        "tiny-moe",
+        "--layouts",
+        json.dumps(layouts),
+        "--shapes",
+        "[[1, 64], [2, 64], [2, 128]]",
+    )
     for i, layout in enumerate(layouts):
         r = _records(tmp_path, i)[0]
         for key in ("parameters", "gradients", "optimizer_states"):
@@ -362,6 +460,7 @@ def test_memory_model_moe_states_formula():
     assert st.parameters == 4 * n and st.optimizer_states == 8 * n
     st3 = model_state_bytes(cfg, ParallelConfig(data_parallel_size=8, zero_stage=3), "bf16-mixed")
     assert st3.parameters == 4 * n // 8  # every dim 0 (8 experts, 4096 rows, 32000 vocabulary rows) divides by 8
-    act = saved_activation_bytes(LlamaConfig.from_preset("tiny-moe"), ParallelConfig(data_parallel_size=1), 2, 64,
-                                 "32-true")
+    act = saved_activation_bytes(
+        LlamaConfig.from_preset("tiny-moe"), ParallelConfig(data_parallel_size=1), 2, 64, "32-true"
+    )
     assert act["layers"] > 0

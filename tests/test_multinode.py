@@ -35,9 +35,21 @@ def _free_port() -> int:
 
 
 def _node_command(node_rank: int, port: int, out) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NUM_NODES}", f"--node-rank={node_rank}",
-            f"--nproc-per-node={DEVICES}", "--master-addr=127.0.0.1", f"--master-port={port}",
-            str(SCRIPTS / "multinode_fit.py"), "--out", str(out), "--steps", str(STEPS)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={NUM_NODES}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={DEVICES}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        str(SCRIPTS / "multinode_fit.py"),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+    ]
 
 
 def _run_two_nodes(out) -> float:
@@ -49,8 +61,17 @@ def _run_two_nodes(out) -> float:
         for node in range(NUM_NODES):
             log = open(out / f"node{node}.log", "w+")
             logs.append(log)
-            procs.append(subprocess.Popen(_node_command(node, port, out), env=worker_env(), cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    _node_command(node, port, out),
+                    env=worker_env(),
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         deadline = start + TIMEOUT_S
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
     except subprocess.TimeoutExpired:

@@ -20,7 +20,8 @@ from tests._launch import SCRIPTS, torchrun
 
 STEPS = 10
 WORLD2 = (
-    [{"dp": 2, "zero": z} for z in range(4)] + [{"tp": 2, "zero": 0}, {"dp": 2, "zero": 3, "compile": True}]
+    [{"dp": 2, "zero": z} for z in range(4)]
+    + [{"tp": 2, "zero": 0}, {"dp": 2, "zero": 3, "compile": True}]
     # selective checkpointing under tp without sp: the row-parallel outputs are all-reduced (and kept)
     + [{"tp": 2, "sp": False, "zero": 0, "ac": "selective"}]
 )
@@ -30,8 +31,11 @@ WORLD4 = (
     + [{"dp": 2, "tp": 2, "zero": 2, "ac": "full"}, {"dp": 2, "tp": 2, "zero": 3, "sp": False}]
     # selective checkpointing under tp with sp (reduce-scatters kept, all-gathers recomputed) and FSDP2
     + [{"dp": 2, "tp": 2, "zero": 3, "ac": "selective"}]
-    + [{"dp": 2, "tp": 2, "zero": 1, "clip": 0.1}, {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1},
-       {"dp": 4, "zero": 0, "clip": 0.1}]
+    + [
+        {"dp": 2, "tp": 2, "zero": 1, "clip": 0.1},
+        {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1},
+        {"dp": 4, "zero": 0, "clip": 0.1},
+    ]
     # clipping with tp-replicated plain parameters (norm weights without sp): counted once in the global norm
     + [{"dp": 2, "tp": 2, "zero": 1, "sp": False, "clip": 0.1}]
     # several gradient buckets (all-reduces launched during backward); gradient accumulation over 2 micro-batches
@@ -41,8 +45,10 @@ WORLD4 = (
     + [{"dp": 2, "tp": 2, "zero": 1, "tied": True}, {"dp": 2, "tp": 2, "zero": 3, "tied": True}]
 )
 # bf16: compared with the float32 reference at bf16 tolerance (8 mantissa bits: ~4e-3 relative per rounding)
-WORLD4_BF16 = [{"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"},
-               {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-true"}]
+WORLD4_BF16 = [
+    {"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"},
+    {"dp": 2, "tp": 2, "zero": 3, "precision": "bf16-true"},
+]
 BF16_LOSS_RTOL = 1e-2
 # bf16-mixed (bf16 weights, fp32 master weights and gradients) against the single-process bf16-mixed run of the
 # same code (FourDStrategy on one process), to 1e-2 relative: every layout dimension under mixed precision
@@ -59,8 +65,17 @@ WEIGHT_ATOL = 1e-5
 
 def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
     out = tmp_path_factory.mktemp(name)
-    torchrun(nproc, SCRIPTS / "run_layouts.py", "--out", str(out), "--steps", str(STEPS), "--layouts",
-             json.dumps(layouts), timeout=900)
+    torchrun(
+        nproc,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--layouts",
+        json.dumps(layouts),
+        timeout=900,
+    )
     results = []
     for i, layout in enumerate(layouts):
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
@@ -75,8 +90,12 @@ def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The single-process runs (plain Lightning, no FourDStrategy): plain, with gradient clipping, tied head."""
-    return _run(tmp_path_factory, "reference", 1,
-                [{"reference": True}, {"reference": True, "clip": 0.1}, {"reference": True, "tied": True}])
+    return _run(
+        tmp_path_factory,
+        "reference",
+        1,
+        [{"reference": True}, {"reference": True, "clip": 0.1}, {"reference": True, "tied": True}],
+    )
 
 
 def _reference_for(references, layout):
@@ -86,8 +105,9 @@ def _reference_for(references, layout):
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory):
     """The single-process bf16-mixed runs of FourDStrategy (bf16 weights, fp32 masters): plain and clipped."""
-    return _run(tmp_path_factory, "bf16_reference", 1,
-                [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}])
+    return _run(
+        tmp_path_factory, "bf16_reference", 1, [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +137,10 @@ def _check_parity(reference, result, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATO
     assert len(losses) == STEPS
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     werr = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
-    print(f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max abs weight diff {werr:.2e}; "
-          f"losses {[round(x, 5) for x in losses]}")
+    print(
+        f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max abs weight diff {werr:.2e}; "
+        f"losses {[round(x, 5) for x in losses]}"
+    )
     assert set(weights) == set(ref_weights)
     assert rel <= loss_rtol
     assert werr <= weight_atol
@@ -187,11 +209,19 @@ def _check_bytes(result):
     pc = ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, zero_stage=zero)
     model_config = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=layout.get("tied", False))
     for r in ranks:
-        est = model_state_bytes(model_config, pc, layout.get("precision", "32-true"), dp_cp_rank=r["rank"] // tp % dp,
-                                bucket_bytes=layout.get("bucket", 25 * 2**20))
+        est = model_state_bytes(
+            model_config,
+            pc,
+            layout.get("precision", "32-true"),
+            dp_cp_rank=r["rank"] // tp % dp,
+            bucket_bytes=layout.get("bucket", 25 * 2**20),
+        )
         real = r["bytes"]
         assert (real["params"], real["grads"], real["optimizer_states"]) == (
-            est.parameters, est.gradients, est.optimizer_states), (layout, r["rank"])
+            est.parameters,
+            est.gradients,
+            est.optimizer_states,
+        ), (layout, r["rank"])
     if layout.get("precision") in ("bf16-true", "bf16-mixed"):
         return
     for tp_rank, group in by_tp.items():
@@ -200,8 +230,10 @@ def _check_bytes(result):
         assert all(g["tp_local_params"] == full for g in group)
         total = {k: sum(g[k] for g in group) for k in ("params", "grads", "optimizer_states")}
         worst = {k: max(g[k] for g in group) for k in ("params", "grads", "optimizer_states")}
-        print(f"\n{_layout_id(layout)} tp_rank {tp_rank}: unsharded {full} B; per rank (max) params {worst['params']} "
-              f"grads {worst['grads']} optimizer {worst['optimizer_states']} B; sums over dp {total}")
+        print(
+            f"\n{_layout_id(layout)} tp_rank {tp_rank}: unsharded {full} B; per rank (max) params {worst['params']} "
+            f"grads {worst['grads']} optimizer {worst['optimizer_states']} B; sums over dp {total}"
+        )
         # bound for a 1/dp shard: every parameter split in dp chunks of ceil(n/dp) elements (4 bytes each)
         slack = 4 * group[0]["num_params"]
         sharded = {"params": zero >= 2, "grads": zero >= 2, "optimizer_states": zero >= 1}

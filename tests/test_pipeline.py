@@ -43,8 +43,20 @@ WORLD8 = [
 
 def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict], *extra: str):
     out = tmp_path_factory.mktemp(name)
-    torchrun(nproc, SCRIPTS / "run_layouts.py", "--out", str(out), "--steps", str(STEPS), "--layers", str(LAYERS),
-             "--layouts", json.dumps(layouts), *extra, timeout=900)
+    torchrun(
+        nproc,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--layers",
+        str(LAYERS),
+        "--layouts",
+        json.dumps(layouts),
+        *extra,
+        timeout=900,
+    )
     return out
 
 
@@ -199,8 +211,11 @@ def test_num_microbatches_resolution():
     data = SimpleNamespace(global_batch_size=24, micro_batch_size=3)
     assert resolve_num_microbatches(config, SimpleNamespace(accumulate_grad_batches=1), data) == 4
     with pytest.raises(ValueError, match=r"global_batch_size=20 is not a multiple of micro_batch_size x dp = 3 x 2"):
-        resolve_num_microbatches(ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2), None,
-                                 SimpleNamespace(global_batch_size=20, micro_batch_size=3))
+        resolve_num_microbatches(
+            ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2),
+            None,
+            SimpleNamespace(global_batch_size=20, micro_batch_size=3),
+        )
     assert ParallelConfig(data_parallel_size=1).microbatches == 1
 
 
@@ -236,14 +251,25 @@ def test_strategy_rejects_bad_pipeline_before_process_group(tmp_path):
     assert strategy.num_microbatches == 1
     cases = [
         (dict(pipeline_parallel_size=2, num_microbatches=1), {}, r"num_microbatches=1 is too small"),
-        (dict(pipeline_parallel_size=2, num_microbatches=2), {"accumulate_grad_batches": 2},
-         r"accumulate_grad_batches=2 is not supported with pipeline_parallel_size=2"),
+        (
+            dict(pipeline_parallel_size=2, num_microbatches=2),
+            {"accumulate_grad_batches": 2},
+            r"accumulate_grad_batches=2 is not supported with pipeline_parallel_size=2",
+        ),
         (dict(pipeline_parallel_size=2, pipeline_layer_split=[2, 1]), {}, r"summing to num_layers=2"),
     ]
     for kwargs, trainer_kwargs, match in cases:
         strategy = FourDStrategy(process_group_backend="gloo", **kwargs)
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            **trainer_kwargs,
+        )
         module = CausalLMModule("tiny-test")
         dm = LMDataModule(seq_length=32, micro_batch_size=2)
         strategy._lightning_module = module

@@ -12,8 +12,11 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning_4d.precision import FourDPrecision, four_d_precision
 
 
-@pytest.mark.parametrize("plugin", [Precision(), MixedPrecision("bf16-mixed", "cpu"), HalfPrecision("bf16-true")],
-                         ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize(
+    "plugin",
+    [Precision(), MixedPrecision("bf16-mixed", "cpu"), HalfPrecision("bf16-true")],
+    ids=lambda p: type(p).__name__,
+)
 def test_four_d_precision_is_the_plugin_class_with_our_overrides(plugin):
     ours = four_d_precision(plugin, None)
     assert isinstance(ours, FourDPrecision) and isinstance(ours, type(plugin))
@@ -47,10 +50,19 @@ def test_sharded_optimizer_steps_through_the_plugin_without_lr_scheduler_warning
     clip = ShardedOptimizer.clip_grad_norm_
     monkeypatch.setattr(ShardedOptimizer, "clip_grad_norm_", lambda self, *a: clipped.append(a) or clip(self, *a))
     module = Module("tiny", warmup_steps=2, max_steps=4)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=3, gradient_clip_val=0.5,
-                        strategy=FourDStrategy(zero_stage=1, memory_check=False), logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=3,
+        gradient_clip_val=0.5,
+        strategy=FourDStrategy(zero_stage=1, memory_check=False),
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -32,8 +32,9 @@ def test_young_interval_by_hand():
     tau = math.sqrt(2 * write * mtbf)
     assert got.write_s == pytest.approx(write) and got.mtbf_s == pytest.approx(mtbf)
     assert got.interval_s == pytest.approx(tau) and got.interval_steps == round(tau / 2.0)
-    assert got.lost_fraction == pytest.approx(write / tau + tau / (2 * mtbf)) == pytest.approx(
-        math.sqrt(2 * write / mtbf))
+    assert (
+        got.lost_fraction == pytest.approx(write / tau + tau / (2 * mtbf)) == pytest.approx(math.sqrt(2 * write / mtbf))
+    )
     faster = checkpoint_interval(cfg, 64, 8, 2.0, checkpoint_write_gbps=50.0, mtbf_gpu_hours=10_000.0)
     assert faster.interval_s < got.interval_s and faster.lost_fraction < got.lost_fraction
     for bad in ({"checkpoint_write_gbps": 0}, {"mtbf_gpu_hours": float("nan")}, {"mtbf_gpu_hours": -1.0}):

@@ -18,10 +18,18 @@ PAIRS = [
     ("pp2dp2_to_dp2tp2", {"pp": 2, "dp": 2, "m": 2, "zero": 1}, 4, {"dp": 2, "tp": 2, "zero": 1}),
     ("cp2dp2_to_dp4", {"cp": 2, "dp": 2, "zero": 1}, 4, {"dp": 4, "zero": 2}),
     # bf16-mixed: the folder's weights are the float32 masters (ZeRO 1's gathered, FSDP2's own shards)
-    ("bf16_dp2tp2z1_to_dp4z3", {"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"}, 4,
-     {"dp": 4, "zero": 3, "precision": "bf16-mixed"}),
-    ("bf16_dp4z3_to_dp2tp2z0", {"dp": 4, "zero": 3, "precision": "bf16-mixed"}, 4,
-     {"dp": 2, "tp": 2, "zero": 0, "precision": "bf16-mixed"}),
+    (
+        "bf16_dp2tp2z1_to_dp4z3",
+        {"dp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"},
+        4,
+        {"dp": 4, "zero": 3, "precision": "bf16-mixed"},
+    ),
+    (
+        "bf16_dp4z3_to_dp2tp2z0",
+        {"dp": 4, "zero": 3, "precision": "bf16-mixed"},
+        4,
+        {"dp": 2, "tp": 2, "zero": 0, "precision": "bf16-mixed"},
+    ),
 ]
 # float32: the bound. bf16-mixed: another layout rounds its bfloat16 matmuls and reductions differently
 # (the bf16 parity tests measure up to 8.3e-5 between layouts); measured here: at most 1.9e-5 over steps 5-8
@@ -34,10 +42,30 @@ def resharded(tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard")
     for world in sorted({w for _, _, w, _ in PAIRS}):
         saving = [dict(a, name=n) for n, a, w, _ in PAIRS if w == world]
-        torchrun(world, SCRIPTS / "run_layouts.py", "--out", str(out), "--reshard", "first", "--layouts",
-                 json.dumps(saving), *ARGS, timeout=900)
-    torchrun(4, SCRIPTS / "run_layouts.py", "--out", str(out), "--reshard", "resume", "--layouts",
-             json.dumps([dict(b, name=n) for n, _, _, b in PAIRS]), *ARGS, timeout=900)
+        torchrun(
+            world,
+            SCRIPTS / "run_layouts.py",
+            "--out",
+            str(out),
+            "--reshard",
+            "first",
+            "--layouts",
+            json.dumps(saving),
+            *ARGS,
+            timeout=900,
+        )
+    torchrun(
+        4,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(out),
+        "--reshard",
+        "resume",
+        "--layouts",
+        json.dumps([dict(b, name=n) for n, _, _, b in PAIRS]),
+        *ARGS,
+        timeout=900,
+    )
     return out
 
 

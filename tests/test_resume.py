@@ -46,18 +46,31 @@ class _RecordLR(L.Callback):
         self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
 
 
-def _fit(root, max_steps: int, ckpt_path=None, module_max_steps=None, save_every=None,
-         checkpoint=None) -> dict[int, float]:
+def _fit(
+    root, max_steps: int, ckpt_path=None, module_max_steps=None, save_every=None, checkpoint=None
+) -> dict[int, float]:
     record = _RecordLR()
     callbacks = [record] + ([checkpoint] if checkpoint is not None else [])
     if save_every:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=save_every,
-                                                             save_top_k=-1, filename="{step}"))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, callbacks=callbacks,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=root)
-    model = CausalLMModule("tiny-test", learning_rate=LR, warmup_steps=WARMUP, min_lr_ratio=RATIO,
-                           max_steps=module_max_steps)
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=root / "ckpt", every_n_train_steps=save_every, save_top_k=-1, filename="{step}"
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
+    model = CausalLMModule(
+        "tiny-test", learning_rate=LR, warmup_steps=WARMUP, min_lr_ratio=RATIO, max_steps=module_max_steps
+    )
     trainer.fit(model, DataLoader(_Tokens(), batch_size=2), ckpt_path=ckpt_path)
     return record.lrs
 
@@ -107,8 +120,11 @@ def test_shipped_configs_keep_one_last_ckpt(config):
 def test_second_run_in_the_same_folder_replaces_last_ckpt(tmp_path):
     """Two fresh runs with configs/tiny.yaml's ModelCheckpoint (every 2 steps) in one folder: one ``last.ckpt``,
     holding the second run's last step; no ``last-v1.ckpt``."""
-    args = {**_checkpoint_args(ROOT / "configs" / "tiny.yaml"), "dirpath": str(tmp_path / "ckpt"),
-            "every_n_train_steps": 2}
+    args = {
+        **_checkpoint_args(ROOT / "configs" / "tiny.yaml"),
+        "dirpath": str(tmp_path / "ckpt"),
+        "every_n_train_steps": 2,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Checkpoint directory ... exists and is not empty"
         _fit(tmp_path, 4, checkpoint=L.pytorch.callbacks.ModelCheckpoint(**args))
@@ -128,8 +144,9 @@ def test_sharded_save_replaces_an_existing_folder(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's single-process warning
         for step in (1, 2):
-            save_sharded({"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}, path, 0,
-                         lambda: None)
+            save_sharded(
+                {"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}, path, 0, lambda: None
+            )
     check_complete(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     meta = torch.load(path / LIGHTNING_METADATA_FILENAME, weights_only=False)

@@ -19,10 +19,29 @@ from lightning_4d.models.config import LlamaConfig
 H100 = GPU_PRESETS["H100-80GB"]
 
 # matmuls and attention kernels (compute-bound: modelled by FLOPs), and ops that move no data
-_NOT_POINTWISE = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
-                  "_scaled_dot_product_flash_attention_for_cpu_backward", "view", "_unsafe_view", "t", "transpose",
-                  "expand", "permute", "unsqueeze", "squeeze", "detach", "alias", "slice", "select", "as_strided",
-                  "split", "unbind", "split_with_sizes"}
+_NOT_POINTWISE = {
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "expand",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "detach",
+    "alias",
+    "slice",
+    "select",
+    "as_strided",
+    "split",
+    "unbind",
+    "split_with_sizes",
+}
 
 
 class _PointwiseBytes(TorchDispatchMode):
@@ -44,8 +63,9 @@ def _layer_pointwise_bytes(h: int, a: int, k: int, f: int, s: int) -> int:
     from lightning_4d.models.llama import TransformerBlock
     from lightning_4d.models.rope import rope_cos_sin
 
-    cfg = LlamaConfig(hidden_size=h, num_heads=a, num_kv_heads=k, intermediate_size=f, num_layers=1, vocab_size=256,
-                      max_seq_length=s)
+    cfg = LlamaConfig(
+        hidden_size=h, num_heads=a, num_kv_heads=k, intermediate_size=f, num_layers=1, vocab_size=256, max_seq_length=s
+    )
     torch.manual_seed(0)
     block = TransformerBlock(cfg).to(torch.bfloat16)
     x = torch.randn(1, s, h, dtype=torch.bfloat16, requires_grad=True)
@@ -56,8 +76,9 @@ def _layer_pointwise_bytes(h: int, a: int, k: int, f: int, s: int) -> int:
     return meter.bytes
 
 
-@pytest.mark.parametrize("h,a,k,f", [(256, 4, 2, 512), (512, 4, 2, 512), (256, 4, 2, 1024), (256, 8, 2, 512),
-                                     (256, 4, 4, 512)])
+@pytest.mark.parametrize(
+    "h,a,k,f", [(256, 4, 2, 512), (512, 4, 2, 512), (256, 4, 2, 1024), (256, 8, 2, 512), (256, 4, 4, 512)]
+)
 def test_pointwise_bytes_per_token_are_measured_on_our_layer(h, a, k, f):
     """POINTWISE_BYTES is what our bf16 decoder layer's non-matmul ops read and write per token, forward + backward:
     the per-token slope between two sequence lengths (what does not grow with s, the weights' gradients, drops out)
@@ -70,8 +91,15 @@ def test_pointwise_bytes_per_token_are_measured_on_our_layer(h, a, k, f):
 def test_one_gpu_step_is_compute_by_hand():
     """One GPU, no parallelism: m·(L·(matmuls + attention + pointwise) + head + loss) + the optimizer step."""
     cfg, s, b, m = LlamaConfig.from_preset("llama3.2-1b"), 4096, 2, 3
-    h, f, d, a, k, vocab, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, \
-        cfg.num_kv_heads, cfg.padded_vocab_size, cfg.num_layers
+    h, f, d, a, k, vocab, L = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.head_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.padded_vocab_size,
+        cfg.num_layers,
+    )
     one = st.predict_step_time(cfg, ParallelConfig(data_parallel_size=1, zero_stage=0), b, m, s, H100, 8)
     tokens, peak, hbm = b * s, H100.peak_flops, st.POINTWISE_EFFICIENCY * H100.memory_bandwidth
     eta = st.gemm_efficiency(min(tokens, h, f, a * d))
@@ -79,17 +107,21 @@ def test_one_gpu_step_is_compute_by_hand():
     attention = 6 * a * d * s * tokens / (st.attention_efficiency(s) * peak)
     ch, cq, cf = st.POINTWISE_BYTES
     pointwise = (ch * h + cq * (a + 2 * k) * d + cf * f) * tokens / hbm
-    head = 6 * vocab * h * tokens / (st.gemm_efficiency(min(tokens, h, vocab)) * peak) \
+    head = (
+        6 * vocab * h * tokens / (st.gemm_efficiency(min(tokens, h, vocab)) * peak)
         + st.LOSS_BYTES_PER_LOGIT * vocab * tokens / hbm
+    )
     assert one.compute == pytest.approx(m * (L * (matmul + attention + pointwise) + head))
     assert one.tp == one.cp == one.pp == one.dp == one.bubble == one.recompute == 0
     params = L * (h * (a + 2 * k) * d + a * d * h + 3 * h * f) + 2 * vocab * h
     assert one.optimizer == pytest.approx(params * st.OPTIMIZER_BYTES_PER_PARAM / hbm)
-    full = st.predict_step_time(cfg, ParallelConfig(data_parallel_size=1, zero_stage=0,
-                                                    activation_checkpointing="full"), b, m, s, H100, 8)
+    full = st.predict_step_time(
+        cfg, ParallelConfig(data_parallel_size=1, zero_stage=0, activation_checkpointing="full"), b, m, s, H100, 8
+    )
     assert full.recompute == pytest.approx(m * L * (matmul + attention + pointwise) / 3)
-    selective = st.predict_step_time(cfg, ParallelConfig(data_parallel_size=1, zero_stage=0,
-                                                         activation_checkpointing="selective"), b, m, s, H100, 8)
+    selective = st.predict_step_time(
+        cfg, ParallelConfig(data_parallel_size=1, zero_stage=0, activation_checkpointing="selective"), b, m, s, H100, 8
+    )
     assert selective.recompute == pytest.approx(m * L * pointwise / 3)
 
 
@@ -97,8 +129,14 @@ def test_one_gpu_step_is_compute_by_hand():
 def test_pipeline_bubble_is_the_schedules(schedule, v):
     """1F1B and interleaved 1F1B: bubble / (bubble + m·t_max) = (p−1)/(v·m + p−1) (Narayanan et al. 2021)."""
     cfg, p, m = LlamaConfig.from_preset("llama3-8b"), 4, 8
-    pc = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=p, pipeline_schedule=schedule,
-                        virtual_pipeline_stages=v, num_microbatches=m, zero_stage=0)
+    pc = ParallelConfig(
+        data_parallel_size=1,
+        pipeline_parallel_size=p,
+        pipeline_schedule=schedule,
+        virtual_pipeline_stages=v,
+        num_microbatches=m,
+        zero_stage=0,
+    )
     t = st.predict_step_time(cfg, pc, 1, m, 4096, H100, 8)
     busy = t.compute + t.recompute + t.tp + t.cp
     assert t.bubble / (t.bubble + busy) == pytest.approx((p - 1) / (v * m + p - 1))
@@ -107,11 +145,26 @@ def test_pipeline_bubble_is_the_schedules(schedule, v):
 def test_zbv_bubble_is_a_chunk_less_its_matmuls():
     """ZB-V: (p−1)·(T_F + T_B − 2·T_W) per chunk (Qi et al. 2024): smaller than 1F1B's, larger than zero."""
     cfg, p, m = LlamaConfig.from_preset("llama3-8b"), 4, 8
-    zbv = st.predict_step_time(cfg, ParallelConfig(data_parallel_size=1, pipeline_parallel_size=p,
-                                                   pipeline_schedule="zbv", num_microbatches=m, zero_stage=0),
-                               1, m, 4096, H100, 8)
-    f1b = st.predict_step_time(cfg, ParallelConfig(data_parallel_size=1, pipeline_parallel_size=p,
-                                                   num_microbatches=m, zero_stage=0), 1, m, 4096, H100, 8)
+    zbv = st.predict_step_time(
+        cfg,
+        ParallelConfig(
+            data_parallel_size=1, pipeline_parallel_size=p, pipeline_schedule="zbv", num_microbatches=m, zero_stage=0
+        ),
+        1,
+        m,
+        4096,
+        H100,
+        8,
+    )
+    f1b = st.predict_step_time(
+        cfg,
+        ParallelConfig(data_parallel_size=1, pipeline_parallel_size=p, num_microbatches=m, zero_stage=0),
+        1,
+        m,
+        4096,
+        H100,
+        8,
+    )
     assert 0 < zbv.bubble < f1b.bubble / 2
 
 
@@ -134,8 +187,11 @@ def test_torchtitan_8b_row_within_15_percent():
     published; predicted +10% (measured 6,330)."""
     run = _run("torchtitan")
     cfg, gpu, lay = LlamaConfig.from_preset(run["model"]), GPU_PRESETS[run["gpu"]], run["layout"]
-    pc = ParallelConfig(data_parallel_size=lay["dp"], zero_stage=lay["zero_stage"],
-                        activation_checkpointing=lay["activation_checkpointing"])
+    pc = ParallelConfig(
+        data_parallel_size=lay["dp"],
+        zero_stage=lay["zero_stage"],
+        activation_checkpointing=lay["activation_checkpointing"],
+    )
     b = lay["micro_batch_size"]
     t = st.predict_step_time(cfg, pc, b, run["global_batch_size"] // (lay["dp"] * b), run["seq_length"], gpu, 8)
     per_gpu = run["global_batch_size"] * run["seq_length"] / t.total / run["num_gpus"]
@@ -180,8 +236,10 @@ def test_plan_lists_uneven_pipeline_splits_quickly():
     assert elapsed < 5
     pp16 = [c for c in rows if (c.tp, c.pp) == (8, 16)]
     assert pp16 and all(sum(c.pipeline_layer_split) == 126 for c in pp16)
-    assert any(pc.pp == 16 and pc.tp == 8 and pc.cp == 1 and pc.pipeline_layer_split == [7] + [8] * 14 + [7]
-               for pc, _, _ in enumerate_layouts(cfg, 16384, 8, 8192, 2048, micro_batch_size=1))
+    assert any(
+        pc.pp == 16 and pc.tp == 8 and pc.cp == 1 and pc.pipeline_layer_split == [7] + [8] * 14 + [7]
+        for pc, _, _ in enumerate_layouts(cfg, 16384, 8, 8192, 2048, micro_batch_size=1)
+    )
 
 
 def test_candidates_say_why_they_rank_where_they_do():
@@ -194,8 +252,13 @@ def test_candidates_say_why_they_rank_where_they_do():
         assert 0 <= c.bubble_fraction + c.communication_fraction + c.recompute_fraction < 1
         for o in rows:
             same = (o.tp, o.pp, o.cp, o.dp, o.micro_batch_size) == (c.tp, c.pp, c.cp, c.dp, c.micro_batch_size)
-            assert not (same and o is not c and o.step_time <= c.step_time and o.memory <= c.memory
-                        and (o.step_time < c.step_time or o.memory < c.memory or o.zero_stage < c.zero_stage))
+            assert not (
+                same
+                and o is not c
+                and o.step_time <= c.step_time
+                and o.memory <= c.memory
+                and (o.step_time < c.step_time or o.memory < c.memory or o.zero_stage < c.zero_stage)
+            )
     assert rows[0].micro_batch_size == 1 and rows[0].sequence_parallel
     pcs = [c.parallel_config() for c in rows]
     assert all(pc.pp == 1 or pc.pipeline_layer_split is None or sum(pc.pipeline_layer_split) == 126 for pc in pcs)
@@ -207,8 +270,26 @@ def test_estimate_accepts_an_uneven_pipeline_layer_split(capsys):
     from lightning_4d.cli import main
 
     split = [str(n) for n in propose_layer_split(126, 16)]
-    base = ["estimate", "--model", "llama3.1-405b", "--tp", "8", "--pp", "16", "--dp", "64", "--micro-batch-size",
-            "1", "--seq-length", "8192", "--activation-checkpointing", "full", "--num-microbatches", "32", "--json"]
+    base = [
+        "estimate",
+        "--model",
+        "llama3.1-405b",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--dp",
+        "64",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "8192",
+        "--activation-checkpointing",
+        "full",
+        "--num-microbatches",
+        "32",
+        "--json",
+    ]
     assert main(base + ["--pipeline-layer-split", *split]) == 0
     import json
 

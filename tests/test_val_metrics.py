@@ -39,8 +39,11 @@ def reference(tmp_path_factory):
     return record
 
 
-@pytest.mark.parametrize("layout", [("--tp", "2", "--dp", "2"), ("--pp", "2", "--dp", "2"),
-                                    ("--cp", "2", "--dp", "2")], ids=["dp2xtp2", "pp2xdp2", "cp2xdp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [("--tp", "2", "--dp", "2"), ("--pp", "2", "--dp", "2"), ("--cp", "2", "--dp", "2")],
+    ids=["dp2xtp2", "pp2xdp2", "cp2xdp2"],
+)
 def test_val_metrics_equal_one_process(tmp_path, reference, layout):
     torchrun(4, SCRIPTS / "pp_eval.py", "--out", str(tmp_path), *VAL, *layout)
     for rank in range(4):

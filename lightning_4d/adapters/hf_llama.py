@@ -62,8 +62,16 @@ def _is(module: nn.Module, class_name: str) -> bool:
     return any(c.__name__ == class_name for c in type(module).__mro__)
 
 
-def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-              scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+def attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
     """transformers' attention-function signature: ``query`` ``[b, heads, s_local, d]``, ``key`` / ``value``
     ``[b, kv_heads, s_local, d]`` (local heads under tp) -> ``([b, s_local, heads, d], None)``. Causal over the full
     sequence: under cp (``module._lightning_4d_cp = (group, method)``) through
@@ -76,16 +84,18 @@ def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, atte
     d = query.shape[-1]
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported under tp / cp (Llama trains without)")
-    if scaling is not None and abs(scaling - d ** -0.5) > 1e-12 * d:
-        raise ValueError(f"attention scaling={scaling} is not supported: expected 1/sqrt(head_dim) = {d ** -0.5}")
+    if scaling is not None and abs(scaling - d**-0.5) > 1e-12 * d:
+        raise ValueError(f"attention scaling={scaling} is not supported: expected 1/sqrt(head_dim) = {d**-0.5}")
     cp = getattr(module, "_lightning_4d_cp", None)
     if cp is not None:
         group, method = cp
-        out = context_parallel_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), group,
-                                         method, "sdpa")
+        out = context_parallel_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), group, method, "sdpa"
+        )
         return out.contiguous(), None
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                         enable_gqa=key.shape[1] != query.shape[1])
+    out = F.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -99,8 +109,10 @@ class _Positions:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.all(mask != 0)):
-            raise ValueError("a padding attention_mask is not supported with tensor or context parallelism: the "
-                             "attention is causal over every token (pack sequences instead, or pass no mask)")
+            raise ValueError(
+                "a padding attention_mask is not supported with tensor or context parallelism: the "
+                "attention is causal over every token (pack sequences instead, or pass no mask)"
+            )
         if kwargs.get("position_ids") is None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:
@@ -137,8 +149,11 @@ class HFLlamaFamily(ModelFamily):
 
     def is_model(self, module: nn.Module) -> bool:
         config = getattr(module, "config", None)
-        return _is(module, "LlamaForCausalLM") and getattr(config, "model_type", None) == "llama" \
+        return (
+            _is(module, "LlamaForCausalLM")
+            and getattr(config, "model_type", None) == "llama"
             and isinstance(getattr(module, "model", None), nn.Module)
+        )
 
     def model_config(self, model: nn.Module) -> Any:
         """Our ``LlamaConfig`` of the same shape; ``ValueError`` for a Llama variant ours does not model."""
@@ -158,16 +173,22 @@ class HFLlamaFamily(ModelFamily):
         config.validate_model(ours)
         dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
         if dropout and max(config.tp, config.cp, config.pp) > 1:
-            raise ValueError(f"attention_dropout={dropout} is not supported with tp, cp or pp > 1 (the split attention "
-                             "has no dropout; Llama trains without): set the model config's attention_dropout=0.0")
+            raise ValueError(
+                f"attention_dropout={dropout} is not supported with tp, cp or pp > 1 (the split attention "
+                "has no dropout; Llama trains without): set the model config's attention_dropout=0.0"
+            )
         if config.tp > 1 and ours.tie_word_embeddings:
-            raise ValueError(f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
-                             "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; "
-                             "use tp=1 (dp, ZeRO, cp) or an untied model")
+            raise ValueError(
+                f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
+                "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; "
+                "use tp=1 (dp, ZeRO, cp) or an untied model"
+            )
         if config.activation_checkpointing != "none":
-            raise ValueError(f"activation_checkpointing={config.activation_checkpointing!r} is not supported for a "
-                             "transformers LlamaForCausalLM yet: use activation_checkpointing='none' (or call the "
-                             "model's gradient_checkpointing_enable() yourself)")
+            raise ValueError(
+                f"activation_checkpointing={config.activation_checkpointing!r} is not supported for a "
+                "transformers LlamaForCausalLM yet: use activation_checkpointing='none' (or call the "
+                "model's gradient_checkpointing_enable() yourself)"
+            )
 
     def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
         return PipelineLayout(embedding="model.embed_tokens", layers="model.layers", norm="model.norm", head="lm_head")
@@ -195,10 +216,14 @@ class HFLlamaFamily(ModelFamily):
                 raise ValueError(f"base_model_tp_plan[{pattern!r}] = {style!r} is not supported: expected {_TP_STYLES}")
             if not pattern.startswith("layers.*."):
                 raise ValueError(f"base_model_tp_plan[{pattern!r}]: expected per-layer entries 'layers.*.<module>'")
-            (colwise if style == "colwise" else rowwise).append(pattern[len("layers.*."):])
+            (colwise if style == "colwise" else rowwise).append(pattern[len("layers.*.") :])
         return TensorParallelPlan(
-            embedding="model.embed_tokens", layers="model.layers", norm="model.norm", head="lm_head",
-            colwise=tuple(colwise), rowwise=tuple(rowwise),
+            embedding="model.embed_tokens",
+            layers="model.layers",
+            norm="model.norm",
+            head="lm_head",
+            colwise=tuple(colwise),
+            rowwise=tuple(rowwise),
             layer_norms=("input_layernorm", "post_attention_layernorm"),
             gathered_inputs=(("self_attn", ("kwarg", "hidden_states")), ("mlp", ("args", 1))),
             vocab_parallel_logits=False,
@@ -237,15 +262,19 @@ class HFLlamaFamily(ModelFamily):
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         missing = [k for k in state if k not in available and not (tied and k == "lm_head.weight")]
         if missing:
-            raise ValueError(f"init_from={str(path)!r} holds no tensor {missing[0]!r} ({len(missing)} missing): "
-                             "is it a "
-                             "checkpoint of this model?")
+            raise ValueError(
+                f"init_from={str(path)!r} holds no tensor {missing[0]!r} ({len(missing)} missing): "
+                "is it a "
+                "checkpoint of this model?"
+            )
         hf_load({k: v for k, v in state.items() if k in available}, reader, path)
 
     def load_checkpoint_weights(self, prefix: str, model: nn.Module, path: Path) -> None:
-        raise ValueError(f"init_from={str(path)!r}: a transformers LlamaForCausalLM starts from a Hugging Face "
-                         "directory (config.json + model.safetensors[.index.json]); resume from our checkpoints with "
-                         "the Trainer's ckpt_path")
+        raise ValueError(
+            f"init_from={str(path)!r}: a transformers LlamaForCausalLM starts from a Hugging Face "
+            "directory (config.json + model.safetensors[.index.json]); resume from our checkpoints with "
+            "the Trainer's ckpt_path"
+        )
 
 
 #: the family instance the registry lists

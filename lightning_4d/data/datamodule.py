@@ -132,8 +132,11 @@ class LMDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size),
-                            ("val_samples", val_samples)):
+        for name, value in (
+            ("seq_length", seq_length),
+            ("micro_batch_size", micro_batch_size),
+            ("val_samples", val_samples),
+        ):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, value in (("global_batch_size", global_batch_size), ("train_samples", train_samples)):
@@ -255,15 +258,19 @@ class LMDataModule(L.LightningDataModule):
             return 0, 1
         strategy = trainer.strategy
         # look the name up without evaluating it (the property may raise before the strategy is set up)
-        if not (hasattr(type(strategy), "distributed_sampler_kwargs")
-                or "distributed_sampler_kwargs" in getattr(strategy, "__dict__", {})):
+        if not (
+            hasattr(type(strategy), "distributed_sampler_kwargs")
+            or "distributed_sampler_kwargs" in getattr(strategy, "__dict__", {})
+        ):
             return 0, 1
         try:
             kwargs = strategy.distributed_sampler_kwargs
         except Exception:  # e.g. a strategy whose process groups / mesh do not exist yet
             if getattr(trainer, "world_size", 1) > 1:
-                rank_zero_warn("LMDataModule: could not read the strategy's distributed_sampler_kwargs; assuming 1 "
-                               "data-parallel rank for the batch arithmetic and leaving the sampler to Lightning")
+                rank_zero_warn(
+                    "LMDataModule: could not read the strategy's distributed_sampler_kwargs; assuming 1 "
+                    "data-parallel rank for the batch arithmetic and leaving the sampler to Lightning"
+                )
             return None
         if not kwargs:
             return 0, 1
@@ -343,12 +350,17 @@ class LMDataModule(L.LightningDataModule):
         sampler = None
         if rank_size is not None:
             rank, size = rank_size
-            sampler = DistributedSampler(self.train_dataset, num_replicas=size, rank=rank, shuffle=False,
-                                         drop_last=False)
+            sampler = DistributedSampler(
+                self.train_dataset, num_replicas=size, rank=rank, shuffle=False, drop_last=False
+            )
         return ResumableDataLoader(
-            self.train_dataset, batch_size=self.micro_batch_size * self._num_microbatches(), sampler=sampler,
-            shuffle=False, drop_last=False,
-            num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
+            self.train_dataset,
+            batch_size=self.micro_batch_size * self._num_microbatches(),
+            sampler=sampler,
+            shuffle=False,
+            drop_last=False,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -356,9 +368,12 @@ class LMDataModule(L.LightningDataModule):
         if self.val_dataset is None:
             self.setup("validate")
         return DataLoader(
-            self.val_dataset, batch_size=self.micro_batch_size * self._num_microbatches(), shuffle=False,
+            self.val_dataset,
+            batch_size=self.micro_batch_size * self._num_microbatches(),
+            shuffle=False,
             drop_last=False,
-            num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
         )
 
     # ------------------------------------------------------------------ info

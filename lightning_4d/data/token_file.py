@@ -31,8 +31,15 @@ import numpy as np
 from lightning_4d.data.corpus import resolve_text_files, split_files, token_dtype, tokenize_files
 from lightning_4d.data.tokenizers import load_tokenizer
 
-__all__ = ["FORMAT", "VERSION", "prepare_data_main", "read_token_file", "sidecar_path", "val_token_path",
-           "write_token_file"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "prepare_data_main",
+    "read_token_file",
+    "sidecar_path",
+    "val_token_path",
+    "write_token_file",
+]
 
 FORMAT = "lightning_4d.tokens"
 VERSION = 1
@@ -79,9 +86,7 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def write_token_file(
-    path: Union[str, os.PathLike], tokens: np.ndarray, vocab_size: int, tokenizer: str
-) -> Path:
+def write_token_file(path: Union[str, os.PathLike], tokens: np.ndarray, vocab_size: int, tokenizer: str) -> Path:
     """Write ``tokens`` as a token file (see the module docstring) at ``path`` plus its sidecar ``<path>.json``.
 
     Args:
@@ -149,8 +154,9 @@ def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"sidecar {str(side)!r} is not a {FORMAT!r} sidecar")
     if meta.get("version") != VERSION:
-        raise ValueError(f"sidecar {str(side)!r} has version {meta.get('version')!r}; "
-                         f"this code reads version {VERSION}")
+        raise ValueError(
+            f"sidecar {str(side)!r} has version {meta.get('version')!r}; this code reads version {VERSION}"
+        )
     for key in ("dtype", "vocab_size", "tokenizer", "num_tokens"):
         if key not in meta:
             raise ValueError(f"sidecar {str(side)!r} lacks the key {key!r}")
@@ -198,19 +204,25 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "--input", nargs="+", required=True, metavar="PATH_OR_GLOB",
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH_OR_GLOB",
         help="text files (any suffix), directories (recursive, text-like suffixes: .txt .md .py .json ...) or glob "
-             "patterns (quote them; ** recurses)",
+        "patterns (quote them; ** recurses)",
     )
     parser.add_argument("--output", required=True, metavar="OUT.bin", help="the training token file to write")
     parser.add_argument(
-        "--tokenizer", default="byte",
+        "--tokenizer",
+        default="byte",
         help="'byte' (UTF-8 bytes, vocab 256; default) or a Hugging Face tokenizer.json (or its directory)",
     )
     parser.add_argument(
-        "--val-fraction", type=float, default=0.05,
+        "--val-fraction",
+        type=float,
+        default=0.05,
         help="fraction of files (by crc32 of their relative path, 1%% granularity) written to OUT.val.bin; 0 writes "
-             "no validation file (default 0.05)",
+        "no validation file (default 0.05)",
     )
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     return parser
@@ -253,9 +265,7 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
         return fail(str(e))
     train_files, val_files = split_files(files, args.val_fraction)
     if not train_files:
-        return fail(
-            f"all {len(files)} input files fell into the validation split; add files or lower --val-fraction"
-        )
+        return fail(f"all {len(files)} input files fell into the validation split; add files or lower --val-fraction")
     out_val = val_token_path(output)
     parts = []
     try:

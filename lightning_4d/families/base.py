@@ -182,5 +182,8 @@ def set_submodel(module: nn.Module, path: str, value: Optional[nn.Module]) -> No
 def layer_items(container: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(key, layer)`` of a decoder-layer container in order: an ``nn.ModuleDict``'s items, or an
     ``nn.ModuleList``'s ``(str(index), layer)``."""
-    return list(container.items()) if isinstance(container, nn.ModuleDict) else \
-        [(str(i), m) for i, m in enumerate(container)]
+    return (
+        list(container.items())
+        if isinstance(container, nn.ModuleDict)
+        else [(str(i), m) for i, m in enumerate(container)]
+    )

@@ -28,8 +28,11 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 def is_hf_model_dir(path: Path) -> bool:
     """Whether ``path`` is a Hugging Face model directory: ``config.json`` and ``model.safetensors`` or a sharded
     ``model.safetensors.index.json``."""
-    return path.is_dir() and (path / "config.json").is_file() and (
-        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file())
+    return (
+        path.is_dir()
+        and (path / "config.json").is_file()
+        and ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file())
+    )
 
 
 def hf_reader(path: Path) -> tuple[Any, set[str]]:
@@ -52,35 +55,44 @@ def hf_load(state: dict[str, torch.Tensor], reader: Any, path: Path) -> None:
     try:
         dcp_load(state, storage_reader=reader)
     except Exception as e:
-        raise ValueError(f"could not read the Hugging Face weights in {str(path)!r}: {type(e).__name__}: "
-                         f"{str(e)[-800:]}") from e
+        raise ValueError(
+            f"could not read the Hugging Face weights in {str(path)!r}: {type(e).__name__}: {str(e)[-800:]}"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------------- export-hf
 def _saved_hparams(ckpt: Path) -> dict[str, Any]:
     """Lightning's ``hyper_parameters`` and ``datamodule_hyper_parameters`` of a checkpoint (folder or file)."""
-    meta = torch.load(ckpt / LIGHTNING_METADATA_FILENAME if ckpt.is_dir() else ckpt, map_location="cpu", mmap=True,
-                      weights_only=False)
-    return {"model": dict(meta.get("hyper_parameters") or {}),
-            "data": dict(meta.get("datamodule_hyper_parameters") or {})}
+    meta = torch.load(
+        ckpt / LIGHTNING_METADATA_FILENAME if ckpt.is_dir() else ckpt, map_location="cpu", mmap=True, weights_only=False
+    )
+    return {
+        "model": dict(meta.get("hyper_parameters") or {}),
+        "data": dict(meta.get("datamodule_hyper_parameters") or {}),
+    }
 
 
-def _weight_entries(ckpt: Path, meta: Optional[dict[str, Any]]
-                    ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Optional[dict[str, Any]]]:
+def _weight_entries(
+    ckpt: Path, meta: Optional[dict[str, Any]]
+) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Optional[dict[str, Any]]]:
     """``{saved key: (global shape, dtype)}`` of the model weights in ``ckpt`` (keys ``<prefix>.<name>``): from a
     folder's ``state_dict_metadata`` ``meta`` (:func:`~lightning_4d.checkpoint.check_complete`), else from the full
     file, whose state dict is returned too."""
     if meta is not None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        return {k[len("state_dict."):]: (tuple(m.size), m.properties.dtype) for k, m in meta.items()
-                if k.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)}, None
+        return {
+            k[len("state_dict.") :]: (tuple(m.size), m.properties.dtype)
+            for k, m in meta.items()
+            if k.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)
+        }, None
     full = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
     return {k: (tuple(v.shape), v.dtype) for k, v in full.items()}, full
 
 
-def _export_groups(config: Any, entries: dict[str, tuple[tuple[int, ...], torch.dtype]], ckpt: Path,
-                   itemsize: int, shard_bytes: int) -> tuple[dict[str, str], list[list[str]]]:
+def _export_groups(
+    config: Any, entries: dict[str, tuple[tuple[int, ...], torch.dtype]], ckpt: Path, itemsize: int, shard_bytes: int
+) -> tuple[dict[str, str], list[list[str]]]:
     """``({our canonical name: saved key}, [[our names of output file 1], ...])``: every parameter of our Llama of
     ``config`` found in ``entries``, grouped into files of at most ``shard_bytes`` (a bigger tensor alone)."""
     keys: dict[str, str] = {}
@@ -101,8 +113,9 @@ def _export_groups(config: Any, entries: dict[str, tuple[tuple[int, ...], torch.
     return keys, groups
 
 
-def _read_group(ckpt: Path, keys: list[str], entries: dict[str, Any], full: Optional[dict[str, Any]]
-                ) -> dict[str, torch.Tensor]:
+def _read_group(
+    ckpt: Path, keys: list[str], entries: dict[str, Any], full: Optional[dict[str, Any]]
+) -> dict[str, torch.Tensor]:
     """The full tensors of the saved ``keys``: from the full file's state dict ``full``, else read from the folder
     (DCP in this process, no process group: torch's single-process notice is not the user's concern)."""
     if full is not None:
@@ -125,8 +138,13 @@ def _copy_tokenizer(tok: Any, out: Path) -> None:
                 shutil.copy(file.parent / extra, out / extra)
 
 
-def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "float32",
-              tokenizer: Optional[Union[str, Path]] = None, shard_bytes: int = HF_SHARD_BYTES) -> Path:
+def export_hf(
+    ckpt: Union[str, Path],
+    out_dir: Union[str, Path],
+    dtype: str = "float32",
+    tokenizer: Optional[Union[str, Path]] = None,
+    shard_bytes: int = HF_SHARD_BYTES,
+) -> Path:
     """Write one of our checkpoints as a Hugging Face Llama directory that
     ``transformers.LlamaForCausalLM.from_pretrained(out_dir)`` loads (a Mixture-of-Experts config: a Mixtral directory
     for ``MixtralForCausalLM``, the experts one tensor each, :func:`lightning_4d.models.hf_mapping.hf_slices`):
@@ -167,8 +185,10 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
     hparams = _saved_hparams(ckpt)
     spec = hparams["model"].get("model_config")
     if spec is None:
-        raise ValueError(f"{str(ckpt)!r} is not a checkpoint of lightning_4d's CausalLMModule (its hyper_parameters "
-                         "hold no model_config)")
+        raise ValueError(
+            f"{str(ckpt)!r} is not a checkpoint of lightning_4d's CausalLMModule (its hyper_parameters "
+            "hold no model_config)"
+        )
     config = spec if isinstance(spec, LlamaConfig) else LlamaConfig.from_name(spec)
     hf_config = config.to_hf()  # ValueError for an MoE config transformers' Mixtral cannot express, before any write
     source = tokenizer if tokenizer is not None else hparams["data"].get("tokenizer")
@@ -180,8 +200,11 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    names = ["model.safetensors"] if len(groups) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     weight_map, total = {}, 0
     for file, group in zip(names, groups):
         tensors = _read_group(ckpt, [keys[ours] for ours in group], entries, full)
@@ -196,7 +219,8 @@ def export_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], dtype: str = "f
         del out, tensors
     if len(groups) > 1:
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     hf_config["torch_dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     _copy_tokenizer(tok, tmp)
@@ -211,15 +235,23 @@ def export_hf_main(argv: list[str]) -> int:
     :func:`export_hf`. Returns the exit code (2 with a one-line error on bad input)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="lightning-4d export-hf", description=(
-        "Write a lightning_4d checkpoint (sharded folder of any layout, or full file) as a Hugging Face Llama "
-        "directory (config.json, safetensors shards + index, tokenizer.json) for transformers, vLLM, llama.cpp."))
+    parser = argparse.ArgumentParser(
+        prog="lightning-4d export-hf",
+        description=(
+            "Write a lightning_4d checkpoint (sharded folder of any layout, or full file) as a Hugging Face Llama "
+            "directory (config.json, safetensors shards + index, tokenizer.json) for transformers, vLLM, llama.cpp."
+        ),
+    )
     parser.add_argument("ckpt", help="a checkpoint ModelCheckpoint wrote (e.g. checkpoints/last.ckpt)")
     parser.add_argument("out_dir", help="the directory to create (must not exist or be empty)")
-    parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
-                        help="weights dtype (default float32)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) to copy; default: the "
-                        "one the checkpoint's LMDataModule used, if any")
+    parser.add_argument(
+        "--dtype", default="float32", choices=list(EXPORT_DTYPES), help="weights dtype (default float32)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json (or its directory) to copy; default: the one the checkpoint's LMDataModule used, if any",
+    )
     args = parser.parse_args(argv)
     try:
         out = export_hf(args.ckpt, args.out_dir, dtype=args.dtype, tokenizer=args.tokenizer)

@@ -31,7 +31,10 @@ from lightning_4d.parallel.expert import shard_experts
 from lightning_4d.parallel.tensor import TensorParallelPlan
 
 _PLAN = TensorParallelPlan(
-    embedding="tok_embeddings", layers="layers", norm="norm", head="output",
+    embedding="tok_embeddings",
+    layers="layers",
+    norm="norm",
+    head="output",
     colwise=("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
     rowwise=("attention.wo", "feed_forward.w2"),
     layer_norms=("attention_norm", "ffn_norm"),
@@ -123,9 +126,11 @@ class LlamaFamily(ModelFamily):
 
         config = model.config
         if config.padded_vocab_size != config.vocab_size:
-            raise ValueError(f"init_from={str(path)!r}: Hugging Face weights have vocab_size={config.vocab_size} rows; "
-                             f"the model pads to {config.padded_vocab_size} (pad_vocab_to_multiple_of="
-                             f"{config.pad_vocab_to_multiple_of}): use pad_vocab_to_multiple_of=1 to load them")
+            raise ValueError(
+                f"init_from={str(path)!r}: Hugging Face weights have vocab_size={config.vocab_size} rows; "
+                f"the model pads to {config.padded_vocab_size} (pad_vocab_to_multiple_of="
+                f"{config.pad_vocab_to_multiple_of}): use pad_vocab_to_multiple_of=1 to load them"
+            )
         config.check_trainable("init_from")
         reader, available = hf_reader(path)
         state: dict[str, torch.Tensor] = {}
@@ -136,12 +141,17 @@ class LlamaFamily(ModelFamily):
                 continue
             key = hf_mapping.hf_name(canonical_name(name))
             if key not in available:
-                raise ValueError(f"init_from={str(path)!r} holds no tensor {key!r} (for our {name!r}); it holds "
-                                 f"{len(available)} tensors, e.g. {sorted(available)[:3]}: "
-                                 "is it a Llama of this config?")
+                raise ValueError(
+                    f"init_from={str(path)!r} holds no tensor {key!r} (for our {name!r}); it holds "
+                    f"{len(available)} tensors, e.g. {sorted(available)[:3]}: "
+                    "is it a Llama of this config?"
+                )
             if canonical_name(name).endswith(hf_mapping.ROTARY):
-                tmp = dtensor_empty(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=_tp_only(p)) \
-                    if isinstance(p, DTensor) else torch.empty_like(p)
+                tmp = (
+                    dtensor_empty(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=_tp_only(p))
+                    if isinstance(p, DTensor)
+                    else torch.empty_like(p)
+                )
                 rotary.append((p, tmp))
                 state[key] = tmp
             else:
@@ -161,8 +171,9 @@ class LlamaFamily(ModelFamily):
         folder (DCP reads this rank's slices) or a full file (memory-mapped; each rank keeps its shards)."""
         from torch.distributed.tensor import distribute_tensor
 
-        params = {f"{prefix}.{canonical_name(n)}" if prefix else canonical_name(n): p
-                  for n, p in model.named_parameters()}
+        params = {
+            f"{prefix}.{canonical_name(n)}" if prefix else canonical_name(n): p for n, p in model.named_parameters()
+        }
         if path.is_dir():
             check_complete(path)
             read_folder({"state_dict": {k: p.data for k, p in params.items()}}, path)
@@ -180,8 +191,9 @@ class LlamaFamily(ModelFamily):
                 p.data.copy_(full)
 
 
-def _expert_targets(p: torch.Tensor, name: str, num_experts: int, available: set[str], path: Path
-                    ) -> dict[str, torch.Tensor]:
+def _expert_targets(
+    p: torch.Tensor, name: str, num_experts: int, available: set[str], path: Path
+) -> dict[str, torch.Tensor]:
     """``{Hugging Face key: the row of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, ...]``
     (:func:`~lightning_4d.models.hf_mapping.hf_slices`): every expert of a plain tensor; of a DTensor sharded on
     dim 0 only (ZeRO 3), the experts of this rank's rows.
@@ -193,15 +205,18 @@ def _expert_targets(p: torch.Tensor, name: str, num_experts: int, available: set
     local, offset = p.data, 0
     if isinstance(p, DTensor):
         if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):
-            raise NotImplementedError(f"{name}: placements {p.placements} split an expert; only dim-0 (whole "
-                                      "experts) sharding is supported")
+            raise NotImplementedError(
+                f"{name}: placements {p.placements} split an expert; only dim-0 (whole experts) sharding is supported"
+            )
         local = p.data.to_local()
         offset = local_offset(p)[0]
     targets = {}
     for key, e in hf_mapping.hf_slices(name, num_experts):
         if key not in available:
-            raise ValueError(f"init_from={str(path)!r} holds no tensor {key!r} (expert {e} of our {name!r}): is it "
-                             "a Mixtral of this config?")
+            raise ValueError(
+                f"init_from={str(path)!r} holds no tensor {key!r} (expert {e} of our {name!r}): is it "
+                "a Mixtral of this config?"
+            )
         if offset <= e < offset + local.shape[0]:
             targets[key] = local[e - offset]
     return targets

@@ -70,21 +70,29 @@ def load_initial_weights(module: nn.Module, init_from: Union[str, Path]) -> None
     """
     path = Path(init_from)
     if not path.exists():
-        raise ValueError(f"init_from={str(init_from)!r} does not exist: pass a Hugging Face model directory "
-                         "(config.json + model.safetensors[.index.json]) or a checkpoint of ours")
+        raise ValueError(
+            f"init_from={str(init_from)!r} does not exist: pass a Hugging Face model directory "
+            "(config.json + model.safetensors[.index.json]) or a checkpoint of ours"
+        )
     models = find_models(module)
     if not models:
-        raise ValueError(f"init_from={str(init_from)!r}: {type(module).__name__} holds no model of a family "
-                         f"FourDStrategy knows ({', '.join(f.name for f in FAMILIES)})")
+        raise ValueError(
+            f"init_from={str(init_from)!r}: {type(module).__name__} holds no model of a family "
+            f"FourDStrategy knows ({', '.join(f.name for f in FAMILIES)})"
+        )
     if is_hf_model_dir(path):
         if len(models) > 1:
-            raise ValueError(f"init_from={str(init_from)!r}: {type(module).__name__} holds {len(models)} models "
-                             f"({[n for n, _, _ in models]}); a Hugging Face directory holds one")
+            raise ValueError(
+                f"init_from={str(init_from)!r}: {type(module).__name__} holds {len(models)} models "
+                f"({[n for n, _, _ in models]}); a Hugging Face directory holds one"
+            )
         _, family, model = models[0]
         family.load_hf(model, path)
     elif path.is_dir() and not (path / ".metadata").is_file():
-        raise ValueError(f"init_from={str(init_from)!r} is neither a Hugging Face model directory (config.json + "
-                         "model.safetensors or model.safetensors.index.json) nor a sharded checkpoint (.metadata)")
+        raise ValueError(
+            f"init_from={str(init_from)!r} is neither a Hugging Face model directory (config.json + "
+            "model.safetensors or model.safetensors.index.json) nor a sharded checkpoint (.metadata)"
+        )
     else:
         for prefix, family, model in models:
             family.load_checkpoint_weights(prefix, model, path)

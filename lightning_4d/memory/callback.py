@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 __all__ = ["MemoryBudgetExceeded", "MemoryEstimatorCallback", "suggestion_line"]
 
 _DISABLE = "MemoryEstimatorCallback(enabled=False) or FourDStrategy(memory_check=False)"
-_BATCH_CONVENTIONS = ("a dict with 'input_ids' [batch, seq], a tuple/list whose first tensor is [batch, seq], or a "
-                      "[batch, seq] tensor")
+_BATCH_CONVENTIONS = (
+    "a dict with 'input_ids' [batch, seq], a tuple/list whose first tensor is [batch, seq], or a [batch, seq] tensor"
+)
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -88,8 +89,11 @@ def _rng_preserved(loader: Any) -> Iterator[None]:
     workers' base seed)."""
     sampler = getattr(loader, "sampler", None)
     inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    generators = {id(g): g for g in (getattr(x, "generator", None) for x in (loader, sampler, inner))
-                  if isinstance(g, torch.Generator)}
+    generators = {
+        id(g): g
+        for g in (getattr(x, "generator", None) for x in (loader, sampler, inner))
+        if isinstance(g, torch.Generator)
+    }
     saved = [(g, g.get_state()) for g in generators.values()]
     cpu, py = torch.get_rng_state(), random.getstate()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -126,8 +130,9 @@ def _first_train_batch(trainer: L.Trainer) -> Any:
 
     source = train_data_source(trainer)
     if source is None or source.instance is None or not source.is_defined():
-        raise _NoShape("there is none: no train_dataloaders, and neither the DataModule nor the module defines "
-                       "train_dataloader()")
+        raise _NoShape(
+            "there is none: no train_dataloaders, and neither the DataModule nor the module defines train_dataloader()"
+        )
     try:
         loaders = source.dataloader()
     except Exception as err:  # noqa: BLE001 - said in the warning or error; the fit loop calls it again later
@@ -194,17 +199,24 @@ class MemoryEstimatorCallback(L.Callback):
             whose number of sequences is not a multiple of ``num_microbatches``.
     """
 
-    def __init__(self, budget: float = 0.8, device_memory: Union[None, int, str] = None,
-                 formula: str = "lightning_4d", enabled: bool = True, micro_batch_size: Optional[int] = None,
-                 seq_length: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        budget: float = 0.8,
+        device_memory: Union[None, int, str] = None,
+        formula: str = "lightning_4d",
+        enabled: bool = True,
+        micro_batch_size: Optional[int] = None,
+        seq_length: Optional[int] = None,
+    ) -> None:
         if not 0 < budget <= 1:
             raise ValueError(f"budget={budget!r} is not valid: expected a fraction in (0, 1], e.g. 0.8.")
         if formula not in ("lightning_4d", "fujii2024"):
             raise ValueError(f"formula={formula!r} is not valid: expected 'lightning_4d' or 'fujii2024'.")
         for name, value in (("micro_batch_size", micro_batch_size), ("seq_length", seq_length)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} is not valid: expected a positive int, or None to find it in the "
-                                 "data.")
+                raise ValueError(
+                    f"{name}={value!r} is not valid: expected a positive int, or None to find it in the data."
+                )
         self.budget = budget
         self.device_memory = parse_bytes(device_memory) if device_memory is not None else None
         self.formula = formula
@@ -233,8 +245,9 @@ class MemoryEstimatorCallback(L.Callback):
         cfg = getattr(pl_module, "model_config", None)
         return cfg if isinstance(cfg, LlamaConfig) else estimate_config(pl_module)
 
-    def _batch_shape(self, trainer: L.Trainer, pl_module: L.LightningModule, pp: int,
-                     num_microbatches: int) -> tuple[dict[str, Optional[int]], dict[str, str], list[str]]:
+    def _batch_shape(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, pp: int, num_microbatches: int
+    ) -> tuple[dict[str, Optional[int]], dict[str, str], list[str]]:
         """``(shape, origin, looked)``: ``micro_batch_size`` and ``seq_length`` (``None`` where not found), where each
         came from, and what each place looked at gave (for the message when something is missing).
 
@@ -254,8 +267,11 @@ class MemoryEstimatorCallback(L.Callback):
             return None in shape.values()
 
         take("the callback's arguments", self.micro_batch_size, self.seq_length)
-        looked.append("the callback's micro_batch_size= and seq_length= (not given)" if not origin else
-                      f"the callback's arguments (gave {', '.join(origin)})")
+        looked.append(
+            "the callback's micro_batch_size= and seq_length= (not given)"
+            if not origin
+            else f"the callback's arguments (gave {', '.join(origin)})"
+        )
         dm = getattr(trainer, "datamodule", None)
         if missing():
             if dm is None:
@@ -263,8 +279,10 @@ class MemoryEstimatorCallback(L.Callback):
             else:
                 b, s = getattr(dm, "micro_batch_size", None), getattr(dm, "seq_length", None)
                 take(f"the DataModule ({type(dm).__name__})", b, s)
-                looked.append(f"the DataModule {type(dm).__name__}'s micro_batch_size and seq_length ("
-                              f"{'neither' if b is None and s is None else 'only one'} defined)")
+                looked.append(
+                    f"the DataModule {type(dm).__name__}'s micro_batch_size and seq_length ("
+                    f"{'neither' if b is None and s is None else 'only one'} defined)"
+                )
         if missing():
             where = "the first batch of the train dataloader"
             try:
@@ -324,28 +342,37 @@ class MemoryEstimatorCallback(L.Callback):
         est, total, breakdown = self._estimate(cfg, parallel_config, b, s, m, precision, device_type, gpu_name)
         self.estimate = est
         limit = self.budget * memory
-        layout = (f"tp={parallel_config.tp} pp={parallel_config.pp} cp={parallel_config.cp} dp={parallel_config.dp} "
-                  f"zero_stage={parallel_config.zero_stage} activation_checkpointing="
-                  f"{parallel_config.activation_checkpointing}, micro_batch_size={b}, seq_length={s} ({found}), "
-                  f"{precision}")
+        layout = (
+            f"tp={parallel_config.tp} pp={parallel_config.pp} cp={parallel_config.cp} dp={parallel_config.dp} "
+            f"zero_stage={parallel_config.zero_stage} activation_checkpointing="
+            f"{parallel_config.activation_checkpointing}, micro_batch_size={b}, seq_length={s} ({found}), "
+            f"{precision}"
+        )
         if total <= limit:
-            rank_zero_info(f"MemoryEstimatorCallback ({self.formula}): {layout}: estimated peak {_size(total)} "
-                           f"per GPU = {100 * total / memory:.1f}% of {_size(memory)} (budget "
-                           f"{100 * self.budget:.0f}%).")
+            rank_zero_info(
+                f"MemoryEstimatorCallback ({self.formula}): {layout}: estimated peak {_size(total)} "
+                f"per GPU = {100 * total / memory:.1f}% of {_size(memory)} (budget "
+                f"{100 * self.budget:.0f}%)."
+            )
             return
-        lines = [f"estimated peak memory {_size(total)} per GPU exceeds the budget {_size(limit)} "
-                 f"({100 * self.budget:.0f}% of {_size(memory)}) for {layout} ({self.formula} estimate, "
-                 f"pp rank {getattr(est, 'pp_rank', 0)}; nothing was allocated). Breakdown:"]
+        lines = [
+            f"estimated peak memory {_size(total)} per GPU exceeds the budget {_size(limit)} "
+            f"({100 * self.budget:.0f}% of {_size(memory)}) for {layout} ({self.formula} estimate, "
+            f"pp rank {getattr(est, 'pp_rank', 0)}; nothing was allocated). Breakdown:"
+        ]
         lines += [f"  {k:<17}{_size(v):>14}" for k, v in breakdown.items()]
         if self.formula == "lightning_4d":
-            lines.append(f"  (peak phase: {est.peak_phase}; total = parameters + optimizer_states + overhead + the "
-                         "largest phase, see docs/memory.md)")
+            lines.append(
+                f"  (peak phase: {est.peak_phase}; total = parameters + optimizer_states + overhead + the "
+                "largest phase, see docs/memory.md)"
+            )
         suggestions = self._suggest(trainer, cfg, b, s, precision, memory, device_type, gpu_name)
         lines += self._suggestion_lines(suggestions, parallel_config.world_size, b)
         raise MemoryBudgetExceeded("\n".join(lines), est, suggestions)
 
-    def _checkable_job(self, trainer: L.Trainer,
-                       pl_module: L.LightningModule) -> Optional[tuple[Any, Any, int, Optional[str], str, str]]:
+    def _checkable_job(
+        self, trainer: L.Trainer, pl_module: L.LightningModule
+    ) -> Optional[tuple[Any, Any, int, Optional[str], str, str]]:
         """``(parallel_config, model config, device memory in bytes, GPU name, device type, precision)`` of the job,
         or ``None`` after a warning (once per callback) that says why nothing is checked: another strategy than
         FourDStrategy, a module with no lightning_4d Llama config, no device memory, a precision not modelled."""
@@ -353,33 +380,42 @@ class MemoryEstimatorCallback(L.Callback):
 
         parallel_config = getattr(trainer.strategy, "parallel_config", None)
         if parallel_config is None:
-            self._warn_once(f"MemoryEstimatorCallback: nothing checked: it estimates FourDStrategy layouts and the "
-                            f"strategy is {type(trainer.strategy).__name__}. Use FourDStrategy, or remove the "
-                            "callback.")
+            self._warn_once(
+                f"MemoryEstimatorCallback: nothing checked: it estimates FourDStrategy layouts and the "
+                f"strategy is {type(trainer.strategy).__name__}. Use FourDStrategy, or remove the "
+                "callback."
+            )
             return None
         cfg = self._model_config(pl_module)
         if cfg is None:
-            self._warn_once(f"MemoryEstimatorCallback: cannot estimate the memory of {type(pl_module).__name__}: it "
-                            "has no lightning_4d LlamaConfig (a `model_config` attribute, "
-                            "or a Llama model built before "
-                            f"configure_model), so nothing was checked. Silence this with {_DISABLE}.")
+            self._warn_once(
+                f"MemoryEstimatorCallback: cannot estimate the memory of {type(pl_module).__name__}: it "
+                "has no lightning_4d LlamaConfig (a `model_config` attribute, "
+                "or a Llama model built before "
+                f"configure_model), so nothing was checked. Silence this with {_DISABLE}."
+            )
             return None
         memory, gpu_name, device_type = self._device(trainer)
         if memory is None:
-            self._warn_once(f"MemoryEstimatorCallback: nothing checked: the device is {device_type}, not CUDA, and no "
-                            "device_memory was given; pass e.g. MemoryEstimatorCallback(device_memory=\"80GiB\") to "
-                            "check against a GPU's memory.")
+            self._warn_once(
+                f"MemoryEstimatorCallback: nothing checked: the device is {device_type}, not CUDA, and no "
+                'device_memory was given; pass e.g. MemoryEstimatorCallback(device_memory="80GiB") to '
+                "check against a GPU's memory."
+            )
             return None
         try:
             precision = _precision(str(trainer.precision))
         except ValueError:
-            self._warn_once(f"MemoryEstimatorCallback: nothing checked: precision {trainer.precision!r} is not "
-                            f"modelled (modelled: {list(PRECISIONS)}).")
+            self._warn_once(
+                f"MemoryEstimatorCallback: nothing checked: precision {trainer.precision!r} is not "
+                f"modelled (modelled: {list(PRECISIONS)})."
+            )
             return None
         return parallel_config, cfg, memory, gpu_name, device_type, precision
 
-    def _known_batch_shape(self, trainer: L.Trainer, pl_module: L.LightningModule, parallel_config: Any,
-                           device_type: str) -> Optional[tuple[int, int, str]]:
+    def _known_batch_shape(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, parallel_config: Any, device_type: str
+    ) -> Optional[tuple[int, int, str]]:
         """``(micro_batch_size, seq_length, where they came from)`` (:meth:`_batch_shape`), or ``None`` after a
         warning when either is unknown off CUDA.
 
@@ -387,16 +423,17 @@ class MemoryEstimatorCallback(L.Callback):
             ValueError: on CUDA, an unknown micro-batch size or sequence length (the message names every place
                 looked at and the fix); see also :meth:`_batch_shape`.
         """
-        shape, origin, looked = self._batch_shape(trainer, pl_module, parallel_config.pp,
-                                                  parallel_config.microbatches)
+        shape, origin, looked = self._batch_shape(trainer, pl_module, parallel_config.pp, parallel_config.microbatches)
         b, s = shape["micro_batch_size"], shape["seq_length"]
         if b is None or s is None:
             unknown = [k for k, v in shape.items() if v is None]
-            message = (f"MemoryEstimatorCallback cannot estimate the memory of this job: its {' and '.join(unknown)} "
-                       f"{'is' if len(unknown) == 1 else 'are'} unknown. "
-                       f"It looked, in order, at: {'; '.join(looked)}. Pass the shape, e.g. "
-                       "MemoryEstimatorCallback(micro_batch_size=1, seq_length=4096) in the Trainer's callbacks "
-                       f"(FourDStrategy then adds no other), or turn the check off with {_DISABLE}.")
+            message = (
+                f"MemoryEstimatorCallback cannot estimate the memory of this job: its {' and '.join(unknown)} "
+                f"{'is' if len(unknown) == 1 else 'are'} unknown. "
+                f"It looked, in order, at: {'; '.join(looked)}. Pass the shape, e.g. "
+                "MemoryEstimatorCallback(micro_batch_size=1, seq_length=4096) in the Trainer's callbacks "
+                f"(FourDStrategy then adds no other), or turn the check off with {_DISABLE}."
+            )
             if device_type == "cuda":
                 raise ValueError(message)
             self._warn_once(f"{message} Nothing was checked (not on CUDA: a warning, not an error).")
@@ -407,41 +444,85 @@ class MemoryEstimatorCallback(L.Callback):
             found = f"micro_batch_size from {origin['micro_batch_size']}, seq_length from {origin['seq_length']}"
         return b, s, found
 
-    def _estimate(self, cfg: Any, parallel_config: Any, b: int, s: int, m: int, precision: str, device_type: str,
-                  gpu_name: Optional[str]) -> tuple[Any, float, dict[str, float]]:
+    def _estimate(
+        self,
+        cfg: Any,
+        parallel_config: Any,
+        b: int,
+        s: int,
+        m: int,
+        precision: str,
+        device_type: str,
+        gpu_name: Optional[str],
+    ) -> tuple[Any, float, dict[str, float]]:
         """``(estimate, its total in bytes, its parts in bytes by name)`` of this callback's formula (the worst pp
         rank's :class:`~lightning_4d.memory.model.MemoryEstimate`, or the paper's estimate)."""
         if self.formula == "fujii2024":
             from lightning_4d.memory.fujii2024 import fujii2024_from_config
 
-            est = fujii2024_from_config(cfg, tp=parallel_config.tp, pp=parallel_config.pp, dp=parallel_config.dp,
-                                        cp=parallel_config.cp, seq_length=s, micro_batch_size=b, num_microbatches=m,
-                                        distributed_optimizer=parallel_config.zero_stage >= 1)
+            est = fujii2024_from_config(
+                cfg,
+                tp=parallel_config.tp,
+                pp=parallel_config.pp,
+                dp=parallel_config.dp,
+                cp=parallel_config.cp,
+                seq_length=s,
+                micro_batch_size=b,
+                num_microbatches=m,
+                distributed_optimizer=parallel_config.zero_stage >= 1,
+            )
             return est, est.total, {"model_states": est.model_states, "activations": est.activations}
         from lightning_4d.memory.model import estimate_memory
 
-        est = estimate_memory(cfg, parallel_config, b, s, precision, num_microbatches=m,
-                              device_type=device_type, gpu_name=gpu_name)
-        return est, est.total, {k: getattr(est, k) for k in ("parameters", "gradients", "optimizer_states",
-                                                             "activations", "logits", "buffers", "overhead")}
+        est = estimate_memory(
+            cfg, parallel_config, b, s, precision, num_microbatches=m, device_type=device_type, gpu_name=gpu_name
+        )
+        return (
+            est,
+            est.total,
+            {
+                k: getattr(est, k)
+                for k in ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
+            },
+        )
 
     @staticmethod
     def _suggestion_lines(suggestions: list, world_size: int, b: int) -> list[str]:
         """The end of the over-budget message: the layouts that fit (or what to do when none does), and how to turn
         the check off."""
         lines = fitting_layout_lines([(suggestion_line(pc, b), e.total) for pc, e in suggestions], world_size)
-        lines.append("Disable this check with FourDStrategy(memory_check=False) or MemoryEstimatorCallback(enabled="
-                     "False).")
+        lines.append(
+            "Disable this check with FourDStrategy(memory_check=False) or MemoryEstimatorCallback(enabled=False)."
+        )
         return lines
 
-    def _suggest(self, trainer: L.Trainer, cfg: Any, b: int, s: int, precision: str, memory: int,
-                 device_type: str, gpu_name: Optional[str]) -> list:
+    def _suggest(
+        self,
+        trainer: L.Trainer,
+        cfg: Any,
+        b: int,
+        s: int,
+        precision: str,
+        memory: int,
+        device_type: str,
+        gpu_name: Optional[str],
+    ) -> list:
         from lightning_4d.memory.planner import suggest_layouts
 
         pc = trainer.strategy.parallel_config
         try:
-            return suggest_layouts(cfg, pc.world_size, b, s, precision, memory, self.budget,
-                                   gpus_per_node=trainer.num_devices, device_type=device_type, gpu_name=gpu_name)
+            return suggest_layouts(
+                cfg,
+                pc.world_size,
+                b,
+                s,
+                precision,
+                memory,
+                self.budget,
+                gpus_per_node=trainer.num_devices,
+                device_type=device_type,
+                gpu_name=gpu_name,
+            )
         except ValueError as err:  # no suggestion is better than hiding the real error
             log.debug("no layout suggestions: %s", err)
             return []
@@ -452,4 +533,3 @@ def add_memory_check(trainer: Optional[L.Trainer]) -> None:
     so on CUDA, where ``memory_check=True``); ``None``: nothing."""
     if trainer is not None and not any(isinstance(cb, MemoryEstimatorCallback) for cb in trainer.callbacks):
         trainer.callbacks.append(MemoryEstimatorCallback())
-

@@ -53,8 +53,9 @@ def load_model_config(spec: str) -> Any:
     if not (spec.endswith((".yaml", ".yml")) or path.is_file()):
         return LlamaConfig.from_preset(spec)
     if not path.is_file():
-        raise ValueError(f"--model {spec!r}: no such file "
-                         f"(expected a preset: {', '.join(LlamaConfig.preset_names())}).")
+        raise ValueError(
+            f"--model {spec!r}: no such file (expected a preset: {', '.join(LlamaConfig.preset_names())})."
+        )
     import yaml
 
     try:
@@ -62,12 +63,13 @@ def load_model_config(spec: str) -> Any:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ValueError(f"--model {spec!r}: not valid YAML{where} ({getattr(err, 'problem', None) or err}).") \
-            from None
+        raise ValueError(f"--model {spec!r}: not valid YAML{where} ({getattr(err, 'problem', None) or err}).") from None
     if not isinstance(data, dict):
         what = "empty" if data is None else f"a {type(data).__name__}, not a mapping"
-        raise ValueError(f"--model {spec!r}: the file is {what}; expected LlamaConfig fields (or preset: NAME) or a "
-                         "training config with model.model_config.")
+        raise ValueError(
+            f"--model {spec!r}: the file is {what}; expected LlamaConfig fields (or preset: NAME) or a "
+            "training config with model.model_config."
+        )
     model = data.get("model", data)
     if isinstance(model, dict) and "init_args" in model:
         model = model["init_args"]
@@ -75,8 +77,9 @@ def load_model_config(spec: str) -> Any:
     if isinstance(value, str):
         return LlamaConfig.from_preset(value)
     if not isinstance(value, dict):
-        raise ValueError(f"--model {spec!r}: the YAML file has no model config (model.model_config or LlamaConfig "
-                         "fields).")
+        raise ValueError(
+            f"--model {spec!r}: the YAML file has no model config (model.model_config or LlamaConfig fields)."
+        )
     value = dict(value.get("init_args", value))
     preset = value.pop("preset", None)
     fields = [f.name for f in dataclasses.fields(LlamaConfig)]
@@ -85,8 +88,10 @@ def load_model_config(spec: str) -> Any:
         raise ValueError(f"--model {spec!r}: unknown field(s) {unknown}; valid: preset, {', '.join(fields)}.")
     missing = [name for name in REQUIRED_MODEL_FIELDS if name not in value]
     if missing and preset is None:
-        raise ValueError(f"--model {spec!r}: missing field(s) {missing}; give every one of "
-                         f"{list(REQUIRED_MODEL_FIELDS)}, or name a preset to start from (preset: llama3-8b).")
+        raise ValueError(
+            f"--model {spec!r}: missing field(s) {missing}; give every one of "
+            f"{list(REQUIRED_MODEL_FIELDS)}, or name a preset to start from (preset: llama3-8b)."
+        )
     return LlamaConfig.from_preset(str(preset), **value) if preset is not None else LlamaConfig(**value)
 
 
@@ -147,8 +152,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (e.g. llama3-8b) or a YAML file (configs/*.yaml)")
     p.add_argument("--seq-length", type=positive_int, required=True, help="tokens per sample")
     p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS))
-    p.add_argument("--gpu-memory", default="H100-80GB",
-                   help=f"a preset ({', '.join(GPU_PRESETS)}) or a size such as 80GiB / 94GB (default H100-80GB)")
+    p.add_argument(
+        "--gpu-memory",
+        default="H100-80GB",
+        help=f"a preset ({', '.join(GPU_PRESETS)}) or a size such as 80GiB / 94GB (default H100-80GB)",
+    )
     p.add_argument("--budget", type=fraction, default=0.8, help="fraction of the GPU memory a layout may use (0.8)")
     p.add_argument("--formula", default="lightning_4d", choices=FORMULAS)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -159,33 +167,54 @@ def command_parser(command: str) -> argparse.ArgumentParser:
     p = _Parser(prog=f"lightning-4d {command}")
     _common(p)
     if command == "measure":
-        p.add_argument("--rank", type=_rank, default="worst",
-                       help="the global rank to build and run (0 .. world size - 1), or 'worst' (default): rank 0 of "
-                            "the pp rank the estimate names as the largest")
+        p.add_argument(
+            "--rank",
+            type=_rank,
+            default="worst",
+            help="the global rank to build and run (0 .. world size - 1), or 'worst' (default): rank 0 of "
+            "the pp rank the estimate names as the largest",
+        )
         p.add_argument("--steps", type=positive_int, default=2, help="optimizer steps to run (default 2)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the rank runs (default cpu)")
     if command in ("estimate", "measure"):
         p.add_argument("--tp", type=positive_int, default=1)
         p.add_argument("--pp", type=positive_int, default=1)
         p.add_argument("--cp", type=positive_int, default=1)
-        p.add_argument("--cp-method", default="ring", choices=list(CONTEXT_PARALLEL_METHODS),
-                       help="context-parallel attention (default ring)")
+        p.add_argument(
+            "--cp-method",
+            default="ring",
+            choices=list(CONTEXT_PARALLEL_METHODS),
+            help="context-parallel attention (default ring)",
+        )
         group = p.add_mutually_exclusive_group()
         group.add_argument("--dp", type=positive_int, help="data parallel size")
         group.add_argument("--num-gpus", type=positive_int, help="world size (dp = num_gpus / (tp*pp*cp))")
         p.add_argument("--micro-batch-size", type=positive_int, required=True)
         p.add_argument("--zero-stage", type=int, default=1, choices=list(ZERO_STAGES))
         p.add_argument("--activation-checkpointing", default="none", choices=list(ACTIVATION_CHECKPOINTING))
-        p.add_argument("--sequence-parallel", default=None, type=strict_bool,
-                       help="true or false (default: on when tp > 1)")
-        p.add_argument("--num-microbatches", type=positive_int,
-                       help="micro-batches per step (pipeline schedules; default pp, 2*pp for dualpipev)")
+        p.add_argument(
+            "--sequence-parallel", default=None, type=strict_bool, help="true or false (default: on when tp > 1)"
+        )
+        p.add_argument(
+            "--num-microbatches",
+            type=positive_int,
+            help="micro-batches per step (pipeline schedules; default pp, 2*pp for dualpipev)",
+        )
         p.add_argument("--pipeline-schedule", default="1f1b", choices=list(PIPELINE_SCHEDULES))
-        p.add_argument("--virtual-pipeline-stages", type=positive_int, default=None,
-                       help="stages per pp rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others)")
-        p.add_argument("--pipeline-layer-split", type=positive_int, nargs="+", default=None,
-                       help="decoder layers per pipeline stage (pp*v counts; default: equal, or the planner's split "
-                            "when pp*v does not divide the layers)")
+        p.add_argument(
+            "--virtual-pipeline-stages",
+            type=positive_int,
+            default=None,
+            help="stages per pp rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others)",
+        )
+        p.add_argument(
+            "--pipeline-layer-split",
+            type=positive_int,
+            nargs="+",
+            default=None,
+            help="decoder layers per pipeline stage (pp*v counts; default: equal, or the planner's split "
+            "when pp*v does not divide the layers)",
+        )
     else:
         p.add_argument("--num-gpus", type=positive_int, required=True)
         p.add_argument("--gpus-per-node", type=positive_int, default=8)
@@ -195,16 +224,27 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         for dim in ("tp", "pp", "cp", "dp"):
             p.add_argument(f"--{dim}", type=positive_int, help=f"only layouts with this {dim} size")
         p.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), help="only layouts with this ZeRO stage")
-        p.add_argument("--checkpoint-write-gbps", type=positive_float, default=DEFAULT_CHECKPOINT_WRITE_GBPS,
-                       help=f"GB/s each node writes checkpoints at (default {DEFAULT_CHECKPOINT_WRITE_GBPS:g}, an "
-                            "assumption: see docs/memory.md)")
-        p.add_argument("--mtbf-gpu-hours", type=positive_float, default=DEFAULT_MTBF_GPU_HOURS,
-                       help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
-                            "paper, 419 interruptions in 54 days on 16,384 GPUs)")
+        p.add_argument(
+            "--checkpoint-write-gbps",
+            type=positive_float,
+            default=DEFAULT_CHECKPOINT_WRITE_GBPS,
+            help=f"GB/s each node writes checkpoints at (default {DEFAULT_CHECKPOINT_WRITE_GBPS:g}, an "
+            "assumption: see docs/memory.md)",
+        )
+        p.add_argument(
+            "--mtbf-gpu-hours",
+            type=positive_float,
+            default=DEFAULT_MTBF_GPU_HOURS,
+            help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
+            "paper, 419 interruptions in 54 days on 16,384 GPUs)",
+        )
         p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory (needs matplotlib)")
-        p.add_argument("--emit-config", metavar="FILE.yaml",
-                       help="write the first pick as a config for `lightning-4d fit --config FILE.yaml` "
-                            "(trainer.strategy, devices, num_nodes, data batch sizes; docs/memory.md)")
+        p.add_argument(
+            "--emit-config",
+            metavar="FILE.yaml",
+            help="write the first pick as a config for `lightning-4d fit --config FILE.yaml` "
+            "(trainer.strategy, devices, num_nodes, data batch sizes; docs/memory.md)",
+        )
     return p
 
 
@@ -235,13 +275,20 @@ def _rank(text: str) -> Any:
 def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optional[list[int]]]:
     """The layout ``estimate`` and ``measure`` are asked for, resolved and validated against the model, and the
     planner's layer split when it proposed one (``None`` else)."""
-    pc = ParallelConfig(data_parallel_size=args.dp or "auto", tensor_parallel_size=args.tp,
-                        pipeline_parallel_size=args.pp, context_parallel_size=args.cp, zero_stage=args.zero_stage,
-                        sequence_parallel=args.sequence_parallel,
-                        activation_checkpointing=args.activation_checkpointing,
-                        pipeline_schedule=args.pipeline_schedule, virtual_pipeline_stages=args.virtual_pipeline_stages,
-                        num_microbatches=args.num_microbatches, pipeline_layer_split=args.pipeline_layer_split,
-                        context_parallel_method=args.cp_method)
+    pc = ParallelConfig(
+        data_parallel_size=args.dp or "auto",
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        context_parallel_size=args.cp,
+        zero_stage=args.zero_stage,
+        sequence_parallel=args.sequence_parallel,
+        activation_checkpointing=args.activation_checkpointing,
+        pipeline_schedule=args.pipeline_schedule,
+        virtual_pipeline_stages=args.virtual_pipeline_stages,
+        num_microbatches=args.num_microbatches,
+        pipeline_layer_split=args.pipeline_layer_split,
+        context_parallel_method=args.cp_method,
+    )
     if args.dp is None:
         if args.num_gpus is None:
             raise ValueError("give --dp or --num-gpus.")
@@ -263,28 +310,57 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     m = pc.microbatches
     if args.formula == "fujii2024":
         if pc.zero_stage > 1 or pc.activation_checkpointing != "none":
-            raise ValueError("--formula fujii2024 models ZeRO stage 0 or 1 (its distributed optimizer) without "
-                             f"activation checkpointing; got zero_stage={pc.zero_stage}, activation_checkpointing="
-                             f"{pc.activation_checkpointing}.")
+            raise ValueError(
+                "--formula fujii2024 models ZeRO stage 0 or 1 (its distributed optimizer) without "
+                f"activation checkpointing; got zero_stage={pc.zero_stage}, activation_checkpointing="
+                f"{pc.activation_checkpointing}."
+            )
         pc.validate_sequence(args.seq_length)
-        est = fujii2024_from_config(cfg, tp=pc.tp, pp=pc.pp, dp=pc.dp, cp=pc.cp, seq_length=args.seq_length,
-                                    micro_batch_size=args.micro_batch_size, num_microbatches=m,
-                                    virtual_stages=pc.v,
-                                    distributed_optimizer=pc.zero_stage == 1)
+        est = fujii2024_from_config(
+            cfg,
+            tp=pc.tp,
+            pp=pc.pp,
+            dp=pc.dp,
+            cp=pc.cp,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            num_microbatches=m,
+            virtual_stages=pc.v,
+            distributed_optimizer=pc.zero_stage == 1,
+        )
         out = dict(est.to_dict())
     else:
-        est = estimate_memory(cfg, pc, args.micro_batch_size, args.seq_length, args.precision,
-                              num_microbatches=m, gpu_name=gpu.name)
+        est = estimate_memory(
+            cfg, pc, args.micro_batch_size, args.seq_length, args.precision, num_microbatches=m, gpu_name=gpu.name
+        )
         out = est.to_dict()
     total = out["total"]
-    out.update(total_gib=total / GIB, fraction=total / gpu.memory, fits=total <= args.budget * gpu.memory,
-               budget=args.budget, gpu=gpu.name, gpu_memory=gpu.memory, formula=args.formula,
-               layout=dict(tp=pc.tp, pp=pc.pp, cp=pc.cp, dp=pc.dp, zero_stage=pc.zero_stage,
-                           sequence_parallel=pc.sp, activation_checkpointing=pc.activation_checkpointing,
-                           pipeline_schedule=pc.pipeline_schedule, num_microbatches=m,
-                           pipeline_layer_split=pc.pipeline_layer_split, micro_batch_size=args.micro_batch_size,
-                           seq_length=args.seq_length, precision=args.precision),
-               pipeline_layer_split_proposed=proposed is not None, num_layers=cfg.num_layers)
+    out.update(
+        total_gib=total / GIB,
+        fraction=total / gpu.memory,
+        fits=total <= args.budget * gpu.memory,
+        budget=args.budget,
+        gpu=gpu.name,
+        gpu_memory=gpu.memory,
+        formula=args.formula,
+        layout=dict(
+            tp=pc.tp,
+            pp=pc.pp,
+            cp=pc.cp,
+            dp=pc.dp,
+            zero_stage=pc.zero_stage,
+            sequence_parallel=pc.sp,
+            activation_checkpointing=pc.activation_checkpointing,
+            pipeline_schedule=pc.pipeline_schedule,
+            num_microbatches=m,
+            pipeline_layer_split=pc.pipeline_layer_split,
+            micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length,
+            precision=args.precision,
+        ),
+        pipeline_layer_split_proposed=proposed is not None,
+        num_layers=cfg.num_layers,
+    )
     if not out["fits"] and args.formula == "lightning_4d":
         out["suggestions"] = _suggestions(cfg, pc, args, gpu)
     return out
@@ -297,17 +373,40 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
     from lightning_4d.memory.planner import suggest_layouts, suggestion_line
 
     try:
-        found = suggest_layouts(cfg, pc.world_size, args.micro_batch_size, args.seq_length, args.precision,
-                                gpu.memory, args.budget, gpu_name=gpu.name)
+        found = suggest_layouts(
+            cfg,
+            pc.world_size,
+            args.micro_batch_size,
+            args.seq_length,
+            args.precision,
+            gpu.memory,
+            args.budget,
+            gpu_name=gpu.name,
+        )
     except ValueError:  # no suggestion is better than hiding the verdict (as the callback does)
         return []
-    return [{"line": suggestion_line(s, args.micro_batch_size), "total": e.total, "total_gib": e.total / GIB,
-             "layout": dict(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero_stage=s.zero_stage, sequence_parallel=s.sp,
-                            activation_checkpointing=s.activation_checkpointing, pipeline_schedule=s.pipeline_schedule,
-                            virtual_pipeline_stages=s.v, num_microbatches=s.microbatches,
-                            pipeline_layer_split=s.pipeline_layer_split,
-                            context_parallel_method=s.context_parallel_method)}
-            for s, e in found]
+    return [
+        {
+            "line": suggestion_line(s, args.micro_batch_size),
+            "total": e.total,
+            "total_gib": e.total / GIB,
+            "layout": dict(
+                tp=s.tp,
+                pp=s.pp,
+                cp=s.cp,
+                dp=s.dp,
+                zero_stage=s.zero_stage,
+                sequence_parallel=s.sp,
+                activation_checkpointing=s.activation_checkpointing,
+                pipeline_schedule=s.pipeline_schedule,
+                virtual_pipeline_stages=s.v,
+                num_microbatches=s.microbatches,
+                pipeline_layer_split=s.pipeline_layer_split,
+                context_parallel_method=s.context_parallel_method,
+            ),
+        }
+        for s, e in found
+    ]
 
 
 def _print_estimate(out: dict[str, Any]) -> None:
@@ -315,31 +414,44 @@ def _print_estimate(out: dict[str, Any]) -> None:
     from rich.table import Table
 
     lay = out["layout"]
-    title = (f"{out['formula']} estimate per GPU: tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} "
-             f"ZeRO {lay['zero_stage']} b={lay['micro_batch_size']} s={lay['seq_length']} {lay['precision']} "
-             f"checkpointing={lay['activation_checkpointing']}")
+    title = (
+        f"{out['formula']} estimate per GPU: tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} "
+        f"ZeRO {lay['zero_stage']} b={lay['micro_batch_size']} s={lay['seq_length']} {lay['precision']} "
+        f"checkpointing={lay['activation_checkpointing']}"
+    )
     table = Table(title=title)
     table.add_column("component")
     table.add_column("GiB", justify="right")
     table.add_column("bytes", justify="right")
-    keys = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead") \
-        if out["formula"] == "lightning_4d" else ("model_states", "activations")
+    keys = (
+        ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
+        if out["formula"] == "lightning_4d"
+        else ("model_states", "activations")
+    )
     for k in keys:
         table.add_row(k, f"{out[k] / GIB:.2f}", f"{int(out[k]):,}")
     table.add_row("total (peak)", f"{out['total_gib']:.2f}", f"{int(out['total']):,}", style="bold")
     console = Console(width=max(Console().width, 150))
     console.print(table)
     if out["pipeline_layer_split_proposed"]:
-        console.print(f"pipeline_layer_split={lay['pipeline_layer_split']}: the planner's split ({out['num_layers']} "
-                      f"layers do not divide into {len(lay['pipeline_layer_split'])} equal stages; the first and last "
-                      "stages, which also hold the embedding and the LM head, get the fewer); --pipeline-layer-split "
-                      "overrides it.", soft_wrap=True, markup=False)
+        console.print(
+            f"pipeline_layer_split={lay['pipeline_layer_split']}: the planner's split ({out['num_layers']} "
+            f"layers do not divide into {len(lay['pipeline_layer_split'])} equal stages; the first and last "
+            "stages, which also hold the embedding and the LM head, get the fewer); --pipeline-layer-split "
+            "overrides it.",
+            soft_wrap=True,
+            markup=False,
+        )
     if out["formula"] == "lightning_4d":
-        console.print(f"peak phase: {out['peak_phase']} (total = parameters + optimizer_states + overhead + the "
-                      "largest phase; see docs/memory.md)")
+        console.print(
+            f"peak phase: {out['peak_phase']} (total = parameters + optimizer_states + overhead + the "
+            "largest phase; see docs/memory.md)"
+        )
     verdict = "fits" if out["fits"] else "does NOT fit"
-    console.print(f"{out['total_gib']:.2f} GiB = {100 * out['fraction']:.1f}% of {out['gpu']} "
-                  f"({out['gpu_memory'] / GIB:.1f} GiB): {verdict} within the {100 * out['budget']:.0f}% budget.")
+    console.print(
+        f"{out['total_gib']:.2f} GiB = {100 * out['fraction']:.1f}% of {out['gpu']} "
+        f"({out['gpu_memory'] / GIB:.1f} GiB): {verdict} within the {100 * out['budget']:.0f}% budget."
+    )
     if "suggestions" in out:
         from lightning_4d.memory.planner import fitting_layout_lines
 
@@ -354,37 +466,86 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
-    fixed = {key: getattr(args, key) for key in ("tp", "pp", "cp", "dp", "zero_stage")
-             if getattr(args, key) is not None}
+    fixed = {
+        key: getattr(args, key) for key in ("tp", "pp", "cp", "dp", "zero_stage") if getattr(args, key) is not None
+    }
     if args.plot:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install 'lightning-4d[plot]'")
-    rows = plan(cfg, args.num_gpus, args.gpus_per_node, gpu, args.seq_length, args.global_batch_size,
-                precision=args.precision, budget=args.budget, formula=args.formula, top=args.top, fixed=fixed)
+    rows = plan(
+        cfg,
+        args.num_gpus,
+        args.gpus_per_node,
+        gpu,
+        args.seq_length,
+        args.global_batch_size,
+        precision=args.precision,
+        budget=args.budget,
+        formula=args.formula,
+        top=args.top,
+        fixed=fixed,
+    )
     layouts = []
     for c in rows:
-        ckpt = checkpoint_interval(cfg, args.num_gpus, args.gpus_per_node, c.step_time, precision=args.precision,
-                                   checkpoint_write_gbps=args.checkpoint_write_gbps,
-                                   mtbf_gpu_hours=args.mtbf_gpu_hours)
-        layouts.append({**c.to_dict(), "checkpoint_interval_s": ckpt.interval_s,
-                        "checkpoint_interval_steps": ckpt.interval_steps, "checkpoint_write_s": ckpt.write_s,
-                        "checkpoint_lost_fraction": ckpt.lost_fraction, "job_mtbf_s": ckpt.mtbf_s,
-                        "checkpoint_bytes": ckpt.checkpoint_bytes})
-    out = {"model": args.model, "num_gpus": args.num_gpus, "gpus_per_node": args.gpus_per_node, "gpu": gpu.name,
-           "gpu_memory": gpu.memory, "budget": args.budget, "seq_length": args.seq_length,
-           "global_batch_size": args.global_batch_size, "precision": args.precision, "formula": args.formula,
-           "checkpoint_write_gbps": args.checkpoint_write_gbps, "mtbf_gpu_hours": args.mtbf_gpu_hours,
-           "layouts": layouts}
+        ckpt = checkpoint_interval(
+            cfg,
+            args.num_gpus,
+            args.gpus_per_node,
+            c.step_time,
+            precision=args.precision,
+            checkpoint_write_gbps=args.checkpoint_write_gbps,
+            mtbf_gpu_hours=args.mtbf_gpu_hours,
+        )
+        layouts.append(
+            {
+                **c.to_dict(),
+                "checkpoint_interval_s": ckpt.interval_s,
+                "checkpoint_interval_steps": ckpt.interval_steps,
+                "checkpoint_write_s": ckpt.write_s,
+                "checkpoint_lost_fraction": ckpt.lost_fraction,
+                "job_mtbf_s": ckpt.mtbf_s,
+                "checkpoint_bytes": ckpt.checkpoint_bytes,
+            }
+        )
+    out = {
+        "model": args.model,
+        "num_gpus": args.num_gpus,
+        "gpus_per_node": args.gpus_per_node,
+        "gpu": gpu.name,
+        "gpu_memory": gpu.memory,
+        "budget": args.budget,
+        "seq_length": args.seq_length,
+        "global_batch_size": args.global_batch_size,
+        "precision": args.precision,
+        "formula": args.formula,
+        "checkpoint_write_gbps": args.checkpoint_write_gbps,
+        "mtbf_gpu_hours": args.mtbf_gpu_hours,
+        "layouts": layouts,
+    }
     if args.plot:
         from lightning_4d.memory.plot import plot_plan
 
-        points = plan(cfg, args.num_gpus, args.gpus_per_node, gpu, args.seq_length, args.global_batch_size,
-                      precision=args.precision, budget=args.budget, formula=args.formula, top=None,
-                      include_unfit=True, fixed=fixed, max_estimated=PLOT_LAYOUTS)
-        title = (f"{args.model} on {args.num_gpus} x {gpu.name}, s={args.seq_length}, global batch "
-                 f"{args.global_batch_size}: the {len(points)} fastest predicted layouts")
+        points = plan(
+            cfg,
+            args.num_gpus,
+            args.gpus_per_node,
+            gpu,
+            args.seq_length,
+            args.global_batch_size,
+            precision=args.precision,
+            budget=args.budget,
+            formula=args.formula,
+            top=None,
+            include_unfit=True,
+            fixed=fixed,
+            max_estimated=PLOT_LAYOUTS,
+        )
+        title = (
+            f"{args.model} on {args.num_gpus} x {gpu.name}, s={args.seq_length}, global batch "
+            f"{args.global_batch_size}: the {len(points)} fastest predicted layouts"
+        )
         out["plot"] = plot_plan(points, gpu.memory, args.budget, args.plot, title)["path"]
     return out
 
@@ -404,8 +565,11 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
     c = out["layouts"][0]
     pipe = c["pp"] > 1
     init_args: dict[str, Any] = {
-        "data_parallel_size": c["dp"], "tensor_parallel_size": c["tp"], "pipeline_parallel_size": c["pp"],
-        "context_parallel_size": c["cp"], "zero_stage": c["zero_stage"],
+        "data_parallel_size": c["dp"],
+        "tensor_parallel_size": c["tp"],
+        "pipeline_parallel_size": c["pp"],
+        "context_parallel_size": c["cp"],
+        "zero_stage": c["zero_stage"],
         "sequence_parallel": bool(c["sequence_parallel"]) if c["tp"] > 1 else False,
         "activation_checkpointing": c["activation_checkpointing"],
         "pipeline_schedule": c["pipeline_schedule"] if pipe else "1f1b",
@@ -417,14 +581,22 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
             init_args["pipeline_layer_split"] = list(c["pipeline_layer_split"])
     init_args["context_parallel_method"] = c["context_parallel_method"]
     num_gpus, per_node = out["num_gpus"], out["gpus_per_node"]
-    trainer = {"accelerator": "gpu", "devices": min(num_gpus, per_node), "num_nodes": max(1, num_gpus // per_node),
-               "precision": out["precision"], "accumulate_grad_batches": 1 if pipe else c["num_microbatches"],
-               "strategy": {"class_path": "lightning_4d.FourDStrategy", "init_args": init_args}}
+    trainer = {
+        "accelerator": "gpu",
+        "devices": min(num_gpus, per_node),
+        "num_nodes": max(1, num_gpus // per_node),
+        "precision": out["precision"],
+        "accumulate_grad_batches": 1 if pipe else c["num_microbatches"],
+        "strategy": {"class_path": "lightning_4d.FourDStrategy", "init_args": init_args},
+    }
     config: dict[str, Any] = {"trainer": trainer}
     if not str(out["model"]).endswith((".yaml", ".yml")) and not Path(out["model"]).is_file():
         config["model"] = {"model_config": out["model"]}
-    config["data"] = {"seq_length": out["seq_length"], "micro_batch_size": c["micro_batch_size"],
-                      "global_batch_size": c["micro_batch_size"] * c["dp"] * c["num_microbatches"]}
+    config["data"] = {
+        "seq_length": out["seq_length"],
+        "micro_batch_size": c["micro_batch_size"],
+        "global_batch_size": c["micro_batch_size"] * c["dp"] * c["num_microbatches"],
+    }
     return config
 
 
@@ -450,14 +622,18 @@ def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
         f"ZeRO {c['zero_stage']} checkpointing={c['activation_checkpointing']}: {c['memory_gib']:.1f} GiB per GPU "
         f"({100 * c['fraction']:.0f}% of {out['gpu']}), predicted step {c['step_time']:.4g} s (not measured).",
         f"#   {run} --data.data_path /data/corpus.bin --data.tokenizer path/to/tokenizer.json",
-        "# (rows to arguments: docs/memory.md, \"From a row to a config\")",
+        '# (rows to arguments: docs/memory.md, "From a row to a config")',
     ]
+
     class _Dumper(yaml.SafeDumper):  # lists (the layer split) on one line: [7, 8, 8, 7]
         pass
 
     _Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
-    text = "\n".join(header) + "\n" + yaml.dump(config, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                                                width=1 << 30)
+    text = (
+        "\n".join(header)
+        + "\n"
+        + yaml.dump(config, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1 << 30)
+    )
     Path(path).write_text(text)
     return path
 
@@ -466,22 +642,64 @@ def _print_plan(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{out['model']} on {out['num_gpus']} x {out['gpu']}, s={out['seq_length']}, global batch "
-                        f"{out['global_batch_size']}: layouts within {100 * out['budget']:.0f}% of memory, fastest "
-                        "predicted first")
-    for col in ("#", "tp", "pp", "cp", "dp", "b", "m", "ZeRO", "ckpt", "sp", "schedule", "GiB", "mem %", "step s",
-                "tokens/s", "MFU", "bubble", "comm", "recomp"):
+    table = Table(
+        title=f"{out['model']} on {out['num_gpus']} x {out['gpu']}, s={out['seq_length']}, global batch "
+        f"{out['global_batch_size']}: layouts within {100 * out['budget']:.0f}% of memory, fastest "
+        "predicted first"
+    )
+    for col in (
+        "#",
+        "tp",
+        "pp",
+        "cp",
+        "dp",
+        "b",
+        "m",
+        "ZeRO",
+        "ckpt",
+        "sp",
+        "schedule",
+        "GiB",
+        "mem %",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "bubble",
+        "comm",
+        "recomp",
+    ):
         table.add_column(col, justify="right")
     for i, c in enumerate(out["layouts"], 1):
-        schedule = "-" if c["pp"] == 1 else (c["pipeline_schedule"] + (f" v{c['virtual_pipeline_stages']}"
-                                             if c["pipeline_schedule"] == "interleaved_1f1b" else ""))
+        schedule = (
+            "-"
+            if c["pp"] == 1
+            else (
+                c["pipeline_schedule"]
+                + (f" v{c['virtual_pipeline_stages']}" if c["pipeline_schedule"] == "interleaved_1f1b" else "")
+            )
+        )
         cp = str(c["cp"]) + ("" if c["cp"] == 1 else f" {c['context_parallel_method']}")
-        table.add_row(str(i), str(c["tp"]), str(c["pp"]), cp, str(c["dp"]), str(c["micro_batch_size"]),
-                      str(c["num_microbatches"]), str(c["zero_stage"]), c["activation_checkpointing"],
-                      "-" if c["tp"] == 1 else ("on" if c["sequence_parallel"] else "off"), schedule,
-                      f"{c['memory_gib']:.1f}", f"{100 * c['fraction']:.0f}", f"{c['step_time']:.3f}",
-                      f"{c['tokens_per_sec']:,.0f}", f"{100 * c['mfu']:.1f}%", f"{100 * c['bubble_fraction']:.0f}%",
-                      f"{100 * c['communication_fraction']:.0f}%", f"{100 * c['recompute_fraction']:.0f}%")
+        table.add_row(
+            str(i),
+            str(c["tp"]),
+            str(c["pp"]),
+            cp,
+            str(c["dp"]),
+            str(c["micro_batch_size"]),
+            str(c["num_microbatches"]),
+            str(c["zero_stage"]),
+            c["activation_checkpointing"],
+            "-" if c["tp"] == 1 else ("on" if c["sequence_parallel"] else "off"),
+            schedule,
+            f"{c['memory_gib']:.1f}",
+            f"{100 * c['fraction']:.0f}",
+            f"{c['step_time']:.3f}",
+            f"{c['tokens_per_sec']:,.0f}",
+            f"{100 * c['mfu']:.1f}%",
+            f"{100 * c['bubble_fraction']:.0f}%",
+            f"{100 * c['communication_fraction']:.0f}%",
+            f"{100 * c['recompute_fraction']:.0f}%",
+        )
     console = Console(width=max(Console().width, 180))
     console.print(table)
     if not out["layouts"]:
@@ -492,17 +710,21 @@ def _print_plan(out: dict[str, Any]) -> None:
             break
     if out["layouts"]:
         c = out["layouts"][0]
-        console.print(f"#1: checkpoint every {c['checkpoint_interval_steps']:,} steps "
-                      f"({c['checkpoint_interval_s'] / 60:.0f}"
-                      f" min; Young: sqrt(2 x write {c['checkpoint_write_s']:.3g} s x job MTBF "
-                      f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
-                      f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
-                      f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU).")
+        console.print(
+            f"#1: checkpoint every {c['checkpoint_interval_steps']:,} steps "
+            f"({c['checkpoint_interval_s'] / 60:.0f}"
+            f" min; Young: sqrt(2 x write {c['checkpoint_write_s']:.3g} s x job MTBF "
+            f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
+            f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
+            f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU)."
+        )
     if out.get("plot"):
         console.print(f"plot: {out['plot']}")
-    console.print("bubble, comm (exposed communication) and recomp (recomputation): fractions of the predicted step. "
-                  "Step time, tokens/s and MFU are predicted by the step-time model of docs/memory.md (calibrated on "
-                  "published runs), not measured.")
+    console.print(
+        "bubble, comm (exposed communication) and recomp (recomputation): fractions of the predicted step. "
+        "Step time, tokens/s and MFU are predicted by the step-time model of docs/memory.md (calibrated on "
+        "published runs), not measured."
+    )
 
 
 def main(command: str, argv: list[str]) -> int:
@@ -518,8 +740,10 @@ def main(command: str, argv: list[str]) -> int:
         out = _estimate(args) if command == "estimate" else _plan(args)
         if emit is not None:
             if not out["layouts"]:
-                raise ValueError(f"--emit-config {emit!r}: no layout fits, so there is no first pick to write (use "
-                                 "more GPUs, a shorter sequence, or a larger GPU).")
+                raise ValueError(
+                    f"--emit-config {emit!r}: no layout fits, so there is no first pick to write (use "
+                    "more GPUs, a shorter sequence, or a larger GPU)."
+                )
             out["emit_config"] = write_plan_config(out, emit, " ".join(["lightning-4d", command, *argv]))
     except ValueError as err:
         print(f"lightning-4d {command}: error: {err}", file=sys.stderr)

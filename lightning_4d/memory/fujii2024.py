@@ -190,8 +190,23 @@ def _bytes_per_parameter(d: int, c: int, distributed_optimizer: bool) -> float:
     return 6 + 12 / (d * c) if distributed_optimizer else 18.0
 
 
-def _activations(h: int, L: int, V: int, f: int, a: int, k: int, t: int, p: int, c: int, s: int, b: int,
-                 m: Optional[int], v: int, flash_attention: bool, attention_dropout: bool) -> float:
+def _activations(
+    h: int,
+    L: int,
+    V: int,
+    f: int,
+    a: int,
+    k: int,
+    t: int,
+    p: int,
+    c: int,
+    s: int,
+    b: int,
+    m: Optional[int],
+    v: int,
+    flash_attention: bool,
+    attention_dropout: bool,
+) -> float:
     """Activation bytes of the first pipeline stage.
 
     - Per layer per micro-batch, paper Eq. 12 (FlashAttention, no dropout): ``s·b·h·(12 + 4·k/a + 8·f/h)``, with s/c

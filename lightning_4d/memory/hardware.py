@@ -34,8 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-__all__ = ["GPU_PRESETS", "GpuSpec", "OverheadAllowance", "gpu_spec", "overhead_allowance", "parse_bytes",
-           "peak_flops_of_device"]
+__all__ = [
+    "GPU_PRESETS",
+    "GpuSpec",
+    "OverheadAllowance",
+    "gpu_spec",
+    "overhead_allowance",
+    "parse_bytes",
+    "peak_flops_of_device",
+]
 
 GIB = 2**30
 GB = 10**9
@@ -71,8 +78,18 @@ GPU_PRESETS: dict[str, GpuSpec] = {
     "A10": GpuSpec("A10", 24 * GIB, 125e12, 32e9, 25e9, 600e9),
 }
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: Union[int, float, str]) -> int:
@@ -99,9 +116,13 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     return result
 
 
-def gpu_spec(name_or_memory: Union[str, int, float], peak_flops: Optional[float] = None,
-             intra_node_bandwidth: Optional[float] = None, inter_node_bandwidth: Optional[float] = None,
-             memory_bandwidth: Optional[float] = None) -> GpuSpec:
+def gpu_spec(
+    name_or_memory: Union[str, int, float],
+    peak_flops: Optional[float] = None,
+    intra_node_bandwidth: Optional[float] = None,
+    inter_node_bandwidth: Optional[float] = None,
+    memory_bandwidth: Optional[float] = None,
+) -> GpuSpec:
     """A preset by name (case-insensitive: ``"h100-80gb"``), or a custom GPU from a memory size (``"64GiB"``) whose
     missing figures default to the H100-80GB preset's.
 
@@ -122,7 +143,8 @@ def gpu_spec(name_or_memory: Union[str, int, float], peak_flops: Optional[float]
         ) from None
     base = GPU_PRESETS["H100-80GB"]
     return GpuSpec(
-        f"custom-{memory / GIB:.4g}GiB", memory,
+        f"custom-{memory / GIB:.4g}GiB",
+        memory,
         peak_flops if peak_flops is not None else base.peak_flops,
         intra_node_bandwidth if intra_node_bandwidth is not None else base.intra_node_bandwidth,
         inter_node_bandwidth if inter_node_bandwidth is not None else base.inter_node_bandwidth,
@@ -186,8 +208,14 @@ def overhead_allowance(gpu_name: Optional[str] = None, device_type: str = "cuda"
     if gpu_name:
         name = gpu_name.lower()
         family = name.split("-")[0] if gpu_name in GPU_PRESETS else None
-        matches = [k for k in table if k != "default" and (
-            k.lower() in name or (family and re.search(rf"(?<![a-z0-9]){re.escape(family)}(?![a-z0-9])", k.lower())))]
+        matches = [
+            k
+            for k in table
+            if k != "default"
+            and (
+                k.lower() in name or (family and re.search(rf"(?<![a-z0-9]){re.escape(family)}(?![a-z0-9])", k.lower()))
+            )
+        ]
         if matches:
             key = max(matches, key=len)
     entry = table[key]

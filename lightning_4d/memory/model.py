@@ -138,10 +138,18 @@ __all__ = [
 
 #: Lightning precision flags the model knows (names as ``Trainer(precision=...)``).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
-_PRECISION_ALIASES = {"32": "32-true", "fp32": "32-true", "float32": "32-true", "bf16": "bf16-mixed",
-                      "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "32-true": "32-true",
-                      "16": "16-mixed", "16-mixed": "16-mixed",
-                      "16-true": "bf16-true"}  # float16 weights have bfloat16's byte counts
+_PRECISION_ALIASES = {
+    "32": "32-true",
+    "fp32": "32-true",
+    "float32": "32-true",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16-true": "bf16-true",
+    "32-true": "32-true",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "16-true": "bf16-true",
+}  # float16 weights have bfloat16's byte counts
 
 
 def _precision(precision: str) -> str:
@@ -167,9 +175,13 @@ class _Dtypes:
     def for_layout(precision: str, model_config: Any, pc: ParallelConfig, device_type: str) -> "_Dtypes":
         """:meth:`of` ``precision``, with ``kv_repeated`` where the ``sdpa`` backend repeats the kv heads."""
         dt = _Dtypes.of(precision)
-        repeats = (device_type == "cuda" and precision == "32-true" and pc.cp == 1
-                   and getattr(model_config, "attention_backend", "sdpa") == "sdpa"
-                   and model_config.num_kv_heads != model_config.num_heads)
+        repeats = (
+            device_type == "cuda"
+            and precision == "32-true"
+            and pc.cp == 1
+            and getattr(model_config, "attention_backend", "sdpa") == "sdpa"
+            and model_config.num_kv_heads != model_config.num_heads
+        )
         return replace(dt, kv_repeated=True) if repeats else dt
 
     @staticmethod
@@ -281,15 +293,18 @@ def _rank_layers(num_layers: int, pc: ParallelConfig, pp_rank: int) -> list[int]
     return sorted(i for _, r in pc.rank_stages(num_layers, pp_rank) for i in r)
 
 
-def _weighted_params(cfg: Any, tp: int, layers: list[int], first: bool, last: bool, ep: int = 1
-                     ) -> list[tuple[_Param, int]]:
+def _weighted_params(
+    cfg: Any, tp: int, layers: list[int], first: bool, last: bool, ep: int = 1
+) -> list[tuple[_Param, int]]:
     """:func:`_stage_params` of ``layers`` with the identical layers folded into one representative layer and a
     count: one dense layer and, in an MoE config, one MoE layer."""
     moe = [i for i in layers if _is_moe_layer(cfg, i)]
     dense = [i for i in layers if not _is_moe_layer(cfg, i)]
     reps = {group[0]: len(group) for group in (dense, moe) if group}
-    return [(p, reps[int(p.unit.split(".")[1])] if p.unit != "root" else 1)
-            for p in _stage_params(cfg, tp, sorted(reps), first, last, ep)]
+    return [
+        (p, reps[int(p.unit.split(".")[1])] if p.unit != "root" else 1)
+        for p in _stage_params(cfg, tp, sorted(reps), first, last, ep)
+    ]
 
 
 def _chunk(n: int, world: int, rank: int) -> int:
@@ -317,18 +332,37 @@ class _Sizes:
     @staticmethod
     def of(cfg: Any, num_layers: int) -> "_Sizes":
         moe = tuple(i for i in range(num_layers) if _is_moe_layer(cfg, i))
-        return _Sizes(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.padded_vocab_size, bool(cfg.tie_word_embeddings),
-                      getattr(cfg, "num_experts", 0), getattr(cfg, "expert_intermediate_size", 0) if moe else 0,
-                      getattr(cfg, "num_shared_experts", 0), moe)
+        return _Sizes(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.padded_vocab_size,
+            bool(cfg.tie_word_embeddings),
+            getattr(cfg, "num_experts", 0),
+            getattr(cfg, "expert_intermediate_size", 0) if moe else 0,
+            getattr(cfg, "num_shared_experts", 0),
+            moe,
+        )
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
 
 
 @functools.lru_cache(maxsize=4096)
-def _zero1_owned(sizes: _Sizes, tp: int, layers: tuple[int, ...], first: bool, last: bool, elem_bytes: int,
-                 world: int, rank: int, bucket_bytes: int, ep: int = 1) -> int:
+def _zero1_owned(
+    sizes: _Sizes,
+    tp: int,
+    layers: tuple[int, ...],
+    first: bool,
+    last: bool,
+    elem_bytes: int,
+    world: int,
+    rank: int,
+    bucket_bytes: int,
+    ep: int = 1,
+) -> int:
     """:func:`_bucket_owned` of the parameters of ``layers`` (+ embedding / head), cached: the planner asks for the
     same stage under many micro-batch sizes. Under expert parallelism (``ep`` > 1) the expert weights fill buckets
     of their own, sharded over the expert data-parallel group (``world / ep`` ranks; this rank is ``rank // ep`` of
@@ -418,8 +452,9 @@ def model_state_bytes(
         raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
     _, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
     world, zero = pc.dp_cp, pc.zero_stage
-    weighted = _weighted_params(model_config, pc.tp, _rank_layers(model_config.num_layers, pc, pp_rank), first, last,
-                                pc.ep)
+    weighted = _weighted_params(
+        model_config, pc.tp, _rank_layers(model_config.num_layers, pc, pp_rank), first, last, pc.ep
+    )
     if zero >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor
         n = sum(count * _chunk(p.rows, world, dp_cp_rank) * p.cols for p, count in weighted)
         if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
@@ -429,14 +464,27 @@ def model_state_bytes(
     n_opt = n
     if zero == 1 and world > 1:
         layers = tuple(_rank_layers(model_config.num_layers, pc, pp_rank))
-        n_opt = _zero1_owned(_Sizes.of(model_config, model_config.num_layers), pc.tp, layers, first, last, dt.setup,
-                             world, dp_cp_rank, bucket_bytes, pc.ep)
+        n_opt = _zero1_owned(
+            _Sizes.of(model_config, model_config.num_layers),
+            pc.tp,
+            layers,
+            first,
+            last,
+            dt.setup,
+            world,
+            dp_cp_rank,
+            bucket_bytes,
+            pc.ep,
+        )
     master = n_opt * dt.master
     compression = 0
     if pc.gradient_compression == "powersgd" and world > 1:  # every rank's own E and Q, whole local matrices
         r = pc.powersgd_rank
-        compression = sum(count * 4 * (p.rows * p.cols + p.cols * r) for p, count in weighted
-                          if p.matrix and powersgd_compressible((p.rows, p.cols), r))
+        compression = sum(
+            count * 4 * (p.rows * p.cols + p.cols * r)
+            for p, count in weighted
+            if p.matrix and powersgd_compressible((p.rows, p.cols), r)
+        )
     return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master + compression, master, compression)
 
 
@@ -482,8 +530,7 @@ def _moe_saved(cfg: Any, dt: _Dtypes, b: int, s: int) -> int:
     return router + 4 * e + dispatch + 4 * c * n * fe + 4 * c * t * cfg.num_shared_experts * fe
 
 
-def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool,
-                       moe: bool = False) -> dict[str, int]:
+def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool, moe: bool = False) -> dict[str, int]:
     """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
     part: ``norms`` (both norms' inputs and float32 reciprocal RMS), ``attn_in`` / ``ffn_in`` (the projections'
     inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
@@ -516,8 +563,9 @@ def _layer_input_grad_only(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: b
     return _layer_saved_parts(cfg, dt, b, s, tp, sp)["sdpa"]
 
 
-def _layer_selective_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool,
-                           attention_tokens: int) -> dict[str, int]:
+def _layer_selective_parts(
+    cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool, attention_tokens: int
+) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward under selective activation checkpointing, per micro-batch
     (``s`` = this rank's sequence length), by part: ``input`` (the layer's input, kept by the checkpoint),
     ``matmuls`` (the outputs of the seven matmuls: ``wq``/``wk``/``wv`` and ``w1``/``w3`` on their tp-local columns,
@@ -545,8 +593,7 @@ def _layer_selective_recompute(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, s
     SwiGLU product."""
     parts = _layer_saved_parts(cfg, dt, b, s, tp, sp)
     rotated_qk = dt.compute * b * s * (cfg.num_heads + cfg.num_kv_heads) // tp * cfg.head_dim
-    return (parts["norms"] + parts["attn_in"] + parts["ffn_in"] + rotated_qk
-            + parts["swiglu"] // 2)
+    return parts["norms"] + parts["attn_in"] + parts["ffn_in"] + rotated_qk + parts["swiglu"] // 2
 
 
 def saved_activation_bytes(
@@ -620,8 +667,11 @@ def saved_activation_bytes(
         out["recompute"] = _layer_selective_recompute(model_config, dt, b, s, tp, sp)
     if dt.autocast:
         # autocast's bfloat16 weight copies; a checkpointed layer's are made again (and dropped) in its recompute
-        cast = [(p, n) for p, n in _weighted_params(model_config, tp, indices, first, last, pc.ep)
-                if p.matrix and p.name != "tok_embeddings.weight"]
+        cast = [
+            (p, n)
+            for p, n in _weighted_params(model_config, tp, indices, first, last, pc.ep)
+            if p.matrix and p.name != "tok_embeddings.weight"
+        ]
         in_layers = sum(p.numel * n for p, n in cast if p.unit != "root")
         out["compute_weights"] = 2 * (sum(p.numel * n for p, n in cast) - (in_layers if recomputed else 0))
         if last and model_config.tie_word_embeddings and first:  # the tied head is cast too
@@ -684,8 +734,9 @@ def _in_flight(pc: ParallelConfig, pp_rank: int, m: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=65536)
-def _zbv_peak(p: int, r: int, m: int, sizes: tuple[float, float],
-              retained: tuple[float, float] = (0.0, 0.0)) -> tuple[float, tuple[int, int]]:
+def _zbv_peak(
+    p: int, r: int, m: int, sizes: tuple[float, float], retained: tuple[float, float] = (0.0, 0.0)
+) -> tuple[float, tuple[int, int]]:
     """Peak of ``held[0]·sizes[0] + held[1]·sizes[1] + done[0]·retained[0] + done[1]·retained[1]`` over
     ``ScheduleZBVZeroBubble``'s action list for rank r, with ``held[i]`` the micro-batches forwarded through the
     rank's stage i (stage r, then stage 2p-1-r) whose weight gradient (W) has not run yet and ``done[i]`` those whose
@@ -850,25 +901,48 @@ def estimate_memory(
     cfg = _model(model_config)
     if parallel_config.data_parallel_size == "auto":
         raise ValueError("parallel_config.data_parallel_size is 'auto': call parallel_config.resolve(world_size).")
-    pc = _with_pipeline(parallel_config, pipeline_schedule=pipeline_schedule,
-                        virtual_pipeline_stages=virtual_pipeline_stages, pipeline_layer_split=pipeline_layer_split)
+    pc = _with_pipeline(
+        parallel_config,
+        pipeline_schedule=pipeline_schedule,
+        virtual_pipeline_stages=virtual_pipeline_stages,
+        pipeline_layer_split=pipeline_layer_split,
+    )
     pc.validate_model(cfg)
     m = num_microbatches or pc.microbatches
     pc.validate_microbatches(m)
     ranks = [pp_rank] if pp_rank is not None else list(range(pc.pp))
     results = [
-        _estimate_pp_rank(cfg, pc, micro_batch_size, seq_length, _precision(precision), r, m, dp_cp_rank,
-                          device_type, overhead, gpu_name)
+        _estimate_pp_rank(
+            cfg,
+            pc,
+            micro_batch_size,
+            seq_length,
+            _precision(precision),
+            r,
+            m,
+            dp_cp_rank,
+            device_type,
+            overhead,
+            gpu_name,
+        )
         for r in ranks
     ]
     return max(results, key=lambda e: e.total)
 
 
-def estimate_all_pp_ranks(model_config: Any, parallel_config: ParallelConfig, micro_batch_size: int, seq_length: int,
-                          precision: str = "bf16-mixed", **kw: Any) -> list[MemoryEstimate]:
+def estimate_all_pp_ranks(
+    model_config: Any,
+    parallel_config: ParallelConfig,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str = "bf16-mixed",
+    **kw: Any,
+) -> list[MemoryEstimate]:
     """:func:`estimate_memory` for every pp rank, in pp-rank order (same arguments, ``pp_rank`` excepted)."""
-    return [estimate_memory(model_config, parallel_config, micro_batch_size, seq_length, precision, pp_rank=r, **kw)
-            for r in range(parallel_config.pp)]
+    return [
+        estimate_memory(model_config, parallel_config, micro_batch_size, seq_length, precision, pp_rank=r, **kw)
+        for r in range(parallel_config.pp)
+    ]
 
 
 def _model(model_config: Any) -> Any:
@@ -889,8 +963,9 @@ class _Activations:
     in_flight: float  # micro-batches in flight, averaged over the rank's layers
 
 
-def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int,
-                      saved: dict[str, int]) -> _Activations:
+def _activation_terms(
+    cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int, saved: dict[str, int]
+) -> _Activations:
     """Activations of pp rank ``pp_rank`` at its peak: every pipeline stage of the rank holds its in-flight
     micro-batches' saved tensors (:func:`_in_flight`, :func:`_zbv_peak`), the embedding's with the first stage, the
     head's and the loss's with the last (module docstring, **Activations** and **Pipeline parallelism**)."""
@@ -901,19 +976,30 @@ def _activation_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int,
     per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
     # one micro-batch's saved bytes per stage of the rank: its layers, the embedding's with the first stage, the
     # head's and the loss's with the last; under pp each stage's forward computes its own RoPE tables
-    sizes = [len(layers) * per_layer + (saved["embedding"] if st == 0 else 0)
-             + (saved["head"] + saved["loss"] if st == pc.num_stages - 1 or pc.pp == 1 else 0)
-             + (saved["rope"] if pc.pp > 1 else 0) for st, layers in stages]
+    sizes = [
+        len(layers) * per_layer
+        + (saved["embedding"] if st == 0 else 0)
+        + (saved["head"] + saved["loss"] if st == pc.num_stages - 1 or pc.pp == 1 else 0)
+        + (saved["rope"] if pc.pp > 1 else 0)
+        for st, layers in stages
+    ]
     if pc.pp > 1 and pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
         # what stays alive after a micro-batch's weight pass, to the end of the step (stages after the first)
         s_loc = s // pc.cp
-        layer_kept = 0 if pc.activation_checkpointing == "full" else (
-            _layer_input_grad_only(cfg, dt, b, s_loc, tp, pc.sp) + saved["context_parallel_kv"] / max(1, n_layers))
+        layer_kept = (
+            0
+            if pc.activation_checkpointing == "full"
+            else (
+                _layer_input_grad_only(cfg, dt, b, s_loc, tp, pc.sp) + saved["context_parallel_kv"] / max(1, n_layers)
+            )
+        )
         # the loss' saved logits, log-sum-exp and labels (no weight gradient passes through the loss; the final norm's
         # saved tensors serve its weight gradient and are freed by the weight pass)
         head_kept = saved["loss"]
-        retained = [0 if st == 0 else len(layers) * layer_kept + saved["rope"]
-                    + (head_kept if st == pc.num_stages - 1 else 0) for st, layers in stages]
+        retained = [
+            0 if st == 0 else len(layers) * layer_kept + saved["rope"] + (head_kept if st == pc.num_stages - 1 else 0)
+            for st, layers in stages
+        ]
         peak, _ = _zbv_peak(pc.pp, pp_rank, m, (sizes[0], sizes[1]), (retained[0], retained[1]))
     else:
         peak = sum(c * size for c, size in zip(counts, sizes))
@@ -950,8 +1036,9 @@ class _Buffers:
     embedding_gradient: int = 0
 
 
-def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int,
-                  states: ModelStates) -> _Buffers:
+def _buffer_terms(
+    cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int, states: ModelStates
+) -> _Buffers:
     """The transient buffers of pp rank ``pp_rank``: FSDP2's gathered parameters and unsharded gradients, gradient
     communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers and the
     optimizer step's temporaries."""
@@ -1004,8 +1091,7 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
     # first and for the gradients of every stage but the last (one micro-batch's hidden states each, in the residual
     # stream's dtype, sequence-sharded under sp)
     hidden = dt.residual * b * (s // pc.cp) * cfg.hidden_size // (pc.tp if pc.sp else 1)
-    boundaries = (sum((st != 0) + (st != pc.num_stages - 1) for st in pc.stage_indices(pp_rank))
-                  if pc.pp > 1 else 0)
+    boundaries = sum((st != 0) + (st != pc.num_stages - 1) for st in pc.stage_indices(pp_rank)) if pc.pp > 1 else 0
     # foreach AdamW: sqrt of the second moments
     step_temp = (states.optimizer_states - states.master_weights - states.compression) // 2
     if zero == 1 and world > 1:
@@ -1016,12 +1102,22 @@ def _buffer_terms(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_
         step_temp += int(bucket * (1 + 1 / world))
     resident = states.gradients if zero <= 1 else 0  # ZeRO 0/1 gradient buckets exist through the whole step
     embedding_grad = dt.compute * cfg.padded_vocab_size * cfg.hidden_size if pc.tp > 1 and first else 0
-    return _Buffers(gathered_start, gathered_end, grad_buffers, head_grad, m * boundaries * hidden,
-                    _context_parallel_buffers(cfg, pc, dt, b, s), step_temp, resident, embedding_grad)
+    return _Buffers(
+        gathered_start,
+        gathered_end,
+        grad_buffers,
+        head_grad,
+        m * boundaries * hidden,
+        _context_parallel_buffers(cfg, pc, dt, b, s),
+        step_temp,
+        resident,
+        embedding_grad,
+    )
 
 
-def _initialization_bytes(cfg: Any, pc: ParallelConfig, dt: _Dtypes, pp_rank: int, states: ModelStates,
-                          buf: _Buffers) -> int:
+def _initialization_bytes(
+    cfg: Any, pc: ParallelConfig, dt: _Dtypes, pp_rank: int, states: ModelStates, buf: _Buffers
+) -> int:
     """Bytes held at the peak of setup, before the first step (module docstring, **Peak**): the larger of
     initialization (the rank's parameters in their setup dtype + the largest whole float32 parameter of its stages:
     ``families/llama.py``'s ``_local_piece`` copies the rank's piece out of a view of it) and the cast that follows
@@ -1045,17 +1141,35 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         "initialization": initialization - states.parameters - states.optimizer_states,
         # the loss' backward (its working set beside the saved logits) ends before the head's weight gradient exists,
         # and frees the saved logits (at least as large as the head's gradient for s >= h): the larger of the two
-        "backward start": act.activations + max(act.logits, buf.head_gradient) + act.compute_weights
-        + buf.gathered_start + buf.pipeline + buf.context_parallel + buf.resident_gradients,
-        "backward end": states.gradients + buf.gradient_buffers + buf.gathered_end + buf.pipeline
+        "backward start": act.activations
+        + max(act.logits, buf.head_gradient)
+        + act.compute_weights
+        + buf.gathered_start
+        + buf.pipeline
+        + buf.context_parallel
+        + buf.resident_gradients,
+        "backward end": states.gradients
+        + buf.gradient_buffers
+        + buf.gathered_end
+        + buf.pipeline
         + buf.embedding_gradient,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
 
 
-def _estimate_pp_rank(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: str, pp_rank: int, m: int,
-                      dp_cp_rank: int, device_type: str, overhead: Optional[OverheadAllowance],
-                      gpu_name: Optional[str]) -> MemoryEstimate:
+def _estimate_pp_rank(
+    cfg: Any,
+    pc: ParallelConfig,
+    b: int,
+    s: int,
+    precision: str,
+    pp_rank: int,
+    m: int,
+    dp_cp_rank: int,
+    device_type: str,
+    overhead: Optional[OverheadAllowance],
+    gpu_name: Optional[str],
+) -> MemoryEstimate:
     """:func:`estimate_memory` of one pp rank: model states, then activations, buffers and the three phases."""
     from lightning_4d.memory.hardware import overhead_allowance
 
@@ -1070,8 +1184,15 @@ def _estimate_pp_rank(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: s
     allowance = overhead if overhead is not None else overhead_allowance(gpu_name, device_type)
     extra = allowance.bytes_for(tensors)
     gathered = max(buf.gathered_start, buf.gathered_end)
-    buffers = (act.compute_weights + gathered + buf.gradient_buffers + buf.step_temporaries + buf.pipeline
-               + buf.context_parallel + buf.embedding_gradient)
+    buffers = (
+        act.compute_weights
+        + gathered
+        + buf.gradient_buffers
+        + buf.step_temporaries
+        + buf.pipeline
+        + buf.context_parallel
+        + buf.embedding_gradient
+    )
     details = {
         **{f"saved_{k}": val for k, val in saved.items()},
         "saved_for_backward": sum(saved.values()) - saved["recompute"],
@@ -1088,7 +1209,15 @@ def _estimate_pp_rank(cfg: Any, pc: ParallelConfig, b: int, s: int, precision: s
         **{f"phase_{k.replace(' ', '_')}": val for k, val in phases.items()},
     }
     return MemoryEstimate(
-        parameters=states.parameters, gradients=states.gradients, optimizer_states=states.optimizer_states,
-        activations=act.activations, logits=act.logits, buffers=buffers, overhead=extra, total=tensors + extra,
-        peak_phase=peak_phase, pp_rank=pp_rank, details=details,
+        parameters=states.parameters,
+        gradients=states.gradients,
+        optimizer_states=states.optimizer_states,
+        activations=act.activations,
+        logits=act.logits,
+        buffers=buffers,
+        overhead=extra,
+        total=tensors + extra,
+        peak_phase=peak_phase,
+        pp_rank=pp_rank,
+        details=details,
     )

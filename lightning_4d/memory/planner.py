@@ -56,8 +56,16 @@ from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_of
 
-__all__ = ["Candidate", "enumerate_layouts", "fitting_layout_lines", "format_size", "plan", "propose_layer_split",
-           "suggest_layouts", "suggestion_line"]
+__all__ = [
+    "Candidate",
+    "enumerate_layouts",
+    "fitting_layout_lines",
+    "format_size",
+    "plan",
+    "propose_layer_split",
+    "suggest_layouts",
+    "suggestion_line",
+]
 
 #: how much each activation checkpointing mode recomputes, for ranking layouts of equal predicted step time
 _RECOMPUTATION = {"none": 0, "selective": 1, "full": 2}
@@ -66,8 +74,7 @@ MAX_CONTEXT_PARALLEL = 32
 #: fused kernel far below its peak: :data:`~lightning_4d.memory.step_time.ATTENTION_EFFICIENCY`)
 MIN_CONTEXT_CHUNK = 512
 #: the pipeline schedules the planner proposes, with their stages per pp rank
-PLANNED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8),
-                     ("zbv", 2))
+PLANNED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8), ("zbv", 2))
 
 
 @dataclass(frozen=True)
@@ -101,10 +108,21 @@ class Candidate:
     def parallel_config(self) -> ParallelConfig:
         """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
         and micro-batch count)."""
-        return Layout(self.tp, self.pp, self.cp, self.dp, self.micro_batch_size, self.num_microbatches,
-                      self.sequence_parallel, self.context_parallel_method,
-                      self.pipeline_schedule if self.pp > 1 else "1f1b", self.virtual_pipeline_stages,
-                      self.pipeline_layer_split, self.zero_stage, self.activation_checkpointing).parallel_config()
+        return Layout(
+            self.tp,
+            self.pp,
+            self.cp,
+            self.dp,
+            self.micro_batch_size,
+            self.num_microbatches,
+            self.sequence_parallel,
+            self.context_parallel_method,
+            self.pipeline_schedule if self.pp > 1 else "1f1b",
+            self.virtual_pipeline_stages,
+            self.pipeline_layer_split,
+            self.zero_stage,
+            self.activation_checkpointing,
+        ).parallel_config()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -152,8 +170,15 @@ def _pipelines(model_config: Any, pp: int, m: int) -> Iterator[tuple[str, int, O
         yield name, v, propose_layer_split(model_config.num_layers, pp * v)
 
 
-def _layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: int, global_batch_size: int,
-             micro_batch_size: Optional[int], fixed: Optional[dict[str, int]] = None) -> Iterator[Layout]:
+def _layouts(
+    model_config: Any,
+    num_gpus: int,
+    gpus_per_node: int,
+    seq_length: int,
+    global_batch_size: int,
+    micro_batch_size: Optional[int],
+    fixed: Optional[dict[str, int]] = None,
+) -> Iterator[Layout]:
     """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`)."""
     fixed = fixed or {}
     for tp in _divisors(min(num_gpus, gpus_per_node)):
@@ -170,9 +195,13 @@ def _layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: i
                 dp = num_gpus // (tp * pp * cp)
                 if global_batch_size % dp or fixed.get("cp", cp) != cp or fixed.get("dp", dp) != dp:
                     continue
-                for sp in ((True, False) if tp > 1 else (False,)):
-                    base = ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, context_parallel_size=cp,
-                                          sequence_parallel=sp if tp > 1 else None)
+                for sp in (True, False) if tp > 1 else (False,):
+                    base = ParallelConfig(
+                        data_parallel_size=dp,
+                        tensor_parallel_size=tp,
+                        context_parallel_size=cp,
+                        sequence_parallel=sp if tp > 1 else None,
+                    )
                     try:
                         base.validate_model(model_config)
                         base.validate_sequence(seq_length)
@@ -185,7 +214,7 @@ def _layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: i
                         m = per_rank // b
                         for name, v, split in _pipelines(model_config, pp, m):
                             split = tuple(split) if split else None
-                            for method in (CONTEXT_PARALLEL_METHODS if cp > 1 else ("ring",)):
+                            for method in CONTEXT_PARALLEL_METHODS if cp > 1 else ("ring",):
                                 for zero in ZERO_STAGES:
                                     if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
                                         continue  # nothing to shard over, or not the stage asked for
@@ -195,25 +224,46 @@ def _layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: i
                                         yield Layout(tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac)
 
 
-def enumerate_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: int, global_batch_size: int,
-                      *, micro_batch_size: Optional[int] = None, fixed: Optional[dict[str, int]] = None,
-                      ) -> Iterator[tuple[ParallelConfig, int, int]]:
+def enumerate_layouts(
+    model_config: Any,
+    num_gpus: int,
+    gpus_per_node: int,
+    seq_length: int,
+    global_batch_size: int,
+    *,
+    micro_batch_size: Optional[int] = None,
+    fixed: Optional[dict[str, int]] = None,
+) -> Iterator[tuple[ParallelConfig, int, int]]:
     """Every valid ``(parallel_config, micro_batch_size, num_microbatches)`` of a job (see the module docstring).
 
     Args:
         micro_batch_size: keep b fixed (the memory check's suggestions keep the user's batch shape).
         fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``zero_stage``.
     """
-    for layout in _layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size,
-                           fixed):
+    for layout in _layouts(
+        model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed
+    ):
         yield layout.parallel_config(), layout.micro_batch_size, layout.num_microbatches
 
 
-def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq_length: int,
-         global_batch_size: int, *, precision: str = "bf16-mixed", budget: float = 0.8, formula: str = "lightning_4d",
-         micro_batch_size: Optional[int] = None, top: Optional[int] = 20, include_unfit: bool = False,
-         fixed: Optional[dict[str, int]] = None, max_estimated: Optional[int] = None,
-         estimate_kw: Optional[dict[str, Any]] = None) -> list[Candidate]:
+def plan(
+    model_config: Any,
+    num_gpus: int,
+    gpus_per_node: int,
+    gpu: GpuSpec,
+    seq_length: int,
+    global_batch_size: int,
+    *,
+    precision: str = "bf16-mixed",
+    budget: float = 0.8,
+    formula: str = "lightning_4d",
+    micro_batch_size: Optional[int] = None,
+    top: Optional[int] = 20,
+    include_unfit: bool = False,
+    fixed: Optional[dict[str, int]] = None,
+    max_estimated: Optional[int] = None,
+    estimate_kw: Optional[dict[str, Any]] = None,
+) -> list[Candidate]:
     """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first.
 
     Args:
@@ -240,19 +290,41 @@ def plan(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq
     """
     _check_job(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, budget, formula, top, fixed)
     limit = budget * gpu.memory
-    timed = _timed_layouts(model_config, num_gpus, gpus_per_node, gpu, seq_length, global_batch_size, formula,
-                           micro_batch_size, fixed)
-    memory_of = _MemoryOf(model_config, seq_length, precision, formula, limit, include_unfit,
-                          {"gpu_name": gpu.name, **(estimate_kw or {})})
-    candidate = functools.partial(_candidate, gpu=gpu, tokens_per_step=global_batch_size * seq_length,
-                                  model_flops_per_token=model_config.flops_per_token(seq_length), num_gpus=num_gpus)
+    timed = _timed_layouts(
+        model_config, num_gpus, gpus_per_node, gpu, seq_length, global_batch_size, formula, micro_batch_size, fixed
+    )
+    memory_of = _MemoryOf(
+        model_config,
+        seq_length,
+        precision,
+        formula,
+        limit,
+        include_unfit,
+        {"gpu_name": gpu.name, **(estimate_kw or {})},
+    )
+    candidate = functools.partial(
+        _candidate,
+        gpu=gpu,
+        tokens_per_step=global_batch_size * seq_length,
+        model_flops_per_token=model_config.flops_per_token(seq_length),
+        num_gpus=num_gpus,
+    )
     out = _fastest_that_fit(timed, memory_of, candidate, top, max_estimated)
     out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
     return out[:top] if top else out
 
 
-def _check_job(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length: int, global_batch_size: int,
-               budget: float, formula: str, top: Optional[int], fixed: Optional[dict[str, int]]) -> None:
+def _check_job(
+    model_config: Any,
+    num_gpus: int,
+    gpus_per_node: int,
+    seq_length: int,
+    global_batch_size: int,
+    budget: float,
+    formula: str,
+    top: Optional[int],
+    fixed: Optional[dict[str, int]],
+) -> None:
     """Check :func:`plan`'s arguments, and that the sizes in ``fixed`` suit the model and the job on their own.
 
     Raises:
@@ -274,10 +346,15 @@ def _check_job(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length:
     if formula not in ("lightning_4d", "fujii2024"):
         raise ValueError(f"formula={formula!r} is not valid: expected 'lightning_4d' or 'fujii2024'.")
     if fixed:  # the sizes asked for must suit the model and the job on their own (the message says why not)
-        pinned = ParallelConfig(tensor_parallel_size=fixed.get("tp", 1), pipeline_parallel_size=fixed.get("pp", 1),
-                                context_parallel_size=fixed.get("cp", 1), data_parallel_size=fixed.get("dp", 1),
-                                pipeline_layer_split=propose_layer_split(model_config.num_layers, fixed["pp"])
-                                if fixed.get("pp", 1) > 1 and fixed["pp"] <= model_config.num_layers else None)
+        pinned = ParallelConfig(
+            tensor_parallel_size=fixed.get("tp", 1),
+            pipeline_parallel_size=fixed.get("pp", 1),
+            context_parallel_size=fixed.get("cp", 1),
+            data_parallel_size=fixed.get("dp", 1),
+            pipeline_layer_split=propose_layer_split(model_config.num_layers, fixed["pp"])
+            if fixed.get("pp", 1) > 1 and fixed["pp"] <= model_config.num_layers
+            else None,
+        )
         pinned.validate_model(model_config)
         pinned.validate_sequence(seq_length)
         product = pinned.tp * pinned.pp * pinned.cp * (pinned.dp if "dp" in fixed else 1)
@@ -285,9 +362,17 @@ def _check_job(model_config: Any, num_gpus: int, gpus_per_node: int, seq_length:
             raise ValueError(f"fixed sizes {fixed} do not divide num_gpus={num_gpus}.")
 
 
-def _timed_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: GpuSpec, seq_length: int,
-                   global_batch_size: int, formula: str, micro_batch_size: Optional[int],
-                   fixed: Optional[dict[str, int]]) -> list[tuple[float, int, Layout, StepTime]]:
+def _timed_layouts(
+    model_config: Any,
+    num_gpus: int,
+    gpus_per_node: int,
+    gpu: GpuSpec,
+    seq_length: int,
+    global_batch_size: int,
+    formula: str,
+    micro_batch_size: Optional[int],
+    fixed: Optional[dict[str, int]],
+) -> list[tuple[float, int, Layout, StepTime]]:
     """``(predicted step seconds, recomputation rank, layout, step time)`` of every layout of the job the formula
     models, fastest first (at equal times, the one that recomputes less).
 
@@ -296,19 +381,25 @@ def _timed_layouts(model_config: Any, num_gpus: int, gpus_per_node: int, gpu: Gp
     """
     dims = _dims(model_config)
     timed: list[tuple[float, int, Layout, StepTime]] = []
-    for lay in _layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size,
-                        fixed):
-        if formula == "fujii2024" and (lay.zero_stage > 1 or lay.activation_checkpointing != "none"
-                                       or lay.pipeline_schedule == "zbv" or lay.context_parallel_method != "ring"
-                                       or not lay.sequence_parallel):
+    for lay in _layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed):
+        if formula == "fujii2024" and (
+            lay.zero_stage > 1
+            or lay.activation_checkpointing != "none"
+            or lay.pipeline_schedule == "zbv"
+            or lay.context_parallel_method != "ring"
+            or not lay.sequence_parallel
+        ):
             continue
         st = step_time_of(dims, lay, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node)
         timed.append((st.total, _RECOMPUTATION[lay.activation_checkpointing], lay, st))
     if not timed:
-        raise ValueError(f"no valid layout of {num_gpus} GPUs ({gpus_per_node} per node) for this model with "
-                         f"seq_length={seq_length} and global_batch_size={global_batch_size}"
-                         + (f" and {fixed}" if fixed else "") + ": the global batch must be a multiple of dp, tp must "
-                         "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp).")
+        raise ValueError(
+            f"no valid layout of {num_gpus} GPUs ({gpus_per_node} per node) for this model with "
+            f"seq_length={seq_length} and global_batch_size={global_batch_size}"
+            + (f" and {fixed}" if fixed else "")
+            + ": the global batch must be a multiple of dp, tp must "
+            "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp)."
+        )
     timed.sort(key=lambda t: (t[0], t[1]))
     return timed
 
@@ -331,14 +422,31 @@ class _MemoryOf:
 
     def __call__(self, pc: ParallelConfig, b: int, m: int) -> float:
         if self.formula == "fujii2024":
-            return fujii2024_from_config(self.model_config, tp=pc.tp, pp=pc.pp, dp=pc.dp, cp=pc.cp,
-                                         seq_length=self.seq_length, micro_batch_size=b, num_microbatches=m,
-                                         virtual_stages=pc.v, distributed_optimizer=pc.zero_stage == 1).total
+            return fujii2024_from_config(
+                self.model_config,
+                tp=pc.tp,
+                pp=pc.pp,
+                dp=pc.dp,
+                cp=pc.cp,
+                seq_length=self.seq_length,
+                micro_batch_size=b,
+                num_microbatches=m,
+                virtual_stages=pc.v,
+                distributed_optimizer=pc.zero_stage == 1,
+            ).total
         hint = (pc.pp, pc.pipeline_schedule, pc.v)
         est = None
         for r in dict.fromkeys((0, self.worst_rank.get(hint, 0), *range(pc.pp))):
-            one = estimate_memory(self.model_config, pc, b, self.seq_length, self.precision, num_microbatches=m,
-                                  pp_rank=r, **self.estimate_kw)
+            one = estimate_memory(
+                self.model_config,
+                pc,
+                b,
+                self.seq_length,
+                self.precision,
+                num_microbatches=m,
+                pp_rank=r,
+                **self.estimate_kw,
+            )
             if est is None or (one.total, -r) > (est.total, -est.pp_rank):
                 est = one
             if one.total > self.limit and not self.include_unfit:
@@ -348,9 +456,13 @@ class _MemoryOf:
         return est.total
 
 
-def _fastest_that_fit(timed: list[tuple[float, int, Layout, StepTime]], memory_of: _MemoryOf,
-                      candidate: Callable[..., Candidate], top: Optional[int],
-                      max_estimated: Optional[int]) -> list[Candidate]:
+def _fastest_that_fit(
+    timed: list[tuple[float, int, Layout, StepTime]],
+    memory_of: _MemoryOf,
+    candidate: Callable[..., Candidate],
+    top: Optional[int],
+    max_estimated: Optional[int],
+) -> list[Candidate]:
     """The candidates of ``timed`` (fastest first) that fit (all of them with ``include_unfit``) and that no other
     dominates (:func:`_dominated`), estimating memory only while a layout could still be among the ``top``
     fastest that fit, and for at most ``max_estimated`` layouts."""
@@ -376,18 +488,44 @@ def _fastest_that_fit(timed: list[tuple[float, int, Layout, StepTime]], memory_o
     return out
 
 
-def _candidate(pc: ParallelConfig, b: int, m: int, st: StepTime, memory: float, gpu: GpuSpec, fits: bool,
-               tokens_per_step: int, model_flops_per_token: float, num_gpus: int) -> Candidate:
+def _candidate(
+    pc: ParallelConfig,
+    b: int,
+    m: int,
+    st: StepTime,
+    memory: float,
+    gpu: GpuSpec,
+    fits: bool,
+    tokens_per_step: int,
+    model_flops_per_token: float,
+    num_gpus: int,
+) -> Candidate:
     total = st.total
     tokens = tokens_per_step / total
-    return Candidate(pc.tp, pc.pp, pc.cp, pc.dp, b, m, pc.zero_stage, pc.activation_checkpointing, int(memory),
-                     memory / gpu.memory, fits, total, tokens,
-                     model_flops_per_token * tokens / (num_gpus * gpu.peak_flops),
-                     sequence_parallel=pc.sp, context_parallel_method=pc.context_parallel_method,
-                     pipeline_schedule=pc.pipeline_schedule, virtual_pipeline_stages=pc.v,
-                     pipeline_layer_split=tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None,
-                     bubble_fraction=st.bubble / total, communication_fraction=st.exposed_communication / total,
-                     recompute_fraction=st.recompute / total)
+    return Candidate(
+        pc.tp,
+        pc.pp,
+        pc.cp,
+        pc.dp,
+        b,
+        m,
+        pc.zero_stage,
+        pc.activation_checkpointing,
+        int(memory),
+        memory / gpu.memory,
+        fits,
+        total,
+        tokens,
+        model_flops_per_token * tokens / (num_gpus * gpu.peak_flops),
+        sequence_parallel=pc.sp,
+        context_parallel_method=pc.context_parallel_method,
+        pipeline_schedule=pc.pipeline_schedule,
+        virtual_pipeline_stages=pc.v,
+        pipeline_layer_split=tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None,
+        bubble_fraction=st.bubble / total,
+        communication_fraction=st.exposed_communication / total,
+        recompute_fraction=st.recompute / total,
+    )
 
 
 def _dominated(c: Candidate, others: list[Candidate]) -> bool:
@@ -400,9 +538,17 @@ def _dominated(c: Candidate, others: list[Candidate]) -> bool:
     for o in others:
         if o is c or (o.tp, o.pp, o.cp, o.dp, o.micro_batch_size) != key:
             continue
-        if o.step_time <= c.step_time and o.memory <= c.memory and (o.fits or not c.fits) and (
-                o.step_time < c.step_time or o.memory < c.memory or _RECOMPUTATION[o.activation_checkpointing] < rank
-                or (_RECOMPUTATION[o.activation_checkpointing] == rank and o.zero_stage < c.zero_stage)):
+        if (
+            o.step_time <= c.step_time
+            and o.memory <= c.memory
+            and (o.fits or not c.fits)
+            and (
+                o.step_time < c.step_time
+                or o.memory < c.memory
+                or _RECOMPUTATION[o.activation_checkpointing] < rank
+                or (_RECOMPUTATION[o.activation_checkpointing] == rank and o.zero_stage < c.zero_stage)
+            )
+        ):
             return True
     return False
 
@@ -419,9 +565,14 @@ def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
     micro-batch count), followed by a comment naming the micro-batch size it assumes: a line that can be pasted as
     it is."""
     pc = parallel_config
-    args = [f"data_parallel_size={pc.dp}", f"tensor_parallel_size={pc.tp}", f"pipeline_parallel_size={pc.pp}",
-            f"context_parallel_size={pc.cp}", f"zero_stage={pc.zero_stage}",
-            f"activation_checkpointing={pc.activation_checkpointing!r}"]
+    args = [
+        f"data_parallel_size={pc.dp}",
+        f"tensor_parallel_size={pc.tp}",
+        f"pipeline_parallel_size={pc.pp}",
+        f"context_parallel_size={pc.cp}",
+        f"zero_stage={pc.zero_stage}",
+        f"activation_checkpointing={pc.activation_checkpointing!r}",
+    ]
     if pc.tp > 1 and not pc.sp:
         args.append("sequence_parallel=False")
     if pc.cp > 1:
@@ -439,15 +590,27 @@ def fitting_layout_lines(layouts: list[tuple[str, float]], world_size: int) -> l
     :func:`suggest_layouts`' pairs, or what to do when none does: the end of ``MemoryBudgetExceeded``'s message and
     of ``lightning-4d estimate`` on a layout that does not fit."""
     if not layouts:
-        return ["No layout of this world size fits with this micro-batch size and sequence length: use more GPUs, a "
-                "smaller micro_batch_size or a shorter seq_length (try `lightning-4d plan`)."]
-    return ([f"Layouts of the same {world_size} GPUs that fit (fastest predicted first):"]
-            + [f"  {line}: {format_size(total)}" for line, total in layouts])
+        return [
+            "No layout of this world size fits with this micro-batch size and sequence length: use more GPUs, a "
+            "smaller micro_batch_size or a shorter seq_length (try `lightning-4d plan`)."
+        ]
+    return [f"Layouts of the same {world_size} GPUs that fit (fastest predicted first):"] + [
+        f"  {line}: {format_size(total)}" for line, total in layouts
+    ]
 
 
-def suggest_layouts(model_config: Any, world_size: int, micro_batch_size: int, seq_length: int, precision: str,
-                    device_memory: int, budget: float, gpus_per_node: Optional[int] = None, count: int = 3,
-                    **estimate_kw: Any) -> list[tuple[ParallelConfig, MemoryEstimate]]:
+def suggest_layouts(
+    model_config: Any,
+    world_size: int,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str,
+    device_memory: int,
+    budget: float,
+    gpus_per_node: Optional[int] = None,
+    count: int = 3,
+    **estimate_kw: Any,
+) -> list[tuple[ParallelConfig, MemoryEstimate]]:
     """Up to ``count`` layouts of ``world_size`` GPUs that fit, with the same
     micro-batch size and sequence length, fastest predicted first (for :class:`MemoryBudgetExceeded`)."""
     from lightning_4d.memory.hardware import gpu_spec
@@ -455,9 +618,19 @@ def suggest_layouts(model_config: Any, world_size: int, micro_batch_size: int, s
     gpu = gpu_spec(device_memory)
     per_node = gpus_per_node or min(world_size, 8)
     found = []
-    for cand in plan(model_config, world_size, per_node, gpu, seq_length, micro_batch_size * world_size,
-                     precision=precision, budget=budget, micro_batch_size=micro_batch_size,
-                     top=count, estimate_kw=estimate_kw):
+    for cand in plan(
+        model_config,
+        world_size,
+        per_node,
+        gpu,
+        seq_length,
+        micro_batch_size * world_size,
+        precision=precision,
+        budget=budget,
+        micro_batch_size=micro_batch_size,
+        top=count,
+        estimate_kw=estimate_kw,
+    ):
         pc = cand.parallel_config()
         found.append((pc, estimate_memory(model_config, pc, micro_batch_size, seq_length, precision, **estimate_kw)))
         if len(found) == count:

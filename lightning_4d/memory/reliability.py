@@ -29,8 +29,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_CHECKPOINT_WRITE_GBPS", "DEFAULT_MTBF_GPU_HOURS", "CheckpointInterval", "checkpoint_bytes",
-           "checkpoint_interval"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_WRITE_GBPS",
+    "DEFAULT_MTBF_GPU_HOURS",
+    "CheckpointInterval",
+    "checkpoint_bytes",
+    "checkpoint_interval",
+]
 
 #: GPU-hours between unexpected interruptions: Llama 3 paper §3.3.4, 419 in 54 days on 16,384 GPUs
 DEFAULT_MTBF_GPU_HOURS = 16384 * 54 * 24 / 419
@@ -74,9 +79,16 @@ def checkpoint_bytes(model_config: Any, precision: str = "bf16-mixed") -> int:
     return model_config.num_parameters() * (dt.param + dt.master + 2 * dt.moment)
 
 
-def checkpoint_interval(model_config: Any, num_gpus: int, gpus_per_node: int, step_time: float, *,
-                        precision: str = "bf16-mixed", checkpoint_write_gbps: float = DEFAULT_CHECKPOINT_WRITE_GBPS,
-                        mtbf_gpu_hours: float = DEFAULT_MTBF_GPU_HOURS) -> CheckpointInterval:
+def checkpoint_interval(
+    model_config: Any,
+    num_gpus: int,
+    gpus_per_node: int,
+    step_time: float,
+    *,
+    precision: str = "bf16-mixed",
+    checkpoint_write_gbps: float = DEFAULT_CHECKPOINT_WRITE_GBPS,
+    mtbf_gpu_hours: float = DEFAULT_MTBF_GPU_HOURS,
+) -> CheckpointInterval:
     """Young's optimal checkpoint interval of a job (module docstring: formula, defaults, what is not counted).
 
     Args:
@@ -90,13 +102,19 @@ def checkpoint_interval(model_config: Any, num_gpus: int, gpus_per_node: int, st
     Raises:
         ValueError: a non-positive or non-finite argument, an unknown precision.
     """
-    for name, value in (("num_gpus", num_gpus), ("gpus_per_node", gpus_per_node), ("step_time", step_time),
-                        ("checkpoint_write_gbps", checkpoint_write_gbps), ("mtbf_gpu_hours", mtbf_gpu_hours)):
+    for name, value in (
+        ("num_gpus", num_gpus),
+        ("gpus_per_node", gpus_per_node),
+        ("step_time", step_time),
+        ("checkpoint_write_gbps", checkpoint_write_gbps),
+        ("mtbf_gpu_hours", mtbf_gpu_hours),
+    ):
         _positive(name, value)
     nbytes = checkpoint_bytes(model_config, precision)
     nodes = math.ceil(num_gpus / gpus_per_node)
     write = nbytes / (nodes * checkpoint_write_gbps * 1e9)
     mtbf = mtbf_gpu_hours * 3600 / num_gpus
     interval = math.sqrt(2 * write * mtbf)
-    return CheckpointInterval(nbytes, write, mtbf, interval, max(1, round(interval / step_time)),
-                              write / interval + interval / (2 * mtbf))
+    return CheckpointInterval(
+        nbytes, write, mtbf, interval, max(1, round(interval / step_time)), write / interval + interval / (2 * mtbf)
+    )

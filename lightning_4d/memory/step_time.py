@@ -67,8 +67,19 @@ from typing import Any, Optional
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 
-__all__ = ["ATTENTION_EFFICIENCY", "CALIBRATION_RUNS", "GEMM_EFFICIENCY", "LINK_LATENCY", "POINTWISE_BYTES",
-           "Layout", "StepTime", "attention_efficiency", "gemm_efficiency", "predict_step_time", "step_time_of"]
+__all__ = [
+    "ATTENTION_EFFICIENCY",
+    "CALIBRATION_RUNS",
+    "GEMM_EFFICIENCY",
+    "LINK_LATENCY",
+    "POINTWISE_BYTES",
+    "Layout",
+    "StepTime",
+    "attention_efficiency",
+    "gemm_efficiency",
+    "predict_step_time",
+    "step_time_of",
+]
 
 #: Fraction of the dense bf16 peak a GEMM reaches, by the class of its smallest dimension (>= 2048, >= 1024, below).
 #: The large class is the maximum achievable matmul throughput measured on H100 SXM and A100 (about 0.8 of the
@@ -100,23 +111,46 @@ OPTIMIZER_BYTES_PER_PARAM = 4 * 7 + 2
 #: Published runs the model is calibrated with and tested against (``tests/test_step_time.py``, ``docs/memory.md``).
 #: ``mfu`` is the publication's figure; ``layout`` our FourDStrategy equivalent.
 CALIBRATION_RUNS: tuple[dict[str, Any], ...] = (
-    dict(name="torchtitan Llama 3.1 8B, 8 H100, FSDP, eager", model="llama3.1-8b", gpu="H100-96GB",
-         num_gpus=8, gpus_per_node=8, seq_length=8192, global_batch_size=16,
-         layout=dict(tp=1, pp=1, cp=1, dp=8, zero_stage=3, activation_checkpointing="selective",
-                     micro_batch_size=2),
-         tokens_per_sec_per_gpu=5762, mfu=None,
-         source="torchtitan docs/performance.md, Table 1 (FSDP, local batch 2, selective AC): 5,762 tokens/s/GPU; "
-                "33-39% MFU"),
-    dict(name="Meta Llama 3.1 405B, 8,192 H100", model="llama3.1-405b", gpu="H100-80GB",
-         num_gpus=8192, gpus_per_node=8, seq_length=8192, global_batch_size=2048,
-         layout=dict(tp=8, pp=16, cp=1, dp=64, zero_stage=1, micro_batch_size=1),
-         tokens_per_sec_per_gpu=None, mfu=0.43,
-         source="Llama 3 paper (arXiv 2407.21783) Table 4: tp8 cp1 pp16 dp64, 430 TFLOP/s per GPU, 43% MFU"),
-    dict(name="Meta Llama 3.1 405B, 16,384 H100", model="llama3.1-405b", gpu="H100-80GB",
-         num_gpus=16384, gpus_per_node=8, seq_length=8192, global_batch_size=2048,
-         layout=dict(tp=8, pp=16, cp=1, dp=128, zero_stage=1, micro_batch_size=1),
-         tokens_per_sec_per_gpu=None, mfu=0.41,
-         source="Llama 3 paper (arXiv 2407.21783) Table 4: tp8 cp1 pp16 dp128, 400 TFLOP/s per GPU, 41% MFU"),
+    dict(
+        name="torchtitan Llama 3.1 8B, 8 H100, FSDP, eager",
+        model="llama3.1-8b",
+        gpu="H100-96GB",
+        num_gpus=8,
+        gpus_per_node=8,
+        seq_length=8192,
+        global_batch_size=16,
+        layout=dict(tp=1, pp=1, cp=1, dp=8, zero_stage=3, activation_checkpointing="selective", micro_batch_size=2),
+        tokens_per_sec_per_gpu=5762,
+        mfu=None,
+        source="torchtitan docs/performance.md, Table 1 (FSDP, local batch 2, selective AC): 5,762 tokens/s/GPU; "
+        "33-39% MFU",
+    ),
+    dict(
+        name="Meta Llama 3.1 405B, 8,192 H100",
+        model="llama3.1-405b",
+        gpu="H100-80GB",
+        num_gpus=8192,
+        gpus_per_node=8,
+        seq_length=8192,
+        global_batch_size=2048,
+        layout=dict(tp=8, pp=16, cp=1, dp=64, zero_stage=1, micro_batch_size=1),
+        tokens_per_sec_per_gpu=None,
+        mfu=0.43,
+        source="Llama 3 paper (arXiv 2407.21783) Table 4: tp8 cp1 pp16 dp64, 430 TFLOP/s per GPU, 43% MFU",
+    ),
+    dict(
+        name="Meta Llama 3.1 405B, 16,384 H100",
+        model="llama3.1-405b",
+        gpu="H100-80GB",
+        num_gpus=16384,
+        gpus_per_node=8,
+        seq_length=8192,
+        global_batch_size=2048,
+        layout=dict(tp=8, pp=16, cp=1, dp=128, zero_stage=1, micro_batch_size=1),
+        tokens_per_sec_per_gpu=None,
+        mfu=0.41,
+        source="Llama 3 paper (arXiv 2407.21783) Table 4: tp8 cp1 pp16 dp128, 400 TFLOP/s per GPU, 41% MFU",
+    ),
 )
 
 
@@ -174,10 +208,21 @@ class Layout:
     @classmethod
     def of(cls, pc: ParallelConfig, micro_batch_size: int, num_microbatches: int) -> "Layout":
         """The layout of ``pc`` (a resolved ``data_parallel_size``) with micro-batch size b and m micro-batches."""
-        return cls(pc.tp, pc.pp, pc.cp, pc.dp, micro_batch_size, num_microbatches, pc.sp,
-                   pc.context_parallel_method, pc.pipeline_schedule, pc.v if pc.pp > 1 else 1,
-                   tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None, pc.zero_stage,
-                   pc.activation_checkpointing)
+        return cls(
+            pc.tp,
+            pc.pp,
+            pc.cp,
+            pc.dp,
+            micro_batch_size,
+            num_microbatches,
+            pc.sp,
+            pc.context_parallel_method,
+            pc.pipeline_schedule,
+            pc.v if pc.pp > 1 else 1,
+            tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None,
+            pc.zero_stage,
+            pc.activation_checkpointing,
+        )
 
     def parallel_config(self) -> ParallelConfig:
         """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its v, layer split and m).
@@ -186,16 +231,20 @@ class Layout:
             ValueError: see :class:`~lightning_4d.config.ParallelConfig`.
         """
         pipe = self.pp > 1
-        return ParallelConfig(data_parallel_size=self.dp, tensor_parallel_size=self.tp,
-                              pipeline_parallel_size=self.pp, context_parallel_size=self.cp,
-                              zero_stage=self.zero_stage, activation_checkpointing=self.activation_checkpointing,
-                              sequence_parallel=self.sequence_parallel if self.tp > 1 else None,
-                              context_parallel_method=self.context_parallel_method,
-                              pipeline_schedule=self.pipeline_schedule,
-                              virtual_pipeline_stages=self.virtual_pipeline_stages if pipe else None,
-                              pipeline_layer_split=list(self.pipeline_layer_split) if self.pipeline_layer_split
-                              else None,
-                              num_microbatches=self.num_microbatches if pipe else None)
+        return ParallelConfig(
+            data_parallel_size=self.dp,
+            tensor_parallel_size=self.tp,
+            pipeline_parallel_size=self.pp,
+            context_parallel_size=self.cp,
+            zero_stage=self.zero_stage,
+            activation_checkpointing=self.activation_checkpointing,
+            sequence_parallel=self.sequence_parallel if self.tp > 1 else None,
+            context_parallel_method=self.context_parallel_method,
+            pipeline_schedule=self.pipeline_schedule,
+            virtual_pipeline_stages=self.virtual_pipeline_stages if pipe else None,
+            pipeline_layer_split=list(self.pipeline_layer_split) if self.pipeline_layer_split else None,
+            num_microbatches=self.num_microbatches if pipe else None,
+        )
 
 
 def _by_class(table: tuple[tuple[float, float], ...], value: float) -> float:
@@ -229,8 +278,15 @@ def _layer_params(dims: tuple[int, ...]) -> int:
 
 
 def _dims(cfg: Any) -> tuple[int, ...]:
-    return (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-            cfg.padded_vocab_size, cfg.num_layers)
+    return (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.head_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.padded_vocab_size,
+        cfg.num_layers,
+    )
 
 
 def attention_efficiency(block_tokens: float) -> float:
@@ -240,8 +296,9 @@ def attention_efficiency(block_tokens: float) -> float:
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_terms(dims: tuple[int, ...], tp: int, cp: int, b: int, s: int, sp: bool, method: str, gpu: Any,
-                 gpus_per_node: int) -> tuple[float, ...]:
+def _layer_terms(
+    dims: tuple[int, ...], tp: int, cp: int, b: int, s: int, sp: bool, method: str, gpu: Any, gpus_per_node: int
+) -> tuple[float, ...]:
     """Seconds of one layer and one micro-batch: (matmuls, attention, pointwise, tp collectives, exposed cp
     exchange, one tp collective, head + loss)."""
     h, f, d, a, k, vocab, _ = dims
@@ -264,27 +321,48 @@ def _layer_terms(dims: tuple[int, ...], tp: int, cp: int, b: int, s: int, sp: bo
             t_cp = max(0.0, comm - t_att)
         else:
             t_cp = _ring(2 * kv_bytes * cp, cp, b_cp, lat) + _ring(2 * 2 * kv_bytes * cp, cp, b_cp, lat)
-    t_head = (6 * vocab * h / tp * tokens / (gemm_efficiency(min(tokens, h, vocab / tp)) * peak)
-              + LOSS_BYTES_PER_LOGIT * vocab / tp * tokens / hbm + (3 * coll if tp > 1 else 0.0))
+    t_head = (
+        6 * vocab * h / tp * tokens / (gemm_efficiency(min(tokens, h, vocab / tp)) * peak)
+        + LOSS_BYTES_PER_LOGIT * vocab / tp * tokens / hbm
+        + (3 * coll if tp > 1 else 0.0)
+    )
     return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head
 
 
 @functools.lru_cache(maxsize=4096)
-def _pipeline_layers(num_layers: int, pp: int, schedule: str, v: int,
-                     split: Optional[tuple[int, ...]]) -> tuple[tuple[int, ...], int]:
+def _pipeline_layers(
+    num_layers: int, pp: int, schedule: str, v: int, split: Optional[tuple[int, ...]]
+) -> tuple[tuple[int, ...], int]:
     """(decoder layers of every pp rank, the pp rank holding the last stage)."""
     if pp == 1:
         return (num_layers,), 0
-    pc = ParallelConfig(pipeline_parallel_size=pp, pipeline_schedule=schedule, virtual_pipeline_stages=v,
-                        pipeline_layer_split=list(split) if split else None)
+    pc = ParallelConfig(
+        pipeline_parallel_size=pp,
+        pipeline_schedule=schedule,
+        virtual_pipeline_stages=v,
+        pipeline_layer_split=list(split) if split else None,
+    )
     layers = tuple(sum(len(r) for _, r in pc.rank_stages(num_layers, r)) for r in range(pp))
     return layers, next(r for r in range(pp) if pc.num_stages - 1 in pc.stage_indices(r))
 
 
 @functools.lru_cache(maxsize=65536)
-def _pipeline_terms(dims: tuple[int, ...], tp: int, pp: int, cp: int, b: int, s: int, sp: bool, method: str,
-                    schedule: str, v: int, split: Optional[tuple[int, ...]], activation_checkpointing: str, gpu: Any,
-                    gpus_per_node: int) -> tuple:
+def _pipeline_terms(
+    dims: tuple[int, ...],
+    tp: int,
+    pp: int,
+    cp: int,
+    b: int,
+    s: int,
+    sp: bool,
+    method: str,
+    schedule: str,
+    v: int,
+    split: Optional[tuple[int, ...]],
+    activation_checkpointing: str,
+    gpu: Any,
+    gpus_per_node: int,
+) -> tuple:
     """(t_max, compute of the slowest rank, its layers, bubble, recompute / tp / cp seconds per layer, layers per
     rank) of one micro-batch (module docstring, **Pipeline**)."""
     num_layers = dims[-1]
@@ -314,8 +392,15 @@ def _pipeline_terms(dims: tuple[int, ...], tp: int, pp: int, cp: int, b: int, s:
     return t_max, work, n_max, bubble, t_re, t_tp, t_cp, layers_of
 
 
-def predict_step_time(model_config: Any, pc: ParallelConfig, micro_batch_size: int, num_microbatches: int,
-                      seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
+def predict_step_time(
+    model_config: Any,
+    pc: ParallelConfig,
+    micro_batch_size: int,
+    num_microbatches: int,
+    seq_length: int,
+    gpu: Any,
+    gpus_per_node: int,
+) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step (module docstring: every term and its source).
 
     Args:
@@ -325,12 +410,16 @@ def predict_step_time(model_config: Any, pc: ParallelConfig, micro_batch_size: i
         seq_length: s, tokens per sample.
         gpu: a :class:`~lightning_4d.memory.hardware.GpuSpec`; gpus_per_node: GPUs per node.
     """
-    return step_time_of(_dims(model_config), Layout.of(pc, micro_batch_size, num_microbatches),
-                        seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node)
+    return step_time_of(
+        _dims(model_config),
+        Layout.of(pc, micro_batch_size, num_microbatches),
+        seq_length=seq_length,
+        gpu=gpu,
+        gpus_per_node=gpus_per_node,
+    )
 
 
-def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any,
-                 gpus_per_node: int) -> StepTime:
+def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
     """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L), as
     ``_dims`` reads them from a model config)."""
     tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
@@ -339,8 +428,21 @@ def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu:
     h, vocab = dims[0], dims[5]
     c = 2
     t_max, work, n_max, bubble, t_re, t_tp, t_cp, layers_of = _pipeline_terms(
-        dims, tp, pp, cp, b, s, sp, layout.context_parallel_method, layout.pipeline_schedule, v,
-        layout.pipeline_layer_split, layout.activation_checkpointing, gpu, gpus_per_node)
+        dims,
+        tp,
+        pp,
+        cp,
+        b,
+        s,
+        sp,
+        layout.context_parallel_method,
+        layout.pipeline_schedule,
+        v,
+        layout.pipeline_layer_split,
+        layout.activation_checkpointing,
+        gpu,
+        gpus_per_node,
+    )
     hbm = POINTWISE_EFFICIENCY * gpu.memory_bandwidth
     tokens = b * s / cp
     world = tp * pp * cp * dp
@@ -367,5 +469,13 @@ def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu:
             ag = _ring(c * params, dd, b_dp, lat)
             t_dp = m * (max(0.0, gathers * ag - t_max) + ag / units) + max(rs - last_backward, rs / units)
     t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / hbm
-    return StepTime(compute=m * work, recompute=m * n_max * t_re, bubble=bubble, tp=m * n_max * t_tp,
-                    cp=m * n_max * t_cp, pp=t_pp, dp=t_dp, optimizer=t_opt)
+    return StepTime(
+        compute=m * work,
+        recompute=m * n_max * t_re,
+        bubble=bubble,
+        tp=m * n_max * t_tp,
+        cp=m * n_max * t_cp,
+        pp=t_pp,
+        dp=t_dp,
+        optimizer=t_opt,
+    )

@@ -10,10 +10,16 @@ from typing import Any
 from lightning_4d.models.config import PRESETS, LlamaConfig, RopeScaling
 
 _LAZY = {
-    "attention": "attention_backends", "available_backends": "attention_backends",
-    "Attention": "llama", "FeedForward": "llama", "LlamaModel": "llama", "RMSNorm": "llama",
+    "attention": "attention_backends",
+    "available_backends": "attention_backends",
+    "Attention": "llama",
+    "FeedForward": "llama",
+    "LlamaModel": "llama",
+    "RMSNorm": "llama",
     "TransformerBlock": "llama",
-    "apply_rotary": "rope", "rope_cos_sin": "rope", "rope_inv_freq": "rope",
+    "apply_rotary": "rope",
+    "rope_cos_sin": "rope",
+    "rope_inv_freq": "rope",
 }
 
 
@@ -21,6 +27,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(f"lightning_4d.models.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'lightning_4d.models' has no attribute {name!r}")
+
 
 __all__ = [
     "PRESETS",

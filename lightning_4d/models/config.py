@@ -54,9 +54,11 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 #: transformers' ``model_type`` of Llama 4 checkpoints (multimodal wrapper and text model)
 LLAMA4_MODEL_TYPES = ("llama4", "llama4_text")
 #: what transformers' ``Llama4TextModel`` has and our Llama does not (both Scout and Maverick)
-LLAMA4_UNIMPLEMENTED = ("NoPE layers (no_rope_layers: every 4th layer without RoPE)",
-                        "chunked local attention (attention_chunk_size=8192 on the RoPE layers)",
-                        "attention temperature tuning on the NoPE layers (attn_temperature_tuning)")
+LLAMA4_UNIMPLEMENTED = (
+    "NoPE layers (no_rope_layers: every 4th layer without RoPE)",
+    "chunked local attention (attention_chunk_size=8192 on the RoPE layers)",
+    "attention temperature tuning on the NoPE layers (attn_temperature_tuning)",
+)
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -241,8 +243,9 @@ class LlamaConfig:
             valid = [f.name for f in dataclasses.fields(RopeScaling)]
             unknown = sorted(set(self.rope_scaling) - set(valid))
             if unknown:
-                raise ValueError(f"rope_scaling={self.rope_scaling!r} is not valid: unknown field(s) {unknown}; "
-                                 f"valid: {valid}.")
+                raise ValueError(
+                    f"rope_scaling={self.rope_scaling!r} is not valid: unknown field(s) {unknown}; valid: {valid}."
+                )
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(
@@ -261,8 +264,9 @@ class LlamaConfig:
             return
         k = self.num_experts_per_token
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
-            raise ValueError(f"num_experts_per_token={k!r} is not valid: top-k must be an integer in 1 .. "
-                             f"num_experts={e}.")
+            raise ValueError(
+                f"num_experts_per_token={k!r} is not valid: top-k must be an integer in 1 .. num_experts={e}."
+            )
         if self.moe_intermediate_size is not None:
             _check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
         s = self.num_shared_experts
@@ -270,20 +274,24 @@ class LlamaConfig:
             raise ValueError(f"num_shared_experts={s!r} is not valid: expected 0 or a positive integer.")
         interval = self.moe_layer_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= self.num_layers:
-            raise ValueError(f"moe_layer_interval={interval!r} is not valid: expected an integer in 1 .. "
-                             f"num_layers={self.num_layers} (layer i is MoE when (i + 1) % interval == 0; 1: every "
-                             "layer).")
+            raise ValueError(
+                f"moe_layer_interval={interval!r} is not valid: expected an integer in 1 .. "
+                f"num_layers={self.num_layers} (layer i is MoE when (i + 1) % interval == 0; 1: every "
+                "layer)."
+            )
         if self.router_score not in ROUTER_SCORES:
-            raise ValueError(f"router_score={self.router_score!r} is not valid: expected one of "
-                             f"{list(ROUTER_SCORES)}.")
+            raise ValueError(f"router_score={self.router_score!r} is not valid: expected one of {list(ROUTER_SCORES)}.")
         coef = self.router_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
-            raise ValueError(f"router_aux_loss_coef={coef!r} is not valid: expected a number >= 0 (0 turns the "
-                             "load-balancing loss off).")
+            raise ValueError(
+                f"router_aux_loss_coef={coef!r} is not valid: expected a number >= 0 (0 turns the "
+                "load-balancing loss off)."
+            )
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
-            raise ValueError(f"capacity_factor={cf!r} is not valid: expected None (dropless) or a number > 0 "
-                             "(e.g. 1.25).")
+            raise ValueError(
+                f"capacity_factor={cf!r} is not valid: expected None (dropless) or a number > 0 (e.g. 1.25)."
+            )
 
     # ------------------------------------------------------------------ Mixture of Experts
     @property
@@ -312,9 +320,11 @@ class LlamaConfig:
         (``unimplemented_features``: such a preset serves ``estimate`` / ``plan`` only). ``what`` names the caller
         in the message."""
         if self.unimplemented_features:
-            raise ValueError(f"{what} cannot build this model: it needs {', '.join(self.unimplemented_features)}, "
-                             "which lightning_4d's Llama does not implement; the config serves `lightning-4d "
-                             "estimate` / `plan` only (docs/moe.md).")
+            raise ValueError(
+                f"{what} cannot build this model: it needs {', '.join(self.unimplemented_features)}, "
+                "which lightning_4d's Llama does not implement; the config serves `lightning-4d "
+                "estimate` / `plan` only (docs/moe.md)."
+            )
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -421,8 +431,10 @@ class LlamaConfig:
             return cls.from_preset(str(name))
         if os.path.exists(name):
             return cls.from_hf(name)
-        raise ValueError(f"model_config={str(name)!r} is not valid: expected a preset ({cls.preset_names()}), the "
-                         "directory of a Hugging Face Llama (holding config.json), or a LlamaConfig")
+        raise ValueError(
+            f"model_config={str(name)!r} is not valid: expected a preset ({cls.preset_names()}), the "
+            "directory of a Hugging Face Llama (holding config.json), or a LlamaConfig"
+        )
 
     @classmethod
     def from_hf(cls, path: Union[str, "os.PathLike[str]"], **overrides: object) -> "LlamaConfig":
@@ -452,8 +464,10 @@ class LlamaConfig:
         file = Path(path)
         file = file / "config.json" if file.is_dir() else file
         if not file.is_file():
-            raise ValueError(f"{str(path)!r} holds no Hugging Face config.json: pass the model directory written by "
-                             "save_pretrained (or the config.json itself)")
+            raise ValueError(
+                f"{str(path)!r} holds no Hugging Face config.json: pass the model directory written by "
+                "save_pretrained (or the config.json itself)"
+            )
         try:
             hf = json.loads(file.read_text())
         except ValueError as e:
@@ -467,22 +481,33 @@ class LlamaConfig:
         file = source
         kind = hf.get("model_type")
         if kind in LLAMA4_MODEL_TYPES:
-            raise ValueError(f"{str(file)!r}: model_type={kind!r} (Llama 4) is not supported: lightning_4d's Llama "
-                             f"does not implement {', '.join(LLAMA4_UNIMPLEMENTED)}; the presets "
-                             "llama4-scout-17b-16e and llama4-maverick-17b-128e serve estimate / plan only")
+            raise ValueError(
+                f"{str(file)!r}: model_type={kind!r} (Llama 4) is not supported: lightning_4d's Llama "
+                f"does not implement {', '.join(LLAMA4_UNIMPLEMENTED)}; the presets "
+                "llama4-scout-17b-16e and llama4-maverick-17b-128e serve estimate / plan only"
+            )
         if kind not in ("llama", "mixtral"):
             raise ValueError(f"{str(file)!r}: model_type={kind!r} is not supported: expected 'llama' or 'mixtral'")
         moe: dict = {}
         if kind == "mixtral":
             if hf.get("sliding_window") is not None:
-                raise ValueError(f"{str(file)!r}: sliding_window={hf['sliding_window']} is not supported (our "
-                                 "attention is full causal): expected null, as Mixtral 8x7B / 8x22B")
+                raise ValueError(
+                    f"{str(file)!r}: sliding_window={hf['sliding_window']} is not supported (our "
+                    "attention is full causal): expected null, as Mixtral 8x7B / 8x22B"
+                )
             if hf.get("router_jitter_noise", 0.0):
-                raise ValueError(f"{str(file)!r}: router_jitter_noise={hf['router_jitter_noise']} is not supported: "
-                                 "expected 0.0")
-            moe = dict(num_experts=hf["num_local_experts"], num_experts_per_token=hf.get("num_experts_per_tok", 2),
-                       moe_intermediate_size=hf["intermediate_size"], num_shared_experts=0, moe_layer_interval=1,
-                       router_score="softmax", router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+                raise ValueError(
+                    f"{str(file)!r}: router_jitter_noise={hf['router_jitter_noise']} is not supported: expected 0.0"
+                )
+            moe = dict(
+                num_experts=hf["num_local_experts"],
+                num_experts_per_token=hf.get("num_experts_per_tok", 2),
+                moe_intermediate_size=hf["intermediate_size"],
+                num_shared_experts=0,
+                moe_layer_interval=1,
+                router_score="softmax",
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+            )
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"{str(file)!r}: {flag}=true is not supported (our Llama has no biases)")
@@ -490,8 +515,10 @@ class LlamaConfig:
             raise ValueError(f"{str(file)!r}: hidden_act={hf['hidden_act']!r} is not supported: expected 'silu'")
         heads = hf["num_attention_heads"]
         if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-            raise ValueError(f"{str(file)!r}: head_dim={hf['head_dim']} is not supported: expected hidden_size / "
-                             f"num_attention_heads = {hf['hidden_size'] // heads}")
+            raise ValueError(
+                f"{str(file)!r}: head_dim={hf['head_dim']} is not supported: expected hidden_size / "
+                f"num_attention_heads = {hf['hidden_size'] // heads}"
+            )
         rope = dict(hf.get("rope_parameters") or {})
         rope.update(hf.get("rope_scaling") or {})
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -502,11 +529,19 @@ class LlamaConfig:
         if kind == "llama3":
             scaling = RopeScaling(**{f.name: rope[f.name] for f in dataclasses.fields(RopeScaling) if f.name in rope})
         fields = dict(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-            max_seq_length=hf.get("max_position_embeddings", 2048), rope_theta=float(theta), rope_scaling=scaling,
-            norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            initializer_range=hf.get("initializer_range", 0.02), **moe,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            max_seq_length=hf.get("max_position_embeddings", 2048),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            initializer_range=hf.get("initializer_range", 0.02),
+            **moe,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -530,37 +565,66 @@ class LlamaConfig:
         if self.rope_scaling is not None:
             rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")
         if self.is_moe:
-            bad = {"num_shared_experts": (self.num_shared_experts, 0),
-                   "moe_layer_interval": (self.moe_layer_interval, 1),
-                   "router_score": (self.router_score, "softmax"), "rope_scaling": (self.rope_scaling, None)}
+            bad = {
+                "num_shared_experts": (self.num_shared_experts, 0),
+                "moe_layer_interval": (self.moe_layer_interval, 1),
+                "router_score": (self.router_score, "softmax"),
+                "rope_scaling": (self.rope_scaling, None),
+            }
             for name, (value, want) in bad.items():
                 if value != want:
-                    raise ValueError(f"to_hf: {name}={value!r} has no transformers Mixtral equivalent: expected "
-                                     f"{want!r} (Mixtral: every layer MoE, softmax top-k router, no shared expert, "
-                                     "plain RoPE)")
+                    raise ValueError(
+                        f"to_hf: {name}={value!r} has no transformers Mixtral equivalent: expected "
+                        f"{want!r} (Mixtral: every layer MoE, softmax top-k router, no shared expert, "
+                        "plain RoPE)"
+                    )
             return {
-                "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size, "intermediate_size": self.expert_intermediate_size,
-                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "max_position_embeddings": self.max_seq_length, "rms_norm_eps": self.norm_eps,
-                "rope_theta": self.rope_theta, "rope_parameters": rope, "sliding_window": None,
-                "num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_token,
-                "router_aux_loss_coef": self.router_aux_loss_coef, "router_jitter_noise": 0.0,
-                "output_router_logits": False, "tie_word_embeddings": self.tie_word_embeddings,
-                "initializer_range": self.initializer_range, "hidden_act": "silu", "attention_dropout": 0.0,
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.expert_intermediate_size,
+                "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "max_position_embeddings": self.max_seq_length,
+                "rms_norm_eps": self.norm_eps,
+                "rope_theta": self.rope_theta,
+                "rope_parameters": rope,
+                "sliding_window": None,
+                "num_local_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_token,
+                "router_aux_loss_coef": self.router_aux_loss_coef,
+                "router_jitter_noise": 0.0,
+                "output_router_logits": False,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "initializer_range": self.initializer_range,
+                "hidden_act": "silu",
+                "attention_dropout": 0.0,
                 "torch_dtype": "float32",
             }
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_seq_length, "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta, "rope_parameters": rope,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_seq_length,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
             "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if self.rope_scaling else None,
-            "tie_word_embeddings": self.tie_word_embeddings, "initializer_range": self.initializer_range,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
         }
 
 
@@ -572,55 +636,140 @@ def _llama3_scaling(factor: float = 8.0) -> RopeScaling:
 # multiple_of / ffn_dim_multiplier); rope_theta 1e4 for Llama 2, 5e5 for Llama 3; norm_eps 1e-5.
 PRESETS: dict[str, LlamaConfig] = {
     "llama2-7b": LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
-        max_seq_length=4096, rope_theta=10000.0,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        max_seq_length=4096,
+        rope_theta=10000.0,
     ),
     "llama2-13b": LlamaConfig(
-        vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40, num_kv_heads=40,
-        max_seq_length=4096, rope_theta=10000.0,
+        vocab_size=32000,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=40,
+        max_seq_length=4096,
+        rope_theta=10000.0,
     ),
     "llama2-70b": LlamaConfig(
-        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-        max_seq_length=4096, rope_theta=10000.0,
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        max_seq_length=4096,
+        rope_theta=10000.0,
     ),
     "llama3-8b": LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        max_seq_length=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_length=8192,
+        rope_theta=500000.0,
     ),
     "llama3.1-8b": LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        max_seq_length=131072, rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0),
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_length=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3_scaling(8.0),
     ),
     "llama3-70b": LlamaConfig(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-        max_seq_length=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        max_seq_length=8192,
+        rope_theta=500000.0,
     ),
     "llama3.1-70b": LlamaConfig(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-        max_seq_length=131072, rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0),
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        max_seq_length=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3_scaling(8.0),
     ),
     "llama3.1-405b": LlamaConfig(
-        vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_layers=126, num_heads=128, num_kv_heads=8,
-        max_seq_length=131072, rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0),
+        vocab_size=128256,
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_layers=126,
+        num_heads=128,
+        num_kv_heads=8,
+        max_seq_length=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3_scaling(8.0),
     ),
     "llama3.2-1b": LlamaConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-        max_seq_length=131072, rope_theta=500000.0, rope_scaling=_llama3_scaling(32.0), tie_word_embeddings=True,
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_length=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3_scaling(32.0),
+        tie_word_embeddings=True,
     ),
     "llama3.2-3b": LlamaConfig(
-        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8,
-        max_seq_length=131072, rope_theta=500000.0, rope_scaling=_llama3_scaling(32.0), tie_word_embeddings=True,
+        vocab_size=128256,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        max_seq_length=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3_scaling(32.0),
+        tie_word_embeddings=True,
     ),
     # Mixture of Experts. Mixtral: transformers' MixtralConfig of mistralai/Mixtral-8x7B-v0.1 and
     # mistral-community/Mixtral-8x22B-v0.1 (config.json): every layer MoE, 8 experts, top-2, softmax router
     "mixtral-8x7b": LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        max_seq_length=32768, rope_theta=1e6, num_experts=8, num_experts_per_token=2, moe_intermediate_size=14336,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_length=32768,
+        rope_theta=1e6,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=14336,
         router_aux_loss_coef=0.02,
     ),
     "mixtral-8x22b": LlamaConfig(
-        vocab_size=32000, hidden_size=6144, intermediate_size=16384, num_layers=56, num_heads=48, num_kv_heads=8,
-        max_seq_length=65536, rope_theta=1e6, num_experts=8, num_experts_per_token=2, moe_intermediate_size=16384,
+        vocab_size=32000,
+        hidden_size=6144,
+        intermediate_size=16384,
+        num_layers=56,
+        num_heads=48,
+        num_kv_heads=8,
+        max_seq_length=65536,
+        rope_theta=1e6,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=16384,
         router_aux_loss_coef=0.001,
     ),
     # Llama 4 text models (text_config of meta-llama/Llama-4-Scout-17B-16E and -Maverick-17B-128E): top-1 sigmoid
@@ -629,34 +778,83 @@ PRESETS: dict[str, LlamaConfig] = {
     # Scout's rope_scaling (llama3 type, factor 16, low_freq_factor = high_freq_factor = 1: RopeScaling needs
     # high > low; RoPE does not enter the memory estimate) and Scout's QK norm (no parameters)
     "llama4-scout-17b-16e": LlamaConfig(
-        vocab_size=202048, hidden_size=5120, intermediate_size=16384, num_layers=48, num_heads=40, num_kv_heads=8,
-        max_seq_length=10485760, rope_theta=500000.0, num_experts=16, num_experts_per_token=1,
-        moe_intermediate_size=8192, num_shared_experts=1, moe_layer_interval=1, router_score="sigmoid",
+        vocab_size=202048,
+        hidden_size=5120,
+        intermediate_size=16384,
+        num_layers=48,
+        num_heads=40,
+        num_kv_heads=8,
+        max_seq_length=10485760,
+        rope_theta=500000.0,
+        num_experts=16,
+        num_experts_per_token=1,
+        moe_intermediate_size=8192,
+        num_shared_experts=1,
+        moe_layer_interval=1,
+        router_score="sigmoid",
         router_aux_loss_coef=0.001,
-        unimplemented_features=(*LLAMA4_UNIMPLEMENTED, "QK norm (use_qk_norm)",
-                                "llama3 rope scaling with low_freq_factor = high_freq_factor"),
+        unimplemented_features=(
+            *LLAMA4_UNIMPLEMENTED,
+            "QK norm (use_qk_norm)",
+            "llama3 rope scaling with low_freq_factor = high_freq_factor",
+        ),
     ),
     "llama4-maverick-17b-128e": LlamaConfig(
-        vocab_size=202048, hidden_size=5120, intermediate_size=16384, num_layers=48, num_heads=40, num_kv_heads=8,
-        max_seq_length=1048576, rope_theta=500000.0, num_experts=128, num_experts_per_token=1,
-        moe_intermediate_size=8192, num_shared_experts=1, moe_layer_interval=2, router_score="sigmoid",
-        router_aux_loss_coef=0.001, unimplemented_features=LLAMA4_UNIMPLEMENTED,
+        vocab_size=202048,
+        hidden_size=5120,
+        intermediate_size=16384,
+        num_layers=48,
+        num_heads=40,
+        num_kv_heads=8,
+        max_seq_length=1048576,
+        rope_theta=500000.0,
+        num_experts=128,
+        num_experts_per_token=1,
+        moe_intermediate_size=8192,
+        num_shared_experts=1,
+        moe_layer_interval=2,
+        router_score="sigmoid",
+        router_aux_loss_coef=0.001,
+        unimplemented_features=LLAMA4_UNIMPLEMENTED,
     ),
     # small models for tests and CPU demos (byte-level vocabulary)
     "tiny-test": LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
         max_seq_length=512,
     ),
     "tiny": LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=8, num_kv_heads=4,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=352,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
         max_seq_length=1024,
     ),
     "tiny-moe": LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-        max_seq_length=512, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_length=512,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=64,
     ),
     "small": LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=688, num_layers=6, num_heads=8, num_kv_heads=4,
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=4,
         max_seq_length=2048,
     ),
 }

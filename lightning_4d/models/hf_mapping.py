@@ -22,12 +22,21 @@ import torch
 
 #: our Llama's per-layer parameter paths -> those of transformers' ``LlamaForCausalLM`` (``model.layers.<i>.``)
 HF_LAYER = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
-HF_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-          "output.weight": "lm_head.weight"}
+HF_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 #: our MoE layer's router (Mixtral's ``block_sparse_moe.gate``) and routed experts' stacked weights
 HF_MOE_ROUTER = ("feed_forward.router", "block_sparse_moe.gate")
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -55,19 +64,23 @@ def hf_name(name: str) -> str:
         if module == HF_MOE_ROUTER[0]:
             return f"model.layers.{parts[1]}.{HF_MOE_ROUTER[1]}.{leaf}"
         if module == "feed_forward.experts" and leaf in EXPERT_WEIGHTS:
-            raise ValueError(f"{name!r} is stacked over the experts: one Hugging Face tensor per expert "
-                             "(hf_slices)")
+            raise ValueError(f"{name!r} is stacked over the experts: one Hugging Face tensor per expert (hf_slices)")
         if module.startswith("feed_forward.shared_experts"):
             raise ValueError(f"{name!r}: shared experts have no transformers Mixtral name (Mixtral has none)")
-    raise ValueError(f"{name!r} is not a parameter of lightning_4d's Llama (expected tok_embeddings, layers.<i>...., "
-                     "norm or output)")
+    raise ValueError(
+        f"{name!r} is not a parameter of lightning_4d's Llama (expected tok_embeddings, layers.<i>...., norm or output)"
+    )
 
 
 def expert_weight(name: str) -> bool:
     """Whether ``name`` is a routed experts' stacked weight (``layers.<i>.feed_forward.experts.w1`` ...)."""
     parts = name.split(".")
-    return len(parts) == 5 and parts[0] == "layers" and parts[2:4] == ["feed_forward", "experts"] \
+    return (
+        len(parts) == 5
+        and parts[0] == "layers"
+        and parts[2:4] == ["feed_forward", "experts"]
         and parts[4] in EXPERT_WEIGHTS
+    )
 
 
 def hf_slices(name: str, num_experts: int) -> list[tuple[str, Optional[int]]]:

@@ -237,8 +237,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.feed_forward: nn.Module = MoEFeedForward(config) if config.is_moe_layer(layer_index) \
-            else FeedForward(config)
+        self.feed_forward: nn.Module = (
+            MoEFeedForward(config) if config.is_moe_layer(layer_index) else FeedForward(config)
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -348,8 +349,11 @@ class LlamaModel(nn.Module):
         counts = torch.stack([m.tokens_per_expert for m in layers]).float()
         dropped = sum(m.dropped.float() for m in layers)
         total = sum(m.assignments.float() for m in layers)
-        return {"tokens_per_expert_max": counts.max(), "tokens_per_expert_mean": counts.mean(),
-                "dropped_fraction": dropped / total}
+        return {
+            "tokens_per_expert_max": counts.max(),
+            "tokens_per_expert_mean": counts.mean(),
+            "dropped_fraction": dropped / total,
+        }
 
     def set_grouped_mm(self, fn: Optional[Callable[..., Tensor]]) -> None:
         """Let the routed experts use ``fn`` (``torch._grouped_mm``, :data:`lightning_4d.parallel._compat.grouped_mm`)
@@ -394,8 +398,9 @@ class LlamaModel(nn.Module):
         return std
 
     @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None,
-                     local_piece: Optional[Callable[[Tensor, Any], Tensor]] = None) -> None:
+    def init_weights(
+        self, seed: Optional[int] = None, local_piece: Optional[Callable[[Tensor, Any], Tensor]] = None
+    ) -> None:
         """Deterministic, layout-independent initialization of every parameter, in place.
 
         For each parameter (a tied matrix once), with ``name`` its canonical name (wrapper components removed, see

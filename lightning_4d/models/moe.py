@@ -222,5 +222,7 @@ class MoEFeedForward(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"top_k={self.top_k}, router_score={c.router_score!r}, capacity_factor={c.capacity_factor}, "
-                f"shared={c.num_shared_experts}")
+        return (
+            f"top_k={self.top_k}, router_score={c.router_score!r}, capacity_factor={c.capacity_factor}, "
+            f"shared={c.num_shared_experts}"
+        )

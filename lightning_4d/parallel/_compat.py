@@ -57,6 +57,7 @@ def process_group_of_name(name: str) -> Any:
 
     return _resolve_process_group(name)
 
+
 # ---------------------------------------------------------------------------------------------------- MoE
 #: ``torch._grouped_mm(x [N, k], w [G, k, n], offs=int32 [G]) -> [N, n]``: one GEMM per row group of ``x`` (group g the
 #: rows up to ``offs[g]``) with ``w[g]``, CUDA and bfloat16 (the Mixture-of-Experts experts,
@@ -147,8 +148,9 @@ def unflatten_mesh(mesh: "DeviceMesh", sizes: tuple[int, ...], names: tuple[str,
     mesh's)."""
     unflatten = getattr(mesh, "_unflatten", None)
     if unflatten is None:  # pragma: no cover - older torch
-        raise RuntimeError(f"expert parallelism needs DeviceMesh._unflatten (torch >= 2.9), torch {torch.__version__} "
-                           "lacks it")
+        raise RuntimeError(
+            f"expert parallelism needs DeviceMesh._unflatten (torch >= 2.9), torch {torch.__version__} lacks it"
+        )
     return unflatten(0, tuple(sizes), tuple(names))
 
 
@@ -186,11 +188,32 @@ SAC_SAVED_PRIVATE_OPS = (
 ATEN_FLASH_OPS = {
     "_scaled_dot_product_flash_attention_for_cpu": ("query", "key", "value", "dropout_p", "is_causal"),
     "_scaled_dot_product_flash_attention_for_cpu_backward": (
-        "grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal"),
+        "grad_out",
+        "query",
+        "key",
+        "value",
+        "out",
+        "logsumexp",
+        "dropout_p",
+        "is_causal",
+    ),
     "_scaled_dot_product_flash_attention": ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask"),
     "_scaled_dot_product_flash_attention_backward": (
-        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
-        "dropout_p", "is_causal", "philox_seed", "philox_offset"),
+        "grad_out",
+        "query",
+        "key",
+        "value",
+        "out",
+        "logsumexp",
+        "cum_seq_q",
+        "cum_seq_k",
+        "max_q",
+        "max_k",
+        "dropout_p",
+        "is_causal",
+        "philox_seed",
+        "philox_offset",
+    ),
 }
 
 
@@ -206,19 +229,22 @@ def aten_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
     return res[0], res[1]
 
 
-def aten_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def aten_flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`aten_flash_forward` given the output gradient and the final ``out`` and ``lse``."""
     aten = torch.ops.aten
     if q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
         return dq, dk, dv
     sq, sk = q.shape[2], k.shape[2]
     empty = torch.empty(0, device=q.device)
     # cumulative sequence lengths are for the varlen variant; philox seed/offset are unused without dropout
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale)
+        dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale
+    )
     return dq, dk, dv
 
 
@@ -228,11 +254,38 @@ FLASH_ATTN_EXTRA = "lightning-4d[flash]"
 #: the private functions of ``flash_attn.flash_attn_interface`` used, and the leading parameters they are called
 #: with (flash-attn 2.7.0 - 2.8.x: ``window_size_left/right`` and ``softcap``; 2.6 took a ``window_size`` tuple)
 FLASH_ATTN_FUNCTIONS = {
-    "_flash_attn_forward": ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left",
-                            "window_size_right", "softcap", "alibi_slopes", "return_softmax"),
-    "_flash_attn_backward": ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p",
-                             "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
-                             "alibi_slopes", "deterministic"),
+    "_flash_attn_forward": (
+        "q",
+        "k",
+        "v",
+        "dropout_p",
+        "softmax_scale",
+        "causal",
+        "window_size_left",
+        "window_size_right",
+        "softcap",
+        "alibi_slopes",
+        "return_softmax",
+    ),
+    "_flash_attn_backward": (
+        "dout",
+        "q",
+        "k",
+        "v",
+        "out",
+        "softmax_lse",
+        "dq",
+        "dk",
+        "dv",
+        "dropout_p",
+        "softmax_scale",
+        "causal",
+        "window_size_left",
+        "window_size_right",
+        "softcap",
+        "alibi_slopes",
+        "deterministic",
+    ),
 }
 
 
@@ -266,8 +319,20 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
     return out, lse
 
 
-def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor,
-                        dk: Tensor, dv: Tensor, causal: bool, scale: float, deterministic: bool = False) -> None:
+def flash_attn_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    causal: bool,
+    scale: float,
+    deterministic: bool = False,
+) -> None:
     """flash-attn 2's backward of :func:`flash_attn_forward` on ``[b, s, heads, d]`` tensors, writing ``dq``, ``dk``
     and ``dv`` (allocated by the caller) in place."""
     fa = flash_attn_interface()
@@ -342,6 +407,7 @@ def answer_pipeline_metadata(stages: list, boundary: Tensor) -> Any:
 
         meta = extract_tensor_metas((boundary,))
         for stage in stages:
+
             def recv_meta(src_stage: int, stage: Any = stage) -> Any:
                 if src_stage < stage.stage_index:
                     return _StageForwardMeta(forward_metas=meta)

@@ -46,24 +46,38 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 # operator name -> (kind, index of the argument holding the n bytes); c10d ops carry the process group as an
 # argument, functional ops its name
 _C10D = {
-    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
-    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
-    "allgather_coalesced_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
-    "broadcast_": ("broadcast", 0), "send": ("send", 0), "recv_": ("recv", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "broadcast_": ("broadcast", 0),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
 }
 # functional ops: the all-gathers' argument is the input (n = input × D)
 _FUNCTIONAL = {
-    "all_reduce": ("all_reduce", 0), "all_reduce_": ("all_reduce", 0), "all_reduce_coalesced": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0),
+    "all_reduce_": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0),
     "all_reduce_coalesced_": ("all_reduce", 0),
-    "all_gather_into_tensor": ("all_gather", 0), "all_gather_into_tensor_out": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather_into_tensor_out": ("all_gather", 0),
     "all_gather_into_tensor_coalesced": ("all_gather", 0),
-    "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_out": ("reduce_scatter", 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "reduce_scatter_tensor_out": ("reduce_scatter", 0),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
-    "all_to_all_single": ("all_to_all", 0), "broadcast": ("broadcast", 0), "broadcast_": ("broadcast", 0),
-    "isend": ("send", 0), "irecv": ("recv", 0),
+    "all_to_all_single": ("all_to_all", 0),
+    "broadcast": ("broadcast", 0),
+    "broadcast_": ("broadcast", 0),
+    "isend": ("send", 0),
+    "irecv": ("recv", 0),
 }
 
 
@@ -114,8 +128,9 @@ class CommMeter(TorchDispatchMode):
     def for_mesh(mesh: Any) -> "CommMeter":
         """A meter naming the groups of a :class:`~lightning_4d.mesh.ParallelMesh` (``dp_cp`` first, then tp, cp, dp,
         pp)."""
-        return CommMeter({"dp_cp": mesh.dp_cp.get_group(), **{d: getattr(mesh, d).get_group()
-                                                              for d in ("tp", "cp", "dp", "pp")}})
+        return CommMeter(
+            {"dp_cp": mesh.dp_cp.get_group(), **{d: getattr(mesh, d).get_group() for d in ("tp", "cp", "dp", "pp")}}
+        )
 
     def total(self, dim: Optional[str] = None) -> int:
         """Bytes sent in all, or over one dimension."""
@@ -134,8 +149,11 @@ class CommMeter(TorchDispatchMode):
 
     def _record(self, kind: str, nbytes: int, group: Any) -> None:
         name = group.group_name
-        dim = self._p2p_dims.get(name, self._dims.get(name, "other")) if kind in ("send", "recv") else \
-            self._dims.get(name, "other")
+        dim = (
+            self._p2p_dims.get(name, self._dims.get(name, "other"))
+            if kind in ("send", "recv")
+            else self._dims.get(name, "other")
+        )
         size = group.size()
         if kind == "recv":
             self.received[dim] += nbytes
@@ -153,8 +171,11 @@ class CommMeter(TorchDispatchMode):
             entry = _C10D.get(func._opname)
             if entry is not None:
                 kind, index = entry
-                group = next(unbox_process_group(a) for a in args if isinstance(a, torch.ScriptObject)
-                             and unbox_process_group(a) is not None)
+                group = next(
+                    unbox_process_group(a)
+                    for a in args
+                    if isinstance(a, torch.ScriptObject) and unbox_process_group(a) is not None
+                )
                 self._record(kind, _nbytes(args[index]), group)
         elif namespace in ("_c10d_functional", "_c10d_functional_autograd"):
             if func._opname == "batch_p2p_ops":
@@ -196,19 +217,23 @@ class CommMeterCallback(L.Callback):
         self.meter: Optional[CommMeter] = None
         self.history: list[dict[str, int]] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step % self.every_n_steps:
             return
         mesh = getattr(trainer.strategy, "mesh", None)
         if mesh is None:
-            raise ValueError("CommMeterCallback needs a strategy with a mesh (lightning_4d.FourDStrategy); got "
-                             f"{type(trainer.strategy).__name__}.")
+            raise ValueError(
+                "CommMeterCallback needs a strategy with a mesh (lightning_4d.FourDStrategy); got "
+                f"{type(trainer.strategy).__name__}."
+            )
         self.meter = CommMeter.for_mesh(mesh)
         self.meter.__enter__()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.meter is None:
             return
         self.meter.__exit__(None, None, None)
@@ -219,8 +244,13 @@ class CommMeterCallback(L.Callback):
             row.update({f"comm_bytes/{d}/{k}": v for d, kinds in meter.sent.items() for k, v in kinds.items()})
         row["step"] = trainer.global_step
         self.history.append(row)
-        pl_module.log_dict({k: float(v) for k, v in row.items() if k != "step"}, on_step=True, on_epoch=False,
-                           sync_dist=False, rank_zero_only=True)
+        pl_module.log_dict(
+            {k: float(v) for k, v in row.items() if k != "step"},
+            on_step=True,
+            on_epoch=False,
+            sync_dist=False,
+            rank_zero_only=True,
+        )
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if self.meter is not None:

@@ -87,7 +87,7 @@ class PowerSGD:
             flat.div_(self.world)
             offset = 0
             for v in vectors:
-                v.reshape(-1).copy_(flat[offset:offset + v.numel()])
+                v.reshape(-1).copy_(flat[offset : offset + v.numel()])
                 offset += v.numel()
         if not matrices:
             return
@@ -119,7 +119,7 @@ class PowerSGD:
         dist.all_reduce(flat, group=self.group)
         offset = 0
         for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
     def state(self, names: dict[Any, str]) -> dict[str, dict[str, Tensor]]:

@@ -197,8 +197,7 @@ class _Kernel:
 
     def _use_eager(self, q: Tensor) -> bool:
         # ATen's CUDA flash kernel takes float16/bfloat16 only; float32 on CUDA uses the explicit matmuls
-        return self.backend == "eager" or (
-            q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16))
+        return self.backend == "eager" or (q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16))
 
     def _scores(self, q: Tensor, k: Tensor, causal: bool) -> Tensor:
         """``q k^T · scale`` in float32 (float64 for float64), future keys at ``-inf`` when ``causal``."""
@@ -222,8 +221,9 @@ class _Kernel:
         return out.transpose(1, 2), lse
 
     # -- backward
-    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
         if self.backend == "flash":
             return self._flash_backward(dout, q, k, v, out, lse, causal)
@@ -234,8 +234,9 @@ class _Kernel:
             dq, dk, dv = aten_flash_backward(dout, q, kr, vr, out, lse, causal, self.scale)
         return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
 
-    def _eager_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _eager_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         # FlashAttention's backward (Dao et al. 2022, Algorithm 4): P = exp(S - lse), dV = P^T dO, dP = dO V^T,
         # D = rowsum(dO * O), dS = P * (dP - D), dQ = dS K * scale, dK = dS^T Q * scale
         compute = torch.promote_types(q.dtype, torch.float32)
@@ -250,17 +251,28 @@ class _Kernel:
         dk = torch.matmul(ds.transpose(-2, -1), qc) * self.scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    def _flash_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _flash_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        flash_attn_backward(dout.transpose(1, 2).contiguous(), qt, kt, vt, out.transpose(1, 2).contiguous(), lse,
-                            dq, dk, dv, causal, self.scale)
+        flash_attn_backward(
+            dout.transpose(1, 2).contiguous(),
+            qt,
+            kt,
+            vt,
+            out.transpose(1, 2).contiguous(),
+            lse,
+            dq,
+            dk,
+            dv,
+            causal,
+            self.scale,
+        )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def _merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor,
-           lse: Tensor) -> tuple[Tensor, Tensor]:
+def _merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """Merge two partial attention results over disjoint key sets by the log-sum-exp rule (module docstring).
     ``acc_out`` float32/64 ``[b, h, s, d]``, ``acc_lse`` ``[b, h, s]``; returns the merged pair. Without an
     accumulator the pair returned is a copy, never the kernel's own tensors: the ring updates its accumulators in
@@ -312,8 +324,10 @@ class _RingExchange:
         x = x.contiguous()
         self._sent = x  # alive until the send completes
         self._buffer = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, self.send_to, group=self.group),
-               dist.P2POp(dist.irecv, self._buffer, self.recv_from, group=self.group)]
+        ops = [
+            dist.P2POp(dist.isend, x, self.send_to, group=self.group),
+            dist.P2POp(dist.irecv, self._buffer, self.recv_from, group=self.group),
+        ]
         self._reqs = dist.batch_isend_irecv(ops)
 
     def wait(self) -> Tensor:
@@ -392,8 +406,9 @@ class _RingAttention(torch.autograd.Function):
                 block[0][:, :, first] += dk_b
                 block[1][:, :, first] += dv_b
             else:
-                dq_b, dk_b, dv_b = kernel.backward(dout[:, :, second], q[:, :, second], kb, vb, out[:, :, second],
-                                                   lse[:, :, second], causal=False)
+                dq_b, dk_b, dv_b = kernel.backward(
+                    dout[:, :, second], q[:, :, second], kb, vb, out[:, :, second], lse[:, :, second], causal=False
+                )
                 dq[:, :, second] += dq_b
                 block[0] += dk_b
                 block[1] += dv_b
@@ -431,8 +446,8 @@ class _AllGatherAttention(torch.autograd.Function):
         chunk = q.shape[2] // 2
         outs, lses = [], []
         for local, index in enumerate(zigzag_chunks(rank, size)):
-            qa = q[:, :, local * chunk:(local + 1) * chunk]
-            diag = full[:, :, :, index * chunk:(index + 1) * chunk]
+            qa = q[:, :, local * chunk : (local + 1) * chunk]
+            diag = full[:, :, :, index * chunk : (index + 1) * chunk]
             acc_out, acc_lse = _merge(None, None, *kernel.forward(qa, diag[0], diag[1], causal=True))
             if index > 0:
                 prefix = full[:, :, :, : index * chunk]
@@ -467,8 +482,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dfull[1][:, :, keys] += dv_b
             if index > 0:
                 keys = slice(0, index * chunk)
-                dq_b, dk_b, dv_b = kernel.backward(*args, full[0][:, :, keys], full[1][:, :, keys], *tail,
-                                                   causal=False)
+                dq_b, dk_b, dv_b = kernel.backward(*args, full[0][:, :, keys], full[1][:, :, keys], *tail, causal=False)
                 dq[:, :, rows] += dq_b
                 dfull[0][:, :, keys] += dk_b
                 dfull[1][:, :, keys] += dv_b
@@ -488,11 +502,13 @@ class _AllGatherAttention(torch.autograd.Function):
 def _check_method(method: str) -> None:
     if method not in CONTEXT_PARALLEL_METHODS:
         raise ValueError(
-            f"context_parallel_method={method!r} is not valid: expected one of {list(CONTEXT_PARALLEL_METHODS)}.")
+            f"context_parallel_method={method!r} is not valid: expected one of {list(CONTEXT_PARALLEL_METHODS)}."
+        )
 
 
-def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "ring",
-                               backend: str = "sdpa") -> Tensor:
+def context_parallel_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "ring", backend: str = "sdpa"
+) -> Tensor:
     """Causal self-attention over the full sequence when each cp rank holds its zigzag shard of it.
 
     Args:
@@ -514,8 +530,10 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.Proc
     if backend not in ("sdpa", "flash", "eager"):
         raise ValueError(f"attention backend={backend!r} is not valid: expected one of ['sdpa', 'flash', 'eager'].")
     if q.ndim != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected [b, s/c, heads, d] "
-                         "with k and v of one shape.")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected [b, s/c, heads, d] "
+            "with k and v of one shape."
+        )
     if q.shape[1] % 2 != 0:
         raise ValueError(f"local sequence length {q.shape[1]} is odd: a cp shard holds two equal chunks.")
     if q.shape[2] % k.shape[2] != 0:

@@ -56,8 +56,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     module docstring and :func:`vocab_parallel_cross_entropy`."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, labels: Tensor, group: Optional[dist.ProcessGroup], vocab_start: int,
-                ignore_index: int, chunk_tokens: int) -> Tensor:
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        labels: Tensor,
+        group: Optional[dist.ProcessGroup],
+        vocab_start: int,
+        ignore_index: int,
+        chunk_tokens: int,
+    ) -> Tensor:
         x = logits.reshape(-1, logits.shape[-1])
         y = labels.reshape(-1)
         n, local_vocab = x.shape
@@ -141,8 +148,10 @@ def vocab_parallel_cross_entropy(
     target logit counts as 0.
     """
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match logits of shape {tuple(logits.shape)}: "
-                         f"expected labels of shape {tuple(logits.shape[:-1])} (one label per token).")
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} do not match logits of shape {tuple(logits.shape)}: "
+            f"expected labels of shape {tuple(logits.shape[:-1])} (one label per token)."
+        )
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ValueError(f"labels have dtype {labels.dtype}: expected integer token ids (torch.long).")
     if chunk_tokens is not None and chunk_tokens < 1:

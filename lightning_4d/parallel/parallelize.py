@@ -70,7 +70,8 @@ def _splittable(module: nn.Module) -> bool:
     from lightning_4d.models.config import LlamaConfig
 
     return isinstance(getattr(module, "model_config", None), LlamaConfig) or (
-        isinstance(module, L.LightningModule) and is_overridden("configure_model", module))
+        isinstance(module, L.LightningModule) and is_overridden("configure_model", module)
+    )
 
 
 def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:
@@ -123,13 +124,17 @@ def fsdp_block_modules(module: nn.Module, fsdp_blocks: Optional[Sequence[str]] =
             try:
                 classes.append(getattr(importlib.import_module(mod), name))
             except (ImportError, AttributeError) as e:
-                raise ValueError(f"fsdp_blocks: {path!r} is not an importable class ({e}); give dotted class paths "
-                                 "such as 'torch.nn.TransformerEncoderLayer' or bare class names") from e
+                raise ValueError(
+                    f"fsdp_blocks: {path!r} is not an importable class ({e}); give dotted class paths "
+                    "such as 'torch.nn.TransformerEncoderLayer' or bare class names"
+                ) from e
         chosen = [(n, m) for n, m in named if isinstance(m, tuple(classes)) or type(m).__name__ in bare]
         if not chosen:
             found = sorted({type(m).__name__ for _, m in named})
-            raise ValueError(f"fsdp_blocks={list(fsdp_blocks)}: no submodule of {type(module).__name__} is one of "
-                             f"them; its submodule classes are {found}")
+            raise ValueError(
+                f"fsdp_blocks={list(fsdp_blocks)}: no submodule of {type(module).__name__} is one of "
+                f"them; its submodule classes are {found}"
+            )
     else:
         stacks = {n for n, m in named if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
         chosen = [(n, m) for n, m in named if n.rpartition(".")[0] in stacks and any(True for _ in m.parameters())]
@@ -137,8 +142,9 @@ def fsdp_block_modules(module: nn.Module, fsdp_blocks: Optional[Sequence[str]] =
     return [m for _, m in chosen]
 
 
-def shard_any_module(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
-                     fsdp_blocks: Optional[Sequence[str]] = None) -> None:
+def shard_any_module(
+    module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, fsdp_blocks: Optional[Sequence[str]] = None
+) -> None:
     """ZeRO 2/3 for a LightningModule that is not a ``lightning_4d`` Llama and applied no plans itself: FSDP2 over
     ``dp_cp``, one unit per block (:func:`fsdp_block_modules`), then one root unit per top-level child that holds
     parameters outside the blocks (the children of a top-level ``nn.ModuleList`` / ``nn.ModuleDict``, which have no
@@ -160,8 +166,13 @@ def shard_any_module(module: nn.Module, mesh: ParallelMesh, config: ParallelConf
         below = {id(m) for m in child.modules()}
         inner = [b for b in blocks if b is not child and id(b) in below]
         if child in blocks or any(id(p) not in in_blocks for p in child.parameters()):
-            apply_fsdp(child, mesh.dp_cp, config.zero_stage, blocks=inner,
-                       reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
+            apply_fsdp(
+                child,
+                mesh.dp_cp,
+                config.zero_stage,
+                blocks=inner,
+                reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
+            )
 
 
 def parallelize_model(
@@ -208,12 +219,17 @@ def parallelize_model(
             block.compile()
     sync_chunk_layers(model, family)
     if config.zero_stage >= 2:
-        fsdp = dict(reshard_after_forward=reshard_after_forward(config),
-                    param_dtype=param_dtype if family.master_weights else None,
-                    reduce_dtype=fsdp_reduce_dtype(config.gradient_compression))
+        fsdp = dict(
+            reshard_after_forward=reshard_after_forward(config),
+            param_dtype=param_dtype if family.master_weights else None,
+            reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
+        )
         for part in [c for _, c in chunks] if chunks is not None else [model]:
-            blocks = [b for _, b in layer_items(find_submodel(part, "layers") if part is not model else layers)
-                      if any(True for _ in b.parameters())]
+            blocks = [
+                b
+                for _, b in layer_items(find_submodel(part, "layers") if part is not model else layers)
+                if any(True for _ in b.parameters())
+            ]
             apply_fsdp(part, mesh.dp_cp, config.zero_stage, blocks=blocks, **fsdp)
     model._lightning_4d_parallelized = True  # type: ignore[assignment]
     return chunks
@@ -264,8 +280,10 @@ def prepare_models(
             shard_any_module(module, mesh, config, fsdp_blocks)
         return []
     if config.pp > 1 and len(models) != 1:
-        raise TypeError(f"pipeline_parallel_size={config.pp} needs exactly one model in the LightningModule (found "
-                        f"{len(models)}: {', '.join(f.name for f, _ in models)}).")
+        raise TypeError(
+            f"pipeline_parallel_size={config.pp} needs exactly one model in the LightningModule (found "
+            f"{len(models)}: {', '.join(f.name for f, _ in models)})."
+        )
     for family, model in models:
         if not is_parallelized(model):
             parallelize_model(family, model, mesh, config, compile=compile, param_dtype=param_dtype)

@@ -129,9 +129,18 @@ class StageChunk(nn.Module):
     #: the gradient alike) or ``"float8"`` (e4m3 and a per-tensor scale: ``parallel/compression.py``)
     comm_dtype: Optional[str] = None
 
-    def __init__(self, family: Any, model: nn.Module, layers: dict[str, nn.Module], embedding: Optional[nn.Module],
-                 norm: Optional[nn.Module], head: Optional[nn.Module], sequence_shards: int, cp: tuple[int, int],
-                 hidden_size: int) -> None:
+    def __init__(
+        self,
+        family: Any,
+        model: nn.Module,
+        layers: dict[str, nn.Module],
+        embedding: Optional[nn.Module],
+        norm: Optional[nn.Module],
+        head: Optional[nn.Module],
+        sequence_shards: int,
+        cp: tuple[int, int],
+        hidden_size: int,
+    ) -> None:
         super().__init__()
         self.family = family
         object.__setattr__(self, "union", model)  # not a submodule: the union's parameters keep their own names
@@ -169,8 +178,9 @@ class StageChunk(nn.Module):
 PIPELINE_COMM_TORCH_DTYPES = {"bfloat16": torch.bfloat16}
 
 
-def split_model(family: Any, model: nn.Module, config: ParallelConfig, pp_rank: int,
-                cp: tuple[int, int] = (0, 1)) -> list[tuple[int, StageChunk]]:
+def split_model(
+    family: Any, model: nn.Module, config: ParallelConfig, pp_rank: int, cp: tuple[int, int] = (0, 1)
+) -> list[tuple[int, StageChunk]]:
     """Prune ``model`` (any family's, usually on the meta device) to pp rank ``pp_rank``'s stages, the one splitter
     (torchtitan's ``pipeline_parallel.py`` shape).
 
@@ -203,10 +213,23 @@ def split_model(family: Any, model: nn.Module, config: ParallelConfig, pp_rank: 
     parts = {name: find_submodel(model, getattr(where, name)) for name in ("embedding", "norm", "head")}
     shards = config.tp if config.sp else 1
     hidden = family.model_config(model).hidden_size
-    chunks = [(s, StageChunk(family, model, {items[i][0]: items[i][1] for i in layers},
-                             parts["embedding"] if s == 0 else None, parts["norm"] if s == last_stage else None,
-                             parts["head"] if s == last_stage else None, shards, cp, hidden))
-              for s, layers in mine]
+    chunks = [
+        (
+            s,
+            StageChunk(
+                family,
+                model,
+                {items[i][0]: items[i][1] for i in layers},
+                parts["embedding"] if s == 0 else None,
+                parts["norm"] if s == last_stage else None,
+                parts["head"] if s == last_stage else None,
+                shards,
+                cp,
+                hidden,
+            ),
+        )
+        for s, layers in mine
+    ]
     for _, chunk in chunks:
         chunk.comm_dtype = config.pipeline_comm_dtype
     if not first:
@@ -515,4 +538,3 @@ def clip_grad_norm_(
     for g in grads:
         local_tensor(g).mul_(coef.to(g.dtype))
     return total
-

@@ -70,8 +70,9 @@ class _SequenceParallelProjection(torch.autograd.Function):
         full = _all_gather_sequence_shards(x, ctx.group)
         flat = full.reshape(-1, full.shape[-1])
         grad_full = sum(g.to(w.dtype) @ w for g, w in zip(grads, weights))
-        grad_weights = [(g.reshape(-1, g.shape[-1]).to(flat.dtype).t() @ flat).to(dt)
-                        for g, dt in zip(grads, ctx.dtypes[1:])]
+        grad_weights = [
+            (g.reshape(-1, g.shape[-1]).to(flat.dtype).t() @ flat).to(dt) for g, dt in zip(grads, ctx.dtypes[1:])
+        ]
         grad_x = _reduce_scatter_sequence_shards(grad_full, ctx.group).to(ctx.dtypes[0])
         return (None, grad_x, *grad_weights)
 
@@ -154,8 +155,9 @@ class TensorParallelPlan:
     vocab_parallel_logits: bool = True
 
 
-def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh,
-                          sequence_parallel: bool) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool
+) -> None:
     """Shard ``model`` (any family's, or the part of it a pipeline rank holds) in place over ``tp_mesh`` following
     ``plan`` (module docstring).
 
@@ -197,11 +199,14 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, tp_mesh: D
             if sequence_parallel and hasattr(module, "input_projection"):
                 module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)
             elif kind == "kwarg":
-                styles[prefix + name] = PrepareModuleInput(input_kwarg_layouts={where: seq},
-                                                           desired_input_kwarg_layouts={where: Replicate()})
+                styles[prefix + name] = PrepareModuleInput(
+                    input_kwarg_layouts={where: seq}, desired_input_kwarg_layouts={where: Replicate()}
+                )
             else:
-                styles[prefix + name] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (where - 1),
-                                                           desired_input_layouts=(Replicate(),) + (None,) * (where - 1))
+                styles[prefix + name] = PrepareModuleInput(
+                    input_layouts=(seq,) + (None,) * (where - 1),
+                    desired_input_layouts=(Replicate(),) + (None,) * (where - 1),
+                )
     if tied:  # distribute the shared matrix once (through the embedding), then re-tie below
         head.weight = nn.Parameter(embedding.weight.detach().clone())
     parallelize_module(model, tp_mesh, styles)

@@ -53,7 +53,9 @@ _BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in partition.py (
 
 
 def _buckets(
-    tensors: list[Tensor], bucket_bytes: int, key: Callable[[Tensor], Tensor] = lambda t: t,
+    tensors: list[Tensor],
+    bucket_bytes: int,
+    key: Callable[[Tensor], Tensor] = lambda t: t,
     kind: Callable[[Tensor], Any] = lambda t: None,
 ) -> Iterable[list[Tensor]]:
     """Group tensors of the same dtype, device (of ``key(t)``) and ``kind(t)`` (expert parameters apart: another
@@ -121,8 +123,10 @@ def apply_fsdp(
         # the blocks' float32 inputs stay as they are: the rotary tables must not be rounded to bf16 (the residual
         # stream is in param_dtype already)
         kw["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=param_dtype, cast_forward_inputs=False,
-            reduce_dtype=reduce_dtype or (torch.float32 if param_dtype is not None else None))
+            param_dtype=param_dtype,
+            cast_forward_inputs=False,
+            reduce_dtype=reduce_dtype or (torch.float32 if param_dtype is not None else None),
+        )
     units = [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
     for unit in [*units, root]:
@@ -218,10 +222,18 @@ def setup_zero(
         return None
     shard = zero_stage == 1 and dist.get_world_size(group) > 1
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
-    buckets = GradientBuckets(params, group, reduce_scatter=shard, grad_dtype=master_dtype, hooks=master_dtype is None,
-                              compression=compression, powersgd_rank=powersgd_rank,
-                              powersgd_start_step=powersgd_start_step, powersgd_comm_dtype=powersgd_comm_dtype,
-                              expert_group=expert_group)
+    buckets = GradientBuckets(
+        params,
+        group,
+        reduce_scatter=shard,
+        grad_dtype=master_dtype,
+        hooks=master_dtype is None,
+        compression=compression,
+        powersgd_rank=powersgd_rank,
+        powersgd_start_step=powersgd_start_step,
+        powersgd_comm_dtype=powersgd_comm_dtype,
+        expert_group=expert_group,
+    )
     if shard or master_dtype is not None or expert_group is not None:
         for optimizer in optimizers:
             ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
@@ -302,8 +314,11 @@ class GradientBuckets:
 
         self.params = [p for p in params if p.requires_grad]
         self.compression = compression
-        self.powersgd = (PowerSGD(powersgd_rank, group, powersgd_start_step, powersgd_comm_dtype)
-                         if compression == "powersgd" else None)
+        self.powersgd = (
+            PowerSGD(powersgd_rank, group, powersgd_start_step, powersgd_comm_dtype)
+            if compression == "powersgd"
+            else None
+        )
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -492,8 +507,9 @@ class GradientBuckets:
     def load_compression_state(self, names: dict[int, str], state: dict[str, dict[str, Tensor]]) -> None:
         """Restore :meth:`compression_state`."""
         if self.powersgd is not None:
-            self.powersgd.load_state({id(p): names[id(p)] for p in self.params if id(p) in names}, state,
-                                     self.buckets[0].buffer.device)
+            self.powersgd.load_state(
+                {id(p): names[id(p)] for p in self.params if id(p) in names}, state, self.buckets[0].buffer.device
+            )
 
     def _expose(self) -> None:
         """``p.grad`` = ``p``'s bucket slice (shaped and placed like ``p``) for every parameter with a gradient."""
@@ -502,8 +518,9 @@ class GradientBuckets:
                 continue
             view = self._main[id(p)].view(_local(p).shape)
             if isinstance(p, DTensor):
-                view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())
+                view = DTensor.from_local(
+                    view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
             p.grad = view
 
 
@@ -658,8 +675,9 @@ class ShardedOptimizer:
                 local.copy_(gathered[offset : offset + local.numel()])
             del gathered  # one bucket's temporaries at a time
 
-    def _gather_owned(self, bucket: _Bucket, params: list[Tensor], slices: dict[int, Tensor],
-                      dtype: torch.dtype) -> Tensor:
+    def _gather_owned(
+        self, bucket: _Bucket, params: list[Tensor], slices: dict[int, Tensor], dtype: torch.dtype
+    ) -> Tensor:
         """The whole bucket ``[padded]`` in ``dtype`` from every rank's owned slices: this rank's ``slices``
         (``{id(p): owned slice of p's tensor}``; a missing one counts as zeros) are placed at their bucket offsets
         in its own range, which is all-gathered over the bucket's group (without ZeRO 1 the range is the whole
@@ -770,15 +788,18 @@ class ShardedOptimizer:
 
     def _state_with_master(self, p: Tensor) -> dict[str, Tensor]:
         shard = self.shard[id(p)]
-        state = {k: (v if isinstance(v, Tensor) else torch.tensor(v))
-                 for k, v in (self.optimizer.state.get(shard) or {}).items()}
+        state = {
+            k: (v if isinstance(v, Tensor) else torch.tensor(v))
+            for k, v in (self.optimizer.state.get(shard) or {}).items()
+        }
         if id(p) in self.has_master:
             state["master"] = shard.detach()
         return state
 
     @torch.no_grad()
-    def load_gathered_state(self, fqns: dict[int, str], flat: dict[str, Any],
-                            weights: Optional[dict[str, Tensor]] = None) -> None:
+    def load_gathered_state(
+        self, fqns: dict[int, str], flat: dict[str, Any], weights: Optional[dict[str, Tensor]] = None
+    ) -> None:
         """Inverse of :meth:`gathered_state` on any layout: ``flat`` holds, for this rank's parameters, whole local
         (tp-shard) states as the checkpoint loader filled them (:func:`lightning_4d.checkpoint.load_sharded`); each
         rank keeps its owned slices. The master weights come from ``flat``'s ``master`` entries when present, else
@@ -789,7 +810,7 @@ class ShardedOptimizer:
         by_fqn: dict[str, dict[str, Any]] = {}  # "state.<fqn>.<field>" -> {fqn: {field: value}}, one pass
         for key, value in flat.items():
             if key.startswith("state."):
-                fqn, _, field = key[len("state."):].rpartition(".")
+                fqn, _, field = key[len("state.") :].rpartition(".")
                 by_fqn.setdefault(fqn, {})[field] = value
         for p in self.parameters():
             shard = self.shard[id(p)]
@@ -797,8 +818,11 @@ class ShardedOptimizer:
             state: dict[str, Tensor] = {}
             for field, value in by_fqn.get(fqns[id(p)], {}).items():
                 value = _local(value)
-                state[field] = value.clone() if value.ndim == 0 else \
-                    value.reshape(-1)[start:end].to(device=shard.device, copy=True)
+                state[field] = (
+                    value.clone()
+                    if value.ndim == 0
+                    else value.reshape(-1)[start:end].to(device=shard.device, copy=True)
+                )
             master = state.pop("master", None)
             if master is None and fqns[id(p)] in weights:
                 master = _local(weights[fqns[id(p)]]).reshape(-1)[start:end]
@@ -900,5 +924,10 @@ def model_state_tensors(
             masters += sharded.master_tensors()
     # PowerSGD's error feedback and warm start: persistent state, counted with the optimizer's
     compression = buckets.powersgd.tensors() if buckets is not None and buckets.powersgd is not None else []
-    return {"parameters": params, "gradients": grads, "optimizer_states": states + masters + compression,
-            "master_weights": masters, "compression": compression}
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer_states": states + masters + compression,
+        "master_weights": masters,
+        "compression": compression,
+    }

@@ -90,8 +90,10 @@ class WarmupCosine:
         return lr_lambda(step, self.warmup_steps, self.total_steps, self.min_lr_ratio)
 
     def __repr__(self) -> str:
-        return (f"WarmupCosine(warmup_steps={self.warmup_steps}, total_steps={self.total_steps}, "
-                f"min_lr_ratio={self.min_lr_ratio})")
+        return (
+            f"WarmupCosine(warmup_steps={self.warmup_steps}, total_steps={self.total_steps}, "
+            f"min_lr_ratio={self.min_lr_ratio})"
+        )
 
 
 class CausalLMModule(L.LightningModule):
@@ -162,8 +164,10 @@ class CausalLMModule(L.LightningModule):
         self.model_config = model_config
         self.init_from = str(init_from) if init_from is not None else None
         if self.init_from is not None and not Path(self.init_from).exists():
-            raise ValueError(f"init_from={self.init_from!r} does not exist: pass a Hugging Face model directory or "
-                             "a checkpoint of ours")
+            raise ValueError(
+                f"init_from={self.init_from!r} does not exist: pass a Hugging Face model directory or "
+                "a checkpoint of ours"
+            )
         self.model: Optional[LlamaModel] = None
         self._batch_start = 0.0
         # validation metrics (torchmetrics, synchronized over the dp x cp group: _validation_metrics)
@@ -373,9 +377,11 @@ class CausalLMModule(L.LightningModule):
         for config in getattr(trainer, "lr_scheduler_configs", None) or []:
             sched = config.scheduler
             if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and all(
-                    isinstance(fn, WarmupCosine) for fn in sched.lr_lambdas):
-                set_scheduler_lrs(sched, [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs,
-                                                                                           sched.lr_lambdas)])
+                isinstance(fn, WarmupCosine) for fn in sched.lr_lambdas
+            ):
+                set_scheduler_lrs(
+                    sched, [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+                )
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

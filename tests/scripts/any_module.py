@@ -74,9 +74,13 @@ def main() -> None:
     else:
         from lightning_4d import FourDStrategy
 
-        strategy = FourDStrategy(zero_stage=args.zero, process_group_backend="gloo", timeout=timedelta(seconds=60),
-                                 fsdp_blocks=args.blocks.split(",") if args.blocks else None,
-                                 gradient_compression=args.compress)
+        strategy = FourDStrategy(
+            zero_stage=args.zero,
+            process_group_backend="gloo",
+            timeout=timedelta(seconds=60),
+            fsdp_blocks=args.blocks.split(",") if args.blocks else None,
+            gradient_compression=args.compress,
+        )
     losses: list[float] = []
 
     class Record(L.Callback):
@@ -89,9 +93,17 @@ def main() -> None:
 
         meter = CommMeterCallback(per_kind=True)
 
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Record(), *([meter] if meter else [])])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record(), *([meter] if meter else [])],
+    )
     module = DemoLM() if args.module == "demo" else StackLM()
     trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
     if trainer.global_rank == 0:

@@ -65,8 +65,17 @@ def main() -> None:
                         errors["d" + name] = (t.grad - shard_sequence(r.grad, cp_rank, c)).abs().max().item()
                     full = gather_sequence(out.detach(), group)
                     errors["gathered"] = (full - ref.detach()).abs().max().item()
-                    records.append({"c": c, "s": s, "heads": hq, "kv_heads": hkv, "method": method,
-                                    "backend": backend, "errors": errors})
+                    records.append(
+                        {
+                            "c": c,
+                            "s": s,
+                            "heads": hq,
+                            "kv_heads": hkv,
+                            "method": method,
+                            "backend": backend,
+                            "errors": errors,
+                        }
+                    )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"attention_rank{rank}.json").write_text(json.dumps(records))
     dist.barrier()

@@ -93,15 +93,26 @@ def main() -> None:
             ckpt_module._rename_into_place = rename
     L.seed_everything(0, verbose=False)
     module = CausalLMModule("tiny-test", learning_rate=1e-3, warmup_steps=2, max_steps=args.steps, init_seed=7)
-    dm = LMDataModule(seq_length=32, micro_batch_size=4, global_batch_size=8, train_samples=8 * args.steps,
-                      val_samples=8, seed=1234)
-    strategy = FourDStrategy(data_parallel_size=2, zero_stage=1, process_group_backend="gloo",
-                             timeout=timedelta(seconds=60))
+    dm = LMDataModule(
+        seq_length=32, micro_batch_size=4, global_batch_size=8, train_samples=8 * args.steps, val_samples=8, seed=1234
+    )
+    strategy = FourDStrategy(
+        data_parallel_size=2, zero_stage=1, process_group_backend="gloo", timeout=timedelta(seconds=60)
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=[Record(out / f"{args.tag}_rank{RANK}.jsonl", args.at if args.kill == "step" else None),
-                   ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=1)],
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[
+            Record(out / f"{args.tag}_rank{RANK}.jsonl", args.at if args.kill == "step" else None),
+            ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=1),
+        ],
     )
     trainer.fit(module, dm, ckpt_path=args.ckpt_path)
     if torch.distributed.is_initialized():

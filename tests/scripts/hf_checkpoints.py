@@ -44,17 +44,29 @@ class Pairs(L.Callback):
 
 def strategy(layout: dict) -> FourDStrategy:
     return FourDStrategy(
-        data_parallel_size=layout.get("dp", 1), tensor_parallel_size=layout.get("tp", 1),
-        pipeline_parallel_size=layout.get("pp", 1), context_parallel_size=layout.get("cp", 1),
-        context_parallel_method=layout.get("method", "ring"), zero_stage=layout.get("zero", 1),
-        num_microbatches=layout.get("m"), process_group_backend="gloo", timeout=timedelta(seconds=120),
+        data_parallel_size=layout.get("dp", 1),
+        tensor_parallel_size=layout.get("tp", 1),
+        pipeline_parallel_size=layout.get("pp", 1),
+        context_parallel_size=layout.get("cp", 1),
+        context_parallel_method=layout.get("method", "ring"),
+        zero_stage=layout.get("zero", 1),
+        num_microbatches=layout.get("m"),
+        process_group_backend="gloo",
+        timeout=timedelta(seconds=120),
     )
 
 
 def predict(module: L.LightningModule, layout: dict, ids: torch.Tensor, world: int) -> list:
     pairs = Pairs()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy(layout), logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[pairs])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy(layout),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[pairs],
+    )
     trainer.predict(module, dataloaders=DataLoader(ids, batch_size=layout.get("b", 2)), return_predictions=False)
     return pairs.pairs
 
@@ -81,12 +93,27 @@ def main() -> None:
 
         config = LlamaConfig.from_preset(args.model, norm_eps=1e-6)
         module = CausalLMModule(config, learning_rate=1e-2, warmup_steps=1, max_steps=3, init_seed=3)
-        dm = LMDataModule(seq_length=32, micro_batch_size=8 // (layout.get("dp", 1) * layout.get("m", 1)),
-                          global_batch_size=8, train_samples=24, val_samples=8, seed=1)
+        dm = LMDataModule(
+            seq_length=32,
+            micro_batch_size=8 // (layout.get("dp", 1) * layout.get("m", 1)),
+            global_batch_size=8,
+            train_samples=24,
+            val_samples=8,
+            seed=1,
+        )
         ckpt_dir = out / f"ckpt{i}"
-        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy(layout), max_steps=3, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            num_sanity_val_steps=0, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)])
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy(layout),
+            max_steps=3,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+        )
         trainer.fit(module, dm)
         torch.save(predict(module, layout, ids, world), out / f"export{i}_rank{rank}.pt")
         if rank == 0:

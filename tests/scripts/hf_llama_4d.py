@@ -29,8 +29,15 @@ STEPS = 10
 
 def reference_model() -> "transformers.LlamaForCausalLM":
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return transformers.LlamaForCausalLM(config).float()
 
 
@@ -80,19 +87,32 @@ def main() -> None:
     for i, layout in enumerate(layouts):
         L.seed_everything(0, verbose=False)
         dp, m = layout.get("dp", 1), layout.get("m", 1)
-        dm = LMDataModule(seq_length=32, micro_batch_size=8 // (dp * m), global_batch_size=8, train_samples=8 * STEPS,
-                          val_samples=8, seed=1234)
+        dm = LMDataModule(
+            seq_length=32,
+            micro_batch_size=8 // (dp * m),
+            global_batch_size=8,
+            train_samples=8 * STEPS,
+            val_samples=8,
+            seed=1234,
+        )
         if args.reference:
             strategy = "auto"
         else:
             from lightning_4d import FourDStrategy
 
             strategy = FourDStrategy(
-                data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 1),
-                context_parallel_size=layout.get("cp", 1), context_parallel_method=layout.get("method", "ring"),
-                pipeline_parallel_size=layout.get("pp", 1), pipeline_schedule=layout.get("schedule", "1f1b"),
-                sequence_parallel=layout.get("sp"), gradient_compression=layout.get("compress", "none"),
-                process_group_backend="gloo", timeout=timedelta(seconds=120))
+                data_parallel_size=dp,
+                tensor_parallel_size=layout.get("tp", 1),
+                zero_stage=layout.get("zero", 1),
+                context_parallel_size=layout.get("cp", 1),
+                context_parallel_method=layout.get("method", "ring"),
+                pipeline_parallel_size=layout.get("pp", 1),
+                pipeline_schedule=layout.get("schedule", "1f1b"),
+                sequence_parallel=layout.get("sp"),
+                gradient_compression=layout.get("compress", "none"),
+                process_group_backend="gloo",
+                timeout=timedelta(seconds=120),
+            )
         losses: list[float] = []
 
         class Record(L.Callback):
@@ -105,22 +125,42 @@ def main() -> None:
 
             meter = CommMeterCallback(per_kind=True)
 
-        trainer = L.Trainer(accelerator="cpu", devices=1 if args.reference else world, strategy=strategy,
-                            max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                            callbacks=[Record(), *([meter] if meter else [])])
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1 if args.reference else world,
+            strategy=strategy,
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[Record(), *([meter] if meter else [])],
+        )
         module = HFLlamaLM(str(init) if layout.get("meta") else None)
         trainer.fit(module, dm)
-        weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
-                   for n, p in module.model.named_parameters()}
+        weights = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
+            for n, p in module.model.named_parameters()
+        }
         if layout.get("pp", 1) > 1:  # each pipeline rank holds its own layers: every rank saves, the test merges
             torch.save(weights, Path(args.out) / f"hf{i}_weights_rank{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
-            split = {"dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
-                     "attention": module.model.config._attn_implementation}
-            torch.save({"layout": layout, "losses": losses, "weights": weights,
-                        "comm": meter.history if meter else [], **split},
-                       Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"))
+            split = {
+                "dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
+                "attention": module.model.config._attn_implementation,
+            }
+            torch.save(
+                {
+                    "layout": layout,
+                    "losses": losses,
+                    "weights": weights,
+                    "comm": meter.history if meter else [],
+                    **split,
+                },
+                Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"),
+            )
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

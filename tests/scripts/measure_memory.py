@@ -145,6 +145,7 @@ class Measured(CausalLMModule):
                             for st in _storages(t):
                                 seen.setdefault(st.data_ptr(), st.nbytes())
                 return decision
+
             return recording
 
         # checkpoint_wrapper's modules (FSDP2 renames their class to FSDPCheckpointWrapper)
@@ -178,8 +179,9 @@ class Measured(CausalLMModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if "optimizer_states" not in self.states:
-            tensors = model_state_tensors(self, self.trainer.optimizers,
-                                          getattr(self.trainer.strategy, "_buckets", None))
+            tensors = model_state_tensors(
+                self, self.trainer.optimizers, getattr(self.trainer.strategy, "_buckets", None)
+            )
             self.states["optimizer_states"] = local_bytes(tensors["optimizer_states"])
             self.states["master_weights"] = local_bytes(tensors["master_weights"])
             self.states["compression"] = local_bytes(tensors["compression"])
@@ -192,11 +194,18 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
     overrides.update(layout.get("config", {}))  # model config fields, e.g. the MoE ones
     cfg = LlamaConfig.from_preset(model, tie_word_embeddings=layout.get("tied", False), **overrides)
     module = Measured(cfg, learning_rate=1e-3, warmup_steps=1, max_steps=len(shapes), init_seed=7)
-    kw = dict(data_parallel_size=layout.get("dp", 1), tensor_parallel_size=layout.get("tp", 1),
-              zero_stage=layout.get("zero", 0), sequence_parallel=layout.get("sp"),
-              activation_checkpointing=layout.get("ac", "none"), pipeline_parallel_size=layout.get("pp", 1),
-              pipeline_schedule=layout.get("schedule", "1f1b"), num_microbatches=layout.get("m"),
-              context_parallel_size=layout.get("cp", 1), context_parallel_method=layout.get("method", "ring"))
+    kw = dict(
+        data_parallel_size=layout.get("dp", 1),
+        tensor_parallel_size=layout.get("tp", 1),
+        zero_stage=layout.get("zero", 0),
+        sequence_parallel=layout.get("sp"),
+        activation_checkpointing=layout.get("ac", "none"),
+        pipeline_parallel_size=layout.get("pp", 1),
+        pipeline_schedule=layout.get("schedule", "1f1b"),
+        num_microbatches=layout.get("m"),
+        context_parallel_size=layout.get("cp", 1),
+        context_parallel_method=layout.get("method", "ring"),
+    )
     pp, m = layout.get("pp", 1), layout.get("m", 1)
     if pp > 1:
         # a pipeline keeps one batch shape (its stages' buffers are sized once); the first step also runs the
@@ -205,9 +214,18 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
     strategy = FourDStrategy(**kw, process_group_backend="gloo", timeout=timedelta(seconds=120))
     precision = layout.get("precision", "32-true")
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=len(shapes), precision=precision,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=len(shapes),
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
     )
     batches = [(b * m, s) for b, s in shapes] if pp > 1 else shapes  # the schedule splits a batch into m
     trainer.fit(module, DataLoader(Shapes(batches, cfg.vocab_size), batch_size=None))
@@ -224,13 +242,21 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
         row = {"b": b, "s": s, "measured": measured, "estimated": sum(est.values()) - est["recompute"], "parts": est}
         if pp > 1:
             full = estimate_memory(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type="cpu")
-            row.update(measured_total=module.total_packed[i], estimated_total=m * row["estimated"],
-                       measured_peak=module.peak_live[i],
-                       estimated_peak=full.activations - est["recompute"] + full.details["compute_weights"],
-                       in_flight=full.details["in_flight_microbatches_x1000"] / 1000)
+            row.update(
+                measured_total=module.total_packed[i],
+                estimated_total=m * row["estimated"],
+                measured_peak=module.peak_live[i],
+                estimated_peak=full.activations - est["recompute"] + full.details["compute_weights"],
+                in_flight=full.details["in_flight_microbatches_x1000"] / 1000,
+            )
         rows.append(row)
-    return {"layout": layout, "rank": rank, "activations": rows, "states": module.states,
-            "estimated_states": estimated_states.__dict__}
+    return {
+        "layout": layout,
+        "rank": rank,
+        "activations": rows,
+        "states": module.states,
+        "estimated_states": estimated_states.__dict__,
+    }
 
 
 def main() -> None:

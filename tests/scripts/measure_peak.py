@@ -33,7 +33,15 @@ args = p.parse_args()
 world = int(os.environ["WORLD_SIZE"])
 pc = ParallelConfig(**json.loads(args.layout)).resolve(world)
 cfg = LlamaConfig.from_preset(args.model)
-got = fit_and_measure(cfg, pc, args.micro_batch_size, args.seq_length, args.precision, steps=2, device="cpu",
-                      trainer_kwargs={"devices": world, "num_nodes": 1})
+got = fit_and_measure(
+    cfg,
+    pc,
+    args.micro_batch_size,
+    args.seq_length,
+    args.precision,
+    steps=2,
+    device="cpu",
+    trainer_kwargs={"devices": world, "num_nodes": 1},
+)
 rank = int(os.environ["RANK"])
 Path(args.out, f"rank{rank}.json").write_text(json.dumps(got))

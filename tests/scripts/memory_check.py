@@ -62,18 +62,33 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     b, s = args.micro_batch_size, args.seq_length
     if args.data == "lm":
-        data = dict(datamodule=LMDataModule(seq_length=s, micro_batch_size=b, global_batch_size=b * args.dp,
-                                            train_samples=32, val_samples=4))
+        data = dict(
+            datamodule=LMDataModule(
+                seq_length=s, micro_batch_size=b, global_batch_size=b * args.dp, train_samples=32, val_samples=4
+            )
+        )
     else:
         samples = [{"input_ids": torch.randint(0, 256, (s,)), "labels": torch.randint(0, 256, (s,))} for _ in range(4)]
         data = dict(train_dataloaders=DataLoader(samples, batch_size=b))
     module = Module(args.model, learning_rate=1e-3, warmup_steps=1, max_steps=2)
     callback = MemoryEstimatorCallback(device_memory=args.device_memory, budget=0.8)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        strategy=FourDStrategy(data_parallel_size=args.dp, tensor_parallel_size=args.tp, zero_stage=args.zero,
-                               process_group_backend="gloo", timeout=timedelta(seconds=60)),
+        accelerator="cpu",
+        devices=world,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        strategy=FourDStrategy(
+            data_parallel_size=args.dp,
+            tensor_parallel_size=args.tp,
+            zero_stage=args.zero,
+            process_group_backend="gloo",
+            timeout=timedelta(seconds=60),
+        ),
         callbacks=[callback],
     )
     before = peak_rss()
@@ -84,9 +99,14 @@ def main() -> None:
         error = {"type": type(exc).__name__, "message": str(exc), "is_runtime_error": isinstance(exc, RuntimeError)}
     rank = int(os.environ.get("RANK", "0"))
     estimate = callback.estimate.to_dict() if callback.estimate is not None else None
-    record = {"configure_model_called": Module.configure_model_called, "error": error, "estimate": estimate,
-              "parameters": sum(p.numel() for p in module.parameters()), "peak_rss_before": before,
-              "peak_rss_after": peak_rss()}
+    record = {
+        "configure_model_called": Module.configure_model_called,
+        "error": error,
+        "estimate": estimate,
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "peak_rss_before": before,
+        "peak_rss_after": peak_rss(),
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(record))
     if torch.distributed.is_initialized():

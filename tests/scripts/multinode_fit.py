@@ -64,18 +64,31 @@ def main() -> None:
     dp = NUM_NODES * DEVICES // TP
     micro = args.global_batch // dp
     dm = LMDataModule(
-        seq_length=args.seq_length, micro_batch_size=micro, global_batch_size=args.global_batch,
-        train_samples=args.global_batch * args.steps, val_samples=micro * dp, seed=1234,
+        seq_length=args.seq_length,
+        micro_batch_size=micro,
+        global_batch_size=args.global_batch,
+        train_samples=args.global_batch * args.steps,
+        val_samples=micro * dp,
+        seed=1234,
     )
     model_config = LlamaConfig.from_preset(args.model, tie_word_embeddings=False)
     module = CausalLMModule(model_config, learning_rate=args.lr, warmup_steps=2, max_steps=args.steps, init_seed=7)
     recorder = Recorder()
     trainer = L.Trainer(
-        num_nodes=NUM_NODES, devices=DEVICES, accelerator="cpu",
-        strategy=FourDStrategy(tensor_parallel_size=TP, zero_stage=1, process_group_backend="gloo",
-                               timeout=timedelta(seconds=120)),
-        max_steps=args.steps, precision="32-true", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        num_nodes=NUM_NODES,
+        devices=DEVICES,
+        accelerator="cpu",
+        strategy=FourDStrategy(
+            tensor_parallel_size=TP, zero_stage=1, process_group_backend="gloo", timeout=timedelta(seconds=120)
+        ),
+        max_steps=args.steps,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
         callbacks=[recorder],
     )
     trainer.fit(module, dm)
@@ -91,8 +104,10 @@ def main() -> None:
         "num_devices": trainer.num_devices,
         "node_rank": trainer.node_rank,
         "local_rank": trainer.local_rank,
-        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE",
-                                               "LOCAL_WORLD_SIZE")},
+        "env": {
+            k: os.environ.get(k)
+            for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        },
         "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
         "mesh_shape": list(mesh.world.mesh.shape),
         "tp_ranks": _ranks(mesh.tp),

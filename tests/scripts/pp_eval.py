@@ -51,18 +51,31 @@ def main() -> None:
     module = CausalLMModule(cfg, init_seed=7)
     if world > 1:
         dp = args.dp if args.dp is not None else world // (args.pp * args.cp * args.tp)
-        strategy = FourDStrategy(pipeline_parallel_size=args.pp, context_parallel_size=args.cp,
-                                 context_parallel_method=args.method, data_parallel_size=dp,
-                                 tensor_parallel_size=args.tp,
-                                 zero_stage=0, pipeline_schedule=args.schedule,
-                                 num_microbatches=m if args.pp > 1 else None, process_group_backend="gloo",
-                                 timeout=timedelta(seconds=120))
+        strategy = FourDStrategy(
+            pipeline_parallel_size=args.pp,
+            context_parallel_size=args.cp,
+            context_parallel_method=args.method,
+            data_parallel_size=dp,
+            tensor_parallel_size=args.tp,
+            zero_stage=0,
+            pipeline_schedule=args.schedule,
+            num_microbatches=m if args.pp > 1 else None,
+            process_group_backend="gloo",
+            timeout=timedelta(seconds=120),
+        )
         micro = 2 if args.pp > 1 else 2 * m
     else:
         strategy, micro = "auto", 2 * m  # the same sequences per batch as the pipeline's m micro-batches
     dm = LMDataModule(seq_length=32, micro_batch_size=micro, val_samples=args.val_samples, seed=1234)
-    trainer = L.Trainer(accelerator="cpu", devices=world if strategy != "auto" else 1, strategy=strategy, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world if strategy != "auto" else 1,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     (result,) = trainer.validate(module, dm)
     rank = trainer.global_rank
     if args.validate_only:

@@ -84,15 +84,23 @@ class Recorder(L.Callback):
         if "train_aux_loss" in trainer.callback_metrics:  # MoE: the load-balancing loss and routing statistics
             self.bytes.setdefault("aux_losses", []).append(float(trainer.callback_metrics["train_aux_loss"]))
             self.bytes.setdefault("tokens_per_expert_max", []).append(
-                float(trainer.callback_metrics["moe_tokens_per_expert_max"]))
+                float(trainer.callback_metrics["moe_tokens_per_expert_max"])
+            )
         if "optimizer_states" not in self.bytes and trainer.optimizers[0].state:  # after the first optimizer step
             sync = getattr(trainer.strategy, "_buckets", None)  # its PowerSGD state counts as optimizer state
             states = model_state_tensors(pl_module, trainer.optimizers, sync)["optimizer_states"]
             self.bytes["optimizer_states"] = local_bytes(states)
 
 
-def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_steps: int | None = None,
-            ckpt_dir: Path | None = None, ckpt_path: str | None = None) -> Recorder:
+def run_one(
+    layout: dict,
+    args: argparse.Namespace,
+    out: Path,
+    index: int,
+    max_steps: int | None = None,
+    ckpt_dir: Path | None = None,
+    ckpt_path: str | None = None,
+) -> Recorder:
     L.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     reference = layout.get("reference", False)
@@ -105,8 +113,12 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
 
     zero._BUCKET_BYTES = layout.get("bucket", 25 * 2**20)  # small buckets: several all-reduces overlap backward
     dm = LMDataModule(
-        seq_length=args.seq_length, micro_batch_size=micro, global_batch_size=args.global_batch,
-        train_samples=args.global_batch * args.steps, val_samples=micro * dp, seed=1234,
+        seq_length=args.seq_length,
+        micro_batch_size=micro,
+        global_batch_size=args.global_batch,
+        train_samples=args.global_batch * args.steps,
+        val_samples=micro * dp,
+        seed=1234,
     )
     from lightning_4d.models import LlamaConfig
 
@@ -118,16 +130,27 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         strategy = "auto"
     else:
         strategy = FourDStrategy(
-            data_parallel_size=dp, tensor_parallel_size=layout.get("tp", 1), zero_stage=layout.get("zero", 0),
-            pipeline_parallel_size=pp, pipeline_schedule=layout.get("schedule", "1f1b"),
-            context_parallel_size=layout.get("cp", 1), context_parallel_method=layout.get("method", "ring"),
-            virtual_pipeline_stages=layout.get("v"), pipeline_layer_split=layout.get("split"),
-            sequence_parallel=layout.get("sp"), activation_checkpointing=layout.get("ac", "none"),
-            compile=layout.get("compile", False), save_distributed_checkpoint=layout.get("sdc", True),
-            gradient_compression=layout.get("compress", "none"), powersgd_rank=layout.get("rank", 4),
-            powersgd_start_step=layout.get("start", 0), powersgd_comm_dtype=layout.get("pcomm"),
-            pipeline_comm_dtype=layout.get("pcd"), expert_parallel_size=layout.get("ep", 1),
-            process_group_backend="gloo", timeout=timedelta(seconds=120),
+            data_parallel_size=dp,
+            tensor_parallel_size=layout.get("tp", 1),
+            zero_stage=layout.get("zero", 0),
+            pipeline_parallel_size=pp,
+            pipeline_schedule=layout.get("schedule", "1f1b"),
+            context_parallel_size=layout.get("cp", 1),
+            context_parallel_method=layout.get("method", "ring"),
+            virtual_pipeline_stages=layout.get("v"),
+            pipeline_layer_split=layout.get("split"),
+            sequence_parallel=layout.get("sp"),
+            activation_checkpointing=layout.get("ac", "none"),
+            compile=layout.get("compile", False),
+            save_distributed_checkpoint=layout.get("sdc", True),
+            gradient_compression=layout.get("compress", "none"),
+            powersgd_rank=layout.get("rank", 4),
+            powersgd_start_step=layout.get("start", 0),
+            powersgd_comm_dtype=layout.get("pcomm"),
+            pipeline_comm_dtype=layout.get("pcd"),
+            expert_parallel_size=layout.get("ep", 1),
+            process_group_backend="gloo",
+            timeout=timedelta(seconds=120),
         )
     recorder = Recorder(record_norm=layout.get("norm", False))
     callbacks: list = [recorder]
@@ -149,10 +172,20 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
 
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=max_steps))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1 if reference else world, strategy=strategy, max_steps=max_steps or args.steps,
-        precision=layout.get("precision", "32-true"), logger=False, enable_checkpointing=ckpt_dir is not None,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=callbacks, gradient_clip_val=layout.get("clip"), accumulate_grad_batches=accum,
+        accelerator="cpu",
+        devices=1 if reference else world,
+        strategy=strategy,
+        max_steps=max_steps or args.steps,
+        precision=layout.get("precision", "32-true"),
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        gradient_clip_val=layout.get("clip"),
+        accumulate_grad_batches=accum,
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     if ckpt_dir is not None or ckpt_path is not None:
@@ -162,9 +195,15 @@ def run_one(layout: dict, args: argparse.Namespace, out: Path, index: int, max_s
         full = p.full_tensor() if isinstance(p, DTensor) else p
         weights[canonical_name(name)] = full.detach().float().cpu().clone()
     rank = trainer.global_rank
-    record = {"layout": layout, "losses": recorder.losses, "bytes": recorder.bytes, "rank": rank,
-              "param_shapes": {canonical_name(n): [list(p.shape), p.element_size()]
-                               for n, p in module.model.named_parameters()}}
+    record = {
+        "layout": layout,
+        "losses": recorder.losses,
+        "bytes": recorder.bytes,
+        "rank": rank,
+        "param_shapes": {
+            canonical_name(n): [list(p.shape), p.element_size()] for n, p in module.model.named_parameters()
+        },
+    }
     (out / f"layout{index}_rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
         torch.save(weights, out / f"layout{index}_weights.pt")
@@ -180,9 +219,15 @@ def resume_check(layout: dict, args: argparse.Namespace, out: Path, index: int) 
     ckpt_dir = out / f"ckpt{index}"
     first = run_one(layout, args, out, index, max_steps=half, ckpt_dir=ckpt_dir)
     second = run_one(layout, args, out, index, ckpt_path=str(ckpt_dir / "last.ckpt"))
-    record = {"layout": layout, "straight": straight.losses, "first": first.losses, "resumed": second.losses,
-              "files": sorted(p.name for p in (ckpt_dir / "last.ckpt").iterdir()) if (ckpt_dir / "last.ckpt").is_dir()
-              else ["<file>"]}
+    record = {
+        "layout": layout,
+        "straight": straight.losses,
+        "first": first.losses,
+        "resumed": second.losses,
+        "files": sorted(p.name for p in (ckpt_dir / "last.ckpt").iterdir())
+        if (ckpt_dir / "last.ckpt").is_dir()
+        else ["<file>"],
+    }
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     (out / f"resume{index}_rank{rank}.json").write_text(json.dumps(record))
 

@@ -70,13 +70,24 @@ def main():
     if world > 1:
         from torch.utils.data import DistributedSampler
 
-        loader = DataLoader(TensorDataset(x, y), batch_size=8 // world,
-                            sampler=DistributedSampler(TensorDataset(x, y), shuffle=False, **sampler_kwargs))
+        loader = DataLoader(
+            TensorDataset(x, y),
+            batch_size=8 // world,
+            sampler=DistributedSampler(TensorDataset(x, y), shuffle=False, **sampler_kwargs),
+        )
     strategy = FourDStrategy(zero_stage=args.zero, process_group_backend="gloo") if world > 1 else "auto"
     losses = Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=5, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[losses])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+    )
     trainer.fit(Regressor(args.zero), loader)
     if trainer.global_rank == 0:
         with open(args.out, "w") as f:

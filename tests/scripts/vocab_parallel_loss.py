@@ -76,24 +76,27 @@ def main() -> None:
         grad = logits.grad
         peer = [torch.zeros(()) for _ in range(2)]
         dist.all_gather(peer, loss.detach())
-        ref_shard = ref_in.grad[..., start:start + columns]
+        ref_shard = ref_in.grad[..., start : start + columns]
         shard_ptr = logits.to_local().untyped_storage().data_ptr()
         record = {
-            "case": [b, s, vocab, str(dtype), every, chunk], "rank": rank,
+            "case": [b, s, vocab, str(dtype), every, chunk],
+            "rank": rank,
             "loss": _rel(loss.detach(), ref.detach()),
             "grad": _rel(grad.to_local().float(), ref_shard),
             # bfloat16: the float32 reference gradient cast once, as the function casts its own
             "grad_cast": _rel(grad.to_local().float(), ref_shard.to(dtype).float()),
             "plain_loss": type(loss) is torch.Tensor and loss.dtype == torch.float32,
             "same_on_ranks": bool(torch.equal(peer[0], peer[1])),
-            "grad_is_shard": isinstance(grad, DTensor) and grad.placements[0].is_shard()
+            "grad_is_shard": isinstance(grad, DTensor)
+            and grad.placements[0].is_shard()
             and grad.placements[0].dim % 3 == 2,
             "grad_dtype": str(grad.dtype),
-            "saved_logits_no_copy": any(t.untyped_storage().data_ptr() == shard_ptr and t.dtype == dtype
-                                        for t in saved),
+            "saved_logits_no_copy": any(
+                t.untyped_storage().data_ptr() == shard_ptr and t.dtype == dtype for t in saved
+            ),
         }
         # the function itself on the local shard, other chunkings
-        local = full[..., start:start + columns].clone().requires_grad_()
+        local = full[..., start : start + columns].clone().requires_grad_()
         direct = vocab_parallel_cross_entropy(local, labels, mesh.get_group(), start, chunk_tokens=chunk)
         direct.backward()
         record["direct_loss"] = _rel(direct.detach(), ref.detach())
