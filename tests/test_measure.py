@@ -8,7 +8,12 @@ Measured (CPU, tiny-test, s=64, b=1, two steps; ``tests/scripts/measure_peak.py`
 - the peak equal, except on a pipeline rank that sends: gloo holds a sent tensor until the peer has received it,
   the fake group's send completes at once. Measured on the last stage of pp2 x dp2 ZeRO 1 (32-true): the real run's
   peak is 16,384 B (= one hidden state [1, 64, 64] float32, the output of an ``aten.add``) above measure's, and no
-  other op's bytes differ. The test allows exactly one stage-to-stage tensor on pipeline ranks.
+  other op's bytes differ. The test allows exactly one stage-to-stage tensor on pipeline ranks;
+- under ZeRO 3 the real run's peak depends on when gloo completes FSDP2's asynchronous all-gathers and
+  reduce-scatters (their buffers live until waited; the fake group's complete at once): dp2 x tp2 ZeRO 3 rank 3 was
+  equal in one run and 16,148 B above measure's in another (a fresh-clone CI run on 2 loaded cores). The test
+  allows one FSDP2 layer unit in flight: its tp-local unsharded parameters in the compute dtype and gradients in
+  float32 (18,560 elements of tiny-test at tp2: 111,360 B).
 """
 
 from __future__ import annotations
@@ -88,10 +93,14 @@ def test_measure_equals_the_real_multi_process_run(tmp_path, args, layout, preci
         rows = {r["component"]: r for r in out["rows"]}
         for key in ("parameters", "gradients", "optimizer_states"):
             assert rows[key]["estimated"] == rows[key]["measured"], (rank, key)
-        send = 0
+        allowance = 0
         if pc.pp > 1 and rank_coordinates(pc, rank)["pp"] > 0:  # a stage that sends gradients back (docstring)
-            send = 1 * 64 * TINY.hidden_size * (4 if precision == "32-true" else 2)
-        assert fake["peak_allocated"] <= real["peak_allocated"] <= fake["peak_allocated"] + send, rank
+            allowance = 1 * 64 * TINY.hidden_size * (4 if precision == "32-true" else 2)
+        if pc.zero_stage >= 2:  # one FSDP2 unit in flight (docstring)
+            h, d, f, t = TINY.hidden_size, TINY.head_dim, TINY.intermediate_size, pc.tp
+            unit = (2 * TINY.num_heads * d * h + 2 * TINY.num_kv_heads * d * h + 3 * f * h) // t + 2 * h
+            allowance += unit * (2 + 4)
+        assert fake["peak_allocated"] <= real["peak_allocated"] <= fake["peak_allocated"] + allowance, rank
 
 
 def test_rank_coordinates_follow_the_mesh_order():

@@ -298,8 +298,11 @@ def _weighted_params(
 ) -> list[tuple[_Param, int]]:
     """:func:`_stage_params` of ``layers`` with the identical layers folded into one representative layer and a
     count: one dense layer and, in an MoE config, one MoE layer."""
-    moe = [i for i in layers if _is_moe_layer(cfg, i)]
-    dense = [i for i in layers if not _is_moe_layer(cfg, i)]
+    if getattr(cfg, "num_experts", 0):
+        moe = [i for i in layers if _is_moe_layer(cfg, i)]
+        dense = [i for i in layers if not _is_moe_layer(cfg, i)]
+    else:  # a dense model (the planner asks this thousands of times: no per-layer test)
+        moe, dense = [], list(layers)
     reps = {group[0]: len(group) for group in (dense, moe) if group}
     return [
         (p, reps[int(p.unit.split(".")[1])] if p.unit != "root" else 1)
@@ -331,7 +334,7 @@ class _Sizes:
 
     @staticmethod
     def of(cfg: Any, num_layers: int) -> "_Sizes":
-        moe = tuple(i for i in range(num_layers) if _is_moe_layer(cfg, i))
+        moe = tuple(i for i in range(num_layers) if _is_moe_layer(cfg, i)) if getattr(cfg, "num_experts", 0) else ()
         return _Sizes(
             cfg.hidden_size,
             cfg.head_dim,
