@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 import torch.nn as nn
 
 from lightning_4d.adapters.hf_llama import HF_LLAMA
+from lightning_4d.adapters.hf_mixtral import HF_MIXTRAL
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import is_hf_model_dir
 from lightning_4d.families.llama import LLAMA
@@ -24,6 +25,7 @@ __all__ = ["FAMILIES", "ModelFamily", "PipelineLayout", "find_models", "estimate
 FAMILIES: tuple[ModelFamily, ...] = (
     LLAMA,  # lightning_4d.models.LlamaModel
     HF_LLAMA,  # transformers' LlamaForCausalLM
+    HF_MIXTRAL,  # transformers' MixtralForCausalLM
 )
 
 

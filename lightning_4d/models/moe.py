@@ -102,14 +102,17 @@ class GroupedExperts(nn.Module):
         them, or under expert parallelism this rank's) on ``x`` sorted by expert (``counts[e]`` rows each)."""
         if self.grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 and w1.dtype == torch.bfloat16:
             return self._grouped(x, counts, w1, w3, w2)
+        # every expert, those without rows too (zero-row matmuls): the output then always depends on ``x`` and on
+        # the weights, so that under expert parallelism a rank whose experts received no row still runs the
+        # backward of the all-to-all that brought them (the other ranks of the ep group wait in it) and still
+        # produces the weights' (zero) gradients its buckets wait for
         out = []
         start = 0
         for e, n in enumerate(counts.tolist()):
-            if n:
-                xe = x[start : start + n]
-                out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+            xe = x[start : start + n]
+            out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
             start += n
-        return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+        return torch.cat(out)
 
     def _grouped(self, x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
         """The three matmuls as grouped GEMMs over the experts' row groups (``offs``: cumulative row counts)."""

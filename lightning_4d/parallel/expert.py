@@ -39,7 +39,7 @@ dense parameters (:class:`lightning_4d.parallel.zero.GradientBuckets`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -95,6 +95,15 @@ class ExpertDispatch:
         self.size = ep_mesh.size()
 
     def __call__(self, experts: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
+        weights = [_to_local(w) for w in (experts.w1, experts.w3, experts.w2)]
+        return self.exchange(x, counts, lambda rows, local_counts: experts.run(rows, local_counts, *weights))
+
+    def exchange(self, x: Tensor, counts: Tensor, compute: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """Send ``x`` ``[N, h]`` (this rank's assignments sorted by global expert, ``counts`` ``[E]`` rows each) to
+        the ranks holding their experts, run ``compute(rows, local_counts)`` there on the received rows grouped by
+        local expert (``local_counts`` ``[E/ep]``; returns ``[rows, h_out]``) and bring the outputs back in ``x``'s
+        order (module docstring, steps 1-3). Any expert implementation plugs in through ``compute``: ours
+        (``GroupedExperts.run``) or a foreign model's (:mod:`lightning_4d.adapters.hf_mixtral`)."""
         ep = self.size
         local = counts.numel() // ep
         received_counts = torch.empty_like(counts)
@@ -104,8 +113,7 @@ class ExpertDispatch:
         output_splits = received_counts.sum(1).tolist()
         received = all_to_all(x, output_splits, input_splits, self.group)
         perm = _expert_major(received_counts)
-        weights = [_to_local(w) for w in (experts.w1, experts.w3, experts.w2)]
-        y = experts.run(received[perm], received_counts.sum(0), *weights)
+        y = compute(received[perm], received_counts.sum(0))
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
         return all_to_all(y[back], input_splits, output_splits, self.group)

@@ -205,7 +205,8 @@ def parallelize_model(
     chunks = split_model(family, model, config, mesh.pp.get_local_rank(), cp) if config.pp > 1 else None
     if max(config.tp, config.cp, config.pp) > 1:
         family.prepare(model, config, mesh)
-    apply_tensor_parallel(model, family.tensor_parallel_plan(model), mesh.tp, sequence_parallel=config.sp)
+    if config.tp > 1:
+        apply_tensor_parallel(model, family.tensor_parallel_plan(model), mesh.tp, sequence_parallel=config.sp)
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
     if config.dp_cp > 1:

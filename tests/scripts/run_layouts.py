@@ -92,6 +92,17 @@ class Recorder(L.Callback):
             self.bytes["optimizer_states"] = local_bytes(states)
 
 
+class _StarveUpperExperts(L.Callback):
+    """Adds -1e4 to the router logits of experts ``E/2 .. E-1`` of every MoE layer: no token picks them, so under
+    ep2 the experts of ep rank 1 receive no row at all (tests/test_expert_parallel.py)."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for layer in pl_module.model.moe_layers():
+            mask = torch.zeros(layer.config.num_experts)
+            mask[layer.config.num_experts // 2 :] = -1e4
+            layer.router.register_forward_hook(lambda m, i, o, mask=mask: o + mask.to(o.dtype))
+
+
 def run_one(
     layout: dict,
     args: argparse.Namespace,
@@ -167,6 +178,8 @@ def run_one(
                     recorder.bytes["bucket_bytes"] = [b.numel() * b.element_size() for b in sync.buffers()]
 
         callbacks.append(_Meter(per_kind=True))
+    if layout.get("starve"):  # no token routed to the upper half of the experts (ep rank 1's at ep2)
+        callbacks.append(_StarveUpperExperts())
     if ckpt_dir is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
