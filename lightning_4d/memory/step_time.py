@@ -189,7 +189,8 @@ class StepTime:
     ``total = compute + recompute + bubble + tp + cp + pp + dp + ep + optimizer``; ``compute`` is the forward +
     backward of the step's micro-batches (matmuls, attention, pointwise), ``recompute`` what activation checkpointing
     adds, ``bubble`` the pipeline's idle time, ``tp``/``cp``/``pp``/``dp``/``ep`` the exposed communication of each
-    dimension (``ep``: the experts' all-to-alls, 0 without expert parallelism).
+    dimension (``ep``: the MoE layers' collectives, the token all-to-alls over ep and the latency of the routing
+    counts' exchanges; 0 for a dense model).
     """
 
     compute: float
