@@ -194,3 +194,17 @@ def test_dense_step_time_unchanged_by_moe_terms():
     cfg = LlamaConfig.from_preset("llama3-8b")
     got = st.predict_step_time(cfg, ParallelConfig(data_parallel_size=8, zero_stage=1), 1, 4, 4096, H100, 8)
     assert got.ep == 0.0 and got.total > 0
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--model", "mixtral-8x7b", "--num-gpus", "8", "--ep", "3"], ["expert_parallel_size=3", "[1, 2, 4, 8]"]),
+        (["--model", "llama3-8b", "--num-gpus", "8", "--ep", "2"], ["expert_parallel_size=2", "dense"]),
+        (["--model", "tiny-moe", "--num-gpus", "4", "--ep", "8"], ["expert_parallel_size=8", "[1, 2, 4]"]),
+        (["--model", "tiny-moe", "--num-gpus", "4", "--ep", "0"], ["--ep", "'0'", ">= 1"]),
+    ],
+)
+def test_plan_bad_ep_is_one_line_exit_2(capsys, argv, expected):
+    err = _one_line_error(capsys, ["plan", *argv, "--seq-length", "256", "--global-batch-size", "16"], *expected)
+    assert err.startswith("lightning-4d plan: error:")
