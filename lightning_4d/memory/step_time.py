@@ -65,7 +65,8 @@ experts; under tp each tp rank routes its own ``T/tp`` tokens through whole expe
 of their ``ep·T·k/(E·tp)`` rows per local expert, f_e and h. The pointwise bytes take ``(k + n_s)·f_e`` for f (the
 routing's sort, gather and scatter are not counted: not measured). Layers alternate dense and MoE with
 ``moe_layer_interval``; one layer's time is the average of the two kinds, weighted by their counts (exact without
-pp; a pipeline rank's own mix is not followed).
+pp; a pipeline rank's own mix is not followed). Under tp an MoE layer is charged the dense layer's tp collectives
+(an upper bound: MoE under tp is not implemented yet).
 
 **Expert parallel** (ep > 1): per MoE layer and micro-batch 4 all-to-alls (dispatch and combine forward, both again
 backward; 2 more in full activation checkpointing's recomputation), not overlapped (``parallel/expert.py`` issues them
