@@ -151,3 +151,26 @@ def test_context_parallel_ring_passes_kv_around(measured):
     sends = {key: c for key, c in events.items() if key[1] == "send"}
     assert set(sends) == {("cp", "send", kv, 2)}
     assert sends[("cp", "send", kv, 2)] == 3 * (2 - 1) * cfg.num_layers
+
+
+def test_expert_all_to_all_bytes_exact_from_the_routed_counts(tmp_path):
+    """One MoE layer (``tiny-moe``, 8 experts, top-2) forward + backward on 4 gloo ranks at ep2 (dp4: two ep groups)
+    and ep4 (the ep group is ``dp_cp``): the meter counts under ``ep``, every rank, exactly the bytes the routing
+    implies. Rank j of an ep group, with ``C[s, e]`` the rows source s routes to expert e and ``own`` j's experts:
+    ``out = Σ_{e∉own} C[j, e]`` rows leave it in the dispatch, ``in = Σ_{s≠j} Σ_{e∈own} C[s, e]`` in the combine,
+    and backward sends the same again in reverse: ``2·(out + in)·h·4`` bytes (float32 rows), plus the counts' equal
+    all-to-all of E int64, ``(ep−1)/ep·E·8``."""
+    torchrun(4, SCRIPTS / "comm_ep.py", "--out", str(tmp_path))
+    for ep in (2, 4):
+        for rank in range(4):
+            r = json.loads((tmp_path / f"ep{ep}_rank{rank}.json").read_text())
+            counts, j, n_experts = r["counts"], r["ep_rank"], r["num_experts"]
+            local = n_experts // ep
+            own = range(j * local, (j + 1) * local)
+            rows_out = sum(c for e, c in enumerate(counts[j]) if e not in own)
+            rows_in = sum(counts[s][e] for s in range(ep) if s != j for e in own)
+            assert rows_out > 0 and rows_in > 0  # the routing crosses ranks
+            expected = 2 * (rows_out + rows_in) * r["row_bytes"] + (ep - 1) * n_experts * 8 // ep
+            assert r["sent"]["ep"] == {"all_to_all": expected}, (ep, rank, r["sent"])
+            assert r["calls"]["ep"] == {"all_to_all": 5}  # counts, dispatch, combine; both again backward
+            assert set(r["sent"]) == {"ep"}  # nothing else communicates (no stats group, no gradient sync here)

@@ -181,6 +181,20 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--pp", type=positive_int, default=1)
         p.add_argument("--cp", type=positive_int, default=1)
         p.add_argument(
+            "--expert-parallel-size",
+            "--ep",
+            dest="ep",
+            type=positive_int,
+            default=1,
+            help="expert parallel size of a Mixture-of-Experts model: ranks of dp*cp that split the experts "
+            "(divides dp*cp and num_experts; default 1)"
+            + (
+                "; measure refuses ep > 1 (the fake process group's all-to-all carries no counts)"
+                if command == "measure"
+                else ""
+            ),
+        )
+        p.add_argument(
             "--cp-method",
             default="ring",
             choices=list(CONTEXT_PARALLEL_METHODS),
@@ -223,6 +237,14 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--peak-tflops", type=positive_float, help="custom GPU: dense bf16 peak (TFLOP/s)")
         for dim in ("tp", "pp", "cp", "dp"):
             p.add_argument(f"--{dim}", type=positive_int, help=f"only layouts with this {dim} size")
+        p.add_argument(
+            "--expert-parallel-size",
+            "--ep",
+            dest="ep",
+            type=positive_int,
+            help="only layouts with this expert parallel size (Mixture-of-Experts models; without it the plan "
+            "tries every ep that divides dp*cp and num_experts)",
+        )
         p.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), help="only layouts with this ZeRO stage")
         p.add_argument(
             "--checkpoint-write-gbps",
@@ -288,11 +310,14 @@ def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optio
         num_microbatches=args.num_microbatches,
         pipeline_layer_split=args.pipeline_layer_split,
         context_parallel_method=args.cp_method,
+        expert_parallel_size=args.ep,
     )
     if args.dp is None:
         if args.num_gpus is None:
             raise ValueError("give --dp or --num-gpus.")
         pc = pc.resolve(args.num_gpus)
+    else:
+        pc = pc.resolve(pc.world_size)  # checks that ep divides dp*cp
     proposed = _propose_split(pc, cfg.num_layers)
     if proposed is not None:
         pc = replace(pc, pipeline_layer_split=proposed)
@@ -348,6 +373,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
             pp=pc.pp,
             cp=pc.cp,
             dp=pc.dp,
+            expert_parallel_size=pc.ep,
             zero_stage=pc.zero_stage,
             sequence_parallel=pc.sp,
             activation_checkpointing=pc.activation_checkpointing,
@@ -395,6 +421,7 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
                 pp=s.pp,
                 cp=s.cp,
                 dp=s.dp,
+                expert_parallel_size=s.ep,
                 zero_stage=s.zero_stage,
                 sequence_parallel=s.sp,
                 activation_checkpointing=s.activation_checkpointing,
@@ -416,7 +443,8 @@ def _print_estimate(out: dict[str, Any]) -> None:
     lay = out["layout"]
     title = (
         f"{out['formula']} estimate per GPU: tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} "
-        f"ZeRO {lay['zero_stage']} b={lay['micro_batch_size']} s={lay['seq_length']} {lay['precision']} "
+        + (f"ep={lay['expert_parallel_size']} " if lay["expert_parallel_size"] > 1 else "")
+        + f"ZeRO {lay['zero_stage']} b={lay['micro_batch_size']} s={lay['seq_length']} {lay['precision']} "
         f"checkpointing={lay['activation_checkpointing']}"
     )
     table = Table(title=title)
@@ -467,7 +495,9 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
     fixed = {
-        key: getattr(args, key) for key in ("tp", "pp", "cp", "dp", "zero_stage") if getattr(args, key) is not None
+        key: getattr(args, key)
+        for key in ("tp", "pp", "cp", "dp", "ep", "zero_stage")
+        if getattr(args, key) is not None
     }
     if args.plot:
         import importlib.util
@@ -571,6 +601,7 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
         "context_parallel_size": c["cp"],
         "zero_stage": c["zero_stage"],
         "sequence_parallel": bool(c["sequence_parallel"]) if c["tp"] > 1 else False,
+        "expert_parallel_size": c["expert_parallel_size"],
         "activation_checkpointing": c["activation_checkpointing"],
         "pipeline_schedule": c["pipeline_schedule"] if pipe else "1f1b",
         "virtual_pipeline_stages": c["virtual_pipeline_stages"] if pipe else 1,
@@ -618,7 +649,8 @@ def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
     run = fit_command(out, path)
     header = [
         f"# The first pick of: {command}",
-        f"# tp={c['tp']} pp={c['pp']} cp={c['cp']} dp={c['dp']} b={c['micro_batch_size']} m={c['num_microbatches']} "
+        f"# tp={c['tp']} pp={c['pp']} cp={c['cp']} dp={c['dp']} ep={c['expert_parallel_size']} "
+        f"b={c['micro_batch_size']} m={c['num_microbatches']} "
         f"ZeRO {c['zero_stage']} checkpointing={c['activation_checkpointing']}: {c['memory_gib']:.1f} GiB per GPU "
         f"({100 * c['fraction']:.0f}% of {out['gpu']}), predicted step {c['step_time']:.4g} s (not measured).",
         f"#   {run} --data.data_path /data/corpus.bin --data.tokenizer path/to/tokenizer.json",
@@ -653,6 +685,7 @@ def _print_plan(out: dict[str, Any]) -> None:
         "pp",
         "cp",
         "dp",
+        "ep",
         "b",
         "m",
         "ZeRO",
@@ -685,6 +718,7 @@ def _print_plan(out: dict[str, Any]) -> None:
             str(c["pp"]),
             cp,
             str(c["dp"]),
+            str(c["expert_parallel_size"]),
             str(c["micro_batch_size"]),
             str(c["num_microbatches"]),
             str(c["zero_stage"]),

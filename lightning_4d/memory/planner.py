@@ -14,7 +14,11 @@ pp > 1, the pipeline schedule with its stages per rank v and its layer split:
   and DualPipeV (ZBV's bubble for a dense model, m >= 2p) are never better and are not listed;
 - when ``pp·v`` does not divide the layers, the split of :func:`propose_layer_split`: the first and the last
   stages, which also hold the embedding and the LM head, get the fewer layers (Meta's 126 layers on 16 stages:
-  7, 8, ..., 8, 7; Llama 3 paper, arXiv 2407.21783, §3.3.2).
+  7, 8, ..., 8, 7; Llama 3 paper, arXiv 2407.21783, §3.3.2);
+- for a Mixture-of-Experts model, the expert parallel size ep: every divisor of dp·cp that divides ``num_experts``
+  (1 for a dense model). Every layout passes through :meth:`ParallelConfig.validate_model
+  <lightning_4d.config.ParallelConfig.validate_model>` (and the ZeRO stages through ``ParallelConfig`` itself), so
+  the planner proposes for an MoE model exactly the layouts FourDStrategy accepts for it.
 
 Each layout's step time is predicted by :mod:`lightning_4d.memory.step_time` (term by term, calibrated on
 published runs) and its memory by :func:`~lightning_4d.memory.model.estimate_memory`. Layouts are ranked by
@@ -51,7 +55,7 @@ from lightning_4d.config import (
     _check_positive_int,
     _divisors,
 )
-from lightning_4d.memory.fujii2024 import fujii2024_from_config
+from lightning_4d.memory.fujii2024 import check_dense, fujii2024_from_config
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_of
@@ -80,7 +84,8 @@ PLANNED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 
 @dataclass(frozen=True)
 class Candidate:
     """One layout of a job with its memory estimate (bytes), predicted step time (seconds) and where that time goes
-    (``bubble_fraction``, ``communication_fraction`` (exposed), ``recompute_fraction``: fractions of the step)."""
+    (``bubble_fraction``, ``communication_fraction`` (exposed, the experts' all-to-alls included),
+    ``recompute_fraction``: fractions of the step); ``expert_parallel_size`` is ep (1 for a dense model)."""
 
     tp: int
     pp: int
@@ -104,6 +109,7 @@ class Candidate:
     bubble_fraction: float = 0.0
     communication_fraction: float = 0.0
     recompute_fraction: float = 0.0
+    expert_parallel_size: int = 1
 
     def parallel_config(self) -> ParallelConfig:
         """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
@@ -122,6 +128,7 @@ class Candidate:
             self.pipeline_layer_split,
             self.zero_stage,
             self.activation_checkpointing,
+            self.expert_parallel_size,
         ).parallel_config()
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,26 +188,31 @@ def _layouts(
 ) -> Iterator[Layout]:
     """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`)."""
     fixed = fixed or {}
+    moe = getattr(model_config, "is_moe", False)
     for tp in _divisors(min(num_gpus, gpus_per_node)):
         if num_gpus % tp or fixed.get("tp", tp) != tp:
             continue
         for pp in _divisors(num_gpus // tp):
             if pp > model_config.num_layers:
                 break
-            if fixed.get("pp", pp) != pp or (pp > 1 and getattr(model_config, "is_moe", False)):
-                continue  # not the size asked for; MoE models take no pp yet (ParallelConfig.validate_model)
+            if fixed.get("pp", pp) != pp or (moe and not _pipeline_accepted(model_config, pp)):
+                continue  # not the size asked for, or one validate_model refuses for this MoE model
             for cp in _divisors(num_gpus // (tp * pp)):
                 if cp > MAX_CONTEXT_PARALLEL or (cp > 1 and seq_length < 2 * cp * MIN_CONTEXT_CHUNK):
                     break
                 dp = num_gpus // (tp * pp * cp)
                 if global_batch_size % dp or fixed.get("cp", cp) != cp or fixed.get("dp", dp) != dp:
                     continue
-                for sp in (True, False) if tp > 1 else (False,):
+                eps = [e for e in _divisors(dp * cp) if model_config.num_experts % e == 0] if moe else [1]
+                for sp, ep in ((sp, ep) for sp in ((True, False) if tp > 1 else (False,)) for ep in eps):
+                    if fixed.get("ep", ep) != ep:
+                        continue
                     base = ParallelConfig(
                         data_parallel_size=dp,
                         tensor_parallel_size=tp,
                         context_parallel_size=cp,
                         sequence_parallel=sp if tp > 1 else None,
+                        expert_parallel_size=ep,
                     )
                     try:
                         base.validate_model(model_config)
@@ -218,10 +230,36 @@ def _layouts(
                                 for zero in ZERO_STAGES:
                                     if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
                                         continue  # nothing to shard over, or not the stage asked for
+                                    if ep > 1 and not _zero_accepted(ep, zero):
+                                        continue  # a ZeRO stage ParallelConfig refuses with expert parallelism
                                     for ac in ACTIVATION_CHECKPOINTING:
                                         if ac == "selective" and name in ("zbv", "dualpipev"):
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
-                                        yield Layout(tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac)
+                                        yield Layout(tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_accepted(ep: int, zero_stage: int) -> bool:
+    """Whether ``ParallelConfig`` takes ``expert_parallel_size=ep`` with ``zero_stage`` (its own rule, asked once)."""
+    try:
+        ParallelConfig(expert_parallel_size=ep, zero_stage=zero_stage)
+    except ValueError:
+        return False
+    return True
+
+
+def _pipeline_accepted(model_config: Any, pp: int) -> bool:
+    """Whether ``validate_model`` takes ``pp`` for ``model_config`` (an MoE model: pp may be refused for it) with the
+    planner's layer split."""
+    if pp == 1:
+        return True
+    try:
+        ParallelConfig(
+            pipeline_parallel_size=pp, pipeline_layer_split=propose_layer_split(model_config.num_layers, pp)
+        ).validate_model(model_config)
+    except ValueError:
+        return False
+    return True
 
 
 def enumerate_layouts(
@@ -238,7 +276,7 @@ def enumerate_layouts(
 
     Args:
         micro_batch_size: keep b fixed (the memory check's suggestions keep the user's batch shape).
-        fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``zero_stage``.
+        fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``.
     """
     for layout in _layouts(
         model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed
@@ -285,8 +323,9 @@ def plan(
 
     Raises:
         ValueError: non-positive sizes, ``num_gpus`` not a multiple of ``gpus_per_node`` (when above it), an unknown
-            formula, a budget outside (0, 1], a ``top`` below 1, an unknown key in ``fixed``, fixed sizes the model
-            or the job cannot take, no valid layout at all (the message says why).
+            formula (or ``"fujii2024"`` for a Mixture-of-Experts model), a budget outside (0, 1], a ``top`` below 1,
+            an unknown key in ``fixed``, fixed sizes the model or the job cannot take, no valid layout at all (the
+            message says why).
     """
     _check_job(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, budget, formula, top, fixed)
     limit = budget * gpu.memory
@@ -330,9 +369,9 @@ def _check_job(
     Raises:
         ValueError: see :func:`plan` (all but "no valid layout").
     """
-    unknown = set(fixed or {}) - {"tp", "pp", "cp", "dp", "zero_stage"}
+    unknown = set(fixed or {}) - {"tp", "pp", "cp", "dp", "ep", "zero_stage"}
     if unknown:
-        raise ValueError(f"fixed={fixed!r}: unknown keys {sorted(unknown)}; valid: tp, pp, cp, dp, zero_stage.")
+        raise ValueError(f"fixed={fixed!r}: unknown keys {sorted(unknown)}; valid: tp, pp, cp, dp, ep, zero_stage.")
     _check_positive_int("num_gpus", num_gpus)
     _check_positive_int("gpus_per_node", gpus_per_node)
     _check_positive_int("seq_length", seq_length)
@@ -345,12 +384,15 @@ def _check_job(
         raise ValueError(f"num_gpus={num_gpus} is not a multiple of gpus_per_node={gpus_per_node}.")
     if formula not in ("lightning_4d", "fujii2024"):
         raise ValueError(f"formula={formula!r} is not valid: expected 'lightning_4d' or 'fujii2024'.")
+    if formula == "fujii2024":
+        check_dense(model_config)
     if fixed:  # the sizes asked for must suit the model and the job on their own (the message says why not)
         pinned = ParallelConfig(
             tensor_parallel_size=fixed.get("tp", 1),
             pipeline_parallel_size=fixed.get("pp", 1),
             context_parallel_size=fixed.get("cp", 1),
             data_parallel_size=fixed.get("dp", 1),
+            expert_parallel_size=fixed.get("ep", 1),
             pipeline_layer_split=propose_layer_split(model_config.num_layers, fixed["pp"])
             if fixed.get("pp", 1) > 1 and fixed["pp"] <= model_config.num_layers
             else None,
@@ -360,6 +402,12 @@ def _check_job(
         product = pinned.tp * pinned.pp * pinned.cp * (pinned.dp if "dp" in fixed else 1)
         if num_gpus % product:
             raise ValueError(f"fixed sizes {fixed} do not divide num_gpus={num_gpus}.")
+        if "ep" in fixed and (num_gpus // (pinned.tp * pinned.pp)) % pinned.ep:
+            valid = [e for e in _divisors(num_gpus // (pinned.tp * pinned.pp)) if model_config.num_experts % e == 0]
+            raise ValueError(
+                f"expert_parallel_size={pinned.ep} divides no dp*cp of {num_gpus} GPUs with tp={pinned.tp} and "
+                f"pp={pinned.pp}: valid expert_parallel_size values here: {valid}."
+            )
 
 
 def _timed_layouts(
@@ -398,7 +446,8 @@ def _timed_layouts(
             f"seq_length={seq_length} and global_batch_size={global_batch_size}"
             + (f" and {fixed}" if fixed else "")
             + ": the global batch must be a multiple of dp, tp must "
-            "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp)."
+            "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp), ep dp·cp and "
+            "the experts."
         )
     timed.sort(key=lambda t: (t[0], t[1]))
     return timed
@@ -525,18 +574,19 @@ def _candidate(
         bubble_fraction=st.bubble / total,
         communication_fraction=st.exposed_communication / total,
         recompute_fraction=st.recompute / total,
+        expert_parallel_size=pc.ep,
     )
 
 
 def _dominated(c: Candidate, others: list[Candidate]) -> bool:
-    """``c`` is dominated when another candidate of the same parallel sizes and micro-batch size (any ZeRO stage,
-    checkpointing, schedule, sp, cp method) is predicted no slower, needs no more memory, fits if ``c`` does, and is
-    strictly better in one of time, memory or recomputation, or equal in all three with a lower ZeRO stage (it
-    communicates less than the model's overlap assumptions show)."""
-    key = (c.tp, c.pp, c.cp, c.dp, c.micro_batch_size)
+    """``c`` is dominated when another candidate of the same parallel sizes (ep included) and micro-batch size (any
+    ZeRO stage, checkpointing, schedule, sp, cp method) is predicted no slower, needs no more memory, fits if ``c``
+    does, and is strictly better in one of time, memory or recomputation, or equal in all three with a lower ZeRO
+    stage (it communicates less than the model's overlap assumptions show)."""
+    key = (c.tp, c.pp, c.cp, c.dp, c.expert_parallel_size, c.micro_batch_size)
     rank = _RECOMPUTATION[c.activation_checkpointing]
     for o in others:
-        if o is c or (o.tp, o.pp, o.cp, o.dp, o.micro_batch_size) != key:
+        if o is c or (o.tp, o.pp, o.cp, o.dp, o.expert_parallel_size, o.micro_batch_size) != key:
             continue
         if (
             o.step_time <= c.step_time
@@ -560,10 +610,10 @@ def format_size(n: float) -> str:
 
 def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
     """A ``FourDStrategy(...)`` call with every dimension of ``parallel_config`` (data, tensor, pipeline and context
-    parallel sizes, ZeRO stage, activation checkpointing; sequence parallelism when off under tp; the context-parallel
-    method under cp; with pp > 1 the pipeline schedule, its stages per rank, the layer split when uneven and the
-    micro-batch count), followed by a comment naming the micro-batch size it assumes: a line that can be pasted as
-    it is."""
+    parallel sizes, ZeRO stage, activation checkpointing; sequence parallelism when off under tp; ep when > 1; the
+    context-parallel method under cp; with pp > 1 the pipeline schedule, its stages per rank, the layer split when
+    uneven and the micro-batch count), followed by a comment naming the micro-batch size it assumes: a line that can
+    be pasted as it is."""
     pc = parallel_config
     args = [
         f"data_parallel_size={pc.dp}",
@@ -575,6 +625,8 @@ def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
     ]
     if pc.tp > 1 and not pc.sp:
         args.append("sequence_parallel=False")
+    if pc.ep > 1:
+        args.append(f"expert_parallel_size={pc.ep}")
     if pc.cp > 1:
         args.append(f"context_parallel_method={pc.context_parallel_method!r}")
     if pc.pp > 1:

@@ -56,12 +56,40 @@ reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy ove
 Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
 step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
 
+**Mixture of Experts** (``num_experts`` E > 0, top-k routed experts of width f_e, n_s shared experts; ``docs/moe.md``).
+An MoE layer's matmuls count the parameters a token goes through (its *active* parameters, as
+:meth:`~lightning_4d.models.LlamaConfig.num_active_parameters` and the MFU convention do: DeepSpeed-MoE, Rajbhandari
+et al. 2022, arXiv 2201.05596, §2; Mixtral, Jiang et al. 2024, arXiv 2401.04088, §2.1: 12.9B of 46.7B per token),
+not all experts: ``6·(P_attn/tp + E·h + 3·k·h·f_e + 3·n_s·h·f_e)·T/tp`` FLOPs (attention, router, routed and shared
+experts; under tp each tp rank routes its own ``T/tp`` tokens through whole experts), the routed GEMMs in the class
+of their ``ep·T·k/(E·tp)`` rows per local expert, f_e and h. The pointwise bytes take ``(k + n_s)·f_e`` for f (the
+routing's sort, gather and scatter are not counted: not measured). Layers alternate dense and MoE with
+``moe_layer_interval``; one layer's time is the average of the two kinds, weighted by their counts (exact without
+pp; a pipeline rank's own mix is not followed). Under tp an MoE layer is charged the dense layer's tp collectives
+(an upper bound: MoE under tp is not implemented yet).
+
+**Expert parallel** (ep > 1): per MoE layer and micro-batch 4 all-to-alls (dispatch and combine forward, both again
+backward; 2 more in full activation checkpointing's recomputation), not overlapped (``parallel/expert.py`` issues them
+synchronously between the router and the experts), each sending ``n = (T/tp)·k·h·c`` bytes per GPU of which
+``(ep−1)/ep`` leave the GPU (dropless routing at balanced load). Pairwise-exchange all-to-all cost ``(p−1)·α +
+(p−1)/p·n·β`` (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
+IJHPCA 19(1), §4.5), with the node split of the ep group: an ep group is ``ep`` consecutive ranks of ``dp_cp``, i.e.
+``tp·ep`` consecutive global ranks (``mesh.py``: dims ``("pp", "dp", "cp", "tp")``, tp innermost); when ``tp·ep``
+divides the GPUs per node the exchange stays on NVLink, else each GPU sends ``(g−1)/ep·n`` bytes over NVLink to the
+``g = gpus_per_node/tp`` group members of its node and ``(ep−g)/ep·n`` over its NIC, the two at once (the slower
+sets the time) with the inter-node α. Plus, per MoE layer forward, the counts' all-to-all (``E`` integers: latency
+only) and the load-balancing counts' all-reduce over ``dp_cp`` (``E + 2`` integers: ``2·⌈log₂ D⌉·α``, recursive
+doubling, Thakur et al. 2005 §4.4). Data parallel with ep: the dense parameters' gradients go over D ranks, the expert
+parameters' (``E/ep`` experts per GPU) over the expert data-parallel group of ``D/ep`` ranks; ZeRO shards each over
+its own group.
+
 Pure Python: no torch import.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -75,6 +103,7 @@ __all__ = [
     "POINTWISE_BYTES",
     "Layout",
     "StepTime",
+    "all_to_all_time",
     "attention_efficiency",
     "gemm_efficiency",
     "predict_step_time",
@@ -158,9 +187,11 @@ CALIBRATION_RUNS: tuple[dict[str, Any], ...] = (
 class StepTime:
     """Predicted seconds of one optimizer step and its parts (all seconds, on the slowest pp rank).
 
-    ``total = compute + recompute + bubble + tp + cp + pp + dp + optimizer``; ``compute`` is the forward + backward
-    of the step's micro-batches (matmuls, attention, pointwise), ``recompute`` what activation checkpointing adds,
-    ``bubble`` the pipeline's idle time, ``tp``/``cp``/``pp``/``dp`` the exposed communication of each dimension.
+    ``total = compute + recompute + bubble + tp + cp + pp + dp + ep + optimizer``; ``compute`` is the forward +
+    backward of the step's micro-batches (matmuls, attention, pointwise), ``recompute`` what activation checkpointing
+    adds, ``bubble`` the pipeline's idle time, ``tp``/``cp``/``pp``/``dp``/``ep`` the exposed communication of each
+    dimension (``ep``: the MoE layers' collectives, the token all-to-alls over ep and the latency of the routing
+    counts' exchanges; 0 for a dense model).
     """
 
     compute: float
@@ -171,14 +202,25 @@ class StepTime:
     pp: float
     dp: float
     optimizer: float
+    ep: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.bubble + self.tp + self.cp + self.pp + self.dp + self.optimizer
+        return (
+            self.compute
+            + self.recompute
+            + self.bubble
+            + self.tp
+            + self.cp
+            + self.pp
+            + self.dp
+            + self.ep
+            + self.optimizer
+        )
 
     @property
     def exposed_communication(self) -> float:
-        return self.tp + self.cp + self.pp + self.dp
+        return self.tp + self.cp + self.pp + self.dp + self.ep
 
 
 @dataclass(slots=True)
@@ -188,7 +230,8 @@ class Layout:
     planner visits ~10^5 of them; :meth:`parallel_config` gives the validated one).
 
     ``virtual_pipeline_stages`` is v (1 without pp); ``pipeline_layer_split`` the decoder layers per stage, or
-    ``None`` for the even split; ``sequence_parallel`` whether sp is on (False with tp = 1).
+    ``None`` for the even split; ``sequence_parallel`` whether sp is on (False with tp = 1); ``expert_parallel_size``
+    ep (1 without expert parallelism).
     """
 
     tp: int
@@ -204,6 +247,7 @@ class Layout:
     pipeline_layer_split: Optional[tuple[int, ...]]
     zero_stage: int
     activation_checkpointing: str
+    expert_parallel_size: int = 1
 
     @classmethod
     def of(cls, pc: ParallelConfig, micro_batch_size: int, num_microbatches: int) -> "Layout":
@@ -222,6 +266,7 @@ class Layout:
             tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None,
             pc.zero_stage,
             pc.activation_checkpointing,
+            pc.ep,
         )
 
     def parallel_config(self) -> ParallelConfig:
@@ -244,6 +289,7 @@ class Layout:
             virtual_pipeline_stages=self.virtual_pipeline_stages if pipe else None,
             pipeline_layer_split=list(self.pipeline_layer_split) if self.pipeline_layer_split else None,
             num_microbatches=self.num_microbatches if pipe else None,
+            expert_parallel_size=self.expert_parallel_size,
         )
 
 
@@ -278,6 +324,18 @@ def _layer_params(dims: tuple[int, ...]) -> int:
 
 
 def _dims(cfg: Any) -> tuple[int, ...]:
+    """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers) of a model config (the last five 0 for a dense one)."""
+    moe = (
+        (
+            cfg.num_experts,
+            cfg.num_experts_per_token,
+            cfg.expert_intermediate_size,
+            cfg.num_shared_experts,
+            cfg.num_moe_layers,
+        )
+        if getattr(cfg, "is_moe", False)
+        else (0, 0, 0, 0, 0)
+    )
     return (
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -286,7 +344,35 @@ def _dims(cfg: Any) -> tuple[int, ...]:
         cfg.num_kv_heads,
         cfg.padded_vocab_size,
         cfg.num_layers,
+        *moe,
     )
+
+
+def _moe_layer_params(dims: tuple[int, ...], tp: int, ep: int) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU holds of one MoE layer: attention ``/tp``, router ``E·h`` and shared
+    experts ``3·n_s·h·f_e`` (replicated over tp: whole experts per tp rank), and its ``E/ep`` routed experts
+    ``3·h·f_e`` each."""
+    h, _, d, a, k = dims[:5]
+    e, _, fe, ns = dims[7:11]
+    attention = h * (a + 2 * k) * d + a * d * h
+    return attention / tp + e * h + 3 * ns * h * fe, e // ep * 3 * h * fe
+
+
+def all_to_all_time(nbytes: float, ep: int, tp: int, gpu: Any, gpus_per_node: int) -> float:
+    """Seconds of one all-to-all over an ep group in which every GPU sends ``nbytes`` (``(ep−1)/ep`` of it to the
+    others): pairwise exchange, ``(p−1)·α + (p−1)/p·n·β`` (Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1), §4.5).
+    The group is ``tp·ep`` consecutive global ranks (``mesh.py``); when that divides ``gpus_per_node`` it stays on
+    NVLink, else the bytes to the ``g = gpus_per_node/tp`` members of the GPU's node go over NVLink and the rest over
+    its NIC at the same time (the slower sets the time), with the inter-node latency."""
+    if ep == 1:
+        return 0.0
+    if gpus_per_node % (tp * ep) == 0:
+        bandwidth, latency = _link(gpu, True)
+        return (ep - 1) / ep * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ep - 1) * latency
+    g = min(ep, max(1, gpus_per_node // tp))
+    intra = (g - 1) / ep * nbytes / (COLLECTIVE_EFFICIENCY * gpu.intra_node_bandwidth)
+    inter = (ep - g) / ep * nbytes / (COLLECTIVE_EFFICIENCY * gpu.inter_node_bandwidth)
+    return max(intra, inter) + (ep - 1) * LINK_LATENCY[1]
 
 
 def attention_efficiency(block_tokens: float) -> float:
@@ -297,11 +383,22 @@ def attention_efficiency(block_tokens: float) -> float:
 
 @functools.lru_cache(maxsize=65536)
 def _layer_terms(
-    dims: tuple[int, ...], tp: int, cp: int, b: int, s: int, sp: bool, method: str, gpu: Any, gpus_per_node: int
+    dims: tuple[int, ...],
+    tp: int,
+    cp: int,
+    b: int,
+    s: int,
+    sp: bool,
+    method: str,
+    gpu: Any,
+    gpus_per_node: int,
+    ep: int = 1,
+    dd: int = 1,
 ) -> tuple[float, ...]:
-    """Seconds of one layer and one micro-batch: (matmuls, attention, pointwise, tp collectives, exposed cp
-    exchange, one tp collective, head + loss)."""
-    h, f, d, a, k, vocab, _ = dims
+    """Seconds of one layer and one micro-batch (the average over dense and MoE layers): (matmuls, attention,
+    pointwise, tp collectives, exposed cp exchange, one tp collective, head + loss, MoE collectives forward, MoE
+    collectives forward + backward); ``dd`` = dp·cp."""
+    h, f, d, a, k, vocab, num_layers = dims[:7]
     c = 2
     peak, hbm = gpu.peak_flops * gpu.compute_fraction, POINTWISE_EFFICIENCY * gpu.memory_bandwidth
     tokens = b * s / cp
@@ -326,7 +423,27 @@ def _layer_terms(
         + LOSS_BYTES_PER_LOGIT * vocab / tp * tokens / hbm
         + (3 * coll if tp > 1 else 0.0)
     )
-    return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head
+    e, top, fe, ns, n_moe = dims[7:12]
+    if not e:
+        return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, 0.0, 0.0
+    frac = n_moe / num_layers
+    routed = tokens / tp  # each tp rank routes its own tokens through whole experts
+    rows = ep * routed * top / e  # rows per local expert at balanced load
+    t_moe_mm = (
+        6 * (h * (a + 2 * k) * d + a * d * h) / tp * tokens / (gemm_efficiency(min(tokens, h, a * d / tp)) * peak)
+        + 6 * e * h * routed / (gemm_efficiency(min(routed, h, e)) * peak)
+        + 6 * 3 * top * h * fe * routed / (gemm_efficiency(min(rows, h, fe)) * peak)
+        + (6 * 3 * ns * h * fe * routed / (gemm_efficiency(min(routed, h, ns * fe)) * peak) if ns else 0.0)
+    )
+    t_moe_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * (top + ns) * fe) / tp) * tokens / hbm
+    t_mm = frac * t_moe_mm + (1 - frac) * t_mm
+    t_pw = frac * t_moe_pw + (1 - frac) * t_pw
+    one = all_to_all_time(routed * top * h * c, ep, tp, gpu, gpus_per_node)
+    inside = gpus_per_node % (tp * ep) == 0
+    counts = (ep - 1) * LINK_LATENCY[0 if inside else 1] if ep > 1 else 0.0
+    balance = 2 * math.ceil(math.log2(dd)) * _link(gpu, tp * dd <= gpus_per_node)[1] if dd > 1 else 0.0
+    forward = frac * (2 * one + counts + balance)
+    return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, forward, forward + frac * 2 * one
 
 
 @functools.lru_cache(maxsize=4096)
@@ -362,14 +479,18 @@ def _pipeline_terms(
     activation_checkpointing: str,
     gpu: Any,
     gpus_per_node: int,
+    ep: int = 1,
+    dd: int = 1,
 ) -> tuple:
-    """(t_max, compute of the slowest rank, its layers, bubble, recompute / tp / cp seconds per layer, layers per
-    rank) of one micro-batch (module docstring, **Pipeline**)."""
-    num_layers = dims[-1]
-    t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head = _layer_terms(dims, tp, cp, b, s, sp, method, gpu, gpus_per_node)
+    """(t_max, compute of the slowest rank, its layers, bubble, recompute / tp / cp / MoE-collective seconds per
+    layer, layers per rank) of one micro-batch (module docstring, **Pipeline**)."""
+    num_layers = dims[6]
+    t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, t_moe_fwd, t_moe = _layer_terms(
+        dims, tp, cp, b, s, sp, method, gpu, gpus_per_node, ep, dd
+    )
     ac = activation_checkpointing
     if ac == "full":
-        t_re = (t_mm + t_att + t_pw) / 3 + (4 * coll if tp > 1 else 0.0)
+        t_re = (t_mm + t_att + t_pw) / 3 + (4 * coll if tp > 1 else 0.0) + t_moe_fwd
     elif ac == "selective":
         t_re = t_pw / 3 + (2 * coll if sp else 0.0)
     else:
@@ -379,7 +500,7 @@ def _pipeline_terms(
     best = None
     for r, n in enumerate(layers_of):  # the slowest pp rank sets the pace
         work = n * layer + (t_head if r == last_rank else 0.0)
-        busy = work + n * (t_re + t_tp + t_cp)
+        busy = work + n * (t_re + t_tp + t_cp + t_moe)
         if best is None or busy > best[0]:
             best = (busy, work, n)
     t_max, work, n_max = best
@@ -389,7 +510,7 @@ def _pipeline_terms(
         bubble = (pp - 1) * max(0.0, (t_max - n_max * t_mm) / v)
     else:
         bubble = (pp - 1) / v * t_max
-    return t_max, work, n_max, bubble, t_re, t_tp, t_cp, layers_of
+    return t_max, work, n_max, bubble, t_re, t_tp, t_cp, t_moe, layers_of
 
 
 def predict_step_time(
@@ -420,14 +541,15 @@ def predict_step_time(
 
 
 def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
-    """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L), as
-    ``_dims`` reads them from a model config)."""
+    """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L, E,
+    top-k, f_e, n_s, MoE layers), as ``_dims`` reads them from a model config)."""
     tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
     b, m, v = layout.micro_batch_size, layout.num_microbatches, layout.virtual_pipeline_stages
     s, sp, zero_stage = seq_length, layout.sequence_parallel, layout.zero_stage
+    ep, dd = layout.expert_parallel_size, dp * cp
     h, vocab = dims[0], dims[5]
     c = 2
-    t_max, work, n_max, bubble, t_re, t_tp, t_cp, layers_of = _pipeline_terms(
+    t_max, work, n_max, bubble, t_re, t_tp, t_cp, t_moe, layers_of = _pipeline_terms(
         dims,
         tp,
         pp,
@@ -442,6 +564,7 @@ def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu:
         layout.activation_checkpointing,
         gpu,
         gpus_per_node,
+        *((ep, dd) if dims[7] else (1, 1)),  # a dense model's terms do not depend on them: keep its cache hits
     )
     hbm = POINTWISE_EFFICIENCY * gpu.memory_bandwidth
     tokens = b * s / cp
@@ -450,24 +573,35 @@ def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu:
     if pp > 1:
         b_pp, lat = _link(gpu, world <= gpus_per_node)
         t_pp = 2 * v * m * (tokens * h * c / (tp if sp else 1) / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
-    # data parallel over dp_cp: the parameters of the largest pp rank
-    dd = dp * cp
+    # data parallel over dp_cp: the parameters of the largest pp rank; with experts, theirs over dp_cp/ep
     params = max(layers_of) * _layer_params(dims) / tp + vocab * h / tp * (2 if pp == 1 else 1)
-    owned = params / dd if zero_stage >= 1 else params
+    experts = 0.0
+    if dims[7]:
+        n, frac = max(layers_of), dims[11] / dims[6]
+        dense_moe, experts = _moe_layer_params(dims, tp, ep)
+        params = n * ((1 - frac) * _layer_params(dims) / tp + frac * dense_moe) + vocab * h / tp * (2 if pp == 1 else 1)
+        experts = n * frac * experts
+    edp = dd // ep
+    owned = params / dd + experts / edp if zero_stage >= 1 else params + experts
     t_dp = 0.0
     if dd > 1:
         b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
         last_backward = 2 / 3 * t_max
         units = max(1, max(layers_of))
         rs = _ring(4 * params, dd, b_dp, lat)
+        if experts:
+            rs += _ring(4 * experts, edp, b_dp, lat)
         if zero_stage == 0:
             t_dp = max(2 * rs - last_backward, 2 * rs / units)
-        elif zero_stage == 1:
-            t_dp = max(rs - last_backward, rs / units) + _ring(c * params, dd, b_dp, lat)
         else:
-            gathers = 1 if zero_stage == 2 else 2
             ag = _ring(c * params, dd, b_dp, lat)
-            t_dp = m * (max(0.0, gathers * ag - t_max) + ag / units) + max(rs - last_backward, rs / units)
+            if experts:
+                ag += _ring(c * experts, edp, b_dp, lat)
+            if zero_stage == 1:
+                t_dp = max(rs - last_backward, rs / units) + ag
+            else:
+                gathers = 1 if zero_stage == 2 else 2
+                t_dp = m * (max(0.0, gathers * ag - t_max) + ag / units) + max(rs - last_backward, rs / units)
     t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / hbm
     return StepTime(
         compute=m * work,
@@ -478,4 +612,5 @@ def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu:
         pp=t_pp,
         dp=t_dp,
         optimizer=t_opt,
+        ep=m * n_max * t_moe,
     )

@@ -18,14 +18,19 @@ another, e.g. a tree for small all-reduces), for a collective over a group of D 
 and Yuan 2009 for the ring all-reduce):
 
 - all-reduce of n bytes: ``2·(D−1)/D·n`` (a reduce-scatter and an all-gather);
-- all-gather into n bytes, reduce-scatter of n bytes, all-to-all of n bytes: ``(D−1)/D·n``;
+- all-gather into n bytes, reduce-scatter of n bytes, all-to-all of n bytes in equal splits: ``(D−1)/D·n``;
+- all-to-all with split sizes (expert parallelism's token dispatch and combine, ``parallel/expert.py``): the rows
+  sent to the other ranks, ``(Σ_j input_splits[j] − input_splits[own rank])·row bytes`` (exact: every rank sends each
+  peer its block directly, the pairwise exchange of Thakur et al. §4.5);
 - broadcast of n bytes: ``(D−1)/D·n`` (scatter + all-gather, the large-message algorithm);
 - send: n; a receive sends nothing (its bytes are counted under ``recv`` in :attr:`CommMeter.received`).
 
-A group is named by the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp``: the groups of
-:class:`~lightning_4d.mesh.ParallelMesh`), else ``"other"``; groups of one rank send nothing. Where two dimensions
-share one group (cp = 1: ``dp`` is ``dp_cp``; dp = 1: ``cp`` is ``dp_cp``), collectives count under ``dp_cp``
-(gradient reduction, ZeRO) and point-to-point traffic under ``cp`` or ``pp`` (the ring, the pipeline).
+A group is named by the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp``, and with expert
+parallelism ``ep`` and ``edp``: the groups of :class:`~lightning_4d.mesh.ParallelMesh`), else ``"other"``; groups of
+one rank send nothing. Where two dimensions share one group (cp = 1: ``dp`` is ``dp_cp``; dp = 1: ``cp`` is
+``dp_cp``; ep = dp·cp: ``ep`` is ``dp_cp``), collectives count under ``dp_cp`` (gradient reduction, ZeRO, the
+load-balancing counts), point-to-point traffic under ``cp`` or ``pp`` (the ring, the pipeline) and all-to-alls
+under ``ep`` (the experts' token exchange).
 """
 
 from __future__ import annotations
@@ -98,6 +103,16 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
+def _split_bytes(inp: torch.Tensor, input_splits: Any, group: Any) -> Optional[int]:
+    """Bytes this rank sends in an all-to-all of ``inp`` with ``input_splits`` rows for each rank of ``group``: every
+    row but those of its own block (``None`` for equal splits, ``input_splits`` empty: :func:`bytes_sent`)."""
+    if not input_splits:
+        return None
+    rows = int(sum(input_splits))
+    row_bytes = inp.numel() * inp.element_size() // rows if rows else 0
+    return (rows - int(input_splits[group.rank()])) * row_bytes
+
+
 class CommMeter(TorchDispatchMode):
     """Count the bytes this rank sends inside the ``with`` block, per mesh dimension and collective kind.
 
@@ -115,10 +130,13 @@ class CommMeter(TorchDispatchMode):
         super().__init__()
         self._dims: dict[str, str] = {}
         self._p2p_dims: dict[str, str] = {}
+        self._a2a_dims: dict[str, str] = {}
         for dim, group in (groups or {}).items():
             self._dims.setdefault(group.group_name, dim)  # the first name given wins (dp_cp before dp)
             if dim in ("cp", "pp"):  # point-to-point traffic: the cp ring and the pipeline
                 self._p2p_dims.setdefault(group.group_name, dim)
+            if dim == "ep":  # all-to-all traffic: the experts' token dispatch and combine
+                self._a2a_dims.setdefault(group.group_name, dim)
         self.sent: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.received: dict[str, int] = defaultdict(int)
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -127,9 +145,14 @@ class CommMeter(TorchDispatchMode):
     @staticmethod
     def for_mesh(mesh: Any) -> "CommMeter":
         """A meter naming the groups of a :class:`~lightning_4d.mesh.ParallelMesh` (``dp_cp`` first, then tp, cp, dp,
-        pp)."""
+        pp, and under expert parallelism ep and edp)."""
+        experts = {d: getattr(mesh, d).get_group() for d in ("ep", "edp") if getattr(mesh, d, None) is not None}
         return CommMeter(
-            {"dp_cp": mesh.dp_cp.get_group(), **{d: getattr(mesh, d).get_group() for d in ("tp", "cp", "dp", "pp")}}
+            {
+                "dp_cp": mesh.dp_cp.get_group(),
+                **{d: getattr(mesh, d).get_group() for d in ("tp", "cp", "dp", "pp")},
+                **experts,
+            }
         )
 
     def total(self, dim: Optional[str] = None) -> int:
@@ -147,18 +170,21 @@ class CommMeter(TorchDispatchMode):
         self.calls.clear()
         self.events.clear()
 
-    def _record(self, kind: str, nbytes: int, group: Any) -> None:
+    def _record(self, kind: str, nbytes: int, group: Any, sent: Optional[int] = None) -> None:
+        """Count one collective of ``kind`` on a buffer of ``nbytes`` over ``group``; ``sent``: the bytes this rank
+        sends when the buffer alone does not say (an all-to-all with split sizes), else :func:`bytes_sent`."""
         name = group.group_name
-        dim = (
-            self._p2p_dims.get(name, self._dims.get(name, "other"))
-            if kind in ("send", "recv")
-            else self._dims.get(name, "other")
-        )
+        if kind in ("send", "recv"):
+            dim = self._p2p_dims.get(name, self._dims.get(name, "other"))
+        elif kind == "all_to_all":
+            dim = self._a2a_dims.get(name, self._dims.get(name, "other"))
+        else:
+            dim = self._dims.get(name, "other")
         size = group.size()
         if kind == "recv":
             self.received[dim] += nbytes
         else:
-            self.sent[dim][kind] += bytes_sent(kind, nbytes, size)
+            self.sent[dim][kind] += bytes_sent(kind, nbytes, size) if sent is None else sent
         self.calls[dim][kind] += 1
         self.events.append((dim, kind, nbytes, size))
 
@@ -176,7 +202,8 @@ class CommMeter(TorchDispatchMode):
                     for a in args
                     if isinstance(a, torch.ScriptObject) and unbox_process_group(a) is not None
                 )
-                self._record(kind, _nbytes(args[index]), group)
+                sent = _split_bytes(args[1], args[4], group) if func._opname == "alltoall_base_" else None
+                self._record(kind, _nbytes(args[index]), group, sent)
         elif namespace in ("_c10d_functional", "_c10d_functional_autograd"):
             if func._opname == "batch_p2p_ops":
                 ops, _, _, tensors, name = args[:5]
@@ -191,7 +218,8 @@ class CommMeter(TorchDispatchMode):
                     nbytes = _nbytes(args[index])
                     if kind == "all_gather":
                         nbytes *= group.size()
-                    self._record(kind, nbytes, group)
+                    sent = _split_bytes(args[0], args[2], group) if func._opname == "all_to_all_single" else None
+                    self._record(kind, nbytes, group, sent)
         return func(*args, **kwargs)
 
 

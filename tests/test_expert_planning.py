@@ -1,0 +1,210 @@
+"""Expert parallelism in the estimator and the planner: `estimate --ep` (validated, exit 2 on bad values), `plan`
+enumerating ep for Mixture-of-Experts models (table and JSON), the step-time model's all-to-all (intra / inter node,
+by hand) and its MoE compute (active parameters, not all experts), fujii2024 saying it has no MoE terms."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lightning_4d.cli import main
+from lightning_4d.config import ParallelConfig
+from lightning_4d.memory import step_time as st
+from lightning_4d.memory.hardware import GPU_PRESETS
+from lightning_4d.memory.planner import plan
+from lightning_4d.models.config import LlamaConfig
+from tests.test_cli_inputs import _one_line_error
+
+H100 = GPU_PRESETS["H100-80GB"]
+MIXTRAL = ["--model", "mixtral-8x7b", "--seq-length", "4096"]
+
+
+def _json(capsys, argv: list[str]) -> tuple[int, dict]:
+    code = main(argv + ["--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_estimate_takes_ep_and_reports_it(capsys):
+    code, out = _json(capsys, ["estimate", *MIXTRAL, "--num-gpus", "64", "--ep", "8", "--micro-batch-size", "1"])
+    assert out["layout"]["expert_parallel_size"] == 8
+    code1, out1 = _json(
+        capsys, ["estimate", *MIXTRAL, "--num-gpus", "64", "--expert-parallel-size", "1", "--micro-batch-size", "1"]
+    )
+    assert out1["layout"]["expert_parallel_size"] == 1
+    # the experts' parameters are split over ep: 8 experts of 32 layers, 3·h·f_e each, bf16 weights, 7/8 of them gone
+    cfg = LlamaConfig.from_preset("mixtral-8x7b")
+    experts = cfg.num_moe_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size
+    assert out1["parameters"] - out["parameters"] == 2 * experts * 7 // 8
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--num-gpus", "64", "--ep", "3"], ["expert_parallel_size=3", "[1, 2, 4, 8, 16, 32, 64]"]),
+        (["--num-gpus", "64", "--ep", "16"], ["expert_parallel_size=16", "num_experts=8", "[1, 2, 4, 8]"]),
+        (["--dp", "6", "--ep", "4"], ["expert_parallel_size=4", "dp*cp = 6*1 = 6", "[1, 2, 3, 6]"]),
+        (["--dp", "8", "--ep", "0"], ["--ep", "'0'", ">= 1"]),
+        (["--dp", "8", "--ep", "two"], ["--ep", "'two'", "integer"]),
+    ],
+)
+def test_estimate_bad_ep_is_one_line_exit_2(capsys, extra, expected):
+    err = _one_line_error(capsys, ["estimate", *MIXTRAL, "--micro-batch-size", "1", *extra], *expected)
+    assert err.startswith("lightning-4d estimate: error:")
+
+
+def test_ep_for_a_dense_model_and_measure_with_ep_are_refused(capsys):
+    _one_line_error(
+        capsys,
+        ["estimate", "--model", "llama3-8b", "--dp", "8", "--ep", "2", "--micro-batch-size", "1", "--seq-length", "64"],
+        "expert_parallel_size=2",
+        "dense",
+        "only valid expert_parallel_size is 1",
+    )
+    _one_line_error(
+        capsys,
+        ["measure", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--micro-batch-size", "1", "--seq-length", "64"],
+        "expert_parallel_size=2",
+        "fake process group",
+    )
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_fujii2024_says_it_has_no_moe_terms(capsys, command):
+    extra = ["--num-gpus", "64"] + (
+        ["--micro-batch-size", "1"] if command == "estimate" else ["--global-batch-size", "64"]
+    )
+    _one_line_error(
+        capsys, [command, *MIXTRAL, *extra, "--formula", "fujii2024"], "no Mixture-of-Experts terms", "num_experts=8"
+    )
+
+
+def test_plan_mixtral_on_64_h100_lists_ep_layouts_that_fit(capsys):
+    code, out = _json(capsys, ["plan", *MIXTRAL, "--num-gpus", "64", "--global-batch-size", "256"])
+    assert code == 0 and out["layouts"]
+    cfg = LlamaConfig.from_preset("mixtral-8x7b")
+    eps = {c["expert_parallel_size"] for c in out["layouts"]}
+    assert max(eps) > 1, eps
+    for c in out["layouts"]:
+        assert c["fits"] and c["memory"] <= 0.8 * H100.memory
+        pc = ParallelConfig(
+            data_parallel_size=c["dp"],
+            tensor_parallel_size=c["tp"],
+            pipeline_parallel_size=c["pp"],
+            context_parallel_size=c["cp"],
+            expert_parallel_size=c["expert_parallel_size"],
+            zero_stage=c["zero_stage"],
+        ).resolve(64)
+        pc.validate_model(cfg)  # the planner proposes only what FourDStrategy accepts
+    main(["plan", *MIXTRAL, "--num-gpus", "64", "--global-batch-size", "256", "--ep", "8", "--top", "3"])
+    table = capsys.readouterr().out
+    assert "┃ ep ┃" in table.replace(" ", "").replace("┃ep┃", "┃ ep ┃")
+    code, only = _json(capsys, ["plan", *MIXTRAL, "--num-gpus", "64", "--global-batch-size", "256", "--ep", "4"])
+    assert {c["expert_parallel_size"] for c in only["layouts"]} <= {4}
+
+
+def test_plan_emits_ep_in_the_config(capsys, tmp_path):
+    path = tmp_path / "pick.yaml"
+    argv = ["plan", *MIXTRAL, "--num-gpus", "64", "--global-batch-size", "256", "--emit-config", str(path)]
+    code, out = _json(capsys, argv)
+    import yaml
+
+    init = yaml.safe_load(path.read_text())["trainer"]["strategy"]["init_args"]
+    assert init["expert_parallel_size"] == out["layouts"][0]["expert_parallel_size"] > 1
+
+
+def test_plan_llama4_scout_on_32_h100_enumerates_ep():
+    """Every ep that divides dp·cp = 32 and the 16 experts is planned for Llama 4 Scout on 32 H100. None of them fits
+    in 80 GB today: with ZeRO 0/1 (the stages expert parallelism takes) every rank holds whole float32 gradients
+    (64 GiB at ep16), and tp/pp/cp and ZeRO 2/3 with ep are refused by ``ParallelConfig`` for MoE models until they
+    are implemented; the planner follows whatever ``validate_model`` accepts."""
+    cfg = LlamaConfig.from_preset("llama4-scout-17b-16e")
+    found = plan(cfg, 32, 8, H100, 4096, 128, top=None, include_unfit=True, fixed={"zero_stage": 1})
+    assert {c.expert_parallel_size for c in found} == {1, 2, 4, 8, 16}
+    best = min(c.memory for c in found)
+    assert all(c.fits == (c.memory <= 0.8 * H100.memory) for c in found)
+    ep16 = min((c for c in found if c.expert_parallel_size == 16), key=lambda c: c.memory)
+    assert ep16.memory == best  # the most experts split, the least memory
+
+
+def _mixtral_layout(ep: int, **kw) -> st.Layout:
+    pc = ParallelConfig(data_parallel_size=kw.pop("dp", 64), expert_parallel_size=ep, zero_stage=1, **kw)
+    return st.Layout.of(pc, 1, 4)
+
+
+def test_all_to_all_term_by_hand_intra_and_inter_node():
+    """The ep term of the step time, recomputed here: per MoE layer and micro-batch 4 all-to-alls of ``T·k·h·2``
+    bytes per GPU (pairwise exchange: ``(p−1)/p·n·β + (p−1)·α``), the counts' all-to-all (latency) and the
+    load-balancing all-reduce over dp·cp (``2·⌈log₂ D⌉·α``)."""
+    cfg = LlamaConfig.from_preset("mixtral-8x7b")
+    dims = st._dims(cfg)
+    s, m, h, k, n_layers, dd = 4096, 4, cfg.hidden_size, cfg.num_experts_per_token, cfg.num_layers, 64
+    nbytes = s * k * h * 2
+    eff, (nvl, ib) = st.COLLECTIVE_EFFICIENCY, (H100.intra_node_bandwidth, H100.inter_node_bandwidth)
+    a_in, a_out = st.LINK_LATENCY
+    balance = 2 * math.ceil(math.log2(dd)) * a_out
+    for ep, per_node, one, counts in (
+        (8, 8, 7 / 8 * nbytes / (eff * nvl) + 7 * a_in, 7 * a_in),  # one node: NVLink
+        (8, 4, max(3 / 8 * nbytes / (eff * nvl), 4 / 8 * nbytes / (eff * ib)) + 7 * a_out, 7 * a_out),  # 2 nodes
+        (2, 8, 1 / 2 * nbytes / (eff * nvl) + a_in, a_in),
+    ):
+        got = st.step_time_of(dims, _mixtral_layout(ep), seq_length=s, gpu=H100, gpus_per_node=per_node)
+        assert got.ep == pytest.approx(m * n_layers * (4 * one + counts + balance), rel=1e-12)
+        assert st.all_to_all_time(nbytes, ep, 1, H100, per_node) == pytest.approx(one, rel=1e-12)
+    # full activation checkpointing runs the forward's two all-to-alls and the counts' exchange again: between one
+    # node and two, the recomputation differs by exactly that (the compute and the all-reduce are the same)
+    full = [
+        st.step_time_of(
+            dims, _mixtral_layout(8, activation_checkpointing="full"), seq_length=s, gpu=H100, gpus_per_node=g
+        )
+        for g in (8, 4)
+    ]
+    one_in = 7 / 8 * nbytes / (eff * nvl) + 7 * a_in
+    one_out = max(3 / 8 * nbytes / (eff * nvl), 4 / 8 * nbytes / (eff * ib)) + 7 * a_out
+    assert full[0].compute == full[1].compute
+    assert full[1].recompute - full[0].recompute == pytest.approx(
+        m * n_layers * (2 * (one_out - one_in) + 7 * (a_out - a_in)), rel=1e-9
+    )
+    assert st.step_time_of(dims, _mixtral_layout(1), seq_length=s, gpu=H100, gpus_per_node=8).ep == pytest.approx(
+        m * n_layers * balance
+    )
+
+
+def test_moe_compute_counts_active_parameters_not_all_experts():
+    """Mixtral 8x7B's compute equals that of a dense Llama whose FFN is its top-2 experts (f = 2·f_e), plus the router
+    (``6·E·h`` FLOPs per token in the small GEMM class: its E = 8 columns): every GEMM here is in the large class
+    (ep·T·k/E = 2048 rows per expert at ep2), so the difference is the router's time exactly. Counting all 8 experts
+    would add 6 x 3·h·f_e FLOPs per token more."""
+    moe = LlamaConfig.from_preset("mixtral-8x7b")
+    dense = LlamaConfig.from_preset("mixtral-8x7b", num_experts=0, intermediate_size=2 * moe.expert_intermediate_size)
+    s, b, m = 4096, 1, 4
+    pc = ParallelConfig(data_parallel_size=64, zero_stage=1)
+    t_dense = st.predict_step_time(dense, pc, b, m, s, H100, 8)
+    t_moe = st.step_time_of(st._dims(moe), _mixtral_layout(2), seq_length=s, gpu=H100, gpus_per_node=8)
+    peak = H100.peak_flops * H100.compute_fraction
+    router = 6 * moe.num_experts * moe.hidden_size * b * s / (st.gemm_efficiency(moe.num_experts) * peak)
+    assert t_moe.compute - t_dense.compute == pytest.approx(m * moe.num_layers * router, rel=1e-9)
+    all_experts = 6 * 3 * 6 * moe.hidden_size * moe.expert_intermediate_size * b * s / (0.78 * peak)
+    assert t_moe.compute < t_dense.compute + m * moe.num_layers * all_experts / 10
+
+
+def test_dense_step_time_unchanged_by_moe_terms():
+    """A dense model's prediction has no ep term and no expert parameters (the MoE code paths do not touch it)."""
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    got = st.predict_step_time(cfg, ParallelConfig(data_parallel_size=8, zero_stage=1), 1, 4, 4096, H100, 8)
+    assert got.ep == 0.0 and got.total > 0
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--model", "mixtral-8x7b", "--num-gpus", "8", "--ep", "3"], ["expert_parallel_size=3", "[1, 2, 4, 8]"]),
+        (["--model", "llama3-8b", "--num-gpus", "8", "--ep", "2"], ["expert_parallel_size=2", "dense"]),
+        (["--model", "tiny-moe", "--num-gpus", "4", "--ep", "8"], ["expert_parallel_size=8", "[1, 2, 4]"]),
+        (["--model", "tiny-moe", "--num-gpus", "4", "--ep", "0"], ["--ep", "'0'", ">= 1"]),
+    ],
+)
+def test_plan_bad_ep_is_one_line_exit_2(capsys, argv, expected):
+    err = _one_line_error(capsys, ["plan", *argv, "--seq-length", "256", "--global-batch-size", "16"], *expected)
+    assert err.startswith("lightning-4d plan: error:")
