@@ -10,6 +10,10 @@ in GiB per GPU (2^30 bytes):
 - ``ours - allowance``: the same without the CUDA context / fragmentation allowance (``overhead``), the quantity
   the paper's formula describes;
 - ``ratio``: ``(ours - allowance) / fujii2024``;
+- with ``--activation-checkpointing selective``: ours with selective activation checkpointing (the paper's formula
+  stays Megatron without recomputation), and ``recomp``, the matmul FLOPs it recomputes as a percentage of the
+  layers' matmul FLOPs of a step (``lightning_4d.memory.step_time.selective_recomputed_matmul_fraction``: under tp
+  the output projection's forward; no full recomputation anywhere);
 - with ``--baseline REF``: ``before``, the estimate of the same row by the estimator at git revision ``REF`` (e.g. the
   commit before bf16 master weights), computed in a subprocess from a temporary ``git worktree`` in the same run.
 
@@ -20,6 +24,7 @@ Usage::
 
     python benchmarks/memory_vs_megatron.py                       # the table
     python benchmarks/memory_vs_megatron.py --baseline aa06e35    # with a "before" column
+    python benchmarks/memory_vs_megatron.py --activation-checkpointing selective
 """
 
 from __future__ import annotations
@@ -56,21 +61,22 @@ from lightning_4d.memory.model import estimate_memory
 out = []
 for preset, tp, pp, cp, dp, b, s, m in json.loads(sys.argv[1]):
     pc = ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                        context_parallel_size=cp, zero_stage=1, num_microbatches=m)
+                        context_parallel_size=cp, zero_stage=1, num_microbatches=m, **json.loads(sys.argv[2]))
     e = estimate_memory(preset, pc, b, s, "bf16-mixed", device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3")
     out.append([e.total, e.overhead, e.peak_phase])
 print(json.dumps(out))
 """
 
 
-def ours(grid: list[tuple], pythonpath: str | None = None) -> list[list]:
+def ours(grid: list[tuple], pythonpath: str | None = None, ac: str = "none") -> list[list]:
     """``[total, overhead, peak_phase]`` per row, by the estimator importable from ``pythonpath`` (default: this
-    checkout), in a subprocess so that two revisions never share an interpreter."""
+    checkout) with activation checkpointing ``ac``, in a subprocess so that two revisions never share an
+    interpreter."""
     env = dict(os.environ)
     env["PYTHONPATH"] = pythonpath or str(Path(__file__).resolve().parents[1])
     # run from that folder: ``python -c`` puts the working directory first on sys.path
     result = subprocess.run(
-        [sys.executable, "-c", _ROW_SCRIPT, json.dumps(grid)],
+        [sys.executable, "-c", _ROW_SCRIPT, json.dumps(grid), json.dumps({"activation_checkpointing": ac})],
         env=env,
         check=True,
         capture_output=True,
@@ -80,7 +86,7 @@ def ours(grid: list[tuple], pythonpath: str | None = None) -> list[list]:
     return json.loads(result.stdout)
 
 
-def baseline(ref: str, grid: list[tuple]) -> list[list]:
+def baseline(ref: str, grid: list[tuple], ac: str = "none") -> list[list]:
     """The rows by the estimator at git revision ``ref`` (a temporary detached worktree, removed afterwards)."""
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +95,7 @@ def baseline(ref: str, grid: list[tuple]) -> list[list]:
             ["git", "-C", str(root), "worktree", "add", "--detach", str(tree), ref], check=True, capture_output=True
         )
         try:
-            return ours(grid, str(tree))
+            return ours(grid, str(tree), ac)
         finally:
             subprocess.run(
                 ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=True, capture_output=True
@@ -99,16 +105,22 @@ def baseline(ref: str, grid: list[tuple]) -> list[list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", metavar="REF", help="also print the estimate at this git revision")
+    parser.add_argument(
+        "--activation-checkpointing", choices=("none", "selective"), default="none", help="ours with this mode"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from lightning_4d.memory.fujii2024 import fujii2024_from_config
+    from lightning_4d.memory.step_time import selective_recomputed_matmul_fraction
     from lightning_4d.models.config import LlamaConfig
 
-    now = ours(GRID)
-    before = baseline(args.baseline, GRID) if args.baseline else None
+    ac = args.activation_checkpointing
+    now = ours(GRID, ac=ac)
+    before = baseline(args.baseline, GRID, ac) if args.baseline else None
+    print(f"ours: bf16-mixed, ZeRO 1, activation_checkpointing={ac!r}; fujii2024: Megatron-LM without recomputation")
     header = f"{'model':<12} {'tp':>2} {'pp':>2} {'cp':>2} {'dp':>2} {'b':>2} {'s':>5} {'m':>2} | {'fujii2024':>9} "
     header += f"{'before':>7} " if before else ""
-    header += f"{'ours':>7} {'ours-allowance':>14} {'ratio':>6}  peak phase"
+    header += f"{'ours':>7} {'ours-allowance':>14} {'ratio':>6} {'recomp':>6}  peak phase"
     print(header)
     print("-" * len(header))
     worst = 0.0
@@ -125,7 +137,8 @@ def main() -> None:
         worst = max(worst, tensors / ref)
         line = f"{preset:<12} {tp:>2} {pp:>2} {cp:>2} {dp:>2} {b:>2} {s:>5} {m or '-':>2} | {ref:>9.1f} "
         line += f"{before[i][0] / GIB:>7.1f} " if before else ""
-        line += f"{total / GIB:>7.1f} {tensors:>14.1f} {tensors / ref:>6.3f}  {phase}"
+        recomputed = selective_recomputed_matmul_fraction(cfg, tp) if ac == "selective" else 0.0
+        line += f"{total / GIB:>7.1f} {tensors:>14.1f} {tensors / ref:>6.3f} {100 * recomputed:>5.1f}%  {phase}"
         print(line)
     print(f"\nlargest ratio (ours without the allowance / fujii2024): {worst:.3f}")
 

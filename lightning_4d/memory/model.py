@@ -49,14 +49,14 @@ attention kernels and tp reductions kept, everything else recomputed) a layer ke
 measured as the outputs the policy keeps, plus the checkpoint's input):
 
 - its input (r·b·s'·h);
-- the outputs of its seven matmuls: c·b·s·((a + 2k)·d + 2f)/t for ``wq``/``wk``/``wv`` and ``w1``/``w3``, and
-  c·y each for ``wo`` and ``w2`` (under tp their partial sums before the reduction, not divided by t; ``w2``'s is
-  never read: the recomputation stops once it has ``w2``'s input);
+- the outputs of its matmuls: c·b·s·((a + 2k)·d + 2f)/t for ``wq``/``wk``/``wv`` and ``w1``/``w3``, and at tp = 1
+  c·b·s·h for ``wo``; under tp not ``wo``'s partial sum (full ``[b, s, h]`` on every rank: the backward recomputes
+  it), and nothing of ``w2`` (the recomputation stops once it has ``w2``'s inputs);
 - each attention kernel call's output and float32 log-sum-exp, (c·d + 4)·b·a/t bytes per query token: s tokens
   without cp; under cp (s the local sequence), cp rank r's calls cover s·(1 + r) + s·(cp − 1 − r)/2 tokens with
   ``"ring"`` and 2·s (1.5·s on cp rank 0) with ``"allgather"``; the figure is the last cp rank's, the largest
   (ring: cp·s, the whole sequence; allgather: 2·s);
-- under tp, the reduced outputs of ``wo`` and ``w2`` (all-reduce, or reduce-scatter under sp): 2·c·b·s'·h;
+- under tp, the reduced output of ``wo`` (all-reduce, or reduce-scatter under sp): c·b·s'·h;
 
 and one layer's backward recomputes, transiently (``recompute``: derived from the parts above, not measured), what
 the layer would save without checkpointing less what it takes from the kept outputs (v, the attention output and
@@ -571,20 +571,22 @@ def _layer_selective_parts(
 ) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward under selective activation checkpointing, per micro-batch
     (``s`` = this rank's sequence length), by part: ``input`` (the layer's input, kept by the checkpoint),
-    ``matmuls`` (the outputs of the seven matmuls: ``wq``/``wk``/``wv`` and ``w1``/``w3`` on their tp-local columns,
-    ``wo``/``w2`` on all ``h``: under tp their partial sums before the reduction), ``attention`` (each attention
+    ``matmuls`` (the outputs of the matmuls: ``wq``/``wk``/``wv`` and ``w1``/``w3`` on their tp-local columns, and at
+    tp = 1 ``wo``'s on all ``h``; under tp its partial sum is recomputed instead, and ``w2`` keeps nothing:
+    :mod:`lightning_4d.parallel.activation_checkpoint`), ``attention`` (each attention
     kernel call's output and float32 log-sum-exp, for ``attention_tokens`` query tokens over all calls: ``s``
-    without cp) and ``reductions`` (the reduced outputs of ``wo``/``w2`` under tp: all-reduce, or reduce-scatter to
-    ``s/t`` tokens under sp)."""
+    without cp) and ``reductions`` (the reduced output of ``wo`` under tp: all-reduce, or reduce-scatter to ``s/t``
+    tokens under sp)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
     c = dt.compute
     return {
         "input": dt.residual * b * s_sp * h,
-        "matmuls": c * b * s * ((a + 2 * k) * d + 2 * (f // tp) + 2 * h),
+        # wo: its output at tp = 1; under tp its reduction instead (its partial sum recomputed); w2: nothing
+        "matmuls": c * b * s * ((a + 2 * k) * d + 2 * (f // tp) + (h if tp == 1 else 0)),
         "attention": (c * a * d + 4 * a) * b * attention_tokens,
-        "reductions": 2 * c * b * s_sp * h if tp > 1 else 0,
+        "reductions": c * b * s_sp * h if tp > 1 else 0,
     }
 
 

@@ -25,7 +25,8 @@ T = b·s/cp tokens per micro-batch per GPU, c = 2 bytes (bf16 compute).
 
 Activation checkpointing adds, per layer: ``"full"`` the forward again (a third of the matmul, attention and
 pointwise time) and its tp collectives; ``"selective"`` the forward pointwise ops (a third of the pointwise time)
-and, under sp, the two all-gathers of the layer's saved sequence shards.
+and, under sp, the two all-gathers of the layer's saved sequence shards, and under tp the output projection's
+matmul (its partial sum is not kept: :func:`wo_share` of the layer's forward matmuls).
 
 **Tensor parallel** (not overlapped with compute: FourDStrategy issues DTensor collectives synchronously): per layer
 and micro-batch, under sp 2 all-gathers + 2 reduce-scatters forward, as many backward, and 2 more all-gathers in
@@ -323,6 +324,21 @@ def _layer_params(dims: tuple[int, ...]) -> int:
     return h * (a + 2 * k) * d + a * d * h + 3 * h * f
 
 
+def wo_share(dims: tuple[int, ...]) -> float:
+    """The output projection's share of one layer's matmul FLOPs, ``a·d·h / P_layer``: what ``"selective"`` activation
+    checkpointing recomputes under tp (its partial sum is not kept, ``parallel/activation_checkpoint.py``), as a
+    fraction of the layer's forward matmuls."""
+    h, f, d, a, k = dims[:5]
+    return a * d * h / _layer_params(dims)
+
+
+def selective_recomputed_matmul_fraction(model_config: Any, tp: int) -> float:
+    """The matmul FLOPs ``"selective"`` activation checkpointing adds, as a fraction of the layers' matmul FLOPs of
+    a step (forward + backward, 3× the forward): under tp the output projection's forward again
+    (:func:`wo_share` / 3), 0 at tp = 1 (nothing but pointwise ops and all-gathers recomputed)."""
+    return wo_share(_dims(model_config)) / 3 if tp > 1 else 0.0
+
+
 def _dims(cfg: Any) -> tuple[int, ...]:
     """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers) of a model config (the last five 0 for a dense one)."""
     moe = (
@@ -492,7 +508,7 @@ def _pipeline_terms(
     if ac == "full":
         t_re = (t_mm + t_att + t_pw) / 3 + (4 * coll if tp > 1 else 0.0) + t_moe_fwd
     elif ac == "selective":
-        t_re = t_pw / 3 + (2 * coll if sp else 0.0)
+        t_re = t_pw / 3 + (2 * coll if sp else 0.0) + (t_mm / 3 * wo_share(dims) if tp > 1 else 0.0)
     else:
         t_re = 0.0
     layers_of, last_rank = _pipeline_layers(num_layers, pp, schedule, v, split)

@@ -214,7 +214,9 @@ def parallelize_model(
     if config.ep > 1:
         family.apply_expert_parallel(model, mesh.ep)
     layers = find_submodel(model, family.pipeline_layout(model).layers)
-    apply_activation_checkpointing(layers, config.activation_checkpointing)
+    # selective keeps nothing of the layer's last projection, and under tp not the others' partial sums
+    row_parallel = family.tensor_parallel_plan(model).rowwise if config.activation_checkpointing == "selective" else ()
+    apply_activation_checkpointing(layers, config.activation_checkpointing, row_parallel, config.tp)
     if compile:
         for _, block in layer_items(layers):
             block.compile()
