@@ -358,7 +358,8 @@ class FourDStrategy(ModelParallelStrategy):
             powersgd_rank=pc.powersgd_rank,
             powersgd_start_step=pc.powersgd_start_step,
             powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
-            expert_group=self.mesh.edp.get_group() if self.mesh.edp is not None else None,
+            expert_group=self.mesh.expert_replicas.get_group() if self.mesh.expert_replicas is not None else None,
+            token_group=self.mesh.dp_cp_tp.get_group() if self.mesh.dp_cp_tp is not None else None,
         )
 
     @property
