@@ -60,8 +60,8 @@ def _buckets(
     kind: Callable[[Tensor], Any] = lambda t: None,
 ) -> Iterable[list[Tensor]]:
     """Group tensors of the same dtype, device (of ``key(t)``) and ``kind(t)`` (expert and token-parallel parameters
-    apart: other process groups) into buckets of at most ``bucket_bytes`` of ``key(t)`` (one tensor may exceed), keeping their
-    order (:func:`lightning_4d.partition.bucket_lengths`)."""
+    apart: other process groups) into buckets of at most ``bucket_bytes`` of ``key(t)`` (one tensor may exceed),
+    keeping their order (:func:`lightning_4d.partition.bucket_lengths`)."""
     by_key: dict[tuple, list[Tensor]] = {}
     for t in tensors:
         k = key(t)
@@ -259,9 +259,7 @@ class _Bucket:
     over ``group`` (``dp_cp``, or for expert parameters the expert data-parallel group) of ``world`` ranks, this one
     ``rank``; ``kind``: 0 dense (``dp_cp``), 1 token parallel (``dp_cp_tp``), 2 experts (their replicas' group)."""
 
-    def __init__(
-        self, params: list[nn.Parameter], dtype: torch.dtype, group: dist.ProcessGroup, kind: int = 0
-    ) -> None:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group: dist.ProcessGroup, kind: int = 0) -> None:
         self.group = group
         self.kind = kind
         self.world = world = dist.get_world_size(group)

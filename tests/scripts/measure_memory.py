@@ -1,7 +1,8 @@
 """Measure, per rank, what one training step of FourDStrategy really holds, next to the memory model's figures.
 
 For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied, pp, schedule, m for pipelines, cp,
-method for context parallelism, ep for expert parallelism and config: model config fields to override, e.g. the MoE ones) one
+method for context parallelism, ep for expert parallelism and config: model config fields to override, e.g. the MoE
+ones) one
 ``Trainer.fit`` runs one optimizer step per batch shape (b, s) in ``--shapes`` (a pipeline: two steps of the first
 shape, the second measured, with batches of b·m split by the schedule). Under a pipeline the pack hook also tracks
 when autograd frees each saved value, giving the peak of saved bytes alive at once during the schedule (the
