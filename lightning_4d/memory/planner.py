@@ -218,6 +218,8 @@ def _layouts(
                                 for zero in ZERO_STAGES:
                                     if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
                                         continue  # nothing to shard over, or not the stage asked for
+                                    if zero > 1 and tp > 1 and getattr(model_config, "is_moe", False):
+                                        continue  # refused by ParallelConfig.validate_model (MoE under tp: ZeRO 0/1)
                                     for ac in ACTIVATION_CHECKPOINTING:
                                         if ac == "selective" and name in ("zbv", "dualpipev"):
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
