@@ -21,7 +21,7 @@ import pytest
 from lightning_4d import ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
-from tests._launch import SCRIPTS, torchrun
+from tests._launch import SCRIPTS, resume_on_layouts, torchrun
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -209,3 +209,17 @@ def test_memory_model_matches_measured_moe_under_ep2_tp2(tmp_path):
                     f"\n{layout} rank {r['rank']} b={row['b']} s={row['s']}: measured {row['measured']}, {ratio:+.2%}"
                 )
                 assert abs(ratio) <= 0.05
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def test_checkpoint_at_tp2_resumes_at_tp2_and_at_dp2(tmp_path):
+    """Train 10 steps straight at tp2 ZeRO 1 (the MoE states sharded over dp_cp_tp), and 5 steps with a sharded
+    checkpoint; resume it at tp2 and at dp2 (the ZeRO 1 states are saved gathered, layout-free): steps 6-10 equal
+    the straight run's."""
+    rows = resume_on_layouts(
+        tmp_path, {"name": "a", "tp": 2, "zero": 1}, {"name": "b", "dp": 2, "zero": 1}, "tiny-moe", STEPS
+    )
+    for layout, rank, curve, tail in rows:
+        rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
+        print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
+        assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
