@@ -112,7 +112,8 @@ class ParallelConfig:
             ``parallel/expert.py``). No mesh dimension of its own: ep groups are blocks of ``ep`` consecutive ranks
             of the flattened ``dp_cp`` mesh, so ep must divide dp·cp; the expert parameters' gradients and ZeRO
             shards go over the expert data-parallel group (``dp_cp / ep``: the ranks of ``dp_cp`` with the same
-            position in their ep block). ZeRO 0 and 1 only (``docs/moe.md``).
+            position in their ep block; under tp those ranks at every tp coordinate, ``mesh.edp_tp``). ZeRO 0 and 1
+            only (``docs/moe.md``).
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
