@@ -52,6 +52,35 @@ def test_what_stays_refused_for_moe_names_the_value_before_any_process_group():
         validate_against_module(ParallelConfig(pipeline_parallel_size=2).resolve(2), moe)
 
 
+def test_moe_without_sp_needs_a_sequence_divisible_by_tp_before_any_process_group():
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_4d import FourDStrategy
+    from lightning_4d.data import LMDataModule
+    from lightning_4d.parallel.parallelize import validate_against_module
+    from lightning_4d.tasks import CausalLMModule
+
+    strategy = FourDStrategy(tensor_parallel_size=2, sequence_parallel=False, process_group_backend="gloo")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, max_steps=1)
+    module = CausalLMModule("tiny-moe")
+    strategy._lightning_module = module
+    module.trainer = trainer
+    trainer.datamodule = LMDataModule(seq_length=31, micro_batch_size=1)
+    with pytest.raises(
+        ValueError, match=r"seq_length=31 \(per cp rank 31\) is not divisible by tensor_parallel_size=2"
+    ):
+        validate_against_module(strategy.parallel_config, module)
+    trainer.datamodule = LMDataModule(seq_length=32, micro_batch_size=1)
+    validate_against_module(strategy.parallel_config, module)
+    module_dense = CausalLMModule("tiny-test")  # a dense model takes any length without sp
+    strategy._lightning_module = module_dense
+    module_dense.trainer = trainer
+    trainer.datamodule = LMDataModule(seq_length=31, micro_batch_size=1)
+    validate_against_module(strategy.parallel_config, module_dense)
+    assert not dist.is_initialized()
+
+
 def test_memory_model_does_not_split_moe_parameters_over_tp_and_shards_their_states_over_dp_cp_tp():
     cfg = LlamaConfig.from_preset("tiny-moe", num_shared_experts=1)
     one = model_state_bytes(cfg, ParallelConfig(data_parallel_size=1, zero_stage=0), "32-true")
