@@ -274,6 +274,11 @@ class TensorParallelPlan:
     token_parallel: tuple[str, ...] = ()
 
 
+def _inside(name: str, modules: list[str]) -> bool:
+    """Whether the dotted path ``name`` is one of ``modules`` or inside one."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
 def apply_tensor_parallel(
     model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool
 ) -> None:
@@ -312,15 +317,11 @@ def apply_tensor_parallel(
         whole = [n for n in plan.token_parallel if hasattr(find_submodel(layer, n), "token_parallel")]
         for name in whole:  # run token parallel, not split (a Mixture-of-Experts feed-forward)
             find_submodel(layer, name).token_parallel = TokenParallel(tp_mesh, sequence_parallel)
-
-        def split(name: str) -> bool:
-            return not any(name == w or name.startswith(w + ".") for w in whole)
-
-        styles.update({prefix + name: ColwiseParallel() for name in plan.colwise if split(name)})
-        styles.update({prefix + name: RowwiseParallel(output_layouts=seq) for name in plan.rowwise if split(name)})
+        styles.update({prefix + name: ColwiseParallel() for name in plan.colwise if not _inside(name, whole)})
+        styles.update({prefix + n: RowwiseParallel(output_layouts=seq) for n in plan.rowwise if not _inside(n, whole)})
         if sequence_parallel:
             styles.update({prefix + name: SequenceParallel() for name in plan.layer_norms})
-        for name, (kind, where) in [(n, w) for n, w in plan.gathered_inputs if split(n)]:
+        for name, (kind, where) in [(n, w) for n, w in plan.gathered_inputs if not _inside(n, whole)]:
             module = find_submodel(layer, name)
             if sequence_parallel and hasattr(module, "input_projection"):
                 module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)
