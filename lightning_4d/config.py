@@ -112,7 +112,8 @@ class ParallelConfig:
             ``parallel/expert.py``). No mesh dimension of its own: ep groups are blocks of ``ep`` consecutive ranks
             of the flattened ``dp_cp`` mesh, so ep must divide dp·cp; the expert parameters' gradients and ZeRO
             shards go over the expert data-parallel group (``dp_cp / ep``: the ranks of ``dp_cp`` with the same
-            position in their ep block). ZeRO 0 and 1 only (``docs/moe.md``).
+            position in their ep block; under tp those ranks at every tp coordinate, ``mesh.edp_tp``). ZeRO 0 and 1
+            only (``docs/moe.md``).
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -483,8 +484,8 @@ class ParallelConfig:
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1; a
-                Mixture-of-Experts model with tp, pp or cp > 1 (not implemented yet: ``docs/moe.md``); ep > 1 for a
-                dense model, or an ep that does not divide ``num_experts``.
+                Mixture-of-Experts model with pp > 1 (not implemented yet: ``docs/moe.md``) or with tp > 1 at ZeRO
+                2/3 or with PowerSGD; ep > 1 for a dense model, or an ep that does not divide ``num_experts``.
         """
         tp = self.tp
         valid_tp = [d for d in _divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -526,20 +527,27 @@ class ParallelConfig:
                 f"{_divisors(model_config.num_experts)}."
             )
         if getattr(model_config, "is_moe", False):
-            # what training a Mixture-of-Experts model supports today (docs/moe.md): dp + ZeRO 0-3; the estimator
-            # and the planner follow, so that they propose only layouts FourDStrategy runs
-            for name, size in (
-                ("tensor_parallel_size", tp),
-                ("pipeline_parallel_size", self.pp),
-                ("context_parallel_size", self.cp),
-            ):
-                if size > 1:
-                    raise ValueError(
-                        f"{name}={size} is not supported for a Mixture-of-Experts model (num_experts="
-                        f"{model_config.num_experts}) yet: MoE models train with data parallelism, ZeRO stages 0-3 "
-                        f"and expert parallelism (data_parallel_size, zero_stage, expert_parallel_size); set "
-                        f"{name}=1 (docs/moe.md)."
-                    )
+            # what training a Mixture-of-Experts model supports today (docs/moe.md); the estimator and the planner
+            # follow, so that they propose only layouts FourDStrategy runs
+            if self.pp > 1:
+                raise ValueError(
+                    f"pipeline_parallel_size={self.pp} is not supported for a Mixture-of-Experts model (num_experts="
+                    f"{model_config.num_experts}) yet: MoE models train with data, tensor, context and expert "
+                    "parallelism and ZeRO; set pipeline_parallel_size=1 (docs/moe.md)."
+                )
+            if tp > 1 and self.zero_stage >= 2:
+                raise ValueError(
+                    f"zero_stage={self.zero_stage} is not supported for a Mixture-of-Experts model with "
+                    f"tensor_parallel_size={tp}: its MoE layers run token parallel over tp and their gradients are "
+                    "summed over dp*cp*tp by ZeRO 0/1's gradient buckets, which FSDP2 (ZeRO 2/3, over dp*cp) does "
+                    f"not do. Use zero_stage=0 or 1 with tp, or tensor_parallel_size=1 with ZeRO 2/3 (docs/moe.md)."
+                )
+            if tp > 1 and self.gradient_compression == "powersgd":
+                raise ValueError(
+                    f"gradient_compression='powersgd' is not supported for a Mixture-of-Experts model with "
+                    f"tensor_parallel_size={tp} (its MoE gradients are reduced over dp*cp*tp, PowerSGD's over dp*cp): "
+                    "use gradient_compression='none' or 'bf16'."
+                )
         if self.pp > 1:
             self.layer_split(model_config.num_layers)
             if model_config.tie_word_embeddings:

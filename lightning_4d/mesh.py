@@ -10,6 +10,15 @@ Expert parallelism (ep > 1) adds no dimension to the world mesh: ``dp_cp`` (size
 = 1, consecutive global ranks: the all-to-all stays within a node when ep divides the GPUs per node), and the expert
 data-parallel group ``edp`` is the D/ep ranks holding the same experts (torchtitan's ``ep`` /
 ``dp_shard_mod_ep``, Megatron-core's expert-data-parallel group).
+
+Mixture-of-Experts layers under tensor parallelism (tp > 1) run token parallel: each tp rank runs the whole MoE layer
+on its own ``1/t`` of the sequence (expert tensor parallelism 1, ``docs/moe.md``), so the ``dp_cp x tp`` ranks hold
+disjoint tokens of it. The flattened ``("dp", "cp", "tp")`` mesh, ``dp_cp_tp``, is their group (routing counts, and
+the gradients of the MoE layers' non-expert parameters, summed over it). With ep > 1 it is unflattened into
+``("edp", "ep", "etp")`` of sizes ``(D/ep, ep, t)``: the ep groups are the same as without tp (``ep`` consecutive
+``dp_cp`` ranks at one tp coordinate), and ``edp_tp`` (``edp`` x ``etp`` flattened, ``D·t/ep`` ranks) is the
+group that holds the same experts (Megatron-core's expert-data-parallel group with expert tensor parallelism 1,
+"MoE parallel folding", which also spans the attention's tp ranks).
 """
 
 from __future__ import annotations
@@ -36,12 +45,29 @@ class ParallelMesh:
         edp: the 1D expert data-parallel mesh (``dp_cp / ep`` ranks holding the same experts: the expert
             parameters' gradients are reduced and their ZeRO 1 states sharded over it), ``None`` without expert
             parallelism.
+        dp_cp_tp: the 1D flattened ``("dp", "cp", "tp")`` mesh (tp > 1; ``None`` otherwise): the ranks holding
+            disjoint tokens of a token-parallel MoE layer (module docstring).
+        edp_tp: the 1D mesh of the ``D·t/ep`` ranks holding the same experts under tp > 1 and ep > 1 (their
+            gradients are summed and their ZeRO 1 states sharded over it); ``None`` otherwise.
     """
 
     world: DeviceMesh
     dp_cp: DeviceMesh
     ep: Optional[DeviceMesh] = None
     edp: Optional[DeviceMesh] = None
+    dp_cp_tp: Optional[DeviceMesh] = None
+    edp_tp: Optional[DeviceMesh] = None
+
+    @property
+    def tokens(self) -> DeviceMesh:
+        """The ranks holding disjoint tokens of a Mixture-of-Experts layer: ``dp_cp_tp`` under tp, else ``dp_cp``."""
+        return self.dp_cp_tp if self.dp_cp_tp is not None else self.dp_cp
+
+    @property
+    def expert_replicas(self) -> Optional[DeviceMesh]:
+        """The ranks holding the same experts under expert parallelism (``edp_tp`` under tp, else ``edp``), over
+        which the experts' gradients are reduced; ``None`` without ep."""
+        return self.edp_tp if self.edp_tp is not None else self.edp
 
     @property
     def tp(self) -> DeviceMesh:
@@ -81,6 +107,15 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
         raise RuntimeError(f"process group has {world_size} ranks but the layout needs {config.world_size}")
     mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # keep the returned object: it holds the process group
+    if config.tp > 1:
+        tokens = flatten_mesh(mesh["dp", "cp", "tp"], "dp_cp_tp")
+        if config.ep == 1:
+            return ParallelMesh(world=mesh, dp_cp=dp_cp, dp_cp_tp=tokens)
+        experts = unflatten_mesh(tokens, (config.expert_dp, config.ep, config.tp), ("edp", "ep", "etp"))
+        edp_tp = flatten_mesh(experts["edp", "etp"], "edp_tp")
+        return ParallelMesh(
+            world=mesh, dp_cp=dp_cp, ep=experts["ep"], edp=experts["edp"], dp_cp_tp=tokens, edp_tp=edp_tp
+        )
     if config.ep == 1:
         return ParallelMesh(world=mesh, dp_cp=dp_cp)
     experts = unflatten_mesh(dp_cp, (config.expert_dp, config.ep), ("edp", "ep"))

@@ -91,8 +91,9 @@ class FourDStrategy(ModelParallelStrategy):
             MoE layer (``num_experts / ep`` each; tokens dispatched and combined by all-to-all). ep ranks are blocks
             of ep consecutive ranks of the flattened ``dp_cp`` mesh (ep divides dp·cp and ``num_experts``); the
             expert parameters' gradients are reduced and their ZeRO 1 states sharded over the expert
-            data-parallel group (dp·cp/ep ranks), the dense ones over dp·cp. ZeRO 0 and 1 only; see
-            ``docs/moe.md``.
+            data-parallel group (dp·cp/ep ranks), the dense ones over dp·cp. ZeRO 0 and 1 only. Under tp an MoE
+            layer is not split: each tp rank runs it whole on its ``s/t`` tokens, its gradients summed over
+            dp·cp·tp (the experts' over dp·cp·tp/ep); see ``docs/moe.md``.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
             ``"selective"`` (keep each layer's matmul and attention outputs, recompute its pointwise ops).
@@ -358,7 +359,8 @@ class FourDStrategy(ModelParallelStrategy):
             powersgd_rank=pc.powersgd_rank,
             powersgd_start_step=pc.powersgd_start_step,
             powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
-            expert_group=self.mesh.edp.get_group() if self.mesh.edp is not None else None,
+            expert_group=self.mesh.expert_replicas.get_group() if self.mesh.expert_replicas is not None else None,
+            token_group=self.mesh.dp_cp_tp.get_group() if self.mesh.dp_cp_tp is not None else None,
         )
 
     @property

@@ -39,3 +39,24 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def resume_on_layouts(out: Path, saved: dict, other: dict, model: str, steps: int, nproc: int = 2) -> list[tuple]:
+    """Train ``steps`` steps straight on layout ``saved`` (a ``run_layouts.py`` layout dict with ``"name": "a"``),
+    and ``steps // 2`` with a sharded checkpoint; resume that checkpoint on ``saved`` and on ``other`` (``"name":
+    "b"``) to ``steps``. Returns ``(layout, rank, resumed losses, the straight run's losses of the same steps)`` per
+    resumed layout and rank."""
+    import json
+    import shutil
+
+    common = ["--model", model, "--steps", str(steps), "--out", str(out)]
+    torchrun(nproc, SCRIPTS / "run_layouts.py", *common, "--reshard", "first", "--layouts", json.dumps([saved]))
+    shutil.copytree(out / saved["name"], out / other["name"])
+    torchrun(nproc, SCRIPTS / "run_layouts.py", *common, "--reshard", "resume", "--layouts", json.dumps([saved, other]))
+    rows = []
+    for rank in range(nproc):
+        tail = json.loads((out / f"{saved['name']}_first_rank{rank}.json").read_text())["straight"][steps // 2 :]
+        for name in (saved["name"], other["name"]):
+            second = json.loads((out / f"{name}_resume_rank{rank}.json").read_text())
+            rows.append((second["layout"], rank, second["resumed"], tail))
+    return rows

@@ -11,7 +11,6 @@ processes) and two for checkpoints (2 processes each)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
-from tests._launch import SCRIPTS, torchrun
+from tests._launch import SCRIPTS, resume_on_layouts, torchrun
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -63,9 +62,9 @@ def test_ep_refusals_name_the_value_and_what_is_supported():
             FourDStrategy(expert_parallel_size=2, zero_stage=stage)
     with pytest.raises(ValueError, match="powersgd.*expert_parallel_size=2"):
         ParallelConfig(expert_parallel_size=2, gradient_compression="powersgd", zero_stage=1)
-    # tp / pp / cp for MoE models stay refused, ep or not
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for a Mixture-of-Experts model"):
-        validate_against_module(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2).resolve(4), moe)
+    # pp for MoE models stays refused, ep or not (tp and cp compose with ep: tests/test_moe_tensor_parallel.py)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported for a Mixture-of-Experts model"):
+        validate_against_module(ParallelConfig(pipeline_parallel_size=2, expert_parallel_size=2).resolve(8), moe)
 
 
 def test_measure_refuses_ep():
@@ -199,21 +198,11 @@ def test_capacity_at_ep2_equals_ep1_at_the_same_dp(runs):
 def test_checkpoint_at_ep2_resumes_at_ep2_and_at_ep1(tmp_path):
     """Train 10 steps straight at dp2 ep2 ZeRO 1, and 5 steps with a sharded checkpoint; resume it at dp2 ep2 and
     at dp2 ep1 (the experts' DTensors are saved with their global shapes): steps 6-10 equal the straight run's."""
-    saved = {"name": "a", "dp": 2, "zero": 1, "ep": 2}
-    common = ["--model", "tiny-moe", "--steps", str(STEPS), "--out", str(tmp_path)]
-    torchrun(2, SCRIPTS / "run_layouts.py", *common, "--reshard", "first", "--layouts", json.dumps([saved]))
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    resumed = [saved, {"name": "b", "dp": 2, "zero": 1}]
-    torchrun(2, SCRIPTS / "run_layouts.py", *common, "--reshard", "resume", "--layouts", json.dumps(resumed))
-    for rank in range(2):
-        first = json.loads((tmp_path / f"a_first_rank{rank}.json").read_text())
-        for name in ("a", "b"):
-            second = json.loads((tmp_path / f"{name}_resume_rank{rank}.json").read_text())
-            curve = second["resumed"]
-            tail = first["straight"][STEPS // 2 :]
-            rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
-            print(f"\nresume {second['layout']} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
-            assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
+    saved, other = {"name": "a", "dp": 2, "zero": 1, "ep": 2}, {"name": "b", "dp": 2, "zero": 1}
+    for layout, rank, curve, tail in resume_on_layouts(tmp_path, saved, other, "tiny-moe", STEPS):
+        rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
+        print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
+        assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
 
 
 # ---------------------------------------------------------------------------------------------------- idle experts

@@ -17,7 +17,8 @@ the family answers                        used by
 :meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier
                                            (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
 :meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
-:meth:`~ModelFamily.apply_data_parallel`   statistics over the global batch (MoE tokens per expert, over ``dp_cp``)
+:meth:`~ModelFamily.apply_data_parallel`   statistics over the global batch (MoE tokens per expert, over ``dp_cp``
+                                           and, under tp, ``dp_cp x tp``)
 :meth:`~ModelFamily.materialize`           ``FourDStrategy.setup``: the meta-device model made real (and initialized)
 :meth:`~ModelFamily.load_hf`,              ``init_from`` (a Hugging Face directory, each rank reading its slices) and
 :meth:`~ModelFamily.load_checkpoint_weights`  one of our checkpoints (weights only)
@@ -124,10 +125,10 @@ class ModelFamily:
     def prepare(self, model: nn.Module, config: "ParallelConfig", mesh: Any) -> None:
         """Anything the family needs before the plans are applied when tp, cp or pp > 1 (default: nothing)."""
 
-    def apply_data_parallel(self, model: nn.Module, dp_cp_mesh: Any) -> None:
-        """Give ``model`` what it computes over the whole data-parallel batch: the ``dp_cp`` mesh (our MoE layers sum
-        their tokens per expert over it, :mod:`lightning_4d.models.moe`). Called when dp·cp > 1; default:
-        nothing."""
+    def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
+        """Give ``model`` what it computes over the whole data-parallel batch: the mesh of the ranks holding
+        disjoint tokens, ``dp_cp`` (``dp_cp_tp`` under tp, where our MoE layers run token parallel; they sum their
+        tokens per expert over it, :mod:`lightning_4d.models.moe`). Called when dp·cp·tp > 1; default: nothing."""
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
         """Split ``model``'s routed experts over ``ep_mesh`` and dispatch tokens to them by all-to-all

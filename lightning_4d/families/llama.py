@@ -40,6 +40,7 @@ _PLAN = TensorParallelPlan(
     layer_norms=("attention_norm", "ffn_norm"),
     gathered_inputs=(("attention", ("args", 3)), ("feed_forward", ("args", 1))),  # (x, cos, sin) / (x,)
     vocab_parallel_logits=True,
+    token_parallel=("feed_forward",),  # a MoEFeedForward runs whole on the tp rank's tokens; FeedForward is split
 )
 
 
@@ -80,12 +81,13 @@ class LlamaFamily(ModelFamily):
     def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan:
         return _PLAN
 
-    def apply_data_parallel(self, model: nn.Module, dp_cp_mesh: Any) -> None:
-        """Every MoE layer sums its routing counts over ``dp_cp`` (``MoEFeedForward.stats_group``): the
-        load-balancing loss of the global batch, the same on every layout (:mod:`lightning_4d.models.moe`)."""
+    def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
+        """Every MoE layer sums its routing counts over ``tokens_mesh`` (``dp_cp``, or ``dp_cp x tp`` under tp,
+        where MoE layers run token parallel; ``MoEFeedForward.stats_group``): the load-balancing loss of the global
+        batch, the same on every layout (:mod:`lightning_4d.models.moe`)."""
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
-                module.stats_group = dp_cp_mesh.get_group()
+                module.stats_group = tokens_mesh.get_group()
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
         """Every MoE layer's stacked experts become DTensors ``Shard(0)`` on ``ep_mesh`` (this rank's ``E/ep``

@@ -213,6 +213,7 @@ class _Param:
     matrix: bool
     unit: str  # FSDP2 unit: "layers.<i>" or "root"
     expert: bool = False  # a routed experts' stacked weight [E/ep, ...] (sharded over ep, ZeRO over dp·cp/ep)
+    token: bool = False  # a Mixture-of-Experts layer's (run token parallel under tp: not split, ZeRO over dp·cp·tp)
 
     @property
     def numel(self) -> int:
@@ -243,8 +244,9 @@ def _stage_params(cfg: Any, tp: int, layers: Any, first: bool, last: bool, ep: i
     """The parameters of layers ``layers`` (+ embedding / final norm and head), in the model's order (the order
     ``model.parameters()`` yields them: ZeRO 1's buckets follow it). An MoE layer's feed-forward is the router
     ``[E, h]``, the experts' stacked ``w1``, ``w3`` ``[E, f_e, h]`` and ``w2`` ``[E, h, f_e]`` (``E/ep`` rows each:
-    the experts of this ep rank) and the shared experts' ``w1``, ``w3``, ``w2`` (width ``n_s·f_e``); MoE
-    configs take no tp (``ParallelConfig.validate_model``)."""
+    the experts of this ep rank) and the shared experts' ``w1``, ``w3``, ``w2`` (width ``n_s·f_e``), none of them
+    divided by tp: under tp an MoE layer runs whole on each tp rank's tokens (``parallel/tensor.py``'s
+    ``TokenParallel``; ``token``-marked)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.padded_vocab_size
     out: list[_Param] = []
@@ -264,16 +266,16 @@ def _stage_params(cfg: Any, tp: int, layers: Any, first: bool, last: bool, ep: i
             e, fe, fs = cfg.num_experts, cfg.expert_intermediate_size, cfg.num_shared_experts
             ff = f"{u}.feed_forward"
             out += [
-                _Param(f"{ff}.router.weight", e, h, True, u),
-                _Param(f"{ff}.experts.w1", e // ep, fe * h, True, u, expert=True),
-                _Param(f"{ff}.experts.w3", e // ep, fe * h, True, u, expert=True),
-                _Param(f"{ff}.experts.w2", e // ep, h * fe, True, u, expert=True),
+                _Param(f"{ff}.router.weight", e, h, True, u, token=True),
+                _Param(f"{ff}.experts.w1", e // ep, fe * h, True, u, expert=True, token=True),
+                _Param(f"{ff}.experts.w3", e // ep, fe * h, True, u, expert=True, token=True),
+                _Param(f"{ff}.experts.w2", e // ep, h * fe, True, u, expert=True, token=True),
             ]
             if fs:
                 out += [
-                    _Param(f"{ff}.shared_experts.w1.weight", fs * fe, h, True, u),
-                    _Param(f"{ff}.shared_experts.w3.weight", fs * fe, h, True, u),
-                    _Param(f"{ff}.shared_experts.w2.weight", h, fs * fe, True, u),
+                    _Param(f"{ff}.shared_experts.w1.weight", fs * fe, h, True, u, token=True),
+                    _Param(f"{ff}.shared_experts.w3.weight", fs * fe, h, True, u, token=True),
+                    _Param(f"{ff}.shared_experts.w2.weight", h, fs * fe, True, u, token=True),
                 ]
         else:
             out += [
@@ -365,17 +367,22 @@ def _zero1_owned(
     rank: int,
     bucket_bytes: int,
     ep: int = 1,
+    tp_rank: int = 0,
 ) -> int:
     """:func:`_bucket_owned` of the parameters of ``layers`` (+ embedding / head), cached: the planner asks for the
     same stage under many micro-batch sizes. Under expert parallelism (``ep`` > 1) the expert weights fill buckets
     of their own, sharded over the expert data-parallel group (``world / ep`` ranks; this rank is ``rank // ep`` of
-    it, ``ParallelConfig.ep_coordinates``), the others over all ``world`` ranks (``parallel/zero.py``)."""
+    it, ``ParallelConfig.ep_coordinates``), the others over all ``world`` ranks (``parallel/zero.py``). Under tp the
+    Mixture-of-Experts layers' parameters run token parallel: their buckets go over ``world·tp`` ranks (this rank
+    ``rank·tp + tp_rank``), the experts' under ep over ``world·tp/ep`` (``(rank // ep)·tp + tp_rank``;
+    ``lightning_4d/mesh.py``'s ``dp_cp_tp`` and ``edp_tp``)."""
     params = _stage_params(sizes, tp, layers, first, last, ep)
-    dense = [p.numel for p in params if not (p.expert and ep > 1)]
-    owned = _bucket_owned(dense, elem_bytes, world, rank, bucket_bytes)
-    if ep > 1:
-        experts = [p.numel for p in params if p.expert]
-        owned += _bucket_owned(experts, elem_bytes, world // ep, rank // ep, bucket_bytes)
+    kinds = {0: [], 1: [], 2: []}  # dense, token parallel, experts (GradientBuckets' kinds)
+    for p in params:
+        kinds[2 if p.expert and ep > 1 else 1 if p.token and tp > 1 else 0].append(p.numel)
+    owned = _bucket_owned(kinds[0], elem_bytes, world, rank, bucket_bytes)
+    owned += _bucket_owned(kinds[1], elem_bytes, world * tp, rank * tp + tp_rank, bucket_bytes)
+    owned += _bucket_owned(kinds[2], elem_bytes, world * tp // ep, (rank // ep) * tp + tp_rank, bucket_bytes)
     return owned
 
 
@@ -424,6 +431,7 @@ def model_state_bytes(
     dp_cp_rank: int = 0,
     pipeline_layer_split: Optional[list[int]] = None,
     bucket_bytes: int = GRADIENT_BUCKET_BYTES,
+    tp_rank: int = 0,
 ) -> ModelStates:
     """Exact bytes of the model states held at rest by one rank (see the module docstring for the rules).
 
@@ -440,14 +448,18 @@ def model_state_bytes(
             equal).
         bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
             at ZeRO 1 a rank owns its 1/D of every bucket.
+        tp_rank: the tp rank: under tp a Mixture-of-Experts model's MoE parameters are ZeRO 1-sharded over
+            ``dp·cp·tp`` ranks (the experts under ep over ``dp·cp·tp/ep``), where the tp rank picks the range.
 
     Returns:
         :class:`ModelStates`.
 
     Raises:
-        ValueError: an unknown precision, a pp rank or dp_cp rank out of range.
+        ValueError: an unknown precision, a pp rank, dp_cp rank or tp rank out of range.
     """
     dt = _Dtypes.of(_precision(precision))
+    if not 0 <= tp_rank < parallel_config.tp:
+        raise ValueError(f"tp_rank={tp_rank} is not valid: expected 0 .. {parallel_config.tp - 1}.")
     pc = _with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
     if not 0 <= pp_rank < pc.pp:
         raise ValueError(f"pp_rank={pp_rank} is not valid: expected 0 .. {pc.pp - 1}.")
@@ -478,6 +490,7 @@ def model_state_bytes(
             dp_cp_rank,
             bucket_bytes,
             pc.ep,
+            tp_rank,
         )
     master = n_opt * dt.master
     compression = 0
@@ -543,14 +556,19 @@ def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool,
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
     c = dt.compute
+    # an MoE layer under tp runs whole on the rank's s/t tokens (parallel/tensor.py's TokenParallel): its input is
+    # the sequence shard (under sp as given, else a contiguous copy of it: the replicated input is not kept)
+    s_moe = s // tp
     return {
         "norms": 2 * _norm_input_saved(dt.residual, b, s_sp, h),
         # under sp the projections save the sequence shard and gather it again in backward (parallel/tensor.py)
         "attn_in": c * b * s_sp * h if sp else c * b * s * h * (3 if dt.autocast else 1),
-        "ffn_in": c * b * s_sp * h if sp else c * b * s * h * (2 if dt.autocast else 1),
+        "ffn_in": c * b * (s_moe if moe else s_sp) * h
+        if sp or (moe and tp > 1)
+        else c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * (a if dt.kv_repeated else k) * d + 4 * b * a * s,
         # an MoE layer (moe=True): the router, dispatch, experts and shared experts instead (_moe_saved)
-        "swiglu": _moe_saved(cfg, dt, b, s) if moe else 4 * c * b * s * (f // tp),
+        "swiglu": _moe_saved(cfg, dt, b, s_moe) if moe else 4 * c * b * s * (f // tp),
     }
 
 

@@ -232,6 +232,8 @@ def _layouts(
                                         continue  # nothing to shard over, or not the stage asked for
                                     if ep > 1 and not _zero_accepted(ep, zero):
                                         continue  # a ZeRO stage ParallelConfig refuses with expert parallelism
+                                    if zero > 1 and tp > 1 and getattr(model_config, "is_moe", False):
+                                        continue  # refused by ParallelConfig.validate_model (MoE under tp: ZeRO 0/1)
                                     for ac in ACTIVATION_CHECKPOINTING:
                                         if ac == "selective" and name in ("zbv", "dualpipev"):
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)

@@ -38,6 +38,14 @@ Under data parallelism the counts ``f_e`` are those of the global batch (summed 
 all-reduce of ``E + 2`` integers per layer and forward, :attr:`MoEFeedForward.stats_group`) while ``P_e`` is this
 rank's mean: every rank's term ``E · sum_e f_e^global · P_e^local`` then averages (as the gradients do) to the
 single-process loss, and its gradient to the single-process gradient, whatever dp and cp are.
+
+Under tensor parallelism the layer runs token parallel (:attr:`MoEFeedForward.token_parallel`, set by
+``lightning_4d.parallel.tensor``): each tp rank routes and computes its own ``s/t`` tokens with the whole layer, so
+the counts are summed over ``dp_cp x tp`` (the stats group) and ``P_e`` is the mean over the tp group's tokens (a
+differentiable mean over tp, whose backward gives each rank ``1/t`` of the gradient for its own tokens): the term is
+then the same on every tp rank, like the language-model loss, and still averages over ``dp_cp`` to the
+single-process loss; summed over tp by the gradient reduction (the parameters see only their rank's tokens), its
+gradient is the single-process gradient.
 """
 
 from __future__ import annotations
@@ -147,8 +155,14 @@ class MoEFeedForward(nn.Module):
     ``assignments`` (all assignments, ``T · k`` summed over the group). A recomputation (activation checkpointing)
     overwrites them with the same values.
 
-    ``stats_group``: ``None`` (one process), or the ``dp_cp`` process group the counts are summed over (set by
+    ``stats_group``: ``None`` (one process), or the process group the counts are summed over: the ranks holding
+    disjoint tokens, ``dp_cp`` (``dp_cp x tp`` under tensor parallelism; set by
     :meth:`lightning_4d.families.llama.LlamaFamily.apply_data_parallel`).
+
+    ``token_parallel``: ``None``, or under tensor parallelism an object with ``__call__(x, run)`` that runs ``run``
+    (this layer's computation) on this tp rank's ``s/t`` tokens of ``x`` and returns the output in ``x``'s layout,
+    and ``mean(t)`` (a differentiable mean over the tp ranks) for the load-balancing loss
+    (:class:`lightning_4d.parallel.tensor.TokenParallel`; the models package imports nothing of ``parallel/``).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -160,6 +174,7 @@ class MoEFeedForward(nn.Module):
         self.experts = GroupedExperts(e, h, fe)
         self.shared_experts = SwiGLU(h, config.num_shared_experts * fe) if config.num_shared_experts else None
         self.stats_group: Any = None
+        self.token_parallel: Any = None
         self.aux_loss: Optional[Tensor] = None
         self.tokens_per_expert: Optional[Tensor] = None
         self.dropped: Optional[Tensor] = None
@@ -178,6 +193,11 @@ class MoEFeedForward(nn.Module):
         return torch.sigmoid(top.to(dtype)), experts, probs
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.token_parallel is not None:  # tp: this rank's s/t tokens (module docstring)
+            return self.token_parallel(x, self._forward)
+        return self._forward(x)
+
+    def _forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         n_tokens, k, n_experts = tokens.shape[0], self.top_k, self.config.num_experts
@@ -221,7 +241,10 @@ class MoEFeedForward(nn.Module):
         self.tokens_per_expert = counts
         # f_e: fraction of the global batch's tokens routed to e (T_global = assignments / k); P_e: this rank's mean
         f = counts.to(probs.dtype) * self.top_k / self.assignments.to(probs.dtype)
-        self.aux_loss = self.config.num_experts * (f * probs.mean(dim=0)).sum()
+        p = probs.mean(dim=0)
+        if self.token_parallel is not None:  # the tp group's tokens (equal shards): the same term on every tp rank
+            p = self.token_parallel.mean(p)
+        self.aux_loss = self.config.num_experts * (f * p).sum()
 
     def extra_repr(self) -> str:
         c = self.config

@@ -57,6 +57,13 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
     seq_length = getattr(datamodule, "seq_length", None)
     if isinstance(seq_length, int):
         config.validate_sequence(seq_length)
+        moe = getattr(model_config, "is_moe", False)
+        if moe and config.tp > 1 and not config.sp and (seq_length // config.cp) % config.tp:
+            raise ValueError(  # MoE layers run token parallel: each tp rank takes s/t tokens (parallel/tensor.py)
+                f"seq_length={seq_length} (per cp rank {seq_length // config.cp}) is not divisible by "
+                f"tensor_parallel_size={config.tp}: the Mixture-of-Experts layers of this model run on 1/tp of the "
+                "sequence per tp rank; use a seq_length that is a multiple of tp*2*cp."
+            )
     if config.pp > 1:
         resolve_num_microbatches(config, trainer, datamodule)
 
@@ -209,8 +216,8 @@ def parallelize_model(
         apply_tensor_parallel(model, family.tensor_parallel_plan(model), mesh.tp, sequence_parallel=config.sp)
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
-    if config.dp_cp > 1:
-        family.apply_data_parallel(model, mesh.dp_cp)
+    if config.dp_cp * config.tp > 1:  # the ranks holding disjoint tokens (MoE layers under tp: dp_cp x tp)
+        family.apply_data_parallel(model, mesh.tokens)
     if config.ep > 1:
         family.apply_expert_parallel(model, mesh.ep)
     layers = find_submodel(model, family.pipeline_layout(model).layers)

@@ -14,7 +14,12 @@ Per transformer block, over a tp group of size t:
   ``LinearWithGradAccumulationAndAsyncCommunication``), so these inputs cost ``1/t`` of the gathered tensor;
 - the embedding is split by vocabulary rows, the LM head by vocabulary columns; its logits stay vocabulary-sharded
   (``Shard(-1)``) as a DTensor, for the vocabulary-parallel cross-entropy of :mod:`lightning_4d.parallel.loss` (no
-  full-vocabulary logits on any rank).
+  full-vocabulary logits on any rank);
+- a Mixture-of-Experts feed-forward is not split (:class:`TokenParallel`, ``docs/moe.md``): each tp rank runs the
+  whole layer (router, routed and shared experts, replicated over tp) on its own ``s/t`` tokens of the sequence, as
+  one more data-parallel dimension for that layer (expert tensor parallelism 1: Megatron-core's "MoE parallel
+  folding" recommends it, torchtitan supports it). Its parameters' gradients are then partial sums over tp, summed
+  by the gradient buckets over the ``dp_cp_tp`` group (:mod:`lightning_4d.parallel.zero`).
 """
 
 from __future__ import annotations
@@ -108,6 +113,115 @@ def sequence_parallel_projection(x: Tensor, linears: tuple[nn.Linear, ...], grou
     return _SequenceParallelProjection.apply(group, local, *weights)
 
 
+class _ScatterSequence(torch.autograd.Function):
+    """``[b, s, h]`` replicated over tp -> this rank's ``[b, s/t, h]`` (a contiguous copy, so the full tensor is not
+    kept alive by what the layer saves); backward all-gathers the shards' gradients along the sequence, the full
+    gradient every tp rank holds in the replicated region (Megatron-LM's ``scatter_to_sequence_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # noqa: D102
+        ctx.group = group
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        n = x.shape[1] // t
+        return x[:, r * n : (r + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None]:  # noqa: D102
+        return _all_gather_sequence_shards(grad, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every tp rank's ``[b, s/t, h]`` -> ``[b, s, h]`` replicated over tp; backward keeps this rank's shard of the
+    (replicated, identical on every tp rank) gradient (Megatron-LM's ``gather_from_sequence_parallel_region`` with
+    ``tensor_parallel_output_grad=False``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # noqa: D102
+        ctx.group = group
+        return _all_gather_sequence_shards(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None]:  # noqa: D102
+        t, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        n = grad.shape[1] // t
+        return grad[:, r * n : (r + 1) * n].contiguous(), None
+
+
+class _MeanOverGroup(torch.autograd.Function):
+    """``mean_r x_r`` over the tp group (all-reduce), for a scalar the tp ranks then share as they share the
+    language-model loss: backward is ``grad / t`` on the rank's own ``x_r`` with no communication (each tp rank's
+    backward starts from the same replicated gradient; Megatron-LM's ``reduce_from_tensor_model_parallel_region``,
+    scaled)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # noqa: D102
+        ctx.t = dist.get_world_size(group)
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out / ctx.t
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None]:  # noqa: D102
+        return grad / ctx.t, None
+
+
+class TokenParallel:
+    """A module that tp does not split, run token parallel: each tp rank runs it whole on its own ``s/t`` tokens
+    (its parameters replicated over tp; expert tensor parallelism 1 for Mixture-of-Experts layers, module docstring).
+
+    ``__call__(x, run)``: ``x`` the module's input, a ``Shard(1)`` DTensor (local ``[b, s/t, h]``) under sequence
+    parallelism, else ``[b, s, h]`` replicated over tp; ``run`` the module's computation on ``[b, n, h]`` tokens.
+    Under sp ``run`` gets the local shard and its ``[b, s/t, h]`` output is returned as is (the residual stream's
+    layout: the row-parallel projections return the local shard too). Without sp the rank's shard is cut out
+    (backward: all-gather of the gradient shards) and the outputs are all-gathered along the sequence (backward: the
+    rank's shard of the gradient), so the module returns ``[b, s, h]`` replicated like a dense feed-forward.
+
+    ``mean(x)``: the mean of ``x`` over the tp ranks (differentiable: :class:`_MeanOverGroup`), for the
+    load-balancing loss' mean router probabilities of the tp group's tokens (:mod:`lightning_4d.models.moe`).
+
+    The gradient a rank computes for the module's parameters comes from its own tokens only: the true gradient is
+    their sum over tp. The gradient buckets sum them over the ``dp_cp_tp`` group
+    (:func:`token_parallel_parameters`, :class:`lightning_4d.parallel.zero.GradientBuckets`): one bucketed
+    collective with the data-parallel reduction, rather than a DTensor ``Partial`` gradient all-reduced over tp per
+    parameter first, and ZeRO 1 then shards their optimizer states over all ``D·t`` ranks.
+
+    Raises:
+        ValueError: (forward, without sp) a sequence length not divisible by t (``validate_against_module`` says it
+            first when the DataModule has a ``seq_length``).
+    """
+
+    def __init__(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+        self.group = tp_mesh.get_group()
+        self.size = tp_mesh.size()
+        self.sequence_parallel = sequence_parallel
+
+    def __call__(self, x: Tensor, run: Any) -> Tensor:
+        if self.sequence_parallel:
+            return run(x.to_local() if isinstance(x, DTensor) else x)
+        if isinstance(x, DTensor):  # replicated
+            x = x.to_local()
+        if x.shape[1] % self.size:
+            raise ValueError(
+                f"sequence length {x.shape[1]} is not divisible by tensor_parallel_size={self.size}: a "
+                "Mixture-of-Experts layer under tp runs on s/t tokens per tp rank"
+            )
+        y = run(_ScatterSequence.apply(x, self.group))
+        return _GatherSequence.apply(y, self.group)
+
+    def mean(self, x: Tensor) -> Tensor:
+        return _MeanOverGroup.apply(x, self.group)
+
+
+def token_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module``'s submodules that run token parallel (a :class:`TokenParallel` set as their
+    ``token_parallel`` by :func:`apply_tensor_parallel`): their gradients are partial sums over tp."""
+    params: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        if isinstance(getattr(m, "token_parallel", None), TokenParallel):
+            params.update({id(p): p for p in m.parameters()})
+    return list(params.values())
+
+
 def _sequence_parallel_head(x: Tensor, output: nn.Linear, mesh: DeviceMesh) -> Tensor:
     """The LM head on the sequence-sharded final hidden states ``x`` (``[b, s/t, h]``): logits ``[b, s, V]`` as a
     vocabulary-sharded DTensor (``Shard(-1)``, local ``[b, s, V/t]``), as ``ColwiseParallel(input_layouts=Shard(1),
@@ -142,6 +256,10 @@ class TensorParallelPlan:
             vocabulary-parallel cross-entropy of :mod:`lightning_4d.parallel.loss`); ``False``: gathered to
             ``[b, s, V]`` on every tp rank (a foreign model's own loss works unchanged). With vocabulary-parallel
             logits, sp and a model attribute ``head_projection``, the head saves only the sequence shard of its input.
+        token_parallel: per-layer modules that tp does not split when they have a ``token_parallel`` attribute
+            (our ``MoEFeedForward``): each tp rank runs them whole on its ``s/t`` tokens (:class:`TokenParallel`);
+            the ``colwise`` / ``rowwise`` / ``gathered_inputs`` entries inside such a module are skipped for that
+            layer. A module without the attribute (a dense feed-forward) is split as usual.
     """
 
     embedding: str
@@ -153,6 +271,12 @@ class TensorParallelPlan:
     layer_norms: tuple[str, ...]
     gathered_inputs: tuple[tuple[str, tuple[str, Any]], ...]
     vocab_parallel_logits: bool = True
+    token_parallel: tuple[str, ...] = ()
+
+
+def _inside(name: str, modules: list[str]) -> bool:
+    """Whether the dotted path ``name`` is one of ``modules`` or inside one."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
 
 
 def apply_tensor_parallel(
@@ -190,11 +314,14 @@ def apply_tensor_parallel(
     # layers without parameters: the placeholders of layers another pipeline rank holds
     for key, layer in [(k, m) for k, m in layers if any(True for _ in m.parameters())]:
         prefix = f"{plan.layers}.{key}."
-        styles.update({prefix + name: ColwiseParallel() for name in plan.colwise})
-        styles.update({prefix + name: RowwiseParallel(output_layouts=seq) for name in plan.rowwise})
+        whole = [n for n in plan.token_parallel if hasattr(find_submodel(layer, n), "token_parallel")]
+        for name in whole:  # run token parallel, not split (a Mixture-of-Experts feed-forward)
+            find_submodel(layer, name).token_parallel = TokenParallel(tp_mesh, sequence_parallel)
+        styles.update({prefix + name: ColwiseParallel() for name in plan.colwise if not _inside(name, whole)})
+        styles.update({prefix + n: RowwiseParallel(output_layouts=seq) for n in plan.rowwise if not _inside(n, whole)})
         if sequence_parallel:
             styles.update({prefix + name: SequenceParallel() for name in plan.layer_norms})
-        for name, (kind, where) in plan.gathered_inputs:
+        for name, (kind, where) in [(n, w) for n, w in plan.gathered_inputs if not _inside(n, whole)]:
             module = find_submodel(layer, name)
             if sequence_parallel and hasattr(module, "input_projection"):
                 module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)

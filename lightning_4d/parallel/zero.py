@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_4d.parallel._compat import all_gather_single, local_tensor as _local, reduce_scatter_single
 from lightning_4d.parallel.compression import PowerSGD, compressible
+from lightning_4d.parallel.tensor import token_parallel_parameters
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
 
 _BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in partition.py (the memory model reads it)
@@ -58,9 +59,9 @@ def _buckets(
     key: Callable[[Tensor], Tensor] = lambda t: t,
     kind: Callable[[Tensor], Any] = lambda t: None,
 ) -> Iterable[list[Tensor]]:
-    """Group tensors of the same dtype, device (of ``key(t)``) and ``kind(t)`` (expert parameters apart: another
-    process group) into buckets of at most ``bucket_bytes`` of ``key(t)`` (one tensor may exceed), keeping their
-    order (:func:`lightning_4d.partition.bucket_lengths`)."""
+    """Group tensors of the same dtype, device (of ``key(t)``) and ``kind(t)`` (expert and token-parallel parameters
+    apart: other process groups) into buckets of at most ``bucket_bytes`` of ``key(t)`` (one tensor may exceed),
+    keeping their order (:func:`lightning_4d.partition.bucket_lengths`)."""
     by_key: dict[tuple, list[Tensor]] = {}
     for t in tensors:
         k = key(t)
@@ -188,6 +189,7 @@ def setup_zero(
     powersgd_start_step: int = 0,
     powersgd_comm_dtype: Optional[torch.dtype] = None,
     expert_group: Optional[dist.ProcessGroup] = None,
+    token_group: Optional[dist.ProcessGroup] = None,
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own: their gradients in :class:`GradientBuckets` over ``group``
     (``dp_cp``; returned, ``None`` when there is none), and a :class:`ShardedOptimizer` around every torch optimizer
@@ -211,7 +213,13 @@ def setup_zero(
         expert_group: under expert parallelism the expert data-parallel group (``dp_cp / ep``): the expert
             parameters (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) get buckets of their own over it
             (averaged over D all the same, :class:`GradientBuckets`), and every optimizer a
-            :class:`ShardedOptimizer` (also at ZeRO 0: the global-norm clipping counts each expert once).
+            :class:`ShardedOptimizer` (also at ZeRO 0: the global-norm clipping counts each expert once). Under tp
+            with ep it is the ``edp_tp`` group (the experts run token parallel, see ``token_group``).
+        token_group: under tensor parallelism the ``dp_cp_tp`` group: the parameters of modules that run token
+            parallel (:func:`~lightning_4d.parallel.tensor.token_parallel_parameters`: Mixture-of-Experts layers,
+            each tp rank on its own tokens) get buckets of their own over it, so that their gradients are summed over
+            tp and averaged over D in one collective (:class:`GradientBuckets`), and every optimizer a
+            :class:`ShardedOptimizer` (the clipping); ``None`` without tp (ignored for a model without such modules).
 
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
@@ -221,6 +229,7 @@ def setup_zero(
     if not params:
         return None
     shard = zero_stage == 1 and dist.get_world_size(group) > 1
+    tokens = token_parallel_parameters(model) if token_group is not None else []
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
     buckets = GradientBuckets(
         params,
@@ -233,8 +242,12 @@ def setup_zero(
         powersgd_start_step=powersgd_start_step,
         powersgd_comm_dtype=powersgd_comm_dtype,
         expert_group=expert_group,
+        token_group=token_group if tokens else None,
+        token_params=tokens,
     )
-    if shard or master_dtype is not None or expert_group is not None:
+    # expert and token-parallel gradients live in buckets over other groups: only the ShardedOptimizer's clipping
+    # counts each once (and torch's would mix plain and DTensor gradients)
+    if shard or master_dtype is not None or expert_group is not None or tokens:
         for optimizer in optimizers:
             ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
     return buckets
@@ -244,10 +257,11 @@ class _Bucket:
     """One communication bucket: parameters in backward order and a flat gradient buffer ``[padded]`` holding their
     gradients back to back (``padded`` = their local elements rounded up to a multiple of the group size), reduced
     over ``group`` (``dp_cp``, or for expert parameters the expert data-parallel group) of ``world`` ranks, this one
-    ``rank``."""
+    ``rank``; ``kind``: 0 dense (``dp_cp``), 1 token parallel (``dp_cp_tp``), 2 experts (their replicas' group)."""
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group: dist.ProcessGroup, kind: int = 0) -> None:
         self.group = group
+        self.kind = kind
         self.world = world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.params = params
@@ -290,6 +304,15 @@ class GradientBuckets:
     the bucket slices to the optimizer. :meth:`start_accumulation` (after each optimizer step) makes the next
     gradient overwrite instead of add.
 
+    Under tensor parallelism the parameters of token-parallel modules (Mixture-of-Experts layers: each tp rank runs
+    them whole on its own ``s/t`` tokens, :class:`lightning_4d.parallel.tensor.TokenParallel`) hold the gradient of
+    their rank's tokens only: their buckets go over ``token_group`` (``dp_cp x tp``), and the sum over it divided by
+    D is the sum over tp of the mean over ``dp_cp``; under ep the experts' over ``expert_group`` (``edp x tp``) in
+    the same way. (A DTensor ``Replicate`` parameter used through ``to_local(grad_placements=Partial)`` would say the
+    same, but its gradient would be all-reduced over tp per parameter, synchronously, before the bucket's own
+    collective; a bucket over the combined group is one collective, overlapped with backward, and lets ZeRO 1 shard
+    these states over ``D·t`` ranks: Megatron-core's expert data-parallel group with expert tensor parallelism 1.)
+
     A tensor-parallel gradient whose placement differs from its parameter's (the vocabulary-parallel embedding's
     comes back partial over tp) is redistributed to the parameter's placement first. A parameter that got no
     gradient since the last step has none at the optimizer step (its slice is zeroed before the collective).
@@ -309,6 +332,8 @@ class GradientBuckets:
         powersgd_start_step: int = 0,
         powersgd_comm_dtype: Optional[torch.dtype] = None,
         expert_group: Optional[dist.ProcessGroup] = None,
+        token_group: Optional[dist.ProcessGroup] = None,
+        token_params: Iterable[Tensor] = (),
     ) -> None:
         from lightning_4d.parallel.expert import is_expert_parameter
 
@@ -326,14 +351,20 @@ class GradientBuckets:
         self.grad_dtype = grad_dtype
         bucket_bytes = _BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self.expert_group = expert_group
+        self.token_group = token_group
+        tokens = {id(p) for p in token_params}
+        groups = {0: group, 1: token_group, 2: expert_group}
 
-        def kind(p: Tensor) -> bool:
-            return expert_group is not None and is_expert_parameter(p)
+        def kind(p: Tensor) -> int:  # 0 dense, 1 token parallel, 2 experts (class docstring)
+            if expert_group is not None and is_expert_parameter(p):
+                return 2
+            return 1 if token_group is not None and id(p) in tokens else 0
 
         self.buckets = [
-            _Bucket(ps, grad_dtype or _local(ps[0]).dtype, expert_group if kind(ps[0]) else group)
+            _Bucket(ps, grad_dtype or _local(ps[0]).dtype, groups[kind(ps[0])], kind(ps[0]))
             for ps in _buckets(self.params[::-1], bucket_bytes, key=_local, kind=kind)
         ]
+        self._reduces = any(b.world > 1 for b in self.buckets)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._main: dict[int, Tensor] = {}
         for b in self.buckets:
@@ -429,7 +460,7 @@ class GradientBuckets:
         if self._suspended:
             return
         self._accumulate(p)
-        if not self._overlap or self.world == 1 or (self.powersgd is not None and self.powersgd.active(self._step)):
+        if not self._overlap or not self._reduces or (self.powersgd is not None and self.powersgd.active(self._step)):
             return  # PowerSGD reduces in synchronize (its two all-reduces need every matrix of the bucket)
         i = self._bucket_of[id(p)]
         self._ready[i] += 1
@@ -469,7 +500,7 @@ class GradientBuckets:
                 self._accumulate(p)
         if self.world > 1 and self.powersgd is not None and self.powersgd.active(step):
             self._powersgd_reduce()
-        elif self.world > 1:
+        elif self._reduces:  # some bucket's group has other ranks (tp alone: the token-parallel ones)
             for i in range(len(self.buckets)):
                 self._launch(i)
             for i in sorted(self._pending):
@@ -704,32 +735,34 @@ class ShardedOptimizer:
         Each rank adds the norm of its owned slices (float32), counting a parameter replicated over tp (RMSNorm
         weights) on tp rank 0 only (Megatron-LM's ``clip_grad_norm_fp32``); the sum of ``|g|^q`` (``max`` for
         q = inf) goes through an all-reduce over all ranks, divided by D at ZeRO 0 (every dp/cp rank holds the
-        whole averaged gradient; under expert parallelism the experts' sum by D/ep, the ranks holding them);
+        whole averaged gradient; under expert parallelism the experts' sum by D/ep, the ranks holding them; under
+        tp the token-parallel parameters' by D·t and the experts' by D·t/ep: their buckets' groups, whose ranks all
+        hold them, tp ranks included, and whose owned slices partition them at ZeRO 1);
         coefficient ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
         """
         grads = [(p, g) for p in self.parameters() if (g := self.owned_grad(p)) is not None]
         device = self.buckets.buckets[0].buffer.device
         inf = math.isinf(norm_type)
-        # [dense, expert] sums: at ZeRO 0 the ranks of a bucket's group all hold its whole gradient (D of them for
-        # dense parameters, D/ep for experts), so each sum is divided by its group's size after the all-reduce
-        totals = torch.zeros(2, dtype=torch.float32, device=device)
+        # [dense, token parallel, expert] sums (_Bucket.kind): at ZeRO 0 the ranks of a bucket's group all hold its
+        # whole gradient (D of them for dense parameters, D·t for token-parallel ones, D/ep or D·t/ep for experts),
+        # so each sum is divided by its group's size after the all-reduce
+        totals = torch.zeros(3, dtype=torch.float32, device=device)
         for p, g in grads:
-            if _tp_duplicate(p, self.tp_rank) or g.numel() == 0:
+            i = self.buckets.bucket_of(p)[0].kind
+            if (i == 0 and _tp_duplicate(p, self.tp_rank)) or g.numel() == 0:
                 continue
             n = torch.linalg.vector_norm(g.float(), norm_type)
-            i = int(self.buckets.bucket_of(p)[0].group is not self.buckets.group)
             totals[i] = torch.maximum(totals[i], n) if inf else totals[i] + n**norm_type
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         if inf:
             total = totals.max()
         else:
-            dense, expert = totals[0], totals[1]
             if not self.sharded:  # every rank of a group counted the whole gradient
-                dense = dense / self.buckets.world
-                if self.buckets.expert_group is not None:
-                    expert = expert / dist.get_world_size(self.buckets.expert_group)
-            total = (dense + expert) ** (1.0 / norm_type)
+                for i, group in enumerate((self.buckets.group, self.buckets.token_group, self.buckets.expert_group)):
+                    if group is not None:
+                        totals[i] = totals[i] / dist.get_world_size(group)
+            total = totals.sum() ** (1.0 / norm_type)
         coef = clip_coefficient(max_norm, total)
         for _, g in grads:
             g.mul_(coef.to(g.dtype))

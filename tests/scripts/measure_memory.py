@@ -1,7 +1,8 @@
 """Measure, per rank, what one training step of FourDStrategy really holds, next to the memory model's figures.
 
 For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied, pp, schedule, m for pipelines, cp,
-method for context parallelism and config: model config fields to override, e.g. the MoE ones) one
+method for context parallelism, ep for expert parallelism and config: model config fields to override, e.g. the MoE
+ones) one
 ``Trainer.fit`` runs one optimizer step per batch shape (b, s) in ``--shapes`` (a pipeline: two steps of the first
 shape, the second measured, with batches of b·m split by the schedule). Under a pipeline the pack hook also tracks
 when autograd frees each saved value, giving the peak of saved bytes alive at once during the schedule (the
@@ -205,6 +206,7 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
         num_microbatches=layout.get("m"),
         context_parallel_size=layout.get("cp", 1),
         context_parallel_method=layout.get("method", "ring"),
+        expert_parallel_size=layout.get("ep", 1),
     )
     pp, m = layout.get("pp", 1), layout.get("m", 1)
     if pp > 1:
@@ -233,7 +235,9 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
     rank = trainer.global_rank
     dp_cp_rank = (rank // pc.tp) % pc.dp_cp
     pp_rank = rank // (pc.tp * pc.dp_cp)
-    estimated_states = model_state_bytes(cfg, pc, precision, dp_cp_rank=dp_cp_rank, pp_rank=pp_rank)
+    estimated_states = model_state_bytes(
+        cfg, pc, precision, dp_cp_rank=dp_cp_rank, pp_rank=pp_rank, tp_rank=rank % pc.tp
+    )
     rows = []
     for i, ((b, s), measured) in enumerate(zip(shapes, module.saved)):
         if pp > 1 and i % 2 == 0:

@@ -1,0 +1,254 @@
+"""Mixture-of-Experts models under tensor parallelism (with and without sequence parallelism) and context
+parallelism, composed with expert parallelism (issue 23; ``docs/moe.md``, "Tensor and context parallelism").
+
+Under tp an MoE layer runs token parallel (expert tensor parallelism 1): each tp rank runs the whole layer on its own
+``s/t`` tokens, its parameters' gradients summed over tp by the ``dp_cp_tp`` buckets. Checked here: the refusals
+that remain, before any process group; 10 AdamW steps in float32 against one process (the loss, the load-balancing
+loss and the global gradient norm before clipping within 1e-5 relative, the busiest expert's tokens identical) for
+tp2 with sp, tp2 without sp, cp2 x ep2, and dp2 x tp2 x ep2 (ZeRO 0 and 1, shared expert on and off, MoE on every
+layer and every other layer, clipping, full activation checkpointing); ``bf16-mixed`` dp2 x tp2 x ep2 within 1e-2 of
+one-process ``bf16-mixed``; model-state bytes of every rank equal to the memory model's; and the memory model's
+states (exact) and saved activations (within 5%) against what dp2 x tp2 x ep2 ranks hold. Three torchrun launches for
+parity (1, 2 and 4 processes) and one for memory (4 processes).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_4d import ParallelConfig
+from lightning_4d.memory.model import model_state_bytes
+from lightning_4d.models import LlamaConfig
+from tests._launch import SCRIPTS, resume_on_layouts, torchrun
+
+STEPS = 10
+LOSS_RTOL = 1e-5
+BF16_RTOL = 1e-2  # issue 23's bar for bf16-mixed layouts vs one-process bf16-mixed
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+def test_what_stays_refused_for_moe_names_the_value_before_any_process_group():
+    from lightning_4d.parallel.parallelize import validate_against_module
+    from lightning_4d.tasks import CausalLMModule
+
+    moe = CausalLMModule("tiny-moe")
+    for kw in (
+        dict(tensor_parallel_size=2),
+        dict(tensor_parallel_size=2, sequence_parallel=False),
+        dict(context_parallel_size=2),
+        dict(tensor_parallel_size=2, expert_parallel_size=2, data_parallel_size=2),
+        dict(context_parallel_size=2, expert_parallel_size=2),
+    ):
+        validate_against_module(ParallelConfig(zero_stage=1, **kw).resolve(4 if "data_parallel_size" in kw else 2), moe)
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match=f"zero_stage={stage} is not supported for a Mixture-of-Experts model "):
+            validate_against_module(ParallelConfig(tensor_parallel_size=2, zero_stage=stage).resolve(2), moe)
+    validate_against_module(ParallelConfig(context_parallel_size=2, zero_stage=3).resolve(2), moe)  # cp is dp-like
+    with pytest.raises(ValueError, match="gradient_compression='powersgd'.*tensor_parallel_size=2"):
+        validate_against_module(ParallelConfig(tensor_parallel_size=2, gradient_compression="powersgd").resolve(2), moe)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported for a Mixture-of-Experts"):
+        validate_against_module(ParallelConfig(pipeline_parallel_size=2).resolve(2), moe)
+
+
+def test_moe_without_sp_needs_a_sequence_divisible_by_tp_before_any_process_group():
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_4d import FourDStrategy
+    from lightning_4d.data import LMDataModule
+    from lightning_4d.parallel.parallelize import validate_against_module
+    from lightning_4d.tasks import CausalLMModule
+
+    strategy = FourDStrategy(tensor_parallel_size=2, sequence_parallel=False, process_group_backend="gloo")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, max_steps=1)
+    module = CausalLMModule("tiny-moe")
+    strategy._lightning_module = module
+    module.trainer = trainer
+    trainer.datamodule = LMDataModule(seq_length=31, micro_batch_size=1)
+    with pytest.raises(
+        ValueError, match=r"seq_length=31 \(per cp rank 31\) is not divisible by tensor_parallel_size=2"
+    ):
+        validate_against_module(strategy.parallel_config, module)
+    trainer.datamodule = LMDataModule(seq_length=32, micro_batch_size=1)
+    validate_against_module(strategy.parallel_config, module)
+    module_dense = CausalLMModule("tiny-test")  # a dense model takes any length without sp
+    strategy._lightning_module = module_dense
+    module_dense.trainer = trainer
+    trainer.datamodule = LMDataModule(seq_length=31, micro_batch_size=1)
+    validate_against_module(strategy.parallel_config, module_dense)
+    assert not dist.is_initialized()
+
+
+def test_memory_model_does_not_split_moe_parameters_over_tp_and_shards_their_states_over_dp_cp_tp():
+    cfg = LlamaConfig.from_preset("tiny-moe", num_shared_experts=1)
+    one = model_state_bytes(cfg, ParallelConfig(data_parallel_size=1, zero_stage=0), "32-true")
+    tp2 = model_state_bytes(cfg, ParallelConfig(data_parallel_size=1, tensor_parallel_size=2, zero_stage=0), "32-true")
+    h, v = cfg.hidden_size, cfg.padded_vocab_size
+    # tp splits only attention's four projections and the embedding / head (untied): the MoE layers stay whole
+    split = cfg.num_layers * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h + 2 * v * h
+    assert one.parameters - tp2.parameters == 4 * split // 2
+    # ZeRO 1 at dp2 tp2: dense states over 2 ranks, the MoE layers' over 4 (their bucket group is dp_cp_tp)
+    pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, zero_stage=1)
+    owned = [model_state_bytes(cfg, pc, "32-true", dp_cp_rank=d, tp_rank=t) for d in (0, 1) for t in (0, 1)]
+    moe = sum(p.numel() for p in _moe_params(cfg))
+    dense_tp = tp2.parameters // 4 - moe
+    assert sum(o.optimizer_states for o in owned) == 8 * (2 * dense_tp + moe)  # each element's m, v held once
+    with pytest.raises(ValueError, match="tp_rank=2 is not valid: expected 0 .. 1"):
+        model_state_bytes(cfg, pc, "32-true", tp_rank=2)
+
+
+def _moe_params(cfg):
+    import torch
+
+    from lightning_4d.models import LlamaModel
+    from lightning_4d.models.moe import MoEFeedForward
+
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    return [p for m in model.modules() if isinstance(m, MoEFeedForward) for p in m.parameters()]
+
+
+# ---------------------------------------------------------------------------------------------------- parity
+VARIANT = {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2, "router_aux_loss_coef": 0.1}
+REF = [
+    {"reference": True, "norm": True},
+    {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True},
+    {"reference": True, "precision": "bf16-mixed"},
+]
+TWO = [
+    {"tp": 2, "zero": 1, "norm": True},
+    {"tp": 2, "zero": 0, "config": VARIANT, "clip": 0.1, "norm": True},
+    {"tp": 2, "sp": False, "zero": 1, "norm": True},
+    {"cp": 2, "ep": 2, "zero": 1, "norm": True},
+    {"cp": 2, "ep": 2, "zero": 0, "config": VARIANT, "clip": 0.1, "ac": "full", "norm": True},
+]
+FOUR = [
+    {"dp": 2, "tp": 2, "ep": 2, "zero": 1, "norm": True},
+    {"dp": 2, "tp": 2, "ep": 2, "zero": 0, "sp": False, "config": VARIANT, "clip": 0.1, "norm": True},
+    {"dp": 2, "tp": 2, "ep": 2, "zero": 1, "precision": "bf16-mixed"},
+]
+CASES = [("two", i) for i in range(len(TWO))] + [("four", i) for i in range(len(FOUR))]
+
+
+def _records(out, index):
+    return [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{index}_rank*.json"))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    dirs = {k: tmp_path_factory.mktemp(f"moe_tp_{k}") for k in ("ref", "two", "four")}
+    common = ["--model", "tiny-moe", "--steps", str(STEPS)]
+    torchrun(1, SCRIPTS / "run_layouts.py", "--out", str(dirs["ref"]), *common, "--layouts", json.dumps(REF))
+    for nproc, key, layouts in ((2, "two", TWO), (4, "four", FOUR)):
+        torchrun(
+            nproc,
+            SCRIPTS / "run_layouts.py",
+            "--out",
+            str(dirs[key]),
+            *common,
+            "--layouts",
+            json.dumps(layouts),
+            timeout=900,
+        )
+    return dirs
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == STEPS
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{w}-{json.dumps((TWO if w == 'two' else FOUR)[i])}" for w, i in CASES])
+def test_moe_under_tp_and_cp_equals_one_process(runs, case):
+    """Per step: the loss, the aux loss (logged: the global batch's) and the global gradient norm before clipping
+    within 1e-5 relative of one process (1e-2 under bf16-mixed), the busiest expert's tokens identical (fp32);
+    parameter, gradient and optimizer-state bytes of every rank equal to the memory model's."""
+    which, index = case
+    layout = (TWO if which == "two" else FOUR)[index]
+    bf16 = layout.get("precision") == "bf16-mixed"
+    ref = _records(runs["ref"], 2 if bf16 else 1 if "config" in layout else 0)[0]
+    ranks = _records(runs[which], index)
+    tp, dp, cp = layout.get("tp", 1), layout.get("dp", 1), layout.get("cp", 1)
+    assert len(ranks) == tp * dp * cp
+    for r in ranks:
+        b = r["bytes"]
+        rel, aux = _rel(r["losses"], ref["losses"]), _rel(b["aux_losses"], ref["bytes"]["aux_losses"])
+        norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"]) if "norm" in layout else 0.0
+        print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
+        assert max(rel, aux, norm) <= (BF16_RTOL if bf16 else LOSS_RTOL)
+        if not bf16:  # bf16 rounding may flip a near tie of the router
+            assert b["tokens_per_expert_max"] == ref["bytes"]["tokens_per_expert_max"]
+        cfg = LlamaConfig.from_preset("tiny-moe", **layout.get("config", {}))
+        pc = ParallelConfig(
+            data_parallel_size=dp,
+            tensor_parallel_size=tp,
+            context_parallel_size=cp,
+            sequence_parallel=layout.get("sp"),
+            zero_stage=layout["zero"],
+            expert_parallel_size=layout.get("ep", 1),
+        )
+        est = model_state_bytes(
+            cfg, pc, layout.get("precision", "32-true"), dp_cp_rank=r["rank"] // tp, tp_rank=r["rank"] % tp
+        )
+        assert (b["params"], b["grads"], b["optimizer_states"]) == (est.parameters, est.gradients, est.optimizer_states)
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def test_memory_model_matches_measured_moe_under_ep2_tp2(tmp_path):
+    """dp2 x tp2 x ep2 ZeRO 1 (sp; and no sp with a shared expert and MoE on every other layer), one step at b=2,
+    s=128: parameter, gradient and Adam-state bytes of all four ranks exact; saved activations within 5% (the
+    estimate counts the rank's own s/t tokens' T·k assignments at the experts, the balanced load; the rows an ep
+    rank receives differ by the routing that occurred: measured -2.7% .. +1.7% here, -6.4% .. +6.1% at s=64)."""
+    layouts = [
+        {"dp": 2, "tp": 2, "ep": 2, "zero": 1},
+        {
+            "dp": 2,
+            "tp": 2,
+            "ep": 2,
+            "zero": 1,
+            "sp": False,
+            "config": {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2},
+        },
+    ]
+    torchrun(
+        4,
+        SCRIPTS / "measure_memory.py",
+        "--out",
+        str(tmp_path),
+        "--model",
+        "tiny-moe",
+        "--layouts",
+        json.dumps(layouts),
+        "--shapes",
+        "[[2, 128]]",
+        timeout=900,
+    )
+    for i, layout in enumerate(layouts):
+        ranks = _records(tmp_path, i)
+        assert len(ranks) == 4
+        for r in ranks:
+            for key in ("parameters", "gradients", "optimizer_states"):
+                assert r["states"][key] == r["estimated_states"][key], (layout, key)
+            for row in r["activations"]:
+                ratio = row["estimated"] / row["measured"] - 1
+                print(
+                    f"\n{layout} rank {r['rank']} b={row['b']} s={row['s']}: measured {row['measured']}, {ratio:+.2%}"
+                )
+                assert abs(ratio) <= 0.05
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def test_checkpoint_at_tp2_resumes_at_tp2_and_at_dp2(tmp_path):
+    """Train 10 steps straight at tp2 ZeRO 1 (the MoE states sharded over dp_cp_tp), and 5 steps with a sharded
+    checkpoint; resume it at tp2 and at dp2 (the ZeRO 1 states are saved gathered, layout-free): steps 6-10 equal
+    the straight run's."""
+    rows = resume_on_layouts(
+        tmp_path, {"name": "a", "tp": 2, "zero": 1}, {"name": "b", "dp": 2, "zero": 1}, "tiny-moe", STEPS
+    )
+    for layout, rank, curve, tail in rows:
+        rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
+        print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
+        assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
