@@ -206,7 +206,7 @@ needs_transformers = pytest.mark.skipif(transformers is None, reason="needs the 
 REL = 1e-6
 
 
-def _mixtral(tmp, layers: int = 2, **overrides):
+def _mixtral(tmp, layers: int = 2, max_shard_size=None, **overrides):
     torch.manual_seed(0)
     fields = dict(
         vocab_size=256,
@@ -225,7 +225,7 @@ def _mixtral(tmp, layers: int = 2, **overrides):
     with torch.no_grad():  # routers far from uniform, so that the top-k choice is not decided by rounding
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(std=0.5)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 
@@ -358,6 +358,51 @@ DP2 = [
 
 def _records(out, index):
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{index}_rank*.json"))]
+
+
+@needs_transformers
+def test_mixtral_export_and_init_from_under_expert_parallelism(tmp_path, ids):
+    """Expert parallelism: 3 AdamW steps at dp2 ep2 ZeRO 1, export-hf of its sharded checkpoint folder: transformers'
+    MixtralForCausalLM gives the logits the ep2 run computed; init_from a sharded Mixtral directory (two safetensors
+    files) under dp2 x tp2 x ep2 (each rank reads its experts' rows only): transformers' logits."""
+    torch.save(ids, tmp_path / "ids.pt")
+    common = ["--ids", str(tmp_path / "ids.pt")]
+    export = ["--mode", "export", "--model", "tiny-moe", "--out", str(tmp_path)]
+    torchrun(2, SCRIPTS / "hf_checkpoints.py", *export, *common, "--layouts", json.dumps([{"dp": 2, "ep": 2}]))
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "export0").float().eval()
+    _assert_logits(hf, sorted(tmp_path.glob("export0_rank*.pt")), "export dp2 ep2")
+    source = tmp_path / "hf"
+    hf = _mixtral(source, 2, intermediate_size=64, max_shard_size="200KB")
+    assert len(list(source.glob("*.safetensors"))) >= 2  # a sharded directory
+    layouts = [{"dp": 2, "tp": 2, "ep": 2}]
+    torchrun(
+        4,
+        SCRIPTS / "hf_checkpoints.py",
+        "--mode",
+        "import",
+        "--hf",
+        str(source),
+        "--out",
+        str(tmp_path),
+        *common,
+        "--layouts",
+        json.dumps(layouts),
+    )
+    _assert_logits(hf, sorted(tmp_path.glob("import0_rank*.pt")), "init_from dp2 tp2 ep2")
+
+
+def _assert_logits(hf, paths, what: str) -> None:
+    """Every (batch, logits) pair a rank saved equals ``hf``'s logits within ``REL`` of the largest."""
+    seen = 0
+    for path in paths:
+        for batch, logits in torch.load(path):
+            with torch.no_grad():
+                ref = hf(batch).logits
+            err = ((ref - logits).abs().max() / ref.abs().max()).item()
+            print(f"\n{what} {path.name}: relative error {err:.2e}")
+            assert err <= REL
+            seen += 1
+    assert seen >= 1
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ def strategy(layout: dict) -> FourDStrategy:
         context_parallel_method=layout.get("method", "ring"),
         zero_stage=layout.get("zero", 1),
         num_microbatches=layout.get("m"),
+        expert_parallel_size=layout.get("ep", 1),
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),
     )
