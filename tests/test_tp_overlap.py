@@ -6,9 +6,11 @@ matmul-reduce-scatter as ``t`` send/recv steps overlapped with the matmuls, neve
   its tp bytes equal the all-gather + reduce-scatter bytes exactly;
 - training (``tests/scripts/run_layouts.py`` with ``"overlap": true``), float32, 10 AdamW steps: per-step losses
   within 1e-5 relative of one process and final weights within 1e-5 (as ``tests/test_parity.py``) for tp2 and tp4
-  with sp, dp2×tp2 ZeRO 1 and 3, pp2×tp2, cp2×tp2; ``bf16-mixed`` dp2×tp2 within 1e-2 of one-process
-  ``bf16-mixed``;
-- bytes on the wire (``CommMeter``): every step's bytes per mesh dimension with the overlap equal those without it.
+  with sp (also under full and selective activation checkpointing), dp2×tp2 ZeRO 1 and 3, pp2×tp2, cp2×tp2;
+  ``bf16-mixed`` dp2×tp2 within 1e-2 of one-process ``bf16-mixed``; what the layers save and the model states: the
+  same bytes with and without the ring;
+- bytes on the wire (``CommMeter``): every step's bytes per mesh dimension with the overlap equal those without it;
+- the option's validation and its command-line / YAML form.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ UNIT_ATOL = 1e-6
 LAYERS = 2  # tiny-test
 KV4 = {"num_kv_heads": 4}  # tiny-test has 2 kv heads: tp4 needs 4
 WORLD2 = [{"tp": 2, "zero": 0, "overlap": True, "comm": True}, {"tp": 2, "zero": 0, "comm": True}]
+# the rings inside checkpointed layers: recomputed in backward (full), or their matmuls kept (selective)
+WORLD2_AC = [
+    {"tp": 2, "zero": 0, "overlap": True, "ac": "full"},
+    {"tp": 2, "zero": 0, "overlap": True, "ac": "selective"},
+]
 WORLD4 = [
     {"tp": 4, "zero": 0, "overlap": True, "config": KV4},
     {"dp": 2, "tp": 2, "zero": 1, "overlap": True},
@@ -48,7 +55,7 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(tmp_path_factory, "world2", 2, WORLD2)
+    return _run(tmp_path_factory, "world2", 2, WORLD2 + WORLD2_AC)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +81,9 @@ def test_ring_functions_match_the_gathered_version(tmp_path, nproc):
         assert d["row_ring_tp_bytes"] == d["row_reduce_scatter_bytes"] + d["row_allgather_bytes"]
 
 
-def test_parity_tp2(references, world2):
-    _check_parity(references["fp32"], world2[0])
+@pytest.mark.parametrize("index", [0, 2, 3], ids=[_layout_id(x) for x in (WORLD2 + WORLD2_AC)[:1] + WORLD2_AC])
+def test_parity_world2(references, world2, index):
+    _check_parity(references["fp32"], world2[index])
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
@@ -104,7 +112,7 @@ def test_bytes_per_dimension_equal_without_overlap(world2):
     """Every step, every rank: the ring's send bytes under ``tp`` equal the all-gathers' and reduce-scatters' bytes
     (and every other dimension is unchanged); the overlapped run really replaces the projections' collectives by
     point-to-point messages on tp."""
-    (_, on, _), (_, off, _) = world2
+    (_, on, _), (_, off, _) = world2[:2]
     assert len(on) == len(off) == 2
     for r_on, r_off in zip(on, off):
         steps_on, steps_off = _per_step_dims(r_on), _per_step_dims(r_off)
