@@ -195,3 +195,35 @@ def test_command_line_and_yaml_take_the_option(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tensor_parallel_overlap: true" in proc.stdout
+
+
+def test_measured_peak_lower_without_the_gathered_input(tmp_path):
+    """A real tp2 run (gloo, live CPU tensor bytes, ``tests/scripts/measure_peak.py``): the ring's peak is below the
+    all-gather version's by at least one gathered ``[b, s, h]`` float32 input (the ring holds two shards instead),
+    with the same model states."""
+    b, s, h = 4, 512, 64  # tiny-test's hidden size
+    peaks = {}
+    for overlap in (False, True):
+        out = tmp_path / str(overlap)
+        out.mkdir()
+        layout = {"tensor_parallel_size": 2, "zero_stage": 0, "tensor_parallel_overlap": overlap}
+        torchrun(
+            2,
+            SCRIPTS / "measure_peak.py",
+            "--out",
+            str(out),
+            "--layout",
+            json.dumps(layout),
+            "--seq-length",
+            str(s),
+            "--micro-batch-size",
+            str(b),
+            timeout=300,
+        )
+        peaks[overlap] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for off, on in zip(peaks[False], peaks[True]):
+        print(f"\npeak: {off['peak_allocated']} B without the ring, {on['peak_allocated']} B with it")
+        assert {k: v for k, v in on.items() if k != "peak_allocated"} == {
+            k: v for k, v in off.items() if k != "peak_allocated"
+        }
+        assert on["peak_allocated"] <= off["peak_allocated"] - 4 * b * s * h
