@@ -227,3 +227,14 @@ def test_measured_peak_lower_without_the_gathered_input(tmp_path):
             k: v for k, v in off.items() if k != "peak_allocated"
         }
         assert on["peak_allocated"] <= off["peak_allocated"] - 4 * b * s * h
+
+
+def test_transformers_llama_refuses_the_option():
+    """The rings hook into our Llama's modules: a transformers ``LlamaForCausalLM`` refuses the option by name (at
+    ``validate``, before anything is split), ours takes it."""
+    from tests.test_families import HF_LLAMA, LLAMA, _ours, _theirs
+
+    config = ParallelConfig(tensor_parallel_size=2, tensor_parallel_overlap=True).resolve(2)
+    with pytest.raises(ValueError, match="tensor_parallel_overlap=True is not supported for a transformers"):
+        HF_LLAMA.validate(_theirs(), config)
+    LLAMA.validate(_ours(), config)
