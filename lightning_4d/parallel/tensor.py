@@ -14,7 +14,10 @@ Per transformer block, over a tp group of size t:
   ``LinearWithGradAccumulationAndAsyncCommunication``), so these inputs cost ``1/t`` of the gathered tensor;
 - the embedding is split by vocabulary rows, the LM head by vocabulary columns; its logits stay vocabulary-sharded
   (``Shard(-1)``) as a DTensor, for the vocabulary-parallel cross-entropy of :mod:`lightning_4d.parallel.loss` (no
-  full-vocabulary logits on any rank).
+  full-vocabulary logits on any rank);
+- with ``tensor_parallel_overlap`` (sp only) the all-gather→matmul and matmul→reduce-scatter projections run as rings
+  of ``t`` send/recv steps overlapped with the matmuls (:class:`_RingAllGatherMatmul`,
+  :class:`_RingMatmulReduceScatter`): the same bytes, no gathered sequence and no ``[b, s, h]`` partial sum held.
 """
 
 from __future__ import annotations
