@@ -114,6 +114,12 @@ class ParallelConfig:
             shards go over the expert data-parallel group (``dp_cp / ep``: the ranks of ``dp_cp`` with the same
             position in their ep block; under tp those ranks at every tp coordinate, ``mesh.edp_tp``). ZeRO 0 and 1
             only (``docs/moe.md``).
+        tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of point-to-point
+            steps over the tp group, each step's send/recv of a sequence shard (or of a partial sum) overlapped with
+            the matmul of the shard at hand, never gathering the whole sequence (all-gather→matmul for ``wq/wk/wv``,
+            ``w1/w3``, the LM head; matmul→reduce-scatter for ``wo``, ``w2``; ``lightning_4d/parallel/tensor.py``,
+            ``docs/parallelism.md``). Same bytes on the wire, same results. Needs tp > 1 and sequence parallelism;
+            ``lightning_4d`` Llama models only.
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -121,7 +127,9 @@ class ParallelConfig:
             checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1, an unknown
             context-parallel method, an unknown gradient compression or pipeline comm dtype, ``"powersgd"`` with
             ZeRO 2 or 3, a ``powersgd_rank`` below 1, a negative ``powersgd_start_step``, an unknown
-            ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with ZeRO 2/3 or PowerSGD.
+            ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with ZeRO 2/3 or PowerSGD,
+            ``tensor_parallel_overlap`` not a bool, or True without tp > 1 and sequence parallelism, or with
+            selective activation checkpointing.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -142,6 +150,7 @@ class ParallelConfig:
     powersgd_comm_dtype: Optional[str] = None
     pipeline_comm_dtype: Optional[str] = None
     expert_parallel_size: int = 1
+    tensor_parallel_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.data_parallel_size == -1:
@@ -248,6 +257,25 @@ class ParallelConfig:
                     "(non-negative integers), one per pipeline stage."
                 )
             self.pipeline_layer_split = split
+        if not isinstance(self.tensor_parallel_overlap, bool):
+            raise ValueError(
+                f"tensor_parallel_overlap={self.tensor_parallel_overlap!r} is not valid: expected True or False."
+            )
+        if self.tensor_parallel_overlap and (self.tensor_parallel_size == 1 or self.sequence_parallel is False):
+            raise ValueError(
+                f"tensor_parallel_overlap=True is not valid with tensor_parallel_size={self.tensor_parallel_size} and "
+                f"sequence_parallel={self.sequence_parallel!r}: the ring overlaps the sequence-parallel all-gathers "
+                "and reduce-scatters, so it needs tensor_parallel_size > 1 and sequence_parallel None or True "
+                "(or set tensor_parallel_overlap=False)."
+            )
+        if self.tensor_parallel_overlap and self.activation_checkpointing == "selective":
+            raise ValueError(
+                "tensor_parallel_overlap=True is not supported with activation_checkpointing='selective' yet: the "
+                "selective policy keeps wo's reduced output and nothing of w2 by marking those modules, and the rings "
+                "run them elsewhere (their chunk products would be kept, the [b, s, h] partial sums the policy avoids, "
+                "and the memory estimate would be low). Use activation_checkpointing='none' or 'full' with the "
+                "overlap, or tensor_parallel_overlap=False with 'selective'."
+            )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
             self.sequence_parallel = False

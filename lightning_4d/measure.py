@@ -366,6 +366,7 @@ def _strategy_kwargs(pc: ParallelConfig) -> dict[str, Any]:
         context_parallel_size=pc.cp,
         zero_stage=pc.zero_stage,
         sequence_parallel=pc.sequence_parallel,
+        tensor_parallel_overlap=pc.tensor_parallel_overlap,
         activation_checkpointing=pc.activation_checkpointing,
         pipeline_schedule=pc.pipeline_schedule,
         virtual_pipeline_stages=pc.virtual_pipeline_stages,

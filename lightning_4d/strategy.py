@@ -95,6 +95,10 @@ class FourDStrategy(ModelParallelStrategy):
             layer is not split: each tp rank runs it whole on its ``s/t`` tokens, its gradients summed over
             dp·cp·tp (the experts' over dp·cp·tp/ep); see ``docs/moe.md``.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
+        tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of send/recv steps
+            overlapped with the matmuls, never gathering the whole sequence (same bytes, same results; needs tp > 1
+            and sequence parallelism; ``lightning_4d`` Llama models only). Default ``False``; see
+            ``docs/parallelism.md``.
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
             ``"selective"`` (keep each layer's matmul and attention outputs, recompute its pointwise ops).
         gradient_compression: ``"none"``, ``"bf16"`` (dp gradients reduced in bfloat16: half the bytes) or
@@ -149,6 +153,7 @@ class FourDStrategy(ModelParallelStrategy):
         context_parallel_size: int = 1,
         zero_stage: int = 1,
         sequence_parallel: Optional[bool] = None,
+        tensor_parallel_overlap: bool = False,
         activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = "none",
         pipeline_schedule: Literal[PIPELINE_SCHEDULES] = "1f1b",
         virtual_pipeline_stages: Optional[int] = None,
@@ -176,6 +181,7 @@ class FourDStrategy(ModelParallelStrategy):
             context_parallel_size=context_parallel_size,
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
+            tensor_parallel_overlap=tensor_parallel_overlap,
             activation_checkpointing=activation_checkpointing,
             pipeline_schedule=pipeline_schedule,
             virtual_pipeline_stages=virtual_pipeline_stages,

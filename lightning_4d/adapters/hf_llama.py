@@ -164,7 +164,8 @@ class HFLlamaFamily(ModelFamily):
     def validate(self, model: nn.Module, config: Any) -> None:
         """Heads, kv heads and vocabulary divisible by tp, layers into pp·v stages, no tied embeddings with pp
         (``ParallelConfig.validate_model``); tied embeddings are refused with tp too, attention dropout with any
-        split, activation checkpointing always (not applied to transformers' layers yet).
+        split, activation checkpointing and ``tensor_parallel_overlap`` always (not applied to transformers' layers
+        yet).
 
         Raises:
             ValueError: naming the value and what would be valid.
@@ -182,6 +183,11 @@ class HFLlamaFamily(ModelFamily):
                 f"tensor_parallel_size={config.tp}: a transformers Llama with tie_word_embeddings=True "
                 "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; "
                 "use tp=1 (dp, ZeRO, cp) or an untied model"
+            )
+        if config.tensor_parallel_overlap:
+            raise ValueError(
+                "tensor_parallel_overlap=True is not supported for a transformers LlamaForCausalLM yet (the ring "
+                "projections hook into lightning_4d's own Llama modules): use tensor_parallel_overlap=False"
             )
         if config.activation_checkpointing != "none":
             raise ValueError(

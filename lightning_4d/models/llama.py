@@ -159,6 +159,10 @@ class Attention(nn.Module):
     ``input_projection``: ``None`` (``wq(x)``, ``wk(x)``, ``wv(x)``), or a callable ``(x, (wq, wk, wv)) -> (q, k, v)``
     that replaces the three projections; sequence parallelism sets one that saves only this rank's sequence shard of
     ``x`` for backward (:func:`lightning_4d.parallel.tensor.apply_tensor_parallel`).
+
+    ``output_projection``: ``None`` (``wo(out)``), or a callable ``(out, wo) -> y`` that replaces it;
+    ``tensor_parallel_overlap`` sets the ring matmul-reduce-scatter
+    (:func:`lightning_4d.parallel.tensor.ring_output_projection`).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -168,6 +172,7 @@ class Attention(nn.Module):
         self.backend = config.attention_backend
         self.core_attention = None
         self.input_projection = None
+        self.output_projection = None
         self.wq = nn.Linear(h, config.num_heads * d, bias=False)
         self.wk = nn.Linear(h, config.num_kv_heads * d, bias=False)
         self.wv = nn.Linear(h, config.num_kv_heads * d, bias=False)
@@ -190,7 +195,8 @@ class Attention(nn.Module):
             out = self.core_attention(q, k, v, self.backend)
         else:
             out = attention(q, k, v, self.backend)  # [b, s, local heads, d]
-        return self.wo(out.reshape(b, s, -1))
+        out = out.reshape(b, s, -1)
+        return self.wo(out) if self.output_projection is None else self.output_projection(out, self.wo)
 
 
 class FeedForward(nn.Module):
@@ -201,12 +207,14 @@ class FeedForward(nn.Module):
     Shapes: ``[b, s, h]`` -> ``[b, s, h]`` (``f`` may be a tensor-parallel shard).
 
     ``input_projection``: ``None`` (``w1(x)``, ``w3(x)``), or a callable ``(x, (w1, w3)) -> (gate, up)`` replacing
-    them (see :class:`Attention`).
+    them (see :class:`Attention`); ``output_projection``: ``None`` (``w2(z)``), or a callable ``(z, w2) -> y``
+    replacing it (see :class:`Attention`).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.input_projection = None
+        self.output_projection = None
         h, f = config.hidden_size, config.intermediate_size
         self.w1 = nn.Linear(h, f, bias=False)
         self.w3 = nn.Linear(h, f, bias=False)
@@ -217,7 +225,8 @@ class FeedForward(nn.Module):
             gate, up = self.input_projection(x, (self.w1, self.w3))
         else:
             gate, up = self.w1(x), self.w3(x)
-        return self.w2(F.silu(gate) * up)
+        z = F.silu(gate) * up
+        return self.w2(z) if self.output_projection is None else self.output_projection(z, self.w2)
 
 
 class TransformerBlock(nn.Module):

@@ -213,7 +213,13 @@ def parallelize_model(
     if max(config.tp, config.cp, config.pp) > 1:
         family.prepare(model, config, mesh)
     if config.tp > 1:
-        apply_tensor_parallel(model, family.tensor_parallel_plan(model), mesh.tp, sequence_parallel=config.sp)
+        apply_tensor_parallel(
+            model,
+            family.tensor_parallel_plan(model),
+            mesh.tp,
+            sequence_parallel=config.sp,
+            overlap=config.tensor_parallel_overlap,
+        )
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
     if config.dp_cp * config.tp > 1:  # the ranks holding disjoint tokens (MoE layers under tp: dp_cp x tp)

@@ -19,7 +19,10 @@ Per transformer block, over a tp group of size t:
   whole layer (router, routed and shared experts, replicated over tp) on its own ``s/t`` tokens of the sequence, as
   one more data-parallel dimension for that layer (expert tensor parallelism 1: Megatron-core's "MoE parallel
   folding" recommends it, torchtitan supports it). Its parameters' gradients are then partial sums over tp, summed
-  by the gradient buckets over the ``dp_cp_tp`` group (:mod:`lightning_4d.parallel.zero`).
+  by the gradient buckets over the ``dp_cp_tp`` group (:mod:`lightning_4d.parallel.zero`);
+- with ``tensor_parallel_overlap`` (sp only) the all-gather→matmul and matmul→reduce-scatter projections run as rings
+  of ``t`` send/recv steps overlapped with the matmuls (:class:`_RingAllGatherMatmul`,
+  :class:`_RingMatmulReduceScatter`): the same bytes, no gathered sequence and no ``[b, s, h]`` partial sum held.
 """
 
 from __future__ import annotations
@@ -222,11 +225,183 @@ def token_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list(params.values())
 
 
-def _sequence_parallel_head(x: Tensor, output: nn.Linear, mesh: DeviceMesh) -> Tensor:
+# ---------------------------------------------------------------------------------------------------- ring (overlap)
+def _ring_start(sends: list[Tensor], recvs: list[Tensor], group: Any) -> list[Any]:
+    """Post ``isend`` of each of ``sends`` to the next rank of the tp ring and ``irecv`` of each of ``recvs`` from
+    the previous one (``dist.batch_isend_irecv`` on ``group``; tag ``i`` pairs the i-th send with the i-th receive).
+    Returns the requests to ``wait()`` on."""
+    rank, t = group.rank(), group.size()
+    ops = [dist.P2POp(dist.isend, s, group=group, group_peer=(rank + 1) % t, tag=i) for i, s in enumerate(sends)]
+    ops += [dist.P2POp(dist.irecv, r, group=group, group_peer=(rank - 1) % t, tag=i) for i, r in enumerate(recvs)]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _autocast_inputs(x: Tensor, weights: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """Under autocast, ``x`` and ``weights`` cast to the autocast dtype (what autocast does to a matmul's inputs)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return x.to(dtype), tuple(w.to(dtype) for w in weights)
+    return x, weights
+
+
+class _RingAllGatherMatmul(torch.autograd.Function):
+    """``outs[i] = all_gather_seq(x) @ weights[i].T`` (as :class:`_SequenceParallelProjection`) computed in ``t``
+    steps of a ring over the tp group, never gathering the sequence (Wang et al. 2024, "Tessel / spatial-temporal
+    tensor partitioning", ASPLOS, DOI 10.1145/3620666.3651357; Megatron-LM's ``--tp-comm-overlap`` ring exchange).
+
+    Forward, rank ``r`` of ``t``: at step ``k`` it holds the sequence shard of rank ``j = (r - k) mod t``
+    (``[b, s/t, h]``), posts its send to rank ``r + 1`` and the receive of the next shard from rank ``r - 1``, then
+    writes ``x_j @ W_i^T`` into rows ``j·s/t .. (j+1)·s/t`` of each output ``[b, s, o_i/t]``; at most two shards are
+    held. Backward, one ring carrying two streams: the input shards again (``dW_i += g_i[rows j]^T x_j``) and the
+    input-gradient accumulator of the reduce-scatter side (at step ``k`` rank ``r`` adds ``Σ_i g_i[rows c] W_i``
+    for chunk ``c = (r - k - 1) mod t`` to what it received and passes it on; at step ``t - 1``, ``c = r``: its own
+    shard's gradient summed over the ranks). Bytes sent per rank: ``(t - 1)`` shards per ring pass, what the
+    all-gather and the reduce-scatter send (Thakur et al. 2005). Saved: ``x`` (the rank's shard) and the weights.
+
+    On CUDA, torch's symmetric-memory ``torch.ops.symm_mem.fused_all_gather_matmul`` is the fused route (torchtitan's
+    async TP); not used yet (tested on CPU / gloo only).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:  # noqa: D102
+        ctx.group, ctx.dtypes = group, (x.dtype, *(w.dtype for w in weights))
+        x, weights = _autocast_inputs(x, weights)
+        t, rank, n = group.size(), group.rank(), x.shape[1]
+        with torch.autocast(x.device.type, enabled=False):
+            outs = tuple(x.new_empty(x.shape[0], t * n, w.shape[0]) for w in weights)
+            cur = x.contiguous()
+            for k in range(t):
+                nxt = torch.empty_like(cur) if k < t - 1 else None
+                works = _ring_start([cur], [nxt], group) if nxt is not None else []
+                j = (rank - k) % t
+                for out, w in zip(outs, weights):
+                    out[:, j * n : (j + 1) * n] = cur @ w.t()
+                _wait(works)
+                cur = nxt
+        ctx.save_for_backward(x, *weights)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:  # noqa: D102
+        x, *weights = ctx.saved_tensors
+        group = ctx.group
+        t, rank, n = group.size(), group.rank(), x.shape[1]
+        grads = tuple(g.to(w.dtype) for g, w in zip(grads, weights))
+        # accumulated over the t steps in the parameters' own dtype (float32 under bf16-mixed)
+        grad_weights = [torch.zeros(w.shape, dtype=dt, device=x.device) for w, dt in zip(weights, ctx.dtypes[1:])]
+        cur, acc_works, acc_in = x.contiguous(), [], None
+        for k in range(t):
+            nxt = torch.empty_like(cur) if k < t - 1 else None
+            works = _ring_start([cur], [nxt], group) if nxt is not None else []
+            j, c = (rank - k) % t, (rank - k - 1) % t
+            flat = cur.reshape(-1, cur.shape[-1])
+            for dw, g in zip(grad_weights, grads):
+                dw += (g[:, j * n : (j + 1) * n].reshape(-1, g.shape[-1]).to(flat.dtype).t() @ flat).to(dw.dtype)
+            partial = sum(g[:, c * n : (c + 1) * n] @ w for g, w in zip(grads, weights))
+            _wait(acc_works)
+            if acc_in is not None:
+                partial = partial + acc_in
+            if k < t - 1:
+                sending = partial.contiguous()  # referenced until its send completes (next step's wait)
+                acc_in = torch.empty_like(sending)
+                acc_works = _ring_start([sending], [acc_in], group)
+            _wait(works)
+            cur = nxt
+        grad_x = partial.to(ctx.dtypes[0])
+        return (None, grad_x, *grad_weights)
+
+
+class _RingMatmulReduceScatter(torch.autograd.Function):
+    """``reduce_scatter_seq(y @ W^T)`` for a row-parallel projection (``wo``, ``w2``) under sequence parallelism,
+    computed in ``t`` steps of a ring over the tp group, never holding the full ``[b, s, h]`` partial sum (Wang et
+    al. 2024, ASPLOS, DOI 10.1145/3620666.3651357; Megatron-LM's ``--tp-comm-overlap``).
+
+    ``y``: ``[b, s, f/t]`` (the full sequence, this rank's input features), ``W``: ``[h, f/t]`` (the local shard of
+    the ``Shard(1)`` weight). Forward, rank ``r`` of ``t``: at step ``k`` it computes the partial product of chunk
+    ``c = (r - k - 1) mod t`` (``y[:, rows c] @ W^T``, ``[b, s/t, h]``), adds the accumulator received from rank
+    ``r - 1`` and sends the sum on to rank ``r + 1`` (the send overlaps the next step's matmul); at step ``t - 1``,
+    ``c = r``: the result is this rank's shard ``[b, s/t, h]`` summed over the tp ranks. Backward: the output-gradient
+    shards travel around the ring (the all-gather-matmul pattern of :class:`_RingAllGatherMatmul`): ``dy[:, rows j] =
+    g_j @ W`` and ``dW += g_j^T y[:, rows j]``. Saved: ``y`` and ``W`` (what ``RowwiseParallel``'s linear saves).
+
+    On CUDA, torch's symmetric-memory ``torch.ops.symm_mem.fused_matmul_reduce_scatter`` is the fused route; not used
+    yet (tested on CPU / gloo only).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, y: Tensor, weight: Tensor) -> Tensor:  # noqa: D102
+        ctx.group, ctx.dtypes = group, (y.dtype, weight.dtype)
+        y, (weight,) = _autocast_inputs(y, (weight,))
+        t, rank = group.size(), group.rank()
+        n = y.shape[1] // t
+        works: list[Any] = []
+        acc_in = None
+        with torch.autocast(y.device.type, enabled=False):
+            for k in range(t):
+                c = (rank - k - 1) % t
+                partial = y[:, c * n : (c + 1) * n] @ weight.t()
+                _wait(works)
+                if acc_in is not None:
+                    partial = partial + acc_in
+                if k < t - 1:
+                    sending = partial  # referenced until its send completes (next step's wait)
+                    acc_in = torch.empty_like(sending)
+                    works = _ring_start([sending], [acc_in], group)
+        ctx.save_for_backward(y, weight)
+        return partial
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:  # noqa: D102
+        y, weight = ctx.saved_tensors
+        group = ctx.group
+        t, rank = group.size(), group.rank()
+        n = y.shape[1] // t
+        cur = grad.to(weight.dtype).contiguous()
+        grad_y = torch.empty_like(y)
+        grad_w = torch.zeros(weight.shape, dtype=ctx.dtypes[1], device=y.device)  # accumulated in the param's dtype
+        for k in range(t):
+            nxt = torch.empty_like(cur) if k < t - 1 else None
+            works = _ring_start([cur], [nxt], group) if nxt is not None else []
+            j = (rank - k) % t
+            rows = y[:, j * n : (j + 1) * n]
+            grad_y[:, j * n : (j + 1) * n] = cur @ weight
+            grad_w += (cur.reshape(-1, cur.shape[-1]).t() @ rows.reshape(-1, rows.shape[-1])).to(grad_w.dtype)
+            _wait(works)
+            cur = nxt
+        return None, grad_y.to(ctx.dtypes[0]), grad_w
+
+
+def ring_projection(x: Tensor, linears: tuple[nn.Linear, ...], group: Any) -> tuple[Tensor, ...]:
+    """:func:`sequence_parallel_projection` computed as a ring over the tp group, the shard exchange overlapped with
+    the matmuls (:class:`_RingAllGatherMatmul`; ``tensor_parallel_overlap=True``): same arguments, same outputs
+    ``[b, s, o_i/t]``, never more than two input shards ``[b, s/t, h]`` held instead of the gathered ``[b, s, h]``."""
+    local = x.to_local() if isinstance(x, DTensor) else x
+    weights = [lin.weight.to_local() if isinstance(lin.weight, DTensor) else lin.weight for lin in linears]
+    return _RingAllGatherMatmul.apply(group, local, *weights)
+
+
+def ring_output_projection(y: Tensor, linear: nn.Linear, group: Any) -> Tensor:
+    """The row-parallel projection ``linear`` (weight a ``Shard(1)`` DTensor over tp) of ``y`` (``[b, s, f/t]``,
+    local, or a ``Shard(-1)`` DTensor) under sequence parallelism, reduce-scattered over the sequence by the ring of
+    :class:`_RingMatmulReduceScatter` (``tensor_parallel_overlap=True``): this rank's ``[b, s/t, h]`` local shard, as
+    ``RowwiseParallel(output_layouts=Shard(1))`` returns it."""
+    local = y.to_local() if isinstance(y, DTensor) else y
+    weight = linear.weight.to_local() if isinstance(linear.weight, DTensor) else linear.weight
+    return _RingMatmulReduceScatter.apply(group, local, weight)
+
+
+def _sequence_parallel_head(x: Tensor, output: nn.Linear, mesh: DeviceMesh, overlap: bool = False) -> Tensor:
     """The LM head on the sequence-sharded final hidden states ``x`` (``[b, s/t, h]``): logits ``[b, s, V]`` as a
     vocabulary-sharded DTensor (``Shard(-1)``, local ``[b, s, V/t]``), as ``ColwiseParallel(input_layouts=Shard(1),
-    output_layouts=Shard(-1))`` gives them, saving only ``x`` (:func:`sequence_parallel_projection`)."""
-    (local,) = sequence_parallel_projection(x, (output,), mesh.get_group())
+    output_layouts=Shard(-1))`` gives them, saving only ``x`` (:func:`sequence_parallel_projection`, or
+    :func:`ring_projection` with ``overlap``)."""
+    project = ring_projection if overlap else sequence_parallel_projection
+    (local,) = project(x, (output,), mesh.get_group())
     return DTensor.from_local(local, mesh, [Shard(-1)], run_check=False)
 
 
@@ -280,7 +455,7 @@ def _inside(name: str, modules: list[str]) -> bool:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool
+    model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool, overlap: bool = False
 ) -> None:
     """Shard ``model`` (any family's, or the part of it a pipeline rank holds) in place over ``tp_mesh`` following
     ``plan`` (module docstring).
@@ -290,6 +465,11 @@ def apply_tensor_parallel(
         plan: the family's :class:`TensorParallelPlan`.
         tp_mesh: the 1D ``"tp"`` mesh (size 1: nothing changes).
         sequence_parallel: shard norms and the residual stream over the sequence (requires s % t == 0).
+        overlap: ``tensor_parallel_overlap`` (with ``sequence_parallel``): the modules of ``plan.gathered_inputs``
+            get :func:`ring_projection` as ``input_projection`` and :func:`ring_output_projection` as
+            ``output_projection`` (their row-parallel linears' weights are still sharded by ``RowwiseParallel``, which
+            then is not called), the head :func:`ring_projection`. A module without these hooks (a Mixture-of-Experts
+            feed-forward) keeps the gathered path; families without them refuse the option (``validate``).
 
     Tied embeddings: the embedding and the head both shard the ``[V, h]`` matrix by rows (``Shard(0)``); they are
     re-tied to one DTensor after parallelization.
@@ -308,7 +488,8 @@ def apply_tensor_parallel(
         styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     elif head is not None:
         styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
-    projection = partial(sequence_parallel_projection, group=tp_mesh.get_group())
+    group = tp_mesh.get_group()
+    projection = partial(ring_projection if overlap else sequence_parallel_projection, group=group)
     container = find_submodel(model, plan.layers)
     layers = layer_items(container) if container is not None else []
     # layers without parameters: the placeholders of layers another pipeline rank holds
@@ -323,6 +504,8 @@ def apply_tensor_parallel(
             styles.update({prefix + name: SequenceParallel() for name in plan.layer_norms})
         for name, (kind, where) in [(n, w) for n, w in plan.gathered_inputs if not _inside(n, whole)]:
             module = find_submodel(layer, name)
+            if overlap and sequence_parallel and hasattr(module, "output_projection"):
+                module.output_projection = partial(ring_output_projection, group=group)
             if sequence_parallel and hasattr(module, "input_projection"):
                 module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)
             elif kind == "kwarg":
@@ -341,4 +524,4 @@ def apply_tensor_parallel(
         head.weight = embedding.weight
     if head is not None and sequence_parallel and plan.vocab_parallel_logits and hasattr(model, "head_projection"):
         # the head gathers the sequence itself and saves only the shard (its plan above only shards its weight)
-        model.head_projection = partial(_sequence_parallel_head, mesh=tp_mesh)
+        model.head_projection = partial(_sequence_parallel_head, mesh=tp_mesh, overlap=overlap)

@@ -1,8 +1,8 @@
 """Measure, per rank, what one training step of FourDStrategy really holds, next to the memory model's figures.
 
-For each layout (a dict with keys dp, tp, zero, sp, ac, precision, tied, pp, schedule, m for pipelines, cp,
-method for context parallelism, ep for expert parallelism and config: model config fields to override, e.g. the MoE
-ones) one
+For each layout (a dict with keys dp, tp, zero, sp, overlap (``tensor_parallel_overlap``), ac, precision, tied, pp,
+schedule, m for pipelines, cp, method for context parallelism, ep for expert parallelism and config: model config
+fields to override, e.g. the MoE ones) one
 ``Trainer.fit`` runs one optimizer step per batch shape (b, s) in ``--shapes`` (a pipeline: two steps of the first
 shape, the second measured, with batches of b·m split by the schedule). Under a pipeline the pack hook also tracks
 when autograd frees each saved value, giving the peak of saved bytes alive at once during the schedule (the
@@ -200,6 +200,7 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
         tensor_parallel_size=layout.get("tp", 1),
         zero_stage=layout.get("zero", 0),
         sequence_parallel=layout.get("sp"),
+        tensor_parallel_overlap=layout.get("overlap", False),
         activation_checkpointing=layout.get("ac", "none"),
         pipeline_parallel_size=layout.get("pp", 1),
         pipeline_schedule=layout.get("schedule", "1f1b"),

@@ -4,7 +4,8 @@ shards, and (rank 0) the final full weights.
 
 Usage (from the tests): ``torchrun --nproc-per-node N tests/scripts/run_layouts.py --out DIR --layouts JSON``,
 or ``python tests/scripts/run_layouts.py --out DIR --layouts '[{"reference": true}]'`` for the single-process
-reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, precision, ac, clip,
+reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, overlap
+(``tensor_parallel_overlap``), precision, ac, clip,
 compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start and pcomm (PowerSGD's rank, start
 step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
 m (micro-batches per step), split (layers per
@@ -151,6 +152,7 @@ def run_one(
             virtual_pipeline_stages=layout.get("v"),
             pipeline_layer_split=layout.get("split"),
             sequence_parallel=layout.get("sp"),
+            tensor_parallel_overlap=layout.get("overlap", False),
             activation_checkpointing=layout.get("ac", "none"),
             compile=layout.get("compile", False),
             save_distributed_checkpoint=layout.get("sdc", True),
