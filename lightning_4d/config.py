@@ -112,7 +112,7 @@ class ParallelConfig:
             ``parallel/expert.py``). No mesh dimension of its own: ep groups are blocks of ``ep`` consecutive ranks
             of the flattened ``dp_cp`` mesh, so ep must divide dp·cp; the expert parameters' gradients and ZeRO
             shards go over the expert data-parallel group (``dp_cp / ep``: the ranks of ``dp_cp`` with the same
-            position in their ep block). ZeRO 0 and 1 only (``docs/moe.md``).
+            position in their ep block), at every ZeRO stage (``docs/moe.md``).
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -120,7 +120,7 @@ class ParallelConfig:
             checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1, an unknown
             context-parallel method, an unknown gradient compression or pipeline comm dtype, ``"powersgd"`` with
             ZeRO 2 or 3, a ``powersgd_rank`` below 1, a negative ``powersgd_start_step``, an unknown
-            ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with ZeRO 2/3 or PowerSGD.
+            ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with PowerSGD.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -193,13 +193,6 @@ class ParallelConfig:
                 f"gradient_compression='powersgd' is not supported with zero_stage={self.zero_stage}: FSDP2 "
                 "reduce-scatters each gradient shard as it comes and PowerSGD needs whole matrices. Use zero_stage 0 "
                 "or 1 with it, or gradient_compression='bf16' with ZeRO 2/3."
-            )
-        if self.expert_parallel_size > 1 and self.zero_stage >= 2:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size} is not supported with zero_stage="
-                f"{self.zero_stage} yet: expert parallelism runs with ZeRO stages 0 and 1 (expert gradients reduced "
-                "and optimizer states sharded over the expert data-parallel group dp*cp/ep). Use zero_stage=0 or 1, "
-                "or expert_parallel_size=1 with ZeRO 2/3."
             )
         if self.expert_parallel_size > 1 and self.gradient_compression == "powersgd":
             raise ValueError(
@@ -483,7 +476,7 @@ class ParallelConfig:
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1; a
-                Mixture-of-Experts model with tp, pp or cp > 1 (not implemented yet: ``docs/moe.md``); ep > 1 for a
+                Mixture-of-Experts model with tp or cp > 1 (not implemented yet: ``docs/moe.md``); ep > 1 for a
                 dense model, or an ep that does not divide ``num_experts``.
         """
         tp = self.tp
@@ -530,7 +523,6 @@ class ParallelConfig:
             # and the planner follow, so that they propose only layouts FourDStrategy runs
             for name, size in (
                 ("tensor_parallel_size", tp),
-                ("pipeline_parallel_size", self.pp),
                 ("context_parallel_size", self.cp),
             ):
                 if size > 1:

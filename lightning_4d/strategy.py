@@ -90,9 +90,8 @@ class FourDStrategy(ModelParallelStrategy):
         expert_parallel_size: ep, for a Mixture-of-Experts model: the ranks that split the routed experts of every
             MoE layer (``num_experts / ep`` each; tokens dispatched and combined by all-to-all). ep ranks are blocks
             of ep consecutive ranks of the flattened ``dp_cp`` mesh (ep divides dp·cp and ``num_experts``); the
-            expert parameters' gradients are reduced and their ZeRO 1 states sharded over the expert
-            data-parallel group (dp·cp/ep ranks), the dense ones over dp·cp. ZeRO 0 and 1 only; see
-            ``docs/moe.md``.
+            expert parameters' gradients are reduced and their ZeRO 1-3 shards held over the expert
+            data-parallel group (dp·cp/ep ranks), the dense ones over dp·cp; see ``docs/moe.md``.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
             ``"selective"`` (keep each layer's matmul and attention outputs, recompute its pointwise ops).
