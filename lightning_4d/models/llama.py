@@ -354,14 +354,14 @@ class LlamaModel(nn.Module):
             m.reset_aux_loss()
 
     def moe_step_aux_loss(self) -> Optional[Tensor]:
-        """This model's share of the load-balancing loss averaged over the forwards since
+        """This model's share of the load-balancing loss averaged over the forwards with gradients since
         :meth:`reset_moe_aux_loss` (a pipeline step's micro-batches; detached float32 scalar): the sum over its
         MoE layers of each layer's mean term, divided by the config's number of MoE layers, so that the shares of
         the pipeline stages add up to the model's loss. ``None`` when the model holds no MoE layer that ran."""
-        layers = [m for m in self.moe_layers() if m.aux_loss_count]
-        if not layers:
+        means = [torch.stack(m.aux_loss_terms).mean() for m in self.moe_layers() if m.aux_loss_terms]
+        if not means:
             return None
-        return torch.stack([m.aux_loss_sum / m.aux_loss_count for m in layers]).sum() / self.config.num_moe_layers
+        return torch.stack(means).sum() / self.config.num_moe_layers
 
     @torch.no_grad()
     def moe_stats(self) -> dict[str, Tensor]:

@@ -176,9 +176,12 @@ class MoEFeedForward(nn.Module):
     (:meth:`lightning_4d.models.llama.LlamaModel.set_aux_loss_scale`). The averaging over data-parallel ranks is
     the gradient reduction's, as for the language-model loss.
 
-    ``aux_loss_sum`` / ``aux_loss_count``: the detached terms of the forwards since :meth:`reset_aux_loss` (float32
-    scalar, int), whose ratio is the mean over a pipeline step's micro-batches (a recomputation adds the same term
-    once more to both: the mean stays).
+    ``aux_loss_terms``: the detached terms (float32 scalars) of the forwards with gradients since
+    :meth:`reset_aux_loss`, in order; their mean is the mean over a pipeline step's micro-batches (a recomputation
+    repeats every micro-batch's term once: the mean stays). Under pp the reset comes just before the step's first
+    micro-batch (``PipelineRunner.before_microbatches``), after the schedule's metadata inference (at the first step
+    a forward, with gradients, of every stage on placeholder activations, and under activation checkpointing its
+    recomputation).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -192,8 +195,7 @@ class MoEFeedForward(nn.Module):
         self.stats_group: Any = None
         self.aux_loss: Optional[Tensor] = None
         self.aux_grad_scale = config.router_aux_loss_coef / max(1, config.num_moe_layers)
-        self.aux_loss_sum: Optional[Tensor] = None
-        self.aux_loss_count = 0
+        self.aux_loss_terms: list[Tensor] = []
         self.tokens_per_expert: Optional[Tensor] = None
         self.dropped: Optional[Tensor] = None
         self.assignments: Optional[Tensor] = None
@@ -249,8 +251,8 @@ class MoEFeedForward(nn.Module):
         return out
 
     def reset_aux_loss(self) -> None:
-        """Forget the terms summed in ``aux_loss_sum`` (class docstring)."""
-        self.aux_loss_sum, self.aux_loss_count = None, 0
+        """Forget the terms kept in ``aux_loss_terms`` (class docstring)."""
+        self.aux_loss_terms = []
 
     def _record(self, probs: Tensor, counts: Tensor, n_tokens: int, dropped: int) -> None:
         """The load-balancing term and the routing statistics of this forward (class docstring)."""
@@ -262,9 +264,8 @@ class MoEFeedForward(nn.Module):
         # f_e: fraction of the global batch's tokens routed to e (T_global = assignments / k); P_e: this rank's mean
         f = counts.to(probs.dtype) * self.top_k / self.assignments.to(probs.dtype)
         self.aux_loss = self.config.num_experts * (f * probs.mean(dim=0)).sum()
-        term = self.aux_loss.detach().float()
-        self.aux_loss_sum = term if self.aux_loss_sum is None else self.aux_loss_sum + term
-        self.aux_loss_count += 1
+        if self.aux_loss.requires_grad:  # a forward that trains (not evaluation)
+            self.aux_loss_terms.append(self.aux_loss.detach().float())
 
     def extra_repr(self) -> str:
         c = self.config

@@ -278,6 +278,8 @@ class CausalLMModule(L.LightningModule):
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
         self.model.set_aux_loss_scale(self.model_config.router_aux_loss_coef / (m * accumulate))
         self.model.reset_moe_aux_loss()
+        if pipeline is not None:  # again after the schedule's metadata inference, before its first micro-batch
+            pipeline.before_microbatches = self.model.reset_moe_aux_loss
 
     def _log_moe_step(self, pipeline: Any) -> None:
         """Log ``train_aux_loss`` (the global batch's load-balancing loss, without the coefficient: the mean over
