@@ -112,8 +112,8 @@ class ParallelConfig:
             ``parallel/expert.py``). No mesh dimension of its own: ep groups are blocks of ``ep`` consecutive ranks
             of the flattened ``dp_cp`` mesh, so ep must divide dp·cp; the expert parameters' gradients and ZeRO
             shards go over the expert data-parallel group (``dp_cp / ep``: the ranks of ``dp_cp`` with the same
-            position in their ep block; under tp those ranks at every tp coordinate, ``mesh.edp_tp``). ZeRO 0 and 1
-            only (``docs/moe.md``).
+            position in their ep block; under tp those ranks at every tp coordinate, ``mesh.edp_tp``), at every
+            ZeRO stage (under tp for an MoE model ZeRO 0 and 1; ``docs/moe.md``).
         tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of point-to-point
             steps over the tp group, each step's send/recv of a sequence shard (or of a partial sum) overlapped with
             the matmul of the shard at hand, never gathering the whole sequence (all-gather→matmul for ``wq/wk/wv``,
@@ -127,7 +127,7 @@ class ParallelConfig:
             checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1, an unknown
             context-parallel method, an unknown gradient compression or pipeline comm dtype, ``"powersgd"`` with
             ZeRO 2 or 3, a ``powersgd_rank`` below 1, a negative ``powersgd_start_step``, an unknown
-            ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with ZeRO 2/3 or PowerSGD,
+            ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with PowerSGD,
             ``tensor_parallel_overlap`` not a bool, or True without tp > 1 and sequence parallelism, or with
             selective activation checkpointing.
     """
@@ -203,13 +203,6 @@ class ParallelConfig:
                 f"gradient_compression='powersgd' is not supported with zero_stage={self.zero_stage}: FSDP2 "
                 "reduce-scatters each gradient shard as it comes and PowerSGD needs whole matrices. Use zero_stage 0 "
                 "or 1 with it, or gradient_compression='bf16' with ZeRO 2/3."
-            )
-        if self.expert_parallel_size > 1 and self.zero_stage >= 2:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size} is not supported with zero_stage="
-                f"{self.zero_stage} yet: expert parallelism runs with ZeRO stages 0 and 1 (expert gradients reduced "
-                "and optimizer states sharded over the expert data-parallel group dp*cp/ep). Use zero_stage=0 or 1, "
-                "or expert_parallel_size=1 with ZeRO 2/3."
             )
         if self.expert_parallel_size > 1 and self.gradient_compression == "powersgd":
             raise ValueError(
@@ -512,8 +505,8 @@ class ParallelConfig:
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1; a
-                Mixture-of-Experts model with pp > 1 (not implemented yet: ``docs/moe.md``) or with tp > 1 at ZeRO
-                2/3 or with PowerSGD; ep > 1 for a dense model, or an ep that does not divide ``num_experts``.
+                Mixture-of-Experts model with tp > 1 at ZeRO 2/3 or with PowerSGD (``docs/moe.md``); ep > 1 for a
+                dense model, or an ep that does not divide ``num_experts``.
         """
         tp = self.tp
         valid_tp = [d for d in _divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -557,12 +550,6 @@ class ParallelConfig:
         if getattr(model_config, "is_moe", False):
             # what training a Mixture-of-Experts model supports today (docs/moe.md); the estimator and the planner
             # follow, so that they propose only layouts FourDStrategy runs
-            if self.pp > 1:
-                raise ValueError(
-                    f"pipeline_parallel_size={self.pp} is not supported for a Mixture-of-Experts model (num_experts="
-                    f"{model_config.num_experts}) yet: MoE models train with data, tensor, context and expert "
-                    "parallelism and ZeRO; set pipeline_parallel_size=1 (docs/moe.md)."
-                )
             if tp > 1 and self.zero_stage >= 2:
                 raise ValueError(
                     f"zero_stage={self.zero_stage} is not supported for a Mixture-of-Experts model with "

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 
+from lightning_4d.parallel.expert import is_expert_parameter
 from lightning_4d.parallel.pipeline import clip_grad_norm_
 from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
 
@@ -50,12 +51,14 @@ class FourDPrecision(Precision):
         """Clip by the global norm: the averaged gradients in a ``ShardedOptimizer``'s buckets
         (:meth:`~lightning_4d.parallel.zero.ShardedOptimizer.clip_grad_norm_`), else under a pipeline
         :func:`~lightning_4d.parallel.pipeline.clip_grad_norm_` (Lightning's own would clip each stage by its own
-        norm), else Lightning's own clipping."""
+        norm), and so under ZeRO 2/3 with expert parallelism (the expert gradients are DTensors on the ``(edp, ep)``
+        mesh, the dense ones on ``dp_cp``: torch's own norm cannot stack the two), else Lightning's own clipping."""
         sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
+        params = list(self.main_params(optimizer))
         if sharded is not None:
             sharded.clip_grad_norm_(float(clip_val))
-        elif self.pp_group is not None:
-            clip_grad_norm_(self.main_params(optimizer), float(clip_val), pp_group=self.pp_group)
+        elif self.pp_group is not None or any(is_expert_parameter(p) for p in params):
+            clip_grad_norm_(params, float(clip_val), pp_group=self.pp_group)
         else:
             super().clip_grad_by_norm(optimizer, clip_val)
 

@@ -48,7 +48,7 @@ from lightning_4d.parallel.parallelize import (
     validate_against_module,
     validate_compile,
 )
-from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
+from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, validate_pipeline_precision
 from lightning_4d.parallel.zero import (
     GradientBuckets,
     mixed_precision_dtype,
@@ -90,10 +90,10 @@ class FourDStrategy(ModelParallelStrategy):
         expert_parallel_size: ep, for a Mixture-of-Experts model: the ranks that split the routed experts of every
             MoE layer (``num_experts / ep`` each; tokens dispatched and combined by all-to-all). ep ranks are blocks
             of ep consecutive ranks of the flattened ``dp_cp`` mesh (ep divides dp·cp and ``num_experts``); the
-            expert parameters' gradients are reduced and their ZeRO 1 states sharded over the expert
-            data-parallel group (dp·cp/ep ranks), the dense ones over dp·cp. ZeRO 0 and 1 only. Under tp an MoE
+            expert parameters' gradients are reduced and their ZeRO 1-3 shards held over the expert
+            data-parallel group (dp·cp/ep ranks), the dense ones over dp·cp. Under tp an MoE
             layer is not split: each tp rank runs it whole on its ``s/t`` tokens, its gradients summed over
-            dp·cp·tp (the experts' over dp·cp·tp/ep); see ``docs/moe.md``.
+            dp·cp·tp (the experts' over dp·cp·tp/ep; ZeRO 0/1 under tp); see ``docs/moe.md``.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of send/recv steps
             overlapped with the matmuls, never gathering the whole sequence (same bytes, same results; needs tp > 1
@@ -259,6 +259,7 @@ class FourDStrategy(ModelParallelStrategy):
             self.parallel_config.zero_stage,
             full_file_checkpoints=not self._save_distributed_checkpoint,
         )
+        validate_pipeline_precision(self.parallel_config, self._precision)
         if self.memory_check and self.root_device.type == "cuda":  # runs in Callback.setup, before configure_model
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()

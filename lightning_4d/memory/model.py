@@ -402,9 +402,20 @@ def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, buc
     return total
 
 
-def _padded_numel(p: _Param, world: int) -> int:
-    """Elements of ``p`` in FSDP2's all-gather output (dim 0 padded to a multiple of ``world``)."""
-    return math.ceil(p.rows / world) * world * p.cols
+def _padded_numel(p: _Param, world: int, ep: int = 1) -> int:
+    """Elements of ``p`` in FSDP2's all-gather output (dim 0 padded to a multiple of its group's size:
+    :func:`_fsdp_group`)."""
+    group, _ = _fsdp_group(p, world, 0, ep)
+    return math.ceil(p.rows / group) * group * p.cols
+
+
+def _fsdp_group(p: _Param, world: int, dp_cp_rank: int, ep: int) -> tuple[int, int]:
+    """``(size, rank)`` of the group FSDP2 shards ``p`` over at ZeRO 2/3: the expert weights (``E/ep`` rows of this
+    ep rank) over the expert data-parallel group (``dp·cp/ep`` ranks, this rank ``dp_cp_rank // ep``:
+    ``ParallelConfig.ep_coordinates``, ``parallel/zero.py``'s ``apply_fsdp``), every other tensor over ``dp_cp``."""
+    if p.expert and ep > 1:
+        return world // ep, dp_cp_rank // ep
+    return world, dp_cp_rank
 
 
 @dataclass(frozen=True)
@@ -470,8 +481,8 @@ def model_state_bytes(
     weighted = _weighted_params(
         model_config, pc.tp, _rank_layers(model_config.num_layers, pc, pp_rank), first, last, pc.ep
     )
-    if zero >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor
-        n = sum(count * _chunk(p.rows, world, dp_cp_rank) * p.cols for p, count in weighted)
+    if zero >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor (experts: over dp·cp/ep)
+        n = sum(count * _chunk(p.rows, *_fsdp_group(p, world, dp_cp_rank, pc.ep)) * p.cols for p, count in weighted)
         if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
             return ModelStates(4 * n, 4 * n, 8 * n)
         return ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param)
@@ -1075,10 +1086,10 @@ def _buffer_terms(
     units: dict[str, list[int]] = {}  # representative layer -> [padded elements, layers like it]
     for p, count in params:
         if p.unit != "root":
-            units.setdefault(p.unit, [0, count])[0] += _padded_numel(p, world)
+            units.setdefault(p.unit, [0, count])[0] += _padded_numel(p, world, pc.ep)
     layer_numel = max((n for n, _ in units.values()), default=0)  # the largest FSDP2 layer unit
     all_layers_numel = sum(n * count for n, count in units.values())
-    root_numel = sum(_padded_numel(p, world) for p, _ in params if p.unit == "root")
+    root_numel = sum(_padded_numel(p, world, pc.ep) for p, _ in params if p.unit == "root")
     largest_layer, root = layer_numel * gather_bytes, root_numel * gather_bytes
     gathered_start = gathered_end = grad_buffers = 0
     if zero >= 2 and pc.pp > 1:

@@ -340,11 +340,37 @@ class LlamaModel(nn.Module):
         """The load-balancing loss of the last forward (differentiable): the sum of this model's MoE layers' terms
         divided by the config's number of MoE layers (the mean over all of them; a pipeline stage's share), ``None``
         for a dense model or before a forward (:mod:`lightning_4d.models.moe`). Not multiplied by
-        ``router_aux_loss_coef``."""
+        ``router_aux_loss_coef``. Training needs no addition of it to the loss: the layers inject its gradient
+        themselves (:meth:`set_aux_loss_scale`)."""
         terms = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
         if not terms:
             return None
         return torch.stack([t.float() for t in terms]).sum() / self.config.num_moe_layers
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Train the load-balancing loss as if ``scale * moe_aux_loss()`` were added to the loss of every backward:
+        each MoE layer's output injects ``scale / num_moe_layers`` into its term's gradient
+        (:class:`~lightning_4d.models.moe.AuxLossInjection`; ``MoEFeedForward.aux_grad_scale``). ``scale`` is
+        ``router_aux_loss_coef`` times the factor the language-model loss of one backward carries (``1/m`` for a
+        pipeline micro-batch, ``1/A`` under ``A`` accumulated batches); the default, set at construction, is
+        ``router_aux_loss_coef``. No-op for a dense model."""
+        for m in self.moe_layers():
+            m.aux_grad_scale = scale / self.config.num_moe_layers
+
+    def reset_moe_aux_loss(self) -> None:
+        """Start a new mean for :meth:`moe_step_aux_loss` (every MoE layer forgets the terms it summed)."""
+        for m in self.moe_layers():
+            m.reset_aux_loss()
+
+    def moe_step_aux_loss(self) -> Optional[Tensor]:
+        """This model's share of the load-balancing loss averaged over the forwards with gradients since
+        :meth:`reset_moe_aux_loss` (a pipeline step's micro-batches; detached float32 scalar): the sum over its
+        MoE layers of each layer's mean term, divided by the config's number of MoE layers, so that the shares of
+        the pipeline stages add up to the model's loss. ``None`` when the model holds no MoE layer that ran."""
+        means = [torch.stack(m.aux_loss_terms).mean() for m in self.moe_layers() if m.aux_loss_terms]
+        if not means:
+            return None
+        return torch.stack(means).sum() / self.config.num_moe_layers
 
     @torch.no_grad()
     def moe_stats(self) -> dict[str, Tensor]:

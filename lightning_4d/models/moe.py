@@ -142,6 +142,27 @@ def capacity(config: LlamaConfig, tokens: int) -> Optional[int]:
     return math.ceil(config.capacity_factor * tokens * config.num_experts_per_token / config.num_experts)
 
 
+class AuxLossInjection(torch.autograd.Function):
+    """``forward(output, aux, scale)`` returns ``output`` unchanged; ``backward`` passes ``output``'s gradient through
+    and gives ``aux`` the gradient ``scale`` (a float): as if ``scale * aux`` had been added to the loss whose
+    backward reaches ``output``, wherever that loss is computed (Megatron-Core's ``MoEAuxLossAutoScaler``,
+    ``megatron/core/transformer/moe/moe_utils.py``). A pipeline stage's MoE layers thus train on their
+    load-balancing terms although the loss lives on the last stage: only activations travel between stages, and the
+    schedule's backward of each micro-batch runs this node once (also under activation checkpointing, whose
+    recomputation replays the forward but not the graph). ``output`` ``[..., h]`` any dtype; ``aux`` a scalar."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, aux: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
 class MoEFeedForward(nn.Module):
     """The Mixture-of-Experts feed-forward (module docstring): ``router`` (``nn.Linear(h, E, bias=False)``),
     ``experts`` (:class:`GroupedExperts`), ``shared_experts`` (:class:`SwiGLU` of width ``n_s · f_e``, or
@@ -163,6 +184,21 @@ class MoEFeedForward(nn.Module):
     (this layer's computation) on this tp rank's ``s/t`` tokens of ``x`` and returns the output in ``x``'s layout,
     and ``mean(t)`` (a differentiable mean over the tp ranks) for the load-balancing loss
     (:class:`lightning_4d.parallel.tensor.TokenParallel`; the models package imports nothing of ``parallel/``).
+
+    **How the load-balancing term trains.** In a forward with gradients the output carries the term through
+    :class:`AuxLossInjection`: the backward that reaches the output gives the term the gradient ``aux_grad_scale``,
+    d(training loss)/d(this layer's term). Default ``router_aux_loss_coef / num_moe_layers`` (the model's loss is the
+    mean of its layers' terms, weighted by the coefficient); whoever scales the language-model loss per backward
+    (``1/m`` for a pipeline's ``m`` micro-batches, ``1/A`` for ``A`` accumulated batches) scales it alike
+    (:meth:`lightning_4d.models.llama.LlamaModel.set_aux_loss_scale`). The averaging over data-parallel ranks is
+    the gradient reduction's, as for the language-model loss.
+
+    ``aux_loss_terms``: the detached terms (float32 scalars) of the forwards with gradients since
+    :meth:`reset_aux_loss`, in order; their mean is the mean over a pipeline step's micro-batches (a recomputation
+    repeats every micro-batch's term once: the mean stays). Under pp the reset comes just before the step's first
+    micro-batch (``PipelineRunner.before_microbatches``), after the schedule's metadata inference (at the first step
+    a forward, with gradients, of every stage on placeholder activations, and under activation checkpointing its
+    recomputation).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -176,6 +212,8 @@ class MoEFeedForward(nn.Module):
         self.stats_group: Any = None
         self.token_parallel: Any = None
         self.aux_loss: Optional[Tensor] = None
+        self.aux_grad_scale = config.router_aux_loss_coef / max(1, config.num_moe_layers)
+        self.aux_loss_terms: list[Tensor] = []
         self.tokens_per_expert: Optional[Tensor] = None
         self.dropped: Optional[Tensor] = None
         self.assignments: Optional[Tensor] = None
@@ -230,7 +268,14 @@ class MoEFeedForward(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         self._record(probs, counts, n_tokens, n_tokens * k - order.numel())
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        if self.aux_loss.requires_grad and self.aux_grad_scale:
+            out = AuxLossInjection.apply(out, self.aux_loss, self.aux_grad_scale)
+        return out
+
+    def reset_aux_loss(self) -> None:
+        """Forget the terms kept in ``aux_loss_terms`` (class docstring)."""
+        self.aux_loss_terms = []
 
     def _record(self, probs: Tensor, counts: Tensor, n_tokens: int, dropped: int) -> None:
         """The load-balancing term and the routing statistics of this forward (class docstring)."""
@@ -245,6 +290,8 @@ class MoEFeedForward(nn.Module):
         if self.token_parallel is not None:  # the tp group's tokens (equal shards): the same term on every tp rank
             p = self.token_parallel.mean(p)
         self.aux_loss = self.config.num_experts * (f * p).sum()
+        if self.aux_loss.requires_grad:  # a forward that trains (not evaluation)
+            self.aux_loss_terms.append(self.aux_loss.detach().float())
 
     def extra_repr(self) -> str:
         c = self.config

@@ -239,6 +239,7 @@ def parallelize_model(
             reshard_after_forward=reshard_after_forward(config),
             param_dtype=param_dtype if family.master_weights else None,
             reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
+            expert_mesh=mesh.edp,
         )
         for part in [c for _, c in chunks] if chunks is not None else [model]:
             blocks = [

@@ -90,14 +90,25 @@ def apply_fsdp(
     reshard_after_forward: Optional[bool] = None,
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    expert_mesh: Optional[DeviceMesh] = None,
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
+
+    Under expert parallelism (``expert_mesh``: the 1D expert data-parallel mesh ``edp``, dp·cp/ep ranks) every module
+    that directly holds expert weights (DTensors ``Shard(0)`` on the ep mesh,
+    :func:`~lightning_4d.parallel.expert.is_expert_parameter`) becomes a unit of its own first, over ``edp`` (FSDP2
+    joins the two 1D meshes, children of one parent, into the 2D ``(edp, ep)`` mesh: each expert row block is
+    sharded on dim 0 over ``edp`` inside its ep shard, torchtitan's ``dp_mod_ep`` units). Its gradients are
+    divided by D = dp·cp too, not by D/ep: the all-to-all's backward already summed the ep group's contributions
+    (:mod:`lightning_4d.parallel.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
+    dense parameters.
 
     Args:
         model: the module (DTensor tensor-parallel parameters are fine: FSDP2 shards their local dim 0).
         dp_cp_mesh: the 1D ``dp_cp`` mesh.
         zero_stage: 2 (``reshard_after_forward=False``) or 3 (``True``).
         blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
+        expert_mesh: the ``edp`` mesh under expert parallelism (see above), else ``None``.
         reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
             schedules pass ``False`` for stage 3 (see ``parallelize_model``).
         param_dtype: mixed precision (``bf16-mixed``): FSDP2's ``MixedPrecisionPolicy(param_dtype=param_dtype,
@@ -128,7 +139,20 @@ def apply_fsdp(
             cast_forward_inputs=False,
             reduce_dtype=reduce_dtype or (torch.float32 if param_dtype is not None else None),
         )
-    units = [fully_shard(b, **kw) for b in blocks]
+    units = []
+    if expert_mesh is not None:
+        from lightning_4d.parallel.expert import is_expert_parameter
+
+        holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
+        units = [fully_shard(m, **{**kw, "mesh": expert_mesh}) for m in holders]
+        for unit in units if expert_mesh.size() > 1 else []:
+            # a divide factor (D) other than the group's size (D/ep) makes FSDP2 reduce-scatter with
+            # ReduceOp.PREMUL_SUM, which gloo refuses (measured, torch 2.13): sum, then divide by D after. Not
+            # with a group of one rank (ep = D): there FSDP2 (torch 2.13, foreach_reduce) divides by the factor
+            # when it copies the gradient and again by the post-divide factor of a forced sum (measured: the
+            # expert gradients came out halved at dp2 ep2)
+            unit.set_force_sum_reduction_for_comms(True)
+    units += [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
     for unit in [*units, root]:
         # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp
@@ -144,8 +168,10 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def reduced_by_fsdp(p: Tensor) -> bool:
-    """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``) already averages this parameter's gradient."""
-    return isinstance(p, DTensor) and "dp_cp" in (p.device_mesh.mesh_dim_names or ())
+    """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``, or for expert weights over ``edp``) already averages this parameter's
+    gradient."""
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    return "dp_cp" in names or "edp" in names
 
 
 def mixed_precision_dtype(precision: Optional[str]) -> Optional[torch.dtype]:

@@ -58,13 +58,18 @@ class Recorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.record_norm:  # the global gradient norm before clipping (the ShardedOptimizer's, else torch's)
+            from lightning_4d.parallel.pipeline import clip_grad_norm_
             from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
 
             sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
             if sharded is not None:
                 norm = sharded.clip_grad_norm_(float("inf"))  # coefficient 1: measures, changes nothing
             else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in pl_module.parameters() if p.grad is not None])
+                # the global norm over every mesh (expert gradients on (edp, ep), dense ones on dp_cp under ZeRO
+                # 2/3 with ep); max_norm inf: coefficient 1
+                pipeline = getattr(trainer.strategy, "pipeline", None)  # pp: the norm over every stage
+                pp_group = trainer.strategy.mesh.pp.get_group() if pipeline is not None else None
+                norm = clip_grad_norm_(list(pl_module.parameters()), float("inf"), pp_group=pp_group)
             self.bytes.setdefault("grad_norms", []).append(float(norm))
         if "params" in self.bytes:
             return
