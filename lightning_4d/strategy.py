@@ -48,7 +48,7 @@ from lightning_4d.parallel.parallelize import (
     validate_against_module,
     validate_compile,
 )
-from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, validate_pipeline_precision
+from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
 from lightning_4d.parallel.zero import (
     GradientBuckets,
     mixed_precision_dtype,
@@ -259,7 +259,6 @@ class FourDStrategy(ModelParallelStrategy):
             self.parallel_config.zero_stage,
             full_file_checkpoints=not self._save_distributed_checkpoint,
         )
-        validate_pipeline_precision(self.parallel_config, self._precision)
         if self.memory_check and self.root_device.type == "cuda":  # runs in Callback.setup, before configure_model
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()

@@ -7,9 +7,11 @@ Tiny MoE (8 experts, top-2, 4 layers, coefficient 0.1), 10 AdamW steps in float3
 ``train_loss`` and ``train_aux_loss`` within 1e-5 relative, the global gradient norm before clipping (over all
 stages) within 1e-5, the final weights as the dense pipeline tests check them; pp2 under GPipe, 1F1B (m = 2 and 4),
 interleaved 1F1B (2 stages per rank), ZBV and DualPipeV, full activation checkpointing with clipping, and pp2 x dp2 x
-ep2 (4 processes; 1F1B at ZeRO 1, interleaved at ZeRO 0). Two model variants: MoE on every layer without shared
-experts, and MoE on every other layer with a shared expert (there the interleaved schedule leaves pp rank 0 with no
-MoE layer at all).
+ep2 (4 processes; 1F1B at ZeRO 1, interleaved at ZeRO 0; and bf16-mixed 1F1B at ZeRO 1 within 1e-2 of one-process
+bf16-mixed). pp x ep once hung at the first step (the schedule's shape inference ran the MoE layers' collectives
+across pipelines, ``PipelineRunner.metadata_inference``): these launches are its regression test. Two model
+variants: MoE on every layer without shared experts, and MoE on every other layer with a shared expert (there the
+interleaved schedule leaves pp rank 0 with no MoE layer at all).
 
 **The reference runs the pipeline's micro-batches.** The load-balancing term of a forward uses the expert counts of
 that forward's tokens (summed over dp·cp); a pipeline runs the m micro-batches one after the other, so a micro-batch's
@@ -42,8 +44,10 @@ REF = [
     {"reference": True, "config": EVERY, "accum": 4, "norm": True},
     {"reference": True, "config": OTHER, "accum": 4, "norm": True},
     {"reference": True, "config": OTHER, "accum": 2, "clip": 0.1},
+    {"reference": True, "config": EVERY, "accum": 2, "precision": "bf16-mixed"},
     {"reference": True, "config": EVERY, "norm": True},  # A = 1: not the pipeline's micro-batches (module docstring)
 ]
+BF16_RTOL = 1e-2  # issue 23's bar for bf16-mixed layouts vs one-process bf16-mixed
 WORLD2 = [
     {"pp": 2, "schedule": "1f1b", "m": 2, "config": EVERY, "norm": True},
     {"pp": 2, "schedule": "1f1b", "m": 4, "config": OTHER, "norm": True},
@@ -57,6 +61,7 @@ WORLD2 = [
 WORLD4 = [
     {"pp": 2, "dp": 2, "ep": 2, "zero": 1, "schedule": "1f1b", "m": 2, "config": EVERY, "norm": True},
     {"pp": 2, "dp": 2, "ep": 2, "zero": 0, "schedule": "interleaved_1f1b", "v": 2, "m": 2, "config": OTHER},
+    {"pp": 2, "dp": 2, "ep": 2, "zero": 1, "schedule": "1f1b", "m": 2, "config": EVERY, "precision": "bf16-mixed"},
 ]
 
 
@@ -91,6 +96,7 @@ def _reference(layout) -> int:
             ref["config"] == layout["config"]
             and ref.get("accum") == layout["m"]
             and ref.get("clip") == layout.get("clip")
+            and ref.get("precision") == layout.get("precision")
         ):
             return i
     raise KeyError(layout)
@@ -126,9 +132,12 @@ def _check(runs, which, layouts, index):
         f"\n{layout}: loss rel {loss:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}, weights {werr:.1e} "
         f"(vs one process at A = 1: loss rel {far:.1e})"
     )
-    assert max(loss, aux, norm) <= LOSS_RTOL
     assert set(weights) == set(ref_weights)
-    assert werr <= WEIGHT_ATOL
+    if layout.get("precision") == "bf16-mixed":  # against one-process bf16-mixed
+        assert max(loss, aux) <= BF16_RTOL
+    else:
+        assert max(loss, aux, norm) <= LOSS_RTOL
+        assert werr <= WEIGHT_ATOL
     assert r["losses"][-1] < r["losses"][0]
 
 
@@ -172,16 +181,3 @@ def test_injected_aux_gradient_equals_the_explicit_sum():
         torch.testing.assert_close(injected[n], summed[n], rtol=1e-6, atol=1e-9, msg=n)
     half = grads(0.5 * cfg.router_aux_loss_coef, False)
     assert max((half[n] - summed[n]).abs().max().item() for n in router) > 1e-4
-
-
-def test_bf16_mixed_with_pp_and_ep_is_refused_before_any_process_group():
-    """bf16-mixed pp x ep hangs at the first step (docs/moe.md): refused with the alternatives, before any process
-    group; bf16-mixed pp without ep and fp32 pp x ep pass."""
-    from lightning_4d import ParallelConfig
-    from lightning_4d.parallel.pipeline import validate_pipeline_precision
-
-    pc = ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2).resolve(4)
-    with pytest.raises(ValueError, match=r"precision='bf16-mixed' with pipeline_parallel_size=2 and expert_parallel"):
-        validate_pipeline_precision(pc, "bf16-mixed")
-    validate_pipeline_precision(pc, "32-true")
-    validate_pipeline_precision(ParallelConfig(pipeline_parallel_size=2).resolve(2), "bf16-mixed")

@@ -357,6 +357,12 @@ class LlamaModel(nn.Module):
         for m in self.moe_layers():
             m.aux_grad_scale = scale / self.config.num_moe_layers
 
+    def set_metadata_inference(self, flag: bool) -> None:
+        """While ``flag``, this model's MoE layers pass their input through (a pipeline schedule's shape inference:
+        :attr:`lightning_4d.models.moe.MoEFeedForward.metadata_inference`)."""
+        for m in self.moe_layers():
+            m.metadata_inference = flag
+
     def reset_moe_aux_loss(self) -> None:
         """Start a new mean for :meth:`moe_step_aux_loss` (every MoE layer forgets the terms it summed)."""
         for m in self.moe_layers():

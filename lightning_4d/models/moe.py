@@ -180,6 +180,10 @@ class MoEFeedForward(nn.Module):
     disjoint tokens, ``dp_cp`` (``dp_cp x tp`` under tensor parallelism; set by
     :meth:`lightning_4d.families.llama.LlamaFamily.apply_data_parallel`).
 
+    ``metadata_inference``: set (``LlamaModel.set_metadata_inference``) while a pipeline schedule infers its stages'
+    shapes on placeholder activations: the layer then returns its input (the local tensor of a DTensor, as the layer
+    returns its output), with no collective and no routing record (``PipelineRunner.metadata_inference``).
+
     ``token_parallel``: ``None``, or under tensor parallelism an object with ``__call__(x, run)`` that runs ``run``
     (this layer's computation) on this tp rank's ``s/t`` tokens of ``x`` and returns the output in ``x``'s layout,
     and ``mean(t)`` (a differentiable mean over the tp ranks) for the load-balancing loss
@@ -211,6 +215,7 @@ class MoEFeedForward(nn.Module):
         self.shared_experts = SwiGLU(h, config.num_shared_experts * fe) if config.num_shared_experts else None
         self.stats_group: Any = None
         self.token_parallel: Any = None
+        self.metadata_inference = False
         self.aux_loss: Optional[Tensor] = None
         self.aux_grad_scale = config.router_aux_loss_coef / max(1, config.num_moe_layers)
         self.aux_loss_terms: list[Tensor] = []
@@ -231,6 +236,8 @@ class MoEFeedForward(nn.Module):
         return torch.sigmoid(top.to(dtype)), experts, probs
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.metadata_inference:  # a pipeline schedule's shape inference: no collective, no record
+            return x.to_local() if hasattr(x, "to_local") else x
         if self.token_parallel is not None:  # tp: this rank's s/t tokens (module docstring)
             return self.token_parallel(x, self._forward)
         return self._forward(x)

@@ -300,23 +300,6 @@ def resolve_num_microbatches(config: ParallelConfig, trainer: Any, datamodule: A
     return config.num_microbatches
 
 
-def validate_pipeline_precision(config: ParallelConfig, precision: Optional[str]) -> None:
-    """Refuse what hangs, before the process group exists: ``bf16-mixed`` with pp > 1 and ep > 1 (measured with
-    torch 2.13 on gloo, pp2 x dp2 x ep2 under 1F1B at ZeRO 0 and 1: at the first step a stage-0 rank waits in the
-    schedule's backward-metadata inference while its ep peer is in the first micro-batch's all-to-all, in both runs;
-    fp32 pp x ep did so in one run of three, bf16-mixed pp without ep ran; ``docs/moe.md``).
-
-    Raises:
-        ValueError: that combination (names the valid alternatives).
-    """
-    if precision == "bf16-mixed" and config.pp > 1 and config.ep > 1:
-        raise ValueError(
-            f"precision='bf16-mixed' with pipeline_parallel_size={config.pp} and expert_parallel_size={config.ep} "
-            "is not supported yet (the first step hangs in the pipeline schedule's metadata inference): use "
-            "precision='32-true', or expert_parallel_size=1, or pipeline_parallel_size=1 (docs/moe.md)."
-        )
-
-
 # ---------------------------------------------------------------------------------------------------- schedules
 def _schedule_class(name: str) -> type:
     from torch.distributed import pipelining as pl
@@ -344,6 +327,10 @@ def _nothing() -> None:
     return None
 
 
+def _ignore(flag: bool) -> None:
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _stage_class() -> type:
     """:class:`torch.distributed.pipelining.PipelineStage` with a hook before its micro-batch forwards (a subclass:
@@ -358,6 +345,7 @@ def _stage_class() -> type:
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             if self.runner._pending:  # the step's first micro-batch forward on this rank
                 self.runner._pending = False
+                self.runner.metadata_inference(False)
                 self.runner.before_microbatches()
             return super().forward_one_chunk(*args, **kwargs)
 
@@ -419,6 +407,13 @@ class PipelineRunner:
         #: placeholder activations): where a forward's side records are cleared (``CausalLMModule`` starts the
         #: MoE layers' mean load-balancing loss there)
         self.before_microbatches: Callable[[], None] = _nothing
+        #: called with True when a schedule step begins and with False just before its first micro-batch forward
+        #: on this rank: between the two, the schedule's metadata inference (at a schedule's first step) runs each
+        #: stage's forward on placeholder activations. ``CausalLMModule`` makes its MoE layers pass their input
+        #: through there: their collectives across pipelines (the ep all-to-alls, the routing counts' all-reduce
+        #: over dp·cp) would otherwise meet the peer pipeline at another point of its inference (a deadlock at the
+        #: first step, measured under pp2 x dp2 x ep2), and the values computed there are never used
+        self.metadata_inference: Callable[[bool], None] = _ignore
         self._pending = False
         #: a context a backward whose gradients are discarded runs in (the strategy sets the ZeRO 0/1 buckets'
         #: ``suspended``, so that an evaluation run's gradients never reach them)
@@ -470,7 +465,7 @@ class PipelineRunner:
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
-        self._pending = True
+        self._begin()
         schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)
         self._stashed = [(p, p.grad) for p in params]
         for p, grad in zip(params, before):
@@ -507,6 +502,11 @@ class PipelineRunner:
             for p, grad in zip(params, before):
                 p.grad = grad
 
+    def _begin(self) -> None:
+        """A schedule step begins: :attr:`metadata_inference` until this rank's first micro-batch forward."""
+        self._pending = True
+        self.metadata_inference(True)
+
     def eval_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """Forward only through the pipeline; returns the mean loss over the batch (the same on every pp rank).
 
@@ -516,6 +516,7 @@ class PipelineRunner:
         losses: list[Tensor] = []
         args = (input_ids,) if self.is_first else ()
         target = labels if self.is_last else None
+        self._begin()
         if self._forward_only_works:
             self._use(self._train).eval(*args, target=target, losses=losses)
         else:
@@ -530,6 +531,7 @@ class PipelineRunner:
         stage and ``None`` on the others."""
         self._check_batch(input_ids)
         args = (input_ids,) if self.is_first else ()
+        self._begin()
         if self._forward_only_works:
             if self._predict is None:
                 self._predict = self._make(None)

@@ -248,7 +248,11 @@ class CausalLMModule(L.LightningModule):
     def _pipeline(self) -> Any:
         """The strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner` (pp > 1), else ``None``."""
         layout = self._layout()
-        return layout.pipeline if layout is not None else None
+        pipeline = layout.pipeline if layout is not None else None
+        if pipeline is not None and self.model_config.is_moe and self.model is not None:
+            # the schedule's shape inference runs the stages on placeholders: MoE layers pass their input through
+            pipeline.metadata_inference = self.model.set_metadata_inference
+        return pipeline
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         pipeline = self._pipeline()
