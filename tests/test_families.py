@@ -52,10 +52,28 @@ class _Holder(nn.Module):
 
 
 def test_registry_finds_each_family_and_its_config():
-    assert [f.name for f in FAMILIES] == [LLAMA.name, HF_LLAMA.name]
+    import transformers
+
+    from lightning_4d.adapters.hf_mixtral import HF_MIXTRAL
+
+    assert [f.name for f in FAMILIES] == [LLAMA.name, HF_LLAMA.name, HF_MIXTRAL.name]
     ours, theirs = _ours(), _theirs()
+    mixtral = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
     assert [(n, f) for n, f, _ in find_models(_Holder(ours))] == [("inner.1", LLAMA)]
     assert [(n, f) for n, f, _ in find_models(_Holder(theirs))] == [("inner.1", HF_LLAMA)]
+    assert [(n, f) for n, f, _ in find_models(_Holder(mixtral))] == [("inner.1", HF_MIXTRAL)]
+    assert estimate_config(_Holder(mixtral)).num_experts == 4
     assert find_models(nn.Linear(2, 2)) == []
     assert estimate_config(_Holder(ours)) == ours.config
     hf = estimate_config(_Holder(theirs))
