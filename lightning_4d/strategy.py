@@ -100,7 +100,8 @@ class FourDStrategy(ModelParallelStrategy):
             and sequence parallelism; ``lightning_4d`` Llama models only). Default ``False``; see
             ``docs/parallelism.md``.
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
-            ``"selective"`` (keep each layer's matmul and attention outputs, recompute its pointwise ops).
+            ``"selective"`` (keep each layer's matmul and attention outputs but ``w2``'s, under tp ``wo``'s reduced
+            shard instead of its partial sum; recompute its pointwise ops; ``docs/memory.md``).
         gradient_compression: ``"none"``, ``"bf16"`` (dp gradients reduced in bfloat16: half the bytes) or
             ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD with error feedback, ZeRO 0/1); see
             ``docs/communication.md``.
