@@ -11,8 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
+#: what a distributed run in this process (an in-process fit, a launcher) leaves in ``os.environ``: a child must not
+#: inherit it (measured: a 1-process child took the pytest process's MASTER_PORT, still bound by a process group
+#: another test left there, and failed with EADDRINUSE)
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
 def worker_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS and not k.startswith("TORCHELASTIC_")}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONWARNINGS"] = "ignore"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -60,9 +60,8 @@ def test_ep_refusals_name_the_value_and_what_is_supported():
         validate_against_module(ParallelConfig(expert_parallel_size=2, zero_stage=stage).resolve(4), moe)
     with pytest.raises(ValueError, match="powersgd.*expert_parallel_size=2"):
         ParallelConfig(expert_parallel_size=2, gradient_compression="powersgd", zero_stage=1)
-    # pp for MoE models stays refused, ep or not (tp and cp compose with ep: tests/test_moe_tensor_parallel.py)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported for a Mixture-of-Experts model"):
-        validate_against_module(ParallelConfig(pipeline_parallel_size=2, expert_parallel_size=2).resolve(8), moe)
+    # pp, tp and cp compose with ep (tests/test_moe_pipeline.py, tests/test_moe_tensor_parallel.py)
+    validate_against_module(ParallelConfig(pipeline_parallel_size=2, expert_parallel_size=2).resolve(8), moe)
 
 
 def test_measure_refuses_ep():

@@ -48,8 +48,7 @@ def test_what_stays_refused_for_moe_names_the_value_before_any_process_group():
     validate_against_module(ParallelConfig(context_parallel_size=2, zero_stage=3).resolve(2), moe)  # cp is dp-like
     with pytest.raises(ValueError, match="gradient_compression='powersgd'.*tensor_parallel_size=2"):
         validate_against_module(ParallelConfig(tensor_parallel_size=2, gradient_compression="powersgd").resolve(2), moe)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported for a Mixture-of-Experts"):
-        validate_against_module(ParallelConfig(pipeline_parallel_size=2).resolve(2), moe)
+    validate_against_module(ParallelConfig(pipeline_parallel_size=2).resolve(2), moe)  # pp: tests/test_moe_pipeline.py
 
 
 def test_moe_without_sp_needs_a_sequence_divisible_by_tp_before_any_process_group():
