@@ -51,6 +51,11 @@ def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
+#: :meth:`ParallelConfig.rank_stages` of (pp, v, schedule, layer split, layers, rank), memoized (bounded)
+_RANK_STAGES: dict[tuple, tuple[tuple[int, range], ...]] = {}
+_RANK_STAGES_MAX = 1 << 16
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -388,12 +393,15 @@ class ParallelConfig:
         """
         if self.pp == 1:
             return [(0, range(num_layers))]
-        split = self.layer_split(num_layers)
-        out = []
-        for st in self.stage_indices(pp_rank):
-            start = sum(split[:st])
-            out.append((st, range(start, start + split[st])))
-        return out
+        given = self.pipeline_layer_split
+        key = (self.pp, self.v, self.pipeline_schedule, None if given is None else tuple(given), num_layers, pp_rank)
+        stages = _RANK_STAGES.get(key)
+        if stages is None:  # the memory model and the planner ask for the same ranks thousands of times
+            split = self.layer_split(num_layers)
+            stages = tuple((st, range(sum(split[:st]), sum(split[: st + 1]))) for st in self.stage_indices(pp_rank))
+            if len(_RANK_STAGES) < _RANK_STAGES_MAX:
+                _RANK_STAGES[key] = stages
+        return list(stages)
 
     def layer_split(self, num_layers: int) -> list[int]:
         """Decoder layers per pipeline stage (``pp * v`` counts, stage order).

@@ -116,6 +116,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
+import numpy as np
+
 from lightning_4d.config import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, _check_positive_int
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 from lightning_4d.partition import (
@@ -297,19 +299,30 @@ def _rank_layers(num_layers: int, pc: ParallelConfig, pp_rank: int) -> list[int]
 
 def _weighted_params(
     cfg: Any, tp: int, layers: list[int], first: bool, last: bool, ep: int = 1
-) -> list[tuple[_Param, int]]:
+) -> tuple[tuple[_Param, int], ...]:
     """:func:`_stage_params` of ``layers`` with the identical layers folded into one representative layer and a
-    count: one dense layer and, in an MoE config, one MoE layer."""
+    count: one dense layer and, in an MoE config, one MoE layer (cached: the planner asks for the same stages
+    thousands of times)."""
     if getattr(cfg, "num_experts", 0):
         moe = [i for i in layers if _is_moe_layer(cfg, i)]
         dense = [i for i in layers if not _is_moe_layer(cfg, i)]
     else:  # a dense model (the planner asks this thousands of times: no per-layer test)
         moe, dense = [], list(layers)
-    reps = {group[0]: len(group) for group in (dense, moe) if group}
-    return [
-        (p, reps[int(p.unit.split(".")[1])] if p.unit != "root" else 1)
-        for p in _stage_params(cfg, tp, sorted(reps), first, last, ep)
-    ]
+    reps = tuple((group[0], len(group)) for group in (dense, moe) if group)
+    sizes = _Sizes.of(cfg, 0, moe_layers=tuple(moe[:1]))
+    return _folded_params(sizes, tp, reps, first, last, ep)
+
+
+@functools.lru_cache(maxsize=8192)
+def _folded_params(
+    sizes: "_Sizes", tp: int, reps: tuple[tuple[int, int], ...], first: bool, last: bool, ep: int
+) -> tuple[tuple[_Param, int], ...]:
+    """:func:`_weighted_params` on hashable values: ``reps`` = ``((representative layer, layers like it), ...)``."""
+    counts = dict(reps)
+    return tuple(
+        (p, counts[int(p.unit.split(".")[1])] if p.unit != "root" else 1)
+        for p in _stage_params(sizes, tp, sorted(counts), first, last, ep)
+    )
 
 
 def _chunk(n: int, world: int, rank: int) -> int:
@@ -335,8 +348,12 @@ class _Sizes:
     moe_layers: tuple[int, ...] = ()
 
     @staticmethod
-    def of(cfg: Any, num_layers: int) -> "_Sizes":
-        moe = tuple(i for i in range(num_layers) if _is_moe_layer(cfg, i)) if getattr(cfg, "num_experts", 0) else ()
+    def of(cfg: Any, num_layers: int, moe_layers: Optional[tuple[int, ...]] = None) -> "_Sizes":
+        """The sizes of ``cfg``; ``moe_layers``: its MoE layers among ``range(num_layers)`` (default: found), or
+        those of the layers the caller will ask about."""
+        moe = moe_layers
+        if moe is None:
+            moe = tuple(i for i in range(num_layers) if _is_moe_layer(cfg, i)) if getattr(cfg, "num_experts", 0) else ()
         return _Sizes(
             cfg.hidden_size,
             cfg.head_dim,
@@ -788,12 +805,21 @@ def _zbv_peak(
     I, W stage 0; F, I, W stage 1); cool-down (I of both, then I, W of stage 0, then the remaining W), with the
     schedule's micro-batch count ``max(2p-1, m)`` and actions on indices >= m dropped.
     """
-    best = (-1.0, (0, 0))
-    for h0, h1, d0, d1 in _zbv_states(p, r, m):
-        value = h0 * sizes[0] + h1 * sizes[1] + d0 * retained[0] + d1 * retained[1]
-        if value > best[0]:
-            best = (value, (h0, h1))
-    return (max(best[0], 0.0), best[1]) if best[0] > 0 else (0.0, (0, 0))
+    states = _zbv_state_array(p, r, m)
+    if not len(states):
+        return 0.0, (0, 0)
+    # the same products and left-to-right sums as a Python loop would do (bit-identical), the first maximum
+    values = states[:, 0] * sizes[0] + states[:, 1] * sizes[1] + states[:, 2] * retained[0] + states[:, 3] * retained[1]
+    i = int(np.argmax(values))
+    if values[i] <= 0:
+        return 0.0, (0, 0)
+    return float(values[i]), (int(states[i, 0]), int(states[i, 1]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _zbv_state_array(p: int, r: int, m: int) -> np.ndarray:
+    """:func:`_zbv_states` as a float64 ``[n, 4]`` array (exact: the counts are small integers)."""
+    return np.asarray(_zbv_states(p, r, m), dtype=np.float64).reshape(-1, 4)
 
 
 @functools.lru_cache(maxsize=4096)

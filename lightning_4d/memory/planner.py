@@ -58,7 +58,7 @@ from lightning_4d.config import (
 from lightning_4d.memory.fujii2024 import check_dense, fujii2024_from_config
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
-from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_of
+from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_parts
 
 __all__ = [
     "Candidate",
@@ -422,15 +422,16 @@ def _timed_layouts(
     formula: str,
     micro_batch_size: Optional[int],
     fixed: Optional[dict[str, int]],
-) -> list[tuple[float, int, Layout, StepTime]]:
-    """``(predicted step seconds, recomputation rank, layout, step time)`` of every layout of the job the formula
-    models, fastest first (at equal times, the one that recomputes less).
+) -> list[tuple[float, int, Layout, tuple[float, ...]]]:
+    """``(predicted step seconds, recomputation rank, layout, step time parts)`` of every layout of the job the
+    formula models, fastest first (at equal times, the one that recomputes less); the parts are
+    :class:`~lightning_4d.memory.step_time.StepTime`'s fields (:func:`~lightning_4d.memory.step_time.step_time_parts`).
 
     Raises:
         ValueError: no valid layout at all (the message says what a layout needs).
     """
     dims = _dims(model_config)
-    timed: list[tuple[float, int, Layout, StepTime]] = []
+    timed: list[tuple[float, int, Layout, tuple[float, ...]]] = []
     for lay in _layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed):
         if formula == "fujii2024" and (
             lay.zero_stage > 1
@@ -440,8 +441,10 @@ def _timed_layouts(
             or not lay.sequence_parallel
         ):
             continue
-        st = step_time_of(dims, lay, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node)
-        timed.append((st.total, _RECOMPUTATION[lay.activation_checkpointing], lay, st))
+        parts = step_time_parts(dims, lay, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node)
+        compute, recompute, bubble, t_tp, t_cp, t_pp, t_dp, t_opt, t_ep = parts
+        total = compute + recompute + bubble + t_tp + t_cp + t_pp + t_dp + t_ep + t_opt  # StepTime.total's order
+        timed.append((total, _RECOMPUTATION[lay.activation_checkpointing], lay, parts))
     if not timed:
         raise ValueError(
             f"no valid layout of {num_gpus} GPUs ({gpus_per_node} per node) for this model with "
@@ -508,7 +511,7 @@ class _MemoryOf:
 
 
 def _fastest_that_fit(
-    timed: list[tuple[float, int, Layout, StepTime]],
+    timed: list[tuple[float, int, Layout, tuple[float, ...]]],
     memory_of: _MemoryOf,
     candidate: Callable[..., Candidate],
     top: Optional[int],
@@ -520,7 +523,7 @@ def _fastest_that_fit(
     include_unfit = memory_of.include_unfit
     out: list[Candidate] = []
     fitting = 0
-    for visited, (total, _, lay, st) in enumerate(timed):
+    for visited, (total, _, lay, parts) in enumerate(timed):
         if top and not include_unfit and fitting >= top and total > out[-1].step_time:
             break  # every later layout is slower than the last one kept
         if max_estimated is not None and visited >= max_estimated:
@@ -530,7 +533,7 @@ def _fastest_that_fit(
         fits = memory <= memory_of.limit
         if not fits and not include_unfit:
             continue
-        cand = candidate(pc, b, m, st, memory, fits=fits)
+        cand = candidate(pc, b, m, StepTime(*parts), memory, fits=fits)
         if _dominated(cand, out):
             continue
         out = [c for c in out if not _dominated(c, [cand])]

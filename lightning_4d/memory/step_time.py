@@ -109,6 +109,7 @@ __all__ = [
     "gemm_efficiency",
     "predict_step_time",
     "step_time_of",
+    "step_time_parts",
 ]
 
 #: Fraction of the dense bf16 peak a GEMM reaches, by the class of its smallest dimension (>= 2048, >= 1024, below).
@@ -559,11 +560,18 @@ def predict_step_time(
 def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
     """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L, E,
     top-k, f_e, n_s, MoE layers), as ``_dims`` reads them from a model config)."""
+    return StepTime(*step_time_parts(dims, layout, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node))
+
+
+def step_time_parts(
+    dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int
+) -> tuple[float, ...]:
+    """The fields of :func:`step_time_of`'s :class:`StepTime` as a tuple, in its field order (the planner times
+    ~10^5 layouts and builds a ``StepTime`` only for those it keeps)."""
     tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
     b, m, v = layout.micro_batch_size, layout.num_microbatches, layout.virtual_pipeline_stages
     s, sp, zero_stage = seq_length, layout.sequence_parallel, layout.zero_stage
-    ep, dd = layout.expert_parallel_size, dp * cp
-    h, vocab = dims[0], dims[5]
+    ep = layout.expert_parallel_size
     c = 2
     t_max, work, n_max, bubble, t_re, t_tp, t_cp, t_moe, layers_of = _pipeline_terms(
         dims,
@@ -580,53 +588,67 @@ def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu:
         layout.activation_checkpointing,
         gpu,
         gpus_per_node,
-        *((ep, dd) if dims[7] else (1, 1)),  # a dense model's terms do not depend on them: keep its cache hits
+        *((ep, dp * cp) if dims[7] else (1, 1)),  # a dense model's terms do not depend on them: keep its cache hits
     )
-    hbm = POINTWISE_EFFICIENCY * gpu.memory_bandwidth
-    tokens = b * s / cp
-    world = tp * pp * cp * dp
     t_pp = 0.0
     if pp > 1:
-        b_pp, lat = _link(gpu, world <= gpus_per_node)
-        t_pp = 2 * v * m * (tokens * h * c / (tp if sp else 1) / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
-    # data parallel over dp_cp: the parameters of the largest pp rank; with experts, theirs over dp_cp/ep
-    params = max(layers_of) * _layer_params(dims) / tp + vocab * h / tp * (2 if pp == 1 else 1)
-    experts = 0.0
-    if dims[7]:
-        n, frac = max(layers_of), dims[11] / dims[6]
-        dense_moe, experts = _moe_layer_params(dims, tp, ep)
-        params = n * ((1 - frac) * _layer_params(dims) / tp + frac * dense_moe) + vocab * h / tp * (2 if pp == 1 else 1)
-        experts = n * frac * experts
-    edp = dd // ep
-    owned = params / dd + experts / edp if zero_stage >= 1 else params + experts
+        b_pp, lat = _link(gpu, tp * pp * cp * dp <= gpus_per_node)
+        t_pp = 2 * v * m * (b * s / cp * dims[0] * c / (tp if sp else 1) / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
+    rs, ag, units, t_opt = _data_parallel_terms(
+        dims, tp, pp, cp, dp, ep, zero_stage, max(layers_of), gpu, gpus_per_node
+    )
     t_dp = 0.0
-    if dd > 1:
-        b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
+    if dp * cp > 1:
         last_backward = 2 / 3 * t_max
-        units = max(1, max(layers_of))
-        rs = _ring(4 * params, dd, b_dp, lat)
-        if experts:
-            rs += _ring(4 * experts, edp, b_dp, lat)
         if zero_stage == 0:
             t_dp = max(2 * rs - last_backward, 2 * rs / units)
+        elif zero_stage == 1:
+            t_dp = max(rs - last_backward, rs / units) + ag
         else:
-            ag = _ring(c * params, dd, b_dp, lat)
-            if experts:
-                ag += _ring(c * experts, edp, b_dp, lat)
-            if zero_stage == 1:
-                t_dp = max(rs - last_backward, rs / units) + ag
-            else:
-                gathers = 1 if zero_stage == 2 else 2
-                t_dp = m * (max(0.0, gathers * ag - t_max) + ag / units) + max(rs - last_backward, rs / units)
-    t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / hbm
-    return StepTime(
-        compute=m * work,
-        recompute=m * n_max * t_re,
-        bubble=bubble,
-        tp=m * n_max * t_tp,
-        cp=m * n_max * t_cp,
-        pp=t_pp,
-        dp=t_dp,
-        optimizer=t_opt,
-        ep=m * n_max * t_moe,
-    )
+            gathers = 1 if zero_stage == 2 else 2
+            t_dp = m * (max(0.0, gathers * ag - t_max) + ag / units) + max(rs - last_backward, rs / units)
+    # StepTime's fields: compute, recompute, bubble, tp, cp, pp, dp, optimizer, ep
+    return m * work, m * n_max * t_re, bubble, m * n_max * t_tp, m * n_max * t_cp, t_pp, t_dp, t_opt, m * n_max * t_moe
+
+
+@functools.lru_cache(maxsize=65536)
+def _data_parallel_terms(
+    dims: tuple[int, ...],
+    tp: int,
+    pp: int,
+    cp: int,
+    dp: int,
+    ep: int,
+    zero_stage: int,
+    layers: int,
+    gpu: Any,
+    gpus_per_node: int,
+) -> tuple[float, float, int, float]:
+    """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds) of the pp rank
+    holding ``layers`` decoder layers: the data-parallel collectives over dp·cp (experts: over dp·cp/ep) of its
+    parameters (module docstring, **Data parallel**)."""
+    h, vocab = dims[0], dims[5]
+    c = 2
+    dd = dp * cp
+    # data parallel over dp_cp: the parameters of the largest pp rank; with experts, theirs over dp_cp/ep
+    params = layers * _layer_params(dims) / tp + vocab * h / tp * (2 if pp == 1 else 1)
+    experts = 0.0
+    if dims[7]:
+        frac = dims[11] / dims[6]
+        dense_moe, experts = _moe_layer_params(dims, tp, ep)
+        params = layers * ((1 - frac) * _layer_params(dims) / tp + frac * dense_moe) + vocab * h / tp * (
+            2 if pp == 1 else 1
+        )
+        experts = layers * frac * experts
+    edp = dd // ep
+    owned = params / dd + experts / edp if zero_stage >= 1 else params + experts
+    rs = ag = 0.0
+    if dd > 1:
+        b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
+        rs = _ring(4 * params, dd, b_dp, lat)
+        ag = _ring(c * params, dd, b_dp, lat)
+        if experts:
+            rs += _ring(4 * experts, edp, b_dp, lat)
+            ag += _ring(c * experts, edp, b_dp, lat)
+    t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / (POINTWISE_EFFICIENCY * gpu.memory_bandwidth)
+    return rs, ag, max(1, layers), t_opt
