@@ -71,8 +71,11 @@ first one), and the estimate is the largest:
   ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax, ``4·n·V/t`` with
   ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.partition.loss_chunk_tokens`;
   a float32 gradient is computed in place), or instead the head's gradient (made once the loss' backward has
-  freed the saved logits: the larger of the two) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's
-  gradient buckets (they exist from setup on);
+  freed the saved logits: the larger of the two; with one micro-batch per step at ZeRO 0/1, the head's gradient
+  + the gradient bucket made for it) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's gradient buckets
+  when the step has several micro-batches (a pipeline, gradient accumulation: the buckets exist from the first
+  backward to the end of the optimizer step; with one micro-batch they are made during backward as the layers'
+  activations are freed, which peaks at the end of backward);
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
   hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
@@ -82,7 +85,7 @@ first one), and the estimate is the largest:
   parameter whole in float32 (so that every layout starts from one process's weights) and copies this rank's piece
   out of it: the rank's parameters in their setup dtype + the largest whole parameter of its stages (the embedding,
   ``V·h``, not divided by tp); under ``bf16-mixed`` at ZeRO 0/1, the cast to bfloat16 after the optimizer's setup
-  (float32 parameters + master weights + gradient buckets + one parameter's bfloat16 copy) if larger. Measured with
+  (float32 parameters + master weights + one parameter's bfloat16 copy) if larger. Measured with
   ``lightning-4d measure`` on CPU (llama3.2-1b, the peak at the end of setup): tp8 dp8 ZeRO 3 1.052 GiB (estimated
   1.050), dp8 ZeRO 3 1.554 (1.554), tp4 cp2 dp2 ZeRO 1 2.712 (2.712).
 
@@ -401,6 +404,32 @@ def _zero1_owned(
     owned += _bucket_owned(kinds[1], elem_bytes, world * tp, rank * tp + tp_rank, bucket_bytes)
     owned += _bucket_owned(kinds[2], elem_bytes, world * tp // ep, (rank // ep) * tp + tp_rank, bucket_bytes)
     return owned
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_bucket_elements(
+    sizes: _Sizes,
+    tp: int,
+    num_layers: int,
+    first: bool,
+    last: bool,
+    ep: int,
+    elem_bytes: int,
+    bucket_bytes: int,
+    world: int,
+) -> int:
+    """Elements of the first ZeRO 0/1 gradient bucket of a rank holding ``range(num_layers)`` (+ embedding / head):
+    ``GradientBuckets`` fills buckets with the parameters in reverse order, of ``elem_bytes`` each, at most
+    ``bucket_bytes`` per bucket, the token-parallel (tp > 1) and expert (ep > 1) parameters in buckets of their own
+    (:func:`lightning_4d.partition.bucket_lengths`), each padded to a multiple of ``world`` (its group's ranks); the
+    first holds the head's weight, the first gradient of backward."""
+    dense = [
+        p.numel
+        for p in _stage_params(sizes, tp, range(num_layers), first, last, ep)
+        if not (p.expert and ep > 1) and not (p.token and tp > 1)
+    ][::-1]
+    lengths = bucket_lengths([n * elem_bytes for n in dense], bucket_bytes)
+    return bucket_shard(sum(dense[: lengths[0]]), world, world - 1)[1] if lengths else 0
 
 
 def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, bucket_bytes: int) -> int:
@@ -1088,12 +1117,15 @@ class _Buffers:
     pipeline: int  # PipelineStage's receive buffers
     context_parallel: int  # one layer's context-parallel attention backward
     step_temporaries: int  # AdamW foreach temporaries + ZeRO-1's all-gather buckets
-    resident_gradients: int  # gradients that exist before backward starts (ZeRO 0/1 buckets)
+    resident_gradients: int  # gradients that exist before backward starts (ZeRO 0/1 buckets, several micro-batches)
     #: tp > 1, the rank holding the embedding: torch's vocabulary-parallel embedding backward (DTensor's
     #: ``RowwiseParallel`` on ``nn.Embedding``) runs ``embedding_dense_backward`` with the whole vocabulary
     #: (``num_weights = V``; measured: tiny-test tp2 gave a [256, 64] gradient for its [128, 64] shard) and reduces
     #: the ``[V, h]`` partial sum to the rank's rows: ``V·h`` in the compute dtype at the end of backward
     embedding_gradient: int = 0
+    #: ZeRO 0/1 with one micro-batch per step: the gradient bucket made for the first gradient of backward (the
+    #: head's), beside it (the buckets are made as gradients arrive: :func:`_buffer_terms`)
+    first_bucket: int = 0
 
 
 def _buffer_terms(
@@ -1160,7 +1192,28 @@ def _buffer_terms(
         largest = max((p.numel for p, _ in params), default=0)
         bucket = max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.parameters // dt.param), largest) * dt.param
         step_temp += int(bucket * (1 + 1 / world))
-    resident = states.gradients if zero <= 1 else 0  # ZeRO 0/1 gradient buckets exist through the whole step
+    # ZeRO 0/1 gradient buckets exist from the first gradient of the step to the end of its optimizer step
+    # (parallel/zero.py's GradientBuckets): with more than one micro-batch per step (a pipeline, gradient
+    # accumulation), from the first backward on, so while later micro-batches' activations are built; with one, no
+    # gradient exists in forward, and at the start of backward only the bucket that takes the first gradient (the
+    # head's) is made, while the saved activations are all alive: the rest appear as backward frees the layers'
+    # activations (the sum of the two is linear over the layers, largest at an end: the backward end phase)
+    resident = first_bucket = 0
+    if zero <= 1 and (pc.pp > 1 or m > 1):
+        resident = states.gradients
+    elif zero <= 1:
+        first_bucket = _first_bucket_elements(
+            _Sizes.of(cfg, cfg.num_layers),
+            pc.tp,
+            cfg.num_layers,
+            first,
+            last,
+            pc.ep,
+            dt.setup,
+            GRADIENT_BUCKET_BYTES,
+            world,
+        )
+        first_bucket *= dt.grad
     embedding_grad = dt.compute * cfg.padded_vocab_size * cfg.hidden_size if pc.tp > 1 and first else 0
     return _Buffers(
         gathered_start,
@@ -1172,6 +1225,7 @@ def _buffer_terms(
         step_temp,
         resident,
         embedding_grad,
+        first_bucket,
     )
 
 
@@ -1181,8 +1235,8 @@ def _initialization_bytes(
     """Bytes held at the peak of setup, before the first step (module docstring, **Peak**): the larger of
     initialization (the rank's parameters in their setup dtype + the largest whole float32 parameter of its stages:
     ``families/llama.py``'s ``_local_piece`` copies the rank's piece out of a view of it) and the cast that follows
-    the optimizer's setup (setup-dtype parameters + master weights + ZeRO 0/1's gradient buckets + the compute-dtype
-    copy of the largest parameter being made)."""
+    the optimizer's setup (setup-dtype parameters + master weights + the compute-dtype copy of the largest parameter
+    being made; the gradient buckets are made by the first backward)."""
     layers = sorted(i for _, r in pc.rank_stages(cfg.num_layers, pp_rank) for i in r)
     _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
     largest = max(p.numel for p, _ in _weighted_params(cfg, 1, layers, first, last))
@@ -1190,7 +1244,7 @@ def _initialization_bytes(
     params = states.parameters if pc.zero_stage >= 2 else states.parameters // dt.param * dt.setup
     cast = 0
     if pc.zero_stage < 2 and dt.master:
-        cast = states.master_weights + buf.resident_gradients + largest_local * dt.param
+        cast = states.master_weights + largest_local * dt.param
     return params + max(4 * largest, cast)
 
 
@@ -1202,7 +1256,7 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         # the loss' backward (its working set beside the saved logits) ends before the head's weight gradient exists,
         # and frees the saved logits (at least as large as the head's gradient for s >= h): the larger of the two
         "backward start": act.activations
-        + max(act.logits, buf.head_gradient)
+        + max(act.logits, buf.head_gradient + buf.first_bucket)
         + act.compute_weights
         + buf.gathered_start
         + buf.pipeline

@@ -283,7 +283,10 @@ class _Bucket:
     """One communication bucket: parameters in backward order and a flat gradient buffer ``[padded]`` holding their
     gradients back to back (``padded`` = their local elements rounded up to a multiple of the group size), reduced
     over ``group`` (``dp_cp``, or for expert parameters the expert data-parallel group) of ``world`` ranks, this one
-    ``rank``; ``kind``: 0 dense (``dp_cp``), 1 token parallel (``dp_cp_tp``), 2 experts (their replicas' group)."""
+    ``rank``; ``kind``: 0 dense (``dp_cp``), 1 token parallel (``dp_cp_tp``), 2 experts (their replicas' group).
+
+    The buffer exists from the first gradient that reaches the bucket to the end of the optimizer step
+    (:meth:`allocate`, :meth:`release`): ``None`` in between."""
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group: dist.ProcessGroup, kind: int = 0) -> None:
         self.group = group
@@ -298,7 +301,19 @@ class _Bucket:
             n += _local(p).numel()
         self.numel = n
         self.padded = bucket_shard(n, world, world - 1)[1]  # the end of the last rank's range
-        self.buffer = torch.zeros(self.padded, dtype=dtype, device=_local(params[0]).device)
+        self.dtype = dtype
+        self.device = _local(params[0]).device
+        self.buffer: Optional[Tensor] = None
+
+    def allocate(self) -> Tensor:
+        """The buffer, made (zeros) if it does not exist."""
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        return self.buffer
+
+    def release(self) -> None:
+        """Drop the buffer (its memory goes back to the allocator; the next gradient makes a new one)."""
+        self.buffer = None
 
     def own_range(self, rank: int, world: int) -> tuple[int, int]:
         """``[start, end)`` of rank ``rank``'s 1/world of the bucket (:func:`lightning_4d.partition.bucket_shard`)."""
@@ -315,8 +330,16 @@ class GradientBuckets:
     local shard's elements, in ``grad_dtype``: float32 under master weights, else the parameter's dtype). A
     post-accumulate-grad hook adds each fresh gradient into it (a copy at the first accumulation after an optimizer
     step) and frees the parameter's own ``.grad``, so a gradient exists once, in its bucket (plus the one gradient
-    just produced). Inside :meth:`overlap_with_backward` a bucket's collective starts as soon as all its gradients
-    arrived:
+    just produced).
+
+    A bucket's buffer is made when the first gradient reaches it and dropped by :meth:`start_accumulation` after the
+    optimizer step (PyTorch's ``zero_grad(set_to_none=True)``, bucket by bucket). Megatron-LM keeps its contiguous
+    gradient buffer for the whole run; here, without gradient accumulation (no pipeline, one batch per step), no
+    gradient exists while the forward pass builds the activations, and during backward a layer's gradients appear as
+    its saved activations are freed, so the step's peak holds the larger of the two rather than their sum
+    (``lightning_4d/memory/model.py``, **Peak**).
+
+    Inside :meth:`overlap_with_backward` a bucket's collective starts as soon as all its gradients arrived:
 
     - ZeRO 0: ``all_reduce`` of the bucket;
     - ZeRO 1 (``reduce_scatter``): ``reduce_scatter_tensor`` into the rank's own 1/D of the bucket (Megatron-LM's
@@ -392,11 +415,7 @@ class GradientBuckets:
         ]
         self._reduces = any(b.world > 1 for b in self.buckets)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
-        self._main: dict[int, Tensor] = {}
-        for b in self.buckets:
-            for p in b.params:
-                start = b.offsets[id(p)]
-                self._main[id(p)] = b.buffer[start : start + _local(p).numel()]
+        self._numel = {id(p): _local(p).numel() for p in self.params}
         self._fresh = {id(p) for p in self.params}  # no gradient since the last optimizer step
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, Any] = {}
@@ -432,16 +451,24 @@ class GradientBuckets:
             self._suspended = False
 
     def main_grad(self, p: Tensor) -> Tensor:
-        """``p``'s gradient slice of its bucket (flat, ``[local numel]``, ``grad_dtype``)."""
-        return self._main[id(p)]
+        """``p``'s gradient slice of its bucket (flat, ``[local numel]``, ``grad_dtype``); the bucket's buffer is made
+        (zeros) if it does not exist yet."""
+        b = self.buckets[self._bucket_of[id(p)]]
+        start = b.offsets[id(p)]
+        return b.allocate()[start : start + self._numel[id(p)]]
 
     def has_grad(self, p: Tensor) -> bool:
         """Whether ``p`` received a gradient since the last optimizer step."""
         return id(p) not in self._fresh
 
+    def existing_grads(self) -> list[Tensor]:
+        """Every parameter's gradient slice (:meth:`main_grad`) in the buckets whose buffer exists now (for byte
+        counts: makes no buffer)."""
+        return [self.main_grad(p) for b in self.buckets if b.buffer is not None for p in b.params]
+
     def buffers(self) -> list[Tensor]:
-        """The flat gradient buffers (for byte counts)."""
-        return [b.buffer for b in self.buckets]
+        """The flat gradient buffers that exist now (for byte counts)."""
+        return [b.buffer for b in self.buckets if b.buffer is not None]
 
     def bucket_of(self, p: Tensor) -> tuple[_Bucket, int]:
         """(the bucket holding ``p``, ``p``'s offset in it)."""
@@ -449,8 +476,23 @@ class GradientBuckets:
         return b, b.offsets[id(p)]
 
     def start_accumulation(self) -> None:
-        """The next gradient of every parameter overwrites its slice (called after each optimizer step)."""
+        """The next gradient of every parameter overwrites its slice (called after each optimizer step): the buckets'
+        buffers are dropped (and ``.grad`` views of them, ZeRO 0 without master weights), made again by the next
+        backward."""
         self._fresh = {id(p) for p in self.params}
+        if self._pending:
+            raise RuntimeError("start_accumulation with bucket collectives in flight: call synchronize first")
+        for p in self.params:
+            if p.grad is not None and self._is_bucket_view(p):
+                p.grad = None
+        for b in self.buckets:
+            b.release()
+
+    def _is_bucket_view(self, p: Tensor) -> bool:
+        """Whether ``p.grad`` is a view of its bucket (:meth:`_expose`)."""
+        b = self.buckets[self._bucket_of[id(p)]]
+        grad = _local(p.grad)
+        return b.buffer is not None and grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
 
     @contextmanager
     def overlap_with_backward(self, step: int = 0) -> Iterator[None]:
@@ -473,7 +515,7 @@ class GradientBuckets:
         if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
             g = g.redistribute(p.device_mesh, p.placements)
         local = _local(g).reshape(-1)
-        main = self._main[id(p)]
+        main = self.main_grad(p)
         if local.data_ptr() != main.data_ptr():  # not accumulated in place into an exposed slice
             if id(p) in self._fresh:
                 main.copy_(local)
@@ -497,13 +539,14 @@ class GradientBuckets:
         """Zero the slices of ``b``'s parameters that got no gradient this step (not the last step's values)."""
         for p in b.params:
             if id(p) in self._fresh:
-                self._main[id(p)].zero_()
+                self.main_grad(p).zero_()
 
     @torch.no_grad()
     def _launch(self, i: int) -> None:
         if i in self._pending:
             return
         b = self.buckets[i]
+        b.allocate()  # a bucket none of whose parameters got a gradient still takes part in the collective
         self._zero_missing(b)
         if b.world == 1:  # experts with ep = dp·cp: no other rank holds them (divided by D in synchronize)
             self._pending[i] = (None, b.buffer)
@@ -552,9 +595,9 @@ class GradientBuckets:
             for p in b.params:
                 shape = _local(p).shape
                 if compressible(shape, self.powersgd.rank):
-                    matrices.append((id(p), self._main[id(p)].view(shape)))
+                    matrices.append((id(p), self.main_grad(p).view(shape)))
                 else:
-                    vectors.append(self._main[id(p)])
+                    vectors.append(self.main_grad(p))
             self.powersgd.reduce(matrices, vectors)
 
     def compression_state(self, names: dict[int, str]) -> Optional[dict[str, dict[str, Tensor]]]:
@@ -565,7 +608,7 @@ class GradientBuckets:
         """Restore :meth:`compression_state`."""
         if self.powersgd is not None:
             self.powersgd.load_state(
-                {id(p): names[id(p)] for p in self.params if id(p) in names}, state, self.buckets[0].buffer.device
+                {id(p): names[id(p)] for p in self.params if id(p) in names}, state, self.buckets[0].device
             )
 
     def _expose(self) -> None:
@@ -573,7 +616,7 @@ class GradientBuckets:
         for p in self.params:
             if id(p) in self._fresh:
                 continue
-            view = self._main[id(p)].view(_local(p).shape)
+            view = self.main_grad(p).view(_local(p).shape)
             if isinstance(p, DTensor):
                 view = DTensor.from_local(
                     view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
@@ -740,7 +783,7 @@ class ShardedOptimizer:
         in its own range, which is all-gathered over the bucket's group (without ZeRO 1 the range is the whole
         bucket)."""
         lo, hi = self._own_range(bucket)
-        own = torch.zeros(hi - lo, dtype=dtype, device=bucket.buffer.device)
+        own = torch.zeros(hi - lo, dtype=dtype, device=bucket.device)
         for p in params:
             if id(p) in slices:
                 start, end = self.owned[id(p)]
@@ -767,7 +810,7 @@ class ShardedOptimizer:
         coefficient ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
         """
         grads = [(p, g) for p in self.parameters() if (g := self.owned_grad(p)) is not None]
-        device = self.buckets.buckets[0].buffer.device
+        device = self.buckets.buckets[0].device
         inf = math.isinf(norm_type)
         # [dense, token parallel, expert] sums (_Bucket.kind): at ZeRO 0 the ranks of a bucket's group all hold its
         # whole gradient (D of them for dense parameters, D·t for token-parallel ones, D/ep or D·t/ep for experts),
@@ -965,13 +1008,14 @@ def model_state_tensors(
     Returns ``{"parameters": [...], "gradients": [...], "optimizer_states": [...], "master_weights": [...],
     "compression": [...]}``: the
     parameters (the local
-    shards), the gradients (each parameter's slice of its bucket at ZeRO 0/1, padding excluded; ``.grad`` otherwise)
+    shards), the gradients (each parameter's slice of its bucket at ZeRO 0/1, padding excluded, for the buckets that
+    exist: from the first gradient to the end of the optimizer step; ``.grad`` otherwise)
     and the optimizer states (every tensor state of at least one dimension, e.g. Adam's m and v, plus the master
     weights of :class:`ShardedOptimizer` and PowerSGD's error-feedback and warm-start matrices).
     """
     params = list(model.parameters())
     in_buckets = set() if buckets is None else {id(p) for p in buckets.params}
-    grads = [buckets.main_grad(p) for p in buckets.params] if buckets is not None else []
+    grads = buckets.existing_grads() if buckets is not None else []
     grads += [p.grad for p in params if id(p) not in in_buckets and p.grad is not None]
     states: list[Tensor] = []
     masters: list[Tensor] = []

@@ -182,7 +182,7 @@ def run_one(
                 recorder.bytes.setdefault("comm_events", []).append(meter.events)
                 sync = getattr(trainer.strategy, "_buckets", None)
                 if sync is not None and "bucket_bytes" not in recorder.bytes:
-                    recorder.bytes["bucket_bytes"] = [b.numel() * b.element_size() for b in sync.buffers()]
+                    recorder.bytes["bucket_bytes"] = [b.padded * b.dtype.itemsize for b in sync.buckets]
 
         callbacks.append(_Meter(per_kind=True))
     if layout.get("starve"):  # no token routed to the upper half of the experts (ep rank 1's at ep2)
