@@ -287,3 +287,17 @@ def test_cli_expert_load_imbalance_flag(capsys, command):
         kw = dict(num_microbatches=row["num_microbatches"], gpu_name=H100.name)
         b = row["micro_batch_size"]
         assert row["memory"] == estimate_memory("mixtral-8x7b", pc, b, 4096, expert_load_imbalance=1.5, **kw).total
+
+
+def test_memory_check_callback_estimates_at_its_expert_load_imbalance():
+    """``MemoryEstimatorCallback(expert_load_imbalance=...)`` (the pre-fit check) estimates at that load; without it
+    at the default, as ``FourDStrategy(memory_check=True)``'s own callback does."""
+    from lightning_4d.memory.callback import MemoryEstimatorCallback
+
+    pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
+    args = ("mixtral-8x7b", pc, 1, 4096, 1, "bf16-mixed", "cpu", None)
+    _, total, _ = MemoryEstimatorCallback(expert_load_imbalance=1.5)._estimate(*args)
+    _, default, _ = MemoryEstimatorCallback()._estimate(*args)
+    kw = dict(num_microbatches=1, device_type="cpu")
+    assert total == estimate_memory("mixtral-8x7b", pc, 1, 4096, expert_load_imbalance=1.5, **kw).total < default
+    assert default == estimate_memory("mixtral-8x7b", pc, 1, 4096, **kw).total

@@ -1222,8 +1222,7 @@ def _buffer_terms(
     communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers, one MoE
     layer's expert-parallel all-to-all buffers (at load ``imbalance``) and the optimizer step's temporaries."""
     _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
-    rank_layers = _rank_layers(cfg.num_layers, pc, pp_rank)
-    has_moe = getattr(cfg, "num_experts", 0) and any(_is_moe_layer(cfg, i) for i in rank_layers)
+    has_moe = pc.ep > 1 and any(_is_moe_layer(cfg, i) for i in _rank_layers(cfg.num_layers, pc, pp_rank))
     params = _weighted_params(cfg, pc.tp, _rank_layers(cfg.num_layers, pc, pp_rank), first, last, pc.ep)
     world, zero = pc.dp_cp, pc.zero_stage
     # FSDP2: parameters gathered for compute (padded all-gather outputs; bf16 under MixedPrecisionPolicy),
