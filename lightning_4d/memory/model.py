@@ -34,7 +34,9 @@ compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``
   gathered again in backward: ``lightning_4d/parallel/tensor.py``), else c·y (under ``16-mixed`` autocast casts the
   float32 norm output once per linear: 3 + 2 copies);
 - SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
-- SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each).
+- SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each); a Mixture-of-Experts layer its router,
+  dispatch, experts and shared experts instead (:func:`_moe_saved`), under expert parallelism on the rows the rank
+  receives: the balanced figure times ``expert_load_imbalance`` (:data:`DEFAULT_EXPERT_LOAD_IMBALANCE`, measured).
 
 Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all
 layers), the final norm (as above), the head's input (c·b·s'·h: under sp the sequence shard), and what the loss saves
