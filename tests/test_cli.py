@@ -379,9 +379,9 @@ def test_prepare_data_subcommand(tmp_path):
     assert bad.returncode == 2 and "missing" in bad.stderr
 
 
-def _main_job(config: str, steps: int, cwd: Path) -> tuple[float, float]:
-    """Run ``configs/<config>`` shortened to ``steps`` steps (validation at the end): (final validation loss,
-    corpus unigram entropy) as its summary prints them."""
+def _main_job(config: str, steps: int, cwd: Path, *extra: str) -> tuple[float, float]:
+    """Run ``configs/<config>`` shortened to ``steps`` steps (validation at the end; ``extra``: more command-line
+    arguments): (final validation loss, corpus unigram entropy) as its summary prints them."""
     import re
 
     proc = _cli(
@@ -391,6 +391,7 @@ def _main_job(config: str, steps: int, cwd: Path) -> tuple[float, float]:
         f"--trainer.max_steps={steps}",
         f"--trainer.val_check_interval={steps}",
         "--trainer.limit_val_batches=4",
+        *extra,
         cwd=cwd,
     )
     out = proc.stdout + proc.stderr
@@ -411,8 +412,10 @@ def test_moe_main_job_config_runs_with_global_routing_statistics(tmp_path):
     """configs/tiny_moe.yaml (dp=2 x tp=2, ep=2, ZeRO 1, 4 processes), shortened to 40 steps: it learns below the
     unigram entropy, and the logged tokens per expert are the global batch's (16 sequences x 256 tokens x top-2 / 8
     experts = 1024 per expert on average, summed over dp x tp: the tp ranks route disjoint halves of each
-    sequence), with the load-balancing loss logged."""
-    val, entropy = _main_job("tiny_moe.yaml", 40, tmp_path)
+    sequence), with the load-balancing loss logged; ``ExpertLoadMonitor`` (added on the command line) logs the ep
+    ranks' load imbalance every step, between 1 (balanced) and ep = 2, and its running max."""
+    monitor = "--trainer.callbacks+=lightning_4d.callbacks.ExpertLoadMonitor"
+    val, entropy = _main_job("tiny_moe.yaml", 40, tmp_path, monitor, "--trainer.log_every_n_steps=1")
     rows = _metrics(next((tmp_path / "lightning_logs" / "tiny_moe").glob("version_*/metrics.csv")))
     means = {float(r["moe_tokens_per_expert_mean"]) for r in rows if r.get("moe_tokens_per_expert_mean")}
     aux = [float(r["train_aux_loss"]) for r in rows if r.get("train_aux_loss")]
@@ -420,4 +423,12 @@ def test_moe_main_job_config_runs_with_global_routing_statistics(tmp_path):
     print(f"\nMoE main job, 40 steps: val_loss {val:.4f} vs entropy {entropy:.4f}; aux {aux[0]:.3f}..{aux[-1]:.3f}")
     assert val < entropy
     assert means == {1024.0}
+    load = [
+        (float(r["moe_expert_load_imbalance"]), float(r["moe_expert_load_imbalance_max"]))
+        for r in rows
+        if r.get("moe_expert_load_imbalance")
+    ]
+    print(f"expert load imbalance over {len(load)} steps: max {max(x for x, _ in load):.4f}")
+    assert len(load) == 40 and all(1.0 <= x <= 2.0 for x, _ in load)
+    assert [m for _, m in load] == [max(x for x, _ in load[: i + 1]) for i in range(len(load))]
     assert (tmp_path / "checkpoints" / "tiny_moe" / "last.ckpt").is_dir()

@@ -13,6 +13,7 @@ from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import step_time as st
 from lightning_4d.memory.hardware import GPU_PRESETS
+from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, estimate_memory
 from lightning_4d.memory.planner import plan
 from lightning_4d.models.config import LlamaConfig
 from tests.test_cli_inputs import _one_line_error
@@ -211,3 +212,92 @@ def test_dense_step_time_unchanged_by_moe_terms():
 def test_plan_bad_ep_is_one_line_exit_2(capsys, argv, expected):
     err = _one_line_error(capsys, ["plan", *argv, "--seq-length", "256", "--global-batch-size", "16"], *expected)
     assert err.startswith("lightning-4d plan: error:")
+
+
+# ---------------------------------------------------------------------------------------------------- load imbalance
+def test_expert_load_imbalance_multiplies_the_received_rows_only():
+    """``expert_load_imbalance`` (``estimate_memory``): under ep the experts' saved rows (the regrouped input, its
+    two int64 permutations, the experts' four ``[R, f_e]`` tensors) and the all-to-all buffers ``2·c·R·h`` grow with
+    the received rows ``R = ceil(f·T·k)``, at most ``ep·T·k`` and under a capacity ``E·capacity``; nothing changes at
+    ep1 or for a dense model; the default is ``DEFAULT_EXPERT_LOAD_IMBALANCE`` (one definition)."""
+    cfg = LlamaConfig.from_preset("mixtral-8x7b")
+    h, fe, k, c = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_token, 2
+    b, s = 1, 4096
+    pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
+
+    def est(f, config=cfg, layout=pc):
+        return estimate_memory(config, layout, b, s, expert_load_imbalance=f, device_type="cpu")
+
+    one, two = est(1.0), est(2.0)
+    n = b * s * k
+    per_row = c * h + 2 * 8 + 4 * c * fe  # received rows [R, h], perm and its inverse, w1 x, w3 x, silu, product
+    assert two.activations - one.activations == cfg.num_moe_layers * n * per_row
+    assert one.details["expert_parallel_buffers"] == 2 * c * n * h
+    assert two.details["expert_parallel_buffers"] == 2 * c * 2 * n * h
+    assert est(None).total == est(DEFAULT_EXPERT_LOAD_IMBALANCE).total
+    assert est(7.5).total < est(8.0).total == est(100.0).total  # at most every row of the ep group: ep·T·k
+    # a capacity bounds the received rows to E·capacity (= 1.25·T·k here)
+    capped = LlamaConfig.from_preset("mixtral-8x7b", capacity_factor=1.25)
+    assert est(1.5, capped).total == est(4.0, capped).total > est(1.0, capped).total
+    # no effect without ep, or on a dense model
+    ep1 = ParallelConfig(data_parallel_size=64, zero_stage=3)
+    assert est(1.0, layout=ep1).total == est(3.0, layout=ep1).total
+    dense = LlamaConfig.from_preset("llama3-8b")
+    assert est(1.0, dense, ep1).total == est(3.0, dense, ep1).total
+
+
+@pytest.mark.parametrize("value", [0.5, 0.999, float("nan"), float("inf"), True, "2"])
+def test_expert_load_imbalance_below_one_is_refused(value):
+    from lightning_4d.memory.callback import MemoryEstimatorCallback
+
+    pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
+    with pytest.raises(ValueError, match=r"expert_load_imbalance=.*>= 1\.0"):
+        estimate_memory("mixtral-8x7b", pc, 1, 4096, expert_load_imbalance=value)
+    with pytest.raises(ValueError, match=r"expert_load_imbalance=.*>= 1\.0"):
+        MemoryEstimatorCallback(expert_load_imbalance=value)
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_cli_expert_load_imbalance_flag(capsys, command):
+    """``--expert-load-imbalance`` of ``estimate`` and ``plan``: below 1 a one-line error (exit 2); a valid value
+    reaches the estimate (the plan's layouts are estimated with it) and the JSON reports it (the default when not
+    given)."""
+    extra = ["--num-gpus", "64"] + (
+        ["--ep", "8", "--micro-batch-size", "1"]
+        if command == "estimate"
+        else ["--global-batch-size", "256", "--ep", "8"]
+    )
+    _one_line_error(
+        capsys, [command, *MIXTRAL, *extra, "--expert-load-imbalance", "0.5"], "--expert-load-imbalance", ">= 1.0"
+    )
+    _, default = _json(capsys, [command, *MIXTRAL, *extra])
+    _, out = _json(capsys, [command, *MIXTRAL, *extra, "--expert-load-imbalance", "1.5"])
+    assert default["expert_load_imbalance"] == DEFAULT_EXPERT_LOAD_IMBALANCE and out["expert_load_imbalance"] == 1.5
+    if command == "estimate":
+        pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
+        assert out["total"] == estimate_memory("mixtral-8x7b", pc, 1, 4096, expert_load_imbalance=1.5).total
+        assert default["total"] == estimate_memory("mixtral-8x7b", pc, 1, 4096).total
+    else:
+        import dataclasses
+
+        from lightning_4d.memory.planner import Candidate
+
+        row = out["layouts"][0]
+        pc = Candidate(**{f.name: row[f.name] for f in dataclasses.fields(Candidate)}).parallel_config()
+        kw = dict(num_microbatches=row["num_microbatches"], gpu_name=H100.name)
+        b = row["micro_batch_size"]
+        assert row["memory"] == estimate_memory("mixtral-8x7b", pc, b, 4096, expert_load_imbalance=1.5, **kw).total
+
+
+def test_memory_check_callback_estimates_at_its_expert_load_imbalance():
+    """``MemoryEstimatorCallback(expert_load_imbalance=...)`` (the pre-fit check) estimates at that load; without it
+    at the default, as ``FourDStrategy(memory_check=True)``'s own callback does."""
+    from lightning_4d.memory.callback import MemoryEstimatorCallback
+
+    pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
+    args = ("mixtral-8x7b", pc, 1, 4096, 1, "bf16-mixed", "cpu", None)
+    _, total, _ = MemoryEstimatorCallback(expert_load_imbalance=1.5)._estimate(*args)
+    _, default, _ = MemoryEstimatorCallback()._estimate(*args)
+    kw = dict(num_microbatches=1, device_type="cpu")
+    assert total == estimate_memory("mixtral-8x7b", pc, 1, 4096, expert_load_imbalance=1.5, **kw).total < default
+    assert default == estimate_memory("mixtral-8x7b", pc, 1, 4096, **kw).total

@@ -188,13 +188,19 @@ class MemoryEstimatorCallback(L.Callback):
         enabled: ``False`` turns the check off.
         micro_batch_size: the batch shape's sequences per micro-batch (default: found as above).
         seq_length: the batch shape's tokens per sequence (default: found as above).
+        expert_load_imbalance: for a Mixture-of-Experts model under expert parallelism, the load the estimate
+            assumes (:func:`~lightning_4d.memory.model.estimate_memory`: the rows the most loaded ep rank receives
+            over the balanced figure, >= 1.0); default ``None``:
+            :data:`~lightning_4d.memory.model.DEFAULT_EXPERT_LOAD_IMBALANCE`. ``FourDStrategy(memory_check=True)``
+            adds the callback with the default; add your own ``MemoryEstimatorCallback(expert_load_imbalance=...)``
+            to the trainer's callbacks to set it (the strategy then adds none).
 
     Raises:
         MemoryBudgetExceeded: (in ``setup``) the estimate of the worst pipeline stage exceeds
             ``budget · device_memory``; the message gives its breakdown and up to three layouts of the same world
             size that fit.
         ValueError: (at construction) a budget outside (0, 1], an unparsable ``device_memory``, an unknown formula,
-            a ``micro_batch_size`` or ``seq_length`` that is not a positive int;
+            a ``micro_batch_size`` or ``seq_length`` that is not a positive int, an ``expert_load_imbalance`` below 1;
             (in ``setup``) on CUDA, a batch shape it cannot find (see above); with pp > 1, a first training batch
             whose number of sequences is not a multiple of ``num_microbatches``.
     """
@@ -207,7 +213,12 @@ class MemoryEstimatorCallback(L.Callback):
         enabled: bool = True,
         micro_batch_size: Optional[int] = None,
         seq_length: Optional[int] = None,
+        expert_load_imbalance: Optional[float] = None,
     ) -> None:
+        from lightning_4d.memory.model import check_expert_load_imbalance
+
+        if expert_load_imbalance is not None:
+            check_expert_load_imbalance(expert_load_imbalance)
         if not 0 < budget <= 1:
             raise ValueError(f"budget={budget!r} is not valid: expected a fraction in (0, 1], e.g. 0.8.")
         if formula not in ("lightning_4d", "fujii2024"):
@@ -223,6 +234,7 @@ class MemoryEstimatorCallback(L.Callback):
         self.enabled = enabled
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length
+        self.expert_load_imbalance = expert_load_imbalance
         self.estimate: Any = None
         self._said: set[str] = set()
 
@@ -475,7 +487,15 @@ class MemoryEstimatorCallback(L.Callback):
         from lightning_4d.memory.model import estimate_memory
 
         est = estimate_memory(
-            cfg, parallel_config, b, s, precision, num_microbatches=m, device_type=device_type, gpu_name=gpu_name
+            cfg,
+            parallel_config,
+            b,
+            s,
+            precision,
+            num_microbatches=m,
+            device_type=device_type,
+            gpu_name=gpu_name,
+            expert_load_imbalance=self.expert_load_imbalance,
         )
         return (
             est,
@@ -522,6 +542,7 @@ class MemoryEstimatorCallback(L.Callback):
                 gpus_per_node=trainer.num_devices,
                 device_type=device_type,
                 gpu_name=gpu_name,
+                expert_load_imbalance=self.expert_load_imbalance,
             )
         except ValueError as err:  # no suggestion is better than hiding the real error
             log.debug("no layout suggestions: %s", err)

@@ -23,7 +23,7 @@ from lightning_4d.config import (
     ParallelConfig,
 )
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
-from lightning_4d.memory.model import PRECISIONS
+from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, PRECISIONS, check_expert_load_imbalance
 from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
 
 FORMULAS = ("lightning_4d", "fujii2024")
@@ -131,6 +131,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def load_imbalance(text: str) -> float:
+    """argparse type: an ``expert_load_imbalance``, a finite number >= 1 (:func:`check_expert_load_imbalance`)."""
+    try:
+        return check_expert_load_imbalance(float(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+
+
 def strict_bool(text: str) -> bool:
     """argparse type: true/false, yes/no, 1/0 (any case)."""
     value = text.strip().lower()
@@ -160,6 +168,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=fraction, default=0.8, help="fraction of the GPU memory a layout may use (0.8)")
     p.add_argument("--formula", default="lightning_4d", choices=FORMULAS)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _load_imbalance_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--expert-load-imbalance",
+        type=load_imbalance,
+        default=None,
+        help="Mixture-of-Experts models under expert parallelism: the rows the most loaded ep rank's experts receive "
+        "over the balanced figure (>= 1.0; at most ep; a capacity factor bounds it); it multiplies the experts' "
+        f"saved activations and all-to-all buffers (default {DEFAULT_EXPERT_LOAD_IMBALANCE:g}, measured on "
+        "configs/tiny_moe.yaml: docs/moe.md)",
+    )
 
 
 def command_parser(command: str) -> argparse.ArgumentParser:
@@ -194,6 +214,8 @@ def command_parser(command: str) -> argparse.ArgumentParser:
                 else ""
             ),
         )
+        if command == "estimate":
+            _load_imbalance_option(p)
         p.add_argument(
             "--cp-method",
             default="ring",
@@ -245,6 +267,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             help="only layouts with this expert parallel size (Mixture-of-Experts models; without it the plan "
             "tries every ep that divides dp*cp and num_experts)",
         )
+        _load_imbalance_option(p)
         p.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), help="only layouts with this ZeRO stage")
         p.add_argument(
             "--checkpoint-write-gbps",
@@ -356,7 +379,14 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         out = dict(est.to_dict())
     else:
         est = estimate_memory(
-            cfg, pc, args.micro_batch_size, args.seq_length, args.precision, num_microbatches=m, gpu_name=gpu.name
+            cfg,
+            pc,
+            args.micro_batch_size,
+            args.seq_length,
+            args.precision,
+            num_microbatches=m,
+            gpu_name=gpu.name,
+            expert_load_imbalance=args.expert_load_imbalance,
         )
         out = est.to_dict()
     total = out["total"]
@@ -386,6 +416,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         ),
         pipeline_layer_split_proposed=proposed is not None,
         num_layers=cfg.num_layers,
+        expert_load_imbalance=check_expert_load_imbalance(args.expert_load_imbalance),
     )
     if not out["fits"] and args.formula == "lightning_4d":
         out["suggestions"] = _suggestions(cfg, pc, args, gpu)
@@ -408,6 +439,7 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
             gpu.memory,
             args.budget,
             gpu_name=gpu.name,
+            expert_load_imbalance=args.expert_load_imbalance,
         )
     except ValueError:  # no suggestion is better than hiding the verdict (as the callback does)
         return []
@@ -516,6 +548,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         formula=args.formula,
         top=args.top,
         fixed=fixed,
+        estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
     )
     layouts = []
     for c in rows:
@@ -550,6 +583,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "global_batch_size": args.global_batch_size,
         "precision": args.precision,
         "formula": args.formula,
+        "expert_load_imbalance": check_expert_load_imbalance(args.expert_load_imbalance),
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
         "layouts": layouts,
@@ -571,6 +605,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             include_unfit=True,
             fixed=fixed,
             max_estimated=PLOT_LAYOUTS,
+            estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
         )
         title = (
             f"{args.model} on {args.num_gpus} x {gpu.name}, s={args.seq_length}, global batch "

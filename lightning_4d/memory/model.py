@@ -34,7 +34,9 @@ compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``
   gathered again in backward: ``lightning_4d/parallel/tensor.py``), else c·y (under ``16-mixed`` autocast casts the
   float32 norm output once per linear: 3 + 2 copies);
 - SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
-- SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each).
+- SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each); a Mixture-of-Experts layer its router,
+  dispatch, experts and shared experts instead (:func:`_moe_saved`), under expert parallelism on the rows the rank
+  receives: the balanced figure times ``expert_load_imbalance`` (:data:`DEFAULT_EXPERT_LOAD_IMBALANCE`, measured).
 
 Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all
 layers), the final norm (as above), the head's input (c·b·s'·h: under sp the sequence shard), and what the loss saves
@@ -75,7 +77,8 @@ first one), and the estimate is the largest:
   + the gradient bucket made for it) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's gradient buckets
   when the step has several micro-batches (a pipeline, gradient accumulation: the buckets exist from the first
   backward to the end of the optimizer step; with one micro-batch they are made during backward as the layers'
-  activations are freed, which peaks at the end of backward);
+  activations are freed, which peaks at the end of backward) + one layer's context-parallel and expert-parallel
+  (all-to-all receive buffers at the stated load, :func:`_expert_parallel_buffers`) transients;
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
   hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
@@ -132,6 +135,7 @@ from lightning_4d.partition import (
 )
 
 __all__ = [
+    "DEFAULT_EXPERT_LOAD_IMBALANCE",
     "MemoryEstimate",
     "PRECISIONS",
     "PIPELINE_SCHEDULES",
@@ -139,7 +143,19 @@ __all__ = [
     "estimate_all_pp_ranks",
     "model_state_bytes",
     "saved_activation_bytes",
+    "check_expert_load_imbalance",
 ]
+
+#: The default ``expert_load_imbalance`` of :func:`estimate_memory` (and of ``lightning-4d estimate`` / ``plan``,
+#: :class:`~lightning_4d.memory.callback.MemoryEstimatorCallback` and the planner, which all take it from here): the
+#: rows the most loaded ep rank's experts receive over the balanced figure, max over steps, MoE layers and ep ranks,
+#: MEASURED on the tiny MoE job (``configs/tiny_moe.yaml``: dp2 x tp2, ep2, 450 steps, 2026-11-26) with
+#: :class:`lightning_4d.callbacks.ExpertLoadMonitor` (``moe_expert_load_imbalance_max``): 1.9287 at step 7 (the freshly
+#: initialized router sends almost every row of a layer to one rank; mean over the run 1.196, max 1.50 after step 100,
+#: 1.26 after step 200), rounded up to 1.93. Per-step figures:
+#: ``benchmarks/results/expert_load_imbalance_tiny_moe_cpu_2026-11-26.json``; docs/moe.md, "Memory", gives the command.
+#: Under a capacity factor the capacity bounds the received rows instead when it is lower.
+DEFAULT_EXPERT_LOAD_IMBALANCE = 1.93
 
 #: Lightning precision flags the model knows (names as ``Trainer(precision=...)``).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
@@ -578,7 +594,41 @@ def _moe_assignments(cfg: Any, tokens: int) -> int:
     return min(n, cfg.num_experts * cap)
 
 
-def _moe_saved(cfg: Any, dt: _Dtypes, b: int, s: int) -> int:
+def check_expert_load_imbalance(value: Any) -> float:
+    """``value`` as a float when it is a valid ``expert_load_imbalance`` (a finite number >= 1.0; ``None``: the
+    default :data:`DEFAULT_EXPERT_LOAD_IMBALANCE`).
+
+    Raises:
+        ValueError: a value below 1, not finite, or not a number (naming it and the valid ones).
+    """
+    if value is None:
+        return DEFAULT_EXPERT_LOAD_IMBALANCE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+        raise ValueError(
+            f"expert_load_imbalance={value!r} is not valid: expected a finite number >= 1.0 (the rows the most "
+            "loaded expert-parallel rank receives over the balanced figure: 1.0 is balanced load, ep all rows on one "
+            f"rank; default {DEFAULT_EXPERT_LOAD_IMBALANCE}, measured on configs/tiny_moe.yaml, docs/moe.md)."
+        )
+    return float(value)
+
+
+def _moe_received(cfg: Any, tokens: int, ep: int, imbalance: float) -> int:
+    """Rows one ep rank's experts receive in one MoE layer under expert parallelism over ``ep`` ranks, every rank
+    routing ``tokens`` tokens: the balanced figure (the ep group's ``ep·N`` assignments over ``ep`` ranks: ``N`` =
+    :func:`_moe_assignments`, the rank's own) times ``imbalance`` (``expert_load_imbalance``), rounded up, at most all
+    ``ep·N`` rows, and under a capacity at most ``E·capacity`` (each of the ``E/ep`` local experts takes at most
+    ``capacity`` rows from each of the ``ep`` sources: ``parallel/expert.py``)."""
+    n = _moe_assignments(cfg, tokens)
+    rows = min(math.ceil(imbalance * n), ep * n)
+    if cfg.capacity_factor is not None:
+        rows = min(
+            rows,
+            cfg.num_experts * math.ceil(cfg.capacity_factor * tokens * cfg.num_experts_per_token / cfg.num_experts),
+        )
+    return rows
+
+
+def _moe_saved(cfg: Any, dt: _Dtypes, b: int, s: int, ep: int = 1, imbalance: float = 1.0) -> int:
     """Bytes one MoE feed-forward saves for backward beyond its input (``lightning_4d/models/moe.py``; ``T = b·s``
     tokens, ``N`` assignments :func:`_moe_assignments`, ``c`` the compute dtype's bytes), as
     ``saved_tensors_hooks`` sees them:
@@ -592,6 +642,16 @@ def _moe_saved(cfg: Any, dt: _Dtypes, b: int, s: int) -> int:
       weighted experts' input (sigmoid, c·N·h);
     - the experts: ``w1 x``, ``w3 x``, their silu and product (4·c·N·f_e);
     - the shared experts: 4·c·T·n_s·f_e (their input is the layer's ffn input, counted once).
+
+    Under expert parallelism (``ep`` > 1, ``lightning_4d/parallel/expert.py``'s ``ExpertDispatch.exchange``) the
+    experts run on the ``R`` rows this rank RECEIVES (:func:`_moe_received`: balanced ``N`` times ``imbalance``), not
+    on the ``N`` it routed, and the all-to-alls (whose autograd function saves no tensor) change what is kept: the
+    routing side keeps its int64 order and tokens, float32 weights and one ``[N, h]`` tensor (c: softmax the combined
+    outputs the weights multiply, sigmoid the gathered tokens the scores multiply; the gathered tokens of the softmax
+    router and the sigmoid's weighted input go into the dispatch all-to-all and are not saved); the receiving side
+    keeps the received rows regrouped expert-major ``[R, h]`` (c, the experts' input), the permutation and its
+    inverse (int64 ``[R]`` each: the two index ops) and the experts' 4·c·R·f_e. The all-to-alls' receive buffers
+    that are not saved are transient (:func:`_expert_parallel_buffers`).
     """
     t, e, k, h = b * s, cfg.num_experts, cfg.num_experts_per_token, cfg.hidden_size
     n, fe, c = _moe_assignments(cfg, t), cfg.expert_intermediate_size, dt.compute
@@ -599,16 +659,46 @@ def _moe_saved(cfg: Any, dt: _Dtypes, b: int, s: int) -> int:
         router = 4 * t * e + 8 * t * k + 4 * t * k + 4 * t
     else:
         router = 8 * t * k + 4 * t * k + 4 * t * e
-    dispatch = 2 * 8 * n + 4 * n + 2 * c * n * h
-    return router + 4 * e + dispatch + 4 * c * n * fe + 4 * c * t * cfg.num_shared_experts * fe
+    if ep == 1:  # every assignment runs here: the gathered tokens and the weighted outputs (inputs), N rows each
+        dispatch, rows = 2 * 8 * n + 4 * n + 2 * c * n * h, n
+    else:
+        rows = _moe_received(cfg, t, ep, imbalance)
+        dispatch = 2 * 8 * n + 4 * n + c * n * h + c * rows * h + 2 * 8 * rows
+    return router + 4 * e + dispatch + 4 * c * rows * fe + 4 * c * t * cfg.num_shared_experts * fe
 
 
-def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool, moe: bool = False) -> dict[str, int]:
+def _expert_parallel_buffers(
+    cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, seq_length: int, imbalance: float
+) -> int:
+    """Transient bytes of one MoE layer's all-to-alls under expert parallelism (``parallel/expert.py``), 0 without
+    ep: in backward, the combine's gradient received ``[R, h]`` and its permuted copy ``[R, h]`` (the index op's
+    backward) exist together before the experts' backward (``R`` = :func:`_moe_received` for the rank's
+    ``T = b·s/(cp·t)`` tokens), ``2·c·R·h``; the forward's receive buffer and its permuted copy are as large. The
+    dispatch's send buffer is the gathered tokens themselves (contiguous: ``all_to_all_single`` takes them as they
+    are). Not measured (``saved_tensors_hooks`` does not see transients)."""
+    if pc.ep == 1:
+        return 0
+    tokens = b * (seq_length // pc.cp) // pc.tp
+    return 2 * dt.compute * _moe_received(cfg, tokens, pc.ep, imbalance) * cfg.hidden_size
+
+
+def _layer_saved_parts(
+    cfg: Any,
+    dt: _Dtypes,
+    b: int,
+    s: int,
+    tp: int,
+    sp: bool,
+    moe: bool = False,
+    ep: int = 1,
+    imbalance: float = DEFAULT_EXPERT_LOAD_IMBALANCE,
+) -> dict[str, int]:
     """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
     part: ``norms`` (both norms' inputs and float32 reciprocal RMS), ``attn_in`` / ``ffn_in`` (the projections'
     inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
     gathered again in backward; without sp under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v,
-    output, float32 log-sum-exp) and ``swiglu``."""
+    output, float32 log-sum-exp) and ``swiglu`` (an MoE layer's: :func:`_moe_saved` under expert parallelism over
+    ``ep`` ranks at load ``imbalance``)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
@@ -625,13 +715,14 @@ def _layer_saved_parts(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool,
         else c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * (a if dt.kv_repeated else k) * d + 4 * b * a * s,
         # an MoE layer (moe=True): the router, dispatch, experts and shared experts instead (_moe_saved)
-        "swiglu": _moe_saved(cfg, dt, b, s_moe) if moe else 4 * c * b * s * (f // tp),
+        "swiglu": _moe_saved(cfg, dt, b, s_moe, ep, imbalance) if moe else 4 * c * b * s * (f // tp),
     }
 
 
-def _layer_saved(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool, moe: bool = False) -> int:
-    """Bytes one transformer layer saves for backward, per micro-batch (the sum of :func:`_layer_saved_parts`)."""
-    return sum(_layer_saved_parts(cfg, dt, b, s, tp, sp, moe).values())
+def _layer_saved(*args: Any) -> int:
+    """Bytes one transformer layer saves for backward, per micro-batch (the sum of :func:`_layer_saved_parts`, whose
+    positional arguments it takes)."""
+    return sum(_layer_saved_parts(*args).values())
 
 
 def _layer_input_grad_only(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
@@ -686,6 +777,7 @@ def saved_activation_bytes(
     pp_rank: int = 0,
     pipeline_layer_split: Optional[list[int]] = None,
     device_type: str = "cpu",
+    expert_load_imbalance: Optional[float] = None,
 ) -> dict[str, int]:
     """Bytes saved for backward by one micro-batch's forward through all pipeline stages of pp rank ``pp_rank``, by
     part. ``device_type="cuda"`` counts, for ``32-true`` GQA models on the ``sdpa`` backend, the k and v heads the
@@ -699,14 +791,24 @@ def saved_activation_bytes(
     whole sequence under ``context_parallel_method="allgather"``, none for ``"ring"``;
     under full or selective checkpointing they are part of ``recompute``) and ``recompute``
     (what one layer's backward recomputes, transient: its whole saved set under full checkpointing, its pointwise
-    tensors under selective checkpointing). ``sum(...) - recompute`` is what ``saved_tensors_hooks`` (plus the
+    tensors under selective checkpointing). Under expert parallelism an MoE layer's experts run on the rows the rank
+    receives: the balanced figure times ``expert_load_imbalance`` (default :data:`DEFAULT_EXPERT_LOAD_IMBALANCE`;
+    :func:`_moe_saved`; here the load of one rank, any number > 0: below 1 for a rank that receives fewer rows than
+    the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks`` (plus the
     checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under
     context parallelism and selective checkpointing, the figure is that of the cp rank that keeps the most (the
     last: module docstring). Formulas: module docstring.
 
     Raises:
-        ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision.
+        ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision, an
+            ``expert_load_imbalance`` that is not a number > 0.
     """
+    imbalance = DEFAULT_EXPERT_LOAD_IMBALANCE if expert_load_imbalance is None else expert_load_imbalance
+    if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or not 0 < imbalance < math.inf:
+        raise ValueError(
+            f"expert_load_imbalance={expert_load_imbalance!r} is not valid here: expected a finite number > 0 (this "
+            "rank's received rows over the balanced figure; estimate_memory takes the most loaded rank's, >= 1.0)."
+        )
     b = _check_positive_int("micro_batch_size", micro_batch_size)
     _check_positive_int("seq_length", seq_length)
     pc = _with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
@@ -720,7 +822,7 @@ def saved_activation_bytes(
     indices = _rank_layers(model_config.num_layers, pc, pp_rank)
     n_moe = sum(_is_moe_layer(model_config, i) for i in indices)
     dense_layer = _layer_saved(model_config, dt, b, s, tp, sp)
-    moe_layer = _layer_saved(model_config, dt, b, s, tp, sp, moe=True) if n_moe else 0
+    moe_layer = _layer_saved(model_config, dt, b, s, tp, sp, True, pc.ep, imbalance) if n_moe else 0
     per_layer = max(dense_layer if n_layers > n_moe else 0, moe_layer)  # the largest layer's (one recompute)
     all_layers = (n_layers - n_moe) * dense_layer + n_moe * moe_layer
     full_ac = pc.activation_checkpointing == "full"
@@ -904,7 +1006,8 @@ class MemoryEstimate:
         logits: the loss's backward working set beyond what it saved (the logits, counted in ``activations``): the
             logits' gradient in the compute dtype, + one chunk's float32 softmax when that is not float32.
         buffers: transient buffers at their largest: autocast weight copies, FSDP2-gathered parameters, gradient
-            communication buckets, optimizer-step temporaries, pipeline send/receive buffers.
+            communication buckets, optimizer-step temporaries, pipeline send/receive buffers, one MoE layer's
+            expert-parallel all-to-all buffers.
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
         peak_phase: ``"backward start"``, ``"backward end"``, ``"optimizer step"`` or ``"initialization"``.
@@ -957,6 +1060,7 @@ def estimate_memory(
     device_type: str = "cuda",
     overhead: Optional[OverheadAllowance] = None,
     gpu_name: Optional[str] = None,
+    expert_load_imbalance: Optional[float] = None,
 ) -> MemoryEstimate:
     """Peak memory of one rank of FourDStrategy training ``model_config`` with ``parallel_config`` (bytes).
 
@@ -978,6 +1082,12 @@ def estimate_memory(
         device_type: ``"cuda"`` adds the overhead allowance; ``"cpu"`` none.
         overhead: an explicit allowance (default: from ``overhead.json`` for ``gpu_name``).
         gpu_name: ``torch.cuda.get_device_name()`` to pick the measured allowance.
+        expert_load_imbalance: under expert parallelism, the rows the most loaded ep rank's experts receive in an
+            MoE layer over the balanced figure (the rank's own ``T·k`` assignments), >= 1.0 (at most ``ep``); it
+            multiplies the received rows of every MoE layer of the rank (the experts' saved activations, the
+            regrouped rows and the all-to-all buffers). Default :data:`DEFAULT_EXPERT_LOAD_IMBALANCE` (measured on
+            ``configs/tiny_moe.yaml``); a capacity factor bounds the rows to ``E·capacity``. No effect at ep = 1
+            (every assignment runs where it was routed) or on dense models.
 
     Returns:
         :class:`MemoryEstimate` (module docstring: formulas and sources).
@@ -985,8 +1095,9 @@ def estimate_memory(
     Raises:
         ValueError: an invalid layout for the model (tp not dividing heads, layers not splitting into pp·v
             stages, ...), a sequence length the layout cannot split, an unknown precision or schedule, a
-            ``num_microbatches`` the schedule cannot run, non-positive sizes.
+            ``num_microbatches`` the schedule cannot run, non-positive sizes, an ``expert_load_imbalance`` below 1.
     """
+    imbalance = check_expert_load_imbalance(expert_load_imbalance)
     cfg = _model(model_config)
     if parallel_config.data_parallel_size == "auto":
         raise ValueError("parallel_config.data_parallel_size is 'auto': call parallel_config.resolve(world_size).")
@@ -1013,6 +1124,7 @@ def estimate_memory(
             device_type,
             overhead,
             gpu_name,
+            imbalance,
         )
         for r in ranks
     ]
@@ -1116,6 +1228,7 @@ class _Buffers:
     head_gradient: int  # the LM head's gradient, made at the start of backward
     pipeline: int  # PipelineStage's receive buffers
     context_parallel: int  # one layer's context-parallel attention backward
+    expert_parallel: int  # one MoE layer's all-to-all receive buffers (expert parallelism)
     step_temporaries: int  # AdamW foreach temporaries + ZeRO-1's all-gather buckets
     resident_gradients: int  # gradients that exist before backward starts (ZeRO 0/1 buckets, several micro-batches)
     #: tp > 1, the rank holding the embedding: torch's vocabulary-parallel embedding backward (DTensor's
@@ -1129,12 +1242,21 @@ class _Buffers:
 
 
 def _buffer_terms(
-    cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int, states: ModelStates
+    cfg: Any,
+    pc: ParallelConfig,
+    dt: _Dtypes,
+    b: int,
+    s: int,
+    pp_rank: int,
+    m: int,
+    states: ModelStates,
+    imbalance: float = DEFAULT_EXPERT_LOAD_IMBALANCE,
 ) -> _Buffers:
     """The transient buffers of pp rank ``pp_rank``: FSDP2's gathered parameters and unsharded gradients, gradient
-    communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers and the
-    optimizer step's temporaries."""
+    communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers, one MoE
+    layer's expert-parallel all-to-all buffers (at load ``imbalance``) and the optimizer step's temporaries."""
     _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
+    has_moe = pc.ep > 1 and any(_is_moe_layer(cfg, i) for i in _rank_layers(cfg.num_layers, pc, pp_rank))
     params = _weighted_params(cfg, pc.tp, _rank_layers(cfg.num_layers, pc, pp_rank), first, last, pc.ep)
     world, zero = pc.dp_cp, pc.zero_stage
     # FSDP2: parameters gathered for compute (padded all-gather outputs; bf16 under MixedPrecisionPolicy),
@@ -1222,6 +1344,7 @@ def _buffer_terms(
         head_grad,
         m * boundaries * hidden,
         _context_parallel_buffers(cfg, pc, dt, b, s),
+        _expert_parallel_buffers(cfg, pc, dt, b, s, imbalance) if has_moe else 0,
         step_temp,
         resident,
         embedding_grad,
@@ -1261,6 +1384,7 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         + buf.gathered_start
         + buf.pipeline
         + buf.context_parallel
+        + buf.expert_parallel
         + buf.resident_gradients,
         "backward end": states.gradients
         + buf.gradient_buffers
@@ -1283,15 +1407,18 @@ def _estimate_pp_rank(
     device_type: str,
     overhead: Optional[OverheadAllowance],
     gpu_name: Optional[str],
+    imbalance: float = DEFAULT_EXPERT_LOAD_IMBALANCE,
 ) -> MemoryEstimate:
     """:func:`estimate_memory` of one pp rank: model states, then activations, buffers and the three phases."""
     from lightning_4d.memory.hardware import overhead_allowance
 
     dt = _Dtypes.for_layout(precision, cfg, pc, device_type)
     states = model_state_bytes(cfg, pc, precision, pp_rank=pp_rank, dp_cp_rank=dp_cp_rank)
-    saved = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type=device_type)
+    saved = saved_activation_bytes(
+        cfg, pc, b, s, precision, pp_rank=pp_rank, device_type=device_type, expert_load_imbalance=imbalance
+    )
     act = _activation_terms(cfg, pc, dt, b, s, pp_rank, m, saved)
-    buf = _buffer_terms(cfg, pc, dt, b, s, pp_rank, m, states)
+    buf = _buffer_terms(cfg, pc, dt, b, s, pp_rank, m, states, imbalance)
     phases = _phases(states, act, buf, _initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
@@ -1305,6 +1432,7 @@ def _estimate_pp_rank(
         + buf.step_temporaries
         + buf.pipeline
         + buf.context_parallel
+        + buf.expert_parallel
         + buf.embedding_gradient
     )
     details = {
@@ -1319,6 +1447,7 @@ def _estimate_pp_rank(
         "optimizer_step_temporaries": buf.step_temporaries,
         "pipeline_buffers": buf.pipeline,
         "context_parallel_buffers": buf.context_parallel,
+        "expert_parallel_buffers": buf.expert_parallel,
         "head_gradient": buf.head_gradient,
         **{f"phase_{k.replace(' ', '_')}": val for k, val in phases.items()},
     }

@@ -88,11 +88,19 @@ def _expert_major(counts: Tensor) -> Tensor:
 class ExpertDispatch:
     """``GroupedExperts.dispatch`` under expert parallelism over ``ep_mesh`` (module docstring: counts, tokens,
     local experts, back). ``__call__(experts, x, counts)``: ``x`` ``[N, h]`` this rank's assignments sorted by global
-    expert (``counts`` ``[E]``); returns their expert outputs ``[N, h]`` in the same order."""
+    expert (``counts`` ``[E]``); returns their expert outputs ``[N, h]`` in the same order.
+
+    After each exchange (a forward; a recomputation repeats it): ``sent_rows`` (``N``, the rows this rank routed) and
+    ``received_rows`` (the rows its experts ran: the sum over the ep group's sources of their rows for this rank's
+    experts), host ints read off the split sizes (no extra collective). ``received_rows`` over the ep group's mean of
+    it is the load imbalance the memory model's ``expert_load_imbalance`` stands for
+    (:class:`lightning_4d.callbacks.ExpertLoadMonitor` logs it)."""
 
     def __init__(self, ep_mesh: Any) -> None:
         self.group = ep_mesh.get_group()
         self.size = ep_mesh.size()
+        self.sent_rows = 0
+        self.received_rows = 0
 
     def __call__(self, experts: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
         weights = [_to_local(w) for w in (experts.w1, experts.w3, experts.w2)]
@@ -111,6 +119,7 @@ class ExpertDispatch:
         received_counts = received_counts.view(ep, local)  # [source, local expert]
         input_splits = counts.view(ep, local).sum(1).tolist()
         output_splits = received_counts.sum(1).tolist()
+        self.sent_rows, self.received_rows = sum(input_splits), sum(output_splits)
         received = all_to_all(x, output_splits, input_splits, self.group)
         perm = _expert_major(received_counts)
         y = compute(received[perm], received_counts.sum(0))

@@ -12,8 +12,11 @@ excluded: they are model states), and a forward pre-hook on each activation-chec
 the checkpoint keeps; under selective checkpointing the block's policy is wrapped so that the outputs it decides to
 keep (``SelectiveCheckpointContext.op_output`` of each op it answers ``MUST_SAVE`` or ``PREFER_SAVE``: what
 PyTorch caches for the recomputation) are recorded too. Before the first optimizer step the bytes of the local
-parameter, gradient and Adam-moment shards are recorded. Each rank writes ``<out>/layout<i>_rank<r>.json`` with the
-measured and estimated figures.
+parameter, gradient and Adam-moment shards are recorded. Under expert parallelism the rows each MoE layer sent and
+received (``ExpertDispatch.sent_rows`` / ``received_rows``) are recorded per step, and the activations are estimated
+at this rank's load of the routing that occurred (``expert_load_imbalance`` = received over sent rows, summed over
+its MoE layers: the estimate's received-row terms are linear in it). Each rank writes
+``<out>/layout<i>_rank<r>.json`` with the measured and estimated figures.
 
 Usage: ``torchrun --nproc-per-node N tests/scripts/measure_memory.py --out DIR --layouts JSON --shapes JSON``.
 """
@@ -89,6 +92,7 @@ class Measured(CausalLMModule):
         self.peak_live: list[int] = []  # largest bytes of saved tensors alive at once during the step (pipelines)
         self.total_packed: list[int] = []  # bytes saved over the whole step (each micro-batch's storages once)
         self.states: dict[str, int] = {}
+        self.routed_rows: list[tuple[list[int], list[int]]] = []  # per step: (sent, received) rows per MoE layer
 
     def training_step(self, batch, batch_idx):
         seen: dict[int, int] = {}
@@ -167,6 +171,12 @@ class Measured(CausalLMModule):
             for m, fn in originals.items():
                 m.checkpoint_fn = fn
         self.saved.append(sum(seen.values()))
+        from lightning_4d.parallel.expert import ExpertDispatch
+
+        dispatches = [
+            d for d in (getattr(m, "dispatch", None) for m in self.modules()) if isinstance(d, ExpertDispatch)
+        ]
+        self.routed_rows.append(([d.sent_rows for d in dispatches], [d.received_rows for d in dispatches]))
         self.peak_live.append(stats["peak"])
         self.total_packed.append(stats["total"])
         return loss
@@ -243,8 +253,18 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
     for i, ((b, s), measured) in enumerate(zip(shapes, module.saved)):
         if pp > 1 and i % 2 == 0:
             continue  # the step that also ran the schedule's shape inference
-        est = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank)
+        sent, received = module.routed_rows[i]
+        load = sum(received) / sum(sent) if sent else None  # this rank's, the routing that occurred (ep > 1)
+        est = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank, expert_load_imbalance=load)
         row = {"b": b, "s": s, "measured": measured, "estimated": sum(est.values()) - est["recompute"], "parts": est}
+        if sent:
+            balanced = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank, expert_load_imbalance=1.0)
+            row.update(
+                sent_rows=sent,
+                received_rows=received,
+                expert_load=load,
+                estimated_balanced=sum(balanced.values()) - balanced["recompute"],
+            )
         if pp > 1:
             full = estimate_memory(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type="cpu")
             row.update(
