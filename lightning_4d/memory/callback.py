@@ -235,6 +235,7 @@ class MemoryEstimatorCallback(L.Callback):
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length
         self.expert_load_imbalance = expert_load_imbalance
+        self._fused_optimizer = True  # set per fit from the module (_steps_with_fused_adamw)
         self.estimate: Any = None
         self._said: set[str] = set()
 
@@ -345,6 +346,7 @@ class MemoryEstimatorCallback(L.Callback):
         if job is None:
             return
         parallel_config, cfg, memory, gpu_name, device_type, precision = job
+        self._fused_optimizer = _steps_with_fused_adamw(pl_module)
         # micro-batches per step: the pipeline schedule's m (resolved by the strategy), else gradient accumulation
         m = parallel_config.microbatches if parallel_config.pp > 1 else trainer.accumulate_grad_batches
         shape = self._known_batch_shape(trainer, pl_module, parallel_config, device_type)
@@ -496,6 +498,7 @@ class MemoryEstimatorCallback(L.Callback):
             device_type=device_type,
             gpu_name=gpu_name,
             expert_load_imbalance=self.expert_load_imbalance,
+            fused_optimizer=self._fused_optimizer,
         )
         return (
             est,
@@ -543,6 +546,7 @@ class MemoryEstimatorCallback(L.Callback):
                 device_type=device_type,
                 gpu_name=gpu_name,
                 expert_load_imbalance=self.expert_load_imbalance,
+                fused_optimizer=self._fused_optimizer,
             )
         except ValueError as err:  # no suggestion is better than hiding the real error
             log.debug("no layout suggestions: %s", err)
@@ -554,3 +558,12 @@ def add_memory_check(trainer: Optional[L.Trainer]) -> None:
     so on CUDA, where ``memory_check=True``); ``None``: nothing."""
     if trainer is not None and not any(isinstance(cb, MemoryEstimatorCallback) for cb in trainer.callbacks):
         trainer.callbacks.append(MemoryEstimatorCallback())
+
+
+def _steps_with_fused_adamw(pl_module: Any) -> bool:
+    """Whether ``pl_module`` configures :class:`~lightning_4d.tasks.CausalLMModule`'s optimizer (fused AdamW: no
+    temporaries at the step); any other module's optimizer is estimated as ``foreach`` AdamW (one moment's bytes of
+    temporaries), the larger of torch's defaults."""
+    from lightning_4d.tasks import CausalLMModule
+
+    return getattr(type(pl_module), "configure_optimizers", None) is CausalLMModule.configure_optimizers

@@ -82,8 +82,10 @@ first one), and the estimate is the largest:
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
   hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
-- optimizer step: the gradients + the temporaries of ``torch.optim.AdamW(foreach=True)`` (``_foreach_sqrt`` of the
-  second moments: one moment's bytes) + ZeRO-1's all-gather buckets;
+- optimizer step: the gradients + ZeRO-1's all-gather buckets + the optimizer's temporaries: none for
+  ``torch.optim.AdamW(fused=True)`` (:class:`~lightning_4d.tasks.CausalLMModule`'s: one kernel updates each tensor
+  in place; measured on CPU: no byte allocated during the step), one moment's bytes for ``AdamW(foreach=True)``
+  (``_foreach_sqrt`` of the second moments; ``estimate_memory(fused_optimizer=False)``);
 - initialization (before the first step; :func:`_initialization_bytes`): ``LlamaModel.init_weights`` draws every
   parameter whole in float32 (so that every layout starts from one process's weights) and copies this rank's piece
   out of it: the rank's parameters in their setup dtype + the largest whole parameter of its stages (the embedding,
@@ -1061,6 +1063,7 @@ def estimate_memory(
     overhead: Optional[OverheadAllowance] = None,
     gpu_name: Optional[str] = None,
     expert_load_imbalance: Optional[float] = None,
+    fused_optimizer: bool = True,
 ) -> MemoryEstimate:
     """Peak memory of one rank of FourDStrategy training ``model_config`` with ``parallel_config`` (bytes).
 
@@ -1088,6 +1091,9 @@ def estimate_memory(
             regrouped rows and the all-to-all buffers). Default :data:`DEFAULT_EXPERT_LOAD_IMBALANCE` (measured on
             ``configs/tiny_moe.yaml``); a capacity factor bounds the rows to ``E·capacity``. No effect at ep = 1
             (every assignment runs where it was routed) or on dense models.
+        fused_optimizer: the optimizer steps in place, with no temporaries (``torch.optim.AdamW(fused=True)``,
+            :class:`~lightning_4d.tasks.CausalLMModule`'s; default); ``False``: ``AdamW(foreach=True)``, torch's
+            default on CUDA, whose ``_foreach_sqrt`` of the second moments holds one moment's bytes at the step.
 
     Returns:
         :class:`MemoryEstimate` (module docstring: formulas and sources).
@@ -1125,6 +1131,7 @@ def estimate_memory(
             overhead,
             gpu_name,
             imbalance,
+            fused_optimizer,
         )
         for r in ranks
     ]
@@ -1251,6 +1258,7 @@ def _buffer_terms(
     m: int,
     states: ModelStates,
     imbalance: float = DEFAULT_EXPERT_LOAD_IMBALANCE,
+    fused_optimizer: bool = True,
 ) -> _Buffers:
     """The transient buffers of pp rank ``pp_rank``: FSDP2's gathered parameters and unsharded gradients, gradient
     communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers, one MoE
@@ -1306,8 +1314,8 @@ def _buffer_terms(
     # stream's dtype, sequence-sharded under sp)
     hidden = dt.residual * b * (s // pc.cp) * cfg.hidden_size // (pc.tp if pc.sp else 1)
     boundaries = sum((st != 0) + (st != pc.num_stages - 1) for st in pc.stage_indices(pp_rank)) if pc.pp > 1 else 0
-    # foreach AdamW: sqrt of the second moments
-    step_temp = (states.optimizer_states - states.master_weights - states.compression) // 2
+    # fused AdamW steps in place; foreach AdamW: the sqrt of the second moments (one moment's bytes)
+    step_temp = 0 if fused_optimizer else (states.optimizer_states - states.master_weights - states.compression) // 2
     if zero == 1 and world > 1:
         # ShardedOptimizer's all-gather of one bucket at a time: this rank's range and the gathered bucket (a bucket
         # holds at most GRADIENT_BUCKET_BYTES of parameters, or one larger parameter alone: the head, the embedding)
@@ -1408,6 +1416,7 @@ def _estimate_pp_rank(
     overhead: Optional[OverheadAllowance],
     gpu_name: Optional[str],
     imbalance: float = DEFAULT_EXPERT_LOAD_IMBALANCE,
+    fused_optimizer: bool = True,
 ) -> MemoryEstimate:
     """:func:`estimate_memory` of one pp rank: model states, then activations, buffers and the three phases."""
     from lightning_4d.memory.hardware import overhead_allowance
@@ -1418,7 +1427,7 @@ def _estimate_pp_rank(
         cfg, pc, b, s, precision, pp_rank=pp_rank, device_type=device_type, expert_load_imbalance=imbalance
     )
     act = _activation_terms(cfg, pc, dt, b, s, pp_rank, m, saved)
-    buf = _buffer_terms(cfg, pc, dt, b, s, pp_rank, m, states, imbalance)
+    buf = _buffer_terms(cfg, pc, dt, b, s, pp_rank, m, states, imbalance, fused_optimizer)
     phases = _phases(states, act, buf, _initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
