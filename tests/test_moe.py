@@ -276,8 +276,9 @@ def test_mixtral_config_round_trip_and_what_it_cannot_express():
 @needs_transformers
 def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
     """One process: 3 AdamW steps of tiny-moe, checkpoint, export-hf: transformers' MixtralForCausalLM gives our
-    logits. dp2 x ZeRO 3: the same export (a sharded checkpoint folder), and init_from the Mixtral directory with the
-    experts' rows sharded over the two ranks."""
+    logits. dp2 x ZeRO 3: the same export (a sharded checkpoint folder), and init_from a Mixtral directory of 3
+    experts: 3 rows do not split evenly over the two ranks, so ZeRO 3 shards every expert on dim 1
+    (``lightning_4d.partition.expert_shard_dim``) and each rank reads its rows of every expert's tensors."""
     torch.save(ids, tmp_path / "ids.pt")
     layouts = [{"dp": 2, "zero": 3}]
     torchrun(
@@ -312,7 +313,7 @@ def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
         hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / run / "export0").float().eval()
         _assert_logits(hf, sorted((tmp_path / run).glob("export0_rank*.pt")), f"export {run}")
     source = tmp_path / "hf"
-    hf = _mixtral(source, 2, intermediate_size=64)
+    hf = _mixtral(source, 2, intermediate_size=64, num_local_experts=3)
     torchrun(
         2,
         SCRIPTS / "hf_checkpoints.py",
