@@ -20,6 +20,7 @@ import torch
 from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
+from lightning_4d.partition import expert_shard_dim
 from tests._launch import SCRIPTS, resume_on_layouts, torchrun
 
 STEPS = 10
@@ -101,6 +102,21 @@ def test_memory_model_divides_experts_by_ep_and_their_states_by_the_expert_group
     # ZeRO 1, ep = dp·cp: the experts' states are not sharded further (their group has one rank), the rest by 8
     st1 = model_state_bytes(cfg, ParallelConfig(data_parallel_size=8, zero_stage=1, expert_parallel_size=8), "32-true")
     assert abs(st1.optimizer_states - 8 * ((n - experts) / 8 + experts / 8)) < 8 * 8 * 2**20  # bucket padding
+
+
+@pytest.mark.parametrize(
+    "shape, group, dim",
+    [
+        ((3, 64, 64), 2, 1),  # 3 experts over 2 ranks: dim 1
+        ((1, 8192, 5120), 2, 1),  # Llama 4 Scout at dp32 ep16: 1 expert per ep rank over an edp group of 2
+        ((8, 14336, 4096), 64, 1),  # Mixtral 8x7B dp64 without ep
+        ((4, 64, 64), 2, 0),  # divisible: FSDP2's default
+        ((3, 63, 64), 2, 0),  # dim 1 not divisible either: FSDP2 refuses uneven dim-1 shards, so dim 0
+        ((3, 64, 64), 1, 0),  # one rank: nothing to shard
+    ],
+)
+def test_expert_shard_dim_rule(shape, group, dim):
+    assert expert_shard_dim(shape, group) == dim
 
 
 # ---------------------------------------------------------------------------------------------------- parity
