@@ -132,7 +132,8 @@ def apply_fsdp(
             ``torch.bfloat16``); default float32 under ``param_dtype``, else the parameters' dtype.
 
     Raises:
-        ValueError: ``zero_stage`` is not 2 or 3.
+        ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: an expert weight needs dim 1 on a torch whose
+            ``fully_shard`` has no ``shard_placement_fn`` (torch < 2.6; ``_compat.FULLY_SHARD_PLACEMENT_FN``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -153,7 +154,8 @@ def apply_fsdp(
         )
     from lightning_4d.parallel.expert import is_expert_parameter, stacked_expert_weights
 
-    experts = {id(p) for p in stacked_expert_weights(model)}
+    expert_weights = stacked_expert_weights(model)  # held: FSDP2 replaces them, and their ids must not be reused
+    experts = {id(p) for p in expert_weights}
 
     def placement(mesh: DeviceMesh) -> Optional[Callable[[nn.Parameter], Optional[Shard]]]:
         """FSDP2's ``shard_placement_fn`` over ``mesh``: ``Shard(expert_shard_dim(...))`` for a stacked expert
