@@ -347,6 +347,17 @@ def test_grouped_mm_and_local_offset():
     assert callable(compute_local_shape_and_global_offset)
 
 
+def test_fully_shard_takes_shard_placement_fn():
+    """ZeRO 2/3 shard expert weights on dim 1 through FSDP2's ``shard_placement_fn`` (``parallel/zero.py``): the
+    installed torch has it, and the flag says so."""
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    assert "shard_placement_fn" in inspect.signature(fully_shard).parameters
+    assert _compat.FULLY_SHARD_PLACEMENT_FN is True
+
+
 def test_fake_process_group_and_pipeline_metadata_names():
     """``lightning-4d measure`` (lightning_4d/measure.py): torch's fake process group module and what
     ``answer_pipeline_metadata`` replaces (torch >= 2.13: ``PipelineStage._recv_meta`` and the metadata classes it

@@ -2,11 +2,13 @@
 
 Bad input before any process group; the all-to-all dispatch's row order; 10 AdamW steps in float32 against one
 process (losses, load-balancing losses, routing statistics and the global gradient norm before clipping, within 1e-5
-relative) for ep2 (dp2), ep2 within dp4 (expert data-parallel group of 2) and ep4 (dp4), ZeRO 0 and 1, shared expert
+relative) for ep2 (dp2), ep2 within dp4 (expert data-parallel group of 2) and ep4 (dp4), ZeRO 0 to 3, ZeRO 2/3 with
+the experts sharded on dim 1 (6 experts: 3 per ep rank over 2 ranks at dp4 ep2, 6 over 4 at dp4 ep1), shared expert
 on and off, MoE on every layer and every other layer, activation checkpointing and clipping; the capacity rule at ep2
 equal to ep1 at the same dp; model-state bytes per rank exactly as the memory model says; a checkpoint saved at ep2
-resumed at ep2 and at ep1 with the straight run's losses. Three torchrun launches for parity (1, 2 and 4
-processes) and two for checkpoints (2 processes each)."""
+resumed at ep2 and at ep1, one saved at ZeRO 3 with the experts sharded on dim 1 resumed at ZeRO 1, with the straight
+run's losses. Three torchrun launches for parity (1, 2 and 4 processes) and two per checkpoint test (2 processes
+each)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
+from lightning_4d.partition import expert_shard_dim
 from tests._launch import SCRIPTS, resume_on_layouts, torchrun
 
 STEPS = 10
@@ -101,13 +104,32 @@ def test_memory_model_divides_experts_by_ep_and_their_states_by_the_expert_group
     assert abs(st1.optimizer_states - 8 * ((n - experts) / 8 + experts / 8)) < 8 * 8 * 2**20  # bucket padding
 
 
+@pytest.mark.parametrize(
+    "shape, group, dim",
+    [
+        ((3, 64, 64), 2, 1),  # 3 experts over 2 ranks: dim 1
+        ((1, 8192, 5120), 2, 1),  # Llama 4 Scout at dp32 ep16: 1 expert per ep rank over an edp group of 2
+        ((8, 14336, 4096), 64, 1),  # Mixtral 8x7B dp64 without ep
+        ((4, 64, 64), 2, 0),  # divisible: FSDP2's default
+        ((3, 63, 64), 2, 0),  # dim 1 not divisible either: FSDP2 refuses uneven dim-1 shards, so dim 0
+        ((3, 64, 64), 1, 0),  # one rank: nothing to shard
+    ],
+)
+def test_expert_shard_dim_rule(shape, group, dim):
+    assert expert_shard_dim(shape, group) == dim
+
+
 # ---------------------------------------------------------------------------------------------------- parity
 VARIANT = {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2, "router_aux_loss_coef": 0.1}
 CAPACITY = {"capacity_factor": 1.0}
+#: 6 experts: at dp4 ep2 each ep rank holds 3 over an expert data-parallel group of 2, at dp4 ep1 6 over 4: ZeRO 2/3
+#: shard them on dim 1 (lightning_4d.partition.expert_shard_dim), every rank the same share, no padded expert
+SIX = {"num_experts": 6}
 REF = [
     {"reference": True, "norm": True},
     {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True},
     {"reference": True, "precision": "bf16-mixed"},
+    {"reference": True, "config": SIX, "clip": 0.1, "norm": True},
 ]
 BF16_RTOL = 1e-2  # issue 23's bar for bf16-mixed layouts vs one-process bf16-mixed
 DP2 = [
@@ -125,10 +147,22 @@ DP4 = [
     {"dp": 4, "zero": 0, "ep": 4, "norm": True},
     {"dp": 4, "zero": 2, "ep": 2, "norm": True},
     {"dp": 4, "zero": 3, "ep": 2, "config": VARIANT, "clip": 0.1, "norm": True},
+    {"dp": 4, "zero": 3, "ep": 2, "config": SIX, "clip": 0.1, "norm": True},
+    {"dp": 4, "zero": 2, "config": SIX, "clip": 0.1, "norm": True},
 ]
 CASES = [("dp2", i) for i in range(len(DP2)) if "capacity_factor" not in DP2[i].get("config", {})] + [
     ("dp4", i) for i in range(len(DP4))
 ]
+
+
+def _reference_index(layout: dict) -> int:
+    """The REF run of ``layout``'s model config and precision."""
+    bf16 = layout.get("precision") == "bf16-mixed"
+    return next(
+        i
+        for i, r in enumerate(REF)
+        if r.get("config", {}) == layout.get("config", {}) and (r.get("precision") == "bf16-mixed") == bf16
+    )
 
 
 def _records(out, index):
@@ -161,7 +195,7 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
     which, index = case
     layout = (DP2 if which == "dp2" else DP4)[index]
     bf16 = layout.get("precision") == "bf16-mixed"
-    ref = _records(runs["ref"], 2 if bf16 else 1 if "config" in layout else 0)[0]
+    ref = _records(runs["ref"], _reference_index(layout))[0]
     ranks = _records(runs[which], index)
     assert len(ranks) == layout["dp"]
     for r in ranks:
@@ -182,6 +216,14 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
             # 2/3 shard them over dp·cp either way: E/ep rows over dp·cp/ep ranks, as many as E rows over dp·cp)
             ep1 = ParallelConfig(data_parallel_size=layout["dp"], zero_stage=layout["zero"])
             assert est.parameters < model_state_bytes(cfg, ep1, layout.get("precision", "32-true")).parameters
+    if layout.get("config") == SIX and layout["zero"] >= 2:
+        # experts sharded on dim 1: every rank holds the same share of each expert; on dim 0 (FSDP2's torch.chunk
+        # of 3 rows over 2 ranks, 6 over 4) some rank would hold at least one whole expert's weights more than another
+        cfg = LlamaConfig.from_preset("tiny-moe", **SIX)
+        one_expert = 4 * 3 * cfg.hidden_size * cfg.expert_intermediate_size  # float32 w1, w3, w2 of one expert
+        spread = max(r["bytes"]["params"] for r in ranks) - min(r["bytes"]["params"] for r in ranks)
+        print(f"{which} {layout}: parameter bytes spread over ranks {spread} (one expert: {one_expert})")
+        assert spread < one_expert
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 
@@ -213,6 +255,19 @@ def test_checkpoint_at_zero3_ep2_resumes_at_zero1_ep1_and_zero3_ep2(tmp_path):
     moments of the experts too: with them halved, as a one-rank FSDP2 group once made them, the resume at ZeRO 1 ep1
     differed by 4.7e-5)."""
     saved, other = {"name": "a", "dp": 2, "zero": 3, "ep": 2}, {"name": "b", "dp": 2, "zero": 1}
+    for layout, rank, curve, tail in resume_on_layouts(tmp_path, saved, other, "tiny-moe", STEPS):
+        rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
+        print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
+        assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
+
+
+def test_checkpoint_with_experts_sharded_on_dim_1_resumes_at_zero1(tmp_path):
+    """Saved at dp2 ZeRO 3 with 3 experts (3 rows over 2 ranks: every expert sharded on dim 1, DTensors ``Shard(1)``
+    on ``dp_cp``), resumed at dp2 ZeRO 3 and at dp2 ZeRO 1 (whole experts on every rank): steps 6-10 equal the
+    straight run's."""
+    three = {"num_experts": 3}
+    saved = {"name": "a", "dp": 2, "zero": 3, "config": three}
+    other = {"name": "b", "dp": 2, "zero": 1, "config": three}
     for layout, rank, curve, tail in resume_on_layouts(tmp_path, saved, other, "tiny-moe", STEPS):
         rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
         print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")

@@ -13,7 +13,7 @@ from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import step_time as st
 from lightning_4d.memory.hardware import GPU_PRESETS
-from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, estimate_memory
+from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, estimate_memory, model_state_bytes
 from lightning_4d.memory.planner import plan
 from lightning_4d.models.config import LlamaConfig
 from tests.test_cli_inputs import _one_line_error
@@ -115,21 +115,64 @@ def test_plan_emits_ep_in_the_config(capsys, tmp_path):
     assert init["expert_parallel_size"] == out["layouts"][0]["expert_parallel_size"] > 1
 
 
-def test_plan_llama4_scout_on_32_h100_enumerates_ep():
+def test_plan_llama4_scout_on_32_h100_lists_ep_layouts(capsys):
     """Every ep that divides dp·cp and the 16 experts is planned for Llama 4 Scout on 32 H100, with tp, pp and cp as
-    ``validate_model`` accepts them for MoE models. None fits in 80% of 80 GB yet: the least memory at ZeRO 1 is
-    89.7 GiB (pp8 cp4 ep4), 88.5 GiB at any stage (pp8 cp2 dp2 ep4 ZeRO 2), because FSDP2 shards the experts' stacked
-    ``[E/ep, ...]`` weights on dim 0, unevenly once the expert data-parallel group outnumbers the local experts
-    (docs/moe.md, Limits). Splitting the experts is what saves memory: the least-memory layout has ep > 1, and ep1's
-    best holds more."""
+    ``validate_model`` accepts them for MoE models. The least memory is a ZeRO 2/3 layout with ep > 1 whose experts are
+    sharded on dim 1 (``lightning_4d.partition.expert_shard_dim``): its first and last dp·cp ranks hold the same
+    expert bytes, where dim-0 sharding put a whole expert per layer on one rank of each expert data-parallel pair and
+    none on the other (least memory then 88.5 GiB; now 74.8 GiB, ZeRO 3 dp32 ep16). That is still above 80% of
+    80 GiB in bf16-mixed (16 bytes of float32 states per parameter: 50.2 GiB of the 64 GiB; docs/moe.md, Limits), so
+    ``plan --budget 0.95`` lists the ep layouts, with their JSON fields. tp1 pp1 only, for time (0.5 s instead of
+    60 s; the least memory of all layouts is the same layout, measured)."""
     cfg = LlamaConfig.from_preset("llama4-scout-17b-16e")
-    found = plan(cfg, 32, 8, H100, 4096, 128, top=None, include_unfit=True, fixed={"zero_stage": 1})
+    found = plan(cfg, 32, 8, H100, 4096, 128, top=None, include_unfit=True, fixed={"tp": 1, "pp": 1})
     assert {c.expert_parallel_size for c in found} == {1, 2, 4, 8, 16}
     assert all(c.fits == (c.memory <= 0.8 * H100.memory) for c in found)
     best = min(found, key=lambda c: c.memory)
     ep1 = min(c.memory for c in found if c.expert_parallel_size == 1)
-    assert best.expert_parallel_size > 1 and best.memory < ep1
-    assert not any(c.fits for c in found)
+    assert best.expert_parallel_size > 1 and best.zero_stage >= 2 and best.memory < ep1
+    pc = best.parallel_config()
+    first, last = (model_state_bytes(cfg, pc, "bf16-mixed", dp_cp_rank=r).parameters for r in (0, pc.dp_cp - 1))
+    one_expert = 4 * 3 * cfg.hidden_size * cfg.expert_intermediate_size  # float32 w1, w3, w2 of one expert
+    assert abs(first - last) < one_expert
+    assert not any(c.fits for c in found)  # bf16-mixed at the 80% budget: docs/moe.md, Limits
+    argv = [
+        "plan",
+        "--model",
+        "llama4-scout-17b-16e",
+        "--seq-length",
+        "4096",
+        "--num-gpus",
+        "32",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+    ]
+    code, out = _json(capsys, [*argv, "--gpu-memory", "H100-80GB", "--global-batch-size", "128", "--budget", "0.95"])
+    assert code == 0 and out["layouts"] and out["budget"] == 0.95
+    for c in out["layouts"]:
+        assert c["fits"] and c["expert_parallel_size"] > 1 and c["memory"] <= 0.95 * H100.memory
+        assert c["zero_stage"] >= 2 and c["dp"] * c["cp"] % c["expert_parallel_size"] == 0
+    with capsys.disabled():
+        print(f"\nScout on 32 H100: least memory {best.memory / 2**30:.1f} GiB ({best}), ep1's {ep1 / 2**30:.1f} GiB")
+        print(f"--budget 0.95: {len(out['layouts'])} layouts, first {out['layouts'][0]}")
+
+
+def test_plan_mixtral_dp_only_on_64_h100_fits_with_the_experts_on_dim_1():
+    """Mixtral 8x7B dp-only (tp, pp, cp, ep 1) on 64 H100: ZeRO 3 shards each of the 8 experts on dim 1 over the 64
+    ranks (8 rows over 64 ranks on dim 0 gave ranks 0-7 a whole expert per weight and layer each: least memory 268.7
+    GiB, nothing fitted); now layouts fit, every rank holding the same expert bytes."""
+    cfg = LlamaConfig.from_preset("mixtral-8x7b")
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    found = plan(cfg, 64, 8, H100, 4096, 256, top=None, include_unfit=True, fixed=fixed)
+    fits = [c for c in found if c.fits]
+    assert fits and all(c.zero_stage == 3 for c in fits)
+    pc = ParallelConfig(data_parallel_size=64, zero_stage=3)
+    first, last = (model_state_bytes(cfg, pc, "bf16-mixed", dp_cp_rank=r).parameters for r in (0, 63))
+    assert abs(first - last) < 4 * 3 * cfg.hidden_size * cfg.expert_intermediate_size
+    best = min(fits, key=lambda c: c.memory)
+    print(f"\nMixtral 8x7B dp64: {len(fits)} layouts fit, least memory {best.memory / 2**30:.1f} GiB")
 
 
 def _mixtral_layout(ep: int, **kw) -> st.Layout:

@@ -276,8 +276,9 @@ def test_mixtral_config_round_trip_and_what_it_cannot_express():
 @needs_transformers
 def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
     """One process: 3 AdamW steps of tiny-moe, checkpoint, export-hf: transformers' MixtralForCausalLM gives our
-    logits. dp2 x ZeRO 3: the same export (a sharded checkpoint folder), and init_from the Mixtral directory with the
-    experts' rows sharded over the two ranks."""
+    logits. dp2 x ZeRO 3: the same export (a sharded checkpoint folder), and init_from a Mixtral directory of 3
+    experts: 3 rows do not split evenly over the two ranks, so ZeRO 3 shards every expert on dim 1
+    (``lightning_4d.partition.expert_shard_dim``) and each rank reads its rows of every expert's tensors."""
     torch.save(ids, tmp_path / "ids.pt")
     layouts = [{"dp": 2, "zero": 3}]
     torchrun(
@@ -312,7 +313,7 @@ def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
         hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / run / "export0").float().eval()
         _assert_logits(hf, sorted((tmp_path / run).glob("export0_rank*.pt")), f"export {run}")
     source = tmp_path / "hf"
-    hf = _mixtral(source, 2, intermediate_size=64)
+    hf = _mixtral(source, 2, intermediate_size=64, num_local_experts=3)
     torchrun(
         2,
         SCRIPTS / "hf_checkpoints.py",
@@ -482,13 +483,20 @@ def test_memory_model_matches_measured_moe_states_and_activations(tmp_path):
 
 
 def test_memory_model_moe_states_formula():
-    """ZeRO 3 shards the experts' stacked weights by expert rows (dim 0, torch.chunk); ZeRO 0 holds everything."""
+    """ZeRO 3 shards the experts' stacked weights by expert rows (dim 0, torch.chunk) when the group divides them,
+    else on dim 1 (8 experts over 16 ranks: ``f_e/16`` rows of every expert's w1/w3, ``h/16`` of its w2 per rank, so
+    the ranks differ by the router's rows only, 8 rows over 16 ranks); ZeRO 0 holds everything."""
     cfg = LlamaConfig.from_preset("mixtral-8x7b")
     n = cfg.num_parameters()
     st = model_state_bytes(cfg, ParallelConfig(data_parallel_size=1, zero_stage=0), "32-true")
     assert st.parameters == 4 * n and st.optimizer_states == 8 * n
     st3 = model_state_bytes(cfg, ParallelConfig(data_parallel_size=8, zero_stage=3), "bf16-mixed")
     assert st3.parameters == 4 * n // 8  # every dim 0 (8 experts, 4096 rows, 32000 vocabulary rows) divides by 8
+    pc16 = ParallelConfig(data_parallel_size=16, zero_stage=3)
+    per_rank = [model_state_bytes(cfg, pc16, "bf16-mixed", dp_cp_rank=r).parameters for r in range(16)]
+    router = 4 * cfg.num_experts * cfg.hidden_size * cfg.num_moe_layers  # float32 routers, one row per rank 0-7
+    assert sum(per_rank) == 4 * n and per_rank[0] - per_rank[15] == router // cfg.num_experts
+    assert per_rank[15] == 4 * (n - cfg.num_experts * cfg.hidden_size * cfg.num_moe_layers) // 16
     act = saved_activation_bytes(
         LlamaConfig.from_preset("tiny-moe"), ParallelConfig(data_parallel_size=1), 2, 64, "32-true"
     )

@@ -196,22 +196,25 @@ class LlamaFamily(ModelFamily):
 def _expert_targets(
     p: torch.Tensor, name: str, num_experts: int, available: set[str], path: Path
 ) -> dict[str, torch.Tensor]:
-    """``{Hugging Face key: the row of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, ...]``
-    (:func:`~lightning_4d.models.hf_mapping.hf_slices`): every expert of a plain tensor; of a DTensor sharded on
-    dim 0 only (ZeRO 3), the experts of this rank's rows.
+    """``{Hugging Face key: the piece of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, d1, d2]``
+    (:func:`~lightning_4d.models.hf_mapping.hf_slices`: one ``[d1, d2]`` tensor per expert): every expert of a plain
+    tensor; of a DTensor, the experts of this rank's dim-0 rows (ep, FSDP2's dim-0 shards). Where the DTensor splits
+    an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.partition.expert_shard_dim`), each row is a
+    DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
+    dimension's split replicated): DCP's reader reads this rank's ``d1`` range of each expert's tensor only.
 
     Raises:
-        ValueError: an expert's tensor missing from the directory. NotImplementedError: a DTensor split on another
-            dimension (expert tensor parallelism is not implemented).
+        ValueError: an expert's tensor missing from the directory.
     """
+    from torch.distributed.tensor import Replicate, Shard
+
     local, offset = p.data, 0
+    placements = None
     if isinstance(p, DTensor):
-        if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):
-            raise NotImplementedError(
-                f"{name}: placements {p.placements} split an expert; only dim-0 (whole experts) sharding is supported"
-            )
         local = p.data.to_local()
         offset = local_offset(p)[0]
+        if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):  # an expert split (on dim 1 by ZeRO 2/3)
+            placements = [Shard(pl.dim - 1) if pl.is_shard() and pl.dim > 0 else Replicate() for pl in p.placements]
     targets = {}
     for key, e in hf_mapping.hf_slices(name, num_experts):
         if key not in available:
@@ -220,7 +223,12 @@ def _expert_targets(
                 "a Mixtral of this config?"
             )
         if offset <= e < offset + local.shape[0]:
-            targets[key] = local[e - offset]
+            row = local[e - offset]
+            if placements is not None:
+                row = DTensor.from_local(
+                    row, p.device_mesh, placements, run_check=False, shape=p.shape[1:], stride=(p.shape[2], 1)
+                )
+            targets[key] = row
     return targets
 
 

@@ -13,7 +13,9 @@ the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO sha
   of ``GRADIENT_BUCKET_BYTES`` (25 MiB of parameters as built), each padded to a multiple of D; rank r owns range r
   of every bucket and holds Adam m and v (and the master weights) for those elements only (:func:`_bucket_owned`);
 - ZeRO stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim
-  0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``.
+  0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``; a stacked expert weight
+  ``[E_local, d1, d2]`` whose group (G ranks) does not divide ``E_local`` but divides ``d1`` on dim 1 instead, evenly:
+  ``E_local·(d1/G)·d2`` elements per rank (:func:`lightning_4d.partition.expert_shard_dim`).
 
 Dtypes (:class:`_Dtypes`; ``lightning_4d/parallel/zero.py``): ``32-true`` float32 everywhere; ``bf16-mixed`` (master
 weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters, float32 gradients, float32 master
@@ -132,6 +134,7 @@ from lightning_4d.partition import (
     GRADIENT_BUCKET_BYTES,
     bucket_lengths,
     bucket_shard,
+    expert_shard_dim,
     loss_chunk_tokens,
     powersgd_compressible,
 )
@@ -236,6 +239,7 @@ class _Param:
     matrix: bool
     unit: str  # FSDP2 unit: "layers.<i>" or "root"
     expert: bool = False  # a routed experts' stacked weight [E/ep, ...] (sharded over ep, ZeRO over dp·cp/ep)
+    dim1: int = 0  # an expert weight's dim 1 (f_e of w1/w3, h of w2; cols = dim1 · dim 2): ZeRO 2/3 may shard it
     token: bool = False  # a Mixture-of-Experts layer's (run token parallel under tp: not split, ZeRO over dp·cp·tp)
 
     @property
@@ -290,9 +294,9 @@ def _stage_params(cfg: Any, tp: int, layers: Any, first: bool, last: bool, ep: i
             ff = f"{u}.feed_forward"
             out += [
                 _Param(f"{ff}.router.weight", e, h, True, u, token=True),
-                _Param(f"{ff}.experts.w1", e // ep, fe * h, True, u, expert=True, token=True),
-                _Param(f"{ff}.experts.w3", e // ep, fe * h, True, u, expert=True, token=True),
-                _Param(f"{ff}.experts.w2", e // ep, h * fe, True, u, expert=True, token=True),
+                _Param(f"{ff}.experts.w1", e // ep, fe * h, True, u, expert=True, token=True, dim1=fe),
+                _Param(f"{ff}.experts.w3", e // ep, fe * h, True, u, expert=True, token=True, dim1=fe),
+                _Param(f"{ff}.experts.w2", e // ep, h * fe, True, u, expert=True, token=True, dim1=h),
             ]
             if fs:
                 out += [
@@ -466,11 +470,28 @@ def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, buc
     return total
 
 
+def _fsdp_dim(p: _Param, group: int) -> int:
+    """The dimension FSDP2 shards ``p`` on over ``group`` ranks: :func:`lightning_4d.partition.expert_shard_dim` for
+    an expert weight, else 0."""
+    return expert_shard_dim((p.rows, p.dim1), group) if p.expert else 0
+
+
 def _padded_numel(p: _Param, world: int, ep: int = 1) -> int:
-    """Elements of ``p`` in FSDP2's all-gather output (dim 0 padded to a multiple of its group's size:
-    :func:`_fsdp_group`)."""
+    """Elements of ``p`` in FSDP2's all-gather output: dim 0 padded to a multiple of its group's size
+    (:func:`_fsdp_group`), or an expert weight sharded on dim 1, which FSDP2 shards evenly only (no padding)."""
     group, _ = _fsdp_group(p, world, 0, ep)
+    if _fsdp_dim(p, group) == 1:
+        return p.numel
     return math.ceil(p.rows / group) * group * p.cols
+
+
+def _fsdp_shard_numel(p: _Param, world: int, dp_cp_rank: int, ep: int) -> int:
+    """Elements of ``p`` rank ``dp_cp_rank`` holds at ZeRO 2/3 (FSDP2's ``torch.chunk`` of dim 0 over its group,
+    :func:`_fsdp_group`; an expert weight sharded on dim 1: ``rows · (dim1 / G) · dim 2``, even)."""
+    group, rank = _fsdp_group(p, world, dp_cp_rank, ep)
+    if _fsdp_dim(p, group) == 1:
+        return p.rows * _chunk(p.dim1, group, rank) * (p.cols // p.dim1)
+    return _chunk(p.rows, group, rank) * p.cols
 
 
 def _fsdp_group(p: _Param, world: int, dp_cp_rank: int, ep: int) -> tuple[int, int]:
@@ -545,8 +566,8 @@ def model_state_bytes(
     weighted = _weighted_params(
         model_config, pc.tp, _rank_layers(model_config.num_layers, pc, pp_rank), first, last, pc.ep
     )
-    if zero >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor (experts: over dp·cp/ep)
-        n = sum(count * _chunk(p.rows, *_fsdp_group(p, world, dp_cp_rank, pc.ep)) * p.cols for p, count in weighted)
+    if zero >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor (experts: over dp·cp/ep, maybe dim 1)
+        n = sum(count * _fsdp_shard_numel(p, world, dp_cp_rank, pc.ep) for p, count in weighted)
         if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
             return ModelStates(4 * n, 4 * n, 8 * n)
         return ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param)

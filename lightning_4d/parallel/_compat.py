@@ -154,6 +154,21 @@ def unflatten_mesh(mesh: "DeviceMesh", sizes: tuple[int, ...], names: tuple[str,
     return unflatten(0, tuple(sizes), tuple(names))
 
 
+# ---------------------------------------------------------------------------------------------------- FSDP2
+def _fully_shard_takes(name: str) -> bool:
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    return name in inspect.signature(fully_shard).parameters
+
+
+#: whether FSDP2's ``fully_shard`` takes ``shard_placement_fn`` (a public argument; ZeRO 2/3 shard expert weights
+#: on dim 1 through it, ``parallel/zero.py``): torch 2.6 added it, ``tests/test_compat.py`` checks it on the installed
+#: torch
+FULLY_SHARD_PLACEMENT_FN = _fully_shard_takes("shard_placement_fn")
+
+
 # ---------------------------------------------------------------------------------------------------- wrappers
 #: the module level ``torch.compile`` (``OptimizedModule._orig_mod``) inserts into parameter names
 COMPILED_MODULE = "_orig_mod"

@@ -164,3 +164,23 @@ def is_expert_parameter(p: Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+
+
+#: the modules whose 3-D parameters are stacked expert weights ``[E, d1, d2]``: ours
+#: (:class:`~lightning_4d.models.moe.GroupedExperts`), transformers' ``MixtralExperts`` and its expert-parallel
+#: replacement (:mod:`lightning_4d.adapters.hf_mixtral`)
+EXPERT_MODULES = ("GroupedExperts", "MixtralExperts", "ExpertParallelMixtralExperts")
+
+
+def stacked_expert_weights(model: nn.Module) -> list[Tensor]:
+    """The stacked expert weights of ``model`` (``[E, d1, d2]``, or ``[E/ep, d1, d2]`` local DTensors under ep): the
+    3-D parameters held directly by a module of a class in :data:`EXPERT_MODULES`, and every
+    :func:`is_expert_parameter`. ZeRO 2/3 may shard them on dim 1
+    (:func:`lightning_4d.partition.expert_shard_dim`)."""
+    out: dict[int, Tensor] = {}
+    for m in model.modules():
+        named = type(m).__name__ in EXPERT_MODULES
+        for p in m.parameters(recurse=False):
+            if (named and p.ndim == 3) or is_expert_parameter(p):
+                out[id(p)] = p
+    return list(out.values())

@@ -43,12 +43,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_4d.parallel._compat import all_gather_single, local_tensor as _local, reduce_scatter_single
+from lightning_4d.parallel._compat import (
+    FULLY_SHARD_PLACEMENT_FN,
+    all_gather_single,
+    local_tensor as _local,
+    reduce_scatter_single,
+)
 from lightning_4d.parallel.compression import PowerSGD, compressible
 from lightning_4d.parallel.tensor import token_parallel_parameters
-from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard, expert_shard_dim
 
 _BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in partition.py (the memory model reads it)
 
@@ -103,6 +108,13 @@ def apply_fsdp(
     (:mod:`lightning_4d.parallel.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
     dense parameters.
 
+    Stacked expert weights (:func:`~lightning_4d.parallel.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
+    under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``) are sharded on dim 1
+    (FSDP2's ``shard_placement_fn`` returning ``Shard(1)``) when their group's size does not divide ``E_local`` and
+    divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for ``dp_shard·ep >
+    num_experts``): each rank holds ``d1/G`` rows of every local expert instead of ``ceil(E_local/G)`` padded whole
+    experts. Every other parameter is sharded on dim 0 (FSDP2's default).
+
     Args:
         model: the module (DTensor tensor-parallel parameters are fine: FSDP2 shards their local dim 0).
         dp_cp_mesh: the 1D ``dp_cp`` mesh.
@@ -120,7 +132,8 @@ def apply_fsdp(
             ``torch.bfloat16``); default float32 under ``param_dtype``, else the parameters' dtype.
 
     Raises:
-        ValueError: ``zero_stage`` is not 2 or 3.
+        ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: an expert weight needs dim 1 on a torch whose
+            ``fully_shard`` has no ``shard_placement_fn`` (torch < 2.6; ``_compat.FULLY_SHARD_PLACEMENT_FN``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -139,12 +152,35 @@ def apply_fsdp(
             cast_forward_inputs=False,
             reduce_dtype=reduce_dtype or (torch.float32 if param_dtype is not None else None),
         )
+    from lightning_4d.parallel.expert import is_expert_parameter, stacked_expert_weights
+
+    expert_weights = stacked_expert_weights(model)  # held: FSDP2 replaces them, and their ids must not be reused
+    experts = {id(p) for p in expert_weights}
+
+    def placement(mesh: DeviceMesh) -> Optional[Callable[[nn.Parameter], Optional[Shard]]]:
+        """FSDP2's ``shard_placement_fn`` over ``mesh``: ``Shard(expert_shard_dim(...))`` for a stacked expert
+        weight, FSDP2's default ``Shard(0)`` (``None``) for every other parameter; ``None`` (no function) when
+        no expert weight is sharded on dim 1."""
+
+        def dim(p: nn.Parameter) -> int:
+            return expert_shard_dim(tuple(_local(p).shape), mesh.size()) if id(p) in experts else 0
+
+        if not any(dim(p) for p in model.parameters()):
+            return None
+        if not FULLY_SHARD_PLACEMENT_FN:  # pragma: no cover - torch without shard_placement_fn
+            raise RuntimeError(
+                f"torch {torch.__version__}: fully_shard has no shard_placement_fn argument, needed to shard expert "
+                f"weights whose {mesh.size()}-rank group does not divide their experts (dim 0) on dim 1"
+            )
+        return lambda p: Shard(1) if dim(p) == 1 else None
+
     units = []
     if expert_mesh is not None:
-        from lightning_4d.parallel.expert import is_expert_parameter
-
         holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
-        units = [fully_shard(m, **{**kw, "mesh": expert_mesh}) for m in holders]
+        fn = placement(expert_mesh)
+        units = [
+            fully_shard(m, **{**kw, "mesh": expert_mesh}, **({"shard_placement_fn": fn} if fn else {})) for m in holders
+        ]
         for unit in units if expert_mesh.size() > 1 else []:
             # a divide factor (D) other than the group's size (D/ep) makes FSDP2 reduce-scatter with
             # ReduceOp.PREMUL_SUM, which gloo refuses (measured, torch 2.13): sum, then divide by D after. Not
@@ -152,6 +188,9 @@ def apply_fsdp(
             # when it copies the gradient and again by the post-divide factor of a forced sum (measured: the
             # expert gradients came out halved at dp2 ep2)
             unit.set_force_sum_reduction_for_comms(True)
+    fn = placement(dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
+    if fn:
+        kw["shard_placement_fn"] = fn
     units += [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
     for unit in [*units, root]:
