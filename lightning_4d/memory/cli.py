@@ -210,6 +210,12 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             "--sequence-parallel", default=None, type=strict_bool, help="true or false (default: on when tp > 1)"
         )
         p.add_argument(
+            "--tensor-parallel-overlap",
+            action="store_true",
+            help="the tp projections as rings overlapped with their matmuls (needs tp > 1 and sequence parallelism, "
+            "not with selective checkpointing; docs/parallelism.md)",
+        )
+        p.add_argument(
             "--num-microbatches",
             type=positive_int,
             help="micro-batches per step (pipeline schedules; default pp, 2*pp for dualpipev)",
@@ -304,6 +310,7 @@ def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optio
         context_parallel_size=args.cp,
         zero_stage=args.zero_stage,
         sequence_parallel=args.sequence_parallel,
+        tensor_parallel_overlap=args.tensor_parallel_overlap,
         activation_checkpointing=args.activation_checkpointing,
         pipeline_schedule=args.pipeline_schedule,
         virtual_pipeline_stages=args.virtual_pipeline_stages,
@@ -376,6 +383,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
             expert_parallel_size=pc.ep,
             zero_stage=pc.zero_stage,
             sequence_parallel=pc.sp,
+            tensor_parallel_overlap=pc.tensor_parallel_overlap,
             activation_checkpointing=pc.activation_checkpointing,
             pipeline_schedule=pc.pipeline_schedule,
             num_microbatches=m,
