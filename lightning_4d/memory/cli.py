@@ -266,6 +266,12 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
             "paper, 419 interruptions in 54 days on 16,384 GPUs)",
         )
+        p.add_argument(
+            "--tensor-parallel-overlap",
+            action="store_true",
+            help="also consider the tp projections as rings overlapped with their matmuls (tp > 1 with sequence "
+            "parallelism, checkpointing none or full; off by default, as in FourDStrategy)",
+        )
         p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory (needs matplotlib)")
         p.add_argument(
             "--emit-config",
@@ -524,6 +530,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         formula=args.formula,
         top=args.top,
         fixed=fixed,
+        tensor_parallel_overlap=args.tensor_parallel_overlap,
     )
     layouts = []
     for c in rows:
@@ -558,6 +565,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "global_batch_size": args.global_batch_size,
         "precision": args.precision,
         "formula": args.formula,
+        "tensor_parallel_overlap_considered": args.tensor_parallel_overlap,
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
         "layouts": layouts,
@@ -579,6 +587,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             include_unfit=True,
             fixed=fixed,
             max_estimated=PLOT_LAYOUTS,
+            tensor_parallel_overlap=args.tensor_parallel_overlap,
         )
         title = (
             f"{args.model} on {args.num_gpus} x {gpu.name}, s={args.seq_length}, global batch "
@@ -619,6 +628,8 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
         if c["pipeline_layer_split"]:
             init_args["pipeline_layer_split"] = list(c["pipeline_layer_split"])
     init_args["context_parallel_method"] = c["context_parallel_method"]
+    if c.get("tensor_parallel_overlap"):
+        init_args["tensor_parallel_overlap"] = True
     num_gpus, per_node = out["num_gpus"], out["gpus_per_node"]
     trainer = {
         "accelerator": "gpu",
@@ -731,7 +742,9 @@ def _print_plan(out: dict[str, Any]) -> None:
             str(c["num_microbatches"]),
             str(c["zero_stage"]),
             c["activation_checkpointing"],
-            "-" if c["tp"] == 1 else ("on" if c["sequence_parallel"] else "off"),
+            "-"
+            if c["tp"] == 1
+            else ("on, overlap" if c.get("tensor_parallel_overlap") else "on" if c["sequence_parallel"] else "off"),
             schedule,
             f"{c['memory_gib']:.1f}",
             f"{100 * c['fraction']:.0f}",
