@@ -73,6 +73,10 @@ first one), and the estimate is the largest:
   a float32 gradient is computed in place), or instead the head's gradient (made once the loss' backward has
   freed the saved logits: the larger of the two) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's
   gradient buckets (they exist from setup on);
+- head backward (the last stage under tp with sp; :func:`_head_backward_transient`): the activations less what the
+  loss' backward freed (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight
+  gradient + the working set of the head's backward (the input gathered again, its gradient and the reduce-scatter's
+  copies, or ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets;
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
   hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
@@ -878,7 +882,8 @@ class MemoryEstimate:
             communication buckets, optimizer-step temporaries, pipeline send/receive buffers.
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
-        peak_phase: ``"backward start"``, ``"backward end"``, ``"optimizer step"`` or ``"initialization"``.
+        peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"`` or
+            ``"initialization"``.
         pp_rank: the pp rank this is for (it holds the pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
