@@ -73,10 +73,11 @@ first one), and the estimate is the largest:
   a float32 gradient is computed in place), or instead the head's gradient (made once the loss' backward has
   freed the saved logits: the larger of the two) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's
   gradient buckets (they exist from setup on);
-- head backward (the last stage under tp with sp; :func:`_head_backward_transient`): the activations less what the
-  loss' backward freed (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight
-  gradient + the working set of the head's backward (the input gathered again, its gradient and the reduce-scatter's
-  copies, or ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets;
+- head backward (the last stage under tp with sp; :func:`_head_backward_transient`): the activations (without a
+  layer's recomputed set: none is being recomputed yet) less what the loss' backward freed (all it saved but the
+  labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of the head's
+  backward (the input gathered again, its gradient and the reduce-scatter's copies, or
+  ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets;
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
   hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
@@ -1028,6 +1029,7 @@ class _Activations:
     in_flight: float  # micro-batches in flight, averaged over the rank's layers
     loss_freed: int = 0  # what the loss' backward frees of its saved tensors (all but the labels), last stage
     logits_gradient: int = 0  # the logits' gradient in the compute dtype, last stage
+    recompute: int = 0  # one layer's recomputed set (in ``activations``), made only in that layer's backward
 
 
 def _activation_terms(
@@ -1083,7 +1085,7 @@ def _activation_terms(
         compute_weights = int(compute_weights * in_flight)
     loss_freed = saved["loss"] - 8 * tokens if last else 0  # the labels (int64) stay with the batch
     gradient = dt.compute * tokens * local_vocab if last else 0
-    return _Activations(activations, logits, compute_weights, in_flight, loss_freed, gradient)
+    return _Activations(activations, logits, compute_weights, in_flight, loss_freed, gradient, saved["recompute"])
 
 
 @dataclass(frozen=True)
@@ -1257,9 +1259,11 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
     }
     if buf.head_backward:
         # the LM head's backward (tp with sp, last stage): the loss' backward has freed what it saved but the labels
-        # (the batch holds them), the logits' gradient (compute dtype) is alive, the head's weight gradient is made
+        # (the batch holds them), the logits' gradient (compute dtype) is alive, the head's weight gradient is made;
+        # no layer is recomputed yet
         phases["head backward"] = (
             act.activations
+            - act.recompute
             - act.loss_freed
             + act.logits_gradient
             + buf.head_backward
