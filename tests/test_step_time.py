@@ -343,7 +343,7 @@ def test_tp_overlap_is_never_slower_and_hides_at_most_eta():
 
 
 def test_tp_overlap_calibration_reproduces_torchtitan_async_tp():
-    """torchtitan's async TP (``TP_OVERLAP_RUNS``): Llama 3 8B on 64 H100 (FSDP 8 × TP 8, selective, b=12)
+    """torchtitan's async TP (``TP_OVERLAP_RUNS``): Llama 3.1 8B on 64 H100 (FSDP 8 × TP 8, selective, b=12)
     4,378 → 4,809 tokens/s/GPU (+9.8%), 70B on 256 H100 (FSDP 32 × TP 8, full, b=16) 597.3 → 652.4 (+9.2%). The
     model's gains: +9.6% and +9.9% (within 1 point); with η = 1 they would be +21% and +22%."""
     for run in st.TP_OVERLAP_RUNS:

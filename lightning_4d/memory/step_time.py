@@ -50,8 +50,8 @@ stream beside 2M; the head one stream forward, two backward. Full checkpointing 
 part; selective's two re-gathers stay exposed (the strategy refuses selective with the overlap).
 η = 0.5 is calibrated on torchtitan's async TP (torch's symmetric-memory ``fused_all_gather_matmul`` /
 ``fused_matmul_reduce_scatter``; torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``, H100 96 GB at
-500 W, bf16, torch.compile): Llama 3 8B on 64 H100, FSDP 8 × TP 8, per-op selective AC, local batch 12, 4,378 → 4,809
-tokens/s/GPU (+9.8%; predicted +9.6%), Llama 3 70B on 256 H100, FSDP 32 × TP 8, full AC, local batch 16, 597.3 →
+500 W, bf16, torch.compile): Llama 3.1 8B on 64 H100, FSDP 8 × TP 8, per-op selective AC, local batch 12, 4,378 → 4,809
+tokens/s/GPU (+9.8%; predicted +9.6%), Llama 3.1 70B on 256 H100, FSDP 32 × TP 8, full AC, local batch 16, 597.3 →
 652.4 (+9.2%; predicted +9.9%) (:data:`TP_OVERLAP_RUNS`, ``tests/test_step_time.py``); η = 1 would predict +21%
 and +22%.
 
@@ -173,7 +173,7 @@ TP_OVERLAP_RUNS: tuple[dict[str, Any], ...] = tuple(
     dict(
         gpu="H100-96GB",
         seq_length=8192,
-        name=f"torchtitan async TP, Llama 3 {size}, {n} H100",
+        name=f"torchtitan async TP, Llama 3.1 {size}, {n} H100",
         model=model,
         num_gpus=n,
         layout=dict(tp=8, dp=n // 8, zero_stage=3, activation_checkpointing=ac, micro_batch_size=b),
@@ -181,7 +181,7 @@ TP_OVERLAP_RUNS: tuple[dict[str, Any], ...] = tuple(
     )  # fmt: skip
     for size, model, n, ac, b, published in (
         ("8B", "llama3.1-8b", 64, "selective", 12, (4378.0, 4809.4)),
-        ("70B", "llama3-70b", 256, "full", 16, (597.3, 652.4)),
+        ("70B", "llama3.1-70b", 256, "full", 16, (597.3, 652.4)),
     )
 )
 
