@@ -16,6 +16,12 @@ with, and the ring issues ``t`` smaller matmuls and ``2(t-1)`` point-to-point me
 collective; on a GPU (NCCL on its own stream or torch's symmetric-memory fused operators) the transfers run beside the
 matmuls (torchtitan's async TP: llama3 8B on 64 H100, 4,378 -> 4,809 tokens/s/GPU).
 
+Beside the CPU timings, the table gives what the planner's step-time model predicts for the same shapes (the
+``small`` model, s=256, b=4, tp, ZeRO 0; bf16 on an H100-80GB, tp inside one node):
+the exposed-communication fraction of the step (:class:`~lightning_4d.memory.step_time.StepTime`'s
+``exposed_communication / total``, the planner's ``communication_fraction``) with the overlap off and on, and the
+predicted on / off step time (``lightning_4d/memory/step_time.py``, **Tensor parallel**).
+
 Usage::
 
     python benchmarks/tp_overlap.py [--rounds 3] [--steps 8] [--warmup 2] [--tp 2 4]
@@ -147,6 +153,26 @@ def main() -> None:
     _table(results, args, time.perf_counter() - t0)
 
 
+def predicted(tp: int) -> dict[str, float]:
+    """The step-time model's prediction for the benchmark's shapes on an H100-80GB: ``{"off": exposed-communication
+    fraction with the overlap off, "on": with it on, "ratio": predicted step time on / off}``."""
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.memory.hardware import GPU_PRESETS
+    from lightning_4d.memory.step_time import predict_step_time
+    from lightning_4d.models import LlamaConfig
+
+    cfg, gpu = LlamaConfig.from_preset("small"), GPU_PRESETS["H100-80GB"]
+    times = {}
+    for overlap in (False, True):
+        pc = ParallelConfig(
+            data_parallel_size=1, tensor_parallel_size=tp, zero_stage=0, tensor_parallel_overlap=overlap
+        )
+        times["on" if overlap else "off"] = predict_step_time(cfg, pc, GLOBAL_BATCH, 1, SEQ_LENGTH, gpu, 8)
+    out = {k: t.exposed_communication / t.total for k, t in times.items()}
+    out["ratio"] = times["on"].total / times["off"].total
+    return out
+
+
 def _table(results: dict[int, dict[str, list]], args: argparse.Namespace, wall: float) -> None:
     import torch
 
@@ -158,16 +184,20 @@ def _table(results: dict[int, dict[str, list]], args: argparse.Namespace, wall: 
     print()
     print(
         "| tp | overlap off: s/step (per round) | overlap on: s/step (per round) | on / off (paired) "
-        "| max rel loss diff |"
+        "| max rel loss diff | H100 predicted: exposed comm. off / on | H100 predicted on / off |"
     )
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for tp, res in results.items():
         per_round = {k: [statistics.median(f["times"][args.warmup :]) for f in fits] for k, fits in res.items()}
         paired = statistics.median(b / a for a, b in zip(per_round["off"], per_round["on"]))
         cells = {k: f"{statistics.median(v):.3f} ({', '.join(f'{t:.3f}' for t in v)})" for k, v in per_round.items()}
         ref = res["off"][0]["losses"]
         diff = max(abs(a - b) / abs(a) for f in res["on"] for a, b in zip(ref, f["losses"]))
-        print(f"| {tp} | {cells['off']} | {cells['on']} | {paired:.3f} | {diff:.1e} |")
+        pred = predicted(tp)
+        print(
+            f"| {tp} | {cells['off']} | {cells['on']} | {paired:.3f} | {diff:.1e} "
+            f"| {100 * pred['off']:.1f}% / {100 * pred['on']:.1f}% | {pred['ratio']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

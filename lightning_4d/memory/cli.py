@@ -232,6 +232,12 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             "--sequence-parallel", default=None, type=strict_bool, help="true or false (default: on when tp > 1)"
         )
         p.add_argument(
+            "--tensor-parallel-overlap",
+            action="store_true",
+            help="the tp projections as rings overlapped with their matmuls (needs tp > 1 and sequence parallelism, "
+            "not with selective checkpointing; docs/parallelism.md)",
+        )
+        p.add_argument(
             "--num-microbatches",
             type=positive_int,
             help="micro-batches per step (pipeline schedules; default pp, 2*pp for dualpipev)",
@@ -283,6 +289,12 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
             "paper, 419 interruptions in 54 days on 16,384 GPUs)",
         )
+        p.add_argument(
+            "--tensor-parallel-overlap",
+            action="store_true",
+            help="also consider the tp projections as rings overlapped with their matmuls (tp > 1 with sequence "
+            "parallelism, checkpointing none or full; off by default, as in FourDStrategy)",
+        )
         p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory (needs matplotlib)")
         p.add_argument(
             "--emit-config",
@@ -327,6 +339,7 @@ def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optio
         context_parallel_size=args.cp,
         zero_stage=args.zero_stage,
         sequence_parallel=args.sequence_parallel,
+        tensor_parallel_overlap=args.tensor_parallel_overlap,
         activation_checkpointing=args.activation_checkpointing,
         pipeline_schedule=args.pipeline_schedule,
         virtual_pipeline_stages=args.virtual_pipeline_stages,
@@ -406,6 +419,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
             expert_parallel_size=pc.ep,
             zero_stage=pc.zero_stage,
             sequence_parallel=pc.sp,
+            tensor_parallel_overlap=pc.tensor_parallel_overlap,
             activation_checkpointing=pc.activation_checkpointing,
             pipeline_schedule=pc.pipeline_schedule,
             num_microbatches=m,
@@ -549,6 +563,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         top=args.top,
         fixed=fixed,
         estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
+        tensor_parallel_overlap=args.tensor_parallel_overlap,
     )
     layouts = []
     for c in rows:
@@ -584,6 +599,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "formula": args.formula,
         "expert_load_imbalance": check_expert_load_imbalance(args.expert_load_imbalance),
+        "tensor_parallel_overlap_considered": args.tensor_parallel_overlap,
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
         "layouts": layouts,
@@ -606,6 +622,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             fixed=fixed,
             max_estimated=PLOT_LAYOUTS,
             estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
+            tensor_parallel_overlap=args.tensor_parallel_overlap,
         )
         title = (
             f"{args.model} on {args.num_gpus} x {gpu.name}, s={args.seq_length}, global batch "
@@ -646,6 +663,8 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
         if c["pipeline_layer_split"]:
             init_args["pipeline_layer_split"] = list(c["pipeline_layer_split"])
     init_args["context_parallel_method"] = c["context_parallel_method"]
+    if c.get("tensor_parallel_overlap"):
+        init_args["tensor_parallel_overlap"] = True
     num_gpus, per_node = out["num_gpus"], out["gpus_per_node"]
     trainer = {
         "accelerator": "gpu",
@@ -758,7 +777,9 @@ def _print_plan(out: dict[str, Any]) -> None:
             str(c["num_microbatches"]),
             str(c["zero_stage"]),
             c["activation_checkpointing"],
-            "-" if c["tp"] == 1 else ("on" if c["sequence_parallel"] else "off"),
+            "-"
+            if c["tp"] == 1
+            else ("on, overlap" if c.get("tensor_parallel_overlap") else "on" if c["sequence_parallel"] else "off"),
             schedule,
             f"{c['memory_gib']:.1f}",
             f"{100 * c['fraction']:.0f}",

@@ -3,8 +3,10 @@
 A *job* is a model, a number of GPUs (``gpus_per_node`` per node) of one kind, a sequence length and a global batch
 (samples per optimizer step). A *layout* is everything FourDStrategy lets a user choose: tp, pp, cp, dp with
 ``tp·pp·cp·dp = num_gpus``, the micro-batch size b, the ZeRO stage, activation checkpointing (none, selective,
-full), sequence parallelism on or off (tp > 1), the context-parallel method (ring, allgather; cp > 1) and, with
-pp > 1, the pipeline schedule with its stages per rank v and its layer split:
+full), sequence parallelism on or off (tp > 1), the context-parallel method (ring, allgather; cp > 1), with
+``tensor_parallel_overlap=True`` asked for also the tp projections as overlapped rings (tp > 1 with sp, checkpointing
+none or full: ``ParallelConfig`` refuses the overlap with selective; off by default, as in FourDStrategy, until it is
+measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stages per rank v and its layer split:
 
 - tp inside a node, dividing the heads, kv heads, FFN size and padded vocabulary; ``seq_length`` divisible by
   ``2·cp`` (and by tp under sp), cp at most 32 and keeping at least :data:`MIN_CONTEXT_CHUNK` tokens in each of
@@ -110,6 +112,7 @@ class Candidate:
     communication_fraction: float = 0.0
     recompute_fraction: float = 0.0
     expert_parallel_size: int = 1
+    tensor_parallel_overlap: bool = False
 
     def parallel_config(self) -> ParallelConfig:
         """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
@@ -129,6 +132,7 @@ class Candidate:
             self.zero_stage,
             self.activation_checkpointing,
             self.expert_parallel_size,
+            self.tensor_parallel_overlap,
         ).parallel_config()
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,8 +189,11 @@ def _layouts(
     global_batch_size: int,
     micro_batch_size: Optional[int],
     fixed: Optional[dict[str, int]] = None,
+    tensor_parallel_overlap: bool = False,
 ) -> Iterator[Layout]:
-    """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`)."""
+    """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`);
+    with ``tensor_parallel_overlap`` each layout with tp > 1, sp and checkpointing other than selective also with the
+    overlap on (right after it)."""
     fixed = fixed or {}
     moe = getattr(model_config, "is_moe", False)
     for tp in _divisors(min(num_gpus, gpus_per_node)):
@@ -238,6 +245,10 @@ def _layouts(
                                         if ac == "selective" and name in ("zbv", "dualpipev"):
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
                                         yield Layout(tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep)
+                                        if tensor_parallel_overlap and sp and ac != "selective":
+                                            yield Layout(
+                                                tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep, True
+                                            )
 
 
 @functools.lru_cache(maxsize=64)
@@ -273,16 +284,18 @@ def enumerate_layouts(
     *,
     micro_batch_size: Optional[int] = None,
     fixed: Optional[dict[str, int]] = None,
+    tensor_parallel_overlap: bool = False,
 ) -> Iterator[tuple[ParallelConfig, int, int]]:
     """Every valid ``(parallel_config, micro_batch_size, num_microbatches)`` of a job (see the module docstring).
 
     Args:
         micro_batch_size: keep b fixed (the memory check's suggestions keep the user's batch shape).
         fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``.
+        tensor_parallel_overlap: also the layouts with ``tensor_parallel_overlap=True`` (tp > 1, sp, checkpointing
+            none or full).
     """
-    for layout in _layouts(
-        model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed
-    ):
+    job = (model_config, num_gpus, gpus_per_node, seq_length, global_batch_size)
+    for layout in _layouts(*job, micro_batch_size, fixed, tensor_parallel_overlap):
         yield layout.parallel_config(), layout.micro_batch_size, layout.num_microbatches
 
 
@@ -303,6 +316,7 @@ def plan(
     fixed: Optional[dict[str, int]] = None,
     max_estimated: Optional[int] = None,
     estimate_kw: Optional[dict[str, Any]] = None,
+    tensor_parallel_overlap: bool = False,
 ) -> list[Candidate]:
     """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first.
 
@@ -322,6 +336,8 @@ def plan(
             large job: its ~10^5 layouts take minutes to estimate).
         estimate_kw: more keyword arguments of :func:`~lightning_4d.memory.model.estimate_memory` (``device_type``,
             ``overhead``, ``gpu_name``).
+        tensor_parallel_overlap: also consider ``tensor_parallel_overlap=True`` (tp > 1 with sp, checkpointing none
+            or full); off by default, as the strategy's option (not yet measured faster on a GPU).
 
     Raises:
         ValueError: non-positive sizes, ``num_gpus`` not a multiple of ``gpus_per_node`` (when above it), an unknown
@@ -332,7 +348,16 @@ def plan(
     _check_job(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, budget, formula, top, fixed)
     limit = budget * gpu.memory
     timed = _timed_layouts(
-        model_config, num_gpus, gpus_per_node, gpu, seq_length, global_batch_size, formula, micro_batch_size, fixed
+        model_config,
+        num_gpus,
+        gpus_per_node,
+        gpu,
+        seq_length,
+        global_batch_size,
+        formula,
+        micro_batch_size,
+        fixed,
+        tensor_parallel_overlap,
     )
     memory_of = _MemoryOf(
         model_config,
@@ -422,6 +447,7 @@ def _timed_layouts(
     formula: str,
     micro_batch_size: Optional[int],
     fixed: Optional[dict[str, int]],
+    tensor_parallel_overlap: bool = False,
 ) -> list[tuple[float, int, Layout, tuple[float, ...]]]:
     """``(predicted step seconds, recomputation rank, layout, step time parts)`` of every layout of the job the
     formula models, fastest first (at equal times, the one that recomputes less); the parts are
@@ -432,7 +458,12 @@ def _timed_layouts(
     """
     dims = _dims(model_config)
     timed: list[tuple[float, int, Layout, tuple[float, ...]]] = []
-    for lay in _layouts(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed):
+    # the paper's formula models Megatron's plain TP: no overlapped layouts for it
+    overlap = tensor_parallel_overlap and formula == "lightning_4d"
+    layouts = _layouts(
+        model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed, overlap
+    )
+    for lay in layouts:
         if formula == "fujii2024" and (
             lay.zero_stage > 1
             or lay.activation_checkpointing != "none"
@@ -580,6 +611,7 @@ def _candidate(
         communication_fraction=st.exposed_communication / total,
         recompute_fraction=st.recompute / total,
         expert_parallel_size=pc.ep,
+        tensor_parallel_overlap=pc.tensor_parallel_overlap,
     )
 
 
@@ -630,6 +662,8 @@ def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
     ]
     if pc.tp > 1 and not pc.sp:
         args.append("sequence_parallel=False")
+    if pc.tensor_parallel_overlap:
+        args.append("tensor_parallel_overlap=True")
     if pc.ep > 1:
         args.append(f"expert_parallel_size={pc.ep}")
     if pc.cp > 1:

@@ -28,10 +28,32 @@ pointwise time) and its tp collectives; ``"selective"`` the forward pointwise op
 and, under sp, the two all-gathers of the layer's saved sequence shards, and under tp the output projection's
 matmul (its partial sum is not kept: :func:`wo_share` of the layer's forward matmuls).
 
-**Tensor parallel** (not overlapped with compute: FourDStrategy issues DTensor collectives synchronously): per layer
-and micro-batch, under sp 2 all-gathers + 2 reduce-scatters forward, as many backward, and 2 more all-gathers in
-backward (the matmul inputs saved as sequence shards, ``parallel/tensor.py``); without sp 2 + 2 all-reduces
-(twice the volume each). Each moves ``(tp−1)/tp·T·h·c`` bytes per GPU over NVLink.
+**Tensor parallel** (not overlapped with compute by default: FourDStrategy issues the collectives synchronously):
+per layer and micro-batch, under sp 2 all-gathers + 2 reduce-scatters forward, as many backward, and 2 more
+all-gathers in backward (the matmul inputs saved as sequence shards, ``parallel/tensor.py``); without sp 2 + 2
+all-reduces (twice the volume each). Each moves ``(tp−1)/tp·T·h·c`` bytes per GPU over NVLink (``coll`` seconds,
+latency included). The LM head adds 3 (an all-gather forward, an all-gather and a reduce-scatter backward), counted
+with the head's time in ``compute``.
+
+With ``tensor_parallel_overlap`` (sp only; ``Layout.tensor_parallel_overlap``) each of those collectives runs as a
+ring of tp steps beside the matmul it feeds or drains (``_RingAllGatherMatmul`` / ``_RingMatmulReduceScatter``):
+step k multiplies 1/tp of the matmul (``M/tp`` seconds) while one shard travels (``n·coll/(tp−1)``, for the n
+streams the ring carries: 2 in the column-parallel backward, the input shards and the input-gradient accumulator),
+and one of the tp steps has nothing in flight. Ideally a step exposes ``max(0, n·coll/(tp−1) − M/tp)``, the ring
+``(tp−1)·max(0, …) = n·coll − min(n·coll, (tp−1)/tp·M)``; of the overlappable ``min(n·coll, (tp−1)/tp·M)`` only
+:data:`TP_OVERLAP_EFFICIENCY` is hidden (the split GEMMs run below the whole GEMM's efficiency and share the GPU
+with the copies; backward patterns overlap less), so a ring exposes ``n·coll − η·min(n·coll, (tp−1)/tp·M)``
+(:func:`tp_exposed`). The rings and their matmuls (M: the forward matmul of the group, ``2·P_g/tp·T`` FLOPs at the
+layer's GEMM efficiency): forward wq/wk/wv, wo, w1/w3, w2 one stream each beside their forward matmul; backward
+wq/wk/wv and w1/w3 two streams beside their two backward matmuls (input and weight gradients, 2M), wo and w2 one
+stream beside 2M; the head one stream forward, two backward. Full checkpointing recomputes the forward's exposed
+part; selective's two re-gathers stay exposed (the strategy refuses selective with the overlap).
+η = 0.5 is calibrated on torchtitan's async TP (torch's symmetric-memory ``fused_all_gather_matmul`` /
+``fused_matmul_reduce_scatter``; torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``, H100 96 GB at
+500 W, bf16, torch.compile): Llama 3.1 8B on 64 H100, FSDP 8 × TP 8, per-op selective AC, local batch 12, 4,378 → 4,809
+tokens/s/GPU (+9.8%; predicted +9.6%), Llama 3.1 70B on 256 H100, FSDP 32 × TP 8, full AC, local batch 16, 597.3 →
+652.4 (+9.2%; predicted +9.9%) (:data:`TP_OVERLAP_RUNS`, ``tests/test_step_time.py``); η = 1 would predict +21%
+and +22%.
 
 **Context parallel**: ``"ring"`` passes K and V (``T·k·d/tp·c`` bytes each) cp−1 times forward and K, V, dK, dV
 backward, overlapped with the attention it feeds (exposed: what exceeds the attention time);
@@ -98,6 +120,8 @@ from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 
 __all__ = [
     "ATTENTION_EFFICIENCY",
+    "TP_OVERLAP_EFFICIENCY",
+    "TP_OVERLAP_RUNS",
     "CALIBRATION_RUNS",
     "GEMM_EFFICIENCY",
     "LINK_LATENCY",
@@ -110,6 +134,7 @@ __all__ = [
     "predict_step_time",
     "step_time_of",
     "step_time_parts",
+    "tp_exposed",
 ]
 
 #: Fraction of the dense bf16 peak a GEMM reaches, by the class of its smallest dimension (>= 2048, >= 1024, below).
@@ -138,6 +163,27 @@ LINK_LATENCY = (3e-6, 8e-6)
 #: float32 bytes the optimizer step reads and writes per owned parameter (gradient, master, m, v read; master,
 #: m, v written) + the compute-dtype parameter written.
 OPTIMIZER_BYTES_PER_PARAM = 4 * 7 + 2
+#: Fraction of the overlappable tp communication a ``tensor_parallel_overlap`` ring hides (module docstring,
+#: **Tensor parallel**): calibrated on torchtitan's async-TP runs (:data:`TP_OVERLAP_RUNS`).
+TP_OVERLAP_EFFICIENCY = 0.5
+#: torchtitan's async tensor parallel against vanilla TP (``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``
+#: of pytorch/torchtitan, June 2025: Grand Teton, H100 96 GB HBM2e at 500 W, bf16, torch.compile, s = 8192), the
+#: calibration of :data:`TP_OVERLAP_EFFICIENCY` (``tests/test_step_time.py``); ``layout``: our equivalent.
+TP_OVERLAP_RUNS: tuple[dict[str, Any], ...] = tuple(
+    dict(
+        gpu="H100-96GB",
+        seq_length=8192,
+        name=f"torchtitan async TP, Llama 3.1 {size}, {n} H100",
+        model=model,
+        num_gpus=n,
+        layout=dict(tp=8, dp=n // 8, zero_stage=3, activation_checkpointing=ac, micro_batch_size=b),
+        tokens_per_sec_per_gpu=published,
+    )  # fmt: skip
+    for size, model, n, ac, b, published in (
+        ("8B", "llama3.1-8b", 64, "selective", 12, (4378.0, 4809.4)),
+        ("70B", "llama3.1-70b", 256, "full", 16, (597.3, 652.4)),
+    )
+)
 
 #: Published runs the model is calibrated with and tested against (``tests/test_step_time.py``, ``docs/memory.md``).
 #: ``mfu`` is the publication's figure; ``layout`` our FourDStrategy equivalent.
@@ -233,7 +279,8 @@ class Layout:
 
     ``virtual_pipeline_stages`` is v (1 without pp); ``pipeline_layer_split`` the decoder layers per stage, or
     ``None`` for the even split; ``sequence_parallel`` whether sp is on (False with tp = 1); ``expert_parallel_size``
-    ep (1 without expert parallelism).
+    ep (1 without expert parallelism); ``tensor_parallel_overlap`` the tp projections as rings overlapped with their
+    matmuls (tp > 1 with sp only).
     """
 
     tp: int
@@ -250,6 +297,7 @@ class Layout:
     zero_stage: int
     activation_checkpointing: str
     expert_parallel_size: int = 1
+    tensor_parallel_overlap: bool = False
 
     @classmethod
     def of(cls, pc: ParallelConfig, micro_batch_size: int, num_microbatches: int) -> "Layout":
@@ -269,6 +317,7 @@ class Layout:
             pc.zero_stage,
             pc.activation_checkpointing,
             pc.ep,
+            pc.tensor_parallel_overlap,
         )
 
     def parallel_config(self) -> ParallelConfig:
@@ -292,6 +341,7 @@ class Layout:
             pipeline_layer_split=list(self.pipeline_layer_split) if self.pipeline_layer_split else None,
             num_microbatches=self.num_microbatches if pipe else None,
             expert_parallel_size=self.expert_parallel_size,
+            tensor_parallel_overlap=self.tensor_parallel_overlap,
         )
 
 
@@ -312,6 +362,14 @@ def _ring(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
     if ranks == 1:
         return 0.0
     return (ranks - 1) / ranks * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ranks - 1) * latency
+
+
+def tp_exposed(coll: float, matmul: float, tp: int, streams: int = 1) -> float:
+    """Exposed seconds of one ``tensor_parallel_overlap`` ring over tp ranks carrying ``streams`` collectives of
+    ``coll`` seconds each beside ``matmul`` seconds of matmuls: ``n·coll − η·min(n·coll, (tp−1)/tp·matmul)``, η =
+    :data:`TP_OVERLAP_EFFICIENCY` (module docstring, **Tensor parallel**: tp − 1 of the tp steps carry a shard)."""
+    comm = streams * coll
+    return comm - TP_OVERLAP_EFFICIENCY * min(comm, (tp - 1) / tp * matmul)
 
 
 def _link(gpu: Any, inside_node: bool) -> tuple[float, float]:
@@ -411,10 +469,12 @@ def _layer_terms(
     gpus_per_node: int,
     ep: int = 1,
     dd: int = 1,
+    overlap: bool = False,
 ) -> tuple[float, ...]:
     """Seconds of one layer and one micro-batch (the average over dense and MoE layers): (matmuls, attention,
-    pointwise, tp collectives, exposed cp exchange, one tp collective, head + loss, MoE collectives forward, MoE
-    collectives forward + backward); ``dd`` = dp·cp."""
+    pointwise, exposed tp collectives, exposed cp exchange, one tp collective, head + loss, MoE collectives forward,
+    MoE collectives forward + backward, the forward's exposed tp collectives); ``dd`` = dp·cp; ``overlap``:
+    ``tensor_parallel_overlap`` (with sp)."""
     h, f, d, a, k, vocab, num_layers = dims[:7]
     c = 2
     peak, hbm = gpu.peak_flops * gpu.compute_fraction, POINTWISE_EFFICIENCY * gpu.memory_bandwidth
@@ -426,6 +486,17 @@ def _layer_terms(
     t_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * f) / tp) * tokens / hbm
     coll = _ring(tokens * h * c, tp, *_link(gpu, True))
     t_tp = ((10 if sp else 8) if tp > 1 else 0) * coll  # an all-reduce counted as two
+    t_tp_fwd = 4 * coll if tp > 1 else 0.0
+    t_head_tp = 3 * coll if tp > 1 else 0.0
+    if overlap and sp and tp > 1:
+        # the rings beside their matmuls (module docstring, Tensor parallel): forward matmul seconds per group
+        scale = 2 / tp * tokens / (gemm_efficiency(min(tokens, h, f / tp, a * d / tp)) * peak)
+        qkv, o, w13, w2 = (scale * p for p in (h * (a + 2 * k) * d, a * d * h, 2 * h * f, h * f))
+        t_tp_fwd = sum(tp_exposed(coll, mm, tp) for mm in (qkv, o, w13, w2))
+        backward = tp_exposed(coll, 2 * qkv, tp, 2) + tp_exposed(coll, 2 * w13, tp, 2)
+        t_tp = t_tp_fwd + backward + tp_exposed(coll, 2 * o, tp) + tp_exposed(coll, 2 * w2, tp)
+        head = 2 * vocab * h / tp * tokens / (gemm_efficiency(min(tokens, h, vocab / tp)) * peak)
+        t_head_tp = tp_exposed(coll, head, tp) + tp_exposed(coll, 2 * head, tp, 2)
     t_cp = 0.0
     if cp > 1:
         kv_bytes = tokens * k * d / tp * c
@@ -438,11 +509,11 @@ def _layer_terms(
     t_head = (
         6 * vocab * h / tp * tokens / (gemm_efficiency(min(tokens, h, vocab / tp)) * peak)
         + LOSS_BYTES_PER_LOGIT * vocab / tp * tokens / hbm
-        + (3 * coll if tp > 1 else 0.0)
+        + t_head_tp
     )
     e, top, fe, ns, n_moe = dims[7:12]
     if not e:
-        return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, 0.0, 0.0
+        return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, 0.0, 0.0, t_tp_fwd
     frac = n_moe / num_layers
     routed = tokens / tp  # each tp rank routes its own tokens through whole experts
     rows = ep * routed * top / e  # rows per local expert at balanced load
@@ -460,7 +531,7 @@ def _layer_terms(
     counts = (ep - 1) * LINK_LATENCY[0 if inside else 1] if ep > 1 else 0.0
     balance = 2 * math.ceil(math.log2(dd)) * _link(gpu, tp * dd <= gpus_per_node)[1] if dd > 1 else 0.0
     forward = frac * (2 * one + counts + balance)
-    return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, forward, forward + frac * 2 * one
+    return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, forward, forward + frac * 2 * one, t_tp_fwd
 
 
 @functools.lru_cache(maxsize=4096)
@@ -498,16 +569,17 @@ def _pipeline_terms(
     gpus_per_node: int,
     ep: int = 1,
     dd: int = 1,
+    overlap: bool = False,
 ) -> tuple:
     """(t_max, compute of the slowest rank, its layers, bubble, recompute / tp / cp / MoE-collective seconds per
     layer, layers per rank) of one micro-batch (module docstring, **Pipeline**)."""
     num_layers = dims[6]
-    t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, t_moe_fwd, t_moe = _layer_terms(
-        dims, tp, cp, b, s, sp, method, gpu, gpus_per_node, ep, dd
+    t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, t_moe_fwd, t_moe, t_tp_fwd = _layer_terms(
+        dims, tp, cp, b, s, sp, method, gpu, gpus_per_node, ep, dd, overlap
     )
     ac = activation_checkpointing
     if ac == "full":
-        t_re = (t_mm + t_att + t_pw) / 3 + (4 * coll if tp > 1 else 0.0) + t_moe_fwd
+        t_re = (t_mm + t_att + t_pw) / 3 + t_tp_fwd + t_moe_fwd
     elif ac == "selective":
         t_re = t_pw / 3 + (2 * coll if sp else 0.0) + (t_mm / 3 * wo_share(dims) if tp > 1 else 0.0)
     else:
@@ -589,6 +661,7 @@ def step_time_parts(
         gpu,
         gpus_per_node,
         *((ep, dp * cp) if dims[7] else (1, 1)),  # a dense model's terms do not depend on them: keep its cache hits
+        layout.tensor_parallel_overlap and sp and tp > 1,
     )
     t_pp = 0.0
     if pp > 1:
