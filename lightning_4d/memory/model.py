@@ -8,7 +8,8 @@ This model counts those things instead, because it follows FourDStrategy's own c
 tensor-parallel local shape (``wq``/``wk``/``wv``/``w1``/``w3``/``output`` split on rows, ``wo``/``w2`` on columns,
 the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO shard over ``dp_cp`` (D = dp·cp ranks):
 
-- ZeRO stage 0: everything replicated; gradients in ``GradientBuckets`` (one copy, from setup on);
+- ZeRO stage 0: everything replicated; gradients in ``GradientBuckets`` (one copy, from the first gradient to the
+  end of the optimizer step);
 - ZeRO stage 1 (``GradientBuckets`` + ``ShardedOptimizer``): the parameters, in reverse order, fill gradient buckets
   of ``GRADIENT_BUCKET_BYTES`` (25 MiB of parameters as built), each padded to a multiple of D; rank r owns range r
   of every bucket and holds Adam m and v (and the master weights) for those elements only (:func:`_bucket_owned`);
