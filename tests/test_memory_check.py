@@ -739,3 +739,32 @@ def _llama_layer(cfg):
 
     with torch.device("meta"):
         return LlamaModel(cfg).layers["0"]
+
+
+def test_fused_adamw_has_no_step_temporaries_and_the_callback_knows_which_optimizer_steps():
+    """``CausalLMModule``'s AdamW is fused: the estimate's optimizer step holds no temporaries; a module with its own
+    ``configure_optimizers`` is estimated as foreach AdamW (``_foreach_sqrt`` of the second moments: one moment)."""
+    import lightning as L
+
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.memory.callback import _steps_with_fused_adamw
+    from lightning_4d.memory.model import estimate_memory
+    from lightning_4d.tasks import CausalLMModule
+
+    class Subclass(CausalLMModule):
+        pass
+
+    class OwnOptimizer(CausalLMModule):
+        def configure_optimizers(self):
+            return None
+
+    assert _steps_with_fused_adamw(CausalLMModule("tiny-test")) and _steps_with_fused_adamw(Subclass("tiny-test"))
+    assert not _steps_with_fused_adamw(OwnOptimizer("tiny-test")) and not _steps_with_fused_adamw(L.LightningModule())
+    pc = ParallelConfig(data_parallel_size=1, zero_stage=0)
+    fused, foreach = (
+        estimate_memory("llama3-8b", pc, 1, 2048, num_microbatches=1, fused_optimizer=f) for f in (True, False)
+    )
+    assert fused.details["optimizer_step_temporaries"] == 0
+    moment = (foreach.optimizer_states - foreach.details["master_weights"]) // 2
+    assert foreach.details["optimizer_step_temporaries"] == moment > 0
+    assert foreach.details["phase_optimizer_step"] - fused.details["phase_optimizer_step"] == moment

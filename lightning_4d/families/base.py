@@ -32,11 +32,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from torch import Tensor
+
+from lightning_4d.module_tree import find_submodel, layer_items, set_submodel
+
+__all__ = ["ModelFamily", "PipelineLayout", "find_submodel", "layer_items", "set_submodel"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.config import ParallelConfig
@@ -163,28 +167,3 @@ class ModelFamily:
             ValueError: a weight missing (named).
         """
         raise self._missing("load_checkpoint_weights")
-
-
-def find_submodel(module: nn.Module, path: str) -> Optional[nn.Module]:
-    """``module``'s submodule at the dotted attribute ``path`` (``None`` where an attribute on the way is ``None``)."""
-    for part in path.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
-
-
-def set_submodel(module: nn.Module, path: str, value: Optional[nn.Module]) -> None:
-    """Set ``module``'s attribute at the dotted ``path`` (its parent must exist) to ``value``."""
-    parent, _, leaf = path.rpartition(".")
-    setattr(find_submodel(module, parent) if parent else module, leaf, value)
-
-
-def layer_items(container: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(key, layer)`` of a decoder-layer container in order: an ``nn.ModuleDict``'s items, or an
-    ``nn.ModuleList``'s ``(str(index), layer)``."""
-    return (
-        list(container.items())
-        if isinstance(container, nn.ModuleDict)
-        else [(str(i), m) for i, m in enumerate(container)]
-    )

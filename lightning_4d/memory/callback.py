@@ -564,6 +564,9 @@ def _steps_with_fused_adamw(pl_module: Any) -> bool:
     """Whether ``pl_module`` configures :class:`~lightning_4d.tasks.CausalLMModule`'s optimizer (fused AdamW: no
     temporaries at the step); any other module's optimizer is estimated as ``foreach`` AdamW (one moment's bytes of
     temporaries), the larger of torch's defaults."""
-    from lightning_4d.tasks import CausalLMModule
-
-    return getattr(type(pl_module), "configure_optimizers", None) is CausalLMModule.configure_optimizers
+    method = getattr(type(pl_module), "configure_optimizers", None)
+    # by name: memory/ imports no task (tests/test_imports.py)
+    return (getattr(method, "__module__", None), getattr(method, "__qualname__", None)) == (
+        "lightning_4d.tasks.causal_lm",
+        "CausalLMModule.configure_optimizers",
+    )

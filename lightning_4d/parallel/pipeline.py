@@ -45,8 +45,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
-from lightning_4d.families.base import find_submodel, layer_items, set_submodel
 from lightning_4d.models.rope import context_parallel_positions
+from lightning_4d.module_tree import find_submodel, layer_items, set_submodel
 from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
 from lightning_4d.parallel.zero import clip_coefficient

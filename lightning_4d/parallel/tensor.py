@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_4d.families.base import find_submodel, layer_items
+from lightning_4d.module_tree import find_submodel, layer_items
 from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
 
 

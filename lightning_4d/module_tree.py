@@ -1,0 +1,36 @@
+"""Dotted-path access to a module's submodules and the items of a decoder-layer container: the module-tree helpers
+the model families (:mod:`lightning_4d.families.base`) and the parallel rewiring (:mod:`lightning_4d.parallel.tensor`,
+:mod:`lightning_4d.parallel.pipeline`) share. It imports nothing of ours, so neither side imports the other for them."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+
+__all__ = ["find_submodel", "layer_items", "set_submodel"]
+
+
+def find_submodel(module: nn.Module, path: str) -> Optional[nn.Module]:
+    """``module``'s submodule at the dotted attribute ``path`` (``None`` where an attribute on the way is ``None``)."""
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def set_submodel(module: nn.Module, path: str, value: Optional[nn.Module]) -> None:
+    """Set ``module``'s attribute at the dotted ``path`` (its parent must exist) to ``value``."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(find_submodel(module, parent) if parent else module, leaf, value)
+
+
+def layer_items(container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(key, layer)`` of a decoder-layer container in order: an ``nn.ModuleDict``'s items, or an
+    ``nn.ModuleList``'s ``(str(index), layer)``."""
+    return (
+        list(container.items())
+        if isinstance(container, nn.ModuleDict)
+        else [(str(i), m) for i, m in enumerate(container)]
+    )
