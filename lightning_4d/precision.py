@@ -16,14 +16,17 @@ class, and the strategy installs it through its ``precision_plugin`` setter.
 from __future__ import annotations
 
 from functools import lru_cache, partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 from lightning_4d.parallel.expert import is_expert_parameter
 from lightning_4d.parallel.pipeline import clip_grad_norm_
 from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
+
+_NORM = GradClipAlgorithmType.NORM
 
 
 class FourDPrecision(Precision):
@@ -61,6 +64,16 @@ class FourDPrecision(Precision):
             clip_grad_norm_(params, float(clip_val), pp_group=self.pp_group)
         else:
             super().clip_grad_by_norm(optimizer, clip_val)
+
+    def clip_gradients(
+        self, optimizer: Any, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = _NORM
+    ) -> None:
+        """Lightning's clipping, but where nothing is loss-scaled (no float16 gradient scaler: ``bf16-mixed``,
+        ``32-true``) also for a fused optimizer (``torch.optim.AdamW(fused=True)``, ``CausalLMModule``'s), which
+        Lightning's AMP plugin refuses because a fused optimizer would unscale float16 gradients itself."""
+        if getattr(self, "scaler", None) is None:
+            return Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+        return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
         """Clamp the averaged gradients in a ``ShardedOptimizer``'s buckets, else Lightning's own clipping."""

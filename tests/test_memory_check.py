@@ -745,6 +745,7 @@ def test_fused_adamw_has_no_step_temporaries_and_the_callback_knows_which_optimi
     """``CausalLMModule``'s AdamW is fused: the estimate's optimizer step holds no temporaries; a module with its own
     ``configure_optimizers`` is estimated as foreach AdamW (``_foreach_sqrt`` of the second moments: one moment)."""
     import lightning as L
+    import torch
 
     from lightning_4d.config import ParallelConfig
     from lightning_4d.memory.callback import _steps_with_fused_adamw
@@ -760,6 +761,20 @@ def test_fused_adamw_has_no_step_temporaries_and_the_callback_knows_which_optimi
 
     assert _steps_with_fused_adamw(CausalLMModule("tiny-test")) and _steps_with_fused_adamw(Subclass("tiny-test"))
     assert not _steps_with_fused_adamw(OwnOptimizer("tiny-test")) and not _steps_with_fused_adamw(L.LightningModule())
+    # fused unless Lightning's AMP plugin would refuse to clip it: a float16 scaler, or AMP under another strategy
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    four_d, other = SimpleNamespace(parallel_config=ParallelConfig()), SimpleNamespace()
+    bf16, fp16 = MixedPrecision("bf16-mixed", "cpu"), MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    uses = CausalLMModule.uses_fused_adamw
+    assert uses(SimpleNamespace(strategy=four_d, precision_plugin=bf16))
+    assert uses(SimpleNamespace(strategy=other, precision_plugin=Precision()))
+    assert not uses(SimpleNamespace(strategy=other, precision_plugin=bf16))
+    assert not uses(SimpleNamespace(strategy=four_d, precision_plugin=fp16))
+    trainer = SimpleNamespace(strategy=other, precision_plugin=bf16)
+    assert not _steps_with_fused_adamw(CausalLMModule("tiny-test"), trainer)
     pc = ParallelConfig(data_parallel_size=1, zero_stage=0)
     fused, foreach = (
         estimate_memory("llama3-8b", pc, 1, 2048, num_microbatches=1, fused_optimizer=f) for f in (True, False)

@@ -346,7 +346,7 @@ class MemoryEstimatorCallback(L.Callback):
         if job is None:
             return
         parallel_config, cfg, memory, gpu_name, device_type, precision = job
-        self._fused_optimizer = _steps_with_fused_adamw(pl_module)
+        self._fused_optimizer = _steps_with_fused_adamw(pl_module, trainer)
         # micro-batches per step: the pipeline schedule's m (resolved by the strategy), else gradient accumulation
         m = parallel_config.microbatches if parallel_config.pp > 1 else trainer.accumulate_grad_batches
         shape = self._known_batch_shape(trainer, pl_module, parallel_config, device_type)
@@ -560,13 +560,14 @@ def add_memory_check(trainer: Optional[L.Trainer]) -> None:
         trainer.callbacks.append(MemoryEstimatorCallback())
 
 
-def _steps_with_fused_adamw(pl_module: Any) -> bool:
-    """Whether ``pl_module`` configures :class:`~lightning_4d.tasks.CausalLMModule`'s optimizer (fused AdamW: no
-    temporaries at the step); any other module's optimizer is estimated as ``foreach`` AdamW (one moment's bytes of
-    temporaries), the larger of torch's defaults."""
+def _steps_with_fused_adamw(pl_module: Any, trainer: Any = None) -> bool:
+    """Whether ``pl_module`` configures :class:`~lightning_4d.tasks.CausalLMModule`'s optimizer and that is a fused
+    AdamW under ``trainer`` (``CausalLMModule.uses_fused_adamw``: no temporaries at the step); any other optimizer is
+    estimated as ``foreach`` AdamW (one moment's bytes of temporaries), the larger of torch's defaults."""
     method = getattr(type(pl_module), "configure_optimizers", None)
     # by name: memory/ imports no task (tests/test_imports.py)
-    return (getattr(method, "__module__", None), getattr(method, "__qualname__", None)) == (
+    ours = (getattr(method, "__module__", None), getattr(method, "__qualname__", None)) == (
         "lightning_4d.tasks.causal_lm",
         "CausalLMModule.configure_optimizers",
     )
+    return ours and (trainer is None or bool(pl_module.uses_fused_adamw(trainer)))

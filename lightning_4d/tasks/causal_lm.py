@@ -379,6 +379,23 @@ class CausalLMModule(L.LightningModule):
         return self._gather_sequence(logits) if logits is not None else None
 
     # ------------------------------------------------------------------ optimizer
+    @staticmethod
+    def uses_fused_adamw(trainer: Any) -> bool:
+        """Whether :meth:`configure_optimizers` makes a fused AdamW (``torch.optim.AdamW(fused=True)``: one in-place
+        kernel per step, no temporaries at the optimizer step, the memory model's assumption; torchtitan's default)
+        under ``trainer``: yes, unless its precision plugin would refuse to clip a fused optimizer's gradients
+        (Lightning's AMP plugin refuses, because a fused optimizer unscales float16 gradients itself): with a
+        float16 gradient scaler (``16-mixed``), or Lightning's AMP plugin under another strategy than FourDStrategy
+        (whose precision plugin clips fused optimizers' gradients when nothing is scaled, ``bf16-mixed``). Then
+        torch's default (``foreach`` on CUDA)."""
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugin = getattr(trainer, "precision_plugin", None)
+        if getattr(plugin, "scaler", None) is not None:
+            return False
+        four_d = getattr(getattr(trainer, "strategy", None), "parallel_config", None) is not None
+        return four_d or not isinstance(plugin, MixedPrecision)
+
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []
         for p in self.parameters():
@@ -390,9 +407,7 @@ class CausalLMModule(L.LightningModule):
             lr=hp.learning_rate,
             betas=tuple(hp.betas),
             eps=hp.eps,
-            # one kernel per step, in place: no temporaries at the optimizer step (the memory model's assumption,
-            # lightning_4d/memory/model.py) and fewer launches than foreach; torchtitan's default too
-            fused=True,
+            fused=self.uses_fused_adamw(self.trainer),
         )
         max_steps = hp.max_steps
         if max_steps is None:
