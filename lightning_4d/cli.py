@@ -62,7 +62,8 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _lightning_cli(args: Optional[list[str]]) -> None:
+def _lightning_cli(args: Optional[list[str]]) -> bool:
+    """Run ``LightningCLI`` on ``args``; True when it ran in a process group (destroyed here)."""
     import torch.distributed as dist
     from lightning.pytorch.cli import LightningCLI
 
@@ -76,11 +77,13 @@ def _lightning_cli(args: Optional[list[str]]) -> None:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"prog": "lightning-4d"},
     )
-    # a clean, synchronized shutdown of the process group: gloo workers that exit while a peer still tears its
-    # connections down can abort ("terminate called without an active exception")
+    # a synchronized shutdown of the process group; the process itself must still leave without interpreter
+    # finalization (``_compat.exit_distributed_process``: gloo's worker threads can abort it)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        return True
+    return False
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -107,7 +110,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return memory_main(args[0], args[1:])
     # LightningCLI reads sys.argv itself when run as the console script (given args too, it warns)
-    _lightning_cli(None if argv is None else args)
+    distributed = _lightning_cli(None if argv is None else args)
+    if distributed and argv is None:  # the console script of a distributed run: never return into finalization
+        from lightning_4d.parallel._compat import exit_distributed_process
+
+        exit_distributed_process(0)
     return 0
 
 

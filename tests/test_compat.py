@@ -136,6 +136,30 @@ def test_torch_utils_private_names_of_the_comm_meter():
     assert _compat.TorchDispatchMode is _python_dispatch.TorchDispatchMode
     assert _compat.tree_flatten is _pytree.tree_flatten
     assert _compat.tree_flatten({"a": [1, (2, 3)]})[0] == [1, 2, 3]
+    assert _compat.untracked is _python_dispatch._disable_current_modes
+
+
+def test_exit_distributed_process_runs_exit_handlers_and_keeps_the_status(tmp_path):
+    """``exit_distributed_process``: the atexit handlers run (CPython's ``atexit._run_exitfuncs`` exists), buffered
+    output is flushed, the process ends with the given status and nothing after the call runs."""
+    import atexit
+    import subprocess
+    import sys
+
+    assert callable(getattr(atexit, _compat.RUN_EXIT_HANDLERS))
+    marker = tmp_path / "handler_ran"
+    code = (
+        "import atexit, sys\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes'))\n"
+        "from lightning_4d.parallel._compat import exit_distributed_process\n"
+        "sys.stdout.write('buffered')\n"
+        "exit_distributed_process(3)\n"
+        "print('not reached')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "buffered"
+    assert marker.read_text() == "yes"
 
 
 def test_module_wrapper_prefixes():

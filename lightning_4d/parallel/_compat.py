@@ -10,7 +10,7 @@ Tested with torch 2.13.0 and lightning 2.6.6; flash-attn 2.7-2.8 for the ``flash
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -35,8 +35,13 @@ reduce_scatter_single = getattr(_dist, "reduce_scatter_single", None) or _dist.r
 
 
 #: ``TorchDispatchMode``: the base of a mode that sees every ATen op below autograd (``torch.utils._python_dispatch``;
-#: the communication meter, ``parallel/comm.py``)
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402, F401  (re-exported)
+#: the communication meter, ``parallel/comm.py``); ``untracked()``: a context in which no such mode sees the ops
+#: (``_disable_current_modes``: the activation offload's host copies, ``parallel/offload.py``, are not device memory
+#: for ``LiveTensorBytes``)
+from torch.utils._python_dispatch import (  # noqa: E402, F401  (re-exported)
+    TorchDispatchMode,
+    _disable_current_modes as untracked,
+)
 
 #: ``tree_flatten(obj) -> (leaves, spec)`` of nested lists / tuples / dicts (``torch.utils._pytree``)
 from torch.utils._pytree import tree_flatten  # noqa: E402, F401  (re-exported)
@@ -478,3 +483,44 @@ def set_scheduler_lrs(scheduler: Any, lrs: list[float]) -> None:
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = list(lrs)
+
+
+# ---------------------------------------------------------------------------------------------------- process exit
+import atexit as _atexit  # noqa: E402
+
+#: ``atexit._run_exitfuncs()``: runs the registered exit handlers now, last registered first (CPython, undocumented)
+RUN_EXIT_HANDLERS = "_run_exitfuncs"
+
+
+def exit_distributed_process(code: int = 0) -> NoReturn:
+    """End a process that used gloo process groups without CPython's interpreter finalization.
+
+    Why: a gloo worker thread drops its reference to a finished collective *after* the caller's ``wait()`` returns;
+    when that is the last reference it releases the collective's tensors, which needs the GIL. A thread that asks for
+    the GIL while CPython finalizes is ended by ``pthread_exit``, whose unwinding through torch's ``noexcept`` work
+    destructor calls ``std::terminate``: the process aborts with SIGABRT ("terminate called without an active
+    exception") after a correct run. Core dump of one such abort (torch 2.13.0, Python 3.11, a 2-rank Lightning fit,
+    1 run in 5 on 2 busy cores): main thread in ``Py_FinalizeEx``'s last garbage collection, a
+    ``ProcessGroupGloo::runLoop`` thread in ``~AsyncAllgatherWork`` -> ``take_gil`` -> ``PyThread_exit_thread``
+    (pytorch/pytorch#179291 describes the same). ``destroy_process_group`` does not join those threads (measured:
+    they live until the last Python reference to the group, e.g. a ``DeviceMesh``, dies).
+
+    So this flushes ``sys.stdout``/``sys.stderr``, runs the ``atexit`` handlers (Lightning's destroys the process
+    group, ``logging`` flushes its handlers) while the interpreter is whole, and leaves with ``os._exit(code)``.
+
+    Args:
+        code: the process exit status.
+
+    Raises:
+        Nothing: it does not return.
+    """
+    import os
+    import sys
+
+    getattr(_atexit, RUN_EXIT_HANDLERS)()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # a closed or replaced stream has nothing left to write
+            pass
+    os._exit(code)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -125,4 +124,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lightning_4d.parallel._compat import exit_distributed_process  # not into finalization: see there
+
+    exit_distributed_process(main() or 0)

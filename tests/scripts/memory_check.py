@@ -115,4 +115,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lightning_4d.parallel._compat import exit_distributed_process  # not into finalization: see there
+
+    exit_distributed_process(main() or 0)
