@@ -125,6 +125,10 @@ class ParallelConfig:
             ``w1/w3``, the LM head; matmul→reduce-scatter for ``wo``, ``w2``; ``lightning_4d/parallel/tensor.py``,
             ``docs/parallelism.md``). Same bytes on the wire, same results. Needs tp > 1 and sequence parallelism;
             ``lightning_4d`` Llama models only.
+        activation_offload_layers: the first this many decoder layers of every pipeline stage (all of a shorter
+            stage's) keep their saved activations in host memory between forward and backward (copied out in
+            forward, back in backward; ``lightning_4d/parallel/offload.py``, Megatron-Core's
+            ``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing nor ``compile``.
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -134,7 +138,8 @@ class ParallelConfig:
             ZeRO 2 or 3, a ``powersgd_rank`` below 1, a negative ``powersgd_start_step``, an unknown
             ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with PowerSGD,
             ``tensor_parallel_overlap`` not a bool, or True without tp > 1 and sequence parallelism, or with
-            selective activation checkpointing.
+            selective activation checkpointing, ``activation_offload_layers`` not an integer >= 0, or > 0 with
+            activation checkpointing.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -156,6 +161,7 @@ class ParallelConfig:
     pipeline_comm_dtype: Optional[str] = None
     expert_parallel_size: int = 1
     tensor_parallel_overlap: bool = False
+    activation_offload_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.data_parallel_size == -1:
@@ -273,6 +279,19 @@ class ParallelConfig:
                 "run them elsewhere (their chunk products would be kept, the [b, s, h] partial sums the policy avoids, "
                 "and the memory estimate would be low). Use activation_checkpointing='none' or 'full' with the "
                 "overlap, or tensor_parallel_overlap=False with 'selective'."
+            )
+        offload = self.activation_offload_layers
+        if isinstance(offload, bool) or not isinstance(offload, int) or offload < 0:
+            raise ValueError(
+                f"activation_offload_layers={offload!r} is not valid: expected an integer >= 0 (decoder layers per "
+                "pipeline stage whose saved activations go to host memory; 0 = none)."
+            )
+        if offload and self.activation_checkpointing != "none":
+            raise ValueError(
+                f"activation_offload_layers={offload} is not supported with activation_checkpointing="
+                f"{self.activation_checkpointing!r}: a checkpointed layer's own saved-tensor hooks take what it "
+                "keeps, so nothing of it would reach host memory (Megatron-Core refuses the combination too). Use "
+                "activation_checkpointing='none' with the offload, or activation_offload_layers=0."
             )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard

@@ -282,8 +282,9 @@ def fit_and_measure(
 
     Returns:
         ``{"peak_allocated": bytes, "peak_reserved": bytes (CUDA; None on CPU), "parameters", "gradients",
-        "optimizer_states", "master_weights"}`` (bytes; the optimizer states include the master weights and
-        PowerSGD's state, as :class:`~lightning_4d.memory.model.ModelStates` counts them).
+        "optimizer_states", "master_weights", "host_offloaded"}`` (bytes; the optimizer states include the master
+        weights and PowerSGD's state, as :class:`~lightning_4d.memory.model.ModelStates` counts them;
+        ``host_offloaded``: the most host memory ``activation_offload_layers`` held at once during the run).
     """
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
@@ -353,6 +354,7 @@ def fit_and_measure(
     else:
         out = {"peak_allocated": tracker.peak, "peak_reserved": None}
     out.update(states)
+    out["host_offloaded"] = strategy.offload_stats.peak if hasattr(strategy, "offload_stats") else 0
     del trainer, module
     gc.collect()
     return out
@@ -368,6 +370,7 @@ def _strategy_kwargs(pc: ParallelConfig) -> dict[str, Any]:
         sequence_parallel=pc.sequence_parallel,
         tensor_parallel_overlap=pc.tensor_parallel_overlap,
         activation_checkpointing=pc.activation_checkpointing,
+        activation_offload_layers=pc.activation_offload_layers,
         pipeline_schedule=pc.pipeline_schedule,
         virtual_pipeline_stages=pc.virtual_pipeline_stages,
         num_microbatches=pc.num_microbatches,
@@ -501,6 +504,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             zero_stage=pc.zero_stage,
             sequence_parallel=pc.sp,
             activation_checkpointing=pc.activation_checkpointing,
+            activation_offload_layers=pc.activation_offload_layers,
             pipeline_schedule=pc.pipeline_schedule,
             num_microbatches=pc.microbatches,
             virtual_pipeline_stages=pc.v,

@@ -42,6 +42,7 @@ from lightning_4d.parallel._compat import (
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.loss import causal_lm_loss
+from lightning_4d.parallel.offload import OffloadStats
 from lightning_4d.parallel.parallelize import (
     cast_to_compute_dtype,
     prepare_models,
@@ -102,6 +103,10 @@ class FourDStrategy(ModelParallelStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
             ``"selective"`` (keep each layer's matmul and attention outputs but ``w2``'s, under tp ``wo``'s reduced
             shard instead of its partial sum; recompute its pointwise ops; ``docs/memory.md``).
+        activation_offload_layers: the first this many decoder layers of every pipeline stage keep their saved
+            activations in host memory (page-locked) between forward and backward: copied out in forward, back in
+            backward, synchronously (``lightning_4d/parallel/offload.py``). 0 (default) = none. Not with activation
+            checkpointing nor ``compile``; see ``docs/memory.md``.
         gradient_compression: ``"none"``, ``"bf16"`` (dp gradients reduced in bfloat16: half the bytes) or
             ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD with error feedback, ZeRO 0/1); see
             ``docs/communication.md``.
@@ -138,6 +143,7 @@ class FourDStrategy(ModelParallelStrategy):
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
             ``seq_length``, else when the batch is sharded.
         NotImplementedError: compile=True with tensor_parallel_size > 1.
+        ValueError: compile=True with activation_offload_layers > 0 (Dynamo does not trace saved-tensor hooks).
     """
 
     strategy_name = "fourd"
@@ -156,6 +162,7 @@ class FourDStrategy(ModelParallelStrategy):
         sequence_parallel: Optional[bool] = None,
         tensor_parallel_overlap: bool = False,
         activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = "none",
+        activation_offload_layers: int = 0,
         pipeline_schedule: Literal[PIPELINE_SCHEDULES] = "1f1b",
         virtual_pipeline_stages: Optional[int] = None,
         num_microbatches: Optional[int] = None,
@@ -184,6 +191,7 @@ class FourDStrategy(ModelParallelStrategy):
             sequence_parallel=sequence_parallel,
             tensor_parallel_overlap=tensor_parallel_overlap,
             activation_checkpointing=activation_checkpointing,
+            activation_offload_layers=activation_offload_layers,
             pipeline_schedule=pipeline_schedule,
             virtual_pipeline_stages=virtual_pipeline_stages,
             num_microbatches=num_microbatches,
@@ -204,7 +212,7 @@ class FourDStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
-        validate_compile(compile, tensor_parallel_size)
+        validate_compile(compile, tensor_parallel_size, activation_offload_layers)
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
@@ -212,6 +220,8 @@ class FourDStrategy(ModelParallelStrategy):
         self._models: list[tuple[Any, torch.nn.Module]] = []  # (family, model) of lightning_4d.families.registry
         #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
+        #: host bytes held by ``activation_offload_layers`` (``lightning_4d.parallel.offload.OffloadStats``)
+        self.offload_stats = OffloadStats()
 
     # ------------------------------------------------------------------ layout
     # initializes_llama_models, pipeline, dp_cp_group, context_parallel_size, context_parallel_rank and
@@ -310,6 +320,7 @@ class FourDStrategy(ModelParallelStrategy):
             compile=self.compile,
             param_dtype=mixed_precision_dtype(self._precision),
             fsdp_blocks=self.fsdp_blocks,
+            offload_stats=self.offload_stats,
         )
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)

@@ -66,3 +66,18 @@ def resume_on_layouts(out: Path, saved: dict, other: dict, model: str, steps: in
             second = json.loads((out / f"{name}_resume_rank{rank}.json").read_text())
             rows.append((second["layout"], rank, second["resumed"], tail))
     return rows
+
+
+def measure_json(*args: str) -> tuple[dict, dict]:
+    """Run ``lightning-4d measure ARGS --json`` (one rank on the fake process group, live CPU tensor bytes); return
+    its JSON object and its rows by component, after checking that the model states are estimated exactly."""
+    import json
+
+    cmd = [sys.executable, "-m", "lightning_4d", "measure", *args, "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    rows = {r["component"]: r for r in out["rows"]}
+    for key in ("parameters", "gradients", "optimizer_states"):
+        assert rows[key]["estimated"] == rows[key]["measured"], key
+    return out, rows

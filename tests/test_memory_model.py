@@ -418,20 +418,12 @@ def test_tp_peak_equals_measured_with_and_without_overlap(overlap):
     ``head backward`` phase). Measured: within 216 bytes of 6,585,560 (off) and 6,454,488 B (on) at b=4 s=256 (and
     of 12,281,048 / 12,018,904 B at s=512); the model's states exact. Before the phase was modelled the estimate was
     6.6% under at s=512 (off)."""
-    import subprocess
-    import sys
+    from tests._launch import measure_json
 
-    from tests._launch import ROOT, worker_env
-
-    cmd = [sys.executable, "-m", "lightning_4d", "measure", "--model", "tiny-test", "--tp", "2", "--dp", "1"]
+    cmd = ["--model", "tiny-test", "--tp", "2", "--dp", "1"]
     cmd += ["--zero-stage", "0", "--seq-length", "256", "--micro-batch-size", "4", "--precision", "32-true"]
-    cmd += ["--rank", "0", "--json"] + (["--tensor-parallel-overlap"] if overlap else [])
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout)
-    rows = {r["component"]: r for r in out["rows"]}
-    for key in ("parameters", "gradients", "optimizer_states"):
-        assert rows[key]["estimated"] == rows[key]["measured"], key
+    cmd += ["--rank", "0"] + (["--tensor-parallel-overlap"] if overlap else [])
+    _, rows = measure_json(*cmd)
     peak = rows["total (peak)"]
     print(f"overlap={overlap}: peak estimated {peak['estimated']:,} B, measured {peak['measured']:,} B")
     assert peak["estimated"] == pytest.approx(peak["measured"], rel=0.01)

@@ -30,6 +30,9 @@ KV4 = {"num_kv_heads": 4}  # tiny-test has 2 kv heads: tp4 needs 4
 WORLD2 = [{"tp": 2, "zero": 0, "overlap": True, "comm": True}, {"tp": 2, "zero": 0, "comm": True}]
 # the rings inside checkpointed layers: recomputed in backward (full activation checkpointing; selective is refused)
 WORLD2_AC = [{"tp": 2, "zero": 0, "overlap": True, "ac": "full"}]
+# activation offload (parallel/offload.py) shares these launches: tp2 with sp, one of two layers, and both layers with
+# the rings (their chunks saved through the offload's hooks)
+WORLD2_OFFLOAD = [{"tp": 2, "zero": 0, "offload": 1}, {"tp": 2, "zero": 0, "overlap": True, "offload": 2}]
 WORLD4 = [
     {"tp": 4, "zero": 0, "overlap": True, "config": KV4},
     {"dp": 2, "tp": 2, "zero": 1, "overlap": True},
@@ -37,6 +40,10 @@ WORLD4 = [
     {"pp": 2, "tp": 2, "zero": 1, "m": 2, "overlap": True},
     {"cp": 2, "tp": 2, "zero": 1, "overlap": True},
     {"dp": 2, "tp": 2, "zero": 1, "overlap": True, "precision": "bf16-mixed"},
+    # activation offload: pp2 x tp2 (each stage's one layer offloaded, two micro-batches in flight on stage 0) and
+    # ZeRO 3 (FSDP2's gathered weights are parameters: never copied)
+    {"pp": 2, "tp": 2, "zero": 1, "m": 2, "offload": 1},
+    {"dp": 2, "tp": 2, "zero": 3, "offload": 1},
 ]
 BF16_RTOL = 1e-2
 
@@ -52,7 +59,7 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(tmp_path_factory, "world2", 2, WORLD2 + WORLD2_AC)
+    return _run(tmp_path_factory, "world2", 2, WORLD2 + WORLD2_AC + WORLD2_OFFLOAD)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +85,21 @@ def test_ring_functions_match_the_gathered_version(tmp_path, nproc):
         assert d["row_ring_tp_bytes"] == d["row_reduce_scatter_bytes"] + d["row_allgather_bytes"]
 
 
-@pytest.mark.parametrize("index", range(len(WORLD2 + WORLD2_AC)), ids=[_layout_id(x) for x in WORLD2 + WORLD2_AC])
+@pytest.mark.parametrize(
+    "index",
+    range(len(WORLD2 + WORLD2_AC + WORLD2_OFFLOAD)),
+    ids=[_layout_id(x) for x in WORLD2 + WORLD2_AC + WORLD2_OFFLOAD],
+)
 def test_parity_world2(references, world2, index):
     _check_parity(references["fp32"], world2[index])
+    _check_offloaded(world2[index])
+
+
+def _check_offloaded(result) -> None:
+    """A layout with activation offload really held activations in host memory on every rank."""
+    layout, ranks, _ = result
+    if layout.get("offload"):
+        assert all(r["bytes"]["host_offloaded"] > 0 for r in ranks), [r["bytes"].get("host_offloaded") for r in ranks]
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
@@ -90,6 +109,7 @@ def test_parity_world4(references, world4, index):
         _check_parity(references["bf16"], world4[index], loss_rtol=BF16_RTOL, weight_atol=2e-2)
     else:
         _check_parity(references["kv4" if "config" in layout else "fp32"], world4[index])
+    _check_offloaded(world4[index])
 
 
 def _per_step_dims(record: dict) -> list[dict[str, int]]:

@@ -238,6 +238,13 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             "not with selective checkpointing; docs/parallelism.md)",
         )
         p.add_argument(
+            "--activation-offload-layers",
+            type=int,
+            default=0,
+            help="decoder layers per pipeline stage whose saved activations go to host memory (default 0; not "
+            "with activation checkpointing; docs/memory.md)",
+        )
+        p.add_argument(
             "--num-microbatches",
             type=positive_int,
             help="micro-batches per step (pipeline schedules; default pp, 2*pp for dualpipev)",
@@ -341,6 +348,7 @@ def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optio
         sequence_parallel=args.sequence_parallel,
         tensor_parallel_overlap=args.tensor_parallel_overlap,
         activation_checkpointing=args.activation_checkpointing,
+        activation_offload_layers=args.activation_offload_layers,
         pipeline_schedule=args.pipeline_schedule,
         virtual_pipeline_stages=args.virtual_pipeline_stages,
         num_microbatches=args.num_microbatches,
@@ -421,6 +429,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
             sequence_parallel=pc.sp,
             tensor_parallel_overlap=pc.tensor_parallel_overlap,
             activation_checkpointing=pc.activation_checkpointing,
+            activation_offload_layers=pc.activation_offload_layers,
             pipeline_schedule=pc.pipeline_schedule,
             num_microbatches=m,
             pipeline_layer_split=pc.pipeline_layer_split,

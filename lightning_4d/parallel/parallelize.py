@@ -20,6 +20,7 @@ from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
 from lightning_4d.parallel.pipeline import (
     reshard_after_forward,
     resolve_num_microbatches,
@@ -92,14 +93,22 @@ def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:
     )
 
 
-def validate_compile(compile: bool, tp: int) -> None:
+def validate_compile(compile: bool, tp: int, activation_offload_layers: int = 0) -> None:
     """Refuse ``compile=True`` with tensor parallelism when the strategy is built (measured with torch 2.13: a
     compiled block with DTensor tp plans fails in backward inside DTensor's redistribute, "'Tensor' object has no
-    attribute '_local_tensor'"): fail now, not after the queue wait.
+    attribute '_local_tensor'"): fail now, not after the queue wait. Likewise with activation offload (its
+    saved-tensor hooks run around each layer's forward; Dynamo does not trace them).
 
     Raises:
         NotImplementedError: ``compile`` and ``tp`` > 1.
+        ValueError: ``compile`` and ``activation_offload_layers`` > 0.
     """
+    if compile and activation_offload_layers:
+        raise ValueError(
+            f"compile=True with activation_offload_layers={activation_offload_layers} is not supported: torch.compile "
+            "does not trace the offload's saved-tensor hooks. Use compile=False with the offload, or "
+            "activation_offload_layers=0."
+        )
     if compile and tp > 1:
         raise NotImplementedError(
             f"compile=True with tensor_parallel_size={tp} is not supported yet (torch.compile of "
@@ -189,6 +198,7 @@ def parallelize_model(
     config: ParallelConfig,
     compile: bool = False,
     param_dtype: Optional[torch.dtype] = None,
+    offload_stats: Optional[OffloadStats] = None,
 ) -> Optional[list[tuple[int, nn.Module]]]:
     """Apply the pipeline split, tp/sp, context-parallel attention, expert parallelism, activation checkpointing,
     compile and ZeRO 2/3 to ``model`` (a meta-device model of ``family``; real weights work too, each rank keeping its
@@ -209,6 +219,7 @@ def parallelize_model(
     if compile and not family.activation_checkpointing:
         raise ValueError(f"compile=True is not supported for a {family.name} yet: use compile=False")
     cp = (mesh.cp.get_local_rank(), config.cp) if config.cp > 1 else (0, 1)
+    num_layers = len(layer_items(find_submodel(model, family.pipeline_layout(model).layers)))  # before the split
     chunks = split_model(family, model, config, mesh.pp.get_local_rank(), cp) if config.pp > 1 else None
     if max(config.tp, config.cp, config.pp) > 1:
         family.prepare(model, config, mesh)
@@ -230,6 +241,10 @@ def parallelize_model(
     # selective keeps nothing of the layer's last projection, and under tp not the others' partial sums
     row_parallel = family.tensor_parallel_plan(model).rowwise if config.activation_checkpointing == "selective" else ()
     apply_activation_checkpointing(layers, config.activation_checkpointing, row_parallel, config.tp)
+    if config.activation_offload_layers:
+        stages = config.rank_stages(num_layers, mesh.pp.get_local_rank())
+        indices = offloaded_layers(stages, config.activation_offload_layers)
+        apply_activation_offload(layers, indices, offload_stats if offload_stats is not None else OffloadStats())
     if compile:
         for _, block in layer_items(layers):
             block.compile()
@@ -272,19 +287,21 @@ def prepare_models(
     compile: bool = False,
     param_dtype: Optional[torch.dtype] = None,
     fsdp_blocks: Optional[Sequence[str]] = None,
+    offload_stats: Optional[OffloadStats] = None,
 ) -> list[tuple[ModelFamily, nn.Module]]:
     """Parallelize (:func:`parallelize_model`, unless already done) and materialize on ``device``
     (:meth:`ModelFamily.materialize`: our Llama initialized layout-independently, in float32) every model of a
     registered family inside ``module`` (a LightningModule); returns ``[(family, model), ...]``. ``param_dtype``:
     see :func:`parallelize_model` (the parameters stay float32 here: :func:`cast_to_compute_dtype` follows once the
-    optimizer's master weights exist).
+    optimizer's master weights exist). ``offload_stats``: counts the host bytes of ``activation_offload_layers``.
 
     Any other module (no registered model inside, no plans of its own) gets data parallelism: nothing here at ZeRO
     0/1 (the strategy's gradient buckets and sharded optimizer act on it), FSDP2 units at ZeRO 2/3
     (:func:`shard_any_module`, blocks from ``fsdp_blocks``).
 
     Raises:
-        ValueError: tp / pp / cp > 1 for a module that holds no registered model and applied no plans.
+        ValueError: tp / pp / cp > 1 or activation offload for a module that holds no registered model (no
+            decoder layers to offload) and applied no plans.
         TypeError: pp > 1 and the module does not hold exactly one model.
     """
     models = [(family, model) for _, family, model in find_models(module)]
@@ -293,6 +310,13 @@ def prepare_models(
             return []
         if max(config.tp, config.pp, config.cp) > 1:
             raise ValueError(_cannot_split(config, module))
+        if config.activation_offload_layers:
+            raise ValueError(
+                f"activation_offload_layers={config.activation_offload_layers} needs the decoder layers of a "
+                f"lightning_4d Llama or a transformers LlamaForCausalLM / MixtralForCausalLM; {type(module).__name__} "
+                "holds none. Use activation_offload_layers=0 (or torch.autograd.graph.save_on_cpu in your own "
+                "forward)."
+            )
         if config.zero_stage >= 2:
             shard_any_module(module, mesh, config, fsdp_blocks)
         return []
@@ -303,7 +327,9 @@ def prepare_models(
         )
     for family, model in models:
         if not is_parallelized(model):
-            parallelize_model(family, model, mesh, config, compile=compile, param_dtype=param_dtype)
+            parallelize_model(
+                family, model, mesh, config, compile=compile, param_dtype=param_dtype, offload_stats=offload_stats
+            )
         family.materialize(model, device)
     return models
 

@@ -5,7 +5,7 @@ shards, and (rank 0) the final full weights.
 Usage (from the tests): ``torchrun --nproc-per-node N tests/scripts/run_layouts.py --out DIR --layouts JSON``,
 or ``python tests/scripts/run_layouts.py --out DIR --layouts '[{"reference": true}]'`` for the single-process
 reference (plain Lightning, no FourDStrategy). Each layout is a dict with keys dp, tp, zero, sp, overlap
-(``tensor_parallel_overlap``), precision, ac, clip,
+(``tensor_parallel_overlap``), precision, ac, offload (``activation_offload_layers``), clip,
 compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start and pcomm (PowerSGD's rank, start
 step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
 m (micro-batches per step), split (layers per
@@ -158,6 +158,7 @@ def run_one(
             sequence_parallel=layout.get("sp"),
             tensor_parallel_overlap=layout.get("overlap", False),
             activation_checkpointing=layout.get("ac", "none"),
+            activation_offload_layers=layout.get("offload", 0),
             compile=layout.get("compile", False),
             save_distributed_checkpoint=layout.get("sdc", True),
             gradient_compression=layout.get("compress", "none"),
@@ -214,6 +215,8 @@ def run_one(
         full = p.full_tensor() if isinstance(p, DTensor) else p
         weights[canonical_name(name)] = full.detach().float().cpu().clone()
     rank = trainer.global_rank
+    if layout.get("offload"):  # activation offload: the most host bytes held at once (0 would mean it never ran)
+        recorder.bytes["host_offloaded"] = trainer.strategy.offload_stats.peak
     record = {
         "layout": layout,
         "losses": recorder.losses,

@@ -1,0 +1,147 @@
+"""Activation offload (``lightning_4d.parallel.offload``): the saved activations of chosen layers live in host memory
+between forward and backward. One process, CPU: the same loss and gradients, bit for bit (copies only); the host
+bytes counted; parameters never copied; bad settings refused before anything runs. Multi-rank parity (tp2 with sp,
+pp2) is in ``tests/test_parity.py``; the device peak against the measured one here (``lightning-4d measure``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_4d import FourDStrategy, ParallelConfig
+from lightning_4d.measure import LiveTensorBytes
+from lightning_4d.memory.model import estimate_memory, saved_activation_bytes
+from lightning_4d.models import LlamaConfig, LlamaModel
+from lightning_4d.models.llama import canonical_name
+from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
+from tests._launch import measure_json
+
+TINY = LlamaConfig.from_preset("tiny-test")  # h=64, f=128, L=2, a=4, k=2, V=256
+
+
+def _run(offload: list[int], ids: torch.Tensor, stats: OffloadStats):
+    model = LlamaModel(TINY, init_seed=3)
+    apply_activation_offload(model.layers, offload, stats)
+    with LiveTensorBytes("cpu") as live:
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        del logits
+        after_forward = live.current
+        loss.backward()
+    grads = {canonical_name(n): p.grad for n, p in model.named_parameters()}
+    return loss.detach(), grads, after_forward
+
+
+def test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_host():
+    ids = torch.randint(0, TINY.vocab_size, (2, 129), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads, ref_live = _run([], ids, OffloadStats())
+    one, both = OffloadStats(), OffloadStats()
+    loss1, grads1, live1 = _run([0], ids, one)
+    loss2, grads2, live2 = _run([0, 1], ids, both)
+    for loss, grads in ((loss1, grads1), (loss2, grads2)):
+        assert torch.equal(loss, ref_loss)  # bit for bit: the same tensors, copied out and back
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            assert torch.equal(g, ref_grads[name]), name
+    # after forward, the device holds what the layers saved minus what went to host; after backward nothing is left
+    assert one.live == both.live == 0
+    assert one.peak > 0 and both.peak == 2 * one.peak  # two identical layers
+    print(f"live after forward: {ref_live} B; one layer offloaded {live1} B (host {one.peak}), both {live2} B")
+    # the device gives up exactly what the memory model says one layer saves (with every layer offloaded, the RoPE
+    # tables too: only the layers held them); the host holds that and the layer's copy of the RoPE tables
+    saved = saved_activation_bytes(TINY, ParallelConfig(data_parallel_size=1), 2, 128, "32-true")
+    layer = saved["layers"] // 2
+    assert ref_live - live1 == layer
+    assert ref_live - live2 == 2 * layer + saved["rope"]
+    assert one.peak == layer + saved["rope"]
+
+
+def test_parameters_are_never_copied_to_host():
+    """``32-true``: every ``mm`` saves its weight (a parameter view): the host bytes are those of the activations only
+    (a layer's parameters: 4·(64·64·2 + 2·32·64 + 3·64·128 + 2·64) = 164,352 bytes, far beyond what a difference
+    of the two runs could hide)."""
+    ids = torch.randint(0, TINY.vocab_size, (1, 17), generator=torch.Generator().manual_seed(1))
+    stats = OffloadStats()
+    _run([0], ids, stats)
+    layer_params = sum(p.numel() * p.element_size() for p in LlamaModel(TINY).layers["0"].parameters())
+    assert 0 < stats.packed < layer_params
+
+
+def test_offloaded_layers_are_the_first_of_each_stage():
+    pc = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
+    stages = pc.rank_stages(8, 0)  # stages 0 and 2: layers 0-1 and 4-5
+    assert offloaded_layers(stages, 1) == [0, 4]
+    assert offloaded_layers(stages, 5) == [0, 1, 4, 5]  # a shorter stage: all of it
+    assert offloaded_layers(stages, 0) == []
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+def test_bad_offload_values_are_refused(value):
+    with pytest.raises(ValueError, match="activation_offload_layers"):
+        ParallelConfig(activation_offload_layers=value)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_offload_with_checkpointing_is_refused(mode):
+    with pytest.raises(ValueError, match="activation_checkpointing='none' with the offload"):
+        FourDStrategy(activation_offload_layers=1, activation_checkpointing=mode)
+
+
+def test_offload_with_compile_is_refused():
+    with pytest.raises(ValueError, match="compile=True with activation_offload_layers=2"):
+        FourDStrategy(activation_offload_layers=2, compile=True)
+
+
+def test_offload_needs_decoder_layers():
+    from lightning_4d.parallel.parallelize import prepare_models
+
+    with pytest.raises(ValueError, match="activation_offload_layers=1 needs the decoder layers"):
+        prepare_models(
+            torch.nn.Linear(2, 2), None, ParallelConfig(data_parallel_size=1, activation_offload_layers=1), "cpu"
+        )
+
+
+def test_estimate_moves_offloaded_layers_to_host():
+    """The model: an offloaded layer's in-flight saved bytes leave the device and count as host memory; a stage
+    offloaded whole keeps one node's set (brought back in its backward) on the device."""
+    kw = dict(data_parallel_size=1, pipeline_parallel_size=2, num_microbatches=4)
+    base = estimate_memory("llama2-7b", ParallelConfig(**kw), 1, 4096, device_type="cpu", pp_rank=0)
+    off = estimate_memory(
+        "llama2-7b", ParallelConfig(**kw, activation_offload_layers=4), 1, 4096, device_type="cpu", pp_rank=0
+    )
+    per_layer = base.details["saved_layers"] // 16  # 16 layers per stage
+    in_flight = 2  # 1F1B, pp rank 0 of 2
+    rope = off.details["saved_rope"]  # each offloaded layer's copy of the RoPE tables
+    assert off.details["host_offloaded_activations"] == in_flight * 4 * (per_layer + rope)
+    assert base.activations - off.activations == in_flight * 4 * per_layer
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--dp", "1", "--precision", "32-true", "--activation-offload-layers", "1"],
+        ["--dp", "1", "--precision", "32-true", "--activation-offload-layers", "2"],
+        ["--tp", "2", "--dp", "1", "--zero-stage", "0", "--precision", "bf16-mixed", "--activation-offload-layers"]
+        + ["2"],
+    ],
+    ids=["half-32-true", "all-32-true", "tp2-all-bf16-mixed"],
+)
+def test_offload_peak_and_host_bytes_equal_measured(args):
+    """The whole peak of rank 0 with offload, estimated vs measured (``lightning-4d measure``: live CPU tensor bytes,
+    the host copies made outside the tracker as on CUDA they are not device memory). Measured (b=2, s=256,
+    tiny-test): one of two layers offloaded peaks exactly one layer's saved bytes (1,978,368) below no offload;
+    estimate within 0.3% (32-true), 1.9% (tp2 bf16-mixed, both layers). Host bytes: each offloaded layer's saved
+    set and its copy of the RoPE tables (the device shares them between layers), every storage copied once: equal in
+    32-true; 3.1% under the measured host bytes in tp2 bf16-mixed (16 KiB per layer not itemized)."""
+    out, rows = measure_json(
+        "--model", "tiny-test", "--seq-length", "256", "--micro-batch-size", "2", "--steps", "2", "--rank", "0", *args
+    )
+    peak = rows["total (peak)"]
+    host_est, host = out["estimate"]["details"]["host_offloaded_activations"], out["measured"]["host_offloaded"]
+    print(f"{args}: peak estimated {peak['estimated']:,} B, measured {peak['measured']:,} B; host {host_est:,} B")
+    assert peak["estimated"] == pytest.approx(peak["measured"], rel=0.05)
+    if "32-true" in args:
+        assert host_est == host
+    else:  # measured: 16,384 B per layer more under tp2 bf16-mixed (1,060,864 vs 1,028,096), not itemized yet
+        assert host_est == pytest.approx(host, rel=0.05)
