@@ -14,6 +14,11 @@ in GiB per GPU (2^30 bytes):
   stays Megatron without recomputation), and ``recomp``, the matmul FLOPs it recomputes as a percentage of the
   layers' matmul FLOPs of a step (``lightning_4d.memory.step_time.selective_recomputed_matmul_fraction``: under tp
   the output projection's forward; no full recomputation anywhere);
+- with ``--activation-offload``: selective where it reaches ``--target`` (default 0.85) of ``fujii2024``, else no
+  checkpointing with the fewest ``activation_offload_layers`` per stage that reach it (host memory instead of device
+  memory: ``lightning_4d/parallel/offload.py``), with ``host`` (GiB of host memory per GPU at the peak) and
+  ``step x`` (the planner's predicted H100 step time over the same layout's without offload: the copies are
+  synchronous);
 - with ``--baseline REF``: ``before``, the estimate of the same row by the estimator at git revision ``REF`` (e.g. the
   commit before bf16 master weights), computed in a subprocess from a temporary ``git worktree`` in the same run.
 
@@ -25,6 +30,7 @@ Usage::
     python benchmarks/memory_vs_megatron.py                       # the table
     python benchmarks/memory_vs_megatron.py --baseline aa06e35    # with a "before" column
     python benchmarks/memory_vs_megatron.py --activation-checkpointing selective
+    python benchmarks/memory_vs_megatron.py --activation-offload
 """
 
 from __future__ import annotations
@@ -102,14 +108,75 @@ def baseline(ref: str, grid: list[tuple], ac: str = "none") -> list[list]:
             )
 
 
+def offload_rows(target: float) -> None:
+    """The ``--activation-offload`` table (module docstring)."""
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.memory.fujii2024 import fujii2024_from_config
+    from lightning_4d.memory.hardware import gpu_spec
+    from lightning_4d.memory.model import estimate_memory
+    from lightning_4d.memory.step_time import predict_step_time
+    from lightning_4d.models.config import LlamaConfig
+
+    gpu = gpu_spec("H100-80GB")
+    print(f"ours: bf16-mixed, ZeRO 1, selective, else offload (fewest layers per stage reaching {target}); H100")
+    header = f"{'model':<12} {'tp':>2} {'pp':>2} {'cp':>2} {'dp':>2} {'b':>2} {'s':>5} {'m':>2} | {'fujii2024':>9} "
+    header += f"{'mode':>10} {'ours-allowance':>14} {'ratio':>6} {'host':>5} {'step x':>6}"
+    print(header)
+    print("-" * len(header))
+    worst = 0.0
+    for preset, tp, pp, cp, dp, b, s, m in GRID:
+        cfg = LlamaConfig.from_preset(preset)
+        ref = fujii2024_from_config(
+            cfg, tp=tp, pp=pp, dp=dp, cp=cp, seq_length=s, micro_batch_size=b, num_microbatches=m
+        ).total
+
+        def run(**kw: object) -> tuple:
+            pc = ParallelConfig(
+                data_parallel_size=dp,
+                tensor_parallel_size=tp,
+                pipeline_parallel_size=pp,
+                context_parallel_size=cp,
+                zero_stage=1,
+                num_microbatches=m,
+                **kw,
+            )
+            e = estimate_memory(cfg, pc, b, s, "bf16-mixed", device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3")
+            t = predict_step_time(cfg, pc, b, m or 1, s, gpu, 8).total
+            return (e.total - e.overhead) / ref, e.details.get("host_offloaded_activations", 0), t
+
+        ratio, host, _ = run(activation_checkpointing="selective")
+        mode, cost = "selective", 1.0
+        if ratio > target:
+            base = run()[2]
+            for k in range(1, cfg.num_layers // pp + 1):
+                ratio, host, t = run(activation_offload_layers=k)
+                if ratio <= target:
+                    break
+            mode, cost = f"offload {k}", t / base
+        worst = max(worst, ratio)
+        line = f"{preset:<12} {tp:>2} {pp:>2} {cp:>2} {dp:>2} {b:>2} {s:>5} {m or '-':>2} | {ref / GIB:>9.1f} "
+        line += f"{mode:>10} {ratio * ref / GIB:>14.1f} {ratio:>6.3f} {host / GIB:>5.1f} {cost:>6.2f}"
+        print(line)
+    print(f"\nlargest ratio (ours without the allowance / fujii2024): {worst:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", metavar="REF", help="also print the estimate at this git revision")
     parser.add_argument(
         "--activation-checkpointing", choices=("none", "selective"), default="none", help="ours with this mode"
     )
+    parser.add_argument(
+        "--activation-offload",
+        action="store_true",
+        help="selective, else the fewest offloaded layers reaching --target",
+    )
+    parser.add_argument("--target", type=float, default=0.85, help="ratio to reach with --activation-offload")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.activation_offload:
+        offload_rows(args.target)
+        return
     from lightning_4d.memory.fujii2024 import fujii2024_from_config
     from lightning_4d.memory.step_time import selective_recomputed_matmul_fraction
     from lightning_4d.models.config import LlamaConfig

@@ -145,3 +145,25 @@ def test_offload_peak_and_host_bytes_equal_measured(args):
         assert host_est == host
     else:  # measured: 16,384 B per layer more under tp2 bf16-mixed (1,060,864 vs 1,028,096), not itemized yet
         assert host_est == pytest.approx(host, rel=0.05)
+
+
+def test_step_time_charges_the_host_copies():
+    """The step-time model adds the offload's copies, out and back, all exposed: ``2·m·B / (0.8 · host link)``, B the
+    bytes of one micro-batch on the pp rank that offloads most; H100's host link is PCIe Gen5 (64 GB/s per
+    direction), A100's Gen4 (32 GB/s)."""
+    from lightning_4d.memory.hardware import gpu_spec
+    from lightning_4d.memory.model import offloaded_bytes_per_microbatch
+    from lightning_4d.memory.step_time import COLLECTIVE_EFFICIENCY, predict_step_time
+
+    cfg = LlamaConfig.from_preset("llama3-70b")
+    kw = dict(data_parallel_size=2, tensor_parallel_size=8, pipeline_parallel_size=2, num_microbatches=4)
+    h100, a100 = gpu_spec("H100-80GB"), gpu_spec("A100-80GB")
+    assert (h100.host_bandwidth, a100.host_bandwidth) == (64e9, 32e9)
+    base = predict_step_time(cfg, ParallelConfig(**kw), 1, 4, 8192, h100, 8)
+    pc = ParallelConfig(**kw, activation_offload_layers=10)
+    off = predict_step_time(cfg, pc, 1, 4, 8192, h100, 8)
+    most = max(offloaded_bytes_per_microbatch(cfg, pc, 1, 8192, pp_rank=r) for r in range(2))
+    assert most == offloaded_bytes_per_microbatch(cfg, pc, 1, 8192, pp_rank=0) > 0
+    assert off.offload == pytest.approx(2 * 4 * most / (COLLECTIVE_EFFICIENCY * 64e9))
+    assert off.total == pytest.approx(base.total + off.offload)
+    assert base.offload == 0

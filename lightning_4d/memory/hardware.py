@@ -12,7 +12,9 @@ NVIDIA H200 datasheet (2024: 141 GB HBM3e,
 4.8 TB/s, same compute and NVLink as H100 SXM), NVIDIA L40S datasheet (2023: 48 GB, 362 TFLOP/s bf16 dense,
 864 GB/s, no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction), NVIDIA A10 datasheet (2021:
 24 GB, 125 TFLOP/s bf16 dense, 600 GB/s, PCIe Gen4 x16). The NIC of the two PCIe cards is not part of the card:
-25 GB/s per GPU (as A100's HDR) is assumed.
+25 GB/s per GPU (as A100's HDR) is assumed. The host link (activation offload's copies): PCIe Gen5 x16 on H100 and
+H200 (datasheets: 128 GB/s bidirectional = 64 GB/s per direction), PCIe Gen4 x16 on the others (64 GB/s
+bidirectional = 32 GB/s per direction).
 
 This is the one table of GPU figures: :func:`peak_flops_of_device` reads the dense bf16 peak of a CUDA device name
 from it (for the MFU the task logs).
@@ -56,7 +58,8 @@ class GpuSpec:
     ``compute_fraction`` the fraction of ``peak_flops`` its tensor cores can sustain under the power limit it runs
     at: 1 at the datasheet TDP; below it, the ratio of the limit to the TDP (an assumption of the step-time model:
     large GEMMs are power-bound on H100, so their throughput follows the power limit). ``peak_flops`` stays the
-    datasheet figure, the MFU denominator."""
+    datasheet figure, the MFU denominator. ``host_bandwidth``: bytes/s per direction of the link to host memory
+    (PCIe)."""
 
     name: str
     memory: int
@@ -65,15 +68,16 @@ class GpuSpec:
     inter_node_bandwidth: float
     memory_bandwidth: float
     compute_fraction: float = 1.0
+    host_bandwidth: float = 32e9
 
 
 GPU_PRESETS: dict[str, GpuSpec] = {
     "A100-40GB": GpuSpec("A100-40GB", 40 * GIB, 312e12, 300e9, 25e9, 1555e9),
     "A100-80GB": GpuSpec("A100-80GB", 80 * GIB, 312e12, 300e9, 25e9, 2039e9),
-    "H100-80GB": GpuSpec("H100-80GB", 80 * GIB, 989e12, 450e9, 50e9, 3350e9),
-    "H100-94GB": GpuSpec("H100-94GB", 94 * GB, 989e12, 450e9, 50e9, 3900e9),
-    "H100-96GB": GpuSpec("H100-96GB", 96 * GB, 989e12, 450e9, 50e9, 2400e9, 500 / 700),
-    "H200": GpuSpec("H200", 141 * GB, 989e12, 450e9, 50e9, 4800e9),
+    "H100-80GB": GpuSpec("H100-80GB", 80 * GIB, 989e12, 450e9, 50e9, 3350e9, host_bandwidth=64e9),
+    "H100-94GB": GpuSpec("H100-94GB", 94 * GB, 989e12, 450e9, 50e9, 3900e9, host_bandwidth=64e9),
+    "H100-96GB": GpuSpec("H100-96GB", 96 * GB, 989e12, 450e9, 50e9, 2400e9, 500 / 700, 64e9),
+    "H200": GpuSpec("H200", 141 * GB, 989e12, 450e9, 50e9, 4800e9, host_bandwidth=64e9),
     "L40S": GpuSpec("L40S", 48 * GIB, 362e12, 32e9, 25e9, 864e9),
     "A10": GpuSpec("A10", 24 * GIB, 125e12, 32e9, 25e9, 600e9),
 }
@@ -149,6 +153,7 @@ def gpu_spec(
         intra_node_bandwidth if intra_node_bandwidth is not None else base.intra_node_bandwidth,
         inter_node_bandwidth if inter_node_bandwidth is not None else base.inter_node_bandwidth,
         memory_bandwidth if memory_bandwidth is not None else base.memory_bandwidth,
+        host_bandwidth=base.host_bandwidth,
     )
 
 

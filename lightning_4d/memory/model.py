@@ -154,6 +154,7 @@ __all__ = [
     "estimate_memory",
     "estimate_all_pp_ranks",
     "model_state_bytes",
+    "offloaded_bytes_per_microbatch",
     "saved_activation_bytes",
     "check_expert_load_imbalance",
 ]
@@ -1204,6 +1205,42 @@ class _Activations:
     offloaded: int = 0  # host memory: the saved tensors of the offloaded layers' in-flight micro-batches
 
 
+def _offloaded_per_stage(pc: ParallelConfig, stages: list, per_layer: float, rope: int) -> list[float]:
+    """Bytes one micro-batch's forward copies to host memory per pipeline stage of a rank (``stages``:
+    ``rank_stages``), under ``activation_offload_layers`` (``parallel/offload.py``): its offloaded layers' saved
+    sets (``per_layer`` each), and each one's copy of the RoPE tables (``rope``: the device shares them between
+    layers, each offloaded layer copies those it saves). The same bytes come back in backward."""
+    return [min(pc.activation_offload_layers, len(layers)) * (per_layer + rope) for _, layers in stages]
+
+
+def offloaded_bytes_per_microbatch(
+    model_config: Any,
+    parallel_config: ParallelConfig,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str = "bf16-mixed",
+    *,
+    pp_rank: int = 0,
+    device_type: str = "cuda",
+) -> int:
+    """Bytes one micro-batch's forward copies from pp rank ``pp_rank``'s device to host memory under
+    ``activation_offload_layers`` (the same bytes come back in its backward): 0 without offload. The step-time model
+    charges ``2·m·`` these over the host link (:mod:`lightning_4d.memory.step_time`).
+
+    Raises:
+        ValueError: see :func:`saved_activation_bytes`.
+    """
+    cfg, pc = _model(model_config), parallel_config
+    if not pc.activation_offload_layers:
+        return 0
+    saved = saved_activation_bytes(
+        cfg, pc, micro_batch_size, seq_length, precision, pp_rank=pp_rank, device_type=device_type
+    )
+    n_layers = _rank_layout(cfg.num_layers, pc, pp_rank)[0]
+    per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
+    return int(sum(_offloaded_per_stage(pc, pc.rank_stages(cfg.num_layers, pp_rank), per_layer, saved["rope"])))
+
+
 def _activation_terms(
     cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, pp_rank: int, m: int, saved: dict[str, int]
 ) -> _Activations:
@@ -1227,10 +1264,8 @@ def _activation_terms(
         + (saved["rope"] if pc.pp > 1 and o < len(layers) else 0)
         for (st, layers), o in zip(stages, offloaded)
     ]
-    # each offloaded layer copies the RoPE tables it saves (the device shares them between layers; a stage offloaded
-    # whole no longer holds them on the device)
     whole = [o == len(layers) > 0 for o, (_, layers) in zip(offloaded, stages)]
-    host = [o * (per_layer + saved["rope"]) for o in offloaded]
+    host = _offloaded_per_stage(pc, stages, per_layer, saved["rope"])
     if pc.pp > 1 and pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
         # what stays alive after a micro-batch's weight pass, to the end of the step (stages after the first)
         s_loc = s // pc.cp

@@ -111,6 +111,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -235,11 +236,12 @@ CALIBRATION_RUNS: tuple[dict[str, Any], ...] = (
 class StepTime:
     """Predicted seconds of one optimizer step and its parts (all seconds, on the slowest pp rank).
 
-    ``total = compute + recompute + bubble + tp + cp + pp + dp + ep + optimizer``; ``compute`` is the forward +
-    backward of the step's micro-batches (matmuls, attention, pointwise), ``recompute`` what activation checkpointing
-    adds, ``bubble`` the pipeline's idle time, ``tp``/``cp``/``pp``/``dp``/``ep`` the exposed communication of each
-    dimension (``ep``: the MoE layers' collectives, the token all-to-alls over ep and the latency of the routing
-    counts' exchanges; 0 for a dense model).
+    ``total = compute + recompute + bubble + tp + cp + pp + dp + ep + optimizer + offload``; ``compute`` is the
+    forward + backward of the step's micro-batches (matmuls, attention, pointwise), ``recompute`` what activation
+    checkpointing adds, ``bubble`` the pipeline's idle time, ``tp``/``cp``/``pp``/``dp``/``ep`` the exposed
+    communication of each dimension (``ep``: the MoE layers' collectives, the token all-to-alls over ep and the
+    latency of the routing counts' exchanges; 0 for a dense model), ``offload`` the host-link copies of
+    ``activation_offload_layers`` (synchronous: all exposed; 0 without offload).
     """
 
     compute: float
@@ -251,11 +253,13 @@ class StepTime:
     dp: float
     optimizer: float
     ep: float = 0.0
+    offload: float = 0.0
 
     @property
     def total(self) -> float:
         return (
-            self.compute
+            self.offload
+            + self.compute
             + self.recompute
             + self.bubble
             + self.tp
@@ -613,20 +617,34 @@ def predict_step_time(
 ) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step (module docstring: every term and its source).
 
+    With ``pc.activation_offload_layers`` (not enumerated by the planner) the copies to host memory and back are
+    added, all exposed (``parallel/offload.py`` copies synchronously): ``2·m·B / (COLLECTIVE_EFFICIENCY ·
+    host_bandwidth)`` with B the bytes one micro-batch offloads on the pp rank that offloads most
+    (:func:`~lightning_4d.memory.model.offloaded_bytes_per_microbatch`, bf16-mixed).
+
     Args:
         model_config: a :class:`~lightning_4d.models.LlamaConfig`.
-        pc: the layout (schedule, v, layer split, sp, cp method, ZeRO stage, activation checkpointing).
+        pc: the layout (schedule, v, layer split, sp, cp method, ZeRO stage, activation checkpointing, offload).
         micro_batch_size: b; num_microbatches: m (pipeline micro-batches or gradient-accumulation steps).
         seq_length: s, tokens per sample.
         gpu: a :class:`~lightning_4d.memory.hardware.GpuSpec`; gpus_per_node: GPUs per node.
     """
-    return step_time_of(
+    step = step_time_of(
         _dims(model_config),
         Layout.of(pc, micro_batch_size, num_microbatches),
         seq_length=seq_length,
         gpu=gpu,
         gpus_per_node=gpus_per_node,
     )
+    if not pc.activation_offload_layers:
+        return step
+    from lightning_4d.memory.model import offloaded_bytes_per_microbatch
+
+    most = max(
+        offloaded_bytes_per_microbatch(model_config, pc, micro_batch_size, seq_length, pp_rank=r) for r in range(pc.pp)
+    )
+    seconds = 2 * num_microbatches * most / (COLLECTIVE_EFFICIENCY * gpu.host_bandwidth)
+    return dataclasses.replace(step, offload=seconds)
 
 
 def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
