@@ -530,6 +530,12 @@ def _print_estimate(out: dict[str, Any]) -> None:
             f"peak phase: {out['peak_phase']} (total = parameters + optimizer_states + overhead + the "
             "largest phase; see docs/memory.md)"
         )
+        host = out["details"].get("host_offloaded_activations", 0)
+        if lay.get("activation_offload_layers"):
+            console.print(
+                f"host memory: {host / GIB:.2f} GiB of offloaded activations ({lay['activation_offload_layers']} "
+                "layers per pipeline stage), not in the total above"
+            )
     verdict = "fits" if out["fits"] else "does NOT fit"
     console.print(
         f"{out['total_gib']:.2f} GiB = {100 * out['fraction']:.1f}% of {out['gpu']} "
