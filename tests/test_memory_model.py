@@ -310,6 +310,8 @@ _PP_WORLD4 = [
     {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b", "m": 2},
     {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b", "m": 2, "precision": "bf16-mixed"},
     {"pp": 2, "tp": 2, "zero": 0, "schedule": "1f1b", "m": 2},
+    # activation offload: one of each stage's two layers (its saves leave the device: the pack hook here sees the rest)
+    {"pp": 2, "tp": 2, "zero": 0, "schedule": "1f1b", "m": 2, "offload": 1},
 ]
 
 

@@ -1603,6 +1603,7 @@ def _estimate_pp_rank(
         "expert_parallel_buffers": buf.expert_parallel,
         "head_gradient": buf.head_gradient,
         "host_offloaded_activations": act.offloaded,
+        "offload_unpacked": act.recompute - saved["recompute"],
         **{f"phase_{k.replace(' ', '_')}": val for k, val in phases.items()},
     }
     return MemoryEstimate(

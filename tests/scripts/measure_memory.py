@@ -212,6 +212,7 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
         sequence_parallel=layout.get("sp"),
         tensor_parallel_overlap=layout.get("overlap", False),
         activation_checkpointing=layout.get("ac", "none"),
+        activation_offload_layers=layout.get("offload", 0),
         pipeline_parallel_size=layout.get("pp", 1),
         pipeline_schedule=layout.get("schedule", "1f1b"),
         num_microbatches=layout.get("m"),
@@ -267,11 +268,24 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
             )
         if pp > 1:
             full = estimate_memory(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type="cpu")
+            # activation offload: the offloaded layers' saves go through their own (inner) hooks, not the pack hook
+            # above: what it sees is what stays on the device (a stage offloaded whole: the RoPE tables neither)
+            stages = pc.rank_stages(cfg.num_layers, pp_rank)
+            per_layer = est["layers"] // sum(len(r) for _, r in stages)
+            offloaded = sum(
+                min(pc.activation_offload_layers, len(r)) * per_layer
+                + (est["rope"] if pc.activation_offload_layers >= len(r) else 0)
+                for _, r in stages
+            )
+            row["estimated"] -= offloaded
             row.update(
                 measured_total=module.total_packed[i],
                 estimated_total=m * row["estimated"],
                 measured_peak=module.peak_live[i],
-                estimated_peak=full.activations - est["recompute"] + full.details["compute_weights"],
+                estimated_peak=full.activations
+                - est["recompute"]
+                - full.details["offload_unpacked"]
+                + full.details["compute_weights"],
                 in_flight=full.details["in_flight_microbatches_x1000"] / 1000,
             )
         rows.append(row)
