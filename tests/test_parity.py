@@ -124,6 +124,13 @@ def _layout_id(layout: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in layout.items())
 
 
+def _check_offloaded(result) -> None:
+    """A layout with activation offload (``"offload"``) really held activations in host memory on every rank."""
+    layout, ranks, _ = result
+    if layout.get("offload"):
+        assert all(r["bytes"]["host_offloaded"] > 0 for r in ranks), [r["bytes"].get("host_offloaded") for r in ranks]
+
+
 def _check_parity(reference, result, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL):
     _, ref_ranks, ref_weights = reference
     layout, ranks, weights = result

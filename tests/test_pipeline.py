@@ -12,7 +12,7 @@ import torch
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
 from tests._launch import SCRIPTS, torchrun
-from tests.test_parity import LOSS_RTOL, STEPS, WEIGHT_ATOL, _layout_id
+from tests.test_parity import LOSS_RTOL, STEPS, WEIGHT_ATOL, _check_offloaded, _layout_id
 
 LAYERS = 4
 WORLD2 = [
@@ -25,6 +25,10 @@ WORLD2 = [
     {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1},
     {"pp": 2, "schedule": "1f1b", "m": 2, "ac": "full"},
     {"pp": 2, "schedule": "interleaved_1f1b", "v": 2, "m": 2, "ac": "selective"},
+    # activation offload: the first layer of each stage (zbv: its saves unpacked by the input and the weight pass;
+    # interleaved: one layer per stage, every stage offloaded whole)
+    {"pp": 2, "schedule": "zbv", "m": 4, "offload": 1},
+    {"pp": 2, "schedule": "interleaved_1f1b", "v": 2, "m": 2, "offload": 1},
 ]
 WORLD4 = [
     {"pp": 4, "schedule": "gpipe", "m": 4},
@@ -116,6 +120,7 @@ def _check(references, result):
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
 def test_pipeline_world2(references, world2, index):
     _check(references, world2[index])
+    _check_offloaded(world2[index])
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
