@@ -167,3 +167,38 @@ def test_step_time_charges_the_host_copies():
     assert off.offload == pytest.approx(2 * 4 * most / (COLLECTIVE_EFFICIENCY * 64e9))
     assert off.total == pytest.approx(base.total + off.offload)
     assert base.offload == 0
+
+
+@pytest.mark.parametrize("host_memory, refused", [("16GiB", True), ("256GiB", False)])
+def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memory, refused):
+    """The pre-fit check also checks the host side of activation offload: llama2-7b tp4 pp2 m=4 s=4096 with 10 of 16
+    layers per stage offloaded holds 2.97 GiB of host memory on pp rank 0, 23.77 GiB for a node of 8: refused against 16
+    GiB of host memory (budget 80%), accepted against 256 GiB; the device side fits either way."""
+    from types import SimpleNamespace
+
+    from lightning_4d.memory.callback import MemoryBudgetExceeded, MemoryEstimatorCallback
+
+    callback = MemoryEstimatorCallback(device_memory="80GiB", host_memory=host_memory)
+    monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
+    job = ParallelConfig(
+        data_parallel_size=1,
+        tensor_parallel_size=4,
+        pipeline_parallel_size=2,
+        num_microbatches=4,
+        activation_offload_layers=10,
+    )
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(parallel_config=job),
+        precision="bf16-mixed",
+        datamodule=SimpleNamespace(micro_batch_size=1, seq_length=4096),
+        accumulate_grad_batches=1,
+        num_devices=8,
+    )
+    module = SimpleNamespace(model_config=LlamaConfig.from_preset("llama2-7b"))
+    if refused:
+        expected = r"activation offload would hold 23.77 GiB of host memory per node \(2.97 GiB per rank x 8"
+        with pytest.raises(MemoryBudgetExceeded, match=expected):
+            callback.setup(trainer, module, "fit")
+    else:
+        callback.setup(trainer, module, "fit")
+        assert callback.estimate.details["host_offloaded_activations"] * 8 < 0.8 * 256 * 2**30

@@ -194,11 +194,14 @@ class MemoryEstimatorCallback(L.Callback):
             :data:`~lightning_4d.memory.model.DEFAULT_EXPERT_LOAD_IMBALANCE`. ``FourDStrategy(memory_check=True)``
             adds the callback with the default; add your own ``MemoryEstimatorCallback(expert_load_imbalance=...)``
             to the trainer's callbacks to set it (the strategy then adds none).
+        host_memory: bytes or a size of the node's host memory, against which ``activation_offload_layers``'s
+            host copies are checked (the worst pp rank's ``host_offloaded_activations`` times the processes per
+            node, within ``budget``); default: the physical memory of this machine.
 
     Raises:
         MemoryBudgetExceeded: (in ``setup``) the estimate of the worst pipeline stage exceeds
             ``budget · device_memory``; the message gives its breakdown and up to three layouts of the same world
-            size that fit.
+            size that fit. Or, with activation offload, its host memory per node exceeds ``budget · host_memory``.
         ValueError: (at construction) a budget outside (0, 1], an unparsable ``device_memory``, an unknown formula,
             a ``micro_batch_size`` or ``seq_length`` that is not a positive int, an ``expert_load_imbalance`` below 1;
             (in ``setup``) on CUDA, a batch shape it cannot find (see above); with pp > 1, a first training batch
@@ -214,6 +217,7 @@ class MemoryEstimatorCallback(L.Callback):
         micro_batch_size: Optional[int] = None,
         seq_length: Optional[int] = None,
         expert_load_imbalance: Optional[float] = None,
+        host_memory: Union[None, int, str] = None,
     ) -> None:
         from lightning_4d.memory.model import check_expert_load_imbalance
 
@@ -235,6 +239,7 @@ class MemoryEstimatorCallback(L.Callback):
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length
         self.expert_load_imbalance = expert_load_imbalance
+        self.host_memory = parse_bytes(host_memory) if host_memory is not None else None
         self._fused_optimizer = True  # set per fit from the module (_steps_with_fused_adamw)
         self.estimate: Any = None
         self._said: set[str] = set()
@@ -362,6 +367,16 @@ class MemoryEstimatorCallback(L.Callback):
             f"{parallel_config.activation_checkpointing}, micro_batch_size={b}, seq_length={s} ({found}), "
             f"{precision}"
         )
+        if parallel_config.activation_offload_layers and self.formula == "lightning_4d":
+            from lightning_4d.memory.model import estimate_memory
+
+            host = max(  # the pp rank that offloads most (the first, with the most micro-batches in flight)
+                estimate_memory(
+                    cfg, parallel_config, b, s, precision, num_microbatches=m, pp_rank=r, device_type=device_type
+                ).details["host_offloaded_activations"]
+                for r in range(parallel_config.pp)
+            )
+            self._check_host(trainer, est, host, parallel_config, layout)
         if total <= limit:
             rank_zero_info(
                 f"MemoryEstimatorCallback ({self.formula}): {layout}: estimated peak {_size(total)} "
@@ -383,6 +398,29 @@ class MemoryEstimatorCallback(L.Callback):
         suggestions = self._suggest(trainer, cfg, b, s, precision, memory, device_type, gpu_name)
         lines += self._suggestion_lines(suggestions, parallel_config.world_size, b)
         raise MemoryBudgetExceeded("\n".join(lines), est, suggestions)
+
+    def _check_host(self, trainer: L.Trainer, est: Any, host: int, parallel_config: Any, layout: str) -> None:
+        """With ``activation_offload_layers``: the host memory the offloaded activations of the node's ranks take
+        (``host``: the most ``host_offloaded_activations`` of any pp rank, bytes, times the processes per node) must
+        fit ``budget · host_memory``.
+
+        Raises:
+            MemoryBudgetExceeded: it does not (the message names the bytes and a smaller offload).
+        """
+        offload = parallel_config.activation_offload_layers
+        memory = self.host_memory if self.host_memory is not None else _physical_memory()
+        per_node = host * trainer.num_devices
+        if per_node <= self.budget * memory:
+            return
+        raise MemoryBudgetExceeded(
+            f"activation offload would hold {_size(per_node)} of host memory per node ({_size(host)} per rank x "
+            f"{trainer.num_devices} processes), over the budget {_size(self.budget * memory)} "
+            f"({100 * self.budget:.0f}% of {_size(memory)} host memory) for {layout}, "
+            f"activation_offload_layers={offload} (nothing was allocated). Offload fewer layers, or pass "
+            "MemoryEstimatorCallback(host_memory=...) if this node has more memory than the process sees.",
+            est,
+            [],
+        )
 
     def _checkable_job(
         self, trainer: L.Trainer, pl_module: L.LightningModule
@@ -551,6 +589,13 @@ class MemoryEstimatorCallback(L.Callback):
         except ValueError as err:  # no suggestion is better than hiding the real error
             log.debug("no layout suggestions: %s", err)
             return []
+
+
+def _physical_memory() -> int:
+    """Bytes of physical memory of this machine (``sysconf``: pages x page size)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def add_memory_check(trainer: Optional[L.Trainer]) -> None:
