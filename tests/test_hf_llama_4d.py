@@ -19,6 +19,7 @@ LAYOUTS = {
         {"dp": 2, "zero": 3, "comm": True},
         {"tp": 2},
         {"tp": 2, "sp": False},
+        {"tp": 2, "offload": 2},  # activation offload of transformers' decoder layers (two of four)
         {"cp": 2},
         {"cp": 2, "method": "allgather"},
         {"pp": 2, "m": 2, "zero": 1},
@@ -79,6 +80,7 @@ def test_hf_llama_layout_matches_one_process(runs, index):
     assert len(record["losses"]) == 10
     assert record["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert weights < WEIGHT_ATOL
+    assert (record["host_offloaded"] > 0) == bool(layout.get("offload"))
     split = layout.get("tp", 1) > 1 or layout.get("cp", 1) > 1 or layout.get("pp", 1) > 1
     assert record["attention"] == ("lightning_4d" if split else "sdpa")
     if layout.get("pp", 1) > 1:

@@ -109,6 +109,7 @@ def main() -> None:
                 pipeline_schedule=layout.get("schedule", "1f1b"),
                 sequence_parallel=layout.get("sp"),
                 gradient_compression=layout.get("compress", "none"),
+                activation_offload_layers=layout.get("offload", 0),
                 process_group_backend="gloo",
                 timeout=timedelta(seconds=120),
             )
@@ -149,6 +150,8 @@ def main() -> None:
             split = {
                 "dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
                 "attention": module.model.config._attn_implementation,
+                # activation offload: the most host bytes held at once (0: it never ran)
+                "host_offloaded": getattr(getattr(trainer.strategy, "offload_stats", None), "peak", 0),
             }
             torch.save(
                 {
