@@ -57,6 +57,29 @@ def test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_
     assert one.peak == layer + saved["rope"]
 
 
+def test_mixture_of_experts_layers_offload_exactly():
+    """A tiny MoE (8 experts, top-2): its router's, dispatch's and experts' saved tensors go to host and come back;
+    the loss and every gradient (the layers inject the load-balancing loss' gradient themselves) the same bits."""
+    moe = LlamaConfig.from_preset("tiny-moe")
+    ids = torch.randint(0, moe.vocab_size, (2, 65), generator=torch.Generator().manual_seed(2))
+
+    def run(offload: list[int], stats: OffloadStats):
+        model = LlamaModel(moe, init_seed=5)
+        apply_activation_offload(model.layers, offload, stats)
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {canonical_name(n): p.grad for n, p in model.named_parameters()}
+
+    ref_loss, ref_grads = run([], OffloadStats())
+    stats = OffloadStats()
+    loss, grads = run([0, 1], stats)
+    assert stats.packed > 0 and stats.live == 0
+    assert torch.equal(loss, ref_loss)
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+
+
 def test_parameters_are_never_copied_to_host():
     """``32-true``: every ``mm`` saves its weight (a parameter view): the host bytes are those of the activations only
     (a layer's parameters: 4·(64·64·2 + 2·32·64 + 3·64·128 + 2·64) = 164,352 bytes, far beyond what a difference
