@@ -1,9 +1,11 @@
 """The prepared checks of a lent GPU, as one program (``benchmarks/gpu_check.sh`` runs it; docs/memory.md shows what
 it found).
 
-(a) ``lightning-4d measure --device cuda`` for per-rank layouts up to the GPU's size: llama3.1-8b and llama3-70b
-    ranks, and rank ``worst`` of llama3.1-405b tp8 pp16 s=8192 (Meta's layout) with full checkpointing and without;
-(b) ``benchmarks/gpu_step_time.py``: our single-GPU step against plain PyTorch (tokens/s, MFU), SDPA against eager;
+(a) ``lightning-4d measure --device cuda`` for per-rank layouts up to the GPU's size: llama3.1-8b (one with
+    activation offload) and llama3-70b ranks, and rank ``worst`` of llama3.1-405b tp8 pp16 s=8192 (Meta's layout)
+    with full checkpointing and without;
+(b) ``benchmarks/gpu_step_time.py``: our single-GPU step against plain PyTorch (tokens/s, MFU; also with half the
+    layers' activations offloaded), SDPA against eager;
 (c) ``benchmarks/memory_accuracy.py --write``: estimate against ``max_memory_allocated`` on one GPU, and the
     measured overhead allowance (CUDA context, fragmentation) written to ``lightning_4d/memory/overhead.json``
     (copied to the output folder);
@@ -46,6 +48,11 @@ GPU_ROWS = [
         "8b tp2 pp2 dp2 z1 1f1b m4",
         "--model llama3.1-8b --tp 2 --pp 2 --dp 2 --zero-stage 1 --seq-length 4096 "
         "--micro-batch-size 1 --num-microbatches 4",
+    ),
+    (
+        "8b tp2 pp2 dp2 z1 1f1b m4 offload 8",
+        "--model llama3.1-8b --tp 2 --pp 2 --dp 2 --zero-stage 1 --seq-length 4096 "
+        "--micro-batch-size 1 --num-microbatches 4 --activation-offload-layers 8",
     ),
     (
         "70b tp8 pp4 dp8 z1 s4096 m8",

@@ -7,7 +7,8 @@ Step time: for each (preset, b, s), ``--steps`` optimizer steps (the first ``--w
   loss (:func:`~lightning_4d.parallel.loss.causal_lm_loss`), ``torch.optim.AdamW(fused=True)``, a bare loop;
 - ``ours``: :class:`~lightning_4d.tasks.CausalLMModule` under ``Trainer(strategy=FourDStrategy(data_parallel_size=1,
   zero_stage=0, activation_checkpointing=...), precision="bf16-mixed")`` (bf16 weights + float32 master weights),
-  with ``none`` and ``selective`` checkpointing;
+  with ``none`` and ``selective`` checkpointing, and ``offload``: no checkpointing, half the layers' activations in
+  host memory (``activation_offload_layers``: the measured cost of its synchronous copies);
 
 each inside ``sdpa_kernel(FLASH_ATTENTION)`` (the flash backend or an error). Printed: median step time, tokens/s,
 MFU (``LlamaConfig.flops_per_token`` / the device's dense bf16 peak, ``lightning_4d.memory.hardware``), peak
@@ -92,7 +93,7 @@ def plain(cfg, b: int, s: int, steps: int, warmup: int, device: str) -> dict:
     return out
 
 
-def ours(cfg, b: int, s: int, steps: int, warmup: int, device: str, ac: str) -> dict:
+def ours(cfg, b: int, s: int, steps: int, warmup: int, device: str, ac: str, offload: int = 0) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
 
@@ -116,7 +117,13 @@ def ours(cfg, b: int, s: int, steps: int, warmup: int, device: str, ac: str) -> 
 
     _reset(device)
     module = CausalLMModule(cfg, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
-    strategy = FourDStrategy(data_parallel_size=1, zero_stage=0, activation_checkpointing=ac, memory_check=False)
+    strategy = FourDStrategy(
+        data_parallel_size=1,
+        zero_stage=0,
+        activation_checkpointing=ac,
+        activation_offload_layers=offload,
+        memory_check=False,
+    )
     trainer = L.Trainer(
         accelerator=device,
         devices=1,
@@ -194,7 +201,9 @@ def main() -> None:
             row["plain"] = plain(cfg, b, s, args.steps, args.warmup, device)
             for ac in ("none", "selective"):
                 row[f"ours_{ac}"] = ours(cfg, b, s, args.steps, args.warmup, device, ac)
-        for key in ("plain", "ours_none", "ours_selective"):
+            # half the layers' activations in host memory: the measured cost of the synchronous copies
+            row["ours_offload"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", cfg.num_layers // 2)
+        for key in ("plain", "ours_none", "ours_selective", "ours_offload"):
             r = row[key]
             r["tokens_per_s"] = b * s / r["step_s"]
             r["mfu"] = r["tokens_per_s"] * flops / peak if peak else None
