@@ -77,7 +77,9 @@ first one), and the estimate is the largest:
   ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.partition.loss_chunk_tokens`;
   a float32 gradient is computed in place), or instead the head's gradient (made once the loss' backward has
   freed the saved logits: the larger of the two; with one micro-batch per step at ZeRO 0/1, the head's gradient
-  + the gradient bucket made for it) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's gradient buckets
+  + the gradient bucket made for it) + compute copies + parameters gathered by FSDP2 (with the head's gradient; with
+  the loss' working set too, except at ZeRO 3 without pp, where every unit, the root included, is resharded after
+  its forward and the root is gathered again only once the loss' backward is done) + ZeRO 0/1's gradient buckets
   when the step has several micro-batches (a pipeline, gradient accumulation: the buckets exist from the first
   backward to the end of the optimizer step; with one micro-batch they are made during backward as the layers'
   activations are freed, which peaks at the end of backward) + one layer's context-parallel and expert-parallel
@@ -90,7 +92,15 @@ first one), and the estimate is the largest:
   several micro-batches per step);
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
-  hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
+  hook adds it to the bucket; 2: two FSDP2 units of unsharded gradients) + gathered parameters; at ZeRO 3 without
+  pp the larger of two moments (measured tensor by tensor on CPU; ``_buffer_terms``), each with the gradient shards
+  made so far (all but the root's), the gathered root and the reduce-scatter input FSDP2 keeps of the last unit
+  reduced (a layer's, in the reduce dtype): the first layer's backward (+ two gathered layer units + the head's
+  gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's
+  three: the head's, the embedding's and their sum);
+- end of forward (ZeRO 2/3 without pp): the activations (no layer recomputed) + the loss' forward chunk (float32
+  ``exp(x - max)``) + the previous step's gradient shards (Lightning calls ``zero_grad`` after ``training_step``) +
+  the parameters gathered while the loss runs;
 - optimizer step: the gradients + ZeRO-1's all-gather buckets + the optimizer's temporaries: none for
   ``torch.optim.AdamW(fused=True)`` (:class:`~lightning_4d.tasks.CausalLMModule`'s: one kernel updates each tensor
   in place; measured on CPU: no byte allocated during the step), one moment's bytes for ``AdamW(foreach=True)``
@@ -1283,6 +1293,18 @@ class _Buffers:
     #: the last stage under tp with sp: the working set of the LM head's backward beyond its saved input
     #: (:func:`_head_backward_transient`), 0 elsewhere
     head_backward: int = 0
+    #: FSDP2-gathered parameters while the loss runs (its forward and its backward): ``gathered_start`` but at
+    #: ZeRO 3 without pp, where every unit, the root included, is resharded after its forward (``fully_shard(...,
+    #: reshard_after_forward=True)`` given explicitly: torch keeps the root gathered only when the argument is left
+    #: to its default) and the root is gathered again when the loss' backward reaches the logits: 0
+    gathered_loss: int = 0
+    #: the last stage: the loss' forward working set beyond its saved tensors, one chunk's float32 ``exp(x - max)``
+    #: (``parallel/loss.py``), ``4·min(b·s/cp, loss_chunk_tokens(V/t))·V/t``
+    loss_forward: int = 0
+    #: ZeRO 2/3 without pp: the previous step's gradient shards, alive through the forward of every step after the
+    #: first (Lightning's automatic optimization calls ``zero_grad`` (set to None) after ``training_step``, before
+    #: ``backward``), 0 elsewhere
+    forward_gradients: int = 0
 
 
 def _head_backward_transient(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int) -> int:
@@ -1334,14 +1356,22 @@ def _buffer_terms(
     # unsharded gradients before reduce-scatter (bf16, then their float32 cast for the reduce-scatter)
     gather_bytes = dt.compute if dt.master else dt.param
     unsharded_grad_bytes = dt.compute + 4 if dt.master else dt.param
-    units: dict[str, list[int]] = {}  # representative layer -> [padded elements, layers like it]
+    reduce_bytes = 4 if dt.master else dt.param  # FSDP2's reduce dtype: its reduce-scatter input, gradient shards
+    units: dict[str, list[int]] = {}  # representative layer -> [padded elements, layers like it, shard elements]
     for p, count in params:
         if p.unit != "root":
-            units.setdefault(p.unit, [0, count])[0] += _padded_numel(p, world, pc.ep)
-    layer_numel = max((n for n, _ in units.values()), default=0)  # the largest FSDP2 layer unit
-    all_layers_numel = sum(n * count for n, count in units.values())
+            unit = units.setdefault(p.unit, [0, count, 0])
+            unit[0] += _padded_numel(p, world, pc.ep)
+            unit[2] += _fsdp_shard_numel(p, world, 0, pc.ep)  # rank 0's shard, the largest
+    layer_numel, _, layer_shard = max(units.values(), default=(0, 0, 0))  # the largest FSDP2 layer unit
+    all_layers_numel = sum(n * count for n, count, _ in units.values())
     root_numel = sum(_padded_numel(p, world, pc.ep) for p, _ in params if p.unit == "root")
     largest_layer, root = layer_numel * gather_bytes, root_numel * gather_bytes
+    head = next((p for p, _ in params if p.name == "output.weight"), None)
+    tied = head is None and last and cfg.tie_word_embeddings
+    if tied:
+        head = next(p for p, _ in params if p.name == "tok_embeddings.weight")
+    head_grad = head.numel * (dt.compute if dt.master and zero >= 2 else dt.param) if head is not None else 0
     gathered_start = gathered_end = grad_buffers = 0
     if zero >= 2 and pc.pp > 1:
         # under a pipeline schedule FSDP2 neither reshards after backward nor reduces gradients until the last
@@ -1355,8 +1385,29 @@ def _buffer_terms(
         gathered_end = root + largest_layer
     elif zero == 3:
         gathered_start = root + 2 * largest_layer  # root + the layer in backward + the prefetched one
-        gathered_end = root + 2 * largest_layer
-    if zero >= 2 and pc.pp == 1:
+        # the end of backward (measured tensor by tensor on CPU with lightning_4d.measure.LiveTensorBytes, tiny-test
+        # dp2 ZeRO 3 bf16-mixed, tied and untied head; torch 2.13's FSDPParamGroup.post_backward): a unit's
+        # unsharded gradients are copied, cast to the reduce dtype, into its reduce-scatter input, which FSDP2 keeps
+        # until the next unit's reduce-scatter (``comm_ctx.reduce_scatter_states``); the root's unsharded
+        # gradients are made by the head's backward and the embedding's and reduced last, when its gradient shard
+        # is made. Two moments, beside the gradient shards made so far and the gathered root:
+        # (a) the first layer's backward: the root's and the two layer units' gathered parameters (the layer in
+        #     backward, the prefetched one), the previous layer's reduce-scatter input, the head's gradient; neither
+        #     the root's gradient shard nor the first layer's exists yet;
+        # (b) the embedding's backward: the previous layer's reduce-scatter input, the root's unsharded gradients
+        #     (a tied weight: the head's gradient, the embedding's and their sum, AccumulateGrad adding out of
+        #     place); the root's gradient shard does not exist yet
+        grad_unsharded = dt.compute if dt.master else dt.param
+        root_shard = sum(_fsdp_shard_numel(p, world, 0, pc.ep) for p, _ in params if p.unit == "root")
+        root_grads = sum(p.numel for p, _ in params if p.unit == "root") * grad_unsharded
+        root_grads += 2 * head_grad if tied else 0
+        common = layer_numel * reduce_bytes - root_shard * reduce_bytes
+        first_layer = 2 * largest_layer + head_grad - layer_shard * reduce_bytes
+        if first_layer >= root_grads:
+            gathered_end, grad_buffers = root + 2 * largest_layer, common + head_grad - layer_shard * reduce_bytes
+        else:
+            gathered_end, grad_buffers = root, common + root_grads
+    if zero == 2 and pc.pp == 1:
         # root's unsharded gradients live to the end; 2 units in flight
         grad_buffers = (root_numel + 2 * layer_numel) * unsharded_grad_bytes
     elif zero <= 1:
@@ -1368,10 +1419,6 @@ def _buffer_terms(
             # one bucket at a time: its float32 M (gradient + error), the approximation and the new error
             largest = max((p.numel for p, _ in params), default=0)
             grad_buffers += 3 * 4 * max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.gradients // dt.grad), largest)
-    head = next((p for p, _ in params if p.name == "output.weight"), None)
-    if head is None and last and cfg.tie_word_embeddings:
-        head = next(p for p, _ in params if p.name == "tok_embeddings.weight")
-    head_grad = head.numel * (dt.compute if dt.master and zero >= 2 else dt.param) if head is not None else 0
     # PipelineStage allocates, once, a receive buffer per micro-batch for the activations of every stage but the
     # first and for the gradients of every stage but the last (one micro-batch's hidden states each, in the residual
     # stream's dtype, sequence-sharded under sp)
@@ -1409,6 +1456,8 @@ def _buffer_terms(
         first_bucket *= dt.grad
     head_transient = _head_backward_transient(cfg, pc, dt, b, s) if last else 0
     embedding_grad = dt.compute * cfg.padded_vocab_size * cfg.hidden_size if pc.tp > 1 and first else 0
+    local_vocab = cfg.padded_vocab_size // pc.tp
+    loss_forward = 4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0
     return _Buffers(
         gathered_start,
         gathered_end,
@@ -1422,6 +1471,9 @@ def _buffer_terms(
         embedding_grad,
         first_bucket=first_bucket,
         head_backward=head_transient,
+        gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
+        loss_forward=loss_forward,
+        forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
     )
 
 
@@ -1452,9 +1504,8 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         # the loss' backward (its working set beside the saved logits) ends before the head's weight gradient exists,
         # and frees the saved logits (at least as large as the head's gradient for s >= h): the larger of the two
         "backward start": act.activations
-        + max(act.logits, buf.head_gradient + buf.first_bucket)
+        + max(act.logits + buf.gathered_loss, buf.head_gradient + buf.first_bucket + buf.gathered_start)
         + act.compute_weights
-        + buf.gathered_start
         + buf.pipeline
         + buf.context_parallel
         + buf.expert_parallel
@@ -1466,6 +1517,19 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         + buf.embedding_gradient,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
+    if buf.forward_gradients:
+        # the loss' forward at ZeRO 2/3 without pp: every saved tensor but a recomputed layer's, the loss' chunk, the
+        # previous step's gradient shards (freed by zero_grad only after the forward)
+        phases["forward end"] = (
+            act.activations
+            - act.recompute
+            + buf.loss_forward
+            + buf.forward_gradients
+            + act.compute_weights
+            + buf.gathered_loss
+            + buf.context_parallel
+            + buf.expert_parallel
+        )
     if buf.head_backward:
         # the LM head's backward (tp with sp, last stage): the loss' backward has freed what it saved but the labels
         # (the batch holds them), the logits' gradient (compute dtype) is alive, the head's weight gradient is made;
