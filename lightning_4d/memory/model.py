@@ -1401,6 +1401,8 @@ def _buffer_terms(
         root_shard = sum(_fsdp_shard_numel(p, world, 0, pc.ep) for p, _ in params if p.unit == "root")
         root_grads = sum(p.numel for p, _ in params if p.unit == "root") * grad_unsharded
         root_grads += 2 * head_grad if tied else 0
+        if m > 1:  # gradient accumulation: every gradient shard exists from the first micro-batch's backward on
+            root_shard = layer_shard = 0
         common = layer_numel * reduce_bytes - root_shard * reduce_bytes
         first_layer = 2 * largest_layer + head_grad - layer_shard * reduce_bytes
         if first_layer >= root_grads:
@@ -1439,7 +1441,8 @@ def _buffer_terms(
     # head's) is made, while the saved activations are all alive: the rest appear as backward frees the layers'
     # activations (the sum of the two is linear over the layers, largest at an end: the backward end phase)
     resident = first_bucket = 0
-    if zero <= 1 and (pc.pp > 1 or m > 1):
+    if zero <= 1 and (pc.pp > 1 or m > 1) or zero >= 2 and pc.pp == 1 and m > 1:
+        # (ZeRO 2/3 accumulating over m > 1 micro-batches: FSDP2's gradient shards, from the first backward on)
         resident = states.gradients
     elif zero <= 1:
         first_bucket = _first_bucket_elements(
