@@ -122,7 +122,7 @@ def test_plan_llama4_scout_on_32_h100_lists_ep_layouts(capsys):
     expert bytes, where dim-0 sharding put a whole expert per layer on one rank of each expert data-parallel pair and
     none on the other (least memory then 88.5 GiB; then 74.8 GiB, ZeRO 3 dp32 ep16). Since the ZeRO 3 phases follow
     what is measured alive on CPU (issue 25: no 2 units of unsharded gradients and their float32 casts at the end of
-    backward) the least memory is 63.0 GiB (ZeRO 3 cp4 dp8 ep16, b=1), within 80% of 80 GiB in bf16-mixed (16
+    backward) the least memory is 63.0 GiB (ZeRO 3 cp4 dp8 ep16), within 80% of 80 GiB in bf16-mixed (16
     bytes of float32 states per parameter: 50.2 GiB of the 64 GiB; docs/moe.md, Limits), and ``plan --budget 0.95``
     lists the ep layouts, with their JSON fields. tp1 pp1 only, for time (0.5 s instead of
     60 s; the least memory of all layouts is the same layout, measured)."""

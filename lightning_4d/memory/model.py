@@ -69,21 +69,22 @@ log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs and rsqrt, the matmul inputs
 casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product; autocast's weight copies and ``"allgather"``'s
 gathered K/V are made again there as under full checkpointing.
 
-**Peak** (:class:`MemoryEstimate`): memory moves through three phases of a step (and initialization before the
+**Peak** (:class:`MemoryEstimate`): memory moves through the phases of a step (and initialization before the
 first one), and the estimate is the largest:
 
-- start of backward: activations + the loss's backward working set (the logits' gradient in the compute dtype,
-  ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax, ``4·n·V/t`` with
-  ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.partition.loss_chunk_tokens`;
-  a float32 gradient is computed in place), or instead the head's gradient (made once the loss' backward has
-  freed the saved logits: the larger of the two; with one micro-batch per step at ZeRO 0/1, the head's gradient
-  + the gradient bucket made for it) + compute copies + parameters gathered by FSDP2 (with the head's gradient; with
-  the loss' working set too, except at ZeRO 3 without pp, where every unit, the root included, is resharded after
-  its forward and the root is gathered again only once the loss' backward is done) + ZeRO 0/1's gradient buckets
-  when the step has several micro-batches (a pipeline, gradient accumulation: the buckets exist from the first
-  backward to the end of the optimizer step; with one micro-batch they are made during backward as the layers'
-  activations are freed, which peaks at the end of backward) + one layer's context-parallel and expert-parallel
-  (all-to-all receive buffers at the stated load, :func:`_expert_parallel_buffers`) transients;
+- start of backward: activations (no layer recomputed yet) + the loss's backward working set (the logits' gradient
+  in the compute dtype, ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax,
+  ``4·n·V/t`` with ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB,
+  :func:`lightning_4d.partition.loss_chunk_tokens`; a float32 gradient is computed in place), or instead the head's
+  gradient (made once the loss' backward has freed the saved logits: the larger of the two; with one micro-batch per
+  step at ZeRO 0/1, the head's gradient + the gradient bucket made for it) + compute copies + parameters gathered by
+  FSDP2 (with the head's gradient; with the loss' working set too, except at ZeRO 3 without pp, where every unit,
+  the root included, is resharded after its forward and the root is gathered again only once the loss' backward is
+  done) + ZeRO 0/1's gradient buckets when the step has several micro-batches (a pipeline, gradient accumulation:
+  the buckets exist from the first backward to the end of the optimizer step; with one micro-batch they are made
+  during backward as the layers' activations are freed, which peaks at the end of backward) + one layer's
+  context-parallel and expert-parallel (all-to-all receive buffers at the stated load,
+  :func:`_expert_parallel_buffers`) transients;
 - head backward (the last stage under tp with sp; :func:`_head_backward_transient`): the activations (without a
   layer's recomputed set: none is being recomputed yet) less what the loss' backward freed (all it saved but the
   labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of the head's
@@ -98,6 +99,11 @@ first one), and the estimate is the largest:
   reduced (a layer's, in the reduce dtype): the first layer's backward (+ two gathered layer units + the head's
   gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's
   three: the head's, the embedding's and their sum);
+- recompute (activation checkpointing): the first checkpointed layer's backward, where the step's peak was measured
+  on CPU (full and selective, tp 1 and 2, ZeRO 0, 1 and 3): the activations with one layer's recomputed set, less
+  what the loss' backward freed (all it saved but the labels), + the gradient of the layer's output and ``w2``'s
+  input gradient (its first backward op: ``_recompute_backward``) + the gradient bucket made for the head's gradient
+  (ZeRO 0/1, one micro-batch) + gathered parameters + ZeRO 0/1's buckets (several micro-batches per step);
 - end of forward (ZeRO 2/3 without pp): the activations (no layer recomputed) + the loss' forward chunk (float32
   ``exp(x - max)``) + the previous step's gradient shards (Lightning calls ``zero_grad`` after ``training_step``) +
   the parameters gathered while the loss runs;
@@ -1305,6 +1311,10 @@ class _Buffers:
     #: first (Lightning's automatic optimization calls ``zero_grad`` (set to None) after ``training_step``, before
     #: ``backward``), 0 elsewhere
     forward_gradients: int = 0
+    #: under activation checkpointing, the first backward op of a recomputed layer beyond its recomputed set: the
+    #: gradient reaching the layer's output (residual dtype, ``[b, s/cp, h]``, ``/t`` under sp) and ``w2``'s input
+    #: gradient (compute dtype, ``[b, s/cp, f/t]``); 0 without checkpointing
+    recompute_backward: int = 0
 
 
 def _head_backward_transient(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int) -> int:
@@ -1477,7 +1487,21 @@ def _buffer_terms(
         gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
         loss_forward=loss_forward,
         forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
+        recompute_backward=_recompute_backward(cfg, pc, dt, b, s),
     )
+
+
+def _recompute_backward(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int) -> int:
+    """Bytes the first backward op of a checkpointed layer makes beside its recomputed set (``_Buffers``'s
+    ``recompute_backward``). Measured on CPU (``lightning-4d measure``, tiny-test tp2 b=4 s=256 ``32-true``, full
+    checkpointing; ``LiveTensorBytes``): the peak of the step is there, at the last layer's ``w2`` backward, with the
+    gradient of the layer's output ``[4, 128, 64]`` and ``w2``'s input gradient ``[1024, 64]`` (float32) alive beside
+    the recomputed tensors."""
+    if pc.activation_checkpointing == "none":
+        return 0
+    tokens = b * (s // pc.cp)
+    output_grad = dt.residual * tokens * cfg.hidden_size // (pc.tp if pc.sp else 1)
+    return output_grad + dt.compute * tokens * cfg.intermediate_size // pc.tp
 
 
 def _initialization_bytes(
@@ -1502,16 +1526,17 @@ def _initialization_bytes(
 def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initialization: int = 0) -> dict[str, int]:
     """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**);
     ``initialization``: :func:`_initialization_bytes` (before the first step: no optimizer states yet)."""
+    # alive through forward and backward: autocast's weight copies, pipeline receive buffers, one layer's
+    # context-parallel and expert-parallel transients
+    layer_transients = act.compute_weights + buf.pipeline + buf.context_parallel + buf.expert_parallel
     phases = {
         "initialization": initialization - states.parameters - states.optimizer_states,
         # the loss' backward (its working set beside the saved logits) ends before the head's weight gradient exists,
         # and frees the saved logits (at least as large as the head's gradient for s >= h): the larger of the two
         "backward start": act.activations
+        - act.recompute
         + max(act.logits + buf.gathered_loss, buf.head_gradient + buf.first_bucket + buf.gathered_start)
-        + act.compute_weights
-        + buf.pipeline
-        + buf.context_parallel
-        + buf.expert_parallel
+        + layer_transients
         + buf.resident_gradients,
         "backward end": states.gradients
         + buf.gradient_buffers
@@ -1520,6 +1545,19 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         + buf.embedding_gradient,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
+    if act.recompute:
+        # the first checkpointed layer's backward: its recomputed set, the first op's gradients, the gradient bucket
+        # made for the head's gradient (ZeRO 0/1, one micro-batch); the loss' backward has freed what it saved but
+        # the labels
+        phases["recompute"] = (
+            act.activations
+            - act.loss_freed
+            + buf.recompute_backward
+            + layer_transients
+            + buf.gathered_start
+            + buf.resident_gradients
+            + buf.first_bucket
+        )
     if buf.forward_gradients:
         # the loss' forward at ZeRO 2/3 without pp: every saved tensor but a recomputed layer's, the loss' chunk, the
         # previous step's gradient shards (freed by zero_grad only after the forward)
@@ -1528,10 +1566,8 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
             - act.recompute
             + buf.loss_forward
             + buf.forward_gradients
-            + act.compute_weights
+            + layer_transients
             + buf.gathered_loss
-            + buf.context_parallel
-            + buf.expert_parallel
         )
     if buf.head_backward:
         # the LM head's backward (tp with sp, last stage): the loss' backward has freed what it saved but the labels
