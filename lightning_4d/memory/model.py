@@ -69,19 +69,22 @@ log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs and rsqrt, the matmul inputs
 casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product; autocast's weight copies and ``"allgather"``'s
 gathered K/V are made again there as under full checkpointing.
 
-**Peak** (:class:`MemoryEstimate`): memory moves through three phases of a step (and initialization before the
+**Peak** (:class:`MemoryEstimate`): memory moves through the phases of a step (and initialization before the
 first one), and the estimate is the largest:
 
-- start of backward: activations + the loss's backward working set (the logits' gradient in the compute dtype,
-  ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax, ``4·n·V/t`` with
-  ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB, :func:`lightning_4d.partition.loss_chunk_tokens`;
-  a float32 gradient is computed in place), or instead the head's gradient (made once the loss' backward has
-  freed the saved logits: the larger of the two; with one micro-batch per step at ZeRO 0/1, the head's gradient
-  + the gradient bucket made for it) + compute copies + parameters gathered by FSDP2 + ZeRO 0/1's gradient buckets
-  when the step has several micro-batches (a pipeline, gradient accumulation: the buckets exist from the first
-  backward to the end of the optimizer step; with one micro-batch they are made during backward as the layers'
-  activations are freed, which peaks at the end of backward) + one layer's context-parallel and expert-parallel
-  (all-to-all receive buffers at the stated load, :func:`_expert_parallel_buffers`) transients;
+- start of backward: activations (no layer recomputed yet) + the loss's backward working set (the logits' gradient
+  in the compute dtype, ``c·b·s·V/t``, + when the compute dtype is not float32 one chunk's float32 softmax,
+  ``4·n·V/t`` with ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB,
+  :func:`lightning_4d.partition.loss_chunk_tokens`; a float32 gradient is computed in place), or instead the head's
+  gradient (made once the loss' backward has freed the saved logits: the larger of the two; with one micro-batch per
+  step at ZeRO 0/1, the head's gradient + the gradient bucket made for it) + compute copies + parameters gathered by
+  FSDP2 (with the head's gradient; with the loss' working set too, except at ZeRO 3 without pp, where every unit,
+  the root included, is resharded after its forward and the root is gathered again only once the loss' backward is
+  done) + ZeRO 0/1's gradient buckets when the step has several micro-batches (a pipeline, gradient accumulation:
+  the buckets exist from the first backward to the end of the optimizer step; with one micro-batch they are made
+  during backward as the layers' activations are freed, which peaks at the end of backward) + one layer's
+  context-parallel and expert-parallel (all-to-all receive buffers at the stated load,
+  :func:`_expert_parallel_buffers`) transients;
 - head backward (the last stage under tp with sp; :func:`_head_backward_transient`): the activations (without a
   layer's recomputed set: none is being recomputed yet) less what the loss' backward freed (all it saved but the
   labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of the head's
@@ -90,7 +93,20 @@ first one), and the estimate is the largest:
   several micro-batches per step);
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
-  hook adds it to the bucket; 2/3: two FSDP2 units of unsharded gradients) + gathered parameters;
+  hook adds it to the bucket; 2: two FSDP2 units of unsharded gradients) + gathered parameters; at ZeRO 3 without
+  pp the larger of two moments (measured tensor by tensor on CPU; ``_buffer_terms``), each with the gradient shards
+  made so far (all but the root's), the gathered root and the reduce-scatter input FSDP2 keeps of the last unit
+  reduced (a layer's, in the reduce dtype): the first layer's backward (+ two gathered layer units + the head's
+  gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's
+  three: the head's, the embedding's and their sum);
+- recompute (activation checkpointing): the first checkpointed layer's backward, where the step's peak was measured
+  on CPU (full and selective, tp 1 and 2, ZeRO 0, 1 and 3): the activations with one layer's recomputed set, less
+  what the loss' backward freed (all it saved but the labels), + the gradient of the layer's output and ``w2``'s
+  input gradient (its first backward op: ``_recompute_backward``) + the gradient bucket made for the head's gradient
+  (ZeRO 0/1, one micro-batch) + gathered parameters + ZeRO 0/1's buckets (several micro-batches per step);
+- end of forward (ZeRO 2/3 without pp): the activations (no layer recomputed) + the loss' forward chunk (float32
+  ``exp(x - max)``) + the previous step's gradient shards (Lightning calls ``zero_grad`` after ``training_step``) +
+  the parameters gathered while the loss runs;
 - optimizer step: the gradients + ZeRO-1's all-gather buckets + the optimizer's temporaries: none for
   ``torch.optim.AdamW(fused=True)`` (:class:`~lightning_4d.tasks.CausalLMModule`'s: one kernel updates each tensor
   in place; measured on CPU: no byte allocated during the step), one moment's bytes for ``AdamW(foreach=True)``
@@ -1203,6 +1219,7 @@ class _Activations:
     logits_gradient: int = 0  # the logits' gradient in the compute dtype, last stage
     recompute: int = 0  # one layer's recomputed (or offloaded, brought back) set, made only in its backward
     offloaded: int = 0  # host memory: the saved tensors of the offloaded layers' in-flight micro-batches
+    head_freed: int = 0  # a wholly offloaded last stage: the head's saved tensors, freed before its layers' backward
 
 
 def _offloaded_per_stage(pc: ParallelConfig, stages: list, per_layer: float, rope: int) -> list[float]:
@@ -1290,18 +1307,17 @@ def _activation_terms(
     else:
         peak = sum(c * size for c, size in zip(counts, sizes))
         host_bytes = sum(c * x for c, x in zip(counts, host))
-    # an offloaded layer's backward brings its saved tensors back node by node, each dropped after its node: the
-    # largest node's set, attention's (q, k, v, output, log-sum-exp) or the SwiGLU product's two inputs. Only a
-    # stage offloaded whole adds it to the peak: otherwise its last layer (the first one backward) is not offloaded,
-    # and by the time an offloaded layer's backward runs that layer's saved set (larger) is freed (measured on CPU:
-    # tiny-test with 1 of 2 layers offloaded peaks exactly one layer's saved bytes below no offload). Counted at
-    # backward start, where the loss' and the head's saved tensors are still alive: exact in 32-true, 10% over the
-    # measured peak in bf16-mixed (tiny-test, 2 of 2 layers offloaded, b=2 s=256: 2,965,888 vs 2,696,792 bytes),
-    # where the transient comes after the loss' working set is freed (an upper bound, kept simple)
+    # an offloaded layer's backward brings its saved tensors back node by node, each dropped after its node. Only a
+    # stage offloaded whole adds that to its peak: otherwise its last layer (the first one backward) is not
+    # offloaded, and by the time an offloaded layer's backward runs that layer's saved set (larger) is freed
+    # (measured on CPU: tiny-test with 1 of 2 layers offloaded peaks exactly one layer's saved bytes below no
+    # offload). Offloaded whole, the peak is in the last layer's SwiGLU product backward (measured, LiveTensorBytes at
+    # the peak: ``aten.mul``): its two inputs brought back (``swiglu // 2``, here in ``recompute``) beside the
+    # product's gradient and the two it makes (``_recompute_backward``), after the loss and the head freed their
+    # saved tensors (``head_freed``)
     unpacked = 0
     if any(whole):
-        parts = _layer_saved_parts(cfg, dt, b, s // pc.cp, tp, pc.sp)
-        unpacked = max(parts["sdpa"], parts["swiglu"] // 2)
+        unpacked = _layer_saved_parts(cfg, dt, b, s // pc.cp, tp, pc.sp)["swiglu"] // 2
     recompute = saved["recompute"] + unpacked
     activations = int(peak) + (saved["rope"] if pc.pp == 1 and not any(whole) else 0) + recompute
     in_flight = sum(c * len(layers) for c, (_, layers) in zip(counts, stages)) / max(1, n_layers)
@@ -1316,8 +1332,9 @@ def _activation_terms(
         compute_weights = int(compute_weights * in_flight)
     loss_freed = saved["loss"] - 8 * tokens if last else 0  # the labels (int64) stay with the batch
     gradient = dt.compute * tokens * local_vocab if last else 0
+    head_freed = saved["head"] if last and unpacked else 0
     return _Activations(
-        activations, logits, compute_weights, in_flight, loss_freed, gradient, recompute, int(host_bytes)
+        activations, logits, compute_weights, in_flight, loss_freed, gradient, recompute, int(host_bytes), head_freed
     )
 
 
@@ -1345,6 +1362,22 @@ class _Buffers:
     #: the last stage under tp with sp: the working set of the LM head's backward beyond its saved input
     #: (:func:`_head_backward_transient`), 0 elsewhere
     head_backward: int = 0
+    #: FSDP2-gathered parameters while the loss runs (its forward and its backward): ``gathered_start`` but at
+    #: ZeRO 3 without pp, where every unit, the root included, is resharded after its forward (``fully_shard(...,
+    #: reshard_after_forward=True)`` given explicitly: torch keeps the root gathered only when the argument is left
+    #: to its default) and the root is gathered again when the loss' backward reaches the logits: 0
+    gathered_loss: int = 0
+    #: the last stage: the loss' forward working set beyond its saved tensors, one chunk's float32 ``exp(x - max)``
+    #: (``parallel/loss.py``), ``4·min(b·s/cp, loss_chunk_tokens(V/t))·V/t``
+    loss_forward: int = 0
+    #: ZeRO 2/3 without pp: the previous step's gradient shards, alive through the forward of every step after the
+    #: first (Lightning's automatic optimization calls ``zero_grad`` (set to None) after ``training_step``, before
+    #: ``backward``), 0 elsewhere
+    forward_gradients: int = 0
+    #: under activation checkpointing, the first backward op of a recomputed layer beyond its recomputed set: the
+    #: gradient reaching the layer's output (residual dtype, ``[b, s/cp, h]``, ``/t`` under sp) and ``w2``'s input
+    #: gradient (compute dtype, ``[b, s/cp, f/t]``); 0 without checkpointing
+    recompute_backward: int = 0
 
 
 def _head_backward_transient(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int) -> int:
@@ -1396,14 +1429,22 @@ def _buffer_terms(
     # unsharded gradients before reduce-scatter (bf16, then their float32 cast for the reduce-scatter)
     gather_bytes = dt.compute if dt.master else dt.param
     unsharded_grad_bytes = dt.compute + 4 if dt.master else dt.param
-    units: dict[str, list[int]] = {}  # representative layer -> [padded elements, layers like it]
+    reduce_bytes = 4 if dt.master else dt.param  # FSDP2's reduce dtype: its reduce-scatter input, gradient shards
+    units: dict[str, list[int]] = {}  # representative layer -> [padded elements, layers like it, shard elements]
     for p, count in params:
         if p.unit != "root":
-            units.setdefault(p.unit, [0, count])[0] += _padded_numel(p, world, pc.ep)
-    layer_numel = max((n for n, _ in units.values()), default=0)  # the largest FSDP2 layer unit
-    all_layers_numel = sum(n * count for n, count in units.values())
+            unit = units.setdefault(p.unit, [0, count, 0])
+            unit[0] += _padded_numel(p, world, pc.ep)
+            unit[2] += _fsdp_shard_numel(p, world, 0, pc.ep)  # rank 0's shard, the largest
+    layer_numel, _, layer_shard = max(units.values(), default=(0, 0, 0))  # the largest FSDP2 layer unit
+    all_layers_numel = sum(n * count for n, count, _ in units.values())
     root_numel = sum(_padded_numel(p, world, pc.ep) for p, _ in params if p.unit == "root")
     largest_layer, root = layer_numel * gather_bytes, root_numel * gather_bytes
+    head = next((p for p, _ in params if p.name == "output.weight"), None)
+    tied = head is None and last and cfg.tie_word_embeddings
+    if tied:
+        head = next(p for p, _ in params if p.name == "tok_embeddings.weight")
+    head_grad = head.numel * (dt.compute if dt.master and zero >= 2 else dt.param) if head is not None else 0
     gathered_start = gathered_end = grad_buffers = 0
     if zero >= 2 and pc.pp > 1:
         # under a pipeline schedule FSDP2 neither reshards after backward nor reduces gradients until the last
@@ -1417,8 +1458,31 @@ def _buffer_terms(
         gathered_end = root + largest_layer
     elif zero == 3:
         gathered_start = root + 2 * largest_layer  # root + the layer in backward + the prefetched one
-        gathered_end = root + 2 * largest_layer
-    if zero >= 2 and pc.pp == 1:
+        # the end of backward (measured tensor by tensor on CPU with lightning_4d.measure.LiveTensorBytes, tiny-test
+        # dp2 ZeRO 3 bf16-mixed, tied and untied head; torch 2.13's FSDPParamGroup.post_backward): a unit's
+        # unsharded gradients are copied, cast to the reduce dtype, into its reduce-scatter input, which FSDP2 keeps
+        # until the next unit's reduce-scatter (``comm_ctx.reduce_scatter_states``); the root's unsharded
+        # gradients are made by the head's backward and the embedding's and reduced last, when its gradient shard
+        # is made. Two moments, beside the gradient shards made so far and the gathered root:
+        # (a) the first layer's backward: the root's and the two layer units' gathered parameters (the layer in
+        #     backward, the prefetched one), the previous layer's reduce-scatter input, the head's gradient; neither
+        #     the root's gradient shard nor the first layer's exists yet;
+        # (b) the embedding's backward: the previous layer's reduce-scatter input, the root's unsharded gradients
+        #     (a tied weight: the head's gradient, the embedding's and their sum, AccumulateGrad adding out of
+        #     place); the root's gradient shard does not exist yet
+        grad_unsharded = dt.compute if dt.master else dt.param
+        root_shard = sum(_fsdp_shard_numel(p, world, 0, pc.ep) for p, _ in params if p.unit == "root")
+        root_grads = sum(p.numel for p, _ in params if p.unit == "root") * grad_unsharded
+        root_grads += 2 * head_grad if tied else 0
+        if m > 1:  # gradient accumulation: every gradient shard exists from the first micro-batch's backward on
+            root_shard = layer_shard = 0
+        common = layer_numel * reduce_bytes - root_shard * reduce_bytes
+        first_layer = 2 * largest_layer + head_grad - layer_shard * reduce_bytes
+        if first_layer >= root_grads:
+            gathered_end, grad_buffers = root + 2 * largest_layer, common + head_grad - layer_shard * reduce_bytes
+        else:
+            gathered_end, grad_buffers = root, common + root_grads
+    if zero == 2 and pc.pp == 1:
         # root's unsharded gradients live to the end; 2 units in flight
         grad_buffers = (root_numel + 2 * layer_numel) * unsharded_grad_bytes
     elif zero <= 1:
@@ -1430,10 +1494,6 @@ def _buffer_terms(
             # one bucket at a time: its float32 M (gradient + error), the approximation and the new error
             largest = max((p.numel for p, _ in params), default=0)
             grad_buffers += 3 * 4 * max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.gradients // dt.grad), largest)
-    head = next((p for p, _ in params if p.name == "output.weight"), None)
-    if head is None and last and cfg.tie_word_embeddings:
-        head = next(p for p, _ in params if p.name == "tok_embeddings.weight")
-    head_grad = head.numel * (dt.compute if dt.master and zero >= 2 else dt.param) if head is not None else 0
     # PipelineStage allocates, once, a receive buffer per micro-batch for the activations of every stage but the
     # first and for the gradients of every stage but the last (one micro-batch's hidden states each, in the residual
     # stream's dtype, sequence-sharded under sp)
@@ -1454,7 +1514,8 @@ def _buffer_terms(
     # head's) is made, while the saved activations are all alive: the rest appear as backward frees the layers'
     # activations (the sum of the two is linear over the layers, largest at an end: the backward end phase)
     resident = first_bucket = 0
-    if zero <= 1 and (pc.pp > 1 or m > 1):
+    if zero <= 1 and (pc.pp > 1 or m > 1) or zero >= 2 and pc.pp == 1 and m > 1:
+        # (ZeRO 2/3 accumulating over m > 1 micro-batches: FSDP2's gradient shards, from the first backward on)
         resident = states.gradients
     elif zero <= 1:
         first_bucket = _first_bucket_elements(
@@ -1471,6 +1532,8 @@ def _buffer_terms(
         first_bucket *= dt.grad
     head_transient = _head_backward_transient(cfg, pc, dt, b, s) if last else 0
     embedding_grad = dt.compute * cfg.padded_vocab_size * cfg.hidden_size if pc.tp > 1 and first else 0
+    local_vocab = cfg.padded_vocab_size // pc.tp
+    loss_forward = 4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0
     return _Buffers(
         gathered_start,
         gathered_end,
@@ -1484,7 +1547,39 @@ def _buffer_terms(
         embedding_grad,
         first_bucket=first_bucket,
         head_backward=head_transient,
+        gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
+        loss_forward=loss_forward,
+        forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
+        recompute_backward=_recompute_backward(cfg, pc, dt, b, s, _offloaded_whole(cfg, pc, pp_rank)),
     )
+
+
+def _offloaded_whole(cfg: Any, pc: ParallelConfig, pp_rank: int) -> bool:
+    """Whether pp rank ``pp_rank`` holds a pipeline stage whose layers are all offloaded
+    (``activation_offload_layers``): the last layer's backward then brings saved tensors back from host."""
+    k = pc.activation_offload_layers
+    return bool(k) and any(0 < len(layers) <= k for _, layers in pc.rank_stages(cfg.num_layers, pp_rank))
+
+
+def _recompute_backward(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, offloaded: bool = False) -> int:
+    """Bytes the first backward op of a checkpointed layer makes beside its recomputed set (``_Buffers``'s
+    ``recompute_backward``), and of an offloaded layer (``offloaded``: a stage offloaded whole) beside the saved
+    tensors it brings back. Measured on CPU (``lightning-4d measure``, tiny-test tp2 b=4 s=256 ``32-true``, full
+    checkpointing; ``LiveTensorBytes``): the peak of the step is there, at the last layer's ``w2`` backward, with the
+    gradient of the layer's output ``[4, 128, 64]`` and ``w2``'s input gradient ``[1024, 64]`` (float32) alive beside
+    the recomputed tensors."""
+    if pc.activation_checkpointing == "none" and not offloaded:
+        return 0
+    tokens = b * (s // pc.cp)
+    output_grad = dt.residual * tokens * cfg.hidden_size // (pc.tp if pc.sp else 1)
+    if not offloaded:
+        return output_grad + dt.compute * tokens * cfg.intermediate_size // pc.tp
+    # offloaded: the SwiGLU product's backward, the product's gradient and the two it makes (``[T, f/t]`` each); under
+    # sp the w1/w3 backward after it also holds the input gathered again and the sum of the two partial input
+    # gradients (``[T, h]`` each; measured: tiny-test tp2 b=2 s=256 bf16-mixed, both layers offloaded, the peak at
+    # ``parallel/tensor.py``'s ``sum(g @ w)``)
+    gathered = 2 * dt.compute * tokens * cfg.hidden_size if pc.sp else 0
+    return output_grad + 3 * dt.compute * tokens * cfg.intermediate_size // pc.tp + gathered
 
 
 def _initialization_bytes(
@@ -1509,17 +1604,17 @@ def _initialization_bytes(
 def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initialization: int = 0) -> dict[str, int]:
     """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**);
     ``initialization``: :func:`_initialization_bytes` (before the first step: no optimizer states yet)."""
+    # alive through forward and backward: autocast's weight copies, pipeline receive buffers, one layer's
+    # context-parallel and expert-parallel transients
+    layer_transients = act.compute_weights + buf.pipeline + buf.context_parallel + buf.expert_parallel
     phases = {
         "initialization": initialization - states.parameters - states.optimizer_states,
         # the loss' backward (its working set beside the saved logits) ends before the head's weight gradient exists,
         # and frees the saved logits (at least as large as the head's gradient for s >= h): the larger of the two
         "backward start": act.activations
-        + max(act.logits, buf.head_gradient + buf.first_bucket)
-        + act.compute_weights
-        + buf.gathered_start
-        + buf.pipeline
-        + buf.context_parallel
-        + buf.expert_parallel
+        - act.recompute
+        + max(act.logits + buf.gathered_loss, buf.head_gradient + buf.first_bucket + buf.gathered_start)
+        + layer_transients
         + buf.resident_gradients,
         "backward end": states.gradients
         + buf.gradient_buffers
@@ -1528,6 +1623,31 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         + buf.embedding_gradient,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
+    if act.recompute:
+        # the first checkpointed layer's backward: its recomputed set, the first op's gradients, the gradient bucket
+        # made for the head's gradient (ZeRO 0/1, one micro-batch); the loss' backward has freed what it saved but
+        # the labels
+        phases["recompute"] = (
+            act.activations
+            - act.loss_freed
+            - act.head_freed
+            + buf.recompute_backward
+            + layer_transients
+            + buf.gathered_start
+            + buf.resident_gradients
+            + buf.first_bucket
+        )
+    if buf.forward_gradients:
+        # the loss' forward at ZeRO 2/3 without pp: every saved tensor but a recomputed layer's, the loss' chunk, the
+        # previous step's gradient shards (freed by zero_grad only after the forward)
+        phases["forward end"] = (
+            act.activations
+            - act.recompute
+            + buf.loss_forward
+            + buf.forward_gradients
+            + layer_transients
+            + buf.gathered_loss
+        )
     if buf.head_backward:
         # the LM head's backward (tp with sp, last stage): the loss' backward has freed what it saved but the labels
         # (the batch holds them), the logits' gradient (compute dtype) is alive, the head's weight gradient is made;
