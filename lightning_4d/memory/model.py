@@ -1405,6 +1405,12 @@ class _Buffers:
     #: gradient reaching the layer's output (residual dtype, ``[b, s/cp, h]``, ``/t`` under sp) and ``w2``'s input
     #: gradient (compute dtype, ``[b, s/cp, f/t]``); 0 without checkpointing
     recompute_backward: int = 0
+    #: under activation checkpointing (no stage offloaded whole): the context-parallel attention backward runs after
+    #: the layer's feed-forward backward has freed its recomputed SwiGLU tensors and kept ``w1``/``w3`` outputs (more
+    #: than the output gradient ``recompute_backward`` also holds), so the recompute phase takes the larger of the two
+    #: transients, not their sum (measured on CPU: tiny-test cp2 b=4 s=256 ``32-true``, the peak at the last layer's
+    #: SwiGLU product backward, no cp buffer alive)
+    recompute_apart_from_cp: bool = False
 
 
 def _head_backward_transient(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int) -> int:
@@ -1578,6 +1584,7 @@ def _buffer_terms(
         loss_forward=loss_forward,
         forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
         recompute_backward=_recompute_backward(cfg, pc, dt, b, s, _offloaded_whole(cfg, pc, pp_rank)),
+        recompute_apart_from_cp=pc.activation_checkpointing != "none" and not _offloaded_whole(cfg, pc, pp_rank),
     )
 
 
@@ -1665,11 +1672,15 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         # the first checkpointed layer's backward: its recomputed set, the first op's gradients, the gradient bucket
         # made for the head's gradient (ZeRO 0/1, one micro-batch); the loss' backward has freed what it saved but
         # the labels
+        if buf.recompute_apart_from_cp:
+            transient = max(buf.recompute_backward, buf.context_parallel) - buf.context_parallel
+        else:
+            transient = buf.recompute_backward
         phases["recompute"] = (
             act.activations
             - act.loss_freed
             - act.head_freed
-            + buf.recompute_backward
+            + transient
             + layer_transients
             + buf.gathered_start
             + buf.resident_gradients
