@@ -63,11 +63,15 @@ measured as the outputs the policy keeps, plus the checkpoint's input):
   (ring: cp·s, the whole sequence; allgather: 2·s);
 - under tp, the reduced output of ``wo`` (all-reduce, or reduce-scatter under sp): c·b·s'·h;
 
-and one layer's backward recomputes, transiently (``recompute``: derived from the parts above, not measured), what
-the layer would save without checkpointing less what it takes from the kept outputs (v, the attention output and
-log-sum-exp, ``w1 x``, ``w3 x``): the norms' inputs and rsqrt, the matmul inputs (sequence shards under sp, autocast
-casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product; autocast's weight copies and ``"allgather"``'s
-gathered K/V are made again there as under full checkpointing.
+and one layer's backward recomputes, transiently (``recompute``, :func:`_layer_selective_recompute`), what the layer
+would save without checkpointing less what it takes from the kept outputs (v, the attention output and
+log-sum-exp, ``w1 x``, ``w3 x``): the ffn norm's input, both norms' rsqrt, the matmul inputs (sequence shards under
+sp, autocast casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product (not the attention norm's input: it
+is the layer's input, kept); the kept outputs the recomputation consumes are freed by then (``wq``'s and ``wk``'s,
+whose rotated copies are saved instead, and ``wo``'s output or reduction, read only by the residual sum): net of
+those. Measured tensor by tensor on CPU (``LiveTensorBytes`` at the last layer's ``w2`` / SwiGLU backward,
+tiny-test tp1 and tp2, ``32-true`` and ``bf16-mixed``): the ``recompute`` phase within 216 B. autocast's weight
+copies and ``"allgather"``'s gathered K/V are made again there as under full checkpointing.
 
 **Peak** (:class:`MemoryEstimate`): memory moves through the phases of a step (and initialization before the
 first one), and the estimate is the largest:
@@ -101,9 +105,12 @@ first one), and the estimate is the largest:
   three: the head's, the embedding's and their sum);
 - recompute (activation checkpointing): the first checkpointed layer's backward, where the step's peak was measured
   on CPU (full and selective, tp 1 and 2, ZeRO 0, 1 and 3): the activations with one layer's recomputed set, less
-  what the loss' backward freed (all it saved but the labels), + the gradient of the layer's output and ``w2``'s
-  input gradient (its first backward op: ``_recompute_backward``) + the gradient bucket made for the head's gradient
-  (ZeRO 0/1, one micro-batch) + gathered parameters + ZeRO 0/1's buckets (several micro-batches per step);
+  what the loss' backward freed (all it saved but the labels) and the head's saved tensors (the final norm's input
+  and rsqrt, the head's input: freed by its backward), + the gradient of the layer's output and the larger of
+  ``w2``'s backward (its input gradient, its weight gradient and under sp its output gradient all-gathered,
+  ``[T, h]``) and the SwiGLU product's after it (the product freed, two ``[T, f/t]`` gradients beside the product's):
+  ``_recompute_backward`` + the gradient bucket made for the head's gradient (ZeRO 0/1, one micro-batch) + gathered
+  parameters + ZeRO 0/1's buckets (several micro-batches per step);
 - end of forward (ZeRO 2/3 without pp): the activations (no layer recomputed) + the loss' forward chunk (float32
   ``exp(x - max)``) + the previous step's gradient shards (Lightning calls ``zero_grad`` after ``training_step``) +
   the parameters gathered while the loss runs;
@@ -804,14 +811,30 @@ def _layer_selective_parts(
 
 
 def _layer_selective_recompute(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
-    """Bytes one layer's backward recomputes under selective activation checkpointing (transient): its saved set
-    without checkpointing (:func:`_layer_saved_parts`) less what is taken from the kept outputs (v, the attention
-    output and log-sum-exp, ``w1 x`` and ``w3 x``), i.e. the norms' inputs and rsqrt, the matmul inputs
+    """Bytes one layer's backward adds, transiently, to what the layers keep under selective activation
+    checkpointing: its saved set without checkpointing (:func:`_layer_saved_parts`) less what is taken from the kept
+    outputs (v, the attention output and log-sum-exp, ``w1 x`` and ``w3 x``) and less the attention norm's input (the
+    layer's input, kept by the checkpoint), i.e. the ffn norm's input, both norms' rsqrt, the matmul inputs
     (sequence-parallel all-gathers and autocast casts included), the rotated q and k, ``silu(w1 x)`` and the
-    SwiGLU product."""
+    SwiGLU product; net of the kept outputs the recomputation consumes and frees (PyTorch's selective checkpoint
+    pops each kept output when the recomputation takes it): ``wq``'s and ``wk``'s ``c·b·s·(a + k)·d/t`` (the graph
+    saves their rotated copies) and ``wo``'s output ``c·b·s·h`` (tp = 1) or reduction ``c·b·s'·h`` (tp > 1), read only
+    by the residual sum. Measured on CPU (``lightning-4d measure`` with ``LiveTensorBytes`` at the last layer's
+    ``w2`` and SwiGLU backward, tiny-test b=4 s=256 ``32-true`` tp1 and tp2, b=2 ``bf16-mixed`` dp2): exactly these
+    tensors alive; the ``recompute`` phase within 216 B of the measured moment (tp1: 9,384,960 B estimated, 9,385,172
+    measured, the step's peak)."""
     parts = _layer_saved_parts(cfg, dt, b, s, tp, sp)
+    s_sp = s // tp if sp else s
     rotated_qk = dt.compute * b * s * (cfg.num_heads + cfg.num_kv_heads) // tp * cfg.head_dim
-    return parts["norms"] + parts["attn_in"] + parts["ffn_in"] + rotated_qk + parts["swiglu"] // 2
+    recomputed = parts["norms"] + parts["attn_in"] + parts["ffn_in"] + rotated_qk + parts["swiglu"] // 2
+    # the attention norm's input is the layer's input, kept by the checkpoint (counted there, not made again)
+    recomputed -= dt.residual * b * s_sp * cfg.hidden_size
+    # kept outputs the recomputation consumes and frees: wq's and wk's (the graph saves their rotated copies
+    # instead) and wo's output (tp = 1) or reduction (tp > 1), read only by the residual sum
+    kept = _layer_selective_parts(cfg, dt, b, s, tp, sp, s)
+    consumed_qk = dt.compute * b * s * (cfg.num_heads + cfg.num_kv_heads) // tp * cfg.head_dim
+    consumed_wo = kept["reductions"] if tp > 1 else dt.compute * b * s * cfg.hidden_size
+    return recomputed - consumed_qk - consumed_wo
 
 
 def saved_activation_bytes(
@@ -883,6 +906,9 @@ def saved_activation_bytes(
         "loss": (dt.compute * b * s * (vocab // tp) + 4 * b * s + 8 * b * s) if last else 0,
         "compute_weights": 0,
         "context_parallel_kv": 0,
+        # a layer's whole saved set (its attention norm's input, the layer's input kept by the checkpoint, counted
+        # again: r·b·s'·h of margin, which keeps ZeRO 3's recompute phase, short of the root's unsharded
+        # gradients, within 3% under; measured: tests/test_memory_model.py)
         "recompute": per_layer if full_ac and n_layers else 0,
     }
     if pc.activation_checkpointing == "selective" and n_layers:
@@ -1219,7 +1245,7 @@ class _Activations:
     logits_gradient: int = 0  # the logits' gradient in the compute dtype, last stage
     recompute: int = 0  # one layer's recomputed (or offloaded, brought back) set, made only in its backward
     offloaded: int = 0  # host memory: the saved tensors of the offloaded layers' in-flight micro-batches
-    head_freed: int = 0  # a wholly offloaded last stage: the head's saved tensors, freed before its layers' backward
+    head_freed: int = 0  # last stage, offloaded whole or checkpointed: the head's saved tensors, freed by its backward
 
 
 def _offloaded_per_stage(pc: ParallelConfig, stages: list, per_layer: float, rope: int) -> list[float]:
@@ -1332,7 +1358,8 @@ def _activation_terms(
         compute_weights = int(compute_weights * in_flight)
     loss_freed = saved["loss"] - 8 * tokens if last else 0  # the labels (int64) stay with the batch
     gradient = dt.compute * tokens * local_vocab if last else 0
-    head_freed = saved["head"] if last and unpacked else 0
+    # the head's saved tensors, freed by its backward before any layer's (offloaded or recomputed) backward runs
+    head_freed = saved["head"] if last and (unpacked or pc.activation_checkpointing != "none") else 0
     return _Activations(
         activations, logits, compute_weights, in_flight, loss_freed, gradient, recompute, int(host_bytes), head_freed
     )
@@ -1378,6 +1405,12 @@ class _Buffers:
     #: gradient reaching the layer's output (residual dtype, ``[b, s/cp, h]``, ``/t`` under sp) and ``w2``'s input
     #: gradient (compute dtype, ``[b, s/cp, f/t]``); 0 without checkpointing
     recompute_backward: int = 0
+    #: under activation checkpointing (no stage offloaded whole): the context-parallel attention backward runs after
+    #: the layer's feed-forward backward has freed its recomputed SwiGLU tensors and kept ``w1``/``w3`` outputs (more
+    #: than the output gradient ``recompute_backward`` also holds), so the recompute phase takes the larger of the two
+    #: transients, not their sum (measured on CPU: tiny-test cp2 b=4 s=256 ``32-true``, the peak at the last layer's
+    #: SwiGLU product backward, no cp buffer alive)
+    recompute_apart_from_cp: bool = False
 
 
 def _head_backward_transient(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int) -> int:
@@ -1551,6 +1584,7 @@ def _buffer_terms(
         loss_forward=loss_forward,
         forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
         recompute_backward=_recompute_backward(cfg, pc, dt, b, s, _offloaded_whole(cfg, pc, pp_rank)),
+        recompute_apart_from_cp=pc.activation_checkpointing != "none" and not _offloaded_whole(cfg, pc, pp_rank),
     )
 
 
@@ -1562,18 +1596,29 @@ def _offloaded_whole(cfg: Any, pc: ParallelConfig, pp_rank: int) -> bool:
 
 
 def _recompute_backward(cfg: Any, pc: ParallelConfig, dt: _Dtypes, b: int, s: int, offloaded: bool = False) -> int:
-    """Bytes the first backward op of a checkpointed layer makes beside its recomputed set (``_Buffers``'s
+    """Bytes the first backward ops of a checkpointed layer make beside its recomputed set (``_Buffers``'s
     ``recompute_backward``), and of an offloaded layer (``offloaded``: a stage offloaded whole) beside the saved
-    tensors it brings back. Measured on CPU (``lightning-4d measure``, tiny-test tp2 b=4 s=256 ``32-true``, full
-    checkpointing; ``LiveTensorBytes``): the peak of the step is there, at the last layer's ``w2`` backward, with the
-    gradient of the layer's output ``[4, 128, 64]`` and ``w2``'s input gradient ``[1024, 64]`` (float32) alive beside
-    the recomputed tensors."""
+    tensors it brings back. Checkpointed (``T = b·s/cp`` tokens, ``c`` the compute dtype's bytes): the gradient of
+    the layer's output (residual dtype, ``[T, h]``, ``/t`` under sp) and ``w2``'s input gradient (``c·T·f/t``), + the
+    larger of the rest of ``w2``'s backward (its weight gradient ``c·h·f/t``, and under sp its output gradient
+    all-gathered, ``c·T·h``) and the SwiGLU product's backward after it (the product, counted in the recomputed set,
+    freed; its two input gradients made: one ``c·T·f/t`` more). Measured on CPU (``lightning-4d measure``,
+    ``LiveTensorBytes``, tiny-test b=4 s=256 ``32-true``): tp2 (sp) full and selective peak at the last layer's
+    ``w2`` backward with the output gradient ``[4, 128, 64]``, the gathered one ``[4, 256, 64]``, the weight gradient
+    ``[64, 64]`` and the input gradient ``[1024, 64]`` alive; tp1 and ``bf16-mixed`` dp2 at the SwiGLU product's."""
     if pc.activation_checkpointing == "none" and not offloaded:
         return 0
     tokens = b * (s // pc.cp)
     output_grad = dt.residual * tokens * cfg.hidden_size // (pc.tp if pc.sp else 1)
     if not offloaded:
-        return output_grad + dt.compute * tokens * cfg.intermediate_size // pc.tp
+        ffn = dt.compute * tokens * cfg.intermediate_size // pc.tp  # one [T, f/t] tensor
+        # w2's backward: its output gradient all-gathered under sp ([T, h]) and its weight gradient ([h, f/t]) beside
+        # its input gradient; the SwiGLU product's backward after it: the product freed, its two input gradients
+        # beside the product's gradient (one [T, f/t] more)
+        w2 = (dt.compute * tokens * cfg.hidden_size if pc.sp and pc.tp > 1 else 0) + (
+            dt.compute * cfg.hidden_size * cfg.intermediate_size // pc.tp
+        )
+        return output_grad + ffn + max(w2, ffn)
     # offloaded: the SwiGLU product's backward, the product's gradient and the two it makes (``[T, f/t]`` each); under
     # sp the w1/w3 backward after it also holds the input gathered again and the sum of the two partial input
     # gradients (``[T, h]`` each; measured: tiny-test tp2 b=2 s=256 bf16-mixed, both layers offloaded, the peak at
@@ -1627,11 +1672,15 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         # the first checkpointed layer's backward: its recomputed set, the first op's gradients, the gradient bucket
         # made for the head's gradient (ZeRO 0/1, one micro-batch); the loss' backward has freed what it saved but
         # the labels
+        if buf.recompute_apart_from_cp:
+            transient = max(buf.recompute_backward, buf.context_parallel) - buf.context_parallel
+        else:
+            transient = buf.recompute_backward
         phases["recompute"] = (
             act.activations
             - act.loss_freed
             - act.head_freed
-            + buf.recompute_backward
+            + transient
             + layer_transients
             + buf.gathered_start
             + buf.resident_gradients
