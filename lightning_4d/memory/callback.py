@@ -241,6 +241,7 @@ class MemoryEstimatorCallback(L.Callback):
         self.expert_load_imbalance = expert_load_imbalance
         self.host_memory = parse_bytes(host_memory) if host_memory is not None else None
         self._fused_optimizer = True  # set per fit from the module (_steps_with_fused_adamw)
+        self._host_offloaded = 0  # set per fit by _estimate: the most host_offloaded_activations of any pp rank
         self.estimate: Any = None
         self._said: set[str] = set()
 
@@ -368,15 +369,7 @@ class MemoryEstimatorCallback(L.Callback):
             f"{precision}"
         )
         if parallel_config.activation_offload_layers and self.formula == "lightning_4d":
-            from lightning_4d.memory.model import estimate_memory
-
-            host = max(  # the pp rank that offloads most (the first, with the most micro-batches in flight)
-                estimate_memory(
-                    cfg, parallel_config, b, s, precision, num_microbatches=m, pp_rank=r, device_type=device_type
-                ).details["host_offloaded_activations"]
-                for r in range(parallel_config.pp)
-            )
-            self._check_host(trainer, est, host, parallel_config, layout)
+            self._check_host(trainer, est, self._host_offloaded, parallel_config, layout)
         if total <= limit:
             rank_zero_info(
                 f"MemoryEstimatorCallback ({self.formula}): {layout}: estimated peak {_size(total)} "
@@ -524,9 +517,9 @@ class MemoryEstimatorCallback(L.Callback):
                 distributed_optimizer=parallel_config.zero_stage >= 1,
             )
             return est, est.total, {"model_states": est.model_states, "activations": est.activations}
-        from lightning_4d.memory.model import estimate_memory
+        from lightning_4d.memory.model import estimate_all_pp_ranks
 
-        est = estimate_memory(
+        ranks = estimate_all_pp_ranks(
             cfg,
             parallel_config,
             b,
@@ -538,6 +531,9 @@ class MemoryEstimatorCallback(L.Callback):
             expert_load_imbalance=self.expert_load_imbalance,
             fused_optimizer=self._fused_optimizer,
         )
+        est = max(ranks, key=lambda e: e.total)  # the worst pp rank, as estimate_memory picks it
+        # activation offload: the pp rank that offloads most (the first, with the most micro-batches in flight)
+        self._host_offloaded = max(e.details["host_offloaded_activations"] for e in ranks)
         return (
             est,
             est.total,

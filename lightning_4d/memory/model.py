@@ -1307,7 +1307,7 @@ def _activation_terms(
         + (saved["rope"] if pc.pp > 1 and o < len(layers) else 0)
         for (st, layers), o in zip(stages, offloaded)
     ]
-    whole = [o == len(layers) > 0 for o, (_, layers) in zip(offloaded, stages)]
+    whole = _offloaded_whole(cfg, pc, pp_rank)
     host = _offloaded_per_stage(pc, stages, per_layer, saved["rope"])
     if pc.pp > 1 and pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
         # what stays alive after a micro-batch's weight pass, to the end of the step (stages after the first)
@@ -1342,10 +1342,10 @@ def _activation_terms(
     # product's gradient and the two it makes (``_recompute_backward``), after the loss and the head freed their
     # saved tensors (``head_freed``)
     unpacked = 0
-    if any(whole):
+    if whole:
         unpacked = _layer_saved_parts(cfg, dt, b, s // pc.cp, tp, pc.sp)["swiglu"] // 2
     recompute = saved["recompute"] + unpacked
-    activations = int(peak) + (saved["rope"] if pc.pp == 1 and not any(whole) else 0) + recompute
+    activations = int(peak) + (saved["rope"] if pc.pp == 1 and not whole else 0) + recompute
     in_flight = sum(c * len(layers) for c, (_, layers) in zip(counts, stages)) / max(1, n_layers)
     # the loss's backward working set beyond its saved tensors (in activations, as saved_loss): the logits' gradient
     # in the compute dtype, + one chunk's float32 softmax unless that gradient is float32 (then computed in place)
@@ -1566,6 +1566,7 @@ def _buffer_terms(
     head_transient = _head_backward_transient(cfg, pc, dt, b, s) if last else 0
     embedding_grad = dt.compute * cfg.padded_vocab_size * cfg.hidden_size if pc.tp > 1 and first else 0
     local_vocab = cfg.padded_vocab_size // pc.tp
+    offloaded_whole = _offloaded_whole(cfg, pc, pp_rank)
     loss_forward = 4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0
     return _Buffers(
         gathered_start,
@@ -1583,8 +1584,8 @@ def _buffer_terms(
         gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
         loss_forward=loss_forward,
         forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
-        recompute_backward=_recompute_backward(cfg, pc, dt, b, s, _offloaded_whole(cfg, pc, pp_rank)),
-        recompute_apart_from_cp=pc.activation_checkpointing != "none" and not _offloaded_whole(cfg, pc, pp_rank),
+        recompute_backward=_recompute_backward(cfg, pc, dt, b, s, offloaded_whole),
+        recompute_apart_from_cp=pc.activation_checkpointing != "none" and not offloaded_whole,
     )
 
 

@@ -33,7 +33,7 @@ the combination too) nor ``compile=True`` (Dynamo does not trace saved-tensor ho
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -97,14 +97,20 @@ class ActivationOffload(saved_tensors_hooks):
         self.layer = layer
         self.stats = stats
         self._copied: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._parameters: Optional[set[int]] = None
         super().__init__(self._pack, self._unpack)
 
     def __exit__(self, *args: Any) -> None:
         self._copied.clear()
+        self._parameters = None
         super().__exit__(*args)
 
     def _parameter_storages(self) -> set[int]:
-        return {_storage_key(p) for p in self.layer.parameters()}
+        """The storages of the layer's parameters in this forward, read at its first pack (after FSDP2's pre-forward
+        hook, which runs after the offload's, has gathered them) and kept until the forward ends."""
+        if self._parameters is None:
+            self._parameters = {_storage_key(p) for p in self.layer.parameters()}
+        return self._parameters
 
     def _pack(self, t: torch.Tensor) -> Any:
         dtensor = isinstance(t, DTensor)
