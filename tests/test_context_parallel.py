@@ -253,3 +253,47 @@ def test_estimate_divides_sequence_by_cp_and_adds_gathered_kv():
     est_gathered = estimate_memory(cfg, gathered, 1, s)
     assert est_ring.total < est_gathered.total < estimate_memory(cfg, one, 1, s).total
     assert est_ring.details["context_parallel_buffers"] > 0
+
+
+def _flash_backward_calls(fn) -> list[tuple]:
+    """The arguments of every ``aten._scaled_dot_product_flash_attention_backward`` call ``fn()`` makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[tuple] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
+                calls.append(args)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return calls
+
+
+def test_cuda_flash_backward_arguments_are_what_the_kernel_reads():
+    """The CUDA flash backward (ATen's, taken on every device but the CPU) gets what its kernel reads: undefined
+    cumulative sequence lengths (a defined one, even empty, selects the variable-length kernel, which failed on an
+    H100 with ``cu_seqlens_q must have dtype int32``), the random-number state as the forward returns it, and a
+    contiguous log-sum-exp although the ring and the all-gather pass row slices of it (the CUDA kernels index it as
+    dense: every head but the first would read another row's values). Shown on the meta device, which takes the
+    same code path as CUDA."""
+    from lightning_4d.parallel.context import _Kernel
+
+    b, h, kv, s, d = 1, 4, 2, 16, 8
+    q = torch.zeros(b, h, s, d, dtype=torch.bfloat16, device="meta")
+    k = v = torch.zeros(b, kv, s, d, dtype=torch.bfloat16, device="meta")
+    out = torch.zeros_like(q)
+    lse = torch.zeros(b, h, 2 * s, dtype=torch.float32, device="meta")[:, :, s:]  # a ring step's second half
+    assert not lse.is_contiguous()
+    kernel = _Kernel("sdpa", d**-0.5)
+    calls = _flash_backward_calls(lambda: kernel.backward(out, q, k, v, out, lse, causal=False))
+    assert len(calls) == 1
+    args = calls[0]
+    logsumexp, cum_seq_q, cum_seq_k, seed, offset = args[5], args[6], args[7], args[12], args[13]
+    assert logsumexp.is_contiguous() and logsumexp.shape == (b, h, s)
+    assert cum_seq_q is None and cum_seq_k is None
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False, False)
+    for passed, returned in ((seed, fwd[6]), (offset, fwd[7])):
+        assert (passed.dtype, passed.shape) == (returned.dtype, returned.shape)

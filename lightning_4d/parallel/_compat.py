@@ -10,6 +10,7 @@ Tested with torch 2.13.0 and lightning 2.6.6; flash-attn 2.7-2.8 for the ``flash
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -252,20 +253,36 @@ def aten_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
 def aten_flash_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of :func:`aten_flash_forward` given the output gradient and the final ``out`` and ``lse``."""
+    """``(dq, dk, dv)`` of :func:`aten_flash_forward` given the output gradient and the final ``out`` and ``lse``
+    (``[b, heads, s_q]`` float32; made contiguous here, as the CUDA kernel reads it as a dense array).
+
+    On CUDA the cumulative sequence lengths are passed as ``None`` (an undefined tensor, as the forward returns them
+    for dense batches): a defined one, even empty, selects the variable-length kernel, which wants int32 lengths
+    (``RuntimeError: cu_seqlens_q must have dtype int32``). The random-number state arguments are unused without
+    dropout; they are passed as the forward returns them on this device and torch version
+    (:func:`_flash_rng_state`)."""
     aten = torch.ops.aten
+    lse = lse.contiguous()
     if q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
         return dq, dk, dv
     sq, sk = q.shape[2], k.shape[2]
-    empty = torch.empty(0, device=q.device)
-    # cumulative sequence lengths are for the varlen variant; philox seed/offset are unused without dropout
+    seed, offset = _flash_rng_state(q.device, q.dtype)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale
+        dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, seed, offset, scale=scale
     )
     return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_rng_state(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(philox_seed, philox_offset)`` as ATen's flash forward returns them on ``device`` (their dtype, shape and
+    device changed across torch versions), from one forward on a ``[1, 1, 8, 8]`` block, once per device and dtype."""
+    tiny = torch.zeros(1, 1, 8, 8, device=device, dtype=dtype)
+    res = torch.ops.aten._scaled_dot_product_flash_attention(tiny, tiny, tiny, 0.0, False, False)
+    return res[6], res[7]
 
 
 # ---------------------------------------------------------------------------------------------------- flash-attn

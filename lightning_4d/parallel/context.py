@@ -225,6 +225,9 @@ class _Kernel:
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
+        # the ring's and the all-gather's row slices of lse are strided views; the CUDA flash backwards (ATen's
+        # mha_bwd, flash-attn's) read the log-sum-exp as a dense [b, heads, s_q] array (CPU kernels read strides)
+        lse = lse.contiguous()
         if self.backend == "flash":
             return self._flash_backward(dout, q, k, v, out, lse, causal)
         kr, vr = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
