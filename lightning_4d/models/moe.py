@@ -271,7 +271,9 @@ class MoEFeedForward(nn.Module):
         # of the outputs)
         slots = tokens.new_zeros(n_tokens * k, shape[-1])
         slots[order] = routed_out.to(tokens.dtype)
-        out = slots.view(n_tokens, k, shape[-1]).sum(dim=1)
+        # the sum in the residual stream's dtype, named: CUDA autocast runs an unnamed sum in float32 (CPU autocast
+        # does not), and the layer would hand float32 on (a pipeline's shape check fails; the stream doubles)
+        out = slots.view(n_tokens, k, shape[-1]).sum(dim=1, dtype=tokens.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         self._record(probs, counts, n_tokens, n_tokens * k - order.numel())
