@@ -75,6 +75,7 @@ def test_selective_backward_runs_no_matmul_again():
         (torch.ops.aten._scaled_dot_product_flash_attention.default, True),
         (torch.ops.aten._scaled_dot_product_efficient_attention.default, True),
         (torch.ops.aten._scaled_dot_product_cudnn_attention.default, True),
+        (torch.ops.aten._grouped_mm.default, True),  # the routed experts' GEMMs on CUDA, as the loop's mm
         (torch.ops._c10d_functional.reduce_scatter_tensor.default, True),
         (torch.ops._c10d_functional.all_reduce.default, True),
         # sequence parallelism's all-gather is made again (its output is tp times the shard it gathers)

@@ -188,15 +188,17 @@ MODULE_WRAPPER_PREFIXES = (CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE, FSDP1_WRA
 #: the private ops whose outputs selective activation checkpointing saves (``parallel/activation_checkpoint.py``), by
 #: qualified name without the overload (``OpOverload.name()`` up to the first dot): ATen's fused attention kernels
 #: (those ``scaled_dot_product_attention`` dispatches to on CPU and CUDA, and the flash kernels context parallelism
-#: calls), flash-attn 2's forward (a torch custom op since flash-attn 2.7) and the functional collectives with which
-#: DTensor tensor parallelism reduces a row-parallel matmul's partial sums (``all_reduce``; ``reduce_scatter_tensor``
-#: under sequence parallelism). ``tests/test_compat.py`` checks that each resolves to an op (flash-attn's when
-#: flash-attn is installed).
+#: calls), the routed experts' grouped GEMM on CUDA (``torch._grouped_mm``, saved as the expert loop's ``aten::mm``
+#: is on CPU, so that the memory model's selective set holds on both), flash-attn 2's forward (a torch custom op
+#: since flash-attn 2.7) and the functional collectives with which DTensor tensor parallelism reduces a row-parallel
+#: matmul's partial sums (``all_reduce``; ``reduce_scatter_tensor`` under sequence parallelism).
+#: ``tests/test_compat.py`` checks that each resolves to an op (flash-attn's when flash-attn is installed).
 SAC_SAVED_PRIVATE_OPS = (
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_grouped_mm",
     "flash_attn::_flash_attn_forward",
     "_c10d_functional::all_reduce",
     "_c10d_functional::reduce_scatter_tensor",

@@ -51,7 +51,7 @@ from lightning_4d.config import ACTIVATION_CHECKPOINTING
 from lightning_4d.parallel._compat import SAC_SAVED_PRIVATE_OPS, CheckpointImpl, checkpoint_wrapper
 
 #: the matmul ops a projection runs
-_MATMULS = frozenset(("aten::mm", "aten::addmm", "aten::bmm"))
+_MATMULS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm"))
 #: how many marked projections are running now, by kind (:func:`mark_projections`): ``"partial"`` (under tp: the
 #: matmul recomputed, the reduction kept) and ``"output"`` (the layer's last projection: nothing kept)
 _running = {"partial": 0, "output": 0}
@@ -61,7 +61,7 @@ _running = {"partial": 0, "output": 0}
 #: ``aten::matmul`` and ``aten::linear`` are composite: the policy sees what they decompose into, ``aten::mm``
 #: (``nn.Linear`` without bias, any number of leading dims), ``aten::addmm`` (with a bias) and ``aten::bmm``
 #: (batched matmuls, e.g. the ``eager`` attention's, whose ``[b, heads, s, s]`` scores are then saved too).
-SELECTIVE_SAVED_OPS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", *SAC_SAVED_PRIVATE_OPS))
+SELECTIVE_SAVED_OPS = frozenset((*_MATMULS, *SAC_SAVED_PRIVATE_OPS))
 
 
 @functools.lru_cache(maxsize=None)
