@@ -297,3 +297,16 @@ def test_cuda_flash_backward_arguments_are_what_the_kernel_reads():
     fwd = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False, False)
     for passed, returned in ((seed, fwd[6]), (offset, fwd[7])):
         assert (passed.dtype, passed.shape) == (returned.dtype, returned.shape)
+
+
+@pytest.mark.parametrize("head_dim, flash", [(16, True), (12, False), (264, False)])
+def test_off_cpu_the_flash_kernel_gets_only_head_dims_it_takes(head_dim, flash):
+    """Off the CPU, a cp block goes to ATen's flash kernel only with a head dim the public SDPA would let through to
+    it (a multiple of 8, at most 256: the private kernels skip that guard); other head dims take the explicit
+    matmuls. Meta tensors follow the CUDA path."""
+    from lightning_4d.parallel.context import _Kernel
+
+    q = torch.zeros(1, 2, 16, head_dim, dtype=torch.bfloat16, device="meta")
+    lse = torch.zeros(1, 2, 16, device="meta")
+    calls = _flash_backward_calls(lambda: _Kernel("sdpa", head_dim**-0.5).backward(q, q, q, q, q, lse, causal=True))
+    assert len(calls) == (1 if flash else 0)

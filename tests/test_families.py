@@ -120,3 +120,30 @@ def test_union_conversion_reaches_modules_no_chunk_holds():
     model.to(torch.float64)
     assert model.model.rotary_emb.inv_freq.dtype == torch.float64
     assert {p.dtype for p in model.parameters()} == {torch.float64}
+
+
+def test_transformers_attention_repeats_kv_heads_where_ours_does(monkeypatch):
+    """The transformers adapter's attention goes through our SDPA call (``sdpa_causal``): where ours repeats the kv
+    heads (float32 GQA on CUDA, whose ``enable_gqa`` path is the math kernel with ``[b, heads, s, s]`` scores), it
+    does too, and the output is unchanged. CUDA is stood in for by forcing ``sdpa_repeats_kv_heads``."""
+    import torch.nn.functional as F
+
+    from lightning_4d.adapters import hf_llama
+    from lightning_4d.models import attention_backends
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    module = torch.nn.Module()
+    reference, _ = hf_llama.attention(module, q, k, v, None)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def record(q, k, v, **kwargs):
+        calls.append((k.shape[1], kwargs.get("enable_gqa")))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention_backends, "sdpa_repeats_kv_heads", lambda q, k: True)
+    monkeypatch.setattr(attention_backends.F, "scaled_dot_product_attention", record)
+    out, _ = hf_llama.attention(module, q, k, v, None)
+    assert calls == [(4, False)]  # kv heads repeated to the 4 query heads, no enable_gqa
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)

@@ -42,11 +42,11 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.models.attention_backends import sdpa_causal
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import materialize_distributed_module, set_attention_implementation
 from lightning_4d.parallel.context import context_parallel_attention
@@ -75,8 +75,10 @@ def attention(
     """transformers' attention-function signature: ``query`` ``[b, heads, s_local, d]``, ``key`` / ``value``
     ``[b, kv_heads, s_local, d]`` (local heads under tp) -> ``([b, s_local, heads, d], None)``. Causal over the full
     sequence: under cp (``module._lightning_4d_cp = (group, method)``) through
-    :func:`~lightning_4d.parallel.context.context_parallel_attention`, else ``F.scaled_dot_product_attention``
-    (``is_causal``, grouped-query). The scale is ``1/sqrt(d)`` (Llama's ``scaling``).
+    :func:`~lightning_4d.parallel.context.context_parallel_attention`, else
+    :func:`~lightning_4d.models.attention_backends.sdpa_causal` (our Llama's SDPA call: grouped-query by ``enable_gqa``,
+    or with the kv heads repeated in float32 on CUDA, where ``enable_gqa`` takes the math kernel). The scale is
+    ``1/sqrt(d)`` (Llama's ``scaling``).
 
     Raises:
         ValueError: a dropout probability > 0 or a scale other than ``1/sqrt(d)`` (not modelled).
@@ -93,9 +95,7 @@ def attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), group, method, "sdpa"
         )
         return out.contiguous(), None
-    out = F.scaled_dot_product_attention(
-        query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
-    )
+    out = sdpa_causal(query, key, value, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -76,15 +77,20 @@ def sdpa_repeats_kv_heads(q: Tensor, k: Tensor) -> bool:
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    # SDPA takes [b, heads, s, d]; enable_gqa=True repeat_interleaves k/v heads (documented equivalent code)
-    gqa = True
-    if sdpa_repeats_kv_heads(q, k):
-        n_rep = q.shape[2] // k.shape[2]
-        k, v, gqa = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2), False
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
-    )
+    out = sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2)
+
+
+def sdpa_causal(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
+    """Causal ``F.scaled_dot_product_attention`` on ``[b, heads, s, d]`` tensors (k, v with kv heads, which divide
+    the query heads), GQA by ``enable_gqa=True`` or, where :func:`sdpa_repeats_kv_heads` says so (float32 on CUDA),
+    by repeating the kv heads first. ``scale`` defaults to ``1/sqrt(d)``. Used by the ``"sdpa"`` backend and by the
+    transformers adapters (``lightning_4d.adapters.hf_llama.attention``), so both take the same kernel."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and sdpa_repeats_kv_heads(q.transpose(1, 2), k.transpose(1, 2)):
+        n_rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
 def _eager(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -108,7 +108,7 @@ class GroupedExperts(nn.Module):
     def run(self, x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
         """The experts of the stacked weights ``w1``, ``w3``, ``w2`` (plain tensors of ``len(counts)`` experts: all of
         them, or under expert parallelism this rank's) on ``x`` sorted by expert (``counts[e]`` rows each)."""
-        if self.grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 and w1.dtype == torch.bfloat16:
+        if self.grouped_mm is not None and grouped_mm_takes(x, w1):
             return self._grouped(x, counts, w1, w3, w2)
         # every expert, those without rows too (zero-row matmuls): the output then always depends on ``x`` and on
         # the weights, so that under expert parallelism a rank whose experts received no row still runs the
@@ -132,6 +132,15 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         e, f, h = self.w1.shape
         return f"num_experts={e}, hidden_size={h}, intermediate_size={f}"
+
+
+def grouped_mm_takes(x: Tensor, w1: Tensor) -> bool:
+    """Whether the experts run as grouped GEMMs (``torch._grouped_mm``) on ``x`` ``[N, h]`` with ``w1``
+    ``[E, f, h]``: on CUDA, both bfloat16, and ``h`` and ``f`` multiples of 8 (the kernel wants every row stride a
+    multiple of 16 bytes: ``RuntimeError: strides should be multiple of 16 bytes`` otherwise); else the loop over the
+    experts (the same numbers, one matmul per expert)."""
+    f, h = w1.shape[-2], w1.shape[-1]
+    return x.is_cuda and x.dtype == torch.bfloat16 and w1.dtype == torch.bfloat16 and h % 8 == 0 and f % 8 == 0
 
 
 def capacity(config: LlamaConfig, tokens: int) -> Optional[int]:

@@ -240,6 +240,18 @@ ATEN_FLASH_OPS = {
 }
 
 
+#: the head dimensions ATen's CUDA flash kernel takes: the public SDPA's guard (``check_head_dim_size_flash``: a
+#: multiple of 8, at most 256); the private kernels called here skip that guard
+ATEN_FLASH_MAX_HEAD_DIM = 256
+
+
+def aten_flash_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ATen's CUDA flash kernel (:func:`aten_flash_forward` off the CPU) takes ``[b, heads, s, head_dim]``
+    blocks of ``dtype``: float16 or bfloat16, ``head_dim`` a multiple of 8 and at most
+    :data:`ATEN_FLASH_MAX_HEAD_DIM`."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= ATEN_FLASH_MAX_HEAD_DIM
+
+
 def aten_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """``(out, logsumexp)`` of ATen's flash kernel on ``[b, heads, s, d]`` tensors (k, v with as many heads as q), no
     dropout: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype),

@@ -57,6 +57,7 @@ from lightning_4d.config import CONTEXT_PARALLEL_METHODS, zigzag_chunks
 from lightning_4d.parallel._compat import (
     aten_flash_backward,
     aten_flash_forward,
+    aten_flash_takes,
     flash_attn_backward,
     flash_attn_forward,
     reduce_scatter_single,
@@ -196,8 +197,9 @@ class _Kernel:
         return aten_flash_forward(q, k, v, causal, self.scale)
 
     def _use_eager(self, q: Tensor) -> bool:
-        # ATen's CUDA flash kernel takes float16/bfloat16 only; float32 on CUDA uses the explicit matmuls
-        return self.backend == "eager" or (q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16))
+        # ATen's CUDA flash kernel takes float16/bfloat16 and head dims the public SDPA lets through to it
+        # (aten_flash_takes); otherwise (float32, an odd head dim) the explicit matmuls, on the block only
+        return self.backend == "eager" or (q.device.type != "cpu" and not aten_flash_takes(q.dtype, q.shape[-1]))
 
     def _scores(self, q: Tensor, k: Tensor, causal: bool) -> Tensor:
         """``q k^T · scale`` in float32 (float64 for float64), future keys at ``-inf`` when ``causal``."""
