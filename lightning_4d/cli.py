@@ -67,10 +67,25 @@ def _lightning_cli(args: Optional[list[str]]) -> bool:
     import torch.distributed as dist
     from lightning.pytorch.cli import LightningCLI
 
+    from lightning_4d.config import check_training_precision
     from lightning_4d.data import LMDataModule
     from lightning_4d.tasks import CausalLMModule
 
-    LightningCLI(
+    class _CLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            # FourDStrategy's refusals of the Trainer's flags, in our words, before the Trainer exists
+            # (Lightning's own check of a ModelParallelStrategy names neither FourDStrategy nor why)
+            config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+            trainer = config.get("trainer") or {}
+            strategy = trainer.get("strategy")
+            class_path = strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy)
+            if class_path.rsplit(".", 1)[-1] == "FourDStrategy":
+                try:
+                    check_training_precision(trainer.get("precision"))
+                except ValueError as err:
+                    self.parser.error(f"--trainer.precision: {err}")
+
+    _CLI(
         CausalLMModule,
         LMDataModule,
         args=args,

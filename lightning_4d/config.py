@@ -19,6 +19,39 @@ ZERO_STAGES = (0, 1, 2, 3)
 #: activation checkpointing modes (see lightning_4d/parallel/activation_checkpoint.py)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
+#: Lightning precision flags FourDStrategy trains with (``Trainer(precision=...)``); the rest are refused by
+#: :func:`check_training_precision`
+TRAINING_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+#: refused precision flags (and their aliases), each with the reason
+_REFUSED_PRECISIONS = {
+    ("16-mixed", "16"): (
+        "float16 mixed precision needs a gradient scaler whose overflow check and unscaling span every gradient "
+        "shard (tp, pp, ZeRO buckets, experts), which neither FourDStrategy nor Lightning's ModelParallelStrategy "
+        "provides"
+    ),
+}
+
+
+def check_training_precision(precision: object) -> str:
+    """``precision`` (a Lightning precision flag) as given, when FourDStrategy can train with it.
+
+    The Trainer's own flags are accepted (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` and Lightning's aliases,
+    ``"16-true"``); ``"16-mixed"`` is refused here, in one place, by ``lightning-4d fit`` before the Trainer is
+    built, by ``estimate``, ``plan`` and ``measure`` before anything runs, and by the strategy's setup.
+
+    Raises:
+        ValueError: ``"16-mixed"`` (or ``"16"``, ``16``), with the reason and the flags that train.
+    """
+    for names, reason in _REFUSED_PRECISIONS.items():
+        if str(precision).lower() in names:
+            raise ValueError(
+                f"precision={precision!r} is not supported by FourDStrategy: {reason}. Use one of "
+                f"{list(TRAINING_PRECISIONS)} ('bf16-mixed' trains at the speed of float16 on Ampere and newer "
+                "GPUs, with no scaler)."
+            )
+    return str(precision)
+
+
 #: context-parallel attention methods (see lightning_4d/parallel/context.py)
 CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
 #: data-parallel gradient compression (see lightning_4d/parallel/compression.py)

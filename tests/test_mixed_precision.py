@@ -7,6 +7,8 @@ The multi-process layouts (dp, tp, pp, cp under ``bf16-mixed`` against a single-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,9 +71,9 @@ def test_precision_flags():
     assert mixed_precision_dtype("bf16-mixed") is torch.bfloat16
     assert mixed_precision_dtype("16-mixed") is None and mixed_precision_dtype("32-true") is None
     validate_precision("bf16-mixed", 1)
-    validate_precision("16-mixed", 0)
-    with pytest.raises(ValueError, match="16-mixed.*zero_stage=1"):
-        validate_precision("16-mixed", 1)
+    for stage in (0, 1, 2, 3):
+        with pytest.raises(ValueError, match="precision='16-mixed' is not supported by FourDStrategy.*bf16-mixed"):
+            validate_precision("16-mixed", stage)
     validate_precision("bf16-mixed", 3, full_file_checkpoints=True)
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False.*bf16-mixed"):
         validate_precision("bf16-mixed", 0, full_file_checkpoints=True)
@@ -133,3 +135,25 @@ def test_master_weights_step_in_float32(group):
     for p, g in zip(model.parameters(), fresh):
         assert torch.equal(buckets.main_grad(p), g.float().reshape(-1))
     buckets.close()
+
+
+@pytest.mark.parametrize("command", ["fit", "estimate", "measure"])
+def test_16_mixed_is_refused_in_our_words_before_anything_starts(command, capsys):
+    """``16-mixed`` is refused with the reason and the flags that train (one line, exit 2): by ``lightning-4d fit``
+    before the Trainer is built (Lightning's own refusal named neither FourDStrategy nor why), and by ``estimate``
+    and ``measure``, which modelled it although nothing could train with it."""
+    from lightning_4d.cli import main
+    from lightning_4d.config import check_training_precision
+
+    if command == "fit":
+        config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+        argv = ["fit", "--config", config, "--trainer.precision=16-mixed", "--trainer.max_steps=1"]
+    else:
+        argv = [command, "--model", "tiny-test", "--seq-length", "64", "--dp", "1", "--precision", "16-mixed"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "precision='16-mixed' is not supported by FourDStrategy" in err and "'bf16-mixed'" in err
+    for flag in ("32-true", "bf16-mixed", "bf16-true", "16-true"):
+        assert check_training_precision(flag) == flag

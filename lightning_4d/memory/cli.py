@@ -19,11 +19,13 @@ from lightning_4d.config import (
     ACTIVATION_CHECKPOINTING,
     CONTEXT_PARALLEL_METHODS,
     PIPELINE_SCHEDULES,
+    TRAINING_PRECISIONS,
     ZERO_STAGES,
     ParallelConfig,
+    check_training_precision,
 )
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
-from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, PRECISIONS, check_expert_load_imbalance
+from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
 from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
 
 FORMULAS = ("lightning_4d", "fujii2024")
@@ -156,10 +158,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _precision_flag(value: str) -> str:
+    """``--precision``: a flag the memory model knows and FourDStrategy trains with (argparse's one-line error,
+    exit 2, otherwise)."""
+    try:
+        check_training_precision(value)
+        if value not in TRAINING_PRECISIONS:
+            raise ValueError(f"precision={value!r} is not valid: expected one of {list(TRAINING_PRECISIONS)}.")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (e.g. llama3-8b) or a YAML file (configs/*.yaml)")
     p.add_argument("--seq-length", type=positive_int, required=True, help="tokens per sample")
-    p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS))
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        type=_precision_flag,
+        help=f"Lightning's precision flag: one of {list(TRAINING_PRECISIONS)} (16-mixed is refused)",
+    )
     p.add_argument(
         "--gpu-memory",
         default="H100-80GB",

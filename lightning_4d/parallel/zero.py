@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_4d.config import check_training_precision
 from lightning_4d.parallel._compat import (
     FULLY_SHARD_PLACEMENT_FN,
     all_gather_single,
@@ -224,16 +225,13 @@ def validate_precision(precision: Optional[str], zero_stage: int, full_file_chec
     """Refuse a precision ZeRO cannot serve, before any process group exists.
 
     Raises:
-        ValueError: ``"16-mixed"`` with ZeRO 1 (Lightning's gradient scaler unscales the parameters' ``.grad``, which
-            ZeRO 1 keeps in its buckets instead); master weights (``"bf16-mixed"``) at ZeRO 0 with full-file
-            checkpoints (``full_file_checkpoints``: ``save_distributed_checkpoint=False``; each rank's master weights
-            and optimizer states are saved in the sharded folder's per-rank files only).
+        ValueError: ``"16-mixed"`` (:func:`lightning_4d.config.check_training_precision`); master weights
+            (``"bf16-mixed"``) at ZeRO 0 with full-file checkpoints (``full_file_checkpoints``:
+            ``save_distributed_checkpoint=False``; each rank's master weights and optimizer states are saved in the
+            sharded folder's per-rank files only).
     """
-    if precision == "16-mixed" and zero_stage == 1:
-        raise ValueError(
-            "precision='16-mixed' (float16 with a gradient scaler) is not supported with zero_stage=1: use "
-            "precision='bf16-mixed' (bf16 weights, fp32 master weights, no scaler), or zero_stage 0, 2 or 3."
-        )
+    if precision is not None:
+        check_training_precision(precision)
     if mixed_precision_dtype(precision) is not None and zero_stage == 0 and full_file_checkpoints:
         raise ValueError(
             f"save_distributed_checkpoint=False is not supported with precision={precision!r} and zero_stage=0: the "
