@@ -181,21 +181,53 @@ def apply_fsdp(
         units = [
             fully_shard(m, **{**kw, "mesh": expert_mesh}, **({"shard_placement_fn": fn} if fn else {})) for m in holders
         ]
-        for unit in units if expert_mesh.size() > 1 else []:
-            # a divide factor (D) other than the group's size (D/ep) makes FSDP2 reduce-scatter with
-            # ReduceOp.PREMUL_SUM, which gloo refuses (measured, torch 2.13): sum, then divide by D after. Not
-            # with a group of one rank (ep = D): there FSDP2 (torch 2.13, foreach_reduce) divides by the factor
-            # when it copies the gradient and again by the post-divide factor of a forced sum (measured: the
-            # expert gradients came out halved at dp2 ep2)
-            unit.set_force_sum_reduction_for_comms(True)
+        for unit in units:
+            average_expert_gradients(unit, expert_mesh.size(), dp_cp_mesh.size())
     fn = placement(dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
     if fn:
         kw["shard_placement_fn"] = fn
-    units += [fully_shard(b, **kw) for b in blocks]
+    dense = [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
-    for unit in [*units, root]:
-        # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp
+    for unit in [*dense, root] if hasattr(root, "set_gradient_divide_factor") else []:
+        # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp.
+        # torch < 2.8 has no such setting; its default, the average over the unit's group (dp_cp), is the same
         unit.set_gradient_divide_factor(float(dp_cp_mesh.size()))
+
+
+def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:
+    """Make the FSDP2 unit ``unit`` (a module holding expert weights, sharded over the ``group_size`` ranks of
+    ``edp`` = dp·cp/ep) leave its gradients divided by D = ``dp_cp_size`` (the mean of the D per-rank losses'
+    gradients; the ep all-to-all's backward has already summed the ep group's contributions), on every torch the
+    package accepts.
+
+    - ``group_size > 1``: a divide factor (D) other than the group's size makes FSDP2 reduce-scatter with
+      ``ReduceOp.PREMUL_SUM``, which gloo refuses (measured, torch 2.13): a forced sum, then a division by D
+      (torch >= 2.8); torch < 2.8 has only ``set_reduce_scatter_divide_factor`` (the ``PREMUL_SUM``, NCCL only).
+    - ``group_size == 1`` (ep = D): FSDP2's own division on a one-rank group differs between torch releases: from
+      torch 2.9's skip of the one-rank reduce-scatter (pytorch#162021) until pytorch#167178 (torch 2.10) the
+      gradient is copied without dividing by the factor at all (expert gradients D times too large); since, it is
+      divided once when copied, and once more by a forced sum's post-divide (halved at dp2 ep2, measured, torch
+      2.13). So FSDP2 is given no factor and, where it can, a forced sum (never ``ReduceOp.AVG`` on one rank, which
+      NCCL can get wrong, pytorch#144045): on every release its reduction of this unit is then the identity, and the
+      unit's all-reduce hook (``set_all_reduce_hook``, torch >= 2.7; it sees each reduction's output before it is
+      accumulated into ``.grad``) divides by D. torch < 2.7 runs the one-rank reduce-scatter, so there
+      ``set_reduce_scatter_divide_factor`` divides.
+
+    Raises:
+        RuntimeError: a torch whose ``FSDPModule`` has none of these settings.
+    """
+    if group_size == 1 and hasattr(unit, "set_all_reduce_hook"):
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):
+            unit.set_force_sum_reduction_for_comms(True)
+        unit.set_all_reduce_hook(lambda reduced: reduced.div_(dp_cp_size))
+    elif hasattr(unit, "set_gradient_divide_factor"):
+        unit.set_gradient_divide_factor(float(dp_cp_size))
+        if group_size > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+    elif hasattr(unit, "set_reduce_scatter_divide_factor"):  # pragma: no cover - torch < 2.8
+        unit.set_reduce_scatter_divide_factor(float(dp_cp_size))
+    else:  # pragma: no cover - torch < 2.5
+        raise RuntimeError(f"torch {torch.__version__}: FSDP2 units cannot divide expert gradients by dp·cp")
 
 
 # ---------------------------------------------------------------------------------------------------- stage 0, 1
