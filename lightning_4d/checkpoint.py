@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_4d.models.llama import canonical_name
@@ -42,7 +41,7 @@ from lightning_4d.parallel._compat import (
     local_tensor as _local,
     rekey_optimizer_state_if_needed,
 )
-from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer as unwrap
+from lightning_4d.parallel.zero import ShardedOptimizer, host_zeros_like, unwrap_optimizer as unwrap
 
 # optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
 # parameters (pipeline stages) do not overwrite one another's param_groups
@@ -288,9 +287,9 @@ def _sharded_optimizer_template(
     path: Path, saved: dict[str, Any], key: str, model: nn.Module, fqns: dict[int, str]
 ) -> dict[str, Any]:
     """What a :class:`ShardedOptimizer` asks the folder ``path`` (its ``state_dict_metadata``: ``saved``) for: each
-    of its parameters' saved states as a tensor of the parameter's whole local shape (a DTensor with its placements:
-    DCP reads just this rank's tp shard of the saved tensor, whatever layout wrote it), scalars as scalars,
-    hyper-parameters as placeholders."""
+    of its parameters' saved states as a CPU tensor of the parameter's whole local shape (a DTensor with its
+    placements, :func:`~lightning_4d.parallel.zero.host_zeros_like`: DCP reads just this rank's tp shard of the saved
+    tensor, whatever layout wrote it, into host memory), scalars as CPU scalars, hyper-parameters as placeholders."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     out: dict[str, Any] = {}
@@ -309,22 +308,13 @@ def _sharded_optimizer_template(
         elif tuple(meta.size) == ():
             out[entry] = torch.zeros((), dtype=meta.properties.dtype)
         elif tuple(meta.size) == tuple(p.shape):
-            out[entry] = _empty_like_param(p, meta.properties.dtype)
+            out[entry] = host_zeros_like(p, meta.properties.dtype)
         else:
             raise ValueError(
                 f"checkpoint {str(path)!r}: optimizer state {name!r} has shape {tuple(meta.size)}, "
                 f"the model's parameter {fqn!r} {tuple(p.shape)}: it was saved from another model"
             )
     return out
-
-
-def _empty_like_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor of ``p``'s global shape in ``dtype`` on the CPU, a DTensor with ``p``'s placements for a DTensor
-    ``p`` (DCP then reads just this rank's slice into it)."""
-    local = torch.zeros(_local(p).shape, dtype=dtype)
-    if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-    return local
 
 
 def load_sharded(
@@ -363,7 +353,7 @@ def load_sharded(
         sharded = ShardedOptimizer.of(unwrap(optimizer))
         for p in sharded.parameters() if sharded is not None else []:
             if id(p) in sharded.has_master and fqns[id(p)] in model_state["state_dict"]:
-                masters[fqns[id(p)]] = _empty_like_param(p, torch.float32)
+                masters[fqns[id(p)]] = host_zeros_like(p, torch.float32)
                 model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
     read_folder(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))

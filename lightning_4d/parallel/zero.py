@@ -182,21 +182,53 @@ def apply_fsdp(
         units = [
             fully_shard(m, **{**kw, "mesh": expert_mesh}, **({"shard_placement_fn": fn} if fn else {})) for m in holders
         ]
-        for unit in units if expert_mesh.size() > 1 else []:
-            # a divide factor (D) other than the group's size (D/ep) makes FSDP2 reduce-scatter with
-            # ReduceOp.PREMUL_SUM, which gloo refuses (measured, torch 2.13): sum, then divide by D after. Not
-            # with a group of one rank (ep = D): there FSDP2 (torch 2.13, foreach_reduce) divides by the factor
-            # when it copies the gradient and again by the post-divide factor of a forced sum (measured: the
-            # expert gradients came out halved at dp2 ep2)
-            unit.set_force_sum_reduction_for_comms(True)
+        for unit in units:
+            average_expert_gradients(unit, expert_mesh.size(), dp_cp_mesh.size())
     fn = placement(dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
     if fn:
         kw["shard_placement_fn"] = fn
-    units += [fully_shard(b, **kw) for b in blocks]
+    dense = [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
-    for unit in [*units, root]:
-        # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp
+    for unit in [*dense, root] if hasattr(root, "set_gradient_divide_factor") else []:
+        # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp.
+        # torch < 2.8 has no such setting; its default, the average over the unit's group (dp_cp), is the same
         unit.set_gradient_divide_factor(float(dp_cp_mesh.size()))
+
+
+def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:
+    """Make the FSDP2 unit ``unit`` (a module holding expert weights, sharded over the ``group_size`` ranks of
+    ``edp`` = dp·cp/ep) leave its gradients divided by D = ``dp_cp_size`` (the mean of the D per-rank losses'
+    gradients; the ep all-to-all's backward has already summed the ep group's contributions), on every torch the
+    package accepts.
+
+    - ``group_size > 1``: a divide factor (D) other than the group's size makes FSDP2 reduce-scatter with
+      ``ReduceOp.PREMUL_SUM``, which gloo refuses (measured, torch 2.13): a forced sum, then a division by D
+      (torch >= 2.8); torch < 2.8 has only ``set_reduce_scatter_divide_factor`` (the ``PREMUL_SUM``, NCCL only).
+    - ``group_size == 1`` (ep = D): FSDP2's own division on a one-rank group differs between torch releases: from
+      torch 2.9's skip of the one-rank reduce-scatter (pytorch#162021) until pytorch#167178 (torch 2.10) the
+      gradient is copied without dividing by the factor at all (expert gradients D times too large); since, it is
+      divided once when copied, and once more by a forced sum's post-divide (halved at dp2 ep2, measured, torch
+      2.13). So FSDP2 is given no factor and, where it can, a forced sum (never ``ReduceOp.AVG`` on one rank, which
+      NCCL can get wrong, pytorch#144045): on every release its reduction of this unit is then the identity, and the
+      unit's all-reduce hook (``set_all_reduce_hook``, torch >= 2.7; it sees each reduction's output before it is
+      accumulated into ``.grad``) divides by D. torch < 2.7 runs the one-rank reduce-scatter, so there
+      ``set_reduce_scatter_divide_factor`` divides.
+
+    Raises:
+        RuntimeError: a torch whose ``FSDPModule`` has none of these settings.
+    """
+    if group_size == 1 and hasattr(unit, "set_all_reduce_hook"):
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):
+            unit.set_force_sum_reduction_for_comms(True)
+        unit.set_all_reduce_hook(lambda reduced: reduced.div_(dp_cp_size))
+    elif hasattr(unit, "set_gradient_divide_factor"):
+        unit.set_gradient_divide_factor(float(dp_cp_size))
+        if group_size > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+    elif hasattr(unit, "set_reduce_scatter_divide_factor"):  # pragma: no cover - torch < 2.8
+        unit.set_reduce_scatter_divide_factor(float(dp_cp_size))
+    else:  # pragma: no cover - torch < 2.5
+        raise RuntimeError(f"torch {torch.__version__}: FSDP2 units cannot divide expert gradients by dp·cp")
 
 
 # ---------------------------------------------------------------------------------------------------- stage 0, 1
@@ -892,10 +924,11 @@ class ShardedOptimizer:
 
         Each element-wise state (Adam's ``exp_avg`` / ``exp_avg_sq``, the float32 ``master`` weight) is all-gathered
         over ``dp_cp``, one bucket and one state at a time, into the parameter's whole local (tp-shard) tensor, then
-        moved to the CPU and, for a DTensor parameter, wrapped as a DTensor with the parameter's mesh and placements
-        (so the checkpoint reshards on load to any tp / pp / dp / ZeRO stage). Scalar states (``step``) are kept as
-        they are. Transient memory: one bucket's gather on the device; on the CPU, this rank's tp-shard of every
-        state (12 bytes per local parameter with masters, 8 without), freed once the checkpoint is written.
+        copied into the CPU: for a DTensor parameter a DTensor with the parameter's mesh and placements whose local
+        tensor stays on the CPU (:func:`host_zeros_like`; so the checkpoint reshards on load to any tp / pp / dp /
+        ZeRO stage). Scalar states (``step``) are copied to the CPU. Transient memory: one bucket's gather on the
+        device; on the CPU, this rank's tp-shard of every state (12 bytes per local parameter with masters, 8
+        without), freed once the checkpoint is written.
         """
         out: dict[str, Any] = {}
         mine = set(map(id, self.parameters()))
@@ -908,10 +941,9 @@ class ShardedOptimizer:
                 slices = {id(p): st[key] for p in params if key in (st := states[id(p)])}
                 gathered = self._gather_owned(bucket, params, slices, dtype)
                 for p in params:
-                    offset, local = bucket.offsets[id(p)], _local(p.data)
-                    full = gathered[offset : offset + local.numel()].view(local.shape).cpu().clone()
-                    if isinstance(p, DTensor):
-                        full = DTensor.from_local(full, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                    offset, full = bucket.offsets[id(p)], host_zeros_like(p, dtype)
+                    host = _local(full).view(-1)
+                    host.copy_(gathered[offset : offset + host.numel()])  # one device-to-host copy
                     out[f"state.{fqns[id(p)]}.{key}"] = full
                 del gathered
             for p in params:
@@ -951,6 +983,7 @@ class ShardedOptimizer:
             if key.startswith("state."):
                 fqn, _, field = key[len("state.") :].rpartition(".")
                 by_fqn.setdefault(fqn, {})[field] = value
+        loaded: dict[int, dict[str, Tensor]] = {}
         for p in self.parameters():
             shard = self.shard[id(p)]
             start, end = self.owned[id(p)]
@@ -968,7 +1001,8 @@ class ShardedOptimizer:
             if id(p) in self.has_master:
                 shard.copy_(master if master is not None else _local(p.data).view(-1)[start:end])
             if state:
-                self.optimizer.state[shard] = state
+                loaded[id(p)] = state
+        self._load_states(loaded)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key in group:
@@ -982,6 +1016,7 @@ class ShardedOptimizer:
         """Load the per-rank ZeRO-1 files of folders saved before :meth:`gathered_state` existed
         (``{name: {"exp_avg": slice, ..., "master": slice}}``, same layout only); then the parameters are refreshed
         from the masters."""
+        loaded: dict[int, dict[str, Tensor]] = {}
         for p in self.parameters():
             s = dict(states.get(names[id(p)]) or {})
             master = s.pop("master", None)
@@ -989,9 +1024,46 @@ class ShardedOptimizer:
                 start, end = self.owned[id(p)]
                 self.shard[id(p)].copy_(master if master is not None else _local(p.data).view(-1)[start:end])
             if s:
-                self.optimizer.state[self.shard[id(p)]] = {k: v.clone() for k, v in s.items()}
+                loaded[id(p)] = {k: v.clone() for k, v in s.items()}
+        self._load_states(loaded)
         if self.has_master:
             self._write_back()
+
+    def _load_states(self, states: dict[int, dict[str, Tensor]]) -> None:
+        """Make ``states`` (``{id(model parameter): {"step": scalar, "exp_avg": owned slice, ...}}``) the wrapped
+        optimizer's states of those parameters' owned shards, through torch's own ``Optimizer.load_state_dict``: each
+        tensor gets the device and dtype torch gives it on a resume (``step`` as it is, or in float32 on the shard's
+        device for a ``fused`` or ``capturable`` optimizer, whose kernels read it there; the element-wise states in
+        the shard's dtype on its device). The other shards keep their states; the param groups keep their
+        hyper-parameters and, once done, hold the model's parameters again."""
+        optimizer = self.optimizer
+        for group, params in zip(optimizer.param_groups, self._full_groups):
+            group["params"] = [self.shard[id(p)] for p in params]
+        try:
+            packed = optimizer.state_dict()  # the shards numbered as load_state_dict numbers them
+            index = {id(p): i for i, p in enumerate(p for params in self._full_groups for p in params)}
+            packed["state"].update({index[i]: state for i, state in states.items()})
+            optimizer.load_state_dict(packed)
+        finally:
+            for group, params in zip(optimizer.param_groups, self._full_groups):
+                group["params"] = params
+
+
+def host_zeros_like(p: Tensor, dtype: torch.dtype) -> Tensor:
+    """A zero tensor shaped like ``p``'s local (tp-shard) tensor, in ``dtype``, in host (CPU) memory.
+
+    For a DTensor ``p`` the result is a DTensor with ``p``'s mesh, placements, global shape and stride whose local
+    tensor is on the CPU whatever the mesh's device type: ``DTensor.from_local`` would copy a CPU tensor to the
+    device of a CUDA mesh, so the DTensor is made on the meta device (which ``from_local`` leaves where it is) and
+    then on the CPU by ``torch.zeros_like``. DCP saves such a DTensor and loads into one (torch's asynchronous save
+    stages its DTensors in CPU memory the same way). Bytes: ``p``'s local element count times ``dtype``'s size.
+    """
+    local = _local(p)
+    if not isinstance(p, DTensor):
+        return torch.zeros(local.shape, dtype=dtype, device="cpu")
+    meta = torch.empty(local.shape, dtype=dtype, device="meta")
+    spec = DTensor.from_local(meta, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return torch.zeros_like(spec, device="cpu")
 
 
 def clip_coefficient(max_norm: float, total_norm: Tensor) -> Tensor:
