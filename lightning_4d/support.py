@@ -228,7 +228,7 @@ ROWS: list[Row] = [
         {"tp": 2, "tensor_parallel_overlap": True, "sequence_parallel": False},
         refused="tensor_parallel_overlap=True is not valid with tensor_parallel_size=2 and sequence_parallel=False: "
         "the ring overlaps the sequence-parallel all-gathers and reduce-scatters, so it needs tensor_parallel_size > 1 "
-        "and sequence_parallel None or True (the default under tp).",
+        "and sequence_parallel None or True (or set tensor_parallel_overlap=False).",
     ),
     Row(
         "tp2-overlap-selective",
