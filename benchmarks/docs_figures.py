@@ -16,7 +16,8 @@ Two conventions, for README.md, docs/*.md and configs/*.yaml (checked by ``tests
 
          <!-- figure: lightning-4d estimate --model tiny ... | {total_gib:.1f} -->0.3<!-- /figure -->
 
-   - a block: the command's own output in a ``text`` code block, on the lines between::
+   - a block: the command's own output in a ``text`` code block (as it is when the command has ``--markdown``), on
+     the lines between::
 
          <!-- figure: lightning-4d estimate --model tiny ... -->
          ...
@@ -214,10 +215,13 @@ def render_inline(cmd: str, fmt: str) -> str:
 
 
 def render_block(cmd: str) -> str:
-    code, out, err = run(_figure_argv(cmd))
+    argv = _figure_argv(cmd)
+    code, out, err = run(argv)
     if code not in (0, 1):
         raise ValueError(f"figure command {cmd!r} exited {code}: {err.strip()}")
     body = "\n".join(line.rstrip() for line in out.rstrip("\n").split("\n"))
+    if "--markdown" in argv:  # the command prints Markdown: the page shows it as Markdown, not in a code block
+        return f"{body}\n"
     return f"```text\n{body}\n```\n"
 
 

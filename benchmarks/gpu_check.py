@@ -1,6 +1,9 @@
 """The prepared checks of a lent GPU, as one program (``benchmarks/gpu_check.sh`` runs it; docs/memory.md shows what
 it found).
 
+(0) first, the smoke matrix (``python -m lightning_4d.support --smoke``, issue 32): one rank of every support-matrix
+    row that is not refused, 2 steps each, written to ``smoke_<GPU>_<date>.json`` in ``--out`` (docs/support.md reads
+    the CUDA ones from ``benchmarks/results/``);
 (a) ``lightning-4d measure --device cuda`` for per-rank layouts up to the GPU's size: llama3.1-8b (one with
     activation offload) and llama3-70b ranks, and rank ``worst`` of llama3.1-405b tp8 pp16 s=8192 (Meta's layout)
     with full checkpointing and without;
@@ -11,8 +14,10 @@ it found).
     (copied to the output folder);
 (d) ``tests/test_compat.py`` on the GPU machine's torch (each private name still there).
 
-Each part runs as its own process under a time limit taken from what is left of ``--budget-s`` (a part that runs out
-of time or memory is recorded as such, and the rest goes on). Writes ``gpu_check_<GPU>_<date>.json`` and ``.md``
+Each part runs as its own process under a time limit taken from what is left of ``--budget-s`` (default 330 s, so
+that the whole check, start-up included, stays under 6 minutes on an H100; a part that runs out of time or memory
+is recorded as such, and the rest goes on; the smoke matrix gets at most :data:`SMOKE_LIMIT_S` and skips the rows
+left when its own budget is spent). Writes ``gpu_check_<GPU>_<date>.json`` and ``.md``
 (and the parts' logs) into ``--out``.
 
 Usage::
@@ -82,6 +87,10 @@ CPU_ROWS = [
 ]
 
 
+#: the most seconds the smoke matrix may take (its rows stop at SMOKE_LIMIT_S - 15, so the JSON is complete)
+SMOKE_LIMIT_S = 150.0
+
+
 def _run(cmd: list[str], limit: float, log: Path) -> tuple[int, str, float]:
     """Run ``cmd`` (cwd: the repository) for at most ``limit`` seconds; its output goes to ``log``."""
     t0 = time.time()
@@ -101,8 +110,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--budget-s", type=float, default=480.0, help="time for all parts together (seconds)")
-    p.add_argument("--parts", default="measure,step,accuracy,compat")
+    p.add_argument("--budget-s", type=float, default=330.0, help="time for all parts together (seconds)")
+    p.add_argument("--parts", default="smoke,measure,step,accuracy,compat")
     args = p.parse_args()
     start = time.time()
     left = lambda: args.budget_s - (time.time() - start)  # noqa: E731
@@ -119,6 +128,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "device": args.device,
+        "smoke": None,
         "measure": [],
         "step_time": None,
         "memory_accuracy": None,
@@ -130,10 +140,25 @@ def main() -> None:
     def save() -> None:
         json_path.write_text(json.dumps(result, indent=1))
 
+    if "smoke" in parts:
+        limit = min(SMOKE_LIMIT_S, left() - 30 * (len(parts) - 1))
+        cmd = [py, "-m", "lightning_4d.support", "--smoke", "--device", args.device, "--out", str(out)]
+        cmd += ["--budget-s", str(max(10.0, limit - 15))]
+        rc, text, secs = _run(cmd, limit, log)
+        found = sorted(out.glob(f"smoke_{tag}.json"))
+        smoke = json.loads(found[-1].read_text()) if found else None
+        counts: dict = {}
+        for row in (smoke or {}).get("rows", {}).values():
+            counts[row["status"]] = counts.get(row["status"], 0) + 1
+        result["smoke"] = {"rc": rc, "seconds": round(secs, 1), "file": found[-1].name if found else None}
+        result["smoke"].update(counts=counts, rows=(smoke or {}).get("rows"), tail=None if smoke else text[-1500:])
+        print(f"smoke matrix: rc={rc} {counts} ({secs:.0f} s)", flush=True)
+        save()
     if "measure" in parts:
         rows = GPU_ROWS if args.device == "cuda" else CPU_ROWS
         for i, (name, argv) in enumerate(rows):
-            limit = min(150.0, left() - 60 * (len(parts) - 1)) if args.device == "cuda" else left()
+            after = len(parts) - parts.index("measure") - 1  # parts still to run after this one
+            limit = min(150.0, left() - 45 * after) if args.device == "cuda" else left()
             if limit < 20:
                 result["measure"].append({"name": name, "status": "skipped: out of time"})
                 continue
@@ -203,9 +228,17 @@ def main() -> None:
 def markdown(result: dict) -> str:
     """The tables of one run, as docs/memory.md quotes them."""
     gib = 2**30
-    lines = [
-        f"GPU check on {result['gpu']}, torch {result['torch']}, {result['date']}",
-        "",
+    lines = [f"GPU check on {result['gpu']}, torch {result['torch']}, {result['date']}", ""]
+    smoke = result.get("smoke")
+    if smoke:
+        lines += [f"Smoke matrix (lightning_4d.support, {smoke['seconds']} s): {smoke['counts']}", ""]
+        lines += ["| row | status | (estimate + library) / peak | error |", "| --- | --- | --- | --- |"]
+        for row_id, row in (smoke.get("rows") or {}).items():
+            ratio = f"{row['ratio']:.3f}" if row.get("ratio") else "-"
+            error = (row.get("error") or "").replace("|", "/")[:200] if row["status"] != "skipped" else "skipped"
+            lines.append(f"| {row_id} | {row['status']} | {ratio} | {error} |")
+        lines.append("")
+    lines += [
         "| layout (rank) | status | params GiB est/meas | opt. states GiB est/meas | rest of peak GiB est/meas | "
         "peak GiB est/meas | est/meas | reserved/allocated |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

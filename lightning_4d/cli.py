@@ -10,7 +10,9 @@ Subcommands (``lightning-4d --help`` lists them, :data:`COMMANDS`):
 - ``plan``: the layouts of a job that fit, ranked by predicted step time (``lightning-4d plan --help``);
 - ``measure``: one rank of any layout built and run in this process on a fake process group, its measured memory
   beside the estimate (``lightning-4d measure --help``; :mod:`lightning_4d.measure`);
-- ``export-hf``: a checkpoint of any layout as a Hugging Face Llama directory (``lightning-4d export-hf --help``).
+- ``export-hf``: a checkpoint of any layout as a Hugging Face Llama directory (``lightning-4d export-hf --help``);
+- ``support``: the support matrix, which feature combinations are refused, tested on CPU, run on CUDA
+  (``lightning-4d support --help``; :mod:`lightning_4d.support`; ``--smoke`` runs the smoke matrix).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ COMMANDS = {
     "measure": "run one rank of any layout in this process (fake process group) and measure its memory beside "
     "the estimate",
     "export-hf": "write a checkpoint (any layout) as a Hugging Face Llama directory (safetensors + config.json)",
+    "support": "the support matrix: feature combinations refused, tested on CPU, run on CUDA (--smoke runs them)",
 }
 
 #: third-party warnings a training run would print once per process and step, none about the user's code: filtered
@@ -120,6 +123,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_4d.measure import main as measure_main
 
         return measure_main(args[1:])
+    if args and args[0] == "support":
+        from lightning_4d.support import main as support_main
+
+        return support_main(args[1:])
     if args and args[0] in ("estimate", "plan"):
         from lightning_4d.memory.cli import main as memory_main
 

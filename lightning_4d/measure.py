@@ -272,19 +272,25 @@ def fit_and_measure(
     device: str = "cpu",
     strategy: Any = None,
     trainer_kwargs: Any = None,
+    callbacks: Optional[list] = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Run ``steps`` optimizer steps of :class:`~lightning_4d.tasks.CausalLMModule` on synthetic tokens under
     ``strategy`` (default: a :class:`~lightning_4d.FourDStrategy` of ``pc``) and return the bytes this rank held.
 
     The process group must exist (a fake one, or a real one under ``torchrun``) unless the layout has one rank.
     ``trainer_kwargs`` override the Trainer's arguments (default ``devices=1, num_nodes=world_size``: one process
-    per rank; under ``torchrun --nproc-per-node N`` pass ``devices=N, num_nodes=1``).
+    per rank; under ``torchrun --nproc-per-node N`` pass ``devices=N, num_nodes=1``); ``callbacks`` are added to
+    the Trainer's (the smoke matrix's checks, :mod:`lightning_4d.support`); ``compile``: the default strategy's
+    ``compile``.
 
     Returns:
         ``{"peak_allocated": bytes, "peak_reserved": bytes (CUDA; None on CPU), "parameters", "gradients",
         "optimizer_states", "master_weights", "host_offloaded"}`` (bytes; the optimizer states include the master
         weights and PowerSGD's state, as :class:`~lightning_4d.memory.model.ModelStates` counts them;
-        ``host_offloaded``: the most host memory ``activation_offload_layers`` held at once during the run).
+        ``host_offloaded``: the most host memory ``activation_offload_layers`` held at once during the run;
+        ``cuda_library``: on CUDA, the bytes allocated before the fit once CUDA's libraries have run
+        (:func:`cuda_library_bytes`: their workspaces; alive through the fit, so inside the peak; 0 on CPU)).
     """
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
@@ -321,12 +327,14 @@ def fit_and_measure(
                 states["master_weights"] = local_bytes(t["master_weights"])
 
     if strategy is None:
-        strategy = FourDStrategy(**_strategy_kwargs(pc), memory_check=False)
+        strategy = FourDStrategy(**_strategy_kwargs(pc), memory_check=False, compile=compile)
     cuda = device == "cuda"
     tracker = LiveTensorBytes("cpu") if not cuda else contextlib.nullcontext()
+    library = 0
     if cuda:
         gc.collect()
         torch.cuda.empty_cache()
+        library = cuda_library_bytes()
         torch.cuda.reset_peak_memory_stats()
     with tracker:
         module = CausalLMModule(model_config, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
@@ -344,7 +352,7 @@ def fit_and_measure(
             limit_val_batches=0,
             num_sanity_val_steps=0,
             use_distributed_sampler=False,
-            callbacks=[StateBytes()],
+            callbacks=[StateBytes(), *(callbacks or [])],
         )
         trainer = L.Trainer(**{**kwargs, **(trainer_kwargs or {})})
         trainer.fit(module, DataLoader(Tokens(), batch_size=None))
@@ -355,9 +363,26 @@ def fit_and_measure(
         out = {"peak_allocated": tracker.peak, "peak_reserved": None}
     out.update(states)
     out["host_offloaded"] = strategy.offload_stats.peak if hasattr(strategy, "offload_stats") else 0
+    out["cuda_library"] = library
     del trainer, module
     gc.collect()
     return out
+
+
+def cuda_library_bytes(dtypes: tuple = (torch.float32, torch.bfloat16)) -> int:
+    """The bytes allocated on the CUDA device once CUDA's libraries have run: a matmul with its backward in each of
+    ``dtypes`` is run and every tensor of it freed, then ``torch.cuda.memory_allocated()`` is returned. What stays
+    is what the libraries keep through PyTorch's caching allocator for the life of the process (cuBLAS / cuBLASLt
+    workspaces, one per handle and stream; issue 32 saw ~70 MiB above the estimate on the small presets), plus
+    anything else still allocated in this process (nothing in a fresh one). A peak measured afterwards includes
+    these bytes; the estimate does not.
+    """
+    for dtype in dtypes:
+        a = torch.randn(64, 64, device="cuda", dtype=dtype, requires_grad=True)
+        (a @ a).sum().backward()
+        del a
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
 
 
 def _strategy_kwargs(pc: ParallelConfig) -> dict[str, Any]:
@@ -388,6 +413,8 @@ def measure_rank(
     precision: str = "bf16-mixed",
     steps: int = 2,
     device: str = "cpu",
+    compile: bool = False,
+    callbacks: Optional[list] = None,
 ) -> dict[str, Any]:
     """Rank ``rank`` of layout ``pc`` trained for ``steps`` steps in this process on a fake process group, measured
     (:func:`fit_and_measure`) beside :func:`~lightning_4d.memory.model.estimate_memory` of its pp rank and
@@ -401,6 +428,8 @@ def measure_rank(
         precision: Lightning's precision flag.
         steps: optimizer steps (>= 2: the first step allocates the optimizer states).
         device: ``"cpu"`` or ``"cuda"``.
+        compile: ``torch.compile`` each decoder layer (``FourDStrategy(compile=True)``).
+        callbacks: Lightning callbacks added to the run (:mod:`lightning_4d.support`'s smoke checks).
 
     Returns:
         ``{"rank", "coordinates", "measured": fit_and_measure's dict, "estimate": MemoryEstimate.to_dict()}``.
@@ -445,7 +474,9 @@ def measure_rank(
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     init_fake_process_group(rank, pc.world_size)
     try:
-        strategy = _strategy_class()(**_strategy_kwargs(pc), memory_check=False, process_group_backend="fake")
+        strategy = _strategy_class()(
+            **_strategy_kwargs(pc), memory_check=False, process_group_backend="fake", compile=compile
+        )
         strategy.micro_batch_size, strategy.seq_length = micro_batch_size, seq_length
         measured = fit_and_measure(
             model_config,
@@ -457,6 +488,7 @@ def measure_rank(
             device,
             strategy=strategy,
             trainer_kwargs={"plugins": [_environment(pc.world_size, rank)]},
+            callbacks=callbacks,
         )
     finally:
         if dist.is_initialized():
@@ -478,7 +510,15 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if rank == "worst":
         rank = worst_rank(cfg, pc, args.micro_batch_size, args.seq_length, args.precision, device_type=args.device)
     out = measure_rank(
-        cfg, pc, rank, args.micro_batch_size, args.seq_length, args.precision, steps=args.steps, device=args.device
+        cfg,
+        pc,
+        rank,
+        args.micro_batch_size,
+        args.seq_length,
+        args.precision,
+        steps=args.steps,
+        device=args.device,
+        compile=args.compile,
     )
     est, got = out["estimate"], out["measured"]
     states = {k: got.get(k) for k in ("parameters", "gradients", "optimizer_states")}
@@ -489,6 +529,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         ("peak - parameters - optimizer states", est_rest, got_rest),
         ("total (peak)", est["total"], got["peak_allocated"]),
     ]
+    if args.device == "cuda":  # CUDA's libraries' workspaces, allocated before the fit and inside its peak
+        library = got.get("cuda_library", 0)
+        rows += [
+            ("CUDA library workspaces (measured before the fit; not estimated)", None, library),
+            ("total (peak) with the library workspaces", est["total"] + library, got["peak_allocated"]),
+        ]
     out.update(
         model=args.model,
         device=args.device,
@@ -508,8 +554,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             pipeline_schedule=pc.pipeline_schedule,
             num_microbatches=pc.microbatches,
             virtual_pipeline_stages=pc.v,
+            compile=args.compile,
         ),
-        rows=[{"component": k, "estimated": e, "measured": g, "ratio": (e / g) if g else None} for k, e, g in rows],
+        rows=[
+            {"component": k, "estimated": e, "measured": g, "ratio": (e / g) if g and e is not None else None}
+            for k, e, g in rows
+        ],
     )
     if args.device == "cuda":
         out["fragmentation"] = got["peak_reserved"] / got["peak_allocated"] - 1
@@ -531,7 +581,8 @@ def _print(out: dict[str, Any]) -> None:
         table.add_column(col, justify="right" if col != "component" else "left")
     for r in out["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        table.add_row(r["component"], f"{r['estimated'] / GIB:.3f}", f"{r['measured'] / GIB:.3f}", ratio)
+        est = "-" if r["estimated"] is None else f"{r['estimated'] / GIB:.3f}"
+        table.add_row(r["component"], est, f"{r['measured'] / GIB:.3f}", ratio)
     console = Console(width=max(Console().width, 150))
     console.print(table)
     got = out["measured"]

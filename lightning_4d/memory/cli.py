@@ -215,6 +215,9 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         )
         p.add_argument("--steps", type=positive_int, default=2, help="optimizer steps to run (default 2)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the rank runs (default cpu)")
+        p.add_argument(
+            "--compile", action="store_true", help="torch.compile each decoder layer (FourDStrategy(compile=True))"
+        )
     if command in ("estimate", "measure"):
         p.add_argument("--tp", type=positive_int, default=1)
         p.add_argument("--pp", type=positive_int, default=1)
