@@ -194,8 +194,10 @@ ROWS: list[Row] = [
         "fp16-mixed",
         "float16 with a gradient scaler (any ZeRO stage)",
         {"dp": 2, "zero_stage": 0, "precision": "16-mixed"},
-        refused="The `ModelParallelStrategy` does not support `Fabric(..., precision='16-mixed')`. Choose a "
-        "different precision among: 32-true, bf16-mixed, bf16-true, 16-true.",
+        refused="precision='16-mixed' is not supported by FourDStrategy: float16 mixed precision needs a gradient "
+        "scaler whose overflow check and unscaling span every gradient shard (tp, pp, ZeRO buckets, experts), which "
+        "neither FourDStrategy nor Lightning's ModelParallelStrategy provides. Use one of ['32-true', 'bf16-mixed', "
+        "'bf16-true'] ('bf16-mixed' trains at the speed of float16 on Ampere and newer GPUs, with no scaler).",
     ),
     # ---------------------------------------------------------------- tp / sp
     Row(
@@ -648,7 +650,8 @@ def _transformers_module(family: str, cfg: Any) -> Any:
 def validate_row(row: Row) -> None:
     """Run every check the project makes of ``row``'s layout before anything is allocated, in the order a run
     makes them: ``measure``'s argument and layout checks (``ParallelConfig``: sizes, model, sequence,
-    micro-batches), ``FourDStrategy``'s constructor (compile, checkpoint format), Lightning's ``Trainer`` (the
+    micro-batches; before them the precision, :func:`~lightning_4d.config.check_training_precision`),
+    ``FourDStrategy``'s constructor (compile, checkpoint format), Lightning's ``Trainer`` (the
     precision its ``ModelParallelStrategy`` accepts), the strategy's precision check
     (:func:`~lightning_4d.parallel.zero.validate_precision`) and its check against the LightningModule (the model
     family's :meth:`validate`; a transformers family gets a model of the preset's sizes on the meta device).
@@ -658,11 +661,15 @@ def validate_row(row: Row) -> None:
     """
     import lightning as L
 
+    from lightning_4d.config import check_training_precision
     from lightning_4d.measure import _strategy_kwargs
     from lightning_4d.parallel.parallelize import validate_against_module
     from lightning_4d.parallel.zero import validate_precision
     from lightning_4d.strategy import FourDStrategy
 
+    # the precision first, as `lightning-4d fit` checks it before the Trainer exists (measure's --precision refuses
+    # it while parsing, with the same message)
+    check_training_precision(row.layout.get("precision", DEFAULTS["precision"]))
     args, cfg, pc = _parse(row)
     strategy = FourDStrategy(**_strategy_kwargs(pc), memory_check=False, compile=args.compile)
     trainer = L.Trainer(
