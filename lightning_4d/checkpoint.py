@@ -43,6 +43,7 @@ from lightning_4d.parallel._compat import (
     rekey_optimizer_state_if_needed,
 )
 from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer as unwrap
+from lightning_4d.safe_load import SafeFileSystemReader, SafeLoadPlanner, load as safe_load
 
 # optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
 # parameters (pipeline stages) do not overwrite one another's param_groups
@@ -238,9 +239,10 @@ def check_complete(path: Path) -> dict[str, Any]:
     folder's ``state_dict_metadata`` (``{key: TensorStorageMetadata | BytesStorageMetadata}``), read once here.
 
     Raises:
-        ValueError: naming the missing or truncated file (and, for a truncated one, its size and the size needed).
+        ValueError: naming the missing or truncated file (and, for a truncated one, its size and the size needed),
+            or a ``.metadata`` that names more than DCP's metadata classes (an ``UnsafeFileError``, read unrun).
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from lightning_4d.safe_load import UnsafeFileError
 
     for name in (".metadata", LIGHTNING_METADATA_FILENAME):
         if not (path / name).is_file():
@@ -250,7 +252,9 @@ def check_complete(path: Path) -> dict[str, Any]:
                 "pass a folder ModelCheckpoint completed)"
             )
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except UnsafeFileError:
+        raise
     except Exception as e:
         raise ValueError(
             f"checkpoint folder {str(path)!r}: '.metadata' cannot be read ({type(e).__name__}: {e})"
@@ -270,12 +274,23 @@ def check_complete(path: Path) -> dict[str, Any]:
 
 def read_folder(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` from ``path``, with a read failure (a truncated or corrupted
-    shard file) reported as a ``ValueError`` that names the folder and the files in it."""
-    from torch.distributed.checkpoint import load as dcp_load
+    shard file) reported as a ``ValueError`` that names the folder and the files in it. Read through
+    :mod:`lightning_4d.safe_load` (``.metadata`` and non-tensor entries unpickled with only plain data allowed: an
+    ``UnsafeFileError`` names what else an entry holds)."""
+    from torch.distributed.checkpoint import CheckpointException, load as dcp_load
 
+    from lightning_4d.safe_load import UnsafeFileError
+
+    reader, planner = SafeFileSystemReader(str(path)), SafeLoadPlanner(str(path))
     try:
-        dcp_load(state, checkpoint_id=path, no_dist=no_dist)
-    except Exception as e:  # DCP wraps each rank's failure in a CheckpointException
+        dcp_load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        # DCP wraps a rank's failure in a CheckpointException (``failures``: rank -> exception)
+        # (each a ``(exception, stack)`` pair)
+        for failure in [e, *getattr(e, "failures", {}).values()]:
+            failure = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(failure, UnsafeFileError):
+                raise UnsafeFileError(str(failure)) from e  # DCP wraps each rank's failure in a CheckpointException
         files = sorted(f.name for f in path.iterdir() if f.suffix == ".distcp")
         sizes = ", ".join(f"{f} ({(path / f).stat().st_size} bytes)" for f in files)
         raise ValueError(
@@ -333,7 +348,6 @@ def load_sharded(
     optimizers: list[Any],
     strict: bool,
     global_rank: int,
-    weights_only: Optional[bool],
     buckets: Optional[Any] = None,
     layout: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
@@ -346,11 +360,12 @@ def load_sharded(
     only under the layout that saved it (``layout``, a dict compared with the one saved in the metadata); on
     another layout it restarts from zero with a warning. A folder saved by an earlier version with per-rank ZeRO-1
     files (``zero1_optimizer_<i>_rank<r>.pt``, the legacy name, for ZeRO 0 master weights too) loads under its own
-    layout only.
+    layout only. Every file is read through :mod:`lightning_4d.safe_load` (weights only: nothing in it runs).
 
     Raises:
         ValueError: the folder is incomplete (names the missing file), a shard file cannot be read (names the
-            files), or an optimizer state's shape differs from the model's parameter.
+            files), an optimizer state's shape differs from the model's parameter, or a file holds more than plain
+            data (an ``UnsafeFileError`` naming the file, what it holds and what to do).
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -367,15 +382,13 @@ def load_sharded(
                 model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
     read_folder(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
-    metadata = torch.load(
-        path / LIGHTNING_METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False
-    )
+    metadata = safe_load(path / LIGHTNING_METADATA_FILENAME)
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         sharded = ShardedOptimizer.of(unwrap(optimizer))
         legacy = path / _legacy_sharded_optimizer_file(idx, global_rank)
         if sharded is not None and legacy.exists():  # an earlier version's per-rank files
-            saved = torch.load(legacy, weights_only=False)
+            saved = safe_load(legacy)
             sharded.load_sharded_state(param_names(model), saved["state"])
             for group, values in zip(sharded.optimizer.param_groups, saved["param_groups"]):
                 group.update(values)
@@ -391,7 +404,7 @@ def load_sharded(
         saved_compression = path / _compression_file(global_rank)
         saved_layout = metadata.get(LAYOUT_KEY)
         if saved_compression.exists() and (layout is None or saved_layout == layout):
-            buckets.load_compression_state(param_names(model), torch.load(saved_compression, weights_only=True))
+            buckets.load_compression_state(param_names(model), safe_load(saved_compression))
         elif saved_compression.exists():
             rank_zero_warn(
                 f"{str(path)!r} was saved on another layout ({saved_layout}, now {layout}): PowerSGD's "
@@ -406,12 +419,15 @@ def load_sharded(
     return metadata
 
 
-def load_full(
-    path: Path, model: nn.Module, optimizers: list[Any], strict: bool, weights_only: Optional[bool]
-) -> dict[str, Any]:
+def load_full(path: Path, model: nn.Module, optimizers: list[Any], strict: bool) -> dict[str, Any]:
     """Load a single-file checkpoint (``save_distributed_checkpoint=False``): every rank reads the file (memory
-    mapped) and keeps its shards of the full state dicts; returns the rest of the checkpoint dict."""
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    mapped, weights only: :func:`lightning_4d.safe_load.load`) and keeps its shards of the full state dicts; returns
+    the rest of the checkpoint dict.
+
+    Raises:
+        ValueError: the file holds more than plain data (an ``UnsafeFileError`` naming it) or is not a checkpoint.
+    """
+    checkpoint = safe_load(path)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
     for idx, optimizer in enumerate(optimizers):

@@ -19,6 +19,7 @@ import torch
 from lightning_4d.checkpoint import check_complete, read_folder
 from lightning_4d.models import hf_mapping
 from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME
+from lightning_4d.safe_load import load as safe_load
 
 #: the largest safetensors file :func:`export_hf` writes (bytes; transformers' ``save_pretrained`` default is 5 GB)
 HF_SHARD_BYTES = 5 * 10**9
@@ -63,9 +64,7 @@ def hf_load(state: dict[str, torch.Tensor], reader: Any, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- export-hf
 def _saved_hparams(ckpt: Path) -> dict[str, Any]:
     """Lightning's ``hyper_parameters`` and ``datamodule_hyper_parameters`` of a checkpoint (folder or file)."""
-    meta = torch.load(
-        ckpt / LIGHTNING_METADATA_FILENAME if ckpt.is_dir() else ckpt, map_location="cpu", mmap=True, weights_only=False
-    )
+    meta = safe_load(ckpt / LIGHTNING_METADATA_FILENAME if ckpt.is_dir() else ckpt)
     return {
         "model": dict(meta.get("hyper_parameters") or {}),
         "data": dict(meta.get("datamodule_hyper_parameters") or {}),
@@ -86,7 +85,7 @@ def _weight_entries(
             for k, m in meta.items()
             if k.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)
         }, None
-    full = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+    full = safe_load(ckpt)["state_dict"]
     return {k: (tuple(v.shape), v.dtype) for k, v in full.items()}, full
 
 

@@ -29,6 +29,7 @@ from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
 from lightning_4d.parallel.expert import shard_experts
 from lightning_4d.parallel.tensor import TensorParallelPlan
+from lightning_4d.safe_load import load as safe_load
 
 _PLAN = TensorParallelPlan(
     embedding="tok_embeddings",
@@ -180,7 +181,7 @@ class LlamaFamily(ModelFamily):
             check_complete(path)
             read_folder({"state_dict": {k: p.data for k, p in params.items()}}, path)
             return
-        saved = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        saved = safe_load(path)
         saved = saved.get("state_dict", saved)
         for key, p in params.items():
             if key not in saved:
