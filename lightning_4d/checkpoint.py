@@ -272,6 +272,44 @@ def check_complete(path: Path) -> dict[str, Any]:
     return metadata.state_dict_metadata
 
 
+def saved_shapes(saved: dict[str, Any], prefix: str = "state_dict.") -> dict[str, tuple[int, ...]]:
+    """``{key: global shape}`` of the tensors under ``prefix`` in a folder's ``state_dict_metadata`` ``saved``
+    (:func:`check_complete`), keys without the prefix."""
+    return {k[len(prefix) :]: tuple(m.size) for k, m in saved.items() if k.startswith(prefix) and hasattr(m, "size")}
+
+
+def check_same_model(
+    path: Path, saved: dict[str, tuple[int, ...]], wanted: dict[str, Any], extra_prefix: Optional[str] = None
+) -> None:
+    """Raise, naming the first differing tensor, when the checkpoint ``path`` (its tensors' shapes ``saved``) is not
+    of the model whose tensors ``wanted`` (``{key: tensor}``, global shapes: a DTensor's whole shape) asks for: a
+    wanted key it lacks or holds in another shape, in the model's order; then, with ``extra_prefix`` (a layout whose
+    every rank holds the whole model), a saved key under that prefix the model lacks.
+
+    Raises:
+        ValueError: ``path`` is from another model (the tensor, both shapes and a hint).
+    """
+    for key, tensor in wanted.items():
+        if key not in saved:
+            near = ", ".join(repr(k) for k in sorted(saved)[:3])
+            raise ValueError(
+                f"checkpoint {str(path)!r} is from another model: it holds no tensor {key!r} (the model's "
+                f"{tuple(tensor.shape)}; it holds {len(saved)} tensors, e.g. {near}): pass a checkpoint of this "
+                "model config"
+            )
+        if tuple(saved[key]) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {str(path)!r} is from another model: tensor {key!r} has shape {tuple(saved[key])} there, "
+                f"{tuple(tensor.shape)} in the model: pass a checkpoint of this model config"
+            )
+    if extra_prefix is not None:
+        for key in sorted(k for k in saved if k.startswith(extra_prefix) and k not in wanted):
+            raise ValueError(
+                f"checkpoint {str(path)!r} is from another model: it holds tensor {key!r} {tuple(saved[key])} "
+                "that the model lacks: pass a checkpoint of this model config"
+            )
+
+
 def read_folder(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` from ``path``, with a read failure (a truncated or corrupted
     shard file) reported as a ``ValueError`` that names the folder and the files in it. Read through
@@ -364,8 +402,9 @@ def load_sharded(
 
     Raises:
         ValueError: the folder is incomplete (names the missing file), a shard file cannot be read (names the
-            files), an optimizer state's shape differs from the model's parameter, or a file holds more than plain
-            data (an ``UnsafeFileError`` naming the file, what it holds and what to do).
+            files), it is from another model (:func:`check_same_model`: the first differing tensor named), an
+            optimizer state's shape differs from the model's parameter, or a file holds more than plain data (an
+            ``UnsafeFileError`` naming the file, what it holds and what to do).
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -380,6 +419,8 @@ def load_sharded(
             if id(p) in sharded.has_master and fqns[id(p)] in model_state["state_dict"]:
                 masters[fqns[id(p)]] = _empty_like_param(p, torch.float32)
                 model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
+    whole = layout is not None and layout.get("pp", 1) == 1  # else other stages' tensors are in the folder too
+    check_same_model(path, saved_shapes(saved), model_state["state_dict"], "" if strict and whole else None)
     read_folder(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
     metadata = safe_load(path / LIGHTNING_METADATA_FILENAME)
@@ -425,9 +466,13 @@ def load_full(path: Path, model: nn.Module, optimizers: list[Any], strict: bool)
     the rest of the checkpoint dict.
 
     Raises:
-        ValueError: the file holds more than plain data (an ``UnsafeFileError`` naming it) or is not a checkpoint.
+        ValueError: the file holds more than plain data (an ``UnsafeFileError`` naming it), is not a checkpoint, or
+            is from another model (:func:`check_same_model`: the first differing tensor named).
     """
     checkpoint = safe_load(path)
+    wanted = get_model_state_dict(model)
+    full = {k: tuple(v.shape) for k, v in checkpoint.get("state_dict", {}).items() if isinstance(v, torch.Tensor)}
+    check_same_model(path, full, wanted, "" if strict else None)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
     for idx, optimizer in enumerate(optimizers):

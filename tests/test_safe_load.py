@@ -158,3 +158,16 @@ def test_init_from_refuses_a_crafted_file_in_python(tmp_path):
     with pytest.raises(ValueError, match=r"refusing to load .*x\.ckpt.*posix\.system"):
         CausalLMModule("tiny-test", init_from=str(crafted_file(tmp_path / "x.ckpt", marker)))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("other model wider", "tensor 'model.tok_embeddings.weight' has shape (256, 64) there, (256, 128)"),
+        ("other model shallower", "it holds tensor 'model.layers.1.attention.wk.weight' (32, 64) that the model lacks"),
+    ],
+)
+def test_trainer_ckpt_path_of_another_model_names_the_first_differing_tensor(strategy_loads, case, message):
+    out, results = strategy_loads
+    assert results[case].startswith(f"ValueError: checkpoint {str(out / 'good.ckpt')!r} is from another model: ")
+    assert message in results[case] and "\n" not in results[case]

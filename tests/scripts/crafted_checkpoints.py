@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
 
 from lightning_4d import FourDStrategy
 from lightning_4d.data import LMDataModule
+from lightning_4d.models import LlamaConfig
 from lightning_4d.tasks import CausalLMModule
 from tests._crafted import crafted_file, crafted_folder
 
@@ -71,6 +73,18 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - recorded for the test to judge
             results[case] = f"{type(e).__name__}: {e}"
         results[case + " marker"] = marker.exists()
+    # a folder (and a full file) of another model: the first differing tensor named, nothing loaded
+    base = LlamaConfig.from_preset("tiny-test")
+    others = {
+        "other model wider": replace(base, hidden_size=128, intermediate_size=256),
+        "other model shallower": replace(base, num_layers=1),  # the folder holds layer 1 that the model lacks
+    }
+    for case, config in others.items():
+        try:
+            _trainer().validate(CausalLMModule(config), datamodule=_data(), ckpt_path=str(good))
+            results[case] = "loaded"
+        except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+            results[case] = f"{type(e).__name__}: {e}"
     # the good folder still loads (the safe reader reads what we write)
     trainer = _trainer()
     trainer.validate(CausalLMModule("tiny-test"), datamodule=_data(), ckpt_path=str(good))
