@@ -42,6 +42,7 @@ from lightning_4d.parallel._compat import (
     rekey_optimizer_state_if_needed,
 )
 from lightning_4d.parallel.zero import ShardedOptimizer, host_zeros_like, unwrap_optimizer as unwrap
+from lightning_4d.safe_load import SafeFileSystemReader, SafeLoadPlanner, load as safe_load
 
 # optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
 # parameters (pipeline stages) do not overwrite one another's param_groups
@@ -237,9 +238,10 @@ def check_complete(path: Path) -> dict[str, Any]:
     folder's ``state_dict_metadata`` (``{key: TensorStorageMetadata | BytesStorageMetadata}``), read once here.
 
     Raises:
-        ValueError: naming the missing or truncated file (and, for a truncated one, its size and the size needed).
+        ValueError: naming the missing or truncated file (and, for a truncated one, its size and the size needed),
+            or a ``.metadata`` that names more than DCP's metadata classes (an ``UnsafeFileError``, read unrun).
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from lightning_4d.safe_load import UnsafeFileError
 
     for name in (".metadata", LIGHTNING_METADATA_FILENAME):
         if not (path / name).is_file():
@@ -249,7 +251,9 @@ def check_complete(path: Path) -> dict[str, Any]:
                 "pass a folder ModelCheckpoint completed)"
             )
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except UnsafeFileError:
+        raise
     except Exception as e:
         raise ValueError(
             f"checkpoint folder {str(path)!r}: '.metadata' cannot be read ({type(e).__name__}: {e})"
@@ -267,14 +271,63 @@ def check_complete(path: Path) -> dict[str, Any]:
     return metadata.state_dict_metadata
 
 
+def saved_shapes(saved: dict[str, Any], prefix: str = "state_dict.") -> dict[str, tuple[int, ...]]:
+    """``{key: global shape}`` of the tensors under ``prefix`` in a folder's ``state_dict_metadata`` ``saved``
+    (:func:`check_complete`), keys without the prefix."""
+    return {k[len(prefix) :]: tuple(m.size) for k, m in saved.items() if k.startswith(prefix) and hasattr(m, "size")}
+
+
+def check_same_model(
+    path: Path, saved: dict[str, tuple[int, ...]], wanted: dict[str, Any], extra_prefix: Optional[str] = None
+) -> None:
+    """Raise, naming the first differing tensor, when the checkpoint ``path`` (its tensors' shapes ``saved``) is not
+    of the model whose tensors ``wanted`` (``{key: tensor}``, global shapes: a DTensor's whole shape) asks for: a
+    wanted key it lacks or holds in another shape, in the model's order; then, with ``extra_prefix`` (a layout whose
+    every rank holds the whole model), a saved key under that prefix the model lacks.
+
+    Raises:
+        ValueError: ``path`` is from another model (the tensor, both shapes and a hint).
+    """
+    for key, tensor in wanted.items():
+        if key not in saved:
+            near = ", ".join(repr(k) for k in sorted(saved)[:3])
+            raise ValueError(
+                f"checkpoint {str(path)!r} is from another model: it holds no tensor {key!r} (the model's "
+                f"{tuple(tensor.shape)}; it holds {len(saved)} tensors, e.g. {near}): pass a checkpoint of this "
+                "model config"
+            )
+        if tuple(saved[key]) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {str(path)!r} is from another model: tensor {key!r} has shape {tuple(saved[key])} there, "
+                f"{tuple(tensor.shape)} in the model: pass a checkpoint of this model config"
+            )
+    if extra_prefix is not None:
+        for key in sorted(k for k in saved if k.startswith(extra_prefix) and k not in wanted):
+            raise ValueError(
+                f"checkpoint {str(path)!r} is from another model: it holds tensor {key!r} {tuple(saved[key])} "
+                "that the model lacks: pass a checkpoint of this model config"
+            )
+
+
 def read_folder(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` from ``path``, with a read failure (a truncated or corrupted
-    shard file) reported as a ``ValueError`` that names the folder and the files in it."""
-    from torch.distributed.checkpoint import load as dcp_load
+    shard file) reported as a ``ValueError`` that names the folder and the files in it. Read through
+    :mod:`lightning_4d.safe_load` (``.metadata`` and non-tensor entries unpickled with only plain data allowed: an
+    ``UnsafeFileError`` names what else an entry holds)."""
+    from torch.distributed.checkpoint import CheckpointException, load as dcp_load
 
+    from lightning_4d.safe_load import UnsafeFileError
+
+    reader, planner = SafeFileSystemReader(str(path)), SafeLoadPlanner(str(path))
     try:
-        dcp_load(state, checkpoint_id=path, no_dist=no_dist)
-    except Exception as e:  # DCP wraps each rank's failure in a CheckpointException
+        dcp_load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        # DCP wraps a rank's failure in a CheckpointException (``failures``: rank -> exception)
+        # (each a ``(exception, stack)`` pair)
+        for failure in [e, *getattr(e, "failures", {}).values()]:
+            failure = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(failure, UnsafeFileError):
+                raise UnsafeFileError(str(failure)) from e  # DCP wraps each rank's failure in a CheckpointException
         files = sorted(f.name for f in path.iterdir() if f.suffix == ".distcp")
         sizes = ", ".join(f"{f} ({(path / f).stat().st_size} bytes)" for f in files)
         raise ValueError(
@@ -323,7 +376,6 @@ def load_sharded(
     optimizers: list[Any],
     strict: bool,
     global_rank: int,
-    weights_only: Optional[bool],
     buckets: Optional[Any] = None,
     layout: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
@@ -336,11 +388,13 @@ def load_sharded(
     only under the layout that saved it (``layout``, a dict compared with the one saved in the metadata); on
     another layout it restarts from zero with a warning. A folder saved by an earlier version with per-rank ZeRO-1
     files (``zero1_optimizer_<i>_rank<r>.pt``, the legacy name, for ZeRO 0 master weights too) loads under its own
-    layout only.
+    layout only. Every file is read through :mod:`lightning_4d.safe_load` (weights only: nothing in it runs).
 
     Raises:
         ValueError: the folder is incomplete (names the missing file), a shard file cannot be read (names the
-            files), or an optimizer state's shape differs from the model's parameter.
+            files), it is from another model (:func:`check_same_model`: the first differing tensor named), an
+            optimizer state's shape differs from the model's parameter, or a file holds more than plain data (an
+            ``UnsafeFileError`` naming the file, what it holds and what to do).
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -355,17 +409,17 @@ def load_sharded(
             if id(p) in sharded.has_master and fqns[id(p)] in model_state["state_dict"]:
                 masters[fqns[id(p)]] = host_zeros_like(p, torch.float32)
                 model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
+    whole = layout is not None and layout.get("pp", 1) == 1  # else other stages' tensors are in the folder too
+    check_same_model(path, saved_shapes(saved), model_state["state_dict"], "" if strict and whole else None)
     read_folder(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
-    metadata = torch.load(
-        path / LIGHTNING_METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False
-    )
+    metadata = safe_load(path / LIGHTNING_METADATA_FILENAME)
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         sharded = ShardedOptimizer.of(unwrap(optimizer))
         legacy = path / _legacy_sharded_optimizer_file(idx, global_rank)
         if sharded is not None and legacy.exists():  # an earlier version's per-rank files
-            saved = torch.load(legacy, weights_only=False)
+            saved = safe_load(legacy)
             sharded.load_sharded_state(param_names(model), saved["state"])
             for group, values in zip(sharded.optimizer.param_groups, saved["param_groups"]):
                 group.update(values)
@@ -381,7 +435,7 @@ def load_sharded(
         saved_compression = path / _compression_file(global_rank)
         saved_layout = metadata.get(LAYOUT_KEY)
         if saved_compression.exists() and (layout is None or saved_layout == layout):
-            buckets.load_compression_state(param_names(model), torch.load(saved_compression, weights_only=True))
+            buckets.load_compression_state(param_names(model), safe_load(saved_compression))
         elif saved_compression.exists():
             rank_zero_warn(
                 f"{str(path)!r} was saved on another layout ({saved_layout}, now {layout}): PowerSGD's "
@@ -396,12 +450,19 @@ def load_sharded(
     return metadata
 
 
-def load_full(
-    path: Path, model: nn.Module, optimizers: list[Any], strict: bool, weights_only: Optional[bool]
-) -> dict[str, Any]:
+def load_full(path: Path, model: nn.Module, optimizers: list[Any], strict: bool) -> dict[str, Any]:
     """Load a single-file checkpoint (``save_distributed_checkpoint=False``): every rank reads the file (memory
-    mapped) and keeps its shards of the full state dicts; returns the rest of the checkpoint dict."""
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    mapped, weights only: :func:`lightning_4d.safe_load.load`) and keeps its shards of the full state dicts; returns
+    the rest of the checkpoint dict.
+
+    Raises:
+        ValueError: the file holds more than plain data (an ``UnsafeFileError`` naming it), is not a checkpoint, or
+            is from another model (:func:`check_same_model`: the first differing tensor named).
+    """
+    checkpoint = safe_load(path)
+    wanted = get_model_state_dict(model)
+    full = {k: tuple(v.shape) for k, v in checkpoint.get("state_dict", {}).items() if isinstance(v, torch.Tensor)}
+    check_same_model(path, full, wanted, "" if strict else None)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
     for idx, optimizer in enumerate(optimizers):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 #: every subcommand with its one-line description, in the order ``lightning-4d --help`` lists them (the first four
 #: are LightningCLI's; the others are ours, dispatched before LightningCLI is imported)
@@ -65,30 +65,54 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _lightning_cli(args: Optional[list[str]]) -> bool:
-    """Run ``LightningCLI`` on ``args``; True when it ran in a process group (destroyed here)."""
-    import torch.distributed as dist
+def _checked_cli() -> type:
+    """``LightningCLI`` that, once the arguments are parsed and before Lightning reads ``--ckpt_path`` or anything
+    is built, refuses a ``--ckpt_path`` or ``--model.init_from`` checkpoint holding more than plain data
+    (:func:`lightning_4d.safe_load.check_checkpoint`) and, with ``FourDStrategy``, a precision it cannot train with
+    (:func:`lightning_4d.config.check_training_precision`): one line on stderr, exit status 2."""
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_4d.config import check_training_precision
+    from lightning_4d.safe_load import UnsafeFileError, check_checkpoint
+
+    class CheckedCLI(LightningCLI):
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            super().parse_arguments(parser, args)
+            command = self.config.get("subcommand")
+            config = self.config.get(command) if command else self.config
+            model = config.get("model") if config is not None else None
+            paths = [
+                config.get("ckpt_path") if config is not None else None,
+                model.get("init_from") if model is not None and hasattr(model, "get") else None,
+            ]
+            trainer = (config.get("trainer") if config is not None else None) or {}
+            strategy = trainer.get("strategy")
+            class_path = strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy)
+            if class_path.rsplit(".", 1)[-1] == "FourDStrategy":  # its refusals of the Trainer's flags, in our words
+                try:  # (Lightning's own check of a ModelParallelStrategy names neither FourDStrategy nor why)
+                    check_training_precision(trainer.get("precision"))
+                except ValueError as e:
+                    print(f"lightning-4d {command}: error: --trainer.precision: {e}", file=sys.stderr)
+                    sys.exit(2)
+            for path in paths:
+                if isinstance(path, str) and path not in ("last", "best", "hpc", "registry"):
+                    try:
+                        check_checkpoint(path)
+                    except UnsafeFileError as e:
+                        print(f"lightning-4d {command}: error: {e}", file=sys.stderr)
+                        sys.exit(2)
+
+    return CheckedCLI
+
+
+def _lightning_cli(args: Optional[list[str]]) -> bool:
+    """Run ``LightningCLI`` on ``args``; True when it ran in a process group (destroyed here)."""
+    import torch.distributed as dist
+
     from lightning_4d.data import LMDataModule
     from lightning_4d.tasks import CausalLMModule
 
-    class _CLI(LightningCLI):
-        def before_instantiate_classes(self) -> None:
-            # FourDStrategy's refusals of the Trainer's flags, in our words, before the Trainer exists
-            # (Lightning's own check of a ModelParallelStrategy names neither FourDStrategy nor why)
-            config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
-            trainer = config.get("trainer") or {}
-            strategy = trainer.get("strategy")
-            class_path = strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy)
-            if class_path.rsplit(".", 1)[-1] == "FourDStrategy":
-                try:
-                    check_training_precision(trainer.get("precision"))
-                except ValueError as err:
-                    self.parser.error(f"--trainer.precision: {err}")
-
-    _CLI(
+    _checked_cli()(
         CausalLMModule,
         LMDataModule,
         args=args,

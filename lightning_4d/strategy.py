@@ -457,23 +457,25 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a sharded folder (:func:`lightning_4d.checkpoint.load_sharded`) or a full file
-        (:func:`lightning_4d.checkpoint.load_full`).
+        (:func:`lightning_4d.checkpoint.load_full`), always weights only (:mod:`lightning_4d.safe_load`): a file that
+        holds more than tensors, plain data and our config types is refused unread, whatever ``weights_only`` says
+        (Lightning passes ``fit``/``validate``/``test``/``predict``'s argument; ``False`` is not honoured).
 
         Raises:
-            ValueError: ``checkpoint_path`` does not exist.
+            ValueError: ``checkpoint_path`` does not exist, or a file in it holds more than plain data (an
+                ``UnsafeFileError`` naming the file, what it holds and what to do).
         """
         path = _checkpoint.resolve(Path(self.broadcast(str(checkpoint_path))))
         assert self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         if not path.is_dir():
-            return _checkpoint.load_full(path, self.model, self.optimizers, strict, weights_only)
+            return _checkpoint.load_full(path, self.model, self.optimizers, strict)
         return _checkpoint.load_sharded(
             path,
             self.model,
             self.optimizers,
             strict,
             self.global_rank,
-            weights_only,
             self._buckets,
             _checkpoint.layout_of(self.parallel_config),
         )

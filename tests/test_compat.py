@@ -130,6 +130,19 @@ def test_precision_private_members_exist():
     assert source.index("closure()") < source.index("self._after_closure(model, optimizer)")
 
 
+def test_layout_by_name_rebuilds_a_pickled_layout():
+    """DCP's ``.metadata`` pickles ``torch.strided`` as ``torch.serialization._get_layout('torch.strided')``: the
+    name :mod:`lightning_4d.safe_load`'s unpickler admits must be the one pickle writes."""
+    import pickle
+    import pickletools
+
+    import torch.serialization
+
+    assert _compat.layout_by_name is torch.serialization._get_layout
+    assert _compat.layout_by_name("torch.strided") is torch.strided
+    assert "_get_layout" in [arg for _, arg, _ in pickletools.genops(pickle.dumps(torch.strided))]
+
+
 def test_torch_utils_private_names_of_the_comm_meter():
     from torch.utils import _python_dispatch, _pytree
 

@@ -131,6 +131,11 @@ def write_token_file(path: Union[str, os.PathLike], tokens: np.ndarray, vocab_si
     return path
 
 
+#: how many tokens at each end of a token file :func:`read_token_file` checks against the vocabulary (2 x 4 MiB at
+#: most: a file of another dtype than its sidecar's shows at once, a whole-file scan would cost a pass over the corpus)
+_CHECKED_TOKENS = 1 << 20
+
+
 def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
     """Read and check the sidecar of the token file ``path`` (cheap: the data file is only ``stat``-ed).
 
@@ -166,6 +171,11 @@ def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
         raise ValueError(f"sidecar {str(side)!r} has num_tokens {meta['num_tokens']!r}; expected a positive int")
     if not isinstance(meta["vocab_size"], int) or meta["vocab_size"] <= 0:
         raise ValueError(f"sidecar {str(side)!r} has vocab_size {meta['vocab_size']!r}; expected a positive int")
+    if meta["dtype"] != np.dtype(token_dtype(meta["vocab_size"])).name:
+        raise ValueError(
+            f"sidecar {str(side)!r} has dtype {meta['dtype']!r} for vocab_size {meta['vocab_size']}, for which token "
+            f"files are {np.dtype(token_dtype(meta['vocab_size'])).name}: the sidecar does not belong to this file"
+        )
     expected = meta["num_tokens"] * _DTYPES[meta["dtype"]].itemsize
     actual = path.stat().st_size
     if actual != expected:
@@ -184,12 +194,23 @@ def read_token_file(path: Union[str, os.PathLike]) -> tuple[np.memmap, dict]:
         pages are read on access) and the sidecar dict.
 
     Raises:
-        ValueError: as :func:`read_token_metadata`.
+        ValueError: as :func:`read_token_metadata`, or a token id among the first or last
+            :data:`_CHECKED_TOKENS` is not below the sidecar's ``vocab_size`` (the data was written with another
+            dtype or tokenizer than the sidecar says; naming the file, the id and its position).
     """
     path = Path(path)
     meta = read_token_metadata(path)
     dtype = _DTYPES[meta["dtype"]].newbyteorder("<")
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
+    for start in sorted({0, max(0, tokens.size - _CHECKED_TOKENS)}):
+        window = np.asarray(tokens[start : start + _CHECKED_TOKENS])
+        if window.size and int(window.max()) >= meta["vocab_size"]:
+            at = start + int(np.argmax(window >= meta["vocab_size"]))
+            raise ValueError(
+                f"token file {str(path)!r} holds token id {int(tokens[at])} at position {at}, not below the "
+                f"sidecar's vocab_size {meta['vocab_size']}: the data was not written with the sidecar's dtype "
+                f"({meta['dtype']}) or tokenizer"
+            )
     return tokens, meta
 
 

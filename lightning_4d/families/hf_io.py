@@ -19,6 +19,7 @@ import torch
 from lightning_4d.checkpoint import check_complete, read_folder
 from lightning_4d.models import hf_mapping
 from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME
+from lightning_4d.safe_load import load as safe_load
 
 #: the largest safetensors file :func:`export_hf` writes (bytes; transformers' ``save_pretrained`` default is 5 GB)
 HF_SHARD_BYTES = 5 * 10**9
@@ -35,26 +36,67 @@ def is_hf_model_dir(path: Path) -> bool:
     )
 
 
+def _check_shards(path: Path) -> None:
+    """Raise when a file that ``model.safetensors.index.json`` of the directory ``path`` maps tensors to is missing
+    (naming it and how many tensors it holds), or the index is not valid JSON."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{str(index)!r} is not a safetensors index (JSON with a weight_map): {e}") from e
+    for name in sorted(set(weight_map.values())):
+        if not (path / name).is_file():
+            count = sum(1 for v in weight_map.values() if v == name)
+            raise ValueError(
+                f"Hugging Face directory {str(path)!r} is incomplete: shard {name!r} (holding {count} tensors, "
+                f"listed in model.safetensors.index.json) is missing"
+            )
+
+
 def hf_reader(path: Path) -> tuple[Any, set[str]]:
-    """DCP's ``HuggingFaceStorageReader`` of the directory ``path`` and the tensor names its files hold."""
+    """DCP's ``HuggingFaceStorageReader`` of the directory ``path`` and the tensor names its files hold.
+
+    Raises:
+        ValueError: a shard file its index lists is missing (named).
+    """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    _check_shards(path)
     reader = HuggingFaceStorageReader(str(path))
     return reader, set(reader.read_metadata().state_dict_metadata)
 
 
 def hf_load(state: dict[str, torch.Tensor], reader: Any, path: Path) -> None:
     """Fill ``state`` (Hugging Face names -> this rank's tensors, DTensors receive their shard) in place from
-    ``reader`` (:func:`hf_reader`).
+    ``reader`` (:func:`hf_reader`). A floating-point tensor saved in another floating dtype is cast (a bfloat16
+    directory into float32 parameters); one of another shape or a non-floating dtype is refused, unread.
 
     Raises:
-        ValueError: a read failure, naming the directory.
+        ValueError: a tensor's saved shape differs from the model's, or its dtype is not floating point (each naming
+            the tensor, both shapes or dtypes and the directory), or a read failure, naming the directory.
     """
-    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint import CheckpointException, load as dcp_load
 
+    saved = reader.read_metadata().state_dict_metadata
+    for key, target in state.items():
+        meta = saved.get(key)
+        size = tuple(getattr(meta, "size", ()))
+        if meta is not None and size != tuple(target.shape):
+            raise ValueError(
+                f"Hugging Face directory {str(path)!r}: tensor {key!r} has shape {size}, the model's is "
+                f"{tuple(target.shape)}: it is not a checkpoint of this model config"
+            )
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(
+                f"Hugging Face directory {str(path)!r}: tensor {key!r} is {dtype} (the model's {target.dtype}): "
+                "quantized or not model weights; pass a directory of floating-point weights"
+            )
     try:
         dcp_load(state, storage_reader=reader)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise ValueError(
             f"could not read the Hugging Face weights in {str(path)!r}: {type(e).__name__}: {str(e)[-800:]}"
         ) from e
@@ -63,9 +105,7 @@ def hf_load(state: dict[str, torch.Tensor], reader: Any, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- export-hf
 def _saved_hparams(ckpt: Path) -> dict[str, Any]:
     """Lightning's ``hyper_parameters`` and ``datamodule_hyper_parameters`` of a checkpoint (folder or file)."""
-    meta = torch.load(
-        ckpt / LIGHTNING_METADATA_FILENAME if ckpt.is_dir() else ckpt, map_location="cpu", mmap=True, weights_only=False
-    )
+    meta = safe_load(ckpt / LIGHTNING_METADATA_FILENAME if ckpt.is_dir() else ckpt)
     return {
         "model": dict(meta.get("hyper_parameters") or {}),
         "data": dict(meta.get("datamodule_hyper_parameters") or {}),
@@ -86,7 +126,7 @@ def _weight_entries(
             for k, m in meta.items()
             if k.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)
         }, None
-    full = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+    full = safe_load(ckpt)["state_dict"]
     return {k: (tuple(v.shape), v.dtype) for k, v in full.items()}, full
 
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.checkpoint import check_complete, read_folder
+from lightning_4d.checkpoint import check_complete, check_same_model, read_folder, saved_shapes
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.models import hf_mapping
@@ -29,6 +29,7 @@ from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
 from lightning_4d.parallel.expert import shard_experts
 from lightning_4d.parallel.tensor import TensorParallelPlan
+from lightning_4d.safe_load import load as safe_load
 
 _PLAN = TensorParallelPlan(
     embedding="tok_embeddings",
@@ -170,21 +171,26 @@ class LlamaFamily(ModelFamily):
     @torch.no_grad()
     def load_checkpoint_weights(self, prefix: str, model: nn.Module, path: Path) -> None:
         """Only the weights of ``model`` (``prefix`` in the LightningModule) from one of our checkpoints: a sharded
-        folder (DCP reads this rank's slices) or a full file (memory-mapped; each rank keeps its shards)."""
+        folder (DCP reads this rank's slices) or a full file (memory-mapped, weights only; each rank keeps its
+        shards).
+
+        Raises:
+            ValueError: the checkpoint lacks one of the model's tensors or holds it in another shape (the first
+                named: :func:`~lightning_4d.checkpoint.check_same_model`), or holds more than plain data.
+        """
         from torch.distributed.tensor import distribute_tensor
 
         params = {
             f"{prefix}.{canonical_name(n)}" if prefix else canonical_name(n): p for n, p in model.named_parameters()
         }
         if path.is_dir():
-            check_complete(path)
+            check_same_model(path, saved_shapes(check_complete(path)), params)
             read_folder({"state_dict": {k: p.data for k, p in params.items()}}, path)
             return
-        saved = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        saved = safe_load(path)
         saved = saved.get("state_dict", saved)
+        check_same_model(path, {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}, params)
         for key, p in params.items():
-            if key not in saved:
-                raise ValueError(f"init_from={str(path)!r} holds no weight {key!r}")
             full = saved[key]
             if isinstance(p, DTensor):
                 local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()

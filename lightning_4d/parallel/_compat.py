@@ -70,6 +70,10 @@ def process_group_of_name(name: str) -> Any:
 #: ``lightning_4d/models/moe.py``; torchtitan's grouped experts); ``None`` on a torch without it (the loop then)
 grouped_mm = getattr(torch, "_grouped_mm", None)
 
+#: ``torch.serialization._get_layout(name) -> torch.layout``: how a pickled ``torch.layout`` is rebuilt (DCP's
+#: ``.metadata`` names it; torch's own weights-only unpickler allows it; :mod:`lightning_4d.safe_load` too)
+layout_by_name = torch.serialization._get_layout
+
 # ---------------------------------------------------------------------------------------------------- Lightning
 from lightning.fabric.strategies.model_parallel import (  # noqa: E402, F401  (re-exported)
     _rekey_optimizer_state_if_needed as rekey_optimizer_state_if_needed,

@@ -18,6 +18,7 @@ from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
+from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.metrics import TokenMeanLoss
 
 
@@ -123,7 +124,8 @@ class CausalLMModule(L.LightningModule):
             ``model_config: <dir>``) or one of our checkpoints (a sharded folder or a full file; weights only).
             Under ``FourDStrategy`` each rank reads only its own slices after parallelization
             (:func:`lightning_4d.families.registry.load_initial_weights`). Ignored when Lightning resumes from
-            ``ckpt_path``.
+            ``ckpt_path``. A checkpoint that holds more than plain data (a pickle that could run code) is refused
+            here, unread (:func:`lightning_4d.safe_load.check_checkpoint`: a ``ValueError`` naming the file).
 
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss`` and ``val_ppl``
     (torchmetrics, :class:`~lightning_4d.tasks.metrics.TokenMeanLoss`: the token-weighted mean loss over the whole
@@ -169,6 +171,8 @@ class CausalLMModule(L.LightningModule):
                 f"init_from={self.init_from!r} does not exist: pass a Hugging Face model directory or "
                 "a checkpoint of ours"
             )
+        if self.init_from is not None:  # a file that would run code when read: refused here, before any process group
+            check_checkpoint(self.init_from)
         self.model: Optional[LlamaModel] = None
         self._batch_start = 0.0
         # validation metrics (torchmetrics, synchronized over the dp x cp group: _validation_metrics)

@@ -1,0 +1,234 @@
+"""The one loader of the files this package did not just write: checkpoints (full files, a sharded folder's metadata
+and per-rank files), ``init_from`` files and the checkpoints ``export-hf`` reads. Loading a file never runs code
+that the file carries.
+
+- ``torch.save`` files are read with ``torch.load(..., weights_only=True)``: tensors, plain containers and numbers,
+  the types torch allows by default, and this package's own plain-data types (:func:`trusted_types`:
+  ``LlamaConfig`` and ``RopeScaling``). The file's pickle is inspected first without unpickling it
+  (``torch.serialization.get_unsafe_globals_in_checkpoint``), so a file that names anything else (a function such
+  as ``os.system``, a class of someone else's code) is refused before any of it runs, with one line that names
+  the file, what it holds and what to do.
+- DCP's ``.metadata`` (a plain pickle, which torch's ``FileSystemReader`` reads with ``pickle.load``) is read by an
+  unpickler that admits only DCP's own metadata classes and torch's dtypes (:class:`SafeFileSystemReader`), and the
+  non-tensor entries of a DCP folder (which torch's ``DefaultLoadPlanner`` unpickles unrestricted) are
+  read with this loader too (:class:`SafeLoadPlanner`).
+- Hugging Face directories are safetensors (a JSON header and raw bytes: no code), read by DCP's
+  ``HuggingFaceStorageReader``.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import pickle
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+#: what a refusal tells the user to do
+REMEDY = (
+    "if you trust it, load it with your own trusted code and re-save what it holds as "
+    "tensors, numbers, strings and plain containers (or convert it with trusted code)"
+)
+
+
+class UnsafeFileError(ValueError):
+    """A file that holds more than a weights-only load allows (it could run code when read): refused unread."""
+
+
+def trusted_types() -> list[type]:
+    """This package's types a checkpoint may hold beside torch's default weights-only set: the model config
+    dataclasses (plain data, no code runs when they are built)."""
+    from lightning_4d.models.config import LlamaConfig, RopeScaling
+
+    return [LlamaConfig, RopeScaling]
+
+
+def _refusal(label: str, names: list[str]) -> UnsafeFileError:
+    """The refusal of the file ``label`` (as shown: quoted) that references ``names``."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return UnsafeFileError(
+        f"refusing to load {label}: it holds {shown}, which a weights-only load does not allow (unpickling "
+        f"it could run code); {REMEDY}"
+    )
+
+
+def unsafe_globals(path: Union[str, Path]) -> list[str]:
+    """The names (``module.qualname``) of the functions and classes the ``torch.save`` file ``path`` references
+    that a weights-only load with :func:`trusted_types` does not allow, found without unpickling the file; ``[]``
+    for a file that is not a zip-format ``torch.save`` file (:func:`load` then decides)."""
+    with torch.serialization.safe_globals(trusted_types()):
+        try:
+            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+        except Exception:  # not a zip-format torch.save file (legacy format, corrupt, torchscript)
+            return []
+
+
+def load(source: Union[str, Path, io.BytesIO], mmap: bool = True, name: str = "") -> Any:
+    """``torch.load`` of ``source`` (a path or an in-memory ``torch.save`` buffer) to the CPU with
+    ``weights_only=True`` and :func:`trusted_types` allowed; memory mapped (``mmap``: tensors are read when used)
+    when ``source`` is a zip-format file.
+
+    Raises:
+        UnsafeFileError: (a ``ValueError``) the file references a function or class outside the allowed set
+            (named, with what to do), found before anything in it runs.
+        ValueError: the file is missing or is not a ``torch.save`` file (naming it and torch's reason).
+    """
+    label = name or repr(str(source))
+    if isinstance(source, (str, Path)):
+        if not Path(source).is_file():
+            raise ValueError(f"cannot load {label}: no such file")
+        names = unsafe_globals(source)
+        if names:
+            raise _refusal(label, names)
+        mmap = mmap and _is_zip(source)
+    else:
+        mmap = False
+    with torch.serialization.safe_globals(trusted_types()):
+        try:
+            return torch.load(source, map_location="cpu", mmap=mmap, weights_only=True)
+        except pickle.UnpicklingError as e:  # a legacy-format file the static check cannot read, or not a pickle
+            reason = _unpickling_reason(e)
+            if "global" in reason.lower():
+                raise UnsafeFileError(f"refusing to load {label}: {reason[:300]}; {REMEDY}") from e
+            raise ValueError(f"cannot load {label}: not a readable torch.save file ({reason[:300] or e})") from e
+        except (RuntimeError, EOFError, OSError) as e:
+            raise ValueError(f"cannot load {label}: not a readable torch.save file ({type(e).__name__}: {e})") from e
+
+
+def _unpickling_reason(e: Exception) -> str:
+    """torch's weights-only refusal ``e`` in one line: its reason, without the advice to load with weights_only off."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.partition("WeightsUnpickler error:")[2]
+    boilerplate = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(boilerplate)]
+    return " ".join(lines)
+
+
+def _is_zip(path: Union[str, Path]) -> bool:
+    import zipfile
+
+    return zipfile.is_zipfile(path)
+
+
+# ------------------------------------------------------------------------------------------------ DCP folders
+def _dcp_type(module: str, qualname: str) -> Any:
+    """The object the pickle of a DCP ``.metadata`` may name: a dataclass or enum of
+    ``torch.distributed.checkpoint``, a torch dtype / layout / memory format, ``torch.Size``, a ``pathlib`` path
+    or a plain container (what torch 2.13 writes); anything else is refused."""
+    import collections
+    import dataclasses
+    import importlib
+
+    if module.startswith("torch.distributed.checkpoint") and "." not in qualname:
+        obj = getattr(importlib.import_module(module), qualname, None)
+        if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+            return obj
+    if module == "torch":
+        obj = getattr(torch, qualname, None)
+        if qualname == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return obj
+    if (module, qualname) == ("torch.serialization", "_get_layout"):  # a layout by its name (torch.strided)
+        from lightning_4d.parallel._compat import layout_by_name
+
+        return layout_by_name
+    if module == "pathlib" and qualname in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        import pathlib
+
+        return getattr(pathlib, qualname)  # the checkpoint_id DCP records: building a path runs nothing
+    if (module, qualname) == ("collections", "OrderedDict"):
+        return collections.OrderedDict
+    if module == "builtins" and qualname in ("set", "frozenset", "list", "dict", "tuple", "bytes", "bytearray"):
+        return getattr(__import__("builtins"), qualname)
+    return None
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, label: str) -> None:
+        super().__init__(file)
+        self.label = repr(label)
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _dcp_type(module, name)
+        if obj is None:
+            raise _refusal(self.label, [f"{module}.{name}"])
+        return obj
+
+
+def read_dcp_metadata(path: Union[str, Path]) -> Any:
+    """DCP's ``Metadata`` of the folder ``path`` (its ``.metadata`` file), unpickled with only DCP's metadata
+    classes and torch's dtypes allowed.
+
+    Raises:
+        UnsafeFileError: the file names anything else (named).
+    """
+    file = Path(path) / ".metadata"
+    with open(file, "rb") as f:
+        return _DcpMetadataUnpickler(f, str(file)).load()
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` whose ``.metadata`` is read by :func:`read_dcp_metadata`, not ``pickle.load``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """The folder's DCP ``Metadata`` (:func:`read_dcp_metadata`; raises :class:`UnsafeFileError`)."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if kwargs.get("rank") is not None:  # a per-rank metadata file: we never write one
+            raise ValueError(f"{str(self.path)!r}: per-rank DCP metadata is not supported")
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner`` reading a DCP folder's non-tensor entries with :func:`load` (weights only);
+    ``folder`` names the folder in a refusal."""
+
+    def __init__(self, folder: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.folder = folder
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        """Set the non-tensor entry ``read_item`` from ``value`` (raises :class:`UnsafeFileError`)."""
+        fqn = read_item.dest_index.fqn
+        obj = load(value, name=f"{self.folder!r} (its entry {fqn!r})")
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = obj
+            return
+        *parents, last = self.mappings[fqn]
+        node = self.original_state_dict
+        for key in parents:  # the state dict being loaded into holds the entry's containers already
+            node = node[key]
+        node[last] = obj
+
+
+# ---------------------------------------------------------------------------------------------------- pre-checks
+def check_checkpoint(path: Union[str, Path]) -> None:
+    """Refuse, before anything is built (no process group, no model), a checkpoint that holds more than plain data:
+    for a file (``torch.save``), the functions and classes its pickle names (read without unpickling; a legacy-format
+    file is loaded weights-only); for a sharded folder (DCP ``.metadata``), that file and every ``*.pt`` in the
+    folder (Lightning's ``meta.pt``, per-rank optimizer and PowerSGD files). Anything else (a missing path, a
+    Hugging Face directory: safetensors hold no code) passes: its reader reports its own errors. A DCP folder's
+    non-tensor entries are checked when they are read (:class:`SafeLoadPlanner`).
+
+    Raises:
+        UnsafeFileError: (a ``ValueError``) naming the file, what it holds and what to do.
+    """
+    path = Path(path)
+    if path.is_file():
+        if unsafe_globals(path):
+            raise _refusal(repr(str(path)), unsafe_globals(path))
+        if not _is_zip(path):
+            load(path, mmap=False)
+    elif path.is_dir() and (path / ".metadata").is_file():
+        read_dcp_metadata(path)
+        for file in sorted(path.glob("*.pt")):
+            names = unsafe_globals(file)
+            if names:
+                raise _refusal(repr(str(file)), names)
