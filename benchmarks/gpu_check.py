@@ -4,6 +4,8 @@ it found).
 (0) first, the smoke matrix (``python -m lightning_4d.support --smoke``, issue 32): one rank of every support-matrix
     row that is not refused, 2 steps each, written to ``smoke_<GPU>_<date>.json`` in ``--out`` (docs/support.md reads
     the CUDA ones from ``benchmarks/results/``);
+(r) ``benchmarks/ranks_on_one_gpu.py`` (at most 60 s): whether two processes on this one GPU can run our collectives,
+    gloo with CUDA tensors and NCCL (issue 32 item 4), folded into the JSON;
 (a) ``lightning-4d measure --device cuda`` for per-rank layouts up to the GPU's size: llama3.1-8b (one with
     activation offload) and llama3-70b ranks, and rank ``worst`` of llama3.1-405b tp8 pp16 s=8192 (Meta's layout)
     with full checkpointing and without;
@@ -44,6 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 #: with selective checkpointing, a 1F1B pipeline rank, a llama3-70b rank, and Meta's llama3.1-405b layout
 GPU_ROWS = [
     ("8b tp2 dp4 z1 s8192", "--model llama3.1-8b --tp 2 --dp 4 --zero-stage 1 --seq-length 8192 --micro-batch-size 1"),
+    (  # issue 32: 42.50 GiB measured on an H100 vs 40.14 estimated (torch 2.11)
+        "8b dp8 z3 s8192 selective",
+        "--model llama3.1-8b --dp 8 --zero-stage 3 --seq-length 8192 --micro-batch-size 1 "
+        "--activation-checkpointing selective",
+    ),
     (
         "8b tp2 dp4 z1 s8192 selective",
         "--model llama3.1-8b --tp 2 --dp 4 --zero-stage 1 --seq-length 8192 "
@@ -111,7 +118,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--budget-s", type=float, default=330.0, help="time for all parts together (seconds)")
-    p.add_argument("--parts", default="smoke,measure,step,accuracy,compat")
+    p.add_argument("--parts", default="smoke,ranks,measure,step,accuracy,compat")
     args = p.parse_args()
     start = time.time()
     left = lambda: args.budget_s - (time.time() - start)  # noqa: E731
@@ -153,6 +160,16 @@ def main() -> None:
         result["smoke"] = {"rc": rc, "seconds": round(secs, 1), "file": found[-1].name if found else None}
         result["smoke"].update(counts=counts, rows=(smoke or {}).get("rows"), tail=None if smoke else text[-1500:])
         print(f"smoke matrix: rc={rc} {counts} ({secs:.0f} s)", flush=True)
+        save()
+    if "ranks" in parts and left() > 60:
+        # issue 32 item 4: can several ranks share this one GPU (gloo with CUDA tensors, NCCL)?
+        scratch = out / "ranks_scratch"
+        cmd = [py, "benchmarks/ranks_on_one_gpu.py", "--device", args.device, "--out", str(scratch)]
+        rc, text, secs = _run(cmd, 60.0, log)
+        found = sorted(scratch.glob("ranks_on_one_gpu_*.json"))
+        result["ranks_on_one_gpu"] = json.loads(found[-1].read_text()) if found else {"rc": rc, "tail": text[-1500:]}
+        shutil.rmtree(scratch, ignore_errors=True)  # folded into this part's record (the device tool returns 8 files)
+        print(f"ranks on one GPU: rc={rc} ({secs:.0f} s)", flush=True)
         save()
     if "measure" in parts:
         rows = GPU_ROWS if args.device == "cuda" else CPU_ROWS
@@ -229,6 +246,12 @@ def markdown(result: dict) -> str:
     """The tables of one run, as docs/memory.md quotes them."""
     gib = 2**30
     lines = [f"GPU check on {result['gpu']}, torch {result['torch']}, {result['date']}", ""]
+    ranks = (result.get("ranks_on_one_gpu") or {}).get("results")
+    if ranks:
+        lines += ["Two ranks on one device (benchmarks/ranks_on_one_gpu.py):", ""]
+        for backend, steps in ranks.items():
+            lines.append(f"- {backend}: " + ", ".join(f"{k} {v}" for k, v in steps.items()))
+        lines.append("")
     smoke = result.get("smoke")
     if smoke:
         lines += [f"Smoke matrix (lightning_4d.support, {smoke['seconds']} s): {smoke['counts']}", ""]
