@@ -122,8 +122,11 @@ def test_plan_llama4_scout_on_32_h100_lists_ep_layouts(capsys):
     expert bytes, where dim-0 sharding put a whole expert per layer on one rank of each expert data-parallel pair and
     none on the other (least memory then 88.5 GiB; then 74.8 GiB, ZeRO 3 dp32 ep16). Since the ZeRO 3 phases follow
     what is measured alive on CPU (issue 25: no 2 units of unsharded gradients and their float32 casts at the end of
-    backward) the least memory is 63.0 GiB (ZeRO 3 cp4 dp8 ep16), within 80% of 80 GiB in bf16-mixed (16
-    bytes of float32 states per parameter: 50.2 GiB of the 64 GiB; docs/moe.md, Limits), and ``plan --budget 0.95``
+    backward) the least memory was 63.0 GiB (ZeRO 3 cp4 dp8 ep16); since the start of backward counts the root's
+    all-gather output beside its unsharded parameters while FSDP2 copies them out (measured on CPU, a dense model
+    with Llama 3's vocabulary: the estimate was 5.3% low without it) it is 64.03 GiB, just over 80% of 80 GiB in
+    bf16-mixed (16 bytes of float32 states per parameter: 50.2 GiB of the 64 GiB; docs/moe.md, Limits), and
+    ``plan --budget 0.95``
     lists the ep layouts, with their JSON fields. tp1 pp1 only, for time (0.5 s instead of
     60 s; the least memory of all layouts is the same layout, measured)."""
     cfg = LlamaConfig.from_preset("llama4-scout-17b-16e")
@@ -137,7 +140,8 @@ def test_plan_llama4_scout_on_32_h100_lists_ep_layouts(capsys):
     first, last = (model_state_bytes(cfg, pc, "bf16-mixed", dp_cp_rank=r).parameters for r in (0, pc.dp_cp - 1))
     one_expert = 4 * 3 * cfg.hidden_size * cfg.expert_intermediate_size  # float32 w1, w3, w2 of one expert
     assert abs(first - last) < one_expert
-    assert best.fits and best.zero_stage == 3  # bf16-mixed at the 80% budget: docs/moe.md, Limits
+    # bf16-mixed at the 80% budget: docs/moe.md, Limits (64.03 GiB of 64)
+    assert not best.fits and best.zero_stage == 3 and best.memory <= 0.81 * H100.memory
     argv = [
         "plan",
         "--model",

@@ -1394,6 +1394,12 @@ class _Buffers:
     #: reshard_after_forward=True)`` given explicitly: torch keeps the root gathered only when the argument is left
     #: to its default) and the root is gathered again when the loss' backward reaches the logits: 0
     gathered_loss: int = 0
+    #: ZeRO 3 without pp: the root's all-gather output, alive beside the root's unsharded parameters (in
+    #: ``gathered_start``) while FSDP2 copies them out of it, when the head's backward gathers the root again (its
+    #: pre-backward; the head's gradient does not exist yet). Measured on CPU (LiveTensorBytes at the peak,
+    #: llama3.1-8b's vocabulary at h=256, 2 layers, dp8 ZeRO 3 32-true s=512): the flat all-gather output, both
+    #: unsharded root weights and the logits' gradient alive at once; 0 elsewhere
+    root_regather: int = 0
     #: the last stage: the loss' forward working set beyond its saved tensors, one chunk's float32 ``exp(x - max)``
     #: (``parallel/loss.py``), ``4·min(b·s/cp, loss_chunk_tokens(V/t))·V/t``
     loss_forward: int = 0
@@ -1582,6 +1588,7 @@ def _buffer_terms(
         first_bucket=first_bucket,
         head_backward=head_transient,
         gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
+        root_regather=root if zero == 3 and pc.pp == 1 else 0,
         loss_forward=loss_forward,
         forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
         recompute_backward=_recompute_backward(cfg, pc, dt, b, s, offloaded_whole),
@@ -1659,7 +1666,10 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         # and frees the saved logits (at least as large as the head's gradient for s >= h): the larger of the two
         "backward start": act.activations
         - act.recompute
-        + max(act.logits + buf.gathered_loss, buf.head_gradient + buf.first_bucket + buf.gathered_start)
+        + max(
+            act.logits + buf.gathered_loss,
+            max(buf.head_gradient, buf.root_regather) + buf.first_bucket + buf.gathered_start,
+        )
         + layer_transients
         + buf.resident_gradients,
         "backward end": states.gradients

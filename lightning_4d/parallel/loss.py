@@ -109,6 +109,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             p.scatter_add_(1, index[i:j, None], minus_one_hot[i:j]).mul_(row_scale[i:j, None])
             if not in_place:
                 grad[i:j].copy_(p)
+            del p  # else the chunk's temporary lives on beside the next one's (two chunks, not the one modelled)
         return grad.view(logits.shape), None, None, None, None, None
 
 
