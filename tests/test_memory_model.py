@@ -504,8 +504,8 @@ def test_zero3_large_vocabulary_peak_equals_measured(tmp_path, preset, precision
     unsharded weights out of its flat all-gather output (both alive) beside the logits' gradient: the estimate was
     0.947 of the measured peak before it counted the all-gather output (``_Buffers.root_regather``). Tied
     (llama3.2-1b's, ``bf16-mixed``): the peak is the loss' backward, which kept two chunks of float32 softmax alive
-    where the model counts one (``parallel/loss.py`` now frees each): 0.854 of the measured peak before. Measured on CPU 2026-11-27
-    (the figures in the parameters); the estimate must stay within 1% and not below the measured peak by more."""
+    where the model counts one (``parallel/loss.py`` now frees each): 0.854 of the measured peak before. Measured on
+    CPU 2026-11-27 (the figures in the parameters); the estimate must stay within 1% of the measured peak."""
     (tmp_path / "m.yaml").write_text(f"preset: {preset}\n{_LARGE_VOCAB}")
     args = ["--model", str(tmp_path / "m.yaml"), "--dp", "8", "--zero-stage", "3", "--seq-length", "512"]
     out, rows = _measure_cli(args + ["--micro-batch-size", "1", "--precision", precision])
