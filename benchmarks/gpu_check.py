@@ -6,6 +6,8 @@ it found).
     the CUDA ones from ``benchmarks/results/``);
 (r) ``benchmarks/ranks_on_one_gpu.py`` (at most 60 s): whether two processes on this one GPU can run our collectives,
     gloo with CUDA tensors and NCCL (issue 32 item 4), folded into the JSON;
+(n) the CUDA numerics tests (at most 90 s): ``tests/cuda/test_numerics.py``, ``tests/test_context_parallel_cuda.py``,
+    ``tests/test_checkpoint_cuda.py``;
 (a) ``lightning-4d measure --device cuda`` for per-rank layouts up to the GPU's size: llama3.1-8b (one with
     activation offload) and llama3-70b ranks, and rank ``worst`` of llama3.1-405b tp8 pp16 s=8192 (Meta's layout)
     with full checkpointing and without;
@@ -118,7 +120,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--budget-s", type=float, default=330.0, help="time for all parts together (seconds)")
-    p.add_argument("--parts", default="smoke,ranks,measure,step,accuracy,compat")
+    p.add_argument("--parts", default="smoke,ranks,numerics,measure,step,accuracy,compat")
     args = p.parse_args()
     start = time.time()
     left = lambda: args.budget_s - (time.time() - start)  # noqa: E731
@@ -170,6 +172,15 @@ def main() -> None:
         result["ranks_on_one_gpu"] = json.loads(found[-1].read_text()) if found else {"rc": rc, "tail": text[-1500:]}
         shutil.rmtree(scratch, ignore_errors=True)  # folded into this part's record (the device tool returns 8 files)
         print(f"ranks on one GPU: rc={rc} ({secs:.0f} s)", flush=True)
+        save()
+    if "numerics" in parts and left() > 60:
+        # issue 32: the CUDA fixes shown on the GPU (cp kernels and merge with every gradient, grouped GEMM, 20 steps
+        # of the tiny job against the CPU, a save and a resume with the fused AdamW)
+        tests = ["tests/cuda/test_numerics.py", "tests/test_context_parallel_cuda.py", "tests/test_checkpoint_cuda.py"]
+        cmd = [py, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *tests]
+        rc, text, secs = _run(cmd, min(90.0, left() - 45), log)
+        result["numerics"] = {"rc": rc, "seconds": round(secs, 1), "tail": text[-3000:]}
+        print(f"numerics: rc={rc} ({secs:.0f} s)", flush=True)
         save()
     if "measure" in parts:
         rows = GPU_ROWS if args.device == "cuda" else CPU_ROWS
