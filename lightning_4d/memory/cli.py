@@ -392,7 +392,7 @@ def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optio
 
 
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_4d.memory.fujii2024 import fujii2024_from_config
+    from lightning_4d.memory.fujii2024 import fujii2024_of_layout
     from lightning_4d.memory.model import estimate_memory
 
     cfg = load_model_config(args.model)
@@ -407,18 +407,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
                 f"{pc.activation_checkpointing}."
             )
         pc.validate_sequence(args.seq_length)
-        est = fujii2024_from_config(
-            cfg,
-            tp=pc.tp,
-            pp=pc.pp,
-            dp=pc.dp,
-            cp=pc.cp,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            num_microbatches=m,
-            virtual_stages=pc.v,
-            distributed_optimizer=pc.zero_stage == 1,
-        )
+        est = fujii2024_of_layout(cfg, pc, args.seq_length, args.micro_batch_size, m)
         out = dict(est.to_dict())
     else:
         est = estimate_memory(

@@ -57,7 +57,7 @@ from lightning_4d.config import (
     _check_positive_int,
     _divisors,
 )
-from lightning_4d.memory.fujii2024 import check_dense, fujii2024_from_config
+from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_parts
@@ -507,18 +507,7 @@ class _MemoryOf:
 
     def __call__(self, pc: ParallelConfig, b: int, m: int) -> float:
         if self.formula == "fujii2024":
-            return fujii2024_from_config(
-                self.model_config,
-                tp=pc.tp,
-                pp=pc.pp,
-                dp=pc.dp,
-                cp=pc.cp,
-                seq_length=self.seq_length,
-                micro_batch_size=b,
-                num_microbatches=m,
-                virtual_stages=pc.v,
-                distributed_optimizer=pc.zero_stage == 1,
-            ).total
+            return fujii2024_of_layout(self.model_config, pc, self.seq_length, b, m).total
         hint = (pc.pp, pc.pipeline_schedule, pc.v)
         est = None
         for r in dict.fromkeys((0, self.worst_rank.get(hint, 0), *range(pc.pp))):
