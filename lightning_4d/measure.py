@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.cli import command_parser, layout_of, load_model_config
+from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
 from lightning_4d.parallel._compat import TorchDispatchMode, tree_flatten
@@ -503,7 +503,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             f"--formula {args.formula}: measure compares with this package's estimate (lightning_4d) only."
         )
     cfg = load_model_config(args.model)
-    pc, _ = layout_of(args, cfg)
+    pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
     pc.validate_microbatches(pc.microbatches)
     rank = args.rank

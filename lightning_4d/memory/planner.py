@@ -46,7 +46,7 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterator, Optional
 
 from lightning_4d.config import (
@@ -117,23 +117,8 @@ class Candidate:
     def parallel_config(self) -> ParallelConfig:
         """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
         and micro-batch count)."""
-        return Layout(
-            self.tp,
-            self.pp,
-            self.cp,
-            self.dp,
-            self.micro_batch_size,
-            self.num_microbatches,
-            self.sequence_parallel,
-            self.context_parallel_method,
-            self.pipeline_schedule if self.pp > 1 else "1f1b",
-            self.virtual_pipeline_stages,
-            self.pipeline_layer_split,
-            self.zero_stage,
-            self.activation_checkpointing,
-            self.expert_parallel_size,
-            self.tensor_parallel_overlap,
-        ).parallel_config()
+        layout = Layout(**{f.name: getattr(self, f.name) for f in fields(Layout)})
+        return replace(layout, pipeline_schedule=self.pipeline_schedule if self.pp > 1 else "1f1b").parallel_config()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
