@@ -187,3 +187,43 @@ def test_layout_module_is_the_bottom_layer():
 
     bad = [i for i in imports_of(f"{PACKAGE}.layout") if i.startswith((PACKAGE, "torch", "lightning"))]
     assert bad == []
+
+
+def _planned_layouts() -> list[ParallelConfig]:
+    """Layouts whose planned fields together leave no default unvisited (pp, cp, ep, sp off, ...)."""
+    pipelined = {name: value for name, value in EXAMPLE.items() if FIELDS[name].planned}
+    return [
+        ParallelConfig(**pipelined),
+        ParallelConfig(
+            data_parallel_size=4,
+            tensor_parallel_size=2,
+            sequence_parallel=False,
+            expert_parallel_size=2,
+            zero_stage=3,
+            activation_checkpointing="selective",
+        ),
+    ]
+
+
+def test_suggestions_and_emitted_configs_name_every_planned_field():
+    """The two places that write a planned layout back as FourDStrategy arguments (the refusal's pasteable
+    ``FourDStrategy(...)`` line and ``plan --emit-config``'s ``init_args``) give back the same layout."""
+    import ast
+
+    from lightning_4d.memory.cli import plan_config
+    from lightning_4d.memory.planner import suggestion_line
+
+    for pc in _planned_layouts():
+        call = ast.parse(suggestion_line(pc, 1).split("  #")[0]).body[0].value
+        from_line = ParallelConfig(**{kw.arg: ast.literal_eval(kw.value) for kw in call.keywords})
+        layout = Layout.of(pc, 1, pc.microbatches)
+        row = Candidate(
+            **dataclasses.asdict(layout), memory=0, fraction=0.0, fits=True, step_time=1.0, tokens_per_sec=1.0, mfu=0.0
+        ).to_dict()
+        out = {"layouts": [row], "num_gpus": pc.world_size, "gpus_per_node": 8, "precision": "bf16-mixed"}
+        init_args = plan_config(dict(out, model="tiny", seq_length=64))["trainer"]["strategy"]["init_args"]
+        from_config = ParallelConfig(**init_args)
+        for f in LAYOUT_FIELDS:
+            if f.planned:
+                assert f.resolved(from_line) == f.resolved(pc), ("suggestion_line", f.name)
+                assert f.resolved(from_config) == f.resolved(pc), ("plan_config", f.name)
