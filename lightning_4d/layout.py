@@ -6,16 +6,16 @@ the package needs to know about it: its type, default and choices, a one-line he
 whether the planner enumerates it. From :data:`LAYOUT_FIELDS`:
 
 - generated: the layout options of ``lightning-4d estimate|plan|measure`` (``memory/cli.py``), the
-  ``ParallelConfig`` those commands and :class:`~lightning_4d.FourDStrategy` build (:func:`config_kwargs`,
-  :func:`config_kwargs_from_args`), the layout a sharded checkpoint saves (:func:`saved_layout`) and the
-  layout ``estimate`` reports (:func:`reported_layout`);
+  ``ParallelConfig`` those commands, ``measure``'s strategy and :class:`~lightning_4d.FourDStrategy` build
+  (:func:`config_kwargs`, :func:`config_kwargs_from_args`), the layout a sharded checkpoint saves
+  (:func:`saved_layout`) and the layout ``estimate`` reports (:func:`reported_layout`);
 - checked by ``tests/test_layout.py``: ``ParallelConfig``'s fields and defaults, ``FourDStrategy``'s explicit typed
   signature and its docstring (LightningCLI reads the signature, so it stays written out), and the planner's
   ``step_time.Layout`` / ``planner.Candidate``.
 
 A new layout option: one :class:`LayoutField` here, its field and check in ``config.py``, its argument in
-``strategy.py`` (the test says so when it is missing), and the feature's own file, memory terms and tests
-(``docs/architecture.md``, "The layout registry").
+``strategy.py`` and a value in ``tests/test_layout.py``'s ``EXAMPLE`` (the test names whichever is missing), then the
+feature's own file, memory terms and tests: 7 files (``docs/architecture.md``, "The layout registry").
 
 Pure Python: no torch import (the memory estimator and the CLI read it on a laptop).
 """
