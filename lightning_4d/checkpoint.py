@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_4d.layout import saved_layout
 from lightning_4d.models.llama import canonical_name
 from lightning_4d.parallel._compat import (
     LIGHTNING_METADATA_FILENAME,
@@ -82,26 +83,8 @@ def validate_format(config: Any, distributed: bool) -> None:
         )
 
 
-#: the key of the saving run's layout (``ParallelConfig`` sizes) in a sharded folder's Lightning metadata
+#: the key of the saving run's layout (:func:`lightning_4d.layout.saved_layout`) in a sharded folder's metadata
 LAYOUT_KEY = "lightning_4d_layout"
-
-
-def layout_of(config: Any) -> dict[str, Any]:
-    """The sizes of a ``ParallelConfig`` that decide which parameter slices a rank holds (saved with a sharded
-    folder under :data:`LAYOUT_KEY`)."""
-    split = config.pipeline_layer_split
-    return {
-        "pp": config.pp,
-        "dp": config.dp,
-        "cp": config.cp,
-        "tp": config.tp,
-        "zero_stage": config.zero_stage,
-        "v": config.v,
-        "pipeline_layer_split": list(split) if split is not None else None,
-        "sequence_parallel": config.sequence_parallel,
-        "powersgd_rank": config.powersgd_rank,
-        **({"ep": config.ep} if config.ep > 1 else {}),
-    }
 
 
 def _compression_file(global_rank: int) -> str:
@@ -145,15 +128,15 @@ def save_sharded(
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict: ``state_dict``, ``optimizer_states`` from :func:`optimizer_state`,
     metadata) as a sharded folder at ``path``, atomically (module docstring), with the saving layout ``config``
-    (a ``ParallelConfig``, :func:`layout_of`) and PowerSGD's per-rank state when ``buckets`` (``GradientBuckets``
-    of ``model``) compress. Collective: every rank calls it with the same ``path``. ``checkpoint`` is emptied of its
-    state dicts on the way."""
+    (a ``ParallelConfig``, :func:`~lightning_4d.layout.saved_layout`) and PowerSGD's per-rank state when
+    ``buckets`` (``GradientBuckets`` of ``model``) compress. Collective: every rank calls it with the same ``path``.
+    ``checkpoint`` is emptied of its state dicts on the way."""
     from torch.distributed.checkpoint import save as dcp_save
 
     if buckets is not None and buckets.powersgd is not None and model is not None:
         checkpoint["compression_state"] = buckets.compression_state(param_names(model))
     if config is not None:
-        checkpoint[LAYOUT_KEY] = layout_of(config)
+        checkpoint[LAYOUT_KEY] = saved_layout(config)
     tmp = path.with_name(path.name + ".tmp")
     if global_rank == 0 and tmp.exists():
         shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()

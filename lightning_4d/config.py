@@ -12,13 +12,20 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
+from lightning_4d.layout import (  # the choices live with the layout registry; imported from here too
+    ACTIVATION_CHECKPOINTING,
+    CONTEXT_PARALLEL_METHODS,
+    GRADIENT_COMPRESSIONS,
+    MESH_DIM_NAMES,  # noqa: F401 (mesh.py imports it from here)
+    PIPELINE_COMM_DTYPES,
+    PIPELINE_SCHEDULES,
+    POWERSGD_COMM_DTYPES,
+    ZERO_STAGES,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.config import LlamaConfig
 
-ZERO_STAGES = (0, 1, 2, 3)
-#: activation checkpointing modes (see lightning_4d/parallel/activation_checkpoint.py)
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 #: Lightning precision flags FourDStrategy trains with (``Trainer(precision=...)``); the rest are refused by
 #: :func:`check_training_precision`
 TRAINING_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -52,22 +59,12 @@ def check_training_precision(precision: object) -> str:
     return str(precision)
 
 
-#: context-parallel attention methods (see lightning_4d/parallel/context.py)
-CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
-#: data-parallel gradient compression (see lightning_4d/parallel/compression.py)
-GRADIENT_COMPRESSIONS = ("none", "bf16", "powersgd")
-#: the dtype of the activations and gradients sent between pipeline stages (None: the model's; float8: e4m3 with a
-#: per-tensor scale, parallel/compression.py)
-PIPELINE_COMM_DTYPES = (None, "bfloat16", "float8")
-#: the dtype PowerSGD's factors P and Q are all-reduced in (None: float32)
-POWERSGD_COMM_DTYPES = (None, "bfloat16")
-# pipeline schedules (torch.distributed.pipelining) -> (stages per rank allowed, default stages per rank, rank style)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 #: schedules that split backward into input- and weight-gradient passes and run a micro-batch's weight pass after
 #: later forwards (zero bubble, V placement)
 ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")
 #: schedules that run one stage per pp rank (torch.distributed.pipelining's PipelineScheduleSingle)
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+# pipeline schedule -> (stages per rank allowed, default stages per rank, rank style)
 _SCHEDULE_STAGES = {
     "gpipe": ((1,), 1, "loop"),
     "1f1b": ((1,), 1, "loop"),

@@ -39,7 +39,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.cli import command_parser, layout_of, load_model_config
+from lightning_4d.layout import config_kwargs
+from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
 from lightning_4d.parallel._compat import TorchDispatchMode, tree_flatten
@@ -386,22 +387,9 @@ def cuda_library_bytes(dtypes: tuple = (torch.float32, torch.bfloat16)) -> int:
 
 
 def _strategy_kwargs(pc: ParallelConfig) -> dict[str, Any]:
-    return dict(
-        data_parallel_size=pc.dp,
-        tensor_parallel_size=pc.tp,
-        pipeline_parallel_size=pc.pp,
-        context_parallel_size=pc.cp,
-        zero_stage=pc.zero_stage,
-        sequence_parallel=pc.sequence_parallel,
-        tensor_parallel_overlap=pc.tensor_parallel_overlap,
-        activation_checkpointing=pc.activation_checkpointing,
-        activation_offload_layers=pc.activation_offload_layers,
-        pipeline_schedule=pc.pipeline_schedule,
-        virtual_pipeline_stages=pc.virtual_pipeline_stages,
-        num_microbatches=pc.num_microbatches,
-        pipeline_layer_split=pc.pipeline_layer_split,
-        context_parallel_method=pc.context_parallel_method,
-    )
+    """FourDStrategy's layout arguments for ``pc`` (every field of :data:`lightning_4d.layout.LAYOUT_FIELDS`), dp
+    resolved."""
+    return dict(config_kwargs(vars(pc)), data_parallel_size=pc.dp)
 
 
 def measure_rank(
@@ -503,7 +491,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             f"--formula {args.formula}: measure compares with this package's estimate (lightning_4d) only."
         )
     cfg = load_model_config(args.model)
-    pc, _ = layout_of(args, cfg)
+    pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
     pc.validate_microbatches(pc.microbatches)
     rank = args.rank

@@ -31,6 +31,7 @@ from lightning_4d.config import (  # the Literal choices of the arguments below 
     ParallelConfig,
 )
 from lightning_4d.families.registry import load_initial_weights
+from lightning_4d.layout import config_kwargs, saved_layout
 from lightning_4d.memory.callback import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh
 from lightning_4d.parallel._compat import (
@@ -181,29 +182,9 @@ class FourDStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = timedelta(seconds=1800),
         memory_check: bool = True,
     ) -> None:
+        # every layout argument (lightning_4d/layout.py's registry; tests/test_layout.py checks this signature)
+        self.parallel_config = ParallelConfig(**config_kwargs(locals()))
         self.memory_check = memory_check
-        self.parallel_config = ParallelConfig(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            context_parallel_size=context_parallel_size,
-            zero_stage=zero_stage,
-            sequence_parallel=sequence_parallel,
-            tensor_parallel_overlap=tensor_parallel_overlap,
-            activation_checkpointing=activation_checkpointing,
-            activation_offload_layers=activation_offload_layers,
-            pipeline_schedule=pipeline_schedule,
-            virtual_pipeline_stages=virtual_pipeline_stages,
-            num_microbatches=num_microbatches,
-            pipeline_layer_split=pipeline_layer_split,
-            context_parallel_method=context_parallel_method,
-            gradient_compression=gradient_compression,
-            powersgd_rank=powersgd_rank,
-            powersgd_start_step=powersgd_start_step,
-            powersgd_comm_dtype=powersgd_comm_dtype,
-            pipeline_comm_dtype=pipeline_comm_dtype,
-            expert_parallel_size=expert_parallel_size,
-        )
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -477,5 +458,5 @@ class FourDStrategy(ModelParallelStrategy):
             strict,
             self.global_rank,
             self._buckets,
-            _checkpoint.layout_of(self.parallel_config),
+            saved_layout(self.parallel_config),
         )

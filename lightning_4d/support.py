@@ -603,11 +603,11 @@ def smoke_rows() -> list[Row]:
 def _parse(row: Row, **overrides: Any) -> tuple[argparse.Namespace, Any, Any]:
     """``lightning-4d measure``'s arguments, model config and validated layout for ``row`` (as ``measure`` checks
     them before it runs anything)."""
-    from lightning_4d.memory.cli import command_parser, layout_of, load_model_config
+    from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
 
     args = command_parser("measure").parse_args(row.argv(**overrides))
     cfg = load_model_config(args.model)
-    pc, _ = layout_of(args, cfg)
+    pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
     pc.validate_microbatches(pc.microbatches)
     return args, cfg, pc

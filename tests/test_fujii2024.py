@@ -273,6 +273,30 @@ def test_from_config_duck_typed_and_llama_config():
     assert fujii2024_from_config(llama, **layout) == direct
 
 
+def test_of_layout_is_the_one_mapping_of_a_layout():
+    """Issue 33: the layout -> paper arguments mapping is one function (``estimate``, ``plan`` and the callback used to
+    write it three times and differ: the callback passed no v and ``zero_stage >= 1``, the CLI and the planner v and
+    ``zero_stage == 1``). v is the layout's (the interleaved factor), and ZeRO >= 1 is the distributed optimizer."""
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.memory.callback import MemoryEstimatorCallback
+    from lightning_4d.memory.fujii2024 import fujii2024_of_layout
+
+    cfg = SimpleNamespace(**LLAMA2_7B, tie_word_embeddings=False)
+    pc = ParallelConfig(
+        data_parallel_size=2, pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b", zero_stage=1
+    ).resolve(8)
+    got = fujii2024_of_layout(cfg, pc, 4096, 1, 8)
+    want = dict(tp=1, pp=4, dp=2, cp=1, seq_length=4096, micro_batch_size=1, num_microbatches=8)
+    assert got == fujii2024_estimate(**LLAMA2_7B, **want, virtual_stages=2)
+    assert got != fujii2024_estimate(**LLAMA2_7B, **want)  # v matters: the callback used to drop it
+    for stage, distributed in ((0, False), (1, True), (2, True), (3, True)):
+        one = fujii2024_of_layout(cfg, ParallelConfig(data_parallel_size=8, zero_stage=stage).resolve(8), 4096, 1, 1)
+        assert one.bytes_per_parameter == (6 + 12 / 8 if distributed else 18.0)
+    callback = MemoryEstimatorCallback(device_memory="80GiB", formula="fujii2024")
+    est, total, _ = callback._estimate(cfg, pc, 1, 4096, 8, "bf16-mixed", "cuda", None)
+    assert est == got and total == got.total
+
+
 @pytest.mark.parametrize(
     "override, match",
     [

@@ -181,8 +181,9 @@ def test_models_import_only_config_and_models():
 def test_memory_imports_only_config_and_model_config():
     """memory/ is the torch-free estimator; its one Lightning callback reaches Lightning's private data source (to
     read the first batch's shape) through the compatibility module, as every private API is, and asks the model-family
-    registry for the config of the model it checks (issue 22: no family test of its own)."""
-    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.partition", f"{PACKAGE}.models.config"}
+    registry for the config of the model it checks (issue 22: no family test of its own). The layout registry
+    (``lightning_4d.layout``, issue 33) is the torch-free declaration of config's fields, below config itself."""
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.layout", f"{PACKAGE}.partition", f"{PACKAGE}.models.config"}
     bad = _violations(
         f"{PACKAGE}.memory",
         lambda m, i: (
@@ -195,8 +196,9 @@ def test_memory_imports_only_config_and_model_config():
         ),
     )
     assert not bad, (
-        "memory/ may import lightning_4d.config, lightning_4d.partition, lightning_4d.models.config and "
-        "memory/ only (its callback also parallel._compat and families.registry): " + ", ".join(bad)
+        "memory/ may import lightning_4d.config, lightning_4d.layout, lightning_4d.partition, "
+        "lightning_4d.models.config and memory/ only (its callback also parallel._compat and families.registry): "
+        + ", ".join(bad)
     )
 
 

@@ -503,19 +503,9 @@ class MemoryEstimatorCallback(L.Callback):
         """``(estimate, its total in bytes, its parts in bytes by name)`` of this callback's formula (the worst pp
         rank's :class:`~lightning_4d.memory.model.MemoryEstimate`, or the paper's estimate)."""
         if self.formula == "fujii2024":
-            from lightning_4d.memory.fujii2024 import fujii2024_from_config
+            from lightning_4d.memory.fujii2024 import fujii2024_of_layout
 
-            est = fujii2024_from_config(
-                cfg,
-                tp=parallel_config.tp,
-                pp=parallel_config.pp,
-                dp=parallel_config.dp,
-                cp=parallel_config.cp,
-                seq_length=s,
-                micro_batch_size=b,
-                num_microbatches=m,
-                distributed_optimizer=parallel_config.zero_stage >= 1,
-            )
+            est = fujii2024_of_layout(cfg, parallel_config, s, b, m)
             return est, est.total, {"model_states": est.model_states, "activations": est.activations}
         from lightning_4d.memory.model import estimate_all_pp_ranks
 

@@ -13,17 +13,14 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, get_args, get_origin
 
 from lightning_4d.config import (
-    ACTIVATION_CHECKPOINTING,
-    CONTEXT_PARALLEL_METHODS,
-    PIPELINE_SCHEDULES,
     TRAINING_PRECISIONS,
-    ZERO_STAGES,
     ParallelConfig,
     check_training_precision,
 )
+from lightning_4d.layout import LAYOUT_FIELDS, LayoutField, config_kwargs_from_args, reported_layout
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
 from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
 from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
@@ -201,6 +198,34 @@ def _load_imbalance_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: what a command adds to a layout option's help, by (command, field)
+_COMMAND_NOTES = {
+    ("measure", "expert_parallel_size"): "; measure refuses ep > 1 (the fake process group's all-to-all carries no "
+    "counts)",
+}
+
+
+def _layout_option(p: Any, field: LayoutField, default: Any, help: str) -> None:
+    """Add the option of a layout field (:mod:`lightning_4d.layout`) to ``p``: a switch for a bool, ``true``/``false``
+    for an optional bool, its choices, a list of positive integers, or an integer (positive for a size)."""
+    kw: dict[str, Any] = {"dest": field.option_dest, "help": help}
+    if field.type is bool:
+        kw["action"] = "store_true"
+    else:
+        kw["default"] = None if default == "auto" else default
+        if field.type == Optional[bool]:
+            kw["type"] = strict_bool
+        elif field.choices is not None:
+            kw["choices"] = list(field.choices)
+            if all(isinstance(c, int) for c in field.choices):
+                kw["type"] = int
+        else:
+            kw["type"] = positive_int if field.minimum == 1 else int
+            if any(get_origin(t) is list for t in (field.type, *get_args(field.type))):
+                kw["nargs"] = "+"
+    p.add_argument(*field.flags, **kw)
+
+
 def command_parser(command: str) -> argparse.ArgumentParser:
     """The options of `lightning-4d <command>` (``estimate``, ``plan`` or ``measure``)."""
     p = _Parser(prog=f"lightning-4d {command}")
@@ -219,91 +244,25 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             "--compile", action="store_true", help="torch.compile each decoder layer (FourDStrategy(compile=True))"
         )
     if command in ("estimate", "measure"):
-        p.add_argument("--tp", type=positive_int, default=1)
-        p.add_argument("--pp", type=positive_int, default=1)
-        p.add_argument("--cp", type=positive_int, default=1)
-        p.add_argument(
-            "--expert-parallel-size",
-            "--ep",
-            dest="ep",
-            type=positive_int,
-            default=1,
-            help="expert parallel size of a Mixture-of-Experts model: ranks of dp*cp that split the experts "
-            "(divides dp*cp and num_experts; default 1)"
-            + (
-                "; measure refuses ep > 1 (the fake process group's all-to-all carries no counts)"
-                if command == "measure"
-                else ""
-            ),
-        )
         if command == "estimate":
             _load_imbalance_option(p)
-        p.add_argument(
-            "--cp-method",
-            default="ring",
-            choices=list(CONTEXT_PARALLEL_METHODS),
-            help="context-parallel attention (default ring)",
-        )
         group = p.add_mutually_exclusive_group()
-        group.add_argument("--dp", type=positive_int, help="data parallel size")
+        for f in LAYOUT_FIELDS:
+            if f.flags:
+                help = (f.cli_help or f.help) + _COMMAND_NOTES.get((command, f.name), "")
+                _layout_option(group if f.name == "data_parallel_size" else p, f, f.default, help)
         group.add_argument("--num-gpus", type=positive_int, help="world size (dp = num_gpus / (tp*pp*cp))")
         p.add_argument("--micro-batch-size", type=positive_int, required=True)
-        p.add_argument("--zero-stage", type=int, default=1, choices=list(ZERO_STAGES))
-        p.add_argument("--activation-checkpointing", default="none", choices=list(ACTIVATION_CHECKPOINTING))
-        p.add_argument(
-            "--sequence-parallel", default=None, type=strict_bool, help="true or false (default: on when tp > 1)"
-        )
-        p.add_argument(
-            "--tensor-parallel-overlap",
-            action="store_true",
-            help="the tp projections as rings overlapped with their matmuls (needs tp > 1 and sequence parallelism, "
-            "not with selective checkpointing; docs/parallelism.md)",
-        )
-        p.add_argument(
-            "--activation-offload-layers",
-            type=int,
-            default=0,
-            help="decoder layers per pipeline stage whose saved activations go to host memory (default 0; not "
-            "with activation checkpointing; docs/memory.md)",
-        )
-        p.add_argument(
-            "--num-microbatches",
-            type=positive_int,
-            help="micro-batches per step (pipeline schedules; default pp, 2*pp for dualpipev)",
-        )
-        p.add_argument("--pipeline-schedule", default="1f1b", choices=list(PIPELINE_SCHEDULES))
-        p.add_argument(
-            "--virtual-pipeline-stages",
-            type=positive_int,
-            default=None,
-            help="stages per pp rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others)",
-        )
-        p.add_argument(
-            "--pipeline-layer-split",
-            type=positive_int,
-            nargs="+",
-            default=None,
-            help="decoder layers per pipeline stage (pp*v counts; default: equal, or the planner's split "
-            "when pp*v does not divide the layers)",
-        )
     else:
         p.add_argument("--num-gpus", type=positive_int, required=True)
         p.add_argument("--gpus-per-node", type=positive_int, default=8)
         p.add_argument("--global-batch-size", type=positive_int, required=True, help="samples per optimizer step")
         p.add_argument("--top", type=positive_int, default=20, help="how many layouts to list (20)")
         p.add_argument("--peak-tflops", type=positive_float, help="custom GPU: dense bf16 peak (TFLOP/s)")
-        for dim in ("tp", "pp", "cp", "dp"):
-            p.add_argument(f"--{dim}", type=positive_int, help=f"only layouts with this {dim} size")
-        p.add_argument(
-            "--expert-parallel-size",
-            "--ep",
-            dest="ep",
-            type=positive_int,
-            help="only layouts with this expert parallel size (Mixture-of-Experts models; without it the plan "
-            "tries every ep that divides dp*cp and num_experts)",
-        )
+        for f in LAYOUT_FIELDS:  # the sizes a plan can keep fixed, and --tensor-parallel-overlap
+            if f.plan_help:
+                _layout_option(p, f, False if f.type is bool else None, f.plan_help)
         _load_imbalance_option(p)
-        p.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), help="only layouts with this ZeRO stage")
         p.add_argument(
             "--checkpoint-write-gbps",
             type=positive_float,
@@ -317,12 +276,6 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             default=DEFAULT_MTBF_GPU_HOURS,
             help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
             "paper, 419 interruptions in 54 days on 16,384 GPUs)",
-        )
-        p.add_argument(
-            "--tensor-parallel-overlap",
-            action="store_true",
-            help="also consider the tp projections as rings overlapped with their matmuls (tp > 1 with sequence "
-            "parallelism, checkpointing none or full; off by default, as in FourDStrategy)",
         )
         p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory (needs matplotlib)")
         p.add_argument(
@@ -358,26 +311,10 @@ def _rank(text: str) -> Any:
     return value
 
 
-def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optional[list[int]]]:
-    """The layout ``estimate`` and ``measure`` are asked for, resolved and validated against the model, and the
-    planner's layer split when it proposed one (``None`` else)."""
-    pc = ParallelConfig(
-        data_parallel_size=args.dp or "auto",
-        tensor_parallel_size=args.tp,
-        pipeline_parallel_size=args.pp,
-        context_parallel_size=args.cp,
-        zero_stage=args.zero_stage,
-        sequence_parallel=args.sequence_parallel,
-        tensor_parallel_overlap=args.tensor_parallel_overlap,
-        activation_checkpointing=args.activation_checkpointing,
-        activation_offload_layers=args.activation_offload_layers,
-        pipeline_schedule=args.pipeline_schedule,
-        virtual_pipeline_stages=args.virtual_pipeline_stages,
-        num_microbatches=args.num_microbatches,
-        pipeline_layer_split=args.pipeline_layer_split,
-        context_parallel_method=args.cp_method,
-        expert_parallel_size=args.ep,
-    )
+def layout_from_args(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optional[list[int]]]:
+    """The layout ``estimate`` and ``measure`` are asked for (their options of :data:`LAYOUT_FIELDS`), resolved and
+    validated against the model, and the planner's layer split when it proposed one (``None`` else)."""
+    pc = ParallelConfig(**config_kwargs_from_args(args))
     if args.dp is None:
         if args.num_gpus is None:
             raise ValueError("give --dp or --num-gpus.")
@@ -392,12 +329,12 @@ def layout_of(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optio
 
 
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_4d.memory.fujii2024 import fujii2024_from_config
+    from lightning_4d.memory.fujii2024 import fujii2024_of_layout
     from lightning_4d.memory.model import estimate_memory
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
-    pc, proposed = layout_of(args, cfg)
+    pc, proposed = layout_from_args(args, cfg)
     m = pc.microbatches
     if args.formula == "fujii2024":
         if pc.zero_stage > 1 or pc.activation_checkpointing != "none":
@@ -407,18 +344,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
                 f"{pc.activation_checkpointing}."
             )
         pc.validate_sequence(args.seq_length)
-        est = fujii2024_from_config(
-            cfg,
-            tp=pc.tp,
-            pp=pc.pp,
-            dp=pc.dp,
-            cp=pc.cp,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            num_microbatches=m,
-            virtual_stages=pc.v,
-            distributed_optimizer=pc.zero_stage == 1,
-        )
+        est = fujii2024_of_layout(cfg, pc, args.seq_length, args.micro_batch_size, m)
         out = dict(est.to_dict())
     else:
         est = estimate_memory(
@@ -442,19 +368,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory=gpu.memory,
         formula=args.formula,
         layout=dict(
-            tp=pc.tp,
-            pp=pc.pp,
-            cp=pc.cp,
-            dp=pc.dp,
-            expert_parallel_size=pc.ep,
-            zero_stage=pc.zero_stage,
-            sequence_parallel=pc.sp,
-            tensor_parallel_overlap=pc.tensor_parallel_overlap,
-            activation_checkpointing=pc.activation_checkpointing,
-            activation_offload_layers=pc.activation_offload_layers,
-            pipeline_schedule=pc.pipeline_schedule,
-            num_microbatches=m,
-            pipeline_layer_split=pc.pipeline_layer_split,
+            reported_layout(pc),
             micro_batch_size=args.micro_batch_size,
             seq_length=args.seq_length,
             precision=args.precision,
@@ -493,21 +407,7 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
             "line": suggestion_line(s, args.micro_batch_size),
             "total": e.total,
             "total_gib": e.total / GIB,
-            "layout": dict(
-                tp=s.tp,
-                pp=s.pp,
-                cp=s.cp,
-                dp=s.dp,
-                expert_parallel_size=s.ep,
-                zero_stage=s.zero_stage,
-                sequence_parallel=s.sp,
-                activation_checkpointing=s.activation_checkpointing,
-                pipeline_schedule=s.pipeline_schedule,
-                virtual_pipeline_stages=s.v,
-                num_microbatches=s.microbatches,
-                pipeline_layer_split=s.pipeline_layer_split,
-                context_parallel_method=s.context_parallel_method,
-            ),
+            "layout": reported_layout(s),
         }
         for s, e in found
     ]
@@ -577,10 +477,10 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
-    fixed = {
-        key: getattr(args, key)
-        for key in ("tp", "pp", "cp", "dp", "ep", "zero_stage")
-        if getattr(args, key) is not None
+    fixed = {  # the sizes asked for (plan's layout options but --tensor-parallel-overlap)
+        f.option_dest: getattr(args, f.option_dest)
+        for f in LAYOUT_FIELDS
+        if f.plan_help and f.type is not bool and getattr(args, f.option_dest) is not None
     }
     if args.plot:
         import importlib.util

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from lightning_4d.config import _check_positive_int
 
-__all__ = ["Fujii2024Estimate", "check_dense", "fujii2024_estimate", "fujii2024_from_config"]
+__all__ = ["Fujii2024Estimate", "check_dense", "fujii2024_estimate", "fujii2024_from_config", "fujii2024_of_layout"]
 
 GIB = 2**30
 
@@ -283,4 +283,35 @@ def fujii2024_from_config(
         micro_batch_size=micro_batch_size,
         tie_word_embeddings=bool(tie),
         **kw,
+    )
+
+
+def fujii2024_of_layout(
+    model_config: Any, parallel_config: Any, seq_length: int, micro_batch_size: int, num_microbatches: int
+) -> Fujii2024Estimate:
+    """The paper's estimate for a resolved :class:`~lightning_4d.config.ParallelConfig` (duck-typed): the one place
+    where a layout becomes the paper's arguments (``estimate``, ``plan`` and ``MemoryEstimatorCallback`` call it).
+
+    - ``distributed_optimizer`` is ZeRO stage >= 1: the paper's distributed optimizer shards the 12 optimizer bytes
+      over ``d·c`` (Eq. 4, §2.2), which is what ZeRO 1 does; ZeRO 2 and 3 shard more than the paper models (the
+      CLI refuses them with this formula and the planner skips them), and 18 bytes per parameter for them, what
+      ``zero_stage == 1`` gave, would count their optimizer states unsharded.
+    - ``virtual_stages`` is the layout's v: the interleaved schedule's activation factor ``1 + (p-1)/(p·v)``
+      (:func:`_activations`) needs it; without it an interleaved layout got the non-interleaved ``m/p`` discount.
+
+    Raises:
+        ValueError: see :func:`fujii2024_from_config`.
+    """
+    pc = parallel_config
+    return fujii2024_from_config(
+        model_config,
+        tp=pc.tp,
+        pp=pc.pp,
+        dp=pc.dp,
+        cp=pc.cp,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        virtual_stages=pc.v,
+        distributed_optimizer=pc.zero_stage >= 1,
     )

@@ -46,7 +46,7 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterator, Optional
 
 from lightning_4d.config import (
@@ -57,7 +57,7 @@ from lightning_4d.config import (
     _check_positive_int,
     _divisors,
 )
-from lightning_4d.memory.fujii2024 import check_dense, fujii2024_from_config
+from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_parts
@@ -117,23 +117,8 @@ class Candidate:
     def parallel_config(self) -> ParallelConfig:
         """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
         and micro-batch count)."""
-        return Layout(
-            self.tp,
-            self.pp,
-            self.cp,
-            self.dp,
-            self.micro_batch_size,
-            self.num_microbatches,
-            self.sequence_parallel,
-            self.context_parallel_method,
-            self.pipeline_schedule if self.pp > 1 else "1f1b",
-            self.virtual_pipeline_stages,
-            self.pipeline_layer_split,
-            self.zero_stage,
-            self.activation_checkpointing,
-            self.expert_parallel_size,
-            self.tensor_parallel_overlap,
-        ).parallel_config()
+        layout = Layout(**{f.name: getattr(self, f.name) for f in fields(Layout)})
+        return replace(layout, pipeline_schedule=self.pipeline_schedule if self.pp > 1 else "1f1b").parallel_config()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -507,18 +492,7 @@ class _MemoryOf:
 
     def __call__(self, pc: ParallelConfig, b: int, m: int) -> float:
         if self.formula == "fujii2024":
-            return fujii2024_from_config(
-                self.model_config,
-                tp=pc.tp,
-                pp=pc.pp,
-                dp=pc.dp,
-                cp=pc.cp,
-                seq_length=self.seq_length,
-                micro_batch_size=b,
-                num_microbatches=m,
-                virtual_stages=pc.v,
-                distributed_optimizer=pc.zero_stage == 1,
-            ).total
+            return fujii2024_of_layout(self.model_config, pc, self.seq_length, b, m).total
         hint = (pc.pp, pc.pipeline_schedule, pc.v)
         est = None
         for r in dict.fromkeys((0, self.worst_rank.get(hint, 0), *range(pc.pp))):
