@@ -40,10 +40,16 @@ class UnsafeFileError(ValueError):
 
 def trusted_types() -> list[type]:
     """This package's types a checkpoint may hold beside torch's default weights-only set: the model config
-    dataclasses (plain data, no code runs when they are built)."""
+    dataclasses (plain data, no code runs when they are built). They are allowed process-wide
+    (``torch.serialization.add_safe_globals``, as importing ``lightning_4d.models.config`` does for Lightning's own
+    loads), never through torch's ``safe_globals`` context manager, whose exit removes the types it was given even
+    when they were allowed before it (torch 2.13): every later weights-only load of a checkpoint holding a
+    ``LlamaConfig`` (Lightning's ``Trainer.fit(ckpt_path=...)`` with our module) would then fail."""
     from lightning_4d.models.config import LlamaConfig, RopeScaling
 
-    return [LlamaConfig, RopeScaling]
+    types = [LlamaConfig, RopeScaling]
+    torch.serialization.add_safe_globals(types)
+    return types
 
 
 def _refusal(label: str, names: list[str]) -> UnsafeFileError:
@@ -59,11 +65,11 @@ def unsafe_globals(path: Union[str, Path]) -> list[str]:
     """The names (``module.qualname``) of the functions and classes the ``torch.save`` file ``path`` references
     that a weights-only load with :func:`trusted_types` does not allow, found without unpickling the file; ``[]``
     for a file that is not a zip-format ``torch.save`` file (:func:`load` then decides)."""
-    with torch.serialization.safe_globals(trusted_types()):
-        try:
-            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
-        except Exception:  # not a zip-format torch.save file (legacy format, corrupt, torchscript)
-            return []
+    trusted_types()
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # not a zip-format torch.save file (legacy format, corrupt, torchscript)
+        return []
 
 
 def load(source: Union[str, Path, io.BytesIO], mmap: bool = True, name: str = "") -> Any:
@@ -86,16 +92,16 @@ def load(source: Union[str, Path, io.BytesIO], mmap: bool = True, name: str = ""
         mmap = mmap and _is_zip(source)
     else:
         mmap = False
-    with torch.serialization.safe_globals(trusted_types()):
-        try:
-            return torch.load(source, map_location="cpu", mmap=mmap, weights_only=True)
-        except pickle.UnpicklingError as e:  # a legacy-format file the static check cannot read, or not a pickle
-            reason = _unpickling_reason(e)
-            if "global" in reason.lower():
-                raise UnsafeFileError(f"refusing to load {label}: {reason[:300]}; {REMEDY}") from e
-            raise ValueError(f"cannot load {label}: not a readable torch.save file ({reason[:300] or e})") from e
-        except (RuntimeError, EOFError, OSError) as e:
-            raise ValueError(f"cannot load {label}: not a readable torch.save file ({type(e).__name__}: {e})") from e
+    trusted_types()
+    try:
+        return torch.load(source, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:  # a legacy-format file the static check cannot read, or not a pickle
+        reason = _unpickling_reason(e)
+        if "global" in reason.lower():
+            raise UnsafeFileError(f"refusing to load {label}: {reason[:300]}; {REMEDY}") from e
+        raise ValueError(f"cannot load {label}: not a readable torch.save file ({reason[:300] or e})") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"cannot load {label}: not a readable torch.save file ({type(e).__name__}: {e})") from e
 
 
 def _unpickling_reason(e: Exception) -> str:

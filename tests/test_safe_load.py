@@ -171,3 +171,24 @@ def test_trainer_ckpt_path_of_another_model_names_the_first_differing_tensor(str
     out, results = strategy_loads
     assert results[case].startswith(f"ValueError: checkpoint {str(out / 'good.ckpt')!r} is from another model: ")
     assert message in results[case] and "\n" not in results[case]
+
+
+def test_loading_keeps_our_types_allowed_for_lightnings_own_loads(tmp_path):
+    """Our loader leaves ``LlamaConfig`` and ``RopeScaling`` allowed process-wide: torch's ``safe_globals`` context
+    manager, used before, removed them on exit although importing the package had allowed them, and Lightning's own
+    ``torch.load(weights_only=True)`` of a checkpoint holding a ``LlamaConfig`` (``Trainer.fit(ckpt_path=...)`` with
+    ``CausalLMModule``) then failed with "Unsupported global" (seen running tests/test_resume.py after a test that
+    read a checkpoint folder)."""
+    from lightning_4d.models.config import LlamaConfig, RopeScaling
+    from lightning_4d.safe_load import load
+
+    path = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    load(path)
+    load(path, mmap=False)
+    allowed = torch.serialization.get_safe_globals()
+    assert LlamaConfig in allowed and RopeScaling in allowed
+    cfg_path = tmp_path / "config.pt"
+    torch.save({"hyper_parameters": {"model_config": LlamaConfig.from_preset("tiny-test")}}, cfg_path)
+    loaded = torch.load(cfg_path, weights_only=True)  # as Lightning loads it
+    assert loaded["hyper_parameters"]["model_config"] == LlamaConfig.from_preset("tiny-test")
