@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
+from lightning_4d.measure import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.models.llama import canonical_name  # noqa: E402
-from lightning_4d.parallel.zero import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 
@@ -58,7 +58,7 @@ class Recorder(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.record_norm:  # the global gradient norm before clipping (the ShardedOptimizer's, else torch's)
             from lightning_4d.parallel.pipeline import clip_grad_norm_
-            from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
+            from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
             sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
             if sharded is not None:
@@ -125,9 +125,9 @@ def run_one(
     pp = layout.get("pp", 1)
     m = layout.get("m", 1) if pp > 1 else 1  # pipeline micro-batches per step (derived from the global batch)
     micro = args.global_batch // (dp * accum * m)
-    import lightning_4d.parallel.zero as zero
+    import lightning_4d.parallel.grad_buffers as grad_buffers
 
-    zero._BUCKET_BYTES = layout.get("bucket", 25 * 2**20)  # small buckets: several all-reduces overlap backward
+    grad_buffers._BUCKET_BYTES = layout.get("bucket", 25 * 2**20)  # small buckets: several all-reduces overlap backward
     dm = LMDataModule(
         seq_length=args.seq_length,
         micro_batch_size=micro,
