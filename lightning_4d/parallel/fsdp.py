@@ -114,33 +114,16 @@ def apply_fsdp(
     expert_weights = stacked_expert_weights(model)  # held: FSDP2 replaces them, and their ids must not be reused
     experts = {id(p) for p in expert_weights}
 
-    def placement(mesh: DeviceMesh) -> Optional[Callable[[nn.Parameter], Optional[Shard]]]:
-        """FSDP2's ``shard_placement_fn`` over ``mesh``: ``Shard(expert_shard_dim(...))`` for a stacked expert
-        weight, FSDP2's default ``Shard(0)`` (``None``) for every other parameter; ``None`` (no function) when
-        no expert weight is sharded on dim 1."""
-
-        def dim(p: nn.Parameter) -> int:
-            return expert_shard_dim(tuple(_local(p).shape), mesh.size()) if id(p) in experts else 0
-
-        if not any(dim(p) for p in model.parameters()):
-            return None
-        if not FULLY_SHARD_PLACEMENT_FN:  # pragma: no cover - torch without shard_placement_fn
-            raise RuntimeError(
-                f"torch {torch.__version__}: fully_shard has no shard_placement_fn argument, needed to shard expert "
-                f"weights whose {mesh.size()}-rank group does not divide their experts (dim 0) on dim 1"
-            )
-        return lambda p: Shard(1) if dim(p) == 1 else None
-
     units = []
     if expert_mesh is not None:
         holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
-        fn = placement(expert_mesh)
+        fn = _shard_placement(model, experts, expert_mesh)
         units = [
             fully_shard(m, **{**kw, "mesh": expert_mesh}, **({"shard_placement_fn": fn} if fn else {})) for m in holders
         ]
         for unit in units:
             average_expert_gradients(unit, expert_mesh.size(), dp_cp_mesh.size())
-    fn = placement(dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
+    fn = _shard_placement(model, experts, dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
     if fn:
         kw["shard_placement_fn"] = fn
     dense = [fully_shard(b, **kw) for b in blocks]
@@ -149,6 +132,26 @@ def apply_fsdp(
         # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp.
         # torch < 2.8 has no such setting; its default, the average over the unit's group (dp_cp), is the same
         unit.set_gradient_divide_factor(float(dp_cp_mesh.size()))
+
+
+def _shard_placement(
+    model: nn.Module, experts: set[int], mesh: DeviceMesh
+) -> Optional[Callable[[nn.Parameter], Optional[Shard]]]:
+    """FSDP2's ``shard_placement_fn`` over ``mesh`` (:func:`apply_fsdp`): ``Shard(expert_shard_dim(...))`` for a
+    stacked expert weight (``id`` in ``experts``), FSDP2's default ``Shard(0)`` (``None``) for every other parameter;
+    ``None`` (no function) when no expert weight of ``model`` is sharded on dim 1."""
+
+    def dim(p: nn.Parameter) -> int:
+        return expert_shard_dim(tuple(_local(p).shape), mesh.size()) if id(p) in experts else 0
+
+    if not any(dim(p) for p in model.parameters()):
+        return None
+    if not FULLY_SHARD_PLACEMENT_FN:  # pragma: no cover - torch without shard_placement_fn
+        raise RuntimeError(
+            f"torch {torch.__version__}: fully_shard has no shard_placement_fn argument, needed to shard expert "
+            f"weights whose {mesh.size()}-rank group does not divide their experts (dim 0) on dim 1"
+        )
+    return lambda p: Shard(1) if dim(p) == 1 else None
 
 
 def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:

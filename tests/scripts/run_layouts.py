@@ -56,19 +56,16 @@ class Recorder(L.Callback):
         self.bytes: dict[str, int] = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.record_norm:  # the global gradient norm before clipping (the ShardedOptimizer's, else torch's)
-            from lightning_4d.parallel.pipeline import clip_grad_norm_
+        if self.record_norm:  # the global gradient norm before clipping (max_norm inf: coefficient 1, nothing changes)
+            from lightning_4d.parallel.clipping import clip_grad_norm_
             from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
+            # a ShardedOptimizer's buckets, else every mesh (expert gradients on (edp, ep), dense ones on dp_cp under
+            # ZeRO 2/3 with ep); pp: the norm over every stage
             sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
-            if sharded is not None:
-                norm = sharded.clip_grad_norm_(float("inf"))  # coefficient 1: measures, changes nothing
-            else:
-                # the global norm over every mesh (expert gradients on (edp, ep), dense ones on dp_cp under ZeRO
-                # 2/3 with ep); max_norm inf: coefficient 1
-                pipeline = getattr(trainer.strategy, "pipeline", None)  # pp: the norm over every stage
-                pp_group = trainer.strategy.mesh.pp.get_group() if pipeline is not None else None
-                norm = clip_grad_norm_(list(pl_module.parameters()), float("inf"), pp_group=pp_group)
+            pipeline = getattr(trainer.strategy, "pipeline", None)
+            pp_group = trainer.strategy.mesh.pp.get_group() if pipeline is not None else None
+            norm = clip_grad_norm_(list(pl_module.parameters()), float("inf"), pp_group=pp_group, sharded=sharded)
             self.bytes.setdefault("grad_norms", []).append(float(norm))
         if "params" in self.bytes:
             return
