@@ -92,7 +92,7 @@ def apply_fsdp(
         ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: an expert weight needs dim 1 on a torch whose
             ``fully_shard`` has no ``shard_placement_fn`` (torch < 2.6; ``_compat.FULLY_SHARD_PLACEMENT_FN``).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp implements ZeRO stages 2 and 3, got zero_stage={zero_stage}")
@@ -102,13 +102,7 @@ def apply_fsdp(
         blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
     kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
     if param_dtype is not None or reduce_dtype is not None:
-        # the blocks' float32 inputs stay as they are: the rotary tables must not be rounded to bf16 (the residual
-        # stream is in param_dtype already)
-        kw["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=param_dtype,
-            cast_forward_inputs=False,
-            reduce_dtype=reduce_dtype or (torch.float32 if param_dtype is not None else None),
-        )
+        kw["mp_policy"] = _mixed_precision_policy(param_dtype, reduce_dtype)
     from lightning_4d.parallel.expert import is_expert_parameter, stacked_expert_weights
 
     expert_weights = stacked_expert_weights(model)  # held: FSDP2 replaces them, and their ids must not be reused
@@ -132,6 +126,20 @@ def apply_fsdp(
         # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp.
         # torch < 2.8 has no such setting; its default, the average over the unit's group (dp_cp), is the same
         unit.set_gradient_divide_factor(float(dp_cp_mesh.size()))
+
+
+def _mixed_precision_policy(param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for :func:`apply_fsdp`'s ``param_dtype`` and ``reduce_dtype`` (reduced in
+    float32 under ``param_dtype`` unless ``reduce_dtype`` says otherwise). The blocks' float32 inputs stay as they are
+    (``cast_forward_inputs=False``): the rotary tables must not be rounded to bf16 (the residual stream is in
+    ``param_dtype`` already)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        cast_forward_inputs=False,
+        reduce_dtype=reduce_dtype or (torch.float32 if param_dtype is not None else None),
+    )
 
 
 def _shard_placement(
