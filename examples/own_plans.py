@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_4d import FourDStrategy
-from lightning_4d.parallel.zero import apply_fsdp
+from lightning_4d.parallel.fsdp import apply_fsdp
 
 
 class MLP(nn.Module):

@@ -42,7 +42,7 @@ from lightning_4d.parallel._compat import (
     local_tensor as _local,
     rekey_optimizer_state_if_needed,
 )
-from lightning_4d.parallel.zero import ShardedOptimizer, host_zeros_like, unwrap_optimizer as unwrap
+from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, host_zeros_like, unwrap_optimizer as unwrap
 from lightning_4d.safe_load import SafeFileSystemReader, SafeLoadPlanner, load as safe_load
 
 # optimizer state dicts in DCP folders: hyper-parameters stored per parameter name, so ranks that hold different
@@ -324,8 +324,9 @@ def _sharded_optimizer_template(
 ) -> dict[str, Any]:
     """What a :class:`ShardedOptimizer` asks the folder ``path`` (its ``state_dict_metadata``: ``saved``) for: each
     of its parameters' saved states as a CPU tensor of the parameter's whole local shape (a DTensor with its
-    placements, :func:`~lightning_4d.parallel.zero.host_zeros_like`: DCP reads just this rank's tp shard of the saved
-    tensor, whatever layout wrote it, into host memory), scalars as CPU scalars, hyper-parameters as placeholders."""
+    placements, :func:`~lightning_4d.parallel.sharded_optimizer.host_zeros_like`: DCP reads just this rank's tp shard
+    of the saved tensor, whatever layout wrote it, into host memory), scalars as CPU scalars, hyper-parameters as
+    placeholders."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     out: dict[str, Any] = {}

@@ -22,7 +22,7 @@ Measured peak:
   FSDP2's storage resizes followed), seen by a ``TorchDispatchMode`` around the whole fit.
 
 The model states (parameters, gradients at the optimizer step, optimizer states) are counted on the real tensors
-as ``tests/test_memory_model.py`` counts them (:func:`lightning_4d.parallel.zero.model_state_tensors`).
+as ``tests/test_memory_model.py`` counts them (:func:`model_state_tensors`).
 """
 
 from __future__ import annotations
@@ -34,16 +34,21 @@ import json
 import os
 import sys
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
+import torch.nn as nn
+from torch import Tensor
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.layout import config_kwargs
 from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
-from lightning_4d.parallel._compat import TorchDispatchMode, tree_flatten
+from lightning_4d.parallel._compat import TorchDispatchMode, local_tensor as _local, tree_flatten
+
+if TYPE_CHECKING:
+    from lightning_4d.parallel.grad_buffers import GradientBuckets
 
 #: the estimate's fields compared with the measurement, in the order the table prints them
 COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers")
@@ -296,7 +301,6 @@ def fit_and_measure(
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
 
-    from lightning_4d.parallel.zero import local_bytes, model_state_tensors
     from lightning_4d.strategy import FourDStrategy
     from lightning_4d.tasks import CausalLMModule
 
@@ -601,3 +605,63 @@ def main(argv: list[str]) -> int:
     else:
         _print(out)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------- byte counts
+def local_bytes(tensors: Iterable[Optional[Tensor]]) -> int:
+    """Bytes held on this rank by ``tensors`` (the local shard of a DTensor; ``None`` counts 0).
+
+    A tensor seen twice (same data pointer and size, e.g. a tied weight) is counted once.
+    """
+    seen: set = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        key = (t.data_ptr(), t.numel()) if t.numel() else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def model_state_tensors(
+    model: nn.Module, optimizers: Iterable[Any], buckets: Optional[GradientBuckets]
+) -> dict[str, list[Tensor]]:
+    """The tensors behind one rank's model states, by kind, for byte counts (:func:`local_bytes`) against the memory
+    model (``lightning_4d.memory.model.model_state_bytes``).
+
+    Returns ``{"parameters": [...], "gradients": [...], "optimizer_states": [...], "master_weights": [...],
+    "compression": [...]}``: the
+    parameters (the local
+    shards), the gradients (each parameter's slice of its bucket at ZeRO 0/1, padding excluded, for the buckets that
+    exist: from the first gradient to the end of the optimizer step; ``.grad`` otherwise)
+    and the optimizer states (every tensor state of at least one dimension, e.g. Adam's m and v, plus the master
+    weights of :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` and
+    PowerSGD's error-feedback and warm-start matrices).
+    """
+    from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
+
+    params = list(model.parameters())
+    in_buckets = set() if buckets is None else {id(p) for p in buckets.params}
+    grads = buckets.existing_grads() if buckets is not None else []
+    grads += [p.grad for p in params if id(p) not in in_buckets and p.grad is not None]
+    states: list[Tensor] = []
+    masters: list[Tensor] = []
+    for optimizer in optimizers:
+        torch_opt = unwrap_optimizer(optimizer)
+        states += [v for st in torch_opt.state.values() for v in st.values() if isinstance(v, Tensor) and v.ndim > 0]
+        sharded = ShardedOptimizer.of(torch_opt)
+        if sharded is not None:
+            masters += sharded.master_tensors()
+    # PowerSGD's error feedback and warm start: persistent state, counted with the optimizer's
+    compression = buckets.powersgd.tensors() if buckets is not None and buckets.powersgd is not None else []
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer_states": states + masters + compression,
+        "master_weights": masters,
+        "compression": compression,
+    }

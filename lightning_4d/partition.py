@@ -1,11 +1,11 @@
 """How the strategy cuts tensors into pieces, defined once for the strategy and the memory model.
 
-- gradient buckets (ZeRO 0/1, ``parallel/zero.py``): :data:`GRADIENT_BUCKET_BYTES`, :func:`bucket_lengths` (which
-  consecutive parameters share a bucket) and :func:`bucket_shard` (a rank's range of a bucket);
+- gradient buckets (ZeRO 0/1, ``parallel/grad_buffers.py``): :data:`GRADIENT_BUCKET_BYTES`, :func:`bucket_lengths`
+  (which consecutive parameters share a bucket) and :func:`bucket_shard` (a rank's range of a bucket);
 - loss chunks (``parallel/loss.py``): :data:`LOSS_CHUNK_BYTES` and :func:`loss_chunk_tokens` (tokens per chunk of
   the cross-entropy);
 - PowerSGD's rule (``parallel/compression.py``): :func:`powersgd_compressible` (which gradients it factors);
-- ZeRO 2/3 of stacked expert weights (``parallel/zero.py``'s ``apply_fsdp``): :func:`expert_shard_dim` (the dimension
+- ZeRO 2/3 of stacked expert weights (``parallel/fsdp.py``'s ``apply_fsdp``): :func:`expert_shard_dim` (the dimension
   FSDP2 shards them on).
 
 ``lightning_4d/memory/`` counts the bytes these pieces take by the same definitions, so this module is pure Python:
@@ -50,7 +50,7 @@ def expert_shard_dim(shape: Sequence[int], group: int) -> int:
 
 
 def bucket_lengths(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
-    """How many consecutive items each gradient bucket takes (ZeRO 0/1, ``parallel/zero.py``; the memory model
+    """How many consecutive items each gradient bucket takes (ZeRO 0/1, ``parallel/grad_buffers.py``; the memory model
     simulates the same): items of ``nbytes`` bytes, in order, fill a bucket while it stays within ``bucket_bytes``;
     an item that does not fit starts the next bucket (an item larger than ``bucket_bytes`` has a bucket of its own).
     The lengths sum to ``len(nbytes)``."""

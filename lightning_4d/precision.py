@@ -1,10 +1,11 @@
 """The precision plugin ``FourDStrategy`` runs with: the Trainer's own plugin (``32-true``, ``bf16-mixed``, ...) plus
 the two things of an optimizer step that our layouts change, as Lightning overrides rather than patches:
 
-- the step of an optimizer wrapped by a :class:`~lightning_4d.parallel.zero.ShardedOptimizer` (ZeRO 1, master
-  weights) is that ``ShardedOptimizer``'s, not ``optimizer.step`` (:meth:`FourDPrecision.optimizer_step`);
+- the step of an optimizer wrapped by a :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` (ZeRO 1,
+  master weights) is that ``ShardedOptimizer``'s, not ``optimizer.step`` (:meth:`FourDPrecision.optimizer_step`);
 - the Trainer's ``gradient_clip_val`` clips by the global norm over all shards and pipeline stages
-  (:meth:`FourDPrecision.clip_grad_by_norm`, :meth:`FourDPrecision.clip_grad_by_value`).
+  (:meth:`FourDPrecision.clip_grad_by_norm`: :func:`lightning_4d.parallel.clipping.clip_grad_norm_`,
+  :meth:`FourDPrecision.clip_grad_by_value`).
 
 Lightning's call path is ``Strategy.optimizer_step -> precision_plugin.optimizer_step`` and ``LightningModule
 .clip_gradients -> trainer.precision_plugin.clip_gradients -> clip_grad_by_norm / clip_grad_by_value``; the Trainer's
@@ -22,9 +23,9 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
+from lightning_4d.parallel.clipping import clip_grad_norm_
 from lightning_4d.parallel.expert import is_expert_parameter
-from lightning_4d.parallel.pipeline import clip_grad_norm_
-from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
+from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
 _NORM = GradClipAlgorithmType.NORM
 
@@ -41,27 +42,26 @@ class FourDPrecision(Precision):
     pp_group: Optional[dist.ProcessGroup] = None
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """An optimizer with a :class:`~lightning_4d.parallel.zero.ShardedOptimizer` steps through it
-        (:meth:`ShardedOptimizer.step <lightning_4d.parallel.zero.ShardedOptimizer.step>`: the closure, then the
-        owned slices, then the all-gather), with the closure of Lightning's ``Precision.optimizer_step`` (forward,
-        backward, ``on_before_optimizer_step``, clipping); any other optimizer as the Trainer's plugin steps it."""
+        """An optimizer with a :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` steps through it
+        (:meth:`ShardedOptimizer.step <lightning_4d.parallel.sharded_optimizer.ShardedOptimizer.step>`: the closure,
+        then the owned slices, then the all-gather), with the closure of Lightning's ``Precision.optimizer_step``
+        (forward, backward, ``on_before_optimizer_step``, clipping); any other optimizer as the Trainer's plugin
+        steps it."""
         sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
         if sharded is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         return sharded.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Clip by the global norm: the averaged gradients in a ``ShardedOptimizer``'s buckets
-        (:meth:`~lightning_4d.parallel.zero.ShardedOptimizer.clip_grad_norm_`), else under a pipeline
-        :func:`~lightning_4d.parallel.pipeline.clip_grad_norm_` (Lightning's own would clip each stage by its own
-        norm), and so under ZeRO 2/3 with expert parallelism (the expert gradients are DTensors on the ``(edp, ep)``
-        mesh, the dense ones on ``dp_cp``: torch's own norm cannot stack the two), else Lightning's own clipping."""
+        """Clip by the global norm with the one :func:`~lightning_4d.parallel.clipping.clip_grad_norm_` wherever
+        Lightning's own clipping would not see the whole gradient: the averaged gradients in a ``ShardedOptimizer``'s
+        buckets, a pipeline (Lightning's would clip each stage by its own norm), ZeRO 2/3 with expert parallelism
+        (the expert gradients are DTensors on the ``(edp, ep)`` mesh, the dense ones on ``dp_cp``: torch's own norm
+        cannot stack the two); else Lightning's own clipping (torch's ``clip_grad_norm_``: one mesh, no stages)."""
         sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
         params = list(self.main_params(optimizer))
-        if sharded is not None:
-            sharded.clip_grad_norm_(float(clip_val))
-        elif self.pp_group is not None or any(is_expert_parameter(p) for p in params):
-            clip_grad_norm_(params, float(clip_val), pp_group=self.pp_group)
+        if sharded is not None or self.pp_group is not None or any(is_expert_parameter(p) for p in params):
+            clip_grad_norm_(params, float(clip_val), pp_group=self.pp_group, sharded=sharded)
         else:
             super().clip_grad_by_norm(optimizer, clip_val)
 

@@ -3,8 +3,8 @@
 Lightning hooks only, each delegating: the layout and its checks to :mod:`lightning_4d.config`, the mesh to
 :mod:`lightning_4d.mesh`, the models a module holds to :mod:`lightning_4d.families.registry`, the order of
 parallelization to :mod:`lightning_4d.parallel.parallelize`, pipelining to :mod:`lightning_4d.parallel.pipeline`, ZeRO
-0/1 to :mod:`lightning_4d.parallel.zero`, optimizer steps and clipping to :mod:`lightning_4d.precision`, cp batch
-sharding to :mod:`lightning_4d.parallel.context`, checkpoint I/O to :mod:`lightning_4d.checkpoint`.
+0/1 to :mod:`lightning_4d.parallel.sharded_optimizer`, optimizer steps and clipping to :mod:`lightning_4d.precision`,
+cp batch sharding to :mod:`lightning_4d.parallel.context`, checkpoint I/O to :mod:`lightning_4d.checkpoint`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from lightning_4d.parallel._compat import (
     set_module_device_mesh,
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
+from lightning_4d.parallel.grad_buffers import GradientBuckets
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.offload import OffloadStats
 from lightning_4d.parallel.parallelize import (
@@ -51,8 +52,7 @@ from lightning_4d.parallel.parallelize import (
     validate_compile,
 )
 from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
-from lightning_4d.parallel.zero import (
-    GradientBuckets,
+from lightning_4d.parallel.sharded_optimizer import (
     mixed_precision_dtype,
     setup_zero,
     unwrap_optimizer,
@@ -365,8 +365,8 @@ class FourDStrategy(ModelParallelStrategy):
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
         """bfloat16 under ``bf16-mixed`` with a model whose family keeps fp32 master weights (our Llama:
-        :mod:`lightning_4d.parallel.zero`); ``None`` when the parameters are their own masters (other precisions, or
-        no such model: Lightning's autocast)."""
+        :mod:`lightning_4d.parallel.sharded_optimizer`); ``None`` when the parameters are their own masters (other
+        precisions, or no such model: Lightning's autocast)."""
         return mixed_precision_dtype(self._precision) if any(f.master_weights for f, _ in self._models) else None
 
     @property

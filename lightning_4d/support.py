@@ -653,8 +653,8 @@ def validate_row(row: Row) -> None:
     micro-batches; before them the precision, :func:`~lightning_4d.config.check_training_precision`),
     ``FourDStrategy``'s constructor (compile, checkpoint format), Lightning's ``Trainer`` (the
     precision its ``ModelParallelStrategy`` accepts), the strategy's precision check
-    (:func:`~lightning_4d.parallel.zero.validate_precision`) and its check against the LightningModule (the model
-    family's :meth:`validate`; a transformers family gets a model of the preset's sizes on the meta device).
+    (:func:`~lightning_4d.parallel.sharded_optimizer.validate_precision`) and its check against the LightningModule
+    (the model family's :meth:`validate`; a transformers family gets a model of the preset's sizes on the meta device).
 
     Raises:
         ValueError: the layout is refused (``NotImplementedError`` for ``compile`` under tp).
@@ -664,7 +664,7 @@ def validate_row(row: Row) -> None:
     from lightning_4d.config import check_training_precision
     from lightning_4d.measure import _strategy_kwargs
     from lightning_4d.parallel.parallelize import validate_against_module
-    from lightning_4d.parallel.zero import validate_precision
+    from lightning_4d.parallel.sharded_optimizer import validate_precision
     from lightning_4d.strategy import FourDStrategy
 
     # the precision first, as `lightning-4d fit` checks it before the Trainer exists (measure's --precision refuses

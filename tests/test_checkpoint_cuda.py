@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lightning_4d.checkpoint import param_fqns
-from lightning_4d.parallel.zero import ShardedOptimizer, setup_zero
+from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, setup_zero
 from tests.test_context_parallel_cuda import group  # noqa: F401  (the fixture: one rank on NCCL)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

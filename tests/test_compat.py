@@ -385,7 +385,7 @@ def test_grouped_mm_and_local_offset():
 
 
 def test_fully_shard_takes_shard_placement_fn():
-    """ZeRO 2/3 shard expert weights on dim 1 through FSDP2's ``shard_placement_fn`` (``parallel/zero.py``): the
+    """ZeRO 2/3 shard expert weights on dim 1 through FSDP2's ``shard_placement_fn`` (``parallel/fsdp.py``): the
     installed torch has it, and the flag says so."""
     import inspect
 

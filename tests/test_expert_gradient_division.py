@@ -1,5 +1,5 @@
 """ZeRO 2/3 expert units divide their gradients by D = dp·cp whatever torch's FSDP2 does on a one-rank group
-(issue 32; ``lightning_4d.parallel.zero.average_expert_gradients``).
+(issue 32; ``lightning_4d.parallel.fsdp.average_expert_gradients``).
 
 At ep = D the expert data-parallel group ``edp`` has one rank, and FSDP2's ``foreach_reduce`` skips the
 reduce-scatter there. What it does with the divide factor then changed between releases: torch 2.13 divides when it
@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_4d.config import ParallelConfig
 from lightning_4d.mesh import build_mesh
 from lightning_4d.parallel._compat import init_fake_process_group
-from lightning_4d.parallel.zero import apply_fsdp
+from lightning_4d.parallel.fsdp import apply_fsdp
 
 
 class _Experts(nn.Module):

@@ -148,8 +148,8 @@ def test_the_graph_sees_every_kind_of_import():
     assert "lightning_4d.strategy" in graph()["lightning_4d"]
     tree = ast.parse("from . import config\nfrom ..models import config as c\nif TYPE_CHECKING:\n    import x\n")
     assert [type(n).__name__ for n in _walk(tree)].count("Import") == 0
-    assert _resolve_relative("lightning_4d.parallel.zero", 2, "models") == "lightning_4d.models"
-    assert _resolve_relative("lightning_4d.parallel", 1, "zero") == "lightning_4d.parallel.zero"
+    assert _resolve_relative("lightning_4d.parallel.fsdp", 2, "models") == "lightning_4d.models"
+    assert _resolve_relative("lightning_4d.parallel", 1, "fsdp") == "lightning_4d.parallel.fsdp"
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 

@@ -1,5 +1,6 @@
-"""Mixed precision with master weights (``parallel/zero.py``) and the lean RMSNorm (``models/llama.py``), single
-process: exact arithmetic against plain PyTorch references, and the tensors each piece keeps.
+"""Mixed precision with master weights (``parallel/sharded_optimizer.py``) and the lean RMSNorm
+(``models/llama.py``), single process: exact arithmetic against plain PyTorch references, and the tensors each piece
+keeps.
 
 The multi-process layouts (dp, tp, pp, cp under ``bf16-mixed`` against a single-process ``bf16-mixed`` run) are in
 ``tests/test_parity.py``; the bytes against the memory model in ``tests/test_memory_model.py``.
@@ -14,12 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lightning_4d.measure import model_state_tensors
 from lightning_4d.models.llama import RMSNorm
-from lightning_4d.parallel.zero import (
-    GradientBuckets,
+from lightning_4d.parallel.grad_buffers import GradientBuckets
+from lightning_4d.parallel.sharded_optimizer import (
     ShardedOptimizer,
     mixed_precision_dtype,
-    model_state_tensors,
     setup_zero,
     validate_precision,
 )

@@ -1,4 +1,5 @@
-"""Where a :class:`~lightning_4d.parallel.zero.ShardedOptimizer`'s states live across a checkpoint (issue 32).
+"""Where a :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer`'s states live across a checkpoint
+(issue 32).
 
 - On a resume, each loaded state gets the device and dtype torch's own ``Optimizer.load_state_dict`` gives it: Adam's
   ``step`` on the parameter's device in float32 for a ``fused`` or ``capturable`` optimizer (the fused CUDA kernel
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_4d.checkpoint import _sharded_optimizer_template, check_complete, param_fqns, read_folder
 from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME, init_fake_process_group
-from lightning_4d.parallel.zero import ShardedOptimizer, host_zeros_like, setup_zero
+from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, host_zeros_like, setup_zero
 from tests.test_mixed_precision import group  # noqa: F401  (the fixture: a one-rank gloo process group)
 
 

@@ -35,7 +35,7 @@ def test_sharded_optimizer_steps_through_the_plugin_without_lr_scheduler_warning
     from torch.utils.data import DataLoader
 
     from lightning_4d import FourDStrategy
-    from lightning_4d.parallel.zero import ShardedOptimizer
+    from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer
     from lightning_4d.tasks import CausalLMModule
 
     class Module(CausalLMModule):
@@ -46,9 +46,11 @@ def test_sharded_optimizer_steps_through_the_plugin_without_lr_scheduler_warning
         def on_before_optimizer_step(self, optimizer):
             self.hook_optimizer = optimizer
 
-    clipped = []
-    clip = ShardedOptimizer.clip_grad_norm_
-    monkeypatch.setattr(ShardedOptimizer, "clip_grad_norm_", lambda self, *a: clipped.append(a) or clip(self, *a))
+    import lightning_4d.precision as precision
+
+    clipped = []  # the ShardedOptimizer each clipping got (its buckets are clipped)
+    clip = precision.clip_grad_norm_
+    monkeypatch.setattr(precision, "clip_grad_norm_", lambda *a, **k: clipped.append(k.get("sharded")) or clip(*a, **k))
     module = Module("tiny", warmup_steps=2, max_steps=4)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -74,4 +76,5 @@ def test_sharded_optimizer_steps_through_the_plugin_without_lr_scheduler_warning
     optimizer = trainer.optimizers[0]
     assert ShardedOptimizer.of(optimizer) is not None and isinstance(trainer.precision_plugin, FourDPrecision)
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3 and len(clipped) == 3
+    assert all(sharded is ShardedOptimizer.of(optimizer) for sharded in clipped)
     assert module.hook_optimizer is optimizer

@@ -5,7 +5,7 @@ A LightningModule that holds a ``transformers`` ``LlamaForCausalLM`` (built in `
 ``FourDStrategy`` arguments as our own Llama:
 
 - **dp + ZeRO 0-3**: ZeRO 0/1 through the strategy's gradient buckets and sharded optimizer; ZeRO 2/3 as FSDP2 units,
-  one per ``LlamaDecoderLayer`` then the model (:func:`lightning_4d.parallel.zero.apply_fsdp`).
+  one per ``LlamaDecoderLayer`` then the model (:func:`lightning_4d.parallel.fsdp.apply_fsdp`).
 - **tp + sp** (Megatron-LM's split, Korthikanti et al. 2022, arXiv 2205.05198): transformers' own
   ``config.base_model_tp_plan`` decides which projections are column- and which row-parallel ("colwise" q/k/v,
   gate/up; "rowwise" o/down), applied with ``torch.distributed.tensor.parallel``'s ``ColwiseParallel`` /

@@ -10,7 +10,8 @@ parallelism (ep), from the same ``FourDStrategy`` arguments as our own Mixture-o
   unchanged) and sends each token to the ranks holding its top-k experts and back with the all-to-all of
   :class:`lightning_4d.parallel.expert.ExpertDispatch`. transformers' router (``MixtralTopKRouter``: softmax, top-k,
   renormalized) runs unchanged on every rank's own tokens; the experts' gradients are reduced over the expert
-  data-parallel group (``dp_cp / ep``) like ours (:mod:`lightning_4d.parallel.zero`).
+  data-parallel group (``dp_cp / ep``) like ours
+  (:mod:`lightning_4d.parallel.grad_buffers`, :mod:`lightning_4d.parallel.fsdp`).
 - **tp, pp, cp** are not offered for a transformers Mixtral: its ``base_model_tp_plan`` splits each expert over tp
   (``packed_colwise`` / ``moe_tp_experts``, a plan our tp applier does not take), and its router logits leave the
   model as an output that a pipeline stage cannot return; :meth:`HFMixtralFamily.validate` refuses them with a

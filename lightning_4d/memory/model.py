@@ -18,8 +18,9 @@ the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO sha
   ``[E_local, d1, d2]`` whose group (G ranks) does not divide ``E_local`` but divides ``d1`` on dim 1 instead, evenly:
   ``E_local·(d1/G)·d2`` elements per rank (:func:`lightning_4d.partition.expert_shard_dim`).
 
-Dtypes (:class:`_Dtypes`; ``lightning_4d/parallel/zero.py``): ``32-true`` float32 everywhere; ``bf16-mixed`` (master
-weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters, float32 gradients, float32 master
+Dtypes (:class:`_Dtypes`; ``lightning_4d/parallel/sharded_optimizer.py``): ``32-true`` float32 everywhere;
+``bf16-mixed`` (master weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters, float32 gradients,
+float32 master
 weights + Adam m, v: 2 + 4 + 12 bytes per parameter at ZeRO 0, 2 + 4 + 12/D at ZeRO 1, and at ZeRO 2/3 the float32
 FSDP2 shard is the master (16/D); ``bf16-true`` bfloat16 everywhere; ``16-mixed`` (Lightning's autocast, kept for
 float16) float32 weights, gradients and moments. The step counters (0-d float32 tensors on the CPU unless
@@ -245,7 +246,7 @@ class _Dtypes:
     def of(precision: str) -> "_Dtypes":
         if precision == "32-true":
             return _Dtypes(4, 4, 0, 4, 4, False)
-        if precision == "bf16-mixed":  # bf16 weights, fp32 gradients and master weights (parallel/zero.py)
+        if precision == "bf16-mixed":  # bf16 weights, fp32 gradients and master weights (parallel/sharded_optimizer.py)
             return _Dtypes(2, 4, 4, 2, 2, False)
         if precision == "16-mixed":  # Lightning's autocast with a gradient scaler: fp32 weights
             return _Dtypes(4, 4, 0, 2, 4, True)
@@ -445,8 +446,9 @@ def _zero1_owned(
     """:func:`_bucket_owned` of the parameters of ``layers`` (+ embedding / head), cached: the planner asks for the
     same stage under many micro-batch sizes. Under expert parallelism (``ep`` > 1) the expert weights fill buckets
     of their own, sharded over the expert data-parallel group (``world / ep`` ranks; this rank is ``rank // ep`` of
-    it, ``ParallelConfig.ep_coordinates``), the others over all ``world`` ranks (``parallel/zero.py``). Under tp the
-    Mixture-of-Experts layers' parameters run token parallel: their buckets go over ``world·tp`` ranks (this rank
+    it, ``ParallelConfig.ep_coordinates``), the others over all ``world`` ranks (``parallel/grad_buffers.py``).
+    Under tp the Mixture-of-Experts layers' parameters run token parallel: their buckets go over ``world·tp`` ranks
+    (this rank
     ``rank·tp + tp_rank``), the experts' under ep over ``world·tp/ep`` (``(rank // ep)·tp + tp_rank``;
     ``lightning_4d/mesh.py``'s ``dp_cp_tp`` and ``edp_tp``)."""
     params = _stage_params(sizes, tp, layers, first, last, ep)
@@ -490,7 +492,7 @@ def _bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, buc
     parameters, in reverse order, fill buckets of at most ``bucket_bytes`` (a bucket's first parameter may exceed it);
     each bucket is padded to a multiple of ``world`` elements and cut in ``world`` equal ranges, rank r owning range r
     (its real elements only): :func:`lightning_4d.partition.bucket_lengths` and
-    :func:`lightning_4d.partition.bucket_shard`, the rules ``parallel/zero.py`` builds its buckets with."""
+    :func:`lightning_4d.partition.bucket_shard`, the rules ``parallel/grad_buffers.py`` builds its buckets with."""
     order = numels[::-1]
     total = start = 0
     for length in bucket_lengths([n * elem_bytes for n in order], bucket_bytes):
@@ -528,7 +530,7 @@ def _fsdp_shard_numel(p: _Param, world: int, dp_cp_rank: int, ep: int) -> int:
 def _fsdp_group(p: _Param, world: int, dp_cp_rank: int, ep: int) -> tuple[int, int]:
     """``(size, rank)`` of the group FSDP2 shards ``p`` over at ZeRO 2/3: the expert weights (``E/ep`` rows of this
     ep rank) over the expert data-parallel group (``dp·cp/ep`` ranks, this rank ``dp_cp_rank // ep``:
-    ``ParallelConfig.ep_coordinates``, ``parallel/zero.py``'s ``apply_fsdp``), every other tensor over ``dp_cp``."""
+    ``ParallelConfig.ep_coordinates``, ``parallel/fsdp.py``'s ``apply_fsdp``), every other tensor over ``dp_cp``."""
     if p.expert and ep > 1:
         return world // ep, dp_cp_rank // ep
     return world, dp_cp_rank
@@ -1547,7 +1549,7 @@ def _buffer_terms(
         bucket = max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.parameters // dt.param), largest) * dt.param
         step_temp += int(bucket * (1 + 1 / world))
     # ZeRO 0/1 gradient buckets exist from the first gradient of the step to the end of its optimizer step
-    # (parallel/zero.py's GradientBuckets): with more than one micro-batch per step (a pipeline, gradient
+    # (parallel/grad_buffers.py's GradientBuckets): with more than one micro-batch per step (a pipeline, gradient
     # accumulation), from the first backward on, so while later micro-batches' activations are built; with one, no
     # gradient exists in forward, and at the start of backward only the bucket that takes the first gradient (the
     # head's) is made, while the saved activations are all alive: the rest appear as backward frees the layers'

@@ -174,7 +174,7 @@ def _fully_shard_takes(name: str) -> bool:
 
 
 #: whether FSDP2's ``fully_shard`` takes ``shard_placement_fn`` (a public argument; ZeRO 2/3 shard expert weights
-#: on dim 1 through it, ``parallel/zero.py``): torch 2.6 added it, ``tests/test_compat.py`` checks it on the installed
+#: on dim 1 through it, ``parallel/fsdp.py``): torch 2.6 added it, ``tests/test_compat.py`` checks it on the installed
 #: torch
 FULLY_SHARD_PLACEMENT_FN = _fully_shard_takes("shard_placement_fn")
 

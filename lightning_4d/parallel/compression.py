@@ -1,4 +1,4 @@
-"""Data-parallel gradient compression for the ZeRO 0/1 buckets (``parallel/zero.py``): PowerSGD.
+"""Data-parallel gradient compression for the ZeRO 0/1 buckets (``parallel/grad_buffers.py``): PowerSGD.
 
 ``gradient_compression="bf16"`` needs no state: the bucket is cast to bfloat16 for its collective and back
 (``GradientBuckets``; under ZeRO 2/3 FSDP2's ``reduce_dtype``). ``"powersgd"`` (Vogels, Karimireddy and Jaggi 2019,

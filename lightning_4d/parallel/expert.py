@@ -34,7 +34,7 @@ assignments drop (GShard applies the capacity per source group in the same way).
 **Gradients.** The backward of the all-to-all brings each expert the gradients of the rows of every rank of its ep
 group, so an expert's local gradient is already the sum over the ep group's losses; ZeRO 0/1 then sum it over the
 expert data-parallel group and divide by dp·cp (not by the group's size), the mean of the per-rank losses as for the
-dense parameters (:class:`lightning_4d.parallel.zero.GradientBuckets`).
+dense parameters (:class:`lightning_4d.parallel.grad_buffers.GradientBuckets`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ per line (torchtitan's ``parallelize_llama`` shape): pipeline split, tensor + se
 context-parallel attention, expert parallelism, activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3
 (FSDP2). Materialization
 (the family's; for our Llama the layout-independent initialization) follows in :func:`prepare_models`; ZeRO 0/1 act on
-gradients and the optimizer, not on the model (:mod:`lightning_4d.parallel.zero`).
+gradients and the optimizer, not on the model (:mod:`lightning_4d.parallel.sharded_optimizer`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_4d.parallel.fsdp import apply_fsdp, fsdp_reduce_dtype
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
 from lightning_4d.parallel.pipeline import (
     reshard_after_forward,
@@ -28,7 +29,6 @@ from lightning_4d.parallel.pipeline import (
     sync_chunk_layers,
 )
 from lightning_4d.parallel.tensor import apply_tensor_parallel
-from lightning_4d.parallel.zero import apply_fsdp, fsdp_reduce_dtype
 
 
 def validate_against_module(config: ParallelConfig, module: Optional[nn.Module]) -> None:
@@ -166,8 +166,8 @@ def shard_any_module(
     parameters outside the blocks (the children of a top-level ``nn.ModuleList`` / ``nn.ModuleDict``, which have no
     forward of their own, count as top-level). Parameters held by the LightningModule itself stay replicated, their
     gradients
-    averaged in ZeRO-0 buckets (:func:`lightning_4d.parallel.zero.setup_zero`). Each unit's forward must run
-    through the module's ``__call__`` (FSDP2 gathers its parameters in a forward pre-hook)."""
+    averaged in ZeRO-0 buckets (:func:`lightning_4d.parallel.sharded_optimizer.setup_zero`). Each unit's forward must
+    run through the module's ``__call__`` (FSDP2 gathers its parameters in a forward pre-hook)."""
     blocks = fsdp_block_modules(module, fsdp_blocks)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
 
@@ -208,7 +208,7 @@ def parallelize_model(
     With pp > 1 the model is pruned to this rank's stages (:func:`~lightning_4d.parallel.pipeline.split_model`),
     tp, cp, checkpointing and compile act on the pruned model, and each stage chunk becomes its own FSDP2 root; the
     chunks are returned (``None`` without pp). ``param_dtype``: the compute dtype of mixed precision with master
-    weights (ZeRO 2/3: FSDP2's ``MixedPrecisionPolicy``, :func:`~lightning_4d.parallel.zero.apply_fsdp`), for a
+    weights (ZeRO 2/3: FSDP2's ``MixedPrecisionPolicy``, :func:`~lightning_4d.parallel.fsdp.apply_fsdp`), for a
     family that keeps them.
 
     Raises:
@@ -344,8 +344,8 @@ def cast_to_compute_dtype(models: list[tuple[ModelFamily, nn.Module]], dtype: Op
         models: ``[(family, model), ...]`` of :func:`prepare_models`.
         dtype: the compute dtype (``torch.bfloat16`` under ``bf16-mixed``) or ``None``.
 
-    Mixed precision with master weights (:mod:`lightning_4d.parallel.zero`): called after the optimizers' master
-    weights were copied from the float32 parameters.
+    Mixed precision with master weights (:mod:`lightning_4d.parallel.sharded_optimizer`): called after the optimizers'
+    master weights were copied from the float32 parameters.
     """
     from torch.distributed.fsdp import FSDPModule
 

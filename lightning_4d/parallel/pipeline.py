@@ -27,16 +27,16 @@ the ``m`` micro-batches, exactly as one process computing the mean over the whol
 same number of tokens). Lightning zeroes gradients between ``training_step`` and ``backward``, so the schedule's
 gradients are stashed and restored by the strategy's ``backward`` (:meth:`PipelineRunner.restore_gradients`).
 
-**Clipping** (:func:`clip_grad_norm_`, which the strategy's precision plugin calls under pp:
-:class:`lightning_4d.precision.FourDPrecision`): the global norm over all shards and all stages.
+**Clipping** under pp: the one :func:`lightning_4d.parallel.clipping.clip_grad_norm_`, given the pp group (the
+strategy's precision plugin, :class:`lightning_4d.precision.FourDPrecision`): the global norm over all shards and all
+stages.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,9 +47,8 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.module_tree import find_submodel, layer_items, set_submodel
-from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
+from lightning_4d.parallel._compat import reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
-from lightning_4d.parallel.zero import clip_coefficient
 
 
 # ---------------------------------------------------------------------------------------------------- split
@@ -544,46 +543,3 @@ class PipelineRunner:
             args = tuple(a.clone() for a in args)
             output = self._use(self._predict).step(*args, target=target if self.is_last else None, losses=[])
         return output.detach() if isinstance(output, Tensor) else output
-
-
-# ---------------------------------------------------------------------------------------------------- clipping
-def clip_grad_norm_(
-    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, pp_group: Optional[dist.ProcessGroup] = None
-) -> Tensor:
-    """Clip gradients by their global norm over all tp/dp shards and all pipeline stages, in place.
-
-    The norm of each group of gradients that share a DTensor layout is computed with
-    ``torch.nn.utils.get_total_norm`` and made global over its mesh (``full_tensor``); the per-group norms are
-    combined as ``(sum_g ||g||^q)^(1/q)`` (``max`` for ``q = inf``), then over the pp group (each stage holds other
-    parameters) with an all-reduce; finally every gradient (its local shard) is scaled by
-    ``min(1, max_norm / (norm + 1e-6))``, the coefficient of ``torch.nn.utils.clip_grad_norm_`` (the approach of
-    Megatron-LM's
-    ``clip_grad_norm_fp32`` and torchtitan's pp-aware clipping).
-
-    Returns:
-        The total norm (float32 scalar tensor, the same on every rank).
-    """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    groups: dict[Any, list[Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else (g.device, None)
-        groups.setdefault(key, []).append(g)
-    device = grads[0].device if grads else torch.device("cpu")
-    norms = []
-    for members in groups.values():
-        n = torch.nn.utils.get_total_norm(members, norm_type)
-        norms.append(_full(n).float().to(device))
-    if math.isinf(norm_type):
-        total = torch.stack(norms).max() if norms else torch.zeros((), device=device)
-        if pp_group is not None and dist.get_world_size(pp_group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
-    else:
-        total = torch.stack([n**norm_type for n in norms]).sum() if norms else torch.zeros((), device=device)
-        if pp_group is not None and dist.get_world_size(pp_group) > 1:
-            dist.all_reduce(total, group=pp_group)
-        total = total ** (1.0 / norm_type)
-    coef = clip_coefficient(max_norm, total)
-    for g in grads:
-        local_tensor(g).mul_(coef.to(g.dtype))
-    return total

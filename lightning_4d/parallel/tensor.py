@@ -19,7 +19,7 @@ Per transformer block, over a tp group of size t:
   whole layer (router, routed and shared experts, replicated over tp) on its own ``s/t`` tokens of the sequence, as
   one more data-parallel dimension for that layer (expert tensor parallelism 1: Megatron-core's "MoE parallel
   folding" recommends it, torchtitan supports it). Its parameters' gradients are then partial sums over tp, summed
-  by the gradient buckets over the ``dp_cp_tp`` group (:mod:`lightning_4d.parallel.zero`);
+  by the gradient buckets over the ``dp_cp_tp`` group (:mod:`lightning_4d.parallel.grad_buffers`);
 - with ``tensor_parallel_overlap`` (sp only) the all-gather→matmul and matmul→reduce-scatter projections run as rings
   of ``t`` send/recv steps overlapped with the matmuls (:class:`_RingAllGatherMatmul`,
   :class:`_RingMatmulReduceScatter`): the same bytes, no gathered sequence and no ``[b, s, h]`` partial sum held.
@@ -184,7 +184,7 @@ class TokenParallel:
 
     The gradient a rank computes for the module's parameters comes from its own tokens only: the true gradient is
     their sum over tp. The gradient buckets sum them over the ``dp_cp_tp`` group
-    (:func:`token_parallel_parameters`, :class:`lightning_4d.parallel.zero.GradientBuckets`): one bucketed
+    (:func:`token_parallel_parameters`, :class:`lightning_4d.parallel.grad_buffers.GradientBuckets`): one bucketed
     collective with the data-parallel reduction, rather than a DTensor ``Partial`` gradient all-reduced over tp per
     parameter first, and ZeRO 1 then shards their optimizer states over all ``D·t`` ranks.
 

@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
+from lightning_4d.measure import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.models.llama import canonical_name  # noqa: E402
-from lightning_4d.parallel.zero import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 
@@ -56,19 +56,16 @@ class Recorder(L.Callback):
         self.bytes: dict[str, int] = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.record_norm:  # the global gradient norm before clipping (the ShardedOptimizer's, else torch's)
-            from lightning_4d.parallel.pipeline import clip_grad_norm_
-            from lightning_4d.parallel.zero import ShardedOptimizer, unwrap_optimizer
+        if self.record_norm:  # the global gradient norm before clipping (max_norm inf: coefficient 1, nothing changes)
+            from lightning_4d.parallel.clipping import clip_grad_norm_
+            from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
+            # a ShardedOptimizer's buckets, else every mesh (expert gradients on (edp, ep), dense ones on dp_cp under
+            # ZeRO 2/3 with ep); pp: the norm over every stage
             sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
-            if sharded is not None:
-                norm = sharded.clip_grad_norm_(float("inf"))  # coefficient 1: measures, changes nothing
-            else:
-                # the global norm over every mesh (expert gradients on (edp, ep), dense ones on dp_cp under ZeRO
-                # 2/3 with ep); max_norm inf: coefficient 1
-                pipeline = getattr(trainer.strategy, "pipeline", None)  # pp: the norm over every stage
-                pp_group = trainer.strategy.mesh.pp.get_group() if pipeline is not None else None
-                norm = clip_grad_norm_(list(pl_module.parameters()), float("inf"), pp_group=pp_group)
+            pipeline = getattr(trainer.strategy, "pipeline", None)
+            pp_group = trainer.strategy.mesh.pp.get_group() if pipeline is not None else None
+            norm = clip_grad_norm_(list(pl_module.parameters()), float("inf"), pp_group=pp_group, sharded=sharded)
             self.bytes.setdefault("grad_norms", []).append(float(norm))
         if "params" in self.bytes:
             return
@@ -125,9 +122,9 @@ def run_one(
     pp = layout.get("pp", 1)
     m = layout.get("m", 1) if pp > 1 else 1  # pipeline micro-batches per step (derived from the global batch)
     micro = args.global_batch // (dp * accum * m)
-    import lightning_4d.parallel.zero as zero
+    import lightning_4d.parallel.grad_buffers as grad_buffers
 
-    zero._BUCKET_BYTES = layout.get("bucket", 25 * 2**20)  # small buckets: several all-reduces overlap backward
+    grad_buffers._BUCKET_BYTES = layout.get("bucket", 25 * 2**20)  # small buckets: several all-reduces overlap backward
     dm = LMDataModule(
         seq_length=args.seq_length,
         micro_batch_size=micro,

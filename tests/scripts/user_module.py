@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_4d import FourDStrategy
-from lightning_4d.parallel.zero import apply_fsdp
+from lightning_4d.parallel.fsdp import apply_fsdp
 
 torch.set_num_threads(1)
 

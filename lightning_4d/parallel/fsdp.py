@@ -1,0 +1,205 @@
+"""ZeRO stages 2 and 3 over the ``dp_cp`` group: FSDP2 ``fully_shard`` per transformer block, then the root (Rajbhandari
+et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", arXiv 1910.02054).
+
+=====  ===========================================  ===============================================================
+stage  what is sharded over dp_cp (size D)           how
+=====  ===========================================  ===============================================================
+2      optimizer states + gradients                  FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients
+                                                     reduce-scattered, parameters kept gathered between forward and
+                                                     backward, sharded between steps
+3      + parameters                                  FSDP2 ``fully_shard(reshard_after_forward=True)`` per layer
+=====  ===========================================  ===============================================================
+
+Stages 0 and 1 are :mod:`lightning_4d.parallel.grad_buffers` (the gradient buckets) and
+:mod:`lightning_4d.parallel.sharded_optimizer` (the sharded optimizer and master weights); clipping is
+:func:`lightning_4d.parallel.clipping.clip_grad_norm_` for every stage.
+
+**Mixed precision** (``bf16-mixed``): ``apply_fsdp(param_dtype=torch.bfloat16)`` (FSDP2 ``MixedPrecisionPolicy``: the
+fp32 shard is the master, 16/D bytes per parameter at rest plus the bf16 units gathered for compute).
+
+Gradients are *averaged* over the group (the loss is a per-rank mean over equally many tokens); the divide factor is
+set explicitly so that the result does not depend on the backend's reduce op (on gloo FSDP2 has been reported to sum
+instead of average, pytorch issue 162338; the parity tests check this).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, local_tensor as _local
+from lightning_4d.partition import expert_shard_dim
+
+
+def fsdp_reduce_dtype(gradient_compression: str) -> Optional[torch.dtype]:
+    """The ``reduce_dtype`` of FSDP2's ``MixedPrecisionPolicy`` for ``ParallelConfig.gradient_compression`` at ZeRO
+    2/3: ``torch.bfloat16`` for ``"bf16"`` (half the reduce-scatter bytes), else ``None`` (:func:`apply_fsdp`'s
+    default). Every caller of :func:`apply_fsdp` for a strategy layout passes this (our Llama, any module,
+    transformers' Llama)."""
+    return torch.bfloat16 if gradient_compression == "bf16" else None
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_cp_mesh: DeviceMesh,
+    zero_stage: int,
+    blocks: Optional[Iterable[nn.Module]] = None,
+    reshard_after_forward: Optional[bool] = None,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    expert_mesh: Optional[DeviceMesh] = None,
+) -> None:
+    """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
+
+    Under expert parallelism (``expert_mesh``: the 1D expert data-parallel mesh ``edp``, dp·cp/ep ranks) every module
+    that directly holds expert weights (DTensors ``Shard(0)`` on the ep mesh,
+    :func:`~lightning_4d.parallel.expert.is_expert_parameter`) becomes a unit of its own first, over ``edp`` (FSDP2
+    joins the two 1D meshes, children of one parent, into the 2D ``(edp, ep)`` mesh: each expert row block is
+    sharded on dim 0 over ``edp`` inside its ep shard, torchtitan's ``dp_mod_ep`` units). Its gradients are
+    divided by D = dp·cp too, not by D/ep: the all-to-all's backward already summed the ep group's contributions
+    (:mod:`lightning_4d.parallel.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
+    dense parameters.
+
+    Stacked expert weights (:func:`~lightning_4d.parallel.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
+    under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``) are sharded on dim 1
+    (FSDP2's ``shard_placement_fn`` returning ``Shard(1)``) when their group's size does not divide ``E_local`` and
+    divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for ``dp_shard·ep >
+    num_experts``): each rank holds ``d1/G`` rows of every local expert instead of ``ceil(E_local/G)`` padded whole
+    experts. Every other parameter is sharded on dim 0 (FSDP2's default).
+
+    Args:
+        model: the module (DTensor tensor-parallel parameters are fine: FSDP2 shards their local dim 0).
+        dp_cp_mesh: the 1D ``dp_cp`` mesh.
+        zero_stage: 2 (``reshard_after_forward=False``) or 3 (``True``).
+        blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
+        expert_mesh: the ``edp`` mesh under expert parallelism (see above), else ``None``.
+        reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
+            schedules pass ``False`` for stage 3 (see ``parallelize_model``).
+        param_dtype: mixed precision (``bf16-mixed``): FSDP2's ``MixedPrecisionPolicy(param_dtype=param_dtype,
+            reduce_dtype=torch.float32, cast_forward_inputs=False)``: the sharded float32 parameters are the master
+            weights, each unit is all-gathered in ``param_dtype`` for compute and its gradients reduce-scattered
+            (and, under a pipeline's gradient accumulation, accumulated) in float32; the blocks' inputs are not
+            cast (the rotary tables stay float32). ``None``: parameters compute in their own dtype.
+        reduce_dtype: the dtype gradients are reduce-scattered in (``gradient_compression="bf16"``:
+            ``torch.bfloat16``); default float32 under ``param_dtype``, else the parameters' dtype.
+
+    Raises:
+        ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: an expert weight needs dim 1 on a torch whose
+            ``fully_shard`` has no ``shard_placement_fn`` (torch < 2.6; ``_compat.FULLY_SHARD_PLACEMENT_FN``).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if zero_stage not in (2, 3):
+        raise ValueError(f"apply_fsdp implements ZeRO stages 2 and 3, got zero_stage={zero_stage}")
+    reshard = zero_stage == 3 if reshard_after_forward is None else reshard_after_forward
+    if blocks is None:
+        layers = getattr(model, "layers", None)
+        blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
+    kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
+    if param_dtype is not None or reduce_dtype is not None:
+        kw["mp_policy"] = _mixed_precision_policy(param_dtype, reduce_dtype)
+    from lightning_4d.parallel.expert import is_expert_parameter, stacked_expert_weights
+
+    expert_weights = stacked_expert_weights(model)  # held: FSDP2 replaces them, and their ids must not be reused
+    experts = {id(p) for p in expert_weights}
+
+    units = []
+    if expert_mesh is not None:
+        holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
+        fn = _shard_placement(model, experts, expert_mesh)
+        units = [
+            fully_shard(m, **{**kw, "mesh": expert_mesh}, **({"shard_placement_fn": fn} if fn else {})) for m in holders
+        ]
+        for unit in units:
+            average_expert_gradients(unit, expert_mesh.size(), dp_cp_mesh.size())
+    fn = _shard_placement(model, experts, dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
+    if fn:
+        kw["shard_placement_fn"] = fn
+    dense = [fully_shard(b, **kw) for b in blocks]
+    root = fully_shard(model, **kw)
+    for unit in [*dense, root] if hasattr(root, "set_gradient_divide_factor") else []:
+        # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp.
+        # torch < 2.8 has no such setting; its default, the average over the unit's group (dp_cp), is the same
+        unit.set_gradient_divide_factor(float(dp_cp_mesh.size()))
+
+
+def _mixed_precision_policy(param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for :func:`apply_fsdp`'s ``param_dtype`` and ``reduce_dtype`` (reduced in
+    float32 under ``param_dtype`` unless ``reduce_dtype`` says otherwise). The blocks' float32 inputs stay as they are
+    (``cast_forward_inputs=False``): the rotary tables must not be rounded to bf16 (the residual stream is in
+    ``param_dtype`` already)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        cast_forward_inputs=False,
+        reduce_dtype=reduce_dtype or (torch.float32 if param_dtype is not None else None),
+    )
+
+
+def _shard_placement(
+    model: nn.Module, experts: set[int], mesh: DeviceMesh
+) -> Optional[Callable[[nn.Parameter], Optional[Shard]]]:
+    """FSDP2's ``shard_placement_fn`` over ``mesh`` (:func:`apply_fsdp`): ``Shard(expert_shard_dim(...))`` for a
+    stacked expert weight (``id`` in ``experts``), FSDP2's default ``Shard(0)`` (``None``) for every other parameter;
+    ``None`` (no function) when no expert weight of ``model`` is sharded on dim 1."""
+
+    def dim(p: nn.Parameter) -> int:
+        return expert_shard_dim(tuple(_local(p).shape), mesh.size()) if id(p) in experts else 0
+
+    if not any(dim(p) for p in model.parameters()):
+        return None
+    if not FULLY_SHARD_PLACEMENT_FN:  # pragma: no cover - torch without shard_placement_fn
+        raise RuntimeError(
+            f"torch {torch.__version__}: fully_shard has no shard_placement_fn argument, needed to shard expert "
+            f"weights whose {mesh.size()}-rank group does not divide their experts (dim 0) on dim 1"
+        )
+    return lambda p: Shard(1) if dim(p) == 1 else None
+
+
+def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:
+    """Make the FSDP2 unit ``unit`` (a module holding expert weights, sharded over the ``group_size`` ranks of
+    ``edp`` = dp·cp/ep) leave its gradients divided by D = ``dp_cp_size`` (the mean of the D per-rank losses'
+    gradients; the ep all-to-all's backward has already summed the ep group's contributions), on every torch the
+    package accepts.
+
+    - ``group_size > 1``: a divide factor (D) other than the group's size makes FSDP2 reduce-scatter with
+      ``ReduceOp.PREMUL_SUM``, which gloo refuses (measured, torch 2.13): a forced sum, then a division by D
+      (torch >= 2.8); torch < 2.8 has only ``set_reduce_scatter_divide_factor`` (the ``PREMUL_SUM``, NCCL only).
+    - ``group_size == 1`` (ep = D): FSDP2's own division on a one-rank group differs between torch releases: from
+      torch 2.9's skip of the one-rank reduce-scatter (pytorch#162021) until pytorch#167178 (torch 2.10) the
+      gradient is copied without dividing by the factor at all (expert gradients D times too large); since, it is
+      divided once when copied, and once more by a forced sum's post-divide (halved at dp2 ep2, measured, torch
+      2.13). So FSDP2 is given no factor and, where it can, a forced sum (never ``ReduceOp.AVG`` on one rank, which
+      NCCL can get wrong, pytorch#144045): on every release its reduction of this unit is then the identity, and the
+      unit's all-reduce hook (``set_all_reduce_hook``, torch >= 2.7; it sees each reduction's output before it is
+      accumulated into ``.grad``) divides by D. torch < 2.7 runs the one-rank reduce-scatter, so there
+      ``set_reduce_scatter_divide_factor`` divides.
+
+    Raises:
+        RuntimeError: a torch whose ``FSDPModule`` has none of these settings.
+    """
+    if group_size == 1 and hasattr(unit, "set_all_reduce_hook"):
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):
+            unit.set_force_sum_reduction_for_comms(True)
+        unit.set_all_reduce_hook(lambda reduced: reduced.div_(dp_cp_size))
+    elif hasattr(unit, "set_gradient_divide_factor"):
+        unit.set_gradient_divide_factor(float(dp_cp_size))
+        if group_size > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+    elif hasattr(unit, "set_reduce_scatter_divide_factor"):  # pragma: no cover - torch < 2.8
+        unit.set_reduce_scatter_divide_factor(float(dp_cp_size))
+    else:  # pragma: no cover - torch < 2.5
+        raise RuntimeError(f"torch {torch.__version__}: FSDP2 units cannot divide expert gradients by dp·cp")
+
+
+def reduced_by_fsdp(p: Tensor) -> bool:
+    """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``, or for expert weights over ``edp``) already averages this parameter's
+    gradient."""
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    return "dp_cp" in names or "edp" in names
