@@ -59,17 +59,22 @@ WORLD4_BF16 = [
 # to the reference's update: a parameter that never trained has relative error 1.
 # bf16 (mixed or true) against the float32 reference: loss measured 2.63e-4 (bf16-mixed dp2 tp2), 5.89e-4
 # (bf16-true dp2 tp2 ZeRO 3), 2.29e-4 (one-process bf16-mixed); max weight difference 2.6e-3 / 7.81e-3 / 3.4e-3;
-# update relative error 2.2e-2 / 4.3e-2 (matrices; bf16-true's norm weights never move, below) / 2.3e-2.
+# update relative error of the matrices 2.2e-2 / 4.3e-2 / 2.3e-2; test_context_parallel's cp2 bf16-mixed (4 layers):
+# loss 1.91e-4, weights 7.81e-3, matrices' update 4.2e-2 (the embedding).
 BF16_LOSS_RTOL = 3e-3
 BF16_WEIGHT_ATOL = 2e-2
 BF16_UPDATE_RTOL = 0.2
 # bf16-mixed against one-process bf16-mixed (FourDStrategy, itself checked against the independent recipe below):
-# loss measured at most 7.4e-5 (pp2 dp2 ZeRO 1/3; dp2 6.97e-5, cp2 tp2 7.2e-5, dp2 tp2 clipped 4.4e-5), weights
-# 3.4e-3, update relative error 3.2e-2 (cp2 tp2) and 9.5e-2 (dp2 tp2 clipped, a norm weight: 64 elements near 1.0,
-# whose bf16 spacing 3.9e-3 to 7.8e-3 is the size of the whole update).
+# loss measured at most 7.4e-5 (pp2 dp2 ZeRO 1/3; dp2 6.97e-5, cp2 tp2 7.2e-5, dp2 tp2 clipped 4.4e-5; tp_overlap's
+# dp2 tp2 6.84e-5), weights 3.4e-3, update relative error of the matrices 3.2e-2 (cp2 tp2; tp_overlap 2.8e-2).
 BF16_MIXED_LOSS_RTOL = 4e-4
 BF16_MIXED_WEIGHT_ATOL = 1e-2
-BF16_MIXED_UPDATE_RTOL = 0.3
+BF16_MIXED_UPDATE_RTOL = 0.15
+# Norm weights (vectors of 64 elements near 1.0) in bf16: their spacing there, 3.9e-3 to 7.8e-3, is the size of the
+# whole update of 10 steps, so one element rounded the other way is a large relative error. Measured: 0.29
+# (test_context_parallel cp2 bf16-mixed vs float32, layers.0.attention_norm), 9.5e-2 (dp2 tp2 clipped bf16-mixed).
+# Bounded at 2x the measured, not more: a norm weight that never trained has relative error 1.
+NORM_UPDATE_RTOL = 0.6
 # bf16-mixed against the same recipe written in this file (_independent_bf16_mixed): loss measured 3.16e-5, weights
 # 3.3e-3, update relative error 1.75e-2 (the embedding; matrices otherwise <= 5.2e-3, norm weights 0)
 INDEPENDENT_LOSS_RTOL = 2e-4
@@ -108,9 +113,12 @@ def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
     results = []
     for i, layout in enumerate(layouts):
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
+        assert sorted(r["rank"] for r in ranks) == list(range(nproc)), (layout, len(ranks))  # one record per rank
         weights: dict[str, torch.Tensor] = {}
         # pipelines: each stage's rank saved its own layers
-        for path in sorted(out.glob(f"layout{i}_weights_rank*.pt")) or [out / f"layout{i}_weights.pt"]:
+        stage_files = sorted(out.glob(f"layout{i}_weights_rank*.pt"))
+        assert len(stage_files) == (nproc if layout.get("pp", 1) > 1 else 0), (layout, len(stage_files))
+        for path in stage_files or [out / f"layout{i}_weights.pt"]:
             weights.update(torch.load(path))
         results.append((layout, ranks, weights))
     return results
@@ -167,13 +175,15 @@ def _check_parity(
     weight_atol=WEIGHT_ATOL,
     initial=None,
     update_rtol=None,
+    vector_update_rtol=None,
     bf16=False,
     moved="all",
 ):
     """Losses to ``loss_rtol`` relative and every weight to ``weight_atol`` of the reference's (``bf16``: both
     rounded to bfloat16 first). With ``initial`` (the float32 weights before step 1, :func:`initial_weights`): every
     parameter (``moved="matrices"``: every matrix) trained (at least MOVED_FRACTION of its elements changed) and,
-    with ``update_rtol``, its update ``w - w0`` equals the reference's to ``update_rtol`` in L2 relative."""
+    with ``update_rtol``, its update ``w - w0`` equals the reference's to ``update_rtol`` in L2 relative
+    (``vector_update_rtol`` for 1-D parameters, ``update_rtol`` if not given)."""
     _, ref_ranks, ref_weights = reference
     layout, ranks, weights = result
     ref_losses = ref_ranks[0]["losses"]
@@ -202,17 +212,23 @@ def _check_parity(
         update = {
             k: ((weights[k] - ref_weights[k]).norm() / (ref_weights[k] - initial[k]).norm()).item() for k in checked
         }
-        least, worst = min(changed, key=changed.get), max(update, key=update.get)
-        line += (
-            f", least changed fraction {changed[least]:.3f} ({least}), max update rel err {update[worst]:.2e} ({worst})"
-        )
+        least = min(changed, key=changed.get)
+        matrices = [k for k in update if initial[k].ndim > 1]
+        vectors = [k for k in update if initial[k].ndim <= 1]
+        line += f", least changed fraction {changed[least]:.3f} ({least})"
+        for kind, names in (("matrix", matrices), ("vector", vectors)):
+            if names:
+                worst = max(names, key=update.get)
+                line += f", max {kind} update rel err {update[worst]:.2e} ({worst})"
     print(f"{line}; losses {[round(x, 5) for x in losses]}")
     assert rel <= loss_rtol
     assert werr <= weight_atol
     if initial is not None:
         assert changed[least] >= MOVED_FRACTION, f"{least} did not train"
         if update_rtol is not None:
-            assert update[worst] <= update_rtol, worst
+            vector_rtol = update_rtol if vector_update_rtol is None else vector_update_rtol
+            for names, bound in ((matrices, update_rtol), (vectors, vector_rtol)):
+                assert all(update[k] <= bound for k in names), {k: update[k] for k in names if update[k] > bound}
     assert losses[-1] < losses[0]  # it trains
 
 
@@ -253,12 +269,13 @@ def _check_bf16(reference, result, independent=False, layers=None):
         # bf16-true's norm weights (64 elements near 1.0, bf16 spacing 3.9e-3 / 7.8e-3) never move: AdamW's updates
         # of at most lr = 1e-3 per step round away in bf16 weights (measured: unchanged after 10 steps)
         moved = "matrices" if precision == "bf16-true" else "all"
-        tolerances = (BF16_LOSS_RTOL, BF16_WEIGHT_ATOL, BF16_UPDATE_RTOL, moved)
+        tolerances = (BF16_LOSS_RTOL, BF16_WEIGHT_ATOL, BF16_UPDATE_RTOL, NORM_UPDATE_RTOL, moved)
     elif independent:
-        tolerances = (INDEPENDENT_LOSS_RTOL, INDEPENDENT_WEIGHT_ATOL, INDEPENDENT_UPDATE_RTOL, "all")
+        rtol = INDEPENDENT_UPDATE_RTOL  # norm weights measured 0 here: the same bound
+        tolerances = (INDEPENDENT_LOSS_RTOL, INDEPENDENT_WEIGHT_ATOL, rtol, rtol, "all")
     else:
-        tolerances = (BF16_MIXED_LOSS_RTOL, BF16_MIXED_WEIGHT_ATOL, BF16_MIXED_UPDATE_RTOL, "all")
-    loss_rtol, weight_atol, update_rtol, moved = tolerances
+        tolerances = (BF16_MIXED_LOSS_RTOL, BF16_MIXED_WEIGHT_ATOL, BF16_MIXED_UPDATE_RTOL, NORM_UPDATE_RTOL, "all")
+    loss_rtol, weight_atol, update_rtol, vector_update_rtol, moved = tolerances
     _check_parity(
         reference,
         result,
@@ -266,6 +283,7 @@ def _check_bf16(reference, result, independent=False, layers=None):
         weight_atol=weight_atol,
         initial=initial_weights(False, layers),
         update_rtol=update_rtol,
+        vector_update_rtol=vector_update_rtol,
         bf16=True,
         moved=moved,
     )
