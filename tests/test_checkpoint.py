@@ -39,7 +39,11 @@ def resumed(tmp_path_factory):
         json.dumps(LAYOUTS),
         timeout=900,
     )
-    return [[json.loads(p.read_text()) for p in sorted(out.glob(f"resume{i}_rank*.json"))] for i in range(len(LAYOUTS))]
+    records = [
+        [json.loads(p.read_text()) for p in sorted(out.glob(f"resume{i}_rank*.json"))] for i in range(len(LAYOUTS))
+    ]
+    assert [len(r) for r in records] == [4] * len(LAYOUTS)  # one record per rank of the 4-process run
+    return records
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])

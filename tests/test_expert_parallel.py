@@ -101,7 +101,10 @@ def test_memory_model_divides_experts_by_ep_and_their_states_by_the_expert_group
     assert st.parameters == 4 * (n - experts + experts // 8)
     # ZeRO 1, ep = dp·cp: the experts' states are not sharded further (their group has one rank), the rest by 8
     st1 = model_state_bytes(cfg, ParallelConfig(data_parallel_size=8, zero_stage=1, expert_parallel_size=8), "32-true")
-    assert abs(st1.optimizer_states - 8 * ((n - experts) / 8 + experts / 8)) < 8 * 8 * 2**20  # bucket padding
+    # exactly: both counts divide by 8, so the buckets need no padding (the 64 MiB allowance this replaced was never
+    # used: the difference measured 0 B, 2026-11-27)
+    assert (n - experts) % 8 == 0 and experts % 8 == 0
+    assert st1.optimizer_states == 8 * ((n - experts) // 8 + experts // 8)
 
 
 @pytest.mark.parametrize(
@@ -131,7 +134,10 @@ REF = [
     {"reference": True, "precision": "bf16-mixed"},
     {"reference": True, "config": SIX, "clip": 0.1, "norm": True},
 ]
-BF16_RTOL = 1e-2  # issue 23's bar for bf16-mixed layouts vs one-process bf16-mixed
+# bf16-mixed dp2 ep2 ZeRO 1 against one-process bf16-mixed (plain Lightning: autocast over float32 weights, so not
+# the same recipe as FourDStrategy's bf16 weights + float32 masters): measured 2026-11-27 (`pytest -s
+# tests/test_expert_parallel.py -k ep_losses`) loss 2.2e-4, aux loss 5.2e-4 relative; ~6x the larger (was 1e-2)
+BF16_RTOL = 3e-3
 DP2 = [
     {"dp": 2, "zero": 1, "ep": 2, "norm": True},
     {"dp": 2, "zero": 0, "ep": 2, "config": VARIANT, "clip": 0.1, "ac": "full", "norm": True},

@@ -79,6 +79,12 @@ def test_measure_equals_the_real_multi_process_run(tmp_path, args, layout, preci
         4, SCRIPTS / "measure_peak.py", "--out", str(tmp_path), "--layout", json.dumps(layout), "--precision", precision
     )
     pc = ParallelConfig(**layout)
+    peaks = {r: json.loads((tmp_path / f"rank{r}.json").read_text())["peak_allocated"] for r in range(4)}
+    if pc.pp > 1:  # measure's default rank is the one the real run shows the largest peak on (its stage)
+        worst = worst_rank(TINY, pc, 1, 64, precision, device_type="cpu")
+        print(f"{layout}: real peaks {peaks}; worst_rank {worst}")
+        stage = rank_coordinates(pc, worst)["pp"]
+        assert max(v for r, v in peaks.items() if rank_coordinates(pc, r)["pp"] == stage) == max(peaks.values())
     for rank in ranks:
         real = json.loads((tmp_path / f"rank{rank}.json").read_text())
         out = _measure_cli(args, rank, precision)
@@ -115,14 +121,25 @@ def test_rank_coordinates_follow_the_mesh_order():
         rank_coordinates(pc, 16)
 
 
-def test_worst_rank_is_the_largest_pp_rank():
-    pc = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=4)
-    tied = LlamaConfig.from_preset("tiny-test", num_layers=4)
-    rank = worst_rank(tied, pc, 1, 64, "32-true")
-    from lightning_4d.memory.model import estimate_all_pp_ranks
+def test_worst_rank_is_the_stage_that_holds_the_most():
+    """Two layouts whose heaviest pipeline stage follows from the model's shape alone (no estimate consulted):
 
-    est = estimate_all_pp_ranks(tied, pc, 1, 64, "32-true")
-    assert rank == max(range(2), key=lambda r: est[r].total) * 2
+    - a 32,000-token vocabulary at s=64, b=1: the embedding (first stage) and the LM head (last stage) are the same
+      32000 x 64 matrix, with the same gradient and Adam moments; the last stage also holds the logits ``[1, 64,
+      32000]`` in float32 (8 MiB, plus their gradient) against two hidden states ``[1, 64, 64]`` (32 KiB) on the
+      first: the last pp rank, global rank 1·dp·cp·tp = 2;
+    - a 256-token vocabulary, 8 layers, s=512, m=4 under 1F1B: each stage holds 4 layers, the first keeps the
+      activations of p = 2 micro-batches in flight, the last of one, and the logits of one micro-batch (512 x 256 x
+      4 B = 0.5 MiB) are less than one layer's saved activations (at least the 4 inputs of q/k/v, o and the MLP,
+      512 x 64 x 4 B = 128 KiB each, plus the 512 x 128 MLP intermediates): the first pp rank, global rank 0.
+
+    ``test_measure_equals_the_real_multi_process_run`` checks the choice against a real run's measured peaks."""
+    pc = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2)
+    big_vocab = LlamaConfig.from_preset("tiny-test", vocab_size=32000)
+    assert worst_rank(big_vocab, pc, 1, 64, "32-true", device_type="cpu") == 2
+    deep = LlamaConfig.from_preset("tiny-test", num_layers=8)
+    pc4 = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=4)
+    assert worst_rank(deep, pc4, 1, 512, "32-true", device_type="cpu") == 0
 
 
 BAD = [
@@ -187,3 +204,45 @@ def test_the_measured_h200_allowance_serves_the_preset_and_the_device_name():
     assert overhead_allowance("H200") == measured
     assert overhead_allowance("GH200").source.startswith("default")
     assert overhead_allowance("H100-80GB").source.startswith("default")
+
+
+def test_live_tensor_bytes_counts_known_allocations():
+    """``LiveTensorBytes`` against allocations of known sizes: a new storage counts its bytes once, views and
+    slices of it nothing more, a storage counts until its last tensor is freed, ``UntypedStorage.resize_`` (FSDP2's
+    way of freeing) changes the count by the size difference, other devices and storages older than the mode count
+    nothing, and the peak is the largest sum alive at once."""
+    import torch
+
+    from lightning_4d.measure import LiveTensorBytes
+
+    before = torch.ones(1000)  # alive before the mode: never counted
+    resize = torch.UntypedStorage.resize_
+    with LiveTensorBytes("cpu") as live:
+        assert live.current == 0
+        a = torch.empty(1000, dtype=torch.float32)  # 4,000 B
+        assert live.current == 4000
+        b = torch.zeros(250, dtype=torch.float64)  # 2,000 B
+        assert live.current == 6000
+        view, half = a.view(10, 100), a[::2]  # views share a's storage
+        assert live.current == 6000
+        del a
+        assert live.current == 6000  # the views keep the storage alive
+        del view, half
+        assert live.current == 2000  # freed with its last tensor
+        c = b.to(torch.bfloat16)  # a new storage: 250 x 2 B
+        assert live.current == 2500
+        d = before * 2  # an op's output: counted even though its input is not
+        assert live.current == 6500
+        del d
+        e = torch.empty(10**6, device="meta")  # not on the CPU: nothing
+        assert live.current == 2500
+        st = b.untyped_storage()
+        st.resize_(0)  # FSDP2 frees an unsharded parameter's storage this way
+        assert live.current == 500
+        st.resize_(8000)  # ... and allocates it again
+        assert live.current == 8500
+        peak_expected = 8500
+        del b, st, c, e
+        assert live.current == 0
+    assert live.peak == peak_expected
+    assert torch.UntypedStorage.resize_ is resize  # the mode put torch's own back

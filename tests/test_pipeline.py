@@ -64,12 +64,21 @@ def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict], *extra: s
     return out
 
 
+def _world(layout: dict) -> int:
+    """The number of processes of a run_layouts.py layout: pp·dp·cp·tp (ep is carved out of dp·cp)."""
+    return layout.get("pp", 1) * layout.get("dp", 1) * layout.get("cp", 1) * layout.get("tp", 1)
+
+
 def _results(out, layouts):
     results = []
     for i, layout in enumerate(layouts):
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
+        world = 1 if layout.get("reference") else _world(layout)
+        assert sorted(r["rank"] for r in ranks) == list(range(world)), (layout, len(ranks))
+        stage_files = sorted(out.glob(f"layout{i}_weights_rank*.pt"))
+        assert len(stage_files) == (world if layout.get("pp", 1) > 1 else 0), (layout, len(stage_files))
         weights: dict[str, torch.Tensor] = {}
-        for path in sorted(out.glob(f"layout{i}_weights_rank*.pt")) or [out / f"layout{i}_weights.pt"]:
+        for path in stage_files or [out / f"layout{i}_weights.pt"]:
             for key, value in torch.load(path).items():
                 if key in weights:  # the same parameter on another dp/tp rank of the stage: identical
                     assert torch.equal(weights[key], value), key

@@ -74,7 +74,9 @@ def test_resume_on_another_layout_continues_the_straight_run(resharded, name):
     first = json.loads((resharded / f"{name}_first_rank0.json").read_text())
     straight = first["straight"]
     assert len(straight) == 8 and first["first"] == pytest.approx(straight[:4], rel=1e-6)
-    for path in sorted(resharded.glob(f"{name}_resume_rank*.json")):
+    paths = sorted(resharded.glob(f"{name}_resume_rank*.json"))
+    assert [p.name for p in paths] == [f"{name}_resume_rank{r}.json" for r in range(4)]  # B runs on 4 processes
+    for path in paths:
         resumed = json.loads(path.read_text())["resumed"]
         print(f"\n{name} ({path.name}): straight 5-8 {straight[4:]}\n  resumed {resumed}")
         assert resumed == pytest.approx(straight[4:], rel=REL[first["layout"].get("precision", "32-true")])

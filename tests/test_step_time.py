@@ -203,12 +203,12 @@ def test_torchtitan_8b_row_within_15_percent():
 
 
 def test_meta_405b_rows():
-    """Meta's Llama 3.1 405B (Llama 3 paper, Table 4) on 8,192 H100: the planner's fastest fitting variant of tp8
-    pp16 dp64 (full activation checkpointing: without it our strategy needs 98 GiB on pp rank 1, measured model)
-    predicts 36.9% MFU, 14% below the published 43% (goal: within 15%). On 16,384 GPUs the same layout predicts
-    32.9% against 41% (−20%, outside the goal: the longer bubble of m = 16 costs more in our model than in Meta's
-    run)."""
-    for name, tolerance in (("Meta Llama 3.1 405B, 8,192", 0.15), ("Meta Llama 3.1 405B, 16,384", 0.25)):
+    """Meta's Llama 3.1 405B (Llama 3 paper, Table 4) on 8,192 and 16,384 H100: the planner's fastest fitting variant
+    of tp8 pp16 dp64 / dp128 (full activation checkpointing: without it our strategy needs 98 GiB on pp rank 1,
+    measured model) predicts, measured 2026-11-27 (`python` on this test's computation), 36.86% MFU against the
+    published 43% (-14.3%) and 38.95% against 41% (-5.0%): both within the goal of 15% (the 16,384 row was allowed
+    25% when it predicted 32.9%, -20%)."""
+    for name, tolerance in (("Meta Llama 3.1 405B, 8,192", 0.15), ("Meta Llama 3.1 405B, 16,384", 0.15)):
         run = _run(name)
         cfg, gpu, lay = LlamaConfig.from_preset(run["model"]), GPU_PRESETS[run["gpu"]], run["layout"]
         fixed = {key: lay[key] for key in ("tp", "pp", "cp", "dp")}
