@@ -180,9 +180,10 @@ ROWS: list[Row] = [
         cpu_tests=(P + "test_bf16_mixed_parity_world2", P + "test_parity_world4"),
     ),
     Row(
-        "z1-bf16-true",
-        "dp2 ZeRO 1 bf16-true: bf16 parameters and optimizer states, no masters",
-        {"dp": 2, "zero_stage": 1, "precision": "bf16-true"},
+        "z1-tp2-bf16-true",
+        "tp2 dp2 ZeRO 1 bf16-true: bf16 parameters and optimizer states, no masters",
+        {"tp": 2, "dp": 2, "zero_stage": 1, "precision": "bf16-true"},
+        cpu_tests=(P + "test_bf16_close_to_float32",),
     ),
     Row(
         "z3-tp2-bf16-true",
