@@ -120,7 +120,10 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--budget-s", type=float, default=330.0, help="time for all parts together (seconds)")
-    p.add_argument("--parts", default="smoke,ranks,numerics,measure,step,accuracy,compat")
+    p.add_argument("--parts", default="smoke,ranks,numerics,peaks,measure,step,compat,accuracy")
+    p.add_argument(
+        "--measure-rows", default="", help="measure only these rows (comma-separated indices into GPU_ROWS / CPU_ROWS)"
+    )
     args = p.parse_args()
     start = time.time()
     left = lambda: args.budget_s - (time.time() - start)  # noqa: E731
@@ -178,12 +181,20 @@ def main() -> None:
         # of the tiny job against the CPU, a save and a resume with the fused AdamW)
         tests = ["tests/cuda/test_numerics.py", "tests/test_context_parallel_cuda.py", "tests/test_checkpoint_cuda.py"]
         cmd = [py, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *tests]
-        rc, text, secs = _run(cmd, min(90.0, left() - 45), log)
+        rc, text, secs = _run(cmd, min(150.0, left() - 45), log)
         result["numerics"] = {"rc": rc, "seconds": round(secs, 1), "tail": text[-3000:]}
         print(f"numerics: rc={rc} ({secs:.0f} s)", flush=True)
         save()
+    if "peaks" in parts and args.device == "cuda" and left() > 60:
+        # what is alive at the peak of the pp rows, by allocating code (benchmarks/cuda_memory_peak.py)
+        rc, text, secs = _run([py, "benchmarks/cuda_memory_peak.py", "--out", str(out)], min(90.0, left() - 45), log)
+        result["cuda_memory_peak"] = {"rc": rc, "seconds": round(secs, 1), "tail": text[-3000:]}
+        print(f"peaks: rc={rc} ({secs:.0f} s)", flush=True)
+        save()
     if "measure" in parts:
         rows = GPU_ROWS if args.device == "cuda" else CPU_ROWS
+        if args.measure_rows:
+            rows = [rows[int(i)] for i in args.measure_rows.split(",")]
         for i, (name, argv) in enumerate(rows):
             after = len(parts) - parts.index("measure") - 1  # parts still to run after this one
             limit = min(150.0, left() - 45 * after) if args.device == "cuda" else left()
@@ -234,19 +245,19 @@ def main() -> None:
         result["step_time"]["rc"] = rc
         print(f"step time: rc={rc} ({secs:.0f} s)", flush=True)
         save()
+    if "compat" in parts and left() > 15:
+        rc, text, secs = _run(
+            [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compat.py"], min(90.0, left() - 5), log
+        )
+        result["compat"] = {"rc": rc, "tail": text[-1500:]}
+        print(f"compat: rc={rc} ({secs:.0f} s)", flush=True)
+        save()
     if "accuracy" in parts and args.device == "cuda" and left() > 40:
         rc, text, secs = _run([py, "benchmarks/memory_accuracy.py", "--write"], left() - 30, log)
         result["memory_accuracy"] = {"rc": rc, "output": text[-4000:]}
         overhead = ROOT / "lightning_4d" / "memory" / "overhead.json"
         shutil.copy(overhead, out / "overhead.json")
         print(f"memory accuracy: rc={rc} ({secs:.0f} s)", flush=True)
-        save()
-    if "compat" in parts and left() > 15:
-        rc, text, secs = _run(
-            [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compat.py"], left() - 5, log
-        )
-        result["compat"] = {"rc": rc, "tail": text[-1500:]}
-        print(f"compat: rc={rc} ({secs:.0f} s)", flush=True)
         save()
     save()
     (out / f"gpu_check_{tag}.md").write_text(markdown(result))

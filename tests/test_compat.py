@@ -415,3 +415,16 @@ def test_fake_process_group_and_pipeline_metadata_names():
         assert list(inspect.signature(PipelineStage._recv_meta).parameters) == ["self", "src_stage"]
     else:
         assert hasattr(PipelineStage, "_shape_inference")
+
+
+def test_cuda_memory_history_names():
+    """``benchmarks/cuda_memory_peak.py``: the allocator's recording and snapshot
+    (``_compat.record_cuda_memory_history``,
+    ``_compat.cuda_memory_snapshot``)."""
+    import inspect
+
+    from torch.cuda import memory
+
+    assert "enabled" in inspect.signature(memory._record_memory_history).parameters
+    assert "max_entries" in inspect.signature(memory._record_memory_history).parameters
+    assert callable(memory._snapshot)

@@ -559,3 +559,24 @@ def exit_distributed_process(code: int = 0) -> NoReturn:
         except (AttributeError, OSError, ValueError):  # a closed or replaced stream has nothing left to write
             pass
     os._exit(code)
+
+
+def record_cuda_memory_history(enabled: bool, max_entries: int = 200_000) -> None:
+    """Start (``enabled``) or stop recording every CUDA caching-allocator event with its Python and C++ stack:
+    ``torch.cuda.memory._record_memory_history`` (PyTorch's "Understanding CUDA Memory Usage" guide; private name).
+    ``max_entries``: the newest events kept."""
+    from torch.cuda import memory
+
+    if enabled:
+        memory._record_memory_history(enabled="all", max_entries=max_entries)
+    else:
+        memory._record_memory_history(enabled=None)
+
+
+def cuda_memory_snapshot() -> dict:
+    """The recorded allocator state and event trace: ``torch.cuda.memory._snapshot()`` (private name), a dict with
+    ``segments`` and ``device_traces`` (per device, events with ``action`` ("alloc", "free_completed", ...), ``addr``,
+    ``size`` in bytes and ``frames``)."""
+    from torch.cuda import memory
+
+    return memory._snapshot()

@@ -91,21 +91,30 @@ def test_grouped_gemm_equals_the_loop_over_experts(device):
     assert _rel(grouped, loop) < 8e-3
 
 
-def _losses(device: str, precision: str, tmp_path) -> list[float]:
-    out = tmp_path / f"{device}-{precision}.json"
-    cmd = [sys.executable, str(ROOT / "tests/scripts/tiny_losses.py"), "--device", device, "--precision", precision]
-    proc = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(out.read_text())["losses"]
+def _tiny_job(*args: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "tests/scripts/tiny_losses.py"), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("precision, rtol", [("32-true", 1e-4), ("bf16-mixed", 1e-2)])
 def test_tiny_job_on_cuda_equals_cpu(precision, rtol, tmp_path):
-    cpu, cuda = _losses("cpu", precision, tmp_path), _losses("cuda", precision, tmp_path)
+    init = tmp_path / "init.pt"  # one set of initial weights for both devices (their generators differ)
+    _finish(_tiny_job("--write-init", str(init)))
+    runs = {d: _tiny_job("--device", d, "--precision", precision, "--init-from", str(init), "--out", str(tmp_path / d))
+            for d in ("cpu", "cuda")}  # fmt: skip
+    for proc in runs.values():  # concurrently: each process runs one CPU thread
+        _finish(proc)
+    cpu, cuda = (json.loads((tmp_path / d).read_text())["losses"] for d in ("cpu", "cuda"))
     assert len(cpu) == len(cuda) == 20
     worst = max(abs(a - b) / abs(b) for a, b in zip(cuda, cpu))
     print(f"\n{precision}: CUDA vs CPU, largest relative loss difference over 20 steps {worst:.2e}")
+    print(
+        f"{precision}: losses CPU {[round(x, 5) for x in cpu]}\n{precision}: losses CUDA {[round(x, 5) for x in cuda]}"
+    )
     assert worst <= rtol

@@ -2,7 +2,10 @@
 FourDStrategy), on ``--device`` in ``--precision``: writes the per-step training losses to ``--out`` (JSON).
 
 ``tests/cuda/test_numerics.py`` runs it on CUDA and on the CPU and compares the losses (issue 32: 20 steps of the
-tiny job on CUDA against CPU, 32-true within 1e-4, bf16-mixed within 1e-2)."""
+tiny job on CUDA against CPU, 32-true within 1e-4, bf16-mixed within 1e-2). Both runs start from the same weights:
+``--write-init PATH`` draws them once on the CPU (``init_seed`` 0) into a checkpoint file that ``--init-from PATH``
+reads (CPU and CUDA generators draw different streams, so the same seed alone gives each device other weights; the
+first GPU run compared two differently initialized models and saw 3.1e-2)."""
 
 import argparse
 import json
@@ -29,11 +32,20 @@ class Losses(L.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--init-from", help="start from this checkpoint file (written by --write-init)")
+    parser.add_argument("--write-init", help="write the tiny model's initial weights (CPU, init_seed 0) here and exit")
     args = parser.parse_args()
+    if args.write_init:
+        module = CausalLMModule("tiny", init_seed=0)
+        module.configure_model()  # no trainer: built and initialized on the CPU
+        torch.save({"state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()}}, args.write_init)
+        return
+    if not args.out:
+        parser.error("--out is required unless --write-init is given")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     L.seed_everything(0)
     losses = Losses()
@@ -53,7 +65,13 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     module = CausalLMModule(
-        "tiny", learning_rate=3.0e-3, min_lr_ratio=0.1, warmup_steps=30, weight_decay=0.1, init_seed=0
+        "tiny",
+        learning_rate=3.0e-3,
+        min_lr_ratio=0.1,
+        warmup_steps=30,
+        weight_decay=0.1,
+        init_seed=0,
+        init_from=args.init_from,
     )
     data = LMDataModule(tokenizer="byte", seq_length=256, micro_batch_size=8, val_samples=64, seed=1234)
     trainer.fit(module, datamodule=data)
