@@ -428,3 +428,19 @@ def test_cuda_memory_history_names():
     assert "enabled" in inspect.signature(memory._record_memory_history).parameters
     assert "max_entries" in inspect.signature(memory._record_memory_history).parameters
     assert callable(memory._snapshot)
+
+
+def test_schedule_rank_operations_names():
+    """The memory model's V-schedule action lists are checked against torch's through
+    ``_compat.schedule_rank_actions``: each schedule class still computes one rank's list from the attributes set."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    for name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        method = getattr(getattr(schedules, name), _compat.SCHEDULE_RANK_OPERATIONS)
+        assert list(inspect.signature(method).parameters) == ["self", "rank"]
+        source = inspect.getsource(method)
+        used = {a for a in _compat.SCHEDULE_RANK_OPERATIONS_ATTRIBUTES if f"self.{a}" in source}
+        assert used and used <= set(_compat.SCHEDULE_RANK_OPERATIONS_ATTRIBUTES), name
+    assert _compat.schedule_rank_actions("ScheduleZBVZeroBubble", 2, 0, 4)[:3] == [(0, "F")] * 3

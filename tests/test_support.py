@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import json
-import time
 
 import pytest
 
@@ -107,7 +106,6 @@ REPRESENTATIVE = ["z3-bf16-mixed", "offload-pp-zbv", "cp2-tp2", "moe-pp2"]
 
 
 def test_cpu_dry_run_of_representative_rows(tmp_path):
-    start = time.time()
     rows = [support.row_by_id(x) for x in REPRESENTATIVE]
     path = support.run_smoke(rows, "cpu", tmp_path)
     assert path.name.startswith("smoke_cpu_") and path.suffix == ".json"
@@ -116,7 +114,6 @@ def test_cpu_dry_run_of_representative_rows(tmp_path):
     for row_id, result in data["rows"].items():
         assert result["status"] == "ok", (row_id, result["error"])
         assert result["decoder_layers"] > 0 and result["losses"] and result["peak"] > 0 and result["estimate"] > 0
-    assert time.time() - start < 60
 
 
 def test_the_dtype_check_sees_a_layer_that_changes_the_dtype(tmp_path, monkeypatch):

@@ -969,8 +969,8 @@ def _in_flight(pc: ParallelConfig, pp_rank: int, m: int) -> list[int]:
     - interleaved 1F1B: ``w = min(m·v, (v-1)·n + 2(p-1-r) + 1)`` forwards in flight (warm-up of
       ``_get_warmup_ops`` + 1; n = micro-batches per round = m // max(1, m // p)), handed out to the rank's
       stages in rounds of n (Narayanan et al. 2021, Megatron-LM, arXiv 2104.04473, §2.2);
-    - ZBV zero-bubble (and DualPipeV, approximated by it): see :func:`_zbv_peak` (which also counts what stays
-      alive after each weight pass); the counts returned here are those at that peak.
+    - ZBV zero-bubble and DualPipeV: see :func:`_zbv_peak` (which also counts what stays alive after each weight
+      pass; each schedule's own action list); the counts returned here are those at that peak.
     """
     p, r, v = pc.pp, pp_rank, len(pc.stage_indices(pp_rank)) if pc.pp > 1 else 1
     if p == 1:
@@ -987,17 +987,25 @@ def _in_flight(pc: ParallelConfig, pp_rank: int, m: int) -> list[int]:
         for step in range(warm):
             counts[(step // per_round) % v] += 1
         return [min(m, c) for c in counts]
-    return list(_zbv_peak(p, r, m, (1.0, 1.0))[1])  # zbv, dualpipev: (stage r, stage 2p-1-r)
+    return list(_zbv_peak(p, r, m, (1.0, 1.0), schedule=name)[1])  # zbv, dualpipev: (stage r, stage 2p-1-r)
 
 
 @functools.lru_cache(maxsize=65536)
 def _zbv_peak(
-    p: int, r: int, m: int, sizes: tuple[float, float], retained: tuple[float, float] = (0.0, 0.0)
+    p: int,
+    r: int,
+    m: int,
+    sizes: tuple[float, float],
+    retained: tuple[float, float] = (0.0, 0.0),
+    schedule: str = "zbv",
+    input_pass_of: Optional[int] = None,
 ) -> tuple[float, tuple[int, int]]:
     """Peak of ``held[0]·sizes[0] + held[1]·sizes[1] + done[0]·retained[0] + done[1]·retained[1]`` over
-    ``ScheduleZBVZeroBubble``'s action list for rank r, with ``held[i]`` the micro-batches forwarded through the
+    ``ScheduleZBVZeroBubble``'s (``schedule="zbv"``) or ``ScheduleDualPipeV``'s (``"dualpipev"``:
+    :func:`_dualpipev_actions`) action list for rank r, with ``held[i]`` the micro-batches forwarded through the
     rank's stage i (stage r, then stage 2p-1-r) whose weight gradient (W) has not run yet and ``done[i]`` those whose
-    W has run; returns (peak, held at the peak).
+    W has run; returns (peak, held at the peak). ``input_pass_of``: only the states in which an input pass of that
+    chunk runs (0 or 1; :func:`_action_states`).
 
     ``retained[i]``: bytes of one micro-batch that stay alive after its W until the end of the step. Measured
     (torch 2.13, ``saved_tensors_hooks``): the input-gradient pass (I, ``stage_backward_input``) runs with
@@ -1011,7 +1019,7 @@ def _zbv_peak(
     I, W stage 0; F, I, W stage 1); cool-down (I of both, then I, W of stage 0, then the remaining W), with the
     schedule's micro-batch count ``max(2p-1, m)`` and actions on indices >= m dropped.
     """
-    states = _zbv_state_array(p, r, m)
+    states = _zbv_state_array(p, r, m, schedule, input_pass_of)
     if not len(states):
         return 0.0, (0, 0)
     # the same products and left-to-right sums as a Python loop would do (bit-identical), the first maximum
@@ -1023,49 +1031,143 @@ def _zbv_peak(
 
 
 @functools.lru_cache(maxsize=4096)
-def _zbv_state_array(p: int, r: int, m: int) -> np.ndarray:
-    """:func:`_zbv_states` as a float64 ``[n, 4]`` array (exact: the counts are small integers)."""
-    return np.asarray(_zbv_states(p, r, m), dtype=np.float64).reshape(-1, 4)
+def _zbv_state_array(p: int, r: int, m: int, schedule: str = "zbv", input_pass_of: Optional[int] = None) -> np.ndarray:
+    """:func:`_action_states` of the schedule's action list (:func:`_zbv_actions`, :func:`_dualpipev_actions`) as a
+    float64 ``[n, 4]`` array (exact: the counts are small integers)."""
+    actions = _zbv_actions(p, r, m) if schedule == "zbv" else _dualpipev_actions(p, r, m)
+    return np.asarray(_action_states(actions, input_pass_of), dtype=np.float64).reshape(-1, 4)
+
+
+def _action_states(
+    actions: tuple[tuple[int, str], ...], input_pass_of: Optional[int] = None
+) -> tuple[tuple[int, int, int, int], ...]:
+    """The distinct ``(held[0], held[1], done[0], done[1])`` after each of ``actions`` (``(chunk, kind)``, chunk 0
+    the rank's first stage, 1 its second; kind ``F`` forward, ``I`` input gradient (frees nothing: it runs with
+    ``retain_graph=True``), ``W`` weight gradient (the micro-batch leaves ``held`` for ``done``: what only the
+    input gradient needed stays, :func:`_zbv_peak`), ``B`` full backward (frees the micro-batch's graph)), in order
+    of first appearance. With ``input_pass_of`` (a chunk): only the states in which an input pass of that chunk
+    runs."""
+    held, done = [0, 0], [0, 0]
+    states: dict[tuple[int, int, int, int], None] = {}
+    for chunk, kind in actions:
+        if kind == "F":
+            held[chunk] += 1
+        elif kind in ("W", "B"):
+            held[chunk] -= 1
+            done[chunk] += kind == "W"
+        if input_pass_of is None or (kind == "I" and chunk == input_pass_of):
+            states[(held[0], held[1], done[0], done[1])] = None
+    return tuple(states)
 
 
 @functools.lru_cache(maxsize=4096)
-def _zbv_states(p: int, r: int, m: int) -> tuple[tuple[int, int, int, int], ...]:
-    """The distinct ``(held[0], held[1], done[0], done[1])`` after each action of ``ScheduleZBVZeroBubble``'s list
-    for rank r (see :func:`_zbv_peak`), in order of first appearance (the peak is a linear function of them)."""
-    n = max(2 * p - 1, m)
-    held, done = [0, 0], [0, 0]
-    f, w = [0, 0], [0, 0]
-    states: dict[tuple[int, int, int, int], None] = {}
+def _dualpipev_actions(p: int, r: int, m: int) -> tuple[tuple[int, str], ...]:
+    """``ScheduleDualPipeV``'s actions for rank r of p with m micro-batches (torch.distributed.pipelining, after
+    DeepSeek's DualPipeV; ``tests/test_memory_model.py`` checks this list against torch's), as ``(chunk, kind)``
+    (:func:`_action_states`): an overlapped forward + backward pair is its forward, then its full backward.
 
-    def act(chunk: int, delta: int, counter: list[int]) -> None:
-        index = counter[chunk]
-        counter[chunk] += 1
-        if index >= m:
-            return
-        held[chunk] += delta
-        if delta < 0:
-            done[chunk] += 1
-        states[(held[0], held[1], done[0], done[1])] = None
+    Steps (chunk 0: stage r, chunk 1: stage 2p-1-r): ``2(p-r-1)`` F0; ``r+1`` (F0, F1); ``p-r-1`` (I1, W of the
+    oldest pending input pass, F1); ``m-2p+r+1`` (F0 B1, F1 B0), the first pair of the last rank not overlapped;
+    ``p-r-1`` (B1, F1 B0); ``r+1`` (x1, x0) with x = B for the first half and I from the middle on (odd ranks switch
+    before x1, even ranks after it); ``p-r-1`` (W pending, x0); ``r+1`` W pending.
+    """
+    actions: list[tuple[int, str]] = []
+    pending: list[int] = []  # chunks of input passes whose weight pass has not run, oldest first
+
+    def add(chunk: int, kind: str) -> None:
+        actions.append((chunk, kind))
+        if kind == "I":
+            pending.append(chunk)
+
+    def weight() -> None:
+        if pending:
+            actions.append((pending.pop(0), "W"))
+
+    for _ in range(2 * (p - r - 1)):
+        add(0, "F")
+    for _ in range(r + 1):
+        add(0, "F")
+        add(1, "F")
+    for _ in range(p - r - 1):
+        add(1, "I")
+        weight()
+        add(1, "F")
+    for _ in range(m - 2 * p + r + 1):
+        add(0, "F")
+        add(1, "B")
+        add(1, "F")
+        add(0, "B")
+    for _ in range(p - r - 1):
+        add(1, "B")
+        add(1, "F")
+        add(0, "B")
+    zero_bubble = False
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            zero_bubble = True
+        add(1, "I" if zero_bubble else "B")
+        if i == (r + 1) // 2 and r % 2 == 0:
+            zero_bubble = True
+        add(0, "I" if zero_bubble else "B")
+    for _ in range(p - r - 1):
+        weight()
+        add(0, "I" if zero_bubble else "B")
+    for _ in range(r + 1):
+        weight()
+    return tuple(actions)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zbv_actions(p: int, r: int, m: int) -> tuple[tuple[int, str], ...]:
+    """``ScheduleZBVZeroBubble``'s actions for rank r of p with m micro-batches (torch.distributed.pipelining;
+    ``tests/test_memory_model.py`` checks this list against torch's), as ``(chunk, kind)`` (:func:`_action_states`;
+    chunk 0: stage r, chunk 1: stage 2p-1-r).
+
+    With ``n = max(2p-1, m)`` micro-batches scheduled and every action on a micro-batch index >= m dropped: warm-up
+    ``2(p-r)-1`` F0, ``r`` (F1, F0), ``p-r`` (F1, I1, W1); steady (F0 while fewer than n, I0, W0, F1, I1, W1) while
+    F1 trails F0 or F0 < n; cool-down ``r`` (I0, I1), ``p-r`` (I0, W0), then the remaining W1, then the remaining W0.
+    """
+    n = max(2 * p - 1, m)
+    counts: dict[tuple[int, str], int] = {}
+    actions: list[tuple[int, str]] = []
+
+    def act(chunk: int, kind: str) -> None:
+        index = counts.get((chunk, kind), 0)
+        counts[(chunk, kind)] = index + 1
+        if index < m:
+            actions.append((chunk, kind))
+
+    def count(chunk: int, kind: str) -> int:
+        return counts.get((chunk, kind), 0)
 
     for _ in range(2 * (p - r) - 1):
-        act(0, +1, f)
+        act(0, "F")
     for _ in range(r):
-        act(1, +1, f)
-        act(0, +1, f)
+        act(1, "F")
+        act(0, "F")
     for _ in range(p - r):
-        act(1, +1, f)
-        act(1, -1, w)
-    while f[1] < f[0] or f[0] < n:
-        if f[0] < n:
-            act(0, +1, f)
-        act(0, -1, w)
-        act(1, +1, f)
-        act(1, -1, w)
-    while w[1] < f[1]:
-        act(1, -1, w)
-    while w[0] < f[0]:
-        act(0, -1, w)
-    return tuple(states)
+        act(1, "F")
+        act(1, "I")
+        act(1, "W")
+    while count(1, "F") < count(0, "F") or count(0, "F") < n:
+        if count(0, "F") < n:
+            act(0, "F")
+        act(0, "I")
+        act(0, "W")
+        act(1, "F")
+        act(1, "I")
+        act(1, "W")
+    for _ in range(r):
+        act(0, "I")
+        act(1, "I")
+    for _ in range(p - r):
+        act(0, "I")
+        act(0, "W")
+    while count(1, "W") < count(1, "I"):
+        act(1, "W")
+    while count(0, "W") < count(0, "I"):
+        act(0, "W")
+    return tuple(actions)
 
 
 @dataclass(frozen=True)
@@ -1248,6 +1350,9 @@ class _Activations:
     recompute: int = 0  # one layer's recomputed (or offloaded, brought back) set, made only in its backward
     offloaded: int = 0  # host memory: the saved tensors of the offloaded layers' in-flight micro-batches
     head_freed: int = 0  # last stage, offloaded whole or checkpointed: the head's saved tensors, freed by its backward
+    #: zero-bubble schedules: the saved tensors alive during an input pass (its largest) + the output gradients it
+    #: keeps for its weight pass (:func:`_weight_pass_inputs`) + one recomputed set
+    input_pass: int = 0
 
 
 def _offloaded_per_stage(pc: ParallelConfig, stages: list, per_layer: float, rope: int) -> list[float]:
@@ -1330,7 +1435,9 @@ def _activation_terms(
             else (len(layers) - o) * layer_kept + saved["rope"] + (head_kept if st == pc.num_stages - 1 else 0)
             for (st, layers), o in zip(stages, offloaded)
         ]
-        peak, held = _zbv_peak(pc.pp, pp_rank, m, (sizes[0], sizes[1]), (retained[0], retained[1]))
+        peak, held = _zbv_peak(
+            pc.pp, pp_rank, m, (sizes[0], sizes[1]), (retained[0], retained[1]), schedule=pc.pipeline_schedule
+        )
         host_bytes = sum(c * x for c, x in zip(held, host))
     else:
         peak = sum(c * size for c, size in zip(counts, sizes))
@@ -1362,9 +1469,56 @@ def _activation_terms(
     gradient = dt.compute * tokens * local_vocab if last else 0
     # the head's saved tensors, freed by its backward before any layer's (offloaded or recomputed) backward runs
     head_freed = saved["head"] if last and (unpacked or pc.activation_checkpointing != "none") else 0
+    input_pass = 0
+    if pc.pp > 1 and pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
+        # during an input pass of a stage (not the first: its input needs no gradient, a full backward runs) every
+        # saved tensor is alive (retain_graph) beside the output gradients kept for its weight pass
+        for chunk, (st, layers) in enumerate(stages):
+            if st == 0:
+                continue
+            held_peak, _ = _zbv_peak(
+                pc.pp,
+                pp_rank,
+                m,
+                (sizes[0], sizes[1]),
+                (retained[0], retained[1]),
+                schedule=pc.pipeline_schedule,
+                input_pass_of=chunk,
+            )
+            captured = _weight_pass_inputs(cfg, dt, b, s // pc.cp, tp, pc.sp, len(layers), st == pc.num_stages - 1)
+            input_pass = max(input_pass, int(held_peak) + captured + recompute if held_peak else 0)
     return _Activations(
-        activations, logits, compute_weights, in_flight, loss_freed, gradient, recompute, int(host_bytes), head_freed
+        activations,
+        logits,
+        compute_weights,
+        in_flight,
+        loss_freed,
+        gradient,
+        recompute,
+        int(host_bytes),
+        head_freed,
+        input_pass,
     )
+
+
+def _weight_pass_inputs(cfg: Any, dt: _Dtypes, b: int, s: int, tp: int, sp: bool, layers: int, last: bool) -> int:
+    """Bytes one micro-batch's input-gradient pass (``stage_backward_input``) of a zero-bubble schedule (ZBV,
+    DualPipeV) captures for its weight pass (``stage_backward_weight``): torch.distributed.pipelining keeps the
+    gradient of the output of every node through which a parameter's gradient flows, from the input pass to the weight
+    pass (``_backward.py``: ``param_groups``' ``grads``). Per layer (``s`` this rank's sequence length): the outputs
+    of ``wq``/``wk``/``wv`` and ``w1``/``w3`` (c·b·s·((a + 2k)·d + 2f)/t), of ``wo`` and ``w2`` (their partial sums,
+    c·b·s·h each) and of both RMSNorms (r·b·s'·h each); on the last stage also the final norm's and the head's
+    (the logits' gradient, c·b·s·V/t). Measured (CPU, ``LiveTensorBytes``, the ``small`` preset pp2 ZBV b=2 s=1024
+    ``bf16-mixed``): the peak is in the last stage's input pass, 23.3 MB above the estimate without this term, which
+    counts 26.0 MB there. The first stage (its input needs no gradient) runs a full backward: 0 there. An MoE layer
+    is counted as a dense one (its experts' captured gradients are not modelled)."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
+    c, r = dt.compute, dt.residual
+    s_sp = s // tp if sp else s
+    per_layer = c * b * s * ((a + 2 * k) * d + 2 * (f // tp)) + 2 * c * b * s * h + 2 * r * b * s_sp * h
+    head = r * b * s_sp * h + c * b * s * (cfg.padded_vocab_size // tp) if last else 0
+    return layers * per_layer + head
 
 
 @dataclass(frozen=True)
@@ -1681,6 +1835,10 @@ def _phases(states: ModelStates, act: _Activations, buf: _Buffers, initializatio
         + buf.embedding_gradient,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
+    if act.input_pass:
+        # a zero-bubble schedule's input pass keeps every saved tensor (retain_graph) and the output gradients its
+        # weight pass will read (_weight_pass_inputs), the peak at its end
+        phases["input pass"] = act.input_pass + layer_transients + buf.resident_gradients
     if act.recompute:
         # the first checkpointed layer's backward: its recomputed set, the first op's gradients, the gradient bucket
         # made for the head's gradient (ZeRO 0/1, one micro-batch); the loss' backward has freed what it saved but

@@ -445,7 +445,8 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
 def answer_pipeline_metadata(stages: list, boundary: Tensor) -> Any:
     """Make the pipeline ``stages`` of this rank learn their neighbours' metadata without receiving it, for a fake
     process group (which receives nothing): every stage-to-stage tensor of a :class:`StageChunk` pipeline is the
-    hidden state, whose shape, stride and dtype ``boundary`` (a meta tensor) gives, and its gradient has the same.
+    hidden state, whose shape, stride and dtype ``boundary`` (a meta tensor) gives, received as requiring grad (as a
+    real neighbour's output is), and its gradient has the same shape.
 
     torch >= 2.13 exchanges ``_StageForwardMeta`` / ``_StageBackwardMeta`` objects through
     ``PipelineStage._recv_meta(src_stage)``: each stage's method is replaced on the instance. Earlier torch
@@ -457,16 +458,21 @@ def answer_pipeline_metadata(stages: list, boundary: Tensor) -> Any:
     """
     import contextlib
 
+    # the hidden state a stage receives requires grad, as a real neighbour's output does: a stage told otherwise
+    # computes no input gradient, and under ZBV / DualPipeV (backward split into an input and a weight pass) no
+    # weight gradient either (the weight pass works from the input pass' graph), so a fake run of the V's last stage
+    # held no gradients and no optimizer states for its parameters
+    received = boundary.detach().requires_grad_(True)
     if all(hasattr(stage, "_recv_meta") for stage in stages):
         from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
 
-        meta = extract_tensor_metas((boundary,))
+        forward, backward = extract_tensor_metas((received,)), extract_tensor_metas((boundary.detach(),))
         for stage in stages:
 
             def recv_meta(src_stage: int, stage: Any = stage) -> Any:
                 if src_stage < stage.stage_index:
-                    return _StageForwardMeta(forward_metas=meta)
-                return _StageBackwardMeta(backward_metas=meta)
+                    return _StageForwardMeta(forward_metas=forward)
+                return _StageBackwardMeta(backward_metas=backward)
 
             stage._recv_meta = recv_meta
         return contextlib.nullcontext()
@@ -476,7 +482,7 @@ def answer_pipeline_metadata(stages: list, boundary: Tensor) -> Any:
         original = _dist.recv_object_list
 
         def recv_object_list(object_list: list, *args: Any, **kwargs: Any) -> None:
-            object_list[0] = (boundary,)
+            object_list[0] = (received,)
 
         _dist.recv_object_list = recv_object_list
         try:
@@ -580,3 +586,35 @@ def cuda_memory_snapshot() -> dict:
     from torch.cuda import memory
 
     return memory._snapshot()
+
+
+#: the private method of torch's V schedules that lists one rank's actions, and the attributes it reads
+SCHEDULE_RANK_OPERATIONS = "_calculate_single_rank_operations"
+SCHEDULE_RANK_OPERATIONS_ATTRIBUTES = ("pp_group_size", "_n_microbatches", "num_stages")
+
+
+def schedule_rank_actions(class_name: str, pp: int, rank: int, n_microbatches: int) -> list[tuple[int, str]]:
+    """One rank's action list of a V-shaped ``torch.distributed.pipelining`` schedule (``ScheduleZBVZeroBubble``,
+    ``ScheduleDualPipeV``: two stages per rank, ``2·pp`` stages), computed without stages or a process group by the
+    schedule's private ``_calculate_single_rank_operations`` (:data:`SCHEDULE_RANK_OPERATIONS`), as
+    ``(stage index, kind)`` with kind ``F`` (forward), ``I`` (input gradient), ``W`` (weight gradient) or ``B`` (full
+    backward); an overlapped forward + backward action is listed as its two sub-actions, in order. Idle slots
+    (``None``) are dropped. ``tests/test_memory_model.py`` compares the memory model's lists with these.
+
+    Raises:
+        AttributeError: ``class_name`` is not a schedule of the installed torch.
+    """
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, class_name)
+    schedule = cls.__new__(cls)  # no stages: the method reads only the attributes set here
+    for name, value in zip(SCHEDULE_RANK_OPERATIONS_ATTRIBUTES, (pp, n_microbatches, 2 * pp)):
+        setattr(schedule, name, value)
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
+    out: list[tuple[int, str]] = []
+    for action in getattr(schedule, SCHEDULE_RANK_OPERATIONS)(rank):
+        if action is None:
+            continue
+        for sub in action.sub_actions or (action,):
+            out.append((sub.stage_index, kinds[sub.computation_type.name]))
+    return out
