@@ -81,3 +81,61 @@ def measure_json(*args: str) -> tuple[dict, dict]:
     for key in ("parameters", "gradients", "optimizer_states"):
         assert rows[key]["estimated"] == rows[key]["measured"], key
     return out, rows
+
+
+def final_weights(out: Path, index: int) -> dict:
+    """The final full float32 weights rank 0 of ``run_layouts.py`` saved for layout ``index`` in ``out``, by
+    canonical name."""
+    import torch
+
+    path = out / f"layout{index}_weights.pt"
+    assert path.is_file(), f"{path} missing: run_layouts.py saves it on rank 0 after training"
+    return torch.load(path)
+
+
+def initial_weights(model: str, config: dict | None = None) -> dict:
+    """The float32 weights before the first step of ``run_layouts.py``'s model (init seed 7) with the model-config
+    overrides ``config``, by canonical name."""
+    from lightning_4d.models import LlamaConfig
+    from lightning_4d.models.llama import LlamaModel, canonical_name
+
+    built = LlamaModel(LlamaConfig.from_preset(model, **(config or {})), init_seed=7)
+    return {canonical_name(n): p.detach().clone() for n, p in built.named_parameters()}
+
+
+def update_errors(weights: dict, ref: dict, initial: dict, bf16: bool = False) -> dict:
+    """How far ``weights`` are from ``ref``, both trained from ``initial`` (the same names and shapes), per parameter:
+    ``‖w − w_ref‖ / ‖w_ref − w0‖`` (L2 over the parameter's elements): the difference relative to the reference's
+    update, so 1 for a parameter that never trained, whatever its scale (norm weights near 1.0 move by 0.4% in 10
+    steps). ``bf16``: ``w`` and ``w_ref`` rounded to bfloat16 first (ZeRO 3 keeps float32 masters where ZeRO 0/1
+    keep bf16 weights)."""
+    import torch
+
+    assert set(weights) == set(ref) == set(initial), set(weights) ^ set(ref) ^ set(initial)
+    errors = {}
+    for name, r in ref.items():
+        w = weights[name]
+        assert w.shape == r.shape == initial[name].shape, (name, w.shape, r.shape)
+        if bf16:
+            w, r = w.to(torch.bfloat16).float(), r.to(torch.bfloat16).float()
+        update = (r - initial[name]).norm().item()
+        assert update > 0, f"{name}: the reference never trained it"
+        errors[name] = (w - r).norm().item() / update
+    return errors
+
+
+def check_final_weights(
+    out: Path, index: int, ref_out: Path, ref_index: int, initial: dict, rtol: float, vector_rtol: float | None = None
+) -> None:
+    """Layout ``index``'s final weights in ``out`` against the reference run's (``ref_index`` in ``ref_out``), both
+    from ``initial``: every matrix's :func:`update_errors` within ``rtol``, every vector's (1-D: norm weights)
+    within ``vector_rtol`` (default ``rtol``); ``vector_rtol`` given means a bf16 run (both rounded to bf16). Prints
+    the largest of each kind."""
+    bf16 = vector_rtol is not None
+    errors = update_errors(final_weights(out, index), final_weights(ref_out, ref_index), initial, bf16)
+    line = f"{out.name} layout {index}: final weights' difference relative to the reference's update:"
+    for kind, bound in (("matrix", rtol), ("vector", rtol if vector_rtol is None else vector_rtol)):
+        names = [k for k in errors if (initial[k].ndim > 1) == (kind == "matrix")]
+        worst = max(names, key=errors.get)
+        print(f"{line} max {kind} {errors[worst]:.2e} ({worst})")
+        assert errors[worst] <= bound, (worst, errors[worst], bound)

@@ -194,15 +194,49 @@ def test_step_time_charges_the_host_copies():
     assert base.offload == 0
 
 
+def _llama2_7b_offloaded_host_bytes(pp_rank: int) -> int:
+    """Host bytes pp rank ``pp_rank`` holds at its peak, derived by hand from the layers' saved tensors (not through the
+    estimator): llama2-7b (``models/config.py``: h = 4096, f = 11008, L = 32, a = k = 32 heads, d = 128), tp 4 with
+    sp, pp 2 (1F1B), m = 4, b = 1, s = 4096, bf16-mixed (bf16 activations: c = r = 2 bytes), the first 10 of the 16
+    layers of the stage offloaded."""
+    h, f, a, d, b, s, tp = 4096, 11008, 32, 128, 1, 4096, 4
+    c = r = 2
+    s_sp = s // tp  # sequence parallel: the norm regions hold the rank's 1/tp of the sequence (Korthikanti et al.
+    # 2022, arXiv 2205.05198, §4.2.2)
+    # both RMSNorms: the input [b, s/t, h] and the float32 reciprocal RMS [b, s/t, 1] (models/llama.py's
+    # _RMSNormFunction saves these two for its backward)
+    norms = 2 * (r * b * s_sp * h + 4 * b * s_sp)
+    # the input of wq/wk/wv and of w1/w3 (one tensor per group): the sp shard, all-gathered again in backward
+    # (parallel/tensor.py); wo's and w2's inputs are the attention output and the SwiGLU product, counted below
+    proj_inputs = 2 * c * b * s_sp * h
+    # flash attention's backward needs q, k, v, the output (the rank's a/tp heads of d each; llama2-7b has no GQA)
+    # and the float32 log-sum-exp [b, a/tp, s] (Dao 2023, FlashAttention-2, arXiv 2307.08691, Algorithm 2)
+    sdpa = 4 * c * b * s * (a // tp) * d + 4 * b * (a // tp) * s
+    # SwiGLU w2(silu(w1 x) * w3 x), autograd's saved tensors by op: silu saves w1 x, the product saves silu(w1 x) and
+    # w3 x, w2 saves the product: four [b, s, f/t] tensors
+    swiglu = 4 * c * b * s * (f // tp)
+    # RoPE's float32 cos and sin [s, d/2] (the rotation's multiplications save them): shared on the device, copied
+    # by each offloaded layer's pack hook (parallel/offload.py)
+    rope = 2 * 4 * s * (d // 2)
+    per_layer = norms + proj_inputs + sdpa + swiglu + rope
+    # 1F1B holds min(m, p - r) micro-batches in flight on pp rank r (p - r - 1 warm-up forwards, then one forward
+    # before each backward: Narayanan et al. 2021, arXiv 2104.04473, §2.2): 2 on rank 0, 1 on rank 1
+    in_flight = min(4, 2 - pp_rank)
+    return in_flight * 10 * per_layer
+
+
 @pytest.mark.parametrize("host_memory, refused", [("16GiB", True), ("256GiB", False)])
 def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memory, refused):
     """The pre-fit check also checks the host side of activation offload: llama2-7b tp4 pp2 m=4 s=4096 with 10 of 16
-    layers per stage offloaded holds 2.97 GiB of host memory on pp rank 0, 23.77 GiB for a node of 8: refused against 16
+    layers per stage offloaded holds 3,190,456,320 B (2.97 GiB) of host memory on pp rank 0, derived by hand
+    (:func:`_llama2_7b_offloaded_host_bytes`; pp rank 1 half of it), 23.77 GiB for a node of 8: refused against 16
     GiB of host memory (budget 80%), accepted against 256 GiB; the device side fits either way."""
     from types import SimpleNamespace
 
     from lightning_4d.memory.callback import MemoryBudgetExceeded, MemoryEstimatorCallback
 
+    host = _llama2_7b_offloaded_host_bytes(pp_rank=0)  # the rank that offloads most
+    assert host == 3_190_456_320
     callback = MemoryEstimatorCallback(device_memory="80GiB", host_memory=host_memory)
     monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
     job = ParallelConfig(
@@ -221,9 +255,14 @@ def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memor
     )
     module = SimpleNamespace(model_config=LlamaConfig.from_preset("llama2-7b"))
     if refused:
-        expected = r"activation offload would hold 23.77 GiB of host memory per node \(2.97 GiB per rank x 8"
+        expected = (
+            rf"activation offload would hold {8 * host / 2**30:.2f} GiB of host memory per node "
+            rf"\({host / 2**30:.2f} GiB per rank x 8"
+        )
         with pytest.raises(MemoryBudgetExceeded, match=expected):
             callback.setup(trainer, module, "fit")
     else:
         callback.setup(trainer, module, "fit")
-        assert callback.estimate.details["host_offloaded_activations"] * 8 < 0.8 * 256 * 2**30
+        est = callback.estimate  # the pp rank with the highest device peak (the last: the logits)
+        assert est.pp_rank == 1
+        assert est.details["host_offloaded_activations"] == _llama2_7b_offloaded_host_bytes(pp_rank=1) == host // 2

@@ -192,6 +192,33 @@ def test_module_wrapper_prefixes():
     }
 
 
+def test_compiled_graph_count_counts_compiled_graphs_and_not_eager_fallbacks():
+    """A compiled function adds one graph on its first call and none on the next (cached); one whose backend fails
+    and falls back to eager (``suppress_errors``) adds none, so the count tells a compilation from a silent
+    fall-back."""
+    import torch._dynamo
+
+    def f(x):
+        return torch.sin(x) + 1
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("planted backend failure")
+
+    torch._dynamo.reset()
+    before = _compat.compiled_graph_count()
+    compiled = torch.compile(f, backend="eager")
+    compiled(torch.ones(3))
+    assert _compat.compiled_graph_count() == before + 1
+    compiled(torch.ones(3))
+    assert _compat.compiled_graph_count() == before + 1
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(suppress_errors=True):
+        out = torch.compile(lambda x: torch.cos(x) * 2, backend=failing_backend)(torch.ones(3))
+    assert torch.equal(out, torch.cos(torch.ones(3)) * 2)  # ran eagerly
+    assert _compat.compiled_graph_count() == before + 1
+    torch._dynamo.reset()
+
+
 def test_canonical_parameter_names_strip_every_wrapper_prefix():
     """``models/`` may not import ``parallel/``, so the model keeps its own copy of the prefixes: it must be this
     one."""

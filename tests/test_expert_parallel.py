@@ -21,7 +21,7 @@ from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
 from lightning_4d.partition import expert_shard_dim
-from tests._launch import SCRIPTS, resume_on_layouts, torchrun
+from tests._launch import SCRIPTS, check_final_weights, initial_weights, resume_on_layouts, torchrun
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -138,6 +138,17 @@ REF = [
 # the same recipe as FourDStrategy's bf16 weights + float32 masters): measured 2026-11-27 (`pytest -s
 # tests/test_expert_parallel.py -k ep_losses`) loss 2.2e-4, aux loss 5.2e-4 relative; ~6x the larger (was 1e-2)
 BF16_RTOL = 3e-3
+# Final weights against the one-process run's, per parameter ‖w − w_ref‖ / ‖w_ref − w0‖ (tests/_launch.py's
+# update_errors: 1 for a parameter that never trained). Measured 2026-11-27 in float32 (`pytest -s` of
+# test_moe.py -k dp2_zero, test_expert_parallel.py -k ep_losses, test_moe_tensor_parallel.py -k under_tp_and_cp):
+# at most 2.24e-5 (dp2, layers.0.attention.wo: one element whose near-zero gradient AdamW's m/sqrt(v) amplifies;
+# every other parameter <= 6.3e-6); the bound ~4.5x that.
+UPDATE_RTOL = 1e-4
+# bf16-mixed (both rounded to bf16) against plain Lightning's bf16-mixed (autocast over float32 weights: another
+# recipe): matrices measured 9.3e-2 (dp2 ep2, experts.w1) and 1.05e-1 (dp2 tp2 ep2), norm weights 0.21 / 0.10 (their
+# bf16 spacing near 1.0 is the size of 10 steps' update: tests/test_parity.py's NORM_UPDATE_RTOL); bounds ~3x
+BF16_UPDATE_RTOL = 0.3
+BF16_NORM_UPDATE_RTOL = 0.6
 DP2 = [
     {"dp": 2, "zero": 1, "ep": 2, "norm": True},
     {"dp": 2, "zero": 0, "ep": 2, "config": VARIANT, "clip": 0.1, "ac": "full", "norm": True},
@@ -197,11 +208,14 @@ def _rel(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize("case", CASES, ids=[f"{w}-{json.dumps((DP2 if w == 'dp2' else DP4)[i])}" for w, i in CASES])
 def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
     """Per step: the loss, the aux loss and the global gradient norm (before clipping) within 1e-5 relative of one
-    process, the busiest expert's tokens identical; model-state bytes of every rank equal to the memory model's."""
+    process, the busiest expert's tokens identical; model-state bytes of every rank equal to the memory model's; the
+    final weights (experts gathered from every ep rank) equal to one process's (UPDATE_RTOL; bf16: BF16_UPDATE_RTOL,
+    BF16_NORM_UPDATE_RTOL)."""
     which, index = case
     layout = (DP2 if which == "dp2" else DP4)[index]
     bf16 = layout.get("precision") == "bf16-mixed"
-    ref = _records(runs["ref"], _reference_index(layout))[0]
+    ref_index = _reference_index(layout)
+    ref = _records(runs["ref"], ref_index)[0]
     ranks = _records(runs[which], index)
     assert len(ranks) == layout["dp"]
     for r in ranks:
@@ -222,6 +236,9 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
             # 2/3 shard them over dp·cp either way: E/ep rows over dp·cp/ep ranks, as many as E rows over dp·cp)
             ep1 = ParallelConfig(data_parallel_size=layout["dp"], zero_stage=layout["zero"])
             assert est.parameters < model_state_bytes(cfg, ep1, layout.get("precision", "32-true")).parameters
+    initial = initial_weights("tiny-moe", layout.get("config"))
+    bounds = (BF16_UPDATE_RTOL, BF16_NORM_UPDATE_RTOL) if bf16 else (UPDATE_RTOL,)
+    check_final_weights(runs[which], index, runs["ref"], ref_index, initial, *bounds)
     if layout.get("config") == SIX and layout["zero"] >= 2:
         # experts sharded on dim 1: every rank holds the same share of each expert; on dim 0 (FSDP2's torch.chunk
         # of 3 rows over 2 ranks, 6 over 4) some rank would hold at least one whole expert's weights more than another

@@ -258,6 +258,19 @@ def test_parity_world4(references, world4, index):
     _check_parity(_reference_for(references, layout), world4[index], initial=initial_weights(bool(layout.get("tied"))))
 
 
+def test_compile_compiled(world2):
+    """The ``compile=True`` layout's parity above is that of compiled layers: every rank's fit compiled graphs (Dynamo
+    counts a graph once its backend returned it, so a silent fall-back to eager counts none: tests/test_compat.py;
+    measured 2026-11-27: 1 per rank, tiny-test's two layers); the layouts without compile compiled none."""
+    for layout, ranks, _ in world2:
+        graphs = [r["bytes"]["compiled_graphs"] for r in ranks]
+        print(f"{_layout_id(layout)}: compiled graphs per rank {graphs}")
+        if layout.get("compile"):
+            assert all(g > 0 for g in graphs), graphs
+        else:
+            assert graphs == [0] * len(ranks)
+
+
 def test_gradient_clipping_is_active(references):
     """The clipped reference differs from the unclipped one, so the clipped layouts' parity tests clipping."""
     assert references[0][1][0]["losses"][1] != references[1][1][0]["losses"][1]

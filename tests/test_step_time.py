@@ -3,6 +3,7 @@ measured pointwise bytes, the terms by hand, the calibration against published r
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -342,26 +343,99 @@ def test_tp_overlap_is_never_slower_and_hides_at_most_eta():
     assert st.step_time_of(st._dims(cfg), on, **kw) == st.step_time_of(st._dims(cfg), lay, **kw)
 
 
-def test_tp_overlap_calibration_reproduces_torchtitan_async_tp():
-    """torchtitan's async TP (``TP_OVERLAP_RUNS``): Llama 3.1 8B on 64 H100 (FSDP 8 × TP 8, selective, b=12)
-    4,378 → 4,809 tokens/s/GPU (+9.8%), 70B on 256 H100 (FSDP 32 × TP 8, full, b=16) 597.3 → 652.4 (+9.2%). The
-    model's gains: +9.6% and +9.9% (within 1 point); with η = 1 they would be +21% and +22%."""
-    for run in st.TP_OVERLAP_RUNS:
-        cfg, lay = LlamaConfig.from_preset(run["model"]), run["layout"]
-        off, on = _overlap_pair(
-            cfg,
-            lay["tp"],
-            lay["dp"],
-            lay["micro_batch_size"],
-            run["seq_length"],
-            lay["activation_checkpointing"],
-            GPU_PRESETS[run["gpu"]],
-            lay["zero_stage"],
+def _overlap_gain(run: dict) -> float:
+    """The model's predicted throughput gain of ``tensor_parallel_overlap`` on ``run`` (a ``TP_OVERLAP_RUNS`` row) at
+    the current ``TP_OVERLAP_EFFICIENCY``."""
+    lay = run["layout"]
+    off, on = _overlap_pair(
+        LlamaConfig.from_preset(run["model"]),
+        lay["tp"],
+        lay["dp"],
+        lay["micro_batch_size"],
+        run["seq_length"],
+        lay["activation_checkpointing"],
+        GPU_PRESETS[run["gpu"]],
+        lay["zero_stage"],
+    )
+    return off.total / on.total - 1
+
+
+def _published_gain(run: dict) -> float:
+    before, after = run["tokens_per_sec_per_gpu"]
+    return after / before - 1
+
+
+@contextlib.contextmanager
+def _efficiency(eta: float):
+    """``TP_OVERLAP_EFFICIENCY`` set to ``eta`` inside, restored after; step_time's caches cleared on both sides (its
+    cached terms were computed at the efficiency of their time)."""
+    caches = [f for f in vars(st).values() if hasattr(f, "cache_clear")]
+    assert caches  # _layer_terms, _pipeline_terms, ...
+    saved = st.TP_OVERLAP_EFFICIENCY
+    st.TP_OVERLAP_EFFICIENCY = eta
+    try:
+        for f in caches:
+            f.cache_clear()
+        yield
+    finally:
+        st.TP_OVERLAP_EFFICIENCY = saved
+        for f in caches:
+            f.cache_clear()
+
+
+def fit_tp_overlap_efficiency(runs, gains) -> float:
+    """The η in [0, 1] that minimizes the squared error of the model's gains on ``runs`` against ``gains`` (golden-
+    section search: each run's predicted gain grows with η, so the error has one minimum in [0, 1])."""
+
+    def error(eta: float) -> float:
+        with _efficiency(eta):
+            return sum((_overlap_gain(r) - g) ** 2 for r, g in zip(runs, gains, strict=True))
+
+    lo, hi, k = 0.0, 1.0, (5**0.5 - 1) / 2
+    while hi - lo > 1e-6:
+        a, b = hi - k * (hi - lo), lo + k * (hi - lo)
+        lo, hi = (lo, b) if error(a) <= error(b) else (a, hi)
+    return (lo + hi) / 2
+
+
+def test_tp_overlap_fit_recovers_a_known_efficiency():
+    """The fit on synthetic gains (the model's own at η = 0.3 and 0.8, on the two runs' layouts) gives back that η."""
+    for eta in (0.3, 0.8):
+        with _efficiency(eta):
+            gains = [_overlap_gain(r) for r in st.TP_OVERLAP_RUNS]
+        assert all(g > 0 for g in gains)
+        assert fit_tp_overlap_efficiency(st.TP_OVERLAP_RUNS, gains) == pytest.approx(eta, abs=1e-4)
+        # one run alone determines η too (each gain is monotone in η)
+        assert fit_tp_overlap_efficiency(st.TP_OVERLAP_RUNS[:1], gains[:1]) == pytest.approx(eta, abs=1e-4)
+
+
+def test_tp_overlap_calibration_predicts_the_held_out_torchtitan_run():
+    """torchtitan's async TP (``TP_OVERLAP_RUNS``): Llama 3.1 8B on 64 H100 (FSDP 8 × TP 8, selective, b=12) 4,378 →
+    4,809 tokens/s/GPU (+9.85%), 70B on 256 H100 (FSDP 32 × TP 8, full, b=16) 597.3 → 652.4 (+9.22%).
+
+    Only two runs are published, so the hold-out is leave-one-out: η fitted on one run predicts the other.
+    Measured (2026-11-27): fitted on 8B η = 0.514, 70B predicted +10.16% (published +9.22%, 0.93 points off);
+    fitted on 70B η = 0.471, 8B predicted +8.95% (published +9.85%, 0.90 points off); fitted on both η = 0.49 (the
+    module's 0.5, in-sample +9.57% / +9.86%). The publication gives one run per configuration and no spread, so no
+    noise figure bounds the error; the bound is 1 point (a tenth of the gain), the precision the module docstring
+    claims, and the held-out errors stand just inside it. With η = 1 (no calibration) both would be 11-13 points off."""
+    runs, published = st.TP_OVERLAP_RUNS, [_published_gain(r) for r in st.TP_OVERLAP_RUNS]
+    assert len(runs) == 2
+    both = fit_tp_overlap_efficiency(runs, published)
+    print(f"fitted on both runs: eta {both:.3f}")
+    assert round(both, 1) == st.TP_OVERLAP_EFFICIENCY  # the module's constant is the fit, to its one decimal
+    for held_out in range(len(runs)):
+        train = [i for i in range(len(runs)) if i != held_out]
+        eta = fit_tp_overlap_efficiency([runs[i] for i in train], [published[i] for i in train])
+        with _efficiency(eta):
+            predicted = _overlap_gain(runs[held_out])
+        print(
+            f"fitted on {[runs[i]['name'] for i in train]}: eta {eta:.3f}; {runs[held_out]['name']} predicted "
+            f"+{100 * predicted:.2f}%, published +{100 * published[held_out]:.2f}%"
         )
-        before, after = run["tokens_per_sec_per_gpu"]
-        predicted, published = off.total / on.total - 1, after / before - 1
-        print(f"{run['name']}: predicted +{100 * predicted:.1f}%, published +{100 * published:.1f}%")
-        assert predicted == pytest.approx(published, abs=0.01)
+        assert predicted == pytest.approx(published[held_out], abs=0.01)
+    for run, gain in zip(runs, published):  # the shipped constant, in sample
+        assert _overlap_gain(run) == pytest.approx(gain, abs=0.01)
 
 
 def test_plan_proposes_tp_overlap_only_where_valid():

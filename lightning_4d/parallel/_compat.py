@@ -188,6 +188,15 @@ FSDP1_WRAPPED_MODULE = "_fsdp_wrapped_module"
 MODULE_WRAPPER_PREFIXES = (CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE, FSDP1_WRAPPED_MODULE)
 
 
+def compiled_graph_count() -> int:
+    """Graphs Dynamo has compiled in this process so far (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``,
+    counted once the backend has returned the compiled graph: a frame whose compilation failed and silently fell back
+    to eager adds none). The tests read it before and after a ``compile=True`` run."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 # ---------------------------------------------------------------------------------------------------- selective AC
 #: the private ops whose outputs selective activation checkpointing saves (``parallel/activation_checkpoint.py``), by
 #: qualified name without the overload (``OpOverload.name()`` up to the first dot): ATen's fused attention kernels

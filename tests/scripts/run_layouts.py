@@ -34,6 +34,7 @@ from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.measure import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.models.llama import canonical_name  # noqa: E402
+from lightning_4d.parallel._compat import compiled_graph_count  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 
@@ -204,7 +205,10 @@ def run_one(
         gradient_clip_val=layout.get("clip"),
         accumulate_grad_batches=accum,
     )
+    graphs = compiled_graph_count()
     trainer.fit(module, dm, ckpt_path=ckpt_path)
+    # graphs Dynamo compiled during this fit (0 without compile, and 0 if compile fell back to eager)
+    recorder.bytes["compiled_graphs"] = compiled_graph_count() - graphs
     if ckpt_dir is not None or ckpt_path is not None:
         return recorder
     weights = {}

@@ -1,0 +1,232 @@
+"""Plant known bugs in a scratch copy of the package and see which tests catch each (issue 38).
+
+For each bug of :data:`BUGS` (one per concern: the bf16-mixed master write-back, the data-parallel gradient
+reduction, a gradient bucket offset, the pipeline's micro-batch order and loss scaling, a context-parallel chunk
+index, the expert-major row order, the ZeRO-1 checkpoint slice, a memory-model term), this copies the working tree
+(without ``.git``) to a scratch folder, replaces one exact snippet of one file (it must occur exactly once, so an edit
+of the package that moves the code fails here loudly instead of planting nothing), and runs the tests of that concern
+with pytest in the copy (``PYTHONPATH`` = the copy: the torchrun workers the tests launch import the planted package
+too). It prints, per bug, how many of the tests that ran failed: a bug that no test fails is ``NOT CAUGHT``.
+
+Not a test (it runs the concern's tests once per bug: minutes): ``python benchmarks/planted_bugs.py`` (``--only
+NAME`` for some bugs, ``--baseline`` to run the same selections without a bug first, ``--list`` to print the bugs).
+Every bug must be caught; add the bugs found in the wild to :data:`BUGS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    what: str
+    path: str  # file of the package, relative to the repository root
+    old: str  # the exact snippet replaced (occurs exactly once in ``path``)
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, node ids, ``-k`` expressions
+
+
+BUGS: tuple[Bug, ...] = (
+    Bug(
+        "master-write-back",
+        "bf16-mixed: the updated fp32 masters of 1-D parameters (norm weights) are not copied into the bf16 weights",
+        "lightning_4d/parallel/sharded_optimizer.py",
+        "                if end > start:\n                    _local(p.data).view(-1)[start:end]",
+        "                if end > start and p.ndim > 1:\n                    _local(p.data).view(-1)[start:end]",
+        ("tests/test_parity.py", "-k", "independent or bf16_mixed_reference"),
+    ),
+    Bug(
+        "dp-gradient-not-reduced",
+        "ZeRO 0/1: the first gradient bucket is never reduced over dp (each rank keeps its own gradient, divided by D)",
+        "lightning_4d/parallel/grad_buffers.py",
+        "        if b.world == 1:  # experts with ep = dp·cp",
+        "        if b.world == 1 or i == 0:  # experts with ep = dp·cp",
+        ("tests/test_moe.py", "-k", "dp2_zero"),
+    ),
+    Bug(
+        "gradient-bucket-offset",
+        "ZeRO 0/1: each parameter's gradient slice starts one element early in its bucket (slices overlap by one)",
+        "lightning_4d/parallel/grad_buffers.py",
+        "            self.offsets[id(p)] = n\n",
+        "            self.offsets[id(p)] = max(n - 1, 0)\n",
+        ("tests/test_moe.py", "-k", "dp2_zero"),
+    ),
+    Bug(
+        "pp-microbatch-order",
+        "pipeline: the labels' batch order reversed, so micro-batch i's outputs are scored against micro-batch "
+        "m - 1 - i's labels",
+        "lightning_4d/parallel/pipeline.py",
+        "schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)",
+        "schedule.step(*args, target=labels.flip(0) if self.is_last else None, losses=losses, return_outputs=False)",
+        ("tests/test_pipeline.py", "-k", "world2"),
+    ),
+    Bug(
+        "pp-loss-scale",
+        "pipeline: each micro-batch's loss divided by m + 1 instead of m",
+        "lightning_4d/parallel/pipeline.py",
+        "loss = loss_fn(output, target) / m",
+        "loss = loss_fn(output, target) / (m + 1)",
+        ("tests/test_pipeline.py", "-k", "world2"),
+    ),
+    Bug(
+        "cp-chunk-index",
+        "ring attention: a block from an earlier cp rank is attended through its second chunk instead of its first",
+        "lightning_4d/parallel/context.py",
+        "out, lse = kernel.forward(q, kb[:, :, first], vb[:, :, first], causal=False)",
+        "out, lse = kernel.forward(q, kb[:, :, second], vb[:, :, second], causal=False)",
+        ("tests/test_context_parallel.py", "-k", "attention_equals_full_causal_attention or zigzag"),
+    ),
+    Bug(
+        "expert-routing-index",
+        "expert parallelism: received rows regrouped with the source-major block starts (no transpose)",
+        "lightning_4d/parallel/expert.py",
+        "starts = (torch.cumsum(flat, 0) - flat).view(counts.shape).t().reshape(-1)",
+        "starts = (torch.cumsum(flat, 0) - flat).view(counts.shape).reshape(-1)",
+        ("tests/test_expert_parallel.py", "-k", "expert_major or ep_losses"),
+    ),
+    Bug(
+        "checkpoint-reshard-slice",
+        "ZeRO 1 resume: every rank reads the first rank's slice of each optimizer state",
+        "lightning_4d/parallel/sharded_optimizer.py",
+        "else value.reshape(-1)[start:end].to(device=shard.device, copy=True)",
+        "else value.reshape(-1)[: end - start].to(device=shard.device, copy=True)",
+        ("tests/test_checkpoint.py",),
+    ),
+    Bug(
+        "memory-swiglu-term",
+        "memory model: a SwiGLU layer saves 3 tensors of [b, s, f/t] instead of 4",
+        "lightning_4d/memory/model.py",
+        '"swiglu": _moe_saved(cfg, dt, b, s_moe, ep, imbalance) if moe else 4 * c * b * s * (f // tp),',
+        '"swiglu": _moe_saved(cfg, dt, b, s_moe, ep, imbalance) if moe else 3 * c * b * s * (f // tp),',
+        ("tests/test_memory_model.py", "-k", "by_hand", "tests/test_activation_offload.py", "-k", "memory_check"),
+    ),
+)
+
+
+def _copy_tree(dest: Path) -> None:
+    """The working tree (tracked and untracked files, not ``.git``, virtual environments or caches) into ``dest``."""
+    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "site")
+    shutil.copytree(ROOT, dest, ignore=ignore)
+
+
+def _plant(tree: Path, bug: Bug) -> None:
+    path = tree / bug.path
+    text = path.read_text()
+    count = text.count(bug.old)
+    if count != 1:
+        raise SystemExit(f"{bug.name}: the snippet occurs {count} times in {bug.path} (expected once): update BUGS")
+    path.write_text(text.replace(bug.old, bug.new))
+
+
+def _split_selections(args: tuple[str, ...]) -> list[list[str]]:
+    """``("a.py", "-k", "x", "b.py")`` -> ``[["a.py", "-k", "x"], ["b.py"]]``: one pytest run per file (``-k`` is
+    global to a pytest run)."""
+    runs: list[list[str]] = []
+    for arg in args:
+        if arg.endswith(".py") or "::" in arg:
+            runs.append([arg])
+        else:
+            runs[-1].append(arg)
+    return runs
+
+
+def _run_tests(tree: Path, selection: list[str], timeout: float) -> tuple[list[str], int, float]:
+    """(the names of the tests that failed or errored, how many ran, seconds) of ``pytest selection`` in ``tree``;
+    ran is -1 when pytest timed out or wrote no report."""
+    report = tree / f"report_{len(list(tree.glob('report_*.xml')))}.xml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = str(tree)
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *selection]
+    start = time.time()
+    try:
+        subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [], -1, time.time() - start
+    seconds = time.time() - start
+    if not report.exists():
+        return [], -1, seconds
+    failed, ran = [], 0
+    for case in ET.parse(report).getroot().iter("testcase"):
+        if case.find("skipped") is not None:
+            continue
+        ran += 1
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{Path(case.get('classname', '').replace('.', '/')).name}::{case.get('name')}")
+    return failed, ran, seconds
+
+
+def run(bug: Bug | None, tests: tuple[str, ...], timeout: float) -> tuple[list[str], int, float]:
+    """Plant ``bug`` (``None``: nothing) in a scratch copy and run ``tests`` there: (failed tests, ran, seconds)."""
+    with tempfile.TemporaryDirectory(prefix="planted_") as scratch:
+        tree = Path(scratch) / "repo"
+        _copy_tree(tree)
+        if bug is not None:
+            _plant(tree, bug)
+        failed: list[str] = []
+        ran, seconds = 0, 0.0
+        for selection in _split_selections(tests):
+            f, r, t = _run_tests(tree, selection, timeout)
+            seconds += t
+            if r < 0:
+                return failed, -1, seconds
+            failed, ran = failed + f, ran + r
+        return failed, ran, seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="names of the bugs to plant (default: all)")
+    parser.add_argument("--baseline", action="store_true", help="first run each selection without a bug")
+    parser.add_argument("--list", action="store_true", help="print the bugs and exit")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    args = parser.parse_args(argv)
+    bugs = [b for b in BUGS if not args.only or b.name in args.only]
+    if args.list:
+        for b in bugs:
+            print(f"{b.name}: {b.what} ({b.path}; tests: {' '.join(b.tests)})")
+        return 0
+    for b in bugs:  # every snippet still there before anything runs
+        text = (ROOT / b.path).read_text()
+        if text.count(b.old) != 1:
+            raise SystemExit(f"{b.name}: the snippet occurs {text.count(b.old)} times in {b.path}: update BUGS")
+    rows = []
+    for b in bugs:
+        if args.baseline:
+            failed, ran, seconds = run(None, b.tests, args.timeout)
+            print(f"baseline {b.name}: {len(failed)} of {ran} failed ({seconds:.0f} s) {failed or ''}", flush=True)
+            if failed or ran < 0:
+                print(f"  the selection fails without a bug: {b.name}'s count below means nothing", flush=True)
+        failed, ran, seconds = run(b, b.tests, args.timeout)
+        if ran < 0:
+            verdict = "timed out / no report"
+        else:
+            verdict = f"caught by {len(failed)} of {ran}" if failed else f"NOT CAUGHT (0 of {ran})"
+        rows.append((b, verdict, seconds))
+        print(f"{b.name}: {verdict} ({seconds:.0f} s)", flush=True)
+        for name in failed:
+            print(f"    {name}", flush=True)
+    print()
+    print("| bug | planted in | tests run | result | seconds |\n|---|---|---|---|---|")
+    for b, verdict, seconds in rows:
+        print(f"| {b.name}: {b.what} | {b.path} | `{' '.join(b.tests)}` | {verdict} | {seconds:.0f} |")
+    missed = [b.name for b, verdict, _ in rows if not verdict.startswith("caught")]
+    print(f"\n{len(rows) - len(missed)} of {len(rows)} planted bugs caught" + (f"; missed: {missed}" if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
