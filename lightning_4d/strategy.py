@@ -32,7 +32,7 @@ from lightning_4d.config import (  # the Literal choices of the arguments below 
 )
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.layout import config_kwargs, saved_layout
-from lightning_4d.memory.callback import add_memory_check
+from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh
 from lightning_4d.parallel._compat import (
     PATH,
@@ -126,7 +126,7 @@ class FourDStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).
         timeout: process group timeout (a mismatched collective fails after this instead of hanging).
-        memory_check: on CUDA, add a :class:`~lightning_4d.memory.callback.MemoryEstimatorCallback` (budget 0.8 of
+        memory_check: on CUDA, add a :class:`~lightning_4d.memory_check.MemoryEstimatorCallback` (budget 0.8 of
             the device's memory) unless the Trainer already has one: a layout whose estimated peak would not fit
             raises ``MemoryBudgetExceeded`` before the model is allocated; a batch shape it cannot find (see the
             callback) raises ``ValueError``. ``False`` turns it off.

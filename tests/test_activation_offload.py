@@ -201,7 +201,7 @@ def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memor
     GiB of host memory (budget 80%), accepted against 256 GiB; the device side fits either way."""
     from types import SimpleNamespace
 
-    from lightning_4d.memory.callback import MemoryBudgetExceeded, MemoryEstimatorCallback
+    from lightning_4d.memory_check import MemoryBudgetExceeded, MemoryEstimatorCallback
 
     callback = MemoryEstimatorCallback(device_memory="80GiB", host_memory=host_memory)
     monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
