@@ -10,6 +10,7 @@ cp batch sharding to :mod:`lightning_4d.parallel.context`, checkpoint I/O to :mo
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -30,6 +31,7 @@ from lightning_4d.config import (  # the Literal choices of the arguments below 
     POWERSGD_COMM_DTYPES,
     ParallelConfig,
 )
+from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.layout import config_kwargs, saved_layout
 from lightning_4d.memory_check import add_memory_check
@@ -51,7 +53,7 @@ from lightning_4d.parallel.parallelize import (
     validate_against_module,
     validate_compile,
 )
-from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
+from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, resolve_num_microbatches
 from lightning_4d.parallel.sharded_optimizer import (
     mixed_precision_dtype,
     setup_zero,
@@ -199,6 +201,9 @@ class FourDStrategy(ModelParallelStrategy):
         self._mesh: Optional[ParallelMesh] = None
         self._buckets: Optional[GradientBuckets] = None
         self._models: list[tuple[Any, torch.nn.Module]] = []  # (family, model) of lightning_4d.families.registry
+        #: what the LightningModule, its DataModule and the Trainer declare (micro-batch sizes, sequence length,
+        #: ``pipeline_loss``, ``init_from``: :mod:`lightning_4d.contract`), read once in ``setup_environment``
+        self.training_inputs = TrainingInputs()
         #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
         #: host bytes held by ``activation_offload_layers`` (``lightning_4d.parallel.offload.OffloadStats``)
@@ -242,10 +247,24 @@ class FourDStrategy(ModelParallelStrategy):
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
+    def _resolve_inputs(self) -> None:
+        """Read what the task, the data and the Trainer declare, once (:class:`~lightning_4d.contract.TrainingInputs`),
+        check the layout against it and resolve the layout with it (world size, m), before the process group exists;
+        neither changes later.
+
+        Raises:
+            ValueError: see :func:`~lightning_4d.parallel.parallelize.validate_against_module`.
+        """
+        config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
+        self.training_inputs = TrainingInputs.of(self.lightning_module)
+        validate_against_module(config, self.lightning_module, self.training_inputs)
+        if config.pp > 1:
+            config = replace(config, num_microbatches=resolve_num_microbatches(config, self.training_inputs))
+        self.parallel_config = config
+
     @override
     def setup_environment(self) -> None:
-        self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
-        validate_against_module(self.parallel_config, self.lightning_module)  # before the process group exists
+        self._resolve_inputs()
         validate_precision(
             self._precision,
             self.parallel_config.zero_stage,
@@ -308,7 +327,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.model_to_device()
         chunks = next((c for _, m in self._models if (c := pipeline_chunks(m)) is not None), None)
         if chunks is not None and self.pipeline is None:
-            loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
+            loss_fn = self.training_inputs.pipeline_loss or causal_lm_loss
             self.pipeline = PipelineRunner(
                 chunks,
                 self.parallel_config,
@@ -317,7 +336,7 @@ class FourDStrategy(ModelParallelStrategy):
                 self.root_device,
                 loss_fn=loss_fn,
             )
-        init_from = getattr(module, "init_from", None)
+        init_from = self.training_inputs.init_from
         if init_from is not None and not trainer.ckpt_path:  # each rank reads its slices, before masters exist
             load_initial_weights(module, init_from)
         self.barrier()

@@ -236,3 +236,10 @@ def test_tasks_import_no_strategy():
                 if i == f"{PACKAGE}.strategy":
                     bad.append(f"{m} -> ... -> {cur} -> {i}" if cur != m else f"{m} -> {i}")
     assert not bad, "tasks/ must not import the strategy: " + ", ".join(sorted(bad))
+
+
+def test_the_pipeline_splitter_imports_no_model():
+    """``parallel/pipeline.py`` is the one splitter of every family: what a model computes (its positions, rotary
+    embedding, layers, head) it asks the family (issue 33: it imported our Llama's RoPE)."""
+    bad = sorted(i for i in graph()[f"{PACKAGE}.parallel.pipeline"] if _in(i, f"{PACKAGE}.models"))
+    assert not bad, "parallel/pipeline.py imports " + ", ".join(bad)
