@@ -16,16 +16,8 @@ from lightning_4d.contract import MicroBatchingStrategy, TrainingInputs
 def _attached(strategy, module, datamodule, **trainer_kwargs):  # noqa: ANN001, ANN202
     import lightning as L
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        **trainer_kwargs,
-    )
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, **quiet, **trainer_kwargs)
     strategy._lightning_module = module
     module.trainer = trainer
     trainer.datamodule = datamodule
