@@ -30,9 +30,8 @@ sequences, which the schedule splits).
 
 **The Trainer**: ``accumulate_grad_batches`` (must be 1 under pp: the schedule accumulates over its m micro-batches).
 
-It imports no torch and no Lightning when loaded (the Trainer is reached through
-:func:`lightning_4d.parallel._compat.attached_trainer` and Lightning's ``is_overridden`` when :meth:`TrainingInputs.of`
-reads).
+It imports no torch and no Lightning when loaded (Lightning's ``is_overridden`` when :meth:`TrainingInputs.of` reads),
+and of ours only the model config.
 """
 
 from __future__ import annotations
@@ -105,16 +104,13 @@ class TrainingInputs:
     accumulate_grad_batches: int = 1
 
     @classmethod
-    def of(cls, module: Any) -> "TrainingInputs":
-        """Read ``module`` (a LightningModule, or ``None``), its Trainer and the Trainer's DataModule; let the module
-        check the DataModule (``validate_datamodule``).
+    def of(cls, module: Any, trainer: Any = None) -> "TrainingInputs":
+        """Read ``module`` (a LightningModule, or ``None``), ``trainer`` (the Trainer it is attached to, or ``None``)
+        and the Trainer's DataModule; let the module check the DataModule (``validate_datamodule``).
 
         Raises:
             ValueError: the module's ``validate_datamodule`` refuses the DataModule.
         """
-        from lightning_4d.parallel._compat import attached_trainer
-
-        trainer = attached_trainer(module)
         datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
         if datamodule is not None and hasattr(module, "validate_datamodule"):
             module.validate_datamodule(datamodule)

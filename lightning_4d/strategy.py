@@ -256,7 +256,7 @@ class FourDStrategy(ModelParallelStrategy):
             ValueError: see :func:`~lightning_4d.parallel.parallelize.validate_against_module`.
         """
         config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
-        self.training_inputs = TrainingInputs.of(self.lightning_module)
+        self.training_inputs = TrainingInputs.of(self.lightning_module, attached_trainer(self.lightning_module))
         validate_against_module(config, self.lightning_module, self.training_inputs)
         if config.pp > 1:
             config = replace(config, num_microbatches=resolve_num_microbatches(config, self.training_inputs))

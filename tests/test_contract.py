@@ -36,8 +36,8 @@ def test_training_inputs_read_once_from_module_data_and_trainer():
 
     module = WithLoss("tiny-test")
     strategy = FourDStrategy(pipeline_parallel_size=2, process_group_backend="gloo")
-    _attached(strategy, module, LMDataModule(seq_length=32, micro_batch_size=2, global_batch_size=16))
-    inputs = TrainingInputs.of(module)
+    trainer = _attached(strategy, module, LMDataModule(seq_length=32, micro_batch_size=2, global_batch_size=16))
+    inputs = TrainingInputs.of(module, trainer)
     assert inputs.model_config is module.model_config and inputs.init_from is None
     assert inputs.pipeline_loss == module.pipeline_loss and inputs.applies_own_plans  # configure_model overridden
     assert (inputs.seq_length, inputs.micro_batch_size, inputs.global_batch_size) == (32, 2, 16)

@@ -191,21 +191,23 @@ def test_importing_every_memory_module_loads_neither_torch_nor_lightning():
 
 
 def test_models_import_only_config_and_models():
-    """models/ knows nothing of parallelism: it imports config and models/ only, and the one home of torch's private
-    names, ``parallel/_compat.py`` (which imports nothing of ours), for the module levels wrappers insert into
-    parameter names (issue 33: one definition instead of the model's copy)."""
-    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.parallel._compat"}
+    """models/ knows nothing of parallelism: it imports config and models/ only, and ``module_tree.py`` (which imports
+    nothing of ours) for the one definition of the module levels wrappers insert into parameter names (issue 33:
+    instead of the model's own copy)."""
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.module_tree"}
     bad = _violations(f"{PACKAGE}.models", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.models"))
     assert not bad, (
-        "models/ may import lightning_4d.config, lightning_4d.models.* and lightning_4d.parallel._compat only: "
+        "models/ may import lightning_4d.config, lightning_4d.module_tree and lightning_4d.models.* only: "
         + ", ".join(bad)
     )
 
 
-def test_compat_imports_nothing_of_ours():
-    """``parallel/_compat.py`` sits below every other module (mesh, models and module_tree import it)."""
-    bad = graph()[f"{PACKAGE}.parallel._compat"]
-    assert not bad, "parallel/_compat.py imports " + ", ".join(sorted(bad))
+def test_compat_and_module_tree_import_nothing_of_ours():
+    """``parallel/_compat.py`` and ``module_tree.py`` sit below everything that imports them (``mesh`` imports
+    ``_compat``; ``models``, ``families/base.py`` and ``parallel/*`` import ``module_tree``)."""
+    for m in (f"{PACKAGE}.parallel._compat", f"{PACKAGE}.module_tree"):
+        bad = graph()[m]
+        assert not bad, f"{m} imports " + ", ".join(sorted(bad))
 
 
 def test_memory_imports_only_config_and_model_config():

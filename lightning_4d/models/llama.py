@@ -43,9 +43,9 @@ from lightning_4d.models.config import LlamaConfig, _allow_in_weights_only_check
 from lightning_4d.models.moe import GroupedExperts, MoEFeedForward
 from lightning_4d.models.rope import apply_rotary, context_parallel_positions, rope_cos_sin
 
-# the module levels wrappers insert into parameter names (torch's private names: defined once, in _compat, which
-# imports nothing of ours); removed from parameter names so that a parameter keeps one name on every layout
-from lightning_4d.parallel._compat import MODULE_WRAPPER_PREFIXES
+# the module levels wrappers insert into parameter names (defined once, below the model and the parallel code);
+# removed from parameter names so that a parameter keeps one name on every layout
+from lightning_4d.module_tree import MODULE_WRAPPER_PREFIXES
 
 _MASK64 = (1 << 64) - 1
 

@@ -19,6 +19,7 @@ from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
+from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.fsdp import apply_fsdp, fsdp_reduce_dtype
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
@@ -39,13 +40,13 @@ def validate_against_module(
     the micro-batch count,
     :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`) and against the models ``module`` holds (their
     families' ``validate``). Pure Python: it runs in the strategy's ``setup_environment`` before any process group
-    exists; ``inputs`` defaults to ``TrainingInputs.of(module)``. Changes nothing.
+    exists; ``inputs`` defaults to what ``module`` and its Trainer declare (``TrainingInputs.of``). Changes nothing.
 
     Raises:
         ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
             :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`.
     """
-    inputs = TrainingInputs.of(module) if inputs is None else inputs
+    inputs = TrainingInputs.of(module, attached_trainer(module)) if inputs is None else inputs
     model_config = inputs.model_config
     models = find_models(module) if module is not None else []
     if model_config is not None:
