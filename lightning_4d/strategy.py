@@ -1,6 +1,7 @@
 """``FourDStrategy``: a Lightning strategy that lays a model out on a ``("pp", "dp", "cp", "tp")`` mesh.
 
-Lightning hooks only, each delegating: the layout and its checks to :mod:`lightning_4d.config`, the mesh to
+Lightning hooks only, each delegating: what the task, the data and the Trainer declare (read once) to
+:mod:`lightning_4d.contract`, the layout and its checks to :mod:`lightning_4d.config`, the mesh to
 :mod:`lightning_4d.mesh`, the models a module holds to :mod:`lightning_4d.families.registry`, the order of
 parallelization to :mod:`lightning_4d.parallel.parallelize`, pipelining to :mod:`lightning_4d.parallel.pipeline`, ZeRO
 0/1 to :mod:`lightning_4d.parallel.sharded_optimizer`, optimizer steps and clipping to :mod:`lightning_4d.precision`,
