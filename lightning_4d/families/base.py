@@ -11,10 +11,10 @@ the family answers                        used by
 :meth:`~ModelFamily.model_config`          layout validation and the memory estimate (a ``LlamaConfig``)
 :meth:`~ModelFamily.validate`              ``FourDStrategy.setup_environment``, before any process group
 :meth:`~ModelFamily.pipeline_layout`       the ONE splitter and :class:`~lightning_4d.parallel.pipeline.StageChunk`
-:meth:`~ModelFamily.positions`,            the stage chunk's forward (positions of the stage's tokens under sp and
-:meth:`~ModelFamily.rotary`,               cp, asked by the chunk: ``torch.distributed.pipelining`` passes
-:meth:`~ModelFamily.run_layer`,            activations only)
-:meth:`~ModelFamily.run_head`
+:meth:`~ModelFamily.rotary`,               the stage chunk's forward (the positions of the stage's tokens under
+:meth:`~ModelFamily.run_layer`,            sp and cp are asked of the family too: ``torch.distributed.pipelining``
+:meth:`~ModelFamily.run_head`,             passes activations only)
+:meth:`~ModelFamily.positions`
 :meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier
                                            (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
 :meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
