@@ -33,7 +33,7 @@ def __getattr__(name: str) -> Any:
 
         return FourDStrategy
     if name in ("MemoryEstimatorCallback", "MemoryBudgetExceeded"):
-        from lightning_4d.memory import callback
+        from lightning_4d import memory_check
 
-        return getattr(callback, name)
+        return getattr(memory_check, name)
     raise AttributeError(f"module 'lightning_4d' has no attribute {name!r}")

@@ -140,7 +140,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return prepare_data_main(args[1:])
     if args and args[0] == "export-hf":
-        from lightning_4d.families.hf_io import export_hf_main
+        from lightning_4d.export_hf import export_hf_main
 
         return export_hf_main(args[1:])
     if args and args[0] == "measure":

@@ -8,7 +8,20 @@ from typing import Optional
 
 import torch.nn as nn
 
-__all__ = ["find_submodel", "layer_items", "set_submodel"]
+__all__ = ["MODULE_WRAPPER_PREFIXES", "find_submodel", "layer_items", "set_submodel"]
+
+#: the module level activation checkpointing's ``checkpoint_wrapper`` inserts into parameter names (torch's
+#: ``_CHECKPOINT_WRAPPED_MODULE``)
+CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
+#: the module level ``torch.compile`` (``OptimizedModule._orig_mod``) inserts
+COMPILED_MODULE = "_orig_mod"
+#: the module level FSDP1 (``torch.distributed.fsdp._common_utils.FSDP_WRAPPED_MODULE``) inserts
+FSDP1_WRAPPED_MODULE = "_fsdp_wrapped_module"
+#: every module level a wrapper inserts into parameter names, stripped from them so that a parameter keeps one name on
+#: every layout (``lightning_4d.models.llama.canonical_name``). Torch's private names, written once here, below both
+#: the model and the parallel code that strip or insert them; ``tests/test_compat.py`` checks each against the
+#: installed torch, as it checks ``parallel/_compat.py``'s.
+MODULE_WRAPPER_PREFIXES = (CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE, FSDP1_WRAPPED_MODULE)
 
 
 def find_submodel(module: nn.Module, path: str) -> Optional[nn.Module]:

@@ -1,6 +1,7 @@
 """``FourDStrategy``: a Lightning strategy that lays a model out on a ``("pp", "dp", "cp", "tp")`` mesh.
 
-Lightning hooks only, each delegating: the layout and its checks to :mod:`lightning_4d.config`, the mesh to
+Lightning hooks only, each delegating: what the task, the data and the Trainer declare (read once) to
+:mod:`lightning_4d.contract`, the layout and its checks to :mod:`lightning_4d.config`, the mesh to
 :mod:`lightning_4d.mesh`, the models a module holds to :mod:`lightning_4d.families.registry`, the order of
 parallelization to :mod:`lightning_4d.parallel.parallelize`, pipelining to :mod:`lightning_4d.parallel.pipeline`, ZeRO
 0/1 to :mod:`lightning_4d.parallel.sharded_optimizer`, optimizer steps and clipping to :mod:`lightning_4d.precision`,
@@ -10,6 +11,7 @@ cp batch sharding to :mod:`lightning_4d.parallel.context`, checkpoint I/O to :mo
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -30,9 +32,10 @@ from lightning_4d.config import (  # the Literal choices of the arguments below 
     POWERSGD_COMM_DTYPES,
     ParallelConfig,
 )
+from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.layout import config_kwargs, saved_layout
-from lightning_4d.memory.callback import add_memory_check
+from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh
 from lightning_4d.parallel._compat import (
     PATH,
@@ -51,7 +54,7 @@ from lightning_4d.parallel.parallelize import (
     validate_against_module,
     validate_compile,
 )
-from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks
+from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, resolve_num_microbatches
 from lightning_4d.parallel.sharded_optimizer import (
     mixed_precision_dtype,
     setup_zero,
@@ -126,7 +129,7 @@ class FourDStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).
         timeout: process group timeout (a mismatched collective fails after this instead of hanging).
-        memory_check: on CUDA, add a :class:`~lightning_4d.memory.callback.MemoryEstimatorCallback` (budget 0.8 of
+        memory_check: on CUDA, add a :class:`~lightning_4d.memory_check.MemoryEstimatorCallback` (budget 0.8 of
             the device's memory) unless the Trainer already has one: a layout whose estimated peak would not fit
             raises ``MemoryBudgetExceeded`` before the model is allocated; a batch shape it cannot find (see the
             callback) raises ``ValueError``. ``False`` turns it off.
@@ -199,6 +202,9 @@ class FourDStrategy(ModelParallelStrategy):
         self._mesh: Optional[ParallelMesh] = None
         self._buckets: Optional[GradientBuckets] = None
         self._models: list[tuple[Any, torch.nn.Module]] = []  # (family, model) of lightning_4d.families.registry
+        #: what the LightningModule, its DataModule and the Trainer declare (micro-batch sizes, sequence length,
+        #: ``pipeline_loss``, ``init_from``: :mod:`lightning_4d.contract`), read once in ``setup_environment``
+        self.training_inputs = TrainingInputs()
         #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
         #: host bytes held by ``activation_offload_layers`` (``lightning_4d.parallel.offload.OffloadStats``)
@@ -242,10 +248,24 @@ class FourDStrategy(ModelParallelStrategy):
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
+    def _resolve_inputs(self) -> None:
+        """Read what the task, the data and the Trainer declare, once (:class:`~lightning_4d.contract.TrainingInputs`),
+        check the layout against it and resolve the layout with it (world size, m), before the process group exists;
+        neither changes later.
+
+        Raises:
+            ValueError: see :func:`~lightning_4d.parallel.parallelize.validate_against_module`.
+        """
+        config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
+        self.training_inputs = TrainingInputs.of(self.lightning_module, attached_trainer(self.lightning_module))
+        validate_against_module(config, self.lightning_module, self.training_inputs)
+        if config.pp > 1:
+            config = replace(config, num_microbatches=resolve_num_microbatches(config, self.training_inputs))
+        self.parallel_config = config
+
     @override
     def setup_environment(self) -> None:
-        self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
-        validate_against_module(self.parallel_config, self.lightning_module)  # before the process group exists
+        self._resolve_inputs()
         validate_precision(
             self._precision,
             self.parallel_config.zero_stage,
@@ -308,7 +328,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.model_to_device()
         chunks = next((c for _, m in self._models if (c := pipeline_chunks(m)) is not None), None)
         if chunks is not None and self.pipeline is None:
-            loss_fn = getattr(module, "pipeline_loss", None) or causal_lm_loss
+            loss_fn = self.training_inputs.pipeline_loss or causal_lm_loss
             self.pipeline = PipelineRunner(
                 chunks,
                 self.parallel_config,
@@ -317,7 +337,7 @@ class FourDStrategy(ModelParallelStrategy):
                 self.root_device,
                 loss_fn=loss_fn,
             )
-        init_from = getattr(module, "init_from", None)
+        init_from = self.training_inputs.init_from
         if init_from is not None and not trainer.ckpt_path:  # each rank reads its slices, before masters exist
             load_initial_weights(module, init_from)
         self.barrier()

@@ -233,7 +233,7 @@ def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memor
     GiB of host memory (budget 80%), accepted against 256 GiB; the device side fits either way."""
     from types import SimpleNamespace
 
-    from lightning_4d.memory.callback import MemoryBudgetExceeded, MemoryEstimatorCallback
+    from lightning_4d.memory_check import MemoryBudgetExceeded, MemoryEstimatorCallback
 
     host = _llama2_7b_offloaded_host_bytes(pp_rank=0)  # the rank that offloads most
     assert host == 3_190_456_320

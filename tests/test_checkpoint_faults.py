@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from lightning_4d.checkpoint import check_complete
-from lightning_4d.families.hf_io import export_hf
+from lightning_4d.export_hf import export_hf
 from tests._launch import ROOT, SCRIPTS, worker_env
 
 STEPS, AT = 6, 3

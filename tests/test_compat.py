@@ -176,19 +176,24 @@ def test_exit_distributed_process_runs_exit_handlers_and_keeps_the_status(tmp_pa
 
 
 def test_module_wrapper_prefixes():
+    """The module levels wrappers insert into parameter names are torch's (written once, in ``module_tree.py``: the
+    model and the parallel code both import it; issue 33)."""
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
     from torch.distributed.fsdp import _common_utils
 
+    from lightning_4d import module_tree
+
     assert _compat.checkpoint_wrapper is cw.checkpoint_wrapper and _compat.CheckpointImpl is cw.CheckpointImpl
-    assert _compat.FSDP1_WRAPPED_MODULE == _common_utils.FSDP_WRAPPED_MODULE
+    assert module_tree.CHECKPOINT_WRAPPED_MODULE == cw._CHECKPOINT_WRAPPED_MODULE
+    assert module_tree.FSDP1_WRAPPED_MODULE == _common_utils.FSDP_WRAPPED_MODULE
     wrapped = _compat.checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl=_compat.CheckpointImpl.NO_REENTRANT)
-    assert hasattr(wrapped, _compat.CHECKPOINT_WRAPPED_MODULE)
+    assert hasattr(wrapped, module_tree.CHECKPOINT_WRAPPED_MODULE)
     compiled = torch.compile(nn.Linear(2, 2))  # wraps lazily: nothing is compiled before a call
-    assert [n for n, _ in compiled.named_parameters()][0].startswith(_compat.COMPILED_MODULE + ".")
-    assert set(_compat.MODULE_WRAPPER_PREFIXES) == {
-        _compat.CHECKPOINT_WRAPPED_MODULE,
-        _compat.COMPILED_MODULE,
-        _compat.FSDP1_WRAPPED_MODULE,
+    assert [n for n, _ in compiled.named_parameters()][0].startswith(module_tree.COMPILED_MODULE + ".")
+    assert set(module_tree.MODULE_WRAPPER_PREFIXES) == {
+        module_tree.CHECKPOINT_WRAPPED_MODULE,
+        module_tree.COMPILED_MODULE,
+        module_tree.FSDP1_WRAPPED_MODULE,
     }
 
 
@@ -220,11 +225,13 @@ def test_compiled_graph_count_counts_compiled_graphs_and_not_eager_fallbacks():
 
 
 def test_canonical_parameter_names_strip_every_wrapper_prefix():
-    """``models/`` may not import ``parallel/``, so the model keeps its own copy of the prefixes: it must be this
-    one."""
-    from lightning_4d.models import llama
+    """The model strips the wrapper levels of ``module_tree.MODULE_WRAPPER_PREFIXES`` (the one definition, issue 33:
+    the model's own copy is gone), wherever they sit in the dotted path."""
+    from lightning_4d.models.llama import canonical_name
+    from lightning_4d.module_tree import MODULE_WRAPPER_PREFIXES
 
-    assert set(llama._WRAPPER_PREFIXES) == set(_compat.MODULE_WRAPPER_PREFIXES)
+    for prefix in MODULE_WRAPPER_PREFIXES:
+        assert canonical_name(f"{prefix}.layers.0.{prefix}.attention.wq.weight") == "layers.0.attention.wq.weight"
 
 
 def test_module_apply_signature():

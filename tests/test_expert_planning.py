@@ -297,7 +297,7 @@ def test_expert_load_imbalance_multiplies_the_received_rows_only():
 
 @pytest.mark.parametrize("value", [0.5, 0.999, float("nan"), float("inf"), True, "2"])
 def test_expert_load_imbalance_below_one_is_refused(value):
-    from lightning_4d.memory.callback import MemoryEstimatorCallback
+    from lightning_4d.memory_check import MemoryEstimatorCallback
 
     pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
     with pytest.raises(ValueError, match=r"expert_load_imbalance=.*>= 1\.0"):
@@ -341,7 +341,7 @@ def test_cli_expert_load_imbalance_flag(capsys, command):
 def test_memory_check_callback_estimates_at_its_expert_load_imbalance():
     """``MemoryEstimatorCallback(expert_load_imbalance=...)`` (the pre-fit check) estimates at that load; without it
     at the default, as ``FourDStrategy(memory_check=True)``'s own callback does."""
-    from lightning_4d.memory.callback import MemoryEstimatorCallback
+    from lightning_4d.memory_check import MemoryEstimatorCallback
 
     pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
     args = ("mixtral-8x7b", pc, 1, 4096, 1, "bf16-mixed", "cpu", None)

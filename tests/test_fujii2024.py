@@ -278,8 +278,8 @@ def test_of_layout_is_the_one_mapping_of_a_layout():
     write it three times and differ: the callback passed no v and ``zero_stage >= 1``, the CLI and the planner v and
     ``zero_stage == 1``). v is the layout's (the interleaved factor), and ZeRO >= 1 is the distributed optimizer."""
     from lightning_4d.config import ParallelConfig
-    from lightning_4d.memory.callback import MemoryEstimatorCallback
     from lightning_4d.memory.fujii2024 import fujii2024_of_layout
+    from lightning_4d.memory_check import MemoryEstimatorCallback
 
     cfg = SimpleNamespace(**LLAMA2_7B, tie_word_embeddings=False)
     pc = ParallelConfig(

@@ -12,7 +12,7 @@ from tests._launch import SCRIPTS, torchrun
 
 transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
 
-from lightning_4d.families.hf_io import export_hf  # noqa: E402
+from lightning_4d.export_hf import export_hf  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
 from lightning_4d.models.hf_mapping import hf_name, rotary_from_hf, rotary_to_hf  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402

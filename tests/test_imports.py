@@ -159,46 +159,67 @@ def test_no_import_cycle():
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
-def test_memory_never_imports_torch_distributed_nor_torch_outside_callback():
+def test_memory_never_imports_torch_nor_lightning():
+    """memory/ is the estimator that runs on a laptop: no module of it imports torch or Lightning, not even inside a
+    function (the pre-fit check, a Lightning callback, lives beside the strategy: ``lightning_4d/memory_check.py``)."""
     bad = []
     for m in _modules():
         if not _in(m, f"{PACKAGE}.memory"):
             continue
-        for i in imports_of(m):
-            if _in(i, "torch.distributed") or (_in(i, "torch") and m != f"{PACKAGE}.memory.callback"):
-                bad.append(f"{m} -> {i}")
-    assert not bad, (
-        "memory/ runs on a laptop without torch (callback.py may import torch, never torch.distributed): "
-        + ", ".join(sorted(bad))
+        bad += [f"{m} -> {i}" for i in imports_of(m) if _in(i, "torch") or _in(i, "lightning")]
+    assert not bad, "memory/ runs on a laptop without torch and Lightning: " + ", ".join(sorted(bad))
+
+
+def test_importing_every_memory_module_loads_neither_torch_nor_lightning():
+    """The same, at run time: a fresh interpreter imports every ``lightning_4d.memory`` module (and with them the
+    package's own ``__init__``, ``config``, ``layout``, ``partition`` and ``models.config``) and neither torch nor
+    Lightning ends up in ``sys.modules``."""
+    import subprocess
+    import sys
+
+    names = sorted(m for m in _modules() if _in(m, f"{PACKAGE}.memory"))
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning'))\n"
+        "print(','.join(loaded))\n"
     )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing {names} loaded: {out.stdout.strip()}"
 
 
 def test_models_import_only_config_and_models():
-    bad = _violations(f"{PACKAGE}.models", lambda m, i: i == f"{PACKAGE}.config" or _in(i, f"{PACKAGE}.models"))
-    assert not bad, "models/ may import lightning_4d.config and lightning_4d.models.* only: " + ", ".join(bad)
+    """models/ knows nothing of parallelism: it imports config and models/ only, and ``module_tree.py`` (which imports
+    nothing of ours) for the one definition of the module levels wrappers insert into parameter names (issue 33:
+    instead of the model's own copy)."""
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.module_tree"}
+    bad = _violations(f"{PACKAGE}.models", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.models"))
+    assert not bad, (
+        "models/ may import lightning_4d.config, lightning_4d.module_tree and lightning_4d.models.* only: "
+        + ", ".join(bad)
+    )
+
+
+def test_compat_and_module_tree_import_nothing_of_ours():
+    """``parallel/_compat.py`` and ``module_tree.py`` sit below everything that imports them (``mesh`` imports
+    ``_compat``; ``models``, ``families/base.py`` and ``parallel/*`` import ``module_tree``)."""
+    for m in (f"{PACKAGE}.parallel._compat", f"{PACKAGE}.module_tree"):
+        bad = graph()[m]
+        assert not bad, f"{m} imports " + ", ".join(sorted(bad))
 
 
 def test_memory_imports_only_config_and_model_config():
-    """memory/ is the torch-free estimator; its one Lightning callback reaches Lightning's private data source (to
-    read the first batch's shape) through the compatibility module, as every private API is, and asks the model-family
-    registry for the config of the model it checks (issue 22: no family test of its own). The layout registry
-    (``lightning_4d.layout``, issue 33) is the torch-free declaration of config's fields, below config itself."""
+    """memory/ is the torch-free estimator: it imports config, the layout registry (``lightning_4d.layout``, issue 33:
+    the torch-free declaration of config's fields, below config itself), the partition rules and the model config only.
+    The pre-fit check that reads a Trainer, a DataModule and the model-family registry is
+    ``lightning_4d/memory_check.py`` (issue 33: moved out of memory/)."""
     allowed = {f"{PACKAGE}.config", f"{PACKAGE}.layout", f"{PACKAGE}.partition", f"{PACKAGE}.models.config"}
-    bad = _violations(
-        f"{PACKAGE}.memory",
-        lambda m, i: (
-            i in allowed
-            or _in(i, f"{PACKAGE}.memory")
-            or (
-                m == f"{PACKAGE}.memory.callback"
-                and i in (f"{PACKAGE}.parallel._compat", f"{PACKAGE}.families.registry")
-            )
-        ),
-    )
+    bad = _violations(f"{PACKAGE}.memory", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.memory"))
     assert not bad, (
         "memory/ may import lightning_4d.config, lightning_4d.layout, lightning_4d.partition, "
-        "lightning_4d.models.config and memory/ only (its callback also parallel._compat and families.registry): "
-        + ", ".join(bad)
+        "lightning_4d.models.config and memory/ only: " + ", ".join(bad)
     )
 
 
@@ -217,3 +238,10 @@ def test_tasks_import_no_strategy():
                 if i == f"{PACKAGE}.strategy":
                     bad.append(f"{m} -> ... -> {cur} -> {i}" if cur != m else f"{m} -> {i}")
     assert not bad, "tasks/ must not import the strategy: " + ", ".join(sorted(bad))
+
+
+def test_the_pipeline_splitter_imports_no_model():
+    """``parallel/pipeline.py`` is the one splitter of every family: what a model computes (its positions, rotary
+    embedding, layers, head) it asks the family (issue 33: it imported our Llama's RoPE)."""
+    bad = sorted(i for i in graph()[f"{PACKAGE}.parallel.pipeline"] if _in(i, f"{PACKAGE}.models"))
+    assert not bad, "parallel/pipeline.py imports " + ", ".join(bad)

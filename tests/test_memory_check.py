@@ -333,7 +333,7 @@ def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
 
 def test_suggestion_line_with_a_pipeline_names_schedule_and_microbatches():
     from lightning_4d import ParallelConfig
-    from lightning_4d.memory.callback import suggestion_line
+    from lightning_4d.memory_check import suggestion_line
 
     pc = ParallelConfig(
         data_parallel_size=2,
@@ -368,7 +368,7 @@ def test_batch_conventions():
     """A dict's input_ids, a tuple's or list's first tensor, a tensor: [b, s]; anything else is described."""
     import torch
 
-    from lightning_4d.memory.callback import _batch_dims, _NoShape
+    from lightning_4d.memory_check import _batch_dims, _NoShape
 
     ids = torch.zeros(2, 8, dtype=torch.long)
     assert _batch_dims({"input_ids": ids, "labels": ids}) == (2, 8)
@@ -748,8 +748,8 @@ def test_fused_adamw_has_no_step_temporaries_and_the_callback_knows_which_optimi
     import torch
 
     from lightning_4d.config import ParallelConfig
-    from lightning_4d.memory.callback import _steps_with_fused_adamw
     from lightning_4d.memory.model import estimate_memory
+    from lightning_4d.memory_check import _steps_with_fused_adamw
     from lightning_4d.tasks import CausalLMModule
 
     class Subclass(CausalLMModule):

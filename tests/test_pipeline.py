@@ -212,23 +212,23 @@ def test_schedule_names_and_stages_per_rank():
 
 def test_num_microbatches_resolution():
     """m: given, else global batch / (micro-batch size x dp), else the schedule's default (2p for dualpipev, once
-    in config.py: the strategy, the DataModule and the memory model read the same value)."""
-    from types import SimpleNamespace
-
+    in config.py: the strategy, the DataModule and the memory model read the same value). The DataModule's sizes come
+    in through the one protocol (``TrainingInputs``), and resolving changes no config (issue 33: it used to fill in
+    ``config.num_microbatches``; the strategy now writes m into its resolved config once)."""
+    from lightning_4d.contract import TrainingInputs
     from lightning_4d.parallel.pipeline import resolve_num_microbatches
 
     config = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="dualpipev")
     assert config.microbatches == config.default_num_microbatches == 4
-    assert resolve_num_microbatches(config, None, None) == 4 and config.num_microbatches == 4
+    assert resolve_num_microbatches(config, TrainingInputs()) == 4 and config.num_microbatches is None
     config = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2)
     assert config.default_num_microbatches == 2
-    data = SimpleNamespace(global_batch_size=24, micro_batch_size=3)
-    assert resolve_num_microbatches(config, SimpleNamespace(accumulate_grad_batches=1), data) == 4
+    data = TrainingInputs(global_batch_size=24, micro_batch_size=3)
+    assert resolve_num_microbatches(config, data) == 4 and config.num_microbatches is None
     with pytest.raises(ValueError, match=r"global_batch_size=20 is not a multiple of micro_batch_size x dp = 3 x 2"):
         resolve_num_microbatches(
             ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2),
-            None,
-            SimpleNamespace(global_batch_size=20, micro_batch_size=3),
+            TrainingInputs(global_batch_size=20, micro_batch_size=3),
         )
     assert ParallelConfig(data_parallel_size=1).microbatches == 1
 

@@ -199,6 +199,9 @@ class HFLlamaFamily(ModelFamily):
     def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
         return PipelineLayout(embedding="model.embed_tokens", layers="model.layers", norm="model.norm", head="lm_head")
 
+    def positions(self, model: nn.Module, seq_len: int, cp: tuple[int, int], device: torch.device) -> Tensor:
+        return context_parallel_positions(seq_len, cp[0], cp[1], device=device)
+
     def rotary(self, model: nn.Module, h: Tensor, positions: Tensor) -> Any:
         return model.model.rotary_emb(h, positions.unsqueeze(0))
 

@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_4d.contract import MicroBatchingStrategy
 from lightning_4d.data.corpus import (
     resolve_text_files,
     split_files,
@@ -282,10 +283,12 @@ class LMDataModule(L.LightningDataModule):
         return 1 if rank_size is None else rank_size[1]
 
     def _num_microbatches(self) -> int:
-        """m, micro-batches per DataLoader batch: the strategy's ``num_microbatches`` under pipeline parallelism (the
-        schedule splits each batch into m micro-batches of ``micro_batch_size``), else 1."""
+        """m, micro-batches per DataLoader batch: the ``num_microbatches`` of a strategy that declares it
+        (:class:`~lightning_4d.contract.MicroBatchingStrategy`, ``FourDStrategy``: the pipeline schedule splits each
+        batch into m micro-batches of ``micro_batch_size``), else 1."""
         trainer = self.trainer
-        m = getattr(trainer.strategy, "num_microbatches", 1) if trainer is not None else 1
+        strategy = trainer.strategy if trainer is not None else None
+        m = strategy.num_microbatches if isinstance(strategy, MicroBatchingStrategy) else 1
         return m if isinstance(m, int) and m >= 1 else 1
 
     def _accumulation(self) -> int:

@@ -11,9 +11,10 @@ the family answers                        used by
 :meth:`~ModelFamily.model_config`          layout validation and the memory estimate (a ``LlamaConfig``)
 :meth:`~ModelFamily.validate`              ``FourDStrategy.setup_environment``, before any process group
 :meth:`~ModelFamily.pipeline_layout`       the ONE splitter and :class:`~lightning_4d.parallel.pipeline.StageChunk`
-:meth:`~ModelFamily.rotary`,               the stage chunk's forward (positions of the stage's tokens under sp and
-:meth:`~ModelFamily.run_layer`,            cp, computed by the chunk: ``torch.distributed.pipelining`` passes
-:meth:`~ModelFamily.run_head`              activations only)
+:meth:`~ModelFamily.rotary`,               the stage chunk's forward (the positions of the stage's tokens under
+:meth:`~ModelFamily.run_layer`,            sp and cp are asked of the family too: ``torch.distributed.pipelining``
+:meth:`~ModelFamily.run_head`,             passes activations only)
+:meth:`~ModelFamily.positions`
 :meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier
                                            (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
 :meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
@@ -105,6 +106,13 @@ class ModelFamily:
     def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
         """Where ``model`` keeps its embedding, decoder layers, final norm and head."""
         raise self._missing("pipeline_layout")
+
+    def positions(self, model: nn.Module, seq_len: int, cp: tuple[int, int], device: torch.device) -> Tensor:
+        """The global positions ``[seq_len / cp_size]`` of the tokens a pipeline stage holds of a sequence of
+        ``seq_len`` tokens on cp rank ``cp = (cp_rank, cp_size)`` (its zigzag shard; ``arange(seq_len)`` when cp = 1),
+        as :meth:`rotary` and :meth:`run_layer` take them. The family says how its model numbers positions, so the
+        generic splitter imports no model's rotary embedding."""
+        raise self._missing("positions")
 
     def rotary(self, model: nn.Module, h: Tensor, positions: Tensor) -> Any:
         """The rotary embedding of ``positions`` (``[s]``, global token positions) for hidden states ``h``

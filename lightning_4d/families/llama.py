@@ -24,7 +24,7 @@ from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
 from lightning_4d.models.moe import MoEFeedForward
-from lightning_4d.models.rope import rope_cos_sin
+from lightning_4d.models.rope import context_parallel_positions, rope_cos_sin
 from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
 from lightning_4d.parallel.expert import shard_experts
@@ -69,6 +69,9 @@ class LlamaFamily(ModelFamily):
 
     def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
         return PipelineLayout(embedding="tok_embeddings", layers="layers", norm="norm", head="output")
+
+    def positions(self, model: nn.Module, seq_len: int, cp: tuple[int, int], device: torch.device) -> Tensor:
+        return context_parallel_positions(seq_len, cp[0], cp[1], device=device)
 
     def rotary(self, model: nn.Module, h: Tensor, positions: Tensor) -> Any:
         return rope_cos_sin(model.config, positions)

@@ -181,10 +181,12 @@ __all__ = [
     "offloaded_bytes_per_microbatch",
     "saved_activation_bytes",
     "check_expert_load_imbalance",
+    "checkpoint_bytes_per_parameter",
+    "normalize_precision",
 ]
 
 #: The default ``expert_load_imbalance`` of :func:`estimate_memory` (and of ``lightning-4d estimate`` / ``plan``,
-#: :class:`~lightning_4d.memory.callback.MemoryEstimatorCallback` and the planner, which all take it from here): the
+#: :class:`~lightning_4d.memory_check.MemoryEstimatorCallback` and the planner, which all take it from here): the
 #: rows the most loaded ep rank's experts receive over the balanced figure, max over steps, MoE layers and ep ranks,
 #: MEASURED on the tiny MoE job (``configs/tiny_moe.yaml``: dp2 x tp2, ep2, 450 steps, 2026-11-26) with
 #: :class:`lightning_4d.callbacks.ExpertLoadMonitor` (``moe_expert_load_imbalance_max``): 1.9287 at step 7 (the freshly
@@ -210,7 +212,13 @@ _PRECISION_ALIASES = {
 }  # float16 weights have bfloat16's byte counts
 
 
-def _precision(precision: str) -> str:
+def normalize_precision(precision: str) -> str:
+    """The precision of :data:`PRECISIONS` a Lightning precision flag or alias names (``"bf16"`` -> ``"bf16-mixed"``,
+    ``"32"`` -> ``"32-true"``, ``"16-true"`` -> ``"bf16-true"``: float16 weights have bfloat16's byte counts).
+
+    Raises:
+        ValueError: a flag the memory model does not know.
+    """
     key = str(precision).lower()
     if key not in _PRECISION_ALIASES:
         raise ValueError(f"precision={precision!r} is not valid: expected one of {list(PRECISIONS)}.")
@@ -261,6 +269,18 @@ class _Dtypes:
     def moment(self) -> int:
         """Bytes of one Adam moment element (the master's dtype, else the parameter's)."""
         return self.master or self.param
+
+
+def checkpoint_bytes_per_parameter(precision: str) -> int:
+    """Bytes one parameter takes in a checkpoint of a job trained in ``precision``: the parameter in its training
+    dtype, its float32 master weight where that is separate, and Adam's two moments (``bf16-mixed`` 2 + 4 + 8 = 14,
+    ``32-true`` 4 + 8 = 12); :func:`lightning_4d.memory.reliability.checkpoint_bytes` multiplies it by the parameters.
+
+    Raises:
+        ValueError: an unknown precision (:func:`normalize_precision`).
+    """
+    dt = _Dtypes.of(normalize_precision(precision))
+    return dt.param + dt.master + 2 * dt.moment
 
 
 @dataclass(frozen=True)
@@ -586,7 +606,7 @@ def model_state_bytes(
     Raises:
         ValueError: an unknown precision, a pp rank, dp_cp rank or tp rank out of range.
     """
-    dt = _Dtypes.of(_precision(precision))
+    dt = _Dtypes.of(normalize_precision(precision))
     if not 0 <= tp_rank < parallel_config.tp:
         raise ValueError(f"tp_rank={tp_rank} is not valid: expected 0 .. {parallel_config.tp - 1}.")
     pc = _with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
@@ -885,7 +905,7 @@ def saved_activation_bytes(
     _check_positive_int("seq_length", seq_length)
     pc = _with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
     pc.validate_sequence(seq_length)
-    dt = _Dtypes.for_layout(_precision(precision), model_config, pc, device_type)
+    dt = _Dtypes.for_layout(normalize_precision(precision), model_config, pc, device_type)
     tp, sp, cp = pc.tp, pc.sp, pc.cp
     s = seq_length // cp
     s_sp = s // tp if sp else s
@@ -1299,7 +1319,7 @@ def estimate_memory(
             pc,
             micro_batch_size,
             seq_length,
-            _precision(precision),
+            normalize_precision(precision),
             r,
             m,
             dp_cp_rank,

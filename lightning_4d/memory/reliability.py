@@ -73,10 +73,9 @@ def checkpoint_bytes(model_config: Any, precision: str = "bf16-mixed") -> int:
     Raises:
         ValueError: an unknown precision.
     """
-    from lightning_4d.memory.model import _Dtypes, _precision
+    from lightning_4d.memory.model import checkpoint_bytes_per_parameter
 
-    dt = _Dtypes.of(_precision(precision))
-    return model_config.num_parameters() * (dt.param + dt.master + 2 * dt.moment)
+    return model_config.num_parameters() * checkpoint_bytes_per_parameter(precision)
 
 
 def checkpoint_interval(

@@ -11,7 +11,7 @@ our stacked ``feed_forward.experts.w1`` ``[E, f, h]`` is expert ``e``'s ``w1.wei
 (:func:`hf_slices`).
 
 Pure torch, no I/O: :mod:`lightning_4d.families.llama` reads Hugging Face directories with it (``init_from``) and
-:mod:`lightning_4d.families.hf_io` writes them (``export-hf``).
+:mod:`lightning_4d.export_hf` writes them (``export-hf``).
 """
 
 from __future__ import annotations

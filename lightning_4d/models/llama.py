@@ -43,8 +43,10 @@ from lightning_4d.models.config import LlamaConfig, _allow_in_weights_only_check
 from lightning_4d.models.moe import GroupedExperts, MoEFeedForward
 from lightning_4d.models.rope import apply_rotary, context_parallel_positions, rope_cos_sin
 
-# module names inserted by wrappers; removed from parameter names so that a parameter keeps one name on every layout
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+# the module levels wrappers insert into parameter names (defined once, below the model and the parallel code);
+# removed from parameter names so that a parameter keeps one name on every layout
+from lightning_4d.module_tree import MODULE_WRAPPER_PREFIXES
+
 _MASK64 = (1 << 64) - 1
 
 _allow_in_weights_only_checkpoints()
@@ -57,7 +59,7 @@ def canonical_name(name: str) -> str:
     (``_orig_mod.``) and FSDP1 (``_fsdp_wrapped_module.``) insert a module level into parameter names, anywhere in the
     dotted path. ``"layers.0._checkpoint_wrapped_module.attention.wq.weight"`` -> ``"layers.0.attention.wq.weight"``.
     """
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PREFIXES)
+    return ".".join(part for part in name.split(".") if part not in MODULE_WRAPPER_PREFIXES)
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import Tensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401  (re-exported)
-    _CHECKPOINT_WRAPPED_MODULE as CHECKPOINT_WRAPPED_MODULE,
     CheckpointImpl,
     checkpoint_wrapper,
 )
@@ -179,15 +178,7 @@ def _fully_shard_takes(name: str) -> bool:
 FULLY_SHARD_PLACEMENT_FN = _fully_shard_takes("shard_placement_fn")
 
 
-# ---------------------------------------------------------------------------------------------------- wrappers
-#: the module level ``torch.compile`` (``OptimizedModule._orig_mod``) inserts into parameter names
-COMPILED_MODULE = "_orig_mod"
-#: the module level FSDP1 (``torch.distributed.fsdp._common_utils.FSDP_WRAPPED_MODULE``) inserts
-FSDP1_WRAPPED_MODULE = "_fsdp_wrapped_module"
-#: every module level a wrapper inserts into parameter names (activation checkpointing, ``torch.compile``, FSDP1)
-MODULE_WRAPPER_PREFIXES = (CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE, FSDP1_WRAPPED_MODULE)
-
-
+# ---------------------------------------------------------------------------------------------------- compile
 def compiled_graph_count() -> int:
     """Graphs Dynamo has compiled in this process so far (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``,
     counted once the backend has returned the compiled graph: a frame whose compilation failed and silently fell back

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
@@ -31,34 +32,34 @@ from lightning_4d.parallel.pipeline import (
 from lightning_4d.parallel.tensor import apply_tensor_parallel
 
 
-def validate_against_module(config: ParallelConfig, module: Optional[nn.Module]) -> None:
-    """Check a resolved layout against the LightningModule's ``model_config`` (a ``LlamaConfig``), its Trainer's
-    DataModule (``seq_length``; the module's own ``validate_datamodule``) and Trainer (pp: the micro-batch count,
-    :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`). Pure Python: it runs in the strategy's
-    ``setup_environment`` before any process group exists.
+def validate_against_module(
+    config: ParallelConfig, module: Optional[nn.Module], inputs: Optional[TrainingInputs] = None
+) -> None:
+    """Check a resolved layout against what the task and the data declare
+    (:class:`~lightning_4d.contract.TrainingInputs`: the module's ``model_config``, the DataModule's ``seq_length``,
+    the micro-batch count,
+    :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`) and against the models ``module`` holds (their
+    families' ``validate``). Pure Python: it runs in the strategy's ``setup_environment`` before any process group
+    exists; ``inputs`` defaults to what ``module`` and its Trainer declare (``TrainingInputs.of``). Changes nothing.
 
     Raises:
         ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
             :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`.
     """
-    from lightning_4d.models.config import LlamaConfig
-
-    model_config = getattr(module, "model_config", None)
+    inputs = TrainingInputs.of(module, attached_trainer(module)) if inputs is None else inputs
+    model_config = inputs.model_config
     models = find_models(module) if module is not None else []
-    if isinstance(model_config, LlamaConfig):
+    if model_config is not None:
         config.validate_model(model_config)
     for _, family, model in models:
         family.validate(model, config)
-    if module is not None and not models and max(config.tp, config.pp, config.cp) > 1 and not _splittable(module):
+    splittable = model_config is not None or inputs.applies_own_plans
+    if module is not None and not models and max(config.tp, config.pp, config.cp) > 1 and not splittable:
         raise ValueError(_cannot_split(config, module))
-    trainer = attached_trainer(module)
-    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-    if datamodule is not None and hasattr(module, "validate_datamodule"):
-        module.validate_datamodule(datamodule)
-    seq_length = getattr(datamodule, "seq_length", None)
-    if isinstance(seq_length, int):
+    seq_length = inputs.seq_length
+    if seq_length is not None:
         config.validate_sequence(seq_length)
-        moe = getattr(model_config, "is_moe", False)
+        moe = model_config is not None and model_config.is_moe
         if moe and config.tp > 1 and not config.sp and (seq_length // config.cp) % config.tp:
             raise ValueError(  # MoE layers run token parallel: each tp rank takes s/t tokens (parallel/tensor.py)
                 f"seq_length={seq_length} (per cp rank {seq_length // config.cp}) is not divisible by "
@@ -66,20 +67,7 @@ def validate_against_module(config: ParallelConfig, module: Optional[nn.Module])
                 "sequence per tp rank; use a seq_length that is a multiple of tp*2*cp."
             )
     if config.pp > 1:
-        resolve_num_microbatches(config, trainer, datamodule)
-
-
-def _splittable(module: nn.Module) -> bool:
-    """Whether tp / pp / cp can apply to a ``module`` that holds no model of a registered family yet: it will build
-    one (a ``model_config`` LlamaConfig), or it overrides ``configure_model`` (where it may apply its own plans)."""
-    import lightning as L
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    from lightning_4d.models.config import LlamaConfig
-
-    return isinstance(getattr(module, "model_config", None), LlamaConfig) or (
-        isinstance(module, L.LightningModule) and is_overridden("configure_model", module)
-    )
+        resolve_num_microbatches(config, inputs)
 
 
 def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:

@@ -16,9 +16,10 @@ them; FSDP2 and ``torch.distributed.pipelining.PipelineStage`` work on chunks, a
 go through them.
 
 **Micro-batches** (:func:`resolve_num_microbatches`): m is ``num_microbatches``, else the DataModule's
-``global_batch_size / (micro_batch_size · dp)``, else the schedule's default; checked before the process group
+``global_batch_size / (micro_batch_size · dp)`` (read once by the strategy:
+:class:`~lightning_4d.contract.TrainingInputs`), else the schedule's default; checked before the process group
 exists. The DataLoader batch of a dp rank holds ``micro_batch_size · m`` sequences (``LMDataModule`` asks the
-strategy's ``num_microbatches``); the schedule splits it.
+strategy's ``num_microbatches``, :class:`~lightning_4d.contract.MicroBatchingStrategy`); the schedule splits it.
 
 **Step** (:class:`PipelineRunner`): schedules come from ``torch.distributed.pipelining`` (GPipe, 1F1B,
 Interleaved1F1B, ZBVZeroBubble, DualPipeV) and run inside ``training_step``; the loss of each micro-batch is divided by
@@ -45,7 +46,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
-from lightning_4d.models.rope import context_parallel_positions
+from lightning_4d.contract import TrainingInputs
 from lightning_4d.module_tree import find_submodel, layer_items, set_submodel
 from lightning_4d.parallel._compat import reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
@@ -119,9 +120,9 @@ class StageChunk(nn.Module):
     ``forward(x)``: token ids ``[b, s]`` on the first stage, else the previous stage's hidden states
     ``[b, s / sequence_shards, h]`` (this tp rank's sequence shard under sequence parallelism; this cp rank's zigzag
     shard under cp); returns hidden states, or the head's logits ``[b, s, V]`` on the last stage. The chunk computes
-    the rotary positions of its ``s`` tokens itself (``torch.distributed.pipelining`` passes activations only; the
-    cp shard's zigzag positions, :func:`~lightning_4d.models.rope.context_parallel_positions`) and asks the family
-    (:class:`~lightning_4d.families.base.ModelFamily`) for the rotary embedding, each layer's call and the head.
+    the positions of its ``s`` tokens itself (``torch.distributed.pipelining`` passes activations only) and asks the
+    family (:class:`~lightning_4d.families.base.ModelFamily`) for them (the cp shard's zigzag positions:
+    :meth:`~lightning_4d.families.base.ModelFamily.positions`), the rotary embedding, each layer's call and the head.
     """
 
     #: how the hidden states are sent to the next stage and received from the previous one, with their gradients
@@ -161,7 +162,7 @@ class StageChunk(nn.Module):
             elif self.comm_dtype is not None:  # received in the wire dtype: back to the stage's own
                 x = x.to(own)
             s, h = x.shape[1] * self.sequence_shards, x
-        positions = context_parallel_positions(s, self.cp[0], self.cp[1], device=x.device)
+        positions = self.family.positions(self.union, s, self.cp, x.device)
         rotary = self.family.rotary(self.union, h, positions)
         for layer in self.layers.values():
             h = self.family.run_layer(self.union, layer, h, rotary, positions)
@@ -262,18 +263,20 @@ def reshard_after_forward(config: ParallelConfig) -> Optional[bool]:
 
 
 # ---------------------------------------------------------------------------------------------------- micro-batches
-def resolve_num_microbatches(config: ParallelConfig, trainer: Any, datamodule: Any) -> int:
-    """Fill in ``config.num_microbatches`` (m) when pp > 1 and check it, before the process group exists.
+def resolve_num_microbatches(config: ParallelConfig, inputs: TrainingInputs) -> int:
+    """m, the micro-batches per optimizer step when pp > 1, checked before the process group exists; changes nothing
+    (the strategy writes m into its resolved config once, in ``setup_environment``).
 
-    m is ``num_microbatches`` when given; else the DataModule's ``global_batch_size / (micro_batch_size · dp)``
-    when it has both; else :attr:`ParallelConfig.default_num_microbatches`.
+    m is ``config.num_microbatches`` when given; else ``inputs.global_batch_size / (inputs.micro_batch_size · dp)``
+    when the DataModule has both (:class:`~lightning_4d.contract.TrainingInputs`); else
+    :attr:`ParallelConfig.default_num_microbatches`.
 
     Raises:
         ValueError: ``accumulate_grad_batches`` > 1 (the schedule accumulates over its micro-batches), a global
             batch that is not a multiple of ``micro_batch_size · dp``, or an m the schedule cannot run
             (:meth:`ParallelConfig.validate_microbatches`).
     """
-    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+    accumulate = inputs.accumulate_grad_batches
     if accumulate != 1:
         raise ValueError(
             f"accumulate_grad_batches={accumulate} is not supported with pipeline_parallel_size={config.pp}: the "
@@ -281,22 +284,20 @@ def resolve_num_microbatches(config: ParallelConfig, trainer: Any, datamodule: A
             f"num_microbatches={accumulate * config.microbatches} (or let it follow the DataModule's "
             "global_batch_size)."
         )
-    if config.num_microbatches is None:
-        global_batch = getattr(datamodule, "global_batch_size", None)
-        micro = getattr(datamodule, "micro_batch_size", None)
-        per_replica = micro * config.dp if isinstance(micro, int) else None
-        if isinstance(global_batch, int) and per_replica and global_batch % per_replica != 0:
+    m = config.num_microbatches
+    global_batch, micro = inputs.global_batch_size, inputs.micro_batch_size
+    per_replica = micro * config.dp if micro is not None else None
+    if m is None and global_batch is not None and per_replica:
+        if global_batch % per_replica != 0:
             raise ValueError(
                 f"global_batch_size={global_batch} is not a multiple of micro_batch_size x dp = {micro} x "
                 f"{config.dp} = {per_replica}, so num_microbatches cannot be derived; change the batch sizes or "
                 "set num_microbatches."
             )
-        if isinstance(global_batch, int) and per_replica:
-            config.num_microbatches = global_batch // per_replica
-        else:
-            config.num_microbatches = config.default_num_microbatches
-    config.validate_microbatches(config.num_microbatches)
-    return config.num_microbatches
+        m = global_batch // per_replica
+    m = config.default_num_microbatches if m is None else m
+    config.validate_microbatches(m)
+    return m
 
 
 # ---------------------------------------------------------------------------------------------------- schedules

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
-from lightning_4d.families.hf_io import export_hf  # noqa: E402
+from lightning_4d.export_hf import export_hf  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 

@@ -421,7 +421,7 @@ class MemoryEstimatorCallback(L.Callback):
         """``(parallel_config, model config, device memory in bytes, GPU name, device type, precision)`` of the job,
         or ``None`` after a warning (once per callback) that says why nothing is checked: another strategy than
         FourDStrategy, a module with no lightning_4d Llama config, no device memory, a precision not modelled."""
-        from lightning_4d.memory.model import PRECISIONS, _precision
+        from lightning_4d.memory.model import PRECISIONS, normalize_precision
 
         parallel_config = getattr(trainer.strategy, "parallel_config", None)
         if parallel_config is None:
@@ -449,7 +449,7 @@ class MemoryEstimatorCallback(L.Callback):
             )
             return None
         try:
-            precision = _precision(str(trainer.precision))
+            precision = normalize_precision(str(trainer.precision))
         except ValueError:
             self._warn_once(
                 f"MemoryEstimatorCallback: nothing checked: precision {trainer.precision!r} is not "
