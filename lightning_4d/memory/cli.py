@@ -485,6 +485,7 @@ def _print_estimate(out: dict[str, Any]) -> None:
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_4d.memory.planner import plan
     from lightning_4d.memory.reliability import checkpoint_interval
+    from lightning_4d.support import untested_pairs
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
@@ -533,6 +534,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
                 "checkpoint_lost_fraction": ckpt.lost_fraction,
                 "job_mtbf_s": ckpt.mtbf_s,
                 "checkpoint_bytes": ckpt.checkpoint_bytes,
+                # the features of this layout no CPU test of the support matrix combines (docs/support.md)
+                "untested_pairs": [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "num_experts", 0) > 0)],
             }
         )
     out = {
@@ -702,6 +705,7 @@ def _print_plan(out: dict[str, Any]) -> None:
         "bubble",
         "comm",
         "recomp",
+        "tested",
     ):
         table.add_column(col, justify="right")
     for i, c in enumerate(out["layouts"], 1):
@@ -737,6 +741,7 @@ def _print_plan(out: dict[str, Any]) -> None:
             f"{100 * c['bubble_fraction']:.0f}%",
             f"{100 * c['communication_fraction']:.0f}%",
             f"{100 * c['recompute_fraction']:.0f}%",
+            "no*" if c["untested_pairs"] else "yes",
         )
     console = Console(width=max(Console().width, 180))
     console.print(table)
@@ -755,6 +760,16 @@ def _print_plan(out: dict[str, Any]) -> None:
             f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
             f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
             f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU)."
+        )
+    untested = [(i, c["untested_pairs"]) for i, c in enumerate(out["layouts"], 1) if c["untested_pairs"]]
+    if untested:
+        first, pairs = untested[0]
+        console.print(
+            f"* tested: no = the layout combines features that no CPU test of the support matrix runs together "
+            f"(docs/support.md; `lightning-4d support`), e.g. #{first}: "
+            + ", ".join(f"{a} + {b}" for a, b in pairs)
+            + " (all pairs: --json, untested_pairs).",
+            soft_wrap=True,
         )
     if out.get("plot"):
         console.print(f"plot: {out['plot']}")
