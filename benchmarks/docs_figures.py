@@ -216,12 +216,19 @@ def _json_fields(data: dict) -> dict:
     return fields
 
 
+#: ``--json`` output by command line: a page quotes several fields of one command, which runs once per process
+_JSON: dict[tuple[str, ...], dict] = {}
+
+
 def render_inline(cmd: str, fmt: str) -> str:
     argv = _figure_argv(cmd)
-    code, out, err = run(argv + ["--json"])
-    if code not in (0, 1):
-        raise ValueError(f"figure command {cmd!r} exited {code}: {err.strip()}")
-    return fmt.format_map(_json_fields(json.loads(out)))
+    key = tuple(argv)
+    if key not in _JSON:
+        code, out, err = run(argv + ["--json"])
+        if code not in (0, 1):
+            raise ValueError(f"figure command {cmd!r} exited {code}: {err.strip()}")
+        _JSON[key] = json.loads(out)
+    return fmt.format_map(_json_fields(_JSON[key]))
 
 
 def render_block(cmd: str) -> str:
