@@ -12,7 +12,9 @@ Two conventions, for README.md, docs/*.md and configs/*.yaml (checked by ``tests
 2. **Figures.** A figure quoted from a fast command sits between markers and is regenerated, never typed:
 
    - inline, one value from the command's ``--json`` output (``{key}`` / ``{layout[dp]}`` Python format fields;
-     every number ``k`` also as ``k_gib``, and ``verdict``: ``yes``/``no`` for ``fits``)::
+     every number ``k`` also as ``k_gib``, and ``verdict``: ``yes``/``no`` for ``fits``; in a paragraph write
+     ``{layout_dp}`` / ``{layouts0_tp}`` for ``{layout[dp]}`` / ``{layouts[0][tp]}``, which the docs site would read
+     as link references)::
 
          <!-- figure: lightning-4d estimate --model tiny ... | {total_gib:.1f} -->0.3<!-- /figure -->
 
@@ -201,17 +203,32 @@ def _json_fields(data: dict) -> dict:
     for key, value in data.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             fields[f"{key}_gib"] = value / 2**30
+        # also without brackets (a `[a][b]` in a page's text reads as a Markdown link reference to the docs site):
+        # `{layout_dp}` for `{layout[dp]}`, `{layouts0_tp}` for `{layouts[0][tp]}`
+        if isinstance(value, dict):
+            fields.update({f"{key}_{sub}": v for sub, v in value.items()})
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    fields.update({f"{key}{i}_{sub}": v for sub, v in item.items()})
     if "fits" in data:
         fields["verdict"] = "yes" if data["fits"] else "no"
     return fields
 
 
+#: ``--json`` output by command line: a page quotes several fields of one command, which runs once per process
+_JSON: dict[tuple[str, ...], dict] = {}
+
+
 def render_inline(cmd: str, fmt: str) -> str:
     argv = _figure_argv(cmd)
-    code, out, err = run(argv + ["--json"])
-    if code not in (0, 1):
-        raise ValueError(f"figure command {cmd!r} exited {code}: {err.strip()}")
-    return fmt.format_map(_json_fields(json.loads(out)))
+    key = tuple(argv)
+    if key not in _JSON:
+        code, out, err = run(argv + ["--json"])
+        if code not in (0, 1):
+            raise ValueError(f"figure command {cmd!r} exited {code}: {err.strip()}")
+        _JSON[key] = json.loads(out)
+    return fmt.format_map(_json_fields(_JSON[key]))
 
 
 def render_block(cmd: str) -> str:

@@ -5,7 +5,9 @@ pp and dp with ZeRO, from the same arguments as lightning_4d's own Llama. Trains
     python examples/hf_llama_4d.py                              # 4 CPU processes: tp=2 x cp=2, ZeRO 1
     python examples/hf_llama_4d.py --tp 1 --cp 1 --zero-stage 3 --devices 2
     python examples/hf_llama_4d.py --pp 2 --cp 1 --devices 4      # tp=2 x pp=2, 1F1B
-    python examples/hf_llama_4d.py --hf-dir /models/Llama-3.2-1B  # real weights: each rank reads its slices
+    # real weights on 4 GPUs, each rank reading its slices; Llama 3.2 1B ties its embedding and head, which tp and
+    # pp refuse for a transformers model (FourDStrategy names the fix), so: cp=2 x dp=2, ZeRO 3
+    python examples/hf_llama_4d.py --hf-dir /models/Llama-3.2-1B --tp 1 --cp 2 --zero-stage 3 --accelerator gpu
 
 Without ``--hf-dir`` the model is a small random Llama (built in ``__init__``, the same on every rank). With it the
 model is built on the meta device in ``configure_model`` and the strategy loads each rank's slices of the
@@ -65,6 +67,7 @@ class HFLlamaLM(L.LightningModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--accelerator", default="cpu", help="cpu (default; gloo) or gpu (nccl)")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--cp", type=int, default=2)
@@ -81,7 +84,7 @@ def main() -> None:
         zero_stage=args.zero_stage,
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,

@@ -600,6 +600,70 @@ def smoke_rows() -> list[Row]:
     return [row for row in ROWS if row.refused is None]
 
 
+# ------------------------------------------------------------------------------------------- a layout's coverage
+def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str]:
+    """The features a layout combines, as the support matrix tells them apart: ``tp``, ``sp off``, ``tp overlap``,
+    ``pp`` (and ``pp <schedule>`` for a schedule other than 1F1B), ``cp`` (and ``cp allgather``), ``ZeRO 0/2/3``
+    (ZeRO 1 is every row's default), ``<mode> checkpointing``, ``offload``, ``compile``, ``MoE``, ``ep``.
+
+    ``options``: a row's :meth:`Row.options` (``measure``'s names) or one of ``plan``'s layouts (its ``--json``
+    names: ``context_parallel_method``, ``expert_parallel_size``, ...); sizes absent count as 1."""
+    get = options.get
+    tp, pp, cp = get("tp", 1), get("pp", 1), get("cp", 1)
+    ep = get("ep", get("expert_parallel_size", 1)) or 1
+    out = set()
+    if tp > 1:
+        out.add("tp")
+        if get("sequence_parallel") is False:
+            out.add("sp off")
+        if get("tensor_parallel_overlap"):
+            out.add("tp overlap")
+    if pp > 1:
+        out.add("pp")
+        schedule = get("pipeline_schedule") or "1f1b"
+        if schedule != "1f1b":
+            out.add(f"pp {schedule}")
+    if cp > 1:
+        out.add("cp")
+        if (get("cp_method") or get("context_parallel_method") or "ring") == "allgather":
+            out.add("cp allgather")
+    zero = get("zero_stage", 1)
+    if zero != 1:
+        out.add(f"ZeRO {zero}")
+    ckpt = get("activation_checkpointing") or "none"
+    if ckpt != "none":
+        out.add(f"{ckpt} checkpointing")
+    if get("activation_offload_layers"):
+        out.add("offload")
+    if get("compile"):
+        out.add("compile")
+    if moe:
+        out.add("MoE")
+    if ep > 1:
+        out.add("ep")
+    return frozenset(out)
+
+
+def _row_is_moe(row: Row) -> bool:
+    return row.family == "hf-mixtral" or row.options()["model"] == "tiny-moe"
+
+
+def untested_pairs(options: dict[str, Any], moe: bool = False, family: str = "ours") -> list[tuple[str, str]]:
+    """The pairs of features of a layout (:func:`layout_features`) that no row of the matrix tested on CPU (of
+    ``family``) combines: ``[]`` when every two of its features ran together in some CPU test. The matrix lists
+    combinations, not every layout, so this is the honest coarse answer to "has this layout been tested?": a pair
+    listed here has not run together in any test the matrix names (``plan`` marks such layouts)."""
+    tested = [
+        layout_features(r.options(), _row_is_moe(r))
+        for r in ROWS
+        if r.family == family and r.refused is None and r.cpu_tests
+    ]
+    features = sorted(layout_features(options, moe))
+    return [
+        (a, b) for i, a in enumerate(features) for b in features[i + 1 :] if not any(a in t and b in t for t in tested)
+    ]
+
+
 # ------------------------------------------------------------------------------------------------- validation
 def _parse(row: Row, **overrides: Any) -> tuple[argparse.Namespace, Any, Any]:
     """``lightning-4d measure``'s arguments, model config and validated layout for ``row`` (as ``measure`` checks

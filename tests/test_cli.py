@@ -437,3 +437,29 @@ def test_moe_main_job_config_runs_with_global_routing_statistics(tmp_path):
     assert len(load) == 40 and all(1.0 <= x <= 2.0 for x, _ in load)
     assert [m for _, m in load] == [max(x for x, _ in load[: i + 1]) for i in range(len(load))]
     assert (tmp_path / "checkpoints" / "tiny_moe" / "last.ckpt").is_dir()
+
+
+def test_estimate_counts_gradient_accumulation_at_pp1(capsys):
+    """`estimate` at pp = 1 counts `--num-microbatches` (or `--accumulate-grad-batches`) as gradient-accumulation
+    steps, as `plan` and the pre-fit check do (issue 36, item 4): Llama 3 8B tp2 dp4 ZeRO 1 full checkpointing with
+    m = 128 (configs/llama3_8b.yaml) is estimate_memory's 39.58 GiB, not the 37.88 GiB of one micro-batch."""
+    from lightning_4d import ParallelConfig, estimate_memory
+    from lightning_4d.cli import main
+    from lightning_4d.models import LlamaConfig
+
+    base = "estimate --model llama3-8b --tp 2 --num-gpus 8 --micro-batch-size 1 --seq-length 8192 --zero-stage 1 "
+    base += "--activation-checkpointing full --gpu-memory H100-80GB --json"
+    pc = ParallelConfig(tensor_parallel_size=2, data_parallel_size=4, zero_stage=1, activation_checkpointing="full")
+    expected = estimate_memory(
+        LlamaConfig.from_preset("llama3-8b"), pc, 1, 8192, "bf16-mixed", num_microbatches=128, gpu_name="H100-80GB"
+    )
+    assert round(expected.total / 2**30, 2) == 39.58
+    totals = []
+    for flag in ("--num-microbatches", "--accumulate-grad-batches"):
+        assert main([*base.split(), flag, "128"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["layout"]["num_microbatches"] == 128
+        totals.append(out["total"])
+    assert totals == [expected.total, expected.total]
+    assert main(base.split()) == 0  # one micro-batch per step: less memory (no gradient held during forward)
+    assert json.loads(capsys.readouterr().out)["total"] < expected.total

@@ -129,3 +129,27 @@ def test_the_dtype_check_sees_a_layer_that_changes_the_dtype(tmp_path, monkeypat
     result = support.run_row(support.row_by_id("z1-bf16-mixed"), "cpu", seq_length=64, micro_batch_size=1)
     assert result["status"] in ("failed", "error"), result
     assert "dtype" in (result["error"] or ""), result
+
+
+def test_plan_flags_layouts_the_matrix_has_not_tested(capsys):
+    """`plan` marks a proposed layout whose features no CPU test of the matrix combines (issue 36, item 9): the
+    Mixtral rows that put cp or ZeRO 2 beside ep are flagged, with the pairs; every tested row itself is covered;
+    a plain tp2 dp4 layout is not flagged."""
+    from lightning_4d.cli import main
+
+    for row in support.ROWS:
+        if row.refused is None and row.family == "ours":
+            assert support.untested_pairs(row.options(), support._row_is_moe(row)) == [], row.id
+    assert support.untested_pairs({"tp": 2, "dp": 4, "zero_stage": 1}) == []
+    mixtral = {"pp": 8, "pipeline_schedule": "zbv", "cp": 2, "dp": 4, "expert_parallel_size": 8, "zero_stage": 2}
+    pairs = support.untested_pairs(mixtral, moe=True)
+    assert ("cp", "ep") in pairs and ("ZeRO 2", "ep") in pairs and ("MoE", "pp zbv") in pairs
+    argv = "plan --model mixtral-8x7b --num-gpus 64 --seq-length 8192 --global-batch-size 512 --top 3".split()
+    assert main(argv + ["--json"]) == 0
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    assert layouts and all(c["untested_pairs"] for c in layouts)
+    for c in layouts:
+        assert c["untested_pairs"] == [list(p) for p in support.untested_pairs(c, moe=True)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no*" in out and "* tested: no = the layout combines features" in out

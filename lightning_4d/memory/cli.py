@@ -200,14 +200,21 @@ def _load_imbalance_option(p: argparse.ArgumentParser) -> None:
 
 #: what a command adds to a layout option's help, by (command, field)
 _COMMAND_NOTES = {
+    ("estimate", "num_microbatches"): "; at pp = 1 the gradient-accumulation steps per optimizer step (Lightning's "
+    "accumulate_grad_batches, also --accumulate-grad-batches), as plan and the pre-fit check count them (default 1)",
     ("measure", "expert_parallel_size"): "; measure refuses ep > 1 (the fake process group's all-to-all carries no "
     "counts)",
 }
 
 
-def _layout_option(p: Any, field: LayoutField, default: Any, help: str) -> None:
+#: more flags a command gives a layout option, by (command, field)
+_COMMAND_ALIASES = {("estimate", "num_microbatches"): ("--accumulate-grad-batches",)}
+
+
+def _layout_option(p: Any, field: LayoutField, default: Any, help: str, aliases: tuple[str, ...] = ()) -> None:
     """Add the option of a layout field (:mod:`lightning_4d.layout`) to ``p``: a switch for a bool, ``true``/``false``
-    for an optional bool, its choices, a list of positive integers, or an integer (positive for a size)."""
+    for an optional bool, its choices, a list of positive integers, or an integer (positive for a size);
+    ``aliases``: more flags for the same option."""
     kw: dict[str, Any] = {"dest": field.option_dest, "help": help}
     if field.type is bool:
         kw["action"] = "store_true"
@@ -223,7 +230,7 @@ def _layout_option(p: Any, field: LayoutField, default: Any, help: str) -> None:
             kw["type"] = positive_int if field.minimum == 1 else int
             if any(get_origin(t) is list for t in (field.type, *get_args(field.type))):
                 kw["nargs"] = "+"
-    p.add_argument(*field.flags, **kw)
+    p.add_argument(*field.flags, *aliases, **kw)
 
 
 def command_parser(command: str) -> argparse.ArgumentParser:
@@ -250,7 +257,8 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         for f in LAYOUT_FIELDS:
             if f.flags:
                 help = (f.cli_help or f.help) + _COMMAND_NOTES.get((command, f.name), "")
-                _layout_option(group if f.name == "data_parallel_size" else p, f, f.default, help)
+                aliases = _COMMAND_ALIASES.get((command, f.name), ())
+                _layout_option(group if f.name == "data_parallel_size" else p, f, f.default, help, aliases)
         group.add_argument("--num-gpus", type=positive_int, help="world size (dp = num_gpus / (tp*pp*cp))")
         p.add_argument("--micro-batch-size", type=positive_int, required=True)
     else:
@@ -335,7 +343,9 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
     pc, proposed = layout_from_args(args, cfg)
-    m = pc.microbatches
+    # m: the pipeline's micro-batches, or at pp = 1 the gradient-accumulation steps (`--num-microbatches` /
+    # `--accumulate-grad-batches`), as `plan` and the pre-fit check (trainer.accumulate_grad_batches) count them
+    m = pc.microbatches if pc.pp > 1 else (pc.num_microbatches or 1)
     if args.formula == "fujii2024":
         if pc.zero_stage > 1 or pc.activation_checkpointing != "none":
             raise ValueError(
@@ -369,6 +379,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         formula=args.formula,
         layout=dict(
             reported_layout(pc),
+            num_microbatches=m,
             micro_batch_size=args.micro_batch_size,
             seq_length=args.seq_length,
             precision=args.precision,
@@ -474,6 +485,7 @@ def _print_estimate(out: dict[str, Any]) -> None:
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_4d.memory.planner import plan
     from lightning_4d.memory.reliability import checkpoint_interval
+    from lightning_4d.support import untested_pairs
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
@@ -522,6 +534,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
                 "checkpoint_lost_fraction": ckpt.lost_fraction,
                 "job_mtbf_s": ckpt.mtbf_s,
                 "checkpoint_bytes": ckpt.checkpoint_bytes,
+                # the features of this layout no CPU test of the support matrix combines (docs/support.md)
+                "untested_pairs": [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "num_experts", 0) > 0)],
             }
         )
     out = {
@@ -691,6 +705,7 @@ def _print_plan(out: dict[str, Any]) -> None:
         "bubble",
         "comm",
         "recomp",
+        "tested",
     ):
         table.add_column(col, justify="right")
     for i, c in enumerate(out["layouts"], 1):
@@ -726,6 +741,7 @@ def _print_plan(out: dict[str, Any]) -> None:
             f"{100 * c['bubble_fraction']:.0f}%",
             f"{100 * c['communication_fraction']:.0f}%",
             f"{100 * c['recompute_fraction']:.0f}%",
+            "no*" if c["untested_pairs"] else "yes",
         )
     console = Console(width=max(Console().width, 180))
     console.print(table)
@@ -744,6 +760,16 @@ def _print_plan(out: dict[str, Any]) -> None:
             f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
             f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
             f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU)."
+        )
+    untested = [(i, c["untested_pairs"]) for i, c in enumerate(out["layouts"], 1) if c["untested_pairs"]]
+    if untested:
+        first, pairs = untested[0]
+        console.print(
+            f"* tested: no = the layout combines features that no CPU test of the support matrix runs together "
+            f"(docs/support.md; `lightning-4d support`), e.g. #{first}: "
+            + ", ".join(f"{a} + {b}" for a, b in pairs)
+            + " (all pairs: --json, untested_pairs).",
+            soft_wrap=True,
         )
     if out.get("plot"):
         console.print(f"plot: {out['plot']}")
