@@ -153,8 +153,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return support_main(args[1:])
     if args and args[0] in ("estimate", "plan"):
         from lightning_4d.memory.cli import main as memory_main
+        from lightning_4d.support import untested_pairs
 
-        return memory_main(args[0], args[1:])
+        return memory_main(args[0], args[1:], untested_pairs)
     # LightningCLI reads sys.argv itself when run as the console script (given args too, it warns)
     distributed = _lightning_cli(None if argv is None else args)
     if distributed and argv is None:  # the console script of a distributed run: never return into finalization

@@ -13,7 +13,7 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, get_args, get_origin
+from typing import Any, Callable, Optional, get_args, get_origin
 
 from lightning_4d.config import (
     TRAINING_PRECISIONS,
@@ -482,10 +482,9 @@ def _print_estimate(out: dict[str, Any]) -> None:
             console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
-def _plan(args: argparse.Namespace) -> dict[str, Any]:
+def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, bool], list]] = None) -> dict[str, Any]:
     from lightning_4d.memory.planner import plan
     from lightning_4d.memory.reliability import checkpoint_interval
-    from lightning_4d.support import untested_pairs
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
@@ -535,7 +534,10 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
                 "job_mtbf_s": ckpt.mtbf_s,
                 "checkpoint_bytes": ckpt.checkpoint_bytes,
                 # the features of this layout no CPU test of the support matrix combines (docs/support.md)
-                "untested_pairs": [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "num_experts", 0) > 0)],
+                # (None: not checked, when the caller gives no checker: memory/ cannot import the support matrix)
+                "untested_pairs": None
+                if untested_pairs is None
+                else [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "num_experts", 0) > 0)],
             }
         )
     out = {
@@ -741,7 +743,7 @@ def _print_plan(out: dict[str, Any]) -> None:
             f"{100 * c['bubble_fraction']:.0f}%",
             f"{100 * c['communication_fraction']:.0f}%",
             f"{100 * c['recompute_fraction']:.0f}%",
-            "no*" if c["untested_pairs"] else "yes",
+            "-" if c["untested_pairs"] is None else ("no*" if c["untested_pairs"] else "yes"),
         )
     console = Console(width=max(Console().width, 180))
     console.print(table)
@@ -761,7 +763,7 @@ def _print_plan(out: dict[str, Any]) -> None:
             f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
             f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU)."
         )
-    untested = [(i, c["untested_pairs"]) for i, c in enumerate(out["layouts"], 1) if c["untested_pairs"]]
+    untested = [(i, c["untested_pairs"]) for i, c in enumerate(out["layouts"], 1) if c.get("untested_pairs")]
     if untested:
         first, pairs = untested[0]
         console.print(
@@ -780,9 +782,13 @@ def _print_plan(out: dict[str, Any]) -> None:
     )
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], untested_pairs: Optional[Callable[[dict, bool], list]] = None) -> int:
     """Run ``estimate`` or ``plan`` with ``argv``; returns the exit code (0 fits, 1 does not fit, 2 bad input).
-    (``measure``'s options are defined here too, :func:`command_parser`; it runs in :mod:`lightning_4d.measure`.)"""
+    (``measure``'s options are defined here too, :func:`command_parser`; it runs in :mod:`lightning_4d.measure`.)
+
+    ``untested_pairs``: for ``plan``, ``(layout options, moe) -> the feature pairs no CPU test runs together``
+    (``lightning-4d plan`` passes :func:`lightning_4d.support.untested_pairs`; memory/ does not import the support
+    matrix, which sits above it); without it the ``tested`` column shows ``-``."""
     args = command_parser(command).parse_args(argv)
     emit = getattr(args, "emit_config", None)
     try:
@@ -790,7 +796,7 @@ def main(command: str, argv: list[str]) -> int:
             folder = Path(emit).parent
             if not folder.is_dir():
                 raise ValueError(f"--emit-config {emit!r}: the folder {str(folder)!r} does not exist.")
-        out = _estimate(args) if command == "estimate" else _plan(args)
+        out = _estimate(args) if command == "estimate" else _plan(args, untested_pairs)
         if emit is not None:
             if not out["layouts"]:
                 raise ValueError(
