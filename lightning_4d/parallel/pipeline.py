@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.module_tree import find_submodel, layer_items, set_submodel
-from lightning_4d.parallel._compat import reset_schedule_metadata
+from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
 
 
@@ -232,6 +232,11 @@ def split_model(
     ]
     for _, chunk in chunks:
         chunk.comm_dtype = config.pipeline_comm_dtype
+    embedding, head = parts["embedding"], parts["head"]
+    if first and last and getattr(head, "weight", None) is not None and head.weight is embedding.weight:
+        # tied embeddings on a V schedule's rank 0 (first and last stage): the head gets its own copy, as on any
+        # last stage (TiedEmbedding: initialized equal, gradients summed); two stage chunks never share a parameter
+        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=embedding.weight.requires_grad)
     if not first:
         set_submodel(model, where.embedding, None)
     if not last:
@@ -239,6 +244,87 @@ def split_model(
         set_submodel(model, where.head, None)
     _as_union(model, chunks)
     return chunks
+
+
+class TiedEmbedding:
+    """Tied embeddings under pp > 1 (Megatron-Core's *embedding group*): the first stage holds the ``[V, h]`` matrix
+    as the embedding's weight, the last stage its own copy as the LM head's weight. Both start equal (the model family
+    initializes a tied head under the embedding's name: ``LlamaModel.init_weights``) and stay equal: after backward,
+    before clipping and the optimizer step, :meth:`reduce_gradients` sums the two copies' gradients over ``group``
+    (the pp ranks holding a copy, at this rank's dp/cp/tp coordinates: :func:`lightning_4d.mesh.embedding_group`),
+    so both copies take the same optimizer step on the gradient of the one logical weight. On a V schedule (zbv,
+    dualpipev) pp rank 0 holds the first and the last stage, so both copies sit on one rank (``group`` ``None``) and
+    their gradients are summed locally. Global-norm clipping counts the weight once: the head's copy is left out of
+    the norm (:meth:`norm_excluded`) and scaled by the same coefficient.
+
+    The gradients are summed before they are averaged over dp·cp (linear, so the result is the same): the ZeRO 0/1
+    buckets hold each rank's un-reduced gradient until the pipeline's single reduction after the schedule
+    (``GradientBuckets.synchronize``); FSDP2 (ZeRO 2/3) has reduce-scattered them within the schedule, and the two
+    copies' shards are alike (same shape and placements), so the shards are summed.
+
+    Args:
+        embedding: the embedding's weight on this rank (a first stage), else ``None``.
+        head: the LM head's weight copy on this rank (a last stage), else ``None``.
+        group: the embedding group (``None`` when this rank holds both copies).
+
+    The parameters are looked up when used (``embedding`` / ``head`` are callables returning the current parameter,
+    or ``None``): casting and checkpoint loading may replace a module's parameter object.
+    """
+
+    def __init__(
+        self,
+        embedding: Callable[[], Optional[Tensor]],
+        head: Callable[[], Optional[Tensor]],
+        group: Optional[dist.ProcessGroup],
+    ) -> None:
+        self._embedding, self._head, self.group = embedding, head, group
+
+    @classmethod
+    def of(cls, family: Any, model: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional["TiedEmbedding"]:
+        """The tied embedding of a pipeline-split ``model`` (:func:`split_model`) whose config ties the embedding and
+        the head (``tie_word_embeddings``), holding a copy on this rank; else ``None``."""
+        if pipeline_chunks(model) is None or not getattr(family.model_config(model), "tie_word_embeddings", False):
+            return None
+        where = family.pipeline_layout(model)
+
+        def weight(path: str) -> Callable[[], Optional[Tensor]]:
+            return lambda: getattr(find_submodel(model, path), "weight", None)
+
+        tied = cls(weight(where.embedding), weight(where.head), group)
+        return tied if tied._embedding() is not None or tied._head() is not None else None
+
+    def norm_excluded(self) -> list[Tensor]:
+        """The parameters a global gradient norm leaves out: the head's copy (counted once, as the embedding)."""
+        head = self._head()
+        return [head] if head is not None else []
+
+    @torch.no_grad()
+    def reduce_gradients(self, buckets: Any = None) -> None:
+        """Sum the gradients of the copies over the embedding group (or locally), in place.
+
+        Args:
+            buckets: the ZeRO 0/1 :class:`~lightning_4d.parallel.grad_buffers.GradientBuckets` holding the gradients
+                (called before their ``synchronize``), else ``None`` (the parameters' ``.grad``: a plain tensor or
+                the local shard of a DTensor).
+        """
+        grads = [g for p in (self._embedding(), self._head()) if p is not None for g in [self._grad(p, buckets)]]
+        if self.group is None:  # both copies here (a V schedule's rank 0)
+            if len(grads) == 2:
+                grads[0].add_(grads[1])
+                grads[1].copy_(grads[0])
+            return
+        for g in grads:
+            dist.all_reduce(g, group=self.group)
+
+    @staticmethod
+    def _grad(p: Tensor, buckets: Any) -> Tensor:
+        """``p``'s gradient to sum in place: its slice of the ZeRO 0/1 buckets (zeros when it got none), else its
+        ``.grad``'s local tensor (made zeros when it got none)."""
+        if buckets is not None:
+            return buckets.take_in(p)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return local_tensor(p.grad)
 
 
 def sync_chunk_layers(model: nn.Module, family: Any) -> None:
@@ -472,7 +558,7 @@ class PipelineRunner:
         return self._reduce_loss(losses, input_ids.device)
 
     def _parameters(self) -> list[Tensor]:
-        return [p for stage in self.stages for p in stage.submod.parameters()]
+        return list({id(p): p for stage in self.stages for p in stage.submod.parameters()}.values())
 
     def restore_gradients(self) -> None:
         """Put back the gradients that :meth:`train_step` computed (called by the strategy's ``backward``); added
