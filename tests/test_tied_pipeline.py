@@ -1,0 +1,262 @@
+"""Tied embeddings under pipeline parallelism (issue 34, item 1) against the single-process tied run (plain Lightning,
+no FourDStrategy; CPU, gloo, float32, tiny-test with 4 layers and ``tie_word_embeddings=True``, 10 AdamW steps).
+
+The first stage holds the ``[V, h]`` matrix as the embedding, the last stage its own copy as the LM head
+(``parallel/pipeline.py``'s ``TiedEmbedding``): every schedule (1F1B, interleaved, ZBV and DualPipeV, whose rank 0
+holds both copies), with tp, ZeRO 0-3 and clipping, must give the one-process losses (1e-5 relative) and weights
+(1e-5 relative in L2 per tensor), the head's copy identical to the embedding, and the model-state bytes the memory
+model gives each rank. A tied pp2 checkpoint holds the weight once and resumes on pp1 (and back) where the straight
+run goes; export-hf writes it once.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lightning_4d import ParallelConfig
+from lightning_4d.memory.model import model_state_bytes
+from lightning_4d.models import LlamaConfig
+from tests._launch import SCRIPTS, torchrun
+from tests.test_parity import LOSS_RTOL, STEPS, _layout_id
+
+LAYERS = 4
+#: L2-relative error of every final weight tensor against the one-process run's (measured: see the tests' output)
+WEIGHT_RTOL = 1e-5
+T = {"tied": True}
+WORLD2 = [
+    {"pp": 2, "schedule": "1f1b", "m": 2, **T},
+    {"pp": 2, "schedule": "interleaved_1f1b", "v": 2, "m": 2, **T},
+    {"pp": 2, "schedule": "zbv", "m": 4, **T},  # V: rank 0 holds the first and the last stage (both copies)
+    {"pp": 2, "schedule": "dualpipev", "m": 4, **T},
+    {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1, **T},  # the global norm counts the weight once
+]
+WORLD4 = [
+    {"pp": 2, "tp": 2, "schedule": "1f1b", "m": 2, **T},  # both copies vocabulary-sharded over tp
+    {"pp": 4, "schedule": "1f1b", "m": 4, **T},  # the embedding group: pp ranks 0 and 3 only
+    {"pp": 2, "dp": 2, "zero": 1, "schedule": "interleaved_1f1b", "m": 2, "clip": 0.1, **T},
+    {"pp": 2, "dp": 2, "zero": 3, "schedule": "zbv", "m": 2, **T},
+]
+
+
+def _run(out, nproc: int, layouts: list[dict], *extra: str) -> None:
+    torchrun(
+        nproc,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--layers",
+        str(LAYERS),
+        "--layouts",
+        json.dumps(layouts),
+        *extra,
+        timeout=600,
+    )
+
+
+def _results(out, layouts: list[dict]) -> list[tuple]:
+    """``(layout, rank records, merged weights, the head copies)`` per layout: each rank saved what it holds; the
+    head's copies (``output.weight``) are kept apart, every other tensor is the same on every rank holding it."""
+    results = []
+    for i, layout in enumerate(layouts):
+        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
+        files = sorted(out.glob(f"layout{i}_weights_rank*.pt")) or [out / f"layout{i}_weights.pt"]
+        weights: dict[str, torch.Tensor] = {}
+        copies: list[torch.Tensor] = []
+        for path in files:
+            for key, value in torch.load(path).items():
+                if key == "output.weight" and layout.get("pp", 1) > 1:
+                    copies.append(value)
+                    continue
+                if key in weights:
+                    assert torch.equal(weights[key], value), key
+                weights[key] = value
+        results.append((layout, ranks, weights, copies))
+    return results
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied_reference")
+    layouts = [{"reference": True, **T}, {"reference": True, "clip": 0.1, **T}]
+    _run(out, 1, layouts)
+    return _results(out, layouts)
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied_world2")
+    _run(out, 2, WORLD2)
+    return _results(out, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied_world4")
+    _run(out, 4, WORLD4)
+    return _results(out, WORLD4)
+
+
+def _check(references, result) -> None:
+    layout, ranks, weights, copies = result
+    _, ref_ranks, ref_weights, _ = references[1] if layout.get("clip") else references[0]
+    ref_losses = ref_ranks[0]["losses"]
+    for r in ranks:  # the same logged loss on every rank, whatever its stage
+        assert r["losses"] == ranks[0]["losses"], (layout, r["rank"])
+    losses = ranks[0]["losses"]
+    assert len(losses) == len(ref_losses) == STEPS
+    assert set(weights) == set(ref_weights)  # the one-process model names the tied weight once
+    # the last stage's copy is the embedding, bit for bit (one copy per rank holding the last stage: tp and dp ranks)
+    assert copies and all(torch.equal(c, weights["tok_embeddings.weight"]) for c in copies)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    wrel = {k: ((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm()).item() for k in ref_weights}
+    worst = max(wrel, key=wrel.get)
+    werr = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    print(
+        f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max weight L2 rel err {wrel[worst]:.2e} ({worst}), "
+        f"max abs weight diff {werr:.2e}, embedding rel err {wrel['tok_embeddings.weight']:.2e}"
+    )
+    assert rel <= LOSS_RTOL
+    assert wrel[worst] <= WEIGHT_RTOL
+    assert losses[-1] < losses[0]
+
+
+def _check_state_bytes(result) -> None:
+    """Each rank's parameter, gradient and optimizer-state bytes (the last stage's copy included) equal the memory
+    model's figure for its pp rank, exactly."""
+    layout, ranks, _, _ = result
+    pp, dp, tp = layout["pp"], layout.get("dp", 1), layout.get("tp", 1)
+    pc = ParallelConfig(
+        pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        zero_stage=layout.get("zero", 0),
+        pipeline_schedule=layout["schedule"],
+        virtual_pipeline_stages=layout.get("v"),
+        num_microbatches=layout["m"],
+    )
+    cfg = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=True, num_layers=LAYERS)
+    for r in ranks:
+        rank = r["rank"]  # mesh (pp, dp, cp, tp): tp innermost, pp outermost
+        est = model_state_bytes(cfg, pc, "32-true", pp_rank=rank // (dp * tp), dp_cp_rank=rank // tp % dp)
+        real = r["bytes"]
+        assert (real["params"], real["grads"], real["optimizer_states"]) == (
+            est.parameters,
+            est.gradients,
+            est.optimizer_states,
+        ), (layout, rank)
+
+
+@pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
+def test_tied_pp_world2_equals_one_process(references, world2, index):
+    _check(references, world2[index])
+    _check_state_bytes(world2[index])
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
+def test_tied_pp_world4_equals_one_process(references, world4, index):
+    _check(references, world4[index])
+    _check_state_bytes(world4[index])
+
+
+def test_tied_clipping_is_active(references):
+    """The clipped tied reference differs from the unclipped one, so the clipped layouts test the norm."""
+    assert references[0][1][0]["losses"][1] != references[1][1][0]["losses"][1]
+
+
+def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(references, tmp_path):
+    """A tied pp2 ZeRO 1 checkpoint (step 5 of 10) holds the weight once, under the embedding's key (model and
+    optimizer states); it resumes on pp1 (dp2 ZeRO 1), and a pp1 checkpoint on pp2 ZBV ZeRO 3, each to the
+    one-process run's losses of steps 6-10 (1e-5 relative, as the straight runs above); export-hf writes the weight
+    once, as the embedding's Hugging Face tensor."""
+    from safetensors.torch import load_file
+
+    from lightning_4d.checkpoint import check_complete
+    from lightning_4d.families.hf_io import export_hf
+
+    pp2 = {"name": "pp2", "pp": 2, "schedule": "1f1b", "m": 2, "zero": 1, **T}
+    pp1 = {"name": "pp1", "dp": 2, "zero": 1, **T}
+    _run(tmp_path, 2, [pp2, pp1], "--reshard", "first", "--no-straight")
+    saved = check_complete(tmp_path / "pp2" / "last.ckpt")
+    assert "state_dict.model.tok_embeddings.weight" in saved
+    assert not [k for k in saved if "output.weight" in k], [k for k in saved if "output.weight" in k]
+    assert [k for k in saved if k.startswith("optimizer_0.state.model.tok_embeddings.weight.")]
+    shutil.copytree(tmp_path / "pp2", tmp_path / "to_pp1")
+    shutil.copytree(tmp_path / "pp1", tmp_path / "to_pp2")
+    zbv = {"name": "to_pp2", "pp": 2, "schedule": "zbv", "m": 4, "zero": 3, **T}
+    _run(tmp_path, 2, [{**pp1, "name": "to_pp1"}, zbv], "--reshard", "resume")
+    half = STEPS // 2
+    reference = references[0][1][0]["losses"][half:]
+    for name in ("to_pp1", "to_pp2"):
+        for rank in range(2):
+            resumed = json.loads((tmp_path / f"{name}_resume_rank{rank}.json").read_text())["resumed"]
+            rel = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
+            print(f"\n{name} rank {rank}: max rel loss diff {rel:.2e} (steps {half + 1}-{STEPS})")
+            assert len(resumed) == STEPS - half and rel <= LOSS_RTOL
+    out = export_hf(tmp_path / "pp2" / "last.ckpt", tmp_path / "hf")
+    tensors = load_file(out / "model.safetensors")
+    assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_tied_pp_memory_model_counts_the_last_stage_copy():
+    """Under pp > 1 the last stage holds a copy of the tied matrix (parameters, gradients, optimizer states): its
+    states are those of the untied model's last stage; on a V schedule rank 0 holds both copies. At pp = 1 the
+    tied model holds it once."""
+    tied = LlamaConfig.from_preset("llama3.2-1b")
+    untied = LlamaConfig.from_preset("llama3.2-1b", tie_word_embeddings=False)
+    for schedule in ("1f1b", "zbv"):
+        for zero in (0, 1, 3):
+            pc = ParallelConfig(
+                pipeline_parallel_size=2, data_parallel_size=2, zero_stage=zero, pipeline_schedule=schedule
+            )
+            for rank in range(2):
+                a = model_state_bytes(tied, pc, "bf16-mixed", pp_rank=rank)
+                assert a == model_state_bytes(untied, pc, "bf16-mixed", pp_rank=rank), (schedule, zero, rank)
+    pc = ParallelConfig(data_parallel_size=2, zero_stage=1)
+    v, h = tied.padded_vocab_size, tied.hidden_size
+    difference = model_state_bytes(untied, pc, "32-true").parameters - model_state_bytes(tied, pc, "32-true").parameters
+    assert difference == 4 * v * h
+
+
+def test_tied_pp_estimate_and_plan_accept_tied_models(capsys):
+    """``lightning-4d estimate`` and ``plan`` estimate tied models under pp instead of refusing them."""
+    from lightning_4d.cli import main
+
+    args = ["--model", "llama3.2-3b", "--tp", "4", "--pp", "2", "--cp", "2", "--dp", "2", "--seq-length", "4096"]
+    assert main(["estimate", *args, "--micro-batch-size", "1"]) in (0, None)
+    assert "fits" in capsys.readouterr().out
+    plan = ["plan", "--model", "llama3.2-1b", "--num-gpus", "16", "--global-batch-size", "32", "--pp", "2"]
+    assert main([*plan, "--seq-length", "2048", "--top", "3"]) in (0, None)
+    assert "#1:" in capsys.readouterr().out  # at least one pp2 layout fits
+
+
+def test_tied_pp_measure_equals_estimate(tmp_path):
+    """``lightning-4d measure`` runs a tied pp2 tp2 dp2 ZeRO 1 last-stage rank (6) on the fake process group: its
+    parameter, gradient and optimizer-state bytes (the copy included) equal the estimate
+    (:func:`tests._launch.measure_json` asserts it)."""
+    from tests._launch import measure_json
+
+    spec = tmp_path / "tied.yaml"
+    spec.write_text("preset: tiny-test\ntie_word_embeddings: true\n")
+    args = ["--model", str(spec), "--pp", "2", "--tp", "2", "--dp", "2", "--zero-stage", "1"]
+    args += ["--num-microbatches", "2", "--seq-length", "64", "--micro-batch-size", "1", "--rank", "6"]
+    out, rows = measure_json(*args, "--precision", "32-true")
+    print(f"\nmeasure tied pp2 tp2 dp2 rank 6: parameters {rows['parameters']}")
+    assert rows["parameters"]["measured"] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"gradient_compression": "powersgd"}, "gradient_compression='powersgd' is not supported for tie_word")],
+)
+def test_tied_pp_refusals_before_the_process_group(kwargs, match):
+    cfg = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=True, num_layers=4)
+    pc = ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, zero_stage=1, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        pc.validate_model(cfg)
