@@ -35,7 +35,7 @@ WORLD2 = [
     {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1, **T},  # the global norm counts the weight once
 ]
 WORLD4 = [
-    {"pp": 2, "tp": 2, "schedule": "1f1b", "m": 2, **T},  # both copies vocabulary-sharded over tp
+    {"pp": 2, "tp": 2, "zero": 1, "schedule": "1f1b", "m": 2, **T},  # both copies vocabulary-sharded over tp
     {"pp": 4, "schedule": "1f1b", "m": 4, **T},  # the embedding group: pp ranks 0 and 3 only
     {"pp": 2, "dp": 2, "zero": 1, "schedule": "interleaved_1f1b", "m": 2, "clip": 0.1, **T},
     {"pp": 2, "dp": 2, "zero": 3, "schedule": "zbv", "m": 2, **T},

@@ -27,6 +27,10 @@ the ``m`` micro-batches, exactly as one process computing the mean over the whol
 same number of tokens). Lightning zeroes gradients between ``training_step`` and ``backward``, so the schedule's
 gradients are stashed and restored by the strategy's ``backward`` (:meth:`PipelineRunner.restore_gradients`).
 
+**Tied embeddings** (:class:`TiedEmbedding`, Megatron-Core's embedding group): the last stage holds its own copy of
+a tied embedding as the LM head's weight (on a V schedule's rank 0 too, :func:`split_model`), initialized equal;
+the two copies' gradients are summed after the schedule, before clipping, which counts the weight once.
+
 **Clipping** under pp: the one :func:`lightning_4d.parallel.clipping.clip_grad_norm_`, given the pp group (the
 strategy's precision plugin, :class:`lightning_4d.precision.FourDPrecision`): the global norm over all shards and all
 stages.
