@@ -857,18 +857,9 @@ PRESETS: dict[str, LlamaConfig] = {
         num_kv_heads=4,
         max_seq_length=2048,
     ),
-    # small with the embedding and the LM head tied (Llama 3.2's shape of weights): the support matrix's tied rows
-    "small-tied": LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=688,
-        num_layers=6,
-        num_heads=8,
-        num_kv_heads=4,
-        max_seq_length=2048,
-        tie_word_embeddings=True,
-    ),
 }
+# small with the embedding and the LM head tied (Llama 3.2's shape of weights): the support matrix's tied rows
+PRESETS["small-tied"] = dataclasses.replace(PRESETS["small"], tie_word_embeddings=True)
 
 
 def _allow_in_weights_only_checkpoints() -> None:
