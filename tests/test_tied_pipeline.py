@@ -260,3 +260,34 @@ def test_tied_pp_refusals_before_the_process_group(kwargs, match):
     pc = ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, zero_stage=1, **kwargs)
     with pytest.raises(ValueError, match=match):
         pc.validate_model(cfg)
+
+
+def test_tied_pp_step_time_counts_the_embedding_all_reduce():
+    """The step-time model adds the tied copies' gradient all-reduce (2 ranks, 4·V·h/tp bytes, exposed) to the pp
+    term of a looped schedule, and nothing on zbv (rank 0 holds both copies)."""
+    from lightning_4d.memory import step_time as st
+    from lightning_4d.memory.hardware import gpu_spec
+
+    tied = LlamaConfig.from_preset("llama3.2-1b")
+    untied = LlamaConfig.from_preset("llama3.2-1b", tie_word_embeddings=False)
+    h100 = gpu_spec("H100-80GB")
+    for schedule, zero, expected in (("1f1b", 1, True), ("1f1b", 3, True), ("zbv", 1, False)):
+        layout = st.Layout.of(
+            ParallelConfig(
+                pipeline_parallel_size=2,
+                data_parallel_size=8,
+                zero_stage=zero,
+                pipeline_schedule=schedule,
+                num_microbatches=4,
+            ),
+            1,
+            4,
+        )
+        kw = {"seq_length": 2048, "gpu": h100, "gpus_per_node": 8}
+        extra = st.step_time_of(st._dims(tied), layout, **kw).pp - st.step_time_of(st._dims(untied), layout, **kw).pp
+        if not expected:
+            assert extra == 0.0
+            continue
+        b_pp, lat = st._link(h100, False)  # 16 GPUs: the pp ranks are on two nodes
+        grad = 4 * tied.padded_vocab_size * tied.hidden_size / (8 if zero >= 2 else 1)
+        assert extra == pytest.approx(2 * st._ring(grad, 2, b_pp, lat)) and extra > 0
