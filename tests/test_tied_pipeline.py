@@ -312,3 +312,49 @@ def test_tied_pp_step_time_counts_the_embedding_all_reduce():
         b_pp, lat = st._link(h100, False)  # 16 GPUs: the pp ranks are on two nodes
         grad = 4 * tied.padded_vocab_size * tied.hidden_size / (8 if zero >= 2 else 1)
         assert extra == pytest.approx(2 * st._ring(grad, 2, b_pp, lat)) and extra > 0
+
+
+@pytest.mark.parametrize("source", ["ours", "hf"])
+@pytest.mark.parametrize("schedule, pp_rank", [("1f1b", 1), ("zbv", 0)])
+def test_tied_pp_init_from_reads_the_head_copy_from_the_embedding(tmp_path, schedule, pp_rank, source):
+    """``init_from`` one of our checkpoints (which holds a tied weight once, as the embedding) or a tied Hugging Face
+    directory (``model.embed_tokens.weight`` only): a last stage's head copy reads the embedding's tensor, alone
+    (1f1b rank 1) or beside the embedding on a V schedule's rank 0."""
+    from lightning_4d.families.llama import LlamaFamily
+    from lightning_4d.models.llama import LlamaModel
+    from lightning_4d.parallel.pipeline import split_model
+
+    cfg = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=True, num_layers=4)
+    if source == "ours":
+        weights = LlamaModel(cfg, init_seed=3)
+        saved = {n: p.detach().clone() for n, p in weights.named_parameters()}  # the tied weight once
+        assert "output.weight" not in saved
+        torch.save({"state_dict": saved}, tmp_path / "weights.ckpt")
+        path = tmp_path / "weights.ckpt"
+    else:
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+        fields.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).float()
+        hf.save_pretrained(tmp_path / "hf")
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+            assert "lm_head.weight" not in f.keys()  # the directory holds the tied weight once
+        saved = {"tok_embeddings.weight": hf.model.embed_tokens.weight.detach().clone()}
+        path = tmp_path / "hf"
+    family = LlamaFamily()
+    with torch.device("meta"):
+        model = LlamaModel(cfg, init_seed=5)
+    pc = ParallelConfig(pipeline_parallel_size=2, data_parallel_size=1, pipeline_schedule=schedule)
+    split_model(family, model, pc, pp_rank)
+    family.materialize(model, torch.device("cpu"))
+    assert model.output is not None and model.output.weight is not getattr(model.tok_embeddings, "weight", None)
+    if source == "ours":
+        family.load_checkpoint_weights("", model, path)
+    else:
+        family.load_hf(model, path)
+    assert torch.equal(model.output.weight, saved["tok_embeddings.weight"])
+    if model.tok_embeddings is not None:
+        assert torch.equal(model.tok_embeddings.weight, saved["tok_embeddings.weight"])
