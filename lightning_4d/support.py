@@ -297,7 +297,7 @@ ROWS: list[Row] = [
     ),
     Row(
         "pp2-tied-zbv",
-        "pp2 ZBV, tied embeddings: both copies on rank 0 (first and last stage), summed there",
+        "pp2 ZBV, tied embeddings: rank 0 holds the first and last stage, the weight truly tied there (ZeRO 0/1)",
         {"model": "small-tied", "pp": 2, "pipeline_schedule": "zbv", "num_microbatches": 4},
         cpu_tests=(TIED + "test_tied_pp_world2_equals_one_process", TIED + "test_tied_pp_world4_equals_one_process"),
     ),

@@ -28,7 +28,8 @@ same number of tokens). Lightning zeroes gradients between ``training_step`` and
 gradients are stashed and restored by the strategy's ``backward`` (:meth:`PipelineRunner.restore_gradients`).
 
 **Tied embeddings** (:class:`TiedEmbedding`, Megatron-Core's embedding group): the last stage holds its own copy of
-a tied embedding as the LM head's weight (on a V schedule's rank 0 too, :func:`split_model`), initialized equal;
+a tied embedding as the LM head's weight (on a V schedule's rank 0 under ZeRO 2/3 too, :func:`split_model`; at ZeRO
+0/1 that rank keeps the one tied weight), initialized equal;
 the two copies' gradients are summed after the schedule, before clipping, which counts the weight once.
 
 **Clipping** under pp: the one :func:`lightning_4d.parallel.clipping.clip_grad_norm_`, given the pp group (the
@@ -73,11 +74,27 @@ class _PipelineUnion:
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - signature of nn.Module._apply
         if not recurse:
             return super()._apply(fn, recurse)  # type: ignore[misc]
+        shared = _shared_parameters(self)
         for _, chunk in self._pipeline_chunks:
             chunk._apply(fn, recurse)
         owned = {id(m) for _, chunk in self._pipeline_chunks for m in chunk.modules()}
         _apply_outside(self, fn, owned)
+        for places in shared:  # moving a plain parameter off the meta device makes one new Parameter per place
+            module, name = places[0]
+            for other, other_name in places[1:]:
+                other._parameters[other_name] = module._parameters[name]
         return self
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The places ``(module, parameter name)`` of every parameter that two modules of ``model`` share (tied
+    embeddings on a V schedule's rank 0, whose first and last stage chunks hold the embedding and the head)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, name))
+    return [group for group in places.values() if len(group) > 1]
 
 
 def _apply_outside(module: nn.Module, fn: Any, owned: set[int]) -> None:
@@ -237,9 +254,16 @@ def split_model(
     for _, chunk in chunks:
         chunk.comm_dtype = config.pipeline_comm_dtype
     embedding, head = parts["embedding"], parts["head"]
-    if first and last and getattr(head, "weight", None) is not None and head.weight is embedding.weight:
-        # tied embeddings on a V schedule's rank 0 (first and last stage): the head gets its own copy, as on any
-        # last stage (TiedEmbedding: initialized equal, gradients summed); two stage chunks never share a parameter
+    if (
+        first
+        and last
+        and config.zero_stage >= 2
+        and getattr(head, "weight", None) is not None
+        and head.weight is embedding.weight
+    ):
+        # tied embeddings on a V schedule's rank 0 (first and last stage) under ZeRO 2/3: each stage chunk is its own
+        # FSDP2 root, and two roots cannot share a parameter, so the head gets its own copy, as on any last stage
+        # (TiedEmbedding: initialized equal, gradients summed in place). At ZeRO 0/1 the weight stays truly tied.
         head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=embedding.weight.requires_grad)
     if not first:
         set_submodel(model, where.embedding, None)
@@ -257,9 +281,11 @@ class TiedEmbedding:
     before clipping and the optimizer step, :meth:`reduce_gradients` sums the two copies' gradients over ``group``
     (the pp ranks holding a copy, at this rank's dp/cp/tp coordinates: :func:`lightning_4d.mesh.embedding_group`),
     so both copies take the same optimizer step on the gradient of the one logical weight. On a V schedule (zbv,
-    dualpipev) pp rank 0 holds the first and the last stage, so both copies sit on one rank (``group`` ``None``) and
-    their gradients are summed locally. Global-norm clipping counts the weight once: the head's copy is left out of
-    the norm (:meth:`norm_excluded`) and scaled by the same coefficient.
+    dualpipev) pp rank 0 holds the first and the last stage (``group`` ``None``): at ZeRO 0/1 the weight stays truly
+    tied there (one parameter, whose gradient autograd already sums: nothing to do), at ZeRO 2/3 the rank holds both
+    copies (each stage chunk is its own FSDP2 root, and roots cannot share a parameter) and sums their gradients in
+    place. Global-norm clipping counts the weight once: a head's copy is left out of the norm (:meth:`norm_excluded`)
+    and scaled by the same coefficient.
 
     The gradients are summed before they are averaged over dp·cp (linear, so the result is the same): the ZeRO 0/1
     buckets hold each rank's un-reduced gradient until the pipeline's single reduction after the schedule
@@ -298,9 +324,10 @@ class TiedEmbedding:
         return tied if tied._embedding() is not None or tied._head() is not None else None
 
     def norm_excluded(self) -> list[Tensor]:
-        """The parameters a global gradient norm leaves out: the head's copy (counted once, as the embedding)."""
+        """The parameters a global gradient norm leaves out: the head's copy (counted once, as the embedding); none
+        where the head's weight is the embedding's (truly tied on a V schedule's rank 0)."""
         head = self._head()
-        return [head] if head is not None else []
+        return [head] if head is not None and head is not self._embedding() else []
 
     @torch.no_grad()
     def reduce_gradients(self, buckets: Any = None) -> None:
@@ -311,8 +338,11 @@ class TiedEmbedding:
                 (called before their ``synchronize``), else ``None`` (the parameters' ``.grad``: a plain tensor or
                 the local shard of a DTensor).
         """
-        grads = [g for p in (self._embedding(), self._head()) if p is not None for g in [self._grad(p, buckets)]]
-        if self.group is None:  # both copies here (a V schedule's rank 0)
+        embedding, head = self._embedding(), self._head()
+        if embedding is head:  # truly tied on a V schedule's rank 0: autograd summed both uses already
+            return
+        grads = [self._grad(p, buckets) for p in (embedding, head) if p is not None]
+        if self.group is None:  # both copies here (a V schedule's rank 0 under ZeRO 2/3)
             if len(grads) == 2:
                 grads[0].add_(grads[1])
                 grads[1].copy_(grads[0])
