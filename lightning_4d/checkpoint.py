@@ -149,19 +149,22 @@ def hold_tied_once(state: dict[str, Any], aliases: dict[str, str]) -> None:
 
 
 def _aliased(flat: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
-    """What to read for the flat state ``flat``: its entries under their saved keys (:func:`_alias`), a tied head's
-    left out where the embedding's are asked for too."""
+    """What to read for the flat state ``flat``: its entries under their saved keys (:func:`saved_key`), a tied
+    head's left out where the embedding's are asked for too."""
     return {a: v for k, v in flat.items() if (a := saved_key(k, aliases)) == k or a not in flat}
 
 
-def _unaliased(flat: dict[str, Any], read: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
-    """``flat``'s keys with the values :func:`read_folder` left in ``read`` (:func:`_aliased`); a tied head read under
-    the embedding's key gets its own copy (two optimizer states never share a tensor)."""
+def _unaliased(
+    flat: dict[str, Any], read: dict[str, Any], aliases: dict[str, str], copy: bool = False
+) -> dict[str, Any]:
+    """``flat``'s keys with the values :func:`read_folder` left in ``read`` (:func:`_aliased`); with ``copy``, a tied
+    head read under the embedding's key gets its own copy (optimizer states: two parameters' states never share a
+    tensor; model weights are copied into the parameters anyway)."""
     out = {}
     for k in flat:
         a = saved_key(k, aliases)
         v = read[a]
-        out[k] = v.clone() if a != k and a in flat and isinstance(v, torch.Tensor) else v
+        out[k] = v.clone() if copy and a != k and a in flat and isinstance(v, torch.Tensor) else v
     return out
 
 
@@ -484,7 +487,7 @@ def load_sharded(
             flat = get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)
             opt_state = {key: _aliased(flat, aliases)}
             read_folder(opt_state, path)
-            flat = _unaliased(flat, opt_state[key], aliases)
+            flat = _unaliased(flat, opt_state[key], aliases, copy=True)
             set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=flat, options=_FLAT_OPTIM)
     if buckets is not None and buckets.powersgd is not None:
         saved_compression = path / _compression_file(global_rank)

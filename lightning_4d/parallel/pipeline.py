@@ -29,8 +29,8 @@ gradients are stashed and restored by the strategy's ``backward`` (:meth:`Pipeli
 
 **Tied embeddings** (:class:`TiedEmbedding`, Megatron-Core's embedding group): the last stage holds its own copy of
 a tied embedding as the LM head's weight (on a V schedule's rank 0 under ZeRO 2/3 too, :func:`split_model`; at ZeRO
-0/1 that rank keeps the one tied weight), initialized equal;
-the two copies' gradients are summed after the schedule, before clipping, which counts the weight once.
+0/1 that rank keeps the one tied weight), initialized equal; the two copies' gradients are summed after the
+schedule, before clipping, which counts the weight once.
 
 **Clipping** under pp: the one :func:`lightning_4d.parallel.clipping.clip_grad_norm_`, given the pp group (the
 strategy's precision plugin, :class:`lightning_4d.precision.FourDPrecision`): the global norm over all shards and all
@@ -293,12 +293,13 @@ class TiedEmbedding:
     copies' shards are alike (same shape and placements), so the shards are summed.
 
     Args:
-        embedding: the embedding's weight on this rank (a first stage), else ``None``.
-        head: the LM head's weight copy on this rank (a last stage), else ``None``.
-        group: the embedding group (``None`` when this rank holds both copies).
+        embedding: returns the embedding's weight on this rank (a first stage), else ``None``.
+        head: returns the LM head's weight on this rank (a last stage), else ``None``; the embedding's own weight
+            where the two are truly tied (a V schedule's rank 0 at ZeRO 0/1).
+        group: the embedding group (``None`` when this rank holds both stages, or neither).
 
-    The parameters are looked up when used (``embedding`` / ``head`` are callables returning the current parameter,
-    or ``None``): casting and checkpoint loading may replace a module's parameter object.
+    The parameters are looked up at each use (callables, not tensors): casting and checkpoint loading may replace a
+    module's parameter object.
     """
 
     def __init__(
