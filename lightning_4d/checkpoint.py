@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_4d.layout import saved_layout
-from lightning_4d.models.llama import canonical_name
+from lightning_4d.models.llama import LlamaModel, canonical_name
 from lightning_4d.parallel._compat import (
     LIGHTNING_METADATA_FILENAME,
     dcp_file_extents,
@@ -100,9 +100,72 @@ def param_names(model: nn.Module) -> dict[int, str]:
 def param_fqns(model: nn.Module) -> dict[int, str]:
     """``{id(parameter): its fully qualified name as torch.distributed.checkpoint names it}``: the
     ``named_parameters()`` name without wrapper levels (:func:`lightning_4d.models.llama.canonical_name`), the same
-    on every layout (pipeline stages keep the unsplit model's names). The keys of the optimizer states in a sharded
-    folder."""
-    return {id(p): canonical_name(name) for name, p in model.named_parameters()}
+    on every layout (pipeline stages keep the unsplit model's names); the LM head's copy of tied embeddings under pp
+    named as the embedding (:func:`tied_aliases`: a folder holds the one weight once). The keys of the optimizer
+    states in a sharded folder."""
+    aliases = tied_aliases(model)
+    return {id(p): saved_key(canonical_name(name), aliases) for name, p in model.named_parameters()}
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{key of a tied LM head: key of the embedding it shares}`` for every ``lightning_4d`` Llama in ``model``
+    with ``tie_word_embeddings`` (``"<prefix>.output.weight": "<prefix>.tok_embeddings.weight"``, canonical names).
+    A sharded folder holds such a weight once, under the embedding's key, whatever the layout: at pp = 1 the two
+    names are one tensor, under pp > 1 the last stage's copy equals the first stage's
+    (:class:`lightning_4d.parallel.pipeline.TiedEmbedding`) and is read back from the embedding's key."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LlamaModel) and module.config.tie_word_embeddings:
+            prefix = canonical_name(name) + "." if name else ""
+            out[prefix + "output.weight"] = prefix + "tok_embeddings.weight"
+    return out
+
+
+def saved_key(key: str, aliases: dict[str, str]) -> str:
+    """``key`` (a model state key, or an optimizer state's ``state.<fqn>.<field>`` / ``param_groups.<fqn>.<field>``)
+    with a tied head's name replaced by its embedding's (:func:`tied_aliases`)."""
+    if not aliases:
+        return key
+    if key in aliases:
+        return aliases[key]
+    for kind in ("state.", "param_groups."):
+        if key.startswith(kind):
+            fqn, _, field = key[len(kind) :].rpartition(".")
+            if fqn in aliases:
+                return f"{kind}{aliases[fqn]}.{field}"
+    return key
+
+
+def hold_tied_once(state: dict[str, Any], aliases: dict[str, str]) -> None:
+    """Rename a tied head's entries of the flat ``state`` (a model state dict or a flattened optimizer state) to the
+    embedding's keys, in place; dropped where the embedding's are present (the same weight, or on a V schedule's
+    rank 0 an equal copy)."""
+    for key in list(state):
+        new = saved_key(key, aliases)
+        if new != key:
+            value = state.pop(key)
+            if new not in state:
+                state[new] = value
+
+
+def _aliased(flat: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """What to read for the flat state ``flat``: its entries under their saved keys (:func:`saved_key`), a tied
+    head's left out where the embedding's are asked for too."""
+    return {a: v for k, v in flat.items() if (a := saved_key(k, aliases)) == k or a not in flat}
+
+
+def _unaliased(
+    flat: dict[str, Any], read: dict[str, Any], aliases: dict[str, str], copy: bool = False
+) -> dict[str, Any]:
+    """``flat``'s keys with the values :func:`read_folder` left in ``read`` (:func:`_aliased`); with ``copy``, a tied
+    head read under the embedding's key gets its own copy (optimizer states: two parameters' states never share a
+    tensor; model weights are copied into the parameters anyway)."""
+    out = {}
+    for k in flat:
+        a = saved_key(k, aliases)
+        v = read[a]
+        out[k] = v.clone() if copy and a != k and a in flat and isinstance(v, torch.Tensor) else v
+    return out
 
 
 def optimizer_state(model: nn.Module, optimizer: Optimizer, distributed: bool) -> Optional[dict[str, Any]]:
@@ -143,10 +206,14 @@ def save_sharded(
     barrier()
     tmp.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+    aliases = tied_aliases(model) if model is not None else {}
+    hold_tied_once(state["state_dict"], aliases)  # a tied weight once, under the embedding's key
     compression = checkpoint.pop("compression_state", None)
     if compression is not None:
         torch.save(compression, tmp / _compression_file(global_rank))
     for idx, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        if isinstance(opt_state, dict):
+            hold_tied_once(opt_state, aliases)
         _masters_into_weights(opt_state, state["state_dict"])
         state[f"optimizer_{idx}"] = opt_state
     dcp_save(state, checkpoint_id=tmp)
@@ -383,20 +450,25 @@ def load_sharded(
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     saved = check_complete(path)
-    fqns = param_fqns(model)
-    model_state = {"state_dict": get_model_state_dict(model)}
+    fqns = param_fqns(model)  # a tied head under its embedding's name (tied_aliases)
+    aliases = tied_aliases(model)
+    names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+    weights = get_model_state_dict(model)
     # parameters stepped through float32 masters (ZeRO 0/1 under bf16-mixed) read the saved weights in float32
     masters: dict[str, torch.Tensor] = {}
     for optimizer in optimizers:
         sharded = ShardedOptimizer.of(unwrap(optimizer))
         for p in sharded.parameters() if sharded is not None else []:
-            if id(p) in sharded.has_master and fqns[id(p)] in model_state["state_dict"]:
+            if id(p) in sharded.has_master and names[id(p)] in weights:
                 masters[fqns[id(p)]] = host_zeros_like(p, torch.float32)
-                model_state["state_dict"][fqns[id(p)]] = masters[fqns[id(p)]]
+                weights[names[id(p)]] = masters[fqns[id(p)]]
+    model_state = {"state_dict": _aliased(weights, aliases)}  # a tied weight is saved once
     whole = layout is not None and layout.get("pp", 1) == 1  # else other stages' tensors are in the folder too
-    check_same_model(path, saved_shapes(saved), model_state["state_dict"], "" if strict and whole else None)
+    on_disk = {k: v for k, v in saved_shapes(saved).items() if k not in aliases}  # older folders: a tied head too
+    check_same_model(path, on_disk, model_state["state_dict"], "" if strict and whole else None)
     read_folder(model_state, path)
-    set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
+    weights = _unaliased(weights, model_state["state_dict"], aliases)
+    set_model_state_dict(model, weights, options=StateDictOptions(strict=strict))
     metadata = safe_load(path / LIGHTNING_METADATA_FILENAME)
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
@@ -412,9 +484,11 @@ def load_sharded(
             read_folder(opt_state, path)
             sharded.load_gathered_state(fqns, opt_state[key], weights=masters)
         else:
-            opt_state = {key: get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)}
+            flat = get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM)
+            opt_state = {key: _aliased(flat, aliases)}
             read_folder(opt_state, path)
-            set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=opt_state[key], options=_FLAT_OPTIM)
+            flat = _unaliased(flat, opt_state[key], aliases, copy=True)
+            set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=flat, options=_FLAT_OPTIM)
     if buckets is not None and buckets.powersgd is not None:
         saved_compression = path / _compression_file(global_rank)
         saved_layout = metadata.get(LAYOUT_KEY)

@@ -622,11 +622,13 @@ class ParallelConfig:
                 )
         if self.pp > 1:
             self.layer_split(model_config.num_layers)
-            if model_config.tie_word_embeddings:
+            if model_config.tie_word_embeddings and self.gradient_compression == "powersgd":
+                # the two copies of the tied matrix (first and last stage) would be compressed with different random
+                # projections (PowerSGD draws them in each rank's own parameter order) and drift apart
                 raise ValueError(
-                    "tie_word_embeddings=True is not supported with pipeline_parallel_size > 1 yet (the embedding and "
-                    "the LM head sit on different stages); use pipeline_parallel_size=1, or a model config with "
-                    "tie_word_embeddings=False."
+                    "gradient_compression='powersgd' is not supported for tie_word_embeddings=True with "
+                    f"pipeline_parallel_size={self.pp} (the embedding's two copies, on the first and the last stage, "
+                    "must take identical steps): use gradient_compression='none' or 'bf16'."
                 )
 
     def validate_sequence(self, seq_length: int) -> None:

@@ -24,7 +24,7 @@ group that holds the same experts (Megatron-core's expert-data-parallel group wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -120,3 +120,37 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
         return ParallelMesh(world=mesh, dp_cp=dp_cp)
     experts = unflatten_mesh(dp_cp, (config.expert_dp, config.ep), ("edp", "ep"))
     return ParallelMesh(world=mesh, dp_cp=dp_cp, ep=experts["ep"], edp=experts["edp"])
+
+
+def embedding_group(mesh: ParallelMesh, config: ParallelConfig) -> Optional[Any]:
+    """The *embedding group* of tied embeddings under pp > 1 (Megatron-Core's ``default_embedding_ranks``): the pp
+    ranks holding the first and the last pipeline stage, at this rank's dp/cp/tp coordinates, over which the two
+    copies of the tied ``[V, h]`` matrix sum their gradients (:class:`lightning_4d.parallel.pipeline.TiedEmbedding`).
+
+    Collective when it makes groups: every rank calls it with the same arguments (``torch.distributed.new_group``
+    for each dp/cp/tp coordinate, pp > 2 with a looped schedule).
+
+    Args:
+        mesh: the job's mesh (:func:`build_mesh`).
+        config: the resolved layout.
+
+    Returns:
+        The pp group itself when the two stages' ranks are the whole pp group (pp = 2 with a looped schedule), a new
+        two-rank group (pp > 2), or ``None`` when one pp rank holds both stages (a V schedule: zbv, dualpipev; pp = 1)
+        or this rank holds neither.
+    """
+    last_stage = config.num_stages - 1
+    holders = [r for r in range(config.pp) if any(s in (0, last_stage) for s in config.stage_indices(r))]
+    if len(holders) == 1:
+        return None
+    if len(holders) == config.pp:
+        return mesh.pp.get_group()
+    grid = mesh.world.mesh.reshape(config.pp, -1)  # [pp, dp·cp·tp] global ranks
+    me = torch.distributed.get_rank()
+    mine = None
+    for column in range(grid.shape[1]):
+        ranks = [int(grid[r, column]) for r in holders]
+        group = torch.distributed.new_group(ranks)
+        if me in ranks:
+            mine = group
+    return mine

@@ -37,9 +37,13 @@ class FourDPrecision(Precision):
     Attributes:
         pp_group: the pipeline's process group (pp > 1), over which :meth:`clip_grad_by_norm` makes the norm
             global (each stage holds other parameters), or ``None``.
+        norm_excluded: returns the parameters the global norm leaves out (see the attribute's comment).
     """
 
     pp_group: Optional[dist.ProcessGroup] = None
+    #: a callable returning the parameters whose gradients the global norm leaves out (scaled all the same): the LM
+    #: head's copy of tied embeddings under pp (:meth:`lightning_4d.parallel.pipeline.TiedEmbedding.norm_excluded`)
+    norm_excluded: Callable[[], list[Any]] = staticmethod(list)
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """An optimizer with a :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` steps through it
@@ -61,7 +65,9 @@ class FourDPrecision(Precision):
         sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
         params = list(self.main_params(optimizer))
         if sharded is not None or self.pp_group is not None or any(is_expert_parameter(p) for p in params):
-            clip_grad_norm_(params, float(clip_val), pp_group=self.pp_group, sharded=sharded)
+            clip_grad_norm_(
+                params, float(clip_val), pp_group=self.pp_group, sharded=sharded, exclude=self.norm_excluded()
+            )
         else:
             super().clip_grad_by_norm(optimizer, clip_val)
 

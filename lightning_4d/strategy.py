@@ -36,7 +36,7 @@ from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.layout import config_kwargs, saved_layout
 from lightning_4d.memory_check import add_memory_check
-from lightning_4d.mesh import ParallelMesh, build_mesh
+from lightning_4d.mesh import ParallelMesh, build_mesh, embedding_group
 from lightning_4d.parallel._compat import (
     PATH,
     attached_trainer,
@@ -54,7 +54,7 @@ from lightning_4d.parallel.parallelize import (
     validate_against_module,
     validate_compile,
 )
-from lightning_4d.parallel.pipeline import PipelineRunner, pipeline_chunks, resolve_num_microbatches
+from lightning_4d.parallel.pipeline import PipelineRunner, TiedEmbedding, pipeline_chunks, resolve_num_microbatches
 from lightning_4d.parallel.sharded_optimizer import (
     mixed_precision_dtype,
     setup_zero,
@@ -207,6 +207,8 @@ class FourDStrategy(ModelParallelStrategy):
         self.training_inputs = TrainingInputs()
         #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
+        #: tied embeddings under pp: the copies on this rank and their embedding group (``parallel/pipeline.py``)
+        self._tied: Optional[TiedEmbedding] = None
         #: host bytes held by ``activation_offload_layers`` (``lightning_4d.parallel.offload.OffloadStats``)
         self.offload_stats = OffloadStats()
 
@@ -337,6 +339,8 @@ class FourDStrategy(ModelParallelStrategy):
                 self.root_device,
                 loss_fn=loss_fn,
             )
+        if self.pipeline is not None and self._tied is None:
+            self._tied = self._tied_embedding()
         init_from = self.training_inputs.init_from
         if init_from is not None and not trainer.ckpt_path:  # each rank reads its slices, before masters exist
             load_initial_weights(module, init_from)
@@ -355,8 +359,20 @@ class FourDStrategy(ModelParallelStrategy):
         self.precision_plugin = four_d_precision(
             self.precision_plugin, self.mesh.pp.get_group() if self.pipeline is not None else None
         )
+        if self._tied is not None:  # the head's copy is counted once, as the embedding
+            self.precision_plugin.norm_excluded = self._tied.norm_excluded
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _tied_embedding(self) -> Optional[TiedEmbedding]:
+        """The tied embedding of a pipeline-split model whose config ties it (``None`` otherwise); makes the embedding
+        group (collective: every rank holds the same kind of model)."""
+        tied = [(f, m) for f, m in self._models if getattr(f.model_config(m), "tie_word_embeddings", False)]
+        if not tied:
+            return None
+        group = embedding_group(self.mesh, self.parallel_config)
+        family, model = tied[0]
+        return TiedEmbedding.of(family, model, group)
 
     @override
     def setup_optimizers(self, trainer: "L.Trainer") -> None:  # noqa: F821
@@ -411,17 +427,20 @@ class FourDStrategy(ModelParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
     ) -> Any:
-        if self._buckets is not None:
-            inner, sync = closure, self._buckets
+        if self._buckets is not None or self._tied is not None:
+            inner, sync, tied = closure, self._buckets, self._tied
             pipelined = self.pipeline is not None
             trainer = attached_trainer(self.lightning_module)
             step = trainer.global_step if trainer is not None else 0
 
             def closure() -> Any:  # forward + backward (gradients averaged over dp_cp while backward runs)
                 # a pipeline accumulates over its m micro-batches: reduce once, after the schedule
-                with nullcontext() if pipelined else sync.overlap_with_backward(step):
+                with nullcontext() if pipelined or sync is None else sync.overlap_with_backward(step):
                     out = inner()
-                sync.synchronize(step)
+                if tied is not None:  # the two copies of tied embeddings: one gradient (before clipping)
+                    tied.reduce_gradients(sync)
+                if sync is not None:
+                    sync.synchronize(step)
                 return out
 
         result = super().optimizer_step(optimizer, closure, model, **kwargs)

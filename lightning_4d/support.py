@@ -3,8 +3,8 @@
 Every combination a user can ask for (ZeRO 0-3 x precision x tp/sp (+ overlap) x pp (each schedule, uneven split) x
 cp (ring, allgather) x activation checkpointing x activation offload x compile x Mixture-of-Experts (ep, tp, pp,
 ZeRO) x model family) collapsed into the rows (:data:`ROWS`) that exercise distinct code. Each row has an id, a
-short description, its layout as the options of ``lightning-4d measure`` (:meth:`Row.argv`; presets ``small`` and
-``tiny-moe``, s <= 2048) and three statuses:
+short description, its layout as the options of ``lightning-4d measure`` (:meth:`Row.argv`; presets ``small``,
+``small-tied`` and ``tiny-moe``, s <= 2048) and three statuses:
 
 - *refused*: the exact error the project's own validation raises before anything runs (``Row.refused``;
   :func:`validate_row` reproduces it and ``tests/test_support.py`` asserts the text is what it raises);
@@ -143,6 +143,7 @@ EP = "tests/test_expert_parallel.py::test_ep_losses_aux_routing_norm_and_states_
 OFFLOAD = (
     "tests/test_activation_offload.py::test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_host"
 )
+TIED = "tests/test_tied_pipeline.py::"
 HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
@@ -284,6 +285,28 @@ ROWS: list[Row] = [
         cpu_tests=(P + "test_bf16_mixed_parity_world4", PP + "test_pipeline_world4"),
     ),
     Row("pp2-tp2", "pp2 tp2 1F1B", {"pp": 2, "tp": 2, "num_microbatches": 2}, cpu_tests=(PP + "test_pipeline_world4",)),
+    Row(
+        "pp2-tied",
+        "pp2 1F1B, tied embeddings: the last stage's copy of the [V, h] matrix, gradients summed over the embedding "
+        "group; checkpoints hold it once",
+        {"model": "small-tied", "pp": 2, "num_microbatches": 2},
+        cpu_tests=(
+            TIED + "test_tied_pp_world2_equals_one_process",
+            TIED + "test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back",
+        ),
+    ),
+    Row(
+        "pp2-tied-zbv",
+        "pp2 ZBV, tied embeddings: rank 0 holds the first and last stage, the weight truly tied there (ZeRO 0/1)",
+        {"model": "small-tied", "pp": 2, "pipeline_schedule": "zbv", "num_microbatches": 4},
+        cpu_tests=(TIED + "test_tied_pp_world2_equals_one_process", TIED + "test_tied_pp_world4_equals_one_process"),
+    ),
+    Row(
+        "pp2-tp2-tied",
+        "pp2 tp2, tied embeddings (both copies vocabulary-sharded over tp)",
+        {"model": "small-tied", "pp": 2, "tp": 2, "num_microbatches": 2},
+        cpu_tests=(TIED + "test_tied_pp_world4_equals_one_process", TIED + "test_tied_pp_measure_equals_estimate"),
+    ),
     Row(
         "pp2-1f1b-m1",
         "1F1B with fewer micro-batches than stages",

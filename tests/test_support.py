@@ -22,10 +22,10 @@ def _row_ids(rows):
 def test_rows_are_unique_and_use_the_small_presets():
     ids = _row_ids(support.ROWS)
     assert len(ids) == len(set(ids)), ids
-    assert 30 <= len(ids) <= 60
+    assert 30 <= len(ids) <= 70
     for row in support.ROWS:
         opts = row.options()
-        assert opts["model"] in ("small", "tiny-moe") and opts["seq_length"] <= 2048, row.id
+        assert opts["model"] in ("small", "small-tied", "tiny-moe") and opts["seq_length"] <= 2048, row.id
         assert row.family in support.FAMILIES, row.id
         assert row.refused is not None or row.cpu_tests or row.status == "not tested on CPU"
 

@@ -162,8 +162,8 @@ class HFLlamaFamily(ModelFamily):
         return LlamaConfig.from_hf_dict(model.config.to_dict(), source=f"{type(model).__name__}.config")
 
     def validate(self, model: nn.Module, config: Any) -> None:
-        """Heads, kv heads and vocabulary divisible by tp, layers into pp·v stages, no tied embeddings with pp
-        (``ParallelConfig.validate_model``); tied embeddings are refused with tp too, attention dropout with any
+        """Heads, kv heads and vocabulary divisible by tp, layers into pp·v stages (``ParallelConfig.validate_model``);
+        tied embeddings are refused with pp and tp, attention dropout with any
         split, activation checkpointing and ``tensor_parallel_overlap`` always (not applied to transformers' layers
         yet).
 
@@ -177,6 +177,12 @@ class HFLlamaFamily(ModelFamily):
             raise ValueError(
                 f"attention_dropout={dropout} is not supported with tp, cp or pp > 1 (the split attention "
                 "has no dropout; Llama trains without): set the model config's attention_dropout=0.0"
+            )
+        if config.pp > 1 and ours.tie_word_embeddings:
+            raise ValueError(
+                f"pipeline_parallel_size={config.pp}: a transformers Llama with tie_word_embeddings=True "
+                "(Llama 3.2 1B/3B) cannot be pipelined yet (our own Llama can: lightning_4d.models.LlamaModel); "
+                "use pp=1 or an untied model"
             )
         if config.tp > 1 and ours.tie_word_embeddings:
             raise ValueError(

@@ -18,7 +18,14 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.checkpoint import check_complete, check_same_model, read_folder, saved_shapes
+from lightning_4d.checkpoint import (
+    check_complete,
+    check_same_model,
+    read_folder,
+    saved_key,
+    saved_shapes,
+    tied_aliases,
+)
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.models import hf_mapping
@@ -141,11 +148,16 @@ class LlamaFamily(ModelFamily):
         reader, available = hf_reader(path)
         state: dict[str, torch.Tensor] = {}
         rotary: list[tuple[nn.Parameter, torch.Tensor]] = []
+        aliases = tied_aliases(model)  # a tied head's copy (pp > 1) reads the embedding's tensor
+        copies: list[tuple[nn.Parameter, torch.Tensor]] = []
         for name, p in model.named_parameters():
             if hf_mapping.expert_weight(canonical_name(name)):  # one Hugging Face tensor per expert: dim 0's rows
                 state.update(_expert_targets(p, canonical_name(name), config.num_experts, available, path))
                 continue
-            key = hf_mapping.hf_name(canonical_name(name))
+            key = hf_mapping.hf_name(saved_key(canonical_name(name), aliases))
+            if key in state:  # the head's copy beside its embedding (a V schedule's rank 0)
+                copies.append((p, state[key]))
+                continue
             if key not in available:
                 raise ValueError(
                     f"init_from={str(path)!r} holds no tensor {key!r} (for our {name!r}); it holds "
@@ -163,6 +175,8 @@ class LlamaFamily(ModelFamily):
             else:
                 state[key] = p.data
         hf_load(state, reader, path)
+        for p, source in copies:
+            _local_of(p).copy_(_local_of(source))
         for p, tmp in rotary:
             if isinstance(p, DTensor):
                 local = hf_mapping.rotary_from_hf(tmp.to_local(), config.head_dim)
@@ -183,12 +197,21 @@ class LlamaFamily(ModelFamily):
         """
         from torch.distributed.tensor import distribute_tensor
 
-        params = {
-            f"{prefix}.{canonical_name(n)}" if prefix else canonical_name(n): p for n, p in model.named_parameters()
-        }
+        aliases = tied_aliases(model)  # a tied head's copy (pp > 1) is saved once, as the embedding
+        params: dict[str, nn.Parameter] = {}
+        copies: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for n, p in model.named_parameters():
+            name = saved_key(canonical_name(n), aliases)
+            key = f"{prefix}.{name}" if prefix else name
+            if key in params:  # the head's copy beside its embedding (a V schedule's rank 0)
+                copies.append((p, params[key]))
+            else:
+                params[key] = p
         if path.is_dir():
             check_same_model(path, saved_shapes(check_complete(path)), params)
             read_folder({"state_dict": {k: p.data for k, p in params.items()}}, path)
+            for p, source in copies:
+                _local_of(p).copy_(_local_of(source))
             return
         saved = safe_load(path)
         saved = saved.get("state_dict", saved)
@@ -200,6 +223,14 @@ class LlamaFamily(ModelFamily):
                 p.data.to_local().copy_(local)
             else:
                 p.data.copy_(full)
+        for p, source in copies:
+            _local_of(p).copy_(_local_of(source))
+
+
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a (DTensor) parameter's data, to copy into in place."""
+    data = t.data
+    return data.to_local() if isinstance(data, DTensor) else data
 
 
 def _expert_targets(

@@ -364,9 +364,32 @@ def _stage_params(cfg: Any, tp: int, layers: Any, first: bool, last: bool, ep: i
             ]
     if last:
         out.append(_Param("norm.weight", h, 1, False, "root"))
-        if not (cfg.tie_word_embeddings and first):  # tied on one stage: one tensor
+        if not (cfg.tie_word_embeddings and first):  # tied at pp = 1: one tensor (pp > 1: _as_held)
             out.append(_Param("output.weight", vocab // tp, h, True, "root"))
     return out
+
+
+class _UntiedView:
+    """A model config read as untied (``tie_word_embeddings`` false), every other attribute the config's own."""
+
+    def __init__(self, cfg: Any) -> None:
+        self._cfg = cfg
+        self.tie_word_embeddings = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+
+def _as_held(cfg: Any, pc: ParallelConfig) -> Any:
+    """``cfg`` as the ranks of layout ``pc`` hold its tensors. Tied embeddings under pp > 1 are two tensors, the
+    first stage's embedding and the last stage's copy as the LM head (``parallel/pipeline.py``'s ``TiedEmbedding``),
+    parameters, gradients and optimizer states alike, as in an untied model: a rank holding only one of the two
+    stages holds one tensor either way; a V schedule's rank 0, which holds both stages, keeps the one tied weight at
+    ZeRO 0/1 and two copies at ZeRO 2/3 (each stage chunk its own FSDP2 root), read here as untied. ``cfg`` itself
+    otherwise."""
+    if pc.pp > 1 and pc.zero_stage >= 2 and getattr(cfg, "tie_word_embeddings", False):
+        return _UntiedView(cfg)
+    return cfg
 
 
 def _rank_layers(num_layers: int, pc: ParallelConfig, pp_rank: int) -> list[int]:
@@ -614,6 +637,7 @@ def model_state_bytes(
         raise ValueError(f"pp_rank={pp_rank} is not valid: expected 0 .. {pc.pp - 1}.")
     if not 0 <= dp_cp_rank < pc.dp_cp:
         raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
+    model_config = _as_held(model_config, pc)
     _, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
     world, zero = pc.dp_cp, pc.zero_stage
     weighted = _weighted_params(
@@ -910,6 +934,7 @@ def saved_activation_bytes(
     s = seq_length // cp
     s_sp = s // tp if sp else s
     h, vocab = model_config.hidden_size, model_config.padded_vocab_size
+    model_config = _as_held(model_config, pc)
     n_layers, first, last = _rank_layout(model_config.num_layers, pc, pp_rank)
     indices = _rank_layers(model_config.num_layers, pc, pp_rank)
     n_moe = sum(_is_moe_layer(model_config, i) for i in indices)
@@ -1636,6 +1661,7 @@ def _buffer_terms(
     """The transient buffers of pp rank ``pp_rank``: FSDP2's gathered parameters and unsharded gradients, gradient
     communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers, one MoE
     layer's expert-parallel all-to-all buffers (at load ``imbalance``) and the optimizer step's temporaries."""
+    cfg = _as_held(cfg, pc)
     _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
     has_moe = pc.ep > 1 and any(_is_moe_layer(cfg, i) for i in _rank_layers(cfg.num_layers, pc, pp_rank))
     params = _weighted_params(cfg, pc.tp, _rank_layers(cfg.num_layers, pc, pp_rank), first, last, pc.ep)
@@ -1819,6 +1845,7 @@ def _initialization_bytes(
     ``families/llama.py``'s ``_local_piece`` copies the rank's piece out of a view of it) and the cast that follows
     the optimizer's setup (setup-dtype parameters + master weights + the compute-dtype copy of the largest parameter
     being made; the gradient buckets are made by the first backward)."""
+    cfg = _as_held(cfg, pc)
     layers = sorted(i for _, r in pc.rank_stages(cfg.num_layers, pp_rank) for i in r)
     _, first, last = _rank_layout(cfg.num_layers, pc, pp_rank)
     largest = max(p.numel for p, _ in _weighted_params(cfg, 1, layers, first, last))

@@ -65,6 +65,9 @@ backward, overlapped with the attention it feeds (exposed: what exceeds the atte
 ``m·t_max + (p−1)·(t_chunk − t_mm,chunk)``: Qi et al. 2024 (arXiv 2401.10241) §3 give the ZB-V bubble as
 ``(p−1)·(T_F + T_B − 2·T_W)`` per chunk, which is a chunk's time less three times its weight-gradient pass, i.e.
 less its matmul time. Stage-to-stage sends (``T·h·c`` bytes, ``/tp`` under sp), 2·v per micro-batch, are exposed.
+Tied embeddings add, once per step and exposed, the all-reduce of the two copies' float32 gradients (``4·V·h/tp``
+bytes, ``/(dp·cp)`` at ZeRO 2/3) between the first and the last stage's ranks (Megatron-Core's embedding group;
+none on zbv / dualpipev, whose rank 0 holds both copies: ``parallel/pipeline.py``'s ``TiedEmbedding``).
 
 **Data parallel** (bytes per GPU of the rank's ``P_r`` parameters, ring collectives: all-reduce ``2(D−1)/D``,
 reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy overlaps them:
@@ -404,7 +407,8 @@ def selective_recomputed_matmul_fraction(model_config: Any, tp: int) -> float:
 
 
 def _dims(cfg: Any) -> tuple[int, ...]:
-    """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers) of a model config (the last five 0 for a dense one)."""
+    """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers, tied) of a model config (E .. MoE layers 0 for a dense
+    one; tied 1 with ``tie_word_embeddings``, else 0)."""
     moe = (
         (
             cfg.num_experts,
@@ -425,6 +429,7 @@ def _dims(cfg: Any) -> tuple[int, ...]:
         cfg.padded_vocab_size,
         cfg.num_layers,
         *moe,
+        int(bool(getattr(cfg, "tie_word_embeddings", False))),
     )
 
 
@@ -650,7 +655,7 @@ def predict_step_time(
 
 def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
     """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L, E,
-    top-k, f_e, n_s, MoE layers), as ``_dims`` reads them from a model config)."""
+    top-k, f_e, n_s, MoE layers, tied), as ``_dims`` reads them from a model config)."""
     return StepTime(*step_time_parts(dims, layout, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node))
 
 
@@ -686,6 +691,9 @@ def step_time_parts(
     if pp > 1:
         b_pp, lat = _link(gpu, tp * pp * cp * dp <= gpus_per_node)
         t_pp = 2 * v * m * (b * s / cp * dims[0] * c / (tp if sp else 1) / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
+        if dims[12] and layout.pipeline_schedule not in ZERO_BUBBLE_SCHEDULES:  # the tied copies' gradient sum
+            grad = 4 * dims[5] * dims[0] / tp / (dp * cp if zero_stage >= 2 else 1)
+            t_pp += 2 * _ring(grad, 2, b_pp, lat)  # all-reduce: reduce-scatter + all-gather
     rs, ag, units, t_opt = _data_parallel_terms(
         dims, tp, pp, cp, dp, ep, zero_stage, max(layers_of), gpu, gpus_per_node
     )

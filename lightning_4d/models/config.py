@@ -858,6 +858,8 @@ PRESETS: dict[str, LlamaConfig] = {
         max_seq_length=2048,
     ),
 }
+# small with the embedding and the LM head tied (Llama 3.2's shape of weights): the support matrix's tied rows
+PRESETS["small-tied"] = dataclasses.replace(PRESETS["small"], tie_word_embeddings=True)
 
 
 def _allow_in_weights_only_checkpoints() -> None:

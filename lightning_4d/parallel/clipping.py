@@ -30,6 +30,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     pp_group: Optional[dist.ProcessGroup] = None,
     sharded: Optional[ShardedOptimizer] = None,
+    exclude: Iterable[Tensor] = (),
 ) -> Tensor:
     """Clip gradients by their global norm over all dp/cp, tp and ep shards and all pipeline stages, in place.
 
@@ -49,16 +50,20 @@ def clip_grad_norm_(
         sharded: the :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` of the optimizer (ZeRO 1,
             master weights, ZeRO 0/1 with ep or token-parallel modules): its averaged gradients in their buckets
             are clipped.
+        exclude: parameters whose gradients are scaled but left out of the norm: a copy of a weight another rank
+            counts (the LM head's copy of tied embeddings under pp, :class:`~lightning_4d.parallel.pipeline
+            .TiedEmbedding`).
 
     Returns:
         The total norm (float32 scalar tensor, the same on every rank).
     """
     inf = math.isinf(norm_type)
+    excluded = {id(p) for p in exclude}
     if sharded is not None:
-        grads, sums, divisors = _bucket_sums(sharded, norm_type)
+        grads, sums, divisors = _bucket_sums(sharded, norm_type, excluded)
         group: Any = dist.group.WORLD if dist.is_initialized() else None
     else:
-        grads, sums, divisors = _layout_sums(parameters, norm_type)
+        grads, sums, divisors = _layout_sums(parameters, norm_type, excluded)
         group = pp_group
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
@@ -75,18 +80,21 @@ def clip_grad_norm_(
     return total
 
 
-def _bucket_sums(sharded: ShardedOptimizer, norm_type: float) -> tuple[list[Tensor], Tensor, list[int]]:
+def _bucket_sums(
+    sharded: ShardedOptimizer, norm_type: float, excluded: Optional[set[int]] = None
+) -> tuple[list[Tensor], Tensor, list[int]]:
     """The pieces of a :class:`ShardedOptimizer`'s gradients: the owned slices of its buckets (ZeRO 1: a partition of
     each bucket over its group; ZeRO 0: the whole bucket on every rank of the group), a parameter replicated over tp
     counted on tp rank 0 only (:func:`_tp_duplicate`); one sum per bucket kind (dense over ``dp_cp``, token parallel
-    over ``dp_cp_tp``, experts over their replicas' group), each divided at ZeRO 0 by its group's size."""
+    over ``dp_cp_tp``, experts over their replicas' group), each divided at ZeRO 0 by its group's size; parameters
+    whose ids are in ``excluded`` are not counted."""
     buckets = sharded.buckets
     grads = [(p, g) for p in sharded.parameters() if (g := sharded.owned_grad(p)) is not None]
     inf = math.isinf(norm_type)
     sums = torch.zeros(3, dtype=torch.float32, device=buckets.buckets[0].device)  # [dense, token parallel, expert]
     for p, g in grads:
         i = buckets.bucket_of(p)[0].kind
-        if (i == 0 and _tp_duplicate(p, sharded.tp_rank)) or g.numel() == 0:
+        if (i == 0 and _tp_duplicate(p, sharded.tp_rank)) or g.numel() == 0 or id(p) in (excluded or ()):
             continue
         n = torch.linalg.vector_norm(g.float(), norm_type)
         sums[i] = torch.maximum(sums[i], n) if inf else sums[i] + n**norm_type
@@ -95,13 +103,17 @@ def _bucket_sums(sharded: ShardedOptimizer, norm_type: float) -> tuple[list[Tens
     return [g for _, g in grads], sums, divisors
 
 
-def _layout_sums(parameters: Iterable[Tensor], norm_type: float) -> tuple[list[Tensor], Tensor, list[int]]:
+def _layout_sums(
+    parameters: Iterable[Tensor], norm_type: float, excluded: Optional[set[int]] = None
+) -> tuple[list[Tensor], Tensor, list[int]]:
     """The pieces of plain ``.grad`` gradients (DTensors or tensors): grouped by DTensor layout (mesh and placements),
     each group's norm computed with ``torch.nn.utils.get_total_norm`` and made global over its mesh
-    (``full_tensor``); one sum of the groups' ``norm^q`` (their ``max`` for ``q = inf``)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    (``full_tensor``); one sum of the groups' ``norm^q`` (their ``max`` for ``q = inf``). Parameters whose ids are in
+    ``excluded`` are scaled but not counted."""
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
     groups: dict[Any, list[Tensor]] = {}
-    for g in grads:
+    for g in (p.grad for p in params if id(p) not in (excluded or ())):
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else (g.device, None)
         groups.setdefault(key, []).append(g)
     device = grads[0].device if grads else torch.device("cpu")

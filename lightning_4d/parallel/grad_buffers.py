@@ -232,6 +232,18 @@ class GradientBuckets:
         start = b.offsets[id(p)]
         return b.allocate()[start : start + self._numel[id(p)]]
 
+    @torch.no_grad()
+    def take_in(self, p: Tensor) -> Tensor:
+        """``p``'s gradient slice of its bucket (:meth:`main_grad`) with any gradient still in ``p.grad`` added into it
+        first, zeros if ``p`` got none; ``p`` then counts as having a gradient. For a sum over other ranks before
+        :meth:`synchronize` (tied embeddings under pp: :class:`lightning_4d.parallel.pipeline.TiedEmbedding`)."""
+        self._accumulate(p)
+        main = self.main_grad(p)
+        if id(p) in self._fresh:
+            main.zero_()
+            self._fresh.discard(id(p))
+        return main
+
     def has_grad(self, p: Tensor) -> bool:
         """Whether ``p`` received a gradient since the last optimizer step."""
         return id(p) not in self._fresh

@@ -28,6 +28,11 @@ the ``m`` micro-batches, exactly as one process computing the mean over the whol
 same number of tokens). Lightning zeroes gradients between ``training_step`` and ``backward``, so the schedule's
 gradients are stashed and restored by the strategy's ``backward`` (:meth:`PipelineRunner.restore_gradients`).
 
+**Tied embeddings** (:class:`TiedEmbedding`, Megatron-Core's embedding group): the last stage holds its own copy of
+a tied embedding as the LM head's weight (on a V schedule's rank 0 under ZeRO 2/3 too, :func:`split_model`; at ZeRO
+0/1 that rank keeps the one tied weight), initialized equal; the two copies' gradients are summed after the
+schedule, before clipping, which counts the weight once.
+
 **Clipping** under pp: the one :func:`lightning_4d.parallel.clipping.clip_grad_norm_`, given the pp group (the
 strategy's precision plugin, :class:`lightning_4d.precision.FourDPrecision`): the global norm over all shards and all
 stages.
@@ -48,7 +53,7 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.contract import TrainingInputs
 from lightning_4d.module_tree import find_submodel, layer_items, set_submodel
-from lightning_4d.parallel._compat import reset_schedule_metadata
+from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
 
 
@@ -70,11 +75,27 @@ class _PipelineUnion:
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - signature of nn.Module._apply
         if not recurse:
             return super()._apply(fn, recurse)  # type: ignore[misc]
+        shared = _shared_parameters(self)
         for _, chunk in self._pipeline_chunks:
             chunk._apply(fn, recurse)
         owned = {id(m) for _, chunk in self._pipeline_chunks for m in chunk.modules()}
         _apply_outside(self, fn, owned)
+        for places in shared:  # moving a plain parameter off the meta device makes one new Parameter per place
+            module, name = places[0]
+            for other, other_name in places[1:]:
+                other._parameters[other_name] = module._parameters[name]
         return self
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The places ``(module, parameter name)`` of every parameter that two modules of ``model`` share (tied
+    embeddings on a V schedule's rank 0, whose first and last stage chunks hold the embedding and the head)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, name))
+    return [group for group in places.values() if len(group) > 1]
 
 
 def _apply_outside(module: nn.Module, fn: Any, owned: set[int]) -> None:
@@ -233,6 +254,18 @@ def split_model(
     ]
     for _, chunk in chunks:
         chunk.comm_dtype = config.pipeline_comm_dtype
+    embedding, head = parts["embedding"], parts["head"]
+    if (
+        first
+        and last
+        and config.zero_stage >= 2
+        and getattr(head, "weight", None) is not None
+        and head.weight is embedding.weight
+    ):
+        # tied embeddings on a V schedule's rank 0 (first and last stage) under ZeRO 2/3: each stage chunk is its own
+        # FSDP2 root, and two roots cannot share a parameter, so the head gets its own copy, as on any last stage
+        # (TiedEmbedding: initialized equal, gradients summed in place). At ZeRO 0/1 the weight stays truly tied.
+        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=embedding.weight.requires_grad)
     if not first:
         set_submodel(model, where.embedding, None)
     if not last:
@@ -240,6 +273,94 @@ def split_model(
         set_submodel(model, where.head, None)
     _as_union(model, chunks)
     return chunks
+
+
+class TiedEmbedding:
+    """Tied embeddings under pp > 1 (Megatron-Core's *embedding group*): the first stage holds the ``[V, h]`` matrix
+    as the embedding's weight, the last stage its own copy as the LM head's weight. Both start equal (the model family
+    initializes a tied head under the embedding's name: ``LlamaModel.init_weights``) and stay equal: after backward,
+    before clipping and the optimizer step, :meth:`reduce_gradients` sums the two copies' gradients over ``group``
+    (the pp ranks holding a copy, at this rank's dp/cp/tp coordinates: :func:`lightning_4d.mesh.embedding_group`),
+    so both copies take the same optimizer step on the gradient of the one logical weight. On a V schedule (zbv,
+    dualpipev) pp rank 0 holds the first and the last stage (``group`` ``None``): at ZeRO 0/1 the weight stays truly
+    tied there (one parameter, whose gradient autograd already sums: nothing to do), at ZeRO 2/3 the rank holds both
+    copies (each stage chunk is its own FSDP2 root, and roots cannot share a parameter) and sums their gradients in
+    place. Global-norm clipping counts the weight once: a head's copy is left out of the norm (:meth:`norm_excluded`)
+    and scaled by the same coefficient.
+
+    The gradients are summed before they are averaged over dp·cp (linear, so the result is the same): the ZeRO 0/1
+    buckets hold each rank's un-reduced gradient until the pipeline's single reduction after the schedule
+    (``GradientBuckets.synchronize``); FSDP2 (ZeRO 2/3) has reduce-scattered them within the schedule, and the two
+    copies' shards are alike (same shape and placements), so the shards are summed.
+
+    Args:
+        embedding: returns the embedding's weight on this rank (a first stage), else ``None``.
+        head: returns the LM head's weight on this rank (a last stage), else ``None``; the embedding's own weight
+            where the two are truly tied (a V schedule's rank 0 at ZeRO 0/1).
+        group: the embedding group (``None`` when this rank holds both stages, or neither).
+
+    The parameters are looked up at each use (callables, not tensors): casting and checkpoint loading may replace a
+    module's parameter object.
+    """
+
+    def __init__(
+        self,
+        embedding: Callable[[], Optional[Tensor]],
+        head: Callable[[], Optional[Tensor]],
+        group: Optional[dist.ProcessGroup],
+    ) -> None:
+        self._embedding, self._head, self.group = embedding, head, group
+
+    @classmethod
+    def of(cls, family: Any, model: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional["TiedEmbedding"]:
+        """The tied embedding of a pipeline-split ``model`` (:func:`split_model`) whose config ties the embedding and
+        the head (``tie_word_embeddings``), holding a copy on this rank; else ``None``."""
+        if pipeline_chunks(model) is None or not getattr(family.model_config(model), "tie_word_embeddings", False):
+            return None
+        where = family.pipeline_layout(model)
+
+        def weight(path: str) -> Callable[[], Optional[Tensor]]:
+            return lambda: getattr(find_submodel(model, path), "weight", None)
+
+        tied = cls(weight(where.embedding), weight(where.head), group)
+        return tied if tied._embedding() is not None or tied._head() is not None else None
+
+    def norm_excluded(self) -> list[Tensor]:
+        """The parameters a global gradient norm leaves out: the head's copy (counted once, as the embedding); none
+        where the head's weight is the embedding's (truly tied on a V schedule's rank 0)."""
+        head = self._head()
+        return [head] if head is not None and head is not self._embedding() else []
+
+    @torch.no_grad()
+    def reduce_gradients(self, buckets: Any = None) -> None:
+        """Sum the gradients of the copies over the embedding group (or locally), in place.
+
+        Args:
+            buckets: the ZeRO 0/1 :class:`~lightning_4d.parallel.grad_buffers.GradientBuckets` holding the gradients
+                (called before their ``synchronize``), else ``None`` (the parameters' ``.grad``: a plain tensor or
+                the local shard of a DTensor).
+        """
+        embedding, head = self._embedding(), self._head()
+        if embedding is head:  # truly tied on a V schedule's rank 0: autograd summed both uses already
+            return
+        grads = [self._grad(p, buckets) for p in (embedding, head) if p is not None]
+        if self.group is None:  # both copies here (a V schedule's rank 0 under ZeRO 2/3)
+            if len(grads) == 2:
+                grads[0].add_(grads[1])
+                grads[1].copy_(grads[0])
+            return
+        for g in grads:
+            dist.all_reduce(g, group=self.group)
+
+    @staticmethod
+    def _grad(p: Tensor, buckets: Any) -> Tensor:
+        """``p``'s gradient to sum in place: its slice of the ZeRO 0/1 buckets (zeros when it got none), else its
+        ``.grad``'s local tensor (made zeros when it got none)."""
+        if buckets is not None:
+            return buckets.take_in(p)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return local_tensor(p.grad)
 
 
 def sync_chunk_layers(model: nn.Module, family: Any) -> None:
@@ -473,7 +594,7 @@ class PipelineRunner:
         return self._reduce_loss(losses, input_ids.device)
 
     def _parameters(self) -> list[Tensor]:
-        return [p for stage in self.stages for p in stage.submod.parameters()]
+        return list({id(p): p for stage in self.stages for p in stage.submod.parameters()}.values())
 
     def restore_gradients(self) -> None:
         """Put back the gradients that :meth:`train_step` computed (called by the strategy's ``backward``); added

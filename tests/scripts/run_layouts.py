@@ -258,14 +258,15 @@ def resume_check(layout: dict, args: argparse.Namespace, out: Path, index: int) 
 def reshard(layouts: list, args: argparse.Namespace, out: Path) -> None:
     """``--reshard first``: for each layout (a dict with a ``"name"``), train ``args.steps`` straight, then the first
     half with a checkpoint (``out/<name>/last.ckpt``); ``--reshard resume``: resume each layout from the checkpoint
-    of the same ``name`` (saved on another layout) to ``args.steps``. One JSON record per layout and rank."""
+    of the same ``name`` (saved on another layout) to ``args.steps``. One JSON record per layout and rank.
+    ``--no-straight``: the first half only (the caller compares with a reference run of its own)."""
     rank = int(os.environ.get("RANK", "0"))
     for i, layout in enumerate(layouts):
         name = layout["name"]
         if args.reshard == "first":
-            straight = run_one(layout, args, out, i)
+            straight = None if args.no_straight else run_one(layout, args, out, i)
             first = run_one(layout, args, out, i, max_steps=args.steps // 2, ckpt_dir=out / name)
-            record = {"straight": straight.losses, "first": first.losses}
+            record = {"straight": straight.losses if straight else None, "first": first.losses}
         else:
             second = run_one(layout, args, out, i, ckpt_path=str(out / name / "last.ckpt"))
             record = {"resumed": second.losses}
@@ -284,6 +285,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--resume-check", action="store_true")
     parser.add_argument("--reshard", choices=["first", "resume"], help="see reshard()")
+    parser.add_argument(
+        "--no-straight", action="store_true", help="--reshard first: skip the straight run (compared elsewhere)"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

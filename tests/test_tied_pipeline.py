@@ -1,0 +1,376 @@
+"""Tied embeddings under pipeline parallelism (issue 34, item 1) against the single-process tied run (plain Lightning,
+no FourDStrategy; CPU, gloo, float32, tiny-test with 4 layers and ``tie_word_embeddings=True``, 10 AdamW steps).
+
+The first stage holds the ``[V, h]`` matrix as the embedding, the last stage its own copy as the LM head
+(``parallel/pipeline.py``'s ``TiedEmbedding``): every schedule (1F1B, interleaved, ZBV and DualPipeV, whose rank 0
+holds both copies), with tp, ZeRO 0-3 and clipping, must give the one-process losses (1e-5 relative) and weights
+(1e-5 relative in L2 per tensor), the head's copy identical to the embedding, and the model-state bytes the memory
+model gives each rank. A tied pp2 checkpoint holds the weight once and resumes on pp1 (and back) where the straight
+run goes; export-hf writes it once.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lightning_4d import ParallelConfig
+from lightning_4d.memory.model import model_state_bytes
+from lightning_4d.models import LlamaConfig
+from tests._launch import SCRIPTS, torchrun
+from tests.test_parity import BF16_MIXED_LOSS_RTOL, BF16_MIXED_WEIGHT_ATOL, LOSS_RTOL, STEPS, _layout_id
+
+LAYERS = 4
+#: L2-relative error of every final weight tensor against the one-process run's (measured: see the tests' output)
+WEIGHT_RTOL = 1e-5
+T = {"tied": True}
+WORLD2 = [
+    {"pp": 2, "schedule": "1f1b", "m": 2, **T},
+    {"pp": 2, "schedule": "interleaved_1f1b", "v": 2, "m": 2, **T},
+    {"pp": 2, "schedule": "zbv", "m": 4, **T},  # V: rank 0 holds the first and the last stage (both copies)
+    {"pp": 2, "schedule": "dualpipev", "m": 4, **T},
+    # the global norm counts the weight once (planted bug, 2026-11-27: the head's copy counted too gives a loss
+    # difference of 4.1e-4 here)
+    {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1, **T},
+]
+#: bf16-mixed (fp32 master weights of both copies in the ShardedOptimizer) against one process of FourDStrategy in
+#: bf16-mixed, at test_parity's bf16-mixed tolerances
+BF16 = {"precision": "bf16-mixed", "zero": 1}
+WORLD2_BF16 = [{"pp": 2, "schedule": "zbv", "m": 4, **BF16, **T}]
+WORLD4 = [
+    {"pp": 2, "tp": 2, "zero": 1, "schedule": "1f1b", "m": 2, **T},  # both copies vocabulary-sharded over tp
+    {"pp": 4, "schedule": "1f1b", "m": 4, **T},  # the embedding group: pp ranks 0 and 3 only
+    {"pp": 2, "dp": 2, "zero": 1, "schedule": "interleaved_1f1b", "m": 2, "clip": 0.1, **T},
+    {"pp": 2, "dp": 2, "zero": 3, "schedule": "zbv", "m": 2, **T},
+]
+
+
+def _run(out, nproc: int, layouts: list[dict], *extra: str) -> None:
+    torchrun(
+        nproc,
+        SCRIPTS / "run_layouts.py",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--layers",
+        str(LAYERS),
+        "--layouts",
+        json.dumps(layouts),
+        *extra,
+        timeout=600,
+    )
+
+
+def _results(out, layouts: list[dict]) -> list[tuple]:
+    """``(layout, rank records, merged weights, the head copies)`` per layout: each rank saved what it holds; the
+    head's copies (``output.weight``) are kept apart, every other tensor is the same on every rank holding it."""
+    results = []
+    for i, layout in enumerate(layouts):
+        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
+        files = sorted(out.glob(f"layout{i}_weights_rank*.pt")) or [out / f"layout{i}_weights.pt"]
+        weights: dict[str, torch.Tensor] = {}
+        copies: list[torch.Tensor] = []
+        for path in files:
+            for key, value in torch.load(path).items():
+                if key == "output.weight" and layout.get("pp", 1) > 1:
+                    copies.append(value)
+                    continue
+                if key in weights:
+                    assert torch.equal(weights[key], value), key
+                weights[key] = value
+        results.append((layout, ranks, weights, copies))
+    return results
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied_reference")
+    layouts = [{"reference": True, **T}, {"reference": True, "clip": 0.1, **T}, {**BF16, **T}]
+    _run(out, 1, layouts)
+    return _results(out, layouts)
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied_world2")
+    _run(out, 2, WORLD2 + WORLD2_BF16)
+    return _results(out, WORLD2 + WORLD2_BF16)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied_world4")
+    _run(out, 4, WORLD4)
+    return _results(out, WORLD4)
+
+
+def _holds_a_copy(layout: dict) -> bool:
+    """Whether the last stage holds its own copy of the tied weight: always, but on a V schedule (zbv, dualpipev:
+    rank 0 holds the first and the last stage) at ZeRO 0/1, where the weight stays truly tied."""
+    return layout["schedule"] not in ("zbv", "dualpipev") or layout.get("zero", 0) >= 2
+
+
+def _check(references, result) -> None:
+    layout, ranks, weights, copies = result
+    _, ref_ranks, ref_weights, _ = references[1] if layout.get("clip") else references[0]
+    ref_losses = ref_ranks[0]["losses"]
+    for r in ranks:  # the same logged loss on every rank, whatever its stage
+        assert r["losses"] == ranks[0]["losses"], (layout, r["rank"])
+    losses = ranks[0]["losses"]
+    assert len(losses) == len(ref_losses) == STEPS
+    assert set(weights) == set(ref_weights)  # the one-process model names the tied weight once
+    # the last stage's copy is the embedding, bit for bit (one copy per rank holding the last stage: tp and dp ranks);
+    # a V schedule's rank 0 at ZeRO 0/1 keeps the one tied weight (no copy)
+    assert bool(copies) == _holds_a_copy(layout)
+    assert all(torch.equal(c, weights["tok_embeddings.weight"]) for c in copies)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    wrel = {k: ((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm()).item() for k in ref_weights}
+    worst = max(wrel, key=wrel.get)
+    werr = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    print(
+        f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max weight L2 rel err {wrel[worst]:.2e} ({worst}), "
+        f"max abs weight diff {werr:.2e}, embedding rel err {wrel['tok_embeddings.weight']:.2e}"
+    )
+    assert rel <= LOSS_RTOL
+    assert wrel[worst] <= WEIGHT_RTOL
+    assert losses[-1] < losses[0]
+
+
+def _check_state_bytes(result) -> None:
+    """Each rank's parameter, gradient and optimizer-state bytes (the last stage's copy included) equal the memory
+    model's figure for its pp rank, exactly."""
+    layout, ranks, _, _ = result
+    pp, dp, tp = layout["pp"], layout.get("dp", 1), layout.get("tp", 1)
+    pc = ParallelConfig(
+        pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        zero_stage=layout.get("zero", 0),
+        pipeline_schedule=layout["schedule"],
+        virtual_pipeline_stages=layout.get("v"),
+        num_microbatches=layout["m"],
+    )
+    cfg = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=True, num_layers=LAYERS)
+    for r in ranks:
+        rank = r["rank"]  # mesh (pp, dp, cp, tp): tp innermost, pp outermost
+        est = model_state_bytes(cfg, pc, "32-true", pp_rank=rank // (dp * tp), dp_cp_rank=rank // tp % dp)
+        real = r["bytes"]
+        assert (real["params"], real["grads"], real["optimizer_states"]) == (
+            est.parameters,
+            est.gradients,
+            est.optimizer_states,
+        ), (layout, rank)
+
+
+@pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
+def test_tied_pp_world2_equals_one_process(references, world2, index):
+    _check(references, world2[index])
+    _check_state_bytes(world2[index])
+
+
+def test_tied_pp_bf16_mixed_equals_one_process_bf16_mixed(references, world2):
+    """zbv bf16-mixed ZeRO 1 (rank 0 keeps the one tied weight and its float32 master) against one process of
+    FourDStrategy in bf16-mixed: losses to 4e-4 relative and weights (rounded to bfloat16) to 1e-2 (test_parity's
+    bf16-mixed bounds; measured 1.35e-4 and 7.8e-3, one bfloat16 spacing of a norm weight near 1)."""
+    _, ref_ranks, ref_weights, _ = references[2]
+    layout, ranks, weights, copies = world2[len(WORLD2)]
+    assert not copies  # truly tied on rank 0 at ZeRO 1
+    ref_losses, losses = ref_ranks[0]["losses"], ranks[0]["losses"]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    werr = max((weights[k].bfloat16().float() - ref_weights[k].bfloat16().float()).abs().max().item() for k in weights)
+    print(f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max abs weight diff {werr:.2e}")
+    assert set(weights) == set(ref_weights) and len(losses) == STEPS
+    assert rel <= BF16_MIXED_LOSS_RTOL and werr <= BF16_MIXED_WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
+def test_tied_pp_world4_equals_one_process(references, world4, index):
+    _check(references, world4[index])
+    _check_state_bytes(world4[index])
+
+
+def test_tied_clipping_is_active(references):
+    """The clipped tied reference differs from the unclipped one, so the clipped layouts test the norm."""
+    assert references[0][1][0]["losses"][1] != references[1][1][0]["losses"][1]
+
+
+def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(references, tmp_path):
+    """A tied pp2 ZeRO 1 checkpoint (step 5 of 10) holds the weight once, under the embedding's key (model and
+    optimizer states); it resumes on pp1 (dp2 ZeRO 1) and on pp2 ZBV ZeRO 1 (rank 0's one tied weight), and a pp1
+    checkpoint on pp2 ZBV ZeRO 3 (rank 0's two copies), each to the one-process run's losses of steps 6-10 (1e-5
+    relative, as the straight runs above); export-hf writes the weight once, as the embedding's Hugging Face
+    tensor."""
+    from safetensors.torch import load_file
+
+    from lightning_4d.checkpoint import check_complete
+    from lightning_4d.families.hf_io import export_hf
+
+    pp2 = {"name": "pp2", "pp": 2, "schedule": "1f1b", "m": 2, "zero": 1, **T}
+    pp1 = {"name": "pp1", "dp": 2, "zero": 1, **T}
+    _run(tmp_path, 2, [pp2, pp1], "--reshard", "first", "--no-straight")
+    saved = check_complete(tmp_path / "pp2" / "last.ckpt")
+    assert "state_dict.model.tok_embeddings.weight" in saved
+    assert not [k for k in saved if "output.weight" in k], [k for k in saved if "output.weight" in k]
+    assert [k for k in saved if k.startswith("optimizer_0.state.model.tok_embeddings.weight.")]
+    shutil.copytree(tmp_path / "pp2", tmp_path / "to_pp1")
+    shutil.copytree(tmp_path / "pp1", tmp_path / "to_pp2")
+    shutil.copytree(tmp_path / "pp2", tmp_path / "to_zbv")
+    zbv3 = {"name": "to_pp2", "pp": 2, "schedule": "zbv", "m": 4, "zero": 3, **T}  # rank 0: both copies
+    zbv1 = {"name": "to_zbv", "pp": 2, "schedule": "zbv", "m": 4, "zero": 1, **T}  # rank 0: the one tied weight
+    _run(tmp_path, 2, [{**pp1, "name": "to_pp1"}, zbv3, zbv1], "--reshard", "resume")
+    half = STEPS // 2
+    reference = references[0][1][0]["losses"][half:]
+    for name in ("to_pp1", "to_pp2", "to_zbv"):
+        for rank in range(2):
+            resumed = json.loads((tmp_path / f"{name}_resume_rank{rank}.json").read_text())["resumed"]
+            rel = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
+            print(f"\n{name} rank {rank}: max rel loss diff {rel:.2e} (steps {half + 1}-{STEPS})")
+            assert len(resumed) == STEPS - half and rel <= LOSS_RTOL
+    out = export_hf(tmp_path / "pp2" / "last.ckpt", tmp_path / "hf")
+    tensors = load_file(out / "model.safetensors")
+    assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_tied_pp_memory_model_counts_the_last_stage_copy():
+    """Under pp > 1 the last stage holds a copy of the tied matrix (parameters, gradients, optimizer states): its
+    states are those of the untied model's last stage. A V schedule's rank 0 (first and last stage) holds the one
+    tied weight at ZeRO 0/1 (V·h less than untied) and both copies at ZeRO 2/3; at pp = 1 the tied model holds it
+    once."""
+    tied = LlamaConfig.from_preset("llama3.2-1b")
+    untied = LlamaConfig.from_preset("llama3.2-1b", tie_word_embeddings=False)
+    v, h = tied.padded_vocab_size, tied.hidden_size
+    for schedule in ("1f1b", "zbv"):
+        for zero in (0, 1, 3):
+            pc = ParallelConfig(
+                pipeline_parallel_size=2, data_parallel_size=2, zero_stage=zero, pipeline_schedule=schedule
+            )
+            for rank in range(2):
+                a = model_state_bytes(tied, pc, "32-true", pp_rank=rank).parameters
+                b = model_state_bytes(untied, pc, "32-true", pp_rank=rank).parameters
+                one_copy = schedule == "zbv" and rank == 0 and zero <= 1
+                assert b - a == (4 * v * h if one_copy else 0), (schedule, zero, rank)
+    pc = ParallelConfig(data_parallel_size=2, zero_stage=1)
+    difference = model_state_bytes(untied, pc, "32-true").parameters - model_state_bytes(tied, pc, "32-true").parameters
+    assert difference == 4 * v * h
+
+
+def test_tied_pp_estimate_and_plan_accept_tied_models(capsys):
+    """``lightning-4d estimate`` and ``plan`` estimate tied models under pp instead of refusing them."""
+    from lightning_4d.cli import main
+
+    args = ["--model", "llama3.2-3b", "--tp", "4", "--pp", "2", "--cp", "2", "--dp", "2", "--seq-length", "4096"]
+    assert main(["estimate", *args, "--micro-batch-size", "1"]) in (0, None)
+    assert "fits" in capsys.readouterr().out
+    plan = ["plan", "--model", "llama3.2-1b", "--num-gpus", "16", "--global-batch-size", "32", "--pp", "2"]
+    assert main([*plan, "--seq-length", "2048", "--top", "3"]) in (0, None)
+    assert "#1:" in capsys.readouterr().out  # at least one pp2 layout fits
+
+
+def test_tied_pp_measure_equals_estimate(tmp_path):
+    """``lightning-4d measure`` runs a tied pp2 tp2 dp2 ZeRO 1 last-stage rank (6) on the fake process group: its
+    parameter, gradient and optimizer-state bytes (the copy included) equal the estimate
+    (:func:`tests._launch.measure_json` asserts it)."""
+    from tests._launch import measure_json
+
+    spec = tmp_path / "tied.yaml"
+    spec.write_text("preset: tiny-test\ntie_word_embeddings: true\n")
+    args = ["--model", str(spec), "--pp", "2", "--tp", "2", "--dp", "2", "--zero-stage", "1"]
+    args += ["--num-microbatches", "2", "--seq-length", "64", "--micro-batch-size", "1", "--rank", "6"]
+    out, rows = measure_json(*args, "--precision", "32-true")
+    print(f"\nmeasure tied pp2 tp2 dp2 rank 6: parameters {rows['parameters']}")
+    assert rows["parameters"]["measured"] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"gradient_compression": "powersgd"}, "gradient_compression='powersgd' is not supported for tie_word")],
+)
+def test_tied_pp_refusals_before_the_process_group(kwargs, match):
+    cfg = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=True, num_layers=4)
+    pc = ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, zero_stage=1, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        pc.validate_model(cfg)
+
+
+def test_tied_pp_step_time_counts_the_embedding_all_reduce():
+    """The step-time model adds the tied copies' gradient all-reduce (2 ranks, 4·V·h/tp bytes, exposed) to the pp
+    term of a looped schedule, and nothing on zbv (rank 0 holds both copies)."""
+    from lightning_4d.memory import step_time as st
+    from lightning_4d.memory.hardware import gpu_spec
+
+    tied = LlamaConfig.from_preset("llama3.2-1b")
+    untied = LlamaConfig.from_preset("llama3.2-1b", tie_word_embeddings=False)
+    h100 = gpu_spec("H100-80GB")
+    for schedule, zero, expected in (("1f1b", 1, True), ("1f1b", 3, True), ("zbv", 1, False)):
+        layout = st.Layout.of(
+            ParallelConfig(
+                pipeline_parallel_size=2,
+                data_parallel_size=8,
+                zero_stage=zero,
+                pipeline_schedule=schedule,
+                num_microbatches=4,
+            ),
+            1,
+            4,
+        )
+        kw = {"seq_length": 2048, "gpu": h100, "gpus_per_node": 8}
+        extra = st.step_time_of(st._dims(tied), layout, **kw).pp - st.step_time_of(st._dims(untied), layout, **kw).pp
+        if not expected:
+            assert extra == 0.0
+            continue
+        b_pp, lat = st._link(h100, False)  # 16 GPUs: the pp ranks are on two nodes
+        grad = 4 * tied.padded_vocab_size * tied.hidden_size / (8 if zero >= 2 else 1)
+        assert extra == pytest.approx(2 * st._ring(grad, 2, b_pp, lat)) and extra > 0
+
+
+@pytest.mark.parametrize("source", ["ours", "hf"])
+@pytest.mark.parametrize("schedule, pp_rank, zero", [("1f1b", 1, 1), ("zbv", 0, 3), ("zbv", 0, 1)])
+def test_tied_pp_init_from_reads_the_head_copy_from_the_embedding(tmp_path, schedule, pp_rank, zero, source):
+    """``init_from`` one of our checkpoints (which holds a tied weight once, as the embedding) or a tied Hugging Face
+    directory (``model.embed_tokens.weight`` only): a last stage's head copy reads the embedding's tensor, alone
+    (1f1b rank 1) or beside the embedding on a V schedule's rank 0 under ZeRO 2/3; at ZeRO 0/1 that rank keeps the
+    one tied weight (through ``to_empty``, which makes new parameters off the meta device)."""
+    from lightning_4d.families.llama import LlamaFamily
+    from lightning_4d.models.llama import LlamaModel
+    from lightning_4d.parallel.pipeline import split_model
+
+    cfg = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=True, num_layers=4)
+    if source == "ours":
+        weights = LlamaModel(cfg, init_seed=3)
+        saved = {n: p.detach().clone() for n, p in weights.named_parameters()}  # the tied weight once
+        assert "output.weight" not in saved
+        torch.save({"state_dict": saved}, tmp_path / "weights.ckpt")
+        path = tmp_path / "weights.ckpt"
+    else:
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+        fields.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).float()
+        hf.save_pretrained(tmp_path / "hf")
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+            assert "lm_head.weight" not in f.keys()  # the directory holds the tied weight once
+        saved = {"tok_embeddings.weight": hf.model.embed_tokens.weight.detach().clone()}
+        path = tmp_path / "hf"
+    family = LlamaFamily()
+    with torch.device("meta"):
+        model = LlamaModel(cfg, init_seed=5)
+    pc = ParallelConfig(pipeline_parallel_size=2, data_parallel_size=1, pipeline_schedule=schedule, zero_stage=zero)
+    split_model(family, model, pc, pp_rank)
+    family.materialize(model, torch.device("cpu"))
+    truly_tied = model.output.weight is getattr(model.tok_embeddings, "weight", None)
+    assert truly_tied == (not _holds_a_copy({"schedule": schedule, "zero": zero}))
+    if source == "ours":
+        family.load_checkpoint_weights("", model, path)
+    else:
+        family.load_hf(model, path)
+    assert torch.equal(model.output.weight, saved["tok_embeddings.weight"])
+    if model.tok_embeddings is not None:
+        assert torch.equal(model.tok_embeddings.weight, saved["tok_embeddings.weight"])
