@@ -207,7 +207,7 @@ def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(
     from safetensors.torch import load_file
 
     from lightning_4d.checkpoint import check_complete
-    from lightning_4d.families.hf_io import export_hf
+    from lightning_4d.export_hf import export_hf
 
     pp2 = {"name": "pp2", "pp": 2, "schedule": "1f1b", "m": 2, "zero": 1, **T}
     pp1 = {"name": "pp1", "dp": 2, "zero": 1, **T}
