@@ -24,7 +24,7 @@ run: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/lightning-4d fit --config configs/tiny.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -s tests
+	$(BIN)/python -m pytest -q -s --durations=40 tests
 
 # lint: ruff check (pyproject's [tool.ruff]: pycodestyle errors and warnings, pyflakes, import order; line length
 # 120) and ruff format --check (apply with: .venv/bin/ruff format lightning_4d tests benchmarks examples docs)
