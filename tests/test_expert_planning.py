@@ -13,7 +13,8 @@ from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import step_time as st
 from lightning_4d.memory.hardware import GPU_PRESETS
-from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, estimate_memory, model_state_bytes
+from lightning_4d.memory.model import estimate_memory, model_state_bytes
+from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE
 from lightning_4d.memory.planner import plan
 from lightning_4d.models.config import LlamaConfig
 from tests.test_cli_inputs import _one_line_error

@@ -535,15 +535,15 @@ def test_zero3_large_vocabulary_peak_equals_measured(tmp_path, preset, precision
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_schedule_action_lists_equal_torch(schedule):
-    """The memory model's torch-free action lists of the V schedules (``_zbv_actions``, ``_dualpipev_actions``) are
+    """The memory model's torch-free action lists of the V schedules (``zbv_actions``, ``dualpipev_actions``) are
     torch's own (``_compat.schedule_rank_actions``), for every rank of several p and m (DualPipeV needs m >= 2p)."""
-    from lightning_4d.memory import model
+    from lightning_4d.memory import pipeline
     from lightning_4d.parallel._compat import schedule_rank_actions
 
     ours, name = (
-        (model._zbv_actions, "ScheduleZBVZeroBubble")
+        (pipeline.zbv_actions, "ScheduleZBVZeroBubble")
         if schedule == "zbv"
-        else (model._dualpipev_actions, "ScheduleDualPipeV")
+        else (pipeline.dualpipev_actions, "ScheduleDualPipeV")
     )
     cases = 0
     for p in (2, 3, 4, 8):

@@ -22,7 +22,7 @@ from lightning_4d.config import (
 )
 from lightning_4d.layout import LAYOUT_FIELDS, LayoutField, config_kwargs_from_args, reported_layout
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
-from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
+from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
 from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
 
 FORMULAS = ("lightning_4d", "fujii2024")

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import _check_positive_int
+from lightning_4d.memory.moe import check_dense
 
 __all__ = ["Fujii2024Estimate", "check_dense", "fujii2024_estimate", "fujii2024_from_config", "fujii2024_of_layout"]
 
@@ -237,21 +238,6 @@ def _activations(
     return activations
 
 
-def check_dense(model_config: Any) -> None:
-    """Refuse a Mixture-of-Experts config: the paper's formulas have no term for routed experts, the router or the
-    dispatch, so an estimate would silently be that of a dense model.
-
-    Raises:
-        ValueError: ``num_experts`` > 0 (the message says so and names ``--formula lightning_4d``).
-    """
-    if getattr(model_config, "num_experts", 0):
-        raise ValueError(
-            f"the fujii2024 formula (Fujii et al. 2024, arXiv 2411.06465) has no Mixture-of-Experts terms: it models "
-            f"dense Llama only, and this model has num_experts={model_config.num_experts}; use --formula "
-            "lightning_4d (our memory model counts the router, the experts and the shared experts)."
-        )
-
-
 def fujii2024_from_config(
     model_config: Any, *, tp: int, pp: int, dp: int, cp: int, seq_length: int, micro_batch_size: int, **kw: Any
 ) -> Fujii2024Estimate:
@@ -263,8 +249,8 @@ def fujii2024_from_config(
     :func:`fujii2024_estimate`; a ``tie_word_embeddings`` given there overrides the config's.
 
     Raises:
-        ValueError: a Mixture-of-Experts config (``num_experts`` > 0): the paper models dense Llama only and has no
-            term for routed experts, the router or the dispatch (use our model, ``formula="lightning_4d"``).
+        ValueError: an MoE config (:func:`lightning_4d.memory.moe.check_dense`): the paper models dense Llama only
+            (use our model, ``formula="lightning_4d"``).
     """
     check_dense(model_config)
     tie = kw.pop("tie_word_embeddings", getattr(model_config, "tie_word_embeddings", False))

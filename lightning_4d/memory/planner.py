@@ -60,7 +60,7 @@ from lightning_4d.config import (
 from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
-from lightning_4d.memory.step_time import Layout, StepTime, _dims, step_time_parts
+from lightning_4d.memory.step_time import Layout, StepTime, model_dims, step_time_parts
 
 __all__ = [
     "Candidate",
@@ -441,7 +441,7 @@ def _timed_layouts(
     Raises:
         ValueError: no valid layout at all (the message says what a layout needs).
     """
-    dims = _dims(model_config)
+    dims = model_dims(model_config)
     timed: list[tuple[float, int, Layout, tuple[float, ...]]] = []
     # the paper's formula models Megatron's plain TP: no overlapped layouts for it
     overlap = tensor_parallel_overlap and formula == "lightning_4d"

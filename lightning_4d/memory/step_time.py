@@ -83,32 +83,8 @@ reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy ove
 Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
 step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
 
-**Mixture of Experts** (``num_experts`` E > 0, top-k routed experts of width f_e, n_s shared experts; ``docs/moe.md``).
-An MoE layer's matmuls count the parameters a token goes through (its *active* parameters, as
-:meth:`~lightning_4d.models.LlamaConfig.num_active_parameters` and the MFU convention do: DeepSpeed-MoE, Rajbhandari
-et al. 2022, arXiv 2201.05596, §2; Mixtral, Jiang et al. 2024, arXiv 2401.04088, §2.1: 12.9B of 46.7B per token),
-not all experts: ``6·(P_attn/tp + E·h + 3·k·h·f_e + 3·n_s·h·f_e)·T/tp`` FLOPs (attention, router, routed and shared
-experts; under tp each tp rank routes its own ``T/tp`` tokens through whole experts), the routed GEMMs in the class
-of their ``ep·T·k/(E·tp)`` rows per local expert, f_e and h. The pointwise bytes take ``(k + n_s)·f_e`` for f (the
-routing's sort, gather and scatter are not counted: not measured). Layers alternate dense and MoE with
-``moe_layer_interval``; one layer's time is the average of the two kinds, weighted by their counts (exact without
-pp; a pipeline rank's own mix is not followed). Under tp an MoE layer is charged the dense layer's tp collectives
-(an upper bound: MoE under tp is not implemented yet).
-
-**Expert parallel** (ep > 1): per MoE layer and micro-batch 4 all-to-alls (dispatch and combine forward, both again
-backward; 2 more in full activation checkpointing's recomputation), not overlapped (``parallel/expert.py`` issues them
-synchronously between the router and the experts), each sending ``n = (T/tp)·k·h·c`` bytes per GPU of which
-``(ep−1)/ep`` leave the GPU (dropless routing at balanced load). Pairwise-exchange all-to-all cost ``(p−1)·α +
-(p−1)/p·n·β`` (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
-IJHPCA 19(1), §4.5), with the node split of the ep group: an ep group is ``ep`` consecutive ranks of ``dp_cp``, i.e.
-``tp·ep`` consecutive global ranks (``mesh.py``: dims ``("pp", "dp", "cp", "tp")``, tp innermost); when ``tp·ep``
-divides the GPUs per node the exchange stays on NVLink, else each GPU sends ``(g−1)/ep·n`` bytes over NVLink to the
-``g = gpus_per_node/tp`` group members of its node and ``(ep−g)/ep·n`` over its NIC, the two at once (the slower
-sets the time) with the inter-node α. Plus, per MoE layer forward, the counts' all-to-all (``E`` integers: latency
-only) and the load-balancing counts' all-reduce over ``dp_cp`` (``E + 2`` integers: ``2·⌈log₂ D⌉·α``, recursive
-doubling, Thakur et al. 2005 §4.4). Data parallel with ep: the dense parameters' gradients go over D ranks, the expert
-parameters' (``E/ep`` experts per GPU) over the expert data-parallel group of ``D/ep`` ranks; ZeRO shards each over
-its own group.
+**Mixture of Experts and expert parallelism**: :mod:`lightning_4d.memory.moe` (its module docstring) adds the terms
+of the MoE layers, their all-to-alls and the data-parallel groups of their parameters.
 
 Pure Python: no torch import.
 """
@@ -117,11 +93,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from lightning_4d.memory import moe
+from lightning_4d.memory.moe import all_to_all_time
+from lightning_4d.memory.rates import (
+    COLLECTIVE_EFFICIENCY,
+    GEMM_EFFICIENCY,
+    LINK_LATENCY,
+    POINTWISE_BYTES,
+    POINTWISE_EFFICIENCY,
+    by_class as _by_class,
+    gemm_efficiency,
+    link as _link,
+    ring as _ring,
+)
 
 __all__ = [
     "ATTENTION_EFFICIENCY",
@@ -142,29 +130,14 @@ __all__ = [
     "tp_exposed",
 ]
 
-#: Fraction of the dense bf16 peak a GEMM reaches, by the class of its smallest dimension (>= 2048, >= 1024, below).
-#: The large class is the maximum achievable matmul throughput measured on H100 SXM and A100 (about 0.8 of the
-#: datasheet peak: S. Bekman, "Machine Learning Engineering", chapter compute/accelerator, "Maximum Achievable
-#: Matmul FLOPS"); the smaller classes lose to wave and tile quantization (NVIDIA, "Matrix Multiplication
-#: Background User's Guide"); all three are calibrated with :data:`CALIBRATION_RUNS`.
-GEMM_EFFICIENCY = ((2048, 0.78), (1024, 0.70), (0, 0.55))
 #: Fraction of the peak of the fused attention kernel (FlashAttention 2, PyTorch's SDPA flash backend) forward +
 #: backward at head size 128 on H100, by the length of the query/key blocks it runs on (s, or s/(2·cp) under
 #: context parallelism): about 330 TFLOP/s forward at 4k-16k tokens, falling to about half at 512 (Shah et al.
 #: 2024, FlashAttention-3, arXiv 2407.08608, Fig. 5-7, the FlashAttention-2 curves), less backward.
 ATTENTION_EFFICIENCY = ((4096, 0.35), (2048, 0.31), (1024, 0.26), (512, 0.20), (0, 0.15))
-#: Pointwise bytes per token of one decoder layer, forward + backward, bf16 (eager, our layer): coefficients of
-#: (h, (a + 2k)·d, f), measured with a TorchDispatchMode over every non-matmul op (``tests/test_step_time.py``).
-POINTWISE_BYTES = (348, 52, 28)
 #: Bytes per local logit the chunked cross-entropy reads and writes forward + backward (``parallel/loss.py``:
 #: the bf16 logits read twice, a float32 chunk written and read, the bf16 gradient written).
 LOSS_BYTES_PER_LOGIT = 20
-#: Fraction of the memory bandwidth eager pointwise kernels reach (large contiguous tensors).
-POINTWISE_EFFICIENCY = 0.8
-#: Fraction of the link bandwidth NCCL's ring collectives reach (bus bandwidth of nccl-tests on NVLink 4 / NDR).
-COLLECTIVE_EFFICIENCY = 0.8
-#: Seconds per ring step of a collective (alpha of the alpha-beta model): inside a node, across nodes.
-LINK_LATENCY = (3e-6, 8e-6)
 #: float32 bytes the optimizer step reads and writes per owned parameter (gradient, master, m, v read; master,
 #: m, v written) + the compute-dtype parameter written.
 OPTIMIZER_BYTES_PER_PARAM = 4 * 7 + 2
@@ -353,36 +326,12 @@ class Layout:
         )
 
 
-def _by_class(table: tuple[tuple[float, float], ...], value: float) -> float:
-    """The fraction of the first class of ``table`` (``(lower bound, fraction)``, bounds descending) ``value``
-    reaches."""
-    return next((eta for bound, eta in table if value >= bound), table[-1][1])
-
-
-def gemm_efficiency(smallest_dimension: float) -> float:
-    """Fraction of the peak of a GEMM whose smallest dimension is ``smallest_dimension`` (:data:`GEMM_EFFICIENCY`)."""
-    return _by_class(GEMM_EFFICIENCY, smallest_dimension)
-
-
-def _ring(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
-    """Seconds of a ring all-gather / reduce-scatter of a ``nbytes`` buffer over ``ranks`` ranks (per GPU
-    ``(n−1)/n·nbytes`` at ``COLLECTIVE_EFFICIENCY·bandwidth``, plus ``(n−1)·latency``)."""
-    if ranks == 1:
-        return 0.0
-    return (ranks - 1) / ranks * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ranks - 1) * latency
-
-
 def tp_exposed(coll: float, matmul: float, tp: int, streams: int = 1) -> float:
     """Exposed seconds of one ``tensor_parallel_overlap`` ring over tp ranks carrying ``streams`` collectives of
     ``coll`` seconds each beside ``matmul`` seconds of matmuls: ``n·coll − η·min(n·coll, (tp−1)/tp·matmul)``, η =
     :data:`TP_OVERLAP_EFFICIENCY` (module docstring, **Tensor parallel**: tp − 1 of the tp steps carry a shard)."""
     comm = streams * coll
     return comm - TP_OVERLAP_EFFICIENCY * min(comm, (tp - 1) / tp * matmul)
-
-
-def _link(gpu: Any, inside_node: bool) -> tuple[float, float]:
-    """(bandwidth, ring-step latency) of a collective whose group is inside one node (NVLink) or spans nodes."""
-    return (gpu.intra_node_bandwidth, LINK_LATENCY[0]) if inside_node else (gpu.inter_node_bandwidth, LINK_LATENCY[1])
 
 
 def _layer_params(dims: tuple[int, ...]) -> int:
@@ -403,23 +352,13 @@ def selective_recomputed_matmul_fraction(model_config: Any, tp: int) -> float:
     """The matmul FLOPs ``"selective"`` activation checkpointing adds, as a fraction of the layers' matmul FLOPs of
     a step (forward + backward, 3× the forward): under tp the output projection's forward again
     (:func:`wo_share` / 3), 0 at tp = 1 (nothing but pointwise ops and all-gathers recomputed)."""
-    return wo_share(_dims(model_config)) / 3 if tp > 1 else 0.0
+    return wo_share(model_dims(model_config)) / 3 if tp > 1 else 0.0
 
 
-def _dims(cfg: Any) -> tuple[int, ...]:
+def model_dims(cfg: Any) -> tuple[int, ...]:
     """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers, tied) of a model config (E .. MoE layers 0 for a dense
-    one; tied 1 with ``tie_word_embeddings``, else 0)."""
-    moe = (
-        (
-            cfg.num_experts,
-            cfg.num_experts_per_token,
-            cfg.expert_intermediate_size,
-            cfg.num_shared_experts,
-            cfg.num_moe_layers,
-        )
-        if getattr(cfg, "is_moe", False)
-        else (0, 0, 0, 0, 0)
-    )
+    one: :func:`lightning_4d.memory.moe.model_dims`; tied 1 with ``tie_word_embeddings``, else 0): the ``dims`` of
+    :func:`step_time_of`."""
     return (
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -428,36 +367,12 @@ def _dims(cfg: Any) -> tuple[int, ...]:
         cfg.num_kv_heads,
         cfg.padded_vocab_size,
         cfg.num_layers,
-        *moe,
+        *moe.model_dims(cfg),
         int(bool(getattr(cfg, "tie_word_embeddings", False))),
     )
 
 
-def _moe_layer_params(dims: tuple[int, ...], tp: int, ep: int) -> tuple[float, float]:
-    """(dense, expert) parameters one GPU holds of one MoE layer: attention ``/tp``, router ``E·h`` and shared
-    experts ``3·n_s·h·f_e`` (replicated over tp: whole experts per tp rank), and its ``E/ep`` routed experts
-    ``3·h·f_e`` each."""
-    h, _, d, a, k = dims[:5]
-    e, _, fe, ns = dims[7:11]
-    attention = h * (a + 2 * k) * d + a * d * h
-    return attention / tp + e * h + 3 * ns * h * fe, e // ep * 3 * h * fe
-
-
-def all_to_all_time(nbytes: float, ep: int, tp: int, gpu: Any, gpus_per_node: int) -> float:
-    """Seconds of one all-to-all over an ep group in which every GPU sends ``nbytes`` (``(ep−1)/ep`` of it to the
-    others): pairwise exchange, ``(p−1)·α + (p−1)/p·n·β`` (Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1), §4.5).
-    The group is ``tp·ep`` consecutive global ranks (``mesh.py``); when that divides ``gpus_per_node`` it stays on
-    NVLink, else the bytes to the ``g = gpus_per_node/tp`` members of the GPU's node go over NVLink and the rest over
-    its NIC at the same time (the slower sets the time), with the inter-node latency."""
-    if ep == 1:
-        return 0.0
-    if gpus_per_node % (tp * ep) == 0:
-        bandwidth, latency = _link(gpu, True)
-        return (ep - 1) / ep * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ep - 1) * latency
-    g = min(ep, max(1, gpus_per_node // tp))
-    intra = (g - 1) / ep * nbytes / (COLLECTIVE_EFFICIENCY * gpu.intra_node_bandwidth)
-    inter = (ep - g) / ep * nbytes / (COLLECTIVE_EFFICIENCY * gpu.inter_node_bandwidth)
-    return max(intra, inter) + (ep - 1) * LINK_LATENCY[1]
+_dims = model_dims  # the name the tests read
 
 
 def attention_efficiency(block_tokens: float) -> float:
@@ -521,27 +436,10 @@ def _layer_terms(
         + LOSS_BYTES_PER_LOGIT * vocab / tp * tokens / hbm
         + t_head_tp
     )
-    e, top, fe, ns, n_moe = dims[7:12]
-    if not e:
+    if not dims[7]:
         return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, 0.0, 0.0, t_tp_fwd
-    frac = n_moe / num_layers
-    routed = tokens / tp  # each tp rank routes its own tokens through whole experts
-    rows = ep * routed * top / e  # rows per local expert at balanced load
-    t_moe_mm = (
-        6 * (h * (a + 2 * k) * d + a * d * h) / tp * tokens / (gemm_efficiency(min(tokens, h, a * d / tp)) * peak)
-        + 6 * e * h * routed / (gemm_efficiency(min(routed, h, e)) * peak)
-        + 6 * 3 * top * h * fe * routed / (gemm_efficiency(min(rows, h, fe)) * peak)
-        + (6 * 3 * ns * h * fe * routed / (gemm_efficiency(min(routed, h, ns * fe)) * peak) if ns else 0.0)
-    )
-    t_moe_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * (top + ns) * fe) / tp) * tokens / hbm
-    t_mm = frac * t_moe_mm + (1 - frac) * t_mm
-    t_pw = frac * t_moe_pw + (1 - frac) * t_pw
-    one = all_to_all_time(routed * top * h * c, ep, tp, gpu, gpus_per_node)
-    inside = gpus_per_node % (tp * ep) == 0
-    counts = (ep - 1) * LINK_LATENCY[0 if inside else 1] if ep > 1 else 0.0
-    balance = 2 * math.ceil(math.log2(dd)) * _link(gpu, tp * dd <= gpus_per_node)[1] if dd > 1 else 0.0
-    forward = frac * (2 * one + counts + balance)
-    return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, forward, forward + frac * 2 * one, t_tp_fwd
+    t_mm, t_pw, forward, both = moe.layer_times(dims, (t_mm, t_pw), tp, sp, tokens, gpu, gpus_per_node, ep, dd)
+    return t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, forward, both, t_tp_fwd
 
 
 @functools.lru_cache(maxsize=4096)
@@ -636,7 +534,7 @@ def predict_step_time(
         gpu: a :class:`~lightning_4d.memory.hardware.GpuSpec`; gpus_per_node: GPUs per node.
     """
     step = step_time_of(
-        _dims(model_config),
+        model_dims(model_config),
         Layout.of(pc, micro_batch_size, num_microbatches),
         seq_length=seq_length,
         gpu=gpu,
@@ -655,7 +553,7 @@ def predict_step_time(
 
 def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
     """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L, E,
-    top-k, f_e, n_s, MoE layers, tied), as ``_dims`` reads them from a model config)."""
+    top-k, f_e, n_s, MoE layers, tied), as :func:`model_dims` reads them from a model config)."""
     return StepTime(*step_time_parts(dims, layout, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node))
 
 
@@ -725,30 +623,24 @@ def _data_parallel_terms(
     gpus_per_node: int,
 ) -> tuple[float, float, int, float]:
     """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds) of the pp rank
-    holding ``layers`` decoder layers: the data-parallel collectives over dp·cp (experts: over dp·cp/ep) of its
-    parameters (module docstring, **Data parallel**)."""
+    holding ``layers`` decoder layers: the data-parallel collectives over dp·cp of its parameters (an MoE
+    model's: :func:`lightning_4d.memory.moe.data_parallel_terms`) (module docstring, **Data parallel**)."""
     h, vocab = dims[0], dims[5]
     c = 2
     dd = dp * cp
-    # data parallel over dp_cp: the parameters of the largest pp rank; with experts, theirs over dp_cp/ep
-    params = layers * _layer_params(dims) / tp + vocab * h / tp * (2 if pp == 1 else 1)
-    experts = 0.0
+    # data parallel over dp_cp: the parameters of the largest pp rank (an MoE model: moe.data_parallel_terms)
+    vocabulary = vocab * h / tp * (2 if pp == 1 else 1)
+    params = layers * _layer_params(dims) / tp + vocabulary
+    b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
+    owned_extra = rs_extra = ag_extra = 0.0
     if dims[7]:
-        frac = dims[11] / dims[6]
-        dense_moe, experts = _moe_layer_params(dims, tp, ep)
-        params = layers * ((1 - frac) * _layer_params(dims) / tp + frac * dense_moe) + vocab * h / tp * (
-            2 if pp == 1 else 1
+        params, owned_extra, rs_extra, ag_extra = moe.data_parallel_terms(
+            dims, layers, tp, ep, dd, zero_stage, _layer_params(dims), vocabulary, b_dp, lat
         )
-        experts = layers * frac * experts
-    edp = dd // ep
-    owned = params / dd + experts / edp if zero_stage >= 1 else params + experts
+    owned = params / dd + owned_extra if zero_stage >= 1 else params + owned_extra
     rs = ag = 0.0
     if dd > 1:
-        b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
-        rs = _ring(4 * params, dd, b_dp, lat)
-        ag = _ring(c * params, dd, b_dp, lat)
-        if experts:
-            rs += _ring(4 * experts, edp, b_dp, lat)
-            ag += _ring(c * experts, edp, b_dp, lat)
+        rs = _ring(4 * params, dd, b_dp, lat) + rs_extra
+        ag = _ring(c * params, dd, b_dp, lat) + ag_extra
     t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / (POINTWISE_EFFICIENCY * gpu.memory_bandwidth)
     return rs, ag, max(1, layers), t_opt

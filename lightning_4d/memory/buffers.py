@@ -1,0 +1,284 @@
+"""The transient buffers of one pp rank (:mod:`lightning_4d.memory.model`'s docstring, **Peak**): FSDP2's gathered
+parameters and unsharded gradients (ZeRO 2/3), the gradient buckets (ZeRO 0/1) and what compression puts on the
+wire, the head's gradient, the optimizer step's temporaries, and the transients each feature adds (pipeline receive
+buffers, context-parallel attention, the LM head's backward under tp, an MoE layer's all-to-alls), composed by
+:func:`buffer_terms`; and the peak of setup (:func:`initialization_bytes`).
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_4d.config import ParallelConfig
+from lightning_4d.memory import moe
+from lightning_4d.memory.activations import recompute_backward
+from lightning_4d.memory.compression import compression_buffer_bytes
+from lightning_4d.memory.context import context_parallel_buffers
+from lightning_4d.memory.offload import offloaded_whole
+from lightning_4d.memory.params import Sizes, as_held, rank_layers, rank_layout, weighted_params
+from lightning_4d.memory.pipeline import receive_buffer_bytes
+from lightning_4d.memory.states import ModelStates, first_bucket_elements, fsdp_padded_numel, fsdp_shard_numel
+from lightning_4d.memory.tensor_parallel import embedding_gradient_bytes, head_backward_transient
+from lightning_4d.memory.tensors import Dtypes
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES, loss_chunk_tokens
+
+__all__ = ["Buffers", "buffer_terms", "initialization_bytes"]
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """The transient buffers of one pp rank (bytes; module docstring, **Peak**)."""
+
+    gathered_start: int  # FSDP2-gathered parameters at the start of backward
+    gathered_end: int  # ... and at its end
+    gradient_buffers: int  # gradient communication: flat bucket copies (ZeRO 0/1) or unsharded gradients (2/3)
+    head_gradient: int  # the LM head's gradient, made at the start of backward
+    pipeline: int  # PipelineStage's receive buffers
+    context_parallel: int  # one layer's context-parallel attention backward
+    all_to_all: int  # one MoE layer's all-to-all receive buffers under ep (moe.all_to_all_buffers)
+    step_temporaries: int  # the optimizer's temporaries (none for fused AdamW) + ZeRO-1's all-gather buckets
+    resident_gradients: int  # gradients that exist before backward starts (ZeRO 0/1 buckets, several micro-batches)
+    #: tp > 1, the rank holding the embedding: torch's vocabulary-parallel embedding backward (DTensor's
+    #: ``RowwiseParallel`` on ``nn.Embedding``) runs ``embedding_dense_backward`` with the whole vocabulary
+    #: (``num_weights = V``; measured: tiny-test tp2 gave a [256, 64] gradient for its [128, 64] shard) and reduces
+    #: the ``[V, h]`` partial sum to the rank's rows: ``V·h`` in the compute dtype at the end of backward
+    embedding_gradient: int = 0
+    #: ZeRO 0/1 with one micro-batch per step: the gradient bucket made for the first gradient of backward (the
+    #: head's), beside it (the buckets are made as gradients arrive: :func:`buffer_terms`)
+    first_bucket: int = 0
+    #: the last stage under tp with sp: the working set of the LM head's backward beyond its saved input
+    #: (:func:`lightning_4d.memory.tensor_parallel.head_backward_transient`), 0 elsewhere
+    head_backward: int = 0
+    #: FSDP2-gathered parameters while the loss runs (its forward and its backward): ``gathered_start`` but at
+    #: ZeRO 3 without pp, where every unit, the root included, is resharded after its forward (``fully_shard(...,
+    #: reshard_after_forward=True)`` given explicitly: torch keeps the root gathered only when the argument is left
+    #: to its default) and the root is gathered again when the loss' backward reaches the logits: 0
+    gathered_loss: int = 0
+    #: ZeRO 3 without pp: the root's all-gather output, alive beside the root's unsharded parameters (in
+    #: ``gathered_start``) while FSDP2 copies them out of it, when the head's backward gathers the root again (its
+    #: pre-backward; the head's gradient does not exist yet). Measured on CPU (LiveTensorBytes at the peak,
+    #: llama3.1-8b's vocabulary at h=256, 2 layers, dp8 ZeRO 3 32-true s=512): the flat all-gather output, both
+    #: unsharded root weights and the logits' gradient alive at once; 0 elsewhere
+    root_regather: int = 0
+    #: the last stage: the loss' forward working set beyond its saved tensors, one chunk's float32 ``exp(x - max)``
+    #: (``parallel/loss.py``), ``4·min(b·s/cp, loss_chunk_tokens(V/t))·V/t``
+    loss_forward: int = 0
+    #: ZeRO 2/3 without pp: the previous step's gradient shards, alive through the forward of every step after the
+    #: first (Lightning's automatic optimization calls ``zero_grad`` (set to None) after ``training_step``, before
+    #: ``backward``), 0 elsewhere
+    forward_gradients: int = 0
+    #: under activation checkpointing, the first backward op of a recomputed layer beyond its recomputed set: the
+    #: gradient reaching the layer's output (residual dtype, ``[b, s/cp, h]``, ``/t`` under sp) and ``w2``'s input
+    #: gradient (compute dtype, ``[b, s/cp, f/t]``); 0 without checkpointing
+    recompute_backward: int = 0
+    #: under activation checkpointing (no stage offloaded whole): the context-parallel attention backward runs after
+    #: the layer's feed-forward backward has freed its recomputed SwiGLU tensors and kept ``w1``/``w3`` outputs (more
+    #: than the output gradient ``recompute_backward`` also holds), so the recompute phase takes the larger of the two
+    #: transients, not their sum (measured on CPU: tiny-test cp2 b=4 s=256 ``32-true``, the peak at the last layer's
+    #: SwiGLU product backward, no cp buffer alive)
+    recompute_apart_from_cp: bool = False
+
+
+def buffer_terms(
+    cfg: Any,
+    pc: ParallelConfig,
+    dt: Dtypes,
+    b: int,
+    s: int,
+    pp_rank: int,
+    m: int,
+    states: ModelStates,
+    imbalance: float,
+    fused_optimizer: bool = True,
+) -> Buffers:
+    """The transient buffers of pp rank ``pp_rank``: FSDP2's gathered parameters and unsharded gradients, gradient
+    communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers, one MoE
+    layer's all-to-all buffers (at load ``imbalance``) and the optimizer step's temporaries."""
+    cfg = as_held(cfg, pc)
+    layers = rank_layers(cfg.num_layers, pc, pp_rank)
+    _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
+    params = weighted_params(cfg, pc.tp, layers, first, last, pc.ep)
+    world, zero = pc.dp_cp, pc.zero_stage
+    head = next((p for p, _ in params if p.role == "head"), None)
+    tied = head is None and last and cfg.tie_word_embeddings
+    if tied:
+        head = next(p for p, _ in params if p.role == "embedding")
+    head_grad = head.numel * (dt.compute if dt.master and zero >= 2 else dt.param) if head is not None else 0
+    units = _fsdp_units(params, world, pc.ep)
+    root = units[3] * (dt.compute if dt.master else dt.param)  # FSDP2's all-gather output (bf16 under mixed precision)
+    if zero >= 2:
+        gathered_start, gathered_end, grad_buffers = _fsdp_buffers(pc, dt, params, units, m, head_grad, bool(tied))
+    else:
+        gathered_start = gathered_end = 0
+        grad_buffers = _bucket_buffers(pc, dt, params, states)
+    resident, first_bucket = _resident_gradients(cfg, pc, dt, m, states, first, last)
+    offloaded = offloaded_whole(cfg, pc, pp_rank)
+    local_vocab = cfg.padded_vocab_size // pc.tp
+    has_moe = pc.ep > 1 and moe.count_moe_layers(cfg, layers) > 0
+    return Buffers(
+        gathered_start,
+        gathered_end,
+        grad_buffers,
+        head_grad,
+        receive_buffer_bytes(cfg, pc, dt, b, s, pp_rank, m),
+        context_parallel_buffers(cfg, pc, dt, b, s),
+        moe.all_to_all_buffers(cfg, pc, dt, b, s, imbalance) if has_moe else 0,
+        _step_temporaries(pc, dt, params, states, fused_optimizer),
+        resident,
+        embedding_gradient_bytes(cfg, pc, dt, first),
+        first_bucket=first_bucket,
+        head_backward=head_backward_transient(cfg, pc, dt, b, s) if last else 0,
+        gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
+        root_regather=root if zero == 3 and pc.pp == 1 else 0,
+        loss_forward=4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0,
+        forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
+        recompute_backward=recompute_backward(cfg, pc, dt, b, s, offloaded),
+        recompute_apart_from_cp=pc.activation_checkpointing != "none" and not offloaded,
+    )
+
+
+def _fsdp_units(params: Any, world: int, ep: int) -> tuple[int, int, int, int]:
+    """(padded elements of the largest FSDP2 layer unit, rank 0's shard of it (the largest), padded elements of all
+    the layer units, of the root unit) of the rank's ``params`` (:func:`fsdp_padded_numel`)."""
+    units: dict[str, list[int]] = {}  # representative layer -> [padded elements, layers like it, shard elements]
+    for p, count in params:
+        if p.unit != "root":
+            unit = units.setdefault(p.unit, [0, count, 0])
+            unit[0] += fsdp_padded_numel(p, world, ep)
+            unit[2] += fsdp_shard_numel(p, world, 0, ep)  # rank 0's shard, the largest
+    layer_numel, _, layer_shard = max(units.values(), default=(0, 0, 0))  # the largest FSDP2 layer unit
+    all_layers_numel = sum(n * count for n, count, _ in units.values())
+    root_numel = sum(fsdp_padded_numel(p, world, ep) for p, _ in params if p.unit == "root")
+    return layer_numel, layer_shard, all_layers_numel, root_numel
+
+
+def _fsdp_buffers(
+    pc: ParallelConfig, dt: Dtypes, params: Any, units: tuple[int, int, int, int], m: int, head_grad: int, tied: bool
+) -> tuple[int, int, int]:
+    """(gathered parameters at the start of backward, at its end, gradient buffers) of FSDP2 (ZeRO 2/3): parameters
+    gathered for compute (padded all-gather outputs; bf16 under ``MixedPrecisionPolicy``), unsharded gradients
+    before reduce-scatter (bf16, then their float32 cast for the reduce-scatter); ``units``: :func:`_fsdp_units`."""
+    world = pc.dp_cp
+    gather_bytes = dt.compute if dt.master else dt.param
+    layer_numel, layer_shard, all_layers_numel, root_numel = units
+    largest_layer, root = layer_numel * gather_bytes, root_numel * gather_bytes
+    if pc.pp > 1:
+        # under a pipeline schedule FSDP2 neither reshards after backward nor reduces gradients until the last
+        # micro-batch (PipelineStage.backward_maybe_with_nosync): all the rank's parameters and their unsharded
+        # gradients (accumulated in float32 under MixedPrecisionPolicy) are held from the first backward to the end
+        # of the step
+        gathered = root + all_layers_numel * gather_bytes
+        return gathered, gathered, (root_numel + all_layers_numel) * (4 if dt.master else dt.param)
+    if pc.zero_stage == 2:
+        # kept unsharded from forward to backward; the root's unsharded gradients live to the end; 2 units in flight
+        unsharded_grad_bytes = dt.compute + 4 if dt.master else dt.param
+        grad_buffers = (root_numel + 2 * layer_numel) * unsharded_grad_bytes
+        return root + all_layers_numel * gather_bytes, root + largest_layer, grad_buffers
+    root_shard = sum(fsdp_shard_numel(p, world, 0, pc.ep) for p, _ in params if p.unit == "root")
+    root_grads = sum(p.numel for p, _ in params if p.unit == "root") * (dt.compute if dt.master else dt.param)
+    root_grads += 2 * head_grad if tied else 0
+    if m > 1:  # gradient accumulation: every gradient shard exists from the first micro-batch's backward on
+        root_shard = layer_shard = 0
+    shards = (layer_numel, layer_shard, root_shard)
+    end, grad_buffers = _zero3_backward_end(dt, root, largest_layer, shards, root_grads, head_grad)
+    return (
+        root + 2 * largest_layer,
+        end,
+        grad_buffers,
+    )  # at the start: root + the layer in backward + the prefetched one
+
+
+def _zero3_backward_end(
+    dt: Dtypes, root: int, largest_layer: int, shards: tuple[int, int, int], root_grads: int, head_grad: int
+) -> tuple[int, int]:
+    """(gathered parameters, gradient buffers) at the end of backward at ZeRO 3 without pp (``shards``: a layer
+    unit's elements, its gradient shard's, the root's gradient shard's): the larger of two moments. Measured tensor by
+    tensor on CPU with ``lightning_4d.measure.LiveTensorBytes`` (tiny-test dp2 ZeRO 3 bf16-mixed, tied and untied
+    head; torch 2.13's ``FSDPParamGroup.post_backward``): a unit's unsharded gradients are copied, cast to the reduce
+    dtype, into its reduce-scatter input, which FSDP2 keeps until the next unit's reduce-scatter
+    (``comm_ctx.reduce_scatter_states``); the root's unsharded gradients are made by the head's backward and the
+    embedding's and reduced last, when its gradient shard is made. Two moments, beside the gradient shards made so
+    far and the gathered root:
+
+    (a) the first layer's backward: the root's and the two layer units' gathered parameters (the layer in backward,
+        the prefetched one), the previous layer's reduce-scatter input, the head's gradient; neither the root's
+        gradient shard nor the first layer's exists yet;
+    (b) the embedding's backward: the previous layer's reduce-scatter input, the root's unsharded gradients (a tied
+        weight: the head's gradient, the embedding's and their sum, AccumulateGrad adding out of place); the root's
+        gradient shard does not exist yet."""
+    layer_numel, layer_shard, root_shard = shards
+    reduce_bytes = 4 if dt.master else dt.param  # FSDP2's reduce dtype: its reduce-scatter input, gradient shards
+    common = layer_numel * reduce_bytes - root_shard * reduce_bytes
+    first_layer = 2 * largest_layer + head_grad - layer_shard * reduce_bytes
+    if first_layer >= root_grads:
+        return root + 2 * largest_layer, common + head_grad - layer_shard * reduce_bytes
+    return root, common + root_grads
+
+
+def _bucket_buffers(pc: ParallelConfig, dt: Dtypes, params: Any, states: ModelStates) -> int:
+    """ZeRO 0/1's gradient communication buffers at the end of backward (``GradientBuckets``): a parameter's fresh
+    gradient (its dtype) exists until the hook adds it into its bucket, + what the gradient compression puts on the
+    wire (:func:`lightning_4d.memory.compression.compression_buffer_bytes`)."""
+    largest = max((p.numel for p, _ in params), default=0)
+    return largest * dt.param + compression_buffer_bytes(pc, dt, states.gradients, pc.dp_cp, largest)
+
+
+def _step_temporaries(pc: ParallelConfig, dt: Dtypes, params: Any, states: ModelStates, fused_optimizer: bool) -> int:
+    """The optimizer step's temporaries: none for fused AdamW (it steps in place), the sqrt of the second moments (one
+    moment's bytes) for foreach AdamW; + at ZeRO 1 ``ShardedOptimizer``'s all-gather of one bucket at a time, this
+    rank's range and the gathered bucket (a bucket holds at most ``GRADIENT_BUCKET_BYTES`` of parameters, or one
+    larger parameter alone: the head, the embedding)."""
+    step_temp = 0 if fused_optimizer else (states.optimizer_states - states.master_weights - states.compression) // 2
+    world = pc.dp_cp
+    if pc.zero_stage == 1 and world > 1:
+        largest = max((p.numel for p, _ in params), default=0)
+        bucket = max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.parameters // dt.param), largest) * dt.param
+        step_temp += int(bucket * (1 + 1 / world))
+    return step_temp
+
+
+def _resident_gradients(
+    cfg: Any, pc: ParallelConfig, dt: Dtypes, m: int, states: ModelStates, first: bool, last: bool
+) -> tuple[int, int]:
+    """(gradients that exist before backward starts, the gradient bucket made for the first gradient of backward).
+
+    ZeRO 0/1 gradient buckets exist from the first gradient of the step to the end of its optimizer step
+    (``parallel/grad_buffers.py``'s ``GradientBuckets``): with more than one micro-batch per step (a pipeline,
+    gradient accumulation), from the first backward on, so while later micro-batches' activations are built; with
+    one, no gradient exists in forward, and at the start of backward only the bucket that takes the first gradient
+    (the head's) is made, while the saved activations are all alive: the rest appear as backward frees the layers'
+    activations (the sum of the two is linear over the layers, largest at an end: the backward end phase). ZeRO 2/3
+    accumulating over m > 1 micro-batches: FSDP2's gradient shards, from the first backward on."""
+    zero = pc.zero_stage
+    if zero <= 1 and (pc.pp > 1 or m > 1) or zero >= 2 and pc.pp == 1 and m > 1:
+        return states.gradients, 0
+    if zero >= 2:
+        return 0, 0
+    sizes = Sizes.of(cfg, cfg.num_layers)
+    elements = first_bucket_elements(
+        sizes, pc.tp, cfg.num_layers, first, last, pc.ep, dt.setup, GRADIENT_BUCKET_BYTES, pc.dp_cp
+    )
+    return 0, elements * dt.grad
+
+
+def initialization_bytes(
+    cfg: Any, pc: ParallelConfig, dt: Dtypes, pp_rank: int, states: ModelStates, buf: Buffers
+) -> int:
+    """Bytes held at the peak of setup, before the first step (module docstring, **Peak**): the larger of
+    initialization (the rank's parameters in their setup dtype + the largest whole float32 parameter of its stages:
+    ``families/llama.py``'s ``_local_piece`` copies the rank's piece out of a view of it) and the cast that follows
+    the optimizer's setup (setup-dtype parameters + master weights + the compute-dtype copy of the largest parameter
+    being made; the gradient buckets are made by the first backward)."""
+    cfg = as_held(cfg, pc)
+    layers = sorted(i for _, r in pc.rank_stages(cfg.num_layers, pp_rank) for i in r)
+    _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
+    largest = max(p.numel for p, _ in weighted_params(cfg, 1, layers, first, last))
+    largest_local = max(p.numel for p, _ in weighted_params(cfg, pc.tp, layers, first, last, pc.ep))
+    params = states.parameters if pc.zero_stage >= 2 else states.parameters // dt.param * dt.setup
+    cast = 0
+    if pc.zero_stage < 2 and dt.master:
+        cast = states.master_weights + largest_local * dt.param
+    return params + max(4 * largest, cast)

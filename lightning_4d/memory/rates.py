@@ -1,0 +1,62 @@
+"""The rates the step-time model (:mod:`lightning_4d.memory.step_time`) and its feature terms charge work at: the
+fraction of the GPU's peak a GEMM reaches by its shape, the pointwise bytes of one layer, and the alpha-beta cost of
+a ring collective over NVLink or across nodes (sources beside each constant).
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "COLLECTIVE_EFFICIENCY",
+    "GEMM_EFFICIENCY",
+    "LINK_LATENCY",
+    "POINTWISE_BYTES",
+    "POINTWISE_EFFICIENCY",
+    "by_class",
+    "gemm_efficiency",
+    "link",
+    "ring",
+]
+
+#: Fraction of the dense bf16 peak a GEMM reaches, by the class of its smallest dimension (>= 2048, >= 1024, below).
+#: The large class is the maximum achievable matmul throughput measured on H100 SXM and A100 (about 0.8 of the
+#: datasheet peak: S. Bekman, "Machine Learning Engineering", chapter compute/accelerator, "Maximum Achievable
+#: Matmul FLOPS"); the smaller classes lose to wave and tile quantization (NVIDIA, "Matrix Multiplication
+#: Background User's Guide"); all three are calibrated with :data:`lightning_4d.memory.step_time.CALIBRATION_RUNS`.
+GEMM_EFFICIENCY = ((2048, 0.78), (1024, 0.70), (0, 0.55))
+#: Pointwise bytes per token of one decoder layer, forward + backward, bf16 (eager, our layer): coefficients of
+#: (h, (a + 2k)·d, f), measured with a TorchDispatchMode over every non-matmul op (``tests/test_step_time.py``).
+POINTWISE_BYTES = (348, 52, 28)
+#: Fraction of the memory bandwidth eager pointwise kernels reach (large contiguous tensors).
+POINTWISE_EFFICIENCY = 0.8
+#: Fraction of the link bandwidth NCCL's ring collectives reach (bus bandwidth of nccl-tests on NVLink 4 / NDR).
+COLLECTIVE_EFFICIENCY = 0.8
+#: Seconds per ring step of a collective (alpha of the alpha-beta model): inside a node, across nodes.
+LINK_LATENCY = (3e-6, 8e-6)
+
+
+def by_class(table: tuple[tuple[float, float], ...], value: float) -> float:
+    """The fraction of the first class of ``table`` (``(lower bound, fraction)``, bounds descending) ``value``
+    reaches."""
+    return next((eta for bound, eta in table if value >= bound), table[-1][1])
+
+
+def gemm_efficiency(smallest_dimension: float) -> float:
+    """Fraction of the peak of a GEMM whose smallest dimension is ``smallest_dimension`` (:data:`GEMM_EFFICIENCY`)."""
+    return by_class(GEMM_EFFICIENCY, smallest_dimension)
+
+
+def ring(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring all-gather / reduce-scatter of a ``nbytes`` buffer over ``ranks`` ranks (per GPU
+    ``(n−1)/n·nbytes`` at ``COLLECTIVE_EFFICIENCY·bandwidth``, plus ``(n−1)·latency``)."""
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ranks - 1) * latency
+
+
+def link(gpu: Any, inside_node: bool) -> tuple[float, float]:
+    """(bandwidth, ring-step latency) of a collective whose group is inside one node (NVLink) or spans nodes."""
+    return (gpu.intra_node_bandwidth, LINK_LATENCY[0]) if inside_node else (gpu.inter_node_bandwidth, LINK_LATENCY[1])

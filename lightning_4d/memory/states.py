@@ -1,0 +1,240 @@
+"""Model states (ZeRO): one rank's parameters, gradients and optimizer states at rest (:func:`model_state_bytes`),
+and the ZeRO sharding rules they follow (module docstring of :mod:`lightning_4d.memory.model`, **Model states**):
+
+- ZeRO 0/1 (``GradientBuckets`` + ``ShardedOptimizer``): the parameters, in reverse order, fill gradient buckets of
+  ``GRADIENT_BUCKET_BYTES``, each padded to a multiple of its group's ranks; at ZeRO 1 rank r owns range r of every
+  bucket (:func:`bucket_owned`, :func:`zero1_owned`);
+- ZeRO 2/3 (FSDP2 ``fully_shard``): ``ceil(rows/D)`` rows of dim 0 per rank, as ``torch.chunk``
+  (:func:`fsdp_shard_numel`), a stacked weight maybe on dim 1 (:func:`lightning_4d.memory.moe.fsdp_shard_dim`).
+
+A parameter's data-parallel group is ``dp·cp`` unless its :attr:`~lightning_4d.memory.tensors.Param.group` says
+otherwise (:func:`reduction_group`).
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_4d.config import ParallelConfig
+from lightning_4d.memory import moe
+from lightning_4d.memory.compression import powersgd_state_bytes
+from lightning_4d.memory.params import (
+    Sizes,
+    as_held,
+    rank_layers,
+    rank_layout,
+    stage_params,
+    weighted_params,
+    with_pipeline,
+)
+from lightning_4d.memory.tensors import Dtypes, Param, chunk, normalize_precision
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
+
+__all__ = [
+    "ModelStates",
+    "bucket_owned",
+    "first_bucket_elements",
+    "fsdp_group",
+    "fsdp_padded_numel",
+    "fsdp_shard_numel",
+    "model_state_bytes",
+    "reduction_group",
+    "zero1_owned",
+]
+
+
+def _group_key(p: Param, tp: int, ep: int) -> tuple[str, ...]:
+    """The dims of ``p``'s :attr:`~lightning_4d.memory.tensors.Param.group` larger than 1 in this layout (``()``:
+    ``dp·cp``): the parameters of one key fill gradient buckets of their own (``parallel/grad_buffers.py``)."""
+    return tuple(d for d in p.group if (tp if d == "tp" else ep) > 1)
+
+
+def reduction_group(key: tuple[str, ...], world: int, rank: int, tp: int, tp_rank: int, ep: int) -> tuple[int, int]:
+    """``(size, rank)`` of the ZeRO 0/1 data-parallel group of the parameters of group key ``key`` (:func:`_group_key`)
+    for the rank ``rank`` of ``world`` = dp·cp ranks: ``"ep"`` the expert data-parallel group of ``world/ep`` ranks
+    (this rank ``rank // ep``, ``ParallelConfig.ep_coordinates``), ``"tp"`` that group times tp (this rank
+    ``rank·tp + tp_rank``; ``lightning_4d/mesh.py``'s ``dp_cp_tp`` and ``edp_tp``)."""
+    size, index = world * (tp if "tp" in key else 1), rank
+    if "ep" in key:
+        size, index = size // ep, index // ep
+    if "tp" in key:
+        index = index * tp + tp_rank
+    return size, index
+
+
+@functools.lru_cache(maxsize=4096)
+def zero1_owned(
+    sizes: Sizes,
+    tp: int,
+    layers: tuple[int, ...],
+    first: bool,
+    last: bool,
+    elem_bytes: int,
+    world: int,
+    rank: int,
+    bucket_bytes: int,
+    ep: int = 1,
+    tp_rank: int = 0,
+) -> int:
+    """:func:`bucket_owned` of the parameters of ``layers`` (+ embedding / head), cached: the planner asks for the
+    same stage under many micro-batch sizes. The parameters of each group key (:func:`_group_key`) fill buckets of
+    their own, sharded over their group (:func:`reduction_group`; ``parallel/grad_buffers.py``)."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for p in stage_params(sizes, tp, layers, first, last, ep):
+        groups.setdefault(_group_key(p, tp, ep), []).append(p.numel)
+    owned = 0
+    for key, numels in groups.items():
+        size, index = reduction_group(key, world, rank, tp, tp_rank, ep)
+        owned += bucket_owned(numels, elem_bytes, size, index, bucket_bytes)
+    return owned
+
+
+@functools.lru_cache(maxsize=4096)
+def first_bucket_elements(
+    sizes: Sizes,
+    tp: int,
+    num_layers: int,
+    first: bool,
+    last: bool,
+    ep: int,
+    elem_bytes: int,
+    bucket_bytes: int,
+    world: int,
+) -> int:
+    """Elements of the first ZeRO 0/1 gradient bucket of a rank holding ``range(num_layers)`` (+ embedding / head):
+    ``GradientBuckets`` fills buckets with the parameters in reverse order, of ``elem_bytes`` each, at most
+    ``bucket_bytes`` per bucket, the parameters of a group other than ``dp·cp`` in buckets of their own
+    (:func:`lightning_4d.partition.bucket_lengths`), each padded to a multiple of ``world`` (its group's ranks); the
+    first holds the head's weight, the first gradient of backward."""
+    dense = [p.numel for p in stage_params(sizes, tp, range(num_layers), first, last, ep) if not _group_key(p, tp, ep)][
+        ::-1
+    ]
+    lengths = bucket_lengths([n * elem_bytes for n in dense], bucket_bytes)
+    return bucket_shard(sum(dense[: lengths[0]]), world, world - 1)[1] if lengths else 0
+
+
+def bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, bucket_bytes: int) -> int:
+    """Elements rank ``rank`` of ``world`` owns at ZeRO 1 (``GradientBuckets`` + ``ShardedOptimizer``): the
+    parameters, in reverse order, fill buckets of at most ``bucket_bytes`` (a bucket's first parameter may exceed it);
+    each bucket is padded to a multiple of ``world`` elements and cut in ``world`` equal ranges, rank r owning range r
+    (its real elements only): :func:`lightning_4d.partition.bucket_lengths` and
+    :func:`lightning_4d.partition.bucket_shard`, the rules ``parallel/grad_buffers.py`` builds its buckets with."""
+    order = numels[::-1]
+    total = start = 0
+    for length in bucket_lengths([n * elem_bytes for n in order], bucket_bytes):
+        n = sum(order[start : start + length])
+        lo, hi = bucket_shard(n, world, rank)
+        total += max(0, min(n, hi) - min(n, lo))
+        start += length
+    return total
+
+
+def fsdp_padded_numel(p: Param, world: int, ep: int = 1) -> int:
+    """Elements of ``p`` in FSDP2's all-gather output: dim 0 padded to a multiple of its group's size
+    (:func:`fsdp_group`), or a stacked weight sharded on dim 1, which FSDP2 shards evenly only (no padding)."""
+    group, _ = fsdp_group(p, world, 0, ep)
+    if moe.fsdp_shard_dim(p, group) == 1:
+        return p.numel
+    return math.ceil(p.rows / group) * group * p.cols
+
+
+def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int) -> int:
+    """Elements of ``p`` rank ``dp_cp_rank`` holds at ZeRO 2/3 (FSDP2's ``torch.chunk`` of dim 0 over its group,
+    :func:`fsdp_group`; a stacked weight sharded on dim 1: ``rows · (dim1 / G) · dim 2``, even)."""
+    group, rank = fsdp_group(p, world, dp_cp_rank, ep)
+    if moe.fsdp_shard_dim(p, group) == 1:
+        return p.rows * chunk(p.dim1, group, rank) * (p.cols // p.dim1)
+    return chunk(p.rows, group, rank) * p.cols
+
+
+def fsdp_group(p: Param, world: int, dp_cp_rank: int, ep: int) -> tuple[int, int]:
+    """``(size, rank)`` of the group FSDP2 shards ``p`` over at ZeRO 2/3: a parameter split over ep (group ``"ep"``)
+    over the ``dp·cp/ep`` ranks of its data-parallel group (this rank ``dp_cp_rank // ep``:
+    ``ParallelConfig.ep_coordinates``, ``parallel/fsdp.py``'s ``apply_fsdp``), every other tensor over ``dp_cp``."""
+    if "ep" in p.group and ep > 1:
+        return world // ep, dp_cp_rank // ep
+    return world, dp_cp_rank
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of one rank's parameters, gradients (at the optimizer step) and optimizer states: Adam's m and v plus
+    the float32 master weights where they are separate from the parameters (``master_weights``, included in
+    ``optimizer_states``, as Megatron-LM counts them: ``bf16-mixed`` at ZeRO 1 is 2 + 4 + 12/D bytes per
+    parameter) and PowerSGD's state (``compression``, included too: float32 error feedback ``m·n`` and warm start
+    ``n·r`` per compressed matrix, ``parallel/compression.py``)."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    master_weights: int = 0
+    compression: int = 0
+
+
+def model_state_bytes(
+    model_config: Any,
+    parallel_config: ParallelConfig,
+    precision: str = "bf16-mixed",
+    *,
+    pp_rank: int = 0,
+    dp_cp_rank: int = 0,
+    pipeline_layer_split: Optional[list[int]] = None,
+    bucket_bytes: int = GRADIENT_BUCKET_BYTES,
+    tp_rank: int = 0,
+) -> ModelStates:
+    """Exact bytes of the model states held at rest by one rank (see the module docstring for the rules).
+
+    Args:
+        model_config: a :class:`~lightning_4d.models.LlamaConfig` (duck-typed: sizes, ``padded_vocab_size``,
+            ``head_dim``, ``tie_word_embeddings``).
+        parallel_config: the layout (``data_parallel_size`` resolved).
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+        pp_rank: the pp rank (0 .. pp−1); it holds the ``v`` pipeline stages of
+            :meth:`~lightning_4d.config.ParallelConfig.rank_stages` (schedule and v from ``parallel_config``).
+        dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards); under expert
+            parallelism its ep rank is ``dp_cp_rank % ep`` and its expert data-parallel rank ``dp_cp_rank // ep``.
+        pipeline_layer_split: layers per pipeline stage (``pp·v`` counts; default ``parallel_config``'s, else
+            equal).
+        bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
+            at ZeRO 1 a rank owns its 1/D of every bucket.
+        tp_rank: the tp rank: under tp a Mixture-of-Experts model's MoE parameters are ZeRO 1-sharded over
+            ``dp·cp·tp`` ranks (the experts under ep over ``dp·cp·tp/ep``), where the tp rank picks the range.
+
+    Returns:
+        :class:`ModelStates`.
+
+    Raises:
+        ValueError: an unknown precision, a pp rank, dp_cp rank or tp rank out of range.
+    """
+    dt = Dtypes.of(normalize_precision(precision))
+    if not 0 <= tp_rank < parallel_config.tp:
+        raise ValueError(f"tp_rank={tp_rank} is not valid: expected 0 .. {parallel_config.tp - 1}.")
+    pc = with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
+    if not 0 <= pp_rank < pc.pp:
+        raise ValueError(f"pp_rank={pp_rank} is not valid: expected 0 .. {pc.pp - 1}.")
+    if not 0 <= dp_cp_rank < pc.dp_cp:
+        raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
+    model_config = as_held(model_config, pc)
+    layers = rank_layers(model_config.num_layers, pc, pp_rank)
+    _, first, last = rank_layout(model_config.num_layers, pc, pp_rank)
+    weighted = weighted_params(model_config, pc.tp, layers, first, last, pc.ep)
+    if pc.zero_stage >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor (maybe dim 1: fsdp_group)
+        n = sum(count * fsdp_shard_numel(p, pc.dp_cp, dp_cp_rank, pc.ep) for p, count in weighted)
+        if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
+            return ModelStates(4 * n, 4 * n, 8 * n)
+        return ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param)
+    n = sum(count * p.numel for p, count in weighted)
+    n_opt = n
+    if pc.zero_stage == 1 and pc.dp_cp > 1:
+        sizes = Sizes.of(model_config, model_config.num_layers)
+        n_opt = zero1_owned(
+            sizes, pc.tp, tuple(layers), first, last, dt.setup, pc.dp_cp, dp_cp_rank, bucket_bytes, pc.ep, tp_rank
+        )
+    master = n_opt * dt.master
+    compression = powersgd_state_bytes(pc, weighted, pc.dp_cp)  # every rank's own E and Q, whole local matrices
+    return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master + compression, master, compression)
