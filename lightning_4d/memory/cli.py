@@ -483,9 +483,6 @@ def _print_estimate(out: dict[str, Any]) -> None:
 
 
 def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, bool], list]] = None) -> dict[str, Any]:
-    from lightning_4d.memory.planner import plan
-    from lightning_4d.memory.reliability import checkpoint_interval
-
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
     fixed = {  # the sizes asked for (plan's layout options but --tensor-parallel-overlap)
@@ -498,48 +495,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install 'lightning-4d[plot]'")
-    rows = plan(
-        cfg,
-        args.num_gpus,
-        args.gpus_per_node,
-        gpu,
-        args.seq_length,
-        args.global_batch_size,
-        precision=args.precision,
-        budget=args.budget,
-        formula=args.formula,
-        top=args.top,
-        fixed=fixed,
-        estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
-        tensor_parallel_overlap=args.tensor_parallel_overlap,
-    )
-    layouts = []
-    for c in rows:
-        ckpt = checkpoint_interval(
-            cfg,
-            args.num_gpus,
-            args.gpus_per_node,
-            c.step_time,
-            precision=args.precision,
-            checkpoint_write_gbps=args.checkpoint_write_gbps,
-            mtbf_gpu_hours=args.mtbf_gpu_hours,
-        )
-        layouts.append(
-            {
-                **c.to_dict(),
-                "checkpoint_interval_s": ckpt.interval_s,
-                "checkpoint_interval_steps": ckpt.interval_steps,
-                "checkpoint_write_s": ckpt.write_s,
-                "checkpoint_lost_fraction": ckpt.lost_fraction,
-                "job_mtbf_s": ckpt.mtbf_s,
-                "checkpoint_bytes": ckpt.checkpoint_bytes,
-                # the features of this layout no CPU test of the support matrix combines (docs/support.md)
-                # (None: not checked, when the caller gives no checker: memory/ cannot import the support matrix)
-                "untested_pairs": None
-                if untested_pairs is None
-                else [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "num_experts", 0) > 0)],
-            }
-        )
+    rows = _search(args, cfg, gpu, fixed, top=args.top)
     out = {
         "model": args.model,
         "num_gpus": args.num_gpus,
@@ -555,34 +511,72 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "tensor_parallel_overlap_considered": args.tensor_parallel_overlap,
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
-        "layouts": layouts,
+        "layouts": [_plan_row(args, cfg, c, untested_pairs) for c in rows],
     }
     if args.plot:
         from lightning_4d.memory.plot import plot_plan
 
-        points = plan(
-            cfg,
-            args.num_gpus,
-            args.gpus_per_node,
-            gpu,
-            args.seq_length,
-            args.global_batch_size,
-            precision=args.precision,
-            budget=args.budget,
-            formula=args.formula,
-            top=None,
-            include_unfit=True,
-            fixed=fixed,
-            max_estimated=PLOT_LAYOUTS,
-            estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
-            tensor_parallel_overlap=args.tensor_parallel_overlap,
-        )
+        points = _search(args, cfg, gpu, fixed, top=None, include_unfit=True, max_estimated=PLOT_LAYOUTS)
         title = (
             f"{args.model} on {args.num_gpus} x {gpu.name}, s={args.seq_length}, global batch "
             f"{args.global_batch_size}: the {len(points)} fastest predicted layouts"
         )
         out["plot"] = plot_plan(points, gpu.memory, args.budget, args.plot, title)["path"]
     return out
+
+
+def _search(args: argparse.Namespace, cfg: Any, gpu: Any, fixed: dict[str, int], **kw: Any) -> list:
+    """:func:`lightning_4d.memory.planner.plan` of the job ``args`` asks for (``kw``: ``top`` and the plot's
+    options)."""
+    from lightning_4d.memory.planner import plan
+
+    return plan(
+        cfg,
+        args.num_gpus,
+        args.gpus_per_node,
+        gpu,
+        args.seq_length,
+        args.global_batch_size,
+        precision=args.precision,
+        budget=args.budget,
+        formula=args.formula,
+        fixed=fixed,
+        estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
+        tensor_parallel_overlap=args.tensor_parallel_overlap,
+        **kw,
+    )
+
+
+def _plan_row(
+    args: argparse.Namespace, cfg: Any, c: Any, untested_pairs: Optional[Callable[[dict, bool], list]]
+) -> dict[str, Any]:
+    """One layout of ``plan``'s result: the candidate ``c``'s fields, its checkpoint interval
+    (:func:`lightning_4d.memory.reliability.checkpoint_interval`) and the feature pairs no CPU test runs together."""
+    from lightning_4d.memory.reliability import checkpoint_interval
+
+    ckpt = checkpoint_interval(
+        cfg,
+        args.num_gpus,
+        args.gpus_per_node,
+        c.step_time,
+        precision=args.precision,
+        checkpoint_write_gbps=args.checkpoint_write_gbps,
+        mtbf_gpu_hours=args.mtbf_gpu_hours,
+    )
+    return {
+        **c.to_dict(),
+        "checkpoint_interval_s": ckpt.interval_s,
+        "checkpoint_interval_steps": ckpt.interval_steps,
+        "checkpoint_write_s": ckpt.write_s,
+        "checkpoint_lost_fraction": ckpt.lost_fraction,
+        "job_mtbf_s": ckpt.mtbf_s,
+        "checkpoint_bytes": ckpt.checkpoint_bytes,
+        # the features of this layout no CPU test of the support matrix combines (docs/support.md)
+        # (None: not checked, when the caller gives no checker: memory/ cannot import the support matrix)
+        "untested_pairs": None
+        if untested_pairs is None
+        else [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "num_experts", 0) > 0)],
+    }
 
 
 def plan_config(out: dict[str, Any]) -> dict[str, Any]:
@@ -677,6 +671,32 @@ def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
     return path
 
 
+#: The columns of ``plan``'s table (:func:`_plan_cells`).
+_PLAN_COLUMNS = (
+    "#",
+    "tp",
+    "pp",
+    "cp",
+    "dp",
+    "ep",
+    "b",
+    "m",
+    "ZeRO",
+    "ckpt",
+    "sp",
+    "schedule",
+    "GiB",
+    "mem %",
+    "step s",
+    "tokens/s",
+    "MFU",
+    "bubble",
+    "comm",
+    "recomp",
+    "tested",
+)
+
+
 def _print_plan(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -686,65 +706,10 @@ def _print_plan(out: dict[str, Any]) -> None:
         f"{out['global_batch_size']}: layouts within {100 * out['budget']:.0f}% of memory, fastest "
         "predicted first"
     )
-    for col in (
-        "#",
-        "tp",
-        "pp",
-        "cp",
-        "dp",
-        "ep",
-        "b",
-        "m",
-        "ZeRO",
-        "ckpt",
-        "sp",
-        "schedule",
-        "GiB",
-        "mem %",
-        "step s",
-        "tokens/s",
-        "MFU",
-        "bubble",
-        "comm",
-        "recomp",
-        "tested",
-    ):
+    for col in _PLAN_COLUMNS:
         table.add_column(col, justify="right")
     for i, c in enumerate(out["layouts"], 1):
-        schedule = (
-            "-"
-            if c["pp"] == 1
-            else (
-                c["pipeline_schedule"]
-                + (f" v{c['virtual_pipeline_stages']}" if c["pipeline_schedule"] == "interleaved_1f1b" else "")
-            )
-        )
-        cp = str(c["cp"]) + ("" if c["cp"] == 1 else f" {c['context_parallel_method']}")
-        table.add_row(
-            str(i),
-            str(c["tp"]),
-            str(c["pp"]),
-            cp,
-            str(c["dp"]),
-            str(c["expert_parallel_size"]),
-            str(c["micro_batch_size"]),
-            str(c["num_microbatches"]),
-            str(c["zero_stage"]),
-            c["activation_checkpointing"],
-            "-"
-            if c["tp"] == 1
-            else ("on, overlap" if c.get("tensor_parallel_overlap") else "on" if c["sequence_parallel"] else "off"),
-            schedule,
-            f"{c['memory_gib']:.1f}",
-            f"{100 * c['fraction']:.0f}",
-            f"{c['step_time']:.3f}",
-            f"{c['tokens_per_sec']:,.0f}",
-            f"{100 * c['mfu']:.1f}%",
-            f"{100 * c['bubble_fraction']:.0f}%",
-            f"{100 * c['communication_fraction']:.0f}%",
-            f"{100 * c['recompute_fraction']:.0f}%",
-            "-" if c["untested_pairs"] is None else ("no*" if c["untested_pairs"] else "yes"),
-        )
+        table.add_row(*_plan_cells(i, c))
     console = Console(width=max(Console().width, 180))
     console.print(table)
     if not out["layouts"]:
@@ -753,6 +718,50 @@ def _print_plan(out: dict[str, Any]) -> None:
         if c["pipeline_layer_split"]:
             console.print(f"#{i}: pipeline_layer_split={c['pipeline_layer_split']}")
             break
+    _print_plan_notes(console, out)
+
+
+def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
+    """The cells of row ``i`` (layout ``c``) of ``plan``'s table, one per column of :data:`_PLAN_COLUMNS`."""
+    schedule = (
+        "-"
+        if c["pp"] == 1
+        else (
+            c["pipeline_schedule"]
+            + (f" v{c['virtual_pipeline_stages']}" if c["pipeline_schedule"] == "interleaved_1f1b" else "")
+        )
+    )
+    cp = str(c["cp"]) + ("" if c["cp"] == 1 else f" {c['context_parallel_method']}")
+    return [
+        str(i),
+        str(c["tp"]),
+        str(c["pp"]),
+        cp,
+        str(c["dp"]),
+        str(c["expert_parallel_size"]),
+        str(c["micro_batch_size"]),
+        str(c["num_microbatches"]),
+        str(c["zero_stage"]),
+        c["activation_checkpointing"],
+        "-"
+        if c["tp"] == 1
+        else ("on, overlap" if c.get("tensor_parallel_overlap") else "on" if c["sequence_parallel"] else "off"),
+        schedule,
+        f"{c['memory_gib']:.1f}",
+        f"{100 * c['fraction']:.0f}",
+        f"{c['step_time']:.3f}",
+        f"{c['tokens_per_sec']:,.0f}",
+        f"{100 * c['mfu']:.1f}%",
+        f"{100 * c['bubble_fraction']:.0f}%",
+        f"{100 * c['communication_fraction']:.0f}%",
+        f"{100 * c['recompute_fraction']:.0f}%",
+        "-" if c["untested_pairs"] is None else ("no*" if c["untested_pairs"] else "yes"),
+    ]
+
+
+def _print_plan_notes(console: Any, out: dict[str, Any]) -> None:
+    """The lines under ``plan``'s table: the first pick's checkpoint interval, the untested feature pairs, the plot
+    and what the columns mean."""
     if out["layouts"]:
         c = out["layouts"][0]
         console.print(

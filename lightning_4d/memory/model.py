@@ -11,20 +11,19 @@ the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO sha
 - ZeRO stage 0: everything replicated; gradients in ``GradientBuckets`` (one copy, from the first gradient to the
   end of the optimizer step);
 - ZeRO stage 1 (``GradientBuckets`` + ``ShardedOptimizer``): the parameters, in reverse order, fill gradient buckets
-  of ``GRADIENT_BUCKET_BYTES`` (25 MiB of parameters as built), each padded to a multiple of D; rank r owns range r
-  of every bucket and holds Adam m and v (and the master weights) for those elements only (:func:`_bucket_owned`);
+  of ``GRADIENT_BUCKET_BYTES`` (25 MiB of parameters as built), each padded to a multiple of D; rank r owns range r of
+  every bucket and holds Adam m and v (and the master weights) for those elements only
+  (:func:`~lightning_4d.memory.states.bucket_owned`);
 - ZeRO stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim
-  0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``; a stacked expert weight
-  ``[E_local, d1, d2]`` whose group (G ranks) does not divide ``E_local`` but divides ``d1`` on dim 1 instead, evenly:
-  ``E_local·(d1/G)·d2`` elements per rank (:func:`lightning_4d.partition.expert_shard_dim`).
+  0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``; an MoE layer's stacked weights
+  maybe on dim 1 (:mod:`lightning_4d.memory.moe`).
 
-Dtypes (:class:`_Dtypes`; ``lightning_4d/parallel/sharded_optimizer.py``): ``32-true`` float32 everywhere;
-``bf16-mixed`` (master weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters, float32 gradients,
-float32 master
-weights + Adam m, v: 2 + 4 + 12 bytes per parameter at ZeRO 0, 2 + 4 + 12/D at ZeRO 1, and at ZeRO 2/3 the float32
-FSDP2 shard is the master (16/D); ``bf16-true`` bfloat16 everywhere; ``16-mixed`` (Lightning's autocast, kept for
-float16) float32 weights, gradients and moments. The step counters (0-d float32 tensors on the CPU unless
-``capturable``) are not counted.
+Dtypes (:class:`~lightning_4d.memory.tensors.Dtypes`; ``lightning_4d/parallel/sharded_optimizer.py``): ``32-true``
+float32 everywhere; ``bf16-mixed`` (master weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters,
+float32 gradients, float32 master weights + Adam m, v: 2 + 4 + 12 bytes per parameter at ZeRO 0, 2 + 4 + 12/D at ZeRO 1,
+and at ZeRO 2/3 the float32 FSDP2 shard is the master (16/D); ``bf16-true`` bfloat16 everywhere; ``16-mixed``
+(Lightning's autocast, kept for float16) float32 weights, gradients and moments. The step counters (0-d float32 tensors
+on the CPU unless ``capturable``) are not counted.
 
 **Activations** (:func:`saved_activation_bytes`): the tensors our layers save for backward, as
 ``torch.autograd.graph.saved_tensors_hooks`` sees them (each storage once), for the SDPA backend (its fused CPU and
@@ -38,21 +37,20 @@ compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``
   gathered again in backward: ``lightning_4d/parallel/tensor.py``), else c·y (under ``16-mixed`` autocast casts the
   float32 norm output once per linear: 3 + 2 copies);
 - SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
-- SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each); a Mixture-of-Experts layer its router,
-  dispatch, experts and shared experts instead (:func:`_moe_saved`), under expert parallelism on the rows the rank
-  receives: the balanced figure times ``expert_load_imbalance`` (:data:`DEFAULT_EXPERT_LOAD_IMBALANCE`, measured).
+- SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each); an MoE layer its feed-forward's saved set
+  instead (:func:`lightning_4d.memory.moe.saved_bytes`: its module docstring says what it counts).
 
-Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all
-layers), the final norm (as above), the head's input (c·b·s'·h: under sp the sequence shard), and what the loss saves
+Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all layers),
+the final norm (as above), the head's input (c·b·s'·h: under sp the sequence shard), and what the loss saves
 (:mod:`lightning_4d.parallel.loss`): the logits as the head made them, in the compute dtype (c·b·s·V/t, the local
-vocabulary shard under tp; a tensor that would otherwise be freed after the forward), the float32 log-sum-exp of
-every token (4·b·s) and the labels (int64, 8·b·s). With ``16-mixed`` (Lightning's autocast), autocast's float16
-copies of the weight matrices are saved too (2 bytes per local matrix element; the embedding is not cast). With full
-activation checkpointing a layer saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one
-layer's saved set, transient).
-With selective activation checkpointing (``lightning_4d/parallel/activation_checkpoint.py``: the outputs of the matmuls,
-attention kernels and tp reductions kept, everything else recomputed) a layer keeps (:func:`_layer_selective_parts`;
-measured as the outputs the policy keeps, plus the checkpoint's input):
+vocabulary shard under tp; a tensor that would otherwise be freed after the forward), the float32 log-sum-exp of every
+token (4·b·s) and the labels (int64, 8·b·s). With ``16-mixed`` (Lightning's autocast), autocast's float16 copies of the
+weight matrices are saved too (2 bytes per local matrix element; the embedding is not cast). With full activation
+checkpointing a layer saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one layer's saved
+set, transient). With selective activation checkpointing (``lightning_4d/parallel/activation_checkpoint.py``: the
+outputs of the matmuls, attention kernels and tp reductions kept, everything else recomputed) a layer keeps
+(:func:`~lightning_4d.memory.activations.layer_selective_parts`; measured as the outputs the policy keeps, plus the
+checkpoint's input):
 
 - its input (r·b·s'·h);
 - the outputs of its matmuls: c·b·s·((a + 2k)·d + 2f)/t for ``wq``/``wk``/``wv`` and ``w1``/``w3``, and at tp = 1
@@ -64,15 +62,16 @@ measured as the outputs the policy keeps, plus the checkpoint's input):
   (ring: cp·s, the whole sequence; allgather: 2·s);
 - under tp, the reduced output of ``wo`` (all-reduce, or reduce-scatter under sp): c·b·s'·h;
 
-and one layer's backward recomputes, transiently (``recompute``, :func:`_layer_selective_recompute`), what the layer
-would save without checkpointing less what it takes from the kept outputs (v, the attention output and
-log-sum-exp, ``w1 x``, ``w3 x``): the ffn norm's input, both norms' rsqrt, the matmul inputs (sequence shards under
-sp, autocast casts), the rotated q and k, ``silu(w1 x)`` and the SwiGLU product (not the attention norm's input: it
-is the layer's input, kept); the kept outputs the recomputation consumes are freed by then (``wq``'s and ``wk``'s,
-whose rotated copies are saved instead, and ``wo``'s output or reduction, read only by the residual sum): net of
-those. Measured tensor by tensor on CPU (``LiveTensorBytes`` at the last layer's ``w2`` / SwiGLU backward,
-tiny-test tp1 and tp2, ``32-true`` and ``bf16-mixed``): the ``recompute`` phase within 216 B. autocast's weight
-copies and ``"allgather"``'s gathered K/V are made again there as under full checkpointing.
+and one layer's backward recomputes, transiently (``recompute``,
+:func:`~lightning_4d.memory.activations.layer_selective_recompute`), what the layer would save without checkpointing
+less what it takes from the kept outputs (v, the attention output and log-sum-exp, ``w1 x``, ``w3 x``): the ffn norm's
+input, both norms' rsqrt, the matmul inputs (sequence shards under sp, autocast casts), the rotated q and k, ``silu(w1
+x)`` and the SwiGLU product (not the attention norm's input: it is the layer's input, kept); the kept outputs the
+recomputation consumes are freed by then (``wq``'s and ``wk``'s, whose rotated copies are saved instead, and ``wo``'s
+output or reduction, read only by the residual sum): net of those. Measured tensor by tensor on CPU (``LiveTensorBytes``
+at the last layer's ``w2`` / SwiGLU backward, tiny-test tp1 and tp2, ``32-true`` and ``bf16-mixed``): the ``recompute``
+phase within 216 B. autocast's weight copies and ``"allgather"``'s gathered K/V are made again there as under full
+checkpointing.
 
 **Peak** (:class:`MemoryEstimate`): memory moves through the phases of a step (and initialization before the
 first one), and the estimate is the largest:
@@ -88,30 +87,30 @@ first one), and the estimate is the largest:
   done) + ZeRO 0/1's gradient buckets when the step has several micro-batches (a pipeline, gradient accumulation:
   the buckets exist from the first backward to the end of the optimizer step; with one micro-batch they are made
   during backward as the layers' activations are freed, which peaks at the end of backward) + one layer's
-  context-parallel and expert-parallel (all-to-all receive buffers at the stated load,
-  :func:`_expert_parallel_buffers`) transients;
-- head backward (the last stage under tp with sp; :func:`_head_backward_transient`): the activations (without a
+  context-parallel and MoE all-to-all (:func:`lightning_4d.memory.moe.all_to_all_buffers`) transients;
+- head backward (the last stage under tp with sp; :func:`~lightning_4d.memory.tensor_parallel.head_backward_transient`):
+the activations (without a
   layer's recomputed set: none is being recomputed yet) less what the loss' backward freed (all it saved but the
   labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of the head's
   backward (the input gathered again, its gradient and the reduce-scatter's copies, or
   ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with
   several micro-batches per step);
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
-  gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its
-  hook adds it to the bucket; 2: two FSDP2 units of unsharded gradients) + gathered parameters; at ZeRO 3 without
-  pp the larger of two moments (measured tensor by tensor on CPU; ``_buffer_terms``), each with the gradient shards
-  made so far (all but the root's), the gathered root and the reduce-scatter input FSDP2 keeps of the last unit
+  gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its hook
+  adds it to the bucket; 2: two FSDP2 units of unsharded gradients) + gathered parameters; at ZeRO 3 without pp the
+  larger of two moments (measured tensor by tensor on CPU; :mod:`lightning_4d.memory.buffers`), each with the gradient
+  shards made so far (all but the root's), the gathered root and the reduce-scatter input FSDP2 keeps of the last unit
   reduced (a layer's, in the reduce dtype): the first layer's backward (+ two gathered layer units + the head's
-  gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's
-  three: the head's, the embedding's and their sum);
+  gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's three:
+  the head's, the embedding's and their sum);
 - recompute (activation checkpointing): the first checkpointed layer's backward, where the step's peak was measured
   on CPU (full and selective, tp 1 and 2, ZeRO 0, 1 and 3): the activations with one layer's recomputed set, less
   what the loss' backward freed (all it saved but the labels) and the head's saved tensors (the final norm's input
   and rsqrt, the head's input: freed by its backward), + the gradient of the layer's output and the larger of
   ``w2``'s backward (its input gradient, its weight gradient and under sp its output gradient all-gathered,
   ``[T, h]``) and the SwiGLU product's after it (the product freed, two ``[T, f/t]`` gradients beside the product's):
-  ``_recompute_backward`` + the gradient bucket made for the head's gradient (ZeRO 0/1, one micro-batch) + gathered
-  parameters + ZeRO 0/1's buckets (several micro-batches per step);
+  :func:`~lightning_4d.memory.activations.recompute_backward` + the gradient bucket made for the head's gradient (ZeRO
+  0/1, one micro-batch) + gathered parameters + ZeRO 0/1's buckets (several micro-batches per step);
 - end of forward (ZeRO 2/3 without pp): the activations (no layer recomputed) + the loss' forward chunk (float32
   ``exp(x - max)``) + the previous step's gradient shards (Lightning calls ``zero_grad`` after ``training_step``) +
   the parameters gathered while the loss runs;
@@ -119,7 +118,8 @@ first one), and the estimate is the largest:
   ``torch.optim.AdamW(fused=True)`` (:class:`~lightning_4d.tasks.CausalLMModule`'s: one kernel updates each tensor
   in place; measured on CPU: no byte allocated during the step), one moment's bytes for ``AdamW(foreach=True)``
   (``_foreach_sqrt`` of the second moments; ``estimate_memory(fused_optimizer=False)``);
-- initialization (before the first step; :func:`_initialization_bytes`): ``LlamaModel.init_weights`` draws every
+- initialization (before the first step; :func:`~lightning_4d.memory.buffers.initialization_bytes`):
+``LlamaModel.init_weights`` draws every
   parameter whole in float32 (so that every layout starts from one process's weights) and copies this rank's piece
   out of it: the rank's parameters in their setup dtype + the largest whole parameter of its stages (the embedding,
   ``V·h``, not divided by tp); under ``bf16-mixed`` at ZeRO 0/1, the cast to bfloat16 after the optimizer's setup
@@ -239,7 +239,7 @@ class MemoryEstimate:
             logits' gradient in the compute dtype, + one chunk's float32 softmax when that is not float32.
         buffers: transient buffers at their largest: autocast weight copies, FSDP2-gathered parameters, gradient
             communication buckets, optimizer-step temporaries, pipeline send/receive buffers, one MoE layer's
-            expert-parallel all-to-all buffers.
+            all-to-all buffers under ep.
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
         peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"`` or

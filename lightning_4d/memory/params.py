@@ -75,7 +75,7 @@ class Sizes:
 def stage_params(sizes: Sizes, tp: int, layers: Any, first: bool, last: bool, ep: int = 1) -> list[Param]:
     """The parameters of layers ``layers`` (+ embedding / final norm and head), in the model's order (the order
     ``model.parameters()`` yields them: ZeRO 1's buckets follow it); an MoE layer's feed-forward:
-    :func:`lightning_4d.memory.moe.layer_params` (its ``E/ep`` local experts)."""
+    :func:`lightning_4d.memory.moe.layer_params` (split over ``ep``)."""
     h, d, f = sizes.hidden_size, sizes.head_dim, sizes.intermediate_size
     a, k, vocab = sizes.num_heads, sizes.num_kv_heads, sizes.padded_vocab_size
     out: list[Param] = []

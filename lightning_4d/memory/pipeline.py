@@ -257,7 +257,7 @@ def weight_pass_inputs(cfg: Any, dt: Dtypes, b: int, s: int, tp: int, sp: bool, 
     (the logits' gradient, c·b·s·V/t). Measured (CPU, ``LiveTensorBytes``, the ``small`` preset pp2 ZBV b=2 s=1024
     ``bf16-mixed``): the peak is in the last stage's input pass, 23.3 MB above the estimate without this term, which
     counts 26.0 MB there. The first stage (its input needs no gradient) runs a full backward: 0 there. An MoE layer
-    is counted as a dense one (its experts' captured gradients are not modelled)."""
+    is counted as a dense one (what its feed-forward captures is not modelled)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     c, r = dt.compute, dt.residual

@@ -56,9 +56,9 @@ def _group_key(p: Param, tp: int, ep: int) -> tuple[str, ...]:
 
 def reduction_group(key: tuple[str, ...], world: int, rank: int, tp: int, tp_rank: int, ep: int) -> tuple[int, int]:
     """``(size, rank)`` of the ZeRO 0/1 data-parallel group of the parameters of group key ``key`` (:func:`_group_key`)
-    for the rank ``rank`` of ``world`` = dp·cp ranks: ``"ep"`` the expert data-parallel group of ``world/ep`` ranks
-    (this rank ``rank // ep``, ``ParallelConfig.ep_coordinates``), ``"tp"`` that group times tp (this rank
-    ``rank·tp + tp_rank``; ``lightning_4d/mesh.py``'s ``dp_cp_tp`` and ``edp_tp``)."""
+    for the rank ``rank`` of ``world`` = dp·cp ranks: ``"ep"`` the data-parallel group of the ep-split parameters,
+    ``world/ep`` ranks (this rank ``rank // ep``, ``ParallelConfig.ep_coordinates``), ``"tp"`` that group times tp (this
+    rank ``rank·tp + tp_rank``; ``lightning_4d/mesh.py``'s ``dp_cp_tp`` and ``edp_tp``)."""
     size, index = world * (tp if "tp" in key else 1), rank
     if "ep" in key:
         size, index = size // ep, index // ep
@@ -196,14 +196,15 @@ def model_state_bytes(
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
         pp_rank: the pp rank (0 .. pp−1); it holds the ``v`` pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages` (schedule and v from ``parallel_config``).
-        dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards); under expert
-            parallelism its ep rank is ``dp_cp_rank % ep`` and its expert data-parallel rank ``dp_cp_rank // ep``.
+        dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards); under ep its
+            ep rank is ``dp_cp_rank % ep`` and its rank in the group of the ep-split parameters ``dp_cp_rank // ep``.
         pipeline_layer_split: layers per pipeline stage (``pp·v`` counts; default ``parallel_config``'s, else
             equal).
         bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
             at ZeRO 1 a rank owns its 1/D of every bucket.
-        tp_rank: the tp rank: under tp a Mixture-of-Experts model's MoE parameters are ZeRO 1-sharded over
-            ``dp·cp·tp`` ranks (the experts under ep over ``dp·cp·tp/ep``), where the tp rank picks the range.
+        tp_rank: the tp rank: under tp the parameters replicated over tp (an MoE layer's,
+            :mod:`lightning_4d.memory.moe`) are ZeRO 1-sharded over ``dp·cp·tp`` ranks (those split over ep over
+            ``dp·cp·tp/ep``), where the tp rank picks the range.
 
     Returns:
         :class:`ModelStates`.

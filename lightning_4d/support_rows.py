@@ -1,0 +1,566 @@
+"""The rows of the support matrix (:mod:`lightning_4d.support`): every feature combination a user can ask for, as
+data: its layout (the options of ``lightning-4d measure`` that differ from :data:`DEFAULTS`), the error the project
+raises for it or the CPU tests that run it, and why the CUDA smoke runner cannot run it. :mod:`lightning_4d.support`
+validates, runs and prints them; ``tests/test_support.py`` checks every row.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["DEFAULTS", "EP_SMOKE_REASON", "FAMILIES", "HF_SMOKE_REASON", "ROWS", "Row", "measure_flags"]
+
+#: the layout every row starts from (``lightning-4d measure``'s option names, as argparse stores them)
+DEFAULTS: dict[str, Any] = {
+    "model": "small",
+    "seq_length": 1024,
+    "micro_batch_size": 2,
+    "precision": "bf16-mixed",
+    "dp": 1,
+    "zero_stage": 1,
+}
+#: the model families (``Row.family``)
+FAMILIES = {"ours": "lightning_4d Llama", "hf-llama": "transformers Llama", "hf-mixtral": "transformers Mixtral"}
+#: why the smoke runner cannot run a transformers model (yet): it builds lightning_4d's CausalLMModule
+HF_SMOKE_REASON = (
+    "the smoke runner builds lightning_4d's CausalLMModule (measure); a transformers model needs its own "
+    "LightningModule (tests/scripts/hf_llama_4d.py), not in the smoke runner yet"
+)
+#: measure's own refusal of ep > 1 (lightning_4d.measure.measure_rank), why ep rows are not smoke-run
+EP_SMOKE_REASON = (
+    "measure cannot run expert parallelism on torch's fake process group (its all-to-all carries no token "
+    "counts); ep runs on gloo in the CPU tests"
+)
+
+
+def measure_flags(options: dict) -> list[str]:
+    """``lightning-4d measure`` flags for ``options`` (argparse names; booleans of switches as the bare flag)."""
+    out: list[str] = []
+    for key, value in options.items():
+        flag = "--" + ("cp-method" if key == "cp_method" else key.replace("_", "-"))
+        if key in ("compile", "tensor_parallel_overlap"):
+            out += [flag] if value else []
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    """One feature combination of the support matrix.
+
+    Attributes:
+        id: a short unique name (``[a-z0-9-]``).
+        description: what it exercises, one line.
+        layout: the options of ``lightning-4d measure`` that differ from :data:`DEFAULTS` (argparse names:
+            ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``, ``precision``, ``cp_method``, ...; ``compile``).
+        family: ``ours``, ``hf-llama`` or ``hf-mixtral`` (:data:`FAMILIES`); the transformers families use a
+            transformers config of the preset's sizes.
+        refused: the exact message of the error the project raises before anything runs, or ``None``.
+        error_type: the type of that error (``ValueError``; ``NotImplementedError`` for compile under tp).
+        cpu_tests: pytest node ids (``tests/test_x.py::test_name``) that run the combination on CPU.
+        smoke_skip: why the smoke runner cannot run the row (``None``: it runs).
+    """
+
+    id: str
+    description: str
+    layout: dict = field(default_factory=dict)
+    family: str = "ours"
+    refused: Optional[str] = None
+    error_type: str = "ValueError"
+    cpu_tests: tuple = ()
+    smoke_skip: Optional[str] = None
+
+    def options(self) -> dict[str, Any]:
+        """The full layout: :data:`DEFAULTS` updated with :attr:`layout`."""
+        return {**DEFAULTS, **self.layout}
+
+    def argv(self, **overrides: Any) -> list[str]:
+        """The row's arguments of ``lightning-4d measure`` (``overrides`` replace options, e.g. ``seq_length``)."""
+        return measure_flags({**self.options(), **overrides})
+
+    def command(self) -> str:
+        """``lightning-4d measure ...`` for this row (a transformers family: the sizes of its preset)."""
+        return "lightning-4d measure " + " ".join(self.argv())
+
+    @property
+    def status(self) -> str:
+        """``refused``, ``tested on CPU`` or ``not tested on CPU``."""
+        if self.refused is not None:
+            return "refused"
+        return "tested on CPU" if self.cpu_tests else "not tested on CPU"
+
+
+def _hf_row(row_id: str, description: str, layout: dict, family: str, test: str) -> Row:
+    """A transformers-family row the CPU tests run and the smoke runner cannot (:data:`HF_SMOKE_REASON`)."""
+    return Row(row_id, description, layout, family=family, cpu_tests=(test,), smoke_skip=HF_SMOKE_REASON)
+
+
+P = "tests/test_parity.py::"
+PP = "tests/test_pipeline.py::"
+CP = "tests/test_context_parallel.py::"
+MOE_PP = "tests/test_moe_pipeline.py::test_moe_pp2_every_schedule_equals_one_process"
+MOE_TP = "tests/test_moe_tensor_parallel.py::test_moe_under_tp_and_cp_equals_one_process"
+MOE_DP = "tests/test_moe.py::test_dp2_zero_losses_aux_and_routing_equal_one_process"
+EP = "tests/test_expert_parallel.py::test_ep_losses_aux_routing_norm_and_states_equal_one_process"
+OFFLOAD = (
+    "tests/test_activation_offload.py::test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_host"
+)
+TIED = "tests/test_tied_pipeline.py::"
+HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
+HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
+
+#: the support matrix (order: ZeRO and precision, tp/sp, pp, cp, checkpointing / offload / compile, MoE, families)
+ROWS: list[Row] = [
+    # ---------------------------------------------------------------- ZeRO x precision (dp2)
+    Row(
+        "z0-fp32",
+        "dp2 ZeRO 0 float32: gradient buckets all-reduced",
+        {"dp": 2, "zero_stage": 0, "precision": "32-true"},
+        cpu_tests=(P + "test_parity_world2", P + "test_parity_world4"),
+    ),
+    Row(
+        "z0-bf16-mixed",
+        "dp2 ZeRO 0 bf16-mixed: fp32 master weights beside the buckets",
+        {"dp": 2, "zero_stage": 0},
+        cpu_tests=(P + "test_bf16_mixed_parity_world2",),
+    ),
+    Row(
+        "z1-bf16-mixed",
+        "dp2 ZeRO 1 bf16-mixed: sharded optimizer, reduce-scattered buckets, fp32 masters",
+        {"dp": 2, "zero_stage": 1},
+        cpu_tests=(P + "test_bf16_mixed_parity_world2", P + "test_parity_world4"),
+    ),
+    Row(
+        "z2-bf16-mixed",
+        "dp2 ZeRO 2 bf16-mixed: FSDP2 without resharding after forward",
+        {"dp": 2, "zero_stage": 2},
+        cpu_tests=(P + "test_parity_world4",),
+    ),
+    Row(
+        "z3-bf16-mixed",
+        "dp2 ZeRO 3 bf16-mixed: FSDP2 with MixedPrecisionPolicy",
+        {"dp": 2, "zero_stage": 3},
+        cpu_tests=(P + "test_bf16_mixed_parity_world2", P + "test_parity_world4"),
+    ),
+    Row(
+        "z1-tp2-bf16-true",
+        "tp2 dp2 ZeRO 1 bf16-true: bf16 parameters and optimizer states, no masters",
+        {"tp": 2, "dp": 2, "zero_stage": 1, "precision": "bf16-true"},
+        cpu_tests=(P + "test_bf16_close_to_float32",),
+    ),
+    Row(
+        "z3-tp2-bf16-true",
+        "tp2 dp2 ZeRO 3 bf16-true: FSDP2 + DTensor tp in bfloat16",
+        {"tp": 2, "dp": 2, "zero_stage": 3, "precision": "bf16-true"},
+        cpu_tests=(P + "test_bf16_close_to_float32",),
+    ),
+    Row(
+        "fp16-mixed",
+        "float16 with a gradient scaler (any ZeRO stage)",
+        {"dp": 2, "zero_stage": 0, "precision": "16-mixed"},
+        refused="precision='16-mixed' is not supported by FourDStrategy: float16 mixed precision needs a gradient "
+        "scaler whose overflow check and unscaling span every gradient shard (tp, pp, ZeRO buckets, experts), which "
+        "neither FourDStrategy nor Lightning's ModelParallelStrategy provides. Use one of ['32-true', 'bf16-mixed', "
+        "'bf16-true'] ('bf16-mixed' trains at the speed of float16 on Ampere and newer GPUs, with no scaler).",
+    ),
+    # ---------------------------------------------------------------- tp / sp
+    Row(
+        "tp2-sp",
+        "tp2 with sequence parallelism (the default under tp)",
+        {"tp": 2},
+        cpu_tests=(P + "test_parity_world2", P + "test_parity_world4"),
+    ),
+    Row(
+        "tp2-nosp-selective",
+        "tp2 without sp, selective checkpointing (row-parallel outputs all-reduced, kept)",
+        {"tp": 2, "sequence_parallel": False, "zero_stage": 0, "activation_checkpointing": "selective"},
+        cpu_tests=(P + "test_parity_world2",),
+    ),
+    Row(
+        "tp2-dp2-z3",
+        "tp2 dp2 ZeRO 3: FSDP2 over DTensor tp shards",
+        {"tp": 2, "dp": 2, "zero_stage": 3},
+        cpu_tests=(P + "test_parity_world4",),
+    ),
+    Row(
+        "tp2-overlap",
+        "tp2 with the overlapped tp rings (sp all-gathers / reduce-scatters inside the matmuls)",
+        {"tp": 2, "dp": 2, "tensor_parallel_overlap": True},
+        cpu_tests=("tests/test_tp_overlap.py::test_parity_world2", "tests/test_tp_overlap.py::test_parity_world4"),
+    ),
+    Row(
+        "tp2-overlap-nosp",
+        "the tp overlap without sequence parallelism",
+        {"tp": 2, "tensor_parallel_overlap": True, "sequence_parallel": False},
+        refused="tensor_parallel_overlap=True is not valid with tensor_parallel_size=2 and sequence_parallel=False: "
+        "the ring overlaps the sequence-parallel all-gathers and reduce-scatters, so it needs tensor_parallel_size > 1 "
+        "and sequence_parallel None or True (or set tensor_parallel_overlap=False).",
+    ),
+    Row(
+        "tp2-overlap-selective",
+        "the tp overlap with selective checkpointing",
+        {"tp": 2, "tensor_parallel_overlap": True, "activation_checkpointing": "selective"},
+        refused=(
+            "tensor_parallel_overlap=True is not supported with activation_checkpointing='selective' yet: the"
+            " selective policy keeps wo's reduced output and nothing of w2 by marking those modules, and the "
+            "rings run them elsewhere (their chunk products would be kept, the [b, s, h] partial sums the "
+            "policy avoids, and the memory estimate would be low). Use activation_checkpointing='none' or "
+            "'full' with the overlap, or tensor_parallel_overlap=False with 'selective'."
+        ),
+    ),
+    # ---------------------------------------------------------------- pp
+    Row(
+        "pp2-gpipe",
+        "pp2 GPipe, m=2",
+        {"pp": 2, "pipeline_schedule": "gpipe", "num_microbatches": 2},
+        cpu_tests=(PP + "test_pipeline_world2",),
+    ),
+    Row("pp2-1f1b", "pp2 1F1B, m=4", {"pp": 2, "num_microbatches": 4}, cpu_tests=(PP + "test_pipeline_world2",)),
+    Row(
+        "pp2-interleaved",
+        "pp2 interleaved 1F1B, v=3 (one layer per stage), m=2",
+        {"pp": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 3, "num_microbatches": 2},
+        cpu_tests=(PP + "test_pipeline_world2", PP + "test_pipeline_world4"),
+    ),
+    Row(
+        "pp2-zbv",
+        "pp2 ZBV zero bubble (V-shape, two stages per rank), m=4, uneven split 2,1,1,2",
+        {"pp": 2, "pipeline_schedule": "zbv", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]},
+        cpu_tests=(PP + "test_pipeline_world2", PP + "test_pipeline_world4"),
+    ),
+    Row(
+        "pp2-dualpipev",
+        "pp2 DualPipeV, m=4, uneven split 2,1,1,2",
+        {"pp": 2, "pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]},
+        cpu_tests=(PP + "test_pipeline_world2",),
+    ),
+    Row(
+        "pp2-uneven",
+        "pp2 1F1B with an uneven layer split (4 + 2: fewer layers beside the head)",
+        {"pp": 2, "num_microbatches": 2, "pipeline_layer_split": [4, 2]},
+        cpu_tests=(PP + "test_pipeline_world2",),
+    ),
+    Row(
+        "pp2-dp2-z3",
+        "pp2 dp2 ZeRO 3 bf16-mixed: FSDP2 per stage chunk",
+        {"pp": 2, "dp": 2, "zero_stage": 3, "num_microbatches": 2},
+        cpu_tests=(P + "test_bf16_mixed_parity_world4", PP + "test_pipeline_world4"),
+    ),
+    Row("pp2-tp2", "pp2 tp2 1F1B", {"pp": 2, "tp": 2, "num_microbatches": 2}, cpu_tests=(PP + "test_pipeline_world4",)),
+    Row(
+        "pp2-tied",
+        "pp2 1F1B, tied embeddings: the last stage's copy of the [V, h] matrix, gradients summed over the embedding "
+        "group; checkpoints hold it once",
+        {"model": "small-tied", "pp": 2, "num_microbatches": 2},
+        cpu_tests=(
+            TIED + "test_tied_pp_world2_equals_one_process",
+            TIED + "test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back",
+        ),
+    ),
+    Row(
+        "pp2-tied-zbv",
+        "pp2 ZBV, tied embeddings: rank 0 holds the first and last stage, the weight truly tied there (ZeRO 0/1)",
+        {"model": "small-tied", "pp": 2, "pipeline_schedule": "zbv", "num_microbatches": 4},
+        cpu_tests=(TIED + "test_tied_pp_world2_equals_one_process", TIED + "test_tied_pp_world4_equals_one_process"),
+    ),
+    Row(
+        "pp2-tp2-tied",
+        "pp2 tp2, tied embeddings (both copies vocabulary-sharded over tp)",
+        {"model": "small-tied", "pp": 2, "tp": 2, "num_microbatches": 2},
+        cpu_tests=(TIED + "test_tied_pp_world4_equals_one_process", TIED + "test_tied_pp_measure_equals_estimate"),
+    ),
+    Row(
+        "pp2-1f1b-m1",
+        "1F1B with fewer micro-batches than stages",
+        {"pp": 2, "num_microbatches": 1},
+        refused=(
+            "num_microbatches=1 is too small for pipeline_schedule='1f1b' with pipeline_parallel_size=2: 1F1B"
+            " needs at least p=2 micro-batches (use num_microbatches >= 2, ideally several times p to shrink "
+            "the bubble (p-1)/(m+p-1), or pipeline_schedule='gpipe')."
+        ),
+    ),
+    Row(
+        "pp2-1f1b-v2",
+        "1F1B with two virtual stages per rank",
+        {"pp": 2, "virtual_pipeline_stages": 2, "num_microbatches": 2},
+        refused=(
+            "virtual_pipeline_stages=2 is not supported by pipeline_schedule='1f1b', which runs 1 stage(s) "
+            "per rank; schedules that take 2 stages per rank: ['interleaved_1f1b', 'zbv', 'dualpipev']."
+        ),
+    ),
+    Row(
+        "pp2-zbv-selective",
+        "a zero-bubble schedule with selective checkpointing",
+        {
+            "pp": 2,
+            "pipeline_schedule": "zbv",
+            "num_microbatches": 4,
+            "pipeline_layer_split": [2, 1, 1, 2],
+            "activation_checkpointing": "selective",
+        },
+        refused=(
+            "activation_checkpointing='selective' does not work with pipeline_schedule='zbv': a zero-bubble "
+            "schedule runs each layer's backward in two passes (input gradients, then weight gradients) and "
+            "PyTorch's selective checkpointing can recompute a layer only once. Use "
+            "activation_checkpointing='full' with it, or 'selective' with one of ['gpipe', '1f1b', "
+            "'interleaved_1f1b']."
+        ),
+    ),
+    # ---------------------------------------------------------------- cp
+    Row(
+        "cp2-ring",
+        "cp2 ring attention (zigzag shards, K/V passed around)",
+        {"cp": 2},
+        cpu_tests=(CP + "test_context_parallel_world2", CP + "test_context_parallel_bf16_close_to_float32"),
+    ),
+    Row(
+        "cp2-allgather-z3",
+        "cp2 all-gather attention, ZeRO 3",
+        {"cp": 2, "cp_method": "allgather", "zero_stage": 3},
+        cpu_tests=(CP + "test_context_parallel_world2",),
+    ),
+    Row(
+        "cp2-ring-selective",
+        "cp2 ring attention, selective checkpointing",
+        {"cp": 2, "zero_stage": 0, "activation_checkpointing": "selective"},
+        cpu_tests=(CP + "test_context_parallel_world2",),
+    ),
+    Row(
+        "cp2-tp2",
+        "cp2 x tp2 ring attention on head shards",
+        {"cp": 2, "tp": 2},
+        cpu_tests=(CP + "test_context_parallel_world4", P + "test_bf16_mixed_parity_world4"),
+    ),
+    Row(
+        "cp2-pp2-tp2",
+        "cp2 x pp2 x tp2, 1F1B",
+        {"cp": 2, "pp": 2, "tp": 2, "num_microbatches": 2},
+        cpu_tests=(CP + "test_context_parallel_world8",),
+    ),
+    Row(
+        "cp2-bad-sequence",
+        "cp2 with a sequence that does not split into 2*cp chunks",
+        {"cp": 2, "seq_length": 1022},
+        refused="seq_length=1022 is not a multiple of 4 (2*cp=4); use e.g. seq_length=1024.",
+    ),
+    # ---------------------------------------------------------------- checkpointing, offload, compile
+    Row(
+        "full-checkpointing",
+        "dp2 full activation checkpointing",
+        {"dp": 2, "activation_checkpointing": "full"},
+        cpu_tests=(
+            "tests/test_activation_checkpointing.py::test_same_loss_and_gradients_as_no_checkpointing",
+            P + "test_parity_world4",
+        ),
+    ),
+    Row(
+        "selective-z3",
+        "tp2 dp2 ZeRO 3 selective checkpointing (op-level save list)",
+        {"tp": 2, "dp": 2, "zero_stage": 3, "activation_checkpointing": "selective"},
+        cpu_tests=(
+            "tests/test_activation_checkpointing.py::test_selective_backward_runs_no_matmul_again",
+            P + "test_parity_world4",
+        ),
+    ),
+    Row(
+        "offload",
+        "activation offload of 2 layers per stage to host memory, tp2 dp2 ZeRO 3",
+        {"tp": 2, "dp": 2, "zero_stage": 3, "activation_offload_layers": 2},
+        cpu_tests=(OFFLOAD, "tests/test_tp_overlap.py::test_parity_world4"),
+    ),
+    Row(
+        "offload-pp-zbv",
+        "activation offload under pp2 ZBV",
+        {
+            "pp": 2,
+            "pipeline_schedule": "zbv",
+            "num_microbatches": 4,
+            "pipeline_layer_split": [2, 1, 1, 2],
+            "activation_offload_layers": 1,
+        },
+        cpu_tests=(PP + "test_pipeline_world2",),
+    ),
+    Row(
+        "offload-checkpointing",
+        "activation offload with activation checkpointing",
+        {"activation_offload_layers": 2, "activation_checkpointing": "full"},
+        refused=(
+            "activation_offload_layers=2 is not supported with activation_checkpointing='full': a "
+            "checkpointed layer's own saved-tensor hooks take what it keeps, so nothing of it would reach "
+            "host memory (Megatron-Core refuses the combination too). Use activation_checkpointing='none' "
+            "with the offload, or activation_offload_layers=0."
+        ),
+    ),
+    Row(
+        "compile-z3",
+        "torch.compile per layer, dp2 ZeRO 3",
+        {"dp": 2, "zero_stage": 3, "compile": True},
+        cpu_tests=(P + "test_parity_world2",),
+    ),
+    Row(
+        "compile-tp2",
+        "torch.compile under tp",
+        {"tp": 2, "compile": True},
+        refused=(
+            "compile=True with tensor_parallel_size=2 is not supported yet (torch.compile of tensor-parallel "
+            "layers fails in backward with this PyTorch); use compile=False, or compile=True with "
+            "tensor_parallel_size=1 (dp/ZeRO layouts)."
+        ),
+        error_type="NotImplementedError",
+    ),
+    Row(
+        "compile-offload",
+        "torch.compile with activation offload",
+        {"compile": True, "activation_offload_layers": 2},
+        refused=(
+            "compile=True with activation_offload_layers=2 is not supported: torch.compile does not trace the"
+            " offload's saved-tensor hooks. Use compile=False with the offload, or "
+            "activation_offload_layers=0."
+        ),
+    ),
+    # ---------------------------------------------------------------- Mixture-of-Experts (tiny-moe)
+    Row(
+        "moe-dp2-z1",
+        "MoE dp2 ZeRO 1 (grouped GEMM experts, router, aux loss)",
+        {"model": "tiny-moe", "dp": 2},
+        cpu_tests=(MOE_DP,),
+    ),
+    Row("moe-dp2-z3", "MoE dp2 ZeRO 3", {"model": "tiny-moe", "dp": 2, "zero_stage": 3}, cpu_tests=(MOE_DP,)),
+    Row(
+        "moe-full-checkpointing",
+        "MoE dp2 ZeRO 0, full checkpointing",
+        {"model": "tiny-moe", "dp": 2, "zero_stage": 0, "activation_checkpointing": "full"},
+        cpu_tests=(MOE_DP,),
+    ),
+    Row(
+        "moe-tp2",
+        "MoE tp2 ZeRO 1: MoE layers token parallel over tp",
+        {"model": "tiny-moe", "tp": 2},
+        cpu_tests=(MOE_TP,),
+    ),
+    Row(
+        "moe-tp2-z3",
+        "MoE under tp at ZeRO 3",
+        {"model": "tiny-moe", "tp": 2, "zero_stage": 3},
+        refused=(
+            "zero_stage=3 is not supported for a Mixture-of-Experts model with tensor_parallel_size=2: its "
+            "MoE layers run token parallel over tp and their gradients are summed over dp*cp*tp by ZeRO 0/1's"
+            " gradient buckets, which FSDP2 (ZeRO 2/3, over dp*cp) does not do. Use zero_stage=0 or 1 with "
+            "tp, or tensor_parallel_size=1 with ZeRO 2/3 (docs/moe.md)."
+        ),
+    ),
+    Row("moe-cp2", "MoE cp2 ring attention", {"model": "tiny-moe", "cp": 2}, cpu_tests=(MOE_TP,)),
+    Row(
+        "moe-pp2",
+        "MoE pp2 1F1B bf16-mixed (the stage boundary's dtype)",
+        {"model": "tiny-moe", "pp": 2, "num_microbatches": 2},
+        cpu_tests=(MOE_PP,),
+    ),
+    Row(
+        "moe-ep2",
+        "MoE dp2 ep2 ZeRO 1: experts split over ep, all-to-all dispatch",
+        {"model": "tiny-moe", "dp": 2, "ep": 2},
+        cpu_tests=(EP,),
+        smoke_skip=EP_SMOKE_REASON,
+    ),
+    Row(
+        "moe-ep2-z3",
+        "MoE dp2 ep2 ZeRO 3: expert FSDP2 units over the edp group",
+        {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 3},
+        cpu_tests=(EP,),
+        smoke_skip=EP_SMOKE_REASON,
+    ),
+    Row(
+        "moe-pp2-ep2",
+        "MoE pp2 dp2 ep2 1F1B",
+        {"model": "tiny-moe", "pp": 2, "dp": 2, "ep": 2, "num_microbatches": 2},
+        cpu_tests=("tests/test_moe_pipeline.py::test_moe_pp2_dp2_ep2_equals_one_process",),
+        smoke_skip=EP_SMOKE_REASON,
+    ),
+    Row(
+        "ep-dense",
+        "expert parallelism for a dense model",
+        {"dp": 2, "ep": 2},
+        refused=(
+            "expert_parallel_size=2 needs a Mixture-of-Experts model (num_experts > 0); this model is dense "
+            "(num_experts=0): the only valid expert_parallel_size is 1."
+        ),
+    ),
+    # ---------------------------------------------------------------- transformers families
+    _hf_row(
+        "hf-llama-dp2-z3", "transformers LlamaForCausalLM, dp2 ZeRO 3", {"dp": 2, "zero_stage": 3}, "hf-llama", HF_LLAMA
+    ),
+    _hf_row(
+        "hf-llama-tp2-cp2",
+        "transformers LlamaForCausalLM, tp2 cp2 (its tp plan, our cp attention)",
+        {"tp": 2, "cp": 2},
+        "hf-llama",
+        HF_LLAMA,
+    ),
+    _hf_row(
+        "hf-llama-pp2",
+        "transformers LlamaForCausalLM, pp2 1F1B",
+        {"pp": 2, "num_microbatches": 2},
+        "hf-llama",
+        HF_LLAMA,
+    ),
+    _hf_row(
+        "hf-llama-offload",
+        "transformers LlamaForCausalLM, tp2 with activation offload",
+        {"tp": 2, "activation_offload_layers": 2},
+        "hf-llama",
+        HF_LLAMA,
+    ),
+    Row(
+        "hf-llama-checkpointing",
+        "transformers LlamaForCausalLM with activation checkpointing",
+        {"dp": 2, "activation_checkpointing": "full"},
+        family="hf-llama",
+        refused=(
+            "activation_checkpointing='full' is not supported for a transformers LlamaForCausalLM yet: use "
+            "activation_checkpointing='none' (or call the model's gradient_checkpointing_enable() yourself)"
+        ),
+    ),
+    Row(
+        "hf-llama-overlap",
+        "transformers LlamaForCausalLM with the tp overlap",
+        {"tp": 2, "tensor_parallel_overlap": True},
+        family="hf-llama",
+        refused=(
+            "tensor_parallel_overlap=True is not supported for a transformers LlamaForCausalLM yet (the ring "
+            "projections hook into lightning_4d's own Llama modules): use tensor_parallel_overlap=False"
+        ),
+    ),
+    _hf_row(
+        "hf-mixtral-ep2",
+        "transformers MixtralForCausalLM, dp2 ep2 ZeRO 1",
+        {"model": "tiny-moe", "dp": 2, "ep": 2},
+        "hf-mixtral",
+        HF_MIXTRAL,
+    ),
+    _hf_row(
+        "hf-mixtral-z3",
+        "transformers MixtralForCausalLM, dp2 ZeRO 3",
+        {"model": "tiny-moe", "dp": 2, "zero_stage": 3},
+        "hf-mixtral",
+        HF_MIXTRAL,
+    ),
+    Row(
+        "hf-mixtral-tp2",
+        "transformers MixtralForCausalLM under tp",
+        {"model": "tiny-moe", "tp": 2},
+        family="hf-mixtral",
+        refused=(
+            "tensor_parallel_size=2 is not supported for a transformers MixtralForCausalLM: it trains with "
+            "data parallelism, ZeRO stages 0-3 and expert parallelism (data_parallel_size, zero_stage, "
+            "expert_parallel_size); set tensor_parallel_size=1, or train the checkpoint as a lightning_4d "
+            "Llama (CausalLMModule with init_from=<the Hugging Face directory>), which takes tp, pp and cp."
+        ),
+    ),
+]
