@@ -1,5 +1,7 @@
-"""Memory estimators (pure Python, no torch): ``model`` (our strategy's own, ``estimate_memory``) and ``fujii2024`` (the
-estimator of Fujii, Watanabe and Yokota 2024, arXiv 2411.06465). Formulas and sources: ``docs/memory.md``."""
+"""Memory estimators (pure Python, no torch): ``model`` (our strategy's own, ``estimate_memory``, which composes the
+terms each feature module contributes: ``states``, ``activations``, ``pipeline``, ``offload``, ``context``,
+``tensor_parallel``, ``compression``, ``buffers``, ``moe``) and ``fujii2024`` (the estimator of Fujii, Watanabe and
+Yokota 2024, arXiv 2411.06465). Formulas and sources: ``docs/memory.md``."""
 
 from lightning_4d.memory.fujii2024 import Fujii2024Estimate, fujii2024_estimate, fujii2024_from_config
 
