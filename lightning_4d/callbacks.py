@@ -5,6 +5,11 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_4d.parallel.moe import ExpertLoadMonitor
+
+# ExpertLoadMonitor: the MoE component's callback, named here on the command line (docs/moe.md)
+__all__ = ["ExpertLoadMonitor", "TrainingSummary"]
+
 
 class TrainingSummary(L.Callback):
     """At the end of ``fit``: print the final validation loss next to the corpus' unigram entropy (both in nats per
@@ -48,47 +53,3 @@ class TrainingSummary(L.Callback):
             f"greedy sample (prompt {self.prompt!r}):\n{sample}\n"
             "====================================="
         )
-
-
-class ExpertLoadMonitor(L.Callback):
-    """Under expert parallelism, log after every training step the load imbalance of the experts' ranks: for each
-    MoE layer and ep group, the rows the most loaded ep rank's experts received over the group's mean (1.0 is
-    balanced, ``ep`` all rows on one rank), the max over layers and groups. It is the figure the memory model's
-    ``expert_load_imbalance`` (:func:`lightning_4d.memory.model.estimate_memory`, ``lightning-4d estimate
-    --expert-load-imbalance``) multiplies the balanced received rows by; docs/moe.md says how its default was
-    measured with this callback.
-
-    Logged: ``moe_expert_load_imbalance`` (this step's) and ``moe_expert_load_imbalance_max`` (the largest since the
-    fit started); ``history`` keeps every step's. The rows are those of the step's last forward of each layer (under
-    pp the last micro-batch's), read off :class:`~lightning_4d.parallel.expert.ExpertDispatch`'s split sizes; one
-    all-reduce of the layers' received rows over each ep group and one of a scalar over all ranks per step. Without
-    expert parallelism it does nothing.
-    """
-
-    def __init__(self) -> None:
-        self.history: list[float] = []
-        self.peak = 0.0
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from lightning_4d.parallel.expert import ExpertDispatch
-
-        parallel_config = getattr(trainer.strategy, "parallel_config", None)
-        if parallel_config is None or parallel_config.ep == 1 or not dist.is_initialized():
-            return
-        dispatches = [getattr(m, "dispatch", None) for m in pl_module.modules()]
-        dispatches = [d for d in dispatches if isinstance(d, ExpertDispatch)]
-        ratio = torch.zeros((), dtype=torch.float64, device=pl_module.device)
-        if dispatches:  # the ranks of an ep group run the same pipeline stage: the same layers, in the same order
-            received = torch.tensor([d.received_rows for d in dispatches], dtype=torch.float64, device=ratio.device)
-            total = received.clone()
-            dist.all_reduce(total, group=dispatches[0].group)
-            ratio = (received * dispatches[0].size / total.clamp(min=1)).max()
-        dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
-        value = float(ratio)
-        self.history.append(value)
-        self.peak = max(self.peak, value)
-        pl_module.log("moe_expert_load_imbalance", value)
-        pl_module.log("moe_expert_load_imbalance_max", self.peak)

@@ -447,7 +447,6 @@ def load_sharded(
             optimizer state's shape differs from the model's parameter, or a file holds more than plain data (an
             ``UnsafeFileError`` naming the file, what it holds and what to do).
     """
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     saved = check_complete(path)
     fqns = param_fqns(model)  # a tied head under its embedding's name (tied_aliases)
@@ -490,22 +489,31 @@ def load_sharded(
             flat = _unaliased(flat, opt_state[key], aliases, copy=True)
             set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=flat, options=_FLAT_OPTIM)
     if buckets is not None and buckets.powersgd is not None:
-        saved_compression = path / _compression_file(global_rank)
-        saved_layout = metadata.get(LAYOUT_KEY)
-        if saved_compression.exists() and (layout is None or saved_layout == layout):
-            buckets.load_compression_state(param_names(model), safe_load(saved_compression))
-        elif saved_compression.exists():
-            rank_zero_warn(
-                f"{str(path)!r} was saved on another layout ({saved_layout}, now {layout}): PowerSGD's "
-                "error feedback restarts from zero and its warm start from a random Q."
-            )
-        else:
-            rank_zero_warn(
-                f"{str(path)!r} holds no PowerSGD state (it was saved without gradient_compression="
-                "'powersgd'): the error feedback starts from zero and the warm start from a random Q."
-            )
+        _load_compression_state(path, model, buckets, global_rank, layout, metadata.get(LAYOUT_KEY))
     metadata.pop(LAYOUT_KEY, None)
     return metadata
+
+
+def _load_compression_state(
+    path: Path, model: nn.Module, buckets: Any, global_rank: int, layout: Optional[dict[str, Any]], saved_layout: Any
+) -> None:
+    """Restore PowerSGD's per-rank state of ``buckets`` from the folder ``path`` when it was saved under this
+    ``layout`` (``saved_layout``: the one in the folder's metadata); else warn that it restarts from zero."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    saved_compression = path / _compression_file(global_rank)
+    if saved_compression.exists() and (layout is None or saved_layout == layout):
+        buckets.load_compression_state(param_names(model), safe_load(saved_compression))
+    elif saved_compression.exists():
+        rank_zero_warn(
+            f"{str(path)!r} was saved on another layout ({saved_layout}, now {layout}): PowerSGD's "
+            "error feedback restarts from zero and its warm start from a random Q."
+        )
+    else:
+        rank_zero_warn(
+            f"{str(path)!r} holds no PowerSGD state (it was saved without gradient_compression="
+            "'powersgd'): the error feedback starts from zero and the warm start from a random Q."
+        )
 
 
 def load_full(path: Path, model: nn.Module, optimizers: list[Any], strict: bool) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from lightning_4d.layout import (  # the choices live with the layout registry; 
     POWERSGD_COMM_DTYPES,
     ZERO_STAGES,
 )
+from lightning_4d.models.config import _divisors, check_moe_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.config import LlamaConfig
@@ -84,10 +85,6 @@ def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
 #: :meth:`ParallelConfig.rank_stages` of (pp, v, schedule, layer split, layers, rank), memoized (bounded)
 _RANK_STAGES: dict[tuple, tuple[tuple[int, range], ...]] = {}
 _RANK_STAGES_MAX = 1 << 16
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -194,6 +191,18 @@ class ParallelConfig:
     activation_offload_layers: int = 0
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_choices()
+        self._check_gradient_compression()
+        check_moe_layout(self)
+        self._check_pipeline()
+        self._check_overlap_and_offload()
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
+            self.sequence_parallel = False
+
+    def _check_sizes(self) -> None:
+        """The parallel sizes: positive integers (``data_parallel_size`` also ``"auto"``, or -1 for it)."""
         if self.data_parallel_size == -1:
             self.data_parallel_size = "auto"
         if self.data_parallel_size != "auto":
@@ -202,6 +211,9 @@ class ParallelConfig:
         _check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive_int("context_parallel_size", self.context_parallel_size)
         _check_positive_int("expert_parallel_size", self.expert_parallel_size)
+
+    def _check_choices(self) -> None:
+        """The fields with a fixed set of values (ZeRO stage, checkpointing, schedule, cp method, compression)."""
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage={self.zero_stage!r} is not valid: expected one of {list(ZERO_STAGES)}.")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -224,6 +236,9 @@ class ParallelConfig:
                 f"gradient_compression={self.gradient_compression!r} is not valid: expected one of "
                 f"{list(GRADIENT_COMPRESSIONS)}."
             )
+
+    def _check_gradient_compression(self) -> None:
+        """PowerSGD's options, and PowerSGD only at ZeRO 0/1."""
         _check_positive_int("powersgd_rank", self.powersgd_rank)
         if (
             isinstance(self.powersgd_start_step, bool)
@@ -245,11 +260,10 @@ class ParallelConfig:
                 "reduce-scatters each gradient shard as it comes and PowerSGD needs whole matrices. Use zero_stage 0 "
                 "or 1 with it, or gradient_compression='bf16' with ZeRO 2/3."
             )
-        if self.expert_parallel_size > 1 and self.gradient_compression == "powersgd":
-            raise ValueError(
-                f"gradient_compression='powersgd' is not supported with expert_parallel_size="
-                f"{self.expert_parallel_size}: use gradient_compression='none' or 'bf16' with expert parallelism."
-            )
+
+    def _check_pipeline(self) -> None:
+        """The pipeline's options: wire dtype, virtual stages per schedule, selective checkpointing with a
+        zero-bubble schedule, micro-batches, the layer split."""
         if self.pipeline_comm_dtype not in PIPELINE_COMM_DTYPES:
             raise ValueError(
                 f"pipeline_comm_dtype={self.pipeline_comm_dtype!r} is not valid: expected one of "
@@ -291,6 +305,10 @@ class ParallelConfig:
                     "(non-negative integers), one per pipeline stage."
                 )
             self.pipeline_layer_split = split
+
+    def _check_overlap_and_offload(self) -> None:
+        """``tensor_parallel_overlap`` (needs tp with sp; not with selective checkpointing) and
+        ``activation_offload_layers`` (not with checkpointing)."""
         if not isinstance(self.tensor_parallel_overlap, bool):
             raise ValueError(
                 f"tensor_parallel_overlap={self.tensor_parallel_overlap!r} is not valid: expected True or False."
@@ -323,9 +341,6 @@ class ParallelConfig:
                 "keeps, so nothing of it would reach host memory (Megatron-Core refuses the combination too). Use "
                 "activation_checkpointing='none' with the offload, or activation_offload_layers=0."
             )
-        if self.sequence_parallel and self.tensor_parallel_size == 1:
-            # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
-            self.sequence_parallel = False
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -544,16 +559,12 @@ class ParallelConfig:
         return replace(self)._check_ep()
 
     def _check_ep(self) -> "ParallelConfig":
-        """``self`` when ep divides dp·cp (resolved sizes).
+        """``self`` once the MoE rules of the resolved sizes hold (:func:`~lightning_4d.models.config
+        .check_moe_layout`: ep divides dp·cp).
 
         Raises:
-            ValueError: it does not (names the valid ep values)."""
-        if self.dp_cp % self.ep != 0:
-            raise ValueError(
-                f"expert_parallel_size={self.ep} does not divide dp*cp = {self.dp}*{self.cp} = {self.dp_cp}: ep ranks "
-                f"are carved out of the data-parallel ranks; valid expert_parallel_size values for this layout: "
-                f"{_divisors(self.dp_cp)}."
-            )
+            ValueError: they do not."""
+        check_moe_layout(self, resolved=True)
         return self
 
     def validate_model(self, model_config: "LlamaConfig") -> None:
@@ -592,34 +603,7 @@ class ParallelConfig:
                 "rows are never targets) or choose a tensor_parallel_size that divides "
                 f"{model_config.padded_vocab_size}."
             )
-        ep = self.expert_parallel_size
-        if ep > 1 and not getattr(model_config, "is_moe", False):
-            raise ValueError(
-                f"expert_parallel_size={ep} needs a Mixture-of-Experts model (num_experts > 0); this model is dense "
-                f"(num_experts={getattr(model_config, 'num_experts', 0)}): the only valid expert_parallel_size is 1."
-            )
-        if ep > 1 and model_config.num_experts % ep != 0:
-            raise ValueError(
-                f"expert_parallel_size={ep} does not divide num_experts={model_config.num_experts} (each ep rank holds "
-                f"num_experts/ep whole experts); valid expert_parallel_size values for this model: "
-                f"{_divisors(model_config.num_experts)}."
-            )
-        if getattr(model_config, "is_moe", False):
-            # what training a Mixture-of-Experts model supports today (docs/moe.md); the estimator and the planner
-            # follow, so that they propose only layouts FourDStrategy runs
-            if tp > 1 and self.zero_stage >= 2:
-                raise ValueError(
-                    f"zero_stage={self.zero_stage} is not supported for a Mixture-of-Experts model with "
-                    f"tensor_parallel_size={tp}: its MoE layers run token parallel over tp and their gradients are "
-                    "summed over dp*cp*tp by ZeRO 0/1's gradient buckets, which FSDP2 (ZeRO 2/3, over dp*cp) does "
-                    f"not do. Use zero_stage=0 or 1 with tp, or tensor_parallel_size=1 with ZeRO 2/3 (docs/moe.md)."
-                )
-            if tp > 1 and self.gradient_compression == "powersgd":
-                raise ValueError(
-                    f"gradient_compression='powersgd' is not supported for a Mixture-of-Experts model with "
-                    f"tensor_parallel_size={tp} (its MoE gradients are reduced over dp*cp*tp, PowerSGD's over dp*cp): "
-                    "use gradient_compression='none' or 'bf16'."
-                )
+        check_moe_layout(self, model_config)
         if self.pp > 1:
             self.layer_split(model_config.num_layers)
             if model_config.tie_word_embeddings and self.gradient_compression == "powersgd":

@@ -4,26 +4,15 @@ tp is innermost, so a tp group sits on consecutive ranks (one node, NVLink); pp 
 whose traffic is point-to-point). Parameters are replicated across dp and cp, so ZeRO shards over and gradients
 are reduced over the flattened ``("dp", "cp")`` mesh, named ``dp_cp`` (Megatron-core's rank order ``tp-cp-dp-pp``).
 
-Expert parallelism (ep > 1) adds no dimension to the world mesh: ``dp_cp`` (size D) is unflattened into
-``("edp", "ep")`` of sizes ``(D/ep, ep)``, ep innermost, so an ep group is ``ep`` consecutive ranks of the flattened
-``dp_cp`` mesh (``dp_cp`` index i: ep rank ``i % ep``, expert data-parallel rank ``i // ep``; with cp = 1 and tp = pp
-= 1, consecutive global ranks: the all-to-all stays within a node when ep divides the GPUs per node), and the expert
-data-parallel group ``edp`` is the D/ep ranks holding the same experts (torchtitan's ``ep`` /
-``dp_shard_mod_ep``, Megatron-core's expert-data-parallel group).
-
-Mixture-of-Experts layers under tensor parallelism (tp > 1) run token parallel: each tp rank runs the whole MoE layer
-on its own ``1/t`` of the sequence (expert tensor parallelism 1, ``docs/moe.md``), so the ``dp_cp x tp`` ranks hold
-disjoint tokens of it. The flattened ``("dp", "cp", "tp")`` mesh, ``dp_cp_tp``, is their group (routing counts, and
-the gradients of the MoE layers' non-expert parameters, summed over it). With ep > 1 it is unflattened into
-``("edp", "ep", "etp")`` of sizes ``(D/ep, ep, t)``: the ep groups are the same as without tp (``ep`` consecutive
-``dp_cp`` ranks at one tp coordinate), and ``edp_tp`` (``edp`` x ``etp`` flattened, ``D·t/ep`` ranks) is the
-group that holds the same experts (Megatron-core's expert-data-parallel group with expert tensor parallelism 1,
-"MoE parallel folding", which also spans the attention's tp ranks).
+A feature whose groups are not dimensions of the world mesh carves them out of it (:meth:`ParallelMesh.flatten`,
+:meth:`ParallelMesh.unflatten`) and finds them again by name (:meth:`ParallelMesh.get`): :func:`build_mesh` lets
+each such feature carve its own (:func:`_feature_meshes`; the MoE component's groups:
+:func:`lightning_4d.parallel.moe.carve_meshes`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -40,34 +29,40 @@ class ParallelMesh:
     Attributes:
         world: the 4D mesh with dims ``("pp", "dp", "cp", "tp")``.
         dp_cp: the 1D flattened ``("dp", "cp")`` mesh (ZeRO sharding, gradient reduction, loss averaging).
-        ep: the 1D expert-parallel mesh (``ep`` consecutive ranks of ``dp_cp``; the experts are split over it and
-            tokens exchanged over it by all-to-all), ``None`` without expert parallelism.
-        edp: the 1D expert data-parallel mesh (``dp_cp / ep`` ranks holding the same experts: the expert
-            parameters' gradients are reduced and their ZeRO 1 states sharded over it), ``None`` without expert
-            parallelism.
-        dp_cp_tp: the 1D flattened ``("dp", "cp", "tp")`` mesh (tp > 1; ``None`` otherwise): the ranks holding
-            disjoint tokens of a token-parallel MoE layer (module docstring).
-        edp_tp: the 1D mesh of the ``D·t/ep`` ranks holding the same experts under tp > 1 and ep > 1 (their
-            gradients are summed and their ZeRO 1 states sharded over it); ``None`` otherwise.
+        submeshes: the 1D meshes features carved out of these (:meth:`flatten`, :meth:`unflatten`), by name; each is
+            also an attribute (``mesh.<name>``) once carved.
     """
 
     world: DeviceMesh
     dp_cp: DeviceMesh
-    ep: Optional[DeviceMesh] = None
-    edp: Optional[DeviceMesh] = None
-    dp_cp_tp: Optional[DeviceMesh] = None
-    edp_tp: Optional[DeviceMesh] = None
+    submeshes: dict[str, DeviceMesh] = field(default_factory=dict)
 
-    @property
-    def tokens(self) -> DeviceMesh:
-        """The ranks holding disjoint tokens of a Mixture-of-Experts layer: ``dp_cp_tp`` under tp, else ``dp_cp``."""
-        return self.dp_cp_tp if self.dp_cp_tp is not None else self.dp_cp
+    def __getattr__(self, name: str) -> DeviceMesh:
+        submeshes = self.__dict__.get("submeshes", {})
+        if name in submeshes:
+            return submeshes[name]
+        raise AttributeError(f"ParallelMesh has no mesh {name!r}: carved ones are {sorted(submeshes)}")
 
-    @property
-    def expert_replicas(self) -> Optional[DeviceMesh]:
-        """The ranks holding the same experts under expert parallelism (``edp_tp`` under tp, else ``edp``), over
-        which the experts' gradients are reduced; ``None`` without ep."""
-        return self.edp_tp if self.edp_tp is not None else self.edp
+    def get(self, name: str) -> Optional[DeviceMesh]:
+        """The carved 1D mesh ``name``, or ``None`` when no feature carved it (the feature is off)."""
+        return self.submeshes.get(name)
+
+    def flatten(self, dims: tuple[str, ...], name: str, source: Optional[DeviceMesh] = None) -> DeviceMesh:
+        """Carve the 1D mesh ``name`` over the ranks of ``source[dims]`` (``source``: the world mesh by default, or
+        a mesh :meth:`unflatten` returned), flattened, and keep it under ``name`` (its process group lives as long
+        as the object)."""
+        flat = flatten_mesh((self.world if source is None else source)[dims], name)
+        self.submeshes[name] = flat
+        return flat
+
+    def unflatten(self, parent: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+        """Split the 1D mesh ``parent`` (``"dp_cp"`` or a carved one) into ``len(sizes)`` dims named ``names``, the
+        last innermost (consecutive ranks of ``parent``), keep each dim's 1D mesh under its name and return the
+        N-D mesh (for :meth:`flatten` of some of its dims)."""
+        mesh = unflatten_mesh(self.dp_cp if parent == "dp_cp" else self.submeshes[parent], sizes, names)
+        for dim in names:
+            self.submeshes[dim] = mesh[dim]
+        return mesh
 
     @property
     def tp(self) -> DeviceMesh:
@@ -107,19 +102,18 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
         raise RuntimeError(f"process group has {world_size} ranks but the layout needs {config.world_size}")
     mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # keep the returned object: it holds the process group
-    if config.tp > 1:
-        tokens = flatten_mesh(mesh["dp", "cp", "tp"], "dp_cp_tp")
-        if config.ep == 1:
-            return ParallelMesh(world=mesh, dp_cp=dp_cp, dp_cp_tp=tokens)
-        experts = unflatten_mesh(tokens, (config.expert_dp, config.ep, config.tp), ("edp", "ep", "etp"))
-        edp_tp = flatten_mesh(experts["edp", "etp"], "edp_tp")
-        return ParallelMesh(
-            world=mesh, dp_cp=dp_cp, ep=experts["ep"], edp=experts["edp"], dp_cp_tp=tokens, edp_tp=edp_tp
-        )
-    if config.ep == 1:
-        return ParallelMesh(world=mesh, dp_cp=dp_cp)
-    experts = unflatten_mesh(dp_cp, (config.expert_dp, config.ep), ("edp", "ep"))
-    return ParallelMesh(world=mesh, dp_cp=dp_cp, ep=experts["ep"], edp=experts["edp"])
+    out = ParallelMesh(world=mesh, dp_cp=dp_cp)
+    for carve in _feature_meshes():
+        carve(out, config)
+    return out
+
+
+def _feature_meshes() -> tuple[Any, ...]:
+    """The functions ``carve(mesh, config)`` of the features that carve groups of their own out of the world mesh
+    (collective: every rank calls each, in this order)."""
+    from lightning_4d.parallel import moe
+
+    return (moe.carve_meshes,)
 
 
 def embedding_group(mesh: ParallelMesh, config: ParallelConfig) -> Optional[Any]:

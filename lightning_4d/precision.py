@@ -23,8 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
+from lightning_4d.parallel import moe
 from lightning_4d.parallel.clipping import clip_grad_norm_
-from lightning_4d.parallel.expert import is_expert_parameter
 from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
 _NORM = GradClipAlgorithmType.NORM
@@ -59,12 +59,12 @@ class FourDPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         """Clip by the global norm with the one :func:`~lightning_4d.parallel.clipping.clip_grad_norm_` wherever
         Lightning's own clipping would not see the whole gradient: the averaged gradients in a ``ShardedOptimizer``'s
-        buckets, a pipeline (Lightning's would clip each stage by its own norm), ZeRO 2/3 with expert parallelism
-        (the expert gradients are DTensors on the ``(edp, ep)`` mesh, the dense ones on ``dp_cp``: torch's own norm
-        cannot stack the two); else Lightning's own clipping (torch's ``clip_grad_norm_``: one mesh, no stages)."""
+        buckets, a pipeline (Lightning's would clip each stage by its own norm), gradients on meshes torch's own norm
+        cannot stack (:func:`lightning_4d.parallel.moe.on_own_mesh`, ZeRO 2/3 under ep); else Lightning's own
+        clipping (torch's ``clip_grad_norm_``: one mesh, no stages)."""
         sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
         params = list(self.main_params(optimizer))
-        if sharded is not None or self.pp_group is not None or any(is_expert_parameter(p) for p in params):
+        if sharded is not None or self.pp_group is not None or moe.on_own_mesh(params):
             clip_grad_norm_(
                 params, float(clip_val), pp_group=self.pp_group, sharded=sharded, exclude=self.norm_excluded()
             )

@@ -37,6 +37,7 @@ from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.layout import config_kwargs, saved_layout
 from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh, embedding_group
+from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import (
     PATH,
     attached_trainer,
@@ -394,8 +395,7 @@ class FourDStrategy(ModelParallelStrategy):
             powersgd_rank=pc.powersgd_rank,
             powersgd_start_step=pc.powersgd_start_step,
             powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
-            expert_group=self.mesh.expert_replicas.get_group() if self.mesh.expert_replicas is not None else None,
-            token_group=self.mesh.dp_cp_tp.get_group() if self.mesh.dp_cp_tp is not None else None,
+            gradient_groups=moe.gradient_groups(self.model, self.mesh),
         )
 
     @property

@@ -46,7 +46,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "eager")
 #: ``LlamaConfig.router_score``: how router logits become expert weights (``lightning_4d/models/moe.py``)
@@ -626,6 +626,66 @@ class LlamaConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+
+
+def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = False) -> None:
+    """The Mixture-of-Experts rules of a training layout (``layout``: a
+    :class:`~lightning_4d.config.ParallelConfig`), called from its validation (``ParallelConfig.__post_init__``,
+    ``resolve`` and ``validate_model``): without ``model_config`` the rules of the layout alone (the one that needs
+    the resolved dp only when ``resolved``), with it those against the model (``model_config``: a
+    :class:`LlamaConfig` or any config with ``is_moe`` and ``num_experts``; one without them is dense). What training
+    an MoE model supports today (``docs/moe.md``); the estimator and the planner follow, so that they propose only
+    layouts ``FourDStrategy`` runs.
+
+    Raises:
+        ValueError: ``expert_parallel_size`` > 1 with PowerSGD, or not dividing dp·cp (ep ranks are carved out of
+            the data-parallel ranks); with ``model_config``: ep > 1 for a dense model, an ep that does not divide
+            ``num_experts``, an MoE model with tp > 1 at ZeRO 2/3 or with PowerSGD.
+    """
+    ep, tp = layout.expert_parallel_size, layout.tp
+    if model_config is None:
+        if ep > 1 and layout.gradient_compression == "powersgd":
+            raise ValueError(
+                f"gradient_compression='powersgd' is not supported with expert_parallel_size="
+                f"{ep}: use gradient_compression='none' or 'bf16' with expert parallelism."
+            )
+        if resolved and layout.dp_cp % ep != 0:
+            raise ValueError(
+                f"expert_parallel_size={ep} does not divide dp*cp = {layout.dp}*{layout.cp} = {layout.dp_cp}: ep "
+                f"ranks are carved out of the data-parallel ranks; valid expert_parallel_size values for this layout: "
+                f"{_divisors(layout.dp_cp)}."
+            )
+        return
+    moe = getattr(model_config, "is_moe", False)
+    if ep > 1 and not moe:
+        raise ValueError(
+            f"expert_parallel_size={ep} needs a Mixture-of-Experts model (num_experts > 0); this model is dense "
+            f"(num_experts={getattr(model_config, 'num_experts', 0)}): the only valid expert_parallel_size is 1."
+        )
+    if ep > 1 and model_config.num_experts % ep != 0:
+        raise ValueError(
+            f"expert_parallel_size={ep} does not divide num_experts={model_config.num_experts} (each ep rank holds "
+            f"num_experts/ep whole experts); valid expert_parallel_size values for this model: "
+            f"{_divisors(model_config.num_experts)}."
+        )
+    if moe and tp > 1 and layout.zero_stage >= 2:
+        raise ValueError(
+            f"zero_stage={layout.zero_stage} is not supported for a Mixture-of-Experts model with "
+            f"tensor_parallel_size={tp}: its MoE layers run token parallel over tp and their gradients are "
+            "summed over dp*cp*tp by ZeRO 0/1's gradient buckets, which FSDP2 (ZeRO 2/3, over dp*cp) does "
+            f"not do. Use zero_stage=0 or 1 with tp, or tensor_parallel_size=1 with ZeRO 2/3 (docs/moe.md)."
+        )
+    if moe and tp > 1 and layout.gradient_compression == "powersgd":
+        raise ValueError(
+            f"gradient_compression='powersgd' is not supported for a Mixture-of-Experts model with "
+            f"tensor_parallel_size={tp} (its MoE gradients are reduced over dp*cp*tp, PowerSGD's over dp*cp): "
+            "use gradient_compression='none' or 'bf16'."
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order (the valid sizes an error message lists)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _llama3_scaling(factor: float = 8.0) -> RopeScaling:

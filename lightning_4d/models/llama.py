@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_4d.models.attention_backends import attention
 from lightning_4d.models.config import LlamaConfig, _allow_in_weights_only_checkpoints
-from lightning_4d.models.moe import GroupedExperts, MoEFeedForward
+from lightning_4d.models.moe import MoEFeedForward, MoEModel
 from lightning_4d.models.rope import apply_rotary, context_parallel_positions, rope_cos_sin
 
 # the module levels wrappers insert into parameter names (defined once, below the model and the parallel code);
@@ -237,8 +237,8 @@ class TransformerBlock(nn.Module):
         h   = x + attention(attention_norm(x), cos, sin)
         out = h + feed_forward(ffn_norm(h))
 
-    ``feed_forward`` is a :class:`FeedForward`, or in a Mixture-of-Experts layer (``config.is_moe_layer(
-    layer_index)``) a :class:`~lightning_4d.models.moe.MoEFeedForward`.
+    ``feed_forward`` is a :class:`FeedForward`, or in an MoE layer (``config.is_moe_layer(layer_index)``) a
+    :class:`~lightning_4d.models.moe.MoEFeedForward`.
 
     Shapes: ``x`` ``[b, s, h]`` -> ``[b, s, h]``.
     """
@@ -257,7 +257,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(MoEModel, nn.Module):
     """Llama 2 / 3 decoder: token embedding, ``num_layers`` blocks, final RMSNorm, LM head.
 
     Args:
@@ -333,78 +333,6 @@ class LlamaModel(nn.Module):
             h = self.output(h) if self.head_projection is None else self.head_projection(h, self.output)
         return h
 
-    # ------------------------------------------------------------------ Mixture of Experts
-    def moe_layers(self) -> list[MoEFeedForward]:
-        """The Mixture-of-Experts feed-forwards of the layers this (possibly pruned) model holds, in layer order."""
-        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
-
-    def moe_aux_loss(self) -> Optional[Tensor]:
-        """The load-balancing loss of the last forward (differentiable): the sum of this model's MoE layers' terms
-        divided by the config's number of MoE layers (the mean over all of them; a pipeline stage's share), ``None``
-        for a dense model or before a forward (:mod:`lightning_4d.models.moe`). Not multiplied by
-        ``router_aux_loss_coef``. Training needs no addition of it to the loss: the layers inject its gradient
-        themselves (:meth:`set_aux_loss_scale`)."""
-        terms = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        if not terms:
-            return None
-        return torch.stack([t.float() for t in terms]).sum() / self.config.num_moe_layers
-
-    def set_aux_loss_scale(self, scale: float) -> None:
-        """Train the load-balancing loss as if ``scale * moe_aux_loss()`` were added to the loss of every backward:
-        each MoE layer's output injects ``scale / num_moe_layers`` into its term's gradient
-        (:class:`~lightning_4d.models.moe.AuxLossInjection`; ``MoEFeedForward.aux_grad_scale``). ``scale`` is
-        ``router_aux_loss_coef`` times the factor the language-model loss of one backward carries (``1/m`` for a
-        pipeline micro-batch, ``1/A`` under ``A`` accumulated batches); the default, set at construction, is
-        ``router_aux_loss_coef``. No-op for a dense model."""
-        for m in self.moe_layers():
-            m.aux_grad_scale = scale / self.config.num_moe_layers
-
-    def set_metadata_inference(self, flag: bool) -> None:
-        """While ``flag``, this model's MoE layers pass their input through (a pipeline schedule's shape inference:
-        :attr:`lightning_4d.models.moe.MoEFeedForward.metadata_inference`)."""
-        for m in self.moe_layers():
-            m.metadata_inference = flag
-
-    def reset_moe_aux_loss(self) -> None:
-        """Start a new mean for :meth:`moe_step_aux_loss` (every MoE layer forgets the terms it summed)."""
-        for m in self.moe_layers():
-            m.reset_aux_loss()
-
-    def moe_step_aux_loss(self) -> Optional[Tensor]:
-        """This model's share of the load-balancing loss averaged over the forwards with gradients since
-        :meth:`reset_moe_aux_loss` (a pipeline step's micro-batches; detached float32 scalar): the sum over its
-        MoE layers of each layer's mean term, divided by the config's number of MoE layers, so that the shares of
-        the pipeline stages add up to the model's loss. ``None`` when the model holds no MoE layer that ran."""
-        means = [torch.stack(m.aux_loss_terms).mean() for m in self.moe_layers() if m.aux_loss_terms]
-        if not means:
-            return None
-        return torch.stack(means).sum() / self.config.num_moe_layers
-
-    @torch.no_grad()
-    def moe_stats(self) -> dict[str, Tensor]:
-        """Routing statistics of the last forward over this model's MoE layers (summed over the data-parallel group
-        when one is set), float32 scalars: ``tokens_per_expert_max`` (the most assignments one expert received in one
-        layer), ``tokens_per_expert_mean`` (assignments per expert: ``T·k/E``), ``dropped_fraction`` (assignments
-        dropped by the capacity over all assignments). Empty for a dense model."""
-        layers = [m for m in self.moe_layers() if m.tokens_per_expert is not None]
-        if not layers:
-            return {}
-        counts = torch.stack([m.tokens_per_expert for m in layers]).float()
-        dropped = sum(m.dropped.float() for m in layers)
-        total = sum(m.assignments.float() for m in layers)
-        return {
-            "tokens_per_expert_max": counts.max(),
-            "tokens_per_expert_mean": counts.mean(),
-            "dropped_fraction": dropped / total,
-        }
-
-    def set_grouped_mm(self, fn: Optional[Callable[..., Tensor]]) -> None:
-        """Let the routed experts use ``fn`` (``torch._grouped_mm``, :data:`lightning_4d.parallel._compat.grouped_mm`)
-        on CUDA with bfloat16 weights (:class:`~lightning_4d.models.moe.GroupedExperts`); ``None``: the loop."""
-        for m in self.modules():
-            if isinstance(m, GroupedExperts):
-                m.grouped_mm = fn
-
     # ------------------------------------------------------------------ parameters
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - signature of nn.Module._apply
         """``nn.Module._apply`` (behind ``to``, ``to_empty``, ``cuda``, ``float``, ...), then re-tie the head.
@@ -434,7 +362,7 @@ class LlamaModel(nn.Module):
             return None
         std = self.config.initializer_range
         owner = canonical.rsplit(".", 1)[0]
-        if owner.endswith(("attention.wo", "feed_forward.w2", "shared_experts.w2")) or canonical.endswith("experts.w2"):
+        if owner.endswith(("attention.wo", "feed_forward.w2")) or self.is_residual_output(canonical):
             # residual-branch output projections: std / sqrt(2 L), two residual additions per block
             # (Radford et al. 2019, GPT-2, section 2.3; Shoeybi et al. 2019, Megatron-LM, arXiv 1909.08053)
             std = std / math.sqrt(2 * self.config.num_layers)
@@ -454,9 +382,10 @@ class LlamaModel(nn.Module):
         - RMSNorm weights: 1;
         - ``tok_embeddings``, ``wq``, ``wk``, ``wv``, ``w1``, ``w3`` and the untied ``output``:
           ``Normal(0, initializer_range)``;
-        - Mixture-of-Experts layers: ``router``, the experts' stacked ``w1`` / ``w3`` ``[E, f_e, h]`` and the shared
-          experts' ``w1`` / ``w3`` as the linear weights, their ``w2`` as ``feed_forward.w2`` (the full ``[E, ...]``
-          tensor drawn at once, so expert parallelism keeps the same weights);
+        - MoE layers (:mod:`lightning_4d.models.moe`): ``router`` and the stacked ``w1`` / ``w3`` as the linear
+          weights, the output projections ``w2`` as ``feed_forward.w2`` (:meth:`MoEModel.is_residual_output
+          <lightning_4d.models.moe.MoEModel.is_residual_output>`; a stacked tensor drawn whole, so ep keeps the same
+          weights);
         - ``attention.wo`` and ``feed_forward.w2``: ``Normal(0, initializer_range / sqrt(2 * num_layers))``, the
           scaled initialization of the residual-branch output projections (GPT-2, Radford et al. 2019, section 2.3;
           Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053).

@@ -317,3 +317,92 @@ class MoEFeedForward(nn.Module):
             f"top_k={self.top_k}, router_score={c.router_score!r}, capacity_factor={c.capacity_factor}, "
             f"shared={c.num_shared_experts}"
         )
+
+
+class MoEModel:
+    """The Mixture-of-Experts methods of a decoder holding :class:`MoEFeedForward` layers (mixed into
+    :class:`~lightning_4d.models.llama.LlamaModel`, an ``nn.Module`` with a ``config``): the load-balancing loss, its
+    injected gradient's scale, the routing statistics, the pipeline's shape inference and the grouped GEMMs of the
+    routed experts. Each is a no-op (or ``None``, ``{}``) for a dense model."""
+
+    config: LlamaConfig
+    modules: Callable[[], Any]  # nn.Module's
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        """The Mixture-of-Experts feed-forwards of the layers this (possibly pruned) model holds, in layer order."""
+        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+
+    def moe_aux_loss(self) -> Optional[Tensor]:
+        """The load-balancing loss of the last forward (differentiable): the sum of this model's MoE layers' terms
+        divided by the config's number of MoE layers (the mean over all of them; a pipeline stage's share), ``None``
+        for a dense model or before a forward (:mod:`lightning_4d.models.moe`). Not multiplied by
+        ``router_aux_loss_coef``. Training needs no addition of it to the loss: the layers inject its gradient
+        themselves (:meth:`set_aux_loss_scale`)."""
+        terms = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        if not terms:
+            return None
+        return torch.stack([t.float() for t in terms]).sum() / self.config.num_moe_layers
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Train the load-balancing loss as if ``scale * moe_aux_loss()`` were added to the loss of every backward:
+        each MoE layer's output injects ``scale / num_moe_layers`` into its term's gradient
+        (:class:`~lightning_4d.models.moe.AuxLossInjection`; ``MoEFeedForward.aux_grad_scale``). ``scale`` is
+        ``router_aux_loss_coef`` times the factor the language-model loss of one backward carries (``1/m`` for a
+        pipeline micro-batch, ``1/A`` under ``A`` accumulated batches); the default, set at construction, is
+        ``router_aux_loss_coef``. No-op for a dense model."""
+        for m in self.moe_layers():
+            m.aux_grad_scale = scale / self.config.num_moe_layers
+
+    def set_metadata_inference(self, flag: bool) -> None:
+        """While ``flag``, this model's MoE layers pass their input through (a pipeline schedule's shape inference:
+        :attr:`lightning_4d.models.moe.MoEFeedForward.metadata_inference`)."""
+        for m in self.moe_layers():
+            m.metadata_inference = flag
+
+    def reset_moe_aux_loss(self) -> None:
+        """Start a new mean for :meth:`moe_step_aux_loss` (every MoE layer forgets the terms it summed)."""
+        for m in self.moe_layers():
+            m.reset_aux_loss()
+
+    def moe_step_aux_loss(self) -> Optional[Tensor]:
+        """This model's share of the load-balancing loss averaged over the forwards with gradients since
+        :meth:`reset_moe_aux_loss` (a pipeline step's micro-batches; detached float32 scalar): the sum over its
+        MoE layers of each layer's mean term, divided by the config's number of MoE layers, so that the shares of
+        the pipeline stages add up to the model's loss. ``None`` when the model holds no MoE layer that ran."""
+        means = [torch.stack(m.aux_loss_terms).mean() for m in self.moe_layers() if m.aux_loss_terms]
+        if not means:
+            return None
+        return torch.stack(means).sum() / self.config.num_moe_layers
+
+    @torch.no_grad()
+    def moe_stats(self) -> dict[str, Tensor]:
+        """Routing statistics of the last forward over this model's MoE layers (summed over the data-parallel group
+        when one is set), float32 scalars: ``tokens_per_expert_max`` (the most assignments one expert received in one
+        layer), ``tokens_per_expert_mean`` (assignments per expert: ``T·k/E``), ``dropped_fraction`` (assignments
+        dropped by the capacity over all assignments). Empty for a dense model."""
+        layers = [m for m in self.moe_layers() if m.tokens_per_expert is not None]
+        if not layers:
+            return {}
+        counts = torch.stack([m.tokens_per_expert for m in layers]).float()
+        dropped = sum(m.dropped.float() for m in layers)
+        total = sum(m.assignments.float() for m in layers)
+        return {
+            "tokens_per_expert_max": counts.max(),
+            "tokens_per_expert_mean": counts.mean(),
+            "dropped_fraction": dropped / total,
+        }
+
+    def set_grouped_mm(self, fn: Optional[Callable[..., Tensor]]) -> None:
+        """Let the routed experts use ``fn`` (``torch._grouped_mm``, :data:`lightning_4d.parallel._compat.grouped_mm`)
+        on CUDA with bfloat16 weights (:class:`~lightning_4d.models.moe.GroupedExperts`); ``None``: the loop."""
+        for m in self.modules():
+            if isinstance(m, GroupedExperts):
+                m.grouped_mm = fn
+
+    @staticmethod
+    def is_residual_output(canonical: str) -> bool:
+        """Whether the parameter ``canonical`` (its name without wrapper prefixes) is a routed or shared expert's
+        output projection ``w2``: a residual branch's output, initialized with std / sqrt(2 L) like ``attention.wo``
+        and ``feed_forward.w2`` (:meth:`lightning_4d.models.llama.LlamaModel._init_std`)."""
+        owner = canonical.rsplit(".", 1)[0]
+        return owner.endswith("shared_experts.w2") or canonical.endswith("experts.w2")

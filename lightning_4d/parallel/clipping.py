@@ -6,7 +6,8 @@ the other pieces, the pipeline stages included; then every local piece scaled by
 The strategy's precision plugin calls it (:meth:`lightning_4d.precision.FourDPrecision.clip_grad_by_norm`) for the
 Trainer's ``gradient_clip_val`` wherever torch's own clipping would not see the whole gradient: an optimizer with a
 :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` (its gradients live in buckets), a pipeline (each
-stage holds other parameters), expert parallelism (expert and dense gradients on different meshes).
+stage holds other parameters), parameters reduced over other groups than ``dp_cp`` (gradient groups: parameters held by
+other ranks).
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ def clip_grad_norm_(
         norm_type: q of the q-norm (``inf``: the largest element).
         pp_group: the pipeline's process group (pp > 1), else ``None``.
         sharded: the :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` of the optimizer (ZeRO 1,
-            master weights, ZeRO 0/1 with ep or token-parallel modules): its averaged gradients in their buckets
-            are clipped.
+            master weights, ZeRO 0/1 with gradient groups): its averaged gradients in their buckets are clipped.
         exclude: parameters whose gradients are scaled but left out of the norm: a copy of a weight another rank
             counts (the LM head's copy of tied embeddings under pp, :class:`~lightning_4d.parallel.pipeline
             .TiedEmbedding`).
@@ -85,22 +85,28 @@ def _bucket_sums(
 ) -> tuple[list[Tensor], Tensor, list[int]]:
     """The pieces of a :class:`ShardedOptimizer`'s gradients: the owned slices of its buckets (ZeRO 1: a partition of
     each bucket over its group; ZeRO 0: the whole bucket on every rank of the group), a parameter replicated over tp
-    counted on tp rank 0 only (:func:`_tp_duplicate`); one sum per bucket kind (dense over ``dp_cp``, token parallel
-    over ``dp_cp_tp``, experts over their replicas' group), each divided at ZeRO 0 by its group's size; parameters
-    whose ids are in ``excluded`` are not counted."""
+    counted on tp rank 0 only (:func:`_tp_duplicate`) unless its gradient group is tp-partial; at ZeRO 0 (every
+    rank of a group holds its whole bucket) each piece's power sum divided by its group's size before the sum over
+    the world (the same total as dividing each group's sum after it: the division is linear), so one sum for every
+    gradient group (:class:`~lightning_4d.parallel.grad_buffers.GradientGroup`) of any rank; parameters whose ids
+    are in ``excluded`` are not counted."""
     buckets = sharded.buckets
+    groups = buckets.gradient_groups
+    sizes = [1 if sharded.sharded else dist.get_world_size(g.group) for g in groups]
     grads = [(p, g) for p in sharded.parameters() if (g := sharded.owned_grad(p)) is not None]
     inf = math.isinf(norm_type)
-    sums = torch.zeros(3, dtype=torch.float32, device=buckets.buckets[0].device)  # [dense, token parallel, expert]
+    sums = torch.zeros(len(groups), dtype=torch.float32, device=buckets.buckets[0].device)  # one per gradient group
     for p, g in grads:
-        i = buckets.bucket_of(p)[0].kind
-        if (i == 0 and _tp_duplicate(p, sharded.tp_rank)) or g.numel() == 0 or id(p) in (excluded or ()):
+        i = buckets.bucket_of(p)[0].index
+        duplicate = not groups[i].tp_partial and _tp_duplicate(p, sharded.tp_rank)
+        if duplicate or g.numel() == 0 or id(p) in (excluded or ()):
             continue
         n = torch.linalg.vector_norm(g.float(), norm_type)
         sums[i] = torch.maximum(sums[i], n) if inf else sums[i] + n**norm_type
-    groups = (buckets.group, buckets.token_group, buckets.expert_group)
-    divisors = [1 if sharded.sharded or g is None else dist.get_world_size(g) for g in groups]
-    return [g for _, g in grads], sums, divisors
+    if inf:
+        return [g for _, g in grads], sums.max().reshape(1), [1]
+    total = sum(sums[i] / size if size > 1 else sums[i] for i, size in enumerate(sizes))
+    return [g for _, g in grads], total.reshape(1), [1]
 
 
 def _layout_sums(

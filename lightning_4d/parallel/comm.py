@@ -146,7 +146,7 @@ class CommMeter(TorchDispatchMode):
     def for_mesh(mesh: Any) -> "CommMeter":
         """A meter naming the groups of a :class:`~lightning_4d.mesh.ParallelMesh` (``dp_cp`` first, then tp, cp, dp,
         pp, and under expert parallelism ep and edp)."""
-        experts = {d: getattr(mesh, d).get_group() for d in ("ep", "edp") if getattr(mesh, d, None) is not None}
+        experts = {d: mesh.get(d).get_group() for d in ("ep", "edp") if mesh.get(d) is not None}
         return CommMeter(
             {
                 "dp_cp": mesh.dp_cp.get_group(),

@@ -94,7 +94,7 @@ class ExpertDispatch:
     ``received_rows`` (the rows its experts ran: the sum over the ep group's sources of their rows for this rank's
     experts), host ints read off the split sizes (no extra collective). ``received_rows`` over the ep group's mean of
     it is the load imbalance the memory model's ``expert_load_imbalance`` stands for
-    (:class:`lightning_4d.callbacks.ExpertLoadMonitor` logs it)."""
+    (:class:`lightning_4d.parallel.moe.ExpertLoadMonitor` logs it)."""
 
     def __init__(self, ep_mesh: Any) -> None:
         self.group = ep_mesh.get_group()

@@ -19,7 +19,8 @@ Parameters are replicated across dp and cp, so the group is the flattened ``("dp
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,19 +35,40 @@ from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket
 _BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in partition.py (the memory model reads it)
 
 
+@dataclass(frozen=True)
+class GradientGroup:
+    """Parameters whose gradients are reduced over a process group of their own instead of the buckets' default
+    group (``dp_cp``): a feature that places its parameters on other ranks declares them (the MoE
+    component, :func:`lightning_4d.parallel.moe.gradient_groups`). Their buckets hold only them and go over
+    ``group``; the sum over it is divided by D (the default group's size) all the same, the mean of the per-rank
+    losses' gradients.
+
+    Attributes:
+        group: the process group their gradients are summed over (and their ZeRO 1 states sharded over).
+        params: the parameters (a parameter named by several groups belongs to the first).
+        tp_partial: each tp rank holds the gradient of its own tokens (a module run token parallel): the tp
+            ranks' gradients are disjoint parts of the sum, so the global-norm clipping counts every tp rank's,
+            where it counts a tp-replicated parameter's once (:mod:`lightning_4d.parallel.clipping`).
+    """
+
+    group: dist.ProcessGroup
+    params: tuple[Tensor, ...]
+    tp_partial: bool = False
+
+
 def _buckets(
     tensors: list[Tensor],
     bucket_bytes: int,
     key: Callable[[Tensor], Tensor] = lambda t: t,
-    kind: Callable[[Tensor], Any] = lambda t: None,
+    group_of: Callable[[Tensor], Any] = lambda t: None,
 ) -> Iterable[list[Tensor]]:
-    """Group tensors of the same dtype, device (of ``key(t)``) and ``kind(t)`` (expert and token-parallel parameters
-    apart: other process groups) into buckets of at most ``bucket_bytes`` of ``key(t)`` (one tensor may exceed),
-    keeping their order (:func:`lightning_4d.partition.bucket_lengths`)."""
+    """Group tensors of the same dtype, device (of ``key(t)``) and ``group_of(t)`` (the parameters of each
+    :class:`GradientGroup` apart: other process groups) into buckets of at most ``bucket_bytes`` of ``key(t)`` (one
+    tensor may exceed), keeping their order (:func:`lightning_4d.partition.bucket_lengths`)."""
     by_key: dict[tuple, list[Tensor]] = {}
     for t in tensors:
         k = key(t)
-        by_key.setdefault((k.dtype, k.device, kind(t)), []).append(t)
+        by_key.setdefault((k.dtype, k.device, group_of(t)), []).append(t)
     for group in by_key.values():
         start = 0
         for length in bucket_lengths([key(t).numel() * key(t).element_size() for t in group], bucket_bytes):
@@ -57,15 +79,17 @@ def _buckets(
 class _Bucket:
     """One communication bucket: parameters in backward order and a flat gradient buffer ``[padded]`` holding their
     gradients back to back (``padded`` = their local elements rounded up to a multiple of the group size), reduced
-    over ``group`` (``dp_cp``, or for expert parameters the expert data-parallel group) of ``world`` ranks, this one
-    ``rank``; ``kind``: 0 dense (``dp_cp``), 1 token parallel (``dp_cp_tp``), 2 experts (their replicas' group).
+    over ``group`` (``dp_cp``, or a :class:`GradientGroup`'s) of ``world`` ranks, this one ``rank``; ``index``: 0 for
+    the default group, ``i`` for the ``i``-th gradient group (:attr:`GradientBuckets.groups`).
 
     The buffer exists from the first gradient that reaches the bucket to the end of the optimizer step
     (:meth:`allocate`, :meth:`release`): ``None`` in between."""
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group: dist.ProcessGroup, kind: int = 0) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], dtype: torch.dtype, group: dist.ProcessGroup, index: int = 0
+    ) -> None:
         self.group = group
-        self.kind = kind
+        self.index = index
         self.world = world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.params = params
@@ -128,14 +152,14 @@ class GradientBuckets:
     the bucket slices to the optimizer. :meth:`start_accumulation` (after each optimizer step) makes the next
     gradient overwrite instead of add.
 
-    Under tensor parallelism the parameters of token-parallel modules (Mixture-of-Experts layers: each tp rank runs
-    them whole on its own ``s/t`` tokens, :class:`lightning_4d.parallel.tensor.TokenParallel`) hold the gradient of
-    their rank's tokens only: their buckets go over ``token_group`` (``dp_cp x tp``), and the sum over it divided by
-    D is the sum over tp of the mean over ``dp_cp``; under ep the experts' over ``expert_group`` (``edp x tp``) in
-    the same way. (A DTensor ``Replicate`` parameter used through ``to_local(grad_placements=Partial)`` would say the
-    same, but its gradient would be all-reduced over tp per parameter, synchronously, before the bucket's own
-    collective; a bucket over the combined group is one collective, overlapped with backward, and lets ZeRO 1 shard
-    these states over ``D·t`` ranks: Megatron-core's expert data-parallel group with expert tensor parallelism 1.)
+    ``gradient_groups`` (:class:`GradientGroup`) name parameters reduced over other groups: their buckets go over
+    their group, and the sum over it divided by D (the default group's size). A feature whose parameters are held by
+    other ranks than ``dp_cp``'s declares them so (the MoE component,
+    :func:`lightning_4d.parallel.moe.gradient_groups`: a module run token parallel under tp sums over ``dp_cp x tp``,
+    the sum over tp of the mean over ``dp_cp``). (A DTensor ``Replicate`` parameter used through
+    ``to_local(grad_placements=Partial)`` would say the same, but its gradient would be all-reduced over tp per
+    parameter, synchronously, before the bucket's own collective; a bucket over the combined group is one collective,
+    overlapped with backward, and lets ZeRO 1 shard these states over ``D·t`` ranks.)
 
     A tensor-parallel gradient whose placement differs from its parameter's (the vocabulary-parallel embedding's
     comes back partial over tp) is redistributed to the parameter's placement first. A parameter that got no
@@ -155,12 +179,8 @@ class GradientBuckets:
         powersgd_rank: int = 4,
         powersgd_start_step: int = 0,
         powersgd_comm_dtype: Optional[torch.dtype] = None,
-        expert_group: Optional[dist.ProcessGroup] = None,
-        token_group: Optional[dist.ProcessGroup] = None,
-        token_params: Iterable[Tensor] = (),
+        gradient_groups: Sequence[GradientGroup] = (),
     ) -> None:
-        from lightning_4d.parallel.expert import is_expert_parameter
-
         self.params = [p for p in params if p.requires_grad]
         self.compression = compression
         self.powersgd = (
@@ -174,19 +194,18 @@ class GradientBuckets:
         self.reduce_scatter = reduce_scatter
         self.grad_dtype = grad_dtype
         bucket_bytes = _BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        self.expert_group = expert_group
-        self.token_group = token_group
-        tokens = {id(p) for p in token_params}
-        groups = {0: group, 1: token_group, 2: expert_group}
+        #: the gradient groups, index 0 the default group's (``group``, not tp-partial)
+        self.gradient_groups = [GradientGroup(group, ()), *gradient_groups]
+        index_of: dict[int, int] = {}
+        for i in range(len(self.gradient_groups) - 1, 0, -1):  # the first group naming a parameter wins
+            index_of.update({id(p): i for p in self.gradient_groups[i].params})
 
-        def kind(p: Tensor) -> int:  # 0 dense, 1 token parallel, 2 experts (class docstring)
-            if expert_group is not None and is_expert_parameter(p):
-                return 2
-            return 1 if token_group is not None and id(p) in tokens else 0
+        def group_of(p: Tensor) -> int:  # index into self.gradient_groups
+            return index_of.get(id(p), 0)
 
         self.buckets = [
-            _Bucket(ps, grad_dtype or _local(ps[0]).dtype, groups[kind(ps[0])], kind(ps[0]))
-            for ps in _buckets(self.params[::-1], bucket_bytes, key=_local, kind=kind)
+            _Bucket(ps, grad_dtype or _local(ps[0]).dtype, self.gradient_groups[group_of(ps[0])].group, group_of(ps[0]))
+            for ps in _buckets(self.params[::-1], bucket_bytes, key=_local, group_of=group_of)
         ]
         self._reduces = any(b.world > 1 for b in self.buckets)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
@@ -335,7 +354,7 @@ class GradientBuckets:
         b = self.buckets[i]
         b.allocate()  # a bucket none of whose parameters got a gradient still takes part in the collective
         self._zero_missing(b)
-        if b.world == 1:  # experts with ep = dp·cp: no other rank holds them (divided by D in synchronize)
+        if b.world == 1:  # a gradient group of one rank (divided by D in synchronize all the same)
             self._pending[i] = (None, b.buffer)
             return
         wire = b.buffer.to(torch.bfloat16) if self.compression == "bf16" else b.buffer  # the bytes sent
@@ -356,7 +375,7 @@ class GradientBuckets:
                 self._accumulate(p)
         if self.world > 1 and self.powersgd is not None and self.powersgd.active(step):
             self._powersgd_reduce()
-        elif self._reduces:  # some bucket's group has other ranks (tp alone: the token-parallel ones)
+        elif self._reduces:  # some bucket's group has other ranks (tp alone: a tp-partial gradient group's)
             for i in range(len(self.buckets)):
                 self._launch(i)
             for i in sorted(self._pending):
@@ -367,7 +386,7 @@ class GradientBuckets:
                 start, end = b.own_range(b.rank, b.world) if self.reduce_scatter else (0, b.padded)
                 if wire is not b.buffer:  # bf16 on the wire: back into the float32 bucket
                     b.buffer[start:end].copy_(wire[start:end])
-                b.buffer[start:end].div_(self.world)  # D also for expert buckets (parallel/expert.py)
+                b.buffer[start:end].div_(self.world)  # D also for a gradient group's buckets (GradientGroup)
             self._pending = {}
         if self.grad_dtype is None and not self.reduce_scatter:
             self._expose()

@@ -1,7 +1,7 @@
 """The order of parallelization of a model of any registered family (:mod:`lightning_4d.families`), one short step
 per line (torchtitan's ``parallelize_llama`` shape): pipeline split, tensor + sequence parallel plans,
-context-parallel attention, expert parallelism, activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3
-(FSDP2). Materialization
+context-parallel attention, the MoE component's step (:func:`lightning_4d.parallel.moe.apply`), activation
+checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2). Materialization
 (the family's; for our Llama the layout-independent initialization) follows in :func:`prepare_models`; ZeRO 0/1 act on
 gradients and the optimizer, not on the model (:mod:`lightning_4d.parallel.sharded_optimizer`).
 """
@@ -19,6 +19,7 @@ from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
+from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.fsdp import apply_fsdp, fsdp_reduce_dtype
@@ -59,13 +60,7 @@ def validate_against_module(
     seq_length = inputs.seq_length
     if seq_length is not None:
         config.validate_sequence(seq_length)
-        moe = model_config is not None and model_config.is_moe
-        if moe and config.tp > 1 and not config.sp and (seq_length // config.cp) % config.tp:
-            raise ValueError(  # MoE layers run token parallel: each tp rank takes s/t tokens (parallel/tensor.py)
-                f"seq_length={seq_length} (per cp rank {seq_length // config.cp}) is not divisible by "
-                f"tensor_parallel_size={config.tp}: the Mixture-of-Experts layers of this model run on 1/tp of the "
-                "sequence per tp rank; use a seq_length that is a multiple of tp*2*cp."
-            )
+        moe.validate_sequence(config, model_config, seq_length)
     if config.pp > 1:
         resolve_num_microbatches(config, inputs)
 
@@ -188,10 +183,10 @@ def parallelize_model(
     param_dtype: Optional[torch.dtype] = None,
     offload_stats: Optional[OffloadStats] = None,
 ) -> Optional[list[tuple[int, nn.Module]]]:
-    """Apply the pipeline split, tp/sp, context-parallel attention, expert parallelism, activation checkpointing,
-    compile and ZeRO 2/3 to ``model`` (a meta-device model of ``family``; real weights work too, each rank keeping its
-    shards), in that order, the same steps for every family (:class:`~lightning_4d.families.base.ModelFamily` says
-    where the parts are and what its plans are).
+    """Apply the pipeline split, tp/sp, context-parallel attention, the MoE step (``moe.apply``), activation
+    checkpointing, compile and ZeRO 2/3 to ``model`` (a meta-device model of ``family``; real weights work too, each
+    rank keeping its shards), in that order, the same steps for every family
+    (:class:`~lightning_4d.families.base.ModelFamily` says where the parts are and what its plans are).
 
     With pp > 1 the model is pruned to this rank's stages (:func:`~lightning_4d.parallel.pipeline.split_model`),
     tp, cp, checkpointing and compile act on the pruned model, and each stage chunk becomes its own FSDP2 root; the
@@ -221,10 +216,7 @@ def parallelize_model(
         )
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
-    if config.dp_cp * config.tp > 1:  # the ranks holding disjoint tokens (MoE layers under tp: dp_cp x tp)
-        family.apply_data_parallel(model, mesh.tokens)
-    if config.ep > 1:
-        family.apply_expert_parallel(model, mesh.ep)
+    moe.apply(family, model, mesh, config)
     layers = find_submodel(model, family.pipeline_layout(model).layers)
     # selective keeps nothing of the layer's last projection, and under tp not the others' partial sums
     row_parallel = family.tensor_parallel_plan(model).rowwise if config.activation_checkpointing == "selective" else ()
@@ -242,7 +234,7 @@ def parallelize_model(
             reshard_after_forward=reshard_after_forward(config),
             param_dtype=param_dtype if family.master_weights else None,
             reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
-            expert_mesh=mesh.edp,
+            **moe.fsdp_options(mesh),
         )
         for part in [c for _, c in chunks] if chunks is not None else [model]:
             blocks = [

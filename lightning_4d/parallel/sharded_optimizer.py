@@ -18,7 +18,7 @@ The gradients live in :mod:`lightning_4d.parallel.grad_buffers`; clipping by the
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,7 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.config import check_training_precision
 from lightning_4d.parallel._compat import all_gather_single, local_tensor as _local
 from lightning_4d.parallel.fsdp import reduced_by_fsdp
-from lightning_4d.parallel.grad_buffers import GradientBuckets, _Bucket
-from lightning_4d.parallel.tensor import token_parallel_parameters
+from lightning_4d.parallel.grad_buffers import GradientBuckets, GradientGroup, _Bucket
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -77,8 +76,7 @@ def setup_zero(
     powersgd_rank: int = 4,
     powersgd_start_step: int = 0,
     powersgd_comm_dtype: Optional[torch.dtype] = None,
-    expert_group: Optional[dist.ProcessGroup] = None,
-    token_group: Optional[dist.ProcessGroup] = None,
+    gradient_groups: Sequence[GradientGroup] = (),
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own: their gradients in :class:`GradientBuckets` over ``group``
     (``dp_cp``; returned, ``None`` when there is none), and a :class:`ShardedOptimizer` around every torch optimizer
@@ -99,17 +97,12 @@ def setup_zero(
         compression, powersgd_rank, powersgd_start_step, powersgd_comm_dtype: the buckets' gradient compression
             (``ParallelConfig.gradient_compression`` and its PowerSGD options;
             :class:`~lightning_4d.parallel.compression.PowerSGD`).
-        expert_group: under expert parallelism the expert data-parallel group (``dp_cp / ep``): the expert
-            parameters (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) get buckets of their own over it
-            (averaged over D all the same, :class:`GradientBuckets`), and every optimizer a
-            :class:`ShardedOptimizer` (also at ZeRO 0: the global-norm clipping counts each expert once). Under tp
-            with ep it is the ``edp_tp`` group (the experts run token parallel, see ``token_group``).
-        token_group: under tensor parallelism the ``dp_cp_tp`` group: the parameters of modules that run token
-            parallel (:func:`~lightning_4d.parallel.tensor.token_parallel_parameters`: Mixture-of-Experts layers,
-            each tp rank on its own tokens) get buckets of their own over it, so that their gradients are summed over
-            tp and averaged over D in one collective (:class:`GradientBuckets`), and every optimizer a
-            :class:`ShardedOptimizer` (the clipping); ``None`` without tp (ignored for a model without such modules).
-
+        gradient_groups: the parameters reduced over other groups than ``group``
+            (:class:`~lightning_4d.parallel.grad_buffers.GradientGroup`; the MoE component's
+            :func:`lightning_4d.parallel.moe.gradient_groups`): they get buckets of their own over their group
+            (averaged over D all the same, :class:`GradientBuckets`), and every optimizer a :class:`ShardedOptimizer`
+            when there is any (also at ZeRO 0: its global-norm clipping counts each gradient once, and torch's would
+            mix plain and DTensor gradients).
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
             be sharded or given a master weight.
@@ -118,7 +111,6 @@ def setup_zero(
     if not params:
         return None
     shard = zero_stage == 1 and dist.get_world_size(group) > 1
-    tokens = token_parallel_parameters(model) if token_group is not None else []
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
     buckets = GradientBuckets(
         params,
@@ -130,13 +122,11 @@ def setup_zero(
         powersgd_rank=powersgd_rank,
         powersgd_start_step=powersgd_start_step,
         powersgd_comm_dtype=powersgd_comm_dtype,
-        expert_group=expert_group,
-        token_group=token_group if tokens else None,
-        token_params=tokens,
+        gradient_groups=gradient_groups,
     )
-    # expert and token-parallel gradients live in buckets over other groups: only the ShardedOptimizer's clipping
-    # counts each once (and torch's would mix plain and DTensor gradients)
-    if shard or master_dtype is not None or expert_group is not None or tokens:
+    # gradient groups live in buckets over other groups: only the ShardedOptimizer's clipping counts each once (and
+    # torch's would mix plain and DTensor gradients)
+    if shard or master_dtype is not None or gradient_groups:
         for optimizer in optimizers:
             ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
     return buckets

@@ -18,6 +18,7 @@ from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
+from lightning_4d.parallel.moe import MoETraining
 from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.metrics import TokenMeanLoss
 
@@ -97,7 +98,7 @@ class WarmupCosine:
         )
 
 
-class CausalLMModule(L.LightningModule):
+class CausalLMModule(MoETraining, L.LightningModule):
     """Next-token prediction with AdamW and warm-up + cosine learning rate.
 
     Args:
@@ -130,12 +131,9 @@ class CausalLMModule(L.LightningModule):
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss`` and ``val_ppl``
     (torchmetrics, :class:`~lightning_4d.tasks.metrics.TokenMeanLoss`: the token-weighted mean loss over the whole
     validation set and its ``exp``, summed over the data-parallel ranks at the end of the epoch, identical on every
-    rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``. A Mixture-of-Experts model
-    (``model_config.num_experts`` > 0) trains on the language-model loss plus ``router_aux_loss_coef`` × its
-    load-balancing loss, whose gradient each MoE layer injects itself (:meth:`_start_moe_step`; so it also trains
-    when its layers sit on other pipeline stages than the loss); ``train_loss`` stays the language-model loss, and it
-    logs ``train_aux_loss``, ``moe_tokens_per_expert_max``, ``moe_tokens_per_expert_mean`` and
-    ``moe_dropped_fraction`` (:meth:`_log_moe_step`, ``docs/moe.md``).
+    rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``. An MoE model also
+    trains and logs its load-balancing loss and routing statistics
+    (:class:`~lightning_4d.parallel.moe.MoETraining`).
 
     Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``.
     """
@@ -210,7 +208,7 @@ class CausalLMModule(L.LightningModule):
             self.model.set_grouped_mm(grouped_mm)
             return
         self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
-        self.model.set_grouped_mm(grouped_mm)  # MoE experts: grouped GEMMs on CUDA in bfloat16
+        self.model.set_grouped_mm(grouped_mm)  # MoE layers: grouped GEMMs on CUDA in bfloat16
         if any(p.is_meta for p in self.model.parameters()):  # built under an outer meta-device context
             self.model.to_empty(device=self.device)
         else:
@@ -253,15 +251,12 @@ class CausalLMModule(L.LightningModule):
         """The strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner` (pp > 1), else ``None``."""
         layout = self._layout()
         pipeline = layout.pipeline if layout is not None else None
-        if pipeline is not None and self.model_config.is_moe and self.model is not None:
-            # the schedule's shape inference runs the stages on placeholders: MoE layers pass their input through
-            pipeline.metadata_inference = self.model.set_metadata_inference
+        self._moe_pipeline(pipeline)
         return pipeline
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         pipeline = self._pipeline()
-        if self.model_config.is_moe:
-            self._start_moe_step(pipeline)
+        self._start_moe_step(pipeline)
         if pipeline is not None:
             # forward + backward of all m micro-batches; the mean loss over the batch, on every pipeline stage
             loss = pipeline.train_step(batch["input_ids"], batch["labels"])
@@ -269,58 +264,8 @@ class CausalLMModule(L.LightningModule):
             loss = causal_lm_loss(self(batch["input_ids"]), batch["labels"])
         self.log("train_loss", self._global_mean(loss), prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
-        if self.model_config.is_moe:
-            self._log_moe_step(pipeline)
+        self._log_moe_step(pipeline)
         return loss
-
-    def _start_moe_step(self, pipeline: Any) -> None:
-        """Set the gradient the MoE layers inject into their load-balancing terms for this step's backwards
-        (:meth:`LlamaModel.set_aux_loss_scale`): ``router_aux_loss_coef`` times the factor each backward's
-        language-model loss carries, ``1/m`` for the pipeline's ``m`` micro-batches (the schedule's loss function
-        divides by m) and ``1/A`` under Lightning's ``accumulate_grad_batches`` (its closure divides the loss by
-        A), so that the gradient is that of ``loss + router_aux_loss_coef * aux`` averaged over the global batch
-        whatever the layout; then start the step's mean aux loss."""
-        assert self.model is not None
-        m = pipeline.num_microbatches if pipeline is not None else 1
-        trainer = attached_trainer(self)
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
-        self.model.set_aux_loss_scale(self.model_config.router_aux_loss_coef / (m * accumulate))
-        self.model.reset_moe_aux_loss()
-        if pipeline is not None:  # again after the schedule's metadata inference, before its first micro-batch
-            pipeline.before_microbatches = self.model.reset_moe_aux_loss
-
-    def _log_moe_step(self, pipeline: Any) -> None:
-        """Log ``train_aux_loss`` (the global batch's load-balancing loss, without the coefficient: the mean over
-        the step's micro-batches of every stage's share, summed over the pipeline stages, averaged over dp·cp),
-        ``moe_tokens_per_expert_max`` / ``moe_tokens_per_expert_mean`` (assignments per expert in the most loaded
-        layer's busiest expert, and on average; summed over dp·cp; under pp of the last micro-batch, over all
-        stages) and ``moe_dropped_fraction`` (assignments dropped by the capacity). The same values on every rank.
-        The loss trains through the layers' own gradient injection (:meth:`_start_moe_step`), not through this."""
-        assert self.model is not None
-        aux = self.model.moe_step_aux_loss()
-        aux = aux if aux is not None else torch.zeros((), device=self.device)
-        stats = self.model.moe_stats()
-        if pipeline is not None and torch.distributed.get_world_size(pipeline.pp_group) > 1:
-            # each stage holds its own MoE layers (some none): shares summed, statistics combined over the stages
-            n = float(len([m for m in self.model.moe_layers() if m.tokens_per_expert is not None]))
-            summed = torch.stack(
-                [aux.float(), stats.get("dropped_fraction", torch.zeros(())).to(aux.device) * n, aux.new_tensor(n)]
-            )
-            torch.distributed.all_reduce(summed, group=pipeline.pp_group)
-            peaks = torch.stack(
-                [stats.get(k, torch.zeros(())) for k in ("tokens_per_expert_max", "tokens_per_expert_mean")]
-            )
-            peaks = peaks.to(aux.device)
-            torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX, group=pipeline.pp_group)
-            aux = summed[0]
-            stats = {
-                "tokens_per_expert_max": peaks[0],
-                "tokens_per_expert_mean": peaks[1],  # T·k/E in every MoE layer
-                "dropped_fraction": summed[1] / summed[2].clamp(min=1),  # every layer routes T·k assignments
-            }
-        self.log("train_aux_loss", self._global_mean(aux), on_step=True, on_epoch=False)
-        for name, value in stats.items():
-            self.log(f"moe_{name}", value, on_step=True, on_epoch=False)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         elapsed = time.perf_counter() - self._batch_start

@@ -1,0 +1,250 @@
+"""The Mixture-of-Experts component of the strategy: what the rest of the training code asks of MoE, in one place.
+
+The model's MoE layer is :mod:`lightning_4d.models.moe` (router, stacked experts, load-balancing loss); expert
+parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.expert`. This module holds the rest:
+
+- **meshes** (:func:`carve_meshes`, called by :func:`lightning_4d.mesh.build_mesh`). Expert parallelism (ep > 1) adds
+  no dimension to the world mesh: ``dp_cp`` (size D) is unflattened into ``("edp", "ep")`` of sizes ``(D/ep, ep)``,
+  ep innermost, so an ep group is ``ep`` consecutive ranks of the flattened ``dp_cp`` mesh (``dp_cp`` index i: ep
+  rank ``i % ep``, expert data-parallel rank ``i // ep``; with cp = 1 and tp = pp = 1, consecutive global ranks: the
+  all-to-all stays within a node when ep divides the GPUs per node), and the expert data-parallel group ``edp`` is
+  the D/ep ranks holding the same experts (torchtitan's ``ep`` / ``dp_shard_mod_ep``, Megatron-core's
+  expert-data-parallel group). MoE layers under tensor parallelism (tp > 1) run token parallel: each tp rank runs the
+  whole MoE layer on its own ``1/t`` of the sequence (expert tensor parallelism 1, ``docs/moe.md``), so the
+  ``dp_cp x tp`` ranks hold disjoint tokens of it. The flattened ``("dp", "cp", "tp")`` mesh, ``dp_cp_tp``, is their
+  group (routing counts, and the gradients of the MoE layers' non-expert parameters, summed over it). With ep > 1 it
+  is unflattened into ``("edp", "ep", "etp")`` of sizes ``(D/ep, ep, t)``: the ep groups are the same as without tp
+  (``ep`` consecutive ``dp_cp`` ranks at one tp coordinate), and ``edp_tp`` (``edp`` x ``etp`` flattened, ``D·t/ep``
+  ranks) is the group that holds the same experts (Megatron-core's expert-data-parallel group with expert tensor
+  parallelism 1, "MoE parallel folding", which also spans the attention's tp ranks).
+- **gradient groups** (:func:`gradient_groups`): the parameters whose gradients are not reduced over ``dp_cp`` alone,
+  declared to the ZeRO 0/1 buckets as :class:`~lightning_4d.parallel.grad_buffers.GradientGroup`: the experts over
+  the ranks holding the same experts, the MoE layers' other parameters under tp (run token parallel) over
+  ``dp_cp x tp``;
+- **training** (:class:`MoETraining`, a LightningModule mixin): the load-balancing loss' gradient scale per step and
+  its logging, with the routing statistics; :class:`ExpertLoadMonitor` (a callback) logs the ep ranks' load.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_4d.parallel._compat import attached_trainer
+from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter
+from lightning_4d.parallel.grad_buffers import GradientGroup
+from lightning_4d.parallel.tensor import token_parallel_parameters
+
+
+def carve_meshes(mesh: Any, config: Any) -> None:
+    """Carve the MoE groups (module docstring) out of ``mesh`` (a :class:`~lightning_4d.mesh.ParallelMesh`) for the
+    resolved layout ``config``: ``dp_cp_tp`` under tp; ``ep`` and ``edp`` under ep, and ``edp_tp`` with both.
+    Collective (every rank calls it)."""
+    if config.tp > 1:
+        mesh.flatten(("dp", "cp", "tp"), "dp_cp_tp")
+        if config.ep > 1:
+            experts = mesh.unflatten("dp_cp_tp", (config.expert_dp, config.ep, config.tp), ("edp", "ep", "etp"))
+            mesh.flatten(("edp", "etp"), "edp_tp", source=experts)
+    elif config.ep > 1:
+        mesh.unflatten("dp_cp", (config.expert_dp, config.ep), ("edp", "ep"))
+
+
+def token_mesh(mesh: Any) -> Any:
+    """The ranks holding disjoint tokens of an MoE layer: ``dp_cp_tp`` under tp, else ``dp_cp``."""
+    tokens = mesh.get("dp_cp_tp")
+    return mesh.dp_cp if tokens is None else tokens
+
+
+def expert_replicas(mesh: Any) -> Any:
+    """The ranks holding the same experts under expert parallelism (``edp_tp`` under tp, else ``edp``), over which
+    the experts' gradients are reduced; ``None`` without ep."""
+    replicas = mesh.get("edp_tp")
+    return mesh.get("edp") if replicas is None else replicas
+
+
+def validate_sequence(config: Any, model_config: Any, seq_length: int) -> None:
+    """Check ``seq_length`` against the MoE layers of ``model_config`` (``None``: no model config) under the layout
+    ``config``, before any process group.
+
+    Raises:
+        ValueError: an MoE model under tp without sp whose sequence per cp rank is not divisible by tp (its MoE
+            layers run token parallel: each tp rank takes ``s/t`` tokens, :mod:`lightning_4d.parallel.tensor`).
+    """
+    moe = model_config is not None and model_config.is_moe
+    if moe and config.tp > 1 and not config.sp and (seq_length // config.cp) % config.tp:
+        raise ValueError(
+            f"seq_length={seq_length} (per cp rank {seq_length // config.cp}) is not divisible by "
+            f"tensor_parallel_size={config.tp}: the Mixture-of-Experts layers of this model run on 1/tp of the "
+            "sequence per tp rank; use a seq_length that is a multiple of tp*2*cp."
+        )
+
+
+def apply(family: Any, model: nn.Module, mesh: Any, config: Any) -> None:
+    """The MoE steps of :func:`~lightning_4d.parallel.parallelize.parallelize_model` (after tp and cp): the family's
+    ``apply_data_parallel`` with :func:`token_mesh` when dp·cp·tp > 1 (the ranks over which routing counts are
+    summed), its ``apply_expert_parallel`` on the ``ep`` mesh when ep > 1."""
+    if config.dp_cp * config.tp > 1:
+        family.apply_data_parallel(model, token_mesh(mesh))
+    if config.ep > 1:
+        family.apply_expert_parallel(model, mesh.ep)
+
+
+def fsdp_options(mesh: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`~lightning_4d.parallel.fsdp.apply_fsdp` for the experts: their own units over
+    ``edp`` under ep (``None`` without)."""
+    return {"expert_mesh": mesh.get("edp")}
+
+
+def on_own_mesh(params: list[Tensor]) -> bool:
+    """Whether any of ``params`` is an expert weight on the ep mesh
+    (:func:`~lightning_4d.parallel.expert.is_expert_parameter`): under ZeRO 2/3 with ep its gradient is a DTensor on
+    the ``(edp, ep)`` mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the
+    precision plugin then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
+    return any(is_expert_parameter(p) for p in params)
+
+
+def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
+    """The gradient groups of ``model``'s MoE layers on ``mesh`` (a :class:`~lightning_4d.mesh.ParallelMesh`), for
+    :func:`lightning_4d.parallel.sharded_optimizer.setup_zero`:
+
+    1. under expert parallelism the expert weights (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) over
+       the ranks holding the same experts (``edp``, or ``edp_tp`` under tp: the experts run token parallel), always
+       (every optimizer then gets a ``ShardedOptimizer``, whose global-norm clipping counts each expert once);
+    2. under tp the other parameters of modules run token parallel
+       (:func:`~lightning_4d.parallel.tensor.token_parallel_parameters`) over ``dp_cp_tp``, when ``model`` has any:
+       each tp rank's gradient is its own tokens' (the sum over tp of the mean over ``dp_cp``, in one collective).
+
+    Both are tp-partial (each tp rank's gradient is a disjoint part of the sum). Empty for a dense model without tp.
+    """
+    groups = []
+    replicas = expert_replicas(mesh)
+    if replicas is not None:
+        experts = tuple(p for p in model.parameters() if is_expert_parameter(p))
+        groups.append(GradientGroup(replicas.get_group(), experts, tp_partial=True))
+    if mesh.get("dp_cp_tp") is not None:
+        tokens = tuple(token_parallel_parameters(model))
+        if tokens:
+            groups.append(GradientGroup(mesh.dp_cp_tp.get_group(), tokens, tp_partial=True))
+    return groups
+
+
+class MoETraining:
+    """The training-step logic of an MoE model, mixed into a LightningModule (:class:`~lightning_4d.tasks.causal_lm
+    .CausalLMModule`, which has ``model`` (a :class:`~lightning_4d.models.llama.LlamaModel`), ``model_config``,
+    ``device``, ``log`` and ``_global_mean``). A Mixture-of-Experts model (``model_config.num_experts`` > 0) trains on
+    the language-model loss plus ``router_aux_loss_coef`` × its load-balancing loss, whose gradient each MoE layer
+    injects itself (:meth:`_start_moe_step`; so it also trains when its layers sit on other pipeline stages than the
+    loss); ``train_loss`` stays the language-model loss, and the module logs ``train_aux_loss``,
+    ``moe_tokens_per_expert_max``, ``moe_tokens_per_expert_mean`` and ``moe_dropped_fraction``
+    (:meth:`_log_moe_step`, ``docs/moe.md``). Every method does nothing for a dense model."""
+
+    model: Any
+    model_config: Any
+    device: Any
+    log: Callable[..., None]
+    _global_mean: Callable[[Tensor], Tensor]
+
+    def _moe_pipeline(self, pipeline: Any) -> None:
+        """Under pp (``pipeline``: the strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner`, else
+        ``None``): the schedule's shape inference runs the stages on placeholders, during which the MoE layers pass
+        their input through (``LlamaModel.set_metadata_inference``)."""
+        if pipeline is not None and self.model_config.is_moe and self.model is not None:
+            pipeline.metadata_inference = self.model.set_metadata_inference
+
+    def _start_moe_step(self, pipeline: Any) -> None:
+        """Set the gradient the MoE layers inject into their load-balancing terms for this step's backwards
+        (:meth:`LlamaModel.set_aux_loss_scale`): ``router_aux_loss_coef`` times the factor each backward's
+        language-model loss carries, ``1/m`` for the pipeline's ``m`` micro-batches (the schedule's loss function
+        divides by m) and ``1/A`` under Lightning's ``accumulate_grad_batches`` (its closure divides the loss by
+        A), so that the gradient is that of ``loss + router_aux_loss_coef * aux`` averaged over the global batch
+        whatever the layout; then start the step's mean aux loss. Nothing for a dense model."""
+        if not self.model_config.is_moe:
+            return
+        assert self.model is not None
+        m = pipeline.num_microbatches if pipeline is not None else 1
+        trainer = attached_trainer(self)
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+        self.model.set_aux_loss_scale(self.model_config.router_aux_loss_coef / (m * accumulate))
+        self.model.reset_moe_aux_loss()
+        if pipeline is not None:  # again after the schedule's metadata inference, before its first micro-batch
+            pipeline.before_microbatches = self.model.reset_moe_aux_loss
+
+    def _log_moe_step(self, pipeline: Any) -> None:
+        """Log ``train_aux_loss`` (the global batch's load-balancing loss, without the coefficient: the mean over
+        the step's micro-batches of every stage's share, summed over the pipeline stages, averaged over dp·cp),
+        ``moe_tokens_per_expert_max`` / ``moe_tokens_per_expert_mean`` (assignments per expert in the most loaded
+        layer's busiest expert, and on average; summed over dp·cp; under pp of the last micro-batch, over all
+        stages) and ``moe_dropped_fraction`` (assignments dropped by the capacity). The same values on every rank.
+        The loss trains through the layers' own gradient injection (:meth:`_start_moe_step`), not through this.
+        Nothing for a dense model."""
+        if not self.model_config.is_moe:
+            return
+        assert self.model is not None
+        aux = self.model.moe_step_aux_loss()
+        aux = aux if aux is not None else torch.zeros((), device=self.device)
+        stats = self.model.moe_stats()
+        if pipeline is not None and torch.distributed.get_world_size(pipeline.pp_group) > 1:
+            # each stage holds its own MoE layers (some none): shares summed, statistics combined over the stages
+            n = float(len([m for m in self.model.moe_layers() if m.tokens_per_expert is not None]))
+            summed = torch.stack(
+                [aux.float(), stats.get("dropped_fraction", torch.zeros(())).to(aux.device) * n, aux.new_tensor(n)]
+            )
+            torch.distributed.all_reduce(summed, group=pipeline.pp_group)
+            peaks = torch.stack(
+                [stats.get(k, torch.zeros(())) for k in ("tokens_per_expert_max", "tokens_per_expert_mean")]
+            )
+            peaks = peaks.to(aux.device)
+            torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX, group=pipeline.pp_group)
+            aux = summed[0]
+            stats = {
+                "tokens_per_expert_max": peaks[0],
+                "tokens_per_expert_mean": peaks[1],  # T·k/E in every MoE layer
+                "dropped_fraction": summed[1] / summed[2].clamp(min=1),  # every layer routes T·k assignments
+            }
+        self.log("train_aux_loss", self._global_mean(aux), on_step=True, on_epoch=False)
+        for name, value in stats.items():
+            self.log(f"moe_{name}", value, on_step=True, on_epoch=False)
+
+
+class ExpertLoadMonitor(L.Callback):
+    """Under expert parallelism, log after every training step the load imbalance of the experts' ranks: for each
+    MoE layer and ep group, the rows the most loaded ep rank's experts received over the group's mean (1.0 is
+    balanced, ``ep`` all rows on one rank), the max over layers and groups. It is the figure the memory model's
+    ``expert_load_imbalance`` (:func:`lightning_4d.memory.model.estimate_memory`, ``lightning-4d estimate
+    --expert-load-imbalance``) multiplies the balanced received rows by; docs/moe.md says how its default was
+    measured with this callback.
+
+    Logged: ``moe_expert_load_imbalance`` (this step's) and ``moe_expert_load_imbalance_max`` (the largest since the
+    fit started); ``history`` keeps every step's. The rows are those of the step's last forward of each layer (under
+    pp the last micro-batch's), read off :class:`~lightning_4d.parallel.expert.ExpertDispatch`'s split sizes; one
+    all-reduce of the layers' received rows over each ep group and one of a scalar over all ranks per step. Without
+    expert parallelism it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.history: list[float] = []
+        self.peak = 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        parallel_config = getattr(trainer.strategy, "parallel_config", None)
+        if parallel_config is None or parallel_config.ep == 1 or not dist.is_initialized():
+            return
+        dispatches = [getattr(m, "dispatch", None) for m in pl_module.modules()]
+        dispatches = [d for d in dispatches if isinstance(d, ExpertDispatch)]
+        ratio = torch.zeros((), dtype=torch.float64, device=pl_module.device)
+        if dispatches:  # the ranks of an ep group run the same pipeline stage: the same layers, in the same order
+            received = torch.tensor([d.received_rows for d in dispatches], dtype=torch.float64, device=ratio.device)
+            total = received.clone()
+            dist.all_reduce(total, group=dispatches[0].group)
+            ratio = (received * dispatches[0].size / total.clamp(min=1)).max()
+        dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
+        value = float(ratio)
+        self.history.append(value)
+        self.peak = max(self.peak, value)
+        pl_module.log("moe_expert_load_imbalance", value)
+        pl_module.log("moe_expert_load_imbalance_max", self.peak)
