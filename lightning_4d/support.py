@@ -1,8 +1,8 @@
 """The support matrix: which feature combinations lightning_4d runs, defined once (issue 32).
 
 Every combination a user can ask for (ZeRO 0-3 x precision x tp/sp (+ overlap) x pp (each schedule, uneven split) x
-cp (ring, allgather) x activation checkpointing x activation offload x compile x Mixture-of-Experts (ep, tp, pp,
-ZeRO) x model family) collapsed into the rows (:data:`ROWS`) that exercise distinct code. Each row has an id, a
+cp (ring, allgather, alltoall) x activation checkpointing x activation offload x compile x Mixture-of-Experts (ep,
+tp, pp, ZeRO) x model family) collapsed into the rows (:data:`ROWS`) that exercise distinct code. Each row has an id, a
 short description, its layout as the options of ``lightning-4d measure`` (:meth:`Row.argv`; presets ``small``,
 ``small-tied`` and ``tiny-moe``, s <= 2048) and three statuses:
 
@@ -376,6 +376,40 @@ ROWS: list[Row] = [
         cpu_tests=(CP + "test_context_parallel_world8",),
     ),
     Row(
+        "cp2-alltoall",
+        "cp2 all-to-all (Ulysses) attention: heads sharded, whole sequence per rank",
+        {"cp": 2, "cp_method": "alltoall", "zero_stage": 0},
+        cpu_tests=(CP + "test_context_parallel_world2", CP + "test_attention_equals_full_causal_attention"),
+    ),
+    Row(
+        "cp4-alltoall",
+        "cp4 all-to-all attention (fewer kv heads than cp replicated: tiny-test's 2 in the CPU tests)",
+        {"cp": 4, "cp_method": "alltoall"},
+        cpu_tests=(CP + "test_context_parallel_world4", CP + "test_cp_activations_within_5_percent"),
+    ),
+    Row(
+        "cp2-tp2-alltoall",
+        "cp2 x tp2 all-to-all attention (heads over tp, then cp)",
+        {"cp": 2, "tp": 2, "cp_method": "alltoall"},
+        cpu_tests=(CP + "test_context_parallel_world4",),
+    ),
+    Row(
+        "cp2-pp2-alltoall",
+        "cp2 x pp2 all-to-all attention, 1F1B",
+        {"cp": 2, "pp": 2, "cp_method": "alltoall", "num_microbatches": 2},
+        cpu_tests=(CP + "test_context_parallel_world4",),
+    ),
+    Row(
+        "cp4-tp4-alltoall-bad-heads",
+        "cp4 x tp4 all-to-all with 8 heads (2 per tp rank: too few for cp4)",
+        {"cp": 4, "tp": 4, "cp_method": "alltoall"},
+        refused=(
+            "context_parallel_method='alltoall' needs the query heads of a tp rank, num_heads/tensor_parallel_size "
+            "= 8/4 = 2, divisible by context_parallel_size=4 (heads are split over cp); valid context_parallel_size "
+            "values for alltoall here: [1, 2], or use context_parallel_method='ring'."
+        ),
+    ),
+    Row(
         "cp2-bad-sequence",
         "cp2 with a sequence that does not split into 2*cp chunks",
         {"cp": 2, "seq_length": 1022},
@@ -626,7 +660,8 @@ def smoke_rows() -> list[Row]:
 # ------------------------------------------------------------------------------------------- a layout's coverage
 def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str]:
     """The features a layout combines, as the support matrix tells them apart: ``tp``, ``sp off``, ``tp overlap``,
-    ``pp`` (and ``pp <schedule>`` for a schedule other than 1F1B), ``cp`` (and ``cp allgather``), ``ZeRO 0/2/3``
+    ``pp`` (and ``pp <schedule>`` for a schedule other than 1F1B), ``cp`` (and ``cp allgather``, ``cp alltoall``),
+    ``ZeRO 0/2/3``
     (ZeRO 1 is every row's default), ``<mode> checkpointing``, ``offload``, ``compile``, ``MoE``, ``ep``.
 
     ``options``: a row's :meth:`Row.options` (``measure``'s names) or one of ``plan``'s layouts (its ``--json``
@@ -648,8 +683,9 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
             out.add(f"pp {schedule}")
     if cp > 1:
         out.add("cp")
-        if (get("cp_method") or get("context_parallel_method") or "ring") == "allgather":
-            out.add("cp allgather")
+        method = get("cp_method") or get("context_parallel_method") or "ring"
+        if method != "ring":
+            out.add(f"cp {method}")
     zero = get("zero_stage", 1)
     if zero != 1:
         out.add(f"ZeRO {zero}")

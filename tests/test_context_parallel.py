@@ -1,7 +1,8 @@
 """Context parallelism against the single-process run (CPU, gloo, float32, tiny Llama with 4 heads / 2 kv heads,
-sequence 32, 10 AdamW steps): per-step ``train_loss`` to 1e-5 relative and final weights, for both methods at cp=2
-and cp=4 and composed with tp/sp, dp with ZeRO 1 and 3, and pp x tp; the attention alone against full causal
-attention in float64; validation, prediction and generation; the memory model on cp layouts; bad input."""
+sequence 32, 10 AdamW steps): per-step ``train_loss`` to 1e-5 relative and final weights, for the three methods
+(ring, allgather, alltoall) at cp=2 and cp=4 and composed with tp/sp, dp with ZeRO 1 and 3, and pp (x tp); the
+attention alone against full causal attention in float64; validation, prediction and generation; the memory model
+on cp layouts; bad input."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.test_pipeline import _check, _check_resume, _results, _run as _run_to
 WORLD2 = [
     {"cp": 2, "method": "ring", "zero": 0},
     {"cp": 2, "method": "allgather", "zero": 0},
+    {"cp": 2, "method": "alltoall", "zero": 0},
     {"cp": 2, "method": "ring", "zero": 1, "clip": 0.1, "ac": "full"},
     # selective checkpointing keeps every kernel call's output; cp rank 0's ring updates its merge in place
     {"cp": 2, "method": "ring", "zero": 0, "ac": "selective"},
@@ -34,6 +36,10 @@ WORLD2_BF16 = [
 WORLD4 = [
     {"cp": 4, "method": "ring", "zero": 1},
     {"cp": 4, "method": "allgather", "zero": 1},
+    # alltoall (Ulysses): at cp4 and cp2 x tp2 the 2 kv heads (1 per tp rank) are fewer than cp, replicated
+    {"cp": 4, "method": "alltoall", "zero": 1},
+    {"cp": 2, "tp": 2, "method": "alltoall", "zero": 1},
+    {"cp": 2, "pp": 2, "method": "alltoall", "zero": 1, "schedule": "1f1b", "m": 2},
     {"cp": 2, "tp": 2, "method": "ring", "zero": 1},
     {"cp": 2, "tp": 2, "method": "allgather", "zero": 3},
     {"cp": 2, "dp": 2, "method": "ring", "zero": 1},
@@ -119,18 +125,25 @@ def test_context_parallel_checkpoint_resume(tmp_path_factory):
 
 # ---------------------------------------------------------------------------------------------------- attention
 def test_attention_equals_full_causal_attention(tmp_path):
-    """Output and q/k/v gradients of both methods and both CPU kernels equal full causal attention to 1e-6 (float64),
-    for c in {2, 4}, sequence lengths 16-64 and GQA ratios 1, 2, 4, 6."""
+    """Output and q/k/v gradients of the three methods and both CPU kernels equal full causal attention to 1e-6
+    (float64), for c in {2, 4}, sequence lengths 16-64 and GQA ratios 1, 2, 4, 6 (alltoall: the cases whose heads
+    split over c, with kv heads fewer than c replicated; measured largest error 3.7e-15)."""
     torchrun(4, SCRIPTS / "cp_attention.py", "--out", str(tmp_path))
     worst = 0.0
     cases = 0
+    alltoall = set()
     for rank in range(4):
         for record in json.loads((tmp_path / f"attention_rank{rank}.json").read_text()):
+            if record["method"] == "alltoall":
+                alltoall.add((record["c"], record["heads"], record["kv_heads"]))
             err = max(record["errors"].values())
             worst = max(worst, err)
             cases += 1
             assert err <= 1e-6, record
-    assert cases == 4 * 2 * 2 * (4 + 4)  # ranks x methods x kernels x (cases at c=2 + cases at c=4)
+    # ranks x kernels x (ring and allgather: 4 cases at c=2 + 4 at c=4; alltoall: 4 at c=2 + 3 at c=4, whose 6 heads
+    # do not split over 4)
+    assert cases == 4 * 2 * (2 * (4 + 4) + (4 + 3))
+    assert (4, 4, 2) in alltoall and (2, 6, 1) in alltoall  # kv heads replicated (fewer than c), at c = 4 and 2
     print(f"\ncp attention: largest error over {cases} rank-cases: {worst:.1e}")
 
 
@@ -181,12 +194,15 @@ _MEM_WORLD2 = [
     {"cp": 2, "method": "allgather", "zero": 3, "ac": "full"},
     {"cp": 2, "method": "ring", "zero": 0, "ac": "selective"},
     {"cp": 2, "method": "allgather", "zero": 1, "precision": "bf16-mixed", "ac": "selective"},
+    {"cp": 2, "method": "alltoall", "zero": 1},
+    {"cp": 2, "method": "alltoall", "zero": 0, "precision": "bf16-mixed", "ac": "selective"},
 ]
 _MEM_WORLD4 = [
     {"cp": 4, "method": "allgather", "zero": 1},
     {"cp": 2, "tp": 2, "method": "ring", "zero": 1, "precision": "bf16-mixed"},
     {"cp": 2, "dp": 2, "method": "allgather", "zero": 3},
     {"cp": 4, "method": "ring", "zero": 1, "ac": "selective"},
+    {"cp": 4, "method": "alltoall", "zero": 1},  # the 2 kv heads replicated to 4
 ]
 
 
