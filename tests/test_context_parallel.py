@@ -328,3 +328,48 @@ def test_off_cpu_the_flash_kernel_gets_only_head_dims_it_takes(head_dim, flash):
     lse = torch.zeros(1, 2, 16, device="meta")
     calls = _flash_backward_calls(lambda: _Kernel("sdpa", head_dim**-0.5).backward(q, q, q, q, q, lse, causal=True))
     assert len(calls) == (1 if flash else 0)
+
+
+# ---------------------------------------------------------------------------------------------------- alltoall models
+def test_step_time_alltoall_term_is_the_ulysses_volume():
+    """The step-time model's cp term under alltoall, per layer and micro-batch: forward and backward an all-to-all of
+    q, k, v (``T·(a/tp + 2·k')·d·c`` bytes, ``k' = max(k/tp, cp)``: kv heads replicated when fewer than cp) and one
+    of the output (``T·a·d/tp·c``), each ``(cp−1)/cp`` of the buffer at the collective bandwidth plus ``(cp−1)``
+    latencies (DeepSpeed-Ulysses, arXiv 2309.14509 §3.2; the bytes tests/test_comm.py counts). At tp4 × cp4 llama3-8b
+    has 2 kv heads per tp rank, fewer than cp: k' = 4."""
+    from lightning_4d.memory.hardware import GPU_PRESETS
+    from lightning_4d.memory.step_time import COLLECTIVE_EFFICIENCY, LINK_LATENCY, Layout, _dims, step_time_parts
+
+    cfg, gpu = LlamaConfig.from_preset("llama3-8b"), GPU_PRESETS["H100-80GB"]
+    tp, cp, b, m, s = 4, 4, 1, 4, 8192
+    parts = {}
+    for method in ("ring", "alltoall"):
+        lay = Layout(tp, 1, cp, 1, b, m, True, method, "1f1b", 1, None, 1, "none")
+        parts[method] = step_time_parts(_dims(cfg), lay, seq_length=s, gpu=gpu, gpus_per_node=16)
+    tokens, a, k, d, c = b * s / cp, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 2
+    kv = max(k // tp, cp)
+    volume = 2 * (cp - 1) / cp * tokens * (2 * a / tp + 2 * kv) * d * c  # bytes per layer, forward + backward
+    per_layer = volume / (COLLECTIVE_EFFICIENCY * gpu.intra_node_bandwidth) + 4 * (cp - 1) * LINK_LATENCY[0]
+    assert parts["alltoall"][4] == pytest.approx(m * cfg.num_layers * per_layer, rel=1e-12)
+    # one attention kernel over the whole sequence: longer blocks than the ring's s/(2·cp), no slower compute
+    assert parts["alltoall"][0] <= parts["ring"][0]
+
+
+def test_planner_weighs_alltoall_where_the_heads_allow():
+    """plan tries ring, allgather and alltoall at cp > 1, alltoall only where a/tp splits over cp (llama3-8b: 32
+    heads, 8 kv heads), and ranks them by the step-time model."""
+    from lightning_4d.memory.hardware import GPU_PRESETS
+    from lightning_4d.memory.planner import _cp_methods, plan
+
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    assert _cp_methods(cfg, 1, 1) == ("ring",)
+    assert _cp_methods(cfg, 1, 8) == ("ring", "allgather", "alltoall")
+    assert _cp_methods(cfg, 8, 8) == ("ring", "allgather")  # 4 heads per tp rank do not split over 8
+    candidates = plan(
+        cfg, 16, 8, GPU_PRESETS["H100-80GB"], seq_length=8192, global_batch_size=16, top=None, fixed={"tp": 1, "cp": 2}
+    )
+    fastest = {}
+    for cand in candidates:  # fastest predicted first
+        fastest.setdefault(cand.context_parallel_method, cand.step_time)
+    assert set(fastest) == {"ring", "allgather", "alltoall"}
+    assert candidates[0].step_time == min(fastest.values())
