@@ -389,8 +389,8 @@ ROWS: list[Row] = [
     ),
     Row(
         "cp2-tp2-alltoall",
-        "cp2 x tp2 all-to-all attention (heads over tp, then cp)",
-        {"cp": 2, "tp": 2, "cp_method": "alltoall"},
+        "cp2 x tp2 all-to-all attention (heads over tp, then cp), ZeRO 3",
+        {"cp": 2, "tp": 2, "cp_method": "alltoall", "zero_stage": 3},
         cpu_tests=(CP + "test_context_parallel_world4",),
     ),
     Row(

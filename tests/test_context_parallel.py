@@ -38,7 +38,7 @@ WORLD4 = [
     {"cp": 4, "method": "allgather", "zero": 1},
     # alltoall (Ulysses): at cp4 and cp2 x tp2 the 2 kv heads (1 per tp rank) are fewer than cp, replicated
     {"cp": 4, "method": "alltoall", "zero": 1},
-    {"cp": 2, "tp": 2, "method": "alltoall", "zero": 1},
+    {"cp": 2, "tp": 2, "method": "alltoall", "zero": 3},
     {"cp": 2, "pp": 2, "method": "alltoall", "zero": 1, "schedule": "1f1b", "m": 2},
     {"cp": 2, "tp": 2, "method": "ring", "zero": 1},
     {"cp": 2, "tp": 2, "method": "allgather", "zero": 3},
