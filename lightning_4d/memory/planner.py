@@ -242,10 +242,16 @@ def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
     """The context-parallel methods the planner tries at (tp, cp): ``"ring"`` alone without cp, else all of
     :data:`~lightning_4d.config.CONTEXT_PARALLEL_METHODS` but ``"alltoall"`` where the heads do not split over tp·cp
     (:func:`~lightning_4d.config.alltoall_heads` refuses)."""
+    return _cp_methods_of(model_config.num_heads, model_config.num_kv_heads, tp, cp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cp_methods_of(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> tuple[str, ...]:
+    """:func:`_cp_methods` by head counts (asked once per layout shape: the planner's inner loop)."""
     if cp == 1:
         return ("ring",)
     try:
-        alltoall_heads(model_config.num_heads, model_config.num_kv_heads, tp, cp)
+        alltoall_heads(num_heads, num_kv_heads, tp, cp)
     except ValueError:
         return tuple(m for m in CONTEXT_PARALLEL_METHODS if m != "alltoall")
     return CONTEXT_PARALLEL_METHODS
