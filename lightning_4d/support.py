@@ -570,6 +570,13 @@ ROWS: list[Row] = [
         HF_LLAMA,
     ),
     _hf_row(
+        "hf-llama-cp2-alltoall",
+        "transformers LlamaForCausalLM, cp2 all-to-all (Ulysses) attention",
+        {"cp": 2, "cp_method": "alltoall"},
+        "hf-llama",
+        HF_LLAMA,
+    ),
+    _hf_row(
         "hf-llama-pp2",
         "transformers LlamaForCausalLM, pp2 1F1B",
         {"pp": 2, "num_microbatches": 2},
