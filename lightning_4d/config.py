@@ -82,6 +82,33 @@ def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
+def alltoall_heads(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> tuple[int, int]:
+    """``(query heads, kv heads)`` one cp rank attends with under ``context_parallel_method="alltoall"``
+    (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509): the tp rank's ``a/tp`` query heads split over cp,
+    ``a/(tp·cp)`` each; its ``k/tp`` kv heads split over cp when cp divides them, else (``k/tp < cp``, cp a multiple
+    of ``k/tp``) each kv head replicated ``cp·tp/k`` times before the all-to-all, so every cp rank receives the one kv
+    head its query heads share (the kv-head expansion of ``long-context-attention``'s Ulysses): ``max(k/tp, cp)/cp``.
+
+    Raises:
+        ValueError: ``a/tp`` not divisible by cp, or ``k/tp`` neither divisible by cp nor dividing it.
+    """
+    q, kv = num_heads // tp, num_kv_heads // tp
+    if q % cp != 0:
+        valid = [c for c in _divisors(q) if kv % c == 0 or c % kv == 0]
+        raise ValueError(
+            f"context_parallel_method='alltoall' needs the query heads of a tp rank, num_heads/tensor_parallel_size "
+            f"= {num_heads}/{tp} = {q}, divisible by context_parallel_size={cp} (heads are split over cp); valid "
+            f"context_parallel_size values for alltoall here: {valid}, or use context_parallel_method='ring'."
+        )
+    if kv % cp != 0 and cp % kv != 0:
+        raise ValueError(
+            f"context_parallel_method='alltoall' needs the kv heads of a tp rank, num_kv_heads/tensor_parallel_size "
+            f"= {num_kv_heads}/{tp} = {kv}, divisible by context_parallel_size={cp} or dividing it (then replicated); "
+            "use context_parallel_method='ring' or 'allgather'."
+        )
+    return q // cp, max(kv, cp) // cp
+
+
 #: :meth:`ParallelConfig.rank_stages` of (pp, v, schedule, layer split, layers, rank), memoized (bounded)
 _RANK_STAGES: dict[tuple, tuple[tuple[int, range], ...]] = {}
 _RANK_STAGES_MAX = 1 << 16
@@ -127,7 +154,10 @@ class ParallelConfig:
             (e.g. fewer on the last stage, which also holds the norm, the LM head and the loss); ``None`` = equal.
         context_parallel_method: ``"ring"`` (K/V blocks passed around the cp group point to point, partial results
             merged by log-sum-exp; Liu et al. 2023, arXiv 2310.01889) or ``"allgather"`` (K/V of the whole sequence
-            all-gathered, Llama 3's method, arXiv 2407.21783 §3.3.2). Both are exact.
+            all-gathered, Llama 3's method, arXiv 2407.21783 §3.3.2) or ``"alltoall"`` (DeepSpeed-Ulysses, arXiv
+            2309.14509: q, k, v all-to-all'd from sequence shards to head shards, attention over the whole sequence
+            with ``a/(tp·cp)`` heads, the output all-to-all'd back; needs heads divisible by tp·cp,
+            :func:`alltoall_heads`). All three are exact.
         gradient_compression: how the dp gradients are reduced (``lightning_4d/parallel/compression.py``):
             ``"none"`` (in their dtype, float32 under ``bf16-mixed``), ``"bf16"`` (cast to bfloat16 for the
             collective: half the bytes) or ``"powersgd"`` (rank-``powersgd_rank`` approximation of every matrix
@@ -574,7 +604,8 @@ class ParallelConfig:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1; a
                 Mixture-of-Experts model with tp > 1 at ZeRO 2/3 or with PowerSGD (``docs/moe.md``); ep > 1 for a
-                dense model, or an ep that does not divide ``num_experts``.
+                dense model, or an ep that does not divide ``num_experts``; ``context_parallel_method="alltoall"``
+                with heads that do not split over tp·cp (:func:`alltoall_heads`).
         """
         tp = self.tp
         valid_tp = [d for d in _divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -603,6 +634,8 @@ class ParallelConfig:
                 "rows are never targets) or choose a tensor_parallel_size that divides "
                 f"{model_config.padded_vocab_size}."
             )
+        if self.cp > 1 and self.context_parallel_method == "alltoall":
+            alltoall_heads(model_config.num_heads, model_config.num_kv_heads, tp, self.cp)
         check_moe_layout(self, model_config)
         if self.pp > 1:
             self.layer_split(model_config.num_layers)

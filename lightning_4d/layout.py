@@ -31,7 +31,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 #: context-parallel attention methods (see lightning_4d/parallel/context.py)
-CONTEXT_PARALLEL_METHODS = ("ring", "allgather")
+CONTEXT_PARALLEL_METHODS = ("ring", "allgather", "alltoall")
 #: data-parallel gradient compression (see lightning_4d/parallel/compression.py)
 GRADIENT_COMPRESSIONS = ("none", "bf16", "powersgd")
 #: the dtype of the activations and gradients sent between pipeline stages (None: the model's; float8: e4m3 with a

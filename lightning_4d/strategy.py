@@ -90,8 +90,9 @@ class FourDStrategy(ModelParallelStrategy):
             shards ``input_ids`` / ``labels`` of each batch over the sequence (:meth:`batch_to_device`) and attention
             exchanges K/V over the cp group; the sequence length must be a multiple of 2·cp (times tp under sp).
         context_parallel_method: ``"ring"`` (default; K/V blocks passed around the cp ring, overlapped with
-            compute) or ``"allgather"`` (K/V of the whole sequence all-gathered; cheaper for few kv heads). See
-            ``docs/context_parallel.md``.
+            compute), ``"allgather"`` (K/V of the whole sequence all-gathered; cheaper for few kv heads) or
+            ``"alltoall"`` (DeepSpeed-Ulysses: q/k/v and the output exchanged by all-to-all, heads sharded over cp;
+            needs ``num_heads/tp`` divisible by cp). See ``docs/context_parallel.md``.
         zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
         expert_parallel_size: ep, for a Mixture-of-Experts model: the ranks that split the routed experts of every
             MoE layer (``num_experts / ep`` each; tokens dispatched and combined by all-to-all). ep ranks are blocks

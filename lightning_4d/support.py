@@ -1,9 +1,9 @@
 """The support matrix: which feature combinations lightning_4d runs, defined once (issue 32).
 
 Every combination a user can ask for (ZeRO 0-3 x precision x tp/sp (+ overlap) x pp (each schedule, uneven split) x cp
-(ring, allgather) x activation checkpointing x activation offload x compile x Mixture-of-Experts (ep, tp, pp, ZeRO) x
-model family) collapsed into the rows (:data:`ROWS`, defined as data in :mod:`lightning_4d.support_rows`) that exercise
-distinct code. Each row has an id, a short description, its layout as the options of ``lightning-4d measure``
+(ring, allgather, alltoall) x activation checkpointing x activation offload x compile x Mixture-of-Experts (ep, tp, pp,
+ZeRO) x model family) collapsed into the rows (:data:`ROWS`, defined as data in :mod:`lightning_4d.support_rows`) that
+exercise distinct code. Each row has an id, a short description, its layout as the options of ``lightning-4d measure``
 (:meth:`Row.argv`; presets ``small``, ``small-tied`` and ``tiny-moe``, s <= 2048) and three statuses:
 
 - *refused*: the exact error the project's own validation raises before anything runs (``Row.refused``;
@@ -82,7 +82,8 @@ def smoke_rows() -> list[Row]:
 # ------------------------------------------------------------------------------------------- a layout's coverage
 def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str]:
     """The features a layout combines, as the support matrix tells them apart: ``tp``, ``sp off``, ``tp overlap``,
-    ``pp`` (and ``pp <schedule>`` for a schedule other than 1F1B), ``cp`` (and ``cp allgather``), ``ZeRO 0/2/3``
+    ``pp`` (and ``pp <schedule>`` for a schedule other than 1F1B), ``cp`` (and ``cp allgather``, ``cp alltoall``),
+    ``ZeRO 0/2/3``
     (ZeRO 1 is every row's default), ``<mode> checkpointing``, ``offload``, ``compile``, ``MoE``, ``ep``.
 
     ``options``: a row's :meth:`Row.options` (``measure``'s names) or one of ``plan``'s layouts (its ``--json``
@@ -104,8 +105,9 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
             out.add(f"pp {schedule}")
     if cp > 1:
         out.add("cp")
-        if (get("cp_method") or get("context_parallel_method") or "ring") == "allgather":
-            out.add("cp allgather")
+        method = get("cp_method") or get("context_parallel_method") or "ring"
+        if method != "ring":
+            out.add(f"cp {method}")
     zero = get("zero_stage", 1)
     if zero != 1:
         out.add(f"ZeRO {zero}")

@@ -344,6 +344,40 @@ ROWS: list[Row] = [
         cpu_tests=(CP + "test_context_parallel_world8",),
     ),
     Row(
+        "cp2-alltoall",
+        "cp2 all-to-all (Ulysses) attention: heads sharded, whole sequence per rank",
+        {"cp": 2, "cp_method": "alltoall", "zero_stage": 0},
+        cpu_tests=(CP + "test_context_parallel_world2", CP + "test_attention_equals_full_causal_attention"),
+    ),
+    Row(
+        "cp4-alltoall",
+        "cp4 all-to-all attention (fewer kv heads than cp replicated: tiny-test's 2 in the CPU tests)",
+        {"cp": 4, "cp_method": "alltoall"},
+        cpu_tests=(CP + "test_context_parallel_world4", CP + "test_cp_activations_within_5_percent"),
+    ),
+    Row(
+        "cp2-tp2-alltoall",
+        "cp2 x tp2 all-to-all attention (heads over tp, then cp), ZeRO 3",
+        {"cp": 2, "tp": 2, "cp_method": "alltoall", "zero_stage": 3},
+        cpu_tests=(CP + "test_context_parallel_world4",),
+    ),
+    Row(
+        "cp2-pp2-alltoall",
+        "cp2 x pp2 all-to-all attention, 1F1B",
+        {"cp": 2, "pp": 2, "cp_method": "alltoall", "num_microbatches": 2},
+        cpu_tests=(CP + "test_context_parallel_world4",),
+    ),
+    Row(
+        "cp4-tp4-alltoall-bad-heads",
+        "cp4 x tp4 all-to-all with 8 heads (2 per tp rank: too few for cp4)",
+        {"cp": 4, "tp": 4, "cp_method": "alltoall"},
+        refused=(
+            "context_parallel_method='alltoall' needs the query heads of a tp rank, num_heads/tensor_parallel_size "
+            "= 8/4 = 2, divisible by context_parallel_size=4 (heads are split over cp); valid context_parallel_size "
+            "values for alltoall here: [1, 2], or use context_parallel_method='ring'."
+        ),
+    ),
+    Row(
         "cp2-bad-sequence",
         "cp2 with a sequence that does not split into 2*cp chunks",
         {"cp": 2, "seq_length": 1022},
@@ -500,6 +534,13 @@ ROWS: list[Row] = [
         "hf-llama-tp2-cp2",
         "transformers LlamaForCausalLM, tp2 cp2 (its tp plan, our cp attention)",
         {"tp": 2, "cp": 2},
+        "hf-llama",
+        HF_LLAMA,
+    ),
+    _hf_row(
+        "hf-llama-cp2-alltoall",
+        "transformers LlamaForCausalLM, cp2 all-to-all (Ulysses) attention",
+        {"cp": 2, "cp_method": "alltoall"},
         "hf-llama",
         HF_LLAMA,
     ),

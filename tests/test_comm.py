@@ -21,6 +21,7 @@ LAYOUTS = [
     {"tp": 2},
     {"pp": 2, "m": 2},
     {"cp": 2},
+    {"cp": 2, "method": "alltoall"},
 ]
 GLOBAL_BATCH, SEQ = 8, 32
 F32 = 4
@@ -151,6 +152,24 @@ def test_context_parallel_ring_passes_kv_around(measured):
     sends = {key: c for key, c in events.items() if key[1] == "send"}
     assert set(sends) == {("cp", "send", kv, 2)}
     assert sends[("cp", "send", kv, 2)] == 3 * (2 - 1) * cfg.num_layers
+
+
+def test_context_parallel_alltoall_exchanges_qkv_and_output(measured):
+    """cp=2 alltoall (Ulysses, parallel/context.py): per layer forward one all-to-all of this rank's q, k, v
+    ``[b, s/cp, a + 2k, d]`` (packed) and one of the attention output ``[b, s/cp, a, d]``; backward the same two
+    (the output gradient, then dq/dk/dv packed): each sends (cp−1)/cp of its buffer (memory/step_time.py's
+    ``"alltoall"`` term), counted under cp; no point-to-point traffic."""
+    record = measured[7]
+    cfg = LlamaConfig.from_preset("tiny-test")
+    tokens = GLOBAL_BATCH * (SEQ // 2)
+    qkv = tokens * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * F32
+    out = tokens * cfg.num_heads * cfg.head_dim * F32
+    events = _events(record)
+    a2a = {key: c for key, c in events.items() if key[1] == "all_to_all"}
+    assert a2a == {("cp", "all_to_all", qkv, 2): 2 * cfg.num_layers, ("cp", "all_to_all", out, 2): 2 * cfg.num_layers}
+    assert not any(kind in ("send", "recv") for _, kind, _, _ in events)
+    sent = sum(bytes_sent("all_to_all", n, 2) * c for (_, _, n, _), c in a2a.items())
+    assert sent == 2 * (2 - 1) / 2 * (qkv + out) * cfg.num_layers  # the step-time model's per-layer volume
 
 
 def test_expert_all_to_all_bytes_exact_from_the_routed_counts(tmp_path):

@@ -76,6 +76,32 @@ def test_kv_heads_not_divisible_by_tp():
         ParallelConfig(tensor_parallel_size=4).resolve(4).validate_model(model)
 
 
+def test_alltoall_context_parallel_needs_heads_split_over_tp_and_cp():
+    """Ulysses shards heads over tp, then cp: a/tp divisible by cp; kv heads per tp rank divisible by cp, or dividing
+    it (then replicated: accepted). Refused in validate_model, before any process group."""
+    tiny = LlamaConfig.from_preset("tiny-test")  # 4 heads, 2 kv heads
+
+    def check(model, tp, cp):
+        ParallelConfig(tensor_parallel_size=tp, context_parallel_size=cp, context_parallel_method="alltoall").resolve(
+            tp * cp
+        ).validate_model(model)
+
+    with pytest.raises(
+        ValueError,
+        match=r"num_heads/tensor_parallel_size = 4/2 = 2, divisible by context_parallel_size=4 .*\[1, 2\]",
+    ):
+        check(tiny, 2, 4)
+    gqa = LlamaConfig(hidden_size=96, num_heads=12, num_kv_heads=6, intermediate_size=192)
+    with pytest.raises(ValueError, match=r"num_kv_heads/tensor_parallel_size = 6/1 = 6, divisible by context_par"):
+        check(gqa, 1, 4)
+    assert not dist.is_initialized()
+    for tp, cp in ((1, 2), (1, 4), (2, 2)):  # kv heads per tp rank 2, 2, 1: split at cp 2, replicated at 4 and 2x2
+        check(tiny, tp, cp)
+    check(gqa, 1, 3)  # 12 heads and 6 kv heads over 3
+    # the ring and the all-gather take what alltoall refuses
+    ParallelConfig(tensor_parallel_size=2, context_parallel_size=4).resolve(8).validate_model(tiny)
+
+
 def test_vocab_not_divisible_by_tp_says_how_to_pad():
     model = LlamaConfig(vocab_size=32001, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
     with pytest.raises(
@@ -121,7 +147,7 @@ def test_unknown_context_parallel_method():
     with pytest.raises(
         ValueError,
         match=r"context_parallel_method='ulysses' is not valid: expected one of "
-        r"\['ring', 'allgather'\]",
+        r"\['ring', 'allgather', 'alltoall'\]",
     ):
         ParallelConfig(context_parallel_size=2, context_parallel_method="ulysses")
     with pytest.raises(ValueError, match="context_parallel_method='zigzag'"):

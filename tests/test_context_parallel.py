@@ -1,7 +1,8 @@
 """Context parallelism against the single-process run (CPU, gloo, float32, tiny Llama with 4 heads / 2 kv heads,
-sequence 32, 10 AdamW steps): per-step ``train_loss`` to 1e-5 relative and final weights, for both methods at cp=2
-and cp=4 and composed with tp/sp, dp with ZeRO 1 and 3, and pp x tp; the attention alone against full causal
-attention in float64; validation, prediction and generation; the memory model on cp layouts; bad input."""
+sequence 32, 10 AdamW steps): per-step ``train_loss`` to 1e-5 relative and final weights, for the three methods
+(ring, allgather, alltoall) at cp=2 and cp=4 and composed with tp/sp, dp with ZeRO 1 and 3, and pp (x tp); the
+attention alone against full causal attention in float64; validation, prediction and generation; the memory model
+on cp layouts; bad input."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.test_pipeline import _check, _check_resume, _results, _run as _run_to
 WORLD2 = [
     {"cp": 2, "method": "ring", "zero": 0},
     {"cp": 2, "method": "allgather", "zero": 0},
+    {"cp": 2, "method": "alltoall", "zero": 0},
     {"cp": 2, "method": "ring", "zero": 1, "clip": 0.1, "ac": "full"},
     # selective checkpointing keeps every kernel call's output; cp rank 0's ring updates its merge in place
     {"cp": 2, "method": "ring", "zero": 0, "ac": "selective"},
@@ -34,6 +36,10 @@ WORLD2_BF16 = [
 WORLD4 = [
     {"cp": 4, "method": "ring", "zero": 1},
     {"cp": 4, "method": "allgather", "zero": 1},
+    # alltoall (Ulysses): at cp4 and cp2 x tp2 the 2 kv heads (1 per tp rank) are fewer than cp, replicated
+    {"cp": 4, "method": "alltoall", "zero": 1},
+    {"cp": 2, "tp": 2, "method": "alltoall", "zero": 3},
+    {"cp": 2, "pp": 2, "method": "alltoall", "zero": 1, "schedule": "1f1b", "m": 2},
     {"cp": 2, "tp": 2, "method": "ring", "zero": 1},
     {"cp": 2, "tp": 2, "method": "allgather", "zero": 3},
     {"cp": 2, "dp": 2, "method": "ring", "zero": 1},
@@ -119,18 +125,25 @@ def test_context_parallel_checkpoint_resume(tmp_path_factory):
 
 # ---------------------------------------------------------------------------------------------------- attention
 def test_attention_equals_full_causal_attention(tmp_path):
-    """Output and q/k/v gradients of both methods and both CPU kernels equal full causal attention to 1e-6 (float64),
-    for c in {2, 4}, sequence lengths 16-64 and GQA ratios 1, 2, 4, 6."""
+    """Output and q/k/v gradients of the three methods and both CPU kernels equal full causal attention to 1e-6
+    (float64), for c in {2, 4}, sequence lengths 16-64 and GQA ratios 1, 2, 4, 6 (alltoall: the cases whose heads
+    split over c, with kv heads fewer than c replicated; measured largest error 3.7e-15)."""
     torchrun(4, SCRIPTS / "cp_attention.py", "--out", str(tmp_path))
     worst = 0.0
     cases = 0
+    alltoall = set()
     for rank in range(4):
         for record in json.loads((tmp_path / f"attention_rank{rank}.json").read_text()):
+            if record["method"] == "alltoall":
+                alltoall.add((record["c"], record["heads"], record["kv_heads"]))
             err = max(record["errors"].values())
             worst = max(worst, err)
             cases += 1
             assert err <= 1e-6, record
-    assert cases == 4 * 2 * 2 * (4 + 4)  # ranks x methods x kernels x (cases at c=2 + cases at c=4)
+    # ranks x kernels x (ring and allgather: 4 cases at c=2 + 4 at c=4; alltoall: 4 at c=2 + 3 at c=4, whose 6 heads
+    # do not split over 4)
+    assert cases == 4 * 2 * (2 * (4 + 4) + (4 + 3))
+    assert (4, 4, 2) in alltoall and (2, 6, 1) in alltoall  # kv heads replicated (fewer than c), at c = 4 and 2
     print(f"\ncp attention: largest error over {cases} rank-cases: {worst:.1e}")
 
 
@@ -181,12 +194,15 @@ _MEM_WORLD2 = [
     {"cp": 2, "method": "allgather", "zero": 3, "ac": "full"},
     {"cp": 2, "method": "ring", "zero": 0, "ac": "selective"},
     {"cp": 2, "method": "allgather", "zero": 1, "precision": "bf16-mixed", "ac": "selective"},
+    {"cp": 2, "method": "alltoall", "zero": 1},
+    {"cp": 2, "method": "alltoall", "zero": 0, "precision": "bf16-mixed", "ac": "selective"},
 ]
 _MEM_WORLD4 = [
     {"cp": 4, "method": "allgather", "zero": 1},
     {"cp": 2, "tp": 2, "method": "ring", "zero": 1, "precision": "bf16-mixed"},
     {"cp": 2, "dp": 2, "method": "allgather", "zero": 3},
     {"cp": 4, "method": "ring", "zero": 1, "ac": "selective"},
+    {"cp": 4, "method": "alltoall", "zero": 1},  # the 2 kv heads replicated to 4
 ]
 
 
@@ -312,3 +328,48 @@ def test_off_cpu_the_flash_kernel_gets_only_head_dims_it_takes(head_dim, flash):
     lse = torch.zeros(1, 2, 16, device="meta")
     calls = _flash_backward_calls(lambda: _Kernel("sdpa", head_dim**-0.5).backward(q, q, q, q, q, lse, causal=True))
     assert len(calls) == (1 if flash else 0)
+
+
+# ---------------------------------------------------------------------------------------------------- alltoall models
+def test_step_time_alltoall_term_is_the_ulysses_volume():
+    """The step-time model's cp term under alltoall, per layer and micro-batch: forward and backward an all-to-all of
+    q, k, v (``T·(a/tp + 2·k')·d·c`` bytes, ``k' = max(k/tp, cp)``: kv heads replicated when fewer than cp) and one
+    of the output (``T·a·d/tp·c``), each ``(cp−1)/cp`` of the buffer at the collective bandwidth plus ``(cp−1)``
+    latencies (DeepSpeed-Ulysses, arXiv 2309.14509 §3.2; the bytes tests/test_comm.py counts). At tp4 × cp4 llama3-8b
+    has 2 kv heads per tp rank, fewer than cp: k' = 4."""
+    from lightning_4d.memory.hardware import GPU_PRESETS
+    from lightning_4d.memory.step_time import COLLECTIVE_EFFICIENCY, LINK_LATENCY, Layout, _dims, step_time_parts
+
+    cfg, gpu = LlamaConfig.from_preset("llama3-8b"), GPU_PRESETS["H100-80GB"]
+    tp, cp, b, m, s = 4, 4, 1, 4, 8192
+    parts = {}
+    for method in ("ring", "alltoall"):
+        lay = Layout(tp, 1, cp, 1, b, m, True, method, "1f1b", 1, None, 1, "none")
+        parts[method] = step_time_parts(_dims(cfg), lay, seq_length=s, gpu=gpu, gpus_per_node=16)
+    tokens, a, k, d, c = b * s / cp, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 2
+    kv = max(k // tp, cp)
+    volume = 2 * (cp - 1) / cp * tokens * (2 * a / tp + 2 * kv) * d * c  # bytes per layer, forward + backward
+    per_layer = volume / (COLLECTIVE_EFFICIENCY * gpu.intra_node_bandwidth) + 4 * (cp - 1) * LINK_LATENCY[0]
+    assert parts["alltoall"][4] == pytest.approx(m * cfg.num_layers * per_layer, rel=1e-12)
+    # one attention kernel over the whole sequence: longer blocks than the ring's s/(2·cp), no slower compute
+    assert parts["alltoall"][0] <= parts["ring"][0]
+
+
+def test_planner_weighs_alltoall_where_the_heads_allow():
+    """plan tries ring, allgather and alltoall at cp > 1, alltoall only where a/tp splits over cp (llama3-8b: 32
+    heads, 8 kv heads), and ranks them by the step-time model."""
+    from lightning_4d.memory.hardware import GPU_PRESETS
+    from lightning_4d.memory.planner import _cp_methods, plan
+
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    assert _cp_methods(cfg, 1, 1) == ("ring",)
+    assert _cp_methods(cfg, 1, 8) == ("ring", "allgather", "alltoall")
+    assert _cp_methods(cfg, 8, 8) == ("ring", "allgather")  # 4 heads per tp rank do not split over 8
+    candidates = plan(
+        cfg, 16, 8, GPU_PRESETS["H100-80GB"], seq_length=8192, global_batch_size=16, top=None, fixed={"tp": 1, "cp": 2}
+    )
+    fastest = {}
+    for cand in candidates:  # fastest predicted first
+        fastest.setdefault(cand.context_parallel_method, cand.step_time)
+    assert set(fastest) == {"ring", "allgather", "alltoall"}
+    assert candidates[0].step_time == min(fastest.values())

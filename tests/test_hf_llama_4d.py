@@ -22,6 +22,7 @@ LAYOUTS = {
         {"tp": 2, "offload": 2},  # activation offload of transformers' decoder layers (two of four)
         {"cp": 2},
         {"cp": 2, "method": "allgather"},
+        {"cp": 2, "method": "alltoall"},  # Ulysses: transformers' 4 heads / 2 kv heads, one kv head per cp rank
         {"pp": 2, "m": 2, "zero": 1},
         # "comm": bytes on the wire per step; FSDP2 reduce-scatters in bfloat16
         # (test_bf16_gradients_are_reduce_scattered_in_bfloat16)

@@ -149,8 +149,8 @@ class ModelFamily:
         raise self._missing("apply_expert_parallel")
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
-        """Make ``model``'s attention exchange K/V over ``cp_mesh`` (``method``: ``"ring"`` or ``"allgather"``) and
-        its rotary positions those of the rank's zigzag shard. Called only when cp > 1."""
+        """Make ``model``'s attention exchange K/V over ``cp_mesh`` (``method``: ``"ring"``, ``"allgather"`` or
+        ``"alltoall"``) and its rotary positions those of the rank's zigzag shard. Called only when cp > 1."""
         raise self._missing("apply_context_parallel")
 
     # ------------------------------------------------------------------ weights

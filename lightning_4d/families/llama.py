@@ -108,7 +108,7 @@ class LlamaFamily(ModelFamily):
                 shard_experts(module.experts, ep_mesh)
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
-        """Every ``Attention``'s ``core_attention`` becomes ring or all-gather attention over ``cp_mesh``
+        """Every ``Attention``'s ``core_attention`` becomes ring, all-gather or all-to-all attention over ``cp_mesh``
         (:class:`~lightning_4d.parallel.context.ContextParallelAttention`) and the model computes the zigzag rotary
         positions of its local tokens (``LlamaModel.context_parallel``)."""
         core = ContextParallelAttention(cp_mesh.get_group(), method)

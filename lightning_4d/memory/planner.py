@@ -3,8 +3,9 @@
 A *job* is a model, a number of GPUs (``gpus_per_node`` per node) of one kind, a sequence length and a global batch
 (samples per optimizer step). A *layout* is everything FourDStrategy lets a user choose: tp, pp, cp, dp with
 ``tp·pp·cp·dp = num_gpus``, the micro-batch size b, the ZeRO stage, activation checkpointing (none, selective,
-full), sequence parallelism on or off (tp > 1), the context-parallel method (ring, allgather; cp > 1), with
-``tensor_parallel_overlap=True`` asked for also the tp projections as overlapped rings (tp > 1 with sp, checkpointing
+full), sequence parallelism on or off (tp > 1), the context-parallel method (ring, allgather, and alltoall where
+the heads split over tp·cp; cp > 1), with ``tensor_parallel_overlap=True`` asked for also the tp projections as
+overlapped rings (tp > 1 with sp, checkpointing
 none or full: ``ParallelConfig`` refuses the overlap with selective; off by default, as in FourDStrategy, until it is
 measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stages per rank v and its layer split:
 
@@ -56,6 +57,7 @@ from lightning_4d.config import (
     ParallelConfig,
     _check_positive_int,
     _divisors,
+    alltoall_heads,
 )
 from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.memory.hardware import GIB, GpuSpec
@@ -218,7 +220,7 @@ def _layouts(
                         m = per_rank // b
                         for name, v, split in _pipelines(model_config, pp, m):
                             split = tuple(split) if split else None
-                            for method in CONTEXT_PARALLEL_METHODS if cp > 1 else ("ring",):
+                            for method in _cp_methods(model_config, tp, cp):
                                 for zero in ZERO_STAGES:
                                     if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
                                         continue  # nothing to shard over, or not the stage asked for
@@ -234,6 +236,25 @@ def _layouts(
                                             yield Layout(
                                                 tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep, True
                                             )
+
+
+def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
+    """The context-parallel methods the planner tries at (tp, cp): ``"ring"`` alone without cp, else all of
+    :data:`~lightning_4d.config.CONTEXT_PARALLEL_METHODS` but ``"alltoall"`` where the heads do not split over tp·cp
+    (:func:`~lightning_4d.config.alltoall_heads` refuses)."""
+    return _cp_methods_of(model_config.num_heads, model_config.num_kv_heads, tp, cp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cp_methods_of(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> tuple[str, ...]:
+    """:func:`_cp_methods` by head counts (asked once per layout shape: the planner's inner loop)."""
+    if cp == 1:
+        return ("ring",)
+    try:
+        alltoall_heads(num_heads, num_kv_heads, tp, cp)
+    except ValueError:
+        return tuple(m for m in CONTEXT_PARALLEL_METHODS if m != "alltoall")
+    return CONTEXT_PARALLEL_METHODS
 
 
 @functools.lru_cache(maxsize=64)
@@ -313,7 +334,8 @@ def plan(
         precision: the training precision; budget: the fraction of ``gpu.memory`` a layout may use.
         formula: ``"lightning_4d"`` (:func:`~lightning_4d.memory.model.estimate_memory`) or ``"fujii2024"`` (the
             paper's estimator: ZeRO stage 1 is its distributed optimizer, stage 0 without it; stages 2-3,
-            checkpointing, ZBV and the allgather cp method are not modelled by it, so those layouts are skipped).
+            checkpointing, ZBV and the allgather and alltoall cp methods are not modelled by it, so those layouts
+            are skipped).
         micro_batch_size, fixed: see :func:`enumerate_layouts` (``fixed={"tp": 8, "pp": 16}``: only those layouts).
         top: how many to return (None: all, every layout's memory is then estimated: seconds on large jobs).
         include_unfit: keep layouts that do not fit (ranked after those that do; estimates every layout).

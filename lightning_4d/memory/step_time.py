@@ -58,7 +58,14 @@ the other within 0.93 points (two runs only: the test also checks the fit on syn
 
 **Context parallel**: ``"ring"`` passes K and V (``T·k·d/tp·c`` bytes each) cp−1 times forward and K, V, dK, dV
 backward, overlapped with the attention it feeds (exposed: what exceeds the attention time);
-``"allgather"`` gathers K and V forward and reduce-scatters their float32 gradients backward, not overlapped.
+``"allgather"`` gathers K and V forward and reduce-scatters their float32 gradients backward, not overlapped;
+``"alltoall"`` (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509 §3.2: an all-to-all of an ``M``-byte
+buffer over P ranks sends ``(P−1)/P·M`` per rank; per layer "an aggregate message size of 3Nh" for q, k, v and
+"Nh" for the output, forward) exchanges per layer and micro-batch, forward and again backward (the gradients),
+q, k, v (``T·(a/tp + 2·k')·d·c`` bytes, ``k' = max(k/tp, cp)``: kv heads replicated when fewer than cp) and the
+output (``T·a·d/tp·c``), each an all-to-all costed like a ring collective's ``(cp−1)/cp`` of the buffer plus
+``(cp−1)`` latencies, not overlapped: ``2·(cp−1)/cp·T·(2a/tp + 2k')·d·c`` bytes per GPU; its attention is one
+kernel over the whole sequence (block ``s``) for ``a/(tp·cp)`` heads.
 
 **Pipeline** (the slowest pp rank t_max sets the pace): 1F1B and interleaved 1F1B ``(m + (p−1)/v)·t_max``
 (bubble fraction ``(p−1)/(v·m + p−1)``: Narayanan et al. 2021, arXiv 2104.04473, §2.2); ZBV
@@ -405,7 +412,8 @@ def _layer_terms(
     peak, hbm = gpu.peak_flops * gpu.compute_fraction, POINTWISE_EFFICIENCY * gpu.memory_bandwidth
     tokens = b * s / cp
     t_mm = 6 * _layer_params(dims) / tp * tokens / (gemm_efficiency(min(tokens, h, f / tp, a * d / tp)) * peak)
-    block = s / (2 * cp) if cp > 1 else s  # the load-balanced causal split: 2·cp chunks
+    # the load-balanced causal split: 2·cp chunks; alltoall: one kernel call over the whole sequence
+    block = s / (2 * cp) if cp > 1 and method != "alltoall" else s
     t_att = 6 * a * d * s * tokens / tp / (attention_efficiency(block) * peak)
     ch, cq, cf = POINTWISE_BYTES
     t_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * f) / tp) * tokens / hbm
@@ -429,6 +437,12 @@ def _layer_terms(
         if method == "ring":
             comm = 3 * 2 * kv_bytes * (cp - 1) / (COLLECTIVE_EFFICIENCY * b_cp) + 3 * (cp - 1) * lat
             t_cp = max(0.0, comm - t_att)
+        elif method == "alltoall":
+            # q, k, v (k' = max(k/tp, cp) kv heads: replicated when fewer than cp) and the output, forward and
+            # backward, each an all-to-all sending (cp−1)/cp of the buffer: DeepSpeed-Ulysses, arXiv 2309.14509 §3.2
+            qkv = tokens * (a / tp + 2 * max(k / tp, cp)) * d * c
+            out = tokens * a / tp * d * c
+            t_cp = 2 * (_ring(qkv, cp, b_cp, lat) + _ring(out, cp, b_cp, lat))
         else:
             t_cp = _ring(2 * kv_bytes * cp, cp, b_cp, lat) + _ring(2 * 2 * kv_bytes * cp, cp, b_cp, lat)
     t_head = (

@@ -30,7 +30,9 @@ parallelism ``ep`` and ``edp``: the groups of :class:`~lightning_4d.mesh.Paralle
 one rank send nothing. Where two dimensions share one group (cp = 1: ``dp`` is ``dp_cp``; dp = 1: ``cp`` is
 ``dp_cp``; ep = dp·cp: ``ep`` is ``dp_cp``), collectives count under ``dp_cp`` (gradient reduction, ZeRO, the
 load-balancing counts), point-to-point traffic under ``cp`` or ``pp`` (the ring, the pipeline) and all-to-alls
-under ``ep`` (the experts' token exchange).
+under ``ep`` (the experts' token exchange), else under ``cp`` (``context_parallel_method="alltoall"``: per layer
+and micro-batch, forward and backward, one all-to-all of the packed q, k, v and one of the attention output, each
+sending ``(cp−1)/cp`` of its buffer; ``memory/step_time.py``).
 """
 
 from __future__ import annotations
@@ -135,7 +137,9 @@ class CommMeter(TorchDispatchMode):
             self._dims.setdefault(group.group_name, dim)  # the first name given wins (dp_cp before dp)
             if dim in ("cp", "pp"):  # point-to-point traffic: the cp ring and the pipeline
                 self._p2p_dims.setdefault(group.group_name, dim)
-            if dim == "ep":  # all-to-all traffic: the experts' token dispatch and combine
+            if dim == "ep":  # all-to-all traffic: the experts' token dispatch and combine (wins over cp's)
+                self._a2a_dims[group.group_name] = dim
+            if dim == "cp":  # all-to-all traffic: Ulysses' q/k/v and output exchange
                 self._a2a_dims.setdefault(group.group_name, dim)
         self.sent: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.received: dict[str, int] = defaultdict(int)

@@ -31,6 +31,19 @@ change.
   causally to chunk ``a`` (two kernel calls merged by log-sum-exp). Backward reduce-scatters dK/dV to their owners
   (all-reduce + slice on gloo, which has no reduce-scatter). Saves the gathered K/V (``s`` tokens, not ``s / c``).
 
+- ``"alltoall"`` (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509): one all-to-all turns every rank's
+  sequence shard of q, k, v ``[b, s/c, heads, d]`` (packed into one message) into the whole sequence of ``heads/c``
+  of them, ``[b, s, heads/c, d]``; each rank runs plain causal attention (one kernel call) over the whole sequence
+  for its heads, and a second all-to-all turns the output back into the rank's sequence shard of all heads.
+  Backward is the same two exchanges in reverse (the output gradient forward-wise, then dq, dk, dv packed). The
+  shards keep the zigzag order of the other methods: the all-to-all's receiver puts rank ``r``'s two chunks at
+  positions ``r`` and ``2c − 1 − r`` of the sequence, and the return trip takes them from there. Heads split over
+  cp after tp: ``a/tp`` divisible by c; kv heads too, or, when a tp rank has fewer kv heads than c (and c is a
+  multiple of them), each kv head is replicated ``c·tp/k`` times before the exchange so that every rank receives
+  the kv head its query heads share (its gradient summed back by autograd);
+  :func:`~lightning_4d.config.alltoall_heads`. Saves q, k, v, the output and the log-sum-exp of the whole
+  sequence for its heads: the bytes of the local ones, except replicated kv heads.
+
 **Kernels** (each returns the output and the log-sum-exp the merge needs, and has a backward taking the *final*
 output and log-sum-exp): ``"sdpa"`` uses ATen's fused flash kernels (``_scaled_dot_product_flash_attention_for_cpu``
 on CPU, any float dtype; ``_scaled_dot_product_flash_attention`` on CUDA for float16/bfloat16, explicit matmuls for
@@ -53,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_4d.config import CONTEXT_PARALLEL_METHODS, zigzag_chunks
+from lightning_4d.config import CONTEXT_PARALLEL_METHODS, alltoall_heads, zigzag_chunks
 from lightning_4d.parallel._compat import (
     aten_flash_backward,
     aten_flash_forward,
@@ -503,6 +516,70 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None
 
 
+# ---------------------------------------------------------------------------------------------------- all-to-all
+def _sequence_to_heads(x: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
+    """All-to-all ``[b, s/c, heads, d]`` (this rank's zigzag shard, heads a multiple of c) into ``[b, s, heads/c,
+    d]`` (the whole sequence in natural order, head group ``rank`` of c)."""
+    b, local, heads, d = x.shape
+    send = x.reshape(b, local, size, heads // size, d).permute(2, 0, 1, 3, 4).contiguous()  # [c, b, s/c, h/c, d]
+    recv = torch.empty_like(send)  # recv[r]: rank r's shard of my heads
+    dist.all_to_all_single(recv, send, group=group)
+    del send
+    return torch.cat(_unzigzag(list(recv.unbind(0)), dim=1), dim=1)
+
+
+def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
+    """Inverse of :func:`_sequence_to_heads`: ``[b, s, heads/c, d]`` into this rank's zigzag shard of all heads,
+    ``[b, s/c, heads, d]`` (head group ``r`` from rank ``r``)."""
+    chunks = x.chunk(2 * size, dim=1)
+    send = torch.stack([_take_zigzag(chunks, r, size, dim=1) for r in range(size)])  # [c, b, s/c, h/c, d]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    del send
+    c, b, local, heads, d = recv.shape
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, local, c * heads, d)
+
+
+class _AllToAllAttention(torch.autograd.Function):
+    """Ulysses all-to-all context-parallel attention (module docstring). Inputs/outputs in ``[b, s_local, heads, d]``;
+    ``k``, ``v`` with their kv heads already a multiple of c (replicated by the caller where needed)."""
+
+    @staticmethod
+    @_without_autocast
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel) -> Tensor:
+        size = dist.get_world_size(group)
+        nq, nkv = q.shape[2] // size, k.shape[2] // size
+        b, local, _, d = q.shape
+        # one message: per destination rank its q, k, v head groups side by side
+        packed = torch.cat([t.reshape(b, local, size, -1, d) for t in (q, k, v)], dim=3).flatten(2, 3)
+        full = _sequence_to_heads(packed, group, size)  # [b, s, nq + 2·nkv, d]
+        del packed
+        qf, kf, vf = (t.transpose(1, 2) for t in full.split([nq, nkv, nkv], dim=2))
+        out, lse = kernel.forward(qf, kf, vf, causal=True)  # [b, nq, s, d]
+        ctx.save_for_backward(qf, kf, vf, out, lse)
+        ctx.group, ctx.kernel = group, kernel
+        return _heads_to_sequence(out.transpose(1, 2), group, size)
+
+    @staticmethod
+    @_without_autocast
+    def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
+        qf, kf, vf, out, lse = ctx.saved_tensors
+        group, kernel = ctx.group, ctx.kernel
+        size = dist.get_world_size(group)
+        dout_full = _sequence_to_heads(dout.contiguous(), group, size).transpose(1, 2)
+        dq, dk, dv = kernel.backward(dout_full, qf, kf, vf, out, lse, causal=True)
+        del dout_full
+        nq, nkv = dq.shape[1], dk.shape[1]
+        grads = torch.cat([t.transpose(1, 2).to(qf.dtype) for t in (dq, dk, dv)], dim=2)  # [b, s, nq + 2·nkv, d]
+        del dq, dk, dv
+        b, s, _, d = grads.shape
+        local = s // size
+        # per source rank r (head group r): its q, k, v head groups side by side
+        back = _heads_to_sequence(grads, group, size).view(b, local, size, nq + 2 * nkv, d)
+        dq, dk, dv = (t.reshape(b, local, size * t.shape[3], d) for t in back.split([nq, nkv, nkv], dim=3))
+        return dq, dk, dv, None, None
+
+
 # ---------------------------------------------------------------------------------------------------- public
 def _check_method(method: str) -> None:
     if method not in CONTEXT_PARALLEL_METHODS:
@@ -520,7 +597,7 @@ def context_parallel_attention(
         q: queries ``[b, s/c, n_q_heads, head_dim]`` (this rank's chunks ``i`` and ``2c-1-i``, in that order).
         k, v: ``[b, s/c, n_kv_heads, head_dim]``; ``n_q_heads`` a multiple of ``n_kv_heads`` (GQA).
         group: the cp process group (c ranks; c = 1 gives plain causal attention).
-        method: ``"ring"`` or ``"allgather"`` (module docstring).
+        method: ``"ring"``, ``"allgather"`` or ``"alltoall"`` (module docstring).
         backend: kernel, ``"sdpa"`` (ATen's fused kernels), ``"flash"`` (flash-attn 2, CUDA) or ``"eager"``.
 
     Returns:
@@ -529,7 +606,8 @@ def context_parallel_attention(
 
     Raises:
         ValueError: an unknown method or backend; q, k, v shapes that do not fit (odd local length, heads not a
-            multiple of kv heads).
+            multiple of kv heads; under ``"alltoall"`` heads that do not split over c,
+            :func:`~lightning_4d.config.alltoall_heads`).
     """
     _check_method(method)
     if backend not in ("sdpa", "flash", "eager"):
@@ -544,6 +622,12 @@ def context_parallel_attention(
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}).")
     kernel = _Kernel(backend, 1.0 / math.sqrt(q.shape[-1]))
+    if method == "alltoall":
+        size = dist.get_world_size(group)
+        alltoall_heads(q.shape[2], k.shape[2], 1, size)  # the local heads split over c (or refused)
+        if k.shape[2] < size:  # too few kv heads: each replicated, so that every rank receives the one it needs
+            k, v = (t.repeat_interleave(size // t.shape[2], dim=2) for t in (k, v))
+        return _AllToAllAttention.apply(q, k, v, group, kernel)
     fn = _RingAttention if method == "ring" else _AllGatherAttention
     out = fn.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, kernel)
     return out.transpose(1, 2)
