@@ -47,6 +47,77 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
     return proc
 
 
+def run_layouts(
+    out: Path, nproc: int, layouts: list[dict], *extra: str, steps: int = 10, layers: int | None = None
+) -> Path:
+    """Train every layout of ``layouts`` (``run_layouts.py`` layout dicts) in one launch of ``nproc`` processes
+    (``nproc == 1``: one process, no torchrun), ``steps`` steps of the tiny-test Llama (``layers``: its
+    ``--layers``), ``extra``: more ``run_layouts.py`` arguments (``--resume-check``). Returns ``out``, the folder of
+    the records (:func:`layout_results` reads them)."""
+    import json
+
+    args = ["--out", str(out), "--steps", str(steps), *(["--layers", str(layers)] if layers else [])]
+    torchrun(nproc, SCRIPTS / "run_layouts.py", *args, "--layouts", json.dumps(layouts), *extra, timeout=900)
+    return out
+
+
+def layout_world(layout: dict) -> int:
+    """The number of processes of a ``run_layouts.py`` layout: pp·dp·cp·tp (ep is carved out of dp·cp), 1 for the
+    reference."""
+    if layout.get("reference"):
+        return 1
+    return layout.get("pp", 1) * layout.get("dp", 1) * layout.get("cp", 1) * layout.get("tp", 1)
+
+
+def layout_results(out: Path, layouts: list[dict], head_copies: bool = False) -> list[tuple]:
+    """``(layout, rank records, full final weights)`` per layout of a :func:`run_layouts` launch in ``out``, after
+    checking one record per rank and, under pp, one weight file per rank (each pipeline rank saved the layers it
+    holds; a tensor held by several ranks (dp/tp replicas) must be identical on each). ``head_copies``: tied
+    embeddings: the last stage's copy of the tied weight (``output.weight`` under pp) is kept apart, the tuples get a
+    fourth element, the list of those copies."""
+    import json
+
+    import torch
+
+    results = []
+    for i, layout in enumerate(layouts):
+        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
+        world = layout_world(layout)
+        assert sorted(r["rank"] for r in ranks) == list(range(world)), (layout, len(ranks))
+        stage_files = sorted(out.glob(f"layout{i}_weights_rank*.pt"))
+        assert len(stage_files) == (world if layout.get("pp", 1) > 1 else 0), (layout, len(stage_files))
+        weights: dict[str, torch.Tensor] = {}
+        copies: list[torch.Tensor] = []
+        for path in stage_files or [out / f"layout{i}_weights.pt"]:
+            for key, value in torch.load(path).items():
+                if head_copies and key == "output.weight" and layout.get("pp", 1) > 1:
+                    copies.append(value)
+                    continue
+                if key in weights:  # the same parameter on another dp/tp rank of the stage: identical
+                    assert torch.equal(weights[key], value), key
+                weights[key] = value
+        results.append((layout, ranks, weights, copies) if head_copies else (layout, ranks, weights))
+    return results
+
+
+#: the results of :func:`trained`, by its arguments: one launch per pytest session for the same runs
+_TRAINED: dict[str, list[tuple]] = {}
+
+
+def trained(tmp_path_factory, name: str, nproc: int, layouts: list[dict], *extra: str, **kw) -> list[tuple]:
+    """:func:`layout_results` of :func:`run_layouts` (``kw``: its ``steps``, ``layers``; ``head_copies``) in a new
+    folder named ``name``, launched once per pytest session for the same arguments: several test files compare with
+    the same single-process reference runs, which run once (the results must not be modified)."""
+    import json
+
+    head_copies = kw.pop("head_copies", False)
+    key = json.dumps([nproc, layouts, extra, sorted(kw.items()), head_copies])
+    if key not in _TRAINED:
+        out = run_layouts(tmp_path_factory.mktemp(name), nproc, layouts, *extra, **kw)
+        _TRAINED[key] = layout_results(out, layouts, head_copies=head_copies)
+    return _TRAINED[key]
+
+
 def resume_on_layouts(out: Path, saved: dict, other: dict, model: str, steps: int, nproc: int = 2) -> list[tuple]:
     """Train ``steps`` steps straight on layout ``saved`` (a ``run_layouts.py`` layout dict with ``"name": "a"``),
     and ``steps // 2`` with a sharded checkpoint; resume that checkpoint on ``saved`` and on ``other`` (``"name":

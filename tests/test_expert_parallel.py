@@ -155,7 +155,8 @@ DP2 = [
     {"dp": 2, "zero": 1, "config": CAPACITY},
     {"dp": 2, "zero": 1, "ep": 2, "config": CAPACITY},
     {"dp": 2, "zero": 1, "ep": 2, "precision": "bf16-mixed"},
-    {"dp": 2, "zero": 2, "ep": 2, "norm": True},
+    # activation offload of the first (MoE) layer: its saves, the all-to-all's received rows included, in host memory
+    {"dp": 2, "zero": 2, "ep": 2, "norm": True, "offload": 1},
     {"dp": 2, "zero": 3, "ep": 2, "config": VARIANT, "clip": 0.1, "norm": True},
 ]
 DP4 = [
@@ -220,6 +221,8 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
     assert len(ranks) == layout["dp"]
     for r in ranks:
         b = r["bytes"]
+        if layout.get("offload"):  # the offload really held activations in host memory
+            assert b["host_offloaded"] > 0, b.get("host_offloaded")
         rel, aux = _rel(r["losses"], ref["losses"]), _rel(b["aux_losses"], ref["bytes"]["aux_losses"])
         norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"]) if "norm" in layout else 0.0
         print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
