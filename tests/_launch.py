@@ -118,23 +118,34 @@ def trained(tmp_path_factory, name: str, nproc: int, layouts: list[dict], *extra
     return _TRAINED[key]
 
 
-def resume_on_layouts(out: Path, saved: dict, other: dict, model: str, steps: int, nproc: int = 2) -> list[tuple]:
-    """Train ``steps`` steps straight on layout ``saved`` (a ``run_layouts.py`` layout dict with ``"name": "a"``),
-    and ``steps // 2`` with a sharded checkpoint; resume that checkpoint on ``saved`` and on ``other`` (``"name":
-    "b"``) to ``steps``. Returns ``(layout, rank, resumed losses, the straight run's losses of the same steps)`` per
-    resumed layout and rank."""
+def resume_on_layouts(
+    out: Path,
+    saved: dict,
+    other: dict | list[dict],
+    model: str,
+    steps: int,
+    nproc: int = 2,
+    resume_saved: bool = True,
+) -> list[tuple]:
+    """Train ``steps`` steps straight on layout ``saved`` (a ``run_layouts.py`` layout dict with a ``"name"``), and
+    ``steps // 2`` with a sharded checkpoint; resume that checkpoint on ``other`` (a layout, or several, each with a
+    ``"name"`` of its own) and, with ``resume_saved``, on ``saved`` too, to ``steps``. Returns ``(layout, rank,
+    resumed losses, the straight run's losses of the same steps)`` per resumed layout and rank."""
     import json
     import shutil
 
+    others = [other] if isinstance(other, dict) else list(other)
+    resumed = ([saved] if resume_saved else []) + others
     common = ["--model", model, "--steps", str(steps), "--out", str(out)]
     torchrun(nproc, SCRIPTS / "run_layouts.py", *common, "--reshard", "first", "--layouts", json.dumps([saved]))
-    shutil.copytree(out / saved["name"], out / other["name"])
-    torchrun(nproc, SCRIPTS / "run_layouts.py", *common, "--reshard", "resume", "--layouts", json.dumps([saved, other]))
+    for layout in others:
+        shutil.copytree(out / saved["name"], out / layout["name"])
+    torchrun(nproc, SCRIPTS / "run_layouts.py", *common, "--reshard", "resume", "--layouts", json.dumps(resumed))
     rows = []
     for rank in range(nproc):
         tail = json.loads((out / f"{saved['name']}_first_rank{rank}.json").read_text())["straight"][steps // 2 :]
-        for name in (saved["name"], other["name"]):
-            second = json.loads((out / f"{name}_resume_rank{rank}.json").read_text())
+        for layout in resumed:
+            second = json.loads((out / f"{layout['name']}_resume_rank{rank}.json").read_text())
             rows.append((second["layout"], rank, second["resumed"], tail))
     return rows
 

@@ -300,6 +300,24 @@ def test_checkpoint_with_experts_sharded_on_dim_1_resumes_at_zero1(tmp_path):
         assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
 
 
+def test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2(tmp_path):
+    """Saved at dp4 ZeRO 1 with every expert on every rank (ep1), resumed at dp4 ep4 (one expert pair per rank) and
+    at pp2 dp2 ep2 1F1B (each stage's experts split over ep): steps 4-6 of 6 equal the straight run's (1e-5
+    relative). 6 steps, no resume on the saved layout itself (the tests above do that): one launch of each kind."""
+    saved = {"name": "a", "dp": 4, "zero": 1}
+    others = [
+        {"name": "b", "dp": 4, "zero": 1, "ep": 4},
+        {"name": "c", "pp": 2, "dp": 2, "zero": 1, "ep": 2, "schedule": "1f1b", "m": 2},
+    ]
+    steps = 6
+    rows = resume_on_layouts(tmp_path, saved, others, "tiny-moe", steps, nproc=4, resume_saved=False)
+    assert sorted((layout["name"], rank) for layout, rank, _, _ in rows) == [(n, r) for n in "bc" for r in range(4)]
+    for layout, rank, curve, tail in rows:
+        rel = max(abs(x - y) / abs(y) for x, y in zip(curve, tail))
+        print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
+        assert len(curve) == len(tail) == steps - steps // 2 and rel <= LOSS_RTOL
+
+
 # ---------------------------------------------------------------------------------------------------- idle experts
 def test_ep_rank_whose_experts_receive_no_token_trains(tmp_path):
     """A router that never picks experts 4-7 (``starve``: -1e4 on their logits): at ep2 dp2 ep rank 1's experts receive
