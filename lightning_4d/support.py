@@ -147,6 +147,9 @@ TIED = "tests/test_tied_pipeline.py::"
 HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
+#: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
+DUALPIPEV = {"pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]}
+
 #: the support matrix (order: ZeRO and precision, tp/sp, pp, cp, checkpointing / offload / compile, MoE, families)
 ROWS: list[Row] = [
     # ---------------------------------------------------------------- ZeRO x precision (dp2)
@@ -272,42 +275,17 @@ ROWS: list[Row] = [
         {"pp": 2, "pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]},
         cpu_tests=(PP + "test_pipeline_world2", PP + "test_pipeline_checkpoint_resume"),
     ),
-    Row(
-        "pp2-dualpipev-dp2",
-        "pp2 dp2 DualPipeV ZeRO 1 (ZeRO 2 with clipping on CPU too)",
-        {
-            "pp": 2,
-            "dp": 2,
-            "pipeline_schedule": "dualpipev",
-            "num_microbatches": 4,
-            "pipeline_layer_split": [2, 1, 1, 2],
-        },
-        cpu_tests=(PP + "test_pipeline_world4",),
-    ),
-    Row(
-        "pp2-dualpipev-dp2-z3",
-        "pp2 dp2 DualPipeV ZeRO 3: FSDP2 per stage chunk, two chunks per rank",
-        {
-            "pp": 2,
-            "dp": 2,
-            "zero_stage": 3,
-            "pipeline_schedule": "dualpipev",
-            "num_microbatches": 4,
-            "pipeline_layer_split": [2, 1, 1, 2],
-        },
-        cpu_tests=(PP + "test_pipeline_world4",),
-    ),
-    Row(
-        "pp2-dualpipev-tp2",
-        "pp2 tp2 DualPipeV",
-        {
-            "pp": 2,
-            "tp": 2,
-            "pipeline_schedule": "dualpipev",
-            "num_microbatches": 4,
-            "pipeline_layer_split": [2, 1, 1, 2],
-        },
-        cpu_tests=(PP + "test_pipeline_world4",),
+    *(
+        Row(row_id, f"pp2 DualPipeV {what}", {"pp": 2, **extra, **DUALPIPEV}, cpu_tests=(PP + "test_pipeline_world4",))
+        for row_id, what, extra in (
+            ("pp2-dualpipev-dp2", "dp2 ZeRO 1 (ZeRO 2 with clipping on CPU too)", {"dp": 2}),
+            (
+                "pp2-dualpipev-dp2-z3",
+                "dp2 ZeRO 3 (FSDP2 per stage chunk, two chunks per rank)",
+                {"dp": 2, "zero_stage": 3},
+            ),
+            ("pp2-dualpipev-tp2", "tp2", {"tp": 2}),
+        )
     ),
     Row(
         "pp2-uneven",
@@ -464,13 +442,7 @@ ROWS: list[Row] = [
     Row(
         "offload-pp-dualpipev",
         "activation offload under pp2 DualPipeV",
-        {
-            "pp": 2,
-            "pipeline_schedule": "dualpipev",
-            "num_microbatches": 4,
-            "pipeline_layer_split": [2, 1, 1, 2],
-            "activation_offload_layers": 1,
-        },
+        {"pp": 2, **DUALPIPEV, "activation_offload_layers": 1},
         cpu_tests=(PP + "test_pipeline_world2",),
     ),
     Row(
