@@ -104,7 +104,8 @@ BUGS: tuple[Bug, ...] = (
         "lightning_4d/parallel/sharded_optimizer.py",
         "else value.reshape(-1)[start:end].to(device=shard.device, copy=True)",
         "else value.reshape(-1)[: end - start].to(device=shard.device, copy=True)",
-        ("tests/test_checkpoint.py",),
+        # test_reshard: float32 resumes on another layout, caught by their final weights (not by their losses)
+        ("tests/test_checkpoint.py", "tests/test_reshard.py"),
     ),
     Bug(
         "memory-swiglu-term",

@@ -77,27 +77,54 @@ def layout_results(out: Path, layouts: list[dict], head_copies: bool = False) ->
     fourth element, the list of those copies."""
     import json
 
-    import torch
-
     results = []
     for i, layout in enumerate(layouts):
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
         world = layout_world(layout)
         assert sorted(r["rank"] for r in ranks) == list(range(world)), (layout, len(ranks))
-        stage_files = sorted(out.glob(f"layout{i}_weights_rank*.pt"))
-        assert len(stage_files) == (world if layout.get("pp", 1) > 1 else 0), (layout, len(stage_files))
-        weights: dict[str, torch.Tensor] = {}
-        copies: list[torch.Tensor] = []
-        for path in stage_files or [out / f"layout{i}_weights.pt"]:
-            for key, value in torch.load(path).items():
-                if head_copies and key == "output.weight" and layout.get("pp", 1) > 1:
-                    copies.append(value)
-                    continue
-                if key in weights:  # the same parameter on another dp/tp rank of the stage: identical
-                    assert torch.equal(weights[key], value), key
-                weights[key] = value
+        weights, copies = merged_weights(out, f"layout{i}", layout, head_copies)
         results.append((layout, ranks, weights, copies) if head_copies else (layout, ranks, weights))
     return results
+
+
+def merged_weights(out: Path, prefix: str, layout: dict, head_copies: bool = False) -> tuple[dict, list]:
+    """The full final weights ``run_layouts.py`` saved as ``<prefix>_weights.pt`` (rank 0), or under pp as one
+    ``<prefix>_weights_rank<r>.pt`` per rank (each rank's stages; asserted: one per rank of ``layout``), merged: a
+    tensor held by several ranks (dp/tp replicas) must be identical on each. Returns ``(weights by canonical name,
+    the last stage's copies of a tied weight)``: with ``head_copies``, ``output.weight`` under pp goes to the copies."""
+    import torch
+
+    stage_files = sorted(out.glob(f"{prefix}_weights_rank*.pt"))
+    assert len(stage_files) == (layout_world(layout) if layout.get("pp", 1) > 1 else 0), (layout, len(stage_files))
+    weights: dict[str, torch.Tensor] = {}
+    copies: list[torch.Tensor] = []
+    for path in stage_files or [out / f"{prefix}_weights.pt"]:
+        for key, value in torch.load(path).items():
+            if head_copies and key == "output.weight" and layout.get("pp", 1) > 1:
+                copies.append(value)
+                continue
+            if key in weights:  # the same parameter on another dp/tp rank of the stage: identical
+                assert torch.equal(weights[key], value), key
+            weights[key] = value
+    return weights, copies
+
+
+#: the folders of :func:`launched`, by its arguments
+_LAUNCHED: dict[str, Path] = {}
+
+
+def launched(tmp_path_factory, name: str, nproc: int, *args: str) -> Path:
+    """``run_layouts.py ARGS`` on ``nproc`` processes in a new folder named ``name``, launched once per pytest
+    session for the same arguments (several files compare with the same single-process reference runs); returns the
+    folder (its files must not be modified)."""
+    import json
+
+    key = json.dumps([nproc, args])
+    if key not in _LAUNCHED:
+        out = tmp_path_factory.mktemp(name)
+        torchrun(nproc, SCRIPTS / "run_layouts.py", "--out", str(out), *args, timeout=900)
+        _LAUNCHED[key] = out
+    return _LAUNCHED[key]
 
 
 #: the results of :func:`trained`, by its arguments: one launch per pytest session for the same runs

@@ -21,7 +21,7 @@ from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
 from lightning_4d.partition import expert_shard_dim
-from tests._launch import SCRIPTS, check_final_weights, initial_weights, resume_on_layouts, torchrun
+from tests._launch import SCRIPTS, check_final_weights, initial_weights, launched, resume_on_layouts, torchrun
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -189,9 +189,10 @@ def _records(out, index):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    dirs = {k: tmp_path_factory.mktemp(f"ep_{k}") for k in ("ref", "dp2", "dp4")}
+    dirs = {k: tmp_path_factory.mktemp(f"ep_{k}") for k in ("dp2", "dp4")}
     common = ["--model", "tiny-moe", "--steps", str(STEPS)]
-    torchrun(1, SCRIPTS / "run_layouts.py", "--out", str(dirs["ref"]), *common, "--layouts", json.dumps(REF))
+    # one launch with tests/test_moe_tensor_parallel.py's (the same REF): tests/_launch.launched
+    dirs["ref"] = launched(tmp_path_factory, "ep_ref", 1, *common, "--layouts", json.dumps(REF))
     torchrun(
         2, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp2"]), *common, "--layouts", json.dumps(DP2), timeout=900
     )
