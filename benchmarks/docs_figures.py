@@ -87,8 +87,9 @@ _EXIT = re.compile(r"\bexits? (\d)\b")
 _PLACEHOLDER_VALUE = re.compile(r"^(?:[A-Za-z]|[A-Z][A-Z_]*(?:\.\w+)?)$")
 
 
-def _argv(rest: str) -> tuple[Optional[list[str]], str]:
-    """The arguments of a command shown as ``rest`` (after the program), or ``(None, why)`` when it is not run."""
+def _argv(rest: str, kinds: tuple[str, ...] = RUN_COMMANDS) -> tuple[Optional[list[str]], str]:
+    """The arguments of a command shown as ``rest`` (after the program), or ``(None, why)`` when it is not run
+    (``kinds``: the commands taken; prose after the command, from a word in parentheses on, is left out)."""
     rest = re.sub(r"\[[^\]]*\]", " ", rest)  # optional parts
     if any(mark in rest for mark in ("<", "...", "…", "|")):
         return None, "placeholder"
@@ -96,11 +97,12 @@ def _argv(rest: str) -> tuple[Optional[list[str]], str]:
         argv = shlex.split(rest)
     except ValueError:
         return None, "not a command line"
+    argv = argv[: next((i for i, a in enumerate(argv) if a.startswith("(")), len(argv))]
     if not argv:
         return None, "the program named, no command"
-    if argv[0] not in RUN_COMMANDS and argv[-1] not in ("--help", "-h"):
+    if argv[0] not in kinds and argv[-1] not in ("--help", "-h"):
         return None, f"`{argv[0]}` is not run by this check"
-    if argv[0] in RUN_COMMANDS and len(argv) == 1:
+    if argv[0] in kinds and len(argv) == 1:
         return None, "the command named, no arguments"
     for prev, arg in zip(argv, argv[1:]):
         if prev.startswith("--") and not arg.startswith("--") and _PLACEHOLDER_VALUE.match(arg):
@@ -108,7 +110,9 @@ def _argv(rest: str) -> tuple[Optional[list[str]], str]:
     return argv, ""
 
 
-def _commands_in(text: str, page: str, first_line: int, code: bool) -> list[Command]:
+def _commands_in(
+    text: str, page: str, first_line: int, code: bool, kinds: tuple[str, ...] = RUN_COMMANDS
+) -> list[Command]:
     """Commands in ``text`` (a code block's lines when ``code``, else prose whose inline spans are commands)."""
     found = []
     if code:
@@ -135,14 +139,15 @@ def _commands_in(text: str, page: str, first_line: int, code: bool) -> list[Comm
     out = []
     for line, body, after in found:
         body = " ".join(body.split())
-        argv, why = _argv(body)
+        argv, why = _argv(body, kinds)
         m = _EXIT.search(after)
         out.append(Command(page, line, body, argv, int(m.group(1)) if m else 0, why))
     return out
 
 
-def commands(root: Path = ROOT) -> list[Command]:
-    """Every ``lightning-4d`` command the pages show (``Command.argv`` is None for those not run)."""
+def commands(root: Path = ROOT, kinds: tuple[str, ...] = RUN_COMMANDS) -> list[Command]:
+    """Every ``lightning-4d`` command the pages show (``Command.argv`` is None for those not run; ``kinds``: the
+    commands whose arguments are taken, with ``--help`` of any)."""
     out = []
     for path in pages(root):
         page = str(path.relative_to(root))
@@ -150,17 +155,17 @@ def commands(root: Path = ROOT) -> list[Command]:
         if path.suffix == ".yaml":  # comments: their text as prose; a bare command runs to the end of its line
             lines = text.split("\n")
             prose = "\n".join(re.sub(r"^\s*# ?", "", ln) if ln.lstrip().startswith("#") else "" for ln in lines)
-            out += _commands_in(prose, page, 1, code=False)
+            out += _commands_in(prose, page, 1, code=False, kinds=kinds)
             bare = re.sub(r"`[^`]*`", lambda m: re.sub(r"[^\n]", " ", m.group(0)), prose)  # blank the inline spans
-            out += _commands_in(bare, page, 1, code=True)
+            out += _commands_in(bare, page, 1, code=True, kinds=kinds)
             continue
         pos = 0
         for block in re.finditer(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
             prose = text[pos : block.start()]
-            out += _commands_in(prose, page, 1 + text.count("\n", 0, pos), code=False)
-            out += _commands_in(block.group(1), page, 1 + text.count("\n", 0, block.start(1)), code=True)
+            out += _commands_in(prose, page, 1 + text.count("\n", 0, pos), code=False, kinds=kinds)
+            out += _commands_in(block.group(1), page, 1 + text.count("\n", 0, block.start(1)), code=True, kinds=kinds)
             pos = block.end()
-        out += _commands_in(text[pos:], page, 1 + text.count("\n", 0, pos), code=False)
+        out += _commands_in(text[pos:], page, 1 + text.count("\n", 0, pos), code=False, kinds=kinds)
     return out
 
 

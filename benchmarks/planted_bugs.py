@@ -9,7 +9,8 @@ with pytest in the copy (``PYTHONPATH`` = the copy: the torchrun workers the tes
 too). It prints, per bug, how many of the tests that ran failed: a bug that no test fails is ``NOT CAUGHT``.
 
 Not a test (it runs the concern's tests once per bug: minutes): ``python benchmarks/planted_bugs.py`` (``--only
-NAME`` for some bugs, ``--baseline`` to run the same selections without a bug first, ``--list`` to print the bugs).
+NAME`` for some bugs, ``--tests ARGS`` to run them against other tests, ``--baseline`` to run the same selections
+without a bug first, ``--list`` to print the bugs).
 Every bug must be caught; add the bugs found in the wild to :data:`BUGS`.
 """
 
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +104,8 @@ BUGS: tuple[Bug, ...] = (
         "lightning_4d/parallel/sharded_optimizer.py",
         "else value.reshape(-1)[start:end].to(device=shard.device, copy=True)",
         "else value.reshape(-1)[: end - start].to(device=shard.device, copy=True)",
-        ("tests/test_checkpoint.py",),
+        # test_reshard: float32 resumes on another layout, caught by their final weights (not by their losses)
+        ("tests/test_checkpoint.py", "tests/test_reshard.py"),
     ),
     Bug(
         "memory-swiglu-term",
@@ -193,8 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", action="store_true", help="first run each selection without a bug")
     parser.add_argument("--list", action="store_true", help="print the bugs and exit")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    parser.add_argument(
+        "--tests",
+        nargs=argparse.REMAINDER,
+        help="run the bugs against these pytest arguments instead of their own tests (last option: everything after "
+        "it is pytest's, e.g. --only checkpoint-reshard-slice --tests tests/test_reshard.py -k dp2z1)",
+    )
     args = parser.parse_args(argv)
     bugs = [b for b in BUGS if not args.only or b.name in args.only]
+    if args.tests:
+        bugs = [replace(b, tests=tuple(args.tests)) for b in bugs]
     if args.list:
         for b in bugs:
             print(f"{b.name}: {b.what} ({b.path}; tests: {' '.join(b.tests)})")

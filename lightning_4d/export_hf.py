@@ -6,6 +6,7 @@ line (:func:`export_hf_main`). Reading Hugging Face directories, which every mod
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
@@ -223,11 +224,8 @@ def export_hf(
     return out_dir
 
 
-def export_hf_main(argv: list[str]) -> int:
-    """``lightning-4d export-hf CKPT OUT_DIR [--dtype float32|bfloat16|float16] [--tokenizer PATH]``: see
-    :func:`export_hf`. Returns the exit code (2 with a one-line error on bad input)."""
-    import argparse
-
+def export_hf_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``lightning-4d export-hf`` (tests/test_docs.py parses the commands the docs show)."""
     parser = argparse.ArgumentParser(
         prog="lightning-4d export-hf",
         description=(
@@ -245,7 +243,13 @@ def export_hf_main(argv: list[str]) -> int:
         default=None,
         help="tokenizer.json (or its directory) to copy; default: the one the checkpoint's LMDataModule used, if any",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def export_hf_main(argv: list[str]) -> int:
+    """``lightning-4d export-hf CKPT OUT_DIR [--dtype float32|bfloat16|float16] [--tokenizer PATH]``: see
+    :func:`export_hf`. Returns the exit code (2 with a one-line error on bad input)."""
+    args = export_hf_parser().parse_args(argv)
     try:
         out = export_hf(args.ckpt, args.out_dir, dtype=args.dtype, tokenizer=args.tokenizer)
     except ValueError as e:

@@ -115,6 +115,9 @@ TIED = "tests/test_tied_pipeline.py::"
 HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
+#: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
+DUALPIPEV = {"pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]}
+
 #: the support matrix (order: ZeRO and precision, tp/sp, pp, cp, checkpointing / offload / compile, MoE, families)
 ROWS: list[Row] = [
     # ---------------------------------------------------------------- ZeRO x precision (dp2)
@@ -238,7 +241,19 @@ ROWS: list[Row] = [
         "pp2-dualpipev",
         "pp2 DualPipeV, m=4, uneven split 2,1,1,2",
         {"pp": 2, "pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]},
-        cpu_tests=(PP + "test_pipeline_world2",),
+        cpu_tests=(PP + "test_pipeline_world2", PP + "test_pipeline_checkpoint_resume"),
+    ),
+    *(
+        Row(row_id, f"pp2 DualPipeV {what}", {"pp": 2, **extra, **DUALPIPEV}, cpu_tests=(PP + "test_pipeline_world4",))
+        for row_id, what, extra in (
+            ("pp2-dualpipev-dp2", "dp2 ZeRO 1 (ZeRO 2 with clipping on CPU too)", {"dp": 2}),
+            (
+                "pp2-dualpipev-dp2-z3",
+                "dp2 ZeRO 3 (FSDP2 per stage chunk, two chunks per rank)",
+                {"dp": 2, "zero_stage": 3},
+            ),
+            ("pp2-dualpipev-tp2", "tp2", {"tp": 2}),
+        )
     ),
     Row(
         "pp2-uneven",
@@ -421,6 +436,31 @@ ROWS: list[Row] = [
         cpu_tests=(PP + "test_pipeline_world2",),
     ),
     Row(
+        "offload-pp-gpipe",
+        "activation offload under pp2 GPipe (every forward before any backward)",
+        {"pp": 2, "pipeline_schedule": "gpipe", "num_microbatches": 2, "activation_offload_layers": 1},
+        cpu_tests=(PP + "test_pipeline_world2",),
+    ),
+    Row(
+        "offload-pp-dualpipev",
+        "activation offload under pp2 DualPipeV",
+        {"pp": 2, **DUALPIPEV, "activation_offload_layers": 1},
+        cpu_tests=(PP + "test_pipeline_world2",),
+    ),
+    Row(
+        "offload-cp",
+        "activation offload under cp2 ring attention",
+        {"cp": 2, "activation_offload_layers": 1},
+        cpu_tests=(CP + "test_context_parallel_world2",),
+    ),
+    Row(
+        "offload-ep",
+        "activation offload of an MoE layer under dp2 ep2 ZeRO 2 (the all-to-all's received rows in host memory)",
+        {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 2, "activation_offload_layers": 1},
+        cpu_tests=(EP,),
+        smoke_skip=EP_SMOKE_REASON,
+    ),
+    Row(
         "offload-checkpointing",
         "activation offload with activation checkpointing",
         {"activation_offload_layers": 2, "activation_checkpointing": "full"},
@@ -514,7 +554,10 @@ ROWS: list[Row] = [
         "moe-pp2-ep2",
         "MoE pp2 dp2 ep2 1F1B",
         {"model": "tiny-moe", "pp": 2, "dp": 2, "ep": 2, "num_microbatches": 2},
-        cpu_tests=("tests/test_moe_pipeline.py::test_moe_pp2_dp2_ep2_equals_one_process",),
+        cpu_tests=(
+            "tests/test_moe_pipeline.py::test_moe_pp2_dp2_ep2_equals_one_process",
+            "tests/test_expert_parallel.py::test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2",
+        ),
         smoke_skip=EP_SMOKE_REASON,
     ),
     Row(

@@ -47,23 +47,132 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
     return proc
 
 
-def resume_on_layouts(out: Path, saved: dict, other: dict, model: str, steps: int, nproc: int = 2) -> list[tuple]:
-    """Train ``steps`` steps straight on layout ``saved`` (a ``run_layouts.py`` layout dict with ``"name": "a"``),
-    and ``steps // 2`` with a sharded checkpoint; resume that checkpoint on ``saved`` and on ``other`` (``"name":
-    "b"``) to ``steps``. Returns ``(layout, rank, resumed losses, the straight run's losses of the same steps)`` per
-    resumed layout and rank."""
+def run_layouts(
+    out: Path, nproc: int, layouts: list[dict], *extra: str, steps: int = 10, layers: int | None = None
+) -> Path:
+    """Train every layout of ``layouts`` (``run_layouts.py`` layout dicts) in one launch of ``nproc`` processes
+    (``nproc == 1``: one process, no torchrun), ``steps`` steps of the tiny-test Llama (``layers``: its
+    ``--layers``), ``extra``: more ``run_layouts.py`` arguments (``--resume-check``). Returns ``out``, the folder of
+    the records (:func:`layout_results` reads them)."""
+    import json
+
+    args = ["--out", str(out), "--steps", str(steps), *(["--layers", str(layers)] if layers else [])]
+    torchrun(nproc, SCRIPTS / "run_layouts.py", *args, "--layouts", json.dumps(layouts), *extra, timeout=900)
+    return out
+
+
+def layout_world(layout: dict) -> int:
+    """The number of processes of a ``run_layouts.py`` layout: pp·dp·cp·tp (ep is carved out of dp·cp), 1 for the
+    reference."""
+    if layout.get("reference"):
+        return 1
+    return layout.get("pp", 1) * layout.get("dp", 1) * layout.get("cp", 1) * layout.get("tp", 1)
+
+
+def layout_results(out: Path, layouts: list[dict], head_copies: bool = False) -> list[tuple]:
+    """``(layout, rank records, full final weights)`` per layout of a :func:`run_layouts` launch in ``out``, after
+    checking one record per rank and, under pp, one weight file per rank (each pipeline rank saved the layers it
+    holds; a tensor held by several ranks (dp/tp replicas) must be identical on each). ``head_copies``: tied
+    embeddings: the last stage's copy of the tied weight (``output.weight`` under pp) is kept apart, the tuples get a
+    fourth element, the list of those copies."""
+    import json
+
+    results = []
+    for i, layout in enumerate(layouts):
+        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
+        world = layout_world(layout)
+        assert sorted(r["rank"] for r in ranks) == list(range(world)), (layout, len(ranks))
+        weights, copies = merged_weights(out, f"layout{i}", layout, head_copies)
+        results.append((layout, ranks, weights, copies) if head_copies else (layout, ranks, weights))
+    return results
+
+
+def merged_weights(out: Path, prefix: str, layout: dict, head_copies: bool = False) -> tuple[dict, list]:
+    """The full final weights ``run_layouts.py`` saved as ``<prefix>_weights.pt`` (rank 0), or under pp as one
+    ``<prefix>_weights_rank<r>.pt`` per rank (each rank's stages; asserted: one per rank of ``layout``), merged: a
+    tensor held by several ranks (dp/tp replicas) must be identical on each. Returns ``(weights by canonical name,
+    the last stage's copies of a tied weight)``: with ``head_copies``, ``output.weight`` under pp goes to the copies."""
+    import torch
+
+    stage_files = sorted(out.glob(f"{prefix}_weights_rank*.pt"))
+    assert len(stage_files) == (layout_world(layout) if layout.get("pp", 1) > 1 else 0), (layout, len(stage_files))
+    weights: dict[str, torch.Tensor] = {}
+    copies: list[torch.Tensor] = []
+    for path in stage_files or [out / f"{prefix}_weights.pt"]:
+        for key, value in torch.load(path).items():
+            if head_copies and key == "output.weight" and layout.get("pp", 1) > 1:
+                copies.append(value)
+                continue
+            if key in weights:  # the same parameter on another dp/tp rank of the stage: identical
+                assert torch.equal(weights[key], value), key
+            weights[key] = value
+    return weights, copies
+
+
+#: the folders of :func:`launched`, by its arguments
+_LAUNCHED: dict[str, Path] = {}
+
+
+def launched(tmp_path_factory, name: str, nproc: int, *args: str) -> Path:
+    """``run_layouts.py ARGS`` on ``nproc`` processes in a new folder named ``name``, launched once per pytest
+    session for the same arguments (several files compare with the same single-process reference runs); returns the
+    folder (its files must not be modified)."""
+    import json
+
+    key = json.dumps([nproc, args])
+    if key not in _LAUNCHED:
+        out = tmp_path_factory.mktemp(name)
+        torchrun(nproc, SCRIPTS / "run_layouts.py", "--out", str(out), *args, timeout=900)
+        _LAUNCHED[key] = out
+    return _LAUNCHED[key]
+
+
+#: the results of :func:`trained`, by its arguments: one launch per pytest session for the same runs
+_TRAINED: dict[str, list[tuple]] = {}
+
+
+def trained(tmp_path_factory, name: str, nproc: int, layouts: list[dict], *extra: str, **kw) -> list[tuple]:
+    """:func:`layout_results` of :func:`run_layouts` (``kw``: its ``steps``, ``layers``; ``head_copies``) in a new
+    folder named ``name``, launched once per pytest session for the same arguments: several test files compare with
+    the same single-process reference runs, which run once (the results must not be modified)."""
+    import json
+
+    head_copies = kw.pop("head_copies", False)
+    key = json.dumps([nproc, layouts, extra, sorted(kw.items()), head_copies])
+    if key not in _TRAINED:
+        out = run_layouts(tmp_path_factory.mktemp(name), nproc, layouts, *extra, **kw)
+        _TRAINED[key] = layout_results(out, layouts, head_copies=head_copies)
+    return _TRAINED[key]
+
+
+def resume_on_layouts(
+    out: Path,
+    saved: dict,
+    other: dict | list[dict],
+    model: str,
+    steps: int,
+    nproc: int = 2,
+    resume_saved: bool = True,
+) -> list[tuple]:
+    """Train ``steps`` steps straight on layout ``saved`` (a ``run_layouts.py`` layout dict with a ``"name"``), and
+    ``steps // 2`` with a sharded checkpoint; resume that checkpoint on ``other`` (a layout, or several, each with a
+    ``"name"`` of its own) and, with ``resume_saved``, on ``saved`` too, to ``steps``. Returns ``(layout, rank,
+    resumed losses, the straight run's losses of the same steps)`` per resumed layout and rank."""
     import json
     import shutil
 
+    others = [other] if isinstance(other, dict) else list(other)
+    resumed = ([saved] if resume_saved else []) + others
     common = ["--model", model, "--steps", str(steps), "--out", str(out)]
     torchrun(nproc, SCRIPTS / "run_layouts.py", *common, "--reshard", "first", "--layouts", json.dumps([saved]))
-    shutil.copytree(out / saved["name"], out / other["name"])
-    torchrun(nproc, SCRIPTS / "run_layouts.py", *common, "--reshard", "resume", "--layouts", json.dumps([saved, other]))
+    for layout in others:
+        shutil.copytree(out / saved["name"], out / layout["name"])
+    torchrun(nproc, SCRIPTS / "run_layouts.py", *common, "--reshard", "resume", "--layouts", json.dumps(resumed))
     rows = []
     for rank in range(nproc):
         tail = json.loads((out / f"{saved['name']}_first_rank{rank}.json").read_text())["straight"][steps // 2 :]
-        for name in (saved["name"], other["name"]):
-            second = json.loads((out / f"{name}_resume_rank{rank}.json").read_text())
+        for layout in resumed:
+            second = json.loads((out / f"{layout['name']}_resume_rank{rank}.json").read_text())
             rows.append((second["layout"], rank, second["resumed"], tail))
     return rows
 

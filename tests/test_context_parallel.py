@@ -16,12 +16,13 @@ from lightning_4d.memory.model import estimate_memory, saved_activation_bytes
 from lightning_4d.models import LlamaConfig
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel.context import shard_batch, shard_sequence
-from tests._launch import SCRIPTS, torchrun
-from tests.test_parity import STEPS, _layout_id
-from tests.test_pipeline import _check, _check_resume, _results, _run as _run_to_folder
+from tests._launch import SCRIPTS, run_layouts, torchrun, trained
+from tests.test_parity import _check_offloaded, _layout_id
+from tests.test_pipeline import LAYERS, REFERENCES, _check, _check_resume
 
 WORLD2 = [
-    {"cp": 2, "method": "ring", "zero": 0},
+    # activation offload under ring attention (ring without it: every other ring layout)
+    {"cp": 2, "method": "ring", "zero": 0, "offload": 1},
     {"cp": 2, "method": "allgather", "zero": 0},
     {"cp": 2, "method": "alltoall", "zero": 0},
     {"cp": 2, "method": "ring", "zero": 1, "clip": 0.1, "ac": "full"},
@@ -52,47 +53,31 @@ WORLD8 = [
 ]
 
 
-def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
-    out = tmp_path_factory.mktemp(name)
-    torchrun(
-        nproc,
-        SCRIPTS / "run_layouts.py",
-        "--out",
-        str(out),
-        "--steps",
-        str(STEPS),
-        "--layers",
-        "4",
-        "--layouts",
-        json.dumps(layouts),
-        timeout=900,
-    )
-    return _results(out, layouts)
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    return _run(tmp_path_factory, "cp_reference", 1, [{"reference": True}, {"reference": True, "clip": 0.1}])
+    # tests/test_pipeline.py's reference runs (the same 4 layers): one launch per session (tests/_launch.trained)
+    return trained(tmp_path_factory, "cp_reference", 1, REFERENCES, layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(tmp_path_factory, "cp_world2", 2, WORLD2 + WORLD2_BF16)
+    return trained(tmp_path_factory, "cp_world2", 2, WORLD2 + WORLD2_BF16, layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _run(tmp_path_factory, "cp_world4", 4, WORLD4)
+    return trained(tmp_path_factory, "cp_world4", 4, WORLD4, layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory):
-    return _run(tmp_path_factory, "cp_world8", 8, WORLD8)
+    return trained(tmp_path_factory, "cp_world8", 8, WORLD8, layers=LAYERS)
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
 def test_context_parallel_world2(references, world2, index):
     _check(references, world2[index])
+    _check_offloaded(world2[index])
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2_BF16)), ids=[_layout_id(x) for x in WORLD2_BF16])
@@ -118,7 +103,13 @@ def test_context_parallel_checkpoint_resume(tmp_path_factory):
     """A ModelCheckpoint saved at cp=2 (ZeRO 1: per-rank optimizer chunks over dp_cp) loads back at cp=2 and
     training continues with the straight run's losses."""
     _check_resume(
-        _run_to_folder(tmp_path_factory, "cp_resume", 2, [{"cp": 2, "zero": 1, "method": "ring"}], "--resume-check"),
+        run_layouts(
+            tmp_path_factory.mktemp("cp_resume"),
+            2,
+            [{"cp": 2, "zero": 1, "method": "ring"}],
+            "--resume-check",
+            layers=LAYERS,
+        ),
         ranks=2,
     )
 
@@ -188,7 +179,8 @@ def test_zigzag_shard_and_positions():
 
 # ---------------------------------------------------------------------------------------------------- memory
 _MEM_WORLD2 = [
-    {"cp": 2, "method": "ring", "zero": 0},
+    # activation offload under ring attention (ring without it: every other ring layout)
+    {"cp": 2, "method": "ring", "zero": 0, "offload": 1},
     {"cp": 2, "method": "allgather", "zero": 1, "precision": "bf16-mixed"},
     {"cp": 2, "method": "ring", "zero": 0, "precision": "bf16-mixed"},
     {"cp": 2, "method": "allgather", "zero": 3, "ac": "full"},

@@ -172,3 +172,55 @@ def test_reference_tables_name_every_field():
     arguments = _table_cells("docs/reference/strategy.md", "| argument | default | meaning |")
     for name in list(inspect.signature(FourDStrategy.__init__).parameters)[1:]:
         assert f"| `{name}` |" in arguments, name
+
+
+#: the commands that train or write files: each one the pages show with its arguments is parsed by its own parser
+#: (flags, choices, config files and keys), not run (runs: tests/test_recipe.py runs docs/recipe.md's CPU recipe:
+#: prepare-data, fit, a resume and export-hf; tests/test_measure.py runs measure)
+TRAINING = ("fit", "measure", "prepare-data", "export-hf")
+#: ``fit --config FILE`` commands whose FILE is not in the repository: the reader's own file, or one an earlier step
+#: of the page writes (docs/recipe.md's plan.yaml: tests/test_recipe.py runs those); parsed with configs/tiny.yaml in
+#: its place (the flags after it are what the page shows)
+NOT_IN_REPO = {"my.yaml", "/tmp/recipe/plan.yaml"}
+_ALL_SHOWN = [c for c in docs_figures.commands(kinds=TRAINING) if c.argv and c.argv[0] in TRAINING]
+#: one per distinct command line (several pages show ``fit --config configs/tiny.yaml``)
+SHOWN = list({tuple(c.argv): c for c in reversed(_ALL_SHOWN)}.values())[::-1]
+
+
+def _config_files(argv: list[str]) -> list[str]:
+    return [b for a, b in zip(argv, argv[1:]) if a == "--config"]
+
+
+def test_every_training_command_kind_is_shown_and_parsed():
+    kinds = {c.argv[0] for c in SHOWN}
+    assert kinds == set(TRAINING), kinds
+    assert len(SHOWN) >= 25, [str(c) for c in SHOWN]
+    assert {f for c in _ALL_SHOWN for f in _config_files(c.argv) if not (ROOT / f).is_file()} == NOT_IN_REPO
+
+
+@pytest.mark.parametrize("command", SHOWN, ids=lambda c: f"{c.page}:{c.line}")
+def test_documented_training_command_parses(command):
+    """The command as the page shows it (optional parts included) parses: ``fit`` through LightningCLI with
+    ``--print_config`` (the config files loaded, every key and value type-checked, nothing trained), the others with
+    their argparse parsers (exit 2 on an unknown flag or a bad choice)."""
+    import argparse
+
+    from lightning_4d.data.token_file import _build_parser as prepare_data_parser
+    from lightning_4d.export_hf import export_hf_parser
+    from lightning_4d.memory.cli import command_parser
+
+    kind, args = command.argv[0], command.argv[1:]
+    if kind == "fit":
+        argv = ["configs/tiny.yaml" if a in NOT_IN_REPO else a for a in command.argv]
+        code, out, err = docs_figures.run([*argv, "--print_config"])
+        assert code == 0 and "trainer:" in out, f"{command} exited {code}: {err.strip()[-2000:]}"
+        return
+    parser: argparse.ArgumentParser = {
+        "measure": lambda: command_parser("measure"),
+        "prepare-data": prepare_data_parser,
+        "export-hf": export_hf_parser,
+    }[kind]()
+    try:
+        parser.parse_args(args)
+    except SystemExit as exc:
+        raise AssertionError(f"{command}: {parser.prog} refuses its arguments (exit {exc.code})") from None

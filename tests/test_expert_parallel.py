@@ -21,7 +21,7 @@ from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
 from lightning_4d.partition import expert_shard_dim
-from tests._launch import SCRIPTS, check_final_weights, initial_weights, resume_on_layouts, torchrun
+from tests._launch import SCRIPTS, check_final_weights, initial_weights, launched, resume_on_layouts, torchrun
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -155,7 +155,8 @@ DP2 = [
     {"dp": 2, "zero": 1, "config": CAPACITY},
     {"dp": 2, "zero": 1, "ep": 2, "config": CAPACITY},
     {"dp": 2, "zero": 1, "ep": 2, "precision": "bf16-mixed"},
-    {"dp": 2, "zero": 2, "ep": 2, "norm": True},
+    # activation offload of the first (MoE) layer: its saves, the all-to-all's received rows included, in host memory
+    {"dp": 2, "zero": 2, "ep": 2, "norm": True, "offload": 1},
     {"dp": 2, "zero": 3, "ep": 2, "config": VARIANT, "clip": 0.1, "norm": True},
 ]
 DP4 = [
@@ -188,9 +189,10 @@ def _records(out, index):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    dirs = {k: tmp_path_factory.mktemp(f"ep_{k}") for k in ("ref", "dp2", "dp4")}
+    dirs = {k: tmp_path_factory.mktemp(f"ep_{k}") for k in ("dp2", "dp4")}
     common = ["--model", "tiny-moe", "--steps", str(STEPS)]
-    torchrun(1, SCRIPTS / "run_layouts.py", "--out", str(dirs["ref"]), *common, "--layouts", json.dumps(REF))
+    # one launch with tests/test_moe_tensor_parallel.py's (the same REF): tests/_launch.launched
+    dirs["ref"] = launched(tmp_path_factory, "ep_ref", 1, *common, "--layouts", json.dumps(REF))
     torchrun(
         2, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp2"]), *common, "--layouts", json.dumps(DP2), timeout=900
     )
@@ -220,6 +222,8 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
     assert len(ranks) == layout["dp"]
     for r in ranks:
         b = r["bytes"]
+        if layout.get("offload"):  # the offload really held activations in host memory
+            assert b["host_offloaded"] > 0, b.get("host_offloaded")
         rel, aux = _rel(r["losses"], ref["losses"]), _rel(b["aux_losses"], ref["bytes"]["aux_losses"])
         norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"]) if "norm" in layout else 0.0
         print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
@@ -295,6 +299,24 @@ def test_checkpoint_with_experts_sharded_on_dim_1_resumes_at_zero1(tmp_path):
         rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
         print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
         assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
+
+
+def test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2(tmp_path):
+    """Saved at dp4 ZeRO 1 with every expert on every rank (ep1), resumed at dp4 ep4 (one expert pair per rank) and
+    at pp2 dp2 ep2 1F1B (each stage's experts split over ep): steps 4-6 of 6 equal the straight run's (1e-5
+    relative). 6 steps, no resume on the saved layout itself (the tests above do that): one launch of each kind."""
+    saved = {"name": "a", "dp": 4, "zero": 1}
+    others = [
+        {"name": "b", "dp": 4, "zero": 1, "ep": 4},
+        {"name": "c", "pp": 2, "dp": 2, "zero": 1, "ep": 2, "schedule": "1f1b", "m": 2},
+    ]
+    steps = 6
+    rows = resume_on_layouts(tmp_path, saved, others, "tiny-moe", steps, nproc=4, resume_saved=False)
+    assert sorted((layout["name"], rank) for layout, rank, _, _ in rows) == [(n, r) for n in "bc" for r in range(4)]
+    for layout, rank, curve, tail in rows:
+        rel = max(abs(x - y) / abs(y) for x, y in zip(curve, tail))
+        print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
+        assert len(curve) == len(tail) == steps - steps // 2 and rel <= LOSS_RTOL
 
 
 # ---------------------------------------------------------------------------------------------------- idle experts

@@ -21,7 +21,8 @@ import pytest
 from lightning_4d import ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
-from tests._launch import SCRIPTS, check_final_weights, initial_weights, resume_on_layouts, torchrun
+from tests._launch import SCRIPTS, check_final_weights, initial_weights, launched, resume_on_layouts, torchrun
+from tests.test_expert_parallel import REF, VARIANT
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -124,8 +125,9 @@ def _moe_params(cfg):
 
 
 # ---------------------------------------------------------------------------------------------------- parity
-VARIANT = {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2, "router_aux_loss_coef": 0.1}
-REF = [
+# one process: test_expert_parallel's runs (plain, the variant clipped, bf16-mixed, 6 experts), one launch for both
+# files (tests/_launch.launched)
+assert REF[:3] == [
     {"reference": True, "norm": True},
     {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True},
     {"reference": True, "precision": "bf16-mixed"},
@@ -151,9 +153,9 @@ def _records(out, index):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    dirs = {k: tmp_path_factory.mktemp(f"moe_tp_{k}") for k in ("ref", "two", "four")}
+    dirs = {k: tmp_path_factory.mktemp(f"moe_tp_{k}") for k in ("two", "four")}
     common = ["--model", "tiny-moe", "--steps", str(STEPS)]
-    torchrun(1, SCRIPTS / "run_layouts.py", "--out", str(dirs["ref"]), *common, "--layouts", json.dumps(REF))
+    dirs["ref"] = launched(tmp_path_factory, "ep_ref", 1, *common, "--layouts", json.dumps(REF))
     for nproc, key, layouts in ((2, "two", TWO), (4, "four", FOUR)):
         torchrun(
             nproc,

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from tests._launch import ROOT, SCRIPTS, worker_env
-from tests.test_parity import STEPS, _check_parity, _run
+from tests._launch import ROOT, SCRIPTS, trained, worker_env
+from tests.test_parity import REFERENCES, STEPS, _check_parity
 
 NUM_NODES = 2
 DEVICES = 2
@@ -118,6 +118,6 @@ def test_two_nodes_dp2_tp2(tmp_path_factory):
         assert rec["dp_cp_ranks"] == rec["dp_ranks"]
 
     # (b) the single-process losses (and weights), with test_parity's reference run and comparison
-    reference = _run(tmp_path_factory, "reference", 1, [{"reference": True}])[0]
+    reference = trained(tmp_path_factory, "reference", 1, REFERENCES)[0]  # test_parity's: one launch
     result = (ranks[0]["layout"], ranks, torch.load(out / "layout0_weights.pt"))
     _check_parity(reference, result)

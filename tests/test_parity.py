@@ -9,7 +9,6 @@ local parameter, gradient and optimizer-state shards, checked against what the Z
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 from lightning_4d import ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
-from tests._launch import SCRIPTS, torchrun
+from tests._launch import trained
 
 STEPS = 10
 WORLD2 = (
@@ -99,42 +98,21 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 
 
-def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
-    out = tmp_path_factory.mktemp(name)
-    torchrun(
-        nproc,
-        SCRIPTS / "run_layouts.py",
-        "--out",
-        str(out),
-        "--steps",
-        str(STEPS),
-        "--layouts",
-        json.dumps(layouts),
-        timeout=900,
-    )
-    results = []
-    for i, layout in enumerate(layouts):
-        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
-        assert sorted(r["rank"] for r in ranks) == list(range(nproc)), (layout, len(ranks))  # one record per rank
-        weights: dict[str, torch.Tensor] = {}
-        # pipelines: each stage's rank saved its own layers
-        stage_files = sorted(out.glob(f"layout{i}_weights_rank*.pt"))
-        assert len(stage_files) == (nproc if layout.get("pp", 1) > 1 else 0), (layout, len(stage_files))
-        for path in stage_files or [out / f"layout{i}_weights.pt"]:
-            weights.update(torch.load(path))
-        results.append((layout, ranks, weights))
-    return results
+#: the single-process runs (plain Lightning, no FourDStrategy): plain, with gradient clipping, tied head, 4 kv heads
+#: (tests/test_tp_overlap.py's tp4); one launch shared with the files that compare with them (tests/_launch.trained)
+REFERENCES = [
+    {"reference": True},
+    {"reference": True, "clip": 0.1},
+    {"reference": True, "tied": True},
+    {"reference": True, "config": {"num_kv_heads": 4}},
+]
+#: the single-process bf16-mixed runs of FourDStrategy (bf16 weights, fp32 masters): plain and clipped
+BF16_REFERENCES = [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}]
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The single-process runs (plain Lightning, no FourDStrategy): plain, with gradient clipping, tied head."""
-    return _run(
-        tmp_path_factory,
-        "reference",
-        1,
-        [{"reference": True}, {"reference": True, "clip": 0.1}, {"reference": True, "tied": True}],
-    )
+    return trained(tmp_path_factory, "reference", 1, REFERENCES)
 
 
 def _reference_for(references, layout):
@@ -143,20 +121,17 @@ def _reference_for(references, layout):
 
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory):
-    """The single-process bf16-mixed runs of FourDStrategy (bf16 weights, fp32 masters): plain and clipped."""
-    return _run(
-        tmp_path_factory, "bf16_reference", 1, [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}]
-    )
+    return trained(tmp_path_factory, "bf16_reference", 1, BF16_REFERENCES)
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(tmp_path_factory, "world2", 2, WORLD2 + BF16_MIXED_WORLD2)
+    return trained(tmp_path_factory, "world2", 2, WORLD2 + BF16_MIXED_WORLD2)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _run(tmp_path_factory, "world4", 4, WORLD4 + WORLD4_BF16 + BF16_MIXED_WORLD4)
+    return trained(tmp_path_factory, "world4", 4, WORLD4 + WORLD4_BF16 + BF16_MIXED_WORLD4)
 
 
 def _layout_id(layout: dict) -> str:

@@ -11,16 +11,20 @@ import torch
 
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
-from tests._launch import SCRIPTS, torchrun
+from tests._launch import SCRIPTS, run_layouts, torchrun, trained
 from tests.test_parity import LOSS_RTOL, STEPS, WEIGHT_ATOL, _check_offloaded, _layout_id
 
 LAYERS = 4
+#: the single-process runs (plain Lightning, no FourDStrategy) of tiny-test with LAYERS layers: plain and clipped
+REFERENCES = [{"reference": True}, {"reference": True, "clip": 0.1}]
 WORLD2 = [
-    {"pp": 2, "schedule": "gpipe", "m": 2},
+    # activation offload under GPipe (every forward before any backward: the most saves held at once) and DualPipeV;
+    # both schedules also run without it (WORLD4's pp4 GPipe, tests/test_tied_pipeline.py's DualPipeV)
+    {"pp": 2, "schedule": "gpipe", "m": 2, "offload": 1},
     {"pp": 2, "schedule": "1f1b", "m": 4},
     {"pp": 2, "schedule": "interleaved_1f1b", "v": 2, "m": 2},
     {"pp": 2, "schedule": "zbv", "m": 4},
-    {"pp": 2, "schedule": "dualpipev", "m": 4},
+    {"pp": 2, "schedule": "dualpipev", "m": 4, "offload": 1},
     {"pp": 2, "schedule": "1f1b", "m": 2, "split": [3, 1]},  # fewer layers on the last stage (head + loss)
     {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1},
     {"pp": 2, "schedule": "1f1b", "m": 2, "ac": "full"},
@@ -38,6 +42,11 @@ WORLD4 = [
     {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b", "m": 2},
     {"pp": 2, "dp": 2, "zero": 2, "schedule": "interleaved_1f1b", "m": 2},
     {"pp": 2, "dp": 2, "zero": 3, "schedule": "zbv", "m": 2, "clip": 0.1},
+    # DualPipeV (rank 0 holds stages 0 and 3) with dp at every ZeRO stage and with tp
+    {"pp": 2, "dp": 2, "zero": 1, "schedule": "dualpipev", "m": 4},
+    {"pp": 2, "dp": 2, "zero": 2, "schedule": "dualpipev", "m": 4, "clip": 0.1},
+    {"pp": 2, "dp": 2, "zero": 3, "schedule": "dualpipev", "m": 4},
+    {"pp": 2, "tp": 2, "schedule": "dualpipev", "m": 4},
 ]
 WORLD8 = [
     {"pp": 2, "dp": 2, "tp": 2, "zero": 1, "schedule": "1f1b", "m": 2},
@@ -45,67 +54,25 @@ WORLD8 = [
 ]
 
 
-def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict], *extra: str):
-    out = tmp_path_factory.mktemp(name)
-    torchrun(
-        nproc,
-        SCRIPTS / "run_layouts.py",
-        "--out",
-        str(out),
-        "--steps",
-        str(STEPS),
-        "--layers",
-        str(LAYERS),
-        "--layouts",
-        json.dumps(layouts),
-        *extra,
-        timeout=900,
-    )
-    return out
-
-
-def _world(layout: dict) -> int:
-    """The number of processes of a run_layouts.py layout: pp·dp·cp·tp (ep is carved out of dp·cp)."""
-    return layout.get("pp", 1) * layout.get("dp", 1) * layout.get("cp", 1) * layout.get("tp", 1)
-
-
-def _results(out, layouts):
-    results = []
-    for i, layout in enumerate(layouts):
-        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
-        world = 1 if layout.get("reference") else _world(layout)
-        assert sorted(r["rank"] for r in ranks) == list(range(world)), (layout, len(ranks))
-        stage_files = sorted(out.glob(f"layout{i}_weights_rank*.pt"))
-        assert len(stage_files) == (world if layout.get("pp", 1) > 1 else 0), (layout, len(stage_files))
-        weights: dict[str, torch.Tensor] = {}
-        for path in stage_files or [out / f"layout{i}_weights.pt"]:
-            for key, value in torch.load(path).items():
-                if key in weights:  # the same parameter on another dp/tp rank of the stage: identical
-                    assert torch.equal(weights[key], value), key
-                weights[key] = value
-        results.append((layout, ranks, weights))
-    return results
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    layouts = [{"reference": True}, {"reference": True, "clip": 0.1}]
-    return _results(_run(tmp_path_factory, "pp_reference", 1, layouts), layouts)
+    # the same launch as tests/test_context_parallel.py's references: one per session (tests/_launch.trained)
+    return trained(tmp_path_factory, "pp_reference", 1, REFERENCES, layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _results(_run(tmp_path_factory, "pp_world2", 2, WORLD2), WORLD2)
+    return trained(tmp_path_factory, "pp_world2", 2, WORLD2, layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _results(_run(tmp_path_factory, "pp_world4", 4, WORLD4), WORLD4)
+    return trained(tmp_path_factory, "pp_world4", 4, WORLD4, layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory):
-    return _results(_run(tmp_path_factory, "pp_world8", 8, WORLD8), WORLD8)
+    return trained(tmp_path_factory, "pp_world8", 8, WORLD8, layers=LAYERS)
 
 
 def _check(references, result):
@@ -135,6 +102,7 @@ def test_pipeline_world2(references, world2, index):
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
 def test_pipeline_world4(references, world4, index):
     _check(references, world4[index])
+    _check_offloaded(world4[index])
 
 
 @pytest.mark.parametrize("index", range(len(WORLD8)), ids=[_layout_id(x) for x in WORLD8])
@@ -143,15 +111,21 @@ def test_pipeline_world8(references, world8, index):
 
 
 def test_pipeline_checkpoint_resume(tmp_path_factory):
-    """A ModelCheckpoint saved at pp=2 loads back at pp=2 and training continues with the same losses."""
-    layouts = [{"pp": 2, "schedule": "1f1b", "m": 2, "zero": 1}]
-    _check_resume(_run(tmp_path_factory, "pp_resume", 2, layouts, "--resume-check"), ranks=2)
+    """A ModelCheckpoint saved at pp=2 (1F1B, and DualPipeV: rank 0 saves stages 0 and 3) loads back on the same
+    layout and training continues with the same losses."""
+    layouts = [{"pp": 2, "schedule": "1f1b", "m": 2, "zero": 1}, {"pp": 2, "schedule": "dualpipev", "m": 4, "zero": 1}]
+    _check_resume(
+        run_layouts(tmp_path_factory.mktemp("pp_resume"), 2, layouts, "--resume-check", layers=LAYERS),
+        ranks=2,
+        layouts=len(layouts),
+    )
 
 
-def _check_resume(out, ranks: int) -> None:
-    """Each rank's resumed losses (second half) equal the straight run's (run_layouts.py --resume-check)."""
-    paths = sorted(out.glob("resume0_rank*.json"))
-    assert len(paths) == ranks
+def _check_resume(out, ranks: int, layouts: int = 1) -> None:
+    """Each rank's resumed losses (second half) equal the straight run's (run_layouts.py --resume-check), for each of
+    the ``layouts`` layouts of the launch."""
+    paths = [p for i in range(layouts) for p in sorted(out.glob(f"resume{i}_rank*.json"))]
+    assert len(paths) == ranks * layouts
     for path in paths:
         record = json.loads(path.read_text())
         half = STEPS // 2

@@ -22,7 +22,8 @@ def _row_ids(rows):
 def test_rows_are_unique_and_use_the_small_presets():
     ids = _row_ids(support.ROWS)
     assert len(ids) == len(set(ids)), ids
-    assert 30 <= len(ids) <= 70
+    # a bound that catches a generator gone wrong (the matrix grows by a few rows per feature; 75 rows in 2026-11)
+    assert 30 <= len(ids) <= 100
     for row in support.ROWS:
         opts = row.options()
         assert opts["model"] in ("small", "small-tied", "tiny-moe") and opts["seq_length"] <= 2048, row.id
@@ -133,7 +134,8 @@ def test_the_dtype_check_sees_a_layer_that_changes_the_dtype(tmp_path, monkeypat
 
 def test_plan_flags_layouts_the_matrix_has_not_tested(capsys):
     """`plan` marks a proposed layout whose features no CPU test of the matrix combines (issue 36, item 9): the
-    Mixtral rows that put cp or ZeRO 2 beside ep are flagged, with the pairs; every tested row itself is covered;
+    Mixtral rows that put cp beside ep or ZeRO 2 beside pp are flagged, with the pairs (ZeRO 2 beside ep is tested:
+    the offload-ep row); every tested row itself is covered;
     a plain tp2 dp4 layout is not flagged."""
     from lightning_4d.cli import main
 
@@ -143,7 +145,8 @@ def test_plan_flags_layouts_the_matrix_has_not_tested(capsys):
     assert support.untested_pairs({"tp": 2, "dp": 4, "zero_stage": 1}) == []
     mixtral = {"pp": 8, "pipeline_schedule": "zbv", "cp": 2, "dp": 4, "expert_parallel_size": 8, "zero_stage": 2}
     pairs = support.untested_pairs(mixtral, moe=True)
-    assert ("cp", "ep") in pairs and ("ZeRO 2", "ep") in pairs and ("MoE", "pp zbv") in pairs
+    assert ("cp", "ep") in pairs and ("ZeRO 2", "pp") in pairs and ("MoE", "pp zbv") in pairs
+    assert ("ZeRO 2", "ep") not in pairs
     argv = "plan --model mixtral-8x7b --num-gpus 64 --seq-length 8192 --global-batch-size 512 --top 3".split()
     assert main(argv + ["--json"]) == 0
     layouts = json.loads(capsys.readouterr().out)["layouts"]

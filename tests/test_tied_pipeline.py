@@ -20,7 +20,7 @@ import torch
 from lightning_4d import ParallelConfig
 from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
-from tests._launch import SCRIPTS, torchrun
+from tests._launch import run_layouts, trained
 from tests.test_parity import BF16_MIXED_LOSS_RTOL, BF16_MIXED_WEIGHT_ATOL, LOSS_RTOL, STEPS, _layout_id
 
 LAYERS = 4
@@ -48,64 +48,20 @@ WORLD4 = [
 ]
 
 
-def _run(out, nproc: int, layouts: list[dict], *extra: str) -> None:
-    torchrun(
-        nproc,
-        SCRIPTS / "run_layouts.py",
-        "--out",
-        str(out),
-        "--steps",
-        str(STEPS),
-        "--layers",
-        str(LAYERS),
-        "--layouts",
-        json.dumps(layouts),
-        *extra,
-        timeout=600,
-    )
-
-
-def _results(out, layouts: list[dict]) -> list[tuple]:
-    """``(layout, rank records, merged weights, the head copies)`` per layout: each rank saved what it holds; the
-    head's copies (``output.weight``) are kept apart, every other tensor is the same on every rank holding it."""
-    results = []
-    for i, layout in enumerate(layouts):
-        ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{i}_rank*.json"))]
-        files = sorted(out.glob(f"layout{i}_weights_rank*.pt")) or [out / f"layout{i}_weights.pt"]
-        weights: dict[str, torch.Tensor] = {}
-        copies: list[torch.Tensor] = []
-        for path in files:
-            for key, value in torch.load(path).items():
-                if key == "output.weight" and layout.get("pp", 1) > 1:
-                    copies.append(value)
-                    continue
-                if key in weights:
-                    assert torch.equal(weights[key], value), key
-                weights[key] = value
-        results.append((layout, ranks, weights, copies))
-    return results
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tied_reference")
     layouts = [{"reference": True, **T}, {"reference": True, "clip": 0.1, **T}, {**BF16, **T}]
-    _run(out, 1, layouts)
-    return _results(out, layouts)
+    return trained(tmp_path_factory, "tied_reference", 1, layouts, layers=LAYERS, head_copies=True)
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tied_world2")
-    _run(out, 2, WORLD2 + WORLD2_BF16)
-    return _results(out, WORLD2 + WORLD2_BF16)
+    return trained(tmp_path_factory, "tied_world2", 2, WORLD2 + WORLD2_BF16, layers=LAYERS, head_copies=True)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tied_world4")
-    _run(out, 4, WORLD4)
-    return _results(out, WORLD4)
+    return trained(tmp_path_factory, "tied_world4", 4, WORLD4, layers=LAYERS, head_copies=True)
 
 
 def _holds_a_copy(layout: dict) -> bool:
@@ -211,7 +167,7 @@ def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(
 
     pp2 = {"name": "pp2", "pp": 2, "schedule": "1f1b", "m": 2, "zero": 1, **T}
     pp1 = {"name": "pp1", "dp": 2, "zero": 1, **T}
-    _run(tmp_path, 2, [pp2, pp1], "--reshard", "first", "--no-straight")
+    run_layouts(tmp_path, 2, [pp2, pp1], "--reshard", "first", "--no-straight", layers=LAYERS)
     saved = check_complete(tmp_path / "pp2" / "last.ckpt")
     assert "state_dict.model.tok_embeddings.weight" in saved
     assert not [k for k in saved if "output.weight" in k], [k for k in saved if "output.weight" in k]
@@ -221,7 +177,7 @@ def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(
     shutil.copytree(tmp_path / "pp2", tmp_path / "to_zbv")
     zbv3 = {"name": "to_pp2", "pp": 2, "schedule": "zbv", "m": 4, "zero": 3, **T}  # rank 0: both copies
     zbv1 = {"name": "to_zbv", "pp": 2, "schedule": "zbv", "m": 4, "zero": 1, **T}  # rank 0: the one tied weight
-    _run(tmp_path, 2, [{**pp1, "name": "to_pp1"}, zbv3, zbv1], "--reshard", "resume")
+    run_layouts(tmp_path, 2, [{**pp1, "name": "to_pp1"}, zbv3, zbv1], "--reshard", "resume", layers=LAYERS)
     half = STEPS // 2
     reference = references[0][1][0]["losses"][half:]
     for name in ("to_pp1", "to_pp2", "to_zbv"):

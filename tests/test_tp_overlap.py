@@ -22,8 +22,16 @@ from collections import Counter
 import pytest
 
 from lightning_4d import FourDStrategy, ParallelConfig
-from tests._launch import SCRIPTS, torchrun
-from tests.test_parity import STEPS, _check_bf16, _check_offloaded, _check_parity, _layout_id, _run
+from tests._launch import SCRIPTS, torchrun, trained
+from tests.test_parity import (
+    BF16_REFERENCES,
+    REFERENCES,
+    STEPS,
+    _check_bf16,
+    _check_offloaded,
+    _check_parity,
+    _layout_id,
+)
 
 UNIT_ATOL = 1e-6
 LAYERS = 2  # tiny-test
@@ -52,19 +60,20 @@ WORLD4 = [
 def references(tmp_path_factory):
     """One process: plain Lightning in float32 (tiny-test, and with 4 kv heads for tp4), FourDStrategy in
     bf16-mixed."""
-    fp32 = _run(tmp_path_factory, "reference", 1, [{"reference": True}, {"reference": True, "config": KV4}])
-    bf16 = _run(tmp_path_factory, "bf16_reference", 1, [{"precision": "bf16-mixed"}])
-    return {"fp32": fp32[0], "kv4": fp32[1], "bf16": bf16[0]}
+    fp32 = trained(tmp_path_factory, "reference", 1, REFERENCES)  # test_parity's: one launch for both files
+    bf16 = trained(tmp_path_factory, "bf16_reference", 1, BF16_REFERENCES)
+    assert REFERENCES[3]["config"] == KV4
+    return {"fp32": fp32[0], "kv4": fp32[3], "bf16": bf16[0]}
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run(tmp_path_factory, "world2", 2, WORLD2 + WORLD2_AC + WORLD2_OFFLOAD)
+    return trained(tmp_path_factory, "world2", 2, WORLD2 + WORLD2_AC + WORLD2_OFFLOAD)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _run(tmp_path_factory, "world4", 4, WORLD4)
+    return trained(tmp_path_factory, "world4", 4, WORLD4)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -114,6 +114,7 @@ def run_one(
     max_steps: int | None = None,
     ckpt_dir: Path | None = None,
     ckpt_path: str | None = None,
+    weights_as: str | None = None,
 ) -> Recorder:
     L.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -209,13 +210,19 @@ def run_one(
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     # graphs Dynamo compiled during this fit (0 without compile, and 0 if compile fell back to eager)
     recorder.bytes["compiled_graphs"] = compiled_graph_count() - graphs
+    weights = {}
+    if (ckpt_dir is None and ckpt_path is None) or weights_as is not None:
+        for name, p in module.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            weights[canonical_name(name)] = full.detach().float().cpu().clone()
+    rank = trainer.global_rank
+    if weights_as is not None:  # final weights of a checkpoint run: rank 0's, and under pp every rank's own stages
+        if rank == 0:
+            torch.save(weights, out / f"{weights_as}_weights.pt")
+        if pp > 1:
+            torch.save(weights, out / f"{weights_as}_weights_rank{rank}.pt")
     if ckpt_dir is not None or ckpt_path is not None:
         return recorder
-    weights = {}
-    for name, p in module.model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        weights[canonical_name(name)] = full.detach().float().cpu().clone()
-    rank = trainer.global_rank
     if layout.get("offload"):  # activation offload: the most host bytes held at once (0 would mean it never ran)
         recorder.bytes["host_offloaded"] = trainer.strategy.offload_stats.peak
     record = {
@@ -258,17 +265,22 @@ def resume_check(layout: dict, args: argparse.Namespace, out: Path, index: int) 
 def reshard(layouts: list, args: argparse.Namespace, out: Path) -> None:
     """``--reshard first``: for each layout (a dict with a ``"name"``), train ``args.steps`` straight, then the first
     half with a checkpoint (``out/<name>/last.ckpt``); ``--reshard resume``: resume each layout from the checkpoint
-    of the same ``name`` (saved on another layout) to ``args.steps``. One JSON record per layout and rank.
+    of the same ``name`` (saved on another layout) to ``args.steps``. One JSON record per layout and rank, and the
+    final weights of the straight and the resumed runs (``<name>_straight_weights.pt``, ``<name>_resumed_weights.pt``;
+    under pp one ``..._weights_rank<r>.pt`` per rank).
     ``--no-straight``: the first half only (the caller compares with a reference run of its own)."""
     rank = int(os.environ.get("RANK", "0"))
     for i, layout in enumerate(layouts):
         name = layout["name"]
         if args.reshard == "first":
-            straight = None if args.no_straight else run_one(layout, args, out, i)
+            # the straight run's final weights as <name>_straight_weights.pt (run_one's own file is per launch index)
+            straight = None if args.no_straight else run_one(layout, args, out, i, weights_as=f"{name}_straight")
             first = run_one(layout, args, out, i, max_steps=args.steps // 2, ckpt_dir=out / name)
             record = {"straight": straight.losses if straight else None, "first": first.losses}
         else:
-            second = run_one(layout, args, out, i, ckpt_path=str(out / name / "last.ckpt"))
+            second = run_one(
+                layout, args, out, i, ckpt_path=str(out / name / "last.ckpt"), weights_as=f"{name}_resumed"
+            )
             record = {"resumed": second.losses}
         (out / f"{name}_{args.reshard}_rank{rank}.json").write_text(json.dumps({"layout": layout, **record}))
 
