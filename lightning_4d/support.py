@@ -61,11 +61,6 @@ HF_SMOKE_REASON = (
     "the smoke runner builds lightning_4d's CausalLMModule (measure); a transformers model needs its own "
     "LightningModule (tests/scripts/hf_llama_4d.py), not in the smoke runner yet"
 )
-#: measure's own refusal of ep > 1 (lightning_4d.measure.measure_rank), why ep rows are not smoke-run
-EP_SMOKE_REASON = (
-    "measure cannot run expert parallelism on torch's fake process group (its all-to-all carries no token "
-    "counts); ep runs on gloo in the CPU tests"
-)
 
 
 def _flags(options: dict) -> list[str]:
@@ -499,21 +494,18 @@ ROWS: list[Row] = [
         "MoE dp2 ep2 ZeRO 1: experts split over ep, all-to-all dispatch",
         {"model": "tiny-moe", "dp": 2, "ep": 2},
         cpu_tests=(EP,),
-        smoke_skip=EP_SMOKE_REASON,
     ),
     Row(
         "moe-ep2-z3",
         "MoE dp2 ep2 ZeRO 3: expert FSDP2 units over the edp group",
         {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 3},
         cpu_tests=(EP,),
-        smoke_skip=EP_SMOKE_REASON,
     ),
     Row(
         "moe-pp2-ep2",
         "MoE pp2 dp2 ep2 1F1B",
         {"model": "tiny-moe", "pp": 2, "dp": 2, "ep": 2, "num_microbatches": 2},
         cpu_tests=("tests/test_moe_pipeline.py::test_moe_pp2_dp2_ep2_equals_one_process",),
-        smoke_skip=EP_SMOKE_REASON,
     ),
     Row(
         "ep-dense",
