@@ -478,19 +478,7 @@ def measure_rank(
 
     coords = _check_measure_args(pc, rank, steps, device)
     imbalance = check_expert_load_imbalance(expert_load_imbalance)
-    estimate = estimate_memory(
-        model_config,
-        pc,
-        micro_batch_size,
-        seq_length,
-        precision,
-        num_microbatches=pc.microbatches,
-        pp_rank=coords["pp"],
-        dp_cp_rank=coords["dp_cp"],
-        device_type=device,
-        overhead=OverheadAllowance(0, 0.0, "none"),
-        expert_load_imbalance=imbalance,
-    )
+    estimate = _rank_estimate(model_config, pc, coords, micro_batch_size, seq_length, precision, device, imbalance)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     init_fake_process_group(rank, pc.world_size)
     try:
@@ -517,6 +505,26 @@ def measure_rank(
             dist.destroy_process_group()
     out = {"rank": rank, "coordinates": coords, "measured": measured, "estimate": estimate.to_dict()}
     return {**out, "expert_rows": rows}
+
+
+def _rank_estimate(
+    model_config: Any, pc: ParallelConfig, coords: dict, b: int, s: int, precision: str, device: str, load: float
+) -> Any:
+    """:func:`~lightning_4d.memory.model.estimate_memory` of the rank at ``coords`` (:func:`rank_coordinates`),
+    without the overhead allowance, at expert load ``load``."""
+    return estimate_memory(
+        model_config,
+        pc,
+        b,
+        s,
+        precision,
+        num_microbatches=pc.microbatches,
+        pp_rank=coords["pp"],
+        dp_cp_rank=coords["dp_cp"],
+        device_type=device,
+        overhead=OverheadAllowance(0, 0.0, "none"),
+        expert_load_imbalance=load,
+    )
 
 
 def _check_measure_args(pc: ParallelConfig, rank: int, steps: int, device: str) -> dict[str, int]:
