@@ -1,6 +1,7 @@
 """Real-size ranks measured on this CPU machine against the estimate: ``lightning-4d measure`` for each row of
 :data:`ROWS` (one rank of a >= 8-way layout of llama3.2-1b / 3b / llama3.1-8b, ZeRO 1 and 3, none / selective /
-full checkpointing, 1F1B and interleaved, cp), each in its own process, two optimizer steps on synthetic tokens,
+full checkpointing, 1F1B and interleaved, cp; tiny-moe and Mixtral 8x7B under expert parallelism at the estimate's
+default load), each in its own process, two optimizer steps on synthetic tokens,
 the peak of live CPU tensor bytes (``lightning_4d.measure.LiveTensorBytes``) beside ``estimate`` per
 component. Goal: model states exact and the total within 5% on every row.
 

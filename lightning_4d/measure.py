@@ -12,7 +12,13 @@ What differs from a real run, and why it does not change the bytes:
 - :class:`MeasureStrategy` answers ``broadcast`` with the object itself (every rank computes the same object; the
   fake group cannot carry a pickled one);
 - under pp the stages learn their neighbours' tensor metadata from the layout instead of from a receive
-  (:func:`~lightning_4d.parallel._compat.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``.
+  (:func:`~lightning_4d.parallel._compat.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``;
+- under expert parallelism the dispatch's count exchange (``parallel/expert.py``: how many rows each source sends to
+  each local expert) is answered with a stated load instead of the other ranks' routing
+  (:func:`~lightning_4d.parallel._compat.answer_count_exchange`): the rank's experts receive
+  :func:`received_rows` rows per MoE layer, ``expert_load_imbalance`` times the balanced figure, the load the
+  estimate assumes; the all-to-all of the rows then allocates exactly that many (their values are whatever the fake
+  group left: memory is real, outputs meaningless).
 
 Measured peak:
 
