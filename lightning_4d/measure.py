@@ -201,6 +201,7 @@ def _strategy_class() -> type:
         micro_batch_size: int = 1
         seq_length: int = 1
         expert_rows: int = 0  # rows this rank's experts receive per MoE layer (received_rows)
+        dispatches: tuple = ()  # the expert dispatches of the rank's model (ExpertDispatch), read after the fit
         _answered: Any = None
 
         def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -238,10 +239,11 @@ def _strategy_class() -> type:
             from lightning_4d.parallel._compat import answer_count_exchange
             from lightning_4d.parallel.expert import ExpertDispatch
 
-            dispatches = [getattr(m, "dispatch", None) for m in self.model.modules()]
-            groups = [d.group for d in dispatches if isinstance(d, ExpertDispatch)]
-            if not groups:
+            found = [getattr(m, "dispatch", None) for m in self.model.modules()]
+            self.dispatches = tuple(d for d in found if isinstance(d, ExpertDispatch))
+            if not self.dispatches:
                 return contextlib.nullcontext()
+            groups = [d.group for d in self.dispatches]
             return answer_count_exchange(groups, functools.partial(spread_counts, self.expert_rows))
 
         def teardown(self) -> None:
@@ -470,8 +472,9 @@ def measure_rank(
             (:func:`received_rows`) and the estimate assumes it.
 
     Returns:
-        ``{"rank", "coordinates", "measured": fit_and_measure's dict, "estimate": MemoryEstimate.to_dict(),
-        "expert_rows": rows received per MoE layer (0 without ep)}``.
+        ``{"rank", "coordinates", "measured": fit_and_measure's dict + "received_rows" (the most rows an MoE layer's
+        experts ran in its last exchange, as ``ExpertDispatch`` counted them), "estimate": MemoryEstimate.to_dict(),
+        "expert_rows": the rows stated per MoE layer (:func:`received_rows`; 0 without ep)}``.
 
     Raises:
         ValueError: a rank outside the world, ``steps`` < 1, an unknown device, CUDA asked for but absent, an
@@ -509,6 +512,8 @@ def measure_rank(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # the rows the experts ran in the last exchange of each MoE layer, as the dispatch counted them (its split sizes)
+    measured["received_rows"] = max((d.received_rows for d in strategy.dispatches), default=0)
     out = {"rank": rank, "coordinates": coords, "measured": measured, "estimate": estimate.to_dict()}
     return {**out, "expert_rows": rows}
 

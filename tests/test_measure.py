@@ -272,7 +272,9 @@ def test_measure_under_expert_parallelism_receives_the_stated_load():
     moe = LlamaConfig.from_preset("tiny-moe")
     out = _measure_cli(["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--seq-length", "512"], 0, "bf16-mixed")
     tokens, ep = 512, 2
-    assert out["expert_rows"] == math.ceil(DEFAULT_EXPERT_LOAD_IMBALANCE * tokens * moe.num_experts_per_token)
+    stated = math.ceil(DEFAULT_EXPERT_LOAD_IMBALANCE * tokens * moe.num_experts_per_token)
+    # what the dispatch ran (its split sizes after the answered count exchange) is the stated load
+    assert out["expert_rows"] == out["measured"]["received_rows"] == stated
     with torch.device("meta"):
         model = LlamaModel(moe)
     total = sum(p.numel() for p in model.parameters())
