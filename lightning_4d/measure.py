@@ -12,7 +12,13 @@ What differs from a real run, and why it does not change the bytes:
 - :class:`MeasureStrategy` answers ``broadcast`` with the object itself (every rank computes the same object; the
   fake group cannot carry a pickled one);
 - under pp the stages learn their neighbours' tensor metadata from the layout instead of from a receive
-  (:func:`~lightning_4d.parallel._compat.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``.
+  (:func:`~lightning_4d.parallel._compat.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``;
+- under expert parallelism the dispatch's count exchange (``parallel/expert.py``: how many rows each source sends to
+  each local expert) is answered with a stated load instead of the other ranks' routing
+  (:func:`~lightning_4d.parallel._compat.answer_count_exchange`): the rank's experts receive
+  :func:`received_rows` rows per MoE layer, ``expert_load_imbalance`` times the balanced figure, the load the
+  estimate assumes; the all-to-all of the rows then allocates exactly that many (their values are whatever the fake
+  group left: memory is real, outputs meaningless).
 
 Measured peak:
 
@@ -29,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
+import math
 import os
 import sys
 import weakref
@@ -44,7 +52,7 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.layout import config_kwargs
 from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
-from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
+from lightning_4d.memory.model import check_expert_load_imbalance, estimate_all_pp_ranks, estimate_memory
 from lightning_4d.parallel._compat import TorchDispatchMode, local_tensor as _local, tree_flatten
 
 if TYPE_CHECKING:
@@ -82,9 +90,11 @@ def worst_rank(
     precision: str,
     num_microbatches: Optional[int] = None,
     device_type: str = "cuda",
+    expert_load_imbalance: Optional[float] = None,
 ) -> int:
     """The global rank (dp, cp and tp coordinates 0: rank 0 of ``dp_cp`` holds the largest ZeRO shard) of the pp
-    rank whose estimated peak is the largest (:func:`~lightning_4d.memory.model.estimate_all_pp_ranks`)."""
+    rank whose estimated peak is the largest (:func:`~lightning_4d.memory.model.estimate_all_pp_ranks`;
+    ``expert_load_imbalance`` as :func:`measure_rank` takes it)."""
     estimates = estimate_all_pp_ranks(
         model_config,
         pc,
@@ -93,6 +103,7 @@ def worst_rank(
         precision,
         num_microbatches=num_microbatches,
         device_type=device_type,
+        expert_load_imbalance=expert_load_imbalance,
     )
     pp_rank = max(range(pc.pp), key=lambda r: estimates[r].total)
     return pp_rank * pc.dp * pc.cp * pc.tp
@@ -189,6 +200,8 @@ def _strategy_class() -> type:
 
         micro_batch_size: int = 1
         seq_length: int = 1
+        expert_rows: int = 0  # rows this rank's experts receive per MoE layer (received_rows)
+        dispatches: tuple = ()  # the expert dispatches of the rank's model (ExpertDispatch), read after the fit
         _answered: Any = None
 
         def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -196,8 +209,16 @@ def _strategy_class() -> type:
 
         def setup(self, trainer: Any) -> None:
             super().setup(trainer)
+            self._answered = [self._answer_pipeline(), self._answer_experts()]
+            for ctx in self._answered:
+                ctx.__enter__()
+
+        def _answer_pipeline(self) -> Any:
+            """The stages' neighbour metadata, from the layout (module docstring)."""
+            from lightning_4d.parallel._compat import answer_pipeline_metadata
+
             if self.pipeline is None:
-                return
+                return contextlib.nullcontext()
             pc = self.parallel_config
             chunk = self.pipeline.stages[0].submod
             comm = pc.pipeline_comm_dtype
@@ -211,15 +232,24 @@ def _strategy_class() -> type:
                 dtype=dtype,
                 device="meta",
             )
-            from lightning_4d.parallel._compat import answer_pipeline_metadata
+            return answer_pipeline_metadata(self.pipeline.stages, boundary)
 
-            self._answered = answer_pipeline_metadata(self.pipeline.stages, boundary)
-            self._answered.__enter__()
+        def _answer_experts(self) -> Any:
+            """The expert dispatch's count exchange answered with ``expert_rows`` received rows (module docstring)."""
+            from lightning_4d.parallel._compat import answer_count_exchange
+            from lightning_4d.parallel.expert import ExpertDispatch
+
+            found = [getattr(m, "dispatch", None) for m in self.model.modules()]
+            self.dispatches = tuple(d for d in found if isinstance(d, ExpertDispatch))
+            if not self.dispatches:
+                return contextlib.nullcontext()
+            groups = [d.group for d in self.dispatches]
+            return answer_count_exchange(groups, functools.partial(spread_counts, self.expert_rows))
 
         def teardown(self) -> None:
-            if self._answered is not None:
-                self._answered.__exit__(None, None, None)
-                self._answered = None
+            for ctx in reversed(self._answered or []):
+                ctx.__exit__(None, None, None)
+            self._answered = None
             super().teardown()
 
     return MeasureStrategy
@@ -299,38 +329,12 @@ def fit_and_measure(
         (:func:`cuda_library_bytes`: their workspaces; alive through the fit, so inside the peak; 0 on CPU)).
     """
     import lightning as L
-    from torch.utils.data import DataLoader, IterableDataset
+    from torch.utils.data import DataLoader
 
     from lightning_4d.strategy import FourDStrategy
     from lightning_4d.tasks import CausalLMModule
 
-    m = pc.microbatches if pc.pp > 1 else 1
-    batch = micro_batch_size * m
-    vocab = model_config.vocab_size
-
-    class Tokens(IterableDataset):
-        def __iter__(self):
-            g = torch.Generator().manual_seed(0)
-            for _ in range(steps):
-                ids = torch.randint(0, vocab, (batch, seq_length + 1), generator=g)
-                yield {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-
     states: dict[str, int] = {}
-
-    class StateBytes(L.Callback):
-        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
-            if "parameters" not in states:
-                t = model_state_tensors(module, [], getattr(trainer.strategy, "_buckets", None))
-                states["parameters"] = local_bytes(t["parameters"])
-                states["gradients"] = local_bytes(t["gradients"])
-
-        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
-            if "optimizer_states" not in states:
-                t = model_state_tensors(module, trainer.optimizers, getattr(trainer.strategy, "_buckets", None))
-                # the optimizer states include the master weights and PowerSGD's state, as the estimate's do
-                states["optimizer_states"] = local_bytes(t["optimizer_states"])
-                states["master_weights"] = local_bytes(t["master_weights"])
-
     if strategy is None:
         strategy = FourDStrategy(**_strategy_kwargs(pc), memory_check=False, compile=compile)
     cuda = device == "cuda"
@@ -357,10 +361,12 @@ def fit_and_measure(
             limit_val_batches=0,
             num_sanity_val_steps=0,
             use_distributed_sampler=False,
-            callbacks=[StateBytes(), *(callbacks or [])],
+            callbacks=[_state_bytes_callback(states), *(callbacks or [])],
         )
         trainer = L.Trainer(**{**kwargs, **(trainer_kwargs or {})})
-        trainer.fit(module, DataLoader(Tokens(), batch_size=None))
+        batch = micro_batch_size * (pc.microbatches if pc.pp > 1 else 1)
+        tokens = _synthetic_tokens(model_config.vocab_size, batch, seq_length, steps)
+        trainer.fit(module, DataLoader(tokens, batch_size=None))
     if cuda:
         torch.cuda.synchronize()
         out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
@@ -372,6 +378,44 @@ def fit_and_measure(
     del trainer, module
     gc.collect()
     return out
+
+
+def _synthetic_tokens(vocab: int, batch: int, seq_length: int, steps: int) -> Any:
+    """An iterable dataset of ``steps`` batches ``{"input_ids", "labels"}`` ``[batch, seq_length]`` of random token
+    ids below ``vocab`` (seeded), the labels the inputs shifted by one."""
+    from torch.utils.data import IterableDataset
+
+    class Tokens(IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for _ in range(steps):
+                ids = torch.randint(0, vocab, (batch, seq_length + 1), generator=g)
+                yield {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+    return Tokens()
+
+
+def _state_bytes_callback(states: dict[str, int]) -> Any:
+    """A Lightning callback that fills ``states`` with this rank's model-state bytes (:func:`model_state_tensors`,
+    :func:`local_bytes`) once: ``parameters`` and ``gradients`` before the first optimizer step,
+    ``optimizer_states`` (with the master weights and PowerSGD's state, as the estimate counts them) and
+    ``master_weights`` after the first batch."""
+    import lightning as L
+
+    class StateBytes(L.Callback):
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            if "parameters" not in states:
+                t = model_state_tensors(module, [], getattr(trainer.strategy, "_buckets", None))
+                states["parameters"] = local_bytes(t["parameters"])
+                states["gradients"] = local_bytes(t["gradients"])
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            if "optimizer_states" not in states:
+                t = model_state_tensors(module, trainer.optimizers, getattr(trainer.strategy, "_buckets", None))
+                states["optimizer_states"] = local_bytes(t["optimizer_states"])
+                states["master_weights"] = local_bytes(t["master_weights"])
+
+    return StateBytes()
 
 
 def cuda_library_bytes(dtypes: tuple = (torch.float32, torch.bfloat16)) -> int:
@@ -407,6 +451,7 @@ def measure_rank(
     device: str = "cpu",
     compile: bool = False,
     callbacks: Optional[list] = None,
+    expert_load_imbalance: Optional[float] = None,
 ) -> dict[str, Any]:
     """Rank ``rank`` of layout ``pc`` trained for ``steps`` steps in this process on a fake process group, measured
     (:func:`fit_and_measure`) beside :func:`~lightning_4d.memory.model.estimate_memory` of its pp rank and
@@ -422,47 +467,27 @@ def measure_rank(
         device: ``"cpu"`` or ``"cuda"``.
         compile: ``torch.compile`` each decoder layer (``FourDStrategy(compile=True)``).
         callbacks: Lightning callbacks added to the run (:mod:`lightning_4d.support`'s smoke checks).
+        expert_load_imbalance: under expert parallelism, the load the rank's experts receive, over the balanced
+            figure (>= 1; ``None``: the estimate's default): the fake group's count exchange answers it
+            (:func:`received_rows`) and the estimate assumes it.
 
     Returns:
-        ``{"rank", "coordinates", "measured": fit_and_measure's dict, "estimate": MemoryEstimate.to_dict()}``.
+        ``{"rank", "coordinates", "measured": fit_and_measure's dict + "received_rows" (the most rows an MoE layer's
+        experts ran in its last exchange, as ``ExpertDispatch`` counted them), "estimate": MemoryEstimate.to_dict(),
+        "expert_rows": the rows stated per MoE layer (:func:`received_rows`; 0 without ep)}``.
 
     Raises:
-        ValueError: a rank outside the world, ``steps`` < 1, an unknown device, CUDA asked for but absent,
-            ``expert_parallel_size`` > 1 (the fake process group's all-to-all carries no token counts); layout
-            errors come from ``ParallelConfig`` before this is called.
+        ValueError: a rank outside the world, ``steps`` < 1, an unknown device, CUDA asked for but absent, an
+            ``expert_load_imbalance`` below 1; layout errors come from ``ParallelConfig`` before this is called.
         RuntimeError: a process group already exists in this process.
     """
     import torch.distributed as dist
 
     from lightning_4d.parallel._compat import init_fake_process_group
 
-    coords = rank_coordinates(pc, rank)
-    if steps < 1:
-        raise ValueError(f"--steps {steps} is not valid: expected an integer >= 1.")
-    if pc.ep > 1:
-        raise ValueError(
-            f"expert_parallel_size={pc.ep}: measure cannot run expert parallelism on torch's fake "
-            "process group (its all-to-all carries no token counts); measure ep layouts with torchrun "
-            "on gloo (tests/test_expert_parallel.py), or expert_parallel_size=1 here."
-        )
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r} is not valid: expected cpu or cuda.")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu).")
-    if dist.is_initialized():
-        raise RuntimeError("measure needs a process of its own: a process group is already initialized.")
-    estimate = estimate_memory(
-        model_config,
-        pc,
-        micro_batch_size,
-        seq_length,
-        precision,
-        num_microbatches=pc.microbatches,
-        pp_rank=coords["pp"],
-        dp_cp_rank=coords["dp_cp"],
-        device_type=device,
-        overhead=OverheadAllowance(0, 0.0, "none"),
-    )
+    coords = _check_measure_args(pc, rank, steps, device)
+    imbalance = check_expert_load_imbalance(expert_load_imbalance)
+    estimate = _rank_estimate(model_config, pc, coords, micro_batch_size, seq_length, precision, device, imbalance)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     init_fake_process_group(rank, pc.world_size)
     try:
@@ -470,6 +495,8 @@ def measure_rank(
             **_strategy_kwargs(pc), memory_check=False, process_group_backend="fake", compile=compile
         )
         strategy.micro_batch_size, strategy.seq_length = micro_batch_size, seq_length
+        rows = received_rows(model_config, pc, micro_batch_size, seq_length, imbalance)
+        strategy.expert_rows = rows
         measured = fit_and_measure(
             model_config,
             pc,
@@ -485,7 +512,81 @@ def measure_rank(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return {"rank": rank, "coordinates": coords, "measured": measured, "estimate": estimate.to_dict()}
+    # the rows the experts ran in the last exchange of each MoE layer, as the dispatch counted them (its split sizes)
+    measured["received_rows"] = max((d.received_rows for d in strategy.dispatches), default=0)
+    out = {"rank": rank, "coordinates": coords, "measured": measured, "estimate": estimate.to_dict()}
+    return {**out, "expert_rows": rows}
+
+
+def _rank_estimate(
+    model_config: Any, pc: ParallelConfig, coords: dict, b: int, s: int, precision: str, device: str, load: float
+) -> Any:
+    """:func:`~lightning_4d.memory.model.estimate_memory` of the rank at ``coords`` (:func:`rank_coordinates`),
+    without the overhead allowance, at expert load ``load``."""
+    return estimate_memory(
+        model_config,
+        pc,
+        b,
+        s,
+        precision,
+        num_microbatches=pc.microbatches,
+        pp_rank=coords["pp"],
+        dp_cp_rank=coords["dp_cp"],
+        device_type=device,
+        overhead=OverheadAllowance(0, 0.0, "none"),
+        expert_load_imbalance=load,
+    )
+
+
+def _check_measure_args(pc: ParallelConfig, rank: int, steps: int, device: str) -> dict[str, int]:
+    """:func:`measure_rank`'s checks before anything is allocated; returns :func:`rank_coordinates`."""
+    import torch.distributed as dist
+
+    coords = rank_coordinates(pc, rank)
+    if steps < 1:
+        raise ValueError(f"--steps {steps} is not valid: expected an integer >= 1.")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r} is not valid: expected cpu or cuda.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu).")
+    if dist.is_initialized():
+        raise RuntimeError("measure needs a process of its own: a process group is already initialized.")
+    return coords
+
+
+def received_rows(model_config: Any, pc: ParallelConfig, micro_batch_size: int, seq_length: int, load: float) -> int:
+    """Rows (token assignments) the measured rank's experts receive in one MoE layer's dispatch under expert
+    parallelism at load ``load`` (``expert_load_imbalance``); 0 without ep or without experts.
+
+    Every rank of the ep group routes ``T = b·(s/cp)/tp`` tokens (the MoE layers are token parallel over tp) and
+    keeps ``N = T·k`` assignments (under a capacity factor at most ``E·C``, ``C`` =
+    :func:`lightning_4d.models.moe.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks is
+    ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
+    under a capacity at most ``E·C`` (each of its ``E/ep`` experts takes at most ``C`` rows from each of the ``ep``
+    sources). The load imbalance's definition: ``ExpertDispatch``'s ``received_rows`` over the ep group's mean
+    (:class:`lightning_4d.callbacks.ExpertLoadMonitor`).
+    """
+    from lightning_4d.models.moe import capacity
+
+    if pc.ep == 1 or not getattr(model_config, "num_experts", 0):
+        return 0
+    tokens = micro_batch_size * (seq_length // pc.cp) // pc.tp
+    n = tokens * model_config.num_experts_per_token
+    cap = capacity(model_config, tokens)
+    if cap is not None:
+        n = min(n, model_config.num_experts * cap)
+    rows = min(math.ceil(load * n), pc.ep * n)
+    return rows if cap is None else min(rows, model_config.num_experts * cap)
+
+
+def spread_counts(rows: int, sent: Tensor) -> Tensor:
+    """The counts an ep rank receives in the count exchange (``ExpertDispatch.exchange``: ``[ep, E/ep]``, source
+    major, flattened like ``sent`` ``[E]``) when its experts receive ``rows`` rows in all, spread as evenly as
+    integers allow over every (source, local expert) pair."""
+    per, rest = divmod(rows, sent.numel())
+    out = torch.full_like(sent, per)
+    out[:rest] += 1
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- the command
@@ -498,19 +599,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
     pc.validate_microbatches(pc.microbatches)
+    size = (args.micro_batch_size, args.seq_length, args.precision)
+    load = args.expert_load_imbalance
     rank = args.rank
     if rank == "worst":
-        rank = worst_rank(cfg, pc, args.micro_batch_size, args.seq_length, args.precision, device_type=args.device)
+        rank = worst_rank(cfg, pc, *size, device_type=args.device, expert_load_imbalance=load)
     out = measure_rank(
-        cfg,
-        pc,
-        rank,
-        args.micro_batch_size,
-        args.seq_length,
-        args.precision,
-        steps=args.steps,
-        device=args.device,
-        compile=args.compile,
+        cfg, pc, rank, *size, steps=args.steps, device=args.device, compile=args.compile, expert_load_imbalance=load
     )
     est, got = out["estimate"], out["measured"]
     states = {k: got.get(k) for k in ("parameters", "gradients", "optimizer_states")}
@@ -546,6 +641,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             pipeline_schedule=pc.pipeline_schedule,
             num_microbatches=pc.microbatches,
             virtual_pipeline_stages=pc.v,
+            expert_parallel_size=pc.ep,
             compile=args.compile,
         ),
         rows=[

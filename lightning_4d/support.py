@@ -41,7 +41,6 @@ from typing import Any, Optional
 
 from lightning_4d.support_rows import (  # noqa: F401 (re-exported: the matrix is read from here)
     DEFAULTS,
-    EP_SMOKE_REASON,
     FAMILIES,
     HF_SMOKE_REASON,
     ROWS,

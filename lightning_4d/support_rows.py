@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["DEFAULTS", "EP_SMOKE_REASON", "FAMILIES", "HF_SMOKE_REASON", "ROWS", "Row", "measure_flags"]
+__all__ = ["DEFAULTS", "FAMILIES", "HF_SMOKE_REASON", "ROWS", "Row", "measure_flags"]
 
 #: the layout every row starts from (``lightning-4d measure``'s option names, as argparse stores them)
 DEFAULTS: dict[str, Any] = {
@@ -28,11 +28,6 @@ FAMILIES = {"ours": "lightning_4d Llama", "hf-llama": "transformers Llama", "hf-
 HF_SMOKE_REASON = (
     "the smoke runner builds lightning_4d's CausalLMModule (measure); a transformers model needs its own "
     "LightningModule (tests/scripts/hf_llama_4d.py), not in the smoke runner yet"
-)
-#: measure's own refusal of ep > 1 (lightning_4d.measure.measure_rank), why ep rows are not smoke-run
-EP_SMOKE_REASON = (
-    "measure cannot run expert parallelism on torch's fake process group (its all-to-all carries no token "
-    "counts); ep runs on gloo in the CPU tests"
 )
 
 
@@ -458,7 +453,6 @@ ROWS: list[Row] = [
         "activation offload of an MoE layer under dp2 ep2 ZeRO 2 (the all-to-all's received rows in host memory)",
         {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 2, "activation_offload_layers": 1},
         cpu_tests=(EP,),
-        smoke_skip=EP_SMOKE_REASON,
     ),
     Row(
         "offload-checkpointing",
@@ -541,14 +535,12 @@ ROWS: list[Row] = [
         "MoE dp2 ep2 ZeRO 1: experts split over ep, all-to-all dispatch",
         {"model": "tiny-moe", "dp": 2, "ep": 2},
         cpu_tests=(EP,),
-        smoke_skip=EP_SMOKE_REASON,
     ),
     Row(
         "moe-ep2-z3",
         "MoE dp2 ep2 ZeRO 3: expert FSDP2 units over the edp group",
         {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 3},
         cpu_tests=(EP,),
-        smoke_skip=EP_SMOKE_REASON,
     ),
     Row(
         "moe-pp2-ep2",
@@ -558,7 +550,6 @@ ROWS: list[Row] = [
             "tests/test_moe_pipeline.py::test_moe_pp2_dp2_ep2_equals_one_process",
             "tests/test_expert_parallel.py::test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2",
         ),
-        smoke_skip=EP_SMOKE_REASON,
     ),
     Row(
         "ep-dense",

@@ -478,3 +478,10 @@ def test_schedule_rank_operations_names():
         used = {a for a in _compat.SCHEDULE_RANK_OPERATIONS_ATTRIBUTES if f"self.{a}" in source}
         assert used and used <= set(_compat.SCHEDULE_RANK_OPERATIONS_ATTRIBUTES), name
     assert _compat.schedule_rank_actions("ScheduleZBVZeroBubble", 2, 0, 4)[:3] == [(0, "F")] * 3
+
+
+def test_all_to_all_single_takes_what_answer_count_exchange_reads():
+    """``answer_count_exchange`` replaces ``torch.distributed.all_to_all_single`` and reads its arguments by position
+    and name: output, input, output_split_sizes, input_split_sizes, group."""
+    params = list(inspect.signature(dist.all_to_all_single).parameters)
+    assert params[:5] == ["output", "input", "output_split_sizes", "input_split_sizes", "group"]

@@ -56,7 +56,7 @@ def test_estimate_bad_ep_is_one_line_exit_2(capsys, extra, expected):
     assert err.startswith("lightning-4d estimate: error:")
 
 
-def test_ep_for_a_dense_model_and_measure_with_ep_are_refused(capsys):
+def test_ep_for_a_dense_model_and_a_bad_load_for_measure_are_refused(capsys):
     _one_line_error(
         capsys,
         ["estimate", "--model", "llama3-8b", "--dp", "8", "--ep", "2", "--micro-batch-size", "1", "--seq-length", "64"],
@@ -66,10 +66,17 @@ def test_ep_for_a_dense_model_and_measure_with_ep_are_refused(capsys):
     )
     _one_line_error(
         capsys,
-        ["measure", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--micro-batch-size", "1", "--seq-length", "64"],
-        "expert_parallel_size=2",
-        "fake process group",
+        # measure takes ep (its fake group answers the stated load: tests/test_measure.py), not a load below 1
+        [
+            "measure",
+            *("--model", "tiny-moe", "--dp", "2", "--ep", "2", "--micro-batch-size", "1", "--seq-length", "64"),
+            *("--expert-load-imbalance", "0.5"),
+        ],
+        "expert_load_imbalance=0.5 is not valid",
     )
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize("command", ["estimate", "plan"])
@@ -125,7 +132,9 @@ def test_plan_llama4_scout_on_32_h100_lists_ep_layouts(capsys):
     what is measured alive on CPU (issue 25: no 2 units of unsharded gradients and their float32 casts at the end of
     backward) the least memory was 63.0 GiB (ZeRO 3 cp4 dp8 ep16); since the start of backward counts the root's
     all-gather output beside its unsharded parameters while FSDP2 copies them out (measured on CPU, a dense model
-    with Llama 3's vocabulary: the estimate was 5.3% low without it) it is 64.03 GiB, just over 80% of 80 GiB in
+    with Llama 3's vocabulary: the estimate was 5.3% low without it) it was 64.03 GiB, just over 80% of 80 GiB; since
+    the expert-parallel all-to-all buffers are counted in a phase of their own, not beside the loss' working set
+    (measured with ``lightning-4d measure`` on tiny-moe ep2), 63.99 GiB, just within 80% of 80 GiB in
     bf16-mixed (16 bytes of float32 states per parameter: 50.2 GiB of the 64 GiB; docs/moe.md, Limits), and
     ``plan --budget 0.95``
     lists the ep layouts, with their JSON fields. tp1 pp1 only, for time (0.5 s instead of
@@ -141,8 +150,8 @@ def test_plan_llama4_scout_on_32_h100_lists_ep_layouts(capsys):
     first, last = (model_state_bytes(cfg, pc, "bf16-mixed", dp_cp_rank=r).parameters for r in (0, pc.dp_cp - 1))
     one_expert = 4 * 3 * cfg.hidden_size * cfg.expert_intermediate_size  # float32 w1, w3, w2 of one expert
     assert abs(first - last) < one_expert
-    # bf16-mixed at the 80% budget: docs/moe.md, Limits (64.03 GiB of 64)
-    assert not best.fits and best.zero_stage == 3 and best.memory <= 0.81 * H100.memory
+    # bf16-mixed at the 80% budget: docs/moe.md, Limits (63.99 GiB of 64)
+    assert best.zero_stage == 3 and 0.79 * H100.memory <= best.memory <= 0.81 * H100.memory
     argv = [
         "plan",
         "--model",

@@ -202,8 +202,8 @@ def _load_imbalance_option(p: argparse.ArgumentParser) -> None:
 _COMMAND_NOTES = {
     ("estimate", "num_microbatches"): "; at pp = 1 the gradient-accumulation steps per optimizer step (Lightning's "
     "accumulate_grad_batches, also --accumulate-grad-batches), as plan and the pre-fit check count them (default 1)",
-    ("measure", "expert_parallel_size"): "; measure refuses ep > 1 (the fake process group's all-to-all carries no "
-    "counts)",
+    ("measure", "expert_parallel_size"): "; measure answers the fake process group's count exchange with the rows "
+    "--expert-load-imbalance states (docs/memory.md)",
 }
 
 
@@ -251,8 +251,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             "--compile", action="store_true", help="torch.compile each decoder layer (FourDStrategy(compile=True))"
         )
     if command in ("estimate", "measure"):
-        if command == "estimate":
-            _load_imbalance_option(p)
+        _load_imbalance_option(p)
         group = p.add_mutually_exclusive_group()
         for f in LAYOUT_FIELDS:
             if f.flags:

@@ -87,14 +87,16 @@ first one), and the estimate is the largest:
   done) + ZeRO 0/1's gradient buckets when the step has several micro-batches (a pipeline, gradient accumulation:
   the buckets exist from the first backward to the end of the optimizer step; with one micro-batch they are made
   during backward as the layers' activations are freed, which peaks at the end of backward) + one layer's
-  context-parallel and MoE all-to-all (:func:`lightning_4d.memory.moe.all_to_all_buffers`) transients;
+  context-parallel transients;
+- expert-parallel backward (ep > 1): the activations less what the loss' backward freed, + one MoE layer's
+  all-to-all receive buffers at the stated load (:func:`lightning_4d.memory.moe.all_to_all_buffers`), as the
+  recompute phase;
 - head backward (the last stage under tp with sp; :func:`~lightning_4d.memory.tensor_parallel.head_backward_transient`):
-the activations (without a
-  layer's recomputed set: none is being recomputed yet) less what the loss' backward freed (all it saved but the
-  labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of the head's
-  backward (the input gathered again, its gradient and the reduce-scatter's copies, or
-  ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with
-  several micro-batches per step);
+  the activations (without a layer's recomputed set: none is being recomputed yet) less what the loss' backward freed
+  (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of
+  the head's backward (the input gathered again, its gradient and the reduce-scatter's copies, or
+  ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with several
+  micro-batches per step);
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
   gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its hook
   adds it to the bucket; 2: two FSDP2 units of unsharded gradients) + gathered parameters; at ZeRO 3 without pp the
@@ -250,8 +252,8 @@ class MemoryEstimate:
             all-to-all buffers under ep.
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
-        peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"`` or
-            ``"initialization"``.
+        peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"``,
+            ``"expert-parallel backward"`` or ``"initialization"``.
         pp_rank: the pp rank this is for (it holds the pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
@@ -422,8 +424,8 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
     ``initialization``: :func:`lightning_4d.memory.buffers.initialization_bytes` (before the first step: no
     optimizer states yet)."""
     # alive through forward and backward: autocast's weight copies, pipeline receive buffers, one layer's
-    # context-parallel and MoE all-to-all transients
-    layer_transients = act.compute_weights + buf.pipeline + buf.context_parallel + buf.all_to_all
+    # context-parallel transients (an MoE layer's all-to-all buffers: their own phase below)
+    layer_transients = act.compute_weights + buf.pipeline + buf.context_parallel
     phases = {
         "initialization": initialization - states.parameters - states.optimizer_states,
         # the loss' backward (its working set beside the saved logits) ends before the head's weight gradient exists,
@@ -449,6 +451,11 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         phases["input pass"] = act.input_pass + layer_transients + buf.resident_gradients
     if act.recompute:
         phases["recompute"] = _recompute_phase(act, buf, layer_transients)
+    if buf.all_to_all:
+        # an MoE layer's backward under ep: its all-to-all buffers exist after the loss' backward (not beside the
+        # loss' working set: measured on CPU, tiny-moe dp2 ep2 ZeRO 1 s=512 bf16-mixed, the peak at backward start
+        # was the estimate's without these buffers, 0.7% apart)
+        phases["expert-parallel backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.all_to_all
     if buf.forward_gradients:
         # the loss' forward at ZeRO 2/3 without pp: every saved tensor but a recomputed layer's, the loss' chunk, the
         # previous step's gradient shards (freed by zero_grad only after the forward)
@@ -473,11 +480,15 @@ def _recompute_phase(act: Activations, buf: Buffers, layer_transients: int) -> i
         transient = max(buf.recompute_backward, buf.context_parallel) - buf.context_parallel
     else:
         transient = buf.recompute_backward
+    return _after_loss(act, buf, layer_transients) - act.head_freed + transient
+
+
+def _after_loss(act: Activations, buf: Buffers, layer_transients: int) -> int:
+    """A layer's backward once the loss' backward has freed what it saved but the labels: the activations, the
+    layer transients, the gradients gathered or resident at backward start and the first gradient bucket."""
     return (
         act.activations
         - act.loss_freed
-        - act.head_freed
-        + transient
         + layer_transients
         + buf.gathered_start
         + buf.resident_gradients

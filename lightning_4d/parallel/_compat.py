@@ -11,7 +11,7 @@ Tested with torch 2.13.0 and lightning 2.6.6; flash-attn 2.7-2.8 for the ``flash
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
 from torch import Tensor
@@ -489,6 +489,49 @@ def answer_pipeline_metadata(stages: list, boundary: Tensor) -> Any:
             yield
         finally:
             _dist.recv_object_list = original
+
+    return answered()
+
+
+def answer_count_exchange(groups: list, answer: Callable[[Tensor], Tensor]) -> Any:
+    """A context manager: while it is entered, ``torch.distributed.all_to_all_single`` called with equal splits (no
+    split sizes) on an integer tensor over a process group in ``groups`` (the per-expert count exchange of
+    :meth:`lightning_4d.parallel.expert.ExpertDispatch.exchange`) writes ``answer(input)`` into its output (same
+    shape and dtype) after the group has run it; every other call is the group's alone. For a fake process group
+    (:func:`init_fake_process_group`), whose all-to-all leaves the output as it was: the rank then receives the
+    rows ``answer`` states, and the uneven all-to-all that follows allocates them. The function is replaced on the
+    ``torch.distributed`` module while entered (the callers look it up there at each call), as
+    :func:`answer_pipeline_metadata` replaces ``recv_object_list``.
+
+    Raises:
+        ValueError: ``answer`` returns a tensor whose shape differs from the input's (on the call).
+    """
+    import contextlib
+
+    ids = {id(g) for g in groups}
+
+    @contextlib.contextmanager
+    def answered() -> Any:
+        original = _dist.all_to_all_single
+
+        def all_to_all_single(output: Tensor, input: Tensor, output_split_sizes: Any = None, *args: Any, **kw: Any):
+            work = original(output, input, output_split_sizes, *args, **kw)
+            group = kw.get("group", args[1] if len(args) > 1 else None)
+            equal = output_split_sizes is None and kw.get("input_split_sizes", args[0] if args else None) is None
+            if equal and id(group) in ids and not input.is_floating_point():
+                got = answer(input)
+                if got.shape != output.shape:
+                    raise ValueError(
+                        f"answer_count_exchange: answered {tuple(got.shape)}, expected {tuple(output.shape)}"
+                    )
+                output.copy_(got)
+            return work
+
+        _dist.all_to_all_single = all_to_all_single
+        try:
+            yield
+        finally:
+            _dist.all_to_all_single = original
 
     return answered()
 
