@@ -52,7 +52,8 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.layout import config_kwargs
 from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
-from lightning_4d.memory.model import check_expert_load_imbalance, estimate_all_pp_ranks, estimate_memory
+from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
+from lightning_4d.memory.moe import check_expert_load_imbalance
 from lightning_4d.parallel._compat import TorchDispatchMode, local_tensor as _local, tree_flatten
 
 if TYPE_CHECKING:

@@ -266,7 +266,7 @@ def test_measure_under_expert_parallelism_receives_the_stated_load():
     import torch
 
     from lightning_4d.measure import spread_counts
-    from lightning_4d.memory.model import DEFAULT_EXPERT_LOAD_IMBALANCE
+    from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE
     from lightning_4d.models import LlamaModel
 
     moe = LlamaConfig.from_preset("tiny-moe")
