@@ -53,7 +53,7 @@ def run(mode: str, b: int, s: int, steps: int) -> dict:
             loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:])
             loss.backward()
             times.append(time.perf_counter() - t0)
-            first_loss = float(loss) if first_loss is None else first_loss
+            first_loss = float(loss.detach()) if first_loss is None else first_loss
             model.zero_grad(set_to_none=True)
     return {
         "first_s": times[0],
