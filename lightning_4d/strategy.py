@@ -121,7 +121,8 @@ class FourDStrategy(ModelParallelStrategy):
         pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
             activations and gradients sent between pipeline stages.
         compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, pp, cp, ep,
-            activation checkpointing and offload, our Llama and the transformers families; not yet with tp > 1;
+            full activation checkpointing and offload, our Llama and the transformers families; not yet with tp > 1
+            nor selective checkpointing;
             ``docs/parallelism.md``.
         fsdp_blocks: for a LightningModule that is not a ``lightning_4d`` Llama (any module: data parallel only)
             at ZeRO 2/3, the classes whose instances become their own FSDP2 units, as dotted class paths
@@ -149,6 +150,7 @@ class FourDStrategy(ModelParallelStrategy):
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
             ``seq_length``, else when the batch is sharded.
         NotImplementedError: compile=True with tensor_parallel_size > 1.
+        ValueError: compile=True with activation_checkpointing='selective'.
     """
 
     strategy_name = "fourd"
@@ -197,7 +199,7 @@ class FourDStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
-        validate_compile(compile, tensor_parallel_size)
+        validate_compile(compile, tensor_parallel_size, activation_checkpointing)
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None

@@ -448,6 +448,16 @@ ROWS: list[Row] = [
         error_type="NotImplementedError",
     ),
     Row(
+        "compile-selective",
+        "torch.compile with selective activation checkpointing",
+        {"compile": True, "activation_checkpointing": "selective"},
+        refused=(
+            "compile=True with activation_checkpointing='selective' is not supported: a graph break inside the "
+            "checkpointed layer (context-parallel attention, Mixture-of-Experts layers) would run it eagerly. Use "
+            "activation_checkpointing='full' or 'none' with compile=True."
+        ),
+    ),
+    Row(
         "compile-offload",
         "torch.compile per layer with activation offload, pp2 dp2 1F1B",
         {"pp": 2, "dp": 2, "num_microbatches": 2, "compile": True, "activation_offload_layers": 1},

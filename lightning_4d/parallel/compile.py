@@ -20,8 +20,6 @@ redistribution after the embedding receives a plain tensor as gradient, "'Tensor
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 
@@ -40,14 +38,7 @@ def compile_layers(layers: list[nn.Module]) -> None:
         for module in layer.modules():
             if type(module).__name__ in EAGER_MODULES:
                 module.forward = torch.compiler.disable(module.forward)
-        inner = getattr(layer, CHECKPOINT_WRAPPED_MODULE, None)
-        if inner is not None and not _selective(layer):
-            inner.forward = torch.compile(inner.forward)  # full checkpointing: compiled inside the checkpoint
-        else:
-            layer.forward = torch.compile(layer.forward)
-
-
-def _selective(layer: nn.Module) -> bool:
-    """Whether ``layer`` is wrapped by selective activation checkpointing (a ``context_fn`` in its checkpoint
-    arguments)."""
-    return "context_fn" in getattr(layer, "checkpoint_fn", functools.partial(lambda: None)).keywords
+        # full checkpointing: compiled inside the checkpoint, which runs eagerly (selective is refused with compile:
+        # validate_compile)
+        inner = getattr(layer, CHECKPOINT_WRAPPED_MODULE, layer)
+        inner.forward = torch.compile(inner.forward)
