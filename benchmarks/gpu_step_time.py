@@ -8,7 +8,9 @@ Step time: for each (preset, b, s), ``--steps`` optimizer steps (the first ``--w
 - ``ours``: :class:`~lightning_4d.tasks.CausalLMModule` under ``Trainer(strategy=FourDStrategy(data_parallel_size=1,
   zero_stage=0, activation_checkpointing=...), precision="bf16-mixed")`` (bf16 weights + float32 master weights),
   with ``none`` and ``selective`` checkpointing, and ``offload``: no checkpointing, half the layers' activations in
-  host memory (``activation_offload_layers``: the measured cost of its synchronous copies);
+  host memory (``activation_offload_layers``: the measured cost of its synchronous copies); ``compile``: no
+  checkpointing, ``compile=True`` (each decoder layer ``torch.compile``d, the compilation inside the warm-up steps),
+  and ``compile_offload``: that with the offload;
 
 each inside ``sdpa_kernel(FLASH_ATTENTION)`` (the flash backend or an error). Printed: median step time, tokens/s,
 MFU (``LlamaConfig.flops_per_token`` / the device's dense bf16 peak, ``lightning_4d.memory.hardware``), peak
@@ -35,6 +37,9 @@ import time
 from pathlib import Path
 
 import torch
+
+#: the rows of each shape, in the order they run
+ROWS = ("plain", "ours_none", "ours_selective", "ours_offload", "ours_compile", "ours_compile_offload")
 
 
 def _flash(device: str):
@@ -93,7 +98,9 @@ def plain(cfg, b: int, s: int, steps: int, warmup: int, device: str) -> dict:
     return out
 
 
-def ours(cfg, b: int, s: int, steps: int, warmup: int, device: str, ac: str, offload: int = 0) -> dict:
+def ours(
+    cfg, b: int, s: int, steps: int, warmup: int, device: str, ac: str, offload: int = 0, compile: bool = False
+) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
 
@@ -122,6 +129,7 @@ def ours(cfg, b: int, s: int, steps: int, warmup: int, device: str, ac: str, off
         zero_stage=0,
         activation_checkpointing=ac,
         activation_offload_layers=offload,
+        compile=compile,
         memory_check=False,
     )
     trainer = L.Trainer(
@@ -203,7 +211,12 @@ def main() -> None:
                 row[f"ours_{ac}"] = ours(cfg, b, s, args.steps, args.warmup, device, ac)
             # half the layers' activations in host memory: the measured cost of the synchronous copies
             row["ours_offload"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", cfg.num_layers // 2)
-        for key in ("plain", "ours_none", "ours_selective", "ours_offload"):
+            # compile=True (each decoder layer; the first step compiles and falls in the warm-up), alone and with
+            # the offload (its hooks outside the compiled graphs)
+            row["ours_compile"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", compile=True)
+            half = cfg.num_layers // 2
+            row["ours_compile_offload"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", half, compile=True)
+        for key in ROWS:
             r = row[key]
             r["tokens_per_s"] = b * s / r["step_s"]
             r["mfu"] = r["tokens_per_s"] * flops / peak if peak else None

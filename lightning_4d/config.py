@@ -185,7 +185,7 @@ class ParallelConfig:
         activation_offload_layers: the first this many decoder layers of every pipeline stage (all of a shorter
             stage's) keep their saved activations in host memory between forward and backward (copied out in
             forward, back in backward; ``lightning_4d/parallel/offload.py``, Megatron-Core's
-            ``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing nor ``compile``.
+            ``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing.
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an

@@ -112,7 +112,7 @@ class FourDStrategy(ModelParallelStrategy):
         activation_offload_layers: the first this many decoder layers of every pipeline stage keep their saved
             activations in host memory (page-locked) between forward and backward: copied out in forward, back in
             backward, synchronously (``lightning_4d/parallel/offload.py``). 0 (default) = none. Not with activation
-            checkpointing nor ``compile``; see ``docs/memory.md``.
+            checkpointing; see ``docs/memory.md``.
         gradient_compression: ``"none"``, ``"bf16"`` (dp gradients reduced in bfloat16: half the bytes) or
             ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD with error feedback, ZeRO 0/1); see
             ``docs/communication.md``.
@@ -122,7 +122,10 @@ class FourDStrategy(ModelParallelStrategy):
         powersgd_comm_dtype: ``None`` (PowerSGD's factors all-reduced in float32) or ``"bfloat16"`` (half the bytes).
         pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
             activations and gradients sent between pipeline stages.
-        compile: ``torch.compile`` each transformer layer (dp/ZeRO layouts; not yet with tp > 1).
+        compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, pp, cp, ep,
+            full activation checkpointing and offload, our Llama and the transformers families; not yet with tp > 1
+            nor selective checkpointing;
+            ``docs/parallelism.md``.
         fsdp_blocks: for a LightningModule that is not a ``lightning_4d`` Llama (any module: data parallel only)
             at ZeRO 2/3, the classes whose instances become their own FSDP2 units, as dotted class paths
             (``["torch.nn.TransformerEncoderLayer"]``) or bare class names; ``None`` = the children of every
@@ -149,7 +152,7 @@ class FourDStrategy(ModelParallelStrategy):
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
             ``seq_length``, else when the batch is sharded.
         NotImplementedError: compile=True with tensor_parallel_size > 1.
-        ValueError: compile=True with activation_offload_layers > 0 (Dynamo does not trace saved-tensor hooks).
+        ValueError: compile=True with activation_checkpointing='selective'.
     """
 
     strategy_name = "fourd"
@@ -198,7 +201,7 @@ class FourDStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
-        validate_compile(compile, tensor_parallel_size, activation_offload_layers)
+        validate_compile(compile, tensor_parallel_size, activation_checkpointing)
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None

@@ -108,6 +108,7 @@ OFFLOAD = (
 )
 TIED = "tests/test_tied_pipeline.py::"
 HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
+COMPILE = "tests/test_compile.py::test_compiled_layout_matches_one_process"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
 #: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
@@ -477,20 +478,38 @@ ROWS: list[Row] = [
         {"tp": 2, "compile": True},
         refused=(
             "compile=True with tensor_parallel_size=2 is not supported yet (torch.compile of tensor-parallel "
-            "layers fails in backward with this PyTorch); use compile=False, or compile=True with "
-            "tensor_parallel_size=1 (dp/ZeRO layouts)."
+            "layers fails in backward in AOTAutograd with this PyTorch); use compile=False, or compile=True with "
+            "tensor_parallel_size=1 (dp/ZeRO, pp, cp and ep layouts)."
         ),
         error_type="NotImplementedError",
     ),
     Row(
-        "compile-offload",
-        "torch.compile with activation offload",
-        {"compile": True, "activation_offload_layers": 2},
+        "compile-selective",
+        "torch.compile with selective activation checkpointing",
+        {"compile": True, "activation_checkpointing": "selective"},
         refused=(
-            "compile=True with activation_offload_layers=2 is not supported: torch.compile does not trace the"
-            " offload's saved-tensor hooks. Use compile=False with the offload, or "
-            "activation_offload_layers=0."
+            "compile=True with activation_checkpointing='selective' is not supported: a graph break inside the "
+            "checkpointed layer (context-parallel attention, Mixture-of-Experts layers) would run it eagerly. Use "
+            "activation_checkpointing='full' or 'none' with compile=True."
         ),
+    ),
+    Row(
+        "compile-offload",
+        "torch.compile per layer with activation offload, pp2 dp2 1F1B",
+        {"pp": 2, "dp": 2, "num_microbatches": 2, "compile": True, "activation_offload_layers": 1},
+        cpu_tests=(COMPILE,),
+    ),
+    Row(
+        "compile-cp2-checkpointing",
+        "torch.compile per layer, cp2 dp2 (ring attention eager), full checkpointing",
+        {"cp": 2, "dp": 2, "compile": True, "activation_checkpointing": "full"},
+        cpu_tests=(COMPILE,),
+    ),
+    Row(
+        "compile-moe-ep2",
+        "torch.compile per layer, MoE dp2 ep2 (the MoE feed-forward eager)",
+        {"model": "tiny-moe", "dp": 2, "ep": 2, "compile": True},
+        cpu_tests=(COMPILE,),
     ),
     # ---------------------------------------------------------------- Mixture-of-Experts (tiny-moe)
     Row(
@@ -563,6 +582,13 @@ ROWS: list[Row] = [
     # ---------------------------------------------------------------- transformers families
     _hf_row(
         "hf-llama-dp2-z3", "transformers LlamaForCausalLM, dp2 ZeRO 3", {"dp": 2, "zero_stage": 3}, "hf-llama", HF_LLAMA
+    ),
+    _hf_row(
+        "hf-llama-compile",
+        "transformers LlamaForCausalLM, dp2 ZeRO 1, torch.compile per decoder layer",
+        {"dp": 2, "compile": True},
+        "hf-llama",
+        HF_LLAMA,
     ),
     _hf_row(
         "hf-llama-tp2-cp2",

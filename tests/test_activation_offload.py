@@ -111,11 +111,6 @@ def test_offload_with_checkpointing_is_refused(mode):
         FourDStrategy(activation_offload_layers=1, activation_checkpointing=mode)
 
 
-def test_offload_with_compile_is_refused():
-    with pytest.raises(ValueError, match="compile=True with activation_offload_layers=2"):
-        FourDStrategy(activation_offload_layers=2, compile=True)
-
-
 def test_offload_needs_decoder_layers():
     from lightning_4d.parallel.parallelize import prepare_models
 

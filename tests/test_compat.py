@@ -224,6 +224,17 @@ def test_compiled_graph_count_counts_compiled_graphs_and_not_eager_fallbacks():
     torch._dynamo.reset()
 
 
+def test_dynamo_dynamic_scalars_sets_both_flags_inside_only():
+    """``dynamo_dynamic_scalars`` turns on Dynamo's two flags (the private names it patches exist on this torch) for
+    its block only."""
+    import torch._dynamo.config as config
+
+    before = (config.capture_scalar_outputs, config.capture_dynamic_output_shape_ops)
+    with _compat.dynamo_dynamic_scalars():
+        assert config.capture_scalar_outputs and config.capture_dynamic_output_shape_ops
+    assert (config.capture_scalar_outputs, config.capture_dynamic_output_shape_ops) == before == (False, False)
+
+
 def test_canonical_parameter_names_strip_every_wrapper_prefix():
     """The model strips the wrapper levels of ``module_tree.MODULE_WRAPPER_PREFIXES`` (the one definition, issue 33:
     the model's own copy is gone), wherever they sit in the dotted path."""

@@ -208,6 +208,12 @@ def test_compile_with_tensor_parallel_is_refused_at_construction():
     FourDStrategy(tensor_parallel_size=1, compile=True)
 
 
+def test_compile_with_selective_checkpointing_is_refused_at_construction():
+    with pytest.raises(ValueError, match="compile=True with activation_checkpointing='selective'"):
+        FourDStrategy(activation_checkpointing="selective", compile=True)
+    FourDStrategy(activation_checkpointing="full", compile=True)
+
+
 def test_zero1_needs_distributed_checkpoints():
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False is not supported with zero_stage=1"):
         FourDStrategy(zero_stage=1, save_distributed_checkpoint=False)

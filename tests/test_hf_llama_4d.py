@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a t
 
 LAYOUTS = {
     2: [
-        {"dp": 2, "zero": 1},
+        {"dp": 2, "zero": 1, "compile": True},  # each LlamaDecoderLayer torch.compiled (issue 35)
         {"dp": 2, "zero": 3, "comm": True},
         {"tp": 2},
         {"tp": 2, "sp": False},
@@ -82,6 +82,7 @@ def test_hf_llama_layout_matches_one_process(runs, index):
     assert record["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert weights < WEIGHT_ATOL
     assert (record["host_offloaded"] > 0) == bool(layout.get("offload"))
+    assert (record["compiled_graphs"] > 0) == bool(layout.get("compile"))  # compiled, not fallen back to eager
     split = layout.get("tp", 1) > 1 or layout.get("cp", 1) > 1 or layout.get("pp", 1) > 1
     assert record["attention"] == ("lightning_4d" if split else "sdpa")
     if layout.get("pp", 1) > 1:

@@ -70,13 +70,16 @@ class ModelFamily:
         name: a short name for messages (``"lightning_4d Llama"``).
         master_weights: the strategy keeps float32 master weights for this family and casts the model to the compute
             dtype under ``bf16-mixed`` (our Llama); ``False``: precision is left to Lightning's precision plugin.
-        activation_checkpointing: the family's decoder layers may be wrapped by activation checkpointing and
-            ``torch.compile`` (:mod:`lightning_4d.parallel.activation_checkpoint`).
+        activation_checkpointing: the family's decoder layers may be wrapped by activation checkpointing
+            (:mod:`lightning_4d.parallel.activation_checkpoint`).
+        compile: the family's decoder layers may be compiled one by one (``compile=True``,
+            :mod:`lightning_4d.parallel.compile`).
     """
 
     name: str = "model"
     master_weights: bool = False
     activation_checkpointing: bool = False
+    compile: bool = False
 
     def _missing(self, method: str) -> NotImplementedError:
         return NotImplementedError(f"the model family {self.name!r} does not implement {method}()")

@@ -67,6 +67,7 @@ class LlamaFamily(ModelFamily):
     name = "lightning_4d Llama"
     master_weights = True
     activation_checkpointing = True
+    compile = True
 
     def is_model(self, module: nn.Module) -> bool:
         return isinstance(module, LlamaModel)

@@ -188,6 +188,16 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def dynamo_dynamic_scalars() -> Any:
+    """A context in which Dynamo traces host reads of tensor values (``.tolist()``, ``.item()``) as unbacked
+    symbolic integers and ops with data-dependent output shapes (``bincount``, ``nonzero``) instead of breaking the
+    graph there (``torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)``):
+    the dynamic-shape alternative ``benchmarks/compile_moe.py`` measures for Mixture-of-Experts layers."""
+    import torch._dynamo.config as config
+
+    return config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+
+
 # ---------------------------------------------------------------------------------------------------- selective AC
 #: the private ops whose outputs selective activation checkpointing saves (``parallel/activation_checkpoint.py``), by
 #: qualified name without the overload (``OpOverload.name()`` up to the first dot): ATen's fused attention kernels

@@ -26,8 +26,9 @@ On CPU (tests, ``lightning-4d measure``) the "host" copy is another CPU tensor m
 memory only, as it would on CUDA; the unpacked copy is a new tensor (``clone``), as the host-to-device copy is.
 
 Not with activation checkpointing (a checkpointed layer's own hooks take its saved tensors; Megatron-Core refuses
-the combination too) nor ``compile=True`` (Dynamo does not trace saved-tensor hooks): ``ParallelConfig`` and
-``FourDStrategy`` raise ``ValueError`` for both.
+the combination too): ``ParallelConfig`` and ``FourDStrategy`` raise ``ValueError``. With ``compile=True`` the hooks
+stay outside the compiled region (:mod:`lightning_4d.parallel.compile`) and take the tensors the compiled graph
+saves.
 """
 
 from __future__ import annotations

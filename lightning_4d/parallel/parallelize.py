@@ -22,6 +22,7 @@ from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_4d.parallel.compile import compile_layers
 from lightning_4d.parallel.fsdp import apply_fsdp, fsdp_reduce_dtype
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
 from lightning_4d.parallel.pipeline import (
@@ -76,27 +77,31 @@ def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:
     )
 
 
-def validate_compile(compile: bool, tp: int, activation_offload_layers: int = 0) -> None:
-    """Refuse ``compile=True`` with tensor parallelism when the strategy is built (measured with torch 2.13: a
-    compiled block with DTensor tp plans fails in backward inside DTensor's redistribute, "'Tensor' object has no
-    attribute '_local_tensor'"): fail now, not after the queue wait. Likewise with activation offload (its
-    saved-tensor hooks run around each layer's forward; Dynamo does not trace them).
+def validate_compile(compile: bool, tp: int, activation_checkpointing: str = "none") -> None:
+    """Refuse ``compile=True`` with tensor parallelism when the strategy is built (measured with torch 2.13 on CPU:
+    a compiled layer with DTensor tp plans fails in backward through AOTAutograd, the eager redistribution after the
+    embedding receiving a plain tensor as gradient, "'Tensor' object has no attribute '_local_tensor'"; Dynamo
+    alone, ``backend="eager"``, trains; :mod:`lightning_4d.parallel.compile`): fail now, not after the queue wait.
+
+    Also with selective activation checkpointing: the checkpointed layer is what Dynamo must trace whole, and a graph
+    break inside it (context-parallel attention, a Mixture-of-Experts feed-forward) sends the layer back to eager
+    without a word (measured: 0 graphs compiled with cp2); full checkpointing compiles inside the checkpoint.
 
     Raises:
         NotImplementedError: ``compile`` and ``tp`` > 1.
-        ValueError: ``compile`` and ``activation_offload_layers`` > 0.
+        ValueError: ``compile`` and ``activation_checkpointing="selective"``.
     """
-    if compile and activation_offload_layers:
+    if compile and activation_checkpointing == "selective":
         raise ValueError(
-            f"compile=True with activation_offload_layers={activation_offload_layers} is not supported: torch.compile "
-            "does not trace the offload's saved-tensor hooks. Use compile=False with the offload, or "
-            "activation_offload_layers=0."
+            "compile=True with activation_checkpointing='selective' is not supported: a graph break inside the "
+            "checkpointed layer (context-parallel attention, Mixture-of-Experts layers) would run it eagerly. Use "
+            "activation_checkpointing='full' or 'none' with compile=True."
         )
     if compile and tp > 1:
         raise NotImplementedError(
             f"compile=True with tensor_parallel_size={tp} is not supported yet (torch.compile of "
-            "tensor-parallel layers fails in backward with this PyTorch); use compile=False, or compile=True "
-            "with tensor_parallel_size=1 (dp/ZeRO layouts)."
+            "tensor-parallel layers fails in backward in AOTAutograd with this PyTorch); use compile=False, or "
+            "compile=True with tensor_parallel_size=1 (dp/ZeRO, pp, cp and ep layouts)."
         )
 
 
@@ -195,11 +200,11 @@ def parallelize_model(
     family that keeps them.
 
     Raises:
-        ValueError: the model cannot be split by the layout (:meth:`ModelFamily.validate`), or ``compile`` /
-            activation checkpointing for a family whose layers take neither.
+        ValueError: the model cannot be split by the layout (:meth:`ModelFamily.validate`), or ``compile`` for a
+            family whose layers do not take it.
     """
     family.validate(model, config)
-    if compile and not family.activation_checkpointing:
+    if compile and not family.compile:
         raise ValueError(f"compile=True is not supported for a {family.name} yet: use compile=False")
     cp = (mesh.cp.get_local_rank(), config.cp) if config.cp > 1 else (0, 1)
     num_layers = len(layer_items(find_submodel(model, family.pipeline_layout(model).layers)))  # before the split
@@ -226,8 +231,7 @@ def parallelize_model(
         indices = offloaded_layers(stages, config.activation_offload_layers)
         apply_activation_offload(layers, indices, offload_stats if offload_stats is not None else OffloadStats())
     if compile:
-        for _, block in layer_items(layers):
-            block.compile()
+        compile_layers([block for _, block in layer_items(layers) if any(True for _ in block.parameters())])
     sync_chunk_layers(model, family)
     if config.zero_stage >= 2:
         fsdp = dict(

@@ -233,8 +233,10 @@ class CausalLMModule(MoETraining, L.LightningModule):
         layout = layout_strategy(self.trainer.strategy)
         group = layout.dp_cp_group if layout is not None else None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(value, group=group)
-            value /= torch.distributed.get_world_size(group)
+            size = torch.distributed.get_world_size(group)
+            if size > 1:  # one rank: no collective (benchmarks/step_overhead.py, the fixed cost per step)
+                torch.distributed.all_reduce(value, group=group)
+                value /= size
         return value
 
     # ------------------------------------------------------------------ steps

@@ -22,6 +22,7 @@ import transformers  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_4d.data import LMDataModule  # noqa: E402
+from lightning_4d.parallel._compat import compiled_graph_count  # noqa: E402
 
 STEPS = 10
 
@@ -110,6 +111,7 @@ def main() -> None:
                 sequence_parallel=layout.get("sp"),
                 gradient_compression=layout.get("compress", "none"),
                 activation_offload_layers=layout.get("offload", 0),
+                compile=layout.get("compile", False),
                 process_group_backend="gloo",
                 timeout=timedelta(seconds=120),
             )
@@ -139,7 +141,9 @@ def main() -> None:
             callbacks=[Record(), *([meter] if meter else [])],
         )
         module = HFLlamaLM(str(init) if layout.get("meta") else None)
+        graphs = compiled_graph_count()
         trainer.fit(module, dm)
+        graphs = compiled_graph_count() - graphs  # graphs Dynamo compiled in this fit (0 if it fell back to eager)
         weights = {
             n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
             for n, p in module.model.named_parameters()
@@ -152,6 +156,7 @@ def main() -> None:
                 "attention": module.model.config._attn_implementation,
                 # activation offload: the most host bytes held at once (0: it never ran)
                 "host_offloaded": getattr(getattr(trainer.strategy, "offload_stats", None), "peak", 0),
+                "compiled_graphs": graphs,
             }
             torch.save(
                 {

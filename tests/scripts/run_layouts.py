@@ -206,6 +206,8 @@ def run_one(
         gradient_clip_val=layout.get("clip"),
         accumulate_grad_batches=accum,
     )
+    if layout.get("compile"):
+        torch.compiler.reset()  # this fit's graphs compile anew (a cached graph of an earlier layout would count 0)
     graphs = compiled_graph_count()
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     # graphs Dynamo compiled during this fit (0 without compile, and 0 if compile fell back to eager)
