@@ -103,20 +103,12 @@ def apply_fsdp(
     kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = _mixed_precision_policy(param_dtype, reduce_dtype)
-    from lightning_4d.parallel.expert import is_expert_parameter, stacked_expert_weights
+    from lightning_4d.parallel.expert import stacked_expert_weights
 
     expert_weights = stacked_expert_weights(model)  # held: FSDP2 replaces them, and their ids must not be reused
     experts = {id(p) for p in expert_weights}
-
-    units = []
     if expert_mesh is not None:
-        holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
-        fn = _shard_placement(model, experts, expert_mesh)
-        units = [
-            fully_shard(m, **{**kw, "mesh": expert_mesh}, **({"shard_placement_fn": fn} if fn else {})) for m in holders
-        ]
-        for unit in units:
-            average_expert_gradients(unit, expert_mesh.size(), dp_cp_mesh.size())
+        _shard_expert_units(model, kw, experts, expert_mesh, dp_cp_mesh.size())
     fn = _shard_placement(model, experts, dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
     if fn:
         kw["shard_placement_fn"] = fn
@@ -126,6 +118,26 @@ def apply_fsdp(
         # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp.
         # torch < 2.8 has no such setting; its default, the average over the unit's group (dp_cp), is the same
         unit.set_gradient_divide_factor(float(dp_cp_mesh.size()))
+
+
+def _shard_expert_units(
+    model: nn.Module, kw: dict[str, Any], experts: set[int], expert_mesh: DeviceMesh, dp_cp_size: int
+) -> None:
+    """The expert units of :func:`apply_fsdp` under expert parallelism: every module of ``model`` that directly holds
+    expert weights becomes an FSDP2 unit over ``expert_mesh`` (``edp``) with :func:`apply_fsdp`'s other options
+    ``kw``, its stacked expert weights (``id`` in ``experts``) placed by :func:`_shard_placement`, and its gradients
+    divided by D = ``dp_cp_size`` (:func:`average_expert_gradients`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_4d.parallel.expert import is_expert_parameter
+
+    holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
+    fn = _shard_placement(model, experts, expert_mesh)
+    placement = {"shard_placement_fn": fn} if fn else {}
+    for m in holders:
+        average_expert_gradients(
+            fully_shard(m, **{**kw, "mesh": expert_mesh}, **placement), expert_mesh.size(), dp_cp_size
+        )
 
 
 def _mixed_precision_policy(param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]) -> Any:
