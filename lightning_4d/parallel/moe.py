@@ -67,6 +67,19 @@ def expert_replicas(mesh: Any) -> Any:
     return mesh.get("edp") if replicas is None else replicas
 
 
+#: the MoE dimensions whose groups carry all-to-all traffic (the experts' token dispatch and combine), for
+#: :class:`~lightning_4d.parallel.comm.CommMeter`: ep's all-to-alls count under ``ep`` even where its group is also
+#: ``cp``'s or ``dp_cp``'s (ep = dp·cp)
+ALL_TO_ALL_DIMS = ("ep",)
+
+
+def comm_groups(mesh: Any) -> dict[str, Any]:
+    """The MoE groups a :class:`~lightning_4d.parallel.comm.CommMeter` names (``{dimension: process group}``):
+    ``ep`` and ``edp`` under expert parallelism, else none. Where ep = dp·cp, ``ep`` is ``dp_cp``'s group: its
+    collectives count under ``dp_cp`` (named first), its all-to-alls under ``ep`` (:data:`ALL_TO_ALL_DIMS`)."""
+    return {d: mesh.get(d).get_group() for d in ("ep", "edp") if mesh.get(d) is not None}
+
+
 def validate_sequence(config: Any, model_config: Any, seq_length: int) -> None:
     """Check ``seq_length`` against the MoE layers of ``model_config`` (``None``: no model config) under the layout
     ``config``, before any process group.
