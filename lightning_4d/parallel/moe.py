@@ -27,6 +27,9 @@ parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 from typing import Any, Callable
 
 import lightning as L
@@ -146,6 +149,62 @@ def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
     return groups
 
 
+def received_rows(model_config: Any, pc: Any, micro_batch_size: int, seq_length: int, load: float) -> int:
+    """Rows (token assignments) the measured rank's experts receive in one MoE layer's dispatch under expert
+    parallelism at load ``load`` (``expert_load_imbalance``); 0 without ep or without experts.
+
+    Every rank of the ep group routes ``T = b·(s/cp)/tp`` tokens (the MoE layers are token parallel over tp) and
+    keeps ``N = T·k`` assignments (under a capacity factor at most ``E·C``, ``C`` =
+    :func:`lightning_4d.models.moe.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks is
+    ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
+    under a capacity at most ``E·C`` (each of its ``E/ep`` experts takes at most ``C`` rows from each of the ``ep``
+    sources). The load imbalance's definition: ``ExpertDispatch``'s ``received_rows`` over the ep group's mean
+    (:class:`ExpertLoadMonitor`). ``lightning-4d measure`` states this load (:func:`answer_count_exchange`).
+    """
+    from lightning_4d.models.moe import capacity
+
+    if pc.ep == 1 or not getattr(model_config, "num_experts", 0):
+        return 0
+    tokens = micro_batch_size * (seq_length // pc.cp) // pc.tp
+    n = tokens * model_config.num_experts_per_token
+    cap = capacity(model_config, tokens)
+    if cap is not None:
+        n = min(n, model_config.num_experts * cap)
+    rows = min(math.ceil(load * n), pc.ep * n)
+    return rows if cap is None else min(rows, model_config.num_experts * cap)
+
+
+def spread_counts(rows: int, sent: Tensor) -> Tensor:
+    """The counts an ep rank receives in the count exchange (``ExpertDispatch.exchange``: ``[ep, E/ep]``, source
+    major, flattened like ``sent`` ``[E]``) when its experts receive ``rows`` rows in all, spread as evenly as
+    integers allow over every (source, local expert) pair."""
+    per, rest = divmod(rows, sent.numel())
+    out = torch.full_like(sent, per)
+    out[:rest] += 1
+    return out
+
+
+def dispatches_of(model: nn.Module) -> tuple[ExpertDispatch, ...]:
+    """The :class:`~lightning_4d.parallel.expert.ExpertDispatch` of every MoE layer of ``model`` under ep, in module
+    order (none without ep)."""
+    found = [getattr(m, "dispatch", None) for m in model.modules()]
+    return tuple(d for d in found if isinstance(d, ExpertDispatch))
+
+
+def answer_count_exchange(model: nn.Module, rows: int) -> tuple[Any, tuple[ExpertDispatch, ...]]:
+    """For ``lightning-4d measure`` (one rank on a fake process group, :mod:`lightning_4d.measure`): the context in
+    which the count exchange of every dispatch of ``model`` is answered as if this rank's experts received ``rows``
+    rows (:func:`spread_counts`, through :func:`lightning_4d.parallel._compat.answer_count_exchange`) instead of the
+    other ranks' routing, and those dispatches (their ``received_rows`` read after the run). A null context for a
+    model without dispatches."""
+    from lightning_4d.parallel._compat import answer_count_exchange as answer
+
+    dispatches = dispatches_of(model)
+    if not dispatches:
+        return contextlib.nullcontext(), dispatches
+    return answer([d.group for d in dispatches], functools.partial(spread_counts, rows)), dispatches
+
+
 class MoETraining:
     """The training-step logic of an MoE model, mixed into a LightningModule (:class:`~lightning_4d.tasks.causal_lm
     .CausalLMModule`, which has ``model`` (a :class:`~lightning_4d.models.llama.LlamaModel`), ``model_config``,
@@ -247,8 +306,7 @@ class ExpertLoadMonitor(L.Callback):
         parallel_config = getattr(trainer.strategy, "parallel_config", None)
         if parallel_config is None or parallel_config.ep == 1 or not dist.is_initialized():
             return
-        dispatches = [getattr(m, "dispatch", None) for m in pl_module.modules()]
-        dispatches = [d for d in dispatches if isinstance(d, ExpertDispatch)]
+        dispatches = dispatches_of(pl_module)
         ratio = torch.zeros((), dtype=torch.float64, device=pl_module.device)
         if dispatches:  # the ranks of an ep group run the same pipeline stage: the same layers, in the same order
             received = torch.tensor([d.received_rows for d in dispatches], dtype=torch.float64, device=ratio.device)
