@@ -21,6 +21,10 @@ parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.
   declared to the ZeRO 0/1 buckets as :class:`~lightning_4d.parallel.grad_buffers.GradientGroup`: the experts over
   the ranks holding the same experts, the MoE layers' other parameters under tp (run token parallel) over
   ``dp_cp x tp``;
+- **ZeRO 2/3 under ep** (:func:`shard_expert_units`, called by :func:`lightning_4d.parallel.fsdp.apply_fsdp`): the
+  experts' FSDP2 units over ``edp`` and their gradient division (:func:`average_expert_gradients`);
+- **metering** (:func:`comm_groups`, :data:`ALL_TO_ALL_DIMS`, for :class:`~lightning_4d.parallel.comm.CommMeter`)
+  and ``lightning-4d measure``'s answer to the count exchange (:func:`answer_count_exchange`, :func:`received_rows`);
 - **training** (:class:`MoETraining`, a LightningModule mixin): the load-balancing loss' gradient scale per step and
   its logging, with the routing statistics; :class:`ExpertLoadMonitor` (a callback) logs the ep ranks' load.
 """
@@ -203,6 +207,54 @@ def answer_count_exchange(model: nn.Module, rows: int) -> tuple[Any, tuple[Exper
     if not dispatches:
         return contextlib.nullcontext(), dispatches
     return answer([d.group for d in dispatches], functools.partial(spread_counts, rows)), dispatches
+
+
+def shard_expert_units(model: nn.Module, options: dict[str, Any], dp_cp_size: int) -> None:
+    """ZeRO 2/3 of the experts under expert parallelism (:func:`lightning_4d.parallel.fsdp.apply_fsdp`, before its
+    dense units): every module of ``model`` that directly holds expert weights (:func:`is_expert_parameter`) becomes
+    an FSDP2 unit with ``fully_shard`` ``options`` (``apply_fsdp``'s, over the ``edp`` mesh, with its placement of the
+    stacked expert weights), its gradients divided by D = ``dp_cp_size`` (:func:`average_expert_gradients`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
+    for m in holders:
+        average_expert_gradients(fully_shard(m, **options), options["mesh"].size(), dp_cp_size)
+
+
+def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:
+    """Make the FSDP2 unit ``unit`` (a module holding expert weights, sharded over the ``group_size`` ranks of
+    ``edp`` = dp·cp/ep) leave its gradients divided by D = ``dp_cp_size`` (the mean of the D per-rank losses'
+    gradients; the ep all-to-all's backward has already summed the ep group's contributions), on every torch the
+    package accepts.
+
+    - ``group_size > 1``: a divide factor (D) other than the group's size makes FSDP2 reduce-scatter with
+      ``ReduceOp.PREMUL_SUM``, which gloo refuses (measured, torch 2.13): a forced sum, then a division by D
+      (torch >= 2.8); torch < 2.8 has only ``set_reduce_scatter_divide_factor`` (the ``PREMUL_SUM``, NCCL only).
+    - ``group_size == 1`` (ep = D): FSDP2's own division on a one-rank group differs between torch releases: from
+      torch 2.9's skip of the one-rank reduce-scatter (pytorch#162021) until pytorch#167178 (torch 2.10) the
+      gradient is copied without dividing by the factor at all (expert gradients D times too large); since, it is
+      divided once when copied, and once more by a forced sum's post-divide (halved at dp2 ep2, measured, torch
+      2.13). So FSDP2 is given no factor and, where it can, a forced sum (never ``ReduceOp.AVG`` on one rank, which
+      NCCL can get wrong, pytorch#144045): on every release its reduction of this unit is then the identity, and the
+      unit's all-reduce hook (``set_all_reduce_hook``, torch >= 2.7; it sees each reduction's output before it is
+      accumulated into ``.grad``) divides by D. torch < 2.7 runs the one-rank reduce-scatter, so there
+      ``set_reduce_scatter_divide_factor`` divides.
+
+    Raises:
+        RuntimeError: a torch whose ``FSDPModule`` has none of these settings.
+    """
+    if group_size == 1 and hasattr(unit, "set_all_reduce_hook"):
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):
+            unit.set_force_sum_reduction_for_comms(True)
+        unit.set_all_reduce_hook(lambda reduced: reduced.div_(dp_cp_size))
+    elif hasattr(unit, "set_gradient_divide_factor"):
+        unit.set_gradient_divide_factor(float(dp_cp_size))
+        if group_size > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+    elif hasattr(unit, "set_reduce_scatter_divide_factor"):  # pragma: no cover - torch < 2.8
+        unit.set_reduce_scatter_divide_factor(float(dp_cp_size))
+    else:  # pragma: no cover - torch < 2.5
+        raise RuntimeError(f"torch {torch.__version__}: FSDP2 units cannot divide expert gradients by dp·cp")
 
 
 class MoETraining:
