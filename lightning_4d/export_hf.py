@@ -123,8 +123,8 @@ def _write_weights(
 ) -> None:
     """Write the weights of ``groups`` (:func:`_export_groups`) into ``out`` in ``dtype``, one safetensors file per
     group, read one group at a time: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` and
-    ``model.safetensors.index.json``; Hugging Face names, q/k rows permuted, experts one tensor each
-    (:mod:`lightning_4d.models.hf_mapping`)."""
+    ``model.safetensors.index.json``; Hugging Face's names and tensors
+    (:func:`lightning_4d.models.hf_mapping.hf_tensors`)."""
     from safetensors.torch import save_file
 
     names = (
@@ -137,9 +137,8 @@ def _write_weights(
         tensors = _read_group(ckpt, [keys[ours] for ours in group], entries, full)
         tensors_out: dict[str, torch.Tensor] = {}
         for ours in group:
-            t = hf_mapping.to_hf_tensor(ours, tensors[keys[ours]].to(torch.float32), config)
-            for hf, index in hf_mapping.hf_slices(ours, config.num_experts):  # a stacked expert weight: one per expert
-                tensors_out[hf] = (t if index is None else t[index]).to(dtype).contiguous()
+            for hf, t in hf_mapping.hf_tensors(ours, tensors[keys[ours]].to(torch.float32), config):
+                tensors_out[hf] = t.to(dtype).contiguous()
                 weight_map[hf] = file
                 total += tensors_out[hf].numel() * tensors_out[hf].element_size()
         save_file(tensors_out, str(out / file), metadata={"format": "pt"})
@@ -169,8 +168,8 @@ def export_hf(
     shard_bytes: int = HF_SHARD_BYTES,
 ) -> Path:
     """Write one of our checkpoints as a Hugging Face Llama directory that
-    ``transformers.LlamaForCausalLM.from_pretrained(out_dir)`` loads (a Mixture-of-Experts config: a Mixtral directory
-    for ``MixtralForCausalLM``, the experts one tensor each, :func:`lightning_4d.models.hf_mapping.hf_slices`):
+    ``transformers.LlamaForCausalLM.from_pretrained(out_dir)`` loads (an MoE config: a Mixtral directory for
+    ``MixtralForCausalLM``, :meth:`LlamaConfig.to_hf` and :func:`lightning_4d.models.hf_mapping.hf_tensors`):
     ``config.json`` (:meth:`LlamaConfig.to_hf`),
     the weights in safetensors files of at most ``shard_bytes`` (``model.safetensors``, or
     ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``) in ``dtype``, and the tokenizer's

@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import json
-import math
 import os
 import sys
 import weakref
@@ -54,7 +52,9 @@ from lightning_4d.memory.cli import command_parser, layout_from_args, load_model
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
 from lightning_4d.memory.moe import check_expert_load_imbalance
+from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import TorchDispatchMode, local_tensor as _local, tree_flatten
+from lightning_4d.parallel.moe import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
 
 if TYPE_CHECKING:
     from lightning_4d.parallel.grad_buffers import GradientBuckets
@@ -237,15 +237,8 @@ def _strategy_class() -> type:
 
         def _answer_experts(self) -> Any:
             """The expert dispatch's count exchange answered with ``expert_rows`` received rows (module docstring)."""
-            from lightning_4d.parallel._compat import answer_count_exchange
-            from lightning_4d.parallel.expert import ExpertDispatch
-
-            found = [getattr(m, "dispatch", None) for m in self.model.modules()]
-            self.dispatches = tuple(d for d in found if isinstance(d, ExpertDispatch))
-            if not self.dispatches:
-                return contextlib.nullcontext()
-            groups = [d.group for d in self.dispatches]
-            return answer_count_exchange(groups, functools.partial(spread_counts, self.expert_rows))
+            context, self.dispatches = moe.answer_count_exchange(self.model, self.expert_rows)
+            return context
 
         def teardown(self) -> None:
             for ctx in reversed(self._answered or []):
@@ -553,41 +546,6 @@ def _check_measure_args(pc: ParallelConfig, rank: int, steps: int, device: str) 
     if dist.is_initialized():
         raise RuntimeError("measure needs a process of its own: a process group is already initialized.")
     return coords
-
-
-def received_rows(model_config: Any, pc: ParallelConfig, micro_batch_size: int, seq_length: int, load: float) -> int:
-    """Rows (token assignments) the measured rank's experts receive in one MoE layer's dispatch under expert
-    parallelism at load ``load`` (``expert_load_imbalance``); 0 without ep or without experts.
-
-    Every rank of the ep group routes ``T = b·(s/cp)/tp`` tokens (the MoE layers are token parallel over tp) and
-    keeps ``N = T·k`` assignments (under a capacity factor at most ``E·C``, ``C`` =
-    :func:`lightning_4d.models.moe.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks is
-    ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
-    under a capacity at most ``E·C`` (each of its ``E/ep`` experts takes at most ``C`` rows from each of the ``ep``
-    sources). The load imbalance's definition: ``ExpertDispatch``'s ``received_rows`` over the ep group's mean
-    (:class:`lightning_4d.callbacks.ExpertLoadMonitor`).
-    """
-    from lightning_4d.models.moe import capacity
-
-    if pc.ep == 1 or not getattr(model_config, "num_experts", 0):
-        return 0
-    tokens = micro_batch_size * (seq_length // pc.cp) // pc.tp
-    n = tokens * model_config.num_experts_per_token
-    cap = capacity(model_config, tokens)
-    if cap is not None:
-        n = min(n, model_config.num_experts * cap)
-    rows = min(math.ceil(load * n), pc.ep * n)
-    return rows if cap is None else min(rows, model_config.num_experts * cap)
-
-
-def spread_counts(rows: int, sent: Tensor) -> Tensor:
-    """The counts an ep rank receives in the count exchange (``ExpertDispatch.exchange``: ``[ep, E/ep]``, source
-    major, flattened like ``sent`` ``[E]``) when its experts receive ``rows`` rows in all, spread as evenly as
-    integers allow over every (source, local expert) pair."""
-    per, rest = divmod(rows, sent.numel())
-    out = torch.full_like(sent, per)
-    out[:rest] += 1
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- the command

@@ -344,6 +344,27 @@ def defined_collectives() -> Any:
     return DefinedCollectives()
 
 
+def _problems(checks: Any, device: str, peak: int, estimate: int, library: int) -> list[str]:
+    """The failed checks of a smoke run (:func:`run_row`): ``checks`` is its :func:`_checks_callback` after the run,
+    ``peak``, ``estimate`` and ``library`` its measured peak, estimate and CUDA library workspaces (bytes; the peak is
+    compared on CUDA only, within :data:`PEAK_TOLERANCE`). Empty when every check passed."""
+    problems = []
+    if not checks.layers:
+        problems.append("no decoder layer found to check the residual stream's dtype")
+    if checks.dtype_changes:
+        problems.append("decoder layers change the residual stream's dtype: " + "; ".join(checks.dtype_changes))
+    if not checks.losses:
+        problems.append("no training loss was returned")
+    elif not all(math.isfinite(x) for x in checks.losses):
+        problems.append(f"loss not finite: {checks.losses}")
+    if device == "cuda" and peak and abs(peak - estimate - library) > PEAK_TOLERANCE * peak:
+        problems.append(
+            f"peak {peak:,} B is not within {PEAK_TOLERANCE:.0%} of the estimate {estimate:,} B + CUDA library "
+            f"workspaces {library:,} B (ratio {(estimate + library) / peak:.3f})"
+        )
+    return problems
+
+
 def run_row(
     row: Row,
     device: str = "cpu",
@@ -411,20 +432,7 @@ def run_row(
             losses=checks.losses,
             decoder_layers=checks.layers,
         )
-        problems = []
-        if not checks.layers:
-            problems.append("no decoder layer found to check the residual stream's dtype")
-        if checks.dtype_changes:
-            problems.append("decoder layers change the residual stream's dtype: " + "; ".join(checks.dtype_changes))
-        if not checks.losses:
-            problems.append("no training loss was returned")
-        elif not all(math.isfinite(x) for x in checks.losses):
-            problems.append(f"loss not finite: {checks.losses}")
-        if device == "cuda" and peak and abs(peak - estimate - library) > PEAK_TOLERANCE * peak:
-            problems.append(
-                f"peak {peak:,} B is not within {PEAK_TOLERANCE:.0%} of the estimate {estimate:,} B + CUDA library "
-                f"workspaces {library:,} B (ratio {(estimate + library) / peak:.3f})"
-            )
+        problems = _problems(checks, device, peak, estimate, library)
         result.update(status="failed" if problems else "ok", error="; ".join(problems) or None)
     except Exception as err:  # noqa: BLE001 - recorded per row, the matrix goes on
         result["error"] = f"{type(err).__name__}: {err}"[:2000]

@@ -140,3 +140,15 @@ def to_hf_tensor(name: str, tensor: torch.Tensor, config: Any) -> torch.Tensor:
     if name in VOCABULARY:
         tensor = tensor[: config.vocab_size]
     return tensor
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, config: Any) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors of our parameter ``name`` from its full ``tensor``: ``[(hf key, tensor), ...]`` in
+    Hugging Face's form (:func:`to_hf_tensor`), one per key of :func:`hf_slices` (a routed experts' stacked weight
+    ``[E, d1, d2]``: one ``[d1, d2]`` view per expert, a Mixtral directory's tensors; every other parameter: itself).
+
+    Raises:
+        ValueError: ``name`` has no Hugging Face name (:func:`hf_name`).
+    """
+    t = to_hf_tensor(name, tensor, config)
+    return [(hf, t if index is None else t[index]) for hf, index in hf_slices(name, config.num_experts)]

@@ -19,26 +19,28 @@ and Yuan 2009 for the ring all-reduce):
 
 - all-reduce of n bytes: ``2·(D−1)/D·n`` (a reduce-scatter and an all-gather);
 - all-gather into n bytes, reduce-scatter of n bytes, all-to-all of n bytes in equal splits: ``(D−1)/D·n``;
-- all-to-all with split sizes (expert parallelism's token dispatch and combine, ``parallel/expert.py``): the rows
-  sent to the other ranks, ``(Σ_j input_splits[j] − input_splits[own rank])·row bytes`` (exact: every rank sends each
-  peer its block directly, the pairwise exchange of Thakur et al. §4.5);
+- all-to-all with split sizes (the MoE component's token dispatch and combine, :mod:`lightning_4d.parallel.moe`):
+  the rows sent to the other ranks, ``(Σ_j input_splits[j] − input_splits[own rank])·row bytes`` (exact: every rank
+  sends each peer its block directly, the pairwise exchange of Thakur et al. §4.5);
 - broadcast of n bytes: ``(D−1)/D·n`` (scatter + all-gather, the large-message algorithm);
 - send: n; a receive sends nothing (its bytes are counted under ``recv`` in :attr:`CommMeter.received`).
 
-A group is named by the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp``, and with expert
-parallelism ``ep`` and ``edp``: the groups of :class:`~lightning_4d.mesh.ParallelMesh`), else ``"other"``; groups of
-one rank send nothing. Where two dimensions share one group (cp = 1: ``dp`` is ``dp_cp``; dp = 1: ``cp`` is
-``dp_cp``; ep = dp·cp: ``ep`` is ``dp_cp``), collectives count under ``dp_cp`` (gradient reduction, ZeRO, the
-load-balancing counts), point-to-point traffic under ``cp`` or ``pp`` (the ring, the pipeline) and all-to-alls
-under ``ep`` (the experts' token exchange), else under ``cp`` (``context_parallel_method="alltoall"``: per layer
-and micro-batch, forward and backward, one all-to-all of the packed q, k, v and one of the attention output, each
-sending ``(cp−1)/cp`` of its buffer; ``memory/step_time.py``).
+A group is named by the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp``, and the groups the
+MoE component adds, :func:`lightning_4d.parallel.moe.comm_groups`: the groups of
+:class:`~lightning_4d.mesh.ParallelMesh`), else ``"other"``; groups of one rank send nothing. Where two dimensions
+share one group (cp = 1: ``dp`` is ``dp_cp``; dp = 1: ``cp`` is ``dp_cp``), collectives count under ``dp_cp``
+(gradient reduction, ZeRO, the load-balancing counts), point-to-point traffic under ``cp`` or ``pp`` (the ring, the
+pipeline) and all-to-alls under the first of :class:`CommMeter`'s ``all_to_all`` dimensions whose group it is
+(:meth:`CommMeter.for_mesh`: the MoE component's, :data:`lightning_4d.parallel.moe.ALL_TO_ALL_DIMS`, then ``cp``,
+whose all-to-alls are ``context_parallel_method="alltoall"``'s: per layer and micro-batch, forward and backward, one
+all-to-all of the packed q, k, v and one of the attention output, each sending ``(cp−1)/cp`` of its buffer;
+``memory/step_time.py``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import lightning as L
 import torch
@@ -120,6 +122,8 @@ class CommMeter(TorchDispatchMode):
 
     Args:
         groups: ``{dimension name: process group}`` (e.g. :meth:`for_mesh`); groups not named count as ``"other"``.
+        all_to_all: the dimensions whose groups carry all-to-all traffic, the first that names a group wins
+            (module docstring).
 
     Attributes:
         sent: ``{dim: {kind: bytes}}`` sent by this rank (module docstring: the conventions).
@@ -128,7 +132,7 @@ class CommMeter(TorchDispatchMode):
         events: ``[(dim, kind, buffer bytes n, group size D), ...]`` in the order issued.
     """
 
-    def __init__(self, groups: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, groups: Optional[dict[str, Any]] = None, all_to_all: Sequence[str] = ("cp",)) -> None:
         super().__init__()
         self._dims: dict[str, str] = {}
         self._p2p_dims: dict[str, str] = {}
@@ -137,10 +141,9 @@ class CommMeter(TorchDispatchMode):
             self._dims.setdefault(group.group_name, dim)  # the first name given wins (dp_cp before dp)
             if dim in ("cp", "pp"):  # point-to-point traffic: the cp ring and the pipeline
                 self._p2p_dims.setdefault(group.group_name, dim)
-            if dim == "ep":  # all-to-all traffic: the experts' token dispatch and combine (wins over cp's)
-                self._a2a_dims[group.group_name] = dim
-            if dim == "cp":  # all-to-all traffic: Ulysses' q/k/v and output exchange
-                self._a2a_dims.setdefault(group.group_name, dim)
+        for dim in all_to_all:  # all-to-all traffic (cp: Ulysses' q/k/v and output exchange)
+            if dim in (groups or {}):
+                self._a2a_dims.setdefault(groups[dim].group_name, dim)
         self.sent: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.received: dict[str, int] = defaultdict(int)
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -149,14 +152,16 @@ class CommMeter(TorchDispatchMode):
     @staticmethod
     def for_mesh(mesh: Any) -> "CommMeter":
         """A meter naming the groups of a :class:`~lightning_4d.mesh.ParallelMesh` (``dp_cp`` first, then tp, cp, dp,
-        pp, and under expert parallelism ep and edp)."""
-        experts = {d: mesh.get(d).get_group() for d in ("ep", "edp") if mesh.get(d) is not None}
+        pp, and the MoE component's, :func:`lightning_4d.parallel.moe.comm_groups`)."""
+        from lightning_4d.parallel import moe
+
         return CommMeter(
             {
                 "dp_cp": mesh.dp_cp.get_group(),
                 **{d: getattr(mesh, d).get_group() for d in ("tp", "cp", "dp", "pp")},
-                **experts,
-            }
+                **moe.comm_groups(mesh),
+            },
+            all_to_all=(*moe.ALL_TO_ALL_DIMS, "cp"),
         )
 
     def total(self, dim: Optional[str] = None) -> int:

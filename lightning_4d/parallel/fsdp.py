@@ -32,7 +32,9 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, local_tensor as _local
+from lightning_4d.parallel.moe import average_expert_gradients  # noqa: F401 - importable from here too (issue 32)
 from lightning_4d.partition import expert_shard_dim
 
 
@@ -103,20 +105,14 @@ def apply_fsdp(
     kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = _mixed_precision_policy(param_dtype, reduce_dtype)
-    from lightning_4d.parallel.expert import is_expert_parameter, stacked_expert_weights
+    from lightning_4d.parallel.expert import stacked_expert_weights
 
     expert_weights = stacked_expert_weights(model)  # held: FSDP2 replaces them, and their ids must not be reused
     experts = {id(p) for p in expert_weights}
-
-    units = []
-    if expert_mesh is not None:
-        holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
+    if expert_mesh is not None:  # the MoE component's units first, over edp (docstring)
         fn = _shard_placement(model, experts, expert_mesh)
-        units = [
-            fully_shard(m, **{**kw, "mesh": expert_mesh}, **({"shard_placement_fn": fn} if fn else {})) for m in holders
-        ]
-        for unit in units:
-            average_expert_gradients(unit, expert_mesh.size(), dp_cp_mesh.size())
+        options = {**kw, "mesh": expert_mesh, **({"shard_placement_fn": fn} if fn else {})}
+        moe.shard_expert_units(model, options, dp_cp_mesh.size())
     fn = _shard_placement(model, experts, dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
     if fn:
         kw["shard_placement_fn"] = fn
@@ -160,42 +156,6 @@ def _shard_placement(
             f"weights whose {mesh.size()}-rank group does not divide their experts (dim 0) on dim 1"
         )
     return lambda p: Shard(1) if dim(p) == 1 else None
-
-
-def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:
-    """Make the FSDP2 unit ``unit`` (a module holding expert weights, sharded over the ``group_size`` ranks of
-    ``edp`` = dp·cp/ep) leave its gradients divided by D = ``dp_cp_size`` (the mean of the D per-rank losses'
-    gradients; the ep all-to-all's backward has already summed the ep group's contributions), on every torch the
-    package accepts.
-
-    - ``group_size > 1``: a divide factor (D) other than the group's size makes FSDP2 reduce-scatter with
-      ``ReduceOp.PREMUL_SUM``, which gloo refuses (measured, torch 2.13): a forced sum, then a division by D
-      (torch >= 2.8); torch < 2.8 has only ``set_reduce_scatter_divide_factor`` (the ``PREMUL_SUM``, NCCL only).
-    - ``group_size == 1`` (ep = D): FSDP2's own division on a one-rank group differs between torch releases: from
-      torch 2.9's skip of the one-rank reduce-scatter (pytorch#162021) until pytorch#167178 (torch 2.10) the
-      gradient is copied without dividing by the factor at all (expert gradients D times too large); since, it is
-      divided once when copied, and once more by a forced sum's post-divide (halved at dp2 ep2, measured, torch
-      2.13). So FSDP2 is given no factor and, where it can, a forced sum (never ``ReduceOp.AVG`` on one rank, which
-      NCCL can get wrong, pytorch#144045): on every release its reduction of this unit is then the identity, and the
-      unit's all-reduce hook (``set_all_reduce_hook``, torch >= 2.7; it sees each reduction's output before it is
-      accumulated into ``.grad``) divides by D. torch < 2.7 runs the one-rank reduce-scatter, so there
-      ``set_reduce_scatter_divide_factor`` divides.
-
-    Raises:
-        RuntimeError: a torch whose ``FSDPModule`` has none of these settings.
-    """
-    if group_size == 1 and hasattr(unit, "set_all_reduce_hook"):
-        if hasattr(unit, "set_force_sum_reduction_for_comms"):
-            unit.set_force_sum_reduction_for_comms(True)
-        unit.set_all_reduce_hook(lambda reduced: reduced.div_(dp_cp_size))
-    elif hasattr(unit, "set_gradient_divide_factor"):
-        unit.set_gradient_divide_factor(float(dp_cp_size))
-        if group_size > 1:
-            unit.set_force_sum_reduction_for_comms(True)
-    elif hasattr(unit, "set_reduce_scatter_divide_factor"):  # pragma: no cover - torch < 2.8
-        unit.set_reduce_scatter_divide_factor(float(dp_cp_size))
-    else:  # pragma: no cover - torch < 2.5
-        raise RuntimeError(f"torch {torch.__version__}: FSDP2 units cannot divide expert gradients by dp·cp")
 
 
 def reduced_by_fsdp(p: Tensor) -> bool:

@@ -21,12 +21,19 @@ parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.
   declared to the ZeRO 0/1 buckets as :class:`~lightning_4d.parallel.grad_buffers.GradientGroup`: the experts over
   the ranks holding the same experts, the MoE layers' other parameters under tp (run token parallel) over
   ``dp_cp x tp``;
+- **ZeRO 2/3 under ep** (:func:`shard_expert_units`, called by :func:`lightning_4d.parallel.fsdp.apply_fsdp`): the
+  experts' FSDP2 units over ``edp`` and their gradient division (:func:`average_expert_gradients`);
+- **metering** (:func:`comm_groups`, :data:`ALL_TO_ALL_DIMS`, for :class:`~lightning_4d.parallel.comm.CommMeter`)
+  and ``lightning-4d measure``'s answer to the count exchange (:func:`answer_count_exchange`, :func:`received_rows`);
 - **training** (:class:`MoETraining`, a LightningModule mixin): the load-balancing loss' gradient scale per step and
   its logging, with the routing statistics; :class:`ExpertLoadMonitor` (a callback) logs the ep ranks' load.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 from typing import Any, Callable
 
 import lightning as L
@@ -65,6 +72,19 @@ def expert_replicas(mesh: Any) -> Any:
     the experts' gradients are reduced; ``None`` without ep."""
     replicas = mesh.get("edp_tp")
     return mesh.get("edp") if replicas is None else replicas
+
+
+#: the MoE dimensions whose groups carry all-to-all traffic (the experts' token dispatch and combine), for
+#: :class:`~lightning_4d.parallel.comm.CommMeter`: ep's all-to-alls count under ``ep`` even where its group is also
+#: ``cp``'s or ``dp_cp``'s (ep = dp·cp)
+ALL_TO_ALL_DIMS = ("ep",)
+
+
+def comm_groups(mesh: Any) -> dict[str, Any]:
+    """The MoE groups a :class:`~lightning_4d.parallel.comm.CommMeter` names (``{dimension: process group}``):
+    ``ep`` and ``edp`` under expert parallelism, else none. Where ep = dp·cp, ``ep`` is ``dp_cp``'s group: its
+    collectives count under ``dp_cp`` (named first), its all-to-alls under ``ep`` (:data:`ALL_TO_ALL_DIMS`)."""
+    return {d: mesh.get(d).get_group() for d in ("ep", "edp") if mesh.get(d) is not None}
 
 
 def validate_sequence(config: Any, model_config: Any, seq_length: int) -> None:
@@ -131,6 +151,110 @@ def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
         if tokens:
             groups.append(GradientGroup(mesh.dp_cp_tp.get_group(), tokens, tp_partial=True))
     return groups
+
+
+def received_rows(model_config: Any, pc: Any, micro_batch_size: int, seq_length: int, load: float) -> int:
+    """Rows (token assignments) the measured rank's experts receive in one MoE layer's dispatch under expert
+    parallelism at load ``load`` (``expert_load_imbalance``); 0 without ep or without experts.
+
+    Every rank of the ep group routes ``T = b·(s/cp)/tp`` tokens (the MoE layers are token parallel over tp) and
+    keeps ``N = T·k`` assignments (under a capacity factor at most ``E·C``, ``C`` =
+    :func:`lightning_4d.models.moe.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks is
+    ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
+    under a capacity at most ``E·C`` (each of its ``E/ep`` experts takes at most ``C`` rows from each of the ``ep``
+    sources). The load imbalance's definition: ``ExpertDispatch``'s ``received_rows`` over the ep group's mean
+    (:class:`ExpertLoadMonitor`). ``lightning-4d measure`` states this load (:func:`answer_count_exchange`).
+    """
+    from lightning_4d.models.moe import capacity
+
+    if pc.ep == 1 or not getattr(model_config, "num_experts", 0):
+        return 0
+    tokens = micro_batch_size * (seq_length // pc.cp) // pc.tp
+    n = tokens * model_config.num_experts_per_token
+    cap = capacity(model_config, tokens)
+    if cap is not None:
+        n = min(n, model_config.num_experts * cap)
+    rows = min(math.ceil(load * n), pc.ep * n)
+    return rows if cap is None else min(rows, model_config.num_experts * cap)
+
+
+def spread_counts(rows: int, sent: Tensor) -> Tensor:
+    """The counts an ep rank receives in the count exchange (``ExpertDispatch.exchange``: ``[ep, E/ep]``, source
+    major, flattened like ``sent`` ``[E]``) when its experts receive ``rows`` rows in all, spread as evenly as
+    integers allow over every (source, local expert) pair."""
+    per, rest = divmod(rows, sent.numel())
+    out = torch.full_like(sent, per)
+    out[:rest] += 1
+    return out
+
+
+def dispatches_of(model: nn.Module) -> tuple[ExpertDispatch, ...]:
+    """The :class:`~lightning_4d.parallel.expert.ExpertDispatch` of every MoE layer of ``model`` under ep, in module
+    order (none without ep)."""
+    found = [getattr(m, "dispatch", None) for m in model.modules()]
+    return tuple(d for d in found if isinstance(d, ExpertDispatch))
+
+
+def answer_count_exchange(model: nn.Module, rows: int) -> tuple[Any, tuple[ExpertDispatch, ...]]:
+    """For ``lightning-4d measure`` (one rank on a fake process group, :mod:`lightning_4d.measure`): the context in
+    which the count exchange of every dispatch of ``model`` is answered as if this rank's experts received ``rows``
+    rows (:func:`spread_counts`, through :func:`lightning_4d.parallel._compat.answer_count_exchange`) instead of the
+    other ranks' routing, and those dispatches (their ``received_rows`` read after the run). A null context for a
+    model without dispatches."""
+    from lightning_4d.parallel._compat import answer_count_exchange as answer
+
+    dispatches = dispatches_of(model)
+    if not dispatches:
+        return contextlib.nullcontext(), dispatches
+    return answer([d.group for d in dispatches], functools.partial(spread_counts, rows)), dispatches
+
+
+def shard_expert_units(model: nn.Module, options: dict[str, Any], dp_cp_size: int) -> None:
+    """ZeRO 2/3 of the experts under expert parallelism (:func:`lightning_4d.parallel.fsdp.apply_fsdp`, before its
+    dense units): every module of ``model`` that directly holds expert weights (:func:`is_expert_parameter`) becomes
+    an FSDP2 unit with ``fully_shard`` ``options`` (``apply_fsdp``'s, over the ``edp`` mesh, with its placement of the
+    stacked expert weights), its gradients divided by D = ``dp_cp_size`` (:func:`average_expert_gradients`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]
+    for m in holders:
+        average_expert_gradients(fully_shard(m, **options), options["mesh"].size(), dp_cp_size)
+
+
+def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:
+    """Make the FSDP2 unit ``unit`` (a module holding expert weights, sharded over the ``group_size`` ranks of
+    ``edp`` = dp·cp/ep) leave its gradients divided by D = ``dp_cp_size`` (the mean of the D per-rank losses'
+    gradients; the ep all-to-all's backward has already summed the ep group's contributions), on every torch the
+    package accepts.
+
+    - ``group_size > 1``: a divide factor (D) other than the group's size makes FSDP2 reduce-scatter with
+      ``ReduceOp.PREMUL_SUM``, which gloo refuses (measured, torch 2.13): a forced sum, then a division by D
+      (torch >= 2.8); torch < 2.8 has only ``set_reduce_scatter_divide_factor`` (the ``PREMUL_SUM``, NCCL only).
+    - ``group_size == 1`` (ep = D): FSDP2's own division on a one-rank group differs between torch releases: from
+      torch 2.9's skip of the one-rank reduce-scatter (pytorch#162021) until pytorch#167178 (torch 2.10) the
+      gradient is copied without dividing by the factor at all (expert gradients D times too large); since, it is
+      divided once when copied, and once more by a forced sum's post-divide (halved at dp2 ep2, measured, torch
+      2.13). So FSDP2 is given no factor and, where it can, a forced sum (never ``ReduceOp.AVG`` on one rank, which
+      NCCL can get wrong, pytorch#144045): on every release its reduction of this unit is then the identity, and the
+      unit's all-reduce hook (``set_all_reduce_hook``, torch >= 2.7; it sees each reduction's output before it is
+      accumulated into ``.grad``) divides by D. torch < 2.7 runs the one-rank reduce-scatter, so there
+      ``set_reduce_scatter_divide_factor`` divides.
+
+    Raises:
+        RuntimeError: a torch whose ``FSDPModule`` has none of these settings.
+    """
+    if group_size == 1 and hasattr(unit, "set_all_reduce_hook"):
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):
+            unit.set_force_sum_reduction_for_comms(True)
+        unit.set_all_reduce_hook(lambda reduced: reduced.div_(dp_cp_size))
+    elif hasattr(unit, "set_gradient_divide_factor"):
+        unit.set_gradient_divide_factor(float(dp_cp_size))
+        if group_size > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+    elif hasattr(unit, "set_reduce_scatter_divide_factor"):  # pragma: no cover - torch < 2.8
+        unit.set_reduce_scatter_divide_factor(float(dp_cp_size))
+    else:  # pragma: no cover - torch < 2.5
+        raise RuntimeError(f"torch {torch.__version__}: FSDP2 units cannot divide expert gradients by dp·cp")
 
 
 class MoETraining:
@@ -234,8 +358,7 @@ class ExpertLoadMonitor(L.Callback):
         parallel_config = getattr(trainer.strategy, "parallel_config", None)
         if parallel_config is None or parallel_config.ep == 1 or not dist.is_initialized():
             return
-        dispatches = [getattr(m, "dispatch", None) for m in pl_module.modules()]
-        dispatches = [d for d in dispatches if isinstance(d, ExpertDispatch)]
+        dispatches = dispatches_of(pl_module)
         ratio = torch.zeros((), dtype=torch.float64, device=pl_module.device)
         if dispatches:  # the ranks of an ep group run the same pipeline stage: the same layers, in the same order
             received = torch.tensor([d.received_rows for d in dispatches], dtype=torch.float64, device=ratio.device)
