@@ -67,14 +67,6 @@ def test_ep_refusals_name_the_value_and_what_is_supported():
     validate_against_module(ParallelConfig(pipeline_parallel_size=2, expert_parallel_size=2).resolve(8), moe)
 
 
-def test_measure_refuses_ep():
-    from lightning_4d.measure import measure_rank
-
-    pc = ParallelConfig(data_parallel_size=2, expert_parallel_size=2).resolve(2)
-    with pytest.raises(ValueError, match="expert_parallel_size=2: measure cannot run expert parallelism"):
-        measure_rank(LlamaConfig.from_preset("tiny-moe"), pc, 0, 1, 32)
-
-
 def test_ep_coordinates_are_consecutive_dp_cp_ranks():
     pc = ParallelConfig(data_parallel_size=4, expert_parallel_size=2).resolve(4)
     assert [pc.ep_coordinates(i) for i in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
