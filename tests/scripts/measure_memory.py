@@ -266,18 +266,17 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
                 expert_load=load,
                 estimated_balanced=sum(balanced.values()) - balanced["recompute"],
             )
+        # activation offload (any pp): the offloaded layers' saves go through their own (inner) hooks, not the pack
+        # hook above: what it sees is what stays on the device (a stage offloaded whole: the RoPE tables neither)
+        stages = pc.rank_stages(cfg.num_layers, pp_rank)
+        per_layer = est["layers"] // sum(len(r) for _, r in stages)
+        row["estimated"] -= sum(
+            min(pc.activation_offload_layers, len(r)) * per_layer
+            + (est["rope"] if pc.activation_offload_layers >= len(r) else 0)
+            for _, r in stages
+        )
         if pp > 1:
             full = estimate_memory(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type="cpu")
-            # activation offload: the offloaded layers' saves go through their own (inner) hooks, not the pack hook
-            # above: what it sees is what stays on the device (a stage offloaded whole: the RoPE tables neither)
-            stages = pc.rank_stages(cfg.num_layers, pp_rank)
-            per_layer = est["layers"] // sum(len(r) for _, r in stages)
-            offloaded = sum(
-                min(pc.activation_offload_layers, len(r)) * per_layer
-                + (est["rope"] if pc.activation_offload_layers >= len(r) else 0)
-                for _, r in stages
-            )
-            row["estimated"] -= offloaded
             row.update(
                 measured_total=module.total_packed[i],
                 estimated_total=m * row["estimated"],
