@@ -12,6 +12,7 @@ each such feature carve its own (:func:`_feature_meshes`; the MoE component's gr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -36,14 +37,6 @@ class ParallelMesh:
     world: DeviceMesh
     dp_cp: DeviceMesh
     submeshes: dict[str, DeviceMesh] = field(default_factory=dict)
-    #: the 1D slices of ``world`` by dim name, made once (slicing a DeviceMesh costs ~1-5 ms of Python per call:
-    #: benchmarks/step_overhead.py measured the per-step reads of ``cp`` and ``dp``)
-    _slices: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def _slice(self, name: str) -> DeviceMesh:
-        if name not in self._slices:
-            self._slices[name] = self.world[name]
-        return self._slices[name]
 
     def __getattr__(self, name: str) -> DeviceMesh:
         submeshes = self.__dict__.get("submeshes", {})
@@ -72,21 +65,23 @@ class ParallelMesh:
             self.submeshes[dim] = mesh[dim]
         return mesh
 
-    @property
+    # the 1D slices of ``world``, each made once (slicing a DeviceMesh costs ~1-5 ms of Python per call:
+    # benchmarks/step_overhead.py measured the per-step reads of ``cp`` and ``dp``)
+    @functools.cached_property
     def tp(self) -> DeviceMesh:
-        return self._slice("tp")
+        return self.world["tp"]
 
-    @property
+    @functools.cached_property
     def dp(self) -> DeviceMesh:
-        return self._slice("dp")
+        return self.world["dp"]
 
-    @property
+    @functools.cached_property
     def cp(self) -> DeviceMesh:
-        return self._slice("cp")
+        return self.world["cp"]
 
-    @property
+    @functools.cached_property
     def pp(self) -> DeviceMesh:
-        return self._slice("pp")
+        return self.world["pp"]
 
     @property
     def dp_rank(self) -> int:

@@ -176,10 +176,11 @@ def saved_bytes(
         out["recompute"] = layer_selective_recompute(cfg, dt, b, s, tp, sp)
     if dt.autocast:
         _add_autocast_copies(out, cfg, pc, indices, first, last)
-    if pc.cp > 1 and pc.context_parallel_method in ("allgather", "alltoall"):
-        # allgather: the gathered K/V of all s tokens, on top of the local-K/V-sized tensors the layer saves anyway
-        # (measured with saved_tensors_hooks: exactly this much more than the ring, whatever c); alltoall: its own
-        kv = context.extra_saved_bytes(cfg, pc, dt, b, seq_length)
+    # what a layer saves under cp beyond the ring's local tensors (0 for the ring and without cp): allgather's
+    # gathered K/V of all s tokens (measured with saved_tensors_hooks: exactly this much more than the ring, whatever
+    # c), alltoall's second output copy and replicated kv heads
+    kv = context.extra_saved_bytes(cfg, pc, dt, b, seq_length)
+    if kv:
         if pc.activation_checkpointing != "none":  # made again in a layer's recompute, dropped after its backward
             out["recompute"] += kv if n_layers else 0
         else:
