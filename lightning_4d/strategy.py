@@ -111,8 +111,8 @@ class FourDStrategy(ModelParallelStrategy):
             shard instead of its partial sum; recompute its pointwise ops; ``docs/memory.md``).
         activation_offload_layers: the first this many decoder layers of every pipeline stage keep their saved
             activations in host memory (page-locked) between forward and backward: copied out in forward, back in
-            backward, synchronously (``lightning_4d/parallel/offload.py``). 0 (default) = none. Not with activation
-            checkpointing; see ``docs/memory.md``.
+            backward, on side streams overlapping compute (``lightning_4d/parallel/offload.py``). 0 (default) =
+            none. Not with activation checkpointing; see ``docs/memory.md``.
         gradient_compression: ``"none"``, ``"bf16"`` (dp gradients reduced in bfloat16: half the bytes) or
             ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD with error feedback, ZeRO 0/1); see
             ``docs/communication.md``.

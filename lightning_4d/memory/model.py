@@ -451,6 +451,9 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         phases["input pass"] = act.input_pass + layer_transients + buf.resident_gradients
     if act.recompute:
         phases["recompute"] = _recompute_phase(act, buf, layer_transients)
+    if act.prefetch is not None:
+        # activation offload: the first kept layer's backward, the offloaded layer below it prefetched beside it
+        phases["offload prefetch"] = _after_loss(act, buf, layer_transients) - act.head_freed + act.prefetch
     if buf.all_to_all:
         # an MoE layer's backward under ep: its all-to-all buffers exist after the loss' backward (not beside the
         # loss' working set: measured on CPU, tiny-moe dp2 ep2 ZeRO 1 s=512 bf16-mixed, the peak at backward start

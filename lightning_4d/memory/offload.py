@@ -14,7 +14,7 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.memory.activations import layer_saved_parts
 from lightning_4d.memory.tensors import Dtypes
 
-__all__ = ["offloaded_per_stage", "offloaded_whole", "unpacked_bytes"]
+__all__ = ["offloaded_per_stage", "offloaded_whole", "prefetched_bytes", "unpacked_bytes"]
 
 
 def offloaded_per_stage(pc: ParallelConfig, stages: list, per_layer: float, rope: int) -> list[float]:
@@ -44,3 +44,19 @@ def unpacked_bytes(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int) -> 
     the two it makes (:func:`lightning_4d.memory.activations.recompute_backward`), after the loss and the head freed
     their saved tensors."""
     return layer_saved_parts(cfg, dt, b, s // pc.cp, pc.tp, pc.sp)["swiglu"] // 2
+
+
+def prefetched_bytes(stages: list, offloaded: list[int], per_layer: int, rope: int) -> tuple[int, int]:
+    """Activation offload's prefetch (``parallel/offload.py``) on one pp rank (``stages``: ``rank_stages``;
+    ``offloaded``: how many of each stage's layers are offloaded; ``per_layer``: one layer's saved bytes; ``rope``:
+    the RoPE tables an offloaded layer copies): ``(prefetched, freed)``.
+
+    ``prefetched``: an offloaded layer followed by another in its stage comes back whole during that layer's
+    backward, one layer's set and its RoPE copy (0 when none is). ``freed``: for a stage whose first kept layer
+    (index ``o``) triggers a prefetch, the saved bytes of the ``len - o - 1`` layers above it, freed by their backward
+    before the prefetch (the least over such stages; -1 when no stage has one). The phase this makes
+    (``offload prefetch`` in :func:`lightning_4d.memory.model.estimate_memory`) adds the kept layer's first backward
+    ops (:func:`lightning_4d.memory.activations.kept_layer_backward`)."""
+    prefetched = per_layer + rope if any(o and len(layers) >= 2 for (_, layers), o in zip(stages, offloaded)) else 0
+    freed = [(len(layers) - o - 1) * per_layer for (_, layers), o in zip(stages, offloaded) if 0 < o < len(layers)]
+    return prefetched, min(freed, default=-1)

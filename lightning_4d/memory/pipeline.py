@@ -17,7 +17,7 @@ import numpy as np
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.memory import offload
-from lightning_4d.memory.activations import layer_input_grad_only
+from lightning_4d.memory.activations import kept_layer_backward, layer_input_grad_only
 from lightning_4d.memory.params import rank_layout
 from lightning_4d.memory.tensors import Dtypes
 from lightning_4d.partition import loss_chunk_tokens
@@ -280,6 +280,10 @@ class Activations:
     recompute: int = 0  # one layer's recomputed (or offloaded, brought back) set, made only in its backward
     offloaded: int = 0  # host memory: the saved tensors of the offloaded layers' in-flight micro-batches
     head_freed: int = 0  # last stage, offloaded whole or checkpointed: the head's saved tensors, freed by its backward
+    #: activation offload's prefetch (``parallel/offload.py``), a stage not offloaded whole: what the backward of its
+    #: first kept layer adds to the activations after the loss (the offloaded layer below it prefetched, its own first
+    #: backward ops) less the layers above it (freed by then); None without such a stage
+    prefetch: Optional[int] = None
     #: zero-bubble schedules: the saved tensors alive during an input pass (its largest) + the output gradients it
     #: keeps for its weight pass (:func:`weight_pass_inputs`) + one recomputed set
     input_pass: int = 0
@@ -315,7 +319,10 @@ def activation_terms(
         peak = sum(c * size for c, size in zip(counts, sizes))
         host_bytes = sum(c * x for c, x in zip(counts, host))
     unpacked = offload.unpacked_bytes(cfg, pc, dt, b, s) if whole else 0
-    recompute = saved["recompute"] + unpacked
+    prefetched, freed = offload.prefetched_bytes(stages, offloaded, int(per_layer), saved["rope"])
+    # a stage offloaded whole: its last layer's backward (node by node) beside the layer before it, prefetched
+    recompute = saved["recompute"] + unpacked + (prefetched if whole else 0)
+    prefetch = prefetched - freed + kept_layer_backward(cfg, pc, dt, b, s) if freed >= 0 else None
     activations = int(peak) + (saved["rope"] if pc.pp == 1 and not whole else 0) + recompute
     in_flight_mean = sum(c * len(layers) for c, (_, layers) in zip(counts, stages)) / max(1, n_layers)
     logits, loss_freed, gradient = _loss_terms(cfg, pc, dt, b, s, last, saved)
@@ -338,6 +345,7 @@ def activation_terms(
         recompute,
         int(host_bytes),
         head_freed,
+        prefetch,
         input_pass,
     )
 

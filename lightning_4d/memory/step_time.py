@@ -131,6 +131,7 @@ __all__ = [
     "all_to_all_time",
     "attention_efficiency",
     "gemm_efficiency",
+    "offload_exposed",
     "predict_step_time",
     "step_time_of",
     "step_time_parts",
@@ -225,7 +226,7 @@ class StepTime:
     checkpointing adds, ``bubble`` the pipeline's idle time, ``tp``/``cp``/``pp``/``dp``/``ep`` the exposed
     communication of each dimension (``ep``: the MoE layers' collectives, the token all-to-alls over ep and the
     latency of the routing counts' exchanges; 0 for a dense model), ``offload`` the host-link copies of
-    ``activation_offload_layers`` (synchronous: all exposed; 0 without offload).
+    ``activation_offload_layers`` (the part the compute does not hide: :func:`offload_exposed`; 0 without offload).
     """
 
     compute: float
@@ -535,10 +536,8 @@ def predict_step_time(
 ) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step (module docstring: every term and its source).
 
-    With ``pc.activation_offload_layers`` (not enumerated by the planner) the copies to host memory and back are
-    added, all exposed (``parallel/offload.py`` copies synchronously): ``2·m·B / (COLLECTIVE_EFFICIENCY ·
-    host_bandwidth)`` with B the bytes one micro-batch offloads on the pp rank that offloads most
-    (:func:`~lightning_4d.memory.model.offloaded_bytes_per_microbatch`, bf16-mixed).
+    With ``pc.activation_offload_layers`` (not enumerated by the planner) the part of the copies to host memory and
+    back that the compute does not hide is added (:func:`offload_exposed`).
 
     Args:
         model_config: a :class:`~lightning_4d.models.LlamaConfig`.
@@ -556,13 +555,40 @@ def predict_step_time(
     )
     if not pc.activation_offload_layers:
         return step
+    return dataclasses.replace(
+        step, offload=offload_exposed(model_config, pc, micro_batch_size, num_microbatches, seq_length, gpu, step)
+    )
+
+
+def offload_exposed(
+    model_config: Any, pc: Any, micro_batch_size: int, num_microbatches: int, seq_length: int, gpu: Any, step: StepTime
+) -> float:
+    """Seconds of activation offload's copies (``parallel/offload.py``) the compute of one step does not hide, on the
+    pp rank that offloads most: per micro-batch and offloaded layer, ``max(0, t − t_f) + max(0, t − t_b)``, with
+    ``t = B_l / (COLLECTIVE_EFFICIENCY · host_bandwidth)`` one layer's copy (``B_l``: its saved bytes and RoPE copy,
+    :func:`~lightning_4d.memory.model.offloaded_bytes_per_microbatch` over the offloaded layers), ``t_f`` the forward
+    of one layer the copy out overlaps (on the offload stream, behind the layers after it) and ``t_b = 2·t_f`` the
+    backward of the next layer the prefetch overlaps; a stage offloaded whole brings its last layer back on demand,
+    ``t`` exposed. ``t_f = step.compute / (3·m·L_r)``, ``L_r`` the rank's layers (forward : backward FLOPs = 1 : 2,
+    Narayanan et al. 2021, arXiv 2104.04473, §5.1). Megatron-Core overlaps its ``cpu_offloading`` copies the same
+    way (a side stream, one layer ahead). Not measured on a GPU yet (``docs/memory.md``)."""
     from lightning_4d.memory.model import offloaded_bytes_per_microbatch
 
-    most = max(
-        offloaded_bytes_per_microbatch(model_config, pc, micro_batch_size, seq_length, pp_rank=r) for r in range(pc.pp)
-    )
-    seconds = 2 * num_microbatches * most / (COLLECTIVE_EFFICIENCY * gpu.host_bandwidth)
-    return dataclasses.replace(step, offload=seconds)
+    k, m = pc.activation_offload_layers, num_microbatches
+    worst = 0.0
+    for rank in range(pc.pp):
+        stages = pc.rank_stages(model_config.num_layers, rank)
+        layers = sum(len(r) for _, r in stages)
+        offloaded = sum(min(k, len(r)) for _, r in stages)
+        if not offloaded:
+            continue
+        moved = offloaded_bytes_per_microbatch(model_config, pc, micro_batch_size, seq_length, pp_rank=rank)
+        t = moved / offloaded / (COLLECTIVE_EFFICIENCY * gpu.host_bandwidth)
+        t_f = step.compute / (3 * m * max(1, layers))
+        whole = sum(1 for _, r in stages if 0 < len(r) <= k)
+        per_layer = max(0.0, t - t_f) + max(0.0, t - 2 * t_f)
+        worst = max(worst, m * (offloaded * per_layer + whole * min(t, 2 * t_f)))
+    return worst
 
 
 def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:

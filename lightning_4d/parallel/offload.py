@@ -16,10 +16,17 @@ fewer; :func:`offloaded_layers`), as Megatron's ``cpu_offloading_num_layers`` co
 whose backward comes right after its forward gain least; with 1F1B every stage holds up to ``pp - rank``
 micro-batches' activations of all its layers, and an offloaded layer holds none of them.
 
-Copies are synchronous on the compute stream (``Tensor.copy_`` / ``Tensor.to``, no side stream, no prefetch):
-simple and safe, at the cost of the PCIe time (``2 · host bytes / host bandwidth`` per micro-batch, counted by the
-step-time model, :mod:`lightning_4d.memory.step_time`). Overlapping them on a side stream is not built (it needs a
-GPU to validate; ``docs/memory.md``).
+Copies overlap compute (as Megatron-Core's ``cpu_offloading`` double buffering and torchtune's
+``OffloadActivations(use_streams=True)`` do): on CUDA each device-to-host copy runs on a side stream (the offload
+stream) into page-locked memory (PyTorch's caching host allocator keeps the pinned blocks for the next step), and the
+device tensor's memory is not reused before the copy has read it (``Tensor.record_stream``). In backward a layer's
+tensors are prefetched whole, on a second side stream, while the layer after it (the one backward runs first) runs
+its backward: the trigger is a pre-hook on the autograd node of that next layer's output (when it is in the same
+pipeline stage); each prefetched storage is shared by the views saved on it and dropped after its last use. The
+device therefore holds one offloaded layer's saved set more during the backward of the layer after it (the memory
+model counts it: :func:`lightning_4d.memory.offload.prefetched_bytes`). A layer with no next layer in its stage (the
+last layer of a stage offloaded whole) brings its tensors back node by node, each when its node needs it, waiting
+for the copy. The step-time model charges only the part of the copies the compute does not hide.
 
 On CPU (tests, ``lightning-4d measure``) the "host" copy is another CPU tensor made outside any
 ``TorchDispatchMode`` (``_compat.untracked``), so :class:`~lightning_4d.measure.LiveTensorBytes` counts device
@@ -78,6 +85,83 @@ def _storage_key(t: torch.Tensor) -> int:
         return -1
 
 
+class _Streams:
+    """The two side streams of one CUDA device (offload: device to host in forward; reload: host to device
+    prefetches in backward), made once per process and device."""
+
+    _made: dict[torch.device, "_Streams"] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        self.offload = torch.cuda.Stream(device)
+        self.reload = torch.cuda.Stream(device)
+
+    @classmethod
+    def of(cls, device: torch.device) -> Optional["_Streams"]:
+        """The streams of ``device``; ``None`` on a device without streams (CPU: copies there are in program order)."""
+        if device.type != "cuda":
+            return None
+        if device not in cls._made:
+            cls._made[device] = cls(device)
+        return cls._made[device]
+
+
+class _LayerCopies:
+    """The host copies one offloaded layer made in one forward (one micro-batch), and their prefetched device
+    copies in backward.
+
+    ``host[key]`` is a storage's host copy (``key``: its position in this forward), ``uses[key]`` how many saved
+    tensors are views of it and not yet unpacked; ``device[key]`` its prefetched device storage, dropped at its last
+    use (``uses`` reaching 0) so that the views saved on it share one device copy."""
+
+    def __init__(self, streams: Optional[_Streams]) -> None:
+        self.streams = streams
+        self.host: list[torch.Tensor] = []
+        self.uses: list[int] = []
+        self.device: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.copied: Any = None  # the event after the last device-to-host copy (CUDA)
+        self.prefetched = False
+
+    def add(self, host: torch.Tensor) -> int:
+        self.host.append(host)
+        self.uses.append(0)
+        return len(self.host) - 1
+
+    def prefetch(self, device: torch.device) -> None:
+        """Start bringing every storage still to be used back to ``device`` (on CUDA on the reload stream, after
+        the forward's copies to host; on CPU a copy now)."""
+        if self.prefetched:
+            return
+        self.prefetched = True
+        streams = self.streams
+        if streams is not None:
+            if self.copied is not None:
+                streams.reload.wait_event(self.copied)
+            with torch.cuda.stream(streams.reload):
+                copies = {k: h.to(device, non_blocking=True) for k, h in enumerate(self.host) if self.uses[k] > 0}
+            ready = streams.reload.record_event()
+            self.device.update({k: (d, ready) for k, d in copies.items()})
+        else:
+            self.device.update({k: (h.clone(), None) for k, h in enumerate(self.host) if self.uses[k] > 0})
+
+    def take(self, key: int, device: torch.device) -> torch.Tensor:
+        """The device storage of ``key`` for one unpack: the prefetched one (dropped here at its last use), else a
+        copy made now (after the forward's copy to host, on CUDA)."""
+        self.uses[key] -= 1
+        if key in self.device:
+            flat, ready = self.device.pop(key) if self.uses[key] <= 0 else self.device[key]
+            if ready is not None:
+                current = torch.cuda.current_stream(device)
+                current.wait_event(ready)
+                flat.record_stream(current)  # allocated on the reload stream, freed after use on this one
+            return flat
+        host = self.host[key]
+        if device.type == "cpu":
+            return host.clone()  # a new device storage, as the host-to-device copy is
+        if self.copied is not None:
+            torch.cuda.current_stream(device).wait_event(self.copied)
+        return host.to(device, non_blocking=True)
+
+
 class ActivationOffload(saved_tensors_hooks):
     """``saved_tensors_hooks`` that keep one layer's saved activations in host memory (module docstring).
 
@@ -97,11 +181,25 @@ class ActivationOffload(saved_tensors_hooks):
     def __init__(self, layer: nn.Module, stats: OffloadStats) -> None:
         self.layer = layer
         self.stats = stats
-        self._copied: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._copied: dict[int, tuple[Any, int]] = {}
         self._parameters: Optional[set[int]] = None
+        self._copies: Optional[_LayerCopies] = None
+        #: the copies of this layer's last forward, kept (when a next layer prefetches them: ``prefetched_by_next``)
+        #: until the next layer's forward links its prefetch to them
+        self.last_copies: Optional[_LayerCopies] = None
+        self.prefetched_by_next = False
         super().__init__(self._pack, self._unpack)
 
+    def __enter__(self) -> "ActivationOffload":
+        self._copies = None
+        return super().__enter__()
+
     def __exit__(self, *args: Any) -> None:
+        copies = self._copies
+        if copies is not None and copies.streams is not None:
+            copies.copied = copies.streams.offload.record_event()
+        self.last_copies = copies if self.prefetched_by_next else None
+        self._copies = None
         self._copied.clear()
         self._parameters = None
         super().__exit__(*args)
@@ -112,6 +210,25 @@ class ActivationOffload(saved_tensors_hooks):
         if self._parameters is None:
             self._parameters = {_storage_key(p) for p in self.layer.parameters()}
         return self._parameters
+
+    def _to_host(self, local: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``local``'s whole storage (bytes), on the offload stream on CUDA."""
+        if self._copies is None:
+            self._copies = _LayerCopies(_Streams.of(local.device))
+        streams = self._copies.streams
+        with untracked():
+            flat = torch.empty(0, dtype=torch.uint8, device=local.device).set_(local.untyped_storage())
+            host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=streams is not None)
+            if streams is None:
+                host.copy_(flat)
+            else:
+                streams.offload.wait_stream(torch.cuda.current_stream(local.device))
+                with torch.cuda.stream(streams.offload):
+                    host.copy_(flat, non_blocking=True)
+                flat.record_stream(streams.offload)  # not reused before the copy has read it
+        self.stats._add(host.numel())
+        weakref.finalize(host, self.stats._add, -host.numel())
+        return host
 
     def _pack(self, t: torch.Tensor) -> Any:
         dtensor = isinstance(t, DTensor)
@@ -130,25 +247,22 @@ class ActivationOffload(saved_tensors_hooks):
         owner = local._base if local._base is not None else local
         known = self._copied.get(ptr)
         if known is not None and known[0]() is owner:
-            host = known[1]
+            key = known[1]
         else:
-            with untracked():
-                flat = torch.empty(0, dtype=torch.uint8, device=local.device).set_(local.untyped_storage())
-                host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=local.device.type == "cuda")
-                host.copy_(flat)
-            self.stats._add(host.numel())
-            weakref.finalize(host, self.stats._add, -host.numel())
-            self._copied[ptr] = (weakref.ref(owner), host)
+            host = self._to_host(local)
+            key = self._copies.add(host)
+            self._copied[ptr] = (weakref.ref(owner), key)
+        copies = self._copies
+        copies.uses[key] += 1
         spec = (t.device_mesh, t.placements, t.shape, t.stride()) if dtensor else None
-        return (local.device, host, local.dtype, local.storage_offset(), local.size(), local.stride(), spec)
+        return (local.device, copies, key, local.dtype, local.storage_offset(), local.size(), local.stride(), spec)
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host, dtype, offset, size, stride, spec = packed
-        # a new device storage, as the host-to-device copy is (on CPU too), viewed as the saved tensor was
-        flat = host.clone() if device.type == "cpu" else host.to(device, non_blocking=False)
+        device, copies, key, dtype, offset, size, stride, spec = packed
+        flat = copies.take(key, device)
         local = torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
         if spec is None:
             return local
@@ -162,15 +276,48 @@ def offloaded_layers(stages: list[tuple[int, range]], count: int) -> list[int]:
     return [i for _, layers in stages for i in list(layers)[:count]]
 
 
-def apply_activation_offload(layers: nn.Module, indices: list[int], stats: OffloadStats) -> None:
+def _first_grad_tensor(out: Any) -> Optional[torch.Tensor]:
+    """The first tensor with an autograd node in a layer's output (a tensor, or a tuple whose first is one)."""
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            return t
+    return None
+
+
+def _prefetch_hook(hooks: ActivationOffload) -> Any:
+    """A forward hook for the layer after ``hooks``' layer: when backward reaches the node that made its output (the
+    start of its backward), prefetch what ``hooks``' layer saved in the same micro-batch (its forward ran just
+    before)."""
+
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        copies, t = hooks.last_copies, _first_grad_tensor(out)
+        hooks.last_copies = None
+        if copies is None or t is None:
+            return
+        device = (t._local_tensor if isinstance(t, DTensor) else t).device
+        t.grad_fn.register_prehook(lambda grads: copies.prefetch(device))
+
+    return hook
+
+
+def apply_activation_offload(
+    layers: nn.Module, indices: list[int], stats: OffloadStats, stages: Optional[list[tuple[int, range]]] = None
+) -> None:
     """Enter an :class:`ActivationOffload` around the forward of each layer of ``layers`` (an ``nn.ModuleDict`` or
     ``nn.ModuleList`` of decoder layers, keyed by global index) at ``indices``, by forward pre- and post-hooks (the
-    post-hook also when forward raises), so parameter names do not change."""
+    post-hook also when forward raises), so parameter names do not change; and a forward hook on the layer after
+    each (in the same pipeline stage of ``stages``, ``ParallelConfig.rank_stages``; all of ``layers`` are one stage
+    without it) that prefetches the offloaded layer's tensors when backward starts on it (module docstring)."""
     from lightning_4d.module_tree import layer_items
 
     items = dict(layer_items(layers))
+    stage_of = {i: stage for stage, r in stages for i in r} if stages is not None else None
     for index in indices:
         layer = items[str(index)]
         hooks = ActivationOffload(layer, stats)
         layer.register_forward_pre_hook(lambda module, args, _h=hooks: _h.__enter__())
         layer.register_forward_hook(lambda module, args, out, _h=hooks: _h.__exit__(None, None, None), always_call=True)
+        after = items.get(str(index + 1))
+        if after is not None and (stage_of is None or stage_of.get(index + 1) == stage_of.get(index)):
+            hooks.prefetched_by_next = True
+            after.register_forward_hook(_prefetch_hook(hooks))

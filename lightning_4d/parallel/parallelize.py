@@ -229,7 +229,9 @@ def parallelize_model(
     if config.activation_offload_layers:
         stages = config.rank_stages(num_layers, mesh.pp.get_local_rank())
         indices = offloaded_layers(stages, config.activation_offload_layers)
-        apply_activation_offload(layers, indices, offload_stats if offload_stats is not None else OffloadStats())
+        apply_activation_offload(
+            layers, indices, offload_stats if offload_stats is not None else OffloadStats(), stages
+        )
     if compile:
         compile_layers([block for _, block in layer_items(layers) if any(True for _ in block.parameters())])
     sync_chunk_layers(model, family)
