@@ -290,8 +290,8 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--pp", "2", "--tp", "2"], ["--tp", "2", "--tensor-parallel-overlap"]],
-    ids=["first-pick", "pp2-tp2", "tp2-overlap"],
+    [[], ["--pp", "2", "--tp", "2"], ["--tp", "2", "--tensor-parallel-overlap"], ["--compile"]],
+    ids=["first-pick", "pp2-tp2", "tp2-overlap", "compile"],
 )
 def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     """`plan --emit-config FILE.yaml` writes the first row as a LightningCLI config: it parses with yaml, the
@@ -333,6 +333,7 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     assert pc.zero_stage == row["zero_stage"] and pc.activation_checkpointing == row["activation_checkpointing"]
     assert pc.sp == row["sequence_parallel"] and pc.context_parallel_method == row["context_parallel_method"]
     assert pc.tensor_parallel_overlap == row["tensor_parallel_overlap"] == ("--tensor-parallel-overlap" in extra)
+    assert pc.compile == row["compile"] == ("--compile" in extra)
     assert trainer["devices"] * trainer["num_nodes"] == 16 and trainer["devices"] == 8
     assert data == {"seq_length": 256, "micro_batch_size": row["micro_batch_size"], "global_batch_size": 64}
     assert config["model"] == {"model_config": "tiny"}
