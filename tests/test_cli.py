@@ -464,3 +464,15 @@ def test_estimate_counts_gradient_accumulation_at_pp1(capsys):
     assert totals == [expected.total, expected.total]
     assert main(base.split()) == 0  # one micro-batch per step: less memory (no gradient held during forward)
     assert json.loads(capsys.readouterr().out)["total"] < expected.total
+
+
+def test_compile_under_tp_is_one_line_exit_2(capsys):
+    """`--compile` is the layout registry's (estimate, measure, plan): with tp > 1, which compile=True refuses
+    (``config.check_compile``), estimate and measure exit 2 with one line naming it, before anything runs."""
+    from lightning_4d.cli import main
+
+    for command in ("estimate", "measure"):
+        argv = [command, "--model", "tiny", "--tp", "2", "--num-gpus", "2", "--seq-length", "64"]
+        assert main(argv + ["--micro-batch-size", "1", "--compile"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "compile=True with tensor_parallel_size=2" in err[0], err

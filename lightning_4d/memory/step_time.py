@@ -19,7 +19,9 @@ T = b·s/cp tokens per micro-batch per GPU, c = 2 bytes (bf16 compute).
   (POINTWISE_EFFICIENCY · memory bandwidth)`` with the bytes our eager layer reads and writes per token, measured on
   it (:data:`POINTWISE_BYTES`; ``tests/test_step_time.py`` measures them again with a ``TorchDispatchMode``):
   ``348·h + 52·(a + 2k)·d + 28·f`` bytes per token forward + backward in bf16, the h term divided by tp under
-  sequence parallelism (the norms and residuals run on s/tp tokens), the others by tp;
+  sequence parallelism (the norms and residuals run on s/tp tokens), the others by tp; that time multiplied by
+  :data:`POINTWISE_FACTOR`, 1.62 eager (one kernel per op) or 0.80 with ``compile`` (inductor's fused kernels),
+  calibrated on measured compiled and eager steps (ours on an H100, torchtitan's);
 - the LM head on the last stage: ``6·V·h/tp·T`` FLOPs (a GEMM of the large class) and the chunked cross-entropy's
   pointwise work, :data:`LOSS_BYTES_PER_LOGIT` bytes per local logit.
 
@@ -51,10 +53,11 @@ part; selective's two re-gathers stay exposed (the strategy refuses selective wi
 η = 0.5 is calibrated on torchtitan's async TP (torch's symmetric-memory ``fused_all_gather_matmul`` /
 ``fused_matmul_reduce_scatter``; torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``, H100 96 GB at
 500 W, bf16, torch.compile): Llama 3.1 8B on 64 H100, FSDP 8 × TP 8, per-op selective AC, local batch 12, 4,378 → 4,809
-tokens/s/GPU (+9.8%; predicted +9.6%), Llama 3.1 70B on 256 H100, FSDP 32 × TP 8, full AC, local batch 16, 597.3 →
-652.4 (+9.2%; predicted +9.9%) (:data:`TP_OVERLAP_RUNS`, ``tests/test_step_time.py``); η = 1 would predict +21%
-and +22%. The least-squares η of the two runs is 0.49; held out, η fitted on either run alone (0.514, 0.471) predicts
-the other within 0.93 points (two runs only: the test also checks the fit on synthetic gains of known η).
+tokens/s/GPU (+9.8%; predicted +9.9%), Llama 3.1 70B on 256 H100, FSDP 32 × TP 8, full AC, local batch 16, 597.3 →
+652.4 (+9.2%; predicted +10.1%) (:data:`TP_OVERLAP_RUNS`, predicted compiled as they ran, ``tests/test_step_time.py``);
+η = 1 would predict +22% and +22%. The least-squares η of the two runs is 0.48; held out, η fitted on either run
+alone (0.498, 0.462) predicts the other within 0.80 points (two runs only: the test also checks the fit on synthetic
+gains of known η).
 
 **Context parallel**: ``"ring"`` passes K and V (``T·k·d/tp·c`` bytes each) cp−1 times forward and K, V, dK, dV
 backward, overlapped with the attention it feeds (exposed: what exceeds the attention time);
