@@ -114,6 +114,36 @@ _RANK_STAGES: dict[tuple, tuple[tuple[int, range], ...]] = {}
 _RANK_STAGES_MAX = 1 << 16
 
 
+def check_compile(compile: bool, tensor_parallel_size: int, activation_checkpointing: str = "none") -> None:
+    """Refuse ``compile=True`` with tensor parallelism (measured with torch 2.13 on CPU: a compiled layer with DTensor
+    tp plans fails in backward through AOTAutograd, the eager redistribution after the embedding receiving a plain
+    tensor as gradient, "'Tensor' object has no attribute '_local_tensor'"; Dynamo alone, ``backend="eager"``, trains;
+    :mod:`lightning_4d.parallel.compile`): fail when the layout is built, not after the queue wait.
+
+    Also with selective activation checkpointing: the checkpointed layer is what Dynamo must trace whole, and a graph
+    break inside it (context-parallel attention, a Mixture-of-Experts feed-forward) sends the layer back to eager
+    without a word (measured: 0 graphs compiled with cp2); full checkpointing compiles inside the checkpoint.
+
+    Raises:
+        ValueError: ``compile`` not a bool, or True with ``activation_checkpointing="selective"``.
+        NotImplementedError: ``compile`` and ``tensor_parallel_size`` > 1.
+    """
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r} is not valid: expected True or False.")
+    if compile and activation_checkpointing == "selective":
+        raise ValueError(
+            "compile=True with activation_checkpointing='selective' is not supported: a graph break inside the "
+            "checkpointed layer (context-parallel attention, Mixture-of-Experts layers) would run it eagerly. Use "
+            "activation_checkpointing='full' or 'none' with compile=True."
+        )
+    if compile and tensor_parallel_size > 1:
+        raise NotImplementedError(
+            f"compile=True with tensor_parallel_size={tensor_parallel_size} is not supported yet (torch.compile of "
+            "tensor-parallel layers fails in backward in AOTAutograd with this PyTorch); use compile=False, or "
+            "compile=True with tensor_parallel_size=1 (dp/ZeRO, pp, cp and ep layouts)."
+        )
+
+
 def _check_positive_int(name: str, value: object) -> int:
     """Return ``value`` when it is an int >= 1 (not a bool); else raise ``ValueError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -186,6 +216,8 @@ class ParallelConfig:
             stage's) keep their saved activations in host memory between forward and backward (copied out in
             forward, back in backward; ``lightning_4d/parallel/offload.py``, Megatron-Core's
             ``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing.
+        compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``; the step-time model's
+            ``POINTWISE_FACTOR``). Not with tp > 1 nor selective checkpointing (:func:`check_compile`).
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -196,7 +228,8 @@ class ParallelConfig:
             ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with PowerSGD,
             ``tensor_parallel_overlap`` not a bool, or True without tp > 1 and sequence parallelism, or with
             selective activation checkpointing, ``activation_offload_layers`` not an integer >= 0, or > 0 with
-            activation checkpointing.
+            activation checkpointing, ``compile`` not a bool, or True with selective checkpointing.
+        NotImplementedError: ``compile=True`` with tp > 1.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -206,6 +239,7 @@ class ParallelConfig:
     zero_stage: int = 1
     sequence_parallel: Optional[bool] = None
     activation_checkpointing: str = "none"
+    compile: bool = False
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_stages: Optional[int] = None
     num_microbatches: Optional[int] = None
@@ -227,6 +261,7 @@ class ParallelConfig:
         check_moe_layout(self)
         self._check_pipeline()
         self._check_overlap_and_offload()
+        check_compile(self.compile, self.tensor_parallel_size, self.activation_checkpointing)
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
             self.sequence_parallel = False

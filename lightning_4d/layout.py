@@ -57,7 +57,7 @@ class LayoutField:
         type: its annotation (the strategy's, which LightningCLI reads; ``Literal`` of the choices).
         default: its default (the same in ``ParallelConfig``, ``FourDStrategy`` and the CLI).
         feature: the parallel feature that owns it (``dp``, ``tp``, ``sp``, ``pp``, ``cp``, ``ep``, ``zero``,
-            ``activation_checkpointing``, ``offload``, ``compression``).
+            ``activation_checkpointing``, ``offload``, ``compression``, ``compile``).
         help: one line, the CLI's help (docstrings say more).
         choices: the valid values when they are a closed set.
         flags: the option strings of ``estimate`` and ``measure`` (the first is the main spelling; users and the
@@ -176,6 +176,17 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         choices=ACTIVATION_CHECKPOINTING,
         flags=("--activation-checkpointing",),
         planned=True,
+    ),
+    LayoutField(
+        "compile",
+        bool,
+        False,
+        "compile",
+        "torch.compile each decoder layer (not with tp > 1 nor selective checkpointing; docs/parallelism.md)",
+        flags=("--compile",),
+        planned=True,
+        plan_help="predict every layout with torch.compile'd decoder layers (FourDStrategy(compile=True): tp = 1, "
+        "checkpointing none or full; off by default, as in FourDStrategy)",
     ),
     LayoutField(
         "activation_offload_layers",

@@ -330,7 +330,7 @@ def fit_and_measure(
 
     states: dict[str, int] = {}
     if strategy is None:
-        strategy = FourDStrategy(**_strategy_kwargs(pc), memory_check=False, compile=compile)
+        strategy = FourDStrategy(**_strategy_kwargs(pc, compile), memory_check=False)
     cuda = device == "cuda"
     tracker = LiveTensorBytes("cpu") if not cuda else contextlib.nullcontext()
     library = 0
@@ -428,10 +428,10 @@ def cuda_library_bytes(dtypes: tuple = (torch.float32, torch.bfloat16)) -> int:
     return torch.cuda.memory_allocated()
 
 
-def _strategy_kwargs(pc: ParallelConfig) -> dict[str, Any]:
+def _strategy_kwargs(pc: ParallelConfig, compile: bool = False) -> dict[str, Any]:
     """FourDStrategy's layout arguments for ``pc`` (every field of :data:`lightning_4d.layout.LAYOUT_FIELDS`), dp
-    resolved."""
-    return dict(config_kwargs(vars(pc)), data_parallel_size=pc.dp)
+    resolved; ``compile`` on when ``pc`` or the caller asks for it."""
+    return dict(config_kwargs(vars(pc)), data_parallel_size=pc.dp, compile=pc.compile or compile)
 
 
 def measure_rank(
@@ -485,9 +485,7 @@ def measure_rank(
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     init_fake_process_group(rank, pc.world_size)
     try:
-        strategy = _strategy_class()(
-            **_strategy_kwargs(pc), memory_check=False, process_group_backend="fake", compile=compile
-        )
+        strategy = _strategy_class()(**_strategy_kwargs(pc, compile), memory_check=False, process_group_backend="fake")
         strategy.micro_batch_size, strategy.seq_length = micro_batch_size, seq_length
         rows = received_rows(model_config, pc, micro_batch_size, seq_length, imbalance)
         strategy.expert_rows = rows
@@ -652,7 +650,7 @@ def main(argv: list[str]) -> int:
     args = command_parser("measure").parse_args(argv)
     try:
         out = _run(args)
-    except ValueError as err:
+    except (ValueError, NotImplementedError) as err:  # NotImplementedError: compile=True with tp > 1
         print(f"lightning-4d measure: error: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -216,7 +216,7 @@ def validate_row(row: Row) -> None:
     # it while parsing, with the same message)
     check_training_precision(row.layout.get("precision", DEFAULTS["precision"]))
     args, cfg, pc = _parse(row)
-    strategy = FourDStrategy(**_strategy_kwargs(pc), memory_check=False, compile=args.compile)
+    strategy = FourDStrategy(**_strategy_kwargs(pc, args.compile), memory_check=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

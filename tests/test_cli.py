@@ -290,8 +290,8 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--pp", "2", "--tp", "2"], ["--tp", "2", "--tensor-parallel-overlap"]],
-    ids=["first-pick", "pp2-tp2", "tp2-overlap"],
+    [[], ["--pp", "2", "--tp", "2"], ["--tp", "2", "--tensor-parallel-overlap"], ["--compile"]],
+    ids=["first-pick", "pp2-tp2", "tp2-overlap", "compile"],
 )
 def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     """`plan --emit-config FILE.yaml` writes the first row as a LightningCLI config: it parses with yaml, the
@@ -333,6 +333,7 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     assert pc.zero_stage == row["zero_stage"] and pc.activation_checkpointing == row["activation_checkpointing"]
     assert pc.sp == row["sequence_parallel"] and pc.context_parallel_method == row["context_parallel_method"]
     assert pc.tensor_parallel_overlap == row["tensor_parallel_overlap"] == ("--tensor-parallel-overlap" in extra)
+    assert pc.compile == row["compile"] == ("--compile" in extra)
     assert trainer["devices"] * trainer["num_nodes"] == 16 and trainer["devices"] == 8
     assert data == {"seq_length": 256, "micro_batch_size": row["micro_batch_size"], "global_batch_size": 64}
     assert config["model"] == {"model_config": "tiny"}
@@ -463,3 +464,15 @@ def test_estimate_counts_gradient_accumulation_at_pp1(capsys):
     assert totals == [expected.total, expected.total]
     assert main(base.split()) == 0  # one micro-batch per step: less memory (no gradient held during forward)
     assert json.loads(capsys.readouterr().out)["total"] < expected.total
+
+
+def test_compile_under_tp_is_one_line_exit_2(capsys):
+    """`--compile` is the layout registry's (estimate, measure, plan): with tp > 1, which compile=True refuses
+    (``config.check_compile``), estimate and measure exit 2 with one line naming it, before anything runs."""
+    from lightning_4d.cli import main
+
+    for command in ("estimate", "measure"):
+        argv = [command, "--model", "tiny", "--tp", "2", "--num-gpus", "2", "--seq-length", "64"]
+        assert main(argv + ["--micro-batch-size", "1", "--compile"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "compile=True with tensor_parallel_size=2" in err[0], err

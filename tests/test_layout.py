@@ -23,7 +23,7 @@ from lightning_4d.memory.step_time import Layout
 from lightning_4d.models import LlamaConfig
 
 #: a value of every field, valid together (pp=2, tp=2, cp=2, dp=2 on 16 ranks): not the default but for ep
-#: (refused with PowerSGD) and activation offload (refused with checkpointing)
+#: (refused with PowerSGD), activation offload (refused with checkpointing) and compile (refused with tp)
 EXAMPLE = dict(
     data_parallel_size=2,
     tensor_parallel_size=2,
@@ -33,6 +33,7 @@ EXAMPLE = dict(
     sequence_parallel=True,
     tensor_parallel_overlap=True,
     activation_checkpointing="full",
+    compile=False,
     activation_offload_layers=0,
     pipeline_schedule="interleaved_1f1b",
     virtual_pipeline_stages=2,
@@ -48,7 +49,7 @@ EXAMPLE = dict(
 )
 
 
-_AT_DEFAULT = ("expert_parallel_size", "activation_offload_layers")
+_AT_DEFAULT = ("expert_parallel_size", "activation_offload_layers", "compile")
 
 
 def test_example_names_every_field():
@@ -116,7 +117,7 @@ def test_cli_layout_round_trips_every_flagged_field():
             continue
         value = EXAMPLE[f.name]
         if f.type is bool:
-            argv.append(f.flags[0])
+            argv += [f.flags[0]] if value else []  # a switch: given when True
         elif isinstance(value, list):
             argv += [f.flags[0], *map(str, value)]
         else:
@@ -177,6 +178,7 @@ def test_planner_layout_round_trips_every_planned_field():
 
 def test_every_field_has_a_feature_and_help():
     features = {"dp", "tp", "sp", "pp", "cp", "ep", "zero", "activation_checkpointing", "offload", "compression"}
+    features.add("compile")
     for f in LAYOUT_FIELDS:
         assert f.feature in features and f.help, f.name
         assert f.choices is None or f.default in f.choices, f.name
@@ -203,6 +205,7 @@ def _planned_layouts() -> list[ParallelConfig]:
             zero_stage=3,
             activation_checkpointing="selective",
         ),
+        ParallelConfig(data_parallel_size=2, compile=True),
     ]
 
 

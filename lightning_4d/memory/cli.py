@@ -247,9 +247,6 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         )
         p.add_argument("--steps", type=positive_int, default=2, help="optimizer steps to run (default 2)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the rank runs (default cpu)")
-        p.add_argument(
-            "--compile", action="store_true", help="torch.compile each decoder layer (FourDStrategy(compile=True))"
-        )
     if command in ("estimate", "measure"):
         _load_imbalance_option(p)
         group = p.add_mutually_exclusive_group()
@@ -484,7 +481,7 @@ def _print_estimate(out: dict[str, Any]) -> None:
 def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, bool], list]] = None) -> dict[str, Any]:
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
-    fixed = {  # the sizes asked for (plan's layout options but --tensor-parallel-overlap)
+    fixed = {  # the sizes asked for (plan's layout options but its switches, --tensor-parallel-overlap, --compile)
         f.option_dest: getattr(args, f.option_dest)
         for f in LAYOUT_FIELDS
         if f.plan_help and f.type is not bool and getattr(args, f.option_dest) is not None
@@ -542,6 +539,7 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, fixed: dict[str, int],
         fixed=fixed,
         estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
         tensor_parallel_overlap=args.tensor_parallel_overlap,
+        compile=args.compile,
         **kw,
     )
 
@@ -611,6 +609,8 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
     init_args["context_parallel_method"] = c["context_parallel_method"]
     if c.get("tensor_parallel_overlap"):
         init_args["tensor_parallel_overlap"] = True
+    if c.get("compile"):
+        init_args["compile"] = True
     num_gpus, per_node = out["num_gpus"], out["gpus_per_node"]
     trainer = {
         "accelerator": "gpu",
@@ -812,7 +812,7 @@ def main(command: str, argv: list[str], untested_pairs: Optional[Callable[[dict,
                     "more GPUs, a shorter sequence, or a larger GPU)."
                 )
             out["emit_config"] = write_plan_config(out, emit, " ".join(["lightning-4d", command, *argv]))
-    except ValueError as err:
+    except (ValueError, NotImplementedError) as err:  # NotImplementedError: compile=True with tp > 1
         print(f"lightning-4d {command}: error: {err}", file=sys.stderr)
         return 2
     if command == "estimate":

@@ -58,6 +58,7 @@ from lightning_4d.config import (
     _check_positive_int,
     _divisors,
     alltoall_heads,
+    check_compile,
 )
 from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.memory.hardware import GIB, GpuSpec
@@ -89,7 +90,8 @@ PLANNED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 
 class Candidate:
     """One layout of a job with its memory estimate (bytes), predicted step time (seconds) and where that time goes
     (``bubble_fraction``, ``communication_fraction`` (exposed, the experts' all-to-alls included),
-    ``recompute_fraction``: fractions of the step); ``expert_parallel_size`` is ep (1 for a dense model)."""
+    ``recompute_fraction``: fractions of the step); ``expert_parallel_size`` is ep (1 for a dense model); ``compile``
+    whether its step is predicted with ``torch.compile``'d decoder layers."""
 
     tp: int
     pp: int
@@ -115,6 +117,7 @@ class Candidate:
     recompute_fraction: float = 0.0
     expert_parallel_size: int = 1
     tensor_parallel_overlap: bool = False
+    compile: bool = False
 
     def parallel_config(self) -> ParallelConfig:
         """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
@@ -177,10 +180,12 @@ def _layouts(
     micro_batch_size: Optional[int],
     fixed: Optional[dict[str, int]] = None,
     tensor_parallel_overlap: bool = False,
+    compile: bool = False,
 ) -> Iterator[Layout]:
     """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`);
     with ``tensor_parallel_overlap`` each layout with tp > 1, sp and checkpointing other than selective also with the
-    overlap on (right after it)."""
+    overlap on (right after it); with ``compile`` only those ``compile=True`` takes
+    (:func:`~lightning_4d.config.check_compile`), each with it on."""
     fixed = fixed or {}
     moe = getattr(model_config, "is_moe", False)
     for tp in _divisors(min(num_gpus, gpus_per_node)):
@@ -231,11 +236,12 @@ def _layouts(
                                     for ac in ACTIVATION_CHECKPOINTING:
                                         if ac == "selective" and name in ("zbv", "dualpipev"):
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
-                                        yield Layout(tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep)
-                                        if tensor_parallel_overlap and sp and ac != "selective":
-                                            yield Layout(
-                                                tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep, True
-                                            )
+                                        if compile and not _compile_accepted(tp, ac):
+                                            continue  # compile=True refuses tp > 1 and selective (check_compile)
+                                        shape = (tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep)
+                                        overlaps = (False, True) if tensor_parallel_overlap and sp else (False,)
+                                        for overlap in overlaps if ac != "selective" else (False,):
+                                            yield Layout(*shape, overlap, compile)
 
 
 def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
@@ -255,6 +261,17 @@ def _cp_methods_of(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> tuple
     except ValueError:
         return tuple(m for m in CONTEXT_PARALLEL_METHODS if m != "alltoall")
     return CONTEXT_PARALLEL_METHODS
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_accepted(tp: int, activation_checkpointing: str) -> bool:
+    """Whether ``compile=True`` goes with tp and the checkpointing mode (:func:`~lightning_4d.config.check_compile`,
+    asked once)."""
+    try:
+        check_compile(True, tp, activation_checkpointing)
+    except (ValueError, NotImplementedError):
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=64)
@@ -291,6 +308,7 @@ def enumerate_layouts(
     micro_batch_size: Optional[int] = None,
     fixed: Optional[dict[str, int]] = None,
     tensor_parallel_overlap: bool = False,
+    compile: bool = False,
 ) -> Iterator[tuple[ParallelConfig, int, int]]:
     """Every valid ``(parallel_config, micro_batch_size, num_microbatches)`` of a job (see the module docstring).
 
@@ -299,9 +317,10 @@ def enumerate_layouts(
         fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``.
         tensor_parallel_overlap: also the layouts with ``tensor_parallel_overlap=True`` (tp > 1, sp, checkpointing
             none or full).
+        compile: the layouts ``compile=True`` takes (tp = 1, checkpointing none or full), with it on.
     """
     job = (model_config, num_gpus, gpus_per_node, seq_length, global_batch_size)
-    for layout in _layouts(*job, micro_batch_size, fixed, tensor_parallel_overlap):
+    for layout in _layouts(*job, micro_batch_size, fixed, tensor_parallel_overlap, compile):
         yield layout.parallel_config(), layout.micro_batch_size, layout.num_microbatches
 
 
@@ -323,6 +342,7 @@ def plan(
     max_estimated: Optional[int] = None,
     estimate_kw: Optional[dict[str, Any]] = None,
     tensor_parallel_overlap: bool = False,
+    compile: bool = False,
 ) -> list[Candidate]:
     """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first.
 
@@ -345,6 +365,9 @@ def plan(
             ``overhead``, ``gpu_name``).
         tensor_parallel_overlap: also consider ``tensor_parallel_overlap=True`` (tp > 1 with sp, checkpointing none
             or full); off by default, as the strategy's option (not yet measured faster on a GPU).
+        compile: the layouts of ``FourDStrategy(compile=True)`` (tp = 1, checkpointing none or full), their step
+            predicted with compiled decoder layers (:data:`~lightning_4d.memory.step_time.POINTWISE_FACTOR`); off
+            by default, as the strategy's option.
 
     Raises:
         ValueError: non-positive sizes, ``num_gpus`` not a multiple of ``gpus_per_node`` (when above it), an unknown
@@ -365,6 +388,7 @@ def plan(
         micro_batch_size,
         fixed,
         tensor_parallel_overlap,
+        compile,
     )
     memory_of = _MemoryOf(
         model_config,
@@ -455,6 +479,7 @@ def _timed_layouts(
     micro_batch_size: Optional[int],
     fixed: Optional[dict[str, int]],
     tensor_parallel_overlap: bool = False,
+    compile: bool = False,
 ) -> list[tuple[float, int, Layout, tuple[float, ...]]]:
     """``(predicted step seconds, recomputation rank, layout, step time parts)`` of every layout of the job the
     formula models, fastest first (at equal times, the one that recomputes less); the parts are
@@ -468,7 +493,7 @@ def _timed_layouts(
     # the paper's formula models Megatron's plain TP: no overlapped layouts for it
     overlap = tensor_parallel_overlap and formula == "lightning_4d"
     layouts = _layouts(
-        model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed, overlap
+        model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed, overlap, compile
     )
     for lay in layouts:
         if formula == "fujii2024" and (
@@ -608,6 +633,7 @@ def _candidate(
         recompute_fraction=st.recompute / total,
         expert_parallel_size=pc.ep,
         tensor_parallel_overlap=pc.tensor_parallel_overlap,
+        compile=pc.compile,
     )
 
 
@@ -660,6 +686,8 @@ def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
         args.append("sequence_parallel=False")
     if pc.tensor_parallel_overlap:
         args.append("tensor_parallel_overlap=True")
+    if pc.compile:
+        args.append("compile=True")
     if pc.ep > 1:
         args.append(f"expert_parallel_size={pc.ep}")
     if pc.cp > 1:

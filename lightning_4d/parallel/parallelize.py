@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.config import ParallelConfig
+from lightning_4d.config import ParallelConfig, check_compile
 from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
@@ -78,31 +78,14 @@ def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:
 
 
 def validate_compile(compile: bool, tp: int, activation_checkpointing: str = "none") -> None:
-    """Refuse ``compile=True`` with tensor parallelism when the strategy is built (measured with torch 2.13 on CPU:
-    a compiled layer with DTensor tp plans fails in backward through AOTAutograd, the eager redistribution after the
-    embedding receiving a plain tensor as gradient, "'Tensor' object has no attribute '_local_tensor'"; Dynamo
-    alone, ``backend="eager"``, trains; :mod:`lightning_4d.parallel.compile`): fail now, not after the queue wait.
-
-    Also with selective activation checkpointing: the checkpointed layer is what Dynamo must trace whole, and a graph
-    break inside it (context-parallel attention, a Mixture-of-Experts feed-forward) sends the layer back to eager
-    without a word (measured: 0 graphs compiled with cp2); full checkpointing compiles inside the checkpoint.
+    """Refuse ``compile=True`` with tp > 1 or selective checkpointing when the strategy is built: the layout's own
+    rule, :func:`lightning_4d.config.check_compile` (its docstring says why).
 
     Raises:
         NotImplementedError: ``compile`` and ``tp`` > 1.
         ValueError: ``compile`` and ``activation_checkpointing="selective"``.
     """
-    if compile and activation_checkpointing == "selective":
-        raise ValueError(
-            "compile=True with activation_checkpointing='selective' is not supported: a graph break inside the "
-            "checkpointed layer (context-parallel attention, Mixture-of-Experts layers) would run it eagerly. Use "
-            "activation_checkpointing='full' or 'none' with compile=True."
-        )
-    if compile and tp > 1:
-        raise NotImplementedError(
-            f"compile=True with tensor_parallel_size={tp} is not supported yet (torch.compile of "
-            "tensor-parallel layers fails in backward in AOTAutograd with this PyTorch); use compile=False, or "
-            "compile=True with tensor_parallel_size=1 (dp/ZeRO, pp, cp and ep layouts)."
-        )
+    check_compile(compile, tp, activation_checkpointing)
 
 
 def fsdp_block_modules(module: nn.Module, fsdp_blocks: Optional[Sequence[str]] = None) -> list[nn.Module]:
