@@ -206,6 +206,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
+        self._dp_cp_group: Optional[torch.distributed.ProcessGroup] = None  # the mesh's, looked up once
         self._buckets: Optional[GradientBuckets] = None
         #: the ZeRO 0/1 parameters whose gradients stay in ``.grad`` when ``setup_zero`` made no buckets (one rank:
         #: :func:`lightning_4d.partition.gradient_buckets_needed`), dropped after each optimizer step as the buckets are
@@ -235,7 +236,7 @@ class FourDStrategy(ModelParallelStrategy):
     @property
     def dp_cp_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """The process group the loss and gradients are averaged over (``None`` before setup)."""
-        return self._mesh.dp_cp.get_group() if self._mesh is not None else None
+        return self._dp_cp_group
 
     @property
     def context_parallel_size(self) -> int:
@@ -286,6 +287,7 @@ class FourDStrategy(ModelParallelStrategy):
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()
         self._mesh = build_mesh(self.parallel_config, self.root_device.type)
+        self._dp_cp_group = self._mesh.dp_cp.get_group()  # read every step (the logged loss' mean)
         self._device_mesh = self._mesh.world
         self._data_parallel_size = self.parallel_config.dp
         self._tensor_parallel_size = self.parallel_config.tp
