@@ -83,11 +83,11 @@ class ParallelMesh:
     def pp(self) -> DeviceMesh:
         return self.world["pp"]
 
-    @property
+    @functools.cached_property  # a rank's coordinates never change (read every step: the sampler's rank)
     def dp_rank(self) -> int:
         return self.dp.get_local_rank()
 
-    @property
+    @functools.cached_property
     def tp_rank(self) -> int:
         return self.tp.get_local_rank()
 

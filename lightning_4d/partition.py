@@ -1,7 +1,8 @@
 """How the strategy cuts tensors into pieces, defined once for the strategy and the memory model.
 
-- gradient buckets (ZeRO 0/1, ``parallel/grad_buffers.py``): :data:`GRADIENT_BUCKET_BYTES`, :func:`bucket_lengths`
-  (which consecutive parameters share a bucket) and :func:`bucket_shard` (a rank's range of a bucket);
+- gradient buckets (ZeRO 0/1, ``parallel/grad_buffers.py``): :func:`gradient_buckets_needed` (whether the gradients
+  live in buckets at all), :data:`GRADIENT_BUCKET_BYTES`, :func:`bucket_lengths` (which consecutive parameters share
+  a bucket) and :func:`bucket_shard` (a rank's range of a bucket);
 - loss chunks (``parallel/loss.py``): :data:`LOSS_CHUNK_BYTES` and :func:`loss_chunk_tokens` (tokens per chunk of
   the cross-entropy);
 - PowerSGD's rule (``parallel/compression.py``): :func:`powersgd_compressible` (which gradients it factors);
@@ -47,6 +48,19 @@ def expert_shard_dim(shape: Sequence[int], group: int) -> int:
     if len(shape) < 2 or group <= 1:
         return 0
     return 1 if shape[0] % group and shape[1] % group == 0 else 0
+
+
+def gradient_buckets_needed(reducing_ranks: int, master_weights: bool, pipelined: bool, tensor_parallel: bool) -> bool:
+    """Whether the ZeRO 0/1 gradients live in flat buckets (``parallel/grad_buffers.py``'s ``GradientBuckets``):
+    when a bucket is reduced over more than one rank (``reducing_ranks``: dp·cp, or a gradient group's ranks), the
+    optimizer steps float32 master weights from float32 gradient buckets (``master_weights``: ``bf16-mixed`` with
+    our Llama), a pipeline schedule accumulates its micro-batches and ties embeddings through them (``pipelined``),
+    or a tensor-parallel gradient must be redistributed to its parameter's placement (``tensor_parallel``). Otherwise
+    (one rank, nothing to reduce: ``benchmarks/step_overhead.py``'s case) each gradient stays the ``.grad`` autograd
+    made, with no bucket, no copy into it and no backward hook (as under Lightning's single-device strategy),
+    and the strategy drops it after each optimizer step as it drops the buckets. The memory model counts the same
+    rule (``lightning_4d/memory/buffers.py``)."""
+    return reducing_ranks > 1 or master_weights or pipelined or tensor_parallel
 
 
 def bucket_lengths(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:

@@ -61,6 +61,7 @@ from lightning_4d.parallel.sharded_optimizer import (
     setup_zero,
     unwrap_optimizer,
     validate_precision,
+    zero_parameters,
 )
 from lightning_4d.precision import four_d_precision
 
@@ -205,7 +206,11 @@ class FourDStrategy(ModelParallelStrategy):
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
+        self._dp_cp_group: Optional[torch.distributed.ProcessGroup] = None  # the mesh's, looked up once
         self._buckets: Optional[GradientBuckets] = None
+        #: the ZeRO 0/1 parameters whose gradients stay in ``.grad`` when ``setup_zero`` made no buckets (one rank:
+        #: :func:`lightning_4d.partition.gradient_buckets_needed`), dropped after each optimizer step as the buckets are
+        self._unbucketed: list[torch.nn.Parameter] = []
         self._models: list[tuple[Any, torch.nn.Module]] = []  # (family, model) of lightning_4d.families.registry
         #: what the LightningModule, its DataModule and the Trainer declare (micro-batch sizes, sequence length,
         #: ``pipeline_loss``, ``init_from``: :mod:`lightning_4d.contract`), read once in ``setup_environment``
@@ -231,7 +236,7 @@ class FourDStrategy(ModelParallelStrategy):
     @property
     def dp_cp_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """The process group the loss and gradients are averaged over (``None`` before setup)."""
-        return self._mesh.dp_cp.get_group() if self._mesh is not None else None
+        return self._dp_cp_group
 
     @property
     def context_parallel_size(self) -> int:
@@ -282,6 +287,7 @@ class FourDStrategy(ModelParallelStrategy):
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()
         self._mesh = build_mesh(self.parallel_config, self.root_device.type)
+        self._dp_cp_group = self._mesh.dp_cp.get_group()  # read every step (the logged loss' mean)
         self._device_mesh = self._mesh.world
         self._data_parallel_size = self.parallel_config.dp
         self._tensor_parallel_size = self.parallel_config.tp
@@ -400,7 +406,9 @@ class FourDStrategy(ModelParallelStrategy):
             powersgd_start_step=pc.powersgd_start_step,
             powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
             gradient_groups=moe.gradient_groups(self.model, self.mesh),
+            pipelined=self.pipeline is not None,
         )
+        self._unbucketed = zero_parameters(self.model) if self._buckets is None else []
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -450,6 +458,8 @@ class FourDStrategy(ModelParallelStrategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._buckets is not None:
             self._buckets.start_accumulation()  # the next backward's gradients overwrite the buckets
+        for p in self._unbucketed:  # no gradient exists in the next forward (the memory model's rule)
+            p.grad = None
         return result
 
     # ------------------------------------------------------------------ checkpoints (lightning_4d.checkpoint)

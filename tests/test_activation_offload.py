@@ -221,8 +221,11 @@ def test_offload_peak_and_host_bytes_equal_measured(args):
     the host copies made outside the tracker as on CUDA they are not device memory). Measured (b=2, s=256,
     tiny-test): one of two layers offloaded peaks in the kept layer's ``w2`` backward with the offloaded layer
     prefetched beside it; with both offloaded in the last layer's backward (the SwiGLU product's, in 32-true; under
-    tp2 with sp the w1/w3 projection's after it), the first layer prefetched beside it. Estimates within 1,836 bytes
-    of 6,362,324, 5,154,004 and 1,978,200 B. Host bytes:
+    tp2 with sp the w1/w3 projection's after it), the first layer prefetched beside it (on one rank without gradient
+    buckets, the second layer's gradients in ``.grad``). Estimates 6,035,456, 4,825,088 and 1,977,984 B against
+    6,033,620, 4,825,300 and 1,978,200 measured (within 1,836 B); the 4-layer ``tiny`` preset with 2 and 3 of 4
+    layers offloaded peaks in layer 1's backward (its set and layer 0's prefetched, layers 2 and 3's gradients made):
+    22,480,896 estimated, 22,659,356 measured (-0.8%; -1.4% without offload, at backward start). Host bytes:
     each offloaded layer's saved set and its copy of the RoPE tables (the device shares them between layers), every
     storage copied once: equal in 32-true; 3.1% under the measured host bytes in tp2 bf16-mixed (16 KiB per layer not
     itemized)."""

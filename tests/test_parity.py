@@ -99,13 +99,18 @@ WEIGHT_ATOL = 1e-5
 
 
 #: the single-process runs (plain Lightning, no FourDStrategy): plain, with gradient clipping, tied head, 4 kv heads
-#: (tests/test_tp_overlap.py's tp4); one launch shared with the files that compare with them (tests/_launch.trained)
+#: (tests/test_tp_overlap.py's tp4); one launch shared with the files that compare with them (tests/_launch.trained),
+#: which also runs ONE_PROCESS
 REFERENCES = [
     {"reference": True},
     {"reference": True, "clip": 0.1},
     {"reference": True, "tied": True},
     {"reference": True, "config": {"num_kv_heads": 4}},
 ]
+#: FourDStrategy on one process, float32: no gradient bucket (lightning_4d.partition.gradient_buckets_needed), the
+#: gradients in .grad, clipped by Lightning's own clipping, accumulated by autograd over 2 micro-batches
+ONE_PROCESS = [{"dp": 1, "zero": 1, "clip": 0.1, "accum": 2}]
+REFERENCES += ONE_PROCESS
 #: the single-process bf16-mixed runs of FourDStrategy (bf16 weights, fp32 masters): plain and clipped
 BF16_REFERENCES = [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}]
 
@@ -231,6 +236,25 @@ def test_parity_world2(references, world2, index):
 def test_parity_world4(references, world4, index):
     layout = world4[index][0]
     _check_parity(_reference_for(references, layout), world4[index], initial=initial_weights(bool(layout.get("tied"))))
+
+
+@pytest.mark.parametrize("index", range(len(ONE_PROCESS)), ids=[_layout_id(x) for x in ONE_PROCESS])
+def test_parity_one_process_without_buckets(references, index):
+    """One process, float32, ZeRO 0/1: the strategy makes no gradient bucket (issue 35 item 4: no copy, no hook),
+    trains as plain Lightning does and, as with buckets, drops the gradients after each optimizer step: none exists
+    when a step's first micro-batch starts (plain Lightning's still do: it zeroes them after the forward), which the
+    memory model counts (no gradient in forward)."""
+    result = references[len(REFERENCES) - len(ONE_PROCESS) + index]
+    layout, ranks, _ = result
+    _check_parity(_reference_for(references, layout), result, initial=initial_weights())
+    alive = ranks[0]["bytes"]["grads_at_batch_start"]  # per micro-batch
+    accum = layout.get("accum", 1)
+    assert alive[::accum] == [0] * STEPS, alive
+    assert all(n > 0 for i, n in enumerate(alive) if i % accum), alive  # accumulating: the earlier micro-batches'
+    measured = ranks[0]["bytes"]
+    assert measured["gradient_buckets"] == 0 and measured["grads_left_after_backward"] == measured["num_params"]
+    assert measured["grads"] == measured["params"]  # every gradient in .grad, once
+    assert all(references[0][1][0]["bytes"]["grads_at_batch_start"][1:])  # plain Lightning: the last step's
 
 
 def test_compile_compiled(world2):

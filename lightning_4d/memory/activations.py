@@ -218,7 +218,9 @@ def kept_layer_backward(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int
     return output_grad + dt.compute * tokens * cfg.intermediate_size // pc.tp
 
 
-def recompute_backward(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int, offloaded: bool = False) -> int:
+def recompute_backward(
+    cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int, offloaded: bool = False, gradients_kept: bool = False
+) -> int:
     """Bytes the first backward ops of a checkpointed layer make beside its recomputed set
     (:class:`lightning_4d.memory.buffers.Buffers`'s ``recompute_backward``), and of an offloaded layer (``offloaded``: a
     stage offloaded whole) beside the saved tensors it brings back. Checkpointed (``T = b·s/cp`` tokens, ``c`` the
@@ -229,7 +231,9 @@ def recompute_backward(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int,
     CPU (``lightning-4d measure``, ``LiveTensorBytes``, tiny-test b=4 s=256 ``32-true``): tp2 (sp) full and selective
     peak at the last layer's ``w2`` backward with the output gradient ``[4, 128, 64]``, the gathered one ``[4, 256,
     64]``, the weight gradient ``[64, 64]`` and the input gradient ``[1024, 64]`` alive; tp1 and ``bf16-mixed`` dp2 at
-    the SwiGLU product's."""
+    the SwiGLU product's. ``gradients_kept``: no gradient bucket takes ``w2``'s weight gradient in (one rank,
+    :func:`lightning_4d.partition.gradient_buckets_needed`): it stays beside the SwiGLU product's backward (measured,
+    tiny-test one rank ``32-true``, selective and offloaded whole: the peak there, ``[64, 128]`` more)."""
     if pc.activation_checkpointing == "none" and not offloaded:
         return 0
     tokens = b * (s // pc.cp)
@@ -242,10 +246,12 @@ def recompute_backward(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int,
         w2 = (dt.compute * tokens * cfg.hidden_size if pc.sp and pc.tp > 1 else 0) + (
             dt.compute * cfg.hidden_size * cfg.intermediate_size // pc.tp
         )
-        return output_grad + ffn + max(w2, ffn)
+        weight_grad = dt.param * cfg.hidden_size * cfg.intermediate_size // pc.tp if gradients_kept else 0  # .grad
+        return output_grad + ffn + max(w2, ffn + weight_grad)
     # offloaded: the SwiGLU product's backward, the product's gradient and the two it makes (``[T, f/t]`` each); under
     # sp the w1/w3 backward after it also holds the input gathered again and the sum of the two partial input
     # gradients (``[T, h]`` each; measured: tiny-test tp2 b=2 s=256 bf16-mixed, both layers offloaded, the peak at
     # ``parallel/tensor.py``'s ``sum(g @ w)``)
     gathered = 2 * dt.compute * tokens * cfg.hidden_size if pc.sp else 0
-    return output_grad + 3 * dt.compute * tokens * cfg.intermediate_size // pc.tp + gathered
+    weight_grad = dt.param * cfg.hidden_size * cfg.intermediate_size // pc.tp if gradients_kept else 0  # w2's .grad
+    return output_grad + 3 * dt.compute * tokens * cfg.intermediate_size // pc.tp + gathered + weight_grad

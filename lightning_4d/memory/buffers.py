@@ -17,13 +17,13 @@ from lightning_4d.memory import moe
 from lightning_4d.memory.activations import recompute_backward
 from lightning_4d.memory.compression import compression_buffer_bytes
 from lightning_4d.memory.context import context_parallel_buffers
-from lightning_4d.memory.offload import offloaded_whole
+from lightning_4d.memory.offload import offloaded_whole, unpacked_bytes
 from lightning_4d.memory.params import Sizes, as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.memory.pipeline import receive_buffer_bytes
 from lightning_4d.memory.states import ModelStates, first_bucket_elements, fsdp_padded_numel, fsdp_shard_numel
 from lightning_4d.memory.tensor_parallel import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.memory.tensors import Dtypes
-from lightning_4d.partition import GRADIENT_BUCKET_BYTES, loss_chunk_tokens
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
 
 __all__ = ["Buffers", "buffer_terms", "initialization_bytes"]
 
@@ -49,6 +49,17 @@ class Buffers:
     #: ZeRO 0/1 with one micro-batch per step: the gradient bucket made for the first gradient of backward (the
     #: head's), beside it (the buckets are made as gradients arrive: :func:`buffer_terms`)
     first_bucket: int = 0
+    #: ZeRO 0/1 without gradient buckets (one rank: :func:`lightning_4d.partition.gradient_buckets_needed`): the
+    #: head's and the final norm's gradients, which a bucket would have taken in (``first_bucket``), stay the
+    #: ``.grad`` autograd made through the layers' backward; in a stage offloaded whole also the later layers'
+    #: (:func:`_later_layers_gradients`)
+    head_gradient_kept: int = 0
+    #: one decoder layer's gradients as a layer's backward leaves them (a share of ``ModelStates.gradients``: its
+    #: dtype, its ZeRO sharding), when they are not resident from backward start (one micro-batch per step): what
+    #: each layer whose backward ran adds (activation offload's prefetch phase)
+    layer_gradient: int = 0
+    #: without gradient buckets: ``w2``'s weight gradient, kept in ``.grad`` beside the next backward ops
+    kept_weight_gradient: int = 0
     #: the last stage under tp with sp: the working set of the LM head's backward beyond its saved input
     #: (:func:`lightning_4d.memory.tensor_parallel.head_backward_transient`), 0 elsewhere
     head_backward: int = 0
@@ -116,6 +127,22 @@ def buffer_terms(
         grad_buffers = _bucket_buffers(pc, dt, params, states)
     resident, first_bucket = _resident_gradients(cfg, pc, dt, m, states, first, last)
     offloaded = offloaded_whole(cfg, pc, pp_rank)
+    head_kept, bucketed = 0, zero >= 2 or gradient_buckets_needed(world, bool(dt.master), pc.pp > 1, pc.tp > 1)
+    if not bucketed:
+        # no bucket: no fresh gradient waits to be copied into one, none is made for the head's gradient, which
+        # stays with the final norm's (made by the first backward ops, before the layers')
+        grad_buffers, first_bucket = 0, 0
+        head_kept = head_grad + (cfg.hidden_size * dt.param if last else 0)
+        if offloaded:
+            # two moments of the stage offloaded whole: its last layer's backward (the saved tensors brought back
+            # node by node, ``unpacked``, the layer before it prefetched) and its first layer's (that layer's
+            # prefetched set, no node brought back, the later layers' gradients made): the larger
+            later = _later_layers_gradients(params, min(layers), dt)
+            head_kept += max(0, later - unpacked_bytes(cfg, pc, dt, b, s)) if len(layers) >= 2 else later
+    layer_numel = sum(p.numel for p, _ in params if p.unit == f"layers.{min(layers)}") if layers else 0
+    total_numel = sum(p.numel * count for p, count in params)
+    layer_gradient = 0 if resident or not total_numel else states.gradients * layer_numel // total_numel
+    kept_weight = 0 if bucketed else dt.param * cfg.hidden_size * cfg.intermediate_size // pc.tp
     local_vocab = cfg.padded_vocab_size // pc.tp
     has_moe = pc.ep > 1 and moe.count_moe_layers(cfg, layers) > 0
     return Buffers(
@@ -130,14 +157,30 @@ def buffer_terms(
         resident,
         embedding_gradient_bytes(cfg, pc, dt, first),
         first_bucket=first_bucket,
+        head_gradient_kept=head_kept,
+        layer_gradient=layer_gradient,
+        kept_weight_gradient=kept_weight,
         head_backward=head_backward_transient(cfg, pc, dt, b, s) if last else 0,
         gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
         root_regather=root if zero == 3 and pc.pp == 1 else 0,
         loss_forward=4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0,
         forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
-        recompute_backward=recompute_backward(cfg, pc, dt, b, s, offloaded),
+        recompute_backward=recompute_backward(cfg, pc, dt, b, s, offloaded, gradients_kept=not bucketed),
         recompute_apart_from_cp=pc.activation_checkpointing != "none" and not offloaded,
     )
+
+
+def _later_layers_gradients(params: Any, first_layer: int, dt: Dtypes) -> int:
+    """Gradient bytes (``.grad``, the parameters' dtype) of the rank's decoder layers but ``first_layer``: what exists
+    in the first layer's backward of a stage offloaded whole without gradient buckets (the later layers' gradients
+    grow through the backward; measured on CPU before the prefetch, tiny-test one rank, both layers offloaded,
+    ``32-true``: layer 1's gradients and layer 0's ``w2``'s beside layer 0's SwiGLU product backward, the peak; with
+    the prefetch the last layer's backward, the first layer's set prefetched beside it, peaks higher there: 4,825,088
+    B estimated, 4,825,300 measured). ``params``: :func:`~lightning_4d.memory.params.weighted_params`
+    (``first_layer``, the smallest index, represents its kind of layer)."""
+    first = f"layers.{first_layer}"
+    layers = sum(p.numel * count for p, count in params if p.unit != "root")
+    return (layers - sum(p.numel for p, _ in params if p.unit == first)) * dt.param
 
 
 def _fsdp_units(params: Any, world: int, ep: int) -> tuple[int, int, int, int]:

@@ -81,7 +81,8 @@ first one), and the estimate is the largest:
   ``4·n·V/t`` with ``n = min(b·s, loss_chunk_tokens(V/t))`` tokens: at most 64 MiB,
   :func:`lightning_4d.partition.loss_chunk_tokens`; a float32 gradient is computed in place), or instead the head's
   gradient (made once the loss' backward has freed the saved logits: the larger of the two; with one micro-batch per
-  step at ZeRO 0/1, the head's gradient + the gradient bucket made for it) + compute copies + parameters gathered by
+  step at ZeRO 0/1, the head's gradient + the gradient bucket made for it, no bucket on one rank without master
+  weights, pp or tp: :func:`lightning_4d.partition.gradient_buckets_needed`) + compute copies + parameters gathered by
   FSDP2 (with the head's gradient; with the loss' working set too, except at ZeRO 3 without pp, where every unit,
   the root included, is resharded after its forward and the root is gathered again only once the loss' backward is
   done) + ZeRO 0/1's gradient buckets when the step has several micro-batches (a pipeline, gradient accumulation:
@@ -97,14 +98,14 @@ first one), and the estimate is the largest:
   the head's backward (the input gathered again, its gradient and the reduce-scatter's copies, or
   ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with several
   micro-batches per step);
-- end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded
-  gradients for 2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its hook
-  adds it to the bucket; 2: two FSDP2 units of unsharded gradients) + gathered parameters; at ZeRO 3 without pp the
-  larger of two moments (measured tensor by tensor on CPU; :mod:`lightning_4d.memory.buffers`), each with the gradient
-  shards made so far (all but the root's), the gathered root and the reduce-scatter input FSDP2 keeps of the last unit
-  reduced (a layer's, in the reduce dtype): the first layer's backward (+ two gathered layer units + the head's
-  gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's three:
-  the head's, the embedding's and their sum);
+- end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded gradients for
+  2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its hook adds it to the
+  bucket, none without buckets; 2: two FSDP2 units of unsharded gradients) + gathered parameters; at ZeRO 3 without pp
+  the larger of two moments (measured tensor by tensor on CPU; :mod:`lightning_4d.memory.buffers`), each with the
+  gradient shards made so far (all but the root's), the gathered root and the reduce-scatter input FSDP2 keeps of the
+  last unit reduced (a layer's, in the reduce dtype): the first layer's backward (+ two gathered layer units + the
+  head's gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's
+  three: the head's, the embedding's and their sum);
 - recompute (activation checkpointing): the first checkpointed layer's backward, where the step's peak was measured
   on CPU (full and selective, tp 1 and 2, ZeRO 0, 1 and 3): the activations with one layer's recomputed set, less
   what the loss' backward freed (all it saved but the labels) and the head's saved tensors (the final norm's input
@@ -112,7 +113,9 @@ first one), and the estimate is the largest:
   ``w2``'s backward (its input gradient, its weight gradient and under sp its output gradient all-gathered,
   ``[T, h]``) and the SwiGLU product's after it (the product freed, two ``[T, f/t]`` gradients beside the product's):
   :func:`~lightning_4d.memory.activations.recompute_backward` + the gradient bucket made for the head's gradient (ZeRO
-  0/1, one micro-batch) + gathered parameters + ZeRO 0/1's buckets (several micro-batches per step);
+  0/1, one micro-batch; without buckets the head's, the final norm's and ``w2``'s gradients, in a stage offloaded
+  whole the later layers' too, in its first layer's backward) + gathered parameters + ZeRO 0/1's buckets (several
+  micro-batches per step);
 - end of forward (ZeRO 2/3 without pp): the activations (no layer recomputed) + the loss' forward chunk (float32
   ``exp(x - max)``) + the previous step's gradient shards (Lightning calls ``zero_grad`` after ``training_step``) +
   the parameters gathered while the loss runs;
@@ -451,9 +454,11 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         phases["input pass"] = act.input_pass + layer_transients + buf.resident_gradients
     if act.recompute:
         phases["recompute"] = _recompute_phase(act, buf, layer_transients)
-    if act.prefetch is not None:
-        # activation offload: the first kept layer's backward, the offloaded layer below it prefetched beside it
-        phases["offload prefetch"] = _after_loss(act, buf, layer_transients) - act.head_freed + act.prefetch
+    if act.prefetch:
+        # activation offload: a layer's backward with the offloaded layer below it prefetched beside it, the gradients
+        # of the layers done made (when not resident from backward start)
+        after = _after_loss(act, buf, layer_transients) - act.head_freed - act.recompute + buf.kept_weight_gradient
+        phases["offload prefetch"] = after + max(extra + done * buf.layer_gradient for extra, done in act.prefetch)
     if buf.all_to_all:
         # an MoE layer's backward under ep: its all-to-all buffers exist after the loss' backward (not beside the
         # loss' working set: measured on CPU, tiny-moe dp2 ep2 ZeRO 1 s=512 bf16-mixed, the peak at backward start
@@ -488,7 +493,8 @@ def _recompute_phase(act: Activations, buf: Buffers, layer_transients: int) -> i
 
 def _after_loss(act: Activations, buf: Buffers, layer_transients: int) -> int:
     """A layer's backward once the loss' backward has freed what it saved but the labels: the activations, the
-    layer transients, the gradients gathered or resident at backward start and the first gradient bucket."""
+    layer transients, the gradients gathered or resident at backward start and the first gradient bucket (without
+    buckets, the gradients kept in ``.grad`` instead: ``Buffers.head_gradient_kept``)."""
     return (
         act.activations
         - act.loss_freed
@@ -496,6 +502,7 @@ def _after_loss(act: Activations, buf: Buffers, layer_transients: int) -> int:
         + buf.gathered_start
         + buf.resident_gradients
         + buf.first_bucket
+        + buf.head_gradient_kept
     )
 
 

@@ -14,7 +14,7 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.memory.activations import layer_saved_parts
 from lightning_4d.memory.tensors import Dtypes
 
-__all__ = ["offloaded_per_stage", "offloaded_whole", "prefetched_bytes", "unpacked_bytes"]
+__all__ = ["offloaded_per_stage", "offloaded_whole", "prefetch_moments", "unpacked_bytes"]
 
 
 def offloaded_per_stage(pc: ParallelConfig, stages: list, per_layer: float, rope: int) -> list[float]:
@@ -46,17 +46,31 @@ def unpacked_bytes(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int) -> 
     return layer_saved_parts(cfg, dt, b, s // pc.cp, pc.tp, pc.sp)["swiglu"] // 2
 
 
-def prefetched_bytes(stages: list, offloaded: list[int], per_layer: int, rope: int) -> tuple[int, int]:
-    """Activation offload's prefetch (``parallel/offload.py``) on one pp rank (``stages``: ``rank_stages``;
-    ``offloaded``: how many of each stage's layers are offloaded; ``per_layer``: one layer's saved bytes; ``rope``:
-    the RoPE tables an offloaded layer copies): ``(prefetched, freed)``.
+def prefetch_moments(
+    stages: list, offloaded: list[int], per_layer: int, rope: int, backward: int
+) -> list[tuple[int, int]]:
+    """The moments of activation offload's prefetch (``parallel/offload.py``) on one pp rank that can make its peak
+    (``stages``: ``rank_stages``; ``offloaded``: how many of each stage's layers are offloaded; ``per_layer``: one
+    layer's saved bytes; ``rope``: the RoPE tables an offloaded layer copies; ``backward``: a layer's first backward
+    ops, :func:`lightning_4d.memory.activations.kept_layer_backward`), each as ``(bytes, layers done)``: the bytes it
+    holds beyond the activations after the loss and the head's backward (one micro-batch in backward), and how many
+    layers of that micro-batch ran their backward before it (their gradients exist then, when they are not resident
+    from backward start: the caller adds them).
 
-    ``prefetched``: an offloaded layer followed by another in its stage comes back whole during that layer's
-    backward, one layer's set and its RoPE copy (0 when none is). ``freed``: for a stage whose first kept layer
-    (index ``o``) triggers a prefetch, the saved bytes of the ``len - o - 1`` layers above it, freed by their backward
-    before the prefetch (the least over such stages; -1 when no stage has one). The phase this makes
-    (``offload prefetch`` in :func:`lightning_4d.memory.model.estimate_memory`) adds the kept layer's first backward
-    ops (:func:`lightning_4d.memory.activations.kept_layer_backward`)."""
-    prefetched = per_layer + rope if any(o and len(layers) >= 2 for (_, layers), o in zip(stages, offloaded)) else 0
-    freed = [(len(layers) - o - 1) * per_layer for (_, layers), o in zip(stages, offloaded) if 0 < o < len(layers)]
-    return prefetched, min(freed, default=-1)
+    An offloaded layer followed by another in its stage comes back whole (``per_layer + rope``) while that next layer
+    runs its backward. Two moments per stage: the first kept layer's backward (index ``o``: its own set, the one
+    below prefetched, the ``len - o - 1`` layers above it freed) and, with two or more offloaded layers, layer 1's
+    (its own set and layer 0's both prefetched, every kept layer freed, the most gradients made: the deepest moment
+    of the chain). The last layer of a stage offloaded whole is counted apart (its nodes brought back one by one,
+    the layer before it prefetched: ``Activations.recompute``)."""
+    out = []
+    prefetched = per_layer + rope
+    for (_, layers), o in zip(stages, offloaded):
+        n = len(layers)
+        if o == 0 or n < 2:
+            continue
+        if o < n:
+            out.append((prefetched - (n - o - 1) * per_layer + backward, n - o - 1))
+        if o >= 2 and not (o == n == 2):
+            out.append((2 * prefetched - (n - o) * per_layer + backward, n - 2))
+    return out

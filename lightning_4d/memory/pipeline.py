@@ -280,10 +280,9 @@ class Activations:
     recompute: int = 0  # one layer's recomputed (or offloaded, brought back) set, made only in its backward
     offloaded: int = 0  # host memory: the saved tensors of the offloaded layers' in-flight micro-batches
     head_freed: int = 0  # last stage, offloaded whole or checkpointed: the head's saved tensors, freed by its backward
-    #: activation offload's prefetch (``parallel/offload.py``), a stage not offloaded whole: what the backward of its
-    #: first kept layer adds to the activations after the loss (the offloaded layer below it prefetched, its own first
-    #: backward ops) less the layers above it (freed by then); None without such a stage
-    prefetch: Optional[int] = None
+    #: activation offload's prefetch (``parallel/offload.py``): the moments that can make the peak, ``(bytes beyond
+    #: the activations after the loss, layers done)`` (:func:`lightning_4d.memory.offload.prefetch_moments`)
+    prefetch: tuple[tuple[int, int], ...] = ()
     #: zero-bubble schedules: the saved tensors alive during an input pass (its largest) + the output gradients it
     #: keeps for its weight pass (:func:`weight_pass_inputs`) + one recomputed set
     input_pass: int = 0
@@ -319,10 +318,11 @@ def activation_terms(
         peak = sum(c * size for c, size in zip(counts, sizes))
         host_bytes = sum(c * x for c, x in zip(counts, host))
     unpacked = offload.unpacked_bytes(cfg, pc, dt, b, s) if whole else 0
-    prefetched, freed = offload.prefetched_bytes(stages, offloaded, int(per_layer), saved["rope"])
+    backward = kept_layer_backward(cfg, pc, dt, b, s)
+    prefetch = tuple(offload.prefetch_moments(stages, offloaded, int(per_layer), saved["rope"], backward))
     # a stage offloaded whole: its last layer's backward (node by node) beside the layer before it, prefetched
-    recompute = saved["recompute"] + unpacked + (prefetched if whole else 0)
-    prefetch = prefetched - freed + kept_layer_backward(cfg, pc, dt, b, s) if freed >= 0 else None
+    prefetched = int(per_layer) + saved["rope"] if whole and any(len(r) >= 2 for _, r in stages) else 0
+    recompute = saved["recompute"] + unpacked + prefetched
     activations = int(peak) + (saved["rope"] if pc.pp == 1 and not whole else 0) + recompute
     in_flight_mean = sum(c * len(layers) for c, (_, layers) in zip(counts, stages)) / max(1, n_layers)
     logits, loss_freed, gradient = _loss_terms(cfg, pc, dt, b, s, last, saved)

@@ -30,6 +30,7 @@ from lightning_4d.config import check_training_precision
 from lightning_4d.parallel._compat import all_gather_single, local_tensor as _local
 from lightning_4d.parallel.fsdp import reduced_by_fsdp
 from lightning_4d.parallel.grad_buffers import GradientBuckets, GradientGroup, _Bucket
+from lightning_4d.partition import gradient_buckets_needed
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -77,12 +78,15 @@ def setup_zero(
     powersgd_start_step: int = 0,
     powersgd_comm_dtype: Optional[torch.dtype] = None,
     gradient_groups: Sequence[GradientGroup] = (),
+    pipelined: bool = False,
 ) -> Optional["GradientBuckets"]:
-    """ZeRO 0/1 for the parameters FSDP2 does not own: their gradients in :class:`GradientBuckets` over ``group``
-    (``dp_cp``; returned, ``None`` when there is none), and a :class:`ShardedOptimizer` around every torch optimizer
-    (found again with :meth:`ShardedOptimizer.of`) when ``zero_stage == 1`` (the states of 1/D of the buckets per
-    rank) or when there are master weights (``master_dtype``: the parameters are in a lower precision and the
-    optimizer steps float32 copies of them).
+    """ZeRO 0/1 for the parameters FSDP2 does not own (:func:`zero_parameters`): their gradients in
+    :class:`GradientBuckets` over ``group`` (``dp_cp``; returned, ``None`` when there is none, or when the gradients
+    need no bucket: one rank, no master weights, no pipeline, no tensor-parallel parameter
+    (:func:`lightning_4d.partition.gradient_buckets_needed`; they then stay in ``.grad``)), and a
+    :class:`ShardedOptimizer` around every torch optimizer (found again with :meth:`ShardedOptimizer.of`) when
+    ``zero_stage == 1`` (the states of 1/D of the buckets per rank) or when there are master weights
+    (``master_dtype``: the parameters are in a lower precision and the optimizer steps float32 copies of them).
 
     Args:
         model: the module whose parameters are trained.
@@ -103,14 +107,19 @@ def setup_zero(
             (averaged over D all the same, :class:`GradientBuckets`), and every optimizer a :class:`ShardedOptimizer`
             when there is any (also at ZeRO 0: its global-norm clipping counts each gradient once, and torch's would
             mix plain and DTensor gradients).
+        pipelined: a pipeline schedule runs the steps (its micro-batches accumulate in the buckets).
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
             be sharded or given a master weight.
     """
-    params = [p for p in model.parameters() if p.requires_grad and not reduced_by_fsdp(p)]
+    params = zero_parameters(model)
     if not params:
         return None
-    shard = zero_stage == 1 and dist.get_world_size(group) > 1
+    world = dist.get_world_size(group)
+    tensor_parallel = any(isinstance(p, DTensor) for p in params)
+    if not gradient_groups and not gradient_buckets_needed(world, master_dtype is not None, pipelined, tensor_parallel):
+        return None
+    shard = zero_stage == 1 and world > 1
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
     buckets = GradientBuckets(
         params,
@@ -130,6 +139,12 @@ def setup_zero(
         for optimizer in optimizers:
             ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
     return buckets
+
+
+def zero_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of ``model`` that FSDP2 does not own: those whose gradients ZeRO 0/1 handles
+    (:func:`setup_zero`), in ``model.parameters()`` order."""
+    return [p for p in model.parameters() if p.requires_grad and not reduced_by_fsdp(p)]
 
 
 #: ``{torch optimizer: the ShardedOptimizer around it}`` (:meth:`ShardedOptimizer.of`); weak keys: an entry goes

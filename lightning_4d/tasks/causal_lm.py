@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from pathlib import Path
 from typing import Any, ContextManager, Optional, Protocol, Union, runtime_checkable
 
@@ -56,9 +57,19 @@ class LayoutStrategy(Protocol):
         """Lightning's ``Strategy.tensor_init_context``."""
 
 
+#: the strategies found to be a :class:`LayoutStrategy`: the protocol's ``isinstance`` reads every member (the
+#: properties too: ``dp_cp_group`` asks the mesh for its group), several times a step otherwise (issue 35 item 4)
+_LAYOUT_STRATEGIES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
 def layout_strategy(strategy: Any) -> Optional[LayoutStrategy]:
     """``strategy`` when it is a :class:`LayoutStrategy` (``FourDStrategy``), else ``None``."""
-    return strategy if isinstance(strategy, LayoutStrategy) else None
+    if strategy in _LAYOUT_STRATEGIES:
+        return strategy
+    if isinstance(strategy, LayoutStrategy):
+        _LAYOUT_STRATEGIES.add(strategy)
+        return strategy
+    return None
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:

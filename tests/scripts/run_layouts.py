@@ -76,6 +76,12 @@ class Recorder(L.Callback):
         self.bytes["grads"] = local_bytes(model_state_tensors(pl_module, [], sync)["gradients"])
         self.bytes["tp_local_params"] = sum(_tp_local_numel(p) * p.element_size() for p in params)
         self.bytes["num_params"] = len(params)
+        self.bytes["gradient_buckets"] = len(sync.buckets) if sync is not None else 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # gradients alive when a batch's forward starts (a step's first micro-batch: none under FourDStrategy)
+        alive = sum(p.grad is not None for p in pl_module.parameters())
+        self.bytes.setdefault("grads_at_batch_start", []).append(alive)
 
     def on_after_backward(self, trainer, pl_module) -> None:
         # ZeRO 0/1 move every gradient into its bucket from a backward hook: none should be left in .grad here
