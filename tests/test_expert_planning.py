@@ -46,7 +46,7 @@ def test_estimate_takes_ep_and_reports_it(capsys):
     [
         (["--num-gpus", "64", "--ep", "3"], ["expert_parallel_size=3", "[1, 2, 4, 8, 16, 32, 64]"]),
         (["--num-gpus", "64", "--ep", "16"], ["expert_parallel_size=16", "num_experts=8", "[1, 2, 4, 8]"]),
-        (["--dp", "6", "--ep", "4"], ["expert_parallel_size=4", "dp*cp = 6*1 = 6", "[1, 2, 3, 6]"]),
+        (["--dp", "6", "--ep", "4"], ["expert_parallel_size=4", "dp*cp*tp = 6*1*1 = 6", "[1, 2, 3, 6]"]),
         (["--dp", "8", "--ep", "0"], ["--ep", "'0'", ">= 1"]),
         (["--dp", "8", "--ep", "two"], ["--ep", "'two'", "integer"]),
     ],
@@ -214,7 +214,7 @@ def test_all_to_all_term_by_hand_intra_and_inter_node():
     ):
         got = st.step_time_of(dims, _mixtral_layout(ep), seq_length=s, gpu=H100, gpus_per_node=per_node)
         assert got.ep == pytest.approx(m * n_layers * (4 * one + counts + balance), rel=1e-12)
-        assert st.all_to_all_time(nbytes, ep, 1, H100, per_node) == pytest.approx(one, rel=1e-12)
+        assert st.all_to_all_time(nbytes, ep, H100, per_node) == pytest.approx(one, rel=1e-12)
     # full activation checkpointing runs the forward's two all-to-alls and the counts' exchange again: between one
     # node and two, the recomputation differs by exactly that (the compute and the all-reduce are the same)
     full = [

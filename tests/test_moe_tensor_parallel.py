@@ -141,6 +141,8 @@ TWO = [
 ]
 FOUR = [
     {"dp": 2, "tp": 2, "ep": 2, "zero": 1, "norm": True},
+    {"dp": 2, "tp": 2, "ep": 4, "zero": 1, "norm": True},  # ep folded over tp (issue 34): every rank 2 of 8 experts
+    {"cp": 2, "tp": 2, "ep": 2, "zero": 1, "norm": True},  # folded: ep2 is the tp pair of each cp rank
     {"dp": 2, "tp": 2, "ep": 2, "zero": 0, "sp": False, "config": VARIANT, "clip": 0.1, "norm": True},
     {"dp": 2, "tp": 2, "ep": 2, "zero": 1, "precision": "bf16-mixed"},
 ]
@@ -265,22 +267,23 @@ def test_memory_model_matches_measured_moe_under_ep2_tp2(tmp_path):
                     f"{ratio:+.2%} ({row['estimated'] - row['measured']:+d} bytes; balanced {balanced:+.2%})"
                 )
                 assert abs(ratio) <= 0.01 and abs(ratio) <= abs(balanced) + 1e-4
-        # every row sent in an ep group (global ranks t and 2 + t: dp_cp ranks 0 and 1 of tp rank t) is received there
+        # every row sent in an ep group (global ranks 2d and 2d + 1: the tp pair of dp rank d, ep folded over tp)
+        # is received there
         by_rank = {r["rank"]: r["activations"] for r in ranks}
-        for t in (0, 1):
-            for a, b in zip(by_rank[t], by_rank[2 + t]):
+        for d in (0, 1):
+            for a, b in zip(by_rank[2 * d], by_rank[2 * d + 1]):
                 sent = [x + y for x, y in zip(a["sent_rows"], b["sent_rows"])]
                 assert sent == [x + y for x, y in zip(a["received_rows"], b["received_rows"])]
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
-def test_checkpoint_at_tp2_resumes_at_tp2_and_at_dp2(tmp_path):
-    """Train 10 steps straight at tp2 ZeRO 1 (the MoE states sharded over dp_cp_tp), and 5 steps with a sharded
-    checkpoint; resume it at tp2 and at dp2 (the ZeRO 1 states are saved gathered, layout-free): steps 6-10 equal
-    the straight run's."""
-    rows = resume_on_layouts(
-        tmp_path, {"name": "a", "tp": 2, "zero": 1}, {"name": "b", "dp": 2, "zero": 1}, "tiny-moe", STEPS
-    )
+def test_checkpoint_at_tp2_ep2_resumes_at_tp2_ep2_and_at_dp2_ep1(tmp_path):
+    """Train 10 steps straight at tp2 ep2 ZeRO 1 (ep folded over tp: dp·cp = 1, each tp rank 4 of the 8 experts;
+    the router's states sharded over dp_cp_tp), and 5 steps with a sharded checkpoint; resume it at tp2 ep2 and at
+    dp2 ep1 (experts saved with their global shapes, the ZeRO 1 states gathered, layout-free): steps 6-10 equal the
+    straight run's."""
+    saved = {"name": "a", "tp": 2, "ep": 2, "zero": 1}
+    rows = resume_on_layouts(tmp_path, saved, {"name": "b", "dp": 2, "zero": 1}, "tiny-moe", STEPS)
     for layout, rank, curve, tail in rows:
         rel = max(abs(x - y) / abs(y) for x, y in zip(curve[-len(tail) :], tail))
         print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")

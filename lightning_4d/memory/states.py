@@ -56,14 +56,15 @@ def _group_key(p: Param, tp: int, ep: int) -> tuple[str, ...]:
 
 def reduction_group(key: tuple[str, ...], world: int, rank: int, tp: int, tp_rank: int, ep: int) -> tuple[int, int]:
     """``(size, rank)`` of the ZeRO 0/1 data-parallel group of the parameters of group key ``key`` (:func:`_group_key`)
-    for the rank ``rank`` of ``world`` = dp·cp ranks: ``"ep"`` the data-parallel group of the ep-split parameters,
-    ``world/ep`` ranks (this rank ``rank // ep``, ``ParallelConfig.ep_coordinates``), ``"tp"`` that group times tp (this
-    rank ``rank·tp + tp_rank``; ``lightning_4d/mesh.py``'s ``dp_cp_tp`` and ``edp_tp``)."""
-    size, index = world * (tp if "tp" in key else 1), rank
+    for the rank ``rank`` of ``world`` = dp·cp ranks at tp rank ``tp_rank``: ``"tp"`` the token-parallel group
+    ``dp·cp·tp`` (this rank ``rank·tp + tp_rank``, tp innermost: ``dp_cp_tp``), ``"ep"`` the expert data-parallel
+    group of the ep-split parameters, that group over ep (this rank its index over ep: ep groups are blocks of ep
+    consecutive ranks of it, folded over tp first; ``ParallelConfig.ep_coordinates``, ``parallel/moe.py``'s ``edp``)."""
+    size, index = world, rank
+    if "tp" in key:
+        size, index = size * tp, index * tp + tp_rank
     if "ep" in key:
         size, index = size // ep, index // ep
-    if "tp" in key:
-        index = index * tp + tp_rank
     return size, index
 
 
