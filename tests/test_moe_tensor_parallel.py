@@ -2,11 +2,14 @@
 parallelism, composed with expert parallelism (issue 23; ``docs/moe.md``, "Tensor and context parallelism").
 
 Under tp an MoE layer runs token parallel (expert tensor parallelism 1): each tp rank runs the whole layer on its own
-``s/t`` tokens, its parameters' gradients summed over tp by the ``dp_cp_tp`` buckets. Checked here: the refusals
-that remain, before any process group; 10 AdamW steps in float32 against one process (the loss, the load-balancing
-loss and the global gradient norm before clipping within 1e-5 relative, the busiest expert's tokens identical) for
-tp2 with sp, tp2 without sp, cp2 x ep2, and dp2 x tp2 x ep2 (ZeRO 0 and 1, shared expert on and off, MoE on every
-layer and every other layer, clipping, full activation checkpointing); ``bf16-mixed`` dp2 x tp2 x ep2 within 1e-2 of
+``s/t`` tokens, its parameters' gradients summed over tp by the ``dp_cp_tp`` buckets (ZeRO 2/3: FSDP2 units over
+``dp_cp_tp``), ep folded over tp (issue 34: ep groups are consecutive ranks of ``dp_cp_tp``, ep divides dp·cp·tp).
+Checked here: the refusals that remain, before any process group; 10 AdamW steps in float32 against one process (the
+loss, the load-balancing loss and the global gradient norm before clipping within 1e-5 relative, the busiest
+expert's tokens identical) for tp2 with sp, tp2 without sp, tp2 ZeRO 2, cp2 x ep2, dp2 x tp2 x ep2 (ZeRO 0 and 1,
+shared expert on and off, MoE on every layer and every other layer, clipping, full activation checkpointing), and
+folded: dp2 x tp2 x ep4 (ZeRO 1 and 3), cp2 x tp2 x ep2; a tp2 ep2 checkpoint resumed at dp2 ep1; ``bf16-mixed``
+dp2 x tp2 x ep2 within 1e-2 of
 one-process ``bf16-mixed``; model-state bytes of every rank equal to the memory model's; and the memory model's
 states (exact) and saved activations (within 5%) against what dp2 x tp2 x ep2 ranks hold. Three torchrun launches for
 parity (1, 2 and 4 processes) and one for memory (4 processes).
@@ -57,9 +60,11 @@ def test_what_stays_refused_for_moe_names_the_value_before_any_process_group():
         dict(context_parallel_size=2, expert_parallel_size=2),
     ):
         validate_against_module(ParallelConfig(zero_stage=1, **kw).resolve(4 if "data_parallel_size" in kw else 2), moe)
-    for stage in (2, 3):
-        with pytest.raises(ValueError, match=f"zero_stage={stage} is not supported for a Mixture-of-Experts model "):
-            validate_against_module(ParallelConfig(tensor_parallel_size=2, zero_stage=stage).resolve(2), moe)
+    for stage in (2, 3):  # ZeRO 2/3 under tp: the MoE layers' FSDP2 units over dp_cp_tp (issue 34)
+        validate_against_module(ParallelConfig(tensor_parallel_size=2, zero_stage=stage).resolve(2), moe)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=4 does not divide dp\*cp\*tp = 1\*1\*2 = 2.*\[1, 2\]"):
+        ParallelConfig(tensor_parallel_size=2, expert_parallel_size=4).resolve(2)
+    validate_against_module(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2).resolve(2), moe)  # folded
     validate_against_module(ParallelConfig(context_parallel_size=2, zero_stage=3).resolve(2), moe)  # cp is dp-like
     with pytest.raises(ValueError, match="gradient_compression='powersgd'.*tensor_parallel_size=2"):
         validate_against_module(ParallelConfig(tensor_parallel_size=2, gradient_compression="powersgd").resolve(2), moe)
@@ -136,6 +141,7 @@ TWO = [
     {"tp": 2, "zero": 1, "norm": True},
     {"tp": 2, "zero": 0, "config": VARIANT, "clip": 0.1, "norm": True},
     {"tp": 2, "sp": False, "zero": 1, "norm": True},
+    {"tp": 2, "zero": 2, "norm": True},  # ZeRO 2 under tp: the MoE layers' FSDP2 units over dp_cp_tp
     {"cp": 2, "ep": 2, "zero": 1, "norm": True},
     {"cp": 2, "ep": 2, "zero": 0, "config": VARIANT, "clip": 0.1, "ac": "full", "norm": True},
 ]
@@ -143,6 +149,7 @@ FOUR = [
     {"dp": 2, "tp": 2, "ep": 2, "zero": 1, "norm": True},
     {"dp": 2, "tp": 2, "ep": 4, "zero": 1, "norm": True},  # ep folded over tp (issue 34): every rank 2 of 8 experts
     {"cp": 2, "tp": 2, "ep": 2, "zero": 1, "norm": True},  # folded: ep2 is the tp pair of each cp rank
+    {"dp": 2, "tp": 2, "ep": 4, "zero": 3, "norm": True},  # folded, ZeRO 3: expert units over edp (1 rank)
     {"dp": 2, "tp": 2, "ep": 2, "zero": 0, "sp": False, "config": VARIANT, "clip": 0.1, "norm": True},
     {"dp": 2, "tp": 2, "ep": 2, "zero": 1, "precision": "bf16-mixed"},
 ]

@@ -112,17 +112,23 @@ def apply(family: Any, model: nn.Module, mesh: Any, config: Any) -> None:
 
 
 def fsdp_options(mesh: Any) -> dict[str, Any]:
-    """The keyword arguments of :func:`~lightning_4d.parallel.fsdp.apply_fsdp` for the experts: their own units over
-    ``edp`` under ep (``None`` without)."""
-    return {"expert_mesh": mesh.get("edp")}
+    """The keyword arguments of :func:`~lightning_4d.parallel.fsdp.apply_fsdp` for the MoE layers: the experts' own
+    units over ``edp`` under ep, the token-parallel MoE layers' over ``dp_cp_tp`` under tp (``None`` without)."""
+    return {"expert_mesh": mesh.get("edp"), "token_mesh": mesh.get("dp_cp_tp")}
 
 
 def on_own_mesh(params: list[Tensor]) -> bool:
     """Whether any of ``params`` is an expert weight on the ep mesh
-    (:func:`~lightning_4d.parallel.expert.is_expert_parameter`): under ZeRO 2/3 with ep its gradient is a DTensor on
-    the ``(edp, ep)`` mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the
-    precision plugin then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
-    return any(is_expert_parameter(p) for p in params)
+    (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) or an MoE layer's parameter sharded over ``dp_cp_tp``
+    (ZeRO 2/3 under tp, :func:`shard_token_units`): its gradient is a DTensor on the ``(edp, ep)`` or ``dp_cp_tp``
+    mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the precision plugin
+    then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
+    from torch.distributed.tensor import DTensor
+
+    def token_sharded(p: Tensor) -> bool:
+        return isinstance(p, DTensor) and "dp_cp_tp" in (p.device_mesh.mesh_dim_names or ())
+
+    return any(is_expert_parameter(p) or token_sharded(p) for p in params)
 
 
 def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
@@ -218,11 +224,29 @@ def shard_expert_units(model: nn.Module, options: dict[str, Any], dp_cp_size: in
         average_expert_gradients(fully_shard(m, **options), options["mesh"].size(), dp_cp_size)
 
 
+def shard_token_units(model: nn.Module, options: dict[str, Any], dp_cp_size: int) -> None:
+    """ZeRO 2/3 of the MoE layers under tp (:func:`lightning_4d.parallel.fsdp.apply_fsdp`, after the expert units
+    and before its dense units): every module of ``model`` run token parallel (``token_parallel``, a
+    :class:`~lightning_4d.parallel.tensor.TokenParallel`) becomes an FSDP2 unit with ``fully_shard`` ``options``
+    (over the ``dp_cp_tp`` mesh; the expert weights already in units of their own under ep stay there). Each tp rank's
+    gradient of these parameters is its own tokens' part, so the reduce-scatter over ``dp_cp_tp`` sums over tp and
+    dp·cp and the unit divides by D = ``dp_cp_size`` (:func:`average_expert_gradients`): the sum over tp of the mean
+    over dp·cp, as ZeRO 0/1's ``dp_cp_tp`` buckets (:func:`gradient_groups`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_4d.parallel.tensor import TokenParallel
+
+    holders = [m for m in model.modules() if isinstance(getattr(m, "token_parallel", None), TokenParallel)]
+    for m in holders:
+        average_expert_gradients(fully_shard(m, **options), options["mesh"].size(), dp_cp_size)
+
+
 def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:
     """Make the FSDP2 unit ``unit`` (a module holding expert weights, sharded over the ``group_size`` ranks of
-    ``edp`` = dp·cp/ep) leave its gradients divided by D = ``dp_cp_size`` (the mean of the D per-rank losses'
-    gradients; the ep all-to-all's backward has already summed the ep group's contributions), on every torch the
-    package accepts.
+    ``edp`` = dp·cp·tp/ep; or an MoE layer under tp over ``dp_cp_tp``, :func:`shard_token_units`) leave its gradients
+    divided by D = ``dp_cp_size`` (the mean of the D per-rank losses' gradients; the ep all-to-all's backward has
+    already summed the ep group's contributions, the reduction sums the tp ranks'), on every torch the package
+    accepts.
 
     - ``group_size > 1``: a divide factor (D) other than the group's size makes FSDP2 reduce-scatter with
       ``ReduceOp.PREMUL_SUM``, which gloo refuses (measured, torch 2.13): a forced sum, then a division by D
