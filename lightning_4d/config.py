@@ -176,8 +176,8 @@ class ParallelConfig:
             flattened ``("dp", "cp", "tp")`` mesh ``dp_cp_tp`` (tp innermost: the tp ranks are the innermost ep
             ranks, ep *folded* over tp as in Megatron-Core's MoE parallel folding), so ep must divide dp·cp·tp; the
             expert parameters' gradients and ZeRO shards go over the expert data-parallel group ``edp``
-            (:attr:`expert_dp` ranks: those with the same position in their ep block), at every ZeRO stage (under tp
-            for an MoE model ZeRO 0 and 1; ``docs/moe.md``).
+            (:attr:`expert_dp` ranks: those with the same position in their ep block), at every ZeRO stage
+            (``docs/moe.md``).
         tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of point-to-point
             steps over the tp group, each step's send/recv of a sequence shard (or of a partial sum) overlapped with
             the matmul of the shard at hand, never gathering the whole sequence (all-gather→matmul for ``wq/wk/wv``,

@@ -100,8 +100,8 @@ class FourDStrategy(ModelParallelStrategy):
             dp·cp·tp. ep ranks are blocks of ep consecutive ranks of the flattened ``dp_cp`` mesh, under tp of
             ``dp_cp_tp`` (ep folded over tp first: the tp ranks are the innermost ep ranks), so ep divides dp·cp·tp
             and ``num_experts``; the expert parameters' gradients are reduced and their ZeRO 1-3 shards held over
-            the expert data-parallel group (dp·cp·tp/ep ranks), the dense ones over dp·cp (ZeRO 0/1 under tp);
-            see ``docs/moe.md``.
+            the expert data-parallel group (dp·cp·tp/ep ranks), the dense ones over dp·cp, at ZeRO 0-3; see
+            ``docs/moe.md``.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of send/recv steps
             overlapped with the matmuls, never gathering the whole sequence (same bytes, same results; needs tp > 1
