@@ -202,10 +202,12 @@ class ParallelConfig:
         expert_parallel_size: ep, the ranks that split the routed experts of every Mixture-of-Experts layer
             (each holds ``num_experts / ep`` of them; tokens travel to their experts and back by all-to-all,
             ``parallel/expert.py``). No mesh dimension of its own: ep groups are blocks of ``ep`` consecutive ranks
-            of the flattened ``dp_cp`` mesh, so ep must divide dp·cp; the expert parameters' gradients and ZeRO
-            shards go over the expert data-parallel group (``dp_cp / ep``: the ranks of ``dp_cp`` with the same
-            position in their ep block; under tp those ranks at every tp coordinate, ``mesh.edp_tp``), at every
-            ZeRO stage (under tp for an MoE model ZeRO 0 and 1; ``docs/moe.md``).
+            of the ranks that hold disjoint tokens of an MoE layer, the flattened ``dp_cp`` mesh, or under tp the
+            flattened ``("dp", "cp", "tp")`` mesh ``dp_cp_tp`` (tp innermost: the tp ranks are the innermost ep
+            ranks, ep *folded* over tp as in Megatron-Core's MoE parallel folding), so ep must divide dp·cp·tp; the
+            expert parameters' gradients and ZeRO shards go over the expert data-parallel group ``edp``
+            (:attr:`expert_dp` ranks: those with the same position in their ep block), at every ZeRO stage
+            (``docs/moe.md``).
         tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of point-to-point
             steps over the tp group, each step's send/recv of a sequence shard (or of a partial sum) overlapped with
             the matmul of the shard at hand, never gathering the whole sequence (all-gather→matmul for ``wq/wk/wv``,
@@ -438,14 +440,18 @@ class ParallelConfig:
 
     @property
     def expert_dp(self) -> int:
-        """Size of the expert data-parallel group (dp·cp / ep): the ranks holding the same experts, over which the
-        expert parameters' gradients are reduced and their ZeRO 1 states sharded."""
-        return self.dp_cp // self.ep
+        """Size of the expert data-parallel group ``edp`` (dp·cp·tp / ep; under tp an MoE layer runs token parallel,
+        so its tp ranks are data-parallel ranks for it): the ranks holding the same experts, over which the expert
+        parameters' gradients are reduced and their ZeRO 1-3 states sharded."""
+        return self.dp_cp * self.tp // self.ep
 
-    def ep_coordinates(self, dp_cp_rank: int) -> tuple[int, int]:
+    def ep_coordinates(self, dp_cp_rank: int, tp_rank: int = 0) -> tuple[int, int]:
         """``(ep rank, expert data-parallel rank)`` of the rank at index ``dp_cp_rank`` of the flattened ``dp_cp``
-        mesh: ep groups are blocks of ``ep`` consecutive ``dp_cp`` ranks (``mesh.py``), so ``(i % ep, i // ep)``."""
-        return dp_cp_rank % self.ep, dp_cp_rank // self.ep
+        mesh and tp rank ``tp_rank``: ep groups are blocks of ``ep`` consecutive ranks of the MoE layers' token
+        ranks ``dp_cp_tp`` (index ``i = dp_cp_rank·tp + tp_rank``, tp innermost; ``dp_cp`` when tp = 1:
+        :func:`lightning_4d.parallel.moe.carve_meshes`), so ``(i % ep, i // ep)``."""
+        i = dp_cp_rank * self.tp + tp_rank
+        return i % self.ep, i // self.ep
 
     @property
     def sp(self) -> bool:
@@ -625,7 +631,7 @@ class ParallelConfig:
 
     def _check_ep(self) -> "ParallelConfig":
         """``self`` once the MoE rules of the resolved sizes hold (:func:`~lightning_4d.models.config
-        .check_moe_layout`: ep divides dp·cp).
+        .check_moe_layout`: ep divides dp·cp·tp).
 
         Raises:
             ValueError: they do not."""

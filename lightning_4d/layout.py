@@ -284,8 +284,8 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         int,
         1,
         "ep",
-        "expert parallel size of a Mixture-of-Experts model: ranks of dp*cp that split the experts "
-        "(divides dp*cp and num_experts; default 1)",
+        "expert parallel size of a Mixture-of-Experts model: ranks of dp*cp*tp that split the experts, "
+        "folded over tp first (divides dp*cp*tp and num_experts; default 1)",
         flags=("--expert-parallel-size", "--ep"),
         dest="ep",
         minimum=1,
@@ -293,7 +293,7 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         saved="resolved_if_set",
         planned=True,
         plan_help="only layouts with this expert parallel size (Mixture-of-Experts models; without it the plan "
-        "tries every ep that divides dp*cp and num_experts)",
+        "tries every ep that divides dp*cp*tp and num_experts)",
     ),
 )
 #: the fields by name

@@ -96,12 +96,13 @@ class FourDStrategy(ModelParallelStrategy):
             needs ``num_heads/tp`` divisible by cp). See ``docs/context_parallel.md``.
         zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
         expert_parallel_size: ep, for a Mixture-of-Experts model: the ranks that split the routed experts of every
-            MoE layer (``num_experts / ep`` each; tokens dispatched and combined by all-to-all). ep ranks are blocks
-            of ep consecutive ranks of the flattened ``dp_cp`` mesh (ep divides dp·cp and ``num_experts``); the
-            expert parameters' gradients are reduced and their ZeRO 1-3 shards held over the expert
-            data-parallel group (dp·cp/ep ranks), the dense ones over dp·cp. Under tp an MoE
+            MoE layer (``num_experts / ep`` each; tokens dispatched and combined by all-to-all). Under tp an MoE
             layer is not split: each tp rank runs it whole on its ``s/t`` tokens, its gradients summed over
-            dp·cp·tp (the experts' over dp·cp·tp/ep; ZeRO 0/1 under tp); see ``docs/moe.md``.
+            dp·cp·tp. ep ranks are blocks of ep consecutive ranks of the flattened ``dp_cp`` mesh, under tp of
+            ``dp_cp_tp`` (ep folded over tp first: the tp ranks are the innermost ep ranks), so ep divides dp·cp·tp
+            and ``num_experts``; the expert parameters' gradients are reduced and their ZeRO 1-3 shards held over
+            the expert data-parallel group (dp·cp·tp/ep ranks), the dense ones over dp·cp, at ZeRO 0-3; see
+            ``docs/moe.md``.
         sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
         tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of send/recv steps
             overlapped with the matmuls, never gathering the whole sequence (same bytes, same results; needs tp > 1

@@ -83,7 +83,8 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
     """The features a layout combines, as the support matrix tells them apart: ``tp``, ``sp off``, ``tp overlap``,
     ``pp`` (and ``pp <schedule>`` for a schedule other than 1F1B), ``cp`` (and ``cp allgather``, ``cp alltoall``),
     ``ZeRO 0/2/3``
-    (ZeRO 1 is every row's default), ``<mode> checkpointing``, ``offload``, ``compile``, ``MoE``, ``ep``.
+    (ZeRO 1 is every row's default), ``<mode> checkpointing``, ``offload``, ``compile``, ``MoE``, ``ep`` (and ``ep over
+    tp`` under tp: ep folded over the tp ranks).
 
     ``options``: a row's :meth:`Row.options` (``measure``'s names) or one of ``plan``'s layouts (its ``--json``
     names: ``context_parallel_method``, ``expert_parallel_size``, ...); sizes absent count as 1."""
@@ -121,6 +122,8 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
         out.add("MoE")
     if ep > 1:
         out.add("ep")
+        if tp > 1:  # the ep groups take the tp ranks first (parallel/moe.py)
+            out.add("ep over tp")
     return frozenset(out)
 
 

@@ -103,6 +103,8 @@ MOE_PP = "tests/test_moe_pipeline.py::test_moe_pp2_every_schedule_equals_one_pro
 MOE_TP = "tests/test_moe_tensor_parallel.py::test_moe_under_tp_and_cp_equals_one_process"
 MOE_DP = "tests/test_moe.py::test_dp2_zero_losses_aux_and_routing_equal_one_process"
 EP = "tests/test_expert_parallel.py::test_ep_losses_aux_routing_norm_and_states_equal_one_process"
+MOE_PP_EP = "tests/test_moe_pipeline.py::test_moe_pp2_dp2_ep2_equals_one_process"
+FOLDED_RESUME = "tests/test_moe_tensor_parallel.py::test_checkpoint_at_tp2_ep2_resumes_at_tp2_ep2_and_at_dp2_ep1"
 OFFLOAD = (
     "tests/test_activation_offload.py::test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_host"
 )
@@ -532,15 +534,10 @@ ROWS: list[Row] = [
         cpu_tests=(MOE_TP,),
     ),
     Row(
-        "moe-tp2-z3",
-        "MoE under tp at ZeRO 3",
-        {"model": "tiny-moe", "tp": 2, "zero_stage": 3},
-        refused=(
-            "zero_stage=3 is not supported for a Mixture-of-Experts model with tensor_parallel_size=2: its "
-            "MoE layers run token parallel over tp and their gradients are summed over dp*cp*tp by ZeRO 0/1's"
-            " gradient buckets, which FSDP2 (ZeRO 2/3, over dp*cp) does not do. Use zero_stage=0 or 1 with "
-            "tp, or tensor_parallel_size=1 with ZeRO 2/3 (docs/moe.md)."
-        ),
+        "moe-tp2-z2",
+        "MoE tp2 ZeRO 2: the MoE layers' FSDP2 units over dp_cp_tp (their gradients summed over tp)",
+        {"model": "tiny-moe", "tp": 2, "zero_stage": 2},
+        cpu_tests=(MOE_TP,),
     ),
     Row("moe-cp2", "MoE cp2 ring attention", {"model": "tiny-moe", "cp": 2}, cpu_tests=(MOE_TP,)),
     Row(
@@ -565,9 +562,33 @@ ROWS: list[Row] = [
         "moe-pp2-ep2",
         "MoE pp2 dp2 ep2 1F1B",
         {"model": "tiny-moe", "pp": 2, "dp": 2, "ep": 2, "num_microbatches": 2},
-        cpu_tests=(
-            "tests/test_moe_pipeline.py::test_moe_pp2_dp2_ep2_equals_one_process",
-            "tests/test_expert_parallel.py::test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2",
+        cpu_tests=(MOE_PP_EP, "tests/test_expert_parallel.py::test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2"),
+    ),
+    *(  # ep folded over tp (the tp ranks are the innermost ep ranks): tests/test_moe_tensor_parallel.py
+        Row(row_id, f"MoE {description}: ep folded over tp", {"model": "tiny-moe", **layout}, cpu_tests=(MOE_TP,))
+        for row_id, description, layout in (
+            ("moe-dp2-tp2-ep4", "dp2 tp2 ep4 ZeRO 1", {"dp": 2, "tp": 2, "ep": 4}),
+            (
+                "moe-dp2-tp2-ep4-z3",
+                "dp2 tp2 ep4 ZeRO 3 (experts' and MoE layers' own FSDP2 units)",
+                {"dp": 2, "tp": 2, "ep": 4, "zero_stage": 3},
+            ),
+            ("moe-cp2-tp2-ep2", "cp2 tp2 ep2 ZeRO 1", {"cp": 2, "tp": 2, "ep": 2}),
+        )
+    ),
+    Row(
+        "moe-pp2-tp2-ep2",
+        "MoE pp2 tp2 ep2 1F1B: ep folded over tp; a tp2 ep2 checkpoint resumed at dp2 ep1",
+        {"model": "tiny-moe", "pp": 2, "tp": 2, "ep": 2, "num_microbatches": 2},
+        cpu_tests=(MOE_PP_EP, FOLDED_RESUME),
+    ),
+    Row(
+        "moe-ep-beyond-dp-cp-tp",
+        "expert parallelism over more ranks than dp*cp*tp",
+        {"model": "tiny-moe", "tp": 2, "ep": 4},
+        refused=(
+            "expert_parallel_size=4 does not divide dp*cp*tp = 1*1*2 = 2: ep ranks are carved out of the "
+            "data-parallel ranks and, folded, the tp ranks; valid expert_parallel_size values for this layout: [1, 2]."
         ),
     ),
     Row(

@@ -31,7 +31,9 @@ LOSS_RTOL = 1e-5
 @pytest.mark.parametrize(
     "kw, world, words",
     [
-        (dict(expert_parallel_size=3), 4, ["expert_parallel_size=3", "dp*cp = 4*1 = 4", "[1, 2, 4]"]),
+        (dict(expert_parallel_size=3), 4, ["expert_parallel_size=3", "dp*cp*tp = 4*1*1 = 4", "[1, 2, 4]"]),
+        # folded over tp: ep may divide dp*cp*tp, not more
+        (dict(expert_parallel_size=8, tensor_parallel_size=2), 4, ["dp*cp*tp = 2*1*2 = 4", "[1, 2, 4]"]),
         (dict(expert_parallel_size=4, data_parallel_size=2), 2, ["expert_parallel_size=4", "[1, 2]"]),
         (dict(expert_parallel_size=0), 2, ["expert_parallel_size=0"]),
     ],
@@ -71,6 +73,12 @@ def test_ep_coordinates_are_consecutive_dp_cp_ranks():
     pc = ParallelConfig(data_parallel_size=4, expert_parallel_size=2).resolve(4)
     assert [pc.ep_coordinates(i) for i in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert (pc.ep, pc.expert_dp) == (2, 2)
+    # under tp, folded: consecutive ranks of dp_cp_tp (tp innermost), the tp ranks the innermost ep ranks
+    pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4).resolve(4)
+    assert [pc.ep_coordinates(d, t) for d in range(2) for t in range(2)] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2).resolve(4)
+    assert [pc.ep_coordinates(d, t) for d in range(2) for t in range(2)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert pc.expert_dp == 2
 
 
 def test_expert_major_regrouping():

@@ -46,7 +46,7 @@ def test_estimate_takes_ep_and_reports_it(capsys):
     [
         (["--num-gpus", "64", "--ep", "3"], ["expert_parallel_size=3", "[1, 2, 4, 8, 16, 32, 64]"]),
         (["--num-gpus", "64", "--ep", "16"], ["expert_parallel_size=16", "num_experts=8", "[1, 2, 4, 8]"]),
-        (["--dp", "6", "--ep", "4"], ["expert_parallel_size=4", "dp*cp = 6*1 = 6", "[1, 2, 3, 6]"]),
+        (["--dp", "6", "--ep", "4"], ["expert_parallel_size=4", "dp*cp*tp = 6*1*1 = 6", "[1, 2, 3, 6]"]),
         (["--dp", "8", "--ep", "0"], ["--ep", "'0'", ">= 1"]),
         (["--dp", "8", "--ep", "two"], ["--ep", "'two'", "integer"]),
     ],
@@ -111,6 +111,25 @@ def test_plan_mixtral_on_64_h100_lists_ep_layouts_that_fit(capsys):
     assert "┃ ep ┃" in table.replace(" ", "").replace("┃ep┃", "┃ ep ┃")
     code, only = _json(capsys, ["plan", *MIXTRAL, "--num-gpus", "64", "--global-batch-size", "256", "--ep", "4"])
     assert {c["expert_parallel_size"] for c in only["layouts"]} <= {4}
+
+
+def test_experts_folded_over_tp_mixtral_tp8_pp4(capsys):
+    """Issue 34: Mixtral 8x7B tp8 pp4 dp2 at s=2048 holds all 8 experts of its 8 layers unfolded (21.1 GiB of bf16
+    parameters per rank); with ep8 folded over tp each rank holds one expert per layer: 7/8 of the experts' bytes
+    gone (counted here from the config: 8 layers x 8 experts x 3·h·f_e x 2 bytes), the ZeRO 1 states the same (the
+    experts' over dp·cp·tp = 16 ranks unfolded, one expert's over dp·cp·tp/ep = 2 folded). ``plan --tp 8 --pp 4``
+    finds folded layouts (ep > dp·cp) and ranks one first."""
+    layout = ["--tp", "8", "--pp", "4", "--seq-length", "2048", "--micro-batch-size", "1"]
+    _, unfolded = _json(capsys, ["estimate", "--model", "mixtral-8x7b", *layout, "--dp", "2", "--ep", "1"])
+    _, folded = _json(capsys, ["estimate", "--model", "mixtral-8x7b", *layout, "--dp", "2", "--ep", "8"])
+    cfg = LlamaConfig.from_preset("mixtral-8x7b")
+    experts = cfg.num_layers // 4 * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
+    assert round(unfolded["parameters"] / 2**30, 1) == 21.1
+    assert unfolded["parameters"] - folded["parameters"] == experts * 7 // 8
+    assert unfolded["optimizer_states"] == folded["optimizer_states"]
+    argv = ["plan", "--model", "mixtral-8x7b", "--num-gpus", "64", "--seq-length", "2048", "--global-batch-size"]
+    code, out = _json(capsys, [*argv, "256", "--tp", "8", "--pp", "4", "--top", "5"])
+    assert code == 0 and out["layouts"][0]["expert_parallel_size"] > out["layouts"][0]["dp"] * out["layouts"][0]["cp"]
 
 
 def test_plan_emits_ep_in_the_config(capsys, tmp_path):
@@ -214,7 +233,7 @@ def test_all_to_all_term_by_hand_intra_and_inter_node():
     ):
         got = st.step_time_of(dims, _mixtral_layout(ep), seq_length=s, gpu=H100, gpus_per_node=per_node)
         assert got.ep == pytest.approx(m * n_layers * (4 * one + counts + balance), rel=1e-12)
-        assert st.all_to_all_time(nbytes, ep, 1, H100, per_node) == pytest.approx(one, rel=1e-12)
+        assert st.all_to_all_time(nbytes, ep, H100, per_node) == pytest.approx(one, rel=1e-12)
     # full activation checkpointing runs the forward's two all-to-alls and the counts' exchange again: between one
     # node and two, the recomputation differs by exactly that (the compute and the all-reduce are the same)
     full = [

@@ -109,7 +109,7 @@ def test_layouts_moe_does_not_support_yet_fail_before_any_process_group():
 
     module = CausalLMModule("tiny-moe")
     validate_against_module(ParallelConfig(data_parallel_size=2, zero_stage=3), module)  # dp + ZeRO: fine
-    # tp and cp: fine (tests/test_moe_tensor_parallel.py); tp with ZeRO 2/3 is refused there
+    # tp and cp: fine (tests/test_moe_tensor_parallel.py); tp with ZeRO 2/3 too (FSDP2 units over dp_cp_tp)
     validate_against_module(
         ParallelConfig(data_parallel_size=1, tensor_parallel_size=2, context_parallel_size=2), module
     )

@@ -61,6 +61,8 @@ WORLD2 = [
 WORLD4 = [
     {"pp": 2, "dp": 2, "ep": 2, "zero": 1, "schedule": "1f1b", "m": 2, "config": EVERY, "norm": True},
     {"pp": 2, "dp": 2, "ep": 2, "zero": 0, "schedule": "interleaved_1f1b", "v": 2, "m": 2, "config": OTHER},
+    # ep folded over tp (issue 34): each stage's ep2 group is its tp pair
+    {"pp": 2, "tp": 2, "ep": 2, "zero": 1, "schedule": "1f1b", "m": 2, "config": EVERY, "norm": True},
     {"pp": 2, "dp": 2, "ep": 2, "zero": 1, "schedule": "1f1b", "m": 2, "config": EVERY, "precision": "bf16-mixed"},
 ]
 

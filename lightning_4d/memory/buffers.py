@@ -118,7 +118,7 @@ def buffer_terms(
     if tied:
         head = next(p for p, _ in params if p.role == "embedding")
     head_grad = head.numel * (dt.compute if dt.master and zero >= 2 else dt.param) if head is not None else 0
-    units = _fsdp_units(params, world, pc.ep)
+    units = _fsdp_units(params, world, pc.ep, pc.tp)
     root = units[3] * (dt.compute if dt.master else dt.param)  # FSDP2's all-gather output (bf16 under mixed precision)
     if zero >= 2:
         gathered_start, gathered_end, grad_buffers = _fsdp_buffers(pc, dt, params, units, m, head_grad, bool(tied))
@@ -183,18 +183,18 @@ def _later_layers_gradients(params: Any, first_layer: int, dt: Dtypes) -> int:
     return (layers - sum(p.numel for p, _ in params if p.unit == first)) * dt.param
 
 
-def _fsdp_units(params: Any, world: int, ep: int) -> tuple[int, int, int, int]:
+def _fsdp_units(params: Any, world: int, ep: int, tp: int) -> tuple[int, int, int, int]:
     """(padded elements of the largest FSDP2 layer unit, rank 0's shard of it (the largest), padded elements of all
     the layer units, of the root unit) of the rank's ``params`` (:func:`fsdp_padded_numel`)."""
     units: dict[str, list[int]] = {}  # representative layer -> [padded elements, layers like it, shard elements]
     for p, count in params:
         if p.unit != "root":
             unit = units.setdefault(p.unit, [0, count, 0])
-            unit[0] += fsdp_padded_numel(p, world, ep)
-            unit[2] += fsdp_shard_numel(p, world, 0, ep)  # rank 0's shard, the largest
+            unit[0] += fsdp_padded_numel(p, world, ep, tp)
+            unit[2] += fsdp_shard_numel(p, world, 0, ep, tp)  # rank 0's shard, the largest
     layer_numel, _, layer_shard = max(units.values(), default=(0, 0, 0))  # the largest FSDP2 layer unit
     all_layers_numel = sum(n * count for n, count, _ in units.values())
-    root_numel = sum(fsdp_padded_numel(p, world, ep) for p, _ in params if p.unit == "root")
+    root_numel = sum(fsdp_padded_numel(p, world, ep, tp) for p, _ in params if p.unit == "root")
     return layer_numel, layer_shard, all_layers_numel, root_numel
 
 
@@ -220,7 +220,7 @@ def _fsdp_buffers(
         unsharded_grad_bytes = dt.compute + 4 if dt.master else dt.param
         grad_buffers = (root_numel + 2 * layer_numel) * unsharded_grad_bytes
         return root + all_layers_numel * gather_bytes, root + largest_layer, grad_buffers
-    root_shard = sum(fsdp_shard_numel(p, world, 0, pc.ep) for p, _ in params if p.unit == "root")
+    root_shard = sum(fsdp_shard_numel(p, world, 0, pc.ep, pc.tp) for p, _ in params if p.unit == "root")
     root_grads = sum(p.numel for p, _ in params if p.unit == "root") * (dt.compute if dt.master else dt.param)
     root_grads += 2 * head_grad if tied else 0
     if m > 1:  # gradient accumulation: every gradient shard exists from the first micro-batch's backward on

@@ -324,7 +324,7 @@ def layout_from_args(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig
             raise ValueError("give --dp or --num-gpus.")
         pc = pc.resolve(args.num_gpus)
     else:
-        pc = pc.resolve(pc.world_size)  # checks that ep divides dp*cp
+        pc = pc.resolve(pc.world_size)  # checks that ep divides dp*cp*tp
     proposed = _propose_split(pc, cfg.num_layers)
     if proposed is not None:
         pc = replace(pc, pipeline_layer_split=proposed)

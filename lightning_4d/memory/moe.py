@@ -30,15 +30,16 @@ backward; 2 more in full activation checkpointing's recomputation), not overlapp
 synchronously between the router and the experts), each sending ``n = (T/tp)·k·h·c`` bytes per GPU of which
 ``(ep−1)/ep`` leave the GPU (dropless routing at balanced load). Pairwise-exchange all-to-all cost ``(p−1)·α +
 (p−1)/p·n·β`` (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
-IJHPCA 19(1), §4.5), with the node split of the ep group: an ep group is ``ep`` consecutive ranks of ``dp_cp``, i.e.
-``tp·ep`` consecutive global ranks (``mesh.py``: dims ``("pp", "dp", "cp", "tp")``, tp innermost); when ``tp·ep``
-divides the GPUs per node the exchange stays on NVLink, else each GPU sends ``(g−1)/ep·n`` bytes over NVLink to the
-``g = gpus_per_node/tp`` group members of its node and ``(ep−g)/ep·n`` over its NIC, the two at once (the slower
-sets the time) with the inter-node α. Plus, per MoE layer forward, the counts' all-to-all (``E`` integers: latency
+IJHPCA 19(1), §4.5), with the node split of the ep group: an ep group is ``ep`` consecutive ranks of the MoE
+layers' token ranks (``dp_cp``, under tp ``dp_cp_tp``: ep folded over tp first, ``parallel/moe.py``), i.e. ``ep``
+consecutive global ranks (``mesh.py``: dims ``("pp", "dp", "cp", "tp")``, tp innermost); when ``ep`` divides the GPUs
+per node the exchange stays on NVLink, else each GPU sends ``(g−1)/ep·n`` bytes over NVLink to the ``g =
+gpus_per_node`` group members of its node and ``(ep−g)/ep·n`` over its NIC, the two at once (the slower sets the
+time) with the inter-node α. Plus, per MoE layer forward, the counts' all-to-all (``E`` integers: latency
 only) and the load-balancing counts' all-reduce over ``dp_cp`` (``E + 2`` integers: ``2·⌈log₂ D⌉·α``, recursive
 doubling, Thakur et al. 2005 §4.4). Data parallel with ep: the dense parameters' gradients go over D ranks, the expert
-parameters' (``E/ep`` experts per GPU) over the expert data-parallel group of ``D/ep`` ranks; ZeRO shards each over
-its own group.
+parameters' (``E/ep`` experts per GPU) over the expert data-parallel group of ``D·tp/ep`` ranks; ZeRO shards each
+over its own group.
 
 Pure Python: no torch import.
 """
@@ -305,18 +306,18 @@ def layer_param_counts(dims: tuple[int, ...], tp: int, ep: int) -> tuple[float, 
     return attention / tp + e * h + 3 * ns * h * fe, e // ep * 3 * h * fe
 
 
-def all_to_all_time(nbytes: float, ep: int, tp: int, gpu: Any, gpus_per_node: int) -> float:
+def all_to_all_time(nbytes: float, ep: int, gpu: Any, gpus_per_node: int) -> float:
     """Seconds of one all-to-all over an ep group in which every GPU sends ``nbytes`` (``(ep−1)/ep`` of it to the
     others): pairwise exchange, ``(p−1)·α + (p−1)/p·n·β`` (Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1), §4.5).
-    The group is ``tp·ep`` consecutive global ranks (``mesh.py``); when that divides ``gpus_per_node`` it stays on
-    NVLink, else the bytes to the ``g = gpus_per_node/tp`` members of the GPU's node go over NVLink and the rest over
-    its NIC at the same time (the slower sets the time), with the inter-node latency."""
+    The group is ``ep`` consecutive global ranks (ep folded over tp first: module docstring); when ``ep`` divides
+    ``gpus_per_node`` it stays on NVLink, else the bytes to the ``g = gpus_per_node`` members of the GPU's node go
+    over NVLink and the rest over its NIC at the same time (the slower sets the time), with the inter-node latency."""
     if ep == 1:
         return 0.0
-    if gpus_per_node % (tp * ep) == 0:
+    if gpus_per_node % ep == 0:
         bandwidth, latency = link(gpu, True)
         return (ep - 1) / ep * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ep - 1) * latency
-    g = min(ep, max(1, gpus_per_node // tp))
+    g = min(ep, gpus_per_node)
     intra = (g - 1) / ep * nbytes / (COLLECTIVE_EFFICIENCY * gpu.intra_node_bandwidth)
     inter = (ep - g) / ep * nbytes / (COLLECTIVE_EFFICIENCY * gpu.inter_node_bandwidth)
     return max(intra, inter) + (ep - 1) * LINK_LATENCY[1]
@@ -353,8 +354,8 @@ def layer_times(
     t_moe_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * (top + ns) * fe) / tp) * tokens / hbm
     t_mm = frac * t_moe_mm + (1 - frac) * dense[0]
     t_pw = frac * t_moe_pw + (1 - frac) * dense[1]
-    one = all_to_all_time(routed * top * h * c, ep, tp, gpu, gpus_per_node)
-    inside = gpus_per_node % (tp * ep) == 0
+    one = all_to_all_time(routed * top * h * c, ep, gpu, gpus_per_node)
+    inside = gpus_per_node % ep == 0
     counts = (ep - 1) * LINK_LATENCY[0 if inside else 1] if ep > 1 else 0.0
     balance = 2 * math.ceil(math.log2(dd)) * link(gpu, tp * dd <= gpus_per_node)[1] if dd > 1 else 0.0
     forward = frac * (2 * one + counts + balance)
@@ -376,7 +377,8 @@ def data_parallel_terms(
     """The data-parallel terms of a pp rank holding ``layers`` decoder layers of an MoE model (module docstring,
     **Expert parallel**): (parameters reduced over dp·cp, parameters this rank's optimizer owns of the experts,
     seconds of the experts' float32 gradient reduce-scatter, of their parameter all-gather). The dense parameters go
-    over ``dd`` = dp·cp ranks, the experts' over the expert data-parallel group of ``dd/ep``; ``dense_layer`` a dense
+    over ``dd`` = dp·cp ranks, the experts' over the expert data-parallel group of ``dd·tp/ep`` (ep folded over tp:
+    module docstring); ``dense_layer`` a dense
     layer's matmul weights, ``vocabulary`` the rank's embedding and head, ``bandwidth`` and ``latency`` the link's
     (:func:`lightning_4d.memory.rates.link`)."""
     c = 2
@@ -384,9 +386,9 @@ def data_parallel_terms(
     dense_moe, per_layer = layer_param_counts(dims, tp, ep)
     params = layers * ((1 - frac) * dense_layer / tp + frac * dense_moe) + vocabulary
     experts = layers * frac * per_layer
-    edp = dd // ep
+    edp = dd * tp // ep
     owned = experts / edp if zero_stage >= 1 else experts
-    if not experts or dd == 1:
+    if not experts or edp == 1:
         return params, owned, 0.0, 0.0
     return params, owned, ring(4 * experts, edp, bandwidth, latency), ring(c * experts, edp, bandwidth, latency)
 

@@ -18,8 +18,9 @@ measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stage
 - when ``pp·v`` does not divide the layers, the split of :func:`propose_layer_split`: the first and the last
   stages, which also hold the embedding and the LM head, get the fewer layers (Meta's 126 layers on 16 stages:
   7, 8, ..., 8, 7; Llama 3 paper, arXiv 2407.21783, §3.3.2);
-- for a Mixture-of-Experts model, the expert parallel size ep: every divisor of dp·cp that divides ``num_experts``
-  (1 for a dense model). Every layout passes through :meth:`ParallelConfig.validate_model
+- for a Mixture-of-Experts model, the expert parallel size ep: every divisor of dp·cp·tp that divides
+  ``num_experts`` (ep folded over tp where it exceeds dp·cp, or tp > 1: ``lightning_4d/parallel/moe.py``; 1 for a
+  dense model). Every layout passes through :meth:`ParallelConfig.validate_model
   <lightning_4d.config.ParallelConfig.validate_model>` (and the ZeRO stages through ``ParallelConfig`` itself), so
   the planner proposes for an MoE model exactly the layouts FourDStrategy accepts for it.
 
@@ -202,7 +203,7 @@ def _layouts(
                 dp = num_gpus // (tp * pp * cp)
                 if global_batch_size % dp or fixed.get("cp", cp) != cp or fixed.get("dp", dp) != dp:
                     continue
-                eps = [e for e in _divisors(dp * cp) if model_config.num_experts % e == 0] if moe else [1]
+                eps = [e for e in _divisors(dp * cp * tp) if model_config.num_experts % e == 0] if moe else [1]
                 for sp, ep in ((sp, ep) for sp in ((True, False) if tp > 1 else (False,)) for ep in eps):
                     if fixed.get("ep", ep) != ep:
                         continue
@@ -231,8 +232,6 @@ def _layouts(
                                         continue  # nothing to shard over, or not the stage asked for
                                     if ep > 1 and not _zero_accepted(ep, zero):
                                         continue  # a ZeRO stage ParallelConfig refuses with expert parallelism
-                                    if zero > 1 and tp > 1 and getattr(model_config, "is_moe", False):
-                                        continue  # refused by ParallelConfig.validate_model (MoE under tp: ZeRO 0/1)
                                     for ac in ACTIVATION_CHECKPOINTING:
                                         if ac == "selective" and name in ("zbv", "dualpipev"):
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
@@ -460,11 +459,11 @@ def _check_job(
         product = pinned.tp * pinned.pp * pinned.cp * (pinned.dp if "dp" in fixed else 1)
         if num_gpus % product:
             raise ValueError(f"fixed sizes {fixed} do not divide num_gpus={num_gpus}.")
-        if "ep" in fixed and (num_gpus // (pinned.tp * pinned.pp)) % pinned.ep:
-            valid = [e for e in _divisors(num_gpus // (pinned.tp * pinned.pp)) if model_config.num_experts % e == 0]
+        if "ep" in fixed and (num_gpus // pinned.pp) % pinned.ep:
+            valid = [e for e in _divisors(num_gpus // pinned.pp) if model_config.num_experts % e == 0]
             raise ValueError(
-                f"expert_parallel_size={pinned.ep} divides no dp*cp of {num_gpus} GPUs with tp={pinned.tp} and "
-                f"pp={pinned.pp}: valid expert_parallel_size values here: {valid}."
+                f"expert_parallel_size={pinned.ep} divides no dp*cp*tp of {num_gpus} GPUs with pp={pinned.pp}: "
+                f"valid expert_parallel_size values here: {valid}."
             )
 
 
@@ -514,7 +513,7 @@ def _timed_layouts(
             f"seq_length={seq_length} and global_batch_size={global_batch_size}"
             + (f" and {fixed}" if fixed else "")
             + ": the global batch must be a multiple of dp, tp must "
-            "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp), ep dp·cp and "
+            "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp), ep dp·cp·tp and "
             "the experts."
         )
     timed.sort(key=lambda t: (t[0], t[1]))

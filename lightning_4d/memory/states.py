@@ -56,14 +56,15 @@ def _group_key(p: Param, tp: int, ep: int) -> tuple[str, ...]:
 
 def reduction_group(key: tuple[str, ...], world: int, rank: int, tp: int, tp_rank: int, ep: int) -> tuple[int, int]:
     """``(size, rank)`` of the ZeRO 0/1 data-parallel group of the parameters of group key ``key`` (:func:`_group_key`)
-    for the rank ``rank`` of ``world`` = dp·cp ranks: ``"ep"`` the data-parallel group of the ep-split parameters,
-    ``world/ep`` ranks (this rank ``rank // ep``, ``ParallelConfig.ep_coordinates``), ``"tp"`` that group times tp (this
-    rank ``rank·tp + tp_rank``; ``lightning_4d/mesh.py``'s ``dp_cp_tp`` and ``edp_tp``)."""
-    size, index = world * (tp if "tp" in key else 1), rank
+    for the rank ``rank`` of ``world`` = dp·cp ranks at tp rank ``tp_rank``: ``"tp"`` the token-parallel group
+    ``dp·cp·tp`` (this rank ``rank·tp + tp_rank``, tp innermost: ``dp_cp_tp``), ``"ep"`` the expert data-parallel
+    group of the ep-split parameters, that group over ep (this rank its index over ep: ep groups are blocks of ep
+    consecutive ranks of it, folded over tp first; ``ParallelConfig.ep_coordinates``, ``parallel/moe.py``'s ``edp``)."""
+    size, index = world, rank
+    if "tp" in key:
+        size, index = size * tp, index * tp + tp_rank
     if "ep" in key:
         size, index = size // ep, index // ep
-    if "tp" in key:
-        index = index * tp + tp_rank
     return size, index
 
 
@@ -134,31 +135,31 @@ def bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, buck
     return total
 
 
-def fsdp_padded_numel(p: Param, world: int, ep: int = 1) -> int:
+def fsdp_padded_numel(p: Param, world: int, ep: int = 1, tp: int = 1) -> int:
     """Elements of ``p`` in FSDP2's all-gather output: dim 0 padded to a multiple of its group's size
     (:func:`fsdp_group`), or a stacked weight sharded on dim 1, which FSDP2 shards evenly only (no padding)."""
-    group, _ = fsdp_group(p, world, 0, ep)
+    group, _ = fsdp_group(p, world, 0, ep, tp)
     if moe.fsdp_shard_dim(p, group) == 1:
         return p.numel
     return math.ceil(p.rows / group) * group * p.cols
 
 
-def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int) -> int:
-    """Elements of ``p`` rank ``dp_cp_rank`` holds at ZeRO 2/3 (FSDP2's ``torch.chunk`` of dim 0 over its group,
-    :func:`fsdp_group`; a stacked weight sharded on dim 1: ``rows · (dim1 / G) · dim 2``, even)."""
-    group, rank = fsdp_group(p, world, dp_cp_rank, ep)
+def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int = 1, tp_rank: int = 0) -> int:
+    """Elements of ``p`` rank ``dp_cp_rank`` (tp rank ``tp_rank``) holds at ZeRO 2/3 (FSDP2's ``torch.chunk`` of dim
+    0 over its group, :func:`fsdp_group`; a stacked weight sharded on dim 1: ``rows · (dim1 / G) · dim 2``, even)."""
+    group, rank = fsdp_group(p, world, dp_cp_rank, ep, tp, tp_rank)
     if moe.fsdp_shard_dim(p, group) == 1:
         return p.rows * chunk(p.dim1, group, rank) * (p.cols // p.dim1)
     return chunk(p.rows, group, rank) * p.cols
 
 
-def fsdp_group(p: Param, world: int, dp_cp_rank: int, ep: int) -> tuple[int, int]:
-    """``(size, rank)`` of the group FSDP2 shards ``p`` over at ZeRO 2/3: a parameter split over ep (group ``"ep"``)
-    over the ``dp·cp/ep`` ranks of its data-parallel group (this rank ``dp_cp_rank // ep``:
-    ``ParallelConfig.ep_coordinates``, ``parallel/fsdp.py``'s ``apply_fsdp``), every other tensor over ``dp_cp``."""
-    if "ep" in p.group and ep > 1:
-        return world // ep, dp_cp_rank // ep
-    return world, dp_cp_rank
+def fsdp_group(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int = 1, tp_rank: int = 0) -> tuple[int, int]:
+    """``(size, rank)`` of the group FSDP2 shards ``p`` over at ZeRO 2/3: the group its gradients are reduced over
+    (:func:`reduction_group`, ``parallel/fsdp.py``'s ``apply_fsdp``): an MoE layer's parameters under tp (group
+    ``"tp"``) over ``dp_cp_tp``, a parameter split over ep (``"ep"``) over the expert data-parallel group ``edp``
+    (``dp·cp·tp/ep`` ranks under tp, else ``dp·cp/ep``: ``ParallelConfig.ep_coordinates``), every other tensor over
+    ``dp_cp``."""
+    return reduction_group(_group_key(p, tp, ep), world, dp_cp_rank, tp, tp_rank, ep)
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def model_state_bytes(
     _, first, last = rank_layout(model_config.num_layers, pc, pp_rank)
     weighted = weighted_params(model_config, pc.tp, layers, first, last, pc.ep)
     if pc.zero_stage >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor (maybe dim 1: fsdp_group)
-        n = sum(count * fsdp_shard_numel(p, pc.dp_cp, dp_cp_rank, pc.ep) for p, count in weighted)
+        n = sum(count * fsdp_shard_numel(p, pc.dp_cp, dp_cp_rank, pc.ep, pc.tp, tp_rank) for p, count in weighted)
         if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
             return ModelStates(4 * n, 4 * n, 8 * n)
         return ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param)

@@ -635,9 +635,10 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
     layouts ``FourDStrategy`` runs.
 
     Raises:
-        ValueError: ``expert_parallel_size`` > 1 with PowerSGD, or not dividing dp·cp (ep ranks are carved out of
-            the data-parallel ranks); with ``model_config``: ep > 1 for a dense model, an ep that does not divide
-            ``num_experts``, an MoE model with tp > 1 at ZeRO 2/3 or with PowerSGD.
+        ValueError: ``expert_parallel_size`` > 1 with PowerSGD, or not dividing dp·cp·tp (ep ranks are carved out
+            of the ranks that hold disjoint tokens of an MoE layer: the data-parallel ranks and, folded, the tp ranks,
+            ``docs/moe.md``); with ``model_config``: ep > 1 for a dense model, an ep that does not divide
+            ``num_experts``, an MoE model with tp > 1 and PowerSGD.
     """
     ep, tp = layout.expert_parallel_size, layout.tp
     if model_config is None:
@@ -646,11 +647,11 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
                 f"gradient_compression='powersgd' is not supported with expert_parallel_size="
                 f"{ep}: use gradient_compression='none' or 'bf16' with expert parallelism."
             )
-        if resolved and layout.dp_cp % ep != 0:
+        if resolved and (layout.dp_cp * tp) % ep != 0:
             raise ValueError(
-                f"expert_parallel_size={ep} does not divide dp*cp = {layout.dp}*{layout.cp} = {layout.dp_cp}: ep "
-                f"ranks are carved out of the data-parallel ranks; valid expert_parallel_size values for this layout: "
-                f"{_divisors(layout.dp_cp)}."
+                f"expert_parallel_size={ep} does not divide dp*cp*tp = {layout.dp}*{layout.cp}*{tp} = "
+                f"{layout.dp_cp * tp}: ep ranks are carved out of the data-parallel ranks and, folded, the tp ranks; "
+                f"valid expert_parallel_size values for this layout: {_divisors(layout.dp_cp * tp)}."
             )
         return
     moe = getattr(model_config, "is_moe", False)
@@ -664,13 +665,6 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
             f"expert_parallel_size={ep} does not divide num_experts={model_config.num_experts} (each ep rank holds "
             f"num_experts/ep whole experts); valid expert_parallel_size values for this model: "
             f"{_divisors(model_config.num_experts)}."
-        )
-    if moe and tp > 1 and layout.zero_stage >= 2:
-        raise ValueError(
-            f"zero_stage={layout.zero_stage} is not supported for a Mixture-of-Experts model with "
-            f"tensor_parallel_size={tp}: its MoE layers run token parallel over tp and their gradients are "
-            "summed over dp*cp*tp by ZeRO 0/1's gradient buckets, which FSDP2 (ZeRO 2/3, over dp*cp) does "
-            f"not do. Use zero_stage=0 or 1 with tp, or tensor_parallel_size=1 with ZeRO 2/3 (docs/moe.md)."
         )
     if moe and tp > 1 and layout.gradient_compression == "powersgd":
         raise ValueError(

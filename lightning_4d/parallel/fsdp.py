@@ -55,6 +55,7 @@ def apply_fsdp(
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     expert_mesh: Optional[DeviceMesh] = None,
+    token_mesh: Optional[DeviceMesh] = None,
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
 
@@ -67,8 +68,15 @@ def apply_fsdp(
     (:mod:`lightning_4d.parallel.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
     dense parameters.
 
+    Under tensor parallelism with MoE layers (``token_mesh``: the 1D ``dp_cp_tp`` mesh) every module run token
+    parallel (an MoE layer, :class:`~lightning_4d.parallel.tensor.TokenParallel`: its router, shared experts and,
+    without ep, its experts, replicated over tp, each tp rank's gradient its own tokens') becomes a unit of its own
+    next, over ``dp_cp_tp``: its reduce-scatter sums the tp ranks' partial gradients and averages over dp·cp (divided
+    by D, :func:`lightning_4d.parallel.moe.shard_token_units`), and its states are sharded over dp·cp·tp ranks.
+
     Stacked expert weights (:func:`~lightning_4d.parallel.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
-    under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``) are sharded on dim 1
+    under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``, or under tp in their MoE
+    layer's unit over ``dp_cp_tp``) are sharded on dim 1
     (FSDP2's ``shard_placement_fn`` returning ``Shard(1)``) when their group's size does not divide ``E_local`` and
     divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for ``dp_shard·ep >
     num_experts``): each rank holds ``d1/G`` rows of every local expert instead of ``ceil(E_local/G)`` padded whole
@@ -80,6 +88,7 @@ def apply_fsdp(
         zero_stage: 2 (``reshard_after_forward=False``) or 3 (``True``).
         blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
         expert_mesh: the ``edp`` mesh under expert parallelism (see above), else ``None``.
+        token_mesh: the ``dp_cp_tp`` mesh of a model with MoE layers under tp (see above), else ``None``.
         reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
             schedules pass ``False`` for stage 3 (see ``parallelize_model``).
         param_dtype: mixed precision (``bf16-mixed``): FSDP2's ``MixedPrecisionPolicy(param_dtype=param_dtype,
@@ -113,6 +122,10 @@ def apply_fsdp(
         fn = _shard_placement(model, experts, expert_mesh)
         options = {**kw, "mesh": expert_mesh, **({"shard_placement_fn": fn} if fn else {})}
         moe.shard_expert_units(model, options, dp_cp_mesh.size())
+    if token_mesh is not None:  # then the MoE layers run token parallel under tp, over dp_cp_tp (docstring)
+        fn = _shard_placement(model, experts, token_mesh)
+        options = {**kw, "mesh": token_mesh, **({"shard_placement_fn": fn} if fn else {})}
+        moe.shard_token_units(model, options, dp_cp_mesh.size())
     fn = _shard_placement(model, experts, dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
     if fn:
         kw["shard_placement_fn"] = fn
@@ -159,7 +172,7 @@ def _shard_placement(
 
 
 def reduced_by_fsdp(p: Tensor) -> bool:
-    """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``, or for expert weights over ``edp``) already averages this parameter's
-    gradient."""
+    """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``, for expert weights over ``edp``, for the MoE layers under tp over
+    ``dp_cp_tp``) already averages this parameter's gradient."""
     names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-    return "dp_cp" in names or "edp" in names
+    return any(name in names for name in ("dp_cp", "edp", "dp_cp_tp"))

@@ -3,20 +3,21 @@
 The model's MoE layer is :mod:`lightning_4d.models.moe` (router, stacked experts, load-balancing loss); expert
 parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.expert`. This module holds the rest:
 
-- **meshes** (:func:`carve_meshes`, called by :func:`lightning_4d.mesh.build_mesh`). Expert parallelism (ep > 1) adds
-  no dimension to the world mesh: ``dp_cp`` (size D) is unflattened into ``("edp", "ep")`` of sizes ``(D/ep, ep)``,
-  ep innermost, so an ep group is ``ep`` consecutive ranks of the flattened ``dp_cp`` mesh (``dp_cp`` index i: ep
-  rank ``i % ep``, expert data-parallel rank ``i // ep``; with cp = 1 and tp = pp = 1, consecutive global ranks: the
-  all-to-all stays within a node when ep divides the GPUs per node), and the expert data-parallel group ``edp`` is
-  the D/ep ranks holding the same experts (torchtitan's ``ep`` / ``dp_shard_mod_ep``, Megatron-core's
-  expert-data-parallel group). MoE layers under tensor parallelism (tp > 1) run token parallel: each tp rank runs the
-  whole MoE layer on its own ``1/t`` of the sequence (expert tensor parallelism 1, ``docs/moe.md``), so the
-  ``dp_cp x tp`` ranks hold disjoint tokens of it. The flattened ``("dp", "cp", "tp")`` mesh, ``dp_cp_tp``, is their
-  group (routing counts, and the gradients of the MoE layers' non-expert parameters, summed over it). With ep > 1 it
-  is unflattened into ``("edp", "ep", "etp")`` of sizes ``(D/ep, ep, t)``: the ep groups are the same as without tp
-  (``ep`` consecutive ``dp_cp`` ranks at one tp coordinate), and ``edp_tp`` (``edp`` x ``etp`` flattened, ``D·t/ep``
-  ranks) is the group that holds the same experts (Megatron-core's expert-data-parallel group with expert tensor
-  parallelism 1, "MoE parallel folding", which also spans the attention's tp ranks).
+- **meshes** (:func:`carve_meshes`, called by :func:`lightning_4d.mesh.build_mesh`). MoE layers under tensor
+  parallelism (tp > 1) run token parallel: each tp rank runs the whole MoE layer on its own ``1/t`` of the sequence
+  (expert tensor parallelism 1, ``docs/moe.md``), so the ``dp_cp x tp`` ranks hold disjoint tokens of it. The
+  flattened ``("dp", "cp", "tp")`` mesh, ``dp_cp_tp`` (tp innermost), is their group (routing counts, and the
+  gradients of the MoE layers' non-expert parameters, summed over it); without tp the group is ``dp_cp``. Expert
+  parallelism (ep > 1) adds no dimension to the world mesh: that token group (size ``D·t``, D = dp·cp) is
+  unflattened into ``("edp", "ep")`` of sizes ``(D·t/ep, ep)``, ep innermost, so an ep group is ``ep`` consecutive
+  ranks of it (index i: ep rank ``i % ep``, expert data-parallel rank ``i // ep``,
+  ``ParallelConfig.ep_coordinates``), and the expert data-parallel group ``edp`` is the ``D·t/ep`` ranks holding the
+  same experts (torchtitan's ``ep`` / ``dp_shard_mod_ep``, Megatron-core's expert-data-parallel group). Under tp the
+  tp ranks are the innermost ep ranks: ep is *folded* over tp first (Megatron-core's "MoE parallel folding", Liu et
+  al. 2025, arXiv 2504.14960, whose expert grid ``ETP x EP x EDP x PP`` with ETP = 1 puts EP on attention's tp ranks
+  first), then over cp and dp; ep need only divide ``D·t``. Within a pipeline stage the token group's ranks are
+  consecutive global ranks (``mesh.py``: pp outermost, tp innermost), so an ep group is ``ep`` consecutive global
+  ranks: within a node when ep divides the GPUs per node.
 - **gradient groups** (:func:`gradient_groups`): the parameters whose gradients are not reduced over ``dp_cp`` alone,
   declared to the ZeRO 0/1 buckets as :class:`~lightning_4d.parallel.grad_buffers.GradientGroup`: the experts over
   the ranks holding the same experts, the MoE layers' other parameters under tp (run token parallel) over
@@ -50,15 +51,12 @@ from lightning_4d.parallel.tensor import token_parallel_parameters
 
 def carve_meshes(mesh: Any, config: Any) -> None:
     """Carve the MoE groups (module docstring) out of ``mesh`` (a :class:`~lightning_4d.mesh.ParallelMesh`) for the
-    resolved layout ``config``: ``dp_cp_tp`` under tp; ``ep`` and ``edp`` under ep, and ``edp_tp`` with both.
-    Collective (every rank calls it)."""
+    resolved layout ``config``: ``dp_cp_tp`` under tp; ``ep`` and ``edp`` under ep (blocks of ``ep`` consecutive
+    ranks of ``dp_cp_tp`` under tp, folded over tp first; of ``dp_cp`` without). Collective (every rank calls it)."""
     if config.tp > 1:
         mesh.flatten(("dp", "cp", "tp"), "dp_cp_tp")
-        if config.ep > 1:
-            experts = mesh.unflatten("dp_cp_tp", (config.expert_dp, config.ep, config.tp), ("edp", "ep", "etp"))
-            mesh.flatten(("edp", "etp"), "edp_tp", source=experts)
-    elif config.ep > 1:
-        mesh.unflatten("dp_cp", (config.expert_dp, config.ep), ("edp", "ep"))
+    if config.ep > 1:
+        mesh.unflatten("dp_cp_tp" if config.tp > 1 else "dp_cp", (config.expert_dp, config.ep), ("edp", "ep"))
 
 
 def token_mesh(mesh: Any) -> Any:
@@ -68,10 +66,9 @@ def token_mesh(mesh: Any) -> Any:
 
 
 def expert_replicas(mesh: Any) -> Any:
-    """The ranks holding the same experts under expert parallelism (``edp_tp`` under tp, else ``edp``), over which
-    the experts' gradients are reduced; ``None`` without ep."""
-    replicas = mesh.get("edp_tp")
-    return mesh.get("edp") if replicas is None else replicas
+    """The ranks holding the same experts under expert parallelism (``edp``: ``dp·cp·tp/ep`` ranks), over which the
+    experts' gradients are reduced; ``None`` without ep."""
+    return mesh.get("edp")
 
 
 #: the MoE dimensions whose groups carry all-to-all traffic (the experts' token dispatch and combine), for
@@ -115,17 +112,23 @@ def apply(family: Any, model: nn.Module, mesh: Any, config: Any) -> None:
 
 
 def fsdp_options(mesh: Any) -> dict[str, Any]:
-    """The keyword arguments of :func:`~lightning_4d.parallel.fsdp.apply_fsdp` for the experts: their own units over
-    ``edp`` under ep (``None`` without)."""
-    return {"expert_mesh": mesh.get("edp")}
+    """The keyword arguments of :func:`~lightning_4d.parallel.fsdp.apply_fsdp` for the MoE layers: the experts' own
+    units over ``edp`` under ep, the token-parallel MoE layers' over ``dp_cp_tp`` under tp (``None`` without)."""
+    return {"expert_mesh": mesh.get("edp"), "token_mesh": mesh.get("dp_cp_tp")}
 
 
 def on_own_mesh(params: list[Tensor]) -> bool:
     """Whether any of ``params`` is an expert weight on the ep mesh
-    (:func:`~lightning_4d.parallel.expert.is_expert_parameter`): under ZeRO 2/3 with ep its gradient is a DTensor on
-    the ``(edp, ep)`` mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the
-    precision plugin then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
-    return any(is_expert_parameter(p) for p in params)
+    (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) or an MoE layer's parameter sharded over ``dp_cp_tp``
+    (ZeRO 2/3 under tp, :func:`shard_token_units`): its gradient is a DTensor on the ``(edp, ep)`` or ``dp_cp_tp``
+    mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the precision plugin
+    then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
+    from torch.distributed.tensor import DTensor
+
+    def token_sharded(p: Tensor) -> bool:
+        return isinstance(p, DTensor) and "dp_cp_tp" in (p.device_mesh.mesh_dim_names or ())
+
+    return any(is_expert_parameter(p) or token_sharded(p) for p in params)
 
 
 def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
@@ -133,7 +136,7 @@ def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
     :func:`lightning_4d.parallel.sharded_optimizer.setup_zero`:
 
     1. under expert parallelism the expert weights (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) over
-       the ranks holding the same experts (``edp``, or ``edp_tp`` under tp: the experts run token parallel), always
+       the ranks holding the same experts (``edp``; under tp its ranks span tp: the experts run token parallel), always
        (every optimizer then gets a ``ShardedOptimizer``, whose global-norm clipping counts each expert once);
     2. under tp the other parameters of modules run token parallel
        (:func:`~lightning_4d.parallel.tensor.token_parallel_parameters`) over ``dp_cp_tp``, when ``model`` has any:
@@ -221,11 +224,29 @@ def shard_expert_units(model: nn.Module, options: dict[str, Any], dp_cp_size: in
         average_expert_gradients(fully_shard(m, **options), options["mesh"].size(), dp_cp_size)
 
 
+def shard_token_units(model: nn.Module, options: dict[str, Any], dp_cp_size: int) -> None:
+    """ZeRO 2/3 of the MoE layers under tp (:func:`lightning_4d.parallel.fsdp.apply_fsdp`, after the expert units
+    and before its dense units): every module of ``model`` run token parallel (``token_parallel``, a
+    :class:`~lightning_4d.parallel.tensor.TokenParallel`) becomes an FSDP2 unit with ``fully_shard`` ``options``
+    (over the ``dp_cp_tp`` mesh; the expert weights already in units of their own under ep stay there). Each tp rank's
+    gradient of these parameters is its own tokens' part, so the reduce-scatter over ``dp_cp_tp`` sums over tp and
+    dp·cp and the unit divides by D = ``dp_cp_size`` (:func:`average_expert_gradients`): the sum over tp of the mean
+    over dp·cp, as ZeRO 0/1's ``dp_cp_tp`` buckets (:func:`gradient_groups`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_4d.parallel.tensor import TokenParallel
+
+    holders = [m for m in model.modules() if isinstance(getattr(m, "token_parallel", None), TokenParallel)]
+    for m in holders:
+        average_expert_gradients(fully_shard(m, **options), options["mesh"].size(), dp_cp_size)
+
+
 def average_expert_gradients(unit: Any, group_size: int, dp_cp_size: int) -> None:
     """Make the FSDP2 unit ``unit`` (a module holding expert weights, sharded over the ``group_size`` ranks of
-    ``edp`` = dp·cp/ep) leave its gradients divided by D = ``dp_cp_size`` (the mean of the D per-rank losses'
-    gradients; the ep all-to-all's backward has already summed the ep group's contributions), on every torch the
-    package accepts.
+    ``edp`` = dp·cp·tp/ep; or an MoE layer under tp over ``dp_cp_tp``, :func:`shard_token_units`) leave its gradients
+    divided by D = ``dp_cp_size`` (the mean of the D per-rank losses' gradients; the ep all-to-all's backward has
+    already summed the ep group's contributions, the reduction sums the tp ranks'), on every torch the package
+    accepts.
 
     - ``group_size > 1``: a divide factor (D) other than the group's size makes FSDP2 reduce-scatter with
       ``ReduceOp.PREMUL_SUM``, which gloo refuses (measured, torch 2.13): a forced sum, then a division by D
