@@ -109,6 +109,7 @@ OFFLOAD = (
 TIED = "tests/test_tied_pipeline.py::"
 HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
 COMPILE = "tests/test_compile.py::test_compiled_layout_matches_one_process"
+FLOAT8 = "tests/test_float8.py::"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
 #: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
@@ -510,6 +511,35 @@ ROWS: list[Row] = [
         "torch.compile per layer, MoE dp2 ep2 (the MoE feed-forward eager)",
         {"model": "tiny-moe", "dp": 2, "ep": 2, "compile": True},
         cpu_tests=(COMPILE,),
+    ),
+    # ---------------------------------------------------------------- float8 (torchao)
+    Row(
+        "float8-tensorwise",
+        "float8 linears (torchao, tensorwise scaling), bf16-mixed",
+        {"float8": "tensorwise"},
+        cpu_tests=(FLOAT8 + "test_float8_recipes_track_bf16_on_one_process",),
+    ),
+    Row(
+        "float8-rowwise",
+        "float8 linears (torchao, rowwise scaling), bf16-mixed",
+        {"float8": "rowwise"},
+        cpu_tests=(FLOAT8 + "test_float8_recipes_track_bf16_on_one_process",),
+    ),
+    Row(
+        "float8-z3-compile",
+        "float8 tensorwise, dp2 ZeRO 3 (weights all-gathered in float8), torch.compile per layer",
+        {"dp": 2, "zero_stage": 3, "float8": "tensorwise", "compile": True},
+        cpu_tests=(FLOAT8 + "test_float8_all_gather_under_zero3_with_compile",),
+    ),
+    Row(
+        "float8-tp2",
+        "float8 under tp",
+        {"tp": 2, "float8": "tensorwise"},
+        refused=(
+            "float8='tensorwise' is not supported with tensor_parallel_size=2 yet (the tp projections multiply the "
+            "weights outside torchao's Float8Linear): use float8=None with tp, or tensor_parallel_size=1 (dp/ZeRO "
+            "0-3, pp, cp)."
+        ),
     ),
     # ---------------------------------------------------------------- Mixture-of-Experts (tiny-moe)
     Row(
