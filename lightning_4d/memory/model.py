@@ -456,6 +456,10 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         # loss' working set: measured on CPU, tiny-moe dp2 ep2 ZeRO 1 s=512 bf16-mixed, the peak at backward start
         # was the estimate's without these buffers, 0.7% apart)
         phases["expert-parallel backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.all_to_all
+    if buf.float8_backward:
+        # float8: a converted linear's backward (its float8 copies and scale arithmetic) once the loss' backward has
+        # freed what it saved but the labels (memory/float8.py)
+        phases["float8 backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.float8_backward
     if buf.forward_gradients:
         # the loss' forward at ZeRO 2/3 without pp: every saved tensor but a recomputed layer's, the loss' chunk, the
         # previous step's gradient shards (freed by zero_grad only after the forward)
