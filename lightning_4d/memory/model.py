@@ -91,6 +91,8 @@ first one), and the estimate is the largest:
 - expert-parallel backward (ep > 1): the activations less what the loss' backward freed, + one MoE layer's
   all-to-all receive buffers at the stated load (:func:`lightning_4d.memory.moe.all_to_all_buffers`), as the
   recompute phase;
+- float8 backward (``float8``): the same, + the largest converted linear's float8 backward transient
+  (:func:`lightning_4d.memory.float8.float8_backward_transient`; the saved activations do not change);
 - head backward (the last stage under tp with sp; :func:`~lightning_4d.memory.tensor_parallel.head_backward_transient`):
   the activations (without a layer's recomputed set: none is being recomputed yet) less what the loss' backward freed
   (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of
@@ -253,7 +255,7 @@ class MemoryEstimate:
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
         peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"``,
-            ``"expert-parallel backward"`` or ``"initialization"``.
+            ``"expert-parallel backward"``, ``"float8 backward"`` or ``"initialization"``.
         pp_rank: the pp rank this is for (it holds the pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
