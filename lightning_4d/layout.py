@@ -277,7 +277,7 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         None,
         "float8",
         "float8 matmuls in the decoder layers' dense linears through torchao: tensorwise or rowwise scaling "
-        "(default: off; the extra lightning-4d[float8]; docs/performance.md)",
+        "(default: off; the extra lightning-4d[float8]; docs/parallelism.md)",
         choices=FLOAT8_RECIPES,
         flags=("--float8",),
     ),

@@ -3,8 +3,8 @@
 torch 2.13's ``torch._scaled_mm`` runs on CPU, so the tests run torchao's real float8 path (no emulation): tiny-test,
 20 AdamW steps, ``bf16-mixed``, against plain Lightning's bf16-mixed run of the same model (no FourDStrategy, no
 float8). One process trains the two recipes and FourDStrategy without float8 (the check that float8 changed the
-numbers); one dp2 launch trains ZeRO 3 with ``"tensorwise"`` (FSDP2 all-gathers the converted weights in float8,
-the scales precomputed after each step) and ``compile=True``.
+numbers); one launch of two processes trains dp2 ZeRO 3 with ``"tensorwise"`` (FSDP2 all-gathers the converted
+weights in float8, the scales precomputed after each step) and ``compile=True``, then pp2 and cp2.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tests._launch import SCRIPTS, torchrun
 STEPS = 20
 #: Measured 2026-11-27 (torch 2.13 CPU, torchao 0.18, `pytest -s tests/test_float8.py`): the largest loss relative
 #: difference from plain Lightning's bf16-mixed run over 20 steps is 4.6e-4 (tensorwise), 5.5e-4 (rowwise), 2.8e-4
-#: (dp2 ZeRO 3 tensorwise compiled); FourDStrategy's own bf16-mixed run without float8 differs by 4.2e-4 (bf16
-#: rounding in another order). The bound is 3x the largest.
+#: (dp2 ZeRO 3 tensorwise compiled), 4.5e-4 (pp2 tensorwise), 4.9e-4 (cp2 rowwise); FourDStrategy's own bf16-mixed
+#: run without float8 differs by 4.2e-4 (bf16 rounding in another order). The bound is 3x the largest.
 LOSS_RTOL = 1.5e-3
 #: the linears converted in tiny-test: 7 per decoder layer (wq, wk, wv, wo, w1, w3, w2), 2 layers
 CONVERTED = 7 * 2
@@ -31,7 +31,12 @@ SINGLE = [
     {"precision": "bf16-mixed", "float8": "tensorwise"},
     {"precision": "bf16-mixed", "float8": "rowwise"},
 ]
-DP2 = [{"dp": 2, "zero": 3, "precision": "bf16-mixed", "float8": "tensorwise", "compile": True}]
+#: two processes: dp2 ZeRO 3 (float8 all-gather) compiled, pp2 (each stage converts its own layer), cp2 (ring)
+TWO = [
+    {"dp": 2, "zero": 3, "precision": "bf16-mixed", "float8": "tensorwise", "compile": True},
+    {"pp": 2, "m": 2, "precision": "bf16-mixed", "float8": "tensorwise"},
+    {"cp": 2, "precision": "bf16-mixed", "float8": "rowwise"},
+]
 
 
 def _max_rel(losses: list[float], reference: list[float]) -> float:
@@ -44,10 +49,10 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("float8")
     common = ["--model", "tiny-test", "--steps", str(STEPS)]
     torchrun(1, SCRIPTS / "run_layouts.py", "--out", str(out / "one"), *common, "--layouts", json.dumps(SINGLE))
-    torchrun(2, SCRIPTS / "run_layouts.py", "--out", str(out / "dp2"), *common, "--layouts", json.dumps(DP2))
+    torchrun(2, SCRIPTS / "run_layouts.py", "--out", str(out / "two"), *common, "--layouts", json.dumps(TWO))
     single = [json.loads((out / "one" / f"layout{i}_rank0.json").read_text()) for i in range(len(SINGLE))]
-    dp2 = [json.loads((out / "dp2" / f"layout0_rank{r}.json").read_text()) for r in range(2)]
-    return single, dp2
+    two = [[json.loads((out / "two" / f"layout{i}_rank{r}.json").read_text()) for r in range(2)] for i in range(3)]
+    return single, two
 
 
 def test_float8_recipes_track_bf16_on_one_process(runs):
@@ -64,7 +69,7 @@ def test_float8_recipes_track_bf16_on_one_process(runs):
 
 
 def test_float8_all_gather_under_zero3_with_compile(runs):
-    (reference, *_), ranks = runs
+    (reference, *_), (ranks, _, _) = runs
     rel = _max_rel(ranks[0]["losses"], reference["losses"])
     print(f"\ndp2 ZeRO 3 tensorwise compiled: loss rel diff {rel:.2e}")
     assert rel < LOSS_RTOL
@@ -73,6 +78,16 @@ def test_float8_all_gather_under_zero3_with_compile(runs):
         assert r["bytes"]["float8_linears"] == CONVERTED
         assert r["bytes"]["float8_gathered"] == CONVERTED  # FSDP2 all-gathers them in float8
         assert r["bytes"]["compiled_graphs"] > 0
+
+
+def test_float8_under_pipeline_and_context_parallelism(runs):
+    (reference, *_), (_, pp2, cp2) = runs
+    for name, ranks, converted in (("pp2", pp2, CONVERTED // 2), ("cp2", cp2, CONVERTED)):
+        rel = _max_rel(ranks[0]["losses"], reference["losses"])
+        print(f"\n{name}: loss rel diff {rel:.2e}")
+        assert rel < LOSS_RTOL
+        assert ranks[0]["losses"] == ranks[1]["losses"]
+        assert [r["bytes"]["float8_linears"] for r in ranks] == [converted, converted]  # pp: a layer per stage
 
 
 # ------------------------------------------------------------------------------------------------ refusals
