@@ -189,7 +189,7 @@ class ParallelConfig:
             ``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing.
         float8: ``None`` (default) or a torchao float8 training recipe, ``"tensorwise"`` or ``"rowwise"``: the dense
             linears of every decoder layer compute their three matmuls in float8 (``lightning_4d/parallel/float8.py``).
-            Not with tp > 1 yet.
+            Not with tp > 1 nor for a Mixture-of-Experts model yet.
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -671,14 +671,19 @@ class ParallelConfig:
     def _check_float8_dims(self, model_config: "LlamaConfig") -> None:
         """Every dimension of the linears ``float8`` converts divisible by 16 (``torch._scaled_mm``'s requirement;
         torchao's ``_auto_filter_for_recipe`` skips such layers, torchtitan refuses them): the hidden size, the query
-        and kv projections' ``heads * head_dim`` and, with a dense layer, the FFN size."""
+        and kv projections' ``heads * head_dim`` and the FFN size; and a dense model (Mixture-of-Experts: not yet)."""
+        if model_config.num_experts > 0:
+            raise ValueError(
+                f"float8={self.float8!r} is not supported for a Mixture-of-Experts model (num_experts="
+                f"{model_config.num_experts}) yet: its expert matmuls are not linears torchao converts. Use "
+                "float8=None."
+            )
         dims = {
             "hidden_size": model_config.hidden_size,
             "num_heads*head_dim": model_config.num_heads * model_config.head_dim,
             "num_kv_heads*head_dim": model_config.num_kv_heads * model_config.head_dim,
+            "intermediate_size": model_config.intermediate_size,
         }
-        if any(not model_config.is_moe_layer(i) for i in range(model_config.num_layers)):
-            dims["intermediate_size"] = model_config.intermediate_size
         bad = {name: value for name, value in dims.items() if value % 16}
         if bad:
             raise ValueError(

@@ -125,9 +125,10 @@ class FourDStrategy(ModelParallelStrategy):
         pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
             activations and gradients sent between pipeline stages.
         float8: ``None`` (default) or ``"tensorwise"`` / ``"rowwise"``: torchao's float8 training (the extra
-            ``lightning-4d[float8]``) for the dense linears of every decoder layer (attention projections, SwiGLU;
-            not the LM head, the embedding nor a Mixture-of-Experts layer), before compile and FSDP2; at ZeRO 2/3
-            ``"tensorwise"`` all-gathers those weights in float8. Not with tp > 1 yet; ``docs/parallelism.md``.
+            ``lightning-4d[float8]``) for the linears of every decoder layer of a ``lightning_4d`` Llama
+            (attention projections, SwiGLU; not the LM head nor the embedding), before compile and FSDP2; at ZeRO
+            2/3 ``"tensorwise"`` all-gathers those weights in float8. Not with tp > 1, Mixture-of-Experts models nor
+            the transformers families yet; ``docs/parallelism.md``.
         compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, pp, cp, ep,
             full activation checkpointing and offload, our Llama and the transformers families; not yet with tp > 1
             nor selective checkpointing;
@@ -160,8 +161,8 @@ class FourDStrategy(ModelParallelStrategy):
         NotImplementedError: compile=True with tensor_parallel_size > 1.
         ValueError: compile=True with activation_checkpointing='selective'.
         ValueError: ``float8`` without torchao >= 0.18 installed, with tp > 1, or (at ``setup_environment``) for a
-            model whose linears have a dimension not divisible by 16, or a precision other than ``32-true`` /
-            ``bf16-mixed`` / ``bf16-true``.
+            model whose linears have a dimension not divisible by 16, a Mixture-of-Experts model, a module holding no
+            ``lightning_4d`` Llama, or a precision other than ``32-true`` / ``bf16-mixed`` / ``bf16-true``.
     """
 
     strategy_name = "fourd"

@@ -540,6 +540,25 @@ ROWS: list[Row] = [
         )
     ),
     Row(
+        "float8-moe",
+        "float8 with a Mixture-of-Experts model",
+        {"model": "tiny-moe", "float8": "tensorwise"},
+        refused=(
+            "float8='tensorwise' is not supported for a Mixture-of-Experts model (num_experts=8) yet: its expert "
+            "matmuls are not linears torchao converts. Use float8=None."
+        ),
+    ),
+    Row(
+        "float8-hf-llama",
+        "float8 with transformers' LlamaForCausalLM",
+        {"float8": "tensorwise"},
+        family="hf-llama",
+        refused=(
+            "float8='tensorwise' is not supported for a transformers LlamaForCausalLM yet (tested with lightning_4d "
+            "Llama models only): use float8=None."
+        ),
+    ),
+    Row(
         "float8-tp2",
         "float8 under tp",
         {"tp": 2, "float8": "tensorwise"},

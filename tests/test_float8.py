@@ -163,3 +163,21 @@ def test_float8_step_time_reproduces_the_published_gains():
         predict_step_time(moe, ParallelConfig(data_parallel_size=1, float8="tensorwise"), 1, 1, 64, gpu, 8).total
         == plain
     )
+
+
+def test_float8_refuses_a_module_without_our_llama():
+    """A LightningModule holding no lightning_4d Llama (and no model config): nothing to convert, refused before any
+    process group (a Mixture-of-Experts model and a transformers Llama: the support matrix's float8-moe and
+    float8-hf-llama rows)."""
+    import lightning as L
+    import torch
+
+    from lightning_4d.parallel.parallelize import validate_against_module
+
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(16, 16)
+
+    with pytest.raises(ValueError, match="float8='rowwise' converts the decoder layers .* Plain holds none"):
+        validate_against_module(ParallelConfig(data_parallel_size=1, float8="rowwise"), Plain())

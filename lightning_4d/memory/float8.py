@@ -44,12 +44,10 @@ FLOAT8_BACKWARD_BYTES_PER_ELEMENT = 12.25
 
 def float8_backward_transient(cfg: Any, pc: ParallelConfig, b: int, s: int) -> int:
     """Bytes of the largest converted linear's float8 backward transient (module docstring): ``12.25·T·max(in,
-    out)`` with ``T = b·s/cp`` tokens and (in, out) each dense linear's of the decoder layer (``h`` to ``a·d``,
-    ``k·d``, ``f``, and back); 0 without ``float8``. The feed-forward's ``f`` counts only when a layer is dense."""
+    out)`` with ``T = b·s/cp`` tokens and (in, out) each linear's of the decoder layer (``h`` to ``a·d``, ``k·d``,
+    ``f``, and back); 0 without ``float8`` (a dense model: float8 refuses Mixture-of-Experts models)."""
     if pc.float8 is None:
         return 0
-    dims = [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
-        dims.append(cfg.intermediate_size)
+    dims = [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size]
     tokens = b * (s // pc.cp)
     return int(FLOAT8_BACKWARD_BYTES_PER_ELEMENT * tokens * max(dims))

@@ -573,8 +573,8 @@ def _with_float8(
 ) -> StepTime:
     """``step`` with the decoder layers' matmuls at :data:`~lightning_4d.memory.float8.FLOAT8_MATMUL_SPEEDUP` times
     their rate (``pc.float8``, not enumerated by the planner): the slowest pp rank's layers, forward + backward and
-    full checkpointing's recomputed forward; the bubble is not rescaled. A Mixture-of-Experts model is left as it is
-    (its expert matmuls stay bf16; the attention projections' share is not modelled yet)."""
+    full checkpointing's recomputed forward; the bubble is not rescaled. A Mixture-of-Experts model (which float8
+    refuses) is left as it is."""
     dims = model_dims(cfg)
     if dims[7]:
         return step

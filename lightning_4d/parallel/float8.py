@@ -2,18 +2,16 @@
 (``torchao.float8``, the extra ``lightning-4d[float8]``; torchtitan's ``components/quantization/float8.py`` does the
 same for its Llama).
 
-What is converted: every ``nn.Linear`` of the decoder layers (the family's ``pipeline_layout(model).layers``) outside
-a Mixture-of-Experts feed-forward: the attention projections ``wq``/``wk``/``wv``/``wo`` and the SwiGLU ``w1``/``w3``/
-``w2`` (transformers' ``q_proj`` ... ``down_proj``). Each forward casts its input and weight to float8 e4m3 and
-multiplies them with ``torch._scaled_mm``; backward casts the output gradient to e5m2 and runs the two gradient
-matmuls in float8 too (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv 2209.05433). Left in the
-compute dtype, as torchtitan leaves them:
-
-- the LM head (torchtitan skips ``output``: the logits feed the loss directly, and under tp our vocabulary-parallel
-  head multiplies its weight outside ``nn.Linear.forward``) and the embedding (a lookup, no matmul);
-- the Mixture-of-Experts feed-forward: its router (``E`` outputs, often not a multiple of 16, and routing decisions
-  flip under float8 rounding), its routed experts (grouped matmuls of stacked weights, not ``nn.Linear``: torchao's
-  MoE float8 training is a separate API) and shared experts (kept with the rest of the MoE layer).
+What is converted: every ``nn.Linear`` of the decoder layers (the family's ``pipeline_layout(model).layers``): the
+attention projections ``wq``/``wk``/``wv``/``wo`` and the SwiGLU ``w1``/``w3``/``w2``. Each forward casts its input
+and weight to float8 e4m3 and multiplies them with ``torch._scaled_mm``; backward casts the output gradient to e5m2
+and runs the two gradient matmuls in float8 too (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv
+2209.05433). Left in the compute dtype, as torchtitan leaves them: the LM head (torchtitan skips ``output``: the
+logits feed the loss directly, and under tp our vocabulary-parallel head multiplies its weight outside
+``nn.Linear.forward``) and the embedding (a lookup, no matmul). Mixture-of-Experts models are refused for now (their
+grouped expert matmuls are not ``nn.Linear``: torchao's MoE float8 training is a separate API; their routers' few
+outputs decide the routing), as are the transformers families (:attr:`ModelFamily.float8
+<lightning_4d.families.base.ModelFamily.float8>`: untested).
 
 Every dimension of a converted linear must be a multiple of 16 (``torch._scaled_mm``): checked for the model config
 before any process group (:meth:`lightning_4d.config.ParallelConfig.validate_model`).
@@ -42,13 +40,10 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.parallel.compile import EAGER_MODULES
 
 #: the lowest torchao this module is tested with (its ``Float8LinearConfig.from_recipe_name``,
 #: ``convert_to_float8_training``, ``precompute_float8_dynamic_scale_for_fsdp``)
 TORCHAO_MINIMUM = (0, 18)
-#: the Mixture-of-Experts feed-forwards, left unconverted (module docstring): the modules compile runs eagerly
-SKIPPED_MODULES = EAGER_MODULES
 #: Lightning precisions float8 trains under (Lightning's ModelParallelStrategy, our base, takes 32-true, bf16-mixed,
 #: bf16-true and 16-true). Measured on torch 2.13 CPU, torchao 0.18, tiny-test b8 s64, 20 AdamW steps, tensorwise,
 #: largest loss difference against plain Lightning's bf16-mixed run: 32-true 6.4e-4, bf16-mixed 4.6e-4, bf16-true
@@ -99,13 +94,8 @@ def float8_config(config: ParallelConfig) -> Any:
 
 def converted_linears(layers: nn.Module) -> list[str]:
     """The names (relative to ``layers``, the decoder layers' container) of the ``nn.Linear`` modules
-    :func:`apply_float8` converts: those outside a Mixture-of-Experts feed-forward (module docstring)."""
-    skipped = [n for n, m in layers.named_modules() if type(m).__name__ in SKIPPED_MODULES]
-    return [
-        name
-        for name, m in layers.named_modules()
-        if isinstance(m, nn.Linear) and not any(name.startswith(s + ".") for s in skipped)
-    ]
+    :func:`apply_float8` converts: every one of them (module docstring)."""
+    return [name for name, m in layers.named_modules() if isinstance(m, nn.Linear)]
 
 
 def apply_float8(layers: nn.Module, config: ParallelConfig) -> int:

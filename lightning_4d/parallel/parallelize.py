@@ -48,7 +48,8 @@ def validate_against_module(
 
     Raises:
         ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
-            :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`.
+            :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`; ``float8`` for a family that does
+            not take it (:attr:`ModelFamily.float8`) or a module that holds no registered model.
     """
     inputs = TrainingInputs.of(module, attached_trainer(module)) if inputs is None else inputs
     model_config = inputs.model_config
@@ -57,6 +58,17 @@ def validate_against_module(
         config.validate_model(model_config)
     for _, family, model in models:
         family.validate(model, config)
+        if config.float8 is not None and not family.float8:
+            raise ValueError(
+                f"float8={config.float8!r} is not supported for a {family.name} yet (tested with lightning_4d Llama "
+                "models only): use float8=None."
+            )
+    if config.float8 is not None and module is not None and not models and model_config is None:
+        raise ValueError(
+            f"float8={config.float8!r} converts the decoder layers of a lightning_4d Llama model; "
+            f"{type(module).__name__} holds none: use float8=None (or torchao's convert_to_float8_training in your "
+            "own configure_model)."
+        )
     splittable = model_config is not None or inputs.applies_own_plans
     if module is not None and not models and max(config.tp, config.pp, config.cp) > 1 and not splittable:
         raise ValueError(_cannot_split(config, module))
