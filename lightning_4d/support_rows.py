@@ -527,6 +527,12 @@ ROWS: list[Row] = [
         cpu_tests=(FLOAT8 + "test_float8_recipes_track_bf16_on_one_process",),
     ),
     Row(
+        "float8-z3",
+        "float8 tensorwise, dp2 ZeRO 3: a sharded checkpoint resumes bit for bit",
+        {"dp": 2, "zero_stage": 3, "float8": "tensorwise"},
+        cpu_tests=(FLOAT8 + "test_float8_checkpoint_resumes_exactly_under_zero3",),
+    ),
+    Row(
         "float8-z3-compile",
         "float8 tensorwise, dp2 ZeRO 3 (weights all-gathered in float8), torch.compile per layer",
         {"dp": 2, "zero_stage": 3, "float8": "tensorwise", "compile": True},
