@@ -111,6 +111,7 @@ HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
 COMPILE = "tests/test_compile.py::test_compiled_layout_matches_one_process"
 FLOAT8 = "tests/test_float8.py::"
 F8_SPLIT = FLOAT8 + "test_float8_under_pipeline_and_context_parallelism"
+F8_AC = FLOAT8 + "test_float8_with_checkpointing_and_offload"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
 #: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
@@ -539,10 +540,19 @@ ROWS: list[Row] = [
         cpu_tests=(FLOAT8 + "test_float8_all_gather_under_zero3_with_compile",),
     ),
     *(
-        Row(f"float8-{name}", f"float8 {recipe}, {name} ({what})", {**layout, "float8": recipe}, cpu_tests=(F8_SPLIT,))
-        for name, recipe, what, layout in (
-            ("pp2", "tensorwise", "1F1B, each stage converts its own layers", {"pp": 2, "num_microbatches": 2}),
-            ("cp2", "rowwise", "ring attention", {"cp": 2}),
+        Row(f"float8-{name}", f"float8 {recipe}, {name} ({what})", {**layout, "float8": recipe}, cpu_tests=(test,))
+        for name, recipe, what, layout, test in (
+            (
+                "pp2",
+                "tensorwise",
+                "1F1B, each stage converts its own layers",
+                {"pp": 2, "num_microbatches": 2},
+                F8_SPLIT,
+            ),
+            ("cp2", "rowwise", "ring attention", {"cp": 2}, F8_SPLIT),
+            ("selective", "tensorwise", "selective checkpointing", {"activation_checkpointing": "selective"}, F8_AC),
+            ("full-checkpointing", "rowwise", "full checkpointing", {"activation_checkpointing": "full"}, F8_AC),
+            ("offload", "tensorwise", "activation offload", {"activation_offload_layers": 1}, F8_AC),
         )
     ),
     Row(

@@ -2,9 +2,10 @@
 
 torch 2.13's ``torch._scaled_mm`` runs on CPU, so the tests run torchao's real float8 path (no emulation): tiny-test,
 20 AdamW steps, ``bf16-mixed``, against plain Lightning's bf16-mixed run of the same model (no FourDStrategy, no
-float8). One process trains the two recipes and FourDStrategy without float8 (the check that float8 changed the
-numbers); one launch of two processes trains dp2 ZeRO 3 with ``"tensorwise"`` (FSDP2 all-gathers the converted
-weights in float8, the scales precomputed after each step) and ``compile=True``, then pp2 and cp2.
+float8). One process trains the two recipes, FourDStrategy without float8 (the check that float8 changed the
+numbers) and float8 with checkpointing and offload; one launch of two processes trains dp2 ZeRO 3 with
+``"tensorwise"`` (FSDP2 all-gathers the converted weights in float8, the scales precomputed after each step) and
+``compile=True``, then pp2 and cp2.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ SINGLE = [
     {"precision": "bf16-mixed"},
     {"precision": "bf16-mixed", "float8": "tensorwise"},
     {"precision": "bf16-mixed", "float8": "rowwise"},
+    # checkpointing and offload change no number: their losses equal the runs above (measured: equal)
+    {"precision": "bf16-mixed", "float8": "tensorwise", "ac": "selective"},
+    {"precision": "bf16-mixed", "float8": "rowwise", "ac": "full"},
+    {"precision": "bf16-mixed", "float8": "tensorwise", "offload": 1},
 ]
 #: two processes: dp2 ZeRO 3 (float8 all-gather) compiled, pp2 (each stage converts its own layer), cp2 (ring)
 TWO = [
@@ -56,7 +61,7 @@ def runs(tmp_path_factory):
 
 
 def test_float8_recipes_track_bf16_on_one_process(runs):
-    (reference, plain, tensorwise, rowwise), _ = runs
+    (reference, plain, tensorwise, rowwise, *_), _ = runs
     for run in (plain, tensorwise, rowwise):
         rel = _max_rel(run["losses"], reference["losses"])
         print(f"\n{run['layout']}: loss rel diff {rel:.2e}, float8 linears {run['bytes']['float8_linears']}")
@@ -66,6 +71,14 @@ def test_float8_recipes_track_bf16_on_one_process(runs):
         assert run["bytes"]["float8_linears"] == CONVERTED
         assert run["bytes"]["float8_gathered"] == 0  # ZeRO 0: nothing all-gathered
         assert run["losses"] != plain["losses"]  # the float8 matmuls ran
+
+
+def test_float8_with_checkpointing_and_offload(runs):
+    (_, _, tensorwise, rowwise, selective, full, offload), _ = runs
+    assert selective["losses"] == tensorwise["losses"]  # the selective policy recomputes the float8 matmuls
+    assert full["losses"] == rowwise["losses"]
+    assert offload["losses"] == tensorwise["losses"]
+    assert all(r["bytes"]["float8_linears"] == CONVERTED for r in (selective, full, offload))
 
 
 def test_float8_all_gather_under_zero3_with_compile(runs):
