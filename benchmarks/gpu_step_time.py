@@ -10,7 +10,9 @@ Step time: for each (preset, b, s), ``--steps`` optimizer steps (the first ``--w
   with ``none`` and ``selective`` checkpointing, and ``offload``: no checkpointing, half the layers' activations in
   host memory (``activation_offload_layers``: the measured cost of its synchronous copies); ``compile``: no
   checkpointing, ``compile=True`` (each decoder layer ``torch.compile``d, the compilation inside the warm-up steps),
-  and ``compile_offload``: that with the offload;
+  and ``compile_offload``: that with the offload; ``compile_float8_<recipe>``: ``compile=True`` with
+  ``float8="tensorwise"`` / ``"rowwise"`` (torchao's float8 linears, the extra ``lightning-4d[float8]``; set by
+  ``--float8``, none with ``--float8`` alone): tokens/s against ``compile`` is float8's gain;
 
 each inside ``sdpa_kernel(FLASH_ATTENTION)`` (the flash backend or an error). Printed: median step time, tokens/s,
 MFU (``LlamaConfig.flops_per_token`` / the device's dense bf16 peak, ``lightning_4d.memory.hardware``), peak
@@ -99,7 +101,16 @@ def plain(cfg, b: int, s: int, steps: int, warmup: int, device: str) -> dict:
 
 
 def ours(
-    cfg, b: int, s: int, steps: int, warmup: int, device: str, ac: str, offload: int = 0, compile: bool = False
+    cfg,
+    b: int,
+    s: int,
+    steps: int,
+    warmup: int,
+    device: str,
+    ac: str,
+    offload: int = 0,
+    compile: bool = False,
+    float8: str | None = None,
 ) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
@@ -130,6 +141,7 @@ def ours(
         activation_checkpointing=ac,
         activation_offload_layers=offload,
         compile=compile,
+        float8=float8,
         memory_check=False,
     )
     trainer = L.Trainer(
@@ -187,6 +199,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sdpa-preset", default="small", help="model of the SDPA-vs-eager check")
+    p.add_argument(
+        "--float8",
+        nargs="*",
+        default=["tensorwise", "rowwise"],
+        choices=["tensorwise", "rowwise"],
+        help="the float8 recipes of the compile_float8_<recipe> rows (needs torchao; none: --float8 alone)",
+    )
     args = p.parse_args()
 
     from lightning_4d.memory.hardware import peak_flops_of_device
@@ -216,7 +235,11 @@ def main() -> None:
             row["ours_compile"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", compile=True)
             half = cfg.num_layers // 2
             row["ours_compile_offload"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", half, compile=True)
-        for key in ROWS:
+            for recipe in args.float8:  # float8 linears (torchao) under compile, which fuses their casts
+                row[f"ours_compile_float8_{recipe}"] = ours(
+                    cfg, b, s, args.steps, args.warmup, device, "none", compile=True, float8=recipe
+                )
+        for key in (*ROWS, *(f"ours_compile_float8_{recipe}" for recipe in args.float8)):
             r = row[key]
             r["tokens_per_s"] = b * s / r["step_s"]
             r["mfu"] = r["tokens_per_s"] * flops / peak if peak else None
@@ -224,7 +247,7 @@ def main() -> None:
                 r["ratio_to_plain"] = r["step_s"] / row["plain"]["step_s"]
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
             print(
-                f"{args.preset} b={b} s={s} {key:>15}: {r['step_s'] * 1e3:8.1f} ms  "
+                f"{args.preset} b={b} s={s} {key:>30}: {r['step_s'] * 1e3:8.1f} ms  "
                 f"{r['tokens_per_s']:10,.0f} tok/s  MFU {mfu}  peak {r['peak_gib']:.2f} GiB  "
                 f"ratio {r.get('ratio_to_plain', 1.0):.3f}",
                 flush=True,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 from lightning_4d.layout import (  # the choices live with the layout registry; imported from here too
     ACTIVATION_CHECKPOINTING,
     CONTEXT_PARALLEL_METHODS,
+    FLOAT8_RECIPES,
     GRADIENT_COMPRESSIONS,
     MESH_DIM_NAMES,  # noqa: F401 (mesh.py imports it from here)
     PIPELINE_COMM_DTYPES,
@@ -220,6 +221,9 @@ class ParallelConfig:
             ``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing.
         compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``; the step-time model's
             ``POINTWISE_FACTOR``). Not with tp > 1 nor selective checkpointing (:func:`check_compile`).
+        float8: ``None`` (default) or a torchao float8 training recipe, ``"tensorwise"`` or ``"rowwise"``: the dense
+            linears of every decoder layer compute their three matmuls in float8 (``lightning_4d/parallel/float8.py``).
+            Not with tp > 1 nor for a Mixture-of-Experts model yet.
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -230,7 +234,8 @@ class ParallelConfig:
             ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with PowerSGD,
             ``tensor_parallel_overlap`` not a bool, or True without tp > 1 and sequence parallelism, or with
             selective activation checkpointing, ``activation_offload_layers`` not an integer >= 0, or > 0 with
-            activation checkpointing, ``compile`` not a bool, or True with selective checkpointing.
+            activation checkpointing, ``compile`` not a bool, or True with selective checkpointing, an unknown
+            ``float8`` recipe, or one with tp > 1.
         NotImplementedError: ``compile=True`` with tp > 1.
     """
 
@@ -255,6 +260,7 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     tensor_parallel_overlap: bool = False
     activation_offload_layers: int = 0
+    float8: Optional[str] = None
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -264,6 +270,7 @@ class ParallelConfig:
         self._check_pipeline()
         self._check_overlap_and_offload()
         check_compile(self.compile, self.tensor_parallel_size, self.activation_checkpointing)
+        self._check_float8()
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
             self.sequence_parallel = False
@@ -372,6 +379,18 @@ class ParallelConfig:
                     "(non-negative integers), one per pipeline stage."
                 )
             self.pipeline_layer_split = split
+
+    def _check_float8(self) -> None:
+        """``float8``: a torchao recipe, not with tp > 1 (the tp plans' sequence-parallel projections multiply the
+        weights directly, not through the linear's forward that torchao's ``Float8Linear`` replaces)."""
+        if self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"float8={self.float8!r} is not valid: expected one of {list(FLOAT8_RECIPES)}.")
+        if self.float8 is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"float8={self.float8!r} is not supported with tensor_parallel_size={self.tensor_parallel_size} yet "
+                "(the tp projections multiply the weights outside torchao's Float8Linear): use float8=None with tp, "
+                "or tensor_parallel_size=1 (dp/ZeRO 0-3, pp, cp)."
+            )
 
     def _check_overlap_and_offload(self) -> None:
         """``tensor_parallel_overlap`` (needs tp with sp; not with selective checkpointing) and
@@ -675,6 +694,8 @@ class ParallelConfig:
                 "rows are never targets) or choose a tensor_parallel_size that divides "
                 f"{model_config.padded_vocab_size}."
             )
+        if self.float8 is not None:
+            self._check_float8_dims(model_config)
         if self.cp > 1 and self.context_parallel_method == "alltoall":
             alltoall_heads(model_config.num_heads, model_config.num_kv_heads, tp, self.cp)
         check_moe_layout(self, model_config)
@@ -688,6 +709,29 @@ class ParallelConfig:
                     f"pipeline_parallel_size={self.pp} (the embedding's two copies, on the first and the last stage, "
                     "must take identical steps): use gradient_compression='none' or 'bf16'."
                 )
+
+    def _check_float8_dims(self, model_config: "LlamaConfig") -> None:
+        """Every dimension of the linears ``float8`` converts divisible by 16 (``torch._scaled_mm``'s requirement;
+        torchao's ``_auto_filter_for_recipe`` skips such layers, torchtitan refuses them): the hidden size, the query
+        and kv projections' ``heads * head_dim`` and the FFN size; and a dense model (Mixture-of-Experts: not yet)."""
+        if model_config.num_experts > 0:
+            raise ValueError(
+                f"float8={self.float8!r} is not supported for a Mixture-of-Experts model (num_experts="
+                f"{model_config.num_experts}) yet: its expert matmuls are not linears torchao converts. Use "
+                "float8=None."
+            )
+        dims = {
+            "hidden_size": model_config.hidden_size,
+            "num_heads*head_dim": model_config.num_heads * model_config.head_dim,
+            "num_kv_heads*head_dim": model_config.num_kv_heads * model_config.head_dim,
+            "intermediate_size": model_config.intermediate_size,
+        }
+        bad = {name: value for name, value in dims.items() if value % 16}
+        if bad:
+            raise ValueError(
+                f"float8={self.float8!r} needs every dimension of the decoder layers' linears divisible by 16 "
+                f"(torch._scaled_mm); this model has {bad}: use float8=None for it."
+            )
 
     def validate_sequence(self, seq_length: int) -> None:
         """Raise ``ValueError`` when ``seq_length`` is not a multiple of :attr:`sequence_divisor`."""

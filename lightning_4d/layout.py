@@ -39,6 +39,9 @@ GRADIENT_COMPRESSIONS = ("none", "bf16", "powersgd")
 PIPELINE_COMM_DTYPES = (None, "bfloat16", "float8")
 #: the dtype PowerSGD's factors P and Q are all-reduced in (None: float32)
 POWERSGD_COMM_DTYPES = (None, "bfloat16")
+#: float8 training of the decoder layers' dense linears through torchao (None: off; see
+#: lightning_4d/parallel/float8.py): its tensorwise or rowwise scaling recipe
+FLOAT8_RECIPES = (None, "tensorwise", "rowwise")
 #: pipeline schedules (torch.distributed.pipelining)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 
@@ -57,7 +60,7 @@ class LayoutField:
         type: its annotation (the strategy's, which LightningCLI reads; ``Literal`` of the choices).
         default: its default (the same in ``ParallelConfig``, ``FourDStrategy`` and the CLI).
         feature: the parallel feature that owns it (``dp``, ``tp``, ``sp``, ``pp``, ``cp``, ``ep``, ``zero``,
-            ``activation_checkpointing``, ``offload``, ``compression``, ``compile``).
+            ``activation_checkpointing``, ``offload``, ``compression``, ``compile``, ``float8``).
         help: one line, the CLI's help (docstrings say more).
         choices: the valid values when they are a closed set.
         flags: the option strings of ``estimate`` and ``measure`` (the first is the main spelling; users and the
@@ -278,6 +281,16 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "compression",
         "the dtype of the activations and gradients sent between pipeline stages (None: the model's)",
         choices=PIPELINE_COMM_DTYPES,
+    ),
+    LayoutField(
+        "float8",
+        Optional[Literal[FLOAT8_RECIPES]],
+        None,
+        "float8",
+        "float8 matmuls in the decoder layers' dense linears through torchao: tensorwise or rowwise scaling "
+        "(default: off; the extra lightning-4d[float8]; docs/parallelism.md)",
+        choices=FLOAT8_RECIPES,
+        flags=("--float8",),
     ),
     LayoutField(
         "expert_parallel_size",

@@ -26,6 +26,7 @@ import lightning_4d.checkpoint as _checkpoint
 from lightning_4d.config import (  # the Literal choices of the arguments below (LightningCLI reads them)
     ACTIVATION_CHECKPOINTING,
     CONTEXT_PARALLEL_METHODS,
+    FLOAT8_RECIPES,
     GRADIENT_COMPRESSIONS,
     PIPELINE_COMM_DTYPES,
     PIPELINE_SCHEDULES,
@@ -46,6 +47,7 @@ from lightning_4d.parallel._compat import (
     set_module_device_mesh,
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
+from lightning_4d.parallel.float8 import precompute_scales, validate_float8
 from lightning_4d.parallel.grad_buffers import GradientBuckets
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.offload import OffloadStats
@@ -124,6 +126,11 @@ class FourDStrategy(ModelParallelStrategy):
         powersgd_comm_dtype: ``None`` (PowerSGD's factors all-reduced in float32) or ``"bfloat16"`` (half the bytes).
         pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
             activations and gradients sent between pipeline stages.
+        float8: ``None`` (default) or ``"tensorwise"`` / ``"rowwise"``: torchao's float8 training (the extra
+            ``lightning-4d[float8]``) for the linears of every decoder layer of a ``lightning_4d`` Llama
+            (attention projections, SwiGLU; not the LM head nor the embedding), before compile and FSDP2; at ZeRO
+            2/3 ``"tensorwise"`` all-gathers those weights in float8. Not with tp > 1, Mixture-of-Experts models nor
+            the transformers families yet; ``docs/parallelism.md``.
         compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, pp, cp, ep,
             full activation checkpointing and offload, our Llama and the transformers families; not yet with tp > 1
             nor selective checkpointing;
@@ -155,6 +162,9 @@ class FourDStrategy(ModelParallelStrategy):
             ``seq_length``, else when the batch is sharded.
         NotImplementedError: compile=True with tensor_parallel_size > 1.
         ValueError: compile=True with activation_checkpointing='selective'.
+        ValueError: ``float8`` without torchao >= 0.18 installed, with tp > 1, or (at ``setup_environment``) for a
+            model whose linears have a dimension not divisible by 16, a Mixture-of-Experts model, a module holding no
+            ``lightning_4d`` Llama, or a precision other than ``32-true`` / ``bf16-mixed`` / ``bf16-true``.
     """
 
     strategy_name = "fourd"
@@ -185,6 +195,7 @@ class FourDStrategy(ModelParallelStrategy):
         powersgd_comm_dtype: Optional[Literal[POWERSGD_COMM_DTYPES]] = None,
         pipeline_comm_dtype: Optional[Literal[PIPELINE_COMM_DTYPES]] = None,
         expert_parallel_size: int = 1,
+        float8: Optional[Literal[FLOAT8_RECIPES]] = None,
         compile: bool = False,
         fsdp_blocks: Optional[list[str]] = None,
         save_distributed_checkpoint: bool = True,
@@ -204,6 +215,7 @@ class FourDStrategy(ModelParallelStrategy):
         )
         _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
         validate_compile(compile, tensor_parallel_size, activation_checkpointing)
+        validate_float8(float8)
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
@@ -284,6 +296,7 @@ class FourDStrategy(ModelParallelStrategy):
             self.parallel_config.zero_stage,
             full_file_checkpoints=not self._save_distributed_checkpoint,
         )
+        validate_float8(self.parallel_config.float8, self._precision)
         if self.memory_check and self.root_device.type == "cuda":  # runs in Callback.setup, before configure_model
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()
@@ -461,6 +474,7 @@ class FourDStrategy(ModelParallelStrategy):
             self._buckets.start_accumulation()  # the next backward's gradients overwrite the buckets
         for p in self._unbucketed:  # no gradient exists in the next forward (the memory model's rule)
             p.grad = None
+        precompute_scales([m for _, m in self._models], self.parallel_config)  # float8 all-gather's next scales
         return result
 
     # ------------------------------------------------------------------ checkpoints (lightning_4d.checkpoint)

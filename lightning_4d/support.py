@@ -201,7 +201,8 @@ def validate_row(row: Row) -> None:
     micro-batches; before them the precision, :func:`~lightning_4d.config.check_training_precision`),
     ``FourDStrategy``'s constructor (compile, checkpoint format), Lightning's ``Trainer`` (the
     precision its ``ModelParallelStrategy`` accepts), the strategy's precision check
-    (:func:`~lightning_4d.parallel.sharded_optimizer.validate_precision`) and its check against the LightningModule
+    (:func:`~lightning_4d.parallel.sharded_optimizer.validate_precision`, and float8's:
+    :func:`~lightning_4d.parallel.float8.validate_float8`) and its check against the LightningModule
     (the model family's :meth:`validate`; a transformers family gets a model of the preset's sizes on the meta device).
 
     Raises:
@@ -211,6 +212,7 @@ def validate_row(row: Row) -> None:
 
     from lightning_4d.config import check_training_precision
     from lightning_4d.measure import _strategy_kwargs
+    from lightning_4d.parallel.float8 import validate_float8
     from lightning_4d.parallel.parallelize import validate_against_module
     from lightning_4d.parallel.sharded_optimizer import validate_precision
     from lightning_4d.strategy import FourDStrategy
@@ -232,6 +234,7 @@ def validate_row(row: Row) -> None:
         enable_model_summary=False,
     )
     validate_precision(args.precision, pc.zero_stage)
+    validate_float8(pc.float8, args.precision)
     if row.family == "ours":
         from lightning_4d.tasks import CausalLMModule
 

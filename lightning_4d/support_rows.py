@@ -111,6 +111,9 @@ OFFLOAD = (
 TIED = "tests/test_tied_pipeline.py::"
 HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
 COMPILE = "tests/test_compile.py::test_compiled_layout_matches_one_process"
+FLOAT8 = "tests/test_float8.py::"
+F8_SPLIT = FLOAT8 + "test_float8_under_pipeline_and_context_parallelism"
+F8_AC = FLOAT8 + "test_float8_with_checkpointing_and_offload"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
 #: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
@@ -512,6 +515,76 @@ ROWS: list[Row] = [
         "torch.compile per layer, MoE dp2 ep2 (the MoE feed-forward eager)",
         {"model": "tiny-moe", "dp": 2, "ep": 2, "compile": True},
         cpu_tests=(COMPILE,),
+    ),
+    # ---------------------------------------------------------------- float8 (torchao)
+    Row(
+        "float8-tensorwise",
+        "float8 linears (torchao, tensorwise scaling), bf16-mixed",
+        {"float8": "tensorwise"},
+        cpu_tests=(FLOAT8 + "test_float8_recipes_track_bf16_on_one_process",),
+    ),
+    Row(
+        "float8-rowwise",
+        "float8 linears (torchao, rowwise scaling), bf16-mixed",
+        {"float8": "rowwise"},
+        cpu_tests=(FLOAT8 + "test_float8_recipes_track_bf16_on_one_process",),
+    ),
+    Row(
+        "float8-z3",
+        "float8 tensorwise, dp2 ZeRO 3: a sharded checkpoint resumes bit for bit",
+        {"dp": 2, "zero_stage": 3, "float8": "tensorwise"},
+        cpu_tests=(FLOAT8 + "test_float8_checkpoint_resumes_exactly_under_zero3",),
+    ),
+    Row(
+        "float8-z3-compile",
+        "float8 tensorwise, dp2 ZeRO 3 (weights all-gathered in float8), torch.compile per layer",
+        {"dp": 2, "zero_stage": 3, "float8": "tensorwise", "compile": True},
+        cpu_tests=(FLOAT8 + "test_float8_all_gather_under_zero3_with_compile",),
+    ),
+    *(
+        Row(f"float8-{name}", f"float8 {recipe}, {name} ({what})", {**layout, "float8": recipe}, cpu_tests=(test,))
+        for name, recipe, what, layout, test in (
+            (
+                "pp2",
+                "tensorwise",
+                "1F1B, each stage converts its own layers",
+                {"pp": 2, "num_microbatches": 2},
+                F8_SPLIT,
+            ),
+            ("cp2", "rowwise", "ring attention", {"cp": 2}, F8_SPLIT),
+            ("selective", "tensorwise", "selective checkpointing", {"activation_checkpointing": "selective"}, F8_AC),
+            ("full-checkpointing", "rowwise", "full checkpointing", {"activation_checkpointing": "full"}, F8_AC),
+            ("offload", "tensorwise", "activation offload", {"activation_offload_layers": 1}, F8_AC),
+        )
+    ),
+    Row(
+        "float8-moe",
+        "float8 with a Mixture-of-Experts model",
+        {"model": "tiny-moe", "float8": "tensorwise"},
+        refused=(
+            "float8='tensorwise' is not supported for a Mixture-of-Experts model (num_experts=8) yet: its expert "
+            "matmuls are not linears torchao converts. Use float8=None."
+        ),
+    ),
+    Row(
+        "float8-hf-llama",
+        "float8 with transformers' LlamaForCausalLM",
+        {"float8": "tensorwise"},
+        family="hf-llama",
+        refused=(
+            "float8='tensorwise' is not supported for a transformers LlamaForCausalLM yet (tested with lightning_4d "
+            "Llama models only): use float8=None."
+        ),
+    ),
+    Row(
+        "float8-tp2",
+        "float8 under tp",
+        {"tp": 2, "float8": "tensorwise"},
+        refused=(
+            "float8='tensorwise' is not supported with tensor_parallel_size=2 yet (the tp projections multiply the "
+            "weights outside torchao's Float8Linear): use float8=None with tp, or tensor_parallel_size=1 (dp/ZeRO "
+            "0-3, pp, cp)."
+        ),
     ),
     # ---------------------------------------------------------------- Mixture-of-Experts (tiny-moe)
     Row(

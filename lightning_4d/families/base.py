@@ -74,12 +74,15 @@ class ModelFamily:
             (:mod:`lightning_4d.parallel.activation_checkpoint`).
         compile: the family's decoder layers may be compiled one by one (``compile=True``,
             :mod:`lightning_4d.parallel.compile`).
+        float8: the family's decoder layers' linears may be converted to torchao's float8 linears (``float8=...``,
+            :mod:`lightning_4d.parallel.float8`; tested for our Llama only).
     """
 
     name: str = "model"
     master_weights: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
+    float8: bool = False
 
     def _missing(self, method: str) -> NotImplementedError:
         return NotImplementedError(f"the model family {self.name!r} does not implement {method}()")

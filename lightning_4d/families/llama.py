@@ -68,6 +68,7 @@ class LlamaFamily(ModelFamily):
     master_weights = True
     activation_checkpointing = True
     compile = True
+    float8 = True
 
     def is_model(self, module: nn.Module) -> bool:
         return isinstance(module, LlamaModel)

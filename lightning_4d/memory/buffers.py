@@ -17,6 +17,7 @@ from lightning_4d.memory import moe
 from lightning_4d.memory.activations import recompute_backward
 from lightning_4d.memory.compression import compression_buffer_bytes
 from lightning_4d.memory.context import context_parallel_buffers
+from lightning_4d.memory.float8 import float8_backward_transient
 from lightning_4d.memory.offload import offloaded_whole, unpacked_bytes
 from lightning_4d.memory.params import Sizes, as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.memory.pipeline import receive_buffer_bytes
@@ -85,6 +86,9 @@ class Buffers:
     #: gradient reaching the layer's output (residual dtype, ``[b, s/cp, h]``, ``/t`` under sp) and ``w2``'s input
     #: gradient (compute dtype, ``[b, s/cp, f/t]``); 0 without checkpointing
     recompute_backward: int = 0
+    #: ``float8``: the largest converted linear's float8 backward transient
+    #: (:func:`lightning_4d.memory.float8.float8_backward_transient`), 0 without float8
+    float8_backward: int = 0
     #: under activation checkpointing (no stage offloaded whole): the context-parallel attention backward runs after
     #: the layer's feed-forward backward has freed its recomputed SwiGLU tensors and kept ``w1``/``w3`` outputs (more
     #: than the output gradient ``recompute_backward`` also holds), so the recompute phase takes the larger of the two
@@ -167,6 +171,7 @@ def buffer_terms(
         forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
         recompute_backward=recompute_backward(cfg, pc, dt, b, s, offloaded, gradients_kept=not bucketed),
         recompute_apart_from_cp=pc.activation_checkpointing != "none" and not offloaded,
+        float8_backward=float8_backward_transient(cfg, pc, b, s),
     )
 
 

@@ -223,7 +223,7 @@ def _layout_option(p: Any, field: LayoutField, default: Any, help: str, aliases:
         if field.type == Optional[bool]:
             kw["type"] = strict_bool
         elif field.choices is not None:
-            kw["choices"] = list(field.choices)
+            kw["choices"] = [c for c in field.choices if c is not None]  # None: the option left out
             if all(isinstance(c, int) for c in field.choices):
                 kw["type"] = int
         else:

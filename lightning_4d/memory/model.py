@@ -92,6 +92,8 @@ first one), and the estimate is the largest:
 - expert-parallel backward (ep > 1): the activations less what the loss' backward freed, + one MoE layer's
   all-to-all receive buffers at the stated load (:func:`lightning_4d.memory.moe.all_to_all_buffers`), as the
   recompute phase;
+- float8 backward (``float8``): the same, + the largest converted linear's float8 backward transient
+  (:func:`lightning_4d.memory.float8.float8_backward_transient`; the saved activations do not change);
 - head backward (the last stage under tp with sp; :func:`~lightning_4d.memory.tensor_parallel.head_backward_transient`):
   the activations (without a layer's recomputed set: none is being recomputed yet) less what the loss' backward freed
   (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of
@@ -256,7 +258,7 @@ class MemoryEstimate:
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
         peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"``,
-            ``"expert-parallel backward"`` or ``"initialization"``.
+            ``"expert-parallel backward"``, ``"float8 backward"`` or ``"initialization"``.
         pp_rank: the pp rank this is for (it holds the pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
@@ -464,6 +466,10 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         # loss' working set: measured on CPU, tiny-moe dp2 ep2 ZeRO 1 s=512 bf16-mixed, the peak at backward start
         # was the estimate's without these buffers, 0.7% apart)
         phases["expert-parallel backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.all_to_all
+    if buf.float8_backward:
+        # float8: a converted linear's backward (its float8 copies and scale arithmetic) once the loss' backward has
+        # freed what it saved but the labels (memory/float8.py)
+        phases["float8 backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.float8_backward
     if buf.forward_gradients:
         # the loss' forward at ZeRO 2/3 without pp: every saved tensor but a recomputed layer's, the loss' chunk, the
         # previous step's gradient shards (freed by zero_grad only after the forward)

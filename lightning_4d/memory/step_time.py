@@ -108,6 +108,7 @@ from typing import Any, Optional
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.memory import moe
+from lightning_4d.memory.float8 import FLOAT8_MATMUL_SPEEDUP
 from lightning_4d.memory.moe import all_to_all_time
 from lightning_4d.memory.rates import (
     COLLECTIVE_EFFICIENCY,
@@ -591,6 +592,8 @@ def predict_step_time(
         gpu=gpu,
         gpus_per_node=gpus_per_node,
     )
+    if pc.float8 is not None:
+        step = _with_float8(step, model_config, pc, micro_batch_size, num_microbatches, seq_length, gpu, gpus_per_node)
     if not pc.activation_offload_layers:
         return step
     return dataclasses.replace(
@@ -627,6 +630,24 @@ def offload_exposed(
         per_layer = max(0.0, t - t_f) + max(0.0, t - 2 * t_f)
         worst = max(worst, m * (offloaded * per_layer + whole * min(t, 2 * t_f)))
     return worst
+
+
+def _with_float8(
+    step: StepTime, cfg: Any, pc: ParallelConfig, b: int, m: int, s: int, gpu: Any, gpus_per_node: int
+) -> StepTime:
+    """``step`` with the decoder layers' matmuls at :data:`~lightning_4d.memory.float8.FLOAT8_MATMUL_SPEEDUP` times
+    their rate (``pc.float8``, not enumerated by the planner): the slowest pp rank's layers, forward + backward and
+    full checkpointing's recomputed forward; the bubble is not rescaled. A Mixture-of-Experts model (which float8
+    refuses) is left as it is."""
+    dims = model_dims(cfg)
+    if dims[7]:
+        return step
+    t_mm = _layer_terms(dims, pc.tp, pc.cp, b, s, pc.sp, pc.context_parallel_method, gpu, gpus_per_node)[0]
+    split = tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None
+    n_max = max(_pipeline_layers(dims[6], pc.pp, pc.pipeline_schedule, pc.v if pc.pp > 1 else 1, split)[0])
+    saved = m * n_max * t_mm * (1 - 1 / FLOAT8_MATMUL_SPEEDUP[pc.float8])
+    recompute = saved / 3 if pc.activation_checkpointing == "full" else 0.0
+    return dataclasses.replace(step, compute=step.compute - saved, recompute=step.recompute - recompute)
 
 
 def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:

@@ -1,9 +1,10 @@
 """The order of parallelization of a model of any registered family (:mod:`lightning_4d.families`), one short step
 per line (torchtitan's ``parallelize_llama`` shape): pipeline split, tensor + sequence parallel plans,
-context-parallel attention, the MoE component's step (:func:`lightning_4d.parallel.moe.apply`), activation
-checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2). Materialization
-(the family's; for our Llama the layout-independent initialization) follows in :func:`prepare_models`; ZeRO 0/1 act on
-gradients and the optimizer, not on the model (:mod:`lightning_4d.parallel.sharded_optimizer`).
+context-parallel attention, the MoE component's step (:func:`lightning_4d.parallel.moe.apply`), float8 linears
+(:mod:`lightning_4d.parallel.float8`), activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2).
+Materialization (the family's; for our Llama the layout-independent initialization) follows in
+:func:`prepare_models`; ZeRO 0/1 act on gradients and the optimizer, not on the model
+(:mod:`lightning_4d.parallel.sharded_optimizer`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.compile import compile_layers
+from lightning_4d.parallel.float8 import apply_float8
 from lightning_4d.parallel.fsdp import apply_fsdp, fsdp_reduce_dtype
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
 from lightning_4d.parallel.pipeline import (
@@ -46,7 +48,8 @@ def validate_against_module(
 
     Raises:
         ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
-            :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`.
+            :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`; ``float8`` for a family that does
+            not take it (:attr:`ModelFamily.float8`) or a module that holds no registered model.
     """
     inputs = TrainingInputs.of(module, attached_trainer(module)) if inputs is None else inputs
     model_config = inputs.model_config
@@ -55,6 +58,17 @@ def validate_against_module(
         config.validate_model(model_config)
     for _, family, model in models:
         family.validate(model, config)
+        if config.float8 is not None and not family.float8:
+            raise ValueError(
+                f"float8={config.float8!r} is not supported for a {family.name} yet (tested with lightning_4d Llama "
+                "models only): use float8=None."
+            )
+    if config.float8 is not None and module is not None and not models and model_config is None:
+        raise ValueError(
+            f"float8={config.float8!r} converts the decoder layers of a lightning_4d Llama model; "
+            f"{type(module).__name__} holds none: use float8=None (or torchao's convert_to_float8_training in your "
+            "own configure_model)."
+        )
     splittable = model_config is not None or inputs.applies_own_plans
     if module is not None and not models and max(config.tp, config.pp, config.cp) > 1 and not splittable:
         raise ValueError(_cannot_split(config, module))
@@ -171,9 +185,9 @@ def parallelize_model(
     param_dtype: Optional[torch.dtype] = None,
     offload_stats: Optional[OffloadStats] = None,
 ) -> Optional[list[tuple[int, nn.Module]]]:
-    """Apply the pipeline split, tp/sp, context-parallel attention, the MoE step (``moe.apply``), activation
-    checkpointing, compile and ZeRO 2/3 to ``model`` (a meta-device model of ``family``; real weights work too, each
-    rank keeping its shards), in that order, the same steps for every family
+    """Apply the pipeline split, tp/sp, context-parallel attention, the MoE step (``moe.apply``), float8 linears
+    (``config.float8``), activation checkpointing, compile and ZeRO 2/3 to ``model`` (a meta-device model of
+    ``family``; real weights work too, each rank keeping its shards), in that order, the same steps for every family
     (:class:`~lightning_4d.families.base.ModelFamily` says where the parts are and what its plans are).
 
     With pp > 1 the model is pruned to this rank's stages (:func:`~lightning_4d.parallel.pipeline.split_model`),
@@ -206,6 +220,8 @@ def parallelize_model(
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
     moe.apply(family, model, mesh, config)
     layers = find_submodel(model, family.pipeline_layout(model).layers)
+    if config.float8 is not None:  # before checkpointing, compile and FSDP2 (parallel/float8.py)
+        apply_float8(layers, config)
     # selective keeps nothing of the layer's last projection, and under tp not the others' partial sums
     row_parallel = family.tensor_parallel_plan(model).rowwise if config.activation_checkpointing == "selective" else ()
     apply_activation_checkpointing(layers, config.activation_checkpointing, row_parallel, config.tp)

@@ -10,8 +10,8 @@ compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start 
 step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
 m (micro-batches per step), split (layers per
 stage) and pcd (pipeline comm dtype), for context parallelism cp and method ("ring" / "allgather"), for expert
-parallelism ep, norm (record the global gradient norm before clipping at every step), and config (a dict of model
-config fields to override, e.g. the MoE ones).
+parallelism ep, float8 (the recipe), norm (record the global gradient norm before clipping at every step), and
+config (a dict of model config fields to override, e.g. the MoE ones).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.measure import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.models.llama import canonical_name  # noqa: E402
-from lightning_4d.parallel._compat import compiled_graph_count  # noqa: E402
+from lightning_4d.parallel._compat import compiled_graph_count, local_tensor  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 
@@ -77,6 +77,12 @@ class Recorder(L.Callback):
         self.bytes["tp_local_params"] = sum(_tp_local_numel(p) * p.element_size() for p in params)
         self.bytes["num_params"] = len(params)
         self.bytes["gradient_buckets"] = len(sync.buckets) if sync is not None else 0
+        # float8: torchao's Float8Linear modules, and those whose weight FSDP2 all-gathers in float8
+        float8 = [m for m in pl_module.modules() if type(m).__name__ == "Float8Linear"]
+        self.bytes["float8_linears"] = len(float8)
+        self.bytes["float8_gathered"] = sum(
+            type(local_tensor(m.weight)).__name__ == "WeightWithDynamicFloat8CastTensor" for m in float8
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # gradients alive when a batch's forward starts (a step's first micro-batch: none under FourDStrategy)
@@ -172,6 +178,7 @@ def run_one(
             powersgd_comm_dtype=layout.get("pcomm"),
             pipeline_comm_dtype=layout.get("pcd"),
             expert_parallel_size=layout.get("ep", 1),
+            float8=layout.get("float8"),
             process_group_backend="gloo",
             timeout=timedelta(seconds=120),
         )
