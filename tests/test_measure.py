@@ -281,15 +281,20 @@ def test_measure_under_expert_parallelism_receives_the_stated_load():
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert experts == moe.num_layers * 3 * moe.num_experts * moe.hidden_size * moe.expert_intermediate_size
     assert out["measured"]["parameters"] == 2 * (total - experts + experts // ep)
-    rows = {r["component"]: r for r in out["rows"]}
-    for key in ("parameters", "gradients", "optimizer_states"):
-        assert rows[key]["estimated"] == rows[key]["measured"], key
-    ratio = rows["total (peak)"]["ratio"]
+    ratio = _states_exact_peak_ratio(out)
     print(f"tiny-moe dp2 ep2 rank 0: estimated / measured {ratio:.4f}, rows received {out['expert_rows']}")
     assert abs(ratio - 1) <= 0.02
     # the answer spreads the rows over every (source, local expert) pair, as evenly as integers allow
     got = spread_counts(13, torch.zeros(8, dtype=torch.int64))
     assert got.sum() == 13 and got.max() - got.min() == 1
+
+
+def _states_exact_peak_ratio(out: dict) -> float:
+    """Check a ``measure --json`` record's model states equal the estimate's; return its peak's estimated / measured."""
+    rows = {r["component"]: r for r in out["rows"]}
+    for key in ("parameters", "gradients", "optimizer_states"):
+        assert rows[key]["estimated"] == rows[key]["measured"], key
+    return rows["total (peak)"]["ratio"]
 
 
 def test_measure_with_experts_folded_over_tp():
@@ -307,9 +312,6 @@ def test_measure_with_experts_folded_over_tp():
     out = _measure_cli(args, 0, "bf16-mixed")
     stated = math.ceil(DEFAULT_EXPERT_LOAD_IMBALANCE * (512 // 2) * moe.num_experts_per_token)
     assert out["expert_rows"] == out["measured"]["received_rows"] == stated
-    rows = {r["component"]: r for r in out["rows"]}
-    for key in ("parameters", "gradients", "optimizer_states"):
-        assert rows[key]["estimated"] == rows[key]["measured"], key
-    ratio = rows["total (peak)"]["ratio"]
+    ratio = _states_exact_peak_ratio(out)
     print(f"tiny-moe dp2 tp2 ep4 ZeRO 3 rank 0: estimated / measured {ratio:.4f}")
     assert abs(ratio - 1) <= 0.03

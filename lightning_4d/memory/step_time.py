@@ -136,6 +136,7 @@ __all__ = [
     "attention_efficiency",
     "gemm_efficiency",
     "offload_exposed",
+    "with_float8",
     "predict_step_time",
     "step_time_of",
     "step_time_parts",
@@ -593,7 +594,7 @@ def predict_step_time(
         gpus_per_node=gpus_per_node,
     )
     if pc.float8 is not None:
-        step = _with_float8(step, model_config, pc, micro_batch_size, num_microbatches, seq_length, gpu, gpus_per_node)
+        step = with_float8(step, model_config, pc, micro_batch_size, num_microbatches, seq_length, gpu, gpus_per_node)
     if not pc.activation_offload_layers:
         return step
     return dataclasses.replace(
@@ -632,7 +633,7 @@ def offload_exposed(
     return worst
 
 
-def _with_float8(
+def with_float8(
     step: StepTime, cfg: Any, pc: ParallelConfig, b: int, m: int, s: int, gpu: Any, gpus_per_node: int
 ) -> StepTime:
     """``step`` with the decoder layers' matmuls at :data:`~lightning_4d.memory.float8.FLOAT8_MATMUL_SPEEDUP` times
