@@ -8,7 +8,7 @@ Step time: for each (preset, b, s), ``--steps`` optimizer steps (the first ``--w
 - ``ours``: :class:`~lightning_4d.tasks.CausalLMModule` under ``Trainer(strategy=FourDStrategy(data_parallel_size=1,
   zero_stage=0, activation_checkpointing=...), precision="bf16-mixed")`` (bf16 weights + float32 master weights),
   with ``none`` and ``selective`` checkpointing, and ``offload``: no checkpointing, half the layers' activations in
-  host memory (``activation_offload_layers``: the measured cost of its synchronous copies); ``compile``: no
+  host memory (``activation_offload_layers``: its copies overlapped on side streams); ``compile``: no
   checkpointing, ``compile=True`` (each decoder layer ``torch.compile``d, the compilation inside the warm-up steps),
   and ``compile_offload``: that with the offload; ``compile_float8_<recipe>``: ``compile=True`` with
   ``float8="tensorwise"`` / ``"rowwise"`` (torchao's float8 linears, the extra ``lightning-4d[float8]``; set by
@@ -37,6 +37,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -52,7 +53,9 @@ def _flash(device: str):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
-def _batches(vocab: int, b: int, s: int, n: int, device: str):
+def batches(vocab: int, b: int, s: int, n: int):
+    """``n`` batches of ``b x s`` random tokens (seed 0) with their next-token labels, as ``CausalLMModule`` takes
+    them (on the CPU: the Trainer moves them)."""
     g = torch.Generator().manual_seed(0)
     for _ in range(n):
         ids = torch.randint(0, vocab, (b, s + 1), generator=g)
@@ -84,7 +87,7 @@ def plain(cfg, b: int, s: int, steps: int, warmup: int, device: str) -> dict:
     model = LlamaModel(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     times = []
-    for batch in _batches(cfg.vocab_size, b, s, steps, device):
+    for batch in batches(cfg.vocab_size, b, s, steps):
         ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
         _sync(device)
         t0 = time.perf_counter()
@@ -100,6 +103,59 @@ def plain(cfg, b: int, s: int, steps: int, warmup: int, device: str) -> dict:
     return out
 
 
+def timed_fit(
+    module: Any,
+    strategy: Any,
+    data: Iterable[dict],
+    device: str,
+    precision: str,
+    clock: Callable[[], float] = time.perf_counter,
+    on_batch_start: Optional[Callable[[int], None]] = None,
+) -> tuple[list[float], Any]:
+    """Fit ``module`` under ``Trainer(strategy=strategy, precision=precision)`` on one ``device``, one step per batch
+    of ``data`` (no validation, logging, checkpointing or progress bar), and time every step from
+    ``on_train_batch_start`` to ``on_train_batch_end`` by ``clock`` (seconds; the device synchronized at both ends).
+    ``on_batch_start(batch_idx)`` runs before each step's clock starts. Returns (the step times, the Trainer)."""
+    import lightning as L
+    from torch.utils.data import DataLoader, IterableDataset
+
+    batch_list = list(data)
+    times: list[float] = []
+
+    class Tokens(IterableDataset):
+        def __iter__(self):
+            return iter(batch_list)
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if on_batch_start is not None:
+                on_batch_start(batch_idx)
+            _sync(device)
+            self.t0 = clock()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            _sync(device)
+            times.append(clock() - self.t0)
+
+    trainer = L.Trainer(
+        accelerator=device,
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=len(batch_list),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[Timer()],
+    )
+    trainer.fit(module, DataLoader(Tokens(), batch_size=None))
+    return times, trainer
+
+
 def ours(
     cfg,
     b: int,
@@ -112,26 +168,8 @@ def ours(
     compile: bool = False,
     float8: str | None = None,
 ) -> dict:
-    import lightning as L
-    from torch.utils.data import DataLoader, IterableDataset
-
     from lightning_4d import FourDStrategy
     from lightning_4d.tasks import CausalLMModule
-
-    class Tokens(IterableDataset):
-        def __iter__(self):
-            return _batches(cfg.vocab_size, b, s, steps, device)
-
-    times: list[float] = []
-
-    class Timer(L.Callback):
-        def on_train_batch_start(self, *args) -> None:
-            _sync(device)
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, *args) -> None:
-            _sync(device)
-            times.append(time.perf_counter() - self.t0)
 
     _reset(device)
     module = CausalLMModule(cfg, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
@@ -144,22 +182,7 @@ def ours(
         float8=float8,
         memory_check=False,
     )
-    trainer = L.Trainer(
-        accelerator=device,
-        devices=1,
-        strategy=strategy,
-        precision="bf16-mixed",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        callbacks=[Timer()],
-    )
-    trainer.fit(module, DataLoader(Tokens(), batch_size=None))
+    times, trainer = timed_fit(module, strategy, batches(cfg.vocab_size, b, s, steps), device, "bf16-mixed")
     out = {
         "step_s": statistics.median(times[warmup:]),
         "peak_gib": _peak(device),

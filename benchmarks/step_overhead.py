@@ -41,13 +41,6 @@ torch.set_num_threads(1)
 NAMES = ("ours_default", "ours_4d", "hf_default", "hf_4d")
 
 
-def _batches(vocab: int, b: int, s: int, n: int):
-    g = torch.Generator().manual_seed(0)
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (b, s + 1), generator=g)
-        yield {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-
-
 def _hf_module(cfg):
     """A LightningModule holding a transformers LlamaForCausalLM of ``cfg``'s dimensions (what a user writes)."""
     import lightning as L
@@ -83,27 +76,16 @@ def _hf_module(cfg):
 
 def fit(name: str, cfg, b: int, s: int, steps: int, warmup: int, profile: bool, cpu_time: bool) -> list[float]:
     """One fit; returns the step times (seconds: wall, or this process's CPU time) after ``warmup``."""
-    import lightning as L
-    from torch.utils.data import DataLoader, IterableDataset
+    from gpu_step_time import batches, timed_fit  # benchmarks/ is the script's folder: on sys.path
 
     from lightning_4d import FourDStrategy
     from lightning_4d.tasks import CausalLMModule
 
-    class Tokens(IterableDataset):
-        def __iter__(self):
-            return _batches(cfg.vocab_size, b, s, steps)
-
-    times: list[float] = []
     profiler = cProfile.Profile() if profile else None
 
-    class Timer(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if profiler is not None and batch_idx == warmup:
-                profiler.enable()
-            self.t0 = time.process_time() if cpu_time else time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            times.append((time.process_time() if cpu_time else time.perf_counter()) - self.t0)
+    def start_profile(batch_idx: int) -> None:
+        if profiler is not None and batch_idx == warmup:
+            profiler.enable()
 
     torch.manual_seed(0)
     if name.startswith("ours"):
@@ -111,22 +93,9 @@ def fit(name: str, cfg, b: int, s: int, steps: int, warmup: int, profile: bool, 
     else:
         module = _hf_module(cfg)
     strategy = FourDStrategy(data_parallel_size=1, zero_stage=0, memory_check=False) if name.endswith("4d") else "auto"
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        callbacks=[Timer()],
-    )
-    trainer.fit(module, DataLoader(Tokens(), batch_size=None))
+    clock = time.process_time if cpu_time else time.perf_counter
+    data = batches(cfg.vocab_size, b, s, steps)
+    times, _ = timed_fit(module, strategy, data, "cpu", "32-true", clock=clock, on_batch_start=start_profile)
     if profiler is not None:
         profiler.disable()
         print(f"\n--- cProfile of {name}, steps {warmup}..{steps - 1} (cumulative, then own time) ---")
