@@ -24,7 +24,7 @@ instead of average, pytorch issue 162338; the parity tests check this).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -74,13 +74,8 @@ def apply_fsdp(
     next, over ``dp_cp_tp``: its reduce-scatter sums the tp ranks' partial gradients and averages over dp·cp (divided
     by D, :func:`lightning_4d.parallel.moe.shard_token_units`), and its states are sharded over dp·cp·tp ranks.
 
-    Stacked expert weights (:func:`~lightning_4d.parallel.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
-    under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``, or under tp in their MoE
-    layer's unit over ``dp_cp_tp``) are sharded on dim 1
-    (FSDP2's ``shard_placement_fn`` returning ``Shard(1)``) when their group's size does not divide ``E_local`` and
-    divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for ``dp_shard·ep >
-    num_experts``): each rank holds ``d1/G`` rows of every local expert instead of ``ceil(E_local/G)`` padded whole
-    experts. Every other parameter is sharded on dim 0 (FSDP2's default).
+    Stacked expert weights are sharded on dim 1 where their group does not divide their experts
+    (:func:`_unit_options`); every other parameter on dim 0 (FSDP2's default).
 
     Args:
         model: the module (DTensor tensor-parallel parameters are fine: FSDP2 shards their local dim 0).
@@ -119,16 +114,10 @@ def apply_fsdp(
     expert_weights = stacked_expert_weights(model)  # held: FSDP2 replaces them, and their ids must not be reused
     experts = {id(p) for p in expert_weights}
     if expert_mesh is not None:  # the MoE component's units first, over edp (docstring)
-        fn = _shard_placement(model, experts, expert_mesh)
-        options = {**kw, "mesh": expert_mesh, **({"shard_placement_fn": fn} if fn else {})}
-        moe.shard_expert_units(model, options, dp_cp_mesh.size())
+        moe.shard_expert_units(model, _unit_options(kw, model, experts, expert_mesh), dp_cp_mesh.size())
     if token_mesh is not None:  # then the MoE layers run token parallel under tp, over dp_cp_tp (docstring)
-        fn = _shard_placement(model, experts, token_mesh)
-        options = {**kw, "mesh": token_mesh, **({"shard_placement_fn": fn} if fn else {})}
-        moe.shard_token_units(model, options, dp_cp_mesh.size())
-    fn = _shard_placement(model, experts, dp_cp_mesh)  # without ep the experts are sharded with their block, over dp_cp
-    if fn:
-        kw["shard_placement_fn"] = fn
+        moe.shard_token_units(model, _unit_options(kw, model, experts, token_mesh), dp_cp_mesh.size())
+    kw = _unit_options(kw, model, experts, dp_cp_mesh)  # without ep the experts are sharded with their block
     dense = [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
     for unit in [*dense, root] if hasattr(root, "set_gradient_divide_factor") else []:
@@ -151,24 +140,34 @@ def _mixed_precision_policy(param_dtype: Optional[torch.dtype], reduce_dtype: Op
     )
 
 
-def _shard_placement(
-    model: nn.Module, experts: set[int], mesh: DeviceMesh
-) -> Optional[Callable[[nn.Parameter], Optional[Shard]]]:
-    """FSDP2's ``shard_placement_fn`` over ``mesh`` (:func:`apply_fsdp`): ``Shard(expert_shard_dim(...))`` for a
-    stacked expert weight (``id`` in ``experts``), FSDP2's default ``Shard(0)`` (``None``) for every other parameter;
-    ``None`` (no function) when no expert weight of ``model`` is sharded on dim 1."""
+def _unit_options(kw: dict[str, Any], model: nn.Module, experts: set[int], mesh: DeviceMesh) -> dict[str, Any]:
+    """``fully_shard`` options ``kw`` over ``mesh`` (:func:`apply_fsdp`), with FSDP2's ``shard_placement_fn`` when a
+    stacked expert weight of ``model`` (``id`` in ``experts``) is sharded on dim 1.
+
+    Stacked expert weights (:func:`~lightning_4d.parallel.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
+    under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``, or under tp in their MoE
+    layer's unit over ``dp_cp_tp``) are sharded on dim 1 (``Shard(1)``) when their group's size does not divide
+    ``E_local`` and divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for
+    ``dp_shard·ep > num_experts``): each rank holds ``d1/G`` rows of every local expert instead of ``ceil(E_local/G)``
+    padded whole experts. Every other parameter: FSDP2's default ``Shard(0)``; no function at all when no expert
+    weight is sharded on dim 1.
+
+    Raises:
+        RuntimeError: an expert weight needs dim 1 on a torch whose ``fully_shard`` has no ``shard_placement_fn``.
+    """
 
     def dim(p: nn.Parameter) -> int:
         return expert_shard_dim(tuple(_local(p).shape), mesh.size()) if id(p) in experts else 0
 
+    options = {**kw, "mesh": mesh}
     if not any(dim(p) for p in model.parameters()):
-        return None
+        return options
     if not FULLY_SHARD_PLACEMENT_FN:  # pragma: no cover - torch without shard_placement_fn
         raise RuntimeError(
             f"torch {torch.__version__}: fully_shard has no shard_placement_fn argument, needed to shard expert "
             f"weights whose {mesh.size()}-rank group does not divide their experts (dim 0) on dim 1"
         )
-    return lambda p: Shard(1) if dim(p) == 1 else None
+    return {**options, "shard_placement_fn": lambda p: Shard(1) if dim(p) == 1 else None}
 
 
 def reduced_by_fsdp(p: Tensor) -> bool:
