@@ -190,10 +190,6 @@ class ActivationOffload(saved_tensors_hooks):
         self.prefetched_by_next = False
         super().__init__(self._pack, self._unpack)
 
-    def __enter__(self) -> "ActivationOffload":
-        self._copies = None
-        return super().__enter__()
-
     def __exit__(self, *args: Any) -> None:
         copies = self._copies
         if copies is not None and copies.streams is not None:
