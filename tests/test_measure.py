@@ -13,7 +13,13 @@ Measured (CPU, tiny-test, s=64, b=1, two steps; ``tests/scripts/measure_peak.py`
   reduce-scatters (their buffers live until waited; the fake group's complete at once): dp2 x tp2 ZeRO 3 rank 3 was
   equal in one run and 16,148 B above measure's in another (a fresh-clone CI run on 2 loaded cores). The test
   allows one FSDP2 layer unit in flight: its tp-local unsharded parameters in the compute dtype and gradients in
-  float32 (18,560 elements of tiny-test at tp2: 111,360 B).
+  float32 (18,560 elements of tiny-test at tp2: 111,360 B);
+- gloo's own threads drop the last reference to a few storages (1-3 per rank and run, freed on non-Python threads),
+  later than the main thread would: a late free only adds to the real peak, by how much depends on the machine's
+  load. A fresh-clone CI run on 2 loaded cores measured 1,210,680 B on the last stage of pp2 x dp2 ZeRO 1 (32-true),
+  36,996 B above measure's 1,173,684 B; three launches on this machine measured 1,173,684 B, measure's figure. So a
+  run whose peak exceeds the bound is launched again (:data:`REAL_LAUNCHES` in all) and each rank's smallest peak
+  is compared.
 """
 
 from __future__ import annotations
@@ -73,40 +79,62 @@ def _measure_cli(args: list[str], rank: int, precision: str) -> dict:
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
 
 
+#: launches of the real run at most: a run whose peak exceeds the bound on a compared rank is launched again, and
+#: each rank's peak is the smallest seen (module docstring: gloo's threads free a few storages late, which only adds)
+REAL_LAUNCHES = 3
+
+
+def _allowance(pc: ParallelConfig, rank: int, precision: str) -> int:
+    """The bytes a real run's peak may exceed measure's on ``rank`` (module docstring)."""
+    allowance = 0
+    if pc.pp > 1 and rank_coordinates(pc, rank)["pp"] > 0:  # a stage that sends gradients back
+        allowance = 1 * 64 * TINY.hidden_size * (4 if precision == "32-true" else 2)
+    if pc.zero_stage >= 2:  # one FSDP2 unit in flight
+        h, d, f, t = TINY.hidden_size, TINY.head_dim, TINY.intermediate_size, pc.tp
+        unit = (2 * TINY.num_heads * d * h + 2 * TINY.num_kv_heads * d * h + 3 * f * h) // t + 2 * h
+        allowance += unit * (2 + 4)
+    return allowance
+
+
 @pytest.mark.parametrize("args, layout, precision, ranks", LAYOUTS)
 def test_measure_equals_the_real_multi_process_run(tmp_path, args, layout, precision, ranks):
-    torchrun(
-        4, SCRIPTS / "measure_peak.py", "--out", str(tmp_path), "--layout", json.dumps(layout), "--precision", precision
-    )
     pc = ParallelConfig(**layout)
-    peaks = {r: json.loads((tmp_path / f"rank{r}.json").read_text())["peak_allocated"] for r in range(4)}
+    outs = {rank: _measure_cli(args, rank, precision) for rank in ranks}
+    bound = {rank: outs[rank]["measured"]["peak_allocated"] + _allowance(pc, rank, precision) for rank in ranks}
+    runs: list[dict[int, dict]] = []
+    while len(runs) < REAL_LAUNCHES and (not runs or any(min_peak(runs, r) > bound[r] for r in ranks)):
+        out = tmp_path / f"launch{len(runs)}"
+        out.mkdir()
+        torchrun(
+            4, SCRIPTS / "measure_peak.py", "--out", str(out), "--layout", json.dumps(layout), "--precision", precision
+        )
+        runs.append({r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)})
+    peaks = {r: min_peak(runs, r) for r in range(4)}
+    launches = [[run[r]["peak_allocated"] for r in range(4)] for run in runs]
+    print(f"{layout} {precision}: real peaks of {len(runs)} launch(es) {launches}")
     if pc.pp > 1:  # measure's default rank is the one the real run shows the largest peak on (its stage)
         worst = worst_rank(TINY, pc, 1, 64, precision, device_type="cpu")
         print(f"{layout}: real peaks {peaks}; worst_rank {worst}")
         stage = rank_coordinates(pc, worst)["pp"]
         assert max(v for r, v in peaks.items() if rank_coordinates(pc, r)["pp"] == stage) == max(peaks.values())
     for rank in ranks:
-        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        out = _measure_cli(args, rank, precision)
-        fake = out["measured"]
+        real, fake = runs[0][rank], outs[rank]["measured"]
         print(
-            f"{layout} {precision} rank {rank}: real peak {real['peak_allocated']:,} B, measure "
+            f"{layout} {precision} rank {rank}: real peak {peaks[rank]:,} B, measure "
             f"{fake['peak_allocated']:,} B; optimizer states {real['optimizer_states']:,} B"
         )
         for key in ("parameters", "gradients", "optimizer_states", "master_weights"):
             assert fake[key] == real[key], (rank, key)
         # and they are what the estimate says (the states of tests/test_memory_model.py)
-        rows = {r["component"]: r for r in out["rows"]}
+        rows = {r["component"]: r for r in outs[rank]["rows"]}
         for key in ("parameters", "gradients", "optimizer_states"):
             assert rows[key]["estimated"] == rows[key]["measured"], (rank, key)
-        allowance = 0
-        if pc.pp > 1 and rank_coordinates(pc, rank)["pp"] > 0:  # a stage that sends gradients back (docstring)
-            allowance = 1 * 64 * TINY.hidden_size * (4 if precision == "32-true" else 2)
-        if pc.zero_stage >= 2:  # one FSDP2 unit in flight (docstring)
-            h, d, f, t = TINY.hidden_size, TINY.head_dim, TINY.intermediate_size, pc.tp
-            unit = (2 * TINY.num_heads * d * h + 2 * TINY.num_kv_heads * d * h + 3 * f * h) // t + 2 * h
-            allowance += unit * (2 + 4)
-        assert fake["peak_allocated"] <= real["peak_allocated"] <= fake["peak_allocated"] + allowance, rank
+        assert fake["peak_allocated"] <= peaks[rank] <= bound[rank], rank
+
+
+def min_peak(runs: list[dict[int, dict]], rank: int) -> int:
+    """The smallest real peak of ``rank`` over the launches ``runs`` (bytes)."""
+    return min(run[rank]["peak_allocated"] for run in runs)
 
 
 def test_rank_coordinates_follow_the_mesh_order():
