@@ -36,8 +36,9 @@ consecutive global ranks (``mesh.py``: dims ``("pp", "dp", "cp", "tp")``, tp inn
 per node the exchange stays on NVLink, else each GPU sends ``(g−1)/ep·n`` bytes over NVLink to the ``g =
 gpus_per_node`` group members of its node and ``(ep−g)/ep·n`` over its NIC, the two at once (the slower sets the
 time) with the inter-node α. Plus, per MoE layer forward, the counts' all-to-all (``E`` integers: latency
-only) and the load-balancing counts' all-reduce over ``dp_cp`` (``E + 2`` integers: ``2·⌈log₂ D⌉·α``, recursive
-doubling, Thakur et al. 2005 §4.4). Data parallel with ep: the dense parameters' gradients go over D ranks, the expert
+only) and the load-balancing counts' all-reduce over the ranks that route tokens, ``dp_cp_tp`` (``E + 2`` integers:
+``2·⌈log₂(D·tp)⌉·α``, recursive doubling, Thakur et al. 2005 §4.4); under tp also the router probabilities' mean over
+tp (``E`` floats, an all-reduce forward and one backward: ``2·⌈log₂ tp⌉·α`` each). Data parallel with ep: the dense parameters' gradients go over D ranks, the expert
 parameters' (``E/ep`` experts per GPU) over the expert data-parallel group of ``D·tp/ep`` ranks; ZeRO shards each
 over its own group.
 
@@ -357,9 +358,11 @@ def layer_times(
     one = all_to_all_time(routed * top * h * c, ep, gpu, gpus_per_node)
     inside = gpus_per_node % ep == 0
     counts = (ep - 1) * LINK_LATENCY[0 if inside else 1] if ep > 1 else 0.0
-    balance = 2 * math.ceil(math.log2(dd)) * link(gpu, tp * dd <= gpus_per_node)[1] if dd > 1 else 0.0
-    forward = frac * (2 * one + counts + balance)
-    return t_mm, t_pw, forward, forward + frac * 2 * one
+    routing = tp * dd  # the ranks that route tokens (dp_cp_tp): the load-balancing counts' all-reduce
+    balance = 2 * math.ceil(math.log2(routing)) * link(gpu, routing <= gpus_per_node)[1] if routing > 1 else 0.0
+    tp_mean = 2 * math.ceil(math.log2(tp)) * link(gpu, tp <= gpus_per_node)[1] if tp > 1 else 0.0
+    forward = frac * (2 * one + counts + balance + tp_mean)
+    return t_mm, t_pw, forward, forward + frac * (2 * one + tp_mean)
 
 
 def data_parallel_terms(
