@@ -38,7 +38,8 @@ gpus_per_node`` group members of its node and ``(ep−g)/ep·n`` over its NIC, t
 time) with the inter-node α. Plus, per MoE layer forward, the counts' all-to-all (``E`` integers: latency
 only) and the load-balancing counts' all-reduce over the ranks that route tokens, ``dp_cp_tp`` (``E + 2`` integers:
 ``2·⌈log₂(D·tp)⌉·α``, recursive doubling, Thakur et al. 2005 §4.4); under tp also the router probabilities' mean over
-tp (``E`` floats, an all-reduce forward and one backward: ``2·⌈log₂ tp⌉·α`` each). Data parallel with ep: the dense parameters' gradients go over D ranks, the expert
+tp (``E`` floats, an all-reduce forward and one backward: ``2·⌈log₂ tp⌉·α`` each).
+Data parallel with ep: the dense parameters' gradients go over D ranks, the expert
 parameters' (``E/ep`` experts per GPU) over the expert data-parallel group of ``D·tp/ep`` ranks; ZeRO shards each
 over its own group.
 
