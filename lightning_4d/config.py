@@ -23,7 +23,8 @@ from lightning_4d.layout import (  # the choices live with the layout registry; 
     POWERSGD_COMM_DTYPES,
     ZERO_STAGES,
 )
-from lightning_4d.models.config import _divisors, check_moe_layout
+from lightning_4d.models.config import _divisors
+from lightning_4d.moe_rules import check_float8, check_moe_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.config import LlamaConfig
@@ -649,8 +650,8 @@ class ParallelConfig:
         return replace(self)._check_ep()
 
     def _check_ep(self) -> "ParallelConfig":
-        """``self`` once the MoE rules of the resolved sizes hold (:func:`~lightning_4d.models.config
-        .check_moe_layout`: ep divides dp·cp·tp).
+        """``self`` once the MoE rules of the resolved sizes hold (:func:`~lightning_4d.moe_rules.check_moe_layout`:
+        ep divides dp·cp·tp).
 
         Raises:
             ValueError: they do not."""
@@ -662,10 +663,10 @@ class ParallelConfig:
 
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
-                split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1; a
-                Mixture-of-Experts model with tp > 1 at ZeRO 2/3 or with PowerSGD (``docs/moe.md``); ep > 1 for a
-                dense model, or an ep that does not divide ``num_experts``; ``context_parallel_method="alltoall"``
-                with heads that do not split over tp·cp (:func:`alltoall_heads`).
+                split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1 and PowerSGD;
+                ``float8`` with a dimension of the dense linears not divisible by 16; ``context_parallel_method=
+                "alltoall"`` with heads that do not split over tp·cp (:func:`alltoall_heads`); the MoE rules of
+                :mod:`lightning_4d.moe_rules` (``docs/moe.md``).
         """
         tp = self.tp
         valid_tp = [d for d in _divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -713,13 +714,9 @@ class ParallelConfig:
     def _check_float8_dims(self, model_config: "LlamaConfig") -> None:
         """Every dimension of the linears ``float8`` converts divisible by 16 (``torch._scaled_mm``'s requirement;
         torchao's ``_auto_filter_for_recipe`` skips such layers, torchtitan refuses them): the hidden size, the query
-        and kv projections' ``heads * head_dim`` and the FFN size; and a dense model (Mixture-of-Experts: not yet)."""
-        if model_config.num_experts > 0:
-            raise ValueError(
-                f"float8={self.float8!r} is not supported for a Mixture-of-Experts model (num_experts="
-                f"{model_config.num_experts}) yet: its expert matmuls are not linears torchao converts. Use "
-                "float8=None."
-            )
+        and kv projections' ``heads * head_dim`` and the FFN size; after the MoE component's rule
+        (:func:`lightning_4d.moe_rules.check_float8`)."""
+        check_float8(self.float8, model_config)
         dims = {
             "hidden_size": model_config.hidden_size,
             "num_heads*head_dim": model_config.num_heads * model_config.head_dim,
