@@ -375,7 +375,6 @@ def plan(
             message says why).
     """
     _check_job(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, budget, formula, top, fixed)
-    limit = budget * gpu.memory
     timed = _timed_layouts(
         model_config,
         num_gpus,
@@ -389,15 +388,7 @@ def plan(
         tensor_parallel_overlap,
         compile,
     )
-    memory_of = _MemoryOf(
-        model_config,
-        seq_length,
-        precision,
-        formula,
-        limit,
-        include_unfit,
-        {"gpu_name": gpu.name, **(estimate_kw or {})},
-    )
+    memory_of = _MemoryOf.of_plan(model_config, seq_length, gpu, precision, budget, formula, include_unfit, estimate_kw)
     candidate = functools.partial(
         _candidate,
         gpu=gpu,
@@ -535,6 +526,23 @@ class _MemoryOf:
     include_unfit: bool
     estimate_kw: dict[str, Any]
     worst_rank: dict[tuple, int] = field(default_factory=dict)  # per (pp, schedule, v), of the last kept layout
+
+    @classmethod
+    def of_plan(
+        cls,
+        model_config: Any,
+        seq_length: int,
+        gpu: GpuSpec,
+        precision: str,
+        budget: float,
+        formula: str,
+        include_unfit: bool,
+        estimate_kw: Optional[dict[str, Any]],
+    ) -> "_MemoryOf":
+        """The memory side of :func:`plan`, from its arguments: the limit is ``budget · gpu.memory`` bytes, our
+        estimates are made for ``gpu`` (its ``gpu_name``) with the further ``estimate_kw``."""
+        kw = {"gpu_name": gpu.name, **(estimate_kw or {})}
+        return cls(model_config, seq_length, precision, formula, budget * gpu.memory, include_unfit, kw)
 
     def __call__(self, pc: ParallelConfig, b: int, m: int) -> float:
         if self.formula == "fujii2024":
