@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_4d.models.config import _divisors
+from lightning_4d.models.config import divisors
 
 
 def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = False) -> None:
@@ -41,7 +41,7 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
             raise ValueError(
                 f"expert_parallel_size={ep} does not divide dp*cp*tp = {layout.dp}*{layout.cp}*{tp} = "
                 f"{layout.dp_cp * tp}: ep ranks are carved out of the data-parallel ranks and, folded, the tp ranks; "
-                f"valid expert_parallel_size values for this layout: {_divisors(layout.dp_cp * tp)}."
+                f"valid expert_parallel_size values for this layout: {divisors(layout.dp_cp * tp)}."
             )
         return
     moe = getattr(model_config, "is_moe", False)
@@ -54,7 +54,7 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
         raise ValueError(
             f"expert_parallel_size={ep} does not divide num_experts={model_config.num_experts} (each ep rank holds "
             f"num_experts/ep whole experts); valid expert_parallel_size values for this model: "
-            f"{_divisors(model_config.num_experts)}."
+            f"{divisors(model_config.num_experts)}."
         )
     if moe and tp > 1 and layout.gradient_compression == "powersgd":
         raise ValueError(

@@ -625,7 +625,7 @@ class LlamaConfig:
         }
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     """The divisors of ``n`` in increasing order (the valid sizes an error message lists)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
