@@ -23,7 +23,8 @@ from lightning_4d.layout import (  # the choices live with the layout registry; 
     POWERSGD_COMM_DTYPES,
     ZERO_STAGES,
 )
-from lightning_4d.models.config import _divisors, check_moe_layout
+from lightning_4d.models.config import divisors
+from lightning_4d.moe_rules import check_float8, check_moe_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.config import LlamaConfig
@@ -95,7 +96,7 @@ def alltoall_heads(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> tuple
     """
     q, kv = num_heads // tp, num_kv_heads // tp
     if q % cp != 0:
-        valid = [c for c in _divisors(q) if kv % c == 0 or c % kv == 0]
+        valid = [c for c in divisors(q) if kv % c == 0 or c % kv == 0]
         raise ValueError(
             f"context_parallel_method='alltoall' needs the query heads of a tp rank, num_heads/tensor_parallel_size "
             f"= {num_heads}/{tp} = {q}, divisible by context_parallel_size={cp} (heads are split over cp); valid "
@@ -145,8 +146,12 @@ def check_compile(compile: bool, tensor_parallel_size: int, activation_checkpoin
         )
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` when it is an int >= 1 (not a bool); else raise ``ValueError`` naming it."""
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` when it is an int >= 1 (not a bool): the check of every size and count of a layout, and of the
+    memory estimator's and the planner's integer arguments (``name``: the argument, as the message names it).
+
+    Raises:
+        ValueError: ``value`` is not such an int (the message names ``name`` and ``value``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is not valid: expected a positive integer (1, 2, 4, ...).")
     return value
@@ -280,11 +285,11 @@ class ParallelConfig:
         if self.data_parallel_size == -1:
             self.data_parallel_size = "auto"
         if self.data_parallel_size != "auto":
-            _check_positive_int("data_parallel_size", self.data_parallel_size)
-        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        _check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
-        _check_positive_int("context_parallel_size", self.context_parallel_size)
-        _check_positive_int("expert_parallel_size", self.expert_parallel_size)
+            check_positive_int("data_parallel_size", self.data_parallel_size)
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_positive_int("context_parallel_size", self.context_parallel_size)
+        check_positive_int("expert_parallel_size", self.expert_parallel_size)
 
     def _check_choices(self) -> None:
         """The fields with a fixed set of values (ZeRO stage, checkpointing, schedule, cp method, compression)."""
@@ -313,7 +318,7 @@ class ParallelConfig:
 
     def _check_gradient_compression(self) -> None:
         """PowerSGD's options, and PowerSGD only at ZeRO 0/1."""
-        _check_positive_int("powersgd_rank", self.powersgd_rank)
+        check_positive_int("powersgd_rank", self.powersgd_rank)
         if (
             isinstance(self.powersgd_start_step, bool)
             or not isinstance(self.powersgd_start_step, int)
@@ -345,7 +350,7 @@ class ParallelConfig:
             )
         allowed, _, _ = _SCHEDULE_STAGES[self.pipeline_schedule]
         if self.virtual_pipeline_stages is not None:
-            _check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
+            check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
             if allowed is not None and self.virtual_pipeline_stages not in allowed:
                 fits = [
                     name
@@ -370,7 +375,7 @@ class ParallelConfig:
                 f"{[x for x in PIPELINE_SCHEDULES if x not in ZERO_BUBBLE_SCHEDULES]}."
             )
         if self.num_microbatches is not None:
-            _check_positive_int("num_microbatches", self.num_microbatches)
+            check_positive_int("num_microbatches", self.num_microbatches)
         if self.pipeline_layer_split is not None:
             split = list(self.pipeline_layer_split)
             if not split or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in split):
@@ -575,7 +580,7 @@ class ParallelConfig:
                 )
             return split
         if num_layers % n != 0:
-            valid = [d for d in _divisors(num_layers) if d % self.v == 0 and d // self.v > 0]
+            valid = [d for d in divisors(num_layers) if d % self.v == 0 and d // self.v > 0]
             if num_layers < n:
                 raise ValueError(
                     f"num_layers={num_layers} cannot be split into pp*v = {self.pp}*{self.v} = {n} pipeline stages "
@@ -596,7 +601,7 @@ class ParallelConfig:
         Raises:
             ValueError: m < 1; m < p for 1f1b; m not a multiple of p for interleaved_1f1b; m < 2p for dualpipev.
         """
-        m = _check_positive_int("num_microbatches", num_microbatches)
+        m = check_positive_int("num_microbatches", num_microbatches)
         p, name = self.pp, self.pipeline_schedule
         if p == 1:
             return
@@ -629,14 +634,14 @@ class ParallelConfig:
         Raises:
             ValueError: the world size is not ``pp * dp * cp * tp`` (the message lists layouts that would fit).
         """
-        _check_positive_int("world_size", world_size)
+        check_positive_int("world_size", world_size)
         other = self.pp * self.cp * self.tp
         if self.data_parallel_size == "auto":
             if world_size % other != 0:
                 raise ValueError(
                     f"world size {world_size} is not divisible by pp*cp*tp = {self.pp}*{self.cp}*{self.tp} = {other}, "
                     f"so data_parallel_size='auto' cannot be filled in. Valid tensor_parallel_size values for this "
-                    f"world size (pp=cp=1): {_divisors(world_size)}."
+                    f"world size (pp=cp=1): {divisors(world_size)}."
                 )
             return replace(self, data_parallel_size=world_size // other)._check_ep()
         if self.pp * self.dp * self.cp * self.tp != world_size:
@@ -649,8 +654,8 @@ class ParallelConfig:
         return replace(self)._check_ep()
 
     def _check_ep(self) -> "ParallelConfig":
-        """``self`` once the MoE rules of the resolved sizes hold (:func:`~lightning_4d.models.config
-        .check_moe_layout`: ep divides dp·cp·tp).
+        """``self`` once the MoE rules of the resolved sizes hold (:func:`~lightning_4d.moe_rules.check_moe_layout`:
+        ep divides dp·cp·tp).
 
         Raises:
             ValueError: they do not."""
@@ -662,13 +667,13 @@ class ParallelConfig:
 
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
-                split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1; a
-                Mixture-of-Experts model with tp > 1 at ZeRO 2/3 or with PowerSGD (``docs/moe.md``); ep > 1 for a
-                dense model, or an ep that does not divide ``num_experts``; ``context_parallel_method="alltoall"``
-                with heads that do not split over tp·cp (:func:`alltoall_heads`).
+                split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1 and PowerSGD;
+                ``float8`` with a dimension of the dense linears not divisible by 16; ``context_parallel_method=
+                "alltoall"`` with heads that do not split over tp·cp (:func:`alltoall_heads`); the MoE rules of
+                :mod:`lightning_4d.moe_rules` (``docs/moe.md``).
         """
         tp = self.tp
-        valid_tp = [d for d in _divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
+        valid_tp = [d for d in divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
         if model_config.num_heads % tp != 0:
             raise ValueError(
                 f"num_heads={model_config.num_heads} is not divisible by tensor_parallel_size={tp}; valid "
@@ -713,13 +718,9 @@ class ParallelConfig:
     def _check_float8_dims(self, model_config: "LlamaConfig") -> None:
         """Every dimension of the linears ``float8`` converts divisible by 16 (``torch._scaled_mm``'s requirement;
         torchao's ``_auto_filter_for_recipe`` skips such layers, torchtitan refuses them): the hidden size, the query
-        and kv projections' ``heads * head_dim`` and the FFN size; and a dense model (Mixture-of-Experts: not yet)."""
-        if model_config.num_experts > 0:
-            raise ValueError(
-                f"float8={self.float8!r} is not supported for a Mixture-of-Experts model (num_experts="
-                f"{model_config.num_experts}) yet: its expert matmuls are not linears torchao converts. Use "
-                "float8=None."
-            )
+        and kv projections' ``heads * head_dim`` and the FFN size; after the MoE component's rule
+        (:func:`lightning_4d.moe_rules.check_float8`)."""
+        check_float8(self.float8, model_config)
         dims = {
             "hidden_size": model_config.hidden_size,
             "num_heads*head_dim": model_config.num_heads * model_config.head_dim,
@@ -735,7 +736,7 @@ class ParallelConfig:
 
     def validate_sequence(self, seq_length: int) -> None:
         """Raise ``ValueError`` when ``seq_length`` is not a multiple of :attr:`sequence_divisor`."""
-        _check_positive_int("seq_length", seq_length)
+        check_positive_int("seq_length", seq_length)
         if seq_length % self.sequence_divisor != 0:
             why = []
             if self.sp:

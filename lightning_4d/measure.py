@@ -330,7 +330,7 @@ def fit_and_measure(
 
     states: dict[str, int] = {}
     if strategy is None:
-        strategy = FourDStrategy(**_strategy_kwargs(pc, compile), memory_check=False)
+        strategy = FourDStrategy(**strategy_kwargs(pc, compile), memory_check=False)
     cuda = device == "cuda"
     tracker = LiveTensorBytes("cpu") if not cuda else contextlib.nullcontext()
     library = 0
@@ -428,7 +428,7 @@ def cuda_library_bytes(dtypes: tuple = (torch.float32, torch.bfloat16)) -> int:
     return torch.cuda.memory_allocated()
 
 
-def _strategy_kwargs(pc: ParallelConfig, compile: bool = False) -> dict[str, Any]:
+def strategy_kwargs(pc: ParallelConfig, compile: bool = False) -> dict[str, Any]:
     """FourDStrategy's layout arguments for ``pc`` (every field of :data:`lightning_4d.layout.LAYOUT_FIELDS`), dp
     resolved; ``compile`` on when ``pc`` or the caller asks for it."""
     return dict(config_kwargs(vars(pc)), data_parallel_size=pc.dp, compile=pc.compile or compile)
@@ -485,7 +485,7 @@ def measure_rank(
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     init_fake_process_group(rank, pc.world_size)
     try:
-        strategy = _strategy_class()(**_strategy_kwargs(pc, compile), memory_check=False, process_group_backend="fake")
+        strategy = _strategy_class()(**strategy_kwargs(pc, compile), memory_check=False, process_group_backend="fake")
         strategy.micro_batch_size, strategy.seq_length = micro_batch_size, seq_length
         rows = received_rows(model_config, pc, micro_batch_size, seq_length, imbalance)
         strategy.expert_rows = rows

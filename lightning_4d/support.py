@@ -211,7 +211,7 @@ def validate_row(row: Row) -> None:
     import lightning as L
 
     from lightning_4d.config import check_training_precision
-    from lightning_4d.measure import _strategy_kwargs
+    from lightning_4d.measure import strategy_kwargs
     from lightning_4d.parallel.float8 import validate_float8
     from lightning_4d.parallel.parallelize import validate_against_module
     from lightning_4d.parallel.sharded_optimizer import validate_precision
@@ -221,7 +221,7 @@ def validate_row(row: Row) -> None:
     # it while parsing, with the same message)
     check_training_precision(row.layout.get("precision", DEFAULTS["precision"]))
     args, cfg, pc = _parse(row)
-    strategy = FourDStrategy(**_strategy_kwargs(pc, args.compile), memory_check=False)
+    strategy = FourDStrategy(**strategy_kwargs(pc, args.compile), memory_check=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

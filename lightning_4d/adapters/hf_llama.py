@@ -57,7 +57,7 @@ ATTENTION = "lightning_4d"
 _TP_STYLES = ("colwise", "rowwise")
 
 
-def _is(module: nn.Module, class_name: str) -> bool:
+def has_class_name(module: nn.Module, class_name: str) -> bool:
     """Whether ``module``'s class or a base is named ``class_name`` (FSDP2 subclasses the classes it shards)."""
     return any(c.__name__ == class_name for c in type(module).__mro__)
 
@@ -131,7 +131,7 @@ def reset_rotary(model: nn.Module, device: torch.device) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     for m in model.modules():
-        if _is(m, "LlamaRotaryEmbedding"):
+        if has_class_name(m, "LlamaRotaryEmbedding"):
             kind = getattr(m, "rope_type", "default")
             fn = m.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
             with torch.device("cpu"):
@@ -151,7 +151,7 @@ class HFLlamaFamily(ModelFamily):
     def is_model(self, module: nn.Module) -> bool:
         config = getattr(module, "config", None)
         return (
-            _is(module, "LlamaForCausalLM")
+            has_class_name(module, "LlamaForCausalLM")
             and getattr(config, "model_type", None) == "llama"
             and isinstance(getattr(module, "model", None), nn.Module)
         )
@@ -259,7 +259,7 @@ class HFLlamaFamily(ModelFamily):
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
         group = cp_mesh.get_group()
         for m in model.modules():
-            if _is(m, "LlamaAttention"):
+            if has_class_name(m, "LlamaAttention"):
                 m._lightning_4d_cp = (group, method)
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:

@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_4d.adapters.hf_llama import HFLlamaFamily, _is
-from lightning_4d.parallel.expert import _to_local, shard_experts
+from lightning_4d.adapters.hf_llama import HFLlamaFamily, has_class_name
+from lightning_4d.parallel.expert import differentiable_local, shard_experts
 
 
 class ExpertParallelMixtralExperts(nn.Module):
@@ -58,7 +58,7 @@ class ExpertParallelMixtralExperts(nn.Module):
     def run(self, rows: Tensor, counts: Tensor) -> Tensor:
         """The local experts (``len(counts)`` of them) on ``rows`` ``[N, h]`` grouped by expert (``counts[e]`` rows
         each): ``down[e] (act(gate[e] x) * up[e] x)``, transformers' per-expert math."""
-        gate_up, down = _to_local(self.gate_up_proj), _to_local(self.down_proj)
+        gate_up, down = differentiable_local(self.gate_up_proj), differentiable_local(self.down_proj)
         out, start = [], 0
         for e, n in enumerate(counts.tolist()):  # experts without rows too: see GroupedExperts.run
             gate, up = nn.functional.linear(rows[start : start + n], gate_up[e]).chunk(2, dim=-1)
@@ -90,7 +90,7 @@ class HFMixtralFamily(HFLlamaFamily):
     def is_model(self, module: nn.Module) -> bool:
         config = getattr(module, "config", None)
         return (
-            _is(module, "MixtralForCausalLM")
+            has_class_name(module, "MixtralForCausalLM")
             and getattr(config, "model_type", None) == "mixtral"
             and isinstance(getattr(module, "model", None), nn.Module)
         )
@@ -126,7 +126,7 @@ class HFMixtralFamily(HFLlamaFamily):
         """Every ``MixtralExperts`` becomes an :class:`ExpertParallelMixtralExperts` whose weights are DTensors
         ``Shard(0)`` on ``ep_mesh`` (this rank's ``E/ep`` experts;
         :func:`lightning_4d.parallel.expert.shard_experts`)."""
-        for block in [m for m in model.modules() if _is(m, "MixtralSparseMoeBlock")]:
+        for block in [m for m in model.modules() if has_class_name(m, "MixtralSparseMoeBlock")]:
             experts = ExpertParallelMixtralExperts(block.experts)
             shard_experts(experts, ep_mesh, names=("gate_up_proj", "down_proj"))
             block.experts = experts

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from lightning_4d.config import _check_positive_int
+from lightning_4d.config import check_positive_int
 from lightning_4d.memory.moe import check_dense
 
 __all__ = ["Fujii2024Estimate", "check_dense", "fujii2024_estimate", "fujii2024_from_config", "fujii2024_of_layout"]
@@ -123,19 +123,19 @@ def fujii2024_estimate(
         ValueError: a non-positive (or non-integer) size, ``num_heads`` not divisible by ``num_kv_heads``,
             ``virtual_stages < 1``. The message names the value and what would be valid.
     """
-    h = _check_positive_int("hidden_size", hidden_size)
-    L = _check_positive_int("num_layers", num_layers)
-    V = _check_positive_int("vocab_size", vocab_size)
-    f = _check_positive_int("intermediate_size", intermediate_size)
-    a = _check_positive_int("num_heads", num_heads)
-    k = _check_positive_int("num_kv_heads", num_kv_heads)
-    t = _check_positive_int("tp", tp)
-    p = _check_positive_int("pp", pp)
-    d = _check_positive_int("dp", dp)
-    c = _check_positive_int("cp", cp)
-    s = _check_positive_int("seq_length", seq_length)
-    b = _check_positive_int("micro_batch_size", micro_batch_size)
-    m = None if num_microbatches is None else _check_positive_int("num_microbatches", num_microbatches)
+    h = check_positive_int("hidden_size", hidden_size)
+    L = check_positive_int("num_layers", num_layers)
+    V = check_positive_int("vocab_size", vocab_size)
+    f = check_positive_int("intermediate_size", intermediate_size)
+    a = check_positive_int("num_heads", num_heads)
+    k = check_positive_int("num_kv_heads", num_kv_heads)
+    t = check_positive_int("tp", tp)
+    p = check_positive_int("pp", pp)
+    d = check_positive_int("dp", dp)
+    c = check_positive_int("cp", cp)
+    s = check_positive_int("seq_length", seq_length)
+    b = check_positive_int("micro_batch_size", micro_batch_size)
+    m = None if num_microbatches is None else check_positive_int("num_microbatches", num_microbatches)
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages!r} is not valid: expected an integer >= 1")
     v = virtual_stages

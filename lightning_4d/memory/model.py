@@ -168,7 +168,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, _check_positive_int
+from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
 from lightning_4d.memory import moe
 from lightning_4d.memory.activations import saved_bytes
 from lightning_4d.memory.buffers import Buffers, buffer_terms, initialization_bytes
@@ -232,8 +232,8 @@ def saved_activation_bytes(
             ``expert_load_imbalance`` that is not a number > 0.
     """
     imbalance = moe.check_rank_load(expert_load_imbalance)
-    b = _check_positive_int("micro_batch_size", micro_batch_size)
-    _check_positive_int("seq_length", seq_length)
+    b = check_positive_int("micro_batch_size", micro_batch_size)
+    check_positive_int("seq_length", seq_length)
     pc = with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
     pc.validate_sequence(seq_length)
     dt = Dtypes.for_layout(normalize_precision(precision), model_config, pc, device_type)

@@ -56,15 +56,15 @@ from lightning_4d.config import (
     CONTEXT_PARALLEL_METHODS,
     ZERO_STAGES,
     ParallelConfig,
-    _check_positive_int,
-    _divisors,
     alltoall_heads,
     check_compile,
+    check_positive_int,
 )
 from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 from lightning_4d.memory.step_time import Layout, StepTime, model_dims, step_time_parts
+from lightning_4d.models.config import divisors
 
 __all__ = [
     "Candidate",
@@ -142,8 +142,8 @@ def propose_layer_split(num_layers: int, num_stages: int) -> Optional[list[int]]
     Raises:
         ValueError: fewer layers than stages.
     """
-    _check_positive_int("num_layers", num_layers)
-    _check_positive_int("num_stages", num_stages)
+    check_positive_int("num_layers", num_layers)
+    check_positive_int("num_stages", num_stages)
     if num_layers < num_stages:
         raise ValueError(f"num_layers={num_layers} cannot fill num_stages={num_stages} stages (one layer each).")
     base, extra = divmod(num_layers, num_stages)
@@ -189,21 +189,21 @@ def _layouts(
     (:func:`~lightning_4d.config.check_compile`), each with it on."""
     fixed = fixed or {}
     moe = getattr(model_config, "is_moe", False)
-    for tp in _divisors(min(num_gpus, gpus_per_node)):
+    for tp in divisors(min(num_gpus, gpus_per_node)):
         if num_gpus % tp or fixed.get("tp", tp) != tp:
             continue
-        for pp in _divisors(num_gpus // tp):
+        for pp in divisors(num_gpus // tp):
             if pp > model_config.num_layers:
                 break
             if fixed.get("pp", pp) != pp or (moe and not _pipeline_accepted(model_config, pp)):
                 continue  # not the size asked for, or one validate_model refuses for this MoE model
-            for cp in _divisors(num_gpus // (tp * pp)):
+            for cp in divisors(num_gpus // (tp * pp)):
                 if cp > MAX_CONTEXT_PARALLEL or (cp > 1 and seq_length < 2 * cp * MIN_CONTEXT_CHUNK):
                     break
                 dp = num_gpus // (tp * pp * cp)
                 if global_batch_size % dp or fixed.get("cp", cp) != cp or fixed.get("dp", dp) != dp:
                     continue
-                eps = [e for e in _divisors(dp * cp * tp) if model_config.num_experts % e == 0] if moe else [1]
+                eps = [e for e in divisors(dp * cp * tp) if model_config.num_experts % e == 0] if moe else [1]
                 for sp, ep in ((sp, ep) for sp in ((True, False) if tp > 1 else (False,)) for ep in eps):
                     if fixed.get("ep", ep) != ep:
                         continue
@@ -220,7 +220,7 @@ def _layouts(
                     except ValueError:
                         continue
                     per_rank = global_batch_size // dp
-                    for b in [micro_batch_size] if micro_batch_size else _divisors(per_rank):
+                    for b in [micro_batch_size] if micro_batch_size else divisors(per_rank):
                         if per_rank % b:
                             continue
                         m = per_rank // b
@@ -375,7 +375,6 @@ def plan(
             message says why).
     """
     _check_job(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, budget, formula, top, fixed)
-    limit = budget * gpu.memory
     timed = _timed_layouts(
         model_config,
         num_gpus,
@@ -389,15 +388,7 @@ def plan(
         tensor_parallel_overlap,
         compile,
     )
-    memory_of = _MemoryOf(
-        model_config,
-        seq_length,
-        precision,
-        formula,
-        limit,
-        include_unfit,
-        {"gpu_name": gpu.name, **(estimate_kw or {})},
-    )
+    memory_of = _MemoryOf.of_plan(model_config, seq_length, gpu, precision, budget, formula, include_unfit, estimate_kw)
     candidate = functools.partial(
         _candidate,
         gpu=gpu,
@@ -429,12 +420,12 @@ def _check_job(
     unknown = set(fixed or {}) - {"tp", "pp", "cp", "dp", "ep", "zero_stage"}
     if unknown:
         raise ValueError(f"fixed={fixed!r}: unknown keys {sorted(unknown)}; valid: tp, pp, cp, dp, ep, zero_stage.")
-    _check_positive_int("num_gpus", num_gpus)
-    _check_positive_int("gpus_per_node", gpus_per_node)
-    _check_positive_int("seq_length", seq_length)
-    _check_positive_int("global_batch_size", global_batch_size)
+    check_positive_int("num_gpus", num_gpus)
+    check_positive_int("gpus_per_node", gpus_per_node)
+    check_positive_int("seq_length", seq_length)
+    check_positive_int("global_batch_size", global_batch_size)
     if top is not None:
-        _check_positive_int("top", top)
+        check_positive_int("top", top)
     if not 0 < budget <= 1:
         raise ValueError(f"budget={budget!r} is not valid: expected a fraction in (0, 1], e.g. 0.8.")
     if num_gpus > gpus_per_node and num_gpus % gpus_per_node:
@@ -460,7 +451,7 @@ def _check_job(
         if num_gpus % product:
             raise ValueError(f"fixed sizes {fixed} do not divide num_gpus={num_gpus}.")
         if "ep" in fixed and (num_gpus // pinned.pp) % pinned.ep:
-            valid = [e for e in _divisors(num_gpus // pinned.pp) if model_config.num_experts % e == 0]
+            valid = [e for e in divisors(num_gpus // pinned.pp) if model_config.num_experts % e == 0]
             raise ValueError(
                 f"expert_parallel_size={pinned.ep} divides no dp*cp*tp of {num_gpus} GPUs with pp={pinned.pp}: "
                 f"valid expert_parallel_size values here: {valid}."
@@ -535,6 +526,23 @@ class _MemoryOf:
     include_unfit: bool
     estimate_kw: dict[str, Any]
     worst_rank: dict[tuple, int] = field(default_factory=dict)  # per (pp, schedule, v), of the last kept layout
+
+    @classmethod
+    def of_plan(
+        cls,
+        model_config: Any,
+        seq_length: int,
+        gpu: GpuSpec,
+        precision: str,
+        budget: float,
+        formula: str,
+        include_unfit: bool,
+        estimate_kw: Optional[dict[str, Any]],
+    ) -> "_MemoryOf":
+        """The memory side of :func:`plan`, from its arguments: the limit is ``budget · gpu.memory`` bytes, our
+        estimates are made for ``gpu`` (its ``gpu_name``) with the further ``estimate_kw``."""
+        kw = {"gpu_name": gpu.name, **(estimate_kw or {})}
+        return cls(model_config, seq_length, precision, formula, budget * gpu.memory, include_unfit, kw)
 
     def __call__(self, pc: ParallelConfig, b: int, m: int) -> float:
         if self.formula == "fujii2024":

@@ -103,7 +103,7 @@ class ExpertDispatch:
         self.received_rows = 0
 
     def __call__(self, experts: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
-        weights = [_to_local(w) for w in (experts.w1, experts.w3, experts.w2)]
+        weights = [differentiable_local(w) for w in (experts.w1, experts.w3, experts.w2)]
         return self.exchange(x, counts, lambda rows, local_counts: experts.run(rows, local_counts, *weights))
 
     def exchange(self, x: Tensor, counts: Tensor, compute: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
@@ -128,7 +128,7 @@ class ExpertDispatch:
         return all_to_all(y[back], input_splits, output_splits, self.group)
 
 
-def _to_local(w: Tensor) -> Tensor:
+def differentiable_local(w: Tensor) -> Tensor:
     """The local shard of a DTensor weight, differentiable (its gradient comes back as a DTensor of the same
     placements); a plain tensor as it is."""
     from torch.distributed.tensor import DTensor

@@ -76,7 +76,7 @@ def _buckets(
             start += length
 
 
-class _Bucket:
+class Bucket:
     """One communication bucket: parameters in backward order and a flat gradient buffer ``[padded]`` holding their
     gradients back to back (``padded`` = their local elements rounded up to a multiple of the group size), reduced
     over ``group`` (``dp_cp``, or a :class:`GradientGroup`'s) of ``world`` ranks, this one ``rank``; ``index``: 0 for
@@ -204,7 +204,7 @@ class GradientBuckets:
             return index_of.get(id(p), 0)
 
         self.buckets = [
-            _Bucket(ps, grad_dtype or _local(ps[0]).dtype, self.gradient_groups[group_of(ps[0])].group, group_of(ps[0]))
+            Bucket(ps, grad_dtype or _local(ps[0]).dtype, self.gradient_groups[group_of(ps[0])].group, group_of(ps[0]))
             for ps in _buckets(self.params[::-1], bucket_bytes, key=_local, group_of=group_of)
         ]
         self._reduces = any(b.world > 1 for b in self.buckets)
@@ -276,7 +276,7 @@ class GradientBuckets:
         """The flat gradient buffers that exist now (for byte counts)."""
         return [b.buffer for b in self.buckets if b.buffer is not None]
 
-    def bucket_of(self, p: Tensor) -> tuple[_Bucket, int]:
+    def bucket_of(self, p: Tensor) -> tuple[Bucket, int]:
         """(the bucket holding ``p``, ``p``'s offset in it)."""
         b = self.buckets[self._bucket_of[id(p)]]
         return b, b.offsets[id(p)]
@@ -341,7 +341,7 @@ class GradientBuckets:
         if self._ready[i] == len(self.buckets[i].params):
             self._launch(i)
 
-    def _zero_missing(self, b: _Bucket) -> None:
+    def _zero_missing(self, b: Bucket) -> None:
         """Zero the slices of ``b``'s parameters that got no gradient this step (not the last step's values)."""
         for p in b.params:
             if id(p) in self._fresh:

@@ -22,8 +22,10 @@ parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.
   declared to the ZeRO 0/1 buckets as :class:`~lightning_4d.parallel.grad_buffers.GradientGroup`: the experts over
   the ranks holding the same experts, the MoE layers' other parameters under tp (run token parallel) over
   ``dp_cp x tp``;
-- **ZeRO 2/3 under ep** (:func:`shard_expert_units`, called by :func:`lightning_4d.parallel.fsdp.apply_fsdp`): the
-  experts' FSDP2 units over ``edp`` and their gradient division (:func:`average_expert_gradients`);
+- **ZeRO 2/3** (:func:`shard_units`, called by :func:`lightning_4d.parallel.fsdp.apply_fsdp`): under ep the
+  experts' FSDP2 units over ``edp`` (:func:`shard_expert_units`) and their gradient division
+  (:func:`average_expert_gradients`), under tp the MoE layers' over ``dp_cp_tp`` (:func:`shard_token_units`), and
+  the dimension FSDP2 shards stacked expert weights on (:class:`ExpertPlacement`);
 - **metering** (:func:`comm_groups`, :data:`ALL_TO_ALL_DIMS`, for :class:`~lightning_4d.parallel.comm.CommMeter`)
   and ``lightning-4d measure``'s answer to the count exchange (:func:`answer_count_exchange`, :func:`received_rows`);
 - **training** (:class:`MoETraining`, a LightningModule mixin): the load-balancing loss' gradient scale per step and
@@ -43,10 +45,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_4d.parallel._compat import attached_trainer
-from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter
+from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
+from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.parallel.grad_buffers import GradientGroup
 from lightning_4d.parallel.tensor import token_parallel_parameters
+from lightning_4d.partition import expert_shard_dim
 
 
 def carve_meshes(mesh: Any, config: Any) -> None:
@@ -212,11 +215,101 @@ def answer_count_exchange(model: nn.Module, rows: int) -> tuple[Any, tuple[Exper
     return answer([d.group for d in dispatches], functools.partial(spread_counts, rows)), dispatches
 
 
+#: the meshes of the MoE layers' own FSDP2 units (:func:`shard_units`): ``edp`` (the experts under ep) and
+#: ``dp_cp_tp`` (the MoE layers under tp); the dense units' is ``dp_cp``
+FSDP_MESH_NAMES = ("edp", "dp_cp_tp")
+
+
+class ExpertPlacement:
+    """The dimension FSDP2 shards each stacked expert weight of a model on, as ``fully_shard`` options
+    (:meth:`options`), for the MoE layers' units and the dense ones (:func:`shard_units`).
+
+    Stacked expert weights (:func:`~lightning_4d.parallel.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
+    under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``, or under tp in their MoE
+    layer's unit over ``dp_cp_tp``) are sharded on dim 1 (``Shard(1)``) when their group's size does not divide
+    ``E_local`` and divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for
+    ``dp_shard·ep > num_experts``): each rank holds ``d1/G`` rows of every local expert instead of ``ceil(E_local/G)``
+    padded whole experts. Every other parameter: FSDP2's default ``Shard(0)``.
+
+    Args:
+        model: the module, before any ``fully_shard``: its stacked expert weights are found (and held, as FSDP2
+            replaces them and their ids must not be reused) now.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.weights = stacked_expert_weights(model)
+        self.ids = {id(p) for p in self.weights}
+
+    def dim(self, p: Tensor, group: int) -> int:
+        """The dimension ``p`` is sharded on over ``group`` ranks: 0 unless it is a stacked expert weight."""
+        return expert_shard_dim(tuple(local_tensor(p).shape), group) if id(p) in self.ids else 0
+
+    def options(self, kw: dict[str, Any], mesh: Any) -> dict[str, Any]:
+        """``fully_shard`` options ``kw`` over ``mesh``, with FSDP2's ``shard_placement_fn`` when a stacked expert
+        weight of the model is sharded on dim 1 (no function at all when none is).
+
+        Raises:
+            RuntimeError: an expert weight needs dim 1 on a torch whose ``fully_shard`` has no
+                ``shard_placement_fn`` (torch < 2.6; ``_compat.FULLY_SHARD_PLACEMENT_FN``).
+        """
+        from torch.distributed.tensor import Shard
+
+        group = mesh.size()
+        options = {**kw, "mesh": mesh}
+        if not any(self.dim(p, group) for p in self.model.parameters()):
+            return options
+        if not FULLY_SHARD_PLACEMENT_FN:  # pragma: no cover - torch without shard_placement_fn
+            raise RuntimeError(
+                f"torch {torch.__version__}: fully_shard has no shard_placement_fn argument, needed to shard expert "
+                f"weights whose {group}-rank group does not divide their experts (dim 0) on dim 1"
+            )
+        return {**options, "shard_placement_fn": lambda p: Shard(1) if self.dim(p, group) == 1 else None}
+
+
+def shard_units(
+    model: nn.Module, kw: dict[str, Any], expert_mesh: Any = None, token_mesh: Any = None
+) -> dict[str, Any]:
+    """ZeRO 2/3 of the MoE layers of ``model`` (:func:`lightning_4d.parallel.fsdp.apply_fsdp`, before its dense
+    units), with ``apply_fsdp``'s ``fully_shard`` options ``kw`` (over ``dp_cp``, D ranks).
+
+    Under expert parallelism (``expert_mesh``: the 1D expert data-parallel mesh ``edp``, dp·cp·tp/ep ranks) every
+    module that directly holds expert weights (DTensors ``Shard(0)`` on the ep mesh,
+    :func:`~lightning_4d.parallel.expert.is_expert_parameter`) becomes a unit of its own first, over ``edp`` (FSDP2
+    joins the two 1D meshes, children of one parent, into the 2D ``(edp, ep)`` mesh: each expert row block is
+    sharded over ``edp`` inside its ep shard, torchtitan's ``dp_mod_ep`` units). Its gradients are divided by D =
+    dp·cp too, not by the group's size: the all-to-all's backward already summed the ep group's contributions
+    (:mod:`lightning_4d.parallel.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
+    dense parameters (:func:`shard_expert_units`).
+
+    Under tensor parallelism (``token_mesh``: the 1D ``dp_cp_tp`` mesh) every module run token parallel (an MoE
+    layer, :class:`~lightning_4d.parallel.tensor.TokenParallel`: its router, shared experts and, without ep, its
+    experts, replicated over tp, each tp rank's gradient its own tokens') becomes a unit of its own next, over
+    ``dp_cp_tp``: its reduce-scatter sums the tp ranks' partial gradients and averages over dp·cp (divided by D,
+    :func:`shard_token_units`), and its states are sharded over dp·cp·tp ranks.
+
+    Returns:
+        the options of the dense units (``kw`` over ``dp_cp``; without ep the experts are sharded with their block),
+        each set with the placement of the stacked expert weights (:class:`ExpertPlacement`).
+
+    Raises:
+        RuntimeError: from :meth:`ExpertPlacement.options`.
+    """
+    placement = ExpertPlacement(model)
+    dp_cp_size = kw["mesh"].size()
+    if expert_mesh is not None:
+        shard_expert_units(model, placement.options(kw, expert_mesh), dp_cp_size)
+    if token_mesh is not None:
+        shard_token_units(model, placement.options(kw, token_mesh), dp_cp_size)
+    return placement.options(kw, kw["mesh"])
+
+
 def shard_expert_units(model: nn.Module, options: dict[str, Any], dp_cp_size: int) -> None:
     """ZeRO 2/3 of the experts under expert parallelism (:func:`lightning_4d.parallel.fsdp.apply_fsdp`, before its
     dense units): every module of ``model`` that directly holds expert weights (:func:`is_expert_parameter`) becomes
     an FSDP2 unit with ``fully_shard`` ``options`` (``apply_fsdp``'s, over the ``edp`` mesh, with its placement of the
-    stacked expert weights), its gradients divided by D = ``dp_cp_size`` (:func:`average_expert_gradients`)."""
+    stacked expert weights, :func:`shard_units`), its gradients divided by D = ``dp_cp_size``
+    (:func:`average_expert_gradients`)."""
     from torch.distributed.fsdp import fully_shard
 
     holders = [m for m in model.modules() if any(is_expert_parameter(p) for p in m.parameters(recurse=False))]

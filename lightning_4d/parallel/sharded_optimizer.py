@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.config import check_training_precision
 from lightning_4d.parallel._compat import all_gather_single, local_tensor as _local
 from lightning_4d.parallel.fsdp import reduced_by_fsdp
-from lightning_4d.parallel.grad_buffers import GradientBuckets, GradientGroup, _Bucket
+from lightning_4d.parallel.grad_buffers import Bucket, GradientBuckets, GradientGroup
 from lightning_4d.partition import gradient_buckets_needed
 
 
@@ -222,7 +222,7 @@ class ShardedOptimizer:
             self.has_master.add(id(p))
         self.shard[id(p)] = nn.Parameter(flat, requires_grad=p.requires_grad)
 
-    def _own_range(self, bucket: _Bucket) -> tuple[int, int]:
+    def _own_range(self, bucket: Bucket) -> tuple[int, int]:
         """This rank's range of ``bucket`` at ZeRO 1 (over the bucket's group), the whole bucket otherwise."""
         return bucket.own_range(bucket.rank, bucket.world) if self.sharded and bucket.world > 1 else (0, bucket.padded)
 
@@ -299,7 +299,7 @@ class ShardedOptimizer:
             del gathered  # one bucket's temporaries at a time
 
     def _gather_owned(
-        self, bucket: _Bucket, params: list[Tensor], slices: dict[int, Tensor], dtype: torch.dtype
+        self, bucket: Bucket, params: list[Tensor], slices: dict[int, Tensor], dtype: torch.dtype
     ) -> Tensor:
         """The whole bucket ``[padded]`` in ``dtype`` from every rank's owned slices: this rank's ``slices``
         (``{id(p): owned slice of p's tensor}``; a missing one counts as zeros) are placed at their bucket offsets
