@@ -112,7 +112,8 @@ def validate_float8(
         raise ValueError(
             f"float8='tensorwise' with tensor_parallel_size={config.tp} and sequence parallelism all-gathers the "
             f"sequence in float8, which the {backend!r} process group backend cannot move (it has no float8 dtype): "
-            "use it on nccl, or sequence_parallel=False, or float8='rowwise' (all-gathered in the compute dtype)."
+            "use process_group_backend='nccl' (CUDA), or sequence_parallel=False, or float8='rowwise' (the "
+            "sequence all-gathered in the compute dtype)."
         )
 
 
