@@ -227,8 +227,9 @@ class ParallelConfig:
         compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``; the step-time model's
             ``POINTWISE_FACTOR``). Not with tp > 1 nor selective checkpointing (:func:`check_compile`).
         float8: ``None`` (default) or a torchao float8 training recipe, ``"tensorwise"`` or ``"rowwise"``: the dense
-            linears of every decoder layer compute their three matmuls in float8 (``lightning_4d/parallel/float8.py``).
-            Not with tp > 1 nor for a Mixture-of-Experts model yet.
+            linears of every decoder layer compute their three matmuls in float8 (``lightning_4d/parallel/float8.py``;
+            under tp through torchao's float8 tensor-parallel styles). Not with ``tensor_parallel_overlap`` nor for a
+            Mixture-of-Experts model yet.
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -240,7 +241,7 @@ class ParallelConfig:
             ``tensor_parallel_overlap`` not a bool, or True without tp > 1 and sequence parallelism, or with
             selective activation checkpointing, ``activation_offload_layers`` not an integer >= 0, or > 0 with
             activation checkpointing, ``compile`` not a bool, or True with selective checkpointing, an unknown
-            ``float8`` recipe, or one with tp > 1.
+            ``float8`` recipe, or one with ``tensor_parallel_overlap``.
         NotImplementedError: ``compile=True`` with tp > 1.
     """
 
@@ -386,15 +387,16 @@ class ParallelConfig:
             self.pipeline_layer_split = split
 
     def _check_float8(self) -> None:
-        """``float8``: a torchao recipe, not with tp > 1 (the tp plans' sequence-parallel projections multiply the
-        weights directly, not through the linear's forward that torchao's ``Float8Linear`` replaces)."""
+        """``float8``: a torchao recipe; under tp not with ``tensor_parallel_overlap`` (its ring projections
+        multiply the weight shards themselves, outside torchao's ``Float8Linear``; under tp with float8 the linears
+        of the tp plan run through ``Float8Linear.forward``, ``lightning_4d/parallel/float8.py``)."""
         if self.float8 not in FLOAT8_RECIPES:
             raise ValueError(f"float8={self.float8!r} is not valid: expected one of {list(FLOAT8_RECIPES)}.")
-        if self.float8 is not None and self.tensor_parallel_size > 1:
+        if self.float8 is not None and self.tensor_parallel_overlap is True:
             raise ValueError(
-                f"float8={self.float8!r} is not supported with tensor_parallel_size={self.tensor_parallel_size} yet "
-                "(the tp projections multiply the weights outside torchao's Float8Linear): use float8=None with tp, "
-                "or tensor_parallel_size=1 (dp/ZeRO 0-3, pp, cp)."
+                f"float8={self.float8!r} is not supported with tensor_parallel_overlap=True yet (its ring projections "
+                "multiply the weights outside torchao's Float8Linear): use tensor_parallel_overlap=False with float8, "
+                "or float8=None."
             )
 
     def _check_overlap_and_offload(self) -> None:

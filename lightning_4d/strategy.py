@@ -129,8 +129,9 @@ class FourDStrategy(ModelParallelStrategy):
         float8: ``None`` (default) or ``"tensorwise"`` / ``"rowwise"``: torchao's float8 training (the extra
             ``lightning-4d[float8]``) for the linears of every decoder layer of a ``lightning_4d`` Llama
             (attention projections, SwiGLU; not the LM head nor the embedding), before compile and FSDP2; at ZeRO
-            2/3 ``"tensorwise"`` all-gathers those weights in float8. Not with tp > 1, Mixture-of-Experts models nor
-            the transformers families yet; ``docs/parallelism.md``.
+            2/3 ``"tensorwise"`` all-gathers those weights in float8, and under tp with sequence parallelism the
+            sequence in float8 too. Not with ``tensor_parallel_overlap``, Mixture-of-Experts models nor the
+            transformers families yet; ``docs/parallelism.md``.
         compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, pp, cp, ep,
             full activation checkpointing and offload, our Llama and the transformers families; not yet with tp > 1
             nor selective checkpointing;
@@ -162,9 +163,10 @@ class FourDStrategy(ModelParallelStrategy):
             ``seq_length``, else when the batch is sharded.
         NotImplementedError: compile=True with tensor_parallel_size > 1.
         ValueError: compile=True with activation_checkpointing='selective'.
-        ValueError: ``float8`` without torchao >= 0.18 installed, with tp > 1, or (at ``setup_environment``) for a
-            model whose linears have a dimension not divisible by 16, a Mixture-of-Experts model, a module holding no
-            ``lightning_4d`` Llama, or a precision other than ``32-true`` / ``bf16-mixed`` / ``bf16-true``.
+        ValueError: ``float8`` without torchao >= 0.18 installed, with ``tensor_parallel_overlap``, or (at
+            ``setup_environment``) ``"tensorwise"`` under tp with sp on gloo, a model whose linears have a dimension
+            not divisible by 16, a Mixture-of-Experts model, a module holding no ``lightning_4d`` Llama, or a
+            precision other than ``32-true`` / ``bf16-mixed`` / ``bf16-true``.
     """
 
     strategy_name = "fourd"
@@ -216,6 +218,7 @@ class FourDStrategy(ModelParallelStrategy):
         _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
         validate_compile(compile, tensor_parallel_size, activation_checkpointing)
         validate_float8(float8)
+        self._requested_backend = process_group_backend
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
@@ -273,6 +276,13 @@ class FourDStrategy(ModelParallelStrategy):
         self.parallel_config = self.parallel_config.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
+    def _backend(self) -> str:
+        """The process group backend the run uses: the default group's when one exists, else the one asked for,
+        else Lightning's default for the device (nccl on CUDA, gloo otherwise)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_backend()
+        return self._requested_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
     def _resolve_inputs(self) -> None:
         """Read what the task, the data and the Trainer declare, once (:class:`~lightning_4d.contract.TrainingInputs`),
         check the layout against it and resolve the layout with it (world size, m), before the process group exists;
@@ -296,7 +306,7 @@ class FourDStrategy(ModelParallelStrategy):
             self.parallel_config.zero_stage,
             full_file_checkpoints=not self._save_distributed_checkpoint,
         )
-        validate_float8(self.parallel_config.float8, self._precision)
+        validate_float8(self.parallel_config.float8, self._precision, self.parallel_config, self._backend())
         if self.memory_check and self.root_device.type == "cuda":  # runs in Callback.setup, before configure_model
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()

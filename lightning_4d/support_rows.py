@@ -114,6 +114,7 @@ COMPILE = "tests/test_compile.py::test_compiled_layout_matches_one_process"
 FLOAT8 = "tests/test_float8.py::"
 F8_SPLIT = FLOAT8 + "test_float8_under_pipeline_and_context_parallelism"
 F8_AC = FLOAT8 + "test_float8_with_checkpointing_and_offload"
+F8_TP = FLOAT8 + "test_float8_under_tensor_parallelism"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
 #: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
@@ -577,13 +578,32 @@ ROWS: list[Row] = [
         ),
     ),
     Row(
-        "float8-tp2",
-        "float8 under tp",
+        "float8-tp2-sp",
+        "float8 tensorwise, tp2 with sp (torchao's float8 tp styles: the sequence all-gathered in float8; measured on "
+        "the fake group: gloo has no float8 collectives and refuses it)",
         {"tp": 2, "float8": "tensorwise"},
+        cpu_tests=(FLOAT8 + "test_float8_memory_estimate_matches_measure",),
+    ),
+    Row(
+        "float8-tp2-no-sp",
+        "float8 tensorwise, tp2 without sp (torchao's float8 tp styles)",
+        {"tp": 2, "sequence_parallel": False, "float8": "tensorwise"},
+        cpu_tests=(F8_TP,),
+    ),
+    Row(
+        "float8-rowwise-tp2-sp",
+        "float8 rowwise, tp2 with sp (the sequence all-gathered in bf16, cast after)",
+        {"tp": 2, "float8": "rowwise"},
+        cpu_tests=(F8_TP,),
+    ),
+    Row(
+        "float8-tp2-overlap",
+        "float8 under tp2 with tensor_parallel_overlap",
+        {"tp": 2, "tensor_parallel_overlap": True, "float8": "tensorwise"},
         refused=(
-            "float8='tensorwise' is not supported with tensor_parallel_size=2 yet (the tp projections multiply the "
-            "weights outside torchao's Float8Linear): use float8=None with tp, or tensor_parallel_size=1 (dp/ZeRO "
-            "0-3, pp, cp)."
+            "float8='tensorwise' is not supported with tensor_parallel_overlap=True yet (its ring projections "
+            "multiply the weights outside torchao's Float8Linear): use tensor_parallel_overlap=False with float8, or "
+            "float8=None."
         ),
     ),
     # ---------------------------------------------------------------- Mixture-of-Experts (tiny-moe)

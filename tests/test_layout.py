@@ -23,7 +23,8 @@ from lightning_4d.memory.step_time import Layout
 from lightning_4d.models import LlamaConfig
 
 #: a value of every field, valid together (pp=2, tp=2, cp=2, dp=2 on 16 ranks): not the default but for ep
-#: (refused with PowerSGD), activation offload (refused with checkpointing), compile and float8 (refused with tp)
+#: (refused with PowerSGD), activation offload (refused with checkpointing), compile (refused with tp) and float8
+#: (refused with tensor_parallel_overlap)
 EXAMPLE = dict(
     data_parallel_size=2,
     tensor_parallel_size=2,
@@ -117,7 +118,7 @@ def test_cli_layout_round_trips_every_flagged_field():
         if not f.flags:
             continue
         value = EXAMPLE[f.name]
-        if value is None:  # the option left out (float8: refused with the example's tp)
+        if value is None:  # the option left out (float8: refused with the example's tensor_parallel_overlap)
             continue
         if f.type is bool:
             argv += [f.flags[0]] if value else []  # a switch: given when True

@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import context, moe
+from lightning_4d.memory.float8 import float8_tensor_parallel_saved
 from lightning_4d.memory.params import as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.memory.tensors import Dtypes
 
@@ -150,7 +151,9 @@ def saved_bytes(
     n_layers, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
     indices = rank_layers(cfg.num_layers, pc, pp_rank)
     n_moe = moe.count_moe_layers(cfg, indices)
-    dense_layer = layer_saved(cfg, dt, b, s, tp, sp)
+    # float8 under tp: the projections' inputs saved as Float8Linear saves them (memory/float8.py; not under
+    # selective checkpointing's kept parts: not measured)
+    dense_layer = layer_saved(cfg, dt, b, s, tp, sp) + float8_tensor_parallel_saved(cfg, pc, dt.compute, b, s)
     moe_layer = layer_saved(cfg, dt, b, s, tp, sp, True, pc.ep, imbalance) if n_moe else 0
     per_layer = max(dense_layer if n_layers > n_moe else 0, moe_layer)  # the largest layer's (one recompute)
     all_layers = (n_layers - n_moe) * dense_layer + n_moe * moe_layer

@@ -3,11 +3,13 @@
 
 Memory: torchao's ``Float8Linear`` saves its input and weight in their high precision (measured on torch 2.13 CPU,
 torchao 0.18, one ``small`` decoder layer at b=2 s=256 under bf16 autocast: 4,444,160 saved bytes with and without
-float8), so the saved activations do not change. What float8 adds is a transient in each converted linear's backward:
-the float8 copies of the output gradient, the input and the weight, their transposes and the float32 scale
-arithmetic of the casts (:func:`float8_backward_transient`). The FSDP2 float8 all-gather at ZeRO 2/3 (tensorwise)
-gathers the converted weights in one byte instead of two; the model still counts them in the compute dtype (an
-over-estimate of one byte per converted weight element of the gathered units).
+float8), so the saved activations do not change without tp; under tp they do (:func:`float8_tensor_parallel_saved`:
+the sequence-parallel inputs saved whole, torchao's float8 tensor-parallel styles casting before the linears). What
+float8 adds is a transient in each converted linear's backward: the float8 copies of the output gradient, the input
+and the weight, their transposes and the float32 scale arithmetic of the casts (:func:`float8_backward_transient`).
+The FSDP2 float8 all-gather at ZeRO 2/3 (tensorwise) gathers the converted weights in one byte instead of two; the
+model still counts them in the compute dtype (an over-estimate of one byte per converted weight element of the
+gathered units).
 
 Step time: the converted linears' matmuls at :data:`FLOAT8_MATMUL_SPEEDUP` times their bf16 rate
 (:func:`float8_matmul_factor`).
@@ -21,7 +23,13 @@ from typing import Any
 
 from lightning_4d.config import ParallelConfig
 
-__all__ = ["FLOAT8_BACKWARD_BYTES_PER_ELEMENT", "FLOAT8_MATMUL_SPEEDUP", "FLOAT8_RUNS", "float8_backward_transient"]
+__all__ = [
+    "FLOAT8_BACKWARD_BYTES_PER_ELEMENT",
+    "FLOAT8_MATMUL_SPEEDUP",
+    "FLOAT8_RUNS",
+    "float8_backward_transient",
+    "float8_tensor_parallel_saved",
+]
 
 #: The published float8 runs the speedup is derived from: torchtitan commit 7a04053 (pytorch/torchtitan, Jan 2025,
 #: "example of float8 with rowwise scaling"): Llama 3 8B on 8 H100, FSDP 8, s = 8192, local batch 1, selective
@@ -45,10 +53,40 @@ FLOAT8_BACKWARD_BYTES_PER_ELEMENT = 12.25
 
 def float8_backward_transient(cfg: Any, pc: ParallelConfig, b: int, s: int) -> int:
     """Bytes of the largest converted linear's float8 backward transient (module docstring): ``12.25·T·max(in,
-    out)`` with ``T = b·s/cp`` tokens and (in, out) each linear's of the decoder layer (``h`` to ``a·d``, ``k·d``,
-    ``f``, and back); 0 without ``float8`` (a dense model: float8 refuses Mixture-of-Experts models)."""
+    out)`` with ``T = b·s/cp`` tokens (under tp every linear multiplies the whole sequence) and (in, out) each
+    linear's on this rank (``h`` to ``a·d/t``, ``k·d/t``, ``f/t``, and back); 0 without ``float8`` (a dense model:
+    float8 refuses Mixture-of-Experts models)."""
     if pc.float8 is None:
         return 0
-    dims = [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size]
+    split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size]
     tokens = b * (s // pc.cp)
-    return int(FLOAT8_BACKWARD_BYTES_PER_ELEMENT * tokens * max(dims))
+    return int(FLOAT8_BACKWARD_BYTES_PER_ELEMENT * tokens * max(cfg.hidden_size, *(n // pc.tp for n in split)))
+
+
+def float8_tensor_parallel_saved(cfg: Any, pc: ParallelConfig, compute: int, b: int, s: int) -> int:
+    """The bytes a decoder layer saves for backward under tp with float8 beyond the same layer without it (may be
+    negative), per micro-batch of ``b`` sequences of ``s`` tokens on this cp rank, ``compute`` bytes per element of
+    the compute dtype; 0 without tp or float8.
+
+    Under tp the linears of the tp plan run through ``Float8Linear.forward`` (``lightning_4d/parallel/tensor.py``),
+    not the sequence-parallel projection that saves only the sequence shard ``[b, s/t, h]`` (compute dtype): under sp
+    the attention's and the feed-forward's input is all-gathered before their linears, which save it whole, ``[b,
+    s, h]``: in float8 (1 byte) with ``"tensorwise"`` (torchao's ``PrepareFloat8ModuleInput`` casts before the
+    all-gather), in the compute dtype with ``"rowwise"``. Without sp, ``"tensorwise"`` saves that input in float8
+    instead of the compute dtype (one cast shared by the projections). And ``"tensorwise"``'s
+    ``Float8RowwiseParallel`` casts the input of ``wo`` and ``w2`` (``[b, s, a·d/t]``, ``[b, s, f/t]``) to float8
+    before the linear, which saves that copy: one byte more per element for ``wo`` (attention's output stays saved
+    by attention), ``compute - 1`` less for ``w2`` (nothing else saves the SwiGLU product). Measured with
+    ``lightning-4d measure`` (tests/test_float8.py::test_float8_memory_estimate_matches_measure)."""
+    if pc.float8 is None or pc.tp == 1:
+        return 0
+    t, h = pc.tp, cfg.hidden_size
+    inputs = 2 * b * s * h  # the attention's and the feed-forward's input, whole
+    one_byte = pc.float8 == "tensorwise"
+    if pc.sp:
+        out = inputs * (1 if one_byte else compute) - inputs // t * compute
+    else:
+        out = -inputs * (compute - 1) if one_byte else 0
+    if one_byte:
+        out += b * s * (cfg.num_heads * cfg.head_dim // t) - (compute - 1) * b * s * (cfg.intermediate_size // t)
+    return out

@@ -93,7 +93,8 @@ first one), and the estimate is the largest:
   all-to-all receive buffers at the stated load (:func:`lightning_4d.memory.moe.all_to_all_buffers`), as the
   recompute phase;
 - float8 backward (``float8``): the same, + the largest converted linear's float8 backward transient
-  (:func:`lightning_4d.memory.float8.float8_backward_transient`; the saved activations do not change);
+  (:func:`lightning_4d.memory.float8.float8_backward_transient`; the saved activations change only under tp,
+  :func:`lightning_4d.memory.float8.float8_tensor_parallel_saved`);
 - head backward (the last stage under tp with sp; :func:`~lightning_4d.memory.tensor_parallel.head_backward_transient`):
   the activations (without a layer's recomputed set: none is being recomputed yet) less what the loss' backward freed
   (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of

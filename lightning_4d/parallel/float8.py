@@ -16,18 +16,31 @@ outputs decide the routing), as are the transformers families (:attr:`ModelFamil
 Every dimension of a converted linear must be a multiple of 16 (``torch._scaled_mm``): checked for the model config
 before any process group (:meth:`lightning_4d.config.ParallelConfig.validate_model`).
 
-Order (:func:`lightning_4d.parallel.parallelize.parallelize_model`): after the pipeline split and context
-parallelism, before activation checkpointing, ``torch.compile`` and FSDP2, as torchao documents for FSDP2
-(``convert_to_float8_training`` then ``fully_shard``). At ZeRO 2/3 with ``"tensorwise"`` the converted weights are
-all-gathered in float8 (``Float8LinearConfig.enable_fsdp_float8_all_gather``: one byte per element instead of two)
-and their scales are computed for the next step's all-gather right after each optimizer step, in one all-reduce of
-every weight's absolute maximum (:func:`precompute_scales`, torchao's ``precompute_float8_dynamic_scale_for_fsdp``);
+Order (:func:`lightning_4d.parallel.parallelize.parallelize_model`): after the pipeline split, before tp,
+activation checkpointing, ``torch.compile`` and FSDP2, as torchao documents for FSDP2 (``convert_to_float8_training``
+then ``fully_shard``) and torchtitan does for tp (its model converters run before ``parallelize_llama``).
+
+Under tp (:func:`lightning_4d.parallel.tensor.apply_tensor_parallel` with ``float8``) the tp plan shards the
+converted linears with :func:`tensor_parallel_styles` (torchtitan's ``apply_tp`` choice: torchao's float8 styles
+for ``"tensorwise"``, DTensor's own for ``"rowwise"``) and every linear runs through ``Float8Linear.forward`` on
+DTensors, whose tensorwise scales are those of the whole tensor (DTensor all-reduces the absolute maximum over tp),
+as on one process. Under sequence parallelism the fused projection that saves only the sequence shard is not used
+(it multiplies the weights outside ``Float8Linear``): the attention's and feed-forward's input is all-gathered
+before their linears, in float8 with ``"tensorwise"`` (which gloo cannot carry: :data:`NO_FLOAT8_COLLECTIVES`), and
+saved whole (``lightning_4d/memory/float8.py``). ``tensor_parallel_overlap``'s rings multiply the weights outside
+``Float8Linear`` too: refused with float8 (:class:`~lightning_4d.config.ParallelConfig`).
+
+At ZeRO 2/3 with ``"tensorwise"`` the converted weights are all-gathered in float8
+(``Float8LinearConfig.enable_fsdp_float8_all_gather``: one byte per element instead of two) and their scales are
+computed for the next step's all-gather right after each optimizer step, in one all-reduce of every weight's absolute
+maximum (:func:`precompute_scales`, torchao's ``precompute_float8_dynamic_scale_for_fsdp``);
 ``"rowwise"`` scales per row, which FSDP2's float8 all-gather does not take (torchao refuses it), so its weights are
 all-gathered in the compute dtype and cast after.
 
 Saved for backward: torchao's ``Float8Linear`` saves its input and weight in their high precision and casts them
-again in backward (measured on torch 2.13, torchao 0.18: the same saved bytes as ``nn.Linear``), so float8 leaves
-the saved activations of the memory model unchanged (``lightning_4d/memory/``, ``float8`` terms).
+again in backward (measured on torch 2.13, torchao 0.18: the same saved bytes as ``nn.Linear``), so without tp
+float8 leaves the saved activations of the memory model unchanged (``lightning_4d/memory/``, ``float8`` terms; under
+tp see above).
 """
 
 from __future__ import annotations
@@ -50,6 +63,12 @@ TORCHAO_MINIMUM = (0, 18)
 #: 1.8e-3 (bf16-true without float8: 2.0e-3); 16-true 0.41 (final loss 5.12 against 4.60; 16-true without float8:
 #: 0.082, 4.88): float16's 5 exponent bits under float8's scaled casts lose the run, so 16-true is refused.
 FLOAT8_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+#: process group backends that cannot move float8 tensors: measured on torch 2.13, gloo's all-gather (and
+#: broadcast) of a ``float8_e4m3fn`` tensor raises "Invalid scalar type" (the same bytes viewed as ``uint8`` pass;
+#: nccl moves float8 as bytes, FSDP2's float8 all-gather sends ``uint8`` on every backend). torchao's float8
+#: tensor-parallel styles all-gather ``Float8TrainingTensor`` data as is under sequence parallelism
+#: (:func:`tensor_parallel_styles`), so ``"tensorwise"`` with tp and sp is refused on these.
+NO_FLOAT8_COLLECTIVES = ("gloo",)
 
 
 def _torchao_version() -> Optional[tuple[int, ...]]:
@@ -59,12 +78,20 @@ def _torchao_version() -> Optional[tuple[int, ...]]:
     return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
 
 
-def validate_float8(float8: Optional[str], precision: Optional[str] = None) -> None:
-    """Refuse ``float8`` when torchao >= 0.18 is not installed, or under a precision it does not train with
-    (``precision``: Lightning's flag; ``None``: not known yet), before any process group.
+def validate_float8(
+    float8: Optional[str],
+    precision: Optional[str] = None,
+    config: Optional[ParallelConfig] = None,
+    backend: Optional[str] = None,
+) -> None:
+    """Refuse ``float8`` when torchao >= 0.18 is not installed, under a precision it does not train with
+    (``precision``: Lightning's flag; ``None``: not known yet), or ``"tensorwise"`` under tp with sequence parallelism
+    (``config``) on a process group ``backend`` without float8 collectives (:data:`NO_FLOAT8_COLLECTIVES`; ``None``:
+    not known yet), before any process group.
 
     Raises:
-        ValueError: torchao missing or older, or ``precision`` not in :data:`FLOAT8_PRECISIONS`.
+        ValueError: torchao missing or older, ``precision`` not in :data:`FLOAT8_PRECISIONS`, or the tensorwise
+            float8 all-gather of sequence parallelism on gloo.
     """
     if float8 is None:
         return
@@ -79,6 +106,14 @@ def validate_float8(float8: Optional[str], precision: Optional[str] = None) -> N
         raise ValueError(
             f"float8={float8!r} is not supported with precision={precision!r}: use one of "
             f"{list(FLOAT8_PRECISIONS)}, or float8=None."
+        )
+    sequence_parallel = config is not None and config.tp > 1 and config.sp
+    if float8 == "tensorwise" and sequence_parallel and backend in NO_FLOAT8_COLLECTIVES:
+        raise ValueError(
+            f"float8='tensorwise' with tensor_parallel_size={config.tp} and sequence parallelism all-gathers the "
+            f"sequence in float8, which the {backend!r} process group backend cannot move (it has no float8 dtype): "
+            "use process_group_backend='nccl' (CUDA), or sequence_parallel=False, or float8='rowwise' (the "
+            "sequence all-gathered in the compute dtype)."
         )
 
 
@@ -107,6 +142,29 @@ def apply_float8(layers: nn.Module, config: ParallelConfig) -> int:
     chosen = set(converted_linears(layers))
     convert_to_float8_training(layers, module_filter_fn=lambda _, fqn: fqn in chosen, config=float8_config(config))
     return len(chosen)
+
+
+def tensor_parallel_styles(recipe: Optional[str]) -> tuple[type, type, type]:
+    """The DTensor parallel styles ``(colwise, rowwise, prepare_input)`` of the tp plan's decoder-layer linears
+    (:func:`lightning_4d.parallel.tensor.apply_tensor_parallel`) for the float8 ``recipe``, as torchtitan's
+    ``apply_tp`` picks them: ``"tensorwise"``: torchao's ``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and
+    ``PrepareFloat8ModuleInput`` (``torchao.float8.float8_tensor_parallel``: each input cast to float8 with one
+    scale for the whole tensor, an all-reduce of its absolute maximum over tp, before it is redistributed, so the
+    sequence-parallel all-gather moves one byte per element; the output gradient cast in backward the same way);
+    ``"rowwise"`` and ``None``: DTensor's ``ColwiseParallel``, ``RowwiseParallel`` and ``PrepareModuleInput``
+    (torchao's styles assume one scale per tensor; the rowwise recipe all-gathers in the compute dtype and
+    ``Float8Linear`` casts after, per row)."""
+    if recipe == "tensorwise":
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
 def precompute_scales(models: list[nn.Module], config: ParallelConfig) -> None:

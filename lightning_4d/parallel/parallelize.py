@@ -1,7 +1,8 @@
 """The order of parallelization of a model of any registered family (:mod:`lightning_4d.families`), one short step
-per line (torchtitan's ``parallelize_llama`` shape): pipeline split, tensor + sequence parallel plans,
-context-parallel attention, the MoE component's step (:func:`lightning_4d.parallel.moe.apply`), float8 linears
-(:mod:`lightning_4d.parallel.float8`), activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2).
+per line (torchtitan's ``parallelize_llama`` shape): pipeline split, float8 linears
+(:mod:`lightning_4d.parallel.float8`; torchtitan converts before parallelizing too), tensor + sequence parallel
+plans, context-parallel attention, the MoE component's step (:func:`lightning_4d.parallel.moe.apply`), activation
+checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2).
 Materialization (the family's; for our Llama the layout-independent initialization) follows in
 :func:`prepare_models`; ZeRO 0/1 act on gradients and the optimizer, not on the model
 (:mod:`lightning_4d.parallel.sharded_optimizer`).
@@ -185,8 +186,8 @@ def parallelize_model(
     param_dtype: Optional[torch.dtype] = None,
     offload_stats: Optional[OffloadStats] = None,
 ) -> Optional[list[tuple[int, nn.Module]]]:
-    """Apply the pipeline split, tp/sp, context-parallel attention, the MoE step (``moe.apply``), float8 linears
-    (``config.float8``), activation checkpointing, compile and ZeRO 2/3 to ``model`` (a meta-device model of
+    """Apply the pipeline split, float8 linears (``config.float8``), tp/sp, context-parallel attention, the MoE step
+    (``moe.apply``), activation checkpointing, compile and ZeRO 2/3 to ``model`` (a meta-device model of
     ``family``; real weights work too, each rank keeping its shards), in that order, the same steps for every family
     (:class:`~lightning_4d.families.base.ModelFamily` says where the parts are and what its plans are).
 
@@ -208,6 +209,9 @@ def parallelize_model(
     chunks = split_model(family, model, config, mesh.pp.get_local_rank(), cp) if config.pp > 1 else None
     if max(config.tp, config.cp, config.pp) > 1:
         family.prepare(model, config, mesh)
+    layers = find_submodel(model, family.pipeline_layout(model).layers)
+    if config.float8 is not None:  # before tp (its float8 styles), checkpointing, compile and FSDP2 (float8.py)
+        apply_float8(layers, config)
     if config.tp > 1:
         apply_tensor_parallel(
             model,
@@ -215,13 +219,11 @@ def parallelize_model(
             mesh.tp,
             sequence_parallel=config.sp,
             overlap=config.tensor_parallel_overlap,
+            float8=config.float8,
         )
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
     moe.apply(family, model, mesh, config)
-    layers = find_submodel(model, family.pipeline_layout(model).layers)
-    if config.float8 is not None:  # before checkpointing, compile and FSDP2 (parallel/float8.py)
-        apply_float8(layers, config)
     # selective keeps nothing of the layer's last projection, and under tp not the others' partial sums
     row_parallel = family.tensor_parallel_plan(model).rowwise if config.activation_checkpointing == "selective" else ()
     apply_activation_checkpointing(layers, config.activation_checkpointing, row_parallel, config.tp)

@@ -39,7 +39,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -47,6 +46,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_4d.module_tree import find_submodel, layer_items
 from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
+from lightning_4d.parallel.float8 import tensor_parallel_styles
 
 
 class _SequenceParallelProjection(torch.autograd.Function):
@@ -455,7 +455,12 @@ def _inside(name: str, modules: list[str]) -> bool:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool, overlap: bool = False
+    model: nn.Module,
+    plan: TensorParallelPlan,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    overlap: bool = False,
+    float8: Optional[str] = None,
 ) -> None:
     """Shard ``model`` (any family's, or the part of it a pipeline rank holds) in place over ``tp_mesh`` following
     ``plan`` (module docstring).
@@ -470,6 +475,12 @@ def apply_tensor_parallel(
             ``output_projection`` (their row-parallel linears' weights are still sharded by ``RowwiseParallel``, which
             then is not called), the head :func:`ring_projection`. A module without these hooks (a Mixture-of-Experts
             feed-forward) keeps the gathered path; families without them refuse the option (``validate``).
+        float8: the float8 recipe (``None``: off), the decoder layers' linears already torchao's ``Float8Linear``
+            (:func:`lightning_4d.parallel.float8.apply_float8` first): their styles are
+            :func:`~lightning_4d.parallel.float8.tensor_parallel_styles`' and no ``input_projection`` is set (it
+            multiplies the weights outside ``Float8Linear``): under sp the modules of ``plan.gathered_inputs`` get
+            the input all-gathered before them (in float8 with ``"tensorwise"``), which each linear saves for
+            backward (``lightning_4d/parallel/float8.py``). Not with ``overlap``.
 
     Tied embeddings: the embedding and the head both shard the ``[V, h]`` matrix by rows (``Shard(0)``); they are
     re-tied to one DTensor after parallelization.
@@ -488,6 +499,7 @@ def apply_tensor_parallel(
         styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     elif head is not None:
         styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    colwise, rowwise, prepare = tensor_parallel_styles(float8)
     group = tp_mesh.get_group()
     projection = partial(ring_projection if overlap else sequence_parallel_projection, group=group)
     container = find_submodel(model, plan.layers)
@@ -498,22 +510,22 @@ def apply_tensor_parallel(
         whole = [n for n in plan.token_parallel if hasattr(find_submodel(layer, n), "token_parallel")]
         for name in whole:  # run token parallel, not split (a Mixture-of-Experts feed-forward)
             find_submodel(layer, name).token_parallel = TokenParallel(tp_mesh, sequence_parallel)
-        styles.update({prefix + name: ColwiseParallel() for name in plan.colwise if not _inside(name, whole)})
-        styles.update({prefix + n: RowwiseParallel(output_layouts=seq) for n in plan.rowwise if not _inside(n, whole)})
+        styles.update({prefix + name: colwise() for name in plan.colwise if not _inside(name, whole)})
+        styles.update({prefix + n: rowwise(output_layouts=seq) for n in plan.rowwise if not _inside(n, whole)})
         if sequence_parallel:
             styles.update({prefix + name: SequenceParallel() for name in plan.layer_norms})
         for name, (kind, where) in [(n, w) for n, w in plan.gathered_inputs if not _inside(n, whole)]:
             module = find_submodel(layer, name)
             if overlap and sequence_parallel and hasattr(module, "output_projection"):
                 module.output_projection = partial(ring_output_projection, group=group)
-            if sequence_parallel and hasattr(module, "input_projection"):
+            if sequence_parallel and hasattr(module, "input_projection") and float8 is None:
                 module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)
             elif kind == "kwarg":
-                styles[prefix + name] = PrepareModuleInput(
+                styles[prefix + name] = prepare(
                     input_kwarg_layouts={where: seq}, desired_input_kwarg_layouts={where: Replicate()}
                 )
             else:
-                styles[prefix + name] = PrepareModuleInput(
+                styles[prefix + name] = prepare(
                     input_layouts=(seq,) + (None,) * (where - 1),
                     desired_input_layouts=(Replicate(),) + (None,) * (where - 1),
                 )
