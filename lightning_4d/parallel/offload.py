@@ -9,7 +9,8 @@ autograd saves, an unpack hook when backward needs it. Here (:class:`ActivationO
   FSDP2-gathered and tp-local ones included: those are model states, whatever saves them) is copied to a host
   tensor (page-locked on CUDA) and the device tensor is released by autograd (it is freed once forward no longer
   uses it); autocast's weight copies count as activations here and go too;
-- unpack: the host copy comes back to the device (a new device tensor, dropped after the node's backward).
+- unpack: the host copy comes back to the device (a new device tensor, prefetched or copied then: below; dropped
+  after its last use).
 
 Which layers: the first ``activation_offload_layers`` of every pipeline stage (all of a stage's when it holds
 fewer; :func:`offloaded_layers`), as Megatron's ``cpu_offloading_num_layers`` counts them. The layers of a stage
