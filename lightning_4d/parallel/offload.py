@@ -238,7 +238,7 @@ class ActivationOffload(saved_tensors_hooks):
         ptr = _storage_key(t)
         if ptr == -1 or ptr in self._parameter_storages():
             return t
-        local = t._local_tensor if dtensor else t
+        local = local_tensor(t)
         # a view made again for each use (``x.view(-1, h)`` of wq, wk, wv) is a new object every time: its base
         # (or the tensor itself) alive proves the storage was not freed and reused since it was copied
         owner = local._base if local._base is not None else local
@@ -291,7 +291,7 @@ def _prefetch_hook(hooks: ActivationOffload) -> Any:
         hooks.last_copies = None
         if copies is None or t is None:
             return
-        device = (t._local_tensor if isinstance(t, DTensor) else t).device
+        device = local_tensor(t).device
         t.grad_fn.register_prehook(lambda grads: copies.prefetch(device))
 
     return hook
