@@ -104,6 +104,33 @@ def test_prefetch_brings_a_layer_back_during_the_next_layers_backward(monkeypatc
     assert stats.live == 0
 
 
+def test_copies_to_host_in_flight_are_bounded():
+    """An offloaded layer that starts offloading makes the compute stream wait for the copies of all offloaded
+    layers but the previous one (``LAYERS_IN_FLIGHT``), oldest first; the streams' bookkeeping alone (on CPU: a
+    stand-in stream that records what it waits for)."""
+    import collections
+
+    from lightning_4d.parallel import offload
+
+    class Compute:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    streams = offload._Streams.__new__(offload._Streams)
+    streams.in_flight = collections.deque()
+    compute = Compute()
+    for layer in range(4):  # each layer starts offloading, then its forward ends with its copies' event
+        streams.bound_in_flight(compute)
+        streams.in_flight.append(f"copied{layer}")
+    assert offload.LAYERS_IN_FLIGHT == 1
+    assert compute.waited == ["copied0", "copied1"] and list(streams.in_flight) == ["copied2", "copied3"]
+    streams.bound_in_flight(compute)
+    assert compute.waited[-1] == "copied2" and list(streams.in_flight) == ["copied3"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side streams exist only on CUDA")
 def test_overlapped_copies_on_cuda_give_the_same_gradients():
     """On CUDA the copies run on the offload and reload streams (pinned host memory, events, ``record_stream``):

@@ -20,7 +20,13 @@ micro-batches' activations of all its layers, and an offloaded layer holds none 
 Copies overlap compute (as Megatron-Core's ``cpu_offloading`` double buffering and torchtune's
 ``OffloadActivations(use_streams=True)`` do): on CUDA each device-to-host copy runs on a side stream (the offload
 stream) into page-locked memory (PyTorch's caching host allocator keeps the pinned blocks for the next step), and the
-device tensor's memory is not reused before the copy has read it (``Tensor.record_stream``). In backward a layer's
+device tensor's memory is not reused before the copy has read it (``Tensor.record_stream``). The copies of one
+offloaded layer overlap the forward of the next; an offloaded layer starting its forward first waits for the copies
+of the layers before that (:data:`LAYERS_IN_FLIGHT`, Megatron-Core's double buffering): without that bound, copies
+slower than the forward would keep every offloaded layer's memory from reuse until backward. That memory is
+reserved, not allocated, while its copy runs (the caching allocator counts a tensor freed at once, and holds its
+block until the recorded stream has passed it): the memory model, which estimates allocated bytes, does not count
+it; at most the previous offloaded layer's saved set and the running one's are so held. In backward a layer's
 tensors are prefetched whole, on a second side stream, while the layer after it (the one backward runs first) runs
 its backward: the trigger is a pre-hook on the autograd node of that next layer's output (when it is in the same
 pipeline stage); each prefetched storage is shared by the views saved on it and dropped after its last use. The
@@ -41,6 +47,7 @@ saves.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Any, Optional
 
@@ -86,15 +93,31 @@ def _storage_key(t: torch.Tensor) -> int:
         return -1
 
 
+#: offloaded layers whose device-to-host copies may still run when the next offloaded layer's forward starts: 1 (the
+#: previous layer's copies overlap this layer's forward; those of the one before must be done), as Megatron-Core's
+#: ``cpu_offloading`` double buffering bounds them (module docstring)
+LAYERS_IN_FLIGHT = 1
+
+
 class _Streams:
     """The two side streams of one CUDA device (offload: device to host in forward; reload: host to device
-    prefetches in backward), made once per process and device."""
+    prefetches in backward), made once per process and device, and the events after each offloaded layer's
+    copies to host not yet waited for (``in_flight``, oldest first)."""
 
     _made: dict[torch.device, "_Streams"] = {}
 
     def __init__(self, device: torch.device) -> None:
         self.offload = torch.cuda.Stream(device)
         self.reload = torch.cuda.Stream(device)
+        self.in_flight: collections.deque = collections.deque()
+
+    def bound_in_flight(self, compute: Any) -> None:
+        """Make stream ``compute`` wait for the copies to host of all but the last :data:`LAYERS_IN_FLIGHT`
+        offloaded layers (called when a layer starts offloading): a device tensor whose copy has not run yet cannot
+        be reused (``record_stream``), so unbounded copies slower than the forward would hold every offloaded
+        layer's saved set until backward."""
+        while len(self.in_flight) > LAYERS_IN_FLIGHT:
+            compute.wait_event(self.in_flight.popleft())
 
     @classmethod
     def of(cls, device: torch.device) -> Optional["_Streams"]:
@@ -195,6 +218,7 @@ class ActivationOffload(saved_tensors_hooks):
         copies = self._copies
         if copies is not None and copies.streams is not None:
             copies.copied = copies.streams.offload.record_event()
+            copies.streams.in_flight.append(copies.copied)
         self.last_copies = copies if self.prefetched_by_next else None
         self._copies = None
         self._copied.clear()
@@ -212,6 +236,8 @@ class ActivationOffload(saved_tensors_hooks):
         """A host copy of ``local``'s whole storage (bytes), on the offload stream on CUDA."""
         if self._copies is None:
             self._copies = _LayerCopies(_Streams.of(local.device))
+            if self._copies.streams is not None:
+                self._copies.streams.bound_in_flight(torch.cuda.current_stream(local.device))
         streams = self._copies.streams
         with untracked():
             flat = torch.empty(0, dtype=torch.uint8, device=local.device).set_(local.untyped_storage())
