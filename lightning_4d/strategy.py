@@ -131,10 +131,9 @@ class FourDStrategy(ModelParallelStrategy):
             (attention projections, SwiGLU; not the LM head nor the embedding), before compile and FSDP2; at ZeRO
             2/3 ``"tensorwise"`` all-gathers those weights in float8. Not with tp > 1, Mixture-of-Experts models nor
             the transformers families yet; ``docs/parallelism.md``.
-        compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, pp, cp, ep,
-            full activation checkpointing and offload, our Llama and the transformers families; not yet with tp > 1
-            nor selective checkpointing;
-            ``docs/parallelism.md``.
+        compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, tp/sp, pp, cp,
+            ep, full activation checkpointing and offload, our Llama and the transformers families; not with
+            selective checkpointing; ``docs/parallelism.md``.
         fsdp_blocks: for a LightningModule that is not a ``lightning_4d`` Llama (any module: data parallel only)
             at ZeRO 2/3, the classes whose instances become their own FSDP2 units, as dotted class paths
             (``["torch.nn.TransformerEncoderLayer"]``) or bare class names; ``None`` = the children of every
@@ -160,7 +159,6 @@ class FourDStrategy(ModelParallelStrategy):
             or ``accumulate_grad_batches`` > 1 with pp > 1 (the schedule accumulates over its micro-batches).
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
             ``seq_length``, else when the batch is sharded.
-        NotImplementedError: compile=True with tensor_parallel_size > 1.
         ValueError: compile=True with activation_checkpointing='selective'.
         ValueError: ``float8`` without torchao >= 0.18 installed, with tp > 1, or (at ``setup_environment``) for a
             model whose linears have a dimension not divisible by 16, a Mixture-of-Experts model, a module holding no
@@ -214,7 +212,7 @@ class FourDStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
-        validate_compile(compile, tensor_parallel_size, activation_checkpointing)
+        validate_compile(compile, activation_checkpointing)
         validate_float8(float8)
         self.compile = compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
