@@ -687,13 +687,6 @@ ROWS: list[Row] = [
     ),
     _hf_row(
         "hf-llama-compile",
-        "transformers LlamaForCausalLM, dp2 ZeRO 1, torch.compile per decoder layer",
-        {"dp": 2, "compile": True},
-        "hf-llama",
-        HF_LLAMA,
-    ),
-    _hf_row(
-        "hf-llama-compile-tp2",
         "transformers LlamaForCausalLM, tp2 (sequence parallel), torch.compile per decoder layer",
         {"tp": 2, "compile": True},
         "hf-llama",
