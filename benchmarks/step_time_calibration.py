@@ -49,7 +49,7 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
         layout = Layout(**{f.name: getattr(best, f.name) for f in dataclasses.fields(Layout)})
 
     def mfu(compile: bool) -> float:
-        # the model predicts a compiled step for any layout (FourDStrategy compiles only tp = 1 without selective)
+        # the model predicts a compiled step for any layout (FourDStrategy refuses compile with selective checkpointing)
         t = step_time_of(
             model_dims(cfg), dataclasses.replace(layout, compile=compile), seq_length=s, gpu=gpu, gpus_per_node=per_node
         ).total

@@ -116,19 +116,15 @@ _RANK_STAGES: dict[tuple, tuple[tuple[int, range], ...]] = {}
 _RANK_STAGES_MAX = 1 << 16
 
 
-def check_compile(compile: bool, tensor_parallel_size: int, activation_checkpointing: str = "none") -> None:
-    """Refuse ``compile=True`` with tensor parallelism (measured with torch 2.13 on CPU: a compiled layer with DTensor
-    tp plans fails in backward through AOTAutograd, the eager redistribution after the embedding receiving a plain
-    tensor as gradient, "'Tensor' object has no attribute '_local_tensor'"; Dynamo alone, ``backend="eager"``, trains;
-    :mod:`lightning_4d.parallel.compile`): fail when the layout is built, not after the queue wait.
-
-    Also with selective activation checkpointing: the checkpointed layer is what Dynamo must trace whole, and a graph
-    break inside it (context-parallel attention, a Mixture-of-Experts feed-forward) sends the layer back to eager
-    without a word (measured: 0 graphs compiled with cp2); full checkpointing compiles inside the checkpoint.
+def check_compile(compile: bool, activation_checkpointing: str = "none") -> None:
+    """Refuse ``compile=True`` with selective activation checkpointing: the checkpointed layer is what Dynamo must
+    trace whole, and a graph break inside it (context-parallel attention, a Mixture-of-Experts feed-forward) sends the
+    layer back to eager without a word (measured: 0 graphs compiled with cp2); full checkpointing compiles inside the
+    checkpoint. Fails when the layout is built, not after the queue wait. Tensor parallelism compiles
+    (:mod:`lightning_4d.parallel.compile` says how).
 
     Raises:
         ValueError: ``compile`` not a bool, or True with ``activation_checkpointing="selective"``.
-        NotImplementedError: ``compile`` and ``tensor_parallel_size`` > 1.
     """
     if not isinstance(compile, bool):
         raise ValueError(f"compile={compile!r} is not valid: expected True or False.")
@@ -137,12 +133,6 @@ def check_compile(compile: bool, tensor_parallel_size: int, activation_checkpoin
             "compile=True with activation_checkpointing='selective' is not supported: a graph break inside the "
             "checkpointed layer (context-parallel attention, Mixture-of-Experts layers) would run it eagerly. Use "
             "activation_checkpointing='full' or 'none' with compile=True."
-        )
-    if compile and tensor_parallel_size > 1:
-        raise NotImplementedError(
-            f"compile=True with tensor_parallel_size={tensor_parallel_size} is not supported yet (torch.compile of "
-            "tensor-parallel layers fails in backward in AOTAutograd with this PyTorch); use compile=False, or "
-            "compile=True with tensor_parallel_size=1 (dp/ZeRO, pp, cp and ep layouts)."
         )
 
 
@@ -225,7 +215,7 @@ class ParallelConfig:
             forward, back in backward; ``lightning_4d/parallel/offload.py``, Megatron-Core's
             ``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing.
         compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``; the step-time model's
-            ``POINTWISE_FACTOR``). Not with tp > 1 nor selective checkpointing (:func:`check_compile`).
+            ``POINTWISE_FACTOR``). Not with selective checkpointing (:func:`check_compile`).
         float8: ``None`` (default) or a torchao float8 training recipe, ``"tensorwise"`` or ``"rowwise"``: the dense
             linears of every decoder layer compute their three matmuls in float8 (``lightning_4d/parallel/float8.py``;
             under tp through torchao's float8 tensor-parallel styles). Not with ``tensor_parallel_overlap`` nor for a
@@ -242,7 +232,6 @@ class ParallelConfig:
             selective activation checkpointing, ``activation_offload_layers`` not an integer >= 0, or > 0 with
             activation checkpointing, ``compile`` not a bool, or True with selective checkpointing, an unknown
             ``float8`` recipe, or one with ``tensor_parallel_overlap``.
-        NotImplementedError: ``compile=True`` with tp > 1.
     """
 
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
@@ -275,7 +264,7 @@ class ParallelConfig:
         check_moe_layout(self)
         self._check_pipeline()
         self._check_overlap_and_offload()
-        check_compile(self.compile, self.tensor_parallel_size, self.activation_checkpointing)
+        check_compile(self.compile, self.activation_checkpointing)
         self._check_float8()
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard

@@ -185,10 +185,10 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         bool,
         False,
         "compile",
-        "torch.compile each decoder layer (not with tp > 1 nor selective checkpointing; docs/parallelism.md)",
+        "torch.compile each decoder layer (not with selective checkpointing; docs/parallelism.md)",
         flags=("--compile",),
         planned=True,
-        plan_help="predict every layout with torch.compile'd decoder layers (FourDStrategy(compile=True): tp = 1, "
+        plan_help="predict every layout with torch.compile'd decoder layers (FourDStrategy(compile=True): "
         "checkpointing none or full; off by default, as in FourDStrategy)",
     ),
     LayoutField(

@@ -650,7 +650,7 @@ def main(argv: list[str]) -> int:
     args = command_parser("measure").parse_args(argv)
     try:
         out = _run(args)
-    except (ValueError, NotImplementedError) as err:  # NotImplementedError: compile=True with tp > 1
+    except ValueError as err:
         print(f"lightning-4d measure: error: {err}", file=sys.stderr)
         return 2
     if args.json:

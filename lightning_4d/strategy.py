@@ -132,10 +132,9 @@ class FourDStrategy(ModelParallelStrategy):
             2/3 ``"tensorwise"`` all-gathers those weights in float8, and under tp with sequence parallelism the
             sequence in float8 too. Not with ``tensor_parallel_overlap``, Mixture-of-Experts models nor the
             transformers families yet; ``docs/parallelism.md``.
-        compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, pp, cp, ep,
-            full activation checkpointing and offload, our Llama and the transformers families; not yet with tp > 1
-            nor selective checkpointing;
-            ``docs/parallelism.md``.
+        compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, tp/sp, pp, cp,
+            ep, full activation checkpointing and offload, float8, our Llama and the transformers families; not with
+            selective checkpointing; ``docs/parallelism.md``.
         fsdp_blocks: for a LightningModule that is not a ``lightning_4d`` Llama (any module: data parallel only)
             at ZeRO 2/3, the classes whose instances become their own FSDP2 units, as dotted class paths
             (``["torch.nn.TransformerEncoderLayer"]``) or bare class names; ``None`` = the children of every
@@ -161,7 +160,6 @@ class FourDStrategy(ModelParallelStrategy):
             or ``accumulate_grad_batches`` > 1 with pp > 1 (the schedule accumulates over its micro-batches).
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
             ``seq_length``, else when the batch is sharded.
-        NotImplementedError: compile=True with tensor_parallel_size > 1.
         ValueError: compile=True with activation_checkpointing='selective'.
         ValueError: ``float8`` without torchao >= 0.18 installed, with ``tensor_parallel_overlap``, or (at
             ``setup_environment``) ``"tensorwise"`` under tp with sp on gloo, a model whose linears have a dimension
@@ -216,7 +214,7 @@ class FourDStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
-        validate_compile(compile, tensor_parallel_size, activation_checkpointing)
+        validate_compile(compile, activation_checkpointing)
         validate_float8(float8)
         self._requested_backend = process_group_backend
         self.compile = compile

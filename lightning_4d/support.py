@@ -206,7 +206,7 @@ def validate_row(row: Row) -> None:
     (the model family's :meth:`validate`; a transformers family gets a model of the preset's sizes on the meta device).
 
     Raises:
-        ValueError: the layout is refused (``NotImplementedError`` for ``compile`` under tp).
+        ValueError: the layout is refused.
     """
     import lightning as L
 

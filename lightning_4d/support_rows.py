@@ -57,7 +57,7 @@ class Row:
         family: ``ours``, ``hf-llama`` or ``hf-mixtral`` (:data:`FAMILIES`); the transformers families use a
             transformers config of the preset's sizes.
         refused: the exact message of the error the project raises before anything runs, or ``None``.
-        error_type: the type of that error (``ValueError``; ``NotImplementedError`` for compile under tp).
+        error_type: the type of that error (``ValueError``).
         cpu_tests: pytest node ids (``tests/test_x.py::test_name``) that run the combination on CPU.
         smoke_skip: why the smoke runner cannot run the row (``None``: it runs).
     """
@@ -480,14 +480,22 @@ ROWS: list[Row] = [
     ),
     Row(
         "compile-tp2",
-        "torch.compile under tp",
-        {"tp": 2, "compile": True},
-        refused=(
-            "compile=True with tensor_parallel_size=2 is not supported yet (torch.compile of tensor-parallel "
-            "layers fails in backward in AOTAutograd with this PyTorch); use compile=False, or compile=True with "
-            "tensor_parallel_size=1 (dp/ZeRO, pp, cp and ep layouts)."
-        ),
-        error_type="NotImplementedError",
+        "torch.compile per layer under dp2 tp2 (sequence parallel; DTensors inside the compiled layers)",
+        {"tp": 2, "dp": 2, "compile": True},
+        cpu_tests=(COMPILE,),
+    ),
+    Row(
+        "compile-tp2-overlap-z3",
+        "torch.compile per layer, dp2 tp2 with the tp overlap (its rings break the graph), ZeRO 3, full checkpointing",
+        {
+            "tp": 2,
+            "dp": 2,
+            "tensor_parallel_overlap": True,
+            "zero_stage": 3,
+            "compile": True,
+            "activation_checkpointing": "full",
+        },
+        cpu_tests=(COMPILE,),
     ),
     Row(
         "compile-selective",
@@ -512,9 +520,9 @@ ROWS: list[Row] = [
         cpu_tests=(COMPILE,),
     ),
     Row(
-        "compile-moe-ep2",
-        "torch.compile per layer, MoE dp2 ep2 (the MoE feed-forward eager)",
-        {"model": "tiny-moe", "dp": 2, "ep": 2, "compile": True},
+        "compile-moe-tp2-ep2",
+        "torch.compile per layer, MoE tp2 ep2 (the MoE feed-forward eager, token parallel, experts over the tp ranks)",
+        {"model": "tiny-moe", "tp": 2, "ep": 2, "compile": True},
         cpu_tests=(COMPILE,),
     ),
     # ---------------------------------------------------------------- float8 (torchao)
@@ -699,8 +707,8 @@ ROWS: list[Row] = [
     ),
     _hf_row(
         "hf-llama-compile",
-        "transformers LlamaForCausalLM, dp2 ZeRO 1, torch.compile per decoder layer",
-        {"dp": 2, "compile": True},
+        "transformers LlamaForCausalLM, tp2 (sequence parallel), torch.compile per decoder layer",
+        {"tp": 2, "compile": True},
         "hf-llama",
         HF_LLAMA,
     ),

@@ -466,13 +466,14 @@ def test_estimate_counts_gradient_accumulation_at_pp1(capsys):
     assert json.loads(capsys.readouterr().out)["total"] < expected.total
 
 
-def test_compile_under_tp_is_one_line_exit_2(capsys):
-    """`--compile` is the layout registry's (estimate, measure, plan): with tp > 1, which compile=True refuses
-    (``config.check_compile``), estimate and measure exit 2 with one line naming it, before anything runs."""
+def test_compile_with_selective_checkpointing_is_one_line_exit_2(capsys):
+    """`--compile` is the layout registry's (estimate, measure, plan): with selective checkpointing, which
+    compile=True refuses (``config.check_compile``), estimate and measure exit 2 with one line naming it, before
+    anything runs."""
     from lightning_4d.cli import main
 
     for command in ("estimate", "measure"):
         argv = [command, "--model", "tiny", "--tp", "2", "--num-gpus", "2", "--seq-length", "64"]
-        assert main(argv + ["--micro-batch-size", "1", "--compile"]) == 2
+        assert main(argv + ["--micro-batch-size", "1", "--activation-checkpointing", "selective", "--compile"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "compile=True with tensor_parallel_size=2" in err[0], err
+        assert len(err) == 1 and "compile=True with activation_checkpointing='selective'" in err[0], err

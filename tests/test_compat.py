@@ -224,6 +224,21 @@ def test_compiled_graph_count_counts_compiled_graphs_and_not_eager_fallbacks():
     torch._dynamo.reset()
 
 
+def test_async_collective_input_is_waited_for_with_its_gradient():
+    """An ``AsyncCollectiveTensor`` (tp's embedding output) becomes, before a compiled layer, a plain tensor of the
+    same values whose gradient reaches it (``parallel/compile.py``; that compiled layers with it are right:
+    tests/test_compile.py). Measured on torch 2.13: ``torch.compile`` alone (``aot_eager`` too) returns an output
+    that does not require grad for such an input."""
+    from lightning_4d.parallel.compile import _WaitAsyncCollective
+
+    values = torch.arange(6.0).reshape(2, 3)
+    x = _compat.AsyncCollectiveTensor(values.clone()).requires_grad_()
+    out = _WaitAsyncCollective.apply(x)
+    assert type(out) is torch.Tensor and torch.equal(out, values)
+    (out * values).sum().backward()
+    assert torch.equal(x.grad, values)
+
+
 def test_dynamo_dynamic_scalars_sets_both_flags_inside_only():
     """``dynamo_dynamic_scalars`` turns on Dynamo's two flags (the private names it patches exist on this torch) for
     its block only."""

@@ -15,9 +15,9 @@ pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a t
 
 LAYOUTS = {
     2: [
-        {"dp": 2, "zero": 1, "compile": True},  # each LlamaDecoderLayer torch.compiled (issue 35)
         {"dp": 2, "zero": 3, "comm": True},
-        {"tp": 2},
+        # each LlamaDecoderLayer torch.compiled (issue 35), tp's DTensors inside the compiled graph
+        {"tp": 2, "compile": True},
         {"tp": 2, "sp": False},
         {"tp": 2, "offload": 2},  # activation offload of transformers' decoder layers (two of four)
         {"cp": 2},

@@ -23,8 +23,8 @@ from lightning_4d.memory.step_time import Layout
 from lightning_4d.models import LlamaConfig
 
 #: a value of every field, valid together (pp=2, tp=2, cp=2, dp=2 on 16 ranks): not the default but for ep
-#: (refused with PowerSGD), activation offload (refused with checkpointing), compile (refused with tp) and float8
-#: (refused with tensor_parallel_overlap)
+#: (refused with PowerSGD), activation offload (refused with checkpointing) and float8 (refused with
+#: tensor_parallel_overlap)
 EXAMPLE = dict(
     data_parallel_size=2,
     tensor_parallel_size=2,
@@ -34,7 +34,7 @@ EXAMPLE = dict(
     sequence_parallel=True,
     tensor_parallel_overlap=True,
     activation_checkpointing="full",
-    compile=False,
+    compile=True,
     activation_offload_layers=0,
     pipeline_schedule="interleaved_1f1b",
     virtual_pipeline_stages=2,
@@ -51,7 +51,7 @@ EXAMPLE = dict(
 )
 
 
-_AT_DEFAULT = ("expert_parallel_size", "activation_offload_layers", "compile", "float8")
+_AT_DEFAULT = ("expert_parallel_size", "activation_offload_layers", "float8")
 
 
 def test_example_names_every_field():

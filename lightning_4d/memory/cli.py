@@ -812,7 +812,7 @@ def main(command: str, argv: list[str], untested_pairs: Optional[Callable[[dict,
                     "more GPUs, a shorter sequence, or a larger GPU)."
                 )
             out["emit_config"] = write_plan_config(out, emit, " ".join(["lightning-4d", command, *argv]))
-    except (ValueError, NotImplementedError) as err:  # NotImplementedError: compile=True with tp > 1
+    except ValueError as err:
         print(f"lightning-4d {command}: error: {err}", file=sys.stderr)
         return 2
     if command == "estimate":

@@ -235,8 +235,8 @@ def _layouts(
                                     for ac in ACTIVATION_CHECKPOINTING:
                                         if ac == "selective" and name in ("zbv", "dualpipev"):
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
-                                        if compile and not _compile_accepted(tp, ac):
-                                            continue  # compile=True refuses tp > 1 and selective (check_compile)
+                                        if compile and not _compile_accepted(ac):
+                                            continue  # compile=True refuses selective (check_compile)
                                         shape = (tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep)
                                         overlaps = (False, True) if tensor_parallel_overlap and sp else (False,)
                                         for overlap in overlaps if ac != "selective" else (False,):
@@ -263,12 +263,12 @@ def _cp_methods_of(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> tuple
 
 
 @functools.lru_cache(maxsize=64)
-def _compile_accepted(tp: int, activation_checkpointing: str) -> bool:
-    """Whether ``compile=True`` goes with tp and the checkpointing mode (:func:`~lightning_4d.config.check_compile`,
-    asked once)."""
+def _compile_accepted(activation_checkpointing: str) -> bool:
+    """Whether ``compile=True`` goes with the checkpointing mode (:func:`~lightning_4d.config.check_compile`, asked
+    once)."""
     try:
-        check_compile(True, tp, activation_checkpointing)
-    except (ValueError, NotImplementedError):
+        check_compile(True, activation_checkpointing)
+    except ValueError:
         return False
     return True
 
@@ -316,7 +316,7 @@ def enumerate_layouts(
         fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``.
         tensor_parallel_overlap: also the layouts with ``tensor_parallel_overlap=True`` (tp > 1, sp, checkpointing
             none or full).
-        compile: the layouts ``compile=True`` takes (tp = 1, checkpointing none or full), with it on.
+        compile: the layouts ``compile=True`` takes (checkpointing none or full), with it on.
     """
     job = (model_config, num_gpus, gpus_per_node, seq_length, global_batch_size)
     for layout in _layouts(*job, micro_batch_size, fixed, tensor_parallel_overlap, compile):
@@ -364,7 +364,7 @@ def plan(
             ``overhead``, ``gpu_name``).
         tensor_parallel_overlap: also consider ``tensor_parallel_overlap=True`` (tp > 1 with sp, checkpointing none
             or full); off by default, as the strategy's option (not yet measured faster on a GPU).
-        compile: the layouts of ``FourDStrategy(compile=True)`` (tp = 1, checkpointing none or full), their step
+        compile: the layouts of ``FourDStrategy(compile=True)`` (checkpointing none or full), their step
             predicted with compiled decoder layers (:data:`~lightning_4d.memory.step_time.POINTWISE_FACTOR`); off
             by default, as the strategy's option.
 

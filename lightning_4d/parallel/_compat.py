@@ -188,6 +188,14 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+#: ``AsyncCollectiveTensor``: the wrapper in which a functional collective's result waits to be read
+#: (``torch.distributed._functional_collectives``); DTensor's redistributions return one as the local tensor (the
+#: sequence-sharded embedding output of tensor parallelism). ``lightning_4d/parallel/compile.py`` resolves it before
+#: a compiled layer: AOTAutograd, given one as an input, traces its waited inner tensor, which does not require grad
+#: (torch 2.13)
+from torch.distributed._functional_collectives import AsyncCollectiveTensor  # noqa: E402, F401  (re-exported)
+
+
 def dynamo_dynamic_scalars() -> Any:
     """A context in which Dynamo traces host reads of tensor values (``.tolist()``, ``.item()``) as unbacked
     symbolic integers and ops with data-dependent output shapes (``bincount``, ``nonzero``) instead of breaking the

@@ -11,29 +11,68 @@ Mixture-of-Experts layers read their routing counts on the host (``tolist``: the
 sizes of expert parallelism): a graph break, so such a layer compiles as several graphs with the host read between
 them (``docs/parallelism.md`` has the measured comparison with Dynamo's dynamic-shape alternative).
 
-Not under tensor parallelism (refused by :func:`lightning_4d.parallel.parallelize.validate_compile`): measured on
-torch 2.13 (gloo, CPU), a compiled layer with DTensor tp plans fails in backward through AOTAutograd (the eager
-redistribution after the embedding receives a plain tensor as gradient, "'Tensor' object has no attribute
-'_local_tensor'"), also with the residual stream crossing the compiled region as its local tensor; Dynamo alone
-(``backend="eager"``) trains correctly, so the fault is AOTAutograd's handling of DTensor, not the plans.
+Under tensor parallelism the DTensors live inside the compiled region (the sharded weights, the norms'
+sequence-sharded ``Shard(1)`` inputs, the redistributions of the plans), and the layer's input and output are plain
+local tensors: the residual stream ``[b, s/t, h]`` under sequence parallelism, ``[b, s, h]`` without, as the plans of
+:mod:`lightning_4d.parallel.tensor` hand them over (torchtitan compiles its tp blocks the same way). One more step:
+the first layer's input is the embedding's output, the local tensor of a redistribution, which DTensor returns as an
+``AsyncCollectiveTensor`` (the collective's result not waited for yet); AOTAutograd resolves such an input to its
+inner tensor before tracing, and that tensor does not require grad, so the compiled backward returned no gradient for
+it and the eager redistribution after the embedding failed ("'Tensor' object has no attribute '_local_tensor'",
+measured on torch 2.13, gloo, CPU). Each compiled layer's ``forward`` therefore waits for such inputs eagerly first
+(:class:`_WaitAsyncCollective`: a view, no copy; gradient passed through), and the compiled graph takes plain tensors.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any, Callable
+
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 from lightning_4d.module_tree import CHECKPOINT_WRAPPED_MODULE
+from lightning_4d.parallel._compat import AsyncCollectiveTensor
 
 #: the Mixture-of-Experts feed-forwards (ours, transformers' Mixtral's), run eagerly inside a compiled layer: their
 #: routing reads counts on the host and their token exchange sizes come from them (module docstring)
 EAGER_MODULES = ("MoEFeedForward", "MixtralSparseMoeBlock")
 
 
+class _WaitAsyncCollective(torch.autograd.Function):
+    """``x`` (an ``AsyncCollectiveTensor``, any shape) -> the same values as a plain tensor (a view of its waited
+    inner tensor, no copy); backward passes the gradient through unchanged (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # noqa: D102
+        inner = x.trigger_wait()
+        return inner.view_as(inner)  # a new tensor object: autograd's metadata is not written into the ACT's inner one
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
+        return grad
+
+
+def _compiled_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(forward)`` called with every ``AsyncCollectiveTensor`` argument (positional or keyword) waited
+    for eagerly first (:class:`_WaitAsyncCollective`), so the compiled graph takes plain tensors (module docstring)."""
+    compiled = torch.compile(forward)
+
+    def plain(a: Any) -> Any:
+        return _WaitAsyncCollective.apply(a) if isinstance(a, AsyncCollectiveTensor) else a
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return compiled(*map(plain, args), **{k: plain(v) for k, v in kwargs.items()})
+
+    return run
+
+
 def compile_layers(layers: list[nn.Module]) -> None:
     """Replace the ``forward`` of each module of ``layers`` (decoder layers, possibly wrapped by activation
-    checkpointing; call before FSDP2) by ``torch.compile`` of it (inductor, default options), in place. Nothing is
-    compiled before the first forward."""
+    checkpointing; call before FSDP2) by ``torch.compile`` of it (inductor, default options), in place, behind an
+    eager wait for inputs still in flight (:func:`_compiled_forward`). Nothing is compiled before the first forward."""
     for layer in layers:
         for module in layer.modules():
             if type(module).__name__ in EAGER_MODULES:
@@ -41,4 +80,4 @@ def compile_layers(layers: list[nn.Module]) -> None:
         # full checkpointing: compiled inside the checkpoint, which runs eagerly (selective is refused with compile:
         # validate_compile)
         inner = getattr(layer, CHECKPOINT_WRAPPED_MODULE, layer)
-        inner.forward = torch.compile(inner.forward)
+        inner.forward = _compiled_forward(inner.forward)

@@ -92,15 +92,14 @@ def _cannot_split(config: ParallelConfig, module: nn.Module) -> str:
     )
 
 
-def validate_compile(compile: bool, tp: int, activation_checkpointing: str = "none") -> None:
-    """Refuse ``compile=True`` with tp > 1 or selective checkpointing when the strategy is built: the layout's own
-    rule, :func:`lightning_4d.config.check_compile` (its docstring says why).
+def validate_compile(compile: bool, activation_checkpointing: str = "none") -> None:
+    """Refuse ``compile=True`` with selective checkpointing when the strategy is built: the layout's own rule,
+    :func:`lightning_4d.config.check_compile` (its docstring says why).
 
     Raises:
-        NotImplementedError: ``compile`` and ``tp`` > 1.
-        ValueError: ``compile`` and ``activation_checkpointing="selective"``.
+        ValueError: ``compile`` not a bool, or True with ``activation_checkpointing="selective"``.
     """
-    check_compile(compile, tp, activation_checkpointing)
+    check_compile(compile, activation_checkpointing)
 
 
 def fsdp_block_modules(module: nn.Module, fsdp_blocks: Optional[Sequence[str]] = None) -> list[nn.Module]:
