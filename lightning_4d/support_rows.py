@@ -599,9 +599,9 @@ ROWS: list[Row] = [
         cpu_tests=(F8_TP,),
     ),
     Row(
-        "float8-rowwise-tp2-sp",
-        "float8 rowwise, tp2 with sp (the sequence all-gathered in bf16, cast after)",
-        {"tp": 2, "float8": "rowwise"},
+        "float8-rowwise-tp2-sp-compile",
+        "float8 rowwise, tp2 with sp (the sequence all-gathered in bf16, cast after), compiled",
+        {"tp": 2, "float8": "rowwise", "compile": True},
         cpu_tests=(F8_TP,),
     ),
     Row(
