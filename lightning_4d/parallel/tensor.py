@@ -454,6 +454,40 @@ def _inside(name: str, modules: list[str]) -> bool:
     return any(name == m or name.startswith(m + ".") for m in modules)
 
 
+def _gathered_inputs(
+    layer: nn.Module,
+    gathered: list[tuple[str, tuple[str, Any]]],
+    seq: Any,
+    prepare: type,
+    projection: Any,
+    overlap: bool,
+    float8: Optional[str],
+    group: Any,
+) -> dict[str, object]:
+    """For the modules ``gathered`` of ``layer`` (``TensorParallelPlan.gathered_inputs``, those not run token
+    parallel) whose input is the sequence-sharded residual stream (``seq``: ``Shard(1)`` under sp, else
+    ``Replicate()``): set the ring output projection under ``overlap`` and, under sp without float8, the
+    ``input_projection`` (``projection``: the module gathers the sequence itself); return the ``prepare`` style
+    (name relative to ``layer``) that redistributes the input of every other one to ``Replicate()``
+    (:func:`apply_tensor_parallel`'s docstring)."""
+    sequence_parallel = isinstance(seq, Shard)
+    styles: dict[str, object] = {}
+    for name, (kind, where) in gathered:
+        module = find_submodel(layer, name)
+        if overlap and sequence_parallel and hasattr(module, "output_projection"):
+            module.output_projection = partial(ring_output_projection, group=group)
+        if sequence_parallel and hasattr(module, "input_projection") and float8 is None:
+            module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)
+        elif kind == "kwarg":
+            styles[name] = prepare(input_kwarg_layouts={where: seq}, desired_input_kwarg_layouts={where: Replicate()})
+        else:
+            styles[name] = prepare(
+                input_layouts=(seq,) + (None,) * (where - 1),
+                desired_input_layouts=(Replicate(),) + (None,) * (where - 1),
+            )
+    return styles
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     plan: TensorParallelPlan,
@@ -514,21 +548,9 @@ def apply_tensor_parallel(
         styles.update({prefix + n: rowwise(output_layouts=seq) for n in plan.rowwise if not _inside(n, whole)})
         if sequence_parallel:
             styles.update({prefix + name: SequenceParallel() for name in plan.layer_norms})
-        for name, (kind, where) in [(n, w) for n, w in plan.gathered_inputs if not _inside(n, whole)]:
-            module = find_submodel(layer, name)
-            if overlap and sequence_parallel and hasattr(module, "output_projection"):
-                module.output_projection = partial(ring_output_projection, group=group)
-            if sequence_parallel and hasattr(module, "input_projection") and float8 is None:
-                module.input_projection = projection  # it gathers the sequence itself (the linears shard weights only)
-            elif kind == "kwarg":
-                styles[prefix + name] = prepare(
-                    input_kwarg_layouts={where: seq}, desired_input_kwarg_layouts={where: Replicate()}
-                )
-            else:
-                styles[prefix + name] = prepare(
-                    input_layouts=(seq,) + (None,) * (where - 1),
-                    desired_input_layouts=(Replicate(),) + (None,) * (where - 1),
-                )
+        gathered = [(n, w) for n, w in plan.gathered_inputs if not _inside(n, whole)]
+        for name, style in _gathered_inputs(layer, gathered, seq, prepare, projection, overlap, float8, group).items():
+            styles[prefix + name] = style
     if tied:  # distribute the shared matrix once (through the embedding), then re-tie below
         head.weight = nn.Parameter(embedding.weight.detach().clone())
     parallelize_module(model, tp_mesh, styles)
