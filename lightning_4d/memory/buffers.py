@@ -17,7 +17,7 @@ from lightning_4d.memory import moe
 from lightning_4d.memory.activations import recompute_backward
 from lightning_4d.memory.compression import compression_buffer_bytes
 from lightning_4d.memory.context import context_parallel_buffers
-from lightning_4d.memory.float8 import float8_backward_transient
+from lightning_4d.memory.float8 import float8_backward_transient, float8_forward_transient, float8_gathered_saving
 from lightning_4d.memory.offload import offloaded_whole, unpacked_bytes
 from lightning_4d.memory.params import Sizes, as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.memory.pipeline import receive_buffer_bytes
@@ -89,6 +89,13 @@ class Buffers:
     #: ``float8``: the largest converted linear's float8 backward transient
     #: (:func:`lightning_4d.memory.float8.float8_backward_transient`), 0 without float8
     float8_backward: int = 0
+    #: ``float8``: the largest converted linear's float8 forward transient
+    #: (:func:`lightning_4d.memory.float8.float8_forward_transient`), 0 without float8
+    float8_forward: int = 0
+    #: ``float8``: FSDP2-gathered parameters during a decoder layer's forward (``gathered_start``: at ZeRO 3 without pp
+    #: the root, the layer and the prefetched one; else all the rank's units), less the float8 all-gather's saving on
+    #: each gathered layer unit (:func:`lightning_4d.memory.float8.float8_gathered_saving`); 0 at ZeRO 0/1
+    gathered_forward: int = 0
     #: under activation checkpointing (no stage offloaded whole): the context-parallel attention backward runs after
     #: the layer's feed-forward backward has freed its recomputed SwiGLU tensors and kept ``w1``/``w3`` outputs (more
     #: than the output gradient ``recompute_backward`` also holds), so the recompute phase takes the larger of the two
@@ -149,6 +156,8 @@ def buffer_terms(
     kept_weight = 0 if bucketed else dt.param * cfg.hidden_size * cfg.intermediate_size // pc.tp
     local_vocab = cfg.padded_vocab_size // pc.tp
     has_moe = pc.ep > 1 and moe.count_moe_layers(cfg, layers) > 0
+    gather_bytes = dt.compute if dt.master else dt.param
+    gathered_units = (2 if zero == 3 and pc.pp == 1 else len(layers)) if zero >= 2 else 0
     return Buffers(
         gathered_start,
         gathered_end,
@@ -172,6 +181,8 @@ def buffer_terms(
         recompute_backward=recompute_backward(cfg, pc, dt, b, s, offloaded, gradients_kept=not bucketed),
         recompute_apart_from_cp=pc.activation_checkpointing != "none" and not offloaded,
         float8_backward=float8_backward_transient(cfg, pc, b, s),
+        float8_forward=float8_forward_transient(cfg, pc, b, s),
+        gathered_forward=gathered_start - gathered_units * float8_gathered_saving(cfg, pc, gather_bytes),
     )
 
 

@@ -6,10 +6,13 @@ torchao 0.18, one ``small`` decoder layer at b=2 s=256 under bf16 autocast: 4,44
 float8), so the saved activations do not change without tp; under tp they do (:func:`float8_tensor_parallel_saved`:
 the sequence-parallel inputs saved whole, torchao's float8 tensor-parallel styles casting before the linears). What
 float8 adds is a transient in each converted linear's backward: the float8 copies of the output gradient, the input
-and the weight, their transposes and the float32 scale arithmetic of the casts (:func:`float8_backward_transient`).
-The FSDP2 float8 all-gather at ZeRO 2/3 (tensorwise) gathers the converted weights in one byte instead of two; the
-model still counts them in the compute dtype (an over-estimate of one byte per converted weight element of the
-gathered units).
+and the weight, their transposes and the float32 scale arithmetic of the casts (:func:`float8_backward_transient`),
+and one in its forward: the float32 arithmetic of the input's and the weight's casts (:func:`float8_forward_transient`),
+which makes the peak at ZeRO 2/3, where the previous step's gradient shards are alive through the forward. The FSDP2
+float8 all-gather at ZeRO 2/3 (tensorwise) gathers the converted weights in one byte instead of the compute dtype's
+(:func:`float8_gathered_saving`: counted in the forward phase; the backward phases still count them in the compute
+dtype, an over-estimate of ``c - 1`` bytes per converted weight element of the gathered units; measured at small
+dp2 ZeRO 3, the forward phase makes the peak).
 
 Step time: the converted linears' matmuls at :data:`FLOAT8_MATMUL_SPEEDUP` times their bf16 rate
 (:func:`float8_matmul_factor`).
@@ -25,9 +28,12 @@ from lightning_4d.config import ParallelConfig
 
 __all__ = [
     "FLOAT8_BACKWARD_BYTES_PER_ELEMENT",
+    "FLOAT8_CAST_BYTES_PER_ELEMENT",
     "FLOAT8_MATMUL_SPEEDUP",
     "FLOAT8_RUNS",
     "float8_backward_transient",
+    "float8_forward_transient",
+    "float8_gathered_saving",
     "float8_tensor_parallel_saved",
 ]
 
@@ -61,6 +67,56 @@ def float8_backward_transient(cfg: Any, pc: ParallelConfig, b: int, s: int) -> i
     split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size]
     tokens = b * (s // pc.cp)
     return int(FLOAT8_BACKWARD_BYTES_PER_ELEMENT * tokens * max(cfg.hidden_size, *(n // pc.tp for n in split)))
+
+
+#: Bytes a float8 cast holds at once per element of the tensor it casts (torchao 0.18,
+#: ``Float8TrainingTensor``'s ``_ToFloat8ConstrDynamic.forward`` and ``float8_utils.to_fp8_saturated``): ``x.to(float32)
+#: * scale`` (4 bytes, the float32 copy of a bf16 ``x`` freed once multiplied), ``.clamp(-max, max)`` (4, beside the
+#: product) and ``.to(float8)`` (1, beside both). Measured with LiveTensorBytes at the peak of ``lightning-4d measure``
+#: (small b=2 s=256 dp2 ZeRO 3 bf16-mixed, torch 2.13 CPU): the last layer's ``w2`` input cast, a 1,409,024 B product,
+#: a 1,409,024 B clamp and the 352,256 B float8 copy of ``[512, 688]`` alive at once, 9.0 bytes per element.
+FLOAT8_CAST_BYTES_PER_ELEMENT = 9
+
+
+def _converted_shapes(cfg: Any, pc: ParallelConfig) -> list[tuple[int, int]]:
+    """(in, out) of each converted linear of a decoder layer on this rank: ``wq``, ``wk``/``wv``, ``w1``/``w3`` take
+    ``h`` to ``a·d/t``, ``k·d/t``, ``f/t``; ``wo`` and ``w2`` take ``a·d/t`` and ``f/t`` back to ``h``."""
+    h, t = cfg.hidden_size, pc.tp
+    q, kv, f = cfg.num_heads * cfg.head_dim // t, cfg.num_kv_heads * cfg.head_dim // t, cfg.intermediate_size // t
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+
+
+def float8_forward_transient(cfg: Any, pc: ParallelConfig, b: int, s: int) -> int:
+    """Bytes of the largest converted linear's float8 forward transient, 0 without ``float8``: torchao's
+    ``matmul_with_hp_or_float8_args.forward`` casts the input ``[T, in]`` (``T = b·s/cp`` tokens: under tp every
+    linear multiplies the whole sequence) and then the weight ``[in, out]`` (this rank's piece) with
+    :data:`FLOAT8_CAST_BYTES_PER_ELEMENT` bytes per element held by each cast: the larger of ``9·T·in`` and ``T·in
+    + 9·in·out`` (the input's float8 copy beside the weight's cast). With the FSDP2 float8 all-gather (tensorwise at
+    ZeRO 2/3, ``parallel/float8.py``) the weight arrives in float8 and is not cast: ``9·T·in``. The input and the
+    weight themselves are saved for backward (counted in the activations and the gathered parameters)."""
+    if pc.float8 is None:
+        return 0
+    tokens = b * (s // pc.cp)
+    cast, gathered_in_float8 = FLOAT8_CAST_BYTES_PER_ELEMENT, pc.float8 == "tensorwise" and pc.zero_stage >= 2
+    return max(
+        max(cast * tokens * n_in, 0 if gathered_in_float8 else tokens * n_in + cast * n_in * n_out)
+        for n_in, n_out in _converted_shapes(cfg, pc)
+    )
+
+
+def float8_gathered_saving(cfg: Any, pc: ParallelConfig, gather_bytes: int) -> int:
+    """Bytes fewer one gathered decoder-layer unit holds with FSDP2's float8 all-gather (``"tensorwise"`` at ZeRO
+    2/3: ``Float8LinearConfig.enable_fsdp_float8_all_gather``; torchao's
+    ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` sends the converted weights as ``uint8`` and the
+    unsharded weights are float8): ``gather_bytes - 1`` per converted weight element on this rank
+    (:func:`_converted_shapes`), ``gather_bytes`` the bytes per element FSDP2 gathers otherwise (the compute dtype
+    under mixed precision); 0 in any other layout. Measured at the
+    peak of small dp2 ZeRO 3 bf16-mixed (LiveTensorBytes): the layer's all-gather output 726,016 B (its 724,992
+    converted elements in one byte, the norms in two) instead of 1,451,008 B, its unsharded ``w1``/``w3``/``w2``
+    176,128 B each instead of 352,256 B."""
+    if pc.float8 != "tensorwise" or pc.zero_stage < 2:
+        return 0
+    return (gather_bytes - 1) * sum(n_in * n_out for n_in, n_out in _converted_shapes(cfg, pc))
 
 
 def float8_tensor_parallel_saved(cfg: Any, pc: ParallelConfig, compute: int, b: int, s: int) -> int:

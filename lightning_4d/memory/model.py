@@ -92,9 +92,17 @@ first one), and the estimate is the largest:
 - expert-parallel backward (ep > 1): the activations less what the loss' backward freed, + one MoE layer's
   all-to-all receive buffers at the stated load (:func:`lightning_4d.memory.moe.all_to_all_buffers`), as the
   recompute phase;
-- float8 backward (``float8``): the same, + the largest converted linear's float8 backward transient
+- float8 backward (``float8``): the same (under activation checkpointing the last layer's backward: its recomputed
+  set alive, the head's saved tensors freed), + the largest converted linear's float8 backward transient
   (:func:`lightning_4d.memory.float8.float8_backward_transient`; the saved activations change only under tp,
   :func:`lightning_4d.memory.float8.float8_tensor_parallel_saved`);
+- float8 forward (``float8``): the last layer's forward, a converted linear casting its input and weight: the
+  activations less what the head and the loss save, + the cast's float32 arithmetic
+  (:func:`lightning_4d.memory.float8.float8_forward_transient`) + the previous step's gradient shards (ZeRO 2/3
+  without pp) + the parameters FSDP2 holds gathered in a layer's forward (ZeRO 3: the root, the layer and the
+  prefetched one; ZeRO 2 and pp: all), the converted weights in one byte with FSDP2's float8 all-gather
+  (:func:`lightning_4d.memory.float8.float8_gathered_saving`). Measured on CPU (small b=2 s=256 dp2 ZeRO 3
+  ``bf16-mixed``): the peak at the last layer's ``w2`` input cast, estimate within 0.01% with either recipe;
 - head backward (the last stage under tp with sp; :func:`~lightning_4d.memory.tensor_parallel.head_backward_transient`):
   the activations (without a layer's recomputed set: none is being recomputed yet) less what the loss' backward freed
   (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of
@@ -259,7 +267,7 @@ class MemoryEstimate:
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
         peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"``,
-            ``"expert-parallel backward"``, ``"float8 backward"`` or ``"initialization"``.
+            ``"expert-parallel backward"``, ``"float8 backward"``, ``"float8 forward"`` or ``"initialization"``.
         pp_rank: the pp rank this is for (it holds the pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
@@ -469,22 +477,32 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         phases["expert-parallel backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.all_to_all
     if buf.float8_backward:
         # float8: a converted linear's backward (its float8 copies and scale arithmetic) once the loss' backward has
-        # freed what it saved but the labels (memory/float8.py)
-        phases["float8 backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.float8_backward
+        # freed what it saved but the labels (memory/float8.py); under activation checkpointing (recompute_backward)
+        # in the last layer's backward, its recomputed set alive and the head's saved tensors freed
+        checkpointed = buf.recompute_backward > 0
+        held = _after_loss(act, buf, layer_transients) - (act.head_freed if checkpointed else act.recompute)
+        phases["float8 backward"] = held + buf.float8_backward
+    if buf.float8_forward:
+        # float8: the last decoder layer's forward, a converted linear casting its input (memory/float8.py): every
+        # saved tensor but the head's and the loss' (under checkpointing the layer's set alive as it runs), the
+        # previous step's gradient shards (ZeRO 2/3), the gathered parameters (the converted weights in float8 with
+        # FSDP2's float8 all-gather)
+        in_forward = _in_forward(act, buf, layer_transients, buf.gathered_forward)
+        phases["float8 forward"] = in_forward - act.forward_tail + buf.float8_forward
     if buf.forward_gradients:
         # the loss' forward at ZeRO 2/3 without pp: every saved tensor but a recomputed layer's, the loss' chunk, the
         # previous step's gradient shards (freed by zero_grad only after the forward)
-        phases["forward end"] = (
-            act.activations
-            - act.recompute
-            + buf.loss_forward
-            + buf.forward_gradients
-            + layer_transients
-            + buf.gathered_loss
-        )
+        in_forward = _in_forward(act, buf, layer_transients, buf.gathered_loss)
+        phases["forward end"] = in_forward - act.recompute + buf.loss_forward
     if buf.head_backward:
         phases["head backward"] = _head_backward_phase(act, buf)
     return phases
+
+
+def _in_forward(act: Activations, buf: Buffers, layer_transients: int, gathered: int) -> int:
+    """A moment of the forward: the activations, the previous step's gradient shards (ZeRO 2/3 without pp), the
+    layer transients and the ``gathered`` parameters of that moment."""
+    return act.activations + buf.forward_gradients + layer_transients + gathered
 
 
 def _recompute_phase(act: Activations, buf: Buffers, layer_transients: int) -> int:

@@ -286,6 +286,9 @@ class Activations:
     #: zero-bubble schedules: the saved tensors alive during an input pass (its largest) + the output gradients it
     #: keeps for its weight pass (:func:`weight_pass_inputs`) + one recomputed set
     input_pass: int = 0
+    #: the last stage: what the head and the loss save (one micro-batch), not made yet while the decoder layers run
+    #: their forward
+    forward_tail: int = 0
 
 
 def activation_terms(
@@ -347,6 +350,7 @@ def activation_terms(
         head_freed,
         prefetch,
         input_pass,
+        saved["head"] + saved["loss"] if last else 0,
     )
 
 
