@@ -664,20 +664,33 @@ def main(argv: list[str]) -> int:
 def local_bytes(tensors: Iterable[Optional[Tensor]]) -> int:
     """Bytes held on this rank by ``tensors`` (the local shard of a DTensor; ``None`` counts 0).
 
-    A tensor seen twice (same data pointer and size, e.g. a tied weight) is counted once.
+    A tensor seen twice (same data pointer and size, e.g. a tied weight) is counted once. A wrapper tensor subclass
+    (torchao's float8 weight under FSDP2, ``WeightWithDynamicFloat8CastTensor``: no storage of its own, its data
+    pointer 0) counts the tensors it wraps (``__tensor_flatten__``).
     """
     seen: set = set()
     total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = _local(t)
+    for t in _wrapped_leaves(tensors):
         key = (t.data_ptr(), t.numel()) if t.numel() else id(t)
         if key in seen:
             continue
         seen.add(key)
         total += t.numel() * t.element_size()
     return total
+
+
+def _wrapped_leaves(tensors: Iterable[Optional[Tensor]]) -> Iterable[Tensor]:
+    """The tensors of ``tensors`` that hold storage: a DTensor's local shard, a wrapper subclass's inner tensors
+    (``__tensor_flatten__``), recursively; ``None`` skipped."""
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            yield from _wrapped_leaves(getattr(t, n) for n in names)
+        else:
+            yield t
 
 
 def model_state_tensors(
