@@ -508,9 +508,9 @@ ROWS: list[Row] = [
         ),
     ),
     Row(
-        "compile-offload",
-        "torch.compile per layer with activation offload, pp2 dp2 1F1B",
-        {"pp": 2, "dp": 2, "num_microbatches": 2, "compile": True, "activation_offload_layers": 1},
+        "compile-offload-pp2-tp2",
+        "torch.compile per layer with activation offload, pp2 tp2 1F1B",
+        {"pp": 2, "tp": 2, "num_microbatches": 2, "compile": True, "activation_offload_layers": 1},
         cpu_tests=(COMPILE,),
     ),
     Row(
