@@ -12,11 +12,16 @@ Markdown before mkdocstrings renders them:
 - a paragraph ending in ``::`` (a literal block follows): one colon, the indented block is then a Markdown code block;
 - simple tables (``=====  =====`` rules): Markdown tables (a first cell ending in ``,`` continues on the next row).
 
-It also reads Sphinx's ``#:`` comments above an attribute as its docstring (``FAMILIES``, class constants).
+It also reads Sphinx's ``#:`` comments above an attribute as its docstring (``FAMILIES``, class constants), and
+takes what the layout registry derives at import time (``lightning_4d/layout.py``: ``ParallelConfig``'s and
+``FourDStrategy``'s "Args" and ``FourDStrategy.__init__``'s signature) from the imported objects, where the source
+holds the registry's marker line and ``**layout``.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 from pathlib import Path
 from typing import Any
@@ -59,6 +64,8 @@ class RestToMarkdown(griffe.Extension):
         for obj in _walk(pkg):
             if obj.is_attribute and obj.docstring is None:
                 _comment_docstring(obj, loader)
+            if obj.is_class and obj.docstring is not None and _ARGS_MARKER in obj.docstring.value:
+                _derived(obj)
         shown = {
             c
             for c in (
@@ -95,6 +102,31 @@ def _comment_docstring(obj: Any, loader: Any) -> None:
             parser=getattr(loader, "docstring_parser", None),
             parser_options=getattr(loader, "docstring_options", None),
         )
+
+
+#: the line of a docstring the layout registry replaces at import time (lightning_4d.layout.ARGS_MARKER)
+_ARGS_MARKER = "<the layout fields>"
+
+
+def _derived(cls: Any) -> None:
+    """The class ``cls`` as the layout registry made it at import time: its docstring, and for a class whose
+    ``__init__`` takes ``**layout``, the signature the registry gave it (``__signature__``)."""
+    module = importlib.import_module(cls.module.path)
+    runtime = getattr(module, cls.name)
+    cls.docstring.value = inspect.cleandoc(runtime.__doc__)
+    init = cls.members.get("__init__")
+    if init is None or not any(p.kind is griffe.ParameterKind.var_keyword for p in init.parameters):
+        return
+    params = []
+    for p in inspect.signature(runtime.__init__).parameters.values():
+        annotation = None if p.annotation is inspect.Parameter.empty else inspect.formatannotation(p.annotation)
+        default = None if p.default is inspect.Parameter.empty else repr(p.default)
+        params.append(
+            griffe.Parameter(
+                p.name, annotation=annotation, kind=griffe.ParameterKind(p.kind.description), default=default
+            )
+        )
+    init.parameters = griffe.Parameters(*params)
 
 
 def _walk(obj: Any):

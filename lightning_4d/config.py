@@ -9,19 +9,21 @@ fails in a second with a message that names the bad value and what would be vali
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from lightning_4d.layout import (  # the choices live with the layout registry; imported from here too
-    ACTIVATION_CHECKPOINTING,
-    CONTEXT_PARALLEL_METHODS,
-    FLOAT8_RECIPES,
-    GRADIENT_COMPRESSIONS,
-    MESH_DIM_NAMES,  # noqa: F401 (mesh.py imports it from here)
-    PIPELINE_COMM_DTYPES,
+    ACTIVATION_CHECKPOINTING,  # noqa: F401
+    CONTEXT_PARALLEL_METHODS,  # noqa: F401
+    FLOAT8_RECIPES,  # noqa: F401
+    GRADIENT_COMPRESSIONS,  # noqa: F401
+    LAYOUT_FIELDS,
+    MESH_DIM_NAMES,
+    PIPELINE_COMM_DTYPES,  # noqa: F401
     PIPELINE_SCHEDULES,
-    POWERSGD_COMM_DTYPES,
-    ZERO_STAGES,
+    POWERSGD_COMM_DTYPES,  # noqa: F401
+    ZERO_STAGES,  # noqa: F401
+    layout_dataclass,
 )
 from lightning_4d.models.config import divisors
 from lightning_4d.moe_rules import check_float8, check_moe_layout
@@ -147,79 +149,31 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
-@dataclass
+def check_values(config: "ParallelConfig") -> None:
+    """The checks every layout field gets from its declaration (:data:`~lightning_4d.layout.LAYOUT_FIELDS`): a size
+    (an int field of ``minimum`` 1) is a positive integer (``data_parallel_size`` also ``"auto"``), a field with
+    ``choices`` is one of them (a bool is not a ZeRO stage). :class:`ParallelConfig` checks the features against each
+    other after these.
+
+    Raises:
+        ValueError: the first field (registry order) whose value is not valid, naming it and what would be.
+    """
+    for f in LAYOUT_FIELDS:
+        value = getattr(config, f.name)
+        if f.choices is not None:
+            if (isinstance(value, bool) and not any(isinstance(c, bool) for c in f.choices)) or value not in f.choices:
+                raise ValueError(f"{f.name}={value!r} is not valid: expected one of {list(f.choices)}.")
+        elif f.minimum == 1 and f.short in MESH_DIM_NAMES + ("ep",) and value != "auto":
+            check_positive_int(f.name, value)
+
+
+@layout_dataclass
 class ParallelConfig:
-    """The parallel layout of one training job.
+    """The parallel layout of one training job: the fields of :data:`lightning_4d.layout.LAYOUT_FIELDS`, declared
+    there once (:func:`lightning_4d.layout.layout_dataclass`), checked here against each other.
 
     Args:
-        data_parallel_size: dp, the number of model replicas that see different data. ``"auto"`` (or -1) takes what
-            is left of the world size after pp, cp and tp.
-        tensor_parallel_size: tp, the ranks that split every matrix of a layer (Megatron-style column/row split).
-        pipeline_parallel_size: pp, the number of pipeline stages' ranks (the layers are split into ``pp·v``
-            stages; ``lightning_4d/parallel/pipeline.py``).
-        context_parallel_size: cp, the ranks that split the sequence of every sample (load-balanced: rank i holds
-            chunks i and 2c-1-i of 2c); attention exchanges K/V over them (``lightning_4d/parallel/context.py``).
-        zero_stage: ZeRO stage over the ``dp_cp`` group: 0 replicated, 1 optimizer states sharded, 2 + gradients
-            sharded, 3 + parameters sharded (Rajbhandari et al. 2020, "ZeRO", arXiv 1910.02054).
-        sequence_parallel: shard the norm / residual regions of a tp group over the sequence (Korthikanti et al.
-            2022, arXiv 2205.05198). ``None`` means "on when tp > 1".
-        activation_checkpointing: ``"none"``, ``"full"`` (keep each transformer layer's input, recompute the layer in
-            backward) or ``"selective"`` (keep the outputs of the layer's matmuls, attention kernels and tp
-            reductions, recompute its pointwise ops in backward; ``lightning_4d/parallel/activation_checkpoint.py``).
-        pipeline_schedule: ``"gpipe"`` (all forwards, then all backwards: m micro-batches of activations in flight),
-            ``"1f1b"`` (one forward, one backward: at most p in flight; Narayanan et al. 2021, PipeDream-Flush,
-            arXiv 2006.09503), ``"interleaved_1f1b"`` (v non-adjacent model chunks per rank, bubble / v; Narayanan et
-            al. 2021, Megatron-LM, arXiv 2104.04473), ``"zbv"`` (zero-bubble V schedule, backward split into input
-            and weight gradients, 2 chunks per rank in a V; Qi et al. 2024, arXiv 2401.10241) or ``"dualpipev"``
-            (DeepSeek-V3's DualPipe in V shape, arXiv 2412.19437), all from ``torch.distributed.pipelining``.
-        virtual_pipeline_stages: v, model chunks (stages) per pp rank; ``None`` = the schedule's default (1 for
-            gpipe/1f1b, 2 for the others). The model is split into ``p·v`` stages.
-        num_microbatches: m, micro-batches per optimizer step through the pipeline; ``None`` = derived by the
-            strategy (global batch / (micro-batch size · dp), else p).
-        pipeline_layer_split: decoder layers per stage, ``p·v`` counts in stage order summing to ``num_layers``
-            (e.g. fewer on the last stage, which also holds the norm, the LM head and the loss); ``None`` = equal.
-        context_parallel_method: ``"ring"`` (K/V blocks passed around the cp group point to point, partial results
-            merged by log-sum-exp; Liu et al. 2023, arXiv 2310.01889) or ``"allgather"`` (K/V of the whole sequence
-            all-gathered, Llama 3's method, arXiv 2407.21783 §3.3.2) or ``"alltoall"`` (DeepSpeed-Ulysses, arXiv
-            2309.14509: q, k, v all-to-all'd from sequence shards to head shards, attention over the whole sequence
-            with ``a/(tp·cp)`` heads, the output all-to-all'd back; needs heads divisible by tp·cp,
-            :func:`alltoall_heads`). All three are exact.
-        gradient_compression: how the dp gradients are reduced (``lightning_4d/parallel/compression.py``):
-            ``"none"`` (in their dtype, float32 under ``bf16-mixed``), ``"bf16"`` (cast to bfloat16 for the
-            collective: half the bytes) or ``"powersgd"`` (rank-``powersgd_rank`` approximation of every matrix
-            gradient with error feedback and warm start, Vogels et al. 2019, arXiv 1905.13727; ZeRO 0 and 1 only).
-        powersgd_rank: r of ``"powersgd"``.
-        powersgd_start_step: the optimizer steps reduced exactly before ``"powersgd"`` starts compressing (PyTorch's
-            ``start_powerSGD_iter``; ``trainer.global_step`` below it: uncompressed).
-        powersgd_comm_dtype: ``None`` (P and Q all-reduced in float32) or ``"bfloat16"`` (half their bytes).
-        pipeline_comm_dtype: ``None`` (send pipeline activations and their gradients in the model's dtype),
-            ``"bfloat16"`` (half the bytes of a float32 model) or ``"float8"`` (e4m3 with a per-tensor scale, a
-            quarter; ``parallel/pipeline.py``, ``parallel/compression.py``).
-        expert_parallel_size: ep, the ranks that split the routed experts of every Mixture-of-Experts layer
-            (each holds ``num_experts / ep`` of them; tokens travel to their experts and back by all-to-all,
-            ``parallel/expert.py``). No mesh dimension of its own: ep groups are blocks of ``ep`` consecutive ranks
-            of the ranks that hold disjoint tokens of an MoE layer, the flattened ``dp_cp`` mesh, or under tp the
-            flattened ``("dp", "cp", "tp")`` mesh ``dp_cp_tp`` (tp innermost: the tp ranks are the innermost ep
-            ranks, ep *folded* over tp as in Megatron-Core's MoE parallel folding), so ep must divide dp·cp·tp; the
-            expert parameters' gradients and ZeRO shards go over the expert data-parallel group ``edp``
-            (:attr:`expert_dp` ranks: those with the same position in their ep block), at every ZeRO stage
-            (``docs/moe.md``).
-        tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of point-to-point
-            steps over the tp group, each step's send/recv of a sequence shard (or of a partial sum) overlapped with
-            the matmul of the shard at hand, never gathering the whole sequence (all-gather→matmul for ``wq/wk/wv``,
-            ``w1/w3``, the LM head; matmul→reduce-scatter for ``wo``, ``w2``; ``lightning_4d/parallel/tensor.py``,
-            ``docs/parallelism.md``). Same bytes on the wire, same results. Needs tp > 1 and sequence parallelism;
-            ``lightning_4d`` Llama models only.
-        activation_offload_layers: the first this many decoder layers of every pipeline stage (all of a shorter
-            stage's) keep their saved activations in host memory between forward and backward (copied out in
-            forward, back in backward; ``lightning_4d/parallel/offload.py``, Megatron-Core's
-            ``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing.
-        compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``; the step-time model's
-            ``POINTWISE_FACTOR``). Not with selective checkpointing (:func:`check_compile`).
-        float8: ``None`` (default) or a torchao float8 training recipe, ``"tensorwise"`` or ``"rowwise"``: the dense
-            linears of every decoder layer compute their three matmuls in float8 (``lightning_4d/parallel/float8.py``;
-            under tp through torchao's float8 tensor-parallel styles). Not with ``tensor_parallel_overlap`` nor for a
-            Mixture-of-Experts model yet.
+        <the layout fields>
 
     Raises:
         ValueError: a size that is not a positive integer, a ZeRO stage outside 0-3, an unknown checkpointing mode, an
@@ -234,32 +188,10 @@ class ParallelConfig:
             ``float8`` recipe, or one with ``tensor_parallel_overlap``.
     """
 
-    data_parallel_size: Union[int, Literal["auto"]] = "auto"
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    context_parallel_size: int = 1
-    zero_stage: int = 1
-    sequence_parallel: Optional[bool] = None
-    activation_checkpointing: str = "none"
-    compile: bool = False
-    pipeline_schedule: str = "1f1b"
-    virtual_pipeline_stages: Optional[int] = None
-    num_microbatches: Optional[int] = None
-    pipeline_layer_split: Optional[Sequence[int]] = None
-    context_parallel_method: str = "ring"
-    gradient_compression: str = "none"
-    powersgd_rank: int = 4
-    powersgd_start_step: int = 0
-    powersgd_comm_dtype: Optional[str] = None
-    pipeline_comm_dtype: Optional[str] = None
-    expert_parallel_size: int = 1
-    tensor_parallel_overlap: bool = False
-    activation_offload_layers: int = 0
-    float8: Optional[str] = None
-
     def __post_init__(self) -> None:
-        self._check_sizes()
-        self._check_choices()
+        if self.data_parallel_size == -1:
+            self.data_parallel_size = "auto"
+        check_values(self)
         self._check_gradient_compression()
         check_moe_layout(self)
         self._check_pipeline()
@@ -269,42 +201,6 @@ class ParallelConfig:
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
             self.sequence_parallel = False
-
-    def _check_sizes(self) -> None:
-        """The parallel sizes: positive integers (``data_parallel_size`` also ``"auto"``, or -1 for it)."""
-        if self.data_parallel_size == -1:
-            self.data_parallel_size = "auto"
-        if self.data_parallel_size != "auto":
-            check_positive_int("data_parallel_size", self.data_parallel_size)
-        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
-        check_positive_int("context_parallel_size", self.context_parallel_size)
-        check_positive_int("expert_parallel_size", self.expert_parallel_size)
-
-    def _check_choices(self) -> None:
-        """The fields with a fixed set of values (ZeRO stage, checkpointing, schedule, cp method, compression)."""
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"zero_stage={self.zero_stage!r} is not valid: expected one of {list(ZERO_STAGES)}.")
-        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ValueError(
-                f"activation_checkpointing={self.activation_checkpointing!r} is not valid: expected one of "
-                f"{list(ACTIVATION_CHECKPOINTING)}."
-            )
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(
-                f"pipeline_schedule={self.pipeline_schedule!r} is not valid: "
-                f"expected one of {list(PIPELINE_SCHEDULES)}."
-            )
-        if self.context_parallel_method not in CONTEXT_PARALLEL_METHODS:
-            raise ValueError(
-                f"context_parallel_method={self.context_parallel_method!r} is not valid: expected one of "
-                f"{list(CONTEXT_PARALLEL_METHODS)}."
-            )
-        if self.gradient_compression not in GRADIENT_COMPRESSIONS:
-            raise ValueError(
-                f"gradient_compression={self.gradient_compression!r} is not valid: expected one of "
-                f"{list(GRADIENT_COMPRESSIONS)}."
-            )
 
     def _check_gradient_compression(self) -> None:
         """PowerSGD's options, and PowerSGD only at ZeRO 0/1."""
@@ -318,11 +214,6 @@ class ParallelConfig:
                 f"powersgd_start_step={self.powersgd_start_step!r} is not valid: expected an integer >= 0 "
                 "(optimizer steps reduced exactly before PowerSGD starts)."
             )
-        if self.powersgd_comm_dtype not in POWERSGD_COMM_DTYPES:
-            raise ValueError(
-                f"powersgd_comm_dtype={self.powersgd_comm_dtype!r} is not valid: expected one of "
-                f"{list(POWERSGD_COMM_DTYPES)}."
-            )
         if self.gradient_compression == "powersgd" and self.zero_stage >= 2:
             raise ValueError(
                 f"gradient_compression='powersgd' is not supported with zero_stage={self.zero_stage}: FSDP2 "
@@ -331,13 +222,8 @@ class ParallelConfig:
             )
 
     def _check_pipeline(self) -> None:
-        """The pipeline's options: wire dtype, virtual stages per schedule, selective checkpointing with a
+        """The pipeline's options: virtual stages per schedule, selective checkpointing with a
         zero-bubble schedule, micro-batches, the layer split."""
-        if self.pipeline_comm_dtype not in PIPELINE_COMM_DTYPES:
-            raise ValueError(
-                f"pipeline_comm_dtype={self.pipeline_comm_dtype!r} is not valid: expected one of "
-                f"{list(PIPELINE_COMM_DTYPES)}."
-            )
         allowed, _, _ = _SCHEDULE_STAGES[self.pipeline_schedule]
         if self.virtual_pipeline_stages is not None:
             check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
@@ -379,8 +265,6 @@ class ParallelConfig:
         """``float8``: a torchao recipe; under tp not with ``tensor_parallel_overlap`` (its ring projections
         multiply the weight shards themselves, outside torchao's ``Float8Linear``; under tp with float8 the linears
         of the tp plan run through ``Float8Linear.forward``, ``lightning_4d/parallel/float8.py``)."""
-        if self.float8 not in FLOAT8_RECIPES:
-            raise ValueError(f"float8={self.float8!r} is not valid: expected one of {list(FLOAT8_RECIPES)}.")
         if self.float8 is not None and self.tensor_parallel_overlap is True:
             raise ValueError(
                 f"float8={self.float8!r} is not supported with tensor_parallel_overlap=True yet (its ring projections "

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -23,19 +23,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_4d.checkpoint as _checkpoint
-from lightning_4d.config import (  # the Literal choices of the arguments below (LightningCLI reads them)
-    ACTIVATION_CHECKPOINTING,
-    CONTEXT_PARALLEL_METHODS,
-    FLOAT8_RECIPES,
-    GRADIENT_COMPRESSIONS,
-    PIPELINE_COMM_DTYPES,
-    PIPELINE_SCHEDULES,
-    POWERSGD_COMM_DTYPES,
-    ParallelConfig,
-)
+from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
-from lightning_4d.layout import config_kwargs, saved_layout
+from lightning_4d.layout import layout_of, layout_strategy, saved_layout
 from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh, embedding_group
 from lightning_4d.parallel import moe
@@ -68,6 +59,7 @@ from lightning_4d.parallel.sharded_optimizer import (
 from lightning_4d.precision import four_d_precision
 
 
+@layout_strategy
 class FourDStrategy(ModelParallelStrategy):
     """4D parallelism for PyTorch Lightning: dp with ZeRO 0-3, tp with sequence parallelism, pp with GPipe / 1F1B /
     interleaved 1F1B / zero-bubble schedules, cp with ring or all-gather attention.
@@ -78,63 +70,7 @@ class FourDStrategy(ModelParallelStrategy):
     optimizer states for ZeRO stages 0 and 1.
 
     Args:
-        data_parallel_size: dp; ``"auto"`` = world size / (pp·cp·tp).
-        tensor_parallel_size: tp (must divide heads, kv heads, FFN size and the padded vocabulary).
-        pipeline_parallel_size: pp, the number of pipeline stages' ranks (``lightning_4d`` Llama models only; the
-            layers must split into ``pp·v`` stages). With pp > 1 the strategy runs the schedule inside
-            ``training_step`` (see ``docs/pipeline.md``).
-        pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"``, ``"zbv"`` or ``"dualpipev"``.
-        virtual_pipeline_stages: v, stages per pp rank (default: 1 for gpipe/1f1b, 2 for the others).
-        num_microbatches: m, micro-batches per optimizer step (default: the DataModule's ``global_batch_size /
-            (micro_batch_size · dp)``, else pp). The DataLoader batch per dp rank must be a multiple of m;
-            ``LMDataModule`` delivers ``micro_batch_size · m`` sequences per batch under pp.
-        pipeline_layer_split: decoder layers per stage (``pp·v`` counts summing to ``num_layers``); default equal.
-        context_parallel_size: cp, ranks that split every sequence (load-balanced zigzag chunks): the strategy
-            shards ``input_ids`` / ``labels`` of each batch over the sequence (:meth:`batch_to_device`) and attention
-            exchanges K/V over the cp group; the sequence length must be a multiple of 2·cp (times tp under sp).
-        context_parallel_method: ``"ring"`` (default; K/V blocks passed around the cp ring, overlapped with
-            compute), ``"allgather"`` (K/V of the whole sequence all-gathered; cheaper for few kv heads) or
-            ``"alltoall"`` (DeepSpeed-Ulysses: q/k/v and the output exchanged by all-to-all, heads sharded over cp;
-            needs ``num_heads/tp`` divisible by cp). See ``docs/context_parallel.md``.
-        zero_stage: 0 (replicated), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters) over dp·cp.
-        expert_parallel_size: ep, for a Mixture-of-Experts model: the ranks that split the routed experts of every
-            MoE layer (``num_experts / ep`` each; tokens dispatched and combined by all-to-all). Under tp an MoE
-            layer is not split: each tp rank runs it whole on its ``s/t`` tokens, its gradients summed over
-            dp·cp·tp. ep ranks are blocks of ep consecutive ranks of the flattened ``dp_cp`` mesh, under tp of
-            ``dp_cp_tp`` (ep folded over tp first: the tp ranks are the innermost ep ranks), so ep divides dp·cp·tp
-            and ``num_experts``; the expert parameters' gradients are reduced and their ZeRO 1-3 shards held over
-            the expert data-parallel group (dp·cp·tp/ep ranks), the dense ones over dp·cp, at ZeRO 0-3; see
-            ``docs/moe.md``.
-        sequence_parallel: shard norms/residuals over the sequence inside a tp group; ``None`` = on when tp > 1.
-        tensor_parallel_overlap: under sequence parallelism, run the tp projections as rings of send/recv steps
-            overlapped with the matmuls, never gathering the whole sequence (same bytes, same results; needs tp > 1
-            and sequence parallelism; ``lightning_4d`` Llama models only). Default ``False``; see
-            ``docs/parallelism.md``.
-        activation_checkpointing: ``"none"``, ``"full"`` (recompute every transformer layer in backward) or
-            ``"selective"`` (keep each layer's matmul and attention outputs but ``w2``'s, under tp ``wo``'s reduced
-            shard instead of its partial sum; recompute its pointwise ops; ``docs/memory.md``).
-        activation_offload_layers: the first this many decoder layers of every pipeline stage keep their saved
-            activations in host memory (page-locked) between forward and backward: copied out in forward, back in
-            backward, on side streams overlapping compute (``lightning_4d/parallel/offload.py``). 0 (default) =
-            none. Not with activation checkpointing; see ``docs/memory.md``.
-        gradient_compression: ``"none"``, ``"bf16"`` (dp gradients reduced in bfloat16: half the bytes) or
-            ``"powersgd"`` (rank-``powersgd_rank`` PowerSGD with error feedback, ZeRO 0/1); see
-            ``docs/communication.md``.
-        powersgd_rank: r of PowerSGD (default 4).
-        powersgd_start_step: optimizer steps reduced exactly before PowerSGD starts (default 0; PyTorch's
-            ``start_powerSGD_iter``).
-        powersgd_comm_dtype: ``None`` (PowerSGD's factors all-reduced in float32) or ``"bfloat16"`` (half the bytes).
-        pipeline_comm_dtype: ``None``, ``"bfloat16"`` or ``"float8"`` (e4m3, per-tensor scale): the dtype of the
-            activations and gradients sent between pipeline stages.
-        float8: ``None`` (default) or ``"tensorwise"`` / ``"rowwise"``: torchao's float8 training (the extra
-            ``lightning-4d[float8]``) for the linears of every decoder layer of a ``lightning_4d`` Llama
-            (attention projections, SwiGLU; not the LM head nor the embedding), before compile and FSDP2; at ZeRO
-            2/3 ``"tensorwise"`` all-gathers those weights in float8, and under tp with sequence parallelism the
-            sequence in float8 too. Not with ``tensor_parallel_overlap``, Mixture-of-Experts models nor the
-            transformers families yet; ``docs/parallelism.md``.
-        compile: ``torch.compile`` each decoder layer (``lightning_4d/parallel/compile.py``): dp/ZeRO, tp/sp, pp, cp,
-            ep, full activation checkpointing and offload, float8, our Llama and the transformers families; not with
-            selective checkpointing; ``docs/parallelism.md``.
+        <the layout fields>
         fsdp_blocks: for a LightningModule that is not a ``lightning_4d`` Llama (any module: data parallel only)
             at ZeRO 2/3, the classes whose instances become their own FSDP2 units, as dotted class paths
             (``["torch.nn.TransformerEncoderLayer"]``) or bare class names; ``None`` = the children of every
@@ -175,49 +111,29 @@ class FourDStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        context_parallel_size: int = 1,
-        zero_stage: int = 1,
-        sequence_parallel: Optional[bool] = None,
-        tensor_parallel_overlap: bool = False,
-        activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = "none",
-        activation_offload_layers: int = 0,
-        pipeline_schedule: Literal[PIPELINE_SCHEDULES] = "1f1b",
-        virtual_pipeline_stages: Optional[int] = None,
-        num_microbatches: Optional[int] = None,
-        pipeline_layer_split: Optional[list[int]] = None,
-        context_parallel_method: Literal[CONTEXT_PARALLEL_METHODS] = "ring",
-        gradient_compression: Literal[GRADIENT_COMPRESSIONS] = "none",
-        powersgd_rank: int = 4,
-        powersgd_start_step: int = 0,
-        powersgd_comm_dtype: Optional[Literal[POWERSGD_COMM_DTYPES]] = None,
-        pipeline_comm_dtype: Optional[Literal[PIPELINE_COMM_DTYPES]] = None,
-        expert_parallel_size: int = 1,
-        float8: Optional[Literal[FLOAT8_RECIPES]] = None,
-        compile: bool = False,
+        *,
         fsdp_blocks: Optional[list[str]] = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = timedelta(seconds=1800),
         memory_check: bool = True,
+        **layout: Any,
     ) -> None:
-        # every layout argument (lightning_4d/layout.py's registry; tests/test_layout.py checks this signature)
-        self.parallel_config = ParallelConfig(**config_kwargs(locals()))
+        # the layout arguments: lightning_4d/layout.py's fields, in the signature below (what LightningCLI reads)
+        self.parallel_config = ParallelConfig(**layout_of(layout, type(self).__name__))
         self.memory_check = memory_check
         super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=self.parallel_config.data_parallel_size,
+            tensor_parallel_size=self.parallel_config.tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
         _checkpoint.validate_format(self.parallel_config, save_distributed_checkpoint)
-        validate_compile(compile, activation_checkpointing)
-        validate_float8(float8)
+        validate_compile(self.parallel_config.compile, self.parallel_config.activation_checkpointing)
+        validate_float8(self.parallel_config.float8)
         self._requested_backend = process_group_backend
-        self.compile = compile
+        self.compile = self.parallel_config.compile
         self.fsdp_blocks = list(fsdp_blocks) if fsdp_blocks is not None else None
         self._mesh: Optional[ParallelMesh] = None
         self._dp_cp_group: Optional[torch.distributed.ProcessGroup] = None  # the mesh's, looked up once

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_4d.layout import measure_flags
+
 __all__ = ["DEFAULTS", "FAMILIES", "HF_SMOKE_REASON", "ROWS", "Row", "measure_flags"]
 
 #: the layout every row starts from (``lightning-4d measure``'s option names, as argparse stores them)
@@ -29,20 +31,6 @@ HF_SMOKE_REASON = (
     "the smoke runner builds lightning_4d's CausalLMModule (measure); a transformers model needs its own "
     "LightningModule (tests/scripts/hf_llama_4d.py), not in the smoke runner yet"
 )
-
-
-def measure_flags(options: dict) -> list[str]:
-    """``lightning-4d measure`` flags for ``options`` (argparse names; booleans of switches as the bare flag)."""
-    out: list[str] = []
-    for key, value in options.items():
-        flag = "--" + ("cp-method" if key == "cp_method" else key.replace("_", "-"))
-        if key in ("compile", "tensor_parallel_overlap"):
-            out += [flag] if value else []
-        elif isinstance(value, (list, tuple)):
-            out += [flag, *map(str, value)]
-        else:
-            out += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
-    return out
 
 
 @dataclass(frozen=True)

@@ -336,7 +336,9 @@ def test_step_time_alltoall_term_is_the_ulysses_volume():
     tp, cp, b, m, s = 4, 4, 1, 4, 8192
     parts = {}
     for method in ("ring", "alltoall"):
-        lay = Layout(tp, 1, cp, 1, b, m, True, method, "1f1b", 1, None, 1, "none")
+        lay = Layout(
+            tp=tp, cp=cp, micro_batch_size=b, num_microbatches=m, sequence_parallel=True, context_parallel_method=method
+        )
         parts[method] = step_time_parts(_dims(cfg), lay, seq_length=s, gpu=gpu, gpus_per_node=16)
     tokens, a, k, d, c = b * s / cp, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 2
     kv = max(k // tp, cp)

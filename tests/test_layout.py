@@ -1,5 +1,6 @@
-"""The layout registry (issue 33, "one layout registry"): every place that declares the layout by hand agrees with
-``lightning_4d.layout.LAYOUT_FIELDS``, so a field missing anywhere fails here, named."""
+"""The layout registry: ``ParallelConfig``, ``FourDStrategy``'s signature and docstring, the planner's layout, the CLI
+options and the one writer of strategy arguments are derived from ``lightning_4d.layout.LAYOUT_FIELDS``; these tests
+check what each derivation gives (and that LightningCLI's jsonargparse reads the derived signature)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,73 @@ def test_strategy_signature_is_the_registry():
         assert hints[name] == field.type, f"{name}: {hints[name]} in FourDStrategy, {field.type} in the registry"
     doc = inspect.getdoc(FourDStrategy)
     assert [name for name in FIELDS if f"{name}:" not in doc] == [], "FourDStrategy's docstring misses these"
+
+
+def test_strategy_refuses_an_unknown_layout_argument():
+    from lightning_4d import FourDStrategy
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tensor_paralel_size'"):
+        FourDStrategy(tensor_paralel_size=2)
+    with pytest.raises(TypeError):
+        FourDStrategy(2)  # every argument a keyword, as the signature says
+
+
+def test_lightning_cli_reads_every_argument_with_its_type_and_doc():
+    """jsonargparse (LightningCLI's parser) honours the derived ``__signature__``: every field and the strategy's own
+    arguments are options, each with the registry's doc as help, and a bad choice is refused by the field's type."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_4d import FourDStrategy
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(FourDStrategy, "strategy")
+    actions = {a.dest: a for a in parser._actions}
+    for name in inspect.signature(FourDStrategy.__init__).parameters:
+        if name != "self":
+            assert f"strategy.{name}" in actions, name
+    for f in LAYOUT_FIELDS:
+        assert actions[f"strategy.{f.name}"].help.startswith(f.doc[:30]), f.name
+    args = parser.parse_args(["--strategy.zero_stage=3", "--strategy.context_parallel_method=alltoall"])
+    assert args.strategy.zero_stage == 3 and args.strategy.context_parallel_method == "alltoall"
+    with pytest.raises(Exception, match="context_parallel_method"):
+        parser.parse_args(["--strategy.context_parallel_method=rings"])
+
+
+def test_strategy_arguments_is_the_one_writer():
+    """Every planned field that applies to the layout, resolved; ``concise`` leaves out what the defaults give."""
+    from lightning_4d.layout import strategy_arguments
+
+    pc = ParallelConfig(**EXAMPLE)
+    full = strategy_arguments(pc)
+    assert full == {
+        "data_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "context_parallel_size": 2,
+        "zero_stage": 0,
+        "sequence_parallel": True,
+        "tensor_parallel_overlap": True,
+        "activation_checkpointing": "full",
+        "compile": True,
+        "pipeline_schedule": "interleaved_1f1b",
+        "virtual_pipeline_stages": 2,
+        "num_microbatches": 4,
+        "pipeline_layer_split": [1, 1, 1, 1],
+        "context_parallel_method": "allgather",
+    }
+    assert strategy_arguments(pc, concise=True) == {k: v for k, v in full.items() if k != "sequence_parallel"}
+    flat = ParallelConfig(data_parallel_size=8, expert_parallel_size=2).resolve(8)
+    assert strategy_arguments(flat) == {
+        "data_parallel_size": 8,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "context_parallel_size": 1,
+        "zero_stage": 1,
+        "activation_checkpointing": "none",
+        "compile": False,
+        "expert_parallel_size": 2,
+    }
+    assert "compile" not in strategy_arguments(flat, concise=True)
 
 
 def test_strategy_passes_every_field_to_its_config():
@@ -196,7 +264,7 @@ def test_every_field_has_a_feature_and_help():
         "compile",
     }
     for f in LAYOUT_FIELDS:
-        assert f.feature in features and f.help, f.name
+        assert f.feature in features and f.help and f.doc.endswith("."), f.name
         assert f.choices is None or f.default in f.choices, f.name
 
 

@@ -20,7 +20,13 @@ from lightning_4d.config import (
     ParallelConfig,
     check_training_precision,
 )
-from lightning_4d.layout import LAYOUT_FIELDS, LayoutField, config_kwargs_from_args, reported_layout
+from lightning_4d.layout import (
+    LAYOUT_FIELDS,
+    LayoutField,
+    config_kwargs_from_args,
+    reported_layout,
+    strategy_arguments,
+)
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
 from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
 from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
@@ -588,29 +594,14 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
     """
     if not out["layouts"]:
         raise ValueError("no layout fits, so there is no first pick to write")
+    from dataclasses import fields
+
+    from lightning_4d.memory.planner import Candidate
+
     c = out["layouts"][0]
     pipe = c["pp"] > 1
-    init_args: dict[str, Any] = {
-        "data_parallel_size": c["dp"],
-        "tensor_parallel_size": c["tp"],
-        "pipeline_parallel_size": c["pp"],
-        "context_parallel_size": c["cp"],
-        "zero_stage": c["zero_stage"],
-        "sequence_parallel": bool(c["sequence_parallel"]) if c["tp"] > 1 else False,
-        "expert_parallel_size": c["expert_parallel_size"],
-        "activation_checkpointing": c["activation_checkpointing"],
-        "pipeline_schedule": c["pipeline_schedule"] if pipe else "1f1b",
-        "virtual_pipeline_stages": c["virtual_pipeline_stages"] if pipe else 1,
-    }
-    if pipe:
-        init_args["num_microbatches"] = c["num_microbatches"]
-        if c["pipeline_layer_split"]:
-            init_args["pipeline_layer_split"] = list(c["pipeline_layer_split"])
-    init_args["context_parallel_method"] = c["context_parallel_method"]
-    if c.get("tensor_parallel_overlap"):
-        init_args["tensor_parallel_overlap"] = True
-    if c.get("compile"):
-        init_args["compile"] = True
+    layout = Candidate(**{f.name: c[f.name] for f in fields(Candidate)})
+    init_args = strategy_arguments(layout.parallel_config())
     num_gpus, per_node = out["num_gpus"], out["gpus_per_node"]
     trainer = {
         "accelerator": "gpu",

@@ -49,7 +49,7 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from lightning_4d.config import (
@@ -61,6 +61,7 @@ from lightning_4d.config import (
     check_compile,
     check_positive_int,
 )
+from lightning_4d.layout import plan_values, planned_dataclass, strategy_arguments
 from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.memory.hardware import GIB, GpuSpec
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
@@ -88,44 +89,22 @@ MIN_CONTEXT_CHUNK = 512
 PLANNED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8), ("zbv", 2))
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One layout of a job with its memory estimate (bytes), predicted step time (seconds) and where that time goes
-    (``bubble_fraction``, ``communication_fraction`` (exposed, the experts' all-to-alls included),
-    ``recompute_fraction``: fractions of the step); ``expert_parallel_size`` is ep (1 for a dense model); ``compile``
-    whether its step is predicted with ``torch.compile``'d decoder layers."""
+@planned_dataclass
+class Candidate(Layout):
+    """One layout of a job (the fields of :class:`~lightning_4d.memory.step_time.Layout`) with its memory estimate
+    (``memory``, bytes; ``fraction`` of the GPU's), whether it ``fits``, its predicted ``step_time`` (seconds),
+    ``tokens_per_sec`` and ``mfu``, and where that time goes (``bubble_fraction``, ``communication_fraction``
+    (exposed, the experts' all-to-alls included), ``recompute_fraction``: fractions of the step)."""
 
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    micro_batch_size: int
-    num_microbatches: int
-    zero_stage: int
-    activation_checkpointing: str
     memory: int
     fraction: float
     fits: bool
     step_time: float
     tokens_per_sec: float
     mfu: float
-    sequence_parallel: bool = False
-    context_parallel_method: str = "ring"
-    pipeline_schedule: str = "1f1b"
-    virtual_pipeline_stages: int = 1
-    pipeline_layer_split: Optional[tuple[int, ...]] = None
     bubble_fraction: float = 0.0
     communication_fraction: float = 0.0
     recompute_fraction: float = 0.0
-    expert_parallel_size: int = 1
-    tensor_parallel_overlap: bool = False
-    compile: bool = False
-
-    def parallel_config(self) -> ParallelConfig:
-        """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
-        and micro-batch count)."""
-        layout = Layout(**{f.name: getattr(self, f.name) for f in fields(Layout)})
-        return replace(layout, pipeline_schedule=self.pipeline_schedule if self.pp > 1 else "1f1b").parallel_config()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -238,10 +217,14 @@ def _layouts(
                                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
                                         if compile and not _compile_accepted(ac):
                                             continue  # compile=True refuses selective (check_compile)
-                                        shape = (tp, pp, cp, dp, b, m, sp, method, name, v, split, zero, ac, ep)
+                                        shape = dict(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=b)
+                                        shape.update(num_microbatches=m, sequence_parallel=sp, zero_stage=zero)
+                                        shape.update(context_parallel_method=method, pipeline_schedule=name)
+                                        shape.update(virtual_pipeline_stages=v, pipeline_layer_split=split)
+                                        shape.update(activation_checkpointing=ac, expert_parallel_size=ep)
                                         overlaps = (False, True) if tensor_parallel_overlap and sp else (False,)
                                         for overlap in overlaps if ac != "selective" else (False,):
-                                            yield Layout(*shape, overlap, compile)
+                                            yield Layout(**shape, tensor_parallel_overlap=overlap, compile=compile)
 
 
 def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
@@ -617,31 +600,16 @@ def _candidate(
     total = st.total
     tokens = tokens_per_step / total
     return Candidate(
-        pc.tp,
-        pc.pp,
-        pc.cp,
-        pc.dp,
-        b,
-        m,
-        pc.zero_stage,
-        pc.activation_checkpointing,
-        int(memory),
-        memory / gpu.memory,
-        fits,
-        total,
-        tokens,
-        model_flops_per_token * tokens / (num_gpus * gpu.peak_flops),
-        sequence_parallel=pc.sp,
-        context_parallel_method=pc.context_parallel_method,
-        pipeline_schedule=pc.pipeline_schedule,
-        virtual_pipeline_stages=pc.v,
-        pipeline_layer_split=tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None,
+        **plan_values(pc, b, m),
+        memory=int(memory),
+        fraction=memory / gpu.memory,
+        fits=fits,
+        step_time=total,
+        tokens_per_sec=tokens,
+        mfu=model_flops_per_token * tokens / (num_gpus * gpu.peak_flops),
         bubble_fraction=st.bubble / total,
         communication_fraction=st.exposed_communication / total,
         recompute_fraction=st.recompute / total,
-        expert_parallel_size=pc.ep,
-        tensor_parallel_overlap=pc.tensor_parallel_overlap,
-        compile=pc.compile,
     )
 
 
@@ -676,36 +644,11 @@ def format_size(n: float) -> str:
 
 
 def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
-    """A ``FourDStrategy(...)`` call with every dimension of ``parallel_config`` (data, tensor, pipeline and context
-    parallel sizes, ZeRO stage, activation checkpointing; sequence parallelism when off under tp; ep when > 1; the
-    context-parallel method under cp; with pp > 1 the pipeline schedule, its stages per rank, the layer split when
-    uneven and the micro-batch count), followed by a comment naming the micro-batch size it assumes: a line that can
-    be pasted as it is."""
-    pc = parallel_config
-    args = [
-        f"data_parallel_size={pc.dp}",
-        f"tensor_parallel_size={pc.tp}",
-        f"pipeline_parallel_size={pc.pp}",
-        f"context_parallel_size={pc.cp}",
-        f"zero_stage={pc.zero_stage}",
-        f"activation_checkpointing={pc.activation_checkpointing!r}",
-    ]
-    if pc.tp > 1 and not pc.sp:
-        args.append("sequence_parallel=False")
-    if pc.tensor_parallel_overlap:
-        args.append("tensor_parallel_overlap=True")
-    if pc.compile:
-        args.append("compile=True")
-    if pc.ep > 1:
-        args.append(f"expert_parallel_size={pc.ep}")
-    if pc.cp > 1:
-        args.append(f"context_parallel_method={pc.context_parallel_method!r}")
-    if pc.pp > 1:
-        args += [f"pipeline_schedule={pc.pipeline_schedule!r}", f"virtual_pipeline_stages={pc.v}"]
-        if pc.pipeline_layer_split is not None:
-            args.append(f"pipeline_layer_split={list(pc.pipeline_layer_split)}")
-        args.append(f"num_microbatches={pc.microbatches}")
-    return f"FourDStrategy({', '.join(args)})  # with micro_batch_size={micro_batch_size}"
+    """A ``FourDStrategy(...)`` call with the layout's arguments (:func:`lightning_4d.layout.strategy_arguments`,
+    concise: every dimension that applies to it, without the values its defaults give), followed by a comment naming
+    the micro-batch size it assumes: a line that can be pasted as it is."""
+    args = ", ".join(f"{k}={v!r}" for k, v in strategy_arguments(parallel_config, concise=True).items())
+    return f"FourDStrategy({args})  # with micro_batch_size={micro_batch_size}"
 
 
 def fitting_layout_lines(layouts: list[tuple[str, float]], world_size: int) -> list[str]:

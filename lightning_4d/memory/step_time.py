@@ -107,6 +107,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from lightning_4d.layout import config_of_plan, plan_values, planned_dataclass
 from lightning_4d.memory import moe
 from lightning_4d.memory.float8 import FLOAT8_MATMUL_SPEEDUP
 from lightning_4d.memory.moe import all_to_all_time
@@ -294,81 +295,32 @@ class StepTime:
         return self.tp + self.cp + self.pp + self.dp + self.ep
 
 
-@dataclass(slots=True)
+@planned_dataclass
 class Layout:
     """One layout of a job as plain values: what the step-time model reads, and what the planner enumerates (a
     :class:`~lightning_4d.config.ParallelConfig` with its micro-batch shape, built without validation because the
     planner visits ~10^5 of them; :meth:`parallel_config` gives the validated one).
 
-    ``virtual_pipeline_stages`` is v (1 without pp); ``pipeline_layer_split`` the decoder layers per stage, or
-    ``None`` for the even split; ``sequence_parallel`` whether sp is on (False with tp = 1); ``expert_parallel_size``
-    ep (1 without expert parallelism); ``tensor_parallel_overlap`` the tp projections as rings overlapped with their
-    matmuls (tp > 1 with sp only); ``compile`` the decoder layers ``torch.compile``d (:data:`POINTWISE_FACTOR`).
+    Its fields are the planned fields of :data:`lightning_4d.layout.LAYOUT_FIELDS` (the mesh sizes by their mesh
+    names ``tp``, ``pp``, ``cp``, ``dp``; resolved values: ``sequence_parallel`` whether sp is on, False with tp = 1;
+    ``virtual_pipeline_stages`` v, 1 without pp; ``num_microbatches`` m, with pp = 1 the gradient-accumulation steps;
+    ``pipeline_layer_split`` a tuple, or ``None`` for the even split; ``expert_parallel_size`` ep, 1 without expert
+    parallelism), then ``micro_batch_size`` b (:func:`lightning_4d.layout.planned_dataclass`); every field a keyword.
     """
-
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    micro_batch_size: int
-    num_microbatches: int
-    sequence_parallel: bool
-    context_parallel_method: str
-    pipeline_schedule: str
-    virtual_pipeline_stages: int
-    pipeline_layer_split: Optional[tuple[int, ...]]
-    zero_stage: int
-    activation_checkpointing: str
-    expert_parallel_size: int = 1
-    tensor_parallel_overlap: bool = False
-    compile: bool = False
 
     @classmethod
     def of(cls, pc: ParallelConfig, micro_batch_size: int, num_microbatches: int) -> "Layout":
         """The layout of ``pc`` (a resolved ``data_parallel_size``) with micro-batch size b and m micro-batches."""
-        return cls(
-            pc.tp,
-            pc.pp,
-            pc.cp,
-            pc.dp,
-            micro_batch_size,
-            num_microbatches,
-            pc.sp,
-            pc.context_parallel_method,
-            pc.pipeline_schedule,
-            pc.v if pc.pp > 1 else 1,
-            tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None,
-            pc.zero_stage,
-            pc.activation_checkpointing,
-            pc.ep,
-            pc.tensor_parallel_overlap,
-            pc.compile,
-        )
+        return cls(**plan_values(pc, micro_batch_size, num_microbatches))
 
     def parallel_config(self) -> ParallelConfig:
-        """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its v, layer split and m).
+        """The layout as a :class:`~lightning_4d.config.ParallelConfig` (with pp > 1: its schedule, v, layer split
+        and m).
 
         Raises:
             ValueError: see :class:`~lightning_4d.config.ParallelConfig`.
         """
-        pipe = self.pp > 1
-        return ParallelConfig(
-            data_parallel_size=self.dp,
-            tensor_parallel_size=self.tp,
-            pipeline_parallel_size=self.pp,
-            context_parallel_size=self.cp,
-            zero_stage=self.zero_stage,
-            activation_checkpointing=self.activation_checkpointing,
-            sequence_parallel=self.sequence_parallel if self.tp > 1 else None,
-            context_parallel_method=self.context_parallel_method,
-            pipeline_schedule=self.pipeline_schedule,
-            virtual_pipeline_stages=self.virtual_pipeline_stages if pipe else None,
-            pipeline_layer_split=list(self.pipeline_layer_split) if self.pipeline_layer_split else None,
-            num_microbatches=self.num_microbatches if pipe else None,
-            expert_parallel_size=self.expert_parallel_size,
-            tensor_parallel_overlap=self.tensor_parallel_overlap,
-            compile=self.compile,
-        )
+        return ParallelConfig(**config_of_plan(self))
 
 
 def tp_exposed(coll: float, matmul: float, tp: int, streams: int = 1) -> float:
