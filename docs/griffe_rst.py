@@ -109,23 +109,21 @@ _ARGS_MARKER = "<the layout fields>"
 
 
 def _derived(cls: Any) -> None:
-    """The class ``cls`` as the layout registry made it at import time: its docstring, and for a class whose
-    ``__init__`` takes ``**layout``, the signature the registry gave it (``__signature__``)."""
+    """The class ``cls`` as the layout registry made it at import time: its docstring, and its ``__init__``'s
+    signature (``FourDStrategy``'s ``__signature__``; ``ParallelConfig``'s dataclass fields)."""
     module = importlib.import_module(cls.module.path)
     runtime = getattr(module, cls.name)
     cls.docstring.value = inspect.cleandoc(runtime.__doc__)
-    init = cls.members.get("__init__")
-    if init is None or not any(p.kind is griffe.ParameterKind.var_keyword for p in init.parameters):
-        return
     params = []
     for p in inspect.signature(runtime.__init__).parameters.values():
         annotation = None if p.annotation is inspect.Parameter.empty else inspect.formatannotation(p.annotation)
         default = None if p.default is inspect.Parameter.empty else repr(p.default)
-        params.append(
-            griffe.Parameter(
-                p.name, annotation=annotation, kind=griffe.ParameterKind(p.kind.description), default=default
-            )
-        )
+        kind = griffe.ParameterKind(p.kind.description)
+        params.append(griffe.Parameter(p.name, annotation=annotation, kind=kind, default=default))
+    init = cls.members.get("__init__")
+    if init is None or init.is_alias:
+        init = griffe.Function("__init__", lineno=cls.lineno, endlineno=cls.lineno, parent=cls)
+        cls.set_member("__init__", init)
     init.parameters = griffe.Parameters(*params)
 
 
