@@ -14,7 +14,9 @@ Two formats:
   full state dicts, written by Lightning's ``ModelParallelStrategy``; every rank reads it and keeps its shards.
 
 A sharded folder is written atomically: completely into ``<path>.tmp``, then renamed into place (the old folder
-moved aside first and removed after), so a crash never leaves a half-written checkpoint in place of a good one.
+moved aside first, to ``last.old.ckpt`` for ``last.ckpt``, and removed after), so a crash never leaves a half-written
+checkpoint in place of a good one, and at every moment of a save Lightning's ``ckpt_path="last"`` finds a complete
+folder (``tests/test_checkpoint_faults.py`` crashes a save after each of its file operations).
 """
 
 from __future__ import annotations
@@ -243,12 +245,22 @@ def _masters_into_weights(opt_state: Any, model_state: dict[str, Any]) -> None:
 
 
 def _old(path: Path) -> Path:
+    """Where :func:`_rename_into_place` moves the folder it replaces: ``<stem>.old<suffix>`` (``last.ckpt`` ->
+    ``last.old.ckpt``), a name Lightning's ``ckpt_path="last"`` still finds (``ModelCheckpoint._find_last_checkpoints``
+    takes every ``last*`` entry with the ``.ckpt`` suffix, and the newest of them by modification time)."""
+    return path.with_name(path.stem + ".old" + path.suffix)
+
+
+def _legacy_old(path: Path) -> Path:
+    """Where earlier versions moved it (``last.ckpt.old``, which the ``last`` lookup does not find)."""
     return path.with_name(path.name + ".old")
 
 
 def _rename_into_place(tmp: Path, path: Path) -> None:
-    """Replace ``path`` by the complete folder ``tmp``: ``path`` -> ``path.old``, ``tmp`` -> ``path``, remove
-    ``path.old``. A crash between the two renames leaves ``path.old`` complete, and :func:`resolve` loads it."""
+    """Replace ``path`` by the complete folder ``tmp``: ``path`` -> :func:`_old` ``(path)``, ``tmp`` -> ``path``, remove
+    the old one. A crash at any point leaves a complete folder that Lightning's ``"last"`` lookup finds (``path``, or
+    between the two renames the old one under its ``last*.ckpt`` name) and that :func:`resolve` loads; the next save
+    cleans up what the crash left."""
     old = _old(path)
     if path.exists():
         if old.exists():  # a stale one from an earlier crash: path is the newer complete folder
@@ -258,27 +270,30 @@ def _rename_into_place(tmp: Path, path: Path) -> None:
         else:
             path.unlink()
     tmp.rename(path)
-    if old.exists():
-        shutil.rmtree(old)
+    for stale in (old, _legacy_old(path)):
+        if stale.exists():
+            shutil.rmtree(stale)
 
 
 def resolve(path: Path) -> Path:
     """The folder to load for ``path``: ``path`` itself, or, when a crash came between the two renames of
-    :func:`_rename_into_place` (``path`` missing), the complete previous folder ``path.old`` (with a warning).
+    :func:`_rename_into_place` (``path`` missing), the complete previous folder (:func:`_old`, or the name earlier
+    versions gave it), with a warning.
 
     Raises:
-        ValueError: neither exists.
+        ValueError: none exists.
     """
     if path.exists():
         return path
-    if _old(path).is_dir():
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    for old in (_old(path), _legacy_old(path)):
+        if old.is_dir():
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        rank_zero_warn(
-            f"checkpoint {str(path)!r} is missing but {str(_old(path))!r} is complete (a save was "
-            "interrupted while replacing it): loading that one"
-        )
-        return _old(path)
+            rank_zero_warn(
+                f"checkpoint {str(path)!r} is missing but {str(old)!r} is complete (a save was "
+                "interrupted while replacing it): loading that one"
+            )
+            return old
     raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
 
 

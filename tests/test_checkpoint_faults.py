@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,10 +66,10 @@ def test_killed_run_resumes_from_last_with_the_straight_losses(tmp_path, straigh
     last = tmp_path / "ckpt" / "last.ckpt"
     if kill == "rename":  # killed between the two renames: last.ckpt is gone, the previous one is complete
         assert not last.exists()
-        check_complete(last.with_name("last.ckpt.old"))
+        check_complete(last.with_name("last.old.ckpt"))
     else:
         check_complete(last)
-    proc = _run(tmp_path, "resumed", "--ckpt-path", str(last))
+    proc = _run(tmp_path, "resumed", "--ckpt-path", "last")  # Lightning's lookup, as a requeued job resumes
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = _losses(tmp_path, "resumed")
     expected = {s: straight[1][s] for s in range(saved_step + 1, STEPS + 1)}
@@ -78,7 +79,89 @@ def test_killed_run_resumes_from_last_with_the_straight_losses(tmp_path, straigh
         assert resumed[step] == pytest.approx(loss, rel=1e-5)
     # the resumed run's saves replaced last.ckpt again and removed the stale .old
     check_complete(last)
-    assert not last.with_name("last.ckpt.old").exists() and not last.with_name("last.ckpt.tmp").exists()
+    assert not last.with_name("last.old.ckpt").exists() and not last.with_name("last.ckpt.tmp").exists()
+
+
+class _Crash(Exception):
+    pass
+
+
+def _folder(path, step):
+    path.mkdir()
+    (path / "step").write_text(str(step))
+
+
+def _found_by_last(dirpath):
+    """What Lightning's ``ckpt_path="last"`` loads from a ``ModelCheckpoint(dirpath=...)``: the newest (modification
+    time) of the callback's ``last*.ckpt`` entries (lightning's ``_CheckpointConnector._parse_ckpt_path``)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)]
+    )
+    return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)
+
+
+def test_a_crash_after_any_file_operation_of_a_save_leaves_last_a_complete_checkpoint(tmp_path, monkeypatch):
+    """``last.ckpt`` (step 1) replaced by a complete ``last.ckpt.tmp`` (step 2), the process killed after each file
+    operation of the replacement in turn: Lightning's ``"last"`` lookup then finds a complete folder (step 2 once it
+    is in place, else step 1, never nothing, which would train from step 0 and delete both on its first save), and
+    the next save leaves ``last.ckpt`` alone in the folder."""
+    from lightning_4d import checkpoint
+
+    real = {"rename": Path.rename, "rmtree": shutil.rmtree, "unlink": Path.unlink}
+    operations = 0
+    for crash_after in range(10):
+        (tmp_path / "run").mkdir()
+        dirpath = tmp_path / "run"
+        last = dirpath / "last.ckpt"
+        _folder(last, 1)
+        _folder(dirpath / "last.ckpt.tmp", 2)
+        done = {"n": 0}
+
+        def counted(name):
+            def op(*args, **kwargs):
+                if done["n"] == crash_after:
+                    raise _Crash
+                done["n"] += 1
+                return real[name](*args, **kwargs)
+
+            return op
+
+        monkeypatch.setattr(Path, "rename", counted("rename"))
+        monkeypatch.setattr(Path, "unlink", counted("unlink"))
+        monkeypatch.setattr(shutil, "rmtree", counted("rmtree"))
+        try:
+            checkpoint._rename_into_place(dirpath / "last.ckpt.tmp", last)
+            crashed = False
+        except _Crash:
+            crashed = True
+        monkeypatch.undo()
+        found = _found_by_last(dirpath)
+        assert found is not None, f"crash after {crash_after} operations: the last lookup finds nothing"
+        step = int((Path(found) / "step").read_text())
+        assert step == (1 if (dirpath / "last.ckpt.tmp").exists() else 2), (crash_after, found)
+        assert checkpoint.resolve(Path(found)) == Path(found)
+        # the next save (a resumed run's) replaces last.ckpt and leaves nothing else
+        shutil.rmtree(dirpath / "last.ckpt.tmp", ignore_errors=True)
+        _folder(dirpath / "last.ckpt.tmp", 3)
+        checkpoint._rename_into_place(dirpath / "last.ckpt.tmp", last)
+        assert sorted(p.name for p in dirpath.iterdir()) == ["last.ckpt"]
+        assert (last / "step").read_text() == "3"
+        shutil.rmtree(dirpath)
+        if not crashed:
+            operations = done["n"]
+            break
+    assert operations == 3  # last.ckpt -> last.old.ckpt, the tmp -> last.ckpt, the old removed
+
+
+def test_resolve_loads_the_folder_an_earlier_version_moved_aside(tmp_path):
+    from lightning_4d import checkpoint
+
+    _folder(tmp_path / "last.ckpt.old", 1)
+    assert checkpoint.resolve(tmp_path / "last.ckpt") == tmp_path / "last.ckpt.old"
 
 
 def test_truncated_shard_file_is_named(tmp_path, straight):
