@@ -11,6 +11,7 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -178,8 +179,9 @@ def export_hf(
     ``ckpt`` is a sharded folder of any layout or a full file. One process, no process group: a folder is read one
     output file's tensors at a time (DCP, ``no_dist``), so peak host memory is about one shard file, not the model.
     The q/k rows are permuted to Hugging Face's rotate-half order and the padded vocabulary rows dropped
-    (:func:`lightning_4d.models.hf_mapping.to_hf_tensor`). The directory is written to ``<out_dir>.tmp`` and renamed
-    into place when complete.
+    (:func:`lightning_4d.models.hf_mapping.to_hf_tensor`). The directory is written to a fresh hidden folder of its
+    own beside it (``.<name>.tmp-XXXX``, removed if the export fails) and renamed into place when complete: nothing
+    of the user's is overwritten or deleted.
 
     Written with ``safetensors.torch.save_file`` per output file, not DCP's ``HuggingFaceStorageWriter``: that
     writer saves one state dict per ``dcp.save`` and its ``finish`` writes the index of that call's tensors only,
@@ -209,17 +211,20 @@ def export_hf(
     entries, full = _weight_entries(ckpt, saved)
     torch_dtype = EXPORT_DTYPES[dtype]
     keys, groups = _export_groups(config, entries, ckpt, torch_dtype.itemsize, shard_bytes)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    _write_weights(tmp, ckpt, config, keys, groups, entries, full, torch_dtype)
-    hf_config["torch_dtype"] = dtype
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    _copy_tokenizer(tok, tmp)
-    if out_dir.exists():
-        out_dir.rmdir()
-    tmp.rename(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh name of our own beside out_dir (never a folder of the user's), removed if the export fails
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _write_weights(tmp, ckpt, config, keys, groups, entries, full, torch_dtype)
+        hf_config["torch_dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        _copy_tokenizer(tok, tmp)
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir
 
 

@@ -198,10 +198,14 @@ def test_export_hf_of_a_folder_prints_no_single_process_warning(tmp_path):
             0,
             lambda: None,
         )
+    (tmp_path / "hf.tmp").mkdir()  # the user's own folder of that name: left alone (once deleted unasked)
+    (tmp_path / "hf.tmp" / "mine.txt").write_text("keep")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
     assert (out / "config.json").is_file()
+    assert (tmp_path / "hf.tmp" / "mine.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "hf.tmp"]  # no folder of ours left
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "assuming the intent is to load in a single process" in m], messages
     assert not torch.distributed.is_initialized()

@@ -550,3 +550,21 @@ def test_task_builds_on_meta_only_for_a_strategy_that_initializes_llama_models()
         if not meta:
             for (name, p), q in zip(module.model.named_parameters(), reference.parameters()):
                 assert torch.equal(p, q), name
+
+
+def test_a_huge_size_fails_in_one_line_instead_of_hanging():
+    """A crafted config (a checkpoint's, a ``config.json``) with ``hidden_size=10**13+1`` once made the divisor
+    search of the error message loop 10^13 times; sizes are bounded and the search takes ``O(sqrt(n))`` steps."""
+    import time
+
+    from lightning_4d.models.config import MAX_MODEL_SIZE, divisors
+
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 500))
+    start = time.process_time()
+    for name in ("hidden_size", "vocab_size", "num_layers", "max_seq_length"):
+        fields = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=64)
+        with pytest.raises(ValueError, match=f"{name}=10000000000001 is not valid: expected at most"):
+            LlamaConfig(**{**fields, name: 10**13 + 1})
+    with pytest.raises(ValueError, match="not divisible by num_heads=2"):
+        LlamaConfig(num_layers=2, hidden_size=MAX_MODEL_SIZE - 1, intermediate_size=8, num_heads=2, num_kv_heads=1)
+    assert time.process_time() - start < 5  # the divisors of 2^30 - 1: 32,768 steps

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -58,10 +59,18 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 LLAMA4_MODEL_TYPES = ("llama4", "llama4_text")
 
 
+#: the largest size a model config may give (``vocab_size``, ``hidden_size``, ``intermediate_size``, heads, layers,
+#: ``max_seq_length``): 2^30, ~100x the largest real one (Llama 4's 10M-token context), checked before any loop over
+#: a size's divisors, so a crafted config (a checkpoint's, a ``config.json``) fails in one line instead of hanging
+MAX_MODEL_SIZE = 2**30
+
+
 def _check_positive_int(name: str, value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is an ``int`` (not a ``bool``) >= 1."""
+    """Raise ``ValueError`` unless ``value`` is an ``int`` (not a ``bool``) in ``1 .. MAX_MODEL_SIZE``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is not valid: expected a positive integer (1, 2, 3, ...).")
+    if value > MAX_MODEL_SIZE:
+        raise ValueError(f"{name}={value!r} is not valid: expected at most {MAX_MODEL_SIZE:,} (2^30).")
 
 
 def _check_positive_float(name: str, value: object) -> None:
@@ -215,13 +224,13 @@ class LlamaConfig:
         _check_positive_float("initializer_range", self.initializer_range)
         if self.hidden_size % self.num_heads != 0:
             h = self.hidden_size
-            valid = [d for d in range(1, h + 1) if h % d == 0 and (h // d) % 2 == 0]
+            valid = [d for d in divisors(h) if (h // d) % 2 == 0]
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; valid num_heads "
                 f"for this hidden_size (with an even head dimension): {valid}."
             )
         if self.num_heads % self.num_kv_heads != 0:
-            valid = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            valid = divisors(self.num_heads)
             raise ValueError(
                 f"num_kv_heads={self.num_kv_heads} is not valid: num_heads={self.num_heads} must be divisible by it; "
                 f"valid num_kv_heads: {valid}."
@@ -626,8 +635,10 @@ class LlamaConfig:
 
 
 def divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order (the valid sizes an error message lists)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` (>= 1) in increasing order (the valid sizes an error message lists), in ``O(sqrt(n))``
+    steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _preset(fields: dict[str, Any]) -> LlamaConfig:
