@@ -480,8 +480,13 @@ def test_prepare_data_writes_train_and_validation(tmp_path, capsys):
     # LMDataModule picks the .val.bin sibling up
     dm = LMDataModule(data_path=str(out), seq_length=16, micro_batch_size=2)
     assert (dm.num_train_tokens, dm.num_val_tokens) == (len(train), len(val))
-    # val fraction 0 removes the stale validation file
-    assert prepare_data_main(["--input", str(src), "--output", str(out), "--val-fraction", "0", "--no-progress"]) == 0
+    # an existing output is refused, nothing written; with --overwrite, val fraction 0 removes the stale validation file
+    before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+    argv = ["--input", str(src), "--output", str(out), "--val-fraction", "0", "--no-progress"]
+    assert prepare_data_main(argv) == 2
+    assert "exists: pass --overwrite" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
+    assert prepare_data_main([*argv, "--overwrite"]) == 0
     assert not (tmp_path / "out" / "corpus.val.bin").exists()
     assert read_token_file(out)[1]["num_tokens"] == sum(f.stat().st_size for f in files) + len(files) - 1
 
@@ -516,15 +521,21 @@ def test_prepare_data_with_hf_tokenizer_and_glob(tmp_path, capsys):
         (["--input", "{tmp}/a.txt", "--output", "{tmp}/o.bin", "--val-fraction", "1.5"], "val-fraction"),
         (["--output", "{tmp}/o.bin"], "--input"),
         (["--input", "{tmp}/a.txt", "--output", "{tmp}/o.bin", "--bogus"], "--bogus"),
+        (["--input", "{tmp}/o.bin", "--output", "{tmp}/o.bin", "--overwrite"], "names the output"),
     ],
 )
 def test_prepare_data_bad_input_returns_2(tmp_path, capsys, argv, message):
     (tmp_path / "a.txt").write_text("hello")
+    if "{tmp}/o.bin" in argv[1]:  # the input is the output: the user's file stays as it is
+        (tmp_path / "o.bin").write_text("my text")
     code = prepare_data_main([a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and "lightning-4d prepare-data" in err
-    assert not (tmp_path / "o.bin").exists()
+    if "{tmp}/o.bin" in argv[1]:
+        assert (tmp_path / "o.bin").read_text() == "my text"
+    else:
+        assert not (tmp_path / "o.bin").exists()
 
 
 # ---------------------------------------------------------------------------------------------- LMDataModule

@@ -245,6 +245,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fraction of files (by crc32 of their relative path, 1%% granularity) written to OUT.val.bin; 0 writes "
         "no validation file (default 0.05)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT.bin / OUT.val.bin (and their sidecars) when they exist (default: refuse, nothing written)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     return parser
 
@@ -253,16 +258,18 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
     """The ``lightning-4d prepare-data`` subcommand; ``--help`` lists the options.
 
     Writes ``OUT.bin`` (training files) and, when ``--val-fraction > 0`` and at least one file falls into
-    validation, ``OUT.val.bin`` (a stale ``OUT.val.bin`` from an earlier run is removed otherwise), each with its
-    sidecar, showing a ``rich`` progress bar on stderr; prints one summary line on stdout.
+    validation, ``OUT.val.bin``, each with its sidecar, showing a ``rich`` progress bar on stderr; prints one summary
+    line on stdout. An existing output (either file or sidecar) is refused unless ``--overwrite`` (with it, a stale
+    ``OUT.val.bin`` the run does not rewrite is removed); an input that is one of the outputs is always refused.
 
     Args:
         argv: the arguments after ``prepare-data``; default ``sys.argv[1:]``.
 
     Returns:
         0 on success; 2 on bad input (message on stderr): unknown option, an input matching nothing, an unknown
-        tokenizer, ``--output`` not ending in ``.bin``, ``--val-fraction`` outside ``[0, 1)``, every file falling
-        into validation, an unreadable file.
+        tokenizer, ``--output`` not ending in ``.bin``, ``--val-fraction`` outside ``[0, 1)``, an existing output
+        without ``--overwrite``, an input that is an output, every file falling into validation, an unreadable
+        file.
     """
     parser = _build_parser()
     try:
@@ -284,10 +291,18 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
         files = resolve_text_files(args.input)
     except ValueError as e:
         return fail(str(e))
+    out_val = val_token_path(output)
+    outputs = [output, sidecar_path(output), out_val, sidecar_path(out_val)]
+    inputs = {f.resolve() for f in files}
+    clash = [str(p) for p in outputs if p.resolve() in inputs]
+    if clash:
+        return fail(f"--input names the output {clash[0]!r}: write the tokens to another --output")
+    existing = [str(p) for p in outputs if p.exists()]
+    if existing and not args.overwrite:
+        return fail(f"{existing[0]!r} exists: pass --overwrite to replace it, or another --output")
     train_files, val_files = split_files(files, args.val_fraction)
     if not train_files:
         return fail(f"all {len(files)} input files fell into the validation split; add files or lower --val-fraction")
-    out_val = val_token_path(output)
     parts = []
     try:
         for split_files_, out in ((train_files, output), (val_files, out_val)):
@@ -302,7 +317,7 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
     except (OSError, ValueError) as e:
         return fail(str(e))
     if not val_files:
-        for stale in (out_val, sidecar_path(out_val)):
+        for stale in (out_val, sidecar_path(out_val)):  # only with --overwrite: a stale split of an earlier run
             stale.unlink(missing_ok=True)
         if args.val_fraction > 0:
             parts.append(f"no file fell into validation (LMDataModule will hold out the last 5% of {output.name})")
