@@ -17,6 +17,7 @@ Subcommands (``lightning-4d --help`` lists them, :data:`COMMANDS`):
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Any, Optional
@@ -53,6 +54,72 @@ def filter_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
+#: set (to anything) to see the traceback of a bad input of ``fit``/``validate``/``test``/``predict`` instead of its one
+#: line
+TRACEBACK_ENV = "LIGHTNING_4D_TRACEBACK"
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_in(err: BaseException, package: str) -> bool:
+    """Whether ``err`` was raised by a frame of the installed ``package`` (its traceback's last frame)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}{package}{os.sep}" in os.path.abspath(tb.tb_frame.f_code.co_filename)
+
+
+def _raised_here(err: BaseException) -> bool:
+    """Whether ``err`` was raised by a frame of this package (its traceback's last frame is in ``lightning_4d/``)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
+
+
+def _parser_line(message: str) -> str:
+    """One line of a jsonargparse refusal (its message lists the key, the union's subtypes, each subtype's error and
+    the value given): the key, the errors that name a value (not "Expected a <class 'str'>"), the value when short;
+    a layout field refused by its choices in the layout's own words
+    (:func:`lightning_4d.config.check_values`' message)."""
+    import re
+
+    from lightning_4d.layout import FIELDS
+
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    nested = re.search(r"NestedArg\(key='(\w+)', val='([^']*)'\)", message)
+    if nested and nested[1] in FIELDS and FIELDS[nested[1]].choices is not None:
+        field = FIELDS[nested[1]]
+        return f"{field.name}={nested[2]!r} is not valid: expected one of {list(field.choices)}."
+    if nested:  # a key the class does not take, or a value its type refuses
+        return f"{lines[0].rstrip(':')} does not take {nested[1]}={nested[2]!r} (see --help for its keys and types)"
+    errors = [line[2:] for line in lines if line.startswith("- ") and not line.startswith("- Expected a <class")]
+    if errors:
+        return errors[-1]
+    given = [line for line in lines if line.startswith("Given value:") and len(line) < 200]
+    return " ".join(lines[:2] + given)[:300]
+
+
+def input_error(err: BaseException) -> Optional[str]:
+    """The one line of a LightningCLI run's bad input, or ``None`` for an error that is not one (a bug: its
+    traceback is shown). Bad input: a ``ValueError`` or ``TypeError`` this package raised for a value it was given
+    (anywhere in ``err``'s chain of causes), or a value jsonargparse refused while parsing or building the classes
+    (``ArgumentError``, or its ``ValueError`` listing each union subtype's error: an unknown key, a value a type,
+    choice or one of our classes refuses), shortened to one line (:func:`_parser_line`)."""
+    from jsonargparse import ArgumentError
+
+    seen: list[BaseException] = []
+    cause: Optional[BaseException] = err
+    while cause is not None and cause not in seen:
+        seen.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for e in seen:
+        if isinstance(e, (ValueError, TypeError)) and _raised_here(e):
+            return str(e).strip().splitlines()[0]
+    if isinstance(err, ArgumentError) or (isinstance(err, ValueError) and _raised_in(err, "jsonargparse")):
+        return _parser_line(str(err))
+    return None
+
+
 def usage() -> str:
     """The text of ``lightning-4d --help``: every subcommand with one line."""
     width = max(len(name) for name in COMMANDS)
@@ -76,6 +143,10 @@ def _checked_cli() -> type:
     from lightning_4d.safe_load import UnsafeFileError, check_checkpoint
 
     class CheckedCLI(LightningCLI):
+        def init_parser(self, **kwargs: Any) -> Any:
+            # a bad value raises (main prints one line naming the key) instead of printing the whole usage
+            return super().init_parser(**kwargs, exit_on_error=False)
+
         def parse_arguments(self, parser: Any, args: Any) -> None:
             super().parse_arguments(parser, args)
             command = self.config.get("subcommand")
@@ -157,7 +228,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return memory_main(args[0], args[1:], untested_pairs)
     # LightningCLI reads sys.argv itself when run as the console script (given args too, it warns)
-    distributed = _lightning_cli(None if argv is None else args)
+    try:
+        distributed = _lightning_cli(None if argv is None else args)
+    except Exception as err:  # noqa: BLE001 (bad input becomes one line; anything else is re-raised whole)
+        line = input_error(err)
+        if line is None or os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"lightning-4d {args[0]}: error: {line} (set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        return 2
     if distributed and argv is None:  # the console script of a distributed run: never return into finalization
         from lightning_4d.parallel._compat import exit_distributed_process
 

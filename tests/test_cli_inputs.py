@@ -152,3 +152,72 @@ def test_known_third_party_warnings_are_filtered_once_at_start():
         warnings.warn("something else is deprecated", FutureWarning)
     assert [str(w.message) for w in seen] == ["something else is deprecated"]
     assert len(KNOWN_WARNINGS) >= 1
+
+
+#: bad input of ``lightning-4d fit`` (over configs/tiny.yaml): each one line naming the value, exit 2, before any
+#: process group (each raised while the arguments are parsed or the Trainer, the strategy, the model or the data are
+#: built, in this process)
+FIT_BAD_INPUT = [
+    (["--trainer.strategy.zero_stage=7"], ["zero_stage=7", "[0, 1, 2, 3]"]),
+    (["--trainer.strategy.tensor_parallel_size=0"], ["tensor_parallel_size=0", "positive integer"]),
+    (["--trainer.strategy.context_parallel_size=-2"], ["context_parallel_size=-2"]),
+    (["--trainer.strategy.context_parallel_method=rings"], ["context_parallel_method='rings'", "'alltoall'"]),
+    (["--trainer.strategy.pipeline_schedule=1f2b"], ["pipeline_schedule='1f2b'", "'interleaved_1f1b'"]),
+    (["--trainer.strategy.activation_checkpointing=some"], ["activation_checkpointing='some'", "'selective'"]),
+    (["--trainer.strategy.tensor_paralel_size=2"], ["tensor_paralel_size='2'", "trainer.strategy"]),
+    (["--trainer.strategy.virtual_pipeline_stages=3", "--trainer.strategy.pipeline_schedule=zbv"], ["zbv"]),
+    (["--trainer.strategy.activation_offload_layers=-1"], ["activation_offload_layers=-1"]),
+    (["--trainer.strategy.tensor_parallel_overlap=true", "--trainer.strategy.sequence_parallel=false"], ["overlap"]),
+    (["--trainer.strategy.compile=true", "--trainer.strategy.activation_checkpointing=selective"], ["compile=True"]),
+    (["--trainer.strategy.gradient_compression=powersgd", "--trainer.strategy.zero_stage=3"], ["powersgd"]),
+    (["--trainer.devices=3"], ["world size 3", "pp*dp*cp*tp"]),
+    (["--trainer.precision=16-mixed"], ["16-mixed", "bf16-mixed"]),
+    (["--data.seq_length=0"], ["seq_length", "0"]),
+    (["--data.micro_batch_size=x"], ["data.micro_batch_size", "x"]),
+    (["--model.model_config=nope"], ["model_config='nope'", "preset"]),
+    (["--model.learning_rate=-1"], ["learning_rate"]),
+    (["--trainer.bogus=1"], ["--trainer.bogus=1"]),
+    (["--ckpt_path", "/nonexistent/last.ckpt"], ["/nonexistent/last.ckpt"]),
+]
+
+
+@pytest.fixture(scope="module")
+def fit_bad_input_runs(tmp_path_factory):
+    """Every :data:`FIT_BAD_INPUT` case through ``lightning_4d.cli.main`` in one fresh process
+    (``tests/scripts/fit_bad_input.py``: its exit code and stderr per case; ``Trainer.fit`` replaced by a refusal, so
+    a case that is not refused before training never starts processes)."""
+    import json
+
+    cases = [
+        ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false", *e] for e, _ in FIT_BAD_INPUT
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "fit_bad_input.py"), json.dumps(cases)],
+        cwd=tmp_path_factory.mktemp("fit_bad_input"),
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("index", range(len(FIT_BAD_INPUT)), ids=[" ".join(e) for e, _ in FIT_BAD_INPUT])
+def test_fit_bad_input_is_one_line_and_exit_2(fit_bad_input_runs, index):
+    code, err = fit_bad_input_runs[index]
+    assert code == 2, (code, err)
+    assert "Traceback" not in err and "usage:" not in err, err
+    lines = [line for line in err.splitlines() if "error" in line.lower()]  # (Lightning logs "Seed set to 0" too)
+    assert len(lines) == 1 and lines[0].startswith("lightning-4d fit: error: "), err
+    for text in FIT_BAD_INPUT[index][1]:
+        assert text in lines[0], lines[0]
+
+
+def test_fit_bad_input_traceback_on_request(capsys, tmp_path, monkeypatch):
+    from lightning_4d.cli import TRACEBACK_ENV
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    with pytest.raises(Exception, match="zero_stage=7"):
+        main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.strategy.zero_stage=7"])
