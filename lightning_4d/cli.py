@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 #: every subcommand with its one-line description, in the order ``lightning-4d --help`` lists them (the first four
@@ -132,15 +133,43 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+#: the ``--ckpt_path`` values Lightning resolves itself (``CheckedCLI`` resolves and checks them first)
+_SPECIAL_CKPT_PATHS = ("last", "hpc", "best", "registry")
+
+
+def _check_local_checkpoint(path: Any) -> None:
+    """Refuse a checkpoint given as a URL (Lightning would download and unpickle it), a missing one, and one holding
+    more than plain data (:func:`lightning_4d.safe_load.check_checkpoint`); ``None`` and the special names pass
+    (resolved and checked later).
+
+    Raises:
+        ValueError: a URL, a missing path, or an ``UnsafeFileError`` naming the file.
+    """
+    from lightning_4d.safe_load import check_checkpoint
+
+    if not isinstance(path, (str, os.PathLike)) or str(path) in _SPECIAL_CKPT_PATHS:
+        return
+    if "://" in str(path):
+        raise ValueError(
+            f"checkpoint {str(path)!r} is a URL: checkpoints are read from local files only (Lightning would "
+            "download and unpickle it); download it and pass the file"
+        )
+    if not Path(path).exists():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist: pass a folder or file that ModelCheckpoint wrote")
+    check_checkpoint(path)
+
+
 def _checked_cli() -> type:
     """``LightningCLI`` that, once the arguments are parsed and before Lightning reads ``--ckpt_path`` or anything
-    is built, refuses a ``--ckpt_path`` or ``--model.init_from`` checkpoint holding more than plain data
-    (:func:`lightning_4d.safe_load.check_checkpoint`) and, with ``FourDStrategy``, a precision it cannot train with
-    (:func:`lightning_4d.config.check_training_precision`): one line on stderr, exit status 2."""
+    is built, refuses a ``--ckpt_path`` or ``--model.init_from`` checkpoint that is a URL or holds more than plain
+    data (:func:`_check_local_checkpoint`), ``--weights_only=false``, and, with ``FourDStrategy``, a precision it
+    cannot train with (:func:`lightning_4d.config.check_training_precision`); and that resolves ``--ckpt_path last``
+    (``hpc``, ``best``, ``registry``) as Lightning will and checks that file before the Trainer loads it: one line on
+    stderr, exit status 2."""
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_4d.config import check_training_precision
-    from lightning_4d.safe_load import UnsafeFileError, check_checkpoint
+    from lightning_4d.parallel._compat import resolve_ckpt_path
 
     class CheckedCLI(LightningCLI):
         def init_parser(self, **kwargs: Any) -> Any:
@@ -159,19 +188,34 @@ def _checked_cli() -> type:
             trainer = (config.get("trainer") if config is not None else None) or {}
             strategy = trainer.get("strategy")
             class_path = strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy)
-            if class_path.rsplit(".", 1)[-1] == "FourDStrategy":  # its refusals of the Trainer's flags, in our words
-                try:  # (Lightning's own check of a ModelParallelStrategy names neither FourDStrategy nor why)
-                    check_training_precision(trainer.get("precision"))
+            try:
+                if class_path.rsplit(".", 1)[-1] == "FourDStrategy":  # its refusal of the Trainer's precision, in
+                    check_training_precision(trainer.get("precision"))  # our words (Lightning's names no reason)
+                if config is not None and config.get("weights_only") is False:
+                    raise ValueError(
+                        "--weights_only=false is not honoured: checkpoints are loaded weights only (plain data and "
+                        "tensors, lightning_4d.safe_load), so a file's code never runs; leave the flag out"
+                    )
+                for path in paths:
+                    _check_local_checkpoint(path)
+            except ValueError as e:
+                print(f"lightning-4d {command}: error: {e}", file=sys.stderr)
+                sys.exit(2)
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            # "last", "hpc", "best", "registry": resolved as Lightning will (its ModelCheckpoint lookup) and checked
+            # like a path before it loads anything; the resolved path is what the Trainer then gets
+            given = self.config_init[subcommand].get("ckpt_path")
+            if isinstance(given, str) and given in _SPECIAL_CKPT_PATHS:
+                resolved = resolve_ckpt_path(self.trainer, subcommand, given)
+                try:
+                    _check_local_checkpoint(resolved)
                 except ValueError as e:
-                    print(f"lightning-4d {command}: error: --trainer.precision: {e}", file=sys.stderr)
+                    print(f"lightning-4d {subcommand}: error: --ckpt_path {given}: {e}", file=sys.stderr)
                     sys.exit(2)
-            for path in paths:
-                if isinstance(path, str) and path not in ("last", "best", "hpc", "registry"):
-                    try:
-                        check_checkpoint(path)
-                    except UnsafeFileError as e:
-                        print(f"lightning-4d {command}: error: {e}", file=sys.stderr)
-                        sys.exit(2)
+                if resolved is not None:  # (none: Lightning says itself that nothing will be loaded)
+                    self.config_init[subcommand]["ckpt_path"] = resolved
+            super()._run_subcommand(subcommand)
 
     return CheckedCLI
 

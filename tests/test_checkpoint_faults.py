@@ -93,15 +93,16 @@ def _folder(path, step):
 
 def _found_by_last(dirpath):
     """What Lightning's ``ckpt_path="last"`` loads from a ``ModelCheckpoint(dirpath=...)``: the newest (modification
-    time) of the callback's ``last*.ckpt`` entries (lightning's ``_CheckpointConnector._parse_ckpt_path``)."""
+    time) of the callback's ``last*.ckpt`` entries (Lightning's own lookup, through ``_compat.resolve_ckpt_path``)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_4d.parallel._compat import resolve_ckpt_path
 
     trainer = L.Trainer(
         accelerator="cpu", devices=1, logger=False, callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)]
     )
-    return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)
+    return resolve_ckpt_path(trainer, "fit", "last")
 
 
 def test_a_crash_after_any_file_operation_of_a_save_leaves_last_a_complete_checkpoint(tmp_path, monkeypatch):

@@ -178,6 +178,12 @@ FIT_BAD_INPUT = [
     (["--model.learning_rate=-1"], ["learning_rate"]),
     (["--trainer.bogus=1"], ["--trainer.bogus=1"]),
     (["--ckpt_path", "/nonexistent/last.ckpt"], ["/nonexistent/last.ckpt"]),
+    (["--ckpt_path", "http://example.com/last.ckpt"], ["'http://example.com/last.ckpt' is a URL", "local files"]),
+    (["--ckpt_path", "https://example.com/x.ckpt", "--trainer.strategy=auto"], ["is a URL"]),
+    (["--weights_only=false"], ["--weights_only=false is not honoured"]),
+    # the fixture puts a crafted checkpoint where configs/tiny.yaml's ModelCheckpoint keeps last.ckpt
+    (["--ckpt_path", "last"], ["--ckpt_path last", "checkpoints/tiny/last.ckpt"]),
+    (["--ckpt_path", "last", "--trainer.strategy=auto", "--trainer.devices=1"], ["checkpoints/tiny/last.ckpt"]),
 ]
 
 
@@ -188,18 +194,24 @@ def fit_bad_input_runs(tmp_path_factory):
     a case that is not refused before training never starts processes)."""
     import json
 
+    from tests._crafted import crafted_file
+
     cases = [
         ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false", *e] for e, _ in FIT_BAD_INPUT
     ]
+    cwd = tmp_path_factory.mktemp("fit_bad_input")
+    (cwd / "checkpoints" / "tiny").mkdir(parents=True)
+    crafted_file(cwd / "checkpoints" / "tiny" / "last.ckpt", cwd / "code_ran")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "scripts" / "fit_bad_input.py"), json.dumps(cases)],
-        cwd=tmp_path_factory.mktemp("fit_bad_input"),
+        cwd=cwd,
         env=worker_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not (cwd / "code_ran").exists(), "a crafted checkpoint's code ran"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -123,6 +123,18 @@ def train_data_source(trainer: Any) -> Any:
     return None if loop is None else loop._data_source
 
 
+def resolve_ckpt_path(trainer: Any, fn: str, ckpt_path: Any, model_provided: bool = True) -> Any:
+    """The file or folder Lightning's ``trainer.<fn>(ckpt_path=...)`` would load: ``"last"``, ``"hpc"``, ``"best"``
+    and ``"registry"`` resolved as Lightning does (``trainer._checkpoint_connector._parse_ckpt_path``, its
+    ``ModelCheckpoint`` lookup), a path as it is; ``None`` when nothing would be loaded. ``fn``: ``"fit"``,
+    ``"validate"``, ``"test"`` or ``"predict"``."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    state = {"fit": TrainerFn.FITTING, "validate": TrainerFn.VALIDATING, "test": TrainerFn.TESTING}
+    state_fn = state.get(fn, TrainerFn.PREDICTING)
+    return trainer._checkpoint_connector._parse_ckpt_path(state_fn, ckpt_path, model_provided, False)
+
+
 def set_module_device_mesh(module: Any, mesh: "DeviceMesh") -> None:
     """Make ``module.device_mesh`` return ``mesh`` (``LightningModule._device_mesh``: the public property has no
     setter; Lightning's ``ModelParallelStrategy.setup_environment`` sets the private attribute the same way)."""

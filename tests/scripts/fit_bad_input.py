@@ -7,6 +7,7 @@ of starting processes (Lightning's launcher would re-run this script in each).""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -20,12 +21,16 @@ import lightning as L  # noqa: E402
 from lightning_4d.cli import main  # noqa: E402
 
 
-def _refuse(*args, **kwargs):
-    raise RuntimeError("reached Trainer.fit: the input was not refused before training")
+def _refusing(method):
+    @functools.wraps(method)  # the same signature: LightningCLI reads its arguments (ckpt_path, weights_only) from it
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"reached Trainer.{method.__name__}: the input was not refused before training")
+
+    return refuse
 
 
-L.Trainer.fit = _refuse
-L.Trainer.validate = _refuse
+L.Trainer.fit = _refusing(L.Trainer.fit)
+L.Trainer.validate = _refusing(L.Trainer.validate)
 
 results = []
 for argv in json.loads(sys.argv[1]):
