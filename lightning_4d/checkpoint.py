@@ -306,7 +306,7 @@ def check_complete(path: Path) -> dict[str, Any]:
         ValueError: naming the missing or truncated file (and, for a truncated one, its size and the size needed),
             or a ``.metadata`` that names more than DCP's metadata classes (an ``UnsafeFileError``, read unrun).
     """
-    from lightning_4d.safe_load import UnsafeFileError
+    from lightning_4d.safe_load import UnsafeFileError, confined
 
     for name in (".metadata", LIGHTNING_METADATA_FILENAME):
         if not (path / name).is_file():
@@ -324,7 +324,7 @@ def check_complete(path: Path) -> dict[str, Any]:
             f"checkpoint folder {str(path)!r}: '.metadata' cannot be read ({type(e).__name__}: {e})"
         ) from e
     for name, size in sorted(dcp_file_extents(metadata.storage_data).items()):
-        file = path / name
+        file = confined(path, name, f"checkpoint folder {str(path)!r}: '.metadata'")
         if not file.is_file():
             raise ValueError(f"checkpoint folder {str(path)!r} is incomplete: shard file {name!r} is missing")
         if file.stat().st_size < size:

@@ -215,6 +215,30 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # ---------------------------------------------------------------------------------------------------- pre-checks
+def confined(folder: Path, name: object, what: str) -> Path:
+    """``folder / name`` for a file name a checkpoint's own index gives (a DCP shard's ``relative_path``, a
+    safetensors index entry), when it stays inside ``folder``: a relative path without ``..`` whose resolved path
+    (symlinks followed) is under the resolved folder. Checked before the file is looked at, so a crafted index can
+    neither read a file elsewhere nor probe whether one exists.
+
+    Raises:
+        ValueError: naming ``what`` (the index), the entry and the folder.
+    """
+    text = str(name)
+    candidate = Path(text)
+    root = folder.resolve()
+    inside = not candidate.is_absolute() and ".." not in candidate.parts and text not in ("", ".")
+    if inside:
+        resolved = (folder / candidate).resolve()
+        inside = resolved != root and root in resolved.parents
+    if not inside:
+        raise ValueError(
+            f"{what} names the file {text!r}, which is not inside {str(folder)!r}: a checkpoint's files are read "
+            "from its own folder only (refused unread)"
+        )
+    return folder / candidate
+
+
 def check_checkpoint(path: Union[str, Path]) -> None:
     """Refuse, before anything is built (no process group, no model), a checkpoint that holds more than plain data:
     for a file (``torch.save``), the functions and classes its pickle names (read without unpickling; a legacy-format

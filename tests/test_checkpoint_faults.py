@@ -210,3 +210,32 @@ def test_export_hf_of_a_folder_prints_no_single_process_warning(tmp_path):
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "assuming the intent is to load in a single process" in m], messages
     assert not torch.distributed.is_initialized()
+
+
+def test_a_shard_path_outside_the_folder_is_refused_unread(tmp_path):
+    """A ``.metadata`` whose shard ``relative_path`` leaves the folder (``../victim/x.distcp``) is refused by
+    ``check_complete`` (so by resume, ``init_from`` and ``export-hf``) naming the entry, before that file is read."""
+    import pickle
+    import warnings
+
+    from lightning_4d.checkpoint import check_complete, save_sharded
+    from lightning_4d.tasks import CausalLMModule
+
+    module = CausalLMModule("tiny-test")
+    module.configure_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_sharded({"state_dict": module.state_dict()}, tmp_path / "ckpt", 0, lambda: None)
+    check_complete(tmp_path / "ckpt")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    shutil.copy(next((tmp_path / "ckpt").glob("*.distcp")), victim / "x.distcp")
+    meta_file = tmp_path / "ckpt" / ".metadata"
+    metadata = pickle.loads(meta_file.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../victim/x.distcp"
+    meta_file.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ValueError, match="'../victim/x.distcp', which is not inside"):
+        check_complete(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="which is not inside"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf")

@@ -192,3 +192,31 @@ def test_loading_keeps_our_types_allowed_for_lightnings_own_loads(tmp_path):
     torch.save({"hyper_parameters": {"model_config": LlamaConfig.from_preset("tiny-test")}}, cfg_path)
     loaded = torch.load(cfg_path, weights_only=True)  # as Lightning loads it
     assert loaded["hyper_parameters"]["model_config"] == LlamaConfig.from_preset("tiny-test")
+
+
+@pytest.mark.parametrize("name", ["../victim/x.distcp", "/etc/passwd", "a/../../x", "", "link/x.distcp"])
+def test_a_checkpoint_names_files_inside_its_folder_only(tmp_path, name):
+    """A DCP shard's ``relative_path`` or a safetensors index entry that leaves the folder (``..``, absolute, a symlink
+    out) is refused by name before the file is looked at (no read, no existence probe)."""
+    from lightning_4d.safe_load import confined
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (tmp_path / "outside").mkdir()
+    (folder / "link").symlink_to(tmp_path / "outside")
+    with pytest.raises(ValueError, match="is not inside"):
+        confined(folder, name, "the index")
+    assert confined(folder, "__0_0.distcp", "the index") == folder / "__0_0.distcp"
+    assert confined(folder, "sub/model-00001.safetensors", "the index") == folder / "sub/model-00001.safetensors"
+
+
+def test_a_crafted_index_cannot_probe_files_outside(tmp_path):
+    import json
+
+    from lightning_4d.families.hf_io import _check_shards
+
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model.safetensors", "b": "../../../root/.ssh/id_rsa"}})
+    )
+    with pytest.raises(ValueError, match="'../../../root/.ssh/id_rsa', which is not inside"):
+        _check_shards(tmp_path)

@@ -24,8 +24,11 @@ def is_hf_model_dir(path: Path) -> bool:
 
 
 def _check_shards(path: Path) -> None:
-    """Raise when a file that ``model.safetensors.index.json`` of the directory ``path`` maps tensors to is missing
-    (naming it and how many tensors it holds), or the index is not valid JSON."""
+    """Raise when a file that ``model.safetensors.index.json`` of the directory ``path`` maps tensors to is outside
+    ``path`` (:func:`lightning_4d.safe_load.confined`, checked before any is looked at) or missing (naming it and how
+    many tensors it holds), or the index is not valid JSON."""
+    from lightning_4d.safe_load import confined
+
     index = path / "model.safetensors.index.json"
     if not index.is_file():
         return
@@ -33,6 +36,10 @@ def _check_shards(path: Path) -> None:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{str(index)!r} is not a safetensors index (JSON with a weight_map): {e}") from e
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{str(index)!r} is not a safetensors index: its weight_map is not an object")
+    for name in sorted(set(map(str, weight_map.values()))):
+        confined(path, name, f"{str(index)!r}")
     for name in sorted(set(weight_map.values())):
         if not (path / name).is_file():
             count = sum(1 for v in weight_map.values() if v == name)
