@@ -18,7 +18,6 @@ that the file carries.
 
 from __future__ import annotations
 
-import enum
 import io
 import pickle
 from pathlib import Path
@@ -121,18 +120,36 @@ def _is_zip(path: Union[str, Path]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ DCP folders
+#: the classes of ``torch.distributed.checkpoint`` a DCP ``.metadata`` pickle may name (what torch writes for a folder
+#: of tensors and plain entries: plain data whose construction runs no code); any other class, a dataclass or an Enum
+#: of DCP included, is refused
+DCP_METADATA_CLASSES = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+)
+
+
 def _dcp_type(module: str, qualname: str) -> Any:
-    """The object the pickle of a DCP ``.metadata`` may name: a dataclass or enum of
-    ``torch.distributed.checkpoint``, a torch dtype / layout / memory format, ``torch.Size``, a ``pathlib`` path
-    or a plain container (what torch 2.13 writes); anything else is refused."""
+    """The object the pickle of a DCP ``.metadata`` may name: one of :data:`DCP_METADATA_CLASSES`, a torch dtype /
+    layout / memory format, ``torch.Size``, a ``pathlib`` path or a plain container (what torch 2.13 writes);
+    anything else is refused (``None``)."""
     import collections
-    import dataclasses
     import importlib
 
-    if module.startswith("torch.distributed.checkpoint") and "." not in qualname:
-        obj = getattr(importlib.import_module(module), qualname, None)
-        if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
-            return obj
+    if (module, qualname) in DCP_METADATA_CLASSES:
+        return getattr(importlib.import_module(module), qualname, None)
     if module == "torch":
         obj = getattr(torch, qualname, None)
         if qualname == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
@@ -152,7 +169,13 @@ def _dcp_type(module: str, qualname: str) -> Any:
     return None
 
 
-class _DcpMetadataUnpickler(pickle.Unpickler):
+class _DcpMetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (whose opcodes can be overridden) admitting :func:`_dcp_type`'s objects only, whose
+    ``BUILD`` sets state on instances only: a ``BUILD`` onto a class or a function (``setattr`` of its attributes,
+    e.g. ``pathlib.PosixPath.glob = frozenset`` for the whole process) is refused."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, file: Any, label: str) -> None:
         super().__init__(file)
         self.label = repr(label)
@@ -162,6 +185,18 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
         if obj is None:
             raise _refusal(self.label, [f"{module}.{name}"])
         return obj
+
+    def _load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) >= 2 else None
+        if isinstance(target, type) or callable(target):
+            name = getattr(target, "__qualname__", type(target).__name__)
+            raise UnsafeFileError(
+                f"refusing to load {self.label}: its pickle sets attributes of {name} itself (BUILD on a class), "
+                f"which would change it for the whole process; {REMEDY}"
+            )
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
 
 def read_dcp_metadata(path: Union[str, Path]) -> Any:

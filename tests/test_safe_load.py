@@ -220,3 +220,31 @@ def test_a_crafted_index_cannot_probe_files_outside(tmp_path):
     )
     with pytest.raises(ValueError, match="'../../../root/.ssh/id_rsa', which is not inside"):
         _check_shards(tmp_path)
+
+
+def test_dcp_metadata_admits_the_listed_classes_only(tmp_path):
+    """An unlisted dataclass or Enum of torch.distributed.checkpoint (once admitted as any dataclass or Enum of DCP)
+    is refused by name; a ``BUILD`` that sets attributes on an admitted class (``pathlib.PosixPath.glob =
+    frozenset`` for the whole process) is refused before it runs."""
+    import pathlib
+    import pickle
+
+    from lightning_4d.safe_load import DCP_METADATA_CLASSES, UnsafeFileError, read_dcp_metadata
+
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in DCP_METADATA_CLASSES
+    for module, name in [
+        ("torch.distributed.checkpoint.planner", "WriteItemType"),  # an Enum of DCP
+        ("torch.distributed.checkpoint.planner", "ReadItem"),  # a dataclass of DCP
+        ("enum", "Enum"),
+    ]:
+        (tmp_path / ".metadata").write_bytes(b"\x80\x04" + pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.STOP)
+        with pytest.raises(UnsafeFileError, match=f"{module}.{name}"):
+            read_dcp_metadata(tmp_path)
+    glob = pathlib.PosixPath.glob
+    patch = b"\x80\x04" + pickle.GLOBAL + b"pathlib\nPosixPath\n" + pickle.NONE + pickle.EMPTY_DICT
+    patch += pickle.SHORT_BINUNICODE + bytes([4]) + b"glob" + pickle.GLOBAL + b"builtins\nfrozenset\n"
+    patch += pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.STOP
+    (tmp_path / ".metadata").write_bytes(patch)
+    with pytest.raises(UnsafeFileError, match="BUILD on a class"):
+        read_dcp_metadata(tmp_path)
+    assert pathlib.PosixPath.glob is glob
