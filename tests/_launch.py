@@ -23,7 +23,9 @@ def worker_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS and not k.startswith("TORCHELASTIC_")}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT prints every thread's Python stack first (:func:`torchrun`'s timeout)
+    # a fatal signal (SIGSEGV, the SIGABRT of :func:`torchrun`'s limit) prints every thread's Python stack first: a
+    # rank that dies without a traceback (its peers then fail with "Connection closed by peer") shows where it was
+    env["PYTHONFAULTHANDLER"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
