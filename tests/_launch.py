@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +23,9 @@ def worker_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS and not k.startswith("TORCHELASTIC_")}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONWARNINGS"] = "ignore"
+    # a fatal signal (SIGSEGV, the SIGABRT of :func:`torchrun`'s limit) prints every thread's Python stack first: a
+    # rank that dies without a traceback (its peers then fail with "Connection closed by peer") shows where it was
+    env["PYTHONFAULTHANDLER"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -39,12 +44,110 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
             str(script),
             *args,
         ]
-    proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    popen = subprocess.Popen(
+        cmd,
+        env=worker_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_no_core_files,
+    )
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _abort(popen)
+        raise AssertionError(
+            f"{' '.join(cmd)} did not finish in {timeout} s; each process's Python stacks (faulthandler, SIGABRT) "
+            f"end its output:\n{stdout[-6000:]}\n{stderr[-30000:]}"
+        ) from None
+    except BaseException:  # interrupted (pytest-timeout's limit, Ctrl-C): the stacks go to this process's stderr
+        stdout, stderr = _abort(popen)
+        sys.stderr.write(f"{' '.join(cmd)} interrupted:\n{stdout[-6000:]}\n{stderr[-30000:]}\n")
+        raise
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+            f"{rank_tracebacks(proc.stderr)}"
         )
     return proc
+
+
+def rank_tracebacks(stderr: str, limit: int = 12000) -> str:
+    """The uncaught exceptions of the ranks in a launch's ``stderr``, in the order their first line reached
+    ``stderr``: the first rank's whole traceback (its last ``limit`` characters), then each other rank's exception
+    lines.
+
+    Why: torch.distributed's ``sys.excepthook`` prefixes each line of a rank's traceback with ``[rank<r>]: ``, and the
+    ranks' lines interleave with each other's and with warnings, so the tail of ``stderr`` can hold the end of one
+    rank's traceback without its cause. ``torch.distributed.pipelining`` re-raises an error of a stage's forward or
+    backward as a ``RuntimeError`` whose message starts with a newline (its first line reads ``RuntimeError: ``): the
+    error itself is the chained exception above it. And the rank torchrun names as the root cause is not the first
+    to fail when several fail within a second (without an error file it orders them by the second they were seen):
+    the first traceback printed is the likelier root cause, the others' ranks lost their connection to it."""
+    by_rank: dict[str, list[str]] = {}
+    for line in stderr.splitlines():
+        if line.startswith("[rank") and "]: " in line[:12]:
+            rank, _, rest = line.partition("]: ")
+            by_rank.setdefault(rank + "]", []).append(rest)
+    if not by_rank:
+        return ""
+    (first, lines), *others = by_rank.items()
+    text = f"{first}:\n" + "\n".join(lines)[-limit:]
+    for rank, lines in others:  # their exceptions' lines only (not the frames)
+        text += f"\n{rank}: " + " | ".join(x for x in lines if x and not x.startswith((" ", "Traceback ")))
+    return f"\n\nthe ranks' tracebacks, the first printed first (the others: their exceptions):\n{text}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, read from ``/proc``: torchrun starts each worker in a session of its own, so a
+    signal to torchrun's process group misses them."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _abort(popen: subprocess.Popen) -> tuple[str, str]:
+    """End a launch that overran: SIGABRT to every worker, then to the launcher (``PYTHONFAULTHANDLER`` makes each
+    print all its threads' Python stacks before it dies: where a hung rank waits), SIGKILL to whatever is left 30 s
+    later; returns the launch's stdout and stderr."""
+    workers = _descendants(popen.pid)
+    for pid in workers:
+        _signal(pid, signal.SIGABRT)
+    time.sleep(2)  # the workers' stacks before the launcher's
+    _signal(popen.pid, signal.SIGABRT)
+    try:
+        return popen.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pid in [*workers, popen.pid]:
+            _signal(pid, signal.SIGKILL)
+        return popen.communicate()
+
+
+def _no_core_files() -> None:
+    """No core file from the SIGABRT of :func:`_abort` (inherited by the workers)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # already ended
+        pass
 
 
 def run_layouts(

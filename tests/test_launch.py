@@ -1,0 +1,42 @@
+"""The test launcher (tests/_launch.py): a launch that overruns its limit fails in that limit with every rank's
+Python stack, and a failed launch's error keeps each rank's whole traceback, the first printed first."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests._launch import rank_tracebacks, torchrun
+
+
+def test_a_hung_launch_fails_with_each_ranks_stack(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\n\n\ndef waits_forever():\n    time.sleep(3600)\n\n\nwaits_forever()\n")
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="did not finish in 20 s") as info:
+        torchrun(2, script, timeout=20)
+    assert time.monotonic() - start < 20 + 40  # SIGABRT, then at most 30 s for the output
+    assert str(info.value).count("in waits_forever") == 2  # both ranks' stacks (faulthandler)
+
+
+def test_rank_tracebacks_gathers_each_ranks_lines():
+    stderr = "\n".join(
+        [
+            "[rank7]: Traceback (most recent call last):",
+            "[rank4]:W1202 07:41:52.153000 4170 some warning",
+            "[rank7]:   File 'stage.py', line 1, in forward_one_chunk",
+            "[rank6]: Traceback (most recent call last):",
+            "[rank6]:   File 'schedules.py', line 2, in _step_microbatches",
+            "[rank7]: ValueError: the cause",
+            "[rank7]: ",
+            "[rank7]: RuntimeError: ",
+            "[rank7]:             [Stage 3] failed to run forward:",
+            "unrelated line",
+        ]
+    )
+    text = rank_tracebacks(stderr)
+    assert "ValueError: the cause\n\nRuntimeError: \n            [Stage 3] failed to run forward:" in text
+    assert text.endswith("[rank6]: ")  # a later rank: its exception lines (none here)
+    assert "some warning" not in text and "unrelated" not in text
+    assert rank_tracebacks("no rank lines") == ""
