@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory.model import saved_activation_bytes
+from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig
 
 
@@ -21,7 +22,7 @@ def main() -> None:
         row = {}
         for mode in ("none", "selective", "full"):
             pc = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=1, activation_checkpointing=mode)
-            row[mode] = saved_activation_bytes(mc, pc, 1, s, "bf16-true")["layers"] / (mc.num_layers * s)
+            row[mode] = saved_activation_bytes(Workload(mc, 1, s, "bf16-true"), pc)["layers"] / (mc.num_layers * s)
         print(
             f"| {tp} ({'on' if tp > 1 else 'off'}) | {row['none']:,.0f} | {row['selective']:,.0f} | "
             f"{row['full']:,.0f} | {row['selective'] / row['none']:.0%} |"

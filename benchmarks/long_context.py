@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_4d.memory.workload import Workload
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -96,7 +98,7 @@ def _worker(args: argparse.Namespace) -> None:
     trainer.fit(module, DataLoader(Batches(), batch_size=None))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pc = ParallelConfig(data_parallel_size=1, context_parallel_size=world, context_parallel_method=args.method)
-    est = saved_activation_bytes(cfg, pc, 1, args.seq_length, "32-true")
+    est = saved_activation_bytes(Workload(cfg, 1, args.seq_length, "32-true"), pc)
     record = {
         "rank": trainer.global_rank,
         "cp": world,

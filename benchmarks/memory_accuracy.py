@@ -30,6 +30,8 @@ import sys
 
 import torch
 
+from lightning_4d.memory.workload import Workload
+
 GRID = [
     # (preset, b, s, activation_checkpointing, precision)
     ("llama3.2-1b", 1, 2048, "none", "bf16-mixed"),
@@ -85,11 +87,8 @@ def run_row(preset: str, b: int, s: int, ac: str, precision: str, steps: int) ->
     free, total = torch.cuda.mem_get_info()
     fixed = total - free - torch.cuda.memory_reserved()
     est = estimate_memory(
-        cfg,
+        Workload(cfg, b, s, precision),
         ParallelConfig(data_parallel_size=1, zero_stage=0, activation_checkpointing=ac),
-        b,
-        s,
-        precision,
         overhead=OverheadAllowance(0, 0.0, "none"),
     )
     del trainer, module

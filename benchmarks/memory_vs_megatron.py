@@ -43,6 +43,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lightning_4d.memory.workload import Workload
+
 GIB = 2**30
 # (preset, tp, pp, cp, dp, b, s, m)
 GRID = [
@@ -140,7 +142,9 @@ def offload_rows(target: float) -> None:
                 num_microbatches=m,
                 **kw,
             )
-            e = estimate_memory(cfg, pc, b, s, "bf16-mixed", device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3")
+            e = estimate_memory(
+                Workload(cfg, b, s, "bf16-mixed"), pc, device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3"
+            )
             t = predict_step_time(cfg, pc, b, m or 1, s, gpu, 8).total
             return (e.total - e.overhead) / ref, e.details.get("host_offloaded_activations", 0), t
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory.model import estimate_memory
+from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig
 
 GIB = 2**30
@@ -56,7 +57,8 @@ def main() -> None:
     for preset, dp, ep in LAYOUTS:
         cfg = LlamaConfig.from_preset(preset)
         est = estimate_memory(
-            cfg, ParallelConfig(data_parallel_size=dp, expert_parallel_size=ep, zero_stage=1), 1, 4096, "bf16-mixed"
+            Workload(cfg, 1, 4096, "bf16-mixed"),
+            ParallelConfig(data_parallel_size=dp, expert_parallel_size=ep, zero_stage=1),
         )
         ours = est.parameters + est.gradients + est.optimizer_states
         total, experts = megatron_parameters(cfg)

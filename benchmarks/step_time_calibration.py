@@ -22,6 +22,7 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.memory.hardware import GPU_PRESETS
 from lightning_4d.memory.planner import plan
 from lightning_4d.memory.step_time import CALIBRATION_RUNS, Layout, model_dims, step_time_of
+from lightning_4d.memory.workload import Job, Search
 from lightning_4d.models.config import LlamaConfig
 
 
@@ -45,7 +46,9 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
         )
         layout = Layout.of(pc, lay["micro_batch_size"], gb // (lay["dp"] * lay["micro_batch_size"]))
     else:  # the planner's fastest variant of the published sizes that fits the default budget
-        best = plan(cfg, n, per_node, gpu, s, gb, top=1, fixed=fixed, micro_batch_size=lay["micro_batch_size"])[0]
+        best = plan(
+            Job(cfg, n, per_node, s, gb, gpu), Search(micro_batch_size=lay["micro_batch_size"], fixed=fixed), top=1
+        )[0]
         layout = Layout(**{f.name: getattr(best, f.name) for f in dataclasses.fields(Layout)})
 
     def mfu(compile: bool) -> float:
@@ -55,7 +58,7 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
         ).total
         return cfg.flops_per_token(s) * gb * s / t / (n * gpu.peak_flops)
 
-    ranked = plan(cfg, n, per_node, gpu, s, gb, top=300)
+    ranked = plan(Job(cfg, n, per_node, s, gb, gpu), top=300)
     rank = next((i for i, c in enumerate(ranked, 1) if (c.tp, c.pp, c.cp, c.dp) == tuple(fixed.values())), None)
     predicted = mfu(run["compile"] is not False)
     published_mfu = run["mfu"] or run["tokens_per_sec_per_gpu"] * cfg.flops_per_token(s) / gpu.peak_flops

@@ -8,13 +8,14 @@ The public face::
     from lightning_4d.data import LMDataModule
 
 ``FourDStrategy`` and ``MemoryEstimatorCallback`` are imported lazily so that the pure-Python parts (``config``,
-``memory``: ``estimate_memory``) load without torch.
+``memory``: ``estimate_memory`` of a ``Workload``) load without torch.
 """
 
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
+from lightning_4d.memory.workload import Workload
 
 __all__ = [
     "FourDStrategy",
@@ -22,6 +23,7 @@ __all__ = [
     "MemoryEstimate",
     "MemoryEstimatorCallback",
     "ParallelConfig",
+    "Workload",
     "estimate_memory",
 ]
 __version__ = "0.1.0"

@@ -466,16 +466,8 @@ def load_sharded(
     saved = check_complete(path)
     fqns = param_fqns(model)  # a tied head under its embedding's name (tied_aliases)
     aliases = tied_aliases(model)
-    names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
     weights = get_model_state_dict(model)
-    # parameters stepped through float32 masters (ZeRO 0/1 under bf16-mixed) read the saved weights in float32
-    masters: dict[str, torch.Tensor] = {}
-    for optimizer in optimizers:
-        sharded = ShardedOptimizer.of(unwrap(optimizer))
-        for p in sharded.parameters() if sharded is not None else []:
-            if id(p) in sharded.has_master and names[id(p)] in weights:
-                masters[fqns[id(p)]] = host_zeros_like(p, torch.float32)
-                weights[names[id(p)]] = masters[fqns[id(p)]]
+    masters = _master_targets(model, optimizers, fqns, weights)
     model_state = {"state_dict": _aliased(weights, aliases)}  # a tied weight is saved once
     whole = layout is not None and layout.get("pp", 1) == 1  # else other stages' tensors are in the folder too
     on_disk = {k: v for k, v in saved_shapes(saved).items() if k not in aliases}  # older folders: a tied head too
@@ -484,6 +476,44 @@ def load_sharded(
     weights = _unaliased(weights, model_state["state_dict"], aliases)
     set_model_state_dict(model, weights, options=StateDictOptions(strict=strict))
     metadata = safe_load(path / LIGHTNING_METADATA_FILENAME)
+    _load_optimizers(path, saved, model, optimizers, global_rank, (fqns, aliases), masters)
+    if buckets is not None and buckets.powersgd is not None:
+        _load_compression_state(path, model, buckets, global_rank, layout, metadata.get(LAYOUT_KEY))
+    metadata.pop(LAYOUT_KEY, None)
+    return metadata
+
+
+def _master_targets(
+    model: nn.Module, optimizers: list[Any], fqns: dict[int, str], weights: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The float32 tensors the saved weights of the parameters stepped through float32 masters (ZeRO 0/1 under
+    bf16-mixed) are read into, by saved name; each also replaces its parameter's entry of ``weights`` (the model's
+    state dict), so that the weights are read in float32."""
+    names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+    masters: dict[str, torch.Tensor] = {}
+    for optimizer in optimizers:
+        sharded = ShardedOptimizer.of(unwrap(optimizer))
+        for p in sharded.parameters() if sharded is not None else []:
+            if id(p) in sharded.has_master and names[id(p)] in weights:
+                masters[fqns[id(p)]] = host_zeros_like(p, torch.float32)
+                weights[names[id(p)]] = masters[fqns[id(p)]]
+    return masters
+
+
+def _load_optimizers(
+    path: Path,
+    saved: Any,
+    model: nn.Module,
+    optimizers: list[Any],
+    global_rank: int,
+    names: tuple[dict[int, str], Any],
+    masters: dict[str, torch.Tensor],
+) -> None:
+    """:func:`load_sharded`'s optimizer states: a :class:`ShardedOptimizer`'s from an earlier version's per-rank
+    file or from the folder's gathered states (its float32 masters from ``masters``), a plain optimizer's through
+    torch's flat optimizer state dict (``saved``: :func:`check_complete`'s; ``names``: the parameters' saved names
+    and the tied aliases)."""
+    fqns, aliases = names
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         sharded = ShardedOptimizer.of(unwrap(optimizer))
@@ -503,10 +533,6 @@ def load_sharded(
             read_folder(opt_state, path)
             flat = _unaliased(flat, opt_state[key], aliases, copy=True)
             set_optimizer_state_dict(model, unwrap(optimizer), optim_state_dict=flat, options=_FLAT_OPTIM)
-    if buckets is not None and buckets.powersgd is not None:
-        _load_compression_state(path, model, buckets, global_rank, layout, metadata.get(LAYOUT_KEY))
-    metadata.pop(LAYOUT_KEY, None)
-    return metadata
 
 
 def _load_compression_state(

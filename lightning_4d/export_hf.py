@@ -125,7 +125,13 @@ def _write_weights(
     """Write the weights of ``groups`` (:func:`_export_groups`) into ``out`` in ``dtype``, one safetensors file per
     group, read one group at a time: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` and
     ``model.safetensors.index.json``; Hugging Face's names and tensors
-    (:func:`lightning_4d.models.hf_mapping.hf_tensors`)."""
+    (:func:`lightning_4d.models.hf_mapping.hf_tensors`).
+
+    Written with ``safetensors.torch.save_file`` per output file, not DCP's ``HuggingFaceStorageWriter``: that
+    writer saves one state dict per ``dcp.save`` and its ``finish`` writes the index of that call's tensors only,
+    so a sharded directory would need the whole model in host memory at once (one call) or end with the index of
+    the last file only (one call per file).
+    """
     from safetensors.torch import save_file
 
     names = (
@@ -182,11 +188,6 @@ def export_hf(
     (:func:`lightning_4d.models.hf_mapping.to_hf_tensor`). The directory is written to a fresh hidden folder of its
     own beside it (``.<name>.tmp-XXXX``, removed if the export fails) and renamed into place when complete: nothing
     of the user's is overwritten or deleted.
-
-    Written with ``safetensors.torch.save_file`` per output file, not DCP's ``HuggingFaceStorageWriter``: that
-    writer saves one state dict per ``dcp.save`` and its ``finish`` writes the index of that call's tensors only,
-    so a sharded directory would need the whole model in host memory at once (one call) or end with the index of
-    the last file only (one call per file).
 
     Raises:
         ValueError: ``ckpt`` missing or incomplete, not a checkpoint of a ``lightning_4d`` Llama

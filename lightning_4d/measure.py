@@ -40,6 +40,7 @@ import json
 import os
 import sys
 import weakref
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -52,6 +53,7 @@ from lightning_4d.memory.cli import command_parser, layout_from_args, load_model
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
 from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
 from lightning_4d.memory.moe import check_expert_load_imbalance
+from lightning_4d.memory.workload import Workload
 from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import TorchDispatchMode, local_tensor as _local, tree_flatten
 from lightning_4d.parallel.moe import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
@@ -83,29 +85,11 @@ def rank_coordinates(pc: ParallelConfig, rank: int) -> dict[str, int]:
     return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i, "dp_cp": dp_i * pc.cp + cp_i}
 
 
-def worst_rank(
-    model_config: Any,
-    pc: ParallelConfig,
-    micro_batch_size: int,
-    seq_length: int,
-    precision: str,
-    num_microbatches: Optional[int] = None,
-    device_type: str = "cuda",
-    expert_load_imbalance: Optional[float] = None,
-) -> int:
+def worst_rank(workload: Workload, pc: ParallelConfig, device_type: str = "cuda") -> int:
     """The global rank (dp, cp and tp coordinates 0: rank 0 of ``dp_cp`` holds the largest ZeRO shard) of the pp
-    rank whose estimated peak is the largest (:func:`~lightning_4d.memory.model.estimate_all_pp_ranks`;
-    ``expert_load_imbalance`` as :func:`measure_rank` takes it)."""
-    estimates = estimate_all_pp_ranks(
-        model_config,
-        pc,
-        micro_batch_size,
-        seq_length,
-        precision,
-        num_microbatches=num_microbatches,
-        device_type=device_type,
-        expert_load_imbalance=expert_load_imbalance,
-    )
+    rank whose estimated peak is the largest for ``workload`` (:func:`~lightning_4d.memory.model.estimate_all_pp_ranks`;
+    its ``expert_load_imbalance`` as :func:`measure_rank` takes it)."""
+    estimates = estimate_all_pp_ranks(workload, pc, device_type=device_type)
     pp_rank = max(range(pc.pp), key=lambda r: estimates[r].total)
     return pp_rank * pc.dp * pc.cp * pc.tp
 
@@ -293,11 +277,8 @@ def _environment(world_size: int, rank: int) -> Any:
 
 
 def fit_and_measure(
-    model_config: Any,
+    workload: Workload,
     pc: ParallelConfig,
-    micro_batch_size: int,
-    seq_length: int,
-    precision: str,
     steps: int = 2,
     device: str = "cpu",
     strategy: Any = None,
@@ -305,8 +286,9 @@ def fit_and_measure(
     callbacks: Optional[list] = None,
     compile: bool = False,
 ) -> dict[str, Any]:
-    """Run ``steps`` optimizer steps of :class:`~lightning_4d.tasks.CausalLMModule` on synthetic tokens under
-    ``strategy`` (default: a :class:`~lightning_4d.FourDStrategy` of ``pc``) and return the bytes this rank held.
+    """Run ``steps`` optimizer steps of :class:`~lightning_4d.tasks.CausalLMModule` on synthetic tokens of
+    ``workload``'s shape (its model, micro-batch size, sequence length and precision) under ``strategy`` (default: a
+    :class:`~lightning_4d.FourDStrategy` of ``pc``) and return the bytes this rank held.
 
     The process group must exist (a fake one, or a real one under ``torchrun``) unless the layout has one rank.
     ``trainer_kwargs`` override the Trainer's arguments (default ``devices=1, num_nodes=world_size``: one process
@@ -322,11 +304,7 @@ def fit_and_measure(
         ``cuda_library``: on CUDA, the bytes allocated before the fit once CUDA's libraries have run
         (:func:`cuda_library_bytes`: their workspaces; alive through the fit, so inside the peak; 0 on CPU)).
     """
-    import lightning as L
-    from torch.utils.data import DataLoader
-
     from lightning_4d.strategy import FourDStrategy
-    from lightning_4d.tasks import CausalLMModule
 
     states: dict[str, int] = {}
     if strategy is None:
@@ -340,27 +318,8 @@ def fit_and_measure(
         library = cuda_library_bytes()
         torch.cuda.reset_peak_memory_stats()
     with tracker:
-        module = CausalLMModule(model_config, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
-        kwargs = dict(
-            accelerator=device,
-            devices=1,
-            num_nodes=pc.world_size,
-            strategy=strategy,
-            precision=precision,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            use_distributed_sampler=False,
-            callbacks=[_state_bytes_callback(states), *(callbacks or [])],
-        )
-        trainer = L.Trainer(**{**kwargs, **(trainer_kwargs or {})})
-        batch = micro_batch_size * (pc.microbatches if pc.pp > 1 else 1)
-        tokens = _synthetic_tokens(model_config.vocab_size, batch, seq_length, steps)
-        trainer.fit(module, DataLoader(tokens, batch_size=None))
+        callbacks = [_state_bytes_callback(states), *(callbacks or [])]
+        _fit(workload, pc, steps, device, {"strategy": strategy, "callbacks": callbacks, **(trainer_kwargs or {})})
     if cuda:
         torch.cuda.synchronize()
         out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
@@ -369,9 +328,40 @@ def fit_and_measure(
     out.update(states)
     out["host_offloaded"] = strategy.offload_stats.peak if hasattr(strategy, "offload_stats") else 0
     out["cuda_library"] = library
-    del trainer, module
     gc.collect()
     return out
+
+
+def _fit(work: Workload, pc: ParallelConfig, steps: int, device: str, trainer_kwargs: dict[str, Any]) -> None:
+    """:func:`fit_and_measure`'s fit: a fresh :class:`~lightning_4d.tasks.CausalLMModule` of ``work.model`` trained
+    ``steps`` steps on synthetic tokens by a Trainer of one process per rank (``trainer_kwargs`` override its
+    arguments: the strategy and callbacks among them); the module and the Trainer are freed on return."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_4d.tasks import CausalLMModule
+
+    model_config = work.model
+    module = CausalLMModule(model_config, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
+    kwargs = dict(
+        accelerator=device,
+        devices=1,
+        num_nodes=pc.world_size,
+        precision=work.precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    trainer = L.Trainer(**{**kwargs, **trainer_kwargs})
+    batch = work.micro_batch_size * (pc.microbatches if pc.pp > 1 else 1)
+    tokens = _synthetic_tokens(model_config.vocab_size, batch, work.seq_length, steps)
+    trainer.fit(module, DataLoader(tokens, batch_size=None))
+    del trainer, module
 
 
 def _synthetic_tokens(vocab: int, batch: int, seq_length: int, steps: int) -> Any:
@@ -435,35 +425,30 @@ def strategy_kwargs(pc: ParallelConfig, compile: bool = False) -> dict[str, Any]
 
 
 def measure_rank(
-    model_config: Any,
+    workload: Workload,
     pc: ParallelConfig,
     rank: int,
-    micro_batch_size: int,
-    seq_length: int,
-    precision: str = "bf16-mixed",
     steps: int = 2,
     device: str = "cpu",
     compile: bool = False,
     callbacks: Optional[list] = None,
-    expert_load_imbalance: Optional[float] = None,
 ) -> dict[str, Any]:
     """Rank ``rank`` of layout ``pc`` trained for ``steps`` steps in this process on a fake process group, measured
     (:func:`fit_and_measure`) beside :func:`~lightning_4d.memory.model.estimate_memory` of its pp rank and
     ``dp_cp`` rank (without the overhead allowance: the allocator does not see the CUDA context).
 
     Args:
-        model_config: a :class:`~lightning_4d.models.LlamaConfig`.
+        workload: the model (a :class:`~lightning_4d.models.LlamaConfig`), b, s (tokens, before cp splits it),
+            Lightning's precision flag and ``expert_load_imbalance``: under expert parallelism, the load the rank's
+            experts receive, over the balanced figure (>= 1; ``None``: the estimate's default): the fake group's
+            count exchange answers it (:func:`received_rows`) and the estimate assumes it. Its
+            ``num_microbatches`` is not read (the layout's are run).
         pc: a resolved layout (``dp`` an int), validated against the model and the sequence length.
         rank: the global rank, ``0 .. world_size - 1``.
-        micro_batch_size: b; seq_length: s (tokens, before cp splits it).
-        precision: Lightning's precision flag.
         steps: optimizer steps (>= 2: the first step allocates the optimizer states).
         device: ``"cpu"`` or ``"cuda"``.
         compile: ``torch.compile`` each decoder layer (``FourDStrategy(compile=True)``).
         callbacks: Lightning callbacks added to the run (:mod:`lightning_4d.support`'s smoke checks).
-        expert_load_imbalance: under expert parallelism, the load the rank's experts receive, over the balanced
-            figure (>= 1; ``None``: the estimate's default): the fake group's count exchange answers it
-            (:func:`received_rows`) and the estimate assumes it.
 
     Returns:
         ``{"rank", "coordinates", "measured": fit_and_measure's dict + "received_rows" (the most rows an MoE layer's
@@ -480,27 +465,18 @@ def measure_rank(
     from lightning_4d.parallel._compat import init_fake_process_group
 
     coords = _check_measure_args(pc, rank, steps, device)
-    imbalance = check_expert_load_imbalance(expert_load_imbalance)
-    estimate = _rank_estimate(model_config, pc, coords, micro_batch_size, seq_length, precision, device, imbalance)
+    imbalance = check_expert_load_imbalance(workload.expert_load_imbalance)
+    work = replace(workload, num_microbatches=pc.microbatches, expert_load_imbalance=imbalance)
+    estimate = _rank_estimate(work, pc, coords, device)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     init_fake_process_group(rank, pc.world_size)
     try:
         strategy = _strategy_class()(**strategy_kwargs(pc, compile), memory_check=False, process_group_backend="fake")
-        strategy.micro_batch_size, strategy.seq_length = micro_batch_size, seq_length
-        rows = received_rows(model_config, pc, micro_batch_size, seq_length, imbalance)
+        strategy.micro_batch_size, strategy.seq_length = work.micro_batch_size, work.seq_length
+        rows = received_rows(work.model, pc, work.micro_batch_size, work.seq_length, imbalance)
         strategy.expert_rows = rows
-        measured = fit_and_measure(
-            model_config,
-            pc,
-            micro_batch_size,
-            seq_length,
-            precision,
-            steps,
-            device,
-            strategy=strategy,
-            trainer_kwargs={"plugins": [_environment(pc.world_size, rank)]},
-            callbacks=callbacks,
-        )
+        env = {"plugins": [_environment(pc.world_size, rank)]}
+        measured = fit_and_measure(work, pc, steps, device, strategy=strategy, trainer_kwargs=env, callbacks=callbacks)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -510,23 +486,12 @@ def measure_rank(
     return {**out, "expert_rows": rows}
 
 
-def _rank_estimate(
-    model_config: Any, pc: ParallelConfig, coords: dict, b: int, s: int, precision: str, device: str, load: float
-) -> Any:
-    """:func:`~lightning_4d.memory.model.estimate_memory` of the rank at ``coords`` (:func:`rank_coordinates`),
-    without the overhead allowance, at expert load ``load``."""
+def _rank_estimate(work: Workload, pc: ParallelConfig, coords: dict, device: str) -> Any:
+    """:func:`~lightning_4d.memory.model.estimate_memory` of the rank at ``coords`` (:func:`rank_coordinates`) for
+    ``work`` (its expert load given), without the overhead allowance."""
+    overhead = OverheadAllowance(0, 0.0, "none")
     return estimate_memory(
-        model_config,
-        pc,
-        b,
-        s,
-        precision,
-        num_microbatches=pc.microbatches,
-        pp_rank=coords["pp"],
-        dp_cp_rank=coords["dp_cp"],
-        device_type=device,
-        overhead=OverheadAllowance(0, 0.0, "none"),
-        expert_load_imbalance=load,
+        work, pc, pp_rank=coords["pp"], dp_cp_rank=coords["dp_cp"], device_type=device, overhead=overhead
     )
 
 
@@ -556,29 +521,15 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
     pc.validate_microbatches(pc.microbatches)
-    size = (args.micro_batch_size, args.seq_length, args.precision)
-    load = args.expert_load_imbalance
+    work = Workload(
+        cfg, args.micro_batch_size, args.seq_length, args.precision, expert_load_imbalance=args.expert_load_imbalance
+    )
     rank = args.rank
     if rank == "worst":
-        rank = worst_rank(cfg, pc, *size, device_type=args.device, expert_load_imbalance=load)
-    out = measure_rank(
-        cfg, pc, rank, *size, steps=args.steps, device=args.device, compile=args.compile, expert_load_imbalance=load
-    )
-    est, got = out["estimate"], out["measured"]
-    states = {k: got.get(k) for k in ("parameters", "gradients", "optimizer_states")}
-    est_rest = est["total"] - est["parameters"] - est["optimizer_states"]
-    got_rest = got["peak_allocated"] - states["parameters"] - states["optimizer_states"]
-    rows = [(k, est[k], states[k]) for k in states]
-    rows += [
-        ("peak - parameters - optimizer states", est_rest, got_rest),
-        ("total (peak)", est["total"], got["peak_allocated"]),
-    ]
-    if args.device == "cuda":  # CUDA's libraries' workspaces, allocated before the fit and inside its peak
-        library = got.get("cuda_library", 0)
-        rows += [
-            ("CUDA library workspaces (measured before the fit; not estimated)", None, library),
-            ("total (peak) with the library workspaces", est["total"] + library, got["peak_allocated"]),
-        ]
+        rank = worst_rank(work, pc, device_type=args.device)
+    out = measure_rank(work, pc, rank, steps=args.steps, device=args.device, compile=args.compile)
+    got = out["measured"]
+    rows = _comparison_rows(out["estimate"], got, args.device)
     out.update(
         model=args.model,
         device=args.device,
@@ -609,6 +560,26 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cuda":
         out["fragmentation"] = got["peak_reserved"] / got["peak_allocated"] - 1
     return out
+
+
+def _comparison_rows(est: dict[str, Any], got: dict[str, Any], device: str) -> list[tuple]:
+    """``(component, estimated bytes, measured bytes)`` rows of ``measure``'s table: the model states, the rest of
+    the peak, the peak, and on CUDA the libraries' workspaces (allocated before the fit and inside its peak)."""
+    states = {k: got.get(k) for k in ("parameters", "gradients", "optimizer_states")}
+    est_rest = est["total"] - est["parameters"] - est["optimizer_states"]
+    got_rest = got["peak_allocated"] - states["parameters"] - states["optimizer_states"]
+    rows = [(k, est[k], states[k]) for k in states]
+    rows += [
+        ("peak - parameters - optimizer states", est_rest, got_rest),
+        ("total (peak)", est["total"], got["peak_allocated"]),
+    ]
+    if device == "cuda":  # CUDA's libraries' workspaces, allocated before the fit and inside its peak
+        library = got.get("cuda_library", 0)
+        rows += [
+            ("CUDA library workspaces (measured before the fit; not estimated)", None, library),
+            ("total (peak) with the library workspaces", est["total"] + library, got["peak_allocated"]),
+        ]
+    return rows
 
 
 def _print(out: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_4d.memory.hardware import parse_bytes
 from lightning_4d.memory.planner import fitting_layout_lines, format_size as _size, suggestion_line
+from lightning_4d.memory.workload import Workload
 
 log = logging.getLogger(__name__)
 
@@ -509,18 +510,8 @@ class MemoryEstimatorCallback(L.Callback):
             return est, est.total, {"model_states": est.model_states, "activations": est.activations}
         from lightning_4d.memory.model import estimate_all_pp_ranks
 
-        ranks = estimate_all_pp_ranks(
-            cfg,
-            parallel_config,
-            b,
-            s,
-            precision,
-            num_microbatches=m,
-            device_type=device_type,
-            gpu_name=gpu_name,
-            expert_load_imbalance=self.expert_load_imbalance,
-            fused_optimizer=self._fused_optimizer,
-        )
+        work = Workload(cfg, b, s, precision, m, self.expert_load_imbalance, self._fused_optimizer)
+        ranks = estimate_all_pp_ranks(work, parallel_config, device_type=device_type, gpu_name=gpu_name)
         est = max(ranks, key=lambda e: e.total)  # the worst pp rank, as estimate_memory picks it
         # activation offload: the pp rank that offloads most (the first, with the most micro-batches in flight)
         self._host_offloaded = max(e.details["host_offloaded_activations"] for e in ranks)
@@ -558,19 +549,15 @@ class MemoryEstimatorCallback(L.Callback):
 
         pc = trainer.strategy.parallel_config
         try:
+            work = Workload(cfg, b, s, precision, None, self.expert_load_imbalance, self._fused_optimizer)
             return suggest_layouts(
-                cfg,
+                work,
                 pc.world_size,
-                b,
-                s,
-                precision,
                 memory,
                 self.budget,
                 gpus_per_node=trainer.num_devices,
                 device_type=device_type,
                 gpu_name=gpu_name,
-                expert_load_imbalance=self.expert_load_imbalance,
-                fused_optimizer=self._fused_optimizer,
             )
         except ValueError as err:  # no suggestion is better than hiding the real error
             log.debug("no layout suggestions: %s", err)

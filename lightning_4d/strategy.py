@@ -39,7 +39,7 @@ from lightning_4d.parallel._compat import (
 )
 from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.float8 import precompute_scales, validate_float8
-from lightning_4d.parallel.grad_buffers import GradientBuckets
+from lightning_4d.parallel.grad_buffers import GradientBuckets, GradientReduction
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.offload import OffloadStats
 from lightning_4d.parallel.parallelize import (
@@ -339,11 +339,13 @@ class FourDStrategy(ModelParallelStrategy):
             pc.zero_stage,
             master_dtype=master,
             tp_rank=self.mesh.tp.get_local_rank(),
-            compression=pc.gradient_compression,
-            powersgd_rank=pc.powersgd_rank,
-            powersgd_start_step=pc.powersgd_start_step,
-            powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
-            gradient_groups=moe.gradient_groups(self.model, self.mesh),
+            reduction=GradientReduction(
+                pc.gradient_compression,
+                pc.powersgd_rank,
+                pc.powersgd_start_step,
+                getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
+                moe.gradient_groups(self.model, self.mesh),
+            ),
             pipelined=self.pipeline is not None,
         )
         self._unbucketed = zero_parameters(self.model) if self._buckets is None else []

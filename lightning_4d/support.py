@@ -405,41 +405,7 @@ def run_row(
     t0 = time.time()
     result: dict[str, Any] = {"status": "error", "error": None}
     try:
-        from lightning_4d.measure import measure_rank, worst_rank
-
-        args, cfg, pc = _parse(row, **overrides)
-        b, s = args.micro_batch_size, args.seq_length
-        rank = worst_rank(cfg, pc, b, s, args.precision, device_type=device)
-        checks = _checks_callback()
-        with defined_collectives():
-            out = measure_rank(
-                cfg,
-                pc,
-                rank,
-                b,
-                s,
-                args.precision,
-                steps=steps,
-                device=device,
-                compile=args.compile,
-                callbacks=[checks],
-            )
-        peak = out["measured"]["peak_allocated"]
-        estimate = out["estimate"]["total"]
-        library = out["measured"].get("cuda_library", 0) or 0
-        result.update(
-            rank=rank,
-            seq_length=s,
-            micro_batch_size=b,
-            peak=peak,
-            estimate=estimate,
-            cuda_library=library,
-            ratio=(estimate + library) / peak if peak else None,
-            losses=checks.losses,
-            decoder_layers=checks.layers,
-        )
-        problems = _problems(checks, device, peak, estimate, library)
-        result.update(status="failed" if problems else "ok", error="; ".join(problems) or None)
+        _smoke_run(row, device, steps, overrides, result)
     except Exception as err:  # noqa: BLE001 - recorded per row, the matrix goes on
         result["error"] = f"{type(err).__name__}: {err}"[:2000]
     finally:
@@ -448,6 +414,37 @@ def run_row(
         gc.collect()
     result["seconds"] = round(time.time() - t0, 1)
     return result
+
+
+def _smoke_run(row: Row, device: str, steps: int, overrides: dict[str, int], result: dict[str, Any]) -> None:
+    """:func:`run_row`'s run of ``row`` (its sizes replaced by ``overrides``), its figures and verdict written into
+    ``result`` as they come (what was measured stays there if a later check raises)."""
+    from lightning_4d.measure import measure_rank, worst_rank
+    from lightning_4d.memory.workload import Workload
+
+    args, cfg, pc = _parse(row, **overrides)
+    b, s = args.micro_batch_size, args.seq_length
+    work = Workload(cfg, b, s, args.precision)
+    rank = worst_rank(work, pc, device_type=device)
+    checks = _checks_callback()
+    with defined_collectives():
+        out = measure_rank(work, pc, rank, steps=steps, device=device, compile=args.compile, callbacks=[checks])
+    peak = out["measured"]["peak_allocated"]
+    estimate = out["estimate"]["total"]
+    library = out["measured"].get("cuda_library", 0) or 0
+    result.update(
+        rank=rank,
+        seq_length=s,
+        micro_batch_size=b,
+        peak=peak,
+        estimate=estimate,
+        cuda_library=library,
+        ratio=(estimate + library) / peak if peak else None,
+        losses=checks.losses,
+        decoder_layers=checks.layers,
+    )
+    problems = _problems(checks, device, peak, estimate, library)
+    result.update(status="failed" if problems else "ok", error="; ".join(problems) or None)
 
 
 def device_name(device: str) -> str:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.measure import LiveTensorBytes
 from lightning_4d.memory.model import estimate_memory, saved_activation_bytes
+from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.models.llama import canonical_name
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
@@ -52,7 +53,7 @@ def test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_
     print(f"live after forward: {ref_live} B; one layer offloaded {live1} B (host {one.peak}), both {live2} B")
     # the device gives up exactly what the memory model says one layer saves (with every layer offloaded, the RoPE
     # tables too: only the layers held them); the host holds that and the layer's copy of the RoPE tables
-    saved = saved_activation_bytes(TINY, ParallelConfig(data_parallel_size=1), 2, 128, "32-true")
+    saved = saved_activation_bytes(Workload(TINY, 2, 128, "32-true"), ParallelConfig(data_parallel_size=1))
     layer = saved["layers"] // 2
     assert ref_live - live1 == layer
     assert ref_live - live2 == 2 * layer + saved["rope"]
@@ -222,9 +223,9 @@ def test_estimate_moves_offloaded_layers_to_host():
     """The model: an offloaded layer's in-flight saved bytes leave the device and count as host memory; a stage
     offloaded whole keeps one node's set (brought back in its backward) on the device."""
     kw = dict(data_parallel_size=1, pipeline_parallel_size=2, num_microbatches=4)
-    base = estimate_memory("llama2-7b", ParallelConfig(**kw), 1, 4096, device_type="cpu", pp_rank=0)
+    base = estimate_memory(Workload("llama2-7b", 1, 4096), ParallelConfig(**kw), device_type="cpu", pp_rank=0)
     off = estimate_memory(
-        "llama2-7b", ParallelConfig(**kw, activation_offload_layers=4), 1, 4096, device_type="cpu", pp_rank=0
+        Workload("llama2-7b", 1, 4096), ParallelConfig(**kw, activation_offload_layers=4), device_type="cpu", pp_rank=0
     )
     per_layer = base.details["saved_layers"] // 16  # 16 layers per stage
     in_flight = 2  # 1F1B, pp rank 0 of 2

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_4d.memory.workload import Workload
 from tests._launch import ROOT, worker_env
 
 CONFIG = """
@@ -239,7 +240,7 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
     assert "does NOT fit" in text and "Layouts of the same 8 GPUs that fit (fastest predicted first):" in text
     printed = [line.strip() for line in text.splitlines() if line.strip().startswith("FourDStrategy(")]
     expected = suggest_layouts(
-        LlamaConfig.from_preset("llama3-8b"), 8, 1, 8192, "bf16-mixed", 80 * 2**30, 0.8, gpu_name="H100-80GB"
+        Workload(LlamaConfig.from_preset("llama3-8b"), 1, 8192, "bf16-mixed"), 8, 80 * 2**30, 0.8, gpu_name="H100-80GB"
     )
     assert expected and [p.split(":")[0] for p in printed] == [suggestion_line(pc, 1) for pc, _ in expected]
     assert main(base + ["--zero-stage", "0", "--json"]) == 1
@@ -452,7 +453,9 @@ def test_estimate_counts_gradient_accumulation_at_pp1(capsys):
     base += "--activation-checkpointing full --gpu-memory H100-80GB --json"
     pc = ParallelConfig(tensor_parallel_size=2, data_parallel_size=4, zero_stage=1, activation_checkpointing="full")
     expected = estimate_memory(
-        LlamaConfig.from_preset("llama3-8b"), pc, 1, 8192, "bf16-mixed", num_microbatches=128, gpu_name="H100-80GB"
+        Workload(LlamaConfig.from_preset("llama3-8b"), 1, 8192, "bf16-mixed", num_microbatches=128),
+        pc,
+        gpu_name="H100-80GB",
     )
     assert round(expected.total / 2**30, 2) == 39.58
     totals = []

@@ -323,7 +323,7 @@ def test_flash_attn_names_or_clear_import_error():
     with pytest.raises(ImportError, match=r"lightning-4d\[flash\]"):
         _compat.flash_attn_forward(x, x, x, causal=True, scale=1.0)
     with pytest.raises(ImportError, match=r"lightning-4d\[flash\]"):
-        _compat.flash_attn_backward(x, x, x, x, x, x[..., 0], x, x, x, causal=True, scale=1.0)
+        _compat.flash_attn_backward(x, (x, x, x), x, x[..., 0], (x, x, x), causal=True, scale=1.0)
 
 
 def test_flash_attn_pin_matches_the_signature():

@@ -13,6 +13,7 @@ import torch
 
 from lightning_4d import ParallelConfig
 from lightning_4d.memory.model import estimate_memory, saved_activation_bytes
+from lightning_4d.memory.workload import Job, Search, Workload
 from lightning_4d.models import LlamaConfig
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel.context import shard_batch, shard_sequence
@@ -254,14 +255,14 @@ def test_estimate_divides_sequence_by_cp_and_adds_gathered_kv():
         data_parallel_size=1, tensor_parallel_size=8, context_parallel_size=4, context_parallel_method="allgather"
     )
     s = 131072
-    a1 = saved_activation_bytes(cfg, one, 1, s)
-    a4 = saved_activation_bytes(cfg, ring, 1, s)
+    a1 = saved_activation_bytes(Workload(cfg, 1, s), one)
+    a4 = saved_activation_bytes(Workload(cfg, 1, s), ring)
     assert a4["layers"] * 4 == a1["layers"] and a4["context_parallel_kv"] == 0
     kv = 2 * 2 * s * (cfg.num_kv_heads // 8) * cfg.head_dim * cfg.num_layers  # bf16 K and V of all s tokens
-    assert saved_activation_bytes(cfg, gathered, 1, s)["context_parallel_kv"] == kv
-    est_ring = estimate_memory(cfg, ring, 1, s)
-    est_gathered = estimate_memory(cfg, gathered, 1, s)
-    assert est_ring.total < est_gathered.total < estimate_memory(cfg, one, 1, s).total
+    assert saved_activation_bytes(Workload(cfg, 1, s), gathered)["context_parallel_kv"] == kv
+    est_ring = estimate_memory(Workload(cfg, 1, s), ring)
+    est_gathered = estimate_memory(Workload(cfg, 1, s), gathered)
+    assert est_ring.total < est_gathered.total < estimate_memory(Workload(cfg, 1, s), one).total
     assert est_ring.details["context_parallel_buffers"] > 0
 
 
@@ -359,9 +360,7 @@ def test_planner_weighs_alltoall_where_the_heads_allow():
     assert _cp_methods(cfg, 1, 1) == ("ring",)
     assert _cp_methods(cfg, 1, 8) == ("ring", "allgather", "alltoall")
     assert _cp_methods(cfg, 8, 8) == ("ring", "allgather")  # 4 heads per tp rank do not split over 8
-    candidates = plan(
-        cfg, 16, 8, GPU_PRESETS["H100-80GB"], seq_length=8192, global_batch_size=16, top=None, fixed={"tp": 1, "cp": 2}
-    )
+    candidates = plan(Job(cfg, 16, 8, 8192, 16, GPU_PRESETS["H100-80GB"]), Search(fixed={"tp": 1, "cp": 2}), top=None)
     fastest = {}
     for cand in candidates:  # fastest predicted first
         fastest.setdefault(cand.context_parallel_method, cand.step_time)

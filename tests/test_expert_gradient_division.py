@@ -63,7 +63,7 @@ def _expert_gradient(zero_stage: int, older_release: bool, monkeypatch) -> torch
     mesh = build_mesh(ParallelConfig(data_parallel_size=2, expert_parallel_size=2, zero_stage=zero_stage), "cpu")
     assert mesh.edp.size() == 1 and mesh.dp_cp.size() == 2
     model = _Model(mesh.ep)
-    apply_fsdp(model, mesh.dp_cp, zero_stage, blocks=[], expert_mesh=mesh.edp)
+    apply_fsdp(model, mesh.dp_cp, zero_stage, blocks=[], moe_meshes={"expert_mesh": mesh.edp})
     c = torch.linspace(-1.0, 1.0, 12).view(2, 3, 2)
     model(c).backward()
     grad = model.experts.w.grad

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from lightning_4d.memory.hardware import GPU_PRESETS
 from lightning_4d.memory.model import estimate_memory, model_state_bytes
 from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE
 from lightning_4d.memory.planner import plan
+from lightning_4d.memory.workload import Job, Search, Workload
 from lightning_4d.models.config import LlamaConfig
 from tests.test_cli_inputs import _one_line_error
 
@@ -159,7 +161,7 @@ def test_plan_llama4_scout_on_32_h100_lists_ep_layouts(capsys):
     lists the ep layouts, with their JSON fields. tp1 pp1 only, for time (0.5 s instead of
     60 s; the least memory of all layouts is the same layout, measured)."""
     cfg = LlamaConfig.from_preset("llama4-scout-17b-16e")
-    found = plan(cfg, 32, 8, H100, 4096, 128, top=None, include_unfit=True, fixed={"tp": 1, "pp": 1})
+    found = plan(Job(cfg, 32, 8, 4096, 128, H100), Search(fixed={"tp": 1, "pp": 1}), top=None, include_unfit=True)
     assert {c.expert_parallel_size for c in found} == {1, 2, 4, 8, 16}
     assert all(c.fits == (c.memory <= 0.8 * H100.memory) for c in found)
     best = min(found, key=lambda c: c.memory)
@@ -200,7 +202,7 @@ def test_plan_mixtral_dp_only_on_64_h100_fits_with_the_experts_on_dim_1():
     GiB, nothing fitted); now layouts fit, every rank holding the same expert bytes."""
     cfg = LlamaConfig.from_preset("mixtral-8x7b")
     fixed = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
-    found = plan(cfg, 64, 8, H100, 4096, 256, top=None, include_unfit=True, fixed=fixed)
+    found = plan(Job(cfg, 64, 8, 4096, 256, H100), Search(fixed=fixed), top=None, include_unfit=True)
     fits = [c for c in found if c.fits]
     assert fits and all(c.zero_stage == 3 for c in fits)
     pc = ParallelConfig(data_parallel_size=64, zero_stage=3)
@@ -304,7 +306,7 @@ def test_expert_load_imbalance_multiplies_the_received_rows_only():
     pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
 
     def est(f, config=cfg, layout=pc):
-        return estimate_memory(config, layout, b, s, expert_load_imbalance=f, device_type="cpu")
+        return estimate_memory(Workload(config, b, s, expert_load_imbalance=f), layout, device_type="cpu")
 
     one, two = est(1.0), est(2.0)
     n = b * s * k
@@ -330,7 +332,7 @@ def test_expert_load_imbalance_below_one_is_refused(value):
 
     pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
     with pytest.raises(ValueError, match=r"expert_load_imbalance=.*>= 1\.0"):
-        estimate_memory("mixtral-8x7b", pc, 1, 4096, expert_load_imbalance=value)
+        estimate_memory(Workload("mixtral-8x7b", 1, 4096, expert_load_imbalance=value), pc)
     with pytest.raises(ValueError, match=r"expert_load_imbalance=.*>= 1\.0"):
         MemoryEstimatorCallback(expert_load_imbalance=value)
 
@@ -353,8 +355,8 @@ def test_cli_expert_load_imbalance_flag(capsys, command):
     assert default["expert_load_imbalance"] == DEFAULT_EXPERT_LOAD_IMBALANCE and out["expert_load_imbalance"] == 1.5
     if command == "estimate":
         pc = ParallelConfig(data_parallel_size=64, expert_parallel_size=8, zero_stage=1)
-        assert out["total"] == estimate_memory("mixtral-8x7b", pc, 1, 4096, expert_load_imbalance=1.5).total
-        assert default["total"] == estimate_memory("mixtral-8x7b", pc, 1, 4096).total
+        assert out["total"] == estimate_memory(Workload("mixtral-8x7b", 1, 4096, expert_load_imbalance=1.5), pc).total
+        assert default["total"] == estimate_memory(Workload("mixtral-8x7b", 1, 4096), pc).total
     else:
         import dataclasses
 
@@ -362,9 +364,9 @@ def test_cli_expert_load_imbalance_flag(capsys, command):
 
         row = out["layouts"][0]
         pc = Candidate(**{f.name: row[f.name] for f in dataclasses.fields(Candidate)}).parallel_config()
-        kw = dict(num_microbatches=row["num_microbatches"], gpu_name=H100.name)
-        b = row["micro_batch_size"]
-        assert row["memory"] == estimate_memory("mixtral-8x7b", pc, b, 4096, expert_load_imbalance=1.5, **kw).total
+        b, m = row["micro_batch_size"], row["num_microbatches"]
+        work = Workload("mixtral-8x7b", b, 4096, num_microbatches=m, expert_load_imbalance=1.5)
+        assert row["memory"] == estimate_memory(work, pc, gpu_name=H100.name).total
 
 
 def test_memory_check_callback_estimates_at_its_expert_load_imbalance():
@@ -376,6 +378,7 @@ def test_memory_check_callback_estimates_at_its_expert_load_imbalance():
     args = ("mixtral-8x7b", pc, 1, 4096, 1, "bf16-mixed", "cpu", None)
     _, total, _ = MemoryEstimatorCallback(expert_load_imbalance=1.5)._estimate(*args)
     _, default, _ = MemoryEstimatorCallback()._estimate(*args)
-    kw = dict(num_microbatches=1, device_type="cpu")
-    assert total == estimate_memory("mixtral-8x7b", pc, 1, 4096, expert_load_imbalance=1.5, **kw).total < default
-    assert default == estimate_memory("mixtral-8x7b", pc, 1, 4096, **kw).total
+    work = Workload("mixtral-8x7b", 1, 4096, num_microbatches=1)
+    loaded = estimate_memory(replace(work, expert_load_imbalance=1.5), pc, device_type="cpu")
+    assert total == loaded.total < default
+    assert default == estimate_memory(work, pc, device_type="cpu").total

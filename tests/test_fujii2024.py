@@ -5,6 +5,7 @@ Every expected value is derived here by hand, term by term, in integer arithmeti
 and the final numbers are written out as literals too.
 """
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -13,7 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_4d.memory import Fujii2024Estimate, fujii2024_estimate, fujii2024_from_config
+from lightning_4d.memory import (
+    Fujii2024Estimate,
+    Fujii2024Layout,
+    Fujii2024Model,
+    fujii2024_estimate,
+    fujii2024_from_config,
+)
 
 GIB = 2**30
 
@@ -23,6 +30,18 @@ LLAMA3_8B = dict(
 LLAMA2_7B = dict(
     hidden_size=4096, num_layers=32, vocab_size=32000, intermediate_size=11008, num_heads=32, num_kv_heads=32
 )
+
+
+def _estimate(**kw):
+    """:func:`fujii2024_estimate` of keyword arguments named as the paper's symbols' long names: the model's sizes
+    and the layout's go into their objects."""
+    model = Fujii2024Model(**{f: kw.pop(f) for f in _MODEL_FIELDS if f in kw})
+    layout = Fujii2024Layout(**{f: kw.pop(f) for f in _LAYOUT_FIELDS if f in kw})
+    return fujii2024_estimate(model, layout, **kw)
+
+
+_MODEL_FIELDS = [f.name for f in dataclasses.fields(Fujii2024Model)]
+_LAYOUT_FIELDS = [f.name for f in dataclasses.fields(Fujii2024Layout)]
 
 
 def _same(actual, expected):
@@ -42,7 +61,7 @@ def test_llama2_7b_parameter_count_matches_published():
     embedding_and_head = 2 * V * h  # 262,144,000
     assert p_layers + embedding_and_head == 6_738_415_616  # Llama-2-7B's published count
     # The module's p = 1, t = 1 count is P_layers - h + V·h + V·h + h = the same total.
-    est = fujii2024_estimate(**LLAMA2_7B, tp=1, pp=1, dp=1, cp=1, seq_length=4096, micro_batch_size=1)
+    est = _estimate(**LLAMA2_7B, tp=1, pp=1, dp=1, cp=1, seq_length=4096, micro_batch_size=1)
     assert _same(est.parameters_on_rank, 6_738_415_616)
 
 
@@ -75,7 +94,7 @@ def test_llama3_8b_tp2_pp1_dp4():
     total = model_states + activations
     assert total == 60_450_574_336  # 56.30 GiB
 
-    est = fujii2024_estimate(**LLAMA3_8B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b)
+    est = _estimate(**LLAMA3_8B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b)
     assert _same(est.parameters_on_rank, params)
     assert est.bytes_per_parameter == 9
     assert _same(est.model_states, model_states)
@@ -119,13 +138,13 @@ def test_llama3_8b_tp4_pp4_dp2_cp2_enough_microbatches():
     total = model_states + activations
     assert total == 10_745_167_872
 
-    est = fujii2024_estimate(**LLAMA3_8B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b, num_microbatches=m)
+    est = _estimate(**LLAMA3_8B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b, num_microbatches=m)
     assert _same(est.parameters_on_rank, params)
     assert _same(est.model_states, model_states)
     assert _same(est.activations, activations)
     assert _same(est.total, total)
     # num_microbatches=None means m >= p: the same result.
-    assert est == fujii2024_estimate(**LLAMA3_8B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b)
+    assert est == _estimate(**LLAMA3_8B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b)
 
 
 def test_llama2_7b_pp4_fewer_microbatches_than_stages_no_distributed_optimizer():
@@ -149,7 +168,7 @@ def test_llama2_7b_pp4_fewer_microbatches_than_stages_no_distributed_optimizer()
     total = model_states + activations
     assert total == 20_918_632_448
 
-    est = fujii2024_estimate(
+    est = _estimate(
         **LLAMA2_7B,
         tp=t,
         pp=p,
@@ -186,7 +205,7 @@ def test_llama2_7b_interleaved_factor():
     total = model_states + activations
     assert total == 41_546_645_504
 
-    est = fujii2024_estimate(
+    est = _estimate(
         **LLAMA2_7B, tp=t, pp=p, dp=d, cp=c, seq_length=s, micro_batch_size=b, virtual_stages=v, num_microbatches=2
     )  # the m/p discount is for the non-interleaved schedule only
     assert est.bytes_per_parameter == 7.5
@@ -197,10 +216,10 @@ def test_llama2_7b_interleaved_factor():
 
 def test_bytes_per_parameter_18_vs_distributed_optimizer():
     for d, c, expected in [(1, 1, 18.0), (4, 1, 9.0), (2, 2, 9.0), (8, 2, 6.75), (64, 1, 6.1875)]:
-        est = fujii2024_estimate(**LLAMA2_7B, tp=1, pp=1, dp=d, cp=c, seq_length=1024, micro_batch_size=1)
+        est = _estimate(**LLAMA2_7B, tp=1, pp=1, dp=d, cp=c, seq_length=1024, micro_batch_size=1)
         assert est.bytes_per_parameter == expected == 6 + 12 / (d * c)
         assert _same(est.model_states, est.parameters_on_rank * expected)
-        plain = fujii2024_estimate(
+        plain = _estimate(
             **LLAMA2_7B, tp=1, pp=1, dp=d, cp=c, seq_length=1024, micro_batch_size=1, distributed_optimizer=False
         )
         assert plain.bytes_per_parameter == 18.0
@@ -211,9 +230,9 @@ def test_no_flash_attention_adds_s_squared_terms():
     L, a = 32, 32
     t, c, s, b = 2, 2, 4096, 1
     kwargs = dict(**LLAMA2_7B, tp=t, pp=1, dp=1, cp=c, seq_length=s, micro_batch_size=b)
-    flash = fujii2024_estimate(**kwargs)
-    no_flash = fujii2024_estimate(**kwargs, flash_attention=False)
-    no_flash_dropout = fujii2024_estimate(**kwargs, flash_attention=False, attention_dropout=True)
+    flash = _estimate(**kwargs)
+    no_flash = _estimate(**kwargs, flash_attention=False)
+    no_flash_dropout = _estimate(**kwargs, flash_attention=False, attention_dropout=True)
     s_c = s // c  # 2048
     # Korthikanti et al. 2022: 4·a·s²·b per layer (s -> s/c, / t), + a·s²·b with attention dropout.
     scores = L * 4 * a * s_c * s_c * b // t
@@ -223,17 +242,17 @@ def test_no_flash_attention_adds_s_squared_terms():
     assert _same(no_flash_dropout.activations - flash.activations, scores + dropout_mask)
     assert no_flash.model_states == flash.model_states
     # With FlashAttention the dropout flag changes nothing (Eq. 12 has no s² term).
-    assert fujii2024_estimate(**kwargs, attention_dropout=True) == flash
+    assert _estimate(**kwargs, attention_dropout=True) == flash
 
 
 def test_tied_embeddings_drop_the_head_only_when_pp_is_1():
     V, h, t = 32000, 4096, 2
     base = dict(**LLAMA2_7B, tp=t, dp=1, cp=1, seq_length=2048, micro_batch_size=1)
-    untied = fujii2024_estimate(**base, pp=1)
-    tied = fujii2024_estimate(**base, pp=1, tie_word_embeddings=True)
+    untied = _estimate(**base, pp=1)
+    tied = _estimate(**base, pp=1, tie_word_embeddings=True)
     assert _same(untied.parameters_on_rank - tied.parameters_on_rank, V * h // t)  # 65,536,000
     assert untied.activations == tied.activations
-    assert fujii2024_estimate(**base, pp=2) == fujii2024_estimate(**base, pp=2, tie_word_embeddings=True)
+    assert _estimate(**base, pp=2) == _estimate(**base, pp=2, tie_word_embeddings=True)
 
 
 def test_eighty_percent_rule():
@@ -259,13 +278,13 @@ def test_eighty_percent_rule():
 def test_from_config_duck_typed_and_llama_config():
     cfg = SimpleNamespace(**LLAMA3_8B, tie_word_embeddings=False)
     layout = dict(tp=4, pp=4, dp=2, cp=2, seq_length=8192, micro_batch_size=1)
-    direct = fujii2024_estimate(**LLAMA3_8B, **layout)
+    direct = _estimate(**LLAMA3_8B, **layout)
     assert fujii2024_from_config(cfg, **layout) == direct
     assert _same(direct.total, 10_745_167_872)
     tied_cfg = SimpleNamespace(**LLAMA2_7B, tie_word_embeddings=True)
     p1 = dict(layout, pp=1)
-    assert fujii2024_from_config(tied_cfg, **p1) == fujii2024_estimate(**LLAMA2_7B, **p1, tie_word_embeddings=True)
-    assert fujii2024_from_config(tied_cfg, **p1, tie_word_embeddings=False) == fujii2024_estimate(**LLAMA2_7B, **p1)
+    assert fujii2024_from_config(tied_cfg, **p1) == _estimate(**LLAMA2_7B, **p1, tie_word_embeddings=True)
+    assert fujii2024_from_config(tied_cfg, **p1, tie_word_embeddings=False) == _estimate(**LLAMA2_7B, **p1)
 
     from lightning_4d.models import LlamaConfig
 
@@ -287,8 +306,8 @@ def test_of_layout_is_the_one_mapping_of_a_layout():
     ).resolve(8)
     got = fujii2024_of_layout(cfg, pc, 4096, 1, 8)
     want = dict(tp=1, pp=4, dp=2, cp=1, seq_length=4096, micro_batch_size=1, num_microbatches=8)
-    assert got == fujii2024_estimate(**LLAMA2_7B, **want, virtual_stages=2)
-    assert got != fujii2024_estimate(**LLAMA2_7B, **want)  # v matters: the callback used to drop it
+    assert got == _estimate(**LLAMA2_7B, **want, virtual_stages=2)
+    assert got != _estimate(**LLAMA2_7B, **want)  # v matters: the callback used to drop it
     for stage, distributed in ((0, False), (1, True), (2, True), (3, True)):
         one = fujii2024_of_layout(cfg, ParallelConfig(data_parallel_size=8, zero_stage=stage).resolve(8), 4096, 1, 1)
         assert one.bytes_per_parameter == (6 + 12 / 8 if distributed else 18.0)
@@ -316,7 +335,7 @@ def test_errors(override, match):
     kwargs = dict(**LLAMA3_8B, tp=1, pp=1, dp=1, cp=1, seq_length=1024, micro_batch_size=1)
     kwargs.update(override)
     with pytest.raises(ValueError, match=match):
-        fujii2024_estimate(**kwargs)
+        _estimate(**kwargs)
 
 
 def test_module_does_not_import_torch():
@@ -326,8 +345,10 @@ def test_module_does_not_import_torch():
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('fujii2024_standalone', {str(path)!r})\n"
         "mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)\n"
-        "mod.fujii2024_estimate(hidden_size=64, num_layers=2, vocab_size=128, intermediate_size=128, num_heads=4,\n"
-        "    num_kv_heads=2, tp=1, pp=1, dp=1, cp=1, seq_length=16, micro_batch_size=1)\n"
+        "model = mod.Fujii2024Model(hidden_size=64, num_layers=2, vocab_size=128, intermediate_size=128,\n"
+        "    num_heads=4, num_kv_heads=2)\n"
+        "layout = mod.Fujii2024Layout(tp=1, pp=1, dp=1, cp=1)\n"
+        "mod.fujii2024_estimate(model, layout, seq_length=16, micro_batch_size=1)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -33,6 +33,7 @@ import pytest
 from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
 from lightning_4d.measure import rank_coordinates, worst_rank
+from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig
 from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
 
@@ -113,7 +114,7 @@ def test_measure_equals_the_real_multi_process_run(tmp_path, args, layout, preci
     launches = [[run[r]["peak_allocated"] for r in range(4)] for run in runs]
     print(f"{layout} {precision}: real peaks of {len(runs)} launch(es) {launches}")
     if pc.pp > 1:  # measure's default rank is the one the real run shows the largest peak on (its stage)
-        worst = worst_rank(TINY, pc, 1, 64, precision, device_type="cpu")
+        worst = worst_rank(Workload(TINY, 1, 64, precision), pc, device_type="cpu")
         print(f"{layout}: real peaks {peaks}; worst_rank {worst}")
         stage = rank_coordinates(pc, worst)["pp"]
         assert max(v for r, v in peaks.items() if rank_coordinates(pc, r)["pp"] == stage) == max(peaks.values())
@@ -164,10 +165,10 @@ def test_worst_rank_is_the_stage_that_holds_the_most():
     ``test_measure_equals_the_real_multi_process_run`` checks the choice against a real run's measured peaks."""
     pc = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2)
     big_vocab = LlamaConfig.from_preset("tiny-test", vocab_size=32000)
-    assert worst_rank(big_vocab, pc, 1, 64, "32-true", device_type="cpu") == 2
+    assert worst_rank(Workload(big_vocab, 1, 64, "32-true"), pc, device_type="cpu") == 2
     deep = LlamaConfig.from_preset("tiny-test", num_layers=8)
     pc4 = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=4)
-    assert worst_rank(deep, pc4, 1, 512, "32-true", device_type="cpu") == 0
+    assert worst_rank(Workload(deep, 1, 512, "32-true"), pc4, device_type="cpu") == 0
 
 
 BAD = [

@@ -10,6 +10,7 @@ import pytest
 
 from lightning_4d import MemoryBudgetExceeded, MemoryEstimatorCallback
 from lightning_4d.memory.hardware import GPU_PRESETS, gpu_spec, parse_bytes
+from lightning_4d.memory.workload import Workload
 from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
 
 
@@ -715,10 +716,11 @@ def test_estimate_with_an_uneven_pipeline_layer_split():
 
     uneven, pc = check([3, 1])
     assert pc.pipeline_layer_split == [3, 1] and pc.pp == 2 and pc.dp == 1 and pc.microbatches == 2
-    assert uneven == estimate_memory(cfg, pc, 4, 64, "32-true", num_microbatches=2, device_type="cpu")
+    assert uneven == estimate_memory(Workload(cfg, 4, 64, "32-true", num_microbatches=2), pc, device_type="cpu")
     assert uneven.pp_rank == 0
     per_rank = [
-        estimate_memory(cfg, pc, 4, 64, "32-true", num_microbatches=2, device_type="cpu", pp_rank=r) for r in (0, 1)
+        estimate_memory(Workload(cfg, 4, 64, "32-true", num_microbatches=2), pc, device_type="cpu", pp_rank=r)
+        for r in (0, 1)
     ]
     assert uneven.total == max(e.total for e in per_rank) and per_rank[0].total > per_rank[1].total
     even, _ = check(None)
@@ -777,7 +779,8 @@ def test_fused_adamw_has_no_step_temporaries_and_the_callback_knows_which_optimi
     assert not _steps_with_fused_adamw(CausalLMModule("tiny-test"), trainer)
     pc = ParallelConfig(data_parallel_size=1, zero_stage=0)
     fused, foreach = (
-        estimate_memory("llama3-8b", pc, 1, 2048, num_microbatches=1, fused_optimizer=f) for f in (True, False)
+        estimate_memory(Workload("llama3-8b", 1, 2048, num_microbatches=1, fused_optimizer=f), pc)
+        for f in (True, False)
     )
     assert fused.details["optimizer_step_temporaries"] == 0
     moment = (foreach.optimizer_states - foreach.details["master_weights"]) // 2

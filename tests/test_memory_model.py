@@ -21,6 +21,7 @@ import pytest
 
 from lightning_4d import ParallelConfig, estimate_memory
 from lightning_4d.memory.model import MemoryEstimate, estimate_all_pp_ranks, model_state_bytes, saved_activation_bytes
+from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig
 from lightning_4d.partition import loss_chunk_tokens
 from tests._launch import SCRIPTS, torchrun
@@ -105,18 +106,20 @@ def test_tied_embedding_counted_once():
 def test_saved_activations_by_hand_fp32():
     # b=1, s=64, fp32, no tp: per layer 2 norms (input, reciprocal RMS) + 2 linear inputs + SDPA (q, out, k, v, lse)
     # + SwiGLU 4 x [s, f]: 2*(16384+256) + 2*16384 + (2*16384 + 2*8192 + 1024) + 4*32768 = 247,296 bytes
-    parts = saved_activation_bytes(TINY, _pc(zero_stage=0), 1, 64, "32-true")
+    parts = saved_activation_bytes(Workload(TINY, 1, 64, "32-true"), _pc(zero_stage=0))
     assert parts["layers"] == 2 * 247_296
     assert parts["loss"] == 4 * 64 * 256 + 4 * 64 + 8 * 64  # float32 logits, log-sum-exp, labels
     assert parts["rope"] == 2 * 4 * 64 * 8
-    ac = saved_activation_bytes(TINY, _pc(zero_stage=0, activation_checkpointing="full"), 1, 64, "32-true")
+    ac = saved_activation_bytes(Workload(TINY, 1, 64, "32-true"), _pc(zero_stage=0, activation_checkpointing="full"))
     assert ac["layers"] == 2 * 4 * 64 * 64 and ac["recompute"] == 247_296
     # selective, per layer: the input 16384 + 6 matmul outputs 4*64*(64 + 32 + 32 + 128 + 128 + 64) = 114688 (w2's
     # is not kept) + the SDPA output 16384 and log-sum-exp 1024 = 148,480; recomputed in a layer's backward: the
     # ffn norm's input 16384 and both rsqrt 2*256 (the attention norm's input is the layer's, kept), the linear
     # inputs 2*16384, rotated q, k 16384 + 8192, silu and product 2*32768 = 139,776, less the kept outputs the
     # recomputation frees: wq's 16384, wk's 8192, wo's 16384
-    sel = saved_activation_bytes(TINY, _pc(zero_stage=0, activation_checkpointing="selective"), 1, 64, "32-true")
+    sel = saved_activation_bytes(
+        Workload(TINY, 1, 64, "32-true"), _pc(zero_stage=0, activation_checkpointing="selective")
+    )
     assert sel["layers"] == 2 * 148_480 and sel["recompute"] == 139_776 - 16384 - 8192 - 16384
     assert {k: v for k, v in sel.items() if k not in ("layers", "recompute")} == {
         k: v for k, v in parts.items() if k not in ("layers", "recompute")
@@ -131,9 +134,9 @@ def test_loss_terms_by_hand():
     for precision, c in (("32-true", 4), ("bf16-true", 2)):
         for tp in (1, 2):
             pc = _pc(tensor_parallel_size=tp, zero_stage=0)
-            parts = saved_activation_bytes(TINY, pc, b, s, precision)
+            parts = saved_activation_bytes(Workload(TINY, b, s, precision), pc)
             assert parts["loss"] == c * b * s * vocab // tp + 4 * b * s + 8 * b * s
-            est = estimate_memory(TINY, pc, b, s, precision, device_type="cpu")
+            est = estimate_memory(Workload(TINY, b, s, precision), pc, device_type="cpu")
             chunk = 4 * min(b * s, loss_chunk_tokens(vocab // tp)) * vocab // tp if c != 4 else 0
             assert est.logits == c * b * s * vocab // tp + chunk
     # llama3-8b (V = 128,256) at s = 8192: the float32 chunk is bounded (130 tokens, 64 MiB), not b·s·V
@@ -142,7 +145,9 @@ def test_loss_terms_by_hand():
 
 def test_estimate_fields_and_peak_rule():
     est = estimate_memory(
-        "llama3-8b", _pc(data_parallel_size=8, tensor_parallel_size=1, zero_stage=3), 1, 8192, device_type="cuda"
+        Workload("llama3-8b", 1, 8192),
+        _pc(data_parallel_size=8, tensor_parallel_size=1, zero_stage=3),
+        device_type="cuda",
     )
     d = est.to_dict()
     for key in (
@@ -161,37 +166,36 @@ def test_estimate_fields_and_peak_rule():
     phases = {k: v for k, v in est.details.items() if k.startswith("phase_")}
     assert est.total == est.parameters + est.optimizer_states + est.overhead + max(phases.values())
     assert est.overhead > 0
-    cpu = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=3), 1, 8192, device_type="cpu")
+    cpu = estimate_memory(Workload("llama3-8b", 1, 8192), _pc(data_parallel_size=8, zero_stage=3), device_type="cpu")
     assert cpu.overhead == 0
     json.dumps(d)  # plain data
 
 
 def test_estimate_moves_the_right_way():
-    kw = dict(micro_batch_size=2, seq_length=4096, precision="bf16-mixed")
-    base = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=1), **kw)
-    assert estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=3), **kw).total < base.total
-    ac = estimate_memory("llama3-8b", _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="full"), **kw)
+    work = Workload("llama3-8b", micro_batch_size=2, seq_length=4096, precision="bf16-mixed")
+    base = estimate_memory(work, _pc(data_parallel_size=8, zero_stage=1))
+    assert estimate_memory(work, _pc(data_parallel_size=8, zero_stage=3)).total < base.total
+    ac = estimate_memory(work, _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="full"))
     assert ac.activations < base.activations / 5
-    sel = estimate_memory(
-        "llama3-8b", _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="selective"), **kw
-    )
+    sel = estimate_memory(work, _pc(data_parallel_size=8, zero_stage=1, activation_checkpointing="selective"))
     assert ac.activations < sel.activations < base.activations
-    tp = estimate_memory("llama3-8b", _pc(data_parallel_size=4, tensor_parallel_size=2, zero_stage=1), **kw)
+    tp = estimate_memory(work, _pc(data_parallel_size=4, tensor_parallel_size=2, zero_stage=1))
     assert tp.activations < base.activations and tp.parameters < base.parameters
-    cp = estimate_memory("llama3-8b", _pc(data_parallel_size=4, context_parallel_size=2, zero_stage=1), **kw)
+    cp = estimate_memory(work, _pc(data_parallel_size=4, context_parallel_size=2, zero_stage=1))
     assert cp.activations < base.activations
 
 
 def test_every_pp_rank_is_reported():
     pc = _pc(data_parallel_size=1, pipeline_parallel_size=4, zero_stage=1)
-    ranks = estimate_all_pp_ranks("llama3-8b", pc, 1, 4096, num_microbatches=8)
+    ranks = estimate_all_pp_ranks(Workload("llama3-8b", 1, 4096, num_microbatches=8), pc)
     assert [r.pp_rank for r in ranks] == [0, 1, 2, 3]
     # 1F1B: pp rank i keeps min(m, p - i) micro-batches
     assert [r.details["in_flight_microbatches_x1000"] for r in ranks] == [4000, 3000, 2000, 1000]
     assert ranks[0].details["saved_embedding"] > 0 and ranks[3].details["saved_loss"] > 0
-    worst = estimate_memory("llama3-8b", pc, 1, 4096, num_microbatches=8)
+    worst = estimate_memory(Workload("llama3-8b", 1, 4096, num_microbatches=8), pc)
     assert worst.total == max(r.total for r in ranks)
-    gpipe = estimate_memory("llama3-8b", pc, 1, 4096, num_microbatches=8, pipeline_schedule="gpipe", pp_rank=0)
+    gpipe_pc = replace(pc, pipeline_schedule="gpipe")
+    gpipe = estimate_memory(Workload("llama3-8b", 1, 4096, num_microbatches=8), gpipe_pc, pp_rank=0)
     assert gpipe.activations > ranks[0].activations
 
 
@@ -209,25 +213,21 @@ def test_every_pp_rank_is_reported():
     ],
 )
 def test_estimate_rejects_bad_input(kw, match):
-    layout = dict(data_parallel_size=1, **kw.get("layout", {}))
+    layout = dict(data_parallel_size=1, pipeline_schedule=kw.get("schedule", "1f1b"), **kw.get("layout", {}))
     with pytest.raises(ValueError, match=match):
         estimate_memory(
-            "llama3-8b",
+            Workload("llama3-8b", 1, kw.get("seq", 1024), precision=kw.get("precision", "bf16-mixed")),
             ParallelConfig(**layout),
-            1,
-            kw.get("seq", 1024),
-            precision=kw.get("precision", "bf16-mixed"),
-            pipeline_schedule=kw.get("schedule", "1f1b"),
         )
 
 
 def test_auto_dp_must_be_resolved():
     with pytest.raises(ValueError, match="resolve"):
-        estimate_memory("tiny", ParallelConfig(), 1, 64)
+        estimate_memory(Workload("tiny", 1, 64), ParallelConfig())
 
 
 def test_estimate_is_a_dataclass_with_bytes():
-    est = estimate_memory(TINY, _pc(zero_stage=0), 1, 64, "32-true", device_type="cpu")
+    est = estimate_memory(Workload(TINY, 1, 64, "32-true"), _pc(zero_stage=0), device_type="cpu")
     assert isinstance(est, MemoryEstimate) and est.total_gib == est.total / 2**30
 
 
@@ -402,10 +402,11 @@ def test_explicit_pipeline_layer_split_is_estimated():
 
     cfg = LlamaConfig.from_preset("llama3-8b")
     pc = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2).resolve(2)
-    default = estimate_memory(cfg, pc, 1, 4096, "bf16-mixed", pp_rank=0)
-    explicit = estimate_memory(cfg, pc, 1, 4096, "bf16-mixed", pp_rank=0, pipeline_layer_split=[16, 16])
+    default = estimate_memory(Workload(cfg, 1, 4096, "bf16-mixed"), pc, pp_rank=0)
+    work = Workload(cfg, 1, 4096, "bf16-mixed")
+    explicit = estimate_memory(work, replace(pc, pipeline_layer_split=[16, 16]), pp_rank=0)
     assert explicit.total == default.total
-    lighter = estimate_memory(cfg, pc, 1, 4096, "bf16-mixed", pp_rank=0, pipeline_layer_split=[12, 20])
+    lighter = estimate_memory(work, replace(pc, pipeline_layer_split=[12, 20]), pp_rank=0)
     assert lighter.total < default.total
 
 
@@ -420,13 +421,13 @@ def test_float32_gqa_on_cuda_counts_the_repeated_kv_heads():
     assert not sdpa_repeats_kv_heads(q, k)  # on CPU SDPA takes enable_gqa in float32
     pc, b, s = _pc(zero_stage=0), 2, 64
     a, kv, d = TINY.num_heads, TINY.num_kv_heads, TINY.head_dim
-    cpu = saved_activation_bytes(TINY, pc, b, s, "32-true", device_type="cpu")["layers"]
-    cuda = saved_activation_bytes(TINY, pc, b, s, "32-true", device_type="cuda")["layers"]
+    cpu = saved_activation_bytes(Workload(TINY, b, s, "32-true"), pc, device_type="cpu")["layers"]
+    cuda = saved_activation_bytes(Workload(TINY, b, s, "32-true"), pc, device_type="cuda")["layers"]
     assert cuda - cpu == TINY.num_layers * 2 * 4 * b * s * (a - kv) * d
     for precision in ("bf16-mixed", "bf16-true"):  # flash takes GQA: nothing repeated
-        assert saved_activation_bytes(TINY, pc, b, s, precision, device_type="cuda") == saved_activation_bytes(
-            TINY, pc, b, s, precision, device_type="cpu"
-        )
+        assert saved_activation_bytes(
+            Workload(TINY, b, s, precision), pc, device_type="cuda"
+        ) == saved_activation_bytes(Workload(TINY, b, s, precision), pc, device_type="cpu")
 
 
 def _measure_cli(args: list[str]) -> tuple[dict, dict]:
@@ -451,7 +452,7 @@ def test_tp_peak_equals_measured_with_and_without_overlap(overlap):
     print(f"overlap={overlap}: peak estimated {peak['estimated']:,} B, measured {peak['measured']:,} B")
     assert peak["estimated"] == pytest.approx(peak["measured"], rel=0.01)
     pc = ParallelConfig(data_parallel_size=1, tensor_parallel_size=2, zero_stage=0, tensor_parallel_overlap=overlap)
-    assert estimate_memory(TINY, pc, 4, 256, "32-true", device_type="cpu").peak_phase == "head backward"
+    assert estimate_memory(Workload(TINY, 4, 256, "32-true"), pc, device_type="cpu").peak_phase == "head backward"
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import torch
 
 from lightning_4d import ParallelConfig
 from lightning_4d.memory.model import estimate_memory, model_state_bytes, saved_activation_bytes
+from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.models.moe import MoEFeedForward, capacity
 from tests._launch import SCRIPTS, check_final_weights, initial_weights, torchrun
@@ -95,7 +96,7 @@ def test_llama4_presets_are_estimate_only():
         cfg = LlamaConfig.from_preset(name)
         with pytest.raises(ValueError, match="chunked local attention"):
             LlamaModel(cfg)
-        est = estimate_memory(cfg, ParallelConfig(data_parallel_size=32, zero_stage=3), 1, 8192)
+        est = estimate_memory(Workload(cfg, 1, 8192), ParallelConfig(data_parallel_size=32, zero_stage=3))
         assert est.total > 0
     with pytest.raises(ValueError, match="QK norm"):
         CausalLMModule("llama4-scout-17b-16e")
@@ -115,7 +116,9 @@ def test_layouts_moe_does_not_support_yet_fail_before_any_process_group():
     )
     # pipeline parallelism runs MoE models (tests/test_moe_pipeline.py): the layout and the estimator take it
     validate_against_module(ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2), module)
-    assert estimate_memory("mixtral-8x7b", ParallelConfig(data_parallel_size=4, pipeline_parallel_size=2), 1, 4096)
+    assert estimate_memory(
+        Workload("mixtral-8x7b", 1, 4096), ParallelConfig(data_parallel_size=4, pipeline_parallel_size=2)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- routing
@@ -506,7 +509,7 @@ def test_memory_model_moe_states_formula():
     assert sum(per_rank) == 4 * n and per_rank[0] - per_rank[15] == router // cfg.num_experts
     assert per_rank[15] == 4 * (n - cfg.num_experts * cfg.hidden_size * cfg.num_moe_layers) // 16
     act = saved_activation_bytes(
-        LlamaConfig.from_preset("tiny-moe"), ParallelConfig(data_parallel_size=1), 2, 64, "32-true"
+        Workload(LlamaConfig.from_preset("tiny-moe"), 2, 64, "32-true"), ParallelConfig(data_parallel_size=1)
     )
     assert act["layers"] > 0
 

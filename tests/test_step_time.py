@@ -16,6 +16,7 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import step_time as st
 from lightning_4d.memory.hardware import GPU_PRESETS
 from lightning_4d.memory.planner import enumerate_layouts, plan, propose_layer_split
+from lightning_4d.memory.workload import Job, Search
 from lightning_4d.models.config import LlamaConfig
 
 H100 = GPU_PRESETS["H100-80GB"]
@@ -221,7 +222,7 @@ def test_torchtitan_8b_rows_within_15_percent():
         assert per_gpu == pytest.approx(run["tokens_per_sec_per_gpu"], rel=0.15), name
     # its layout (FSDP over 8 GPUs) is the planner's first pick for the job (with b=1 and 2 accumulation steps: the
     # published b=2 uses 86% of the GPU, above the default budget of 80%)
-    best = plan(cfg, 8, 8, gpu, run["seq_length"], run["global_batch_size"], top=5)
+    best = plan(Job(cfg, 8, 8, run["seq_length"], run["global_batch_size"], gpu), top=5)
     assert (best[0].tp, best[0].pp, best[0].cp, best[0].dp, best[0].zero_stage) == (1, 1, 1, 8, 3)
 
 
@@ -241,7 +242,9 @@ def test_meta_405b_rows():
         assert run["compile"] is None
         cfg, gpu, lay = LlamaConfig.from_preset(run["model"]), GPU_PRESETS[run["gpu"]], run["layout"]
         fixed = {key: lay[key] for key in ("tp", "pp", "cp", "dp")}
-        ours = plan(cfg, run["num_gpus"], 8, gpu, run["seq_length"], run["global_batch_size"], top=1, fixed=fixed)
+        ours = plan(
+            Job(cfg, run["num_gpus"], 8, run["seq_length"], run["global_batch_size"], gpu), Search(fixed=fixed), top=1
+        )
         assert ours, "the published layout is listed"
         assert _meta_layout(ours, lay["tp"], lay["pp"], lay["cp"], lay["dp"]) == ours and ours[0].fits
         assert ours[0].pipeline_layer_split is not None or ours[0].pipeline_schedule == "1f1b"
@@ -292,7 +295,7 @@ def test_plan_predicts_compiled_layouts_only_where_compile_runs():
     from lightning_4d.memory.planner import suggestion_line
 
     cfg = LlamaConfig.from_preset("llama3.1-8b")
-    on = plan(cfg, 16, 8, H100, 8192, 64, compile=True, top=10)
+    on = plan(Job(cfg, 16, 8, 8192, 64, H100), Search(compile=True), top=10)
     assert on
     for c in on:
         assert c.compile and c.activation_checkpointing != "selective"
@@ -302,7 +305,7 @@ def test_plan_predicts_compiled_layouts_only_where_compile_runs():
         kw = dict(seq_length=8192, gpu=H100, gpus_per_node=8)
         assert c.step_time < st.step_time_of(st.model_dims(cfg), eager, **kw).total
     assert any(c.tp > 1 for c in on)
-    assert not any(c.compile for c in plan(cfg, 16, 8, H100, 8192, 64, top=10))
+    assert not any(c.compile for c in plan(Job(cfg, 16, 8, 8192, 64, H100), top=10))
 
 
 def test_plan_lists_uneven_pipeline_splits_quickly():
@@ -317,14 +320,14 @@ def test_plan_lists_uneven_pipeline_splits_quickly():
         propose_layer_split(3, 4)
     cfg = LlamaConfig.from_preset("llama3.1-405b")
     start = time.perf_counter()
-    rows = plan(cfg, 16384, 8, H100, 8192, 2048)
+    rows = plan(Job(cfg, 16384, 8, 8192, 2048, H100))
     elapsed = time.perf_counter() - start
     assert elapsed < 5
     pp16 = [c for c in rows if (c.tp, c.pp) == (8, 16)]
     assert pp16 and all(sum(c.pipeline_layer_split) == 126 for c in pp16)
     assert any(
         pc.pp == 16 and pc.tp == 8 and pc.cp == 1 and pc.pipeline_layer_split == [7] + [8] * 14 + [7]
-        for pc, _, _ in enumerate_layouts(cfg, 16384, 8, 8192, 2048, micro_batch_size=1)
+        for pc, _, _ in enumerate_layouts(Job(cfg, 16384, 8, 8192, 2048), Search(micro_batch_size=1))
     )
 
 
@@ -333,7 +336,7 @@ def test_candidates_say_why_they_rank_where_they_do():
     dominated by another of the same parallel sizes and micro-batch size; micro-batch size 1 and sequence
     parallelism lead (Hagemann et al. 2023)."""
     cfg = LlamaConfig.from_preset("llama3.1-405b")
-    rows = plan(cfg, 8192, 8, H100, 8192, 2048, top=20)
+    rows = plan(Job(cfg, 8192, 8, 8192, 2048, H100), top=20)
     for c in rows:
         assert 0 <= c.bubble_fraction + c.communication_fraction + c.recompute_fraction < 1
         for o in rows:
@@ -533,17 +536,19 @@ def test_plan_proposes_tp_overlap_only_where_valid():
     checkpointing other than selective (``ParallelConfig`` accepts every one), and they lead where tp is fixed to 8;
     not asked, it proposes none."""
     cfg = LlamaConfig.from_preset("llama3.1-8b")
-    rows = plan(cfg, 64, 8, H100, 8192, 512, fixed={"tp": 8}, tensor_parallel_overlap=True)
+    rows = plan(Job(cfg, 64, 8, 8192, 512, H100), Search(fixed={"tp": 8}, tensor_parallel_overlap=True))
     overlapped = [c for c in rows if c.tensor_parallel_overlap]
     assert overlapped and rows[0].tensor_parallel_overlap
     for c in overlapped:
         assert c.tp > 1 and c.sequence_parallel and c.activation_checkpointing != "selective"
         assert c.parallel_config().tensor_parallel_overlap and c.to_dict()["tensor_parallel_overlap"] is True
-    layouts = list(enumerate_layouts(cfg, 16, 8, 8192, 64, micro_batch_size=1, tensor_parallel_overlap=True))
+    layouts = list(
+        enumerate_layouts(Job(cfg, 16, 8, 8192, 64), Search(micro_batch_size=1, tensor_parallel_overlap=True))
+    )
     assert any(pc.tensor_parallel_overlap for pc, _, _ in layouts)
     assert all(
         pc.tp > 1 and pc.sp and pc.activation_checkpointing != "selective"
         for pc, _, _ in layouts
         if pc.tensor_parallel_overlap
     )
-    assert not any(c.tensor_parallel_overlap for c in plan(cfg, 64, 8, H100, 8192, 512, fixed={"tp": 8}))
+    assert not any(c.tensor_parallel_overlap for c in plan(Job(cfg, 64, 8, 8192, 512, H100), Search(fixed={"tp": 8})))

@@ -3,6 +3,12 @@ terms each feature module contributes: ``states``, ``activations``, ``pipeline``
 ``tensor_parallel``, ``compression``, ``buffers``, ``moe``) and ``fujii2024`` (the estimator of Fujii, Watanabe and
 Yokota 2024, arXiv 2411.06465). Formulas and sources: ``docs/memory.md``."""
 
-from lightning_4d.memory.fujii2024 import Fujii2024Estimate, fujii2024_estimate, fujii2024_from_config
+from lightning_4d.memory.fujii2024 import (
+    Fujii2024Estimate,
+    Fujii2024Layout,
+    Fujii2024Model,
+    fujii2024_estimate,
+    fujii2024_from_config,
+)
 
-__all__ = ["Fujii2024Estimate", "fujii2024_estimate", "fujii2024_from_config"]
+__all__ = ["Fujii2024Estimate", "Fujii2024Layout", "Fujii2024Model", "fujii2024_estimate", "fujii2024_from_config"]

@@ -10,7 +10,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import context, moe
@@ -43,16 +43,15 @@ def layer_saved_parts(
     s: int,
     tp: int,
     sp: bool,
-    moe_layer: bool = False,
-    ep: int = 1,
-    imbalance: float = 1.0,
+    experts: Optional[tuple[int, float]] = None,
 ) -> dict[str, int]:
     """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
     part: ``norms`` (both norms' inputs and float32 reciprocal RMS), ``attn_in`` / ``ffn_in`` (the projections'
     inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
     gathered again in backward; without sp under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v,
-    output, float32 log-sum-exp) and ``swiglu`` (``moe_layer``: the MoE feed-forward's,
-    :func:`lightning_4d.memory.moe.saved_bytes` over ``ep`` ranks at load ``imbalance``)."""
+    output, float32 log-sum-exp) and ``swiglu`` (an MoE layer, ``experts`` = (ep, load imbalance): the MoE
+    feed-forward's, :func:`lightning_4d.memory.moe.saved_bytes` over ep ranks at that load)."""
+    moe_layer = experts is not None
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
@@ -68,8 +67,8 @@ def layer_saved_parts(
         if sp or (moe_layer and tp > 1)
         else c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * (a if dt.kv_repeated else k) * d + 4 * b * a * s,
-        # an MoE layer (moe_layer=True): its feed-forward's saved set instead (moe.saved_bytes)
-        "swiglu": moe.saved_bytes(cfg, dt, b, s_moe, ep, imbalance) if moe_layer else 4 * c * b * s * (f // tp),
+        # an MoE layer (experts given): its feed-forward's saved set instead (moe.saved_bytes)
+        "swiglu": moe.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 4 * c * b * s * (f // tp),
     }
 
 
@@ -154,7 +153,7 @@ def saved_bytes(
     # float8 under tp: the projections' inputs saved as Float8Linear saves them (memory/float8.py; not under
     # selective checkpointing's kept parts: not measured)
     dense_layer = layer_saved(cfg, dt, b, s, tp, sp) + float8_tensor_parallel_saved(cfg, pc, dt.compute, b, s)
-    moe_layer = layer_saved(cfg, dt, b, s, tp, sp, True, pc.ep, imbalance) if n_moe else 0
+    moe_layer = layer_saved(cfg, dt, b, s, tp, sp, (pc.ep, imbalance)) if n_moe else 0
     per_layer = max(dense_layer if n_layers > n_moe else 0, moe_layer)  # the largest layer's (one recompute)
     all_layers = (n_layers - n_moe) * dense_layer + n_moe * moe_layer
     full_ac = pc.activation_checkpointing == "full"

@@ -10,7 +10,7 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import moe
@@ -19,11 +19,12 @@ from lightning_4d.memory.compression import compression_buffer_bytes
 from lightning_4d.memory.context import context_parallel_buffers
 from lightning_4d.memory.float8 import float8_backward_transient, float8_forward_transient, float8_gathered_saving
 from lightning_4d.memory.offload import offloaded_whole, unpacked_bytes
-from lightning_4d.memory.params import Sizes, as_held, rank_layers, rank_layout, weighted_params
+from lightning_4d.memory.params import Sizes, StageKey, as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.memory.pipeline import receive_buffer_bytes
 from lightning_4d.memory.states import ModelStates, first_bucket_elements, fsdp_padded_numel, fsdp_shard_numel
 from lightning_4d.memory.tensor_parallel import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.memory.tensors import Dtypes
+from lightning_4d.memory.workload import Workload
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
 
 __all__ = ["Buffers", "buffer_terms", "initialization_bytes"]
@@ -104,25 +105,39 @@ class Buffers:
     recompute_apart_from_cp: bool = False
 
 
-def buffer_terms(
-    cfg: Any,
-    pc: ParallelConfig,
-    dt: Dtypes,
-    b: int,
-    s: int,
-    pp_rank: int,
-    m: int,
-    states: ModelStates,
-    imbalance: float,
-    fused_optimizer: bool = True,
-) -> Buffers:
-    """The transient buffers of pp rank ``pp_rank``: FSDP2's gathered parameters and unsharded gradients, gradient
-    communication buckets, the head's gradient, pipeline receive buffers, context-parallel attention buffers, one MoE
-    layer's all-to-all buffers (at load ``imbalance``) and the optimizer step's temporaries."""
-    cfg = as_held(cfg, pc)
+class _Held(NamedTuple):
+    """What pp rank ``pp_rank`` holds: the model as held (:func:`~lightning_4d.memory.params.as_held`), its decoder
+    layers, whether it holds the embedding (``first``) and the head (``last``), its parameters with their counts
+    (:func:`~lightning_4d.memory.params.weighted_params`)."""
+
+    cfg: Any
+    pp_rank: int
+    layers: list[int]
+    first: bool
+    last: bool
+    params: list
+
+
+def buffer_terms(work: Workload, pc: ParallelConfig, dt: Dtypes, pp_rank: int, states: ModelStates) -> Buffers:
+    """The transient buffers of pp rank ``pp_rank`` for ``work`` (its model a config, its ``num_microbatches`` and
+    ``expert_load_imbalance`` given): FSDP2's gathered parameters and unsharded gradients, gradient communication
+    buckets, the head's gradient (:func:`_gradient_terms`), pipeline receive buffers, context-parallel attention
+    buffers, one MoE layer's all-to-all buffers (at load ``expert_load_imbalance``) and the other features'
+    transients (:func:`_feature_terms`) and the optimizer step's temporaries."""
+    cfg = as_held(work.model, pc)
     layers = rank_layers(cfg.num_layers, pc, pp_rank)
     _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
-    params = weighted_params(cfg, pc.tp, layers, first, last, pc.ep)
+    held = _Held(cfg, pp_rank, layers, first, last, weighted_params(cfg, pc.tp, layers, first, last, pc.ep))
+    gradients = _gradient_terms(work, held, pc, dt, states)
+    return Buffers(**gradients, **_feature_terms(work, held, pc, dt, gradients["gathered_start"]))
+
+
+def _gradient_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes, states: ModelStates) -> dict:
+    """:class:`Buffers`' fields of the gradients and the parameters ZeRO gathers: FSDP2's gathered parameters and
+    unsharded gradients (ZeRO 2/3), the gradient buckets (0/1), the head's gradient, the gradients resident or kept
+    in ``.grad``, the optimizer step's temporaries and the first backward op of a recomputed layer."""
+    cfg, layers, first, last, params = held.cfg, held.layers, held.first, held.last, held.params
+    b, s, m = work.micro_batch_size, work.seq_length, work.num_microbatches
     world, zero = pc.dp_cp, pc.zero_stage
     head = next((p for p, _ in params if p.role == "head"), None)
     tied = head is None and last and cfg.tie_word_embeddings
@@ -137,7 +152,7 @@ def buffer_terms(
         gathered_start = gathered_end = 0
         grad_buffers = _bucket_buffers(pc, dt, params, states)
     resident, first_bucket = _resident_gradients(cfg, pc, dt, m, states, first, last)
-    offloaded = offloaded_whole(cfg, pc, pp_rank)
+    offloaded = offloaded_whole(cfg, pc, held.pp_rank)
     head_kept, bucketed = 0, zero >= 2 or gradient_buckets_needed(world, bool(dt.master), pc.pp > 1, pc.tp > 1)
     if not bucketed:
         # no bucket: no fresh gradient waits to be copied into one, none is made for the head's gradient, which
@@ -152,34 +167,44 @@ def buffer_terms(
             head_kept += max(0, later - unpacked_bytes(cfg, pc, dt, b, s)) if len(layers) >= 2 else later
     layer_numel = sum(p.numel for p, _ in params if p.unit == f"layers.{min(layers)}") if layers else 0
     total_numel = sum(p.numel * count for p, count in params)
-    layer_gradient = 0 if resident or not total_numel else states.gradients * layer_numel // total_numel
-    kept_weight = 0 if bucketed else dt.param * cfg.hidden_size * cfg.intermediate_size // pc.tp
+    return dict(
+        gathered_start=gathered_start,
+        gathered_end=gathered_end,
+        gradient_buffers=grad_buffers,
+        head_gradient=head_grad,
+        step_temporaries=_step_temporaries(pc, dt, params, states, work.fused_optimizer),
+        resident_gradients=resident,
+        first_bucket=first_bucket,
+        head_gradient_kept=head_kept,
+        layer_gradient=0 if resident or not total_numel else states.gradients * layer_numel // total_numel,
+        kept_weight_gradient=0 if bucketed else dt.param * cfg.hidden_size * cfg.intermediate_size // pc.tp,
+        gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
+        root_regather=root if zero == 3 and pc.pp == 1 else 0,
+        forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
+        recompute_backward=recompute_backward(cfg, pc, dt, b, s, offloaded, gradients_kept=not bucketed),
+        recompute_apart_from_cp=pc.activation_checkpointing != "none" and not offloaded,
+    )
+
+
+def _feature_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes, gathered_start: int) -> dict:
+    """:class:`Buffers`' fields of the features' transients: pipeline receive buffers, context-parallel attention
+    buffers, one MoE layer's all-to-all buffers, the vocabulary-parallel embedding's gradient, the head's backward
+    under sp, the loss' forward chunk and float8's transients (``gathered_start``: FSDP2's gathered parameters, less
+    float8's all-gather saving in a layer's forward)."""
+    cfg, layers, last = held.cfg, held.layers, held.last
+    b, s, m = work.micro_batch_size, work.seq_length, work.num_microbatches
+    zero = pc.zero_stage
     local_vocab = cfg.padded_vocab_size // pc.tp
     has_moe = pc.ep > 1 and moe.count_moe_layers(cfg, layers) > 0
     gather_bytes = dt.compute if dt.master else dt.param
     gathered_units = (2 if zero == 3 and pc.pp == 1 else len(layers)) if zero >= 2 else 0
-    return Buffers(
-        gathered_start,
-        gathered_end,
-        grad_buffers,
-        head_grad,
-        receive_buffer_bytes(cfg, pc, dt, b, s, pp_rank, m),
-        context_parallel_buffers(cfg, pc, dt, b, s),
-        moe.all_to_all_buffers(cfg, pc, dt, b, s, imbalance) if has_moe else 0,
-        _step_temporaries(pc, dt, params, states, fused_optimizer),
-        resident,
-        embedding_gradient_bytes(cfg, pc, dt, first),
-        first_bucket=first_bucket,
-        head_gradient_kept=head_kept,
-        layer_gradient=layer_gradient,
-        kept_weight_gradient=kept_weight,
+    return dict(
+        pipeline=receive_buffer_bytes(cfg, pc, dt, b, s, held.pp_rank, m),
+        context_parallel=context_parallel_buffers(cfg, pc, dt, b, s),
+        all_to_all=moe.all_to_all_buffers(cfg, pc, dt, b, s, work.expert_load_imbalance) if has_moe else 0,
+        embedding_gradient=embedding_gradient_bytes(cfg, pc, dt, held.first),
         head_backward=head_backward_transient(cfg, pc, dt, b, s) if last else 0,
-        gathered_loss=0 if zero == 3 and pc.pp == 1 else gathered_start,
-        root_regather=root if zero == 3 and pc.pp == 1 else 0,
         loss_forward=4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0,
-        forward_gradients=states.gradients if zero >= 2 and pc.pp == 1 else 0,
-        recompute_backward=recompute_backward(cfg, pc, dt, b, s, offloaded, gradients_kept=not bucketed),
-        recompute_apart_from_cp=pc.activation_checkpointing != "none" and not offloaded,
         float8_backward=float8_backward_transient(cfg, pc, b, s),
         float8_forward=float8_forward_transient(cfg, pc, b, s),
         gathered_forward=gathered_start - gathered_units * float8_gathered_saving(cfg, pc, gather_bytes),
@@ -317,9 +342,8 @@ def _resident_gradients(
     if zero >= 2:
         return 0, 0
     sizes = Sizes.of(cfg, cfg.num_layers)
-    elements = first_bucket_elements(
-        sizes, pc.tp, cfg.num_layers, first, last, pc.ep, dt.setup, GRADIENT_BUCKET_BYTES, pc.dp_cp
-    )
+    stage = StageKey(pc.tp, tuple(range(cfg.num_layers)), first, last, pc.ep)
+    elements = first_bucket_elements(sizes, stage, dt.setup, GRADIENT_BUCKET_BYTES, pc.dp_cp)
     return 0, elements * dt.grad
 
 

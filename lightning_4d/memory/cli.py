@@ -30,6 +30,7 @@ from lightning_4d.layout import (
 from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
 from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
 from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
+from lightning_4d.memory.workload import Job, Search, Workload
 
 FORMULAS = ("lightning_4d", "fujii2024")
 #: how many layouts (the fastest predicted) ``plan --plot`` estimates and draws
@@ -359,16 +360,15 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         est = fujii2024_of_layout(cfg, pc, args.seq_length, args.micro_batch_size, m)
         out = dict(est.to_dict())
     else:
-        est = estimate_memory(
+        work = Workload(
             cfg,
-            pc,
             args.micro_batch_size,
             args.seq_length,
             args.precision,
             num_microbatches=m,
-            gpu_name=gpu.name,
             expert_load_imbalance=args.expert_load_imbalance,
         )
+        est = estimate_memory(work, pc, gpu_name=gpu.name)
         out = est.to_dict()
     total = out["total"]
     out.update(
@@ -402,17 +402,14 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
     from lightning_4d.memory.planner import suggest_layouts, suggestion_line
 
     try:
-        found = suggest_layouts(
+        work = Workload(
             cfg,
-            pc.world_size,
             args.micro_batch_size,
             args.seq_length,
             args.precision,
-            gpu.memory,
-            args.budget,
-            gpu_name=gpu.name,
             expert_load_imbalance=args.expert_load_imbalance,
         )
+        found = suggest_layouts(work, pc.world_size, gpu.memory, args.budget, gpu_name=gpu.name)
     except ValueError:  # no suggestion is better than hiding the verdict (as the callback does)
         return []
     return [
@@ -532,22 +529,18 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, fixed: dict[str, int],
     options)."""
     from lightning_4d.memory.planner import plan
 
-    return plan(
+    job = Job(
         cfg,
         args.num_gpus,
         args.gpus_per_node,
-        gpu,
         args.seq_length,
         args.global_batch_size,
-        precision=args.precision,
-        budget=args.budget,
-        formula=args.formula,
-        fixed=fixed,
-        estimate_kw={"expert_load_imbalance": args.expert_load_imbalance},
-        tensor_parallel_overlap=args.tensor_parallel_overlap,
-        compile=args.compile,
-        **kw,
+        gpu,
+        args.precision,
+        expert_load_imbalance=args.expert_load_imbalance,
     )
+    search = Search(fixed=fixed, tensor_parallel_overlap=args.tensor_parallel_overlap, compile=args.compile)
+    return plan(job, search, budget=args.budget, formula=args.formula, **kw)
 
 
 def _plan_row(

@@ -32,7 +32,15 @@ from typing import Any, Optional
 from lightning_4d.config import check_positive_int
 from lightning_4d.memory.moe import check_dense
 
-__all__ = ["Fujii2024Estimate", "check_dense", "fujii2024_estimate", "fujii2024_from_config", "fujii2024_of_layout"]
+__all__ = [
+    "Fujii2024Estimate",
+    "Fujii2024Layout",
+    "Fujii2024Model",
+    "check_dense",
+    "fujii2024_estimate",
+    "fujii2024_from_config",
+    "fujii2024_of_layout",
+]
 
 GIB = 2**30
 
@@ -84,70 +92,86 @@ class Fujii2024Estimate:
         return out
 
 
+@dataclass(frozen=True)
+class Fujii2024Model:
+    """The model sizes the paper's formulas read: h ``hidden_size``, L ``num_layers``, V ``vocab_size`` (as is, no
+    padding), f ``intermediate_size``, a ``num_heads``, k ``num_kv_heads``, and whether the embedding and the head
+    share one weight (see :func:`_parameters_on_rank`). Checked by :func:`fujii2024_estimate`."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    tie_word_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class Fujii2024Layout:
+    """The layout the paper's formulas read: t ``tp``, p ``pp``, d ``dp``, c ``cp``, v ``virtual_stages`` (model
+    chunks per pipeline rank; ``v > 1`` is the interleaved schedule) and ``distributed_optimizer`` (shard the 12
+    optimizer bytes over ``d·c``, paper Eq. 4 and §2.2). Checked by :func:`fujii2024_estimate`."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    virtual_stages: int = 1
+    distributed_optimizer: bool = True
+
+
 def fujii2024_estimate(
+    model: Fujii2024Model,
+    layout: Fujii2024Layout,
     *,
-    hidden_size: int,
-    num_layers: int,
-    vocab_size: int,
-    intermediate_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    tp: int,
-    pp: int,
-    dp: int,
-    cp: int,
     seq_length: int,
     micro_batch_size: int,
     num_microbatches: Optional[int] = None,
-    virtual_stages: int = 1,
-    distributed_optimizer: bool = True,
     flash_attention: bool = True,
     attention_dropout: bool = False,
-    tie_word_embeddings: bool = False,
 ) -> Fujii2024Estimate:
     """Estimate the memory of the most loaded rank (first pipeline stage) by Fujii et al. 2024 (arXiv 2411.06465).
 
     Args:
-        hidden_size, num_layers, vocab_size, intermediate_size, num_heads, num_kv_heads: h, L, V, f, a, k.
-        tp, pp, dp, cp: t, p, d, c.
+        model: h, L, V, f, a, k and tied embeddings (:class:`Fujii2024Model`).
+        layout: t, p, d, c, v and the distributed optimizer (:class:`Fujii2024Layout`).
         seq_length, micro_batch_size: s (the global sequence, before context parallelism), b.
         num_microbatches: m per step; ``None`` means "at least p" (no m/p discount).
-        virtual_stages: v, model chunks per pipeline rank; ``v > 1`` is the interleaved schedule.
-        distributed_optimizer: shard the 12 optimizer bytes over ``d·c`` (paper Eq. 4 and §2.2).
         flash_attention: if False, add the s² attention terms of Korthikanti et al. 2022.
         attention_dropout: adds ``a·s²·b`` per layer; only without FlashAttention (FlashAttention recomputes its
             dropout mask, and Eq. 12 has no such term).
-        tie_word_embeddings: share the embedding and the head (see :func:`_parameters_on_rank`).
 
     Raises:
         ValueError: a non-positive (or non-integer) size, ``num_heads`` not divisible by ``num_kv_heads``,
             ``virtual_stages < 1``. The message names the value and what would be valid.
     """
-    h = check_positive_int("hidden_size", hidden_size)
-    L = check_positive_int("num_layers", num_layers)
-    V = check_positive_int("vocab_size", vocab_size)
-    f = check_positive_int("intermediate_size", intermediate_size)
-    a = check_positive_int("num_heads", num_heads)
-    k = check_positive_int("num_kv_heads", num_kv_heads)
-    t = check_positive_int("tp", tp)
-    p = check_positive_int("pp", pp)
-    d = check_positive_int("dp", dp)
-    c = check_positive_int("cp", cp)
+    h = check_positive_int("hidden_size", model.hidden_size)
+    L = check_positive_int("num_layers", model.num_layers)
+    V = check_positive_int("vocab_size", model.vocab_size)
+    f = check_positive_int("intermediate_size", model.intermediate_size)
+    a = check_positive_int("num_heads", model.num_heads)
+    k = check_positive_int("num_kv_heads", model.num_kv_heads)
+    t = check_positive_int("tp", layout.tp)
+    p = check_positive_int("pp", layout.pp)
+    d = check_positive_int("dp", layout.dp)
+    c = check_positive_int("cp", layout.cp)
     s = check_positive_int("seq_length", seq_length)
     b = check_positive_int("micro_batch_size", micro_batch_size)
     m = None if num_microbatches is None else check_positive_int("num_microbatches", num_microbatches)
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages={virtual_stages!r} is not valid: expected an integer >= 1")
-    v = virtual_stages
+    v = layout.virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"virtual_stages={v!r} is not valid: expected an integer >= 1")
     if a % k != 0:
         raise ValueError(
             f"num_heads={a} is not divisible by num_kv_heads={k}: expected num_kv_heads to be a divisor of num_heads"
         )
 
-    params = _parameters_on_rank(h, L, V, f, a, k, t, p, tie_word_embeddings)
-    bytes_per_param = _bytes_per_parameter(d, c, distributed_optimizer)
+    dims = (h, L, V, f, a, k)
+    params = _parameters_on_rank(dims, t, p, model.tie_word_embeddings)
+    bytes_per_param = _bytes_per_parameter(d, c, layout.distributed_optimizer)
     model_states = params * bytes_per_param
-    activations = _activations(h, L, V, f, a, k, t, p, c, s, b, m, v, flash_attention, attention_dropout)
+    activations = _activations(dims, (t, p, c, v), (s, b, m), flash_attention, attention_dropout)
     # Total = model states + activations (the paper's total per GPU, compared with 80% of the GPU's memory)
     total = model_states + activations
     return Fujii2024Estimate(
@@ -159,8 +183,9 @@ def fujii2024_estimate(
     )
 
 
-def _parameters_on_rank(h: int, L: int, V: int, f: int, a: int, k: int, t: int, p: int, tie: bool) -> float:
-    """Parameters on the most loaded rank (the first pipeline stage), the paper's parameter count of Llama.
+def _parameters_on_rank(dims: tuple[int, ...], t: int, p: int, tie: bool) -> float:
+    """Parameters on the most loaded rank (the first pipeline stage), the paper's parameter count of Llama
+    (``dims`` = (h, L, V, f, a, k)).
 
     All layers plus the final norm, ``P_layers = 2·L·h²·((1 + k/a) + 1.5·f/h + 1/h) + h`` (attention: Q and O h²
     each, K and V h²·k/a each with GQA; SwiGLU's three h·f matrices; two RMSNorm vectors per layer; the final norm);
@@ -174,6 +199,7 @@ def _parameters_on_rank(h: int, L: int, V: int, f: int, a: int, k: int, t: int, 
     changes nothing there (the copy on the last stage is not counted: the paper, like Megatron's estimator, takes
     the first stage as the most loaded rank).
     """
+    h, L, V, f, a, k = dims
     P_layers = 2 * L * h * h * ((1 + k / a) + 1.5 * f / h + 1 / h) + h
     embedding = V * h
     params = ((P_layers - h) / p + embedding) / t
@@ -192,23 +218,14 @@ def _bytes_per_parameter(d: int, c: int, distributed_optimizer: bool) -> float:
 
 
 def _activations(
-    h: int,
-    L: int,
-    V: int,
-    f: int,
-    a: int,
-    k: int,
-    t: int,
-    p: int,
-    c: int,
-    s: int,
-    b: int,
-    m: Optional[int],
-    v: int,
+    dims: tuple[int, ...],
+    layout: tuple[int, int, int, int],
+    batch: tuple[int, int, Optional[int]],
     flash_attention: bool,
     attention_dropout: bool,
 ) -> float:
-    """Activation bytes of the first pipeline stage.
+    """Activation bytes of the first pipeline stage (``dims`` = (h, L, V, f, a, k), ``layout`` = (t, p, c, v),
+    ``batch`` = (s, b, m)).
 
     - Per layer per micro-batch, paper Eq. 12 (FlashAttention, no dropout): ``s·b·h·(12 + 4·k/a + 8·f/h)``, with s/c
       for s (context parallel) and divided by t (tensor + sequence parallel). Without FlashAttention the s²
@@ -221,6 +238,9 @@ def _activations(
       non-interleaved): × ``m/p``.
     - p = 1: the rank also holds the final-norm output and fp32 logits, ``4·(s/c)·b·h·(1 + V/h)/t``.
     """
+    h, L, V, f, a, k = dims
+    t, p, c, v = layout
+    s, b, m = batch
     s_r = s / c
     per_layer = s_r * b * h * (12 + 4 * k / a + 8 * f / h)
     if not flash_attention:
@@ -245,8 +265,9 @@ def fujii2024_from_config(
 
     ``model_config`` needs the attributes ``hidden_size``, ``num_layers``, ``vocab_size``, ``intermediate_size``,
     ``num_heads``, ``num_kv_heads`` and ``tie_word_embeddings`` (as :class:`lightning_4d.models.LlamaConfig` has);
-    ``vocab_size`` is taken as is (no padding). ``kw`` passes the other keyword arguments of
-    :func:`fujii2024_estimate`; a ``tie_word_embeddings`` given there overrides the config's.
+    ``vocab_size`` is taken as is (no padding). ``kw``: ``num_microbatches``, ``flash_attention`` and
+    ``attention_dropout`` (of :func:`fujii2024_estimate`), ``virtual_stages`` and ``distributed_optimizer`` (of
+    :class:`Fujii2024Layout`); a ``tie_word_embeddings`` given there overrides the config's.
 
     Raises:
         ValueError: an MoE config (:func:`lightning_4d.memory.moe.check_dense`): the paper models dense Llama only
@@ -254,22 +275,17 @@ def fujii2024_from_config(
     """
     check_dense(model_config)
     tie = kw.pop("tie_word_embeddings", getattr(model_config, "tie_word_embeddings", False))
-    return fujii2024_estimate(
-        hidden_size=model_config.hidden_size,
-        num_layers=model_config.num_layers,
-        vocab_size=model_config.vocab_size,
-        intermediate_size=model_config.intermediate_size,
-        num_heads=model_config.num_heads,
-        num_kv_heads=model_config.num_kv_heads,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        cp=cp,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        tie_word_embeddings=bool(tie),
-        **kw,
+    model = Fujii2024Model(
+        model_config.hidden_size,
+        model_config.num_layers,
+        model_config.vocab_size,
+        model_config.intermediate_size,
+        model_config.num_heads,
+        model_config.num_kv_heads,
+        bool(tie),
     )
+    layout = Fujii2024Layout(tp, pp, dp, cp, kw.pop("virtual_stages", 1), kw.pop("distributed_optimizer", True))
+    return fujii2024_estimate(model, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, **kw)
 
 
 def fujii2024_of_layout(

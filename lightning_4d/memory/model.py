@@ -133,7 +133,7 @@ first one), and the estimate is the largest:
 - optimizer step: the gradients + ZeRO-1's all-gather buckets + the optimizer's temporaries: none for
   ``torch.optim.AdamW(fused=True)`` (:class:`~lightning_4d.tasks.CausalLMModule`'s: one kernel updates each tensor
   in place; measured on CPU: no byte allocated during the step), one moment's bytes for ``AdamW(foreach=True)``
-  (``_foreach_sqrt`` of the second moments; ``estimate_memory(fused_optimizer=False)``);
+  (``_foreach_sqrt`` of the second moments; ``Workload(..., fused_optimizer=False)``);
 - initialization (before the first step; :func:`~lightning_4d.memory.buffers.initialization_bytes`):
 ``LlamaModel.init_weights`` draws every
   parameter whole in float32 (so that every layout starts from one process's weights) and copies this rank's piece
@@ -174,7 +174,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
@@ -183,10 +183,11 @@ from lightning_4d.memory.activations import saved_bytes
 from lightning_4d.memory.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.memory.hardware import GIB, OverheadAllowance, overhead_allowance
 from lightning_4d.memory.offload import offloaded_per_stage
-from lightning_4d.memory.params import rank_layout, with_pipeline
+from lightning_4d.memory.params import rank_layout
 from lightning_4d.memory.pipeline import Activations, activation_terms
 from lightning_4d.memory.states import ModelStates, model_state_bytes
 from lightning_4d.memory.tensors import PRECISIONS, Dtypes, checkpoint_bytes_per_parameter, normalize_precision
+from lightning_4d.memory.workload import Workload
 
 __all__ = [
     "MemoryEstimate",
@@ -204,20 +205,17 @@ __all__ = [
 
 
 def saved_activation_bytes(
-    model_config: Any,
+    workload: Workload,
     parallel_config: ParallelConfig,
-    micro_batch_size: int,
-    seq_length: int,
-    precision: str = "bf16-mixed",
     *,
     pp_rank: int = 0,
-    pipeline_layer_split: Optional[list[int]] = None,
     device_type: str = "cpu",
-    expert_load_imbalance: Optional[float] = None,
 ) -> dict[str, int]:
-    """Bytes saved for backward by one micro-batch's forward through all pipeline stages of pp rank ``pp_rank``, by
-    part. ``device_type="cuda"`` counts, for ``32-true`` GQA models on the ``sdpa`` backend, the k and v heads the
-    backend repeats there (``sdpa_repeats_kv_heads`` of ``lightning_4d.models.attention_backends``).
+    """Bytes saved for backward by one micro-batch's forward of ``workload`` (its model a
+    :class:`~lightning_4d.models.LlamaConfig`; ``num_microbatches`` and ``fused_optimizer`` not read) through all
+    pipeline stages of pp rank ``pp_rank``, by part. ``device_type="cuda"`` counts, for ``32-true`` GQA models on the
+    ``sdpa`` backend, the k and v heads the backend repeats there (``sdpa_repeats_kv_heads`` of
+    ``lightning_4d.models.attention_backends``).
 
     Returns a dict with ``layers`` (all layers of the rank: their saved tensors, only their inputs under full
     activation checkpointing, their inputs and kept matmul / attention / reduction outputs under selective
@@ -240,13 +238,13 @@ def saved_activation_bytes(
         ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision, an
             ``expert_load_imbalance`` that is not a number > 0.
     """
-    imbalance = moe.check_rank_load(expert_load_imbalance)
-    b = check_positive_int("micro_batch_size", micro_batch_size)
-    check_positive_int("seq_length", seq_length)
-    pc = with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
-    pc.validate_sequence(seq_length)
-    dt = Dtypes.for_layout(normalize_precision(precision), model_config, pc, device_type)
-    return saved_bytes(model_config, pc, dt, b, seq_length, pp_rank, imbalance)
+    imbalance = moe.check_rank_load(workload.expert_load_imbalance)
+    b = check_positive_int("micro_batch_size", workload.micro_batch_size)
+    s = check_positive_int("seq_length", workload.seq_length)
+    pc = parallel_config
+    pc.validate_sequence(s)
+    dt = Dtypes.for_layout(normalize_precision(workload.precision), workload.model, pc, device_type)
+    return saved_bytes(workload.model, pc, dt, b, s, pp_rank, imbalance)
 
 
 @dataclass(frozen=True)
@@ -302,53 +300,34 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    model_config: Any,
+    workload: Workload,
     parallel_config: ParallelConfig,
-    micro_batch_size: int,
-    seq_length: int,
-    precision: str = "bf16-mixed",
     *,
-    num_microbatches: Optional[int] = None,
-    pipeline_schedule: Optional[str] = None,
-    virtual_pipeline_stages: Optional[int] = None,
-    pipeline_layer_split: Optional[list[int]] = None,
     pp_rank: Optional[int] = None,
     dp_cp_rank: int = 0,
     device_type: str = "cuda",
     overhead: Optional[OverheadAllowance] = None,
     gpu_name: Optional[str] = None,
-    expert_load_imbalance: Optional[float] = None,
-    fused_optimizer: bool = True,
 ) -> MemoryEstimate:
-    """Peak memory of one rank of FourDStrategy training ``model_config`` with ``parallel_config`` (bytes).
+    """Peak memory of one rank of FourDStrategy training ``workload`` with ``parallel_config`` (bytes)::
+
+        estimate_memory(Workload("llama3-8b", micro_batch_size=1, seq_length=8192), ParallelConfig(...))
 
     Args:
-        model_config: :class:`~lightning_4d.models.LlamaConfig` (or a preset name).
-        parallel_config: the layout; ``data_parallel_size="auto"`` is not allowed here (resolve it first).
-        micro_batch_size: samples per micro-batch per dp rank (b).
-        seq_length: tokens per sample (s, the full sequence before cp splits it).
-        precision: ``"32-true"``, ``"bf16-mixed"`` (default) or ``"bf16-true"``.
-        num_microbatches: m, micro-batches per optimizer step (default
-            :attr:`~lightning_4d.config.ParallelConfig.microbatches`: ``parallel_config.num_microbatches``, else pp;
-            2·pp for dualpipev).
-        pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zbv"`` or ``"dualpipev"`` (default
-            ``parallel_config``'s).
-        virtual_pipeline_stages: v, pipeline stages per pp rank (default ``parallel_config``'s, i.e. the schedule's).
-        pipeline_layer_split: layers per pipeline stage, ``pp·v`` counts (default ``parallel_config``'s).
+        workload: the model (a :class:`~lightning_4d.models.LlamaConfig` or a preset name), the batch shape (b, s, m:
+            ``num_microbatches`` defaults to :attr:`~lightning_4d.config.ParallelConfig.microbatches`), the precision,
+            the expert load and the optimizer (:class:`~lightning_4d.memory.workload.Workload`). Its
+            ``expert_load_imbalance`` multiplies the received rows of every MoE layer of the rank (the experts' saved
+            activations, the regrouped rows and the all-to-all buffers); a capacity factor bounds the rows to
+            ``E·capacity``; no effect at ep = 1 or on dense models.
+        parallel_config: the layout, pipeline schedule, stages per rank and layer split included;
+            ``data_parallel_size="auto"`` is not allowed here (resolve it first; another schedule:
+            ``dataclasses.replace(parallel_config, pipeline_schedule=...)``).
         pp_rank: one pp rank; default: every pp rank is estimated and the largest returned.
         dp_cp_rank: rank in ``dp_cp`` (0 holds the largest ZeRO shards).
         device_type: ``"cuda"`` adds the overhead allowance; ``"cpu"`` none.
         overhead: an explicit allowance (default: from ``overhead.json`` for ``gpu_name``).
         gpu_name: ``torch.cuda.get_device_name()`` to pick the measured allowance.
-        expert_load_imbalance: under expert parallelism, the rows the most loaded ep rank's experts receive in an
-            MoE layer over the balanced figure (the rank's own ``T·k`` assignments), >= 1.0 (at most ``ep``); it
-            multiplies the received rows of every MoE layer of the rank (the experts' saved activations, the regrouped
-            rows and the all-to-all buffers). Default :data:`~lightning_4d.memory.moe.DEFAULT_EXPERT_LOAD_IMBALANCE`
-            (measured on ``configs/tiny_moe.yaml``); a capacity factor bounds the rows to ``E·capacity``. No effect at
-            ep = 1 (every assignment runs where it was routed) or on dense models.
-        fused_optimizer: the optimizer steps in place, with no temporaries (``torch.optim.AdamW(fused=True)``,
-            :class:`~lightning_4d.tasks.CausalLMModule`'s; default); ``False``: ``AdamW(foreach=True)``, torch's
-            default on CUDA, whose ``_foreach_sqrt`` of the second moments holds one moment's bytes at the step.
 
     Returns:
         :class:`MemoryEstimate` (module docstring: formulas and sources).
@@ -358,43 +337,25 @@ def estimate_memory(
             stages, ...), a sequence length the layout cannot split, an unknown precision or schedule, a
             ``num_microbatches`` the schedule cannot run, non-positive sizes, an ``expert_load_imbalance`` below 1.
     """
-    imbalance = moe.check_expert_load_imbalance(expert_load_imbalance)
-    cfg = _model(model_config)
-    if parallel_config.data_parallel_size == "auto":
+    imbalance = moe.check_expert_load_imbalance(workload.expert_load_imbalance)
+    cfg = _model(workload.model)
+    pc = parallel_config
+    if pc.data_parallel_size == "auto":
         raise ValueError("parallel_config.data_parallel_size is 'auto': call parallel_config.resolve(world_size).")
-    pc = with_pipeline(
-        parallel_config,
-        pipeline_schedule=pipeline_schedule,
-        virtual_pipeline_stages=virtual_pipeline_stages,
-        pipeline_layer_split=pipeline_layer_split,
-    )
     pc.validate_model(cfg)
-    m = num_microbatches or pc.microbatches
+    m = workload.num_microbatches or pc.microbatches
     pc.validate_microbatches(m)
     ranks = [pp_rank] if pp_rank is not None else list(range(pc.pp))
     allowance = overhead if overhead is not None else overhead_allowance(gpu_name, device_type)
-    options = dict(m=m, dp_cp_rank=dp_cp_rank, device_type=device_type, allowance=allowance, imbalance=imbalance)
-    precision = normalize_precision(precision)
-    results = [
-        _estimate_pp_rank(cfg, pc, micro_batch_size, seq_length, precision, r, fused_optimizer, **options)
-        for r in ranks
-    ]
+    precision = normalize_precision(workload.precision)
+    work = replace(workload, model=cfg, precision=precision, num_microbatches=m, expert_load_imbalance=imbalance)
+    results = [_estimate_pp_rank(work, pc, r, dp_cp_rank, device_type, allowance) for r in ranks]
     return max(results, key=lambda e: e.total)
 
 
-def estimate_all_pp_ranks(
-    model_config: Any,
-    parallel_config: ParallelConfig,
-    micro_batch_size: int,
-    seq_length: int,
-    precision: str = "bf16-mixed",
-    **kw: Any,
-) -> list[MemoryEstimate]:
+def estimate_all_pp_ranks(workload: Workload, parallel_config: ParallelConfig, **kw: Any) -> list[MemoryEstimate]:
     """:func:`estimate_memory` for every pp rank, in pp-rank order (same arguments, ``pp_rank`` excepted)."""
-    return [
-        estimate_memory(model_config, parallel_config, micro_batch_size, seq_length, precision, pp_rank=r, **kw)
-        for r in range(parallel_config.pp)
-    ]
+    return [estimate_memory(workload, parallel_config, pp_rank=r, **kw) for r in range(parallel_config.pp)]
 
 
 def _model(model_config: Any) -> Any:
@@ -425,9 +386,8 @@ def offloaded_bytes_per_microbatch(
     cfg, pc = _model(model_config), parallel_config
     if not pc.activation_offload_layers:
         return 0
-    saved = saved_activation_bytes(
-        cfg, pc, micro_batch_size, seq_length, precision, pp_rank=pp_rank, device_type=device_type
-    )
+    work = Workload(cfg, micro_batch_size, seq_length, precision)
+    saved = saved_activation_bytes(work, pc, pp_rank=pp_rank, device_type=device_type)
     n_layers = rank_layout(cfg.num_layers, pc, pp_rank)[0]
     per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
     return int(sum(offloaded_per_stage(pc, pc.rank_stages(cfg.num_layers, pp_rank), per_layer, saved["rope"])))
@@ -459,6 +419,16 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         + buf.embedding_gradient,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
+    phases.update(_feature_phases(act, buf, layer_transients))
+    return phases
+
+
+def _feature_phases(act: Activations, buf: Buffers, layer_transients: int) -> dict[str, int]:
+    """The phases of a step that only some features have (module docstring, **Peak**), in the order
+    :func:`_phases` reports them: a zero-bubble input pass, activation checkpointing's recompute, activation
+    offload's prefetch, an MoE layer's backward under ep, float8's forward and backward, the loss' forward at ZeRO
+    2/3 without pp, the head's backward under tp with sp."""
+    phases: dict[str, int] = {}
     if act.input_pass:
         # a zero-bubble schedule's input pass keeps every saved tensor (retain_graph) and the output gradients its
         # weight pass will read (pipeline.weight_pass_inputs), the peak at its end
@@ -550,29 +520,22 @@ def _head_backward_phase(act: Activations, buf: Buffers) -> int:
 
 
 def _estimate_pp_rank(
-    cfg: Any,
+    work: Workload,
     pc: ParallelConfig,
-    b: int,
-    s: int,
-    precision: str,
     pp_rank: int,
-    fused_optimizer: bool,
-    *,
-    m: int,
     dp_cp_rank: int,
     device_type: str,
     allowance: OverheadAllowance,
-    imbalance: float,
 ) -> MemoryEstimate:
-    """:func:`estimate_memory` of one pp rank: each feature's terms (model states, activations, buffers), then the
-    phases of a step and the peak."""
+    """:func:`estimate_memory` of one pp rank (``work``: its model a config, its precision normalized, its
+    ``num_microbatches`` and ``expert_load_imbalance`` given): each feature's terms (model states, activations,
+    buffers), then the phases of a step and the peak."""
+    cfg, precision = work.model, work.precision
     dt = Dtypes.for_layout(precision, cfg, pc, device_type)
     states = model_state_bytes(cfg, pc, precision, pp_rank=pp_rank, dp_cp_rank=dp_cp_rank)
-    saved = saved_activation_bytes(
-        cfg, pc, b, s, precision, pp_rank=pp_rank, device_type=device_type, expert_load_imbalance=imbalance
-    )
-    act = activation_terms(cfg, pc, dt, b, s, pp_rank, m, saved)
-    buf = buffer_terms(cfg, pc, dt, b, s, pp_rank, m, states, imbalance, fused_optimizer)
+    saved = saved_activation_bytes(work, pc, pp_rank=pp_rank, device_type=device_type)
+    act = activation_terms(work, pc, dt, pp_rank, saved)
+    buf = buffer_terms(work, pc, dt, pp_rank, states)
     phases = _phases(states, act, buf, initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
@@ -599,7 +562,7 @@ def _estimate_pp_rank(
         total=tensors + extra,
         peak_phase=peak_phase,
         pp_rank=pp_rank,
-        details=_details(saved, states, act, buf, phases, m if pc.pp > 1 else 1),
+        details=_details(saved, states, act, buf, phases, work.num_microbatches if pc.pp > 1 else 1),
     )
 
 

@@ -326,19 +326,14 @@ def all_to_all_time(nbytes: float, ep: int, gpu: Any, gpus_per_node: int) -> flo
 
 
 def layer_times(
-    dims: tuple[int, ...],
-    dense: tuple[float, float],
-    tp: int,
-    sp: bool,
-    tokens: float,
-    gpu: Any,
-    gpus_per_node: int,
-    ep: int,
-    dd: int,
+    dims: tuple[int, ...], dense: tuple[float, float], shape: Any, gpu: Any, gpus_per_node: int
 ) -> tuple[float, float, float, float]:
     """(matmul, pointwise, MoE collectives forward, MoE collectives forward + backward) seconds of one layer and one
-    micro-batch, averaged over the dense and MoE layers (module docstring, **Mixture of Experts** and **Expert
-    parallel**): ``dense`` the dense layer's (matmul, pointwise) seconds, ``tokens`` = b·s/cp, ``dd`` = dp·cp."""
+    micro-batch of ``shape`` (a :class:`~lightning_4d.memory.rates.LayerShape`), averaged over the dense and MoE
+    layers (module docstring, **Mixture of Experts** and **Expert parallel**): ``dense`` the dense layer's (matmul,
+    pointwise) seconds; ``tokens`` = b·s/cp, ``dd`` = dp·cp."""
+    tp, sp, ep, dd = shape.tp, shape.sp, shape.ep, shape.dd
+    tokens = shape.b * shape.s / shape.cp
     h, f, d, a, k, vocab, num_layers = dims[:7]
     e, top, fe, ns, n_moe = dims[7:12]
     c = 2
@@ -369,22 +364,20 @@ def layer_times(
 def data_parallel_terms(
     dims: tuple[int, ...],
     layers: int,
-    tp: int,
-    ep: int,
-    dd: int,
+    sizes: tuple[int, int, int],
     zero_stage: int,
-    dense_layer: float,
-    vocabulary: float,
-    bandwidth: float,
-    latency: float,
+    weights: tuple[float, float],
+    link_rates: tuple[float, float],
 ) -> tuple[float, float, float, float]:
     """The data-parallel terms of a pp rank holding ``layers`` decoder layers of an MoE model (module docstring,
     **Expert parallel**): (parameters reduced over dp·cp, parameters this rank's optimizer owns of the experts,
-    seconds of the experts' float32 gradient reduce-scatter, of their parameter all-gather). The dense parameters go
-    over ``dd`` = dp·cp ranks, the experts' over the expert data-parallel group of ``dd·tp/ep`` (ep folded over tp:
-    module docstring); ``dense_layer`` a dense
-    layer's matmul weights, ``vocabulary`` the rank's embedding and head, ``bandwidth`` and ``latency`` the link's
-    (:func:`lightning_4d.memory.rates.link`)."""
+    seconds of the experts' float32 gradient reduce-scatter, of their parameter all-gather). ``sizes`` = (tp, ep,
+    dd); the dense parameters go over ``dd`` = dp·cp ranks, the experts' over the expert data-parallel group of
+    ``dd·tp/ep`` (ep folded over tp: module docstring); ``weights`` = (a dense layer's matmul weights, the rank's
+    embedding and head), ``link_rates`` = (bandwidth, latency) of the link (:func:`lightning_4d.memory.rates.link`)."""
+    tp, ep, dd = sizes
+    dense_layer, vocabulary = weights
+    bandwidth, latency = link_rates
     c = 2
     frac = dims[11] / dims[6]
     dense_moe, per_layer = layer_param_counts(dims, tp, ep)

@@ -10,8 +10,8 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import moe
@@ -19,20 +19,14 @@ from lightning_4d.memory.tensors import Param
 
 __all__ = [
     "Sizes",
+    "StageKey",
     "as_held",
     "folded_params",
     "rank_layers",
     "rank_layout",
     "stage_params",
     "weighted_params",
-    "with_pipeline",
 ]
-
-
-def with_pipeline(pc: ParallelConfig, **overrides: Any) -> ParallelConfig:
-    """``pc`` with the pipeline options given (not ``None``) replaced (validated by ``ParallelConfig``)."""
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    return replace(pc, **overrides) if overrides else pc
 
 
 def rank_layout(num_layers: int, pc: ParallelConfig, pp_rank: int) -> tuple[int, bool, bool]:
@@ -70,6 +64,17 @@ class Sizes:
             bool(cfg.tie_word_embeddings),
             moe.moe_shape(cfg, num_layers, moe_layers),
         )
+
+
+class StageKey(NamedTuple):
+    """Which parameters a pp rank holds, hashable (a cache key of :mod:`lightning_4d.memory.states`): tp, its decoder
+    layers, whether it holds the embedding (``first``) and the final norm and head (``last``), ep."""
+
+    tp: int
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+    ep: int = 1
 
 
 def stage_params(sizes: Sizes, tp: int, layers: Any, first: bool, last: bool, ep: int = 1) -> list[Param]:

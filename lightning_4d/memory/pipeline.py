@@ -20,6 +20,7 @@ from lightning_4d.memory import offload
 from lightning_4d.memory.activations import kept_layer_backward, layer_input_grad_only
 from lightning_4d.memory.params import rank_layout
 from lightning_4d.memory.tensors import Dtypes
+from lightning_4d.memory.workload import Workload
 from lightning_4d.partition import loss_chunk_tokens
 
 __all__ = [
@@ -292,13 +293,15 @@ class Activations:
 
 
 def activation_terms(
-    cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int, pp_rank: int, m: int, saved: dict[str, int]
+    work: Workload, pc: ParallelConfig, dt: Dtypes, pp_rank: int, saved: dict[str, int]
 ) -> Activations:
-    """Activations of pp rank ``pp_rank`` at its peak: every pipeline stage of the rank holds its in-flight
+    """Activations of pp rank ``pp_rank`` at its peak for ``work`` (its model a config, its ``num_microbatches``
+    given): every pipeline stage of the rank holds its in-flight
     micro-batches' saved tensors (:func:`in_flight`, :func:`zbv_peak`), the embedding's with the first stage, the
     head's and the loss's with the last (:mod:`lightning_4d.memory.model`'s docstring, **Activations** and
     **Pipeline parallelism**); ``saved``: one micro-batch's, by part
     (:func:`lightning_4d.memory.activations.saved_bytes`)."""
+    cfg, b, s, m = work.model, work.micro_batch_size, work.seq_length, work.num_microbatches
     stages = pc.rank_stages(cfg.num_layers, pp_rank)
     n_layers, _, last = rank_layout(cfg.num_layers, pc, pp_rank)
     counts = in_flight(pc, pp_rank, m)
@@ -312,7 +315,7 @@ def activation_terms(
     zero_bubble = pc.pp > 1 and pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
     retained: list[float] = []
     if zero_bubble:
-        retained = _retained(cfg, pc, dt, b, s, stages, offloaded, n_layers, saved)
+        retained = _retained(work, pc, dt, list(zip(stages, offloaded)), n_layers, saved)
         peak, held = zbv_peak(
             pc.pp, pp_rank, m, (sizes[0], sizes[1]), (retained[0], retained[1]), schedule=pc.pipeline_schedule
         )
@@ -329,15 +332,10 @@ def activation_terms(
     activations = int(peak) + (saved["rope"] if pc.pp == 1 and not whole else 0) + recompute
     in_flight_mean = sum(c * len(layers) for c, (_, layers) in zip(counts, stages)) / max(1, n_layers)
     logits, loss_freed, gradient = _loss_terms(cfg, pc, dt, b, s, last, saved)
-    compute_weights = saved["compute_weights"]
-    if pc.pp > 1:
-        # autocast casts the weights again in every micro-batch's forward: one copy per in-flight micro-batch
-        compute_weights = int(compute_weights * in_flight_mean)
-    # the head's saved tensors, freed by its backward before any layer's (offloaded or recomputed) backward runs
-    head_freed = saved["head"] if last and (unpacked or pc.activation_checkpointing != "none") else 0
+    compute_weights, head_freed = _weights_and_head(pc, saved, in_flight_mean, last, bool(unpacked))
     input_pass = 0
     if zero_bubble:
-        input_pass = _input_pass(cfg, pc, dt, b, s, pp_rank, m, (sizes[0], sizes[1]), retained, recompute)
+        input_pass = _input_pass(work, pc, dt, pp_rank, (sizes[0], sizes[1]), retained, recompute)
     return Activations(
         activations,
         logits,
@@ -352,6 +350,19 @@ def activation_terms(
         input_pass,
         saved["head"] + saved["loss"] if last else 0,
     )
+
+
+def _weights_and_head(
+    pc: ParallelConfig, saved: dict[str, int], in_flight_mean: float, last: bool, unpacked: bool
+) -> tuple[int, int]:
+    """(autocast's weight copies of the in-flight micro-batches, the head's saved tensors its backward frees before
+    any layer's offloaded or recomputed backward runs) of a pp rank (``last``: it holds the head)."""
+    compute_weights = saved["compute_weights"]
+    if pc.pp > 1:
+        # autocast casts the weights again in every micro-batch's forward: one copy per in-flight micro-batch
+        compute_weights = int(compute_weights * in_flight_mean)
+    head_freed = saved["head"] if last and (unpacked or pc.activation_checkpointing != "none") else 0
+    return compute_weights, head_freed
 
 
 def _stage_sizes(
@@ -370,22 +381,15 @@ def _stage_sizes(
 
 
 def _retained(
-    cfg: Any,
-    pc: ParallelConfig,
-    dt: Dtypes,
-    b: int,
-    s: int,
-    stages: list,
-    offloaded: list[int],
-    n_layers: int,
-    saved: dict[str, int],
+    work: Workload, pc: ParallelConfig, dt: Dtypes, held: list, n_layers: int, saved: dict[str, int]
 ) -> list[float]:
     """A zero-bubble schedule's bytes of one micro-batch that stay alive after its weight pass, to the end of the
     step, per stage of the rank (:func:`zbv_peak`): none on the first stage; elsewhere what only the input gradient
     needs of each device-held layer (:func:`lightning_4d.memory.activations.layer_input_grad_only`, with the gathered
     K/V), the RoPE tables and, on the last stage, the loss' saved logits, log-sum-exp and labels (no weight gradient
     passes through the loss; the final norm's saved tensors serve its weight gradient and are freed by the weight
-    pass)."""
+    pass). ``held``: ``((stage, layers), layers offloaded)`` of each stage of the rank."""
+    cfg, b, s = work.model, work.micro_batch_size, work.seq_length
     layer_kept = (
         0
         if pc.activation_checkpointing == "full"
@@ -397,18 +401,15 @@ def _retained(
     head_kept = saved["loss"]
     return [
         0 if st == 0 else (len(layers) - o) * layer_kept + saved["rope"] + (head_kept if st == pc.num_stages - 1 else 0)
-        for (st, layers), o in zip(stages, offloaded)
+        for (st, layers), o in held
     ]
 
 
 def _input_pass(
-    cfg: Any,
+    work: Workload,
     pc: ParallelConfig,
     dt: Dtypes,
-    b: int,
-    s: int,
     pp_rank: int,
-    m: int,
     sizes: tuple[float, float],
     retained: list[float],
     recompute: int,
@@ -417,6 +418,7 @@ def _input_pass(
     stage (not the first: its input needs no gradient, a full backward runs) every saved tensor is alive
     (``retain_graph``) beside the output gradients kept for its weight pass (:func:`weight_pass_inputs`) and one
     recomputed set."""
+    cfg, b, s, m = work.model, work.micro_batch_size, work.seq_length, work.num_microbatches
     input_pass = 0
     for chunk, (st, layers) in enumerate(pc.rank_stages(cfg.num_layers, pp_rank)):
         if st == 0:

@@ -1,12 +1,13 @@
 """Enumerate the layouts of a training job, keep those that fit, rank them by a predicted step time.
 
-A *job* is a model, a number of GPUs (``gpus_per_node`` per node) of one kind, a sequence length and a global batch
-(samples per optimizer step). A *layout* is everything FourDStrategy lets a user choose: tp, pp, cp, dp with
-``tp·pp·cp·dp = num_gpus``, the micro-batch size b, the ZeRO stage, activation checkpointing (none, selective,
-full), sequence parallelism on or off (tp > 1), the context-parallel method (ring, allgather, and alltoall where
-the heads split over tp·cp; cp > 1), with ``tensor_parallel_overlap=True`` asked for also the tp projections as
-overlapped rings (tp > 1 with sp, checkpointing
-none or full: ``ParallelConfig`` refuses the overlap with selective; off by default, as in FourDStrategy, until it is
+A *job* (:class:`~lightning_4d.memory.workload.Job`) is a model, a number of GPUs (``gpus_per_node`` per node) of one
+kind, a sequence length, a global batch (samples per optimizer step) and a precision; what to search
+(:class:`~lightning_4d.memory.workload.Search`) fixes some sizes or adds optional features. A *layout* is everything
+FourDStrategy lets a user choose: tp, pp, cp, dp with ``tp·pp·cp·dp = num_gpus``, the micro-batch size b, the ZeRO
+stage, activation checkpointing (none, selective, full), sequence parallelism on or off (tp > 1), the context-parallel
+method (ring, allgather, and alltoall where the heads split over tp·cp; cp > 1), with
+``Search(tensor_parallel_overlap=True)`` also the tp projections as overlapped rings (tp > 1 with sp, checkpointing none
+or full: ``ParallelConfig`` refuses the overlap with selective; off by default, as in FourDStrategy, until it is
 measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stages per rank v and its layer split:
 
 - tp inside a node, dividing the heads, kv heads, FFN size and padded vocabulary; ``seq_length`` divisible by
@@ -49,7 +50,7 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
 from lightning_4d.config import (
@@ -63,9 +64,10 @@ from lightning_4d.config import (
 )
 from lightning_4d.layout import plan_values, planned_dataclass, strategy_arguments
 from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
-from lightning_4d.memory.hardware import GIB, GpuSpec
+from lightning_4d.memory.hardware import GIB
 from lightning_4d.memory.model import MemoryEstimate, estimate_memory
 from lightning_4d.memory.step_time import Layout, StepTime, model_dims, step_time_parts
+from lightning_4d.memory.workload import Job, Search, Workload
 from lightning_4d.models.config import divisors
 
 __all__ = [
@@ -152,22 +154,18 @@ def _pipelines(model_config: Any, pp: int, m: int) -> Iterator[tuple[str, int, O
         yield name, v, propose_layer_split(model_config.num_layers, pp * v)
 
 
-def _layouts(
-    model_config: Any,
-    num_gpus: int,
-    gpus_per_node: int,
-    seq_length: int,
-    global_batch_size: int,
-    micro_batch_size: Optional[int],
-    fixed: Optional[dict[str, int]] = None,
-    tensor_parallel_overlap: bool = False,
-    compile: bool = False,
-) -> Iterator[Layout]:
-    """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`);
-    with ``tensor_parallel_overlap`` each layout with tp > 1, sp and checkpointing other than selective also with the
-    overlap on (right after it); with ``compile`` only those ``compile=True`` takes
-    (:func:`~lightning_4d.config.check_compile`), each with it on."""
-    fixed = fixed or {}
+def _layouts(job: Job, search: Search) -> Iterator[Layout]:
+    """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`):
+    every parallel shape (:func:`_shapes`), then every batch shape, schedule and option of it
+    (:func:`_shape_layouts`)."""
+    for shape in _shapes(job, search.fixed or {}):
+        yield from _shape_layouts(job, search, shape)
+
+
+def _shapes(job: Job, fixed: dict[str, int]) -> Iterator[tuple[int, int, int, int, bool, int]]:
+    """``(tp, pp, cp, dp, sp, ep)`` of every parallel shape of ``job`` with the sizes ``fixed`` asks for that the
+    model and the sequence length take (``ParallelConfig.validate_model`` and ``validate_sequence``)."""
+    model_config, num_gpus, gpus_per_node, seq_length = job.model, job.num_gpus, job.gpus_per_node, job.seq_length
     moe = getattr(model_config, "is_moe", False)
     for tp in divisors(min(num_gpus, gpus_per_node)):
         if num_gpus % tp or fixed.get("tp", tp) != tp:
@@ -181,7 +179,7 @@ def _layouts(
                 if cp > MAX_CONTEXT_PARALLEL or (cp > 1 and seq_length < 2 * cp * MIN_CONTEXT_CHUNK):
                     break
                 dp = num_gpus // (tp * pp * cp)
-                if global_batch_size % dp or fixed.get("cp", cp) != cp or fixed.get("dp", dp) != dp:
+                if job.global_batch_size % dp or fixed.get("cp", cp) != cp or fixed.get("dp", dp) != dp:
                     continue
                 eps = [e for e in divisors(dp * cp * tp) if model_config.num_experts % e == 0] if moe else [1]
                 for sp, ep in ((sp, ep) for sp in ((True, False) if tp > 1 else (False,)) for ep in eps):
@@ -199,32 +197,42 @@ def _layouts(
                         base.validate_sequence(seq_length)
                     except ValueError:
                         continue
-                    per_rank = global_batch_size // dp
-                    for b in [micro_batch_size] if micro_batch_size else divisors(per_rank):
-                        if per_rank % b:
-                            continue
-                        m = per_rank // b
-                        for name, v, split in _pipelines(model_config, pp, m):
-                            split = tuple(split) if split else None
-                            for method in _cp_methods(model_config, tp, cp):
-                                for zero in ZERO_STAGES:
-                                    if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
-                                        continue  # nothing to shard over, or not the stage asked for
-                                    if ep > 1 and not _zero_accepted(ep, zero):
-                                        continue  # a ZeRO stage ParallelConfig refuses with expert parallelism
-                                    for ac in ACTIVATION_CHECKPOINTING:
-                                        if ac == "selective" and name in ("zbv", "dualpipev"):
-                                            continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
-                                        if compile and not _compile_accepted(ac):
-                                            continue  # compile=True refuses selective (check_compile)
-                                        shape = dict(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=b)
-                                        shape.update(num_microbatches=m, sequence_parallel=sp, zero_stage=zero)
-                                        shape.update(context_parallel_method=method, pipeline_schedule=name)
-                                        shape.update(virtual_pipeline_stages=v, pipeline_layer_split=split)
-                                        shape.update(activation_checkpointing=ac, expert_parallel_size=ep)
-                                        overlaps = (False, True) if tensor_parallel_overlap and sp else (False,)
-                                        for overlap in overlaps if ac != "selective" else (False,):
-                                            yield Layout(**shape, tensor_parallel_overlap=overlap, compile=compile)
+                    yield tp, pp, cp, dp, sp, ep
+
+
+def _shape_layouts(job: Job, search: Search, shape: tuple[int, int, int, int, bool, int]) -> Iterator[Layout]:
+    """The layouts of one parallel shape ``(tp, pp, cp, dp, sp, ep)``: every micro-batch size (or
+    ``search.micro_batch_size``), pipeline schedule, context-parallel method, ZeRO stage and checkpointing mode the
+    layout rules take; with ``search.tensor_parallel_overlap`` each layout with tp > 1, sp and checkpointing other
+    than selective also with the overlap on (right after it); with ``search.compile`` only those ``compile=True``
+    takes (:func:`~lightning_4d.config.check_compile`), each with it on."""
+    tp, pp, cp, dp, sp, ep = shape
+    fixed, compile = search.fixed or {}, search.compile
+    per_rank = job.global_batch_size // dp
+    for b in [search.micro_batch_size] if search.micro_batch_size else divisors(per_rank):
+        if per_rank % b:
+            continue
+        m = per_rank // b
+        for name, v, split in _pipelines(job.model, pp, m):
+            split = tuple(split) if split else None
+            for method in _cp_methods(job.model, tp, cp):
+                for zero in ZERO_STAGES:
+                    if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
+                        continue  # nothing to shard over, or not the stage asked for
+                    if ep > 1 and not _zero_accepted(ep, zero):
+                        continue  # a ZeRO stage ParallelConfig refuses with expert parallelism
+                    for ac in ACTIVATION_CHECKPOINTING:
+                        if ac == "selective" and name in ("zbv", "dualpipev"):
+                            continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
+                        if compile and not _compile_accepted(ac):
+                            continue  # compile=True refuses selective (check_compile)
+                        layout = dict(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=b, num_microbatches=m)
+                        layout.update(sequence_parallel=sp, context_parallel_method=method, pipeline_schedule=name)
+                        layout.update(virtual_pipeline_stages=v, pipeline_layer_split=split, zero_stage=zero)
+                        layout.update(activation_checkpointing=ac, expert_parallel_size=ep)
+                        overlaps = (False, True) if search.tensor_parallel_overlap and sp else (False,)
+                        for overlap in overlaps if ac != "selective" else (False,):
+                            yield Layout(**layout, tensor_parallel_overlap=overlap, compile=compile)
 
 
 def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
@@ -281,126 +289,72 @@ def _pipeline_accepted(model_config: Any, pp: int) -> bool:
     return True
 
 
-def enumerate_layouts(
-    model_config: Any,
-    num_gpus: int,
-    gpus_per_node: int,
-    seq_length: int,
-    global_batch_size: int,
-    *,
-    micro_batch_size: Optional[int] = None,
-    fixed: Optional[dict[str, int]] = None,
-    tensor_parallel_overlap: bool = False,
-    compile: bool = False,
-) -> Iterator[tuple[ParallelConfig, int, int]]:
-    """Every valid ``(parallel_config, micro_batch_size, num_microbatches)`` of a job (see the module docstring).
-
-    Args:
-        micro_batch_size: keep b fixed (the memory check's suggestions keep the user's batch shape).
-        fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``.
-        tensor_parallel_overlap: also the layouts with ``tensor_parallel_overlap=True`` (tp > 1, sp, checkpointing
-            none or full).
-        compile: the layouts ``compile=True`` takes (checkpointing none or full), with it on.
-    """
-    job = (model_config, num_gpus, gpus_per_node, seq_length, global_batch_size)
-    for layout in _layouts(*job, micro_batch_size, fixed, tensor_parallel_overlap, compile):
+def enumerate_layouts(job: Job, search: Search = Search()) -> Iterator[tuple[ParallelConfig, int, int]]:
+    """Every valid ``(parallel_config, micro_batch_size, num_microbatches)`` of ``job`` (its ``gpu`` and
+    ``precision`` not read) among those ``search`` asks for (see the module docstring and
+    :class:`~lightning_4d.memory.workload.Search`)."""
+    for layout in _layouts(job, search):
         yield layout.parallel_config(), layout.micro_batch_size, layout.num_microbatches
 
 
 def plan(
-    model_config: Any,
-    num_gpus: int,
-    gpus_per_node: int,
-    gpu: GpuSpec,
-    seq_length: int,
-    global_batch_size: int,
+    job: Job,
+    search: Search = Search(),
     *,
-    precision: str = "bf16-mixed",
     budget: float = 0.8,
     formula: str = "lightning_4d",
-    micro_batch_size: Optional[int] = None,
     top: Optional[int] = 20,
     include_unfit: bool = False,
-    fixed: Optional[dict[str, int]] = None,
     max_estimated: Optional[int] = None,
     estimate_kw: Optional[dict[str, Any]] = None,
-    tensor_parallel_overlap: bool = False,
-    compile: bool = False,
 ) -> list[Candidate]:
     """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first.
 
     Args:
-        model_config: a :class:`~lightning_4d.models.LlamaConfig`.
-        num_gpus, gpus_per_node: the job's GPUs.
-        gpu: the GPU kind (:data:`~lightning_4d.memory.hardware.GPU_PRESETS` or a custom :class:`GpuSpec`).
-        seq_length: tokens per sample; global_batch_size: samples per optimizer step.
-        precision: the training precision; budget: the fraction of ``gpu.memory`` a layout may use.
+        job: the model, the GPUs (count, per node, kind: :data:`~lightning_4d.memory.hardware.GPU_PRESETS` or a custom
+            :class:`GpuSpec`), the sequence length, the global batch and the precision
+            (:class:`~lightning_4d.memory.workload.Job`).
+        search: which layouts to consider (:class:`~lightning_4d.memory.workload.Search`: a fixed micro-batch size,
+            fixed sizes, ``Search(fixed={"tp": 8, "pp": 16})`` only those layouts; ``tensor_parallel_overlap``: also
+            ``tensor_parallel_overlap=True``, tp > 1 with sp, checkpointing none or full, off by default as the
+            strategy's option, not yet measured faster on a GPU; ``compile``: the layouts of
+            ``FourDStrategy(compile=True)``, checkpointing none or full, their step predicted with compiled decoder
+            layers, :data:`~lightning_4d.memory.step_time.POINTWISE_FACTOR`).
+        budget: the fraction of ``job.gpu.memory`` a layout may use.
         formula: ``"lightning_4d"`` (:func:`~lightning_4d.memory.model.estimate_memory`) or ``"fujii2024"`` (the
             paper's estimator: ZeRO stage 1 is its distributed optimizer, stage 0 without it; stages 2-3,
             checkpointing, ZBV and the allgather and alltoall cp methods are not modelled by it, so those layouts
             are skipped).
-        micro_batch_size, fixed: see :func:`enumerate_layouts` (``fixed={"tp": 8, "pp": 16}``: only those layouts).
         top: how many to return (None: all, every layout's memory is then estimated: seconds on large jobs).
         include_unfit: keep layouts that do not fit (ranked after those that do; estimates every layout).
         max_estimated: estimate the memory of at most this many layouts, the fastest predicted (for a plot of a
             large job: its ~10^5 layouts take minutes to estimate).
         estimate_kw: more keyword arguments of :func:`~lightning_4d.memory.model.estimate_memory` (``device_type``,
             ``overhead``, ``gpu_name``).
-        tensor_parallel_overlap: also consider ``tensor_parallel_overlap=True`` (tp > 1 with sp, checkpointing none
-            or full); off by default, as the strategy's option (not yet measured faster on a GPU).
-        compile: the layouts of ``FourDStrategy(compile=True)`` (checkpointing none or full), their step
-            predicted with compiled decoder layers (:data:`~lightning_4d.memory.step_time.POINTWISE_FACTOR`); off
-            by default, as the strategy's option.
 
     Raises:
-        ValueError: non-positive sizes, ``num_gpus`` not a multiple of ``gpus_per_node`` (when above it), an unknown
-            formula (or ``"fujii2024"`` for a Mixture-of-Experts model), a budget outside (0, 1], a ``top`` below 1,
-            an unknown key in ``fixed``, fixed sizes the model or the job cannot take, no valid layout at all (the
-            message says why).
+        ValueError: non-positive sizes, ``num_gpus`` not a multiple of ``gpus_per_node`` (when above it), no
+            ``job.gpu``, an unknown formula (or ``"fujii2024"`` for a Mixture-of-Experts model), a budget outside
+            (0, 1], a ``top`` below 1, an unknown key in ``fixed``, fixed sizes the model or the job cannot take, no
+            valid layout at all (the message says why).
     """
-    _check_job(model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, budget, formula, top, fixed)
-    timed = _timed_layouts(
-        model_config,
-        num_gpus,
-        gpus_per_node,
-        gpu,
-        seq_length,
-        global_batch_size,
-        formula,
-        micro_batch_size,
-        fixed,
-        tensor_parallel_overlap,
-        compile,
-    )
-    memory_of = _MemoryOf.of_plan(model_config, seq_length, gpu, precision, budget, formula, include_unfit, estimate_kw)
-    candidate = functools.partial(
-        _candidate,
-        gpu=gpu,
-        tokens_per_step=global_batch_size * seq_length,
-        model_flops_per_token=model_config.flops_per_token(seq_length),
-        num_gpus=num_gpus,
-    )
+    _check_job(job, search.fixed, budget, formula, top)
+    timed = _timed_layouts(job, search, formula)
+    memory_of = _MemoryOf.of_plan(job, budget, formula, include_unfit, estimate_kw)
+    candidate = functools.partial(_candidate, job=job, model_flops_per_token=job.model.flops_per_token(job.seq_length))
     out = _fastest_that_fit(timed, memory_of, candidate, top, max_estimated)
     out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
     return out[:top] if top else out
 
 
-def _check_job(
-    model_config: Any,
-    num_gpus: int,
-    gpus_per_node: int,
-    seq_length: int,
-    global_batch_size: int,
-    budget: float,
-    formula: str,
-    top: Optional[int],
-    fixed: Optional[dict[str, int]],
-) -> None:
+def _check_job(job: Job, fixed: Optional[dict[str, int]], budget: float, formula: str, top: Optional[int]) -> None:
     """Check :func:`plan`'s arguments, and that the sizes in ``fixed`` suit the model and the job on their own.
 
     Raises:
         ValueError: see :func:`plan` (all but "no valid layout").
     """
+    model_config, num_gpus, gpus_per_node = job.model, job.num_gpus, job.gpus_per_node
+    seq_length, global_batch_size = job.seq_length, job.global_batch_size
     unknown = set(fixed or {}) - {"tp", "pp", "cp", "dp", "ep", "zero_stage"}
     if unknown:
         raise ValueError(f"fixed={fixed!r}: unknown keys {sorted(unknown)}; valid: tp, pp, cp, dp, ep, zero_stage.")
@@ -416,6 +370,8 @@ def _check_job(
         raise ValueError(f"num_gpus={num_gpus} is not a multiple of gpus_per_node={gpus_per_node}.")
     if formula not in ("lightning_4d", "fujii2024"):
         raise ValueError(f"formula={formula!r} is not valid: expected 'lightning_4d' or 'fujii2024'.")
+    if job.gpu is None:
+        raise ValueError("job.gpu is None: plan needs the GPU kind (a GpuSpec, e.g. GPU_PRESETS['H100-80GB']).")
     if formula == "fujii2024":
         check_dense(model_config)
     if fixed:  # the sizes asked for must suit the model and the job on their own (the message says why not)
@@ -442,19 +398,7 @@ def _check_job(
             )
 
 
-def _timed_layouts(
-    model_config: Any,
-    num_gpus: int,
-    gpus_per_node: int,
-    gpu: GpuSpec,
-    seq_length: int,
-    global_batch_size: int,
-    formula: str,
-    micro_batch_size: Optional[int],
-    fixed: Optional[dict[str, int]],
-    tensor_parallel_overlap: bool = False,
-    compile: bool = False,
-) -> list[tuple[float, int, Layout, tuple[float, ...]]]:
+def _timed_layouts(job: Job, search: Search, formula: str) -> list[tuple[float, int, Layout, tuple[float, ...]]]:
     """``(predicted step seconds, recomputation rank, layout, step time parts)`` of every layout of the job the
     formula models, fastest first (at equal times, the one that recomputes less); the parts are
     :class:`~lightning_4d.memory.step_time.StepTime`'s fields (:func:`~lightning_4d.memory.step_time.step_time_parts`).
@@ -462,14 +406,11 @@ def _timed_layouts(
     Raises:
         ValueError: no valid layout at all (the message says what a layout needs).
     """
-    dims = model_dims(model_config)
+    dims, gpu, gpus_per_node, seq_length = model_dims(job.model), job.gpu, job.gpus_per_node, job.seq_length
     timed: list[tuple[float, int, Layout, tuple[float, ...]]] = []
     # the paper's formula models Megatron's plain TP: no overlapped layouts for it
-    overlap = tensor_parallel_overlap and formula == "lightning_4d"
-    layouts = _layouts(
-        model_config, num_gpus, gpus_per_node, seq_length, global_batch_size, micro_batch_size, fixed, overlap, compile
-    )
-    for lay in layouts:
+    overlap = search.tensor_parallel_overlap and formula == "lightning_4d"
+    for lay in _layouts(job, replace(search, tensor_parallel_overlap=overlap)):
         if formula == "fujii2024" and (
             lay.zero_stage > 1
             or lay.activation_checkpointing != "none"
@@ -484,9 +425,9 @@ def _timed_layouts(
         timed.append((total, _RECOMPUTATION[lay.activation_checkpointing], lay, parts))
     if not timed:
         raise ValueError(
-            f"no valid layout of {num_gpus} GPUs ({gpus_per_node} per node) for this model with "
-            f"seq_length={seq_length} and global_batch_size={global_batch_size}"
-            + (f" and {fixed}" if fixed else "")
+            f"no valid layout of {job.num_gpus} GPUs ({gpus_per_node} per node) for this model with "
+            f"seq_length={seq_length} and global_batch_size={job.global_batch_size}"
+            + (f" and {search.fixed}" if search.fixed else "")
             + ": the global batch must be a multiple of dp, tp must "
             "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp), ep dp·cp·tp and "
             "the experts."
@@ -502,9 +443,7 @@ class _MemoryOf:
     pipeline shape (pp, schedule, v) first, and stops at the first rank over ``limit`` (unless ``include_unfit``):
     such a layout is dropped, so the rest need no estimate."""
 
-    model_config: Any
-    seq_length: int
-    precision: str
+    job: Job
     formula: str
     limit: float
     include_unfit: bool
@@ -513,37 +452,20 @@ class _MemoryOf:
 
     @classmethod
     def of_plan(
-        cls,
-        model_config: Any,
-        seq_length: int,
-        gpu: GpuSpec,
-        precision: str,
-        budget: float,
-        formula: str,
-        include_unfit: bool,
-        estimate_kw: Optional[dict[str, Any]],
+        cls, job: Job, budget: float, formula: str, include_unfit: bool, estimate_kw: Optional[dict[str, Any]]
     ) -> "_MemoryOf":
-        """The memory side of :func:`plan`, from its arguments: the limit is ``budget · gpu.memory`` bytes, our
-        estimates are made for ``gpu`` (its ``gpu_name``) with the further ``estimate_kw``."""
-        kw = {"gpu_name": gpu.name, **(estimate_kw or {})}
-        return cls(model_config, seq_length, precision, formula, budget * gpu.memory, include_unfit, kw)
+        """The memory side of :func:`plan`, from its arguments: the limit is ``budget · job.gpu.memory`` bytes, our
+        estimates are made for ``job.gpu`` (its ``gpu_name``) with the further ``estimate_kw``."""
+        kw = {"gpu_name": job.gpu.name, **(estimate_kw or {})}
+        return cls(job, formula, budget * job.gpu.memory, include_unfit, kw)
 
     def __call__(self, pc: ParallelConfig, b: int, m: int) -> float:
         if self.formula == "fujii2024":
-            return fujii2024_of_layout(self.model_config, pc, self.seq_length, b, m).total
+            return fujii2024_of_layout(self.job.model, pc, self.job.seq_length, b, m).total
         hint = (pc.pp, pc.pipeline_schedule, pc.v)
         est = None
         for r in dict.fromkeys((0, self.worst_rank.get(hint, 0), *range(pc.pp))):
-            one = estimate_memory(
-                self.model_config,
-                pc,
-                b,
-                self.seq_length,
-                self.precision,
-                num_microbatches=m,
-                pp_rank=r,
-                **self.estimate_kw,
-            )
+            one = estimate_memory(self.job.workload(b, m), pc, pp_rank=r, **self.estimate_kw)
             if est is None or (one.total, -r) > (est.total, -est.pp_rank):
                 est = one
             if one.total > self.limit and not self.include_unfit:
@@ -586,19 +508,13 @@ def _fastest_that_fit(
 
 
 def _candidate(
-    pc: ParallelConfig,
-    b: int,
-    m: int,
-    st: StepTime,
-    memory: float,
-    gpu: GpuSpec,
-    fits: bool,
-    tokens_per_step: int,
-    model_flops_per_token: float,
-    num_gpus: int,
+    pc: ParallelConfig, b: int, m: int, st: StepTime, memory: float, fits: bool, job: Job, model_flops_per_token: float
 ) -> Candidate:
+    """The :class:`Candidate` of layout ``pc`` with micro-batch size b and m micro-batches of ``job``, predicted to
+    take ``st`` and ``memory`` bytes per GPU (``model_flops_per_token``: ``job.model``'s at ``job.seq_length``)."""
+    gpu, num_gpus = job.gpu, job.num_gpus
     total = st.total
-    tokens = tokens_per_step / total
+    tokens = job.global_batch_size * job.seq_length / total
     return Candidate(
         **plan_values(pc, b, m),
         memory=int(memory),
@@ -666,39 +582,37 @@ def fitting_layout_lines(layouts: list[tuple[str, float]], world_size: int) -> l
 
 
 def suggest_layouts(
-    model_config: Any,
+    workload: Workload,
     world_size: int,
-    micro_batch_size: int,
-    seq_length: int,
-    precision: str,
     device_memory: int,
     budget: float,
     gpus_per_node: Optional[int] = None,
     count: int = 3,
     **estimate_kw: Any,
 ) -> list[tuple[ParallelConfig, MemoryEstimate]]:
-    """Up to ``count`` layouts of ``world_size`` GPUs that fit, with the same
-    micro-batch size and sequence length, fastest predicted first (for :class:`MemoryBudgetExceeded`)."""
+    """Up to ``count`` layouts of ``world_size`` GPUs that fit, with the same micro-batch size and sequence length as
+    ``workload`` (its model, precision and ``fused_optimizer`` too), fastest predicted first (for
+    :class:`MemoryBudgetExceeded`)."""
     from lightning_4d.memory.hardware import gpu_spec
 
+    b, s = workload.micro_batch_size, workload.seq_length
     gpu = gpu_spec(device_memory)
     per_node = gpus_per_node or min(world_size, 8)
-    found = []
-    for cand in plan(
-        model_config,
+    job = Job(
+        workload.model,
         world_size,
         per_node,
+        s,
+        b * world_size,
         gpu,
-        seq_length,
-        micro_batch_size * world_size,
-        precision=precision,
-        budget=budget,
-        micro_batch_size=micro_batch_size,
-        top=count,
-        estimate_kw=estimate_kw,
-    ):
+        workload.precision,
+        workload.expert_load_imbalance,
+        workload.fused_optimizer,
+    )
+    found = []
+    for cand in plan(job, Search(micro_batch_size=b), budget=budget, top=count, estimate_kw=estimate_kw):
         pc = cand.parallel_config()
-        found.append((pc, estimate_memory(model_config, pc, micro_batch_size, seq_length, precision, **estimate_kw)))
+        found.append((pc, estimate_memory(replace(workload, num_microbatches=None), pc, **estimate_kw)))
         if len(found) == count:
             break
     return found

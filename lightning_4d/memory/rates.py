@@ -7,7 +7,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 __all__ = [
     "COLLECTIVE_EFFICIENCY",
@@ -15,11 +15,58 @@ __all__ = [
     "LINK_LATENCY",
     "POINTWISE_BYTES",
     "POINTWISE_EFFICIENCY",
+    "LayerShape",
+    "MeshSizes",
+    "StageShape",
     "by_class",
     "gemm_efficiency",
     "link",
     "ring",
 ]
+
+
+class LayerShape(NamedTuple):
+    """What the seconds of one decoder layer and one micro-batch depend on besides the model and the GPU (the
+    step-time model's cache key: a tuple, so hashed as fast as one).
+
+    ``b`` micro-batch size, ``s`` tokens per sample (before cp), ``sp`` sequence parallelism on, ``method`` the
+    context-parallel method, ``ep`` expert parallel size and ``dd`` = dp·cp (both 1 for a dense model, whose terms do
+    not depend on them), ``overlap`` ``tensor_parallel_overlap`` in effect (tp > 1 with sp), ``compile`` the layers
+    ``torch.compile``d."""
+
+    tp: int
+    cp: int
+    b: int
+    s: int
+    sp: bool
+    method: str
+    ep: int = 1
+    dd: int = 1
+    overlap: bool = False
+    compile: bool = False
+
+
+class StageShape(NamedTuple):
+    """How the decoder layers split into pipeline stages and what their backward recomputes: pp, the schedule, v
+    stages per rank (1 without pp), the layers per stage (``None``: the even split) and the activation
+    checkpointing mode."""
+
+    pp: int
+    schedule: str
+    v: int
+    split: Optional[tuple[int, ...]]
+    activation_checkpointing: str
+
+
+class MeshSizes(NamedTuple):
+    """The parallel sizes the data-parallel terms depend on: tp, pp, cp, dp and ep."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+
 
 #: Fraction of the dense bf16 peak a GEMM reaches, by the class of its smallest dimension (>= 2048, >= 1024, below).
 #: The large class is the maximum achievable matmul throughput measured on H100 SXM and A100 (about 0.8 of the

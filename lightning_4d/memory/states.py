@@ -18,19 +18,19 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.memory import moe
 from lightning_4d.memory.compression import powersgd_state_bytes
 from lightning_4d.memory.params import (
     Sizes,
+    StageKey,
     as_held,
     rank_layers,
     rank_layout,
     stage_params,
     weighted_params,
-    with_pipeline,
 )
 from lightning_4d.memory.tensors import Dtypes, Param, chunk, normalize_precision
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
@@ -70,23 +70,14 @@ def reduction_group(key: tuple[str, ...], world: int, rank: int, tp: int, tp_ran
 
 @functools.lru_cache(maxsize=4096)
 def zero1_owned(
-    sizes: Sizes,
-    tp: int,
-    layers: tuple[int, ...],
-    first: bool,
-    last: bool,
-    elem_bytes: int,
-    world: int,
-    rank: int,
-    bucket_bytes: int,
-    ep: int = 1,
-    tp_rank: int = 0,
+    sizes: Sizes, stage: StageKey, elem_bytes: int, world: int, rank: int, bucket_bytes: int, tp_rank: int = 0
 ) -> int:
-    """:func:`bucket_owned` of the parameters of ``layers`` (+ embedding / head), cached: the planner asks for the
-    same stage under many micro-batch sizes. The parameters of each group key (:func:`_group_key`) fill buckets of
-    their own, sharded over their group (:func:`reduction_group`; ``parallel/grad_buffers.py``)."""
+    """:func:`bucket_owned` of the parameters of ``stage`` (its layers + embedding / head), cached: the planner asks
+    for the same stage under many micro-batch sizes. The parameters of each group key (:func:`_group_key`) fill
+    buckets of their own, sharded over their group (:func:`reduction_group`; ``parallel/grad_buffers.py``)."""
+    tp, ep = stage.tp, stage.ep
     groups: dict[tuple[str, ...], list[int]] = {}
-    for p in stage_params(sizes, tp, layers, first, last, ep):
+    for p in stage_params(sizes, tp, stage.layers, stage.first, stage.last, ep):
         groups.setdefault(_group_key(p, tp, ep), []).append(p.numel)
     owned = 0
     for key, numels in groups.items():
@@ -96,25 +87,15 @@ def zero1_owned(
 
 
 @functools.lru_cache(maxsize=4096)
-def first_bucket_elements(
-    sizes: Sizes,
-    tp: int,
-    num_layers: int,
-    first: bool,
-    last: bool,
-    ep: int,
-    elem_bytes: int,
-    bucket_bytes: int,
-    world: int,
-) -> int:
-    """Elements of the first ZeRO 0/1 gradient bucket of a rank holding ``range(num_layers)`` (+ embedding / head):
+def first_bucket_elements(sizes: Sizes, stage: StageKey, elem_bytes: int, bucket_bytes: int, world: int) -> int:
+    """Elements of the first ZeRO 0/1 gradient bucket of a rank holding ``stage`` (its layers + embedding / head):
     ``GradientBuckets`` fills buckets with the parameters in reverse order, of ``elem_bytes`` each, at most
     ``bucket_bytes`` per bucket, the parameters of a group other than ``dp·cp`` in buckets of their own
     (:func:`lightning_4d.partition.bucket_lengths`), each padded to a multiple of ``world`` (its group's ranks); the
     first holds the head's weight, the first gradient of backward."""
-    dense = [p.numel for p in stage_params(sizes, tp, range(num_layers), first, last, ep) if not _group_key(p, tp, ep)][
-        ::-1
-    ]
+    tp, ep = stage.tp, stage.ep
+    params = stage_params(sizes, tp, stage.layers, stage.first, stage.last, ep)
+    dense = [p.numel for p in params if not _group_key(p, tp, ep)][::-1]
     lengths = bucket_lengths([n * elem_bytes for n in dense], bucket_bytes)
     return bucket_shard(sum(dense[: lengths[0]]), world, world - 1)[1] if lengths else 0
 
@@ -184,7 +165,6 @@ def model_state_bytes(
     *,
     pp_rank: int = 0,
     dp_cp_rank: int = 0,
-    pipeline_layer_split: Optional[list[int]] = None,
     bucket_bytes: int = GRADIENT_BUCKET_BYTES,
     tp_rank: int = 0,
 ) -> ModelStates:
@@ -193,14 +173,13 @@ def model_state_bytes(
     Args:
         model_config: a :class:`~lightning_4d.models.LlamaConfig` (duck-typed: sizes, ``padded_vocab_size``,
             ``head_dim``, ``tie_word_embeddings``).
-        parallel_config: the layout (``data_parallel_size`` resolved).
+        parallel_config: the layout (``data_parallel_size`` resolved; its ``pipeline_layer_split``: layers per
+            pipeline stage, ``pp·v`` counts, else equal).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
         pp_rank: the pp rank (0 .. pp−1); it holds the ``v`` pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages` (schedule and v from ``parallel_config``).
         dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards); under ep its
             ep rank is ``dp_cp_rank % ep`` and its rank in the group of the ep-split parameters ``dp_cp_rank // ep``.
-        pipeline_layer_split: layers per pipeline stage (``pp·v`` counts; default ``parallel_config``'s, else
-            equal).
         bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
             at ZeRO 1 a rank owns its 1/D of every bucket.
         tp_rank: the tp rank: under tp the parameters replicated over tp (an MoE layer's,
@@ -216,7 +195,7 @@ def model_state_bytes(
     dt = Dtypes.of(normalize_precision(precision))
     if not 0 <= tp_rank < parallel_config.tp:
         raise ValueError(f"tp_rank={tp_rank} is not valid: expected 0 .. {parallel_config.tp - 1}.")
-    pc = with_pipeline(parallel_config, pipeline_layer_split=pipeline_layer_split)
+    pc = parallel_config
     if not 0 <= pp_rank < pc.pp:
         raise ValueError(f"pp_rank={pp_rank} is not valid: expected 0 .. {pc.pp - 1}.")
     if not 0 <= dp_cp_rank < pc.dp_cp:
@@ -234,9 +213,8 @@ def model_state_bytes(
     n_opt = n
     if pc.zero_stage == 1 and pc.dp_cp > 1:
         sizes = Sizes.of(model_config, model_config.num_layers)
-        n_opt = zero1_owned(
-            sizes, pc.tp, tuple(layers), first, last, dt.setup, pc.dp_cp, dp_cp_rank, bucket_bytes, pc.ep, tp_rank
-        )
+        stage = StageKey(pc.tp, tuple(layers), first, last, pc.ep)
+        n_opt = zero1_owned(sizes, stage, dt.setup, pc.dp_cp, dp_cp_rank, bucket_bytes, tp_rank)
     master = n_opt * dt.master
     compression = powersgd_state_bytes(pc, weighted, pc.dp_cp)  # every rank's own E and Q, whole local matrices
     return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master + compression, master, compression)

@@ -117,6 +117,9 @@ from lightning_4d.memory.rates import (
     LINK_LATENCY,
     POINTWISE_BYTES,
     POINTWISE_EFFICIENCY,
+    LayerShape,
+    MeshSizes,
+    StageShape,
     by_class as _by_class,
     gemm_efficiency,
     link as _link,
@@ -379,26 +382,13 @@ def attention_efficiency(block_tokens: float) -> float:
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_terms(
-    dims: tuple[int, ...],
-    tp: int,
-    cp: int,
-    b: int,
-    s: int,
-    sp: bool,
-    method: str,
-    gpu: Any,
-    gpus_per_node: int,
-    ep: int = 1,
-    dd: int = 1,
-    overlap: bool = False,
-    compile: bool = False,
-) -> tuple[float, ...]:
-    """Seconds of one layer and one micro-batch (the average over dense and MoE layers): (matmuls, attention,
-    pointwise, exposed tp collectives, exposed cp exchange, one tp collective, head + loss, MoE collectives forward,
-    MoE collectives forward + backward, the forward's exposed tp collectives); ``dd`` = dp·cp; ``overlap``:
-    ``tensor_parallel_overlap`` (with sp); ``compile``: the pointwise time at :data:`POINTWISE_FACTOR`'s compiled
-    factor, else at its eager one."""
+def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_node: int) -> tuple[float, ...]:
+    """Seconds of one layer and one micro-batch of ``shape`` (the average over dense and MoE layers): (matmuls,
+    attention, pointwise, exposed tp collectives, exposed cp exchange, one tp collective, head + loss, MoE collectives
+    forward, MoE collectives forward + backward, the forward's exposed tp collectives); ``shape.overlap``:
+    ``tensor_parallel_overlap`` (with sp); ``shape.compile``: the pointwise time at :data:`POINTWISE_FACTOR`'s
+    compiled factor, else at its eager one."""
+    tp, cp, b, s, sp, method, ep, dd, overlap, compile = shape
     h, f, d, a, k, vocab, num_layers = dims[:7]
     c = 2
     peak, hbm = gpu.peak_flops * gpu.compute_fraction, POINTWISE_EFFICIENCY * gpu.memory_bandwidth
@@ -444,7 +434,7 @@ def _layer_terms(
     )
     if not dims[7]:
         return t_mm, t_att, POINTWISE_FACTOR[compile] * t_pw, t_tp, t_cp, coll, t_head, 0.0, 0.0, t_tp_fwd
-    t_mm, t_pw, forward, both = moe.layer_times(dims, (t_mm, t_pw), tp, sp, tokens, gpu, gpus_per_node, ep, dd)
+    t_mm, t_pw, forward, both = moe.layer_times(dims, (t_mm, t_pw), shape, gpu, gpus_per_node)
     return t_mm, t_att, POINTWISE_FACTOR[compile] * t_pw, t_tp, t_cp, coll, t_head, forward, both, t_tp_fwd
 
 
@@ -467,30 +457,16 @@ def _pipeline_layers(
 
 @functools.lru_cache(maxsize=65536)
 def _pipeline_terms(
-    dims: tuple[int, ...],
-    tp: int,
-    pp: int,
-    cp: int,
-    b: int,
-    s: int,
-    sp: bool,
-    method: str,
-    schedule: str,
-    v: int,
-    split: Optional[tuple[int, ...]],
-    activation_checkpointing: str,
-    gpu: Any,
-    gpus_per_node: int,
-    ep: int = 1,
-    dd: int = 1,
-    overlap: bool = False,
-    compile: bool = False,
+    dims: tuple[int, ...], shape: LayerShape, stages: StageShape, gpu: Any, gpus_per_node: int
 ) -> tuple:
     """(t_max, compute of the slowest rank, its layers, bubble, recompute / tp / cp / MoE-collective seconds per
-    layer, layers per rank) of one micro-batch (module docstring, **Pipeline**)."""
+    layer, layers per rank) of one micro-batch of ``shape`` through the pipeline ``stages`` (module docstring,
+    **Pipeline**)."""
     num_layers = dims[6]
+    tp, sp = shape.tp, shape.sp
+    pp, schedule, v, split, activation_checkpointing = stages
     t_mm, t_att, t_pw, t_tp, t_cp, coll, t_head, t_moe_fwd, t_moe, t_tp_fwd = _layer_terms(
-        dims, tp, cp, b, s, sp, method, gpu, gpus_per_node, ep, dd, overlap, compile
+        dims, shape, gpu, gpus_per_node
     )
     ac = activation_checkpointing
     if ac == "full":
@@ -595,7 +571,8 @@ def with_float8(
     dims = model_dims(cfg)
     if dims[7]:
         return step
-    t_mm = _layer_terms(dims, pc.tp, pc.cp, b, s, pc.sp, pc.context_parallel_method, gpu, gpus_per_node)[0]
+    shape = LayerShape(pc.tp, pc.cp, b, s, pc.sp, pc.context_parallel_method)
+    t_mm = _layer_terms(dims, shape, gpu, gpus_per_node)[0]
     split = tuple(pc.pipeline_layer_split) if pc.pipeline_layer_split else None
     n_max = max(_pipeline_layers(dims[6], pc.pp, pc.pipeline_schedule, pc.v if pc.pp > 1 else 1, split)[0])
     saved = m * n_max * t_mm * (1 - 1 / FLOAT8_MATMUL_SPEEDUP[pc.float8])
@@ -619,24 +596,20 @@ def step_time_parts(
     s, sp, zero_stage = seq_length, layout.sequence_parallel, layout.zero_stage
     ep = layout.expert_parallel_size
     c = 2
-    t_max, work, n_max, bubble, t_re, t_tp, t_cp, t_moe, layers_of = _pipeline_terms(
-        dims,
+    shape = LayerShape(
         tp,
-        pp,
         cp,
         b,
         s,
         sp,
         layout.context_parallel_method,
-        layout.pipeline_schedule,
-        v,
-        layout.pipeline_layer_split,
-        layout.activation_checkpointing,
-        gpu,
-        gpus_per_node,
         *((ep, dp * cp) if dims[7] else (1, 1)),  # a dense model's terms do not depend on them: keep its cache hits
         layout.tensor_parallel_overlap and sp and tp > 1,
         layout.compile,
+    )
+    stages = StageShape(pp, layout.pipeline_schedule, v, layout.pipeline_layer_split, layout.activation_checkpointing)
+    t_max, work, n_max, bubble, t_re, t_tp, t_cp, t_moe, layers_of = _pipeline_terms(
+        dims, shape, stages, gpu, gpus_per_node
     )
     t_pp = 0.0
     if pp > 1:
@@ -646,7 +619,7 @@ def step_time_parts(
             grad = 4 * dims[5] * dims[0] / tp / (dp * cp if zero_stage >= 2 else 1)
             t_pp += 2 * _ring(grad, 2, b_pp, lat)  # all-reduce: reduce-scatter + all-gather
     rs, ag, units, t_opt = _data_parallel_terms(
-        dims, tp, pp, cp, dp, ep, zero_stage, max(layers_of), gpu, gpus_per_node
+        dims, MeshSizes(tp, pp, cp, dp, ep), zero_stage, max(layers_of), gpu, gpus_per_node
     )
     t_dp = 0.0
     if dp * cp > 1:
@@ -664,20 +637,12 @@ def step_time_parts(
 
 @functools.lru_cache(maxsize=65536)
 def _data_parallel_terms(
-    dims: tuple[int, ...],
-    tp: int,
-    pp: int,
-    cp: int,
-    dp: int,
-    ep: int,
-    zero_stage: int,
-    layers: int,
-    gpu: Any,
-    gpus_per_node: int,
+    dims: tuple[int, ...], sizes: MeshSizes, zero_stage: int, layers: int, gpu: Any, gpus_per_node: int
 ) -> tuple[float, float, int, float]:
     """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds) of the pp rank
     holding ``layers`` decoder layers: the data-parallel collectives over dp·cp of its parameters (an MoE
     model's: :func:`lightning_4d.memory.moe.data_parallel_terms`) (module docstring, **Data parallel**)."""
+    tp, pp, cp, dp, ep = sizes
     h, vocab = dims[0], dims[5]
     c = 2
     dd = dp * cp
@@ -688,7 +653,7 @@ def _data_parallel_terms(
     owned_extra = rs_extra = ag_extra = 0.0
     if dims[7]:
         params, owned_extra, rs_extra, ag_extra = moe.data_parallel_terms(
-            dims, layers, tp, ep, dd, zero_stage, _layer_params(dims), vocabulary, b_dp, lat
+            dims, layers, (tp, ep, dd), zero_stage, (_layer_params(dims), vocabulary), (b_dp, lat)
         )
     owned = params / dd + owned_extra if zero_stage >= 1 else params + owned_extra
     rs = ag = 0.0

@@ -494,26 +494,7 @@ class LlamaConfig:
             )
         if kind not in ("llama", "mixtral"):
             raise ValueError(f"{str(file)!r}: model_type={kind!r} is not supported: expected 'llama' or 'mixtral'")
-        moe: dict = {}
-        if kind == "mixtral":
-            if hf.get("sliding_window") is not None:
-                raise ValueError(
-                    f"{str(file)!r}: sliding_window={hf['sliding_window']} is not supported (our "
-                    "attention is full causal): expected null, as Mixtral 8x7B / 8x22B"
-                )
-            if hf.get("router_jitter_noise", 0.0):
-                raise ValueError(
-                    f"{str(file)!r}: router_jitter_noise={hf['router_jitter_noise']} is not supported: expected 0.0"
-                )
-            moe = dict(
-                num_experts=hf["num_local_experts"],
-                num_experts_per_token=hf.get("num_experts_per_tok", 2),
-                moe_intermediate_size=hf["intermediate_size"],
-                num_shared_experts=0,
-                moe_layer_interval=1,
-                router_score="softmax",
-                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-            )
+        moe = _mixtral_fields(hf, file) if kind == "mixtral" else {}
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"{str(file)!r}: {flag}=true is not supported (our Llama has no biases)")
@@ -525,15 +506,7 @@ class LlamaConfig:
                 f"{str(file)!r}: head_dim={hf['head_dim']} is not supported: expected hidden_size / "
                 f"num_attention_heads = {hf['hidden_size'] // heads}"
             )
-        rope = dict(hf.get("rope_parameters") or {})
-        rope.update(hf.get("rope_scaling") or {})
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            raise ValueError(f"{str(file)!r}: rope type {kind!r} is not supported: expected 'default' or 'llama3'")
-        scaling = None
-        if kind == "llama3":
-            scaling = RopeScaling(**{f.name: rope[f.name] for f in dataclasses.fields(RopeScaling) if f.name in rope})
+        theta, scaling = _rope_of(hf, file)
         fields = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -571,45 +544,53 @@ class LlamaConfig:
         if self.rope_scaling is not None:
             rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")
         if self.is_moe:
-            bad = {
-                "num_shared_experts": (self.num_shared_experts, 0),
-                "moe_layer_interval": (self.moe_layer_interval, 1),
-                "router_score": (self.router_score, "softmax"),
-                "rope_scaling": (self.rope_scaling, None),
-            }
-            for name, (value, want) in bad.items():
-                if value != want:
-                    raise ValueError(
-                        f"to_hf: {name}={value!r} has no transformers Mixtral equivalent: expected "
-                        f"{want!r} (Mixtral: every layer MoE, softmax top-k router, no shared expert, "
-                        "plain RoPE)"
-                    )
-            return {
-                "architectures": ["MixtralForCausalLM"],
-                "model_type": "mixtral",
-                "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.expert_intermediate_size,
-                "num_hidden_layers": self.num_layers,
-                "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim,
-                "max_position_embeddings": self.max_seq_length,
-                "rms_norm_eps": self.norm_eps,
-                "rope_theta": self.rope_theta,
-                "rope_parameters": rope,
-                "sliding_window": None,
-                "num_local_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_token,
-                "router_aux_loss_coef": self.router_aux_loss_coef,
-                "router_jitter_noise": 0.0,
-                "output_router_logits": False,
-                "tie_word_embeddings": self.tie_word_embeddings,
-                "initializer_range": self.initializer_range,
-                "hidden_act": "silu",
-                "attention_dropout": 0.0,
-                "torch_dtype": "float32",
-            }
+            return self._to_hf_mixtral(rope)
+        return self._to_hf_llama(rope)
+
+    def _to_hf_mixtral(self, rope: dict) -> dict:
+        """:meth:`to_hf` of a Mixture-of-Experts config (``rope``: its ``rope_parameters``)."""
+        bad = {
+            "num_shared_experts": (self.num_shared_experts, 0),
+            "moe_layer_interval": (self.moe_layer_interval, 1),
+            "router_score": (self.router_score, "softmax"),
+            "rope_scaling": (self.rope_scaling, None),
+        }
+        for name, (value, want) in bad.items():
+            if value != want:
+                raise ValueError(
+                    f"to_hf: {name}={value!r} has no transformers Mixtral equivalent: expected "
+                    f"{want!r} (Mixtral: every layer MoE, softmax top-k router, no shared expert, "
+                    "plain RoPE)"
+                )
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.expert_intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_seq_length,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "sliding_window": None,
+            "num_local_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_token,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "torch_dtype": "float32",
+        }
+
+    def _to_hf_llama(self, rope: dict) -> dict:
+        """:meth:`to_hf` of a dense config (``rope``: its ``rope_parameters``)."""
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -632,6 +613,52 @@ class LlamaConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+
+
+def _mixtral_fields(hf: dict, file: str) -> dict:
+    """:class:`LlamaConfig`'s Mixture-of-Experts fields of a transformers Mixtral ``config.json`` dict (``file``
+    names it in errors).
+
+    Raises:
+        ValueError: a sliding window or router jitter (not implemented).
+    """
+    if hf.get("sliding_window") is not None:
+        raise ValueError(
+            f"{str(file)!r}: sliding_window={hf['sliding_window']} is not supported (our "
+            "attention is full causal): expected null, as Mixtral 8x7B / 8x22B"
+        )
+    if hf.get("router_jitter_noise", 0.0):
+        raise ValueError(
+            f"{str(file)!r}: router_jitter_noise={hf['router_jitter_noise']} is not supported: expected 0.0"
+        )
+    return dict(
+        num_experts=hf["num_local_experts"],
+        num_experts_per_token=hf.get("num_experts_per_tok", 2),
+        moe_intermediate_size=hf["intermediate_size"],
+        num_shared_experts=0,
+        moe_layer_interval=1,
+        router_score="softmax",
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+def _rope_of(hf: dict, file: str) -> tuple[object, Optional[RopeScaling]]:
+    """``(rope_theta, rope scaling or None)`` of a Hugging Face ``config.json`` dict: ``rope_parameters``
+    (transformers 5) and ``rope_scaling`` (older writers) read together (``file`` names it in errors).
+
+    Raises:
+        ValueError: a rope type other than ``"default"`` and ``"llama3"``.
+    """
+    rope = dict(hf.get("rope_parameters") or {})
+    rope.update(hf.get("rope_scaling") or {})
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"{str(file)!r}: rope type {kind!r} is not supported: expected 'default' or 'llama3'")
+    scaling = None
+    if kind == "llama3":
+        scaling = RopeScaling(**{f.name: rope[f.name] for f in dataclasses.fields(RopeScaling) if f.name in rope})
+    return theta, scaling
 
 
 def divisors(n: int) -> list[int]:

@@ -62,6 +62,34 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in MODULE_WRAPPER_PREFIXES)
 
 
+def _full_weight(shape: torch.Size, std: Optional[float], seed: Optional[int], device: torch.device) -> Tensor:
+    """A parameter's full float32 tensor for :meth:`LlamaModel.init_weights`: ones (``std`` ``None``: an RMSNorm
+    weight), else ``Normal(0, std)`` drawn by a generator on ``device`` seeded with ``seed``
+    (:func:`_param_seed`)."""
+    if std is None:
+        return torch.ones(shape, dtype=torch.float32, device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    full = torch.empty(shape, dtype=torch.float32, device=device)
+    full.normal_(mean=0.0, std=std, generator=generator)
+    return full
+
+
+def _copy_piece(p: Tensor, local: Tensor, full: Tensor, local_piece: Optional[Callable[[Tensor, Any], Tensor]]) -> None:
+    """Copy this rank's piece of ``full`` into parameter ``p`` (``local``: its local tensor): a DTensor's shard,
+    ``local_piece(full, p)`` (a view: nothing beside ``full`` is allocated) or ``distribute_tensor``'s (no
+    communication: every rank drew the same ``full``), a plain tensor all of it, cast to the parameter's dtype."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor) and local_piece is not None:  # a view: nothing beside ``full`` is allocated
+        local.copy_(local_piece(full, p))
+    elif isinstance(p, DTensor):
+        shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        local.copy_(shard)
+    else:
+        p.copy_(full)
+
+
 def _param_seed(seed: int, name: str) -> int:
     """A 63-bit generator seed from ``seed`` and a parameter's canonical name, stable across processes and runs.
 
@@ -406,7 +434,7 @@ class LlamaModel(MoEModel, nn.Module):
         Raises:
             RuntimeError: a parameter is still on the meta device (call ``to_empty(device=...)`` first).
         """
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import DTensor
 
         seed = self.init_seed if seed is None else seed
         modules = dict(self.named_modules())
@@ -422,19 +450,6 @@ class LlamaModel(MoEModel, nn.Module):
             key = canonical
             if self.config.tie_word_embeddings and canonical == "output.weight":
                 key = "tok_embeddings.weight"
-            device = local.device
-            if std is None:
-                full = torch.ones(p.shape, dtype=torch.float32, device=device)
-            else:
-                generator = torch.Generator(device=device)
-                generator.manual_seed(_param_seed(seed, key))
-                full = torch.empty(p.shape, dtype=torch.float32, device=device)
-                full.normal_(mean=0.0, std=std, generator=generator)
-            if isinstance(p, DTensor) and local_piece is not None:  # a view: nothing beside ``full`` is allocated
-                local.copy_(local_piece(full, p))
-            elif isinstance(p, DTensor):
-                shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                local.copy_(shard)
-            else:
-                p.copy_(full)
+            full = _full_weight(p.shape, std, _param_seed(seed, key) if std is not None else None, local.device)
+            _copy_piece(p, local, full, local_piece)
             del full

@@ -406,21 +406,18 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
 
 def flash_attn_backward(
     dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    qkv: tuple[Tensor, Tensor, Tensor],
     out: Tensor,
     lse: Tensor,
-    dq: Tensor,
-    dk: Tensor,
-    dv: Tensor,
+    grads: tuple[Tensor, Tensor, Tensor],
     causal: bool,
     scale: float,
     deterministic: bool = False,
 ) -> None:
-    """flash-attn 2's backward of :func:`flash_attn_forward` on ``[b, s, heads, d]`` tensors, writing ``dq``, ``dk``
-    and ``dv`` (allocated by the caller) in place."""
+    """flash-attn 2's backward of :func:`flash_attn_forward` on ``[b, s, heads, d]`` tensors (``qkv``: its q, k and
+    v), writing ``grads`` = (dq, dk, dv) (allocated by the caller) in place."""
     fa = flash_attn_interface()
+    (q, k, v), (dq, dk, dv) = qkv, grads
     fa._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, deterministic)
 
 

@@ -274,19 +274,8 @@ class _Kernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        flash_attn_backward(
-            dout.transpose(1, 2).contiguous(),
-            qt,
-            kt,
-            vt,
-            out.transpose(1, 2).contiguous(),
-            lse,
-            dq,
-            dk,
-            dv,
-            causal,
-            self.scale,
-        )
+        dout_t, out_t = dout.transpose(1, 2).contiguous(), out.transpose(1, 2).contiguous()
+        flash_attn_backward(dout_t, (qt, kt, vt), out_t, lse, (dq, dk, dv), causal, self.scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 

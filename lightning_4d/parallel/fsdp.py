@@ -52,13 +52,12 @@ def apply_fsdp(
     reshard_after_forward: Optional[bool] = None,
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
-    expert_mesh: Optional[DeviceMesh] = None,
-    token_mesh: Optional[DeviceMesh] = None,
+    moe_meshes: Optional[dict[str, Optional[DeviceMesh]]] = None,
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
 
     The MoE component shards its layers first, in units of their own (:func:`lightning_4d.parallel.moe.shard_units`:
-    over ``expert_mesh`` and ``token_mesh``), and says on which dimension each parameter of the dense units is sharded
+    over the meshes of ``moe_meshes``), and says on which dimension each parameter of the dense units is sharded
     (:class:`lightning_4d.parallel.moe.ExpertPlacement`; FSDP2's default dim 0 for every dense parameter).
 
     Args:
@@ -66,10 +65,6 @@ def apply_fsdp(
         dp_cp_mesh: the 1D ``dp_cp`` mesh.
         zero_stage: 2 (``reshard_after_forward=False``) or 3 (``True``).
         blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
-        expert_mesh: the ``edp`` mesh under expert parallelism (:func:`~lightning_4d.parallel.moe.shard_units`),
-            else ``None``.
-        token_mesh: the ``dp_cp_tp`` mesh of a model with MoE layers under tp
-            (:func:`~lightning_4d.parallel.moe.shard_units`), else ``None``.
         reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
             schedules pass ``False`` for stage 3 (see ``parallelize_model``).
         param_dtype: mixed precision (``bf16-mixed``): FSDP2's ``MixedPrecisionPolicy(param_dtype=param_dtype,
@@ -79,6 +74,9 @@ def apply_fsdp(
             cast (the rotary tables stay float32). ``None``: parameters compute in their own dtype.
         reduce_dtype: the dtype gradients are reduce-scattered in (``gradient_compression="bf16"``:
             ``torch.bfloat16``); default float32 under ``param_dtype``, else the parameters' dtype.
+        moe_meshes: the meshes of the MoE layers' own units, :func:`lightning_4d.parallel.moe.fsdp_options`:
+            ``expert_mesh``, the ``edp`` mesh under expert parallelism, and ``token_mesh``, the ``dp_cp_tp`` mesh of a
+            model with MoE layers under tp (:func:`~lightning_4d.parallel.moe.shard_units`; ``None`` without).
 
     Raises:
         ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: from :func:`lightning_4d.parallel.moe.shard_units`.
@@ -94,7 +92,7 @@ def apply_fsdp(
     kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = _mixed_precision_policy(param_dtype, reduce_dtype)
-    kw = moe.shard_units(model, kw, expert_mesh, token_mesh)  # the MoE layers' own units first (docstring)
+    kw = moe.shard_units(model, kw, **(moe_meshes or {}))  # the MoE layers' own units first (docstring)
     dense = [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
     for unit in [*dense, root] if hasattr(root, "set_gradient_divide_factor") else []:

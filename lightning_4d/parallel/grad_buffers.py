@@ -56,6 +56,30 @@ class GradientGroup:
     tp_partial: bool = False
 
 
+@dataclass(frozen=True)
+class GradientReduction:
+    """How :class:`GradientBuckets` reduce beyond averaging over their group: ``ParallelConfig``'s gradient options
+    and the groups other features declare.
+
+    Attributes:
+        compression: ``"none"``, ``"bf16"`` (the buckets sent in bfloat16) or ``"powersgd"``
+            (``ParallelConfig.gradient_compression``; :class:`~lightning_4d.parallel.compression.PowerSGD`).
+        powersgd_rank, powersgd_start_step, powersgd_comm_dtype: PowerSGD's rank, first compressed step and wire
+            dtype (``ParallelConfig.powersgd_rank``, ...).
+        gradient_groups: the parameters reduced over other groups than the buckets' default one
+            (:class:`GradientGroup`; the MoE component's :func:`lightning_4d.parallel.moe.gradient_groups`): they get
+            buckets of their own over their group (averaged over D all the same), and every optimizer a
+            :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` when there is any (also at ZeRO 0: its
+            global-norm clipping counts each gradient once, and torch's would mix plain and DTensor gradients).
+    """
+
+    compression: str = "none"
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 0
+    powersgd_comm_dtype: Optional[torch.dtype] = None
+    gradient_groups: Sequence[GradientGroup] = ()
+
+
 def _buckets(
     tensors: list[Tensor],
     bucket_bytes: int,
@@ -152,7 +176,8 @@ class GradientBuckets:
     the bucket slices to the optimizer. :meth:`start_accumulation` (after each optimizer step) makes the next
     gradient overwrite instead of add.
 
-    ``gradient_groups`` (:class:`GradientGroup`) name parameters reduced over other groups: their buckets go over
+    ``reduction`` (:class:`GradientReduction`) gives the compression and the ``gradient_groups``
+    (:class:`GradientGroup`): parameters reduced over other groups, their buckets go over
     their group, and the sum over it divided by D (the default group's size). A feature whose parameters are held by
     other ranks than ``dp_cp``'s declares them so (the MoE component,
     :func:`lightning_4d.parallel.moe.gradient_groups`: a module run token parallel under tp sums over ``dp_cp x tp``,
@@ -175,16 +200,12 @@ class GradientBuckets:
         grad_dtype: Optional[torch.dtype] = None,
         bucket_bytes: Optional[int] = None,
         hooks: bool = True,
-        compression: str = "none",
-        powersgd_rank: int = 4,
-        powersgd_start_step: int = 0,
-        powersgd_comm_dtype: Optional[torch.dtype] = None,
-        gradient_groups: Sequence[GradientGroup] = (),
+        reduction: GradientReduction = GradientReduction(),
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self.compression = compression
+        self.compression = compression = reduction.compression
         self.powersgd = (
-            PowerSGD(powersgd_rank, group, powersgd_start_step, powersgd_comm_dtype)
+            PowerSGD(reduction.powersgd_rank, group, reduction.powersgd_start_step, reduction.powersgd_comm_dtype)
             if compression == "powersgd"
             else None
         )
@@ -195,7 +216,7 @@ class GradientBuckets:
         self.grad_dtype = grad_dtype
         bucket_bytes = _BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         #: the gradient groups, index 0 the default group's (``group``, not tp-partial)
-        self.gradient_groups = [GradientGroup(group, ()), *gradient_groups]
+        self.gradient_groups = [GradientGroup(group, ()), *reduction.gradient_groups]
         index_of: dict[int, int] = {}
         for i in range(len(self.gradient_groups) - 1, 0, -1):  # the first group naming a parameter wins
             index_of.update({id(p): i for p in self.gradient_groups[i].params})

@@ -115,8 +115,9 @@ def apply(family: Any, model: nn.Module, mesh: Any, config: Any) -> None:
 
 
 def fsdp_options(mesh: Any) -> dict[str, Any]:
-    """The keyword arguments of :func:`~lightning_4d.parallel.fsdp.apply_fsdp` for the MoE layers: the experts' own
-    units over ``edp`` under ep, the token-parallel MoE layers' over ``dp_cp_tp`` under tp (``None`` without)."""
+    """:func:`~lightning_4d.parallel.fsdp.apply_fsdp`'s ``moe_meshes`` (the keyword arguments of :func:`shard_units`):
+    the experts' own units over ``edp`` under ep, the token-parallel MoE layers' over ``dp_cp_tp`` under tp (``None``
+    without)."""
     return {"expert_mesh": mesh.get("edp"), "token_mesh": mesh.get("dp_cp_tp")}
 
 

@@ -240,7 +240,7 @@ def parallelize_model(
             reshard_after_forward=reshard_after_forward(config),
             param_dtype=param_dtype if family.master_weights else None,
             reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
-            **moe.fsdp_options(mesh),
+            moe_meshes=moe.fsdp_options(mesh),
         )
         for part in [c for _, c in chunks] if chunks is not None else [model]:
             blocks = [

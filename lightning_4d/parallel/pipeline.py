@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -134,6 +134,15 @@ class PrunedLayer(nn.Module):
         raise RuntimeError("this decoder layer belongs to another pipeline stage")
 
 
+class StageEnds(NamedTuple):
+    """The modules of a pipeline stage beside its decoder layers: the token embedding (the first stage), the final
+    norm and the LM head (the last stage); ``None`` where the stage holds none."""
+
+    embedding: Optional[nn.Module]
+    norm: Optional[nn.Module]
+    head: Optional[nn.Module]
+
+
 class StageChunk(nn.Module):
     """One pipeline stage of any family's model: its token embedding (first stage), decoder layers, final norm and
     LM head (last stage), the union model's own modules (shared, not copied).
@@ -156,9 +165,7 @@ class StageChunk(nn.Module):
         family: Any,
         model: nn.Module,
         layers: dict[str, nn.Module],
-        embedding: Optional[nn.Module],
-        norm: Optional[nn.Module],
-        head: Optional[nn.Module],
+        ends: StageEnds,
         sequence_shards: int,
         cp: tuple[int, int],
         hidden_size: int,
@@ -166,10 +173,10 @@ class StageChunk(nn.Module):
         super().__init__()
         self.family = family
         object.__setattr__(self, "union", model)  # not a submodule: the union's parameters keep their own names
-        self.embedding = embedding
+        self.embedding = ends.embedding
         self.layers = nn.ModuleDict(layers)
-        self.norm = norm
-        self.head = head
+        self.norm = ends.norm
+        self.head = ends.head
         self.sequence_shards, self.cp, self.hidden_size = sequence_shards, cp, hidden_size
 
     def forward(self, x: Tensor) -> Tensor:
@@ -222,14 +229,7 @@ def split_model(
     container = find_submodel(model, where.layers)
     items = layer_items(container)
     mine = config.rank_stages(len(items), pp_rank)
-    keep = {i for _, layers in mine for i in layers}
-    for i, (key, _) in enumerate(items):
-        if i in keep:
-            continue
-        if isinstance(container, nn.ModuleDict):
-            del container[key]
-        else:
-            container[i] = PrunedLayer()
+    _prune_layers(container, items, {i for _, layers in mine for i in layers})
     last_stage = config.num_stages - 1
     first, last = any(s == 0 for s, _ in mine), any(s == last_stage for s, _ in mine)
     parts = {name: find_submodel(model, getattr(where, name)) for name in ("embedding", "norm", "head")}
@@ -242,9 +242,11 @@ def split_model(
                 family,
                 model,
                 {items[i][0]: items[i][1] for i in layers},
-                parts["embedding"] if s == 0 else None,
-                parts["norm"] if s == last_stage else None,
-                parts["head"] if s == last_stage else None,
+                StageEnds(
+                    parts["embedding"] if s == 0 else None,
+                    parts["norm"] if s == last_stage else None,
+                    parts["head"] if s == last_stage else None,
+                ),
                 shards,
                 cp,
                 hidden,
@@ -254,18 +256,8 @@ def split_model(
     ]
     for _, chunk in chunks:
         chunk.comm_dtype = config.pipeline_comm_dtype
-    embedding, head = parts["embedding"], parts["head"]
-    if (
-        first
-        and last
-        and config.zero_stage >= 2
-        and getattr(head, "weight", None) is not None
-        and head.weight is embedding.weight
-    ):
-        # tied embeddings on a V schedule's rank 0 (first and last stage) under ZeRO 2/3: each stage chunk is its own
-        # FSDP2 root, and two roots cannot share a parameter, so the head gets its own copy, as on any last stage
-        # (TiedEmbedding: initialized equal, gradients summed in place). At ZeRO 0/1 the weight stays truly tied.
-        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=embedding.weight.requires_grad)
+    if first and last and config.zero_stage >= 2:
+        _untie_head(parts["embedding"], parts["head"])
     if not first:
         set_submodel(model, where.embedding, None)
     if not last:
@@ -273,6 +265,28 @@ def split_model(
         set_submodel(model, where.head, None)
     _as_union(model, chunks)
     return chunks
+
+
+def _prune_layers(container: nn.Module, items: list, keep: set[int]) -> None:
+    """Drop the decoder layers of ``container`` (``items``: :func:`~lightning_4d.module_tree.layer_items`) not in
+    ``keep``: deleted from an ``nn.ModuleDict``, replaced by a :class:`PrunedLayer` in an ``nn.ModuleList`` (the kept
+    layers keep their names)."""
+    for i, (key, _) in enumerate(items):
+        if i in keep:
+            continue
+        if isinstance(container, nn.ModuleDict):
+            del container[key]
+        else:
+            container[i] = PrunedLayer()
+
+
+def _untie_head(embedding: Optional[nn.Module], head: Optional[nn.Module]) -> None:
+    """Tied embeddings on a V schedule's rank 0 (first and last stage) under ZeRO 2/3: each stage chunk is its own
+    FSDP2 root, and two roots cannot share a parameter, so the head gets its own copy, as on any last stage
+    (:class:`TiedEmbedding`: initialized equal, gradients summed in place). At ZeRO 0/1 the weight stays truly tied
+    (not called)."""
+    if getattr(head, "weight", None) is not None and head.weight is embedding.weight:
+        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=embedding.weight.requires_grad)
 
 
 class TiedEmbedding:

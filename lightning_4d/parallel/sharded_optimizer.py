@@ -18,7 +18,7 @@ The gradients live in :mod:`lightning_4d.parallel.grad_buffers`; clipping by the
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.config import check_training_precision
 from lightning_4d.parallel._compat import all_gather_single, local_tensor as _local
 from lightning_4d.parallel.fsdp import reduced_by_fsdp
-from lightning_4d.parallel.grad_buffers import Bucket, GradientBuckets, GradientGroup
+from lightning_4d.parallel.grad_buffers import Bucket, GradientBuckets, GradientReduction
 from lightning_4d.partition import gradient_buckets_needed
 
 
@@ -73,11 +73,7 @@ def setup_zero(
     zero_stage: int,
     master_dtype: Optional[torch.dtype] = None,
     tp_rank: int = 0,
-    compression: str = "none",
-    powersgd_rank: int = 4,
-    powersgd_start_step: int = 0,
-    powersgd_comm_dtype: Optional[torch.dtype] = None,
-    gradient_groups: Sequence[GradientGroup] = (),
+    reduction: GradientReduction = GradientReduction(),
     pipelined: bool = False,
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own (:func:`zero_parameters`): their gradients in
@@ -98,15 +94,9 @@ def setup_zero(
             master weights). The buckets' hooks are then not registered yet: cast the parameters, then call
             :meth:`GradientBuckets.register_hooks`.
         tp_rank: this rank's tensor-parallel rank (tp-replicated parameters count once in the clipping norm).
-        compression, powersgd_rank, powersgd_start_step, powersgd_comm_dtype: the buckets' gradient compression
-            (``ParallelConfig.gradient_compression`` and its PowerSGD options;
-            :class:`~lightning_4d.parallel.compression.PowerSGD`).
-        gradient_groups: the parameters reduced over other groups than ``group``
-            (:class:`~lightning_4d.parallel.grad_buffers.GradientGroup`; the MoE component's
-            :func:`lightning_4d.parallel.moe.gradient_groups`): they get buckets of their own over their group
-            (averaged over D all the same, :class:`GradientBuckets`), and every optimizer a :class:`ShardedOptimizer`
-            when there is any (also at ZeRO 0: its global-norm clipping counts each gradient once, and torch's would
-            mix plain and DTensor gradients).
+        reduction: the buckets' gradient compression and the groups other features reduce their parameters over
+            (:class:`~lightning_4d.parallel.grad_buffers.GradientReduction`); with any such group every optimizer
+            gets a :class:`ShardedOptimizer` (also at ZeRO 0: its clipping counts each gradient once).
         pipelined: a pipeline schedule runs the steps (its micro-batches accumulate in the buckets).
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
@@ -117,6 +107,7 @@ def setup_zero(
         return None
     world = dist.get_world_size(group)
     tensor_parallel = any(isinstance(p, DTensor) for p in params)
+    gradient_groups = reduction.gradient_groups
     if not gradient_groups and not gradient_buckets_needed(world, master_dtype is not None, pipelined, tensor_parallel):
         return None
     shard = zero_stage == 1 and world > 1
@@ -127,11 +118,7 @@ def setup_zero(
         reduce_scatter=shard,
         grad_dtype=master_dtype,
         hooks=master_dtype is None,
-        compression=compression,
-        powersgd_rank=powersgd_rank,
-        powersgd_start_step=powersgd_start_step,
-        powersgd_comm_dtype=powersgd_comm_dtype,
-        gradient_groups=gradient_groups,
+        reduction=reduction,
     )
     # gradient groups live in buckets over other groups: only the ShardedOptimizer's clipping counts each once (and
     # torch's would mix plain and DTensor gradients)

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 from lightning_4d import FourDStrategy, ParallelConfig  # noqa: E402
 from lightning_4d.measure import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.memory.model import estimate_memory, model_state_bytes, saved_activation_bytes  # noqa: E402
+from lightning_4d.memory.workload import Workload  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
@@ -256,10 +257,12 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
             continue  # the step that also ran the schedule's shape inference
         sent, received = module.routed_rows[i]
         load = sum(received) / sum(sent) if sent else None  # this rank's, the routing that occurred (ep > 1)
-        est = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank, expert_load_imbalance=load)
+        est = saved_activation_bytes(Workload(cfg, b, s, precision, expert_load_imbalance=load), pc, pp_rank=pp_rank)
         row = {"b": b, "s": s, "measured": measured, "estimated": sum(est.values()) - est["recompute"], "parts": est}
         if sent:
-            balanced = saved_activation_bytes(cfg, pc, b, s, precision, pp_rank=pp_rank, expert_load_imbalance=1.0)
+            balanced = saved_activation_bytes(
+                Workload(cfg, b, s, precision, expert_load_imbalance=1.0), pc, pp_rank=pp_rank
+            )
             row.update(
                 sent_rows=sent,
                 received_rows=received,
@@ -276,7 +279,7 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
             for _, r in stages
         )
         if pp > 1:
-            full = estimate_memory(cfg, pc, b, s, precision, pp_rank=pp_rank, device_type="cpu")
+            full = estimate_memory(Workload(cfg, b, s, precision), pc, pp_rank=pp_rank, device_type="cpu")
             row.update(
                 measured_total=module.total_packed[i],
                 estimated_total=m * row["estimated"],

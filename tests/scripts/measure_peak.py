@@ -20,6 +20,7 @@ torch.set_num_threads(1)
 
 from lightning_4d.config import ParallelConfig  # noqa: E402
 from lightning_4d.measure import fit_and_measure  # noqa: E402
+from lightning_4d.memory.workload import Workload  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -34,11 +35,8 @@ world = int(os.environ["WORLD_SIZE"])
 pc = ParallelConfig(**json.loads(args.layout)).resolve(world)
 cfg = LlamaConfig.from_preset(args.model)
 got = fit_and_measure(
-    cfg,
+    Workload(cfg, args.micro_batch_size, args.seq_length, args.precision),
     pc,
-    args.micro_batch_size,
-    args.seq_length,
-    args.precision,
     steps=2,
     device="cpu",
     trainer_kwargs={"devices": world, "num_nodes": 1},

@@ -1,0 +1,107 @@
+"""What a training job runs, apart from its layout: the objects the memory model, the step-time model and the planner
+take beside a :class:`~lightning_4d.config.ParallelConfig`.
+
+- :class:`Workload`: the model, the batch shape (micro-batch size b, sequence length s, micro-batches per step m),
+  the precision and the optimizer: what :func:`~lightning_4d.memory.model.estimate_memory` estimates one rank of;
+- :class:`Job`: a job for the planner: the model, the GPUs (count, per node, kind), the sequence length, the global
+  batch and the precision (:func:`~lightning_4d.memory.planner.plan`);
+- :class:`Search`: which layouts of a job the planner enumerates (a fixed micro-batch size, fixed sizes, the
+  optional features it also tries: :func:`~lightning_4d.memory.planner.enumerate_layouts`).
+
+Plain containers: each function that takes one checks the values it reads, as it checked its keyword arguments.
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["Job", "Search", "Workload"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One rank's training work for the memory model, beside its layout.
+
+    Attributes:
+        model: a :class:`~lightning_4d.models.LlamaConfig` (or a preset name, where the function says so).
+        micro_batch_size: samples per micro-batch per dp rank (b).
+        seq_length: tokens per sample (s, the full sequence before cp splits it).
+        precision: ``"32-true"``, ``"bf16-mixed"`` (default), ``"bf16-true"`` or ``"16-mixed"``.
+        num_microbatches: m, micro-batches per optimizer step (default: the layout's
+            :attr:`~lightning_4d.config.ParallelConfig.microbatches`: its ``num_microbatches``, else pp; 2·pp for
+            dualpipev).
+        expert_load_imbalance: under expert parallelism, the rows the most loaded ep rank's experts receive in an MoE
+            layer over the balanced figure (the rank's own ``T·k`` assignments), >= 1.0 (at most ``ep``). Default
+            :data:`~lightning_4d.memory.moe.DEFAULT_EXPERT_LOAD_IMBALANCE` (measured on ``configs/tiny_moe.yaml``).
+        fused_optimizer: the optimizer steps in place, with no temporaries (``torch.optim.AdamW(fused=True)``,
+            :class:`~lightning_4d.tasks.CausalLMModule`'s; default); ``False``: ``AdamW(foreach=True)``, whose
+            ``_foreach_sqrt`` of the second moments holds one moment's bytes at the step.
+    """
+
+    model: Any
+    micro_batch_size: int
+    seq_length: int
+    precision: str = "bf16-mixed"
+    num_microbatches: Optional[int] = None
+    expert_load_imbalance: Optional[float] = None
+    fused_optimizer: bool = True
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job for the planner: what runs and on which GPUs.
+
+    Attributes:
+        model: a :class:`~lightning_4d.models.LlamaConfig`.
+        num_gpus: GPUs of the job; gpus_per_node: GPUs per node.
+        seq_length: tokens per sample (s).
+        global_batch_size: samples per optimizer step (b · m · dp).
+        gpu: the GPU kind (a :class:`~lightning_4d.memory.hardware.GpuSpec`, e.g. of
+            :data:`~lightning_4d.memory.hardware.GPU_PRESETS`); ``None`` where layouts are only enumerated, not timed.
+        precision: the training precision (default ``"bf16-mixed"``).
+        expert_load_imbalance, fused_optimizer: as :class:`Workload`'s, for every layout's memory estimate.
+    """
+
+    model: Any
+    num_gpus: int
+    gpus_per_node: int
+    seq_length: int
+    global_batch_size: int
+    gpu: Any = None
+    precision: str = "bf16-mixed"
+    expert_load_imbalance: Optional[float] = None
+    fused_optimizer: bool = True
+
+    def workload(self, micro_batch_size: int, num_microbatches: int) -> Workload:
+        """The :class:`Workload` of one rank of a layout with micro-batch size b and m micro-batches per step."""
+        return Workload(
+            self.model,
+            micro_batch_size,
+            self.seq_length,
+            self.precision,
+            num_microbatches,
+            self.expert_load_imbalance,
+            self.fused_optimizer,
+        )
+
+
+@dataclass(frozen=True)
+class Search:
+    """Which layouts of a :class:`Job` the planner enumerates.
+
+    Attributes:
+        micro_batch_size: keep b fixed (the memory check's suggestions keep the user's batch shape); ``None``: every
+            divisor of the samples per dp rank.
+        fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``.
+        tensor_parallel_overlap: also the layouts with ``tensor_parallel_overlap=True`` (tp > 1, sp, checkpointing
+            none or full).
+        compile: the layouts ``compile=True`` takes (checkpointing none or full), with it on.
+    """
+
+    micro_batch_size: Optional[int] = None
+    fixed: Optional[dict[str, int]] = None
+    tensor_parallel_overlap: bool = False
+    compile: bool = False
