@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_4d.contract import layout_strategy
 from lightning_4d.parallel.moe import ExpertLoadMonitor
 
 # ExpertLoadMonitor: the MoE component's callback, named here on the command line (docs/moe.md)
@@ -36,8 +37,8 @@ class TrainingSummary(L.Callback):
         sample = ""
         tokenizer = getattr(datamodule, "tokenizer", None)
         if tokenizer is not None and hasattr(pl_module, "generate"):
-            parallel_config = getattr(trainer.strategy, "parallel_config", None)
-            multiple = parallel_config.sequence_divisor if parallel_config is not None else 1
+            layout = layout_strategy(trainer.strategy)
+            multiple = layout.parallel_config.sequence_divisor if layout is not None else 1
             ids = pl_module.generate(tokenizer.encode(self.prompt), self.max_new_tokens, pad_to_multiple_of=multiple)
             sample = tokenizer.decode(ids)
         self.summary = {

@@ -30,18 +30,37 @@ sequences, which the schedule splits).
 
 **The Trainer**: ``accumulate_grad_batches`` (must be 1 under pp: the schedule accumulates over its m micro-batches).
 
+**The strategy** (:class:`LayoutStrategy`): the rest of the package (the task, the callbacks, the meters) asks "is
+this ``FourDStrategy``?" in one place, :func:`layout_strategy`, an ``isinstance`` against this abstract base class,
+which ``FourDStrategy`` subclasses; what it may then read of the strategy is the members declared there. Under any
+other Lightning strategy (DDP, one device, ...) ``layout_strategy`` answers ``None``: the task builds and initializes
+its model itself, runs no pipeline and no context parallelism, and averages the logged loss over the whole world.
+
 It imports no torch and no Lightning when loaded (Lightning's ``is_overridden`` when :meth:`TrainingInputs.of` reads),
-and of ours only the model config.
+and of ours only the model config, so that ``tasks/`` can import it without importing the strategy.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, runtime_checkable
 
 from lightning_4d.models.config import LlamaConfig
 
-__all__ = ["DataContract", "MicroBatchingStrategy", "TaskContract", "TrainingInputs"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lightning_4d.config import ParallelConfig
+
+__all__ = [
+    "DataContract",
+    "LayoutStrategy",
+    "MicroBatchingStrategy",
+    "TaskContract",
+    "TrainingInputs",
+    "layout_strategy",
+]
 
 
 class TaskContract(Protocol):
@@ -74,6 +93,70 @@ class MicroBatchingStrategy(Protocol):
     @property
     def num_microbatches(self) -> int:
         """m (1 without pp)."""
+
+
+class LayoutStrategy(ABC):
+    """A Lightning strategy that lays the model out itself over a 4D mesh: ``FourDStrategy`` subclasses it, and
+    :func:`layout_strategy` is the one test of "is this ``FourDStrategy``?" (module docstring). The members below are
+    all the rest of the package reads of such a strategy (the Lightning ``Strategy`` API aside).
+
+    A stand-in in a test may be registered instead of subclassed (``LayoutStrategy.register(cls)``), with only the
+    members the code under test reads.
+    """
+
+    #: the resolved layout (sizes, schedule, m; :class:`lightning_4d.config.ParallelConfig`)
+    parallel_config: "ParallelConfig"
+    #: build ``lightning_4d`` Llama models on the meta device (:meth:`tensor_init_context` with ``empty_init=True``):
+    #: the strategy materializes and initializes them (``CausalLMModule.configure_model``)
+    initializes_llama_models: bool = True
+    #: the pipeline schedule's runner (:class:`~lightning_4d.parallel.pipeline.PipelineRunner`; pp > 1, after setup)
+    #: whose ``train_step`` / ``eval_step`` / ``forward`` the task's steps call, or ``None``
+    pipeline: Optional[Any] = None
+    #: host bytes held by activation offloading (:class:`~lightning_4d.parallel.offload.OffloadStats`)
+    offload_stats: Any
+
+    @property
+    @abstractmethod
+    def mesh(self) -> Any:
+        """The :class:`~lightning_4d.mesh.ParallelMesh` (every process group by name).
+
+        Raises:
+            RuntimeError: before the strategy's ``setup_environment``.
+        """
+
+    @property
+    @abstractmethod
+    def dp_cp_group(self) -> Optional[Any]:
+        """The process group the loss is averaged over (``dp_cp``), ``None`` before setup."""
+
+    @property
+    @abstractmethod
+    def context_parallel_size(self) -> int:
+        """cp, the ranks that split every sequence (1 without cp)."""
+
+    @property
+    @abstractmethod
+    def context_parallel_rank(self) -> int:
+        """This rank's index in its cp group (which shard of every sequence it holds)."""
+
+    @property
+    @abstractmethod
+    def gradient_buckets(self) -> Optional[Any]:
+        """The ZeRO 0-2 gradient buckets (:class:`~lightning_4d.parallel.grad_buffers.GradientBuckets`, after
+        ``setup_optimizers``), or ``None`` (ZeRO 3, one rank, before setup)."""
+
+    @abstractmethod
+    def gather_sequence(self, x: "Tensor", dim: int = 1) -> "Tensor":
+        """The full sequence of a per-cp-rank tensor ``[b, s/cp, ...]`` (collective over the cp group)."""
+
+    @abstractmethod
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
+        """Lightning's ``Strategy.tensor_init_context``."""
+
+
+def layout_strategy(strategy: Any) -> Optional[LayoutStrategy]:
+    """``strategy`` when it is a :class:`LayoutStrategy` (``FourDStrategy``), else ``None`` (also for ``None``)."""
+    return strategy if isinstance(strategy, LayoutStrategy) else None
 
 
 def _int(value: Any) -> Optional[int]:

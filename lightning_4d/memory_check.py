@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_4d.contract import layout_strategy
 from lightning_4d.memory.hardware import parse_bytes
 from lightning_4d.memory.planner import fitting_layout_lines, format_size as _size, suggestion_line
 
@@ -423,8 +424,8 @@ class MemoryEstimatorCallback(L.Callback):
         FourDStrategy, a module with no lightning_4d Llama config, no device memory, a precision not modelled."""
         from lightning_4d.memory.model import PRECISIONS, normalize_precision
 
-        parallel_config = getattr(trainer.strategy, "parallel_config", None)
-        if parallel_config is None:
+        layout = layout_strategy(trainer.strategy)
+        if layout is None:
             self._warn_once(
                 f"MemoryEstimatorCallback: nothing checked: it estimates FourDStrategy layouts and the "
                 f"strategy is {type(trainer.strategy).__name__}. Use FourDStrategy, or remove the "
@@ -456,7 +457,7 @@ class MemoryEstimatorCallback(L.Callback):
                 f"modelled (modelled: {list(PRECISIONS)})."
             )
             return None
-        return parallel_config, cfg, memory, gpu_name, device_type, precision
+        return layout.parallel_config, cfg, memory, gpu_name, device_type, precision
 
     def _known_batch_shape(
         self, trainer: L.Trainer, pl_module: L.LightningModule, parallel_config: Any, device_type: str

@@ -33,7 +33,7 @@ from lightning_4d.config import (  # the Literal choices of the arguments below 
     POWERSGD_COMM_DTYPES,
     ParallelConfig,
 )
-from lightning_4d.contract import TrainingInputs
+from lightning_4d.contract import LayoutStrategy, TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.layout import config_kwargs, saved_layout
 from lightning_4d.memory_check import add_memory_check
@@ -68,7 +68,7 @@ from lightning_4d.parallel.sharded_optimizer import (
 from lightning_4d.precision import four_d_precision
 
 
-class FourDStrategy(ModelParallelStrategy):
+class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
     """4D parallelism for PyTorch Lightning: dp with ZeRO 0-3, tp with sequence parallelism, pp with GPipe / 1F1B /
     interleaved 1F1B / zero-bubble schedules, cp with ring or all-gather attention.
 
@@ -237,8 +237,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.offload_stats = OffloadStats()
 
     # ------------------------------------------------------------------ layout
-    # initializes_llama_models, pipeline, dp_cp_group, context_parallel_size, context_parallel_rank and
-    # gather_sequence are what CausalLMModule asks of the strategy (lightning_4d.tasks.causal_lm.LayoutStrategy)
+    # the members of lightning_4d.contract.LayoutStrategy: what the task, the callbacks and the meters read
     @property
     def mesh(self) -> ParallelMesh:
         """All process groups by name (``mesh.tp``, ``mesh.dp``, ``mesh.dp_cp``, ...); exists after
@@ -262,6 +261,12 @@ class FourDStrategy(ModelParallelStrategy):
         """This rank's index in its cp group, 0..cp-1 (0 before setup_environment): which zigzag shard of every
         sequence it holds (:func:`lightning_4d.parallel.context.shard_sequence`)."""
         return self._mesh.cp.get_local_rank() if self._mesh is not None else 0
+
+    @property
+    def gradient_buckets(self) -> Optional[GradientBuckets]:
+        """The ZeRO 0-2 gradient buckets (after ``setup_optimizers``), or ``None`` (ZeRO 3, one rank without
+        buckets, before ``setup_optimizers``)."""
+        return self._buckets
 
     @property
     def num_microbatches(self) -> int:

@@ -46,6 +46,7 @@ import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_4d.contract import layout_strategy
 from lightning_4d.parallel._compat import TorchDispatchMode, process_group_of_name, tree_flatten, unbox_process_group
 
 __all__ = ["COLLECTIVE_KINDS", "CommMeter", "CommMeterCallback", "bytes_sent"]
@@ -259,13 +260,13 @@ class CommMeterCallback(L.Callback):
     ) -> None:
         if trainer.global_step % self.every_n_steps:
             return
-        mesh = getattr(trainer.strategy, "mesh", None)
-        if mesh is None:
+        layout = layout_strategy(trainer.strategy)
+        if layout is None:
             raise ValueError(
                 "CommMeterCallback needs a strategy with a mesh (lightning_4d.FourDStrategy); got "
                 f"{type(trainer.strategy).__name__}."
             )
-        self.meter = CommMeter.for_mesh(mesh)
+        self.meter = CommMeter.for_mesh(layout.mesh)
         self.meter.__enter__()
 
     def on_train_batch_end(

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_4d.contract import layout_strategy
 from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
 from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.parallel.grad_buffers import GradientGroup
@@ -469,8 +470,8 @@ class ExpertLoadMonitor(L.Callback):
         self.peak = 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        parallel_config = getattr(trainer.strategy, "parallel_config", None)
-        if parallel_config is None or parallel_config.ep == 1 or not dist.is_initialized():
+        layout = layout_strategy(trainer.strategy)
+        if layout is None or layout.parallel_config.ep == 1 or not dist.is_initialized():
             return
         dispatches = dispatches_of(pl_module)
         ratio = torch.zeros((), dtype=torch.float64, device=pl_module.device)
