@@ -8,7 +8,8 @@ needs it; nothing changes it later. The micro-batch count m derived from it is w
 DataModule reads it back through :class:`MicroBatchingStrategy`.
 
 Every member is optional: a LightningModule or DataModule that has none of them trains with the defaults (m from the
-schedule, no sequence check before the first batch, the causal-LM loss under pp, random initial weights).
+schedule, no sequence check before the first batch, the causal-LM loss under pp, random initial weights). The package
+reads an optional member through :func:`optional_member` only, which refuses a name no protocol here declares.
 
 **The LightningModule** (:class:`TaskContract`; :class:`~lightning_4d.tasks.CausalLMModule` implements all of it):
 
@@ -57,9 +58,13 @@ __all__ = [
     "DataContract",
     "LayoutStrategy",
     "MicroBatchingStrategy",
+    "OPTIONAL_MEMBERS",
     "TaskContract",
+    "TrainerContract",
     "TrainingInputs",
+    "grad_accumulation",
     "layout_strategy",
+    "optional_member",
 ]
 
 
@@ -76,6 +81,13 @@ class TaskContract(Protocol):
     def validate_datamodule(self, datamodule: Any) -> None:
         """Raise ``ValueError`` for data the module cannot train on."""
 
+    #: the callbacks' and the memory check's (the latter may also take the batch shape from Lightning's own
+    #: ``example_input_array``)
+    example_input_array: Any
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, pad_to_multiple_of: int = 1) -> list[int]:
+        """Greedy decoding (``TrainingSummary``'s sample)."""
+
 
 class DataContract(Protocol):
     """The members a DataModule may define for ``FourDStrategy`` (module docstring), each optional."""
@@ -83,6 +95,50 @@ class DataContract(Protocol):
     seq_length: int
     micro_batch_size: int
     global_batch_size: Optional[int]
+    #: the tokenizer's vocabulary size (``CausalLMModule.validate_datamodule`` checks it against the model's)
+    vocab_size: int
+    #: ``encode(text) -> ids`` and ``decode(ids) -> text`` (``TrainingSummary``'s sample)
+    tokenizer: Any
+
+    def unigram_entropy(self) -> float:
+        """The training tokens' unigram entropy in nats per token (``TrainingSummary``)."""
+
+
+class TrainerContract(Protocol):
+    """What is read of a Trainer, which may be a stand-in holding fewer members (module docstring)."""
+
+    datamodule: Any
+    accumulate_grad_batches: int
+
+
+def _declared(*protocols: type) -> frozenset[str]:
+    return frozenset(
+        name
+        for p in protocols
+        for name in (*vars(p).get("__annotations__", {}), *(k for k, v in vars(p).items() if callable(v)))
+        if not name.startswith("_")
+    )
+
+
+#: every optional member of :class:`TaskContract`, :class:`DataContract` and :class:`TrainerContract`
+OPTIONAL_MEMBERS = _declared(TaskContract, DataContract, TrainerContract)
+
+
+def optional_member(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj.<name>``, or ``default`` where ``obj`` (a LightningModule, a DataModule or a Trainer, or ``None``) has
+    no such member: the one place the package reads a member the contract declares optional.
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`OPTIONAL_MEMBERS` (declare it in its protocol first).
+    """
+    if name not in OPTIONAL_MEMBERS:
+        raise KeyError(f"{name!r} is not an optional member of lightning_4d.contract: {sorted(OPTIONAL_MEMBERS)}")
+    return getattr(obj, name, default)
+
+
+def grad_accumulation(trainer: Any) -> int:
+    """The Trainer's ``accumulate_grad_batches`` (1 without a Trainer, or where it is unset or 0)."""
+    return int(optional_member(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
 
 
 @runtime_checkable
@@ -194,25 +250,22 @@ class TrainingInputs:
         Raises:
             ValueError: the module's ``validate_datamodule`` refuses the DataModule.
         """
-        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if datamodule is not None and hasattr(module, "validate_datamodule"):
-            module.validate_datamodule(datamodule)
-        model_config = getattr(module, "model_config", None)
-        init_from = getattr(module, "init_from", None)
+        datamodule = optional_member(trainer, "datamodule")
+        validate = optional_member(module, "validate_datamodule")
+        if datamodule is not None and validate is not None:
+            validate(datamodule)
+        model_config = optional_member(module, "model_config")
+        init_from = optional_member(module, "init_from")
         return cls(
             model_config=model_config if isinstance(model_config, LlamaConfig) else None,
             applies_own_plans=_overrides_configure_model(module),
             init_from=str(init_from) if init_from is not None else None,
-            pipeline_loss=getattr(module, "pipeline_loss", None),
-            seq_length=_int(getattr(datamodule, "seq_length", None)),
-            micro_batch_size=_int(getattr(datamodule, "micro_batch_size", None)),
-            global_batch_size=_int(getattr(datamodule, "global_batch_size", None)),
-            accumulate_grad_batches=_accumulation(trainer),
+            pipeline_loss=optional_member(module, "pipeline_loss"),
+            seq_length=_int(optional_member(datamodule, "seq_length")),
+            micro_batch_size=_int(optional_member(datamodule, "micro_batch_size")),
+            global_batch_size=_int(optional_member(datamodule, "global_batch_size")),
+            accumulate_grad_batches=grad_accumulation(trainer),
         )
-
-
-def _accumulation(trainer: Any) -> int:
-    return int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
 
 
 def _overrides_configure_model(module: Any) -> bool:

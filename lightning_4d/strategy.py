@@ -67,6 +67,9 @@ from lightning_4d.parallel.sharded_optimizer import (
 )
 from lightning_4d.precision import four_d_precision
 
+#: ``powersgd_comm_dtype`` (``lightning_4d.layout.POWERSGD_COMM_DTYPES``) -> the dtype PowerSGD's factors travel in
+_COMM_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {None: None, "bfloat16": torch.bfloat16}
+
 
 class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
     """4D parallelism for PyTorch Lightning: dp with ZeRO 0-3, tp with sequence parallelism, pp with GPipe / 1F1B /
@@ -431,7 +434,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
             compression=pc.gradient_compression,
             powersgd_rank=pc.powersgd_rank,
             powersgd_start_step=pc.powersgd_start_step,
-            powersgd_comm_dtype=getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
+            powersgd_comm_dtype=_COMM_DTYPES[pc.powersgd_comm_dtype],
             gradient_groups=moe.gradient_groups(self.model, self.mesh),
             pipelined=self.pipeline is not None,
         )
@@ -447,7 +450,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
     @property
     def _precision(self) -> Optional[str]:
         """Lightning's precision flag (``"bf16-mixed"``, ...), from the precision plugin."""
-        return getattr(self.precision_plugin, "precision", None)
+        return self.precision_plugin.precision
 
     # ------------------------------------------------------------------ training step
     @override

@@ -159,7 +159,10 @@ class CommMeter(TorchDispatchMode):
         return CommMeter(
             {
                 "dp_cp": mesh.dp_cp.get_group(),
-                **{d: getattr(mesh, d).get_group() for d in ("tp", "cp", "dp", "pp")},
+                "tp": mesh.tp.get_group(),
+                "cp": mesh.cp.get_group(),
+                "dp": mesh.dp.get_group(),
+                "pp": mesh.pp.get_group(),
                 **moe.comm_groups(mesh),
             },
             all_to_all=(*moe.ALL_TO_ALL_DIMS, "cp"),
@@ -202,7 +205,7 @@ class CommMeter(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar into plain-tensor collectives first (as CommDebugMode does)
-        namespace = getattr(func, "namespace", "")
+        namespace = func.namespace  # an OpOverload's: "aten", "c10d", "_c10d_functional", ...
         if namespace == "c10d":
             entry = _C10D.get(func._opname)
             if entry is not None:

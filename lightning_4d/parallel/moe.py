@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_4d.contract import layout_strategy
+from lightning_4d.contract import grad_accumulation, layout_strategy
 from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
 from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.parallel.grad_buffers import GradientGroup
@@ -407,7 +407,7 @@ class MoETraining:
         assert self.model is not None
         m = pipeline.num_microbatches if pipeline is not None else 1
         trainer = attached_trainer(self)
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+        accumulate = grad_accumulation(trainer)
         self.model.set_aux_loss_scale(self.model_config.router_aux_loss_coef / (m * accumulate))
         self.model.reset_moe_aux_loss()
         if pipeline is not None:  # again after the schedule's metadata inference, before its first micro-batch

@@ -232,7 +232,11 @@ def split_model(
             container[i] = PrunedLayer()
     last_stage = config.num_stages - 1
     first, last = any(s == 0 for s, _ in mine), any(s == last_stage for s, _ in mine)
-    parts = {name: find_submodel(model, getattr(where, name)) for name in ("embedding", "norm", "head")}
+    parts = {
+        "embedding": find_submodel(model, where.embedding),
+        "norm": find_submodel(model, where.norm),
+        "head": find_submodel(model, where.head),
+    }
     shards = config.tp if config.sp else 1
     hidden = family.model_config(model).hidden_size
     chunks = [

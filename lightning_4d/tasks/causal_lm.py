@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.contract import LayoutStrategy, layout_strategy
+from lightning_4d.contract import LayoutStrategy, layout_strategy, optional_member
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
@@ -144,7 +144,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
     # ------------------------------------------------------------------ checks
     def validate_datamodule(self, datamodule: Any) -> None:
         """Raise ``ValueError`` when the data's tokenizer has more tokens than the model's vocabulary."""
-        vocab = getattr(datamodule, "vocab_size", None)
+        vocab = optional_member(datamodule, "vocab_size")
         if isinstance(vocab, int) and vocab > self.model_config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {vocab} tokens but the model's vocab_size is {self.model_config.vocab_size}; set "
