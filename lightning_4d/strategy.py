@@ -408,7 +408,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
     def _tied_embedding(self) -> Optional[TiedEmbedding]:
         """The tied embedding of a pipeline-split model whose config ties it (``None`` otherwise); makes the embedding
         group (collective: every rank holds the same kind of model)."""
-        tied = [(f, m) for f, m in self._models if getattr(f.model_config(m), "tie_word_embeddings", False)]
+        tied = [(f, m) for f, m in self._models if f.model_config(m).tie_word_embeddings]
         if not tied:
             return None
         group = embedding_group(self.mesh, self.parallel_config)

@@ -174,7 +174,7 @@ def received_rows(model_config: Any, pc: Any, micro_batch_size: int, seq_length:
     """
     from lightning_4d.models.moe import capacity
 
-    if pc.ep == 1 or not getattr(model_config, "num_experts", 0):
+    if pc.ep == 1 or not model_config.num_experts:
         return 0
     tokens = micro_batch_size * (seq_length // pc.cp) // pc.tp
     n = tokens * model_config.num_experts_per_token

@@ -319,7 +319,7 @@ class TiedEmbedding:
     def of(cls, family: Any, model: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional["TiedEmbedding"]:
         """The tied embedding of a pipeline-split ``model`` (:func:`split_model`) whose config ties the embedding and
         the head (``tie_word_embeddings``), holding a copy on this rank; else ``None``."""
-        if pipeline_chunks(model) is None or not getattr(family.model_config(model), "tie_word_embeddings", False):
+        if pipeline_chunks(model) is None or not family.model_config(model).tie_word_embeddings:
             return None
         where = family.pipeline_layout(model)
 
