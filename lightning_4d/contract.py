@@ -115,7 +115,7 @@ def _declared(*protocols: type) -> frozenset[str]:
     return frozenset(
         name
         for p in protocols
-        for name in (*vars(p).get("__annotations__", {}), *(k for k, v in vars(p).items() if callable(v)))
+        for name in (*p.__annotations__, *(k for k, v in vars(p).items() if callable(v)))
         if not name.startswith("_")
     )
 
