@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import transformers
 
 from lightning_4d import FourDStrategy
+from lightning_4d.contract import layout_strategy
 from lightning_4d.data import LMDataModule
 
 
@@ -51,7 +52,8 @@ class HFLlamaLM(L.LightningModule):
                 self.model = transformers.LlamaForCausalLM(config)
 
     def training_step(self, batch, batch_idx):
-        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        layout = layout_strategy(self.trainer.strategy)  # FourDStrategy, or None under any other strategy
+        pipeline = layout.pipeline if layout is not None else None
         if pipeline is not None:  # pp > 1: the schedule runs forward + backward of all micro-batches here
             loss = pipeline.train_step(batch["input_ids"], batch["labels"])
         else:

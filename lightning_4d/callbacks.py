@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_4d.contract import layout_strategy, optional_member
 from lightning_4d.parallel.moe import ExpertLoadMonitor
 
 # ExpertLoadMonitor: the MoE component's callback, named here on the command line (docs/moe.md)
@@ -32,13 +33,15 @@ class TrainingSummary(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
         val_loss = trainer.callback_metrics.get("val_loss")
-        entropy = datamodule.unigram_entropy() if hasattr(datamodule, "unigram_entropy") else float("nan")
+        unigram_entropy = optional_member(datamodule, "unigram_entropy")
+        entropy = unigram_entropy() if unigram_entropy is not None else float("nan")
         sample = ""
-        tokenizer = getattr(datamodule, "tokenizer", None)
-        if tokenizer is not None and hasattr(pl_module, "generate"):
-            parallel_config = getattr(trainer.strategy, "parallel_config", None)
-            multiple = parallel_config.sequence_divisor if parallel_config is not None else 1
-            ids = pl_module.generate(tokenizer.encode(self.prompt), self.max_new_tokens, pad_to_multiple_of=multiple)
+        tokenizer = optional_member(datamodule, "tokenizer")
+        generate = optional_member(pl_module, "generate")
+        if tokenizer is not None and generate is not None:
+            layout = layout_strategy(trainer.strategy)
+            multiple = layout.parallel_config.sequence_divisor if layout is not None else 1
+            ids = generate(tokenizer.encode(self.prompt), self.max_new_tokens, pad_to_multiple_of=multiple)
             sample = tokenizer.decode(ids)
         self.summary = {
             "val_loss": float(val_loss) if val_loss is not None else float("nan"),

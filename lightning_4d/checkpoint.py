@@ -338,8 +338,14 @@ def check_complete(path: Path) -> dict[str, Any]:
 
 def saved_shapes(saved: dict[str, Any], prefix: str = "state_dict.") -> dict[str, tuple[int, ...]]:
     """``{key: global shape}`` of the tensors under ``prefix`` in a folder's ``state_dict_metadata`` ``saved``
-    (:func:`check_complete`), keys without the prefix."""
-    return {k[len(prefix) :]: tuple(m.size) for k, m in saved.items() if k.startswith(prefix) and hasattr(m, "size")}
+    (:func:`check_complete`), keys without the prefix (tensors only: no saved bytes object)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        k[len(prefix) :]: tuple(m.size)
+        for k, m in saved.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
 
 
 def check_same_model(
@@ -389,7 +395,7 @@ def read_folder(state: dict[str, Any], path: Path, no_dist: bool = False) -> Non
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         # DCP wraps a rank's failure in a CheckpointException (``failures``: rank -> exception)
         # (each a ``(exception, stack)`` pair)
-        for failure in [e, *getattr(e, "failures", {}).values()]:
+        for failure in [e, *(e.failures.values() if isinstance(e, CheckpointException) else ())]:
             failure = failure[0] if isinstance(failure, tuple) and failure else failure
             if isinstance(failure, UnsafeFileError):
                 raise UnsafeFileError(str(failure)) from e  # DCP wraps each rank's failure in a CheckpointException

@@ -8,7 +8,8 @@ needs it; nothing changes it later. The micro-batch count m derived from it is w
 DataModule reads it back through :class:`MicroBatchingStrategy`.
 
 Every member is optional: a LightningModule or DataModule that has none of them trains with the defaults (m from the
-schedule, no sequence check before the first batch, the causal-LM loss under pp, random initial weights).
+schedule, no sequence check before the first batch, the causal-LM loss under pp, random initial weights). The package
+reads an optional member through :func:`optional_member` only, which refuses a name no protocol here declares.
 
 **The LightningModule** (:class:`TaskContract`; :class:`~lightning_4d.tasks.CausalLMModule` implements all of it):
 
@@ -30,18 +31,41 @@ sequences, which the schedule splits).
 
 **The Trainer**: ``accumulate_grad_batches`` (must be 1 under pp: the schedule accumulates over its m micro-batches).
 
+**The strategy** (:class:`LayoutStrategy`): the rest of the package (the task, the callbacks, the meters) asks "is
+this ``FourDStrategy``?" in one place, :func:`layout_strategy`, an ``isinstance`` against this abstract base class,
+which ``FourDStrategy`` subclasses; what it may then read of the strategy is the members declared there. Under any
+other Lightning strategy (DDP, one device, ...) ``layout_strategy`` answers ``None``: the task builds and initializes
+its model itself, runs no pipeline and no context parallelism, and averages the logged loss over the whole world.
+
 It imports no torch and no Lightning when loaded (Lightning's ``is_overridden`` when :meth:`TrainingInputs.of` reads),
-and of ours only the model config.
+and of ours only the model config, so that ``tasks/`` can import it without importing the strategy.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, runtime_checkable
 
 from lightning_4d.models.config import LlamaConfig
 
-__all__ = ["DataContract", "MicroBatchingStrategy", "TaskContract", "TrainingInputs"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lightning_4d.config import ParallelConfig
+
+__all__ = [
+    "DataContract",
+    "LayoutStrategy",
+    "MicroBatchingStrategy",
+    "OPTIONAL_MEMBERS",
+    "TaskContract",
+    "TrainerContract",
+    "TrainingInputs",
+    "grad_accumulation",
+    "layout_strategy",
+    "optional_member",
+]
 
 
 class TaskContract(Protocol):
@@ -57,6 +81,13 @@ class TaskContract(Protocol):
     def validate_datamodule(self, datamodule: Any) -> None:
         """Raise ``ValueError`` for data the module cannot train on."""
 
+    #: the callbacks' and the memory check's (the latter may also take the batch shape from Lightning's own
+    #: ``example_input_array``)
+    example_input_array: Any
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, pad_to_multiple_of: int = 1) -> list[int]:
+        """Greedy decoding (``TrainingSummary``'s sample)."""
+
 
 class DataContract(Protocol):
     """The members a DataModule may define for ``FourDStrategy`` (module docstring), each optional."""
@@ -64,6 +95,50 @@ class DataContract(Protocol):
     seq_length: int
     micro_batch_size: int
     global_batch_size: Optional[int]
+    #: the tokenizer's vocabulary size (``CausalLMModule.validate_datamodule`` checks it against the model's)
+    vocab_size: int
+    #: ``encode(text) -> ids`` and ``decode(ids) -> text`` (``TrainingSummary``'s sample)
+    tokenizer: Any
+
+    def unigram_entropy(self) -> float:
+        """The training tokens' unigram entropy in nats per token (``TrainingSummary``)."""
+
+
+class TrainerContract(Protocol):
+    """What is read of a Trainer, which may be a stand-in holding fewer members (module docstring)."""
+
+    datamodule: Any
+    accumulate_grad_batches: int
+
+
+def _declared(*protocols: type) -> frozenset[str]:
+    return frozenset(
+        name
+        for p in protocols
+        for name in (*p.__annotations__, *(k for k, v in vars(p).items() if callable(v)))
+        if not name.startswith("_")
+    )
+
+
+#: every optional member of :class:`TaskContract`, :class:`DataContract` and :class:`TrainerContract`
+OPTIONAL_MEMBERS = _declared(TaskContract, DataContract, TrainerContract)
+
+
+def optional_member(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj.<name>``, or ``default`` where ``obj`` (a LightningModule, a DataModule or a Trainer, or ``None``) has
+    no such member: the one place the package reads a member the contract declares optional.
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`OPTIONAL_MEMBERS` (declare it in its protocol first).
+    """
+    if name not in OPTIONAL_MEMBERS:
+        raise KeyError(f"{name!r} is not an optional member of lightning_4d.contract: {sorted(OPTIONAL_MEMBERS)}")
+    return getattr(obj, name, default)
+
+
+def grad_accumulation(trainer: Any) -> int:
+    """The Trainer's ``accumulate_grad_batches`` (1 without a Trainer, or where it is unset or 0)."""
+    return int(optional_member(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
 
 
 @runtime_checkable
@@ -74,6 +149,70 @@ class MicroBatchingStrategy(Protocol):
     @property
     def num_microbatches(self) -> int:
         """m (1 without pp)."""
+
+
+class LayoutStrategy(ABC):
+    """A Lightning strategy that lays the model out itself over a 4D mesh: ``FourDStrategy`` subclasses it, and
+    :func:`layout_strategy` is the one test of "is this ``FourDStrategy``?" (module docstring). The members below are
+    all the rest of the package reads of such a strategy (the Lightning ``Strategy`` API aside).
+
+    A stand-in in a test may be registered instead of subclassed (``LayoutStrategy.register(cls)``), with only the
+    members the code under test reads.
+    """
+
+    #: the resolved layout (sizes, schedule, m; :class:`lightning_4d.config.ParallelConfig`)
+    parallel_config: "ParallelConfig"
+    #: build ``lightning_4d`` Llama models on the meta device (:meth:`tensor_init_context` with ``empty_init=True``):
+    #: the strategy materializes and initializes them (``CausalLMModule.configure_model``)
+    initializes_llama_models: bool = True
+    #: the pipeline schedule's runner (:class:`~lightning_4d.parallel.pipeline.PipelineRunner`; pp > 1, after setup)
+    #: whose ``train_step`` / ``eval_step`` / ``forward`` the task's steps call, or ``None``
+    pipeline: Optional[Any] = None
+    #: host bytes held by activation offloading (:class:`~lightning_4d.parallel.offload.OffloadStats`)
+    offload_stats: Any
+
+    @property
+    @abstractmethod
+    def mesh(self) -> Any:
+        """The :class:`~lightning_4d.mesh.ParallelMesh` (every process group by name).
+
+        Raises:
+            RuntimeError: before the strategy's ``setup_environment``.
+        """
+
+    @property
+    @abstractmethod
+    def dp_cp_group(self) -> Optional[Any]:
+        """The process group the loss is averaged over (``dp_cp``), ``None`` before setup."""
+
+    @property
+    @abstractmethod
+    def context_parallel_size(self) -> int:
+        """cp, the ranks that split every sequence (1 without cp)."""
+
+    @property
+    @abstractmethod
+    def context_parallel_rank(self) -> int:
+        """This rank's index in its cp group (which shard of every sequence it holds)."""
+
+    @property
+    @abstractmethod
+    def gradient_buckets(self) -> Optional[Any]:
+        """The ZeRO 0-2 gradient buckets (:class:`~lightning_4d.parallel.grad_buffers.GradientBuckets`, after
+        ``setup_optimizers``), or ``None`` (ZeRO 3, one rank, before setup)."""
+
+    @abstractmethod
+    def gather_sequence(self, x: "Tensor", dim: int = 1) -> "Tensor":
+        """The full sequence of a per-cp-rank tensor ``[b, s/cp, ...]`` (collective over the cp group)."""
+
+    @abstractmethod
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
+        """Lightning's ``Strategy.tensor_init_context``."""
+
+
+def layout_strategy(strategy: Any) -> Optional[LayoutStrategy]:
+    """``strategy`` when it is a :class:`LayoutStrategy` (``FourDStrategy``), else ``None`` (also for ``None``)."""
+    return strategy if isinstance(strategy, LayoutStrategy) else None
 
 
 def _int(value: Any) -> Optional[int]:
@@ -111,25 +250,22 @@ class TrainingInputs:
         Raises:
             ValueError: the module's ``validate_datamodule`` refuses the DataModule.
         """
-        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if datamodule is not None and hasattr(module, "validate_datamodule"):
-            module.validate_datamodule(datamodule)
-        model_config = getattr(module, "model_config", None)
-        init_from = getattr(module, "init_from", None)
+        datamodule = optional_member(trainer, "datamodule")
+        validate = optional_member(module, "validate_datamodule")
+        if datamodule is not None and validate is not None:
+            validate(datamodule)
+        model_config = optional_member(module, "model_config")
+        init_from = optional_member(module, "init_from")
         return cls(
             model_config=model_config if isinstance(model_config, LlamaConfig) else None,
             applies_own_plans=_overrides_configure_model(module),
             init_from=str(init_from) if init_from is not None else None,
-            pipeline_loss=getattr(module, "pipeline_loss", None),
-            seq_length=_int(getattr(datamodule, "seq_length", None)),
-            micro_batch_size=_int(getattr(datamodule, "micro_batch_size", None)),
-            global_batch_size=_int(getattr(datamodule, "global_batch_size", None)),
-            accumulate_grad_batches=_accumulation(trainer),
+            pipeline_loss=optional_member(module, "pipeline_loss"),
+            seq_length=_int(optional_member(datamodule, "seq_length")),
+            micro_batch_size=_int(optional_member(datamodule, "micro_batch_size")),
+            global_batch_size=_int(optional_member(datamodule, "global_batch_size")),
+            accumulate_grad_batches=grad_accumulation(trainer),
         )
-
-
-def _accumulation(trainer: Any) -> int:
-    return int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
 
 
 def _overrides_configure_model(module: Any) -> bool:

@@ -518,7 +518,7 @@ def layout_dataclass(cls: type) -> type:
     return dataclass(cls)
 
 
-def layout_strategy(cls: type) -> type:
+def layout_signature(cls: type) -> type:
     """Give ``cls`` (``FourDStrategy``, whose ``__init__`` takes its own arguments as keywords and the layout as
     ``**layout``) the signature it accepts: ``self``, every field as a keyword with its type and default, then its own
     arguments; ``__init__.__signature__`` (what ``inspect.signature``, so LightningCLI's jsonargparse, reads) and

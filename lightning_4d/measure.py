@@ -48,6 +48,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.contract import layout_strategy
 from lightning_4d.layout import config_kwargs
 from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
 from lightning_4d.memory.hardware import GIB, OverheadAllowance
@@ -55,7 +56,12 @@ from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
 from lightning_4d.memory.moe import check_expert_load_imbalance
 from lightning_4d.memory.workload import Workload
 from lightning_4d.parallel import moe
-from lightning_4d.parallel._compat import TorchDispatchMode, local_tensor as _local, tree_flatten
+from lightning_4d.parallel._compat import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    local_tensor as _local,
+    tree_flatten,
+)
 from lightning_4d.parallel.moe import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
 
 if TYPE_CHECKING:
@@ -97,8 +103,6 @@ def worst_rank(workload: Workload, pc: ParallelConfig, device_type: str = "cuda"
 # ---------------------------------------------------------------------------------------------------- CPU tracker
 def _storages(t: torch.Tensor) -> list:
     """The storages behind ``t``: a wrapper subclass (DTensor, ...) has none of its own; its inner tensors do."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         return [st for a in attrs if torch.is_tensor(x := getattr(t, a)) for st in _storages(x)]
@@ -326,7 +330,8 @@ def fit_and_measure(
     else:
         out = {"peak_allocated": tracker.peak, "peak_reserved": None}
     out.update(states)
-    out["host_offloaded"] = strategy.offload_stats.peak if hasattr(strategy, "offload_stats") else 0
+    layout = layout_strategy(strategy)
+    out["host_offloaded"] = layout.offload_stats.peak if layout is not None else 0
     out["cuda_library"] = library
     gc.collect()
     return out
@@ -379,6 +384,13 @@ def _synthetic_tokens(vocab: int, batch: int, seq_length: int, steps: int) -> An
     return Tokens()
 
 
+def _gradient_buckets(trainer: Any) -> Any:
+    """The gradient buckets of ``trainer``'s strategy (:attr:`~lightning_4d.contract.LayoutStrategy.gradient_buckets`)
+    or ``None`` (none, or not a ``FourDStrategy``)."""
+    layout = layout_strategy(trainer.strategy)
+    return layout.gradient_buckets if layout is not None else None
+
+
 def _state_bytes_callback(states: dict[str, int]) -> Any:
     """A Lightning callback that fills ``states`` with this rank's model-state bytes (:func:`model_state_tensors`,
     :func:`local_bytes`) once: ``parameters`` and ``gradients`` before the first optimizer step,
@@ -389,13 +401,13 @@ def _state_bytes_callback(states: dict[str, int]) -> Any:
     class StateBytes(L.Callback):
         def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
             if "parameters" not in states:
-                t = model_state_tensors(module, [], getattr(trainer.strategy, "_buckets", None))
+                t = model_state_tensors(module, [], _gradient_buckets(trainer))
                 states["parameters"] = local_bytes(t["parameters"])
                 states["gradients"] = local_bytes(t["gradients"])
 
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
             if "optimizer_states" not in states:
-                t = model_state_tensors(module, trainer.optimizers, getattr(trainer.strategy, "_buckets", None))
+                t = model_state_tensors(module, trainer.optimizers, _gradient_buckets(trainer))
                 states["optimizer_states"] = local_bytes(t["optimizer_states"])
                 states["master_weights"] = local_bytes(t["master_weights"])
 
@@ -657,7 +669,7 @@ def _wrapped_leaves(tensors: Iterable[Optional[Tensor]]) -> Iterable[Tensor]:
         if t is None:
             continue
         t = _local(t)
-        if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) and is_traceable_wrapper_subclass(t):
             names, _ = t.__tensor_flatten__()
             yield from _wrapped_leaves(getattr(t, n) for n in names)
         else:

@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_4d.contract import layout_strategy, optional_member
 from lightning_4d.memory.hardware import parse_bytes
 from lightning_4d.memory.planner import fitting_layout_lines, format_size as _size, suggestion_line
 from lightning_4d.memory.workload import Workload
@@ -262,7 +263,7 @@ class MemoryEstimatorCallback(L.Callback):
         from lightning_4d.families.registry import estimate_config
         from lightning_4d.models.config import LlamaConfig
 
-        cfg = getattr(pl_module, "model_config", None)
+        cfg = optional_member(pl_module, "model_config")
         return cfg if isinstance(cfg, LlamaConfig) else estimate_config(pl_module)
 
     def _batch_shape(
@@ -292,12 +293,12 @@ class MemoryEstimatorCallback(L.Callback):
             if not origin
             else f"the callback's arguments (gave {', '.join(origin)})"
         )
-        dm = getattr(trainer, "datamodule", None)
+        dm = optional_member(trainer, "datamodule")
         if missing():
             if dm is None:
                 looked.append("the DataModule's micro_batch_size and seq_length (no DataModule)")
             else:
-                b, s = getattr(dm, "micro_batch_size", None), getattr(dm, "seq_length", None)
+                b, s = optional_member(dm, "micro_batch_size"), optional_member(dm, "seq_length")
                 take(f"the DataModule ({type(dm).__name__})", b, s)
                 looked.append(
                     f"the DataModule {type(dm).__name__}'s micro_batch_size and seq_length ("
@@ -320,7 +321,7 @@ class MemoryEstimatorCallback(L.Callback):
                 take(where, rows // num_microbatches if pp > 1 else rows, s)
         if missing():
             where = "the module's example_input_array"
-            example = getattr(pl_module, "example_input_array", None)
+            example = optional_member(pl_module, "example_input_array")
             if example is None:
                 looked.append(f"{where} (not set)")
             else:
@@ -424,8 +425,8 @@ class MemoryEstimatorCallback(L.Callback):
         FourDStrategy, a module with no lightning_4d Llama config, no device memory, a precision not modelled."""
         from lightning_4d.memory.model import PRECISIONS, normalize_precision
 
-        parallel_config = getattr(trainer.strategy, "parallel_config", None)
-        if parallel_config is None:
+        layout = layout_strategy(trainer.strategy)
+        if layout is None:
             self._warn_once(
                 f"MemoryEstimatorCallback: nothing checked: it estimates FourDStrategy layouts and the "
                 f"strategy is {type(trainer.strategy).__name__}. Use FourDStrategy, or remove the "
@@ -457,7 +458,7 @@ class MemoryEstimatorCallback(L.Callback):
                 f"modelled (modelled: {list(PRECISIONS)})."
             )
             return None
-        return parallel_config, cfg, memory, gpu_name, device_type, precision
+        return layout.parallel_config, cfg, memory, gpu_name, device_type, precision
 
     def _known_batch_shape(
         self, trainer: L.Trainer, pl_module: L.LightningModule, parallel_config: Any, device_type: str
@@ -519,8 +520,13 @@ class MemoryEstimatorCallback(L.Callback):
             est,
             est.total,
             {
-                k: getattr(est, k)
-                for k in ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
+                "parameters": est.parameters,
+                "gradients": est.gradients,
+                "optimizer_states": est.optimizer_states,
+                "activations": est.activations,
+                "logits": est.logits,
+                "buffers": est.buffers,
+                "overhead": est.overhead,
             },
         )
 
@@ -582,10 +588,9 @@ def _steps_with_fused_adamw(pl_module: Any, trainer: Any = None) -> bool:
     """Whether ``pl_module`` configures :class:`~lightning_4d.tasks.CausalLMModule`'s optimizer and that is a fused
     AdamW under ``trainer`` (``CausalLMModule.uses_fused_adamw``: no temporaries at the step); any other optimizer is
     estimated as ``foreach`` AdamW (one moment's bytes of temporaries), the larger of torch's defaults."""
-    method = getattr(type(pl_module), "configure_optimizers", None)
-    # by name: memory/ imports no task (tests/test_imports.py)
-    ours = (getattr(method, "__module__", None), getattr(method, "__qualname__", None)) == (
-        "lightning_4d.tasks.causal_lm",
-        "CausalLMModule.configure_optimizers",
+    from lightning_4d.tasks.causal_lm import CausalLMModule
+
+    ours = isinstance(pl_module, CausalLMModule) and (
+        type(pl_module).configure_optimizers is CausalLMModule.configure_optimizers
     )
     return ours and (trainer is None or bool(pl_module.uses_fused_adamw(trainer)))

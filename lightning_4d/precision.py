@@ -92,6 +92,18 @@ class FourDPrecision(Precision):
 
 @lru_cache(maxsize=None)
 def _four_d_class(base: type) -> type:
+    """``FourD<base>``: ``FourDPrecision`` first in the method order, then ``base`` (the Trainer's plugin class).
+
+    Built at run time because nothing simpler keeps the Trainer's plugin what it is: the plugin's class is chosen
+    by the Trainer from the precision flag, and may be any subclass of ``Precision`` (Lightning's ``MixedPrecision``,
+    ``HalfPrecision``, ``DoublePrecision``, ``TransformerEnginePrecision``, ``BitsandbytesPrecision``, or a user's own
+    passed through ``plugins=``); Lightning and this package test it with ``isinstance`` (``MixedPrecision`` decides
+    whether a fused optimizer may be clipped, ``CausalLMModule.uses_fused_adamw``), and its methods read its own state
+    (``scaler``, ``precision``, ...). A class written out per Lightning plugin misses a user's plugin; a wrapper
+    holding the plugin fails those ``isinstance`` tests and must forward every attribute; setting our methods on the
+    instance patches the plugin. One cached subclass per plugin class (``lru_cache``) is the way Lightning's own
+    ``LightningOptimizer`` wraps the optimizer's class.
+    """
     return type(f"FourD{base.__name__}", (FourDPrecision, base), {})
 
 

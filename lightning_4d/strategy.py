@@ -24,9 +24,9 @@ from typing_extensions import override
 
 import lightning_4d.checkpoint as _checkpoint
 from lightning_4d.config import ParallelConfig
-from lightning_4d.contract import TrainingInputs
+from lightning_4d.contract import LayoutStrategy, TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
-from lightning_4d.layout import layout_of, layout_strategy, saved_layout
+from lightning_4d.layout import layout_of, layout_signature, saved_layout
 from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh, embedding_group
 from lightning_4d.parallel import moe
@@ -58,9 +58,12 @@ from lightning_4d.parallel.sharded_optimizer import (
 )
 from lightning_4d.precision import four_d_precision
 
+#: ``powersgd_comm_dtype`` (``lightning_4d.layout.POWERSGD_COMM_DTYPES``) -> the dtype PowerSGD's factors travel in
+_COMM_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {None: None, "bfloat16": torch.bfloat16}
 
-@layout_strategy
-class FourDStrategy(ModelParallelStrategy):
+
+@layout_signature
+class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
     """4D parallelism for PyTorch Lightning: dp with ZeRO 0-3, tp with sequence parallelism, pp with GPipe / 1F1B /
     interleaved 1F1B / zero-bubble schedules, cp with ring or all-gather attention.
 
@@ -153,8 +156,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.offload_stats = OffloadStats()
 
     # ------------------------------------------------------------------ layout
-    # initializes_llama_models, pipeline, dp_cp_group, context_parallel_size, context_parallel_rank and
-    # gather_sequence are what CausalLMModule asks of the strategy (lightning_4d.tasks.causal_lm.LayoutStrategy)
+    # the members of lightning_4d.contract.LayoutStrategy: what the task, the callbacks and the meters read
     @property
     def mesh(self) -> ParallelMesh:
         """All process groups by name (``mesh.tp``, ``mesh.dp``, ``mesh.dp_cp``, ...); exists after
@@ -178,6 +180,12 @@ class FourDStrategy(ModelParallelStrategy):
         """This rank's index in its cp group, 0..cp-1 (0 before setup_environment): which zigzag shard of every
         sequence it holds (:func:`lightning_4d.parallel.context.shard_sequence`)."""
         return self._mesh.cp.get_local_rank() if self._mesh is not None else 0
+
+    @property
+    def gradient_buckets(self) -> Optional[GradientBuckets]:
+        """The ZeRO 0-2 gradient buckets (after ``setup_optimizers``), or ``None`` (ZeRO 3, one rank without
+        buckets, before ``setup_optimizers``)."""
+        return self._buckets
 
     @property
     def num_microbatches(self) -> int:
@@ -316,7 +324,7 @@ class FourDStrategy(ModelParallelStrategy):
     def _tied_embedding(self) -> Optional[TiedEmbedding]:
         """The tied embedding of a pipeline-split model whose config ties it (``None`` otherwise); makes the embedding
         group (collective: every rank holds the same kind of model)."""
-        tied = [(f, m) for f, m in self._models if getattr(f.model_config(m), "tie_word_embeddings", False)]
+        tied = [(f, m) for f, m in self._models if f.model_config(m).tie_word_embeddings]
         if not tied:
             return None
         group = embedding_group(self.mesh, self.parallel_config)
@@ -343,7 +351,7 @@ class FourDStrategy(ModelParallelStrategy):
                 pc.gradient_compression,
                 pc.powersgd_rank,
                 pc.powersgd_start_step,
-                getattr(torch, pc.powersgd_comm_dtype) if pc.powersgd_comm_dtype else None,
+                _COMM_DTYPES[pc.powersgd_comm_dtype],
                 moe.gradient_groups(self.model, self.mesh),
             ),
             pipelined=self.pipeline is not None,
@@ -360,7 +368,7 @@ class FourDStrategy(ModelParallelStrategy):
     @property
     def _precision(self) -> Optional[str]:
         """Lightning's precision flag (``"bf16-mixed"``, ...), from the precision plugin."""
-        return getattr(self.precision_plugin, "precision", None)
+        return self.precision_plugin.precision
 
     # ------------------------------------------------------------------ training step
     @override

@@ -18,6 +18,7 @@ from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.models.llama import canonical_name
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
+from tests._fakes import FakeLayoutStrategy
 from tests._launch import measure_json
 
 TINY = LlamaConfig.from_preset("tiny-test")  # h=64, f=128, L=2, a=4, k=2, V=256
@@ -354,7 +355,7 @@ def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memor
         activation_offload_layers=10,
     )
     trainer = SimpleNamespace(
-        strategy=SimpleNamespace(parallel_config=job),
+        strategy=FakeLayoutStrategy(parallel_config=job),
         precision="bf16-mixed",
         datamodule=SimpleNamespace(micro_batch_size=1, seq_length=4096),
         accumulate_grad_batches=1,

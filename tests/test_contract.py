@@ -89,3 +89,60 @@ def test_a_strategy_without_micro_batches_gives_the_datamodule_one():
     assert not isinstance(Plain(), MicroBatchingStrategy)
     assert LMDataModule(seq_length=32, micro_batch_size=2)._num_microbatches() == 1
     assert ParallelConfig().microbatches == 1
+
+
+def test_is_this_four_d_strategy_has_one_answer():
+    """``layout_strategy``: ``FourDStrategy`` (a ``LayoutStrategy``, instantiable: it implements every abstract
+    member) is one; Lightning's own strategies, ``None`` and a look-alike with the same attributes are not."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    from lightning_4d.contract import LayoutStrategy, layout_strategy
+
+    strategy = FourDStrategy()
+    assert isinstance(strategy, LayoutStrategy) and layout_strategy(strategy) is strategy
+    assert strategy.gradient_buckets is None and strategy.initializes_llama_models
+    for other in (DDPStrategy(), ModelParallelStrategy(), SingleDeviceStrategy("cpu"), None):
+        assert layout_strategy(other) is None
+    assert layout_strategy(SimpleNamespace(parallel_config=ParallelConfig(), initializes_llama_models=True)) is None
+
+
+def test_optional_members_are_declared_in_the_contract():
+    """``optional_member`` reads only what the contract's protocols declare, with a default where it is missing."""
+    from types import SimpleNamespace
+
+    from lightning_4d.contract import OPTIONAL_MEMBERS, grad_accumulation, optional_member
+
+    assert {"model_config", "seq_length", "vocab_size", "datamodule", "accumulate_grad_batches"} <= OPTIONAL_MEMBERS
+    assert optional_member(SimpleNamespace(seq_length=8), "seq_length") == 8
+    assert optional_member(SimpleNamespace(), "seq_length") is None and optional_member(None, "tokenizer", 3) == 3
+    with pytest.raises(KeyError, match="not an optional member"):
+        optional_member(SimpleNamespace(secret=1), "secret")
+    assert grad_accumulation(None) == 1 and grad_accumulation(SimpleNamespace(accumulate_grad_batches=4)) == 4
+    assert grad_accumulation(SimpleNamespace()) == 1
+
+
+def test_nothing_is_stamped_on_modules_and_no_private_name_is_read_across_modules():
+    """No ``lightning_4d`` module writes an attribute named ``_lightning_4d...`` onto another object, nor reads one
+    of this package's private members through ``getattr(obj, "_name")`` (the strategy's buckets have the public
+    ``gradient_buckets``)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "lightning_4d"
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_lightning_4d"):
+                bad.append(f"{path.name}:{node.lineno}: .{node.attr}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and str(node.args[1].value).startswith(("_lightning_4d", "_buckets"))
+            ):
+                bad.append(f"{path.name}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    assert not bad, bad

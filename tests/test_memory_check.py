@@ -11,6 +11,7 @@ import pytest
 from lightning_4d import MemoryBudgetExceeded, MemoryEstimatorCallback
 from lightning_4d.memory.hardware import GPU_PRESETS, gpu_spec, parse_bytes
 from lightning_4d.memory.workload import Workload
+from tests._fakes import FakeLayoutStrategy
 from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
 
 
@@ -302,7 +303,7 @@ def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
     monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
     job = ParallelConfig(data_parallel_size=8, zero_stage=1)
     trainer = SimpleNamespace(
-        strategy=SimpleNamespace(parallel_config=job),
+        strategy=FakeLayoutStrategy(parallel_config=job),
         precision="bf16-mixed",
         datamodule=SimpleNamespace(micro_batch_size=1, seq_length=8192),
         accumulate_grad_batches=1,
@@ -683,7 +684,9 @@ def test_what_cannot_be_checked_is_said_once(in_process_fit):
     from lightning_4d import ParallelConfig
 
     trainer = SimpleNamespace(
-        strategy=SimpleNamespace(parallel_config=ParallelConfig(data_parallel_size=1), root_device=torch.device("cpu")),
+        strategy=FakeLayoutStrategy(
+            parallel_config=ParallelConfig(data_parallel_size=1), root_device=torch.device("cpu")
+        ),
         precision="64-true",
     )
     with pytest.warns(UserWarning, match=r"nothing checked: precision '64-true' is not modelled"):
@@ -768,7 +771,7 @@ def test_fused_adamw_has_no_step_temporaries_and_the_callback_knows_which_optimi
 
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-    four_d, other = SimpleNamespace(parallel_config=ParallelConfig()), SimpleNamespace()
+    four_d, other = FakeLayoutStrategy(parallel_config=ParallelConfig()), SimpleNamespace()
     bf16, fp16 = MixedPrecision("bf16-mixed", "cpu"), MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
     uses = CausalLMModule.uses_fused_adamw
     assert uses(SimpleNamespace(strategy=four_d, precision_plugin=bf16))

@@ -523,15 +523,17 @@ def test_tiny_model_trains():
 
 
 def test_task_builds_on_meta_only_for_a_strategy_that_initializes_llama_models():
-    """CausalLMModule.configure_model: a strategy with ``initializes_llama_models`` (FourDStrategy) gets the model on
-    the meta device; under any other strategy (here one whose tensor_init_context would give the meta device, as
-    Lightning's FSDPStrategy / ModelParallelStrategy do for empty_init=True) the task initializes the weights itself,
-    equal to LlamaModel(cfg, init_seed)."""
+    """CausalLMModule.configure_model: a ``LayoutStrategy`` whose ``initializes_llama_models`` is true (FourDStrategy)
+    gets the model on the meta device; under any other strategy (here one whose tensor_init_context would give the
+    meta device, as Lightning's FSDPStrategy / ModelParallelStrategy do for empty_init=True), or a ``LayoutStrategy``
+    that does not initialize Llama models, the task initializes the weights itself, equal to LlamaModel(cfg,
+    init_seed)."""
     from contextlib import contextmanager
     from types import SimpleNamespace
 
     from lightning_4d import FourDStrategy
     from lightning_4d.tasks import CausalLMModule
+    from tests._fakes import FakeLayoutStrategy
 
     @contextmanager
     def meta_when_empty(empty_init=None):
@@ -541,9 +543,11 @@ def test_task_builds_on_meta_only_for_a_strategy_that_initializes_llama_models()
     assert FourDStrategy.initializes_llama_models
     cfg = LlamaConfig.from_preset("tiny-test")
     reference = LlamaModel(cfg, init_seed=3)
-    for initializes, meta in ((True, True), (False, False)):
+    layout = FakeLayoutStrategy(tensor_init_context=meta_when_empty, initializes_llama_models=True)
+    other = SimpleNamespace(tensor_init_context=meta_when_empty)
+    not_initializing = FakeLayoutStrategy(tensor_init_context=meta_when_empty, initializes_llama_models=False)
+    for strategy, meta in ((layout, True), (other, False), (not_initializing, False)):
         module = CausalLMModule(cfg, init_seed=3)
-        strategy = SimpleNamespace(tensor_init_context=meta_when_empty, initializes_llama_models=initializes)
         module._trainer = SimpleNamespace(strategy=strategy)
         module.configure_model()
         assert all(p.is_meta == meta for p in module.model.parameters())

@@ -37,6 +37,7 @@ transformers is imported only inside the functions that call it: the model is re
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,6 +56,10 @@ from lightning_4d.parallel.tensor import TensorParallelPlan
 #: the name of our attention function in transformers' ``AttentionInterface``
 ATTENTION = "lightning_4d"
 _TP_STYLES = ("colwise", "rowwise")
+#: the attention modules ``apply_context_parallel`` put under cp -> ``(cp process group, cp method)``, read by
+#: :func:`attention` (a registry, so that nothing is written onto transformers' modules; weak, so that it keeps no
+#: model alive)
+_CONTEXT_PARALLEL: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, str]]" = weakref.WeakKeyDictionary()
 
 
 def has_class_name(module: nn.Module, class_name: str) -> bool:
@@ -74,7 +79,7 @@ def attention(
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature: ``query`` ``[b, heads, s_local, d]``, ``key`` / ``value``
     ``[b, kv_heads, s_local, d]`` (local heads under tp) -> ``([b, s_local, heads, d], None)``. Causal over the full
-    sequence: under cp (``module._lightning_4d_cp = (group, method)``) through
+    sequence: under cp (``module`` in ``_CONTEXT_PARALLEL``, set by ``apply_context_parallel``) through
     :func:`~lightning_4d.parallel.context.context_parallel_attention`, else
     :func:`~lightning_4d.models.attention_backends.sdpa_causal` (our Llama's SDPA call: grouped-query by ``enable_gqa``,
     or with the kv heads repeated in float32 on CUDA, where ``enable_gqa`` takes the math kernel). The scale is
@@ -88,7 +93,7 @@ def attention(
         raise ValueError(f"attention dropout={dropout} is not supported under tp / cp (Llama trains without)")
     if scaling is not None and abs(scaling - d**-0.5) > 1e-12 * d:
         raise ValueError(f"attention scaling={scaling} is not supported: expected 1/sqrt(head_dim) = {d**-0.5}")
-    cp = getattr(module, "_lightning_4d_cp", None)
+    cp = _CONTEXT_PARALLEL.get(module)
     if cp is not None:
         group, method = cp
         out = context_parallel_attention(
@@ -260,7 +265,7 @@ class HFLlamaFamily(ModelFamily):
         group = cp_mesh.get_group()
         for m in model.modules():
             if has_class_name(m, "LlamaAttention"):
-                m._lightning_4d_cp = (group, method)
+                _CONTEXT_PARALLEL[m] = (group, method)
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         """Lightning's materialization (``to_empty`` then each module's ``reset_parameters``), then the rotary tables,

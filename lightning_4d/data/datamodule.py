@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_4d.contract import MicroBatchingStrategy
+from lightning_4d.contract import MicroBatchingStrategy, grad_accumulation
 from lightning_4d.data.corpus import (
     resolve_text_files,
     split_files,
@@ -267,7 +267,7 @@ class LMDataModule(L.LightningDataModule):
         try:
             kwargs = strategy.distributed_sampler_kwargs
         except Exception:  # e.g. a strategy whose process groups / mesh do not exist yet
-            if getattr(trainer, "world_size", 1) > 1:
+            if trainer.world_size > 1:
                 rank_zero_warn(
                     "LMDataModule: could not read the strategy's distributed_sampler_kwargs; assuming 1 "
                     "data-parallel rank for the batch arithmetic and leaving the sampler to Lightning"
@@ -292,8 +292,7 @@ class LMDataModule(L.LightningDataModule):
         return m if isinstance(m, int) and m >= 1 else 1
 
     def _accumulation(self) -> int:
-        trainer = self.trainer
-        return int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+        return grad_accumulation(self.trainer)
 
     # ------------------------------------------------------------------ Lightning hooks
     def prepare_data(self) -> None:

@@ -72,17 +72,19 @@ def hf_load(state: dict[str, torch.Tensor], reader: Any, path: Path) -> None:
             the tensor, both shapes or dtypes and the directory), or a read failure, naming the directory.
     """
     from torch.distributed.checkpoint import CheckpointException, load as dcp_load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = reader.read_metadata().state_dict_metadata
     for key, target in state.items():
         meta = saved.get(key)
-        size = tuple(getattr(meta, "size", ()))
+        tensor = meta if isinstance(meta, TensorStorageMetadata) else None  # None: absent, or saved bytes
+        size = tuple(tensor.size) if tensor is not None else ()
         if meta is not None and size != tuple(target.shape):
             raise ValueError(
                 f"Hugging Face directory {str(path)!r}: tensor {key!r} has shape {size}, the model's is "
                 f"{tuple(target.shape)}: it is not a checkpoint of this model config"
             )
-        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        dtype = tensor.properties.dtype if tensor is not None else None
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(
                 f"Hugging Face directory {str(path)!r}: tensor {key!r} is {dtype} (the model's {target.dtype}): "

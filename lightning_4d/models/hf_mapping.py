@@ -118,7 +118,7 @@ def param_names(config: Any) -> list[str]:
     excluded)."""
     names = ["tok_embeddings.weight"]
     for i in range(config.num_layers):
-        if getattr(config, "is_moe", False) and config.is_moe_layer(i):
+        if config.is_moe_layer(i):
             names += [f"layers.{i}.{m}.weight" for m in HF_LAYER if not m.startswith("feed_forward.")]
             names.append(f"layers.{i}.{HF_MOE_ROUTER[0]}.weight")
             names += [f"layers.{i}.feed_forward.experts.{w}" for w in EXPERT_WEIGHTS]

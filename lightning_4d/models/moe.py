@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_4d.models.config import LlamaConfig
 
@@ -246,7 +247,7 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.metadata_inference:  # a pipeline schedule's shape inference: no collective, no record
-            return x.to_local() if hasattr(x, "to_local") else x
+            return x.to_local() if isinstance(x, DTensor) else x
         if self.token_parallel is not None:  # tp: this rank's s/t tokens (module docstring)
             return self.token_parallel(x, self._forward)
         return self._forward(x)

@@ -46,6 +46,7 @@ import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_4d.contract import layout_strategy
 from lightning_4d.parallel._compat import TorchDispatchMode, process_group_of_name, tree_flatten, unbox_process_group
 
 __all__ = ["COLLECTIVE_KINDS", "CommMeter", "CommMeterCallback", "bytes_sent"]
@@ -158,7 +159,10 @@ class CommMeter(TorchDispatchMode):
         return CommMeter(
             {
                 "dp_cp": mesh.dp_cp.get_group(),
-                **{d: getattr(mesh, d).get_group() for d in ("tp", "cp", "dp", "pp")},
+                "tp": mesh.tp.get_group(),
+                "cp": mesh.cp.get_group(),
+                "dp": mesh.dp.get_group(),
+                "pp": mesh.pp.get_group(),
                 **moe.comm_groups(mesh),
             },
             all_to_all=(*moe.ALL_TO_ALL_DIMS, "cp"),
@@ -201,7 +205,7 @@ class CommMeter(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar into plain-tensor collectives first (as CommDebugMode does)
-        namespace = getattr(func, "namespace", "")
+        namespace = func.namespace  # an OpOverload's: "aten", "c10d", "_c10d_functional", ...
         if namespace == "c10d":
             entry = _C10D.get(func._opname)
             if entry is not None:
@@ -259,13 +263,13 @@ class CommMeterCallback(L.Callback):
     ) -> None:
         if trainer.global_step % self.every_n_steps:
             return
-        mesh = getattr(trainer.strategy, "mesh", None)
-        if mesh is None:
+        layout = layout_strategy(trainer.strategy)
+        if layout is None:
             raise ValueError(
                 "CommMeterCallback needs a strategy with a mesh (lightning_4d.FourDStrategy); got "
                 f"{type(trainer.strategy).__name__}."
             )
-        self.meter = CommMeter.for_mesh(mesh)
+        self.meter = CommMeter.for_mesh(layout.mesh)
         self.meter.__enter__()
 
     def on_train_batch_end(

@@ -148,7 +148,7 @@ def shard_experts(experts: nn.Module, ep_mesh: Any, names: tuple[str, ...] = ("w
 
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for name in names:
-        p = getattr(experts, name)
+        p = experts.get_parameter(name)
         if p.shape[0] % ep:
             raise ValueError(f"{name}: {p.shape[0]} experts cannot be split over expert_parallel_size={ep}")
         rows = p.shape[0] // ep

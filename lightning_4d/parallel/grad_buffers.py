@@ -297,6 +297,10 @@ class GradientBuckets:
         """The flat gradient buffers that exist now (for byte counts)."""
         return [b.buffer for b in self.buckets if b.buffer is not None]
 
+    def holds(self, p: Tensor) -> bool:
+        """Whether ``p`` (a parameter, by identity) has a place in one of the buckets."""
+        return id(p) in self._bucket_of
+
     def bucket_of(self, p: Tensor) -> tuple[Bucket, int]:
         """(the bucket holding ``p``, ``p``'s offset in it)."""
         b = self.buckets[self._bucket_of[id(p)]]

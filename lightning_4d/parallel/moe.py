@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_4d.contract import grad_accumulation, layout_strategy
 from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
 from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.parallel.grad_buffers import GradientGroup
@@ -174,7 +175,7 @@ def received_rows(model_config: Any, pc: Any, micro_batch_size: int, seq_length:
     """
     from lightning_4d.models.moe import capacity
 
-    if pc.ep == 1 or not getattr(model_config, "num_experts", 0):
+    if pc.ep == 1 or not model_config.num_experts:
         return 0
     tokens = micro_batch_size * (seq_length // pc.cp) // pc.tp
     n = tokens * model_config.num_experts_per_token
@@ -407,7 +408,7 @@ class MoETraining:
         assert self.model is not None
         m = pipeline.num_microbatches if pipeline is not None else 1
         trainer = attached_trainer(self)
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+        accumulate = grad_accumulation(trainer)
         self.model.set_aux_loss_scale(self.model_config.router_aux_loss_coef / (m * accumulate))
         self.model.reset_moe_aux_loss()
         if pipeline is not None:  # again after the schedule's metadata inference, before its first micro-batch
@@ -470,8 +471,8 @@ class ExpertLoadMonitor(L.Callback):
         self.peak = 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        parallel_config = getattr(trainer.strategy, "parallel_config", None)
-        if parallel_config is None or parallel_config.ep == 1 or not dist.is_initialized():
+        layout = layout_strategy(trainer.strategy)
+        if layout is None or layout.parallel_config.ep == 1 or not dist.is_initialized():
             return
         dispatches = dispatches_of(pl_module)
         ratio = torch.zeros((), dtype=torch.float64, device=pl_module.device)

@@ -10,6 +10,7 @@ Materialization (the family's; for our Llama the layout-independent initializati
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -35,6 +36,10 @@ from lightning_4d.parallel.pipeline import (
     sync_chunk_layers,
 )
 from lightning_4d.parallel.tensor import apply_tensor_parallel
+
+#: the models :func:`parallelize_model` has laid out (a registry, so that nothing is written onto the user's module;
+#: weak, so that it keeps no model alive)
+_PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def validate_against_module(
@@ -249,7 +254,7 @@ def parallelize_model(
                 if any(True for _ in b.parameters())
             ]
             apply_fsdp(part, mesh.dp_cp, config.zero_stage, blocks=blocks, **fsdp)
-    model._lightning_4d_parallelized = True  # type: ignore[assignment]
+    _PARALLELIZED.add(model)
     return chunks
 
 
@@ -258,7 +263,7 @@ def is_parallelized(module: nn.Module) -> bool:
     FSDP2 modules or DTensor parameters inside it)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if getattr(module, "_lightning_4d_parallelized", False):
+    if module in _PARALLELIZED:
         return True
     return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
         isinstance(p, DTensor) for p in module.parameters()

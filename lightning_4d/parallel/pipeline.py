@@ -232,7 +232,11 @@ def split_model(
     _prune_layers(container, items, {i for _, layers in mine for i in layers})
     last_stage = config.num_stages - 1
     first, last = any(s == 0 for s, _ in mine), any(s == last_stage for s, _ in mine)
-    parts = {name: find_submodel(model, getattr(where, name)) for name in ("embedding", "norm", "head")}
+    parts = {
+        "embedding": find_submodel(model, where.embedding),
+        "norm": find_submodel(model, where.norm),
+        "head": find_submodel(model, where.head),
+    }
     shards = config.tp if config.sp else 1
     hidden = family.model_config(model).hidden_size
     chunks = [
@@ -329,7 +333,7 @@ class TiedEmbedding:
     def of(cls, family: Any, model: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional["TiedEmbedding"]:
         """The tied embedding of a pipeline-split ``model`` (:func:`split_model`) whose config ties the embedding and
         the head (``tie_word_embeddings``), holding a copy on this rank; else ``None``."""
-        if pipeline_chunks(model) is None or not getattr(family.model_config(model), "tie_word_embeddings", False):
+        if pipeline_chunks(model) is None or not family.model_config(model).tie_word_embeddings:
             return None
         where = family.pipeline_layout(model)
 

@@ -191,7 +191,7 @@ class ShardedOptimizer:
         _SHARDED_OPTIMIZERS[optimizer] = self
 
     def _make_shard(self, p: Tensor) -> None:
-        if id(p) not in self.buckets._bucket_of:
+        if not self.buckets.holds(p):
             raise ValueError(
                 f"the optimizer holds a parameter of shape {tuple(p.shape)} that is frozen or owned by FSDP2: ZeRO 1 "
                 "and master weights need every optimizer parameter to be trainable and outside FSDP2 units."

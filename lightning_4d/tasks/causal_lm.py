@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from pathlib import Path
-from typing import Any, ContextManager, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_4d.contract import LayoutStrategy, layout_strategy, optional_member
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.memory.hardware import peak_flops_of_device
 from lightning_4d.models.config import LlamaConfig
@@ -22,54 +23,6 @@ from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.moe import MoETraining
 from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.metrics import TokenMeanLoss
-
-
-@runtime_checkable
-class LayoutStrategy(Protocol):
-    """What :class:`CausalLMModule` asks of a strategy that lays the model out itself: ``FourDStrategy`` (which this
-    package's tasks do not import, ``tests/test_imports.py``) has these members. Under any other Lightning strategy
-    (DDP, one device, ...) the module builds and initializes its model itself, runs no pipeline, no context
-    parallelism, and averages the logged loss over the whole world."""
-
-    #: build ``lightning_4d`` Llama models on the meta device (:meth:`tensor_init_context` with
-    #: ``empty_init=True``): the strategy materializes and initializes them
-    initializes_llama_models: bool
-    #: the pipeline schedule's runner (:class:`~lightning_4d.parallel.pipeline.PipelineRunner`; pp > 1, after setup)
-    #: whose ``train_step`` / ``eval_step`` / ``forward`` the steps call, or ``None``
-    pipeline: Optional[Any]
-
-    @property
-    def dp_cp_group(self) -> Optional[Any]:
-        """The process group the loss is averaged over (``dp_cp``), ``None`` before setup."""
-
-    @property
-    def context_parallel_size(self) -> int:
-        """cp, the ranks that split every sequence (1 without cp)."""
-
-    @property
-    def context_parallel_rank(self) -> int:
-        """This rank's index in its cp group (which shard of every sequence it holds)."""
-
-    def gather_sequence(self, x: Tensor, dim: int = 1) -> Tensor:
-        """The full sequence of a per-cp-rank tensor ``[b, s/cp, ...]`` (collective over the cp group)."""
-
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
-        """Lightning's ``Strategy.tensor_init_context``."""
-
-
-#: the strategies found to be a :class:`LayoutStrategy`: the protocol's ``isinstance`` reads every member (the
-#: properties too: ``dp_cp_group`` asks the mesh for its group), several times a step otherwise (issue 35 item 4)
-_LAYOUT_STRATEGIES: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def layout_strategy(strategy: Any) -> Optional[LayoutStrategy]:
-    """``strategy`` when it is a :class:`LayoutStrategy` (``FourDStrategy``), else ``None``."""
-    if strategy in _LAYOUT_STRATEGIES:
-        return strategy
-    if isinstance(strategy, LayoutStrategy):
-        _LAYOUT_STRATEGIES.add(strategy)
-        return strategy
-    return None
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -191,7 +144,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
     # ------------------------------------------------------------------ checks
     def validate_datamodule(self, datamodule: Any) -> None:
         """Raise ``ValueError`` when the data's tokenizer has more tokens than the model's vocabulary."""
-        vocab = getattr(datamodule, "vocab_size", None)
+        vocab = optional_member(datamodule, "vocab_size")
         if isinstance(vocab, int) and vocab > self.model_config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {vocab} tokens but the model's vocab_size is {self.model_config.vocab_size}; set "
@@ -200,21 +153,21 @@ class CausalLMModule(MoETraining, L.LightningModule):
             )
 
     def setup(self, stage: str) -> None:
-        self.validate_datamodule(getattr(self.trainer, "datamodule", None))
+        self.validate_datamodule(self.trainer.datamodule)
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Build the model. A strategy that materializes and initializes ``lightning_4d`` Llama models itself (its
-        ``initializes_llama_models`` is true: ``FourDStrategy``) gets it on the meta device, through its
+        """Build the model. A :class:`~lightning_4d.contract.LayoutStrategy` that materializes and initializes
+        ``lightning_4d`` Llama models itself (its ``initializes_llama_models`` is true: ``FourDStrategy``) gets it on
+        the meta device, through its
         ``tensor_init_context(empty_init=True)``; under any other strategy the model is built on the device and
         initialized here (:meth:`LlamaModel.init_weights`, the same weights for the same ``init_seed``)."""
         if self.model is not None:
             return
         trainer = attached_trainer(self)
-        strategy = trainer.strategy if trainer is not None else None
-        # the one member a strategy needs to opt in (any strategy may declare it, not only a full LayoutStrategy)
-        if getattr(strategy, "initializes_llama_models", False):
-            with strategy.tensor_init_context(empty_init=True):
+        layout = layout_strategy(trainer.strategy) if trainer is not None else None
+        if layout is not None and layout.initializes_llama_models:
+            with layout.tensor_init_context(empty_init=True):
                 self.model = LlamaModel(self.model_config, init_seed=self.hparams.init_seed)
             self.model.set_grouped_mm(grouped_mm)
             return
@@ -285,7 +238,8 @@ class CausalLMModule(MoETraining, L.LightningModule):
         if elapsed <= 0:
             return
         b, s = batch["input_ids"].shape  # s: this rank's share of the sequence under cp
-        dp = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        strategy = self.trainer.strategy
+        dp = strategy.distributed_sampler_kwargs if isinstance(strategy, ParallelStrategy) else {}
         s *= self._context_parallel_size()
         tokens = b * s * dp.get("num_replicas", 1)
         self.log("tokens_per_sec", tokens / elapsed, prog_bar=True, on_step=True, on_epoch=False)
@@ -352,10 +306,10 @@ class CausalLMModule(MoETraining, L.LightningModule):
         torch's default (``foreach`` on CUDA)."""
         from lightning.pytorch.plugins.precision import MixedPrecision
 
-        plugin = getattr(trainer, "precision_plugin", None)
-        if getattr(plugin, "scaler", None) is not None:
+        plugin = trainer.precision_plugin
+        if getattr(plugin, "scaler", None) is not None:  # Lightning's MixedPrecision and FSDPPrecision have one
             return False
-        four_d = getattr(getattr(trainer, "strategy", None), "parallel_config", None) is not None
+        four_d = layout_strategy(trainer.strategy) is not None
         return four_d or not isinstance(plugin, MixedPrecision)
 
     def configure_optimizers(self) -> Any:
@@ -395,7 +349,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
         saved schedule continues; on a resume with a new schedule (``max_steps`` given) the resumed step's LR is
         the new schedule's, not the one the saving run's scheduler had set."""
         trainer = attached_trainer(self)
-        for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+        for config in trainer.lr_scheduler_configs if trainer is not None else []:
             sched = config.scheduler
             if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and all(
                 isinstance(fn, WarmupCosine) for fn in sched.lr_lambdas

@@ -21,6 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from lightning_4d.contract import layout_strategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.parallel._compat import compiled_graph_count  # noqa: E402
 
@@ -58,7 +59,8 @@ class HFLlamaLM(L.LightningModule):
                 self.model = transformers.LlamaForCausalLM(config)
 
     def training_step(self, batch, batch_idx):
-        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        layout = layout_strategy(self.trainer.strategy)
+        pipeline = layout.pipeline if layout is not None else None
         if pipeline is not None:  # pp: the schedule runs forward and backward of every micro-batch here
             loss = pipeline.train_step(batch["input_ids"], batch["labels"])
         else:

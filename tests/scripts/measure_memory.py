@@ -185,14 +185,14 @@ class Measured(CausalLMModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.states:
             return
-        tensors = model_state_tensors(self, [], getattr(self.trainer.strategy, "_buckets", None))
+        tensors = model_state_tensors(self, [], getattr(self.trainer.strategy, "gradient_buckets", None))
         self.states["parameters"] = local_bytes(tensors["parameters"])
         self.states["gradients"] = local_bytes(tensors["gradients"])
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if "optimizer_states" not in self.states:
             tensors = model_state_tensors(
-                self, self.trainer.optimizers, getattr(self.trainer.strategy, "_buckets", None)
+                self, self.trainer.optimizers, getattr(self.trainer.strategy, "gradient_buckets", None)
             )
             self.states["optimizer_states"] = local_bytes(tensors["optimizer_states"])
             self.states["master_weights"] = local_bytes(tensors["master_weights"])

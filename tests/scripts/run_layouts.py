@@ -71,7 +71,7 @@ class Recorder(L.Callback):
         if "params" in self.bytes:
             return
         params = list(pl_module.parameters())
-        sync = getattr(trainer.strategy, "_buckets", None)
+        sync = getattr(trainer.strategy, "gradient_buckets", None)
         self.bytes["params"] = local_bytes(params)
         self.bytes["grads"] = local_bytes(model_state_tensors(pl_module, [], sync)["gradients"])
         self.bytes["tp_local_params"] = sum(_tp_local_numel(p) * p.element_size() for p in params)
@@ -102,7 +102,7 @@ class Recorder(L.Callback):
                 float(trainer.callback_metrics["moe_tokens_per_expert_max"])
             )
         if "optimizer_states" not in self.bytes and trainer.optimizers[0].state:  # after the first optimizer step
-            sync = getattr(trainer.strategy, "_buckets", None)  # its PowerSGD state counts as optimizer state
+            sync = getattr(trainer.strategy, "gradient_buckets", None)  # its PowerSGD state counts as optimizer state
             states = model_state_tensors(pl_module, trainer.optimizers, sync)["optimizer_states"]
             self.bytes["optimizer_states"] = local_bytes(states)
 
@@ -192,7 +192,7 @@ def run_one(
                 meter = self.meter
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
                 recorder.bytes.setdefault("comm_events", []).append(meter.events)
-                sync = getattr(trainer.strategy, "_buckets", None)
+                sync = getattr(trainer.strategy, "gradient_buckets", None)
                 if sync is not None and "bucket_bytes" not in recorder.bytes:
                     recorder.bytes["bucket_bytes"] = [b.padded * b.dtype.itemsize for b in sync.buckets]
 
