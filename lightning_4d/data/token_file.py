@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -254,6 +254,33 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refused_outputs(files: list[Path], outputs: list[Path], overwrite: bool) -> Optional[str]:
+    """Why ``prepare-data`` must not write ``outputs`` (its token files and sidecars): one of them is an input
+    (always refused), or one exists and ``overwrite`` is false; ``None`` when it may."""
+    inputs = {f.resolve() for f in files}
+    clash = [str(p) for p in outputs if p.resolve() in inputs]
+    if clash:
+        return f"--input names the output {clash[0]!r}: write the tokens to another --output"
+    existing = [str(p) for p in outputs if p.exists()]
+    if existing and not overwrite:
+        return f"{existing[0]!r} exists: pass --overwrite to replace it, or another --output"
+    return None
+
+
+def _write_split(files: list[Path], out: Path, tokenizer: Any, progress: bool) -> str:
+    """Tokenize ``files`` into the token file ``out`` (:func:`write_token_file`); returns the summary's part.
+
+    Raises:
+        ValueError: the files hold no tokens (all empty?).
+    """
+    tokens = tokenize_files(files, tokenizer, progress=progress)
+    if tokens.size == 0:
+        raise ValueError(f"the {len(files)} files for {str(out)!r} produced no tokens (all empty?)")
+    write_token_file(out, tokens, tokenizer.vocab_size, tokenizer.name)
+    num_bytes = sum(f.stat().st_size for f in files)
+    return f"{str(out)}: {tokens.size:,} tokens from {len(files):,} files ({num_bytes:,} bytes)"
+
+
 def prepare_data_main(argv: Optional[list[str]] = None) -> int:
     """The ``lightning-4d prepare-data`` subcommand; ``--help`` lists the options.
 
@@ -292,28 +319,18 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         return fail(str(e))
     out_val = val_token_path(output)
-    outputs = [output, sidecar_path(output), out_val, sidecar_path(out_val)]
-    inputs = {f.resolve() for f in files}
-    clash = [str(p) for p in outputs if p.resolve() in inputs]
-    if clash:
-        return fail(f"--input names the output {clash[0]!r}: write the tokens to another --output")
-    existing = [str(p) for p in outputs if p.exists()]
-    if existing and not args.overwrite:
-        return fail(f"{existing[0]!r} exists: pass --overwrite to replace it, or another --output")
+    refusal = _refused_outputs(files, [output, sidecar_path(output), out_val, sidecar_path(out_val)], args.overwrite)
+    if refusal:
+        return fail(refusal)
     train_files, val_files = split_files(files, args.val_fraction)
     if not train_files:
         return fail(f"all {len(files)} input files fell into the validation split; add files or lower --val-fraction")
-    parts = []
     try:
-        for split_files_, out in ((train_files, output), (val_files, out_val)):
-            if not split_files_:
-                continue
-            tokens = tokenize_files(split_files_, tokenizer, progress=not args.no_progress)
-            if tokens.size == 0:
-                return fail(f"the {len(split_files_)} files for {str(out)!r} produced no tokens (all empty?)")
-            write_token_file(out, tokens, tokenizer.vocab_size, tokenizer.name)
-            num_bytes = sum(f.stat().st_size for f in split_files_)
-            parts.append(f"{str(out)}: {tokens.size:,} tokens from {len(split_files_):,} files ({num_bytes:,} bytes)")
+        parts = [
+            _write_split(split, out, tokenizer, not args.no_progress)
+            for split, out in ((train_files, output), (val_files, out_val))
+            if split
+        ]
     except (OSError, ValueError) as e:
         return fail(str(e))
     if not val_files:
