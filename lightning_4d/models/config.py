@@ -547,6 +547,24 @@ class LlamaConfig:
             return self._to_hf_mixtral(rope)
         return self._to_hf_llama(rope)
 
+    def _hf_shape(self, architecture: str, model_type: str, intermediate_size: int, rope: dict) -> dict:
+        """The ``config.json`` fields a transformers Llama and Mixtral share, in the order both write them."""
+        return {
+            "architectures": [architecture],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_seq_length,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+        }
+
     def _to_hf_mixtral(self, rope: dict) -> dict:
         """:meth:`to_hf` of a Mixture-of-Experts config (``rope``: its ``rope_parameters``)."""
         bad = {
@@ -563,19 +581,7 @@ class LlamaConfig:
                     "plain RoPE)"
                 )
         return {
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.expert_intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_seq_length,
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": rope,
+            **self._hf_shape("MixtralForCausalLM", "mixtral", self.expert_intermediate_size, rope),
             "sliding_window": None,
             "num_local_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_token,
@@ -592,19 +598,7 @@ class LlamaConfig:
     def _to_hf_llama(self, rope: dict) -> dict:
         """:meth:`to_hf` of a dense config (``rope``: its ``rope_parameters``)."""
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_seq_length,
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": rope,
+            **self._hf_shape("LlamaForCausalLM", "llama", self.intermediate_size, rope),
             "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if self.rope_scaling else None,
             "tie_word_embeddings": self.tie_word_embeddings,
             "initializer_range": self.initializer_range,
