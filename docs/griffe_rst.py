@@ -28,6 +28,8 @@ from typing import Any
 
 import griffe
 
+from lightning_4d.layout import ARGS_MARKER  # the line the registry replaces at import time
+
 #: the pages whose ``::: identifier`` lines make up the API reference
 REFERENCE = Path(__file__).resolve().parent / "reference"
 
@@ -64,7 +66,7 @@ class RestToMarkdown(griffe.Extension):
         for obj in _walk(pkg):
             if obj.is_attribute and obj.docstring is None:
                 _comment_docstring(obj, loader)
-            if obj.is_class and obj.docstring is not None and _ARGS_MARKER in obj.docstring.value:
+            if obj.is_class and obj.docstring is not None and ARGS_MARKER in obj.docstring.value:
                 _derived(obj)
         shown = {
             c
@@ -102,10 +104,6 @@ def _comment_docstring(obj: Any, loader: Any) -> None:
             parser=getattr(loader, "docstring_parser", None),
             parser_options=getattr(loader, "docstring_options", None),
         )
-
-
-#: the line of a docstring the layout registry replaces at import time (lightning_4d.layout.ARGS_MARKER)
-_ARGS_MARKER = "<the layout fields>"
 
 
 def _derived(cls: Any) -> None:

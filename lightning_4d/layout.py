@@ -485,7 +485,7 @@ def args_doc(indent: int = 8, width: int = 120) -> str:
     )
 
 
-#: the line of a docstring that :func:`layout_dataclass` and :func:`strategy_signature` replace by :func:`args_doc`
+#: the line of a docstring that :func:`layout_dataclass` and :func:`layout_signature` replace by :func:`args_doc`
 ARGS_MARKER = "<the layout fields>"
 
 
@@ -557,10 +557,9 @@ def layout_of(values: Mapping[str, Any], owner: str) -> dict[str, Any]:
 
 def planned_dataclass(cls: type) -> type:
     """Make ``cls`` (the planner's layout, or a subclass adding fields of its own) a dataclass (slotted: the planner
-    builds ~10^5) whose first
-    fields are :data:`PLANNED_FIELDS` by :attr:`LayoutField.plan_name` (types ``plan_type``, defaults
-    ``plan_default``), then ``micro_batch_size`` (default 1), then the fields ``cls`` declares; every field a keyword
-    (no positional layouts)."""
+    builds ~10^5) whose first fields are :data:`PLANNED_FIELDS` by :attr:`LayoutField.plan_name` (types
+    ``plan_type``, defaults ``plan_default``), then ``micro_batch_size`` (default 1), then the fields ``cls``
+    declares; every field a keyword (no positional layouts)."""
     base = {f.plan_name: f.plan_type or f.type for f in PLANNED_FIELDS} | {"micro_batch_size": int}
     own = {k: v for k, v in cls.__dict__.get("__annotations__", {}).items() if k not in base}
     if not any(dataclasses.is_dataclass(b) for b in cls.__mro__[1:]):
