@@ -61,20 +61,22 @@ TRACEBACK_ENV = "LIGHTNING_4D_TRACEBACK"
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _raised_in(err: BaseException, package: str) -> bool:
-    """Whether ``err`` was raised by a frame of the installed ``package`` (its traceback's last frame)."""
+def _raising_file(err: BaseException) -> str:
+    """The absolute path of the file whose frame raised ``err`` (its traceback's last frame; ``""`` without one)."""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and f"{os.sep}{package}{os.sep}" in os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
+
+
+def _raised_in(err: BaseException, package: str) -> bool:
+    """Whether ``err`` was raised by a frame of the installed ``package``."""
+    return f"{os.sep}{package}{os.sep}" in _raising_file(err)
 
 
 def _raised_here(err: BaseException) -> bool:
-    """Whether ``err`` was raised by a frame of this package (its traceback's last frame is in ``lightning_4d/``)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
+    """Whether ``err`` was raised by a frame of this package (``lightning_4d/``)."""
+    return _raising_file(err).startswith(_PACKAGE + os.sep)
 
 
 def _parser_line(message: str) -> str:
