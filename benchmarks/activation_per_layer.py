@@ -8,9 +8,9 @@ when tp > 1. A model figure (no training runs): instant on any machine.
 from __future__ import annotations
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.model import saved_activation_bytes
-from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig
+from lightning_4d.planning.model import saved_activation_bytes
+from lightning_4d.planning.workload import Workload
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ it found).
 (b) ``benchmarks/gpu_step_time.py``: our single-GPU step against plain PyTorch (tokens/s, MFU; also with half the
     layers' activations offloaded), SDPA against eager;
 (c) ``benchmarks/memory_accuracy.py --write``: estimate against ``max_memory_allocated`` on one GPU, and the
-    measured overhead allowance (CUDA context, fragmentation) written to ``lightning_4d/memory/overhead.json``
+    measured overhead allowance (CUDA context, fragmentation) written to ``lightning_4d/planning/overhead.json``
     (copied to the output folder);
 (d) ``tests/test_compat.py`` on the GPU machine's torch (each private name still there).
 
@@ -260,7 +260,7 @@ def main() -> None:
     if "accuracy" in parts and args.device == "cuda" and left() > 40:
         rc, text, secs = _run([py, "benchmarks/memory_accuracy.py", "--write"], left() - 30, log)
         result["memory_accuracy"] = {"rc": rc, "output": text[-4000:]}
-        overhead = ROOT / "lightning_4d" / "memory" / "overhead.json"
+        overhead = ROOT / "lightning_4d" / "planning" / "overhead.json"
         shutil.copy(overhead, out / "overhead.json")
         print(f"memory accuracy: rc={rc} ({secs:.0f} s)", flush=True)
         save()

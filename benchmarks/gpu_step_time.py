@@ -15,7 +15,7 @@ Step time: for each (preset, b, s), ``--steps`` optimizer steps (the first ``--w
   ``--float8``, none with ``--float8`` alone): tokens/s against ``compile`` is float8's gain;
 
 each inside ``sdpa_kernel(FLASH_ATTENTION)`` (the flash backend or an error). Printed: median step time, tokens/s,
-MFU (``LlamaConfig.flops_per_token`` / the device's dense bf16 peak, ``lightning_4d.memory.hardware``), peak
+MFU (``LlamaConfig.flops_per_token`` / the device's dense bf16 peak, ``lightning_4d.planning.hardware``), peak
 allocated GiB, and ours / plain step-time ratio (above 1: our overhead).
 
 SDPA check: logits of the same bf16 model with ``attention_backend="sdpa"`` and ``"eager"`` (max |diff| / max
@@ -231,8 +231,8 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    from lightning_4d.memory.hardware import peak_flops_of_device
     from lightning_4d.models import LlamaConfig
+    from lightning_4d.planning.hardware import peak_flops_of_device
 
     device = args.device
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

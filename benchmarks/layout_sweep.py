@@ -4,7 +4,8 @@ so a restructuring of the package can show that every estimate, plan and CLI out
     python benchmarks/layout_sweep.py --out /tmp/before.txt          # on the commit before the change
     python benchmarks/layout_sweep.py --out /tmp/after.txt --compare /tmp/before.txt
 
-Each case is one `lightning-4d estimate|plan` command line run in this process (`lightning_4d.memory.cli.main`), its
+Each case is one `lightning-4d estimate|plan` command line run in this process (`lightning_4d.planning.commands.main`),
+its
 exit code, its stdout and its stderr; the file holds them in order. `--cases N` sets the number of sampled estimate
 cases (default 600: about two minutes on one core); plans are a fixed list. Exits 1 when `--compare` finds a
 difference, naming the first differing case.
@@ -84,7 +85,7 @@ EMITTED = (0, 4, 6, 8)
 
 
 def _run(command: str, argv: list[str]) -> str:
-    from lightning_4d.memory.cli import main
+    from lightning_4d.planning.commands import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

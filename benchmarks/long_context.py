@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lightning_4d.memory.workload import Workload
+from lightning_4d.planning.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,8 +41,8 @@ def _worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, IterableDataset
 
     from lightning_4d import FourDStrategy, ParallelConfig
-    from lightning_4d.memory.model import saved_activation_bytes
     from lightning_4d.models import LlamaConfig
+    from lightning_4d.planning.model import saved_activation_bytes
     from lightning_4d.tasks import CausalLMModule
 
     class Batches(IterableDataset):

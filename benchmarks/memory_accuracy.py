@@ -8,7 +8,7 @@ does not see the CUDA context), with the error in percent (goal: within 5%, requ
 It also measures the overhead allowance: ``fixed`` = memory the process holds beyond PyTorch's reserved pool
 (``total − free − max_memory_reserved``, the CUDA context, cuBLAS and NCCL workspaces) and ``fraction`` = the largest
 ``max_memory_reserved / max_memory_allocated − 1`` of the grid (allocator fragmentation). With ``--write`` they are
-stored under the GPU's name in ``lightning_4d/memory/overhead.json``, which the estimator reads.
+stored under the GPU's name in ``lightning_4d/planning/overhead.json``, which the estimator reads.
 
 Usage (on a CUDA machine)::
 
@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from lightning_4d.memory.workload import Workload
+from lightning_4d.planning.workload import Workload
 
 GRID = [
     # (preset, b, s, activation_checkpointing, precision)
@@ -50,8 +50,8 @@ def run_row(preset: str, b: int, s: int, ac: str, precision: str, steps: int) ->
     from torch.utils.data import DataLoader, IterableDataset
 
     from lightning_4d import FourDStrategy, ParallelConfig, estimate_memory
-    from lightning_4d.memory.hardware import OverheadAllowance
     from lightning_4d.models import LlamaConfig
+    from lightning_4d.planning.hardware import OverheadAllowance
     from lightning_4d.tasks import CausalLMModule
 
     cfg = LlamaConfig.from_preset(preset, attention_backend="sdpa")
@@ -157,7 +157,7 @@ def main() -> int:
         f"fragmentation {100 * fraction:.1f}%"
     )
     if args.write:
-        from lightning_4d.memory.hardware import OVERHEAD_FILE
+        from lightning_4d.planning.hardware import OVERHEAD_FILE
 
         table = json.loads(OVERHEAD_FILE.read_text())
         table[name] = {

@@ -12,7 +12,7 @@ in GiB per GPU (2^30 bytes):
 - ``ratio``: ``(ours - allowance) / fujii2024``;
 - with ``--activation-checkpointing selective``: ours with selective activation checkpointing (the paper's formula
   stays Megatron without recomputation), and ``recomp``, the matmul FLOPs it recomputes as a percentage of the
-  layers' matmul FLOPs of a step (``lightning_4d.memory.step_time.selective_recomputed_matmul_fraction``: under tp
+  layers' matmul FLOPs of a step (``lightning_4d.planning.step_time.selective_recomputed_matmul_fraction``: under tp
   the output projection's forward; no full recomputation anywhere);
 - with ``--activation-offload``: selective where it reaches ``--target`` (default 0.85) of ``fujii2024``, else no
   checkpointing with the fewest ``activation_offload_layers`` per stage that reach it (host memory instead of device
@@ -43,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lightning_4d.memory.workload import Workload
+from lightning_4d.planning.workload import Workload
 
 GIB = 2**30
 # (preset, tp, pp, cp, dp, b, s, m)
@@ -65,7 +65,7 @@ GRID = [
 _ROW_SCRIPT = """
 import json, sys
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.model import estimate_memory
+from lightning_4d.planning.model import estimate_memory
 out = []
 for preset, tp, pp, cp, dp, b, s, m in json.loads(sys.argv[1]):
     pc = ParallelConfig(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -113,11 +113,11 @@ def baseline(ref: str, grid: list[tuple], ac: str = "none") -> list[list]:
 def offload_rows(target: float) -> None:
     """The ``--activation-offload`` table (module docstring)."""
     from lightning_4d.config import ParallelConfig
-    from lightning_4d.memory.fujii2024 import fujii2024_from_config
-    from lightning_4d.memory.hardware import gpu_spec
-    from lightning_4d.memory.model import estimate_memory
-    from lightning_4d.memory.step_time import predict_step_time
-    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.models.llama_config import LlamaConfig
+    from lightning_4d.planning.fujii2024 import fujii2024_from_config
+    from lightning_4d.planning.hardware import gpu_spec
+    from lightning_4d.planning.model import estimate_memory
+    from lightning_4d.planning.step_time import predict_step_time
 
     gpu = gpu_spec("H100-80GB")
     print(f"ours: bf16-mixed, ZeRO 1, selective, else offload (fewest layers per stage reaching {target}); H100")
@@ -181,9 +181,9 @@ def main() -> None:
     if args.activation_offload:
         offload_rows(args.target)
         return
-    from lightning_4d.memory.fujii2024 import fujii2024_from_config
-    from lightning_4d.memory.step_time import selective_recomputed_matmul_fraction
-    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.models.llama_config import LlamaConfig
+    from lightning_4d.planning.fujii2024 import fujii2024_from_config
+    from lightning_4d.planning.step_time import selective_recomputed_matmul_fraction
 
     ac = args.activation_checkpointing
     now = ours(GRID, ac=ac)

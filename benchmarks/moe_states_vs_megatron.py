@@ -8,7 +8,7 @@ shard holds ``(layers/pp + embedding)/tp`` (+ the head's ``h·V/tp`` when pp = 1
 ``6 + 12/dp`` with the distributed optimizer: bf16 weight (2), float32 gradient (4), and float32 master, Adam m and
 v (12) sharded over dp. There is no expert-parallel term: every rank is counted with all E experts.
 
-Ours: ``parameters + gradients + optimizer_states`` of :func:`~lightning_4d.memory.model.estimate_memory`
+Ours: ``parameters + gradients + optimizer_states`` of :func:`~lightning_4d.planning.model.estimate_memory`
 (bf16-mixed, ZeRO 1 = the distributed optimizer: bf16 weights, float32 gradients, float32 master + m + v sharded;
 experts ``/ep`` with their optimizer states over dp·cp/ep), validated against the real tensors on CPU
 (``tests/test_expert_parallel.py``). ``Megatron, ep applied``: the formula with the experts' share divided by ep and
@@ -24,9 +24,9 @@ Usage::
 from __future__ import annotations
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.model import estimate_memory
-from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig
+from lightning_4d.planning.model import estimate_memory
+from lightning_4d.planning.workload import Workload
 
 GIB = 2**30
 #: (preset, dp, ep): tp = pp = cp = 1, ZeRO 1

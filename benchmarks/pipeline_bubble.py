@@ -34,10 +34,10 @@ import torch.distributed as dist
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from lightning_4d.config import ParallelConfig  # noqa: E402
-from lightning_4d.families.llama import LLAMA  # noqa: E402
+from lightning_4d.families.native_llama import LLAMA  # noqa: E402
 from lightning_4d.mesh import build_mesh  # noqa: E402
-from lightning_4d.models.config import LlamaConfig  # noqa: E402
 from lightning_4d.models.llama import LlamaModel  # noqa: E402
+from lightning_4d.models.llama_config import LlamaConfig  # noqa: E402
 from lightning_4d.parallel.loss import causal_lm_loss  # noqa: E402
 from lightning_4d.parallel.parallelize import parallelize_model  # noqa: E402
 from lightning_4d.parallel.pipeline import PipelineRunner  # noqa: E402

@@ -110,7 +110,7 @@ BUGS: tuple[Bug, ...] = (
     Bug(
         "memory-swiglu-term",
         "memory model: a SwiGLU layer saves 3 tensors of [b, s, f/t] instead of 4",
-        "lightning_4d/memory/activations.py",
+        "lightning_4d/planning/activations.py",
         '"swiglu": moe.saved_bytes(cfg, dt, b, s_moe, ep, imbalance) if moe_layer else 4 * c * b * s * (f // tp),',
         '"swiglu": moe.saved_bytes(cfg, dt, b, s_moe, ep, imbalance) if moe_layer else 3 * c * b * s * (f // tp),',
         ("tests/test_memory_model.py", "-k", "by_hand", "tests/test_activation_offload.py", "-k", "memory_check"),

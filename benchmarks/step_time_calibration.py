@@ -1,4 +1,4 @@
-"""Predicted vs published: the planner's step-time model (lightning_4d/memory/step_time.py) on every run of
+"""Predicted vs published: the planner's step-time model (lightning_4d/planning/step_time.py) on every run of
 ``CALIBRATION_RUNS``, and where the published layout ranks in ``lightning-4d plan`` for its job.
 
     python benchmarks/step_time_calibration.py
@@ -19,16 +19,16 @@ import dataclasses
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.hardware import GPU_PRESETS
-from lightning_4d.memory.planner import plan
-from lightning_4d.memory.step_time import CALIBRATION_RUNS, Layout, model_dims, step_time_of
-from lightning_4d.memory.workload import Job, Search
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
+from lightning_4d.planning.hardware import GPU_PRESETS
+from lightning_4d.planning.planner import plan
+from lightning_4d.planning.step_time import CALIBRATION_RUNS, Layout, model_dims, step_time_of
+from lightning_4d.planning.workload import Job, Search
 
 
 def predict(run: dict[str, Any]) -> dict[str, Any]:
     """The model's prediction of ``run`` (a ``CALIBRATION_RUNS`` row): ``layout`` (the step-time
-    :class:`~lightning_4d.memory.step_time.Layout`, eager), ``mfu`` and ``tokens_per_sec_per_gpu`` in the run's
+    :class:`~lightning_4d.planning.step_time.Layout`, eager), ``mfu`` and ``tokens_per_sec_per_gpu`` in the run's
     compile mode (compiled where it is ``None``), ``eager_mfu``, ``published_mfu``,
     ``published_tokens_per_sec_per_gpu``, ``ratio`` (predicted / published MFU) and ``rank`` (of the published sizes
     in the planner's list; None: beyond 300)."""

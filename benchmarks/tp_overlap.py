@@ -18,9 +18,9 @@ matmuls (torchtitan's async TP: llama3 8B on 64 H100, 4,378 -> 4,809 tokens/s/GP
 
 Beside the CPU timings, the table gives what the planner's step-time model predicts for the same shapes (the
 ``small`` model, s=256, b=4, tp, ZeRO 0; bf16 on an H100-80GB, tp inside one node):
-the exposed-communication fraction of the step (:class:`~lightning_4d.memory.step_time.StepTime`'s
+the exposed-communication fraction of the step (:class:`~lightning_4d.planning.step_time.StepTime`'s
 ``exposed_communication / total``, the planner's ``communication_fraction``) with the overlap off and on, and the
-predicted on / off step time (``lightning_4d/memory/step_time.py``, **Tensor parallel**).
+predicted on / off step time (``lightning_4d/planning/step_time.py``, **Tensor parallel**).
 
 Usage::
 
@@ -157,9 +157,9 @@ def predicted(tp: int) -> dict[str, float]:
     """The step-time model's prediction for the benchmark's shapes on an H100-80GB: ``{"off": exposed-communication
     fraction with the overlap off, "on": with it on, "ratio": predicted step time on / off}``."""
     from lightning_4d.config import ParallelConfig
-    from lightning_4d.memory.hardware import GPU_PRESETS
-    from lightning_4d.memory.step_time import predict_step_time
     from lightning_4d.models import LlamaConfig
+    from lightning_4d.planning.hardware import GPU_PRESETS
+    from lightning_4d.planning.step_time import predict_step_time
 
     cfg, gpu = LlamaConfig.from_preset("small"), GPU_PRESETS["H100-80GB"]
     times = {}

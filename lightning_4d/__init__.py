@@ -8,14 +8,14 @@ The public face::
     from lightning_4d.data import LMDataModule
 
 ``FourDStrategy`` and ``MemoryEstimatorCallback`` are imported lazily so that the pure-Python parts (``config``,
-``memory``: ``estimate_memory`` of a ``Workload``) load without torch.
+``planning``: ``estimate_memory`` of a ``Workload``) load without torch.
 """
 
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.model import MemoryEstimate, estimate_memory
-from lightning_4d.memory.workload import Workload
+from lightning_4d.planning.model import MemoryEstimate, estimate_memory
+from lightning_4d.planning.workload import Workload
 
 __all__ = [
     "FourDStrategy",

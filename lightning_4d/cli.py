@@ -269,7 +269,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return support_main(args[1:])
     if args and args[0] in ("estimate", "plan"):
-        from lightning_4d.memory.cli import main as memory_main
+        from lightning_4d.planning.commands import main as memory_main
         from lightning_4d.support import untested_pairs
 
         return memory_main(args[0], args[1:], untested_pairs)

@@ -25,11 +25,11 @@ from lightning_4d.layout import (  # the choices live with the layout registry; 
     ZERO_STAGES,  # noqa: F401
     layout_dataclass,
 )
-from lightning_4d.models.config import divisors
+from lightning_4d.models.llama_config import divisors
 from lightning_4d.moe_rules import check_float8, check_moe_layout
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.models.llama_config import LlamaConfig
 
 #: Lightning precision flags FourDStrategy trains with (``Trainer(precision=...)``); the rest are refused by
 #: :func:`check_training_precision`

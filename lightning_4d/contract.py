@@ -47,7 +47,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, runtime_checkable
 
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
 
 if TYPE_CHECKING:
     from torch import Tensor

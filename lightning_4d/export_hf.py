@@ -101,7 +101,7 @@ def _saved_model_config(ckpt: Path, hparams: dict[str, Any]) -> Any:
     Raises:
         ValueError: the checkpoint holds none (not a ``CausalLMModule``'s).
     """
-    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.models.llama_config import LlamaConfig
 
     spec = hparams["model"].get("model_config")
     if spec is None:

@@ -10,9 +10,10 @@ from :data:`LAYOUT_FIELDS`, never written out elsewhere:
   (:func:`layout_dataclass`), and the generic checks of every field's values (:func:`check_values`);
 - :class:`~lightning_4d.FourDStrategy`'s signature (its ``__signature__``, which ``inspect`` and so LightningCLI read)
   and the "Args" of its docstring (:func:`strategy_signature`, :func:`args_doc`);
-- the planner's layout (``memory/step_time.Layout``, ``memory/planner.Candidate``: :func:`planned_dataclass`,
+- the planner's layout (``planning/step_time.Layout``, ``planning/planner.Candidate``: :func:`planned_dataclass`,
   :func:`plan_values`, :func:`config_of_plan`);
-- the layout options of ``lightning-4d estimate|plan|measure`` (``memory/cli.py``), the ``ParallelConfig`` they build
+- the layout options of ``lightning-4d estimate|plan|measure`` (``planning/commands.py``), the ``ParallelConfig`` they
+  build
   (:func:`config_kwargs_from_args`), the support rows' ``measure`` flags (:func:`measure_flags`);
 - the one writer from a layout to ``FourDStrategy`` arguments (:func:`strategy_arguments`): the pasteable line of
   the pre-fit check's refusal and of ``estimate``'s suggestions, and ``plan --emit-config``'s ``init_args``;
@@ -83,8 +84,8 @@ class LayoutField:
             by :func:`check_values` too).
         short: the ``ParallelConfig`` property of the resolved value (``tp``, ``dp``, ``v``, ``sp``, ...).
         saved: what a sharded checkpoint saves of it (:data:`Saved`).
-        planned: a dimension the planner enumerates (a field of ``memory/step_time.Layout`` and
-            ``memory/planner.Candidate``: :func:`planned_dataclass`).
+        planned: a dimension the planner enumerates (a field of ``planning/step_time.Layout`` and
+            ``planning/planner.Candidate``: :func:`planned_dataclass`).
         plan_type: the planner's type of its resolved value (``None``: ``type``).
         plan_default: the planner's value when the layout does not set it (``_UNSET``: ``default``).
         pipeline_only: its planned value is written back (:func:`config_of_plan`) and written among the strategy's

@@ -50,11 +50,6 @@ from torch import Tensor
 from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import layout_strategy
 from lightning_4d.layout import config_kwargs
-from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
-from lightning_4d.memory.hardware import GIB, OverheadAllowance
-from lightning_4d.memory.model import estimate_all_pp_ranks, estimate_memory
-from lightning_4d.memory.moe import check_expert_load_imbalance
-from lightning_4d.memory.workload import Workload
 from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import (
     TorchDispatchMode,
@@ -63,6 +58,11 @@ from lightning_4d.parallel._compat import (
     tree_flatten,
 )
 from lightning_4d.parallel.moe import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
+from lightning_4d.planning.commands import command_parser, layout_from_args, load_model_config
+from lightning_4d.planning.expert_costs import check_expert_load_imbalance
+from lightning_4d.planning.hardware import GIB, OverheadAllowance
+from lightning_4d.planning.model import estimate_all_pp_ranks, estimate_memory
+from lightning_4d.planning.workload import Workload
 
 if TYPE_CHECKING:
     from lightning_4d.parallel.grad_buffers import GradientBuckets
@@ -93,7 +93,8 @@ def rank_coordinates(pc: ParallelConfig, rank: int) -> dict[str, int]:
 
 def worst_rank(workload: Workload, pc: ParallelConfig, device_type: str = "cuda") -> int:
     """The global rank (dp, cp and tp coordinates 0: rank 0 of ``dp_cp`` holds the largest ZeRO shard) of the pp
-    rank whose estimated peak is the largest for ``workload`` (:func:`~lightning_4d.memory.model.estimate_all_pp_ranks`;
+    rank whose estimated peak is the largest for ``workload``
+    (:func:`~lightning_4d.planning.model.estimate_all_pp_ranks`;
     its ``expert_load_imbalance`` as :func:`measure_rank` takes it)."""
     estimates = estimate_all_pp_ranks(workload, pc, device_type=device_type)
     pp_rank = max(range(pc.pp), key=lambda r: estimates[r].total)
@@ -303,7 +304,7 @@ def fit_and_measure(
     Returns:
         ``{"peak_allocated": bytes, "peak_reserved": bytes (CUDA; None on CPU), "parameters", "gradients",
         "optimizer_states", "master_weights", "host_offloaded"}`` (bytes; the optimizer states include the master
-        weights and PowerSGD's state, as :class:`~lightning_4d.memory.model.ModelStates` counts them;
+        weights and PowerSGD's state, as :class:`~lightning_4d.planning.model.ModelStates` counts them;
         ``host_offloaded``: the most host memory ``activation_offload_layers`` held at once during the run;
         ``cuda_library``: on CUDA, the bytes allocated before the fit once CUDA's libraries have run
         (:func:`cuda_library_bytes`: their workspaces; alive through the fit, so inside the peak; 0 on CPU)).
@@ -446,7 +447,7 @@ def measure_rank(
     callbacks: Optional[list] = None,
 ) -> dict[str, Any]:
     """Rank ``rank`` of layout ``pc`` trained for ``steps`` steps in this process on a fake process group, measured
-    (:func:`fit_and_measure`) beside :func:`~lightning_4d.memory.model.estimate_memory` of its pp rank and
+    (:func:`fit_and_measure`) beside :func:`~lightning_4d.planning.model.estimate_memory` of its pp rank and
     ``dp_cp`` rank (without the overhead allowance: the allocator does not see the CUDA context).
 
     Args:
@@ -499,7 +500,7 @@ def measure_rank(
 
 
 def _rank_estimate(work: Workload, pc: ParallelConfig, coords: dict, device: str) -> Any:
-    """:func:`~lightning_4d.memory.model.estimate_memory` of the rank at ``coords`` (:func:`rank_coordinates`) for
+    """:func:`~lightning_4d.planning.model.estimate_memory` of the rank at ``coords`` (:func:`rank_coordinates`) for
     ``work`` (its expert load given), without the overhead allowance."""
     overhead = OverheadAllowance(0, 0.0, "none")
     return estimate_memory(
@@ -680,7 +681,7 @@ def model_state_tensors(
     model: nn.Module, optimizers: Iterable[Any], buckets: Optional[GradientBuckets]
 ) -> dict[str, list[Tensor]]:
     """The tensors behind one rank's model states, by kind, for byte counts (:func:`local_bytes`) against the memory
-    model (``lightning_4d.memory.model.model_state_bytes``).
+    model (``lightning_4d.planning.model.model_state_bytes``).
 
     Returns ``{"parameters": [...], "gradients": [...], "optimizer_states": [...], "master_weights": [...],
     "compression": [...]}``: the

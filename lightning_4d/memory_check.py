@@ -24,9 +24,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_4d.contract import layout_strategy, optional_member
-from lightning_4d.memory.hardware import parse_bytes
-from lightning_4d.memory.planner import fitting_layout_lines, format_size as _size, suggestion_line
-from lightning_4d.memory.workload import Workload
+from lightning_4d.planning.hardware import parse_bytes
+from lightning_4d.planning.planner import fitting_layout_lines, format_size as _size, suggestion_line
+from lightning_4d.planning.workload import Workload
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ _BATCH_CONVENTIONS = (
 
 class MemoryBudgetExceeded(RuntimeError):
     """The estimated peak memory of a rank exceeds the budget. ``estimate`` is the worst rank's
-    :class:`~lightning_4d.memory.model.MemoryEstimate` (or the paper's estimate), ``suggestions`` a list of
+    :class:`~lightning_4d.planning.model.MemoryEstimate` (or the paper's estimate), ``suggestions`` a list of
     ``(ParallelConfig, estimate)`` that fit."""
 
     def __init__(self, message: str, estimate: Any = None, suggestions: Optional[list] = None) -> None:
@@ -186,14 +186,15 @@ class MemoryEstimatorCallback(L.Callback):
             already includes the overhead allowance, so 0.8 leaves a further margin).
         device_memory: bytes or a size such as ``"80GiB"`` / ``"94GB"``; default the CUDA device's total memory.
             Without CUDA and without this argument there is nothing to check against: a warning says so.
-        formula: ``"lightning_4d"`` (:func:`~lightning_4d.memory.model.estimate_memory`) or ``"fujii2024"``.
+        formula: ``"lightning_4d"`` (:func:`~lightning_4d.planning.model.estimate_memory`) or ``"fujii2024"``.
         enabled: ``False`` turns the check off.
         micro_batch_size: the batch shape's sequences per micro-batch (default: found as above).
         seq_length: the batch shape's tokens per sequence (default: found as above).
         expert_load_imbalance: for a Mixture-of-Experts model under expert parallelism, the load the estimate
-            assumes (:func:`~lightning_4d.memory.model.estimate_memory`: the rows the most loaded ep rank receives
+            assumes (:func:`~lightning_4d.planning.model.estimate_memory`: the rows the most loaded ep rank receives
             over the balanced figure, >= 1.0); default ``None``:
-            :data:`~lightning_4d.memory.moe.DEFAULT_EXPERT_LOAD_IMBALANCE`. ``FourDStrategy(memory_check=True)``
+            :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE`.
+            ``FourDStrategy(memory_check=True)``
             adds the callback with the default; add your own ``MemoryEstimatorCallback(expert_load_imbalance=...)``
             to the trainer's callbacks to set it (the strategy then adds none).
         host_memory: bytes or a size of the node's host memory, against which ``activation_offload_layers``'s
@@ -221,7 +222,7 @@ class MemoryEstimatorCallback(L.Callback):
         expert_load_imbalance: Optional[float] = None,
         host_memory: Union[None, int, str] = None,
     ) -> None:
-        from lightning_4d.memory.moe import check_expert_load_imbalance
+        from lightning_4d.planning.expert_costs import check_expert_load_imbalance
 
         if expert_load_imbalance is not None:
             check_expert_load_imbalance(expert_load_imbalance)
@@ -261,7 +262,7 @@ class MemoryEstimatorCallback(L.Callback):
         (:func:`lightning_4d.families.registry.estimate_config`: a transformers Llama is estimated as our Llama of the
         same shape), else ``None``."""
         from lightning_4d.families.registry import estimate_config
-        from lightning_4d.models.config import LlamaConfig
+        from lightning_4d.models.llama_config import LlamaConfig
 
         cfg = optional_member(pl_module, "model_config")
         return cfg if isinstance(cfg, LlamaConfig) else estimate_config(pl_module)
@@ -423,7 +424,7 @@ class MemoryEstimatorCallback(L.Callback):
         """``(parallel_config, model config, device memory in bytes, GPU name, device type, precision)`` of the job,
         or ``None`` after a warning (once per callback) that says why nothing is checked: another strategy than
         FourDStrategy, a module with no lightning_4d Llama config, no device memory, a precision not modelled."""
-        from lightning_4d.memory.model import PRECISIONS, normalize_precision
+        from lightning_4d.planning.model import PRECISIONS, normalize_precision
 
         layout = layout_strategy(trainer.strategy)
         if layout is None:
@@ -503,13 +504,13 @@ class MemoryEstimatorCallback(L.Callback):
         gpu_name: Optional[str],
     ) -> tuple[Any, float, dict[str, float]]:
         """``(estimate, its total in bytes, its parts in bytes by name)`` of this callback's formula (the worst pp
-        rank's :class:`~lightning_4d.memory.model.MemoryEstimate`, or the paper's estimate)."""
+        rank's :class:`~lightning_4d.planning.model.MemoryEstimate`, or the paper's estimate)."""
         if self.formula == "fujii2024":
-            from lightning_4d.memory.fujii2024 import fujii2024_of_layout
+            from lightning_4d.planning.fujii2024 import fujii2024_of_layout
 
             est = fujii2024_of_layout(cfg, parallel_config, s, b, m)
             return est, est.total, {"model_states": est.model_states, "activations": est.activations}
-        from lightning_4d.memory.model import estimate_all_pp_ranks
+        from lightning_4d.planning.model import estimate_all_pp_ranks
 
         work = Workload(cfg, b, s, precision, m, self.expert_load_imbalance, self._fused_optimizer)
         ranks = estimate_all_pp_ranks(work, parallel_config, device_type=device_type, gpu_name=gpu_name)
@@ -551,7 +552,7 @@ class MemoryEstimatorCallback(L.Callback):
         device_type: str,
         gpu_name: Optional[str],
     ) -> list:
-        from lightning_4d.memory.planner import suggest_layouts
+        from lightning_4d.planning.planner import suggest_layouts
 
         pc = trainer.strategy.parallel_config
         try:

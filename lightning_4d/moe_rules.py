@@ -4,15 +4,15 @@ feature owns itself"), pure Python so that the memory estimator and the planner 
 :class:`~lightning_4d.config.ParallelConfig`'s validation, the one place where the features' rules meet, calls these
 and holds no MoE rule itself: :func:`check_moe_layout` from ``__post_init__``, ``resolve`` (the layout alone) and
 ``validate_model`` (the layout against the model), :func:`check_float8` from ``validate_model``'s float8 check. The
-rest of the MoE component: ``parallel/moe.py`` and ``parallel/expert.py`` (the runtime), ``models/moe.py`` (the
-layer), ``memory/moe.py`` (its memory and step-time terms); ``docs/architecture.md``, "The MoE component".
+rest of the MoE component: ``parallel/moe.py`` and ``parallel/expert.py`` (the runtime), ``models/moe_layer.py`` (the
+layer), ``planning/expert_costs.py`` (its memory and step-time terms); ``docs/architecture.md``, "The MoE component".
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_4d.models.config import divisors
+from lightning_4d.models.llama_config import divisors
 
 
 def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = False) -> None:
@@ -20,7 +20,8 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
     :class:`~lightning_4d.config.ParallelConfig`), called from its validation (``ParallelConfig.__post_init__``,
     ``resolve`` and ``validate_model``): without ``model_config`` the rules of the layout alone (the one that needs
     the resolved dp only when ``resolved``), with it those against the model (``model_config``: a
-    :class:`~lightning_4d.models.config.LlamaConfig` or any config with ``is_moe`` and ``num_experts``; one without
+    :class:`~lightning_4d.models.llama_config.LlamaConfig` or any config with ``is_moe`` and ``num_experts``; one
+    without
     them is dense). What training an MoE model supports today (``docs/moe.md``); the estimator and the planner
     follow, so that they propose only layouts ``FourDStrategy`` runs.
 
@@ -66,7 +67,7 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
 
 def check_float8(float8: Optional[str], model_config: Any) -> None:
     """Refuse float8 training (``float8``: ``ParallelConfig.float8``, a recipe name) of a Mixture-of-Experts model
-    (``model_config``: a :class:`~lightning_4d.models.config.LlamaConfig`): its grouped expert matmuls are not the
+    (``model_config``: a :class:`~lightning_4d.models.llama_config.LlamaConfig`): its grouped expert matmuls are not the
     linears torchao converts (``parallel/float8.py``). Called by ``ParallelConfig.validate_model`` with a recipe set,
     before the dimensions of the dense linears are checked.
 

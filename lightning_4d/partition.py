@@ -9,7 +9,7 @@
 - ZeRO 2/3 of stacked expert weights (``parallel/moe.py``'s ``ExpertPlacement``): :func:`expert_shard_dim` (the
   dimension FSDP2 shards them on).
 
-``lightning_4d/memory/`` counts the bytes these pieces take by the same definitions, so this module is pure Python:
+``lightning_4d/planning/`` counts the bytes these pieces take by the same definitions, so this module is pure Python:
 it imports no torch and nothing of ``lightning_4d``. (Which sequence chunks a cp rank holds is a fact of the layout:
 :func:`lightning_4d.config.zigzag_chunks`.)
 """
@@ -59,7 +59,7 @@ def gradient_buckets_needed(reducing_ranks: int, master_weights: bool, pipelined
     (one rank, nothing to reduce: ``benchmarks/step_overhead.py``'s case) each gradient stays the ``.grad`` autograd
     made, with no bucket, no copy into it and no backward hook (as under Lightning's single-device strategy),
     and the strategy drops it after each optimizer step as it drops the buckets. The memory model counts the same
-    rule (``lightning_4d/memory/buffers.py``)."""
+    rule (``lightning_4d/planning/buffers.py``)."""
     return reducing_ranks > 1 or master_weights or pipelined or tensor_parallel
 
 

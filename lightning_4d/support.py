@@ -151,7 +151,7 @@ def untested_pairs(options: dict[str, Any], moe: bool = False, family: str = "ou
 def _parse(row: Row, **overrides: Any) -> tuple[argparse.Namespace, Any, Any]:
     """``lightning-4d measure``'s arguments, model config and validated layout for ``row`` (as ``measure`` checks
     them before it runs anything)."""
-    from lightning_4d.memory.cli import command_parser, layout_from_args, load_model_config
+    from lightning_4d.planning.commands import command_parser, layout_from_args, load_model_config
 
     args = command_parser("measure").parse_args(row.argv(**overrides))
     cfg = load_model_config(args.model)
@@ -420,7 +420,7 @@ def _smoke_run(row: Row, device: str, steps: int, overrides: dict[str, int], res
     """:func:`run_row`'s run of ``row`` (its sizes replaced by ``overrides``), its figures and verdict written into
     ``result`` as they come (what was measured stays there if a later check raises)."""
     from lightning_4d.measure import measure_rank, worst_rank
-    from lightning_4d.memory.workload import Workload
+    from lightning_4d.planning.workload import Workload
 
     args, cfg, pc = _parse(row, **overrides)
     b, s = args.micro_batch_size, args.seq_length

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.measure import LiveTensorBytes
-from lightning_4d.memory.model import estimate_memory, saved_activation_bytes
-from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.models.llama import canonical_name
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
+from lightning_4d.planning.model import estimate_memory, saved_activation_bytes
+from lightning_4d.planning.workload import Workload
 from tests._fakes import FakeLayoutStrategy
 from tests._launch import measure_json
 
@@ -276,9 +276,9 @@ def test_step_time_charges_the_exposed_host_copies():
     offloaded layer ``max(0, t − t_f) + max(0, t − 2·t_f)``, ``t`` one layer's copy at ``0.8 · host link`` (H100: PCIe
     Gen5, 64 GB/s per direction; A100: Gen4, 32 GB/s), ``t_f`` one layer's forward (a third of its compute), on the
     pp rank that offloads most; more bytes per layer, more exposed; all exposed at most."""
-    from lightning_4d.memory.hardware import gpu_spec
-    from lightning_4d.memory.model import offloaded_bytes_per_microbatch
-    from lightning_4d.memory.step_time import COLLECTIVE_EFFICIENCY, predict_step_time
+    from lightning_4d.planning.hardware import gpu_spec
+    from lightning_4d.planning.model import offloaded_bytes_per_microbatch
+    from lightning_4d.planning.step_time import COLLECTIVE_EFFICIENCY, predict_step_time
 
     cfg = LlamaConfig.from_preset("llama3-70b")  # 80 layers: 40 per stage
     kw = dict(data_parallel_size=2, tensor_parallel_size=8, pipeline_parallel_size=2, num_microbatches=4)
@@ -304,7 +304,8 @@ def test_step_time_charges_the_exposed_host_copies():
 
 def _llama2_7b_offloaded_host_bytes(pp_rank: int) -> int:
     """Host bytes pp rank ``pp_rank`` holds at its peak, derived by hand from the layers' saved tensors (not through the
-    estimator): llama2-7b (``models/config.py``: h = 4096, f = 11008, L = 32, a = k = 32 heads, d = 128), tp 4 with
+    estimator): llama2-7b (``models/llama_config.py``: h = 4096, f = 11008, L = 32, a = k = 32 heads, d = 128), tp 4
+    with
     sp, pp 2 (1F1B), m = 4, b = 1, s = 4096, bf16-mixed (bf16 activations: c = r = 2 bytes), the first 10 of the 16
     layers of the stage offloaded."""
     h, f, a, d, b, s, tp = 4096, 11008, 32, 128, 1, 4096, 4

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_4d.memory.workload import Workload
+from lightning_4d.planning.workload import Workload
 from tests._launch import ROOT, worker_env
 
 CONFIG = """
@@ -188,8 +188,8 @@ def test_estimate_proposes_the_planners_layer_split(capsys):
     """`estimate --pp 16` of Llama 3.1 405B (126 layers, not a multiple of 16) estimates with the planner's split
     (7, 8, ..., 8, 7), says so in one line, and gives the estimate of that split given explicitly."""
     from lightning_4d.cli import main
-    from lightning_4d.memory.planner import propose_layer_split
     from lightning_4d.models import LlamaConfig
+    from lightning_4d.planning.planner import propose_layer_split
 
     assert "llama3.1-405b" in LlamaConfig.preset_names()
     split = [7] + [8] * 14 + [7]
@@ -231,8 +231,8 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
     does (suggest_layouts + suggestion_line), the layouts of the same 8 GPUs that fit; each one, estimated again with
     `estimate`, fits with the figure printed. A layout that fits names none."""
     from lightning_4d.cli import main
-    from lightning_4d.memory.planner import suggest_layouts, suggestion_line
     from lightning_4d.models import LlamaConfig
+    from lightning_4d.planning.planner import suggest_layouts, suggestion_line
 
     base = ["estimate", "--model", "llama3-8b", "--num-gpus", "8", "--micro-batch-size", "1", "--seq-length", "8192"]
     assert main(base + ["--zero-stage", "0"]) == 1

@@ -102,8 +102,8 @@ def test_model_yaml_must_be_complete_and_known(capsys, tmp_path, text, expected)
 
 
 def test_model_yaml_from_a_preset_or_complete_fields(capsys, tmp_path):
-    from lightning_4d.memory.cli import load_model_config
-    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.models.llama_config import LlamaConfig
+    from lightning_4d.planning.commands import load_model_config
 
     (tmp_path / "p.yaml").write_text("preset: llama3-8b\nnum_layers: 16\n")
     assert load_model_config(str(tmp_path / "p.yaml")) == LlamaConfig.from_preset("llama3-8b", num_layers=16)

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.parallel.comm import bytes_sent
 from tests._launch import SCRIPTS, torchrun
 
@@ -157,7 +157,7 @@ def test_context_parallel_ring_passes_kv_around(measured):
 def test_context_parallel_alltoall_exchanges_qkv_and_output(measured):
     """cp=2 alltoall (Ulysses, parallel/context.py): per layer forward one all-to-all of this rank's q, k, v
     ``[b, s/cp, a + 2k, d]`` (packed) and one of the attention output ``[b, s/cp, a, d]``; backward the same two
-    (the output gradient, then dq/dk/dv packed): each sends (cp−1)/cp of its buffer (memory/step_time.py's
+    (the output gradient, then dq/dk/dv packed): each sends (cp−1)/cp of its buffer (planning/step_time.py's
     ``"alltoall"`` term), counted under cp; no point-to-point traffic."""
     record = measured[7]
     cfg = LlamaConfig.from_preset("tiny-test")

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.model import model_state_bytes
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.parallel.comm import bytes_sent
 from lightning_4d.partition import powersgd_compressible
+from lightning_4d.planning.model import model_state_bytes
 from tests._launch import SCRIPTS, torchrun
 
 LAYOUTS = [

@@ -242,7 +242,8 @@ def test_flops_per_token_is_palm_model_flops():
 
 
 def test_gradient_bucket_rules():
-    """The one definition of ZeRO 0/1 buckets (parallel/grad_buffers.py builds them, memory/model.py simulates them)."""
+    """The one definition of ZeRO 0/1 buckets (parallel/grad_buffers.py builds them, planning/model.py simulates
+    them)."""
     from lightning_4d.partition import bucket_lengths, bucket_shard
 
     assert bucket_lengths([10, 10, 10, 30, 5], 25) == [2, 1, 1, 1]  # 20 | 10 | 30 (alone, too large) | 5

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lightning_4d import ParallelConfig
-from lightning_4d.memory.model import estimate_memory, saved_activation_bytes
-from lightning_4d.memory.workload import Job, Search, Workload
 from lightning_4d.models import LlamaConfig
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel.context import shard_batch, shard_sequence
+from lightning_4d.planning.model import estimate_memory, saved_activation_bytes
+from lightning_4d.planning.workload import Job, Search, Workload
 from tests._launch import SCRIPTS, run_layouts, torchrun, trained
 from tests.test_parity import _check_offloaded, _layout_id
 from tests.test_pipeline import LAYERS, REFERENCES, _check, _check_resume
@@ -330,8 +330,8 @@ def test_step_time_alltoall_term_is_the_ulysses_volume():
     of the output (``T·a·d/tp·c``), each ``(cp−1)/cp`` of the buffer at the collective bandwidth plus ``(cp−1)``
     latencies (DeepSpeed-Ulysses, arXiv 2309.14509 §3.2; the bytes tests/test_comm.py counts). At tp4 × cp4 llama3-8b
     has 2 kv heads per tp rank, fewer than cp: k' = 4."""
-    from lightning_4d.memory.hardware import GPU_PRESETS
-    from lightning_4d.memory.step_time import COLLECTIVE_EFFICIENCY, LINK_LATENCY, Layout, _dims, step_time_parts
+    from lightning_4d.planning.hardware import GPU_PRESETS
+    from lightning_4d.planning.step_time import COLLECTIVE_EFFICIENCY, LINK_LATENCY, Layout, _dims, step_time_parts
 
     cfg, gpu = LlamaConfig.from_preset("llama3-8b"), GPU_PRESETS["H100-80GB"]
     tp, cp, b, m, s = 4, 4, 1, 4, 8192
@@ -353,8 +353,8 @@ def test_step_time_alltoall_term_is_the_ulysses_volume():
 def test_planner_weighs_alltoall_where_the_heads_allow():
     """plan tries ring, allgather and alltoall at cp > 1, alltoall only where a/tp splits over cp (llama3-8b: 32
     heads, 8 kv heads), and ranks them by the step-time model."""
-    from lightning_4d.memory.hardware import GPU_PRESETS
-    from lightning_4d.memory.planner import _cp_methods, plan
+    from lightning_4d.planning.hardware import GPU_PRESETS
+    from lightning_4d.planning.planner import _cp_methods, plan
 
     cfg = LlamaConfig.from_preset("llama3-8b")
     assert _cp_methods(cfg, 1, 1) == ("ring",)

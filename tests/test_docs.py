@@ -207,7 +207,7 @@ def test_documented_training_command_parses(command):
 
     from lightning_4d.data.token_file import _build_parser as prepare_data_parser
     from lightning_4d.export_hf import export_hf_parser
-    from lightning_4d.memory.cli import command_parser
+    from lightning_4d.planning.commands import command_parser
 
     kind, args = command.argv[0], command.argv[1:]
     if kind == "fit":

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from lightning_4d import FourDStrategy, ParallelConfig
-from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
 from lightning_4d.partition import expert_shard_dim
+from lightning_4d.planning.model import model_state_bytes
 from tests._launch import SCRIPTS, check_final_weights, initial_weights, launched, resume_on_layouts, torchrun
 
 STEPS = 10

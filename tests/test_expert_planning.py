@@ -12,13 +12,13 @@ import pytest
 
 from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory import step_time as st
-from lightning_4d.memory.hardware import GPU_PRESETS
-from lightning_4d.memory.model import estimate_memory, model_state_bytes
-from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE
-from lightning_4d.memory.planner import plan
-from lightning_4d.memory.workload import Job, Search, Workload
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
+from lightning_4d.planning import step_time as st
+from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE
+from lightning_4d.planning.hardware import GPU_PRESETS
+from lightning_4d.planning.model import estimate_memory, model_state_bytes
+from lightning_4d.planning.planner import plan
+from lightning_4d.planning.workload import Job, Search, Workload
 from tests.test_cli_inputs import _one_line_error
 
 H100 = GPU_PRESETS["H100-80GB"]
@@ -360,7 +360,7 @@ def test_cli_expert_load_imbalance_flag(capsys, command):
     else:
         import dataclasses
 
-        from lightning_4d.memory.planner import Candidate
+        from lightning_4d.planning.planner import Candidate
 
         row = out["layouts"][0]
         pc = Candidate(**{f.name: row[f.name] for f in dataclasses.fields(Candidate)}).parallel_config()

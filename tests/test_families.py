@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.families.llama import LLAMA
+from lightning_4d.families.native_llama import LLAMA
 from lightning_4d.families.registry import FAMILIES, estimate_config, find_models
 from lightning_4d.models import LlamaConfig
 from lightning_4d.models.llama import LlamaModel

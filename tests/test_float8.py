@@ -186,7 +186,7 @@ def test_float8_refuses_missing_torchao_and_float16(monkeypatch):
         (["--dp", "1"], "tensorwise", 0.01, "float8 backward"),
         # tp2 sp on the fake group: torchao's float8 styles all-gather the sequence in float8 (the path gloo cannot
         # run). Measured 2026-11-27: estimate 56,207,872 B, measured 55,099,848 B (+2.0%; bf16 tp2 sp: -1.5%; before
-        # memory/float8.py counted tp, +7.1%). Without sp +0.1%, rowwise with sp -0.5% (not run here)
+        # planning/float8_costs.py counted tp, +7.1%). Without sp +0.1%, rowwise with sp -0.5% (not run here)
         (["--dp", "1", "--tp", "2"], "tensorwise", 0.03, "float8 backward"),
         # dp2 ZeRO 3: the peak is the last layer's w2 input cast in forward (the previous step's gradient shards
         # alive). Measured 2026-11-27: tensorwise estimate 68,837,888 B, measured 68,844,544 B (-0.01%; before the
@@ -196,7 +196,7 @@ def test_float8_refuses_missing_torchao_and_float16(monkeypatch):
         (["--dp", "2", "--zero-stage", "3"], "tensorwise", 0.01, "float8 forward"),
         (["--dp", "2", "--zero-stage", "3"], "rowwise", 0.01, "float8 forward"),
         # tp2 sp selective checkpointing: the float8 backward transient in the last layer's backward beside its
-        # recomputed set (the kept parts do not count float8's tp change: memory/activations.py). Measured
+        # recomputed set (the kept parts do not count float8's tp change: planning/activations.py). Measured
         # 2026-11-27: estimate 51,764,736 B, measured 52,556,328 B (-1.51%; before the recomputed set was counted
         # -2.85%); not run here: rowwise without sp -0.74% (-2.05%), tensorwise with sp +0.22% (-1.15%), without
         # +0.21% (-1.11%); one process rowwise full -0.01% (-3.05%), tensorwise selective -0.25% (-1.68%)
@@ -205,7 +205,7 @@ def test_float8_refuses_missing_torchao_and_float16(monkeypatch):
     ids=["one-process", "tp2-sp", "zero3-tensorwise", "zero3-rowwise", "tp2-sp-selective-rowwise"],
 )
 def test_float8_memory_estimate_matches_measure(layout, recipe, rtol, phase):
-    """The float8 terms (lightning_4d/memory/float8.py: the backward and forward transients, FSDP2's float8
+    """The float8 terms (lightning_4d/planning/float8_costs.py: the backward and forward transients, FSDP2's float8
     all-gather, and under tp the saved inputs) against `lightning-4d measure` (CPU, LiveTensorBytes): small b=2 s=256
     bf16-mixed, ZeRO 1 unless the layout says otherwise; the model states equal (before ``measure.local_bytes``
     unwrapped torchao's float8 weight, ZeRO 3 tensorwise measured 817,664 B of parameters against 8,968,704)."""
@@ -232,15 +232,16 @@ def test_float8_memory_estimate_matches_measure(layout, recipe, rtol, phase):
 
 def test_float8_step_time_reproduces_the_published_gains():
     """FLOAT8_MATMUL_SPEEDUP turns the step-time model's compiled bf16 prediction of torchtitan's Llama 3 8B run (8
-    H100, FSDP 8, s=8192, selective checkpointing, torch.compile) into the published float8 gains (memory/float8.py,
+    H100, FSDP 8, s=8192, selective checkpointing, torch.compile) into the published float8 gains
+    (planning/float8_costs.py,
     FLOAT8_RUNS). The runs' selective checkpointing with compile is a layout FourDStrategy refuses, so the compiled
     step-time Layout is made directly."""
     import dataclasses
 
-    from lightning_4d.memory import step_time as st
-    from lightning_4d.memory.float8 import FLOAT8_RUNS
-    from lightning_4d.memory.hardware import gpu_spec
-    from lightning_4d.memory.step_time import predict_step_time
+    from lightning_4d.planning import step_time as st
+    from lightning_4d.planning.float8_costs import FLOAT8_RUNS
+    from lightning_4d.planning.hardware import gpu_spec
+    from lightning_4d.planning.step_time import predict_step_time
 
     cfg = LlamaConfig.from_preset("llama3-8b")
     gpu = gpu_spec("H100-96GB")

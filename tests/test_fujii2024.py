@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_4d.memory import (
+from lightning_4d.planning import (
     Fujii2024Estimate,
     Fujii2024Layout,
     Fujii2024Model,
@@ -297,8 +297,8 @@ def test_of_layout_is_the_one_mapping_of_a_layout():
     write it three times and differ: the callback passed no v and ``zero_stage >= 1``, the CLI and the planner v and
     ``zero_stage == 1``). v is the layout's (the interleaved factor), and ZeRO >= 1 is the distributed optimizer."""
     from lightning_4d.config import ParallelConfig
-    from lightning_4d.memory.fujii2024 import fujii2024_of_layout
     from lightning_4d.memory_check import MemoryEstimatorCallback
+    from lightning_4d.planning.fujii2024 import fujii2024_of_layout
 
     cfg = SimpleNamespace(**LLAMA2_7B, tie_word_embeddings=False)
     pc = ParallelConfig(
@@ -339,7 +339,7 @@ def test_errors(override, match):
 
 
 def test_module_does_not_import_torch():
-    path = Path(__file__).resolve().parents[1] / "lightning_4d" / "memory" / "fujii2024.py"
+    path = Path(__file__).resolve().parents[1] / "lightning_4d" / "planning" / "fujii2024.py"
     assert importlib.util.spec_from_file_location("fujii2024_standalone", path) is not None
     code = (
         "import importlib.util, sys\n"

@@ -160,18 +160,18 @@ def test_no_import_cycle():
 
 
 def test_memory_never_imports_torch_nor_lightning():
-    """memory/ is the estimator that runs on a laptop: no module of it imports torch or Lightning, not even inside a
+    """planning/ is the estimator that runs on a laptop: no module of it imports torch or Lightning, not even inside a
     function (the pre-fit check, a Lightning callback, lives beside the strategy: ``lightning_4d/memory_check.py``)."""
     bad = []
     for m in _modules():
         if not _in(m, f"{PACKAGE}.memory"):
             continue
         bad += [f"{m} -> {i}" for i in imports_of(m) if _in(i, "torch") or _in(i, "lightning")]
-    assert not bad, "memory/ runs on a laptop without torch and Lightning: " + ", ".join(sorted(bad))
+    assert not bad, "planning/ runs on a laptop without torch and Lightning: " + ", ".join(sorted(bad))
 
 
 def test_importing_every_memory_module_loads_neither_torch_nor_lightning():
-    """The same, at run time: a fresh interpreter imports every ``lightning_4d.memory`` module (and with them the
+    """The same, at run time: a fresh interpreter imports every ``lightning_4d.planning`` module (and with them the
     package's own ``__init__``, ``config``, ``layout``, ``partition`` and ``models.config``) and neither torch nor
     Lightning ends up in ``sys.modules``."""
     import subprocess
@@ -211,15 +211,15 @@ def test_compat_and_module_tree_import_nothing_of_ours():
 
 
 def test_memory_imports_only_config_and_model_config():
-    """memory/ is the torch-free estimator: it imports config, the layout registry (``lightning_4d.layout``, issue 33:
+    """planning/ is the torch-free estimator: it imports config, the layout registry (``lightning_4d.layout``, issue 33:
     the torch-free declaration of config's fields, below config itself), the partition rules and the model config only.
     The pre-fit check that reads a Trainer, a DataModule and the model-family registry is
-    ``lightning_4d/memory_check.py`` (issue 33: moved out of memory/)."""
+    ``lightning_4d/memory_check.py`` (issue 33: moved out of planning/)."""
     allowed = {f"{PACKAGE}.config", f"{PACKAGE}.layout", f"{PACKAGE}.partition", f"{PACKAGE}.models.config"}
     bad = _violations(f"{PACKAGE}.memory", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.memory"))
     assert not bad, (
-        "memory/ may import lightning_4d.config, lightning_4d.layout, lightning_4d.partition, "
-        "lightning_4d.models.config and memory/ only: " + ", ".join(bad)
+        "planning/ may import lightning_4d.config, lightning_4d.layout, lightning_4d.partition, "
+        "lightning_4d.models.llama_config and planning/ only: " + ", ".join(bad)
     )
 
 

@@ -18,10 +18,10 @@ from lightning_4d.layout import (
     reported_layout,
     saved_layout,
 )
-from lightning_4d.memory.cli import command_parser, layout_from_args
-from lightning_4d.memory.planner import Candidate
-from lightning_4d.memory.step_time import Layout
 from lightning_4d.models import LlamaConfig
+from lightning_4d.planning.commands import command_parser, layout_from_args
+from lightning_4d.planning.planner import Candidate
+from lightning_4d.planning.step_time import Layout
 
 #: a value of every field, valid together (pp=2, tp=2, cp=2, dp=2 on 16 ranks): not the default but for ep
 #: (refused with PowerSGD), activation offload (refused with checkpointing) and float8 (refused with
@@ -269,7 +269,7 @@ def test_every_field_has_a_feature_and_help():
 
 
 def test_layout_module_is_the_bottom_layer():
-    """lightning_4d.layout imports nothing of the package and no torch: config, memory/ and the CLI read it."""
+    """lightning_4d.layout imports nothing of the package and no torch: config, planning/ and the CLI read it."""
     from tests.test_imports import PACKAGE, imports_of
 
     bad = [i for i in imports_of(f"{PACKAGE}.layout") if i.startswith((PACKAGE, "torch", "lightning"))]
@@ -298,8 +298,8 @@ def test_suggestions_and_emitted_configs_name_every_planned_field():
     ``FourDStrategy(...)`` line and ``plan --emit-config``'s ``init_args``) give back the same layout."""
     import ast
 
-    from lightning_4d.memory.cli import plan_config
-    from lightning_4d.memory.planner import suggestion_line
+    from lightning_4d.planning.commands import plan_config
+    from lightning_4d.planning.planner import suggestion_line
 
     for pc in _planned_layouts():
         call = ast.parse(suggestion_line(pc, 1).split("  #")[0]).body[0].value

@@ -33,8 +33,8 @@ import pytest
 from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
 from lightning_4d.measure import rank_coordinates, worst_rank
-from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig
+from lightning_4d.planning.workload import Workload
 from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
 
 TINY = LlamaConfig.from_preset("tiny-test")  # h=64, L=2
@@ -226,7 +226,7 @@ def test_rank_outside_the_world_is_refused_before_any_process_group(capsys):
 def test_the_measured_h200_allowance_serves_the_preset_and_the_device_name():
     """``overhead.json``'s H200 entry (measured: benchmarks/results/gpu_check_NVIDIA_H200_2026-11-26.md) is what the
     pre-fit check (device name) and ``estimate --gpu-memory H200`` (preset) use; other GPUs keep the default."""
-    from lightning_4d.memory.hardware import overhead_allowance
+    from lightning_4d.planning.hardware import overhead_allowance
 
     measured = overhead_allowance("NVIDIA H200")
     assert measured.source.startswith("measured on NVIDIA H200")
@@ -287,7 +287,7 @@ def test_measure_under_expert_parallelism_receives_the_stated_load():
       float32 master weights with the optimizer states);
     - the model states are the estimate's exactly, and the peak within 2% of it: measured 0.993 (7,017,792 B
       measured, 6,970,976 B estimated; CPU live tensor bytes are deterministic), against 1.065 before the estimate
-      put the expert-parallel all-to-all buffers in a phase of their own (``memory/model.py``: not beside the loss'
+      put the expert-parallel all-to-all buffers in a phase of their own (``planning/model.py``: not beside the loss'
       working set).
     """
     import math
@@ -295,8 +295,8 @@ def test_measure_under_expert_parallelism_receives_the_stated_load():
     import torch
 
     from lightning_4d.measure import spread_counts
-    from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE
     from lightning_4d.models import LlamaModel
+    from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE
 
     moe = LlamaConfig.from_preset("tiny-moe")
     out = _measure_cli(["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--seq-length", "512"], 0, "bf16-mixed")
@@ -334,7 +334,7 @@ def test_measure_with_experts_folded_over_tp():
     decoder layer's, not apart)."""
     import math
 
-    from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE
+    from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE
 
     moe = LlamaConfig.from_preset("tiny-moe")
     args = ["--model", "tiny-moe", "--dp", "2", "--tp", "2", "--ep", "4", "--zero-stage", "3", "--seq-length", "512"]

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from lightning_4d import MemoryBudgetExceeded, MemoryEstimatorCallback
-from lightning_4d.memory.hardware import GPU_PRESETS, gpu_spec, parse_bytes
-from lightning_4d.memory.workload import Workload
+from lightning_4d.planning.hardware import GPU_PRESETS, gpu_spec, parse_bytes
+from lightning_4d.planning.workload import Workload
 from tests._fakes import FakeLayoutStrategy
 from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
 
@@ -184,7 +184,7 @@ PLAN_405B_CPU_S = 1.5
 
 _PLAN_405B = """
 import io, contextlib, json, time
-from lightning_4d.memory.cli import main
+from lightning_4d.planning.commands import main
 args = ["--model", "llama3.1-405b", "--num-gpus", "16384", "--gpus-per-node", "8", "--gpu-memory", "H100-80GB",
         "--seq-length", "8192", "--global-batch-size", "2048", "--json"]
 out = io.StringIO()
@@ -238,7 +238,7 @@ def test_plan_invalid_exit_2():
 
 
 def test_peak_flops_of_device_reads_the_gpu_table():
-    from lightning_4d.memory.hardware import peak_flops_of_device
+    from lightning_4d.planning.hardware import peak_flops_of_device
 
     assert peak_flops_of_device("NVIDIA H100 80GB HBM3") == GPU_PRESETS["H100-80GB"].peak_flops == 989e12
     assert peak_flops_of_device("NVIDIA A100-SXM4-40GB") == GPU_PRESETS["A100-40GB"].peak_flops == 312e12
@@ -252,7 +252,7 @@ def test_peak_flops_of_device_reads_the_gpu_table():
 
 def test_estimate_dualpipev_defaults_to_2p_microbatches(capsys):
     """Without --num-microbatches, dualpipev runs m = 2·pp (its minimum), as the strategy does; both formulas."""
-    from lightning_4d.memory.cli import main
+    from lightning_4d.planning.commands import main
 
     base = [
         "--model",
@@ -290,7 +290,7 @@ def _strategy_kwargs(line: str) -> dict:
 
 def test_refusal_suggestions_can_be_pasted_llama3_8b_on_8_gpus(monkeypatch):
     """llama3-8b, 8 GPUs, s=8192, b=1: the fastest layout that fits is FSDP over 8 GPUs (ZeRO 3, as torchtitan's
-    published 8B runs; the step-time model of memory/step_time.py, whose tp collectives are exposed, puts tp=2 x dp=4
+    published 8B runs; the step-time model of planning/step_time.py, whose tp collectives are exposed, puts tp=2 x dp=4
     after it); the printed line names every dimension, so that it describes 8 GPUs (it used to print dp and tp
     only: 4 GPUs)."""
     import inspect
@@ -701,8 +701,8 @@ def test_estimate_with_an_uneven_pipeline_layer_split():
     import torch
     from torch.utils.data import DataLoader
 
-    from lightning_4d.memory.model import estimate_memory
     from lightning_4d.parallel._compat import train_data_source
+    from lightning_4d.planning.model import estimate_memory
     from lightning_4d.tasks import CausalLMModule
 
     module = CausalLMModule("tiny")
@@ -753,8 +753,8 @@ def test_fused_adamw_has_no_step_temporaries_and_the_callback_knows_which_optimi
     import torch
 
     from lightning_4d.config import ParallelConfig
-    from lightning_4d.memory.model import estimate_memory
     from lightning_4d.memory_check import _steps_with_fused_adamw
+    from lightning_4d.planning.model import estimate_memory
     from lightning_4d.tasks import CausalLMModule
 
     class Subclass(CausalLMModule):

@@ -1,4 +1,4 @@
-"""Our memory model (``lightning_4d.memory.model``) against hand-derived values and against measured reality.
+"""Our memory model (``lightning_4d.planning.model``) against hand-derived values and against measured reality.
 
 Measured (CPU, gloo, tiny-test Llama, one optimizer step per batch shape; ``tests/scripts/measure_memory.py``):
 
@@ -20,10 +20,10 @@ from dataclasses import replace
 import pytest
 
 from lightning_4d import ParallelConfig, estimate_memory
-from lightning_4d.memory.model import MemoryEstimate, estimate_all_pp_ranks, model_state_bytes, saved_activation_bytes
-from lightning_4d.memory.workload import Workload
 from lightning_4d.models import LlamaConfig
 from lightning_4d.partition import loss_chunk_tokens
+from lightning_4d.planning.model import MemoryEstimate, estimate_all_pp_ranks, model_state_bytes, saved_activation_bytes
+from lightning_4d.planning.workload import Workload
 from tests._launch import SCRIPTS, torchrun
 
 TINY = LlamaConfig.from_preset("tiny-test")  # h=64, f=128, L=2, a=4, k=2, V=256
@@ -365,7 +365,7 @@ def test_pipeline_activations_within_5_percent(measured_pipeline):
 # - ZBV: rank 0 (first and last stages) 1,347,584 B estimated vs 1,217,024 B measured (+10.73%: with the custom
 #   RMSNorm / loss autograd functions the weight pass frees more than the model's input-gradient-only remainder
 #   assumes, docs/pipeline.md), rank 1 exact (1,222,656 B): never below the measured peak;
-# - DualPipeV (its own action list since 2026-11-27, lightning_4d/memory/pipeline.py `dualpipev_actions`; it was
+# - DualPipeV (its own action list since 2026-11-27, lightning_4d/planning/pipeline_costs.py `dualpipev_actions`; it was
 #   estimated as ZBV, -4.71% and -2.73%, below): rank 0 1,478,912 B estimated vs 1,414,144 B measured (+4.58%), rank
 #   1 exact (1,256,960 B).
 # Bounds: the measured peak may not exceed the estimate (the OOM direction: an estimate below the peak lets a layout
@@ -398,7 +398,7 @@ def test_explicit_pipeline_layer_split_is_estimated():
     """``pipeline_layer_split`` reaches the in-flight count as a layer split (it used to be handed the number of
     stages where the number of layers belongs, so every explicit split raised); an explicit equal split estimates
     exactly what the default split does, and moving layers off a pp rank lowers its estimate."""
-    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.models.llama_config import LlamaConfig
 
     cfg = LlamaConfig.from_preset("llama3-8b")
     pc = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2).resolve(2)
@@ -540,13 +540,13 @@ def test_zero3_large_vocabulary_peak_equals_measured(tmp_path, preset, precision
 def test_v_schedule_action_lists_equal_torch(schedule):
     """The memory model's torch-free action lists of the V schedules (``zbv_actions``, ``dualpipev_actions``) are
     torch's own (``_compat.schedule_rank_actions``), for every rank of several p and m (DualPipeV needs m >= 2p)."""
-    from lightning_4d.memory import pipeline
     from lightning_4d.parallel._compat import schedule_rank_actions
+    from lightning_4d.planning import pipeline_costs
 
     ours, name = (
-        (pipeline.zbv_actions, "ScheduleZBVZeroBubble")
+        (pipeline_costs.zbv_actions, "ScheduleZBVZeroBubble")
         if schedule == "zbv"
-        else (pipeline.dualpipev_actions, "ScheduleDualPipeV")
+        else (pipeline_costs.dualpipev_actions, "ScheduleDualPipeV")
     )
     cases = 0
     for p in (2, 3, 4, 8):

@@ -561,7 +561,7 @@ def test_a_huge_size_fails_in_one_line_instead_of_hanging():
     search of the error message loop 10^13 times; sizes are bounded and the search takes ``O(sqrt(n))`` steps."""
     import time
 
-    from lightning_4d.models.config import MAX_MODEL_SIZE, divisors
+    from lightning_4d.models.llama_config import MAX_MODEL_SIZE, divisors
 
     assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 500))
     start = time.process_time()

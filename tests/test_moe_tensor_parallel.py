@@ -22,8 +22,8 @@ import json
 import pytest
 
 from lightning_4d import ParallelConfig
-from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
+from lightning_4d.planning.model import model_state_bytes
 from tests._launch import SCRIPTS, check_final_weights, initial_weights, launched, resume_on_layouts, torchrun
 from tests.test_expert_parallel import REF, VARIANT
 
@@ -122,7 +122,7 @@ def _moe_params(cfg):
     import torch
 
     from lightning_4d.models import LlamaModel
-    from lightning_4d.models.moe import MoEFeedForward
+    from lightning_4d.models.moe_layer import MoEFeedForward
 
     with torch.device("meta"):
         model = LlamaModel(cfg)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_4d import ParallelConfig
-from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
+from lightning_4d.planning.model import model_state_bytes
 from tests._launch import trained
 
 STEPS = 10

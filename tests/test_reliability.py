@@ -1,4 +1,4 @@
-"""Young's checkpoint interval (memory/reliability.py) and `plan`'s checkpoint fields and plot."""
+"""Young's checkpoint interval (planning/reliability.py) and `plan`'s checkpoint fields and plot."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 
 from lightning_4d.cli import main
-from lightning_4d.memory.reliability import DEFAULT_MTBF_GPU_HOURS, checkpoint_bytes, checkpoint_interval
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
+from lightning_4d.planning.reliability import DEFAULT_MTBF_GPU_HOURS, checkpoint_bytes, checkpoint_interval
 
 PLAN = ["plan", "--model", "llama3-8b", "--num-gpus", "64", "--seq-length", "4096", "--global-batch-size", "128"]
 
@@ -60,7 +60,7 @@ def test_plan_json_has_the_checkpoint_interval_of_every_layout(capsys):
 
 def test_plan_plot_draws_every_estimated_layout(capsys, tmp_path):
     pytest.importorskip("matplotlib")  # a dev dependency: installed in CI
-    from lightning_4d.memory import plot as plot_module
+    from lightning_4d.planning import plot as plot_module
 
     drawn = {}
     original = plot_module.plot_plan
@@ -71,13 +71,13 @@ def test_plan_plot_draws_every_estimated_layout(capsys, tmp_path):
         return drawn["result"]
 
     path = tmp_path / "plan.png"
-    import lightning_4d.memory.plot
+    import lightning_4d.planning.plot
 
-    lightning_4d.memory.plot.plot_plan = spy
+    lightning_4d.planning.plot.plot_plan = spy
     try:
         assert main(PLAN + ["--plot", str(path)]) == 0
     finally:
-        lightning_4d.memory.plot.plot_plan = original
+        lightning_4d.planning.plot.plot_plan = original
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     points, result = drawn["points"], drawn["result"]
     assert len(result["fitting"]) == sum(c.fits for c in points) > 0

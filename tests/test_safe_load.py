@@ -179,7 +179,7 @@ def test_loading_keeps_our_types_allowed_for_lightnings_own_loads(tmp_path):
     ``torch.load(weights_only=True)`` of a checkpoint holding a ``LlamaConfig`` (``Trainer.fit(ckpt_path=...)`` with
     ``CausalLMModule``) then failed with "Unsupported global" (seen running tests/test_resume.py after a test that
     read a checkpoint folder)."""
-    from lightning_4d.models.config import LlamaConfig, RopeScaling
+    from lightning_4d.models.llama_config import LlamaConfig, RopeScaling
     from lightning_4d.safe_load import load
 
     path = tmp_path / "plain.pt"

@@ -1,4 +1,4 @@
-"""The planner's step-time model (lightning_4d/memory/step_time.py) and layout enumeration (memory/planner.py):
+"""The planner's step-time model (lightning_4d/planning/step_time.py) and layout enumeration (planning/planner.py):
 measured pointwise bytes, the terms by hand, the calibration against published runs, uneven pipeline splits."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory import step_time as st
-from lightning_4d.memory.hardware import GPU_PRESETS
-from lightning_4d.memory.planner import enumerate_layouts, plan, propose_layer_split
-from lightning_4d.memory.workload import Job, Search
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
+from lightning_4d.planning import step_time as st
+from lightning_4d.planning.hardware import GPU_PRESETS
+from lightning_4d.planning.planner import enumerate_layouts, plan, propose_layer_split
+from lightning_4d.planning.workload import Job, Search
 
 H100 = GPU_PRESETS["H100-80GB"]
 
@@ -292,7 +292,7 @@ def test_plan_predicts_compiled_layouts_only_where_compile_runs():
     """``plan(compile=True)``: every row compiled, tp > 1 among them, and no selective checkpointing (FourDStrategy
     refuses it: ``config.check_compile``), predicted faster than the same layout eager; not asked, no row is; the row's
     config and its suggestion line carry ``compile=True``."""
-    from lightning_4d.memory.planner import suggestion_line
+    from lightning_4d.planning.planner import suggestion_line
 
     cfg = LlamaConfig.from_preset("llama3.1-8b")
     on = plan(Job(cfg, 16, 8, 8192, 64, H100), Search(compile=True), top=10)

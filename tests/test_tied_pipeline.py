@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from lightning_4d import ParallelConfig
-from lightning_4d.memory.model import model_state_bytes
 from lightning_4d.models import LlamaConfig
+from lightning_4d.planning.model import model_state_bytes
 from tests._launch import run_layouts, trained
 from tests.test_parity import BF16_MIXED_LOSS_RTOL, BF16_MIXED_WEIGHT_ATOL, LOSS_RTOL, STEPS, _layout_id
 
@@ -256,8 +256,8 @@ def test_tied_pp_refusals_before_the_process_group(kwargs, match):
 def test_tied_pp_step_time_counts_the_embedding_all_reduce():
     """The step-time model adds the tied copies' gradient all-reduce (2 ranks, 4·V·h/tp bytes, exposed) to the pp
     term of a looped schedule, and nothing on zbv (rank 0 holds both copies)."""
-    from lightning_4d.memory import step_time as st
-    from lightning_4d.memory.hardware import gpu_spec
+    from lightning_4d.planning import step_time as st
+    from lightning_4d.planning.hardware import gpu_spec
 
     tied = LlamaConfig.from_preset("llama3.2-1b")
     untied = LlamaConfig.from_preset("llama3.2-1b", tie_word_embeddings=False)
@@ -291,7 +291,7 @@ def test_tied_pp_init_from_reads_the_head_copy_from_the_embedding(tmp_path, sche
     directory (``model.embed_tokens.weight`` only): a last stage's head copy reads the embedding's tensor, alone
     (1f1b rank 1) or beside the embedding on a V schedule's rank 0 under ZeRO 2/3; at ZeRO 0/1 that rank keeps the
     one tied weight (through ``to_empty``, which makes new parameters off the meta device)."""
-    from lightning_4d.families.llama import LlamaFamily
+    from lightning_4d.families.native_llama import LlamaFamily
     from lightning_4d.models.llama import LlamaModel
     from lightning_4d.parallel.pipeline import split_model
 

@@ -163,7 +163,7 @@ class HFLlamaFamily(ModelFamily):
 
     def model_config(self, model: nn.Module) -> Any:
         """Our ``LlamaConfig`` of the same shape; ``ValueError`` for a Llama variant ours does not model."""
-        from lightning_4d.models.config import LlamaConfig
+        from lightning_4d.models.llama_config import LlamaConfig
 
         return LlamaConfig.from_hf_dict(model.config.to_dict(), source=f"{type(model).__name__}.config")
 

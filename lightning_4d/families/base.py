@@ -45,7 +45,7 @@ __all__ = ["ModelFamily", "PipelineLayout", "find_submodel", "layer_items", "set
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.config import ParallelConfig
-    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.models.llama_config import LlamaConfig
     from lightning_4d.parallel.tensor import TensorParallelPlan
 
 
@@ -146,7 +146,7 @@ class ModelFamily:
     def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
         """Give ``model`` what it computes over the whole data-parallel batch: the mesh of the ranks holding
         disjoint tokens, ``dp_cp`` (``dp_cp_tp`` under tp, where our MoE layers run token parallel; they sum their
-        tokens per expert over it, :mod:`lightning_4d.models.moe`). Called when dp·cp·tp > 1; default: nothing."""
+        tokens per expert over it, :mod:`lightning_4d.models.moe_layer`). Called when dp·cp·tp > 1; default: nothing."""
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
         """Split ``model``'s routed experts over ``ep_mesh`` and dispatch tokens to them by all-to-all

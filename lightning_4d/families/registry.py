@@ -17,7 +17,7 @@ from lightning_4d.adapters.hf_llama import HF_LLAMA
 from lightning_4d.adapters.hf_mixtral import HF_MIXTRAL
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import is_hf_model_dir
-from lightning_4d.families.llama import LLAMA
+from lightning_4d.families.native_llama import LLAMA
 
 __all__ = ["FAMILIES", "ModelFamily", "PipelineLayout", "find_models", "estimate_config", "load_initial_weights"]
 

@@ -7,7 +7,7 @@ modules are imported on first use, so the memory estimator and the CLI's ``estim
 from importlib import import_module
 from typing import Any
 
-from lightning_4d.models.config import PRESETS, LlamaConfig, RopeScaling
+from lightning_4d.models.llama_config import PRESETS, LlamaConfig, RopeScaling
 
 _LAZY = {
     "attention": "attention_backends",

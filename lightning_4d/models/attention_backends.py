@@ -71,7 +71,7 @@ def sdpa_repeats_kv_heads(q: Tensor, k: Tensor) -> bool:
     SDPA's only GQA-capable fused kernel (flash) takes 16-bit inputs, and ``enable_gqa=True`` falls back to the math
     kernel, which materializes the ``[b, heads, s, s]`` scores: measured on an H200 (torch 2.11, ``small`` preset,
     b=8, s=2048, full checkpointing, ``32-true``) 4.30 GiB allocated against 0.50 GiB estimated. With the heads
-    repeated the memory-efficient kernel runs; it saves the repeated k and v (``lightning_4d.memory.model`` counts
+    repeated the memory-efficient kernel runs; it saves the repeated k and v (``lightning_4d.planning.model`` counts
     them for ``device_type="cuda"``)."""
     return q.is_cuda and q.dtype == torch.float32 and q.shape[2] != k.shape[2]
 

@@ -10,7 +10,7 @@ and ``from_pretrained`` reads, the per-expert names of the released checkpoints:
 our stacked ``feed_forward.experts.w1`` ``[E, f, h]`` is expert ``e``'s ``w1.weight`` at index ``e`` of dim 0
 (:func:`hf_slices`).
 
-Pure torch, no I/O: :mod:`lightning_4d.families.llama` reads Hugging Face directories with it (``init_from``) and
+Pure torch, no I/O: :mod:`lightning_4d.families.native_llama` reads Hugging Face directories with it (``init_from``) and
 :mod:`lightning_4d.export_hf` writes them (``export-hf``).
 """
 

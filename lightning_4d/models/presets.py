@@ -1,5 +1,5 @@
 """The model presets' table: the fields of ``LlamaConfig`` for Llama 2 / Llama 3 / Llama 4 / Mixtral shapes and the
-package's tiny test models, by name. Plain data that imports nothing; :mod:`lightning_4d.models.config` builds
+package's tiny test models, by name. Plain data that imports nothing; :mod:`lightning_4d.models.llama_config` builds
 ``PRESETS`` (``LlamaConfig.from_preset``, ``--model`` of the CLI) from it.
 """
 

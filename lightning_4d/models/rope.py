@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_4d.config import zigzag_chunks
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
 
 DeviceLike = Union[torch.device, str, None]
 

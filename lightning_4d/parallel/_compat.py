@@ -68,7 +68,7 @@ def process_group_of_name(name: str) -> Any:
 # ---------------------------------------------------------------------------------------------------- MoE
 #: ``torch._grouped_mm(x [N, k], w [G, k, n], offs=int32 [G]) -> [N, n]``: one GEMM per row group of ``x`` (group g the
 #: rows up to ``offs[g]``) with ``w[g]``, CUDA and bfloat16 (the Mixture-of-Experts experts,
-#: ``lightning_4d/models/moe.py``; torchtitan's grouped experts); ``None`` on a torch without it (the loop then)
+#: ``lightning_4d/models/moe_layer.py``; torchtitan's grouped experts); ``None`` on a torch without it (the loop then)
 grouped_mm = getattr(torch, "_grouped_mm", None)
 
 #: ``torch.serialization._get_layout(name) -> torch.layout``: how a pickled ``torch.layout`` is rebuilt (DCP's

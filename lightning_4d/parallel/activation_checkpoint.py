@@ -36,7 +36,7 @@ DCP state dicts and our deterministic initialization strip the wrapper's ``_chec
 The recomputation replays the same ops on the same inputs and takes the saved outputs back unchanged, so losses and
 gradients equal those of ``"none"`` (``tests/test_activation_checkpointing.py``, float32; tp=2, pp=2 and cp=2 in
 ``tests/test_parity.py``, ``tests/test_pipeline.py`` and ``tests/test_context_parallel.py``). Bytes
-kept per layer under each mode: :mod:`lightning_4d.memory.model`; what each costs: ``docs/memory.md``.
+kept per layer under each mode: :mod:`lightning_4d.planning.model`; what each costs: ``docs/memory.md``.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ pipeline) and all-to-alls under the first of :class:`CommMeter`'s ``all_to_all``
 (:meth:`CommMeter.for_mesh`: the MoE component's, :data:`lightning_4d.parallel.moe.ALL_TO_ALL_DIMS`, then ``cp``,
 whose all-to-alls are ``context_parallel_method="alltoall"``'s: per layer and micro-batch, forward and backward, one
 all-to-all of the packed q, k, v and one of the attention output, each sending ``(cp−1)/cp`` of its buffer;
-``memory/step_time.py``).
+``planning/step_time.py``).
 """
 
 from __future__ import annotations

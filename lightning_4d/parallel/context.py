@@ -627,7 +627,7 @@ def context_parallel_attention(
 
 class ContextParallelAttention:
     """The attention function a ``lightning_4d`` ``Attention`` module calls instead of plain causal attention under
-    cp (set by the model family's ``apply_context_parallel``, :mod:`lightning_4d.families.llama`):
+    cp (set by the model family's ``apply_context_parallel``, :mod:`lightning_4d.families.native_llama`):
     ``__call__(q, k, v, backend) -> out`` with the shapes of
     :func:`context_parallel_attention`."""
 

@@ -9,7 +9,7 @@ Each stacked expert weight ``[E, ...]`` becomes a DTensor ``Shard(0)`` on the 1D
 than a plain local tensor, because the rest of the strategy already speaks DTensor: initialization keeps the rank's
 rows of the full tensor by the DTensor's offset (:meth:`LlamaModel.init_weights`, the same weights as one process),
 the sharded checkpoints save global shapes (DCP writes each expert once and reads any other ep back), the Hugging Face
-loader fills only the rank's experts (``families/llama.py``), and the byte counts take the local shard.
+loader fills only the rank's experts (``families/native_llama.py``), and the byte counts take the local shard.
 
 **Dispatch** (:class:`ExpertDispatch`, called by ``GroupedExperts.forward`` with the assignments of the rank's own
 tokens sorted by global expert, ``counts[e]`` rows for expert ``e``, after the router, top-k and the capacity rule ran
@@ -167,7 +167,7 @@ def is_expert_parameter(p: Tensor) -> bool:
 
 
 #: the modules whose 3-D parameters are stacked expert weights ``[E, d1, d2]``: ours
-#: (:class:`~lightning_4d.models.moe.GroupedExperts`), transformers' ``MixtralExperts`` and its expert-parallel
+#: (:class:`~lightning_4d.models.moe_layer.GroupedExperts`), transformers' ``MixtralExperts`` and its expert-parallel
 #: replacement (:mod:`lightning_4d.adapters.hf_mixtral`)
 EXPERT_MODULES = ("GroupedExperts", "MixtralExperts", "ExpertParallelMixtralExperts")
 

@@ -27,7 +27,8 @@ DTensors, whose tensorwise scales are those of the whole tensor (DTensor all-red
 as on one process. Under sequence parallelism the fused projection that saves only the sequence shard is not used
 (it multiplies the weights outside ``Float8Linear``): the attention's and feed-forward's input is all-gathered
 before their linears, in float8 with ``"tensorwise"`` (which gloo cannot carry: :data:`NO_FLOAT8_COLLECTIVES`), and
-saved whole (``lightning_4d/memory/float8.py``). ``tensor_parallel_overlap``'s rings multiply the weights outside
+saved whole (``lightning_4d/planning/float8_costs.py``). ``tensor_parallel_overlap``'s rings multiply the weights
+outside
 ``Float8Linear`` too: refused with float8 (:class:`~lightning_4d.config.ParallelConfig`).
 
 At ZeRO 2/3 with ``"tensorwise"`` the converted weights are all-gathered in float8
@@ -39,7 +40,7 @@ all-gathered in the compute dtype and cast after.
 
 Saved for backward: torchao's ``Float8Linear`` saves its input and weight in their high precision and casts them
 again in backward (measured on torch 2.13, torchao 0.18: the same saved bytes as ``nn.Linear``), so without tp
-float8 leaves the saved activations of the memory model unchanged (``lightning_4d/memory/``, ``float8`` terms; under
+float8 leaves the saved activations of the memory model unchanged (``lightning_4d/planning/``, ``float8`` terms; under
 tp see above).
 """
 

@@ -160,7 +160,7 @@ class GradientBuckets:
     gradient buffer for the whole run; here, without gradient accumulation (no pipeline, one batch per step), no
     gradient exists while the forward pass builds the activations, and during backward a layer's gradients appear as
     its saved activations are freed, so the step's peak holds the larger of the two rather than their sum
-    (``lightning_4d/memory/model.py``, **Peak**).
+    (``lightning_4d/planning/model.py``, **Peak**).
 
     Inside :meth:`overlap_with_backward` a bucket's collective starts as soon as all its gradients arrived:
 

@@ -1,6 +1,6 @@
 """The Mixture-of-Experts component of the strategy: what the rest of the training code asks of MoE, in one place.
 
-The model's MoE layer is :mod:`lightning_4d.models.moe` (router, stacked experts, load-balancing loss); expert
+The model's MoE layer is :mod:`lightning_4d.models.moe_layer` (router, stacked experts, load-balancing loss); expert
 parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.expert`. This module holds the rest:
 
 - **meshes** (:func:`carve_meshes`, called by :func:`lightning_4d.mesh.build_mesh`). MoE layers under tensor
@@ -167,13 +167,13 @@ def received_rows(model_config: Any, pc: Any, micro_batch_size: int, seq_length:
 
     Every rank of the ep group routes ``T = b·(s/cp)/tp`` tokens (the MoE layers are token parallel over tp) and
     keeps ``N = T·k`` assignments (under a capacity factor at most ``E·C``, ``C`` =
-    :func:`lightning_4d.models.moe.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks is
+    :func:`lightning_4d.models.moe_layer.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks is
     ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
     under a capacity at most ``E·C`` (each of its ``E/ep`` experts takes at most ``C`` rows from each of the ``ep``
     sources). The load imbalance's definition: ``ExpertDispatch``'s ``received_rows`` over the ep group's mean
     (:class:`ExpertLoadMonitor`). ``lightning-4d measure`` states this load (:func:`answer_count_exchange`).
     """
-    from lightning_4d.models.moe import capacity
+    from lightning_4d.models.moe_layer import capacity
 
     if pc.ep == 1 or not model_config.num_experts:
         return 0
@@ -455,7 +455,7 @@ class ExpertLoadMonitor(L.Callback):
     """Under expert parallelism, log after every training step the load imbalance of the experts' ranks: for each
     MoE layer and ep group, the rows the most loaded ep rank's experts received over the group's mean (1.0 is
     balanced, ``ep`` all rows on one rank), the max over layers and groups. It is the figure the memory model's
-    ``expert_load_imbalance`` (:func:`lightning_4d.memory.model.estimate_memory`, ``lightning-4d estimate
+    ``expert_load_imbalance`` (:func:`lightning_4d.planning.model.estimate_memory`, ``lightning-4d estimate
     --expert-load-imbalance``) multiplies the balanced received rows by; docs/moe.md says how its default was
     measured with this callback.
 

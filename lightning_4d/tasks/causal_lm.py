@@ -15,12 +15,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_4d.contract import LayoutStrategy, layout_strategy, optional_member
 from lightning_4d.families.registry import load_initial_weights
-from lightning_4d.memory.hardware import peak_flops_of_device
-from lightning_4d.models.config import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
+from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.moe import MoETraining
+from lightning_4d.planning.hardware import peak_flops_of_device
 from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.metrics import TokenMeanLoss
 

@@ -42,9 +42,9 @@ from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 from lightning_4d import FourDStrategy, ParallelConfig  # noqa: E402
 from lightning_4d.measure import local_bytes, model_state_tensors  # noqa: E402
-from lightning_4d.memory.model import estimate_memory, model_state_bytes, saved_activation_bytes  # noqa: E402
-from lightning_4d.memory.workload import Workload  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
+from lightning_4d.planning.model import estimate_memory, model_state_bytes, saved_activation_bytes  # noqa: E402
+from lightning_4d.planning.workload import Workload  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 

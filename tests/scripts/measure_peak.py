@@ -20,8 +20,8 @@ torch.set_num_threads(1)
 
 from lightning_4d.config import ParallelConfig  # noqa: E402
 from lightning_4d.measure import fit_and_measure  # noqa: E402
-from lightning_4d.memory.workload import Workload  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
+from lightning_4d.planning.workload import Workload  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

@@ -3,7 +3,7 @@ terms each feature module contributes: ``states``, ``activations``, ``pipeline``
 ``tensor_parallel``, ``compression``, ``buffers``, ``moe``) and ``fujii2024`` (the estimator of Fujii, Watanabe and
 Yokota 2024, arXiv 2411.06465). Formulas and sources: ``docs/memory.md``."""
 
-from lightning_4d.memory.fujii2024 import (
+from lightning_4d.planning.fujii2024 import (
     Fujii2024Estimate,
     Fujii2024Layout,
     Fujii2024Model,

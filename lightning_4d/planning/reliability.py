@@ -67,13 +67,13 @@ def _positive(name: str, value: Any) -> float:
 
 def checkpoint_bytes(model_config: Any, precision: str = "bf16-mixed") -> int:
     """Bytes of one checkpoint of the whole job: every parameter once in the training dtype, + the float32 master
-    weights where they are separate, + Adam's m and v (the dtypes of :mod:`lightning_4d.memory.model`:
+    weights where they are separate, + Adam's m and v (the dtypes of :mod:`lightning_4d.planning.model`:
     ``bf16-mixed`` 2 + 4 + 8 = 14 bytes per parameter, ``32-true`` 4 + 8 = 12).
 
     Raises:
         ValueError: an unknown precision.
     """
-    from lightning_4d.memory.model import checkpoint_bytes_per_parameter
+    from lightning_4d.planning.model import checkpoint_bytes_per_parameter
 
     return model_config.num_parameters() * checkpoint_bytes_per_parameter(precision)
 

@@ -7,8 +7,8 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.tensors import Dtypes, Param
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, powersgd_compressible
+from lightning_4d.planning.tensors import Dtypes, Param
 
 __all__ = ["compression_buffer_bytes", "powersgd_state_bytes"]
 
@@ -17,7 +17,7 @@ def powersgd_state_bytes(pc: ParallelConfig, weighted: tuple[tuple[Param, int], 
     """Bytes of PowerSGD's state on one rank (``gradient_compression="powersgd"`` over ``world`` > 1 ranks): every
     rank's own float32 error feedback ``m·n`` and warm start ``n·r`` per compressed matrix (whole local matrices,
     :func:`lightning_4d.partition.powersgd_compressible`); 0 otherwise. ``weighted``: the rank's parameters and their
-    counts (:func:`lightning_4d.memory.params.weighted_params`)."""
+    counts (:func:`lightning_4d.planning.params.weighted_params`)."""
     if pc.gradient_compression != "powersgd" or world <= 1:
         return 0
     r = pc.powersgd_rank

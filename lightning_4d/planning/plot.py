@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence, Union
 
-from lightning_4d.memory.hardware import GIB
+from lightning_4d.planning.hardware import GIB
 
 __all__ = ["plot_plan"]
 
@@ -17,7 +17,7 @@ __all__ = ["plot_plan"]
 def plot_plan(
     candidates: Sequence[Any], gpu_memory: int, budget: float, path: Union[str, Path], title: str = ""
 ) -> dict[str, Any]:
-    """Draw ``candidates`` (:class:`~lightning_4d.memory.planner.Candidate`: ``memory`` bytes, ``step_time``
+    """Draw ``candidates`` (:class:`~lightning_4d.planning.planner.Candidate`: ``memory`` bytes, ``step_time``
     seconds, ``fits``) as points, those that fit highlighted, the budget (``budget · gpu_memory``) and the device
     memory as vertical lines, the fastest fitting layout annotated; write a PNG to ``path``.
 

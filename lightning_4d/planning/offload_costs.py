@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.activations import layer_saved_parts
-from lightning_4d.memory.tensors import Dtypes
+from lightning_4d.planning.activations import layer_saved_parts
+from lightning_4d.planning.tensors import Dtypes
 
 __all__ = ["offloaded_per_stage", "offloaded_whole", "prefetch_moments", "unpacked_bytes"]
 
@@ -41,7 +41,7 @@ def unpacked_bytes(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int) -> 
     tiny-test with 1 of 2 layers offloaded peaks exactly one layer's saved bytes below no offload). Offloaded whole,
     the peak is in the last layer's SwiGLU product backward (measured, LiveTensorBytes at the peak: ``aten.mul``):
     its two inputs brought back (``swiglu // 2``, counted with the recomputed set) beside the product's gradient and
-    the two it makes (:func:`lightning_4d.memory.activations.recompute_backward`), after the loss and the head freed
+    the two it makes (:func:`lightning_4d.planning.activations.recompute_backward`), after the loss and the head freed
     their saved tensors."""
     return layer_saved_parts(cfg, dt, b, s // pc.cp, pc.tp, pc.sp)["swiglu"] // 2
 
@@ -52,7 +52,7 @@ def prefetch_moments(
     """The moments of activation offload's prefetch (``parallel/offload.py``) on one pp rank that can make its peak
     (``stages``: ``rank_stages``; ``offloaded``: how many of each stage's layers are offloaded; ``per_layer``: one
     layer's saved bytes; ``rope``: the RoPE tables an offloaded layer copies; ``backward``: a layer's first backward
-    ops, :func:`lightning_4d.memory.activations.kept_layer_backward`), each as ``(bytes, layers done)``: the bytes it
+    ops, :func:`lightning_4d.planning.activations.kept_layer_backward`), each as ``(bytes, layers done)``: the bytes it
     holds beyond the activations after the loss and the head's backward (one micro-batch in backward), and how many
     layers of that micro-batch ran their backward before it (their gradients exist then, when they are not resident
     from backward start: the caller adds them).

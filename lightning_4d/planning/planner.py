@@ -1,8 +1,8 @@
 """Enumerate the layouts of a training job, keep those that fit, rank them by a predicted step time.
 
-A *job* (:class:`~lightning_4d.memory.workload.Job`) is a model, a number of GPUs (``gpus_per_node`` per node) of one
+A *job* (:class:`~lightning_4d.planning.workload.Job`) is a model, a number of GPUs (``gpus_per_node`` per node) of one
 kind, a sequence length, a global batch (samples per optimizer step) and a precision; what to search
-(:class:`~lightning_4d.memory.workload.Search`) fixes some sizes or adds optional features. A *layout* is everything
+(:class:`~lightning_4d.planning.workload.Search`) fixes some sizes or adds optional features. A *layout* is everything
 FourDStrategy lets a user choose: tp, pp, cp, dp with ``tp·pp·cp·dp = num_gpus``, the micro-batch size b, the ZeRO
 stage, activation checkpointing (none, selective, full), sequence parallelism on or off (tp > 1), the context-parallel
 method (ring, allgather, and alltoall where the heads split over tp·cp; cp > 1), with
@@ -25,8 +25,8 @@ measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stage
   <lightning_4d.config.ParallelConfig.validate_model>` (and the ZeRO stages through ``ParallelConfig`` itself), so
   the planner proposes for an MoE model exactly the layouts FourDStrategy accepts for it.
 
-Each layout's step time is predicted by :mod:`lightning_4d.memory.step_time` (term by term, calibrated on
-published runs) and its memory by :func:`~lightning_4d.memory.model.estimate_memory`. Layouts are ranked by
+Each layout's step time is predicted by :mod:`lightning_4d.planning.step_time` (term by term, calibrated on
+published runs) and its memory by :func:`~lightning_4d.planning.model.estimate_memory`. Layouts are ranked by
 predicted step time; at equal times the one that recomputes less comes first (none, then selective, then full),
 then the one that needs less memory. A layout is dropped when another of the same parallel sizes and micro-batch
 size is predicted no slower and needs no more memory (e.g. ZeRO 0 where ZeRO 1 is as fast, sequence parallelism
@@ -63,12 +63,12 @@ from lightning_4d.config import (
     check_positive_int,
 )
 from lightning_4d.layout import plan_values, planned_dataclass, strategy_arguments
-from lightning_4d.memory.fujii2024 import check_dense, fujii2024_of_layout
-from lightning_4d.memory.hardware import GIB
-from lightning_4d.memory.model import MemoryEstimate, estimate_memory
-from lightning_4d.memory.step_time import Layout, StepTime, model_dims, step_time_parts
-from lightning_4d.memory.workload import Job, Search, Workload
-from lightning_4d.models.config import divisors
+from lightning_4d.models.llama_config import divisors
+from lightning_4d.planning.fujii2024 import check_dense, fujii2024_of_layout
+from lightning_4d.planning.hardware import GIB
+from lightning_4d.planning.model import MemoryEstimate, estimate_memory
+from lightning_4d.planning.step_time import Layout, StepTime, model_dims, step_time_parts
+from lightning_4d.planning.workload import Job, Search, Workload
 
 __all__ = [
     "Candidate",
@@ -85,7 +85,7 @@ __all__ = [
 _RECOMPUTATION = {"none": 0, "selective": 1, "full": 2}
 MAX_CONTEXT_PARALLEL = 32
 #: the fewest tokens each of the 2·cp load-balanced chunks of a sequence keeps (shorter attention blocks run the
-#: fused kernel far below its peak: :data:`~lightning_4d.memory.step_time.ATTENTION_EFFICIENCY`)
+#: fused kernel far below its peak: :data:`~lightning_4d.planning.step_time.ATTENTION_EFFICIENCY`)
 MIN_CONTEXT_CHUNK = 512
 #: the pipeline schedules the planner proposes, with their stages per pp rank
 PLANNED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8), ("zbv", 2))
@@ -93,7 +93,7 @@ PLANNED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 
 
 @planned_dataclass
 class Candidate(Layout):
-    """One layout of a job (the fields of :class:`~lightning_4d.memory.step_time.Layout`) with its memory estimate
+    """One layout of a job (the fields of :class:`~lightning_4d.planning.step_time.Layout`) with its memory estimate
     (``memory``, bytes; ``fraction`` of the GPU's), whether it ``fits``, its predicted ``step_time`` (seconds),
     ``tokens_per_sec`` and ``mfu``, and where that time goes (``bubble_fraction``, ``communication_fraction``
     (exposed, the experts' all-to-alls included), ``recompute_fraction``: fractions of the step)."""
@@ -155,7 +155,7 @@ def _pipelines(model_config: Any, pp: int, m: int) -> Iterator[tuple[str, int, O
 
 
 def _layouts(job: Job, search: Search) -> Iterator[Layout]:
-    """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.memory.step_time.Layout`):
+    """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.planning.step_time.Layout`):
     every parallel shape (:func:`_shapes`), then every batch shape, schedule and option of it
     (:func:`_shape_layouts`)."""
     for shape in _shapes(job, search.fixed or {}):
@@ -292,7 +292,7 @@ def _pipeline_accepted(model_config: Any, pp: int) -> bool:
 def enumerate_layouts(job: Job, search: Search = Search()) -> Iterator[tuple[ParallelConfig, int, int]]:
     """Every valid ``(parallel_config, micro_batch_size, num_microbatches)`` of ``job`` (its ``gpu`` and
     ``precision`` not read) among those ``search`` asks for (see the module docstring and
-    :class:`~lightning_4d.memory.workload.Search`)."""
+    :class:`~lightning_4d.planning.workload.Search`)."""
     for layout in _layouts(job, search):
         yield layout.parallel_config(), layout.micro_batch_size, layout.num_microbatches
 
@@ -311,17 +311,17 @@ def plan(
     """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first.
 
     Args:
-        job: the model, the GPUs (count, per node, kind: :data:`~lightning_4d.memory.hardware.GPU_PRESETS` or a custom
+        job: the model, the GPUs (count, per node, kind: :data:`~lightning_4d.planning.hardware.GPU_PRESETS` or a custom
             :class:`GpuSpec`), the sequence length, the global batch and the precision
-            (:class:`~lightning_4d.memory.workload.Job`).
-        search: which layouts to consider (:class:`~lightning_4d.memory.workload.Search`: a fixed micro-batch size,
+            (:class:`~lightning_4d.planning.workload.Job`).
+        search: which layouts to consider (:class:`~lightning_4d.planning.workload.Search`: a fixed micro-batch size,
             fixed sizes, ``Search(fixed={"tp": 8, "pp": 16})`` only those layouts; ``tensor_parallel_overlap``: also
             ``tensor_parallel_overlap=True``, tp > 1 with sp, checkpointing none or full, off by default as the
             strategy's option, not yet measured faster on a GPU; ``compile``: the layouts of
             ``FourDStrategy(compile=True)``, checkpointing none or full, their step predicted with compiled decoder
-            layers, :data:`~lightning_4d.memory.step_time.POINTWISE_FACTOR`).
+            layers, :data:`~lightning_4d.planning.step_time.POINTWISE_FACTOR`).
         budget: the fraction of ``job.gpu.memory`` a layout may use.
-        formula: ``"lightning_4d"`` (:func:`~lightning_4d.memory.model.estimate_memory`) or ``"fujii2024"`` (the
+        formula: ``"lightning_4d"`` (:func:`~lightning_4d.planning.model.estimate_memory`) or ``"fujii2024"`` (the
             paper's estimator: ZeRO stage 1 is its distributed optimizer, stage 0 without it; stages 2-3,
             checkpointing, ZBV and the allgather and alltoall cp methods are not modelled by it, so those layouts
             are skipped).
@@ -329,7 +329,7 @@ def plan(
         include_unfit: keep layouts that do not fit (ranked after those that do; estimates every layout).
         max_estimated: estimate the memory of at most this many layouts, the fastest predicted (for a plot of a
             large job: its ~10^5 layouts take minutes to estimate).
-        estimate_kw: more keyword arguments of :func:`~lightning_4d.memory.model.estimate_memory` (``device_type``,
+        estimate_kw: more keyword arguments of :func:`~lightning_4d.planning.model.estimate_memory` (``device_type``,
             ``overhead``, ``gpu_name``).
 
     Raises:
@@ -401,7 +401,8 @@ def _check_job(job: Job, fixed: Optional[dict[str, int]], budget: float, formula
 def _timed_layouts(job: Job, search: Search, formula: str) -> list[tuple[float, int, Layout, tuple[float, ...]]]:
     """``(predicted step seconds, recomputation rank, layout, step time parts)`` of every layout of the job the
     formula models, fastest first (at equal times, the one that recomputes less); the parts are
-    :class:`~lightning_4d.memory.step_time.StepTime`'s fields (:func:`~lightning_4d.memory.step_time.step_time_parts`).
+    :class:`~lightning_4d.planning.step_time.StepTime`'s fields
+    (:func:`~lightning_4d.planning.step_time.step_time_parts`).
 
     Raises:
         ValueError: no valid layout at all (the message says what a layout needs).
@@ -593,7 +594,7 @@ def suggest_layouts(
     """Up to ``count`` layouts of ``world_size`` GPUs that fit, with the same micro-batch size and sequence length as
     ``workload`` (its model, precision and ``fused_optimizer`` too), fastest predicted first (for
     :class:`MemoryBudgetExceeded`)."""
-    from lightning_4d.memory.hardware import gpu_spec
+    from lightning_4d.planning.hardware import gpu_spec
 
     b, s = workload.micro_batch_size, workload.seq_length
     gpu = gpu_spec(device_memory)

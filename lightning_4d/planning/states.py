@@ -1,13 +1,14 @@
 """Model states (ZeRO): one rank's parameters, gradients and optimizer states at rest (:func:`model_state_bytes`),
-and the ZeRO sharding rules they follow (module docstring of :mod:`lightning_4d.memory.model`, **Model states**):
+and the ZeRO sharding rules they follow (module docstring of :mod:`lightning_4d.planning.model`, **Model states**):
 
 - ZeRO 0/1 (``GradientBuckets`` + ``ShardedOptimizer``): the parameters, in reverse order, fill gradient buckets of
   ``GRADIENT_BUCKET_BYTES``, each padded to a multiple of its group's ranks; at ZeRO 1 rank r owns range r of every
   bucket (:func:`bucket_owned`, :func:`zero1_owned`);
 - ZeRO 2/3 (FSDP2 ``fully_shard``): ``ceil(rows/D)`` rows of dim 0 per rank, as ``torch.chunk``
-  (:func:`fsdp_shard_numel`), a stacked weight maybe on dim 1 (:func:`lightning_4d.memory.moe.fsdp_shard_dim`).
+  (:func:`fsdp_shard_numel`), a stacked weight maybe on dim 1
+  (:func:`lightning_4d.planning.expert_costs.fsdp_shard_dim`).
 
-A parameter's data-parallel group is ``dp·cp`` unless its :attr:`~lightning_4d.memory.tensors.Param.group` says
+A parameter's data-parallel group is ``dp·cp`` unless its :attr:`~lightning_4d.planning.tensors.Param.group` says
 otherwise (:func:`reduction_group`).
 
 Pure Python: no torch import.
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory import moe
-from lightning_4d.memory.compression import powersgd_state_bytes
-from lightning_4d.memory.params import (
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
+from lightning_4d.planning import expert_costs
+from lightning_4d.planning.compression_costs import powersgd_state_bytes
+from lightning_4d.planning.params import (
     Sizes,
     StageKey,
     as_held,
@@ -32,8 +34,7 @@ from lightning_4d.memory.params import (
     stage_params,
     weighted_params,
 )
-from lightning_4d.memory.tensors import Dtypes, Param, chunk, normalize_precision
-from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
+from lightning_4d.planning.tensors import Dtypes, Param, chunk, normalize_precision
 
 __all__ = [
     "ModelStates",
@@ -49,7 +50,7 @@ __all__ = [
 
 
 def _group_key(p: Param, tp: int, ep: int) -> tuple[str, ...]:
-    """The dims of ``p``'s :attr:`~lightning_4d.memory.tensors.Param.group` larger than 1 in this layout (``()``:
+    """The dims of ``p``'s :attr:`~lightning_4d.planning.tensors.Param.group` larger than 1 in this layout (``()``:
     ``dp·cp``): the parameters of one key fill gradient buckets of their own (``parallel/grad_buffers.py``)."""
     return tuple(d for d in p.group if (tp if d == "tp" else ep) > 1)
 
@@ -120,7 +121,7 @@ def fsdp_padded_numel(p: Param, world: int, ep: int = 1, tp: int = 1) -> int:
     """Elements of ``p`` in FSDP2's all-gather output: dim 0 padded to a multiple of its group's size
     (:func:`fsdp_group`), or a stacked weight sharded on dim 1, which FSDP2 shards evenly only (no padding)."""
     group, _ = fsdp_group(p, world, 0, ep, tp)
-    if moe.fsdp_shard_dim(p, group) == 1:
+    if expert_costs.fsdp_shard_dim(p, group) == 1:
         return p.numel
     return math.ceil(p.rows / group) * group * p.cols
 
@@ -129,7 +130,7 @@ def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int = 1
     """Elements of ``p`` rank ``dp_cp_rank`` (tp rank ``tp_rank``) holds at ZeRO 2/3 (FSDP2's ``torch.chunk`` of dim
     0 over its group, :func:`fsdp_group`; a stacked weight sharded on dim 1: ``rows · (dim1 / G) · dim 2``, even)."""
     group, rank = fsdp_group(p, world, dp_cp_rank, ep, tp, tp_rank)
-    if moe.fsdp_shard_dim(p, group) == 1:
+    if expert_costs.fsdp_shard_dim(p, group) == 1:
         return p.rows * chunk(p.dim1, group, rank) * (p.cols // p.dim1)
     return chunk(p.rows, group, rank) * p.cols
 
@@ -183,7 +184,8 @@ def model_state_bytes(
         bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
             at ZeRO 1 a rank owns its 1/D of every bucket.
         tp_rank: the tp rank: under tp the parameters replicated over tp (an MoE layer's,
-            :mod:`lightning_4d.memory.moe`) are ZeRO 1-sharded over ``dp·cp·tp`` ranks (those split over ep over
+            :mod:`lightning_4d.planning.expert_costs`) are ZeRO 1-sharded over ``dp·cp·tp`` ranks (those split over ep
+            over
             ``dp·cp·tp/ep``), where the tp rank picks the range.
 
     Returns:

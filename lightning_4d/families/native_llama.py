@@ -30,7 +30,7 @@ from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
-from lightning_4d.models.moe import MoEFeedForward
+from lightning_4d.models.moe_layer import MoEFeedForward
 from lightning_4d.models.rope import context_parallel_positions, rope_cos_sin
 from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
@@ -97,7 +97,7 @@ class LlamaFamily(ModelFamily):
     def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
         """Every MoE layer sums its routing counts over ``tokens_mesh`` (``dp_cp``, or ``dp_cp x tp`` under tp,
         where MoE layers run token parallel; ``MoEFeedForward.stats_group``): the load-balancing loss of the global
-        batch, the same on every layout (:mod:`lightning_4d.models.moe`)."""
+        batch, the same on every layout (:mod:`lightning_4d.models.moe_layer`)."""
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
                 module.stats_group = tokens_mesh.get_group()

@@ -1,4 +1,4 @@
-"""The transient buffers of one pp rank (:mod:`lightning_4d.memory.model`'s docstring, **Peak**): FSDP2's gathered
+"""The transient buffers of one pp rank (:mod:`lightning_4d.planning.model`'s docstring, **Peak**): FSDP2's gathered
 parameters and unsharded gradients (ZeRO 2/3), the gradient buckets (ZeRO 0/1) and what compression puts on the
 wire, the head's gradient, the optimizer step's temporaries, and the transients each feature adds (pipeline receive
 buffers, context-parallel attention, the LM head's backward under tp, an MoE layer's all-to-alls), composed by
@@ -13,19 +13,23 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory import moe
-from lightning_4d.memory.activations import recompute_backward
-from lightning_4d.memory.compression import compression_buffer_bytes
-from lightning_4d.memory.context import context_parallel_buffers
-from lightning_4d.memory.float8 import float8_backward_transient, float8_forward_transient, float8_gathered_saving
-from lightning_4d.memory.offload import offloaded_whole, unpacked_bytes
-from lightning_4d.memory.params import Sizes, StageKey, as_held, rank_layers, rank_layout, weighted_params
-from lightning_4d.memory.pipeline import receive_buffer_bytes
-from lightning_4d.memory.states import ModelStates, first_bucket_elements, fsdp_padded_numel, fsdp_shard_numel
-from lightning_4d.memory.tensor_parallel import embedding_gradient_bytes, head_backward_transient
-from lightning_4d.memory.tensors import Dtypes
-from lightning_4d.memory.workload import Workload
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
+from lightning_4d.planning import expert_costs
+from lightning_4d.planning.activations import recompute_backward
+from lightning_4d.planning.compression_costs import compression_buffer_bytes
+from lightning_4d.planning.context_costs import context_parallel_buffers
+from lightning_4d.planning.float8_costs import (
+    float8_backward_transient,
+    float8_forward_transient,
+    float8_gathered_saving,
+)
+from lightning_4d.planning.offload_costs import offloaded_whole, unpacked_bytes
+from lightning_4d.planning.params import Sizes, StageKey, as_held, rank_layers, rank_layout, weighted_params
+from lightning_4d.planning.pipeline_costs import receive_buffer_bytes
+from lightning_4d.planning.states import ModelStates, first_bucket_elements, fsdp_padded_numel, fsdp_shard_numel
+from lightning_4d.planning.tensor_parallel import embedding_gradient_bytes, head_backward_transient
+from lightning_4d.planning.tensors import Dtypes
+from lightning_4d.planning.workload import Workload
 
 __all__ = ["Buffers", "buffer_terms", "initialization_bytes"]
 
@@ -40,7 +44,7 @@ class Buffers:
     head_gradient: int  # the LM head's gradient, made at the start of backward
     pipeline: int  # PipelineStage's receive buffers
     context_parallel: int  # one layer's context-parallel attention backward
-    all_to_all: int  # one MoE layer's all-to-all receive buffers under ep (moe.all_to_all_buffers)
+    all_to_all: int  # one MoE layer's all-to-all receive buffers under ep (expert_costs.all_to_all_buffers)
     step_temporaries: int  # the optimizer's temporaries (none for fused AdamW) + ZeRO-1's all-gather buckets
     resident_gradients: int  # gradients that exist before backward starts (ZeRO 0/1 buckets, several micro-batches)
     #: tp > 1, the rank holding the embedding: torch's vocabulary-parallel embedding backward (DTensor's
@@ -63,7 +67,7 @@ class Buffers:
     #: without gradient buckets: ``w2``'s weight gradient, kept in ``.grad`` beside the next backward ops
     kept_weight_gradient: int = 0
     #: the last stage under tp with sp: the working set of the LM head's backward beyond its saved input
-    #: (:func:`lightning_4d.memory.tensor_parallel.head_backward_transient`), 0 elsewhere
+    #: (:func:`lightning_4d.planning.tensor_parallel.head_backward_transient`), 0 elsewhere
     head_backward: int = 0
     #: FSDP2-gathered parameters while the loss runs (its forward and its backward): ``gathered_start`` but at
     #: ZeRO 3 without pp, where every unit, the root included, is resharded after its forward (``fully_shard(...,
@@ -88,14 +92,14 @@ class Buffers:
     #: gradient (compute dtype, ``[b, s/cp, f/t]``); 0 without checkpointing
     recompute_backward: int = 0
     #: ``float8``: the largest converted linear's float8 backward transient
-    #: (:func:`lightning_4d.memory.float8.float8_backward_transient`), 0 without float8
+    #: (:func:`lightning_4d.planning.float8_costs.float8_backward_transient`), 0 without float8
     float8_backward: int = 0
     #: ``float8``: the largest converted linear's float8 forward transient
-    #: (:func:`lightning_4d.memory.float8.float8_forward_transient`), 0 without float8
+    #: (:func:`lightning_4d.planning.float8_costs.float8_forward_transient`), 0 without float8
     float8_forward: int = 0
     #: ``float8``: FSDP2-gathered parameters during a decoder layer's forward (``gathered_start``: at ZeRO 3 without pp
     #: the root, the layer and the prefetched one; else all the rank's units), less the float8 all-gather's saving on
-    #: each gathered layer unit (:func:`lightning_4d.memory.float8.float8_gathered_saving`); 0 at ZeRO 0/1
+    #: each gathered layer unit (:func:`lightning_4d.planning.float8_costs.float8_gathered_saving`); 0 at ZeRO 0/1
     gathered_forward: int = 0
     #: under activation checkpointing (no stage offloaded whole): the context-parallel attention backward runs after
     #: the layer's feed-forward backward has freed its recomputed SwiGLU tensors and kept ``w1``/``w3`` outputs (more
@@ -106,9 +110,9 @@ class Buffers:
 
 
 class _Held(NamedTuple):
-    """What pp rank ``pp_rank`` holds: the model as held (:func:`~lightning_4d.memory.params.as_held`), its decoder
+    """What pp rank ``pp_rank`` holds: the model as held (:func:`~lightning_4d.planning.params.as_held`), its decoder
     layers, whether it holds the embedding (``first``) and the head (``last``), its parameters with their counts
-    (:func:`~lightning_4d.memory.params.weighted_params`)."""
+    (:func:`~lightning_4d.planning.params.weighted_params`)."""
 
     cfg: Any
     pp_rank: int
@@ -195,13 +199,13 @@ def _feature_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes, 
     b, s, m = work.micro_batch_size, work.seq_length, work.num_microbatches
     zero = pc.zero_stage
     local_vocab = cfg.padded_vocab_size // pc.tp
-    has_moe = pc.ep > 1 and moe.count_moe_layers(cfg, layers) > 0
+    has_moe = pc.ep > 1 and expert_costs.count_moe_layers(cfg, layers) > 0
     gather_bytes = dt.compute if dt.master else dt.param
     gathered_units = (2 if zero == 3 and pc.pp == 1 else len(layers)) if zero >= 2 else 0
     return dict(
         pipeline=receive_buffer_bytes(cfg, pc, dt, b, s, held.pp_rank, m),
         context_parallel=context_parallel_buffers(cfg, pc, dt, b, s),
-        all_to_all=moe.all_to_all_buffers(cfg, pc, dt, b, s, work.expert_load_imbalance) if has_moe else 0,
+        all_to_all=expert_costs.all_to_all_buffers(cfg, pc, dt, b, s, work.expert_load_imbalance) if has_moe else 0,
         embedding_gradient=embedding_gradient_bytes(cfg, pc, dt, held.first),
         head_backward=head_backward_transient(cfg, pc, dt, b, s) if last else 0,
         loss_forward=4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0,
@@ -217,7 +221,7 @@ def _later_layers_gradients(params: Any, first_layer: int, dt: Dtypes) -> int:
     grow through the backward; measured on CPU before the prefetch, tiny-test one rank, both layers offloaded,
     ``32-true``: layer 1's gradients and layer 0's ``w2``'s beside layer 0's SwiGLU product backward, the peak; with
     the prefetch the last layer's backward, the first layer's set prefetched beside it, peaks higher there: 4,825,088
-    B estimated, 4,825,300 measured). ``params``: :func:`~lightning_4d.memory.params.weighted_params`
+    B estimated, 4,825,300 measured). ``params``: :func:`~lightning_4d.planning.params.weighted_params`
     (``first_layer``, the smallest index, represents its kind of layer)."""
     first = f"layers.{first_layer}"
     layers = sum(p.numel * count for p, count in params if p.unit != "root")
@@ -305,7 +309,7 @@ def _zero3_backward_end(
 def _bucket_buffers(pc: ParallelConfig, dt: Dtypes, params: Any, states: ModelStates) -> int:
     """ZeRO 0/1's gradient communication buffers at the end of backward (``GradientBuckets``): a parameter's fresh
     gradient (its dtype) exists until the hook adds it into its bucket, + what the gradient compression puts on the
-    wire (:func:`lightning_4d.memory.compression.compression_buffer_bytes`)."""
+    wire (:func:`lightning_4d.planning.compression_costs.compression_buffer_bytes`)."""
     largest = max((p.numel for p, _ in params), default=0)
     return largest * dt.param + compression_buffer_bytes(pc, dt, states.gradients, pc.dp_cp, largest)
 
@@ -352,7 +356,8 @@ def initialization_bytes(
 ) -> int:
     """Bytes held at the peak of setup, before the first step (module docstring, **Peak**): the larger of
     initialization (the rank's parameters in their setup dtype + the largest whole float32 parameter of its stages:
-    ``families/llama.py``'s ``_local_piece`` copies the rank's piece out of a view of it) and the cast that follows
+    ``families/native_llama.py``'s ``_local_piece`` copies the rank's piece out of a view of it) and the cast that
+    follows
     the optimizer's setup (setup-dtype parameters + master weights + the compute-dtype copy of the largest parameter
     being made; the gradient buckets are made by the first backward)."""
     cfg = as_held(cfg, pc)

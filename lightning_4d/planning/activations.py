@@ -1,9 +1,9 @@
 """Activations and activation checkpointing: what one micro-batch's forward saves for backward on one pp rank
-(:func:`saved_bytes`, the formulas of :mod:`lightning_4d.memory.model`'s docstring, **Activations**), per layer
+(:func:`saved_bytes`, the formulas of :mod:`lightning_4d.planning.model`'s docstring, **Activations**), per layer
 (:func:`layer_saved_parts`), under selective checkpointing (:func:`layer_selective_parts`,
 :func:`layer_selective_recompute`) and the first backward ops of a recomputed layer (:func:`recompute_backward`).
-An MoE layer's feed-forward: :func:`lightning_4d.memory.moe.saved_bytes`; context parallelism's gathered K/V:
-:mod:`lightning_4d.memory.context`.
+An MoE layer's feed-forward: :func:`lightning_4d.planning.expert_costs.saved_bytes`; context parallelism's gathered K/V:
+:mod:`lightning_4d.planning.context_costs`.
 
 Pure Python: no torch import.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory import context, moe
-from lightning_4d.memory.float8 import float8_tensor_parallel_saved
-from lightning_4d.memory.params import as_held, rank_layers, rank_layout, weighted_params
-from lightning_4d.memory.tensors import Dtypes
+from lightning_4d.planning import context_costs, expert_costs
+from lightning_4d.planning.float8_costs import float8_tensor_parallel_saved
+from lightning_4d.planning.params import as_held, rank_layers, rank_layout, weighted_params
+from lightning_4d.planning.tensors import Dtypes
 
 __all__ = [
     "layer_input_grad_only",
@@ -50,7 +50,7 @@ def layer_saved_parts(
     inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
     gathered again in backward; without sp under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v,
     output, float32 log-sum-exp) and ``swiglu`` (an MoE layer, ``experts`` = (ep, load imbalance): the MoE
-    feed-forward's, :func:`lightning_4d.memory.moe.saved_bytes` over ep ranks at that load)."""
+    feed-forward's, :func:`lightning_4d.planning.expert_costs.saved_bytes` over ep ranks at that load)."""
     moe_layer = experts is not None
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
@@ -68,7 +68,7 @@ def layer_saved_parts(
         else c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * (a if dt.kv_repeated else k) * d + 4 * b * a * s,
         # an MoE layer (experts given): its feed-forward's saved set instead (moe.saved_bytes)
-        "swiglu": moe.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 4 * c * b * s * (f // tp),
+        "swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 4 * c * b * s * (f // tp),
     }
 
 
@@ -80,7 +80,7 @@ def layer_saved(*args: Any) -> int:
 
 def layer_input_grad_only(cfg: Any, dt: Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
     """Bytes of one layer's saved set that only the input gradient uses (not the weight gradients): attention's q,
-    k, v, output and float32 log-sum-exp (see :func:`lightning_4d.memory.pipeline.zbv_peak`; the RMSNorms' saved
+    k, v, output and float32 log-sum-exp (see :func:`lightning_4d.planning.pipeline_costs.zbv_peak`; the RMSNorms' saved
     input and reciprocal RMS serve their weight gradient too, so the weight pass frees them)."""
     return layer_saved_parts(cfg, dt, b, s, tp, sp)["sdpa"]
 
@@ -139,9 +139,9 @@ def layer_selective_recompute(cfg: Any, dt: Dtypes, b: int, s: int, tp: int, sp:
 def saved_bytes(
     cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int, pp_rank: int, imbalance: float
 ) -> dict[str, int]:
-    """:func:`lightning_4d.memory.model.saved_activation_bytes` on a validated layout ``pc`` (its pipeline options
+    """:func:`lightning_4d.planning.model.saved_activation_bytes` on a validated layout ``pc`` (its pipeline options
     applied) and the dtypes ``dt``: the bytes one micro-batch's forward saves on pp rank ``pp_rank``, by part; an
-    MoE layer's feed-forward at load ``imbalance`` (:func:`lightning_4d.memory.moe.saved_bytes`)."""
+    MoE layer's feed-forward at load ``imbalance`` (:func:`lightning_4d.planning.expert_costs.saved_bytes`)."""
     tp, sp = pc.tp, pc.sp
     s = seq_length // pc.cp
     s_sp = s // tp if sp else s
@@ -149,8 +149,8 @@ def saved_bytes(
     cfg = as_held(cfg, pc)
     n_layers, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
     indices = rank_layers(cfg.num_layers, pc, pp_rank)
-    n_moe = moe.count_moe_layers(cfg, indices)
-    # float8 under tp: the projections' inputs saved as Float8Linear saves them (memory/float8.py; not under
+    n_moe = expert_costs.count_moe_layers(cfg, indices)
+    # float8 under tp: the projections' inputs saved as Float8Linear saves them (planning/float8_costs.py; not under
     # selective checkpointing's kept parts: not measured)
     dense_layer = layer_saved(cfg, dt, b, s, tp, sp) + float8_tensor_parallel_saved(cfg, pc, dt.compute, b, s)
     moe_layer = layer_saved(cfg, dt, b, s, tp, sp, (pc.ep, imbalance)) if n_moe else 0
@@ -172,7 +172,7 @@ def saved_bytes(
         "recompute": per_layer if full_ac and n_layers else 0,
     }
     if pc.activation_checkpointing == "selective" and n_layers:
-        kept = layer_selective_parts(cfg, dt, b, s, tp, sp, context.selective_attention_tokens(pc, s, seq_length))
+        kept = layer_selective_parts(cfg, dt, b, s, tp, sp, context_costs.selective_attention_tokens(pc, s, seq_length))
         # MoE layers (not measured under selective checkpointing): counted as saving everything, an upper bound
         out["layers"] = (n_layers - n_moe) * sum(kept.values()) + n_moe * moe_layer
         out["recompute"] = layer_selective_recompute(cfg, dt, b, s, tp, sp)
@@ -181,7 +181,7 @@ def saved_bytes(
     # what a layer saves under cp beyond the ring's local tensors (0 for the ring and without cp): allgather's
     # gathered K/V of all s tokens (measured with saved_tensors_hooks: exactly this much more than the ring, whatever
     # c), alltoall's second output copy and replicated kv heads
-    kv = context.extra_saved_bytes(cfg, pc, dt, b, seq_length)
+    kv = context_costs.extra_saved_bytes(cfg, pc, dt, b, seq_length)
     if kv:
         if pc.activation_checkpointing != "none":  # made again in a layer's recompute, dropped after its backward
             out["recompute"] += kv if n_layers else 0
@@ -224,7 +224,8 @@ def recompute_backward(
     cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int, offloaded: bool = False, gradients_kept: bool = False
 ) -> int:
     """Bytes the first backward ops of a checkpointed layer make beside its recomputed set
-    (:class:`lightning_4d.memory.buffers.Buffers`'s ``recompute_backward``), and of an offloaded layer (``offloaded``: a
+    (:class:`lightning_4d.planning.buffers.Buffers`'s ``recompute_backward``), and of an offloaded layer
+    (``offloaded``: a
     stage offloaded whole) beside the saved tensors it brings back. Checkpointed (``T = b·s/cp`` tokens, ``c`` the
     compute dtype's bytes): the gradient of the layer's output (residual dtype, ``[T, h]``, ``/t`` under sp) and
     ``w2``'s input gradient (``c·T·f/t``), + the larger of the rest of ``w2``'s backward (its weight gradient

@@ -1,6 +1,6 @@
 """Our strategy's own memory model: bytes per rank and per pipeline stage, counted from what our code allocates.
 
-The paper's estimator (:mod:`lightning_4d.memory.fujii2024`: Fujii, Watanabe and Yokota 2024, arXiv 2411.06465)
+The paper's estimator (:mod:`lightning_4d.planning.fujii2024`: Fujii, Watanabe and Yokota 2024, arXiv 2411.06465)
 models Megatron-LM and leaves what it does not model to a 20% margin (a layout is trainable below 80% of the GPU).
 This model counts those things instead, because it follows FourDStrategy's own code, tensor by tensor:
 
@@ -13,12 +13,12 @@ the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO sha
 - ZeRO stage 1 (``GradientBuckets`` + ``ShardedOptimizer``): the parameters, in reverse order, fill gradient buckets
   of ``GRADIENT_BUCKET_BYTES`` (25 MiB of parameters as built), each padded to a multiple of D; rank r owns range r of
   every bucket and holds Adam m and v (and the master weights) for those elements only
-  (:func:`~lightning_4d.memory.states.bucket_owned`);
+  (:func:`~lightning_4d.planning.states.bucket_owned`);
 - ZeRO stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim
   0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``; an MoE layer's stacked weights
-  maybe on dim 1 (:mod:`lightning_4d.memory.moe`).
+  maybe on dim 1 (:mod:`lightning_4d.planning.expert_costs`).
 
-Dtypes (:class:`~lightning_4d.memory.tensors.Dtypes`; ``lightning_4d/parallel/sharded_optimizer.py``): ``32-true``
+Dtypes (:class:`~lightning_4d.planning.tensors.Dtypes`; ``lightning_4d/parallel/sharded_optimizer.py``): ``32-true``
 float32 everywhere; ``bf16-mixed`` (master weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters,
 float32 gradients, float32 master weights + Adam m, v: 2 + 4 + 12 bytes per parameter at ZeRO 0, 2 + 4 + 12/D at ZeRO 1,
 and at ZeRO 2/3 the float32 FSDP2 shard is the master (16/D); ``bf16-true`` bfloat16 everywhere; ``16-mixed``
@@ -38,7 +38,7 @@ compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``
   float32 norm output once per linear: 3 + 2 copies);
 - SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
 - SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each); an MoE layer its feed-forward's saved set
-  instead (:func:`lightning_4d.memory.moe.saved_bytes`: its module docstring says what it counts).
+  instead (:func:`lightning_4d.planning.expert_costs.saved_bytes`: its module docstring says what it counts).
 
 Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all layers),
 the final norm (as above), the head's input (c·b·s'·h: under sp the sequence shard), and what the loss saves
@@ -49,7 +49,7 @@ weight matrices are saved too (2 bytes per local matrix element; the embedding i
 checkpointing a layer saves only its input (r·b·s'·h) and the backward re-runs one layer at a time (one layer's saved
 set, transient). With selective activation checkpointing (``lightning_4d/parallel/activation_checkpoint.py``: the
 outputs of the matmuls, attention kernels and tp reductions kept, everything else recomputed) a layer keeps
-(:func:`~lightning_4d.memory.activations.layer_selective_parts`; measured as the outputs the policy keeps, plus the
+(:func:`~lightning_4d.planning.activations.layer_selective_parts`; measured as the outputs the policy keeps, plus the
 checkpoint's input):
 
 - its input (r·b·s'·h);
@@ -63,7 +63,7 @@ checkpoint's input):
 - under tp, the reduced output of ``wo`` (all-reduce, or reduce-scatter under sp): c·b·s'·h;
 
 and one layer's backward recomputes, transiently (``recompute``,
-:func:`~lightning_4d.memory.activations.layer_selective_recompute`), what the layer would save without checkpointing
+:func:`~lightning_4d.planning.activations.layer_selective_recompute`), what the layer would save without checkpointing
 less what it takes from the kept outputs (v, the attention output and log-sum-exp, ``w1 x``, ``w3 x``): the ffn norm's
 input, both norms' rsqrt, the matmul inputs (sequence shards under sp, autocast casts), the rotated q and k, ``silu(w1
 x)`` and the SwiGLU product (not the attention norm's input: it is the layer's input, kept); the kept outputs the
@@ -90,20 +90,21 @@ first one), and the estimate is the largest:
   during backward as the layers' activations are freed, which peaks at the end of backward) + one layer's
   context-parallel transients;
 - expert-parallel backward (ep > 1): the activations less what the loss' backward freed, + one MoE layer's
-  all-to-all receive buffers at the stated load (:func:`lightning_4d.memory.moe.all_to_all_buffers`), as the
+  all-to-all receive buffers at the stated load (:func:`lightning_4d.planning.expert_costs.all_to_all_buffers`), as the
   recompute phase;
 - float8 backward (``float8``): the same (under activation checkpointing the last layer's backward: its recomputed
   set alive, the head's saved tensors freed), + the largest converted linear's float8 backward transient
-  (:func:`lightning_4d.memory.float8.float8_backward_transient`; the saved activations change only under tp,
-  :func:`lightning_4d.memory.float8.float8_tensor_parallel_saved`);
+  (:func:`lightning_4d.planning.float8_costs.float8_backward_transient`; the saved activations change only under tp,
+  :func:`lightning_4d.planning.float8_costs.float8_tensor_parallel_saved`);
 - float8 forward (``float8``): the last layer's forward, a converted linear casting its input and weight: the
   activations less what the head and the loss save, + the cast's float32 arithmetic
-  (:func:`lightning_4d.memory.float8.float8_forward_transient`) + the previous step's gradient shards (ZeRO 2/3
+  (:func:`lightning_4d.planning.float8_costs.float8_forward_transient`) + the previous step's gradient shards (ZeRO 2/3
   without pp) + the parameters FSDP2 holds gathered in a layer's forward (ZeRO 3: the root, the layer and the
   prefetched one; ZeRO 2 and pp: all), the converted weights in one byte with FSDP2's float8 all-gather
-  (:func:`lightning_4d.memory.float8.float8_gathered_saving`). Measured on CPU (small b=2 s=256 dp2 ZeRO 3
+  (:func:`lightning_4d.planning.float8_costs.float8_gathered_saving`). Measured on CPU (small b=2 s=256 dp2 ZeRO 3
   ``bf16-mixed``): the peak at the last layer's ``w2`` input cast, estimate within 0.01% with either recipe;
-- head backward (the last stage under tp with sp; :func:`~lightning_4d.memory.tensor_parallel.head_backward_transient`):
+- head backward (the last stage under tp with sp;
+  :func:`~lightning_4d.planning.tensor_parallel.head_backward_transient`):
   the activations (without a layer's recomputed set: none is being recomputed yet) less what the loss' backward freed
   (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of
   the head's backward (the input gathered again, its gradient and the reduce-scatter's copies, or
@@ -112,7 +113,7 @@ first one), and the estimate is the largest:
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded gradients for
   2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its hook adds it to the
   bucket, none without buckets; 2: two FSDP2 units of unsharded gradients) + gathered parameters; at ZeRO 3 without pp
-  the larger of two moments (measured tensor by tensor on CPU; :mod:`lightning_4d.memory.buffers`), each with the
+  the larger of two moments (measured tensor by tensor on CPU; :mod:`lightning_4d.planning.buffers`), each with the
   gradient shards made so far (all but the root's), the gathered root and the reduce-scatter input FSDP2 keeps of the
   last unit reduced (a layer's, in the reduce dtype): the first layer's backward (+ two gathered layer units + the
   head's gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's
@@ -123,7 +124,7 @@ first one), and the estimate is the largest:
   and rsqrt, the head's input: freed by its backward), + the gradient of the layer's output and the larger of
   ``w2``'s backward (its input gradient, its weight gradient and under sp its output gradient all-gathered,
   ``[T, h]``) and the SwiGLU product's after it (the product freed, two ``[T, f/t]`` gradients beside the product's):
-  :func:`~lightning_4d.memory.activations.recompute_backward` + the gradient bucket made for the head's gradient (ZeRO
+  :func:`~lightning_4d.planning.activations.recompute_backward` + the gradient bucket made for the head's gradient (ZeRO
   0/1, one micro-batch; without buckets the head's, the final norm's and ``w2``'s gradients, in a stage offloaded
   whole the later layers' too, in its first layer's backward) + gathered parameters + ZeRO 0/1's buckets (several
   micro-batches per step);
@@ -134,7 +135,7 @@ first one), and the estimate is the largest:
   ``torch.optim.AdamW(fused=True)`` (:class:`~lightning_4d.tasks.CausalLMModule`'s: one kernel updates each tensor
   in place; measured on CPU: no byte allocated during the step), one moment's bytes for ``AdamW(foreach=True)``
   (``_foreach_sqrt`` of the second moments; ``Workload(..., fused_optimizer=False)``);
-- initialization (before the first step; :func:`~lightning_4d.memory.buffers.initialization_bytes`):
+- initialization (before the first step; :func:`~lightning_4d.planning.buffers.initialization_bytes`):
 ``LlamaModel.init_weights`` draws every
   parameter whole in float32 (so that every layout starts from one process's weights) and copies this rank's piece
   out of it: the rank's parameters in their setup dtype + the largest whole parameter of its stages (the embedding,
@@ -144,7 +145,7 @@ first one), and the estimate is the largest:
   1.050), dp8 ZeRO 3 1.554 (1.554), tp4 cp2 dp2 ZeRO 1 2.712 (2.712).
 
 ``total = parameters + optimizer_states + overhead + max(phases)``; ``overhead`` is the measured allowance for the
-CUDA context and fragmentation (:mod:`lightning_4d.memory.hardware`), zero on CPU.
+CUDA context and fragmentation (:mod:`lightning_4d.planning.hardware`), zero on CPU.
 
 **Pipeline parallelism** (validated against measured per-pp-rank bytes in ``tests/test_memory_model.py``): pp rank
 r holds v pipeline stages (:meth:`~lightning_4d.config.ParallelConfig.rank_stages`) of ``L/(p·v)`` layers each (the
@@ -165,9 +166,9 @@ dq (``2·(2·c_b + 3·4)·b·(s/c)·k·d/t + 4·b·(s/c)·a·d/t`` bytes, ``c_b`
 output and the log-sum-exp of the whole sequence for ``a/(t·c)`` heads (the bytes of the local ones), plus the
 local output ``wo`` saves (a tensor of its own: ``c_b·b·(s/c)·a·d/t``) and, where a tp rank's kv heads are fewer
 than c, the replicated ones (``2·c_b·b·d·(s·k' − (s/c)·k/t)``, ``k' = max(k/t, c)/c``;
-:func:`~lightning_4d.memory.context.alltoall_saved_extra`) and, in one layer's backward, the whole-sequence
+:func:`~lightning_4d.planning.context_costs.alltoall_saved_extra`) and, in one layer's backward, the whole-sequence
 dq/dk/dv of its heads with the all-to-all's send and receive buffers (``3·c_b·b·s·(a/(t·c) + 2·k')·d``,
-:func:`~lightning_4d.memory.context.alltoall_buffers`).
+:func:`~lightning_4d.planning.context_costs.alltoall_buffers`).
 
 Pure Python: no torch import.
 """
@@ -178,16 +179,16 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
-from lightning_4d.memory import moe
-from lightning_4d.memory.activations import saved_bytes
-from lightning_4d.memory.buffers import Buffers, buffer_terms, initialization_bytes
-from lightning_4d.memory.hardware import GIB, OverheadAllowance, overhead_allowance
-from lightning_4d.memory.offload import offloaded_per_stage
-from lightning_4d.memory.params import rank_layout
-from lightning_4d.memory.pipeline import Activations, activation_terms
-from lightning_4d.memory.states import ModelStates, model_state_bytes
-from lightning_4d.memory.tensors import PRECISIONS, Dtypes, checkpoint_bytes_per_parameter, normalize_precision
-from lightning_4d.memory.workload import Workload
+from lightning_4d.planning import expert_costs
+from lightning_4d.planning.activations import saved_bytes
+from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
+from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
+from lightning_4d.planning.offload_costs import offloaded_per_stage
+from lightning_4d.planning.params import rank_layout
+from lightning_4d.planning.pipeline_costs import Activations, activation_terms
+from lightning_4d.planning.states import ModelStates, model_state_bytes
+from lightning_4d.planning.tensors import PRECISIONS, Dtypes, checkpoint_bytes_per_parameter, normalize_precision
+from lightning_4d.planning.workload import Workload
 
 __all__ = [
     "MemoryEstimate",
@@ -223,12 +224,14 @@ def saved_activation_bytes(
     logits, the float32 log-sum-exp and the labels), ``compute_weights`` (``16-mixed``: autocast's weight copies),
     ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the whole sequence under
     ``context_parallel_method="allgather"``, under ``"alltoall"`` the second copy of the attention output and replicated
-    kv heads (:func:`~lightning_4d.memory.context.alltoall_saved_extra`), none for ``"ring"``; under full or selective
+    kv heads (:func:`~lightning_4d.planning.context_costs.alltoall_saved_extra`), none for ``"ring"``; under full or
+    selective
     checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward recomputes, transient:
     its whole saved set under full checkpointing, its pointwise tensors under selective checkpointing). Under expert
     parallelism an MoE layer's experts run on the rows the rank receives: the balanced figure times
-    ``expert_load_imbalance`` (default :data:`~lightning_4d.memory.moe.DEFAULT_EXPERT_LOAD_IMBALANCE`;
-    :func:`lightning_4d.memory.moe.saved_bytes`; here the load of one rank, any number > 0: below 1 for a rank that
+    ``expert_load_imbalance`` (default :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
+    :func:`lightning_4d.planning.expert_costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a
+    rank that
     receives fewer rows than the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks`` (plus the
     checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under context
     parallelism and selective checkpointing, the figure is that of the cp rank that keeps the most (the last: module
@@ -238,7 +241,7 @@ def saved_activation_bytes(
         ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision, an
             ``expert_load_imbalance`` that is not a number > 0.
     """
-    imbalance = moe.check_rank_load(workload.expert_load_imbalance)
+    imbalance = expert_costs.check_rank_load(workload.expert_load_imbalance)
     b = check_positive_int("micro_batch_size", workload.micro_batch_size)
     s = check_positive_int("seq_length", workload.seq_length)
     pc = parallel_config
@@ -316,7 +319,7 @@ def estimate_memory(
     Args:
         workload: the model (a :class:`~lightning_4d.models.LlamaConfig` or a preset name), the batch shape (b, s, m:
             ``num_microbatches`` defaults to :attr:`~lightning_4d.config.ParallelConfig.microbatches`), the precision,
-            the expert load and the optimizer (:class:`~lightning_4d.memory.workload.Workload`). Its
+            the expert load and the optimizer (:class:`~lightning_4d.planning.workload.Workload`). Its
             ``expert_load_imbalance`` multiplies the received rows of every MoE layer of the rank (the experts' saved
             activations, the regrouped rows and the all-to-all buffers); a capacity factor bounds the rows to
             ``E·capacity``; no effect at ep = 1 or on dense models.
@@ -337,7 +340,7 @@ def estimate_memory(
             stages, ...), a sequence length the layout cannot split, an unknown precision or schedule, a
             ``num_microbatches`` the schedule cannot run, non-positive sizes, an ``expert_load_imbalance`` below 1.
     """
-    imbalance = moe.check_expert_load_imbalance(workload.expert_load_imbalance)
+    imbalance = expert_costs.check_expert_load_imbalance(workload.expert_load_imbalance)
     cfg = _model(workload.model)
     pc = parallel_config
     if pc.data_parallel_size == "auto":
@@ -360,7 +363,7 @@ def estimate_all_pp_ranks(workload: Workload, parallel_config: ParallelConfig, *
 
 def _model(model_config: Any) -> Any:
     if isinstance(model_config, str):
-        from lightning_4d.models.config import LlamaConfig
+        from lightning_4d.models.llama_config import LlamaConfig
 
         return LlamaConfig.from_preset(model_config)
     return model_config
@@ -378,7 +381,7 @@ def offloaded_bytes_per_microbatch(
 ) -> int:
     """Bytes one micro-batch's forward copies from pp rank ``pp_rank``'s device to host memory under
     ``activation_offload_layers`` (the same bytes come back in its backward): 0 without offload. The step-time model
-    charges ``2·m·`` these over the host link (:mod:`lightning_4d.memory.step_time`).
+    charges ``2·m·`` these over the host link (:mod:`lightning_4d.planning.step_time`).
 
     Raises:
         ValueError: see :func:`saved_activation_bytes`.
@@ -395,7 +398,7 @@ def offloaded_bytes_per_microbatch(
 
 def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization: int = 0) -> dict[str, int]:
     """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**);
-    ``initialization``: :func:`lightning_4d.memory.buffers.initialization_bytes` (before the first step: no
+    ``initialization``: :func:`lightning_4d.planning.buffers.initialization_bytes` (before the first step: no
     optimizer states yet)."""
     # alive through forward and backward: autocast's weight copies, pipeline receive buffers, one layer's
     # context-parallel transients (an MoE layer's all-to-all buffers: their own phase below)
@@ -447,13 +450,15 @@ def _feature_phases(act: Activations, buf: Buffers, layer_transients: int) -> di
         phases["expert-parallel backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.all_to_all
     if buf.float8_backward:
         # float8: a converted linear's backward (its float8 copies and scale arithmetic) once the loss' backward has
-        # freed what it saved but the labels (memory/float8.py); under activation checkpointing (recompute_backward)
+        # freed what it saved but the labels (planning/float8_costs.py); under activation checkpointing
+        # (recompute_backward)
         # in the last layer's backward, its recomputed set alive and the head's saved tensors freed
         checkpointed = buf.recompute_backward > 0
         held = _after_loss(act, buf, layer_transients) - (act.head_freed if checkpointed else act.recompute)
         phases["float8 backward"] = held + buf.float8_backward
     if buf.float8_forward:
-        # float8: the last decoder layer's forward, a converted linear casting its input (memory/float8.py): every
+        # float8: the last decoder layer's forward, a converted linear casting its input (planning/float8_costs.py):
+        # every
         # saved tensor but the head's and the loss' (under checkpointing the layer's set alive as it runs), the
         # previous step's gradient shards (ZeRO 2/3), the gathered parameters (the converted weights in float8 with
         # FSDP2's float8 all-gather)
@@ -582,7 +587,7 @@ def _details(
         "optimizer_step_temporaries": buf.step_temporaries,
         "pipeline_buffers": buf.pipeline,
         "context_parallel_buffers": buf.context_parallel,
-        moe.BUFFER_DETAIL: buf.all_to_all,
+        expert_costs.BUFFER_DETAIL: buf.all_to_all,
         "head_gradient": buf.head_gradient,
         "host_offloaded_activations": act.offloaded,
         "offload_unpacked": act.recompute - saved["recompute"],

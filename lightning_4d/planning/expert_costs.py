@@ -1,12 +1,12 @@
 """Mixture of Experts in the memory and step-time models: every term an MoE layer, its routed experts and expert
 parallelism (ep) add, in one place; the dense modules call these functions and name no expert.
 
-**Memory** (:mod:`lightning_4d.memory.model` composes the terms). An MoE layer's feed-forward is the router
+**Memory** (:mod:`lightning_4d.planning.model` composes the terms). An MoE layer's feed-forward is the router
 ``[E, h]``, the experts' stacked ``w1``, ``w3`` ``[E, f_e, h]`` and ``w2`` ``[E, h, f_e]`` (``E/ep`` rows each: the
 experts of this ep rank) and the shared experts' ``w1``, ``w3``, ``w2`` (width ``n_s·f_e``), none of them divided by
 tp: under tp an MoE layer runs whole on each tp rank's tokens (``parallel/tensor.py``'s ``TokenParallel``), so its
 parameters are reduced and ZeRO-sharded over ``dp·cp·tp`` and the experts' over ``dp·cp·tp/ep``
-(:func:`layer_params` marks them: :attr:`~lightning_4d.memory.tensors.Param.group`). At ZeRO 2/3 a stacked expert
+(:func:`layer_params` marks them: :attr:`~lightning_4d.planning.tensors.Param.group`). At ZeRO 2/3 a stacked expert
 weight ``[E_local, d1, d2]`` whose group (G ranks) does not divide ``E_local`` but divides ``d1`` is sharded on dim 1
 instead, evenly: ``E_local·(d1/G)·d2`` elements per rank (:func:`fsdp_shard_dim`). What one MoE layer saves for
 backward: :func:`saved_bytes`; under expert parallelism on the rows the rank receives, the balanced figure times
@@ -52,7 +52,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_4d.memory.rates import (
+from lightning_4d.partition import expert_shard_dim
+from lightning_4d.planning.rates import (
     COLLECTIVE_EFFICIENCY,
     LINK_LATENCY,
     POINTWISE_BYTES,
@@ -61,8 +62,7 @@ from lightning_4d.memory.rates import (
     link,
     ring,
 )
-from lightning_4d.memory.tensors import Dtypes, Param
-from lightning_4d.partition import expert_shard_dim
+from lightning_4d.planning.tensors import Dtypes, Param
 
 __all__ = [
     "BUFFER_DETAIL",
@@ -98,7 +98,7 @@ __all__ = [
 #: Under a capacity factor the capacity bounds the received rows instead when it is lower.
 DEFAULT_EXPERT_LOAD_IMBALANCE = 1.93
 
-#: The name of one MoE layer's all-to-all buffers in :attr:`~lightning_4d.memory.model.MemoryEstimate.details`.
+#: The name of one MoE layer's all-to-all buffers in :attr:`~lightning_4d.planning.model.MemoryEstimate.details`.
 BUFFER_DETAIL = "expert_parallel_buffers"
 
 
@@ -158,7 +158,7 @@ def count_moe_layers(cfg: Any, layers: Any) -> int:
 
 @dataclass(frozen=True)
 class MoeShape:
-    """The sizes of a config's MoE layers, hashable (:class:`lightning_4d.memory.params.Sizes` holds one)."""
+    """The sizes of a config's MoE layers, hashable (:class:`lightning_4d.planning.params.Sizes` holds one)."""
 
     num_experts: int
     expert_intermediate_size: int
@@ -207,7 +207,8 @@ def fsdp_shard_dim(p: Param, group: int) -> int:
 
 def assignments(cfg: Any, tokens: int) -> int:
     """Expert assignments one MoE layer processes for ``tokens`` tokens at balanced load: ``tokens·k`` dropless,
-    else at most ``E · capacity`` (``lightning_4d.models.moe.capacity``). Dropless, the count is exact whatever the
+    else at most ``E · capacity`` (``lightning_4d.models.moe_layer.capacity``). Dropless, the count is exact whatever
+    the
     balance (every assignment is processed on the rank that routed it until expert parallelism exists)."""
     n = tokens * cfg.num_experts_per_token
     if cfg.capacity_factor is None:
@@ -233,7 +234,7 @@ def received_rows(cfg: Any, tokens: int, ep: int, imbalance: float) -> int:
 
 
 def saved_bytes(cfg: Any, dt: Dtypes, b: int, s: int, ep: int = 1, imbalance: float = 1.0) -> int:
-    """Bytes one MoE feed-forward saves for backward beyond its input (``lightning_4d/models/moe.py``; ``T = b·s``
+    """Bytes one MoE feed-forward saves for backward beyond its input (``lightning_4d/models/moe_layer.py``; ``T = b·s``
     tokens, ``N`` assignments :func:`assignments`, ``c`` the compute dtype's bytes), as
     ``saved_tensors_hooks`` sees them:
 
@@ -286,7 +287,7 @@ def all_to_all_buffers(cfg: Any, pc: Any, dt: Dtypes, b: int, seq_length: int, i
 
 def model_dims(cfg: Any) -> tuple[int, int, int, int, int]:
     """(E, top-k, f_e, n_s, MoE layers) of a model config for the step-time model's ``dims``
-    (:func:`lightning_4d.memory.step_time.model_dims`), zeros for a dense one."""
+    (:func:`lightning_4d.planning.step_time.model_dims`), zeros for a dense one."""
     if not getattr(cfg, "is_moe", False):
         return (0, 0, 0, 0, 0)
     return (
@@ -329,7 +330,7 @@ def layer_times(
     dims: tuple[int, ...], dense: tuple[float, float], shape: Any, gpu: Any, gpus_per_node: int
 ) -> tuple[float, float, float, float]:
     """(matmul, pointwise, MoE collectives forward, MoE collectives forward + backward) seconds of one layer and one
-    micro-batch of ``shape`` (a :class:`~lightning_4d.memory.rates.LayerShape`), averaged over the dense and MoE
+    micro-batch of ``shape`` (a :class:`~lightning_4d.planning.rates.LayerShape`), averaged over the dense and MoE
     layers (module docstring, **Mixture of Experts** and **Expert parallel**): ``dense`` the dense layer's (matmul,
     pointwise) seconds; ``tokens`` = b·s/cp, ``dd`` = dp·cp."""
     tp, sp, ep, dd = shape.tp, shape.sp, shape.ep, shape.dd
@@ -374,7 +375,8 @@ def data_parallel_terms(
     seconds of the experts' float32 gradient reduce-scatter, of their parameter all-gather). ``sizes`` = (tp, ep,
     dd); the dense parameters go over ``dd`` = dp·cp ranks, the experts' over the expert data-parallel group of
     ``dd·tp/ep`` (ep folded over tp: module docstring); ``weights`` = (a dense layer's matmul weights, the rank's
-    embedding and head), ``link_rates`` = (bandwidth, latency) of the link (:func:`lightning_4d.memory.rates.link`)."""
+    embedding and head), ``link_rates`` = (bandwidth, latency) of the link
+    (:func:`lightning_4d.planning.rates.link`)."""
     tp, ep, dd = sizes
     dense_layer, vocabulary = weights
     bandwidth, latency = link_rates
@@ -391,7 +393,7 @@ def data_parallel_terms(
 
 
 def check_dense(model_config: Any) -> None:
-    """Refuse a Mixture-of-Experts config for the paper's estimator (:mod:`lightning_4d.memory.fujii2024`): its
+    """Refuse a Mixture-of-Experts config for the paper's estimator (:mod:`lightning_4d.planning.fujii2024`): its
     formulas have no term for routed experts, the router or the dispatch, so an estimate would silently be that of a
     dense model.
 

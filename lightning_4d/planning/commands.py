@@ -27,10 +27,10 @@ from lightning_4d.layout import (
     reported_layout,
     strategy_arguments,
 )
-from lightning_4d.memory.hardware import GIB, GPU_PRESETS, gpu_spec
-from lightning_4d.memory.moe import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
-from lightning_4d.memory.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
-from lightning_4d.memory.workload import Job, Search, Workload
+from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
+from lightning_4d.planning.hardware import GIB, GPU_PRESETS, gpu_spec
+from lightning_4d.planning.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
+from lightning_4d.planning.workload import Job, Search, Workload
 
 FORMULAS = ("lightning_4d", "fujii2024")
 #: how many layouts (the fastest predicted) ``plan --plot`` estimates and draws
@@ -53,7 +53,7 @@ def load_model_config(spec: str) -> Any:
     """
     import dataclasses
 
-    from lightning_4d.models.config import LlamaConfig
+    from lightning_4d.models.llama_config import LlamaConfig
 
     path = Path(spec)
     if not (spec.endswith((".yaml", ".yml")) or path.is_file()):
@@ -299,10 +299,10 @@ def command_parser(command: str) -> argparse.ArgumentParser:
 
 
 def _propose_split(pc: ParallelConfig, num_layers: int) -> Optional[list[int]]:
-    """The planner's layer split (:func:`~lightning_4d.memory.planner.propose_layer_split`) when ``pc`` has pp > 1,
+    """The planner's layer split (:func:`~lightning_4d.planning.planner.propose_layer_split`) when ``pc`` has pp > 1,
     no ``pipeline_layer_split`` and ``pp·v`` stages that do not divide ``num_layers`` evenly (at least one layer
     each); else ``None`` (the even split, or the layout's own, or an error of ``validate_model`` to come)."""
-    from lightning_4d.memory.planner import propose_layer_split
+    from lightning_4d.planning.planner import propose_layer_split
 
     if pc.pp == 1 or pc.pipeline_layer_split is not None or num_layers < pc.num_stages:
         return None
@@ -340,8 +340,8 @@ def layout_from_args(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig
 
 
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_4d.memory.fujii2024 import fujii2024_of_layout
-    from lightning_4d.memory.model import estimate_memory
+    from lightning_4d.planning.fujii2024 import fujii2024_of_layout
+    from lightning_4d.planning.model import estimate_memory
 
     cfg = load_model_config(args.model)
     gpu = _gpu(args)
@@ -399,7 +399,7 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
     """The nearest layouts of the same world size that fit (``suggest_layouts``, as ``MemoryEstimatorCallback``
     names them when it refuses a layout): ``{"line": the FourDStrategy(...) call, "total", "total_gib",
     "layout"}`` each, fastest predicted first."""
-    from lightning_4d.memory.planner import suggest_layouts, suggestion_line
+    from lightning_4d.planning.planner import suggest_layouts, suggestion_line
 
     try:
         work = Workload(
@@ -474,7 +474,7 @@ def _print_estimate(out: dict[str, Any]) -> None:
         f"({out['gpu_memory'] / GIB:.1f} GiB): {verdict} within the {100 * out['budget']:.0f}% budget."
     )
     if "suggestions" in out:
-        from lightning_4d.memory.planner import fitting_layout_lines
+        from lightning_4d.planning.planner import fitting_layout_lines
 
         world_size = lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"]
         for line in fitting_layout_lines([(s["line"], s["total"]) for s in out["suggestions"]], world_size):
@@ -513,7 +513,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "layouts": [_plan_row(args, cfg, c, untested_pairs) for c in rows],
     }
     if args.plot:
-        from lightning_4d.memory.plot import plot_plan
+        from lightning_4d.planning.plot import plot_plan
 
         points = _search(args, cfg, gpu, fixed, top=None, include_unfit=True, max_estimated=PLOT_LAYOUTS)
         title = (
@@ -525,9 +525,9 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
 
 
 def _search(args: argparse.Namespace, cfg: Any, gpu: Any, fixed: dict[str, int], **kw: Any) -> list:
-    """:func:`lightning_4d.memory.planner.plan` of the job ``args`` asks for (``kw``: ``top`` and the plot's
+    """:func:`lightning_4d.planning.planner.plan` of the job ``args`` asks for (``kw``: ``top`` and the plot's
     options)."""
-    from lightning_4d.memory.planner import plan
+    from lightning_4d.planning.planner import plan
 
     job = Job(
         cfg,
@@ -547,8 +547,8 @@ def _plan_row(
     args: argparse.Namespace, cfg: Any, c: Any, untested_pairs: Optional[Callable[[dict, bool], list]]
 ) -> dict[str, Any]:
     """One layout of ``plan``'s result: the candidate ``c``'s fields, its checkpoint interval
-    (:func:`lightning_4d.memory.reliability.checkpoint_interval`) and the feature pairs no CPU test runs together."""
-    from lightning_4d.memory.reliability import checkpoint_interval
+    (:func:`lightning_4d.planning.reliability.checkpoint_interval`) and the feature pairs no CPU test runs together."""
+    from lightning_4d.planning.reliability import checkpoint_interval
 
     ckpt = checkpoint_interval(
         cfg,
@@ -568,7 +568,7 @@ def _plan_row(
         "job_mtbf_s": ckpt.mtbf_s,
         "checkpoint_bytes": ckpt.checkpoint_bytes,
         # the features of this layout no CPU test of the support matrix combines (docs/support.md)
-        # (None: not checked, when the caller gives no checker: memory/ cannot import the support matrix)
+        # (None: not checked, when the caller gives no checker: planning/ cannot import the support matrix)
         "untested_pairs": None
         if untested_pairs is None
         else [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "num_experts", 0) > 0)],
@@ -589,7 +589,7 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("no layout fits, so there is no first pick to write")
     from dataclasses import fields
 
-    from lightning_4d.memory.planner import Candidate
+    from lightning_4d.planning.planner import Candidate
 
     c = out["layouts"][0]
     pipe = c["pp"] > 1
@@ -779,7 +779,7 @@ def main(command: str, argv: list[str], untested_pairs: Optional[Callable[[dict,
     (``measure``'s options are defined here too, :func:`command_parser`; it runs in :mod:`lightning_4d.measure`.)
 
     ``untested_pairs``: for ``plan``, ``(layout options, moe) -> the feature pairs no CPU test runs together``
-    (``lightning-4d plan`` passes :func:`lightning_4d.support.untested_pairs`; memory/ does not import the support
+    (``lightning-4d plan`` passes :func:`lightning_4d.support.untested_pairs`; planning/ does not import the support
     matrix, which sits above it); without it the ``tested`` column shows ``-``."""
     args = command_parser(command).parse_args(argv)
     emit = getattr(args, "emit_config", None)

@@ -1,4 +1,4 @@
-"""The rates the step-time model (:mod:`lightning_4d.memory.step_time`) and its feature terms charge work at: the
+"""The rates the step-time model (:mod:`lightning_4d.planning.step_time`) and its feature terms charge work at: the
 fraction of the GPU's peak a GEMM reaches by its shape, the pointwise bytes of one layer, and the alpha-beta cost of
 a ring collective over NVLink or across nodes (sources beside each constant).
 
@@ -72,7 +72,7 @@ class MeshSizes(NamedTuple):
 #: The large class is the maximum achievable matmul throughput measured on H100 SXM and A100 (about 0.8 of the
 #: datasheet peak: S. Bekman, "Machine Learning Engineering", chapter compute/accelerator, "Maximum Achievable
 #: Matmul FLOPS"); the smaller classes lose to wave and tile quantization (NVIDIA, "Matrix Multiplication
-#: Background User's Guide"); all three are calibrated with :data:`lightning_4d.memory.step_time.CALIBRATION_RUNS`.
+#: Background User's Guide"); all three are calibrated with :data:`lightning_4d.planning.step_time.CALIBRATION_RUNS`.
 GEMM_EFFICIENCY = ((2048, 0.78), (1024, 0.70), (0, 0.55))
 #: Pointwise bytes per token of one decoder layer, forward + backward, bf16 (eager, our layer): coefficients of
 #: (h, (a + 2k)·d, f), measured with a TorchDispatchMode over every non-matmul op (``tests/test_step_time.py``).

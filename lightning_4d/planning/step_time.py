@@ -93,7 +93,8 @@ reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy ove
 Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
 step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
 
-**Mixture of Experts and expert parallelism**: :mod:`lightning_4d.memory.moe` (its module docstring) adds the terms
+**Mixture of Experts and expert parallelism**: :mod:`lightning_4d.planning.expert_costs` (its module docstring) adds
+the terms
 of the MoE layers, their all-to-alls and the data-parallel groups of their parameters.
 
 Pure Python: no torch import.
@@ -108,10 +109,10 @@ from typing import Any, Optional
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.layout import config_of_plan, plan_values, planned_dataclass
-from lightning_4d.memory import moe
-from lightning_4d.memory.float8 import FLOAT8_MATMUL_SPEEDUP
-from lightning_4d.memory.moe import all_to_all_time
-from lightning_4d.memory.rates import (
+from lightning_4d.planning import expert_costs
+from lightning_4d.planning.expert_costs import all_to_all_time
+from lightning_4d.planning.float8_costs import FLOAT8_MATMUL_SPEEDUP
+from lightning_4d.planning.rates import (
     COLLECTIVE_EFFICIENCY,
     GEMM_EFFICIENCY,
     LINK_LATENCY,
@@ -357,7 +358,8 @@ def selective_recomputed_matmul_fraction(model_config: Any, tp: int) -> float:
 
 def model_dims(cfg: Any) -> tuple[int, ...]:
     """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers, tied) of a model config (E .. MoE layers 0 for a dense
-    one: :func:`lightning_4d.memory.moe.model_dims`; tied 1 with ``tie_word_embeddings``, else 0): the ``dims`` of
+    one: :func:`lightning_4d.planning.expert_costs.model_dims`; tied 1 with ``tie_word_embeddings``, else 0): the
+    ``dims`` of
     :func:`step_time_of`."""
     return (
         cfg.hidden_size,
@@ -367,7 +369,7 @@ def model_dims(cfg: Any) -> tuple[int, ...]:
         cfg.num_kv_heads,
         cfg.padded_vocab_size,
         cfg.num_layers,
-        *moe.model_dims(cfg),
+        *expert_costs.model_dims(cfg),
         int(bool(getattr(cfg, "tie_word_embeddings", False))),
     )
 
@@ -434,7 +436,7 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     )
     if not dims[7]:
         return t_mm, t_att, POINTWISE_FACTOR[compile] * t_pw, t_tp, t_cp, coll, t_head, 0.0, 0.0, t_tp_fwd
-    t_mm, t_pw, forward, both = moe.layer_times(dims, (t_mm, t_pw), shape, gpu, gpus_per_node)
+    t_mm, t_pw, forward, both = expert_costs.layer_times(dims, (t_mm, t_pw), shape, gpu, gpus_per_node)
     return t_mm, t_att, POINTWISE_FACTOR[compile] * t_pw, t_tp, t_cp, coll, t_head, forward, both, t_tp_fwd
 
 
@@ -512,7 +514,7 @@ def predict_step_time(
         pc: the layout (schedule, v, layer split, sp, cp method, ZeRO stage, activation checkpointing, offload).
         micro_batch_size: b; num_microbatches: m (pipeline micro-batches or gradient-accumulation steps).
         seq_length: s, tokens per sample.
-        gpu: a :class:`~lightning_4d.memory.hardware.GpuSpec`; gpus_per_node: GPUs per node.
+        gpu: a :class:`~lightning_4d.planning.hardware.GpuSpec`; gpus_per_node: GPUs per node.
     """
     step = step_time_of(
         model_dims(model_config),
@@ -536,13 +538,13 @@ def offload_exposed(
     """Seconds of activation offload's copies (``parallel/offload.py``) the compute of one step does not hide, on the
     pp rank that offloads most: per micro-batch and offloaded layer, ``max(0, t − t_f) + max(0, t − t_b)``, with
     ``t = B_l / (COLLECTIVE_EFFICIENCY · host_bandwidth)`` one layer's copy (``B_l``: its saved bytes and RoPE copy,
-    :func:`~lightning_4d.memory.model.offloaded_bytes_per_microbatch` over the offloaded layers), ``t_f`` the forward
+    :func:`~lightning_4d.planning.model.offloaded_bytes_per_microbatch` over the offloaded layers), ``t_f`` the forward
     of one layer the copy out overlaps (on the offload stream, behind the layers after it) and ``t_b = 2·t_f`` the
     backward of the next layer the prefetch overlaps; a stage offloaded whole brings its last layer back on demand,
     ``t`` exposed. ``t_f = step.compute / (3·m·L_r)``, ``L_r`` the rank's layers (forward : backward FLOPs = 1 : 2,
     Narayanan et al. 2021, arXiv 2104.04473, §5.1). Megatron-Core overlaps its ``cpu_offloading`` copies the same
     way (a side stream, one layer ahead). Not measured on a GPU yet (``docs/memory.md``)."""
-    from lightning_4d.memory.model import offloaded_bytes_per_microbatch
+    from lightning_4d.planning.model import offloaded_bytes_per_microbatch
 
     k, m = pc.activation_offload_layers, num_microbatches
     worst = 0.0
@@ -564,7 +566,8 @@ def offload_exposed(
 def with_float8(
     step: StepTime, cfg: Any, pc: ParallelConfig, b: int, m: int, s: int, gpu: Any, gpus_per_node: int
 ) -> StepTime:
-    """``step`` with the decoder layers' matmuls at :data:`~lightning_4d.memory.float8.FLOAT8_MATMUL_SPEEDUP` times
+    """``step`` with the decoder layers' matmuls at :data:`~lightning_4d.planning.float8_costs.FLOAT8_MATMUL_SPEEDUP`
+    times
     their rate (``pc.float8``, not enumerated by the planner): the slowest pp rank's layers, forward + backward and
     full checkpointing's recomputed forward; the bubble is not rescaled. A Mixture-of-Experts model (which float8
     refuses) is left as it is."""
@@ -641,7 +644,7 @@ def _data_parallel_terms(
 ) -> tuple[float, float, int, float]:
     """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds) of the pp rank
     holding ``layers`` decoder layers: the data-parallel collectives over dp·cp of its parameters (an MoE
-    model's: :func:`lightning_4d.memory.moe.data_parallel_terms`) (module docstring, **Data parallel**)."""
+    model's: :func:`lightning_4d.planning.expert_costs.data_parallel_terms`) (module docstring, **Data parallel**)."""
     tp, pp, cp, dp, ep = sizes
     h, vocab = dims[0], dims[5]
     c = 2
@@ -652,7 +655,7 @@ def _data_parallel_terms(
     b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
     owned_extra = rs_extra = ag_extra = 0.0
     if dims[7]:
-        params, owned_extra, rs_extra, ag_extra = moe.data_parallel_terms(
+        params, owned_extra, rs_extra, ag_extra = expert_costs.data_parallel_terms(
             dims, layers, (tp, ep, dd), zero_stage, (_layer_params(dims), vocabulary), (b_dp, lat)
         )
     owned = params / dd + owned_extra if zero_stage >= 1 else params + owned_extra

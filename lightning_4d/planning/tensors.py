@@ -1,6 +1,6 @@
 """The vocabulary of the memory model: the training precisions and the bytes they store per element
 (:class:`Dtypes`), one parameter tensor as a rank holds it (:class:`Param`) and ``torch.chunk``'s split
-(:func:`chunk`). Every feature module of ``lightning_4d/memory/`` counts bytes in these terms.
+(:func:`chunk`). Every feature module of ``lightning_4d/planning/`` counts bytes in these terms.
 
 Pure Python: no torch import.
 """
@@ -47,7 +47,7 @@ def normalize_precision(precision: str) -> str:
 @dataclass(frozen=True)
 class Dtypes:
     """Bytes per element of each kind of tensor a precision stores (``lightning_4d/parallel/sharded_optimizer.py``,
-    ``lightning_4d/precision.py``; the rules: :mod:`lightning_4d.memory.model`'s docstring, **Dtypes**). Build it with
+    ``lightning_4d/precision.py``; the rules: :mod:`lightning_4d.planning.model`'s docstring, **Dtypes**). Build it with
     :meth:`of` (a precision of :data:`PRECISIONS`) or :meth:`for_layout` (with the ``sdpa`` backend's kv repeat)."""
 
     param: int  # bytes of a parameter element as the layers compute with it (ZeRO 0/1 storage)
@@ -98,7 +98,7 @@ class Dtypes:
 def checkpoint_bytes_per_parameter(precision: str) -> int:
     """Bytes one parameter takes in a checkpoint of a job trained in ``precision``: the parameter in its training
     dtype, its float32 master weight where that is separate, and Adam's two moments (``bf16-mixed`` 2 + 4 + 8 = 14,
-    ``32-true`` 4 + 8 = 12); :func:`lightning_4d.memory.reliability.checkpoint_bytes` multiplies it by the parameters.
+    ``32-true`` 4 + 8 = 12); :func:`lightning_4d.planning.reliability.checkpoint_bytes` multiplies it by the parameters.
 
     Raises:
         ValueError: an unknown precision (:func:`normalize_precision`).

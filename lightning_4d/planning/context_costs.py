@@ -1,4 +1,4 @@
-"""Context parallelism in the memory model (``lightning_4d/parallel/context.py``; :mod:`lightning_4d.memory.model`'s
+"""Context parallelism in the memory model (``lightning_4d/parallel/context.py``; :mod:`lightning_4d.planning.model`'s
 docstring, **Context parallelism**): every sequence-sized tensor is divided by cp elsewhere; here what is not, per
 method: what a layer saves beyond the ring's local tensors (:func:`extra_saved_bytes`: ``"allgather"``'s gathered
 K/V, ``"alltoall"``'s second output copy and replicated kv heads), the query tokens the attention kernel calls of a
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_4d.config import ParallelConfig, alltoall_heads
-from lightning_4d.memory.tensors import Dtypes
+from lightning_4d.planning.tensors import Dtypes
 
 __all__ = [
     "alltoall_buffers",
@@ -78,7 +78,7 @@ def selective_attention_tokens(pc: ParallelConfig, s: int, seq_length: int) -> i
 
 
 def context_parallel_buffers(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int) -> int:
-    """Transient bytes of one layer's context-parallel attention backward (:mod:`lightning_4d.memory.model`'s
+    """Transient bytes of one layer's context-parallel attention backward (:mod:`lightning_4d.planning.model`'s
     docstring, **Context parallelism**), 0 without cp."""
     if pc.cp == 1:
         return 0

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.models.config import LlamaConfig
+from lightning_4d.models.llama_config import LlamaConfig
 
 
 class SwiGLU(nn.Module):
@@ -188,7 +188,7 @@ class MoEFeedForward(nn.Module):
 
     ``stats_group``: ``None`` (one process), or the process group the counts are summed over: the ranks holding
     disjoint tokens, ``dp_cp`` (``dp_cp x tp`` under tensor parallelism; set by
-    :meth:`lightning_4d.families.llama.LlamaFamily.apply_data_parallel`).
+    :meth:`lightning_4d.families.native_llama.LlamaFamily.apply_data_parallel`).
 
     ``metadata_inference``: set (``LlamaModel.set_metadata_inference``) while a pipeline schedule infers its stages'
     shapes on placeholder activations: the layer then returns its input (the local tensor of a DTensor, as the layer
@@ -336,7 +336,7 @@ class MoEModel:
     def moe_aux_loss(self) -> Optional[Tensor]:
         """The load-balancing loss of the last forward (differentiable): the sum of this model's MoE layers' terms
         divided by the config's number of MoE layers (the mean over all of them; a pipeline stage's share), ``None``
-        for a dense model or before a forward (:mod:`lightning_4d.models.moe`). Not multiplied by
+        for a dense model or before a forward (:mod:`lightning_4d.models.moe_layer`). Not multiplied by
         ``router_aux_loss_coef``. Training needs no addition of it to the loss: the layers inject its gradient
         themselves (:meth:`set_aux_loss_scale`)."""
         terms = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
@@ -347,7 +347,7 @@ class MoEModel:
     def set_aux_loss_scale(self, scale: float) -> None:
         """Train the load-balancing loss as if ``scale * moe_aux_loss()`` were added to the loss of every backward:
         each MoE layer's output injects ``scale / num_moe_layers`` into its term's gradient
-        (:class:`~lightning_4d.models.moe.AuxLossInjection`; ``MoEFeedForward.aux_grad_scale``). ``scale`` is
+        (:class:`~lightning_4d.models.moe_layer.AuxLossInjection`; ``MoEFeedForward.aux_grad_scale``). ``scale`` is
         ``router_aux_loss_coef`` times the factor the language-model loss of one backward carries (``1/m`` for a
         pipeline micro-batch, ``1/A`` under ``A`` accumulated batches); the default, set at construction, is
         ``router_aux_loss_coef``. No-op for a dense model."""
@@ -356,7 +356,7 @@ class MoEModel:
 
     def set_metadata_inference(self, flag: bool) -> None:
         """While ``flag``, this model's MoE layers pass their input through (a pipeline schedule's shape inference:
-        :attr:`lightning_4d.models.moe.MoEFeedForward.metadata_inference`)."""
+        :attr:`lightning_4d.models.moe_layer.MoEFeedForward.metadata_inference`)."""
         for m in self.moe_layers():
             m.metadata_inference = flag
 
@@ -395,7 +395,7 @@ class MoEModel:
 
     def set_grouped_mm(self, fn: Optional[Callable[..., Tensor]]) -> None:
         """Let the routed experts use ``fn`` (``torch._grouped_mm``, :data:`lightning_4d.parallel._compat.grouped_mm`)
-        on CUDA with bfloat16 weights (:class:`~lightning_4d.models.moe.GroupedExperts`); ``None``: the loop."""
+        on CUDA with bfloat16 weights (:class:`~lightning_4d.models.moe_layer.GroupedExperts`); ``None``: the loop."""
         for m in self.modules():
             if isinstance(m, GroupedExperts):
                 m.grouped_mm = fn

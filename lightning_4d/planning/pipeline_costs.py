@@ -1,4 +1,4 @@
-"""Pipeline parallelism in the memory model (:mod:`lightning_4d.memory.model`'s docstring, **Pipeline
+"""Pipeline parallelism in the memory model (:mod:`lightning_4d.planning.model`'s docstring, **Pipeline
 parallelism**): how many micro-batches' activations each pipeline stage of a pp rank holds at its peak under each
 schedule (:func:`in_flight`; ZBV and DualPipeV from their action lists, :func:`zbv_peak`), what a zero-bubble
 schedule keeps for its weight pass (:func:`weight_pass_inputs`), the activation side of a pp rank's peak
@@ -16,12 +16,12 @@ from typing import Any, Optional
 import numpy as np
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
-from lightning_4d.memory import offload
-from lightning_4d.memory.activations import kept_layer_backward, layer_input_grad_only
-from lightning_4d.memory.params import rank_layout
-from lightning_4d.memory.tensors import Dtypes
-from lightning_4d.memory.workload import Workload
 from lightning_4d.partition import loss_chunk_tokens
+from lightning_4d.planning import offload_costs
+from lightning_4d.planning.activations import kept_layer_backward, layer_input_grad_only
+from lightning_4d.planning.params import rank_layout
+from lightning_4d.planning.tensors import Dtypes
+from lightning_4d.planning.workload import Workload
 
 __all__ = [
     "Activations",
@@ -282,7 +282,7 @@ class Activations:
     offloaded: int = 0  # host memory: the saved tensors of the offloaded layers' in-flight micro-batches
     head_freed: int = 0  # last stage, offloaded whole or checkpointed: the head's saved tensors, freed by its backward
     #: activation offload's prefetch (``parallel/offload.py``): the moments that can make the peak, ``(bytes beyond
-    #: the activations after the loss, layers done)`` (:func:`lightning_4d.memory.offload.prefetch_moments`)
+    #: the activations after the loss, layers done)`` (:func:`lightning_4d.planning.offload_costs.prefetch_moments`)
     prefetch: tuple[tuple[int, int], ...] = ()
     #: zero-bubble schedules: the saved tensors alive during an input pass (its largest) + the output gradients it
     #: keeps for its weight pass (:func:`weight_pass_inputs`) + one recomputed set
@@ -298,9 +298,9 @@ def activation_terms(
     """Activations of pp rank ``pp_rank`` at its peak for ``work`` (its model a config, its ``num_microbatches``
     given): every pipeline stage of the rank holds its in-flight
     micro-batches' saved tensors (:func:`in_flight`, :func:`zbv_peak`), the embedding's with the first stage, the
-    head's and the loss's with the last (:mod:`lightning_4d.memory.model`'s docstring, **Activations** and
+    head's and the loss's with the last (:mod:`lightning_4d.planning.model`'s docstring, **Activations** and
     **Pipeline parallelism**); ``saved``: one micro-batch's, by part
-    (:func:`lightning_4d.memory.activations.saved_bytes`)."""
+    (:func:`lightning_4d.planning.activations.saved_bytes`)."""
     cfg, b, s, m = work.model, work.micro_batch_size, work.seq_length, work.num_microbatches
     stages = pc.rank_stages(cfg.num_layers, pp_rank)
     n_layers, _, last = rank_layout(cfg.num_layers, pc, pp_rank)
@@ -310,8 +310,8 @@ def activation_terms(
     # memory (parallel/offload.py), none on the device
     offloaded = [min(pc.activation_offload_layers, len(layers)) for _, layers in stages]
     sizes = _stage_sizes(pc, stages, offloaded, per_layer, saved)
-    whole = offload.offloaded_whole(cfg, pc, pp_rank)
-    host = offload.offloaded_per_stage(pc, stages, per_layer, saved["rope"])
+    whole = offload_costs.offloaded_whole(cfg, pc, pp_rank)
+    host = offload_costs.offloaded_per_stage(pc, stages, per_layer, saved["rope"])
     zero_bubble = pc.pp > 1 and pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
     retained: list[float] = []
     if zero_bubble:
@@ -323,9 +323,9 @@ def activation_terms(
     else:
         peak = sum(c * size for c, size in zip(counts, sizes))
         host_bytes = sum(c * x for c, x in zip(counts, host))
-    unpacked = offload.unpacked_bytes(cfg, pc, dt, b, s) if whole else 0
+    unpacked = offload_costs.unpacked_bytes(cfg, pc, dt, b, s) if whole else 0
     backward = kept_layer_backward(cfg, pc, dt, b, s)
-    prefetch = tuple(offload.prefetch_moments(stages, offloaded, int(per_layer), saved["rope"], backward))
+    prefetch = tuple(offload_costs.prefetch_moments(stages, offloaded, int(per_layer), saved["rope"], backward))
     # a stage offloaded whole: its last layer's backward (node by node) beside the layer before it, prefetched
     prefetched = int(per_layer) + saved["rope"] if whole and any(len(r) >= 2 for _, r in stages) else 0
     recompute = saved["recompute"] + unpacked + prefetched
@@ -385,7 +385,7 @@ def _retained(
 ) -> list[float]:
     """A zero-bubble schedule's bytes of one micro-batch that stay alive after its weight pass, to the end of the
     step, per stage of the rank (:func:`zbv_peak`): none on the first stage; elsewhere what only the input gradient
-    needs of each device-held layer (:func:`lightning_4d.memory.activations.layer_input_grad_only`, with the gathered
+    needs of each device-held layer (:func:`lightning_4d.planning.activations.layer_input_grad_only`, with the gathered
     K/V), the RoPE tables and, on the last stage, the loss' saved logits, log-sum-exp and labels (no weight gradient
     passes through the loss; the final norm's saved tensors serve its weight gradient and are freed by the weight
     pass). ``held``: ``((stage, layers), layers offloaded)`` of each stage of the rank."""

@@ -1,8 +1,8 @@
 """Tensor parallelism's own transients in the memory model (``lightning_4d/parallel/tensor.py``): the LM head's
 backward under sequence parallelism, with and without ``tensor_parallel_overlap`` (:func:`head_backward_transient`),
 and the vocabulary-parallel embedding's whole-vocabulary gradient (:func:`embedding_gradient_bytes`). The
-tp-local shapes of the parameters: :mod:`lightning_4d.memory.params`; what the layers save under tp and sp:
-:mod:`lightning_4d.memory.activations`.
+tp-local shapes of the parameters: :mod:`lightning_4d.planning.params`; what the layers save under tp and sp:
+:mod:`lightning_4d.planning.activations`.
 
 Pure Python: no torch import.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.memory.tensors import Dtypes
+from lightning_4d.planning.tensors import Dtypes
 
 __all__ = ["embedding_gradient_bytes", "head_backward_transient"]
 

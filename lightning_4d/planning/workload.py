@@ -2,11 +2,11 @@
 take beside a :class:`~lightning_4d.config.ParallelConfig`.
 
 - :class:`Workload`: the model, the batch shape (micro-batch size b, sequence length s, micro-batches per step m),
-  the precision and the optimizer: what :func:`~lightning_4d.memory.model.estimate_memory` estimates one rank of;
+  the precision and the optimizer: what :func:`~lightning_4d.planning.model.estimate_memory` estimates one rank of;
 - :class:`Job`: a job for the planner: the model, the GPUs (count, per node, kind), the sequence length, the global
-  batch and the precision (:func:`~lightning_4d.memory.planner.plan`);
+  batch and the precision (:func:`~lightning_4d.planning.planner.plan`);
 - :class:`Search`: which layouts of a job the planner enumerates (a fixed micro-batch size, fixed sizes, the
-  optional features it also tries: :func:`~lightning_4d.memory.planner.enumerate_layouts`).
+  optional features it also tries: :func:`~lightning_4d.planning.planner.enumerate_layouts`).
 
 Plain containers: each function that takes one checks the values it reads, as it checked its keyword arguments.
 
@@ -35,7 +35,8 @@ class Workload:
             dualpipev).
         expert_load_imbalance: under expert parallelism, the rows the most loaded ep rank's experts receive in an MoE
             layer over the balanced figure (the rank's own ``T·k`` assignments), >= 1.0 (at most ``ep``). Default
-            :data:`~lightning_4d.memory.moe.DEFAULT_EXPERT_LOAD_IMBALANCE` (measured on ``configs/tiny_moe.yaml``).
+            :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE` (measured on
+            ``configs/tiny_moe.yaml``).
         fused_optimizer: the optimizer steps in place, with no temporaries (``torch.optim.AdamW(fused=True)``,
             :class:`~lightning_4d.tasks.CausalLMModule`'s; default); ``False``: ``AdamW(foreach=True)``, whose
             ``_foreach_sqrt`` of the second moments holds one moment's bytes at the step.
@@ -59,8 +60,8 @@ class Job:
         num_gpus: GPUs of the job; gpus_per_node: GPUs per node.
         seq_length: tokens per sample (s).
         global_batch_size: samples per optimizer step (b · m · dp).
-        gpu: the GPU kind (a :class:`~lightning_4d.memory.hardware.GpuSpec`, e.g. of
-            :data:`~lightning_4d.memory.hardware.GPU_PRESETS`); ``None`` where layouts are only enumerated, not timed.
+        gpu: the GPU kind (a :class:`~lightning_4d.planning.hardware.GpuSpec`, e.g. of
+            :data:`~lightning_4d.planning.hardware.GPU_PRESETS`); ``None`` where layouts are only enumerated, not timed.
         precision: the training precision (default ``"bf16-mixed"``).
         expert_load_imbalance, fused_optimizer: as :class:`Workload`'s, for every layout's memory estimate.
     """

@@ -44,7 +44,7 @@ __all__ = [
 FLOAT8_RUNS = (("tensorwise", 5760, 7186), ("rowwise", 5760, 6424))
 #: The decoder layers' matmul seconds divided by this under each recipe (the float8 GEMM at up to twice the bf16
 #: rate, H100 datasheet: 1,979 against 989 TFLOP/s dense, less the casts and scale reductions): the factor that
-#: turns :mod:`lightning_4d.memory.step_time`'s compiled prediction of the bf16 run of :data:`FLOAT8_RUNS`
+#: turns :mod:`lightning_4d.planning.step_time`'s compiled prediction of the bf16 run of :data:`FLOAT8_RUNS`
 #: (H100-96GB, the layers' pointwise ops at the compiled factor as the runs used torch.compile; matmuls 50.1% of the
 #: step) into the published gain (+24.8% tensorwise, +11.5% rowwise); tests/test_float8.py derives it again. Not
 #: measured with FourDStrategy on a GPU yet (benchmarks/gpu_step_time.py's float8 rows).
