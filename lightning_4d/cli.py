@@ -138,6 +138,9 @@ def usage() -> str:
 #: the ``--ckpt_path`` values Lightning resolves itself (``CheckedCLI`` resolves and checks them first)
 _SPECIAL_CKPT_PATHS = ("last", "hpc", "best", "registry")
 
+#: model arguments a checkpoint's ``hyper_parameters`` never set: a path the file would make the run read
+_FILE_HPARAMS_NEVER_MERGED = ("init_from",)
+
 
 def _check_local_checkpoint(path: Any) -> None:
     """Refuse a checkpoint given as a URL (Lightning would download and unpickle it), a missing one, and one holding
@@ -203,6 +206,30 @@ def _checked_cli() -> type:
             except ValueError as e:
                 print(f"lightning-4d {command}: error: {e}", file=sys.stderr)
                 sys.exit(2)
+
+        def _parse_ckpt_path(self) -> None:
+            # Lightning merges a full-file checkpoint's hyper_parameters over the model's arguments; a file's
+            # init_from is never followed (resuming restores the weights from the checkpoint itself), and each
+            # argument the file changes is named, not applied silently
+            command = self.config.get("subcommand")
+            model = self.config[command].get("model") if command else None
+            before = {k: model.get(k) for k in _FILE_HPARAMS_NEVER_MERGED} if hasattr(model, "get") else {}
+            snapshot = model.clone() if hasattr(model, "clone") else None
+            super()._parse_ckpt_path()
+            merged = self.config[command].get("model") if command else None
+            if snapshot is None or not hasattr(merged, "items"):
+                return
+            for key, value in before.items():
+                merged[key] = value
+            changed = [
+                f"{key}={merged.get(key)!r} (was {snapshot.get(key)!r})"
+                for key in sorted(k for k in dict(merged.items()) if merged.get(k) != snapshot.get(k))
+            ]
+            if changed:
+                print(
+                    f"lightning-4d {command}: the checkpoint's hyper_parameters set --model." + ", ".join(changed),
+                    file=sys.stderr,
+                )
 
         def _run_subcommand(self, subcommand: str) -> None:
             # "last", "hpc", "best", "registry": resolved as Lightning will (its ModelCheckpoint lookup) and checked

@@ -189,17 +189,24 @@ FIT_BAD_INPUT = [
 
 @pytest.fixture(scope="module")
 def fit_bad_input_runs(tmp_path_factory):
-    """Every :data:`FIT_BAD_INPUT` case through ``lightning_4d.cli.main`` in one fresh process
+    """Every :data:`FIT_BAD_INPUT` case, then a full-file checkpoint whose ``hyper_parameters`` set a learning rate
+    and an ``init_from``, through ``lightning_4d.cli.main`` in one fresh process
     (``tests/scripts/fit_bad_input.py``: its exit code and stderr per case; ``Trainer.fit`` replaced by a refusal, so
     a case that is not refused before training never starts processes)."""
     import json
 
+    import torch
+
     from tests._crafted import crafted_file
 
-    cases = [
-        ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false", *e] for e, _ in FIT_BAD_INPUT
-    ]
     cwd = tmp_path_factory.mktemp("fit_bad_input")
+    hparams = {"model_config": "tiny", "learning_rate": 0.5, "init_from": str(cwd / "elsewhere.ckpt")}
+    torch.save({"state_dict": {}, "hyper_parameters": hparams, "epoch": 0, "global_step": 0}, cwd / "other.ckpt")
+    extra = [["--ckpt_path", str(cwd / "other.ckpt"), "--trainer.strategy=auto", "--trainer.devices=1"]]
+    cases = [
+        ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false", *e]
+        for e in [e for e, _ in FIT_BAD_INPUT] + extra
+    ]
     (cwd / "checkpoints" / "tiny").mkdir(parents=True)
     crafted_file(cwd / "checkpoints" / "tiny" / "last.ckpt", cwd / "code_ran")
     proc = subprocess.run(
@@ -224,6 +231,17 @@ def test_fit_bad_input_is_one_line_and_exit_2(fit_bad_input_runs, index):
     assert len(lines) == 1 and lines[0].startswith("lightning-4d fit: error: "), err
     for text in FIT_BAD_INPUT[index][1]:
         assert text in lines[0], lines[0]
+
+
+def test_checkpoint_hyper_parameters_are_named_and_never_name_a_file(fit_bad_input_runs):
+    """Lightning merges a full-file checkpoint's ``hyper_parameters`` over the model's arguments: the learning rate
+    it sets is named on stderr, its ``init_from`` is not taken (the run reaches ``Trainer.fit``, which the driver
+    refuses, instead of failing on the missing file the checkpoint named)."""
+    code, err = fit_bad_input_runs[len(FIT_BAD_INPUT)]
+    assert "reached Trainer.fit" in str(code), (code, err)
+    assert "elsewhere.ckpt" not in str(code) + err, (code, err)
+    line = next(x for x in err.splitlines() if "hyper_parameters set" in x)
+    assert "--model.learning_rate=0.5 (was 0.003)" in line and "init_from" not in line, line
 
 
 def test_fit_bad_input_traceback_on_request(capsys, tmp_path, monkeypatch):
