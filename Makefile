@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lightning_4d-installed
 DOCS_STAMP := $(VENV)/.lightning_4d-docs-installed
 
-.PHONY: run test lint install clean docs docs-figures
+.PHONY: run test check lint install clean docs docs-figures
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -s --durations=40 tests
+
+# the quick tier for the edit-test loop: lint, then every test not marked slow (pyproject.toml's markers: no process
+# launches, no training runs); under 5 minutes on 2 cores. `make test` is the whole suite.
+check: lint
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests
 
 # lint: ruff check (pyproject's [tool.ruff]: pycodestyle errors and warnings, pyflakes, import order; line length
 # 120) and ruff format --check (apply with: .venv/bin/ruff format lightning_4d tests benchmarks examples docs)

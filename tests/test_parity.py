@@ -32,12 +32,12 @@ WORLD4 = (
     # selective checkpointing under tp with sp (reduce-scatters kept, all-gathers recomputed) and FSDP2
     + [{"dp": 2, "tp": 2, "zero": 3, "ac": "selective"}]
     + [
-        {"dp": 2, "tp": 2, "zero": 1, "clip": 0.1},
-        {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1},
-        {"dp": 4, "zero": 0, "clip": 0.1},
+        {"dp": 2, "tp": 2, "zero": 1, "clip": 0.1, "norm": True},
+        {"dp": 2, "tp": 2, "zero": 3, "clip": 0.1, "norm": True},
+        {"dp": 4, "zero": 0, "clip": 0.1, "norm": True},
     ]
     # clipping with tp-replicated plain parameters (norm weights without sp): counted once in the global norm
-    + [{"dp": 2, "tp": 2, "zero": 1, "sp": False, "clip": 0.1}]
+    + [{"dp": 2, "tp": 2, "zero": 1, "sp": False, "clip": 0.1, "norm": True}]
     # several gradient buckets (all-reduces launched during backward); gradient accumulation over 2 micro-batches
     + [{"dp": 2, "tp": 2, "zero": 1, "bucket": 8192}, {"dp": 4, "zero": 0, "bucket": 8192}]
     + [{"dp": 2, "tp": 2, "zero": 1, "accum": 2}, {"dp": 2, "tp": 2, "zero": 3, "accum": 2}]
@@ -96,6 +96,7 @@ BF16_MIXED_WORLD4 = [
 ]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
+NORM_RTOL = 1e-5
 
 
 #: the single-process runs (plain Lightning, no FourDStrategy): plain, with gradient clipping, tied head, 4 kv heads
@@ -103,13 +104,13 @@ WEIGHT_ATOL = 1e-5
 #: which also runs ONE_PROCESS
 REFERENCES = [
     {"reference": True},
-    {"reference": True, "clip": 0.1},
+    {"reference": True, "clip": 0.1, "norm": True},
     {"reference": True, "tied": True},
     {"reference": True, "config": {"num_kv_heads": 4}},
 ]
 #: FourDStrategy on one process, float32: no gradient bucket (lightning_4d.partition.gradient_buckets_needed), the
 #: gradients in .grad, clipped by Lightning's own clipping, accumulated by autograd over 2 micro-batches
-ONE_PROCESS = [{"dp": 1, "zero": 1, "clip": 0.1, "accum": 2}]
+ONE_PROCESS = [{"dp": 1, "zero": 1, "clip": 0.1, "accum": 2, "norm": True}]
 REFERENCES += ONE_PROCESS
 #: the single-process bf16-mixed runs of FourDStrategy (bf16 weights, fp32 masters): plain and clipped
 BF16_REFERENCES = [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}]
@@ -181,6 +182,12 @@ def _check_parity(
         weights = {k: w.bfloat16().float() for k, w in weights.items()}
         ref_weights = {k: w.bfloat16().float() for k, w in ref_weights.items()}
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    if layout.get("norm"):  # the global gradient norm clipping divides by, before clipping, against torch's own
+        norms, ref_norms = ranks[0]["bytes"]["grad_norms"], ref_ranks[0]["bytes"]["grad_norms"]
+        assert len(norms) == len(ref_norms) == STEPS
+        norm_rel = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+        print(f"\n{_layout_id(layout)}: max rel global gradient norm diff {norm_rel:.2e}")
+        assert norm_rel <= NORM_RTOL, (norms, ref_norms)
     werr = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
     line = f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max abs weight diff {werr:.2e}"
     if initial is not None:

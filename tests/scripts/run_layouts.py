@@ -57,7 +57,10 @@ class Recorder(L.Callback):
         self.bytes: dict[str, int] = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.record_norm:  # the global gradient norm before clipping (max_norm inf: coefficient 1, nothing changes)
+        if self.record_norm and not hasattr(trainer.strategy, "parallel_config"):  # plain Lightning: torch's norm
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.bytes.setdefault("grad_norms", []).append(float(torch.nn.utils.get_total_norm(grads)))
+        elif self.record_norm:  # the global gradient norm before clipping (max_norm inf: coefficient 1, no change)
             from lightning_4d.parallel.clipping import clip_grad_norm_
             from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
