@@ -433,10 +433,9 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
     if args.val_fraction > 0 and len(written) == 1:
         parts.append(f"no document fell into validation (LMDataModule will hold out the last 5% of {output.name})")
     eos = f", end-of-document {tokenizer.eos_id}" if args.append_eod else ""
-    print(
-        f"prepare-data ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size:,}{eos}): "
-        + "; ".join(parts)
-        + f"; {len(inputs):,} inputs, {num_bytes:,} bytes in {seconds:.1f} s ({num_bytes / 1e6 / seconds:.1f} MB/s, "
-        f"{args.workers} workers)"
+    rate = f"{num_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s"
+    parts.append(
+        f"{len(inputs):,} input files, {num_bytes:,} bytes in {seconds:.1f} s ({rate}, {args.workers} workers)"
     )
+    print(f"prepare-data ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size:,}{eos}): " + "; ".join(parts))
     return 0

@@ -176,7 +176,7 @@ def _arrow_batches(batches: Iterator[Any], key: str, label: str, num_rows: int, 
     first, done = 0, 0
     for batch in batches:
         column = batch.column(key) if isinstance(batch, pa.RecordBatch) else batch.column(key).combine_chunks()
-        bad = pc.or_(pc.is_null(column), pc.equal(pc.utf8_length(column), 0))
+        bad = pc.or_kleene(pc.is_null(column), pc.equal(pc.utf8_length(column), 0))
         if pc.any(bad).as_py():
             at = int(pc.index(bad, True).as_py())
             what = "null" if column[at].as_py() is None else "an empty string"
