@@ -21,6 +21,7 @@ as it was; a later run removes the temporary files a dead run left and says so o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -107,6 +108,21 @@ def _start_worker(tokenizer: str, eos_token: Optional[str], append_eod: bool, va
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     _WORKER_ENCODER = Encoder(tokenizer, eos_token, append_eod, val_fraction)
+
+
+@contextlib.contextmanager
+def _single_threaded():
+    """``tokenizers`` without its thread pool inside the block (it reads ``TOKENIZERS_PARALLELISM`` at every call), so
+    that ``--workers 1`` uses one core as N workers use N."""
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def _encode_in_worker(batch: Batch, relpath: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -244,7 +260,8 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         metavar="N",
-        help="tokenizer processes (default: the cores this process may use); 1 tokenizes in this process",
+        help="tokenizer processes, one core each (default: the cores this process may use); 1 tokenizes in this "
+        "process",
     )
     parser.add_argument(
         "--val-fraction",
@@ -287,16 +304,9 @@ def _tokenize(
     pool = None
     if args.workers > 1:
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-        previous = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no fork warning from tokenizers in the children
-        try:
-            initargs = (encoder.tokenizer.name, args.eos_token, encoder.append_eod, encoder.val_fraction)
+        initargs = (encoder.tokenizer.name, args.eos_token, encoder.append_eod, encoder.val_fraction)
+        with _single_threaded():  # set before the fork: no "forked after parallelism" warning from tokenizers
             pool = context.Pool(args.workers, initializer=_start_worker, initargs=initargs)
-        finally:
-            if previous is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM")
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = previous
 
     def write(result: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         nonlocal documents
@@ -312,9 +322,10 @@ def _tokenize(
     try:
         with _progress_bar([], not args.no_progress, total=total, label=f"tokenizing {len(inputs)} inputs") as advance:
             if pool is None:
-                for batch, relpath in jobs:
-                    write(encoder(batch, relpath))
-                    advance(batch.num_bytes)
+                with _single_threaded():
+                    for batch, relpath in jobs:
+                        write(encoder(batch, relpath))
+                        advance(batch.num_bytes)
             else:
                 pending: deque = deque()  # FIFO: results are written in input order
                 for batch, relpath in jobs:
