@@ -11,7 +11,9 @@
    (``getrusage(RUSAGE_SELF).ru_maxrss``) and of the largest worker (``RUSAGE_CHILDREN``);
 4. times ``tokenizers.Tokenizer.encode_batch`` (``add_special_tokens=True``) alone over the same texts, single-threaded
    (``TOKENIZERS_PARALLELISM=false``, ``RAYON_NUM_THREADS=1``), in batches of 1 MB, JSON parsing not timed,
-   and prints the ratio of its MB/s to prepare-data's MB/s per worker.
+   and prints the ratio of its MB/s to prepare-data's MB/s per worker, and the same ratio per CPU-second (user +
+   system time of prepare-data's main process and workers: the figure that a machine shared with other work
+   distorts least).
 
 Targets: peak RSS below 1.5 GB for every process; per-worker throughput within 1.5x of ``encode_batch``'s.
 """
@@ -180,16 +182,25 @@ def main() -> None:
         base = json.loads(proc.stdout)
         base_rate = base["bytes"] / 1e6 / base["seconds"]
         tokens_per_second = base["tokens"] / base["seconds"]
-        print(f"tokenizers encode_batch, 1 thread: {base_rate:.2f} MB/s ({tokens_per_second:,.0f} tokens/s)")
-        print("| workers | seconds | MB/s | MB/s per worker | encode_batch / per worker | peak RSS main | worker |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+        base_cpu_rate = base["bytes"] / 1e6 / base["cpu"]
+        print(
+            f"tokenizers encode_batch, 1 thread: {base_rate:.2f} MB/s ({tokens_per_second:,.0f} tokens/s), "
+            f"{base_cpu_rate:.2f} MB per CPU-second",
+            flush=True,
+        )
+        print(
+            "| workers | seconds | MB/s | MB/s per worker | encode_batch / per worker | MB per CPU-s (main + workers) "
+            "| encode_batch / that | peak RSS main | largest worker |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for workers in args.workers:
             r = run_prepare(corpus, tokenizer, tmp / "out.bin", workers)
             rate = size / 1e6 / r["seconds"]
+            cpu_rate = size / 1e6 / (r["cpu_self"] + r["cpu_children"])
             print(
                 f"| {workers} | {r['seconds']:.1f} | {rate:.2f} | {rate / workers:.2f} | "
-                f"{base_rate / (rate / workers):.2f}x | {r['rss_self'] / 2**20:,.0f} MiB | "
-                f"{r['rss_children'] / 2**20:,.0f} MiB |",
+                f"{base_rate / (rate / workers):.2f}x | {cpu_rate:.2f} | {base_cpu_rate / cpu_rate:.2f}x | "
+                f"{r['rss_self'] / 2**20:,.0f} MiB | {r['rss_children'] / 2**20:,.0f} MiB |",
                 flush=True,
             )
         print(r["summary"])
