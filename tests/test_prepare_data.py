@@ -116,12 +116,14 @@ def test_inputs_in_sorted_order_and_text_files_as_before(tmp_path, capsys, token
     _write_parquet(src / "b.parquet", RECORDS[10:20])
     _write_dataset(src / "c_saved", RECORDS[20:30])
     (src / "d.txt").write_text(RECORDS[30])
+    _write_jsonl(src / "e.jsonl.gz", RECORDS[31:35])
+    (src / "junk.tar.gz").write_bytes(gzip.compress(b"not a corpus"))  # a folder gives .jsonl.gz, not any .gz
     out = tmp_path / "all.bin"
     argv = ["--input", str(src), "--output", str(out), "--tokenizer", str(tokenizer_path), "--val-fraction", "0"]
     assert _run(capsys, *argv, "--workers", "1")[0] == 0
-    assert _documents(out) == _expected(tokenizer_path, RECORDS[:31])
+    assert _documents(out) == _expected(tokenizer_path, RECORDS[:35])
     assert _run(capsys, *argv, "--workers", "1", "--no-append-eod", "--overwrite")[0] == 0
-    assert _documents(out) == _expected(tokenizer_path, RECORDS[:31], eod=False)
+    assert _documents(out) == _expected(tokenizer_path, RECORDS[:35], eod=False)
     assert read_documents(out)[1]["eos_id"] is None
     # the byte tokenizer: UTF-8 bytes, end-of-document byte 0 (NUL)
     byte_argv = ["--input", str(src / "a.jsonl"), "--output", str(out), "--overwrite", "--val-fraction", "0"]

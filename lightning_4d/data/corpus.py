@@ -165,7 +165,7 @@ def _files_in_directory(
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in units]
         for name in filenames:
             path = Path(dirpath) / name
-            if not name.startswith(".") and path.suffix.lower() in suffixes and path.is_file():
+            if not name.startswith(".") and name.lower().endswith(tuple(suffixes)) and path.is_file():
                 out.append(path)
     return out
 
@@ -198,8 +198,9 @@ def resolve_paths(
     suffixes: frozenset,
     unit_dir: Optional[Callable[[Path], bool]] = None,
 ) -> list[Path]:
-    """:func:`resolve_text_files` with the suffixes taken from directories given, and ``unit_dir``: a predicate
-    naming the directories taken whole (given, matched by a glob, or met in a walk) instead of walked.
+    """:func:`resolve_text_files` with the name endings (``".py"``, ``".jsonl.gz"``) of the files taken from
+    directories given, and ``unit_dir``: a predicate naming the directories taken whole (given, matched by a glob,
+    or met in a walk) instead of walked.
 
     Raises:
         ValueError: an entry that matches nothing (the message names it), or no entries at all.

@@ -227,8 +227,8 @@ def _build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         metavar="PATH_OR_GLOB",
-        help="files, folders (walked: text-like suffixes .txt .md .py .json .jsonl ..., .parquet, .gz; a saved "
-        "datasets folder is taken whole) or glob patterns (quote them; ** recurses)",
+        help="files, folders (walked: text-like suffixes .txt .md .py .json .jsonl ..., .parquet, .jsonl.gz, "
+        ".json.gz; a saved datasets folder is taken whole) or glob patterns (quote them; ** recurses)",
     )
     parser.add_argument("--output", required=True, metavar="OUT.bin", help="the training .bin to write (+ .idx, .json)")
     parser.add_argument(

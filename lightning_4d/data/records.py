@@ -96,8 +96,8 @@ def input_kind(path: Path) -> str:
 
 def resolve_inputs(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> list[Path]:
     """Expand ``--input`` entries as :func:`~lightning_4d.data.resolve_text_files` does, also taking ``*.parquet``,
-    ``*.jsonl.gz`` and ``*.json.gz`` from folders, and a saved ``datasets`` folder (given, matched, or met in a walk)
-    as one input.
+    ``*.jsonl.gz`` and ``*.json.gz`` from folders (not other ``.gz`` files), and a saved ``datasets`` folder (given,
+    matched, or met in a walk) as one input.
 
     Returns:
         Absolute paths (files and dataset folders), deduplicated and sorted.
@@ -105,8 +105,7 @@ def resolve_inputs(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLik
     Raises:
         ValueError: an entry that matches nothing.
     """
-    suffixes = TEXT_SUFFIXES | {".parquet", ".gz"}
-    return resolve_paths(paths, suffixes, unit_dir=is_saved_dataset)
+    return resolve_paths(paths, TEXT_SUFFIXES | {".parquet", *JSONL_SUFFIXES}, unit_dir=is_saved_dataset)
 
 
 def _fail(label: str, where: str, message: str) -> InputError:
