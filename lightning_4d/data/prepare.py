@@ -12,10 +12,11 @@ followed by the tokenizer's end-of-document token (``--append-eod``, the default
 from (:func:`~lightning_4d.data.corpus.is_validation_record`; a text file by its path, as
 :func:`~lightning_4d.data.split_files`).
 
-Output (:mod:`~lightning_4d.data.indexed`): ``OUT.bin``/``OUT.idx``/``OUT.json`` and ``OUT.val.bin``/``.idx``/``.json``.
-Every file is written under a temporary name in the output's folder (``.OUT.bin.<pid>.tmp``) and renamed into place
-when all are complete, the data files first and the metadata last, so a crash or Ctrl-C leaves the earlier output
-as it was; a later run removes the temporary files a dead run left and says so on stderr.
+Output (:mod:`~lightning_4d.data.megatron_index`): ``OUT.bin``/``OUT.idx``/``OUT.json`` and
+``OUT.val.bin``/``.idx``/``.json``. Every file is written under a temporary name in the output's folder
+(``.OUT.bin.<pid>.tmp``) and renamed into place when all are complete, the data files first and the metadata last, so a
+crash or Ctrl-C leaves the earlier output as it was; a later run removes the temporary files a dead run left and says so
+on stderr.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, Optional
 import numpy as np
 
 from lightning_4d.data.corpus import _progress_bar, is_validation_file, is_validation_record
-from lightning_4d.data.indexed import VERSION, IndexWriter, megatron_dtype, metadata_path, val_path
+from lightning_4d.data.megatron_index import VERSION, IndexWriter, megatron_dtype, metadata_path, val_path
 from lightning_4d.data.records import Batch, InputError, batch_texts, read_batches, resolve_inputs
 from lightning_4d.data.token_file import sidecar_path
 from lightning_4d.data.tokenizers import EOS_TOKENS, ByteTokenizer, load_tokenizer

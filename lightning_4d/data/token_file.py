@@ -8,10 +8,11 @@ Layout of a token file ``corpus.bin``:
   "vocab_size": int, "tokenizer": str, "num_tokens": int}``; ``tokenizer`` is what
   :func:`~lightning_4d.data.load_tokenizer` takes (``"byte"`` or the tokenizer.json path).
 
-``lightning-4d prepare-data`` writes Megatron-Core's ``.bin``/``.idx`` pair instead (:mod:`~lightning_4d.data.indexed`,
-which keeps document boundaries); :func:`read_token_metadata` and :func:`read_token_file` open such a pair too, as one
-flat token array, so that code written for token files reads either. A validation split sits next to a token file as
-``corpus.val.bin`` (+ ``corpus.val.bin.json``), which :class:`~lightning_4d.data.LMDataModule` picks up automatically.
+``lightning-4d prepare-data`` writes Megatron-Core's ``.bin``/``.idx`` pair instead
+(:mod:`~lightning_4d.data.megatron_index`, which keeps document boundaries); :func:`read_token_metadata` and
+:func:`read_token_file` open such a pair too, as one flat token array, so that code written for token files reads
+either. A validation split sits next to a token file as ``corpus.val.bin`` (+ ``corpus.val.bin.json``), which
+:class:`~lightning_4d.data.LMDataModule` picks up automatically.
 
 Both files are written to a temporary file in the same directory and renamed into place (``os.replace``, atomic on
 POSIX and Windows), so a crash leaves either the old complete file or the new complete file, never a torn one; the
@@ -29,6 +30,7 @@ from typing import Union
 import numpy as np
 
 from lightning_4d.data.corpus import token_dtype
+from lightning_4d.data.megatron_index import is_pair, read_pair
 
 __all__ = [
     "FORMAT",
@@ -137,13 +139,13 @@ _CHECKED_TOKENS = 1 << 20
 
 def _megatron_pair(path: Path) -> bool:
     """``path`` is the ``.bin`` of a Megatron pair (its ``.idx`` is there, no token-file sidecar)."""
-    return path.suffix == ".bin" and not sidecar_path(path).is_file() and path.with_suffix(".idx").is_file()
+    return path.suffix == ".bin" and not sidecar_path(path).is_file() and is_pair(path)
 
 
 def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
     """Read and check the sidecar of the token file ``path`` (cheap: the data file is only ``stat``-ed).
 
-    For the ``.bin`` of a Megatron pair: :func:`~lightning_4d.data.indexed.read_documents`' metadata (``tokenizer``
+    For the ``.bin`` of a Megatron pair: :func:`~lightning_4d.data.megatron_index.read_pair`'s metadata (``tokenizer``
     and ``vocab_size`` ``None`` for a pair without ``prepare-data``'s ``.json``) with ``dtype`` and ``num_tokens``.
 
     Raises:
@@ -197,7 +199,7 @@ def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
 
 def read_token_file(path: Union[str, os.PathLike]) -> tuple[np.memmap, dict]:
     """Open a token file memory-mapped, read-only (or the ``.bin`` of a Megatron pair, as one flat array of its
-    documents: :func:`~lightning_4d.data.indexed.read_documents`).
+    documents: :func:`~lightning_4d.data.megatron_index.read_pair`).
 
     Returns:
         ``(tokens, metadata)``: a 1-D read-only :class:`numpy.memmap` of ``num_tokens`` ids (``uint16``/``uint32``;
@@ -210,10 +212,8 @@ def read_token_file(path: Union[str, os.PathLike]) -> tuple[np.memmap, dict]:
     """
     path = Path(path)
     if _megatron_pair(path):
-        from lightning_4d.data.indexed import read_documents
-
-        documents, meta = read_documents(path)
-        return documents.tokens, {**meta, "dtype": documents.tokens.dtype.name, "num_tokens": documents.num_tokens}
+        tokens, _, meta = read_pair(path)
+        return tokens, {**meta, "dtype": tokens.dtype.name, "num_tokens": int(tokens.size)}
     meta = read_token_metadata(path)
     dtype = _DTYPES[meta["dtype"]].newbyteorder("<")
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
