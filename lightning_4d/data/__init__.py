@@ -2,9 +2,10 @@
 files and Megatron-Core indexed datasets (``lightning-4d prepare-data``), layout-independent window datasets and
 :class:`LMDataModule`.
 
-Shapes and units: token ids are ints in ``[0, vocab_size)``, stored as ``uint16`` (``vocab_size <= 65536``) or
-``uint32``; a batch is ``{"input_ids": int64 [b, s], "labels": int64 [b, s]}`` with ``b = micro_batch_size`` sequences
-of ``s = seq_length`` tokens; entropies and losses are in nats per token.
+Shapes and units: token ids are ints in ``[0, vocab_size)``, stored as ``uint16`` (``vocab_size <= 65536`` in a token
+file, ``< 65500`` in a Megatron pair as Megatron picks) or else ``uint32`` (token file) / ``int32`` (pair); a batch is
+``{"input_ids": int64 [b, s], "labels": int64 [b, s]}`` with ``b = micro_batch_size`` sequences of ``s = seq_length``
+tokens; entropies and losses are in nats per token.
 """
 
 from lightning_4d.data.corpus import (
