@@ -137,7 +137,7 @@ print(json.dumps({"seconds": seconds, "cpu": cpu, "bytes": size, "tokens": encod
 
 
 def run_prepare(corpus: Path, tokenizer: Path, out: Path, workers: int) -> dict:
-    argv = ["prepare-data", "--input", str(corpus), "--output", str(out), "--tokenizer", str(tokenizer)]
+    argv = ["--input", str(corpus), "--output", str(out), "--tokenizer", str(tokenizer)]
     argv += ["--workers", str(workers), "--overwrite", "--no-progress"]
     proc = subprocess.run(
         [sys.executable, "-c", _RUN_PREPARE, *argv],
@@ -147,10 +147,10 @@ def run_prepare(corpus: Path, tokenizer: Path, out: Path, workers: int) -> dict:
         text=True,
         check=False,
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"prepare-data failed:\n{proc.stderr[-3000:]}")
     lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1])
+    result = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"code": proc.returncode}
+    if result["code"] != 0:
+        raise SystemExit(f"prepare-data failed:\n{proc.stderr[-3000:]}")
     result["summary"] = lines[-2]
     return result
 
