@@ -12,8 +12,8 @@ A record's document is the string under ``key`` (``--json-key``, default ``text`
 :class:`InputError` of one line naming the file, the line or record and what is valid: a line that is not JSON or
 not an object, a missing key (naming the keys present), a value that is not a string, an empty or null document.
 
-Readers yield :class:`Batch` es of up to :data:`BATCH_BYTES` of text: that is what goes to a tokenizer worker, and
-what bounds the memory in flight.
+Readers yield :class:`Batch` es of about :data:`BATCH_BYTES` of text (tables: rows of that size on average) and at
+most :data:`BATCH_RECORDS` records: that is what goes to a tokenizer worker, and what bounds the memory in flight.
 """
 
 from __future__ import annotations
@@ -187,6 +187,11 @@ def _arrow_batches(batches: Iterator[Any], key: str, label: str, num_rows: int, 
         first += len(texts)
 
 
+def _rows_per_batch(num_bytes: int, num_rows: int) -> int:
+    """Rows of about :data:`BATCH_BYTES` of text (at most :data:`BATCH_RECORDS`, at least 1), from a table's size."""
+    return max(1, min(BATCH_RECORDS, BATCH_BYTES * max(num_rows, 1) // max(num_bytes, 1)))
+
+
 def _check_column(schema: Any, key: str, label: str) -> None:
     import pyarrow as pa
 
@@ -214,9 +219,11 @@ def _parquet_batches(path: Path, key: str, label: str) -> Iterator[Batch]:
     except Exception as e:  # pyarrow raises ArrowInvalid and others
         raise InputError(f"{label}: not a readable parquet file ({e})") from None
     _check_column(parquet.schema_arrow, key, label)
-    rows = parquet.metadata.num_rows
-    batches = parquet.iter_batches(batch_size=BATCH_RECORDS, columns=[key])
-    yield from _arrow_batches(batches, key, label, rows, path.stat().st_size)
+    meta = parquet.metadata
+    column = parquet.schema_arrow.get_field_index(key)
+    text_bytes = sum(meta.row_group(g).column(column).total_uncompressed_size for g in range(meta.num_row_groups))
+    batches = parquet.iter_batches(batch_size=_rows_per_batch(text_bytes, meta.num_rows), columns=[key])
+    yield from _arrow_batches(batches, key, label, meta.num_rows, path.stat().st_size)
 
 
 def _dataset_batches(path: Path, key: str, label: str) -> Iterator[Batch]:
@@ -232,7 +239,8 @@ def _dataset_batches(path: Path, key: str, label: str) -> Iterator[Batch]:
         raise InputError(f"{label}: not a readable saved dataset ({e})") from None
     _check_column(dataset.data.schema, key, label)
     size = sum(p.stat().st_size for p in path.glob("*.arrow"))
-    batches = dataset.select_columns([key]).with_format("arrow").iter(batch_size=BATCH_RECORDS)
+    batch_size = _rows_per_batch(size, len(dataset))
+    batches = dataset.select_columns([key]).with_format("arrow").iter(batch_size=batch_size)
     yield from _arrow_batches(batches, key, label, len(dataset), size)
 
 
