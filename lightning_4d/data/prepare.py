@@ -131,7 +131,8 @@ def _encode_in_worker(batch: Batch, relpath: str) -> tuple[np.ndarray, np.ndarra
 
 
 class _Output:
-    """One split's ``.bin``/``.idx``/``.json`` under temporary names, renamed into place by :meth:`commit`."""
+    """One split's ``.bin``/``.idx``/``.json`` under temporary names (:attr:`temp`), which :func:`prepare_data_main`
+    renames to :attr:`final` once every split is complete."""
 
     def __init__(self, path: Path, dtype: np.dtype) -> None:
         self.path = path
