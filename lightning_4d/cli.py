@@ -5,7 +5,8 @@ Subcommands (``lightning-4d --help`` lists them, :data:`COMMANDS`):
 - ``fit``, ``validate``, ``test``, ``predict``: a ``LightningCLI`` over :class:`~lightning_4d.tasks.CausalLMModule`
   and :class:`~lightning_4d.data.LMDataModule` (``lightning-4d fit --config configs/tiny.yaml``; any argument can be
   overridden on the command line, e.g. ``--trainer.strategy.tensor_parallel_size=1 --trainer.devices=2``);
-- ``prepare-data``: tokenize text files into a memory-mapped token file (``lightning-4d prepare-data --help``);
+- ``prepare-data``: tokenize a corpus (JSON Lines, parquet, a saved ``datasets`` folder, text files) into a Megatron
+  indexed dataset (``lightning-4d prepare-data --help``);
 - ``estimate``: the memory of one layout per GPU (``lightning-4d estimate --help``; no torch import);
 - ``plan``: the layouts of a job that fit, ranked by predicted step time (``lightning-4d plan --help``);
 - ``measure``: one rank of any layout built and run in this process on a fake process group, its measured memory
@@ -31,7 +32,7 @@ COMMANDS = {
     "validate": "one evaluation pass over the validation set (--ckpt_path to evaluate a checkpoint)",
     "test": "one evaluation pass over the test set",
     "predict": "inference over the predict set",
-    "prepare-data": "tokenize text files into a memory-mapped token file",
+    "prepare-data": "tokenize a corpus (jsonl, parquet, datasets, text) into a Megatron .bin/.idx",
     "estimate": "the memory of one layout per GPU, before anything is allocated (no torch import)",
     "plan": "the layouts of a job that fit, fastest predicted first (no torch import)",
     "measure": "run one rank of any layout in this process (fake process group) and measure its memory beside "

@@ -29,6 +29,7 @@ from lightning_4d.data import (
     datamodule as datamodule_module,
     load_tokenizer,
     prepare_data_main,
+    read_documents,
     read_token_file,
     resolve_text_files,
     split_files,
@@ -466,16 +467,23 @@ def test_prepare_data_writes_train_and_validation(tmp_path, capsys):
     assert summary.count("\n") == 0 and "tokens" in summary and "files" in summary and "bytes" in summary
     train_files, val_files = split_files(files, 0.2)
     assert train_files and val_files
-    train, meta = read_token_file(out)
+    train, meta = read_token_file(out)  # a Megatron pair reads as one flat array too
     val, val_meta = read_token_file(tmp_path / "out" / "corpus.val.bin")
     assert meta["tokenizer"] == "byte" and meta["vocab_size"] == 256 and meta["dtype"] == "uint16"
-    assert bytes(train.astype(np.uint8)) == b"\n".join(f.read_bytes() for f in train_files)
-    assert bytes(val.astype(np.uint8)) == b"\n".join(f.read_bytes() for f in val_files)
+    # one document per text file, its raw bytes followed by the byte tokenizer's end-of-document token, NUL
+    assert bytes(train.astype(np.uint8)) == b"".join(f.read_bytes() + b"\0" for f in train_files)
+    assert bytes(val.astype(np.uint8)) == b"".join(f.read_bytes() + b"\0" for f in val_files)
+    documents, _ = read_documents(out)
+    assert [bytes(documents.document(d).astype(np.uint8)) for d in range(len(documents))] == [
+        f.read_bytes() + b"\0" for f in train_files
+    ]
     assert sorted(p.name for p in out.parent.iterdir()) == [
         "corpus.bin",
-        "corpus.bin.json",
+        "corpus.idx",
+        "corpus.json",
         "corpus.val.bin",
-        "corpus.val.bin.json",
+        "corpus.val.idx",
+        "corpus.val.json",
     ]
     # LMDataModule picks the .val.bin sibling up
     dm = LMDataModule(data_path=str(out), seq_length=16, micro_batch_size=2)
@@ -488,7 +496,7 @@ def test_prepare_data_writes_train_and_validation(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
     assert prepare_data_main([*argv, "--overwrite"]) == 0
     assert not (tmp_path / "out" / "corpus.val.bin").exists()
-    assert read_token_file(out)[1]["num_tokens"] == sum(f.stat().st_size for f in files) + len(files) - 1
+    assert read_token_file(out)[1]["num_tokens"] == sum(f.stat().st_size for f in files) + len(files)
 
 
 def test_prepare_data_with_hf_tokenizer_and_glob(tmp_path, capsys):
@@ -504,7 +512,8 @@ def test_prepare_data_with_hf_tokenizer_and_glob(tmp_path, capsys):
     tok = load_tokenizer(str(tok_path))
     assert meta["tokenizer"] == str(tok_path) and meta["vocab_size"] == tok.vocab_size
     py_files = [f for f in files if f.suffix == ".py"]
-    assert tokens.tolist() == [t for f in py_files for t in tok.encode(f.read_text())]
+    assert tok.eos_id is not None and meta["eos_id"] == tok.eos_id  # the BPE's <|endoftext|>
+    assert tokens.tolist() == [t for f in py_files for t in tok.encode(f.read_text(), True) + [tok.eos_id]]
     dm = LMDataModule(data_path=str(out), tokenizer=str(tok_path), seq_length=8, micro_batch_size=2)
     assert dm.vocab_size == tok.vocab_size and dm.num_val_tokens >= 9  # the last 5% held out
     with pytest.raises(ValueError, match="tokenizer"):

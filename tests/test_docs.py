@@ -205,7 +205,7 @@ def test_documented_training_command_parses(command):
     their argparse parsers (exit 2 on an unknown flag or a bad choice)."""
     import argparse
 
-    from lightning_4d.data.token_file import _build_parser as prepare_data_parser
+    from lightning_4d.data.prepare import _build_parser as prepare_data_parser
     from lightning_4d.export_hf import export_hf_parser
     from lightning_4d.planning.commands import command_parser
 

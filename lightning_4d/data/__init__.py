@@ -1,9 +1,11 @@
 """Data for causal-LM pretraining: tokenizers, the embedded corpus (the Python standard library's source), token
-files (``lightning-4d prepare-data``), layout-independent window datasets and :class:`LMDataModule`.
+files and Megatron-Core indexed datasets (``lightning-4d prepare-data``), layout-independent window datasets and
+:class:`LMDataModule`.
 
-Shapes and units: token ids are ints in ``[0, vocab_size)``, stored as ``uint16`` (``vocab_size <= 65536``) or
-``uint32``; a batch is ``{"input_ids": int64 [b, s], "labels": int64 [b, s]}`` with ``b = micro_batch_size`` sequences
-of ``s = seq_length`` tokens; entropies and losses are in nats per token.
+Shapes and units: token ids are ints in ``[0, vocab_size)``, stored as ``uint16`` (``vocab_size <= 65536`` in a token
+file, ``< 65500`` in a Megatron pair as Megatron picks) or else ``uint32`` (token file) / ``int32`` (pair); a batch is
+``{"input_ids": int64 [b, s], "labels": int64 [b, s]}`` with ``b = micro_batch_size`` sequences of ``s = seq_length``
+tokens; entropies and losses are in nats per token.
 """
 
 from lightning_4d.data.corpus import (
@@ -16,7 +18,9 @@ from lightning_4d.data.corpus import (
 )
 from lightning_4d.data.datamodule import LMDataModule
 from lightning_4d.data.datasets import FixedWindowDataset, RandomWindowDataset, ResumableDataLoader
-from lightning_4d.data.token_file import prepare_data_main, read_token_file, write_token_file
+from lightning_4d.data.indexed import read_documents
+from lightning_4d.data.prepare import prepare_data_main
+from lightning_4d.data.token_file import read_token_file, write_token_file
 from lightning_4d.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "ResumableDataLoader",
     "load_tokenizer",
     "prepare_data_main",
+    "read_documents",
     "read_token_file",
     "resolve_text_files",
     "split_files",

@@ -14,7 +14,7 @@ import glob
 import os
 import sysconfig
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Optional, Union
 
@@ -24,6 +24,8 @@ __all__ = [
     "STDLIB_EXCLUDED_DIRS",
     "TEXT_SUFFIXES",
     "is_validation_file",
+    "is_validation_record",
+    "resolve_paths",
     "resolve_text_files",
     "split_files",
     "stdlib_corpus_files",
@@ -83,6 +85,12 @@ def stdlib_root() -> Path:
 def is_validation_file(relative_posix_path: str, val_fraction: float) -> bool:
     """The split rule: ``zlib.crc32(relative_posix_path) % 100 < 100 * val_fraction``."""
     return zlib.crc32(relative_posix_path.encode("utf-8")) % 100 < 100 * val_fraction
+
+
+def is_validation_record(relative_posix_path: str, index: int, val_fraction: float) -> bool:
+    """The split rule of a record (a JSON Lines line, a table row): ``zlib.crc32(f"{relative_posix_path}:{index}") %
+    10000 < 10000 * val_fraction``, ``index`` being the 0-based line or row."""
+    return zlib.crc32(f"{relative_posix_path}:{index}".encode("utf-8")) % 10000 < 10000 * val_fraction
 
 
 def split_files(
@@ -147,13 +155,17 @@ def stdlib_corpus_files() -> tuple[list[Path], list[Path]]:
     return split_files(found, STDLIB_VAL_FRACTION, root=root)
 
 
-def _files_in_directory(directory: Path) -> list[Path]:
+def _files_in_directory(
+    directory: Path, suffixes: frozenset = TEXT_SUFFIXES, unit_dir: Optional[Callable[[Path], bool]] = None
+) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(directory):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        units = [d for d in dirnames if unit_dir is not None and unit_dir(Path(dirpath) / d)]
+        out.extend(Path(dirpath) / d for d in units)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in units]
         for name in filenames:
             path = Path(dirpath) / name
-            if not name.startswith(".") and path.suffix.lower() in TEXT_SUFFIXES and path.is_file():
+            if not name.startswith(".") and name.lower().endswith(tuple(suffixes)) and path.is_file():
                 out.append(path)
     return out
 
@@ -178,6 +190,21 @@ def resolve_text_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.Pat
     Raises:
         ValueError: an entry that matches no file (the message names it), or no entries at all.
     """
+    return resolve_paths(paths, TEXT_SUFFIXES)
+
+
+def resolve_paths(
+    paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
+    suffixes: frozenset,
+    unit_dir: Optional[Callable[[Path], bool]] = None,
+) -> list[Path]:
+    """:func:`resolve_text_files` with the name endings (``".py"``, ``".jsonl.gz"``) of the files taken from
+    directories given, and ``unit_dir``: a predicate naming the directories taken whole (given, matched by a glob,
+    or met in a walk) instead of walked.
+
+    Raises:
+        ValueError: an entry that matches nothing (the message names it), or no entries at all.
+    """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     entries = [os.fspath(p) for p in paths]
@@ -187,25 +214,21 @@ def resolve_text_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.Pat
     for entry in entries:
         expanded = os.path.expanduser(entry)
         matches: list[Path] = []
-        if any(c in expanded for c in "*?["):
-            for m in sorted(glob.glob(expanded, recursive=True)):
-                p = Path(m)
-                if p.is_dir():
-                    matches.extend(_files_in_directory(p))
-                elif p.is_file():
-                    matches.append(p)
-        else:
-            p = Path(expanded)
-            if p.is_dir():
-                matches = _files_in_directory(p)
+        is_glob = any(c in expanded for c in "*?[")
+        candidates = [Path(m) for m in sorted(glob.glob(expanded, recursive=True))] if is_glob else [Path(expanded)]
+        for p in candidates:
+            if p.is_dir() and unit_dir is not None and unit_dir(p):
+                matches.append(p)
+            elif p.is_dir():
+                matches.extend(_files_in_directory(p, suffixes, unit_dir))
             elif p.is_file():
-                matches = [p]
-            elif not p.exists():
+                matches.append(p)
+            elif not is_glob and not p.exists():
                 raise ValueError(f"input path {entry!r} does not exist (expected a text file, a directory or a glob)")
         if not matches:
             raise ValueError(
                 f"input {entry!r} matches no text file (a directory contributes files ending in "
-                f"{', '.join(sorted(TEXT_SUFFIXES))}; a glob contributes every file it matches)"
+                f"{', '.join(sorted(suffixes))}; a glob contributes every file it matches)"
             )
         result.update(m.resolve() for m in matches)
     return sorted(result)
@@ -283,11 +306,16 @@ def tokenize_files(files: Sequence[Union[str, os.PathLike]], tokenizer, progress
 
 
 class _progress_bar:
-    """Context manager yielding ``advance(num_bytes)``; a ``rich`` bar over the total size when enabled."""
+    """Context manager yielding ``advance(num_bytes)``; a ``rich`` bar over the total size when enabled (``total``
+    bytes, default the files' sizes; ``label``, default "tokenizing N files")."""
 
-    def __init__(self, files: list[Path], enabled: bool) -> None:
+    def __init__(
+        self, files: list[Path], enabled: bool, total: Optional[int] = None, label: Optional[str] = None
+    ) -> None:
         self.files = files
         self.enabled = enabled
+        self.total = total
+        self.label = label or f"tokenizing {len(files)} files"
         self._progress = None
 
     def __enter__(self):
@@ -303,9 +331,9 @@ class _progress_bar:
             TransferSpeedColumn,
         )
 
-        total = sum(f.stat().st_size for f in self.files)
+        total = self.total if self.total is not None else sum(f.stat().st_size for f in self.files)
         self._progress = Progress(
-            TextColumn(f"tokenizing {len(self.files)} files"),
+            TextColumn(self.label),
             BarColumn(),
             DownloadColumn(),
             TransferSpeedColumn(),

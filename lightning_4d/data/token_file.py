@@ -8,7 +8,10 @@ Layout of a token file ``corpus.bin``:
   "vocab_size": int, "tokenizer": str, "num_tokens": int}``; ``tokenizer`` is what
   :func:`~lightning_4d.data.load_tokenizer` takes (``"byte"`` or the tokenizer.json path).
 
-``prepare-data`` writes the validation split next to it as ``corpus.val.bin`` (+ ``corpus.val.bin.json``), which
+``lightning-4d prepare-data`` writes Megatron-Core's ``.bin``/``.idx`` pair instead
+(:mod:`~lightning_4d.data.megatron_index`, which keeps document boundaries); :func:`read_token_metadata` and
+:func:`read_token_file` open such a pair too, as one flat token array, so that code written for token files reads
+either. A validation split sits next to a token file as ``corpus.val.bin`` (+ ``corpus.val.bin.json``), which
 :class:`~lightning_4d.data.LMDataModule` picks up automatically.
 
 Both files are written to a temporary file in the same directory and renamed into place (``os.replace``, atomic on
@@ -18,24 +21,22 @@ sidecar is renamed last and its ``num_tokens``/``dtype`` are checked against the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Union
 
 import numpy as np
 
-from lightning_4d.data.corpus import resolve_text_files, split_files, token_dtype, tokenize_files
-from lightning_4d.data.tokenizers import load_tokenizer
+from lightning_4d.data.corpus import token_dtype
+from lightning_4d.data.megatron_index import is_pair, read_pair
 
 __all__ = [
     "FORMAT",
     "VERSION",
-    "prepare_data_main",
     "read_token_file",
+    "read_token_metadata",
     "sidecar_path",
     "val_token_path",
     "write_token_file",
@@ -136,14 +137,24 @@ def write_token_file(path: Union[str, os.PathLike], tokens: np.ndarray, vocab_si
 _CHECKED_TOKENS = 1 << 20
 
 
+def _megatron_pair(path: Path) -> bool:
+    """``path`` is the ``.bin`` of a Megatron pair (its ``.idx`` is there, no token-file sidecar)."""
+    return path.suffix == ".bin" and not sidecar_path(path).is_file() and is_pair(path)
+
+
 def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
     """Read and check the sidecar of the token file ``path`` (cheap: the data file is only ``stat``-ed).
+
+    For the ``.bin`` of a Megatron pair: :func:`~lightning_4d.data.megatron_index.read_pair`'s metadata (``tokenizer``
+    and ``vocab_size`` ``None`` for a pair without ``prepare-data``'s ``.json``) with ``dtype`` and ``num_tokens``.
 
     Raises:
         ValueError: the data file or the sidecar is missing, the sidecar is not valid JSON of this format, or its
             ``dtype``/``num_tokens`` disagree with the data file's size. Each message names the path.
     """
     path = Path(path)
+    if _megatron_pair(path):
+        return read_token_file(path)[1]
     side = sidecar_path(path)
     if not path.is_file():
         raise ValueError(f"token file {str(path)!r} does not exist (write one with `lightning-4d prepare-data`)")
@@ -187,7 +198,8 @@ def read_token_metadata(path: Union[str, os.PathLike]) -> dict:
 
 
 def read_token_file(path: Union[str, os.PathLike]) -> tuple[np.memmap, dict]:
-    """Open a token file memory-mapped, read-only.
+    """Open a token file memory-mapped, read-only (or the ``.bin`` of a Megatron pair, as one flat array of its
+    documents: :func:`~lightning_4d.data.megatron_index.read_pair`).
 
     Returns:
         ``(tokens, metadata)``: a 1-D read-only :class:`numpy.memmap` of ``num_tokens`` ids (``uint16``/``uint32``;
@@ -199,6 +211,9 @@ def read_token_file(path: Union[str, os.PathLike]) -> tuple[np.memmap, dict]:
             dtype or tokenizer than the sidecar says; naming the file, the id and its position).
     """
     path = Path(path)
+    if _megatron_pair(path):
+        tokens, _, meta = read_pair(path)
+        return tokens, {**meta, "dtype": tokens.dtype.name, "num_tokens": int(tokens.size)}
     meta = read_token_metadata(path)
     dtype = _DTYPES[meta["dtype"]].newbyteorder("<")
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
@@ -212,131 +227,3 @@ def read_token_file(path: Union[str, os.PathLike]) -> tuple[np.memmap, dict]:
                 f"({meta['dtype']}) or tokenizer"
             )
     return tokens, meta
-
-
-# --------------------------------------------------------------------------------------------- prepare-data CLI
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-4d prepare-data",
-        description=(
-            "Tokenize text files into a memory-mapped token file for `lightning-4d fit --data.data_path OUT.bin`. "
-            "Files are split into train and validation by file name (crc32 rule, deterministic); the validation "
-            "split goes to OUT.val.bin. Each .bin has a JSON sidecar (.bin.json)."
-        ),
-    )
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        metavar="PATH_OR_GLOB",
-        help="text files (any suffix), directories (recursive, text-like suffixes: .txt .md .py .json ...) or glob "
-        "patterns (quote them; ** recurses)",
-    )
-    parser.add_argument("--output", required=True, metavar="OUT.bin", help="the training token file to write")
-    parser.add_argument(
-        "--tokenizer",
-        default="byte",
-        help="'byte' (UTF-8 bytes, vocab 256; default) or a Hugging Face tokenizer.json (or its directory)",
-    )
-    parser.add_argument(
-        "--val-fraction",
-        type=float,
-        default=0.05,
-        help="fraction of files (by crc32 of their relative path, 1%% granularity) written to OUT.val.bin; 0 writes "
-        "no validation file (default 0.05)",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace OUT.bin / OUT.val.bin (and their sidecars) when they exist (default: refuse, nothing written)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
-    return parser
-
-
-def _refused_outputs(files: list[Path], outputs: list[Path], overwrite: bool) -> Optional[str]:
-    """Why ``prepare-data`` must not write ``outputs`` (its token files and sidecars): one of them is an input
-    (always refused), or one exists and ``overwrite`` is false; ``None`` when it may."""
-    inputs = {f.resolve() for f in files}
-    clash = [str(p) for p in outputs if p.resolve() in inputs]
-    if clash:
-        return f"--input names the output {clash[0]!r}: write the tokens to another --output"
-    existing = [str(p) for p in outputs if p.exists()]
-    if existing and not overwrite:
-        return f"{existing[0]!r} exists: pass --overwrite to replace it, or another --output"
-    return None
-
-
-def _write_split(files: list[Path], out: Path, tokenizer: Any, progress: bool) -> str:
-    """Tokenize ``files`` into the token file ``out`` (:func:`write_token_file`); returns the summary's part.
-
-    Raises:
-        ValueError: the files hold no tokens (all empty?).
-    """
-    tokens = tokenize_files(files, tokenizer, progress=progress)
-    if tokens.size == 0:
-        raise ValueError(f"the {len(files)} files for {str(out)!r} produced no tokens (all empty?)")
-    write_token_file(out, tokens, tokenizer.vocab_size, tokenizer.name)
-    num_bytes = sum(f.stat().st_size for f in files)
-    return f"{str(out)}: {tokens.size:,} tokens from {len(files):,} files ({num_bytes:,} bytes)"
-
-
-def prepare_data_main(argv: Optional[list[str]] = None) -> int:
-    """The ``lightning-4d prepare-data`` subcommand; ``--help`` lists the options.
-
-    Writes ``OUT.bin`` (training files) and, when ``--val-fraction > 0`` and at least one file falls into
-    validation, ``OUT.val.bin``, each with its sidecar, showing a ``rich`` progress bar on stderr; prints one summary
-    line on stdout. An existing output (either file or sidecar) is refused unless ``--overwrite`` (with it, a stale
-    ``OUT.val.bin`` the run does not rewrite is removed); an input that is one of the outputs is always refused.
-
-    Args:
-        argv: the arguments after ``prepare-data``; default ``sys.argv[1:]``.
-
-    Returns:
-        0 on success; 2 on bad input (message on stderr): unknown option, an input matching nothing, an unknown
-        tokenizer, ``--output`` not ending in ``.bin``, ``--val-fraction`` outside ``[0, 1)``, an existing output
-        without ``--overwrite``, an input that is an output, every file falling into validation, an unreadable
-        file.
-    """
-    parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse has already printed usage + message on stderr (or the help on stdout)
-        return int(e.code) if isinstance(e.code, int) else 2
-
-    def fail(message: str) -> int:
-        print(f"{parser.prog}: error: {message}", file=sys.stderr)
-        return 2
-
-    output = Path(args.output)
-    if output.suffix != ".bin":
-        return fail(f"--output {args.output!r} must end in .bin (the validation split goes to <name>.val.bin)")
-    if not 0.0 <= args.val_fraction < 1.0:
-        return fail(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        files = resolve_text_files(args.input)
-    except ValueError as e:
-        return fail(str(e))
-    out_val = val_token_path(output)
-    refusal = _refused_outputs(files, [output, sidecar_path(output), out_val, sidecar_path(out_val)], args.overwrite)
-    if refusal:
-        return fail(refusal)
-    train_files, val_files = split_files(files, args.val_fraction)
-    if not train_files:
-        return fail(f"all {len(files)} input files fell into the validation split; add files or lower --val-fraction")
-    try:
-        parts = [
-            _write_split(split, out, tokenizer, not args.no_progress)
-            for split, out in ((train_files, output), (val_files, out_val))
-            if split
-        ]
-    except (OSError, ValueError) as e:
-        return fail(str(e))
-    if not val_files:
-        for stale in (out_val, sidecar_path(out_val)):  # only with --overwrite: a stale split of an earlier run
-            stale.unlink(missing_ok=True)
-        if args.val_fraction > 0:
-            parts.append(f"no file fell into validation (LMDataModule will hold out the last 5% of {output.name})")
-    print(f"prepare-data ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size:,}): " + "; ".join(parts))
-    return 0

@@ -4,7 +4,9 @@ Both expose the same small interface, used by the data layer and by generation:
 
 - ``vocab_size: int``: number of token ids (ids are in ``[0, vocab_size)``);
 - ``encode(text: str) -> list[int]`` and ``decode(ids) -> str``;
-- ``name: str``: what :func:`load_tokenizer` takes to build the same tokenizer again (recorded in token files).
+- ``name: str``: what :func:`load_tokenizer` takes to build the same tokenizer again (recorded in token files);
+- ``eos_id: int | None``: the end-of-document token ``prepare-data`` appends after each document (``None``: none
+  known).
 """
 
 from __future__ import annotations
@@ -12,17 +14,25 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = ["EOS_TOKENS", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 
 Tokenizer = Union["ByteTokenizer", "HFTokenizer"]
+
+#: The special tokens taken as a tokenizer.json's end-of-document token, in this order of preference (Llama 3, GPT-2
+#: and most BPEs trained with ``tokenizers``, Llama 2 / Mistral, Gemma); ``eos_token=`` names any other.
+EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: id ``i`` is the byte ``i``; ``vocab_size`` is 256. No special tokens.
+
+    Its end-of-document token (``eos_id``, what ``prepare-data`` appends after each document) is byte 0, NUL, which
+    text never contains. The embedded corpus and text files read by :func:`~lightning_4d.data.tokenize_files` are not
+    given one (files are joined by a newline).
 
     ``decode`` of an arbitrary id sequence always succeeds: bytes that are not valid UTF-8 (for example a multi-byte
     character cut in half by a window boundary) become U+FFFD.
@@ -30,6 +40,7 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = 256
+    eos_id = 0
 
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of ``text`` as a list of ints in ``[0, 256)``; one token per byte."""
@@ -62,16 +73,22 @@ class HFTokenizer:
 
     Args:
         path: the ``tokenizer.json`` file.
+        eos_token: the end-of-document token (its text, e.g. ``"<|eot_id|>"``); default the first of
+            :data:`EOS_TOKENS` among the file's special added tokens.
 
     Attributes:
         name: ``str(path)`` as given (what :func:`load_tokenizer` takes back).
         vocab_size: ``get_vocab_size(with_added_tokens=True)``: every id the tokenizer can produce is below it.
+        eos_token: the end-of-document token's text, or ``None`` when the file has none of :data:`EOS_TOKENS` and
+            ``eos_token`` was not given.
+        eos_id: its id, or ``None``.
 
     Raises:
-        ValueError: ``path`` is not a file, or ``tokenizers`` cannot parse it.
+        ValueError: ``path`` is not a file, ``tokenizers`` cannot parse it, or ``eos_token`` is not in its
+            vocabulary.
     """
 
-    def __init__(self, path: Union[str, os.PathLike]) -> None:
+    def __init__(self, path: Union[str, os.PathLike], eos_token: Optional[str] = None) -> None:
         from tokenizers import Tokenizer
 
         path = Path(path)
@@ -83,6 +100,16 @@ class HFTokenizer:
             raise ValueError(f"could not load {str(path)!r} as a Hugging Face tokenizer.json: {e}") from e
         self.name = str(path)
         self.vocab_size = int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+        if eos_token is None:
+            special = {t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special}
+            eos_token = next((t for t in EOS_TOKENS if t in special), None)
+        elif self._tokenizer.token_to_id(eos_token) is None:
+            raise ValueError(
+                f"end-of-document token {eos_token!r} is not in the vocabulary of {str(path)!r}; its special tokens "
+                f"are {sorted(t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special)}"
+            )
+        self.eos_token: Optional[str] = eos_token
+        self.eos_id: Optional[int] = None if eos_token is None else int(self._tokenizer.token_to_id(eos_token))
 
     @property
     def backend(self):
@@ -106,27 +133,34 @@ class HFTokenizer:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
+def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
     """Build a tokenizer from its name.
 
     Args:
         spec: ``"byte"`` for :class:`ByteTokenizer`; the path of a Hugging Face ``tokenizer.json``, or of a directory
             that contains one, for :class:`HFTokenizer`.
+        eos_token: :class:`HFTokenizer`'s ``eos_token`` (the byte tokenizer's end-of-document token is fixed: byte 0).
 
     Raises:
-        ValueError: ``spec`` is neither (the message names it and lists what is valid), or the file cannot be parsed.
+        ValueError: ``spec`` is neither (the message names it and lists what is valid), the file cannot be parsed,
+            or ``eos_token`` is given for the byte tokenizer or is not in the tokenizer.json's vocabulary.
     """
     if isinstance(spec, (ByteTokenizer, HFTokenizer)):
         return spec
     if not isinstance(spec, (str, os.PathLike)):
         raise ValueError(f"tokenizer must be a string ('byte' or a path to a tokenizer.json), got {spec!r}")
     if str(spec) == ByteTokenizer.name:
+        if eos_token is not None:
+            raise ValueError(
+                f"eos_token {eos_token!r} applies to a tokenizer.json; the byte tokenizer's end-of-document token is "
+                "byte 0 (NUL)"
+            )
         return ByteTokenizer()
     path = Path(spec)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if path.is_file():
-        return HFTokenizer(path)
+        return HFTokenizer(path, eos_token=eos_token)
     raise ValueError(
         f"unknown tokenizer {str(spec)!r}: use 'byte' (UTF-8 bytes, vocab_size 256), the path of a Hugging Face "
         "tokenizer.json file, or a directory that contains a tokenizer.json"
