@@ -111,9 +111,19 @@ BUGS: tuple[Bug, ...] = (
         "memory-swiglu-term",
         "memory model: a SwiGLU layer saves 3 tensors of [b, s, f/t] instead of 4",
         "lightning_4d/planning/activations.py",
-        '"swiglu": moe.saved_bytes(cfg, dt, b, s_moe, ep, imbalance) if moe_layer else 4 * c * b * s * (f // tp),',
-        '"swiglu": moe.saved_bytes(cfg, dt, b, s_moe, ep, imbalance) if moe_layer else 3 * c * b * s * (f // tp),',
+        '"swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 4 * c * b * s * (f // tp),',
+        '"swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 3 * c * b * s * (f // tp),',
         ("tests/test_memory_model.py", "-k", "by_hand", "tests/test_activation_offload.py", "-k", "memory_check"),
+    ),
+    Bug(
+        "clip-norm-tp-replicated",
+        "gradient clipping under ZeRO 0/1 with tp: a tp-replicated parameter (the norm weights) is counted on every tp "
+        "rank in the global gradient norm instead of once",
+        "lightning_4d/parallel/clipping.py",
+        "    if tp_rank == 0:\n        return False\n    if not isinstance(p, DTensor):",
+        "    if tp_rank >= 0:\n        return False\n    if not isinstance(p, DTensor):",
+        # the clipped layouts' global norm against the reference's (their losses and weights move too little)
+        ("tests/test_parity.py",),
     ),
 )
 
