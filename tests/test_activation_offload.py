@@ -235,6 +235,7 @@ def test_estimate_moves_offloaded_layers_to_host():
     assert base.activations - off.activations == in_flight * 4 * per_layer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

@@ -18,6 +18,7 @@ def ddp(tmp_path_factory):
     return json.loads(out.read_text())["losses"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "zero,blocks",
     [(0, None), (1, None), (2, None), (3, None), (3, "torch.nn.TransformerDecoderLayer,TransformerEncoderLayer")],
@@ -35,6 +36,7 @@ def test_demo_transformer_matches_lightning_ddp(ddp, tmp_path, zero, blocks):
     assert record["fsdp_units"] == (5 if zero >= 2 else 0)
 
 
+@pytest.mark.slow
 def test_top_level_module_list_is_sharded_per_block(tmp_path):
     """Blocks in a top-level nn.ModuleList (FSDP2 cannot shard the container) and a top-level embedding and head:
     ZeRO 3 gives 3 block units + the embedding + the head, with DDP's losses."""
@@ -47,6 +49,7 @@ def test_top_level_module_list_is_sharded_per_block(tmp_path):
     assert record["fsdp_units"] == 5
 
 
+@pytest.mark.slow
 def test_bf16_gradients_of_any_module_are_reduce_scattered_in_bfloat16(tmp_path):
     """gradient_compression='bf16' at ZeRO 3 reaches the FSDP2 units the strategy applies to any module: every
     step's reduce-scatter sends half the bytes of the float32 run (CommMeter, rank 0), the all-gathers the same, and
@@ -100,6 +103,7 @@ def test_fsdp_blocks_that_match_nothing_are_named():
         fsdp_block_modules(net, ["torch.nn.NoSuchBlock"])
 
 
+@pytest.mark.slow
 def test_memory_check_recognizes_a_transformers_llama_and_no_other_module():
     transformers = pytest.importorskip("transformers")
     import lightning as L

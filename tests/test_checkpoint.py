@@ -46,6 +46,7 @@ def resumed(tmp_path_factory):
     return records
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(x) for x in LAYOUTS])
 def test_resume_continues_with_the_same_losses(resumed, index):
     for record in resumed[index]:

@@ -57,6 +57,7 @@ def straight(tmp_path_factory):
 CASES = [("save", AT - 1), ("rename", AT - 1), ("step", AT)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill,saved_step", CASES, ids=[c[0] for c in CASES])
 def test_killed_run_resumes_from_last_with_the_straight_losses(tmp_path, straight, kill, saved_step):
     proc = _run(tmp_path, "killed", "--kill", kill)
@@ -165,6 +166,7 @@ def test_resolve_loads_the_folder_an_earlier_version_moved_aside(tmp_path):
     assert checkpoint.resolve(tmp_path / "last.ckpt") == tmp_path / "last.ckpt.old"
 
 
+@pytest.mark.slow
 def test_truncated_shard_file_is_named(tmp_path, straight):
     bad = tmp_path / "last.ckpt"
     shutil.copytree(straight[0] / "ckpt" / "last.ckpt", bad)

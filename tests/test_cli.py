@@ -66,6 +66,7 @@ def fitted(tmp_path_factory):
     return out, config, proc
 
 
+@pytest.mark.slow
 def test_fit_from_yaml_trains_and_summarizes(fitted):
     out, _, proc = fitted
     rows = _metrics(next((out / "logs" / "run").glob("version_*/metrics.csv")))
@@ -77,6 +78,7 @@ def test_fit_from_yaml_trains_and_summarizes(fitted):
     assert (out / "ckpt" / "last.ckpt" / ".metadata").exists()
 
 
+@pytest.mark.slow
 def test_resume_with_ckpt_path(fitted):
     out, config, _ = fitted
     proc = _cli(
@@ -92,6 +94,7 @@ def test_resume_with_ckpt_path(fitted):
     assert [float(r["lr"]) for r in rows] == pytest.approx([1e-3 * lr_lambda(k, 2, 6, 0.1) for k in (6, 7, 8)])
 
 
+@pytest.mark.slow
 def test_command_line_overrides(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.replace("OUT", str(tmp_path)))
@@ -110,6 +113,7 @@ def test_command_line_overrides(tmp_path):
     assert len([r for r in rows if r.get("train_loss")]) == 2
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_choices(tmp_path):
     """The strategy's ``activation_checkpointing`` is a Literal of config.ACTIVATION_CHECKPOINTING: "selective"
     parses, an unknown mode is refused by the parser in one line with the valid ones (``--print_config``: nothing
@@ -157,6 +161,7 @@ def test_activation_checkpointing_choices(tmp_path):
     assert json.loads(estimate.stdout)["layout"]["activation_checkpointing"] == "selective"
 
 
+@pytest.mark.slow
 def test_model_that_tp_cannot_split_fails_before_process_group(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.replace("OUT", str(tmp_path)))
@@ -289,6 +294,7 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
     assert "Layouts of the same" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [[], ["--pp", "2", "--tp", "2"], ["--tp", "2", "--tensor-parallel-overlap"], ["--compile"]],
@@ -365,6 +371,7 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     assert not (tmp_path / "none.yaml").exists()
 
 
+@pytest.mark.slow
 def test_prepare_data_subcommand(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     (tmp_path / "b.txt").write_text("def f(x):\n    return x\n" * 50)
@@ -407,6 +414,7 @@ def _main_job(config: str, steps: int, cwd: Path, *extra: str) -> tuple[float, f
     return val, float(re.search(r"corpus unigram entropy: ([0-9.]+)", out).group(1))
 
 
+@pytest.mark.slow
 def test_main_job_config_learns_below_unigram_entropy(tmp_path):
     """configs/tiny.yaml (what `make run` runs: dp=2 x tp=2, ZeRO 1, 4 processes), shortened to 60 steps."""
     val, entropy = _main_job("tiny.yaml", 60, tmp_path)
@@ -415,6 +423,7 @@ def test_main_job_config_learns_below_unigram_entropy(tmp_path):
     assert (tmp_path / "checkpoints" / "tiny" / "last.ckpt").is_dir()
 
 
+@pytest.mark.slow
 def test_moe_main_job_config_runs_with_global_routing_statistics(tmp_path):
     """configs/tiny_moe.yaml (dp=2 x tp=2, ep=2, ZeRO 1, 4 processes), shortened to 40 steps: it learns below the
     unigram entropy, and the logged tokens per expert are the global batch's (16 sequences x 256 tokens x top-2 / 8

@@ -222,6 +222,7 @@ def fit_bad_input_runs(tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(FIT_BAD_INPUT)), ids=[" ".join(e) for e, _ in FIT_BAD_INPUT])
 def test_fit_bad_input_is_one_line_and_exit_2(fit_bad_input_runs, index):
     code, err = fit_bad_input_runs[index]
@@ -233,6 +234,7 @@ def test_fit_bad_input_is_one_line_and_exit_2(fit_bad_input_runs, index):
         assert text in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_checkpoint_hyper_parameters_are_named_and_never_name_a_file(fit_bad_input_runs):
     """Lightning merges a full-file checkpoint's ``hyper_parameters`` over the model's arguments: the learning rate
     it sets is named on stderr, its ``init_from`` is not taken (the run reaches ``Trainer.fit``, which the driver

@@ -67,6 +67,7 @@ def _params(record) -> dict[str, int]:
     return {name: math.prod(shape) for name, (shape, _) in record["param_shapes"].items()}
 
 
+@pytest.mark.slow
 def test_zero0_all_reduces_every_bucket_once(measured):
     record = measured[0]
     buckets = record["bytes"]["bucket_bytes"]
@@ -74,6 +75,7 @@ def test_zero0_all_reduces_every_bucket_once(measured):
     assert _events(record) == Counter({("dp_cp", "all_reduce", b, 2): 1 for b in buckets})
 
 
+@pytest.mark.slow
 def test_zero1_reduce_scatters_and_all_gathers_every_bucket(measured):
     record = measured[1]
     (bucket,) = record["bytes"]["bucket_bytes"]
@@ -172,6 +174,7 @@ def test_context_parallel_alltoall_exchanges_qkv_and_output(measured):
     assert sent == 2 * (2 - 1) / 2 * (qkv + out) * cfg.num_layers  # the step-time model's per-layer volume
 
 
+@pytest.mark.slow
 def test_expert_all_to_all_bytes_exact_from_the_routed_counts(tmp_path):
     """One MoE layer (``tiny-moe``, 8 experts, top-2) forward + backward on 4 gloo ranks at ep2 (dp4: two ep groups)
     and ep4 (the ep group is ``dp_cp``): the meter counts under ``ep``, every rank, exactly the bytes the routing

@@ -152,6 +152,7 @@ def test_torch_utils_private_names_of_the_comm_meter():
     assert _compat.untracked is _python_dispatch._disable_current_modes
 
 
+@pytest.mark.slow
 def test_exit_distributed_process_runs_exit_handlers_and_keeps_the_status(tmp_path):
     """``exit_distributed_process``: the atexit handlers run (CPython's ``atexit._run_exitfuncs`` exists), buffered
     output is flushed, the process ends with the given status and nothing after the call runs."""
@@ -175,6 +176,7 @@ def test_exit_distributed_process_runs_exit_handlers_and_keeps_the_status(tmp_pa
     assert marker.read_text() == "yes"
 
 
+@pytest.mark.slow
 def test_module_wrapper_prefixes():
     """The module levels wrappers insert into parameter names are torch's (written once, in ``module_tree.py``: the
     model and the parallel code both import it; issue 33)."""

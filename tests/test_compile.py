@@ -63,6 +63,7 @@ def runs(tmp_path_factory):
     return records
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", DENSE + MOE, ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()))
 def test_compiled_layout_matches_one_process(runs, layout):
     from lightning_4d.models import LlamaConfig

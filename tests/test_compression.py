@@ -40,6 +40,7 @@ def trained(tmp_path_factory):
     return [[json.loads((out / f"layout{i}_rank{r}.json").read_text()) for r in range(2)] for i in range(len(LAYOUTS))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(1, len(LAYOUTS)))
 def test_compressed_losses_follow_the_uncompressed_run(trained, index):
     base = trained[0][0]["losses"]
@@ -69,6 +70,7 @@ def _factor_bytes(record, rank: int, factor_bytes: int = 4) -> tuple[int, int]:
     return vectors, matrices
 
 
+@pytest.mark.slow
 def test_bf16_halves_the_gradient_bytes(trained):
     none, bf16_zero0, bf16_zero1 = (_dp_bytes(trained[i][0]) for i in range(3))
     assert bf16_zero0 == none // 2
@@ -135,6 +137,7 @@ def test_powersgd_state_is_what_the_memory_model_counts(trained):
             assert est.compression == est.optimizer_states - plain.optimizer_states > 0
 
 
+@pytest.mark.slow
 def test_powersgd_resumes_exactly(tmp_path):
     """Train 2 steps, save (each rank's error feedback and Q in powersgd_rank<r>.pt), resume to 4: the losses of
     steps 3-4 equal the straight run's (without the state they would not: the error feedback changes them)."""
@@ -186,6 +189,7 @@ def test_powersgd_round_trip(one_rank_group):
 PCD_LOSS_RTOL = {"bfloat16": 1e-4, "float8": 5e-4}
 
 
+@pytest.mark.slow
 def test_pipeline_sends_in_bfloat16_and_float8(tmp_path):
     """pp2 x dp2, fp32 model: with pipeline_comm_dtype='bfloat16' the hidden states and their gradients cross the
     stage boundary in bfloat16 (half the pp bytes, CommMeter), with 'float8' as e4m3 with a per-tensor scale (a

@@ -75,12 +75,14 @@ def world8(tmp_path_factory):
     return trained(tmp_path_factory, "cp_world8", 8, WORLD8, layers=LAYERS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
 def test_context_parallel_world2(references, world2, index):
     _check(references, world2[index])
     _check_offloaded(world2[index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD2_BF16)), ids=[_layout_id(x) for x in WORLD2_BF16])
 def test_context_parallel_bf16_close_to_float32(references, world2, index):
     """At test_parity's measured bf16 tolerances (losses, weights as bf16 values, every parameter trained and its
@@ -90,16 +92,19 @@ def test_context_parallel_bf16_close_to_float32(references, world2, index):
     _check_bf16(references[0], world2[len(WORLD2) + index], layers=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
 def test_context_parallel_world4(references, world4, index):
     _check(references, world4[index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD8)), ids=[_layout_id(x) for x in WORLD8])
 def test_context_parallel_world8(references, world8, index):
     _check(references, world8[index])
 
 
+@pytest.mark.slow
 def test_context_parallel_checkpoint_resume(tmp_path_factory):
     """A ModelCheckpoint saved at cp=2 (ZeRO 1: per-rank optimizer chunks over dp_cp) loads back at cp=2 and
     training continues with the straight run's losses."""
@@ -116,6 +121,7 @@ def test_context_parallel_checkpoint_resume(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------------- attention
+@pytest.mark.slow
 def test_attention_equals_full_causal_attention(tmp_path):
     """Output and q/k/v gradients of the three methods and both CPU kernels equal full causal attention to 1e-6
     (float64), for c in {2, 4}, sequence lengths 16-64 and GQA ratios 1, 2, 4, 6 (alltoall: the cases whose heads
@@ -139,6 +145,7 @@ def test_attention_equals_full_causal_attention(tmp_path):
     print(f"\ncp attention: largest error over {cases} rank-cases: {worst:.1e}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_validate_predict_generate(tmp_path, method):
     """val_loss, the logits of predict (gathered back to the full sequence) and greedy generation under cp=2 equal
@@ -209,6 +216,7 @@ def measured(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_cp_model_states_exact(measured):
     for ranks in measured:
         for r in ranks:
@@ -219,6 +227,7 @@ def _selective(ranks) -> bool:
     return ranks[0]["layout"].get("ac") == "selective"
 
 
+@pytest.mark.slow
 def test_cp_activations_within_5_percent(measured):
     """Saved-for-backward bytes per rank (saved_tensors_hooks, each storage once) against the model's."""
     from tests.test_memory_model import _check_activations

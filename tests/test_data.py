@@ -704,6 +704,7 @@ json.dump({"seen": module.seen, "sampler": type(trainer.train_dataloader.sampler
 """
 
 
+@pytest.mark.slow
 def test_global_batches_under_real_lightning_ddp(tmp_path):
     """Two DDP processes (gloo, CPU) x micro-batch 2 x accumulate 2: optimizer step k trains on items [8k, 8k+8)."""
     import subprocess

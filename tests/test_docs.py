@@ -67,6 +67,7 @@ def test_the_extraction_and_the_exit_convention_on_a_sample(tmp_path):
         assert docs_figures.run(argv)[0] == code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", RUNNABLE, ids=lambda c: f"{c.page}:{c.line}")
 def test_documented_command_exits_as_the_page_says(command):
     code, out, err = docs_figures.run(command.argv)
@@ -86,12 +87,14 @@ def test_pages_mark_their_figures():
     assert {"configs/llama3_8b.yaml", "configs/llama3_70b.yaml", "configs/llama3_8b_128k.yaml"} <= names, names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES_WITH_FIGURES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_quoted_figures_are_what_the_commands_print(page):
     stale = docs_figures.stale_figures(page)
     assert not stale, "stale figures (run `make docs-figures`):\n" + "\n".join(stale)
 
 
+@pytest.mark.slow
 def test_a_changed_figure_is_caught(tmp_path):
     """The check can fail: one figure changed by hand, inline (docs/memory.md) or in a generated table
     (docs/context_parallel.md), is reported, and regenerating restores the page."""

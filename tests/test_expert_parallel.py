@@ -207,6 +207,7 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{w}-{json.dumps((DP2 if w == 'dp2' else DP4)[i])}" for w, i in CASES])
 def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
     """Per step: the loss, the aux loss and the global gradient norm (before clipping) within 1e-5 relative of one
@@ -254,6 +255,7 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 
+@pytest.mark.slow
 def test_capacity_at_ep2_equals_ep1_at_the_same_dp(runs):
     """The capacity applies to each source rank's own tokens before dispatch: ep changes nothing in which
     assignments drop, so ep2 gives ep1's losses and dropped fractions at the same dp."""
@@ -266,6 +268,7 @@ def test_capacity_at_ep2_equals_ep1_at_the_same_dp(runs):
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
 def test_checkpoint_at_ep2_resumes_at_ep2_and_at_ep1(tmp_path):
     """Train 10 steps straight at dp2 ep2 ZeRO 1, and 5 steps with a sharded checkpoint; resume it at dp2 ep2 and
     at dp2 ep1 (the experts' DTensors are saved with their global shapes): steps 6-10 equal the straight run's."""
@@ -276,6 +279,7 @@ def test_checkpoint_at_ep2_resumes_at_ep2_and_at_ep1(tmp_path):
         assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
 
 
+@pytest.mark.slow
 def test_checkpoint_at_zero3_ep2_resumes_at_zero1_ep1_and_zero3_ep2(tmp_path):
     """Saved at dp2 ZeRO 3 ep2 (the experts FSDP2-sharded over edp inside their ep shard, DTensors on the 2D
     (edp, ep) mesh), resumed at dp2 ZeRO 3 ep2 and at dp2 ZeRO 1 ep1: steps 6-10 equal the straight run's (the
@@ -288,6 +292,7 @@ def test_checkpoint_at_zero3_ep2_resumes_at_zero1_ep1_and_zero3_ep2(tmp_path):
         assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
 
 
+@pytest.mark.slow
 def test_checkpoint_with_experts_sharded_on_dim_1_resumes_at_zero1(tmp_path):
     """Saved at dp2 ZeRO 3 with 3 experts (3 rows over 2 ranks: every expert sharded on dim 1, DTensors ``Shard(1)``
     on ``dp_cp``), resumed at dp2 ZeRO 3 and at dp2 ZeRO 1 (whole experts on every rank): steps 6-10 equal the
@@ -301,6 +306,7 @@ def test_checkpoint_with_experts_sharded_on_dim_1_resumes_at_zero1(tmp_path):
         assert len(curve) == STEPS - STEPS // 2 and rel <= LOSS_RTOL
 
 
+@pytest.mark.slow
 def test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2(tmp_path):
     """Saved at dp4 ZeRO 1 with every expert on every rank (ep1), resumed at dp4 ep4 (one expert pair per rank) and
     at pp2 dp2 ep2 1F1B (each stage's experts split over ep): steps 4-6 of 6 equal the straight run's (1e-5
@@ -320,6 +326,7 @@ def test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- idle experts
+@pytest.mark.slow
 def test_ep_rank_whose_experts_receive_no_token_trains(tmp_path):
     """A router that never picks experts 4-7 (``starve``: -1e4 on their logits): at ep2 dp2 ep rank 1's experts receive
     no row in any step. It still runs the backward of the dispatch all-to-all (the other rank waits in it) and gives

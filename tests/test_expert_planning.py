@@ -30,6 +30,7 @@ def _json(capsys, argv: list[str]) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_estimate_takes_ep_and_reports_it(capsys):
     code, out = _json(capsys, ["estimate", *MIXTRAL, "--num-gpus", "64", "--ep", "8", "--micro-batch-size", "1"])
     assert out["layout"]["expert_parallel_size"] == 8
@@ -91,6 +92,7 @@ def test_fujii2024_says_it_has_no_moe_terms(capsys, command):
     )
 
 
+@pytest.mark.slow
 def test_plan_mixtral_on_64_h100_lists_ep_layouts_that_fit(capsys):
     code, out = _json(capsys, ["plan", *MIXTRAL, "--num-gpus", "64", "--global-batch-size", "256"])
     assert code == 0 and out["layouts"]
@@ -134,6 +136,7 @@ def test_experts_folded_over_tp_mixtral_tp8_pp4(capsys):
     assert code == 0 and out["layouts"][0]["expert_parallel_size"] > out["layouts"][0]["dp"] * out["layouts"][0]["cp"]
 
 
+@pytest.mark.slow
 def test_plan_emits_ep_in_the_config(capsys, tmp_path):
     path = tmp_path / "pick.yaml"
     argv = ["plan", *MIXTRAL, "--num-gpus", "64", "--global-batch-size", "256", "--emit-config", str(path)]
@@ -337,6 +340,7 @@ def test_expert_load_imbalance_below_one_is_refused(value):
         MemoryEstimatorCallback(expert_load_imbalance=value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["estimate", "plan"])
 def test_cli_expert_load_imbalance_flag(capsys, command):
     """``--expert-load-imbalance`` of ``estimate`` and ``plan``: below 1 a one-line error (exit 2); a valid value

@@ -87,6 +87,7 @@ def test_transformers_llama_refuses_activation_checkpointing():
     LLAMA.validate(_ours(), config)  # ours takes it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["ours", "transformers"])
 def test_one_splitter_and_stage_chunk_give_the_unsplit_logits(family):
     model = _ours() if family == "ours" else _theirs()

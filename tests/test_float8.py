@@ -70,6 +70,7 @@ def runs(tmp_path_factory):
     return single, two
 
 
+@pytest.mark.slow
 def test_float8_recipes_track_bf16_on_one_process(runs):
     (reference, plain, tensorwise, rowwise, *_), _ = runs
     for run in (plain, tensorwise, rowwise):
@@ -83,6 +84,7 @@ def test_float8_recipes_track_bf16_on_one_process(runs):
         assert run["losses"] != plain["losses"]  # the float8 matmuls ran
 
 
+@pytest.mark.slow
 def test_float8_with_checkpointing_and_offload(runs):
     (_, _, tensorwise, rowwise, selective, full, offload), _ = runs
     assert selective["losses"] == tensorwise["losses"]  # the selective policy recomputes the float8 matmuls
@@ -126,6 +128,7 @@ def test_float8_under_tensor_parallelism(runs):
         assert [r["bytes"]["float8_linears"] for r in ranks] == [CONVERTED, CONVERTED]
 
 
+@pytest.mark.slow
 def test_float8_checkpoint_resumes_exactly_under_zero3(tmp_path):
     """dp2 ZeRO 3 tensorwise (weights held as torchao's float8-gathering tensor inside FSDP2's DTensors): 3 steps,
     a sharded checkpoint, 3 resumed steps give the straight run's losses bit for bit (measured: equal)."""
@@ -178,6 +181,7 @@ def test_float8_refuses_missing_torchao_and_float16(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ models
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("layout", "recipe", "rtol", "phase"),
     [

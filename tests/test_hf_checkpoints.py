@@ -101,6 +101,7 @@ def test_from_hf_refuses_what_our_llama_lacks(tmp_path):
 IMPORT_LAYOUTS = [{"dp": 2, "tp": 2, "zero": 3}, {"pp": 2, "tp": 2, "m": 2}, {"cp": 2, "dp": 2, "zero": 1}]
 
 
+@pytest.mark.slow
 def test_init_from_hf_sharded_under_parallel_layouts(tmp_path, ids):
     hf = _hf_model(tmp_path / "hf", shard=True)
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 2
@@ -135,6 +136,7 @@ def test_init_from_hf_sharded_under_parallel_layouts(tmp_path, ids):
 EXPORT_LAYOUTS = [{"dp": 2, "tp": 2, "zero": 1}, {"pp": 2, "dp": 2, "m": 2, "zero": 1}]
 
 
+@pytest.mark.slow
 def test_export_hf_after_training_loads_in_transformers(tmp_path, ids):
     torch.save(ids, tmp_path / "ids.pt")
     torchrun(
@@ -190,6 +192,7 @@ def test_export_hf_refuses_bad_input(tmp_path):
         export_hf(tmp_path / "ckpt", tmp_path / "out", dtype="int8")
 
 
+@pytest.mark.slow
 def test_cli_validate_with_hf_model_config_and_init_from(tmp_path):
     """YAML / command line: ``model_config: <hf dir>`` and ``init_from: <hf dir>``; the val_loss printed equals
     transformers' loss on the same batch."""

@@ -70,6 +70,7 @@ _ALL = [x for v in LAYOUTS.values() for x in v]
 _EXACT = [i for i, x in enumerate(_ALL) if "compress" not in x]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", _EXACT, ids=[str(_ALL[i]) for i in _EXACT])
 def test_hf_llama_layout_matches_one_process(runs, index):
     reference, records = runs
@@ -97,6 +98,7 @@ def test_hf_llama_layout_matches_one_process(runs, index):
         assert record["dtensor_params"] == 39  # 4 layers x 9 + embedding, final norm, head: all split
 
 
+@pytest.mark.slow
 def test_bf16_gradients_are_reduce_scattered_in_bfloat16(runs):
     """gradient_compression='bf16' at ZeRO 3 reaches FSDP2 for a transformers Llama too: every step's reduce-scatter
     sends half the bytes of the float32 run (CommMeter, rank 0), the all-gathers the same; the losses stay within 1e-3

@@ -50,6 +50,7 @@ def runs(tmp_path_factory):
 _ALL = [x for v in LAYOUTS.values() for x in v]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(_ALL)), ids=[json.dumps(x) for x in _ALL])
 def test_hf_mixtral_layout_matches_one_process(runs, index):
     """Losses within 1e-5 relative and weights within 1e-4 of one process. With the model's own load-balancing loss

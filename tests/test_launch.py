@@ -10,6 +10,7 @@ import pytest
 from tests._launch import rank_tracebacks, torchrun
 
 
+@pytest.mark.slow
 def test_a_hung_launch_fails_with_each_ranks_stack(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import time\n\n\ndef waits_forever():\n    time.sleep(3600)\n\n\nwaits_forever()\n")

@@ -147,6 +147,7 @@ def test_bad_inputs_are_named():
         vocab_parallel_cross_entropy(x, torch.zeros(4, dtype=torch.long), chunk_tokens=0)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_equals_single_process(tmp_path):
     """tp=2 on gloo: ``causal_lm_loss`` on a ``Shard(-1)`` DTensor and the function on the local shard (chunks of 1,
     3, 4, 5 and 14 tokens) equal ``F.cross_entropy`` on the full logits; the loss is a plain float32 tensor, the same

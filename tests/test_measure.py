@@ -97,6 +97,7 @@ def _allowance(pc: ParallelConfig, rank: int, precision: str) -> int:
     return allowance
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, layout, precision, ranks", LAYOUTS)
 def test_measure_equals_the_real_multi_process_run(tmp_path, args, layout, precision, ranks):
     pc = ParallelConfig(**layout)
@@ -277,6 +278,7 @@ def test_live_tensor_bytes_counts_known_allocations():
     assert torch.UntypedStorage.resize_ is resize  # the mode put torch's own back
 
 
+@pytest.mark.slow
 def test_measure_under_expert_parallelism_receives_the_stated_load():
     """tiny-moe dp2 ep2 ZeRO 1, rank 0, s=512 bf16-mixed, under ``measure``: the fake group's count exchange is
     answered with the rows the estimate's default ``expert_load_imbalance`` states, and
@@ -326,6 +328,7 @@ def _states_exact_peak_ratio(out: dict) -> float:
     return rows["total (peak)"]["ratio"]
 
 
+@pytest.mark.slow
 def test_measure_with_experts_folded_over_tp():
     """tiny-moe dp2 tp2 ep4 ZeRO 3 (ep folded over tp: every rank 2 of the 8 experts; the MoE layers' FSDP2 units
     over dp_cp_tp, the experts' over edp of one rank), rank 0, s=512 bf16-mixed: the dispatch ran the stated load of

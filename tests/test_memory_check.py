@@ -23,6 +23,7 @@ def _check(tmp_path, device_memory, **kw):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_over_budget_raises_on_every_rank_before_configure_model(tmp_path):
     ranks = _check(tmp_path, "2MiB")
     for r in ranks:
@@ -36,6 +37,7 @@ def test_over_budget_raises_on_every_rank_before_configure_model(tmp_path):
     print(ranks[0]["error"]["message"])
 
 
+@pytest.mark.slow
 def test_under_budget_trains(tmp_path):
     ranks = _check(tmp_path, "64GiB", zero=3)
     for r in ranks:
@@ -390,6 +392,7 @@ def test_batch_conventions():
         assert str(info.value) == said
 
 
+@pytest.mark.slow
 def test_new_users_llama3_70b_fit_is_refused_before_configure_model(tmp_path):
     """Issue 16: llama3-70b, a plain DataLoader of {"input_ids", "labels"} [1, 4096] batches (no DataModule, no shape
     arguments), MemoryEstimatorCallback(device_memory="8GiB"), FourDStrategy on CPU, one process: refused with

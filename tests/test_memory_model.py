@@ -270,6 +270,7 @@ def measured(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_model_state_bytes_equal_real_shards(measured):
     for ranks in measured:
         for r in ranks:
@@ -294,6 +295,7 @@ def _check_activations(measured) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_saved_activations_within_5_percent(measured):
     print(f"largest activation error: {100 * _check_activations(measured):.2f}%")
 
@@ -334,6 +336,7 @@ def _pipeline_rows(measured_pipeline, zero_bubble: bool):
                     yield r, row
 
 
+@pytest.mark.slow
 def test_pipeline_model_states_exact_per_stage(measured_pipeline):
     """Every pp rank holds exactly the parameter, gradient and Adam-moment bytes of its stage(s)."""
     for ranks in measured_pipeline:
@@ -343,6 +346,7 @@ def test_pipeline_model_states_exact_per_stage(measured_pipeline):
         assert len({json.dumps(r["states"]) for r in ranks}) > 1  # the stages really differ
 
 
+@pytest.mark.slow
 def test_pipeline_activations_within_5_percent(measured_pipeline):
     """Bytes saved over the step (m micro-batches) and the peak of saved bytes alive at once (the schedule's
     in-flight micro-batches: m for GPipe, p - r for 1F1B, the interleaved warm-up count) against the model."""
@@ -437,6 +441,7 @@ def _measure_cli(args: list[str]) -> tuple[dict, dict]:
     return measure_json(*args, "--rank", "0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_tp_peak_equals_measured_with_and_without_overlap(overlap):
     """The whole peak of tp2 (sp) rank 0, estimated vs measured (``lightning-4d measure``: the rank run in one
@@ -455,6 +460,7 @@ def test_tp_peak_equals_measured_with_and_without_overlap(overlap):
     assert estimate_memory(Workload(TINY, 4, 256, "32-true"), pc, device_type="cpu").peak_phase == "head backward"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, seq_length, batch, rel, phase",
     [("tiny-test", 256, 2, 0.01, "backward start"), ("tied", 16, 1, 0.05, "backward end")],
@@ -481,6 +487,7 @@ def test_zero3_peak_equals_measured(tmp_path, model, seq_length, batch, rel, pha
     assert out["estimate"]["peak_phase"] == phase
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "tp", "rel"),
     [("full", "2", 0.05), ("selective", "1", 0.01)],
@@ -512,6 +519,7 @@ def test_checkpointing_peak_equals_measured(mode, tp, rel):
 _LARGE_VOCAB = "hidden_size: 256\nintermediate_size: 512\nnum_layers: 2\nnum_heads: 4\nnum_kv_heads: 2\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("preset", "precision", "estimated", "measured"),
     [("llama3.1-8b", "32-true", 909_946_752, 905_218_168), ("llama3.2-1b", "bf16-mixed", 388_939_648, 388_945_016)],
@@ -560,6 +568,7 @@ def test_v_schedule_action_lists_equal_torch(schedule):
     assert cases >= 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row_id", ["pp2-zbv", "pp2-dualpipev"])
 def test_zero_bubble_whole_peak_equals_measured(row_id):
     """The whole peak of rank 0 of a V schedule (first and last stage: the last stage's input pass keeps every saved

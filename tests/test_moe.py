@@ -282,6 +282,7 @@ def test_mixtral_config_round_trip_and_what_it_cannot_express():
         LlamaConfig.from_hf_dict({**hf, "sliding_window": 4096})
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
     """One process: 3 AdamW steps of tiny-moe, checkpoint, export-hf: transformers' MixtralForCausalLM gives our
@@ -355,6 +356,7 @@ def _records(out, index):
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"layout{index}_rank*.json"))]
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_mixtral_export_and_init_from_under_expert_parallelism(tmp_path, ids):
     """Expert parallelism: 3 AdamW steps at dp2 ep2 ZeRO 1, export-hf of its sharded checkpoint folder: transformers'
@@ -431,6 +433,7 @@ def dp_runs(tmp_path_factory):
     return ref, dp2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(DP2)), ids=[json.dumps(x) for x in DP2])
 def test_dp2_zero_losses_aux_and_routing_equal_one_process(dp_runs, index):
     """10 AdamW steps in float32: the language-model loss, the load-balancing loss and the busiest expert's
@@ -462,6 +465,7 @@ def test_dp2_zero_losses_aux_and_routing_equal_one_process(dp_runs, index):
 
 
 # ---------------------------------------------------------------------------------------------------- memory
+@pytest.mark.slow
 def test_memory_model_matches_measured_moe_states_and_activations(tmp_path):
     """One process, tiny-moe variants: parameter, gradient and Adam-state bytes exact; saved activations (dropless:
     the assignment count is exact whatever the routing) within 1% (measured: exact at b=2, +0.07% to +0.4% at b=1,

@@ -143,16 +143,19 @@ def _check(runs, which, layouts, index):
     assert r["losses"][-1] < r["losses"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[json.dumps(x) for x in WORLD2])
 def test_moe_pp2_every_schedule_equals_one_process(runs, index):
     _check(runs, "w2", WORLD2, index)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[json.dumps(x) for x in WORLD4])
 def test_moe_pp2_dp2_ep2_equals_one_process(runs, index):
     _check(runs, "w4", WORLD4, index)
 
 
+@pytest.mark.slow
 def test_injected_aux_gradient_equals_the_explicit_sum():
     """One process, one forward: the gradients with each MoE layer injecting ``coef / n_moe`` (the default) equal
     those of ``(loss + coef * moe_aux_loss()).backward()`` with the injection off, to 1e-6; a scale of 0.5 x coef

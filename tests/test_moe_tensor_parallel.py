@@ -184,6 +184,7 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{w}-{json.dumps((TWO if w == 'two' else FOUR)[i])}" for w, i in CASES])
 def test_moe_under_tp_and_cp_equals_one_process(runs, case):
     """Per step: the loss, the aux loss (logged: the global batch's) and the global gradient norm before clipping
@@ -227,6 +228,7 @@ def test_moe_under_tp_and_cp_equals_one_process(runs, case):
 
 
 # ---------------------------------------------------------------------------------------------------- memory
+@pytest.mark.slow
 def test_memory_model_matches_measured_moe_under_ep2_tp2(tmp_path):
     """dp2 x tp2 x ep2 ZeRO 1 (sp; and no sp with a shared expert and MoE on every other layer), one step at b=2,
     s=64 and s=128: parameter, gradient and Adam-state bytes of all four ranks exact; saved activations within 1%
@@ -285,6 +287,7 @@ def test_memory_model_matches_measured_moe_under_ep2_tp2(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
 def test_checkpoint_at_tp2_ep2_resumes_at_tp2_ep2_and_at_dp2_ep1(tmp_path):
     """Train 10 steps straight at tp2 ep2 ZeRO 1 (ep folded over tp: dp·cp = 1, each tp rank 4 of the 8 experts;
     the router's states sharded over dp_cp_tp), and 5 steps with a sharded checkpoint; resume it at tp2 ep2 and at

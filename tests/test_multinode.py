@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from tests._launch import ROOT, SCRIPTS, trained, worker_env
@@ -94,6 +95,7 @@ def _run_two_nodes(out) -> float:
     return elapsed
 
 
+@pytest.mark.slow
 def test_two_nodes_dp2_tp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("multinode")
     elapsed = _run_two_nodes(out)

@@ -233,18 +233,21 @@ def initial_weights(tied: bool = False, layers: int | None = None) -> dict[str, 
     return {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
 def test_parity_world2(references, world2, index):
     layout = world2[index][0]
     _check_parity(_reference_for(references, layout), world2[index], initial=initial_weights(bool(layout.get("tied"))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
 def test_parity_world4(references, world4, index):
     layout = world4[index][0]
     _check_parity(_reference_for(references, layout), world4[index], initial=initial_weights(bool(layout.get("tied"))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(ONE_PROCESS)), ids=[_layout_id(x) for x in ONE_PROCESS])
 def test_parity_one_process_without_buckets(references, index):
     """One process, float32, ZeRO 0/1: the strategy makes no gradient bucket (issue 35 item 4: no copy, no hook),
@@ -264,6 +267,7 @@ def test_parity_one_process_without_buckets(references, index):
     assert all(references[0][1][0]["bytes"]["grads_at_batch_start"][1:])  # plain Lightning: the last step's
 
 
+@pytest.mark.slow
 def test_compile_compiled(world2):
     """The ``compile=True`` layout's parity above is that of compiled layers: every rank's fit compiled graphs (Dynamo
     counts a graph once its backend returned it, so a silent fall-back to eager counts none: tests/test_compat.py;
@@ -310,16 +314,19 @@ def _check_bf16(reference, result, independent=False, layers=None):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4_BF16)), ids=[_layout_id(x) for x in WORLD4_BF16])
 def test_bf16_close_to_float32(references, world4, index):
     _check_bf16(references[0], world4[len(WORLD4) + index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD2)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD2])
 def test_bf16_mixed_parity_world2(bf16_reference, world2, index):
     _check_bf16(bf16_reference[0], world2[len(WORLD2) + index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD4)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD4])
 def test_bf16_mixed_parity_world4(bf16_reference, world4, index):
     layout = BF16_MIXED_WORLD4[index]

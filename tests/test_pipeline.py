@@ -93,23 +93,27 @@ def _check(references, result):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
 def test_pipeline_world2(references, world2, index):
     _check(references, world2[index])
     _check_offloaded(world2[index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
 def test_pipeline_world4(references, world4, index):
     _check(references, world4[index])
     _check_offloaded(world4[index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD8)), ids=[_layout_id(x) for x in WORLD8])
 def test_pipeline_world8(references, world8, index):
     _check(references, world8[index])
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoint_resume(tmp_path_factory):
     """A ModelCheckpoint saved at pp=2 (1F1B, and DualPipeV: rank 0 saves stages 0 and 3) loads back on the same
     layout and training continues with the same losses."""
@@ -268,6 +272,7 @@ def test_strategy_rejects_bad_pipeline_before_process_group(tmp_path):
         assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_pipeline_validate_and_predict(tmp_path, schedule):
     """trainer.validate and trainer.predict run forward-only through the pipeline: the same val_loss on every rank as

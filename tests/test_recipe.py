@@ -42,6 +42,7 @@ def test_the_recipe_lists_every_step():
     assert names == ["prepare-data", "estimate", "plan", "fit", "fit", "export-hf"], names
 
 
+@pytest.mark.slow
 def test_the_cpu_recipe_runs(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM

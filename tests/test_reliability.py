@@ -58,6 +58,7 @@ def test_plan_json_has_the_checkpoint_interval_of_every_layout(capsys):
         assert info.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_plan_plot_draws_every_estimated_layout(capsys, tmp_path):
     pytest.importorskip("matplotlib")  # a dev dependency: installed in CI
     from lightning_4d.planning import plot as plot_module

@@ -74,6 +74,7 @@ def resharded(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [p[0] for p in PAIRS])
 def test_resume_on_another_layout_continues_the_straight_run(resharded, name):
     first = json.loads((resharded / f"{name}_first_rank0.json").read_text())
@@ -97,6 +98,7 @@ def test_resume_on_another_layout_continues_the_straight_run(resharded, name):
         assert errors[worst] <= WEIGHT_RTOL, (worst, errors[worst])
 
 
+@pytest.mark.slow
 def test_bf16_folder_holds_float32_master_weights(resharded):
     from torch.distributed.checkpoint import FileSystemReader
 

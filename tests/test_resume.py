@@ -96,6 +96,7 @@ def test_resume_with_more_steps_continues_the_schedule(straight, tmp_path):
         assert resumed[k] == pytest.approx(LR * RATIO)
 
 
+@pytest.mark.slow
 def test_resume_with_module_max_steps_follows_the_new_schedule(straight, tmp_path):
     root, lrs = straight
     resumed = _fit(tmp_path, 9, ckpt_path=root / "ckpt" / "step=3.ckpt", module_max_steps=9)

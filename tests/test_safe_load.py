@@ -92,6 +92,7 @@ def strategy_loads(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "file"),
     [
@@ -115,6 +116,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("command", "kind"),
     [
@@ -160,6 +162,7 @@ def test_init_from_refuses_a_crafted_file_in_python(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "message"),
     [

@@ -331,6 +331,7 @@ def test_plan_lists_uneven_pipeline_splits_quickly():
     )
 
 
+@pytest.mark.slow
 def test_candidates_say_why_they_rank_where_they_do():
     """Bubble, exposed communication and recomputation fractions of every candidate; no listed candidate is
     dominated by another of the same parallel sizes and micro-batch size; micro-batch size 1 and sequence

@@ -106,6 +106,7 @@ def test_smoke_refuses_refused_rows_and_unknown_ids(capsys):
 REPRESENTATIVE = ["z3-bf16-mixed", "offload-pp-zbv", "cp2-tp2", "moe-pp2"]
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_of_representative_rows(tmp_path):
     rows = [support.row_by_id(x) for x in REPRESENTATIVE]
     path = support.run_smoke(rows, "cpu", tmp_path)
@@ -132,6 +133,7 @@ def test_the_dtype_check_sees_a_layer_that_changes_the_dtype(tmp_path, monkeypat
     assert "dtype" in (result["error"] or ""), result
 
 
+@pytest.mark.slow
 def test_plan_flags_layouts_the_matrix_has_not_tested(capsys):
     """`plan` marks a proposed layout whose features no CPU test of the matrix combines (issue 36, item 9): the
     Mixtral rows that put ep beside ZBV or ZeRO 2 beside pp are flagged, with the pairs (ZeRO 2 beside ep is tested:

@@ -122,12 +122,14 @@ def _check_state_bytes(result) -> None:
         ), (layout, rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
 def test_tied_pp_world2_equals_one_process(references, world2, index):
     _check(references, world2[index])
     _check_state_bytes(world2[index])
 
 
+@pytest.mark.slow
 def test_tied_pp_bf16_mixed_equals_one_process_bf16_mixed(references, world2):
     """zbv bf16-mixed ZeRO 1 (rank 0 keeps the one tied weight and its float32 master) against one process of
     FourDStrategy in bf16-mixed: losses to 4e-4 relative and weights (rounded to bfloat16) to 1e-2 (test_parity's
@@ -143,6 +145,7 @@ def test_tied_pp_bf16_mixed_equals_one_process_bf16_mixed(references, world2):
     assert rel <= BF16_MIXED_LOSS_RTOL and werr <= BF16_MIXED_WEIGHT_ATOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
 def test_tied_pp_world4_equals_one_process(references, world4, index):
     _check(references, world4[index])
@@ -154,6 +157,7 @@ def test_tied_clipping_is_active(references):
     assert references[0][1][0]["losses"][1] != references[1][1][0]["losses"][1]
 
 
+@pytest.mark.slow
 def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(references, tmp_path):
     """A tied pp2 ZeRO 1 checkpoint (step 5 of 10) holds the weight once, under the embedding's key (model and
     optimizer states); it resumes on pp1 (dp2 ZeRO 1) and on pp2 ZBV ZeRO 1 (rank 0's one tied weight), and a pp1
@@ -227,6 +231,7 @@ def test_tied_pp_estimate_and_plan_accept_tied_models(capsys):
     assert "#1:" in capsys.readouterr().out  # at least one pp2 layout fits
 
 
+@pytest.mark.slow
 def test_tied_pp_measure_equals_estimate(tmp_path):
     """``lightning-4d measure`` runs a tied pp2 tp2 dp2 ZeRO 1 last-stage rank (6) on the fake process group: its
     parameter, gradient and optimizer-state bytes (the copy included) equal the estimate

@@ -76,6 +76,7 @@ def world4(tmp_path_factory):
     return trained(tmp_path_factory, "world4", 4, WORLD4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ring_functions_match_the_gathered_version(tmp_path, nproc):
     torchrun(nproc, SCRIPTS / "tp_overlap_unit.py", "--out", str(tmp_path), timeout=300)
@@ -94,6 +95,7 @@ def test_ring_functions_match_the_gathered_version(tmp_path, nproc):
         assert d["row_ring_tp_bytes"] == d["row_reduce_scatter_bytes"] + d["row_allgather_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "index",
     range(len(WORLD2 + WORLD2_AC + WORLD2_OFFLOAD)),
@@ -104,6 +106,7 @@ def test_parity_world2(references, world2, index):
     _check_offloaded(world2[index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
 def test_parity_world4(references, world4, index):
     layout = WORLD4[index]
@@ -127,6 +130,7 @@ def _per_step_dims(record: dict) -> list[dict[str, int]]:
     return steps
 
 
+@pytest.mark.slow
 def test_bytes_per_dimension_equal_without_overlap(world2):
     """Every step, every rank: the ring's send bytes under ``tp`` equal the all-gathers' and reduce-scatters' bytes
     (and every other dimension is unchanged); the overlapped run really replaces the projections' collectives by
@@ -170,6 +174,7 @@ def test_bad_values_are_refused_before_any_process_group(kwargs):
     assert ParallelConfig(tensor_parallel_size=2, tensor_parallel_overlap=True).sp
 
 
+@pytest.mark.slow
 def test_saved_activations_and_states_unchanged(tmp_path):
     """What the layers save for backward (``saved_tensors_hooks``, every storage once) and the model states: the
     same bytes with the ring as without it (the ring saves the rank's input shard and the weights, as the all-gather
@@ -199,6 +204,7 @@ def test_saved_activations_and_states_unchanged(tmp_path):
             assert abs(row_on["estimated"] / row_on["measured"] - 1) <= 0.05
 
 
+@pytest.mark.slow
 def test_command_line_and_yaml_take_the_option(tmp_path):
     """``--trainer.strategy.tensor_parallel_overlap`` (the jsonargparse plumbing of FourDStrategy's arguments)."""
     from tests.test_cli import CONFIG, _cli
@@ -217,6 +223,7 @@ def test_command_line_and_yaml_take_the_option(tmp_path):
     assert "tensor_parallel_overlap: true" in proc.stdout
 
 
+@pytest.mark.slow
 def test_measured_peak_lower_without_the_gathered_input(tmp_path):
     """A real tp2 run (gloo, live CPU tensor bytes, ``tests/scripts/measure_peak.py``): the ring's peak is below the
     all-gather version's by at least one gathered ``[b, s, h]`` float32 input (the ring holds two shards instead),

@@ -15,6 +15,7 @@ def reference(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_user_module_matches_single_process(reference, tmp_path, zero):
     out = tmp_path / "losses.json"

@@ -39,6 +39,7 @@ def reference(tmp_path_factory):
     return record
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [("--tp", "2", "--dp", "2"), ("--pp", "2", "--dp", "2"), ("--cp", "2", "--dp", "2")],

@@ -205,15 +205,16 @@ def _check_column(schema: Any, key: str, label: str) -> None:
         raise InputError(f"{label}: column {key!r} is {kind}, not a string column")
 
 
-def _import(module: str, label: str):
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError:
-        raise InputError(f"{label}: reading it needs {module.split('.')[0]}: {_DATA_HINT}") from None
+def _missing(module: str, label: str) -> InputError:
+    """The one-line error for an input whose reader (``module``, of the ``data`` extra) is not installed."""
+    return InputError(f"{label}: reading it needs {module}: {_DATA_HINT}")
 
 
 def _parquet_batches(path: Path, key: str, label: str) -> Iterator[Batch]:
-    pq = _import("pyarrow.parquet", label)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise _missing("pyarrow", label) from None
     try:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid and others
@@ -227,7 +228,10 @@ def _parquet_batches(path: Path, key: str, label: str) -> Iterator[Batch]:
 
 
 def _dataset_batches(path: Path, key: str, label: str) -> Iterator[Batch]:
-    datasets = _import("datasets", label)
+    try:
+        import datasets
+    except ImportError:
+        raise _missing("datasets", label) from None
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if is_saved_dataset(p))
         raise InputError(
