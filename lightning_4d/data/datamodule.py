@@ -499,6 +499,19 @@ class LMDataModule(L.LightningDataModule):
             self._restore(state)
         return loader
 
+    def val_dataloader(self) -> DataLoader:
+        """Micro-batches of ``micro_batch_size`` validation windows (fixed positions)."""
+        if self.val_dataset is None:
+            self.setup("validate")
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.micro_batch_size * self._num_microbatches(),
+            shuffle=False,
+            drop_last=False,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
+
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
         """The training data position, saved in checkpoints: ``consumed_samples`` (global samples consumed over all

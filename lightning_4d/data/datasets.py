@@ -355,7 +355,12 @@ class EpochWindowDataset(Dataset):
         # from the cache folder) in the worker rather than copied
         state = dict(self.__dict__)
         state["_epochs"] = {}
+        state["_lengths"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lengths = self.documents.lengths
 
 
 # ---------------------------------------------------------------------------------------------- blends
