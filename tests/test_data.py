@@ -797,7 +797,10 @@ def test_datamodule_text_files_and_held_out_tail(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- under a real Trainer
 @pytest.mark.parametrize("stop_at", [3, 4])  # mid-epoch, and exactly at the end of the 4-step epoch
-def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
+@pytest.mark.parametrize("resumed_as", [(2, 2), (1, 4), (4, 1)])  # (micro_batch_size, accumulate_grad_batches)
+def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at, resumed_as):
+    """Saved with micro-batch 2 x 2 accumulated, resumed with the same global batch 4 on any split of it: every
+    optimizer step sees the samples of the straight run's step."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -808,14 +811,14 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
             self.seen: list = []
 
         def training_step(self, batch, batch_idx):
-            self.seen.append(batch["input_ids"][:, :4].tolist())
+            self.seen.append((self.trainer.global_step, batch["input_ids"][:, :4].tolist()))
             return (self.w * batch["input_ids"].float().mean()).sum()
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
-    def fit(max_steps, ckpt_dir=None, ckpt_path=None):
-        dm = LMDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, train_samples=16, seed=5)
+    def fit(max_steps, ckpt_dir=None, ckpt_path=None, micro=2, accumulate=2):
+        dm = LMDataModule(seq_length=16, micro_batch_size=micro, global_batch_size=4, train_samples=16, seed=5)
         module = Recorder()
         callbacks = (
             [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_last=True)] if ckpt_dir else []
@@ -824,7 +827,7 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
             accelerator="cpu",
             devices=1,
             max_steps=max_steps,
-            accumulate_grad_batches=2,
+            accumulate_grad_batches=accumulate,
             logger=False,
             enable_checkpointing=bool(ckpt_dir),
             enable_progress_bar=False,
@@ -839,13 +842,21 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
         assert isinstance(loader.sampler, DistributedSampler) and not loader.sampler.shuffle
         return module.seen, dm.train_dataset
 
+    def per_step(seen):
+        steps = collections.defaultdict(collections.Counter)
+        for step, rows in seen:
+            steps[step].update(tuple(r) for r in rows)
+        return dict(steps)
+
     straight, ds = fit(6)
     assert len(straight) == 12  # 6 steps x 2 accumulated micro-batches, across the epoch boundary (4 steps)
     in_order = [[ds[i]["input_ids"][:4].tolist(), ds[i + 1]["input_ids"][:4].tolist()] for i in range(0, 24, 2)]
-    assert straight == in_order  # index order, and the second epoch continues with the next samples
+    assert [rows for _, rows in straight] == in_order  # index order; the second epoch continues with the next samples
     first, _ = fit(stop_at, ckpt_dir=tmp_path)
-    second, _ = fit(6, ckpt_path=str(tmp_path / "last.ckpt"))
-    assert first + second == straight
+    micro, accumulate = resumed_as
+    second, _ = fit(6, ckpt_path=str(tmp_path / "last.ckpt"), micro=micro, accumulate=accumulate)
+    assert len(second) == (6 - stop_at) * accumulate
+    assert per_step(first + second) == per_step(straight)
 
 
 _DDP_SCRIPT = """
@@ -906,3 +917,74 @@ def test_global_batches_under_real_lightning_ddp(tmp_path):
             tuple(row) for record in records for batch in record["seen"][2 * step : 2 * step + 2] for row in batch
         )
         assert got == collections.Counter(tuple(w) for w in dataset[8 * step : 8 * step + 8])
+
+
+# ---------------------------------------------------------------------------------------------- resume on any layout
+#: the saving layout (global batch 12: dp4 x micro-batch 1 x 3 accumulated) and the layouts that resume it after step
+#: 4 of 8, with their world sizes; run_layouts.py derives the micro-batch as 12 / (dp x accum x m)
+_SAVED = {"name": "dp4a3", "dp": 4, "accum": 3}
+_RESUMED = [
+    ({"name": "dp3a4", "from": "dp4a3", "dp": 3, "accum": 4}, 3),
+    ({"name": "dp2b2a3", "from": "dp4a3", "dp": 2, "accum": 3}, 2),
+    ({"name": "pp2dp2m6", "from": "dp4a3", "dp": 2, "pp": 2, "m": 6}, 4),
+]
+_ARGS = ["--steps", "8", "--global-batch", "12", "--seq-length", "16", "--model", "tiny-test"]
+
+
+def _step_samples(records: list, key: str) -> dict:
+    """optimizer step -> multiset of the sequences (their first 8 tokens) all data-parallel ranks trained on; the
+    ranks of one dp rank (tp, pp, cp peers) read the same batch and count once."""
+    steps: dict = collections.defaultdict(collections.Counter)
+    seen_dp = set()
+    for record in records:
+        batches = record[key]
+        dp_rank = batches[0][1] if batches else None
+        if dp_rank in seen_dp:
+            continue
+        seen_dp.add(dp_rank)
+        for step, _, rows in batches:
+            steps[step].update(tuple(r) for r in rows)
+    return dict(steps)
+
+
+def _step_losses(losses: list, steps: list) -> dict:
+    """optimizer step -> its loss: the mean of its batches' logged losses (each the mean over equal-sized slices)."""
+    per: dict = collections.defaultdict(list)
+    for loss, step in zip(losses, steps):
+        per[step].append(loss)
+    return {step: sum(v) / len(v) for step, v in per.items()}
+
+
+@pytest.fixture(scope="module")
+def resumed_on_other_layouts(tmp_path_factory):
+    from tests._launch import SCRIPTS, torchrun
+
+    out = tmp_path_factory.mktemp("layouts")
+    script = SCRIPTS / "run_layouts.py"
+    torchrun(4, script, "--out", str(out), "--reshard", "first", "--layouts", json.dumps([_SAVED]), *_ARGS)
+    for layout, world in _RESUMED:
+        torchrun(world, script, "--out", str(out), "--reshard", "resume", "--layouts", json.dumps([layout]), *_ARGS)
+    saved = [json.loads(p.read_text()) for p in sorted(out.glob("dp4a3_first_rank*.json"))]
+    resumed = {
+        layout["name"]: [json.loads(p.read_text()) for p in sorted(out.glob(f"{layout['name']}_resume_rank*.json"))]
+        for layout, _ in _RESUMED
+    }
+    return saved, resumed
+
+
+@pytest.mark.parametrize("name", [layout["name"] for layout, _ in _RESUMED])
+def test_resume_on_any_layout_sees_the_same_samples_and_losses(resumed_on_other_layouts, name):
+    """8 steps of global batch 12 on dp4 x 3 accumulated, resumed after step 4 on dp3 x 4 accumulated, on dp2 x
+    micro-batch 2 x 3 accumulated and on pp2 x dp2 (6 pipeline micro-batches): steps 5-8 train on the straight run's
+    samples, with its losses (fp32)."""
+    saved, resumed = resumed_on_other_layouts
+    straight_samples = _step_samples(saved, "straight_samples")
+    assert sorted(straight_samples) == list(range(8)) and all(sum(c.values()) == 12 for c in straight_samples.values())
+    records = resumed[name]
+    samples = _step_samples(records, "samples")
+    assert sorted(samples) == [4, 5, 6, 7]
+    for step in range(4, 8):
+        assert samples[step] == straight_samples[step], f"{name}: step {step + 1} trained on other samples"
+    straight = _step_losses(saved[0]["straight"], saved[0]["straight_loss_steps"])
+    losses = _step_losses(records[0]["resumed"], records[0]["loss_steps"])
+    assert [losses[k] for k in range(4, 8)] == pytest.approx([straight[k] for k in range(4, 8)], rel=1e-6)
