@@ -184,7 +184,7 @@ class EpochWindowDataset(Dataset):
 
     Item ``i`` therefore depends only on ``(seed, i)`` (with the corpus and ``s``): a longer dataset extends a shorter
     one, and a partial last epoch is a random subset of that epoch's windows (Megatron shuffles all epochs' samples
-    together, with a partial last epoch shuffled apart; here every epoch is shuffled apart, so that the first items
+    together, a last epoch below 80% of an epoch apart; here every epoch is shuffled apart, so that the first items
     never depend on the length).
 
     The index of an epoch (document order ``[D]``, its cumulative lengths ``[D + 1]`` int64, window order ``[W]``
@@ -386,8 +386,9 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     ``build_blending_indices``, ``megatron/core/datasets/helpers.cpp``).
 
     Greedy: sample ``i`` goes to the dataset whose count lags its target ``weights[d] * (i + 1)`` the most (ties to
-    the lowest index), so after every prefix of ``n`` samples each dataset's count is within one sample of
-    ``weights[d] * n``. A prefix does not depend on ``size``.
+    the lowest index; Megatron measures the lag at ``max(i, 1)``, one sample earlier), so after every prefix of ``n``
+    samples each dataset's count is within one sample of ``weights[d] * n``. A prefix does not depend on ``size``.
+    A Python loop: about 0.7 s per million samples for two datasets.
 
     Args:
         weights: the normalised weights ``[K]`` (see :func:`normalize_blend`).
