@@ -44,6 +44,7 @@ from lightning_4d.data import (
     unigram_entropy,
     write_token_file,
 )
+from lightning_4d.data.corpus import tokenize_files_with_offsets
 
 # (R data-parallel ranks, micro-batch b, accumulate a)
 LAYOUTS = [(1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2), (8, 1, 1)]
@@ -106,6 +107,10 @@ def test_stdlib_byte_corpus_loads_fast_and_has_plausible_entropy(monkeypatch):
     assert load_s < 3.0
     assert 2.0 < h < 5.0
     assert h == pytest.approx(direct, rel=1e-9)
+    documents = dm.train_documents[0]  # one document per file; the newline joining two files ends the first one
+    assert len(documents) == len(train) and documents.num_tokens == len(raw)
+    assert bytes(documents.document(0).astype(np.uint8)) == train[0].read_bytes() + b"\n"
+    assert bytes(documents.document(len(train) - 1).astype(np.uint8)) == train[-1].read_bytes()
     t0 = time.perf_counter()
     LMDataModule().setup("fit")  # cached in memory per process
     assert time.perf_counter() - t0 < 0.5
@@ -595,6 +600,9 @@ def test_hf_tokenizer_round_trip(tmp_path):
     tokens = tokenize_files(files, tok)
     assert tokens.dtype == np.uint16
     assert tokens.tolist() == [t for f in files for t in tok.encode(f.read_text())]
+    same, offsets = tokenize_files_with_offsets(files, tok)  # one document per file
+    assert np.array_equal(same, tokens) and offsets[0] == 0 and offsets[-1] == len(tokens)
+    assert [same[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == [tok.encode(f.read_text()) for f in files]
 
 
 def test_load_tokenizer_rejects_unknown_spec(tmp_path):
