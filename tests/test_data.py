@@ -804,11 +804,21 @@ def test_datamodule_text_files_and_held_out_tail(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- under a real Trainer
-@pytest.mark.parametrize("stop_at", [3, 4])  # mid-epoch, and exactly at the end of the 4-step epoch
-@pytest.mark.parametrize("resumed_as", [(2, 2), (1, 4), (4, 1)])  # (micro_batch_size, accumulate_grad_batches)
-def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at, resumed_as):
+@pytest.mark.parametrize(
+    "stop_at, resumed_as, by_epochs",
+    [
+        (3, (2, 2), False),  # mid-epoch, (micro_batch_size, accumulate_grad_batches) unchanged
+        (4, (2, 2), False),  # exactly at the end of the 4-step epoch
+        (3, (1, 4), False),
+        (4, (1, 4), False),
+        (3, (4, 1), False),
+        (4, (4, 1), False),
+        (3, (1, 4), True),  # 2 epochs (no max_steps): the loader is built before the loops are restored
+    ],
+)
+def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at, resumed_as, by_epochs):
     """Saved with micro-batch 2 x 2 accumulated, resumed with the same global batch 4 on any split of it: every
-    optimizer step sees the samples of the straight run's step."""
+    optimizer step sees the samples of the straight run's step (8 steps in 2 epochs of 4)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -823,6 +833,8 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at, resum
             return (self.w * batch["input_ids"].float().mean()).sum()
 
         def configure_optimizers(self):
+            if by_epochs:  # builds the training loader during setup, before Lightning restores its loops
+                assert self.trainer.estimated_stepping_batches > 0
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def fit(max_steps, ckpt_dir=None, ckpt_path=None, micro=2, accumulate=2):
@@ -834,7 +846,8 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at, resum
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
-            max_steps=max_steps,
+            max_steps=-1 if by_epochs and max_steps == 8 else max_steps,
+            max_epochs=2 if by_epochs else None,
             accumulate_grad_batches=accumulate,
             logger=False,
             enable_checkpointing=bool(ckpt_dir),
@@ -856,14 +869,14 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at, resum
             steps[step].update(tuple(r) for r in rows)
         return dict(steps)
 
-    straight, ds = fit(6)
-    assert len(straight) == 12  # 6 steps x 2 accumulated micro-batches, across the epoch boundary (4 steps)
-    in_order = [[ds[i]["input_ids"][:4].tolist(), ds[i + 1]["input_ids"][:4].tolist()] for i in range(0, 24, 2)]
+    straight, ds = fit(8)
+    assert len(straight) == 16  # 8 steps x 2 accumulated micro-batches, across the epoch boundary (4 steps)
+    in_order = [[ds[i]["input_ids"][:4].tolist(), ds[i + 1]["input_ids"][:4].tolist()] for i in range(0, 32, 2)]
     assert [rows for _, rows in straight] == in_order  # index order; the second epoch continues with the next samples
     first, _ = fit(stop_at, ckpt_dir=tmp_path)
     micro, accumulate = resumed_as
-    second, _ = fit(6, ckpt_path=str(tmp_path / "last.ckpt"), micro=micro, accumulate=accumulate)
-    assert len(second) == (6 - stop_at) * accumulate
+    second, _ = fit(8, ckpt_path=str(tmp_path / "last.ckpt"), micro=micro, accumulate=accumulate)
+    assert len(second) == (8 - stop_at) * accumulate
     assert per_step(first + second) == per_step(straight)
 
 

@@ -145,6 +145,20 @@ def parse_blend(data_path: Any) -> Optional[tuple[list[float], list[Any]]]:
     return [float(w) for w in weights], paths
 
 
+class _ResumeCounters(L.Callback):
+    """Re-expresses Lightning's restored batch counters in this layout's batches once the loops are restored
+    (``on_train_start``), for the data module that added it (see :meth:`LMDataModule._convert_counters`)."""
+
+    def __init__(self, datamodule: "LMDataModule") -> None:
+        self.datamodule = datamodule
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        dm = self.datamodule
+        if dm._restored is not None:
+            dm._convert_counters(dm._restored)
+            dm._restored = None
+
+
 class LMDataModule(L.LightningDataModule):
     """Pretraining data for a causal LM; see the module docstring for the sources and the layout independence.
 
@@ -236,6 +250,7 @@ class LMDataModule(L.LightningDataModule):
         #: the global data position (consumed samples) shared by the training loaders; restored from checkpoints
         self._position = DataPosition()
         self._pending_state: Optional[dict] = None
+        self._restored: Optional[dict] = None
         self._global_batch = 0
         self._num_batches = 0
 
@@ -424,6 +439,11 @@ class LMDataModule(L.LightningDataModule):
                     f"global batch {global_batch}, so that every optimizer step gets a full global batch"
                 )
             self._global_batch = global_batch
+            callbacks = getattr(self.trainer, "callbacks", None)
+            if isinstance(callbacks, list) and not any(
+                isinstance(c, _ResumeCounters) and c.datamodule is self for c in callbacks
+            ):
+                callbacks.append(_ResumeCounters(self))
             self._num_batches = num_train // (self.micro_batch_size * m * dp)
             self.train_dataset = self._training_dataset(self._planned_samples(num_train, global_batch))
         if stage in (None, "fit", "validate"):
@@ -531,47 +551,64 @@ class LMDataModule(L.LightningDataModule):
         counters after this hook, and they are re-expressed in the new layout's batches then)."""
         if state_dict:
             self._pending_state = dict(state_dict)
+            # A training loader created before the restore (``trainer.estimated_stepping_batches`` in
+            # ``configure_optimizers`` builds it during ``strategy.setup``, which FourDStrategy runs before restoring)
+            # would be kept by the fit loop: have the fit loop request it again, after its counters are restored.
+            fit_loop = getattr(self.trainer, "fit_loop", None)
+            if getattr(fit_loop, "_combined_loader", None) is not None:
+                fit_loop._combined_loader = None
 
     def _restore(self, state: dict[str, Any]) -> None:
-        """Continue at the checkpoint's sample ``c = consumed_samples`` on this layout.
+        """Continue at the checkpoint's sample ``c = consumed_samples`` on this layout: the next pass yields the
+        samples from ``c`` on, and Lightning's batch counters are re-expressed in this layout's batches
+        (:meth:`_convert_counters`). Idempotent (Lightning may hand the state over twice: the data module's and the
+        loader's)."""
+        consumed, epoch_samples, batches = self._resume_point(state)
+        per_batch = self.micro_batch_size * self._num_microbatches() * self._data_parallel_size()
+        self._position.consumed = consumed
+        self._position.epoch_samples = min(epoch_samples, batches * per_batch)
+        self._position.first_batch = batches if batches < self._num_batches else 0
+        self._restored = state
+        self._convert_counters(state)
+        if int(state.get("global_batch", self._global_batch)) != self._global_batch:
+            rank_zero_info(
+                f"LMDataModule: the global batch changed from {state['global_batch']} to {self._global_batch}; "
+                f"continuing at sample {consumed}"
+            )
 
-        The next pass yields the samples from ``c`` on; Lightning's batch counters of the current epoch
-        (``fit_loop.epoch_loop.batch_progress``, in the saving run's batches per rank, which decide the accumulation
-        boundaries and the epoch's end) are set to this layout's ``ceil(epoch_samples / G) * a`` batches (at most the
-        epoch's batches), shifting every counter by the same amount so that Lightning's restart logic is unchanged.
-        Idempotent (Lightning may hand the state over twice: the data module's and the loader's).
-        """
+    def _resume_point(self, state: dict[str, Any]) -> tuple[int, int, int]:
+        """``(consumed samples, of them in the current epoch, this layout's batches per rank already done in the
+        epoch)``; the last is ``ceil(epoch_samples / G) * a`` (a whole number of optimizer steps), at most the epoch's
+        batches."""
         per_batch = self.micro_batch_size * self._num_microbatches() * self._data_parallel_size()
         if "consumed_samples" in state:
             consumed, epoch_samples = int(state["consumed_samples"]), int(state["epoch_samples"])
         else:  # a checkpoint of an earlier version: batches of this rank in the current epoch, same layout assumed
-            epoch_samples = int(state.get("batches_yielded", 0)) * per_batch
-            consumed = epoch_samples
+            epoch_samples = consumed = int(state.get("batches_yielded", 0)) * per_batch
             rank_zero_warn(
                 "LMDataModule: the checkpoint's data position is in batches per rank (an earlier version); assuming "
                 f"the same layout, continuing at sample {consumed}"
             )
-        accumulate = self._accumulation()
-        batches = min(math.ceil(epoch_samples / self._global_batch) * accumulate, self._num_batches)
-        self._position.consumed = consumed
-        self._position.epoch_samples = min(epoch_samples, batches * per_batch)
-        self._position.first_batch = batches if batches < self._num_batches else 0
-        trainer = self.trainer
-        progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+        batches = min(math.ceil(epoch_samples / self._global_batch) * self._accumulation(), self._num_batches)
+        return consumed, epoch_samples, batches
+
+    def _convert_counters(self, state: dict[str, Any]) -> None:
+        """Set Lightning's batch counters of the current epoch (``fit_loop.epoch_loop.batch_progress``: restored in
+        the saving run's batches per rank; they decide the accumulation boundaries and the epoch's end) to this
+        layout's batches, shifting every counter (current and total) by the same amount so that Lightning's restart
+        logic is unchanged. Idempotent. Runs when the data position is restored and again at ``on_train_start``
+        (:class:`_ResumeCounters`): a strategy that restores the checkpoint before its setup (DDP) lets
+        ``estimated_stepping_batches`` build the loader before the loop counters are restored."""
+        progress = getattr(getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
         if progress is None:
             return
-        shift = batches - progress.current.ready
+        shift = self._resume_point(state)[2] - progress.current.ready
         if shift:
             for counters in (progress.current, progress.total):
                 counters.ready += shift
                 counters.started += shift
                 counters.processed += shift
                 counters.completed += shift
-        if int(state.get("global_batch", self._global_batch)) != self._global_batch:
-            rank_zero_info(
-                f"LMDataModule: the global batch changed from {state['global_batch']} to {self._global_batch}; "
-                f"continuing at sample {consumed}"
-            )
 
     def _log_epochs(self, consumed: int) -> None:
         """At the end of each pass: the data epochs each source has consumed (``rank_zero_info``)."""
