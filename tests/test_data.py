@@ -1,5 +1,6 @@
-"""Tests of lightning_4d.data: the embedded corpus, tokenizers, token files, prepare-data, window datasets (including
-the layout independence of the global batch) and LMDataModule (including resuming mid-epoch under a real Trainer)."""
+"""Tests of lightning_4d.data: the embedded corpus, tokenizers, token files, prepare-data, window datasets (every token
+once per epoch, blends, the layout independence of the global batch) and LMDataModule (including resuming mid-epoch
+under a real Trainer, on another layout)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,19 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from lightning_4d.data import (
+    BlendedDataset,
     ByteTokenizer,
+    Documents,
+    EpochWindowDataset,
     FixedWindowDataset,
+    GlobalBatchSampler,
     HFTokenizer,
     LMDataModule,
-    RandomWindowDataset,
     ResumableDataLoader,
+    blending_indices,
     datamodule as datamodule_module,
     load_tokenizer,
     prepare_data_main,
@@ -40,6 +45,7 @@ from lightning_4d.data import (
     unigram_entropy,
     write_token_file,
 )
+from lightning_4d.data.corpus import tokenize_files_with_offsets
 
 # (R data-parallel ranks, micro-batch b, accumulate a)
 LAYOUTS = [(1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2), (8, 1, 1)]
@@ -102,6 +108,10 @@ def test_stdlib_byte_corpus_loads_fast_and_has_plausible_entropy(monkeypatch):
     assert load_s < 3.0
     assert 2.0 < h < 5.0
     assert h == pytest.approx(direct, rel=1e-9)
+    documents = dm.train_documents[0]  # one document per file; the newline joining two files ends the first one
+    assert len(documents) == len(train) and documents.num_tokens == len(raw)
+    assert bytes(documents.document(0).astype(np.uint8)) == train[0].read_bytes() + b"\n"
+    assert bytes(documents.document(len(train) - 1).astype(np.uint8)) == train[-1].read_bytes()
     t0 = time.perf_counter()
     LMDataModule().setup("fit")  # cached in memory per process
     assert time.perf_counter() - t0 < 0.5
@@ -118,26 +128,39 @@ def test_unigram_entropy_free_function():
 
 
 # ---------------------------------------------------------------------------------------------- layout independence
-@pytest.mark.parametrize("resumable", [False, True])
-def test_global_batch_is_the_same_set_of_sequences_on_every_layout(resumable):
-    tokens = np.random.default_rng(1).integers(0, 256, 5000).astype(np.uint16)
+def _documents(lengths, dtype=np.uint32) -> Documents:
+    """Documents of the given lengths whose tokens are their own positions (every token distinct)."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Documents(np.arange(offsets[-1], dtype=dtype), offsets)
+
+
+def _rank_loaders(ds, dp, local_batch, num_batches):
+    """What LMDataModule builds on each rank: a GlobalBatchSampler pass from sample 0."""
+    from lightning_4d.data.datasets import DataPosition
+
+    loaders = []
+    for rank in range(dp):
+        sampler = GlobalBatchSampler(ds, num_replicas=dp, rank=rank, local_batch=local_batch, num_batches=num_batches)
+        loaders.append(ResumableDataLoader(ds, sampler, DataPosition(), global_batch=local_batch * dp))
+    return loaders
+
+
+def test_global_batch_is_the_same_set_of_sequences_on_every_layout():
+    ds = EpochWindowDataset(_documents([700, 1300, 900, 2100]), seq_length=16, num_samples=40, seed=42)
     steps, global_batch = 5, 8
-    ds = RandomWindowDataset(tokens, seq_length=16, num_samples=global_batch * steps, seed=42)
     expected = [
         collections.Counter(_window(ds[i]) for i in range(k * global_batch, (k + 1) * global_batch))
         for k in range(steps)
     ]
     assert len(set().union(*expected)) == global_batch * steps  # distinct windows: the comparison is not vacuous
-    loader_cls = ResumableDataLoader if resumable else DataLoader
     for dp, micro, accumulate in LAYOUTS:
         assert micro * dp * accumulate == global_batch
         per_step = [collections.Counter() for _ in range(steps)]
-        for rank in range(dp):
-            # what Lightning builds: the plain DataLoader re-created with DistributedSampler(shuffle=False)
-            sampler = DistributedSampler(ds, num_replicas=dp, rank=rank, shuffle=False)
-            loader = loader_cls(ds, batch_size=micro, sampler=sampler, shuffle=False, drop_last=False)
+        for loader in _rank_loaders(ds, dp, micro, steps * accumulate):
+            assert isinstance(loader.sampler, DistributedSampler)  # Lightning keeps it
             batches = list(loader)
-            assert len(batches) == steps * accumulate
+            assert len(batches) == len(loader) == steps * accumulate
             for m, batch in enumerate(batches):
                 assert batch["input_ids"].shape == (micro, 16) and batch["input_ids"].dtype == torch.long
                 for row in range(micro):
@@ -179,64 +202,157 @@ def test_datamodule_loaders_give_the_same_global_batches_on_every_layout():
         assert per_step == expected, f"layout (R={dp}, b={micro}, a={accumulate}) differs"
 
 
-def test_resumable_loader_skips_without_loading_and_keeps_length():
-    tokens = np.arange(1000, dtype=np.uint16) % 256
-    ds = RandomWindowDataset(tokens, seq_length=8, num_samples=24, seed=3)
-    loaded = []
+class _Progress(SimpleNamespace):
+    """Lightning's ``_BatchProgress`` counters (current epoch, total)."""
 
-    class Spy(RandomWindowDataset):
-        def __getitem__(self, i):
-            loaded.append(i)
-            return super().__getitem__(i)
+    def __init__(self, ready: int) -> None:
+        counters = dict(ready=ready, started=ready, processed=ready, completed=ready)
+        super().__init__(current=SimpleNamespace(**counters), total=SimpleNamespace(**counters))
 
-    spy = Spy(tokens, seq_length=8, num_samples=24, seed=3)
-    sampler = DistributedSampler(spy, num_replicas=2, rank=1, shuffle=False)
-    full = [b["input_ids"] for b in ResumableDataLoader(ds, batch_size=3, sampler=sampler)]
-    loader = ResumableDataLoader(spy, batch_size=3, sampler=sampler)
-    it = iter(loader)
-    next(it), next(it)
-    state = loader.state_dict()
-    assert state == {"batches_yielded": 2, "num_batches": 4}
-    fresh = ResumableDataLoader(spy, batch_size=3, sampler=sampler)
-    fresh.load_state_dict(state)
-    loaded.clear()
-    rest = [b["input_ids"] for b in fresh]
-    assert len(fresh) == 4 and len(rest) == 2
-    assert all(torch.equal(a, b) for a, b in zip(rest, full[2:]))
-    assert sorted(loaded) == sorted(sampler_idx for sampler_idx in list(sampler)[6:])  # skipped items never loaded
-    assert fresh.state_dict()["batches_yielded"] == 4
-    assert len(list(fresh)) == 4  # the next pass is whole again
-    with pytest.raises(ValueError, match="batches"):
-        ResumableDataLoader(ds, batch_size=4).load_state_dict(state)
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ((4, 1, 3), (3, 1, 4)),  # (R, b, a): dp 4 -> 3, accumulating 4
+        ((4, 1, 3), (2, 2, 3)),
+        ((2, 2, 3), (1, 12, 1)),
+        ((4, 1, 3), (4, 1, 4)),  # the global batch changes 12 -> 16: continues at the next sample
+    ],
+)
+def test_resume_on_another_layout_continues_at_the_next_sample(before, after):
+    """The data position is the global number of consumed samples: saved on one layout after 2 of 4 steps, restored
+    on another, the rest of the epoch reads the samples that follow, each once, none loaded twice; Lightning's batch
+    counters are re-expressed in the new layout's batches (accumulation boundary and epoch end)."""
+    samples = 48
+
+    def module(dp, micro, accumulate, rank=0, ready=0):
+        dm = LMDataModule(seq_length=16, micro_batch_size=micro, train_samples=samples, seed=3)
+        dm.trainer = _fake_trainer(dp, accumulate, rank)
+        dm.trainer.fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=_Progress(ready)))
+        dm.setup("fit")
+        return dm
+
+    dp, micro, accumulate = before
+    consumed = 2 * dp * micro * accumulate  # two optimizer steps
+    saved = None
+    for rank in range(dp):
+        dm = module(dp, micro, accumulate, rank)
+        loader = dm.train_dataloader()
+        it = iter(loader)
+        for _ in range(2 * accumulate):
+            next(it)
+        saved = saved or dm.state_dict()
+        assert dm.state_dict() == saved == loader.state_dict()
+    assert saved == {
+        "consumed_samples": consumed,
+        "epoch_samples": consumed,
+        "global_batch": dp * micro * accumulate,
+        "samples_per_epoch": samples,
+    }
+    dp, micro, accumulate = after
+    global_batch = dp * micro * accumulate
+    seen = collections.Counter()
+    for rank in range(dp):
+        dm = module(dp, micro, accumulate, rank, ready=2 * before[2])  # counters in the old layout's batches
+        loaded = []
+        original = dm.train_dataset.__class__.__getitem__
+        dm.train_dataset.__class__ = type("Spy", (dm.train_dataset.__class__,), {})
+        dm.train_dataset.__class__.__getitem__ = lambda self, i: loaded.append(i) or original(self, i)
+        dm.load_state_dict(saved)
+        loader = dm.train_dataloader()
+        loader.load_state_dict(saved)  # Lightning hands the loader's state over too: idempotent
+        progress = dm.trainer.fit_loop.epoch_loop.batch_progress
+        first = math.ceil(consumed / global_batch) * accumulate
+        assert progress.current.ready == progress.current.completed == first and progress.total.ready == first
+        assert first % accumulate == 0  # the next batch starts an optimizer step
+        rest = list(loader)
+        assert len(loader) == samples // (dp * micro) and len(rest) == len(loader) - first
+        seen.update(loaded)
+        assert dm.state_dict()["consumed_samples"] == consumed + len(rest) * dp * micro
+    assert sorted(seen) == list(range(consumed, consumed + sum(seen.values())))  # the next samples, each once
 
 
 # ---------------------------------------------------------------------------------------------- window datasets
-def test_windows_labels_ranges_and_seeds():
-    tokens = np.random.default_rng(2).integers(0, 256, 300).astype(np.uint16)
-    s = 32
-    ds = RandomWindowDataset(tokens, seq_length=s, num_samples=200, seed=7)
-    starts = [ds.start(i) for i in range(len(ds))]
-    assert min(starts) >= 0 and max(starts) <= len(tokens) - s - 1
-    assert len(set(starts)) > 100  # spread over the ~268 possible starts
-    for i in (0, 5, 199):
-        item = ds[i]
-        assert item["input_ids"].dtype == torch.long and item["input_ids"].shape == (s,)
-        assert torch.equal(item["labels"][:-1], item["input_ids"][1:])
-        p = ds.start(i)
-        assert item["input_ids"].tolist() == tokens[p : p + s].tolist()
-        assert item["labels"].tolist() == tokens[p + 1 : p + s + 1].tolist()
-    # item i depends only on (seed, i): another instance, reverse order
-    again = RandomWindowDataset(tokens, seq_length=s, num_samples=200, seed=7)
-    assert [again.start(i) for i in reversed(range(200))] == starts[::-1]
-    assert starts[:50] == [RandomWindowDataset(tokens, s, 50, seed=7).start(i) for i in range(50)]
-    other = RandomWindowDataset(tokens, seq_length=s, num_samples=200, seed=8)
-    assert [other.start(i) for i in range(200)] != starts
+def _stream(documents: Documents, seed: int, epochs: int) -> np.ndarray:
+    """The construction written plainly: each epoch's documents in ``default_rng([seed, e])`` order, concatenated."""
+    return np.concatenate(
+        [
+            documents.document(int(d))
+            for e in range(epochs)
+            for d in np.random.default_rng([seed, e]).permutation(len(documents))
+        ]
+    )
+
+
+@pytest.mark.parametrize("seq_length", [1, 7, 16, 64])
+def test_one_epoch_visits_every_window_once_and_every_token(seq_length):
+    lengths = np.random.default_rng(0).integers(0, 90, 60)  # empty documents too
+    documents = _documents(lengths)
+    n, s = documents.num_tokens, seq_length
+    ds = EpochWindowDataset(documents, s, num_samples=3 * n // s, seed=9)
+    stream = _stream(documents, 9, 4)
+    for e in range(3):
+        first, end = ds.first_window(e), ds.first_window(e + 1)
+        assert (first, end) == (math.ceil(e * n / s), math.ceil((e + 1) * n / s))
+        windows = [ds.window(i) for i in range(first, min(end, len(ds)))]
+        if end <= len(ds):
+            assert sorted(windows) == list(range(first, end))  # a permutation of the epoch's window starts
+            inputs = [t for i in range(first, end) for t in ds[i]["input_ids"].tolist()]
+            # the epoch's inputs tile the stream from its first window on: each token once
+            assert sorted(inputs) == sorted(stream[first * s : end * s].tolist())
+            if e == 0:  # ... which is every token of the corpus (in a later epoch the few tokens before its first
+                # window's start are inputs of the previous epoch's last window)
+                assert set(inputs) == set(range(n)) and len(inputs) - n < s
+        for i in (first, (first + end) // 2):
+            if i < len(ds):
+                j = ds.window(i)
+                item = ds[i]
+                assert item["input_ids"].tolist() == stream[j * s : j * s + s].tolist()
+                assert item["labels"].tolist() == stream[j * s + 1 : j * s + s + 1].tolist()
+    # the documents' order differs between epochs, the windows are shuffled
+    assert not np.array_equal(stream[:n], stream[n : 2 * n])
+    assert [ds.window(i) for i in range(10)] != list(range(10))
+
+
+def test_epoch_windows_depend_only_on_seed_and_index():
+    documents = _documents(np.random.default_rng(1).integers(1, 200, 40))
+    ds = EpochWindowDataset(documents, 32, num_samples=600, seed=7)
+    items = [_window(ds[i]) for i in range(600)]
+    again = EpochWindowDataset(documents, 32, num_samples=600, seed=7)
+    assert [_window(again[i]) for i in reversed(range(600))] == items[::-1]  # any access order
+    assert [_window(x) for x in (EpochWindowDataset(documents, 32, 50, seed=7)[i] for i in range(50))] == items[:50]
+    other = EpochWindowDataset(documents, 32, num_samples=600, seed=8)
+    assert [_window(other[i]) for i in range(600)] != items
+    assert all(len(w) == 33 for w in items)
     with pytest.raises(IndexError):
-        ds[200]
+        ds[600]
     with pytest.raises(ValueError, match="seq_length"):
-        RandomWindowDataset(tokens[:s], seq_length=s, num_samples=1, seed=0)  # needs s + 1 tokens
+        EpochWindowDataset(_documents([10]), seq_length=10, num_samples=1, seed=0)  # needs s + 1 tokens
+    with pytest.raises(ValueError, match="seed"):
+        EpochWindowDataset(documents, 8, 1, seed=-1)
     with pytest.raises(ValueError):
-        FixedWindowDataset(tokens[:s], seq_length=s, num_samples=1)
+        FixedWindowDataset(np.arange(8), seq_length=8, num_samples=1)
+
+
+def test_epoch_index_is_cached_beside_the_data_and_builds_fast(tmp_path):
+    documents = _documents(np.random.default_rng(2).integers(1, 50, 300))
+    ds = EpochWindowDataset(documents, 16, num_samples=2000, seed=1, cache_dir=tmp_path / "idx", identity="c")
+    files = sorted(p.name for p in (tmp_path / "idx").iterdir())
+    epochs = ds.epoch_of(1999) + 1
+    assert len(files) == 3 * epochs and not [f for f in files if f.startswith(".")]  # no temporary files left
+    datasets_module = __import__("lightning_4d.data.datasets", fromlist=["_EPOCH_CACHE"])
+    datasets_module._EPOCH_CACHE.clear()
+    again = EpochWindowDataset(documents, 16, num_samples=2000, seed=1, cache_dir=tmp_path / "idx", identity="c")
+    assert isinstance(again._epochs[0][0], np.memmap)  # read from the files
+    assert all(torch.equal(again[i]["input_ids"], ds[i]["input_ids"]) for i in range(0, 2000, 97))
+    # 10^7 documents: the index of one epoch in seconds
+    lengths = np.random.default_rng(3).integers(1, 100, 10**7)
+    big = Documents(np.zeros(int(lengths.sum()), dtype=np.uint16), np.concatenate([[0], np.cumsum(lengths)]))
+    t0 = time.perf_counter()
+    ds = EpochWindowDataset(big, 2048, num_samples=1000, seed=0, identity="big")
+    assert time.perf_counter() - t0 < 10
+    assert ds[999]["input_ids"].shape == (2048,)
+    datasets_module._EPOCH_CACHE.clear()
 
 
 @settings(max_examples=60, deadline=None)
@@ -245,13 +361,84 @@ def test_window_starts_stay_in_range(n, s, count, seed):
     tokens = np.arange(n, dtype=np.uint32)
     if n < s + 1:
         with pytest.raises(ValueError):
-            RandomWindowDataset(tokens, s, count, seed)
+            EpochWindowDataset(Documents.single(tokens), s, count, seed)
         return
-    for ds in (RandomWindowDataset(tokens, s, count, seed), FixedWindowDataset(tokens, s, count)):
-        for i in range(count):
-            item = ds[i]
-            p = int(item["input_ids"][0])  # tokens are positions
-            assert 0 <= p <= n - s - 1 and int(item["labels"][-1]) == p + s
+    epochs = EpochWindowDataset(Documents.single(tokens), s, count, seed)
+    for i in range(count):  # one document: the stream is the tokens over and over
+        item = epochs[i]
+        p = int(item["input_ids"][0])
+        assert 0 <= p < n and item["labels"].tolist() == [(p + k) % n for k in range(1, s + 1)]
+    fixed = FixedWindowDataset(tokens, s, count)
+    for i in range(count):
+        item = fixed[i]
+        p = int(item["input_ids"][0])  # tokens are positions
+        assert 0 <= p <= n - s - 1 and int(item["labels"][-1]) == p + s
+
+
+# ---------------------------------------------------------------------------------------------- blends
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1], [0.5, 0.3, 0.2], [0.01, 0.19, 0.3, 0.5], [3, 1, 1, 1, 1]])
+def test_blend_draws_within_one_sample_of_the_weights_on_every_prefix(weights):
+    w = np.asarray(weights, float) / sum(weights)
+    dataset_index, sample_index = blending_indices(w, 1000)
+    counts = np.zeros(len(w))
+    for i, d in enumerate(dataset_index):
+        assert sample_index[i] == counts[d]  # the d-th dataset's samples in order
+        counts[d] += 1
+        assert np.all(np.abs(counts - w * (i + 1)) <= 1.0), (i, counts, w * (i + 1))
+    longer = blending_indices(w, 1500)
+    assert np.array_equal(longer[0][:1000], dataset_index) and np.array_equal(longer[1][:1000], sample_index)
+
+
+def test_blended_dataset_items_and_epochs_per_component():
+    small, large = _documents([40] * 10), _documents([50] * 40)  # 400 and 2000 tokens
+    s, n = 8, 300
+    needed = BlendedDataset.samples_needed([0.5, 0.5], n)
+    assert needed == [150, 150]
+    parts = [EpochWindowDataset(d, s, k, seed=i) for i, (d, k) in enumerate(zip((small, large), needed))]
+    blend = BlendedDataset(parts, [1, 1], n)
+    assert [len(p) for p in parts] == needed and len(blend) == n
+    for i in (0, 1, 2, 299):
+        d, k = int(blend.dataset_index[i]), int(blend.dataset_sample_index[i])
+        assert torch.equal(blend[i]["input_ids"], parts[d][k]["input_ids"])
+    counts = blend.samples_per_dataset(100)
+    assert list(counts) == [50, 50]
+    assert parts[0].epochs_consumed(50) == pytest.approx(1.0) and parts[1].epochs_consumed(50) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="component 1 has 10 samples"):
+        BlendedDataset([parts[0], EpochWindowDataset(large, s, 10, seed=0)], [1, 1], n)
+
+
+@pytest.mark.parametrize(
+    "data_path, message",
+    [
+        ([0.5, "a.bin", 0.5], "3 entries"),
+        ([0.5, "a.bin", 0.0, "b.bin"], "weight 0.0 must be"),
+        ([0.5, "a.bin", -1, "b.bin"], "weight -1 must be"),
+        ([0.5, "a.bin", "x", "b.bin"], "weight 'x' is not a number"),
+        ([0.5, "a.bin", 0.5, 7], "entry 7 is not a path"),
+    ],
+)
+def test_bad_blends_are_refused_in_one_line(data_path, message):
+    with pytest.raises(ValueError, match=message) as info:
+        LMDataModule(data_path=data_path)
+    assert "\n" not in str(info.value)
+
+
+def test_datamodule_blend_of_token_files(tmp_path, caplog):
+    web = write_token_file(tmp_path / "web.bin", np.full(3000, 1), 256, "byte")
+    code = write_token_file(tmp_path / "code.bin", np.full(1000, 2), 256, "byte")
+    dm = LMDataModule(data_path=[3, str(web), 1, str(code)], seq_length=8, micro_batch_size=4, train_samples=400)
+    dm.setup("fit")
+    assert dm.num_train_tokens == 2850 + 950  # each holds out its last 5% for validation
+    assert dm.num_val_tokens == 150 + 50
+    first = [int(dm.train_dataset[i]["input_ids"][0]) for i in range(400)]
+    assert first.count(1) == 300 and first.count(2) == 100
+    assert (tmp_path / "web.bin.index").is_dir() and (tmp_path / "code.bin.index").is_dir()
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        dm._log_epochs(400)
+    message = caplog.text
+    assert "web.bin" in message and f"{300 * 8 / 2850:.3f} epochs" in message and f"{100 * 8 / 950:.3f}" in message
 
 
 def test_fixed_windows_are_evenly_spaced_and_cover_the_corpus():
@@ -269,12 +456,12 @@ def test_memmap_dataset_pickles_by_reference(tmp_path):
     path = write_token_file(tmp_path / "c.bin", tokens, 256, "byte")
     mm, _ = read_token_file(path)
     for part in (mm, mm[150_000:]):
-        ds = RandomWindowDataset(part, seq_length=64, num_samples=16, seed=1)
+        ds = EpochWindowDataset(Documents.single(part), seq_length=64, num_samples=16, seed=1)
         blob = pickle.dumps(ds)
         assert len(blob) < 10_000  # the tokens are re-opened from the file, not copied
         clone = pickle.loads(blob)
         assert all(torch.equal(clone[i]["input_ids"], ds[i]["input_ids"]) for i in range(16))
-    in_memory = RandomWindowDataset(tokens, seq_length=64, num_samples=4, seed=1)
+    in_memory = EpochWindowDataset(Documents.single(tokens), seq_length=64, num_samples=4, seed=1)
     assert torch.equal(pickle.loads(pickle.dumps(in_memory))[3]["labels"], in_memory[3]["labels"])
 
 
@@ -414,6 +601,9 @@ def test_hf_tokenizer_round_trip(tmp_path):
     tokens = tokenize_files(files, tok)
     assert tokens.dtype == np.uint16
     assert tokens.tolist() == [t for f in files for t in tok.encode(f.read_text())]
+    same, offsets = tokenize_files_with_offsets(files, tok)  # one document per file
+    assert np.array_equal(same, tokens) and offsets[0] == 0 and offsets[-1] == len(tokens)
+    assert [same[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == [tok.encode(f.read_text()) for f in files]
 
 
 def test_load_tokenizer_rejects_unknown_spec(tmp_path):
@@ -623,8 +813,22 @@ def test_datamodule_text_files_and_held_out_tail(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- under a real Trainer
-@pytest.mark.parametrize("stop_at", [3, 4])  # mid-epoch, and exactly at the end of the 4-step epoch
-def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stop_at, resumed_as, by_epochs",
+    [
+        (3, (2, 2), False),  # mid-epoch, (micro_batch_size, accumulate_grad_batches) unchanged
+        (4, (2, 2), False),  # exactly at the end of the 4-step epoch
+        (3, (1, 4), False),
+        (4, (1, 4), False),
+        (3, (4, 1), False),
+        (4, (4, 1), False),
+        (3, (1, 4), True),  # 2 epochs (no max_steps): the loader is built before the loops are restored
+    ],
+)
+def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at, resumed_as, by_epochs):
+    """Saved with micro-batch 2 x 2 accumulated, resumed with the same global batch 4 on any split of it: every
+    optimizer step sees the samples of the straight run's step (8 steps in 2 epochs of 4)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -635,14 +839,16 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
             self.seen: list = []
 
         def training_step(self, batch, batch_idx):
-            self.seen.append(batch["input_ids"][:, :4].tolist())
+            self.seen.append((self.trainer.global_step, batch["input_ids"][:, :4].tolist()))
             return (self.w * batch["input_ids"].float().mean()).sum()
 
         def configure_optimizers(self):
+            if by_epochs:  # builds the training loader during setup, before Lightning restores its loops
+                assert self.trainer.estimated_stepping_batches > 0
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
-    def fit(max_steps, ckpt_dir=None, ckpt_path=None):
-        dm = LMDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, train_samples=16, seed=5)
+    def fit(max_steps, ckpt_dir=None, ckpt_path=None, micro=2, accumulate=2):
+        dm = LMDataModule(seq_length=16, micro_batch_size=micro, global_batch_size=4, train_samples=16, seed=5)
         module = Recorder()
         callbacks = (
             [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_last=True)] if ckpt_dir else []
@@ -650,8 +856,9 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
-            max_steps=max_steps,
-            accumulate_grad_batches=2,
+            max_steps=-1 if by_epochs and max_steps == 8 else max_steps,
+            max_epochs=2 if by_epochs else None,
+            accumulate_grad_batches=accumulate,
             logger=False,
             enable_checkpointing=bool(ckpt_dir),
             enable_progress_bar=False,
@@ -666,13 +873,21 @@ def test_resume_sees_the_same_batches_as_a_straight_run(tmp_path, stop_at):
         assert isinstance(loader.sampler, DistributedSampler) and not loader.sampler.shuffle
         return module.seen, dm.train_dataset
 
-    straight, ds = fit(6)
-    assert len(straight) == 12  # 6 steps x 2 accumulated micro-batches, across the epoch boundary (4 steps)
-    in_order = [[ds[i]["input_ids"][:4].tolist(), ds[i + 1]["input_ids"][:4].tolist()] for i in range(0, 16, 2)]
-    assert straight == in_order + in_order[:4]  # index order, and the second epoch repeats the first
+    def per_step(seen):
+        steps = collections.defaultdict(collections.Counter)
+        for step, rows in seen:
+            steps[step].update(tuple(r) for r in rows)
+        return dict(steps)
+
+    straight, ds = fit(8)
+    assert len(straight) == 16  # 8 steps x 2 accumulated micro-batches, across the epoch boundary (4 steps)
+    in_order = [[ds[i]["input_ids"][:4].tolist(), ds[i + 1]["input_ids"][:4].tolist()] for i in range(0, 32, 2)]
+    assert [rows for _, rows in straight] == in_order  # index order; the second epoch continues with the next samples
     first, _ = fit(stop_at, ckpt_dir=tmp_path)
-    second, _ = fit(6, ckpt_path=str(tmp_path / "last.ckpt"))
-    assert first + second == straight
+    micro, accumulate = resumed_as
+    second, _ = fit(8, ckpt_path=str(tmp_path / "last.ckpt"), micro=micro, accumulate=accumulate)
+    assert len(second) == (8 - stop_at) * accumulate
+    assert per_step(first + second) == per_step(straight)
 
 
 _DDP_SCRIPT = """
@@ -734,3 +949,75 @@ def test_global_batches_under_real_lightning_ddp(tmp_path):
             tuple(row) for record in records for batch in record["seen"][2 * step : 2 * step + 2] for row in batch
         )
         assert got == collections.Counter(tuple(w) for w in dataset[8 * step : 8 * step + 8])
+
+
+# ---------------------------------------------------------------------------------------------- resume on any layout
+#: the saving layout (global batch 12: dp4 x micro-batch 1 x 3 accumulated) and the layouts that resume it after step
+#: 4 of 8, with their world sizes; run_layouts.py derives the micro-batch as 12 / (dp x accum x m)
+_SAVED = {"name": "dp4a3", "dp": 4, "accum": 3}
+_RESUMED = [
+    ({"name": "dp3a4", "from": "dp4a3", "dp": 3, "accum": 4}, 3),
+    ({"name": "dp2b2a3", "from": "dp4a3", "dp": 2, "accum": 3}, 2),
+    ({"name": "pp2dp2m6", "from": "dp4a3", "dp": 2, "pp": 2, "m": 6}, 4),
+]
+_ARGS = ["--steps", "8", "--global-batch", "12", "--seq-length", "16", "--model", "tiny-test"]
+
+
+def _step_samples(records: list, key: str) -> dict:
+    """optimizer step -> multiset of the sequences (their first 8 tokens) all data-parallel ranks trained on; the
+    ranks of one dp rank (tp, pp, cp peers) read the same batch and count once."""
+    steps: dict = collections.defaultdict(collections.Counter)
+    seen_dp = set()
+    for record in records:
+        batches = record[key]
+        dp_rank = batches[0][1] if batches else None
+        if dp_rank in seen_dp:
+            continue
+        seen_dp.add(dp_rank)
+        for step, _, rows in batches:
+            steps[step].update(tuple(r) for r in rows)
+    return dict(steps)
+
+
+def _step_losses(losses: list, steps: list) -> dict:
+    """optimizer step -> its loss: the mean of its batches' logged losses (each the mean over equal-sized slices)."""
+    per: dict = collections.defaultdict(list)
+    for loss, step in zip(losses, steps):
+        per[step].append(loss)
+    return {step: sum(v) / len(v) for step, v in per.items()}
+
+
+@pytest.fixture(scope="module")
+def resumed_on_other_layouts(tmp_path_factory):
+    from tests._launch import SCRIPTS, torchrun
+
+    out = tmp_path_factory.mktemp("layouts")
+    script = SCRIPTS / "run_layouts.py"
+    torchrun(4, script, "--out", str(out), "--reshard", "first", "--layouts", json.dumps([_SAVED]), *_ARGS)
+    for layout, world in _RESUMED:
+        torchrun(world, script, "--out", str(out), "--reshard", "resume", "--layouts", json.dumps([layout]), *_ARGS)
+    saved = [json.loads(p.read_text()) for p in sorted(out.glob("dp4a3_first_rank*.json"))]
+    resumed = {
+        layout["name"]: [json.loads(p.read_text()) for p in sorted(out.glob(f"{layout['name']}_resume_rank*.json"))]
+        for layout, _ in _RESUMED
+    }
+    return saved, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [layout["name"] for layout, _ in _RESUMED])
+def test_resume_on_any_layout_sees_the_same_samples_and_losses(resumed_on_other_layouts, name):
+    """8 steps of global batch 12 on dp4 x 3 accumulated, resumed after step 4 on dp3 x 4 accumulated, on dp2 x
+    micro-batch 2 x 3 accumulated and on pp2 x dp2 (6 pipeline micro-batches): steps 5-8 train on the straight run's
+    samples, with its losses (fp32)."""
+    saved, resumed = resumed_on_other_layouts
+    straight_samples = _step_samples(saved, "straight_samples")
+    assert sorted(straight_samples) == list(range(8)) and all(sum(c.values()) == 12 for c in straight_samples.values())
+    records = resumed[name]
+    samples = _step_samples(records, "samples")
+    assert sorted(samples) == [4, 5, 6, 7]
+    for step in range(4, 8):
+        assert samples[step] == straight_samples[step], f"{name}: step {step + 1} trained on other samples"
+    straight = _step_losses(saved[0]["straight"], saved[0]["straight_loss_steps"])
+    losses = _step_losses(records[0]["resumed"], records[0]["loss_steps"])
+    assert [losses[k] for k in range(4, 8)] == pytest.approx([straight[k] for k in range(4, 8)], rel=1e-6)

@@ -391,3 +391,35 @@ def test_a_crash_mid_write_leaves_the_old_output_and_a_rerun_removes_the_stale_t
     assert sorted(Path(line.split("'")[1]).name for line in removed) == stale
     assert sorted(p.name for p in out.parent.iterdir()) == sorted(before)
     assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before  # the same corpus, the same bytes
+
+
+def test_the_data_module_trains_on_the_documents_prepare_data_wrote(tmp_path, capsys, tokenizer_path):
+    """``LMDataModule(data_path=OUT.bin)`` reads a prepared pair as its documents (each record one document, ending in
+    EOS): its epoch is cut from them; a pair without the metadata file (Megatron's own) is read after its ids are
+    checked against the tokenizer's vocabulary, and an id outside it is one clear error."""
+    from lightning_4d.data import LMDataModule
+
+    texts = [f"record {i} " + "abc " * (i % 7 + 3) for i in range(80)]
+    out = tmp_path / "c.bin"
+    source = _write_jsonl(tmp_path / "corpus.jsonl", texts)
+    argv = ["--input", str(source), "--output", str(out), "--tokenizer", str(tokenizer_path)]
+    code, _, err = _run(capsys, *argv, "--val-fraction", "0.2", "--workers", "1")
+    assert code == 0, err
+    data = LMDataModule(str(out), tokenizer=str(tokenizer_path), seq_length=8, micro_batch_size=2, val_samples=2)
+    data.setup("fit")
+    (train,) = data._train_docs
+    expected, _ = read_documents(out)
+    assert len(train) == len(expected) > 40 and train.offsets.tolist() == expected.offsets.tolist()
+    assert train.eos_id == 2 and all(train.document(d)[-1] == 2 for d in range(len(train)))
+    assert data.num_val_tokens == read_documents(tmp_path / "c.val.bin")[0].num_tokens
+    batch = next(iter(data.train_dataloader()))
+    assert batch["input_ids"].shape == (2, 8) and int(batch["input_ids"].max()) < data.vocab_size
+
+    (tmp_path / "c.json").unlink()  # a pair as Megatron's preprocess_data.py writes it: no tokenizer recorded
+    (tmp_path / "c.val.json").unlink()
+    data = LMDataModule(str(out), tokenizer=str(tokenizer_path), seq_length=8, micro_batch_size=2, val_samples=2)
+    data.setup("fit")
+    assert len(data._train_docs[0]) == len(expected)
+    _pair(tmp_path, [[1, 2, 3000], [4]])  # p.bin: an id beyond the byte tokenizer's 256
+    with pytest.raises(ValueError, match="token id 3000"):
+        LMDataModule(str(tmp_path / "p.bin"), seq_length=2, micro_batch_size=1, val_samples=1).setup("fit")

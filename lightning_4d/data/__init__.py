@@ -1,5 +1,6 @@
 """Data for causal-LM pretraining: tokenizers, the embedded corpus (the Python standard library's source), token
-files and Megatron-Core indexed datasets (``lightning-4d prepare-data``), layout-independent window datasets and
+files and Megatron-Core indexed datasets (``lightning-4d prepare-data``), window datasets that visit every token
+once per epoch, weighted blends and
 :class:`LMDataModule`.
 
 Shapes and units: token ids are ints in ``[0, vocab_size)``, stored as ``uint16`` (``vocab_size <= 65536`` in a token
@@ -17,19 +18,31 @@ from lightning_4d.data.corpus import (
     unigram_entropy,
 )
 from lightning_4d.data.datamodule import LMDataModule
-from lightning_4d.data.datasets import FixedWindowDataset, RandomWindowDataset, ResumableDataLoader
+from lightning_4d.data.datasets import (
+    BlendedDataset,
+    EpochWindowDataset,
+    FixedWindowDataset,
+    GlobalBatchSampler,
+    ResumableDataLoader,
+    blending_indices,
+)
+from lightning_4d.data.documents import Documents
 from lightning_4d.data.indexed import read_documents
 from lightning_4d.data.prepare import prepare_data_main
 from lightning_4d.data.token_file import read_token_file, write_token_file
 from lightning_4d.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
+    "BlendedDataset",
     "ByteTokenizer",
+    "Documents",
+    "EpochWindowDataset",
     "FixedWindowDataset",
+    "GlobalBatchSampler",
     "HFTokenizer",
     "LMDataModule",
-    "RandomWindowDataset",
     "ResumableDataLoader",
+    "blending_indices",
     "load_tokenizer",
     "prepare_data_main",
     "read_documents",

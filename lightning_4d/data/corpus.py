@@ -32,6 +32,7 @@ __all__ = [
     "stdlib_root",
     "token_dtype",
     "tokenize_files",
+    "tokenize_files_with_offsets",
     "unigram_entropy",
 ]
 
@@ -377,3 +378,52 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: Optional[int] = None, chunk_
             counts += c
     p = counts[counts > 0] / tokens.size
     return float(-(p * np.log(p)).sum())
+
+
+def tokenize_files_with_offsets(
+    files: Sequence[Union[str, os.PathLike]], tokenizer, progress: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`tokenize_files` and where each file's tokens start: one document per file.
+
+    The tokens are exactly :func:`tokenize_files`'s. With the byte tokenizer the ``b"\\n"`` joining two files ends the
+    first one's document (it plays the end-of-document token), so document ``d`` is file ``d``'s bytes plus one
+    newline, the last one without; with another tokenizer each file's encoding is one document.
+
+    Returns:
+        ``(tokens, offsets)``: the 1-D token array and int64 ``[len(files) + 1]`` offsets, ``offsets[0] == 0``,
+        ``offsets[-1] == len(tokens)`` (see :class:`~lightning_4d.data.documents.Documents`).
+
+    Raises:
+        ValueError: no files, or a file changed size while it was read.
+        OSError: a file cannot be read.
+    """
+    files = [Path(f) for f in files]
+    if not files:
+        raise ValueError("tokenize_files_with_offsets: no files to tokenize")
+    if hasattr(tokenizer, "encode_bytes"):
+        sizes = np.array([f.stat().st_size for f in files], dtype=np.int64)
+        tokens = tokenize_files(files, tokenizer, progress)
+        lengths = sizes + 1
+        lengths[-1] -= 1
+        offsets = np.zeros(len(files) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if offsets[-1] != len(tokens):
+            raise ValueError(f"tokenize_files_with_offsets: the files changed while read ({len(tokens)} bytes read)")
+        return tokens, offsets
+    dtype = token_dtype(tokenizer.vocab_size)
+    pieces: list = []
+    with _progress_bar(files, progress) as advance:
+        for start in range(0, len(files), 256):
+            texts = []
+            for f in files[start : start + 256]:
+                data = f.read_bytes()
+                texts.append(data.decode("utf-8", errors="replace"))
+                advance(len(data))
+            if hasattr(tokenizer, "encode_batch"):
+                encoded = tokenizer.encode_batch(texts, add_special_tokens=True)
+            else:
+                encoded = [tokenizer.encode(t) for t in texts]
+            pieces.extend(np.asarray(ids, dtype=dtype) for ids in encoded)
+    offsets = np.zeros(len(files) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in pieces], out=offsets[1:])
+    return np.concatenate(pieces), offsets

@@ -11,12 +11,28 @@ Shapes: ``tokens`` is 1-D of ``N`` integer ids (a :class:`numpy.memmap` is read 
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Documents"]
+__all__ = ["Documents", "memmap_source"]
+
+
+def memmap_source(tokens: np.ndarray) -> Optional[tuple[str, str, int, int]]:
+    """``(filename, dtype, byte offset, length)`` locating a contiguous 1-D memmap (or a slice of one) in its file, so
+    that pickling (DataLoader workers started with ``spawn``/``forkserver``) re-opens the file instead of copying the
+    tokens; None when ``tokens`` is not such an array."""
+    if not isinstance(tokens, np.memmap) or tokens.ndim != 1 or not tokens.flags.c_contiguous:
+        return None
+    base = tokens
+    while isinstance(base.base, np.memmap):
+        base = base.base
+    if not isinstance(base.base, mmap.mmap) or base.filename is None or not base.flags.c_contiguous:
+        return None
+    delta = tokens.ctypes.data - base.ctypes.data
+    return str(base.filename), tokens.dtype.str, int(base.offset) + int(delta), int(tokens.shape[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,10 +92,8 @@ class Documents:
 
     def __getstate__(self) -> dict[str, Any]:
         # a memory-mapped corpus is re-opened in DataLoader workers, not copied into them
-        from lightning_4d.data.datasets import _memmap_source
-
         state = dict(self.__dict__)
-        source = _memmap_source(self.tokens)
+        source = memmap_source(self.tokens)
         if source is not None:
             state["tokens"], state["_tokens_source"] = None, source
         return state

@@ -55,6 +55,10 @@ class Recorder(L.Callback):
         self.record_norm = record_norm
         self.losses: list[float] = []
         self.bytes: dict[str, int] = {}
+        #: per batch: [optimizer step, data-parallel rank, the first 8 tokens of each of its sequences]
+        self.samples: list = []
+        self.loss_steps: list[int] = []
+        self._step = 0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.record_norm and not hasattr(trainer.strategy, "parallel_config"):  # plain Lightning: torch's norm
@@ -88,6 +92,9 @@ class Recorder(L.Callback):
         )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step = trainer.global_step
+        dp_rank = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        self.samples.append([self._step, dp_rank.get("rank", 0), batch["input_ids"][:, :8].tolist()])
         # gradients alive when a batch's forward starts (a step's first micro-batch: none under FourDStrategy)
         alive = sum(p.grad is not None for p in pl_module.parameters())
         self.bytes.setdefault("grads_at_batch_start", []).append(alive)
@@ -99,6 +106,7 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.loss_steps.append(self._step)  # the optimizer step this batch belongs to
         if "train_aux_loss" in trainer.callback_metrics:  # MoE: the load-balancing loss and routing statistics
             self.bytes.setdefault("aux_losses", []).append(float(trainer.callback_metrics["train_aux_loss"]))
             self.bytes.setdefault("tokens_per_expert_max", []).append(
@@ -286,7 +294,8 @@ def reshard(layouts: list, args: argparse.Namespace, out: Path) -> None:
     of the same ``name`` (saved on another layout) to ``args.steps``. One JSON record per layout and rank, and the
     final weights of the straight and the resumed runs (``<name>_straight_weights.pt``, ``<name>_resumed_weights.pt``;
     under pp one ``..._weights_rank<r>.pt`` per rank).
-    ``--no-straight``: the first half only (the caller compares with a reference run of its own)."""
+    ``--no-straight``: the first half only (the caller compares with a reference run of its own). A resumed layout
+    with a ``"from"`` key resumes from that name's checkpoint instead (its batches' samples are recorded too)."""
     rank = int(os.environ.get("RANK", "0"))
     for i, layout in enumerate(layouts):
         name = layout["name"]
@@ -295,11 +304,15 @@ def reshard(layouts: list, args: argparse.Namespace, out: Path) -> None:
             straight = None if args.no_straight else run_one(layout, args, out, i, weights_as=f"{name}_straight")
             first = run_one(layout, args, out, i, max_steps=args.steps // 2, ckpt_dir=out / name)
             record = {"straight": straight.losses if straight else None, "first": first.losses}
+            if straight is not None:
+                record["straight_samples"] = straight.samples
+                record["straight_loss_steps"] = straight.loss_steps
         else:
+            source = layout.get("from", name)
             second = run_one(
-                layout, args, out, i, ckpt_path=str(out / name / "last.ckpt"), weights_as=f"{name}_resumed"
+                layout, args, out, i, ckpt_path=str(out / source / "last.ckpt"), weights_as=f"{name}_resumed"
             )
-            record = {"resumed": second.losses}
+            record = {"resumed": second.losses, "samples": second.samples, "loss_steps": second.loss_steps}
         (out / f"{name}_{args.reshard}_rank{rank}.json").write_text(json.dumps({"layout": layout, **record}))
 
 
