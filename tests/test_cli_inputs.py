@@ -181,6 +181,10 @@ FIT_BAD_INPUT = [
     (["--ckpt_path", "http://example.com/last.ckpt"], ["'http://example.com/last.ckpt' is a URL", "local files"]),
     (["--ckpt_path", "https://example.com/x.ckpt", "--trainer.strategy=auto"], ["is a URL"]),
     (["--weights_only=false"], ["--weights_only=false is not honoured"]),
+    (["--data.data_path=[-0.5, x.bin, 1.5, y.bin]"], ["blend weight -0.5", "> 0"]),
+    (["--data.data_path=[0.5, x.bin, 0.5]"], ["3 entries", "[weight, path, weight, path, ...]"]),
+    # the fixture writes corrupt.bin with an index that is not Megatron's
+    (["--data.data_path=corrupt.bin"], ["corrupt.idx"]),
     # the fixture puts a crafted checkpoint where configs/tiny.yaml's ModelCheckpoint keeps last.ckpt
     (["--ckpt_path", "last"], ["--ckpt_path last", "checkpoints/tiny/last.ckpt"]),
     (["--ckpt_path", "last", "--trainer.strategy=auto", "--trainer.devices=1"], ["checkpoints/tiny/last.ckpt"]),
@@ -207,6 +211,8 @@ def fit_bad_input_runs(tmp_path_factory):
         ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.logger=false", *e]
         for e in [e for e, _ in FIT_BAD_INPUT] + extra
     ]
+    (cwd / "corrupt.bin").write_bytes(bytes(64))
+    (cwd / "corrupt.idx").write_bytes(b"not an index")
     (cwd / "checkpoints" / "tiny").mkdir(parents=True)
     crafted_file(cwd / "checkpoints" / "tiny" / "last.ckpt", cwd / "code_ran")
     proc = subprocess.run(
