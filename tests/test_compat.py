@@ -82,6 +82,19 @@ def test_train_data_source_of_a_trainer():
     assert _compat.train_data_source(object()) is None
 
 
+def test_fit_loop_keeps_its_training_loader_where_forget_train_loader_clears_it():
+    """``trainer.fit_loop._combined_loader`` exists (None before ``fit``); ``forget_train_loader`` sets it to None so
+    the loop builds the loader again (what the data module does when a checkpoint's data position arrives)."""
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert hasattr(trainer.fit_loop, _compat.FIT_LOOP_LOADER), "Lightning's fit loop lost _combined_loader"
+    setattr(trainer.fit_loop, _compat.FIT_LOOP_LOADER, object())
+    _compat.forget_train_loader(trainer)
+    assert getattr(trainer.fit_loop, _compat.FIT_LOOP_LOADER) is None
+    _compat.forget_train_loader(object())  # no fit loop: nothing to do
+
+
 @pytest.fixture(scope="module")
 def single_rank_group():
     """A one-rank gloo process group (pipeline stages need one), destroyed afterwards."""

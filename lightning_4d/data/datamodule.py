@@ -64,6 +64,7 @@ from lightning_4d.data.documents import Documents
 from lightning_4d.data.indexed import check_token_ids, read_documents
 from lightning_4d.data.token_file import read_token_metadata, val_token_path
 from lightning_4d.data.tokenizers import load_tokenizer
+from lightning_4d.parallel._compat import forget_train_loader
 
 __all__ = ["LMDataModule", "load_stdlib_documents", "read_documents_file"]
 
@@ -570,9 +571,7 @@ class LMDataModule(L.LightningDataModule):
             # A training loader created before the restore (``trainer.estimated_stepping_batches`` in
             # ``configure_optimizers`` builds it during ``strategy.setup``, which FourDStrategy runs before restoring)
             # would be kept by the fit loop: have the fit loop request it again, after its counters are restored.
-            fit_loop = getattr(self.trainer, "fit_loop", None)
-            if getattr(fit_loop, "_combined_loader", None) is not None:
-                fit_loop._combined_loader = None
+            forget_train_loader(self.trainer)
 
     def _restore(self, state: dict[str, Any]) -> None:
         """Continue at the checkpoint's sample ``c = consumed_samples`` on this layout: the next pass yields the

@@ -125,6 +125,21 @@ def train_data_source(trainer: Any) -> Any:
     return None if loop is None else loop._data_source
 
 
+#: the fit loop's attribute holding the training loader it built (``trainer.fit_loop._combined_loader``, Lightning's
+#: ``CombinedLoader``); ``tests/test_compat.py`` checks it exists
+FIT_LOOP_LOADER = "_combined_loader"
+
+
+def forget_train_loader(trainer: Any) -> None:
+    """Make the fit loop request the training loader again at its next ``setup_data`` (``trainer.fit_loop.
+    _combined_loader = None``): a loader built before a checkpoint's data position was restored (``trainer.
+    estimated_stepping_batches`` builds it during the strategy's setup) would otherwise be kept. No-op without a fit
+    loop or before it built one."""
+    loop = getattr(trainer, "fit_loop", None)
+    if loop is not None and getattr(loop, FIT_LOOP_LOADER, None) is not None:
+        setattr(loop, FIT_LOOP_LOADER, None)
+
+
 def resolve_ckpt_path(trainer: Any, fn: str, ckpt_path: Any, model_provided: bool = True) -> Any:
     """The file or folder Lightning's ``trainer.<fn>(ckpt_path=...)`` would load: ``"last"``, ``"hpc"``, ``"best"``
     and ``"registry"`` resolved as Lightning does (``trainer._checkpoint_connector._parse_ckpt_path``, its
