@@ -22,7 +22,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 #: every subcommand with its one-line description, in the order ``lightning-4d --help`` lists them (the first four
 #: are LightningCLI's; the others are ours, dispatched before LightningCLI is imported)
@@ -165,6 +165,32 @@ def _check_local_checkpoint(path: Any) -> None:
     check_checkpoint(path)
 
 
+def _merge_checkpoint_hyper_parameters(cli: Any, merge: Callable[[], None]) -> None:
+    """Lightning's merge (``merge``: ``LightningCLI._parse_ckpt_path``) of a full checkpoint file's
+    ``hyper_parameters`` over the model's arguments in ``cli.config``, but never of
+    :data:`_FILE_HPARAMS_NEVER_MERGED` (a resume restores the weights from the checkpoint itself; a file must not make
+    the run read another), and each argument the file changes named in one line on stderr, not applied silently."""
+    command = cli.config.get("subcommand")
+    model = cli.config[command].get("model") if command else None
+    if not hasattr(model, "clone"):
+        merge()
+        return
+    before = model.clone()
+    merge()
+    merged = cli.config[command].get("model")
+    if not hasattr(merged, "items"):
+        return
+    for key in _FILE_HPARAMS_NEVER_MERGED:
+        merged[key] = before.get(key)
+    changed = [
+        f"{key}={merged.get(key)!r} (was {before.get(key)!r})"
+        for key in sorted(k for k in dict(merged.items()) if merged.get(k) != before.get(k))
+    ]
+    if changed:
+        line = f"lightning-4d {command}: the checkpoint's hyper_parameters set --model." + ", ".join(changed)
+        print(line, file=sys.stderr)
+
+
 def _checked_cli() -> type:
     """``LightningCLI`` that, once the arguments are parsed and before Lightning reads ``--ckpt_path`` or anything
     is built, refuses a ``--ckpt_path`` or ``--model.init_from`` checkpoint that is a URL or holds more than plain
@@ -209,28 +235,7 @@ def _checked_cli() -> type:
                 sys.exit(2)
 
         def _parse_ckpt_path(self) -> None:
-            # Lightning merges a full-file checkpoint's hyper_parameters over the model's arguments; a file's
-            # init_from is never followed (resuming restores the weights from the checkpoint itself), and each
-            # argument the file changes is named, not applied silently
-            command = self.config.get("subcommand")
-            model = self.config[command].get("model") if command else None
-            before = {k: model.get(k) for k in _FILE_HPARAMS_NEVER_MERGED} if hasattr(model, "get") else {}
-            snapshot = model.clone() if hasattr(model, "clone") else None
-            super()._parse_ckpt_path()
-            merged = self.config[command].get("model") if command else None
-            if snapshot is None or not hasattr(merged, "items"):
-                return
-            for key, value in before.items():
-                merged[key] = value
-            changed = [
-                f"{key}={merged.get(key)!r} (was {snapshot.get(key)!r})"
-                for key in sorted(k for k in dict(merged.items()) if merged.get(k) != snapshot.get(k))
-            ]
-            if changed:
-                print(
-                    f"lightning-4d {command}: the checkpoint's hyper_parameters set --model." + ", ".join(changed),
-                    file=sys.stderr,
-                )
+            _merge_checkpoint_hyper_parameters(self, super()._parse_ckpt_path)
 
         def _run_subcommand(self, subcommand: str) -> None:
             # "last", "hpc", "best", "registry": resolved as Lightning will (its ModelCheckpoint lookup) and checked

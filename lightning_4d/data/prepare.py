@@ -407,8 +407,36 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
         "append_eod": args.append_eod,
         "val_fraction": args.val_fraction,
     }
-    splits = [_Output(output, encoder.dtype), _Output(val_path(output), encoder.dtype) if args.val_fraction else None]
     start = time.perf_counter()
+    try:
+        written, num_bytes = _write_splits(inputs, encoder, args, meta)
+    except (OSError, ValueError) as e:
+        return fail(str(e))
+    _commit(written, outputs)
+    seconds = time.perf_counter() - start
+    parts = [f"{str(s.path)}: {s.writer.num_tokens:,} tokens in {s.writer.num_documents:,} documents" for s in written]
+    if args.val_fraction > 0 and len(written) == 1:
+        parts.append(f"no document fell into validation (LMDataModule will hold out the last 5% of {output.name})")
+    eos = f", end-of-document {tokenizer.eos_id}" if args.append_eod else ""
+    rate = f"{num_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s"
+    parts.append(
+        f"{len(inputs):,} input files, {num_bytes:,} bytes in {seconds:.1f} s ({rate}, {args.workers} workers)"
+    )
+    print(f"prepare-data ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size:,}{eos}): " + "; ".join(parts))
+    return 0
+
+
+def _write_splits(inputs: list, encoder: "Encoder", args: argparse.Namespace, meta: dict) -> tuple[list, int]:
+    """Tokenize ``inputs`` into the temporary files of the training split and (``--val-fraction > 0``) the validation
+    split; returns ``(the splits written, input bytes read)``. On any error every temporary file is removed (the
+    outputs stay as they were) and the error propagates.
+
+    Raises:
+        InputError: (a ``ValueError``) no documents, or every document fell into validation; what the records,
+            the tokenizer or the file system raise.
+    """
+    output = Path(args.output)
+    splits = [_Output(output, encoder.dtype), _Output(val_path(output), encoder.dtype) if args.val_fraction else None]
     try:
         documents, num_bytes = _tokenize(inputs, encoder, args, splits)
         train, val = splits
@@ -424,31 +452,19 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
         for split in (train, val):
             if split is not None:
                 split.finish({**meta, "split": "train" if split is train else "validation"})
-    except (OSError, ValueError) as e:
-        for split in splits:
-            if split is not None:
-                split.discard()
-        return fail(str(e))
     except BaseException:
         for split in splits:
             if split is not None:
                 split.discard()
         raise
-    # commit: the data files first, the metadata last; then what an earlier run left that this one did not rewrite
-    written = [s for s in splits if s is not None]
+    return [s for s in splits if s is not None], num_bytes
+
+
+def _commit(written: list, outputs: list[Path]) -> None:
+    """Rename the written splits' temporary files into place, the data files first and the metadata last; then
+    remove what an earlier run left among ``outputs`` that this one did not rewrite."""
     for index in (0, 1, 2):
         for split in written:
             os.replace(split.temp[index], split.final[index])
     kept = {p for s in written for p in s.final}
     _remove([p for p in outputs if p not in kept])
-    seconds = time.perf_counter() - start
-    parts = [f"{str(s.path)}: {s.writer.num_tokens:,} tokens in {s.writer.num_documents:,} documents" for s in written]
-    if args.val_fraction > 0 and len(written) == 1:
-        parts.append(f"no document fell into validation (LMDataModule will hold out the last 5% of {output.name})")
-    eos = f", end-of-document {tokenizer.eos_id}" if args.append_eod else ""
-    rate = f"{num_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s"
-    parts.append(
-        f"{len(inputs):,} input files, {num_bytes:,} bytes in {seconds:.1f} s ({rate}, {args.workers} workers)"
-    )
-    print(f"prepare-data ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size:,}{eos}): " + "; ".join(parts))
-    return 0

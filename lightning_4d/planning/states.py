@@ -185,8 +185,7 @@ def model_state_bytes(
             at ZeRO 1 a rank owns its 1/D of every bucket.
         tp_rank: the tp rank: under tp the parameters replicated over tp (an MoE layer's,
             :mod:`lightning_4d.planning.expert_costs`) are ZeRO 1-sharded over ``dp·cp·tp`` ranks (those split over ep
-            over
-            ``dp·cp·tp/ep``), where the tp rank picks the range.
+            over ``dp·cp·tp/ep``), where the tp rank picks the range.
 
     Returns:
         :class:`ModelStates`.
