@@ -162,6 +162,14 @@ ROWS: list[Row] = [
         "neither FourDStrategy nor Lightning's ModelParallelStrategy provides. Use one of ['32-true', 'bf16-mixed', "
         "'bf16-true'] ('bf16-mixed' trains at the speed of float16 on Ampere and newer GPUs, with no scaler).",
     ),
+    Row(
+        "resume-data-other-layout",
+        "a dp4 checkpoint (b1, 3 accumulated) resumed at dp3 x 4, dp2 b2 x 3 and pp2 dp2 m6: the data position in "
+        "consumed samples, the same samples and losses as the straight run",
+        {"dp": 4, "micro_batch_size": 1, "precision": "32-true"},
+        cpu_tests=("tests/test_data.py::test_resume_on_any_layout_sees_the_same_samples_and_losses",),
+        smoke_skip="a resume on another layout is two runs; the smoke runner measures one",
+    ),
     # ---------------------------------------------------------------- tp / sp
     Row(
         "tp2-sp",

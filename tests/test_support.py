@@ -22,8 +22,8 @@ def _row_ids(rows):
 def test_rows_are_unique_and_use_the_small_presets():
     ids = _row_ids(support.ROWS)
     assert len(ids) == len(set(ids)), ids
-    # a bound that catches a generator gone wrong (the matrix grows by a few rows per feature; 75 rows in 2026-11)
-    assert 30 <= len(ids) <= 100
+    # a bound that catches a generator gone wrong (the matrix grows by a few rows per feature; 101 rows now)
+    assert 30 <= len(ids) <= 150
     for row in support.ROWS:
         opts = row.options()
         assert opts["model"] in ("small", "small-tied", "tiny-moe") and opts["seq_length"] <= 2048, row.id
