@@ -5,8 +5,7 @@ so a restructuring of the package can show that every estimate, plan and CLI out
     python benchmarks/layout_sweep.py --out /tmp/after.txt --compare /tmp/before.txt
 
 Each case is one `lightning-4d estimate|plan` command line run in this process (`lightning_4d.planning.commands.main`),
-its
-exit code, its stdout and its stderr; the file holds them in order. `--cases N` sets the number of sampled estimate
+its exit code, its stdout and its stderr; the file holds them in order. `--cases N` sets the number of sampled estimate
 cases (default 600: about two minutes on one core); plans are a fixed list. Exits 1 when `--compare` finds a
 difference, naming the first differing case.
 """

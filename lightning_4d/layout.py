@@ -13,8 +13,7 @@ from :data:`LAYOUT_FIELDS`, never written out elsewhere:
 - the planner's layout (``planning/step_time.Layout``, ``planning/planner.Candidate``: :func:`planned_dataclass`,
   :func:`plan_values`, :func:`config_of_plan`);
 - the layout options of ``lightning-4d estimate|plan|measure`` (``planning/commands.py``), the ``ParallelConfig`` they
-  build
-  (:func:`config_kwargs_from_args`), the support rows' ``measure`` flags (:func:`measure_flags`);
+  build (:func:`config_kwargs_from_args`), the support rows' ``measure`` flags (:func:`measure_flags`);
 - the one writer from a layout to ``FourDStrategy`` arguments (:func:`strategy_arguments`): the pasteable line of
   the pre-fit check's refusal and of ``estimate``'s suggestions, and ``plan --emit-config``'s ``init_args``;
 - the layout a sharded checkpoint saves (:func:`saved_layout`) and the one ``estimate`` reports

@@ -94,8 +94,8 @@ def rank_coordinates(pc: ParallelConfig, rank: int) -> dict[str, int]:
 def worst_rank(workload: Workload, pc: ParallelConfig, device_type: str = "cuda") -> int:
     """The global rank (dp, cp and tp coordinates 0: rank 0 of ``dp_cp`` holds the largest ZeRO shard) of the pp
     rank whose estimated peak is the largest for ``workload``
-    (:func:`~lightning_4d.planning.model.estimate_all_pp_ranks`;
-    its ``expert_load_imbalance`` as :func:`measure_rank` takes it)."""
+    (:func:`~lightning_4d.planning.model.estimate_all_pp_ranks`; its ``expert_load_imbalance`` as :func:`measure_rank`
+    takes it)."""
     estimates = estimate_all_pp_ranks(workload, pc, device_type=device_type)
     pp_rank = max(range(pc.pp), key=lambda r: estimates[r].total)
     return pp_rank * pc.dp * pc.cp * pc.tp

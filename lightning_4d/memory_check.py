@@ -194,8 +194,8 @@ class MemoryEstimatorCallback(L.Callback):
             assumes (:func:`~lightning_4d.planning.model.estimate_memory`: the rows the most loaded ep rank receives
             over the balanced figure, >= 1.0); default ``None``:
             :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE`.
-            ``FourDStrategy(memory_check=True)``
-            adds the callback with the default; add your own ``MemoryEstimatorCallback(expert_load_imbalance=...)``
+            ``FourDStrategy(memory_check=True)`` adds the callback with the default; add your own
+            ``MemoryEstimatorCallback(expert_load_imbalance=...)``
             to the trainer's callbacks to set it (the strategy then adds none).
         host_memory: bytes or a size of the node's host memory, against which ``activation_offload_layers``'s
             host copies are checked (the worst pp rank's ``host_offloaded_activations`` times the processes per

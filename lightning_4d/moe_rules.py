@@ -21,8 +21,7 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
     ``resolve`` and ``validate_model``): without ``model_config`` the rules of the layout alone (the one that needs
     the resolved dp only when ``resolved``), with it those against the model (``model_config``: a
     :class:`~lightning_4d.models.llama_config.LlamaConfig` or any config with ``is_moe`` and ``num_experts``; one
-    without
-    them is dense). What training an MoE model supports today (``docs/moe.md``); the estimator and the planner
+    without them is dense). What training an MoE model supports today (``docs/moe.md``); the estimator and the planner
     follow, so that they propose only layouts ``FourDStrategy`` runs.
 
     Raises:

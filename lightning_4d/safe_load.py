@@ -41,8 +41,7 @@ def trusted_types() -> list[type]:
     """This package's types a checkpoint may hold beside torch's default weights-only set: the model config
     dataclasses (plain data, no code runs when they are built). They are allowed process-wide
     (``torch.serialization.add_safe_globals``, as importing ``lightning_4d.models.llama_config`` does for Lightning's
-    own
-    loads), never through torch's ``safe_globals`` context manager, whose exit removes the types it was given even
+    own loads), never through torch's ``safe_globals`` context manager, whose exit removes the types it was given even
     when they were allowed before it (torch 2.13): every later weights-only load of a checkpoint holding a
     ``LlamaConfig`` (Lightning's ``Trainer.fit(ckpt_path=...)`` with our module) would then fail."""
     from lightning_4d.models.llama_config import LlamaConfig, RopeScaling

@@ -413,8 +413,7 @@ class LlamaModel(MoEModel, nn.Module):
         - MoE layers (:mod:`lightning_4d.models.moe_layer`): ``router`` and the stacked ``w1`` / ``w3`` as the linear
           weights, the output projections ``w2`` as ``feed_forward.w2`` (:meth:`MoEModel.is_residual_output
           <lightning_4d.models.moe_layer.MoEModel.is_residual_output>`; a stacked tensor drawn whole, so ep keeps the
-          same
-          weights);
+          same weights);
         - ``attention.wo`` and ``feed_forward.w2``: ``Normal(0, initializer_range / sqrt(2 * num_layers))``, the
           scaled initialization of the residual-branch output projections (GPT-2, Radford et al. 2019, section 2.3;
           Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053).

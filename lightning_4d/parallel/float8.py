@@ -28,8 +28,7 @@ as on one process. Under sequence parallelism the fused projection that saves on
 (it multiplies the weights outside ``Float8Linear``): the attention's and feed-forward's input is all-gathered
 before their linears, in float8 with ``"tensorwise"`` (which gloo cannot carry: :data:`NO_FLOAT8_COLLECTIVES`), and
 saved whole (``lightning_4d/planning/float8_costs.py``). ``tensor_parallel_overlap``'s rings multiply the weights
-outside
-``Float8Linear`` too: refused with float8 (:class:`~lightning_4d.config.ParallelConfig`).
+outside ``Float8Linear`` too: refused with float8 (:class:`~lightning_4d.config.ParallelConfig`).
 
 At ZeRO 2/3 with ``"tensorwise"`` the converted weights are all-gathered in float8
 (``Float8LinearConfig.enable_fsdp_float8_all_gather``: one byte per element instead of two) and their scales are

@@ -32,8 +32,7 @@ its backward: the trigger is a pre-hook on the autograd node of that next layer'
 pipeline stage); each prefetched storage is shared by the views saved on it and dropped after its last use. The
 device therefore holds one offloaded layer's saved set more during the backward of the layer after it (the memory
 model counts it: :func:`lightning_4d.planning.offload_costs.prefetched_bytes`). A layer with no next layer in its stage
-(the
-last layer of a stage offloaded whole) brings its tensors back node by node, each when its node needs it, waiting
+(the last layer of a stage offloaded whole) brings its tensors back node by node, each when its node needs it, waiting
 for the copy. The step-time model charges only the part of the copies the compute does not hide.
 
 On CPU (tests, ``lightning-4d measure``) the "host" copy is another CPU tensor made outside any

@@ -225,8 +225,8 @@ def recompute_backward(
 ) -> int:
     """Bytes the first backward ops of a checkpointed layer make beside its recomputed set
     (:class:`lightning_4d.planning.buffers.Buffers`'s ``recompute_backward``), and of an offloaded layer
-    (``offloaded``: a
-    stage offloaded whole) beside the saved tensors it brings back. Checkpointed (``T = b·s/cp`` tokens, ``c`` the
+    (``offloaded``: a stage offloaded whole) beside the saved tensors it brings back. Checkpointed (``T = b·s/cp``
+    tokens, ``c`` the
     compute dtype's bytes): the gradient of the layer's output (residual dtype, ``[T, h]``, ``/t`` under sp) and
     ``w2``'s input gradient (``c·T·f/t``), + the larger of the rest of ``w2``'s backward (its weight gradient
     ``c·h·f/t``, and under sp its output gradient all-gathered, ``c·T·h``) and the SwiGLU product's backward after it

@@ -357,8 +357,8 @@ def initialization_bytes(
     """Bytes held at the peak of setup, before the first step (module docstring, **Peak**): the larger of
     initialization (the rank's parameters in their setup dtype + the largest whole float32 parameter of its stages:
     ``families/native_llama.py``'s ``_local_piece`` copies the rank's piece out of a view of it) and the cast that
-    follows
-    the optimizer's setup (setup-dtype parameters + master weights + the compute-dtype copy of the largest parameter
+    follows the optimizer's setup (setup-dtype parameters + master weights + the compute-dtype copy of the largest
+    parameter
     being made; the gradient buckets are made by the first backward)."""
     cfg = as_held(cfg, pc)
     layers = sorted(i for _, r in pc.rank_stages(cfg.num_layers, pp_rank) for i in r)

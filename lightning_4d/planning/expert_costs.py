@@ -208,8 +208,7 @@ def fsdp_shard_dim(p: Param, group: int) -> int:
 def assignments(cfg: Any, tokens: int) -> int:
     """Expert assignments one MoE layer processes for ``tokens`` tokens at balanced load: ``tokens·k`` dropless,
     else at most ``E · capacity`` (``lightning_4d.models.moe_layer.capacity``). Dropless, the count is exact whatever
-    the
-    balance (every assignment is processed on the rank that routed it until expert parallelism exists)."""
+    the balance (every assignment is processed on the rank that routed it until expert parallelism exists)."""
     n = tokens * cfg.num_experts_per_token
     if cfg.capacity_factor is None:
         return n

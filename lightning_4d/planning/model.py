@@ -104,8 +104,8 @@ first one), and the estimate is the largest:
   (:func:`lightning_4d.planning.float8_costs.float8_gathered_saving`). Measured on CPU (small b=2 s=256 dp2 ZeRO 3
   ``bf16-mixed``): the peak at the last layer's ``w2`` input cast, estimate within 0.01% with either recipe;
 - head backward (the last stage under tp with sp;
-  :func:`~lightning_4d.planning.tensor_parallel.head_backward_transient`):
-  the activations (without a layer's recomputed set: none is being recomputed yet) less what the loss' backward freed
+  :func:`~lightning_4d.planning.tensor_parallel.head_backward_transient`): the activations (without a layer's recomputed
+  set: none is being recomputed yet) less what the loss' backward freed
   (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of
   the head's backward (the input gathered again, its gradient and the reduce-scatter's copies, or
   ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with several
@@ -225,14 +225,14 @@ def saved_activation_bytes(
     ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the whole sequence under
     ``context_parallel_method="allgather"``, under ``"alltoall"`` the second copy of the attention output and replicated
     kv heads (:func:`~lightning_4d.planning.context_costs.alltoall_saved_extra`), none for ``"ring"``; under full or
-    selective
-    checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward recomputes, transient:
+    selective checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward recomputes,
+    transient:
     its whole saved set under full checkpointing, its pointwise tensors under selective checkpointing). Under expert
     parallelism an MoE layer's experts run on the rows the rank receives: the balanced figure times
     ``expert_load_imbalance`` (default :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
     :func:`lightning_4d.planning.expert_costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a
-    rank that
-    receives fewer rows than the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks`` (plus the
+    rank that receives fewer rows than the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks``
+    (plus the
     checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under context
     parallelism and selective checkpointing, the figure is that of the cp rank that keeps the most (the last: module
     docstring). Formulas: module docstring.
@@ -451,15 +451,13 @@ def _feature_phases(act: Activations, buf: Buffers, layer_transients: int) -> di
     if buf.float8_backward:
         # float8: a converted linear's backward (its float8 copies and scale arithmetic) once the loss' backward has
         # freed what it saved but the labels (planning/float8_costs.py); under activation checkpointing
-        # (recompute_backward)
-        # in the last layer's backward, its recomputed set alive and the head's saved tensors freed
+        # (recompute_backward) in the last layer's backward, its recomputed set alive and the head's saved tensors freed
         checkpointed = buf.recompute_backward > 0
         held = _after_loss(act, buf, layer_transients) - (act.head_freed if checkpointed else act.recompute)
         phases["float8 backward"] = held + buf.float8_backward
     if buf.float8_forward:
         # float8: the last decoder layer's forward, a converted linear casting its input (planning/float8_costs.py):
-        # every
-        # saved tensor but the head's and the loss' (under checkpointing the layer's set alive as it runs), the
+        # every saved tensor but the head's and the loss' (under checkpointing the layer's set alive as it runs), the
         # previous step's gradient shards (ZeRO 2/3), the gathered parameters (the converted weights in float8 with
         # FSDP2's float8 all-gather)
         in_forward = _in_forward(act, buf, layer_transients, buf.gathered_forward)

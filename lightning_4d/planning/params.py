@@ -2,8 +2,7 @@
 every parameter tensor of them with its tensor-parallel local shape (:func:`stage_params`: ``wq``/``wk``/``wv``/
 ``w1``/``w3``/the head split on rows, ``wo``/``w2`` on columns, the embedding by vocabulary rows, RMSNorm weights
 replicated; an MoE layer's feed-forward from :func:`lightning_4d.planning.expert_costs.layer_params`), as the ranks of
-a layout
-hold them (tied embeddings under pp: :func:`as_held`).
+a layout hold them (tied embeddings under pp: :func:`as_held`).
 
 Pure Python: no torch import.
 """

@@ -94,8 +94,7 @@ Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps
 step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
 
 **Mixture of Experts and expert parallelism**: :mod:`lightning_4d.planning.expert_costs` (its module docstring) adds
-the terms
-of the MoE layers, their all-to-alls and the data-parallel groups of their parameters.
+the terms of the MoE layers, their all-to-alls and the data-parallel groups of their parameters.
 
 Pure Python: no torch import.
 """
@@ -359,8 +358,7 @@ def selective_recomputed_matmul_fraction(model_config: Any, tp: int) -> float:
 def model_dims(cfg: Any) -> tuple[int, ...]:
     """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers, tied) of a model config (E .. MoE layers 0 for a dense
     one: :func:`lightning_4d.planning.expert_costs.model_dims`; tied 1 with ``tie_word_embeddings``, else 0): the
-    ``dims`` of
-    :func:`step_time_of`."""
+    ``dims`` of :func:`step_time_of`."""
     return (
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -567,8 +565,8 @@ def with_float8(
     step: StepTime, cfg: Any, pc: ParallelConfig, b: int, m: int, s: int, gpu: Any, gpus_per_node: int
 ) -> StepTime:
     """``step`` with the decoder layers' matmuls at :data:`~lightning_4d.planning.float8_costs.FLOAT8_MATMUL_SPEEDUP`
-    times
-    their rate (``pc.float8``, not enumerated by the planner): the slowest pp rank's layers, forward + backward and
+    times their rate (``pc.float8``, not enumerated by the planner): the slowest pp rank's layers, forward + backward
+    and
     full checkpointing's recomputed forward; the bubble is not rescaled. A Mixture-of-Experts model (which float8
     refuses) is left as it is."""
     dims = model_dims(cfg)
