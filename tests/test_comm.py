@@ -95,6 +95,7 @@ def _fsdp_units(record, dp: int) -> dict[str, int]:
     return dict(units)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index,gathers", [(2, 1), (3, 2)])
 def test_fsdp_gathers_once_or_twice_and_reduce_scatters_once(measured, index, gathers):
     """ZeRO 2 (reshard_after_forward=False): each unit gathered once per step; ZeRO 3: forward and backward; the

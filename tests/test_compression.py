@@ -77,6 +77,7 @@ def test_bf16_halves_the_gradient_bytes(trained):
     assert bf16_zero1 == none // 4 + none // 2  # bf16 reduce-scatter + the fp32 all-gather of the parameters
 
 
+@pytest.mark.slow
 def test_powersgd_sends_the_low_rank_factors(trained):
     """Per bucket one all-reduce of the vectors (and matrices too small to gain), one of every P [m, r], one of
     every Q [n, r]: float32, 2(D-1)/D of each per rank; at ZeRO 1 the updated parameters are all-gathered as

@@ -236,6 +236,7 @@ def test_cp_activations_within_5_percent(measured):
     print(f"largest cp activation error: {100 * _check_activations(rest):.2f}%")
 
 
+@pytest.mark.slow
 def test_cp_selective_checkpointing_estimates_the_last_cp_rank(measured):
     """Under selective checkpointing every attention kernel call keeps its output, and the calls of a cp rank cover
     more query tokens the higher the rank (ring: rank r attends its whole shard to r earlier blocks and half of it

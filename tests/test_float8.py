@@ -93,6 +93,7 @@ def test_float8_with_checkpointing_and_offload(runs):
     assert all(r["bytes"]["float8_linears"] == CONVERTED for r in (selective, full, offload))
 
 
+@pytest.mark.slow
 def test_float8_all_gather_under_zero3_with_compile(runs):
     (reference, *_), (ranks, *_) = runs
     rel = _max_rel(ranks[0]["losses"], reference["losses"])

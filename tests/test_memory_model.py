@@ -378,6 +378,7 @@ ZERO_BUBBLE_PEAK_UNDER = {"zbv": 0.0, "dualpipev": 0.0}
 ZERO_BUBBLE_PEAK_OVER = 0.15
 
 
+@pytest.mark.slow
 def test_zero_bubble_activation_peak_is_bounded(measured_pipeline):
     """ZBV and DualPipeV (p=2, m=4, fp32), every rank: the bytes saved over the step within 5% of the measured, and
     the measured activation peak at most ZERO_BUBBLE_PEAK_UNDER above the estimate (the OOM direction: an estimate

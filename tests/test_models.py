@@ -502,6 +502,7 @@ def test_init_under_dtensor_layout_matches_plain(tiny, single_rank_group):
 
 
 # ---------------------------------------------------------------------------------------------- training
+@pytest.mark.slow
 def test_tiny_model_trains():
     torch.manual_seed(0)
     config = LlamaConfig.from_preset("tiny-test")

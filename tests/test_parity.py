@@ -286,6 +286,7 @@ def test_compile_compiled(world2):
             assert graphs == [0] * len(ranks)
 
 
+@pytest.mark.slow
 def test_gradient_clipping_is_active(references):
     """The clipped reference differs from the unclipped one, so the clipped layouts' parity tests clipping."""
     assert references[0][1][0]["losses"][1] != references[1][1][0]["losses"][1]
@@ -338,6 +339,7 @@ def test_bf16_mixed_parity_world4(bf16_reference, world4, index):
     _check_bf16(bf16_reference[1 if layout.get("clip") else 0], world4[len(WORLD4) + len(WORLD4_BF16) + index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD4)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD4])
 def test_bf16_mixed_gradients_go_to_the_buckets_during_backward(world4, index):
     """Under bf16-mixed at ZeRO 0/1 every gradient is added to its fp32 bucket by the backward hook (tensor-parallel
@@ -361,6 +363,7 @@ def test_bf16_mixed_gradients_go_to_the_buckets_during_backward(world4, index):
         assert r["bytes"]["grads"] * dp == t["bytes"]["grads"], (layout, r["rank"])
 
 
+@pytest.mark.slow
 def test_bf16_mixed_reference_keeps_fp32_master_weights(bf16_reference, references):
     """The bf16-mixed reference trains (its loss follows the float32 run's to bf16 tolerance) and its weights are
     bf16 values: the run really computed with bfloat16 weights."""
@@ -488,6 +491,7 @@ def _check_bytes(result):
                 assert all(g[key] == expected_full for g in group), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_layout_id(x) for x in WORLD2])
 def test_model_state_bytes_world2(world2, index):
     _check_bytes(world2[index])

@@ -118,6 +118,7 @@ def test_cpu_dry_run_of_representative_rows(tmp_path):
         assert result["decoder_layers"] > 0 and result["losses"] and result["peak"] > 0 and result["estimate"] > 0
 
 
+@pytest.mark.slow
 def test_the_dtype_check_sees_a_layer_that_changes_the_dtype(tmp_path, monkeypatch):
     """The check can fail: a decoder layer made to return float32 under bf16-mixed is reported."""
     from lightning_4d.models import llama

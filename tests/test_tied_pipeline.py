@@ -152,6 +152,7 @@ def test_tied_pp_world4_equals_one_process(references, world4, index):
     _check_state_bytes(world4[index])
 
 
+@pytest.mark.slow
 def test_tied_clipping_is_active(references):
     """The clipped tied reference differs from the unclipped one, so the clipped layouts test the norm."""
     assert references[0][1][0]["losses"][1] != references[1][1][0]["losses"][1]
