@@ -109,6 +109,7 @@ def test_fsdp_gathers_once_or_twice_and_reduce_scatters_once(measured, index, ga
     assert _events(record) == expected
 
 
+@pytest.mark.slow
 def test_tensor_parallel_collectives_per_layer(measured):
     """tp=2 with sequence parallelism, b·s·h fp32 activations per collective. Per layer: all-gathers before wq/wk/wv
     and w1/w3 (forward), the same two again in backward (the saved sequence shards, parallel/tensor.py) and the
@@ -133,6 +134,7 @@ def test_tensor_parallel_collectives_per_layer(measured):
     )
 
 
+@pytest.mark.slow
 def test_pipeline_sends_one_activation_per_micro_batch(measured):
     """pp=2, m=2: rank 0 sends each micro-batch's hidden states [b/m, s, h] forward and receives its gradient."""
     record = measured[5]
@@ -143,6 +145,7 @@ def test_pipeline_sends_one_activation_per_micro_batch(measured):
     assert sum(n for (dim, kind, n, _), c in events.items() if dim == "pp" and kind == "send") == hidden
 
 
+@pytest.mark.slow
 def test_context_parallel_ring_passes_kv_around(measured):
     """cp=2 ring (parallel/context.py): per layer, K and V of the local s/cp tokens (stacked) are passed cp-1
     times forward; backward passes K/V cp-1 times again and their gradients cp-1 times (from the rank after the
@@ -157,6 +160,7 @@ def test_context_parallel_ring_passes_kv_around(measured):
     assert sends[("cp", "send", kv, 2)] == 3 * (2 - 1) * cfg.num_layers
 
 
+@pytest.mark.slow
 def test_context_parallel_alltoall_exchanges_qkv_and_output(measured):
     """cp=2 alltoall (Ulysses, parallel/context.py): per layer forward one all-to-all of this rank's q, k, v
     ``[b, s/cp, a + 2k, d]`` (packed) and one of the attention output ``[b, s/cp, a, d]``; backward the same two

@@ -92,6 +92,7 @@ def test_powersgd_sends_the_low_rank_factors(trained):
         assert gradients * 8 < _dp_bytes(trained[0][0])  # issue 15: at most 1/8 of "none"
 
 
+@pytest.mark.slow
 def test_powersgd_factors_in_bfloat16_send_half(trained):
     """powersgd_comm_dtype='bfloat16': P and Q cross the wire in bfloat16 (half their float32 bytes), the vectors
     stay float32 (its loss: test_compressed_losses_follow_the_uncompressed_run, within LOSS_RTOL)."""
@@ -102,6 +103,7 @@ def test_powersgd_factors_in_bfloat16_send_half(trained):
     assert fp32[1] == 2 * matrices
 
 
+@pytest.mark.slow
 def test_powersgd_start_step_reduces_exactly_first(trained):
     """powersgd_start_step=3: steps 0-2 reduce every gradient exactly (ZeRO 1's reduce-scatter, the bytes of the
     uncompressed ZeRO 1 run), step 3 on sends the factors; the first three losses equal the uncompressed run's."""
@@ -116,6 +118,7 @@ def test_powersgd_start_step_reduces_exactly_first(trained):
         assert _dp_bytes(record, step) - record["bytes"]["params"] // 2 == vectors + matrices
 
 
+@pytest.mark.slow
 def test_powersgd_state_is_what_the_memory_model_counts(trained):
     model_config = LlamaConfig.from_preset("tiny-test")
     for index in (4, 5):

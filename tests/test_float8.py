@@ -106,6 +106,7 @@ def test_float8_all_gather_under_zero3_with_compile(runs):
         assert r["bytes"]["compiled_graphs"] > 0
 
 
+@pytest.mark.slow
 def test_float8_under_pipeline_and_context_parallelism(runs):
     (reference, *_), (_, pp2, cp2, *_) = runs
     for name, ranks, converted in (("pp2", pp2, CONVERTED // 2), ("cp2", cp2, CONVERTED)):
@@ -116,6 +117,7 @@ def test_float8_under_pipeline_and_context_parallelism(runs):
         assert [r["bytes"]["float8_linears"] for r in ranks] == [converted, converted]  # pp: a layer per stage
 
 
+@pytest.mark.slow
 def test_float8_under_tensor_parallelism(runs):
     """tp2 float8 (the linears of the tp plan run through Float8Linear.forward, every one converted) tracks the
     one-process float8 run of its recipe and plain Lightning's bf16-mixed run."""

@@ -434,6 +434,7 @@ def independent_bf16_mixed():
     return {"independent": True, "precision": "bf16-mixed"}, [{"losses": losses}], weights
 
 
+@pytest.mark.slow
 def test_bf16_mixed_matches_an_independent_reference(bf16_reference, independent_bf16_mixed):
     """FourDStrategy's bf16-mixed run on one process (master weights in the ShardedOptimizer, written back into the
     bf16 weights after each step) against the recipe written in this file (_independent_bf16_mixed): losses, every
@@ -497,6 +498,7 @@ def test_model_state_bytes_world2(world2, index):
     _check_bytes(world2[index])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
 def test_model_state_bytes_world4(world4, index):
     _check_bytes(world4[index])
