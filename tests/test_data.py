@@ -912,7 +912,10 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, a
                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
 trainer.fit(module, dm)
-json.dump({"seen": module.seen, "sampler": type(trainer.train_dataloader.sampler).__name__,
+from torch.utils.data import DistributedSampler
+sampler = trainer.train_dataloader.sampler
+json.dump({"seen": module.seen, "sampler": type(sampler).__name__,
+           "distributed": isinstance(sampler, DistributedSampler),
            "shuffle": trainer.train_dataloader.sampler.shuffle,
            "dataset": [dm.train_dataset[i]["input_ids"].tolist() for i in range(len(dm.train_dataset))]},
           open(sys.argv[1] + f"/rank{trainer.global_rank}.json", "w"))
@@ -942,7 +945,8 @@ def test_global_batches_under_real_lightning_ddp(tmp_path):
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     dataset = records[0]["dataset"]
     for record in records:
-        assert record["sampler"] == "DistributedSampler" and record["shuffle"] is False
+        # ours (a DistributedSampler, so Lightning keeps it instead of inserting a shuffling one)
+        assert record["sampler"] == "GlobalBatchSampler" and record["distributed"] and record["shuffle"] is False
         assert len(record["seen"]) == 6  # 3 steps x 2 micro-batches
     for step in range(3):
         got = collections.Counter(
