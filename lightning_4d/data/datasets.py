@@ -459,7 +459,11 @@ class GlobalBatchSampler(DistributedSampler):
 
     A pass of ``num_batches`` local batches of ``local_batch = b * m`` samples (``m`` pipeline micro-batches per
     batch) over ``R`` data-parallel ranks starts at global sample ``start``; local batch ``t`` of rank ``r`` is the
-    samples ``start + (t * R + r) * local_batch + [0, local_batch)``. With ``a`` accumulated batches per optimizer
+    samples ``start + t * R * local_batch + j * R + r`` for ``j < local_batch`` (the ranks' batches number ``t``
+    together are the block ``start + t * R * local_batch + [0, R * local_batch)``, dealt out in turn, as
+    ``DistributedSampler(shuffle=False)`` deals: a layout's micro-batches hold the samples they held under it, which
+    matters where a statistic is taken per micro-batch, an MoE layer's routing capacity and load-balancing loss).
+    With ``a`` accumulated batches per optimizer
     step, step ``k`` of the pass consumes exactly the samples ``start + [k*G, (k+1)*G)``, ``G = b * m * R * a``,
     whatever ``(b, m, R, a)`` is. A sample ``c`` past the dataset's end reads item ``c % len(dataset)``.
 
@@ -484,9 +488,9 @@ class GlobalBatchSampler(DistributedSampler):
     def _indices(self, start: int, first_batch: int, size: int):
         stride = self.num_replicas * self.local_batch
         for t in range(first_batch, self.num_batches):
-            base = start + (t - first_batch) * stride + self.rank * self.local_batch
-            for c in range(base, base + self.local_batch):
-                yield c % size
+            base = start + (t - first_batch) * stride + self.rank
+            for j in range(self.local_batch):
+                yield (base + j * self.num_replicas) % size
 
 
 class DataPosition:
