@@ -32,8 +32,10 @@ PAIRS = [
     ),
 ]
 # float32: the issue's bound. bf16-mixed: another layout rounds its bfloat16 matmuls and reductions differently
-# (the bf16 parity tests measure up to 8.3e-5 between layouts); measured here: at most 1.9e-5 over steps 5-8
-REL = {"32-true": 1e-5, "bf16-mixed": 1e-4}
+# (the bf16 parity tests measure up to 8.3e-5 between layouts and bound them at BF16_MIXED_LOSS_RTOL = 4e-4); measured
+# here: 1.9e-5 over steps 5-8 on the random-window order, 1.21e-4 (step 8, bf16 dp2 tp2 ZeRO 1 -> dp4 ZeRO 3) on the
+# every-token order, whose float32 resumes stay within 1e-5 (the same samples): the parity tests' bound
+REL = {"32-true": 1e-5, "bf16-mixed": 4e-4}
 # float32 final weights after the resume against the straight run's, ‖w − w_ref‖ / ‖w_ref − w0‖ per parameter
 # (tests/_launch.py update_errors): measured 2026-11-27 at most 3.70e-6 (cp2dp2_to_dp4, a norm weight; matrices
 # <= 1.1e-7); the bound ~5x that. The planted bug (benchmarks/planted_bugs.py checkpoint-reshard-slice) passes the
