@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_4d.data.documents import Documents, memmap_source
+from lightning_4d.data.documents import Documents, tokens_by_reference, tokens_reopened
 
 __all__ = [
     "BlendedDataset",
@@ -88,19 +88,10 @@ class _WindowDataset(Dataset):
 
     # pickling: re-open memory-mapped token files instead of copying them into every worker
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        source = memmap_source(self.tokens)
-        if source is not None:
-            state["tokens"] = None
-            state["_tokens_source"] = source
-        return state
+        return tokens_by_reference(self.__dict__.copy())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        source = state.pop("_tokens_source", None)
-        self.__dict__.update(state)
-        if source is not None:
-            filename, dtype, offset, length = source
-            self.tokens = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
+        self.__dict__.update(tokens_reopened(state))
 
 
 class FixedWindowDataset(_WindowDataset):

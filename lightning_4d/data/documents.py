@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Documents", "memmap_source"]
+__all__ = ["Documents", "memmap_source", "tokens_by_reference", "tokens_reopened"]
 
 
 def memmap_source(tokens: np.ndarray) -> Optional[tuple[str, str, int, int]]:
@@ -92,15 +92,26 @@ class Documents:
 
     def __getstate__(self) -> dict[str, Any]:
         # a memory-mapped corpus is re-opened in DataLoader workers, not copied into them
-        state = dict(self.__dict__)
-        source = memmap_source(self.tokens)
-        if source is not None:
-            state["tokens"], state["_tokens_source"] = None, source
-        return state
+        return tokens_by_reference(dict(self.__dict__))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        source = state.pop("_tokens_source", None)
-        if source is not None:
-            filename, dtype, offset, length = source
-            state["tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
-        self.__dict__.update(state)
+        self.__dict__.update(tokens_reopened(state))
+
+
+def tokens_by_reference(state: dict[str, Any]) -> dict[str, Any]:
+    """A pickled ``state`` whose ``"tokens"``, a memory-mapped array (:func:`memmap_source`), travels as its file
+    location instead of its contents (DataLoader workers started with ``spawn``/``forkserver`` re-open the file);
+    ``state`` unchanged otherwise. :func:`tokens_reopened` undoes it."""
+    source = memmap_source(state.get("tokens"))
+    if source is not None:
+        state["tokens"], state["_tokens_source"] = None, source
+    return state
+
+
+def tokens_reopened(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the tokens :func:`tokens_by_reference` left by reference re-opened read-only, memory-mapped."""
+    source = state.pop("_tokens_source", None)
+    if source is not None:
+        filename, dtype, offset, length = source
+        state["tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
+    return state
