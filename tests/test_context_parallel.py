@@ -125,13 +125,17 @@ def test_context_parallel_checkpoint_resume(tmp_path_factory):
 def test_attention_equals_full_causal_attention(tmp_path):
     """Output and q/k/v gradients of the three methods and both CPU kernels equal full causal attention to 1e-6
     (float64), for c in {2, 4}, sequence lengths 16-64 and GQA ratios 1, 2, 4, 6 (alltoall: the cases whose heads
-    split over c, with kv heads fewer than c replicated; measured largest error 3.7e-15)."""
+    split over c, with kv heads fewer than c replicated; measured largest error 3.7e-15). With document masking they
+    equal each document run alone through causal attention (documents straddling the cp chunks, one-token documents,
+    a one-document sample; measured largest error 4.2e-15)."""
     torchrun(4, SCRIPTS / "cp_attention.py", "--out", str(tmp_path))
     worst = 0.0
     cases = 0
     alltoall = set()
+    masked = 0
     for rank in range(4):
         for record in json.loads((tmp_path / f"attention_rank{rank}.json").read_text()):
+            masked += record["masked"]
             if record["method"] == "alltoall":
                 alltoall.add((record["c"], record["heads"], record["kv_heads"]))
             err = max(record["errors"].values())
@@ -139,8 +143,8 @@ def test_attention_equals_full_causal_attention(tmp_path):
             cases += 1
             assert err <= 1e-6, record
     # ranks x kernels x (ring and allgather: 4 cases at c=2 + 4 at c=4; alltoall: 4 at c=2 + 3 at c=4, whose 6 heads
-    # do not split over 4)
-    assert cases == 4 * 2 * (2 * (4 + 4) + (4 + 3))
+    # do not split over 4), each causal and with document masking
+    assert cases == 2 * 4 * 2 * (2 * (4 + 4) + (4 + 3)) and masked == cases // 2
     assert (4, 4, 2) in alltoall and (2, 6, 1) in alltoall  # kv heads replicated (fewer than c), at c = 4 and 2
     print(f"\ncp attention: largest error over {cases} rank-cases: {worst:.1e}")
 

@@ -17,6 +17,11 @@ Backends:
   tensors in float16 / bfloat16 only.
 - ``"eager"``: explicit matmuls, mask and softmax in float32 (float64 for float64 inputs); the reference the others
   are tested against.
+
+Document masking (``mask``, :mod:`lightning_4d.models.document_mask`): a boolean ``[b, 1, s, s]`` mask of the allowed
+(query, key) pairs replaces the causal mask; ``"sdpa"`` passes it as ``attn_mask`` (PyTorch picks a kernel that takes
+a mask: on CPU the fused flash kernel, on CUDA the memory-efficient one), ``"eager"`` fills the scores it refuses with
+``-inf``; ``"flash"`` (flash-attn's fixed-length kernel) takes no mask and is refused.
 """
 
 from __future__ import annotations
@@ -76,24 +81,29 @@ def sdpa_repeats_kv_heads(q: Tensor, k: Tensor) -> bool:
     return q.is_cuda and q.dtype == torch.float32 and q.shape[2] != k.shape[2]
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    out = sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    out = sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask)
     return out.transpose(1, 2)
 
 
-def sdpa_causal(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
+def sdpa_causal(
+    q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, mask: Optional[Tensor] = None
+) -> Tensor:
     """Causal ``F.scaled_dot_product_attention`` on ``[b, heads, s, d]`` tensors (k, v with kv heads, which divide
     the query heads), GQA by ``enable_gqa=True`` or, where :func:`sdpa_repeats_kv_heads` says so (float32 on CUDA),
-    by repeating the kv heads first. ``scale`` defaults to ``1/sqrt(d)``. Used by the ``"sdpa"`` backend and by the
-    transformers adapters (``lightning_4d.adapters.hf_llama.attention``), so both take the same kernel."""
+    by repeating the kv heads first. ``scale`` defaults to ``1/sqrt(d)``; ``mask`` (``BoolTensor [b, 1, s, s]``, a
+    document mask that already holds the causal one) replaces the causal mask. Used by the ``"sdpa"`` backend and by
+    the transformers adapters (``lightning_4d.adapters.hf_llama.attention``), so both take the same kernel."""
     gqa = q.shape[1] != k.shape[1]
     if gqa and sdpa_repeats_kv_heads(q.transpose(1, 2), k.transpose(1, 2)):
         n_rep = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1), False
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
-def _eager(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     n_rep = q.shape[2] // k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
     # [b, s, h, d] -> [b, h, s, d], kv heads repeated so that query head j meets kv head j // n_rep
@@ -102,8 +112,8 @@ def _eager(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     vh = v.to(compute).repeat_interleave(n_rep, dim=2).transpose(1, 2)
     s = q.shape[1]
     scores = torch.matmul(qh, kh.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [b, h, s, s]
-    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(diagonal=1)
-    scores = scores.masked_fill(future, float("-inf"))
+    refused = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(diagonal=1) if mask is None else ~mask
+    scores = scores.masked_fill(refused, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vh)  # [b, h, s, d]
     return out.transpose(1, 2).to(q.dtype)
@@ -131,7 +141,7 @@ def _flash(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return flash_attn_func(q, k, v, causal=True)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa") -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa", mask: Optional[Tensor] = None) -> Tensor:
     """Causal self-attention with grouped-query heads.
 
     Args:
@@ -139,13 +149,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa") -> Tensor:
         k: keys ``[b, s, n_kv_heads, head_dim]``; ``n_q_heads`` must be a multiple of ``n_kv_heads``.
         v: values ``[b, s, n_kv_heads, head_dim]``.
         backend: ``"sdpa"``, ``"flash"`` or ``"eager"`` (see the module docstring).
+        mask: ``None`` (causal), or the allowed (query, key) pairs ``BoolTensor [b, 1, s, s]`` of document masking
+            (:func:`lightning_4d.models.document_mask.window_mask`; every query allows at least itself).
 
     Returns:
         ``[b, s, n_q_heads, head_dim]`` in ``q``'s dtype (possibly non-contiguous; reshape, not view, to merge heads).
         Softmax scale ``1 / sqrt(head_dim)``; no dropout.
 
     Raises:
-        ValueError: an unknown backend, or shapes / dtypes that do not fit together.
+        ValueError: an unknown backend, shapes / dtypes that do not fit together, or a ``mask`` with ``"flash"``.
         RuntimeError: ``"flash"`` without flash-attn installed, on a non-CUDA device, or with a dtype other than
             float16 / bfloat16.
     """
@@ -153,7 +165,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa") -> Tensor:
         raise ValueError(f"attention backend={backend!r} is not valid: expected one of {list(BACKENDS)}.")
     _check_shapes(q, k, v)
     if backend == "sdpa":
-        return _sdpa(q, k, v)
+        return _sdpa(q, k, v, mask)
     if backend == "eager":
-        return _eager(q, k, v)
+        return _eager(q, k, v, mask)
+    if mask is not None:
+        raise ValueError(MASK_BACKEND_ERROR)
     return _flash(q, k, v)
+
+
+#: the refusal of document masking with flash-attn's fixed-length kernel (checked up front by the task)
+MASK_BACKEND_ERROR = (
+    "document_masking=True is not supported with attention_backend='flash' yet (flash-attn's fixed-length kernel "
+    "takes no mask): use attention_backend='sdpa' or 'eager' with document masking."
+)

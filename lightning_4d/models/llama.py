@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_4d.models.attention_backends import attention
+from lightning_4d.models.document_mask import window_mask
 from lightning_4d.models.llama_config import LlamaConfig, _allow_in_weights_only_checkpoints
 from lightning_4d.models.moe_layer import MoEFeedForward, MoEModel
 from lightning_4d.models.rope import apply_rotary, context_parallel_positions, rope_cos_sin
@@ -182,9 +183,9 @@ class Attention(nn.Module):
     The number of heads is read from the projected tensors (``view(b, s, -1, d)``), not from the config, so a
     tensor-parallel shard holding ``a/t`` query and ``k/t`` kv heads runs unchanged.
 
-    ``core_attention``: ``None`` (plain causal attention over the tokens given), or a callable ``(q, k, v, backend)
-    -> out`` that replaces it; context parallelism sets one that attends over the whole sequence of the cp group
-    (``LlamaFamily.apply_context_parallel``, :mod:`lightning_4d.families.native_llama`).
+    ``core_attention``: ``None`` (plain causal attention over the tokens given), or a callable ``(q, k, v, backend,
+    document_ids) -> out`` that replaces it; context parallelism sets one that attends over the whole sequence of the
+    cp group (``LlamaFamily.apply_context_parallel``, :mod:`lightning_4d.families.native_llama`).
 
     ``input_projection``: ``None`` (``wq(x)``, ``wk(x)``, ``wv(x)``), or a callable ``(x, (wq, wk, wv)) -> (q, k, v)``
     that replaces the three projections; sequence parallelism sets one that saves only this rank's sequence shard of
@@ -208,9 +209,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(h, config.num_kv_heads * d, bias=False)
         self.wo = nn.Linear(config.num_heads * d, h, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        *,
+        document_ids: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+    ) -> Tensor:
         """Args: ``x`` ``[b, s, h]``; ``cos``, ``sin`` ``[s, d/2]`` or ``[b, s, d/2]`` float32 (from
-        :func:`~lightning_4d.models.rope.rope_cos_sin`). Returns ``[b, s, h]``."""
+        :func:`~lightning_4d.models.rope.rope_cos_sin`); document masking (:mod:`lightning_4d.models.document_mask`):
+        ``mask`` ``BoolTensor [b, 1, s, s]`` for plain attention, ``document_ids`` ``LongTensor [b, s_full]`` (the
+        whole sequence) for ``core_attention``. Returns ``[b, s, h]``."""
         if self.input_projection is not None:
             q, k, v = self.input_projection(x, (self.wq, self.wk, self.wv))
         else:
@@ -222,9 +233,9 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         if self.core_attention is not None:
-            out = self.core_attention(q, k, v, self.backend)
+            out = self.core_attention(q, k, v, self.backend, document_ids)
         else:
-            out = attention(q, k, v, self.backend)  # [b, s, local heads, d]
+            out = attention(q, k, v, self.backend, mask)  # [b, s, local heads, d]
         out = out.reshape(b, s, -1)
         return self.wo(out) if self.output_projection is None else self.output_projection(out, self.wo)
 
@@ -280,8 +291,17 @@ class TransformerBlock(nn.Module):
             MoEFeedForward(config) if config.is_moe_layer(layer_index) else FeedForward(config)
         )
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        *,
+        document_ids: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """``document_ids``, ``mask``: document masking, passed to :meth:`Attention.forward`."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, document_ids=document_ids, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -323,7 +343,9 @@ class LlamaModel(MoEModel, nn.Module):
             self.init_weights()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Optional[Tensor] = None, document_ids: Optional[Tensor] = None
+    ) -> Tensor:
         """Next-token logits.
 
         Args:
@@ -332,7 +354,12 @@ class LlamaModel(MoEModel, nn.Module):
                 parallelism: pass ``positions`` of all ``s`` tokens then, a multiple of ``s_local``).
             positions: token positions ``LongTensor [s]`` or ``[b, s]`` for the rotary embedding; default
                 ``arange(s)``, or under context parallelism the positions of this cp rank's zigzag shard
-                (:func:`~lightning_4d.models.rope.context_parallel_positions`).
+                (:func:`~lightning_4d.models.rope.context_parallel_positions`). With document masking, the
+                positions restarting at each document (:func:`~lightning_4d.models.document_mask.document_positions`,
+                this rank's shard of them under cp).
+            document_ids: ``None`` (causal attention over the whole window), or the document ids ``LongTensor [b,
+                s_full]`` of the whole sequence (also under context parallelism; :mod:`lightning_4d.models.
+                document_mask`): attention stays within each document.
 
         Returns:
             logits ``[b, s, padded_vocab_size]`` in the model's dtype (not upcast: the loss does that); hidden states
@@ -353,8 +380,11 @@ class LlamaModel(MoEModel, nn.Module):
                 "length of input_ids)."
             )
         cos, sin = rope_cos_sin(self.config, positions)
+        # without cp one mask for every layer (each layer's kernel keeps a reference, not a copy); under cp the ids,
+        # which the cp attention masks block by block
+        mask = window_mask(document_ids) if self.context_parallel is None else None
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, document_ids=document_ids, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

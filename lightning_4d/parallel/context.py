@@ -52,6 +52,16 @@ any device). The private kernels are reached through :mod:`lightning_4d.parallel
 only the kv heads are exchanged; the kernels see K/V repeated to the query heads (``repeat_interleave``, Meta's
 ``repeat_kv``) and dK/dV are summed back.
 
+**Document masking** (``document_ids``, :mod:`lightning_4d.models.document_mask`): every cp rank holds the
+document ids of the whole sequence (``[b, s]``, a few bytes per token, kept whole by :func:`shard_batch`), so it can
+mask any block from the tokens' positions in the whole sequence: causal and within one document. The ring computes
+the blocks it would without masking, masked, and skips a block no document spans (no compute, forward or backward;
+the K/V and dK/dV still travel, the exchange is unchanged, and so is the zigzag load balance of the causal work);
+the all-gather method attends each query chunk to its own chunk and to the keys from the start of the document its
+first token belongs to, nothing earlier; all-to-all masks the whole sequence of its heads with one mask. Masked
+blocks run the explicit-matmul kernel (any backend; it saves nothing beyond the unmasked kernels' inputs and
+outputs, and holds a block's scores while it runs).
+
 Shapes: ``q`` ``[b, s/c, n_q_heads, head_dim]``, ``k``, ``v`` ``[b, s/c, n_kv_heads, head_dim]`` (local tokens in
 zigzag order); output like ``q``. Softmax scale ``1 / sqrt(head_dim)``, no dropout.
 """
@@ -67,6 +77,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_4d.config import CONTEXT_PARALLEL_METHODS, alltoall_heads, zigzag_chunks
+from lightning_4d.models.document_mask import document_mask, window_mask
+from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import (
     aten_flash_backward,
     aten_flash_forward,
@@ -157,7 +169,8 @@ SEQUENCE_KEYS = ("input_ids", "labels", "positions")
 
 def shard_batch(batch: Any, cp_rank: int, cp_size: int) -> Any:
     """Shard a batch for context parallelism: the tensors under :data:`SEQUENCE_KEYS` of a dict (``[b, s]``; a
-    ``positions`` tensor of shape ``[s]`` along dim 0), or a ``[b, s]`` tensor batch. Other entries are kept.
+    ``positions`` tensor of shape ``[s]`` along dim 0), or a ``[b, s]`` tensor batch. Other entries are kept, the
+    document ids (``"document_ids"``, ``[b, s]``) among them: every cp rank masks its blocks with the whole sequence's.
 
     Raises:
         ValueError: a sequence length not divisible by ``2c``.
@@ -200,8 +213,12 @@ class _Kernel:
         self.backend, self.scale = backend, scale
 
     # -- forward
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Optional[Tensor] = None
+    ) -> tuple[Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
+        if mask is not None:  # document masking: the explicit matmuls with the mask (module docstring)
+            return self._eager_forward(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), causal, mask)
         if self.backend == "flash":
             return self._flash_forward(q, k, v, causal)
         k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
@@ -214,20 +231,29 @@ class _Kernel:
         # (aten_flash_takes); otherwise (float32, an odd head dim) the explicit matmuls, on the block only
         return self.backend == "eager" or (q.device.type != "cpu" and not aten_flash_takes(q.dtype, q.shape[-1]))
 
-    def _scores(self, q: Tensor, k: Tensor, causal: bool) -> Tensor:
-        """``q k^T · scale`` in float32 (float64 for float64), future keys at ``-inf`` when ``causal``."""
+    def _scores(self, q: Tensor, k: Tensor, causal: bool, mask: Optional[Tensor] = None) -> Tensor:
+        """``q k^T · scale`` in float32 (float64 for float64), future keys at ``-inf`` when ``causal``; with ``mask``
+        (``BoolTensor [b, 1, s_q, s_k]``, which holds the causal mask) the keys it refuses at ``-inf`` instead."""
         compute = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * self.scale
-        if causal:
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif causal:
             sq, sk = scores.shape[-2], scores.shape[-1]
             scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         return scores
 
-    def _eager_forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    def _eager_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Optional[Tensor] = None
+    ) -> tuple[Tensor, Tensor]:
         compute = torch.promote_types(q.dtype, torch.float32)
-        scores = self._scores(q, k, causal)
+        scores = self._scores(q, k, causal, mask)
         lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(compute))
+        if mask is not None:  # a query row with no allowed key in this block: output 0, lse -inf (the merge skips it)
+            probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        else:
+            probs = torch.exp(scores - lse.unsqueeze(-1))
+        out = torch.matmul(probs, v.to(compute))
         return out.to(q.dtype), lse
 
     def _flash_forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
@@ -237,12 +263,25 @@ class _Kernel:
 
     # -- backward
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        mask: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
         # the ring's and the all-gather's row slices of lse are strided views; the CUDA flash backwards (ATen's
         # mha_bwd, flash-attn's) read the log-sum-exp as a dense [b, heads, s_q] array (CPU kernels read strides)
         lse = lse.contiguous()
+        if mask is not None:
+            dq, dk, dv = self._eager_backward(
+                dout, q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), out, lse, causal, mask
+            )
+            return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
         if self.backend == "flash":
             return self._flash_backward(dout, q, k, v, out, lse, causal)
         kr, vr = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
@@ -253,13 +292,22 @@ class _Kernel:
         return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
 
     def _eager_backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        mask: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         # FlashAttention's backward (Dao et al. 2022, Algorithm 4): P = exp(S - lse), dV = P^T dO, dP = dO V^T,
-        # D = rowsum(dO * O), dS = P * (dP - D), dQ = dS K * scale, dK = dS^T Q * scale
+        # D = rowsum(dO * O), dS = P * (dP - D), dQ = dS K * scale, dK = dS^T Q * scale (lse the final one, finite:
+        # every query attends to itself, so a refused key's exp(-inf - lse) is 0)
         compute = torch.promote_types(q.dtype, torch.float32)
         qc, kc, vc, doc = (t.to(compute) for t in (q, k, v, dout))
-        scores = self._scores(q, k, causal)
+        scores = self._scores(q, k, causal, mask)
         p = torch.exp(scores - lse.to(compute).unsqueeze(-1))
         dv = torch.matmul(p.transpose(-2, -1), doc)
         dp = torch.matmul(doc, vc.transpose(-2, -1))
@@ -314,6 +362,55 @@ def _without_autocast(fn: Callable) -> Callable:
     return wrapper
 
 
+# ---------------------------------------------------------------------------------------------------- documents
+class _Documents:
+    """Document masking under cp: the document ids ``[b, s]`` of the whole sequence (on every cp rank), and the
+    mask of any block of (query, key) pairs between two ranks' zigzag shards, from the tokens' positions in the whole
+    sequence (:func:`lightning_4d.models.document_mask.document_mask`: causal and within one document)."""
+
+    def __init__(self, document_ids: Tensor, size: int) -> None:
+        self.ids, self.size = document_ids, size
+        self.chunk = document_ids.shape[-1] // (2 * size)
+
+    def shard(self, rank: int) -> tuple[Tensor, Tensor]:
+        """Rank ``rank``'s tokens: their positions ``[s/c]`` and document ids ``[b, s/c]``."""
+        local = 2 * self.chunk
+        positions = context_parallel_positions(local, rank, self.size, device=self.ids.device)
+        return positions, self.ids[:, positions]
+
+    def mask(self, q_rank: int, rows: slice, k_rank: int, cols: slice) -> Optional[Tensor]:
+        """The mask ``[b, 1, rows, cols]`` of rank ``q_rank``'s query rows against rank ``k_rank``'s key columns (of
+        their local tokens), or ``None`` when it allows no pair (the block is skipped)."""
+        q_pos, q_ids = self.shard(q_rank)
+        k_pos, k_ids = self.shard(k_rank)
+        mask = document_mask(q_pos[rows], k_pos[cols], q_ids[:, rows], k_ids[:, cols])
+        return mask if bool(mask.any()) else None
+
+
+def ring_blocks(document_ids: Tensor, size: int) -> tuple[int, int]:
+    """``(computed, total)`` (query, key) blocks of the zigzag ring with document masking over ``size`` cp ranks
+    (every rank, every step; a block no document spans is skipped): what :class:`_RingAttention` computes of
+    ``document_ids`` ``[b, s]``. Pure arithmetic on the ids (``benchmarks/cp_document_masking.py``)."""
+    docs, computed = _Documents(document_ids, size), 0
+    for rank in range(size):
+        for step in range(size):
+            rows, cols = _ring_block(rank, (rank - step) % size, 2 * docs.chunk)
+            computed += docs.mask(rank, rows, (rank - step) % size, cols) is not None
+    return computed, size * size
+
+
+def _ring_block(rank: int, source: int, local: int) -> tuple[slice, slice]:
+    """The query rows and key columns (of the local tokens) rank ``rank`` computes against rank ``source``'s K/V in
+    the zigzag ring (module docstring): all against all for its own block, all rows against the first chunk of an
+    earlier rank's, the second chunk's rows against all of a later rank's."""
+    half = local // 2
+    if source == rank:
+        return slice(0, local), slice(0, local)
+    if source < rank:
+        return slice(0, local), slice(0, half)
+    return slice(half, local), slice(0, local)
+
+
 # ---------------------------------------------------------------------------------------------------- ring
 class _RingExchange:
     """Send a tensor to the next rank of the cp ring and receive the previous rank's (asynchronous)."""
@@ -351,8 +448,21 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     @_without_autocast
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        group: dist.ProcessGroup,
+        kernel: _Kernel,
+        document_ids: Optional[Tensor],
+    ) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if document_ids is not None:
+            out, lse = _ring_masked_forward(q, k, v, group, kernel, _Documents(document_ids, size))
+            ctx.save_for_backward(q, k, v, out, lse, document_ids)
+            ctx.group, ctx.kernel = group, kernel
+            return out
         half = q.shape[2] // 2
         first, second = slice(0, half), slice(half, None)
         kv = torch.stack([k, v])  # one message per step: [2, b, h_kv, s_local, d]
@@ -377,16 +487,19 @@ class _RingAttention(torch.autograd.Function):
                 kv = comm.wait()
         assert acc_out is not None and acc_lse is not None
         out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.save_for_backward(q, k, v, out, acc_lse, None)
         ctx.group, ctx.kernel = group, kernel
         return out
 
     @staticmethod
     @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, document_ids = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if document_ids is not None:
+            dq, dk, dv = _ring_masked_backward(dout, (q, k, v, out, lse), group, kernel, _Documents(document_ids, size))
+            return dq, dk, dv, None, None, None
         half = q.shape[2] // 2
         first, second = slice(0, half), slice(half, None)
         dout = dout.contiguous()
@@ -430,7 +543,79 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_comm.wait()
         assert own is not None
         dkv = own + dkv_comm.wait() if dkv_comm is not None else own
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _ring_masked_forward(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel, docs: _Documents
+) -> tuple[Tensor, Tensor]:
+    """The ring's forward with document masking (``[b, heads, s_local, d]``): the blocks of :func:`_ring_block`,
+    each masked by :meth:`_Documents.mask` and skipped when no document spans it; the K/V still travel every step.
+    Returns the output in ``q``'s dtype and the log-sum-exp."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    kv = torch.stack([k, v])
+    comm = _RingExchange(group) if size > 1 else None
+    acc_out = acc_lse = None
+    for step in range(size):
+        if comm is not None and step + 1 < size:
+            comm.start(kv)
+        source = (rank - step) % size
+        rows, cols = _ring_block(rank, source, q.shape[2])
+        mask = docs.mask(rank, rows, source, cols)
+        if mask is not None:
+            out, lse = kernel.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], False, mask)
+            if acc_out is None or acc_lse is None:  # step 0: every row (each query attends to itself)
+                acc_out, acc_lse = _merge(None, None, out, lse)
+            else:
+                _merge_rows(acc_out, acc_lse, rows, out, lse)
+        if comm is not None and step + 1 < size:
+            kv = comm.wait()
+    assert acc_out is not None and acc_lse is not None
+    return acc_out.to(q.dtype), acc_lse
+
+
+def _ring_masked_backward(
+    dout: Tensor, saved: tuple[Tensor, ...], group: dist.ProcessGroup, kernel: _Kernel, docs: _Documents
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The ring's backward with document masking: the forward's blocks and masks again (skipped ones too), the dK/dV
+    of every block travelling with it back to its owner as in :class:`_RingAttention`'s backward. Returns ``(dq,
+    dk, dv)`` in the inputs' dtypes."""
+    q, k, v, out, lse = saved
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    dout = dout.contiguous()
+    grad_dtype = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=grad_dtype, device=q.device)
+    kv = torch.stack([k, v])
+    kv_comm = _RingExchange(group) if size > 1 else None
+    dkv_comm = _RingExchange(group) if size > 1 else None
+    own: Optional[Tensor] = None
+    for step in range(size):
+        if kv_comm is not None and step + 1 < size:
+            kv_comm.start(kv)
+        source = (rank - step) % size
+        rows, cols = _ring_block(rank, source, q.shape[2])
+        mask = docs.mask(rank, rows, source, cols)
+        block = torch.zeros((2, *kv[0].shape), dtype=grad_dtype, device=q.device)
+        if mask is not None:
+            dq_b, dk_b, dv_b = kernel.backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                lse[:, :, rows], False, mask,
+            )  # fmt: skip
+            dq[:, :, rows] += dq_b
+            block[0][:, :, cols] += dk_b
+            block[1][:, :, cols] += dv_b
+        if step == 0:
+            own = block
+        else:
+            assert dkv_comm is not None
+            if step > 1:
+                block += dkv_comm.wait()
+            dkv_comm.start(block)
+        if kv_comm is not None and step + 1 < size:
+            kv = kv_comm.wait()
+    assert own is not None
+    dkv = own + dkv_comm.wait() if dkv_comm is not None else own
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- all-gather
@@ -447,30 +632,37 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     @_without_autocast
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        group: dist.ProcessGroup,
+        kernel: _Kernel,
+        document_ids: Optional[Tensor],
+    ) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         full = torch.cat(_gather_kv(torch.stack([k, v]).contiguous(), group, size), dim=3)  # [2, b, h_kv, s, d]
         chunk = q.shape[2] // 2
         outs, lses = [], []
         for local, index in enumerate(zigzag_chunks(rank, size)):
             qa = q[:, :, local * chunk : (local + 1) * chunk]
-            diag = full[:, :, :, index * chunk : (index + 1) * chunk]
-            acc_out, acc_lse = _merge(None, None, *kernel.forward(qa, diag[0], diag[1], causal=True))
-            if index > 0:
-                prefix = full[:, :, :, : index * chunk]
-                acc_out, acc_lse = _merge(acc_out, acc_lse, *kernel.forward(qa, prefix[0], prefix[1], causal=False))
+            acc_out = acc_lse = None
+            for keys, causal, mask in _allgather_blocks(index, chunk, document_ids):
+                out, lse = kernel.forward(qa, full[0][:, :, keys], full[1][:, :, keys], causal, mask)
+                acc_out, acc_lse = _merge(acc_out, acc_lse, out, lse)
             outs.append(acc_out)
             lses.append(acc_lse)
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, full, out, lse)
+        ctx.save_for_backward(q, full, out, lse, document_ids)
         ctx.group, ctx.kernel = group, kernel
         return out
 
     @staticmethod
     @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
-        q, full, out, lse = ctx.saved_tensors
+        q, full, out, lse, document_ids = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         chunk = q.shape[2] // 2
@@ -482,14 +674,8 @@ class _AllGatherAttention(torch.autograd.Function):
             rows = slice(local * chunk, (local + 1) * chunk)
             args = (dout[:, :, rows], q[:, :, rows])
             tail = (out[:, :, rows], lse[:, :, rows])
-            keys = slice(index * chunk, (index + 1) * chunk)
-            dq_b, dk_b, dv_b = kernel.backward(*args, full[0][:, :, keys], full[1][:, :, keys], *tail, causal=True)
-            dq[:, :, rows] += dq_b
-            dfull[0][:, :, keys] += dk_b
-            dfull[1][:, :, keys] += dv_b
-            if index > 0:
-                keys = slice(0, index * chunk)
-                dq_b, dk_b, dv_b = kernel.backward(*args, full[0][:, :, keys], full[1][:, :, keys], *tail, causal=False)
+            for keys, causal, mask in _allgather_blocks(index, chunk, document_ids):
+                dq_b, dk_b, dv_b = kernel.backward(*args, full[0][:, :, keys], full[1][:, :, keys], *tail, causal, mask)
                 dq[:, :, rows] += dq_b
                 dfull[0][:, :, keys] += dk_b
                 dfull[1][:, :, keys] += dv_b
@@ -502,7 +688,35 @@ class _AllGatherAttention(torch.autograd.Function):
         else:  # gloo has no reduce-scatter
             dist.all_reduce(dfull, group=group)
             mine = _take_zigzag(blocks, rank, size, dim=3)
-        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None
+        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None
+
+
+def _allgather_blocks(
+    index: int, chunk: int, document_ids: Optional[Tensor]
+) -> list[tuple[slice, bool, Optional[Tensor]]]:
+    """The kernel calls of query chunk ``index`` (``chunk`` tokens) against the gathered keys: ``(keys, causal,
+    mask)``. Causal: its own chunk (causal), then the chunks before it (unmasked). With document masking: its own
+    chunk masked, then the keys from the start of the document its first token belongs to (the earliest over the
+    batch) up to the chunk, masked; nothing before (no document spans it)."""
+    own = slice(index * chunk, (index + 1) * chunk)
+    if document_ids is None:
+        return [(own, True, None)] + ([(slice(0, index * chunk), False, None)] if index > 0 else [])
+    positions = torch.arange(document_ids.shape[-1], device=document_ids.device)
+    ids = document_ids
+
+    def masked(keys: slice) -> tuple[slice, bool, Optional[Tensor]]:
+        return keys, False, document_mask(positions[own], positions[keys], ids[:, own], ids[:, keys])
+
+    blocks = [masked(own)]
+    start = index * chunk
+    if start > 0:
+        same = ids[:, :start] == ids[:, start : start + 1]  # [b, start]: keys of the first query's document
+        first = torch.where(
+            same.any(dim=1), same.long().argmax(dim=1), torch.full_like(same[:, 0], start, dtype=torch.long)
+        )
+        if int(first.min()) < start:
+            blocks.append(masked(slice(int(first.min()), start)))
+    return blocks
 
 
 # ---------------------------------------------------------------------------------------------------- all-to-all
@@ -535,7 +749,15 @@ class _AllToAllAttention(torch.autograd.Function):
 
     @staticmethod
     @_without_autocast
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        group: dist.ProcessGroup,
+        kernel: _Kernel,
+        document_ids: Optional[Tensor],
+    ) -> Tensor:
         size = dist.get_world_size(group)
         nq, nkv = q.shape[2] // size, k.shape[2] // size
         b, local, _, d = q.shape
@@ -544,19 +766,20 @@ class _AllToAllAttention(torch.autograd.Function):
         full = _sequence_to_heads(packed, group, size)  # [b, s, nq + 2·nkv, d]
         del packed
         qf, kf, vf = (t.transpose(1, 2) for t in full.split([nq, nkv, nkv], dim=2))
-        out, lse = kernel.forward(qf, kf, vf, causal=True)  # [b, nq, s, d]
-        ctx.save_for_backward(qf, kf, vf, out, lse)
+        mask = window_mask(document_ids)  # the whole sequence in natural order: one mask (None: causal)
+        out, lse = kernel.forward(qf, kf, vf, True, mask)  # [b, nq, s, d]
+        ctx.save_for_backward(qf, kf, vf, out, lse, mask)
         ctx.group, ctx.kernel = group, kernel
         return _heads_to_sequence(out.transpose(1, 2), group, size)
 
     @staticmethod
     @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
-        qf, kf, vf, out, lse = ctx.saved_tensors
+        qf, kf, vf, out, lse, mask = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
         size = dist.get_world_size(group)
         dout_full = _sequence_to_heads(dout.contiguous(), group, size).transpose(1, 2)
-        dq, dk, dv = kernel.backward(dout_full, qf, kf, vf, out, lse, causal=True)
+        dq, dk, dv = kernel.backward(dout_full, qf, kf, vf, out, lse, True, mask)
         del dout_full
         nq, nkv = dq.shape[1], dk.shape[1]
         grads = torch.cat([t.transpose(1, 2).to(qf.dtype) for t in (dq, dk, dv)], dim=2)  # [b, s, nq + 2·nkv, d]
@@ -566,7 +789,7 @@ class _AllToAllAttention(torch.autograd.Function):
         # per source rank r (head group r): its q, k, v head groups side by side
         back = _heads_to_sequence(grads, group, size).view(b, local, size, nq + 2 * nkv, d)
         dq, dk, dv = (t.reshape(b, local, size * t.shape[3], d) for t in back.split([nq, nkv, nkv], dim=3))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- public
@@ -581,7 +804,13 @@ def _check_method(method: str) -> None:
 # on torch 2.13, "P2P compilation is disabled" broke the layer's graph and nothing of it compiled)
 @torch.compiler.disable
 def context_parallel_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "ring", backend: str = "sdpa"
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    method: str = "ring",
+    backend: str = "sdpa",
+    document_ids: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal self-attention over the full sequence when each cp rank holds its zigzag shard of it.
 
@@ -591,6 +820,9 @@ def context_parallel_attention(
         group: the cp process group (c ranks; c = 1 gives plain causal attention).
         method: ``"ring"``, ``"allgather"`` or ``"alltoall"`` (module docstring).
         backend: kernel, ``"sdpa"`` (ATen's fused kernels), ``"flash"`` (flash-attn 2, CUDA) or ``"eager"``.
+        document_ids: ``None`` (causal attention), or the document ids ``LongTensor [b, s]`` of the whole sequence
+            (the same on every cp rank): attention also stays within each document, masked blocks run the explicit
+            matmul kernel and blocks no document spans are skipped (module docstring, "Document masking").
 
     Returns:
         ``[b, s/c, n_q_heads, head_dim]`` in ``q``'s dtype; output and q/k/v gradients equal those of full causal
@@ -619,9 +851,9 @@ def context_parallel_attention(
         alltoall_heads(q.shape[2], k.shape[2], 1, size)  # the local heads split over c (or refused)
         if k.shape[2] < size:  # too few kv heads: each replicated, so that every rank receives the one it needs
             k, v = (t.repeat_interleave(size // t.shape[2], dim=2) for t in (k, v))
-        return _AllToAllAttention.apply(q, k, v, group, kernel)
+        return _AllToAllAttention.apply(q, k, v, group, kernel, document_ids)
     fn = _RingAttention if method == "ring" else _AllGatherAttention
-    out = fn.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, kernel)
+    out = fn.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, kernel, document_ids)
     return out.transpose(1, 2)
 
 
@@ -635,5 +867,5 @@ class ContextParallelAttention:
         _check_method(method)
         self.group, self.method = group, method
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, backend: str) -> Tensor:
-        return context_parallel_attention(q, k, v, self.group, self.method, backend)
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, backend: str, document_ids: Optional[Tensor] = None) -> Tensor:
+        return context_parallel_attention(q, k, v, self.group, self.method, backend, document_ids)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_4d.contract import LayoutStrategy, layout_strategy, optional_member
 from lightning_4d.families.registry import load_initial_weights
+from lightning_4d.models.document_mask import DOCUMENT_IDS
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
@@ -22,6 +23,7 @@ from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.moe import MoETraining
 from lightning_4d.planning.hardware import peak_flops_of_device
 from lightning_4d.safe_load import check_checkpoint
+from lightning_4d.tasks.documents import DocumentMasking, token_mean_scale
 from lightning_4d.tasks.metrics import TokenMeanLoss
 
 
@@ -91,6 +93,18 @@ class CausalLMModule(MoETraining, L.LightningModule):
             (:func:`lightning_4d.families.registry.load_initial_weights`). Ignored when Lightning resumes from
             ``ckpt_path``. A checkpoint that holds more than plain data (a pickle that could run code) is refused
             here, unread (:func:`lightning_4d.safe_load.check_checkpoint`: a ``ValueError`` naming the file).
+        document_masking: attention stays within each document of a packed window (Llama 3's pretraining mask; off
+            by default): the documents come from the batch's ``"document_ids"`` ``[b, s]`` when the data gives them,
+            else from the end-of-document tokens of ``input_ids`` (``eos_token_id``; the EOS ends its document).
+            Every layout but pp (refused for now), every cp method (:mod:`lightning_4d.models.document_mask`,
+            ``docs/data.md``).
+        eos_token_id: the end-of-document token (default: the DataModule's ``tokenizer.eos_id``, what
+            ``prepare-data`` appends after every document).
+        reset_position_ids: with document masking, the rotary positions restart at 0 at each document (default
+            on, as Megatron's ``reset_position_ids`` and torchtitan's packed documents).
+        eod_mask_loss: with document masking, the loss at each EOS (which would predict the next document's first
+            token) is not trained (default on, Megatron's ``eod_mask_loss``). The loss is then the mean over the
+            trained tokens of the whole global batch (their count summed over dp x cp), not a mean of per-rank means.
 
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss`` and ``val_ppl``
     (torchmetrics, :class:`~lightning_4d.tasks.metrics.TokenMeanLoss`: the token-weighted mean loss over the whole
@@ -99,7 +113,14 @@ class CausalLMModule(MoETraining, L.LightningModule):
     trains and logs its load-balancing loss and routing statistics
     (:class:`~lightning_4d.parallel.moe.MoETraining`).
 
-    Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``.
+    Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``, with document masking optionally
+    ``"document_ids": LongTensor [b, s]`` (non-decreasing along each sequence).
+
+    Raises:
+        ValueError: a bad argument (one line naming it): an unknown preset, ``learning_rate <= 0``, ``warmup_steps
+            < 0``, a missing ``init_from``, ``reset_position_ids`` / ``eod_mask_loss`` without ``document_masking``,
+            document masking with ``attention_backend='flash'``; at the strategy's setup (before any process group)
+            document masking with pp > 1; at fit, document masking without an EOS token.
     """
 
     def __init__(
@@ -114,6 +135,10 @@ class CausalLMModule(MoETraining, L.LightningModule):
         eps: float = 1e-8,
         init_seed: int = 0,
         init_from: Optional[str] = None,
+        document_masking: bool = False,
+        eos_token_id: Optional[int] = None,
+        reset_position_ids: Optional[bool] = None,
+        eod_mask_loss: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if isinstance(model_config, str):
@@ -135,6 +160,9 @@ class CausalLMModule(MoETraining, L.LightningModule):
             )
         if self.init_from is not None:  # a file that would run code when read: refused here, before any process group
             check_checkpoint(self.init_from)
+        self.documents = DocumentMasking.of(
+            document_masking, eos_token_id, reset_position_ids, eod_mask_loss, model_config.attention_backend
+        )
         self.model: Optional[LlamaModel] = None
         self._batch_start = 0.0
         # validation metrics (torchmetrics, synchronized over the dp x cp group: _validation_metrics)
@@ -152,8 +180,27 @@ class CausalLMModule(MoETraining, L.LightningModule):
                 "tokenizer that matches the model."
             )
 
+    def validate_layout(self, config: Any) -> None:
+        """Raise ``ValueError`` for a layout (a resolved :class:`~lightning_4d.config.ParallelConfig`) this module
+        cannot train under: document masking with pp > 1 (the document ids do not travel between stages yet)."""
+        if self.documents is not None and config.pp > 1:
+            raise ValueError(
+                f"document_masking=True is not supported with pipeline_parallel_size={config.pp} yet (the document "
+                "ids do not travel between pipeline stages): use pipeline_parallel_size=1 with document masking."
+            )
+
     def setup(self, stage: str) -> None:
         self.validate_datamodule(self.trainer.datamodule)
+        if self.documents is not None:
+            self.documents = self.documents.with_eos(optional_member(self.trainer.datamodule, "tokenizer"))
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With document masking: add the batch's ``document_ids`` (from its EOS tokens unless the data gave them),
+        its per-document ``positions`` and the masked EOS labels (:class:`~lightning_4d.tasks.documents.
+        DocumentMasking`), before the strategy shards the sequence over cp."""
+        if self.documents is None or not isinstance(batch, dict):
+            return batch
+        return self.documents.prepare(batch)
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -182,10 +229,23 @@ class CausalLMModule(MoETraining, L.LightningModule):
         if self.init_from is not None and not (trainer is not None and trainer.ckpt_path):
             load_initial_weights(self, self.init_from)
 
-    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
-        """Logits ``[b, s, V]`` for ``input_ids`` ``[b, s]``."""
+    def forward(
+        self, input_ids: Tensor, positions: Optional[Tensor] = None, document_ids: Optional[Tensor] = None
+    ) -> Tensor:
+        """Logits ``[b, s, V]`` for ``input_ids`` ``[b, s]`` (``positions``, ``document_ids``:
+        :meth:`LlamaModel.forward`)."""
         assert self.model is not None, "configure_model() has not run"
-        return self.model(input_ids, positions)
+        return self.model(input_ids, positions, document_ids)
+
+    def _batch_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """The loss of one batch without pp: the mean cross-entropy over its trained tokens; with ``eod_mask_loss``
+        scaled so that the dp x cp mean of it is the mean over the trained tokens of the whole batch."""
+        logits = self(batch["input_ids"], batch.get("positions"), batch.get(DOCUMENT_IDS))
+        loss = causal_lm_loss(logits, batch["labels"])
+        if self.documents is None or not self.documents.eod_mask_loss:
+            return loss
+        layout = self._layout()
+        return token_mean_scale(batch["labels"], layout.dp_cp_group if layout is not None else None) * loss
 
     # ------------------------------------------------------------------ reductions
     def _global_mean(self, value: Tensor) -> Tensor:
@@ -227,7 +287,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
             # forward + backward of all m micro-batches; the mean loss over the batch, on every pipeline stage
             loss = pipeline.train_step(batch["input_ids"], batch["labels"])
         else:
-            loss = causal_lm_loss(self(batch["input_ids"]), batch["labels"])
+            loss = self._batch_loss(batch)
         self.log("train_loss", self._global_mean(loss), prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         self._log_moe_step(pipeline)
@@ -264,7 +324,8 @@ class CausalLMModule(MoETraining, L.LightningModule):
         if pipeline is not None:
             loss = pipeline.eval_step(batch["input_ids"], batch["labels"])  # forward only through the stages
         else:
-            loss = causal_lm_loss(self(batch["input_ids"]), batch["labels"])
+            logits = self(batch["input_ids"], batch.get("positions"), batch.get(DOCUMENT_IDS))
+            loss = causal_lm_loss(logits, batch["labels"])
         # this rank's tokens (its shard of the sequence under cp): the loss is the mean over them (micro-batches of
         # equal token counts under pp); the metrics sum loss x tokens and tokens over dp x cp at the end of the epoch
         tokens = (batch["labels"] != -100).sum()
