@@ -18,10 +18,11 @@ Backends:
 - ``"eager"``: explicit matmuls, mask and softmax in float32 (float64 for float64 inputs); the reference the others
   are tested against.
 
-Document masking (``mask``, :mod:`lightning_4d.models.document_mask`): a boolean ``[b, 1, s, s]`` mask of the allowed
-(query, key) pairs replaces the causal mask; ``"sdpa"`` passes it as ``attn_mask`` (PyTorch picks a kernel that takes
-a mask: on CPU the fused flash kernel, on CUDA the memory-efficient one), ``"eager"`` fills the scores it refuses with
-``-inf``; ``"flash"`` (flash-attn's fixed-length kernel) takes no mask and is refused.
+Document masking (``mask``, :mod:`lightning_4d.models.document_mask`): a ``[b, 1, s, s]`` mask of the allowed (query,
+key) pairs (boolean, or additive in the query's dtype) replaces the causal mask; ``"sdpa"`` passes it as
+``attn_mask`` (PyTorch picks a kernel that takes a mask: on CPU the fused flash kernel, on CUDA the memory-efficient
+one), ``"eager"`` adds it to the scores (a boolean one: the scores it refuses at ``-inf``); ``"flash"``
+(flash-attn's fixed-length kernel) takes no mask and is refused.
 """
 
 from __future__ import annotations
@@ -112,8 +113,11 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     vh = v.to(compute).repeat_interleave(n_rep, dim=2).transpose(1, 2)
     s = q.shape[1]
     scores = torch.matmul(qh, kh.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [b, h, s, s]
-    refused = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(diagonal=1) if mask is None else ~mask
-    scores = scores.masked_fill(refused, float("-inf"))
+    if mask is not None and mask.dtype != torch.bool:  # the additive form (0 / -inf)
+        scores = scores + mask.to(compute)
+    else:
+        refused = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(diagonal=1) if mask is None else ~mask
+        scores = scores.masked_fill(refused, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vh)  # [b, h, s, d]
     return out.transpose(1, 2).to(q.dtype)
@@ -149,8 +153,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa", mask: Opti
         k: keys ``[b, s, n_kv_heads, head_dim]``; ``n_q_heads`` must be a multiple of ``n_kv_heads``.
         v: values ``[b, s, n_kv_heads, head_dim]``.
         backend: ``"sdpa"``, ``"flash"`` or ``"eager"`` (see the module docstring).
-        mask: ``None`` (causal), or the allowed (query, key) pairs ``BoolTensor [b, 1, s, s]`` of document masking
-            (:func:`lightning_4d.models.document_mask.window_mask`; every query allows at least itself).
+        mask: ``None`` (causal), or the allowed (query, key) pairs of document masking ``[b, 1, s, s]``
+            (:func:`lightning_4d.models.document_mask.window_mask`; every query allows at least itself): boolean, or
+            additive (0 / ``-inf``) in ``q``'s dtype.
 
     Returns:
         ``[b, s, n_q_heads, head_dim]`` in ``q``'s dtype (possibly non-contiguous; reshape, not view, to merge heads).

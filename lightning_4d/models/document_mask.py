@@ -94,10 +94,16 @@ def document_mask(query_positions: Tensor, key_positions: Tensor, query_docs: Te
     return (same & causal).unsqueeze(1)
 
 
-def window_mask(document_ids: Optional[Tensor]) -> Optional[Tensor]:
+def window_mask(document_ids: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
     """The mask of a whole window (no cp): :func:`document_mask` of ``document_ids`` ``[b, s]`` against itself,
-    ``BoolTensor [b, 1, s, s]``; ``None`` without document ids (plain causal attention)."""
+    ``BoolTensor [b, 1, s, s]``, or with ``dtype`` the additive form SDPA takes as it is (0 where allowed, ``-inf``
+    elsewhere; a boolean mask is converted to it inside every SDPA call, one copy per layer, where the additive one
+    is shared by every layer: ``b·s²`` elements of ``dtype`` per forward, which the memory model counts). ``None``
+    without document ids (plain causal attention)."""
     if document_ids is None:
         return None
     positions = torch.arange(document_ids.shape[-1], device=document_ids.device)
-    return document_mask(positions, positions, document_ids, document_ids)
+    allowed = document_mask(positions, positions, document_ids, document_ids)
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))

@@ -380,9 +380,13 @@ class LlamaModel(MoEModel, nn.Module):
                 "length of input_ids)."
             )
         cos, sin = rope_cos_sin(self.config, positions)
-        # without cp one mask for every layer (each layer's kernel keeps a reference, not a copy); under cp the ids,
-        # which the cp attention masks block by block
-        mask = window_mask(document_ids) if self.context_parallel is None else None
+        # without cp one additive mask in the attention's dtype for every layer (each layer's kernel keeps a
+        # reference, not a copy); under cp the ids, which the cp attention masks block by block
+        mask = None
+        if document_ids is not None and self.context_parallel is None:
+            device = h.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+            mask = window_mask(document_ids, dtype)
         for block in self.layers.values():
             h = block(h, cos, sin, document_ids=document_ids, mask=mask)
         if self.norm is not None:
