@@ -21,9 +21,7 @@ reads an optional member through :func:`optional_member` only, which refuses a n
 - ``pipeline_loss(logits, labels)``: the loss of one micro-batch under pp (default
   :func:`~lightning_4d.parallel.loss.causal_lm_loss`);
 - ``validate_datamodule(datamodule)``: raise ``ValueError`` for data the module cannot train on (called here, before
-  the process group, so that the error comes before the queue wait);
-- ``validate_layout(config)``: raise ``ValueError`` for a layout the module cannot train under (its own options
-  against the layout; the strategy calls it before the process group too).
+  the process group, so that the error comes before the queue wait).
 
 **The DataModule** (:class:`DataContract`; :class:`~lightning_4d.data.LMDataModule` implements all of it):
 ``seq_length`` (checked against sp and cp), ``micro_batch_size`` and ``global_batch_size`` (under pp, m =
@@ -82,9 +80,6 @@ class TaskContract(Protocol):
 
     def validate_datamodule(self, datamodule: Any) -> None:
         """Raise ``ValueError`` for data the module cannot train on."""
-
-    def validate_layout(self, config: Any) -> None:
-        """Raise ``ValueError`` for a layout (a resolved ``ParallelConfig``) the module cannot train under."""
 
     #: the callbacks' and the memory check's (the latter may also take the batch shape from Lightning's own
     #: ``example_input_array``)

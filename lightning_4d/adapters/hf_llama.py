@@ -217,7 +217,10 @@ class HFLlamaFamily(ModelFamily):
     def rotary(self, model: nn.Module, h: Tensor, positions: Tensor) -> Any:
         return model.model.rotary_emb(h, positions.unsqueeze(0))
 
-    def run_layer(self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor) -> Tensor:
+    def run_layer(
+        self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor, documents: Any = None
+    ) -> Tensor:
+        # documents: always None (document_inputs refuses document masking for transformers' models)
         return layer(h, attention_mask=None, position_ids=positions.unsqueeze(0), position_embeddings=rotary)
 
     def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan:

@@ -125,10 +125,21 @@ class ModelFamily:
         ``[b, s_local, h]``, in whatever form :meth:`run_layer` takes."""
         raise self._missing("rotary")
 
-    def run_layer(self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor) -> Tensor:
+    def run_layer(
+        self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor, documents: Any = None
+    ) -> Tensor:
         """One decoder layer: ``h`` ``[b, s_local, hidden]`` -> ``[b, s_local, hidden]`` (causal over the whole
-        sequence)."""
+        sequence; within each document with ``documents``, what :meth:`document_inputs` returned)."""
         raise self._missing("run_layer")
+
+    def document_inputs(self, model: nn.Module, h: Tensor, document_ids: Tensor) -> Any:
+        """What :meth:`run_layer` takes for document masking (once per micro-batch and stage) from the document
+        ids ``[b, s]`` of the whole sequence.
+
+        Raises:
+            ValueError: the family has no document masking.
+        """
+        raise ValueError(f"document masking is not supported for a {self.name} yet: train without document_masking.")
 
     def run_head(self, model: nn.Module, head: nn.Module, h: Tensor) -> Any:
         """The LM head on the final-norm output ``h``: logits ``[b, s, V]`` (a DTensor under tp if the family's

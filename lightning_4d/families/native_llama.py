@@ -85,8 +85,13 @@ class LlamaFamily(ModelFamily):
     def rotary(self, model: nn.Module, h: Tensor, positions: Tensor) -> Any:
         return rope_cos_sin(model.config, positions)
 
-    def run_layer(self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor) -> Tensor:
-        return layer(h, *rotary)
+    def run_layer(
+        self, model: nn.Module, layer: nn.Module, h: Tensor, rotary: Any, positions: Tensor, documents: Any = None
+    ) -> Tensor:
+        return layer(h, *rotary, **(documents or {}))
+
+    def document_inputs(self, model: nn.Module, h: Tensor, document_ids: Tensor) -> Any:
+        return model.document_inputs(h, document_ids)
 
     def run_head(self, model: nn.Module, head: nn.Module, h: Tensor) -> Any:
         return head(h) if model.head_projection is None else model.head_projection(h, head)

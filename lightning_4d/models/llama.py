@@ -380,20 +380,27 @@ class LlamaModel(MoEModel, nn.Module):
                 "length of input_ids)."
             )
         cos, sin = rope_cos_sin(self.config, positions)
-        # without cp one additive mask in the attention's dtype for every layer (each layer's kernel keeps a
-        # reference, not a copy); under cp the ids, which the cp attention masks block by block
-        mask = None
-        if document_ids is not None and self.context_parallel is None:
-            device = h.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-            mask = window_mask(document_ids, dtype)
+        documents = self.document_inputs(h, document_ids)
         for block in self.layers.values():
-            h = block(h, cos, sin, document_ids=document_ids, mask=mask)
+            h = block(h, cos, sin, **documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h) if self.head_projection is None else self.head_projection(h, self.output)
         return h
+
+    def document_inputs(self, h: Tensor, document_ids: Optional[Tensor]) -> dict[str, Optional[Tensor]]:
+        """The document-masking keyword arguments of every block (:meth:`TransformerBlock.forward`) for hidden
+        states ``h`` and the document ids ``[b, s]`` of the whole sequence (``None``: none). Without cp one additive
+        mask in the attention's dtype (the autocast dtype, else ``h``'s) for every layer, each layer's kernel keeping
+        a reference, not a copy; under cp the ids, which the cp attention masks block by block."""
+        if document_ids is None:
+            return {}
+        if self.context_parallel is not None:
+            return {"document_ids": document_ids}
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        return {"mask": window_mask(document_ids, dtype)}
 
     # ------------------------------------------------------------------ parameters
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - signature of nn.Module._apply

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import ParallelConfig, check_compile
-from lightning_4d.contract import TrainingInputs, optional_member
+from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
@@ -54,18 +54,14 @@ def validate_against_module(
 
     Raises:
         ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
-            :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`; the module's ``validate_layout``;
-            ``float8`` for a family that does not take it (:attr:`ModelFamily.float8`) or a module that holds no
-            registered model.
+            :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`; ``float8`` for a family that does
+            not take it (:attr:`ModelFamily.float8`) or a module that holds no registered model.
     """
     inputs = TrainingInputs.of(module, attached_trainer(module)) if inputs is None else inputs
     model_config = inputs.model_config
     models = find_models(module) if module is not None else []
     if model_config is not None:
         config.validate_model(model_config)
-    validate_layout = optional_member(module, "validate_layout")
-    if validate_layout is not None:  # the module's own options against the layout (document masking under pp)
-        validate_layout(config)
     for _, family, model in models:
         family.validate(model, config)
         if config.float8 is not None and not family.float8:

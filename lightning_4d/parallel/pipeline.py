@@ -178,6 +178,9 @@ class StageChunk(nn.Module):
         self.norm = ends.norm
         self.head = ends.head
         self.sequence_shards, self.cp, self.hidden_size = sequence_shards, cp, hidden_size
+        #: document masking of the micro-batch being run: ``(positions [b, s_local], document ids [b, s])``, set by
+        #: the stage around each micro-batch's forward (:meth:`PipelineRunner.documents_of`), else ``None``
+        self.documents: Optional[tuple[Tensor, Tensor]] = None
 
     def forward(self, x: Tensor) -> Tensor:
         """See the class docstring."""
@@ -190,10 +193,15 @@ class StageChunk(nn.Module):
             elif self.comm_dtype is not None:  # received in the wire dtype: back to the stage's own
                 x = x.to(own)
             s, h = x.shape[1] * self.sequence_shards, x
-        positions = self.family.positions(self.union, s, self.cp, x.device)
+        documents = None
+        if self.documents is not None:  # the micro-batch's own positions and masks (document masking)
+            positions, document_ids = self.documents
+            documents = self.family.document_inputs(self.union, h, document_ids)
+        else:
+            positions = self.family.positions(self.union, s, self.cp, x.device)
         rotary = self.family.rotary(self.union, h, positions)
         for layer in self.layers.values():
-            h = self.family.run_layer(self.union, layer, h, rotary, positions)
+            h = self.family.run_layer(self.union, layer, h, rotary, positions, documents)
         if self.head is not None:
             return self.family.run_head(self.union, self.head, self.norm(h))
         if self.comm_dtype == "float8":
@@ -481,12 +489,16 @@ def _stage_class() -> type:
             super().__init__(*args, **kwargs)
             self.runner = runner
 
-        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             if self.runner._pending:  # the step's first micro-batch forward on this rank
                 self.runner._pending = False
                 self.runner.metadata_inference(False)
                 self.runner.before_microbatches()
-            return super().forward_one_chunk(*args, **kwargs)
+            self.submod.documents = self.runner.documents_of(fwd_chunk_id)
+            try:
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            finally:
+                self.submod.documents = None
 
     return Stage
 
@@ -554,6 +566,8 @@ class PipelineRunner:
         #: first step, measured under pp2 x dp2 x ep2), and the values computed there are never used
         self.metadata_inference: Callable[[bool], None] = _ignore
         self._pending = False
+        #: document masking of the step being run: per micro-batch ``(positions, document ids)`` (:meth:`documents_of`)
+        self._documents: Optional[list[tuple[Tensor, Tensor]]] = None
         #: a context a backward whose gradients are discarded runs in (the strategy sets the ZeRO 0/1 buckets'
         #: ``suspended``, so that an evaluation run's gradients never reach them)
         self.gradient_guard: Callable[[], Any] = nullcontext
@@ -568,6 +582,20 @@ class PipelineRunner:
             reset_schedule_metadata(schedule)  # another schedule's receive buffers are in the stages
             self._current = schedule
         return schedule
+
+    def _set_documents(self, documents: Optional[tuple[Tensor, Tensor]]) -> None:
+        """Keep the step's document masking, ``(positions [b, s_local], document ids [b, s])`` of the whole batch
+        (``None``: none), split into the schedule's micro-batches as it splits ``input_ids`` (dim 0, in order)."""
+        if documents is None:
+            self._documents = None
+            return
+        m = self.num_microbatches
+        self._documents = list(zip(documents[0].tensor_split(m), documents[1].tensor_split(m)))
+
+    def documents_of(self, microbatch: int) -> Optional[tuple[Tensor, Tensor]]:
+        """Micro-batch ``microbatch``'s ``(positions, document ids)``, or ``None`` without document masking: every
+        stage computes its masks from them (the ids do not travel between stages: each rank holds the batch)."""
+        return None if self._documents is None else self._documents[microbatch]
 
     def _check_batch(self, input_ids: Tensor) -> None:
         if input_ids.shape[0] % self.num_microbatches != 0:
@@ -587,13 +615,17 @@ class PipelineRunner:
             dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank contributes
         return total
 
-    def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def train_step(
+        self, input_ids: Tensor, labels: Tensor, documents: Optional[tuple[Tensor, Tensor]] = None
+    ) -> Tensor:
         """Forward and backward of all ``m`` micro-batches of ``input_ids`` / ``labels`` (``[b, s]``, b = m x
-        micro-batch size). The gradients (of the mean loss; not yet averaged over dp) are held aside until
+        micro-batch size); ``documents``: document masking's ``(positions [b, s_local], document ids [b, s])``.
+        The gradients (of the mean loss; not yet averaged over dp) are held aside until
         :meth:`restore_gradients`, because Lightning zeroes gradients between ``training_step`` and ``backward``.
         Returns the mean loss over the batch (float32 scalar, detached, the same on every
         pp rank)."""
         self._check_batch(input_ids)
+        self._set_documents(documents)
         schedule = self._use(self._train)
         losses: list[Tensor] = []
         args = (input_ids,) if self.is_first else ()
@@ -646,12 +678,14 @@ class PipelineRunner:
         self._pending = True
         self.metadata_inference(True)
 
-    def eval_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        """Forward only through the pipeline; returns the mean loss over the batch (the same on every pp rank).
+    def eval_step(self, input_ids: Tensor, labels: Tensor, documents: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+        """Forward only through the pipeline; returns the mean loss over the batch (the same on every pp rank);
+        ``documents`` as in :meth:`train_step`.
 
         ZBV and DualPipeV cannot run forward-only in this PyTorch: their full schedule runs (the backward's
         gradients are discarded), three times the compute of a forward."""
         self._check_batch(input_ids)
+        self._set_documents(documents)
         losses: list[Tensor] = []
         args = (input_ids,) if self.is_first else ()
         target = labels if self.is_last else None
@@ -667,8 +701,9 @@ class PipelineRunner:
 
     def forward(self, input_ids: Tensor) -> Optional[Any]:
         """Forward only; returns the last stage's output (logits ``[b, s, V]``) on the rank that holds the last
-        stage and ``None`` on the others."""
+        stage and ``None`` on the others (causal attention over the whole window)."""
         self._check_batch(input_ids)
+        self._set_documents(None)
         args = (input_ids,) if self.is_first else ()
         self._begin()
         if self._forward_only_works:

@@ -96,8 +96,8 @@ class CausalLMModule(MoETraining, L.LightningModule):
         document_masking: attention stays within each document of a packed window (Llama 3's pretraining mask; off
             by default): the documents come from the batch's ``"document_ids"`` ``[b, s]`` when the data gives them,
             else from the end-of-document tokens of ``input_ids`` (``eos_token_id``; the EOS ends its document).
-            Every layout but pp (refused for now), every cp method (:mod:`lightning_4d.models.document_mask`,
-            ``docs/data.md``).
+            Every layout (pp: each stage masks its micro-batch from the batch it holds) and every cp method
+            (:mod:`lightning_4d.models.document_mask`, ``docs/data.md``).
         eos_token_id: the end-of-document token (default: the DataModule's ``tokenizer.eos_id``, what
             ``prepare-data`` appends after every document).
         reset_position_ids: with document masking, the rotary positions restart at 0 at each document (default
@@ -119,8 +119,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
     Raises:
         ValueError: a bad argument (one line naming it): an unknown preset, ``learning_rate <= 0``, ``warmup_steps
             < 0``, a missing ``init_from``, ``reset_position_ids`` / ``eod_mask_loss`` without ``document_masking``,
-            document masking with ``attention_backend='flash'``; at the strategy's setup (before any process group)
-            document masking with pp > 1; at fit, document masking without an EOS token.
+            document masking with ``attention_backend='flash'``; at fit, document masking without an EOS token.
     """
 
     def __init__(
@@ -165,6 +164,8 @@ class CausalLMModule(MoETraining, L.LightningModule):
         )
         self.model: Optional[LlamaModel] = None
         self._batch_start = 0.0
+        #: eod_mask_loss under pp: the training step's loss scale per trained token (:meth:`pipeline_loss`)
+        self._pipeline_scale: Optional[Tensor] = None
         # validation metrics (torchmetrics, synchronized over the dp x cp group: _validation_metrics)
         self.val_loss_metric = TokenMeanLoss()
         self.val_ppl_metric = TokenMeanLoss(perplexity=True)
@@ -178,15 +179,6 @@ class CausalLMModule(MoETraining, L.LightningModule):
                 f"the tokenizer has {vocab} tokens but the model's vocab_size is {self.model_config.vocab_size}; set "
                 f"model_config.vocab_size >= {vocab} (e.g. --model.model_config.vocab_size={vocab}) or use a "
                 "tokenizer that matches the model."
-            )
-
-    def validate_layout(self, config: Any) -> None:
-        """Raise ``ValueError`` for a layout (a resolved :class:`~lightning_4d.config.ParallelConfig`) this module
-        cannot train under: document masking with pp > 1 (the document ids do not travel between stages yet)."""
-        if self.documents is not None and config.pp > 1:
-            raise ValueError(
-                f"document_masking=True is not supported with pipeline_parallel_size={config.pp} yet (the document "
-                "ids do not travel between pipeline stages): use pipeline_parallel_size=1 with document masking."
             )
 
     def setup(self, stage: str) -> None:
@@ -237,15 +229,39 @@ class CausalLMModule(MoETraining, L.LightningModule):
         assert self.model is not None, "configure_model() has not run"
         return self.model(input_ids, positions, document_ids)
 
+    @staticmethod
+    def _documents_of(batch: dict[str, Tensor]) -> Optional[tuple[Tensor, Tensor]]:
+        """Document masking's ``(positions, document ids)`` of a batch (:meth:`on_before_batch_transfer` put them
+        there), or ``None``."""
+        if DOCUMENT_IDS not in batch:
+            return None
+        return batch["positions"], batch[DOCUMENT_IDS]
+
+    def _token_scale(self, batch: dict[str, Tensor], parts: int = 1) -> Optional[Tensor]:
+        """With ``eod_mask_loss`` the scale of a micro-batch mean that makes the dp x cp average of the step's losses
+        the mean over the trained tokens of the global batch: ``token_mean_scale`` over the whole batch of
+        ``parts`` micro-batches, its count per micro-batch (the pipeline's loss then divides by ``parts``);
+        ``None`` otherwise."""
+        if self.documents is None or not self.documents.eod_mask_loss:
+            return None
+        layout = self._layout()
+        group = layout.dp_cp_group if layout is not None else None
+        return token_mean_scale(batch["labels"], group) / (batch["labels"] != -100).sum().clamp_min(1) * parts
+
+    def pipeline_loss(self, logits: Any, labels: Tensor) -> Tensor:
+        """The loss of one micro-batch under pp: :func:`~lightning_4d.parallel.loss.causal_lm_loss`, with
+        ``eod_mask_loss`` scaled by the micro-batch's trained tokens (:meth:`_token_scale`)."""
+        loss = causal_lm_loss(logits, labels)
+        scale = self._pipeline_scale
+        return loss if scale is None else loss * (scale * (labels != -100).sum())
+
     def _batch_loss(self, batch: dict[str, Tensor]) -> Tensor:
         """The loss of one batch without pp: the mean cross-entropy over its trained tokens; with ``eod_mask_loss``
         scaled so that the dp x cp mean of it is the mean over the trained tokens of the whole batch."""
         logits = self(batch["input_ids"], batch.get("positions"), batch.get(DOCUMENT_IDS))
         loss = causal_lm_loss(logits, batch["labels"])
-        if self.documents is None or not self.documents.eod_mask_loss:
-            return loss
-        layout = self._layout()
-        return token_mean_scale(batch["labels"], layout.dp_cp_group if layout is not None else None) * loss
+        scale = self._token_scale(batch)
+        return loss if scale is None else loss * (scale * (batch["labels"] != -100).sum())
 
     # ------------------------------------------------------------------ reductions
     def _global_mean(self, value: Tensor) -> Tensor:
@@ -285,7 +301,8 @@ class CausalLMModule(MoETraining, L.LightningModule):
         self._start_moe_step(pipeline)
         if pipeline is not None:
             # forward + backward of all m micro-batches; the mean loss over the batch, on every pipeline stage
-            loss = pipeline.train_step(batch["input_ids"], batch["labels"])
+            self._pipeline_scale = self._token_scale(batch, pipeline.num_microbatches)
+            loss = pipeline.train_step(batch["input_ids"], batch["labels"], self._documents_of(batch))
         else:
             loss = self._batch_loss(batch)
         self.log("train_loss", self._global_mean(loss), prog_bar=True, on_step=True, on_epoch=False)
@@ -322,7 +339,8 @@ class CausalLMModule(MoETraining, L.LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         pipeline = self._pipeline()
         if pipeline is not None:
-            loss = pipeline.eval_step(batch["input_ids"], batch["labels"])  # forward only through the stages
+            self._pipeline_scale = None  # validation: micro-batch means, weighted by tokens in the metrics
+            loss = pipeline.eval_step(batch["input_ids"], batch["labels"], self._documents_of(batch))  # forward only
         else:
             logits = self(batch["input_ids"], batch.get("positions"), batch.get(DOCUMENT_IDS))
             loss = causal_lm_loss(logits, batch["labels"])

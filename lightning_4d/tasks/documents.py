@@ -83,8 +83,9 @@ class DocumentMasking:
         return replace(self, eos_token_id=int(eos)) if isinstance(eos, int) else self
 
     def prepare(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``batch`` with ``"document_ids"`` (kept, checked, or from the EOS tokens), ``"positions"`` restarting at
-        each document (``reset_position_ids``, unless the batch has positions) and ``"labels"`` at ``-100`` where
+        """``batch`` with ``"document_ids"`` (kept, checked, or from the EOS tokens), ``"positions"`` ``[b, s]``
+        (unless the batch has them: restarting at each document with ``reset_position_ids``, else the window's
+        ``0 .. s-1``) and ``"labels"`` at ``-100`` where
         the next token belongs to another document (``eod_mask_loss``: at each EOS, and at the last token of each
         document the ids end).
 
@@ -106,8 +107,8 @@ class DocumentMasking:
             check_document_ids(ids, tuple(input_ids.shape))
         out = dict(batch)
         out[DOCUMENT_IDS] = ids
-        if self.reset_position_ids and "positions" not in batch:
-            out["positions"] = document_positions(ids)
+        if "positions" not in batch:  # per micro-batch under pp, sharded with the tokens under cp
+            out["positions"] = document_positions(ids) if self.reset_position_ids else _window_positions(ids)
         if self.eod_mask_loss and "labels" in batch:
             crossing = torch.zeros_like(ids, dtype=torch.bool)
             crossing[..., :-1] = ids[..., 1:] != ids[..., :-1]
@@ -115,6 +116,11 @@ class DocumentMasking:
                 crossing |= input_ids == self.eos_token_id
             out["labels"] = batch["labels"].masked_fill(crossing, -100)
         return out
+
+
+def _window_positions(ids: Tensor) -> Tensor:
+    """``0 .. s-1`` for every sequence of ``ids`` ``[b, s]``."""
+    return torch.arange(ids.shape[-1], device=ids.device).expand_as(ids).contiguous()
 
 
 def token_mean_scale(labels: Tensor, group: Optional[Any]) -> Tensor:

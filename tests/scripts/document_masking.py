@@ -1,12 +1,14 @@
-"""One training step of the tiny Llama with document masking under several layouts; rank 0 records the logged loss
-and every parameter's full gradient (averaged over dp x cp, before the optimizer step) per layout.
+"""One training step of the tiny Llama with document masking under several layouts; every rank records the logged
+loss and the full gradient (averaged over dp x cp, before the optimizer step) of every parameter it holds (under pp
+its stage's) per layout.
 
 The global batch is fixed (:func:`packed_batch`, shared with the test's one-process reference): documents of
 several lengths packed into windows, ended by EOS, straddling every cp chunk and dp shard. ZeRO 0, float32.
 
 Usage: ``torchrun --nproc-per-node N tests/scripts/document_masking.py --out DIR --layouts JSON`` with layouts
-``{"dp": 2}``, ``{"tp": 2}``, ``{"cp": 2, "method": "ring"}``, ... (dp, tp, cp, method, sp). Writes
-``DIR/layout<i>.pt``: ``{"loss": float, "grads": {canonical name: full gradient}}``.
+``{"dp": 2}``, ``{"tp": 2}``, ``{"cp": 2, "method": "ring"}``, ``{"pp": 2}`` (1F1B, 2 micro-batches), ... (dp, tp,
+pp, cp, method, sp). Writes
+``DIR/layout<i>_rank<r>.pt``: ``{"loss": float, "grads": {canonical name: full gradient}}``.
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ class _Record(L.Callback):
         self.loss = float("nan")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        for name, p in pl_module.named_parameters():
+        for name, p in pl_module.named_parameters():  # under pp: this rank's stage's
             g = p.grad
-            self.grads[canonical_name(name)] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+            if g is not None:
+                self.grads[canonical_name(name)] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.loss = float(trainer.callback_metrics["train_loss"])
@@ -76,6 +79,9 @@ def run(layout: dict, out: Path, index: int, world: int) -> None:
     dp = layout.get("dp", 1)
     strategy = FourDStrategy(
         tensor_parallel_size=layout.get("tp", 1),
+        pipeline_parallel_size=layout.get("pp", 1),
+        pipeline_schedule="1f1b",
+        num_microbatches=2 if layout.get("pp", 1) > 1 else None,
         context_parallel_size=layout.get("cp", 1),
         context_parallel_method=layout.get("method", "ring"),
         sequence_parallel=layout.get("sp"),
@@ -98,8 +104,7 @@ def run(layout: dict, out: Path, index: int, world: int) -> None:
         callbacks=[record],
     )
     trainer.fit(module, train_dataloaders=DataLoader(_Windows(), batch_size=GLOBAL_BATCH // dp))
-    if trainer.global_rank == 0:
-        torch.save({"loss": record.loss, "grads": record.grads}, out / f"layout{index}.pt")
+    torch.save({"loss": record.loss, "grads": record.grads}, out / f"layout{index}_rank{trainer.global_rank}.pt")
 
 
 def main() -> None:
