@@ -11,7 +11,7 @@ Tested with torch 2.13.0 and lightning 2.6.6; flash-attn 2.7-2.8 for the ``flash
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 import torch
 from torch import Tensor
@@ -303,20 +303,34 @@ def aten_flash_takes(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= ATEN_FLASH_MAX_HEAD_DIM
 
 
-def aten_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def aten_flash_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
     """``(out, logsumexp)`` of ATen's flash kernel on ``[b, heads, s, d]`` tensors (k, v with as many heads as q), no
     dropout: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype),
-    ``_scaled_dot_product_flash_attention`` elsewhere (CUDA, float16/bfloat16)."""
+    ``_scaled_dot_product_flash_attention`` elsewhere (CUDA, float16/bfloat16). ``mask`` (CPU only): an additive
+    ``[b, 1, s_q, s_k]`` mask in q's dtype (the CPU kernel refuses a boolean one); a query row it refuses entirely
+    comes back with output 0 and log-sum-exp 0 (measured on torch 2.13), which the caller corrects."""
     aten = torch.ops.aten
     if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         return out, lse
+    if mask is not None:
+        raise ValueError("ATen's CUDA flash kernel takes no attention mask")
     res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return res[0], res[1]
 
 
 def aten_flash_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`aten_flash_forward` given the output gradient and the final ``out`` and ``lse``
     (``[b, heads, s_q]`` float32; made contiguous here, as the CUDA kernel reads it as a dense array).
@@ -325,14 +339,16 @@ def aten_flash_backward(
     for dense batches): a defined one, even empty, selects the variable-length kernel, which wants int32 lengths
     (``RuntimeError: cu_seqlens_q must have dtype int32``). The random-number state arguments are unused without
     dropout; they are passed as the forward returns them on this device and torch version
-    (:func:`_flash_rng_state`)."""
+    (:func:`_flash_rng_state`). ``mask``: as in :func:`aten_flash_forward` (CPU only)."""
     aten = torch.ops.aten
     lse = lse.contiguous()
     if q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
         )
         return dq, dk, dv
+    if mask is not None:
+        raise ValueError("ATen's CUDA flash kernel takes no attention mask")
     sq, sk = q.shape[2], k.shape[2]
     seed, offset = _flash_rng_state(q.device, q.dtype)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(

@@ -59,8 +59,9 @@ the blocks it would without masking, masked, and skips a block no document spans
 the K/V and dK/dV still travel, the exchange is unchanged, and so is the zigzag load balance of the causal work);
 the all-gather method attends each query chunk to its own chunk and to the keys from the start of the document its
 first token belongs to, nothing earlier; all-to-all masks the whole sequence of its heads with one mask. Masked
-blocks run the explicit-matmul kernel (any backend; it saves nothing beyond the unmasked kernels' inputs and
-outputs, and holds a block's scores while it runs).
+blocks save nothing beyond the unmasked kernels' inputs and outputs; they run ATen's CPU flash kernel with the
+block's mask under ``"sdpa"`` on CPU, the explicit matmuls otherwise (``"eager"``, and on CUDA, whose fused flash
+kernels take no mask; they hold a block's scores while they run).
 
 Shapes: ``q`` ``[b, s/c, n_q_heads, head_dim]``, ``k``, ``v`` ``[b, s/c, n_kv_heads, head_dim]`` (local tokens in
 zigzag order); output like ``q``. Softmax scale ``1 / sqrt(head_dim)``, no dropout.
@@ -217,14 +218,24 @@ class _Kernel:
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Optional[Tensor] = None
     ) -> tuple[Tensor, Tensor]:
         n_rep = q.shape[1] // k.shape[1]
-        if mask is not None:  # document masking: the explicit matmuls with the mask (module docstring)
-            return self._eager_forward(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), causal, mask)
+        if mask is not None:  # document masking (module docstring)
+            k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+            if not self._masked_aten(q):
+                return self._eager_forward(q, k, v, causal, mask)
+            out, lse = aten_flash_forward(q, k, v, False, self.scale, _additive(mask, q.dtype))
+            # a query row the block refuses entirely: lse -inf (the kernel gives 0), so that the merge skips it
+            return out, lse.masked_fill(~mask.any(dim=-1), float("-inf"))
         if self.backend == "flash":
             return self._flash_forward(q, k, v, causal)
         k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         if self._use_eager(q):
             return self._eager_forward(q, k, v, causal)
         return aten_flash_forward(q, k, v, causal, self.scale)
+
+    def _masked_aten(self, q: Tensor) -> bool:
+        """A masked block runs ATen's CPU flash kernel with the mask (``"sdpa"`` on CPU); else the explicit
+        matmuls (``"eager"``, and every backend on CUDA, whose flash kernels take no mask)."""
+        return self.backend == "sdpa" and q.device.type == "cpu"
 
     def _use_eager(self, q: Tensor) -> bool:
         # ATen's CUDA flash kernel takes float16/bfloat16 and head dims the public SDPA lets through to it
@@ -278,9 +289,11 @@ class _Kernel:
         # mha_bwd, flash-attn's) read the log-sum-exp as a dense [b, heads, s_q] array (CPU kernels read strides)
         lse = lse.contiguous()
         if mask is not None:
-            dq, dk, dv = self._eager_backward(
-                dout, q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), out, lse, causal, mask
-            )
+            kr, vr = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+            if self._masked_aten(q):
+                dq, dk, dv = aten_flash_backward(dout, q, kr, vr, out, lse, False, self.scale, _additive(mask, q.dtype))
+            else:
+                dq, dk, dv = self._eager_backward(dout, q, kr, vr, out, lse, causal, mask)
             return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
         if self.backend == "flash":
             return self._flash_backward(dout, q, k, v, out, lse, causal)
@@ -325,6 +338,11 @@ class _Kernel:
         dout_t, out_t = dout.transpose(1, 2).contiguous(), out.transpose(1, 2).contiguous()
         flash_attn_backward(dout_t, (qt, kt, vt), out_t, lse, (dq, dk, dv), causal, self.scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean mask ``[b, 1, s_q, s_k]`` as the additive one ATen's CPU flash kernel takes (0 / ``-inf``)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -821,8 +839,8 @@ def context_parallel_attention(
         method: ``"ring"``, ``"allgather"`` or ``"alltoall"`` (module docstring).
         backend: kernel, ``"sdpa"`` (ATen's fused kernels), ``"flash"`` (flash-attn 2, CUDA) or ``"eager"``.
         document_ids: ``None`` (causal attention), or the document ids ``LongTensor [b, s]`` of the whole sequence
-            (the same on every cp rank): attention also stays within each document, masked blocks run the explicit
-            matmul kernel and blocks no document spans are skipped (module docstring, "Document masking").
+            (the same on every cp rank): attention also stays within each document, and blocks no document spans
+            are skipped (module docstring, "Document masking").
 
     Returns:
         ``[b, s/c, n_q_heads, head_dim]`` in ``q``'s dtype; output and q/k/v gradients equal those of full causal
