@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from lightning_4d.models.attention_backends import MASK_BACKEND_ERROR, attention
 from lightning_4d.models.document_mask import (
+    attention_context as attention_context_of,
     check_document_ids,
     document_ids_from_eos,
     document_positions,
@@ -47,6 +48,17 @@ def test_document_ids_and_positions_from_eos():
     mask = window_mask(ids)[0, 0]
     assert mask[4].tolist() == [False, False, False, True, True, False, False]  # token 4 sees 3 and itself
     assert mask.diagonal().all()
+
+
+def test_attention_context_counts_the_documents_flops():
+    config = LlamaConfig.from_name("llama3-8b")
+    ids = torch.tensor([[0] * 2 + [1] * 6, [0] * 8])  # contexts: (4 + 36) / 8 = 5 and 64 / 8 = 8
+    assert attention_context_of(ids) == (5 + 8) / 2
+    assert config.flops_per_token(
+        8, attention_context_of(torch.zeros(1, 8, dtype=torch.long))
+    ) == config.flops_per_token(8)
+    saved = config.flops_per_token(8192) - config.flops_per_token(8192, 512.0)
+    assert saved == 12 * config.num_layers * config.hidden_size * (8192 - 512)
 
 
 def test_bad_document_ids_are_one_line_errors():

@@ -107,3 +107,14 @@ def window_mask(document_ids: Optional[Tensor], dtype: Optional[torch.dtype] = N
     if dtype is None:
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def attention_context(document_ids: Tensor) -> float:
+    """The context a token's attention spans on average with document masking, ``Σ n_d² / (b·s)`` over the documents
+    of the ``b`` windows ``[b, s]`` (lengths ``n_d``): what replaces the window length ``s`` in the attention FLOPs
+    (``LlamaConfig.flops_per_token``; ``s`` for one document per window)."""
+    total = 0
+    for row in document_ids:
+        counts = torch.unique_consecutive(row, return_counts=True)[1]
+        total += int((counts * counts).sum())
+    return total / document_ids.numel()

@@ -381,7 +381,7 @@ class LlamaConfig:
             total += self.num_moe_layers * (moe - feed_forward)
         return total
 
-    def flops_per_token(self, seq_length: int) -> float:
+    def flops_per_token(self, seq_length: int, attention_context: Optional[float] = None) -> float:
         """Model FLOPs of one training step (forward + backward) per token: ``6·N + 12·L·h·s``.
 
         The standard definition behind model FLOPs utilization (MFU) of Chowdhery et al. 2022, "PaLM: Scaling
@@ -400,11 +400,17 @@ class LlamaConfig:
         the router, its top-k routed experts and the shared experts), as MFU is reported for MoE models (e.g.
         DeepSeek-V3, arXiv 2412.19437); equal to :meth:`num_parameters` for a dense config.
 
+        ``attention_context``: with document masking, the context a token's attention spans on average in place of
+        ``s``: ``Σ n_d² / s`` over the documents of a window (lengths ``n_d``; :func:`~lightning_4d.models.
+        document_mask.attention_context`), the same full-square convention per document: the FLOPs actually done,
+        not those of a window-long context.
+
         Raises:
             ValueError: ``seq_length`` is not a positive integer.
         """
         _check_positive_int("seq_length", seq_length)
-        return float(6 * self.num_active_parameters() + 12 * self.num_layers * self.hidden_size * seq_length)
+        context = seq_length if attention_context is None else attention_context
+        return float(6 * self.num_active_parameters() + 12 * self.num_layers * self.hidden_size * context)
 
     # ------------------------------------------------------------------ presets
     @staticmethod

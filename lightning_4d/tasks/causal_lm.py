@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_4d.contract import LayoutStrategy, layout_strategy, optional_member
 from lightning_4d.families.registry import load_initial_weights
-from lightning_4d.models.document_mask import DOCUMENT_IDS
+from lightning_4d.models.document_mask import DOCUMENT_IDS, attention_context
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
@@ -109,8 +109,9 @@ class CausalLMModule(MoETraining, L.LightningModule):
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss`` and ``val_ppl``
     (torchmetrics, :class:`~lightning_4d.tasks.metrics.TokenMeanLoss`: the token-weighted mean loss over the whole
     validation set and its ``exp``, summed over the data-parallel ranks at the end of the epoch, identical on every
-    rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu``. An MoE model also
-    trains and logs its load-balancing loss and routing statistics
+    rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu`` (with document masking over
+    the attention FLOPs of the documents, :meth:`LlamaConfig.flops_per_token`'s ``attention_context``). An MoE
+    model also trains and logs its load-balancing loss and routing statistics
     (:class:`~lightning_4d.parallel.moe.MoETraining`).
 
     Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``, with document masking optionally
@@ -323,7 +324,9 @@ class CausalLMModule(MoETraining, L.LightningModule):
         if self.device.type == "cuda":
             peak = peak_flops_of_device(torch.cuda.get_device_name(self.device))
             if peak:  # the planner predicts MFU with the same flops_per_token and peak table
-                flops = self.model_config.flops_per_token(s)
+                # document masking: the attention FLOPs of the documents, not of a window-long context
+                context = attention_context(batch[DOCUMENT_IDS]) if DOCUMENT_IDS in batch else None
+                flops = self.model_config.flops_per_token(s, context)
                 self.log("mfu", tokens * flops / elapsed / (peak * self.trainer.world_size), on_step=True)
 
     def _context_parallel_size(self) -> int:
