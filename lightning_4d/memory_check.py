@@ -244,6 +244,7 @@ class MemoryEstimatorCallback(L.Callback):
         self.expert_load_imbalance = expert_load_imbalance
         self.host_memory = parse_bytes(host_memory) if host_memory is not None else None
         self._fused_optimizer = True  # set per fit from the module (_steps_with_fused_adamw)
+        self._document_masking = False  # set per fit from the module (_masks_documents)
         self._host_offloaded = 0  # set per fit by _estimate: the most host_offloaded_activations of any pp rank
         self.estimate: Any = None
         self._said: set[str] = set()
@@ -356,6 +357,7 @@ class MemoryEstimatorCallback(L.Callback):
             return
         parallel_config, cfg, memory, gpu_name, device_type, precision = job
         self._fused_optimizer = _steps_with_fused_adamw(pl_module, trainer)
+        self._document_masking = _masks_documents(pl_module)
         # micro-batches per step: the pipeline schedule's m (resolved by the strategy), else gradient accumulation
         m = parallel_config.microbatches if parallel_config.pp > 1 else trainer.accumulate_grad_batches
         shape = self._known_batch_shape(trainer, pl_module, parallel_config, device_type)
@@ -512,7 +514,9 @@ class MemoryEstimatorCallback(L.Callback):
             return est, est.total, {"model_states": est.model_states, "activations": est.activations}
         from lightning_4d.planning.model import estimate_all_pp_ranks
 
-        work = Workload(cfg, b, s, precision, m, self.expert_load_imbalance, self._fused_optimizer)
+        work = Workload(
+            cfg, b, s, precision, m, self.expert_load_imbalance, self._fused_optimizer, self._document_masking
+        )
         ranks = estimate_all_pp_ranks(work, parallel_config, device_type=device_type, gpu_name=gpu_name)
         est = max(ranks, key=lambda e: e.total)  # the worst pp rank, as estimate_memory picks it
         # activation offload: the pp rank that offloads most (the first, with the most micro-batches in flight)
@@ -556,7 +560,9 @@ class MemoryEstimatorCallback(L.Callback):
 
         pc = trainer.strategy.parallel_config
         try:
-            work = Workload(cfg, b, s, precision, None, self.expert_load_imbalance, self._fused_optimizer)
+            work = Workload(
+                cfg, b, s, precision, None, self.expert_load_imbalance, self._fused_optimizer, self._document_masking
+            )
             return suggest_layouts(
                 work,
                 pc.world_size,
@@ -583,6 +589,14 @@ def add_memory_check(trainer: Optional[L.Trainer]) -> None:
     so on CUDA, where ``memory_check=True``); ``None``: nothing."""
     if trainer is not None and not any(isinstance(cb, MemoryEstimatorCallback) for cb in trainer.callbacks):
         trainer.callbacks.append(MemoryEstimatorCallback())
+
+
+def _masks_documents(pl_module: Any) -> bool:
+    """Whether ``pl_module`` is a :class:`~lightning_4d.tasks.CausalLMModule` with document masking on (its masks
+    are part of the estimate: ``Workload.document_masking``)."""
+    from lightning_4d.tasks.causal_lm import CausalLMModule
+
+    return isinstance(pl_module, CausalLMModule) and pl_module.documents is not None
 
 
 def _steps_with_fused_adamw(pl_module: Any, trainer: Any = None) -> bool:

@@ -213,3 +213,47 @@ def test_layouts_world2_equal_each_document_alone(reference, world2, index):
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[json.dumps(x) for x in WORLD4])
 def test_layouts_world4_equal_each_document_alone(reference, world4, index):
     _check(world4[index], reference)
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def _saved_bytes(model: LlamaModel, x: torch.Tensor, document_ids, autocast: bool) -> int:
+    """Bytes a forward saves for backward (``saved_tensors_hooks``, each storage once) and the weights excluded."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    masking = DocumentMasking.of(
+        document_ids is not None, EOS if document_ids is not None else None, None, None, "sdpa"
+    )
+    batch = masking.prepare({"input_ids": x}) if masking is not None else {"input_ids": x}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(batch["input_ids"], batch.get("positions"), batch.get("document_ids"))
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_masking_saves_what_the_memory_model_adds(precision):
+    """The bytes document masking adds to a forward's saved set (the per-sample cos/sin and the one additive mask
+    every layer's SDPA saves), measured with ``saved_tensors_hooks``, equal what the memory model adds, exactly."""
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.planning.model import saved_activation_bytes
+    from lightning_4d.planning.workload import Workload
+
+    config = LlamaConfig.from_name(MODEL)
+    model = LlamaModel(config, init_seed=INIT_SEED)
+    model.init_weights()
+    b, s = 2, 32
+    x = packed_batch()[:b, :s].contiguous()
+    autocast = precision == "bf16-mixed"
+    measured = _saved_bytes(model, x, True, autocast) - _saved_bytes(model, x, None, autocast)
+    pc = ParallelConfig(zero_stage=0).resolve(1)
+    with_masks = saved_activation_bytes(Workload(config, b, s, precision, document_masking=True), pc)
+    without = saved_activation_bytes(Workload(config, b, s, precision), pc)
+    estimated = sum(with_masks.values()) - sum(without.values())
+    assert measured == estimated > (2 if autocast else 4) * b * s * s

@@ -786,18 +786,18 @@ class _AllToAllAttention(torch.autograd.Function):
         qf, kf, vf = (t.transpose(1, 2) for t in full.split([nq, nkv, nkv], dim=2))
         mask = window_mask(document_ids)  # the whole sequence in natural order: one mask (None: causal)
         out, lse = kernel.forward(qf, kf, vf, True, mask)  # [b, nq, s, d]
-        ctx.save_for_backward(qf, kf, vf, out, lse, mask)
+        ctx.save_for_backward(qf, kf, vf, out, lse, document_ids)  # the ids, shared by every layer: the mask is rebuilt
         ctx.group, ctx.kernel = group, kernel
         return _heads_to_sequence(out.transpose(1, 2), group, size)
 
     @staticmethod
     @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
-        qf, kf, vf, out, lse, mask = ctx.saved_tensors
+        qf, kf, vf, out, lse, document_ids = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
         size = dist.get_world_size(group)
         dout_full = _sequence_to_heads(dout.contiguous(), group, size).transpose(1, 2)
-        dq, dk, dv = kernel.backward(dout_full, qf, kf, vf, out, lse, True, mask)
+        dq, dk, dv = kernel.backward(dout_full, qf, kf, vf, out, lse, True, window_mask(document_ids))
         del dout_full
         nq, nkv = dq.shape[1], dk.shape[1]
         grads = torch.cat([t.transpose(1, 2).to(qf.dtype) for t in (dq, dk, dv)], dim=2)  # [b, s, nq + 2·nkv, d]

@@ -137,11 +137,19 @@ def layer_selective_recompute(cfg: Any, dt: Dtypes, b: int, s: int, tp: int, sp:
 
 
 def saved_bytes(
-    cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int, pp_rank: int, imbalance: float
+    cfg: Any,
+    pc: ParallelConfig,
+    dt: Dtypes,
+    b: int,
+    seq_length: int,
+    pp_rank: int,
+    imbalance: float,
+    document_masking: bool = False,
 ) -> dict[str, int]:
     """:func:`lightning_4d.planning.model.saved_activation_bytes` on a validated layout ``pc`` (its pipeline options
     applied) and the dtypes ``dt``: the bytes one micro-batch's forward saves on pp rank ``pp_rank``, by part; an
-    MoE layer's feed-forward at load ``imbalance`` (:func:`lightning_4d.planning.expert_costs.saved_bytes`)."""
+    MoE layer's feed-forward at load ``imbalance`` (:func:`lightning_4d.planning.expert_costs.saved_bytes`); with
+    ``document_masking`` its shared inputs in ``rope`` (:func:`document_masking_inputs`)."""
     tp, sp = pc.tp, pc.sp
     s = seq_length // pc.cp
     s_sp = s // tp if sp else s
@@ -160,7 +168,7 @@ def saved_bytes(
     out = {
         "layers": n_layers * dt.residual * b * s_sp * h if full_ac else all_layers,
         "embedding": 8 * b * s if first else 0,
-        "rope": 2 * 4 * s * (cfg.head_dim // 2),
+        "rope": document_masking_inputs(cfg, pc, dt, b, s) if document_masking else 2 * 4 * s * (cfg.head_dim // 2),
         # the head's input: under sp only the sequence shard (gathered again in backward, parallel/tensor.py)
         "head": (norm_input_saved(dt.residual, b, s_sp, h) + dt.compute * b * s_sp * h) if last else 0,
         "loss": (dt.compute * b * s * (vocab // tp) + 4 * b * s + 8 * b * s) if last else 0,
@@ -188,6 +196,16 @@ def saved_bytes(
         else:
             out["context_parallel_kv"] = n_layers * kv
     return out
+
+
+def document_masking_inputs(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int) -> int:
+    """Bytes every layer of a micro-batch shares with document masking (``s`` = this rank's sequence length): the
+    float32 cos/sin of each sample's own positions ``[b, s, d/2]`` (they restart per document), and without cp the
+    additive mask ``[b, 1, s, s]`` in the compute dtype that every layer's attention saves (the model builds it once
+    per forward, ``LlamaModel.document_inputs``), under cp the document ids of the whole sequence ``[b, s·cp]``
+    (int64), which every layer's cp attention saves (it masks block by block, nothing kept)."""
+    rope = 2 * 4 * b * s * (cfg.head_dim // 2)
+    return rope + (dt.compute * b * s * s if pc.cp == 1 else 8 * b * s * pc.cp)
 
 
 def _add_autocast_copies(

@@ -220,7 +220,9 @@ def saved_activation_bytes(
 
     Returns a dict with ``layers`` (all layers of the rank: their saved tensors, only their inputs under full
     activation checkpointing, their inputs and kept matmul / attention / reduction outputs under selective
-    checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin), ``head`` (final norm and head input), ``loss`` (the
+    checkpointing), ``embedding`` (token ids), ``rope`` (cos/sin, which every layer shares; with document masking per
+    sample, with the mask every layer shares, or under cp the document ids), ``head`` (final norm and head input),
+    ``loss`` (the
     logits, the float32 log-sum-exp and the labels), ``compute_weights`` (``16-mixed``: autocast's weight copies),
     ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the whole sequence under
     ``context_parallel_method="allgather"``, under ``"alltoall"`` the second copy of the attention output and replicated
@@ -247,7 +249,7 @@ def saved_activation_bytes(
     pc = parallel_config
     pc.validate_sequence(s)
     dt = Dtypes.for_layout(normalize_precision(workload.precision), workload.model, pc, device_type)
-    return saved_bytes(workload.model, pc, dt, b, s, pp_rank, imbalance)
+    return saved_bytes(workload.model, pc, dt, b, s, pp_rank, imbalance, workload.document_masking)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,10 @@ class Workload:
         fused_optimizer: the optimizer steps in place, with no temporaries (``torch.optim.AdamW(fused=True)``,
             :class:`~lightning_4d.tasks.CausalLMModule`'s; default); ``False``: ``AdamW(foreach=True)``, whose
             ``_foreach_sqrt`` of the second moments holds one moment's bytes at the step.
+        document_masking: ``CausalLMModule(document_masking=True)``: every micro-batch's forward keeps its
+            per-sample rotary tables and, without cp, one additive mask ``[b, 1, s, s]`` in the compute dtype that
+            every layer's attention saves (under cp the whole sequence's document ids instead; the ``rope`` part of
+            :func:`~lightning_4d.planning.model.saved_activation_bytes`).
     """
 
     model: Any
@@ -49,6 +53,7 @@ class Workload:
     num_microbatches: Optional[int] = None
     expert_load_imbalance: Optional[float] = None
     fused_optimizer: bool = True
+    document_masking: bool = False
 
 
 @dataclass(frozen=True)
