@@ -20,7 +20,8 @@ from :data:`LAYOUT_FIELDS`, never written out elsewhere:
   (:func:`reported_layout`).
 
 A new layout option: one :class:`LayoutField` here, then the feature's runtime, its rules against the other
-features (``config.py``), its memory term and its time term (``docs/architecture.md``, "Add a layout option").
+features, its memory term and its time term, in the feature's folder of ``lightning_4d/features/``
+(``docs/architecture.md``, "Add a layout option").
 
 Pure Python: no torch import (the memory estimator and the CLI read it on a laptop).
 """
@@ -240,9 +241,9 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "under sequence parallelism, run the tp projections as rings of point-to-point steps over the tp group, each "
         "step's send/recv of a sequence shard (or of a partial sum) overlapped with the matmul of the shard at hand, "
         "never gathering the whole sequence (all-gather→matmul for ``wq/wk/wv``, ``w1/w3``, the LM head; "
-        "matmul→reduce-scatter for ``wo``, ``w2``; ``lightning_4d/parallel/tensor.py``, ``docs/parallelism.md``). "
-        "Same bytes on the wire, same results. Needs tp > 1 and sequence parallelism, not with selective "
-        "checkpointing; ``lightning_4d`` Llama models only. Default ``False``.",
+        "matmul→reduce-scatter for ``wo``, ``w2``; ``lightning_4d/features/tensor_parallel/runtime.py``, "
+        "``docs/parallelism.md``). Same bytes on the wire, same results. Needs tp > 1 and sequence parallelism, not "
+        "with selective checkpointing; ``lightning_4d`` Llama models only. Default ``False``.",
         flags=("--tensor-parallel-overlap",),
         planned=True,
         written="tp",

@@ -100,7 +100,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
             ``seq_length``, else when the batch is sharded.
         ValueError: compile=True with activation_checkpointing='selective'.
-        ValueError: ``float8`` without torchao >= 0.18 installed, with ``tensor_parallel_overlap``, or (at
+        ValueError: ``float8`` without torchao >= 0.18 installed, with the tp ring overlap, or (at
             ``setup_environment``) ``"tensorwise"`` under tp with sp on gloo, a model whose linears have a dimension
             not divisible by 16, a Mixture-of-Experts model, a module holding no ``lightning_4d`` Llama, or a
             precision other than ``32-true`` / ``bf16-mixed`` / ``bf16-true``.

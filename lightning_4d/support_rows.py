@@ -1,7 +1,8 @@
-"""The rows of the support matrix (:mod:`lightning_4d.support`): every feature combination a user can ask for, as
-data: its layout (the options of ``lightning-4d measure`` that differ from :data:`DEFAULTS`), the error the project
-raises for it or the CPU tests that run it, and why the CUDA smoke runner cannot run it. :mod:`lightning_4d.support`
-validates, runs and prints them; ``tests/test_support.py`` checks every row.
+"""The rows of the support matrix (:mod:`lightning_4d.support`) but a feature's own (its
+:attr:`~lightning_4d.features.feature.Feature.rows`): every feature combination a user can ask for, as data: its layout
+(the options of ``lightning-4d measure`` that differ from :data:`DEFAULTS`), the error the project raises for it or the
+CPU tests that run it, and why the CUDA smoke runner cannot run it. :mod:`lightning_4d.support` validates, runs and
+prints them; ``tests/test_support.py`` checks every row.
 
 This module imports no torch.
 """
@@ -188,32 +189,6 @@ ROWS: list[Row] = [
         "tp2 dp2 ZeRO 3: FSDP2 over DTensor tp shards",
         {"tp": 2, "dp": 2, "zero_stage": 3},
         cpu_tests=(P + "test_parity_world4",),
-    ),
-    Row(
-        "tp2-overlap",
-        "tp2 with the overlapped tp rings (sp all-gathers / reduce-scatters inside the matmuls)",
-        {"tp": 2, "dp": 2, "tensor_parallel_overlap": True},
-        cpu_tests=("tests/test_tp_overlap.py::test_parity_world2", "tests/test_tp_overlap.py::test_parity_world4"),
-    ),
-    Row(
-        "tp2-overlap-nosp",
-        "the tp overlap without sequence parallelism",
-        {"tp": 2, "tensor_parallel_overlap": True, "sequence_parallel": False},
-        refused="tensor_parallel_overlap=True is not valid with tensor_parallel_size=2 and sequence_parallel=False: "
-        "the ring overlaps the sequence-parallel all-gathers and reduce-scatters, so it needs tensor_parallel_size > 1 "
-        "and sequence_parallel None or True (or set tensor_parallel_overlap=False).",
-    ),
-    Row(
-        "tp2-overlap-selective",
-        "the tp overlap with selective checkpointing",
-        {"tp": 2, "tensor_parallel_overlap": True, "activation_checkpointing": "selective"},
-        refused=(
-            "tensor_parallel_overlap=True is not supported with activation_checkpointing='selective' yet: the"
-            " selective policy keeps wo's reduced output and nothing of w2 by marking those modules, and the "
-            "rings run them elsewhere (their chunk products would be kept, the [b, s, h] partial sums the "
-            "policy avoids, and the memory estimate would be low). Use activation_checkpointing='none' or "
-            "'full' with the overlap, or tensor_parallel_overlap=False with 'selective'."
-        ),
     ),
     # ---------------------------------------------------------------- pp
     Row(
@@ -481,19 +456,6 @@ ROWS: list[Row] = [
         cpu_tests=(COMPILE,),
     ),
     Row(
-        "compile-tp2-overlap-z3",
-        "torch.compile per layer, dp2 tp2 with the tp overlap (its rings break the graph), ZeRO 3, full checkpointing",
-        {
-            "tp": 2,
-            "dp": 2,
-            "tensor_parallel_overlap": True,
-            "zero_stage": 3,
-            "compile": True,
-            "activation_checkpointing": "full",
-        },
-        cpu_tests=(COMPILE,),
-    ),
-    Row(
         "compile-selective",
         "torch.compile with selective activation checkpointing",
         {"compile": True, "activation_checkpointing": "selective"},
@@ -599,16 +561,6 @@ ROWS: list[Row] = [
         "float8 rowwise, tp2 with sp (the sequence all-gathered in bf16, cast after), compiled",
         {"tp": 2, "float8": "rowwise", "compile": True},
         cpu_tests=(F8_TP,),
-    ),
-    Row(
-        "float8-tp2-overlap",
-        "float8 under tp2 with tensor_parallel_overlap",
-        {"tp": 2, "tensor_parallel_overlap": True, "float8": "tensorwise"},
-        refused=(
-            "float8='tensorwise' is not supported with tensor_parallel_overlap=True yet (its ring projections "
-            "multiply the weights outside torchao's Float8Linear): use tensor_parallel_overlap=False with float8, or "
-            "float8=None."
-        ),
     ),
     # ---------------------------------------------------------------- Mixture-of-Experts (tiny-moe)
     Row(
@@ -744,16 +696,6 @@ ROWS: list[Row] = [
         refused=(
             "activation_checkpointing='full' is not supported for a transformers LlamaForCausalLM yet: use "
             "activation_checkpointing='none' (or call the model's gradient_checkpointing_enable() yourself)"
-        ),
-    ),
-    Row(
-        "hf-llama-overlap",
-        "transformers LlamaForCausalLM with the tp overlap",
-        {"tp": 2, "tensor_parallel_overlap": True},
-        family="hf-llama",
-        refused=(
-            "tensor_parallel_overlap=True is not supported for a transformers LlamaForCausalLM yet (the ring "
-            "projections hook into lightning_4d's own Llama modules): use tensor_parallel_overlap=False"
         ),
     ),
     _hf_row(

@@ -16,7 +16,7 @@ the family answers                        used by
 :meth:`~ModelFamily.run_head`,             passes activations only)
 :meth:`~ModelFamily.positions`
 :meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier
-                                           (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
+                                           (:func:`~lightning_4d.features.tensor_parallel.runtime.apply_tensor_parallel`)
 :meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
 :meth:`~ModelFamily.apply_data_parallel`   statistics over the global batch (MoE tokens per expert, over ``dp_cp``
                                            and, under tp, ``dp_cp x tp``)
@@ -45,8 +45,8 @@ __all__ = ["ModelFamily", "PipelineLayout", "find_submodel", "layer_items", "set
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.config import ParallelConfig
+    from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan
     from lightning_4d.models.llama_config import LlamaConfig
-    from lightning_4d.parallel.tensor import TensorParallelPlan
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from lightning_4d.checkpoint import (
 )
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan
 from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
 from lightning_4d.models.moe_layer import MoEFeedForward
@@ -35,7 +36,6 @@ from lightning_4d.models.rope import context_parallel_positions, rope_cos_sin
 from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
 from lightning_4d.parallel.expert import shard_experts
-from lightning_4d.parallel.tensor import TensorParallelPlan
 from lightning_4d.safe_load import load as safe_load
 
 _PLAN = TensorParallelPlan(

@@ -188,11 +188,11 @@ class Attention(nn.Module):
 
     ``input_projection``: ``None`` (``wq(x)``, ``wk(x)``, ``wv(x)``), or a callable ``(x, (wq, wk, wv)) -> (q, k, v)``
     that replaces the three projections; sequence parallelism sets one that saves only this rank's sequence shard of
-    ``x`` for backward (:func:`lightning_4d.parallel.tensor.apply_tensor_parallel`).
+    ``x`` for backward (:func:`lightning_4d.features.tensor_parallel.runtime.apply_tensor_parallel`).
 
     ``output_projection``: ``None`` (``wo(out)``), or a callable ``(out, wo) -> y`` that replaces it;
-    ``tensor_parallel_overlap`` sets the ring matmul-reduce-scatter
-    (:func:`lightning_4d.parallel.tensor.ring_output_projection`).
+    the tp ring overlap sets the ring matmul-reduce-scatter
+    (:func:`lightning_4d.features.tensor_parallel.runtime.ring_output_projection`).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -310,7 +310,8 @@ class LlamaModel(MoEModel, nn.Module):
         # (lightning_4d.parallel.context); default rotary positions are then those of the shard's tokens
         self.context_parallel: Optional[tuple[int, int]] = None
         # None, or a callable (hidden states, output linear) -> logits replacing ``output(h)``: sequence parallelism
-        # sets one that saves only this rank's sequence shard of the head's input (lightning_4d.parallel.tensor)
+        # sets one that saves only this rank's sequence shard of the head's input
+        # (lightning_4d.features.tensor_parallel.runtime)
         self.head_projection: Optional[Callable[[Tensor, nn.Linear], Tensor]] = None
         vocab, h = config.padded_vocab_size, config.hidden_size
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(vocab, h)

@@ -40,10 +40,10 @@ rank's mean: every rank's term ``E · sum_e f_e^global · P_e^local`` then avera
 single-process loss, and its gradient to the single-process gradient, whatever dp and cp are.
 
 Under tensor parallelism the layer runs token parallel (:attr:`MoEFeedForward.token_parallel`, set by
-``lightning_4d.parallel.tensor``): each tp rank routes and computes its own ``s/t`` tokens with the whole layer, so
-the counts are summed over ``dp_cp x tp`` (the stats group) and ``P_e`` is the mean over the tp group's tokens (a
-differentiable mean over tp, whose backward gives each rank ``1/t`` of the gradient for its own tokens): the term is
-then the same on every tp rank, like the language-model loss, and still averages over ``dp_cp`` to the
+``lightning_4d.features.tensor_parallel.runtime``): each tp rank routes and computes its own ``s/t`` tokens with the
+whole layer, so the counts are summed over ``dp_cp x tp`` (the stats group) and ``P_e`` is the mean over the tp group's
+tokens (a differentiable mean over tp, whose backward gives each rank ``1/t`` of the gradient for its own tokens): the
+term is then the same on every tp rank, like the language-model loss, and still averages over ``dp_cp`` to the
 single-process loss; summed over tp by the gradient reduction (the parameters see only their rank's tokens), its
 gradient is the single-process gradient.
 """
@@ -197,7 +197,8 @@ class MoEFeedForward(nn.Module):
     ``token_parallel``: ``None``, or under tensor parallelism an object with ``__call__(x, run)`` that runs ``run``
     (this layer's computation) on this tp rank's ``s/t`` tokens of ``x`` and returns the output in ``x``'s layout,
     and ``mean(t)`` (a differentiable mean over the tp ranks) for the load-balancing loss
-    (:class:`lightning_4d.parallel.tensor.TokenParallel`; the models package imports nothing of ``parallel/``).
+    (:class:`lightning_4d.features.tensor_parallel.runtime.TokenParallel`; the models package imports nothing of
+    ``parallel/``).
 
     **How the load-balancing term trains.** In a forward with gradients the output carries the term through
     :class:`AuxLossInjection`: the backward that reaches the output gives the term the gradient ``aux_grad_scale``,

@@ -14,11 +14,11 @@ them (``docs/parallelism.md`` has the measured comparison with Dynamo's dynamic-
 Under tensor parallelism the DTensors live inside the compiled region (the sharded weights, the norms'
 sequence-sharded ``Shard(1)`` inputs, the redistributions of the plans), and the layer's input and output are plain
 local tensors: the residual stream ``[b, s/t, h]`` under sequence parallelism, ``[b, s, h]`` without, as the plans of
-:mod:`lightning_4d.parallel.tensor` hand them over (torchtitan compiles its tp blocks the same way). One more step:
-the first layer's input is the embedding's output, the local tensor of a redistribution, which DTensor returns as an
-``AsyncCollectiveTensor`` (the collective's result not waited for yet); AOTAutograd resolves such an input to its
-inner tensor before tracing, and that tensor does not require grad, so the compiled backward returned no gradient for
-it and the eager redistribution after the embedding failed ("'Tensor' object has no attribute '_local_tensor'",
+:mod:`lightning_4d.features.tensor_parallel.runtime` hand them over (torchtitan compiles its tp blocks the same way).
+One more step: the first layer's input is the embedding's output, the local tensor of a redistribution, which DTensor
+returns as an ``AsyncCollectiveTensor`` (the collective's result not waited for yet); AOTAutograd resolves such an input
+to its inner tensor before tracing, and that tensor does not require grad, so the compiled backward returned no gradient
+for it and the eager redistribution after the embedding failed ("'Tensor' object has no attribute '_local_tensor'",
 measured on torch 2.13, gloo, CPU). Each compiled layer's ``forward`` therefore waits for such inputs eagerly first
 (:class:`_WaitAsyncCollective`: a view, no copy; gradient passed through), and the compiled graph takes plain tensors.
 """

@@ -46,10 +46,10 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_4d.contract import grad_accumulation, layout_strategy
+from lightning_4d.features.tensor_parallel.runtime import token_parallel_parameters
 from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
 from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.parallel.grad_buffers import GradientGroup
-from lightning_4d.parallel.tensor import token_parallel_parameters
 from lightning_4d.partition import expert_shard_dim
 
 
@@ -94,7 +94,8 @@ def validate_sequence(config: Any, model_config: Any, seq_length: int) -> None:
 
     Raises:
         ValueError: an MoE model under tp without sp whose sequence per cp rank is not divisible by tp (its MoE
-            layers run token parallel: each tp rank takes ``s/t`` tokens, :mod:`lightning_4d.parallel.tensor`).
+            layers run token parallel: each tp rank takes ``s/t`` tokens,
+            :mod:`lightning_4d.features.tensor_parallel.runtime`).
     """
     moe = model_config is not None and model_config.is_moe
     if moe and config.tp > 1 and not config.sp and (seq_length // config.cp) % config.tp:
@@ -144,8 +145,9 @@ def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
        the ranks holding the same experts (``edp``; under tp its ranks span tp: the experts run token parallel), always
        (every optimizer then gets a ``ShardedOptimizer``, whose global-norm clipping counts each expert once);
     2. under tp the other parameters of modules run token parallel
-       (:func:`~lightning_4d.parallel.tensor.token_parallel_parameters`) over ``dp_cp_tp``, when ``model`` has any:
-       each tp rank's gradient is its own tokens' (the sum over tp of the mean over ``dp_cp``, in one collective).
+       (:func:`~lightning_4d.features.tensor_parallel.runtime.token_parallel_parameters`) over ``dp_cp_tp``, when
+       ``model`` has any: each tp rank's gradient is its own tokens' (the sum over tp of the mean over ``dp_cp``, in one
+       collective).
 
     Both are tp-partial (each tp rank's gradient is a disjoint part of the sum). Empty for a dense model without tp.
     """
@@ -285,10 +287,10 @@ def shard_units(
     dense parameters (:func:`shard_expert_units`).
 
     Under tensor parallelism (``token_mesh``: the 1D ``dp_cp_tp`` mesh) every module run token parallel (an MoE
-    layer, :class:`~lightning_4d.parallel.tensor.TokenParallel`: its router, shared experts and, without ep, its
-    experts, replicated over tp, each tp rank's gradient its own tokens') becomes a unit of its own next, over
-    ``dp_cp_tp``: its reduce-scatter sums the tp ranks' partial gradients and averages over dp·cp (divided by D,
-    :func:`shard_token_units`), and its states are sharded over dp·cp·tp ranks.
+    layer, :class:`~lightning_4d.features.tensor_parallel.runtime.TokenParallel`: its router, shared experts and,
+    without ep, its experts, replicated over tp, each tp rank's gradient its own tokens') becomes a unit of its own
+    next, over ``dp_cp_tp``: its reduce-scatter sums the tp ranks' partial gradients and averages over dp·cp (divided by
+    D, :func:`shard_token_units`), and its states are sharded over dp·cp·tp ranks.
 
     Returns:
         the options of the dense units (``kw`` over ``dp_cp``; without ep the experts are sharded with their block),
@@ -322,14 +324,14 @@ def shard_expert_units(model: nn.Module, options: dict[str, Any], dp_cp_size: in
 def shard_token_units(model: nn.Module, options: dict[str, Any], dp_cp_size: int) -> None:
     """ZeRO 2/3 of the MoE layers under tp (:func:`lightning_4d.parallel.fsdp.apply_fsdp`, after the expert units
     and before its dense units): every module of ``model`` run token parallel (``token_parallel``, a
-    :class:`~lightning_4d.parallel.tensor.TokenParallel`) becomes an FSDP2 unit with ``fully_shard`` ``options``
-    (over the ``dp_cp_tp`` mesh; the expert weights already in units of their own under ep stay there). Each tp rank's
-    gradient of these parameters is its own tokens' part, so the reduce-scatter over ``dp_cp_tp`` sums over tp and
-    dp·cp and the unit divides by D = ``dp_cp_size`` (:func:`average_expert_gradients`): the sum over tp of the mean
+    :class:`~lightning_4d.features.tensor_parallel.runtime.TokenParallel`) becomes an FSDP2 unit with ``fully_shard``
+    ``options`` (over the ``dp_cp_tp`` mesh; the expert weights already in units of their own under ep stay there). Each
+    tp rank's gradient of these parameters is its own tokens' part, so the reduce-scatter over ``dp_cp_tp`` sums over tp
+    and dp·cp and the unit divides by D = ``dp_cp_size`` (:func:`average_expert_gradients`): the sum over tp of the mean
     over dp·cp, as ZeRO 0/1's ``dp_cp_tp`` buckets (:func:`gradient_groups`)."""
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_4d.parallel.tensor import TokenParallel
+    from lightning_4d.features.tensor_parallel.runtime import TokenParallel
 
     holders = [m for m in model.modules() if isinstance(getattr(m, "token_parallel", None), TokenParallel)]
     for m in holders:

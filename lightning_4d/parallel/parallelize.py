@@ -21,6 +21,7 @@ from lightning_4d.config import ParallelConfig, check_compile
 from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
+from lightning_4d.features.tensor_parallel import runtime as tensor_parallel
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import attached_trainer
@@ -35,7 +36,6 @@ from lightning_4d.parallel.pipeline import (
     split_model,
     sync_chunk_layers,
 )
-from lightning_4d.parallel.tensor import apply_tensor_parallel
 
 #: the models :func:`parallelize_model` has laid out (a registry, so that nothing is written onto the user's module;
 #: weak, so that it keeps no model alive)
@@ -216,15 +216,7 @@ def parallelize_model(
     layers = find_submodel(model, family.pipeline_layout(model).layers)
     if config.float8 is not None:  # before tp (its float8 styles), checkpointing, compile and FSDP2 (float8.py)
         apply_float8(layers, config)
-    if config.tp > 1:
-        apply_tensor_parallel(
-            model,
-            family.tensor_parallel_plan(model),
-            mesh.tp,
-            sequence_parallel=config.sp,
-            overlap=config.tensor_parallel_overlap,
-            float8=config.float8,
-        )
+    tensor_parallel.apply(family, model, mesh, config)
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
     moe.apply(family, model, mesh, config)

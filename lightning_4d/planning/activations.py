@@ -56,12 +56,14 @@ def layer_saved_parts(
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
     c = dt.compute
-    # an MoE layer under tp runs whole on the rank's s/t tokens (parallel/tensor.py's TokenParallel): its input is
-    # the sequence shard (under sp as given, else a contiguous copy of it: the replicated input is not kept)
+    # an MoE layer under tp runs whole on the rank's s/t tokens (features/tensor_parallel/runtime.py's TokenParallel):
+    # its input is the sequence shard (under sp as given, else a contiguous copy of it: the replicated input is not
+    # kept)
     s_moe = s // tp
     return {
         "norms": 2 * norm_input_saved(dt.residual, b, s_sp, h),
-        # under sp the projections save the sequence shard and gather it again in backward (parallel/tensor.py)
+        # under sp the projections save the sequence shard and gather it again in backward
+        # (features/tensor_parallel/runtime.py)
         "attn_in": c * b * s_sp * h if sp else c * b * s * h * (3 if dt.autocast else 1),
         "ffn_in": c * b * (s_moe if moe_layer else s_sp) * h
         if sp or (moe_layer and tp > 1)
@@ -161,7 +163,8 @@ def saved_bytes(
         "layers": n_layers * dt.residual * b * s_sp * h if full_ac else all_layers,
         "embedding": 8 * b * s if first else 0,
         "rope": 2 * 4 * s * (cfg.head_dim // 2),
-        # the head's input: under sp only the sequence shard (gathered again in backward, parallel/tensor.py)
+        # the head's input: under sp only the sequence shard (gathered again in backward,
+        # features/tensor_parallel/runtime.py)
         "head": (norm_input_saved(dt.residual, b, s_sp, h) + dt.compute * b * s_sp * h) if last else 0,
         "loss": (dt.compute * b * s * (vocab // tp) + 4 * b * s + 8 * b * s) if last else 0,
         "compute_weights": 0,
@@ -254,7 +257,7 @@ def recompute_backward(
     # offloaded: the SwiGLU product's backward, the product's gradient and the two it makes (``[T, f/t]`` each); under
     # sp the w1/w3 backward after it also holds the input gathered again and the sum of the two partial input
     # gradients (``[T, h]`` each; measured: tiny-test tp2 b=2 s=256 bf16-mixed, both layers offloaded, the peak at
-    # ``parallel/tensor.py``'s ``sum(g @ w)``)
+    # ``features/tensor_parallel/runtime.py``'s ``sum(g @ w)``)
     gathered = 2 * dt.compute * tokens * cfg.hidden_size if pc.sp else 0
     weight_grad = dt.param * cfg.hidden_size * cfg.intermediate_size // pc.tp if gradients_kept else 0  # w2's .grad
     return output_grad + 3 * dt.compute * tokens * cfg.intermediate_size // pc.tp + gathered + weight_grad

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.tensor_parallel.costs import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
 from lightning_4d.planning import expert_costs
 from lightning_4d.planning.activations import recompute_backward
@@ -27,7 +28,6 @@ from lightning_4d.planning.offload_costs import offloaded_whole, unpacked_bytes
 from lightning_4d.planning.params import Sizes, StageKey, as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.planning.pipeline_costs import receive_buffer_bytes
 from lightning_4d.planning.states import ModelStates, first_bucket_elements, fsdp_padded_numel, fsdp_shard_numel
-from lightning_4d.planning.tensor_parallel import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.planning.tensors import Dtypes
 from lightning_4d.planning.workload import Workload
 
@@ -67,7 +67,7 @@ class Buffers:
     #: without gradient buckets: ``w2``'s weight gradient, kept in ``.grad`` beside the next backward ops
     kept_weight_gradient: int = 0
     #: the last stage under tp with sp: the working set of the LM head's backward beyond its saved input
-    #: (:func:`lightning_4d.planning.tensor_parallel.head_backward_transient`), 0 elsewhere
+    #: (:func:`lightning_4d.features.tensor_parallel.costs.head_backward_transient`), 0 elsewhere
     head_backward: int = 0
     #: FSDP2-gathered parameters while the loss runs (its forward and its backward): ``gathered_start`` but at
     #: ZeRO 3 without pp, where every unit, the root included, is resharded after its forward (``fully_shard(...,

@@ -4,14 +4,14 @@ parallelism (ep) add, in one place; the dense modules call these functions and n
 **Memory** (:mod:`lightning_4d.planning.model` composes the terms). An MoE layer's feed-forward is the router
 ``[E, h]``, the experts' stacked ``w1``, ``w3`` ``[E, f_e, h]`` and ``w2`` ``[E, h, f_e]`` (``E/ep`` rows each: the
 experts of this ep rank) and the shared experts' ``w1``, ``w3``, ``w2`` (width ``n_s·f_e``), none of them divided by
-tp: under tp an MoE layer runs whole on each tp rank's tokens (``parallel/tensor.py``'s ``TokenParallel``), so its
-parameters are reduced and ZeRO-sharded over ``dp·cp·tp`` and the experts' over ``dp·cp·tp/ep``
-(:func:`layer_params` marks them: :attr:`~lightning_4d.planning.tensors.Param.group`). At ZeRO 2/3 a stacked expert
-weight ``[E_local, d1, d2]`` whose group (G ranks) does not divide ``E_local`` but divides ``d1`` is sharded on dim 1
-instead, evenly: ``E_local·(d1/G)·d2`` elements per rank (:func:`fsdp_shard_dim`). What one MoE layer saves for
-backward: :func:`saved_bytes`; under expert parallelism on the rows the rank receives, the balanced figure times
-``expert_load_imbalance`` (:data:`DEFAULT_EXPERT_LOAD_IMBALANCE`, measured), and the all-to-alls' transient receive
-buffers (:func:`all_to_all_buffers`).
+tp: under tp an MoE layer runs whole on each tp rank's tokens (``features/tensor_parallel/runtime.py``'s
+``TokenParallel``), so its parameters are reduced and ZeRO-sharded over ``dp·cp·tp`` and the experts' over
+``dp·cp·tp/ep`` (:func:`layer_params` marks them: :attr:`~lightning_4d.planning.tensors.Param.group`). At ZeRO 2/3 a
+stacked expert weight ``[E_local, d1, d2]`` whose group (G ranks) does not divide ``E_local`` but divides ``d1`` is
+sharded on dim 1 instead, evenly: ``E_local·(d1/G)·d2`` elements per rank (:func:`fsdp_shard_dim`). What one MoE layer
+saves for backward: :func:`saved_bytes`; under expert parallelism on the rows the rank receives, the balanced figure
+times ``expert_load_imbalance`` (:data:`DEFAULT_EXPERT_LOAD_IMBALANCE`, measured), and the all-to-alls' transient
+receive buffers (:func:`all_to_all_buffers`).
 
 **Mixture of Experts** (``num_experts`` E > 0, top-k routed experts of width f_e, n_s shared experts; ``docs/moe.md``).
 An MoE layer's matmuls count the parameters a token goes through (its *active* parameters, as

@@ -34,8 +34,8 @@ compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``
 
 - two RMSNorms: the input as given (r·b·s'·h) and the float32 reciprocal RMS (4·b·s');
 - the inputs of ``wq``/``wk``/``wv`` and of ``w1``/``w3``, once per group: under sp the sequence shard (c·b·s'·h,
-  gathered again in backward: ``lightning_4d/parallel/tensor.py``), else c·y (under ``16-mixed`` autocast casts the
-  float32 norm output once per linear: 3 + 2 copies);
+  gathered again in backward: ``lightning_4d/features/tensor_parallel/runtime.py``), else c·y (under ``16-mixed``
+  autocast casts the float32 norm output once per linear: 3 + 2 copies);
 - SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
 - SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each); an MoE layer its feed-forward's saved set
   instead (:func:`lightning_4d.planning.expert_costs.saved_bytes`: its module docstring says what it counts).
@@ -104,11 +104,11 @@ first one), and the estimate is the largest:
   (:func:`lightning_4d.planning.float8_costs.float8_gathered_saving`). Measured on CPU (small b=2 s=256 dp2 ZeRO 3
   ``bf16-mixed``): the peak at the last layer's ``w2`` input cast, estimate within 0.01% with either recipe;
 - head backward (the last stage under tp with sp;
-  :func:`~lightning_4d.planning.tensor_parallel.head_backward_transient`): the activations (without a layer's recomputed
-  set: none is being recomputed yet) less what the loss' backward freed
+  :func:`~lightning_4d.features.tensor_parallel.costs.head_backward_transient`): the activations (without a layer's
+  recomputed set: none is being recomputed yet) less what the loss' backward freed
   (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of
   the head's backward (the input gathered again, its gradient and the reduce-scatter's copies, or
-  ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with several
+  the tp ring overlap's shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with several
   micro-batches per step);
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded gradients for
   2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its hook adds it to the

@@ -31,7 +31,7 @@ class LayerShape(NamedTuple):
 
     ``b`` micro-batch size, ``s`` tokens per sample (before cp), ``sp`` sequence parallelism on, ``method`` the
     context-parallel method, ``ep`` expert parallel size and ``dd`` = dp·cp (both 1 for a dense model, whose terms do
-    not depend on them), ``overlap`` ``tensor_parallel_overlap`` in effect (tp > 1 with sp), ``compile`` the layers
+    not depend on them), ``overlap`` the tp ring overlap in effect (tp > 1 with sp), ``compile`` the layers
     ``torch.compile``d."""
 
     tp: int
