@@ -93,7 +93,7 @@ BUGS: tuple[Bug, ...] = (
     Bug(
         "expert-routing-index",
         "expert parallelism: received rows regrouped with the source-major block starts (no transpose)",
-        "lightning_4d/parallel/expert.py",
+        "lightning_4d/features/moe/expert.py",
         "starts = (torch.cumsum(flat, 0) - flat).view(counts.shape).t().reshape(-1)",
         "starts = (torch.cumsum(flat, 0) - flat).view(counts.shape).reshape(-1)",
         ("tests/test_expert_parallel.py", "-k", "expert_major or ep_losses"),

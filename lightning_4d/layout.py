@@ -452,13 +452,13 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "expert parallel size of a Mixture-of-Experts model: ranks of dp*cp*tp that split the experts, "
         "folded over tp first (divides dp*cp*tp and num_experts; default 1)",
         "ep, for a Mixture-of-Experts model: the ranks that split the routed experts of every MoE layer "
-        "(``num_experts / ep`` each; tokens dispatched and combined by all-to-all, ``parallel/expert.py``). No mesh "
-        "dimension of its own: ep groups are blocks of ep consecutive ranks of the flattened ``dp_cp`` mesh, under "
-        "tp of ``dp_cp_tp`` (ep folded over tp first, as in Megatron-Core's MoE parallel folding: the tp ranks are "
-        "the innermost ep ranks; under tp an MoE layer is not split, each tp rank runs it whole on its ``s/t`` "
-        "tokens), so ep divides dp·cp·tp and ``num_experts``; the expert parameters' gradients are reduced and "
-        "their ZeRO 1-3 shards held over the expert data-parallel group (dp·cp·tp/ep ranks), the dense ones over "
-        "dp·cp (``docs/moe.md``).",
+        "(``num_experts / ep`` each; tokens dispatched and combined by all-to-all, ``features/moe/expert.py``). No "
+        "mesh dimension of its own: ep groups are blocks of ep consecutive ranks of the flattened ``dp_cp`` mesh, "
+        "under tp of ``dp_cp_tp`` (ep folded over tp first, as in Megatron-Core's MoE parallel folding: the tp ranks "
+        "are the innermost ep ranks; under tp an MoE layer is not split, each tp rank runs it whole on its ``s/t`` "
+        "tokens), so ep divides dp·cp·tp and ``num_experts``; the expert parameters' gradients are reduced and their "
+        "ZeRO 1-3 shards held over the expert data-parallel group (dp·cp·tp/ep ranks), the dense ones over dp·cp "
+        "(``docs/moe.md``).",
         flags=("--expert-parallel-size", "--ep"),
         dest="ep",
         minimum=1,

@@ -6,7 +6,7 @@
 - loss chunks (``parallel/loss.py``): :data:`LOSS_CHUNK_BYTES` and :func:`loss_chunk_tokens` (tokens per chunk of
   the cross-entropy);
 - PowerSGD's rule (``parallel/compression.py``): :func:`powersgd_compressible` (which gradients it factors);
-- ZeRO 2/3 of stacked expert weights (``parallel/moe.py``'s ``ExpertPlacement``): :func:`expert_shard_dim` (the
+- ZeRO 2/3 of stacked expert weights (``features/moe/runtime.py``'s ``ExpertPlacement``): :func:`expert_shard_dim` (the
   dimension FSDP2 shards them on).
 
 ``lightning_4d/planning/`` counts the bytes these pieces take by the same definitions, so this module is pure Python:

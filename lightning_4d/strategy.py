@@ -26,10 +26,10 @@ import lightning_4d.checkpoint as _checkpoint
 from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import LayoutStrategy, TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
+from lightning_4d.features.moe import runtime as moe
 from lightning_4d.layout import layout_of, layout_signature, saved_layout
 from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh, embedding_group
-from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import (
     PATH,
     attached_trainer,

@@ -120,7 +120,7 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
         out.add("MoE")
     if ep > 1:
         out.add("ep")
-        if tp > 1:  # the ep groups take the tp ranks first (parallel/moe.py)
+        if tp > 1:  # the ep groups take the tp ranks first (features/moe/runtime.py)
             out.add("ep over tp")
     return frozenset(out)
 

@@ -82,7 +82,7 @@ def test_ep_coordinates_are_consecutive_dp_cp_ranks():
 
 
 def test_expert_major_regrouping():
-    from lightning_4d.parallel.expert import _expert_major
+    from lightning_4d.features.moe.expert import _expert_major
 
     # 2 sources x 2 local experts: source 0 sends 2 rows to expert 0, 1 to expert 1; source 1 sends 0 and 3
     counts = torch.tensor([[2, 1], [0, 3]])

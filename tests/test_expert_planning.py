@@ -12,9 +12,9 @@ import pytest
 
 from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.moe.costs import DEFAULT_EXPERT_LOAD_IMBALANCE
 from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.planning import step_time as st
-from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE
 from lightning_4d.planning.hardware import GPU_PRESETS
 from lightning_4d.planning.model import estimate_memory, model_state_bytes
 from lightning_4d.planning.planner import plan

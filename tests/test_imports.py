@@ -191,14 +191,16 @@ def test_importing_every_memory_module_loads_neither_torch_nor_lightning():
 
 
 def test_models_import_only_config_and_models():
-    """models/ knows nothing of parallelism: it imports config and models/ only, and ``module_tree.py`` (which imports
-    nothing of ours) for the one definition of the module levels wrappers insert into parameter names (issue 33:
-    instead of the model's own copy)."""
-    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.module_tree"}
+    """models/ knows nothing of parallelism: it imports config and models/ only, ``module_tree.py`` (which imports
+    nothing of ours) for the one definition of the module levels wrappers insert into parameter names, and the MoE
+    feature's layer (``features/moe/layer.py``, the feed-forward of an MoE decoder layer), which imports models/
+    only."""
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.module_tree", f"{PACKAGE}.features.moe.layer"}
     bad = _violations(f"{PACKAGE}.models", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.models"))
+    bad += _violations(f"{PACKAGE}.features.moe.layer", lambda m, i: _in(i, f"{PACKAGE}.models"))
     assert not bad, (
-        "models/ may import lightning_4d.config, lightning_4d.module_tree and lightning_4d.models.* only: "
-        + ", ".join(bad)
+        "models/ may import lightning_4d.config, lightning_4d.module_tree, lightning_4d.features.moe.layer and "
+        "lightning_4d.models.* only, and that layer models/ only: " + ", ".join(bad)
     )
 
 
@@ -211,8 +213,12 @@ def test_compat_and_module_tree_import_nothing_of_ours():
 
 
 def _torch_free_feature_module(module: str) -> bool:
-    """A module of ``lightning_4d/features/`` but a feature's runtime (its record, rules, rows and terms)."""
-    return _in(module, f"{PACKAGE}.features") and module.rsplit(".", 1)[-1] != "runtime"
+    """A torch-free module of ``lightning_4d/features/``: a package (the list, a feature's record with its rules, rows
+    and labels), ``feature.py``, a feature's ``rules.py`` or ``costs.py`` (its memory and step-time terms); the rest
+    of a feature's folder is its torch runtime."""
+    return _in(module, f"{PACKAGE}.features") and (
+        _is_package(module) or module.rsplit(".", 1)[-1] in ("feature", "rules", "costs")
+    )
 
 
 def test_memory_imports_only_config_and_model_config():
@@ -227,14 +233,13 @@ def test_memory_imports_only_config_and_model_config():
     )
     assert not bad, (
         "planning/ may import lightning_4d.config, lightning_4d.layout, lightning_4d.partition, "
-        "lightning_4d.models.llama_config, planning/ and the features' modules but their runtimes only: "
-        + ", ".join(bad)
+        "lightning_4d.models.llama_config, planning/ and the features' torch-free modules only: " + ", ".join(bad)
     )
 
 
 def test_features_records_and_terms_import_no_torch():
-    """A feature's record, rules, rows and terms (every module of ``lightning_4d/features/`` but ``runtime``) are read
-    by the config, the support matrix and planning/ on a laptop: none imports torch, Lightning or a runtime, not even
+    """A feature's record, rules, rows and terms (:func:`_torch_free_feature_module`) are read by the config, the
+    support matrix and planning/ on a laptop: none imports torch, Lightning or another module of a feature, not even
     inside a function; a fresh interpreter importing them all loads neither torch nor Lightning."""
     import subprocess
     import sys
@@ -245,7 +250,9 @@ def test_features_records_and_terms_import_no_torch():
         f"{m} -> {i}"
         for m in names
         for i in imports_of(m)
-        if _in(i, "torch") or _in(i, "lightning") or (_in(i, f"{PACKAGE}.features") and i.endswith(".runtime"))
+        if _in(i, "torch")
+        or _in(i, "lightning")
+        or (_in(i, f"{PACKAGE}.features") and not _torch_free_feature_module(i))
     ]
     assert not bad, "a feature's torch-free modules import: " + ", ".join(sorted(bad))
     code = (

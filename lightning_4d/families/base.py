@@ -146,11 +146,12 @@ class ModelFamily:
     def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
         """Give ``model`` what it computes over the whole data-parallel batch: the mesh of the ranks holding
         disjoint tokens, ``dp_cp`` (``dp_cp_tp`` under tp, where our MoE layers run token parallel; they sum their
-        tokens per expert over it, :mod:`lightning_4d.models.moe_layer`). Called when dp·cp·tp > 1; default: nothing."""
+        tokens per expert over it, :mod:`lightning_4d.features.moe.layer`). Called when dp·cp·tp > 1; default:
+        nothing."""
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
         """Split ``model``'s routed experts over ``ep_mesh`` and dispatch tokens to them by all-to-all
-        (:mod:`lightning_4d.parallel.expert`). Called only when ep > 1 (``ParallelConfig.validate_model`` refuses
+        (:mod:`lightning_4d.features.moe.expert`). Called only when ep > 1 (``ParallelConfig.validate_model`` refuses
         ep > 1 for a dense model first)."""
         raise self._missing("apply_expert_parallel")
 

@@ -28,14 +28,14 @@ from lightning_4d.checkpoint import (
 )
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.features.moe.expert import shard_experts
+from lightning_4d.features.moe.layer import MoEFeedForward
 from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan
 from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
-from lightning_4d.models.moe_layer import MoEFeedForward
 from lightning_4d.models.rope import context_parallel_positions, rope_cos_sin
 from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
-from lightning_4d.parallel.expert import shard_experts
 from lightning_4d.safe_load import load as safe_load
 
 _PLAN = TensorParallelPlan(
@@ -97,14 +97,15 @@ class LlamaFamily(ModelFamily):
     def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
         """Every MoE layer sums its routing counts over ``tokens_mesh`` (``dp_cp``, or ``dp_cp x tp`` under tp,
         where MoE layers run token parallel; ``MoEFeedForward.stats_group``): the load-balancing loss of the global
-        batch, the same on every layout (:mod:`lightning_4d.models.moe_layer`)."""
+        batch, the same on every layout (:mod:`lightning_4d.features.moe.layer`)."""
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
                 module.stats_group = tokens_mesh.get_group()
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
         """Every MoE layer's stacked experts become DTensors ``Shard(0)`` on ``ep_mesh`` (this rank's ``E/ep``
-        experts) and its tokens travel to them by all-to-all (:func:`lightning_4d.parallel.expert.shard_experts`)."""
+        experts) and its tokens travel to them by all-to-all
+        (:func:`lightning_4d.features.moe.expert.shard_experts`)."""
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
                 shard_experts(module.experts, ep_mesh)

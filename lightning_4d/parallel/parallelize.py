@@ -1,8 +1,8 @@
 """The order of parallelization of a model of any registered family (:mod:`lightning_4d.families`), one short step
 per line (torchtitan's ``parallelize_llama`` shape): pipeline split, float8 linears
 (:mod:`lightning_4d.parallel.float8`; torchtitan converts before parallelizing too), tensor + sequence parallel
-plans, context-parallel attention, the MoE component's step (:func:`lightning_4d.parallel.moe.apply`), activation
-checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2).
+plans, context-parallel attention, the MoE component's step (:func:`lightning_4d.features.moe.runtime.apply`),
+activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2).
 Materialization (the family's; for our Llama the layout-independent initialization) follows in
 :func:`prepare_models`; ZeRO 0/1 act on gradients and the optimizer, not on the model
 (:mod:`lightning_4d.parallel.sharded_optimizer`).
@@ -21,9 +21,9 @@ from lightning_4d.config import ParallelConfig, check_compile
 from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
+from lightning_4d.features.moe import runtime as moe
 from lightning_4d.features.tensor_parallel import runtime as tensor_parallel
 from lightning_4d.mesh import ParallelMesh
-from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.compile import compile_layers

@@ -2,7 +2,7 @@
 (:func:`saved_bytes`, the formulas of :mod:`lightning_4d.planning.model`'s docstring, **Activations**), per layer
 (:func:`layer_saved_parts`), under selective checkpointing (:func:`layer_selective_parts`,
 :func:`layer_selective_recompute`) and the first backward ops of a recomputed layer (:func:`recompute_backward`).
-An MoE layer's feed-forward: :func:`lightning_4d.planning.expert_costs.saved_bytes`; context parallelism's gathered K/V:
+An MoE layer's feed-forward: :func:`lightning_4d.features.moe.costs.saved_bytes`; context parallelism's gathered K/V:
 :mod:`lightning_4d.planning.context_costs`.
 
 Pure Python: no torch import.
@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.planning import context_costs, expert_costs
+from lightning_4d.features.moe import costs as expert_costs
+from lightning_4d.planning import context_costs
 from lightning_4d.planning.float8_costs import float8_tensor_parallel_saved
 from lightning_4d.planning.params import as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.planning.tensors import Dtypes
@@ -50,7 +51,7 @@ def layer_saved_parts(
     inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
     gathered again in backward; without sp under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v,
     output, float32 log-sum-exp) and ``swiglu`` (an MoE layer, ``experts`` = (ep, load imbalance): the MoE
-    feed-forward's, :func:`lightning_4d.planning.expert_costs.saved_bytes` over ep ranks at that load)."""
+    feed-forward's, :func:`lightning_4d.features.moe.costs.saved_bytes` over ep ranks at that load)."""
     moe_layer = experts is not None
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
@@ -143,7 +144,7 @@ def saved_bytes(
 ) -> dict[str, int]:
     """:func:`lightning_4d.planning.model.saved_activation_bytes` on a validated layout ``pc`` (its pipeline options
     applied) and the dtypes ``dt``: the bytes one micro-batch's forward saves on pp rank ``pp_rank``, by part; an
-    MoE layer's feed-forward at load ``imbalance`` (:func:`lightning_4d.planning.expert_costs.saved_bytes`)."""
+    MoE layer's feed-forward at load ``imbalance`` (:func:`lightning_4d.features.moe.costs.saved_bytes`)."""
     tp, sp = pc.tp, pc.sp
     s = seq_length // pc.cp
     s_sp = s // tp if sp else s

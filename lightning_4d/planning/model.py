@@ -16,7 +16,7 @@ the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO sha
   (:func:`~lightning_4d.planning.states.bucket_owned`);
 - ZeRO stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim
   0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``; an MoE layer's stacked weights
-  maybe on dim 1 (:mod:`lightning_4d.planning.expert_costs`).
+  maybe on dim 1 (:mod:`lightning_4d.features.moe.costs`).
 
 Dtypes (:class:`~lightning_4d.planning.tensors.Dtypes`; ``lightning_4d/parallel/sharded_optimizer.py``): ``32-true``
 float32 everywhere; ``bf16-mixed`` (master weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters,
@@ -38,7 +38,7 @@ compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``
   autocast casts the float32 norm output once per linear: 3 + 2 copies);
 - SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
 - SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each); an MoE layer its feed-forward's saved set
-  instead (:func:`lightning_4d.planning.expert_costs.saved_bytes`: its module docstring says what it counts).
+  instead (:func:`lightning_4d.features.moe.costs.saved_bytes`: its module docstring says what it counts).
 
 Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all layers),
 the final norm (as above), the head's input (c·b·s'·h: under sp the sequence shard), and what the loss saves
@@ -90,7 +90,7 @@ first one), and the estimate is the largest:
   during backward as the layers' activations are freed, which peaks at the end of backward) + one layer's
   context-parallel transients;
 - expert-parallel backward (ep > 1): the activations less what the loss' backward freed, + one MoE layer's
-  all-to-all receive buffers at the stated load (:func:`lightning_4d.planning.expert_costs.all_to_all_buffers`), as the
+  all-to-all receive buffers at the stated load (:func:`lightning_4d.features.moe.costs.all_to_all_buffers`), as the
   recompute phase;
 - float8 backward (``float8``): the same (under activation checkpointing the last layer's backward: its recomputed
   set alive, the head's saved tensors freed), + the largest converted linear's float8 backward transient
@@ -179,7 +179,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
-from lightning_4d.planning import expert_costs
+from lightning_4d.features.moe import costs as expert_costs
 from lightning_4d.planning.activations import saved_bytes
 from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
@@ -229,8 +229,8 @@ def saved_activation_bytes(
     transient:
     its whole saved set under full checkpointing, its pointwise tensors under selective checkpointing). Under expert
     parallelism an MoE layer's experts run on the rows the rank receives: the balanced figure times
-    ``expert_load_imbalance`` (default :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
-    :func:`lightning_4d.planning.expert_costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a
+    ``expert_load_imbalance`` (default :data:`~lightning_4d.features.moe.costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
+    :func:`lightning_4d.features.moe.costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a
     rank that receives fewer rows than the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks``
     (plus the
     checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under context

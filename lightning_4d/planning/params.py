@@ -1,7 +1,7 @@
 """The parameters one rank holds: which decoder layers a pp rank's pipeline stages hold (:func:`rank_layout`), and
 every parameter tensor of them with its tensor-parallel local shape (:func:`stage_params`: ``wq``/``wk``/``wv``/
 ``w1``/``w3``/the head split on rows, ``wo``/``w2`` on columns, the embedding by vocabulary rows, RMSNorm weights
-replicated; an MoE layer's feed-forward from :func:`lightning_4d.planning.expert_costs.layer_params`), as the ranks of
+replicated; an MoE layer's feed-forward from :func:`lightning_4d.features.moe.costs.layer_params`), as the ranks of
 a layout hold them (tied embeddings under pp: :func:`as_held`).
 
 Pure Python: no torch import.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.planning import expert_costs
+from lightning_4d.features.moe import costs as expert_costs
 from lightning_4d.planning.tensors import Param
 
 __all__ = [
@@ -80,7 +80,7 @@ class StageKey(NamedTuple):
 def stage_params(sizes: Sizes, tp: int, layers: Any, first: bool, last: bool, ep: int = 1) -> list[Param]:
     """The parameters of layers ``layers`` (+ embedding / final norm and head), in the model's order (the order
     ``model.parameters()`` yields them: ZeRO 1's buckets follow it); an MoE layer's feed-forward:
-    :func:`lightning_4d.planning.expert_costs.layer_params` (split over ``ep``)."""
+    :func:`lightning_4d.features.moe.costs.layer_params` (split over ``ep``)."""
     h, d, f = sizes.hidden_size, sizes.head_dim, sizes.intermediate_size
     a, k, vocab = sizes.num_heads, sizes.num_kv_heads, sizes.padded_vocab_size
     out: list[Param] = []

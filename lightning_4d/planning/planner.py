@@ -20,8 +20,8 @@ measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stage
   stages, which also hold the embedding and the LM head, get the fewer layers (Meta's 126 layers on 16 stages:
   7, 8, ..., 8, 7; Llama 3 paper, arXiv 2407.21783, §3.3.2);
 - for a Mixture-of-Experts model, the expert parallel size ep: every divisor of dp·cp·tp that divides
-  ``num_experts`` (ep folded over tp where it exceeds dp·cp, or tp > 1: ``lightning_4d/parallel/moe.py``; 1 for a
-  dense model). Every layout passes through :meth:`ParallelConfig.validate_model
+  ``num_experts`` (ep folded over tp where it exceeds dp·cp, or tp > 1: ``lightning_4d/features/moe/runtime.py``; 1 for
+  a dense model). Every layout passes through :meth:`ParallelConfig.validate_model
   <lightning_4d.config.ParallelConfig.validate_model>` (and the ZeRO stages through ``ParallelConfig`` itself), so
   the planner proposes for an MoE model exactly the layouts FourDStrategy accepts for it.
 

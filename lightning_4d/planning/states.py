@@ -6,7 +6,7 @@ and the ZeRO sharding rules they follow (module docstring of :mod:`lightning_4d.
   bucket (:func:`bucket_owned`, :func:`zero1_owned`);
 - ZeRO 2/3 (FSDP2 ``fully_shard``): ``ceil(rows/D)`` rows of dim 0 per rank, as ``torch.chunk``
   (:func:`fsdp_shard_numel`), a stacked weight maybe on dim 1
-  (:func:`lightning_4d.planning.expert_costs.fsdp_shard_dim`).
+  (:func:`lightning_4d.features.moe.costs.fsdp_shard_dim`).
 
 A parameter's data-parallel group is ``dp·cp`` unless its :attr:`~lightning_4d.planning.tensors.Param.group` says
 otherwise (:func:`reduction_group`).
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.moe import costs as expert_costs
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
-from lightning_4d.planning import expert_costs
 from lightning_4d.planning.compression_costs import powersgd_state_bytes
 from lightning_4d.planning.params import (
     Sizes,
@@ -60,7 +60,8 @@ def reduction_group(key: tuple[str, ...], world: int, rank: int, tp: int, tp_ran
     for the rank ``rank`` of ``world`` = dp·cp ranks at tp rank ``tp_rank``: ``"tp"`` the token-parallel group
     ``dp·cp·tp`` (this rank ``rank·tp + tp_rank``, tp innermost: ``dp_cp_tp``), ``"ep"`` the expert data-parallel
     group of the ep-split parameters, that group over ep (this rank its index over ep: ep groups are blocks of ep
-    consecutive ranks of it, folded over tp first; ``ParallelConfig.ep_coordinates``, ``parallel/moe.py``'s ``edp``)."""
+    consecutive ranks of it, folded over tp first; ``ParallelConfig.ep_coordinates``, ``features/moe/runtime.py``'s
+    ``edp``)."""
     size, index = world, rank
     if "tp" in key:
         size, index = size * tp, index * tp + tp_rank
@@ -184,7 +185,7 @@ def model_state_bytes(
         bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
             at ZeRO 1 a rank owns its 1/D of every bucket.
         tp_rank: the tp rank: under tp the parameters replicated over tp (an MoE layer's,
-            :mod:`lightning_4d.planning.expert_costs`) are ZeRO 1-sharded over ``dp·cp·tp`` ranks (those split over ep
+            :mod:`lightning_4d.features.moe.costs`) are ZeRO 1-sharded over ``dp·cp·tp`` ranks (those split over ep
             over ``dp·cp·tp/ep``), where the tp rank picks the range.
 
     Returns:

@@ -75,7 +75,7 @@ reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy ove
 Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
 step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
 
-**Mixture of Experts and expert parallelism**: :mod:`lightning_4d.planning.expert_costs` (its module docstring) adds
+**Mixture of Experts and expert parallelism**: :mod:`lightning_4d.features.moe.costs` (its module docstring) adds
 the terms of the MoE layers, their all-to-alls and the data-parallel groups of their parameters.
 
 Pure Python: no torch import.
@@ -89,10 +89,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from lightning_4d.features.moe import costs as expert_costs
+from lightning_4d.features.moe.costs import all_to_all_time
 from lightning_4d.features.tensor_parallel.costs import ring_overlap, ring_seconds
 from lightning_4d.layout import config_of_plan, plan_values, planned_dataclass
-from lightning_4d.planning import expert_costs
-from lightning_4d.planning.expert_costs import all_to_all_time
 from lightning_4d.planning.float8_costs import FLOAT8_MATMUL_SPEEDUP
 from lightning_4d.planning.rates import (
     COLLECTIVE_EFFICIENCY,
@@ -305,7 +305,7 @@ def selective_recomputed_matmul_fraction(model_config: Any, tp: int) -> float:
 
 def model_dims(cfg: Any) -> tuple[int, ...]:
     """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers, tied) of a model config (E .. MoE layers 0 for a dense
-    one: :func:`lightning_4d.planning.expert_costs.model_dims`; tied 1 with ``tie_word_embeddings``, else 0): the
+    one: :func:`lightning_4d.features.moe.costs.model_dims`; tied 1 with ``tie_word_embeddings``, else 0): the
     ``dims`` of :func:`step_time_of`."""
     return (
         cfg.hidden_size,
@@ -583,7 +583,7 @@ def _data_parallel_terms(
 ) -> tuple[float, float, int, float]:
     """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds) of the pp rank
     holding ``layers`` decoder layers: the data-parallel collectives over dp·cp of its parameters (an MoE
-    model's: :func:`lightning_4d.planning.expert_costs.data_parallel_terms`) (module docstring, **Data parallel**)."""
+    model's: :func:`lightning_4d.features.moe.costs.data_parallel_terms`) (module docstring, **Data parallel**)."""
     tp, pp, cp, dp, ep = sizes
     h, vocab = dims[0], dims[5]
     c = 2

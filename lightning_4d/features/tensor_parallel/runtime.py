@@ -180,7 +180,7 @@ class TokenParallel:
     rank's shard of the gradient), so the module returns ``[b, s, h]`` replicated like a dense feed-forward.
 
     ``mean(x)``: the mean of ``x`` over the tp ranks (differentiable: :class:`_MeanOverGroup`), for the
-    load-balancing loss' mean router probabilities of the tp group's tokens (:mod:`lightning_4d.models.moe_layer`).
+    load-balancing loss' mean router probabilities of the tp group's tokens (:mod:`lightning_4d.features.moe.layer`).
 
     The gradient a rank computes for the module's parameters comes from its own tokens only: the true gradient is
     their sum over tp. The gradient buckets sum them over the ``dp_cp_tp`` group

@@ -1,7 +1,7 @@
 """The Mixture-of-Experts component of the strategy: what the rest of the training code asks of MoE, in one place.
 
-The model's MoE layer is :mod:`lightning_4d.models.moe_layer` (router, stacked experts, load-balancing loss); expert
-parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.expert`. This module holds the rest:
+The model's MoE layer is :mod:`lightning_4d.features.moe.layer` (router, stacked experts, load-balancing loss); expert
+parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.features.moe.expert`. This module holds the rest:
 
 - **meshes** (:func:`carve_meshes`, called by :func:`lightning_4d.mesh.build_mesh`). MoE layers under tensor
   parallelism (tp > 1) run token parallel: each tp rank runs the whole MoE layer on its own ``1/t`` of the sequence
@@ -46,9 +46,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_4d.contract import grad_accumulation, layout_strategy
+from lightning_4d.features.moe.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.features.tensor_parallel.runtime import token_parallel_parameters
 from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
-from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.parallel.grad_buffers import GradientGroup
 from lightning_4d.partition import expert_shard_dim
 
@@ -125,10 +125,10 @@ def fsdp_options(mesh: Any) -> dict[str, Any]:
 
 def on_own_mesh(params: list[Tensor]) -> bool:
     """Whether any of ``params`` is an expert weight on the ep mesh
-    (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) or an MoE layer's parameter sharded over ``dp_cp_tp``
-    (ZeRO 2/3 under tp, :func:`shard_token_units`): its gradient is a DTensor on the ``(edp, ep)`` or ``dp_cp_tp``
-    mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the precision plugin
-    then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
+    (:func:`~lightning_4d.features.moe.expert.is_expert_parameter`) or an MoE layer's parameter sharded over
+    ``dp_cp_tp`` (ZeRO 2/3 under tp, :func:`shard_token_units`): its gradient is a DTensor on the ``(edp, ep)`` or
+    ``dp_cp_tp`` mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the precision
+    plugin then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
     from torch.distributed.tensor import DTensor
 
     def token_sharded(p: Tensor) -> bool:
@@ -141,7 +141,7 @@ def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
     """The gradient groups of ``model``'s MoE layers on ``mesh`` (a :class:`~lightning_4d.mesh.ParallelMesh`), for
     :func:`lightning_4d.parallel.sharded_optimizer.setup_zero`:
 
-    1. under expert parallelism the expert weights (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) over
+    1. under expert parallelism the expert weights (:func:`~lightning_4d.features.moe.expert.is_expert_parameter`) over
        the ranks holding the same experts (``edp``; under tp its ranks span tp: the experts run token parallel), always
        (every optimizer then gets a ``ShardedOptimizer``, whose global-norm clipping counts each expert once);
     2. under tp the other parameters of modules run token parallel
@@ -169,13 +169,13 @@ def received_rows(model_config: Any, pc: Any, micro_batch_size: int, seq_length:
 
     Every rank of the ep group routes ``T = b·(s/cp)/tp`` tokens (the MoE layers are token parallel over tp) and
     keeps ``N = T·k`` assignments (under a capacity factor at most ``E·C``, ``C`` =
-    :func:`lightning_4d.models.moe_layer.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks is
-    ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
+    :func:`lightning_4d.features.moe.layer.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks
+    is ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
     under a capacity at most ``E·C`` (each of its ``E/ep`` experts takes at most ``C`` rows from each of the ``ep``
     sources). The load imbalance's definition: ``ExpertDispatch``'s ``received_rows`` over the ep group's mean
     (:class:`ExpertLoadMonitor`). ``lightning-4d measure`` states this load (:func:`answer_count_exchange`).
     """
-    from lightning_4d.models.moe_layer import capacity
+    from lightning_4d.features.moe.layer import capacity
 
     if pc.ep == 1 or not model_config.num_experts:
         return 0
@@ -199,7 +199,7 @@ def spread_counts(rows: int, sent: Tensor) -> Tensor:
 
 
 def dispatches_of(model: nn.Module) -> tuple[ExpertDispatch, ...]:
-    """The :class:`~lightning_4d.parallel.expert.ExpertDispatch` of every MoE layer of ``model`` under ep, in module
+    """The :class:`~lightning_4d.features.moe.expert.ExpertDispatch` of every MoE layer of ``model`` under ep, in module
     order (none without ep)."""
     found = [getattr(m, "dispatch", None) for m in model.modules()]
     return tuple(d for d in found if isinstance(d, ExpertDispatch))
@@ -228,7 +228,7 @@ class ExpertPlacement:
     """The dimension FSDP2 shards each stacked expert weight of a model on, as ``fully_shard`` options
     (:meth:`options`), for the MoE layers' units and the dense ones (:func:`shard_units`).
 
-    Stacked expert weights (:func:`~lightning_4d.parallel.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
+    Stacked expert weights (:func:`~lightning_4d.features.moe.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
     under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``, or under tp in their MoE
     layer's unit over ``dp_cp_tp``) are sharded on dim 1 (``Shard(1)``) when their group's size does not divide
     ``E_local`` and divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for
@@ -279,11 +279,11 @@ def shard_units(
 
     Under expert parallelism (``expert_mesh``: the 1D expert data-parallel mesh ``edp``, dp·cp·tp/ep ranks) every
     module that directly holds expert weights (DTensors ``Shard(0)`` on the ep mesh,
-    :func:`~lightning_4d.parallel.expert.is_expert_parameter`) becomes a unit of its own first, over ``edp`` (FSDP2
+    :func:`~lightning_4d.features.moe.expert.is_expert_parameter`) becomes a unit of its own first, over ``edp`` (FSDP2
     joins the two 1D meshes, children of one parent, into the 2D ``(edp, ep)`` mesh: each expert row block is
     sharded over ``edp`` inside its ep shard, torchtitan's ``dp_mod_ep`` units). Its gradients are divided by D =
     dp·cp too, not by the group's size: the all-to-all's backward already summed the ep group's contributions
-    (:mod:`lightning_4d.parallel.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
+    (:mod:`lightning_4d.features.moe.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
     dense parameters (:func:`shard_expert_units`).
 
     Under tensor parallelism (``token_mesh``: the 1D ``dp_cp_tp`` mesh) every module run token parallel (an MoE
@@ -463,7 +463,7 @@ class ExpertLoadMonitor(L.Callback):
 
     Logged: ``moe_expert_load_imbalance`` (this step's) and ``moe_expert_load_imbalance_max`` (the largest since the
     fit started); ``history`` keeps every step's. The rows are those of the step's last forward of each layer (under
-    pp the last micro-batch's), read off :class:`~lightning_4d.parallel.expert.ExpertDispatch`'s split sizes; one
+    pp the last micro-batch's), read off :class:`~lightning_4d.features.moe.expert.ExpertDispatch`'s split sizes; one
     all-reduce of the layers' received rows over each ep group and one of a scalar over all ranks per step. Without
     expert parallelism it does nothing.
     """

@@ -4,8 +4,9 @@ feature owns itself"), pure Python so that the memory estimator and the planner 
 :class:`~lightning_4d.config.ParallelConfig`'s validation, the one place where the features' rules meet, calls these
 and holds no MoE rule itself: :func:`check_moe_layout` from ``__post_init__``, ``resolve`` (the layout alone) and
 ``validate_model`` (the layout against the model), :func:`check_float8` from ``validate_model``'s float8 check. The
-rest of the MoE component: ``parallel/moe.py`` and ``parallel/expert.py`` (the runtime), ``models/moe_layer.py`` (the
-layer), ``planning/expert_costs.py`` (its memory and step-time terms); ``docs/architecture.md``, "The MoE component".
+rest of the MoE component: ``features/moe/runtime.py`` and ``features/moe/expert.py`` (the runtime),
+``features/moe/layer.py`` (the layer), ``features/moe/costs.py`` (its memory and step-time terms);
+``docs/architecture.md``, "The MoE component".
 """
 
 from __future__ import annotations
