@@ -111,8 +111,8 @@ BUGS: tuple[Bug, ...] = (
         "memory-swiglu-term",
         "memory model: a SwiGLU layer saves 3 tensors of [b, s, f/t] instead of 4",
         "lightning_4d/planning/activations.py",
-        '"swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 4 * c * b * s * (f // tp),',
-        '"swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 3 * c * b * s * (f // tp),',
+        '"swiglu": moe_costs.saved_bytes(cfg, dt, b, s_moe, *moe) if moe_layer else 4 * c * b * s * (f // tp),',
+        '"swiglu": moe_costs.saved_bytes(cfg, dt, b, s_moe, *moe) if moe_layer else 3 * c * b * s * (f // tp),',
         ("tests/test_memory_model.py", "-k", "by_hand", "tests/test_activation_offload.py", "-k", "memory_check"),
     ),
     Bug(

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lightning_4d.features import FEATURES
-from lightning_4d.features.moe.rules import check_float8, check_moe_layout
+from lightning_4d.features.moe import check_float8, check_moe_layout
 from lightning_4d.layout import (  # the choices live with the layout registry; imported from here too
     ACTIVATION_CHECKPOINTING,  # noqa: F401
     CONTEXT_PARALLEL_METHODS,  # noqa: F401
@@ -499,7 +499,7 @@ class ParallelConfig:
 
     def _check_ep(self) -> "ParallelConfig":
         """``self`` once the MoE rules of the resolved sizes hold
-        (:func:`~lightning_4d.features.moe.rules.check_moe_layout`: ep divides dp·cp·tp).
+        (:func:`~lightning_4d.features.moe.check_moe_layout`: ep divides dp·cp·tp).
 
         Raises:
             ValueError: they do not."""
@@ -514,7 +514,7 @@ class ParallelConfig:
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1 and PowerSGD;
                 ``float8`` with a dimension of the dense linears not divisible by 16; ``context_parallel_method=
                 "alltoall"`` with heads that do not split over tp·cp (:func:`alltoall_heads`); the MoE rules of
-                :mod:`lightning_4d.features.moe.rules` (``docs/moe.md``).
+                :mod:`lightning_4d.features.moe` (``docs/moe.md``).
         """
         tp = self.tp
         valid_tp = [d for d in divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -563,7 +563,7 @@ class ParallelConfig:
         """Every dimension of the linears ``float8`` converts divisible by 16 (``torch._scaled_mm``'s requirement;
         torchao's ``_auto_filter_for_recipe`` skips such layers, torchtitan refuses them): the hidden size, the query
         and kv projections' ``heads * head_dim`` and the FFN size; after the MoE component's rule
-        (:func:`lightning_4d.features.moe.rules.check_float8`)."""
+        (:func:`lightning_4d.features.moe.check_float8`)."""
         check_float8(self.float8, model_config)
         dims = {
             "hidden_size": model_config.hidden_size,

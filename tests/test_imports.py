@@ -214,10 +214,10 @@ def test_compat_and_module_tree_import_nothing_of_ours():
 
 def _torch_free_feature_module(module: str) -> bool:
     """A torch-free module of ``lightning_4d/features/``: a package (the list, a feature's record with its rules, rows
-    and labels), ``feature.py``, a feature's ``rules.py`` or ``costs.py`` (its memory and step-time terms); the rest
-    of a feature's folder is its torch runtime."""
+    and labels), ``feature.py``, a feature's ``costs.py`` (its memory and step-time terms); the rest of a feature's
+    folder is its torch runtime."""
     return _in(module, f"{PACKAGE}.features") and (
-        _is_package(module) or module.rsplit(".", 1)[-1] in ("feature", "rules", "costs")
+        _is_package(module) or module.rsplit(".", 1)[-1] in ("feature", "costs")
     )
 
 

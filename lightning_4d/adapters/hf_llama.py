@@ -151,7 +151,7 @@ class HFLlamaFamily(ModelFamily):
     named ``LlamaForCausalLM``, ``config.model_type == "llama"`` and it has a ``model``."""
 
     name = "transformers LlamaForCausalLM"
-    compile = True  # each LlamaDecoderLayer compiled (Mixtral's too: its experts' loop graph-breaks)
+    compile = True  # each LlamaDecoderLayer compiled (Mixtral's too: its MoE loop graph-breaks)
 
     def is_model(self, module: nn.Module) -> bool:
         config = getattr(module, "config", None)

@@ -1,5 +1,5 @@
 """``torch.compile`` per decoder layer (``FourDStrategy(compile=True)``), as torchtitan compiles each transformer block
-(``apply_compile`` in torchtitan's ``parallelize_llama``): after context / expert parallelism and activation
+(``apply_compile`` in torchtitan's ``parallelize_llama``): after context parallelism, the MoE step and activation
 checkpointing, before FSDP2 (ZeRO 2/3) and before the pipeline schedule runs each stage's layers.
 
 What is compiled is each layer's ``forward`` (an instance attribute replacing the class's, so parameter names do not
@@ -7,8 +7,8 @@ change), not its ``__call__``: the module's hooks run eagerly around the compile
 reshard hooks, activation offload's saved-tensor hooks, whose pack hook then receives the tensors the compiled graph
 saves; measured on torch 2.13 CPU: every saved tensor of a compiled ``Linear-GELU-Linear`` went through the pack hook).
 
-Mixture-of-Experts layers read their routing counts on the host (``tolist``: the experts' row splits, the all-to-all
-sizes of expert parallelism): a graph break, so such a layer compiles as several graphs with the host read between
+Mixture-of-Experts layers read their routing counts on the host (``tolist``: the routed rows' splits, the all-to-all
+sizes of ep): a graph break, so such a layer compiles as several graphs with the host read between
 them (``docs/parallelism.md`` has the measured comparison with Dynamo's dynamic-shape alternative).
 
 Under tensor parallelism the DTensors live inside the compiled region (the sharded weights, the norms'

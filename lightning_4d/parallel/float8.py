@@ -9,7 +9,7 @@ and runs the two gradient matmuls in float8 too (Micikevicius et al. 2022, "FP8 
 2209.05433). Left in the compute dtype, as torchtitan leaves them: the LM head (torchtitan skips ``output``: the
 logits feed the loss directly, and under tp our vocabulary-parallel head multiplies its weight outside
 ``nn.Linear.forward``) and the embedding (a lookup, no matmul). Mixture-of-Experts models are refused for now (their
-grouped expert matmuls are not ``nn.Linear``: torchao's MoE float8 training is a separate API; their routers' few
+grouped MoE matmuls are not ``nn.Linear``: torchao's MoE float8 training is a separate API; their routers' few
 outputs decide the routing), as are the transformers families (:attr:`ModelFamily.float8
 <lightning_4d.families.base.ModelFamily.float8>`: untested).
 

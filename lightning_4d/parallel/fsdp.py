@@ -33,7 +33,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.features.moe import runtime as moe
-from lightning_4d.features.moe.runtime import average_expert_gradients  # noqa: F401 - importable from here too (issue 32)
 
 
 def fsdp_reduce_dtype(gradient_compression: str) -> Optional[torch.dtype]:

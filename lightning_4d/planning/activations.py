@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.features.moe import costs as expert_costs
+from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.planning import context_costs
 from lightning_4d.planning.float8_costs import float8_tensor_parallel_saved
 from lightning_4d.planning.params import as_held, rank_layers, rank_layout, weighted_params
@@ -44,15 +44,15 @@ def layer_saved_parts(
     s: int,
     tp: int,
     sp: bool,
-    experts: Optional[tuple[int, float]] = None,
+    moe: Optional[tuple[int, float]] = None,
 ) -> dict[str, int]:
     """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
     part: ``norms`` (both norms' inputs and float32 reciprocal RMS), ``attn_in`` / ``ffn_in`` (the projections'
     inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
     gathered again in backward; without sp under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v,
-    output, float32 log-sum-exp) and ``swiglu`` (an MoE layer, ``experts`` = (ep, load imbalance): the MoE
+    output, float32 log-sum-exp) and ``swiglu`` (an MoE layer, ``moe`` = (ep, load imbalance): the MoE
     feed-forward's, :func:`lightning_4d.features.moe.costs.saved_bytes` over ep ranks at that load)."""
-    moe_layer = experts is not None
+    moe_layer = moe is not None
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
@@ -70,8 +70,8 @@ def layer_saved_parts(
         if sp or (moe_layer and tp > 1)
         else c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * (a if dt.kv_repeated else k) * d + 4 * b * a * s,
-        # an MoE layer (experts given): its feed-forward's saved set instead (moe.saved_bytes)
-        "swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 4 * c * b * s * (f // tp),
+        # an MoE layer (moe given): its feed-forward's saved set instead (moe_costs.saved_bytes)
+        "swiglu": moe_costs.saved_bytes(cfg, dt, b, s_moe, *moe) if moe_layer else 4 * c * b * s * (f // tp),
     }
 
 
@@ -152,7 +152,7 @@ def saved_bytes(
     cfg = as_held(cfg, pc)
     n_layers, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
     indices = rank_layers(cfg.num_layers, pc, pp_rank)
-    n_moe = expert_costs.count_moe_layers(cfg, indices)
+    n_moe = moe_costs.count_moe_layers(cfg, indices)
     # float8 under tp: the projections' inputs saved as Float8Linear saves them (planning/float8_costs.py; not under
     # selective checkpointing's kept parts: not measured)
     dense_layer = layer_saved(cfg, dt, b, s, tp, sp) + float8_tensor_parallel_saved(cfg, pc, dt.compute, b, s)

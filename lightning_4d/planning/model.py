@@ -179,7 +179,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
-from lightning_4d.features.moe import costs as expert_costs
+from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.planning.activations import saved_bytes
 from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
@@ -241,7 +241,7 @@ def saved_activation_bytes(
         ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision, an
             ``expert_load_imbalance`` that is not a number > 0.
     """
-    imbalance = expert_costs.check_rank_load(workload.expert_load_imbalance)
+    imbalance = moe_costs.check_rank_load(workload.expert_load_imbalance)
     b = check_positive_int("micro_batch_size", workload.micro_batch_size)
     s = check_positive_int("seq_length", workload.seq_length)
     pc = parallel_config
@@ -340,7 +340,7 @@ def estimate_memory(
             stages, ...), a sequence length the layout cannot split, an unknown precision or schedule, a
             ``num_microbatches`` the schedule cannot run, non-positive sizes, an ``expert_load_imbalance`` below 1.
     """
-    imbalance = expert_costs.check_expert_load_imbalance(workload.expert_load_imbalance)
+    imbalance = moe_costs.check_expert_load_imbalance(workload.expert_load_imbalance)
     cfg = _model(workload.model)
     pc = parallel_config
     if pc.data_parallel_size == "auto":
@@ -585,7 +585,7 @@ def _details(
         "optimizer_step_temporaries": buf.step_temporaries,
         "pipeline_buffers": buf.pipeline,
         "context_parallel_buffers": buf.context_parallel,
-        expert_costs.BUFFER_DETAIL: buf.all_to_all,
+        moe_costs.BUFFER_DETAIL: buf.all_to_all,
         "head_gradient": buf.head_gradient,
         "host_offloaded_activations": act.offloaded,
         "offload_unpacked": act.recompute - saved["recompute"],

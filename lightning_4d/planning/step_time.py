@@ -89,7 +89,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
-from lightning_4d.features.moe import costs as expert_costs
+from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.moe.costs import all_to_all_time
 from lightning_4d.features.tensor_parallel.costs import ring_overlap, ring_seconds
 from lightning_4d.layout import config_of_plan, plan_values, planned_dataclass
@@ -315,7 +315,7 @@ def model_dims(cfg: Any) -> tuple[int, ...]:
         cfg.num_kv_heads,
         cfg.padded_vocab_size,
         cfg.num_layers,
-        *expert_costs.model_dims(cfg),
+        *moe_costs.model_dims(cfg),
         int(bool(getattr(cfg, "tie_word_embeddings", False))),
     )
 
@@ -375,7 +375,7 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     )
     if not dims[7]:
         return t_mm, t_att, POINTWISE_FACTOR[compile] * t_pw, t_tp, t_cp, coll, t_head, 0.0, 0.0, t_tp_fwd
-    t_mm, t_pw, forward, both = expert_costs.layer_times(dims, (t_mm, t_pw), shape, gpu, gpus_per_node)
+    t_mm, t_pw, forward, both = moe_costs.layer_times(dims, (t_mm, t_pw), shape, gpu, gpus_per_node)
     return t_mm, t_att, POINTWISE_FACTOR[compile] * t_pw, t_tp, t_cp, coll, t_head, forward, both, t_tp_fwd
 
 
@@ -594,7 +594,7 @@ def _data_parallel_terms(
     b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
     owned_extra = rs_extra = ag_extra = 0.0
     if dims[7]:
-        params, owned_extra, rs_extra, ag_extra = expert_costs.data_parallel_terms(
+        params, owned_extra, rs_extra, ag_extra = moe_costs.data_parallel_terms(
             dims, layers, (tp, ep, dd), zero_stage, (_layer_params(dims), vocabulary), (b_dp, lat)
         )
     owned = params / dd + owned_extra if zero_stage >= 1 else params + owned_extra

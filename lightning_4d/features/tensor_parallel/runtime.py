@@ -16,8 +16,8 @@ Per transformer block, over a tp group of size t:
   (``Shard(-1)``) as a DTensor, for the vocabulary-parallel cross-entropy of :mod:`lightning_4d.parallel.loss` (no
   full-vocabulary logits on any rank);
 - a Mixture-of-Experts feed-forward is not split (:class:`TokenParallel`, ``docs/moe.md``): each tp rank runs the
-  whole layer (router, routed and shared experts, replicated over tp) on its own ``s/t`` tokens of the sequence, as
-  one more data-parallel dimension for that layer (expert tensor parallelism 1: Megatron-core's "MoE parallel
+  whole layer (its router and feed-forwards, replicated over tp) on its own ``s/t`` tokens of the sequence, as
+  one more data-parallel dimension for that layer (no tp inside the MoE layer: Megatron-core's "MoE parallel
   folding" recommends it, torchtitan supports it). Its parameters' gradients are then partial sums over tp, summed
   by the gradient buckets over the ``dp_cp_tp`` group (:mod:`lightning_4d.parallel.grad_buffers`);
 - with the ring overlap (sp only) the all-gather→matmul and matmul→reduce-scatter projections run as rings
@@ -170,7 +170,7 @@ class _MeanOverGroup(torch.autograd.Function):
 
 class TokenParallel:
     """A module that tp does not split, run token parallel: each tp rank runs it whole on its own ``s/t`` tokens
-    (its parameters replicated over tp; expert tensor parallelism 1 for Mixture-of-Experts layers, module docstring).
+    (its parameters replicated over tp; no tp inside Mixture-of-Experts layers, module docstring).
 
     ``__call__(x, run)``: ``x`` the module's input, a ``Shard(1)`` DTensor (local ``[b, s/t, h]``) under sequence
     parallelism, else ``[b, s, h]`` replicated over tp; ``run`` the module's computation on ``[b, n, h]`` tokens.
