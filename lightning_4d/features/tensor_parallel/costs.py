@@ -33,6 +33,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
@@ -44,9 +45,11 @@ __all__ = [
     "TP_OVERLAP_RUNS",
     "embedding_gradient_bytes",
     "head_backward_transient",
+    "ring_choices",
     "ring_overlap",
     "ring_seconds",
     "tp_exposed",
+    "without_rings",
 ]
 
 #: Fraction of the overlappable tp communication a ring hides (module docstring, **Step time**):
@@ -140,3 +143,21 @@ def ring_seconds(dims: tuple[int, ...], coll: float, tp: int, tokens: float, pea
     head = 2 * vocab * h / tp * tokens / (gemm_efficiency(min(tokens, h, vocab / tp)) * peak)
     t_head_tp = tp_exposed(coll, head, tp) + tp_exposed(coll, 2 * head, tp, 2)
     return t_tp_fwd, t_tp, t_head_tp
+
+
+def ring_choices(search: Any, sp: bool, activation_checkpointing: str) -> tuple[dict[str, bool], ...]:
+    """The planner's values of the ring overlap for one layout (``planning/planner.py``; ``search``: its
+    :class:`~lightning_4d.planning.workload.Search`): off, and right after it on when ``search`` asks for the overlap
+    and the layout has sp and checkpointing other than selective (the overlap's rules, :func:`check
+    <lightning_4d.features.tensor_parallel.check>`)."""
+    on = search.tensor_parallel_overlap and sp and activation_checkpointing != "selective"
+    return (
+        ({"tensor_parallel_overlap": False}, {"tensor_parallel_overlap": True})
+        if on
+        else ({"tensor_parallel_overlap": False},)
+    )
+
+
+def without_rings(search: Any) -> Any:
+    """``search`` (a :class:`~lightning_4d.planning.workload.Search`) without the overlapped layouts."""
+    return replace(search, tensor_parallel_overlap=False)
