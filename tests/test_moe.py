@@ -288,7 +288,7 @@ def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
     """One process: 3 AdamW steps of tiny-moe, checkpoint, export-hf: transformers' MixtralForCausalLM gives our
     logits. dp2 x ZeRO 3: the same export (a sharded checkpoint folder), and init_from a Mixtral directory of 3
     experts: 3 rows do not split evenly over the two ranks, so ZeRO 3 shards every expert on dim 1
-    (``lightning_4d.partition.expert_shard_dim``) and each rank reads its rows of every expert's tensors."""
+    (``lightning_4d.features.moe.costs.expert_shard_dim``) and each rank reads its rows of every expert's tensors."""
     torch.save(ids, tmp_path / "ids.pt")
     layouts = [{"dp": 2, "zero": 3}]
     torchrun(

@@ -242,8 +242,8 @@ def _expert_targets(
     """``{Hugging Face key: the piece of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, d1, d2]``
     (:func:`~lightning_4d.models.hf_mapping.hf_slices`: one ``[d1, d2]`` tensor per expert): every expert of a plain
     tensor; of a DTensor, the experts of this rank's dim-0 rows (ep, FSDP2's dim-0 shards). Where the DTensor splits
-    an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.partition.expert_shard_dim`), each row is a
-    DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
+    an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.features.moe.costs.expert_shard_dim`), each row is
+    a DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
     dimension's split replicated): DCP's reader reads this rank's ``d1`` range of each expert's tensor only.
 
     Raises:

@@ -50,9 +50,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from lightning_4d.partition import expert_shard_dim
 from lightning_4d.planning.rates import (
     COLLECTIVE_EFFICIENCY,
     LINK_LATENCY,
@@ -65,6 +64,7 @@ from lightning_4d.planning.rates import (
 from lightning_4d.planning.tensors import Dtypes, Param
 
 __all__ = [
+    "expert_shard_dim",
     "BUFFER_DETAIL",
     "DEFAULT_EXPERT_LOAD_IMBALANCE",
     "MoeShape",
@@ -100,6 +100,23 @@ DEFAULT_EXPERT_LOAD_IMBALANCE = 1.93
 
 #: The name of one MoE layer's all-to-all buffers in :attr:`~lightning_4d.planning.model.MemoryEstimate.details`.
 BUFFER_DETAIL = "expert_parallel_buffers"
+
+
+def expert_shard_dim(shape: Sequence[int], group: int) -> int:
+    """The dimension FSDP2 shards a stacked expert weight of local ``shape`` ``[E_local, d1, d2]`` on over ``group``
+    ranks at ZeRO 2/3: 1 when ``E_local`` is not a multiple of ``group`` and ``d1`` is, else 0 (FSDP2's default).
+
+    Dim 0 (whole experts) is FSDP2's default, but with ``E_local % group != 0`` it pads dim 0 to a multiple of the
+    group (``torch.chunk``: each rank holds ``ceil(E_local/group)`` rows' worth of storage, rank 0 a whole expert while
+    ``group > E_local``), and every all-gather moves the padding. Dim 1 (``f_e`` of ``w1``/``w3``, ``h`` of ``w2``)
+    then splits every expert evenly: torchtitan shards experts ``Shard(1)`` when ``dp_shard·ep > num_experts``
+    (``torchtitan/models/llama4/infra/parallelize.py``); this rule also covers ``E_local > group`` not divisible.
+    FSDP2 refuses uneven sharding on a dimension other than 0 (``NotImplementedError``, torch 2.13
+    ``_fsdp_param.py``), hence dim 0 when ``d1`` is not a multiple of ``group`` either. A group of one rank: 0.
+    """
+    if len(shape) < 2 or group <= 1:
+        return 0
+    return 1 if shape[0] % group and shape[1] % group == 0 else 0
 
 
 def check_expert_load_imbalance(value: Any) -> float:
@@ -201,7 +218,7 @@ def layer_params(shape: MoeShape, unit: str, h: int, ep: int) -> list[Param]:
 
 def fsdp_shard_dim(p: Param, group: int) -> int:
     """The dimension FSDP2 shards ``p`` on over ``group`` ranks at ZeRO 2/3: a stacked expert weight's by
-    :func:`lightning_4d.partition.expert_shard_dim`, every other tensor's 0."""
+    :func:`expert_shard_dim`, every other tensor's 0."""
     return expert_shard_dim((p.rows, p.dim1), group) if p.dim1 else 0
 
 

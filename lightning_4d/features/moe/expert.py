@@ -176,7 +176,7 @@ def stacked_expert_weights(model: nn.Module) -> list[Tensor]:
     """The stacked expert weights of ``model`` (``[E, d1, d2]``, or ``[E/ep, d1, d2]`` local DTensors under ep): the
     3-D parameters held directly by a module of a class in :data:`EXPERT_MODULES`, and every
     :func:`is_expert_parameter`. ZeRO 2/3 may shard them on dim 1
-    (:func:`lightning_4d.partition.expert_shard_dim`)."""
+    (:func:`lightning_4d.features.moe.costs.expert_shard_dim`)."""
     out: dict[int, Tensor] = {}
     for m in model.modules():
         named = type(m).__name__ in EXPERT_MODULES

@@ -46,11 +46,11 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_4d.contract import grad_accumulation, layout_strategy
+from lightning_4d.features.moe.costs import expert_shard_dim
 from lightning_4d.features.moe.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.features.tensor_parallel.runtime import token_parallel_parameters
 from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
 from lightning_4d.parallel.grad_buffers import GradientGroup
-from lightning_4d.partition import expert_shard_dim
 
 
 def carve_meshes(mesh: Any, config: Any) -> None:
@@ -231,7 +231,7 @@ class ExpertPlacement:
     Stacked expert weights (:func:`~lightning_4d.features.moe.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
     under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``, or under tp in their MoE
     layer's unit over ``dp_cp_tp``) are sharded on dim 1 (``Shard(1)``) when their group's size does not divide
-    ``E_local`` and divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for
+    ``E_local`` and divides ``d1`` (:func:`lightning_4d.features.moe.costs.expert_shard_dim`; torchtitan's rule for
     ``dp_shard·ep > num_experts``): each rank holds ``d1/G`` rows of every local expert instead of ``ceil(E_local/G)``
     padded whole experts. Every other parameter: FSDP2's default ``Shard(0)``.
 
