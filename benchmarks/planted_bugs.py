@@ -93,7 +93,7 @@ BUGS: tuple[Bug, ...] = (
     Bug(
         "expert-routing-index",
         "expert parallelism: received rows regrouped with the source-major block starts (no transpose)",
-        "lightning_4d/parallel/expert.py",
+        "lightning_4d/features/moe/expert.py",
         "starts = (torch.cumsum(flat, 0) - flat).view(counts.shape).t().reshape(-1)",
         "starts = (torch.cumsum(flat, 0) - flat).view(counts.shape).reshape(-1)",
         ("tests/test_expert_parallel.py", "-k", "expert_major or ep_losses"),
@@ -111,8 +111,8 @@ BUGS: tuple[Bug, ...] = (
         "memory-swiglu-term",
         "memory model: a SwiGLU layer saves 3 tensors of [b, s, f/t] instead of 4",
         "lightning_4d/planning/activations.py",
-        '"swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 4 * c * b * s * (f // tp),',
-        '"swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 3 * c * b * s * (f // tp),',
+        '"swiglu": moe_costs.saved_bytes(cfg, dt, b, s_moe, *moe) if moe_layer else 4 * c * b * s * (f // tp),',
+        '"swiglu": moe_costs.saved_bytes(cfg, dt, b, s_moe, *moe) if moe_layer else 3 * c * b * s * (f // tp),',
         ("tests/test_memory_model.py", "-k", "by_hand", "tests/test_activation_offload.py", "-k", "memory_check"),
     ),
     Bug(

@@ -6,7 +6,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_4d.contract import layout_strategy, optional_member
-from lightning_4d.parallel.moe import ExpertLoadMonitor
+from lightning_4d.features.moe.runtime import ExpertLoadMonitor
 
 # ExpertLoadMonitor: the MoE component's callback, named here on the command line (docs/moe.md)
 __all__ = ["ExpertLoadMonitor", "TrainingSummary"]

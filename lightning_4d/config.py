@@ -12,6 +12,8 @@ import itertools
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from lightning_4d.features import FEATURES
+from lightning_4d.features.moe import check_float8, check_moe_layout
 from lightning_4d.layout import (  # the choices live with the layout registry; imported from here too
     ACTIVATION_CHECKPOINTING,  # noqa: F401
     CONTEXT_PARALLEL_METHODS,  # noqa: F401
@@ -26,7 +28,6 @@ from lightning_4d.layout import (  # the choices live with the layout registry; 
     layout_dataclass,
 )
 from lightning_4d.models.llama_config import divisors
-from lightning_4d.moe_rules import check_float8, check_moe_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.llama_config import LlamaConfig
@@ -181,11 +182,10 @@ class ParallelConfig:
             checkpointing with a zero-bubble schedule (``"zbv"``, ``"dualpipev"``) under pp > 1, an unknown
             context-parallel method, an unknown gradient compression or pipeline comm dtype, ``"powersgd"`` with
             ZeRO 2 or 3, a ``powersgd_rank`` below 1, a negative ``powersgd_start_step``, an unknown
-            ``powersgd_comm_dtype``, ``expert_parallel_size`` > 1 with PowerSGD,
-            ``tensor_parallel_overlap`` not a bool, or True without tp > 1 and sequence parallelism, or with
-            selective activation checkpointing, ``activation_offload_layers`` not an integer >= 0, or > 0 with
-            activation checkpointing, ``compile`` not a bool, or True with selective checkpointing, an unknown
-            ``float8`` recipe, or one with ``tensor_parallel_overlap``.
+            ``powersgd_comm_dtype``, a rule of a feature of :data:`lightning_4d.features.FEATURES` (its
+            ``check``: MoE's, ``expert_parallel_size`` > 1 with PowerSGD; the tp ring overlap's),
+            ``activation_offload_layers`` not an integer >= 0, or > 0 with activation checkpointing, ``compile`` not a
+            bool, or True with selective checkpointing, an unknown ``float8`` recipe.
     """
 
     def __post_init__(self) -> None:
@@ -193,11 +193,11 @@ class ParallelConfig:
             self.data_parallel_size = "auto"
         check_values(self)
         self._check_gradient_compression()
-        check_moe_layout(self)
+        for feature in FEATURES:
+            feature.check(self)
         self._check_pipeline()
-        self._check_overlap_and_offload()
+        self._check_offload()
         check_compile(self.compile, self.activation_checkpointing)
-        self._check_float8()
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
             self.sequence_parallel = False
@@ -261,39 +261,8 @@ class ParallelConfig:
                 )
             self.pipeline_layer_split = split
 
-    def _check_float8(self) -> None:
-        """``float8``: a torchao recipe; under tp not with ``tensor_parallel_overlap`` (its ring projections
-        multiply the weight shards themselves, outside torchao's ``Float8Linear``; under tp with float8 the linears
-        of the tp plan run through ``Float8Linear.forward``, ``lightning_4d/parallel/float8.py``)."""
-        if self.float8 is not None and self.tensor_parallel_overlap is True:
-            raise ValueError(
-                f"float8={self.float8!r} is not supported with tensor_parallel_overlap=True yet (its ring projections "
-                "multiply the weights outside torchao's Float8Linear): use tensor_parallel_overlap=False with float8, "
-                "or float8=None."
-            )
-
-    def _check_overlap_and_offload(self) -> None:
-        """``tensor_parallel_overlap`` (needs tp with sp; not with selective checkpointing) and
-        ``activation_offload_layers`` (not with checkpointing)."""
-        if not isinstance(self.tensor_parallel_overlap, bool):
-            raise ValueError(
-                f"tensor_parallel_overlap={self.tensor_parallel_overlap!r} is not valid: expected True or False."
-            )
-        if self.tensor_parallel_overlap and (self.tensor_parallel_size == 1 or self.sequence_parallel is False):
-            raise ValueError(
-                f"tensor_parallel_overlap=True is not valid with tensor_parallel_size={self.tensor_parallel_size} and "
-                f"sequence_parallel={self.sequence_parallel!r}: the ring overlaps the sequence-parallel all-gathers "
-                "and reduce-scatters, so it needs tensor_parallel_size > 1 and sequence_parallel None or True "
-                "(or set tensor_parallel_overlap=False)."
-            )
-        if self.tensor_parallel_overlap and self.activation_checkpointing == "selective":
-            raise ValueError(
-                "tensor_parallel_overlap=True is not supported with activation_checkpointing='selective' yet: the "
-                "selective policy keeps wo's reduced output and nothing of w2 by marking those modules, and the rings "
-                "run them elsewhere (their chunk products would be kept, the [b, s, h] partial sums the policy avoids, "
-                "and the memory estimate would be low). Use activation_checkpointing='none' or 'full' with the "
-                "overlap, or tensor_parallel_overlap=False with 'selective'."
-            )
+    def _check_offload(self) -> None:
+        """``activation_offload_layers`` (not with checkpointing)."""
         offload = self.activation_offload_layers
         if isinstance(offload, bool) or not isinstance(offload, int) or offload < 0:
             raise ValueError(
@@ -348,7 +317,7 @@ class ParallelConfig:
         """``(ep rank, expert data-parallel rank)`` of the rank at index ``dp_cp_rank`` of the flattened ``dp_cp``
         mesh and tp rank ``tp_rank``: ep groups are blocks of ``ep`` consecutive ranks of the MoE layers' token
         ranks ``dp_cp_tp`` (index ``i = dp_cp_rank·tp + tp_rank``, tp innermost; ``dp_cp`` when tp = 1:
-        :func:`lightning_4d.parallel.moe.carve_meshes`), so ``(i % ep, i // ep)``."""
+        :func:`lightning_4d.features.moe.runtime.carve_meshes`), so ``(i % ep, i // ep)``."""
         i = dp_cp_rank * self.tp + tp_rank
         return i % self.ep, i // self.ep
 
@@ -529,8 +498,8 @@ class ParallelConfig:
         return replace(self)._check_ep()
 
     def _check_ep(self) -> "ParallelConfig":
-        """``self`` once the MoE rules of the resolved sizes hold (:func:`~lightning_4d.moe_rules.check_moe_layout`:
-        ep divides dp·cp·tp).
+        """``self`` once the MoE rules of the resolved sizes hold
+        (:func:`~lightning_4d.features.moe.check_moe_layout`: ep divides dp·cp·tp).
 
         Raises:
             ValueError: they do not."""
@@ -545,7 +514,7 @@ class ParallelConfig:
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1 and PowerSGD;
                 ``float8`` with a dimension of the dense linears not divisible by 16; ``context_parallel_method=
                 "alltoall"`` with heads that do not split over tp·cp (:func:`alltoall_heads`); the MoE rules of
-                :mod:`lightning_4d.moe_rules` (``docs/moe.md``).
+                :mod:`lightning_4d.features.moe` (``docs/moe.md``).
         """
         tp = self.tp
         valid_tp = [d for d in divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -594,7 +563,7 @@ class ParallelConfig:
         """Every dimension of the linears ``float8`` converts divisible by 16 (``torch._scaled_mm``'s requirement;
         torchao's ``_auto_filter_for_recipe`` skips such layers, torchtitan refuses them): the hidden size, the query
         and kv projections' ``heads * head_dim`` and the FFN size; after the MoE component's rule
-        (:func:`lightning_4d.moe_rules.check_float8`)."""
+        (:func:`lightning_4d.features.moe.check_float8`)."""
         check_float8(self.float8, model_config)
         dims = {
             "hidden_size": model_config.hidden_size,

@@ -20,7 +20,8 @@ from :data:`LAYOUT_FIELDS`, never written out elsewhere:
   (:func:`reported_layout`).
 
 A new layout option: one :class:`LayoutField` here, then the feature's runtime, its rules against the other
-features (``config.py``), its memory term and its time term (``docs/architecture.md``, "Add a layout option").
+features, its memory term and its time term, in the feature's folder of ``lightning_4d/features/``
+(``docs/architecture.md``, "Add a layout option").
 
 Pure Python: no torch import (the memory estimator and the CLI read it on a laptop).
 """
@@ -240,9 +241,9 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "under sequence parallelism, run the tp projections as rings of point-to-point steps over the tp group, each "
         "step's send/recv of a sequence shard (or of a partial sum) overlapped with the matmul of the shard at hand, "
         "never gathering the whole sequence (all-gather→matmul for ``wq/wk/wv``, ``w1/w3``, the LM head; "
-        "matmul→reduce-scatter for ``wo``, ``w2``; ``lightning_4d/parallel/tensor.py``, ``docs/parallelism.md``). "
-        "Same bytes on the wire, same results. Needs tp > 1 and sequence parallelism, not with selective "
-        "checkpointing; ``lightning_4d`` Llama models only. Default ``False``.",
+        "matmul→reduce-scatter for ``wo``, ``w2``; ``lightning_4d/features/tensor_parallel/runtime.py``, "
+        "``docs/parallelism.md``). Same bytes on the wire, same results. Needs tp > 1 and sequence parallelism, not "
+        "with selective checkpointing; ``lightning_4d`` Llama models only. Default ``False``.",
         flags=("--tensor-parallel-overlap",),
         planned=True,
         written="tp",
@@ -451,13 +452,13 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "expert parallel size of a Mixture-of-Experts model: ranks of dp*cp*tp that split the experts, "
         "folded over tp first (divides dp*cp*tp and num_experts; default 1)",
         "ep, for a Mixture-of-Experts model: the ranks that split the routed experts of every MoE layer "
-        "(``num_experts / ep`` each; tokens dispatched and combined by all-to-all, ``parallel/expert.py``). No mesh "
-        "dimension of its own: ep groups are blocks of ep consecutive ranks of the flattened ``dp_cp`` mesh, under "
-        "tp of ``dp_cp_tp`` (ep folded over tp first, as in Megatron-Core's MoE parallel folding: the tp ranks are "
-        "the innermost ep ranks; under tp an MoE layer is not split, each tp rank runs it whole on its ``s/t`` "
-        "tokens), so ep divides dp·cp·tp and ``num_experts``; the expert parameters' gradients are reduced and "
-        "their ZeRO 1-3 shards held over the expert data-parallel group (dp·cp·tp/ep ranks), the dense ones over "
-        "dp·cp (``docs/moe.md``).",
+        "(``num_experts / ep`` each; tokens dispatched and combined by all-to-all, ``features/moe/expert.py``). No "
+        "mesh dimension of its own: ep groups are blocks of ep consecutive ranks of the flattened ``dp_cp`` mesh, "
+        "under tp of ``dp_cp_tp`` (ep folded over tp first, as in Megatron-Core's MoE parallel folding: the tp ranks "
+        "are the innermost ep ranks; under tp an MoE layer is not split, each tp rank runs it whole on its ``s/t`` "
+        "tokens), so ep divides dp·cp·tp and ``num_experts``; the expert parameters' gradients are reduced and their "
+        "ZeRO 1-3 shards held over the expert data-parallel group (dp·cp·tp/ep ranks), the dense ones over dp·cp "
+        "(``docs/moe.md``).",
         flags=("--expert-parallel-size", "--ep"),
         dest="ep",
         minimum=1,

@@ -13,7 +13,7 @@ What differs from a real run, and why it does not change the bytes:
   fake group cannot carry a pickled one);
 - under pp the stages learn their neighbours' tensor metadata from the layout instead of from a receive
   (:func:`~lightning_4d.parallel._compat.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``;
-- under expert parallelism the dispatch's count exchange (``parallel/expert.py``: how many rows each source sends to
+- under expert parallelism the dispatch's count exchange (``features/moe/expert.py``: how many rows each source sends to
   each local expert) is answered with a stated load instead of the other ranks' routing
   (:func:`~lightning_4d.parallel._compat.answer_count_exchange`): the rank's experts receive
   :func:`received_rows` rows per MoE layer, ``expert_load_imbalance`` times the balanced figure, the load the
@@ -49,17 +49,17 @@ from torch import Tensor
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import layout_strategy
+from lightning_4d.features.moe import runtime as moe
+from lightning_4d.features.moe.costs import check_expert_load_imbalance
+from lightning_4d.features.moe.runtime import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
 from lightning_4d.layout import config_kwargs
-from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import (
     TorchDispatchMode,
     is_traceable_wrapper_subclass,
     local_tensor as _local,
     tree_flatten,
 )
-from lightning_4d.parallel.moe import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
 from lightning_4d.planning.commands import command_parser, layout_from_args, load_model_config
-from lightning_4d.planning.expert_costs import check_expert_load_imbalance
 from lightning_4d.planning.hardware import GIB, OverheadAllowance
 from lightning_4d.planning.model import estimate_all_pp_ranks, estimate_memory
 from lightning_4d.planning.workload import Workload

@@ -193,7 +193,7 @@ class MemoryEstimatorCallback(L.Callback):
         expert_load_imbalance: for a Mixture-of-Experts model under expert parallelism, the load the estimate
             assumes (:func:`~lightning_4d.planning.model.estimate_memory`: the rows the most loaded ep rank receives
             over the balanced figure, >= 1.0); default ``None``:
-            :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE`.
+            :data:`~lightning_4d.features.moe.costs.DEFAULT_EXPERT_LOAD_IMBALANCE`.
             ``FourDStrategy(memory_check=True)`` adds the callback with the default; add your own
             ``MemoryEstimatorCallback(expert_load_imbalance=...)``
             to the trainer's callbacks to set it (the strategy then adds none).
@@ -222,7 +222,7 @@ class MemoryEstimatorCallback(L.Callback):
         expert_load_imbalance: Optional[float] = None,
         host_memory: Union[None, int, str] = None,
     ) -> None:
-        from lightning_4d.planning.expert_costs import check_expert_load_imbalance
+        from lightning_4d.features.moe.costs import check_expert_load_imbalance
 
         if expert_load_imbalance is not None:
             check_expert_load_imbalance(expert_load_imbalance)

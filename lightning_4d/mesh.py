@@ -7,7 +7,7 @@ are reduced over the flattened ``("dp", "cp")`` mesh, named ``dp_cp`` (Megatron-
 A feature whose groups are not dimensions of the world mesh carves them out of it (:meth:`ParallelMesh.flatten`,
 :meth:`ParallelMesh.unflatten`) and finds them again by name (:meth:`ParallelMesh.get`): :func:`build_mesh` lets
 each such feature carve its own (:func:`_feature_meshes`; the MoE component's groups:
-:func:`lightning_4d.parallel.moe.carve_meshes`).
+:func:`lightning_4d.features.moe.runtime.carve_meshes`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
 def _feature_meshes() -> tuple[Any, ...]:
     """The functions ``carve(mesh, config)`` of the features that carve groups of their own out of the world mesh
     (collective: every rank calls each, in this order)."""
-    from lightning_4d.parallel import moe
+    from lightning_4d.features.moe import runtime as moe
 
     return (moe.carve_meshes,)
 

@@ -5,9 +5,10 @@
   a bucket) and :func:`bucket_shard` (a rank's range of a bucket);
 - loss chunks (``parallel/loss.py``): :data:`LOSS_CHUNK_BYTES` and :func:`loss_chunk_tokens` (tokens per chunk of
   the cross-entropy);
-- PowerSGD's rule (``parallel/compression.py``): :func:`powersgd_compressible` (which gradients it factors);
-- ZeRO 2/3 of stacked expert weights (``parallel/moe.py``'s ``ExpertPlacement``): :func:`expert_shard_dim` (the
-  dimension FSDP2 shards them on).
+- PowerSGD's rule (``parallel/compression.py``): :func:`powersgd_compressible` (which gradients it factors).
+
+(The MoE feature's own rule, the dimension ZeRO 2/3 shards a stacked MoE weight on, is in its terms:
+``lightning_4d/features/moe/costs.py``.)
 
 ``lightning_4d/planning/`` counts the bytes these pieces take by the same definitions, so this module is pure Python:
 it imports no torch and nothing of ``lightning_4d``. (Which sequence chunks a cp rank holds is a fact of the layout:
@@ -31,23 +32,6 @@ def powersgd_compressible(shape: Sequence[int], rank: int) -> bool:
     smaller than it, ``r·(m + n) < m·n`` (``parallel/compression.py``; the memory model counts its state by the same
     rule)."""
     return len(shape) == 2 and rank * (shape[0] + shape[1]) < shape[0] * shape[1]
-
-
-def expert_shard_dim(shape: Sequence[int], group: int) -> int:
-    """The dimension FSDP2 shards a stacked expert weight of local ``shape`` ``[E_local, d1, d2]`` on over ``group``
-    ranks at ZeRO 2/3: 1 when ``E_local`` is not a multiple of ``group`` and ``d1`` is, else 0 (FSDP2's default).
-
-    Dim 0 (whole experts) is FSDP2's default, but with ``E_local % group != 0`` it pads dim 0 to a multiple of the
-    group (``torch.chunk``: each rank holds ``ceil(E_local/group)`` rows' worth of storage, rank 0 a whole expert while
-    ``group > E_local``), and every all-gather moves the padding. Dim 1 (``f_e`` of ``w1``/``w3``, ``h`` of ``w2``)
-    then splits every expert evenly: torchtitan shards experts ``Shard(1)`` when ``dp_shard·ep > num_experts``
-    (``torchtitan/models/llama4/infra/parallelize.py``); this rule also covers ``E_local > group`` not divisible.
-    FSDP2 refuses uneven sharding on a dimension other than 0 (``NotImplementedError``, torch 2.13
-    ``_fsdp_param.py``), hence dim 0 when ``d1`` is not a multiple of ``group`` either. A group of one rank: 0.
-    """
-    if len(shape) < 2 or group <= 1:
-        return 0
-    return 1 if shape[0] % group and shape[1] % group == 0 else 0
 
 
 def gradient_buckets_needed(reducing_ranks: int, master_weights: bool, pipelined: bool, tensor_parallel: bool) -> bool:

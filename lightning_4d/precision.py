@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from lightning_4d.parallel import moe
+from lightning_4d.features.moe import runtime as moe
 from lightning_4d.parallel.clipping import clip_grad_norm_
 from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
@@ -60,7 +60,7 @@ class FourDPrecision(Precision):
         """Clip by the global norm with the one :func:`~lightning_4d.parallel.clipping.clip_grad_norm_` wherever
         Lightning's own clipping would not see the whole gradient: the averaged gradients in a ``ShardedOptimizer``'s
         buckets, a pipeline (Lightning's would clip each stage by its own norm), gradients on meshes torch's own norm
-        cannot stack (:func:`lightning_4d.parallel.moe.on_own_mesh`, ZeRO 2/3 under ep); else Lightning's own
+        cannot stack (:func:`lightning_4d.features.moe.runtime.on_own_mesh`, ZeRO 2/3 under ep); else Lightning's own
         clipping (torch's ``clip_grad_norm_``: one mesh, no stages)."""
         sharded = ShardedOptimizer.of(unwrap_optimizer(optimizer))
         params = list(self.main_params(optimizer))

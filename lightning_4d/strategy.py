@@ -26,10 +26,10 @@ import lightning_4d.checkpoint as _checkpoint
 from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import LayoutStrategy, TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
+from lightning_4d.features.moe import runtime as moe
 from lightning_4d.layout import layout_of, layout_signature, saved_layout
 from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh, embedding_group
-from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import (
     PATH,
     attached_trainer,
@@ -100,7 +100,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
             A sequence length not divisible by 2·cp (·tp under sp) fails there too when the DataModule has a
             ``seq_length``, else when the batch is sharded.
         ValueError: compile=True with activation_checkpointing='selective'.
-        ValueError: ``float8`` without torchao >= 0.18 installed, with ``tensor_parallel_overlap``, or (at
+        ValueError: ``float8`` without torchao >= 0.18 installed, with the tp ring overlap, or (at
             ``setup_environment``) ``"tensorwise"`` under tp with sp on gloo, a model whose linears have a dimension
             not divisible by 16, a Mixture-of-Experts model, a module holding no ``lightning_4d`` Llama, or a
             precision other than ``32-true`` / ``bf16-mixed`` / ``bf16-true``.

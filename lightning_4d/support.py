@@ -39,15 +39,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_4d.features import FEATURES
 from lightning_4d.support_rows import (  # noqa: F401 (re-exported: the matrix is read from here)
     DEFAULTS,
     FAMILIES,
     HF_SMOKE_REASON,
-    ROWS,
+    ROWS as OWN_ROWS,
     Row,
     measure_flags,
 )
 
+#: every row of the matrix: its own (:mod:`lightning_4d.support_rows`), then each feature's
+#: (:attr:`lightning_4d.features.feature.Feature.rows`, in :data:`~lightning_4d.features.FEATURES` order)
+ROWS: list[Row] = [*OWN_ROWS, *(row for feature in FEATURES for row in feature.rows)]
 ROOT = Path(__file__).resolve().parent.parent
 #: where the CUDA smoke results are read from (and gpu_check writes them)
 RESULTS = ROOT / "benchmarks" / "results"
@@ -91,13 +95,7 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
     get = options.get
     tp, pp, cp = get("tp", 1), get("pp", 1), get("cp", 1)
     ep = get("ep", get("expert_parallel_size", 1)) or 1
-    out = set()
-    if tp > 1:
-        out.add("tp")
-        if get("sequence_parallel") is False:
-            out.add("sp off")
-        if get("tensor_parallel_overlap"):
-            out.add("tp overlap")
+    out = set().union(*(feature.labels(options) for feature in FEATURES))
     if pp > 1:
         out.add("pp")
         schedule = get("pipeline_schedule") or "1f1b"
@@ -122,7 +120,7 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
         out.add("MoE")
     if ep > 1:
         out.add("ep")
-        if tp > 1:  # the ep groups take the tp ranks first (parallel/moe.py)
+        if tp > 1:  # the ep groups take the tp ranks first (features/moe/runtime.py)
             out.add("ep over tp")
     return frozenset(out)
 

@@ -1,7 +1,8 @@
-"""The rows of the support matrix (:mod:`lightning_4d.support`): every feature combination a user can ask for, as
-data: its layout (the options of ``lightning-4d measure`` that differ from :data:`DEFAULTS`), the error the project
-raises for it or the CPU tests that run it, and why the CUDA smoke runner cannot run it. :mod:`lightning_4d.support`
-validates, runs and prints them; ``tests/test_support.py`` checks every row.
+"""The rows of the support matrix (:mod:`lightning_4d.support`) but a feature's own (its
+:attr:`~lightning_4d.features.feature.Feature.rows`): every feature combination a user can ask for, as data: its layout
+(the options of ``lightning-4d measure`` that differ from :data:`DEFAULTS`), the error the project raises for it or the
+CPU tests that run it, and why the CUDA smoke runner cannot run it. :mod:`lightning_4d.support` validates, runs and
+prints them; ``tests/test_support.py`` checks every row.
 
 This module imports no torch.
 """
@@ -87,12 +88,6 @@ def _hf_row(row_id: str, description: str, layout: dict, family: str, test: str)
 P = "tests/test_parity.py::"
 PP = "tests/test_pipeline.py::"
 CP = "tests/test_context_parallel.py::"
-MOE_PP = "tests/test_moe_pipeline.py::test_moe_pp2_every_schedule_equals_one_process"
-MOE_TP = "tests/test_moe_tensor_parallel.py::test_moe_under_tp_and_cp_equals_one_process"
-MOE_DP = "tests/test_moe.py::test_dp2_zero_losses_aux_and_routing_equal_one_process"
-EP = "tests/test_expert_parallel.py::test_ep_losses_aux_routing_norm_and_states_equal_one_process"
-MOE_PP_EP = "tests/test_moe_pipeline.py::test_moe_pp2_dp2_ep2_equals_one_process"
-FOLDED_RESUME = "tests/test_moe_tensor_parallel.py::test_checkpoint_at_tp2_ep2_resumes_at_tp2_ep2_and_at_dp2_ep1"
 OFFLOAD = (
     "tests/test_activation_offload.py::test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_host"
 )
@@ -103,7 +98,6 @@ FLOAT8 = "tests/test_float8.py::"
 F8_SPLIT = FLOAT8 + "test_float8_under_pipeline_and_context_parallelism"
 F8_AC = FLOAT8 + "test_float8_with_checkpointing_and_offload"
 F8_TP = FLOAT8 + "test_float8_under_tensor_parallelism"
-HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
 #: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
 DUALPIPEV = {"pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]}
@@ -188,32 +182,6 @@ ROWS: list[Row] = [
         "tp2 dp2 ZeRO 3: FSDP2 over DTensor tp shards",
         {"tp": 2, "dp": 2, "zero_stage": 3},
         cpu_tests=(P + "test_parity_world4",),
-    ),
-    Row(
-        "tp2-overlap",
-        "tp2 with the overlapped tp rings (sp all-gathers / reduce-scatters inside the matmuls)",
-        {"tp": 2, "dp": 2, "tensor_parallel_overlap": True},
-        cpu_tests=("tests/test_tp_overlap.py::test_parity_world2", "tests/test_tp_overlap.py::test_parity_world4"),
-    ),
-    Row(
-        "tp2-overlap-nosp",
-        "the tp overlap without sequence parallelism",
-        {"tp": 2, "tensor_parallel_overlap": True, "sequence_parallel": False},
-        refused="tensor_parallel_overlap=True is not valid with tensor_parallel_size=2 and sequence_parallel=False: "
-        "the ring overlaps the sequence-parallel all-gathers and reduce-scatters, so it needs tensor_parallel_size > 1 "
-        "and sequence_parallel None or True (or set tensor_parallel_overlap=False).",
-    ),
-    Row(
-        "tp2-overlap-selective",
-        "the tp overlap with selective checkpointing",
-        {"tp": 2, "tensor_parallel_overlap": True, "activation_checkpointing": "selective"},
-        refused=(
-            "tensor_parallel_overlap=True is not supported with activation_checkpointing='selective' yet: the"
-            " selective policy keeps wo's reduced output and nothing of w2 by marking those modules, and the "
-            "rings run them elsewhere (their chunk products would be kept, the [b, s, h] partial sums the "
-            "policy avoids, and the memory estimate would be low). Use activation_checkpointing='none' or "
-            "'full' with the overlap, or tensor_parallel_overlap=False with 'selective'."
-        ),
     ),
     # ---------------------------------------------------------------- pp
     Row(
@@ -452,12 +420,6 @@ ROWS: list[Row] = [
         cpu_tests=(CP + "test_context_parallel_world2",),
     ),
     Row(
-        "offload-ep",
-        "activation offload of an MoE layer under dp2 ep2 ZeRO 2 (the all-to-all's received rows in host memory)",
-        {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 2, "activation_offload_layers": 1},
-        cpu_tests=(EP,),
-    ),
-    Row(
         "offload-checkpointing",
         "activation offload with activation checkpointing",
         {"activation_offload_layers": 2, "activation_checkpointing": "full"},
@@ -481,19 +443,6 @@ ROWS: list[Row] = [
         cpu_tests=(COMPILE,),
     ),
     Row(
-        "compile-tp2-overlap-z3",
-        "torch.compile per layer, dp2 tp2 with the tp overlap (its rings break the graph), ZeRO 3, full checkpointing",
-        {
-            "tp": 2,
-            "dp": 2,
-            "tensor_parallel_overlap": True,
-            "zero_stage": 3,
-            "compile": True,
-            "activation_checkpointing": "full",
-        },
-        cpu_tests=(COMPILE,),
-    ),
-    Row(
         "compile-selective",
         "torch.compile with selective activation checkpointing",
         {"compile": True, "activation_checkpointing": "selective"},
@@ -513,12 +462,6 @@ ROWS: list[Row] = [
         "compile-cp2-checkpointing",
         "torch.compile per layer, cp2 dp2 (ring attention eager), full checkpointing",
         {"cp": 2, "dp": 2, "compile": True, "activation_checkpointing": "full"},
-        cpu_tests=(COMPILE,),
-    ),
-    Row(
-        "compile-moe-tp2-ep2",
-        "torch.compile per layer, MoE tp2 ep2 (the MoE feed-forward eager, token parallel, experts over the tp ranks)",
-        {"model": "tiny-moe", "tp": 2, "ep": 2, "compile": True},
         cpu_tests=(COMPILE,),
     ),
     # ---------------------------------------------------------------- float8 (torchao)
@@ -563,15 +506,6 @@ ROWS: list[Row] = [
         )
     ),
     Row(
-        "float8-moe",
-        "float8 with a Mixture-of-Experts model",
-        {"model": "tiny-moe", "float8": "tensorwise"},
-        refused=(
-            "float8='tensorwise' is not supported for a Mixture-of-Experts model (num_experts=8) yet: its expert "
-            "matmuls are not linears torchao converts. Use float8=None."
-        ),
-    ),
-    Row(
         "float8-hf-llama",
         "float8 with transformers' LlamaForCausalLM",
         {"float8": "tensorwise"},
@@ -599,103 +533,6 @@ ROWS: list[Row] = [
         "float8 rowwise, tp2 with sp (the sequence all-gathered in bf16, cast after), compiled",
         {"tp": 2, "float8": "rowwise", "compile": True},
         cpu_tests=(F8_TP,),
-    ),
-    Row(
-        "float8-tp2-overlap",
-        "float8 under tp2 with tensor_parallel_overlap",
-        {"tp": 2, "tensor_parallel_overlap": True, "float8": "tensorwise"},
-        refused=(
-            "float8='tensorwise' is not supported with tensor_parallel_overlap=True yet (its ring projections "
-            "multiply the weights outside torchao's Float8Linear): use tensor_parallel_overlap=False with float8, or "
-            "float8=None."
-        ),
-    ),
-    # ---------------------------------------------------------------- Mixture-of-Experts (tiny-moe)
-    Row(
-        "moe-dp2-z1",
-        "MoE dp2 ZeRO 1 (grouped GEMM experts, router, aux loss)",
-        {"model": "tiny-moe", "dp": 2},
-        cpu_tests=(MOE_DP,),
-    ),
-    Row("moe-dp2-z3", "MoE dp2 ZeRO 3", {"model": "tiny-moe", "dp": 2, "zero_stage": 3}, cpu_tests=(MOE_DP,)),
-    Row(
-        "moe-full-checkpointing",
-        "MoE dp2 ZeRO 0, full checkpointing",
-        {"model": "tiny-moe", "dp": 2, "zero_stage": 0, "activation_checkpointing": "full"},
-        cpu_tests=(MOE_DP,),
-    ),
-    Row(
-        "moe-tp2",
-        "MoE tp2 ZeRO 1: MoE layers token parallel over tp",
-        {"model": "tiny-moe", "tp": 2},
-        cpu_tests=(MOE_TP,),
-    ),
-    Row(
-        "moe-tp2-z2",
-        "MoE tp2 ZeRO 2: the MoE layers' FSDP2 units over dp_cp_tp (their gradients summed over tp)",
-        {"model": "tiny-moe", "tp": 2, "zero_stage": 2},
-        cpu_tests=(MOE_TP,),
-    ),
-    Row("moe-cp2", "MoE cp2 ring attention", {"model": "tiny-moe", "cp": 2}, cpu_tests=(MOE_TP,)),
-    Row(
-        "moe-pp2",
-        "MoE pp2 1F1B bf16-mixed (the stage boundary's dtype)",
-        {"model": "tiny-moe", "pp": 2, "num_microbatches": 2},
-        cpu_tests=(MOE_PP,),
-    ),
-    Row(
-        "moe-ep2",
-        "MoE dp2 ep2 ZeRO 1: experts split over ep, all-to-all dispatch",
-        {"model": "tiny-moe", "dp": 2, "ep": 2},
-        cpu_tests=(EP,),
-    ),
-    Row(
-        "moe-ep2-z3",
-        "MoE dp2 ep2 ZeRO 3: expert FSDP2 units over the edp group",
-        {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 3},
-        cpu_tests=(EP,),
-    ),
-    Row(
-        "moe-pp2-ep2",
-        "MoE pp2 dp2 ep2 1F1B",
-        {"model": "tiny-moe", "pp": 2, "dp": 2, "ep": 2, "num_microbatches": 2},
-        cpu_tests=(MOE_PP_EP, "tests/test_expert_parallel.py::test_checkpoint_at_ep1_resumes_at_ep4_and_at_pp2_ep2"),
-    ),
-    *(  # ep folded over tp (the tp ranks are the innermost ep ranks): tests/test_moe_tensor_parallel.py
-        Row(row_id, f"MoE {description}: ep folded over tp", {"model": "tiny-moe", **layout}, cpu_tests=(MOE_TP,))
-        for row_id, description, layout in (
-            ("moe-dp2-tp2-ep4", "dp2 tp2 ep4 ZeRO 1", {"dp": 2, "tp": 2, "ep": 4}),
-            (
-                "moe-dp2-tp2-ep4-z3",
-                "dp2 tp2 ep4 ZeRO 3 (experts' and MoE layers' own FSDP2 units)",
-                {"dp": 2, "tp": 2, "ep": 4, "zero_stage": 3},
-            ),
-            ("moe-cp2-tp2-ep2", "cp2 tp2 ep2 ZeRO 1", {"cp": 2, "tp": 2, "ep": 2}),
-        )
-    ),
-    Row(
-        "moe-pp2-tp2-ep2",
-        "MoE pp2 tp2 ep2 1F1B: ep folded over tp; a tp2 ep2 checkpoint resumed at dp2 ep1",
-        {"model": "tiny-moe", "pp": 2, "tp": 2, "ep": 2, "num_microbatches": 2},
-        cpu_tests=(MOE_PP_EP, FOLDED_RESUME),
-    ),
-    Row(
-        "moe-ep-beyond-dp-cp-tp",
-        "expert parallelism over more ranks than dp*cp*tp",
-        {"model": "tiny-moe", "tp": 2, "ep": 4},
-        refused=(
-            "expert_parallel_size=4 does not divide dp*cp*tp = 1*1*2 = 2: ep ranks are carved out of the "
-            "data-parallel ranks and, folded, the tp ranks; valid expert_parallel_size values for this layout: [1, 2]."
-        ),
-    ),
-    Row(
-        "ep-dense",
-        "expert parallelism for a dense model",
-        {"dp": 2, "ep": 2},
-        refused=(
-            "expert_parallel_size=2 needs a Mixture-of-Experts model (num_experts > 0); this model is dense "
-            "(num_experts=0): the only valid expert_parallel_size is 1."
-        ),
     ),
     # ---------------------------------------------------------------- transformers families
     _hf_row(
@@ -744,42 +581,6 @@ ROWS: list[Row] = [
         refused=(
             "activation_checkpointing='full' is not supported for a transformers LlamaForCausalLM yet: use "
             "activation_checkpointing='none' (or call the model's gradient_checkpointing_enable() yourself)"
-        ),
-    ),
-    Row(
-        "hf-llama-overlap",
-        "transformers LlamaForCausalLM with the tp overlap",
-        {"tp": 2, "tensor_parallel_overlap": True},
-        family="hf-llama",
-        refused=(
-            "tensor_parallel_overlap=True is not supported for a transformers LlamaForCausalLM yet (the ring "
-            "projections hook into lightning_4d's own Llama modules): use tensor_parallel_overlap=False"
-        ),
-    ),
-    _hf_row(
-        "hf-mixtral-ep2",
-        "transformers MixtralForCausalLM, dp2 ep2 ZeRO 1",
-        {"model": "tiny-moe", "dp": 2, "ep": 2},
-        "hf-mixtral",
-        HF_MIXTRAL,
-    ),
-    _hf_row(
-        "hf-mixtral-z3",
-        "transformers MixtralForCausalLM, dp2 ZeRO 3",
-        {"model": "tiny-moe", "dp": 2, "zero_stage": 3},
-        "hf-mixtral",
-        HF_MIXTRAL,
-    ),
-    Row(
-        "hf-mixtral-tp2",
-        "transformers MixtralForCausalLM under tp",
-        {"model": "tiny-moe", "tp": 2},
-        family="hf-mixtral",
-        refused=(
-            "tensor_parallel_size=2 is not supported for a transformers MixtralForCausalLM: it trains with "
-            "data parallelism, ZeRO stages 0-3 and expert parallelism (data_parallel_size, zero_stage, "
-            "expert_parallel_size); set tensor_parallel_size=1, or train the checkpoint as a lightning_4d "
-            "Llama (CausalLMModule with init_from=<the Hugging Face directory>), which takes tp, pp and cp."
         ),
     ),
 ]

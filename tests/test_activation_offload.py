@@ -317,7 +317,8 @@ def _llama2_7b_offloaded_host_bytes(pp_rank: int) -> int:
     # _RMSNormFunction saves these two for its backward)
     norms = 2 * (r * b * s_sp * h + 4 * b * s_sp)
     # the input of wq/wk/wv and of w1/w3 (one tensor per group): the sp shard, all-gathered again in backward
-    # (parallel/tensor.py); wo's and w2's inputs are the attention output and the SwiGLU product, counted below
+    # (features/tensor_parallel/runtime.py); wo's and w2's inputs are the attention output and the SwiGLU product,
+    # counted below
     proj_inputs = 2 * c * b * s_sp * h
     # flash attention's backward needs q, k, v, the output (the rank's a/tp heads of d each; llama2-7b has no GQA)
     # and the float32 log-sum-exp [b, a/tp, s] (Dao 2023, FlashAttention-2, arXiv 2307.08691, Algorithm 2)

@@ -112,9 +112,9 @@ def test_fsdp_gathers_once_or_twice_and_reduce_scatters_once(measured, index, ga
 @pytest.mark.slow
 def test_tensor_parallel_collectives_per_layer(measured):
     """tp=2 with sequence parallelism, b·s·h fp32 activations per collective. Per layer: all-gathers before wq/wk/wv
-    and w1/w3 (forward), the same two again in backward (the saved sequence shards, parallel/tensor.py) and the
-    two that transpose wo's and w2's reduce-scatters; reduce-scatters after wo and w2 and of the gradients of the
-    gathered inputs: 6 all-gathers, 4 reduce-scatters. Outside the layers: the embedding's output scattered to
+    and w1/w3 (forward), the same two again in backward (the saved sequence shards, features/tensor_parallel/runtime.py)
+    and the two that transpose wo's and w2's reduce-scatters; reduce-scatters after wo and w2 and of the gradients of
+    the gathered inputs: 6 all-gathers, 4 reduce-scatters. Outside the layers: the embedding's output scattered to
     the sequence (reduce-scatter; all-gather of its gradient), the head's input gathered (forward, backward again)
     and its gradient reduce-scattered. The replicated RMSNorm weights' gradients are all-reduced (2 per layer +
     the final norm), and the vocabulary-parallel loss all-reduces the max and the (sum, target) per token."""

@@ -1,5 +1,5 @@
 """ZeRO 2/3 expert units divide their gradients by D = dp·cp whatever torch's FSDP2 does on a one-rank group
-(issue 32; ``lightning_4d.parallel.fsdp.average_expert_gradients``).
+(issue 32; ``lightning_4d.features.moe.runtime.average_expert_gradients``).
 
 At ep = D the expert data-parallel group ``edp`` has one rank, and FSDP2's ``foreach_reduce`` skips the
 reduce-scatter there. What it does with the divide factor then changed between releases: torch 2.13 divides when it

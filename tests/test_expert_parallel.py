@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from lightning_4d import FourDStrategy, ParallelConfig
+from lightning_4d.features.moe.costs import expert_shard_dim
 from lightning_4d.models import LlamaConfig
-from lightning_4d.partition import expert_shard_dim
 from lightning_4d.planning.model import model_state_bytes
 from tests._launch import SCRIPTS, check_final_weights, initial_weights, launched, resume_on_layouts, torchrun
 
@@ -82,7 +82,7 @@ def test_ep_coordinates_are_consecutive_dp_cp_ranks():
 
 
 def test_expert_major_regrouping():
-    from lightning_4d.parallel.expert import _expert_major
+    from lightning_4d.features.moe.expert import _expert_major
 
     # 2 sources x 2 local experts: source 0 sends 2 rows to expert 0, 1 to expert 1; source 1 sends 0 and 3
     counts = torch.tensor([[2, 1], [0, 3]])
@@ -126,7 +126,7 @@ def test_expert_shard_dim_rule(shape, group, dim):
 VARIANT = {"num_shared_experts": 1, "num_layers": 4, "moe_layer_interval": 2, "router_aux_loss_coef": 0.1}
 CAPACITY = {"capacity_factor": 1.0}
 #: 6 experts: at dp4 ep2 each ep rank holds 3 over an expert data-parallel group of 2, at dp4 ep1 6 over 4: ZeRO 2/3
-#: shard them on dim 1 (lightning_4d.partition.expert_shard_dim), every rank the same share, no padded expert
+#: shard them on dim 1 (lightning_4d.features.moe.costs.expert_shard_dim), every rank the same share, no padded expert
 SIX = {"num_experts": 6}
 REF = [
     {"reference": True, "norm": True},

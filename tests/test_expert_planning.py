@@ -12,9 +12,9 @@ import pytest
 
 from lightning_4d.cli import main
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.moe.costs import DEFAULT_EXPERT_LOAD_IMBALANCE
 from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.planning import step_time as st
-from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE
 from lightning_4d.planning.hardware import GPU_PRESETS
 from lightning_4d.planning.model import estimate_memory, model_state_bytes
 from lightning_4d.planning.planner import plan
@@ -150,9 +150,9 @@ def test_plan_emits_ep_in_the_config(capsys, tmp_path):
 def test_plan_llama4_scout_on_32_h100_lists_ep_layouts(capsys):
     """Every ep that divides dp·cp and the 16 experts is planned for Llama 4 Scout on 32 H100, with tp, pp and cp as
     ``validate_model`` accepts them for MoE models. The least memory is a ZeRO 2/3 layout with ep > 1 whose experts are
-    sharded on dim 1 (``lightning_4d.partition.expert_shard_dim``): its first and last dp·cp ranks hold the same
-    expert bytes, where dim-0 sharding put a whole expert per layer on one rank of each expert data-parallel pair and
-    none on the other (least memory then 88.5 GiB; then 74.8 GiB, ZeRO 3 dp32 ep16). Since the ZeRO 3 phases follow
+    sharded on dim 1 (``lightning_4d.features.moe.costs.expert_shard_dim``): its first and last dp·cp ranks hold the
+    same expert bytes, where dim-0 sharding put a whole expert per layer on one rank of each expert data-parallel pair
+    and none on the other (least memory then 88.5 GiB; then 74.8 GiB, ZeRO 3 dp32 ep16). Since the ZeRO 3 phases follow
     what is measured alive on CPU (issue 25: no 2 units of unsharded gradients and their float32 casts at the end of
     backward) the least memory was 63.0 GiB (ZeRO 3 cp4 dp8 ep16); since the start of backward counts the root's
     all-gather output beside its unsharded parameters while FSDP2 copies them out (measured on CPU, a dense model

@@ -54,7 +54,7 @@ class _Holder(nn.Module):
 def test_registry_finds_each_family_and_its_config():
     import transformers
 
-    from lightning_4d.adapters.hf_mixtral import HF_MIXTRAL
+    from lightning_4d.features.moe.hf_mixtral import HF_MIXTRAL
 
     assert [f.name for f in FAMILIES] == [LLAMA.name, HF_LLAMA.name, HF_MIXTRAL.name]
     ours, theirs = _ours(), _theirs()

@@ -1,5 +1,5 @@
 """Hugging Face transformers' ``MixtralForCausalLM`` inside a user's LightningModule, split by FourDStrategy
-(lightning_4d/adapters/hf_mixtral.py; issue 23): dp, ZeRO 0-3 and expert parallelism give the single-process run's
+(lightning_4d/features/moe/hf_mixtral.py; issue 23): dp, ZeRO 0-3 and expert parallelism give the single-process run's
 per-step losses and final weights; tp / pp / cp are refused before any process group, naming what is supported."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def test_memory_never_imports_torch_nor_lightning():
     function (the pre-fit check, a Lightning callback, lives beside the strategy: ``lightning_4d/memory_check.py``)."""
     bad = []
     for m in _modules():
-        if not _in(m, f"{PACKAGE}.memory"):
+        if not _in(m, f"{PACKAGE}.planning"):
             continue
         bad += [f"{m} -> {i}" for i in imports_of(m) if _in(i, "torch") or _in(i, "lightning")]
     assert not bad, "planning/ runs on a laptop without torch and Lightning: " + ", ".join(sorted(bad))
@@ -177,7 +177,7 @@ def test_importing_every_memory_module_loads_neither_torch_nor_lightning():
     import subprocess
     import sys
 
-    names = sorted(m for m in _modules() if _in(m, f"{PACKAGE}.memory"))
+    names = sorted(m for m in _modules() if _in(m, f"{PACKAGE}.planning"))
     code = (
         "import importlib, sys\n"
         f"for name in {names!r}:\n"
@@ -191,14 +191,16 @@ def test_importing_every_memory_module_loads_neither_torch_nor_lightning():
 
 
 def test_models_import_only_config_and_models():
-    """models/ knows nothing of parallelism: it imports config and models/ only, and ``module_tree.py`` (which imports
-    nothing of ours) for the one definition of the module levels wrappers insert into parameter names (issue 33:
-    instead of the model's own copy)."""
-    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.module_tree"}
+    """models/ knows nothing of parallelism: it imports config and models/ only, ``module_tree.py`` (which imports
+    nothing of ours) for the one definition of the module levels wrappers insert into parameter names, and the MoE
+    feature's layer (``features/moe/layer.py``, the feed-forward of an MoE decoder layer), which imports models/
+    only."""
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.module_tree", f"{PACKAGE}.features.moe.layer"}
     bad = _violations(f"{PACKAGE}.models", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.models"))
+    bad += _violations(f"{PACKAGE}.features.moe.layer", lambda m, i: _in(i, f"{PACKAGE}.models"))
     assert not bad, (
-        "models/ may import lightning_4d.config, lightning_4d.module_tree and lightning_4d.models.* only: "
-        + ", ".join(bad)
+        "models/ may import lightning_4d.config, lightning_4d.module_tree, lightning_4d.features.moe.layer and "
+        "lightning_4d.models.* only, and that layer models/ only: " + ", ".join(bad)
     )
 
 
@@ -210,17 +212,58 @@ def test_compat_and_module_tree_import_nothing_of_ours():
         assert not bad, f"{m} imports " + ", ".join(sorted(bad))
 
 
+def _torch_free_feature_module(module: str) -> bool:
+    """A torch-free module of ``lightning_4d/features/``: a package (the list, a feature's record with its rules, rows
+    and labels), ``feature.py``, a feature's ``costs.py`` (its memory and step-time terms); the rest of a feature's
+    folder is its torch runtime."""
+    return _in(module, f"{PACKAGE}.features") and (
+        _is_package(module) or module.rsplit(".", 1)[-1] in ("feature", "costs")
+    )
+
+
 def test_memory_imports_only_config_and_model_config():
-    """planning/ is the torch-free estimator: it imports config, the layout registry (``lightning_4d.layout``, issue 33:
-    the torch-free declaration of config's fields, below config itself), the partition rules and the model config only.
-    The pre-fit check that reads a Trainer, a DataModule and the model-family registry is
-    ``lightning_4d/memory_check.py`` (issue 33: moved out of planning/)."""
-    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.layout", f"{PACKAGE}.partition", f"{PACKAGE}.models.config"}
-    bad = _violations(f"{PACKAGE}.memory", lambda m, i: i in allowed or _in(i, f"{PACKAGE}.memory"))
+    """planning/ is the torch-free estimator: it imports config, the layout registry (``lightning_4d.layout``, the
+    torch-free declaration of config's fields, below config itself), the partition rules, the model config and the
+    features' torch-free modules (their memory and step-time terms) only. The pre-fit check that reads a Trainer, a
+    DataModule and the model-family registry is ``lightning_4d/memory_check.py``."""
+    allowed = {f"{PACKAGE}.config", f"{PACKAGE}.layout", f"{PACKAGE}.partition", f"{PACKAGE}.models.llama_config"}
+    bad = _violations(
+        f"{PACKAGE}.planning",
+        lambda m, i: i in allowed or _in(i, f"{PACKAGE}.planning") or _torch_free_feature_module(i),
+    )
     assert not bad, (
         "planning/ may import lightning_4d.config, lightning_4d.layout, lightning_4d.partition, "
-        "lightning_4d.models.llama_config and planning/ only: " + ", ".join(bad)
+        "lightning_4d.models.llama_config, planning/ and the features' torch-free modules only: " + ", ".join(bad)
     )
+
+
+def test_features_records_and_terms_import_no_torch():
+    """A feature's record, rules, rows and terms (:func:`_torch_free_feature_module`) are read by the config, the
+    support matrix and planning/ on a laptop: none imports torch, Lightning or another module of a feature, not even
+    inside a function; a fresh interpreter importing them all loads neither torch nor Lightning."""
+    import subprocess
+    import sys
+
+    names = sorted(m for m in _modules() if _torch_free_feature_module(m))
+    assert f"{PACKAGE}.features.tensor_parallel.costs" in names
+    bad = [
+        f"{m} -> {i}"
+        for m in names
+        for i in imports_of(m)
+        if _in(i, "torch")
+        or _in(i, "lightning")
+        or (_in(i, f"{PACKAGE}.features") and not _torch_free_feature_module(i))
+    ]
+    assert not bad, "a feature's torch-free modules import: " + ", ".join(sorted(bad))
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing {names} loaded: {out.stdout.strip()}"
 
 
 def test_tasks_import_no_strategy():

@@ -296,9 +296,9 @@ def test_measure_under_expert_parallelism_receives_the_stated_load():
 
     import torch
 
+    from lightning_4d.features.moe.costs import DEFAULT_EXPERT_LOAD_IMBALANCE
     from lightning_4d.measure import spread_counts
     from lightning_4d.models import LlamaModel
-    from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE
 
     moe = LlamaConfig.from_preset("tiny-moe")
     out = _measure_cli(["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--seq-length", "512"], 0, "bf16-mixed")
@@ -337,7 +337,7 @@ def test_measure_with_experts_folded_over_tp():
     decoder layer's, not apart)."""
     import math
 
-    from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE
+    from lightning_4d.features.moe.costs import DEFAULT_EXPERT_LOAD_IMBALANCE
 
     moe = LlamaConfig.from_preset("tiny-moe")
     args = ["--model", "tiny-moe", "--dp", "2", "--tp", "2", "--ep", "4", "--zero-stage", "3", "--seq-length", "512"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_4d import ParallelConfig
+from lightning_4d.features.moe.layer import MoEFeedForward, capacity
 from lightning_4d.models import LlamaConfig, LlamaModel
-from lightning_4d.models.moe_layer import MoEFeedForward, capacity
 from lightning_4d.planning.model import estimate_memory, model_state_bytes, saved_activation_bytes
 from lightning_4d.planning.workload import Workload
 from tests._launch import SCRIPTS, check_final_weights, initial_weights, torchrun
@@ -288,7 +288,7 @@ def test_mixtral_export_after_training_and_sharded_init_from(tmp_path, ids):
     """One process: 3 AdamW steps of tiny-moe, checkpoint, export-hf: transformers' MixtralForCausalLM gives our
     logits. dp2 x ZeRO 3: the same export (a sharded checkpoint folder), and init_from a Mixtral directory of 3
     experts: 3 rows do not split evenly over the two ranks, so ZeRO 3 shards every expert on dim 1
-    (``lightning_4d.partition.expert_shard_dim``) and each rank reads its rows of every expert's tensors."""
+    (``lightning_4d.features.moe.costs.expert_shard_dim``) and each rank reads its rows of every expert's tensors."""
     torch.save(ids, tmp_path / "ids.pt")
     layouts = [{"dp": 2, "zero": 3}]
     torchrun(
@@ -437,7 +437,7 @@ def dp_runs(tmp_path_factory):
 @pytest.mark.parametrize("index", range(len(DP2)), ids=[json.dumps(x) for x in DP2])
 def test_dp2_zero_losses_aux_and_routing_equal_one_process(dp_runs, index):
     """10 AdamW steps in float32: the language-model loss, the load-balancing loss and the busiest expert's
-    tokens of every step equal the single-process run's (global-batch counts, models/moe_layer.py); model states on
+    tokens of every step equal the single-process run's (global-batch counts, features/moe/layer.py); model states on
     every
     rank equal the memory model's; the final weights equal the single-process run's (UPDATE_RTOL)."""
     ref_dir, out = dp_runs
@@ -523,7 +523,7 @@ def test_grouped_gemm_path_equals_the_loop_over_experts():
     """The experts as ``torch._grouped_mm`` GEMMs (the CUDA path; torch's CPU kernel runs it too) equal the loop over
     experts in bfloat16, an expert without rows included: bit-identical on torch 2.13's CPU kernel (measured max
     difference 0; both accumulate in float32)."""
-    from lightning_4d.models.moe_layer import GroupedExperts
+    from lightning_4d.features.moe.layer import GroupedExperts
     from lightning_4d.parallel._compat import grouped_mm
 
     if grouped_mm is None:

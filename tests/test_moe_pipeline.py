@@ -1,6 +1,6 @@
 """Mixture-of-Experts models under pipeline parallelism (issue 23): MoE layers on any stage under every schedule,
 their load-balancing loss trained through the gradient each MoE layer injects
-(:class:`~lightning_4d.models.moe_layer.AuxLossInjection`, Megatron-Core's ``MoEAuxLossAutoScaler``) and logged as the
+(:class:`~lightning_4d.features.moe.layer.AuxLossInjection`, Megatron-Core's ``MoEAuxLossAutoScaler``) and logged as the
 global batch's mean, gathered over the stages.
 
 Tiny MoE (8 experts, top-2, 4 layers, coefficient 0.1), 10 AdamW steps in float32, against one process: per-step

@@ -121,8 +121,8 @@ def test_memory_model_does_not_split_moe_parameters_over_tp_and_shards_their_sta
 def _moe_params(cfg):
     import torch
 
+    from lightning_4d.features.moe.layer import MoEFeedForward
     from lightning_4d.models import LlamaModel
-    from lightning_4d.models.moe_layer import MoEFeedForward
 
     with torch.device("meta"):
         model = LlamaModel(cfg)

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.tensor_parallel import costs as tp_costs
 from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.planning import step_time as st
 from lightning_4d.planning.hardware import GPU_PRESETS
@@ -393,10 +394,10 @@ def test_estimate_accepts_an_uneven_pipeline_layer_split(capsys):
 # ---------------------------------------------------------------------------------------------------- tp overlap
 def test_tp_exposed_by_hand():
     """A ring exposes ``n·coll − η·min(n·coll, (tp−1)/tp·M)`` (step_time's module docstring, Tensor parallel)."""
-    eta = st.TP_OVERLAP_EFFICIENCY
-    assert st.tp_exposed(1.0, 10.0, 8) == pytest.approx(1 - eta)  # the matmul covers the collective
-    assert st.tp_exposed(1.0, 0.8, 2, streams=2) == pytest.approx(2 - eta * 0.4)  # (tp−1)/tp·M = 0.4 < 2
-    assert st.tp_exposed(1.0, 0.0, 4) == 1.0  # nothing to hide behind
+    eta = tp_costs.TP_OVERLAP_EFFICIENCY
+    assert tp_costs.tp_exposed(1.0, 10.0, 8) == pytest.approx(1 - eta)  # the matmul covers the collective
+    assert tp_costs.tp_exposed(1.0, 0.8, 2, streams=2) == pytest.approx(2 - eta * 0.4)  # (tp−1)/tp·M = 0.4 < 2
+    assert tp_costs.tp_exposed(1.0, 0.0, 4) == 1.0  # nothing to hide behind
 
 
 def _overlap_pair(cfg, tp, dp, b, s, ac, gpu=H100, zero=1, compile=False):
@@ -421,7 +422,7 @@ def test_tp_overlap_is_never_slower_and_hides_at_most_eta():
                 for ac in ("none", "full"):
                     off, on = _overlap_pair(cfg, tp, 1, b, s, ac)
                     assert on.total <= off.total and on.tp <= off.tp and on.recompute <= off.recompute
-                    assert on.tp >= (1 - st.TP_OVERLAP_EFFICIENCY) * off.tp
+                    assert on.tp >= (1 - tp_costs.TP_OVERLAP_EFFICIENCY) * off.tp
                     assert (on.dp, on.optimizer) == (off.dp, off.optimizer)
                     assert on.compute <= off.compute  # the head's collectives are counted with its compute
                     if ac == "none":
@@ -464,14 +465,14 @@ def _efficiency(eta: float):
     cached terms were computed at the efficiency of their time)."""
     caches = [f for f in vars(st).values() if hasattr(f, "cache_clear")]
     assert caches  # _layer_terms, _pipeline_terms, ...
-    saved = st.TP_OVERLAP_EFFICIENCY
-    st.TP_OVERLAP_EFFICIENCY = eta
+    saved = tp_costs.TP_OVERLAP_EFFICIENCY
+    tp_costs.TP_OVERLAP_EFFICIENCY = eta
     try:
         for f in caches:
             f.cache_clear()
         yield
     finally:
-        st.TP_OVERLAP_EFFICIENCY = saved
+        tp_costs.TP_OVERLAP_EFFICIENCY = saved
         for f in caches:
             f.cache_clear()
 
@@ -495,11 +496,11 @@ def test_tp_overlap_fit_recovers_a_known_efficiency():
     """The fit on synthetic gains (the model's own at η = 0.3 and 0.8, on the two runs' layouts) gives back that η."""
     for eta in (0.3, 0.8):
         with _efficiency(eta):
-            gains = [_overlap_gain(r) for r in st.TP_OVERLAP_RUNS]
+            gains = [_overlap_gain(r) for r in tp_costs.TP_OVERLAP_RUNS]
         assert all(g > 0 for g in gains)
-        assert fit_tp_overlap_efficiency(st.TP_OVERLAP_RUNS, gains) == pytest.approx(eta, abs=1e-4)
+        assert fit_tp_overlap_efficiency(tp_costs.TP_OVERLAP_RUNS, gains) == pytest.approx(eta, abs=1e-4)
         # one run alone determines η too (each gain is monotone in η)
-        assert fit_tp_overlap_efficiency(st.TP_OVERLAP_RUNS[:1], gains[:1]) == pytest.approx(eta, abs=1e-4)
+        assert fit_tp_overlap_efficiency(tp_costs.TP_OVERLAP_RUNS[:1], gains[:1]) == pytest.approx(eta, abs=1e-4)
 
 
 def test_tp_overlap_calibration_predicts_the_held_out_torchtitan_run():
@@ -513,11 +514,11 @@ def test_tp_overlap_calibration_predicts_the_held_out_torchtitan_run():
     publication gives one run per configuration and no spread, so no noise figure bounds the error; the bound is 1
     point (a tenth of the gain), the precision the module docstring claims, and the held-out errors stand inside it.
     With η = 1 (no calibration) both would be 12-13 points off."""
-    runs, published = st.TP_OVERLAP_RUNS, [_published_gain(r) for r in st.TP_OVERLAP_RUNS]
+    runs, published = tp_costs.TP_OVERLAP_RUNS, [_published_gain(r) for r in tp_costs.TP_OVERLAP_RUNS]
     assert len(runs) == 2
     both = fit_tp_overlap_efficiency(runs, published)
     print(f"fitted on both runs: eta {both:.3f}")
-    assert round(both, 1) == st.TP_OVERLAP_EFFICIENCY  # the module's constant is the fit, to its one decimal
+    assert round(both, 1) == tp_costs.TP_OVERLAP_EFFICIENCY  # the module's constant is the fit, to its one decimal
     for held_out in range(len(runs)):
         train = [i for i in range(len(runs)) if i != held_out]
         eta = fit_tp_overlap_efficiency([runs[i] for i in train], [published[i] for i in train])

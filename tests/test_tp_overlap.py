@@ -1,5 +1,6 @@
-"""``tensor_parallel_overlap``: the ring projections of ``lightning_4d/parallel/tensor.py`` (all-gather-matmul and
-matmul-reduce-scatter as ``t`` send/recv steps overlapped with the matmuls, never gathering the whole sequence).
+"""``tensor_parallel_overlap``: the ring projections of ``lightning_4d/features/tensor_parallel/runtime.py``
+(all-gather-matmul and matmul-reduce-scatter as ``t`` send/recv steps overlapped with the matmuls, never gathering the
+whole sequence).
 
 - unit level, 2 and 4 gloo processes (``tests/scripts/tp_overlap_unit.py``, float64): each autograd function's output
   and every gradient equal one-process autograd of the gathered problem and the all-gather version within 1e-6, and

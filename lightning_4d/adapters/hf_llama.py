@@ -47,11 +47,11 @@ from torch import Tensor
 
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan, refuse_rings
 from lightning_4d.models.attention_backends import sdpa_causal
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat import materialize_distributed_module, set_attention_implementation
 from lightning_4d.parallel.context import context_parallel_attention
-from lightning_4d.parallel.tensor import TensorParallelPlan
 
 #: the name of our attention function in transformers' ``AttentionInterface``
 ATTENTION = "lightning_4d"
@@ -151,7 +151,7 @@ class HFLlamaFamily(ModelFamily):
     named ``LlamaForCausalLM``, ``config.model_type == "llama"`` and it has a ``model``."""
 
     name = "transformers LlamaForCausalLM"
-    compile = True  # each LlamaDecoderLayer compiled (Mixtral's too: its experts' loop graph-breaks)
+    compile = True  # each LlamaDecoderLayer compiled (Mixtral's too: its MoE loop graph-breaks)
 
     def is_model(self, module: nn.Module) -> bool:
         config = getattr(module, "config", None)
@@ -170,7 +170,7 @@ class HFLlamaFamily(ModelFamily):
     def validate(self, model: nn.Module, config: Any) -> None:
         """Heads, kv heads and vocabulary divisible by tp, layers into pp·v stages (``ParallelConfig.validate_model``);
         tied embeddings are refused with pp and tp, attention dropout with any
-        split, activation checkpointing and ``tensor_parallel_overlap`` always (not applied to transformers' layers
+        split, activation checkpointing and the tp ring overlap always (not applied to transformers' layers
         yet).
 
         Raises:
@@ -196,11 +196,7 @@ class HFLlamaFamily(ModelFamily):
                 "(Llama 3.2 1B/3B) cannot be tensor-parallel yet; "
                 "use tp=1 (dp, ZeRO, cp) or an untied model"
             )
-        if config.tensor_parallel_overlap:
-            raise ValueError(
-                "tensor_parallel_overlap=True is not supported for a transformers LlamaForCausalLM yet (the ring "
-                "projections hook into lightning_4d's own Llama modules): use tensor_parallel_overlap=False"
-            )
+        refuse_rings(config, "a transformers LlamaForCausalLM")
         if config.activation_checkpointing != "none":
             raise ValueError(
                 f"activation_checkpointing={config.activation_checkpointing!r} is not supported for a "

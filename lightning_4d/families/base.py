@@ -16,7 +16,7 @@ the family answers                        used by
 :meth:`~ModelFamily.run_head`,             passes activations only)
 :meth:`~ModelFamily.positions`
 :meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier
-                                           (:func:`~lightning_4d.parallel.tensor.apply_tensor_parallel`)
+                                           (:func:`~lightning_4d.features.tensor_parallel.runtime.apply_tensor_parallel`)
 :meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
 :meth:`~ModelFamily.apply_data_parallel`   statistics over the global batch (MoE tokens per expert, over ``dp_cp``
                                            and, under tp, ``dp_cp x tp``)
@@ -45,8 +45,8 @@ __all__ = ["ModelFamily", "PipelineLayout", "find_submodel", "layer_items", "set
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.config import ParallelConfig
+    from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan
     from lightning_4d.models.llama_config import LlamaConfig
-    from lightning_4d.parallel.tensor import TensorParallelPlan
 
 
 @dataclass(frozen=True)
@@ -157,11 +157,12 @@ class ModelFamily:
     def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
         """Give ``model`` what it computes over the whole data-parallel batch: the mesh of the ranks holding
         disjoint tokens, ``dp_cp`` (``dp_cp_tp`` under tp, where our MoE layers run token parallel; they sum their
-        tokens per expert over it, :mod:`lightning_4d.models.moe_layer`). Called when dp·cp·tp > 1; default: nothing."""
+        tokens per expert over it, :mod:`lightning_4d.features.moe.layer`). Called when dp·cp·tp > 1; default:
+        nothing."""
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
         """Split ``model``'s routed experts over ``ep_mesh`` and dispatch tokens to them by all-to-all
-        (:mod:`lightning_4d.parallel.expert`). Called only when ep > 1 (``ParallelConfig.validate_model`` refuses
+        (:mod:`lightning_4d.features.moe.expert`). Called only when ep > 1 (``ParallelConfig.validate_model`` refuses
         ep > 1 for a dense model first)."""
         raise self._missing("apply_expert_parallel")
 

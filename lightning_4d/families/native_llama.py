@@ -28,14 +28,14 @@ from lightning_4d.checkpoint import (
 )
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.features.moe.expert import shard_experts
+from lightning_4d.features.moe.layer import MoEFeedForward
+from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan
 from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
-from lightning_4d.models.moe_layer import MoEFeedForward
 from lightning_4d.models.rope import context_parallel_positions, rope_cos_sin
 from lightning_4d.parallel._compat import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
-from lightning_4d.parallel.expert import shard_experts
-from lightning_4d.parallel.tensor import TensorParallelPlan
 from lightning_4d.safe_load import load as safe_load
 
 _PLAN = TensorParallelPlan(
@@ -102,14 +102,15 @@ class LlamaFamily(ModelFamily):
     def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
         """Every MoE layer sums its routing counts over ``tokens_mesh`` (``dp_cp``, or ``dp_cp x tp`` under tp,
         where MoE layers run token parallel; ``MoEFeedForward.stats_group``): the load-balancing loss of the global
-        batch, the same on every layout (:mod:`lightning_4d.models.moe_layer`)."""
+        batch, the same on every layout (:mod:`lightning_4d.features.moe.layer`)."""
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
                 module.stats_group = tokens_mesh.get_group()
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
         """Every MoE layer's stacked experts become DTensors ``Shard(0)`` on ``ep_mesh`` (this rank's ``E/ep``
-        experts) and its tokens travel to them by all-to-all (:func:`lightning_4d.parallel.expert.shard_experts`)."""
+        experts) and its tokens travel to them by all-to-all
+        (:func:`lightning_4d.features.moe.expert.shard_experts`)."""
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
                 shard_experts(module.experts, ep_mesh)
@@ -246,8 +247,8 @@ def _expert_targets(
     """``{Hugging Face key: the piece of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, d1, d2]``
     (:func:`~lightning_4d.models.hf_mapping.hf_slices`: one ``[d1, d2]`` tensor per expert): every expert of a plain
     tensor; of a DTensor, the experts of this rank's dim-0 rows (ep, FSDP2's dim-0 shards). Where the DTensor splits
-    an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.partition.expert_shard_dim`), each row is a
-    DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
+    an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.features.moe.costs.expert_shard_dim`), each row is
+    a DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
     dimension's split replicated): DCP's reader reads this rank's ``d1`` range of each expert's tensor only.
 
     Raises:

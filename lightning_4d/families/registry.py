@@ -14,10 +14,10 @@ from typing import Any, Optional, Union
 import torch.nn as nn
 
 from lightning_4d.adapters.hf_llama import HF_LLAMA
-from lightning_4d.adapters.hf_mixtral import HF_MIXTRAL
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import is_hf_model_dir
 from lightning_4d.families.native_llama import LLAMA
+from lightning_4d.features.moe.hf_mixtral import HF_MIXTRAL
 
 __all__ = ["FAMILIES", "ModelFamily", "PipelineLayout", "find_models", "estimate_config", "load_initial_weights"]
 

@@ -1,6 +1,7 @@
 """Llama 2 / Llama 3 models: config and presets, rotary embeddings, attention backends, the transformer.
 
-Depends on nothing else in ``lightning_4d``. The config (``LlamaConfig``, ``PRESETS``) is pure Python; the torch
+Depends on nothing else in ``lightning_4d`` but the Mixture-of-Experts layer an MoE decoder layer holds
+(:mod:`lightning_4d.features.moe.layer`). The config (``LlamaConfig``, ``PRESETS``) is pure Python; the torch
 modules are imported on first use, so the memory estimator and the CLI's ``estimate`` / ``plan`` load without torch.
 """
 

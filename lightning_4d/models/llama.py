@@ -38,10 +38,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_4d.features.moe.layer import MoEFeedForward, MoEModel
 from lightning_4d.models.attention_backends import attention
 from lightning_4d.models.document_mask import window_mask
 from lightning_4d.models.llama_config import LlamaConfig, _allow_in_weights_only_checkpoints
-from lightning_4d.models.moe_layer import MoEFeedForward, MoEModel
 from lightning_4d.models.rope import apply_rotary, context_parallel_positions, rope_cos_sin
 
 # the module levels wrappers insert into parameter names (defined once, below the model and the parallel code);
@@ -189,11 +189,11 @@ class Attention(nn.Module):
 
     ``input_projection``: ``None`` (``wq(x)``, ``wk(x)``, ``wv(x)``), or a callable ``(x, (wq, wk, wv)) -> (q, k, v)``
     that replaces the three projections; sequence parallelism sets one that saves only this rank's sequence shard of
-    ``x`` for backward (:func:`lightning_4d.parallel.tensor.apply_tensor_parallel`).
+    ``x`` for backward (:func:`lightning_4d.features.tensor_parallel.runtime.apply_tensor_parallel`).
 
     ``output_projection``: ``None`` (``wo(out)``), or a callable ``(out, wo) -> y`` that replaces it;
-    ``tensor_parallel_overlap`` sets the ring matmul-reduce-scatter
-    (:func:`lightning_4d.parallel.tensor.ring_output_projection`).
+    the tp ring overlap sets the ring matmul-reduce-scatter
+    (:func:`lightning_4d.features.tensor_parallel.runtime.ring_output_projection`).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -277,7 +277,7 @@ class TransformerBlock(nn.Module):
         out = h + feed_forward(ffn_norm(h))
 
     ``feed_forward`` is a :class:`FeedForward`, or in an MoE layer (``config.is_moe_layer(layer_index)``) a
-    :class:`~lightning_4d.models.moe_layer.MoEFeedForward`.
+    :class:`~lightning_4d.features.moe.layer.MoEFeedForward`.
 
     Shapes: ``x`` ``[b, s, h]`` -> ``[b, s, h]``.
     """
@@ -330,7 +330,8 @@ class LlamaModel(MoEModel, nn.Module):
         # (lightning_4d.parallel.context); default rotary positions are then those of the shard's tokens
         self.context_parallel: Optional[tuple[int, int]] = None
         # None, or a callable (hidden states, output linear) -> logits replacing ``output(h)``: sequence parallelism
-        # sets one that saves only this rank's sequence shard of the head's input (lightning_4d.parallel.tensor)
+        # sets one that saves only this rank's sequence shard of the head's input
+        # (lightning_4d.features.tensor_parallel.runtime)
         self.head_projection: Optional[Callable[[Tensor, nn.Linear], Tensor]] = None
         vocab, h = config.padded_vocab_size, config.hidden_size
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(vocab, h)
@@ -451,9 +452,9 @@ class LlamaModel(MoEModel, nn.Module):
         - RMSNorm weights: 1;
         - ``tok_embeddings``, ``wq``, ``wk``, ``wv``, ``w1``, ``w3`` and the untied ``output``:
           ``Normal(0, initializer_range)``;
-        - MoE layers (:mod:`lightning_4d.models.moe_layer`): ``router`` and the stacked ``w1`` / ``w3`` as the linear
+        - MoE layers (:mod:`lightning_4d.features.moe.layer`): ``router`` and the stacked ``w1`` / ``w3`` as the linear
           weights, the output projections ``w2`` as ``feed_forward.w2`` (:meth:`MoEModel.is_residual_output
-          <lightning_4d.models.moe_layer.MoEModel.is_residual_output>`; a stacked tensor drawn whole, so ep keeps the
+          <lightning_4d.features.moe.layer.MoEModel.is_residual_output>`; a stacked tensor drawn whole, so ep keeps the
           same weights);
         - ``attention.wo`` and ``feed_forward.w2``: ``Normal(0, initializer_range / sqrt(2 * num_layers))``, the
           scaled initialization of the residual-branch output projections (GPT-2, Radford et al. 2019, section 2.3;

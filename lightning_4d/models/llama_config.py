@@ -53,7 +53,7 @@ from typing import Any, Optional, Union
 from lightning_4d.models.presets import LLAMA4_UNIMPLEMENTED, PRESET_FIELDS
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "eager")
-#: ``LlamaConfig.router_score``: how router logits become expert weights (``lightning_4d/models/moe_layer.py``)
+#: ``LlamaConfig.router_score``: how router logits become expert weights (``lightning_4d/features/moe/layer.py``)
 ROUTER_SCORES = ("softmax", "sigmoid")
 #: transformers' ``model_type`` of Llama 4 checkpoints (multimodal wrapper and text model)
 LLAMA4_MODEL_TYPES = ("llama4", "llama4_text")
@@ -160,7 +160,7 @@ class LlamaConfig:
             ``sigmoid`` of them, not renormalized, scaling the experts' inputs).
         router_aux_loss_coef: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, arXiv
             2101.03961, Eq. 4-6; transformers' ``load_balancing_loss_func``) added to the training loss; the loss is
-            the mean over MoE layers of ``E · sum_e f_e · P_e`` (``lightning_4d/models/moe_layer.py``).
+            the mean over MoE layers of ``E · sum_e f_e · P_e`` (``lightning_4d/features/moe/layer.py``).
         capacity_factor: ``None`` (dropless: every token reaches its top-k experts) or a number > 0: each expert
             takes at most ``ceil(capacity_factor · T · k / E)`` of the ``T`` tokens of one forward (on one rank),
             first come first served in token order; the assignments past it are dropped (their expert output is

@@ -68,7 +68,7 @@ def process_group_of_name(name: str) -> Any:
 # ---------------------------------------------------------------------------------------------------- MoE
 #: ``torch._grouped_mm(x [N, k], w [G, k, n], offs=int32 [G]) -> [N, n]``: one GEMM per row group of ``x`` (group g the
 #: rows up to ``offs[g]``) with ``w[g]``, CUDA and bfloat16 (the Mixture-of-Experts experts,
-#: ``lightning_4d/models/moe_layer.py``; torchtitan's grouped experts); ``None`` on a torch without it (the loop then)
+#: ``lightning_4d/features/moe/layer.py``; torchtitan's grouped experts); ``None`` on a torch without it (the loop then)
 grouped_mm = getattr(torch, "_grouped_mm", None)
 
 #: ``torch.serialization._get_layout(name) -> torch.layout``: how a pickled ``torch.layout`` is rebuilt (DCP's
@@ -556,7 +556,7 @@ def answer_pipeline_metadata(stages: list, boundary: Tensor) -> Any:
 def answer_count_exchange(groups: list, answer: Callable[[Tensor], Tensor]) -> Any:
     """A context manager: while it is entered, ``torch.distributed.all_to_all_single`` called with equal splits (no
     split sizes) on an integer tensor over a process group in ``groups`` (the per-expert count exchange of
-    :meth:`lightning_4d.parallel.expert.ExpertDispatch.exchange`) writes ``answer(input)`` into its output (same
+    :meth:`lightning_4d.features.moe.expert.ExpertDispatch.exchange`) writes ``answer(input)`` into its output (same
     shape and dtype) after the group has run it; every other call is the group's alone. For a fake process group
     (:func:`init_fake_process_group`), whose all-to-all leaves the output as it was: the rank then receives the
     rows ``answer`` states, and the uneven all-to-all that follows allocates them. The function is replaced on the

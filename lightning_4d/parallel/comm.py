@@ -19,21 +19,22 @@ and Yuan 2009 for the ring all-reduce):
 
 - all-reduce of n bytes: ``2·(D−1)/D·n`` (a reduce-scatter and an all-gather);
 - all-gather into n bytes, reduce-scatter of n bytes, all-to-all of n bytes in equal splits: ``(D−1)/D·n``;
-- all-to-all with split sizes (the MoE component's token dispatch and combine, :mod:`lightning_4d.parallel.moe`):
+- all-to-all with split sizes (the MoE component's token dispatch and combine,
+:mod:`lightning_4d.features.moe.runtime`):
   the rows sent to the other ranks, ``(Σ_j input_splits[j] − input_splits[own rank])·row bytes`` (exact: every rank
   sends each peer its block directly, the pairwise exchange of Thakur et al. §4.5);
 - broadcast of n bytes: ``(D−1)/D·n`` (scatter + all-gather, the large-message algorithm);
 - send: n; a receive sends nothing (its bytes are counted under ``recv`` in :attr:`CommMeter.received`).
 
 A group is named by the mesh dimension it belongs to (``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp``, and the groups the
-MoE component adds, :func:`lightning_4d.parallel.moe.comm_groups`: the groups of
+MoE component adds, :func:`lightning_4d.features.moe.runtime.comm_groups`: the groups of
 :class:`~lightning_4d.mesh.ParallelMesh`), else ``"other"``; groups of one rank send nothing. Where two dimensions
 share one group (cp = 1: ``dp`` is ``dp_cp``; dp = 1: ``cp`` is ``dp_cp``), collectives count under ``dp_cp``
 (gradient reduction, ZeRO, the load-balancing counts), point-to-point traffic under ``cp`` or ``pp`` (the ring, the
 pipeline) and all-to-alls under the first of :class:`CommMeter`'s ``all_to_all`` dimensions whose group it is
-(:meth:`CommMeter.for_mesh`: the MoE component's, :data:`lightning_4d.parallel.moe.ALL_TO_ALL_DIMS`, then ``cp``,
-whose all-to-alls are ``context_parallel_method="alltoall"``'s: per layer and micro-batch, forward and backward, one
-all-to-all of the packed q, k, v and one of the attention output, each sending ``(cp−1)/cp`` of its buffer;
+(:meth:`CommMeter.for_mesh`: the MoE component's, :data:`lightning_4d.features.moe.runtime.ALL_TO_ALL_DIMS`, then
+``cp``, whose all-to-alls are ``context_parallel_method="alltoall"``'s: per layer and micro-batch, forward and backward,
+one all-to-all of the packed q, k, v and one of the attention output, each sending ``(cp−1)/cp`` of its buffer;
 ``planning/step_time.py``).
 """
 
@@ -153,8 +154,8 @@ class CommMeter(TorchDispatchMode):
     @staticmethod
     def for_mesh(mesh: Any) -> "CommMeter":
         """A meter naming the groups of a :class:`~lightning_4d.mesh.ParallelMesh` (``dp_cp`` first, then tp, cp, dp,
-        pp, and the MoE component's, :func:`lightning_4d.parallel.moe.comm_groups`)."""
-        from lightning_4d.parallel import moe
+        pp, and the MoE component's, :func:`lightning_4d.features.moe.runtime.comm_groups`)."""
+        from lightning_4d.features.moe import runtime as moe
 
         return CommMeter(
             {

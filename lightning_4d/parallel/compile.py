@@ -1,5 +1,5 @@
 """``torch.compile`` per decoder layer (``FourDStrategy(compile=True)``), as torchtitan compiles each transformer block
-(``apply_compile`` in torchtitan's ``parallelize_llama``): after context / expert parallelism and activation
+(``apply_compile`` in torchtitan's ``parallelize_llama``): after context parallelism, the MoE step and activation
 checkpointing, before FSDP2 (ZeRO 2/3) and before the pipeline schedule runs each stage's layers.
 
 What is compiled is each layer's ``forward`` (an instance attribute replacing the class's, so parameter names do not
@@ -7,18 +7,18 @@ change), not its ``__call__``: the module's hooks run eagerly around the compile
 reshard hooks, activation offload's saved-tensor hooks, whose pack hook then receives the tensors the compiled graph
 saves; measured on torch 2.13 CPU: every saved tensor of a compiled ``Linear-GELU-Linear`` went through the pack hook).
 
-Mixture-of-Experts layers read their routing counts on the host (``tolist``: the experts' row splits, the all-to-all
-sizes of expert parallelism): a graph break, so such a layer compiles as several graphs with the host read between
+Mixture-of-Experts layers read their routing counts on the host (``tolist``: the routed rows' splits, the all-to-all
+sizes of ep): a graph break, so such a layer compiles as several graphs with the host read between
 them (``docs/parallelism.md`` has the measured comparison with Dynamo's dynamic-shape alternative).
 
 Under tensor parallelism the DTensors live inside the compiled region (the sharded weights, the norms'
 sequence-sharded ``Shard(1)`` inputs, the redistributions of the plans), and the layer's input and output are plain
 local tensors: the residual stream ``[b, s/t, h]`` under sequence parallelism, ``[b, s, h]`` without, as the plans of
-:mod:`lightning_4d.parallel.tensor` hand them over (torchtitan compiles its tp blocks the same way). One more step:
-the first layer's input is the embedding's output, the local tensor of a redistribution, which DTensor returns as an
-``AsyncCollectiveTensor`` (the collective's result not waited for yet); AOTAutograd resolves such an input to its
-inner tensor before tracing, and that tensor does not require grad, so the compiled backward returned no gradient for
-it and the eager redistribution after the embedding failed ("'Tensor' object has no attribute '_local_tensor'",
+:mod:`lightning_4d.features.tensor_parallel.runtime` hand them over (torchtitan compiles its tp blocks the same way).
+One more step: the first layer's input is the embedding's output, the local tensor of a redistribution, which DTensor
+returns as an ``AsyncCollectiveTensor`` (the collective's result not waited for yet); AOTAutograd resolves such an input
+to its inner tensor before tracing, and that tensor does not require grad, so the compiled backward returned no gradient
+for it and the eager redistribution after the embedding failed ("'Tensor' object has no attribute '_local_tensor'",
 measured on torch 2.13, gloo, CPU). Each compiled layer's ``forward`` therefore waits for such inputs eagerly first
 (:class:`_WaitAsyncCollective`: a view, no copy; gradient passed through), and the compiled graph takes plain tensors.
 """

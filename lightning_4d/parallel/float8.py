@@ -9,7 +9,7 @@ and runs the two gradient matmuls in float8 too (Micikevicius et al. 2022, "FP8 
 2209.05433). Left in the compute dtype, as torchtitan leaves them: the LM head (torchtitan skips ``output``: the
 logits feed the loss directly, and under tp our vocabulary-parallel head multiplies its weight outside
 ``nn.Linear.forward``) and the embedding (a lookup, no matmul). Mixture-of-Experts models are refused for now (their
-grouped expert matmuls are not ``nn.Linear``: torchao's MoE float8 training is a separate API; their routers' few
+grouped MoE matmuls are not ``nn.Linear``: torchao's MoE float8 training is a separate API; their routers' few
 outputs decide the routing), as are the transformers families (:attr:`ModelFamily.float8
 <lightning_4d.families.base.ModelFamily.float8>`: untested).
 
@@ -20,15 +20,15 @@ Order (:func:`lightning_4d.parallel.parallelize.parallelize_model`): after the p
 activation checkpointing, ``torch.compile`` and FSDP2, as torchao documents for FSDP2 (``convert_to_float8_training``
 then ``fully_shard``) and torchtitan does for tp (its model converters run before ``parallelize_llama``).
 
-Under tp (:func:`lightning_4d.parallel.tensor.apply_tensor_parallel` with ``float8``) the tp plan shards the
-converted linears with :func:`tensor_parallel_styles` (torchtitan's ``apply_tp`` choice: torchao's float8 styles
-for ``"tensorwise"``, DTensor's own for ``"rowwise"``) and every linear runs through ``Float8Linear.forward`` on
+Under tp (:func:`lightning_4d.features.tensor_parallel.runtime.apply_tensor_parallel` with ``float8``) the tp plan
+shards the converted linears with :func:`tensor_parallel_styles` (torchtitan's ``apply_tp`` choice: torchao's float8
+styles for ``"tensorwise"``, DTensor's own for ``"rowwise"``) and every linear runs through ``Float8Linear.forward`` on
 DTensors, whose tensorwise scales are those of the whole tensor (DTensor all-reduces the absolute maximum over tp),
 as on one process. Under sequence parallelism the fused projection that saves only the sequence shard is not used
 (it multiplies the weights outside ``Float8Linear``): the attention's and feed-forward's input is all-gathered
 before their linears, in float8 with ``"tensorwise"`` (which gloo cannot carry: :data:`NO_FLOAT8_COLLECTIVES`), and
-saved whole (``lightning_4d/planning/float8_costs.py``). ``tensor_parallel_overlap``'s rings multiply the weights
-outside ``Float8Linear`` too: refused with float8 (:class:`~lightning_4d.config.ParallelConfig`).
+saved whole (``lightning_4d/planning/float8_costs.py``). The tp ring overlap's rings multiply the weights
+outside ``Float8Linear`` too: refused with float8 (:func:`lightning_4d.features.tensor_parallel.check`).
 
 At ZeRO 2/3 with ``"tensorwise"`` the converted weights are all-gathered in float8
 (``Float8LinearConfig.enable_fsdp_float8_all_gather``: one byte per element instead of two) and their scales are
@@ -146,14 +146,14 @@ def apply_float8(layers: nn.Module, config: ParallelConfig) -> int:
 
 def tensor_parallel_styles(recipe: Optional[str]) -> tuple[type, type, type]:
     """The DTensor parallel styles ``(colwise, rowwise, prepare_input)`` of the tp plan's decoder-layer linears
-    (:func:`lightning_4d.parallel.tensor.apply_tensor_parallel`) for the float8 ``recipe``, as torchtitan's
-    ``apply_tp`` picks them: ``"tensorwise"``: torchao's ``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and
-    ``PrepareFloat8ModuleInput`` (``torchao.float8.float8_tensor_parallel``: each input cast to float8 with one
-    scale for the whole tensor, an all-reduce of its absolute maximum over tp, before it is redistributed, so the
-    sequence-parallel all-gather moves one byte per element; the output gradient cast in backward the same way);
-    ``"rowwise"`` and ``None``: DTensor's ``ColwiseParallel``, ``RowwiseParallel`` and ``PrepareModuleInput``
-    (torchao's styles assume one scale per tensor; the rowwise recipe all-gathers in the compute dtype and
-    ``Float8Linear`` casts after, per row)."""
+    (:func:`lightning_4d.features.tensor_parallel.runtime.apply_tensor_parallel`) for the float8 ``recipe``, as
+    torchtitan's ``apply_tp`` picks them: ``"tensorwise"``: torchao's ``Float8ColwiseParallel``,
+    ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput`` (``torchao.float8.float8_tensor_parallel``: each input
+    cast to float8 with one scale for the whole tensor, an all-reduce of its absolute maximum over tp, before it is
+    redistributed, so the sequence-parallel all-gather moves one byte per element; the output gradient cast in backward
+    the same way); ``"rowwise"`` and ``None``: DTensor's ``ColwiseParallel``, ``RowwiseParallel`` and
+    ``PrepareModuleInput`` (torchao's styles assume one scale per tensor; the rowwise recipe all-gathers in the compute
+    dtype and ``Float8Linear`` casts after, per row)."""
     if recipe == "tensorwise":
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,

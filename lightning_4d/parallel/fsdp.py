@@ -32,8 +32,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.parallel import moe
-from lightning_4d.parallel.moe import average_expert_gradients  # noqa: F401 - importable from here too (issue 32)
+from lightning_4d.features.moe import runtime as moe
 
 
 def fsdp_reduce_dtype(gradient_compression: str) -> Optional[torch.dtype]:
@@ -56,9 +55,10 @@ def apply_fsdp(
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
 
-    The MoE component shards its layers first, in units of their own (:func:`lightning_4d.parallel.moe.shard_units`:
-    over the meshes of ``moe_meshes``), and says on which dimension each parameter of the dense units is sharded
-    (:class:`lightning_4d.parallel.moe.ExpertPlacement`; FSDP2's default dim 0 for every dense parameter).
+    The MoE component shards its layers first, in units of their own
+    (:func:`lightning_4d.features.moe.runtime.shard_units`: over the meshes of ``moe_meshes``), and says on which
+    dimension each parameter of the dense units is sharded (:class:`lightning_4d.features.moe.runtime.ExpertPlacement`;
+    FSDP2's default dim 0 for every dense parameter).
 
     Args:
         model: the module (DTensor tensor-parallel parameters are fine: FSDP2 shards their local dim 0).
@@ -74,12 +74,13 @@ def apply_fsdp(
             cast (the rotary tables stay float32). ``None``: parameters compute in their own dtype.
         reduce_dtype: the dtype gradients are reduce-scattered in (``gradient_compression="bf16"``:
             ``torch.bfloat16``); default float32 under ``param_dtype``, else the parameters' dtype.
-        moe_meshes: the meshes of the MoE layers' own units, :func:`lightning_4d.parallel.moe.fsdp_options`:
+        moe_meshes: the meshes of the MoE layers' own units, :func:`lightning_4d.features.moe.runtime.fsdp_options`:
             ``expert_mesh``, the ``edp`` mesh under expert parallelism, and ``token_mesh``, the ``dp_cp_tp`` mesh of a
-            model with MoE layers under tp (:func:`~lightning_4d.parallel.moe.shard_units`; ``None`` without).
+            model with MoE layers under tp (:func:`~lightning_4d.features.moe.runtime.shard_units`; ``None`` without).
 
     Raises:
-        ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: from :func:`lightning_4d.parallel.moe.shard_units`.
+        ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: from
+        :func:`lightning_4d.features.moe.runtime.shard_units`.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -117,6 +118,6 @@ def _mixed_precision_policy(param_dtype: Optional[torch.dtype], reduce_dtype: Op
 
 def reduced_by_fsdp(p: Tensor) -> bool:
     """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``, or over the MoE layers' own meshes,
-    :data:`lightning_4d.parallel.moe.FSDP_MESH_NAMES`) already averages this parameter's gradient."""
+    :data:`lightning_4d.features.moe.runtime.FSDP_MESH_NAMES`) already averages this parameter's gradient."""
     names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
     return any(name in names for name in ("dp_cp", *moe.FSDP_MESH_NAMES))

@@ -39,7 +39,7 @@ _BUCKET_BYTES = GRADIENT_BUCKET_BYTES  # the one definition is in partition.py (
 class GradientGroup:
     """Parameters whose gradients are reduced over a process group of their own instead of the buckets' default
     group (``dp_cp``): a feature that places its parameters on other ranks declares them (the MoE
-    component, :func:`lightning_4d.parallel.moe.gradient_groups`). Their buckets hold only them and go over
+    component, :func:`lightning_4d.features.moe.runtime.gradient_groups`). Their buckets hold only them and go over
     ``group``; the sum over it is divided by D (the default group's size) all the same, the mean of the per-rank
     losses' gradients.
 
@@ -67,8 +67,8 @@ class GradientReduction:
         powersgd_rank, powersgd_start_step, powersgd_comm_dtype: PowerSGD's rank, first compressed step and wire
             dtype (``ParallelConfig.powersgd_rank``, ...).
         gradient_groups: the parameters reduced over other groups than the buckets' default one
-            (:class:`GradientGroup`; the MoE component's :func:`lightning_4d.parallel.moe.gradient_groups`): they get
-            buckets of their own over their group (averaged over D all the same), and every optimizer a
+            (:class:`GradientGroup`; the MoE component's :func:`lightning_4d.features.moe.runtime.gradient_groups`):
+            they get buckets of their own over their group (averaged over D all the same), and every optimizer a
             :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` when there is any (also at ZeRO 0: its
             global-norm clipping counts each gradient once, and torch's would mix plain and DTensor gradients).
     """
@@ -180,8 +180,8 @@ class GradientBuckets:
     (:class:`GradientGroup`): parameters reduced over other groups, their buckets go over
     their group, and the sum over it divided by D (the default group's size). A feature whose parameters are held by
     other ranks than ``dp_cp``'s declares them so (the MoE component,
-    :func:`lightning_4d.parallel.moe.gradient_groups`: a module run token parallel under tp sums over ``dp_cp x tp``,
-    the sum over tp of the mean over ``dp_cp``). (A DTensor ``Replicate`` parameter used through
+    :func:`lightning_4d.features.moe.runtime.gradient_groups`: a module run token parallel under tp sums over ``dp_cp x
+    tp``, the sum over tp of the mean over ``dp_cp``). (A DTensor ``Replicate`` parameter used through
     ``to_local(grad_placements=Partial)`` would say the same, but its gradient would be all-reduced over tp per
     parameter, synchronously, before the bucket's own collective; a bucket over the combined group is one collective,
     overlapped with backward, and lets ZeRO 1 shard these states over ``D·t`` ranks.)

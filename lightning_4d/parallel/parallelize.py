@@ -1,8 +1,8 @@
 """The order of parallelization of a model of any registered family (:mod:`lightning_4d.families`), one short step
 per line (torchtitan's ``parallelize_llama`` shape): pipeline split, float8 linears
 (:mod:`lightning_4d.parallel.float8`; torchtitan converts before parallelizing too), tensor + sequence parallel
-plans, context-parallel attention, the MoE component's step (:func:`lightning_4d.parallel.moe.apply`), activation
-checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2).
+plans, context-parallel attention, the MoE component's step (:func:`lightning_4d.features.moe.runtime.apply`),
+activation checkpointing, ``torch.compile`` per layer, ZeRO 2/3 (FSDP2).
 Materialization (the family's; for our Llama the layout-independent initialization) follows in
 :func:`prepare_models`; ZeRO 0/1 act on gradients and the optimizer, not on the model
 (:mod:`lightning_4d.parallel.sharded_optimizer`).
@@ -21,8 +21,9 @@ from lightning_4d.config import ParallelConfig, check_compile
 from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
+from lightning_4d.features.moe import runtime as moe
+from lightning_4d.features.tensor_parallel import runtime as tensor_parallel
 from lightning_4d.mesh import ParallelMesh
-from lightning_4d.parallel import moe
 from lightning_4d.parallel._compat import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.compile import compile_layers
@@ -35,7 +36,6 @@ from lightning_4d.parallel.pipeline import (
     split_model,
     sync_chunk_layers,
 )
-from lightning_4d.parallel.tensor import apply_tensor_parallel
 
 #: the models :func:`parallelize_model` has laid out (a registry, so that nothing is written onto the user's module;
 #: weak, so that it keeps no model alive)
@@ -216,15 +216,7 @@ def parallelize_model(
     layers = find_submodel(model, family.pipeline_layout(model).layers)
     if config.float8 is not None:  # before tp (its float8 styles), checkpointing, compile and FSDP2 (float8.py)
         apply_float8(layers, config)
-    if config.tp > 1:
-        apply_tensor_parallel(
-            model,
-            family.tensor_parallel_plan(model),
-            mesh.tp,
-            sequence_parallel=config.sp,
-            overlap=config.tensor_parallel_overlap,
-            float8=config.float8,
-        )
+    tensor_parallel.apply(family, model, mesh, config)
     if config.cp > 1:
         family.apply_context_parallel(model, mesh.cp, config.context_parallel_method)
     moe.apply(family, model, mesh, config)

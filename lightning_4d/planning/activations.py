@@ -2,7 +2,7 @@
 (:func:`saved_bytes`, the formulas of :mod:`lightning_4d.planning.model`'s docstring, **Activations**), per layer
 (:func:`layer_saved_parts`), under selective checkpointing (:func:`layer_selective_parts`,
 :func:`layer_selective_recompute`) and the first backward ops of a recomputed layer (:func:`recompute_backward`).
-An MoE layer's feed-forward: :func:`lightning_4d.planning.expert_costs.saved_bytes`; context parallelism's gathered K/V:
+An MoE layer's feed-forward: :func:`lightning_4d.features.moe.costs.saved_bytes`; context parallelism's gathered K/V:
 :mod:`lightning_4d.planning.context_costs`.
 
 Pure Python: no torch import.
@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.planning import context_costs, expert_costs
+from lightning_4d.features.moe import costs as moe_costs
+from lightning_4d.planning import context_costs
 from lightning_4d.planning.float8_costs import float8_tensor_parallel_saved
 from lightning_4d.planning.params import as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.planning.tensors import Dtypes
@@ -43,32 +44,34 @@ def layer_saved_parts(
     s: int,
     tp: int,
     sp: bool,
-    experts: Optional[tuple[int, float]] = None,
+    moe: Optional[tuple[int, float]] = None,
 ) -> dict[str, int]:
     """Bytes one transformer layer saves for backward, per micro-batch (``s`` = this rank's sequence length), by
     part: ``norms`` (both norms' inputs and float32 reciprocal RMS), ``attn_in`` / ``ffn_in`` (the projections'
     inputs: the normalized tensor once, shared by wq/wk/wv and by w1/w3; under sp only this rank's sequence shard,
     gathered again in backward; without sp under ``16-mixed`` autocast's casts, one per linear), ``sdpa`` (q, k, v,
-    output, float32 log-sum-exp) and ``swiglu`` (an MoE layer, ``experts`` = (ep, load imbalance): the MoE
-    feed-forward's, :func:`lightning_4d.planning.expert_costs.saved_bytes` over ep ranks at that load)."""
-    moe_layer = experts is not None
+    output, float32 log-sum-exp) and ``swiglu`` (an MoE layer, ``moe`` = (ep, load imbalance): the MoE
+    feed-forward's, :func:`lightning_4d.features.moe.costs.saved_bytes` over ep ranks at that load)."""
+    moe_layer = moe is not None
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     a, k = cfg.num_heads // tp, cfg.num_kv_heads // tp
     s_sp = s // tp if sp else s
     c = dt.compute
-    # an MoE layer under tp runs whole on the rank's s/t tokens (parallel/tensor.py's TokenParallel): its input is
-    # the sequence shard (under sp as given, else a contiguous copy of it: the replicated input is not kept)
+    # an MoE layer under tp runs whole on the rank's s/t tokens (features/tensor_parallel/runtime.py's TokenParallel):
+    # its input is the sequence shard (under sp as given, else a contiguous copy of it: the replicated input is not
+    # kept)
     s_moe = s // tp
     return {
         "norms": 2 * norm_input_saved(dt.residual, b, s_sp, h),
-        # under sp the projections save the sequence shard and gather it again in backward (parallel/tensor.py)
+        # under sp the projections save the sequence shard and gather it again in backward
+        # (features/tensor_parallel/runtime.py)
         "attn_in": c * b * s_sp * h if sp else c * b * s * h * (3 if dt.autocast else 1),
         "ffn_in": c * b * (s_moe if moe_layer else s_sp) * h
         if sp or (moe_layer and tp > 1)
         else c * b * s * h * (2 if dt.autocast else 1),
         "sdpa": 2 * c * b * s * a * d + 2 * c * b * s * (a if dt.kv_repeated else k) * d + 4 * b * a * s,
-        # an MoE layer (experts given): its feed-forward's saved set instead (moe.saved_bytes)
-        "swiglu": expert_costs.saved_bytes(cfg, dt, b, s_moe, *experts) if moe_layer else 4 * c * b * s * (f // tp),
+        # an MoE layer (moe given): its feed-forward's saved set instead (moe_costs.saved_bytes)
+        "swiglu": moe_costs.saved_bytes(cfg, dt, b, s_moe, *moe) if moe_layer else 4 * c * b * s * (f // tp),
     }
 
 
@@ -148,7 +151,7 @@ def saved_bytes(
 ) -> dict[str, int]:
     """:func:`lightning_4d.planning.model.saved_activation_bytes` on a validated layout ``pc`` (its pipeline options
     applied) and the dtypes ``dt``: the bytes one micro-batch's forward saves on pp rank ``pp_rank``, by part; an
-    MoE layer's feed-forward at load ``imbalance`` (:func:`lightning_4d.planning.expert_costs.saved_bytes`); with
+    MoE layer's feed-forward at load ``imbalance`` (:func:`lightning_4d.features.moe.costs.saved_bytes`); with
     ``document_masking`` its shared inputs in ``rope`` (:func:`document_masking_inputs`)."""
     tp, sp = pc.tp, pc.sp
     s = seq_length // pc.cp
@@ -157,7 +160,7 @@ def saved_bytes(
     cfg = as_held(cfg, pc)
     n_layers, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
     indices = rank_layers(cfg.num_layers, pc, pp_rank)
-    n_moe = expert_costs.count_moe_layers(cfg, indices)
+    n_moe = moe_costs.count_moe_layers(cfg, indices)
     # float8 under tp: the projections' inputs saved as Float8Linear saves them (planning/float8_costs.py; not under
     # selective checkpointing's kept parts: not measured)
     dense_layer = layer_saved(cfg, dt, b, s, tp, sp) + float8_tensor_parallel_saved(cfg, pc, dt.compute, b, s)
@@ -169,7 +172,8 @@ def saved_bytes(
         "layers": n_layers * dt.residual * b * s_sp * h if full_ac else all_layers,
         "embedding": 8 * b * s if first else 0,
         "rope": document_masking_inputs(cfg, pc, dt, b, s) if document_masking else 2 * 4 * s * (cfg.head_dim // 2),
-        # the head's input: under sp only the sequence shard (gathered again in backward, parallel/tensor.py)
+        # the head's input: under sp only the sequence shard (gathered again in backward,
+        # features/tensor_parallel/runtime.py)
         "head": (norm_input_saved(dt.residual, b, s_sp, h) + dt.compute * b * s_sp * h) if last else 0,
         "loss": (dt.compute * b * s * (vocab // tp) + 4 * b * s + 8 * b * s) if last else 0,
         "compute_weights": 0,
@@ -272,7 +276,7 @@ def recompute_backward(
     # offloaded: the SwiGLU product's backward, the product's gradient and the two it makes (``[T, f/t]`` each); under
     # sp the w1/w3 backward after it also holds the input gathered again and the sum of the two partial input
     # gradients (``[T, h]`` each; measured: tiny-test tp2 b=2 s=256 bf16-mixed, both layers offloaded, the peak at
-    # ``parallel/tensor.py``'s ``sum(g @ w)``)
+    # ``features/tensor_parallel/runtime.py``'s ``sum(g @ w)``)
     gathered = 2 * dt.compute * tokens * cfg.hidden_size if pc.sp else 0
     weight_grad = dt.param * cfg.hidden_size * cfg.intermediate_size // pc.tp if gradients_kept else 0  # w2's .grad
     return output_grad + 3 * dt.compute * tokens * cfg.intermediate_size // pc.tp + gathered + weight_grad

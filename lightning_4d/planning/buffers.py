@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.moe import costs as moe_costs
+from lightning_4d.features.tensor_parallel.costs import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
-from lightning_4d.planning import expert_costs
 from lightning_4d.planning.activations import recompute_backward
 from lightning_4d.planning.compression_costs import compression_buffer_bytes
 from lightning_4d.planning.context_costs import context_parallel_buffers
@@ -27,7 +28,6 @@ from lightning_4d.planning.offload_costs import offloaded_whole, unpacked_bytes
 from lightning_4d.planning.params import Sizes, StageKey, as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.planning.pipeline_costs import receive_buffer_bytes
 from lightning_4d.planning.states import ModelStates, first_bucket_elements, fsdp_padded_numel, fsdp_shard_numel
-from lightning_4d.planning.tensor_parallel import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.planning.tensors import Dtypes
 from lightning_4d.planning.workload import Workload
 
@@ -44,7 +44,7 @@ class Buffers:
     head_gradient: int  # the LM head's gradient, made at the start of backward
     pipeline: int  # PipelineStage's receive buffers
     context_parallel: int  # one layer's context-parallel attention backward
-    all_to_all: int  # one MoE layer's all-to-all receive buffers under ep (expert_costs.all_to_all_buffers)
+    all_to_all: int  # one MoE layer's all-to-all receive buffers under ep (moe_costs.all_to_all_buffers)
     step_temporaries: int  # the optimizer's temporaries (none for fused AdamW) + ZeRO-1's all-gather buckets
     resident_gradients: int  # gradients that exist before backward starts (ZeRO 0/1 buckets, several micro-batches)
     #: tp > 1, the rank holding the embedding: torch's vocabulary-parallel embedding backward (DTensor's
@@ -67,7 +67,7 @@ class Buffers:
     #: without gradient buckets: ``w2``'s weight gradient, kept in ``.grad`` beside the next backward ops
     kept_weight_gradient: int = 0
     #: the last stage under tp with sp: the working set of the LM head's backward beyond its saved input
-    #: (:func:`lightning_4d.planning.tensor_parallel.head_backward_transient`), 0 elsewhere
+    #: (:func:`lightning_4d.features.tensor_parallel.costs.head_backward_transient`), 0 elsewhere
     head_backward: int = 0
     #: FSDP2-gathered parameters while the loss runs (its forward and its backward): ``gathered_start`` but at
     #: ZeRO 3 without pp, where every unit, the root included, is resharded after its forward (``fully_shard(...,
@@ -199,13 +199,13 @@ def _feature_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes, 
     b, s, m = work.micro_batch_size, work.seq_length, work.num_microbatches
     zero = pc.zero_stage
     local_vocab = cfg.padded_vocab_size // pc.tp
-    has_moe = pc.ep > 1 and expert_costs.count_moe_layers(cfg, layers) > 0
+    has_moe = pc.ep > 1 and moe_costs.count_moe_layers(cfg, layers) > 0
     gather_bytes = dt.compute if dt.master else dt.param
     gathered_units = (2 if zero == 3 and pc.pp == 1 else len(layers)) if zero >= 2 else 0
     return dict(
         pipeline=receive_buffer_bytes(cfg, pc, dt, b, s, held.pp_rank, m),
         context_parallel=context_parallel_buffers(cfg, pc, dt, b, s),
-        all_to_all=expert_costs.all_to_all_buffers(cfg, pc, dt, b, s, work.expert_load_imbalance) if has_moe else 0,
+        all_to_all=moe_costs.all_to_all_buffers(cfg, pc, dt, b, s, work.expert_load_imbalance) if has_moe else 0,
         embedding_gradient=embedding_gradient_bytes(cfg, pc, dt, held.first),
         head_backward=head_backward_transient(cfg, pc, dt, b, s) if last else 0,
         loss_forward=4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0,

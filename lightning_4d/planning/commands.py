@@ -20,6 +20,7 @@ from lightning_4d.config import (
     ParallelConfig,
     check_training_precision,
 )
+from lightning_4d.features.moe.costs import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
 from lightning_4d.layout import (
     LAYOUT_FIELDS,
     LayoutField,
@@ -27,7 +28,6 @@ from lightning_4d.layout import (
     reported_layout,
     strategy_arguments,
 )
-from lightning_4d.planning.expert_costs import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
 from lightning_4d.planning.hardware import GIB, GPU_PRESETS, gpu_spec
 from lightning_4d.planning.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
 from lightning_4d.planning.workload import Job, Search, Workload

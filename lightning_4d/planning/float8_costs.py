@@ -124,16 +124,17 @@ def float8_tensor_parallel_saved(cfg: Any, pc: ParallelConfig, compute: int, b: 
     negative), per micro-batch of ``b`` sequences of ``s`` tokens on this cp rank, ``compute`` bytes per element of
     the compute dtype; 0 without tp or float8.
 
-    Under tp the linears of the tp plan run through ``Float8Linear.forward`` (``lightning_4d/parallel/tensor.py``),
-    not the sequence-parallel projection that saves only the sequence shard ``[b, s/t, h]`` (compute dtype): under sp
-    the attention's and the feed-forward's input is all-gathered before their linears, which save it whole, ``[b,
-    s, h]``: in float8 (1 byte) with ``"tensorwise"`` (torchao's ``PrepareFloat8ModuleInput`` casts before the
-    all-gather), in the compute dtype with ``"rowwise"``. Without sp, ``"tensorwise"`` saves that input in float8
-    instead of the compute dtype (one cast shared by the projections). And ``"tensorwise"``'s
-    ``Float8RowwiseParallel`` casts the input of ``wo`` and ``w2`` (``[b, s, a·d/t]``, ``[b, s, f/t]``) to float8
-    before the linear, which saves that copy: one byte more per element for ``wo`` (attention's output stays saved
-    by attention), ``compute - 1`` less for ``w2`` (nothing else saves the SwiGLU product). Measured with
-    ``lightning-4d measure`` (tests/test_float8.py::test_float8_memory_estimate_matches_measure)."""
+    Under tp the linears of the tp plan run through ``Float8Linear.forward``
+    (``lightning_4d/features/tensor_parallel/runtime.py``), not the sequence-parallel projection that saves only the
+    sequence shard ``[b, s/t, h]`` (compute dtype): under sp the attention's and the feed-forward's input is
+    all-gathered before their linears, which save it whole, ``[b, s, h]``: in float8 (1 byte) with ``"tensorwise"``
+    (torchao's ``PrepareFloat8ModuleInput`` casts before the all-gather), in the compute dtype with ``"rowwise"``.
+    Without sp, ``"tensorwise"`` saves that input in float8 instead of the compute dtype (one cast shared by the
+    projections). And ``"tensorwise"``'s ``Float8RowwiseParallel`` casts the input of ``wo`` and ``w2`` (``[b, s,
+    a·d/t]``, ``[b, s, f/t]``) to float8 before the linear, which saves that copy: one byte more per element for ``wo``
+    (attention's output stays saved by attention), ``compute - 1`` less for ``w2`` (nothing else saves the SwiGLU
+    product). Measured with ``lightning-4d measure``
+    (tests/test_float8.py::test_float8_memory_estimate_matches_measure)."""
     if pc.float8 is None or pc.tp == 1:
         return 0
     t, h = pc.tp, cfg.hidden_size

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import check_positive_int
-from lightning_4d.planning.expert_costs import check_dense
+from lightning_4d.features.moe.costs import check_dense
 
 __all__ = [
     "Fujii2024Estimate",
@@ -270,7 +270,7 @@ def fujii2024_from_config(
     :class:`Fujii2024Layout`); a ``tie_word_embeddings`` given there overrides the config's.
 
     Raises:
-        ValueError: an MoE config (:func:`lightning_4d.planning.expert_costs.check_dense`): the paper models dense
+        ValueError: an MoE config (:func:`lightning_4d.features.moe.costs.check_dense`): the paper models dense
         Llama only
             (use our model, ``formula="lightning_4d"``).
     """

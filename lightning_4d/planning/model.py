@@ -16,7 +16,7 @@ the embedding by vocabulary rows, RMSNorm weights replicated), then its ZeRO sha
   (:func:`~lightning_4d.planning.states.bucket_owned`);
 - ZeRO stages 2, 3 (FSDP2 ``fully_shard``): parameters, gradients and Adam states of ``ceil(rows/D)`` rows of dim
   0 (rank r holds rows ``[r·chunk, (r+1)·chunk)``, clipped), as ``torch.chunk``; an MoE layer's stacked weights
-  maybe on dim 1 (:mod:`lightning_4d.planning.expert_costs`).
+  maybe on dim 1 (:mod:`lightning_4d.features.moe.costs`).
 
 Dtypes (:class:`~lightning_4d.planning.tensors.Dtypes`; ``lightning_4d/parallel/sharded_optimizer.py``): ``32-true``
 float32 everywhere; ``bf16-mixed`` (master weights, Megatron-LM's and torchtitan's mixed precision) bfloat16 parameters,
@@ -34,11 +34,11 @@ compute dtype, ``r`` = bytes of the residual stream (2 for ``bf16-mixed`` and ``
 
 - two RMSNorms: the input as given (r·b·s'·h) and the float32 reciprocal RMS (4·b·s');
 - the inputs of ``wq``/``wk``/``wv`` and of ``w1``/``w3``, once per group: under sp the sequence shard (c·b·s'·h,
-  gathered again in backward: ``lightning_4d/parallel/tensor.py``), else c·y (under ``16-mixed`` autocast casts the
-  float32 norm output once per linear: 3 + 2 copies);
+  gathered again in backward: ``lightning_4d/features/tensor_parallel/runtime.py``), else c·y (under ``16-mixed``
+  autocast casts the float32 norm output once per linear: 3 + 2 copies);
 - SDPA: q and its output (c·y/t each), k and v (c·b·s·k·d/t each), the log-sum-exp (4·b·s·a/t);
 - SwiGLU: ``w1 x``, ``w3 x``, ``silu(w1 x)`` and the product (c·b·s·f/t each); an MoE layer its feed-forward's saved set
-  instead (:func:`lightning_4d.planning.expert_costs.saved_bytes`: its module docstring says what it counts).
+  instead (:func:`lightning_4d.features.moe.costs.saved_bytes`: its module docstring says what it counts).
 
 Outside the layers: the token ids (int64), the RoPE cos/sin tables (float32 ``[s, d/2]`` each, shared by all layers),
 the final norm (as above), the head's input (c·b·s'·h: under sp the sequence shard), and what the loss saves
@@ -90,7 +90,7 @@ first one), and the estimate is the largest:
   during backward as the layers' activations are freed, which peaks at the end of backward) + one layer's
   context-parallel transients;
 - expert-parallel backward (ep > 1): the activations less what the loss' backward freed, + one MoE layer's
-  all-to-all receive buffers at the stated load (:func:`lightning_4d.planning.expert_costs.all_to_all_buffers`), as the
+  all-to-all receive buffers at the stated load (:func:`lightning_4d.features.moe.costs.all_to_all_buffers`), as the
   recompute phase;
 - float8 backward (``float8``): the same (under activation checkpointing the last layer's backward: its recomputed
   set alive, the head's saved tensors freed), + the largest converted linear's float8 backward transient
@@ -104,11 +104,11 @@ first one), and the estimate is the largest:
   (:func:`lightning_4d.planning.float8_costs.float8_gathered_saving`). Measured on CPU (small b=2 s=256 dp2 ZeRO 3
   ``bf16-mixed``): the peak at the last layer's ``w2`` input cast, estimate within 0.01% with either recipe;
 - head backward (the last stage under tp with sp;
-  :func:`~lightning_4d.planning.tensor_parallel.head_backward_transient`): the activations (without a layer's recomputed
-  set: none is being recomputed yet) less what the loss' backward freed
+  :func:`~lightning_4d.features.tensor_parallel.costs.head_backward_transient`): the activations (without a layer's
+  recomputed set: none is being recomputed yet) less what the loss' backward freed
   (all it saved but the labels) + the logits' gradient (compute dtype) + the head's weight gradient + the working set of
   the head's backward (the input gathered again, its gradient and the reduce-scatter's copies, or
-  ``tensor_parallel_overlap``'s ring shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with several
+  the tp ring overlap's shards) + compute copies + gathered parameters + ZeRO 0/1's buckets (with several
   micro-batches per step);
 - end of backward: the gradients (full for ZeRO stages 0/1, this rank's shard + the root unit's unsharded gradients for
   2/3) + gradient communication buffers (ZeRO stages 0/1: one parameter's fresh gradient before its hook adds it to the
@@ -179,7 +179,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
-from lightning_4d.planning import expert_costs
+from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.planning.activations import saved_bytes
 from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
@@ -231,8 +231,8 @@ def saved_activation_bytes(
     transient:
     its whole saved set under full checkpointing, its pointwise tensors under selective checkpointing). Under expert
     parallelism an MoE layer's experts run on the rows the rank receives: the balanced figure times
-    ``expert_load_imbalance`` (default :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
-    :func:`lightning_4d.planning.expert_costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a
+    ``expert_load_imbalance`` (default :data:`~lightning_4d.features.moe.costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
+    :func:`lightning_4d.features.moe.costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a
     rank that receives fewer rows than the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks``
     (plus the
     checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under context
@@ -243,7 +243,7 @@ def saved_activation_bytes(
         ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision, an
             ``expert_load_imbalance`` that is not a number > 0.
     """
-    imbalance = expert_costs.check_rank_load(workload.expert_load_imbalance)
+    imbalance = moe_costs.check_rank_load(workload.expert_load_imbalance)
     b = check_positive_int("micro_batch_size", workload.micro_batch_size)
     s = check_positive_int("seq_length", workload.seq_length)
     pc = parallel_config
@@ -342,7 +342,7 @@ def estimate_memory(
             stages, ...), a sequence length the layout cannot split, an unknown precision or schedule, a
             ``num_microbatches`` the schedule cannot run, non-positive sizes, an ``expert_load_imbalance`` below 1.
     """
-    imbalance = expert_costs.check_expert_load_imbalance(workload.expert_load_imbalance)
+    imbalance = moe_costs.check_expert_load_imbalance(workload.expert_load_imbalance)
     cfg = _model(workload.model)
     pc = parallel_config
     if pc.data_parallel_size == "auto":
@@ -587,7 +587,7 @@ def _details(
         "optimizer_step_temporaries": buf.step_temporaries,
         "pipeline_buffers": buf.pipeline,
         "context_parallel_buffers": buf.context_parallel,
-        expert_costs.BUFFER_DETAIL: buf.all_to_all,
+        moe_costs.BUFFER_DETAIL: buf.all_to_all,
         "head_gradient": buf.head_gradient,
         "host_offloaded_activations": act.offloaded,
         "offload_unpacked": act.recompute - saved["recompute"],

@@ -1,7 +1,7 @@
 """The parameters one rank holds: which decoder layers a pp rank's pipeline stages hold (:func:`rank_layout`), and
 every parameter tensor of them with its tensor-parallel local shape (:func:`stage_params`: ``wq``/``wk``/``wv``/
 ``w1``/``w3``/the head split on rows, ``wo``/``w2`` on columns, the embedding by vocabulary rows, RMSNorm weights
-replicated; an MoE layer's feed-forward from :func:`lightning_4d.planning.expert_costs.layer_params`), as the ranks of
+replicated; an MoE layer's feed-forward from :func:`lightning_4d.features.moe.costs.layer_params`), as the ranks of
 a layout hold them (tied embeddings under pp: :func:`as_held`).
 
 Pure Python: no torch import.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.planning import expert_costs
+from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.planning.tensors import Param
 
 __all__ = [
@@ -48,7 +48,7 @@ class Sizes:
     num_kv_heads: int
     padded_vocab_size: int
     tie_word_embeddings: bool
-    moe_shape: Optional[expert_costs.MoeShape] = None
+    moe_shape: Optional[moe_costs.MoeShape] = None
 
     @staticmethod
     def of(cfg: Any, num_layers: int, moe_layers: Optional[tuple[int, ...]] = None) -> "Sizes":
@@ -62,7 +62,7 @@ class Sizes:
             cfg.num_kv_heads,
             cfg.padded_vocab_size,
             bool(cfg.tie_word_embeddings),
-            expert_costs.moe_shape(cfg, num_layers, moe_layers),
+            moe_costs.moe_shape(cfg, num_layers, moe_layers),
         )
 
 
@@ -80,7 +80,7 @@ class StageKey(NamedTuple):
 def stage_params(sizes: Sizes, tp: int, layers: Any, first: bool, last: bool, ep: int = 1) -> list[Param]:
     """The parameters of layers ``layers`` (+ embedding / final norm and head), in the model's order (the order
     ``model.parameters()`` yields them: ZeRO 1's buckets follow it); an MoE layer's feed-forward:
-    :func:`lightning_4d.planning.expert_costs.layer_params` (split over ``ep``)."""
+    :func:`lightning_4d.features.moe.costs.layer_params` (split over ``ep``)."""
     h, d, f = sizes.hidden_size, sizes.head_dim, sizes.intermediate_size
     a, k, vocab = sizes.num_heads, sizes.num_kv_heads, sizes.padded_vocab_size
     out: list[Param] = []
@@ -97,7 +97,7 @@ def stage_params(sizes: Sizes, tp: int, layers: Any, first: bool, last: bool, ep
             Param(h, 1, False, u),  # ffn norm
         ]
         if sizes.moe_shape is not None and i in sizes.moe_shape.layers:
-            out += expert_costs.layer_params(sizes.moe_shape, u, h, ep)
+            out += moe_costs.layer_params(sizes.moe_shape, u, h, ep)
         else:
             out += [Param(f // tp, h, True, u), Param(f // tp, h, True, u), Param(h, f // tp, True, u)]  # w1 w3 w2
     if last:
@@ -141,7 +141,7 @@ def weighted_params(
     """:func:`stage_params` of ``layers`` with the identical layers folded into one representative layer and a
     count: one dense layer and, in an MoE config, one MoE layer (cached: the planner asks for the same stages
     thousands of times)."""
-    dense, moe_layers = expert_costs.split_layers(cfg, layers)
+    dense, moe_layers = moe_costs.split_layers(cfg, layers)
     reps = tuple((group[0], len(group)) for group in (dense, moe_layers) if group)
     sizes = Sizes.of(cfg, 0, moe_layers=tuple(moe_layers[:1]))
     return folded_params(sizes, tp, reps, first, last, ep)

@@ -5,10 +5,11 @@ kind, a sequence length, a global batch (samples per optimizer step) and a preci
 (:class:`~lightning_4d.planning.workload.Search`) fixes some sizes or adds optional features. A *layout* is everything
 FourDStrategy lets a user choose: tp, pp, cp, dp with ``tp·pp·cp·dp = num_gpus``, the micro-batch size b, the ZeRO
 stage, activation checkpointing (none, selective, full), sequence parallelism on or off (tp > 1), the context-parallel
-method (ring, allgather, and alltoall where the heads split over tp·cp; cp > 1), with
-``Search(tensor_parallel_overlap=True)`` also the tp projections as overlapped rings (tp > 1 with sp, checkpointing none
-or full: ``ParallelConfig`` refuses the overlap with selective; off by default, as in FourDStrategy, until it is
-measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stages per rank v and its layer split:
+method (ring, allgather, and alltoall where the heads split over tp·cp; cp > 1), when :class:`Search` asks for the tp
+ring overlap also the tp projections as overlapped rings (tp > 1 with sp, checkpointing none or full: the values the
+feature gives, :func:`lightning_4d.features.tensor_parallel.costs.ring_choices`; off by default, as in FourDStrategy,
+until it is measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stages per rank v and its layer
+split:
 
 - tp inside a node, dividing the heads, kv heads, FFN size and padded vocabulary; ``seq_length`` divisible by
   ``2·cp`` (and by tp under sp), cp at most 32 and keeping at least :data:`MIN_CONTEXT_CHUNK` tokens in each of
@@ -20,8 +21,8 @@ measured faster on a GPU) and, with pp > 1, the pipeline schedule with its stage
   stages, which also hold the embedding and the LM head, get the fewer layers (Meta's 126 layers on 16 stages:
   7, 8, ..., 8, 7; Llama 3 paper, arXiv 2407.21783, §3.3.2);
 - for a Mixture-of-Experts model, the expert parallel size ep: every divisor of dp·cp·tp that divides
-  ``num_experts`` (ep folded over tp where it exceeds dp·cp, or tp > 1: ``lightning_4d/parallel/moe.py``; 1 for a
-  dense model). Every layout passes through :meth:`ParallelConfig.validate_model
+  ``num_experts`` (ep folded over tp where it exceeds dp·cp, or tp > 1: ``lightning_4d/features/moe/runtime.py``; 1 for
+  a dense model). Every layout passes through :meth:`ParallelConfig.validate_model
   <lightning_4d.config.ParallelConfig.validate_model>` (and the ZeRO stages through ``ParallelConfig`` itself), so
   the planner proposes for an MoE model exactly the layouts FourDStrategy accepts for it.
 
@@ -62,6 +63,7 @@ from lightning_4d.config import (
     check_compile,
     check_positive_int,
 )
+from lightning_4d.features.tensor_parallel.costs import ring_choices, without_rings
 from lightning_4d.layout import plan_values, planned_dataclass, strategy_arguments
 from lightning_4d.models.llama_config import divisors
 from lightning_4d.planning.fujii2024 import check_dense, fujii2024_of_layout
@@ -203,9 +205,10 @@ def _shapes(job: Job, fixed: dict[str, int]) -> Iterator[tuple[int, int, int, in
 def _shape_layouts(job: Job, search: Search, shape: tuple[int, int, int, int, bool, int]) -> Iterator[Layout]:
     """The layouts of one parallel shape ``(tp, pp, cp, dp, sp, ep)``: every micro-batch size (or
     ``search.micro_batch_size``), pipeline schedule, context-parallel method, ZeRO stage and checkpointing mode the
-    layout rules take; with ``search.tensor_parallel_overlap`` each layout with tp > 1, sp and checkpointing other
-    than selective also with the overlap on (right after it); with ``search.compile`` only those ``compile=True``
-    takes (:func:`~lightning_4d.config.check_compile`), each with it on."""
+    layout rules take; each with the tp ring overlap's values for it (:func:`ring_choices`: when ``search`` asks for
+    the overlap, a layout with tp > 1, sp and checkpointing other than selective also with it on, right after it); with
+    ``search.compile`` only those ``compile=True`` takes (:func:`~lightning_4d.config.check_compile`), each with it
+    on."""
     tp, pp, cp, dp, sp, ep = shape
     fixed, compile = search.fixed or {}, search.compile
     per_rank = job.global_batch_size // dp
@@ -230,9 +233,8 @@ def _shape_layouts(job: Job, search: Search, shape: tuple[int, int, int, int, bo
                         layout.update(sequence_parallel=sp, context_parallel_method=method, pipeline_schedule=name)
                         layout.update(virtual_pipeline_stages=v, pipeline_layer_split=split, zero_stage=zero)
                         layout.update(activation_checkpointing=ac, expert_parallel_size=ep)
-                        overlaps = (False, True) if search.tensor_parallel_overlap and sp else (False,)
-                        for overlap in overlaps if ac != "selective" else (False,):
-                            yield Layout(**layout, tensor_parallel_overlap=overlap, compile=compile)
+                        for rings in ring_choices(search, sp, ac):
+                            yield Layout(**layout, **rings, compile=compile)
 
 
 def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
@@ -315,9 +317,9 @@ def plan(
             :class:`GpuSpec`), the sequence length, the global batch and the precision
             (:class:`~lightning_4d.planning.workload.Job`).
         search: which layouts to consider (:class:`~lightning_4d.planning.workload.Search`: a fixed micro-batch size,
-            fixed sizes, ``Search(fixed={"tp": 8, "pp": 16})`` only those layouts; ``tensor_parallel_overlap``: also
-            ``tensor_parallel_overlap=True``, tp > 1 with sp, checkpointing none or full, off by default as the
-            strategy's option, not yet measured faster on a GPU; ``compile``: the layouts of
+            fixed sizes, ``Search(fixed={"tp": 8, "pp": 16})`` only those layouts; the tp ring overlap: also the
+            layouts with it on, tp > 1 with sp, checkpointing none or full, off by default as the strategy's option,
+            not yet measured faster on a GPU; ``compile``: the layouts of
             ``FourDStrategy(compile=True)``, checkpointing none or full, their step predicted with compiled decoder
             layers, :data:`~lightning_4d.planning.step_time.POINTWISE_FACTOR`).
         budget: the fraction of ``job.gpu.memory`` a layout may use.
@@ -410,8 +412,7 @@ def _timed_layouts(job: Job, search: Search, formula: str) -> list[tuple[float, 
     dims, gpu, gpus_per_node, seq_length = model_dims(job.model), job.gpu, job.gpus_per_node, job.seq_length
     timed: list[tuple[float, int, Layout, tuple[float, ...]]] = []
     # the paper's formula models Megatron's plain TP: no overlapped layouts for it
-    overlap = search.tensor_parallel_overlap and formula == "lightning_4d"
-    for lay in _layouts(job, replace(search, tensor_parallel_overlap=overlap)):
+    for lay in _layouts(job, search if formula == "lightning_4d" else without_rings(search)):
         if formula == "fujii2024" and (
             lay.zero_stage > 1
             or lay.activation_checkpointing != "none"

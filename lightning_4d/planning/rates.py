@@ -30,8 +30,8 @@ class LayerShape(NamedTuple):
     step-time model's cache key: a tuple, so hashed as fast as one).
 
     ``b`` micro-batch size, ``s`` tokens per sample (before cp), ``sp`` sequence parallelism on, ``method`` the
-    context-parallel method, ``ep`` expert parallel size and ``dd`` = dp·cp (both 1 for a dense model, whose terms do
-    not depend on them), ``overlap`` ``tensor_parallel_overlap`` in effect (tp > 1 with sp), ``compile`` the layers
+    context-parallel method, ``ep`` the ep size and ``dd`` = dp·cp (both 1 for a dense model, whose terms do
+    not depend on them), ``overlap`` the tp ring overlap in effect (tp > 1 with sp), ``compile`` the layers
     ``torch.compile``d."""
 
     tp: int

@@ -6,7 +6,7 @@ and the ZeRO sharding rules they follow (module docstring of :mod:`lightning_4d.
   bucket (:func:`bucket_owned`, :func:`zero1_owned`);
 - ZeRO 2/3 (FSDP2 ``fully_shard``): ``ceil(rows/D)`` rows of dim 0 per rank, as ``torch.chunk``
   (:func:`fsdp_shard_numel`), a stacked weight maybe on dim 1
-  (:func:`lightning_4d.planning.expert_costs.fsdp_shard_dim`).
+  (:func:`lightning_4d.features.moe.costs.fsdp_shard_dim`).
 
 A parameter's data-parallel group is ``dp·cp`` unless its :attr:`~lightning_4d.planning.tensors.Param.group` says
 otherwise (:func:`reduction_group`).
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
-from lightning_4d.planning import expert_costs
 from lightning_4d.planning.compression_costs import powersgd_state_bytes
 from lightning_4d.planning.params import (
     Sizes,
@@ -58,9 +58,10 @@ def _group_key(p: Param, tp: int, ep: int) -> tuple[str, ...]:
 def reduction_group(key: tuple[str, ...], world: int, rank: int, tp: int, tp_rank: int, ep: int) -> tuple[int, int]:
     """``(size, rank)`` of the ZeRO 0/1 data-parallel group of the parameters of group key ``key`` (:func:`_group_key`)
     for the rank ``rank`` of ``world`` = dp·cp ranks at tp rank ``tp_rank``: ``"tp"`` the token-parallel group
-    ``dp·cp·tp`` (this rank ``rank·tp + tp_rank``, tp innermost: ``dp_cp_tp``), ``"ep"`` the expert data-parallel
+    ``dp·cp·tp`` (this rank ``rank·tp + tp_rank``, tp innermost: ``dp_cp_tp``), ``"ep"`` the ep data-parallel
     group of the ep-split parameters, that group over ep (this rank its index over ep: ep groups are blocks of ep
-    consecutive ranks of it, folded over tp first; ``ParallelConfig.ep_coordinates``, ``parallel/moe.py``'s ``edp``)."""
+    consecutive ranks of it, folded over tp first; ``ParallelConfig.ep_coordinates``, ``features/moe/runtime.py``'s
+    ``edp``)."""
     size, index = world, rank
     if "tp" in key:
         size, index = size * tp, index * tp + tp_rank
@@ -121,7 +122,7 @@ def fsdp_padded_numel(p: Param, world: int, ep: int = 1, tp: int = 1) -> int:
     """Elements of ``p`` in FSDP2's all-gather output: dim 0 padded to a multiple of its group's size
     (:func:`fsdp_group`), or a stacked weight sharded on dim 1, which FSDP2 shards evenly only (no padding)."""
     group, _ = fsdp_group(p, world, 0, ep, tp)
-    if expert_costs.fsdp_shard_dim(p, group) == 1:
+    if moe_costs.fsdp_shard_dim(p, group) == 1:
         return p.numel
     return math.ceil(p.rows / group) * group * p.cols
 
@@ -130,7 +131,7 @@ def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int = 1
     """Elements of ``p`` rank ``dp_cp_rank`` (tp rank ``tp_rank``) holds at ZeRO 2/3 (FSDP2's ``torch.chunk`` of dim
     0 over its group, :func:`fsdp_group`; a stacked weight sharded on dim 1: ``rows · (dim1 / G) · dim 2``, even)."""
     group, rank = fsdp_group(p, world, dp_cp_rank, ep, tp, tp_rank)
-    if expert_costs.fsdp_shard_dim(p, group) == 1:
+    if moe_costs.fsdp_shard_dim(p, group) == 1:
         return p.rows * chunk(p.dim1, group, rank) * (p.cols // p.dim1)
     return chunk(p.rows, group, rank) * p.cols
 
@@ -138,7 +139,7 @@ def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int = 1
 def fsdp_group(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int = 1, tp_rank: int = 0) -> tuple[int, int]:
     """``(size, rank)`` of the group FSDP2 shards ``p`` over at ZeRO 2/3: the group its gradients are reduced over
     (:func:`reduction_group`, ``parallel/fsdp.py``'s ``apply_fsdp``): an MoE layer's parameters under tp (group
-    ``"tp"``) over ``dp_cp_tp``, a parameter split over ep (``"ep"``) over the expert data-parallel group ``edp``
+    ``"tp"``) over ``dp_cp_tp``, a parameter split over ep (``"ep"``) over the ep data-parallel group ``edp``
     (``dp·cp·tp/ep`` ranks under tp, else ``dp·cp/ep``: ``ParallelConfig.ep_coordinates``), every other tensor over
     ``dp_cp``."""
     return reduction_group(_group_key(p, tp, ep), world, dp_cp_rank, tp, tp_rank, ep)
@@ -184,7 +185,7 @@ def model_state_bytes(
         bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
             at ZeRO 1 a rank owns its 1/D of every bucket.
         tp_rank: the tp rank: under tp the parameters replicated over tp (an MoE layer's,
-            :mod:`lightning_4d.planning.expert_costs`) are ZeRO 1-sharded over ``dp·cp·tp`` ranks (those split over ep
+            :mod:`lightning_4d.features.moe.costs`) are ZeRO 1-sharded over ``dp·cp·tp`` ranks (those split over ep
             over ``dp·cp·tp/ep``), where the tp rank picks the range.
 
     Returns:

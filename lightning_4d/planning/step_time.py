@@ -32,32 +32,14 @@ matmul (its partial sum is not kept: :func:`wo_share` of the layer's forward mat
 
 **Tensor parallel** (not overlapped with compute by default: FourDStrategy issues the collectives synchronously):
 per layer and micro-batch, under sp 2 all-gathers + 2 reduce-scatters forward, as many backward, and 2 more
-all-gathers in backward (the matmul inputs saved as sequence shards, ``parallel/tensor.py``); without sp 2 + 2
-all-reduces (twice the volume each). Each moves ``(tp−1)/tp·T·h·c`` bytes per GPU over NVLink (``coll`` seconds,
-latency included). The LM head adds 3 (an all-gather forward, an all-gather and a reduce-scatter backward), counted
-with the head's time in ``compute``.
+all-gathers in backward (the matmul inputs saved as sequence shards, ``features/tensor_parallel/runtime.py``); without
+sp 2 + 2 all-reduces (twice the volume each). Each moves ``(tp−1)/tp·T·h·c`` bytes per GPU over NVLink (``coll``
+seconds, latency included). The LM head adds 3 (an all-gather forward, an all-gather and a reduce-scatter backward),
+counted with the head's time in ``compute``.
 
-With ``tensor_parallel_overlap`` (sp only; ``Layout.tensor_parallel_overlap``) each of those collectives runs as a
-ring of tp steps beside the matmul it feeds or drains (``_RingAllGatherMatmul`` / ``_RingMatmulReduceScatter``):
-step k multiplies 1/tp of the matmul (``M/tp`` seconds) while one shard travels (``n·coll/(tp−1)``, for the n
-streams the ring carries: 2 in the column-parallel backward, the input shards and the input-gradient accumulator),
-and one of the tp steps has nothing in flight. Ideally a step exposes ``max(0, n·coll/(tp−1) − M/tp)``, the ring
-``(tp−1)·max(0, …) = n·coll − min(n·coll, (tp−1)/tp·M)``; of the overlappable ``min(n·coll, (tp−1)/tp·M)`` only
-:data:`TP_OVERLAP_EFFICIENCY` is hidden (the split GEMMs run below the whole GEMM's efficiency and share the GPU
-with the copies; backward patterns overlap less), so a ring exposes ``n·coll − η·min(n·coll, (tp−1)/tp·M)``
-(:func:`tp_exposed`). The rings and their matmuls (M: the forward matmul of the group, ``2·P_g/tp·T`` FLOPs at the
-layer's GEMM efficiency): forward wq/wk/wv, wo, w1/w3, w2 one stream each beside their forward matmul; backward
-wq/wk/wv and w1/w3 two streams beside their two backward matmuls (input and weight gradients, 2M), wo and w2 one
-stream beside 2M; the head one stream forward, two backward. Full checkpointing recomputes the forward's exposed
-part; selective's two re-gathers stay exposed (the strategy refuses selective with the overlap).
-η = 0.5 is calibrated on torchtitan's async TP (torch's symmetric-memory ``fused_all_gather_matmul`` /
-``fused_matmul_reduce_scatter``; torchtitan ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``, H100 96 GB at
-500 W, bf16, torch.compile): Llama 3.1 8B on 64 H100, FSDP 8 × TP 8, per-op selective AC, local batch 12, 4,378 → 4,809
-tokens/s/GPU (+9.8%; predicted +9.9%), Llama 3.1 70B on 256 H100, FSDP 32 × TP 8, full AC, local batch 16, 597.3 →
-652.4 (+9.2%; predicted +10.1%) (:data:`TP_OVERLAP_RUNS`, predicted compiled as they ran, ``tests/test_step_time.py``);
-η = 1 would predict +22% and +22%. The least-squares η of the two runs is 0.48; held out, η fitted on either run
-alone (0.498, 0.462) predicts the other within 0.80 points (two runs only: the test also checks the fit on synthetic
-gains of known η).
+With the tp ring overlap (sp only) each of those collectives runs as a ring of tp steps beside the matmul it feeds or
+drains; its exposed seconds are the feature's time term
+(:func:`lightning_4d.features.tensor_parallel.costs.ring_seconds`, its calibration there).
 
 **Context parallel**: ``"ring"`` passes K and V (``T·k·d/tp·c`` bytes each) cp−1 times forward and K, V, dK, dV
 backward, overlapped with the attention it feeds (exposed: what exceeds the attention time);
@@ -93,7 +75,7 @@ reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy ove
 Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
 step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
 
-**Mixture of Experts and expert parallelism**: :mod:`lightning_4d.planning.expert_costs` (its module docstring) adds
+**Mixture of Experts and expert parallelism**: :mod:`lightning_4d.features.moe.costs` (its module docstring) adds
 the terms of the MoE layers, their all-to-alls and the data-parallel groups of their parameters.
 
 Pure Python: no torch import.
@@ -107,9 +89,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from lightning_4d.features.moe import costs as moe_costs
+from lightning_4d.features.moe.costs import all_to_all_time
+from lightning_4d.features.tensor_parallel.costs import ring_overlap, ring_seconds
 from lightning_4d.layout import config_of_plan, plan_values, planned_dataclass
-from lightning_4d.planning import expert_costs
-from lightning_4d.planning.expert_costs import all_to_all_time
 from lightning_4d.planning.float8_costs import FLOAT8_MATMUL_SPEEDUP
 from lightning_4d.planning.rates import (
     COLLECTIVE_EFFICIENCY,
@@ -128,8 +111,6 @@ from lightning_4d.planning.rates import (
 
 __all__ = [
     "ATTENTION_EFFICIENCY",
-    "TP_OVERLAP_EFFICIENCY",
-    "TP_OVERLAP_RUNS",
     "CALIBRATION_RUNS",
     "GEMM_EFFICIENCY",
     "LINK_LATENCY",
@@ -144,7 +125,6 @@ __all__ = [
     "predict_step_time",
     "step_time_of",
     "step_time_parts",
-    "tp_exposed",
 ]
 
 #: Fraction of the peak of the fused attention kernel (FlashAttention 2, PyTorch's SDPA flash backend) forward +
@@ -180,30 +160,6 @@ LOSS_BYTES_PER_LOGIT = 20
 #: float32 bytes the optimizer step reads and writes per owned parameter (gradient, master, m, v read; master,
 #: m, v written) + the compute-dtype parameter written.
 OPTIMIZER_BYTES_PER_PARAM = 4 * 7 + 2
-#: Fraction of the overlappable tp communication a ``tensor_parallel_overlap`` ring hides (module docstring,
-#: **Tensor parallel**): calibrated on torchtitan's async-TP runs (:data:`TP_OVERLAP_RUNS`).
-TP_OVERLAP_EFFICIENCY = 0.5
-#: torchtitan's async tensor parallel against vanilla TP (``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``
-#: of pytorch/torchtitan, June 2025: Grand Teton, H100 96 GB HBM2e at 500 W, bf16, torch.compile, s = 8192), the
-#: calibration of :data:`TP_OVERLAP_EFFICIENCY` (``tests/test_step_time.py``); ``layout``: our equivalent; ``compile``:
-#: its commands pass ``--training.compile`` (predicted with the compiled :data:`POINTWISE_FACTOR`).
-TP_OVERLAP_RUNS: tuple[dict[str, Any], ...] = tuple(
-    dict(
-        gpu="H100-96GB",
-        seq_length=8192,
-        name=f"torchtitan async TP, Llama 3.1 {size}, {n} H100",
-        model=model,
-        num_gpus=n,
-        layout=dict(tp=8, dp=n // 8, zero_stage=3, activation_checkpointing=ac, micro_batch_size=b),
-        tokens_per_sec_per_gpu=published,
-        compile=True,
-    )  # fmt: skip
-    for size, model, n, ac, b, published in (
-        ("8B", "llama3.1-8b", 64, "selective", 12, (4378.0, 4809.4)),
-        ("70B", "llama3.1-70b", 256, "full", 16, (597.3, 652.4)),
-    )
-)
-
 #: Published runs the model is calibrated with and tested against (``tests/test_step_time.py``, ``docs/memory.md``,
 #: ``benchmarks/step_time_calibration.py``). ``mfu`` is the publication's figure; ``layout`` our FourDStrategy
 #: equivalent; ``compile`` whether the run compiled its layers as its source says (True / False), or ``None`` where the
@@ -326,14 +282,6 @@ class Layout:
         return ParallelConfig(**config_of_plan(self))
 
 
-def tp_exposed(coll: float, matmul: float, tp: int, streams: int = 1) -> float:
-    """Exposed seconds of one ``tensor_parallel_overlap`` ring over tp ranks carrying ``streams`` collectives of
-    ``coll`` seconds each beside ``matmul`` seconds of matmuls: ``n·coll − η·min(n·coll, (tp−1)/tp·matmul)``, η =
-    :data:`TP_OVERLAP_EFFICIENCY` (module docstring, **Tensor parallel**: tp − 1 of the tp steps carry a shard)."""
-    comm = streams * coll
-    return comm - TP_OVERLAP_EFFICIENCY * min(comm, (tp - 1) / tp * matmul)
-
-
 def _layer_params(dims: tuple[int, ...]) -> int:
     """``P_layer``: the matmul weights of one decoder layer, ``h·(a + 2k)·d + a·d·h + 3·h·f``."""
     h, f, d, a, k = dims[:5]
@@ -357,7 +305,7 @@ def selective_recomputed_matmul_fraction(model_config: Any, tp: int) -> float:
 
 def model_dims(cfg: Any) -> tuple[int, ...]:
     """(h, f, d, a, k, V, L, E, top-k, f_e, n_s, MoE layers, tied) of a model config (E .. MoE layers 0 for a dense
-    one: :func:`lightning_4d.planning.expert_costs.model_dims`; tied 1 with ``tie_word_embeddings``, else 0): the
+    one: :func:`lightning_4d.features.moe.costs.model_dims`; tied 1 with ``tie_word_embeddings``, else 0): the
     ``dims`` of :func:`step_time_of`."""
     return (
         cfg.hidden_size,
@@ -367,7 +315,7 @@ def model_dims(cfg: Any) -> tuple[int, ...]:
         cfg.num_kv_heads,
         cfg.padded_vocab_size,
         cfg.num_layers,
-        *expert_costs.model_dims(cfg),
+        *moe_costs.model_dims(cfg),
         int(bool(getattr(cfg, "tie_word_embeddings", False))),
     )
 
@@ -386,7 +334,7 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     """Seconds of one layer and one micro-batch of ``shape`` (the average over dense and MoE layers): (matmuls,
     attention, pointwise, exposed tp collectives, exposed cp exchange, one tp collective, head + loss, MoE collectives
     forward, MoE collectives forward + backward, the forward's exposed tp collectives); ``shape.overlap``:
-    ``tensor_parallel_overlap`` (with sp); ``shape.compile``: the pointwise time at :data:`POINTWISE_FACTOR`'s
+    the tp ring overlap in effect; ``shape.compile``: the pointwise time at :data:`POINTWISE_FACTOR`'s
     compiled factor, else at its eager one."""
     tp, cp, b, s, sp, method, ep, dd, overlap, compile = shape
     h, f, d, a, k, vocab, num_layers = dims[:7]
@@ -404,14 +352,7 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     t_tp_fwd = 4 * coll if tp > 1 else 0.0
     t_head_tp = 3 * coll if tp > 1 else 0.0
     if overlap and sp and tp > 1:
-        # the rings beside their matmuls (module docstring, Tensor parallel): forward matmul seconds per group
-        scale = 2 / tp * tokens / (gemm_efficiency(min(tokens, h, f / tp, a * d / tp)) * peak)
-        qkv, o, w13, w2 = (scale * p for p in (h * (a + 2 * k) * d, a * d * h, 2 * h * f, h * f))
-        t_tp_fwd = sum(tp_exposed(coll, mm, tp) for mm in (qkv, o, w13, w2))
-        backward = tp_exposed(coll, 2 * qkv, tp, 2) + tp_exposed(coll, 2 * w13, tp, 2)
-        t_tp = t_tp_fwd + backward + tp_exposed(coll, 2 * o, tp) + tp_exposed(coll, 2 * w2, tp)
-        head = 2 * vocab * h / tp * tokens / (gemm_efficiency(min(tokens, h, vocab / tp)) * peak)
-        t_head_tp = tp_exposed(coll, head, tp) + tp_exposed(coll, 2 * head, tp, 2)
+        t_tp_fwd, t_tp, t_head_tp = ring_seconds(dims, coll, tp, tokens, peak)
     t_cp = 0.0
     if cp > 1:
         kv_bytes = tokens * k * d / tp * c
@@ -434,7 +375,7 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     )
     if not dims[7]:
         return t_mm, t_att, POINTWISE_FACTOR[compile] * t_pw, t_tp, t_cp, coll, t_head, 0.0, 0.0, t_tp_fwd
-    t_mm, t_pw, forward, both = expert_costs.layer_times(dims, (t_mm, t_pw), shape, gpu, gpus_per_node)
+    t_mm, t_pw, forward, both = moe_costs.layer_times(dims, (t_mm, t_pw), shape, gpu, gpus_per_node)
     return t_mm, t_att, POINTWISE_FACTOR[compile] * t_pw, t_tp, t_cp, coll, t_head, forward, both, t_tp_fwd
 
 
@@ -605,7 +546,7 @@ def step_time_parts(
         sp,
         layout.context_parallel_method,
         *((ep, dp * cp) if dims[7] else (1, 1)),  # a dense model's terms do not depend on them: keep its cache hits
-        layout.tensor_parallel_overlap and sp and tp > 1,
+        ring_overlap(layout),
         layout.compile,
     )
     stages = StageShape(pp, layout.pipeline_schedule, v, layout.pipeline_layer_split, layout.activation_checkpointing)
@@ -642,7 +583,7 @@ def _data_parallel_terms(
 ) -> tuple[float, float, int, float]:
     """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds) of the pp rank
     holding ``layers`` decoder layers: the data-parallel collectives over dp·cp of its parameters (an MoE
-    model's: :func:`lightning_4d.planning.expert_costs.data_parallel_terms`) (module docstring, **Data parallel**)."""
+    model's: :func:`lightning_4d.features.moe.costs.data_parallel_terms`) (module docstring, **Data parallel**)."""
     tp, pp, cp, dp, ep = sizes
     h, vocab = dims[0], dims[5]
     c = 2
@@ -653,7 +594,7 @@ def _data_parallel_terms(
     b_dp, lat = _link(gpu, tp * dd <= gpus_per_node)
     owned_extra = rs_extra = ag_extra = 0.0
     if dims[7]:
-        params, owned_extra, rs_extra, ag_extra = expert_costs.data_parallel_terms(
+        params, owned_extra, rs_extra, ag_extra = moe_costs.data_parallel_terms(
             dims, layers, (tp, ep, dd), zero_stage, (_layer_params(dims), vocabulary), (b_dp, lat)
         )
     owned = params / dd + owned_extra if zero_stage >= 1 else params + owned_extra

@@ -121,7 +121,7 @@ class Param:
         group: the layout dims beside ``dp·cp`` that set its data-parallel group (ZeRO sharding, gradient
             reduction): ``"tp"`` replicated over tp (reduced over ``dp·cp·tp``), ``"ep"`` split over ep (reduced over
             ``dp·cp/ep``, with ``"tp"`` over ``dp·cp·tp/ep``: ep folded over tp); ``()``: ``dp·cp``
-            (``lightning_4d/mesh.py``'s ``dp_cp``; ``lightning_4d/parallel/moe.py``'s ``dp_cp_tp`` and ``edp``).
+            (``lightning_4d/mesh.py``'s ``dp_cp``; ``lightning_4d/features/moe/runtime.py``'s ``dp_cp_tp`` and ``edp``).
         dim1: a stacked ``[n, d1, d2]`` weight's ``d1`` (``cols = d1·d2``), which ZeRO 2/3 may shard instead of dim 0;
             0 for any other tensor.
     """

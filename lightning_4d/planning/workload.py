@@ -35,7 +35,7 @@ class Workload:
             dualpipev).
         expert_load_imbalance: under expert parallelism, the rows the most loaded ep rank's experts receive in an MoE
             layer over the balanced figure (the rank's own ``T·k`` assignments), >= 1.0 (at most ``ep``). Default
-            :data:`~lightning_4d.planning.expert_costs.DEFAULT_EXPERT_LOAD_IMBALANCE` (measured on
+            :data:`~lightning_4d.features.moe.costs.DEFAULT_EXPERT_LOAD_IMBALANCE` (measured on
             ``configs/tiny_moe.yaml``).
         fused_optimizer: the optimizer steps in place, with no temporaries (``torch.optim.AdamW(fused=True)``,
             :class:`~lightning_4d.tasks.CausalLMModule`'s; default); ``False``: ``AdamW(foreach=True)``, whose

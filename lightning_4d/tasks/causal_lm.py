@@ -15,12 +15,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_4d.contract import LayoutStrategy, layout_strategy, optional_member
 from lightning_4d.families.registry import load_initial_weights
+from lightning_4d.features.moe.runtime import MoETraining
 from lightning_4d.models.document_mask import DOCUMENT_IDS, attention_context
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
-from lightning_4d.parallel.moe import MoETraining
 from lightning_4d.planning.hardware import peak_flops_of_device
 from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.documents import DocumentMasking, token_mean_scale
@@ -112,7 +112,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
     rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu`` (with document masking over
     the attention FLOPs of the documents, :meth:`LlamaConfig.flops_per_token`'s ``attention_context``). An MoE
     model also trains and logs its load-balancing loss and routing statistics
-    (:class:`~lightning_4d.parallel.moe.MoETraining`).
+    (:class:`~lightning_4d.features.moe.runtime.MoETraining`).
 
     Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``, with document masking optionally
     ``"document_ids": LongTensor [b, s]`` (non-decreasing along each sequence).

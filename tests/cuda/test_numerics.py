@@ -74,7 +74,7 @@ def test_ring_step_blocks_and_every_gradient_equal_full_attention(device):
 def test_grouped_gemm_equals_the_loop_over_experts(device):
     """``torch._grouped_mm`` (the CUDA path of the routed experts) equals the loop over experts in bfloat16, an
     expert without rows included (bit-identical on torch 2.13's CPU kernel; on CUDA within bfloat16's rounding)."""
-    from lightning_4d.models.moe_layer import GroupedExperts
+    from lightning_4d.features.moe.layer import GroupedExperts
     from lightning_4d.parallel._compat import grouped_mm
 
     if grouped_mm is None:

@@ -23,11 +23,11 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 
 from lightning_4d.config import ParallelConfig  # noqa: E402
+from lightning_4d.features.moe.expert import shard_experts  # noqa: E402
+from lightning_4d.features.moe.layer import MoEFeedForward  # noqa: E402
 from lightning_4d.mesh import build_mesh  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
-from lightning_4d.models.moe_layer import MoEFeedForward  # noqa: E402
 from lightning_4d.parallel.comm import CommMeter  # noqa: E402
-from lightning_4d.parallel.expert import shard_experts  # noqa: E402
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 seed, no download), trained 10 AdamW steps under each layout of ``--layouts`` (``FourDStrategy``: dp, ZeRO, ep), or
 with plain Lightning on one process (``--reference``). Per layout, rank 0 writes the per-step ``train_loss``, the final
 full weights and the local shape of one expert weight to ``OUT/hf<i>.pt``. (issue 23,
-lightning_4d/adapters/hf_mixtral.py)"""
+lightning_4d/features/moe/hf_mixtral.py)"""
 
 from __future__ import annotations
 

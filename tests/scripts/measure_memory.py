@@ -172,7 +172,7 @@ class Measured(CausalLMModule):
             for m, fn in originals.items():
                 m.checkpoint_fn = fn
         self.saved.append(sum(seen.values()))
-        from lightning_4d.parallel.expert import ExpertDispatch
+        from lightning_4d.features.moe.expert import ExpertDispatch
 
         dispatches = [
             d for d in (getattr(m, "dispatch", None) for m in self.modules()) if isinstance(d, ExpertDispatch)

@@ -1,5 +1,6 @@
-"""The ring autograd functions of ``tensor_parallel_overlap`` (``lightning_4d/parallel/tensor.py``) against references,
-on every rank of a gloo group (``torchrun --nproc-per-node t tests/scripts/tp_overlap_unit.py --out DIR``).
+"""The ring autograd functions of ``tensor_parallel_overlap`` (``lightning_4d/features/tensor_parallel/runtime.py``)
+against references, on every rank of a gloo group (``torchrun --nproc-per-node t tests/scripts/tp_overlap_unit.py --out
+DIR``).
 
 Every rank builds the same full problem from one seed. Column side: :func:`ring_projection` vs the all-gather
 version :func:`sequence_parallel_projection` and vs one-process autograd on the gathered sequence. Row side:
@@ -18,8 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lightning_4d.features.tensor_parallel.runtime import (
+    ring_output_projection,
+    ring_projection,
+    sequence_parallel_projection,
+)
 from lightning_4d.parallel.comm import CommMeter
-from lightning_4d.parallel.tensor import ring_output_projection, ring_projection, sequence_parallel_projection
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

@@ -94,7 +94,7 @@ class ExpertDispatch:
     ``received_rows`` (the rows its experts ran: the sum over the ep group's sources of their rows for this rank's
     experts), host ints read off the split sizes (no extra collective). ``received_rows`` over the ep group's mean of
     it is the load imbalance the memory model's ``expert_load_imbalance`` stands for
-    (:class:`lightning_4d.parallel.moe.ExpertLoadMonitor` logs it)."""
+    (:class:`lightning_4d.features.moe.runtime.ExpertLoadMonitor` logs it)."""
 
     def __init__(self, ep_mesh: Any) -> None:
         self.group = ep_mesh.get_group()
@@ -111,7 +111,7 @@ class ExpertDispatch:
         the ranks holding their experts, run ``compute(rows, local_counts)`` there on the received rows grouped by
         local expert (``local_counts`` ``[E/ep]``; returns ``[rows, h_out]``) and bring the outputs back in ``x``'s
         order (module docstring, steps 1-3). Any expert implementation plugs in through ``compute``: ours
-        (``GroupedExperts.run``) or a foreign model's (:mod:`lightning_4d.adapters.hf_mixtral`)."""
+        (``GroupedExperts.run``) or a foreign model's (:mod:`lightning_4d.features.moe.hf_mixtral`)."""
         ep = self.size
         local = counts.numel() // ep
         received_counts = torch.empty_like(counts)
@@ -167,8 +167,8 @@ def is_expert_parameter(p: Tensor) -> bool:
 
 
 #: the modules whose 3-D parameters are stacked expert weights ``[E, d1, d2]``: ours
-#: (:class:`~lightning_4d.models.moe_layer.GroupedExperts`), transformers' ``MixtralExperts`` and its expert-parallel
-#: replacement (:mod:`lightning_4d.adapters.hf_mixtral`)
+#: (:class:`~lightning_4d.features.moe.layer.GroupedExperts`), transformers' ``MixtralExperts`` and its expert-parallel
+#: replacement (:mod:`lightning_4d.features.moe.hf_mixtral`)
 EXPERT_MODULES = ("GroupedExperts", "MixtralExperts", "ExpertParallelMixtralExperts")
 
 
@@ -176,7 +176,7 @@ def stacked_expert_weights(model: nn.Module) -> list[Tensor]:
     """The stacked expert weights of ``model`` (``[E, d1, d2]``, or ``[E/ep, d1, d2]`` local DTensors under ep): the
     3-D parameters held directly by a module of a class in :data:`EXPERT_MODULES`, and every
     :func:`is_expert_parameter`. ZeRO 2/3 may shard them on dim 1
-    (:func:`lightning_4d.partition.expert_shard_dim`)."""
+    (:func:`lightning_4d.features.moe.costs.expert_shard_dim`)."""
     out: dict[int, Tensor] = {}
     for m in model.modules():
         named = type(m).__name__ in EXPERT_MODULES

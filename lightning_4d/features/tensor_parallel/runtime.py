@@ -16,11 +16,11 @@ Per transformer block, over a tp group of size t:
   (``Shard(-1)``) as a DTensor, for the vocabulary-parallel cross-entropy of :mod:`lightning_4d.parallel.loss` (no
   full-vocabulary logits on any rank);
 - a Mixture-of-Experts feed-forward is not split (:class:`TokenParallel`, ``docs/moe.md``): each tp rank runs the
-  whole layer (router, routed and shared experts, replicated over tp) on its own ``s/t`` tokens of the sequence, as
-  one more data-parallel dimension for that layer (expert tensor parallelism 1: Megatron-core's "MoE parallel
+  whole layer (its router and feed-forwards, replicated over tp) on its own ``s/t`` tokens of the sequence, as
+  one more data-parallel dimension for that layer (no tp inside the MoE layer: Megatron-core's "MoE parallel
   folding" recommends it, torchtitan supports it). Its parameters' gradients are then partial sums over tp, summed
   by the gradient buckets over the ``dp_cp_tp`` group (:mod:`lightning_4d.parallel.grad_buffers`);
-- with ``tensor_parallel_overlap`` (sp only) the all-gather→matmul and matmul→reduce-scatter projections run as rings
+- with the ring overlap (sp only) the all-gather→matmul and matmul→reduce-scatter projections run as rings
   of ``t`` send/recv steps overlapped with the matmuls (:class:`_RingAllGatherMatmul`,
   :class:`_RingMatmulReduceScatter`): the same bytes, no gathered sequence and no ``[b, s, h]`` partial sum held.
 """
@@ -170,7 +170,7 @@ class _MeanOverGroup(torch.autograd.Function):
 
 class TokenParallel:
     """A module that tp does not split, run token parallel: each tp rank runs it whole on its own ``s/t`` tokens
-    (its parameters replicated over tp; expert tensor parallelism 1 for Mixture-of-Experts layers, module docstring).
+    (its parameters replicated over tp; no tp inside Mixture-of-Experts layers, module docstring).
 
     ``__call__(x, run)``: ``x`` the module's input, a ``Shard(1)`` DTensor (local ``[b, s/t, h]``) under sequence
     parallelism, else ``[b, s, h]`` replicated over tp; ``run`` the module's computation on ``[b, n, h]`` tokens.
@@ -180,7 +180,7 @@ class TokenParallel:
     rank's shard of the gradient), so the module returns ``[b, s, h]`` replicated like a dense feed-forward.
 
     ``mean(x)``: the mean of ``x`` over the tp ranks (differentiable: :class:`_MeanOverGroup`), for the
-    load-balancing loss' mean router probabilities of the tp group's tokens (:mod:`lightning_4d.models.moe_layer`).
+    load-balancing loss' mean router probabilities of the tp group's tokens (:mod:`lightning_4d.features.moe.layer`).
 
     The gradient a rank computes for the module's parameters comes from its own tokens only: the true gradient is
     their sum over tp. The gradient buckets sum them over the ``dp_cp_tp`` group
@@ -378,7 +378,7 @@ class _RingMatmulReduceScatter(torch.autograd.Function):
 
 def ring_projection(x: Tensor, linears: tuple[nn.Linear, ...], group: Any) -> tuple[Tensor, ...]:
     """:func:`sequence_parallel_projection` computed as a ring over the tp group, the shard exchange overlapped with
-    the matmuls (:class:`_RingAllGatherMatmul`; ``tensor_parallel_overlap=True``): same arguments, same outputs
+    the matmuls (:class:`_RingAllGatherMatmul`; the layout's ring overlap): same arguments, same outputs
     ``[b, s, o_i/t]``, never more than two input shards ``[b, s/t, h]`` held instead of the gathered ``[b, s, h]``."""
     local = x.to_local() if isinstance(x, DTensor) else x
     weights = [lin.weight.to_local() if isinstance(lin.weight, DTensor) else lin.weight for lin in linears]
@@ -388,7 +388,7 @@ def ring_projection(x: Tensor, linears: tuple[nn.Linear, ...], group: Any) -> tu
 def ring_output_projection(y: Tensor, linear: nn.Linear, group: Any) -> Tensor:
     """The row-parallel projection ``linear`` (weight a ``Shard(1)`` DTensor over tp) of ``y`` (``[b, s, f/t]``,
     local, or a ``Shard(-1)`` DTensor) under sequence parallelism, reduce-scattered over the sequence by the ring of
-    :class:`_RingMatmulReduceScatter` (``tensor_parallel_overlap=True``): this rank's ``[b, s/t, h]`` local shard, as
+    :class:`_RingMatmulReduceScatter` (the layout's ring overlap): this rank's ``[b, s/t, h]`` local shard, as
     ``RowwiseParallel(output_layouts=Shard(1))`` returns it."""
     local = y.to_local() if isinstance(y, DTensor) else y
     weight = linear.weight.to_local() if isinstance(linear.weight, DTensor) else linear.weight
@@ -504,11 +504,12 @@ def apply_tensor_parallel(
         plan: the family's :class:`TensorParallelPlan`.
         tp_mesh: the 1D ``"tp"`` mesh (size 1: nothing changes).
         sequence_parallel: shard norms and the residual stream over the sequence (requires s % t == 0).
-        overlap: ``tensor_parallel_overlap`` (with ``sequence_parallel``): the modules of ``plan.gathered_inputs``
+        overlap: the ring overlap (with ``sequence_parallel``): the modules of ``plan.gathered_inputs``
             get :func:`ring_projection` as ``input_projection`` and :func:`ring_output_projection` as
             ``output_projection`` (their row-parallel linears' weights are still sharded by ``RowwiseParallel``, which
             then is not called), the head :func:`ring_projection`. A module without these hooks (a Mixture-of-Experts
-            feed-forward) keeps the gathered path; families without them refuse the option (``validate``).
+            feed-forward) keeps the gathered path; families without them refuse the option (``validate``:
+            :func:`refuse_rings`).
         float8: the float8 recipe (``None``: off), the decoder layers' linears already torchao's ``Float8Linear``
             (:func:`lightning_4d.parallel.float8.apply_float8` first): their styles are
             :func:`~lightning_4d.parallel.float8.tensor_parallel_styles`' and no ``input_projection`` is set (it
@@ -559,3 +560,32 @@ def apply_tensor_parallel(
     if head is not None and sequence_parallel and plan.vocab_parallel_logits and hasattr(model, "head_projection"):
         # the head gathers the sequence itself and saves only the shard (its plan above only shards its weight)
         model.head_projection = partial(_sequence_parallel_head, mesh=tp_mesh, overlap=overlap)
+
+
+def apply(family: Any, model: nn.Module, mesh: Any, config: Any) -> None:
+    """The tp step of :func:`~lightning_4d.parallel.parallelize.parallelize_model` (after float8, before cp):
+    :func:`apply_tensor_parallel` of the family's plan over the ``tp`` mesh with the layout's sp, ring overlap and
+    float8 recipe; nothing without tp."""
+    if config.tp > 1:
+        apply_tensor_parallel(
+            model,
+            family.tensor_parallel_plan(model),
+            mesh.tp,
+            sequence_parallel=config.sp,
+            overlap=config.tensor_parallel_overlap,
+            float8=config.float8,
+        )
+
+
+def refuse_rings(config: Any, model_name: str) -> None:
+    """The refusal of the ring overlap by a family whose modules the rings cannot hook into (its ``validate``;
+    ``model_name``: ``"a transformers LlamaForCausalLM"``).
+
+    Raises:
+        ValueError: the overlap is on, naming the option and the fix.
+    """
+    if config.tensor_parallel_overlap:
+        raise ValueError(
+            f"tensor_parallel_overlap=True is not supported for {model_name} yet (the ring "
+            "projections hook into lightning_4d's own Llama modules): use tensor_parallel_overlap=False"
+        )

@@ -4,14 +4,14 @@ parallelism (ep) add, in one place; the dense modules call these functions and n
 **Memory** (:mod:`lightning_4d.planning.model` composes the terms). An MoE layer's feed-forward is the router
 ``[E, h]``, the experts' stacked ``w1``, ``w3`` ``[E, f_e, h]`` and ``w2`` ``[E, h, f_e]`` (``E/ep`` rows each: the
 experts of this ep rank) and the shared experts' ``w1``, ``w3``, ``w2`` (width ``n_s·f_e``), none of them divided by
-tp: under tp an MoE layer runs whole on each tp rank's tokens (``parallel/tensor.py``'s ``TokenParallel``), so its
-parameters are reduced and ZeRO-sharded over ``dp·cp·tp`` and the experts' over ``dp·cp·tp/ep``
-(:func:`layer_params` marks them: :attr:`~lightning_4d.planning.tensors.Param.group`). At ZeRO 2/3 a stacked expert
-weight ``[E_local, d1, d2]`` whose group (G ranks) does not divide ``E_local`` but divides ``d1`` is sharded on dim 1
-instead, evenly: ``E_local·(d1/G)·d2`` elements per rank (:func:`fsdp_shard_dim`). What one MoE layer saves for
-backward: :func:`saved_bytes`; under expert parallelism on the rows the rank receives, the balanced figure times
-``expert_load_imbalance`` (:data:`DEFAULT_EXPERT_LOAD_IMBALANCE`, measured), and the all-to-alls' transient receive
-buffers (:func:`all_to_all_buffers`).
+tp: under tp an MoE layer runs whole on each tp rank's tokens (``features/tensor_parallel/runtime.py``'s
+``TokenParallel``), so its parameters are reduced and ZeRO-sharded over ``dp·cp·tp`` and the experts' over
+``dp·cp·tp/ep`` (:func:`layer_params` marks them: :attr:`~lightning_4d.planning.tensors.Param.group`). At ZeRO 2/3 a
+stacked expert weight ``[E_local, d1, d2]`` whose group (G ranks) does not divide ``E_local`` but divides ``d1`` is
+sharded on dim 1 instead, evenly: ``E_local·(d1/G)·d2`` elements per rank (:func:`fsdp_shard_dim`). What one MoE layer
+saves for backward: :func:`saved_bytes`; under expert parallelism on the rows the rank receives, the balanced figure
+times ``expert_load_imbalance`` (:data:`DEFAULT_EXPERT_LOAD_IMBALANCE`, measured), and the all-to-alls' transient
+receive buffers (:func:`all_to_all_buffers`).
 
 **Mixture of Experts** (``num_experts`` E > 0, top-k routed experts of width f_e, n_s shared experts; ``docs/moe.md``).
 An MoE layer's matmuls count the parameters a token goes through (its *active* parameters, as
@@ -26,14 +26,14 @@ pp; a pipeline rank's own mix is not followed). Under tp an MoE layer is charged
 (an upper bound: MoE under tp is not implemented yet).
 
 **Expert parallel** (ep > 1): per MoE layer and micro-batch 4 all-to-alls (dispatch and combine forward, both again
-backward; 2 more in full activation checkpointing's recomputation), not overlapped (``parallel/expert.py`` issues them
-synchronously between the router and the experts), each sending ``n = (T/tp)·k·h·c`` bytes per GPU of which
+backward; 2 more in full activation checkpointing's recomputation), not overlapped (``features/moe/expert.py`` issues
+them synchronously between the router and the experts), each sending ``n = (T/tp)·k·h·c`` bytes per GPU of which
 ``(ep−1)/ep`` leave the GPU (dropless routing at balanced load). Pairwise-exchange all-to-all cost ``(p−1)·α +
 (p−1)/p·n·β`` (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
 IJHPCA 19(1), §4.5), with the node split of the ep group: an ep group is ``ep`` consecutive ranks of the MoE
-layers' token ranks (``dp_cp``, under tp ``dp_cp_tp``: ep folded over tp first, ``parallel/moe.py``), i.e. ``ep``
-consecutive global ranks (``mesh.py``: dims ``("pp", "dp", "cp", "tp")``, tp innermost); when ``ep`` divides the GPUs
-per node the exchange stays on NVLink, else each GPU sends ``(g−1)/ep·n`` bytes over NVLink to the ``g =
+layers' token ranks (``dp_cp``, under tp ``dp_cp_tp``: ep folded over tp first, ``features/moe/runtime.py``), i.e.
+``ep`` consecutive global ranks (``mesh.py``: dims ``("pp", "dp", "cp", "tp")``, tp innermost); when ``ep`` divides the
+GPUs per node the exchange stays on NVLink, else each GPU sends ``(g−1)/ep·n`` bytes over NVLink to the ``g =
 gpus_per_node`` group members of its node and ``(ep−g)/ep·n`` over its NIC, the two at once (the slower sets the
 time) with the inter-node α. Plus, per MoE layer forward, the counts' all-to-all (``E`` integers: latency
 only) and the load-balancing counts' all-reduce over the ranks that route tokens, ``dp_cp_tp`` (``E + 2`` integers:
@@ -50,9 +50,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from lightning_4d.partition import expert_shard_dim
 from lightning_4d.planning.rates import (
     COLLECTIVE_EFFICIENCY,
     LINK_LATENCY,
@@ -65,6 +64,7 @@ from lightning_4d.planning.rates import (
 from lightning_4d.planning.tensors import Dtypes, Param
 
 __all__ = [
+    "expert_shard_dim",
     "BUFFER_DETAIL",
     "DEFAULT_EXPERT_LOAD_IMBALANCE",
     "MoeShape",
@@ -100,6 +100,23 @@ DEFAULT_EXPERT_LOAD_IMBALANCE = 1.93
 
 #: The name of one MoE layer's all-to-all buffers in :attr:`~lightning_4d.planning.model.MemoryEstimate.details`.
 BUFFER_DETAIL = "expert_parallel_buffers"
+
+
+def expert_shard_dim(shape: Sequence[int], group: int) -> int:
+    """The dimension FSDP2 shards a stacked expert weight of local ``shape`` ``[E_local, d1, d2]`` on over ``group``
+    ranks at ZeRO 2/3: 1 when ``E_local`` is not a multiple of ``group`` and ``d1`` is, else 0 (FSDP2's default).
+
+    Dim 0 (whole experts) is FSDP2's default, but with ``E_local % group != 0`` it pads dim 0 to a multiple of the
+    group (``torch.chunk``: each rank holds ``ceil(E_local/group)`` rows' worth of storage, rank 0 a whole expert while
+    ``group > E_local``), and every all-gather moves the padding. Dim 1 (``f_e`` of ``w1``/``w3``, ``h`` of ``w2``)
+    then splits every expert evenly: torchtitan shards experts ``Shard(1)`` when ``dp_shard·ep > num_experts``
+    (``torchtitan/models/llama4/infra/parallelize.py``); this rule also covers ``E_local > group`` not divisible.
+    FSDP2 refuses uneven sharding on a dimension other than 0 (``NotImplementedError``, torch 2.13
+    ``_fsdp_param.py``), hence dim 0 when ``d1`` is not a multiple of ``group`` either. A group of one rank: 0.
+    """
+    if len(shape) < 2 or group <= 1:
+        return 0
+    return 1 if shape[0] % group and shape[1] % group == 0 else 0
 
 
 def check_expert_load_imbalance(value: Any) -> float:
@@ -201,13 +218,13 @@ def layer_params(shape: MoeShape, unit: str, h: int, ep: int) -> list[Param]:
 
 def fsdp_shard_dim(p: Param, group: int) -> int:
     """The dimension FSDP2 shards ``p`` on over ``group`` ranks at ZeRO 2/3: a stacked expert weight's by
-    :func:`lightning_4d.partition.expert_shard_dim`, every other tensor's 0."""
+    :func:`expert_shard_dim`, every other tensor's 0."""
     return expert_shard_dim((p.rows, p.dim1), group) if p.dim1 else 0
 
 
 def assignments(cfg: Any, tokens: int) -> int:
     """Expert assignments one MoE layer processes for ``tokens`` tokens at balanced load: ``tokens·k`` dropless,
-    else at most ``E · capacity`` (``lightning_4d.models.moe_layer.capacity``). Dropless, the count is exact whatever
+    else at most ``E · capacity`` (``lightning_4d.features.moe.layer.capacity``). Dropless, the count is exact whatever
     the balance (every assignment is processed on the rank that routed it until expert parallelism exists)."""
     n = tokens * cfg.num_experts_per_token
     if cfg.capacity_factor is None:
@@ -221,7 +238,7 @@ def received_rows(cfg: Any, tokens: int, ep: int, imbalance: float) -> int:
     routing ``tokens`` tokens: the balanced figure (the ep group's ``ep·N`` assignments over ``ep`` ranks: ``N`` =
     :func:`assignments`, the rank's own) times ``imbalance`` (``expert_load_imbalance``), rounded up, at most all
     ``ep·N`` rows, and under a capacity at most ``E·capacity`` (each of the ``E/ep`` local experts takes at most
-    ``capacity`` rows from each of the ``ep`` sources: ``parallel/expert.py``)."""
+    ``capacity`` rows from each of the ``ep`` sources: ``features/moe/expert.py``)."""
     n = assignments(cfg, tokens)
     rows = min(math.ceil(imbalance * n), ep * n)
     if cfg.capacity_factor is not None:
@@ -233,8 +250,8 @@ def received_rows(cfg: Any, tokens: int, ep: int, imbalance: float) -> int:
 
 
 def saved_bytes(cfg: Any, dt: Dtypes, b: int, s: int, ep: int = 1, imbalance: float = 1.0) -> int:
-    """Bytes one MoE feed-forward saves for backward beyond its input (``lightning_4d/models/moe_layer.py``; ``T = b·s``
-    tokens, ``N`` assignments :func:`assignments`, ``c`` the compute dtype's bytes), as
+    """Bytes one MoE feed-forward saves for backward beyond its input (``lightning_4d/features/moe/layer.py``; ``T =
+    b·s`` tokens, ``N`` assignments :func:`assignments`, ``c`` the compute dtype's bytes), as
     ``saved_tensors_hooks`` sees them:
 
     - the router: softmax: the float32 probabilities ``[T, E]`` (shared with the load-balancing loss), the top-k
@@ -247,7 +264,7 @@ def saved_bytes(cfg: Any, dt: Dtypes, b: int, s: int, ep: int = 1, imbalance: fl
     - the experts: ``w1 x``, ``w3 x``, their silu and product (4·c·N·f_e);
     - the shared experts: 4·c·T·n_s·f_e (their input is the layer's ffn input, counted once).
 
-    Under expert parallelism (``ep`` > 1, ``lightning_4d/parallel/expert.py``'s ``ExpertDispatch.exchange``) the
+    Under expert parallelism (``ep`` > 1, ``lightning_4d/features/moe/expert.py``'s ``ExpertDispatch.exchange``) the
     experts run on the ``R`` rows this rank RECEIVES (:func:`received_rows`: balanced ``N`` times ``imbalance``), not
     on the ``N`` it routed, and the all-to-alls (whose autograd function saves no tensor) change what is kept: the
     routing side keeps its int64 order and tokens, float32 weights and one ``[N, h]`` tensor (c: softmax the combined
@@ -272,7 +289,7 @@ def saved_bytes(cfg: Any, dt: Dtypes, b: int, s: int, ep: int = 1, imbalance: fl
 
 
 def all_to_all_buffers(cfg: Any, pc: Any, dt: Dtypes, b: int, seq_length: int, imbalance: float) -> int:
-    """Transient bytes of one MoE layer's all-to-alls under expert parallelism (``parallel/expert.py``), 0 without
+    """Transient bytes of one MoE layer's all-to-alls under expert parallelism (``features/moe/expert.py``), 0 without
     ep: in backward, the combine's gradient received ``[R, h]`` and its permuted copy ``[R, h]`` (the index op's
     backward) exist together before the experts' backward (``R`` = :func:`received_rows` for the rank's
     ``T = b·s/(cp·t)`` tokens), ``2·c·R·h``; the forward's receive buffer and its permuted copy are as large. The

@@ -40,10 +40,10 @@ rank's mean: every rank's term ``E · sum_e f_e^global · P_e^local`` then avera
 single-process loss, and its gradient to the single-process gradient, whatever dp and cp are.
 
 Under tensor parallelism the layer runs token parallel (:attr:`MoEFeedForward.token_parallel`, set by
-``lightning_4d.parallel.tensor``): each tp rank routes and computes its own ``s/t`` tokens with the whole layer, so
-the counts are summed over ``dp_cp x tp`` (the stats group) and ``P_e`` is the mean over the tp group's tokens (a
-differentiable mean over tp, whose backward gives each rank ``1/t`` of the gradient for its own tokens): the term is
-then the same on every tp rank, like the language-model loss, and still averages over ``dp_cp`` to the
+``lightning_4d.features.tensor_parallel.runtime``): each tp rank routes and computes its own ``s/t`` tokens with the
+whole layer, so the counts are summed over ``dp_cp x tp`` (the stats group) and ``P_e`` is the mean over the tp group's
+tokens (a differentiable mean over tp, whose backward gives each rank ``1/t`` of the gradient for its own tokens): the
+term is then the same on every tp rank, like the language-model loss, and still averages over ``dp_cp`` to the
 single-process loss; summed over tp by the gradient reduction (the parameters see only their rank's tokens), its
 gradient is the single-process gradient.
 """
@@ -87,7 +87,7 @@ class GroupedExperts(nn.Module):
     (the loop elsewhere). The models package imports nothing of ``parallel/``, so the private name is handed in.
 
     ``dispatch``: ``None`` (every expert here), or under expert parallelism the callable ``dispatch(experts, x,
-    counts)`` of :mod:`lightning_4d.parallel.expert` (set by the family): ``w1``, ``w3``, ``w2`` are then DTensors
+    counts)`` of :mod:`lightning_4d.features.moe.expert` (set by the family): ``w1``, ``w3``, ``w2`` are then DTensors
     sharded on dim 0 over the ep mesh (this rank's ``E/ep`` experts), and it sends the rows to the ranks holding
     their experts, runs :meth:`run` on the rows it received and sends the outputs back, in ``x``'s order.
     """
@@ -197,7 +197,8 @@ class MoEFeedForward(nn.Module):
     ``token_parallel``: ``None``, or under tensor parallelism an object with ``__call__(x, run)`` that runs ``run``
     (this layer's computation) on this tp rank's ``s/t`` tokens of ``x`` and returns the output in ``x``'s layout,
     and ``mean(t)`` (a differentiable mean over the tp ranks) for the load-balancing loss
-    (:class:`lightning_4d.parallel.tensor.TokenParallel`; the models package imports nothing of ``parallel/``).
+    (:class:`lightning_4d.features.tensor_parallel.runtime.TokenParallel`; the models package imports nothing of
+    ``parallel/``).
 
     **How the load-balancing term trains.** In a forward with gradients the output carries the term through
     :class:`AuxLossInjection`: the backward that reaches the output gives the term the gradient ``aux_grad_scale``,
@@ -336,7 +337,7 @@ class MoEModel:
     def moe_aux_loss(self) -> Optional[Tensor]:
         """The load-balancing loss of the last forward (differentiable): the sum of this model's MoE layers' terms
         divided by the config's number of MoE layers (the mean over all of them; a pipeline stage's share), ``None``
-        for a dense model or before a forward (:mod:`lightning_4d.models.moe_layer`). Not multiplied by
+        for a dense model or before a forward (:mod:`lightning_4d.features.moe.layer`). Not multiplied by
         ``router_aux_loss_coef``. Training needs no addition of it to the loss: the layers inject its gradient
         themselves (:meth:`set_aux_loss_scale`)."""
         terms = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
@@ -347,7 +348,7 @@ class MoEModel:
     def set_aux_loss_scale(self, scale: float) -> None:
         """Train the load-balancing loss as if ``scale * moe_aux_loss()`` were added to the loss of every backward:
         each MoE layer's output injects ``scale / num_moe_layers`` into its term's gradient
-        (:class:`~lightning_4d.models.moe_layer.AuxLossInjection`; ``MoEFeedForward.aux_grad_scale``). ``scale`` is
+        (:class:`~lightning_4d.features.moe.layer.AuxLossInjection`; ``MoEFeedForward.aux_grad_scale``). ``scale`` is
         ``router_aux_loss_coef`` times the factor the language-model loss of one backward carries (``1/m`` for a
         pipeline micro-batch, ``1/A`` under ``A`` accumulated batches); the default, set at construction, is
         ``router_aux_loss_coef``. No-op for a dense model."""
@@ -356,7 +357,7 @@ class MoEModel:
 
     def set_metadata_inference(self, flag: bool) -> None:
         """While ``flag``, this model's MoE layers pass their input through (a pipeline schedule's shape inference:
-        :attr:`lightning_4d.models.moe_layer.MoEFeedForward.metadata_inference`)."""
+        :attr:`lightning_4d.features.moe.layer.MoEFeedForward.metadata_inference`)."""
         for m in self.moe_layers():
             m.metadata_inference = flag
 
@@ -395,7 +396,7 @@ class MoEModel:
 
     def set_grouped_mm(self, fn: Optional[Callable[..., Tensor]]) -> None:
         """Let the routed experts use ``fn`` (``torch._grouped_mm``, :data:`lightning_4d.parallel._compat.grouped_mm`)
-        on CUDA with bfloat16 weights (:class:`~lightning_4d.models.moe_layer.GroupedExperts`); ``None``: the loop."""
+        on CUDA with bfloat16 weights (:class:`~lightning_4d.features.moe.layer.GroupedExperts`); ``None``: the loop."""
         for m in self.modules():
             if isinstance(m, GroupedExperts):
                 m.grouped_mm = fn

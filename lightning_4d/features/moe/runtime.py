@@ -1,7 +1,7 @@
 """The Mixture-of-Experts component of the strategy: what the rest of the training code asks of MoE, in one place.
 
-The model's MoE layer is :mod:`lightning_4d.models.moe_layer` (router, stacked experts, load-balancing loss); expert
-parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.parallel.expert`. This module holds the rest:
+The model's MoE layer is :mod:`lightning_4d.features.moe.layer` (router, stacked experts, load-balancing loss); expert
+parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.features.moe.expert`. This module holds the rest:
 
 - **meshes** (:func:`carve_meshes`, called by :func:`lightning_4d.mesh.build_mesh`). MoE layers under tensor
   parallelism (tp > 1) run token parallel: each tp rank runs the whole MoE layer on its own ``1/t`` of the sequence
@@ -46,11 +46,11 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_4d.contract import grad_accumulation, layout_strategy
+from lightning_4d.features.moe.costs import expert_shard_dim
+from lightning_4d.features.moe.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
+from lightning_4d.features.tensor_parallel.runtime import token_parallel_parameters
 from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
-from lightning_4d.parallel.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.parallel.grad_buffers import GradientGroup
-from lightning_4d.parallel.tensor import token_parallel_parameters
-from lightning_4d.partition import expert_shard_dim
 
 
 def carve_meshes(mesh: Any, config: Any) -> None:
@@ -94,7 +94,8 @@ def validate_sequence(config: Any, model_config: Any, seq_length: int) -> None:
 
     Raises:
         ValueError: an MoE model under tp without sp whose sequence per cp rank is not divisible by tp (its MoE
-            layers run token parallel: each tp rank takes ``s/t`` tokens, :mod:`lightning_4d.parallel.tensor`).
+            layers run token parallel: each tp rank takes ``s/t`` tokens,
+            :mod:`lightning_4d.features.tensor_parallel.runtime`).
     """
     moe = model_config is not None and model_config.is_moe
     if moe and config.tp > 1 and not config.sp and (seq_length // config.cp) % config.tp:
@@ -124,10 +125,10 @@ def fsdp_options(mesh: Any) -> dict[str, Any]:
 
 def on_own_mesh(params: list[Tensor]) -> bool:
     """Whether any of ``params`` is an expert weight on the ep mesh
-    (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) or an MoE layer's parameter sharded over ``dp_cp_tp``
-    (ZeRO 2/3 under tp, :func:`shard_token_units`): its gradient is a DTensor on the ``(edp, ep)`` or ``dp_cp_tp``
-    mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the precision plugin
-    then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
+    (:func:`~lightning_4d.features.moe.expert.is_expert_parameter`) or an MoE layer's parameter sharded over
+    ``dp_cp_tp`` (ZeRO 2/3 under tp, :func:`shard_token_units`): its gradient is a DTensor on the ``(edp, ep)`` or
+    ``dp_cp_tp`` mesh and the dense ones on ``dp_cp``, which torch's own ``clip_grad_norm_`` cannot stack (the precision
+    plugin then clips with :func:`lightning_4d.parallel.clipping.clip_grad_norm_`)."""
     from torch.distributed.tensor import DTensor
 
     def token_sharded(p: Tensor) -> bool:
@@ -140,12 +141,13 @@ def gradient_groups(model: nn.Module, mesh: Any) -> list[GradientGroup]:
     """The gradient groups of ``model``'s MoE layers on ``mesh`` (a :class:`~lightning_4d.mesh.ParallelMesh`), for
     :func:`lightning_4d.parallel.sharded_optimizer.setup_zero`:
 
-    1. under expert parallelism the expert weights (:func:`~lightning_4d.parallel.expert.is_expert_parameter`) over
+    1. under expert parallelism the expert weights (:func:`~lightning_4d.features.moe.expert.is_expert_parameter`) over
        the ranks holding the same experts (``edp``; under tp its ranks span tp: the experts run token parallel), always
        (every optimizer then gets a ``ShardedOptimizer``, whose global-norm clipping counts each expert once);
     2. under tp the other parameters of modules run token parallel
-       (:func:`~lightning_4d.parallel.tensor.token_parallel_parameters`) over ``dp_cp_tp``, when ``model`` has any:
-       each tp rank's gradient is its own tokens' (the sum over tp of the mean over ``dp_cp``, in one collective).
+       (:func:`~lightning_4d.features.tensor_parallel.runtime.token_parallel_parameters`) over ``dp_cp_tp``, when
+       ``model`` has any: each tp rank's gradient is its own tokens' (the sum over tp of the mean over ``dp_cp``, in one
+       collective).
 
     Both are tp-partial (each tp rank's gradient is a disjoint part of the sum). Empty for a dense model without tp.
     """
@@ -167,13 +169,13 @@ def received_rows(model_config: Any, pc: Any, micro_batch_size: int, seq_length:
 
     Every rank of the ep group routes ``T = b·(s/cp)/tp`` tokens (the MoE layers are token parallel over tp) and
     keeps ``N = T·k`` assignments (under a capacity factor at most ``E·C``, ``C`` =
-    :func:`lightning_4d.models.moe_layer.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks is
-    ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
+    :func:`lightning_4d.features.moe.layer.capacity`, at balanced load); the ep group's ``ep·N`` over its ``ep`` ranks
+    is ``N`` per rank at balanced load; this rank receives ``load`` times that (rounded up), at most all ``ep·N`` and
     under a capacity at most ``E·C`` (each of its ``E/ep`` experts takes at most ``C`` rows from each of the ``ep``
     sources). The load imbalance's definition: ``ExpertDispatch``'s ``received_rows`` over the ep group's mean
     (:class:`ExpertLoadMonitor`). ``lightning-4d measure`` states this load (:func:`answer_count_exchange`).
     """
-    from lightning_4d.models.moe_layer import capacity
+    from lightning_4d.features.moe.layer import capacity
 
     if pc.ep == 1 or not model_config.num_experts:
         return 0
@@ -197,7 +199,7 @@ def spread_counts(rows: int, sent: Tensor) -> Tensor:
 
 
 def dispatches_of(model: nn.Module) -> tuple[ExpertDispatch, ...]:
-    """The :class:`~lightning_4d.parallel.expert.ExpertDispatch` of every MoE layer of ``model`` under ep, in module
+    """The :class:`~lightning_4d.features.moe.expert.ExpertDispatch` of every MoE layer of ``model`` under ep, in module
     order (none without ep)."""
     found = [getattr(m, "dispatch", None) for m in model.modules()]
     return tuple(d for d in found if isinstance(d, ExpertDispatch))
@@ -226,10 +228,10 @@ class ExpertPlacement:
     """The dimension FSDP2 shards each stacked expert weight of a model on, as ``fully_shard`` options
     (:meth:`options`), for the MoE layers' units and the dense ones (:func:`shard_units`).
 
-    Stacked expert weights (:func:`~lightning_4d.parallel.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
+    Stacked expert weights (:func:`~lightning_4d.features.moe.expert.stacked_expert_weights`, ``[E_local, d1, d2]``;
     under ep in their own units over ``edp``, else in their block's unit over ``dp_cp``, or under tp in their MoE
     layer's unit over ``dp_cp_tp``) are sharded on dim 1 (``Shard(1)``) when their group's size does not divide
-    ``E_local`` and divides ``d1`` (:func:`lightning_4d.partition.expert_shard_dim`; torchtitan's rule for
+    ``E_local`` and divides ``d1`` (:func:`lightning_4d.features.moe.costs.expert_shard_dim`; torchtitan's rule for
     ``dp_shard·ep > num_experts``): each rank holds ``d1/G`` rows of every local expert instead of ``ceil(E_local/G)``
     padded whole experts. Every other parameter: FSDP2's default ``Shard(0)``.
 
@@ -277,18 +279,18 @@ def shard_units(
 
     Under expert parallelism (``expert_mesh``: the 1D expert data-parallel mesh ``edp``, dp·cp·tp/ep ranks) every
     module that directly holds expert weights (DTensors ``Shard(0)`` on the ep mesh,
-    :func:`~lightning_4d.parallel.expert.is_expert_parameter`) becomes a unit of its own first, over ``edp`` (FSDP2
+    :func:`~lightning_4d.features.moe.expert.is_expert_parameter`) becomes a unit of its own first, over ``edp`` (FSDP2
     joins the two 1D meshes, children of one parent, into the 2D ``(edp, ep)`` mesh: each expert row block is
     sharded over ``edp`` inside its ep shard, torchtitan's ``dp_mod_ep`` units). Its gradients are divided by D =
     dp·cp too, not by the group's size: the all-to-all's backward already summed the ep group's contributions
-    (:mod:`lightning_4d.parallel.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
+    (:mod:`lightning_4d.features.moe.expert`), so the result is the mean of the D per-rank losses' gradients, as for the
     dense parameters (:func:`shard_expert_units`).
 
     Under tensor parallelism (``token_mesh``: the 1D ``dp_cp_tp`` mesh) every module run token parallel (an MoE
-    layer, :class:`~lightning_4d.parallel.tensor.TokenParallel`: its router, shared experts and, without ep, its
-    experts, replicated over tp, each tp rank's gradient its own tokens') becomes a unit of its own next, over
-    ``dp_cp_tp``: its reduce-scatter sums the tp ranks' partial gradients and averages over dp·cp (divided by D,
-    :func:`shard_token_units`), and its states are sharded over dp·cp·tp ranks.
+    layer, :class:`~lightning_4d.features.tensor_parallel.runtime.TokenParallel`: its router, shared experts and,
+    without ep, its experts, replicated over tp, each tp rank's gradient its own tokens') becomes a unit of its own
+    next, over ``dp_cp_tp``: its reduce-scatter sums the tp ranks' partial gradients and averages over dp·cp (divided by
+    D, :func:`shard_token_units`), and its states are sharded over dp·cp·tp ranks.
 
     Returns:
         the options of the dense units (``kw`` over ``dp_cp``; without ep the experts are sharded with their block),
@@ -322,14 +324,14 @@ def shard_expert_units(model: nn.Module, options: dict[str, Any], dp_cp_size: in
 def shard_token_units(model: nn.Module, options: dict[str, Any], dp_cp_size: int) -> None:
     """ZeRO 2/3 of the MoE layers under tp (:func:`lightning_4d.parallel.fsdp.apply_fsdp`, after the expert units
     and before its dense units): every module of ``model`` run token parallel (``token_parallel``, a
-    :class:`~lightning_4d.parallel.tensor.TokenParallel`) becomes an FSDP2 unit with ``fully_shard`` ``options``
-    (over the ``dp_cp_tp`` mesh; the expert weights already in units of their own under ep stay there). Each tp rank's
-    gradient of these parameters is its own tokens' part, so the reduce-scatter over ``dp_cp_tp`` sums over tp and
-    dp·cp and the unit divides by D = ``dp_cp_size`` (:func:`average_expert_gradients`): the sum over tp of the mean
+    :class:`~lightning_4d.features.tensor_parallel.runtime.TokenParallel`) becomes an FSDP2 unit with ``fully_shard``
+    ``options`` (over the ``dp_cp_tp`` mesh; the expert weights already in units of their own under ep stay there). Each
+    tp rank's gradient of these parameters is its own tokens' part, so the reduce-scatter over ``dp_cp_tp`` sums over tp
+    and dp·cp and the unit divides by D = ``dp_cp_size`` (:func:`average_expert_gradients`): the sum over tp of the mean
     over dp·cp, as ZeRO 0/1's ``dp_cp_tp`` buckets (:func:`gradient_groups`)."""
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_4d.parallel.tensor import TokenParallel
+    from lightning_4d.features.tensor_parallel.runtime import TokenParallel
 
     holders = [m for m in model.modules() if isinstance(getattr(m, "token_parallel", None), TokenParallel)]
     for m in holders:
@@ -461,7 +463,7 @@ class ExpertLoadMonitor(L.Callback):
 
     Logged: ``moe_expert_load_imbalance`` (this step's) and ``moe_expert_load_imbalance_max`` (the largest since the
     fit started); ``history`` keeps every step's. The rows are those of the step's last forward of each layer (under
-    pp the last micro-batch's), read off :class:`~lightning_4d.parallel.expert.ExpertDispatch`'s split sizes; one
+    pp the last micro-batch's), read off :class:`~lightning_4d.features.moe.expert.ExpertDispatch`'s split sizes; one
     all-reduce of the layers' received rows over each ep group and one of a scalar over all ranks per step. Without
     expert parallelism it does nothing.
     """

@@ -8,7 +8,7 @@ parallelism (ep), from the same ``FourDStrategy`` arguments as our own Mixture-o
   ``[E, 2f, h]`` and ``down_proj`` ``[E, h, f]``) is replaced by :class:`ExpertParallelMixtralExperts`, which holds
   the same two weights as DTensors ``Shard(0)`` on the ep mesh (this rank's ``E/ep`` experts, the parameter names
   unchanged) and sends each token to the ranks holding its top-k experts and back with the all-to-all of
-  :class:`lightning_4d.parallel.expert.ExpertDispatch`. transformers' router (``MixtralTopKRouter``: softmax, top-k,
+  :class:`lightning_4d.features.moe.expert.ExpertDispatch`. transformers' router (``MixtralTopKRouter``: softmax, top-k,
   renormalized) runs unchanged on every rank's own tokens; the experts' gradients are reduced over the expert
   data-parallel group (``dp_cp / ep``) like ours
   (:mod:`lightning_4d.parallel.grad_buffers`, :mod:`lightning_4d.parallel.fsdp`).
@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_4d.adapters.hf_llama import HFLlamaFamily, has_class_name
-from lightning_4d.parallel.expert import differentiable_local, shard_experts
+from lightning_4d.features.moe.expert import differentiable_local, shard_experts
 
 
 class ExpertParallelMixtralExperts(nn.Module):
@@ -43,7 +43,7 @@ class ExpertParallelMixtralExperts(nn.Module):
     ``forward(hidden_states, top_k_index, top_k_weights)``: ``hidden_states`` ``[T, h]``, ``top_k_index`` and
     ``top_k_weights`` ``[T, k]`` (transformers' router outputs) -> ``[T, h]``, ``sum_j w_j · expert_{i_j}(x)`` as
     ``MixtralExperts.forward`` computes it: the assignments are sorted by expert (token order within one), exchanged
-    with the experts' ranks (:meth:`~lightning_4d.parallel.expert.ExpertDispatch.exchange`), weighted and summed
+    with the experts' ranks (:meth:`~lightning_4d.features.moe.expert.ExpertDispatch.exchange`), weighted and summed
     back per token.
     """
 
@@ -125,7 +125,7 @@ class HFMixtralFamily(HFLlamaFamily):
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
         """Every ``MixtralExperts`` becomes an :class:`ExpertParallelMixtralExperts` whose weights are DTensors
         ``Shard(0)`` on ``ep_mesh`` (this rank's ``E/ep`` experts;
-        :func:`lightning_4d.parallel.expert.shard_experts`)."""
+        :func:`lightning_4d.features.moe.expert.shard_experts`)."""
         for block in [m for m in model.modules() if has_class_name(m, "MixtralSparseMoeBlock")]:
             experts = ExpertParallelMixtralExperts(block.experts)
             shard_experts(experts, ep_mesh, names=("gate_up_proj", "down_proj"))
