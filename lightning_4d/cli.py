@@ -201,7 +201,7 @@ def _checked_cli() -> type:
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_4d.config import check_training_precision
-    from lightning_4d.parallel._compat import resolve_ckpt_path
+    from lightning_4d.parallel._compat.lightning import resolve_ckpt_path
 
     class CheckedCLI(LightningCLI):
         def init_parser(self, **kwargs: Any) -> Any:
@@ -270,7 +270,7 @@ def _lightning_cli(args: Optional[list[str]]) -> bool:
         parser_kwargs={"prog": "lightning-4d"},
     )
     # a synchronized shutdown of the process group; the process itself must still leave without interpreter
-    # finalization (``_compat.exit_distributed_process``: gloo's worker threads can abort it)
+    # finalization (``_compat.process.exit_distributed_process``: gloo's worker threads can abort it)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -316,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"lightning-4d {args[0]}: error: {line} (set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
         return 2
     if distributed and argv is None:  # the console script of a distributed run: never return into finalization
-        from lightning_4d.parallel._compat import exit_distributed_process
+        from lightning_4d.parallel._compat.process import exit_distributed_process
 
         exit_distributed_process(0)
     return 0

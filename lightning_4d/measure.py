@@ -1,6 +1,6 @@
 """One rank of any layout, measured in one process: ``lightning-4d measure``.
 
-torch's fake process group (:func:`lightning_4d.parallel._compat.init_fake_process_group`: every collective and
+torch's fake process group (:func:`lightning_4d.parallel._compat.fake.init_fake_process_group`: every collective and
 send/recv returns at once and moves no data, any rank of any world size; Megatron-LM's ``--fake-process-group``)
 lets one process build and run exactly the tensors rank ``r`` of a layout allocates: the same ``Trainer.fit``
 through :class:`~lightning_4d.FourDStrategy` (mesh, split, tp/sp, cp, activation checkpointing, FSDP2 or the ZeRO 0/1
@@ -12,10 +12,10 @@ What differs from a real run, and why it does not change the bytes:
 - :class:`MeasureStrategy` answers ``broadcast`` with the object itself (every rank computes the same object; the
   fake group cannot carry a pickled one);
 - under pp the stages learn their neighbours' tensor metadata from the layout instead of from a receive
-  (:func:`~lightning_4d.parallel._compat.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``;
+  (:func:`~lightning_4d.parallel._compat.fake.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``;
 - under expert parallelism the dispatch's count exchange (``parallel/expert.py``: how many rows each source sends to
   each local expert) is answered with a stated load instead of the other ranks' routing
-  (:func:`~lightning_4d.parallel._compat.answer_count_exchange`): the rank's experts receive
+  (:func:`~lightning_4d.parallel._compat.fake.answer_count_exchange`): the rank's experts receive
   :func:`received_rows` rows per MoE layer, ``expert_load_imbalance`` times the balanced figure, the load the
   estimate assumes; the all-to-all of the rows then allocates exactly that many (their values are whatever the fake
   group left: memory is real, outputs meaningless).
@@ -51,12 +51,8 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import layout_strategy
 from lightning_4d.layout import config_kwargs
 from lightning_4d.parallel import moe
-from lightning_4d.parallel._compat import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass,
-    local_tensor as _local,
-    tree_flatten,
-)
+from lightning_4d.parallel._compat.dispatch import TorchDispatchMode, is_traceable_wrapper_subclass, tree_flatten
+from lightning_4d.parallel._compat.dtensor import local_tensor as _local
 from lightning_4d.parallel.moe import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
 from lightning_4d.planning.commands import command_parser, layout_from_args, load_model_config
 from lightning_4d.planning.expert_costs import check_expert_load_imbalance
@@ -205,7 +201,7 @@ def _strategy_class() -> type:
 
         def _answer_pipeline(self) -> Any:
             """The stages' neighbour metadata, from the layout (module docstring)."""
-            from lightning_4d.parallel._compat import answer_pipeline_metadata
+            from lightning_4d.parallel._compat.fake import answer_pipeline_metadata
 
             if self.pipeline is None:
                 return contextlib.nullcontext()
@@ -475,7 +471,7 @@ def measure_rank(
     """
     import torch.distributed as dist
 
-    from lightning_4d.parallel._compat import init_fake_process_group
+    from lightning_4d.parallel._compat.fake import init_fake_process_group
 
     coords = _check_measure_args(pc, rank, steps, device)
     imbalance = check_expert_load_imbalance(workload.expert_load_imbalance)

@@ -128,7 +128,7 @@ def _first_train_batch(trainer: L.Trainer) -> Any:
     """
     from lightning.pytorch.utilities import CombinedLoader
 
-    from lightning_4d.parallel._compat import train_data_source
+    from lightning_4d.parallel._compat.lightning import train_data_source
 
     source = train_data_source(trainer)
     if source is None or source.instance is None or not source.is_defined():

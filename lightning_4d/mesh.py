@@ -20,7 +20,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_4d.config import MESH_DIM_NAMES, ParallelConfig
-from lightning_4d.parallel._compat import flatten_mesh, unflatten_mesh
+from lightning_4d.parallel._compat.dtensor import flatten_mesh, unflatten_mesh
 
 
 @dataclass

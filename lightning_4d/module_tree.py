@@ -20,7 +20,7 @@ FSDP1_WRAPPED_MODULE = "_fsdp_wrapped_module"
 #: every module level a wrapper inserts into parameter names, stripped from them so that a parameter keeps one name on
 #: every layout (``lightning_4d.models.llama.canonical_name``). Torch's private names, written once here, below both
 #: the model and the parallel code that strip or insert them; ``tests/test_compat.py`` checks each against the
-#: installed torch, as it checks ``parallel/_compat.py``'s.
+#: installed torch, as it checks those of ``parallel/_compat/``.
 MODULE_WRAPPER_PREFIXES = (CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE, FSDP1_WRAPPED_MODULE)
 
 

@@ -155,7 +155,7 @@ def _dcp_type(module: str, qualname: str) -> Any:
         if qualname == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
             return obj
     if (module, qualname) == ("torch.serialization", "_get_layout"):  # a layout by its name (torch.strided)
-        from lightning_4d.parallel._compat import layout_by_name
+        from lightning_4d.parallel._compat.checkpoint import layout_by_name
 
         return layout_by_name
     if module == "pathlib" and qualname in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):

@@ -49,7 +49,8 @@ from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.models.attention_backends import sdpa_causal
 from lightning_4d.models.rope import context_parallel_positions
-from lightning_4d.parallel._compat import materialize_distributed_module, set_attention_implementation
+from lightning_4d.parallel._compat.hf import set_attention_implementation
+from lightning_4d.parallel._compat.lightning import materialize_distributed_module
 from lightning_4d.parallel.context import context_parallel_attention
 from lightning_4d.parallel.tensor import TensorParallelPlan
 

@@ -64,7 +64,7 @@ from lightning_4d.data.documents import Documents
 from lightning_4d.data.indexed import check_token_ids, read_documents
 from lightning_4d.data.token_file import read_token_metadata, val_token_path
 from lightning_4d.data.tokenizers import load_tokenizer
-from lightning_4d.parallel._compat import forget_train_loader
+from lightning_4d.parallel._compat.lightning import forget_train_loader
 
 __all__ = ["LMDataModule", "load_stdlib_documents", "read_documents_file"]
 

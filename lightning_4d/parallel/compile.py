@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_4d.module_tree import CHECKPOINT_WRAPPED_MODULE
-from lightning_4d.parallel._compat import AsyncCollectiveTensor
+from lightning_4d.parallel._compat.compile import AsyncCollectiveTensor
 
 #: the Mixture-of-Experts feed-forwards (ours, transformers' Mixtral's), run eagerly inside a compiled layer: their
 #: routing reads counts on the host and their token exchange sizes come from them (module docstring)

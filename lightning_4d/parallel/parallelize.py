@@ -23,7 +23,7 @@ from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel import moe
-from lightning_4d.parallel._compat import attached_trainer
+from lightning_4d.parallel._compat.lightning import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.compile import compile_layers
 from lightning_4d.parallel.float8 import apply_float8

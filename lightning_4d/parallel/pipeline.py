@@ -53,7 +53,8 @@ from torch.distributed.tensor import DTensor
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.contract import TrainingInputs
 from lightning_4d.module_tree import find_submodel, layer_items, set_submodel
-from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
+from lightning_4d.parallel._compat.dtensor import local_tensor
+from lightning_4d.parallel._compat.pipeline import reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
 
 

@@ -17,7 +17,8 @@ from lightning_4d.contract import LayoutStrategy, layout_strategy, optional_memb
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.llama_config import LlamaConfig
-from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
+from lightning_4d.parallel._compat.kernels import grouped_mm
+from lightning_4d.parallel._compat.lightning import attached_trainer, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.moe import MoETraining
 from lightning_4d.planning.hardware import peak_flops_of_device
