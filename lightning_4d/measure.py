@@ -51,7 +51,12 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import layout_strategy
 from lightning_4d.layout import config_kwargs
 from lightning_4d.parallel import moe
-from lightning_4d.parallel._compat.dispatch import TorchDispatchMode, is_traceable_wrapper_subclass, tree_flatten
+from lightning_4d.parallel._compat.dispatch import (
+    TorchDispatchMode,
+    inner_tensors,
+    is_traceable_wrapper_subclass,
+    tree_flatten,
+)
 from lightning_4d.parallel._compat.dtensor import local_tensor as _local
 from lightning_4d.parallel.moe import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
 from lightning_4d.planning.commands import command_parser, layout_from_args, load_model_config
@@ -101,8 +106,7 @@ def worst_rank(workload: Workload, pc: ParallelConfig, device_type: str = "cuda"
 def _storages(t: torch.Tensor) -> list:
     """The storages behind ``t``: a wrapper subclass (DTensor, ...) has none of its own; its inner tensors do."""
     if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        return [st for a in attrs if torch.is_tensor(x := getattr(t, a)) for st in _storages(x)]
+        return [st for x in inner_tensors(t) if torch.is_tensor(x) for st in _storages(x)]
     return [t.untyped_storage()]
 
 
@@ -667,8 +671,7 @@ def _wrapped_leaves(tensors: Iterable[Optional[Tensor]]) -> Iterable[Tensor]:
             continue
         t = _local(t)
         if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) and is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            yield from _wrapped_leaves(getattr(t, n) for n in names)
+            yield from _wrapped_leaves(inner_tensors(t))
         else:
             yield t
 

@@ -22,6 +22,7 @@ from lightning_4d.parallel._compat.lightning import attached_trainer, set_schedu
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.moe import MoETraining
 from lightning_4d.planning.hardware import peak_flops_of_device
+from lightning_4d.precision import loss_scaler
 from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.metrics import TokenMeanLoss
 
@@ -308,7 +309,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         plugin = trainer.precision_plugin
-        if getattr(plugin, "scaler", None) is not None:  # Lightning's MixedPrecision and FSDPPrecision have one
+        if loss_scaler(plugin) is not None:
             return False
         four_d = layout_strategy(trainer.strategy) is not None
         return four_d or not isinstance(plugin, MixedPrecision)

@@ -1,4 +1,6 @@
-"""Below autograd: the dispatch mode that sees every ATen op, and pytree flattening."""
+"""Below autograd: the dispatch mode that sees every ATen op, tensor wrapper subclasses, and pytree flattening."""
+
+from typing import Any
 
 #: ``TorchDispatchMode``: the base of a mode that sees every ATen op below autograd (``torch.utils._python_dispatch``;
 #: the communication meter, ``parallel/comm.py``); ``untracked()``: a context in which no such mode sees the ops
@@ -13,3 +15,11 @@ from torch.utils._python_dispatch import (  # noqa: F401  (re-exported)
 
 #: ``tree_flatten(obj) -> (leaves, spec)`` of nested lists / tuples / dicts (``torch.utils._pytree``)
 from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported)
+
+
+def inner_tensors(t: Any) -> list[Any]:
+    """The inner tensors of a traceable wrapper subclass ``t`` (:func:`is_traceable_wrapper_subclass`: DTensor,
+    float8, ...), the attributes its ``t.__tensor_flatten__()`` names, in that order (a name's value may be ``None``
+    or a non-tensor for some subclasses: the callers filter)."""
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, name) for name in names]  # the subclass's own attribute names: read by name

@@ -3,10 +3,18 @@ private ops selective activation checkpointing saves."""
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401  (re-exported)
     CheckpointImpl,
+    CheckpointWrapper,
     checkpoint_wrapper,
 )
+
+
+def checkpointed_module(layer: nn.Module) -> nn.Module:
+    """The module a :func:`checkpoint_wrapper` wraps (``CheckpointWrapper._checkpoint_wrapped_module``), or ``layer``
+    itself when it is not wrapped."""
+    return layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
 
 
 def _fully_shard_takes(name: str) -> bool:
