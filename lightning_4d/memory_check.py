@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_4d.contract import layout_strategy, optional_member
 from lightning_4d.planning.hardware import parse_bytes
+from lightning_4d.planning.model import MemoryEstimate
 from lightning_4d.planning.planner import fitting_layout_lines, format_size as _size, suggestion_line
 from lightning_4d.planning.workload import Workload
 
@@ -425,7 +426,7 @@ class MemoryEstimatorCallback(L.Callback):
         lines = [
             f"estimated peak memory {_size(total)} per GPU exceeds the budget {_size(limit)} "
             f"({100 * self.budget:.0f}% of {_size(memory)}) for {layout} ({self.formula} estimate, "
-            f"pp rank {getattr(est, 'pp_rank', 0)}; nothing was allocated). Breakdown:"
+            f"pp rank {est.pp_rank if isinstance(est, MemoryEstimate) else 0}; nothing was allocated). Breakdown:"
         ]
         lines += [f"  {k:<17}{_size(v):>14}" for k, v in breakdown.items()]
         if self.formula == "lightning_4d":

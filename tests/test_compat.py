@@ -126,6 +126,27 @@ def single_rank_group():
             dist.destroy_process_group()
 
 
+def test_inner_tensors_of_a_dtensor(single_rank_group):
+    """``inner_tensors`` reads the attributes a wrapper subclass's ``__tensor_flatten__`` names: a DTensor's local
+    tensor (what the measure counts the storage of)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dt = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Replicate()])
+    assert _compat.dispatch.is_traceable_wrapper_subclass(dt)
+    tensors = [t for t in _compat.dispatch.inner_tensors(dt) if torch.is_tensor(t)]  # and its device mesh
+    assert len(tensors) == 1 and tensors[0] is dt._local_tensor
+
+
+def test_checkpointed_module_is_the_wrapped_one():
+    """``CheckpointWrapper._checkpoint_wrapped_module`` is the module ``checkpoint_wrapper`` wrapped; an unwrapped
+    module is its own."""
+    layer = nn.Linear(2, 2)
+    wrapped = _compat.fsdp.checkpoint_wrapper(layer, checkpoint_impl=_compat.fsdp.CheckpointImpl.NO_REENTRANT)
+    assert _compat.fsdp.checkpointed_module(wrapped) is layer
+    assert _compat.fsdp.checkpointed_module(layer) is layer
+
+
 def test_local_tensor_is_the_dtensor_storage(single_rank_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor

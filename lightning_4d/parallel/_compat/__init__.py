@@ -9,9 +9,10 @@ One module per feature the private names serve; importers name the module (``fro
 dtensor import local_tensor``), this package re-exports nothing:
 
 - :mod:`.collectives`: torch's current names of the flat collectives, process groups by argument or by name;
-- :mod:`.dispatch`: the dispatch mode below autograd, pytree flattening;
+- :mod:`.dispatch`: the dispatch mode below autograd, a tensor wrapper subclass's inner tensors, pytree flattening;
 - :mod:`.dtensor`: a DTensor's local storage and offset, flattening and unflattening a ``DeviceMesh``;
-- :mod:`.fsdp`: ``fully_shard``'s ``shard_placement_fn``, activation checkpointing's wrapper and saved ops;
+- :mod:`.fsdp`: ``fully_shard``'s ``shard_placement_fn``, activation checkpointing's wrapper (and the module it
+  wraps) and saved ops;
 - :mod:`.kernels`: ``torch._grouped_mm``, ATen's flash attention, flash-attn 2;
 - :mod:`.pipeline`: the pipelining schedules' private state;
 - :mod:`.compile`: Dynamo's counters and switches, the functional collectives' waiting tensor;

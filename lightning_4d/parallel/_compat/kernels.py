@@ -18,28 +18,17 @@ except AttributeError:  # pragma: no cover - torch < 2.8
     grouped_mm = None
 
 
+#: the tensors both ATen flash backward kernels take first: the output gradient, q, k, v, the output and the
+#: log-sum-exp the forward returned
+_ATEN_FLASH_BACKWARD_TENSORS = ("grad_out", "query", "key", "value", "out", "logsumexp")
 #: ATen's fused flash-attention kernels that return the log-sum-exp (the public SDPA does not); each name with the
 #: leading arguments it is called with (``tests/test_compat.py`` checks these against the op schemas)
 ATEN_FLASH_OPS = {
     "_scaled_dot_product_flash_attention_for_cpu": ("query", "key", "value", "dropout_p", "is_causal"),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": (
-        "grad_out",
-        "query",
-        "key",
-        "value",
-        "out",
-        "logsumexp",
-        "dropout_p",
-        "is_causal",
-    ),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (*_ATEN_FLASH_BACKWARD_TENSORS, "dropout_p", "is_causal"),
     "_scaled_dot_product_flash_attention": ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask"),
     "_scaled_dot_product_flash_attention_backward": (
-        "grad_out",
-        "query",
-        "key",
-        "value",
-        "out",
-        "logsumexp",
+        *_ATEN_FLASH_BACKWARD_TENSORS,
         "cum_seq_q",
         "cum_seq_k",
         "max_q",
@@ -114,22 +103,20 @@ def _flash_rng_state(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, 
 # ---------------------------------------------------------------------------------------------------- flash-attn
 #: the extra that installs the flash-attn range whose private kernels :func:`flash_attn_forward` calls
 FLASH_ATTN_EXTRA = "lightning-4d[flash]"
-#: the private functions of ``flash_attn.flash_attn_interface`` used, and the leading parameters they are called
-#: with (flash-attn 2.7.0 - 2.8.x: ``window_size_left/right`` and ``softcap``; 2.6 took a ``window_size`` tuple)
+#: the options both private kernels of ``flash_attn.flash_attn_interface`` take after their tensors, in order
+#: (flash-attn 2.7.0 - 2.8.x: ``window_size_left/right`` and ``softcap``; 2.6 took a ``window_size`` tuple)
+_FLASH_ATTN_OPTIONS = (
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "softcap",
+    "alibi_slopes",
+)
+#: the private functions of ``flash_attn.flash_attn_interface`` used, and the leading parameters they are called with
 FLASH_ATTN_FUNCTIONS = {
-    "_flash_attn_forward": (
-        "q",
-        "k",
-        "v",
-        "dropout_p",
-        "softmax_scale",
-        "causal",
-        "window_size_left",
-        "window_size_right",
-        "softcap",
-        "alibi_slopes",
-        "return_softmax",
-    ),
+    "_flash_attn_forward": ("q", "k", "v", *_FLASH_ATTN_OPTIONS, "return_softmax"),
     "_flash_attn_backward": (
         "dout",
         "q",
@@ -140,13 +127,7 @@ FLASH_ATTN_FUNCTIONS = {
         "dq",
         "dk",
         "dv",
-        "dropout_p",
-        "softmax_scale",
-        "causal",
-        "window_size_left",
-        "window_size_right",
-        "softcap",
-        "alibi_slopes",
+        *_FLASH_ATTN_OPTIONS,
         "deterministic",
     ),
 }
