@@ -569,3 +569,42 @@ def test_all_to_all_single_takes_what_answer_count_exchange_reads():
     and name: output, input, output_split_sizes, input_split_sizes, group."""
     params = list(inspect.signature(dist.all_to_all_single).parameters)
     assert params[:5] == ["output", "input", "output_split_sizes", "input_split_sizes", "group"]
+
+
+def test_device_mesh_flatten_and_unflatten_signatures():
+    """``_compat.dtensor.flatten_mesh`` / ``unflatten_mesh`` call ``DeviceMesh._flatten(name)`` and
+    ``DeviceMesh._unflatten(dim, sizes, names)`` (the latter torch >= 2.9, expert parallelism's meshes)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert list(inspect.signature(DeviceMesh._flatten).parameters)[:2] == ["self", "mesh_dim_name"]
+    assert list(inspect.signature(DeviceMesh._unflatten).parameters)[:4] == [
+        "self",
+        "dim",
+        "mesh_sizes",
+        "mesh_dim_names",
+    ]
+
+
+def test_checkpoint_connector_parses_the_ckpt_path():
+    """``_compat.lightning.resolve_ckpt_path`` calls the Trainer's ``_checkpoint_connector._parse_ckpt_path(state_fn,
+    ckpt_path, model_provided, model_connected)``; a path that is not a special name comes back as it is."""
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    params = list(inspect.signature(trainer._checkpoint_connector._parse_ckpt_path).parameters)
+    assert params == ["state_fn", "ckpt_path", "model_provided", "model_connected"]
+    assert _compat.lightning.resolve_ckpt_path(trainer, "fit", "some/file.ckpt") == "some/file.ckpt"
+    assert _compat.lightning.resolve_ckpt_path(trainer, "fit", None) is None
+
+
+def test_transformers_attention_implementation_switch():
+    """``_compat.hf.set_attention_implementation``: transformers 5's public ``set_attn_implementation``, else (4.x)
+    the config's private ``_attn_implementation``, which a tiny Llama then reads."""
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    _compat.hf.set_attention_implementation(model, "eager")
+    assert model.config._attn_implementation == "eager"
