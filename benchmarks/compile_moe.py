@@ -5,7 +5,7 @@ dynamic shapes (issue 35 item 1). One process, CPU, float32, the ``tiny-moe`` pr
 - ``break``: what ``FourDStrategy(compile=True)`` does (:func:`lightning_4d.parallel.compile.compile_layers`): each
   decoder layer compiled, its MoE feed-forward run eagerly between the compiled parts;
 - ``dynamic``: each decoder layer compiled whole, MoE included, with Dynamo tracing the counts' ``.tolist()`` as
-  unbacked symbolic sizes (``_compat.dynamo_dynamic_scalars``).
+  unbacked symbolic sizes (``_compat.compile.dynamo_dynamic_scalars``).
 
 Printed per mode: the first step's seconds (compilation included), the median of the next ``--steps`` forward +
 backward steps, the graphs compiled and the loss of the first step (the three must agree to float32 rounding); a
@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 
 def run(mode: str, b: int, s: int, steps: int) -> dict:
     from lightning_4d.models import LlamaConfig, LlamaModel
-    from lightning_4d.parallel._compat import compiled_graph_count, dynamo_dynamic_scalars
+    from lightning_4d.parallel._compat.compile import compiled_graph_count, dynamo_dynamic_scalars
     from lightning_4d.parallel.compile import compile_layers
     from lightning_4d.parallel.loss import causal_lm_loss
 

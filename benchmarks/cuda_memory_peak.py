@@ -3,8 +3,8 @@ peaked 6-9% above estimate + CUDA library workspaces on an H100, while the other
 
 For each support-matrix row named, the row's smoke run (:func:`lightning_4d.support.run_row`, rank ``worst`` on the
 fake process group, 2 steps) runs with the CUDA caching allocator's event recording on
-(:func:`lightning_4d.parallel._compat.record_cuda_memory_history`); the trace is replayed (``alloc`` adds the block's
-bytes, ``free_requested`` removes them) to find the peak, and the blocks alive there are summed by the innermost
+(:func:`lightning_4d.parallel._compat.process.record_cuda_memory_history`); the trace is replayed (``alloc`` adds the
+block's bytes, ``free_requested`` removes them) to find the peak, and the blocks alive there are summed by the innermost
 frame in ``lightning_4d`` (and by the innermost Python frame of all; C++ frames and the smoke run's own dispatch
 mode are passed over). Writes ``cuda_memory_peak_<GPU>_<date>.json``.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_4d.parallel._compat import cuda_memory_snapshot, record_cuda_memory_history
+from lightning_4d.parallel._compat.process import cuda_memory_snapshot, record_cuda_memory_history
 from lightning_4d.support import ROWS, run_row
 
 #: frames that are not where a tensor was asked for: the smoke run's dispatch mode (lightning_4d/support.py), which

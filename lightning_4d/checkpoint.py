@@ -38,12 +38,9 @@ from torch.optim import Optimizer
 
 from lightning_4d.layout import saved_layout
 from lightning_4d.models.llama import LlamaModel, canonical_name
-from lightning_4d.parallel._compat import (
-    LIGHTNING_METADATA_FILENAME,
-    dcp_file_extents,
-    local_tensor as _local,
-    rekey_optimizer_state_if_needed,
-)
+from lightning_4d.parallel._compat.checkpoint import dcp_file_extents
+from lightning_4d.parallel._compat.dtensor import local_tensor as _local
+from lightning_4d.parallel._compat.lightning import LIGHTNING_METADATA_FILENAME, rekey_optimizer_state_if_needed
 from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, host_zeros_like, unwrap_optimizer as unwrap
 from lightning_4d.safe_load import SafeFileSystemReader, SafeLoadPlanner, load as safe_load
 

@@ -170,15 +170,17 @@ def _merge_checkpoint_hyper_parameters(cli: Any, merge: Callable[[], None]) -> N
     ``hyper_parameters`` over the model's arguments in ``cli.config``, but never of
     :data:`_FILE_HPARAMS_NEVER_MERGED` (a resume restores the weights from the checkpoint itself; a file must not make
     the run read another), and each argument the file changes named in one line on stderr, not applied silently."""
+    from jsonargparse import Namespace
+
     command = cli.config.get("subcommand")
     model = cli.config[command].get("model") if command else None
-    if not hasattr(model, "clone"):
+    if not isinstance(model, Namespace):
         merge()
         return
     before = model.clone()
     merge()
     merged = cli.config[command].get("model")
-    if not hasattr(merged, "items"):
+    if not isinstance(merged, (Namespace, dict)):
         return
     for key in _FILE_HPARAMS_NEVER_MERGED:
         merged[key] = before.get(key)
@@ -191,17 +193,64 @@ def _merge_checkpoint_hyper_parameters(cli: Any, merge: Callable[[], None]) -> N
         print(line, file=sys.stderr)
 
 
-def _checked_cli() -> type:
-    """``LightningCLI`` that, once the arguments are parsed and before Lightning reads ``--ckpt_path`` or anything
-    is built, refuses a ``--ckpt_path`` or ``--model.init_from`` checkpoint that is a URL or holds more than plain
-    data (:func:`_check_local_checkpoint`), ``--weights_only=false``, and, with ``FourDStrategy``, a precision it
-    cannot train with (:func:`lightning_4d.config.check_training_precision`); and that resolves ``--ckpt_path last``
-    (``hpc``, ``best``, ``registry``) as Lightning will and checks that file before the Trainer loads it: one line on
-    stderr, exit status 2."""
-    from lightning.pytorch.cli import LightningCLI
+def _refuse_unsafe_arguments(command: Optional[str], config: Any) -> None:
+    """Exit with status 2 and one line on stderr when the parsed arguments of ``command`` (``config``: its
+    jsonargparse ``Namespace``, or the whole config without a subcommand) ask for a ``--ckpt_path`` or
+    ``--model.init_from`` checkpoint that is a URL or holds more than plain data (:func:`_check_local_checkpoint`),
+    ``--weights_only=false``, or, with ``FourDStrategy``, a precision it cannot train with
+    (:func:`lightning_4d.config.check_training_precision`)."""
+    from jsonargparse import Namespace
 
     from lightning_4d.config import check_training_precision
-    from lightning_4d.parallel._compat import resolve_ckpt_path
+
+    model = config.get("model") if config is not None else None
+    paths = [
+        config.get("ckpt_path") if config is not None else None,
+        model.get("init_from") if isinstance(model, (Namespace, dict)) else None,
+    ]
+    trainer = (config.get("trainer") if config is not None else None) or {}
+    strategy = trainer.get("strategy")
+    class_path = strategy.get("class_path", "") if isinstance(strategy, (Namespace, dict)) else str(strategy)
+    try:
+        if class_path.rsplit(".", 1)[-1] == "FourDStrategy":  # its refusal of the Trainer's precision, in
+            check_training_precision(trainer.get("precision"))  # our words (Lightning's names no reason)
+        if config is not None and config.get("weights_only") is False:
+            raise ValueError(
+                "--weights_only=false is not honoured: checkpoints are loaded weights only (plain data and "
+                "tensors, lightning_4d.safe_load), so a file's code never runs; leave the flag out"
+            )
+        for path in paths:
+            _check_local_checkpoint(path)
+    except ValueError as e:
+        print(f"lightning-4d {command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _checked_special_ckpt_path(trainer: Any, subcommand: str, given: Any) -> Any:
+    """``given`` (the ``--ckpt_path`` of ``subcommand``), with ``last``, ``hpc``, ``best`` and ``registry``
+    resolved as Lightning will (its ``ModelCheckpoint`` lookup, ``None`` when nothing would be loaded) and the
+    resolved file checked like a path before the Trainer loads anything; exit status 2 with one line on stderr when
+    :func:`_check_local_checkpoint` refuses it."""
+    from lightning_4d.parallel._compat.lightning import resolve_ckpt_path
+
+    if not (isinstance(given, str) and given in _SPECIAL_CKPT_PATHS):
+        return given
+    resolved = resolve_ckpt_path(trainer, subcommand, given)
+    try:
+        _check_local_checkpoint(resolved)
+    except ValueError as e:
+        print(f"lightning-4d {subcommand}: error: --ckpt_path {given}: {e}", file=sys.stderr)
+        sys.exit(2)
+    return given if resolved is None else resolved  # (none: Lightning says itself that nothing will be loaded)
+
+
+def _checked_cli() -> type:
+    """``LightningCLI`` that, once the arguments are parsed and before Lightning reads ``--ckpt_path`` or anything
+    is built, refuses unsafe or unusable arguments (:func:`_refuse_unsafe_arguments`), merges a checkpoint's
+    hyper-parameters loudly (:func:`_merge_checkpoint_hyper_parameters`) and resolves ``--ckpt_path last`` (``hpc``,
+    ``best``, ``registry``) as Lightning will, checking that file before the Trainer loads it
+    (:func:`_checked_special_ckpt_path`): one line on stderr, exit status 2."""
+    from lightning.pytorch.cli import LightningCLI
 
     class CheckedCLI(LightningCLI):
         def init_parser(self, **kwargs: Any) -> Any:
@@ -211,45 +260,17 @@ def _checked_cli() -> type:
         def parse_arguments(self, parser: Any, args: Any) -> None:
             super().parse_arguments(parser, args)
             command = self.config.get("subcommand")
-            config = self.config.get(command) if command else self.config
-            model = config.get("model") if config is not None else None
-            paths = [
-                config.get("ckpt_path") if config is not None else None,
-                model.get("init_from") if model is not None and hasattr(model, "get") else None,
-            ]
-            trainer = (config.get("trainer") if config is not None else None) or {}
-            strategy = trainer.get("strategy")
-            class_path = strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy)
-            try:
-                if class_path.rsplit(".", 1)[-1] == "FourDStrategy":  # its refusal of the Trainer's precision, in
-                    check_training_precision(trainer.get("precision"))  # our words (Lightning's names no reason)
-                if config is not None and config.get("weights_only") is False:
-                    raise ValueError(
-                        "--weights_only=false is not honoured: checkpoints are loaded weights only (plain data and "
-                        "tensors, lightning_4d.safe_load), so a file's code never runs; leave the flag out"
-                    )
-                for path in paths:
-                    _check_local_checkpoint(path)
-            except ValueError as e:
-                print(f"lightning-4d {command}: error: {e}", file=sys.stderr)
-                sys.exit(2)
+            _refuse_unsafe_arguments(command, self.config.get(command) if command else self.config)
 
         def _parse_ckpt_path(self) -> None:
             _merge_checkpoint_hyper_parameters(self, super()._parse_ckpt_path)
 
         def _run_subcommand(self, subcommand: str) -> None:
-            # "last", "hpc", "best", "registry": resolved as Lightning will (its ModelCheckpoint lookup) and checked
-            # like a path before it loads anything; the resolved path is what the Trainer then gets
-            given = self.config_init[subcommand].get("ckpt_path")
-            if isinstance(given, str) and given in _SPECIAL_CKPT_PATHS:
-                resolved = resolve_ckpt_path(self.trainer, subcommand, given)
-                try:
-                    _check_local_checkpoint(resolved)
-                except ValueError as e:
-                    print(f"lightning-4d {subcommand}: error: --ckpt_path {given}: {e}", file=sys.stderr)
-                    sys.exit(2)
-                if resolved is not None:  # (none: Lightning says itself that nothing will be loaded)
-                    self.config_init[subcommand]["ckpt_path"] = resolved
+            config = self.config_init[subcommand]
+            given = config.get("ckpt_path")
+            checked = _checked_special_ckpt_path(self.trainer, subcommand, given)
+            if checked is not given:
+                config["ckpt_path"] = checked
             super()._run_subcommand(subcommand)
 
     return CheckedCLI
@@ -270,7 +291,7 @@ def _lightning_cli(args: Optional[list[str]]) -> bool:
         parser_kwargs={"prog": "lightning-4d"},
     )
     # a synchronized shutdown of the process group; the process itself must still leave without interpreter
-    # finalization (``_compat.exit_distributed_process``: gloo's worker threads can abort it)
+    # finalization (``_compat.process.exit_distributed_process``: gloo's worker threads can abort it)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -316,7 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"lightning-4d {args[0]}: error: {line} (set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
         return 2
     if distributed and argv is None:  # the console script of a distributed run: never return into finalization
-        from lightning_4d.parallel._compat import exit_distributed_process
+        from lightning_4d.parallel._compat.process import exit_distributed_process
 
         exit_distributed_process(0)
     return 0

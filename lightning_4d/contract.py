@@ -109,6 +109,13 @@ class TrainerContract(Protocol):
 
     datamodule: Any
     accumulate_grad_batches: int
+    #: the Trainer's callback list (``LMDataModule`` appends the callback that re-expresses restored batch counters)
+    callbacks: list
+    #: the run's length (``LMDataModule`` builds its dataset that long): ``max_steps`` (-1: unset), ``max_epochs``
+    max_steps: int
+    max_epochs: Optional[int]
+    #: Lightning's fit loop, whose ``epoch_loop.batch_progress`` counters ``LMDataModule`` converts on a resume
+    fit_loop: Any
 
 
 def _declared(*protocols: type) -> frozenset[str]:

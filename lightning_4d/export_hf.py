@@ -20,7 +20,7 @@ import torch
 
 from lightning_4d.checkpoint import check_complete, read_folder
 from lightning_4d.models import hf_mapping
-from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME
+from lightning_4d.parallel._compat.lightning import LIGHTNING_METADATA_FILENAME
 from lightning_4d.safe_load import load as safe_load
 
 __all__ = ["EXPORT_DTYPES", "HF_SHARD_BYTES", "export_hf", "export_hf_main"]

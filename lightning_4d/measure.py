@@ -1,6 +1,6 @@
 """One rank of any layout, measured in one process: ``lightning-4d measure``.
 
-torch's fake process group (:func:`lightning_4d.parallel._compat.init_fake_process_group`: every collective and
+torch's fake process group (:func:`lightning_4d.parallel._compat.fake.init_fake_process_group`: every collective and
 send/recv returns at once and moves no data, any rank of any world size; Megatron-LM's ``--fake-process-group``)
 lets one process build and run exactly the tensors rank ``r`` of a layout allocates: the same ``Trainer.fit``
 through :class:`~lightning_4d.FourDStrategy` (mesh, split, tp/sp, cp, activation checkpointing, FSDP2 or the ZeRO 0/1
@@ -12,10 +12,10 @@ What differs from a real run, and why it does not change the bytes:
 - :class:`MeasureStrategy` answers ``broadcast`` with the object itself (every rank computes the same object; the
   fake group cannot carry a pickled one);
 - under pp the stages learn their neighbours' tensor metadata from the layout instead of from a receive
-  (:func:`~lightning_4d.parallel._compat.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``;
+  (:func:`~lightning_4d.parallel._compat.fake.answer_pipeline_metadata`): the hidden state ``[b, s/(cp·tp_sp), h]``;
 - under expert parallelism the dispatch's count exchange (``features/moe/expert.py``: how many rows each source sends to
   each local expert) is answered with a stated load instead of the other ranks' routing
-  (:func:`~lightning_4d.parallel._compat.answer_count_exchange`): the rank's experts receive
+  (:func:`~lightning_4d.parallel._compat.fake.answer_count_exchange`): the rank's experts receive
   :func:`received_rows` rows per MoE layer, ``expert_load_imbalance`` times the balanced figure, the load the
   estimate assumes; the all-to-all of the rows then allocates exactly that many (their values are whatever the fake
   group left: memory is real, outputs meaningless).
@@ -53,12 +53,13 @@ from lightning_4d.features.moe import runtime as moe
 from lightning_4d.features.moe.costs import check_expert_load_imbalance
 from lightning_4d.features.moe.runtime import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
 from lightning_4d.layout import config_kwargs
-from lightning_4d.parallel._compat import (
+from lightning_4d.parallel._compat.dispatch import (
     TorchDispatchMode,
+    inner_tensors,
     is_traceable_wrapper_subclass,
-    local_tensor as _local,
     tree_flatten,
 )
+from lightning_4d.parallel._compat.dtensor import local_tensor as _local
 from lightning_4d.planning.commands import command_parser, layout_from_args, load_model_config
 from lightning_4d.planning.hardware import GIB, OverheadAllowance
 from lightning_4d.planning.model import estimate_all_pp_ranks, estimate_memory
@@ -105,8 +106,7 @@ def worst_rank(workload: Workload, pc: ParallelConfig, device_type: str = "cuda"
 def _storages(t: torch.Tensor) -> list:
     """The storages behind ``t``: a wrapper subclass (DTensor, ...) has none of its own; its inner tensors do."""
     if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        return [st for a in attrs if torch.is_tensor(x := getattr(t, a)) for st in _storages(x)]
+        return [st for x in inner_tensors(t) if torch.is_tensor(x) for st in _storages(x)]
     return [t.untyped_storage()]
 
 
@@ -205,7 +205,7 @@ def _strategy_class() -> type:
 
         def _answer_pipeline(self) -> Any:
             """The stages' neighbour metadata, from the layout (module docstring)."""
-            from lightning_4d.parallel._compat import answer_pipeline_metadata
+            from lightning_4d.parallel._compat.fake import answer_pipeline_metadata
 
             if self.pipeline is None:
                 return contextlib.nullcontext()
@@ -475,7 +475,7 @@ def measure_rank(
     """
     import torch.distributed as dist
 
-    from lightning_4d.parallel._compat import init_fake_process_group
+    from lightning_4d.parallel._compat.fake import init_fake_process_group
 
     coords = _check_measure_args(pc, rank, steps, device)
     imbalance = check_expert_load_imbalance(workload.expert_load_imbalance)
@@ -671,8 +671,7 @@ def _wrapped_leaves(tensors: Iterable[Optional[Tensor]]) -> Iterable[Tensor]:
             continue
         t = _local(t)
         if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) and is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            yield from _wrapped_leaves(getattr(t, n) for n in names)
+            yield from _wrapped_leaves(inner_tensors(t))
         else:
             yield t
 

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_4d.contract import layout_strategy, optional_member
 from lightning_4d.planning.hardware import parse_bytes
+from lightning_4d.planning.model import MemoryEstimate
 from lightning_4d.planning.planner import fitting_layout_lines, format_size as _size, suggestion_line
 from lightning_4d.planning.workload import Workload
 
@@ -83,20 +84,29 @@ def _batch_dims(batch: Any) -> tuple[int, int]:
     return int(tensor.shape[0]), int(tensor.shape[1])
 
 
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of ``loader`` (a ``DataLoader``: none for another iterable): the loader's own
+    (its iterator draws the workers' base seed from it) and those of torch's shuffling samplers (``RandomSampler``,
+    ``SubsetRandomSampler``, ``WeightedRandomSampler``: the permutation) as its sampler or its batch sampler's, each
+    once."""
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+    if not isinstance(loader, DataLoader):
+        return []
+    samplers = [loader.sampler]
+    if isinstance(loader.batch_sampler, BatchSampler):
+        samplers.append(loader.batch_sampler.sampler)
+    shuffling = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+    candidates = [loader.generator, *(s.generator for s in samplers if isinstance(s, shuffling))]
+    return list({id(g): g for g in candidates if isinstance(g, torch.Generator)}.values())
+
+
 @contextmanager
 def _rng_preserved(loader: Any) -> Iterator[None]:
     """Restore, on exit, every random state that reading a batch from ``loader`` can advance: torch's CPU (and, once
-    initialized, CUDA) generators, Python's and NumPy's global ones, and the ``torch.Generator`` of the loader and of
-    its (batch) sampler (a shuffling sampler draws its permutation from one of them, a ``DataLoader`` iterator its
-    workers' base seed)."""
-    sampler = getattr(loader, "sampler", None)
-    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    generators = {
-        id(g): g
-        for g in (getattr(x, "generator", None) for x in (loader, sampler, inner))
-        if isinstance(g, torch.Generator)
-    }
-    saved = [(g, g.get_state()) for g in generators.values()]
+    initialized, CUDA) generators, Python's and NumPy's global ones, and the ``torch.Generator`` of a ``DataLoader``
+    and of its (batch) sampler (:func:`_loader_generators`)."""
+    saved = [(g, g.get_state()) for g in _loader_generators(loader)]
     cpu, py = torch.get_rng_state(), random.getstate()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     np_random = sys.modules["numpy"].random if "numpy" in sys.modules else None
@@ -128,7 +138,7 @@ def _first_train_batch(trainer: L.Trainer) -> Any:
     """
     from lightning.pytorch.utilities import CombinedLoader
 
-    from lightning_4d.parallel._compat import train_data_source
+    from lightning_4d.parallel._compat.lightning import train_data_source
 
     source = train_data_source(trainer)
     if source is None or source.instance is None or not source.is_defined():
@@ -153,6 +163,79 @@ def _first_train_batch(trainer: L.Trainer) -> Any:
             raise _NoShape("the train dataloader is empty") from None
         except Exception as err:  # noqa: BLE001 - said in the warning or error
             raise _NoShape(f"reading it raised {type(err).__name__}: {err}") from err
+
+
+class _ShapeSearch:
+    """The batch shape (``micro_batch_size``, ``seq_length``) as :meth:`MemoryEstimatorCallback._batch_shape` finds
+    it, one source after another: each dimension is taken from the first source that gives it.
+
+    Attributes:
+        shape: ``{"micro_batch_size": b, "seq_length": s}``, ``None`` where not found yet.
+        origin: which source gave each dimension found.
+        looked: what each source looked at gave, in order (for the message when a dimension stays missing).
+    """
+
+    def __init__(self) -> None:
+        self.shape: dict[str, Optional[int]] = {"micro_batch_size": None, "seq_length": None}
+        self.origin: dict[str, str] = {}
+        self.looked: list[str] = []
+
+    @property
+    def missing(self) -> bool:
+        """Whether a dimension is still unknown."""
+        return None in self.shape.values()
+
+    def take(self, where: str, b: Optional[int], s: Optional[int]) -> None:
+        """Take ``b`` sequences of ``s`` tokens from ``where`` for each dimension still unknown (``None``: not
+        given)."""
+        for key, value in (("micro_batch_size", b), ("seq_length", s)):
+            if self.shape[key] is None and value is not None:
+                self.shape[key], self.origin[key] = int(value), where
+
+    def from_datamodule(self, dm: Any) -> None:
+        """The DataModule's ``micro_batch_size`` and ``seq_length`` attributes (``dm``: ``None`` without one)."""
+        if dm is None:
+            self.looked.append("the DataModule's micro_batch_size and seq_length (no DataModule)")
+            return
+        b, s = optional_member(dm, "micro_batch_size"), optional_member(dm, "seq_length")
+        self.take(f"the DataModule ({type(dm).__name__})", b, s)
+        self.looked.append(
+            f"the DataModule {type(dm).__name__}'s micro_batch_size and seq_length ("
+            f"{'neither' if b is None and s is None else 'only one'} defined)"
+        )
+
+    def from_first_batch(self, trainer: L.Trainer, pp: int, num_microbatches: int) -> None:
+        """The first batch of the train dataloader (:func:`_first_train_batch`), whose rows hold
+        ``num_microbatches`` micro-batches under pp > 1.
+
+        Raises:
+            ValueError: pp > 1 and the batch's rows are not a multiple of ``num_microbatches``.
+        """
+        where = "the first batch of the train dataloader"
+        try:
+            rows, s = _batch_dims(_first_train_batch(trainer))
+        except _NoShape as err:
+            self.looked.append(f"{where} ({err}; expected {_BATCH_CONVENTIONS})")
+            return
+        if pp > 1 and rows % num_microbatches:
+            raise ValueError(
+                f"{where} has {rows} sequences, which cannot be split into num_microbatches="
+                f"{num_microbatches} equal micro-batches (pipeline_parallel_size={pp}); the DataLoader's batch "
+                f"size per data-parallel rank must be a multiple of {num_microbatches} (micro_batch_size x "
+                "num_microbatches)."
+            )
+        self.take(where, rows // num_microbatches if pp > 1 else rows, s)
+
+    def from_example_input(self, example: Any) -> None:
+        """The module's ``example_input_array`` (one micro-batch; ``None``: not set)."""
+        where = "the module's example_input_array"
+        if example is None:
+            self.looked.append(f"{where} (not set)")
+            return
+        try:
+            self.take(where, *_batch_dims(example))
+        except _NoShape as err:
+            self.looked.append(f"{where} ({err}; expected {_BATCH_CONVENTIONS})")
 
 
 class MemoryEstimatorCallback(L.Callback):
@@ -272,66 +355,26 @@ class MemoryEstimatorCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, pp: int, num_microbatches: int
     ) -> tuple[dict[str, Optional[int]], dict[str, str], list[str]]:
         """``(shape, origin, looked)``: ``micro_batch_size`` and ``seq_length`` (``None`` where not found), where each
-        came from, and what each place looked at gave (for the message when something is missing).
+        came from, and what each place looked at gave (for the message when something is missing), from the sources
+        of the class docstring in order.
 
         Raises:
             ValueError: pp > 1 and the first training batch's rows are not a multiple of ``num_microbatches``.
         """
-        shape: dict[str, Optional[int]] = {"micro_batch_size": None, "seq_length": None}
-        origin: dict[str, str] = {}
-        looked: list[str] = []
-
-        def take(where: str, b: Optional[int], s: Optional[int]) -> None:
-            for key, value in (("micro_batch_size", b), ("seq_length", s)):
-                if shape[key] is None and value is not None:
-                    shape[key], origin[key] = int(value), where
-
-        def missing() -> bool:
-            return None in shape.values()
-
-        take("the callback's arguments", self.micro_batch_size, self.seq_length)
-        looked.append(
+        search = _ShapeSearch()
+        search.take("the callback's arguments", self.micro_batch_size, self.seq_length)
+        search.looked.append(
             "the callback's micro_batch_size= and seq_length= (not given)"
-            if not origin
-            else f"the callback's arguments (gave {', '.join(origin)})"
+            if not search.origin
+            else f"the callback's arguments (gave {', '.join(search.origin)})"
         )
-        dm = optional_member(trainer, "datamodule")
-        if missing():
-            if dm is None:
-                looked.append("the DataModule's micro_batch_size and seq_length (no DataModule)")
-            else:
-                b, s = optional_member(dm, "micro_batch_size"), optional_member(dm, "seq_length")
-                take(f"the DataModule ({type(dm).__name__})", b, s)
-                looked.append(
-                    f"the DataModule {type(dm).__name__}'s micro_batch_size and seq_length ("
-                    f"{'neither' if b is None and s is None else 'only one'} defined)"
-                )
-        if missing():
-            where = "the first batch of the train dataloader"
-            try:
-                rows, s = _batch_dims(_first_train_batch(trainer))
-            except _NoShape as err:
-                looked.append(f"{where} ({err}; expected {_BATCH_CONVENTIONS})")
-            else:
-                if pp > 1 and rows % num_microbatches:
-                    raise ValueError(
-                        f"{where} has {rows} sequences, which cannot be split into num_microbatches="
-                        f"{num_microbatches} equal micro-batches (pipeline_parallel_size={pp}); the DataLoader's batch "
-                        f"size per data-parallel rank must be a multiple of {num_microbatches} (micro_batch_size x "
-                        "num_microbatches)."
-                    )
-                take(where, rows // num_microbatches if pp > 1 else rows, s)
-        if missing():
-            where = "the module's example_input_array"
-            example = optional_member(pl_module, "example_input_array")
-            if example is None:
-                looked.append(f"{where} (not set)")
-            else:
-                try:
-                    take(where, *_batch_dims(example))
-                except _NoShape as err:
-                    looked.append(f"{where} ({err}; expected {_BATCH_CONVENTIONS})")
-        return shape, origin, looked
+        if search.missing:
+            search.from_datamodule(optional_member(trainer, "datamodule"))
+        if search.missing:
+            search.from_first_batch(trainer, pp, num_microbatches)
+        if search.missing:
+            search.from_example_input(optional_member(pl_module, "example_input_array"))
+        return search.shape, search.origin, search.looked
 
     def _device(self, trainer: L.Trainer) -> tuple[Optional[int], Optional[str], str]:
         device = trainer.strategy.root_device
@@ -385,7 +428,7 @@ class MemoryEstimatorCallback(L.Callback):
         lines = [
             f"estimated peak memory {_size(total)} per GPU exceeds the budget {_size(limit)} "
             f"({100 * self.budget:.0f}% of {_size(memory)}) for {layout} ({self.formula} estimate, "
-            f"pp rank {getattr(est, 'pp_rank', 0)}; nothing was allocated). Breakdown:"
+            f"pp rank {est.pp_rank if isinstance(est, MemoryEstimate) else 0}; nothing was allocated). Breakdown:"
         ]
         lines += [f"  {k:<17}{_size(v):>14}" for k, v in breakdown.items()]
         if self.formula == "lightning_4d":

@@ -12,7 +12,6 @@ each such feature carve its own (:func:`_feature_meshes`; the MoE component's gr
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_4d.config import MESH_DIM_NAMES, ParallelConfig
-from lightning_4d.parallel._compat import flatten_mesh, unflatten_mesh
+from lightning_4d.parallel._compat.dtensor import flatten_mesh, unflatten_mesh
 
 
 @dataclass
@@ -32,11 +31,26 @@ class ParallelMesh:
         dp_cp: the 1D flattened ``("dp", "cp")`` mesh (ZeRO sharding, gradient reduction, loss averaging).
         submeshes: the 1D meshes features carved out of these (:meth:`flatten`, :meth:`unflatten`), by name; each is
             also an attribute (``mesh.<name>``) once carved.
+        tp, dp, cp, pp: the 1D slices of ``world``, each made once, when the mesh is built (slicing a DeviceMesh
+            costs ~1-5 ms of Python per call: benchmarks/step_overhead.py measured the per-step reads of ``cp`` and
+            ``dp``).
+        dp_rank, tp_rank: this rank's coordinates in ``dp`` and ``tp`` (they never change; the sampler reads the
+            rank every step).
     """
 
     world: DeviceMesh
     dp_cp: DeviceMesh
     submeshes: dict[str, DeviceMesh] = field(default_factory=dict)
+    tp: DeviceMesh = field(init=False)
+    dp: DeviceMesh = field(init=False)
+    cp: DeviceMesh = field(init=False)
+    pp: DeviceMesh = field(init=False)
+    dp_rank: int = field(init=False)
+    tp_rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tp, self.dp, self.cp, self.pp = (self.world[dim] for dim in ("tp", "dp", "cp", "pp"))
+        self.dp_rank, self.tp_rank = self.dp.get_local_rank(), self.tp.get_local_rank()
 
     def __getattr__(self, name: str) -> DeviceMesh:
         submeshes = self.__dict__.get("submeshes", {})
@@ -64,32 +78,6 @@ class ParallelMesh:
         for dim in names:
             self.submeshes[dim] = mesh[dim]
         return mesh
-
-    # the 1D slices of ``world``, each made once (slicing a DeviceMesh costs ~1-5 ms of Python per call:
-    # benchmarks/step_overhead.py measured the per-step reads of ``cp`` and ``dp``)
-    @functools.cached_property
-    def tp(self) -> DeviceMesh:
-        return self.world["tp"]
-
-    @functools.cached_property
-    def dp(self) -> DeviceMesh:
-        return self.world["dp"]
-
-    @functools.cached_property
-    def cp(self) -> DeviceMesh:
-        return self.world["cp"]
-
-    @functools.cached_property
-    def pp(self) -> DeviceMesh:
-        return self.world["pp"]
-
-    @functools.cached_property  # a rank's coordinates never change (read every step: the sampler's rank)
-    def dp_rank(self) -> int:
-        return self.dp.get_local_rank()
-
-    @functools.cached_property
-    def tp_rank(self) -> int:
-        return self.tp.get_local_rank()
 
 
 def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:

@@ -21,17 +21,23 @@ FSDP1_WRAPPED_MODULE = "_fsdp_wrapped_module"
 #: every module level a wrapper inserts into parameter names, stripped from them so that a parameter keeps one name on
 #: every layout (``lightning_4d.models.llama.canonical_name``). Torch's private names, written once here, below both
 #: the model and the parallel code that strip or insert them; ``tests/test_compat.py`` checks each against the
-#: installed torch, as it checks ``parallel/_compat.py``'s.
+#: installed torch, as it checks those of ``parallel/_compat/``.
 MODULE_WRAPPER_PREFIXES = (CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE, FSDP1_WRAPPED_MODULE)
 
 
 def find_submodel(module: nn.Module, path: str) -> Optional[nn.Module]:
-    """``module``'s submodule at the dotted attribute ``path`` (``None`` where an attribute on the way is ``None``)."""
-    for part in path.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
+    """``module``'s submodule at the dotted attribute ``path`` (``None`` where a module on the way is missing or
+    ``None``)."""
+    try:
+        return module.get_submodule(path)
+    except AttributeError:  # torch's get_submodule: no such attribute, or one that is not a module (None)
+        return None
+
+
+def own_weight(module: Optional[nn.Module]) -> Optional[nn.Parameter]:
+    """The parameter ``module`` registers as ``weight`` itself (an embedding's table, a linear layer's matrix), or
+    ``None`` (no module, or one without such a parameter)."""
+    return None if module is None else dict(module.named_parameters(recurse=False)).get("weight")
 
 
 def set_submodel(module: nn.Module, path: str, value: Optional[nn.Module]) -> None:

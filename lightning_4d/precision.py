@@ -20,7 +20,7 @@ from functools import lru_cache, partial
 from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 from lightning_4d.features.moe import runtime as moe
@@ -28,6 +28,12 @@ from lightning_4d.parallel.clipping import clip_grad_norm_
 from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
 _NORM = GradClipAlgorithmType.NORM
+
+
+def loss_scaler(plugin: Precision) -> Optional[Any]:
+    """The float16 gradient scaler (``torch.amp.GradScaler``) of a Lightning precision plugin: ``MixedPrecision``'s
+    and ``FSDPPrecision``'s under ``16-mixed``; ``None`` under ``bf16-mixed`` or for a plugin that scales nothing."""
+    return plugin.scaler if isinstance(plugin, (MixedPrecision, FSDPPrecision)) else None
 
 
 class FourDPrecision(Precision):
@@ -77,7 +83,7 @@ class FourDPrecision(Precision):
         """Lightning's clipping, but where nothing is loss-scaled (no float16 gradient scaler: ``bf16-mixed``,
         ``32-true``) also for a fused optimizer (``torch.optim.AdamW(fused=True)``, ``CausalLMModule``'s), which
         Lightning's AMP plugin refuses because a fused optimizer would unscale float16 gradients itself."""
-        if getattr(self, "scaler", None) is None:
+        if loss_scaler(self) is None:
             return Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
         return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 

@@ -18,9 +18,11 @@ that the file carries.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 from pathlib import Path
+from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, Union
 
 import torch
@@ -141,32 +143,38 @@ DCP_METADATA_CLASSES = frozenset(
 )
 
 
-def _dcp_type(module: str, qualname: str) -> Any:
-    """The object the pickle of a DCP ``.metadata`` may name: one of :data:`DCP_METADATA_CLASSES`, a torch dtype /
-    layout / memory format, ``torch.Size``, a ``pathlib`` path or a plain container (what torch 2.13 writes);
-    anything else is refused (``None``)."""
+@functools.lru_cache(maxsize=1)
+def _plain_types() -> dict[tuple[str, str], Any]:
+    """``{(module, qualname): object}`` of everything but DCP's own classes a DCP ``.metadata`` pickle may name: torch's
+    dtypes, layouts and memory formats, ``torch.Size``, ``pathlib``'s paths (the ``checkpoint_id`` DCP records:
+    building a path runs nothing), ``collections.OrderedDict``, plain builtin containers, and the function that
+    rebuilds a ``torch.layout`` by its name."""
     import collections
+    import pathlib
+
+    from lightning_4d.parallel._compat.checkpoint import layout_by_name
+
+    torch_values = (torch.dtype, torch.layout, torch.memory_format)
+    paths = (pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
+    builtins = (set, frozenset, list, dict, tuple, bytes, bytearray)
+    return {
+        **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch_values)},
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): layout_by_name,
+        **{("pathlib", cls.__name__): cls for cls in paths},
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        **{("builtins", cls.__name__): cls for cls in builtins},
+    }
+
+
+def _dcp_type(module: str, qualname: str) -> Any:
+    """The object the pickle of a DCP ``.metadata`` may name: one of :data:`DCP_METADATA_CLASSES` or of
+    :func:`_plain_types` (what torch 2.13 writes); anything else is refused (``None``)."""
     import importlib
 
     if (module, qualname) in DCP_METADATA_CLASSES:
-        return getattr(importlib.import_module(module), qualname, None)
-    if module == "torch":
-        obj = getattr(torch, qualname, None)
-        if qualname == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-            return obj
-    if (module, qualname) == ("torch.serialization", "_get_layout"):  # a layout by its name (torch.strided)
-        from lightning_4d.parallel._compat import layout_by_name
-
-        return layout_by_name
-    if module == "pathlib" and qualname in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
-        import pathlib
-
-        return getattr(pathlib, qualname)  # the checkpoint_id DCP records: building a path runs nothing
-    if (module, qualname) == ("collections", "OrderedDict"):
-        return collections.OrderedDict
-    if module == "builtins" and qualname in ("set", "frozenset", "list", "dict", "tuple", "bytes", "bytearray"):
-        return getattr(__import__("builtins"), qualname)
-    return None
+        return vars(importlib.import_module(module)).get(qualname)
+    return _plain_types().get((module, qualname))
 
 
 class _DcpMetadataUnpickler(pickle._Unpickler):
@@ -189,7 +197,11 @@ class _DcpMetadataUnpickler(pickle._Unpickler):
     def _load_build(self) -> None:
         target = self.stack[-2] if len(self.stack) >= 2 else None
         if isinstance(target, type) or callable(target):
-            name = getattr(target, "__qualname__", type(target).__name__)
+            name = (
+                target.__qualname__
+                if isinstance(target, (type, FunctionType, BuiltinFunctionType, MethodType))
+                else type(target).__name__
+            )
             raise UnsafeFileError(
                 f"refusing to load {self.label}: its pickle sets attributes of {name} itself (BUILD on a class), "
                 f"which would change it for the whole process; {REMEDY}"
@@ -221,7 +233,7 @@ class SafeFileSystemReader(FileSystemReader):
         if kwargs.get("rank") is not None:  # a per-rank metadata file: we never write one
             raise ValueError(f"{str(self.path)!r}: per-rank DCP metadata is not supported")
         metadata = read_dcp_metadata(self.path)
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:  # a dataclass field, None by default
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

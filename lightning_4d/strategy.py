@@ -30,7 +30,7 @@ from lightning_4d.features.moe import runtime as moe
 from lightning_4d.layout import layout_of, layout_signature, saved_layout
 from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh, embedding_group
-from lightning_4d.parallel._compat import (
+from lightning_4d.parallel._compat.lightning import (
     PATH,
     attached_trainer,
     materialize_distributed_module,

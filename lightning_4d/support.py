@@ -327,7 +327,7 @@ def defined_collectives() -> Any:
     import torch
     from torch.utils._pytree import tree_leaves
 
-    from lightning_4d.parallel._compat import TorchDispatchMode
+    from lightning_4d.parallel._compat.dispatch import TorchDispatchMode
 
     class DefinedCollectives(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

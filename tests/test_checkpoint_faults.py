@@ -94,11 +94,12 @@ def _folder(path, step):
 
 def _found_by_last(dirpath):
     """What Lightning's ``ckpt_path="last"`` loads from a ``ModelCheckpoint(dirpath=...)``: the newest (modification
-    time) of the callback's ``last*.ckpt`` entries (Lightning's own lookup, through ``_compat.resolve_ckpt_path``)."""
+    time) of the callback's ``last*.ckpt`` entries (Lightning's own lookup, through
+    ``_compat.lightning.resolve_ckpt_path``)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_4d.parallel._compat import resolve_ckpt_path
+    from lightning_4d.parallel._compat.lightning import resolve_ckpt_path
 
     trainer = L.Trainer(
         accelerator="cpu", devices=1, logger=False, callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)]

@@ -1,5 +1,6 @@
-"""Every private torch / Lightning / flash-attn name ``lightning_4d.parallel._compat`` wraps exists on the installed
-versions, with the arguments the package passes; a name that disappears fails here, not silently at run time.
+"""Every private torch / Lightning / flash-attn name ``lightning_4d.parallel._compat`` wraps (one module per feature)
+exists on the installed versions, with the arguments the package passes; a name that disappears fails here, not
+silently at run time.
 
 Nothing is skipped: flash-attn is checked when it is importable, and otherwise the wrapper must raise the ImportError
 that names the extra to install.
@@ -18,6 +19,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import lightning_4d.parallel._compat.checkpoint
+import lightning_4d.parallel._compat.collectives
+import lightning_4d.parallel._compat.compile
+import lightning_4d.parallel._compat.dispatch
+import lightning_4d.parallel._compat.dtensor
+import lightning_4d.parallel._compat.fake
+import lightning_4d.parallel._compat.fsdp
+import lightning_4d.parallel._compat.hf
+import lightning_4d.parallel._compat.kernels
+import lightning_4d.parallel._compat.lightning
+import lightning_4d.parallel._compat.pipeline
+import lightning_4d.parallel._compat.process  # noqa: F401  (each as _compat.<module>)
 from lightning_4d.parallel import _compat
 
 
@@ -25,19 +38,21 @@ def test_lightning_private_names_resolve():
     from lightning.fabric.strategies import model_parallel as fabric_mp
     from lightning.fabric.utilities import init, load, optimizer, types
 
-    assert _compat.rekey_optimizer_state_if_needed is fabric_mp._rekey_optimizer_state_if_needed
-    assert _compat.materialize_distributed_module is init._materialize_distributed_module
-    assert _compat.LIGHTNING_METADATA_FILENAME == load._METADATA_FILENAME == "meta.pt"
-    assert _compat.optimizers_to_device is optimizer._optimizers_to_device
-    assert _compat.PATH is types._PATH
+    assert _compat.lightning.rekey_optimizer_state_if_needed is fabric_mp._rekey_optimizer_state_if_needed
+    assert _compat.lightning.materialize_distributed_module is init._materialize_distributed_module
+    assert _compat.lightning.LIGHTNING_METADATA_FILENAME == load._METADATA_FILENAME == "meta.pt"
+    assert _compat.lightning.optimizers_to_device is optimizer._optimizers_to_device
+    assert _compat.lightning.PATH is types._PATH
 
 
 def test_model_parallel_strategy_private_members_exist():
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy()
-    missing = [name for name in _compat.MODEL_PARALLEL_STRATEGY_PRIVATE if not hasattr(strategy, name)]
-    assert not missing, f"Lightning's ModelParallelStrategy lost {missing}: update FourDStrategy and _compat.py"
+    missing = [name for name in _compat.lightning.MODEL_PARALLEL_STRATEGY_PRIVATE if not hasattr(strategy, name)]
+    assert not missing, (
+        f"Lightning's ModelParallelStrategy lost {missing}: update FourDStrategy and parallel/_compat/lightning.py"
+    )
     assert callable(strategy._configure_launcher) and callable(strategy._setup_distributed)
 
 
@@ -45,11 +60,11 @@ def test_lightning_module_trainer_and_device_mesh():
     import lightning.pytorch as pl
 
     module = pl.LightningModule()
-    assert _compat.attached_trainer(module) is None
-    assert _compat.attached_trainer(None) is None
+    assert _compat.lightning.attached_trainer(module) is None
+    assert _compat.lightning.attached_trainer(None) is None
     assert "_trainer" in vars(module), "LightningModule no longer keeps its trainer in `_trainer`"
     mesh = object()
-    _compat.set_module_device_mesh(module, mesh)  # type: ignore[arg-type]
+    _compat.lightning.set_module_device_mesh(module, mesh)  # type: ignore[arg-type]
     assert module.device_mesh is mesh, "LightningModule.device_mesh no longer reads `_device_mesh`"
 
 
@@ -61,9 +76,11 @@ def test_train_data_source_of_a_trainer():
     from torch.utils.data import DataLoader
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-    source = _compat.train_data_source(trainer)
-    missing = [name for name in _compat.TRAIN_DATA_SOURCE_MEMBERS if not hasattr(source, name)]
-    assert not missing, f"Lightning's train data source lost {missing}: update _compat.train_data_source's callers"
+    source = _compat.lightning.train_data_source(trainer)
+    missing = [name for name in _compat.lightning.TRAIN_DATA_SOURCE_MEMBERS if not hasattr(source, name)]
+    assert not missing, (
+        f"Lightning's train data source lost {missing}: update _compat.lightning.train_data_source's callers"
+    )
     assert source is trainer.fit_loop._data_source and source.instance is None
     loader = DataLoader(range(4), batch_size=2)
     source.instance = loader  # what trainer.fit(model, train_dataloaders=loader) sets
@@ -79,7 +96,7 @@ def test_train_data_source_of_a_trainer():
     assert source.is_defined() and source.dataloader() is loader
     source.instance = pl.LightningModule()  # no train_dataloader hook
     assert not source.is_defined()
-    assert _compat.train_data_source(object()) is None
+    assert _compat.lightning.train_data_source(object()) is None
 
 
 def test_fit_loop_keeps_its_training_loader_where_forget_train_loader_clears_it():
@@ -88,11 +105,11 @@ def test_fit_loop_keeps_its_training_loader_where_forget_train_loader_clears_it(
     import lightning.pytorch as pl
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-    assert hasattr(trainer.fit_loop, _compat.FIT_LOOP_LOADER), "Lightning's fit loop lost _combined_loader"
-    setattr(trainer.fit_loop, _compat.FIT_LOOP_LOADER, object())
-    _compat.forget_train_loader(trainer)
-    assert getattr(trainer.fit_loop, _compat.FIT_LOOP_LOADER) is None
-    _compat.forget_train_loader(object())  # no fit loop: nothing to do
+    assert "_combined_loader" in vars(trainer.fit_loop), "Lightning's fit loop lost _combined_loader"
+    trainer.fit_loop._combined_loader = object()
+    _compat.lightning.forget_train_loader(trainer)
+    assert trainer.fit_loop._combined_loader is None
+    _compat.lightning.forget_train_loader(object())  # not a Trainer: nothing to do
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +126,35 @@ def single_rank_group():
             dist.destroy_process_group()
 
 
+def test_inner_tensors_of_a_dtensor(single_rank_group):
+    """``inner_tensors`` reads the attributes a wrapper subclass's ``__tensor_flatten__`` names: a DTensor's local
+    tensor (what the measure counts the storage of)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dt = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Replicate()])
+    assert _compat.dispatch.is_traceable_wrapper_subclass(dt)
+    tensors = [t for t in _compat.dispatch.inner_tensors(dt) if torch.is_tensor(t)]  # and its device mesh
+    assert len(tensors) == 1 and tensors[0] is dt._local_tensor
+
+
+def test_checkpointed_module_is_the_wrapped_one():
+    """``CheckpointWrapper._checkpoint_wrapped_module`` is the module ``checkpoint_wrapper`` wrapped; an unwrapped
+    module is its own."""
+    layer = nn.Linear(2, 2)
+    wrapped = _compat.fsdp.checkpoint_wrapper(layer, checkpoint_impl=_compat.fsdp.CheckpointImpl.NO_REENTRANT)
+    assert _compat.fsdp.checkpointed_module(wrapped) is layer
+    assert _compat.fsdp.checkpointed_module(layer) is layer
+
+
 def test_local_tensor_is_the_dtensor_storage(single_rank_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     t = torch.ones(3)
-    assert _compat.local_tensor(t) is t
+    assert _compat.dtensor.local_tensor(t) is t
     dt = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Replicate()])
-    _compat.local_tensor(dt).add_(1)  # in place, through the wrapper, reaches the DTensor
+    _compat.dtensor.local_tensor(dt).add_(1)  # in place, through the wrapper, reaches the DTensor
     assert torch.equal(dt.to_local(), torch.full((4,), 2.0))
 
 
@@ -125,7 +163,7 @@ def test_flatten_mesh(single_rank_group):
 
     assert callable(getattr(DeviceMesh, "_flatten", None)), "DeviceMesh._flatten is gone: update flatten_mesh"
     mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
-    flat = _compat.flatten_mesh(mesh["dp", "cp"], "dp_cp")
+    flat = _compat.dtensor.flatten_mesh(mesh["dp", "cp"], "dp_cp")
     assert flat.mesh_dim_names == ("dp_cp",) and flat.size() == 1
     assert flat.get_group() is not None
 
@@ -136,8 +174,10 @@ def test_precision_private_members_exist():
     from lightning.pytorch.plugins.precision import Precision
 
     plugin = Precision()
-    missing = [name for name in _compat.PRECISION_PRIVATE if not callable(getattr(plugin, name, None))]
-    assert not missing, f"Lightning's Precision lost {missing}: update lightning_4d/precision.py and _compat.py"
+    missing = [name for name in _compat.lightning.PRECISION_PRIVATE if not callable(getattr(plugin, name, None))]
+    assert not missing, (
+        f"Lightning's Precision lost {missing}: update lightning_4d/precision.py and parallel/_compat/lightning.py"
+    )
     assert list(inspect.signature(plugin._wrap_closure).parameters) == ["model", "optimizer", "closure"]
     source = inspect.getsource(Precision._wrap_closure)
     assert source.index("closure()") < source.index("self._after_closure(model, optimizer)")
@@ -151,18 +191,18 @@ def test_layout_by_name_rebuilds_a_pickled_layout():
 
     import torch.serialization
 
-    assert _compat.layout_by_name is torch.serialization._get_layout
-    assert _compat.layout_by_name("torch.strided") is torch.strided
+    assert _compat.checkpoint.layout_by_name is torch.serialization._get_layout
+    assert _compat.checkpoint.layout_by_name("torch.strided") is torch.strided
     assert "_get_layout" in [arg for _, arg, _ in pickletools.genops(pickle.dumps(torch.strided))]
 
 
 def test_torch_utils_private_names_of_the_comm_meter():
     from torch.utils import _python_dispatch, _pytree
 
-    assert _compat.TorchDispatchMode is _python_dispatch.TorchDispatchMode
-    assert _compat.tree_flatten is _pytree.tree_flatten
-    assert _compat.tree_flatten({"a": [1, (2, 3)]})[0] == [1, 2, 3]
-    assert _compat.untracked is _python_dispatch._disable_current_modes
+    assert _compat.dispatch.TorchDispatchMode is _python_dispatch.TorchDispatchMode
+    assert _compat.dispatch.tree_flatten is _pytree.tree_flatten
+    assert _compat.dispatch.tree_flatten({"a": [1, (2, 3)]})[0] == [1, 2, 3]
+    assert _compat.dispatch.untracked is _python_dispatch._disable_current_modes
 
 
 @pytest.mark.slow
@@ -173,12 +213,12 @@ def test_exit_distributed_process_runs_exit_handlers_and_keeps_the_status(tmp_pa
     import subprocess
     import sys
 
-    assert callable(getattr(atexit, _compat.RUN_EXIT_HANDLERS))
+    assert callable(atexit._run_exitfuncs)
     marker = tmp_path / "handler_ran"
     code = (
         "import atexit, sys\n"
         f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes'))\n"
-        "from lightning_4d.parallel._compat import exit_distributed_process\n"
+        "from lightning_4d.parallel._compat.process import exit_distributed_process\n"
         "sys.stdout.write('buffered')\n"
         "exit_distributed_process(3)\n"
         "print('not reached')\n"
@@ -198,10 +238,10 @@ def test_module_wrapper_prefixes():
 
     from lightning_4d import module_tree
 
-    assert _compat.checkpoint_wrapper is cw.checkpoint_wrapper and _compat.CheckpointImpl is cw.CheckpointImpl
+    assert _compat.fsdp.checkpoint_wrapper is cw.checkpoint_wrapper and _compat.fsdp.CheckpointImpl is cw.CheckpointImpl
     assert module_tree.CHECKPOINT_WRAPPED_MODULE == cw._CHECKPOINT_WRAPPED_MODULE
     assert module_tree.FSDP1_WRAPPED_MODULE == _common_utils.FSDP_WRAPPED_MODULE
-    wrapped = _compat.checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl=_compat.CheckpointImpl.NO_REENTRANT)
+    wrapped = _compat.fsdp.checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl=_compat.fsdp.CheckpointImpl.NO_REENTRANT)
     assert hasattr(wrapped, module_tree.CHECKPOINT_WRAPPED_MODULE)
     compiled = torch.compile(nn.Linear(2, 2))  # wraps lazily: nothing is compiled before a call
     assert [n for n, _ in compiled.named_parameters()][0].startswith(module_tree.COMPILED_MODULE + ".")
@@ -225,17 +265,17 @@ def test_compiled_graph_count_counts_compiled_graphs_and_not_eager_fallbacks():
         raise RuntimeError("planted backend failure")
 
     torch._dynamo.reset()
-    before = _compat.compiled_graph_count()
+    before = _compat.compile.compiled_graph_count()
     compiled = torch.compile(f, backend="eager")
     compiled(torch.ones(3))
-    assert _compat.compiled_graph_count() == before + 1
+    assert _compat.compile.compiled_graph_count() == before + 1
     compiled(torch.ones(3))
-    assert _compat.compiled_graph_count() == before + 1
+    assert _compat.compile.compiled_graph_count() == before + 1
     torch._dynamo.reset()
     with torch._dynamo.config.patch(suppress_errors=True):
         out = torch.compile(lambda x: torch.cos(x) * 2, backend=failing_backend)(torch.ones(3))
     assert torch.equal(out, torch.cos(torch.ones(3)) * 2)  # ran eagerly
-    assert _compat.compiled_graph_count() == before + 1
+    assert _compat.compile.compiled_graph_count() == before + 1
     torch._dynamo.reset()
 
 
@@ -247,7 +287,7 @@ def test_async_collective_input_is_waited_for_with_its_gradient():
     from lightning_4d.parallel.compile import _WaitAsyncCollective
 
     values = torch.arange(6.0).reshape(2, 3)
-    x = _compat.AsyncCollectiveTensor(values.clone()).requires_grad_()
+    x = _compat.compile.AsyncCollectiveTensor(values.clone()).requires_grad_()
     out = _WaitAsyncCollective.apply(x)
     assert type(out) is torch.Tensor and torch.equal(out, values)
     (out * values).sum().backward()
@@ -260,7 +300,7 @@ def test_dynamo_dynamic_scalars_sets_both_flags_inside_only():
     import torch._dynamo.config as config
 
     before = (config.capture_scalar_outputs, config.capture_dynamic_output_shape_ops)
-    with _compat.dynamo_dynamic_scalars():
+    with _compat.compile.dynamo_dynamic_scalars():
         assert config.capture_scalar_outputs and config.capture_dynamic_output_shape_ops
     assert (config.capture_scalar_outputs, config.capture_dynamic_output_shape_ops) == before == (False, False)
 
@@ -280,25 +320,25 @@ def test_module_apply_signature():
     assert list(inspect.signature(nn.Module._apply).parameters) == ["self", "fn", "recurse"]
 
 
-@pytest.mark.parametrize("name", sorted(_compat.ATEN_FLASH_OPS))
+@pytest.mark.parametrize("name", sorted(_compat.kernels.ATEN_FLASH_OPS))
 def test_aten_flash_ops_exist_with_the_arguments_passed(name):
     assert hasattr(torch.ops.aten, name), f"torch.ops.aten.{name} is gone: update aten_flash_forward/backward"
     schema = getattr(torch.ops.aten, name).default._schema
-    expected = _compat.ATEN_FLASH_OPS[name]
+    expected = _compat.kernels.ATEN_FLASH_OPS[name]
     positional = [a.name for a in schema.arguments if not a.kwarg_only]
     assert tuple(positional[: len(expected)]) == expected, f"aten.{name} changed its arguments: {schema}"
     assert "scale" in [a.name for a in schema.arguments if a.kwarg_only]
 
 
-@pytest.mark.parametrize("name", _compat.SAC_SAVED_PRIVATE_OPS)
+@pytest.mark.parametrize("name", _compat.fsdp.SAC_SAVED_PRIVATE_OPS)
 def test_selective_checkpointing_ops_exist(name):
     """Each op selective activation checkpointing saves resolves under the name the policy compares (flash-attn's
-    when flash-attn is installed; otherwise it must be the forward of :data:`_compat.FLASH_ATTN_FUNCTIONS`)."""
+    when flash-attn is installed; otherwise it must be the forward of :data:`_compat.kernels.FLASH_ATTN_FUNCTIONS`)."""
     import torch.distributed  # noqa: F401  (registers the _c10d_functional ops)
 
     namespace, op = name.split("::")
     if namespace == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        assert op in _compat.FLASH_ATTN_FUNCTIONS
+        assert op in _compat.kernels.FLASH_ATTN_FUNCTIONS
         return
     if namespace == "flash_attn":
         importlib.import_module("flash_attn.flash_attn_interface")  # registers torch.ops.flash_attn
@@ -312,13 +352,13 @@ def test_aten_flash_cpu_matches_sdpa(dtype):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
     scale = 0.5
-    out, lse = _compat.aten_flash_forward(q, k, v, causal=True, scale=scale)
+    out, lse = _compat.kernels.aten_flash_forward(q, k, v, causal=True, scale=scale)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     assert lse.shape == (2, 3, 8)
     torch.testing.assert_close(out, ref)
     dout = torch.randn_like(out)
     ref.backward(dout)
-    dq, dk, dv = _compat.aten_flash_backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+    dq, dk, dv = _compat.kernels.aten_flash_backward(dout, q, k, v, out, lse, causal=True, scale=scale)
     for got, t in zip((dq, dk, dv), (q, k, v)):
         torch.testing.assert_close(got, t.grad)
 
@@ -326,19 +366,19 @@ def test_aten_flash_cpu_matches_sdpa(dtype):
 def test_flash_attn_names_or_clear_import_error():
     if importlib.util.find_spec("flash_attn") is not None:
         fa = importlib.import_module("flash_attn.flash_attn_interface")
-        for name, expected in _compat.FLASH_ATTN_FUNCTIONS.items():
+        for name, expected in _compat.kernels.FLASH_ATTN_FUNCTIONS.items():
             assert hasattr(fa, name), f"flash_attn.flash_attn_interface.{name} is gone"
             params = list(inspect.signature(getattr(fa, name)).parameters)
             assert tuple(params[: len(expected)]) == expected, f"{name} changed its parameters: {params}"
-        assert _compat.flash_attn_interface() is fa
+        assert _compat.kernels.flash_attn_interface() is fa
         return
     x = torch.zeros(1, 2, 1, 8)
     with pytest.raises(ImportError, match=r"lightning-4d\[flash\]"):
-        _compat.flash_attn_interface()
+        _compat.kernels.flash_attn_interface()
     with pytest.raises(ImportError, match=r"lightning-4d\[flash\]"):
-        _compat.flash_attn_forward(x, x, x, causal=True, scale=1.0)
+        _compat.kernels.flash_attn_forward(x, x, x, causal=True, scale=1.0)
     with pytest.raises(ImportError, match=r"lightning-4d\[flash\]"):
-        _compat.flash_attn_backward(x, (x, x, x), x, x[..., 0], (x, x, x), causal=True, scale=1.0)
+        _compat.kernels.flash_attn_backward(x, (x, x, x), x, x[..., 0], (x, x, x), causal=True, scale=1.0)
 
 
 def test_flash_attn_pin_matches_the_signature():
@@ -374,8 +414,8 @@ def test_reset_schedule_metadata_resets_the_init_flags(single_rank_group, name):
     torch.manual_seed(0)
     stages = [pipelining.PipelineStage(nn.Linear(4, 4), i, n_stages, torch.device("cpu")) for i in range(n_stages)]
     schedule = cls(stages[0] if n_stages == 1 else stages, n_microbatches=2, loss_fn=lambda out, target: out.sum())
-    base = next(b for b in _compat.SCHEDULE_INIT_FLAGS if isinstance(schedule, getattr(pipelining.schedules, b)))
-    flags = _compat.SCHEDULE_INIT_FLAGS[base]
+    base = next(b for b in _compat.pipeline.SCHEDULE_INIT_FLAGS if isinstance(schedule, b))
+    flags = _compat.pipeline.SCHEDULE_INIT_FLAGS[base]
     state = {k for k in vars(schedule) if k.endswith("_initialized") and isinstance(vars(schedule)[k], bool)}
     assert state == set(flags), f"{cls_name} keeps its init state in {sorted(state)}, _compat resets {flags}"
 
@@ -384,14 +424,14 @@ def test_reset_schedule_metadata_resets_the_init_flags(single_rank_group, name):
         assert all(getattr(schedule, f) is True for f in flags), f"{cls_name}.step no longer sets {flags}"
 
     step()
-    _compat.reset_schedule_metadata(schedule)
+    _compat.pipeline.reset_schedule_metadata(schedule)
     assert all(getattr(schedule, f) is False for f in flags)
     step()  # metadata inferred again over the same stages
 
 
 def test_reset_schedule_metadata_rejects_unknown_objects():
     with pytest.raises(RuntimeError, match="not a torch.distributed.pipelining schedule"):
-        _compat.reset_schedule_metadata(object())
+        _compat.pipeline.reset_schedule_metadata(object())
 
 
 def test_reset_schedule_metadata_raises_when_flags_are_gone():
@@ -399,7 +439,7 @@ def test_reset_schedule_metadata_raises_when_flags_are_gone():
 
     schedule = ScheduleGPipe.__new__(ScheduleGPipe)  # no __init__: none of the flags are set
     with pytest.raises(RuntimeError, match="changed the pipelining schedules' private state"):
-        _compat.reset_schedule_metadata(schedule)
+        _compat.pipeline.reset_schedule_metadata(schedule)
 
 
 def test_flat_collectives_use_the_current_names():
@@ -408,8 +448,10 @@ def test_flat_collectives_use_the_current_names():
 
     from lightning_4d.parallel import _compat
 
-    assert _compat.all_gather_single is getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    assert _compat.reduce_scatter_single is getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    assert _compat.collectives.all_gather_single is getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    assert _compat.collectives.reduce_scatter_single is getattr(
+        dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+    )
 
 
 def test_process_group_lookups_of_the_comm_meter():
@@ -427,7 +469,7 @@ def test_dcp_storage_info_fields(tmp_path):
     offset, length)."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_4d.parallel._compat import DCP_STORAGE_INFO_FIELDS, dcp_file_extents
+    from lightning_4d.parallel._compat.checkpoint import DCP_STORAGE_INFO_FIELDS, dcp_file_extents
 
     dcp.save({"a": torch.zeros(3), "b": torch.ones(5)}, checkpoint_id=tmp_path, no_dist=True)
     storage = dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data
@@ -441,7 +483,7 @@ def test_scheduler_last_lr_is_what_set_scheduler_lrs_sets():
     """``LRScheduler._last_lr`` (private) still backs ``get_last_lr()``: ``set_scheduler_lrs`` writes both."""
     import torch
 
-    from lightning_4d.parallel._compat import set_scheduler_lrs
+    from lightning_4d.parallel._compat.lightning import set_scheduler_lrs
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
@@ -452,8 +494,8 @@ def test_scheduler_last_lr_is_what_set_scheduler_lrs_sets():
 def test_grouped_mm_and_local_offset():
     """``torch._grouped_mm`` (MoE experts on CUDA, bfloat16) is found when torch has it; ``local_offset`` reads a
     DTensor shard's global offset (Mixtral ``init_from`` under ZeRO 3)."""
-    assert _compat.grouped_mm is getattr(torch, "_grouped_mm", None)
-    assert _compat.grouped_mm is None or callable(_compat.grouped_mm)
+    assert _compat.kernels.grouped_mm is getattr(torch, "_grouped_mm", None)
+    assert _compat.kernels.grouped_mm is None or callable(_compat.kernels.grouped_mm)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     assert callable(compute_local_shape_and_global_offset)
@@ -467,7 +509,7 @@ def test_fully_shard_takes_shard_placement_fn():
     from torch.distributed.fsdp import fully_shard
 
     assert "shard_placement_fn" in inspect.signature(fully_shard).parameters
-    assert _compat.FULLY_SHARD_PLACEMENT_FN is True
+    assert _compat.fsdp.FULLY_SHARD_PLACEMENT_FN is True
 
 
 def test_fake_process_group_and_pipeline_metadata_names():
@@ -478,7 +520,7 @@ def test_fake_process_group_and_pipeline_metadata_names():
 
     from torch.distributed.pipelining import PipelineStage
 
-    fake = importlib.import_module(_compat.FAKE_PG_MODULE)
+    fake = importlib.import_module(_compat.fake.FAKE_PG_MODULE)
     assert hasattr(fake, "FakeStore")
     if hasattr(PipelineStage, "_recv_meta"):
         from torch.distributed.pipelining import _utils
@@ -494,8 +536,8 @@ def test_fake_process_group_and_pipeline_metadata_names():
 
 def test_cuda_memory_history_names():
     """``benchmarks/cuda_memory_peak.py``: the allocator's recording and snapshot
-    (``_compat.record_cuda_memory_history``,
-    ``_compat.cuda_memory_snapshot``)."""
+    (``_compat.process.record_cuda_memory_history``,
+    ``_compat.process.cuda_memory_snapshot``)."""
     import inspect
 
     from torch.cuda import memory
@@ -507,18 +549,19 @@ def test_cuda_memory_history_names():
 
 def test_schedule_rank_operations_names():
     """The memory model's V-schedule action lists are checked against torch's through
-    ``_compat.schedule_rank_actions``: each schedule class still computes one rank's list from the attributes set."""
+    ``_compat.pipeline.schedule_rank_actions``: each schedule class still computes one rank's list from the attributes
+    set."""
     import inspect
 
     from torch.distributed.pipelining import schedules
 
     for name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-        method = getattr(getattr(schedules, name), _compat.SCHEDULE_RANK_OPERATIONS)
+        method = getattr(schedules, name)._calculate_single_rank_operations
         assert list(inspect.signature(method).parameters) == ["self", "rank"]
         source = inspect.getsource(method)
-        used = {a for a in _compat.SCHEDULE_RANK_OPERATIONS_ATTRIBUTES if f"self.{a}" in source}
-        assert used and used <= set(_compat.SCHEDULE_RANK_OPERATIONS_ATTRIBUTES), name
-    assert _compat.schedule_rank_actions("ScheduleZBVZeroBubble", 2, 0, 4)[:3] == [(0, "F")] * 3
+        used = {a for a in _compat.pipeline.SCHEDULE_RANK_OPERATIONS_ATTRIBUTES if f"self.{a}" in source}
+        assert used and used <= set(_compat.pipeline.SCHEDULE_RANK_OPERATIONS_ATTRIBUTES), name
+    assert _compat.pipeline.schedule_rank_actions("ScheduleZBVZeroBubble", 2, 0, 4)[:3] == [(0, "F")] * 3
 
 
 def test_all_to_all_single_takes_what_answer_count_exchange_reads():
@@ -526,3 +569,42 @@ def test_all_to_all_single_takes_what_answer_count_exchange_reads():
     and name: output, input, output_split_sizes, input_split_sizes, group."""
     params = list(inspect.signature(dist.all_to_all_single).parameters)
     assert params[:5] == ["output", "input", "output_split_sizes", "input_split_sizes", "group"]
+
+
+def test_device_mesh_flatten_and_unflatten_signatures():
+    """``_compat.dtensor.flatten_mesh`` / ``unflatten_mesh`` call ``DeviceMesh._flatten(name)`` and
+    ``DeviceMesh._unflatten(dim, sizes, names)`` (the latter torch >= 2.9, expert parallelism's meshes)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert list(inspect.signature(DeviceMesh._flatten).parameters)[:2] == ["self", "mesh_dim_name"]
+    assert list(inspect.signature(DeviceMesh._unflatten).parameters)[:4] == [
+        "self",
+        "dim",
+        "mesh_sizes",
+        "mesh_dim_names",
+    ]
+
+
+def test_checkpoint_connector_parses_the_ckpt_path():
+    """``_compat.lightning.resolve_ckpt_path`` calls the Trainer's ``_checkpoint_connector._parse_ckpt_path(state_fn,
+    ckpt_path, model_provided, model_connected)``; a path that is not a special name comes back as it is."""
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    params = list(inspect.signature(trainer._checkpoint_connector._parse_ckpt_path).parameters)
+    assert params == ["state_fn", "ckpt_path", "model_provided", "model_connected"]
+    assert _compat.lightning.resolve_ckpt_path(trainer, "fit", "some/file.ckpt") == "some/file.ckpt"
+    assert _compat.lightning.resolve_ckpt_path(trainer, "fit", None) is None
+
+
+def test_transformers_attention_implementation_switch():
+    """``_compat.hf.set_attention_implementation``: transformers 5's public ``set_attn_implementation``, else (4.x)
+    the config's private ``_attn_implementation``, which a tiny Llama then reads."""
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    _compat.hf.set_attention_implementation(model, "eager")
+    assert model.config._attn_implementation == "eager"

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DistributedSampler
 
 from lightning_4d.data import (
@@ -738,8 +739,15 @@ def test_prepare_data_bad_input_returns_2(tmp_path, capsys, argv, message):
 
 
 # ---------------------------------------------------------------------------------------------- LMDataModule
+class _FakeParallelStrategy(SimpleNamespace):
+    """A stand-in for a Lightning ``ParallelStrategy`` holding only ``distributed_sampler_kwargs``."""
+
+
+ParallelStrategy.register(_FakeParallelStrategy)
+
+
 def _fake_trainer(dp: int, accumulate: int, rank: int = 0) -> SimpleNamespace:
-    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank})
+    strategy = _FakeParallelStrategy(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank})
     return SimpleNamespace(strategy=strategy, accumulate_grad_batches=accumulate, world_size=dp)
 
 

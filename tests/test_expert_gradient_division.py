@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.mesh import build_mesh
-from lightning_4d.parallel._compat import init_fake_process_group
+from lightning_4d.parallel._compat.fake import init_fake_process_group
 from lightning_4d.parallel.fsdp import apply_fsdp
 
 

@@ -590,7 +590,7 @@ def test_unknown_batch_shape_raises_on_cuda_and_warns_on_cpu(monkeypatch):
     import torch
     from torch.utils.data import DataLoader
 
-    from lightning_4d.parallel._compat import train_data_source
+    from lightning_4d.parallel._compat.lightning import train_data_source
     from lightning_4d.tasks import CausalLMModule
 
     callback = MemoryEstimatorCallback(device_memory="80GiB")
@@ -704,7 +704,7 @@ def test_estimate_with_an_uneven_pipeline_layer_split():
     import torch
     from torch.utils.data import DataLoader
 
-    from lightning_4d.parallel._compat import train_data_source
+    from lightning_4d.parallel._compat.lightning import train_data_source
     from lightning_4d.planning.model import estimate_memory
     from lightning_4d.tasks import CausalLMModule
 

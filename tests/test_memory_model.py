@@ -548,8 +548,9 @@ def test_zero3_large_vocabulary_peak_equals_measured(tmp_path, preset, precision
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_schedule_action_lists_equal_torch(schedule):
     """The memory model's torch-free action lists of the V schedules (``zbv_actions``, ``dualpipev_actions``) are
-    torch's own (``_compat.schedule_rank_actions``), for every rank of several p and m (DualPipeV needs m >= 2p)."""
-    from lightning_4d.parallel._compat import schedule_rank_actions
+    torch's own (``_compat.pipeline.schedule_rank_actions``), for every rank of several p and m (DualPipeV needs
+    m >= 2p)."""
+    from lightning_4d.parallel._compat.pipeline import schedule_rank_actions
     from lightning_4d.planning import pipeline_costs
 
     ours, name = (

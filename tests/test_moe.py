@@ -524,7 +524,7 @@ def test_grouped_gemm_path_equals_the_loop_over_experts():
     experts in bfloat16, an expert without rows included: bit-identical on torch 2.13's CPU kernel (measured max
     difference 0; both accumulate in float32)."""
     from lightning_4d.features.moe.layer import GroupedExperts
-    from lightning_4d.parallel._compat import grouped_mm
+    from lightning_4d.parallel._compat.kernels import grouped_mm
 
     if grouped_mm is None:
         pytest.skip("this torch has no torch._grouped_mm")

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_4d.checkpoint import _sharded_optimizer_template, check_complete, param_fqns, read_folder
-from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME, init_fake_process_group
+from lightning_4d.parallel._compat.fake import init_fake_process_group
+from lightning_4d.parallel._compat.lightning import LIGHTNING_METADATA_FILENAME
 from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, host_zeros_like, setup_zero
 from tests.test_mixed_precision import group  # noqa: F401  (the fixture: a one-rank gloo process group)
 

@@ -63,7 +63,7 @@ def test_the_cpu_recipe_runs(tmp_path):
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     last = tmp_path / "ckpt" / "last.ckpt"
     if last.is_dir():  # a sharded (DCP) checkpoint: Lightning's metadata file holds the loop state
-        from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME
+        from lightning_4d.parallel._compat.lightning import LIGHTNING_METADATA_FILENAME
 
         meta = torch.load(last / LIGHTNING_METADATA_FILENAME, map_location="cpu", weights_only=False)
     else:

@@ -139,7 +139,7 @@ def test_sharded_save_replaces_an_existing_folder(tmp_path):
     """What ``FourDStrategy`` does when ``last.ckpt`` exists (``save_sharded``): the new folder replaces it whole,
     and no ``.tmp`` / ``.old`` is left."""
     from lightning_4d.checkpoint import check_complete, save_sharded
-    from lightning_4d.parallel._compat import LIGHTNING_METADATA_FILENAME
+    from lightning_4d.parallel._compat.lightning import LIGHTNING_METADATA_FILENAME
 
     path = tmp_path / "last.ckpt"
     with warnings.catch_warnings():

@@ -50,7 +50,8 @@ from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan, refuse_rings
 from lightning_4d.models.attention_backends import sdpa_causal
 from lightning_4d.models.rope import context_parallel_positions
-from lightning_4d.parallel._compat import materialize_distributed_module, set_attention_implementation
+from lightning_4d.parallel._compat.hf import set_attention_implementation
+from lightning_4d.parallel._compat.lightning import materialize_distributed_module
 from lightning_4d.parallel.context import context_parallel_attention
 
 #: the name of our attention function in transformers' ``AttentionInterface``
@@ -137,8 +138,7 @@ def reset_rotary(model: nn.Module, device: torch.device) -> None:
 
     for m in model.modules():
         if has_class_name(m, "LlamaRotaryEmbedding"):
-            kind = getattr(m, "rope_type", "default")
-            fn = m.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
+            fn = m.compute_default_rope_parameters if m.rope_type == "default" else ROPE_INIT_FUNCTIONS[m.rope_type]
             with torch.device("cpu"):
                 inv_freq, scaling = fn(m.config)
             m.inv_freq = inv_freq.to(device)
@@ -147,18 +147,17 @@ def reset_rotary(model: nn.Module, device: torch.device) -> None:
 
 
 class HFLlamaFamily(ModelFamily):
-    """transformers' ``LlamaForCausalLM`` (module docstring), recognized by duck typing: its class (or a base) is
-    named ``LlamaForCausalLM``, ``config.model_type == "llama"`` and it has a ``model``."""
+    """transformers' ``LlamaForCausalLM`` (module docstring), recognized without importing transformers: its class
+    (or a base) is named ``LlamaForCausalLM``, ``config.model_type == "llama"`` and its ``model`` is a module."""
 
     name = "transformers LlamaForCausalLM"
     compile = True  # each LlamaDecoderLayer compiled (Mixtral's too: its MoE loop graph-breaks)
 
     def is_model(self, module: nn.Module) -> bool:
-        config = getattr(module, "config", None)
         return (
             has_class_name(module, "LlamaForCausalLM")
-            and getattr(config, "model_type", None) == "llama"
-            and isinstance(getattr(module, "model", None), nn.Module)
+            and module.config.model_type == "llama"
+            and isinstance(module.model, nn.Module)
         )
 
     def model_config(self, model: nn.Module) -> Any:
@@ -178,7 +177,7 @@ class HFLlamaFamily(ModelFamily):
         """
         ours = self.model_config(model)
         config.validate_model(ours)
-        dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
+        dropout = float(model.config.attention_dropout or 0.0)
         if dropout and max(config.tp, config.cp, config.pp) > 1:
             raise ValueError(
                 f"attention_dropout={dropout} is not supported with tp, cp or pp > 1 (the split attention "
@@ -227,7 +226,7 @@ class HFLlamaFamily(ModelFamily):
         Raises:
             ValueError: no ``base_model_tp_plan`` (transformers < 4.45), or a style or pattern not supported.
         """
-        tp_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+        tp_plan = dict(model.config.base_model_tp_plan or {})  # None on transformers < 4.45
         if not tp_plan:
             raise ValueError(f"{type(model).__name__}.config has no base_model_tp_plan: transformers >= 4.45 is needed")
         colwise, rowwise = [], []
@@ -279,7 +278,7 @@ class HFLlamaFamily(ModelFamily):
         (DTensor) shard in place. A tied ``lm_head.weight`` absent from the file is the embedding."""
         reader, available = hf_reader(path)
         state = model.state_dict()
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        tied = bool(model.config.tie_word_embeddings)
         missing = [k for k in state if k not in available and not (tied and k == "lm_head.weight")]
         if missing:
             raise ValueError(

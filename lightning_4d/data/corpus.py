@@ -20,6 +20,8 @@ from typing import Optional, Union
 
 import numpy as np
 
+from lightning_4d.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+
 __all__ = [
     "STDLIB_EXCLUDED_DIRS",
     "TEXT_SUFFIXES",
@@ -244,7 +246,20 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def tokenize_files(files: Sequence[Union[str, os.PathLike]], tokenizer, progress: bool = False) -> np.ndarray:
+def _encode_texts(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
+    """The token ids of each of ``texts`` as a ``dtype`` array: an :class:`~lightning_4d.data.HFTokenizer` encodes
+    them in one batch with its special-token template (parallel in the Rust library), any other tokenizer one by one
+    with its ``encode``."""
+    if isinstance(tokenizer, HFTokenizer):
+        encoded = tokenizer.encode_batch(texts, add_special_tokens=True)
+    else:
+        encoded = [tokenizer.encode(t) for t in texts]
+    return [np.asarray(ids, dtype=dtype) for ids in encoded]
+
+
+def tokenize_files(
+    files: Sequence[Union[str, os.PathLike]], tokenizer: Tokenizer, progress: bool = False
+) -> np.ndarray:
     """Tokenize files into one flat token array, in the order given.
 
     - :class:`~lightning_4d.data.ByteTokenizer`: the files' raw bytes (no decoding: any encoding, even binary, is
@@ -270,10 +285,9 @@ def tokenize_files(files: Sequence[Union[str, os.PathLike]], tokenizer, progress
     if not files:
         raise ValueError("tokenize_files: no files to tokenize")
     dtype = token_dtype(tokenizer.vocab_size)
-    is_bytes = hasattr(tokenizer, "encode_bytes")
     pieces: list = []
     with _progress_bar(files, progress) as advance:
-        if is_bytes:
+        if isinstance(tokenizer, ByteTokenizer):
             contents = []
             for f in files:
                 data = f.read_bytes()
@@ -288,11 +302,7 @@ def tokenize_files(files: Sequence[Union[str, os.PathLike]], tokenizer, progress
             nonlocal batch, batch_bytes
             if not batch:
                 return
-            if hasattr(tokenizer, "encode_batch"):
-                encoded = tokenizer.encode_batch(batch, add_special_tokens=True)
-            else:
-                encoded = [tokenizer.encode(t) for t in batch]
-            pieces.extend(np.asarray(ids, dtype=dtype) for ids in encoded)
+            pieces.extend(_encode_texts(tokenizer, batch, dtype))
             advance(batch_bytes)
             batch, batch_bytes = [], 0
 
@@ -381,7 +391,7 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: Optional[int] = None, chunk_
 
 
 def tokenize_files_with_offsets(
-    files: Sequence[Union[str, os.PathLike]], tokenizer, progress: bool = False
+    files: Sequence[Union[str, os.PathLike]], tokenizer: Tokenizer, progress: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`tokenize_files` and where each file's tokens start: one document per file.
 
@@ -400,7 +410,7 @@ def tokenize_files_with_offsets(
     files = [Path(f) for f in files]
     if not files:
         raise ValueError("tokenize_files_with_offsets: no files to tokenize")
-    if hasattr(tokenizer, "encode_bytes"):
+    if isinstance(tokenizer, ByteTokenizer):
         sizes = np.array([f.stat().st_size for f in files], dtype=np.int64)
         tokens = tokenize_files(files, tokenizer, progress)
         lengths = sizes + 1
@@ -419,11 +429,7 @@ def tokenize_files_with_offsets(
                 data = f.read_bytes()
                 texts.append(data.decode("utf-8", errors="replace"))
                 advance(len(data))
-            if hasattr(tokenizer, "encode_batch"):
-                encoded = tokenizer.encode_batch(texts, add_special_tokens=True)
-            else:
-                encoded = [tokenizer.encode(t) for t in texts]
-            pieces.extend(np.asarray(ids, dtype=dtype) for ids in encoded)
+            pieces.extend(_encode_texts(tokenizer, texts, dtype))
     offsets = np.zeros(len(files) + 1, dtype=np.int64)
     np.cumsum([len(p) for p in pieces], out=offsets[1:])
     return np.concatenate(pieces), offsets

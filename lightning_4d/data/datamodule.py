@@ -39,10 +39,11 @@ from typing import Any, Optional, Union
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_4d.contract import MicroBatchingStrategy, grad_accumulation
+from lightning_4d.contract import MicroBatchingStrategy, grad_accumulation, optional_member
 from lightning_4d.data.corpus import (
     resolve_text_files,
     split_files,
@@ -64,7 +65,7 @@ from lightning_4d.data.documents import Documents
 from lightning_4d.data.indexed import check_token_ids, read_documents
 from lightning_4d.data.token_file import read_token_metadata, val_token_path
 from lightning_4d.data.tokenizers import load_tokenizer
-from lightning_4d.parallel._compat import forget_train_loader
+from lightning_4d.parallel._compat.lightning import forget_train_loader
 
 __all__ = ["LMDataModule", "load_stdlib_documents", "read_documents_file"]
 
@@ -165,6 +166,43 @@ class _ResumeCounters(L.Callback):
             dm._restored = None
 
 
+def _check_sizes(
+    seq_length: int,
+    micro_batch_size: int,
+    val_samples: int,
+    global_batch_size: Optional[int],
+    train_samples: Optional[int],
+    seed: int,
+    num_workers: int,
+) -> None:
+    """Check :class:`LMDataModule`'s numeric arguments: ``seq_length``, ``micro_batch_size`` and ``val_samples``
+    positive ints, ``global_batch_size`` and ``train_samples`` positive ints or ``None``, ``seed`` and ``num_workers``
+    non-negative ints, ``global_batch_size`` a multiple of ``micro_batch_size``.
+
+    Raises:
+        ValueError: naming the argument, its value and what is valid.
+    """
+    for name, value in (
+        ("seq_length", seq_length),
+        ("micro_batch_size", micro_batch_size),
+        ("val_samples", val_samples),
+    ):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, value in (("global_batch_size", global_batch_size), ("train_samples", train_samples)):
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
+    if global_batch_size is not None and global_batch_size % micro_batch_size != 0:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}: the "
+            "global batch is micro_batch_size x data-parallel size x accumulate_grad_batches"
+        )
+
+
 class LMDataModule(L.LightningDataModule):
     """Pretraining data for a causal LM; see the module docstring for the sources and the layout independence.
 
@@ -209,25 +247,7 @@ class LMDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("seq_length", seq_length),
-            ("micro_batch_size", micro_batch_size),
-            ("val_samples", val_samples),
-        ):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("global_batch_size", global_batch_size), ("train_samples", train_samples)):
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
-        if global_batch_size is not None and global_batch_size % micro_batch_size != 0:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}: the "
-                "global batch is micro_batch_size x data-parallel size x accumulate_grad_batches"
-            )
+        _check_sizes(seq_length, micro_batch_size, val_samples, global_batch_size, train_samples, seed, num_workers)
         self.save_hyperparameters()
         self.data_path = data_path
         self.val_data_path = val_data_path
@@ -378,18 +398,14 @@ class LMDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ layout
     def _data_parallel_rank_and_size(self) -> Optional[tuple[int, int]]:
-        """``(r, R)`` from the strategy's ``distributed_sampler_kwargs`` (``rank``, ``num_replicas``); ``(0, 1)``
-        without a trainer or for a strategy without them (single device); None when the strategy has them but they
-        cannot be read yet."""
+        """``(r, R)`` from the strategy's ``distributed_sampler_kwargs`` (``rank``, ``num_replicas``: Lightning's
+        ``ParallelStrategy``); ``(0, 1)`` without a trainer or for another strategy (single device); None when the
+        strategy has them but they cannot be read yet."""
         trainer = self.trainer
         if trainer is None:
             return 0, 1
         strategy = trainer.strategy
-        # look the name up without evaluating it (the property may raise before the strategy is set up)
-        if not (
-            hasattr(type(strategy), "distributed_sampler_kwargs")
-            or "distributed_sampler_kwargs" in getattr(strategy, "__dict__", {})
-        ):
+        if not isinstance(strategy, ParallelStrategy):  # one device: no distributed_sampler_kwargs
             return 0, 1
         try:
             kwargs = strategy.distributed_sampler_kwargs
@@ -456,7 +472,7 @@ class LMDataModule(L.LightningDataModule):
                     f"global batch {global_batch}, so that every optimizer step gets a full global batch"
                 )
             self._global_batch = global_batch
-            callbacks = getattr(self.trainer, "callbacks", None)
+            callbacks = optional_member(self.trainer, "callbacks")
             if isinstance(callbacks, list) and not any(
                 isinstance(c, _ResumeCounters) and c.datamodule is self for c in callbacks
             ):
@@ -472,8 +488,8 @@ class LMDataModule(L.LightningDataModule):
         """Samples the run can consume: ``max_steps * G`` (or ``max_epochs`` epochs), at least one epoch; the dataset
         is built that long (a sample past it wraps around, see :class:`~lightning_4d.data.GlobalBatchSampler`)."""
         trainer = self.trainer
-        max_steps = getattr(trainer, "max_steps", -1)
-        max_epochs = getattr(trainer, "max_epochs", None)
+        max_steps = optional_member(trainer, "max_steps", -1)
+        max_epochs = optional_member(trainer, "max_epochs")
         planned = per_epoch
         if isinstance(max_steps, int) and max_steps > 0:
             planned = max(planned, max_steps * global_batch)
@@ -614,9 +630,10 @@ class LMDataModule(L.LightningDataModule):
         logic is unchanged. Idempotent. Runs when the data position is restored and again at ``on_train_start``
         (:class:`_ResumeCounters`): a strategy that restores the checkpoint before its setup (DDP) lets
         ``estimated_stepping_batches`` build the loader before the loop counters are restored."""
-        progress = getattr(getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
-        if progress is None:
+        fit_loop = optional_member(self.trainer, "fit_loop")
+        if fit_loop is None:
             return
+        progress = fit_loop.epoch_loop.batch_progress
         shift = self._resume_point(state)[2] - progress.current.ready
         if shift:
             for counters in (progress.current, progress.total):

@@ -44,6 +44,24 @@ __all__ = [
 ]
 
 
+def _check_windows(dataset: str, num_tokens: int, seq_length: int, num_samples: int) -> None:
+    """Check that a corpus of ``num_tokens`` tokens gives the window dataset ``dataset`` (its class name) windows of
+    ``seq_length + 1`` tokens, and that ``seq_length`` and ``num_samples`` are positive.
+
+    Raises:
+        ValueError: a non-positive size, or fewer than ``seq_length + 1`` tokens (naming ``dataset``).
+    """
+    if int(seq_length) <= 0:
+        raise ValueError(f"seq_length must be positive, got {seq_length}")
+    if int(num_samples) <= 0:
+        raise ValueError(f"num_samples must be positive, got {num_samples}")
+    if num_tokens < seq_length + 1:
+        raise ValueError(
+            f"{dataset}: the corpus has {num_tokens} tokens, fewer than seq_length + 1 = "
+            f"{seq_length + 1} needed for one window; use a shorter seq_length or more data"
+        )
+
+
 class _WindowDataset(Dataset):
     """Shared storage and item format; subclasses define ``start(i)``."""
 
@@ -54,15 +72,7 @@ class _WindowDataset(Dataset):
             raise ValueError(f"tokens must be a 1-D array, got shape {tokens.shape}")
         if not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
-        if int(seq_length) <= 0:
-            raise ValueError(f"seq_length must be positive, got {seq_length}")
-        if int(num_samples) <= 0:
-            raise ValueError(f"num_samples must be positive, got {num_samples}")
-        if len(tokens) < seq_length + 1:
-            raise ValueError(
-                f"{type(self).__name__}: the corpus has {len(tokens)} tokens, fewer than seq_length + 1 = "
-                f"{seq_length + 1} needed for one window; use a shorter seq_length or more data"
-            )
+        _check_windows(type(self).__name__, len(tokens), seq_length, num_samples)
         self.tokens = tokens
         self.seq_length = int(seq_length)
         self.num_samples = int(num_samples)
@@ -193,17 +203,9 @@ class EpochWindowDataset(Dataset):
     ) -> None:
         if not isinstance(documents, Documents):
             raise ValueError(f"documents must be a Documents, got {type(documents).__name__}")
-        if int(seq_length) <= 0:
-            raise ValueError(f"seq_length must be positive, got {seq_length}")
-        if int(num_samples) <= 0:
-            raise ValueError(f"num_samples must be positive, got {num_samples}")
         if int(seed) < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed}")
-        if documents.num_tokens < seq_length + 1:
-            raise ValueError(
-                f"{type(self).__name__}: the corpus has {documents.num_tokens} tokens, fewer than seq_length + 1 = "
-                f"{seq_length + 1} needed for one window; use a shorter seq_length or more data"
-            )
+        _check_windows(type(self).__name__, documents.num_tokens, seq_length, num_samples)
         self.documents = documents
         self.seq_length = int(seq_length)
         self.num_samples = int(num_samples)

@@ -169,6 +169,27 @@ def read_index(path: Union[str, os.PathLike]) -> tuple[np.dtype, np.ndarray, np.
         if not p.is_file():
             raise ValueError(f"{str(p)!r} does not exist (a Megatron indexed dataset is a .bin and .idx pair)")
     size = idx.stat().st_size
+    dtype, count, doc_count = _read_header(idx, size)
+    raw = np.memmap(idx, dtype=np.uint8, mode="r") if size else np.zeros(0, dtype=np.uint8)
+    lengths = np.frombuffer(raw, dtype="<i4", count=count, offset=_HEADER.size)
+    pointers = np.frombuffer(raw, dtype="<i8", count=count, offset=_HEADER.size + 4 * count)
+    documents = np.frombuffer(raw, dtype="<i8", count=doc_count, offset=_HEADER.size + 12 * count)
+    _check_sequences(idx, binary, dtype, lengths, pointers)
+    if doc_count < 1 or documents[0] != 0 or documents[-1] != count or np.any(np.diff(documents) < 0):
+        raise ValueError(
+            f"index {str(idx)!r}: its {doc_count} document indices must rise from 0 to the sequence count {count}"
+        )
+    return dtype, lengths, pointers, documents
+
+
+def _read_header(idx: Path, size: int) -> tuple[np.dtype, int, int]:
+    """``(token dtype, sequences S, document indices D + 1)`` from the header of the ``.idx`` file ``idx`` of
+    ``size`` bytes, checked: Megatron's magic, version 1, an integer dtype code, and a file exactly as long as the
+    counts say.
+
+    Raises:
+        ValueError: naming ``idx`` and the fault.
+    """
     if size < _HEADER.size:
         raise ValueError(f"index {str(idx)!r} is truncated: {size} bytes, shorter than the {_HEADER.size}-byte header")
     with open(idx, "rb") as f:
@@ -189,10 +210,18 @@ def read_index(path: Union[str, os.PathLike]) -> tuple[np.dtype, np.ndarray, np.
             f"index {str(idx)!r} has {size} bytes but its header counts {count} sequences and {doc_count} document "
             f"indices ({expected} bytes): the file is {'truncated' if size < expected else 'longer than its counts'}"
         )
-    raw = np.memmap(idx, dtype=np.uint8, mode="r") if size else np.zeros(0, dtype=np.uint8)
-    lengths = np.frombuffer(raw, dtype="<i4", count=count, offset=_HEADER.size)
-    pointers = np.frombuffer(raw, dtype="<i8", count=count, offset=_HEADER.size + 4 * count)
-    documents = np.frombuffer(raw, dtype="<i8", count=doc_count, offset=_HEADER.size + 12 * count)
+    return dtype, count, doc_count
+
+
+def _check_sequences(idx: Path, binary: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray) -> None:
+    """Check the index ``idx``'s sequences (``lengths`` int32 ``[S]`` tokens of ``dtype``, ``pointers`` int64 ``[S]``
+    byte offsets) against its ``.bin`` ``binary``: no negative length, each sequence starting where the one before
+    ends, the last one ending at the ``.bin``'s size.
+
+    Raises:
+        ValueError: naming ``idx`` and the fault.
+    """
+    count = len(lengths)
     bin_size = binary.stat().st_size
     if count:
         if int(lengths.min()) < 0:
@@ -213,11 +242,6 @@ def read_index(path: Union[str, os.PathLike]) -> tuple[np.dtype, np.ndarray, np.
             f"index {str(idx)!r}: its {count} sequences end at byte {end} and {where} the {bin_size} bytes of "
             f"{str(binary)!r}: the files do not belong together or one is truncated"
         )
-    if doc_count < 1 or documents[0] != 0 or documents[-1] != count or np.any(np.diff(documents) < 0):
-        raise ValueError(
-            f"index {str(idx)!r}: its {doc_count} document indices must rise from 0 to the sequence count {count}"
-        )
-    return dtype, lengths, pointers, documents
 
 
 def _read_metadata(path: Union[str, os.PathLike], num_documents: int, num_tokens: int) -> dict[str, Any]:

@@ -211,7 +211,18 @@ def _refused_outputs(inputs: list[Path], outputs: list[Path], overwrite: bool) -
     return None
 
 
+def _usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; the machine's count where the platform has no
+    ``os.sched_getaffinity``, as on macOS and Windows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    """The ``prepare-data`` argument parser: what to read (:func:`_add_input_arguments`), how to tokenize
+    (:func:`_add_tokenizer_arguments`) and how to write (:func:`_add_output_arguments`)."""
     parser = argparse.ArgumentParser(
         prog="lightning-4d prepare-data",
         description=(
@@ -224,6 +235,14 @@ def _build_parser() -> argparse.ArgumentParser:
             "deterministic; the validation split goes to OUT.val.bin/.idx/.json."
         ),
     )
+    _add_input_arguments(parser)
+    _add_tokenizer_arguments(parser)
+    _add_output_arguments(parser)
+    return parser
+
+
+def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--input`` (paths, folders, globs) and ``--json-key`` (the field holding each record's text)."""
     parser.add_argument(
         "--input",
         nargs="+",
@@ -232,18 +251,21 @@ def _build_parser() -> argparse.ArgumentParser:
         help="files, folders (walked: text-like suffixes .txt .md .py .json .jsonl ..., .parquet, .jsonl.gz, "
         ".json.gz; a saved datasets folder is taken whole) or glob patterns (quote them; ** recurses)",
     )
-    parser.add_argument("--output", required=True, metavar="OUT.bin", help="the training .bin to write (+ .idx, .json)")
-    parser.add_argument(
-        "--tokenizer",
-        default="byte",
-        help="'byte' (UTF-8 bytes, vocab 256, end-of-document byte 0; default) or a Hugging Face tokenizer.json (or "
-        "its directory)",
-    )
     parser.add_argument(
         "--json-key",
         default="text",
         metavar="KEY",
         help="the field (JSON Lines) or column (parquet, datasets) holding each record's text (default: text)",
+    )
+
+
+def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tokenizer``, the end-of-document token (``--append-eod``, ``--eos-token``) and ``--workers``."""
+    parser.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="'byte' (UTF-8 bytes, vocab 256, end-of-document byte 0; default) or a Hugging Face tokenizer.json (or "
+        "its directory)",
     )
     parser.add_argument(
         "--append-eod",
@@ -260,11 +282,16 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workers",
         type=int,
-        default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        default=_usable_cores(),
         metavar="N",
         help="tokenizer processes, one core each (default: the cores this process may use); 1 tokenizes in this "
         "process",
     )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--output``, the validation split (``--val-fraction``), ``--overwrite`` and ``--no-progress``."""
+    parser.add_argument("--output", required=True, metavar="OUT.bin", help="the training .bin to write (+ .idx, .json)")
     parser.add_argument(
         "--val-fraction",
         type=float,
@@ -278,7 +305,6 @@ def _build_parser() -> argparse.ArgumentParser:
         help="replace existing outputs (default: refuse, nothing written)",
     )
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
-    return parser
 
 
 def _outputs(output: Path) -> list[Path]:
@@ -378,12 +404,9 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
         return 2
 
     output = Path(args.output)
-    if output.suffix != ".bin":
-        return fail(f"--output {args.output!r} must end in .bin (with it go <name>.idx, <name>.json, <name>.val.*)")
-    if not 0.0 <= args.val_fraction < 1.0:
-        return fail(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
-    if args.workers < 1:
-        return fail(f"--workers must be at least 1, got {args.workers}")
+    refusal = _invalid_argument(args)
+    if refusal:
+        return fail(refusal)
     try:
         encoder = Encoder(args.tokenizer, args.eos_token, args.append_eod, args.val_fraction)
         inputs = resolve_inputs(args.input)
@@ -395,8 +418,33 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
         return fail(refusal)
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(outputs)
+    start = time.perf_counter()
+    try:
+        written, num_bytes = _write_splits(inputs, encoder, args, _metadata(encoder, args))
+    except (OSError, ValueError) as e:
+        return fail(str(e))
+    _commit(written, outputs)
+    print(_summary(encoder, args, written, len(inputs), num_bytes, time.perf_counter() - start))
+    return 0
+
+
+def _invalid_argument(args: argparse.Namespace) -> Optional[str]:
+    """Why the parsed ``args`` cannot run (``--output`` not ending in ``.bin``, ``--val-fraction`` outside
+    ``[0, 1)``, ``--workers`` below 1), or ``None``."""
+    if Path(args.output).suffix != ".bin":
+        return f"--output {args.output!r} must end in .bin (with it go <name>.idx, <name>.json, <name>.val.*)"
+    if not 0.0 <= args.val_fraction < 1.0:
+        return f"--val-fraction must be in [0, 1), got {args.val_fraction}"
+    if args.workers < 1:
+        return f"--workers must be at least 1, got {args.workers}"
+    return None
+
+
+def _metadata(encoder: "Encoder", args: argparse.Namespace) -> dict[str, Any]:
+    """What ``OUT.json`` (and ``OUT.val.json``) record of the run: the format, the tokenizer, the token dtype and the
+    options that decide the tokens."""
     tokenizer = encoder.tokenizer
-    meta = {
+    return {
         "format": "megatron",
         "version": VERSION,
         "tokenizer": tokenizer.name,
@@ -407,23 +455,22 @@ def prepare_data_main(argv: Optional[list[str]] = None) -> int:
         "append_eod": args.append_eod,
         "val_fraction": args.val_fraction,
     }
-    start = time.perf_counter()
-    try:
-        written, num_bytes = _write_splits(inputs, encoder, args, meta)
-    except (OSError, ValueError) as e:
-        return fail(str(e))
-    _commit(written, outputs)
-    seconds = time.perf_counter() - start
+
+
+def _summary(
+    encoder: "Encoder", args: argparse.Namespace, written: list, num_inputs: int, num_bytes: int, seconds: float
+) -> str:
+    """The one line ``prepare-data`` prints: tokens and documents per split ``written``, a note when no document
+    fell into validation, and the inputs' count, bytes, time (``seconds``) and rate."""
+    tokenizer = encoder.tokenizer
     parts = [f"{str(s.path)}: {s.writer.num_tokens:,} tokens in {s.writer.num_documents:,} documents" for s in written]
     if args.val_fraction > 0 and len(written) == 1:
-        parts.append(f"no document fell into validation (LMDataModule will hold out the last 5% of {output.name})")
+        name = Path(args.output).name
+        parts.append(f"no document fell into validation (LMDataModule will hold out the last 5% of {name})")
     eos = f", end-of-document {tokenizer.eos_id}" if args.append_eod else ""
     rate = f"{num_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s"
-    parts.append(
-        f"{len(inputs):,} input files, {num_bytes:,} bytes in {seconds:.1f} s ({rate}, {args.workers} workers)"
-    )
-    print(f"prepare-data ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size:,}{eos}): " + "; ".join(parts))
-    return 0
+    parts.append(f"{num_inputs:,} input files, {num_bytes:,} bytes in {seconds:.1f} s ({rate}, {args.workers} workers)")
+    return f"prepare-data ({tokenizer.name} tokenizer, vocab {tokenizer.vocab_size:,}{eos}): " + "; ".join(parts)
 
 
 def _write_splits(inputs: list, encoder: "Encoder", args: argparse.Namespace, meta: dict) -> tuple[list, int]:

@@ -34,7 +34,7 @@ from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan
 from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
 from lightning_4d.models.rope import context_parallel_positions, rope_cos_sin
-from lightning_4d.parallel._compat import local_offset
+from lightning_4d.parallel._compat.dtensor import local_offset
 from lightning_4d.parallel.context import ContextParallelAttention
 from lightning_4d.safe_load import load as safe_load
 

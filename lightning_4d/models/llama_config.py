@@ -203,16 +203,16 @@ class LlamaConfig:
     unimplemented_features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "max_seq_length",
+        for name, value in (
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_layers", self.num_layers),
+            ("num_heads", self.num_heads),
+            ("num_kv_heads", self.num_kv_heads),
+            ("max_seq_length", self.max_seq_length),
         ):
-            _check_positive_int(name, getattr(self, name))
+            _check_positive_int(name, value)
         pad = self.pad_vocab_to_multiple_of
         if isinstance(pad, bool) or not isinstance(pad, int) or pad < 1:
             raise ValueError(

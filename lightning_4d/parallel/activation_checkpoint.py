@@ -48,7 +48,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_4d.config import ACTIVATION_CHECKPOINTING
-from lightning_4d.parallel._compat import SAC_SAVED_PRIVATE_OPS, CheckpointImpl, checkpoint_wrapper
+from lightning_4d.parallel._compat.fsdp import SAC_SAVED_PRIVATE_OPS, CheckpointImpl, checkpoint_wrapper
 
 #: the matmul ops a projection runs
 _MATMULS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm"))
@@ -57,7 +57,7 @@ _MATMULS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm
 _running = {"partial": 0, "output": 0}
 
 #: ops whose outputs ``"selective"`` saves, by qualified name (overload left out): the matmuls, and the private ops
-#: of :data:`~lightning_4d.parallel._compat.SAC_SAVED_PRIVATE_OPS` (attention kernels, tp reductions).
+#: of :data:`~lightning_4d.parallel._compat.fsdp.SAC_SAVED_PRIVATE_OPS` (attention kernels, tp reductions).
 #: ``aten::matmul`` and ``aten::linear`` are composite: the policy sees what they decompose into, ``aten::mm``
 #: (``nn.Linear`` without bias, any number of leading dims), ``aten::addmm`` (with a bias) and ``aten::bmm``
 #: (batched matmuls, e.g. the ``eager`` attention's, whose ``[b, heads, s, s]`` scores are then saved too).

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_4d.parallel._compat import local_tensor
+from lightning_4d.parallel._compat.dtensor import local_tensor
 from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer
 
 

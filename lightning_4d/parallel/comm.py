@@ -48,7 +48,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.contract import layout_strategy
-from lightning_4d.parallel._compat import TorchDispatchMode, process_group_of_name, tree_flatten, unbox_process_group
+from lightning_4d.parallel._compat.collectives import process_group_of_name, unbox_process_group
+from lightning_4d.parallel._compat.dispatch import TorchDispatchMode, tree_flatten
 
 __all__ = ["COLLECTIVE_KINDS", "CommMeter", "CommMeterCallback", "bytes_sent"]
 

@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_4d.module_tree import CHECKPOINT_WRAPPED_MODULE
-from lightning_4d.parallel._compat import AsyncCollectiveTensor
+from lightning_4d.parallel._compat.compile import AsyncCollectiveTensor
+from lightning_4d.parallel._compat.fsdp import checkpointed_module
 
 #: the Mixture-of-Experts feed-forwards (ours, transformers' Mixtral's), run eagerly inside a compiled layer: their
 #: routing reads counts on the host and their token exchange sizes come from them (module docstring)
@@ -79,5 +79,5 @@ def compile_layers(layers: list[nn.Module]) -> None:
                 module.forward = torch.compiler.disable(module.forward)
         # full checkpointing: compiled inside the checkpoint, which runs eagerly (selective is refused with compile:
         # validate_compile)
-        inner = getattr(layer, CHECKPOINT_WRAPPED_MODULE, layer)
+        inner = checkpointed_module(layer)
         inner.forward = _compiled_forward(inner.forward)

@@ -48,9 +48,9 @@ change.
 output and log-sum-exp): ``"sdpa"`` uses ATen's fused flash kernels (``_scaled_dot_product_flash_attention_for_cpu``
 on CPU, any float dtype; ``_scaled_dot_product_flash_attention`` on CUDA for float16/bfloat16, explicit matmuls for
 float32 on CUDA); ``"flash"`` uses flash-attn 2.7-2.8 (CUDA); ``"eager"`` uses explicit matmuls (the reference,
-any device). The private kernels are reached through :mod:`lightning_4d.parallel._compat`. Grouped-query attention:
-only the kv heads are exchanged; the kernels see K/V repeated to the query heads (``repeat_interleave``, Meta's
-``repeat_kv``) and dK/dV are summed back.
+any device). The private kernels are reached through :mod:`lightning_4d.parallel._compat.kernels`. Grouped-query
+attention: only the kv heads are exchanged; the kernels see K/V repeated to the query heads (``repeat_interleave``,
+Meta's ``repeat_kv``) and dK/dV are summed back.
 
 **Document masking** (``document_ids``, :mod:`lightning_4d.models.document_mask`): every cp rank holds the
 document ids of the whole sequence (``[b, s]``, a few bytes per token, kept whole by :func:`shard_batch`), so it can
@@ -80,13 +80,13 @@ from torch import Tensor
 from lightning_4d.config import CONTEXT_PARALLEL_METHODS, alltoall_heads, zigzag_chunks
 from lightning_4d.models.document_mask import document_mask, window_mask
 from lightning_4d.models.rope import context_parallel_positions
-from lightning_4d.parallel._compat import (
+from lightning_4d.parallel._compat.collectives import reduce_scatter_single
+from lightning_4d.parallel._compat.kernels import (
     aten_flash_backward,
     aten_flash_forward,
     aten_flash_takes,
     flash_attn_backward,
     flash_attn_forward,
-    reduce_scatter_single,
 )
 
 __all__ = [

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.features.moe import runtime as moe
+from lightning_4d.module_tree import find_submodel
 
 
 def fsdp_reduce_dtype(gradient_compression: str) -> Optional[torch.dtype]:
@@ -88,7 +89,7 @@ def apply_fsdp(
         raise ValueError(f"apply_fsdp implements ZeRO stages 2 and 3, got zero_stage={zero_stage}")
     reshard = zero_stage == 3 if reshard_after_forward is None else reshard_after_forward
     if blocks is None:
-        layers = getattr(model, "layers", None)
+        layers = find_submodel(model, "layers")
         blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
     kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
     if param_dtype is not None or reduce_dtype is not None:
@@ -96,10 +97,14 @@ def apply_fsdp(
     kw = moe.shard_units(model, kw, **(moe_meshes or {}))  # the MoE layers' own units first (docstring)
     dense = [fully_shard(b, **kw) for b in blocks]
     root = fully_shard(model, **kw)
-    for unit in [*dense, root] if hasattr(root, "set_gradient_divide_factor") else []:
+    for unit in [*dense, root]:
         # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp.
         # torch < 2.8 has no such setting; its default, the average over the unit's group (dp_cp), is the same
-        unit.set_gradient_divide_factor(float(dp_cp_mesh.size()))
+        try:
+            divide = unit.set_gradient_divide_factor
+        except AttributeError:  # pragma: no cover - torch < 2.8
+            break
+        divide(float(dp_cp_mesh.size()))
 
 
 def _mixed_precision_policy(param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]) -> Any:

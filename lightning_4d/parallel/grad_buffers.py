@@ -28,7 +28,8 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.parallel._compat import local_tensor as _local, reduce_scatter_single
+from lightning_4d.parallel._compat.collectives import reduce_scatter_single
+from lightning_4d.parallel._compat.dtensor import local_tensor as _local
 from lightning_4d.parallel.compression import PowerSGD, compressible
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, bucket_lengths, bucket_shard
 

@@ -36,7 +36,7 @@ model counts it: :func:`lightning_4d.planning.offload_costs.prefetched_bytes`). 
 for the copy. The step-time model charges only the part of the copies the compute does not hide.
 
 On CPU (tests, ``lightning-4d measure``) the "host" copy is another CPU tensor made outside any
-``TorchDispatchMode`` (``_compat.untracked``), so :class:`~lightning_4d.measure.LiveTensorBytes` counts device
+``TorchDispatchMode`` (``_compat.dispatch.untracked``), so :class:`~lightning_4d.measure.LiveTensorBytes` counts device
 memory only, as it would on CUDA; the unpacked copy is a new tensor (``clone``), as the host-to-device copy is.
 
 Not with activation checkpointing (a checkpointed layer's own hooks take its saved tensors; Megatron-Core refuses
@@ -56,7 +56,8 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.parallel._compat import local_tensor, untracked
+from lightning_4d.parallel._compat.dispatch import untracked
+from lightning_4d.parallel._compat.dtensor import local_tensor
 
 
 class OffloadStats:

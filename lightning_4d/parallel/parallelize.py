@@ -24,7 +24,7 @@ from lightning_4d.families.registry import find_models
 from lightning_4d.features.moe import runtime as moe
 from lightning_4d.features.tensor_parallel import runtime as tensor_parallel
 from lightning_4d.mesh import ParallelMesh
-from lightning_4d.parallel._compat import attached_trainer
+from lightning_4d.parallel._compat.lightning import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.compile import compile_layers
 from lightning_4d.parallel.float8 import apply_float8

@@ -52,8 +52,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from lightning_4d.contract import TrainingInputs
-from lightning_4d.module_tree import find_submodel, layer_items, set_submodel
-from lightning_4d.parallel._compat import local_tensor, reset_schedule_metadata
+from lightning_4d.module_tree import find_submodel, layer_items, own_weight, set_submodel
+from lightning_4d.parallel._compat.dtensor import local_tensor
+from lightning_4d.parallel._compat.pipeline import reset_schedule_metadata
 from lightning_4d.parallel.compression import ReceiveFloat8, SendFloat8
 
 
@@ -254,11 +255,7 @@ def split_model(
                 family,
                 model,
                 {items[i][0]: items[i][1] for i in layers},
-                StageEnds(
-                    parts["embedding"] if s == 0 else None,
-                    parts["norm"] if s == last_stage else None,
-                    parts["head"] if s == last_stage else None,
-                ),
+                _stage_ends(parts, s, last_stage),
                 shards,
                 cp,
                 hidden,
@@ -268,15 +265,34 @@ def split_model(
     ]
     for _, chunk in chunks:
         chunk.comm_dtype = config.pipeline_comm_dtype
-    if first and last and config.zero_stage >= 2:
+    _prune_ends(model, where, parts, first, last, untie=first and last and config.zero_stage >= 2)
+    _as_union(model, chunks)
+    return chunks
+
+
+def _stage_ends(parts: dict[str, Optional[nn.Module]], stage: int, last_stage: int) -> StageEnds:
+    """The ends of stage ``stage``: the embedding of ``parts`` on stage 0, the final norm and the head on stage
+    ``last_stage``, ``None`` elsewhere."""
+    last = stage == last_stage
+    return StageEnds(
+        parts["embedding"] if stage == 0 else None, parts["norm"] if last else None, parts["head"] if last else None
+    )
+
+
+def _prune_ends(
+    model: nn.Module, where: Any, parts: dict[str, Optional[nn.Module]], first: bool, last: bool, untie: bool
+) -> None:
+    """Set ``model``'s embedding to ``None`` unless this rank holds the ``first`` stage, its final norm and head
+    unless it holds the ``last`` one (``where``: the family's pipeline layout; ``parts``: the three modules); with
+    ``untie`` (both ends on this rank under ZeRO 2/3) the head gets its own copy of a tied weight
+    (:func:`_untie_head`)."""
+    if untie:
         _untie_head(parts["embedding"], parts["head"])
     if not first:
         set_submodel(model, where.embedding, None)
     if not last:
         set_submodel(model, where.norm, None)
         set_submodel(model, where.head, None)
-    _as_union(model, chunks)
-    return chunks
 
 
 def _prune_layers(container: nn.Module, items: list, keep: set[int]) -> None:
@@ -297,7 +313,7 @@ def _untie_head(embedding: Optional[nn.Module], head: Optional[nn.Module]) -> No
     FSDP2 root, and two roots cannot share a parameter, so the head gets its own copy, as on any last stage
     (:class:`TiedEmbedding`: initialized equal, gradients summed in place). At ZeRO 0/1 the weight stays truly tied
     (not called)."""
-    if getattr(head, "weight", None) is not None and head.weight is embedding.weight:
+    if own_weight(head) is not None and own_weight(head) is own_weight(embedding):
         head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=embedding.weight.requires_grad)
 
 
@@ -346,7 +362,7 @@ class TiedEmbedding:
         where = family.pipeline_layout(model)
 
         def weight(path: str) -> Callable[[], Optional[Tensor]]:
-            return lambda: getattr(find_submodel(model, path), "weight", None)
+            return lambda: own_weight(find_submodel(model, path))
 
         tied = cls(weight(where.embedding), weight(where.head), group)
         return tied if tied._embedding() is not None or tied._head() is not None else None

@@ -27,7 +27,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.config import check_training_precision
-from lightning_4d.parallel._compat import all_gather_single, local_tensor as _local
+from lightning_4d.parallel._compat.collectives import all_gather_single
+from lightning_4d.parallel._compat.dtensor import local_tensor as _local
 from lightning_4d.parallel.fsdp import reduced_by_fsdp
 from lightning_4d.parallel.grad_buffers import Bucket, GradientBuckets, GradientReduction
 from lightning_4d.partition import gradient_buckets_needed

@@ -19,9 +19,11 @@ from lightning_4d.features.moe.runtime import MoETraining
 from lightning_4d.models.document_mask import DOCUMENT_IDS, attention_context
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.llama_config import LlamaConfig
-from lightning_4d.parallel._compat import attached_trainer, grouped_mm, set_scheduler_lrs
+from lightning_4d.parallel._compat.kernels import grouped_mm
+from lightning_4d.parallel._compat.lightning import attached_trainer, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.planning.hardware import peak_flops_of_device
+from lightning_4d.precision import loss_scaler
 from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.documents import DocumentMasking, token_mean_scale
 from lightning_4d.tasks.metrics import TokenMeanLoss
@@ -389,7 +391,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         plugin = trainer.precision_plugin
-        if getattr(plugin, "scaler", None) is not None:  # Lightning's MixedPrecision and FSDPPrecision have one
+        if loss_scaler(plugin) is not None:
             return False
         four_d = layout_strategy(trainer.strategy) is not None
         return four_d or not isinstance(plugin, MixedPrecision)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_4d.contract import layout_strategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
-from lightning_4d.parallel._compat import compiled_graph_count  # noqa: E402
+from lightning_4d.parallel._compat.compile import compiled_graph_count  # noqa: E402
 
 STEPS = 10
 
@@ -176,6 +176,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from lightning_4d.parallel._compat import exit_distributed_process  # not into finalization: see there
+    from lightning_4d.parallel._compat.process import exit_distributed_process  # not into finalization: see there
 
     exit_distributed_process(main() or 0)

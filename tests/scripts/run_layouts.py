@@ -34,7 +34,8 @@ from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.measure import local_bytes, model_state_tensors  # noqa: E402
 from lightning_4d.models.llama import canonical_name  # noqa: E402
-from lightning_4d.parallel._compat import compiled_graph_count, local_tensor  # noqa: E402
+from lightning_4d.parallel._compat.compile import compiled_graph_count  # noqa: E402
+from lightning_4d.parallel._compat.dtensor import local_tensor  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 
@@ -344,6 +345,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from lightning_4d.parallel._compat import exit_distributed_process  # not into finalization: see there
+    from lightning_4d.parallel._compat.process import exit_distributed_process  # not into finalization: see there
 
     exit_distributed_process(main() or 0)

@@ -16,7 +16,7 @@ import torch
 
 from lightning_4d import FourDStrategy
 from lightning_4d.data import LMDataModule
-from lightning_4d.parallel._compat import exit_distributed_process
+from lightning_4d.parallel._compat.process import exit_distributed_process
 from lightning_4d.tasks import CausalLMModule
 
 torch.set_num_threads(1)

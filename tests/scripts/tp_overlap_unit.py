@@ -105,7 +105,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from lightning_4d.parallel._compat import exit_distributed_process  # not into finalization: see there
+    from lightning_4d.parallel._compat.process import exit_distributed_process  # not into finalization: see there
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     exit_distributed_process(main() or 0)

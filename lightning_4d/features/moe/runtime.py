@@ -49,7 +49,9 @@ from lightning_4d.contract import grad_accumulation, layout_strategy
 from lightning_4d.features.moe.costs import expert_shard_dim
 from lightning_4d.features.moe.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
 from lightning_4d.features.tensor_parallel.runtime import token_parallel_parameters
-from lightning_4d.parallel._compat import FULLY_SHARD_PLACEMENT_FN, attached_trainer, local_tensor
+from lightning_4d.parallel._compat.dtensor import local_tensor
+from lightning_4d.parallel._compat.fsdp import FULLY_SHARD_PLACEMENT_FN
+from lightning_4d.parallel._compat.lightning import attached_trainer
 from lightning_4d.parallel.grad_buffers import GradientGroup
 
 
@@ -211,7 +213,7 @@ def answer_count_exchange(model: nn.Module, rows: int) -> tuple[Any, tuple[Exper
     rows (:func:`spread_counts`, through :func:`lightning_4d.parallel._compat.answer_count_exchange`) instead of the
     other ranks' routing, and those dispatches (their ``received_rows`` read after the run). A null context for a
     model without dispatches."""
-    from lightning_4d.parallel._compat import answer_count_exchange as answer
+    from lightning_4d.parallel._compat.fake import answer_count_exchange as answer
 
     dispatches = dispatches_of(model)
     if not dispatches:

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_4d.module_tree import find_submodel, layer_items
-from lightning_4d.parallel._compat import all_gather_single, reduce_scatter_single
+from lightning_4d.parallel._compat.collectives import all_gather_single, reduce_scatter_single
 from lightning_4d.parallel.float8 import tensor_parallel_styles
 
 
