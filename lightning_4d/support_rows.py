@@ -584,3 +584,34 @@ ROWS: list[Row] = [
         ),
     ),
 ]
+
+#: the tests of document masking (``CausalLMModule(document_masking=True)``) against each document run alone
+DOCS = "tests/test_document_masking.py::"
+#: why the smoke runner cannot run a document-masking row: ``measure`` trains without document masking
+DOCS_SMOKE = "lightning-4d measure has no document masking option yet: the smoke runner cannot turn it on"
+#: the layouts document masking is tested in (float32, ZeRO 0, one step against the per-document reference)
+_PP2 = {"pp": 2, "num_microbatches": 2, "pipeline_schedule": "1f1b"}
+_DOCUMENT_MASKING_LAYOUTS = [
+    ("dp2", "dp2", {"dp": 2}, "world2"),
+    ("tp2", "tp2 with sequence parallelism", {"tp": 2}, "world2"),
+    ("pp2", "pp2 1F1B, each stage masking its micro-batch", _PP2, "world2"),
+    ("cp2-ring", "cp2 ring, blocks no document spans skipped", {"cp": 2}, "world2"),
+    ("cp2-allgather", "cp2 all-gather", {"cp": 2, "cp_method": "allgather"}, "world2"),
+    ("cp2-alltoall", "cp2 all-to-all", {"cp": 2, "cp_method": "alltoall"}, "world2"),
+    ("cp4-ring", "cp4 ring", {"cp": 4}, "world4"),
+    ("cp4-allgather", "cp4 all-gather", {"cp": 4, "cp_method": "allgather"}, "world4"),
+    ("cp2-tp2-ring", "cp2 x tp2 ring", {"cp": 2, "tp": 2}, "world4"),
+    ("cp2-tp2-alltoall", "cp2 x tp2 all-to-all", {"cp": 2, "tp": 2, "cp_method": "alltoall"}, "world4"),
+    ("dp2-cp2-allgather", "dp2 x cp2 all-gather", {"dp": 2, "cp": 2, "cp_method": "allgather"}, "world4"),
+    ("pp2-cp2-ring", "pp2 x cp2 ring, 1F1B", {**_PP2, "cp": 2}, "world4"),
+]  # fmt: skip
+ROWS += [
+    Row(
+        f"docmask-{name}",
+        f"document masking (attention within each document of a packed window), {description}",
+        {**layout, "zero_stage": 0, "precision": "32-true"},
+        cpu_tests=(DOCS + f"test_layouts_{world}_equal_each_document_alone",),
+        smoke_skip=DOCS_SMOKE,
+    )
+    for name, description, layout, world in _DOCUMENT_MASKING_LAYOUTS
+]
