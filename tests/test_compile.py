@@ -36,8 +36,11 @@ LOSS_RTOL = 1e-5
 # ‖w − w_ref‖ / ‖w_ref − w0‖ after 3 steps: measured 8.4e-6 (dp2 tp2), 5.6e-6 (dp2 tp2 overlap ZeRO 3), 9.3e-6
 # (pp2 tp2), 9.3e-6 (cp2 dp2), 8.8e-6 (MoE tp2 ep2); 2.5e-5 on MoE dp2 ep2 (layers.0.attention.wo: AdamW's first
 # steps are ±lr per element whatever the gradient's size, so float32 reordering of a near-zero gradient moves a
-# weight by up to a full step); the bound 4x that
-UPDATE_RTOL = 1e-4
+# weight by up to a full step). On the every-token data order: 1.47e-4 (dp2 tp2 ZeRO 1, layers.1.feed_forward.w1)
+# and 1.11e-4 (dp2 tp2 overlap ZeRO 3), with the same layout eager 1.86e-4 (layers.0.attention.wv): not compile's
+# doing; the largest element difference is 2.3e-5 against updates of ~2e-3 (test_parity's 3e-5 absolute bound,
+# measured 2.47e-5 there). The bound is 2x the largest
+UPDATE_RTOL = 3e-4
 
 
 @pytest.fixture(scope="module")
