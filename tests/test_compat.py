@@ -358,7 +358,7 @@ def test_aten_flash_cpu_matches_sdpa(dtype):
     torch.testing.assert_close(out, ref)
     dout = torch.randn_like(out)
     ref.backward(dout)
-    dq, dk, dv = _compat.kernels.aten_flash_backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+    dq, dk, dv = _compat.kernels.aten_flash_backward(dout, (q, k, v), out, lse, causal=True, scale=scale)
     for got, t in zip((dq, dk, dv), (q, k, v)):
         torch.testing.assert_close(got, t.grad)
 

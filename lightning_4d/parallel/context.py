@@ -291,7 +291,9 @@ class _Kernel:
         if mask is not None:
             kr, vr = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
             if self._masked_aten(q):
-                dq, dk, dv = aten_flash_backward(dout, q, kr, vr, out, lse, False, self.scale, _additive(mask, q.dtype))
+                dq, dk, dv = aten_flash_backward(
+                    dout, (q, kr, vr), out, lse, False, self.scale, _additive(mask, q.dtype)
+                )
             else:
                 dq, dk, dv = self._eager_backward(dout, q, kr, vr, out, lse, causal, mask)
             return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
@@ -301,7 +303,7 @@ class _Kernel:
         if self._use_eager(q):
             dq, dk, dv = self._eager_backward(dout, q, kr, vr, out, lse, causal)
         else:
-            dq, dk, dv = aten_flash_backward(dout, q, kr, vr, out, lse, causal, self.scale)
+            dq, dk, dv = aten_flash_backward(dout, (q, kr, vr), out, lse, causal, self.scale)
         return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
 
     def _eager_backward(
@@ -462,7 +464,8 @@ class _RingExchange:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Zigzag ring attention (module docstring). Inputs/outputs in ``[b, heads, s_local, d]``."""
+    """Zigzag ring attention (module docstring). Inputs/outputs in ``[b, heads, s_local, d]``; ``document_ids``
+    ``[b, s]`` of the whole sequence, or ``None`` (causal)."""
 
     @staticmethod
     @_without_autocast
@@ -475,37 +478,8 @@ class _RingAttention(torch.autograd.Function):
         kernel: _Kernel,
         document_ids: Optional[Tensor],
     ) -> Tensor:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        if document_ids is not None:
-            out, lse = _ring_masked_forward(q, k, v, group, kernel, _Documents(document_ids, size))
-            ctx.save_for_backward(q, k, v, out, lse, document_ids)
-            ctx.group, ctx.kernel = group, kernel
-            return out
-        half = q.shape[2] // 2
-        first, second = slice(0, half), slice(half, None)
-        kv = torch.stack([k, v])  # one message per step: [2, b, h_kv, s_local, d]
-        comm = _RingExchange(group) if size > 1 else None
-        acc_out: Optional[Tensor] = None
-        acc_lse: Optional[Tensor] = None
-        for step in range(size):
-            if comm is not None and step + 1 < size:
-                comm.start(kv)  # the next block travels while this one is computed
-            source = (rank - step) % size
-            kb, vb = kv[0], kv[1]
-            if step == 0:
-                acc_out, acc_lse = _merge(None, None, *kernel.forward(q, kb, vb, causal=True))
-            elif source < rank:
-                out, lse = kernel.forward(q, kb[:, :, first], vb[:, :, first], causal=False)
-                acc_out, acc_lse = _merge(acc_out, acc_lse, out, lse)
-            else:
-                out, lse = kernel.forward(q[:, :, second], kb, vb, causal=False)
-                assert acc_out is not None and acc_lse is not None
-                _merge_rows(acc_out, acc_lse, second, out, lse)
-            if comm is not None and step + 1 < size:
-                kv = comm.wait()
-        assert acc_out is not None and acc_lse is not None
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse, None)
+        out, lse = _ring_forward(q, k, v, group, kernel, document_ids)
+        ctx.save_for_backward(q, k, v, out, lse, document_ids)
         ctx.group, ctx.kernel = group, kernel
         return out
 
@@ -513,75 +487,41 @@ class _RingAttention(torch.autograd.Function):
     @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse, document_ids = ctx.saved_tensors
-        group, kernel = ctx.group, ctx.kernel
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        if document_ids is not None:
-            dq, dk, dv = _ring_masked_backward(dout, (q, k, v, out, lse), group, kernel, _Documents(document_ids, size))
-            return dq, dk, dv, None, None, None
-        half = q.shape[2] // 2
-        first, second = slice(0, half), slice(half, None)
-        dout = dout.contiguous()
-        grad_dtype = torch.promote_types(q.dtype, torch.float32)
-        dq = torch.zeros(q.shape, dtype=grad_dtype, device=q.device)
-        kv = torch.stack([k, v])
-        kv_comm = _RingExchange(group) if size > 1 else None
-        dkv_comm = _RingExchange(group) if size > 1 else None
-        own: Optional[Tensor] = None  # this rank's contribution to its own block's dK/dV (step 0), kept to the end
-        for step in range(size):
-            if kv_comm is not None and step + 1 < size:
-                kv_comm.start(kv)
-            source = (rank - step) % size
-            kb, vb = kv[0], kv[1]
-            block = torch.zeros((2, *kb.shape), dtype=grad_dtype, device=q.device)
-            if step == 0:
-                dq_b, dk_b, dv_b = kernel.backward(dout, q, kb, vb, out, lse, causal=True)
-                dq += dq_b
-                block[0] += dk_b
-                block[1] += dv_b
-            elif source < rank:
-                dq_b, dk_b, dv_b = kernel.backward(dout, q, kb[:, :, first], vb[:, :, first], out, lse, causal=False)
-                dq += dq_b
-                block[0][:, :, first] += dk_b
-                block[1][:, :, first] += dv_b
-            else:
-                dq_b, dk_b, dv_b = kernel.backward(
-                    dout[:, :, second], q[:, :, second], kb, vb, out[:, :, second], lse[:, :, second], causal=False
-                )
-                dq[:, :, second] += dq_b
-                block[0] += dk_b
-                block[1] += dv_b
-            if step == 0:
-                own = block  # not sent: the other ranks' sum comes back to it after the loop
-            else:
-                assert dkv_comm is not None
-                if step > 1:
-                    block += dkv_comm.wait()  # the partial dK/dV of this block from the ranks it visited before
-                dkv_comm.start(block)  # travels with its block; the send at step c - 1 reaches the owner
-            if kv_comm is not None and step + 1 < size:
-                kv = kv_comm.wait()
-        assert own is not None
-        dkv = own + dkv_comm.wait() if dkv_comm is not None else own
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dq, dk, dv = _ring_backward(dout, (q, k, v, out, lse), ctx.group, ctx.kernel, document_ids)
+        return dq, dk, dv, None, None, None
 
 
-def _ring_masked_forward(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel, docs: _Documents
+def _ring_step_block(
+    rank: int, source: int, local: int, docs: Optional[_Documents]
+) -> tuple[slice, slice, bool, Optional[Tensor], bool]:
+    """What rank ``rank`` computes against rank ``source``'s K/V: ``(rows, cols, causal, mask, skip)``: the block
+    of :func:`_ring_block`; causal on its own block without document masking; with it (``docs``) the block's mask,
+    and ``skip`` when no document spans the block."""
+    rows, cols = _ring_block(rank, source, local)
+    if docs is None:
+        return rows, cols, source == rank, None, False
+    mask = docs.mask(rank, rows, source, cols)
+    return rows, cols, False, mask, mask is None
+
+
+def _ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, kernel: _Kernel, document_ids: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
-    """The ring's forward with document masking (``[b, heads, s_local, d]``): the blocks of :func:`_ring_block`,
-    each masked by :meth:`_Documents.mask` and skipped when no document spans it; the K/V still travel every step.
-    Returns the output in ``q``'s dtype and the log-sum-exp."""
+    """The ring's forward (``[b, heads, s_local, d]``): each step's block (:func:`_ring_step_block`) merged into the
+    accumulators by the log-sum-exp rule while the next K/V block travels (one message per step, ``[2, b, h_kv,
+    s_local, d]``). Returns the output in ``q``'s dtype and the log-sum-exp."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    docs = _Documents(document_ids, size) if document_ids is not None else None
     kv = torch.stack([k, v])
     comm = _RingExchange(group) if size > 1 else None
-    acc_out = acc_lse = None
+    acc_out: Optional[Tensor] = None
+    acc_lse: Optional[Tensor] = None
     for step in range(size):
         if comm is not None and step + 1 < size:
-            comm.start(kv)
-        source = (rank - step) % size
-        rows, cols = _ring_block(rank, source, q.shape[2])
-        mask = docs.mask(rank, rows, source, cols)
-        if mask is not None:
-            out, lse = kernel.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], False, mask)
+            comm.start(kv)  # the next block travels while this one is computed
+        rows, cols, causal, mask, skip = _ring_step_block(rank, (rank - step) % size, q.shape[2], docs)
+        if not skip:
+            out, lse = kernel.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, mask)
             if acc_out is None or acc_lse is None:  # step 0: every row (each query attends to itself)
                 acc_out, acc_lse = _merge(None, None, out, lse)
             else:
@@ -592,43 +532,47 @@ def _ring_masked_forward(
     return acc_out.to(q.dtype), acc_lse
 
 
-def _ring_masked_backward(
-    dout: Tensor, saved: tuple[Tensor, ...], group: dist.ProcessGroup, kernel: _Kernel, docs: _Documents
+def _ring_backward(
+    dout: Tensor,
+    saved: tuple[Tensor, ...],
+    group: dist.ProcessGroup,
+    kernel: _Kernel,
+    document_ids: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The ring's backward with document masking: the forward's blocks and masks again (skipped ones too), the dK/dV
-    of every block travelling with it back to its owner as in :class:`_RingAttention`'s backward. Returns ``(dq,
-    dk, dv)`` in the inputs' dtypes."""
+    """The ring's backward: the forward's blocks again (skipped ones too). dq accumulates locally; the dK/dV of
+    each block travels with it from the first rank after its owner round the ring back to the owner (``c - 1``
+    sends), which keeps its own contribution (step 0) and adds the arriving sum last. Returns ``(dq, dk, dv)`` in
+    the inputs' dtypes."""
     q, k, v, out, lse = saved
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    docs = _Documents(document_ids, size) if document_ids is not None else None
     dout = dout.contiguous()
     grad_dtype = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=grad_dtype, device=q.device)
     kv = torch.stack([k, v])
     kv_comm = _RingExchange(group) if size > 1 else None
     dkv_comm = _RingExchange(group) if size > 1 else None
-    own: Optional[Tensor] = None
+    own: Optional[Tensor] = None  # this rank's contribution to its own block's dK/dV (step 0), kept to the end
     for step in range(size):
         if kv_comm is not None and step + 1 < size:
             kv_comm.start(kv)
-        source = (rank - step) % size
-        rows, cols = _ring_block(rank, source, q.shape[2])
-        mask = docs.mask(rank, rows, source, cols)
+        rows, cols, causal, mask, skip = _ring_step_block(rank, (rank - step) % size, q.shape[2], docs)
         block = torch.zeros((2, *kv[0].shape), dtype=grad_dtype, device=q.device)
-        if mask is not None:
+        if not skip:
             dq_b, dk_b, dv_b = kernel.backward(
                 dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows], False, mask,
+                lse[:, :, rows], causal, mask,
             )  # fmt: skip
             dq[:, :, rows] += dq_b
             block[0][:, :, cols] += dk_b
             block[1][:, :, cols] += dv_b
         if step == 0:
-            own = block
+            own = block  # not sent: the other ranks' sum comes back to it after the loop
         else:
             assert dkv_comm is not None
             if step > 1:
-                block += dkv_comm.wait()
-            dkv_comm.start(block)
+                block += dkv_comm.wait()  # the partial dK/dV of this block from the ranks it visited before
+            dkv_comm.start(block)  # travels with its block; the send at step c - 1 reaches the owner
         if kv_comm is not None and step + 1 < size:
             kv = kv_comm.wait()
     assert own is not None

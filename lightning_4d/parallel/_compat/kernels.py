@@ -77,18 +77,16 @@ def aten_flash_forward(
 
 def aten_flash_backward(
     dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    qkv: tuple[Tensor, Tensor, Tensor],
     out: Tensor,
     lse: Tensor,
     causal: bool,
     scale: float,
     mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of :func:`aten_flash_forward` given the output gradient and the final ``out`` and ``lse``
-    (``[b, heads, s_q]`` float32; made contiguous here, as the CUDA kernel reads it as a dense array); ``mask``: as
-    in :func:`aten_flash_forward` (CPU only).
+    """``(dq, dk, dv)`` of :func:`aten_flash_forward` of ``qkv = (q, k, v)`` given the output gradient and the final
+    ``out`` and ``lse`` (``[b, heads, s_q]`` float32; made contiguous here, as the CUDA kernel reads it as a dense
+    array); ``mask``: as in :func:`aten_flash_forward` (CPU only).
 
     On CUDA the cumulative sequence lengths are passed as ``None`` (an undefined tensor, as the forward returns them
     for dense batches): a defined one, even empty, selects the variable-length kernel, which wants int32 lengths
@@ -96,6 +94,7 @@ def aten_flash_backward(
     dropout; they are passed as the forward returns them on this device and torch version
     (:func:`_flash_rng_state`)."""
     aten = torch.ops.aten
+    q, k, v = qkv
     lse = lse.contiguous()
     if q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
