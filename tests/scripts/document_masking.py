@@ -120,6 +120,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from lightning_4d.parallel._compat import exit_distributed_process  # not into finalization: see there
+    from lightning_4d.parallel._compat.process import exit_distributed_process  # not into finalization: see there
 
     exit_distributed_process(main() or 0)
