@@ -85,7 +85,7 @@ BUGS: tuple[Bug, ...] = (
     Bug(
         "cp-chunk-index",
         "ring attention: a block from an earlier cp rank is attended through its second chunk instead of its first",
-        "lightning_4d/parallel/context.py",
+        "lightning_4d/features/context_parallel/runtime.py",
         "out, lse = kernel.forward(q, kb[:, :, first], vb[:, :, first], causal=False)",
         "out, lse = kernel.forward(q, kb[:, :, second], vb[:, :, second], causal=False)",
         ("tests/test_context_parallel.py", "-k", "attention_equals_full_causal_attention or zigzag"),

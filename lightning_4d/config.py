@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lightning_4d.features import FEATURES
+from lightning_4d.features.context_parallel import check_heads
 from lightning_4d.features.moe import check_float8, check_moe_layout
 from lightning_4d.layout import (  # the choices live with the layout registry; imported from here too
     ACTIVATION_CHECKPOINTING,  # noqa: F401
@@ -85,33 +86,6 @@ def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     load-balanced causal split: ``(cp_rank, 2·cp_size - 1 - cp_rank)`` (the "head-tail" split of Megatron-LM's
     context parallelism; Brandon et al. 2023, "Striped Attention", arXiv 2311.09431, for the balance argument)."""
     return cp_rank, 2 * cp_size - 1 - cp_rank
-
-
-def alltoall_heads(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> tuple[int, int]:
-    """``(query heads, kv heads)`` one cp rank attends with under ``context_parallel_method="alltoall"``
-    (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509): the tp rank's ``a/tp`` query heads split over cp,
-    ``a/(tp·cp)`` each; its ``k/tp`` kv heads split over cp when cp divides them, else (``k/tp < cp``, cp a multiple
-    of ``k/tp``) each kv head replicated ``cp·tp/k`` times before the all-to-all, so every cp rank receives the one kv
-    head its query heads share (the kv-head expansion of ``long-context-attention``'s Ulysses): ``max(k/tp, cp)/cp``.
-
-    Raises:
-        ValueError: ``a/tp`` not divisible by cp, or ``k/tp`` neither divisible by cp nor dividing it.
-    """
-    q, kv = num_heads // tp, num_kv_heads // tp
-    if q % cp != 0:
-        valid = [c for c in divisors(q) if kv % c == 0 or c % kv == 0]
-        raise ValueError(
-            f"context_parallel_method='alltoall' needs the query heads of a tp rank, num_heads/tensor_parallel_size "
-            f"= {num_heads}/{tp} = {q}, divisible by context_parallel_size={cp} (heads are split over cp); valid "
-            f"context_parallel_size values for alltoall here: {valid}, or use context_parallel_method='ring'."
-        )
-    if kv % cp != 0 and cp % kv != 0:
-        raise ValueError(
-            f"context_parallel_method='alltoall' needs the kv heads of a tp rank, num_kv_heads/tensor_parallel_size "
-            f"= {num_kv_heads}/{tp} = {kv}, divisible by context_parallel_size={cp} or dividing it (then replicated); "
-            "use context_parallel_method='ring' or 'allgather'."
-        )
-    return q // cp, max(kv, cp) // cp
 
 
 #: :meth:`ParallelConfig.rank_stages` of (pp, v, schedule, layer split, layers, rank), memoized (bounded)
@@ -512,9 +486,9 @@ class ParallelConfig:
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1 and PowerSGD;
-                ``float8`` with a dimension of the dense linears not divisible by 16; ``context_parallel_method=
-                "alltoall"`` with heads that do not split over tp·cp (:func:`alltoall_heads`); the MoE rules of
-                :mod:`lightning_4d.features.moe` (``docs/moe.md``).
+                ``float8`` with a dimension of the dense linears not divisible by 16; cp's all-to-all attention
+                with heads that do not split over tp·cp (:func:`~lightning_4d.features.context_parallel.check_heads`);
+                the MoE rules of :mod:`lightning_4d.features.moe` (``docs/moe.md``).
         """
         tp = self.tp
         valid_tp = [d for d in divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -545,8 +519,7 @@ class ParallelConfig:
             )
         if self.float8 is not None:
             self._check_float8_dims(model_config)
-        if self.cp > 1 and self.context_parallel_method == "alltoall":
-            alltoall_heads(model_config.num_heads, model_config.num_kv_heads, tp, self.cp)
+        check_heads(self, model_config)
         check_moe_layout(self, model_config)
         if self.pp > 1:
             self.layer_split(model_config.num_layers)

@@ -39,7 +39,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 #: activation checkpointing modes (see lightning_4d/parallel/activation_checkpoint.py)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
-#: context-parallel attention methods (see lightning_4d/parallel/context.py)
+#: context-parallel attention methods (see lightning_4d/features/context_parallel/runtime.py)
 CONTEXT_PARALLEL_METHODS = ("ring", "allgather", "alltoall")
 #: data-parallel gradient compression (see lightning_4d/parallel/compression.py)
 GRADIENT_COMPRESSIONS = ("none", "bf16", "powersgd")
@@ -196,8 +196,8 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "cp, the ranks that split every sequence (default 1)",
         "cp, the ranks that split the sequence of every sample (load-balanced zigzag chunks: rank i holds chunks i "
         "and 2c-1-i of 2c): the strategy shards ``input_ids`` / ``labels`` of each batch over the sequence and "
-        "attention exchanges K/V over the cp group (``lightning_4d/parallel/context.py``); the sequence length must "
-        "be a multiple of 2·cp (times tp under sp).",
+        "attention exchanges K/V over the cp group (``lightning_4d/features/context_parallel/runtime.py``); the "
+        "sequence length must be a multiple of 2·cp (times tp under sp).",
     ),
     LayoutField(
         "zero_stage",
@@ -378,8 +378,8 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "whole sequence all-gathered, Llama 3's method, arXiv 2407.21783 §3.3.2; cheaper for few kv heads) or "
         '``"alltoall"`` (DeepSpeed-Ulysses, arXiv 2309.14509: q, k, v all-to-all\'d from sequence shards to head '
         "shards, attention over the whole sequence with ``a/(tp·cp)`` heads, the output all-to-all'd back; needs "
-        "``num_heads/tp`` divisible by cp, :func:`~lightning_4d.config.alltoall_heads`). All three are exact; "
-        "``docs/context_parallel.md``.",
+        "``num_heads/tp`` divisible by cp, :func:`~lightning_4d.features.context_parallel.alltoall_heads`). All "
+        "three are exact; ``docs/context_parallel.md``.",
         choices=CONTEXT_PARALLEL_METHODS,
         flags=("--cp-method",),
         planned=True,

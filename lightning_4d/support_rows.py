@@ -102,7 +102,7 @@ F8_TP = FLOAT8 + "test_float8_under_tensor_parallelism"
 #: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
 DUALPIPEV = {"pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]}
 
-#: the support matrix (order: ZeRO and precision, tp/sp, pp, cp, checkpointing / offload / compile, MoE, families)
+#: the support matrix (order: ZeRO and precision, tp/sp, pp, checkpointing / offload / compile, MoE, families)
 ROWS: list[Row] = [
     # ---------------------------------------------------------------- ZeRO x precision (dp2)
     Row(
@@ -292,77 +292,6 @@ ROWS: list[Row] = [
             "activation_checkpointing='full' with it, or 'selective' with one of ['gpipe', '1f1b', "
             "'interleaved_1f1b']."
         ),
-    ),
-    # ---------------------------------------------------------------- cp
-    Row(
-        "cp2-ring",
-        "cp2 ring attention (zigzag shards, K/V passed around)",
-        {"cp": 2},
-        cpu_tests=(CP + "test_context_parallel_world2", CP + "test_context_parallel_bf16_close_to_float32"),
-    ),
-    Row(
-        "cp2-allgather-z3",
-        "cp2 all-gather attention, ZeRO 3",
-        {"cp": 2, "cp_method": "allgather", "zero_stage": 3},
-        cpu_tests=(CP + "test_context_parallel_world2",),
-    ),
-    Row(
-        "cp2-ring-selective",
-        "cp2 ring attention, selective checkpointing",
-        {"cp": 2, "zero_stage": 0, "activation_checkpointing": "selective"},
-        cpu_tests=(CP + "test_context_parallel_world2",),
-    ),
-    Row(
-        "cp2-tp2",
-        "cp2 x tp2 ring attention on head shards",
-        {"cp": 2, "tp": 2},
-        cpu_tests=(CP + "test_context_parallel_world4", P + "test_bf16_mixed_parity_world4"),
-    ),
-    Row(
-        "cp2-pp2-tp2",
-        "cp2 x pp2 x tp2, 1F1B",
-        {"cp": 2, "pp": 2, "tp": 2, "num_microbatches": 2},
-        cpu_tests=(CP + "test_context_parallel_world8",),
-    ),
-    Row(
-        "cp2-alltoall",
-        "cp2 all-to-all (Ulysses) attention: heads sharded, whole sequence per rank",
-        {"cp": 2, "cp_method": "alltoall", "zero_stage": 0},
-        cpu_tests=(CP + "test_context_parallel_world2", CP + "test_attention_equals_full_causal_attention"),
-    ),
-    Row(
-        "cp4-alltoall",
-        "cp4 all-to-all attention (fewer kv heads than cp replicated: tiny-test's 2 in the CPU tests)",
-        {"cp": 4, "cp_method": "alltoall"},
-        cpu_tests=(CP + "test_context_parallel_world4", CP + "test_cp_activations_within_5_percent"),
-    ),
-    Row(
-        "cp2-tp2-alltoall",
-        "cp2 x tp2 all-to-all attention (heads over tp, then cp), ZeRO 3",
-        {"cp": 2, "tp": 2, "cp_method": "alltoall", "zero_stage": 3},
-        cpu_tests=(CP + "test_context_parallel_world4",),
-    ),
-    Row(
-        "cp2-pp2-alltoall",
-        "cp2 x pp2 all-to-all attention, 1F1B",
-        {"cp": 2, "pp": 2, "cp_method": "alltoall", "num_microbatches": 2},
-        cpu_tests=(CP + "test_context_parallel_world4",),
-    ),
-    Row(
-        "cp4-tp4-alltoall-bad-heads",
-        "cp4 x tp4 all-to-all with 8 heads (2 per tp rank: too few for cp4)",
-        {"cp": 4, "tp": 4, "cp_method": "alltoall"},
-        refused=(
-            "context_parallel_method='alltoall' needs the query heads of a tp rank, num_heads/tensor_parallel_size "
-            "= 8/4 = 2, divisible by context_parallel_size=4 (heads are split over cp); valid context_parallel_size "
-            "values for alltoall here: [1, 2], or use context_parallel_method='ring'."
-        ),
-    ),
-    Row(
-        "cp2-bad-sequence",
-        "cp2 with a sequence that does not split into 2*cp chunks",
-        {"cp": 2, "seq_length": 1022},
-        refused="seq_length=1022 is not a multiple of 4 (2*cp=4); use e.g. seq_length=1024.",
     ),
     # ---------------------------------------------------------------- checkpointing, offload, compile
     Row(

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.context_parallel.costs import context_parallel_buffers
 from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.tensor_parallel.costs import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
 from lightning_4d.planning.activations import recompute_backward
 from lightning_4d.planning.compression_costs import compression_buffer_bytes
-from lightning_4d.planning.context_costs import context_parallel_buffers
 from lightning_4d.planning.float8_costs import (
     float8_backward_transient,
     float8_forward_transient,
