@@ -69,7 +69,7 @@ BUGS: tuple[Bug, ...] = (
         "pp-microbatch-order",
         "pipeline: the labels' batch order reversed, so micro-batch i's outputs are scored against micro-batch "
         "m - 1 - i's labels",
-        "lightning_4d/parallel/pipeline.py",
+        "lightning_4d/features/pipeline/runtime.py",
         "schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)",
         "schedule.step(*args, target=labels.flip(0) if self.is_last else None, losses=losses, return_outputs=False)",
         ("tests/test_pipeline.py", "-k", "world2"),
@@ -77,7 +77,7 @@ BUGS: tuple[Bug, ...] = (
     Bug(
         "pp-loss-scale",
         "pipeline: each micro-batch's loss divided by m + 1 instead of m",
-        "lightning_4d/parallel/pipeline.py",
+        "lightning_4d/features/pipeline/runtime.py",
         "loss = loss_fn(output, target) / m",
         "loss = loss_fn(output, target) / (m + 1)",
         ("tests/test_pipeline.py", "-k", "world2"),

@@ -64,6 +64,17 @@ Saved = Literal["no", "value", "resolved", "resolved_if_set"]
 _UNSET: Any = object()
 
 
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` when it is an int >= 1 (not a bool): the check of every size and count of a layout, and of the
+    memory estimator's and the planner's integer arguments (``name``: the argument, as the message names it).
+
+    Raises:
+        ValueError: ``value`` is not such an int (the message names ``name`` and ``value``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not valid: expected a positive integer (1, 2, 4, ...).")
+    return value
+
+
 @dataclass(frozen=True)
 class LayoutField:
     """One field of the layout.
@@ -186,8 +197,8 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "pp",
         "pp, the ranks of the pipeline's stages (default 1)",
         "pp, the ranks of the pipeline's stages (the layers are split into ``pp·v`` stages; ``lightning_4d`` Llama "
-        "models and the transformers Llama; ``lightning_4d/parallel/pipeline.py``). With pp > 1 the strategy runs the "
-        "schedule inside ``training_step`` (``docs/pipeline.md``).",
+        "models and the transformers Llama; ``lightning_4d/features/pipeline/runtime.py``). With pp > 1 the strategy "
+        "runs the schedule inside ``training_step`` (``docs/pipeline.md``).",
     ),
     _size(
         "context_parallel_size",
@@ -424,7 +435,7 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "the dtype of the activations and gradients sent between pipeline stages (None: the model's)",
         '``None`` (send pipeline activations and their gradients in the model\'s dtype), ``"bfloat16"`` (half the '
         'bytes of a float32 model) or ``"float8"`` (e4m3 with a per-tensor scale, a quarter; '
-        "``parallel/pipeline.py``, ``parallel/compression.py``).",
+        "``features/pipeline/runtime.py``, ``parallel/compression.py``).",
         choices=PIPELINE_COMM_DTYPES,
     ),
     LayoutField(

@@ -93,14 +93,9 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
     ``options``: a row's :meth:`Row.options` (``measure``'s names) or one of ``plan``'s layouts (its ``--json``
     names: ``context_parallel_method``, ``expert_parallel_size``, ...); sizes absent count as 1."""
     get = options.get
-    tp, pp = get("tp", 1), get("pp", 1)
+    tp = get("tp", 1)
     ep = get("ep", get("expert_parallel_size", 1)) or 1
     out = set().union(*(feature.labels(options) for feature in FEATURES))
-    if pp > 1:
-        out.add("pp")
-        schedule = get("pipeline_schedule") or "1f1b"
-        if schedule != "1f1b":
-            out.add(f"pp {schedule}")
     zero = get("zero_stage", 1)
     if zero != 1:
         out.add(f"ZeRO {zero}")

@@ -253,6 +253,7 @@ def test_features_records_and_terms_import_no_torch():
     names = sorted(m for m in _modules() if _torch_free_feature_module(m))
     assert f"{PACKAGE}.features.tensor_parallel.costs" in names
     assert f"{PACKAGE}.features.context_parallel.costs" in names
+    assert f"{PACKAGE}.features.pipeline.costs" in names
     bad = [
         f"{m} -> {i}"
         for m in names
@@ -291,7 +292,7 @@ def test_tasks_import_no_strategy():
 
 
 def test_the_pipeline_splitter_imports_no_model():
-    """``parallel/pipeline.py`` is the one splitter of every family: what a model computes (its positions, rotary
-    embedding, layers, head) it asks the family (issue 33: it imported our Llama's RoPE)."""
-    bad = sorted(i for i in graph()[f"{PACKAGE}.parallel.pipeline"] if _in(i, f"{PACKAGE}.models"))
-    assert not bad, "parallel/pipeline.py imports " + ", ".join(bad)
+    """``features/pipeline/runtime.py`` is the one splitter of every family: what a model computes (its positions,
+    rotary embedding, layers, head) it asks the family (issue 33: it imported our Llama's RoPE)."""
+    bad = sorted(i for i in graph()[f"{PACKAGE}.features.pipeline.runtime"] if _in(i, f"{PACKAGE}.models"))
+    assert not bad, "features/pipeline/runtime.py imports " + ", ".join(bad)

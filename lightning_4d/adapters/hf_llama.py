@@ -20,13 +20,13 @@ A LightningModule that holds a ``transformers`` ``LlamaForCausalLM`` (built in `
   forward pre-hook on the base ``LlamaModel`` feeds the model's own rotary embedding the shard's global positions
   (:func:`~lightning_4d.models.rope.context_parallel_positions`) and, under sp, the full-length positions. With tp or
   cp, the attention is always causal over the whole sequence: a padding ``attention_mask`` is refused.
-- **pp** (every schedule of :mod:`lightning_4d.parallel.pipeline`, the same layer split as our Llama): the model is
-  pruned to this rank's stages (other ranks' decoder layers become parameter-free placeholders, so parameter names
-  stay the unsplit model's) and each stage runs as a :class:`~lightning_4d.parallel.pipeline.StageChunk`. As for our
-  Llama, the schedule runs inside
-  ``training_step``: call ``self.trainer.strategy.pipeline.train_step(input_ids, labels)`` there (the mean loss of
-  the batch; forward and backward of all micro-batches) when ``strategy.pipeline`` is set; the loss per micro-batch
-  is the module's ``pipeline_loss(logits, labels)`` if it has one, else the mean cross-entropy.
+- **pp** (every schedule of :mod:`lightning_4d.features.pipeline.runtime`, the same layer split as our Llama): the model
+  is pruned to this rank's stages (other ranks' decoder layers become parameter-free placeholders, so parameter names
+  stay the unsplit model's) and each stage runs as a :class:`~lightning_4d.features.pipeline.runtime.StageChunk`. As for
+  our Llama, the schedule runs inside ``training_step``: call ``self.trainer.strategy.pipeline.train_step(input_ids,
+  labels)`` there (the mean loss of the batch; forward and backward of all micro-batches) when ``strategy.pipeline`` is
+  set; the loss per micro-batch is the module's ``pipeline_loss(logits, labels)`` if it has one, else the mean
+  cross-entropy.
 
 The strategy's one parallelization path (:func:`lightning_4d.parallel.parallelize.parallelize_model`) applies
 this family's answers (:class:`HFLlamaFamily`) in ``setup``, after ``configure_model``, before materialization.

@@ -83,7 +83,7 @@ def layer_saved(*args: Any) -> int:
 
 def layer_input_grad_only(cfg: Any, dt: Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
     """Bytes of one layer's saved set that only the input gradient uses (not the weight gradients): attention's q,
-    k, v, output and float32 log-sum-exp (see :func:`lightning_4d.planning.pipeline_costs.zbv_peak`; the RMSNorms' saved
+    k, v, output and float32 log-sum-exp (see :func:`lightning_4d.features.pipeline.costs.zbv_peak`; the RMSNorms' saved
     input and reciprocal RMS serve their weight gradient too, so the weight pass frees them)."""
     return layer_saved_parts(cfg, dt, b, s, tp, sp)["sdpa"]
 

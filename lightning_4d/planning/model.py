@@ -179,12 +179,12 @@ from typing import Any, Optional
 
 from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
 from lightning_4d.features.moe import costs as moe_costs
+from lightning_4d.features.pipeline.costs import Activations, activation_terms
 from lightning_4d.planning.activations import saved_bytes
 from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
 from lightning_4d.planning.offload_costs import offloaded_per_stage
 from lightning_4d.planning.params import rank_layout
-from lightning_4d.planning.pipeline_costs import Activations, activation_terms
 from lightning_4d.planning.states import ModelStates, model_state_bytes
 from lightning_4d.planning.tensors import PRECISIONS, Dtypes, checkpoint_bytes_per_parameter, normalize_precision
 from lightning_4d.planning.workload import Workload

@@ -293,7 +293,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
         return layout_strategy(trainer.strategy) if trainer is not None else None
 
     def _pipeline(self) -> Any:
-        """The strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner` (pp > 1), else ``None``."""
+        """The strategy's :class:`~lightning_4d.features.pipeline.runtime.PipelineRunner` (pp > 1), else ``None``."""
         layout = self._layout()
         pipeline = layout.pipeline if layout is not None else None
         self._moe_pipeline(pipeline)
