@@ -1,6 +1,6 @@
 """Context-parallel ring attention with document masking against without, side by side in one run on CPU (gloo):
 forward + backward seconds per step of one cp rank, and the fraction of (query, key) blocks the ring skips because no
-document spans them (``lightning_4d.parallel.context.ring_blocks``).
+document spans them (``lightning_4d.features.context_parallel.runtime.ring_blocks``).
 
 Documents of about ``--document-tokens`` tokens (lengths drawn uniformly from half to one and a half times that)
 are packed into one window of ``--seq-length`` tokens. Four runs on the same q, k, v: causal attention and document
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args(argv)
-    from lightning_4d.parallel.context import context_parallel_attention, ring_blocks, shard_sequence
+    from lightning_4d.features.context_parallel.runtime import context_parallel_attention, ring_blocks, shard_sequence
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    from lightning_4d.features.context_parallel.runtime import context_parallel_attention
     from lightning_4d.models.attention_backends import attention
-    from lightning_4d.parallel.context import context_parallel_attention
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

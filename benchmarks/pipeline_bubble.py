@@ -1,7 +1,7 @@
 """Pipeline bubble per schedule: measured step time against the ideal (no-bubble) time and the theoretical bubble.
 
 For each schedule the same model (a Llama of ``--layers`` layers, split into p·v stages) runs ``--steps`` training
-steps of m micro-batches through ``lightning_4d.parallel.pipeline.PipelineRunner`` (the code FourDStrategy runs
+steps of m micro-batches through ``lightning_4d.features.pipeline.runtime.PipelineRunner`` (the code FourDStrategy runs
 inside ``training_step``), timed after ``--warmup`` steps. The ideal time of a step is what the busiest rank computes
 with no waiting: m times the forward + backward of one micro-batch through each of its stages, timed on that rank
 alone (no communication). Printed per schedule:
@@ -35,12 +35,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from lightning_4d.config import ParallelConfig  # noqa: E402
 from lightning_4d.families.native_llama import LLAMA  # noqa: E402
+from lightning_4d.features.pipeline.runtime import PipelineRunner  # noqa: E402
 from lightning_4d.mesh import build_mesh  # noqa: E402
 from lightning_4d.models.llama import LlamaModel  # noqa: E402
 from lightning_4d.models.llama_config import LlamaConfig  # noqa: E402
 from lightning_4d.parallel.loss import causal_lm_loss  # noqa: E402
 from lightning_4d.parallel.parallelize import parallelize_model  # noqa: E402
-from lightning_4d.parallel.pipeline import PipelineRunner  # noqa: E402
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 

@@ -69,7 +69,7 @@ BUGS: tuple[Bug, ...] = (
         "pp-microbatch-order",
         "pipeline: the labels' batch order reversed, so micro-batch i's outputs are scored against micro-batch "
         "m - 1 - i's labels",
-        "lightning_4d/parallel/pipeline.py",
+        "lightning_4d/features/pipeline/runtime.py",
         "schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)",
         "schedule.step(*args, target=labels.flip(0) if self.is_last else None, losses=losses, return_outputs=False)",
         ("tests/test_pipeline.py", "-k", "world2"),
@@ -77,7 +77,7 @@ BUGS: tuple[Bug, ...] = (
     Bug(
         "pp-loss-scale",
         "pipeline: each micro-batch's loss divided by m + 1 instead of m",
-        "lightning_4d/parallel/pipeline.py",
+        "lightning_4d/features/pipeline/runtime.py",
         "loss = loss_fn(output, target) / m",
         "loss = loss_fn(output, target) / (m + 1)",
         ("tests/test_pipeline.py", "-k", "world2"),
@@ -85,7 +85,7 @@ BUGS: tuple[Bug, ...] = (
     Bug(
         "cp-chunk-index",
         "ring attention: a block from an earlier cp rank is attended through its second chunk instead of its first",
-        "lightning_4d/parallel/context.py",
+        "lightning_4d/features/context_parallel/runtime.py",
         "out, lse = kernel.forward(q, kb[:, :, first], vb[:, :, first], causal=False)",
         "out, lse = kernel.forward(q, kb[:, :, second], vb[:, :, second], causal=False)",
         ("tests/test_context_parallel.py", "-k", "attention_equals_full_causal_attention or zigzag"),

@@ -111,7 +111,7 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     with ``tie_word_embeddings`` (``"<prefix>.output.weight": "<prefix>.tok_embeddings.weight"``, canonical names).
     A sharded folder holds such a weight once, under the embedding's key, whatever the layout: at pp = 1 the two
     names are one tensor, under pp > 1 the last stage's copy equals the first stage's
-    (:class:`lightning_4d.parallel.pipeline.TiedEmbedding`) and is read back from the embedding's key."""
+    (:class:`lightning_4d.features.pipeline.runtime.TiedEmbedding`) and is read back from the embedding's key."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, LlamaModel) and module.config.tie_word_embeddings:

@@ -13,7 +13,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lightning_4d.features import FEATURES
+from lightning_4d.features.context_parallel import check_heads
 from lightning_4d.features.moe import check_float8, check_moe_layout
+from lightning_4d.features.pipeline import SCHEDULE_STAGES
 from lightning_4d.layout import (  # the choices live with the layout registry; imported from here too
     ACTIVATION_CHECKPOINTING,  # noqa: F401
     CONTEXT_PARALLEL_METHODS,  # noqa: F401
@@ -22,9 +24,10 @@ from lightning_4d.layout import (  # the choices live with the layout registry; 
     LAYOUT_FIELDS,
     MESH_DIM_NAMES,
     PIPELINE_COMM_DTYPES,  # noqa: F401
-    PIPELINE_SCHEDULES,
+    PIPELINE_SCHEDULES,  # noqa: F401
     POWERSGD_COMM_DTYPES,  # noqa: F401
     ZERO_STAGES,  # noqa: F401
+    check_positive_int,
     layout_dataclass,
 )
 from lightning_4d.models.llama_config import divisors
@@ -65,53 +68,11 @@ def check_training_precision(precision: object) -> str:
     return str(precision)
 
 
-#: schedules that split backward into input- and weight-gradient passes and run a micro-batch's weight pass after
-#: later forwards (zero bubble, V placement)
-ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")
-#: schedules that run one stage per pp rank (torch.distributed.pipelining's PipelineScheduleSingle)
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-# pipeline schedule -> (stages per rank allowed, default stages per rank, rank style)
-_SCHEDULE_STAGES = {
-    "gpipe": ((1,), 1, "loop"),
-    "1f1b": ((1,), 1, "loop"),
-    "interleaved_1f1b": (None, 2, "loop"),  # any v >= 1
-    "zbv": ((2,), 2, "v"),
-    "dualpipev": ((2,), 2, "v"),
-}
-
-
 def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     """The two chunks of the ``2·cp_size`` equal chunks of a sequence that cp rank ``cp_rank`` holds under the
     load-balanced causal split: ``(cp_rank, 2·cp_size - 1 - cp_rank)`` (the "head-tail" split of Megatron-LM's
     context parallelism; Brandon et al. 2023, "Striped Attention", arXiv 2311.09431, for the balance argument)."""
     return cp_rank, 2 * cp_size - 1 - cp_rank
-
-
-def alltoall_heads(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> tuple[int, int]:
-    """``(query heads, kv heads)`` one cp rank attends with under ``context_parallel_method="alltoall"``
-    (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509): the tp rank's ``a/tp`` query heads split over cp,
-    ``a/(tp·cp)`` each; its ``k/tp`` kv heads split over cp when cp divides them, else (``k/tp < cp``, cp a multiple
-    of ``k/tp``) each kv head replicated ``cp·tp/k`` times before the all-to-all, so every cp rank receives the one kv
-    head its query heads share (the kv-head expansion of ``long-context-attention``'s Ulysses): ``max(k/tp, cp)/cp``.
-
-    Raises:
-        ValueError: ``a/tp`` not divisible by cp, or ``k/tp`` neither divisible by cp nor dividing it.
-    """
-    q, kv = num_heads // tp, num_kv_heads // tp
-    if q % cp != 0:
-        valid = [c for c in divisors(q) if kv % c == 0 or c % kv == 0]
-        raise ValueError(
-            f"context_parallel_method='alltoall' needs the query heads of a tp rank, num_heads/tensor_parallel_size "
-            f"= {num_heads}/{tp} = {q}, divisible by context_parallel_size={cp} (heads are split over cp); valid "
-            f"context_parallel_size values for alltoall here: {valid}, or use context_parallel_method='ring'."
-        )
-    if kv % cp != 0 and cp % kv != 0:
-        raise ValueError(
-            f"context_parallel_method='alltoall' needs the kv heads of a tp rank, num_kv_heads/tensor_parallel_size "
-            f"= {num_kv_heads}/{tp} = {kv}, divisible by context_parallel_size={cp} or dividing it (then replicated); "
-            "use context_parallel_method='ring' or 'allgather'."
-        )
-    return q // cp, max(kv, cp) // cp
 
 
 #: :meth:`ParallelConfig.rank_stages` of (pp, v, schedule, layer split, layers, rank), memoized (bounded)
@@ -137,17 +98,6 @@ def check_compile(compile: bool, activation_checkpointing: str = "none") -> None
             "checkpointed layer (context-parallel attention, Mixture-of-Experts layers) would run it eagerly. Use "
             "activation_checkpointing='full' or 'none' with compile=True."
         )
-
-
-def check_positive_int(name: str, value: object) -> int:
-    """``value`` when it is an int >= 1 (not a bool): the check of every size and count of a layout, and of the
-    memory estimator's and the planner's integer arguments (``name``: the argument, as the message names it).
-
-    Raises:
-        ValueError: ``value`` is not such an int (the message names ``name`` and ``value``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} is not valid: expected a positive integer (1, 2, 4, ...).")
-    return value
 
 
 def check_values(config: "ParallelConfig") -> None:
@@ -195,7 +145,6 @@ class ParallelConfig:
         self._check_gradient_compression()
         for feature in FEATURES:
             feature.check(self)
-        self._check_pipeline()
         self._check_offload()
         check_compile(self.compile, self.activation_checkpointing)
         if self.sequence_parallel and self.tensor_parallel_size == 1:
@@ -220,46 +169,6 @@ class ParallelConfig:
                 "reduce-scatters each gradient shard as it comes and PowerSGD needs whole matrices. Use zero_stage 0 "
                 "or 1 with it, or gradient_compression='bf16' with ZeRO 2/3."
             )
-
-    def _check_pipeline(self) -> None:
-        """The pipeline's options: virtual stages per schedule, selective checkpointing with a
-        zero-bubble schedule, micro-batches, the layer split."""
-        allowed, _, _ = _SCHEDULE_STAGES[self.pipeline_schedule]
-        if self.virtual_pipeline_stages is not None:
-            check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
-            if allowed is not None and self.virtual_pipeline_stages not in allowed:
-                fits = [
-                    name
-                    for name, (a, _, _) in _SCHEDULE_STAGES.items()
-                    if a is None or self.virtual_pipeline_stages in a
-                ]
-                raise ValueError(
-                    f"virtual_pipeline_stages={self.virtual_pipeline_stages} is not supported by pipeline_schedule="
-                    f"{self.pipeline_schedule!r}, which runs {allowed[0]} stage(s) per rank; schedules that take "
-                    f"{self.virtual_pipeline_stages} stages per rank: {fits}."
-                )
-        if (
-            self.activation_checkpointing == "selective"
-            and self.pipeline_parallel_size > 1
-            and self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
-        ):
-            raise ValueError(
-                f"activation_checkpointing='selective' does not work with pipeline_schedule="
-                f"{self.pipeline_schedule!r}: a zero-bubble schedule runs each layer's backward in two passes (input "
-                "gradients, then weight gradients) and PyTorch's selective checkpointing can recompute a layer only "
-                "once. Use activation_checkpointing='full' with it, or 'selective' with one of "
-                f"{[x for x in PIPELINE_SCHEDULES if x not in ZERO_BUBBLE_SCHEDULES]}."
-            )
-        if self.num_microbatches is not None:
-            check_positive_int("num_microbatches", self.num_microbatches)
-        if self.pipeline_layer_split is not None:
-            split = list(self.pipeline_layer_split)
-            if not split or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in split):
-                raise ValueError(
-                    f"pipeline_layer_split={self.pipeline_layer_split!r} is not valid: expected a list of layer counts "
-                    "(non-negative integers), one per pipeline stage."
-                )
-            self.pipeline_layer_split = split
 
     def _check_offload(self) -> None:
         """``activation_offload_layers`` (not with checkpointing)."""
@@ -340,7 +249,7 @@ class ParallelConfig:
         """Pipeline stages (model chunks) per pp rank: ``virtual_pipeline_stages`` or the schedule's default."""
         if self.virtual_pipeline_stages is not None:
             return self.virtual_pipeline_stages
-        return _SCHEDULE_STAGES[self.pipeline_schedule][1] if self.pp > 1 else 1
+        return SCHEDULE_STAGES[self.pipeline_schedule][1] if self.pp > 1 else 1
 
     @property
     def num_stages(self) -> int:
@@ -371,7 +280,7 @@ class ParallelConfig:
         and the last stage sit on rank 0 (``torch.distributed.pipelining``'s ``style="v"``).
         """
         p, v = self.pp, self.v
-        if _SCHEDULE_STAGES[self.pipeline_schedule][2] == "v" and p > 1:
+        if SCHEDULE_STAGES[self.pipeline_schedule][2] == "v" and p > 1:
             return [pp_rank, 2 * p - 1 - pp_rank]
         return [pp_rank + i * p for i in range(v)]
 
@@ -512,9 +421,9 @@ class ParallelConfig:
         Raises:
             ValueError: heads, kv heads, FFN size or (padded) vocabulary not divisible by tp; layers that cannot be
                 split into ``pp * v`` stages (see :meth:`layer_split`); tied embeddings with pp > 1 and PowerSGD;
-                ``float8`` with a dimension of the dense linears not divisible by 16; ``context_parallel_method=
-                "alltoall"`` with heads that do not split over tp·cp (:func:`alltoall_heads`); the MoE rules of
-                :mod:`lightning_4d.features.moe` (``docs/moe.md``).
+                ``float8`` with a dimension of the dense linears not divisible by 16; cp's all-to-all attention
+                with heads that do not split over tp·cp (:func:`~lightning_4d.features.context_parallel.check_heads`);
+                the MoE rules of :mod:`lightning_4d.features.moe` (``docs/moe.md``).
         """
         tp = self.tp
         valid_tp = [d for d in divisors(model_config.num_kv_heads) if model_config.num_heads % d == 0]
@@ -545,8 +454,7 @@ class ParallelConfig:
             )
         if self.float8 is not None:
             self._check_float8_dims(model_config)
-        if self.cp > 1 and self.context_parallel_method == "alltoall":
-            alltoall_heads(model_config.num_heads, model_config.num_kv_heads, tp, self.cp)
+        check_heads(self, model_config)
         check_moe_layout(self, model_config)
         if self.pp > 1:
             self.layer_split(model_config.num_layers)

@@ -4,7 +4,7 @@ The parallel code (:mod:`lightning_4d.parallel`) never reads a LightningModule, 
 strategy reads them once, in ``setup_environment`` (before the process group exists, before the DataModule's
 ``setup`` and before ``configure_model``), into a frozen :class:`TrainingInputs`, and passes that to the code that
 needs it; nothing changes it later. The micro-batch count m derived from it is written into the strategy's resolved
-``ParallelConfig`` at the same moment (:func:`lightning_4d.parallel.pipeline.resolve_num_microbatches`), and the
+``ParallelConfig`` at the same moment (:func:`lightning_4d.features.pipeline.runtime.resolve_num_microbatches`), and the
 DataModule reads it back through :class:`MicroBatchingStrategy`.
 
 Every member is optional: a LightningModule or DataModule that has none of them trains with the defaults (m from the
@@ -172,8 +172,8 @@ class LayoutStrategy(ABC):
     #: build ``lightning_4d`` Llama models on the meta device (:meth:`tensor_init_context` with ``empty_init=True``):
     #: the strategy materializes and initializes them (``CausalLMModule.configure_model``)
     initializes_llama_models: bool = True
-    #: the pipeline schedule's runner (:class:`~lightning_4d.parallel.pipeline.PipelineRunner`; pp > 1, after setup)
-    #: whose ``train_step`` / ``eval_step`` / ``forward`` the task's steps call, or ``None``
+    #: the pipeline schedule's runner (:class:`~lightning_4d.features.pipeline.runtime.PipelineRunner`; pp > 1, after
+    #: setup) whose ``train_step`` / ``eval_step`` / ``forward`` the task's steps call, or ``None``
     pipeline: Optional[Any] = None
     #: host bytes held by activation offloading (:class:`~lightning_4d.parallel.offload.OffloadStats`)
     offload_stats: Any

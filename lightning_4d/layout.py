@@ -39,7 +39,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 #: activation checkpointing modes (see lightning_4d/parallel/activation_checkpoint.py)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
-#: context-parallel attention methods (see lightning_4d/parallel/context.py)
+#: context-parallel attention methods (see lightning_4d/features/context_parallel/runtime.py)
 CONTEXT_PARALLEL_METHODS = ("ring", "allgather", "alltoall")
 #: data-parallel gradient compression (see lightning_4d/parallel/compression.py)
 GRADIENT_COMPRESSIONS = ("none", "bf16", "powersgd")
@@ -62,6 +62,17 @@ Saved = Literal["no", "value", "resolved", "resolved_if_set"]
 
 #: a :class:`LayoutField` hook left unset
 _UNSET: Any = object()
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` when it is an int >= 1 (not a bool): the check of every size and count of a layout, and of the
+    memory estimator's and the planner's integer arguments (``name``: the argument, as the message names it).
+
+    Raises:
+        ValueError: ``value`` is not such an int (the message names ``name`` and ``value``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not valid: expected a positive integer (1, 2, 4, ...).")
+    return value
 
 
 @dataclass(frozen=True)
@@ -186,8 +197,8 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "pp",
         "pp, the ranks of the pipeline's stages (default 1)",
         "pp, the ranks of the pipeline's stages (the layers are split into ``pp·v`` stages; ``lightning_4d`` Llama "
-        "models and the transformers Llama; ``lightning_4d/parallel/pipeline.py``). With pp > 1 the strategy runs the "
-        "schedule inside ``training_step`` (``docs/pipeline.md``).",
+        "models and the transformers Llama; ``lightning_4d/features/pipeline/runtime.py``). With pp > 1 the strategy "
+        "runs the schedule inside ``training_step`` (``docs/pipeline.md``).",
     ),
     _size(
         "context_parallel_size",
@@ -196,8 +207,8 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "cp, the ranks that split every sequence (default 1)",
         "cp, the ranks that split the sequence of every sample (load-balanced zigzag chunks: rank i holds chunks i "
         "and 2c-1-i of 2c): the strategy shards ``input_ids`` / ``labels`` of each batch over the sequence and "
-        "attention exchanges K/V over the cp group (``lightning_4d/parallel/context.py``); the sequence length must "
-        "be a multiple of 2·cp (times tp under sp).",
+        "attention exchanges K/V over the cp group (``lightning_4d/features/context_parallel/runtime.py``); the "
+        "sequence length must be a multiple of 2·cp (times tp under sp).",
     ),
     LayoutField(
         "zero_stage",
@@ -378,8 +389,8 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "whole sequence all-gathered, Llama 3's method, arXiv 2407.21783 §3.3.2; cheaper for few kv heads) or "
         '``"alltoall"`` (DeepSpeed-Ulysses, arXiv 2309.14509: q, k, v all-to-all\'d from sequence shards to head '
         "shards, attention over the whole sequence with ``a/(tp·cp)`` heads, the output all-to-all'd back; needs "
-        "``num_heads/tp`` divisible by cp, :func:`~lightning_4d.config.alltoall_heads`). All three are exact; "
-        "``docs/context_parallel.md``.",
+        "``num_heads/tp`` divisible by cp, :func:`~lightning_4d.features.context_parallel.alltoall_heads`). All "
+        "three are exact; ``docs/context_parallel.md``.",
         choices=CONTEXT_PARALLEL_METHODS,
         flags=("--cp-method",),
         planned=True,
@@ -424,7 +435,7 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "the dtype of the activations and gradients sent between pipeline stages (None: the model's)",
         '``None`` (send pipeline activations and their gradients in the model\'s dtype), ``"bfloat16"`` (half the '
         'bytes of a float32 model) or ``"float8"`` (e4m3 with a per-tensor scale, a quarter; '
-        "``parallel/pipeline.py``, ``parallel/compression.py``).",
+        "``features/pipeline/runtime.py``, ``parallel/compression.py``).",
         choices=PIPELINE_COMM_DTYPES,
     ),
     LayoutField(

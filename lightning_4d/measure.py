@@ -182,7 +182,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
 # ---------------------------------------------------------------------------------------------------- the run
 def _strategy_class() -> type:
-    from lightning_4d.parallel.pipeline import PIPELINE_COMM_TORCH_DTYPES
+    from lightning_4d.features.pipeline.runtime import PIPELINE_COMM_TORCH_DTYPES
     from lightning_4d.strategy import FourDStrategy
 
     class MeasureStrategy(FourDStrategy):

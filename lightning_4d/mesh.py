@@ -110,7 +110,8 @@ def _feature_meshes() -> tuple[Any, ...]:
 def embedding_group(mesh: ParallelMesh, config: ParallelConfig) -> Optional[Any]:
     """The *embedding group* of tied embeddings under pp > 1 (Megatron-Core's ``default_embedding_ranks``): the pp
     ranks holding the first and the last pipeline stage, at this rank's dp/cp/tp coordinates, over which the two
-    copies of the tied ``[V, h]`` matrix sum their gradients (:class:`lightning_4d.parallel.pipeline.TiedEmbedding`).
+    copies of the tied ``[V, h]`` matrix sum their gradients
+    (:class:`lightning_4d.features.pipeline.runtime.TiedEmbedding`).
 
     Collective when it makes groups: every rank calls it with the same arguments (``torch.distributed.new_group``
     for each dp/cp/tp coordinate, pp > 2 with a looped schedule).

@@ -1,7 +1,7 @@
 """Dotted-path access to a module's submodules and the items of a decoder-layer container: the module-tree helpers
 the model families (:mod:`lightning_4d.families.base`) and the parallel rewiring
-(:mod:`lightning_4d.features.tensor_parallel.runtime`, :mod:`lightning_4d.parallel.pipeline`) share. It imports nothing
-of ours, so neither side imports the other for them."""
+(:mod:`lightning_4d.features.tensor_parallel.runtime`, :mod:`lightning_4d.features.pipeline.runtime`) share. It imports
+nothing of ours, so neither side imports the other for them."""
 
 from __future__ import annotations
 

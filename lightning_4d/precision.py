@@ -48,7 +48,8 @@ class FourDPrecision(Precision):
 
     pp_group: Optional[dist.ProcessGroup] = None
     #: a callable returning the parameters whose gradients the global norm leaves out (scaled all the same): the LM
-    #: head's copy of tied embeddings under pp (:meth:`lightning_4d.parallel.pipeline.TiedEmbedding.norm_excluded`)
+    #: head's copy of tied embeddings under pp
+    #: (:meth:`lightning_4d.features.pipeline.runtime.TiedEmbedding.norm_excluded`)
     norm_excluded: Callable[[], list[Any]] = staticmethod(list)
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:

@@ -3,9 +3,10 @@
 Lightning hooks only, each delegating: what the task, the data and the Trainer declare (read once) to
 :mod:`lightning_4d.contract`, the layout and its checks to :mod:`lightning_4d.config`, the mesh to
 :mod:`lightning_4d.mesh`, the models a module holds to :mod:`lightning_4d.families.registry`, the order of
-parallelization to :mod:`lightning_4d.parallel.parallelize`, pipelining to :mod:`lightning_4d.parallel.pipeline`, ZeRO
-0/1 to :mod:`lightning_4d.parallel.sharded_optimizer`, optimizer steps and clipping to :mod:`lightning_4d.precision`,
-cp batch sharding to :mod:`lightning_4d.parallel.context`, checkpoint I/O to :mod:`lightning_4d.checkpoint`.
+parallelization to :mod:`lightning_4d.parallel.parallelize`, pipelining to
+:mod:`lightning_4d.features.pipeline.runtime`, ZeRO 0/1 to :mod:`lightning_4d.parallel.sharded_optimizer`, optimizer
+steps and clipping to :mod:`lightning_4d.precision`, cp batch sharding to
+:mod:`lightning_4d.features.context_parallel.runtime`, checkpoint I/O to :mod:`lightning_4d.checkpoint`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ import lightning_4d.checkpoint as _checkpoint
 from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import LayoutStrategy, TrainingInputs
 from lightning_4d.families.registry import load_initial_weights
+from lightning_4d.features.context_parallel.runtime import gather_sequence, shard_batch
 from lightning_4d.features.moe import runtime as moe
+from lightning_4d.features.pipeline.runtime import (
+    PipelineRunner,
+    TiedEmbedding,
+    pipeline_chunks,
+    resolve_num_microbatches,
+)
 from lightning_4d.layout import layout_of, layout_signature, saved_layout
 from lightning_4d.memory_check import add_memory_check
 from lightning_4d.mesh import ParallelMesh, build_mesh, embedding_group
@@ -37,7 +45,6 @@ from lightning_4d.parallel._compat.lightning import (
     optimizers_to_device,
     set_module_device_mesh,
 )
-from lightning_4d.parallel.context import gather_sequence, shard_batch
 from lightning_4d.parallel.float8 import precompute_scales, validate_float8
 from lightning_4d.parallel.grad_buffers import GradientBuckets, GradientReduction
 from lightning_4d.parallel.loss import causal_lm_loss
@@ -48,7 +55,6 @@ from lightning_4d.parallel.parallelize import (
     validate_against_module,
     validate_compile,
 )
-from lightning_4d.parallel.pipeline import PipelineRunner, TiedEmbedding, pipeline_chunks, resolve_num_microbatches
 from lightning_4d.parallel.sharded_optimizer import (
     mixed_precision_dtype,
     setup_zero,
@@ -150,7 +156,8 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         self.training_inputs = TrainingInputs()
         #: the pipeline schedule's runner (pp > 1, after ``setup``); ``CausalLMModule`` runs its steps through it
         self.pipeline: Optional[PipelineRunner] = None
-        #: tied embeddings under pp: the copies on this rank and their embedding group (``parallel/pipeline.py``)
+        #: tied embeddings under pp: the copies on this rank and their embedding group
+        #: (``features/pipeline/runtime.py``)
         self._tied: Optional[TiedEmbedding] = None
         #: host bytes held by ``activation_offload_layers`` (``lightning_4d.parallel.offload.OffloadStats``)
         self.offload_stats = OffloadStats()
@@ -178,7 +185,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
     @property
     def context_parallel_rank(self) -> int:
         """This rank's index in its cp group, 0..cp-1 (0 before setup_environment): which zigzag shard of every
-        sequence it holds (:func:`lightning_4d.parallel.context.shard_sequence`)."""
+        sequence it holds (:func:`lightning_4d.features.context_parallel.runtime.shard_sequence`)."""
         return self._mesh.cp.get_local_rank() if self._mesh is not None else 0
 
     @property
@@ -243,7 +250,8 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, then (cp > 1) keep this cp rank's zigzag shard of every sequence: ``input_ids``,
-        ``labels`` (and ``positions``) ``[b, s] -> [b, s/cp]`` (:func:`~lightning_4d.parallel.context.shard_batch`).
+        ``labels`` (and ``positions``) ``[b, s] -> [b, s/cp]``
+        (:func:`~lightning_4d.features.context_parallel.runtime.shard_batch`).
 
         Raises:
             ValueError: a sequence length not divisible by 2·cp.

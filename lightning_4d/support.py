@@ -93,19 +93,9 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
     ``options``: a row's :meth:`Row.options` (``measure``'s names) or one of ``plan``'s layouts (its ``--json``
     names: ``context_parallel_method``, ``expert_parallel_size``, ...); sizes absent count as 1."""
     get = options.get
-    tp, pp, cp = get("tp", 1), get("pp", 1), get("cp", 1)
+    tp = get("tp", 1)
     ep = get("ep", get("expert_parallel_size", 1)) or 1
     out = set().union(*(feature.labels(options) for feature in FEATURES))
-    if pp > 1:
-        out.add("pp")
-        schedule = get("pipeline_schedule") or "1f1b"
-        if schedule != "1f1b":
-            out.add(f"pp {schedule}")
-    if cp > 1:
-        out.add("cp")
-        method = get("cp_method") or get("context_parallel_method") or "ring"
-        if method != "ring":
-            out.add(f"cp {method}")
     zero = get("zero_stage", 1)
     if zero != 1:
         out.add(f"ZeRO {zero}")

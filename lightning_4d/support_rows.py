@@ -91,7 +91,6 @@ CP = "tests/test_context_parallel.py::"
 OFFLOAD = (
     "tests/test_activation_offload.py::test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_host"
 )
-TIED = "tests/test_tied_pipeline.py::"
 HF_LLAMA = "tests/test_hf_llama_4d.py::test_hf_llama_layout_matches_one_process"
 COMPILE = "tests/test_compile.py::test_compiled_layout_matches_one_process"
 FLOAT8 = "tests/test_float8.py::"
@@ -102,7 +101,7 @@ F8_TP = FLOAT8 + "test_float8_under_tensor_parallelism"
 #: DualPipeV on 2 ranks as the rows run it: small's 6 layers over its 4 stages, m = 2p
 DUALPIPEV = {"pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]}
 
-#: the support matrix (order: ZeRO and precision, tp/sp, pp, cp, checkpointing / offload / compile, MoE, families)
+#: the support matrix (order: ZeRO and precision, tp/sp, checkpointing / offload / compile, MoE, families)
 ROWS: list[Row] = [
     # ---------------------------------------------------------------- ZeRO x precision (dp2)
     Row(
@@ -182,187 +181,6 @@ ROWS: list[Row] = [
         "tp2 dp2 ZeRO 3: FSDP2 over DTensor tp shards",
         {"tp": 2, "dp": 2, "zero_stage": 3},
         cpu_tests=(P + "test_parity_world4",),
-    ),
-    # ---------------------------------------------------------------- pp
-    Row(
-        "pp2-gpipe",
-        "pp2 GPipe, m=2",
-        {"pp": 2, "pipeline_schedule": "gpipe", "num_microbatches": 2},
-        cpu_tests=(PP + "test_pipeline_world2",),
-    ),
-    Row("pp2-1f1b", "pp2 1F1B, m=4", {"pp": 2, "num_microbatches": 4}, cpu_tests=(PP + "test_pipeline_world2",)),
-    Row(
-        "pp2-interleaved",
-        "pp2 interleaved 1F1B, v=3 (one layer per stage), m=2",
-        {"pp": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 3, "num_microbatches": 2},
-        cpu_tests=(PP + "test_pipeline_world2", PP + "test_pipeline_world4"),
-    ),
-    Row(
-        "pp2-zbv",
-        "pp2 ZBV zero bubble (V-shape, two stages per rank), m=4, uneven split 2,1,1,2",
-        {"pp": 2, "pipeline_schedule": "zbv", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]},
-        cpu_tests=(PP + "test_pipeline_world2", PP + "test_pipeline_world4"),
-    ),
-    Row(
-        "pp2-dualpipev",
-        "pp2 DualPipeV, m=4, uneven split 2,1,1,2",
-        {"pp": 2, "pipeline_schedule": "dualpipev", "num_microbatches": 4, "pipeline_layer_split": [2, 1, 1, 2]},
-        cpu_tests=(PP + "test_pipeline_world2", PP + "test_pipeline_checkpoint_resume"),
-    ),
-    *(
-        Row(row_id, f"pp2 DualPipeV {what}", {"pp": 2, **extra, **DUALPIPEV}, cpu_tests=(PP + "test_pipeline_world4",))
-        for row_id, what, extra in (
-            ("pp2-dualpipev-dp2", "dp2 ZeRO 1 (ZeRO 2 with clipping on CPU too)", {"dp": 2}),
-            (
-                "pp2-dualpipev-dp2-z3",
-                "dp2 ZeRO 3 (FSDP2 per stage chunk, two chunks per rank)",
-                {"dp": 2, "zero_stage": 3},
-            ),
-            ("pp2-dualpipev-tp2", "tp2", {"tp": 2}),
-        )
-    ),
-    Row(
-        "pp2-uneven",
-        "pp2 1F1B with an uneven layer split (4 + 2: fewer layers beside the head)",
-        {"pp": 2, "num_microbatches": 2, "pipeline_layer_split": [4, 2]},
-        cpu_tests=(PP + "test_pipeline_world2",),
-    ),
-    Row(
-        "pp2-dp2-z3",
-        "pp2 dp2 ZeRO 3 bf16-mixed: FSDP2 per stage chunk",
-        {"pp": 2, "dp": 2, "zero_stage": 3, "num_microbatches": 2},
-        cpu_tests=(P + "test_bf16_mixed_parity_world4", PP + "test_pipeline_world4"),
-    ),
-    Row("pp2-tp2", "pp2 tp2 1F1B", {"pp": 2, "tp": 2, "num_microbatches": 2}, cpu_tests=(PP + "test_pipeline_world4",)),
-    Row(
-        "pp2-tied",
-        "pp2 1F1B, tied embeddings: the last stage's copy of the [V, h] matrix, gradients summed over the embedding "
-        "group; checkpoints hold it once",
-        {"model": "small-tied", "pp": 2, "num_microbatches": 2},
-        cpu_tests=(
-            TIED + "test_tied_pp_world2_equals_one_process",
-            TIED + "test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back",
-        ),
-    ),
-    Row(
-        "pp2-tied-zbv",
-        "pp2 ZBV, tied embeddings: rank 0 holds the first and last stage, the weight truly tied there (ZeRO 0/1)",
-        {"model": "small-tied", "pp": 2, "pipeline_schedule": "zbv", "num_microbatches": 4},
-        cpu_tests=(TIED + "test_tied_pp_world2_equals_one_process", TIED + "test_tied_pp_world4_equals_one_process"),
-    ),
-    Row(
-        "pp2-tp2-tied",
-        "pp2 tp2, tied embeddings (both copies vocabulary-sharded over tp)",
-        {"model": "small-tied", "pp": 2, "tp": 2, "num_microbatches": 2},
-        cpu_tests=(TIED + "test_tied_pp_world4_equals_one_process", TIED + "test_tied_pp_measure_equals_estimate"),
-    ),
-    Row(
-        "pp2-1f1b-m1",
-        "1F1B with fewer micro-batches than stages",
-        {"pp": 2, "num_microbatches": 1},
-        refused=(
-            "num_microbatches=1 is too small for pipeline_schedule='1f1b' with pipeline_parallel_size=2: 1F1B"
-            " needs at least p=2 micro-batches (use num_microbatches >= 2, ideally several times p to shrink "
-            "the bubble (p-1)/(m+p-1), or pipeline_schedule='gpipe')."
-        ),
-    ),
-    Row(
-        "pp2-1f1b-v2",
-        "1F1B with two virtual stages per rank",
-        {"pp": 2, "virtual_pipeline_stages": 2, "num_microbatches": 2},
-        refused=(
-            "virtual_pipeline_stages=2 is not supported by pipeline_schedule='1f1b', which runs 1 stage(s) "
-            "per rank; schedules that take 2 stages per rank: ['interleaved_1f1b', 'zbv', 'dualpipev']."
-        ),
-    ),
-    Row(
-        "pp2-zbv-selective",
-        "a zero-bubble schedule with selective checkpointing",
-        {
-            "pp": 2,
-            "pipeline_schedule": "zbv",
-            "num_microbatches": 4,
-            "pipeline_layer_split": [2, 1, 1, 2],
-            "activation_checkpointing": "selective",
-        },
-        refused=(
-            "activation_checkpointing='selective' does not work with pipeline_schedule='zbv': a zero-bubble "
-            "schedule runs each layer's backward in two passes (input gradients, then weight gradients) and "
-            "PyTorch's selective checkpointing can recompute a layer only once. Use "
-            "activation_checkpointing='full' with it, or 'selective' with one of ['gpipe', '1f1b', "
-            "'interleaved_1f1b']."
-        ),
-    ),
-    # ---------------------------------------------------------------- cp
-    Row(
-        "cp2-ring",
-        "cp2 ring attention (zigzag shards, K/V passed around)",
-        {"cp": 2},
-        cpu_tests=(CP + "test_context_parallel_world2", CP + "test_context_parallel_bf16_close_to_float32"),
-    ),
-    Row(
-        "cp2-allgather-z3",
-        "cp2 all-gather attention, ZeRO 3",
-        {"cp": 2, "cp_method": "allgather", "zero_stage": 3},
-        cpu_tests=(CP + "test_context_parallel_world2",),
-    ),
-    Row(
-        "cp2-ring-selective",
-        "cp2 ring attention, selective checkpointing",
-        {"cp": 2, "zero_stage": 0, "activation_checkpointing": "selective"},
-        cpu_tests=(CP + "test_context_parallel_world2",),
-    ),
-    Row(
-        "cp2-tp2",
-        "cp2 x tp2 ring attention on head shards",
-        {"cp": 2, "tp": 2},
-        cpu_tests=(CP + "test_context_parallel_world4", P + "test_bf16_mixed_parity_world4"),
-    ),
-    Row(
-        "cp2-pp2-tp2",
-        "cp2 x pp2 x tp2, 1F1B",
-        {"cp": 2, "pp": 2, "tp": 2, "num_microbatches": 2},
-        cpu_tests=(CP + "test_context_parallel_world8",),
-    ),
-    Row(
-        "cp2-alltoall",
-        "cp2 all-to-all (Ulysses) attention: heads sharded, whole sequence per rank",
-        {"cp": 2, "cp_method": "alltoall", "zero_stage": 0},
-        cpu_tests=(CP + "test_context_parallel_world2", CP + "test_attention_equals_full_causal_attention"),
-    ),
-    Row(
-        "cp4-alltoall",
-        "cp4 all-to-all attention (fewer kv heads than cp replicated: tiny-test's 2 in the CPU tests)",
-        {"cp": 4, "cp_method": "alltoall"},
-        cpu_tests=(CP + "test_context_parallel_world4", CP + "test_cp_activations_within_5_percent"),
-    ),
-    Row(
-        "cp2-tp2-alltoall",
-        "cp2 x tp2 all-to-all attention (heads over tp, then cp), ZeRO 3",
-        {"cp": 2, "tp": 2, "cp_method": "alltoall", "zero_stage": 3},
-        cpu_tests=(CP + "test_context_parallel_world4",),
-    ),
-    Row(
-        "cp2-pp2-alltoall",
-        "cp2 x pp2 all-to-all attention, 1F1B",
-        {"cp": 2, "pp": 2, "cp_method": "alltoall", "num_microbatches": 2},
-        cpu_tests=(CP + "test_context_parallel_world4",),
-    ),
-    Row(
-        "cp4-tp4-alltoall-bad-heads",
-        "cp4 x tp4 all-to-all with 8 heads (2 per tp rank: too few for cp4)",
-        {"cp": 4, "tp": 4, "cp_method": "alltoall"},
-        refused=(
-            "context_parallel_method='alltoall' needs the query heads of a tp rank, num_heads/tensor_parallel_size "
-            "= 8/4 = 2, divisible by context_parallel_size=4 (heads are split over cp); valid context_parallel_size "
-            "values for alltoall here: [1, 2], or use context_parallel_method='ring'."
-        ),
-    ),
-    Row(
-        "cp2-bad-sequence",
-        "cp2 with a sequence that does not split into 2*cp chunks",
-        {"cp": 2, "seq_length": 1022},
-        refused="seq_length=1022 is not a multiple of 4 (2*cp=4); use e.g. seq_length=1024.",
     ),
     # ---------------------------------------------------------------- checkpointing, offload, compile
     Row(

@@ -147,9 +147,9 @@ def test_pipeline_sends_one_activation_per_micro_batch(measured):
 
 @pytest.mark.slow
 def test_context_parallel_ring_passes_kv_around(measured):
-    """cp=2 ring (parallel/context.py): per layer, K and V of the local s/cp tokens (stacked) are passed cp-1
-    times forward; backward passes K/V cp-1 times again and their gradients cp-1 times (from the rank after the
-    owner round to the owner, a reduce-scatter's volume): 3·(cp - 1) sends per layer, the minimum. Counted under cp
+    """cp=2 ring (features/context_parallel/runtime.py): per layer, K and V of the local s/cp tokens (stacked) are
+    passed cp-1 times forward; backward passes K/V cp-1 times again and their gradients cp-1 times (from the rank after
+    the owner round to the owner, a reduce-scatter's volume): 3·(cp - 1) sends per layer, the minimum. Counted under cp
     although with dp=1 the cp group is the dp_cp group."""
     record = measured[6]
     cfg = LlamaConfig.from_preset("tiny-test")
@@ -162,8 +162,8 @@ def test_context_parallel_ring_passes_kv_around(measured):
 
 @pytest.mark.slow
 def test_context_parallel_alltoall_exchanges_qkv_and_output(measured):
-    """cp=2 alltoall (Ulysses, parallel/context.py): per layer forward one all-to-all of this rank's q, k, v
-    ``[b, s/cp, a + 2k, d]`` (packed) and one of the attention output ``[b, s/cp, a, d]``; backward the same two
+    """cp=2 alltoall (Ulysses, features/context_parallel/runtime.py): per layer forward one all-to-all of this rank's q,
+    k, v ``[b, s/cp, a + 2k, d]`` (packed) and one of the attention output ``[b, s/cp, a, d]``; backward the same two
     (the output gradient, then dq/dk/dv packed): each sends (cp−1)/cp of its buffer (planning/step_time.py's
     ``"alltoall"`` term), counted under cp; no point-to-point traffic."""
     record = measured[7]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lightning_4d import ParallelConfig
+from lightning_4d.features.context_parallel.runtime import shard_batch, shard_sequence
 from lightning_4d.models import LlamaConfig
 from lightning_4d.models.rope import context_parallel_positions
-from lightning_4d.parallel.context import shard_batch, shard_sequence
 from lightning_4d.planning.model import estimate_memory, saved_activation_bytes
 from lightning_4d.planning.workload import Job, Search, Workload
 from tests._launch import SCRIPTS, run_layouts, torchrun, trained
@@ -304,7 +304,7 @@ def test_cuda_flash_backward_arguments_are_what_the_kernel_reads():
     contiguous log-sum-exp although the ring and the all-gather pass row slices of it (the CUDA kernels index it as
     dense: every head but the first would read another row's values). Shown on the meta device, which takes the
     same code path as CUDA."""
-    from lightning_4d.parallel.context import _Kernel
+    from lightning_4d.features.context_parallel.runtime import _Kernel
 
     b, h, kv, s, d = 1, 4, 2, 16, 8
     q = torch.zeros(b, h, s, d, dtype=torch.bfloat16, device="meta")
@@ -329,7 +329,7 @@ def test_off_cpu_the_flash_kernel_gets_only_head_dims_it_takes(head_dim, flash):
     """Off the CPU, a cp block goes to ATen's flash kernel only with a head dim the public SDPA would let through to
     it (a multiple of 8, at most 256: the private kernels skip that guard); other head dims take the explicit
     matmuls. Meta tensors follow the CUDA path."""
-    from lightning_4d.parallel.context import _Kernel
+    from lightning_4d.features.context_parallel.runtime import _Kernel
 
     q = torch.zeros(1, 2, 16, head_dim, dtype=torch.bfloat16, device="meta")
     lse = torch.zeros(1, 2, 16, device="meta")

@@ -55,8 +55,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("backend", ["sdpa", "flash"])
 def test_block_kernels_and_merge_match_float32_reference(backend):
     """A causal block and a full block merged by log-sum-exp (one ring step's work) equal full causal attention."""
+    from lightning_4d.features.context_parallel.runtime import _Kernel, _merge
     from lightning_4d.models.attention_backends import _flash_attn_installed, attention
-    from lightning_4d.parallel.context import _Kernel, _merge
 
     if backend == "flash" and not _flash_attn_installed():
         pytest.skip("flash-attn is not installed")
@@ -76,8 +76,8 @@ def test_block_kernels_and_merge_match_float32_reference(backend):
 
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_cp_attention_bf16_forward_backward(group, method):
+    from lightning_4d.features.context_parallel.runtime import context_parallel_attention
     from lightning_4d.models.attention_backends import attention
-    from lightning_4d.parallel.context import context_parallel_attention
 
     q, k, v = _inputs(4096)
     dout = torch.randn_like(q)

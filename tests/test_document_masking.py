@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_4d.features.context_parallel.runtime import ring_blocks, shard_batch
 from lightning_4d.models.attention_backends import MASK_BACKEND_ERROR, attention
 from lightning_4d.models.document_mask import (
     attention_context as attention_context_of,
@@ -26,7 +27,6 @@ from lightning_4d.models.document_mask import (
 )
 from lightning_4d.models.llama import LlamaModel, canonical_name
 from lightning_4d.models.llama_config import LlamaConfig
-from lightning_4d.parallel.context import ring_blocks, shard_batch
 from lightning_4d.tasks import CausalLMModule
 from lightning_4d.tasks.documents import DocumentMasking
 from tests._launch import SCRIPTS, torchrun

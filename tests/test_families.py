@@ -1,6 +1,6 @@
 """The model-family interface (issue 22): the registry finds each family's models, and the ONE splitter and ONE
-``StageChunk`` of ``parallel/pipeline.py`` run both families' stages, on one process with no process group: the two
-pp ranks' chunks of a pp=2 split, run one after the other, give the unsplit model's logits."""
+``StageChunk`` of ``features/pipeline/runtime.py`` run both families' stages, on one process with no process group: the
+two pp ranks' chunks of a pp=2 split, run one after the other, give the unsplit model's logits."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch.nn as nn
 from lightning_4d.config import ParallelConfig
 from lightning_4d.families.native_llama import LLAMA
 from lightning_4d.families.registry import FAMILIES, estimate_config, find_models
+from lightning_4d.features.pipeline.runtime import PrunedLayer, pipeline_chunks, split_model
 from lightning_4d.models import LlamaConfig
 from lightning_4d.models.llama import LlamaModel
-from lightning_4d.parallel.pipeline import PrunedLayer, pipeline_chunks, split_model
 
 transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
 

@@ -141,9 +141,12 @@ def _violations(modules: str, allowed) -> list[str]:  # noqa: ANN001 - a predica
 # ---------------------------------------------------------------------------------------------------- tests
 def test_the_graph_sees_every_kind_of_import():
     mods = _modules()
-    assert {"lightning_4d", "lightning_4d.config", "lightning_4d.strategy", "lightning_4d.parallel.context"} <= set(
-        mods
-    )
+    assert {
+        "lightning_4d",
+        "lightning_4d.config",
+        "lightning_4d.strategy",
+        "lightning_4d.features.context_parallel.runtime",
+    } <= set(mods)
     # an import inside a function (lightning_4d.__getattr__) counts
     assert "lightning_4d.strategy" in graph()["lightning_4d"]
     tree = ast.parse("from . import config\nfrom ..models import config as c\nif TYPE_CHECKING:\n    import x\n")
@@ -249,6 +252,8 @@ def test_features_records_and_terms_import_no_torch():
 
     names = sorted(m for m in _modules() if _torch_free_feature_module(m))
     assert f"{PACKAGE}.features.tensor_parallel.costs" in names
+    assert f"{PACKAGE}.features.context_parallel.costs" in names
+    assert f"{PACKAGE}.features.pipeline.costs" in names
     bad = [
         f"{m} -> {i}"
         for m in names
@@ -287,7 +292,7 @@ def test_tasks_import_no_strategy():
 
 
 def test_the_pipeline_splitter_imports_no_model():
-    """``parallel/pipeline.py`` is the one splitter of every family: what a model computes (its positions, rotary
-    embedding, layers, head) it asks the family (issue 33: it imported our Llama's RoPE)."""
-    bad = sorted(i for i in graph()[f"{PACKAGE}.parallel.pipeline"] if _in(i, f"{PACKAGE}.models"))
-    assert not bad, "parallel/pipeline.py imports " + ", ".join(bad)
+    """``features/pipeline/runtime.py`` is the one splitter of every family: what a model computes (its positions,
+    rotary embedding, layers, head) it asks the family (issue 33: it imported our Llama's RoPE)."""
+    bad = sorted(i for i in graph()[f"{PACKAGE}.features.pipeline.runtime"] if _in(i, f"{PACKAGE}.models"))
+    assert not bad, "features/pipeline/runtime.py imports " + ", ".join(bad)

@@ -369,7 +369,7 @@ def test_pipeline_activations_within_5_percent(measured_pipeline):
 # - ZBV: rank 0 (first and last stages) 1,347,584 B estimated vs 1,217,024 B measured (+10.73%: with the custom
 #   RMSNorm / loss autograd functions the weight pass frees more than the model's input-gradient-only remainder
 #   assumes, docs/pipeline.md), rank 1 exact (1,222,656 B): never below the measured peak;
-# - DualPipeV (its own action list since 2026-11-27, lightning_4d/planning/pipeline_costs.py `dualpipev_actions`; it was
+# - DualPipeV (its own action list since 2026-11-27, lightning_4d/features/pipeline/costs.py `dualpipev_actions`; it was
 #   estimated as ZBV, -4.71% and -2.73%, below): rank 0 1,478,912 B estimated vs 1,414,144 B measured (+4.58%), rank
 #   1 exact (1,256,960 B).
 # Bounds: the measured peak may not exceed the estimate (the OOM direction: an estimate below the peak lets a layout
@@ -550,8 +550,8 @@ def test_v_schedule_action_lists_equal_torch(schedule):
     """The memory model's torch-free action lists of the V schedules (``zbv_actions``, ``dualpipev_actions``) are
     torch's own (``_compat.pipeline.schedule_rank_actions``), for every rank of several p and m (DualPipeV needs
     m >= 2p)."""
+    from lightning_4d.features.pipeline import costs as pipeline_costs
     from lightning_4d.parallel._compat.pipeline import schedule_rank_actions
-    from lightning_4d.planning import pipeline_costs
 
     ours, name = (
         (pipeline_costs.zbv_actions, "ScheduleZBVZeroBubble")

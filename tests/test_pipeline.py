@@ -194,7 +194,7 @@ def test_num_microbatches_resolution():
     in through the one protocol (``TrainingInputs``), and resolving changes no config (issue 33: it used to fill in
     ``config.num_microbatches``; the strategy now writes m into its resolved config once)."""
     from lightning_4d.contract import TrainingInputs
-    from lightning_4d.parallel.pipeline import resolve_num_microbatches
+    from lightning_4d.features.pipeline.runtime import resolve_num_microbatches
 
     config = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="dualpipev")
     assert config.microbatches == config.default_num_microbatches == 4

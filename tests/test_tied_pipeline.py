@@ -2,11 +2,11 @@
 no FourDStrategy; CPU, gloo, float32, tiny-test with 4 layers and ``tie_word_embeddings=True``, 10 AdamW steps).
 
 The first stage holds the ``[V, h]`` matrix as the embedding, the last stage its own copy as the LM head
-(``parallel/pipeline.py``'s ``TiedEmbedding``): every schedule (1F1B, interleaved, ZBV and DualPipeV, whose rank 0
-holds both copies), with tp, ZeRO 0-3 and clipping, must give the one-process losses (1e-5 relative) and weights
-(1e-5 relative in L2 per tensor), the head's copy identical to the embedding, and the model-state bytes the memory
-model gives each rank. A tied pp2 checkpoint holds the weight once and resumes on pp1 (and back) where the straight
-run goes; export-hf writes it once.
+(``features/pipeline/runtime.py``'s ``TiedEmbedding``): every schedule (1F1B, interleaved, ZBV and DualPipeV, whose rank
+0 holds both copies), with tp, ZeRO 0-3 and clipping, must give the one-process losses (1e-5 relative) and weights (1e-5
+relative in L2 per tensor), the head's copy identical to the embedding, and the model-state bytes the memory model gives
+each rank. A tied pp2 checkpoint holds the weight once and resumes on pp1 (and back) where the straight run goes;
+export-hf writes it once.
 """
 
 from __future__ import annotations
@@ -298,8 +298,8 @@ def test_tied_pp_init_from_reads_the_head_copy_from_the_embedding(tmp_path, sche
     (1f1b rank 1) or beside the embedding on a V schedule's rank 0 under ZeRO 2/3; at ZeRO 0/1 that rank keeps the
     one tied weight (through ``to_empty``, which makes new parameters off the meta device)."""
     from lightning_4d.families.native_llama import LlamaFamily
+    from lightning_4d.features.pipeline.runtime import split_model
     from lightning_4d.models.llama import LlamaModel
-    from lightning_4d.parallel.pipeline import split_model
 
     cfg = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=True, num_layers=4)
     if source == "ours":

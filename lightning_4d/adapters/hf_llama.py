@@ -14,19 +14,19 @@ A LightningModule that holds a ``transformers`` ``LlamaForCausalLM`` (built in `
   outputs are reduce-scattered). The LM head is column-parallel with its logits gathered (``[b, s, V]`` on every tp
   rank, so the module's own loss works unchanged). Attention heads split with the projections: transformers'
   attention reshapes with ``-1`` heads, so it runs on the local heads as is.
-- **cp** (ring or all-gather, :mod:`lightning_4d.parallel.context`): an attention function registered in transformers'
-  ``AttentionInterface`` under :data:`ATTENTION` (the model's ``_attn_implementation`` is set to it) runs
-  :func:`~lightning_4d.parallel.context.context_parallel_attention` on the rank's zigzag shard; a forward pre-hook on
-  the base ``LlamaModel`` feeds the model's own rotary embedding the shard's global positions
-  (:func:`~lightning_4d.models.rope.context_parallel_positions`) and, under sp, the full-length positions.
-  With tp or cp, the attention is always causal over the whole sequence: a padding ``attention_mask`` is refused.
-- **pp** (every schedule of :mod:`lightning_4d.parallel.pipeline`, the same layer split as our Llama): the model is
-  pruned to this rank's stages (other ranks' decoder layers become parameter-free placeholders, so parameter names
-  stay the unsplit model's) and each stage runs as a :class:`~lightning_4d.parallel.pipeline.StageChunk`. As for our
-  Llama, the schedule runs inside
-  ``training_step``: call ``self.trainer.strategy.pipeline.train_step(input_ids, labels)`` there (the mean loss of
-  the batch; forward and backward of all micro-batches) when ``strategy.pipeline`` is set; the loss per micro-batch
-  is the module's ``pipeline_loss(logits, labels)`` if it has one, else the mean cross-entropy.
+- **cp** (ring or all-gather, :mod:`lightning_4d.features.context_parallel.runtime`): an attention function registered
+  in transformers' ``AttentionInterface`` under :data:`ATTENTION` (the model's ``_attn_implementation`` is set to it)
+  runs :func:`~lightning_4d.features.context_parallel.runtime.context_parallel_attention` on the rank's zigzag shard; a
+  forward pre-hook on the base ``LlamaModel`` feeds the model's own rotary embedding the shard's global positions
+  (:func:`~lightning_4d.models.rope.context_parallel_positions`) and, under sp, the full-length positions. With tp or
+  cp, the attention is always causal over the whole sequence: a padding ``attention_mask`` is refused.
+- **pp** (every schedule of :mod:`lightning_4d.features.pipeline.runtime`, the same layer split as our Llama): the model
+  is pruned to this rank's stages (other ranks' decoder layers become parameter-free placeholders, so parameter names
+  stay the unsplit model's) and each stage runs as a :class:`~lightning_4d.features.pipeline.runtime.StageChunk`. As for
+  our Llama, the schedule runs inside ``training_step``: call ``self.trainer.strategy.pipeline.train_step(input_ids,
+  labels)`` there (the mean loss of the batch; forward and backward of all micro-batches) when ``strategy.pipeline`` is
+  set; the loss per micro-batch is the module's ``pipeline_loss(logits, labels)`` if it has one, else the mean
+  cross-entropy.
 
 The strategy's one parallelization path (:func:`lightning_4d.parallel.parallelize.parallelize_model`) applies
 this family's answers (:class:`HFLlamaFamily`) in ``setup``, after ``configure_model``, before materialization.
@@ -47,12 +47,12 @@ from torch import Tensor
 
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.features.context_parallel.runtime import context_parallel_attention
 from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan, refuse_rings
 from lightning_4d.models.attention_backends import sdpa_causal
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat.hf import set_attention_implementation
 from lightning_4d.parallel._compat.lightning import materialize_distributed_module
-from lightning_4d.parallel.context import context_parallel_attention
 
 #: the name of our attention function in transformers' ``AttentionInterface``
 ATTENTION = "lightning_4d"
@@ -81,7 +81,7 @@ def attention(
     """transformers' attention-function signature: ``query`` ``[b, heads, s_local, d]``, ``key`` / ``value``
     ``[b, kv_heads, s_local, d]`` (local heads under tp) -> ``([b, s_local, heads, d], None)``. Causal over the full
     sequence: under cp (``module`` in ``_CONTEXT_PARALLEL``, set by ``apply_context_parallel``) through
-    :func:`~lightning_4d.parallel.context.context_parallel_attention`, else
+    :func:`~lightning_4d.features.context_parallel.runtime.context_parallel_attention`, else
     :func:`~lightning_4d.models.attention_backends.sdpa_causal` (our Llama's SDPA call: grouped-query by ``enable_gqa``,
     or with the kv heads repeated in float32 on CUDA, where ``enable_gqa`` takes the math kernel). The scale is
     ``1/sqrt(d)`` (Llama's ``scaling``).

@@ -10,7 +10,8 @@ the family answers                        used by
                                            LightningModule (the only ``isinstance`` on a family, in its own file)
 :meth:`~ModelFamily.model_config`          layout validation and the memory estimate (a ``LlamaConfig``)
 :meth:`~ModelFamily.validate`              ``FourDStrategy.setup_environment``, before any process group
-:meth:`~ModelFamily.pipeline_layout`       the ONE splitter and :class:`~lightning_4d.parallel.pipeline.StageChunk`
+:meth:`~ModelFamily.pipeline_layout`       the ONE splitter and
+                                           :class:`~lightning_4d.features.pipeline.runtime.StageChunk`
 :meth:`~ModelFamily.rotary`,               the stage chunk's forward (the positions of the stage's tokens under
 :meth:`~ModelFamily.run_layer`,            sp and cp are asked of the family too: ``torch.distributed.pipelining``
 :meth:`~ModelFamily.run_head`,             passes activations only)

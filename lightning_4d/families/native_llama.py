@@ -28,6 +28,7 @@ from lightning_4d.checkpoint import (
 )
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
+from lightning_4d.features.context_parallel.runtime import ContextParallelAttention
 from lightning_4d.features.moe.expert import shard_experts
 from lightning_4d.features.moe.layer import MoEFeedForward
 from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan
@@ -35,7 +36,6 @@ from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
 from lightning_4d.models.rope import context_parallel_positions, rope_cos_sin
 from lightning_4d.parallel._compat.dtensor import local_offset
-from lightning_4d.parallel.context import ContextParallelAttention
 from lightning_4d.safe_load import load as safe_load
 
 _PLAN = TensorParallelPlan(
@@ -117,8 +117,8 @@ class LlamaFamily(ModelFamily):
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
         """Every ``Attention``'s ``core_attention`` becomes ring, all-gather or all-to-all attention over ``cp_mesh``
-        (:class:`~lightning_4d.parallel.context.ContextParallelAttention`) and the model computes the zigzag rotary
-        positions of its local tokens (``LlamaModel.context_parallel``)."""
+        (:class:`~lightning_4d.features.context_parallel.runtime.ContextParallelAttention`) and the model computes the
+        zigzag rotary positions of its local tokens (``LlamaModel.context_parallel``)."""
         core = ContextParallelAttention(cp_mesh.get_group(), method)
         for module in model.modules():
             if isinstance(module, Attention):

@@ -10,10 +10,10 @@ Pure Python: importing this package imports no torch (a feature's runtime module
 
 from __future__ import annotations
 
-from lightning_4d.features import moe, tensor_parallel
+from lightning_4d.features import context_parallel, moe, pipeline, tensor_parallel
 from lightning_4d.features.feature import Feature
 
 __all__ = ["FEATURES", "Feature"]
 
 #: every parallel feature, in the order their rules run (``ParallelConfig``)
-FEATURES: tuple[Feature, ...] = (moe.FEATURE, tensor_parallel.FEATURE)
+FEATURES: tuple[Feature, ...] = (moe.FEATURE, tensor_parallel.FEATURE, context_parallel.FEATURE, pipeline.FEATURE)

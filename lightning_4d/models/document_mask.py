@@ -16,7 +16,7 @@ along a sequence (documents are contiguous). From them:
 The ids come from the data (a batch's ``"document_ids"``) or from the EOS tokens of ``input_ids``
 (:func:`document_ids_from_eos`: the EOS ends its document, the token after it starts the next). Pure torch, no
 process group: the strategy shards positions over cp and keeps the ids of the whole sequence on every cp rank
-(``lightning_4d.parallel.context.shard_batch``), so each rank can mask any block of keys.
+(``lightning_4d.features.context_parallel.runtime.shard_batch``), so each rank can mask any block of keys.
 """
 
 from __future__ import annotations

@@ -327,7 +327,8 @@ class LlamaModel(MoEModel, nn.Module):
         self.config = config
         self.init_seed = init_seed
         # context parallelism: (cp rank, cp size) when the model sees only its zigzag shard of every sequence
-        # (lightning_4d.parallel.context); default rotary positions are then those of the shard's tokens
+        # (lightning_4d.features.context_parallel.runtime); default rotary positions are then those of the shard's
+        # tokens
         self.context_parallel: Optional[tuple[int, int]] = None
         # None, or a callable (hidden states, output linear) -> logits replacing ``output(h)``: sequence parallelism
         # sets one that saves only this rank's sequence shard of the head's input

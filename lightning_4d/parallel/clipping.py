@@ -51,7 +51,7 @@ def clip_grad_norm_(
         sharded: the :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` of the optimizer (ZeRO 1,
             master weights, ZeRO 0/1 with gradient groups): its averaged gradients in their buckets are clipped.
         exclude: parameters whose gradients are scaled but left out of the norm: a copy of a weight another rank
-            counts (the LM head's copy of tied embeddings under pp, :class:`~lightning_4d.parallel.pipeline
+            counts (the LM head's copy of tied embeddings under pp, :class:`~lightning_4d.features.pipeline.runtime
             .TiedEmbedding`).
 
     Returns:

@@ -277,7 +277,8 @@ class GradientBuckets:
     def take_in(self, p: Tensor) -> Tensor:
         """``p``'s gradient slice of its bucket (:meth:`main_grad`) with any gradient still in ``p.grad`` added into it
         first, zeros if ``p`` got none; ``p`` then counts as having a gradient. For a sum over other ranks before
-        :meth:`synchronize` (tied embeddings under pp: :class:`lightning_4d.parallel.pipeline.TiedEmbedding`)."""
+        :meth:`synchronize` (tied embeddings under pp:
+        :class:`lightning_4d.features.pipeline.runtime.TiedEmbedding`)."""
         self._accumulate(p)
         main = self.main_grad(p)
         if id(p) in self._fresh:

@@ -22,6 +22,12 @@ from lightning_4d.contract import TrainingInputs
 from lightning_4d.families.base import ModelFamily, find_submodel, layer_items
 from lightning_4d.families.registry import find_models
 from lightning_4d.features.moe import runtime as moe
+from lightning_4d.features.pipeline.runtime import (
+    reshard_after_forward,
+    resolve_num_microbatches,
+    split_model,
+    sync_chunk_layers,
+)
 from lightning_4d.features.tensor_parallel import runtime as tensor_parallel
 from lightning_4d.mesh import ParallelMesh
 from lightning_4d.parallel._compat.lightning import attached_trainer
@@ -30,12 +36,6 @@ from lightning_4d.parallel.compile import compile_layers
 from lightning_4d.parallel.float8 import apply_float8
 from lightning_4d.parallel.fsdp import apply_fsdp, fsdp_reduce_dtype
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
-from lightning_4d.parallel.pipeline import (
-    reshard_after_forward,
-    resolve_num_microbatches,
-    split_model,
-    sync_chunk_layers,
-)
 
 #: the models :func:`parallelize_model` has laid out (a registry, so that nothing is written onto the user's module;
 #: weak, so that it keeps no model alive)
@@ -48,13 +48,14 @@ def validate_against_module(
     """Check a resolved layout against what the task and the data declare
     (:class:`~lightning_4d.contract.TrainingInputs`: the module's ``model_config``, the DataModule's ``seq_length``,
     the micro-batch count,
-    :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`) and against the models ``module`` holds (their
-    families' ``validate``). Pure Python: it runs in the strategy's ``setup_environment`` before any process group
-    exists; ``inputs`` defaults to what ``module`` and its Trainer declare (``TrainingInputs.of``). Changes nothing.
+    :func:`~lightning_4d.features.pipeline.runtime.resolve_num_microbatches`) and against the models ``module`` holds
+    (their families' ``validate``). Pure Python: it runs in the strategy's ``setup_environment`` before any process
+    group exists; ``inputs`` defaults to what ``module`` and its Trainer declare (``TrainingInputs.of``). Changes
+    nothing.
 
     Raises:
         ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
-            :func:`~lightning_4d.parallel.pipeline.resolve_num_microbatches`; ``float8`` for a family that does
+            :func:`~lightning_4d.features.pipeline.runtime.resolve_num_microbatches`; ``float8`` for a family that does
             not take it (:attr:`ModelFamily.float8`) or a module that holds no registered model.
     """
     inputs = TrainingInputs.of(module, attached_trainer(module)) if inputs is None else inputs
@@ -195,7 +196,7 @@ def parallelize_model(
     ``family``; real weights work too, each rank keeping its shards), in that order, the same steps for every family
     (:class:`~lightning_4d.families.base.ModelFamily` says where the parts are and what its plans are).
 
-    With pp > 1 the model is pruned to this rank's stages (:func:`~lightning_4d.parallel.pipeline.split_model`),
+    With pp > 1 the model is pruned to this rank's stages (:func:`~lightning_4d.features.pipeline.runtime.split_model`),
     tp, cp, checkpointing and compile act on the pruned model, and each stage chunk becomes its own FSDP2 root; the
     chunks are returned (``None`` without pp). ``param_dtype``: the compute dtype of mixed precision with master
     weights (ZeRO 2/3: FSDP2's ``MixedPrecisionPolicy``, :func:`~lightning_4d.parallel.fsdp.apply_fsdp`), for a

@@ -3,7 +3,7 @@
 (:func:`layer_saved_parts`), under selective checkpointing (:func:`layer_selective_parts`,
 :func:`layer_selective_recompute`) and the first backward ops of a recomputed layer (:func:`recompute_backward`).
 An MoE layer's feed-forward: :func:`lightning_4d.features.moe.costs.saved_bytes`; context parallelism's gathered K/V:
-:mod:`lightning_4d.planning.context_costs`.
+:mod:`lightning_4d.features.context_parallel.costs`.
 
 Pure Python: no torch import.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.context_parallel import costs as cp_costs
 from lightning_4d.features.moe import costs as moe_costs
-from lightning_4d.planning import context_costs
 from lightning_4d.planning.float8_costs import float8_tensor_parallel_saved
 from lightning_4d.planning.params import as_held, rank_layers, rank_layout, weighted_params
 from lightning_4d.planning.tensors import Dtypes
@@ -83,7 +83,7 @@ def layer_saved(*args: Any) -> int:
 
 def layer_input_grad_only(cfg: Any, dt: Dtypes, b: int, s: int, tp: int, sp: bool) -> int:
     """Bytes of one layer's saved set that only the input gradient uses (not the weight gradients): attention's q,
-    k, v, output and float32 log-sum-exp (see :func:`lightning_4d.planning.pipeline_costs.zbv_peak`; the RMSNorms' saved
+    k, v, output and float32 log-sum-exp (see :func:`lightning_4d.features.pipeline.costs.zbv_peak`; the RMSNorms' saved
     input and reciprocal RMS serve their weight gradient too, so the weight pass frees them)."""
     return layer_saved_parts(cfg, dt, b, s, tp, sp)["sdpa"]
 
@@ -184,7 +184,7 @@ def saved_bytes(
         "recompute": per_layer if full_ac and n_layers else 0,
     }
     if pc.activation_checkpointing == "selective" and n_layers:
-        kept = layer_selective_parts(cfg, dt, b, s, tp, sp, context_costs.selective_attention_tokens(pc, s, seq_length))
+        kept = layer_selective_parts(cfg, dt, b, s, tp, sp, cp_costs.selective_attention_tokens(pc, s, seq_length))
         # MoE layers (not measured under selective checkpointing): counted as saving everything, an upper bound
         out["layers"] = (n_layers - n_moe) * sum(kept.values()) + n_moe * moe_layer
         out["recompute"] = layer_selective_recompute(cfg, dt, b, s, tp, sp)
@@ -193,7 +193,7 @@ def saved_bytes(
     # what a layer saves under cp beyond the ring's local tensors (0 for the ring and without cp): allgather's
     # gathered K/V of all s tokens (measured with saved_tensors_hooks: exactly this much more than the ring, whatever
     # c), alltoall's second output copy and replicated kv heads
-    kv = context_costs.extra_saved_bytes(cfg, pc, dt, b, seq_length)
+    kv = cp_costs.extra_saved_bytes(cfg, pc, dt, b, seq_length)
     if kv:
         if pc.activation_checkpointing != "none":  # made again in a layer's recompute, dropped after its backward
             out["recompute"] += kv if n_layers else 0

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.context_parallel.costs import context_parallel_buffers
 from lightning_4d.features.moe import costs as moe_costs
+from lightning_4d.features.pipeline.costs import receive_buffer_bytes
 from lightning_4d.features.tensor_parallel.costs import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
 from lightning_4d.planning.activations import recompute_backward
 from lightning_4d.planning.compression_costs import compression_buffer_bytes
-from lightning_4d.planning.context_costs import context_parallel_buffers
 from lightning_4d.planning.float8_costs import (
     float8_backward_transient,
     float8_forward_transient,
@@ -26,7 +27,6 @@ from lightning_4d.planning.float8_costs import (
 )
 from lightning_4d.planning.offload_costs import offloaded_whole, unpacked_bytes
 from lightning_4d.planning.params import Sizes, StageKey, as_held, rank_layers, rank_layout, weighted_params
-from lightning_4d.planning.pipeline_costs import receive_buffer_bytes
 from lightning_4d.planning.states import ModelStates, first_bucket_elements, fsdp_padded_numel, fsdp_shard_numel
 from lightning_4d.planning.tensors import Dtypes
 from lightning_4d.planning.workload import Workload

@@ -154,21 +154,20 @@ of activations, GPipe ``m``, interleaved 1F1B ``min(m·v, 2(p − r − 1) + (v 
 (Megatron-LM's warm-up count), plus the receive buffers of one micro-batch's hidden states per micro-batch and
 stage boundary.
 
-**Context parallelism** (``lightning_4d/parallel/context.py``) divides every sequence-sized tensor by c (each rank
-holds ``s/c`` tokens of every sequence). What is not divided by c, per method: ``"ring"`` saves only the local
-q, k, v, output and float32 log-sum-exp (the same tensors as plain attention) and holds, transiently in one layer's
-backward, the K/V block in hand and the one arriving, the block's float32 dK/dV accumulator and the one arriving,
-the rank's own block's float32 dK/dV (kept to the end, so that the accumulators travel ``c − 1`` hops), and float32
-dq (``2·(2·c_b + 3·4)·b·(s/c)·k·d/t + 4·b·(s/c)·a·d/t`` bytes, ``c_b`` the compute dtype's bytes);
-``"allgather"`` saves the gathered K and V of the whole sequence besides the local ones
-(``2·c_b·b·s·k·d/t`` more bytes per layer) and, in one layer's backward, their float32 gradient for all
-``s`` tokens and float32 dq (``2·4·b·s·k·d/t + 4·b·(s/c)·a·d/t``); ``"alltoall"`` (Ulysses) saves q, k, v, the
-output and the log-sum-exp of the whole sequence for ``a/(t·c)`` heads (the bytes of the local ones), plus the
-local output ``wo`` saves (a tensor of its own: ``c_b·b·(s/c)·a·d/t``) and, where a tp rank's kv heads are fewer
-than c, the replicated ones (``2·c_b·b·d·(s·k' − (s/c)·k/t)``, ``k' = max(k/t, c)/c``;
-:func:`~lightning_4d.planning.context_costs.alltoall_saved_extra`) and, in one layer's backward, the whole-sequence
-dq/dk/dv of its heads with the all-to-all's send and receive buffers (``3·c_b·b·s·(a/(t·c) + 2·k')·d``,
-:func:`~lightning_4d.planning.context_costs.alltoall_buffers`).
+**Context parallelism** (``lightning_4d/features/context_parallel/runtime.py``) divides every sequence-sized tensor by c
+(each rank holds ``s/c`` tokens of every sequence). What is not divided by c, per method: ``"ring"`` saves only the
+local q, k, v, output and float32 log-sum-exp (the same tensors as plain attention) and holds, transiently in one
+layer's backward, the K/V block in hand and the one arriving, the block's float32 dK/dV accumulator and the one
+arriving, the rank's own block's float32 dK/dV (kept to the end, so that the accumulators travel ``c − 1`` hops), and
+float32 dq (``2·(2·c_b + 3·4)·b·(s/c)·k·d/t + 4·b·(s/c)·a·d/t`` bytes, ``c_b`` the compute dtype's bytes);
+``"allgather"`` saves the gathered K and V of the whole sequence besides the local ones (``2·c_b·b·s·k·d/t`` more bytes
+per layer) and, in one layer's backward, their float32 gradient for all ``s`` tokens and float32 dq (``2·4·b·s·k·d/t +
+4·b·(s/c)·a·d/t``); ``"alltoall"`` (Ulysses) saves q, k, v, the output and the log-sum-exp of the whole sequence for
+``a/(t·c)`` heads (the bytes of the local ones), plus the local output ``wo`` saves (a tensor of its own:
+``c_b·b·(s/c)·a·d/t``) and, where a tp rank's kv heads are fewer than c, the replicated ones (``2·c_b·b·d·(s·k' −
+(s/c)·k/t)``, ``k' = max(k/t, c)/c``; :func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`) and,
+in one layer's backward, the whole-sequence dq/dk/dv of its heads with the all-to-all's send and receive buffers
+(``3·c_b·b·s·(a/(t·c) + 2·k')·d``, :func:`~lightning_4d.features.context_parallel.costs.alltoall_buffers`).
 
 Pure Python: no torch import.
 """
@@ -180,12 +179,12 @@ from typing import Any, Optional
 
 from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
 from lightning_4d.features.moe import costs as moe_costs
+from lightning_4d.features.pipeline.costs import Activations, activation_terms
 from lightning_4d.planning.activations import saved_bytes
 from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
 from lightning_4d.planning.offload_costs import offloaded_per_stage
 from lightning_4d.planning.params import rank_layout
-from lightning_4d.planning.pipeline_costs import Activations, activation_terms
 from lightning_4d.planning.states import ModelStates, model_state_bytes
 from lightning_4d.planning.tensors import PRECISIONS, Dtypes, checkpoint_bytes_per_parameter, normalize_precision
 from lightning_4d.planning.workload import Workload
@@ -226,18 +225,17 @@ def saved_activation_bytes(
     logits, the float32 log-sum-exp and the labels), ``compute_weights`` (``16-mixed``: autocast's weight copies),
     ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the whole sequence under
     ``context_parallel_method="allgather"``, under ``"alltoall"`` the second copy of the attention output and replicated
-    kv heads (:func:`~lightning_4d.planning.context_costs.alltoall_saved_extra`), none for ``"ring"``; under full or
-    selective checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward recomputes,
-    transient:
-    its whole saved set under full checkpointing, its pointwise tensors under selective checkpointing). Under expert
-    parallelism an MoE layer's experts run on the rows the rank receives: the balanced figure times
-    ``expert_load_imbalance`` (default :data:`~lightning_4d.features.moe.costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
-    :func:`lightning_4d.features.moe.costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a
-    rank that receives fewer rows than the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks``
-    (plus the
-    checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under context
-    parallelism and selective checkpointing, the figure is that of the cp rank that keeps the most (the last: module
-    docstring). Formulas: module docstring.
+    kv heads (:func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`), none for ``"ring"``; under
+    full or selective checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward
+    recomputes, transient: its whole saved set under full checkpointing, its pointwise tensors under selective
+    checkpointing). Under expert parallelism an MoE layer's experts run on the rows the rank receives: the balanced
+    figure times ``expert_load_imbalance`` (default
+    :data:`~lightning_4d.features.moe.costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
+    :func:`lightning_4d.features.moe.costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a rank
+    that receives fewer rows than the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks`` (plus
+    the checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under
+    context parallelism and selective checkpointing, the figure is that of the cp rank that keeps the most (the last:
+    module docstring). Formulas: module docstring.
 
     Raises:
         ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision, an

@@ -120,11 +120,11 @@ class UntiedView:
 
 def as_held(cfg: Any, pc: ParallelConfig) -> Any:
     """``cfg`` as the ranks of layout ``pc`` hold its tensors. Tied embeddings under pp > 1 are two tensors, the
-    first stage's embedding and the last stage's copy as the LM head (``parallel/pipeline.py``'s ``TiedEmbedding``),
-    parameters, gradients and optimizer states alike, as in an untied model: a rank holding only one of the two
-    stages holds one tensor either way; a V schedule's rank 0, which holds both stages, keeps the one tied weight at
-    ZeRO 0/1 and two copies at ZeRO 2/3 (each stage chunk its own FSDP2 root), read here as untied. ``cfg`` itself
-    otherwise."""
+    first stage's embedding and the last stage's copy as the LM head (``features/pipeline/runtime.py``'s
+    ``TiedEmbedding``), parameters, gradients and optimizer states alike, as in an untied model: a rank holding only one
+    of the two stages holds one tensor either way; a V schedule's rank 0, which holds both stages, keeps the one tied
+    weight at ZeRO 0/1 and two copies at ZeRO 2/3 (each stage chunk its own FSDP2 root), read here as untied. ``cfg``
+    itself otherwise."""
     if pc.pp > 1 and pc.zero_stage >= 2 and getattr(cfg, "tie_word_embeddings", False):
         return UntiedView(cfg)
     return cfg

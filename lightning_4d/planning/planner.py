@@ -59,10 +59,10 @@ from lightning_4d.config import (
     CONTEXT_PARALLEL_METHODS,
     ZERO_STAGES,
     ParallelConfig,
-    alltoall_heads,
     check_compile,
     check_positive_int,
 )
+from lightning_4d.features.context_parallel import alltoall_heads
 from lightning_4d.features.tensor_parallel.costs import ring_choices, without_rings
 from lightning_4d.layout import plan_values, planned_dataclass, strategy_arguments
 from lightning_4d.models.llama_config import divisors
@@ -240,7 +240,7 @@ def _shape_layouts(job: Job, search: Search, shape: tuple[int, int, int, int, bo
 def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
     """The context-parallel methods the planner tries at (tp, cp): ``"ring"`` alone without cp, else all of
     :data:`~lightning_4d.config.CONTEXT_PARALLEL_METHODS` but ``"alltoall"`` where the heads do not split over tp·cp
-    (:func:`~lightning_4d.config.alltoall_heads` refuses)."""
+    (:func:`~lightning_4d.features.context_parallel.alltoall_heads` refuses)."""
     return _cp_methods_of(model_config.num_heads, model_config.num_kv_heads, tp, cp)
 
 

@@ -59,7 +59,7 @@ kernel over the whole sequence (block ``s``) for ``a/(tp·cp)`` heads.
 less its matmul time. Stage-to-stage sends (``T·h·c`` bytes, ``/tp`` under sp), 2·v per micro-batch, are exposed.
 Tied embeddings add, once per step and exposed, the all-reduce of the two copies' float32 gradients (``4·V·h/tp``
 bytes, ``/(dp·cp)`` at ZeRO 2/3) between the first and the last stage's ranks (Megatron-Core's embedding group;
-none on zbv / dualpipev, whose rank 0 holds both copies: ``parallel/pipeline.py``'s ``TiedEmbedding``).
+none on zbv / dualpipev, whose rank 0 holds both copies: ``features/pipeline/runtime.py``'s ``TiedEmbedding``).
 
 **Data parallel** (bytes per GPU of the rank's ``P_r`` parameters, ring collectives: all-reduce ``2(D−1)/D``,
 reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy overlaps them:
@@ -88,9 +88,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from lightning_4d.config import ParallelConfig
 from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.moe.costs import all_to_all_time
+from lightning_4d.features.pipeline import ZERO_BUBBLE_SCHEDULES
 from lightning_4d.features.tensor_parallel.costs import ring_overlap, ring_seconds
 from lightning_4d.layout import config_of_plan, plan_values, planned_dataclass
 from lightning_4d.planning.float8_costs import FLOAT8_MATMUL_SPEEDUP

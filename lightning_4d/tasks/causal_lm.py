@@ -293,7 +293,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
         return layout_strategy(trainer.strategy) if trainer is not None else None
 
     def _pipeline(self) -> Any:
-        """The strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner` (pp > 1), else ``None``."""
+        """The strategy's :class:`~lightning_4d.features.pipeline.runtime.PipelineRunner` (pp > 1), else ``None``."""
         layout = self._layout()
         pipeline = layout.pipeline if layout is not None else None
         self._moe_pipeline(pipeline)
@@ -472,7 +472,7 @@ class CausalLMModule(MoETraining, L.LightningModule):
             x = torch.tensor([padded], dtype=torch.long, device=self.device)
             cp = self._context_parallel_size()
             if cp > 1:  # this cp rank's shard of the sequence in, the full sequence's logits gathered back
-                from lightning_4d.parallel.context import shard_sequence
+                from lightning_4d.features.context_parallel.runtime import shard_sequence
 
                 x = shard_sequence(x, self._layout().context_parallel_rank, cp)
             logits = self(x)

@@ -35,7 +35,7 @@ def test_ring_step_blocks_and_every_gradient_equal_full_attention(device):
     merged ``out`` and a strided slice of the merged ``lse``. Output and dq, dk, dv equal float32 autograd of full
     causal attention (GQA: 8 query heads, 2 kv heads) within bfloat16's rounding: relative norms measured on CPU out
     4.2e-3, dq 4.5e-3, dk 5.2e-3, dv 5.0e-3 (torch 2.13); bounds 1e-2 (out) and 2e-2 (gradients)."""
-    from lightning_4d.parallel.context import _Kernel, _merge
+    from lightning_4d.features.context_parallel.runtime import _Kernel, _merge
 
     g = torch.Generator(device=device).manual_seed(0)
     b, hq, hkv, s, d = 1, 8, 2, 256, 64

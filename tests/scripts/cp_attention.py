@@ -27,8 +27,8 @@ import torch.distributed as dist
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
+from lightning_4d.features.context_parallel.runtime import context_parallel_attention, gather_sequence, shard_sequence  # noqa: E402
 from lightning_4d.models.attention_backends import attention  # noqa: E402
-from lightning_4d.parallel.context import context_parallel_attention, gather_sequence, shard_sequence  # noqa: E402
 
 # (sequence length, query heads, kv heads): GQA ratios 1, 2, 4 and MQA
 CASES = [(16, 4, 4), (32, 4, 2), (64, 8, 2), (48, 6, 1)]

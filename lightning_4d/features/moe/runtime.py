@@ -394,7 +394,7 @@ class MoETraining:
     _global_mean: Callable[[Tensor], Tensor]
 
     def _moe_pipeline(self, pipeline: Any) -> None:
-        """Under pp (``pipeline``: the strategy's :class:`~lightning_4d.parallel.pipeline.PipelineRunner`, else
+        """Under pp (``pipeline``: the strategy's :class:`~lightning_4d.features.pipeline.runtime.PipelineRunner`, else
         ``None``): the schedule's shape inference runs the stages on placeholders, during which the MoE layers pass
         their input through (``LlamaModel.set_metadata_inference``)."""
         if pipeline is not None and self.model_config.is_moe and self.model is not None:

@@ -50,8 +50,9 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.config import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from lightning_4d.config import ParallelConfig
 from lightning_4d.contract import TrainingInputs
+from lightning_4d.features.pipeline import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from lightning_4d.module_tree import find_submodel, layer_items, own_weight, set_submodel
 from lightning_4d.parallel._compat.dtensor import local_tensor
 from lightning_4d.parallel._compat.pipeline import reset_schedule_metadata

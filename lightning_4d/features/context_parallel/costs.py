@@ -1,9 +1,9 @@
-"""Context parallelism in the memory model (``lightning_4d/parallel/context.py``; :mod:`lightning_4d.planning.model`'s
-docstring, **Context parallelism**): every sequence-sized tensor is divided by cp elsewhere; here what is not, per
-method: what a layer saves beyond the ring's local tensors (:func:`extra_saved_bytes`: ``"allgather"``'s gathered
-K/V, ``"alltoall"``'s second output copy and replicated kv heads), the query tokens the attention kernel calls of a
-cp rank cover (:func:`selective_attention_tokens`) and one layer's attention-backward transients
-(:func:`context_parallel_buffers`).
+"""Context parallelism in the memory model (``lightning_4d/features/context_parallel/runtime.py``;
+:mod:`lightning_4d.planning.model`'s docstring, **Context parallelism**): every sequence-sized tensor is divided by cp
+elsewhere; here what is not, per method: what a layer saves beyond the ring's local tensors (:func:`extra_saved_bytes`:
+``"allgather"``'s gathered K/V, ``"alltoall"``'s second output copy and replicated kv heads), the query tokens the
+attention kernel calls of a cp rank cover (:func:`selective_attention_tokens`) and one layer's attention-backward
+transients (:func:`context_parallel_buffers`).
 
 Pure Python: no torch import.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_4d.config import ParallelConfig, alltoall_heads
+from lightning_4d.config import ParallelConfig
+from lightning_4d.features.context_parallel import alltoall_heads
 from lightning_4d.planning.tensors import Dtypes
 
 __all__ = [
@@ -43,14 +44,15 @@ def extra_saved_bytes(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_leng
 
 def alltoall_saved_extra(cfg: Any, pc: ParallelConfig, compute_bytes: int, b: int, seq_length: int) -> int:
     """Bytes one layer saves under ``context_parallel_method="alltoall"`` beyond plain attention on its local tokens
-    (``parallel/context.py``). q, the output and the log-sum-exp of the whole sequence ``s`` for ``a/(tp·cp)`` heads
-    have the bytes of the local ones, but (1) the output the kernel saves and the local output the second all-to-all
-    returns (``wo``'s saved input) are two tensors, where plain attention's output *is* ``wo``'s input:
-    ``c_b·b·(s/cp)·(a/tp)·d`` more; (2) K and V are saved for ``k' = max(k/tp, cp)/cp`` kv heads of the whole
-    sequence (:func:`~lightning_4d.config.alltoall_heads`): ``2·c_b·b·d·(s·k' − (s/cp)·k/tp)`` more, 0 when cp
-    divides ``k/tp``, the replicated kv heads' bytes otherwise. Measured (tiny-test, 32-true, saved_tensors_hooks,
-    ``tests/test_context_parallel.py``): without (1) the estimate was 5.2% (cp2) and 4.9% (cp4) under.
-    Raises ``ValueError`` as :func:`~lightning_4d.config.alltoall_heads`."""
+    (``features/context_parallel/runtime.py``). q, the output and the log-sum-exp of the whole sequence ``s`` for
+    ``a/(tp·cp)`` heads have the bytes of the local ones, but (1) the output the kernel saves and the local output the
+    second all-to-all returns (``wo``'s saved input) are two tensors, where plain attention's output *is* ``wo``'s
+    input: ``c_b·b·(s/cp)·(a/tp)·d`` more; (2) K and V are saved for ``k' = max(k/tp, cp)/cp`` kv heads of the whole
+    sequence (:func:`~lightning_4d.features.context_parallel.alltoall_heads`): ``2·c_b·b·d·(s·k' − (s/cp)·k/tp)`` more,
+    0 when cp divides ``k/tp``, the replicated kv heads' bytes otherwise. Measured (tiny-test, 32-true,
+    saved_tensors_hooks, ``tests/test_context_parallel.py``): without (1) the estimate was 5.2% (cp2) and 4.9% (cp4)
+    under.
+    Raises ``ValueError`` as :func:`~lightning_4d.features.context_parallel.alltoall_heads`."""
     _, kv = alltoall_heads(cfg.num_heads, cfg.num_kv_heads, pc.tp, pc.cp)
     s = seq_length // pc.cp
     output = compute_bytes * b * s * (cfg.num_heads // pc.tp) * cfg.head_dim

@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from lightning_4d.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from lightning_4d.config import ParallelConfig
+from lightning_4d.features.pipeline import ZERO_BUBBLE_SCHEDULES
 from lightning_4d.partition import loss_chunk_tokens
 from lightning_4d.planning import offload_costs
 from lightning_4d.planning.activations import kept_layer_backward, layer_input_grad_only

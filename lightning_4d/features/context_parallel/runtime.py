@@ -41,8 +41,8 @@ change.
   cp after tp: ``a/tp`` divisible by c; kv heads too, or, when a tp rank has fewer kv heads than c (and c is a
   multiple of them), each kv head is replicated ``c·tp/k`` times before the exchange so that every rank receives
   the kv head its query heads share (its gradient summed back by autograd);
-  :func:`~lightning_4d.config.alltoall_heads`. Saves q, k, v, the output and the log-sum-exp of the whole
-  sequence for its heads: the bytes of the local ones, except replicated kv heads.
+  :func:`~lightning_4d.features.context_parallel.alltoall_heads`. Saves q, k, v, the output and the log-sum-exp of the
+  whole sequence for its heads: the bytes of the local ones, except replicated kv heads.
 
 **Kernels** (each returns the output and the log-sum-exp the merge needs, and has a backward taking the *final*
 output and log-sum-exp): ``"sdpa"`` uses ATen's fused flash kernels (``_scaled_dot_product_flash_attention_for_cpu``
@@ -77,7 +77,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_4d.config import CONTEXT_PARALLEL_METHODS, alltoall_heads, zigzag_chunks
+from lightning_4d.config import CONTEXT_PARALLEL_METHODS, zigzag_chunks
+from lightning_4d.features.context_parallel import alltoall_heads
 from lightning_4d.models.document_mask import document_mask, window_mask
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.parallel._compat.collectives import reduce_scatter_single
@@ -793,7 +794,7 @@ def context_parallel_attention(
     Raises:
         ValueError: an unknown method or backend; q, k, v shapes that do not fit (odd local length, heads not a
             multiple of kv heads; under ``"alltoall"`` heads that do not split over c,
-            :func:`~lightning_4d.config.alltoall_heads`).
+            :func:`~lightning_4d.features.context_parallel.alltoall_heads`).
     """
     _check_method(method)
     if backend not in ("sdpa", "flash", "eager"):
