@@ -1,8 +1,9 @@
-"""Plant known bugs in a scratch copy of the package and see which tests catch each (issue 38).
+"""Plant known bugs in a scratch copy of the package and see which tests catch each.
 
 For each bug of :data:`BUGS` (one per concern: the bf16-mixed master write-back, the data-parallel gradient
 reduction, a gradient bucket offset, the pipeline's micro-batch order and loss scaling, a context-parallel chunk
-index, the expert-major row order, the ZeRO-1 checkpoint slice, a memory-model term), this copies the working tree
+index, the expert-major row order, the ZeRO-1 checkpoint slice, a memory-model term, the global-norm count under tp,
+document masking's ring skip and loss normalization), this copies the working tree
 (without ``.git``) to a scratch folder, replaces one exact snippet of one file (it must occur exactly once, so an edit
 of the package that moves the code fails here loudly instead of planting nothing), and runs the tests of that concern
 with pytest in the copy (``PYTHONPATH`` = the copy: the torchrun workers the tests launch import the planted package
@@ -124,6 +125,23 @@ BUGS: tuple[Bug, ...] = (
         "    if tp_rank >= 0:\n        return False\n    if not isinstance(p, DTensor):",
         # the clipped layouts' global norm against the reference's (their losses and weights move too little)
         ("tests/test_parity.py",),
+    ),
+    Bug(
+        "ring-skips-spanned-block",
+        "document masking under the cp ring: the blocks of earlier ranks are skipped even where a document spans them",
+        "lightning_4d/features/context_parallel/runtime.py",
+        "    return rows, cols, False, mask, mask is None",
+        "    return rows, cols, False, mask, mask is None or source < rank",
+        ("tests/test_document_masking.py", "-k", "world2"),
+    ),
+    Bug(
+        "eod-loss-mean-of-means",
+        "eod_mask_loss: each rank's loss is its own token mean (the global batch's mean of per-rank means), not its "
+        "share of the global token mean",
+        "lightning_4d/tasks/documents.py",
+        "    return count * dist.get_world_size(group) / total.clamp_min(1.0)",
+        "    return torch.ones_like(count)",
+        ("tests/test_document_masking.py", "-k", "world2"),
     ),
 )
 
