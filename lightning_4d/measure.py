@@ -348,7 +348,8 @@ def _fit(work: Workload, pc: ParallelConfig, steps: int, device: str, trainer_kw
     from lightning_4d.tasks import CausalLMModule
 
     model_config = work.model
-    module = CausalLMModule(model_config, learning_rate=1e-4, warmup_steps=1, max_steps=steps)
+    masking = {"document_masking": True, "eos_token_id": 0} if work.document_masking else {}
+    module = CausalLMModule(model_config, learning_rate=1e-4, warmup_steps=1, max_steps=steps, **masking)
     kwargs = dict(
         accelerator=device,
         devices=1,
@@ -365,21 +366,24 @@ def _fit(work: Workload, pc: ParallelConfig, steps: int, device: str, trainer_kw
     )
     trainer = L.Trainer(**{**kwargs, **trainer_kwargs})
     batch = work.micro_batch_size * (pc.microbatches if pc.pp > 1 else 1)
-    tokens = _synthetic_tokens(model_config.vocab_size, batch, work.seq_length, steps)
+    tokens = _synthetic_tokens(model_config.vocab_size, batch, work.seq_length, steps, work.document_tokens)
     trainer.fit(module, DataLoader(tokens, batch_size=None))
     del trainer, module
 
 
-def _synthetic_tokens(vocab: int, batch: int, seq_length: int, steps: int) -> Any:
+def _synthetic_tokens(vocab: int, batch: int, seq_length: int, steps: int, document_tokens: Optional[int]) -> Any:
     """An iterable dataset of ``steps`` batches ``{"input_ids", "labels"}`` ``[batch, seq_length]`` of random token
-    ids below ``vocab`` (seeded), the labels the inputs shifted by one."""
+    ids below ``vocab`` (seeded), the labels the inputs shifted by one; with ``document_tokens`` the ids from 1 up
+    and an EOS (0) ending every ``document_tokens`` tokens (document masking's documents)."""
     from torch.utils.data import IterableDataset
 
     class Tokens(IterableDataset):
         def __iter__(self):
             g = torch.Generator().manual_seed(0)
             for _ in range(steps):
-                ids = torch.randint(0, vocab, (batch, seq_length + 1), generator=g)
+                ids = torch.randint(0 if document_tokens is None else 1, vocab, (batch, seq_length + 1), generator=g)
+                if document_tokens is not None:
+                    ids[:, document_tokens - 1 :: document_tokens] = 0
                 yield {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
     return Tokens()
@@ -535,7 +539,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     pc.validate_sequence(args.seq_length)
     pc.validate_microbatches(pc.microbatches)
     work = Workload(
-        cfg, args.micro_batch_size, args.seq_length, args.precision, expert_load_imbalance=args.expert_load_imbalance
+        cfg,
+        args.micro_batch_size,
+        args.seq_length,
+        args.precision,
+        expert_load_imbalance=args.expert_load_imbalance,
+        document_masking=args.document_tokens is not None,
+        document_tokens=args.document_tokens,
     )
     rank = args.rank
     if rank == "worst":

@@ -405,9 +405,8 @@ ROWS: list[Row] = [
 
 #: the tests of document masking (``CausalLMModule(document_masking=True)``) against each document run alone
 DOCS = "tests/test_document_masking.py::"
-#: why the smoke runner cannot run a document-masking row: ``measure`` trains without document masking
-DOCS_SMOKE = "lightning-4d measure has no document masking option yet: the smoke runner cannot turn it on"
-#: the layouts document masking is tested in (float32, ZeRO 0, one step against the per-document reference)
+#: the layouts document masking is tested in (float32, ZeRO 0, one step against the per-document reference); the
+#: smoke runner measures them on documents of 128 tokens (``measure --document-tokens``)
 _PP2 = {"pp": 2, "num_microbatches": 2, "pipeline_schedule": "1f1b"}
 _DOCUMENT_MASKING_LAYOUTS = [
     ("dp2", "dp2", {"dp": 2}, "world2"),
@@ -427,9 +426,8 @@ ROWS += [
     Row(
         f"docmask-{name}",
         f"document masking (attention within each document of a packed window), {description}",
-        {**layout, "zero_stage": 0, "precision": "32-true"},
+        {**layout, "zero_stage": 0, "precision": "32-true", "document_tokens": 128},
         cpu_tests=(DOCS + f"test_layouts_{world}_equal_each_document_alone",),
-        smoke_skip=DOCS_SMOKE,
     )
     for name, description, layout, world in _DOCUMENT_MASKING_LAYOUTS
 ]

@@ -257,3 +257,18 @@ def test_masking_saves_what_the_memory_model_adds(precision):
     without = saved_activation_bytes(Workload(config, b, s, precision), pc)
     estimated = sum(with_masks.values()) - sum(without.values())
     assert measured == estimated > (2 if autocast else 4) * b * s * s
+
+
+def test_estimate_and_measure_take_document_tokens():
+    """``estimate --document-tokens N`` counts document masking's mask (one ``[b, 1, s, s]`` additive mask in the
+    compute dtype per micro-batch in flight, and per-sample cos/sin); ``measure`` accepts the same option (it packs
+    its synthetic windows with documents of N tokens: the support matrix's document-masking rows run through it)."""
+    from lightning_4d.planning.commands import _estimate, command_parser
+
+    argv = ["--model", "tiny-test", "--dp", "1", "--micro-batch-size", "2", "--seq-length", "256", "--zero-stage", "0",
+            "--precision", "32-true"]  # fmt: skip
+    plain = _estimate(command_parser("estimate").parse_args(argv))
+    masked = _estimate(command_parser("estimate").parse_args([*argv, "--document-tokens", "64"]))
+    b, s, half = 2, 256, LlamaConfig.from_name("tiny-test").head_dim // 2
+    assert masked["total"] - plain["total"] >= 4 * b * s * s + 2 * 4 * (b - 1) * s * half
+    assert command_parser("measure").parse_args([*argv, "--document-tokens", "64"]).document_tokens == 64

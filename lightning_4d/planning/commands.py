@@ -256,6 +256,12 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the rank runs (default cpu)")
     if command in ("estimate", "measure"):
         _load_imbalance_option(p)
+        p.add_argument(
+            "--document-tokens",
+            type=positive_int,
+            help="document masking (CausalLMModule(document_masking=True)): the estimate counts its mask; measure "
+            "trains on synthetic windows of documents of this many tokens (an EOS every N tokens)",
+        )
         group = p.add_mutually_exclusive_group()
         for f in LAYOUT_FIELDS:
             if f.flags:
@@ -367,6 +373,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
             args.precision,
             num_microbatches=m,
             expert_load_imbalance=args.expert_load_imbalance,
+            document_masking=args.document_tokens is not None,
         )
         est = estimate_memory(work, pc, gpu_name=gpu.name)
         out = est.to_dict()
@@ -408,6 +415,7 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
             args.seq_length,
             args.precision,
             expert_load_imbalance=args.expert_load_imbalance,
+            document_masking=args.document_tokens is not None,
         )
         found = suggest_layouts(work, pc.world_size, gpu.memory, args.budget, gpu_name=gpu.name)
     except ValueError:  # no suggestion is better than hiding the verdict (as the callback does)

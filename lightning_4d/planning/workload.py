@@ -44,6 +44,8 @@ class Workload:
             per-sample rotary tables and, without cp, one additive mask ``[b, 1, s, s]`` in the compute dtype that
             every layer's attention saves (under cp the whole sequence's document ids instead; the ``rope`` part of
             :func:`~lightning_4d.planning.model.saved_activation_bytes`).
+        document_tokens: the length in tokens of the documents ``lightning-4d measure`` packs its synthetic windows
+            with under document masking (an EOS every ``document_tokens`` tokens); the memory model does not read it.
     """
 
     model: Any
@@ -54,6 +56,7 @@ class Workload:
     expert_load_imbalance: Optional[float] = None
     fused_optimizer: bool = True
     document_masking: bool = False
+    document_tokens: Optional[int] = None
 
 
 @dataclass(frozen=True)
