@@ -60,7 +60,7 @@ from lightning_4d.parallel._compat.dispatch import (
     tree_flatten,
 )
 from lightning_4d.parallel._compat.dtensor import local_tensor as _local
-from lightning_4d.planning.commands import command_parser, layout_from_args, load_model_config
+from lightning_4d.planning.commands import command_parser, layout_from_args, load_model_config, workload_from_args
 from lightning_4d.planning.hardware import GIB, OverheadAllowance
 from lightning_4d.planning.model import estimate_all_pp_ranks, estimate_memory
 from lightning_4d.planning.workload import Workload
@@ -538,15 +538,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
     pc.validate_microbatches(pc.microbatches)
-    work = Workload(
-        cfg,
-        args.micro_batch_size,
-        args.seq_length,
-        args.precision,
-        expert_load_imbalance=args.expert_load_imbalance,
-        document_masking=args.document_tokens is not None,
-        document_tokens=args.document_tokens,
-    )
+    work = workload_from_args(args, cfg)
     rank = args.rank
     if rank == "worst":
         rank = worst_rank(work, pc, device_type=args.device)

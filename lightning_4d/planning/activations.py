@@ -190,16 +190,21 @@ def saved_bytes(
         out["recompute"] = layer_selective_recompute(cfg, dt, b, s, tp, sp)
     if dt.autocast:
         _add_autocast_copies(out, cfg, pc, indices, first, last)
-    # what a layer saves under cp beyond the ring's local tensors (0 for the ring and without cp): allgather's
-    # gathered K/V of all s tokens (measured with saved_tensors_hooks: exactly this much more than the ring, whatever
-    # c), alltoall's second output copy and replicated kv heads
-    kv = cp_costs.extra_saved_bytes(cfg, pc, dt, b, seq_length)
-    if kv:
-        if pc.activation_checkpointing != "none":  # made again in a layer's recompute, dropped after its backward
-            out["recompute"] += kv if n_layers else 0
-        else:
-            out["context_parallel_kv"] = n_layers * kv
+    _add_context_parallel_kv(out, cp_costs.extra_saved_bytes(cfg, pc, dt, b, seq_length), pc, n_layers)
     return out
+
+
+def _add_context_parallel_kv(out: dict[str, int], kv: int, pc: ParallelConfig, n_layers: int) -> None:
+    """Add to ``out`` (:func:`saved_bytes`) ``kv``, what a layer saves under cp beyond the ring's local tensors (0 for
+    the ring and without cp): allgather's gathered K/V of all s tokens (measured with saved_tensors_hooks: exactly
+    this much more than the ring, whatever c), alltoall's second output copy and replicated kv heads; under
+    checkpointing made again in a layer's recompute and dropped after its backward."""
+    if not kv:
+        return
+    if pc.activation_checkpointing != "none":
+        out["recompute"] += kv if n_layers else 0
+    else:
+        out["context_parallel_kv"] = n_layers * kv
 
 
 def document_masking_inputs(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s: int) -> int:

@@ -205,6 +205,15 @@ def _load_imbalance_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _document_tokens_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--document-tokens",
+        type=positive_int,
+        help="document masking (CausalLMModule(document_masking=True)): the estimate counts its mask; measure "
+        "trains on synthetic windows of documents of this many tokens (an EOS every N tokens)",
+    )
+
+
 #: what a command adds to a layout option's help, by (command, field)
 _COMMAND_NOTES = {
     ("estimate", "num_microbatches"): "; at pp = 1 the gradient-accumulation steps per optimizer step (Lightning's "
@@ -256,12 +265,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the rank runs (default cpu)")
     if command in ("estimate", "measure"):
         _load_imbalance_option(p)
-        p.add_argument(
-            "--document-tokens",
-            type=positive_int,
-            help="document masking (CausalLMModule(document_masking=True)): the estimate counts its mask; measure "
-            "trains on synthetic windows of documents of this many tokens (an EOS every N tokens)",
-        )
+        _document_tokens_option(p)
         group = p.add_mutually_exclusive_group()
         for f in LAYOUT_FIELDS:
             if f.flags:
@@ -328,6 +332,21 @@ def _rank(text: str) -> Any:
     return value
 
 
+def workload_from_args(args: argparse.Namespace, cfg: Any, num_microbatches: Optional[int] = None) -> Workload:
+    """The :class:`Workload` of ``estimate``'s or ``measure``'s options for model ``cfg``: b, s, precision, the
+    expert load and document masking (``--document-tokens``)."""
+    return Workload(
+        cfg,
+        args.micro_batch_size,
+        args.seq_length,
+        args.precision,
+        num_microbatches=num_microbatches,
+        expert_load_imbalance=args.expert_load_imbalance,
+        document_masking=args.document_tokens is not None,
+        document_tokens=args.document_tokens,
+    )
+
+
 def layout_from_args(args: argparse.Namespace, cfg: Any) -> tuple[ParallelConfig, Optional[list[int]]]:
     """The layout ``estimate`` and ``measure`` are asked for (their options of :data:`LAYOUT_FIELDS`), resolved and
     validated against the model, and the planner's layer split when it proposed one (``None`` else)."""
@@ -366,16 +385,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         est = fujii2024_of_layout(cfg, pc, args.seq_length, args.micro_batch_size, m)
         out = dict(est.to_dict())
     else:
-        work = Workload(
-            cfg,
-            args.micro_batch_size,
-            args.seq_length,
-            args.precision,
-            num_microbatches=m,
-            expert_load_imbalance=args.expert_load_imbalance,
-            document_masking=args.document_tokens is not None,
-        )
-        est = estimate_memory(work, pc, gpu_name=gpu.name)
+        est = estimate_memory(workload_from_args(args, cfg, m), pc, gpu_name=gpu.name)
         out = est.to_dict()
     total = out["total"]
     out.update(
@@ -409,14 +419,7 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
     from lightning_4d.planning.planner import suggest_layouts, suggestion_line
 
     try:
-        work = Workload(
-            cfg,
-            args.micro_batch_size,
-            args.seq_length,
-            args.precision,
-            expert_load_imbalance=args.expert_load_imbalance,
-            document_masking=args.document_tokens is not None,
-        )
+        work = workload_from_args(args, cfg)
         found = suggest_layouts(work, pc.world_size, gpu.memory, args.budget, gpu_name=gpu.name)
     except ValueError:  # no suggestion is better than hiding the verdict (as the callback does)
         return []

@@ -25,7 +25,7 @@ from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.planning.hardware import peak_flops_of_device
 from lightning_4d.precision import loss_scaler
 from lightning_4d.safe_load import check_checkpoint
-from lightning_4d.tasks.documents import DocumentMasking, token_mean_scale
+from lightning_4d.tasks.documents import DocumentMasking, token_weight
 from lightning_4d.tasks.metrics import TokenMeanLoss
 
 
@@ -241,15 +241,14 @@ class CausalLMModule(MoETraining, L.LightningModule):
         return batch["positions"], batch[DOCUMENT_IDS]
 
     def _token_scale(self, batch: dict[str, Tensor], parts: int = 1) -> Optional[Tensor]:
-        """With ``eod_mask_loss`` the scale of a micro-batch mean that makes the dp x cp average of the step's losses
-        the mean over the trained tokens of the global batch: ``token_mean_scale`` over the whole batch of
-        ``parts`` micro-batches, its count per micro-batch (the pipeline's loss then divides by ``parts``);
-        ``None`` otherwise."""
+        """With ``eod_mask_loss`` the weight of one trained token (:func:`~lightning_4d.tasks.documents.token_weight`
+        over the whole batch of ``parts`` micro-batches, times ``parts``: the pipeline divides each micro-batch's loss
+        by it) by which a mean loss times its trained tokens makes the dp x cp average of the step's losses the mean
+        over the trained tokens of the global batch; ``None`` otherwise."""
         if self.documents is None or not self.documents.eod_mask_loss:
             return None
         layout = self._layout()
-        group = layout.dp_cp_group if layout is not None else None
-        return token_mean_scale(batch["labels"], group) / (batch["labels"] != -100).sum().clamp_min(1) * parts
+        return token_weight(batch["labels"], layout.dp_cp_group if layout is not None else None) * parts
 
     def pipeline_loss(self, logits: Any, labels: Tensor) -> Tensor:
         """The loss of one micro-batch under pp: :func:`~lightning_4d.parallel.loss.causal_lm_loss`, with

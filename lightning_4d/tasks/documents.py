@@ -123,16 +123,14 @@ def _window_positions(ids: Tensor) -> Tensor:
     return torch.arange(ids.shape[-1], device=ids.device).expand_as(ids).contiguous()
 
 
-def token_mean_scale(labels: Tensor, group: Optional[Any]) -> Tensor:
-    """The factor that turns this rank's mean loss over its trained tokens into its share of the mean over the
-    trained tokens of every rank of ``group`` (the dp x cp group; ``None``: the whole world, or one process):
-    ``n_local · size / n_total`` with ``n`` the labels other than -100 (so that the group's average of the scaled
-    losses, which the gradient all-reduce takes, is the token mean). A float32 scalar; 1 where every rank trains
-    the same number of tokens.
+def token_weight(labels: Tensor, group: Optional[Any]) -> Tensor:
+    """The weight of one trained token in a rank's loss so that the average over the ranks of ``group`` (the dp x
+    cp group, which the gradient all-reduce takes; ``None``: the whole world, or one process) of ``weight · Σ`` (the
+    rank's summed token losses) is the mean over the trained tokens of every rank: ``size / n_total``, with ``n`` the
+    labels other than -100 summed over the group. A float32 scalar.
     """
     count = (labels != -100).sum().to(torch.float32)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return torch.ones((), dtype=torch.float32, device=labels.device)
-    total = count.clone()
-    dist.all_reduce(total, group=group)
-    return count * dist.get_world_size(group) / total.clamp_min(1.0)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(count, group=group)
+        return dist.get_world_size(group) / count.clamp_min(1.0)
+    return 1.0 / count.clamp_min(1.0)
