@@ -114,7 +114,7 @@ def check_values(config: "ParallelConfig") -> None:
         if f.choices is not None:
             if (isinstance(value, bool) and not any(isinstance(c, bool) for c in f.choices)) or value not in f.choices:
                 raise ValueError(f"{f.name}={value!r} is not valid: expected one of {list(f.choices)}.")
-        elif f.minimum == 1 and f.short in MESH_DIM_NAMES + ("ep",) and value != "auto":
+        elif f.minimum == 1 and f.short in MESH_DIM_NAMES + ("ep", "dp_replicate") and value != "auto":
             check_positive_int(f.name, value)
 
 
@@ -146,6 +146,7 @@ class ParallelConfig:
         for feature in FEATURES:
             feature.check(self)
         self._check_offload()
+        self._check_hsdp()
         check_compile(self.compile, self.activation_checkpointing)
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
@@ -168,6 +169,31 @@ class ParallelConfig:
                 f"gradient_compression='powersgd' is not supported with zero_stage={self.zero_stage}: FSDP2 "
                 "reduce-scatters each gradient shard as it comes and PowerSGD needs whole matrices. Use zero_stage 0 "
                 "or 1 with it, or gradient_compression='bf16' with ZeRO 2/3."
+            )
+
+    def _check_hsdp(self) -> None:
+        """``data_parallel_replicate_size``: it divides dp (once dp is known), needs a ZeRO stage that shards
+        something, not PowerSGD (the MoE rules, :func:`~lightning_4d.features.moe.check_moe_layout`: not with ep)."""
+        r = self.data_parallel_replicate_size
+        if r == 1:
+            return
+        if self.zero_stage == 0:
+            raise ValueError(
+                f"data_parallel_replicate_size={r} is not valid with zero_stage=0: hybrid sharding replicates a ZeRO "
+                "shard group, and ZeRO 0 shards nothing (it already replicates over all of dp). Use zero_stage 1, 2 "
+                "or 3 with it, or data_parallel_replicate_size=1."
+            )
+        if self.gradient_compression == "powersgd":
+            raise ValueError(
+                f"data_parallel_replicate_size={r} is not supported with gradient_compression='powersgd': its "
+                "factors are all-reduced over the whole data-parallel group. Use gradient_compression 'none' or "
+                "'bf16' with hybrid sharding."
+            )
+        if self.data_parallel_size != "auto" and int(self.data_parallel_size) % r != 0:
+            raise ValueError(
+                f"data_parallel_replicate_size={r} does not divide data_parallel_size={self.data_parallel_size}: dp "
+                f"is replicate x shard. Valid data_parallel_replicate_size values: "
+                f"{divisors(int(self.data_parallel_size))}."
             )
 
     def _check_offload(self) -> None:
@@ -209,6 +235,18 @@ class ParallelConfig:
     def dp_cp(self) -> int:
         """Size of the group that ZeRO shards over and gradients are reduced over (dp * cp)."""
         return self.dp * self.cp
+
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP's replicas of the ZeRO shard group (``data_parallel_replicate_size``; 1 without HSDP)."""
+        return self.data_parallel_replicate_size
+
+    @property
+    def zero_shard(self) -> int:
+        """Size of the group ZeRO shards over (``dp_shard_cp``: ``dp/replicate · cp``; ``dp_cp`` without HSDP).
+        Gradients are averaged over all of ``dp_cp`` all the same (reduce-scattered within the shard group, then
+        all-reduced across the replicas)."""
+        return self.dp_cp // self.dp_replicate
 
     @property
     def ep(self) -> int:
@@ -396,7 +434,7 @@ class ParallelConfig:
                     f"so data_parallel_size='auto' cannot be filled in. Valid tensor_parallel_size values for this "
                     f"world size (pp=cp=1): {divisors(world_size)}."
                 )
-            return replace(self, data_parallel_size=world_size // other)._check_ep()
+            return replace(self, data_parallel_size=world_size // other)._check_ep()  # __post_init__: r divides dp
         if self.pp * self.dp * self.cp * self.tp != world_size:
             raise ValueError(
                 f"world size {world_size} != pp*dp*cp*tp = {self.pp}*{self.dp}*{self.cp}*{self.tp} = "

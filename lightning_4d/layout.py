@@ -225,6 +225,24 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         plan_help="only layouts with this ZeRO stage",
     ),
     LayoutField(
+        "data_parallel_replicate_size",
+        int,
+        1,
+        "zero",
+        "HSDP: the replicas of the ZeRO shard group, dp = replicate x shard (default 1: ZeRO over all of dp*cp)",
+        "hybrid sharding (HSDP; Lightning's ``HYBRID_SHARD``, torchtitan's ``data_parallel_replicate_degree``): "
+        "the dp ranks form this many replicas of a ZeRO shard group of ``dp/replicate · cp`` ranks (consecutive "
+        "ranks, one node when it fits). ZeRO 1-3 shard the states within the shard group only; gradients are "
+        "reduce-scattered within it, then each shard all-reduced across the replicas, so the parameter all-gathers "
+        "of ZeRO 3 never leave the shard group. Must divide dp; needs ZeRO 1-3; not with expert parallelism. "
+        "Default 1 (ZeRO over all ``dp·cp`` ranks); ``docs/parallelism.md``.",
+        flags=("--dp-replicate",),
+        minimum=1,
+        short="dp_replicate",
+        saved="resolved_if_set",
+        written="set",
+    ),
+    LayoutField(
         "sequence_parallel",
         Optional[bool],
         None,

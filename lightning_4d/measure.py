@@ -558,6 +558,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             cp=pc.cp,
             dp=pc.dp,
             zero_stage=pc.zero_stage,
+            data_parallel_replicate_size=pc.dp_replicate,
             sequence_parallel=pc.sp,
             activation_checkpointing=pc.activation_checkpointing,
             activation_offload_layers=pc.activation_offload_layers,
@@ -605,7 +606,8 @@ def _print(out: dict[str, Any]) -> None:
     table = Table(
         title=f"{out['model']} rank {out['rank']} (pp {c['pp']}, dp {c['dp']}, cp {c['cp']}, tp {c['tp']}) "
         f"of tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} ZeRO {lay['zero_stage']} "
-        f"b={out['micro_batch_size']} s={out['seq_length']} {out['precision']} "
+        + (f"HSDP={lay['data_parallel_replicate_size']}x " if lay["data_parallel_replicate_size"] > 1 else "")
+        + f"b={out['micro_batch_size']} s={out['seq_length']} {out['precision']} "
         f"checkpointing={lay['activation_checkpointing']} on {out['device']}"
     )
     for col in ("component", "estimated GiB", "measured GiB", "estimated / measured"):

@@ -4,6 +4,10 @@ tp is innermost, so a tp group sits on consecutive ranks (one node, NVLink); pp 
 whose traffic is point-to-point). Parameters are replicated across dp and cp, so ZeRO shards over and gradients
 are reduced over the flattened ``("dp", "cp")`` mesh, named ``dp_cp`` (Megatron-core's rank order ``tp-cp-dp-pp``).
 
+Hybrid sharding (HSDP, ``data_parallel_replicate_size`` r > 1) splits ``dp_cp`` into ``("dp_replicate",
+"dp_shard_cp")`` (r replicas of a shard group of ``dp_cp / r`` consecutive ranks): ZeRO shards over ``dp_shard_cp``
+and the reduced shards are all-reduced over ``dp_replicate`` (:attr:`ParallelMesh.zero`).
+
 A feature whose groups are not dimensions of the world mesh carves them out of it (:meth:`ParallelMesh.flatten`,
 :meth:`ParallelMesh.unflatten`) and finds them again by name (:meth:`ParallelMesh.get`): :func:`build_mesh` lets
 each such feature carve its own (:func:`_feature_meshes`; the MoE component's groups:
@@ -36,6 +40,8 @@ class ParallelMesh:
             ``dp``).
         dp_rank, tp_rank: this rank's coordinates in ``dp`` and ``tp`` (they never change; the sampler reads the
             rank every step).
+        zero: the mesh ZeRO shards over: ``dp_cp`` (1D), or under HSDP the 2D ``("dp_replicate", "dp_shard_cp")``
+            mesh (FSDP2's HSDP mesh: replicate outer, shard inner; :func:`build_mesh`).
     """
 
     world: DeviceMesh
@@ -47,8 +53,10 @@ class ParallelMesh:
     pp: DeviceMesh = field(init=False)
     dp_rank: int = field(init=False)
     tp_rank: int = field(init=False)
+    zero: DeviceMesh = field(init=False)
 
     def __post_init__(self) -> None:
+        self.zero = self.dp_cp
         self.tp, self.dp, self.cp, self.pp = (self.world[dim] for dim in ("tp", "dp", "cp", "pp"))
         self.dp_rank, self.tp_rank = self.dp.get_local_rank(), self.tp.get_local_rank()
 
@@ -57,6 +65,16 @@ class ParallelMesh:
         if name in submeshes:
             return submeshes[name]
         raise AttributeError(f"ParallelMesh has no mesh {name!r}: carved ones are {sorted(submeshes)}")
+
+    @property
+    def zero_shard(self) -> DeviceMesh:
+        """The 1D mesh ZeRO shards the states over: ``dp_shard_cp`` under HSDP, else ``dp_cp``."""
+        return self.zero["dp_shard_cp"] if self.zero.ndim == 2 else self.zero
+
+    @property
+    def zero_replicate(self) -> Optional[DeviceMesh]:
+        """HSDP's ``dp_replicate`` mesh (the shards' all-reduce across replicas), ``None`` without HSDP."""
+        return self.zero["dp_replicate"] if self.zero.ndim == 2 else None
 
     def get(self, name: str) -> Optional[DeviceMesh]:
         """The carved 1D mesh ``name``, or ``None`` when no feature carved it (the feature is off)."""
@@ -94,6 +112,8 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
     mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # keep the returned object: it holds the process group
     out = ParallelMesh(world=mesh, dp_cp=dp_cp)
+    if config.dp_replicate > 1:  # HSDP: r replicas of a shard group of consecutive dp_cp ranks
+        out.zero = out.unflatten("dp_cp", (config.dp_replicate, config.zero_shard), ("dp_replicate", "dp_shard_cp"))
     for carve in _feature_meshes():
         carve(out, config)
     return out

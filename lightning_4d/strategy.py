@@ -351,7 +351,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         self._buckets = setup_zero(
             self.model,
             optimizers,
-            self.mesh.dp_cp.get_group(),
+            self.mesh.zero_shard.get_group(),
             pc.zero_stage,
             master_dtype=master,
             tp_rank=self.mesh.tp.get_local_rank(),
@@ -361,6 +361,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
                 pc.powersgd_start_step,
                 _COMM_DTYPES[pc.powersgd_comm_dtype],
                 moe.gradient_groups(self.model, self.mesh),
+                replicas=None if self.mesh.zero_replicate is None else self.mesh.zero_replicate.get_group(),
             ),
             pipelined=self.pipeline is not None,
         )

@@ -88,6 +88,7 @@ def _hf_row(row_id: str, description: str, layout: dict, family: str, test: str)
 P = "tests/test_parity.py::"
 PP = "tests/test_pipeline.py::"
 CP = "tests/test_context_parallel.py::"
+H = "tests/test_hsdp.py::"
 OFFLOAD = (
     "tests/test_activation_offload.py::test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_host"
 )
@@ -145,6 +146,54 @@ ROWS: list[Row] = [
         "tp2 dp2 ZeRO 3 bf16-true: FSDP2 + DTensor tp in bfloat16",
         {"tp": 2, "dp": 2, "zero_stage": 3, "precision": "bf16-true"},
         cpu_tests=(P + "test_bf16_close_to_float32",),
+    ),
+    # ---------------------------------------------------------------- hybrid sharding (HSDP)
+    Row(
+        "hsdp-z1",
+        "dp4 HSDP 2 replicas x shard 2, ZeRO 1: buckets reduce-scattered in the shard group, the shards all-reduced "
+        "across replicas",
+        {"dp": 4, "dp_replicate": 2, "zero_stage": 1},
+        cpu_tests=(H + "test_hsdp_parity_world4", H + "test_hsdp_checkpoint_resumes_on_flat_zero3_and_back"),
+    ),
+    Row(
+        "hsdp-z2",
+        "dp4 HSDP 2 x 2, ZeRO 2: FSDP2 on the 2D (replicate, shard) mesh without resharding after forward",
+        {"dp": 4, "dp_replicate": 2, "zero_stage": 2},
+        cpu_tests=(H + "test_hsdp_parity_world4",),
+    ),
+    Row(
+        "hsdp-z3",
+        "dp4 HSDP 2 x 2, ZeRO 3: FSDP2's hybrid sharding, parameters all-gathered within the shard group",
+        {"dp": 4, "dp_replicate": 2, "zero_stage": 3},
+        cpu_tests=(H + "test_hsdp_parity_world4", H + "test_hsdp_checkpoint_resumes_on_flat_zero3_and_back"),
+    ),
+    Row(
+        "hsdp-cp2-z3",
+        "dp2 cp2 HSDP 2 replicas of a cp2 shard group, ZeRO 3",
+        {"dp": 2, "cp": 2, "dp_replicate": 2, "zero_stage": 3},
+        cpu_tests=(H + "test_hsdp_parity_world4",),
+    ),
+    Row(
+        "hsdp-tp2-z3",
+        "dp4 tp2 HSDP 2 x 2, ZeRO 1 and 3 (DTensor tp inside the shards)",
+        {"dp": 4, "tp": 2, "dp_replicate": 2, "zero_stage": 3},
+        cpu_tests=(H + "test_hsdp_parity_world8",),
+    ),
+    Row(
+        "hsdp-pp2-z3",
+        "pp2 dp4 HSDP 2 x 2, ZeRO 1 and 3, 1F1B",
+        {"dp": 4, "pp": 2, "num_microbatches": 2, "pipeline_schedule": "1f1b", "dp_replicate": 2, "zero_stage": 3},
+        cpu_tests=(H + "test_hsdp_parity_world8",),
+    ),
+    Row(
+        "hsdp-z0",
+        "HSDP with ZeRO 0",
+        {"dp": 4, "dp_replicate": 2, "zero_stage": 0},
+        refused=(
+            "data_parallel_replicate_size=2 is not valid with zero_stage=0: hybrid sharding replicates a ZeRO shard "
+            "group, and ZeRO 0 shards nothing (it already replicates over all of dp). Use zero_stage 1, 2 or 3 with "
+            "it, or data_parallel_replicate_size=1."
+        ),
     ),
     Row(
         "fp16-mixed",

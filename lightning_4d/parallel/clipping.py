@@ -88,11 +88,13 @@ def _bucket_sums(
     counted on tp rank 0 only (:func:`_tp_duplicate`) unless its gradient group is tp-partial; at ZeRO 0 (every
     rank of a group holds its whole bucket) each piece's power sum divided by its group's size before the sum over
     the world (the same total as dividing each group's sum after it: the division is linear), so one sum for every
-    gradient group (:class:`~lightning_4d.parallel.grad_buffers.GradientGroup`) of any rank; parameters whose ids
-    are in ``excluded`` are not counted."""
+    gradient group (:class:`~lightning_4d.parallel.grad_buffers.GradientGroup`) of any rank, the default group's also
+    divided by HSDP's replicas (each holds the same pieces); parameters whose ids are in ``excluded`` are not
+    counted."""
     buckets = sharded.buckets
     groups = buckets.gradient_groups
     sizes = [1 if sharded.sharded else dist.get_world_size(g.group) for g in groups]
+    sizes[0] *= buckets.num_replicas  # HSDP: every replica of the shard group holds the same pieces
     grads = [(p, g) for p in sharded.parameters() if (g := sharded.owned_grad(p)) is not None]
     inf = math.isinf(norm_type)
     sums = torch.zeros(len(groups), dtype=torch.float32, device=buckets.buckets[0].device)  # one per gradient group

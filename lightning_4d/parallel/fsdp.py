@@ -1,5 +1,6 @@
-"""ZeRO stages 2 and 3 over the ``dp_cp`` group: FSDP2 ``fully_shard`` per transformer block, then the root (Rajbhandari
-et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", arXiv 1910.02054).
+"""ZeRO stages 2 and 3 over the ``dp_cp`` group (under HSDP over ``dp_shard_cp``, replicated over ``dp_replicate``):
+FSDP2 ``fully_shard`` per transformer block, then the root (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", arXiv 1910.02054).
 
 =====  ===========================================  ===============================================================
 stage  what is sharded over dp_cp (size D)           how
@@ -63,7 +64,9 @@ def apply_fsdp(
 
     Args:
         model: the module (DTensor tensor-parallel parameters are fine: FSDP2 shards their local dim 0).
-        dp_cp_mesh: the 1D ``dp_cp`` mesh.
+        dp_cp_mesh: the mesh ZeRO shards over (:attr:`lightning_4d.mesh.ParallelMesh.zero`): the 1D ``dp_cp`` mesh,
+            or under HSDP the 2D ``("dp_replicate", "dp_shard_cp")`` mesh (FSDP2's hybrid sharding: sharded over
+            the inner dim, replicated over the outer, gradients reduce-scattered then all-reduced).
         zero_stage: 2 (``reshard_after_forward=False``) or 3 (``True``).
         blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
         reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
@@ -95,16 +98,23 @@ def apply_fsdp(
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = _mixed_precision_policy(param_dtype, reduce_dtype)
     kw = moe.shard_units(model, kw, **(moe_meshes or {}))  # the MoE layers' own units first (docstring)
-    dense = [fully_shard(b, **kw) for b in blocks]
-    root = fully_shard(model, **kw)
-    for unit in [*dense, root]:
-        # average over dp_cp explicitly (pre-divide by 1, post-divide by D): independent of the backend's ReduceOp.
-        # torch < 2.8 has no such setting; its default, the average over the unit's group (dp_cp), is the same
-        try:
-            divide = unit.set_gradient_divide_factor
-        except AttributeError:  # pragma: no cover - torch < 2.8
-            break
-        divide(float(dp_cp_mesh.size()))
+    for unit in [*(fully_shard(b, **kw) for b in blocks), fully_shard(model, **kw)]:
+        average_gradients(unit, dp_cp_mesh)
+
+
+def average_gradients(unit: Any, mesh: DeviceMesh) -> None:
+    """Make FSDP2 ``unit`` average its gradients over all ``mesh.size()`` ranks explicitly, independent of the
+    backend's ``ReduceOp`` (pre-divide by 1, post-divide by D). Under HSDP (``mesh`` 2D, replicate x shard) the
+    reduce-scatter and the all-reduce across replicas both sum and the sum is divided by D once (FSDP2's
+    ``set_force_sum_reduction_for_comms``: its premultiplied sum is not a gloo op). torch < 2.8 has no such
+    setting; its default, the average over the unit's group, is the same."""
+    try:
+        divide = unit.set_gradient_divide_factor
+    except AttributeError:  # pragma: no cover - torch < 2.8
+        return
+    divide(float(mesh.size()))
+    if mesh.ndim == 2:
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 def _mixed_precision_policy(param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]) -> Any:
@@ -125,4 +135,4 @@ def reduced_by_fsdp(p: Tensor) -> bool:
     """Whether FSDP2 (ZeRO 2/3 over ``dp_cp``, or over the MoE layers' own meshes,
     :data:`lightning_4d.features.moe.runtime.FSDP_MESH_NAMES`) already averages this parameter's gradient."""
     names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-    return any(name in names for name in ("dp_cp", *moe.FSDP_MESH_NAMES))
+    return any(name in names for name in ("dp_cp", "dp_shard_cp", *moe.FSDP_MESH_NAMES))

@@ -72,6 +72,9 @@ class GradientReduction:
             they get buckets of their own over their group (averaged over D all the same), and every optimizer a
             :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` when there is any (also at ZeRO 0: its
             global-norm clipping counts each gradient once, and torch's would mix plain and DTensor gradients).
+        replicas: HSDP's ``dp_replicate`` group (``ParallelConfig.data_parallel_replicate_size`` > 1), else
+            ``None``: each bucket of the default group, reduced (scattered) over the shard group, is then all-reduced
+            over the replicas, and every bucket divided by D = the default group's size x the replicas'.
     """
 
     compression: str = "none"
@@ -79,6 +82,7 @@ class GradientReduction:
     powersgd_start_step: int = 0
     powersgd_comm_dtype: Optional[torch.dtype] = None
     gradient_groups: Sequence[GradientGroup] = ()
+    replicas: Optional[dist.ProcessGroup] = None
 
 
 def _buckets(
@@ -213,6 +217,10 @@ class GradientBuckets:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        #: HSDP's replicas of ``group`` (:class:`GradientReduction`), their count, and D, the ranks averaged over
+        self.replicas = reduction.replicas
+        self.num_replicas = 1 if self.replicas is None else dist.get_world_size(self.replicas)
+        self.divisor = self.world * self.num_replicas
         self.reduce_scatter = reduce_scatter
         self.grad_dtype = grad_dtype
         bucket_bytes = _BUCKET_BYTES if bucket_bytes is None else bucket_bytes
@@ -229,7 +237,7 @@ class GradientBuckets:
             Bucket(ps, grad_dtype or _local(ps[0]).dtype, self.gradient_groups[group_of(ps[0])].group, group_of(ps[0]))
             for ps in _buckets(self.params[::-1], bucket_bytes, key=_local, group_of=group_of)
         ]
-        self._reduces = any(b.world > 1 for b in self.buckets)
+        self._reduces = self.num_replicas > 1 or any(b.world > 1 for b in self.buckets)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._numel = {id(p): _local(p).numel() for p in self.params}
         self._fresh = {id(p) for p in self.params}  # no gradient since the last optimizer step
@@ -411,9 +419,11 @@ class GradientBuckets:
                     work.wait()
                 b = self.buckets[i]
                 start, end = b.own_range(b.rank, b.world) if self.reduce_scatter else (0, b.padded)
+                if self.num_replicas > 1 and b.index == 0:  # HSDP: the shard's sum over the replicas too
+                    dist.all_reduce(wire[start:end], group=self.replicas)
                 if wire is not b.buffer:  # bf16 on the wire: back into the float32 bucket
                     b.buffer[start:end].copy_(wire[start:end])
-                b.buffer[start:end].div_(self.world)  # D also for a gradient group's buckets (GradientGroup)
+                b.buffer[start:end].div_(self.divisor)  # D also for a gradient group's buckets (GradientGroup)
             self._pending = {}
         if self.grad_dtype is None and not self.reduce_scatter:
             self._expose()

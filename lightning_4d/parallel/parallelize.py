@@ -175,7 +175,7 @@ def shard_any_module(
         if child in blocks or any(id(p) not in in_blocks for p in child.parameters()):
             apply_fsdp(
                 child,
-                mesh.dp_cp,
+                mesh.zero,
                 config.zero_stage,
                 blocks=inner,
                 reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
@@ -246,7 +246,7 @@ def parallelize_model(
                 for _, b in layer_items(find_submodel(part, "layers") if part is not model else layers)
                 if any(True for _ in b.parameters())
             ]
-            apply_fsdp(part, mesh.dp_cp, config.zero_stage, blocks=blocks, **fsdp)
+            apply_fsdp(part, mesh.zero, config.zero_stage, blocks=blocks, **fsdp)
     _PARALLELIZED.add(model)
     return chunks
 

@@ -88,7 +88,8 @@ def setup_zero(
     Args:
         model: the module whose parameters are trained.
         optimizers: the torch optimizers (not Lightning's wrappers) over those parameters.
-        group: the ``dp_cp`` process group.
+        group: the group ZeRO shards over: ``dp_cp``, under HSDP ``dp_shard_cp`` (``reduction.replicas`` then the
+            ``dp_replicate`` group).
         zero_stage: 0 or 1 (2, 3: the parameters FSDP2 owns are skipped, the rest get stage-0 treatment).
         master_dtype: the dtype of master weights and gradients (``torch.float32`` under ``bf16-mixed`` for
             ``lightning_4d`` Llama models, whose parameters are then bfloat16), or ``None`` (the parameters are the
@@ -109,7 +110,9 @@ def setup_zero(
     world = dist.get_world_size(group)
     tensor_parallel = any(isinstance(p, DTensor) for p in params)
     gradient_groups = reduction.gradient_groups
-    if not gradient_groups and not gradient_buckets_needed(world, master_dtype is not None, pipelined, tensor_parallel):
+    replicas = 1 if reduction.replicas is None else dist.get_world_size(reduction.replicas)  # HSDP
+    needed = gradient_buckets_needed(world * replicas, master_dtype is not None, pipelined, tensor_parallel)
+    if not gradient_groups and not needed:
         return None
     shard = zero_stage == 1 and world > 1
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)

@@ -142,7 +142,7 @@ def _gradient_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes,
     in ``.grad``, the optimizer step's temporaries and the first backward op of a recomputed layer."""
     cfg, layers, first, last, params = held.cfg, held.layers, held.first, held.last, held.params
     b, s, m = work.micro_batch_size, work.seq_length, work.num_microbatches
-    world, zero = pc.dp_cp, pc.zero_stage
+    world, zero = pc.zero_shard, pc.zero_stage  # the ZeRO shard group (dp_cp; under HSDP its shard group)
     head = next((p for p, _ in params if p.role == "head"), None)
     tied = head is None and last and cfg.tie_word_embeddings
     if tied:
@@ -157,7 +157,7 @@ def _gradient_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes,
         grad_buffers = _bucket_buffers(pc, dt, params, states)
     resident, first_bucket = _resident_gradients(cfg, pc, dt, m, states, first, last)
     offloaded = offloaded_whole(cfg, pc, held.pp_rank)
-    head_kept, bucketed = 0, zero >= 2 or gradient_buckets_needed(world, bool(dt.master), pc.pp > 1, pc.tp > 1)
+    head_kept, bucketed = 0, zero >= 2 or gradient_buckets_needed(pc.dp_cp, bool(dt.master), pc.pp > 1, pc.tp > 1)
     if not bucketed:
         # no bucket: no fresh gradient waits to be copied into one, none is made for the head's gradient, which
         # stays with the final norm's (made by the first backward ops, before the layers')
@@ -249,7 +249,7 @@ def _fsdp_buffers(
     """(gathered parameters at the start of backward, at its end, gradient buffers) of FSDP2 (ZeRO 2/3): parameters
     gathered for compute (padded all-gather outputs; bf16 under ``MixedPrecisionPolicy``), unsharded gradients
     before reduce-scatter (bf16, then their float32 cast for the reduce-scatter); ``units``: :func:`_fsdp_units`."""
-    world = pc.dp_cp
+    world = pc.zero_shard
     gather_bytes = dt.compute if dt.master else dt.param
     layer_numel, layer_shard, all_layers_numel, root_numel = units
     largest_layer, root = layer_numel * gather_bytes, root_numel * gather_bytes
@@ -320,7 +320,7 @@ def _step_temporaries(pc: ParallelConfig, dt: Dtypes, params: Any, states: Model
     rank's range and the gathered bucket (a bucket holds at most ``GRADIENT_BUCKET_BYTES`` of parameters, or one
     larger parameter alone: the head, the embedding)."""
     step_temp = 0 if fused_optimizer else (states.optimizer_states - states.master_weights - states.compression) // 2
-    world = pc.dp_cp
+    world = pc.zero_shard
     if pc.zero_stage == 1 and world > 1:
         largest = max((p.numel for p, _ in params), default=0)
         bucket = max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.parameters // dt.param), largest) * dt.param
@@ -347,7 +347,7 @@ def _resident_gradients(
         return 0, 0
     sizes = Sizes.of(cfg, cfg.num_layers)
     stage = StageKey(pc.tp, tuple(range(cfg.num_layers)), first, last, pc.ep)
-    elements = first_bucket_elements(sizes, stage, dt.setup, GRADIENT_BUCKET_BYTES, pc.dp_cp)
+    elements = first_bucket_elements(sizes, stage, dt.setup, GRADIENT_BUCKET_BYTES, pc.zero_shard)
     return 0, elements * dt.grad
 
 

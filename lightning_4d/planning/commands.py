@@ -442,7 +442,9 @@ def _print_estimate(out: dict[str, Any]) -> None:
     title = (
         f"{out['formula']} estimate per GPU: tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} "
         + (f"ep={lay['expert_parallel_size']} " if lay["expert_parallel_size"] > 1 else "")
-        + f"ZeRO {lay['zero_stage']} b={lay['micro_batch_size']} s={lay['seq_length']} {lay['precision']} "
+        + f"ZeRO {lay['zero_stage']} "
+        + (f"HSDP={lay['data_parallel_replicate_size']}x " if lay["data_parallel_replicate_size"] > 1 else "")
+        + f"b={lay['micro_batch_size']} s={lay['seq_length']} {lay['precision']} "
         f"checkpointing={lay['activation_checkpointing']}"
     )
     table = Table(title=title)

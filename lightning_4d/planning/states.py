@@ -206,17 +206,19 @@ def model_state_bytes(
     layers = rank_layers(model_config.num_layers, pc, pp_rank)
     _, first, last = rank_layout(model_config.num_layers, pc, pp_rank)
     weighted = weighted_params(model_config, pc.tp, layers, first, last, pc.ep)
+    # the ZeRO shard group: dp_cp, under HSDP its shard group (consecutive dp_cp ranks) of zero_shard ranks
+    shards, shard_rank = pc.zero_shard, dp_cp_rank % pc.zero_shard
     if pc.zero_stage >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor (maybe dim 1: fsdp_group)
-        n = sum(count * fsdp_shard_numel(p, pc.dp_cp, dp_cp_rank, pc.ep, pc.tp, tp_rank) for p, count in weighted)
+        n = sum(count * fsdp_shard_numel(p, shards, shard_rank, pc.ep, pc.tp, tp_rank) for p, count in weighted)
         if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
             return ModelStates(4 * n, 4 * n, 8 * n)
         return ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param)
     n = sum(count * p.numel for p, count in weighted)
     n_opt = n
-    if pc.zero_stage == 1 and pc.dp_cp > 1:
+    if pc.zero_stage == 1 and shards > 1:
         sizes = Sizes.of(model_config, model_config.num_layers)
         stage = StageKey(pc.tp, tuple(layers), first, last, pc.ep)
-        n_opt = zero1_owned(sizes, stage, dt.setup, pc.dp_cp, dp_cp_rank, bucket_bytes, tp_rank)
+        n_opt = zero1_owned(sizes, stage, dt.setup, shards, shard_rank, bucket_bytes, tp_rank)
     master = n_opt * dt.master
     compression = powersgd_state_bytes(pc, weighted, pc.dp_cp)  # every rank's own E and Q, whole local matrices
     return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master + compression, master, compression)

@@ -10,7 +10,8 @@ compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start 
 step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
 m (micro-batches per step), split (layers per
 stage) and pcd (pipeline comm dtype), for context parallelism cp and method ("ring" / "allgather"), for expert
-parallelism ep, float8 (the recipe), norm (record the global gradient norm before clipping at every step), and
+parallelism ep, for hybrid sharding replicate (``data_parallel_replicate_size``), float8 (the recipe), norm
+(record the global gradient norm before clipping at every step), and
 config (a dict of model config fields to override, e.g. the MoE ones).
 """
 
@@ -172,6 +173,7 @@ def run_one(
             data_parallel_size=dp,
             tensor_parallel_size=layout.get("tp", 1),
             zero_stage=layout.get("zero", 0),
+            data_parallel_replicate_size=layout.get("replicate", 1),
             pipeline_parallel_size=pp,
             pipeline_schedule=layout.get("schedule", "1f1b"),
             context_parallel_size=layout.get("cp", 1),

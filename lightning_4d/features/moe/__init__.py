@@ -41,7 +41,8 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
     Raises:
         ValueError: ``expert_parallel_size`` > 1 with PowerSGD, or not dividing dp·cp·tp (ep ranks are carved out
             of the ranks that hold disjoint tokens of an MoE layer: the data-parallel ranks and, folded, the tp ranks,
-            ``docs/moe.md``); with ``model_config``: ep > 1 for a dense model, an ep that does not divide
+            ``docs/moe.md``), or with hybrid sharding; with ``model_config``: ep > 1 for a dense model, hybrid
+            sharding of an MoE model, an ep that does not divide
             ``num_experts``, an MoE model with tp > 1 and PowerSGD.
     """
     ep, tp = layout.expert_parallel_size, layout.tp
@@ -50,6 +51,12 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
             raise ValueError(
                 f"gradient_compression='powersgd' is not supported with expert_parallel_size="
                 f"{ep}: use gradient_compression='none' or 'bf16' with expert parallelism."
+            )
+        if ep > 1 and layout.dp_replicate > 1:
+            raise ValueError(
+                f"data_parallel_replicate_size={layout.dp_replicate} is not supported with expert_parallel_size="
+                f"{ep}: the ep groups are carved out of the whole dp*cp group. Use data_parallel_replicate_size=1 "
+                "with expert parallelism."
             )
         if resolved and (layout.dp_cp * tp) % ep != 0:
             raise ValueError(
@@ -69,6 +76,11 @@ def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = Fal
             f"expert_parallel_size={ep} does not divide num_experts={model_config.num_experts} (each ep rank holds "
             f"num_experts/ep whole experts); valid expert_parallel_size values for this model: "
             f"{divisors(model_config.num_experts)}."
+        )
+    if moe and layout.dp_replicate > 1:
+        raise ValueError(
+            f"data_parallel_replicate_size={layout.dp_replicate} is not supported for a Mixture-of-Experts model yet "
+            "(its MoE layers are sharded over groups of their own): use data_parallel_replicate_size=1."
         )
     if moe and tp > 1 and layout.gradient_compression == "powersgd":
         raise ValueError(

@@ -1,0 +1,161 @@
+"""Hybrid sharding (HSDP, ``data_parallel_replicate_size``): ZeRO shards within a shard group of ``dp/r · cp`` ranks
+and the reduced shards are all-reduced across its r replicas (``lightning_4d/mesh.py``'s ``ParallelMesh.zero``).
+
+- training (``tests/scripts/run_layouts.py``, key ``replicate``), float32, 10 AdamW steps on CPU with gloo: per-step
+  losses within 1e-5 relative of the single-process plain-Lightning run and final weights within
+  ``tests/test_parity.py``'s measured bound, for replicate2 x shard2 at ZeRO 1, 2 and 3 (clipped: the global gradient
+  norm against torch's, each replica's pieces counted once), replicate4 x shard1 (nothing sharded, the replicas
+  all-reduce), replicate2 x (shard1 x cp2), and on 8 ranks replicate2 x shard2 x tp2 (ZeRO 1 and 3) and with pp2;
+- the model states each rank holds: the memory model's figure exactly (``planning/states.py``: sharded over the
+  shard group, ``zero_shard`` ranks), half the states of flat ZeRO over dp4;
+- checkpoints: a sharded checkpoint of HSDP resumes on flat ZeRO 3 and one of flat ZeRO 3 on HSDP, the resumed
+  steps equal to the straight run's;
+- the option's validation: one line naming the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_4d import FourDStrategy, ParallelConfig
+from lightning_4d.models import LlamaConfig
+from lightning_4d.planning.model import model_state_bytes
+from tests._launch import resume_on_layouts, trained
+from tests.test_parity import LOSS_RTOL, REFERENCES, _check_parity, _layout_id, _reference_for
+
+CLIP = {"clip": 0.1, "norm": True}
+WORLD4 = [
+    {"dp": 4, "replicate": 2, "zero": 1, **CLIP},
+    {"dp": 4, "replicate": 2, "zero": 2},
+    {"dp": 4, "replicate": 2, "zero": 3, **CLIP},
+    {"dp": 4, "replicate": 4, "zero": 1},
+    {"dp": 2, "cp": 2, "replicate": 2, "zero": 3},
+]
+WORLD8 = [
+    {"dp": 4, "tp": 2, "replicate": 2, "zero": 1, **CLIP},
+    {"dp": 4, "tp": 2, "replicate": 2, "zero": 3, **CLIP},
+    {"pp": 2, "dp": 4, "replicate": 2, "zero": 1, "m": 2},
+    {"pp": 2, "dp": 4, "replicate": 2, "zero": 3, "m": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return trained(tmp_path_factory, "reference", 1, REFERENCES)  # test_parity's: one launch for both files
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return trained(tmp_path_factory, "hsdp_world4", 4, WORLD4)
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory):
+    return trained(tmp_path_factory, "hsdp_world8", 8, WORLD8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
+def test_hsdp_parity_world4(references, world4, index):
+    _check_parity(_reference_for(references, WORLD4[index]), world4[index])
+    _check_states(world4[index])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(WORLD8)), ids=[_layout_id(x) for x in WORLD8])
+def test_hsdp_parity_world8(references, world8, index):
+    _check_parity(_reference_for(references, WORLD8[index]), world8[index])
+    _check_states(world8[index])
+
+
+def _check_states(result) -> None:
+    """Every rank holds the parameter, gradient and optimizer-state bytes the memory model gives for its place
+    (``dp_cp`` rank, pp rank, tp rank), and those of ZeRO are sharded over the shard group only: at ZeRO >= 1 the
+    optimizer states of the replicas' ranks of one shard coordinate are equal."""
+    layout, ranks, _ = result
+    dp, tp, pp, cp = (layout.get(k, 1) for k in ("dp", "tp", "pp", "cp"))
+    pc = ParallelConfig(
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        context_parallel_size=cp,
+        zero_stage=layout["zero"],
+        data_parallel_replicate_size=layout["replicate"],
+        num_microbatches=layout.get("m"),
+    )
+    model_config = LlamaConfig.from_preset("tiny-test")
+    per_replica: dict[tuple, set] = {}
+    for r in ranks:  # mesh (pp, dp, cp, tp): tp innermost, pp outermost
+        rank = r["rank"]
+        tp_rank, dp_cp_rank, pp_rank = rank % tp, rank // tp % (dp * cp), rank // (tp * dp * cp)
+        est = model_state_bytes(model_config, pc, "32-true", pp_rank=pp_rank, dp_cp_rank=dp_cp_rank, tp_rank=tp_rank)
+        real = r["bytes"]
+        assert (real["params"], real["grads"], real["optimizer_states"]) == (
+            est.parameters,
+            est.gradients,
+            est.optimizer_states,
+        ), (layout, rank)
+        shard_coordinate = (pp_rank, tp_rank, dp_cp_rank % pc.zero_shard)
+        per_replica.setdefault(shard_coordinate, set()).add(real["optimizer_states"])
+    assert all(len(v) == 1 for v in per_replica.values()), per_replica
+
+
+def test_hsdp_shards_states_over_the_shard_group_only():
+    """The memory model: ZeRO 3 over replicate2 x shard2 holds what flat ZeRO 3 over dp2 holds per rank (the shard
+    group is 2 ranks), twice what flat ZeRO 3 over dp4 holds."""
+    cfg = LlamaConfig.from_preset("tiny-test")
+    hsdp = model_state_bytes(cfg, ParallelConfig(data_parallel_size=4, zero_stage=3, data_parallel_replicate_size=2))
+    dp2 = model_state_bytes(cfg, ParallelConfig(data_parallel_size=2, zero_stage=3))
+    dp4 = model_state_bytes(cfg, ParallelConfig(data_parallel_size=4, zero_stage=3))
+    assert hsdp == dp2
+    assert hsdp.optimizer_states > dp4.optimizer_states
+
+
+@pytest.mark.slow
+def test_hsdp_checkpoint_resumes_on_flat_zero3_and_back(tmp_path):
+    """Saved at replicate2 x shard2 ZeRO 3 (DTensors on the 2D (dp_replicate, dp_shard_cp) mesh), resumed at flat dp4
+    ZeRO 3 and at HSDP itself; saved at flat dp4 ZeRO 3, resumed at replicate2 x shard2 ZeRO 1 and 3: the resumed
+    steps equal the straight run's to 1e-5 relative."""
+    hsdp = {"name": "a", "dp": 4, "zero": 3, "replicate": 2}
+    flat = {"name": "b", "dp": 4, "zero": 3}
+    rows = resume_on_layouts(tmp_path / "from_hsdp", hsdp, flat, "tiny-test", 6, nproc=4)
+    hsdp1 = {"name": "c", "dp": 4, "zero": 1, "replicate": 2}
+    rows += resume_on_layouts(tmp_path / "to_hsdp", flat, [hsdp, hsdp1], "tiny-test", 6, nproc=4, resume_saved=False)
+    assert len(rows) == 4 * 4
+    for layout, rank, curve, tail in rows:
+        rel = max(abs(x - y) / abs(y) for x, y in zip(curve, tail))
+        print(f"\nresume {layout} rank {rank}: {len(curve)} steps, rel {rel:.1e}")
+        assert len(curve) == len(tail) == 3 and rel <= LOSS_RTOL
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(data_parallel_size=4, zero_stage=0, data_parallel_replicate_size=2), "zero_stage=0"),
+        (dict(data_parallel_size=4, zero_stage=1, data_parallel_replicate_size=3), r"Valid .* \[1, 2, 4\]"),
+        (dict(data_parallel_size=4, gradient_compression="powersgd", data_parallel_replicate_size=2), "powersgd"),
+        (dict(data_parallel_size=4, expert_parallel_size=2, data_parallel_replicate_size=2), "expert_parallel_size"),
+        (dict(data_parallel_replicate_size=0), "positive integer"),
+    ],
+)
+def test_hsdp_bad_input_is_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        ParallelConfig(**kwargs)
+    assert "data_parallel_replicate_size" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_hsdp_auto_dp_is_checked_once_resolved():
+    with pytest.raises(ValueError, match="does not divide data_parallel_size=3"):
+        ParallelConfig(zero_stage=3, data_parallel_replicate_size=2).resolve(3)
+    assert ParallelConfig(zero_stage=3, data_parallel_replicate_size=2).resolve(8).zero_shard == 4
+
+
+def test_hsdp_moe_model_is_refused_before_any_group():
+    cfg = LlamaConfig.from_preset("tiny-moe")
+    with pytest.raises(ValueError, match="Mixture-of-Experts"):
+        ParallelConfig(data_parallel_size=4, zero_stage=1, data_parallel_replicate_size=2).validate_model(cfg)
+
+
+def test_hsdp_is_a_strategy_argument():
+    strategy = FourDStrategy(data_parallel_replicate_size=2, zero_stage=3)
+    assert strategy.parallel_config.data_parallel_replicate_size == 2
