@@ -240,7 +240,10 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         minimum=1,
         short="dp_replicate",
         saved="resolved_if_set",
+        planned=True,
         written="set",
+        plan_help="only layouts with this HSDP replica count (without it the plan tries 1 and, where dp*cp*tp "
+        "spans nodes, the fewest replicas that keep each shard group inside a node)",
     ),
     LayoutField(
         "sequence_parallel",

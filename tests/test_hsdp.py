@@ -159,3 +159,38 @@ def test_hsdp_moe_model_is_refused_before_any_group():
 def test_hsdp_is_a_strategy_argument():
     strategy = FourDStrategy(data_parallel_replicate_size=2, zero_stage=3)
     assert strategy.parallel_config.data_parallel_replicate_size == 2
+
+
+def test_step_time_charges_the_shard_group_on_its_links():
+    """llama3-8b, tp1 cp2 dp32 ZeRO 3 on 8-GPU H100 nodes: with 8 replicas the shard group is one node's 8 ranks
+    (NVLink) and only the shards' all-reduce crosses nodes; flat ZeRO 3 rings over all 64 ranks on the inter-node
+    links. The model's exposed data-parallel time is far lower with HSDP, and the rank steps 8x the elements."""
+    from lightning_4d.planning.hardware import GPU_PRESETS
+    from lightning_4d.planning.step_time import Layout, model_dims, step_time_of
+
+    dims, gpu = model_dims(LlamaConfig.from_preset("llama3-8b")), GPU_PRESETS["H100-80GB"]
+    base = dict(tp=1, pp=1, cp=2, dp=32, zero_stage=3, micro_batch_size=1, num_microbatches=16)
+    flat, hsdp = (
+        step_time_of(dims, Layout(**base, data_parallel_replicate_size=r), seq_length=8192, gpu=gpu, gpus_per_node=8)
+        for r in (1, 8)
+    )
+    assert hsdp.compute == flat.compute
+    assert hsdp.dp < flat.dp / 10
+    assert hsdp.optimizer == pytest.approx(8 * flat.optimizer)
+    assert hsdp.total < flat.total
+
+
+def test_plan_proposes_hsdp_where_dp_spans_nodes():
+    """The planner tries HSDP for dense models whose ZeRO group spans nodes (the shard group in one node), not where
+    all of dp*cp*tp fits in one node; llama3-8b on 64 H100s ranks an HSDP layout first."""
+    from lightning_4d.planning.hardware import GPU_PRESETS
+    from lightning_4d.planning.planner import hsdp_replicas, plan
+    from lightning_4d.planning.workload import Job, Search
+
+    assert hsdp_replicas(1, 2, 32, 8) == (8,)  # shard groups of 8 ranks (4 dp x 2 cp): one node each
+    assert hsdp_replicas(2, 1, 4, 8) == ()  # 8 GPUs: one node
+    assert hsdp_replicas(8, 1, 16, 8) == ()  # tp8 fills a node: a shard group of one rank is no sharding
+    job = Job(LlamaConfig.from_preset("llama3-8b"), 64, 8, 8192, 512, GPU_PRESETS["H100-80GB"])
+    best = plan(job, Search(), top=3)
+    assert best[0].data_parallel_replicate_size > 1, best[0]
+    assert plan(job, Search(fixed={"zero_stage": 0}), top=1)[0].data_parallel_replicate_size == 1

@@ -182,7 +182,7 @@ def test_invalid_layouts_exit_2_with_one_line(args, message):
 #: the planner's CPU seconds for llama3.1-405b on 16,384 H100 (test below): 0.83 s measured in a fresh interpreter on
 #: the idle 2-core dev machine; 1.26 s measured inside a whole-suite run (the same call in the pytest process after
 #: a thousand tests); the bound leaves 1.8x the fresh figure for a slower CI machine
-PLAN_405B_CPU_S = 1.5
+PLAN_405B_CPU_S = 3.0
 
 _PLAN_405B = """
 import io, contextlib, json, time
@@ -203,7 +203,9 @@ def test_plan_405b_on_16384_gpus_in_about_a_second():
     planner's). History: 0.79-1.02 s before the planner's caches of stage parameters, pp rank stages, data-parallel
     terms and ZBV peaks, 0.48-0.72 s after them; since the compile, float8 and folded-ep fields 0.77-0.88 s wall
     idle, 1.04 s wall and 1.26 s CPU inside whole-suite runs (both failed a 1 s bound), 3.3-3.8 s wall beside four
-    busy processes (:data:`PLAN_405B_CPU_S`)."""
+    busy processes; the HSDP candidates (one more layout per ZeRO 1-3 layout whose ZeRO group spans nodes with a
+    shard group that fits in one: 66,640 layouts timed) took it from 1.40-1.45 s to 2.28-2.34 s of CPU, idle, measured
+    side by side (:data:`PLAN_405B_CPU_S`)."""
     proc = subprocess.run(
         [sys.executable, "-c", _PLAN_405B], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300
     )

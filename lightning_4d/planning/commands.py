@@ -523,7 +523,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "tensor_parallel_overlap_considered": args.tensor_parallel_overlap,
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
-        "layouts": [_plan_row(args, cfg, c, untested_pairs) for c in rows],
+        "layouts": [_plan_row(args, cfg, c, untested_pairs, gpu) for c in rows],
     }
     if args.plot:
         from lightning_4d.planning.plot import plot_plan
@@ -557,11 +557,24 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, fixed: dict[str, int],
 
 
 def _plan_row(
-    args: argparse.Namespace, cfg: Any, c: Any, untested_pairs: Optional[Callable[[dict, bool], list]]
+    args: argparse.Namespace,
+    cfg: Any,
+    c: Any,
+    untested_pairs: Optional[Callable[[dict, bool], list]],
+    gpu: Any,
 ) -> dict[str, Any]:
     """One layout of ``plan``'s result: the candidate ``c``'s fields, its checkpoint interval
-    (:func:`lightning_4d.planning.reliability.checkpoint_interval`) and the feature pairs no CPU test runs together."""
+    (:func:`lightning_4d.planning.reliability.checkpoint_interval`), the feature pairs no CPU test runs together and,
+    for a layout with hybrid sharding, the predicted step of the same layout with flat ZeRO
+    (``flat_zero_step_time``, seconds; ``None`` without HSDP)."""
     from lightning_4d.planning.reliability import checkpoint_interval
+    from lightning_4d.planning.step_time import model_dims, step_time_of
+
+    flat = None
+    if c.data_parallel_replicate_size > 1:
+        same = replace(c, data_parallel_replicate_size=1)
+        kw = dict(seq_length=args.seq_length, gpu=gpu, gpus_per_node=args.gpus_per_node)
+        flat = step_time_of(model_dims(cfg), same, **kw).total
 
     ckpt = checkpoint_interval(
         cfg,
@@ -580,6 +593,7 @@ def _plan_row(
         "checkpoint_lost_fraction": ckpt.lost_fraction,
         "job_mtbf_s": ckpt.mtbf_s,
         "checkpoint_bytes": ckpt.checkpoint_bytes,
+        "flat_zero_step_time": flat,
         # the features of this layout no CPU test of the support matrix combines (docs/support.md)
         # (None: not checked, when the caller gives no checker: planning/ cannot import the support matrix)
         "untested_pairs": None
@@ -737,7 +751,8 @@ def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
         str(c["expert_parallel_size"]),
         str(c["micro_batch_size"]),
         str(c["num_microbatches"]),
-        str(c["zero_stage"]),
+        str(c["zero_stage"])
+        + (f" HSDP×{c['data_parallel_replicate_size']}" if c["data_parallel_replicate_size"] > 1 else ""),
         c["activation_checkpointing"],
         "-"
         if c["tp"] == 1
@@ -767,6 +782,23 @@ def _print_plan_notes(console: Any, out: dict[str, Any]) -> None:
             f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
             f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
             f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU)."
+        )
+    hybrid = next(((i, c) for i, c in enumerate(out["layouts"], 1) if c["flat_zero_step_time"]), None)
+    if hybrid:
+        i, c = hybrid
+        r, flat, shard = (
+            c["data_parallel_replicate_size"],
+            c["flat_zero_step_time"],
+            c["dp"] * c["cp"] // c["data_parallel_replicate_size"],
+        )
+        gpus = shard * c["tp"]
+        where = "inside a node" if gpus <= out["gpus_per_node"] else f"{gpus} GPUs"
+        gain = flat / c["step_time"] - 1
+        console.print(
+            f"ZeRO HSDP×{r}: hybrid sharding, {r} replicas of a ZeRO shard group of {shard} ranks ({where}; "
+            f"data_parallel_replicate_size={r}); #{i} with flat ZeRO over all dp*cp ranks: {flat:.3f} s predicted, "
+            f"HSDP {abs(100 * gain):.1f}% {'faster' if gain >= 0 else 'slower'}.",
+            soft_wrap=True,
         )
     untested = [(i, c["untested_pairs"]) for i, c in enumerate(out["layouts"], 1) if c.get("untested_pairs")]
     if untested:

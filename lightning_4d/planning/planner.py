@@ -156,6 +156,10 @@ def _pipelines(model_config: Any, pp: int, m: int) -> Iterator[tuple[str, int, O
         yield name, v, propose_layer_split(model_config.num_layers, pp * v)
 
 
+#: the sizes :func:`plan` can keep fixed (``Search.fixed``), by their ``estimate``/``plan`` option names
+FIXED_KEYS = ("tp", "pp", "cp", "dp", "ep", "zero_stage", "dp_replicate")
+
+
 def _layouts(job: Job, search: Search) -> Iterator[Layout]:
     """The layouts of :func:`enumerate_layouts` as plain values (:class:`~lightning_4d.planning.step_time.Layout`):
     every parallel shape (:func:`_shapes`), then every batch shape, schedule and option of it
@@ -219,11 +223,7 @@ def _shape_layouts(job: Job, search: Search, shape: tuple[int, int, int, int, bo
         for name, v, split in _pipelines(job.model, pp, m):
             split = tuple(split) if split else None
             for method in _cp_methods(job.model, tp, cp):
-                for zero in ZERO_STAGES:
-                    if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
-                        continue  # nothing to shard over, or not the stage asked for
-                    if ep > 1 and not _zero_accepted(ep, zero):
-                        continue  # a ZeRO stage ParallelConfig refuses with expert parallelism
+                for zero, replicas in _zero_choices(job, fixed, shape):
                     for ac in ACTIVATION_CHECKPOINTING:
                         if ac == "selective" and name in ("zbv", "dualpipev"):
                             continue  # refused by ParallelConfig (PyTorch SAC recomputes once)
@@ -233,8 +233,42 @@ def _shape_layouts(job: Job, search: Search, shape: tuple[int, int, int, int, bo
                         layout.update(sequence_parallel=sp, context_parallel_method=method, pipeline_schedule=name)
                         layout.update(virtual_pipeline_stages=v, pipeline_layer_split=split, zero_stage=zero)
                         layout.update(activation_checkpointing=ac, expert_parallel_size=ep)
+                        layout.update(data_parallel_replicate_size=replicas)
                         for rings in ring_choices(search, sp, ac):
                             yield Layout(**layout, **rings, compile=compile)
+
+
+def _zero_choices(
+    job: Job, fixed: dict[str, int], shape: tuple[int, int, int, int, bool, int]
+) -> Iterator[tuple[int, int]]:
+    """``(ZeRO stage, HSDP replicas)`` of a parallel shape ``(tp, pp, cp, dp, sp, ep)``: every stage the layout rules
+    take (ZeRO 1-3 need dp·cp > 1; with ep those ``ParallelConfig`` takes), each flat (1 replica) and, for ZeRO 1-3
+    of a dense model whose ZeRO group (dp·cp ranks, ``tp·dp·cp`` consecutive ranks) spans nodes, with the fewest
+    replicas whose shard group fits in a node (:func:`hsdp_replicas`); ``fixed`` keeps ``zero_stage`` or
+    ``dp_replicate`` to a value."""
+    tp, _, cp, dp, _, ep = shape
+    hsdp = hsdp_replicas(tp, cp, dp, job.gpus_per_node) if not getattr(job.model, "is_moe", False) else ()
+    for zero in ZERO_STAGES:
+        if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
+            continue  # nothing to shard over, or not the stage asked for
+        if ep > 1 and not _zero_accepted(ep, zero):
+            continue  # a ZeRO stage ParallelConfig refuses with expert parallelism
+        for replicas in (1, *hsdp) if zero > 0 else (1,):
+            if fixed.get("dp_replicate", replicas) == replicas:
+                yield zero, replicas
+
+
+@functools.lru_cache(maxsize=4096)
+def hsdp_replicas(tp: int, cp: int, dp: int, gpus_per_node: int) -> tuple[int, ...]:
+    """The HSDP replica counts r > 1 (divisors of dp) the planner tries when the ZeRO group, ``tp·cp·dp``
+    consecutive ranks, spans nodes of ``gpus_per_node`` GPUs: the fewest whose shard group (``tp·cp·dp/r`` ranks)
+    fits in one node, while that shard group keeps more than one rank; ``()`` when all of dp·cp·tp fits in a node or
+    no such shard group exists. A shard group spanning nodes is never faster in the step-time model (its ring moves
+    as many bytes per rank over the same links, and the replicas' all-reduce adds to them): not tried."""
+    if tp * cp * dp <= gpus_per_node:
+        return ()
+    in_node = next((r for r in divisors(dp) if tp * cp * (dp // r) <= gpus_per_node), dp)
+    return (in_node,) if cp * dp // in_node > 1 else ()
 
 
 def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
@@ -357,9 +391,9 @@ def _check_job(job: Job, fixed: Optional[dict[str, int]], budget: float, formula
     """
     model_config, num_gpus, gpus_per_node = job.model, job.num_gpus, job.gpus_per_node
     seq_length, global_batch_size = job.seq_length, job.global_batch_size
-    unknown = set(fixed or {}) - {"tp", "pp", "cp", "dp", "ep", "zero_stage"}
+    unknown = set(fixed or {}) - set(FIXED_KEYS)
     if unknown:
-        raise ValueError(f"fixed={fixed!r}: unknown keys {sorted(unknown)}; valid: tp, pp, cp, dp, ep, zero_stage.")
+        raise ValueError(f"fixed={fixed!r}: unknown keys {sorted(unknown)}; valid: {', '.join(FIXED_KEYS)}.")
     check_positive_int("num_gpus", num_gpus)
     check_positive_int("gpus_per_node", gpus_per_node)
     check_positive_int("seq_length", seq_length)
@@ -419,6 +453,7 @@ def _timed_layouts(job: Job, search: Search, formula: str) -> list[tuple[float, 
             or lay.pipeline_schedule == "zbv"
             or lay.context_parallel_method != "ring"
             or not lay.sequence_parallel
+            or lay.data_parallel_replicate_size > 1
         ):
             continue
         parts = step_time_parts(dims, lay, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node)

@@ -72,6 +72,10 @@ reduce-scatter and all-gather ``(D−1)/D`` of the buffer), as FourDStrategy ove
   backward) per micro-batch, prefetched behind the previous unit's compute, the float32 reduce-scatter behind the
   last backward (exposed: what exceeds the compute it hides behind, plus the first unit's all-gather).
 
+Under hybrid sharding (HSDP, r replicas of a shard group of ``D/r`` ranks) the collectives run over the shard
+group, and the reduced float32 shard is all-reduced across the replicas (``2(r−1)/r`` of ``4·P/(D/r)`` bytes, on
+the links between the replicas: other nodes when the shard group fills one).
+
 Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
 step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
 
@@ -559,10 +563,18 @@ def step_time_parts(
         b_pp, lat = _link(gpu, tp * pp * cp * dp <= gpus_per_node)
         t_pp = 2 * v * m * (b * s / cp * dims[0] * c / (tp if sp else 1) / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
         if dims[12] and layout.pipeline_schedule not in ZERO_BUBBLE_SCHEDULES:  # the tied copies' gradient sum
-            grad = 4 * dims[5] * dims[0] / tp / (dp * cp if zero_stage >= 2 else 1)
+            grad = (
+                4 * dims[5] * dims[0] / tp / (dp * cp // layout.data_parallel_replicate_size if zero_stage >= 2 else 1)
+            )
             t_pp += 2 * _ring(grad, 2, b_pp, lat)  # all-reduce: reduce-scatter + all-gather
     rs, ag, units, t_opt = _data_parallel_terms(
-        dims, MeshSizes(tp, pp, cp, dp, ep), zero_stage, max(layers_of), gpu, gpus_per_node
+        dims,
+        MeshSizes(tp, pp, cp, dp, ep),
+        zero_stage,
+        max(layers_of),
+        gpu,
+        gpus_per_node,
+        layout.data_parallel_replicate_size,
     )
     t_dp = 0.0
     if dp * cp > 1:
@@ -580,11 +592,21 @@ def step_time_parts(
 
 @functools.lru_cache(maxsize=65536)
 def _data_parallel_terms(
-    dims: tuple[int, ...], sizes: MeshSizes, zero_stage: int, layers: int, gpu: Any, gpus_per_node: int
+    dims: tuple[int, ...],
+    sizes: MeshSizes,
+    zero_stage: int,
+    layers: int,
+    gpu: Any,
+    gpus_per_node: int,
+    replicas: int = 1,
 ) -> tuple[float, float, int, float]:
     """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds) of the pp rank
     holding ``layers`` decoder layers: the data-parallel collectives over dp·cp of its parameters (an MoE
-    model's: :func:`lightning_4d.features.moe.costs.data_parallel_terms`) (module docstring, **Data parallel**)."""
+    model's: :func:`lightning_4d.features.moe.costs.data_parallel_terms`) (module docstring, **Data parallel**);
+    under HSDP (``replicas`` r > 1) over the shard group of dp·cp/r ranks, plus the all-reduce of each rank's
+    float32 shard (``4·P/(D/r)`` bytes) across the r replicas, counted with the reduce-scatter: the shard group is
+    ``tp·D/r`` consecutive ranks (inside a node when they fit), the replicas ``tp·D/r`` ranks apart (across nodes
+    unless all of dp·cp·tp fits in one). An MoE model has no HSDP (``ParallelConfig`` refuses it)."""
     tp, pp, cp, dp, ep = sizes
     h, vocab = dims[0], dims[5]
     c = 2
@@ -598,10 +620,14 @@ def _data_parallel_terms(
         params, owned_extra, rs_extra, ag_extra = moe_costs.data_parallel_terms(
             dims, layers, (tp, ep, dd), zero_stage, (_layer_params(dims), vocabulary), (b_dp, lat)
         )
-    owned = params / dd + owned_extra if zero_stage >= 1 else params + owned_extra
+    shard = dd // replicas  # the ZeRO shard group
+    owned = params / shard + owned_extra if zero_stage >= 1 else params + owned_extra
     rs = ag = 0.0
+    if replicas > 1:
+        b_dp, lat = _link(gpu, tp * shard <= gpus_per_node)
+        rs = 2 * _ring(4 * params / shard, replicas, *_link(gpu, tp * dd <= gpus_per_node))
     if dd > 1:
-        rs = _ring(4 * params, dd, b_dp, lat) + rs_extra
-        ag = _ring(c * params, dd, b_dp, lat) + ag_extra
+        rs += _ring(4 * params, shard, b_dp, lat) + rs_extra
+        ag = _ring(c * params, shard, b_dp, lat) + ag_extra
     t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / (POINTWISE_EFFICIENCY * gpu.memory_bandwidth)
     return rs, ag, max(1, layers), t_opt

@@ -104,7 +104,7 @@ class Search:
     Attributes:
         micro_batch_size: keep b fixed (the memory check's suggestions keep the user's batch shape); ``None``: every
             divisor of the samples per dp rank.
-        fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``.
+        fixed: keep some sizes fixed: any of ``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``zero_stage``, ``dp_replicate``
         tensor_parallel_overlap: also the layouts with ``tensor_parallel_overlap=True`` (tp > 1, sp, checkpointing
             none or full).
         compile: the layouts ``compile=True`` takes (checkpointing none or full), with it on.
