@@ -194,3 +194,19 @@ def test_plan_proposes_hsdp_where_dp_spans_nodes():
     best = plan(job, Search(), top=3)
     assert best[0].data_parallel_replicate_size > 1, best[0]
     assert plan(job, Search(fixed={"zero_stage": 0}), top=1)[0].data_parallel_replicate_size == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
+def test_measure_equals_the_estimate_for_one_hsdp_rank(zero):
+    """``lightning-4d measure`` of rank 1 (shard coordinate 1 of replica 0) of dp4 = 2 replicas x shard 2: the model
+    states equal the estimate exactly (``measure_json`` checks them) and the peak within 5%."""
+    from tests._launch import measure_json
+
+    args = ["--model", "tiny-test", "--dp", "4", "--dp-replicate", "2", "--zero-stage", str(zero)]
+    out, rows = measure_json(*args, "--micro-batch-size", "2", "--seq-length", "256", "--rank", "1")
+    assert out["layout"]["data_parallel_replicate_size"] == 2
+    total = rows["total (peak)"]
+    ratio = total["estimated"] / total["measured"]
+    print(f"\nHSDP ZeRO {zero} rank 1: estimate / measured peak {ratio:.3f}")
+    assert abs(ratio - 1) <= 0.05
