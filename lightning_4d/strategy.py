@@ -159,6 +159,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         #: tied embeddings under pp: the copies on this rank and their embedding group
         #: (``features/pipeline/runtime.py``)
         self._tied: Optional[TiedEmbedding] = None
+        self._tied_made = False  # whether _tied_embedding ran (its group is made once per strategy)
         #: host bytes held by ``activation_offload_layers`` (``lightning_4d.parallel.offload.OffloadStats``)
         self.offload_stats = OffloadStats()
 
@@ -239,7 +240,8 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         if self.memory_check and self.root_device.type == "cuda":  # runs in Callback.setup, before configure_model
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()
-        self._mesh = build_mesh(self.parallel_config, self.root_device.type)
+        if self._mesh is None:  # every process group once per strategy, on every rank: a later fit/validate reuses it
+            self._mesh = build_mesh(self.parallel_config, self.root_device.type)
         self._dp_cp_group = self._mesh.dp_cp.get_group()  # read every step (the logged loss' mean)
         self._device_mesh = self._mesh.world
         self._data_parallel_size = self.parallel_config.dp
@@ -304,8 +306,8 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
                 self.root_device,
                 loss_fn=loss_fn,
             )
-        if self.pipeline is not None and self._tied is None:
-            self._tied = self._tied_embedding()
+        if self.pipeline is not None and not self._tied_made:  # its group once, on every rank (a rank holding no
+            self._tied, self._tied_made = self._tied_embedding(), True  # copy gets None: asked again, it would hang)
         init_from = self.training_inputs.init_from
         if init_from is not None and not trainer.ckpt_path:  # each rank reads its slices, before masters exist
             load_initial_weights(module, init_from)

@@ -608,3 +608,12 @@ def test_transformers_attention_implementation_switch():
     model = transformers.LlamaForCausalLM(config)
     _compat.hf.set_attention_implementation(model, "eager")
     assert model.config._attn_implementation == "eager"
+
+
+def test_process_group_count_counts_new_groups(single_rank_group):
+    from lightning_4d.parallel._compat.process import process_group_count
+
+    before = process_group_count()
+    assert before >= 1  # the default group
+    torch.distributed.new_group([0])
+    assert process_group_count() == before + 1

@@ -336,3 +336,18 @@ def test_tied_pp_init_from_reads_the_head_copy_from_the_embedding(tmp_path, sche
     assert torch.equal(model.output.weight, saved["tok_embeddings.weight"])
     if model.tok_embeddings is not None:
         assert torch.equal(model.tok_embeddings.weight, saved["tok_embeddings.weight"])
+
+
+@pytest.mark.slow
+def test_fit_validate_fit_on_one_trainer_makes_groups_once(tmp_path):
+    """pp4 interleaved (8 stages of tiny-test's 8 layers) with tied embeddings on 4 ranks, one Trainer running
+    ``fit``, ``validate`` and ``fit`` again: the second ``setup`` reuses the mesh and the embedding group (the ranks
+    without a tied copy once made it again on their own and the second ``fit`` hung), every rank's count of process
+    groups is the same after the third run as after the first, and the four steps' losses agree on every rank."""
+    from tests._launch import SCRIPTS, torchrun
+
+    torchrun(4, SCRIPTS / "refit.py", "--out", str(tmp_path), "--pp", "4", "--schedule", "interleaved_1f1b", "--tied")
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r in records:
+        assert r["same_mesh"] and r["groups"][0] == r["groups"][1], r
+        assert len(r["losses"]) == 4 and r["losses"] == records[0]["losses"]

@@ -59,3 +59,12 @@ def cuda_memory_snapshot() -> dict:
     from torch.cuda import memory
 
     return memory._snapshot()
+
+
+def process_group_count() -> int:
+    """How many process groups this process has made and not destroyed: ``torch.distributed.distributed_c10d
+    ._world.pg_map`` (private name; the default group and every ``new_group`` and ``DeviceMesh`` dimension's). 0
+    before ``init_process_group``."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
