@@ -142,3 +142,17 @@ class HFMixtralFamily(HFLlamaFamily):
 
 #: the family instance the registry lists
 HF_MIXTRAL = HFMixtralFamily()
+
+
+def mixtral_of(cfg: Any, sizes: dict[str, Any]) -> nn.Module:
+    """transformers' ``MixtralForCausalLM`` of our ``LlamaConfig`` ``cfg``'s sizes, on the current device (the support
+    matrix's stand-in for a row of this family; ``sizes``: the dense sizes, by transformers' names)."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        **sizes,
+        intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_token,
+    )
+    return transformers.MixtralForCausalLM(config)
