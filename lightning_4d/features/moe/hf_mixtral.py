@@ -33,6 +33,7 @@ from torch import Tensor
 
 from lightning_4d.adapters.hf_llama import HFLlamaFamily, has_class_name
 from lightning_4d.features.moe.expert import differentiable_local, shard_experts
+from lightning_4d.features.moe.runtime import ExpertParallelFamily
 
 
 class ExpertParallelMixtralExperts(nn.Module):
@@ -81,7 +82,7 @@ class ExpertParallelMixtralExperts(nn.Module):
         return f"num_experts={self.num_experts}, expert_parallel=True"
 
 
-class HFMixtralFamily(HFLlamaFamily):
+class HFMixtralFamily(ExpertParallelFamily, HFLlamaFamily):
     """transformers' ``MixtralForCausalLM`` (module docstring), recognized by duck typing: its class (or a base) is
     named ``MixtralForCausalLM``, ``config.model_type == "mixtral"`` and it has a ``model``."""
 
