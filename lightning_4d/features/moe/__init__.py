@@ -255,12 +255,4 @@ def labels(options: Mapping[str, Any]) -> frozenset[str]:
     return frozenset({"ep"})
 
 
-FEATURE = Feature(
-    "moe",
-    ("ep",),
-    check=check_moe_layout,
-    rows=ROWS,
-    labels=labels,
-    costs="lightning_4d.features.moe.costs",
-    runtime="lightning_4d.features.moe.runtime",
-)
+FEATURE = Feature.of_package(__name__, "moe", ("ep",), check=check_moe_layout, rows=ROWS, labels=labels)

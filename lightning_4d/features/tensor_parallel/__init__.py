@@ -134,12 +134,4 @@ ROWS = (
     ),
 )
 
-FEATURE = Feature(
-    "tp",
-    ("tp", "sp"),
-    check=check,
-    rows=ROWS,
-    labels=labels,
-    costs="lightning_4d.features.tensor_parallel.costs",
-    runtime="lightning_4d.features.tensor_parallel.runtime",
-)
+FEATURE = Feature.of_package(__name__, "tp", ("tp", "sp"), check=check, rows=ROWS, labels=labels)
