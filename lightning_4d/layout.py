@@ -164,6 +164,11 @@ def _size(name: str, short: str, feature: str, help: str, doc: str) -> LayoutFie
     )
 
 
+#: a count given as an int or left to the strategy (dp ``"auto"``, v and m ``None``): positive, enumerated by the
+#: planner as an int, 1 in a planned layout that does not use it
+_PLANNED_COUNT: dict[str, Any] = dict(minimum=1, planned=True, plan_type=int, plan_default=1)
+
+
 LAYOUT_FIELDS: tuple[LayoutField, ...] = (
     LayoutField(
         "data_parallel_size",
@@ -174,12 +179,9 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         'dp, the model replicas that see different data; ``"auto"`` (or -1) takes what is left of the world size '
         "after pp, cp and tp.",
         flags=("--dp",),
-        minimum=1,
         short="dp",
         saved="resolved",
-        planned=True,
-        plan_type=int,
-        plan_default=1,
+        **_PLANNED_COUNT,
         plan_help="only layouts with this dp size",
         cli_help="data parallel size",
     ),
@@ -355,12 +357,9 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "v, model chunks (stages) per pp rank; ``None`` = the schedule's default (1 for gpipe/1f1b, 2 for the "
         "others). The model is split into ``pp·v`` stages.",
         flags=("--virtual-pipeline-stages",),
-        minimum=1,
         short="v",
         saved="resolved",
-        planned=True,
-        plan_type=int,
-        plan_default=1,
+        **_PLANNED_COUNT,
         pipeline_only=True,
         written="pp",
     ),
@@ -374,11 +373,8 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "DataModule's ``global_batch_size / (micro_batch_size · dp)``, else pp). The DataLoader batch per dp rank "
         "must be a multiple of m; ``LMDataModule`` delivers ``micro_batch_size · m`` sequences per batch under pp.",
         flags=("--num-microbatches",),
-        minimum=1,
         short="microbatches",
-        planned=True,
-        plan_type=int,
-        plan_default=1,
+        **_PLANNED_COUNT,
         pipeline_only=True,
         written="pp",
     ),

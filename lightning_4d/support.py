@@ -91,10 +91,9 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
     tp`` under tp: ep folded over the tp ranks).
 
     ``options``: a row's :meth:`Row.options` (``measure``'s names) or one of ``plan``'s layouts (its ``--json``
-    names: ``context_parallel_method``, ``expert_parallel_size``, ...); sizes absent count as 1."""
+    names: the layout fields' own, ``context_parallel_method``, ...); sizes absent count as 1. Each feature's labels
+    are its record's (``Feature.labels``), the others this function's."""
     get = options.get
-    tp = get("tp", 1)
-    ep = get("ep", get("expert_parallel_size", 1)) or 1
     out = set().union(*(feature.labels(options) for feature in FEATURES))
     zero = get("zero_stage", 1)
     if zero != 1:
@@ -108,10 +107,6 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
         out.add("compile")
     if moe:
         out.add("MoE")
-    if ep > 1:
-        out.add("ep")
-        if tp > 1:  # the ep groups take the tp ranks first (features/moe/runtime.py)
-            out.add("ep over tp")
     return frozenset(out)
 
 
@@ -169,13 +164,9 @@ def _transformers_module(family: str, cfg: Any) -> Any:
             super().__init__()
             with torch.device("meta"):
                 if family == "hf-mixtral":
-                    config = transformers.MixtralConfig(
-                        **sizes,
-                        intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
-                        num_local_experts=cfg.num_experts,
-                        num_experts_per_tok=cfg.num_experts_per_token,
-                    )
-                    self.model = transformers.MixtralForCausalLM(config)
+                    from lightning_4d.features.moe.hf_mixtral import mixtral_of
+
+                    self.model = mixtral_of(cfg, sizes)
                 else:
                     config = transformers.LlamaConfig(**sizes, intermediate_size=cfg.intermediate_size)
                     self.model = transformers.LlamaForCausalLM(config)

@@ -19,7 +19,7 @@ the family answers                        used by
 :meth:`~ModelFamily.tensor_parallel_plan`  the ONE tp/sp applier
                                            (:func:`~lightning_4d.features.tensor_parallel.runtime.apply_tensor_parallel`)
 :meth:`~ModelFamily.apply_context_parallel`  cp attention and the positions the model computes for its zigzag shard
-:meth:`~ModelFamily.apply_data_parallel`   statistics over the global batch (MoE tokens per expert, over ``dp_cp``
+:meth:`~ModelFamily.apply_data_parallel`   statistics over the global batch (MoE routing counts, over ``dp_cp``
                                            and, under tp, ``dp_cp x tp``)
 :meth:`~ModelFamily.materialize`           ``FourDStrategy.setup``: the meta-device model made real (and initialized)
 :meth:`~ModelFamily.load_hf`,              ``init_from`` (a Hugging Face directory, each rank reading its slices) and
@@ -158,14 +158,9 @@ class ModelFamily:
     def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
         """Give ``model`` what it computes over the whole data-parallel batch: the mesh of the ranks holding
         disjoint tokens, ``dp_cp`` (``dp_cp_tp`` under tp, where our MoE layers run token parallel; they sum their
-        tokens per expert over it, :mod:`lightning_4d.features.moe.layer`). Called when dp·cp·tp > 1; default:
-        nothing."""
-
-    def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
-        """Split ``model``'s routed experts over ``ep_mesh`` and dispatch tokens to them by all-to-all
-        (:mod:`lightning_4d.features.moe.expert`). Called only when ep > 1 (``ParallelConfig.validate_model`` refuses
-        ep > 1 for a dense model first)."""
-        raise self._missing("apply_expert_parallel")
+        routing counts over it, :mod:`lightning_4d.features.moe.layer`). Called when dp·cp·tp > 1; default:
+        nothing. A family whose MoE layers take ep also subclasses the MoE feature's
+        :class:`~lightning_4d.features.moe.runtime.ExpertParallelFamily`."""
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
         """Make ``model``'s attention exchange K/V over ``cp_mesh`` (``method``: ``"ring"``, ``"allgather"`` or

@@ -29,8 +29,7 @@ from lightning_4d.checkpoint import (
 from lightning_4d.families.base import ModelFamily, PipelineLayout
 from lightning_4d.families.hf_io import hf_load, hf_reader
 from lightning_4d.features.context_parallel.runtime import ContextParallelAttention
-from lightning_4d.features.moe.expert import shard_experts
-from lightning_4d.features.moe.layer import MoEFeedForward
+from lightning_4d.features.moe import runtime as moe
 from lightning_4d.features.tensor_parallel.runtime import TensorParallelPlan
 from lightning_4d.models import hf_mapping
 from lightning_4d.models.llama import Attention, LlamaModel, canonical_name
@@ -61,8 +60,9 @@ def _local_piece(full: torch.Tensor, p: Any) -> torch.Tensor:
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-class LlamaFamily(ModelFamily):
-    """``lightning_4d.models.LlamaModel`` (module docstring)."""
+class LlamaFamily(moe.LlamaMoEFamily, ModelFamily):
+    """``lightning_4d.models.LlamaModel`` (module docstring); its MoE layers' hooks are the MoE feature's
+    (:class:`~lightning_4d.features.moe.runtime.LlamaMoEFamily`)."""
 
     name = "lightning_4d Llama"
     master_weights = True
@@ -98,22 +98,6 @@ class LlamaFamily(ModelFamily):
 
     def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan:
         return _PLAN
-
-    def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
-        """Every MoE layer sums its routing counts over ``tokens_mesh`` (``dp_cp``, or ``dp_cp x tp`` under tp,
-        where MoE layers run token parallel; ``MoEFeedForward.stats_group``): the load-balancing loss of the global
-        batch, the same on every layout (:mod:`lightning_4d.features.moe.layer`)."""
-        for module in model.modules():
-            if isinstance(module, MoEFeedForward):
-                module.stats_group = tokens_mesh.get_group()
-
-    def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
-        """Every MoE layer's stacked experts become DTensors ``Shard(0)`` on ``ep_mesh`` (this rank's ``E/ep``
-        experts) and its tokens travel to them by all-to-all
-        (:func:`lightning_4d.features.moe.expert.shard_experts`)."""
-        for module in model.modules():
-            if isinstance(module, MoEFeedForward):
-                shard_experts(module.experts, ep_mesh)
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: Any, method: str) -> None:
         """Every ``Attention``'s ``core_attention`` becomes ring, all-gather or all-to-all attention over ``cp_mesh``
@@ -159,8 +143,9 @@ class LlamaFamily(ModelFamily):
         aliases = tied_aliases(model)  # a tied head's copy (pp > 1) reads the embedding's tensor
         copies: list[tuple[nn.Parameter, torch.Tensor]] = []
         for name, p in model.named_parameters():
-            if hf_mapping.expert_weight(canonical_name(name)):  # one Hugging Face tensor per expert: dim 0's rows
-                state.update(_expert_targets(p, canonical_name(name), config.num_experts, available, path))
+            stacked = moe.hf_stacked_targets(p, canonical_name(name), config, available, path)
+            if stacked is not None:  # an MoE layer's stacked weight: one Hugging Face tensor per row of dim 0
+                state.update(stacked)
                 continue
             key = hf_mapping.hf_name(saved_key(canonical_name(name), aliases))
             if key in state:  # the head's copy beside its embedding (a V schedule's rank 0)
@@ -239,45 +224,6 @@ def _local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a (DTensor) parameter's data, to copy into in place."""
     data = t.data
     return data.to_local() if isinstance(data, DTensor) else data
-
-
-def _expert_targets(
-    p: torch.Tensor, name: str, num_experts: int, available: set[str], path: Path
-) -> dict[str, torch.Tensor]:
-    """``{Hugging Face key: the piece of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, d1, d2]``
-    (:func:`~lightning_4d.models.hf_mapping.hf_slices`: one ``[d1, d2]`` tensor per expert): every expert of a plain
-    tensor; of a DTensor, the experts of this rank's dim-0 rows (ep, FSDP2's dim-0 shards). Where the DTensor splits
-    an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.features.moe.costs.expert_shard_dim`), each row is
-    a DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
-    dimension's split replicated): DCP's reader reads this rank's ``d1`` range of each expert's tensor only.
-
-    Raises:
-        ValueError: an expert's tensor missing from the directory.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    local, offset = p.data, 0
-    placements = None
-    if isinstance(p, DTensor):
-        local = p.data.to_local()
-        offset = local_offset(p)[0]
-        if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):  # an expert split (on dim 1 by ZeRO 2/3)
-            placements = [Shard(pl.dim - 1) if pl.is_shard() and pl.dim > 0 else Replicate() for pl in p.placements]
-    targets = {}
-    for key, e in hf_mapping.hf_slices(name, num_experts):
-        if key not in available:
-            raise ValueError(
-                f"init_from={str(path)!r} holds no tensor {key!r} (expert {e} of our {name!r}): is it "
-                "a Mixtral of this config?"
-            )
-        if offset <= e < offset + local.shape[0]:
-            row = local[e - offset]
-            if placements is not None:
-                row = DTensor.from_local(
-                    row, p.device_mesh, placements, run_check=False, shape=p.shape[1:], stride=(p.shape[2], 1)
-                )
-            targets[key] = row
-    return targets
 
 
 def _tp_only(p: DTensor) -> list:

@@ -50,6 +50,12 @@ class Feature:
     costs: Optional[str] = None
     runtime: Optional[str] = None
 
+    @classmethod
+    def of_package(cls, package: str, name: str, owns: tuple[str, ...], **record: Any) -> "Feature":
+        """The record of a feature in its own folder, ``package`` (its ``__init__``'s ``__name__``): its terms in the
+        folder's ``costs.py``, its runtime in its ``runtime.py`` (``record``: the other attributes)."""
+        return cls(name, owns, costs=f"{package}.costs", runtime=f"{package}.runtime", **record)
+
     @property
     def fields(self) -> tuple[str, ...]:
         """The layout fields it owns, in registry order."""

@@ -291,17 +291,10 @@ class TransformerBlock(nn.Module):
             MoEFeedForward(config) if config.is_moe_layer(layer_index) else FeedForward(config)
         )
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        *,
-        document_ids: Optional[Tensor] = None,
-        mask: Optional[Tensor] = None,
-    ) -> Tensor:
-        """``document_ids``, ``mask``: document masking, passed to :meth:`Attention.forward`."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, document_ids=document_ids, mask=mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, **documents: Optional[Tensor]) -> Tensor:
+        """``documents``: document masking's keywords (``document_ids`` or ``mask``, what
+        :meth:`LlamaModel.document_inputs` gives), passed on to :meth:`Attention.forward`."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, **documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

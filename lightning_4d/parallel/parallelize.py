@@ -225,30 +225,55 @@ def parallelize_model(
     row_parallel = family.tensor_parallel_plan(model).rowwise if config.activation_checkpointing == "selective" else ()
     apply_activation_checkpointing(layers, config.activation_checkpointing, row_parallel, config.tp)
     if config.activation_offload_layers:
-        stages = config.rank_stages(num_layers, mesh.pp.get_local_rank())
-        indices = offloaded_layers(stages, config.activation_offload_layers)
-        apply_activation_offload(
-            layers, indices, offload_stats if offload_stats is not None else OffloadStats(), stages
-        )
+        _offload_activations(layers, num_layers, mesh, config, offload_stats)
     if compile:
         compile_layers([block for _, block in layer_items(layers) if any(True for _ in block.parameters())])
     sync_chunk_layers(model, family)
     if config.zero_stage >= 2:
-        fsdp = dict(
-            reshard_after_forward=reshard_after_forward(config),
-            param_dtype=param_dtype if family.master_weights else None,
-            reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
-            moe_meshes=moe.fsdp_options(mesh),
-        )
-        for part in [c for _, c in chunks] if chunks is not None else [model]:
-            blocks = [
-                b
-                for _, b in layer_items(find_submodel(part, "layers") if part is not model else layers)
-                if any(True for _ in b.parameters())
-            ]
-            apply_fsdp(part, mesh.zero, config.zero_stage, blocks=blocks, **fsdp)
+        _shard_parts(family, model, layers, chunks, mesh, config, param_dtype)
     _PARALLELIZED.add(model)
     return chunks
+
+
+def _offload_activations(
+    layers: nn.Module,
+    num_layers: int,
+    mesh: ParallelMesh,
+    config: ParallelConfig,
+    offload_stats: Optional[OffloadStats],
+) -> None:
+    """The activation-offload step of :func:`parallelize_model`: the layers of ``config.activation_offload_layers``
+    among this pp rank's stages (``num_layers``: the model's before the split) keep their saved tensors in host
+    memory, counted in ``offload_stats``."""
+    stages = config.rank_stages(num_layers, mesh.pp.get_local_rank())
+    indices = offloaded_layers(stages, config.activation_offload_layers)
+    apply_activation_offload(layers, indices, offload_stats if offload_stats is not None else OffloadStats(), stages)
+
+
+def _shard_parts(
+    family: ModelFamily,
+    model: nn.Module,
+    layers: nn.Module,
+    chunks: Optional[list[tuple[int, nn.Module]]],
+    mesh: ParallelMesh,
+    config: ParallelConfig,
+    param_dtype: Optional[torch.dtype],
+) -> None:
+    """The ZeRO 2/3 step of :func:`parallelize_model`: FSDP2 over ``dp_cp`` for the model (under pp each stage
+    chunk), one unit per decoder layer that holds parameters, then the root."""
+    fsdp = dict(
+        reshard_after_forward=reshard_after_forward(config),
+        param_dtype=param_dtype if family.master_weights else None,
+        reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
+        moe_meshes=moe.fsdp_options(mesh),
+    )
+    for part in [c for _, c in chunks] if chunks is not None else [model]:
+        blocks = [
+            b
+            for _, b in layer_items(find_submodel(part, "layers") if part is not model else layers)
+            if any(True for _ in b.parameters())
+        ]
+        apply_fsdp(part, mesh.zero, config.zero_stage, blocks=blocks, **fsdp)
 
 
 def is_parallelized(module: nn.Module) -> bool:

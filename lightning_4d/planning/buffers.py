@@ -124,10 +124,10 @@ class _Held(NamedTuple):
 
 def buffer_terms(work: Workload, pc: ParallelConfig, dt: Dtypes, pp_rank: int, states: ModelStates) -> Buffers:
     """The transient buffers of pp rank ``pp_rank`` for ``work`` (its model a config, its ``num_microbatches`` and
-    ``expert_load_imbalance`` given): FSDP2's gathered parameters and unsharded gradients, gradient communication
-    buckets, the head's gradient (:func:`_gradient_terms`), pipeline receive buffers, context-parallel attention
-    buffers, one MoE layer's all-to-all buffers (at load ``expert_load_imbalance``) and the other features'
-    transients (:func:`_feature_terms`) and the optimizer step's temporaries."""
+    MoE load given): FSDP2's gathered parameters and unsharded gradients, gradient communication buckets, the head's
+    gradient (:func:`_gradient_terms`), pipeline receive buffers, context-parallel attention buffers, one MoE layer's
+    all-to-all buffers (at the workload's load) and the other features' transients (:func:`_feature_terms`) and the
+    optimizer step's temporaries."""
     cfg = as_held(work.model, pc)
     layers = rank_layers(cfg.num_layers, pc, pp_rank)
     _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
@@ -199,13 +199,12 @@ def _feature_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes, 
     b, s, m = work.micro_batch_size, work.seq_length, work.num_microbatches
     zero = pc.zero_stage
     local_vocab = cfg.padded_vocab_size // pc.tp
-    has_moe = pc.ep > 1 and moe_costs.count_moe_layers(cfg, layers) > 0
     gather_bytes = dt.compute if dt.master else dt.param
     gathered_units = (2 if zero == 3 and pc.pp == 1 else len(layers)) if zero >= 2 else 0
     return dict(
         pipeline=receive_buffer_bytes(cfg, pc, dt, b, s, held.pp_rank, m),
         context_parallel=context_parallel_buffers(cfg, pc, dt, b, s),
-        all_to_all=moe_costs.all_to_all_buffers(cfg, pc, dt, b, s, work.expert_load_imbalance) if has_moe else 0,
+        all_to_all=moe_costs.rank_all_to_all_buffers(work, cfg, pc, dt, layers),
         embedding_gradient=embedding_gradient_bytes(cfg, pc, dt, held.first),
         head_backward=head_backward_transient(cfg, pc, dt, b, s) if last else 0,
         loss_forward=4 * min(b * (s // pc.cp), loss_chunk_tokens(local_vocab)) * local_vocab if last else 0,

@@ -20,6 +20,7 @@ from lightning_4d.config import (
     ParallelConfig,
     check_training_precision,
 )
+from lightning_4d.features import tensor_parallel
 from lightning_4d.features.moe.costs import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
 from lightning_4d.layout import (
     LAYOUT_FIELDS,
@@ -507,7 +508,8 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install 'lightning-4d[plot]'")
-    rows = _search(args, cfg, gpu, fixed, top=args.top)
+    search = _search_of(args, fixed)
+    rows = _search(args, cfg, gpu, search, top=args.top)
     out = {
         "model": args.model,
         "num_gpus": args.num_gpus,
@@ -520,7 +522,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "precision": args.precision,
         "formula": args.formula,
         "expert_load_imbalance": check_expert_load_imbalance(args.expert_load_imbalance),
-        "tensor_parallel_overlap_considered": args.tensor_parallel_overlap,
+        **search.considered(),
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
         "layouts": [_plan_row(args, cfg, c, untested_pairs, gpu) for c in rows],
@@ -528,7 +530,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
     if args.plot:
         from lightning_4d.planning.plot import plot_plan
 
-        points = _search(args, cfg, gpu, fixed, top=None, include_unfit=True, max_estimated=PLOT_LAYOUTS)
+        points = _search(args, cfg, gpu, search, top=None, include_unfit=True, max_estimated=PLOT_LAYOUTS)
         title = (
             f"{args.model} on {args.num_gpus} x {gpu.name}, s={args.seq_length}, global batch "
             f"{args.global_batch_size}: the {len(points)} fastest predicted layouts"
@@ -537,7 +539,15 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
     return out
 
 
-def _search(args: argparse.Namespace, cfg: Any, gpu: Any, fixed: dict[str, int], **kw: Any) -> list:
+def _search_of(args: argparse.Namespace, fixed: dict[str, int]) -> Search:
+    """The :class:`~lightning_4d.planning.workload.Search` ``plan``'s options ask for: the sizes kept ``fixed`` and
+    plan's switches (its layout options of type bool, declared in :data:`~lightning_4d.layout.LAYOUT_FIELDS`, each
+    a field of ``Search`` by the same name)."""
+    switches = {f.name: getattr(args, f.option_dest) for f in LAYOUT_FIELDS if f.plan_help and f.type is bool}
+    return Search(fixed=fixed, **switches)
+
+
+def _search(args: argparse.Namespace, cfg: Any, gpu: Any, search: Search, **kw: Any) -> list:
     """:func:`lightning_4d.planning.planner.plan` of the job ``args`` asks for (``kw``: ``top`` and the plot's
     options)."""
     from lightning_4d.planning.planner import plan
@@ -552,7 +562,6 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, fixed: dict[str, int],
         args.precision,
         expert_load_imbalance=args.expert_load_imbalance,
     )
-    search = Search(fixed=fixed, tensor_parallel_overlap=args.tensor_parallel_overlap, compile=args.compile)
     return plan(job, search, budget=args.budget, formula=args.formula, **kw)
 
 
@@ -754,9 +763,7 @@ def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
         str(c["zero_stage"])
         + (f" HSDP×{c['data_parallel_replicate_size']}" if c["data_parallel_replicate_size"] > 1 else ""),
         c["activation_checkpointing"],
-        "-"
-        if c["tp"] == 1
-        else ("on, overlap" if c.get("tensor_parallel_overlap") else "on" if c["sequence_parallel"] else "off"),
+        tensor_parallel.plan_cell(c),
         schedule,
         f"{c['memory_gib']:.1f}",
         f"{100 * c['fraction']:.0f}",

@@ -114,3 +114,8 @@ class Search:
     fixed: Optional[dict[str, int]] = None
     tensor_parallel_overlap: bool = False
     compile: bool = False
+
+    def considered(self) -> dict[str, bool]:
+        """What ``plan``'s output reports of the search beside its layouts: whether it also tried the overlapped
+        tp rings."""
+        return {"tensor_parallel_overlap_considered": self.tensor_parallel_overlap}

@@ -145,11 +145,4 @@ ROWS = (
     ),
 )
 
-FEATURE = Feature(
-    "cp",
-    ("cp",),
-    rows=ROWS,
-    labels=labels,
-    costs="lightning_4d.features.context_parallel.costs",
-    runtime="lightning_4d.features.context_parallel.runtime",
-)
+FEATURE = Feature.of_package(__name__, "cp", ("cp",), rows=ROWS, labels=labels)

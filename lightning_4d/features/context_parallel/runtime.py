@@ -69,6 +69,7 @@ zigzag order); output like ``q``. Softmax scale ``1 / sqrt(head_dim)``, no dropo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Optional, Sequence
@@ -296,13 +297,13 @@ class _Kernel:
                     dout, (q, kr, vr), out, lse, False, self.scale, _additive(mask, q.dtype)
                 )
             else:
-                dq, dk, dv = self._eager_backward(dout, q, kr, vr, out, lse, causal, mask)
+                dq, dk, dv = self._eager_backward(dout, (q, kr, vr), out, lse, causal, mask)
             return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
         if self.backend == "flash":
             return self._flash_backward(dout, q, k, v, out, lse, causal)
         kr, vr = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
         if self._use_eager(q):
-            dq, dk, dv = self._eager_backward(dout, q, kr, vr, out, lse, causal)
+            dq, dk, dv = self._eager_backward(dout, (q, kr, vr), out, lse, causal)
         else:
             dq, dk, dv = aten_flash_backward(dout, (q, kr, vr), out, lse, causal, self.scale)
         return dq, _sum_kv(dk, n_rep), _sum_kv(dv, n_rep)
@@ -310,14 +311,15 @@ class _Kernel:
     def _eager_backward(
         self,
         dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
+        qkv: tuple[Tensor, Tensor, Tensor],
         out: Tensor,
         lse: Tensor,
         causal: bool,
         mask: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """The explicit matmuls' backward; ``qkv`` (k, v with every query head's copy) passed as to ATen's and
+        flash-attn's backwards."""
+        q, k, v = qkv
         # FlashAttention's backward (Dao et al. 2022, Algorithm 4): P = exp(S - lse), dV = P^T dO, dP = dO V^T,
         # D = rowsum(dO * O), dS = P * (dP - D), dQ = dS K * scale, dK = dS^T Q * scale (lse the final one, finite:
         # every query attends to itself, so a refused key's exp(-inf - lse) is 0)
@@ -464,32 +466,34 @@ class _RingExchange:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _CPRun:
+    """What the autograd functions of cp attention below take beside their tensors (q, k, v and the document ids,
+    which they save for backward): the cp process group and the kernel of their blocks."""
+
+    group: dist.ProcessGroup
+    kernel: _Kernel
+
+
 class _RingAttention(torch.autograd.Function):
     """Zigzag ring attention (module docstring). Inputs/outputs in ``[b, heads, s_local, d]``; ``document_ids``
     ``[b, s]`` of the whole sequence, or ``None`` (causal)."""
 
     @staticmethod
     @_without_autocast
-    def forward(
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        group: dist.ProcessGroup,
-        kernel: _Kernel,
-        document_ids: Optional[Tensor],
-    ) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], run: _CPRun) -> Tensor:
+        group, kernel = run.group, run.kernel
         out, lse = _ring_forward(q, k, v, group, kernel, document_ids)
         ctx.save_for_backward(q, k, v, out, lse, document_ids)
-        ctx.group, ctx.kernel = group, kernel
+        ctx.run = run
         return out
 
     @staticmethod
     @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse, document_ids = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, (q, k, v, out, lse), ctx.group, ctx.kernel, document_ids)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _ring_backward(dout, (q, k, v, out, lse), ctx.run.group, ctx.run.kernel, document_ids)
+        return dq, dk, dv, None, None
 
 
 def _ring_step_block(
@@ -595,15 +599,8 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     @_without_autocast
-    def forward(
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        group: dist.ProcessGroup,
-        kernel: _Kernel,
-        document_ids: Optional[Tensor],
-    ) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], run: _CPRun) -> Tensor:
+        group, kernel = run.group, run.kernel
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         full = torch.cat(_gather_kv(torch.stack([k, v]).contiguous(), group, size), dim=3)  # [2, b, h_kv, s, d]
         chunk = q.shape[2] // 2
@@ -619,14 +616,14 @@ class _AllGatherAttention(torch.autograd.Function):
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, full, out, lse, document_ids)
-        ctx.group, ctx.kernel = group, kernel
+        ctx.run = run
         return out
 
     @staticmethod
     @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
         q, full, out, lse, document_ids = ctx.saved_tensors
-        group, kernel = ctx.group, ctx.kernel
+        group, kernel = ctx.run.group, ctx.run.kernel
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         chunk = q.shape[2] // 2
         dout = dout.contiguous()
@@ -651,7 +648,7 @@ class _AllGatherAttention(torch.autograd.Function):
         else:  # gloo has no reduce-scatter
             dist.all_reduce(dfull, group=group)
             mine = _take_zigzag(blocks, rank, size, dim=3)
-        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None
+        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None
 
 
 def _allgather_blocks(
@@ -712,15 +709,8 @@ class _AllToAllAttention(torch.autograd.Function):
 
     @staticmethod
     @_without_autocast
-    def forward(
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        group: dist.ProcessGroup,
-        kernel: _Kernel,
-        document_ids: Optional[Tensor],
-    ) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], run: _CPRun) -> Tensor:
+        group, kernel = run.group, run.kernel
         size = dist.get_world_size(group)
         nq, nkv = q.shape[2] // size, k.shape[2] // size
         b, local, _, d = q.shape
@@ -732,14 +722,14 @@ class _AllToAllAttention(torch.autograd.Function):
         mask = window_mask(document_ids)  # the whole sequence in natural order: one mask (None: causal)
         out, lse = kernel.forward(qf, kf, vf, True, mask)  # [b, nq, s, d]
         ctx.save_for_backward(qf, kf, vf, out, lse, document_ids)  # the ids, shared by every layer: the mask is rebuilt
-        ctx.group, ctx.kernel = group, kernel
+        ctx.run = run
         return _heads_to_sequence(out.transpose(1, 2), group, size)
 
     @staticmethod
     @_without_autocast
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
         qf, kf, vf, out, lse, document_ids = ctx.saved_tensors
-        group, kernel = ctx.group, ctx.kernel
+        group, kernel = ctx.run.group, ctx.run.kernel
         size = dist.get_world_size(group)
         dout_full = _sequence_to_heads(dout.contiguous(), group, size).transpose(1, 2)
         dq, dk, dv = kernel.backward(dout_full, qf, kf, vf, out, lse, True, window_mask(document_ids))
@@ -752,7 +742,7 @@ class _AllToAllAttention(torch.autograd.Function):
         # per source rank r (head group r): its q, k, v head groups side by side
         back = _heads_to_sequence(grads, group, size).view(b, local, size, nq + 2 * nkv, d)
         dq, dk, dv = (t.reshape(b, local, size * t.shape[3], d) for t in back.split([nq, nkv, nkv], dim=3))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- public
@@ -814,9 +804,9 @@ def context_parallel_attention(
         alltoall_heads(q.shape[2], k.shape[2], 1, size)  # the local heads split over c (or refused)
         if k.shape[2] < size:  # too few kv heads: each replicated, so that every rank receives the one it needs
             k, v = (t.repeat_interleave(size // t.shape[2], dim=2) for t in (k, v))
-        return _AllToAllAttention.apply(q, k, v, group, kernel, document_ids)
+        return _AllToAllAttention.apply(q, k, v, document_ids, _CPRun(group, kernel))
     fn = _RingAttention if method == "ring" else _AllGatherAttention
-    out = fn.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, kernel, document_ids)
+    out = fn.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids, _CPRun(group, kernel))
     return out.transpose(1, 2)
 
 

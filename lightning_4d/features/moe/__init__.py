@@ -20,13 +20,13 @@ This module is pure Python: no torch import (the memory estimator and the planne
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from lightning_4d.features.feature import Feature
 from lightning_4d.models.llama_config import divisors
 from lightning_4d.support_rows import HF_SMOKE_REASON, Row
 
-__all__ = ["FEATURE", "ROWS", "check_float8", "check_moe_layout"]
+__all__ = ["FEATURE", "ROWS", "check_float8", "check_moe_layout", "labels"]
 
 
 def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = False) -> None:
@@ -255,11 +255,16 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-FEATURE = Feature(
-    "moe",
-    ("ep",),
-    check=check_moe_layout,
-    rows=ROWS,
-    costs="lightning_4d.features.moe.costs",
-    runtime="lightning_4d.features.moe.runtime",
-)
+def labels(options: Mapping[str, Any]) -> frozenset[str]:
+    """``ep`` and ``ep over tp`` (:func:`lightning_4d.support.layout_features`; ``options`` by ``measure``'s names
+    or by the layout fields' own, as ``plan --json`` writes them). ``MoE``, a label of the model, is the support
+    matrix's."""
+    ep = options.get("ep", options.get("expert_parallel_size", 1)) or 1
+    if ep == 1:
+        return frozenset()
+    if options.get("tp", 1) > 1:  # the ep groups take the tp ranks first (features/moe/runtime.py)
+        return frozenset({"ep", "ep over tp"})
+    return frozenset({"ep"})
+
+
+FEATURE = Feature.of_package(__name__, "moe", ("ep",), check=check_moe_layout, rows=ROWS, labels=labels)

@@ -82,6 +82,7 @@ __all__ = [
     "layer_times",
     "model_dims",
     "moe_shape",
+    "rank_all_to_all_buffers",
     "received_rows",
     "saved_bytes",
     "split_layers",
@@ -286,6 +287,15 @@ def saved_bytes(cfg: Any, dt: Dtypes, b: int, s: int, ep: int = 1, imbalance: fl
         rows = received_rows(cfg, t, ep, imbalance)
         dispatch = 2 * 8 * n + 4 * n + c * n * h + c * rows * h + 2 * 8 * rows
     return router + 4 * e + dispatch + 4 * c * rows * fe + 4 * c * t * cfg.num_shared_experts * fe
+
+
+def rank_all_to_all_buffers(work: Any, cfg: Any, pc: Any, dt: Dtypes, layers: Any) -> int:
+    """:func:`all_to_all_buffers` of a rank holding ``layers`` of ``cfg`` (its model as held) for the batch and the
+    stated load of ``work`` (a :class:`~lightning_4d.planning.workload.Workload`): 0 without ep or without an MoE
+    layer among them."""
+    if pc.ep == 1 or count_moe_layers(cfg, layers) == 0:
+        return 0
+    return all_to_all_buffers(cfg, pc, dt, work.micro_batch_size, work.seq_length, work.expert_load_imbalance)
 
 
 def all_to_all_buffers(cfg: Any, pc: Any, dt: Dtypes, b: int, seq_length: int, imbalance: float) -> int:

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from lightning_4d.adapters.hf_llama import HFLlamaFamily, has_class_name
 from lightning_4d.features.moe.expert import differentiable_local, shard_experts
+from lightning_4d.features.moe.runtime import ExpertParallelFamily
 
 
 class ExpertParallelMixtralExperts(nn.Module):
@@ -81,7 +82,7 @@ class ExpertParallelMixtralExperts(nn.Module):
         return f"num_experts={self.num_experts}, expert_parallel=True"
 
 
-class HFMixtralFamily(HFLlamaFamily):
+class HFMixtralFamily(ExpertParallelFamily, HFLlamaFamily):
     """transformers' ``MixtralForCausalLM`` (module docstring), recognized by duck typing: its class (or a base) is
     named ``MixtralForCausalLM``, ``config.model_type == "mixtral"`` and it has a ``model``."""
 
@@ -142,3 +143,17 @@ class HFMixtralFamily(HFLlamaFamily):
 
 #: the family instance the registry lists
 HF_MIXTRAL = HFMixtralFamily()
+
+
+def mixtral_of(cfg: Any, sizes: dict[str, Any]) -> nn.Module:
+    """transformers' ``MixtralForCausalLM`` of our ``LlamaConfig`` ``cfg``'s sizes, on the current device (the support
+    matrix's stand-in for a row of this family; ``sizes``: the dense sizes, by transformers' names)."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        **sizes,
+        intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_token,
+    )
+    return transformers.MixtralForCausalLM(config)

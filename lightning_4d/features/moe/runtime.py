@@ -34,22 +34,32 @@ parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.features.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import math
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_4d.contract import grad_accumulation, layout_strategy
 from lightning_4d.features.moe.costs import expert_shard_dim
-from lightning_4d.features.moe.expert import ExpertDispatch, is_expert_parameter, stacked_expert_weights
+from lightning_4d.features.moe.expert import (
+    ExpertDispatch,
+    is_expert_parameter,
+    shard_experts,
+    stacked_expert_weights,
+)
+from lightning_4d.features.moe.layer import MoEFeedForward
 from lightning_4d.features.tensor_parallel.runtime import token_parallel_parameters
-from lightning_4d.parallel._compat.dtensor import local_tensor
+from lightning_4d.models import hf_mapping
+from lightning_4d.parallel._compat.dtensor import local_offset, local_tensor
 from lightning_4d.parallel._compat.fsdp import FULLY_SHARD_PLACEMENT_FN
 from lightning_4d.parallel._compat.lightning import attached_trainer
 from lightning_4d.parallel.grad_buffers import GradientGroup
@@ -115,7 +125,86 @@ def apply(family: Any, model: nn.Module, mesh: Any, config: Any) -> None:
     if config.dp_cp * config.tp > 1:
         family.apply_data_parallel(model, token_mesh(mesh))
     if config.ep > 1:
+        if not isinstance(family, ExpertParallelFamily):
+            raise NotImplementedError(f"the model family {family.name!r} does not implement apply_expert_parallel()")
         family.apply_expert_parallel(model, mesh.ep)
+
+
+class ExpertParallelFamily(abc.ABC):
+    """A model family whose MoE layers split their experts over ep (a base of its class: :class:`LlamaMoEFamily`,
+    :class:`~lightning_4d.features.moe.hf_mixtral.HFMixtralFamily`); :func:`apply` calls its hook when ep > 1."""
+
+    @abc.abstractmethod
+    def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
+        """Split ``model``'s routed experts over ``ep_mesh`` and dispatch tokens to them by all-to-all
+        (:mod:`lightning_4d.features.moe.expert`). Called only when ep > 1 (``ParallelConfig.validate_model`` refuses
+        ep > 1 for a dense model first)."""
+
+
+class LlamaMoEFamily(ExpertParallelFamily):
+    """The MoE hooks of our Llama's family (a base of :class:`~lightning_4d.families.native_llama.LlamaFamily`, as
+    :class:`~lightning_4d.features.moe.layer.MoEModel` is of ``LlamaModel``): what its MoE layers
+    (:class:`~lightning_4d.features.moe.layer.MoEFeedForward`) compute over the data-parallel batch, and ep."""
+
+    def apply_data_parallel(self, model: nn.Module, tokens_mesh: Any) -> None:
+        """Every MoE layer sums its routing counts over ``tokens_mesh`` (``dp_cp``, or ``dp_cp x tp`` under tp,
+        where MoE layers run token parallel; ``MoEFeedForward.stats_group``): the load-balancing loss of the global
+        batch, the same on every layout (:mod:`lightning_4d.features.moe.layer`)."""
+        for module in model.modules():
+            if isinstance(module, MoEFeedForward):
+                module.stats_group = tokens_mesh.get_group()
+
+    def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> None:
+        """Every MoE layer's stacked experts become DTensors ``Shard(0)`` on ``ep_mesh`` (this rank's ``E/ep``
+        experts) and its tokens travel to them by all-to-all
+        (:func:`lightning_4d.features.moe.expert.shard_experts`)."""
+        for module in model.modules():
+            if isinstance(module, MoEFeedForward):
+                shard_experts(module.experts, ep_mesh)
+
+
+def hf_stacked_targets(
+    p: torch.Tensor, name: str, model_config: Any, available: set[str], path: Path
+) -> Optional[dict[str, torch.Tensor]]:
+    """``{Hugging Face key: the piece of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, d1, d2]``
+    of our Llama (``name``: its canonical name, :func:`~lightning_4d.models.hf_mapping.expert_weight`), ``None`` for
+    any other parameter (the family's ``load_hf`` reads it whole)
+    (:func:`~lightning_4d.models.hf_mapping.hf_slices`: one ``[d1, d2]`` tensor per expert): every expert of a plain
+    tensor; of a DTensor, the experts of this rank's dim-0 rows (ep, FSDP2's dim-0 shards). Where the DTensor splits
+    an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.features.moe.costs.expert_shard_dim`), each row is
+    a DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
+    dimension's split replicated): DCP's reader reads this rank's ``d1`` range of each expert's tensor only.
+
+    Raises:
+        ValueError: an expert's tensor missing from the directory.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not hf_mapping.expert_weight(name):
+        return None
+    num_experts = model_config.num_experts
+    local, offset = p.data, 0
+    placements = None
+    if isinstance(p, DTensor):
+        local = p.data.to_local()
+        offset = local_offset(p)[0]
+        if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):  # an expert split (on dim 1 by ZeRO 2/3)
+            placements = [Shard(pl.dim - 1) if pl.is_shard() and pl.dim > 0 else Replicate() for pl in p.placements]
+    targets = {}
+    for key, e in hf_mapping.hf_slices(name, num_experts):
+        if key not in available:
+            raise ValueError(
+                f"init_from={str(path)!r} holds no tensor {key!r} (expert {e} of our {name!r}): is it "
+                "a Mixtral of this config?"
+            )
+        if offset <= e < offset + local.shape[0]:
+            row = local[e - offset]
+            if placements is not None:
+                row = DTensor.from_local(
+                    row, p.device_mesh, placements, run_check=False, shape=p.shape[1:], stride=(p.shape[2], 1)
+                )
+            targets[key] = row
+    return targets
 
 
 def fsdp_options(mesh: Any) -> dict[str, Any]:

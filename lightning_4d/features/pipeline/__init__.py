@@ -210,12 +210,4 @@ ROWS = (
     ),
 )
 
-FEATURE = Feature(
-    "pp",
-    ("pp",),
-    check=check,
-    rows=ROWS,
-    labels=labels,
-    costs="lightning_4d.features.pipeline.costs",
-    runtime="lightning_4d.features.pipeline.runtime",
-)
+FEATURE = Feature.of_package(__name__, "pp", ("pp",), check=check, rows=ROWS, labels=labels)

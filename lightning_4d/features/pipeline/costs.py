@@ -210,11 +210,12 @@ def zbv_actions(p: int, r: int, m: int) -> tuple[tuple[int, str], ...]:
     counts: dict[tuple[int, str], int] = {}
     actions: list[tuple[int, str]] = []
 
-    def act(chunk: int, kind: str) -> None:
-        index = counts.get((chunk, kind), 0)
-        counts[(chunk, kind)] = index + 1
-        if index < m:
-            actions.append((chunk, kind))
+    def act(chunk: int, *kinds: str) -> None:  # the kinds in order, on one chunk
+        for kind in kinds:
+            index = counts.get((chunk, kind), 0)
+            counts[(chunk, kind)] = index + 1
+            if index < m:
+                actions.append((chunk, kind))
 
     def count(chunk: int, kind: str) -> int:
         return counts.get((chunk, kind), 0)
@@ -225,23 +226,17 @@ def zbv_actions(p: int, r: int, m: int) -> tuple[tuple[int, str], ...]:
         act(1, "F")
         act(0, "F")
     for _ in range(p - r):
-        act(1, "F")
-        act(1, "I")
-        act(1, "W")
+        act(1, "F", "I", "W")
     while count(1, "F") < count(0, "F") or count(0, "F") < n:
         if count(0, "F") < n:
             act(0, "F")
-        act(0, "I")
-        act(0, "W")
-        act(1, "F")
-        act(1, "I")
-        act(1, "W")
+        act(0, "I", "W")
+        act(1, "F", "I", "W")
     for _ in range(r):
         act(0, "I")
         act(1, "I")
     for _ in range(p - r):
-        act(0, "I")
-        act(0, "W")
+        act(0, "I", "W")
     while count(1, "W") < count(1, "I"):
         act(1, "W")
     while count(0, "W") < count(0, "I"):

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from lightning_4d.features.feature import Feature
 from lightning_4d.support_rows import Row
 
-__all__ = ["FEATURE", "check", "labels"]
+__all__ = ["FEATURE", "check", "labels", "plan_cell"]
 
 
 def check(config: Any) -> None:
@@ -60,6 +60,14 @@ def labels(options: Mapping[str, Any]) -> frozenset[str]:
     if options.get("tensor_parallel_overlap"):
         out.add("tp overlap")
     return frozenset(out)
+
+
+def plan_cell(options: Mapping[str, Any]) -> str:
+    """The feature's cell of ``lightning-4d plan``'s table (its ``sp`` column): ``-`` without tp, else sp ``on``,
+    ``on, overlap`` (the rings) or ``off``."""
+    if options["tp"] == 1:
+        return "-"
+    return "on, overlap" if options.get("tensor_parallel_overlap") else "on" if options["sequence_parallel"] else "off"
 
 
 COMPILE = "tests/test_compile.py::test_compiled_layout_matches_one_process"
@@ -126,12 +134,4 @@ ROWS = (
     ),
 )
 
-FEATURE = Feature(
-    "tp",
-    ("tp", "sp"),
-    check=check,
-    rows=ROWS,
-    labels=labels,
-    costs="lightning_4d.features.tensor_parallel.costs",
-    runtime="lightning_4d.features.tensor_parallel.runtime",
-)
+FEATURE = Feature.of_package(__name__, "tp", ("tp", "sp"), check=check, rows=ROWS, labels=labels)

@@ -525,20 +525,53 @@ def apply_tensor_parallel(
     seq = Shard(1) if sequence_parallel else Replicate()
     embedding, norm, head = (find_submodel(model, path) for path in (plan.embedding, plan.norm, plan.head))
     tied = embedding is not None and head is not None and head.weight is embedding.weight
+    styles = _outer_styles(plan, embedding, norm, head, seq)
+    styles.update(_decoder_layer_styles(model, plan, tp_mesh, seq, overlap, float8))
+    if tied:  # distribute the shared matrix once (through the embedding), then re-tie below
+        head.weight = nn.Parameter(embedding.weight.detach().clone())
+    parallelize_module(model, tp_mesh, styles)
+    if tied:
+        head.weight = embedding.weight
+    if head is not None and sequence_parallel and plan.vocab_parallel_logits and hasattr(model, "head_projection"):
+        # the head gathers the sequence itself and saves only the shard (its plan above only shards its weight)
+        model.head_projection = partial(_sequence_parallel_head, mesh=tp_mesh, overlap=overlap)
+
+
+def _outer_styles(
+    plan: TensorParallelPlan,
+    embedding: Optional[nn.Module],
+    norm: Optional[nn.Module],
+    head: Optional[nn.Module],
+    seq: Any,
+) -> dict[str, object]:
+    """The styles of the parts around the decoder layers that this rank holds (``None``: another pipeline rank's):
+    the embedding (rows, its output laid out as ``seq``), the final norm (under sp) and the head (its output the
+    vocabulary shards, or gathered)."""
     styles: dict[str, object] = {}
     if embedding is not None:
         styles[plan.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if norm is not None and sequence_parallel:
+    if norm is not None and isinstance(seq, Shard):
         styles[plan.norm] = SequenceParallel()
     if head is not None and plan.vocab_parallel_logits:
         styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     elif head is not None:
         styles[plan.head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    return styles
+
+
+def _decoder_layer_styles(
+    model: nn.Module, plan: TensorParallelPlan, tp_mesh: DeviceMesh, seq: Any, overlap: bool, float8: Optional[str]
+) -> dict[str, object]:
+    """The styles of the decoder layers this rank holds (names relative to ``model``): the column- and row-parallel
+    projections, the layer norms under sp, the gathered inputs (:func:`_gathered_inputs`); the modules of
+    ``plan.token_parallel`` that can (a Mixture-of-Experts feed-forward) run token parallel instead, whole."""
+    sequence_parallel = isinstance(seq, Shard)
     colwise, rowwise, prepare = tensor_parallel_styles(float8)
     group = tp_mesh.get_group()
     projection = partial(ring_projection if overlap else sequence_parallel_projection, group=group)
     container = find_submodel(model, plan.layers)
     layers = layer_items(container) if container is not None else []
+    styles: dict[str, object] = {}
     # layers without parameters: the placeholders of layers another pipeline rank holds
     for key, layer in [(k, m) for k, m in layers if any(True for _ in m.parameters())]:
         prefix = f"{plan.layers}.{key}."
@@ -552,14 +585,7 @@ def apply_tensor_parallel(
         gathered = [(n, w) for n, w in plan.gathered_inputs if not _inside(n, whole)]
         for name, style in _gathered_inputs(layer, gathered, seq, prepare, projection, overlap, float8, group).items():
             styles[prefix + name] = style
-    if tied:  # distribute the shared matrix once (through the embedding), then re-tie below
-        head.weight = nn.Parameter(embedding.weight.detach().clone())
-    parallelize_module(model, tp_mesh, styles)
-    if tied:
-        head.weight = embedding.weight
-    if head is not None and sequence_parallel and plan.vocab_parallel_logits and hasattr(model, "head_projection"):
-        # the head gathers the sequence itself and saves only the shard (its plan above only shards its weight)
-        model.head_projection = partial(_sequence_parallel_head, mesh=tp_mesh, overlap=overlap)
+    return styles
 
 
 def apply(family: Any, model: nn.Module, mesh: Any, config: Any) -> None:

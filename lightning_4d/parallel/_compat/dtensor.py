@@ -40,6 +40,6 @@ def unflatten_mesh(mesh: "DeviceMesh", sizes: tuple[int, ...], names: tuple[str,
         unflatten = mesh._unflatten
     except AttributeError:  # pragma: no cover - older torch
         raise RuntimeError(
-            f"expert parallelism needs DeviceMesh._unflatten (torch >= 2.9), torch {torch.__version__} lacks it"
+            f"ep > 1 (MoE) needs DeviceMesh._unflatten (torch >= 2.9), torch {torch.__version__} lacks it"
         ) from None
     return unflatten(0, tuple(sizes), tuple(names))

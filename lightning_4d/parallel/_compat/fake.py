@@ -1,5 +1,5 @@
 """Fake ranks: torch's fake process group, and the answers its ranks would otherwise receive from their neighbours
-(pipeline stage metadata, the experts' token counts), so that one process can measure any rank of any layout."""
+(pipeline stage metadata, the MoE layers' token counts), so that one process can measure any rank of any layout."""
 
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def _answered_object_lists(received: Tensor) -> Iterator[None]:
 
 def answer_count_exchange(groups: list, answer: Callable[[Tensor], Tensor]) -> Any:
     """A context manager: while it is entered, ``torch.distributed.all_to_all_single`` called with equal splits (no
-    split sizes) on an integer tensor over a process group in ``groups`` (the per-expert count exchange of
-    :meth:`lightning_4d.features.moe.expert.ExpertDispatch.exchange`) writes ``answer(input)`` into its output (same
+    split sizes) on an integer tensor over a process group in ``groups`` (the row-count exchange of MoE's
+    all-to-all dispatch under ep, :mod:`lightning_4d.features.moe`) writes ``answer(input)`` into its output (same
     shape and dtype) after the group has run it; every other call is the group's alone. For a fake process group
     (:func:`init_fake_process_group`), whose all-to-all leaves the output as it was: the rank then receives the
     rows ``answer`` states, and the uneven all-to-all that follows allocates them. The function is replaced on the

@@ -25,7 +25,7 @@ def _fully_shard_takes(name: str) -> bool:
     return name in inspect.signature(fully_shard).parameters
 
 
-#: whether FSDP2's ``fully_shard`` takes ``shard_placement_fn`` (a public argument; ZeRO 2/3 shard expert weights
+#: whether FSDP2's ``fully_shard`` takes ``shard_placement_fn`` (a public argument; ZeRO 2/3 shard MoE's stacked weights
 #: on dim 1 through it, ``parallel/fsdp.py``): torch 2.6 added it, ``tests/test_compat.py`` checks it on the installed
 #: torch
 FULLY_SHARD_PLACEMENT_FN = _fully_shard_takes("shard_placement_fn")
@@ -34,7 +34,7 @@ FULLY_SHARD_PLACEMENT_FN = _fully_shard_takes("shard_placement_fn")
 #: the private ops whose outputs selective activation checkpointing saves (``parallel/activation_checkpoint.py``), by
 #: qualified name without the overload (``OpOverload.name()`` up to the first dot): ATen's fused attention kernels
 #: (those ``scaled_dot_product_attention`` dispatches to on CPU and CUDA, and the flash kernels context parallelism
-#: calls), the routed experts' grouped GEMM on CUDA (``torch._grouped_mm``, saved as the expert loop's ``aten::mm``
+#: calls), the MoE layers' grouped GEMM on CUDA (``torch._grouped_mm``, saved as the MoE loop's ``aten::mm``
 #: is on CPU, so that the memory model's selective set holds on both), flash-attn 2's forward (a torch custom op
 #: since flash-attn 2.7) and the functional collectives with which DTensor tensor parallelism reduces a row-parallel
 #: matmul's partial sums (``all_reduce``; ``reduce_scatter_tensor`` under sequence parallelism).

@@ -1,5 +1,6 @@
-"""Private compute kernels: torch's grouped GEMM (the routed experts), ATen's fused flash attention and flash-attn 2's
-kernels (context parallelism's attention, which needs the log-sum-exp the public SDPA does not return)."""
+"""Private compute kernels: torch's grouped GEMM (the MoE layers' stacked feed-forwards), ATen's fused flash attention
+and flash-attn 2's kernels (context parallelism's attention, which needs the log-sum-exp the public SDPA does not
+return)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from torch import Tensor
 
 #: ``torch._grouped_mm(x [N, k], w [G, k, n], offs=int32 [G]) -> [N, n]``: one GEMM per row group of ``x`` (group g the
-#: rows up to ``offs[g]``) with ``w[g]``, CUDA and bfloat16 (the Mixture-of-Experts experts,
-#: ``lightning_4d/features/moe/layer.py``; torchtitan's grouped experts); ``None`` on a torch without it (the loop then)
+#: rows up to ``offs[g]``) with ``w[g]``, CUDA and bfloat16 (the MoE layers' stacked feed-forwards,
+#: ``lightning_4d/features/moe/layer.py``, as in torchtitan's MoE); ``None`` on a torch without it (the loop then)
 try:
     grouped_mm = torch._grouped_mm
 except AttributeError:  # pragma: no cover - torch < 2.8
