@@ -107,22 +107,18 @@ def setup_zero(
     params = zero_parameters(model)
     if not params:
         return None
-    world = dist.get_world_size(group)
-    tensor_parallel = any(isinstance(p, DTensor) for p in params)
-    gradient_groups = reduction.gradient_groups
+    world, gradient_groups = dist.get_world_size(group), reduction.gradient_groups
     replicas = 1 if reduction.replicas is None else dist.get_world_size(reduction.replicas)  # HSDP
-    needed = gradient_buckets_needed(world * replicas, master_dtype is not None, pipelined, tensor_parallel)
-    if not gradient_groups and not needed:
+    tensor_parallel = any(isinstance(p, DTensor) for p in params)
+    if not gradient_groups and not gradient_buckets_needed(
+        world * replicas, bool(master_dtype), pipelined, tensor_parallel
+    ):
         return None
     shard = zero_stage == 1 and world > 1
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
+    hooks = master_dtype is None
     buckets = GradientBuckets(
-        params,
-        group,
-        reduce_scatter=shard,
-        grad_dtype=master_dtype,
-        hooks=master_dtype is None,
-        reduction=reduction,
+        params, group, reduce_scatter=shard, grad_dtype=master_dtype, hooks=hooks, reduction=reduction
     )
     # gradient groups live in buckets over other groups: only the ShardedOptimizer's clipping counts each once (and
     # torch's would mix plain and DTensor gradients)

@@ -181,7 +181,8 @@ def model_state_bytes(
         pp_rank: the pp rank (0 .. pp−1); it holds the ``v`` pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages` (schedule and v from ``parallel_config``).
         dp_cp_rank: the rank's index in the ``dp_cp`` group (rank 0 holds the largest shards); under ep its
-            ep rank is ``dp_cp_rank % ep`` and its rank in the group of the ep-split parameters ``dp_cp_rank // ep``.
+            ep rank is ``dp_cp_rank % ep`` and its rank in the group of the ep-split parameters ``dp_cp_rank // ep``;
+            under HSDP its rank in the ZeRO shard group ``dp_cp_rank % zero_shard``.
         bucket_bytes: the ZeRO 0/1 gradient bucket size (``GRADIENT_BUCKET_BYTES`` of ``lightning_4d.partition``);
             at ZeRO 1 a rank owns its 1/D of every bucket.
         tp_rank: the tp rank: under tp the parameters replicated over tp (an MoE layer's,
@@ -194,14 +195,11 @@ def model_state_bytes(
     Raises:
         ValueError: an unknown precision, a pp rank, dp_cp rank or tp rank out of range.
     """
-    dt = Dtypes.of(normalize_precision(precision))
-    if not 0 <= tp_rank < parallel_config.tp:
-        raise ValueError(f"tp_rank={tp_rank} is not valid: expected 0 .. {parallel_config.tp - 1}.")
-    pc = parallel_config
-    if not 0 <= pp_rank < pc.pp:
-        raise ValueError(f"pp_rank={pp_rank} is not valid: expected 0 .. {pc.pp - 1}.")
-    if not 0 <= dp_cp_rank < pc.dp_cp:
-        raise ValueError(f"dp_cp_rank={dp_cp_rank} is not valid: expected 0 .. {pc.dp_cp - 1}.")
+    dt, pc = Dtypes.of(normalize_precision(precision)), parallel_config
+    ranks = {"tp_rank": (tp_rank, pc.tp), "pp_rank": (pp_rank, pc.pp), "dp_cp_rank": (dp_cp_rank, pc.dp_cp)}
+    for name, (value, size) in ranks.items():
+        if not 0 <= value < size:
+            raise ValueError(f"{name}={value} is not valid: expected 0 .. {size - 1}.")
     model_config = as_held(model_config, pc)
     layers = rank_layers(model_config.num_layers, pc, pp_rank)
     _, first, last = rank_layout(model_config.num_layers, pc, pp_rank)
