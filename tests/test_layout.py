@@ -49,6 +49,7 @@ EXAMPLE = dict(
     pipeline_comm_dtype="bfloat16",
     expert_parallel_size=1,
     float8=None,
+    async_checkpoint=True,
 )
 
 

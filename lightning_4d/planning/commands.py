@@ -520,6 +520,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "expert_load_imbalance": check_expert_load_imbalance(args.expert_load_imbalance),
         "tensor_parallel_overlap_considered": args.tensor_parallel_overlap,
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
+        "async_checkpoint": args.async_checkpoint,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
         "layouts": [_plan_row(args, cfg, c, untested_pairs) for c in rows],
     }
@@ -559,8 +560,11 @@ def _plan_row(
 ) -> dict[str, Any]:
     """One layout of ``plan``'s result: the candidate ``c``'s fields, its checkpoint interval
     (:func:`lightning_4d.planning.reliability.checkpoint_interval`) and the feature pairs no CPU test runs together."""
-    from lightning_4d.planning.reliability import checkpoint_interval
+    from lightning_4d.planning.reliability import async_blocking_seconds, checkpoint_interval
 
+    blocking = (
+        async_blocking_seconds(cfg, c, _gpu(args).host_bandwidth, args.precision) if args.async_checkpoint else None
+    )
     ckpt = checkpoint_interval(
         cfg,
         args.num_gpus,
@@ -569,12 +573,14 @@ def _plan_row(
         precision=args.precision,
         checkpoint_write_gbps=args.checkpoint_write_gbps,
         mtbf_gpu_hours=args.mtbf_gpu_hours,
+        blocking_s=blocking,
     )
     return {
         **c.to_dict(),
         "checkpoint_interval_s": ckpt.interval_s,
         "checkpoint_interval_steps": ckpt.interval_steps,
         "checkpoint_write_s": ckpt.write_s,
+        "checkpoint_blocking_s": ckpt.blocking_s,
         "checkpoint_lost_fraction": ckpt.lost_fraction,
         "job_mtbf_s": ckpt.mtbf_s,
         "checkpoint_bytes": ckpt.checkpoint_bytes,
@@ -753,6 +759,14 @@ def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
     ]
 
 
+def _blocking_words(c: dict[str, Any]) -> str:
+    """What a save of the plan row ``c`` blocks: the write, or with ``--async-checkpoint`` the staging (and the
+    write it overlaps)."""
+    if c["checkpoint_blocking_s"] == c["checkpoint_write_s"]:
+        return f"write {c['checkpoint_write_s']:.3g} s"
+    return f"blocking {c['checkpoint_blocking_s']:.3g} s (async; write {c['checkpoint_write_s']:.3g} s)"
+
+
 def _print_plan_notes(console: Any, out: dict[str, Any]) -> None:
     """The lines under ``plan``'s table: the first pick's checkpoint interval, the untested feature pairs, the plot
     and what the columns mean."""
@@ -761,7 +775,7 @@ def _print_plan_notes(console: Any, out: dict[str, Any]) -> None:
         console.print(
             f"#1: checkpoint every {c['checkpoint_interval_steps']:,} steps "
             f"({c['checkpoint_interval_s'] / 60:.0f}"
-            f" min; Young: sqrt(2 x write {c['checkpoint_write_s']:.3g} s x job MTBF "
+            f" min; Young: sqrt(2 x {_blocking_words(c)} x job MTBF "
             f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
             f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
             f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU)."
