@@ -263,6 +263,7 @@ def test_every_field_has_a_feature_and_help():
         "compression",
         "float8",
         "compile",
+        "checkpoint",
     }
     for f in LAYOUT_FIELDS:
         assert f.feature in features and f.help and f.doc.endswith("."), f.name
