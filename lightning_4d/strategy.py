@@ -45,6 +45,7 @@ from lightning_4d.parallel._compat.lightning import (
     optimizers_to_device,
     set_module_device_mesh,
 )
+from lightning_4d.parallel._compat.process import restarted_worker_store
 from lightning_4d.parallel.float8 import precompute_scales, validate_float8
 from lightning_4d.parallel.grad_buffers import GradientBuckets, GradientReduction
 from lightning_4d.parallel.loss import causal_lm_loss
@@ -250,6 +251,26 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         self._tensor_parallel_size = self.parallel_config.tp
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self._device_mesh)
+
+    @override
+    def _setup_distributed(self) -> None:
+        # a worker torchrun restarted (--max-restarts) joins the process group through keys of its own attempt
+        # (_compat.process.restarted_worker_store: torch 2.13's torchrun keeps its store across restarts); Lightning's
+        # own setup then finds the group made
+        store = restarted_worker_store(self._timeout)
+        if store is not None and not torch.distributed.is_initialized():
+            import os
+
+            device = {"device_id": self.root_device} if self.root_device.type != "cpu" else {}
+            torch.distributed.init_process_group(
+                self._backend(),
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=self._timeout,
+                **device,
+            )
+        super()._setup_distributed()
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:

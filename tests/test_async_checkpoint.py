@@ -207,5 +207,7 @@ def test_async_save_stages_before_returning(tmp_path, monkeypatch):
 def test_async_checkpoint_needs_a_sharded_folder():
     with pytest.raises(ValueError, match="async_checkpoint=True is not supported with save_distributed_checkpoint"):
         FourDStrategy(async_checkpoint=True, save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match=r"^async_checkpoint='yes' is not valid: expected True or False.$"):
+        FourDStrategy(async_checkpoint="yes")
     assert FourDStrategy(async_checkpoint=True).async_saves is not None
     assert FourDStrategy().async_saves is None
