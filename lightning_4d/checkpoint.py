@@ -17,11 +17,17 @@ A sharded folder is written atomically: completely into ``<path>.tmp``, then ren
 moved aside first, to ``last.old.ckpt`` for ``last.ckpt``, and removed after), so a crash never leaves a half-written
 checkpoint in place of a good one, and at every moment of a save Lightning's ``ckpt_path="last"`` finds a complete
 folder (``tests/test_checkpoint_faults.py`` crashes a save after each of its file operations).
+
+With ``async_checkpoint=True`` (:class:`AsyncSaves`) the save blocks only while the states are copied to host memory;
+``torch.distributed.checkpoint.async_save`` writes ``<path>.tmp`` on a thread of its own while training goes on, and
+the same rename moves it into place once every rank's write completed (``tests/test_async_checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -61,10 +67,16 @@ def validate_format(config: Any, distributed: bool) -> None:
 
     Raises:
         ValueError: ZeRO 1 (each rank holds its own chunk of the optimizer states), PowerSGD (per-rank
-            error-feedback state) or pp > 1 (no rank holds the whole model), naming the fix.
+            error-feedback state), pp > 1 (no rank holds the whole model) or ``async_checkpoint`` (only the sharded
+            folder is written in the background), naming the fix.
     """
     if distributed:
         return
+    if getattr(config, "async_checkpoint", False):
+        raise ValueError(
+            "async_checkpoint=True is not supported with save_distributed_checkpoint=False: only the sharded folder "
+            "is written in the background. Use save_distributed_checkpoint=True or async_checkpoint=False."
+        )
     if config.zero_stage == 1:
         raise ValueError(
             "save_distributed_checkpoint=False is not supported with zero_stage=1: each rank holds its own chunk of "
@@ -167,16 +179,134 @@ def _unaliased(
     return out
 
 
-def optimizer_state(model: nn.Module, optimizer: Optimizer, distributed: bool) -> Optional[dict[str, Any]]:
+def optimizer_state(
+    model: nn.Module, optimizer: Optimizer, distributed: bool, offload: bool = True
+) -> Optional[dict[str, Any]]:
     """The state of ``optimizer`` to save: a flattened, layout-free DCP optimizer state dict
     (``{"state.<fqn>.<key>": tensor, "param_groups.<fqn>.<hyper-parameter>": value}``) when ``distributed``, else
     ``None`` (Lightning's full state dict applies). ZeRO 1 and master weights (:class:`ShardedOptimizer`) write the
     same form as ZeRO 0/2/3, gathered over dp (:meth:`ShardedOptimizer.gathered_state`; collective), so that any
-    layout can load it."""
+    layout can load it. ``offload=False`` (an asynchronous save: :class:`AsyncSaves` stages the states itself, into
+    pinned memory on CUDA) leaves a plain optimizer's states where they are instead of copying them to the CPU."""
     sharded = ShardedOptimizer.of(unwrap(optimizer))
     if sharded is not None:
         return sharded.gathered_state(param_fqns(model)) if distributed else None
-    return get_optimizer_state_dict(model, unwrap(optimizer), options=_FLAT_OPTIM) if distributed else None
+    options = _FLAT_OPTIM if offload else StateDictOptions(flatten_optimizer_state_dict=True)
+    return get_optimizer_state_dict(model, unwrap(optimizer), options=options) if distributed else None
+
+
+class AsyncSaves:
+    """The background writes of one job's sharded checkpoints (``async_checkpoint=True``), at most one in flight.
+
+    :meth:`start` copies a rank's states into host memory (the part that blocks training: torch's
+    ``DefaultStager``, pinned on CUDA, its buffers kept and reused by the next save), then hands them to
+    ``torch.distributed.checkpoint.async_save``, which writes ``<path>.tmp`` on a thread of its own, its collectives
+    on a gloo process group of its own (:meth:`group`: never interleaved with training's collectives; a CPU group
+    also for a CUDA job, as ``async_save`` requires); torchtitan's ``CheckpointManager`` (``async_mode="async"`` /
+    ``"async_with_pinned_mem"``, ``torchtitan/components/checkpoint.py``) does the same. When rank 0's write
+    completes, DCP's last step has gathered every rank's write results (``_save_state_dict``'s ``all_reduce`` of
+    ``"write"``: it completes only when every rank wrote its shards and rank 0 wrote ``.metadata``), so rank 0 then
+    renames the folder into place (:func:`_rename_into_place`) from that thread: ``last`` never names a partial
+    write. A failed write (on any rank: DCP fails it on every rank) leaves the previous folder in place and is
+    raised by :meth:`wait`.
+
+    Memory: one host copy of the rank's states for as long as the job runs (the stager's buffers).
+
+    Args:
+        timeout: of the gloo group's collectives (a rank that died mid-write fails the others' writes after it).
+        pin_memory: stage into page-locked memory (CUDA jobs).
+    """
+
+    def __init__(self, timeout: Optional[timedelta] = None, pin_memory: bool = False) -> None:
+        self.timeout = timeout
+        self.pin_memory = pin_memory
+        self._group: Optional[Any] = None
+        self._stager: Optional[Any] = None
+        self._pending: Optional[tuple[Path, Future]] = None
+        #: seconds the last :meth:`start` blocked (staging and the hand-over), for the benchmark and logs
+        self.last_blocking_s = 0.0
+
+    @property
+    def pending(self) -> Optional[Path]:
+        """The path of the save in flight (not yet waited for), or ``None``."""
+        return self._pending[0] if self._pending is not None else None
+
+    def group(self) -> Any:
+        """The gloo process group of the background writes, made on first use (collective: every rank of the default
+        group calls it, which :func:`save_sharded`'s callers do)."""
+        if self._group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            kwargs = {"timeout": self.timeout} if self.timeout is not None else {}
+            self._group = torch.distributed.new_group(backend="gloo", **kwargs)
+        return self._group
+
+    def _staging(self) -> Any:
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=self.pin_memory,
+                    use_shared_memory=False,
+                    use_async_staging=False,  # staged before start returns: training may change the states next
+                    use_non_blocking_copy=False,
+                )
+            )
+        return self._stager
+
+    def start(self, state: dict[str, Any], tmp: Path, path: Path, global_rank: int) -> None:
+        """Stage ``state`` (DCP's state dict of :func:`save_sharded`) and write it into ``tmp`` in the background;
+        rank 0 renames ``tmp`` to ``path`` once the write completed on every rank. Waits for the previous save
+        first. Collective (every rank, same paths)."""
+        import time
+
+        from torch.distributed.checkpoint import async_save
+
+        self.wait()
+        begin = time.perf_counter()
+        upload = async_save(state, checkpoint_id=tmp, process_group=self.group(), async_stager=self._staging())
+        done: Future = Future()
+
+        def finish(upload: Future) -> None:  # on the writer's thread (or here, when already done)
+            try:
+                upload.result()
+                if global_rank == 0:
+                    _rename_into_place(tmp, path)
+            except BaseException as e:  # noqa: BLE001 (handed to wait)
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+
+        upload.add_done_callback(finish)
+        self._pending = (path, done)
+        self.last_blocking_s = time.perf_counter() - begin
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and renamed into place on this rank.
+
+        Raises:
+            RuntimeError: the write failed (its cause chained): the checkpoint it was writing does not exist, the
+                previous one at that path is kept (``<path>.tmp`` holds the partial write; the next save removes it).
+        """
+        if self._pending is None:
+            return
+        path, done = self._pending
+        self._pending = None
+        try:
+            done.result()
+        except BaseException as e:
+            raise RuntimeError(
+                f"the asynchronous save of checkpoint {str(path)!r} failed ({_failure(e)}): the previous checkpoint "
+                "at that path is kept"
+            ) from e
+
+    def close(self) -> None:
+        """:meth:`wait`, then free the staging buffers (the end of ``fit``)."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
 
 def save_sharded(
@@ -187,14 +317,24 @@ def save_sharded(
     config: Any = None,
     model: Optional[nn.Module] = None,
     buckets: Optional[Any] = None,
+    saves: Optional[AsyncSaves] = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict: ``state_dict``, ``optimizer_states`` from :func:`optimizer_state`,
     metadata) as a sharded folder at ``path``, atomically (module docstring), with the saving layout ``config``
     (a ``ParallelConfig``, :func:`~lightning_4d.layout.saved_layout`) and PowerSGD's per-rank state when
     ``buckets`` (``GradientBuckets`` of ``model``) compress. Collective: every rank calls it with the same ``path``.
-    ``checkpoint`` is emptied of its state dicts on the way."""
+    ``checkpoint`` is emptied of its state dicts on the way. With ``saves`` (``async_checkpoint=True``) it waits
+    for the previous save, then returns once the states are staged: the shards are written and the folder renamed
+    into place in the background (:class:`AsyncSaves`; ``meta.pt`` and PowerSGD's files are written before it
+    returns).
+
+    Raises:
+        RuntimeError: with ``saves``, the previous asynchronous save failed (:meth:`AsyncSaves.wait`).
+    """
     from torch.distributed.checkpoint import save as dcp_save
 
+    if saves is not None:
+        saves.wait()  # before tmp is cleared: the previous save may be writing the same one
     if buckets is not None and buckets.powersgd is not None and model is not None:
         checkpoint["compression_state"] = buckets.compression_state(param_names(model))
     if config is not None:
@@ -215,6 +355,11 @@ def save_sharded(
             hold_tied_once(opt_state, aliases)
         _masters_into_weights(opt_state, state["state_dict"])
         state[f"optimizer_{idx}"] = opt_state
+    if saves is not None:
+        if global_rank == 0:  # small; the rename waits for the shards anyway
+            torch.save(checkpoint, tmp / LIGHTNING_METADATA_FILENAME)
+        saves.start(state, tmp, path, global_rank)
+        return
     dcp_save(state, checkpoint_id=tmp)
     if global_rank == 0:
         torch.save(checkpoint, tmp / LIGHTNING_METADATA_FILENAME)
@@ -222,6 +367,19 @@ def save_sharded(
     if global_rank == 0:
         _rename_into_place(tmp, path)
     barrier()
+
+
+def _failure(e: BaseException) -> str:
+    """One line for a failed save: ``"<type>: <message>"``, or for DCP's ``CheckpointException`` (its ``failures``:
+    ``{rank: exception or (exception, stack)}``) each failed rank's ``"rank <r>: <type>: <message>"``."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(e).__name__}: {e}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        failure = failure[0] if isinstance(failure, tuple) and failure else failure
+        parts.append(f"rank {rank}: {type(failure).__name__}: {failure}")
+    return "; ".join(parts)
 
 
 def _masters_into_weights(opt_state: Any, model_state: dict[str, Any]) -> None:

@@ -103,8 +103,8 @@ def check_compile(compile: bool, activation_checkpointing: str = "none") -> None
 def check_values(config: "ParallelConfig") -> None:
     """The checks every layout field gets from its declaration (:data:`~lightning_4d.layout.LAYOUT_FIELDS`): a size
     (an int field of ``minimum`` 1) is a positive integer (``data_parallel_size`` also ``"auto"``), a field with
-    ``choices`` is one of them (a bool is not a ZeRO stage). :class:`ParallelConfig` checks the features against each
-    other after these.
+    ``choices`` is one of them (a bool is not a ZeRO stage), a ``bool`` field is ``True`` or ``False``.
+    :class:`ParallelConfig` checks the features against each other after these.
 
     Raises:
         ValueError: the first field (registry order) whose value is not valid, naming it and what would be.
@@ -116,6 +116,8 @@ def check_values(config: "ParallelConfig") -> None:
                 raise ValueError(f"{f.name}={value!r} is not valid: expected one of {list(f.choices)}.")
         elif f.minimum == 1 and f.short in MESH_DIM_NAMES + ("ep", "dp_replicate") and value != "auto":
             check_positive_int(f.name, value)
+        elif f.type is bool and not isinstance(value, bool):
+            raise ValueError(f"{f.name}={value!r} is not valid: expected True or False.")
 
 
 @layout_dataclass

@@ -84,7 +84,7 @@ class LayoutField:
         type: its annotation (the strategy's, which LightningCLI reads; ``Literal`` of the choices).
         default: its default (the same in ``ParallelConfig``, ``FourDStrategy`` and the CLI).
         feature: the parallel feature that owns it (``dp``, ``tp``, ``sp``, ``pp``, ``cp``, ``ep``, ``zero``,
-            ``activation_checkpointing``, ``offload``, ``compression``, ``compile``, ``float8``).
+            ``activation_checkpointing``, ``offload``, ``compression``, ``compile``, ``float8``, ``checkpoint``).
         help: one line, the CLI's help (the docstrings say more: ``doc``).
         doc: its entry in ``ParallelConfig``'s and ``FourDStrategy``'s docstrings (one paragraph, wrapped there).
         choices: the valid values when they are a closed set (checked by :func:`check_values`).
@@ -496,6 +496,25 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         written="set",
         plan_help="only layouts with this expert parallel size (Mixture-of-Experts models; without it the plan "
         "tries every ep that divides dp*cp*tp and num_experts)",
+    ),
+    LayoutField(
+        "async_checkpoint",
+        bool,
+        False,
+        "checkpoint",
+        "write sharded checkpoints in the background: training blocks only while the states are copied to host "
+        "memory (docs/checkpoints.md)",
+        "write sharded checkpoints (``save_distributed_checkpoint=True``) in the background: ``save_checkpoint`` "
+        "blocks only while every rank copies its states to host memory (pinned on CUDA; "
+        "``torch.distributed.checkpoint``'s ``DefaultStager``), then ``torch.distributed.checkpoint.async_save`` "
+        "writes them into ``<path>.tmp`` on a thread of its own while training goes on, and the folder is renamed "
+        "into place only once every rank's write completed: ``last`` never points at a partial write. The next save, "
+        "``remove_checkpoint`` of that path and the end of ``fit`` wait for it; a failed write raises there. Costs "
+        "one host copy of the rank's states (``lightning_4d/checkpoint.py`` ``AsyncSaves``, ``docs/checkpoints.md``). "
+        "Default ``False``.",
+        flags=("--async-checkpoint",),
+        plan_help="plan's checkpoint interval charges only the blocking part of a save (the states' copy to host "
+        "memory; off by default, as in FourDStrategy)",
     ),
 )
 #: the fields by name

@@ -45,6 +45,7 @@ from lightning_4d.parallel._compat.lightning import (
     optimizers_to_device,
     set_module_device_mesh,
 )
+from lightning_4d.parallel._compat.process import restarted_worker_store
 from lightning_4d.parallel.float8 import precompute_scales, validate_float8
 from lightning_4d.parallel.grad_buffers import GradientBuckets, GradientReduction
 from lightning_4d.parallel.loss import causal_lm_loss
@@ -162,6 +163,10 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         self._tied_made = False  # whether _tied_embedding ran (its group is made once per strategy)
         #: host bytes held by ``activation_offload_layers`` (``lightning_4d.parallel.offload.OffloadStats``)
         self.offload_stats = OffloadStats()
+        #: the background writes of ``async_checkpoint=True`` (:class:`lightning_4d.checkpoint.AsyncSaves`)
+        self.async_saves: Optional[_checkpoint.AsyncSaves] = (
+            _checkpoint.AsyncSaves(timeout) if self.parallel_config.async_checkpoint else None
+        )
 
     # ------------------------------------------------------------------ layout
     # the members of lightning_4d.contract.LayoutStrategy: what the task, the callbacks and the meters read
@@ -248,6 +253,26 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         self._tensor_parallel_size = self.parallel_config.tp
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self._device_mesh)
+
+    @override
+    def _setup_distributed(self) -> None:
+        # a worker torchrun restarted (--max-restarts) joins the process group through keys of its own attempt
+        # (_compat.process.restarted_worker_store: torch 2.13's torchrun keeps its store across restarts); Lightning's
+        # own setup then finds the group made
+        store = restarted_worker_store(self._timeout)
+        if store is not None and not torch.distributed.is_initialized():
+            import os
+
+            device = {"device_id": self.root_device} if self.root_device.type != "cpu" else {}
+            torch.distributed.init_process_group(
+                self._backend(),
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=self._timeout,
+                **device,
+            )
+        super()._setup_distributed()
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -424,8 +449,21 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
 
     # ------------------------------------------------------------------ checkpoints (lightning_4d.checkpoint)
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict for a save: Lightning's (copied to the CPU), or under ``async_checkpoint`` left
+        where it is (:class:`~lightning_4d.checkpoint.AsyncSaves` stages it into pinned host memory itself)."""
+        if self.async_saves is None or not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        state = _checkpoint.optimizer_state(self.model, optimizer, self._save_distributed_checkpoint)
+        state = _checkpoint.optimizer_state(
+            self.model, optimizer, self._save_distributed_checkpoint, offload=self.async_saves is None
+        )
         return state if state is not None else super().optimizer_state(optimizer)
 
     @override
@@ -433,11 +471,19 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Save a sharded folder atomically (:func:`lightning_4d.checkpoint.save_sharded`), or one full file
-        (``save_distributed_checkpoint=False``, Lightning's ``ModelParallelStrategy``)."""
+        (``save_distributed_checkpoint=False``, Lightning's ``ModelParallelStrategy``). With ``async_checkpoint``
+        it returns once the states are in host memory; the folder appears when the background write completes
+        (:meth:`wait_for_checkpoint`).
+
+        Raises:
+            RuntimeError: ``async_checkpoint`` and the previous save's background write failed.
+        """
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        if self.async_saves is not None:
+            self.async_saves.pin_memory = self.root_device.type == "cuda"
         _checkpoint.save_sharded(
             checkpoint,
             Path(self.broadcast(str(filepath))),
@@ -446,7 +492,39 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
             self.parallel_config,
             self.model,
             self._buckets,
+            self.async_saves,
         )
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the background write of the last save (``async_checkpoint=True``) is complete and renamed into
+        place on this rank; nothing to do otherwise.
+
+        Raises:
+            RuntimeError: that write failed (the previous checkpoint at its path is kept).
+        """
+        if self.async_saves is not None:
+            self.async_saves.wait()
+
+    @override
+    def remove_checkpoint(self, filepath: PATH) -> None:
+        # ModelCheckpoint removes a checkpoint it no longer keeps: never one still being written
+        if self.async_saves is not None and self.async_saves.pending == Path(filepath):
+            self.async_saves.wait()
+        super().remove_checkpoint(filepath)
+
+    @override
+    def teardown(self) -> None:
+        """Wait for a checkpoint still being written (``async_checkpoint``: the end of ``fit``) and free its
+        staging buffers, then Lightning's teardown.
+
+        Raises:
+            RuntimeError: that write failed (after Lightning's teardown ran).
+        """
+        try:
+            if self.async_saves is not None:
+                self.async_saves.close()
+        finally:
+            super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -480,3 +480,44 @@ ROWS += [
     )
     for name, description, layout, world in _DOCUMENT_MASKING_LAYOUTS
 ]
+
+#: the tests of asynchronous checkpoints (``async_checkpoint=True``) against synchronous saves of the same steps
+ASYNC = "tests/test_async_checkpoint.py::"
+#: why the smoke runner does not exercise them: ``measure`` trains without saving
+_ASYNC_SMOKE_REASON = "measure saves no checkpoint: the CPU tests exercise the background write"
+ROWS += [
+    Row(
+        "async-ckpt-z1",
+        "async_checkpoint, dp2 ZeRO 1: gathered optimizer states staged and written in the background, bitwise the "
+        "synchronous save; the next save waits; a failed write keeps last.ckpt",
+        {"dp": 2, "zero_stage": 1, "precision": "32-true", "async_checkpoint": True},
+        cpu_tests=(
+            ASYNC + "test_async_save_writes_bitwise_what_a_sync_save_writes",
+            ASYNC + "test_next_save_waits_for_the_previous_and_training_runs_meanwhile",
+            ASYNC + "test_a_failed_write_keeps_the_previous_checkpoint_and_last",
+        ),
+        smoke_skip=_ASYNC_SMOKE_REASON,
+    ),
+    Row(
+        "async-ckpt-z3",
+        "async_checkpoint, dp2 ZeRO 3: FSDP2's DTensor shards staged and written in the background",
+        {"dp": 2, "zero_stage": 3, "precision": "32-true", "async_checkpoint": True},
+        cpu_tests=(ASYNC + "test_async_save_writes_bitwise_what_a_sync_save_writes",),
+        smoke_skip=_ASYNC_SMOKE_REASON,
+    ),
+    Row(
+        "async-ckpt-tp2",
+        "async_checkpoint, tp2 ZeRO 1: tensor-parallel DTensors staged and written in the background",
+        {"tp": 2, "zero_stage": 1, "precision": "32-true", "async_checkpoint": True},
+        cpu_tests=(ASYNC + "test_async_save_writes_bitwise_what_a_sync_save_writes",),
+        smoke_skip=_ASYNC_SMOKE_REASON,
+    ),
+    Row(
+        "async-ckpt-auto-resume",
+        "async_checkpoint, dp2 x tp2 ZeRO 1 under torchrun --max-restarts 1: a rank killed mid-run, fit --ckpt_path "
+        "last resumes from the newest complete checkpoint with the straight run's losses",
+        {"dp": 2, "tp": 2, "zero_stage": 1, "precision": "32-true", "async_checkpoint": True},
+        cpu_tests=("tests/test_auto_resume.py::test_killed_rank_restarts_under_torchrun_and_resumes_from_last",),
+        smoke_skip=_ASYNC_SMOKE_REASON,
+    ),
+]

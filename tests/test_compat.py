@@ -617,3 +617,31 @@ def test_process_group_count_counts_new_groups(single_rank_group):
     assert before >= 1  # the default group
     torch.distributed.new_group([0])
     assert process_group_count() == before + 1
+
+
+def test_restarted_worker_store_keys_are_the_attempts_own(monkeypatch):
+    """A worker torchrun restarted gets the agent's store under ``/lightning_4d/attempt_<n>/`` (torch 2.13's
+    ``_create_c10d_store`` no longer prefixes per attempt while the agent keeps its store); the first attempt and other
+    launchers get ``None`` (the default rendezvous)."""
+    from datetime import timedelta
+
+    from lightning_4d.parallel._compat.process import restarted_worker_store
+
+    agent = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False
+    )  # the agent's
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "WORLD_SIZE": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restarted_worker_store(timedelta(seconds=10)) is None  # not torchrun's agent store
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert restarted_worker_store(timedelta(seconds=10)) is None  # the first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    agent.set("rank_0", "stale address of an earlier attempt")
+    store = restarted_worker_store(timedelta(seconds=10))
+    store.set("rank_0", "fresh")
+    assert agent.get("/lightning_4d/attempt_2/rank_0") == b"fresh"
+    assert agent.get("rank_0") == b"stale address of an earlier attempt"

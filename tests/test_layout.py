@@ -50,6 +50,7 @@ EXAMPLE = dict(
     pipeline_comm_dtype="bfloat16",
     expert_parallel_size=1,
     float8=None,
+    async_checkpoint=True,
 )
 
 
@@ -263,6 +264,7 @@ def test_every_field_has_a_feature_and_help():
         "compression",
         "float8",
         "compile",
+        "checkpoint",
     }
     for f in LAYOUT_FIELDS:
         assert f.feature in features and f.help and f.doc.endswith("."), f.name

@@ -9,7 +9,12 @@ import pytest
 
 from lightning_4d.cli import main
 from lightning_4d.models.llama_config import LlamaConfig
-from lightning_4d.planning.reliability import DEFAULT_MTBF_GPU_HOURS, checkpoint_bytes, checkpoint_interval
+from lightning_4d.planning.reliability import (
+    DEFAULT_MTBF_GPU_HOURS,
+    async_blocking_seconds,
+    checkpoint_bytes,
+    checkpoint_interval,
+)
 
 PLAN = ["plan", "--model", "llama3-8b", "--num-gpus", "64", "--seq-length", "4096", "--global-batch-size", "128"]
 
@@ -49,6 +54,7 @@ def test_plan_json_has_the_checkpoint_interval_of_every_layout(capsys):
     for c in out["layouts"]:
         assert c["checkpoint_interval_steps"] == max(1, round(c["checkpoint_interval_s"] / c["step_time"]))
         assert c["checkpoint_interval_s"] == pytest.approx(math.sqrt(2 * c["checkpoint_write_s"] * c["job_mtbf_s"]))
+        assert c["checkpoint_blocking_s"] == c["checkpoint_write_s"]  # synchronous saves block for the whole write
         assert c["job_mtbf_s"] == pytest.approx(20000 * 3600 / 64)
     assert main(PLAN + ["--top", "1"]) == 0
     assert "checkpoint every" in capsys.readouterr().out
@@ -56,6 +62,46 @@ def test_plan_json_has_the_checkpoint_interval_of_every_layout(capsys):
         with pytest.raises(SystemExit) as info:
             main(PLAN + bad)
         assert info.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_async_checkpoint_charges_only_the_staging_by_hand():
+    """``async_checkpoint``: a save blocks for the GPU's states over its host link (C_b), Young's interval uses C_b,
+    never below the write's C (a save would wait for the previous one), and a failure also redoes the write still in
+    flight (C - C_b)."""
+    from types import SimpleNamespace
+
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    n = cfg.num_parameters()
+    zero1 = SimpleNamespace(tp=2, pp=2, dp=16, cp=1, zero_stage=1)  # ZeRO 1 gathers its chunks for the save
+    zero3 = SimpleNamespace(tp=2, pp=2, dp=16, cp=1, zero_stage=3)
+    assert async_blocking_seconds(cfg, zero1, 64e9) == pytest.approx(14 * n / 4 / 64e9)
+    assert async_blocking_seconds(cfg, zero3, 64e9) == pytest.approx(14 * n / 64 / 64e9)
+    sync = checkpoint_interval(cfg, 64, 8, 2.0, checkpoint_write_gbps=5.0, mtbf_gpu_hours=10_000.0)
+    blocking = async_blocking_seconds(cfg, zero3, 64e9)
+    got = checkpoint_interval(cfg, 64, 8, 2.0, checkpoint_write_gbps=5.0, mtbf_gpu_hours=10_000.0, blocking_s=blocking)
+    write, mtbf = 14 * n / (8 * 5e9), 10_000 * 3600 / 64
+    tau = math.sqrt(2 * blocking * mtbf)
+    assert tau > write and got.blocking_s == blocking and got.write_s == pytest.approx(write)
+    assert got.interval_s == pytest.approx(tau) and got.interval_s < sync.interval_s
+    assert got.lost_fraction == pytest.approx(blocking / tau + (tau / 2 + write - blocking) / mtbf)
+    assert got.lost_fraction < sync.lost_fraction
+    # a blocking part so small that Young's interval would be shorter than the write: the write bounds it
+    tiny = checkpoint_interval(cfg, 64, 8, 2.0, checkpoint_write_gbps=5.0, mtbf_gpu_hours=10_000.0, blocking_s=1e-9)
+    assert tiny.interval_s == pytest.approx(write)
+    with pytest.raises(ValueError, match="host_bandwidth=0"):
+        async_blocking_seconds(cfg, zero3, 0)
+
+
+def test_plan_async_checkpoint_uses_the_blocking_part(capsys):
+    assert main(PLAN + ["--top", "2", "--json", "--async-checkpoint"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["async_checkpoint"] is True
+    for c in out["layouts"]:
+        assert 0 < c["checkpoint_blocking_s"] < c["checkpoint_write_s"]
+        young = math.sqrt(2 * c["checkpoint_blocking_s"] * c["job_mtbf_s"])
+        assert c["checkpoint_interval_s"] == pytest.approx(max(young, c["checkpoint_write_s"]))
+    assert main(PLAN + ["--top", "1", "--async-checkpoint"]) == 0
+    assert "(async; write" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -524,6 +524,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "expert_load_imbalance": check_expert_load_imbalance(args.expert_load_imbalance),
         **search.considered(),
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
+        "async_checkpoint": args.async_checkpoint,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
         "layouts": [_plan_row(args, cfg, c, untested_pairs, gpu) for c in rows],
     }
@@ -541,9 +542,11 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
 
 def _search_of(args: argparse.Namespace, fixed: dict[str, int]) -> Search:
     """The :class:`~lightning_4d.planning.workload.Search` ``plan``'s options ask for: the sizes kept ``fixed`` and
-    plan's switches (its layout options of type bool, declared in :data:`~lightning_4d.layout.LAYOUT_FIELDS`, each
-    a field of ``Search`` by the same name)."""
-    switches = {f.name: getattr(args, f.option_dest) for f in LAYOUT_FIELDS if f.plan_help and f.type is bool}
+    plan's switches (its layout options of type bool that the planner enumerates, declared in
+    :data:`~lightning_4d.layout.LAYOUT_FIELDS`, each a field of ``Search`` by the same name)."""
+    switches = {
+        f.name: getattr(args, f.option_dest) for f in LAYOUT_FIELDS if f.plan_help and f.type is bool and f.planned
+    }
     return Search(fixed=fixed, **switches)
 
 
@@ -576,7 +579,7 @@ def _plan_row(
     (:func:`lightning_4d.planning.reliability.checkpoint_interval`), the feature pairs no CPU test runs together and,
     for a layout with hybrid sharding, the predicted step of the same layout with flat ZeRO
     (``flat_zero_step_time``, seconds; ``None`` without HSDP)."""
-    from lightning_4d.planning.reliability import checkpoint_interval
+    from lightning_4d.planning.reliability import async_blocking_seconds, checkpoint_interval
     from lightning_4d.planning.step_time import model_dims, step_time_of
 
     flat = None
@@ -585,6 +588,7 @@ def _plan_row(
         kw = dict(seq_length=args.seq_length, gpu=gpu, gpus_per_node=args.gpus_per_node)
         flat = step_time_of(model_dims(cfg), same, **kw).total
 
+    blocking = async_blocking_seconds(cfg, c, gpu.host_bandwidth, args.precision) if args.async_checkpoint else None
     ckpt = checkpoint_interval(
         cfg,
         args.num_gpus,
@@ -593,12 +597,14 @@ def _plan_row(
         precision=args.precision,
         checkpoint_write_gbps=args.checkpoint_write_gbps,
         mtbf_gpu_hours=args.mtbf_gpu_hours,
+        blocking_s=blocking,
     )
     return {
         **c.to_dict(),
         "checkpoint_interval_s": ckpt.interval_s,
         "checkpoint_interval_steps": ckpt.interval_steps,
         "checkpoint_write_s": ckpt.write_s,
+        "checkpoint_blocking_s": ckpt.blocking_s,
         "checkpoint_lost_fraction": ckpt.lost_fraction,
         "job_mtbf_s": ckpt.mtbf_s,
         "checkpoint_bytes": ckpt.checkpoint_bytes,
@@ -777,6 +783,14 @@ def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
     ]
 
 
+def _blocking_words(c: dict[str, Any]) -> str:
+    """What a save of the plan row ``c`` blocks: the write, or with ``--async-checkpoint`` the staging (and the
+    write it overlaps)."""
+    if c["checkpoint_blocking_s"] == c["checkpoint_write_s"]:
+        return f"write {c['checkpoint_write_s']:.3g} s"
+    return f"blocking {c['checkpoint_blocking_s']:.3g} s (async; write {c['checkpoint_write_s']:.3g} s)"
+
+
 def _print_plan_notes(console: Any, out: dict[str, Any]) -> None:
     """The lines under ``plan``'s table: the first pick's checkpoint interval, the untested feature pairs, the plot
     and what the columns mean."""
@@ -785,7 +799,7 @@ def _print_plan_notes(console: Any, out: dict[str, Any]) -> None:
         console.print(
             f"#1: checkpoint every {c['checkpoint_interval_steps']:,} steps "
             f"({c['checkpoint_interval_s'] / 60:.0f}"
-            f" min; Young: sqrt(2 x write {c['checkpoint_write_s']:.3g} s x job MTBF "
+            f" min; Young: sqrt(2 x {_blocking_words(c)} x job MTBF "
             f"{c['job_mtbf_s'] / 3600:.1f} h)), ~{100 * c['checkpoint_lost_fraction']:.1f}% of the time "
             f"lost to writing and redone work (at {out['checkpoint_write_gbps']:g} GB/s per node, "
             f"{out['mtbf_gpu_hours']:,.0f} GPU-hours MTBF per GPU)."

@@ -1,9 +1,15 @@
-"""The process: leaving it without interpreter finalization, and recording its CUDA allocator's events."""
+"""The process: leaving it without interpreter finalization, recording its CUDA allocator's events, and the store of a
+worker torchrun restarted."""
 
 from __future__ import annotations
 
 import atexit
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, Optional
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from torch.distributed import Store
 
 
 def exit_distributed_process(code: int = 0) -> NoReturn:
@@ -68,3 +74,31 @@ def process_group_count() -> int:
     from torch.distributed import distributed_c10d
 
     return len(distributed_c10d._world.pg_map)
+
+
+def restarted_worker_store(timeout: "timedelta") -> Optional["Store"]:
+    """A store of this torchrun attempt's own for ``init_process_group`` in a worker torchrun restarted
+    (``--max-restarts``: ``TORCHELASTIC_RESTART_COUNT`` > 0, with torchrun's agent store); ``None`` otherwise (the
+    first attempt, or another launcher: the default ``env://`` rendezvous applies).
+
+    Why: torchrun (torch 2.13, ``--standalone`` / c10d rendezvous) hands its workers the agent's ``TCPStore``
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), and ``torch.distributed.rendezvous._create_c10d_store`` no longer prefixes
+    the keys per attempt ("We create a new TCPStore for every retry"), yet the agent keeps the same store across
+    restarts: a restarted gloo rank reads the previous attempt's peer addresses and fails ("Gloo connectFullMesh
+    failed ... Connection refused"; measured with a plain 4-rank ``init_process_group("gloo")`` script whose rank 1
+    exits once). Keys prefixed by the attempt (``/lightning_4d/attempt_<n>/``, as earlier torch versions did with
+    ``/worker/attempt_<n>``) are fresh on every restart.
+
+    Args:
+        timeout: the store's timeout (the process group's).
+    """
+    import os
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == 0:
+        return None
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, False, timeout=timeout)
+    return PrefixStore(f"/lightning_4d/attempt_{restart}", store)
