@@ -340,6 +340,7 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "optimizer states on the host and gathers each unit onto the device for compute. Needs ZeRO 1, 2 or 3. "
         "Default ``False``; ``docs/memory.md``.",
         flags=("--optimizer-offload",),
+        planned=True,
         written="set",
         implied=False,
     ),
