@@ -569,6 +569,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "tensor_parallel_overlap_considered": args.tensor_parallel_overlap,
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
+        "host_memory": args.host_memory,
         "layouts": [_plan_row(args, cfg, c, untested_pairs) for c in rows],
     }
     if args.plot:
@@ -599,7 +600,7 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, fixed: dict[str, int],
         expert_load_imbalance=args.expert_load_imbalance,
     )
     search = Search(fixed=fixed, tensor_parallel_overlap=args.tensor_parallel_overlap, compile=args.compile)
-    return plan(job, search, budget=args.budget, formula=args.formula, **kw)
+    return plan(job, search, budget=args.budget, formula=args.formula, host_memory=args.host_memory, **kw)
 
 
 def _plan_row(
@@ -756,11 +757,34 @@ def _print_plan(out: dict[str, Any]) -> None:
     console.print(table)
     if not out["layouts"]:
         console.print("No layout fits: use more GPUs, a shorter sequence, or a larger GPU.")
+    _print_optimizer_offload(console, out)
     for i, c in enumerate(out["layouts"], 1):
         if c["pipeline_layer_split"]:
             console.print(f"#{i}: pipeline_layer_split={c['pipeline_layer_split']}")
             break
     _print_plan_notes(console, out)
+
+
+def _print_optimizer_offload(console: Any, out: dict[str, Any]) -> None:
+    """Under ``plan``'s table, when its layouts keep the optimizer states on the host (no layout fits without): say
+    so, and the host memory per node each needs."""
+    offloaded = [(i, c) for i, c in enumerate(out["layouts"], 1) if c.get("optimizer_offload")]
+    if not offloaded:
+        return
+    needs = ", ".join(f"#{i} {c['host_memory'] / GIB:,.0f} GiB" for i, c in offloaded)
+    console.print(
+        "No layout fits with the optimizer states on the GPUs: these keep them on the host "
+        f"(FourDStrategy(optimizer_offload=True): fp32 masters and Adam's m, v in host memory, the step on the CPU; "
+        f"docs/memory.md). Host memory per node ({out['gpus_per_node']} GPUs): {needs}"
+        + (
+            f" (within {100 * out['budget']:.0f}% of --host-memory)."
+            if out.get("host_memory")
+            else "; check it against your nodes with --host-memory."
+        ),
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
+    )
 
 
 def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
@@ -783,7 +807,7 @@ def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
         str(c["expert_parallel_size"]),
         str(c["micro_batch_size"]),
         str(c["num_microbatches"]),
-        str(c["zero_stage"]),
+        str(c["zero_stage"]) + (" offload" if c.get("optimizer_offload") else ""),
         c["activation_checkpointing"],
         "-"
         if c["tp"] == 1
