@@ -773,7 +773,9 @@ def model_state_tensors(
         from lightning_4d.parallel.fsdp import reduced_by_fsdp
 
         hosted = [
-            t for optimizer in optimizers if (so := ShardedOptimizer.of(unwrap_optimizer(optimizer))) is not None
+            t
+            for optimizer in optimizers
+            if (so := ShardedOptimizer.of(unwrap_optimizer(optimizer))) is not None
             for t in so.host_tensors()
         ]
         fsdp = [p for p in params if reduced_by_fsdp(p)]

@@ -4,7 +4,7 @@
 - training (``tests/scripts/run_layouts.py``, key ``optoffload``), float32, 10 AdamW steps on CPU with gloo: per-step
   losses within 1e-5 relative of the single-process plain-Lightning run and final weights within
   ``tests/test_parity.py``'s measured bound, at ZeRO 1 (clipped: the global norm of the device buckets before the
-  copy) and ZeRO 3 (FSDP2's ``CPUOffloadPolicy``) on dp2, and with pp2 (world 4);
+  copy) and ZeRO 3 (FSDP2's ``CPUOffloadPolicy``) on dp2, with pp2 and with tp2 (clipped; world 4);
 - the states are separate host tensors: no storage shared with the parameters or the gradient buckets, on the CPU,
   and their bytes are the memory model's host bytes of the rank exactly (``ModelStates.host``);
 - ``lightning-4d measure`` of one offload rank: device and host bytes within 5% of the estimate;
@@ -30,6 +30,8 @@ WORLD2 = [
 WORLD4 = [
     {"pp": 2, "dp": 2, "zero": 1, "m": 2, "optoffload": True},
     {"pp": 2, "dp": 2, "zero": 3, "m": 2, "optoffload": True},
+    {"dp": 2, "tp": 2, "zero": 1, "optoffload": True, **CLIP},
+    {"dp": 2, "tp": 2, "zero": 3, "optoffload": True, **CLIP},
 ]
 
 
@@ -67,10 +69,11 @@ def _check_host_states(result) -> None:
     tensors sharing no storage with the parameters or the gradient buckets, and their bytes are the memory model's
     host bytes of that rank; the device-side model states are the model's too."""
     layout, ranks, _ = result
-    dp, pp = layout.get("dp", 1), layout.get("pp", 1)
+    dp, pp, tp = layout.get("dp", 1), layout.get("pp", 1), layout.get("tp", 1)
     pc = ParallelConfig(
         data_parallel_size=dp,
         pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
         zero_stage=layout["zero"],
         optimizer_offload=True,
         num_microbatches=layout.get("m"),
@@ -78,8 +81,8 @@ def _check_host_states(result) -> None:
     cfg = LlamaConfig.from_preset("tiny-test")
     for r in ranks:
         rank = r["rank"]
-        dp_rank, pp_rank = rank % dp, rank // dp
-        est = model_state_bytes(cfg, pc, "32-true", pp_rank=pp_rank, dp_cp_rank=dp_rank)
+        tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)  # mesh (pp, dp, cp, tp)
+        est = model_state_bytes(cfg, pc, "32-true", pp_rank=pp_rank, dp_cp_rank=dp_rank, tp_rank=tp_rank)
         offload = r["bytes"]["offload"]
         assert offload["shared_storages"] == 0, (layout, rank, offload)
         assert offload["state_devices"] == ["cpu"] and offload["num_states"] > 0, (layout, rank, offload)
@@ -107,7 +110,9 @@ def test_measure_of_an_offload_rank_equals_the_estimate(zero, precision):
     ratio = _states_exact_peak_ratio(out)
     rows = {r["component"]: r for r in out["rows"]}
     host, host_peak = rows["host: model states"], rows["host: peak"]
-    print(f"\nZeRO {zero} {precision}: device {ratio:.4f}, host {host['ratio']:.4f}, host peak {host_peak['ratio']:.4f}")
+    print(
+        f"\nZeRO {zero} {precision}: device {ratio:.4f}, host {host['ratio']:.4f}, host peak {host_peak['ratio']:.4f}"
+    )
     assert abs(ratio - 1) <= 0.05 and host["estimated"] == host["measured"] > 0
     assert abs(host_peak["ratio"] - 1) <= 0.05
 
