@@ -154,6 +154,87 @@ def _kwargs(pc: ParallelConfig) -> dict:
     return {f.name: getattr(pc, f.name) for f in fields(pc)}
 
 
+@pytest.mark.parametrize("host_memory, refused", [("64GiB", True), ("256GiB", False)])
+def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memory, refused):
+    """The pre-fit check counts the host side of optimizer offload: llama3-8b dp8 ZeRO 1 ``bf16-mixed`` at 1 x 4096
+    with full checkpointing holds the estimate's ``host`` per rank (14.96 GiB: the owned slices' masters, gradients
+    and m, v), x 8 processes per node: refused against 64 GiB of host memory (budget 80%), accepted against 256 GiB;
+    the device side fits either way."""
+    from types import SimpleNamespace
+
+    from lightning_4d.memory_check import MemoryBudgetExceeded, MemoryEstimatorCallback
+    from tests._fakes import FakeLayoutStrategy
+
+    job = ParallelConfig(data_parallel_size=8, activation_checkpointing="full", optimizer_offload=True)
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    host = estimate_memory(Workload(cfg, 1, 4096), job).host
+    assert host == model_state_bytes(cfg, job).host > 14 * 2**30
+    callback = MemoryEstimatorCallback(device_memory="80GiB", host_memory=host_memory)
+    monkeypatch.setattr(callback, "_device", lambda trainer: (80 * 2**30, "NVIDIA H100 80GB HBM3", "cuda"))
+    trainer = SimpleNamespace(
+        strategy=FakeLayoutStrategy(parallel_config=job),
+        precision="bf16-mixed",
+        datamodule=SimpleNamespace(micro_batch_size=1, seq_length=4096),
+        accumulate_grad_batches=1,
+        num_devices=8,
+    )
+    module = SimpleNamespace(model_config=cfg)
+    if refused:
+        expected = (
+            rf"optimizer offload would hold {8 * host / 2**30:.2f} GiB of host memory per node "
+            rf"\({host / 2**30:.2f} GiB per rank x 8 processes\).*optimizer_offload=True"
+        )
+        with pytest.raises(MemoryBudgetExceeded, match=expected) as info:
+            callback.setup(trainer, module, "fit")
+        assert "\n" not in str(info.value)
+    else:
+        callback.setup(trainer, module, "fit")
+        assert callback.estimate.host == host
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_step_time_charges_the_host_step_and_the_copies(zero):
+    """The optimizer term under offload: the device's AdamW step replaced by the host's (the owned parameters at
+    ``CPU_ADAMW_BYTES_PER_SECOND`` x ``HOST_THREADS_PER_RANK``) plus the host-link copies (ZeRO 1: 8 bytes per owned
+    parameter, exposed); every other term unchanged."""
+    from dataclasses import replace
+
+    from lightning_4d.planning import optimizer_offload_costs as costs
+    from lightning_4d.planning.hardware import GPU_PRESETS
+    from lightning_4d.planning.rates import COLLECTIVE_EFFICIENCY
+    from lightning_4d.planning.step_time import predict_step_time
+
+    cfg, gpu = LlamaConfig.from_preset("llama3-8b"), GPU_PRESETS["H100-80GB"]
+    pc = ParallelConfig(data_parallel_size=8, zero_stage=zero)
+    off = predict_step_time(cfg, pc, 1, 4, 4096, gpu, 8)
+    on = predict_step_time(cfg, replace(pc, optimizer_offload=True), 1, 4, 4096, gpu, 8)
+    assert replace(on, optimizer=0.0) == replace(off, optimizer=0.0)
+    owned = cfg.num_parameters() / 8  # the step-time model counts the layers' matrices and the vocabulary: ~1e-4 less
+    host = costs.host_step_seconds(owned)
+    assert host == owned * 28 / (costs.CPU_ADAMW_BYTES_PER_SECOND * costs.HOST_THREADS_PER_RANK)
+    assert on.optimizer > host > off.optimizer
+    if zero == 1:
+        copies = owned * 8 / (COLLECTIVE_EFFICIENCY * gpu.host_bandwidth)
+        assert on.optimizer == pytest.approx(host + copies, rel=1e-3)
+
+
+def test_plan_proposes_optimizer_offload_when_nothing_else_fits():
+    """llama3-8b on 4 A10s (24 GiB) at 2,048 tokens, global batch 8: no layout fits with the states on the GPUs; the
+    plan lists layouts with optimizer offload, each with the host memory per node it needs (the 16 bytes per
+    parameter of 8 B parameters over the node's 4 ranks: 119.7 GiB), and drops them against too little host
+    memory."""
+    from lightning_4d.planning.hardware import GPU_PRESETS
+    from lightning_4d.planning.planner import plan
+    from lightning_4d.planning.workload import Job
+
+    job = Job(LlamaConfig.from_preset("llama3-8b"), 4, 4, 2048, 8, GPU_PRESETS["A10"], "bf16-mixed")
+    found = plan(job, top=3)
+    assert found and all(c.optimizer_offload and c.fits and c.zero_stage >= 1 for c in found)
+    assert all(119 * 2**30 < c.host_memory < 120 * 2**30 for c in found)
+    assert found[0].parallel_config().optimizer_offload is True
+    assert not plan(job, top=3, host_memory=64 * 2**30)  # 80% of 64 GiB < 119.7 GiB
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
