@@ -149,6 +149,7 @@ class ParallelConfig:
             feature.check(self)
         self._check_offload()
         self._check_hsdp()
+        self._check_optimizer_offload()
         check_compile(self.compile, self.activation_checkpointing)
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             # sequence parallelism is a property of a tp group: with tp=1 there is nothing to shard
@@ -196,6 +197,16 @@ class ParallelConfig:
                 f"data_parallel_replicate_size={r} does not divide data_parallel_size={self.data_parallel_size}: dp "
                 f"is replicate x shard. Valid data_parallel_replicate_size values: "
                 f"{divisors(int(self.data_parallel_size))}."
+            )
+
+    def _check_optimizer_offload(self) -> None:
+        """``optimizer_offload`` needs a ZeRO stage that shards the optimizer states (1, 2 or 3)."""
+        if self.optimizer_offload is not True and self.optimizer_offload is not False:
+            raise ValueError(f"optimizer_offload={self.optimizer_offload!r} is not valid: expected True or False.")
+        if self.optimizer_offload and self.zero_stage == 0:
+            raise ValueError(
+                "optimizer_offload=True is not valid with zero_stage=0: every dp rank would hold all of Adam's states "
+                "on the host (dp copies per node). Use zero_stage 1, 2 or 3 with it, or optimizer_offload=False."
             )
 
     def _check_offload(self) -> None:

@@ -330,6 +330,26 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         minimum=0,
     ),
     LayoutField(
+        "optimizer_offload",
+        bool,
+        False,
+        "offload",
+        "optimizer states on the host: fp32 masters and Adam's m, v in host memory, the step on the CPU (ZeRO 1-3; "
+        "docs/memory.md)",
+        "keep the optimizer's states in host memory and run its step on the CPU with torch's own AdamW (ZeRO-Offload, "
+        "Ren et al. 2021, arXiv 2101.06840): at ZeRO 1 this rank's owned slice of every bucket has a host copy (the "
+        "float32 master, or the parameter's float32 copy) and a host gradient, Adam's m and v live beside it, the "
+        "averaged gradient slice is copied to the host (non-blocking, into pinned memory on CUDA) and the updated "
+        "slice copied back before the all-gather (``lightning_4d/parallel/optimizer_offload.py``); at ZeRO 2/3 "
+        "FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters (the masters), their gradients and so the "
+        "optimizer states on the host and gathers each unit onto the device for compute. Needs ZeRO 1, 2 or 3. "
+        "Default ``False``; ``docs/memory.md``.",
+        flags=("--optimizer-offload",),
+        planned=True,
+        written="set",
+        implied=False,
+    ),
+    LayoutField(
         "pipeline_schedule",
         Literal[PIPELINE_SCHEDULES],
         "1f1b",

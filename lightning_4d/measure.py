@@ -118,9 +118,14 @@ class LiveTensorBytes(TorchDispatchMode):
     way, outside any op) is followed while the mode is entered. Storages alive before the mode are not counted:
     enter it before anything of the run is allocated.
 
+    Host and device on one CPU (``optimizer_offload``): a storage made inside
+    :func:`lightning_4d.parallel.optimizer_offload.host_allocations`, or named by :meth:`mark_host` at any time of
+    its life, is host memory; :meth:`split_peaks` replays every change to give the device's peak without them and
+    the host's peak of them alone.
+
     Attributes:
         current: bytes alive now.
-        peak: the largest ``current`` seen (bytes).
+        peak: the largest ``current`` seen (bytes), host storages included.
     """
 
     def __init__(self, device_type: str = "cpu") -> None:
@@ -130,24 +135,52 @@ class LiveTensorBytes(TorchDispatchMode):
         self.device_type = device_type
         self.current = 0
         self.peak = 0
-        self._sizes: Any = WeakIdKeyDictionary()  # storage -> [bytes]
+        self._sizes: Any = WeakIdKeyDictionary()  # storage -> [bytes, key]
         self._resize: Any = None
+        self._events: list[tuple[int, int]] = []  # (key of the storage, change of its bytes), in order
+        self._host: set[int] = set()  # keys of the host storages
 
-    def _add(self, delta: int) -> None:
+    def _add(self, delta: int, key: int) -> None:
         self.current += delta
         self.peak = max(self.peak, self.current)
+        self._events.append((key, delta))
 
     def _release(self, holder: list) -> None:
         self.current -= holder[0]
+        self._events.append((holder[1], -holder[0]))
 
     def track(self, st: Any) -> None:
         """Count storage ``st`` (once) until it is freed."""
+        from lightning_4d.parallel.optimizer_offload import allocating_on_host
+
         if st.device.type != self.device_type or st in self._sizes:
             return
-        holder = [st.nbytes()]
+        holder = [st.nbytes(), len(self._events)]  # the key: one event per storage tracked, so unique
         self._sizes[st] = holder
+        if allocating_on_host():
+            self._host.add(holder[1])
         weakref.finalize(st, self._release, holder)
-        self._add(holder[0])
+        self._add(holder[0], holder[1])
+
+    def mark_host(self, tensors: Iterable[Optional[Tensor]]) -> None:
+        """The storages of ``tensors`` (their local shards) are host memory for their whole life."""
+        for t in _wrapped_leaves(tensors):
+            holder = self._sizes.get(t.untyped_storage())
+            if holder is not None:
+                self._host.add(holder[1])
+
+    def split_peaks(self) -> tuple[int, int]:
+        """``(device peak, host peak)``: the largest bytes alive at once of the storages that are not host memory,
+        and of those that are (each replayed from the start)."""
+        device = host = device_peak = host_peak = 0
+        for key, delta in self._events:
+            if key in self._host:
+                host += delta
+                host_peak = max(host_peak, host)
+            else:
+                device += delta
+                device_peak = max(device_peak, device)
+        return device_peak, host_peak
 
     def __enter__(self) -> "LiveTensorBytes":
         resize = torch.UntypedStorage.resize_
@@ -159,7 +192,7 @@ class LiveTensorBytes(TorchDispatchMode):
             if holder is None:
                 tracker.track(st)
             else:
-                tracker._add(size - holder[0])
+                tracker._add(size - holder[0], holder[1])
                 holder[0] = size
             return out
 
@@ -303,7 +336,10 @@ def fit_and_measure(
 
     Returns:
         ``{"peak_allocated": bytes, "peak_reserved": bytes (CUDA; None on CPU), "parameters", "gradients",
-        "optimizer_states", "master_weights", "host_offloaded"}`` (bytes; the optimizer states include the master
+        "optimizer_states", "master_weights", "host", "host_peak", "host_offloaded"}`` (bytes; with
+        ``optimizer_offload`` the model-state kinds are the device's, ``host`` the host's model states and
+        ``host_peak`` the most host memory the run held at once (on CPU: :meth:`LiveTensorBytes.split_peaks`, the
+        peak is then the device storages'; on CUDA the host model states); the optimizer states include the master
         weights and PowerSGD's state, as :class:`~lightning_4d.planning.model.ModelStates` counts them;
         ``host_offloaded``: the most host memory ``activation_offload_layers`` held at once during the run;
         ``cuda_library``: on CUDA, the bytes allocated before the fit once CUDA's libraries have run
@@ -323,14 +359,19 @@ def fit_and_measure(
         library = cuda_library_bytes()
         torch.cuda.reset_peak_memory_stats()
     with tracker:
-        callbacks = [_state_bytes_callback(states), *(callbacks or [])]
+        offload = pc.optimizer_offload
+        callbacks = [_state_bytes_callback(states, tracker if not cuda else None, offload), *(callbacks or [])]
         _fit(workload, pc, steps, device, {"strategy": strategy, "callbacks": callbacks, **(trainer_kwargs or {})})
     if cuda:
         torch.cuda.synchronize()
         out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+    elif pc.optimizer_offload:  # host and device are one memory here: the host storages apart
+        device_peak, host_peak = tracker.split_peaks()
+        out = {"peak_allocated": device_peak, "peak_reserved": None, "host_peak": host_peak}
     else:
         out = {"peak_allocated": tracker.peak, "peak_reserved": None}
     out.update(states)
+    out.setdefault("host_peak", out.get("host", 0))  # CUDA: the host model states' bytes
     layout = layout_strategy(strategy)
     out["host_offloaded"] = layout.offload_stats.peak if layout is not None else 0
     out["cuda_library"] = library
@@ -396,25 +437,32 @@ def _gradient_buckets(trainer: Any) -> Any:
     return layout.gradient_buckets if layout is not None else None
 
 
-def _state_bytes_callback(states: dict[str, int]) -> Any:
+def _state_bytes_callback(states: dict[str, int], tracker: Any = None, offload: bool = False) -> Any:
     """A Lightning callback that fills ``states`` with this rank's model-state bytes (:func:`model_state_tensors`,
     :func:`local_bytes`) once: ``parameters`` and ``gradients`` before the first optimizer step,
     ``optimizer_states`` (with the master weights and PowerSGD's state, as the estimate counts them) and
-    ``master_weights`` after the first batch."""
+    ``master_weights`` after the first batch. With ``offload`` (``optimizer_offload``) the device's kinds and
+    ``host`` (:func:`model_state_tensors`), and the host tensors marked as such in the CPU ``tracker`` (at every
+    step: FSDP2 makes new gradient shards each step)."""
     import lightning as L
 
     class StateBytes(L.Callback):
         def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            t = model_state_tensors(module, trainer.optimizers, _gradient_buckets(trainer), offload)
+            if tracker is not None and offload:
+                tracker.mark_host(t["host"])
             if "parameters" not in states:
-                t = model_state_tensors(module, [], _gradient_buckets(trainer))
                 states["parameters"] = local_bytes(t["parameters"])
                 states["gradients"] = local_bytes(t["gradients"])
 
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            t = model_state_tensors(module, trainer.optimizers, _gradient_buckets(trainer), offload)
+            if tracker is not None and offload:
+                tracker.mark_host(t["host"])
             if "optimizer_states" not in states:
-                t = model_state_tensors(module, trainer.optimizers, _gradient_buckets(trainer))
                 states["optimizer_states"] = local_bytes(t["optimizer_states"])
                 states["master_weights"] = local_bytes(t["master_weights"])
+                states["host"] = local_bytes(t["host"])
 
     return StateBytes()
 
@@ -566,6 +614,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             num_microbatches=pc.microbatches,
             virtual_pipeline_stages=pc.v,
             expert_parallel_size=pc.ep,
+            optimizer_offload=pc.optimizer_offload,
             compile=args.compile,
         ),
         rows=[
@@ -594,6 +643,11 @@ def _comparison_rows(est: dict[str, Any], got: dict[str, Any], device: str) -> l
         rows += [
             ("CUDA library workspaces (measured before the fit; not estimated)", None, library),
             ("total (peak) with the library workspaces", est["total"] + library, got["peak_allocated"]),
+        ]
+    if est.get("host"):  # optimizer_offload: the host's model states and the host's peak
+        rows += [
+            ("host: model states", est["details"]["host_model_states"], got.get("host", 0)),
+            ("host: peak", est["host"], got.get("host_peak", 0)),
         ]
     return rows
 
@@ -681,7 +735,7 @@ def _wrapped_leaves(tensors: Iterable[Optional[Tensor]]) -> Iterable[Tensor]:
 
 
 def model_state_tensors(
-    model: nn.Module, optimizers: Iterable[Any], buckets: Optional[GradientBuckets]
+    model: nn.Module, optimizers: Iterable[Any], buckets: Optional[GradientBuckets], offload: bool = False
 ) -> dict[str, list[Tensor]]:
     """The tensors behind one rank's model states, by kind, for byte counts (:func:`local_bytes`) against the memory
     model (``lightning_4d.planning.model.model_state_bytes``).
@@ -694,6 +748,10 @@ def model_state_tensors(
     and the optimizer states (every tensor state of at least one dimension, e.g. Adam's m and v, plus the master
     weights of :class:`~lightning_4d.parallel.sharded_optimizer.ShardedOptimizer` and
     PowerSGD's error-feedback and warm-start matrices).
+
+    With ``offload`` (``optimizer_offload``) what lives on the host is under ``"host"`` and nowhere else: the
+    optimizer's states, a ``ShardedOptimizer``'s host copies and host gradients (ZeRO 1), and the parameters FSDP2
+    owns with their gradients (ZeRO 2/3, ``CPUOffloadPolicy``); the other kinds are then the device's.
     """
     from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
 
@@ -711,10 +769,30 @@ def model_state_tensors(
             masters += sharded.master_tensors()
     # PowerSGD's error feedback and warm start: persistent state, counted with the optimizer's
     compression = buckets.powersgd.tensors() if buckets is not None and buckets.powersgd is not None else []
+    if offload:
+        from lightning_4d.parallel.fsdp import reduced_by_fsdp
+
+        hosted = [
+            t
+            for optimizer in optimizers
+            if (so := ShardedOptimizer.of(unwrap_optimizer(optimizer))) is not None
+            for t in so.host_tensors()
+        ]
+        fsdp = [p for p in params if reduced_by_fsdp(p)]
+        in_fsdp = {id(p) for p in fsdp}
+        return {
+            "parameters": [p for p in params if id(p) not in in_fsdp],
+            "gradients": [g for g in grads if all(g is not p.grad for p in fsdp)],
+            "optimizer_states": compression,
+            "master_weights": [],
+            "compression": compression,
+            "host": states + hosted + fsdp + [p.grad for p in fsdp],
+        }
     return {
         "parameters": params,
         "gradients": grads,
         "optimizer_states": states + masters + compression,
         "master_weights": masters,
         "compression": compression,
+        "host": [],
     }

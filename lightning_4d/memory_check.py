@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_4d.contract import layout_strategy, optional_member
-from lightning_4d.planning.hardware import parse_bytes
+from lightning_4d.planning.hardware import parse_bytes, physical_memory
 from lightning_4d.planning.model import MemoryEstimate
 from lightning_4d.planning.planner import fitting_layout_lines, format_size as _size, suggestion_line
 from lightning_4d.planning.workload import Workload
@@ -281,13 +281,15 @@ class MemoryEstimatorCallback(L.Callback):
             ``MemoryEstimatorCallback(expert_load_imbalance=...)``
             to the trainer's callbacks to set it (the strategy then adds none).
         host_memory: bytes or a size of the node's host memory, against which ``activation_offload_layers``'s
-            host copies are checked (the worst pp rank's ``host_offloaded_activations`` times the processes per
-            node, within ``budget``); default: the physical memory of this machine.
+            host copies and ``optimizer_offload``'s host states are checked (the worst pp rank's
+            :attr:`~lightning_4d.planning.model.MemoryEstimate.host` times the processes per node, within
+            ``budget``); default: the physical memory of this machine.
 
     Raises:
         MemoryBudgetExceeded: (in ``setup``) the estimate of the worst pipeline stage exceeds
             ``budget · device_memory``; the message gives its breakdown and up to three layouts of the same world
-            size that fit. Or, with activation offload, its host memory per node exceeds ``budget · host_memory``.
+            size that fit. Or, with activation or optimizer offload, its host memory per node exceeds
+            ``budget · host_memory``.
         ValueError: (at construction) a budget outside (0, 1], an unparsable ``device_memory``, an unknown formula,
             a ``micro_batch_size`` or ``seq_length`` that is not a positive int, an ``expert_load_imbalance`` below 1;
             (in ``setup``) on CUDA, a batch shape it cannot find (see above); with pp > 1, a first training batch
@@ -416,7 +418,8 @@ class MemoryEstimatorCallback(L.Callback):
             f"{parallel_config.activation_checkpointing}, micro_batch_size={b}, seq_length={s} ({found}), "
             f"{precision}"
         )
-        if parallel_config.activation_offload_layers and self.formula == "lightning_4d":
+        offloads = parallel_config.activation_offload_layers or parallel_config.optimizer_offload
+        if offloads and self.formula == "lightning_4d":
             self._check_host(trainer, est, self._host_offloaded, parallel_config, layout)
         if total <= limit:
             rank_zero_info(
@@ -441,24 +444,31 @@ class MemoryEstimatorCallback(L.Callback):
         raise MemoryBudgetExceeded("\n".join(lines), est, suggestions)
 
     def _check_host(self, trainer: L.Trainer, est: Any, host: int, parallel_config: Any, layout: str) -> None:
-        """With ``activation_offload_layers``: the host memory the offloaded activations of the node's ranks take
-        (``host``: the most ``host_offloaded_activations`` of any pp rank, bytes, times the processes per node) must
-        fit ``budget · host_memory``.
+        """With ``activation_offload_layers`` or ``optimizer_offload``: the host memory the node's ranks take
+        (``host``: the most :attr:`~lightning_4d.planning.model.MemoryEstimate.host` of any pp rank, bytes: the
+        offloaded activations and model states, times the processes per node) must fit ``budget · host_memory``.
 
         Raises:
-            MemoryBudgetExceeded: it does not (the message names the bytes and a smaller offload).
+            MemoryBudgetExceeded: it does not (the message names the bytes and what to offload less).
         """
-        offload = parallel_config.activation_offload_layers
-        memory = self.host_memory if self.host_memory is not None else _physical_memory()
+        activations, states = parallel_config.activation_offload_layers, parallel_config.optimizer_offload
+        memory = self.host_memory if self.host_memory is not None else physical_memory()
         per_node = host * trainer.num_devices
         if per_node <= self.budget * memory:
             return
+        what = " and ".join(w for w, on in (("activation offload", activations), ("optimizer offload", states)) if on)
+        options = ", ".join(
+            o
+            for o, on in ((f"activation_offload_layers={activations}", activations), ("optimizer_offload=True", states))
+            if on
+        )
         raise MemoryBudgetExceeded(
-            f"activation offload would hold {_size(per_node)} of host memory per node ({_size(host)} per rank x "
+            f"{what} would hold {_size(per_node)} of host memory per node ({_size(host)} per rank x "
             f"{trainer.num_devices} processes), over the budget {_size(self.budget * memory)} "
-            f"({100 * self.budget:.0f}% of {_size(memory)} host memory) for {layout}, "
-            f"activation_offload_layers={offload} (nothing was allocated). Offload fewer layers, or pass "
-            "MemoryEstimatorCallback(host_memory=...) if this node has more memory than the process sees.",
+            f"({100 * self.budget:.0f}% of {_size(memory)} host memory) for {layout}, {options} (nothing was "
+            "allocated). Offload less (fewer layers; optimizer_offload=False or a higher ZeRO stage or dp, which "
+            "shard the states more), or pass MemoryEstimatorCallback(host_memory=...) if this node has more memory "
+            "than the process sees.",
             est,
             [],
         )
@@ -562,8 +572,8 @@ class MemoryEstimatorCallback(L.Callback):
         )
         ranks = estimate_all_pp_ranks(work, parallel_config, device_type=device_type, gpu_name=gpu_name)
         est = max(ranks, key=lambda e: e.total)  # the worst pp rank, as estimate_memory picks it
-        # activation offload: the pp rank that offloads most (the first, with the most micro-batches in flight)
-        self._host_offloaded = max(e.details["host_offloaded_activations"] for e in ranks)
+        # activation and optimizer offload: the pp rank that holds the most host memory
+        self._host_offloaded = max(e.host for e in ranks)
         return (
             est,
             est.total,
@@ -618,13 +628,6 @@ class MemoryEstimatorCallback(L.Callback):
         except ValueError as err:  # no suggestion is better than hiding the real error
             log.debug("no layout suggestions: %s", err)
             return []
-
-
-def _physical_memory() -> int:
-    """Bytes of physical memory of this machine (``sysconf``: pages x page size)."""
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def add_memory_check(trainer: Optional[L.Trainer]) -> None:

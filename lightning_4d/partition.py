@@ -34,17 +34,21 @@ def powersgd_compressible(shape: Sequence[int], rank: int) -> bool:
     return len(shape) == 2 and rank * (shape[0] + shape[1]) < shape[0] * shape[1]
 
 
-def gradient_buckets_needed(reducing_ranks: int, master_weights: bool, pipelined: bool, tensor_parallel: bool) -> bool:
+def gradient_buckets_needed(
+    reducing_ranks: int, master_weights: bool, pipelined: bool, tensor_parallel: bool, optimizer_offload: bool = False
+) -> bool:
     """Whether the ZeRO 0/1 gradients live in flat buckets (``parallel/grad_buffers.py``'s ``GradientBuckets``):
     when a bucket is reduced over more than one rank (``reducing_ranks``: dp·cp, or a gradient group's ranks), the
     optimizer steps float32 master weights from float32 gradient buckets (``master_weights``: ``bf16-mixed`` with
     our Llama), a pipeline schedule accumulates its micro-batches and ties embeddings through them (``pipelined``),
-    or a tensor-parallel gradient must be redistributed to its parameter's placement (``tensor_parallel``). Otherwise
+    or a tensor-parallel gradient must be redistributed to its parameter's placement (``tensor_parallel``), or the
+    optimizer steps host copies of the owned slices (``optimizer_offload``: the gradients are copied from the buckets'
+    owned slices). Otherwise
     (one rank, nothing to reduce: ``benchmarks/step_overhead.py``'s case) each gradient stays the ``.grad`` autograd
     made, with no bucket, no copy into it and no backward hook (as under Lightning's single-device strategy),
     and the strategy drops it after each optimizer step as it drops the buckets. The memory model counts the same
     rule (``lightning_4d/planning/buffers.py``)."""
-    return reducing_ranks > 1 or master_weights or pipelined or tensor_parallel
+    return reducing_ranks > 1 or master_weights or pipelined or tensor_parallel or optimizer_offload
 
 
 def bucket_lengths(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:

@@ -353,8 +353,8 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         )
         if self._tied is not None:  # the head's copy is counted once, as the embedding
             self.precision_plugin.norm_excluded = self._tied.norm_excluded
-        if trainer.state.fn == TrainerFn.FITTING:
-            optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING and not self.parallel_config.optimizer_offload:
+            optimizers_to_device(self.optimizers, self.root_device)  # offloaded: the states stay on the host
 
     def _tied_embedding(self) -> Optional[TiedEmbedding]:
         """The tied embedding of a pipeline-split model whose config ties it (``None`` otherwise); makes the embedding
@@ -391,6 +391,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
                 replicas=None if self.mesh.zero_replicate is None else self.mesh.zero_replicate.get_group(),
             ),
             pipelined=self.pipeline is not None,
+            offload=pc.optimizer_offload,
         )
         self._unbucketed = zero_parameters(self.model) if self._buckets is None else []
 

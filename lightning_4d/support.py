@@ -86,8 +86,8 @@ def smoke_rows() -> list[Row]:
 def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str]:
     """The features a layout combines, as the support matrix tells them apart: ``tp``, ``sp off``, ``tp overlap``,
     ``pp`` (and ``pp <schedule>`` for a schedule other than 1F1B), ``cp`` (and ``cp allgather``, ``cp alltoall``),
-    ``ZeRO 0/2/3`` (ZeRO 1 is every row's default), ``<mode> checkpointing``, ``offload``, ``compile``,
-    ``async checkpoint``, ``MoE``, ``ep`` (and ``ep over tp`` under tp: ep folded over the tp ranks).
+    ``ZeRO 0/2/3`` (ZeRO 1 is every row's default), ``<mode> checkpointing``, ``offload``, ``optimizer offload``,
+    ``compile``, ``async checkpoint``, ``MoE``, ``ep`` (and ``ep over tp`` under tp: ep folded over the tp ranks).
 
     ``options``: a row's :meth:`Row.options` (``measure``'s names) or one of ``plan``'s layouts (its ``--json``
     names: the layout fields' own, ``context_parallel_method``, ...); sizes absent count as 1. Each feature's labels
@@ -102,6 +102,8 @@ def layout_features(options: dict[str, Any], moe: bool = False) -> frozenset[str
         out.add(f"{ckpt} checkpointing")
     if get("activation_offload_layers"):
         out.add("offload")
+    if get("optimizer_offload"):
+        out.add("optimizer offload")
     if get("compile"):
         out.add("compile")
     if get("async_checkpoint"):

@@ -89,6 +89,7 @@ P = "tests/test_parity.py::"
 PP = "tests/test_pipeline.py::"
 CP = "tests/test_context_parallel.py::"
 H = "tests/test_hsdp.py::"
+OO = "tests/test_optimizer_offload.py::"
 OFFLOAD = (
     "tests/test_activation_offload.py::test_offload_gives_the_same_loss_and_gradients_and_moves_the_saved_bytes_to_host"
 )
@@ -193,6 +194,54 @@ ROWS: list[Row] = [
             "data_parallel_replicate_size=2 is not valid with zero_stage=0: hybrid sharding replicates a ZeRO shard "
             "group, and ZeRO 0 shards nothing (it already replicates over all of dp). Use zero_stage 1, 2 or 3 with "
             "it, or data_parallel_replicate_size=1."
+        ),
+    ),
+    # ---------------------------------------------------------------- optimizer-state offload
+    Row(
+        "optoffload-z1",
+        "dp2 ZeRO 1 optimizer offload: the owned slices' fp32 copies, their gradients and Adam's states on the host, "
+        "torch's AdamW stepping them on the CPU",
+        {"dp": 2, "zero_stage": 1, "optimizer_offload": True},
+        cpu_tests=(
+            OO + "test_optimizer_offload_parity_world2",
+            OO + "test_measure_of_an_offload_rank_equals_the_estimate",
+        ),
+    ),
+    Row(
+        "optoffload-z3",
+        "dp2 ZeRO 3 optimizer offload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and states on the host)",
+        {"dp": 2, "zero_stage": 3, "optimizer_offload": True},
+        cpu_tests=(
+            OO + "test_optimizer_offload_parity_world2",
+            OO + "test_measure_of_an_offload_rank_equals_the_estimate",
+        ),
+    ),
+    Row(
+        "optoffload-tp2-z3",
+        "tp2 dp2 optimizer offload, ZeRO 1 and 3 (DTensor tp shards on the host)",
+        {"dp": 2, "tp": 2, "zero_stage": 3, "optimizer_offload": True},
+        cpu_tests=(OO + "test_optimizer_offload_parity_world4",),
+    ),
+    Row(
+        "optoffload-pp2-z3",
+        "pp2 dp2 optimizer offload, ZeRO 1 and 3, 1F1B",
+        {
+            "dp": 2,
+            "pp": 2,
+            "num_microbatches": 2,
+            "pipeline_schedule": "1f1b",
+            "zero_stage": 3,
+            "optimizer_offload": True,
+        },
+        cpu_tests=(OO + "test_optimizer_offload_parity_world4",),
+    ),
+    Row(
+        "optoffload-z0",
+        "optimizer offload with ZeRO 0",
+        {"dp": 2, "zero_stage": 0, "optimizer_offload": True},
+        refused=(
+            "optimizer_offload=True is not valid with zero_stage=0: every dp rank would hold all of Adam's states on "
+            "the host (dp copies per node). Use zero_stage 1, 2 or 3 with it, or optimizer_offload=False."
         ),
     ),
     Row(

@@ -25,7 +25,7 @@ from lightning_4d.planning.step_time import Layout
 
 #: a value of every field, valid together (pp=2, tp=2, cp=2, dp=2 on 16 ranks): not the default but for ep
 #: (refused with PowerSGD), activation offload (refused with checkpointing), float8 (refused with
-#: tensor_parallel_overlap) and HSDP's replicas (refused with ZeRO 0 and PowerSGD)
+#: tensor_parallel_overlap), HSDP (refused with ZeRO 0 and PowerSGD) and optimizer offload (refused with ZeRO 0)
 EXAMPLE = dict(
     data_parallel_size=2,
     tensor_parallel_size=2,
@@ -38,6 +38,7 @@ EXAMPLE = dict(
     activation_checkpointing="full",
     compile=True,
     activation_offload_layers=0,
+    optimizer_offload=False,
     pipeline_schedule="interleaved_1f1b",
     virtual_pipeline_stages=2,
     num_microbatches=4,
@@ -54,7 +55,13 @@ EXAMPLE = dict(
 )
 
 
-_AT_DEFAULT = ("expert_parallel_size", "activation_offload_layers", "float8", "data_parallel_replicate_size")
+_AT_DEFAULT = (
+    "expert_parallel_size",
+    "activation_offload_layers",
+    "float8",
+    "data_parallel_replicate_size",
+    "optimizer_offload",
+)
 
 
 def test_example_names_every_field():

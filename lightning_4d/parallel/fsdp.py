@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_4d.features.moe import runtime as moe
 from lightning_4d.module_tree import find_submodel
+from lightning_4d.parallel.optimizer_offload import cpu_offload_policy
 
 
 def fsdp_reduce_dtype(gradient_compression: str) -> Optional[torch.dtype]:
@@ -54,6 +55,7 @@ def apply_fsdp(
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     moe_meshes: Optional[dict[str, Optional[DeviceMesh]]] = None,
+    offload: bool = False,
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
 
@@ -81,6 +83,11 @@ def apply_fsdp(
         moe_meshes: the meshes of the MoE layers' own units, :func:`lightning_4d.features.moe.runtime.fsdp_options`:
             ``expert_mesh``, the ``edp`` mesh under expert parallelism, and ``token_mesh``, the ``dp_cp_tp`` mesh of a
             model with MoE layers under tp (:func:`~lightning_4d.features.moe.runtime.shard_units`; ``None`` without).
+        offload: ``optimizer_offload``: FSDP2's ``CPUOffloadPolicy`` (pinned on CUDA,
+            :func:`lightning_4d.parallel.optimizer_offload.cpu_offload_policy`). It moves more than the optimizer's
+            states: the sharded parameters (under ``param_dtype`` the float32 masters) and their sharded gradients
+            live on the host, so the optimizer (and its states) steps there on the CPU; each unit's shard is copied
+            to the device for its all-gather and each reduce-scattered gradient shard back to the host.
 
     Raises:
         ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: from
@@ -97,6 +104,8 @@ def apply_fsdp(
     kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = _mixed_precision_policy(param_dtype, reduce_dtype)
+    if offload:
+        kw["offload_policy"] = cpu_offload_policy(dp_cp_mesh.device_type)
     kw = moe.shard_units(model, kw, **(moe_meshes or {}))  # the MoE layers' own units first (docstring)
     for unit in [*(fully_shard(b, **kw) for b in blocks), fully_shard(model, **kw)]:
         average_gradients(unit, dp_cp_mesh)

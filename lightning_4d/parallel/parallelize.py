@@ -179,6 +179,7 @@ def shard_any_module(
                 config.zero_stage,
                 blocks=inner,
                 reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
+                offload=config.optimizer_offload,
             )
 
 
@@ -266,6 +267,7 @@ def _shard_parts(
         param_dtype=param_dtype if family.master_weights else None,
         reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
         moe_meshes=moe.fsdp_options(mesh),
+        offload=config.optimizer_offload,
     )
     for part in [c for _, c in chunks] if chunks is not None else [model]:
         blocks = [

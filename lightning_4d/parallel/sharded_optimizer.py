@@ -17,6 +17,7 @@ The gradients live in :mod:`lightning_4d.parallel.grad_buffers`; clipping by the
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -31,6 +32,7 @@ from lightning_4d.parallel._compat.collectives import all_gather_single
 from lightning_4d.parallel._compat.dtensor import local_tensor as _local
 from lightning_4d.parallel.fsdp import reduced_by_fsdp
 from lightning_4d.parallel.grad_buffers import Bucket, GradientBuckets, GradientReduction
+from lightning_4d.parallel.optimizer_offload import host_allocations, host_copy, host_empty_like, wait_for_copies
 from lightning_4d.partition import gradient_buckets_needed
 
 
@@ -76,6 +78,7 @@ def setup_zero(
     tp_rank: int = 0,
     reduction: GradientReduction = GradientReduction(),
     pipelined: bool = False,
+    offload: bool = False,
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own (:func:`zero_parameters`): their gradients in
     :class:`GradientBuckets` over ``group`` (``dp_cp``; returned, ``None`` when there is none, or when the gradients
@@ -100,6 +103,9 @@ def setup_zero(
             (:class:`~lightning_4d.parallel.grad_buffers.GradientReduction`); with any such group every optimizer
             gets a :class:`ShardedOptimizer` (also at ZeRO 0: its clipping counts each gradient once).
         pipelined: a pipeline schedule runs the steps (its micro-batches accumulate in the buckets).
+        offload: ``optimizer_offload``: every optimizer gets a :class:`ShardedOptimizer` whose owned slices, their
+            gradients and the optimizer's states live on the host (:mod:`lightning_4d.parallel.optimizer_offload`;
+            the gradients are then always in buckets).
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
             be sharded or given a master weight.
@@ -110,9 +116,8 @@ def setup_zero(
     world, gradient_groups = dist.get_world_size(group), reduction.gradient_groups
     replicas = 1 if reduction.replicas is None else dist.get_world_size(reduction.replicas)  # HSDP
     tensor_parallel = any(isinstance(p, DTensor) for p in params)
-    if not gradient_groups and not gradient_buckets_needed(
-        world * replicas, bool(master_dtype), pipelined, tensor_parallel
-    ):
+    needed = gradient_buckets_needed(world * replicas, bool(master_dtype), pipelined, tensor_parallel, offload)
+    if not gradient_groups and not needed:
         return None
     shard = zero_stage == 1 and world > 1
     # with master weights the parameters are cast after this: their hooks are registered then (register_hooks)
@@ -122,9 +127,9 @@ def setup_zero(
     )
     # gradient groups live in buckets over other groups: only the ShardedOptimizer's clipping counts each once (and
     # torch's would mix plain and DTensor gradients)
-    if shard or master_dtype is not None or gradient_groups:
+    if shard or master_dtype is not None or gradient_groups or offload:
         for optimizer in optimizers:
-            ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank)
+            ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank, offload=offload)
     return buckets
 
 
@@ -158,9 +163,15 @@ class ShardedOptimizer:
 
     1. runs the closure (forward, backward, gradient averaging, clipping),
     2. points the param groups at the owned tensors, their gradients at the owned slices of the buckets, and runs
-       the wrapped optimizer's step (its states are those of the owned slices only),
+       the wrapped optimizer's step (its states are those of the owned slices only; with ``offload`` the owned
+       gradient slices are first copied into host tensors and the step runs on the host copies, on the CPU),
     3. restores the param groups, copies the updated masters into the parameters (cast to their dtype) and, at
        ZeRO 1, all-gathers every bucket's updated parameters (``all_gather_into_tensor`` of each rank's range).
+
+    With ``offload`` (``optimizer_offload=True``, :mod:`lightning_4d.parallel.optimizer_offload`) every owned slice
+    is stepped through a host copy (the float32 master under ``master_dtype``, else a copy in the parameter's dtype)
+    with a host gradient tensor of its own: the optimizer's states are made beside them, on the host, and its step
+    runs there.
 
     Raises:
         ValueError: an optimizer parameter that is not in the buckets, or a non-contiguous one.
@@ -172,6 +183,7 @@ class ShardedOptimizer:
         buckets: GradientBuckets,
         master_dtype: Optional[torch.dtype] = None,
         tp_rank: int = 0,
+        offload: bool = False,
     ) -> None:
         self._optimizer = weakref.ref(optimizer)  # weak: the registry's value must not keep its key alive
         self.buckets = buckets
@@ -184,6 +196,8 @@ class ShardedOptimizer:
         self.owned: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) of its flat local tensor
         self.shard: dict[int, nn.Parameter] = {}  # id(param) -> the tensor the optimizer steps
         self.has_master: set[int] = set()  # id(param) of the parameters stepped through a separate master copy
+        self.offload = offload  # the owned slices, their gradients and the optimizer's states on the host
+        self.host_grad: dict[int, Tensor] = {}  # id(param) -> the host tensor its owned gradient slice is copied into
         for params in self._full_groups:
             for p in params:
                 self._make_shard(p)
@@ -204,7 +218,12 @@ class ShardedOptimizer:
         start, end = min(max(lo - offset, 0), local.numel()), min(max(hi - offset, 0), local.numel())
         self.owned[id(p)] = (start, end)
         flat = local.view(-1)[start:end]
-        if self.master_dtype is not None:  # the parameter is cast to the compute dtype after this
+        if self.offload:  # a host copy, never a view (also on the CPU): the master, or the parameter's own dtype
+            flat = host_copy(flat.detach(), self.master_dtype or flat.dtype)
+            self.host_grad[id(p)] = host_empty_like(flat, local.device)
+            if self.master_dtype is not None:
+                self.has_master.add(id(p))
+        elif self.master_dtype is not None:  # the parameter is cast to the compute dtype after this
             flat = flat.detach().to(self.master_dtype, copy=True)
             self.has_master.add(id(p))
         self.shard[id(p)] = nn.Parameter(flat, requires_grad=p.requires_grad)
@@ -240,6 +259,28 @@ class ShardedOptimizer:
         """The master weights (``[]`` without ``master_dtype``: the parameters are their own masters)."""
         return [self.shard[i] for i in self.shard if i in self.has_master]
 
+    def host_tensors(self) -> list[Tensor]:
+        """With ``offload``: the host copies of the owned slices (masters included) and their host gradients (the
+        optimizer's states are in its ``state``); ``[]`` without."""
+        if not self.offload:
+            return []
+        return [*self.shard.values(), *self.host_grad.values()]
+
+    def _stepped_copy(self, p: Tensor) -> bool:
+        """Whether ``p``'s owned slice is stepped through a separate tensor (a master, or a host copy) that is
+        copied back into the parameter after the step."""
+        return self.offload or id(p) in self.has_master
+
+    def _grad_to_step(self, p: Tensor) -> Optional[Tensor]:
+        """The gradient the wrapped optimizer reads for ``p``'s owned slice: the slice of its bucket, or with
+        ``offload`` that slice copied (non-blocking) into its host tensor."""
+        grad = self.owned_grad(p)
+        if grad is None or not self.offload:
+            return grad
+        host = self.host_grad[id(p)]
+        host.copy_(grad, non_blocking=True)
+        return host
+
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimizer step in place of the wrapped optimizer's (class docstring: closure, step of the owned slices,
         master write-back, ZeRO-1 all-gather); the wrapped ``optimizer.step`` runs inside it, so an LR scheduler
@@ -250,10 +291,15 @@ class ShardedOptimizer:
                 loss = closure()
         for group, params in zip(self.optimizer.param_groups, self._full_groups):
             for p in params:
-                self.shard[id(p)].grad = self.owned_grad(p)
+                self.shard[id(p)].grad = self._grad_to_step(p)
             group["params"] = [self.shard[id(p)] for p in params]
         try:
-            self.optimizer.step()
+            if self.offload:  # the gradients' copies to the host done, the step on the host tensors
+                wait_for_copies(self.buckets.buckets[0].device)
+                with host_allocations():
+                    self.optimizer.step()
+            else:
+                self.optimizer.step()
         finally:
             for group, params in zip(self.optimizer.param_groups, self._full_groups):
                 group["params"] = params
@@ -266,10 +312,10 @@ class ShardedOptimizer:
     def _write_back(self) -> None:
         """Copy the updated masters into the parameters, then (ZeRO 1) all-gather every bucket's parameters."""
         for p in self.parameters():
-            if id(p) in self.has_master:
+            if self._stepped_copy(p):
                 start, end = self.owned[id(p)]
-                if end > start:
-                    _local(p.data).view(-1)[start:end].copy_(self.shard[id(p)])
+                if end > start:  # with offload, host to device (non-blocking: ordered before the all-gather)
+                    _local(p.data).view(-1)[start:end].copy_(self.shard[id(p)], non_blocking=self.offload)
         if not self.sharded:
             return
         mine = set(map(id, self.parameters()))
@@ -398,17 +444,18 @@ class ShardedOptimizer:
             master = state.pop("master", None)
             if master is None and fqns[id(p)] in weights:
                 master = _local(weights[fqns[id(p)]]).reshape(-1)[start:end]
-            if id(p) in self.has_master:
+            if self._stepped_copy(p):
                 shard.copy_(master if master is not None else _local(p.data).view(-1)[start:end])
             if state:
                 loaded[id(p)] = state
-        self._load_states(loaded)
+        with host_allocations() if self.offload else contextlib.nullcontext():
+            self._load_states(loaded)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key in group:
                     if key != "params" and f"param_groups.{fqns[id(p)]}.{key}" in flat:
                         group[key] = flat[f"param_groups.{fqns[id(p)]}.{key}"]
-        if self.has_master:
+        if self.has_master or self.offload:
             self._write_back()
 
     @torch.no_grad()
@@ -420,13 +467,14 @@ class ShardedOptimizer:
         for p in self.parameters():
             s = dict(states.get(names[id(p)]) or {})
             master = s.pop("master", None)
-            if id(p) in self.has_master:  # no master saved (another precision): the loaded weights are the master
+            if self._stepped_copy(p):  # no master saved (another precision): the loaded weights are the master
                 start, end = self.owned[id(p)]
                 self.shard[id(p)].copy_(master if master is not None else _local(p.data).view(-1)[start:end])
             if s:
                 loaded[id(p)] = {k: v.clone() for k, v in s.items()}
-        self._load_states(loaded)
-        if self.has_master:
+        with host_allocations() if self.offload else contextlib.nullcontext():
+            self._load_states(loaded)
+        if self.has_master or self.offload:
             self._write_back()
 
     def _load_states(self, states: dict[int, dict[str, Tensor]]) -> None:

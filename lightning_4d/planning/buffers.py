@@ -157,7 +157,8 @@ def _gradient_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes,
         grad_buffers = _bucket_buffers(pc, dt, params, states)
     resident, first_bucket = _resident_gradients(cfg, pc, dt, m, states, first, last)
     offloaded = offloaded_whole(cfg, pc, held.pp_rank)
-    head_kept, bucketed = 0, zero >= 2 or gradient_buckets_needed(pc.dp_cp, bool(dt.master), pc.pp > 1, pc.tp > 1)
+    needed = gradient_buckets_needed(pc.dp_cp, bool(dt.master), pc.pp > 1, pc.tp > 1, pc.optimizer_offload)
+    head_kept, bucketed = 0, zero >= 2 or needed
     if not bucketed:
         # no bucket: no fresh gradient waits to be copied into one, none is made for the head's gradient, which
         # stays with the final norm's (made by the first backward ops, before the layers')

@@ -29,7 +29,7 @@ from lightning_4d.layout import (
     reported_layout,
     strategy_arguments,
 )
-from lightning_4d.planning.hardware import GIB, GPU_PRESETS, gpu_spec
+from lightning_4d.planning.hardware import GIB, GPU_PRESETS, gpu_spec, parse_bytes, physical_memory
 from lightning_4d.planning.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
 from lightning_4d.planning.workload import Job, Search, Workload
 
@@ -127,6 +127,24 @@ def positive_float(text: str) -> float:
     return _positive(text, float, "a number", "a finite number > 0")
 
 
+def host_memory_gib(text: str) -> int:
+    """argparse type of ``--host-memory``: GiB of host memory per node (a number > 0), or a size with its unit
+    (``512GiB``, ``2TB``); bytes."""
+    error = argparse.ArgumentTypeError(
+        f"{text!r} is not valid: expected GiB of host memory per node (a number > 0) or a size such as 512GiB"
+    )
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            return parse_bytes(text)
+        except ValueError:
+            raise error from None
+    if not (math.isfinite(value) and value > 0):
+        raise error
+    return int(value * GIB)
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in (0, 1]."""
     try:
@@ -190,6 +208,13 @@ def _common(p: argparse.ArgumentParser) -> None:
         help=f"a preset ({', '.join(GPU_PRESETS)}) or a size such as 80GiB / 94GB (default H100-80GB)",
     )
     p.add_argument("--budget", type=fraction, default=0.8, help="fraction of the GPU memory a layout may use (0.8)")
+    p.add_argument(
+        "--host-memory",
+        type=host_memory_gib,
+        default=None,
+        help="host memory per node, GiB (or a size such as 2TiB) that optimizer and activation offload may use "
+        "within the budget (default: this machine's physical memory)",
+    )
     p.add_argument("--formula", default="lightning_4d", choices=FORMULAS)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -408,9 +433,18 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         num_layers=cfg.num_layers,
         expert_load_imbalance=check_expert_load_imbalance(args.expert_load_imbalance),
     )
+    if args.formula == "lightning_4d":
+        out.update(_host_fit(out["host_per_node"], args))
     if not out["fits"] and args.formula == "lightning_4d":
         out["suggestions"] = _suggestions(cfg, pc, args, gpu)
     return out
+
+
+def _host_fit(per_node: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``host_memory`` (``--host-memory``, default this machine's physical memory) and ``fits_host``: whether
+    ``per_node`` bytes of host memory (``MemoryEstimate.host_per_node``) fit ``--budget`` of it."""
+    memory = args.host_memory if args.host_memory is not None else physical_memory()
+    return {"host_memory": memory, "fits_host": per_node <= args.budget * memory}
 
 
 def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
@@ -482,6 +516,18 @@ def _print_estimate(out: dict[str, Any]) -> None:
                 f"host memory: {host / GIB:.2f} GiB of offloaded activations ({lay['activation_offload_layers']} "
                 "layers per pipeline stage), not in the total above"
             )
+        if lay.get("optimizer_offload"):
+            console.print(
+                f"host memory: {out['details']['host_model_states'] / GIB:.2f} GiB of model states per rank "
+                "(optimizer_offload: docs/memory.md), not in the total above"
+            )
+        if out["host"]:
+            verdict = "fits" if out["fits_host"] else "does NOT fit"
+            console.print(
+                f"host memory per node: {out['host_per_node'] / GIB:.2f} GiB ({out['host'] / GIB:.2f} GiB per rank x "
+                f"{out['host_per_node'] // out['host']} ranks) of {out['host_memory'] / GIB:.1f} GiB "
+                f"(--host-memory): {verdict} within the {100 * out['budget']:.0f}% budget."
+            )
     verdict = "fits" if out["fits"] else "does NOT fit"
     console.print(
         f"{out['total_gib']:.2f} GiB = {100 * out['fraction']:.1f}% of {out['gpu']} "
@@ -526,6 +572,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "async_checkpoint": args.async_checkpoint,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
+        "host_memory": args.host_memory,
         "layouts": [_plan_row(args, cfg, c, untested_pairs, gpu) for c in rows],
     }
     if args.plot:
@@ -565,7 +612,7 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, search: Search, **kw: 
         args.precision,
         expert_load_imbalance=args.expert_load_imbalance,
     )
-    return plan(job, search, budget=args.budget, formula=args.formula, **kw)
+    return plan(job, search, budget=args.budget, formula=args.formula, host_memory=args.host_memory, **kw)
 
 
 def _plan_row(
@@ -739,11 +786,34 @@ def _print_plan(out: dict[str, Any]) -> None:
     console.print(table)
     if not out["layouts"]:
         console.print("No layout fits: use more GPUs, a shorter sequence, or a larger GPU.")
+    _print_optimizer_offload(console, out)
     for i, c in enumerate(out["layouts"], 1):
         if c["pipeline_layer_split"]:
             console.print(f"#{i}: pipeline_layer_split={c['pipeline_layer_split']}")
             break
     _print_plan_notes(console, out)
+
+
+def _print_optimizer_offload(console: Any, out: dict[str, Any]) -> None:
+    """Under ``plan``'s table, when its layouts keep the optimizer states on the host (no layout fits without): say
+    so, and the host memory per node each needs."""
+    offloaded = [(i, c) for i, c in enumerate(out["layouts"], 1) if c.get("optimizer_offload")]
+    if not offloaded:
+        return
+    needs = ", ".join(f"#{i} {c['host_memory'] / GIB:,.0f} GiB" for i, c in offloaded)
+    console.print(
+        "No layout fits with the optimizer states on the GPUs: these keep them on the host "
+        f"(FourDStrategy(optimizer_offload=True): fp32 masters and Adam's m, v in host memory, the step on the CPU; "
+        f"docs/memory.md). Host memory per node ({out['gpus_per_node']} GPUs): {needs}"
+        + (
+            f" (within {100 * out['budget']:.0f}% of --host-memory)."
+            if out.get("host_memory")
+            else "; check it against your nodes with --host-memory."
+        ),
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
+    )
 
 
 def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
@@ -767,7 +837,8 @@ def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
         str(c["micro_batch_size"]),
         str(c["num_microbatches"]),
         str(c["zero_stage"])
-        + (f" HSDP×{c['data_parallel_replicate_size']}" if c["data_parallel_replicate_size"] > 1 else ""),
+        + (f" HSDP×{c['data_parallel_replicate_size']}" if c["data_parallel_replicate_size"] > 1 else "")
+        + (" offload" if c.get("optimizer_offload") else ""),
         c["activation_checkpointing"],
         tensor_parallel.plan_cell(c),
         schedule,

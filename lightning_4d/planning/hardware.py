@@ -96,6 +96,15 @@ _UNITS = {
 }
 
 
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine (``sysconf``: pages x page size): the default host memory per node
+    of the pre-fit check (:class:`~lightning_4d.memory_check.MemoryEstimatorCallback`) and of ``lightning-4d
+    estimate|plan --host-memory``."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def parse_bytes(value: Union[int, float, str]) -> int:
     """Bytes from ``80GiB`` (2^30), ``94GB`` (10^9), ``512MiB``, ``"85899345920"`` or a number of bytes.
 

@@ -272,6 +272,11 @@ class MemoryEstimate:
         pp_rank: the pp rank this is for (it holds the pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
+        host: host (CPU) memory this rank holds, bytes, beside ``total`` (which is the device's): the model states
+            ``optimizer_offload`` keeps there (:func:`~lightning_4d.planning.states.offloaded_states`) and the
+            activations ``activation_offload_layers`` copies there (at their most).
+        host_per_node: ``host`` times the ranks of a node (``ranks_per_node`` of :func:`estimate_memory`): the host
+            memory a node needs for this layout (an upper bound: every rank of the node counted as this one).
     """
 
     parameters: int
@@ -285,6 +290,8 @@ class MemoryEstimate:
     peak_phase: str
     pp_rank: int = 0
     details: dict[str, int] = field(default_factory=dict)
+    host: int = 0
+    host_per_node: int = 0
 
     @property
     def total_gib(self) -> float:
@@ -311,6 +318,7 @@ def estimate_memory(
     device_type: str = "cuda",
     overhead: Optional[OverheadAllowance] = None,
     gpu_name: Optional[str] = None,
+    ranks_per_node: Optional[int] = None,
 ) -> MemoryEstimate:
     """Peak memory of one rank of FourDStrategy training ``workload`` with ``parallel_config`` (bytes)::
 
@@ -331,6 +339,8 @@ def estimate_memory(
         device_type: ``"cuda"`` adds the overhead allowance; ``"cpu"`` none.
         overhead: an explicit allowance (default: from ``overhead.json`` for ``gpu_name``).
         gpu_name: ``torch.cuda.get_device_name()`` to pick the measured allowance.
+        ranks_per_node: the ranks (GPUs) of one node, for :attr:`MemoryEstimate.host_per_node` (default
+            ``min(world size, DEFAULT_RANKS_PER_NODE)``).
 
     Returns:
         :class:`MemoryEstimate` (module docstring: formulas and sources).
@@ -353,7 +363,14 @@ def estimate_memory(
     precision = normalize_precision(workload.precision)
     work = replace(workload, model=cfg, precision=precision, num_microbatches=m, expert_load_imbalance=imbalance)
     results = [_estimate_pp_rank(work, pc, r, dp_cp_rank, device_type, allowance) for r in ranks]
-    return max(results, key=lambda e: e.total)
+    worst = max(results, key=lambda e: e.total)
+    per_node = ranks_per_node or min(pc.world_size, DEFAULT_RANKS_PER_NODE)
+    host = max(e.host for e in results)
+    return replace(worst, host=host, host_per_node=host * per_node)
+
+
+#: ranks on one node when the caller does not say (the GPUs of a DGX/HGX node)
+DEFAULT_RANKS_PER_NODE = 8
 
 
 def estimate_all_pp_ranks(workload: Workload, parallel_config: ParallelConfig, **kw: Any) -> list[MemoryEstimate]:
@@ -566,6 +583,7 @@ def _estimate_pp_rank(
         peak_phase=peak_phase,
         pp_rank=pp_rank,
         details=_details(saved, states, act, buf, phases, work.num_microbatches if pc.pp > 1 else 1),
+        host=states.host + act.offloaded,
     )
 
 
@@ -580,6 +598,7 @@ def _details(
         "num_microbatches": m,
         "compute_weights": act.compute_weights,
         "master_weights": states.master_weights,
+        "host_model_states": states.host,
         "gathered_parameters": max(buf.gathered_start, buf.gathered_end),
         "gradient_buffers": buf.gradient_buffers,
         "optimizer_step_temporaries": buf.step_temporaries,

@@ -109,6 +109,8 @@ class Candidate(Layout):
     bubble_fraction: float = 0.0
     communication_fraction: float = 0.0
     recompute_fraction: float = 0.0
+    #: bytes of host memory per node the layout needs (optimizer offload; 0 without)
+    host_memory: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -343,8 +345,11 @@ def plan(
     include_unfit: bool = False,
     max_estimated: Optional[int] = None,
     estimate_kw: Optional[dict[str, Any]] = None,
+    host_memory: Optional[int] = None,
 ) -> list[Candidate]:
-    """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first.
+    """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first. When none fits, the layouts
+    with ``optimizer_offload=True`` that do (:func:`_with_optimizer_offload`), each with the host memory per node it
+    needs (``Candidate.host_memory``).
 
     Args:
         job: the model, the GPUs (count, per node, kind: :data:`~lightning_4d.planning.hardware.GPU_PRESETS` or a custom
@@ -367,6 +372,8 @@ def plan(
             large job: its ~10^5 layouts take minutes to estimate).
         estimate_kw: more keyword arguments of :func:`~lightning_4d.planning.model.estimate_memory` (``device_type``,
             ``overhead``, ``gpu_name``).
+        host_memory: bytes of host memory per node; an optimizer-offload layout needing more than ``budget`` of it
+            is dropped (``None``: not checked).
 
     Raises:
         ValueError: non-positive sizes, ``num_gpus`` not a multiple of ``gpus_per_node`` (when above it), no
@@ -379,8 +386,42 @@ def plan(
     memory_of = _MemoryOf.of_plan(job, budget, formula, include_unfit, estimate_kw)
     candidate = functools.partial(_candidate, job=job, model_flops_per_token=job.model.flops_per_token(job.seq_length))
     out = _fastest_that_fit(timed, memory_of, candidate, top, max_estimated)
+    if formula == "lightning_4d" and not any(c.fits for c in out):
+        host_limit = None if host_memory is None else budget * host_memory
+        out = _with_optimizer_offload(job, timed, memory_of, candidate, (top, max_estimated), host_limit) or out
     out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
     return out[:top] if top else out
+
+
+def _with_optimizer_offload(
+    job: Job,
+    timed: list[tuple[float, int, Layout, tuple[float, ...]]],
+    memory_of: "_MemoryOf",
+    candidate: Callable[..., Candidate],
+    limits: tuple[Optional[int], Optional[int]],
+    host_limit: Optional[float],
+) -> list[Candidate]:
+    """The layouts of ``timed`` at ZeRO 1-3 with ``optimizer_offload=True`` (their step times predicted again: the
+    host step and the host-link copies, :mod:`~lightning_4d.planning.optimizer_offload_costs`) that fit, fastest
+    first, each with the host memory per node it needs (``host_memory``, :attr:`MemoryEstimate.host_per_node` with
+    ``job.gpus_per_node`` ranks), those over ``host_limit`` bytes dropped; ``limits``: ``(top, max_estimated)``
+    of :func:`plan`. Proposed only when no layout fits without it (:func:`plan`): it is slower."""
+    dims, kw = model_dims(job.model), {"seq_length": job.seq_length, "gpu": job.gpu, "gpus_per_node": job.gpus_per_node}
+    offloaded = []
+    for _, recomputation, lay, _ in timed:
+        if lay.zero_stage >= 1:
+            lay = replace(lay, optimizer_offload=True)
+            parts = step_time_parts(dims, lay, **kw)
+            offloaded.append((StepTime(*parts).total, recomputation, lay, parts))
+    offloaded.sort(key=lambda t: (t[0], t[1]))
+    out = []
+    for c in _fastest_that_fit(offloaded, memory_of, candidate, *limits):
+        work = job.workload(c.micro_batch_size, c.num_microbatches)
+        pc = c.parallel_config()
+        host = estimate_memory(work, pc, ranks_per_node=job.gpus_per_node, **memory_of.estimate_kw).host_per_node
+        if host_limit is None or host <= host_limit:
+            out.append(replace(c, host_memory=host))
+    return out
 
 
 def _check_job(job: Job, fixed: Optional[dict[str, int]], budget: float, formula: str, top: Optional[int]) -> None:

@@ -151,13 +151,16 @@ class ModelStates:
     the float32 master weights where they are separate from the parameters (``master_weights``, included in
     ``optimizer_states``, as Megatron-LM counts them: ``bf16-mixed`` at ZeRO 1 is 2 + 4 + 12/D bytes per
     parameter) and PowerSGD's state (``compression``, included too: float32 error feedback ``m·n`` and warm start
-    ``n·r`` per compressed matrix, ``parallel/compression.py``)."""
+    ``n·r`` per compressed matrix, ``parallel/compression.py``). With ``optimizer_offload`` what lives on the host
+    is ``host`` and not in the other fields (:func:`offloaded_states`): those are the device's bytes."""
 
     parameters: int
     gradients: int
     optimizer_states: int
     master_weights: int = 0
     compression: int = 0
+    #: bytes of model states in host memory (``optimizer_offload``; 0 without)
+    host: int = 0
 
 
 def model_state_bytes(
@@ -209,8 +212,8 @@ def model_state_bytes(
     if pc.zero_stage >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor (maybe dim 1: fsdp_group)
         n = sum(count * fsdp_shard_numel(p, shards, shard_rank, pc.ep, pc.tp, tp_rank) for p, count in weighted)
         if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
-            return ModelStates(4 * n, 4 * n, 8 * n)
-        return ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param)
+            return offloaded_states(ModelStates(4 * n, 4 * n, 8 * n), pc)
+        return offloaded_states(ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param), pc)
     n = sum(count * p.numel for p, count in weighted)
     n_opt = n
     if pc.zero_stage == 1 and shards > 1:
@@ -219,4 +222,19 @@ def model_state_bytes(
         n_opt = zero1_owned(sizes, stage, dt.setup, shards, shard_rank, bucket_bytes, tp_rank)
     master = n_opt * dt.master
     compression = powersgd_state_bytes(pc, weighted, pc.dp_cp)  # every rank's own E and Q, whole local matrices
+    if pc.optimizer_offload:  # the owned slices' host copies and host gradients, m and v (offloaded_states)
+        copy = dt.master or dt.param
+        return ModelStates(n * dt.param, n * dt.grad, compression, 0, compression, n_opt * (2 * copy + 2 * dt.moment))
     return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master + compression, master, compression)
+
+
+def offloaded_states(states: ModelStates, pc: ParallelConfig) -> ModelStates:
+    """``states`` as ``optimizer_offload`` splits them between the device and the host
+    (``lightning_4d/parallel/optimizer_offload.py``). ZeRO 2/3 (FSDP2's ``CPUOffloadPolicy``): everything at rest is
+    on the host, the sharded parameters (the masters under ``bf16-mixed``), their gradients and Adam's m and v; the
+    device holds only what FSDP2 gathers for compute (``planning/buffers.py``). ZeRO 1 is built in
+    :func:`model_state_bytes`: the device keeps the parameters and the gradient buckets (and PowerSGD's state), the
+    host the owned slices' copies (float32 masters, else the parameters' dtype), their gradients and Adam's m, v."""
+    if not pc.optimizer_offload or pc.zero_stage < 2:
+        return states
+    return ModelStates(0, 0, 0, 0, 0, states.parameters + states.gradients + states.optimizer_states)

@@ -77,7 +77,9 @@ group, and the reduced float32 shard is all-reduced across the replicas (``2(r�
 the links between the replicas: other nodes when the shard group fills one).
 
 Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
-step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written).
+step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written); with
+``optimizer_offload`` it runs on the host instead, and the host-link copies it needs are added to it
+(:mod:`lightning_4d.planning.optimizer_offload_costs`).
 
 **Mixture of Experts and expert parallelism**: :mod:`lightning_4d.features.moe.costs` (its module docstring) adds
 the terms of the MoE layers, their all-to-alls and the data-parallel groups of their parameters.
@@ -99,6 +101,7 @@ from lightning_4d.features.pipeline import ZERO_BUBBLE_SCHEDULES
 from lightning_4d.features.tensor_parallel.costs import ring_overlap, ring_seconds
 from lightning_4d.layout import config_of_plan, plan_values, planned_dataclass
 from lightning_4d.planning.float8_costs import FLOAT8_MATMUL_SPEEDUP
+from lightning_4d.planning.optimizer_offload_costs import optimizer_offload_seconds
 from lightning_4d.planning.rates import (
     COLLECTIVE_EFFICIENCY,
     GEMM_EFFICIENCY,
@@ -586,8 +589,20 @@ def step_time_parts(
         else:
             gathers = 1 if zero_stage == 2 else 2
             t_dp = m * (max(0.0, gathers * ag - t_max) + ag / units) + max(rs - last_backward, rs / units)
+    if layout.optimizer_offload:
+        t_opt = _offloaded_optimizer(t_opt, layout, units, m * work, gpu)
     # StepTime's fields: compute, recompute, bubble, tp, cp, pp, dp, optimizer, ep
     return m * work, m * n_max * t_re, bubble, m * n_max * t_tp, m * n_max * t_cp, t_pp, t_dp, t_opt, m * n_max * t_moe
+
+
+def _offloaded_optimizer(t_opt: float, layout: Layout, units: int, compute: float, gpu: Any) -> float:
+    """The optimizer term under ``optimizer_offload``: the host's step and the exposed host-link copies
+    (:func:`lightning_4d.planning.optimizer_offload_costs.optimizer_offload_seconds`) in place of the device's step
+    ``t_opt``, whose owned parameters it reads back from ``t_opt`` (``owned · OPTIMIZER_BYTES_PER_PARAM /
+    (POINTWISE_EFFICIENCY · memory_bandwidth)``, :func:`_data_parallel_terms`)."""
+    owned = t_opt * POINTWISE_EFFICIENCY * gpu.memory_bandwidth / OPTIMIZER_BYTES_PER_PARAM
+    m = layout.num_microbatches
+    return optimizer_offload_seconds(owned, layout.zero_stage, m, units, compute, gpu, COLLECTIVE_EFFICIENCY)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -10,7 +10,8 @@ compile, tied, accum, bucket, sdc, compress (gradient compression), rank, start 
 step and comm dtype), comm (record CommMeter events), for pipeline parallelism pp, schedule, v (stages per rank),
 m (micro-batches per step), split (layers per
 stage) and pcd (pipeline comm dtype), for context parallelism cp and method ("ring" / "allgather"), for expert
-parallelism ep, for hybrid sharding replicate (``data_parallel_replicate_size``), float8 (the recipe), norm
+parallelism ep, for hybrid sharding replicate (``data_parallel_replicate_size``), optoffload (``optimizer_offload``:
+also records where the optimizer's states live), float8 (the recipe), norm
 (record the global gradient norm before clipping at every step), and
 config (a dict of model config fields to override, e.g. the MoE ones).
 """
@@ -118,6 +119,34 @@ class Recorder(L.Callback):
             sync = getattr(trainer.strategy, "gradient_buckets", None)  # its PowerSGD state counts as optimizer state
             states = model_state_tensors(pl_module, trainer.optimizers, sync)["optimizer_states"]
             self.bytes["optimizer_states"] = local_bytes(states)
+            if getattr(getattr(trainer.strategy, "parallel_config", None), "optimizer_offload", False):
+                self.bytes["offload"] = _offload_record(pl_module, trainer)
+
+
+def _offload_record(pl_module, trainer) -> dict:
+    """Where an offloaded optimizer's tensors live: the storages of its states and of the tensors it steps (ZeRO 1:
+    the ShardedOptimizer's host copies and host gradients) against those of the parameters the layers compute with
+    and of the gradient buckets (no storage shared), the states' devices, and their host bytes."""
+    from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
+
+    def ptrs(tensors) -> set:
+        return {local_tensor(t).untyped_storage().data_ptr() for t in tensors if t is not None and t.numel()}
+
+    optimizer = unwrap_optimizer(trainer.optimizers[0])
+    sharded = ShardedOptimizer.of(optimizer)
+    states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim > 0]
+    stepped = sharded.host_tensors() if sharded is not None else []
+    sync = getattr(trainer.strategy, "gradient_buckets", None)
+    buckets = [b.buffer for b in sync.buckets] if sync is not None else []
+    device = ptrs(list(pl_module.parameters()) + buckets)
+    return {
+        "shared_storages": len(ptrs(states + stepped) & device),
+        "state_devices": sorted({str(local_tensor(t).device) for t in states + stepped}),
+        "num_states": len(states),
+        "num_stepped": len(stepped),
+        "host_bytes": local_bytes(states + stepped),
+        "sharded_optimizer": sharded is not None,
+    }
 
 
 class _StarveUpperExperts(L.Callback):
@@ -174,6 +203,7 @@ def run_one(
             tensor_parallel_size=layout.get("tp", 1),
             zero_stage=layout.get("zero", 0),
             data_parallel_replicate_size=layout.get("replicate", 1),
+            optimizer_offload=layout.get("optoffload", False),
             pipeline_parallel_size=pp,
             pipeline_schedule=layout.get("schedule", "1f1b"),
             context_parallel_size=layout.get("cp", 1),
