@@ -419,7 +419,8 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         + buf.gradient_buffers
         + buf.gathered_end
         + buf.pipeline
-        + buf.embedding_gradient,
+        + buf.embedding_gradient
+        + act.backward_end_held,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
     phases.update(_feature_phases(act, buf, layer_transients))

@@ -291,6 +291,9 @@ class Activations:
     #: the last stage: what the head and the loss save (one micro-batch), not made yet while the decoder layers run
     #: their forward
     forward_tail: int = 0
+    #: pp > 1 (GPipe, 1F1B, interleaved): the saved tensors of the other micro-batches in flight when the rank's first
+    #: backward ends (:func:`held_at_backward_end`)
+    backward_end_held: int = 0
 
 
 def activation_terms(
@@ -350,7 +353,29 @@ def activation_terms(
         prefetch,
         input_pass,
         saved["head"] + saved["loss"] if last else 0,
+        0 if zero_bubble else held_at_backward_end(pc, counts, sizes),
     )
+
+
+def held_at_backward_end(pc: ParallelConfig, counts: list[int], sizes: list[float]) -> int:
+    """Bytes the other in-flight micro-batches hold when a backward of the rank's first stage ends (``counts``:
+    :func:`in_flight`; ``sizes``: one micro-batch's saved bytes per stage of the rank), under GPipe, 1F1B and
+    interleaved 1F1B; 0 without pp (zero-bubble schedules: their own action lists, not counted here).
+
+    The end of a backward is the model's *backward end* moment: on the first stage the embedding's backward, its
+    ``[V, h]`` partial gradient (:func:`lightning_4d.features.tensor_parallel.costs.embedding_gradient_bytes`), one
+    fresh gradient and, at ZeRO 0/1, the last gradient bucket made. Under a pipeline the first backward ends while the
+    later micro-batches' forwards are still saved: GPipe's and 1F1B's ``count - 1`` (every one in flight but the one
+    backwarded); interleaved, taken as its peak less one micro-batch of the first stage (not measured). Measured
+    (CPU, ``LiveTensorBytes``, llama3.2-3b tp4 pp2 cp2 dp2 ZeRO 1 selective, s=4096, pp rank 0): the peak is the
+    embedding's bucket (``aten.zeros [98,500,608]`` float32) made in micro-batch 0's backward beside the
+    ``embedding_dense_backward`` output ``[128256, 3072]`` bf16, the reduced ``[32064, 3072]`` gradient and micro-batch
+    1's saved tensors (its ``w1``/``w3`` outputs, attention outputs, ...), which the estimate left out (issue 49:
+    5.14 GiB measured, 4.75 estimated)."""
+    if pc.pp == 1:
+        return 0
+    peak = sum(c * size for c, size in zip(counts, sizes))
+    return int(peak - (sizes[0] if counts[0] else 0))
 
 
 def _weights_and_head(
