@@ -353,29 +353,35 @@ def activation_terms(
         prefetch,
         input_pass,
         saved["head"] + saved["loss"] if last else 0,
-        0 if zero_bubble else held_at_backward_end(pc, counts, sizes),
+        held_at_backward_end(pc, pp_rank, m, sizes),
     )
 
 
-def held_at_backward_end(pc: ParallelConfig, counts: list[int], sizes: list[float]) -> int:
-    """Bytes the other in-flight micro-batches hold when a backward of the rank's first stage ends (``counts``:
-    :func:`in_flight`; ``sizes``: one micro-batch's saved bytes per stage of the rank), under GPipe, 1F1B and
-    interleaved 1F1B; 0 without pp (zero-bubble schedules: their own action lists, not counted here).
+def held_at_backward_end(pc: ParallelConfig, pp_rank: int, m: int, sizes: list[float]) -> int:
+    """Bytes the other micro-batches hold when the first backward of pp rank ``pp_rank``'s first stage ends (``m``
+    micro-batches; ``sizes``: one micro-batch's saved bytes per stage of the rank, the order of ``rank_stages``), under
+    GPipe, 1F1B and interleaved 1F1B; 0 without pp and on the zero-bubble schedules (their own action lists: not
+    counted here).
 
-    The end of a backward is the model's *backward end* moment: on the first stage the embedding's backward, its
+    The end of that backward is the model's *backward end* moment: on the first stage the embedding's backward, its
     ``[V, h]`` partial gradient (:func:`lightning_4d.features.tensor_parallel.costs.embedding_gradient_bytes`), one
-    fresh gradient and, at ZeRO 0/1, the last gradient bucket made. Under a pipeline the first backward ends while the
-    later micro-batches' forwards are still saved: GPipe's and 1F1B's ``count - 1`` (every one in flight but the one
-    backwarded); interleaved, taken as its peak less one micro-batch of the first stage (not measured). Measured
-    (CPU, ``LiveTensorBytes``, llama3.2-3b tp4 pp2 cp2 dp2 ZeRO 1 selective, s=4096, pp rank 0): the peak is the
-    embedding's bucket (``aten.zeros [98,500,608]`` float32) made in micro-batch 0's backward beside the
+    fresh gradient and, at ZeRO 0/1, the last gradient bucket made. Under a pipeline it comes while later
+    micro-batches' forwards are still saved: GPipe's and 1F1B's in-flight count less one (:func:`in_flight`);
+    interleaved 1F1B: its peak less one micro-batch of the first stage (a bound; see the code).
+    Measured (CPU, ``LiveTensorBytes``, llama3.2-3b tp4 pp2 cp2 dp2 ZeRO 1 1F1B selective, s=4096, pp rank 0): the
+    peak is the embedding's bucket (``aten.zeros [98,500,608]`` float32) made in micro-batch 0's backward beside the
     ``embedding_dense_backward`` output ``[128256, 3072]`` bf16, the reduced ``[32064, 3072]`` gradient and micro-batch
     1's saved tensors (its ``w1``/``w3`` outputs, attention outputs, ...), which the estimate left out (issue 49:
     5.14 GiB measured, 4.75 estimated)."""
-    if pc.pp == 1:
+    if pc.pp == 1 or pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
         return 0
-    peak = sum(c * size for c, size in zip(counts, sizes))
-    return int(peak - (sizes[0] if counts[0] else 0))
+    counts = in_flight(pc, pp_rank, m)
+    if pc.pipeline_schedule != "interleaved_1f1b":
+        return int(sum((c - 1) * size for c, size in zip(counts, sizes)))
+    # interleaved: the peak's micro-batches less one of the first stage, a bound (the schedule's order, backwards
+    # of the later stages first, would count fewer: llama3.1-8b tp8 pp4 v2 m4 selective s=2048 rank 0, measured at
+    # 6.630 GiB by benchmarks/memory_at_scale.py, is estimated at 6.52 GiB with this bound, 6.16 with that order)
+    return int(sum(c * size for c, size in zip(counts, sizes)) - sizes[0])
 
 
 def _weights_and_head(
