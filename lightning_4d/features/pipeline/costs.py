@@ -360,8 +360,8 @@ def activation_terms(
 def held_at_backward_end(pc: ParallelConfig, pp_rank: int, m: int, sizes: list[float]) -> int:
     """Bytes the other micro-batches hold when the first backward of pp rank ``pp_rank``'s first stage ends (``m``
     micro-batches; ``sizes``: one micro-batch's saved bytes per stage of the rank, the order of ``rank_stages``), under
-    GPipe, 1F1B and interleaved 1F1B; 0 without pp and on the zero-bubble schedules (their own action lists: not
-    counted here).
+    GPipe, 1F1B and interleaved 1F1B at ZeRO 0/1 (the gradient buckets exist from the first backward on); 0 without
+    pp, at ZeRO 2/3 and on the zero-bubble schedules (their own action lists): not counted there.
 
     The end of that backward is the model's *backward end* moment: on the first stage the embedding's backward, its
     ``[V, h]`` partial gradient (:func:`lightning_4d.features.tensor_parallel.costs.embedding_gradient_bytes`), one
@@ -373,7 +373,10 @@ def held_at_backward_end(pc: ParallelConfig, pp_rank: int, m: int, sizes: list[f
     ``embedding_dense_backward`` output ``[128256, 3072]`` bf16, the reduced ``[32064, 3072]`` gradient and micro-batch
     1's saved tensors (its ``w1``/``w3`` outputs, attention outputs, ...), which the estimate left out (issue 49:
     5.14 GiB measured, 4.75 estimated)."""
-    if pc.pp == 1 or pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
+    if pc.pp == 1 or pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES or pc.zero_stage >= 2:
+        # ZeRO 2/3 (FSDP2 per stage chunk): the backward-end terms are those of the last micro-batch's backward, when
+        # the gradients are reduce-scattered and nothing else is in flight; an earlier backward's end, with FSDP2
+        # holding unsharded gradients beside the later micro-batches, is not modelled (not measured)
         return 0
     counts = in_flight(pc, pp_rank, m)
     if pc.pipeline_schedule != "interleaved_1f1b":
