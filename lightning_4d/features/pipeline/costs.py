@@ -367,7 +367,7 @@ def held_at_backward_end(pc: ParallelConfig, pp_rank: int, m: int, sizes: list[f
     ``[V, h]`` partial gradient (:func:`lightning_4d.features.tensor_parallel.costs.embedding_gradient_bytes`), one
     fresh gradient and, at ZeRO 0/1, the last gradient bucket made. Under a pipeline it comes while later
     micro-batches' forwards are still saved: GPipe's and 1F1B's in-flight count less one (:func:`in_flight`);
-    interleaved 1F1B: its peak less one micro-batch of the first stage (a bound; see the code).
+    interleaved 1F1B: the schedule's order, read at the end of the first stage's first backward (see the code).
     Measured (CPU, ``LiveTensorBytes``, llama3.2-3b tp4 pp2 cp2 dp2 ZeRO 1 1F1B selective, s=4096, pp rank 0): the
     peak is the embedding's bucket (``aten.zeros [98,500,608]`` float32) made in micro-batch 0's backward beside the
     ``embedding_dense_backward`` output ``[128256, 3072]`` bf16, the reduced ``[32064, 3072]`` gradient and micro-batch
@@ -381,10 +381,21 @@ def held_at_backward_end(pc: ParallelConfig, pp_rank: int, m: int, sizes: list[f
     counts = in_flight(pc, pp_rank, m)
     if pc.pipeline_schedule != "interleaved_1f1b":
         return int(sum((c - 1) * size for c, size in zip(counts, sizes)))
-    # interleaved: the peak's micro-batches less one of the first stage, a bound (the schedule's order, backwards
-    # of the later stages first, would count fewer: llama3.1-8b tp8 pp4 v2 m4 selective s=2048 rank 0, measured at
-    # 6.630 GiB by benchmarks/memory_at_scale.py, is estimated at 6.52 GiB with this bound, 6.16 with that order)
-    return int(sum(c * size for c, size in zip(counts, sizes)) - sizes[0])
+    # interleaved: the schedule's order (w forwards, then one forward per backward; forward i on stage (i // n) % v,
+    # backward j on stage v - 1 - (j // n) % v) read at the end of the first stage's first backward, after (v - 1)·n
+    # backwards of the later stages. Measured: llama3.1-8b tp8 pp4 v2 m4 selective s=2048 rank 0 (memory_at_scale
+    # row 4), 6.163 GiB; 6.155 estimated with this count (5.882 without the term, 6.519 with the peak less one
+    # first-stage micro-batch)
+    v, p = len(sizes), pc.pp
+    per_round = m // max(1, m // p)
+    warm = min(m * v, (v - 1) * per_round + 2 * (p - 1 - pp_rank) + 1)
+    first_backward = (v - 1) * per_round
+    alive = [0] * v
+    for i in range(min(m * v, warm + first_backward)):
+        alive[(i // per_round) % v] += 1
+    for j in range(first_backward + 1):
+        alive[v - 1 - (j // per_round) % v] -= 1
+    return int(sum(max(0, a) * size for a, size in zip(alive, sizes)))
 
 
 def _weights_and_head(
