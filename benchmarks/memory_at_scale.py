@@ -1,7 +1,7 @@
 """Real-size ranks measured on this CPU machine against the estimate: ``lightning-4d measure`` for each row of
 :data:`ROWS` (one rank of a >= 8-way layout of llama3.2-1b / 3b / llama3.1-8b, ZeRO 1 and 3, none / selective /
-full checkpointing, 1F1B and interleaved, cp; tiny-moe and Mixtral 8x7B under expert parallelism at the estimate's
-default load), each in its own process, two optimizer steps on synthetic tokens,
+full checkpointing, 1F1B and interleaved, cp, tied embeddings under pp; tiny-moe and Mixtral 8x7B under expert
+parallelism at the estimate's default load), each in its own process, two optimizer steps on synthetic tokens,
 the peak of live CPU tensor bytes (``lightning_4d.measure.LiveTensorBytes``) beside ``estimate`` per
 component. Goal: model states exact and the total within 5% on every row.
 
@@ -38,7 +38,7 @@ ROWS = [
         "--model llama3.2-1b --tp 4 --cp 2 --dp 2 --zero-stage 1 --seq-length 4096 --activation-checkpointing full",
     ),
     ("3b tp8 dp4 z3 s4096 none", "--model llama3.2-3b --tp 8 --dp 4 --zero-stage 3 --seq-length 4096"),
-    # llama3.2's embeddings are tied, which pp does not take yet: the pipeline rows are llama3.1-8b's
+    # llama3.1-8b's pipeline rows (untied); llama3.2-3b's tied pipeline row is the last
     (
         "8b tp8 pp4 z1 s2048 interleaved v2 m4 selective",
         "--model llama3.1-8b --tp 8 --pp 4 --dp 1 --zero-stage 1 "
@@ -69,6 +69,13 @@ ROWS = [
         "mixtral-8x7b pp16 dp8 ep8 z1 s128 gpipe m2",
         "--model mixtral-8x7b --pp 16 --dp 8 --ep 8 --zero-stage 1 --seq-length 128 --pipeline-schedule gpipe "
         "--num-microbatches 2",
+    ),
+    # tied embeddings under pp x cp x selective (issue 49): the first stage's peak is the embedding's backward in
+    # micro-batch 0's backward, beside micro-batch 1's saved tensors
+    (
+        "3b tied tp4 pp2 cp2 dp2 z1 s4096 1f1b m2 selective",
+        "--model llama3.2-3b --tp 4 --pp 2 --cp 2 --dp 2 --zero-stage 1 --seq-length 4096 "
+        "--activation-checkpointing selective",
     ),
 ]
 

@@ -117,7 +117,11 @@ first one), and the estimate is the largest:
   gradient shards made so far (all but the root's), the gathered root and the reduce-scatter input FSDP2 keeps of the
   last unit reduced (a layer's, in the reduce dtype): the first layer's backward (+ two gathered layer units + the
   head's gradient, less the first layer's shard) and the embedding's (+ the root's unsharded gradients; a tied weight's
-  three: the head's, the embedding's and their sum);
+  three: the head's, the embedding's and their sum); under pp at ZeRO 0/1, + the saved tensors of the micro-batches
+  still in flight when the rank's first backward ends
+  (:func:`~lightning_4d.features.pipeline.costs.held_at_backward_end`; measured on CPU, llama3.2-3b tp4 pp2 cp2 dp2
+  selective s=4096, pp rank 0: the embedding's bucket made in micro-batch 0's backward beside micro-batch 1's saved
+  tensors, 5,520,331,492 B, estimated 5,536,354,304, 5,098,004,480 without them);
 - recompute (activation checkpointing): the first checkpointed layer's backward, where the step's peak was measured
   on CPU (full and selective, tp 1 and 2, ZeRO 0, 1 and 3): the activations with one layer's recomputed set, less
   what the loss' backward freed (all it saved but the labels) and the head's saved tensors (the final norm's input
@@ -436,7 +440,8 @@ def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization:
         + buf.gradient_buffers
         + buf.gathered_end
         + buf.pipeline
-        + buf.embedding_gradient,
+        + buf.embedding_gradient
+        + act.backward_end_held,
         "optimizer step": states.gradients + buf.step_temporaries,
     }
     phases.update(_feature_phases(act, buf, layer_transients))

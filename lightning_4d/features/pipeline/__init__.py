@@ -172,6 +172,20 @@ ROWS = (
         cpu_tests=(TIED + "test_tied_pp_world4_equals_one_process", TIED + "test_tied_pp_measure_equals_estimate"),
     ),
     Row(
+        "pp2-tp2-cp2-tied-selective",
+        "pp2 tp2 cp2, tied embeddings, selective checkpointing: the first stage's peak is the embedding's backward "
+        "beside the next micro-batch's saved tensors",
+        {
+            "model": "small-tied",
+            "pp": 2,
+            "tp": 2,
+            "cp": 2,
+            "activation_checkpointing": "selective",
+            "num_microbatches": 2,
+        },
+        cpu_tests=("tests/test_memory_model.py::test_pipeline_backward_end_counts_the_micro_batches_in_flight",),
+    ),
+    Row(
         "pp2-1f1b-m1",
         "1F1B with fewer micro-batches than stages",
         {"pp": 2, "num_microbatches": 1},
