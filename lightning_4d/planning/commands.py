@@ -510,24 +510,7 @@ def _print_estimate(out: dict[str, Any]) -> None:
             f"peak phase: {out['peak_phase']} (total = parameters + optimizer_states + overhead + the "
             "largest phase; see docs/memory.md)"
         )
-        host = out["details"].get("host_offloaded_activations", 0)
-        if lay.get("activation_offload_layers"):
-            console.print(
-                f"host memory: {host / GIB:.2f} GiB of offloaded activations ({lay['activation_offload_layers']} "
-                "layers per pipeline stage), not in the total above"
-            )
-        if lay.get("optimizer_offload"):
-            console.print(
-                f"host memory: {out['details']['host_model_states'] / GIB:.2f} GiB of model states per rank "
-                "(optimizer_offload: docs/memory.md), not in the total above"
-            )
-        if out["host"]:
-            verdict = "fits" if out["fits_host"] else "does NOT fit"
-            console.print(
-                f"host memory per node: {out['host_per_node'] / GIB:.2f} GiB ({out['host'] / GIB:.2f} GiB per rank x "
-                f"{out['host_per_node'] // out['host']} ranks) of {out['host_memory'] / GIB:.1f} GiB "
-                f"(--host-memory): {verdict} within the {100 * out['budget']:.0f}% budget."
-            )
+        _print_host_memory(console, out)
     verdict = "fits" if out["fits"] else "does NOT fit"
     console.print(
         f"{out['total_gib']:.2f} GiB = {100 * out['fraction']:.1f}% of {out['gpu']} "
@@ -539,6 +522,30 @@ def _print_estimate(out: dict[str, Any]) -> None:
         world_size = lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"]
         for line in fitting_layout_lines([(s["line"], s["total"]) for s in out["suggestions"]], world_size):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def _print_host_memory(console: Any, out: dict[str, Any]) -> None:
+    """``estimate``'s lines on host memory: the offloaded activations, the offloaded model states per rank and the
+    host memory per node against ``--host-memory``."""
+    lay = out["layout"]
+    host = out["details"].get("host_offloaded_activations", 0)
+    if lay.get("activation_offload_layers"):
+        console.print(
+            f"host memory: {host / GIB:.2f} GiB of offloaded activations ({lay['activation_offload_layers']} "
+            "layers per pipeline stage), not in the total above"
+        )
+    if lay.get("optimizer_offload"):
+        console.print(
+            f"host memory: {out['details']['host_model_states'] / GIB:.2f} GiB of model states per rank "
+            "(optimizer_offload: docs/memory.md), not in the total above"
+        )
+    if out["host"]:
+        verdict = "fits" if out["fits_host"] else "does NOT fit"
+        console.print(
+            f"host memory per node: {out['host_per_node'] / GIB:.2f} GiB ({out['host'] / GIB:.2f} GiB per rank x "
+            f"{out['host_per_node'] // out['host']} ranks) of {out['host_memory'] / GIB:.1f} GiB "
+            f"(--host-memory): {verdict} within the {100 * out['budget']:.0f}% budget."
+        )
 
 
 def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, bool], list]] = None) -> dict[str, Any]:
