@@ -187,6 +187,12 @@ ROWS: list[Row] = [
         cpu_tests=(H + "test_hsdp_parity_world8",),
     ),
     Row(
+        "hsdp-optoffload",
+        "dp4 HSDP 2 x 2 with the optimizer states on the host, ZeRO 1 and 3",
+        {"dp": 4, "dp_replicate": 2, "zero_stage": 3, "optimizer_offload": True},
+        cpu_tests=(H + "test_hsdp_parity_world4",),
+    ),
+    Row(
         "hsdp-z0",
         "HSDP with ZeRO 0",
         {"dp": 4, "dp_replicate": 2, "zero_stage": 0},

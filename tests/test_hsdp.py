@@ -5,7 +5,8 @@ and the reduced shards are all-reduced across its r replicas (``lightning_4d/mes
   losses within 1e-5 relative of the single-process plain-Lightning run and final weights within
   ``tests/test_parity.py``'s measured bound, for replicate2 x shard2 at ZeRO 1, 2 and 3 (clipped: the global gradient
   norm against torch's, each replica's pieces counted once), replicate4 x shard1 (nothing sharded, the replicas
-  all-reduce), replicate2 x (shard1 x cp2), and on 8 ranks replicate2 x shard2 x tp2 (ZeRO 1 and 3) and with pp2;
+  all-reduce), replicate2 x (shard1 x cp2), replicate2 x shard2 with the optimizer states on the host (ZeRO 1 and
+  3), and on 8 ranks replicate2 x shard2 x tp2 (ZeRO 1 and 3) and with pp2;
 - the model states each rank holds: the memory model's figure exactly (``planning/states.py``: sharded over the
   shard group, ``zero_shard`` ranks), half the states of flat ZeRO over dp4;
 - checkpoints: a sharded checkpoint of HSDP resumes on flat ZeRO 3 and one of flat ZeRO 3 on HSDP, the resumed
@@ -30,6 +31,9 @@ WORLD4 = [
     {"dp": 4, "replicate": 2, "zero": 3, **CLIP},
     {"dp": 4, "replicate": 4, "zero": 1},
     {"dp": 2, "cp": 2, "replicate": 2, "zero": 3},
+    # with the optimizer states on the host (optimizer_offload)
+    {"dp": 4, "replicate": 2, "zero": 1, "optoffload": True, **CLIP},
+    {"dp": 4, "replicate": 2, "zero": 3, "optoffload": True},
 ]
 WORLD8 = [
     {"dp": 4, "tp": 2, "replicate": 2, "zero": 1, **CLIP},
@@ -82,6 +86,7 @@ def _check_states(result) -> None:
         zero_stage=layout["zero"],
         data_parallel_replicate_size=layout["replicate"],
         num_microbatches=layout.get("m"),
+        optimizer_offload=layout.get("optoffload", False),
     )
     model_config = LlamaConfig.from_preset("tiny-test")
     per_replica: dict[tuple, set] = {}
@@ -90,11 +95,16 @@ def _check_states(result) -> None:
         tp_rank, dp_cp_rank, pp_rank = rank % tp, rank // tp % (dp * cp), rank // (tp * dp * cp)
         est = model_state_bytes(model_config, pc, "32-true", pp_rank=pp_rank, dp_cp_rank=dp_cp_rank, tp_rank=tp_rank)
         real = r["bytes"]
-        assert (real["params"], real["grads"], real["optimizer_states"]) == (
-            est.parameters,
-            est.gradients,
-            est.optimizer_states,
-        ), (layout, rank)
+        if pc.optimizer_offload:  # the host's bytes (FSDP2: the sharded parameters and gradients too) are the model's
+            offload = real["offload"]
+            host = offload["host_bytes"] + (real["params"] + real["grads"] if pc.zero_stage >= 2 else 0)
+            assert offload["shared_storages"] == 0 and host == est.host, (layout, rank, offload, est)
+        else:
+            assert (real["params"], real["grads"], real["optimizer_states"]) == (
+                est.parameters,
+                est.gradients,
+                est.optimizer_states,
+            ), (layout, rank)
         shard_coordinate = (pp_rank, tp_rank, dp_cp_rank % pc.zero_shard)
         per_replica.setdefault(shard_coordinate, set()).add(real["optimizer_states"])
     assert all(len(v) == 1 for v in per_replica.values()), per_replica
