@@ -362,14 +362,7 @@ def fit_and_measure(
         offload = pc.optimizer_offload
         callbacks = [_state_bytes_callback(states, tracker if not cuda else None, offload), *(callbacks or [])]
         _fit(workload, pc, steps, device, {"strategy": strategy, "callbacks": callbacks, **(trainer_kwargs or {})})
-    if cuda:
-        torch.cuda.synchronize()
-        out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
-    elif pc.optimizer_offload:  # host and device are one memory here: the host storages apart
-        device_peak, host_peak = tracker.split_peaks()
-        out = {"peak_allocated": device_peak, "peak_reserved": None, "host_peak": host_peak}
-    else:
-        out = {"peak_allocated": tracker.peak, "peak_reserved": None}
+    out = _peaks(None if cuda else tracker, pc.optimizer_offload)
     out.update(states)
     out.setdefault("host_peak", out.get("host", 0))  # CUDA: the host model states' bytes
     layout = layout_strategy(strategy)
@@ -377,6 +370,49 @@ def fit_and_measure(
     out["cuda_library"] = library
     gc.collect()
     return out
+
+
+def _offloaded_state_tensors(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[Tensor],
+    compression: list[Tensor],
+    optimizers: Iterable[Any],
+) -> dict[str, list[Tensor]]:
+    """:func:`model_state_tensors` under ``optimizer_offload``: what lives on the host under ``"host"`` (the
+    optimizer's ``states``, a ``ShardedOptimizer``'s host copies and host gradients, the parameters FSDP2 owns with
+    their gradients), the other kinds the device's."""
+    from lightning_4d.parallel.fsdp import reduced_by_fsdp
+    from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, unwrap_optimizer
+
+    hosted = [
+        t
+        for optimizer in optimizers
+        if (so := ShardedOptimizer.of(unwrap_optimizer(optimizer))) is not None
+        for t in so.host_tensors()
+    ]
+    fsdp = [p for p in params if reduced_by_fsdp(p)]
+    in_fsdp = {id(p) for p in fsdp}
+    return {
+        "parameters": [p for p in params if id(p) not in in_fsdp],
+        "gradients": [g for g in grads if all(g is not p.grad for p in fsdp)],
+        "optimizer_states": compression,
+        "master_weights": [],
+        "compression": compression,
+        "host": states + hosted + fsdp + [p.grad for p in fsdp],
+    }
+
+
+def _peaks(tracker: Optional["LiveTensorBytes"], optimizer_offload: bool) -> dict[str, Any]:
+    """The peaks of :func:`fit_and_measure`'s run: CUDA's allocator statistics (``tracker`` ``None``), else the
+    CPU tracker's, the host storages apart under ``optimizer_offload`` (host and device are one memory here)."""
+    if tracker is None:
+        torch.cuda.synchronize()
+        return {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+    if optimizer_offload:
+        device_peak, host_peak = tracker.split_peaks()
+        return {"peak_allocated": device_peak, "peak_reserved": None, "host_peak": host_peak}
+    return {"peak_allocated": tracker.peak, "peak_reserved": None}
 
 
 def _fit(work: Workload, pc: ParallelConfig, steps: int, device: str, trainer_kwargs: dict[str, Any]) -> None:
@@ -770,24 +806,7 @@ def model_state_tensors(
     # PowerSGD's error feedback and warm start: persistent state, counted with the optimizer's
     compression = buckets.powersgd.tensors() if buckets is not None and buckets.powersgd is not None else []
     if offload:
-        from lightning_4d.parallel.fsdp import reduced_by_fsdp
-
-        hosted = [
-            t
-            for optimizer in optimizers
-            if (so := ShardedOptimizer.of(unwrap_optimizer(optimizer))) is not None
-            for t in so.host_tensors()
-        ]
-        fsdp = [p for p in params if reduced_by_fsdp(p)]
-        in_fsdp = {id(p) for p in fsdp}
-        return {
-            "parameters": [p for p in params if id(p) not in in_fsdp],
-            "gradients": [g for g in grads if all(g is not p.grad for p in fsdp)],
-            "optimizer_states": compression,
-            "master_weights": [],
-            "compression": compression,
-            "host": states + hosted + fsdp + [p.grad for p in fsdp],
-        }
+        return _offloaded_state_tensors(params, grads, states, compression, optimizers)
     return {
         "parameters": params,
         "gradients": grads,

@@ -209,13 +209,10 @@ def model_state_bytes(
     weighted = weighted_params(model_config, pc.tp, layers, first, last, pc.ep)
     # the ZeRO shard group: dp_cp, under HSDP its shard group (consecutive dp_cp ranks) of zero_shard ranks
     shards, shard_rank = pc.zero_shard, dp_cp_rank % pc.zero_shard
-    if pc.zero_stage >= 2:  # FSDP2: rows [r·chunk, (r+1)·chunk) of dim 0 of every tensor (maybe dim 1: fsdp_group)
+    if pc.zero_stage >= 2:
         n = sum(count * fsdp_shard_numel(p, shards, shard_rank, pc.ep, pc.tp, tp_rank) for p, count in weighted)
-        if dt.master:  # MixedPrecisionPolicy: the float32 shard is the master weight
-            return offloaded_states(ModelStates(4 * n, 4 * n, 8 * n), pc)
-        return offloaded_states(ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param), pc)
-    n = sum(count * p.numel for p, count in weighted)
-    n_opt = n
+        return _fsdp_states(n, dt, pc)
+    n = n_opt = sum(count * p.numel for p, count in weighted)
     if pc.zero_stage == 1 and shards > 1:
         sizes = Sizes.of(model_config, model_config.num_layers)
         stage = StageKey(pc.tp, tuple(layers), first, last, pc.ep)
@@ -226,6 +223,15 @@ def model_state_bytes(
         copy = dt.master or dt.param
         return ModelStates(n * dt.param, n * dt.grad, compression, 0, compression, n_opt * (2 * copy + 2 * dt.moment))
     return ModelStates(n * dt.param, n * dt.grad, 2 * n_opt * dt.moment + master + compression, master, compression)
+
+
+def _fsdp_states(n: int, dt: Dtypes, pc: ParallelConfig) -> ModelStates:
+    """The model states of a rank holding ``n`` elements of FSDP2 shards (ZeRO 2/3: rows ``[r·chunk, (r+1)·chunk)``
+    of dim 0 of every tensor, maybe dim 1: :func:`fsdp_group`): under ``MixedPrecisionPolicy`` the float32 shard is
+    the master weight; with ``optimizer_offload`` on the host (:func:`offloaded_states`)."""
+    if dt.master:
+        return offloaded_states(ModelStates(4 * n, 4 * n, 8 * n), pc)
+    return offloaded_states(ModelStates(n * dt.param, n * dt.param, 2 * n * dt.param), pc)
 
 
 def offloaded_states(states: ModelStates, pc: ParallelConfig) -> ModelStates:
