@@ -15,8 +15,9 @@ Stages 0 and 1 are :mod:`lightning_4d.parallel.grad_buffers` (the gradient bucke
 :mod:`lightning_4d.parallel.sharded_optimizer` (the sharded optimizer and master weights); clipping is
 :func:`lightning_4d.parallel.clipping.clip_grad_norm_` for every stage.
 
-**Mixed precision** (``bf16-mixed``): ``apply_fsdp(param_dtype=torch.bfloat16)`` (FSDP2 ``MixedPrecisionPolicy``: the
-fp32 shard is the master, 16/D bytes per parameter at rest plus the bf16 units gathered for compute).
+**Mixed precision** (``bf16-mixed``): ``apply_fsdp(policy=FSDPPolicy(param_dtype=torch.bfloat16))`` (FSDP2
+``MixedPrecisionPolicy``: the fp32 shard is the master, 16/D bytes per parameter at rest plus the bf16 units gathered
+for compute).
 
 Gradients are *averaged* over the group (the loss is a per-rank mean over equally many tokens); the divide factor is
 set explicitly so that the result does not depend on the backend's reduce op (on gloo FSDP2 has been reported to sum
@@ -25,6 +26,7 @@ instead of average, pytorch issue 162338; the parity tests check this).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
@@ -46,16 +48,47 @@ def fsdp_reduce_dtype(gradient_compression: str) -> Optional[torch.dtype]:
     return torch.bfloat16 if gradient_compression == "bf16" else None
 
 
+@dataclass(frozen=True)
+class FSDPPolicy:
+    """The FSDP2 policies of :func:`apply_fsdp`'s units: mixed precision and offload.
+
+    Attributes:
+        param_dtype: mixed precision (``bf16-mixed``): FSDP2's ``MixedPrecisionPolicy(param_dtype=param_dtype,
+            reduce_dtype=torch.float32, cast_forward_inputs=False)``: the sharded float32 parameters are the master
+            weights, each unit is all-gathered in ``param_dtype`` for compute and its gradients reduce-scattered
+            (and, under a pipeline's gradient accumulation, accumulated) in float32; the blocks' inputs are not
+            cast (the rotary tables stay float32). ``None``: parameters compute in their own dtype.
+        reduce_dtype: the dtype gradients are reduce-scattered in (``gradient_compression="bf16"``:
+            ``torch.bfloat16``); default float32 under ``param_dtype``, else the parameters' dtype.
+        offload: ``optimizer_offload``: FSDP2's ``CPUOffloadPolicy`` (pinned on CUDA,
+            :func:`lightning_4d.parallel.optimizer_offload.cpu_offload_policy`). It moves more than the optimizer's
+            states: the sharded parameters (under ``param_dtype`` the float32 masters) and their sharded gradients
+            live on the host, so the optimizer (and its states) steps there on the CPU; each unit's shard is copied
+            to the device for its all-gather and each reduce-scattered gradient shard back to the host.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    offload: bool = False
+
+    def options(self, device_type: str) -> dict[str, Any]:
+        """``fully_shard``'s ``mp_policy`` and ``offload_policy`` for these policies (none when unset)."""
+        out: dict[str, Any] = {}
+        if self.param_dtype is not None or self.reduce_dtype is not None:
+            out["mp_policy"] = _mixed_precision_policy(self.param_dtype, self.reduce_dtype)
+        if self.offload:
+            out["offload_policy"] = cpu_offload_policy(device_type)
+        return out
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_cp_mesh: DeviceMesh,
     zero_stage: int,
     blocks: Optional[Iterable[nn.Module]] = None,
     reshard_after_forward: Optional[bool] = None,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None,
+    policy: Optional["FSDPPolicy"] = None,
     moe_meshes: Optional[dict[str, Optional[DeviceMesh]]] = None,
-    offload: bool = False,
 ) -> None:
     """Shard ``model`` with FSDP2 for ZeRO stage 2 or 3, one FSDP unit per transformer block, then the root.
 
@@ -73,21 +106,10 @@ def apply_fsdp(
         blocks: the submodules that become their own FSDP units (default: ``model.layers.values()``).
         reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
             schedules pass ``False`` for stage 3 (see ``parallelize_model``).
-        param_dtype: mixed precision (``bf16-mixed``): FSDP2's ``MixedPrecisionPolicy(param_dtype=param_dtype,
-            reduce_dtype=torch.float32, cast_forward_inputs=False)``: the sharded float32 parameters are the master
-            weights, each unit is all-gathered in ``param_dtype`` for compute and its gradients reduce-scattered
-            (and, under a pipeline's gradient accumulation, accumulated) in float32; the blocks' inputs are not
-            cast (the rotary tables stay float32). ``None``: parameters compute in their own dtype.
-        reduce_dtype: the dtype gradients are reduce-scattered in (``gradient_compression="bf16"``:
-            ``torch.bfloat16``); default float32 under ``param_dtype``, else the parameters' dtype.
+        policy: the units' mixed precision and offload (:class:`FSDPPolicy`; default: neither).
         moe_meshes: the meshes of the MoE layers' own units, :func:`lightning_4d.features.moe.runtime.fsdp_options`:
             ``expert_mesh``, the ``edp`` mesh under expert parallelism, and ``token_mesh``, the ``dp_cp_tp`` mesh of a
             model with MoE layers under tp (:func:`~lightning_4d.features.moe.runtime.shard_units`; ``None`` without).
-        offload: ``optimizer_offload``: FSDP2's ``CPUOffloadPolicy`` (pinned on CUDA,
-            :func:`lightning_4d.parallel.optimizer_offload.cpu_offload_policy`). It moves more than the optimizer's
-            states: the sharded parameters (under ``param_dtype`` the float32 masters) and their sharded gradients
-            live on the host, so the optimizer (and its states) steps there on the CPU; each unit's shard is copied
-            to the device for its all-gather and each reduce-scattered gradient shard back to the host.
 
     Raises:
         ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: from
@@ -102,10 +124,7 @@ def apply_fsdp(
         layers = find_submodel(model, "layers")
         blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
     kw: dict[str, Any] = {"mesh": dp_cp_mesh, "reshard_after_forward": reshard}
-    if param_dtype is not None or reduce_dtype is not None:
-        kw["mp_policy"] = _mixed_precision_policy(param_dtype, reduce_dtype)
-    if offload:
-        kw["offload_policy"] = cpu_offload_policy(dp_cp_mesh.device_type)
+    kw.update((policy or FSDPPolicy()).options(dp_cp_mesh.device_type))
     kw = moe.shard_units(model, kw, **(moe_meshes or {}))  # the MoE layers' own units first (docstring)
     for unit in [*(fully_shard(b, **kw) for b in blocks), fully_shard(model, **kw)]:
         average_gradients(unit, dp_cp_mesh)

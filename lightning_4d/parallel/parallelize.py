@@ -34,7 +34,7 @@ from lightning_4d.parallel._compat.lightning import attached_trainer
 from lightning_4d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.parallel.compile import compile_layers
 from lightning_4d.parallel.float8 import apply_float8
-from lightning_4d.parallel.fsdp import apply_fsdp, fsdp_reduce_dtype
+from lightning_4d.parallel.fsdp import FSDPPolicy, apply_fsdp, fsdp_reduce_dtype
 from lightning_4d.parallel.offload import OffloadStats, apply_activation_offload, offloaded_layers
 
 #: the models :func:`parallelize_model` has laid out (a registry, so that nothing is written onto the user's module;
@@ -178,8 +178,9 @@ def shard_any_module(
                 mesh.zero,
                 config.zero_stage,
                 blocks=inner,
-                reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
-                offload=config.optimizer_offload,
+                policy=FSDPPolicy(
+                    reduce_dtype=fsdp_reduce_dtype(config.gradient_compression), offload=config.optimizer_offload
+                ),
             )
 
 
@@ -264,10 +265,12 @@ def _shard_parts(
     chunk), one unit per decoder layer that holds parameters, then the root."""
     fsdp = dict(
         reshard_after_forward=reshard_after_forward(config),
-        param_dtype=param_dtype if family.master_weights else None,
-        reduce_dtype=fsdp_reduce_dtype(config.gradient_compression),
+        policy=FSDPPolicy(
+            param_dtype if family.master_weights else None,
+            fsdp_reduce_dtype(config.gradient_compression),
+            config.optimizer_offload,
+        ),
         moe_meshes=moe.fsdp_options(mesh),
-        offload=config.optimizer_offload,
     )
     for part in [c for _, c in chunks] if chunks is not None else [model]:
         blocks = [
