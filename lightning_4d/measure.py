@@ -483,18 +483,21 @@ def _state_bytes_callback(states: dict[str, int], tracker: Any = None, offload: 
     import lightning as L
 
     class StateBytes(L.Callback):
-        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        @staticmethod
+        def tensors(trainer: Any, module: Any) -> dict[str, list[Tensor]]:  # the host storages marked as such
             t = model_state_tensors(module, trainer.optimizers, _gradient_buckets(trainer), offload)
             if tracker is not None and offload:
                 tracker.mark_host(t["host"])
+            return t
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            t = self.tensors(trainer, module)
             if "parameters" not in states:
                 states["parameters"] = local_bytes(t["parameters"])
                 states["gradients"] = local_bytes(t["gradients"])
 
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
-            t = model_state_tensors(module, trainer.optimizers, _gradient_buckets(trainer), offload)
-            if tracker is not None and offload:
-                tracker.mark_host(t["host"])
+            t = self.tensors(trainer, module)
             if "optimizer_states" not in states:
                 states["optimizer_states"] = local_bytes(t["optimizer_states"])
                 states["master_weights"] = local_bytes(t["master_weights"])
