@@ -296,7 +296,8 @@ def run(layout: dict, shapes: list[tuple[int, int]], model: str, layers: int | N
         "rank": rank,
         "activations": rows,
         "states": module.states,
-        "estimated_states": estimated_states.__dict__,
+        # these layouts keep every state on the device (no optimizer_offload): the host field is 0 and not measured
+        "estimated_states": {k: v for k, v in estimated_states.__dict__.items() if k != "host" or v},
     }
 
 
