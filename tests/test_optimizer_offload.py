@@ -223,16 +223,19 @@ def test_plan_proposes_optimizer_offload_when_nothing_else_fits():
     plan lists layouts with optimizer offload, each with the host memory per node it needs (the 16 bytes per
     parameter of 8 B parameters over the node's 4 ranks: 119.7 GiB), and drops them against too little host
     memory."""
+    from dataclasses import replace
+
     from lightning_4d.planning.hardware import GPU_PRESETS
     from lightning_4d.planning.planner import plan
     from lightning_4d.planning.workload import Job
 
     job = Job(LlamaConfig.from_preset("llama3-8b"), 4, 4, 2048, 8, GPU_PRESETS["A10"], "bf16-mixed")
+    assert job.host_memory is None  # not checked
     found = plan(job, top=3)
     assert found and all(c.optimizer_offload and c.fits and c.zero_stage >= 1 for c in found)
     assert all(119 * 2**30 < c.host_memory < 120 * 2**30 for c in found)
     assert found[0].parallel_config().optimizer_offload is True
-    assert not plan(job, top=3, host_memory=64 * 2**30)  # 80% of 64 GiB < 119.7 GiB
+    assert not plan(replace(job, host_memory=64 * 2**30), top=3)  # 80% of 64 GiB < 119.7 GiB
 
 
 @pytest.mark.parametrize(

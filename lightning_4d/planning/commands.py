@@ -618,8 +618,9 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, search: Search, **kw: 
         gpu,
         args.precision,
         expert_load_imbalance=args.expert_load_imbalance,
+        host_memory=args.host_memory,
     )
-    return plan(job, search, budget=args.budget, formula=args.formula, host_memory=args.host_memory, **kw)
+    return plan(job, search, budget=args.budget, formula=args.formula, **kw)
 
 
 def _plan_row(

@@ -345,7 +345,6 @@ def plan(
     include_unfit: bool = False,
     max_estimated: Optional[int] = None,
     estimate_kw: Optional[dict[str, Any]] = None,
-    host_memory: Optional[int] = None,
 ) -> list[Candidate]:
     """The layouts of a job that fit ``budget · gpu.memory``, fastest predicted first. When none fits, the layouts
     with ``optimizer_offload=True`` that do (:func:`_with_optimizer_offload`), each with the host memory per node it
@@ -372,8 +371,6 @@ def plan(
             large job: its ~10^5 layouts take minutes to estimate).
         estimate_kw: more keyword arguments of :func:`~lightning_4d.planning.model.estimate_memory` (``device_type``,
             ``overhead``, ``gpu_name``).
-        host_memory: bytes of host memory per node; an optimizer-offload layout needing more than ``budget`` of it
-            is dropped (``None``: not checked).
 
     Raises:
         ValueError: non-positive sizes, ``num_gpus`` not a multiple of ``gpus_per_node`` (when above it), no
@@ -387,7 +384,7 @@ def plan(
     candidate = functools.partial(_candidate, job=job, model_flops_per_token=job.model.flops_per_token(job.seq_length))
     out = _fastest_that_fit(timed, memory_of, candidate, top, max_estimated)
     if formula == "lightning_4d" and not any(c.fits for c in out):
-        host_limit = None if host_memory is None else budget * host_memory
+        host_limit = None if job.host_memory is None else budget * job.host_memory
         out = _with_optimizer_offload(job, timed, memory_of, candidate, (top, max_estimated), host_limit) or out
     out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
     return out[:top] if top else out

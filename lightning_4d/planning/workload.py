@@ -55,6 +55,7 @@ class Workload:
     num_microbatches: Optional[int] = None
     expert_load_imbalance: Optional[float] = None
     fused_optimizer: bool = True
+    host_memory: Optional[int] = None
     document_masking: bool = False
     document_tokens: Optional[int] = None
 
@@ -72,6 +73,8 @@ class Job:
             :data:`~lightning_4d.planning.hardware.GPU_PRESETS`); ``None`` where layouts are only enumerated, not timed.
         precision: the training precision (default ``"bf16-mixed"``).
         expert_load_imbalance, fused_optimizer: as :class:`Workload`'s, for every layout's memory estimate.
+        host_memory: bytes of host memory per node; the planner drops an optimizer-offload layout needing more than
+            its memory budget of it (``None``: not checked).
     """
 
     model: Any
@@ -83,6 +86,7 @@ class Job:
     precision: str = "bf16-mixed"
     expert_load_imbalance: Optional[float] = None
     fused_optimizer: bool = True
+    host_memory: Optional[int] = None
 
     def workload(self, micro_batch_size: int, num_microbatches: int) -> Workload:
         """The :class:`Workload` of one rank of a layout with micro-batch size b and m micro-batches per step."""
