@@ -1,13 +1,14 @@
 """Plant known bugs in a scratch copy of the package and see which tests catch each.
 
-For each bug of :data:`BUGS` (one per concern: the bf16-mixed master write-back, the data-parallel gradient
-reduction, a gradient bucket offset, the pipeline's micro-batch order and loss scaling, a context-parallel chunk
-index, the expert-major row order, the ZeRO-1 checkpoint slice, a memory-model term, the global-norm count under tp,
-document masking's ring skip and loss normalization), this copies the working tree
-(without ``.git``) to a scratch folder, replaces one exact snippet of one file (it must occur exactly once, so an edit
-of the package that moves the code fails here loudly instead of planting nothing), and runs the tests of that concern
-with pytest in the copy (``PYTHONPATH`` = the copy: the torchrun workers the tests launch import the planted package
-too). It prints, per bug, how many of the tests that ran failed: a bug that no test fails is ``NOT CAUGHT``.
+For each bug of :data:`BUGS` (one per concern: the bf16-mixed master write-back, the data-parallel gradient reduction, a
+gradient bucket offset, the pipeline's micro-batch order and loss scaling, a context-parallel chunk index, the expert-
+major row order, the ZeRO-1 checkpoint slice, a memory-model term, the global-norm count under tp, document masking's
+ring skip and loss normalization, HSDP's replica reduction and norm, optimizer offload's host gradient, data blends and
+resume, tied embeddings under pp, Ulysses' kv heads, all-gather cp, MoE under tp), this copies the working tree (without
+``.git``) to a scratch folder, replaces one exact snippet of one file (it must occur exactly once, so an edit of the
+package that moves the code fails here loudly instead of planting nothing), and runs the tests of that concern with
+pytest in the copy (``PYTHONPATH`` = the copy: the torchrun workers the tests launch import the planted package too). It
+prints, per bug, how many of the tests that ran failed: a bug that no test fails is ``NOT CAUGHT``.
 
 Not a test (it runs the concern's tests once per bug: minutes): ``python benchmarks/planted_bugs.py`` (``--only
 NAME`` for some bugs, ``--tests ARGS`` to run them against other tests, ``--baseline`` to run the same selections
@@ -142,6 +143,83 @@ BUGS: tuple[Bug, ...] = (
         "        return dist.get_world_size(group) / count.clamp_min(1.0)",
         "        return 1.0 / (labels != -100).sum().float()",
         ("tests/test_document_masking.py", "-k", "world2"),
+    ),
+    Bug(
+        "hsdp-shard-not-reduced-over-replicas",
+        "HSDP at ZeRO 0/1: the owned shard of the default gradient group is never all-reduced over the replicas (each "
+        "replica steps with its own nodes' gradient, divided by every rank's count)",
+        "lightning_4d/parallel/grad_buffers.py",
+        "if self.num_replicas > 1 and b.index == 0:",
+        "if self.num_replicas > 1 and b.index < 0:",
+        ("tests/test_hsdp.py", "-k", "world4"),
+    ),
+    Bug(
+        "hsdp-clip-norm-replicas",
+        "HSDP clipping: the global gradient norm counts every replica's copy of the shard group's pieces",
+        "lightning_4d/parallel/clipping.py",
+        "    sizes[0] *= buckets.num_replicas",
+        "    sizes[0] *= 1",
+        ("tests/test_hsdp.py", "-k", "world4"),
+    ),
+    Bug(
+        "optimizer-offload-stale-gradient",
+        "optimizer offload at ZeRO 0/1: the host step reads its host gradient tensor without the device gradient "
+        "copied into it",
+        "lightning_4d/parallel/sharded_optimizer.py",
+        "        host.copy_(grad, non_blocking=True)\n        return host",
+        "        return host",
+        ("tests/test_optimizer_offload.py", "-k", "world2"),
+    ),
+    Bug(
+        "blend-sample-index",
+        "data blends: each component's draws start at its second sample (the per-dataset sample index one ahead)",
+        "lightning_4d/data/datasets.py",
+        "        samples[i] = counts[best]",
+        "        samples[i] = counts[best] + 1",
+        ("tests/test_data.py", "-k", "blend"),
+    ),
+    Bug(
+        "resume-mid-pass-offset",
+        "resume: a pass resumed mid-epoch skips its first local batches a second time (the batch offset counted "
+        "from the pass's start instead of the resume point)",
+        "lightning_4d/data/datasets.py",
+        "            base = start + (t - first_batch) * stride + self.rank",
+        "            base = start + t * stride + self.rank",
+        ("tests/test_data.py", "-k", "resume"),
+    ),
+    Bug(
+        "tied-copies-max-not-sum",
+        "tied embeddings under pp: the two copies' gradients are combined with a max instead of summed",
+        "lightning_4d/features/pipeline/runtime.py",
+        "            dist.all_reduce(g, group=self.group)",
+        "            dist.all_reduce(g, op=dist.ReduceOp.MAX, group=self.group)",
+        ("tests/test_tied_pipeline.py", "-k", "world2"),
+    ),
+    Bug(
+        "ulysses-kv-head-order",
+        "all-to-all (Ulysses) cp with fewer kv heads than cp ranks: the kv heads repeated in turn instead of each "
+        "one in place, so a rank receives another query group's kv head",
+        "lightning_4d/features/context_parallel/runtime.py",
+        "k, v = (t.repeat_interleave(size // t.shape[2], dim=2) for t in (k, v))",
+        "k, v = (t.repeat(1, 1, size // t.shape[2], 1) for t in (k, v))",
+        ("tests/test_context_parallel.py", "-k", "alltoall"),
+    ),
+    Bug(
+        "allgather-drops-first-chunk",
+        "all-gather cp: the second query chunk does not attend to the first chunk's keys",
+        "lightning_4d/features/context_parallel/runtime.py",
+        "([(slice(0, index * chunk), False, None)] if index > 0 else [])",
+        "([(slice(0, index * chunk), False, None)] if index > 1 else [])",
+        ("tests/test_context_parallel.py", "-k", "allgather"),
+    ),
+    Bug(
+        "moe-tp-router-gradient-not-summed",
+        "MoE layers under tp (run token parallel): the router's and shared experts' gradients are reduced over dp x cp "
+        "only, not summed over the tp ranks' tokens",
+        "lightning_4d/features/moe/runtime.py",
+        '    if mesh.get("dp_cp_tp") is not None:\n        tokens',
+        '    if mesh.get("dp_cp_tp") is None:\n        tokens',
+        ("tests/test_moe_tensor_parallel.py",),
     ),
 )
 
