@@ -679,6 +679,17 @@ def _test_names(row: Row) -> list[str]:
     return [t.replace("tests/", "").replace(".py::", "::") for t in row.cpu_tests]
 
 
+def _no_results_note(results_dir: Path) -> list[str]:
+    """A note for a page made where ``results_dir`` does not exist (an installed package carries no results)."""
+    if Path(results_dir).is_dir():
+        return []
+    return [
+        f"No results folder at {results_dir} (an installed package carries none): the CUDA column cannot tell what "
+        "ran here; the repository's docs/support.md shows it.",
+        "",
+    ]
+
+
 def markdown(results_dir: Path = RESULTS) -> str:
     """The matrix as a Markdown table (``lightning-4d support --markdown``; docs/support.md)."""
     results = cuda_results(results_dir)
@@ -692,6 +703,7 @@ def markdown(results_dir: Path = RESULTS) -> str:
         f"code changed, {counts['ran on CUDA, commit not recorded']} ran without a recorded commit. Every row's "
         f"layout is `lightning-4d measure {defaults}` with the options shown.",
         "",
+        *_no_results_note(results_dir),
         "| id | combination | family | options | status | CPU tests | CUDA |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
