@@ -70,8 +70,11 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     by_id = {r.id: r for r in ROWS}
-    gpu = torch.cuda.get_device_name()
-    result: dict = {"gpu": gpu, "torch": torch.__version__, "rows": {}}
+    from lightning_4d.provenance import code_record
+
+    code = code_record("cuda")  # which code ran the rows
+    gpu = code["card"]
+    result: dict = {"gpu": gpu, "code": code, "rows": {}}
     run_row(by_id["z0-bf16-mixed"], device="cuda")  # CUDA's libraries initialized outside the recorded runs
     for row_id in args.rows.split(","):
         torch.cuda.empty_cache()

@@ -233,37 +233,52 @@ def main() -> None:
 
     from lightning_4d.models import LlamaConfig
     from lightning_4d.planning.hardware import peak_flops_of_device
+    from lightning_4d.provenance import code_record
 
     device = args.device
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    code = code_record(device)
+    name = code["card"]
     peak = peak_flops_of_device(name) if device == "cuda" else None
-    result = {"device": name, "torch": torch.__version__, "preset": args.preset, "rows": []}
+    result = {"device": name, "code": code, "preset": args.preset, "rows": []}
     out_path = Path(args.out) / "gpu_step_time.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result["sdpa_vs_eager"] = sdpa_check(LlamaConfig.from_preset(args.sdpa_preset), device)
     print(f"sdpa vs eager, max |diff| / max |logit|: {result['sdpa_vs_eager']}", flush=True)
+    out_path.write_text(json.dumps(result, indent=1))
     cfg = LlamaConfig.from_preset(args.preset, attention_backend="sdpa")
+    half = cfg.num_layers // 2
     for shape in args.shapes:
         b, s = map(int, shape.split("x"))
         flops = cfg.flops_per_token(s)
         row = {"b": b, "s": s}
-        with _flash(device):
-            row["plain"] = plain(cfg, b, s, args.steps, args.warmup, device)
-            for ac in ("none", "selective"):
-                row[f"ours_{ac}"] = ours(cfg, b, s, args.steps, args.warmup, device, ac)
-            # half the layers' activations in host memory: the measured cost of the synchronous copies
-            row["ours_offload"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", cfg.num_layers // 2)
+        result["rows"].append(row)  # written after each run: a run stopped from outside keeps what it timed
+        runs = {
+            "plain": lambda: plain(cfg, b, s, args.steps, args.warmup, device),
+            **{
+                f"ours_{ac}": (lambda ac=ac: ours(cfg, b, s, args.steps, args.warmup, device, ac))
+                for ac in ("none", "selective")
+            },
+            # half the layers' activations in host memory
+            "ours_offload": lambda: ours(cfg, b, s, args.steps, args.warmup, device, "none", half),
             # compile=True (each decoder layer; the first step compiles and falls in the warm-up), alone and with
             # the offload (its hooks outside the compiled graphs)
-            row["ours_compile"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", compile=True)
-            half = cfg.num_layers // 2
-            row["ours_compile_offload"] = ours(cfg, b, s, args.steps, args.warmup, device, "none", half, compile=True)
-            for recipe in args.float8:  # float8 linears (torchao) under compile, which fuses their casts
-                row[f"ours_compile_float8_{recipe}"] = ours(
-                    cfg, b, s, args.steps, args.warmup, device, "none", compile=True, float8=recipe
+            "ours_compile": lambda: ours(cfg, b, s, args.steps, args.warmup, device, "none", compile=True),
+            "ours_compile_offload": lambda: ours(
+                cfg, b, s, args.steps, args.warmup, device, "none", half, compile=True
+            ),
+            # float8 linears (torchao) under compile, which fuses their casts
+            **{
+                f"ours_compile_float8_{recipe}": (
+                    lambda recipe=recipe: ours(
+                        cfg, b, s, args.steps, args.warmup, device, "none", compile=True, float8=recipe
+                    )
                 )
-        for key in (*ROWS, *(f"ours_compile_float8_{recipe}" for recipe in args.float8)):
-            r = row[key]
+                for recipe in args.float8
+            },
+        }
+        for key, run in runs.items():
+            with _flash(device):
+                r = row[key] = run()
             r["tokens_per_s"] = b * s / r["step_s"]
             r["mfu"] = r["tokens_per_s"] * flops / peak if peak else None
             if key != "plain":
@@ -275,8 +290,7 @@ def main() -> None:
                 f"ratio {r.get('ratio_to_plain', 1.0):.3f}",
                 flush=True,
             )
-        result["rows"].append(row)
-        out_path.write_text(json.dumps(result, indent=1))
+            out_path.write_text(json.dumps(result, indent=1))
     out_path.write_text(json.dumps(result, indent=1))
 
 

@@ -158,13 +158,16 @@ def main() -> int:
     )
     if args.write:
         from lightning_4d.planning.hardware import OVERHEAD_FILE
+        from lightning_4d.provenance import code_record
 
+        code = code_record("cuda")  # which code measured it
         table = json.loads(OVERHEAD_FILE.read_text())
         table[name] = {
             "fixed_bytes": int(fixed),
             "fraction": round(fraction, 4),
-            "source": f"measured by benchmarks/memory_accuracy.py on {name}, torch {torch.__version__}, "
-            f"{datetime.date.today().isoformat()}; largest estimate error {worst:.2f}%",
+            "source": f"measured by benchmarks/memory_accuracy.py on {name}, torch {code['torch']}, "
+            f"driver {code['driver']}, {datetime.date.today().isoformat()}, commit {code['commit'] or 'not recorded'}"
+            f"{'' if code['clean'] is not False else ' with uncommitted changes'}; largest estimate error {worst:.2f}%",
         }
         OVERHEAD_FILE.write_text(json.dumps(table, indent=2) + "\n")
         print(f"recorded in {OVERHEAD_FILE}")

@@ -130,11 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: use --device cpu for a dry run", file=sys.stderr)
         return 2
     backends = ["gloo", "nccl"] if args.device == "cuda" else ["gloo"]
+    from lightning_4d.provenance import code_record
+
     results = {b: run(b, args.device, args.world_size) for b in backends}
     name = torch.cuda.get_device_name(0).replace(" ", "_") if args.device == "cuda" else "cpu"
     record = {
         "device": name,
-        "torch": torch.__version__,
+        "code": code_record(args.device),  # which code ran it
         "world_size": args.world_size,
         "date": datetime.date.today().isoformat(),
         "results": results,

@@ -10,8 +10,11 @@ exercise distinct code. Each row has an id, a short description, its layout as t
   :func:`validate_row` reproduces it and ``tests/test_support.py`` asserts the text is what it raises);
 - *tested on CPU*: the pytest node ids that run the combination (``Row.cpu_tests``; ``tests/test_support.py``
   asserts each exists);
-- *run on CUDA*: the card and date of the newest CUDA smoke result under ``benchmarks/results/``
-  (``smoke_<device>_<date>.json``, written by :func:`run_smoke`; :func:`cuda_results`).
+- *run on CUDA*: the card, date and commit of the newest CUDA smoke result under ``benchmarks/results/``
+  (``smoke_<device>_<date>.json``, written by :func:`run_smoke` with the record of the code that ran it,
+  :func:`lightning_4d.provenance.code_record`; :func:`cuda_results`), marked *changed since* when a file the row
+  exercises (:meth:`Row.exercises`) differs from that commit now, and "commit not recorded" for a result written
+  without it (:func:`cuda_state`). A GPU check runs the rows nothing backs first (:func:`smoke_plan`).
 
 The same rows parametrize the CUDA smoke matrix (``tests/cuda/test_smoke.py``; ``benchmarks/gpu_check.sh`` runs it
 first) and generate ``docs/support.md`` (``lightning-4d support --markdown``), so the three cannot drift.
@@ -446,24 +449,29 @@ def run_smoke(
     micro_batch_size: Optional[int] = None,
     budget_s: Optional[float] = None,
 ) -> Path:
-    """Run :func:`run_row` for each of ``rows`` in this process and write ``smoke_<device name>_<date>.json`` into
-    ``out_dir`` after every row (``{"device", "device_name", "date", "torch", "seq_length", "micro_batch_size",
-    "rows": {id: run_row's dict}}``). Rows left when ``budget_s`` seconds have passed are recorded as skipped.
-    On CPU the sizes default to :data:`CPU_SEQ_LENGTH` and :data:`CPU_MICRO_BATCH_SIZE`. Returns the file."""
-    import torch
+    """Run :func:`run_row` for each of ``rows``, in their order, in this process and write
+    ``smoke_<device name>_<date>.json`` into ``out_dir`` after every row (``{"device", "device_name", "date",
+    "code", "seq_length", "micro_batch_size", "rows": {id: run_row's dict}}``; ``code``: which code ran them,
+    :func:`lightning_4d.provenance.code_record`), so a run stopped from outside keeps every row it finished. Rows
+    left when ``budget_s`` seconds have passed are recorded as skipped. On CPU the sizes default to
+    :data:`CPU_SEQ_LENGTH` and :data:`CPU_MICRO_BATCH_SIZE`. Returns the file."""
+    from lightning_4d.provenance import code_record
 
     if device == "cpu":
         seq_length = seq_length or CPU_SEQ_LENGTH
         micro_batch_size = micro_batch_size or CPU_MICRO_BATCH_SIZE
-    name = device_name(device)
+    code = code_record(device)
+    name = code["card"]
     date = datetime.date.today().isoformat()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"smoke_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}_{date}.json"
+    if path.exists():  # a second run of the day (a later call, another commit): its own file
+        path = path.with_name(f"{path.stem}_{code['time'][11:19].replace(':', '')}.json")
     record: dict[str, Any] = {
         "device": device,
         "device_name": name,
         "date": date,
-        "torch": torch.__version__,
+        "code": code,
         "seq_length": seq_length,
         "micro_batch_size": micro_batch_size,
         "rows": {},
@@ -491,7 +499,8 @@ def run_smoke(
 # ------------------------------------------------------------------------------------------------- CUDA results
 def cuda_results(results_dir: Path = RESULTS) -> dict[str, dict[str, Any]]:
     """Per row id, its newest CUDA smoke result under ``results_dir`` (``smoke_*.json`` whose ``device`` is
-    ``cuda``): ``{"card", "date", "status", "error"}``. CPU dry runs are not read."""
+    ``cuda``): ``{"card", "date", "time", "commit", "clean", "changed", "status", "error", ...}`` (``commit``
+    ``None``: a result written before results recorded their code). CPU dry runs are not read."""
     found: dict[str, dict[str, Any]] = {}
     for path in sorted(Path(results_dir).glob("smoke_*.json")):
         try:
@@ -500,24 +509,109 @@ def cuda_results(results_dir: Path = RESULTS) -> dict[str, dict[str, Any]]:
             continue
         if data.get("device") != "cuda":
             continue
+        code = data.get("code") or {}
         for row_id, result in data.get("rows", {}).items():
             if result.get("status") == "skipped":
                 continue
-            entry = {"card": data.get("device_name"), "date": data.get("date", ""), **result}
-            if row_id not in found or entry["date"] >= found[row_id]["date"]:
+            entry = {
+                "card": data.get("device_name"),
+                "date": data.get("date", ""),
+                "time": code.get("time") or "",
+                "commit": code.get("commit"),
+                "clean": code.get("clean"),
+                "changed": code.get("changed") or [],
+                **result,
+            }
+            newest = found.get(row_id)
+            if newest is None or (entry["date"], entry["time"]) >= (newest["date"], newest["time"]):
                 found[row_id] = entry
     return found
 
 
-def _cuda_cell(row: Row, results: dict[str, dict[str, Any]]) -> str:
+#: how many changed files a row's CUDA cell names
+CHANGED_SHOWN = 3
+
+
+def cuda_state(row: Row, results: dict[str, dict[str, Any]], history: Optional[dict] = None) -> dict[str, Any]:
+    """Where ``row`` stands on CUDA, from its newest result (:func:`cuda_results`) and the files it exercises
+    (:meth:`Row.exercises`): ``{"kind", "text", "changed"}``. ``kind``:
+
+    - ``refused``, ``not smoke-run`` (``row.smoke_skip``), ``not run`` (no CUDA result);
+    - ``unrecorded``: a result written without its commit ("ran on <card>, <date> (<status>), commit not
+      recorded": it claims nothing of the code now);
+    - ``current``: run at a commit none of whose exercised files differ from this checkout (``git diff --name-only
+      <commit>``, :func:`lightning_4d.provenance.changed_files`), its tree clean in those files;
+    - ``changed``: some of them differ (``changed`` lists them; the text says *changed since*);
+    - ``unknown``: git cannot say (no git history here, or the commit is not in it).
+
+    ``history``: a cache of :func:`~lightning_4d.provenance.changed_files` per commit, shared across rows.
+    """
+    from lightning_4d import provenance
+
     if row.refused is not None:
-        return "-"
+        return {"kind": "refused", "text": "-", "changed": []}
     got = results.get(row.id)
     if got is None:
-        return "not run on CUDA yet"
-    if got.get("status") == "ok":
-        return f"ok on {got['card']}, {got['date']}"
-    return f"{got.get('status')} on {got['card']}, {got['date']}: {(got.get('error') or '')[:200]}"
+        if row.smoke_skip:
+            return {"kind": "not smoke-run", "text": "not smoke-run: " + row.smoke_skip, "changed": []}
+        return {"kind": "not run", "text": "not run on CUDA yet", "changed": []}
+    status = got.get("status")
+    error = f": {(got.get('error') or '')[:200]}" if status != "ok" else ""
+    where = f"on {got['card']}, {got['date']}"
+    commit = got.get("commit")
+    if not commit:
+        return {"kind": "unrecorded", "text": f"ran {where} ({status}), commit not recorded{error}", "changed": []}
+    history = {} if history is None else history
+    if commit not in history:
+        history[commit] = provenance.changed_files(commit)
+    since = history[commit]
+    files = row.exercises()
+    dirty = provenance.touched(got.get("changed") or [], files) if got.get("clean") is False else []
+    at = f"{status} at {commit[:10]}" + (" with uncommitted changes" if dirty else "")
+    if since is None:
+        why = "no git history here" if not provenance.git_available() else "the commit is not in this clone's history"
+        return {"kind": "unknown", "text": f"{at} {where}; changed since: unknown ({why}){error}", "changed": []}
+    changed = sorted(set(provenance.touched(since, files)) | set(dirty))
+    if not changed:
+        return {"kind": "current", "text": f"{at} {where}{error}", "changed": []}
+    shown = ", ".join(f.removeprefix("lightning_4d/") for f in changed[:CHANGED_SHOWN])
+    more = f" and {len(changed) - CHANGED_SHOWN} more" if len(changed) > CHANGED_SHOWN else ""
+    return {"kind": "changed", "text": f"{at} {where}; *changed since*: {shown}{more}{error}", "changed": changed}
+
+
+def _cuda_cell(row: Row, results: dict[str, dict[str, Any]], history: Optional[dict] = None) -> str:
+    return cuda_state(row, results, history)["text"]
+
+
+#: the order the smoke rows are run in on a GPU: never run first, then failed, then run at code that changed since
+#: (or whose commit is not recorded or cannot be checked), then those ok at their current code
+PLAN_ORDER = {"not run": 0, "failed": 1, "changed": 2, "unrecorded": 2, "unknown": 2, "current": 3}
+#: why a row has its place in the plan, by the same keys
+PLAN_REASONS = {
+    "not run": "never run on CUDA",
+    "failed": "failed on CUDA",
+    "changed": "changed since its CUDA run",
+    "unrecorded": "its CUDA run recorded no commit",
+    "unknown": "whether it changed since its CUDA run is unknown",
+    "current": "ok on CUDA at its current code",
+}
+
+
+def smoke_plan(results_dir: Path = RESULTS) -> list[tuple[Row, str]]:
+    """The rows the smoke matrix runs on a GPU (every row not refused and not ``smoke_skip``), in the order a
+    time-limited run takes them (:data:`PLAN_ORDER`; the matrix's order within each group), each with its reason
+    (:data:`PLAN_REASONS`): the claims nothing backs come first, the rows ok at their current code last."""
+    results = cuda_results(results_dir)
+    history: dict = {}
+    planned = []
+    for index, row in enumerate(ROWS):
+        if row.refused is not None or row.smoke_skip:
+            continue
+        kind = cuda_state(row, results, history)["kind"]
+        if kind == "current" and results[row.id].get("status") != "ok":
+            kind = "failed"
+        planned.append((PLAN_ORDER[kind], index, row, PLAN_REASONS[kind]))
+    return [(row, reason) for _, _, row, reason in sorted(planned, key=lambda x: x[:2])]
 
 
 def _layout_text(row: Row) -> str:
@@ -525,25 +619,35 @@ def _layout_text(row: Row) -> str:
     return " ".join(measure_flags(row.layout)) or "(defaults)"
 
 
-def summary(results: Optional[dict] = None) -> dict[str, int]:
-    """Row counts: total, refused, tested on CPU, not tested on CPU, run on CUDA (ok), smoke-run rows."""
+def summary(results: Optional[dict] = None, history: Optional[dict] = None) -> dict[str, int]:
+    """Row counts: total, refused, tested on CPU, not tested on CPU, smoke-run rows; on CUDA (:func:`cuda_state`):
+    ok at their current code, ok before their code changed, ran without a recorded commit."""
     results = cuda_results() if results is None else results
+    history = {} if history is None else history
+    states = [(r, cuda_state(r, results, history)["kind"]) for r in ROWS if r.refused is None]
+
+    def ok(kind: str) -> int:
+        return sum(k == kind and results[r.id].get("status") == "ok" for r, k in states)
+
     return {
         "rows": len(ROWS),
         "refused": sum(r.refused is not None for r in ROWS),
         "tested on CPU": sum(r.status == "tested on CPU" for r in ROWS),
         "not tested on CPU": sum(r.status == "not tested on CPU" for r in ROWS),
         "smoke-run": sum(r.refused is None and not r.smoke_skip for r in ROWS),
-        "ok on CUDA": sum(results.get(r.id, {}).get("status") == "ok" for r in ROWS if r.refused is None),
+        "ok on CUDA": ok("current"),
+        "ok on CUDA, changed since": ok("changed") + ok("unknown"),
+        "ran on CUDA, commit not recorded": sum(k == "unrecorded" for _, k in states),
     }
 
 
 def to_json(results_dir: Path = RESULTS) -> dict[str, Any]:
     """The matrix as one JSON-able object (``lightning-4d support --json``)."""
     results = cuda_results(results_dir)
+    history: dict = {}
     return {
         "defaults": DEFAULTS,
-        "summary": summary(results),
+        "summary": summary(results, history),
         "rows": [
             {
                 "id": r.id,
@@ -556,7 +660,9 @@ def to_json(results_dir: Path = RESULTS) -> dict[str, Any]:
                 "error_type": r.error_type if r.refused is not None else None,
                 "cpu_tests": list(r.cpu_tests),
                 "smoke_skip": r.smoke_skip,
-                "cuda": _cuda_cell(r, results),
+                "cuda": _cuda_cell(r, results, history),
+                "cuda_state": cuda_state(r, results, history)["kind"],
+                "exercises": list(r.exercises()),
             }
             for r in ROWS
         ],
@@ -573,26 +679,38 @@ def _test_names(row: Row) -> list[str]:
     return [t.replace("tests/", "").replace(".py::", "::") for t in row.cpu_tests]
 
 
+def _no_results_note(results_dir: Path) -> list[str]:
+    """A note for a page made where ``results_dir`` does not exist (an installed package carries no results)."""
+    if Path(results_dir).is_dir():
+        return []
+    return [
+        f"No results folder at {results_dir} (an installed package carries none): the CUDA column cannot tell what "
+        "ran here; the repository's docs/support.md shows it.",
+        "",
+    ]
+
+
 def markdown(results_dir: Path = RESULTS) -> str:
     """The matrix as a Markdown table (``lightning-4d support --markdown``; docs/support.md)."""
     results = cuda_results(results_dir)
-    counts = summary(results)
+    history: dict = {}
+    counts = summary(results, history)
     defaults = " ".join(measure_flags(DEFAULTS))
     lines = [
         f"{counts['rows']} rows: {counts['refused']} refused, {counts['tested on CPU']} tested on CPU, "
-        f"{counts['not tested on CPU']} not tested on CPU; {counts['smoke-run']} run by the smoke matrix, "
-        f"{counts['ok on CUDA']} ok on CUDA. Every row's layout is `lightning-4d measure {defaults}` with the "
-        "options shown.",
+        f"{counts['not tested on CPU']} not tested on CPU; {counts['smoke-run']} run by the smoke matrix; on CUDA "
+        f"{counts['ok on CUDA']} ok at their current code, {counts['ok on CUDA, changed since']} ok before their "
+        f"code changed, {counts['ran on CUDA, commit not recorded']} ran without a recorded commit. Every row's "
+        f"layout is `lightning-4d measure {defaults}` with the options shown.",
         "",
+        *_no_results_note(results_dir),
         "| id | combination | family | options | status | CPU tests | CUDA |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in ROWS:
         status = _status_text(row).replace("|", "\\|")
         tests = "<br>".join(f"`{t}`" for t in _test_names(row)) or "-"
-        cuda = _cuda_cell(row, results)
-        if row.refused is None and row.smoke_skip and row.id not in results:
-            cuda = "not smoke-run: " + row.smoke_skip
+        cuda = _cuda_cell(row, results, history)
         lines.append(
             f"| `{row.id}` | {row.description} | {FAMILIES[row.family]} | `{_layout_text(row)}` | {status} | "
             f"{tests} | {cuda.replace('|', chr(92) + '|')} |"
@@ -606,7 +724,8 @@ def print_table(results_dir: Path = RESULTS) -> None:
     from rich.table import Table
 
     results = cuda_results(results_dir)
-    counts = summary(results)
+    history: dict = {}
+    counts = summary(results, history)
     table = Table(title=f"lightning_4d support matrix: {', '.join(f'{v} {k}' for k, v in counts.items())}")
     for col in ("id", "family", "options", "status", "CPU tests", "CUDA"):
         table.add_column(col, overflow="fold")
@@ -617,7 +736,7 @@ def print_table(results_dir: Path = RESULTS) -> None:
             _layout_text(row),
             _status_text(row),
             "\n".join(_test_names(row)) or "-",
-            _cuda_cell(row, results) if not (row.refused is None and row.smoke_skip) else "not smoke-run",
+            _cuda_cell(row, results, history),
         )
     console = Console(width=max(Console().width, 150))
     console.print(table)
@@ -639,7 +758,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seq-length", type=int, default=None, help=f"--smoke: override s (cpu: {CPU_SEQ_LENGTH})")
     p.add_argument("--micro-batch-size", type=int, default=None, help="--smoke: override b (cpu: 1)")
     p.add_argument("--budget-s", type=float, default=None, help="--smoke: seconds after which rows are skipped")
+    p.add_argument("--plan", action="store_true", help="print the order a GPU runs the smoke rows in, and why")
     args = p.parse_args(argv)
+    if args.plan:
+        for row, reason in smoke_plan(Path(args.results)):
+            print(f"{row.id}\t{reason}")
+        return 0
     if args.smoke:
         try:
             rows = [row_by_id(x) for x in args.rows.split(",")] if args.rows else smoke_rows()

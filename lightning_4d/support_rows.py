@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from lightning_4d.layout import measure_flags
 
-__all__ = ["DEFAULTS", "FAMILIES", "HF_SMOKE_REASON", "ROWS", "Row", "measure_flags"]
+__all__ = ["CORE_FILES", "DEFAULTS", "EXERCISES", "FAMILIES", "HF_SMOKE_REASON", "ROWS", "Row", "measure_flags"]
 
 #: the layout every row starts from (``lightning-4d measure``'s option names, as argparse stores them)
 DEFAULTS: dict[str, Any] = {
@@ -78,6 +78,19 @@ class Row:
         if self.refused is not None:
             return "refused"
         return "tested on CPU" if self.cpu_tests else "not tested on CPU"
+
+    def exercises(self) -> tuple[str, ...]:
+        """The files the row's run exercises (a folder ends in ``/``): :data:`CORE_FILES` and, for each key of
+        :data:`EXERCISES` the row matches, its files. A CUDA result of the row is *changed since* its commit when one
+        of them changed after it (:mod:`lightning_4d.support`)."""
+        options = {**self.options(), "family": self.family}
+        files = list(CORE_FILES)
+        for key, paths in EXERCISES.items():
+            name, _, value = key.partition("=")
+            got = options.get(name)
+            if (str(got) == value) if value else got not in (None, False, 0, 1, "none"):
+                files += [p for p in paths if p not in files]
+        return tuple(files)
 
 
 def _hf_row(row_id: str, description: str, layout: dict, family: str, test: str) -> Row:
@@ -576,3 +589,61 @@ ROWS += [
         smoke_skip=_ASYNC_SMOKE_REASON,
     ),
 ]
+
+# ------------------------------------------------------------------------------------- the code each row exercises
+#: the files every smoke row runs: the smoke run itself, ``measure``, the strategy, the model, the training step and
+#: the memory estimate its peak is checked against (a folder ends in ``/``)
+CORE_FILES: tuple[str, ...] = (
+    "lightning_4d/support.py",
+    "lightning_4d/measure.py",
+    "lightning_4d/strategy.py",
+    "lightning_4d/config.py",
+    "lightning_4d/layout.py",
+    "lightning_4d/contract.py",
+    "lightning_4d/precision.py",
+    "lightning_4d/mesh.py",
+    "lightning_4d/models/",
+    "lightning_4d/tasks/",
+    "lightning_4d/parallel/_compat/",
+    "lightning_4d/parallel/parallelize.py",
+    "lightning_4d/parallel/comm.py",
+    "lightning_4d/parallel/loss.py",
+    "lightning_4d/parallel/clipping.py",
+    "lightning_4d/parallel/grad_buffers.py",
+    "lightning_4d/parallel/sharded_optimizer.py",
+    "lightning_4d/planning/activations.py",
+    "lightning_4d/planning/buffers.py",
+    "lightning_4d/planning/commands.py",
+    "lightning_4d/planning/hardware.py",
+    "lightning_4d/planning/model.py",
+    "lightning_4d/planning/overhead.json",
+    "lightning_4d/planning/params.py",
+    "lightning_4d/planning/states.py",
+    "lightning_4d/planning/tensors.py",
+    "lightning_4d/planning/workload.py",
+)
+#: the files a row exercises beyond :data:`CORE_FILES`, declared once for the matrix's rows and each feature's: by
+#: the option of ``measure`` the row sets (``"option"``: any value but 1, 0, None, False or ``"none"``;
+#: ``"option=value"``: that value; ``family`` is the row's model family)
+EXERCISES: dict[str, tuple[str, ...]] = {
+    "zero_stage=2": ("lightning_4d/parallel/fsdp.py",),
+    "zero_stage=3": ("lightning_4d/parallel/fsdp.py",),
+    "dp_replicate": ("lightning_4d/parallel/fsdp.py",),
+    "tp": ("lightning_4d/features/tensor_parallel/",),
+    "pp": ("lightning_4d/features/pipeline/",),
+    "cp": ("lightning_4d/features/context_parallel/",),
+    "ep": ("lightning_4d/features/moe/",),
+    "model=tiny-moe": ("lightning_4d/features/moe/",),
+    "activation_checkpointing": ("lightning_4d/parallel/activation_checkpoint.py",),
+    "activation_offload_layers": ("lightning_4d/parallel/offload.py", "lightning_4d/planning/offload_costs.py"),
+    "optimizer_offload": (
+        "lightning_4d/parallel/optimizer_offload.py",
+        "lightning_4d/planning/optimizer_offload_costs.py",
+    ),
+    "compile": ("lightning_4d/parallel/compile.py",),
+    "float8": ("lightning_4d/parallel/float8.py", "lightning_4d/planning/float8_costs.py"),
+    "document_tokens": ("lightning_4d/data/documents.py",),
+    "async_checkpoint": ("lightning_4d/checkpoint.py",),
+    "family=hf-llama": ("lightning_4d/adapters/",),
+    "family=hf-mixtral": ("lightning_4d/features/moe/",),
+}

@@ -80,6 +80,7 @@ def test_docs_page_is_the_commands_output():
 
 
 def test_cuda_column_reads_only_cuda_smoke_results(tmp_path):
+    """A result written without its commit claims nothing of the code now: "commit not recorded", not "ok"."""
     row = support.smoke_rows()[0]
     assert support.cuda_results(tmp_path) == {}
     assert "not run on CUDA yet" in support.markdown(tmp_path)
@@ -89,8 +90,149 @@ def test_cuda_column_reads_only_cuda_smoke_results(tmp_path):
     gpu = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "date": "2026-11-28"}
     gpu["rows"] = {row.id: {"status": "ok", "error": None}}
     (tmp_path / "smoke_NVIDIA_H100_80GB_HBM3_2026-11-28.json").write_text(json.dumps(gpu))
-    assert "| ok on NVIDIA H100 80GB HBM3, 2026-11-28 |" in support.markdown(tmp_path)
-    assert support.summary(support.cuda_results(tmp_path))["ok on CUDA"] == 1
+    page = support.markdown(tmp_path)
+    assert "| ran on NVIDIA H100 80GB HBM3, 2026-11-28 (ok), commit not recorded |" in page
+    assert "ok on NVIDIA" not in page
+    counts = support.summary(support.cuda_results(tmp_path))
+    assert counts["ok on CUDA"] == 0 and counts["ran on CUDA, commit not recorded"] == 1
+
+
+def _smoke_file(tmp_path, name, commit, rows, clean=True, changed=()):
+    """A CUDA smoke result as run_smoke writes it, run at ``commit``."""
+    code = {"commit": commit, "clean": clean, "changed": list(changed), "time": f"2026-12-01T00:00:0{len(name)}"}
+    data = {"device": "cuda", "device_name": "NVIDIA H200", "date": "2026-12-01", "code": code, "rows": rows}
+    (tmp_path / f"smoke_NVIDIA_H200_2026-12-01_{name}.json").write_text(json.dumps(data))
+
+
+def _history(monkeypatch, answers):
+    """git's answer to "which files changed since <commit>", per commit (``None``: git cannot say)."""
+    from lightning_4d import provenance
+
+    monkeypatch.setattr(provenance, "changed_files", lambda commit, root=provenance.ROOT: answers[commit])
+
+
+def test_cuda_column_names_the_commit_and_marks_rows_changed_since(tmp_path, monkeypatch):
+    """A row run at a commit is "ok at <commit>" while none of the files it exercises differs from that commit,
+    *changed since* (naming them) once one does, and says so when git cannot tell."""
+    from lightning_4d import provenance
+
+    pp = support.row_by_id("pp2-1f1b")
+    z3 = support.row_by_id("z3-bf16-mixed")
+    assert "lightning_4d/features/pipeline/" in pp.exercises() and "lightning_4d/parallel/fsdp.py" in z3.exercises()
+    assert "lightning_4d/features/pipeline/" not in z3.exercises()
+    commit = "a" * 40
+    _smoke_file(tmp_path, "x", commit, {pp.id: {"status": "ok"}, z3.id: {"status": "ok"}})
+    _history(monkeypatch, {commit: ["lightning_4d/features/pipeline/runtime.py", "README.md"]})
+    results = support.cuda_results(tmp_path)
+    assert support.cuda_state(z3, results) == {
+        "kind": "current",
+        "text": f"ok at {commit[:10]} on NVIDIA H200, 2026-12-01",
+        "changed": [],
+    }
+    state = support.cuda_state(pp, results)
+    assert state["kind"] == "changed" and state["changed"] == ["lightning_4d/features/pipeline/runtime.py"]
+    assert (
+        state["text"]
+        == f"ok at {commit[:10]} on NVIDIA H200, 2026-12-01; *changed since*: features/pipeline/runtime.py"
+    )
+    counts = support.summary(results)
+    assert counts["ok on CUDA"] == 1 and counts["ok on CUDA, changed since"] == 1
+    # uncommitted changes to a file the row exercises, when it ran: not the commit's code
+    _smoke_file(
+        tmp_path, "yy", commit, {z3.id: {"status": "ok"}}, clean=False, changed=["lightning_4d/parallel/fsdp.py"]
+    )
+    state = support.cuda_state(z3, support.cuda_results(tmp_path))
+    assert state["kind"] == "changed" and "with uncommitted changes" in state["text"]
+    # no git here (a wheel install) or a commit git does not know
+    _history(monkeypatch, {commit: None})
+    monkeypatch.setattr(provenance, "git_available", lambda root=provenance.ROOT: False)
+    state = support.cuda_state(pp, results)
+    assert state["kind"] == "unknown" and state["text"].endswith("changed since: unknown (no git history here)")
+
+
+def test_smoke_plan_runs_what_nothing_backs_first(tmp_path, monkeypatch):
+    """The GPU check's order: rows never run on CUDA, then failed ones, then those changed since their run or run
+    without a recorded commit, then those ok at their current code; the matrix's order within each."""
+    current, changed, failed, unrecorded = (
+        support.row_by_id(x) for x in ("z0-fp32", "z1-bf16-mixed", "pp2-zbv", "tp2-sp")
+    )
+    old, new = "b" * 40, "c" * 40
+    _smoke_file(tmp_path, "a", new, {current.id: {"status": "ok"}, failed.id: {"status": "failed", "error": "peak"}})
+    _smoke_file(tmp_path, "bb", old, {changed.id: {"status": "ok"}})
+    legacy = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "date": "2026-11-27"}
+    legacy["rows"] = {unrecorded.id: {"status": "ok"}}
+    (tmp_path / "smoke_NVIDIA_H100_80GB_HBM3_2026-11-27.json").write_text(json.dumps(legacy))
+    _history(monkeypatch, {new: [], old: ["lightning_4d/strategy.py"]})
+    plan = support.smoke_plan(tmp_path)
+    ids = [row.id for row, _ in plan]
+    ran = {current.id, changed.id, failed.id, unrecorded.id}
+    never = [r.id for r in support.ROWS if r.refused is None and not r.smoke_skip and r.id not in ran]
+    assert ids == [*never, failed.id, changed.id, unrecorded.id, current.id]
+    reasons = dict((row.id, reason) for row, reason in plan)
+    assert reasons[never[0]] == "never run on CUDA" and reasons[failed.id] == "failed on CUDA"
+    assert reasons[changed.id] == "changed since its CUDA run"
+    assert reasons[unrecorded.id] == "its CUDA run recorded no commit"
+    assert reasons[current.id] == "ok on CUDA at its current code"
+
+
+def test_every_file_a_row_exercises_exists():
+    from lightning_4d.support_rows import CORE_FILES, EXERCISES
+
+    paths = {*CORE_FILES, *(p for files in EXERCISES.values() for p in files)}
+    assert sorted(p for p in paths if not (ROOT / p).exists() or (ROOT / p).is_dir() != p.endswith("/")) == []
+
+
+def _gpu_check():
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_budget_keeps_the_floors_of_later_checks_and_records_skips():
+    gpu_check = _gpu_check()
+    now = [0.0]
+    checks = [("smoke", 230.0, 120.0), ("compat", 50.0, 30.0)]
+    budget = gpu_check.Budget(250.0, checks, clock=lambda: now[0])
+    assert budget.limit("smoke") == 220.0  # 250 less compat's floor
+    now[0] = 215.0
+    assert budget.limit("compat") == 35.0 and budget.skipped == []
+    now[0] = 240.0
+    assert budget.limit("compat") == 0.0
+    assert budget.skipped == ["compat: out of time (10 s left of 250 s)"]
+    # the planned parts fit two calls of 6 minutes: every part's caps within its budget, floors first
+    for part, part_checks in gpu_check.PARTS.items():
+        assert sum(floor for _, _, floor in part_checks) < gpu_check.PART_BUDGET_S, part
+    assert {"smoke"} <= {c[0] for c in gpu_check.PARTS[1]}
+    assert {"numerics", "measure", "step"} <= {c[0] for c in gpu_check.PARTS[2]}
+
+
+def test_provenance_without_git_reads_a_stamp(tmp_path):
+    """A copy of the tree without .git: the commit from the stamp, clean while every file has its blob hash."""
+    import subprocess
+
+    from lightning_4d import provenance
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    sha = subprocess.run(
+        ["git", "hash-object", str(tmp_path / "a.py")], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    assert provenance.blob_hash(tmp_path / "a.py") == (sha or provenance.blob_hash(tmp_path / "a.py"))
+    assert provenance.code_state(tmp_path, tmp_path / "none.json")["commit"] is None
+    stamp = tmp_path / "code.json"
+    stamp.write_text(json.dumps({"commit": "d" * 40, "files": {"a.py": provenance.blob_hash(tmp_path / "a.py")}}))
+    assert provenance.code_state(tmp_path, stamp) == {
+        "commit": "d" * 40,
+        "clean": True,
+        "changed": [],
+        "source": "stamp",
+    }
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert provenance.code_state(tmp_path, stamp)["changed"] == ["a.py"]
 
 
 def test_smoke_refuses_refused_rows_and_unknown_ids(capsys):
