@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_4d.features import tensor_parallel
+from lightning_4d.features import moe, tensor_parallel
 from lightning_4d.planning.hardware import GIB
 
 
@@ -20,7 +20,7 @@ def print_estimate(out: dict[str, Any]) -> None:
     lay = out["layout"]
     title = (
         f"{out['formula']} estimate per GPU: tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp']} "
-        + (f"ep={lay['expert_parallel_size']} " if lay["expert_parallel_size"] > 1 else "")
+        + moe.estimate_title(lay)
         + f"ZeRO {lay['zero_stage']} "
         + (f"HSDP={lay['data_parallel_replicate_size']}x " if lay["data_parallel_replicate_size"] > 1 else "")
         + f"b={lay['micro_batch_size']} s={lay['seq_length']} {lay['precision']} "
@@ -182,7 +182,7 @@ def _plan_cells(i: int, c: dict[str, Any]) -> list[str]:
         str(c["pp"]),
         cp,
         str(c["dp"]),
-        str(c["expert_parallel_size"]),
+        moe.plan_cell(c),
         str(c["micro_batch_size"]),
         str(c["num_microbatches"]),
         str(c["zero_stage"])
