@@ -52,7 +52,7 @@ from lightning_4d.contract import layout_strategy
 from lightning_4d.features.moe import runtime as moe
 from lightning_4d.features.moe.costs import check_expert_load_imbalance
 from lightning_4d.features.moe.runtime import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
-from lightning_4d.layout import config_kwargs
+from lightning_4d.layout import config_kwargs, reported_layout
 from lightning_4d.parallel._compat.dispatch import (
     TorchDispatchMode,
     inner_tensors,
@@ -616,6 +616,26 @@ def _check_measure_args(pc: ParallelConfig, rank: int, steps: int, device: str) 
 
 
 # ---------------------------------------------------------------------------------------------------- the command
+#: the layout fields ``measure --json`` reports, by the names of :func:`~lightning_4d.layout.reported_layout` (the
+#: resolved values), in its order; then ``compile``
+REPORTED_LAYOUT = (
+    "tp",
+    "pp",
+    "cp",
+    "dp",
+    "zero_stage",
+    "data_parallel_replicate_size",
+    "sequence_parallel",
+    "activation_checkpointing",
+    "activation_offload_layers",
+    "pipeline_schedule",
+    "num_microbatches",
+    "virtual_pipeline_stages",
+    "expert_parallel_size",
+    "optimizer_offload",
+)
+
+
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.formula != "lightning_4d":
         raise ValueError(
@@ -630,7 +650,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if rank == "worst":
         rank = worst_rank(work, pc, device_type=args.device)
     out = measure_rank(work, pc, rank, steps=args.steps, device=args.device, compile=args.compile)
-    got = out["measured"]
+    got, layout = out["measured"], reported_layout(pc)
     rows = _comparison_rows(out["estimate"], got, args.device)
     out.update(
         model=args.model,
@@ -639,23 +659,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         micro_batch_size=args.micro_batch_size,
         precision=args.precision,
         steps=args.steps,
-        layout=dict(
-            tp=pc.tp,
-            pp=pc.pp,
-            cp=pc.cp,
-            dp=pc.dp,
-            zero_stage=pc.zero_stage,
-            data_parallel_replicate_size=pc.dp_replicate,
-            sequence_parallel=pc.sp,
-            activation_checkpointing=pc.activation_checkpointing,
-            activation_offload_layers=pc.activation_offload_layers,
-            pipeline_schedule=pc.pipeline_schedule,
-            num_microbatches=pc.microbatches,
-            virtual_pipeline_stages=pc.v,
-            expert_parallel_size=pc.ep,
-            optimizer_offload=pc.optimizer_offload,
-            compile=args.compile,
-        ),
+        layout=dict({k: layout[k] for k in REPORTED_LAYOUT}, compile=args.compile),
         rows=[
             {"component": k, "estimated": e, "measured": g, "ratio": (e / g) if g and e is not None else None}
             for k, e, g in rows

@@ -57,6 +57,7 @@ from lightning_4d.parallel.parallelize import (
     validate_compile,
 )
 from lightning_4d.parallel.sharded_optimizer import (
+    MasterWeights,
     mixed_precision_dtype,
     setup_zero,
     unwrap_optimizer,
@@ -380,8 +381,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
             optimizers,
             self.mesh.zero_shard.get_group(),
             pc.zero_stage,
-            master_dtype=master,
-            tp_rank=self.mesh.tp.get_local_rank(),
+            MasterWeights(master, self.mesh.tp.get_local_rank(), pc.optimizer_offload),
             reduction=GradientReduction(
                 pc.gradient_compression,
                 pc.powersgd_rank,
@@ -391,7 +391,6 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
                 replicas=None if self.mesh.zero_replicate is None else self.mesh.zero_replicate.get_group(),
             ),
             pipelined=self.pipeline is not None,
-            offload=pc.optimizer_offload,
         )
         self._unbucketed = zero_parameters(self.model) if self._buckets is None else []
 

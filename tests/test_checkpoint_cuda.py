@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lightning_4d.checkpoint import param_fqns
-from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, setup_zero
+from lightning_4d.parallel.sharded_optimizer import MasterWeights, ShardedOptimizer, setup_zero
 from tests.test_context_parallel_cuda import group  # noqa: F401  (the fixture: one rank on NCCL)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -34,7 +34,7 @@ def _model_on_cuda(tp_mesh: DeviceMesh) -> nn.Module:
 def _build(tp_mesh: DeviceMesh, pg) -> tuple:
     model = _model_on_cuda(tp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    buckets = setup_zero(model, [optimizer], pg, zero_stage=0, master_dtype=torch.float32)
+    buckets = setup_zero(model, [optimizer], pg, zero_stage=0, masters=MasterWeights(torch.float32))
     model.to(torch.bfloat16)
     buckets.register_hooks()
     return model, optimizer, ShardedOptimizer.of(optimizer), buckets

@@ -218,6 +218,40 @@ def test_compat_and_module_tree_import_nothing_of_ours():
         assert not bad, f"{m} imports " + ", ".join(sorted(bad))
 
 
+def _strategy_layer(module: str) -> Optional[int]:
+    """The place of ``module`` in the strategy's chain of ``docs/architecture.md`` ("Dependencies point one way"),
+    lowest first: ``layout`` <- ``config`` <- ``mesh`` <- ``parallel/*`` <- ``checkpoint`` <- ``families/*`` and
+    ``adapters/*`` <- ``parallel/parallelize.py`` <- ``strategy``; ``None`` off the chain (``parallel/_compat/``
+    imports nothing of ours, :func:`test_compat_and_module_tree_import_nothing_of_ours`, so it sits below it all)."""
+    chain = (
+        f"{PACKAGE}.layout",
+        f"{PACKAGE}.config",
+        f"{PACKAGE}.mesh",
+        f"{PACKAGE}.parallel",
+        f"{PACKAGE}.checkpoint",
+        (f"{PACKAGE}.families", f"{PACKAGE}.adapters"),
+        f"{PACKAGE}.parallel.parallelize",
+        f"{PACKAGE}.strategy",
+    )
+    if _in(module, f"{PACKAGE}.parallel._compat"):
+        return None
+    found = [
+        i for i, place in enumerate(chain) for p in ((place,) if isinstance(place, str) else place) if _in(module, p)
+    ]
+    return max(found, default=None)
+
+
+def test_the_strategy_chain_imports_only_downward():
+    """No module of the strategy's chain imports one higher up it (docs/architecture.md)."""
+
+    def upward(m: str, i: str) -> bool:
+        lm, li = _strategy_layer(m), _strategy_layer(i)
+        return lm is not None and li is not None and li > lm
+
+    bad = _violations(PACKAGE, lambda m, i: not upward(m, i))
+    assert not bad, "a module imports one higher up the strategy's chain: " + ", ".join(bad)
+
+
 def _torch_free_feature_module(module: str) -> bool:
     """A torch-free module of ``lightning_4d/features/``: a package (the list, a feature's record with its rules, rows
     and labels), ``feature.py``, a feature's ``costs.py`` (its memory and step-time terms); the rest of a feature's

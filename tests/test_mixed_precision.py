@@ -19,6 +19,7 @@ from lightning_4d.measure import model_state_tensors
 from lightning_4d.models.llama import RMSNorm
 from lightning_4d.parallel.grad_buffers import GradientBuckets
 from lightning_4d.parallel.sharded_optimizer import (
+    MasterWeights,
     ShardedOptimizer,
     mixed_precision_dtype,
     setup_zero,
@@ -96,7 +97,7 @@ def test_master_weights_step_in_float32(group):
     model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 4, bias=False))
     reference = [p.detach().clone() for p in model.parameters()]  # the fp32 masters' starting point
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    buckets = setup_zero(model, [optimizer], group, zero_stage=0, master_dtype=torch.float32)
+    buckets = setup_zero(model, [optimizer], group, zero_stage=0, masters=MasterWeights(torch.float32))
     assert isinstance(buckets, GradientBuckets) and ShardedOptimizer.of(optimizer) is not None
     model.to(torch.bfloat16)
     buckets.register_hooks()  # with master weights, once the parameters are cast

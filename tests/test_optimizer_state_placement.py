@@ -23,7 +23,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_4d.checkpoint import _sharded_optimizer_template, check_complete, param_fqns, read_folder
 from lightning_4d.parallel._compat.fake import init_fake_process_group
 from lightning_4d.parallel._compat.lightning import LIGHTNING_METADATA_FILENAME
-from lightning_4d.parallel.sharded_optimizer import ShardedOptimizer, host_zeros_like, setup_zero
+from lightning_4d.parallel.sharded_optimizer import (
+    MasterWeights,
+    ShardedOptimizer,
+    host_zeros_like,
+    setup_zero,
+)
 from tests.test_mixed_precision import group  # noqa: F401  (the fixture: a one-rank gloo process group)
 
 
@@ -154,7 +159,7 @@ def test_save_and_resume_keep_dtensor_states_in_cpu_memory(tmp_path):
     mesh = DeviceMesh("meta", torch.arange(1), mesh_dim_names=("tp",))
     model = _dtensor_model(mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    setup_zero(model, [optimizer], dist.group.WORLD, zero_stage=0, master_dtype=torch.float32)
+    setup_zero(model, [optimizer], dist.group.WORLD, zero_stage=0, masters=MasterWeights(torch.float32))
     sharded = ShardedOptimizer.of(optimizer)
     fqns = param_fqns(model)
     flat = _saved_states(model)

@@ -107,9 +107,8 @@ def apply_fsdp(
         reshard_after_forward: override the stage's default (``zero_stage == 3``); the zero-bubble pipeline
             schedules pass ``False`` for stage 3 (see ``parallelize_model``).
         policy: the units' mixed precision and offload (:class:`FSDPPolicy`; default: neither).
-        moe_meshes: the meshes of the MoE layers' own units, :func:`lightning_4d.features.moe.runtime.fsdp_options`:
-            ``expert_mesh``, the ``edp`` mesh under expert parallelism, and ``token_mesh``, the ``dp_cp_tp`` mesh of a
-            model with MoE layers under tp (:func:`~lightning_4d.features.moe.runtime.shard_units`; ``None`` without).
+        moe_meshes: the meshes of the MoE layers' own units (:func:`lightning_4d.features.moe.runtime.fsdp_options`,
+            which says which; :func:`~lightning_4d.features.moe.runtime.shard_units` shards those units with them).
 
     Raises:
         ValueError: ``zero_stage`` is not 2 or 3. RuntimeError: from

@@ -7,7 +7,7 @@ Optimizations Toward Training Trillion Parameter Models", arXiv 1910.02054), its
 Training", arXiv 1710.03740, as Megatron-LM and torchtitan do it): the weights the layers compute with are bfloat16,
 the float32 master weights live with the optimizer states and are sharded like them, gradients are accumulated and
 reduced in float32, the update runs in float32 and the bfloat16 weights are refreshed from the masters. Stages 0/1:
-``setup_zero(master_dtype=torch.float32)`` (bf16 parameters, fp32 gradient buckets, fp32 masters in
+``setup_zero(masters=MasterWeights(torch.float32))`` (bf16 parameters, fp32 gradient buckets, fp32 masters in
 :class:`ShardedOptimizer`: 2 + 4 + 12/D bytes per parameter at stage 1, 18 at stage 0); stages 2/3:
 :func:`lightning_4d.parallel.fsdp.apply_fsdp`.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -69,16 +70,34 @@ def validate_precision(precision: Optional[str], zero_stage: int, full_file_chec
         )
 
 
+@dataclass(frozen=True)
+class MasterWeights:
+    """What every :class:`ShardedOptimizer` that :func:`setup_zero` makes steps, and where.
+
+    Attributes:
+        dtype: the dtype of master weights and gradients (``torch.float32`` under ``bf16-mixed`` for
+            ``lightning_4d`` Llama models, whose parameters are then bfloat16), or ``None`` (the parameters are the
+            master weights). The buckets' hooks are then not registered yet: cast the parameters, then call
+            :meth:`GradientBuckets.register_hooks`.
+        tp_rank: this rank's tensor-parallel rank (tp-replicated parameters count once in the clipping norm).
+        offload: ``optimizer_offload``: every optimizer gets a :class:`ShardedOptimizer` whose owned slices, their
+            gradients and the optimizer's states live on the host (:mod:`lightning_4d.parallel.optimizer_offload`;
+            the gradients are then always in buckets).
+    """
+
+    dtype: Optional[torch.dtype] = None
+    tp_rank: int = 0
+    offload: bool = False
+
+
 def setup_zero(
     model: nn.Module,
     optimizers: Iterable[torch.optim.Optimizer],
     group: dist.ProcessGroup,
     zero_stage: int,
-    master_dtype: Optional[torch.dtype] = None,
-    tp_rank: int = 0,
+    masters: MasterWeights = MasterWeights(),
     reduction: GradientReduction = GradientReduction(),
     pipelined: bool = False,
-    offload: bool = False,
 ) -> Optional["GradientBuckets"]:
     """ZeRO 0/1 for the parameters FSDP2 does not own (:func:`zero_parameters`): their gradients in
     :class:`GradientBuckets` over ``group`` (``dp_cp``; returned, ``None`` when there is none, or when the gradients
@@ -86,7 +105,7 @@ def setup_zero(
     (:func:`lightning_4d.partition.gradient_buckets_needed`; they then stay in ``.grad``)), and a
     :class:`ShardedOptimizer` around every torch optimizer (found again with :meth:`ShardedOptimizer.of`) when
     ``zero_stage == 1`` (the states of 1/D of the buckets per rank) or when there are master weights
-    (``master_dtype``: the parameters are in a lower precision and the optimizer steps float32 copies of them).
+    (``masters.dtype``: the parameters are in a lower precision and the optimizer steps float32 copies of them).
 
     Args:
         model: the module whose parameters are trained.
@@ -94,18 +113,11 @@ def setup_zero(
         group: the group ZeRO shards over: ``dp_cp``, under HSDP ``dp_shard_cp`` (``reduction.replicas`` then the
             ``dp_replicate`` group).
         zero_stage: 0 or 1 (2, 3: the parameters FSDP2 owns are skipped, the rest get stage-0 treatment).
-        master_dtype: the dtype of master weights and gradients (``torch.float32`` under ``bf16-mixed`` for
-            ``lightning_4d`` Llama models, whose parameters are then bfloat16), or ``None`` (the parameters are the
-            master weights). The buckets' hooks are then not registered yet: cast the parameters, then call
-            :meth:`GradientBuckets.register_hooks`.
-        tp_rank: this rank's tensor-parallel rank (tp-replicated parameters count once in the clipping norm).
+        masters: the master weights' dtype, the tensor-parallel rank and optimizer offload (:class:`MasterWeights`).
         reduction: the buckets' gradient compression and the groups other features reduce their parameters over
             (:class:`~lightning_4d.parallel.grad_buffers.GradientReduction`); with any such group every optimizer
             gets a :class:`ShardedOptimizer` (also at ZeRO 0: its clipping counts each gradient once).
         pipelined: a pipeline schedule runs the steps (its micro-batches accumulate in the buckets).
-        offload: ``optimizer_offload``: every optimizer gets a :class:`ShardedOptimizer` whose owned slices, their
-            gradients and the optimizer's states live on the host (:mod:`lightning_4d.parallel.optimizer_offload`;
-            the gradients are then always in buckets).
     Raises:
         ValueError: an optimizer holds a parameter the buckets do not (a frozen one or one FSDP2 owns) while it must
             be sharded or given a master weight.
@@ -116,6 +128,7 @@ def setup_zero(
     world, gradient_groups = dist.get_world_size(group), reduction.gradient_groups
     replicas = 1 if reduction.replicas is None else dist.get_world_size(reduction.replicas)  # HSDP
     tensor_parallel = any(isinstance(p, DTensor) for p in params)
+    master_dtype, offload = masters.dtype, masters.offload
     needed = gradient_buckets_needed(world * replicas, bool(master_dtype), pipelined, tensor_parallel, offload)
     if not gradient_groups and not needed:
         return None
@@ -129,7 +142,7 @@ def setup_zero(
     # torch's would mix plain and DTensor gradients)
     if shard or master_dtype is not None or gradient_groups or offload:
         for optimizer in optimizers:
-            ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=tp_rank, offload=offload)
+            ShardedOptimizer(optimizer, buckets, master_dtype=master_dtype, tp_rank=masters.tp_rank, offload=offload)
     return buckets
 
 

@@ -63,6 +63,7 @@ from lightning_4d.config import (
     check_positive_int,
 )
 from lightning_4d.features.context_parallel import alltoall_heads
+from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.tensor_parallel.costs import ring_choices, without_rings
 from lightning_4d.layout import plan_values, planned_dataclass, strategy_arguments
 from lightning_4d.models.llama_config import divisors
@@ -189,7 +190,7 @@ def _shapes(job: Job, fixed: dict[str, int]) -> Iterator[tuple[int, int, int, in
                 dp = num_gpus // (tp * pp * cp)
                 if job.global_batch_size % dp or fixed.get("cp", cp) != cp or fixed.get("dp", dp) != dp:
                     continue
-                eps = [e for e in divisors(dp * cp * tp) if model_config.num_experts % e == 0] if moe else [1]
+                eps = moe_costs.ep_sizes(model_config, dp * cp * tp)
                 for sp, ep in ((sp, ep) for sp in ((True, False) if tp > 1 else (False,)) for ep in eps):
                     if fixed.get("ep", ep) != ep:
                         continue
@@ -465,7 +466,7 @@ def _check_job(job: Job, fixed: Optional[dict[str, int]], budget: float, formula
         if num_gpus % product:
             raise ValueError(f"fixed sizes {fixed} do not divide num_gpus={num_gpus}.")
         if "ep" in fixed and (num_gpus // pinned.pp) % pinned.ep:
-            valid = [e for e in divisors(num_gpus // pinned.pp) if model_config.num_experts % e == 0]
+            valid = moe_costs.ep_sizes(model_config, num_gpus // pinned.pp)
             raise ValueError(
                 f"expert_parallel_size={pinned.ep} divides no dp*cp*tp of {num_gpus} GPUs with pp={pinned.pp}: "
                 f"valid expert_parallel_size values here: {valid}."

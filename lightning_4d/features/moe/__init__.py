@@ -26,7 +26,7 @@ from lightning_4d.features.feature import Feature
 from lightning_4d.models.llama_config import divisors
 from lightning_4d.support_rows import HF_SMOKE_REASON, Row
 
-__all__ = ["FEATURE", "ROWS", "check_float8", "check_moe_layout", "labels"]
+__all__ = ["FEATURE", "ROWS", "check_float8", "check_moe_layout", "estimate_title", "labels", "plan_cell"]
 
 
 def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = False) -> None:
@@ -265,6 +265,18 @@ def labels(options: Mapping[str, Any]) -> frozenset[str]:
     if options.get("tp", 1) > 1:  # the ep groups take the tp ranks first (features/moe/runtime.py)
         return frozenset({"ep", "ep over tp"})
     return frozenset({"ep"})
+
+
+def plan_cell(options: Mapping[str, Any]) -> str:
+    """The feature's cell of ``lightning-4d plan``'s table (its ``ep`` column): the expert parallel size."""
+    return str(options["expert_parallel_size"])
+
+
+def estimate_title(layout: Mapping[str, Any]) -> str:
+    """The feature's words in the title of ``lightning-4d estimate``'s table (``layout``: its ``--json`` layout):
+    ``"ep=<ep> "`` under expert parallelism, nothing without."""
+    ep = layout["expert_parallel_size"]
+    return f"ep={ep} " if ep > 1 else ""
 
 
 FEATURE = Feature.of_package(__name__, "moe", ("ep",), check=check_moe_layout, rows=ROWS, labels=labels)

@@ -52,6 +52,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from lightning_4d.models.llama_config import divisors
 from lightning_4d.planning.rates import (
     COLLECTIVE_EFFICIENCY,
     LINK_LATENCY,
@@ -75,6 +76,7 @@ __all__ = [
     "check_rank_load",
     "count_moe_layers",
     "data_parallel_terms",
+    "ep_sizes",
     "fsdp_shard_dim",
     "is_moe_layer",
     "layer_param_counts",
@@ -167,6 +169,15 @@ def split_layers(cfg: Any, layers: Any) -> tuple[list[int], list[int]]:
     if getattr(cfg, "num_experts", 0):
         return [i for i in layers if not is_moe_layer(cfg, i)], [i for i in layers if is_moe_layer(cfg, i)]
     return list(layers), []
+
+
+def ep_sizes(cfg: Any, ranks: int) -> list[int]:
+    """The expert parallel sizes of ``cfg`` over ``ranks`` token ranks (dp·cp·tp): the divisors of ``ranks`` that
+    divide ``num_experts``, ascending; ``[1]`` for a dense model (the planner's ep choices, and the valid ones its
+    error names)."""
+    if not getattr(cfg, "is_moe", False):
+        return [1]
+    return [e for e in divisors(ranks) if cfg.num_experts % e == 0]
 
 
 def count_moe_layers(cfg: Any, layers: Any) -> int:
