@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -359,6 +360,15 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["init_args"] | init_args == printed["trainer"]["strategy"]["init_args"]
     assert printed["data"]["micro_batch_size"] == row["micro_batch_size"]
+
+    # the header's data arguments (one corpus, or a weighted blend) are what fit parses
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    blend = [shlex.split(line.split(":", 1)[1].rstrip(")")) for line in header if "weighted blend" in line]
+    assert blend and blend[0][0] == "--data.data_path", header
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), *blend[0], "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["data_path"] == [0.7, "/data/web.bin", 0.3, "/data/code.bin"]
 
     missing = tmp_path / "no-such-folder" / "plan.yaml"
     assert main(base + ["--emit-config", str(missing)]) == 2

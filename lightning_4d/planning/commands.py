@@ -656,6 +656,7 @@ def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
         f"ZeRO {c['zero_stage']} checkpointing={c['activation_checkpointing']}: {c['memory_gib']:.1f} GiB per GPU "
         f"({100 * c['fraction']:.0f}% of {out['gpu']}), predicted step {c['step_time']:.4g} s (not measured).",
         f"#   {run} --data.data_path /data/corpus.bin --data.tokenizer path/to/tokenizer.json",
+        "#   (a weighted blend of prepared corpora: --data.data_path '[0.7, /data/web.bin, 0.3, /data/code.bin]')",
         '# (rows to arguments: docs/memory.md, "From a row to a config")',
     ]
 
