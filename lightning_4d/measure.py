@@ -656,6 +656,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_model_config(args.model)
     pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
+    pc.validate_float8_tokens(args.seq_length, args.micro_batch_size)
     pc.validate_microbatches(pc.microbatches)
     work = workload_from_args(args, cfg)
     rank = args.rank

@@ -143,6 +143,7 @@ def _parse(row: Row, **overrides: Any) -> tuple[argparse.Namespace, Any, Any]:
     cfg = load_model_config(args.model)
     pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
+    pc.validate_float8_tokens(args.seq_length, args.micro_batch_size)
     pc.validate_microbatches(pc.microbatches)
     return args, cfg, pc
 

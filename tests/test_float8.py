@@ -170,6 +170,46 @@ def test_float8_refuses_dimensions_not_divisible_by_16():
         config.validate_model(bad)
 
 
+def test_float8_refuses_tensor_parallel_shards_not_divisible_by_16():
+    """The small preset's FFN, 688, is divisible by 16, but at tp2 each rank's w1/w3 output and w2 input are 344:
+    torch._scaled_mm refuses that on CUDA, so the layout is refused before any process group, naming the valid tp."""
+    small = LlamaConfig.from_preset("small")
+    ParallelConfig(float8="tensorwise").validate_model(small)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*\{'intermediate_size/tp': 344\}.*\[1\]"):
+        ParallelConfig(float8="tensorwise", tensor_parallel_size=2).validate_model(small)
+    ParallelConfig(tensor_parallel_size=2).validate_model(small)  # without float8: no such rule
+    tiny = LlamaConfig.from_preset("tiny-test")  # FFN 128, heads 4 x 16: 64 and 32 per rank at tp2
+    ParallelConfig(float8="rowwise", tensor_parallel_size=2).validate_model(tiny)
+
+
+def test_float8_refuses_tokens_per_rank_not_divisible_by_16():
+    """The weight gradient's inner dimension is the tokens of a micro-batch on this rank (b * s / cp)."""
+    ParallelConfig(float8="tensorwise").validate_float8_tokens(8, 2)  # 16 tokens
+    ParallelConfig(float8="tensorwise", context_parallel_size=2).validate_float8_tokens(64, 1)  # 32
+    ParallelConfig().validate_float8_tokens(8, 1)  # no float8: no rule
+    with pytest.raises(ValueError, match=r"= 1 \* 24 / 1 = 24\) divisible by 16.*multiple of 2"):
+        ParallelConfig(float8="tensorwise").validate_float8_tokens(24, 1)
+    with pytest.raises(ValueError, match=r"= 1 \* 40 / 2 = 20\)"):
+        ParallelConfig(float8="rowwise", context_parallel_size=2).validate_float8_tokens(40, 1)
+
+
+def test_float8_refuses_cuda_cards_without_float8_tensor_cores(monkeypatch):
+    """Below compute capability 8.9 (Ada, Hopper) there is no float8 matmul: refused (the capability patched, so
+    this runs without a GPU); the CPU and float8=None are not checked."""
+    import torch
+
+    from lightning_4d.parallel.float8 import check_float8_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"compute capability >= 8\.9 .*NVIDIA A100 is 8\.0"):
+        check_float8_device("tensorwise", torch.device("cuda", 0))
+    check_float8_device(None, torch.device("cuda", 0))
+    check_float8_device("tensorwise", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_float8_device("tensorwise", torch.device("cuda", 0))
+
+
 def test_float8_refuses_missing_torchao_and_float16(monkeypatch):
     from lightning_4d import FourDStrategy
     from lightning_4d.parallel import float8
