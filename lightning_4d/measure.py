@@ -752,6 +752,11 @@ def _print(out: dict[str, Any]) -> None:
         )
     else:
         console.print("CPU: the peak of live tensor bytes (lightning_4d.measure.LiveTensorBytes).")
+    if out["layout"].get("compile"):
+        console.print(
+            f"compile: Dynamo compiled {got['compiled_graphs']} graph(s) during the run (the layers ran compiled; "
+            "a compiled layer's peak is its fused kernels', the estimate models the eager one)."
+        )
     console.print(
         "The collectives of the fake process group carry no data: losses are meaningless, memory is real. "
         "Estimated = estimate without the overhead allowance (CUDA context, fragmentation)."

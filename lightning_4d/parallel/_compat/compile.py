@@ -61,6 +61,9 @@ def inductor_cpu_buffers(callback: Callable[[Any], None]) -> Iterator[None]:
     """
     global _ORIGINAL_EMPTY_STRIDED_CPU
     guards = torch._C._dynamo.guards
+    if not hasattr(guards, "_empty_strided_cpu"):  # another torch: nothing to follow (the ops still are)
+        yield
+        return
     if _ORIGINAL_EMPTY_STRIDED_CPU is None:
         _ORIGINAL_EMPTY_STRIDED_CPU = guards._empty_strided_cpu
     guards._empty_strided_cpu = _empty_strided_cpu
