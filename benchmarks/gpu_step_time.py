@@ -227,11 +227,21 @@ def main() -> None:
         nargs="*",
         default=["tensorwise", "rowwise"],
         choices=["tensorwise", "rowwise"],
-        help="the float8 recipes of the compile_float8_<recipe> rows (needs torchao; none: --float8 alone)",
+        help="the float8 recipes of the compile_float8_<recipe> rows (needs torchao: skipped with the reason printed "
+        "when it is missing; none: --float8 alone)",
     )
     args = p.parse_args()
 
     from lightning_4d.models import LlamaConfig
+    from lightning_4d.parallel.float8 import check_float8_device, validate_float8
+
+    if args.float8:
+        try:  # torchao missing or too old: the float8 rows are skipped, the others run
+            validate_float8(args.float8[0])
+            check_float8_device(args.float8[0], torch.device(args.device))
+        except ValueError as err:
+            print(f"float8 rows {', '.join(args.float8)} skipped: {err}", flush=True)
+            args.float8 = []
     from lightning_4d.planning.hardware import peak_flops_of_device
     from lightning_4d.provenance import code_record
 

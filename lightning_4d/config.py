@@ -9,6 +9,7 @@ fails in a second with a message that names the bad value and what would be vali
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -519,22 +520,49 @@ class ParallelConfig:
                 )
 
     def _check_float8_dims(self, model_config: "LlamaConfig") -> None:
-        """Every dimension of the linears ``float8`` converts divisible by 16 (``torch._scaled_mm``'s requirement;
-        torchao's ``_auto_filter_for_recipe`` skips such layers, torchtitan refuses them): the hidden size, the query
-        and kv projections' ``heads * head_dim`` and the FFN size; after the MoE component's rule
+        """Every dimension of the linears ``float8`` converts divisible by 16 (``torch._scaled_mm``'s requirement on
+        the inner and output dimensions of each of its three matmuls; torchao's ``_auto_filter_for_recipe`` skips such
+        layers, torchtitan refuses them): the hidden size, the query and kv projections' ``heads * head_dim`` and the
+        FFN size, and each tp rank's shard of them (the column-parallel ``wq``/``wk``/``wv``/``w1``/``w3`` split their
+        output dimension, the row-parallel ``wo``/``w2`` their input dimension, by tp); after the MoE component's rule
         (:func:`lightning_4d.features.moe.check_float8`)."""
         check_float8(self.float8, model_config)
-        dims = {
-            "hidden_size": model_config.hidden_size,
-            "num_heads*head_dim": model_config.num_heads * model_config.head_dim,
-            "num_kv_heads*head_dim": model_config.num_kv_heads * model_config.head_dim,
-            "intermediate_size": model_config.intermediate_size,
-        }
+        dims = _float8_dims(model_config)
         bad = {name: value for name, value in dims.items() if value % 16}
         if bad:
             raise ValueError(
                 f"float8={self.float8!r} needs every dimension of the decoder layers' linears divisible by 16 "
                 f"(torch._scaled_mm); this model has {bad}: use float8=None for it."
+            )
+        tp = self.tp
+        shards = {f"{name}/tp": value // tp for name, value in dims.items() if name != "hidden_size"}
+        bad = {name: value for name, value in shards.items() if value % 16}
+        if bad:
+            valid = [t for t in divisors(dims["intermediate_size"]) if not _float8_shard_problem(dims, t)]
+            raise ValueError(
+                f"float8={self.float8!r} with tensor_parallel_size={tp} gives per-rank linear shards not divisible "
+                f"by 16 (torch._scaled_mm): {bad}; valid tensor_parallel_size values for float8 with this model: "
+                f"{valid}, or float8=None."
+            )
+
+    def validate_float8_tokens(self, seq_length: int, micro_batch_size: int) -> None:
+        """With ``float8``: the tokens each rank's linears take per micro-batch (``micro_batch_size * seq_length /
+        cp``; under sequence parallelism the float8 linears take the all-gathered sequence) divisible by 16: they are
+        the inner dimension of the weight gradient's ``torch._scaled_mm``. A no-op without float8.
+
+        Raises:
+            ValueError: they are not (the message names the valid micro-batch sizes for this sequence length)."""
+        if self.float8 is None:
+            return
+        tokens = micro_batch_size * seq_length // self.cp
+        if tokens % 16:
+            per_sample = seq_length // self.cp
+            step = 16 // math.gcd(per_sample, 16)
+            raise ValueError(
+                f"float8={self.float8!r} needs the tokens per rank of each micro-batch (micro_batch_size * "
+                f"seq_length / cp = {micro_batch_size} * {seq_length} / {self.cp} = {tokens}) divisible by 16, the "
+                f"inner dimension of the weight gradient's torch._scaled_mm: use a micro_batch_size that is a "
+                f"multiple of {step}, or a seq_length / cp that is a multiple of 16."
             )
 
     def validate_sequence(self, seq_length: int) -> None:
@@ -550,3 +578,20 @@ class ParallelConfig:
                 f"seq_length={seq_length} is not a multiple of {self.sequence_divisor} ({' and '.join(why)}); "
                 f"use e.g. seq_length={(seq_length // self.sequence_divisor + 1) * self.sequence_divisor}."
             )
+
+
+def _float8_dims(model_config: "LlamaConfig") -> dict[str, int]:
+    """The dimensions of the decoder layers' linears that ``float8`` converts
+    (:meth:`ParallelConfig._check_float8_dims`)."""
+    return {
+        "hidden_size": model_config.hidden_size,
+        "num_heads*head_dim": model_config.num_heads * model_config.head_dim,
+        "num_kv_heads*head_dim": model_config.num_kv_heads * model_config.head_dim,
+        "intermediate_size": model_config.intermediate_size,
+    }
+
+
+def _float8_shard_problem(dims: dict[str, int], tp: int) -> bool:
+    """Whether tp ranks split some dimension of ``dims`` (:func:`_float8_dims`; not the hidden size) unevenly or into
+    shards not divisible by 16."""
+    return any(v % tp or (v // tp) % 16 for name, v in dims.items() if name != "hidden_size")

@@ -53,6 +53,7 @@ from lightning_4d.features.moe import runtime as moe
 from lightning_4d.features.moe.costs import check_expert_load_imbalance
 from lightning_4d.features.moe.runtime import received_rows, spread_counts  # noqa: F401 - spread_counts importable from here too
 from lightning_4d.layout import config_kwargs, reported_layout
+from lightning_4d.parallel._compat.compile import compiled_graph_count
 from lightning_4d.parallel._compat.dispatch import (
     TorchDispatchMode,
     inner_tensors,
@@ -118,6 +119,13 @@ class LiveTensorBytes(TorchDispatchMode):
     way, outside any op) is followed while the mode is entered. Storages alive before the mode are not counted:
     enter it before anything of the run is allocated.
 
+    ``torch.compile`` runs under it: the mode ignores compile internals (``ignore_compile_internals``: Dynamo skips
+    every frame while a mode without it is entered, so compiled layers would run eagerly), it is off while Dynamo
+    traces and on while the compiled graphs run, seeing the ops they dispatch (``mm.out``, the collectives), and the
+    buffers inductor's CPU code allocates without any op are counted from their allocation
+    (:func:`~lightning_4d.parallel._compat.compile.inductor_cpu_buffers`). A compiled layer's peak is then its own
+    (fused kernels keep fewer intermediates than eager ops), not the eager peak the estimate models.
+
     Host and device on one CPU (``optimizer_offload``): a storage made inside
     :func:`lightning_4d.parallel.optimizer_offload.host_allocations`, or named by :meth:`mark_host` at any time of
     its life, is host memory; :meth:`split_peaks` replays every change to give the device's peak without them and
@@ -139,6 +147,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self._resize: Any = None
         self._events: list[tuple[int, int]] = []  # (key of the storage, change of its bytes), in order
         self._host: set[int] = set()  # keys of the host storages
+        self._buffers: Any = None  # inductor_cpu_buffers while entered
 
     def _add(self, delta: int, key: int) -> None:
         self.current += delta
@@ -182,7 +191,16 @@ class LiveTensorBytes(TorchDispatchMode):
                 device_peak = max(device_peak, device)
         return device_peak, host_peak
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """``True``: Dynamo compiles while the mode is entered (class docstring)."""
+        return True
+
     def __enter__(self) -> "LiveTensorBytes":
+        from lightning_4d.parallel._compat.compile import inductor_cpu_buffers
+
+        self._buffers = inductor_cpu_buffers(lambda t: self.track(t.untyped_storage()))
+        self._buffers.__enter__()
         resize = torch.UntypedStorage.resize_
         tracker = self
 
@@ -202,6 +220,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __exit__(self, *args: Any) -> None:
         torch.UntypedStorage.resize_ = self._resize
+        self._buffers.__exit__(None, None, None)
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -343,7 +362,9 @@ def fit_and_measure(
         weights and PowerSGD's state, as :class:`~lightning_4d.planning.model.ModelStates` counts them;
         ``host_offloaded``: the most host memory ``activation_offload_layers`` held at once during the run;
         ``cuda_library``: on CUDA, the bytes allocated before the fit once CUDA's libraries have run
-        (:func:`cuda_library_bytes`: their workspaces; alive through the fit, so inside the peak; 0 on CPU)).
+        (:func:`cuda_library_bytes`: their workspaces; alive through the fit, so inside the peak; 0 on CPU);
+        ``compiled_graphs``: the graphs Dynamo compiled during the fit
+        (:func:`~lightning_4d.parallel._compat.compile.compiled_graph_count`; 0 when nothing ran compiled)).
     """
     from lightning_4d.strategy import FourDStrategy
 
@@ -358,6 +379,7 @@ def fit_and_measure(
         torch.cuda.empty_cache()
         library = cuda_library_bytes()
         torch.cuda.reset_peak_memory_stats()
+    graphs = compiled_graph_count()
     with tracker:
         offload = pc.optimizer_offload
         callbacks = [_state_bytes_callback(states, tracker if not cuda else None, offload), *(callbacks or [])]
@@ -368,6 +390,7 @@ def fit_and_measure(
     layout = layout_strategy(strategy)
     out["host_offloaded"] = layout.offload_stats.peak if layout is not None else 0
     out["cuda_library"] = library
+    out["compiled_graphs"] = compiled_graph_count() - graphs
     gc.collect()
     return out
 
@@ -562,7 +585,8 @@ def measure_rank(
     Raises:
         ValueError: a rank outside the world, ``steps`` < 1, an unknown device, CUDA asked for but absent, an
             ``expert_load_imbalance`` below 1; layout errors come from ``ParallelConfig`` before this is called.
-        RuntimeError: a process group already exists in this process.
+        RuntimeError: a process group already exists in this process; compile asked for and Dynamo compiled no
+            graph during the fit (Dynamo's caches are cleared first, so a compiled run compiles its graphs anew).
     """
     import torch.distributed as dist
 
@@ -573,6 +597,9 @@ def measure_rank(
     work = replace(workload, num_microbatches=pc.microbatches, expert_load_imbalance=imbalance)
     estimate = _rank_estimate(work, pc, coords, device)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    compiled = compile or pc.compile
+    if compiled:
+        torch._dynamo.reset()  # the graphs of an earlier run in this process would be reused, not counted
     init_fake_process_group(rank, pc.world_size)
     try:
         strategy = _strategy_class()(**strategy_kwargs(pc, compile), memory_check=False, process_group_backend="fake")
@@ -584,6 +611,11 @@ def measure_rank(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if compiled and not measured["compiled_graphs"]:
+        raise RuntimeError(
+            "compile=True but Dynamo compiled no graph during the fit: the decoder layers ran eagerly (a "
+            "TorchDispatchMode without ignore_compile_internals entered around the run disables Dynamo)."
+        )
     # the rows the experts ran in the last exchange of each MoE layer, as the dispatch counted them (its split sizes)
     measured["received_rows"] = max((d.received_rows for d in strategy.dispatches), default=0)
     out = {"rank": rank, "coordinates": coords, "measured": measured, "estimate": estimate.to_dict()}
@@ -644,6 +676,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_model_config(args.model)
     pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
+    pc.validate_float8_tokens(args.seq_length, args.micro_batch_size)
     pc.validate_microbatches(pc.microbatches)
     work = workload_from_args(args, cfg)
     rank = args.rank
@@ -723,6 +756,11 @@ def _print(out: dict[str, Any]) -> None:
         )
     else:
         console.print("CPU: the peak of live tensor bytes (lightning_4d.measure.LiveTensorBytes).")
+    if out["layout"].get("compile"):
+        console.print(
+            f"compile: Dynamo compiled {got['compiled_graphs']} graph(s) during the run (the layers ran compiled; "
+            "a compiled layer's peak is its fused kernels', the estimate models the eager one)."
+        )
     console.print(
         "The collectives of the fake process group carry no data: losses are meaningless, memory is real. "
         "Estimated = estimate without the overhead allowance (CUDA context, fragmentation)."

@@ -46,7 +46,7 @@ from lightning_4d.parallel._compat.lightning import (
     set_module_device_mesh,
 )
 from lightning_4d.parallel._compat.process import restarted_worker_store
-from lightning_4d.parallel.float8 import precompute_scales, validate_float8
+from lightning_4d.parallel.float8 import check_float8_device, precompute_scales, validate_float8
 from lightning_4d.parallel.grad_buffers import GradientBuckets, GradientReduction
 from lightning_4d.parallel.loss import causal_lm_loss
 from lightning_4d.parallel.offload import OffloadStats
@@ -243,6 +243,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
             full_file_checkpoints=not self._save_distributed_checkpoint,
         )
         validate_float8(self.parallel_config.float8, self._precision, self.parallel_config, self._backend())
+        check_float8_device(self.parallel_config.float8, self.root_device)
         if self.memory_check and self.root_device.type == "cuda":  # runs in Callback.setup, before configure_model
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()

@@ -146,6 +146,7 @@ def _parse(row: Row, **overrides: Any) -> tuple[argparse.Namespace, Any, Any]:
     cfg = load_model_config(args.model)
     pc, _ = layout_from_args(args, cfg)
     pc.validate_sequence(args.seq_length)
+    pc.validate_float8_tokens(args.seq_length, args.micro_batch_size)
     pc.validate_microbatches(pc.microbatches)
     return args, cfg, pc
 
@@ -310,6 +311,11 @@ def defined_collectives() -> Any:
     and tp-overlap rows gave NaN losses on CPU). Filling those outputs with zeros right after each collective
     (the fake group's work is already complete) makes every value the rank computes defined, so the smoke run can
     check that the loss is finite; no tensor is allocated, so the measured memory is unchanged.
+
+    The mode ignores compile internals (``ignore_compile_internals``): Dynamo skips every frame while a mode without
+    it is entered (measured on torch 2.13 CPU: a function compiled under a plain mode compiled 0 graphs), so compile
+    rows would run eagerly; with it the mode is off while Dynamo traces and sees the collectives the compiled graphs
+    call when they run.
     """
     import torch
     from torch.utils._pytree import tree_leaves
@@ -317,6 +323,10 @@ def defined_collectives() -> Any:
     from lightning_4d.parallel._compat.dispatch import TorchDispatchMode
 
     class DefinedCollectives(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True  # Dynamo compiles under it (a mode without it makes Dynamo skip every frame)
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
             namespace, name = func.namespace, func.__name__.split(".")[0]
@@ -374,7 +384,8 @@ def run_row(
 
     Returns:
         ``{"status": "ok" | "failed" | "error" | "skipped", "error": text or None, "rank", "peak", "estimate",
-        "cuda_library", "ratio": (estimate + cuda_library) / peak, "losses", "decoder_layers", "seconds"}``
+        "cuda_library", "ratio": (estimate + cuda_library) / peak, "losses", "decoder_layers", "compiled_graphs",
+        "seconds"}`` (``compiled_graphs``: Dynamo's graphs compiled in the run; a compile row that compiled none raises)
         (bytes; "failed": it ran and a check failed; "error": it raised; "skipped": ``row.smoke_skip``).
 
     Raises:
@@ -427,6 +438,7 @@ def _smoke_run(row: Row, device: str, steps: int, overrides: dict[str, int], res
         ratio=(estimate + library) / peak if peak else None,
         losses=checks.losses,
         decoder_layers=checks.layers,
+        compiled_graphs=out["measured"]["compiled_graphs"],
     )
     problems = _problems(checks, device, peak, estimate, library)
     result.update(status="failed" if problems else "ok", error="; ".join(problems) or None)

@@ -107,37 +107,73 @@ def test_prefetch_brings_a_layer_back_during_the_next_layers_backward(monkeypatc
 
 
 def test_copies_to_host_in_flight_are_bounded():
-    """An offloaded layer that starts offloading makes the compute stream wait for the copies of all offloaded
-    layers but the previous one (``LAYERS_IN_FLIGHT``), oldest first; the streams' bookkeeping alone (on CPU: a
-    stand-in stream that records what it waits for)."""
+    """An offloaded layer that starts offloading drops the device storages of the layers whose copies to host have
+    completed, then makes the compute stream wait for the copies of all offloaded layers but the previous one
+    (``LAYERS_IN_FLIGHT``), oldest first, and drops theirs only after that wait: a layer's storages are never dropped
+    while its copy may still run, and never more than the running layer's and ``LAYERS_IN_FLIGHT`` layers' are held.
+    The streams' bookkeeping alone (on CPU: a stand-in compute stream that records what it waits for, stand-in events
+    that complete when told)."""
     import collections
 
     from lightning_4d.parallel import offload
+
+    class Event:
+        def __init__(self, name):
+            self.name, self.done = name, False
+
+        def query(self):
+            return self.done
 
     class Compute:
         def __init__(self):
             self.waited = []
 
         def wait_event(self, event):
-            self.waited.append(event)
+            self.waited.append(event.name)
+            event.done = True  # what the compute stream runs next comes after the copy
 
     streams = offload._Streams.__new__(offload._Streams)
     streams.in_flight = collections.deque()
     compute = Compute()
-    for layer in range(4):  # each layer starts offloading, then its forward ends with its copies' event
+    layers = []
+
+    def forward(layer):  # the layer starts offloading, packs one storage, and its forward ends with the event
         streams.bound_in_flight(compute)
-        streams.in_flight.append(f"copied{layer}")
+        copies = offload._LayerCopies(streams)
+        copies.sources.append(torch.empty(4))
+        copies.copied = Event(f"copied{layer}")
+        layers.append(copies)
+        streams.in_flight.append((copies.copied, copies))
+        assert streams.held_layers() <= offload.LAYERS_IN_FLIGHT + 1
+
     assert offload.LAYERS_IN_FLIGHT == 1
-    assert compute.waited == ["copied0", "copied1"] and list(streams.in_flight) == ["copied2", "copied3"]
+    forward(0)
+    forward(1)
+    assert compute.waited == [] and all(c.sources for c in layers)  # the previous layer's copy may still run
+    forward(2)  # layer 0's copy must be done: waited for, then dropped; layer 1's still held
+    assert compute.waited == ["copied0"] and not layers[0].sources and layers[1].sources
+    layers[2].copied.done = True  # layer 2's copy completed on its own: dropped at the next start, no wait
+    forward(3)  # layer 1's copy may still run: held (the one layer the bound allows), no wait
+    assert compute.waited == ["copied0"] and layers[1].sources and not layers[2].sources
+    assert [e.name for e, _ in streams.in_flight] == ["copied1", "copied3"]
+    forward(4)  # now layer 1's must be done
+    assert compute.waited == ["copied0", "copied1"] and not layers[1].sources and layers[3].sources
+    layers[3]._copies_done(compute)  # backward needs layer 3: waits for its copies, then drops its storages
+    assert compute.waited[-1] == "copied3" and not layers[3].sources
     streams.bound_in_flight(compute)
-    assert compute.waited[-1] == "copied2" and list(streams.in_flight) == ["copied3"]
+    assert [e.name for e, _ in streams.in_flight] == ["copied4"] and layers[4].sources
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side streams exist only on CUDA")
-def test_overlapped_copies_on_cuda_give_the_same_gradients():
-    """On CUDA the copies run on the offload and reload streams (pinned host memory, events, ``record_stream``):
-    the loss and every gradient the same bits as without offload, every layer offloaded (the prefetched one and the
-    one brought back on demand), two steps (the pinned blocks reused)."""
+def test_overlapped_copies_on_cuda_give_the_same_gradients(monkeypatch):
+    """On CUDA the copies run on the offload and reload streams (pinned host memory, events; references held until
+    the copies' events, no ``record_stream``): the loss and every gradient the same bits as without offload, every
+    layer offloaded (the prefetched one and the one brought back on demand), two steps (the pinned blocks reused)."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("activation offload must not call record_stream")
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", refused)
     ids = torch.randint(0, TINY.vocab_size, (2, 129), generator=torch.Generator().manual_seed(0)).cuda()
     results = []
     for offload in ([], [0, 1]):

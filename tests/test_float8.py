@@ -170,6 +170,46 @@ def test_float8_refuses_dimensions_not_divisible_by_16():
         config.validate_model(bad)
 
 
+def test_float8_refuses_tensor_parallel_shards_not_divisible_by_16():
+    """The small preset's FFN, 688, is divisible by 16, but at tp2 each rank's w1/w3 output and w2 input are 344:
+    torch._scaled_mm refuses that on CUDA, so the layout is refused before any process group, naming the valid tp."""
+    small = LlamaConfig.from_preset("small")
+    ParallelConfig(float8="tensorwise").validate_model(small)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*\{'intermediate_size/tp': 344\}.*\[1\]"):
+        ParallelConfig(float8="tensorwise", tensor_parallel_size=2).validate_model(small)
+    ParallelConfig(tensor_parallel_size=2).validate_model(small)  # without float8: no such rule
+    tiny = LlamaConfig.from_preset("tiny-test")  # FFN 128, heads 4 x 16: 64 and 32 per rank at tp2
+    ParallelConfig(float8="rowwise", tensor_parallel_size=2).validate_model(tiny)
+
+
+def test_float8_refuses_tokens_per_rank_not_divisible_by_16():
+    """The weight gradient's inner dimension is the tokens of a micro-batch on this rank (b * s / cp)."""
+    ParallelConfig(float8="tensorwise").validate_float8_tokens(8, 2)  # 16 tokens
+    ParallelConfig(float8="tensorwise", context_parallel_size=2).validate_float8_tokens(64, 1)  # 32
+    ParallelConfig().validate_float8_tokens(8, 1)  # no float8: no rule
+    with pytest.raises(ValueError, match=r"= 1 \* 24 / 1 = 24\) divisible by 16.*multiple of 2"):
+        ParallelConfig(float8="tensorwise").validate_float8_tokens(24, 1)
+    with pytest.raises(ValueError, match=r"= 1 \* 40 / 2 = 20\)"):
+        ParallelConfig(float8="rowwise", context_parallel_size=2).validate_float8_tokens(40, 1)
+
+
+def test_float8_refuses_cuda_cards_without_float8_tensor_cores(monkeypatch):
+    """Below compute capability 8.9 (Ada, Hopper) there is no float8 matmul: refused (the capability patched, so
+    this runs without a GPU); the CPU and float8=None are not checked."""
+    import torch
+
+    from lightning_4d.parallel.float8 import check_float8_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"compute capability >= 8\.9 .*NVIDIA A100 is 8\.0"):
+        check_float8_device("tensorwise", torch.device("cuda", 0))
+    check_float8_device(None, torch.device("cuda", 0))
+    check_float8_device("tensorwise", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_float8_device("tensorwise", torch.device("cuda", 0))
+
+
 def test_float8_refuses_missing_torchao_and_float16(monkeypatch):
     from lightning_4d import FourDStrategy
     from lightning_4d.parallel import float8
@@ -193,7 +233,8 @@ def test_float8_refuses_missing_torchao_and_float16(monkeypatch):
         (["--dp", "1"], "tensorwise", 0.01, "float8 backward"),
         # tp2 sp on the fake group: torchao's float8 styles all-gather the sequence in float8 (the path gloo cannot
         # run). Measured 2026-11-27: estimate 56,207,872 B, measured 55,099,848 B (+2.0%; bf16 tp2 sp: -1.5%; before
-        # planning/float8_costs.py counted tp, +7.1%). Without sp +0.1%, rowwise with sp -0.5% (not run here)
+        # planning/float8_costs.py counted tp, +7.1%). Without sp +0.1%, rowwise with sp -0.5% (not run here).
+        # At FFN 704 (688 is refused at tp2): estimate 57,093,632 B, measured 55,935,432 B (+2.1%)
         (["--dp", "1", "--tp", "2"], "tensorwise", 0.03, "float8 backward"),
         # dp2 ZeRO 3: the peak is the last layer's w2 input cast in forward (the previous step's gradient shards
         # alive). Measured 2026-11-27: tensorwise estimate 68,837,888 B, measured 68,844,544 B (-0.01%; before the
@@ -206,23 +247,29 @@ def test_float8_refuses_missing_torchao_and_float16(monkeypatch):
         # recomputed set (the kept parts do not count float8's tp change: planning/activations.py). Measured
         # 2026-11-27: estimate 51,764,736 B, measured 52,556,328 B (-1.51%; before the recomputed set was counted
         # -2.85%); not run here: rowwise without sp -0.74% (-2.05%), tensorwise with sp +0.22% (-1.15%), without
-        # +0.21% (-1.11%); one process rowwise full -0.01% (-3.05%), tensorwise selective -0.25% (-1.68%)
+        # +0.21% (-1.11%); one process rowwise full -0.01% (-3.05%), tensorwise selective -0.25% (-1.68%). At FFN
+        # 704: estimate 52,593,152 B, measured 53,381,736 B (-1.48%)
         (["--dp", "1", "--tp", "2", "--activation-checkpointing", "selective"], "rowwise", 0.03, "float8 backward"),
     ],
     ids=["one-process", "tp2-sp", "zero3-tensorwise", "zero3-rowwise", "tp2-sp-selective-rowwise"],
 )
-def test_float8_memory_estimate_matches_measure(layout, recipe, rtol, phase):
+def test_float8_memory_estimate_matches_measure(layout, recipe, rtol, phase, tmp_path):
     """The float8 terms (lightning_4d/planning/float8_costs.py: the backward and forward transients, FSDP2's float8
     all-gather, and under tp the saved inputs) against `lightning-4d measure` (CPU, LiveTensorBytes): small b=2 s=256
     bf16-mixed, ZeRO 1 unless the layout says otherwise; the model states equal (before ``measure.local_bytes``
-    unwrapped torchao's float8 weight, ZeRO 3 tensorwise measured 817,664 B of parameters against 8,968,704)."""
+    unwrapped torchao's float8 weight, ZeRO 3 tensorwise measured 817,664 B of parameters against 8,968,704). Under
+    tp2 the FFN is 704 instead of small's 688 (whose 344 per rank float8 refuses: torch._scaled_mm on CUDA)."""
     pytest.importorskip("torchao.float8")
     import subprocess
     import sys
 
     from tests._launch import ROOT, worker_env
 
-    cmd = [sys.executable, "-m", "lightning_4d", "measure", "--model", "small", "--seq-length", "256"]
+    model = "small"
+    if "--tp" in layout:
+        model = str(tmp_path / "small_ffn704.yaml")
+        (tmp_path / "small_ffn704.yaml").write_text("preset: small\nintermediate_size: 704\n")
+    cmd = [sys.executable, "-m", "lightning_4d", "measure", "--model", model, "--seq-length", "256"]
     cmd += ["--micro-batch-size", "2", *layout, "--float8", recipe, "--json"]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

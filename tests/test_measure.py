@@ -278,6 +278,65 @@ def test_live_tensor_bytes_counts_known_allocations():
     assert torch.UntypedStorage.resize_ is resize  # the mode put torch's own back
 
 
+def test_the_measuring_modes_let_dynamo_compile():
+    """Dynamo skips every frame while a ``TorchDispatchMode`` that does not ignore compile internals is entered: a
+    function compiled under such a mode compiles 0 graphs (torch 2.13); under ``LiveTensorBytes`` and the smoke run's
+    ``defined_collectives`` it compiles, and ``LiveTensorBytes`` still counts what the compiled graph returns."""
+    import torch
+    import torch._dynamo
+
+    from lightning_4d.measure import LiveTensorBytes
+    from lightning_4d.parallel._compat.compile import compiled_graph_count
+    from lightning_4d.parallel._compat.dispatch import TorchDispatchMode
+    from lightning_4d.support import defined_collectives
+
+    class Plain(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def graphs_under(mode):
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="aot_eager")
+        before = compiled_graph_count()
+        with mode:
+            out = f(torch.ones(1000))
+        return compiled_graph_count() - before, mode, out
+
+    assert graphs_under(Plain())[0] == 0
+    assert graphs_under(defined_collectives())[0] == 1
+    graphs, live, out = graphs_under(LiveTensorBytes("cpu"))
+    assert graphs == 1 and live.current == 4000  # the output's 1,000 float32 alive, intermediates freed
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_inductor_cpu_buffers_are_counted():
+    """Inductor's CPU code allocates its buffers without any op a dispatch mode sees; ``LiveTensorBytes`` counts
+    them through :func:`~lightning_4d.parallel._compat.compile.inductor_cpu_buffers` (a fused elementwise output)."""
+    import torch
+    import torch._dynamo
+
+    from lightning_4d.measure import LiveTensorBytes
+    from lightning_4d.parallel._compat.compile import compiled_graph_count, inductor_cpu_buffers
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+    seen = []
+    with inductor_cpu_buffers(seen.append):
+        f(torch.ones(1000))
+    assert [t.numel() for t in seen] == [1000]
+    before = compiled_graph_count()
+    torch._dynamo.reset()
+    g = torch.compile(lambda x: torch.cos(x) * 3 - 1)
+    with LiveTensorBytes("cpu") as live:
+        out = g(torch.ones(1000))
+        assert live.current == 4000
+    assert compiled_graph_count() - before == 1 and live.peak >= 4000
+    del out
+    assert torch._C._dynamo.guards._empty_strided_cpu is not None
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_measure_under_expert_parallelism_receives_the_stated_load():
     """tiny-moe dp2 ep2 ZeRO 1, rank 0, s=512 bf16-mixed, under ``measure``: the fake group's count exchange is

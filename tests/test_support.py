@@ -244,8 +244,8 @@ def test_smoke_refuses_refused_rows_and_unknown_ids(capsys):
 
 
 #: one row per kind of code the dry run exercises: ZeRO 3 (FSDP2), pp with an uneven zero-bubble split and
-#: offload, cp ring under tp, MoE under pp (the residual dtype the CUDA run broke)
-REPRESENTATIVE = ["z3-bf16-mixed", "offload-pp-zbv", "cp2-tp2", "moe-pp2"]
+#: offload, cp ring under tp, MoE under pp (the residual dtype the CUDA run broke), compile under tp
+REPRESENTATIVE = ["z3-bf16-mixed", "offload-pp-zbv", "cp2-tp2", "moe-pp2", "compile-tp2"]
 
 
 @pytest.mark.slow
@@ -258,6 +258,8 @@ def test_cpu_dry_run_of_representative_rows(tmp_path):
     for row_id, result in data["rows"].items():
         assert result["status"] == "ok", (row_id, result["error"])
         assert result["decoder_layers"] > 0 and result["losses"] and result["peak"] > 0 and result["estimate"] > 0
+        compiled = support.row_by_id(row_id).options().get("compile")
+        assert (result["compiled_graphs"] > 0) == bool(compiled), (row_id, result["compiled_graphs"])
 
 
 @pytest.mark.slow

@@ -13,8 +13,11 @@ grouped MoE matmuls are not ``nn.Linear``: torchao's MoE float8 training is a se
 outputs decide the routing), as are the transformers families (:attr:`ModelFamily.float8
 <lightning_4d.families.base.ModelFamily.float8>`: untested).
 
-Every dimension of a converted linear must be a multiple of 16 (``torch._scaled_mm``): checked for the model config
-before any process group (:meth:`lightning_4d.config.ParallelConfig.validate_model`).
+Every dimension of a converted linear must be a multiple of 16 (``torch._scaled_mm``), each tp rank's shard of it
+too, and so must the tokens each rank's linears take per micro-batch (the weight gradient's inner dimension): checked
+before any process group (:meth:`lightning_4d.config.ParallelConfig.validate_model`,
+:meth:`~lightning_4d.config.ParallelConfig.validate_float8_tokens`), as is a CUDA card without float8 tensor cores
+(:func:`check_float8_device`).
 
 Order (:func:`lightning_4d.parallel.parallelize.parallelize_model`): after the pipeline split, before tp,
 activation checkpointing, ``torch.compile`` and FSDP2, as torchao documents for FSDP2 (``convert_to_float8_training``
@@ -114,6 +117,30 @@ def validate_float8(
             f"sequence in float8, which the {backend!r} process group backend cannot move (it has no float8 dtype): "
             "use process_group_backend='nccl' (CUDA), or sequence_parallel=False, or float8='rowwise' (the "
             "sequence all-gathered in the compute dtype)."
+        )
+
+
+#: the lowest CUDA compute capability with float8 tensor cores (``torch._scaled_mm`` on CUDA: Ada, sm_89, and Hopper)
+FLOAT8_MIN_CAPABILITY = (8, 9)
+
+
+def check_float8_device(float8: Optional[str], device: Any) -> None:
+    """Refuse ``float8`` on a CUDA ``device`` (a ``torch.device``) of compute capability below
+    :data:`FLOAT8_MIN_CAPABILITY` (``torch.cuda.get_device_capability``), before any process group; a no-op
+    without float8 or off CUDA (the CPU runs ``torch._scaled_mm`` emulated).
+
+    Raises:
+        ValueError: the card has no float8 tensor cores."""
+    if float8 is None or getattr(device, "type", device) != "cuda":
+        return
+    import torch
+
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability < FLOAT8_MIN_CAPABILITY:
+        raise ValueError(
+            f"float8={float8!r} needs a CUDA device of compute capability >= "
+            f"{'.'.join(map(str, FLOAT8_MIN_CAPABILITY))} (float8 tensor cores: Ada, Hopper or newer); "
+            f"{torch.cuda.get_device_name(device)} is {'.'.join(map(str, capability))}: use float8=None."
         )
 
 

@@ -19,21 +19,35 @@ micro-batches' activations of all its layers, and an offloaded layer holds none 
 
 Copies overlap compute (as Megatron-Core's ``cpu_offloading`` double buffering and torchtune's
 ``OffloadActivations(use_streams=True)`` do): on CUDA each device-to-host copy runs on a side stream (the offload
-stream) into page-locked memory (PyTorch's caching host allocator keeps the pinned blocks for the next step), and the
-device tensor's memory is not reused before the copy has read it (``Tensor.record_stream``). The copies of one
-offloaded layer overlap the forward of the next; an offloaded layer starting its forward first waits for the copies
-of the layers before that (:data:`LAYERS_IN_FLIGHT`, Megatron-Core's double buffering): without that bound, copies
-slower than the forward would keep every offloaded layer's memory from reuse until backward. That memory is
-reserved, not allocated, while its copy runs (the caching allocator counts a tensor freed at once, and holds its
-block until the recorded stream has passed it): the memory model, which estimates allocated bytes, does not count
-it; at most the previous offloaded layer's saved set and the running one's are so held. In backward a layer's
-tensors are prefetched whole, on a second side stream, while the layer after it (the one backward runs first) runs
-its backward: the trigger is a pre-hook on the autograd node of that next layer's output (when it is in the same
-pipeline stage); each prefetched storage is shared by the views saved on it and dropped after its last use. The
-device therefore holds one offloaded layer's saved set more during the backward of the layer after it (the memory
-model counts it: :func:`lightning_4d.planning.offload_costs.prefetched_bytes`). A layer with no next layer in its stage
-(the last layer of a stage offloaded whole) brings its tensors back node by node, each when its node needs it, waiting
-for the copy. The step-time model charges only the part of the copies the compute does not hide.
+stream) into page-locked memory (PyTorch's caching host allocator keeps the pinned blocks for the next step). No
+``record_stream``: the hooks hold a reference to each device storage being copied until the event recorded after
+its layer's copies has completed (``torch.cuda.Event.query``) or the compute stream has waited for it, and only then
+drop it, so the storage is freed on the compute stream that allocated it, after its copy, as Megatron-Core and
+torchtune hold theirs (``record_stream`` would leave the block to the allocator's own event polling, reserved for an
+unbounded time after the tensor is freed). An offloaded layer starting its forward first drops the references of
+every layer whose copies have completed, then makes the compute stream wait for the copies of all the layers but
+the last :data:`LAYERS_IN_FLIGHT` and drops theirs (Megatron-Core's double buffering): without that bound, copies
+slower than the forward would hold every offloaded layer's saved set until backward. So at most the previous
+offloaded layer's saved set is held beyond what the memory model counts, and only while its copies run behind the
+current layer's forward: ``torch.cuda.max_memory_reserved`` (and ``max_memory_allocated``) show it as at most one
+offloaded layer's saved set of a micro-batch above the estimate in the forward phase
+(:func:`lightning_4d.planning.offload_costs.prefetched_bytes` is that set's size), none when the copies keep up
+with the forward. The memory model does not add it: whether the copies keep up is a matter of link speed against
+the layer's forward, which it does not know, and the forward phase holds less than the backward's peak for the
+layouts measured. The references left when the forward ends are dropped when backward needs the layer (after
+waiting for its copies) or at the next offloaded layer's start.
+
+In backward a layer's tensors are prefetched whole, on a second side stream, while the layer after it (the one
+backward runs first) runs its backward: the trigger is a pre-hook on the autograd node of that next layer's output
+(when it is in the same pipeline stage). The prefetch's device memory is allocated on the compute stream (from its
+pool: ``torch.empty`` before the copy is queued), the reload stream waits for the compute stream, copies into it
+and records an event that the compute stream waits for at the first unpack: the storage is then used and freed on
+the stream that allocated it, no ``record_stream``. Each prefetched storage is shared by the views saved on it and
+dropped after its last use. The device therefore holds one offloaded layer's saved set more during the backward of
+the layer after it (the memory model counts it: :func:`lightning_4d.planning.offload_costs.prefetched_bytes`). A layer
+with no next layer in its stage (the last layer of a stage offloaded whole) brings its tensors back node by node, each
+when its node needs it, waiting for the copy. The step-time model charges only the part of the copies the compute does
+not hide.
 
 On CPU (tests, ``lightning-4d measure``) the "host" copy is another CPU tensor made outside any
 ``TorchDispatchMode`` (``_compat.dispatch.untracked``), so :class:`~lightning_4d.measure.LiveTensorBytes` counts device
@@ -102,8 +116,9 @@ LAYERS_IN_FLIGHT = 1
 
 class _Streams:
     """The two side streams of one CUDA device (offload: device to host in forward; reload: host to device
-    prefetches in backward), made once per process and device, and the events after each offloaded layer's
-    copies to host not yet waited for (``in_flight``, oldest first)."""
+    prefetches in backward), made once per process and device, and the offloaded layers whose copies to host may
+    still run (``in_flight``, oldest first: ``(event, copies)``, the event recorded after the layer's copies, the
+    :class:`_LayerCopies` that holds the device storages being copied)."""
 
     _made: dict[torch.device, "_Streams"] = {}
 
@@ -113,12 +128,22 @@ class _Streams:
         self.in_flight: collections.deque = collections.deque()
 
     def bound_in_flight(self, compute: Any) -> None:
-        """Make stream ``compute`` wait for the copies to host of all but the last :data:`LAYERS_IN_FLIGHT`
-        offloaded layers (called when a layer starts offloading): a device tensor whose copy has not run yet cannot
-        be reused (``record_stream``), so unbounded copies slower than the forward would hold every offloaded
-        layer's saved set until backward."""
+        """Called when an offloaded layer starts offloading: drop the device storages of every layer whose copies
+        have completed (its event's ``query()``), then make stream ``compute`` wait for the copies of all but the
+        last :data:`LAYERS_IN_FLIGHT` layers and drop theirs (module docstring: the bound on what is held)."""
+        for event, copies in self.in_flight:
+            if event.query():  # the copy has read the storages: freeing them now is safe on any stream
+                copies.release()
+        # released here or by backward (which waited for the copies): no longer in flight
+        self.in_flight = collections.deque(entry for entry in self.in_flight if entry[1].sources)
         while len(self.in_flight) > LAYERS_IN_FLIGHT:
-            compute.wait_event(self.in_flight.popleft())
+            event, copies = self.in_flight.popleft()
+            compute.wait_event(event)  # the compute stream reuses the storages' blocks only after the copy
+            copies.release()
+
+    def held_layers(self) -> int:
+        """Offloaded layers whose device storages are still held for their copies to host."""
+        return sum(1 for _, copies in self.in_flight if copies.sources)
 
     @classmethod
     def of(cls, device: torch.device) -> Optional["_Streams"]:
@@ -144,12 +169,26 @@ class _LayerCopies:
         self.uses: list[int] = []
         self.device: dict[int, tuple[torch.Tensor, Any]] = {}
         self.copied: Any = None  # the event after the last device-to-host copy (CUDA)
+        #: the device storages being copied to host (CUDA), held until ``copied`` has completed (module docstring)
+        self.sources: list[torch.Tensor] = []
         self.prefetched = False
 
     def add(self, host: torch.Tensor) -> int:
         self.host.append(host)
         self.uses.append(0)
         return len(self.host) - 1
+
+    def release(self) -> None:
+        """Drop the device storages held for the copies to host: call once ``copied`` has completed or the stream
+        that frees them has waited for it."""
+        self.sources = []
+
+    def _copies_done(self, compute: Any) -> None:
+        """Make stream ``compute`` wait for this layer's copies to host and drop the device storages held for them
+        (backward needs the host copies now)."""
+        if self.copied is not None:
+            compute.wait_event(self.copied)
+        self.release()
 
     def prefetch(self, device: torch.device) -> None:
         """Start bringing every storage still to be used back to ``device`` (on CUDA on the reload stream, after
@@ -159,10 +198,15 @@ class _LayerCopies:
         self.prefetched = True
         streams = self.streams
         if streams is not None:
-            if self.copied is not None:
-                streams.reload.wait_event(self.copied)
+            compute = torch.cuda.current_stream(device)
+            self._copies_done(compute)
+            # allocated on the compute stream (its pool), filled on the reload stream once the compute stream's
+            # work queued so far (the block's previous uses) is done; used and freed on the compute stream
+            copies = {k: torch.empty_like(h, device=device) for k, h in enumerate(self.host) if self.uses[k] > 0}
+            streams.reload.wait_stream(compute)
             with torch.cuda.stream(streams.reload):
-                copies = {k: h.to(device, non_blocking=True) for k, h in enumerate(self.host) if self.uses[k] > 0}
+                for k, d in copies.items():
+                    d.copy_(self.host[k], non_blocking=True)
             ready = streams.reload.record_event()
             self.device.update({k: (d, ready) for k, d in copies.items()})
         else:
@@ -175,15 +219,12 @@ class _LayerCopies:
         if key in self.device:
             flat, ready = self.device.pop(key) if self.uses[key] <= 0 else self.device[key]
             if ready is not None:
-                current = torch.cuda.current_stream(device)
-                current.wait_event(ready)
-                flat.record_stream(current)  # allocated on the reload stream, freed after use on this one
+                torch.cuda.current_stream(device).wait_event(ready)  # allocated on this stream: no record_stream
             return flat
         host = self.host[key]
         if device.type == "cpu":
             return host.clone()  # a new device storage, as the host-to-device copy is
-        if self.copied is not None:
-            torch.cuda.current_stream(device).wait_event(self.copied)
+        self._copies_done(torch.cuda.current_stream(device))
         return host.to(device, non_blocking=True)
 
 
@@ -219,7 +260,7 @@ class ActivationOffload(saved_tensors_hooks):
         copies = self._copies
         if copies is not None and copies.streams is not None:
             copies.copied = copies.streams.offload.record_event()
-            copies.streams.in_flight.append(copies.copied)
+            copies.streams.in_flight.append((copies.copied, copies))
         self.last_copies = copies if self.prefetched_by_next else None
         self._copies = None
         self._copied.clear()
@@ -249,7 +290,7 @@ class ActivationOffload(saved_tensors_hooks):
                 streams.offload.wait_stream(torch.cuda.current_stream(local.device))
                 with torch.cuda.stream(streams.offload):
                     host.copy_(flat, non_blocking=True)
-                flat.record_stream(streams.offload)  # not reused before the copy has read it
+                self._copies.sources.append(flat)  # held until the copy has read it (module docstring)
         self.stats._add(host.numel())
         weakref.finalize(host, self.stats._add, -host.numel())
         return host

@@ -54,7 +54,8 @@ def validate_against_module(
     nothing.
 
     Raises:
-        ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence` and
+        ValueError: see :meth:`ParallelConfig.validate_model`, :meth:`ParallelConfig.validate_sequence`,
+            :meth:`ParallelConfig.validate_float8_tokens` (with the DataModule's micro-batch size) and
             :func:`~lightning_4d.features.pipeline.runtime.resolve_num_microbatches`; ``float8`` for a family that does
             not take it (:attr:`ModelFamily.float8`) or a module that holds no registered model.
     """
@@ -83,6 +84,8 @@ def validate_against_module(
     if seq_length is not None:
         config.validate_sequence(seq_length)
         moe.validate_sequence(config, model_config, seq_length)
+        if inputs.micro_batch_size is not None:
+            config.validate_float8_tokens(seq_length, inputs.micro_batch_size)
     if config.pp > 1:
         resolve_num_microbatches(config, inputs)
 

@@ -1,8 +1,12 @@
-"""torch.compile: Dynamo's graph counter and dynamic-scalar switches, the functional collectives' waiting tensor."""
+"""torch.compile: Dynamo's graph counter and dynamic-scalar switches, the functional collectives' waiting tensor,
+inductor's CPU buffer allocations."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
 
 #: ``AsyncCollectiveTensor``: the wrapper in which a functional collective's result waits to be read
 #: (``torch.distributed._functional_collectives``); DTensor's redistributions return one as the local tensor (the
@@ -29,3 +33,44 @@ def dynamo_dynamic_scalars() -> Any:
     import torch._dynamo.config as config
 
     return config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+
+
+#: the callbacks :func:`inductor_cpu_buffers` passes each inductor CPU buffer to, innermost last
+_BUFFER_CALLBACKS: list[Callable[[Any], None]] = []
+_ORIGINAL_EMPTY_STRIDED_CPU: Any = None
+
+
+def _empty_strided_cpu(*args: Any, **kwargs: Any) -> Any:
+    buffer = _ORIGINAL_EMPTY_STRIDED_CPU(*args, **kwargs)
+    for callback in _BUFFER_CALLBACKS:
+        callback(buffer)
+    return buffer
+
+
+@contextlib.contextmanager
+def inductor_cpu_buffers(callback: Callable[[Any], None]) -> Iterator[None]:
+    """A context in which ``callback(tensor)`` sees every CPU buffer inductor's generated code allocates.
+
+    Inductor's CPU code allocates its buffers with ``empty_strided_cpu``, bound from
+    ``torch._C._dynamo.guards._empty_strided_cpu`` when the compiled module is loaded: a direct call into the
+    allocator that no ``TorchDispatchMode`` sees (measured on torch 2.13 CPU: a fused GELU's output reached no mode).
+    While entered, that name is a wrapper calling ``callback`` on each buffer; a compiled module loaded while some
+    such context was entered keeps the wrapper, which calls the callbacks entered at the time of the call (none
+    later). A module loaded before any (inductor caches loaded modules per process) keeps the plain function: its
+    buffers reach ``callback`` only through the ops that take them (``mm.out``, ...).
+    """
+    global _ORIGINAL_EMPTY_STRIDED_CPU
+    guards = torch._C._dynamo.guards
+    if not hasattr(guards, "_empty_strided_cpu"):  # another torch: nothing to follow (the ops still are)
+        yield
+        return
+    if _ORIGINAL_EMPTY_STRIDED_CPU is None:
+        _ORIGINAL_EMPTY_STRIDED_CPU = guards._empty_strided_cpu
+    guards._empty_strided_cpu = _empty_strided_cpu
+    _BUFFER_CALLBACKS.append(callback)
+    try:
+        yield
+    finally:
+        _BUFFER_CALLBACKS.remove(callback)
+        if not _BUFFER_CALLBACKS:
+            guards._empty_strided_cpu = _ORIGINAL_EMPTY_STRIDED_CPU
