@@ -413,3 +413,25 @@ def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memor
         est = callback.estimate  # the pp rank with the highest device peak (the last: the logits)
         assert est.pp_rank == 1
         assert est.details["host_offloaded_activations"] == _llama2_7b_offloaded_host_bytes(pp_rank=1) == host // 2
+
+
+def test_cuda_estimate_holds_the_last_offloaded_layer_for_its_copy():
+    """On CUDA the device storages of the last offloaded layer stay allocated until its copy to host has completed
+    (``parallel/offload.py``, no ``record_stream``): the estimate adds one offloaded layer's saved set (one micro-batch,
+    RoPE tables included) to the activations on CUDA, none on a CPU (copies in program order) or without offload; the
+    runtime's bound and the model's count are the same number."""
+    from lightning_4d.parallel.offload import LAYERS_IN_FLIGHT
+    from lightning_4d.planning.offload_costs import OFFLOAD_LAYERS_IN_FLIGHT
+
+    assert LAYERS_IN_FLIGHT == OFFLOAD_LAYERS_IN_FLIGHT == 1
+    work = Workload(LlamaConfig.from_preset("llama3.2-1b"), 1, 4096, "bf16-mixed")
+    kw = dict(tensor_parallel_size=1, data_parallel_size=1)
+    saved = saved_activation_bytes(work, ParallelConfig(**kw), pp_rank=0, device_type="cuda")
+    one_layer = (saved["layers"] + saved["context_parallel_kv"]) / work.model.num_layers + saved["rope"]
+
+    def activations(device_type: str, layers: int) -> int:
+        pc = ParallelConfig(**kw, activation_offload_layers=layers)
+        return estimate_memory(work, pc, device_type=device_type, pp_rank=0).activations
+
+    assert activations("cuda", 4) - activations("cpu", 4) == int(one_layer)
+    assert activations("cuda", 0) == activations("cpu", 0)

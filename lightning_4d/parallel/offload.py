@@ -27,15 +27,14 @@ torchtune hold theirs (``record_stream`` would leave the block to the allocator'
 unbounded time after the tensor is freed). An offloaded layer starting its forward first drops the references of
 every layer whose copies have completed, then makes the compute stream wait for the copies of all the layers but
 the last :data:`LAYERS_IN_FLIGHT` and drops theirs (Megatron-Core's double buffering): without that bound, copies
-slower than the forward would hold every offloaded layer's saved set until backward. So at most the previous
-offloaded layer's saved set is held beyond what the memory model counts, and only while its copies run behind the
-current layer's forward: ``torch.cuda.max_memory_reserved`` (and ``max_memory_allocated``) show it as at most one
-offloaded layer's saved set of a micro-batch above the estimate in the forward phase
-(:func:`lightning_4d.planning.offload_costs.prefetched_bytes` is that set's size), none when the copies keep up
-with the forward. The memory model does not add it: whether the copies keep up is a matter of link speed against
-the layer's forward, which it does not know, and the forward phase holds less than the backward's peak for the
-layouts measured. The references left when the forward ends are dropped when backward needs the layer (after
-waiting for its copies) or at the next offloaded layer's start.
+slower than the forward would hold every offloaded layer's saved set until backward. So at most one offloaded
+layer's saved set of a micro-batch is held beyond the saved tensors the rank keeps (the last offloaded layer's, while
+its copies run or until the next offloaded layer starts; the references left when the forward ends are dropped when
+backward needs the layer, after waiting for its copies, or at the next offloaded layer's start): with kept layers
+after it, it is still held at the loss' backward. ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``)
+show it; the CUDA memory estimate counts it with the activations
+(:func:`lightning_4d.planning.offload_costs.copies_in_flight`, whose layer count a test keeps equal to
+:data:`LAYERS_IN_FLIGHT`).
 
 In backward a layer's tensors are prefetched whole, on a second side stream, while the layer after it (the one
 backward runs first) runs its backward: the trigger is a pre-hook on the autograd node of that next layer's output

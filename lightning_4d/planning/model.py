@@ -187,7 +187,7 @@ from lightning_4d.features.pipeline.costs import Activations, activation_terms
 from lightning_4d.planning.activations import saved_bytes
 from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
-from lightning_4d.planning.offload_costs import offloaded_per_stage
+from lightning_4d.planning.offload_costs import copies_in_flight, offloaded_per_stage
 from lightning_4d.planning.params import rank_layout
 from lightning_4d.planning.states import ModelStates, model_state_bytes
 from lightning_4d.planning.tensors import PRECISIONS, Dtypes, checkpoint_bytes_per_parameter, normalize_precision
@@ -560,6 +560,12 @@ def _estimate_pp_rank(
     states = model_state_bytes(cfg, pc, precision, pp_rank=pp_rank, dp_cp_rank=dp_cp_rank)
     saved = saved_activation_bytes(work, pc, pp_rank=pp_rank, device_type=device_type)
     act = activation_terms(work, pc, dt, pp_rank, saved)
+    if pc.activation_offload_layers:  # on CUDA the last offloaded layer's storages, held for its copy to host
+        n_layers = rank_layout(cfg.num_layers, pc, pp_rank)[0]
+        per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
+        stages = pc.rank_stages(cfg.num_layers, pp_rank)
+        held = copies_in_flight(pc, stages, per_layer, saved["rope"], device_type)
+        act = replace(act, activations=act.activations + held)
     buf = buffer_terms(work, pc, dt, pp_rank, states)
     phases = _phases(states, act, buf, initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
     peak_phase = max(phases, key=phases.get)

@@ -1,7 +1,8 @@
 """Activation offload in the memory model (``activation_offload_layers``, ``parallel/offload.py``): the first k
 layers of each pipeline stage keep their saved tensors in host memory, copied there in forward and back in
 backward (:func:`offloaded_per_stage`); a stage offloaded whole brings them back in the backward of its last layer,
-the first one backward (:func:`offloaded_whole`, :func:`unpacked_bytes`).
+the first one backward (:func:`offloaded_whole`, :func:`unpacked_bytes`); on CUDA the device storages of the last
+offloaded layer stay allocated until its copy to host has completed (:func:`copies_in_flight`).
 
 Pure Python: no torch import.
 """
@@ -14,7 +15,14 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.planning.activations import layer_saved_parts
 from lightning_4d.planning.tensors import Dtypes
 
-__all__ = ["offloaded_per_stage", "offloaded_whole", "prefetch_moments", "unpacked_bytes"]
+__all__ = [
+    "OFFLOAD_LAYERS_IN_FLIGHT",
+    "copies_in_flight",
+    "offloaded_per_stage",
+    "offloaded_whole",
+    "prefetch_moments",
+    "unpacked_bytes",
+]
 
 
 def offloaded_per_stage(pc: ParallelConfig, stages: list, per_layer: float, rope: int) -> list[float]:
@@ -23,6 +31,27 @@ def offloaded_per_stage(pc: ParallelConfig, stages: list, per_layer: float, rope
     sets (``per_layer`` each), and each one's copy of the RoPE tables (``rope``: the device shares them between
     layers, each offloaded layer copies those it saves). The same bytes come back in backward."""
     return [min(pc.activation_offload_layers, len(layers)) * (per_layer + rope) for _, layers in stages]
+
+
+#: offloaded layers whose device storages may still be held for their copies to host (``parallel/offload.py``'s
+#: ``LAYERS_IN_FLIGHT``; ``tests/test_activation_offload.py`` checks that the two agree)
+OFFLOAD_LAYERS_IN_FLIGHT = 1
+
+
+def copies_in_flight(pc: ParallelConfig, stages: list, per_layer: float, rope: int, device_type: str) -> int:
+    """Bytes activation offload holds on the device beyond the saved tensors the rank keeps, on CUDA: the device
+    storages of the last :data:`OFFLOAD_LAYERS_IN_FLIGHT` offloaded layer(s), one micro-batch's saved set each
+    (``per_layer + rope``, as :func:`offloaded_per_stage` copies them), stay allocated until their copies to host have
+    completed and the next offloaded layer's forward starts, or until backward reaches that layer
+    (``parallel/offload.py``: no ``record_stream``, the storages freed on the stream that allocated them). The last
+    offloaded layer of a forward is therefore still held when the loss' backward starts whenever kept layers follow it,
+    or when its copy is slower than the forward after it; counted with the activations (a worst case:
+    ``max_memory_allocated`` shows it when the copies lag; the phases after that layer's backward, which no longer hold
+    it, count it too). 0 on a CPU (the copies run in program order, nothing is held) and without offloaded layers
+    (``stages``: ``rank_stages``)."""
+    if device_type != "cuda" or not any(min(pc.activation_offload_layers, len(layers)) for _, layers in stages):
+        return 0
+    return int(OFFLOAD_LAYERS_IN_FLIGHT * (per_layer + rope))
 
 
 def offloaded_whole(cfg: Any, pc: ParallelConfig, pp_rank: int) -> bool:
