@@ -416,11 +416,11 @@ def _smoke_run(row: Row, device: str, steps: int, overrides: dict[str, int], res
     """:func:`run_row`'s run of ``row`` (its sizes replaced by ``overrides``), its figures and verdict written into
     ``result`` as they come (what was measured stays there if a later check raises)."""
     from lightning_4d.measure import measure_rank, worst_rank
-    from lightning_4d.planning.workload import Workload
+    from lightning_4d.planning.commands import workload_from_args
 
     args, cfg, pc = _parse(row, **overrides)
     b, s = args.micro_batch_size, args.seq_length
-    work = Workload(cfg, b, s, args.precision)
+    work = workload_from_args(args, cfg)  # the row's document masking (--document-tokens) and expert load
     rank = worst_rank(work, pc, device_type=device)
     checks = _checks_callback()
     with defined_collectives():

@@ -272,3 +272,147 @@ def test_estimate_and_measure_take_document_tokens():
     b, s, half = 2, 256, LlamaConfig.from_name("tiny-test").head_dim // 2
     assert masked["total"] - plain["total"] >= 4 * b * s * s + 2 * 4 * (b - 1) * s * half
     assert command_parser("measure").parse_args([*argv, "--document-tokens", "64"]).document_tokens == 64
+
+
+# ------------------------------------------------------------------------------------------------ the planning models
+def _ring_backward_bytes(b: int, s: int, heads: int, kv_heads: int, d: int, n: int) -> int:
+    """The most bytes one cp2 ``"ring"`` attention backward (rank 0, ``sdpa`` on CPU, float32) holds beyond what
+    exists when it starts, for windows of ``n``-token documents: measured with ``LiveTensorBytes`` on a fake process
+    group (its exchanges carry no data: memory is real)."""
+    import torch.distributed as dist
+
+    from lightning_4d.features.context_parallel import runtime
+    from lightning_4d.measure import LiveTensorBytes
+    from lightning_4d.parallel._compat.fake import init_fake_process_group
+
+    init_fake_process_group(0, 2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(b, s // 2, heads, d, generator=g, requires_grad=True)
+        k = torch.randn(b, s // 2, kv_heads, d, generator=g, requires_grad=True)
+        v = torch.randn(b, s // 2, kv_heads, d, generator=g, requires_grad=True)
+        ids = (torch.arange(s) // n).expand(b, s).contiguous()
+        seen: list[int] = []
+        backward = runtime._ring_backward
+
+        def measured(*args, **kwargs):
+            start, tracker.peak = tracker.current, tracker.current
+            out = backward(*args, **kwargs)
+            seen.append(tracker.peak - start)
+            return out
+
+        runtime._ring_backward = measured
+        try:
+            with LiveTensorBytes() as tracker:
+                out = runtime.context_parallel_attention(q, k, v, dist.group.WORLD, "ring", "sdpa", ids)
+                out.sum().backward()
+        finally:
+            runtime._ring_backward = backward
+    finally:
+        dist.destroy_process_group()
+    return seen[0]
+
+
+@pytest.mark.parametrize("b,s", [(2, 256), (1, 512)])
+def test_ring_masked_backward_is_what_the_memory_model_counts(b, s):
+    """The ring's backward with its block masks (the own block's boolean and additive masks beside the ring's
+    buffers) holds what :func:`ring_masked_backward` counts, byte for byte (``sdpa`` on CPU, float32)."""
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.features.context_parallel.costs import ring_masked_backward
+    from lightning_4d.planning.tensors import Dtypes
+
+    config = LlamaConfig.from_name("tiny-test")
+    pc = ParallelConfig(context_parallel_size=2, zero_stage=0).resolve(2)
+    measured = _ring_backward_bytes(b, s, config.num_heads, config.num_kv_heads, config.head_dim, 32)
+    assert measured == ring_masked_backward(config, pc, Dtypes.of("32-true"), b, s, eager=False)
+
+
+def test_masked_ring_phase_is_in_the_estimate_only_with_masking():
+    """Document masking under the cp ring adds the phase of its masked backward (``planning/buffers.py``'s
+    ``masked_ring_phase``); the same layout without masking has no such phase and its estimate is unchanged by it;
+    at b=2 s=2048 (tiny-test cp2, the case ``measure --document-tokens 128`` measured 29,799,640 B at) the phase is
+    the peak and the estimate within 5% above the measured peak."""
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.planning.hardware import OverheadAllowance
+    from lightning_4d.planning.model import estimate_memory
+    from lightning_4d.planning.workload import Workload
+
+    config = LlamaConfig.from_name("tiny-test")
+    pc = ParallelConfig(context_parallel_size=2, zero_stage=0).resolve(2)
+    kw = dict(device_type="cpu", overhead=OverheadAllowance(0, 0.0, "none"))
+    masked = estimate_memory(Workload(config, 2, 2048, "32-true", document_masking=True), pc, **kw)
+    plain = estimate_memory(Workload(config, 2, 2048, "32-true"), pc, **kw)
+    assert "phase_masked_ring_backward" in masked.details and "phase_masked_ring_backward" not in plain.details
+    assert masked.peak_phase == "masked ring backward"
+    assert 29_799_640 <= masked.total <= 1.05 * 29_799_640
+    allgather = ParallelConfig(context_parallel_size=2, zero_stage=0, context_parallel_method="allgather").resolve(2)
+    assert (
+        "phase_masked_ring_backward"
+        not in estimate_memory(Workload(config, 2, 2048, "32-true", document_masking=True), allgather, **kw).details
+    )
+
+
+def test_document_attention_context_by_hand():
+    """Windows of 10 tokens in documents of 4: lengths 4, 4, 2, context (16 + 16 + 4) / 10 = 3.6, what
+    :func:`~lightning_4d.models.document_mask.attention_context` reads from such ids; the whole window for documents
+    of the window's length or longer, and without masking."""
+    from lightning_4d.planning.workload import document_attention_context
+
+    assert document_attention_context(10, 4) == pytest.approx(3.6)
+    assert document_attention_context(10, 4) == pytest.approx(attention_context_of((torch.arange(10) // 4)[None]))
+    assert document_attention_context(10, 10) == document_attention_context(10, 64) == 10
+    assert document_attention_context(10, None) == 10
+
+
+def test_attention_work_by_hand():
+    """The fraction of causal attention's work left: without cp, documents of 2 tokens in windows of 8 leave
+    ``(4·2²/8) / 8 = 1/4``; the cp2 ring with documents of one chunk (s=16, chunks of 4 tokens) computes its own
+    blocks and skips step 1's on both ranks: 1/2. The ring's blocks are those the runtime computes."""
+    from lightning_4d.features.context_parallel.costs import ring_computed_blocks
+    from lightning_4d.planning.step_time import attention_work
+
+    assert attention_work(8, 2, 1, "ring") == pytest.approx(0.25)
+    assert attention_work(16, 4, 2, "ring") == 0.5
+    assert ring_computed_blocks(16, 2, 4) == ((True, False), (True, False))
+    assert attention_work(16, 4, 2, "allgather") == pytest.approx((4 * 16 / 16) / 16)
+    assert attention_work(16, 16, 2, "ring") == attention_work(16, None, 2, "ring") == 1.0
+    for s, cp, n in [(64, 2, 8), (128, 4, 12), (256, 4, 40), (96, 3, 10), (64, 2, 100)]:
+        ids = (torch.arange(s) // n).expand(2, s)
+        assert sum(map(sum, ring_computed_blocks(s, cp, n))) == ring_blocks(ids, cp)[0]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {},
+        {"context_parallel_size": 4},
+        {"context_parallel_size": 4, "context_parallel_method": "allgather"},
+        {"context_parallel_size": 4, "context_parallel_method": "alltoall"},
+        {"context_parallel_size": 2, "tensor_parallel_size": 2},
+    ],
+)
+def test_step_time_with_masking_is_at_most_without(layout):
+    """Document masking's step time is at most causal attention's, below it for documents shorter than the window,
+    equal for documents of the window's length or longer."""
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.planning.hardware import GPU_PRESETS
+    from lightning_4d.planning.step_time import predict_step_time
+
+    config, gpu, s = LlamaConfig.from_name("llama3-8b"), GPU_PRESETS["H100-80GB"], 32768
+    pc = ParallelConfig(data_parallel_size=2, zero_stage=1, **layout)
+    plain = predict_step_time(config, pc, 1, 4, s, gpu, 8)
+    assert predict_step_time(config, pc, 1, 4, s, gpu, 8, document_tokens=1024).total < plain.total
+    assert predict_step_time(config, pc, 1, 4, s, gpu, 8, document_tokens=s) == plain
+    assert predict_step_time(config, pc, 1, 4, s, gpu, 8, document_tokens=4 * s) == plain
+
+
+def test_plan_takes_document_tokens():
+    """``plan --document-tokens N``: every layout's step time with the attention work the documents leave, and its
+    memory with the masks; faster than without masking."""
+    from lightning_4d.planning.commands import _plan, command_parser
+
+    argv = ["--model", "llama3-8b", "--num-gpus", "16", "--seq-length", "32768", "--global-batch-size", "16",
+            "--top", "1", "--json"]  # fmt: skip
+    plain = _plan(command_parser("plan").parse_args(argv))["layouts"][0]
+    masked = _plan(command_parser("plan").parse_args([*argv, "--document-tokens", "2048"]))["layouts"][0]
+    assert masked["step_time"] < plain["step_time"]

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.features.context_parallel.costs import context_parallel_buffers
+from lightning_4d.features.context_parallel.costs import context_parallel_buffers, ring_masked_backward
 from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.pipeline.costs import receive_buffer_bytes
 from lightning_4d.features.tensor_parallel.costs import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
-from lightning_4d.planning.activations import recompute_backward
+from lightning_4d.planning.activations import layer_saved_parts, recompute_backward
 from lightning_4d.planning.compression_costs import compression_buffer_bytes
 from lightning_4d.planning.float8_costs import (
     float8_backward_transient,
@@ -107,6 +107,9 @@ class Buffers:
     #: transients, not their sum (measured on CPU: tiny-test cp2 b=4 s=256 ``32-true``, the peak at the last layer's
     #: SwiGLU product backward, no cp buffer alive)
     recompute_apart_from_cp: bool = False
+    #: document masking under the cp ring: a layer's attention backward with its block masks
+    #: (:func:`masked_ring_phase`), beyond what a layer's backward holds after the loss' backward; 0 elsewhere
+    masked_ring: int = 0
 
 
 class _Held(NamedTuple):
@@ -122,18 +125,50 @@ class _Held(NamedTuple):
     params: list
 
 
-def buffer_terms(work: Workload, pc: ParallelConfig, dt: Dtypes, pp_rank: int, states: ModelStates) -> Buffers:
+def buffer_terms(
+    work: Workload, pc: ParallelConfig, dt: Dtypes, pp_rank: int, states: ModelStates, device_type: str = "cuda"
+) -> Buffers:
     """The transient buffers of pp rank ``pp_rank`` for ``work`` (its model a config, its ``num_microbatches`` and
     MoE load given): FSDP2's gathered parameters and unsharded gradients, gradient communication buckets, the head's
     gradient (:func:`_gradient_terms`), pipeline receive buffers, context-parallel attention buffers, one MoE layer's
-    all-to-all buffers (at the workload's load) and the other features' transients (:func:`_feature_terms`) and the
-    optimizer step's temporaries."""
+    all-to-all buffers (at the workload's load) and the other features' transients (:func:`_feature_terms`), the
+    optimizer step's temporaries and, with document masking under the cp ring, its masked backward on
+    ``device_type`` (:func:`masked_ring_phase`)."""
     cfg = as_held(work.model, pc)
     layers = rank_layers(cfg.num_layers, pc, pp_rank)
     _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
     held = _Held(cfg, pp_rank, layers, first, last, weighted_params(cfg, pc.tp, layers, first, last, pc.ep))
     gradients = _gradient_terms(work, held, pc, dt, states)
-    return Buffers(**gradients, **_feature_terms(work, held, pc, dt, gradients["gathered_start"]))
+    features = _feature_terms(work, held, pc, dt, gradients["gathered_start"])
+    if work.document_masking:
+        features["masked_ring"] = masked_ring_phase(cfg, pc, dt, work, device_type, features["context_parallel"])
+    return Buffers(**gradients, **features)
+
+
+def masked_ring_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, device_type: str, cp: int) -> int:
+    """Document masking under the cp ring: the bytes of the first layer's attention backward beyond what a layer's
+    backward holds once the loss' backward is done (``model.py``'s ``_after_loss``, which holds the ring's buffers
+    ``cp`` = :func:`~lightning_4d.features.context_parallel.costs.context_parallel_buffers`): the ring's backward
+    with the own block's mask in their place
+    (:func:`~lightning_4d.features.context_parallel.costs.ring_masked_backward`; its masked blocks run explicit
+    matmuls on CUDA and under the ``"eager"`` backend), + the gradient of the layer's output (residual dtype,
+    ``[b, s/c, h]``, ``/t`` under sp) and of the attention's output (compute dtype, ``[b, s/c, a·d/t]``), − what the
+    layer's feed-forward backward, which runs before its attention's, has freed of its saved set (the ffn norm's
+    input and reciprocal RMS, ``w1``/``w3``'s input, the SwiGLU tensors: :func:`~lightning_4d.planning.activations.
+    layer_saved_parts`' dense parts). The head's saved tensors, freed by the head's backward before, are not
+    subtracted: the margin for the kernel's scratch and the per-block document ids. Measured on CPU
+    (``measure --document-tokens 128``, tiny-test ``32-true`` cp2): the phase within 4.1% above the peak at
+    b=2 s=1024 and 3.5% at b=2 s=2048 (where it is the estimate's peak). 0 without cp or for another method."""
+    if pc.cp == 1 or pc.context_parallel_method != "ring":
+        return 0
+    b, L, tp = work.micro_batch_size, work.seq_length // pc.cp, pc.tp
+    eager = device_type != "cpu" or getattr(cfg, "attention_backend", "sdpa") == "eager"
+    masked = ring_masked_backward(cfg, pc, dt, b, work.seq_length, eager)
+    sp_tokens = L // tp if pc.sp else L
+    gradients = dt.residual * b * sp_tokens * cfg.hidden_size + dt.compute * b * L * cfg.num_heads // tp * cfg.head_dim
+    parts = layer_saved_parts(cfg, dt, b, L, tp, pc.sp)
+    feed_forward = parts["norms"] // 2 + parts["ffn_in"] + parts["swiglu"]
+    return masked + gradients - feed_forward - cp
 
 
 def _gradient_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes, states: ModelStates) -> dict:

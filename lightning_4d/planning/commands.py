@@ -235,8 +235,9 @@ def _document_tokens_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--document-tokens",
         type=positive_int,
-        help="document masking (CausalLMModule(document_masking=True)): the estimate counts its mask; measure "
-        "trains on synthetic windows of documents of this many tokens (an EOS every N tokens)",
+        help="document masking (CausalLMModule(document_masking=True)) with documents of N tokens: estimate and "
+        "plan count its masks; plan times the attention work the documents leave; measure trains on synthetic "
+        "windows of such documents (an EOS every N tokens)",
     )
 
 
@@ -310,6 +311,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             if f.plan_help:
                 _layout_option(p, f, False if f.type is bool else None, f.plan_help)
         _load_imbalance_option(p)
+        _document_tokens_option(p)
         p.add_argument(
             "--checkpoint-write-gbps",
             type=positive_float,
@@ -540,6 +542,7 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, search: Search, **kw: 
         args.precision,
         expert_load_imbalance=args.expert_load_imbalance,
         host_memory=args.host_memory,
+        document_tokens=args.document_tokens,
     )
     return plan(job, search, budget=args.budget, formula=args.formula, **kw)
 
@@ -562,7 +565,7 @@ def _plan_row(
     if c.data_parallel_replicate_size > 1:
         same = replace(c, data_parallel_replicate_size=1)
         kw = dict(seq_length=args.seq_length, gpu=gpu, gpus_per_node=args.gpus_per_node)
-        flat = step_time_of(model_dims(cfg), same, **kw).total
+        flat = step_time_of(model_dims(cfg), same, **kw, document_tokens=args.document_tokens).total
 
     blocking = async_blocking_seconds(cfg, c, gpu.host_bandwidth, args.precision) if args.async_checkpoint else None
     ckpt = checkpoint_interval(

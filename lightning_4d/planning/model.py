@@ -470,6 +470,10 @@ def _feature_phases(act: Activations, buf: Buffers, layer_transients: int) -> di
         # loss' working set: measured on CPU, tiny-moe dp2 ep2 ZeRO 1 s=512 bf16-mixed, the peak at backward start
         # was the estimate's without these buffers, 0.7% apart)
         phases["expert-parallel backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.all_to_all
+    if buf.masked_ring:
+        # document masking under the cp ring: the first layer's attention backward with the own block's mask (its
+        # feed-forward's backward done), once the loss' backward is done (planning/buffers.py's masked_ring_phase)
+        phases["masked ring backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.masked_ring
     if buf.float8_backward:
         # float8: a converted linear's backward (its float8 copies and scale arithmetic) once the loss' backward has
         # freed what it saved but the labels (planning/float8_costs.py); under activation checkpointing
@@ -566,7 +570,7 @@ def _estimate_pp_rank(
         stages = pc.rank_stages(cfg.num_layers, pp_rank)
         held = copies_in_flight(pc, stages, per_layer, saved["rope"], device_type)
         act = replace(act, activations=act.activations + held)
-    buf = buffer_terms(work, pc, dt, pp_rank, states)
+    buf = buffer_terms(work, pc, dt, pp_rank, states, device_type)
     phases = _phases(states, act, buf, initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]

@@ -71,7 +71,7 @@ from lightning_4d.planning.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.planning.hardware import GIB
 from lightning_4d.planning.model import MemoryEstimate, estimate_memory
 from lightning_4d.planning.step_time import Layout, StepTime, model_dims, step_time_parts
-from lightning_4d.planning.workload import Job, Search, Workload
+from lightning_4d.planning.workload import Job, Search, Workload, document_attention_context
 
 __all__ = [
     "Candidate",
@@ -382,13 +382,26 @@ def plan(
     _check_job(job, search.fixed, budget, formula, top)
     timed = _timed_layouts(job, search, formula)
     memory_of = _MemoryOf.of_plan(job, budget, formula, include_unfit, estimate_kw)
-    candidate = functools.partial(_candidate, job=job, model_flops_per_token=job.model.flops_per_token(job.seq_length))
+    context = document_attention_context(job.seq_length, job.document_tokens) if job.document_tokens else None
+    flops = job.model.flops_per_token(job.seq_length, context)  # with document masking, the documents' attention
+    candidate = functools.partial(_candidate, job=job, model_flops_per_token=flops)
     out = _fastest_that_fit(timed, memory_of, candidate, top, max_estimated)
     if formula == "lightning_4d" and not any(c.fits for c in out):
         host_limit = None if job.host_memory is None else budget * job.host_memory
         out = _with_optimizer_offload(job, timed, memory_of, candidate, (top, max_estimated), host_limit) or out
     out.sort(key=lambda c: (not c.fits, c.step_time, _RECOMPUTATION[c.activation_checkpointing], c.memory))
     return out[:top] if top else out
+
+
+def _step_time_kw(job: Job) -> dict[str, Any]:
+    """The keyword arguments of :func:`~lightning_4d.planning.step_time.step_time_parts` for ``job``'s layouts (its
+    sequence, GPU and document masking's documents)."""
+    return {
+        "seq_length": job.seq_length,
+        "gpu": job.gpu,
+        "gpus_per_node": job.gpus_per_node,
+        "document_tokens": job.document_tokens,
+    }
 
 
 def _with_optimizer_offload(
@@ -404,7 +417,7 @@ def _with_optimizer_offload(
     first, each with the host memory per node it needs (``host_memory``, :attr:`MemoryEstimate.host_per_node` with
     ``job.gpus_per_node`` ranks), those over ``host_limit`` bytes dropped; ``limits``: ``(top, max_estimated)``
     of :func:`plan`. Proposed only when no layout fits without it (:func:`plan`): it is slower."""
-    dims, kw = model_dims(job.model), {"seq_length": job.seq_length, "gpu": job.gpu, "gpus_per_node": job.gpus_per_node}
+    dims, kw = model_dims(job.model), _step_time_kw(job)
     offloaded = []
     for _, recomputation, lay, _ in timed:
         if lay.zero_stage >= 1:
@@ -482,7 +495,7 @@ def _timed_layouts(job: Job, search: Search, formula: str) -> list[tuple[float, 
     Raises:
         ValueError: no valid layout at all (the message says what a layout needs).
     """
-    dims, gpu, gpus_per_node, seq_length = model_dims(job.model), job.gpu, job.gpus_per_node, job.seq_length
+    dims, kw, seq_length, gpus_per_node = model_dims(job.model), _step_time_kw(job), job.seq_length, job.gpus_per_node
     timed: list[tuple[float, int, Layout, tuple[float, ...]]] = []
     # the paper's formula models Megatron's plain TP: no overlapped layouts for it
     for lay in _layouts(job, search if formula == "lightning_4d" else without_rings(search)):
@@ -495,7 +508,7 @@ def _timed_layouts(job: Job, search: Search, formula: str) -> list[tuple[float, 
             or lay.data_parallel_replicate_size > 1
         ):
             continue
-        parts = step_time_parts(dims, lay, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node)
+        parts = step_time_parts(dims, lay, **kw)
         compute, recompute, bubble, t_tp, t_cp, t_pp, t_dp, t_opt, t_ep = parts
         total = compute + recompute + bubble + t_tp + t_cp + t_pp + t_dp + t_ep + t_opt  # StepTime.total's order
         timed.append((total, _RECOMPUTATION[lay.activation_checkpointing], lay, parts))

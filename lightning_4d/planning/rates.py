@@ -32,7 +32,8 @@ class LayerShape(NamedTuple):
     ``b`` micro-batch size, ``s`` tokens per sample (before cp), ``sp`` sequence parallelism on, ``method`` the
     context-parallel method, ``ep`` the ep size and ``dd`` = dp·cp (both 1 for a dense model, whose terms do
     not depend on them), ``overlap`` the tp ring overlap in effect (tp > 1 with sp), ``compile`` the layers
-    ``torch.compile``d."""
+    ``torch.compile``d, ``attention`` the fraction of causal attention's work done (below 1 with document masking:
+    :func:`lightning_4d.planning.step_time.attention_work`)."""
 
     tp: int
     cp: int
@@ -44,6 +45,7 @@ class LayerShape(NamedTuple):
     dd: int = 1
     overlap: bool = False
     compile: bool = False
+    attention: float = 1.0
 
 
 class StageShape(NamedTuple):

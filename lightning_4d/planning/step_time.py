@@ -14,7 +14,8 @@ T = b·s/cp tokens per micro-batch per GPU, c = 2 bytes (bf16 compute).
   shape (:func:`gemm_efficiency`, :data:`GEMM_EFFICIENCY`): the smallest of the layer's GEMM dimensions (T, h,
   f/tp, a·d/tp) picks the class;
 - causal attention: ``6·a·d·s·T/tp`` FLOPs (half of the ``12·L·h·s`` of the MFU convention: PaLM appendix B) at
-  :data:`ATTENTION_EFFICIENCY` of the peak;
+  :data:`ATTENTION_EFFICIENCY` of the peak; with document masking times the fraction of that work the documents
+  leave (:func:`attention_work`);
 - pointwise ops (norms, RoPE, SiLU and the SwiGLU product, residual additions, casts): memory-bound, ``bytes /
   (POINTWISE_EFFICIENCY · memory bandwidth)`` with the bytes our eager layer reads and writes per token, measured on
   it (:data:`POINTWISE_BYTES`; ``tests/test_step_time.py`` measures them again with a ``TorchDispatchMode``):
@@ -95,6 +96,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
+from lightning_4d.features.context_parallel.costs import ring_computed_blocks
 from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.moe.costs import all_to_all_time
 from lightning_4d.features.pipeline import ZERO_BUBBLE_SCHEDULES
@@ -116,6 +118,7 @@ from lightning_4d.planning.rates import (
     link as _link,
     ring as _ring,
 )
+from lightning_4d.planning.workload import document_attention_context
 
 __all__ = [
     "ATTENTION_EFFICIENCY",
@@ -127,6 +130,7 @@ __all__ = [
     "StepTime",
     "all_to_all_time",
     "attention_efficiency",
+    "attention_work",
     "gemm_efficiency",
     "offload_exposed",
     "with_float8",
@@ -337,6 +341,33 @@ def attention_efficiency(block_tokens: float) -> float:
     return _by_class(ATTENTION_EFFICIENCY, block_tokens)
 
 
+@functools.lru_cache(maxsize=4096)
+def attention_work(seq_length: int, document_tokens: Optional[int], cp: int, method: str) -> float:
+    """The fraction of causal attention's work (the step-time model's ``6·a·d·s·T/tp`` FLOPs) a layer does with
+    document masking, for windows of ``seq_length`` tokens packed with documents of ``document_tokens`` tokens
+    (1.0 without masking, ``None``, and for documents of ``s`` tokens or more).
+
+    - The cp ring (``cp > 1``, ``method="ring"``): it computes a block whole (masked) or skips it when no document
+      spans it (``features/context_parallel/runtime.py``), and every block of a step costs what the causal ring's
+      does (``2·C²`` query-key pairs, ``C = s/(2·cp)``); its ranks exchange K/V every step, so a step lasts as long
+      as its slowest rank's block: ``Σ_steps max_ranks computed / cp`` over
+      :func:`~lightning_4d.features.context_parallel.costs.ring_computed_blocks` (step 0, the own block, always
+      computed).
+    - Otherwise (no cp, ``"allgather"``, ``"alltoall"``): the documents' attention FLOPs over causal attention's,
+      ``c/s`` with ``c`` the documents' mean attention context
+      (:func:`~lightning_4d.planning.workload.document_attention_context`, ``Σ n_d²/s``): the attention term of
+      :meth:`LlamaConfig.flops_per_token <lightning_4d.models.LlamaConfig.flops_per_token>`,
+      ``12·L·h·attention_context``, over its ``12·L·h·s``, the one definition MFU uses. These are the FLOPs a
+      kernel that skips the masked tiles does: the dense kernels masked blocks run today (explicit matmuls on
+      CUDA, an additive mask) compute every tile."""
+    if document_tokens is None or document_tokens >= seq_length:
+        return 1.0
+    if cp > 1 and method == "ring":
+        blocks = ring_computed_blocks(seq_length, cp, document_tokens)
+        return sum(max(rank[step] for rank in blocks) for step in range(cp)) / cp
+    return document_attention_context(seq_length, document_tokens) / seq_length
+
+
 @functools.lru_cache(maxsize=65536)
 def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_node: int) -> tuple[float, ...]:
     """Seconds of one layer and one micro-batch of ``shape`` (the average over dense and MoE layers): (matmuls,
@@ -344,7 +375,7 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     forward, MoE collectives forward + backward, the forward's exposed tp collectives); ``shape.overlap``:
     the tp ring overlap in effect; ``shape.compile``: the pointwise time at :data:`POINTWISE_FACTOR`'s
     compiled factor, else at its eager one."""
-    tp, cp, b, s, sp, method, ep, dd, overlap, compile = shape
+    tp, cp, b, s, sp, method, ep, dd, overlap, compile, attention = shape
     h, f, d, a, k, vocab, num_layers = dims[:7]
     c = 2
     peak, hbm = gpu.peak_flops * gpu.compute_fraction, POINTWISE_EFFICIENCY * gpu.memory_bandwidth
@@ -353,6 +384,8 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     # the load-balanced causal split: 2·cp chunks; alltoall: one kernel call over the whole sequence
     block = s / (2 * cp) if cp > 1 and method != "alltoall" else s
     t_att = 6 * a * d * s * tokens / tp / (attention_efficiency(block) * peak)
+    if attention != 1.0:  # document masking: the work the documents leave (attention_work)
+        t_att *= attention
     ch, cq, cf = POINTWISE_BYTES
     t_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * f) / tp) * tokens / hbm
     coll = _ring(tokens * h * c, tp, *_link(gpu, True))
@@ -450,6 +483,7 @@ def predict_step_time(
     seq_length: int,
     gpu: Any,
     gpus_per_node: int,
+    document_tokens: Optional[int] = None,
 ) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step (module docstring: every term and its source).
 
@@ -462,6 +496,8 @@ def predict_step_time(
         micro_batch_size: b; num_microbatches: m (pipeline micro-batches or gradient-accumulation steps).
         seq_length: s, tokens per sample.
         gpu: a :class:`~lightning_4d.planning.hardware.GpuSpec`; gpus_per_node: GPUs per node.
+        document_tokens: document masking with documents of this many tokens: the attention work they leave
+            (:func:`attention_work`); ``None``: causal attention over the whole window.
     """
     step = step_time_of(
         model_dims(model_config),
@@ -469,6 +505,7 @@ def predict_step_time(
         seq_length=seq_length,
         gpu=gpu,
         gpus_per_node=gpus_per_node,
+        document_tokens=document_tokens,
     )
     if pc.float8 is not None:
         step = with_float8(step, model_config, pc, micro_batch_size, num_microbatches, seq_length, gpu, gpus_per_node)
@@ -530,17 +567,33 @@ def with_float8(
     return dataclasses.replace(step, compute=step.compute - saved, recompute=step.recompute - recompute)
 
 
-def step_time_of(dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int) -> StepTime:
+def step_time_of(
+    dims: tuple[int, ...],
+    layout: Layout,
+    *,
+    seq_length: int,
+    gpu: Any,
+    gpus_per_node: int,
+    document_tokens: Optional[int] = None,
+) -> StepTime:
     """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L, E,
     top-k, f_e, n_s, MoE layers, tied), as :func:`model_dims` reads them from a model config)."""
-    return StepTime(*step_time_parts(dims, layout, seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node))
+    kw = dict(seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node, document_tokens=document_tokens)
+    return StepTime(*step_time_parts(dims, layout, **kw))
 
 
 def step_time_parts(
-    dims: tuple[int, ...], layout: Layout, *, seq_length: int, gpu: Any, gpus_per_node: int
+    dims: tuple[int, ...],
+    layout: Layout,
+    *,
+    seq_length: int,
+    gpu: Any,
+    gpus_per_node: int,
+    document_tokens: Optional[int] = None,
 ) -> tuple[float, ...]:
     """The fields of :func:`step_time_of`'s :class:`StepTime` as a tuple, in its field order (the planner times
-    ~10^5 layouts and builds a ``StepTime`` only for those it keeps)."""
+    ~10^5 layouts and builds a ``StepTime`` only for those it keeps); ``document_tokens``: document masking's
+    documents (:func:`attention_work`)."""
     tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
     b, m, v = layout.micro_batch_size, layout.num_microbatches, layout.virtual_pipeline_stages
     s, sp, zero_stage = seq_length, layout.sequence_parallel, layout.zero_stage
@@ -556,6 +609,7 @@ def step_time_parts(
         *((ep, dp * cp) if dims[7] else (1, 1)),  # a dense model's terms do not depend on them: keep its cache hits
         ring_overlap(layout),
         layout.compile,
+        attention_work(s, document_tokens, cp, layout.context_parallel_method),
     )
     stages = StageShape(pp, layout.pipeline_schedule, v, layout.pipeline_layer_split, layout.activation_checkpointing)
     t_max, work, n_max, bubble, t_re, t_tp, t_cp, t_moe, layers_of = _pipeline_terms(

@@ -18,7 +18,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["Job", "Search", "Workload"]
+__all__ = ["Job", "Search", "Workload", "document_attention_context"]
+
+
+def document_attention_context(seq_length: int, document_tokens: Optional[int]) -> float:
+    """The context a token's attention spans on average in a window of ``seq_length`` tokens packed with documents of
+    ``document_tokens`` tokens from the window's start (``lightning-4d measure``'s synthetic windows: an EOS every
+    ``document_tokens`` tokens): ``Σ n_d² / s`` over the window's documents, ``(⌊s/N⌋·N² + (s mod N)²) / s``, the
+    definition of :func:`lightning_4d.models.document_mask.attention_context` (which reads it from a batch's
+    document ids), what :meth:`LlamaConfig.flops_per_token <lightning_4d.models.LlamaConfig.flops_per_token>` takes
+    as ``attention_context``. ``seq_length`` without document masking (``None``) or for documents of ``s`` tokens or
+    more: causal attention over the whole window."""
+    s = seq_length
+    if document_tokens is None or document_tokens >= s:
+        return float(s)
+    n = document_tokens
+    return ((s // n) * n * n + (s % n) ** 2) / s
 
 
 @dataclass(frozen=True)
@@ -44,8 +59,10 @@ class Workload:
             per-sample rotary tables and, without cp, one additive mask ``[b, 1, s, s]`` in the compute dtype that
             every layer's attention saves (under cp the whole sequence's document ids instead; the ``rope`` part of
             :func:`~lightning_4d.planning.model.saved_activation_bytes`).
-        document_tokens: the length in tokens of the documents ``lightning-4d measure`` packs its synthetic windows
-            with under document masking (an EOS every ``document_tokens`` tokens); the memory model does not read it.
+        document_tokens: the length in tokens of the documents of a window under document masking: those
+            ``lightning-4d measure`` packs its synthetic windows with (an EOS every ``document_tokens`` tokens), and
+            those the step-time model counts the attention work of (:func:`document_attention_context`;
+            :func:`~lightning_4d.planning.step_time.attention_work`); the memory model does not read it.
     """
 
     model: Any
@@ -75,6 +92,10 @@ class Job:
         expert_load_imbalance, fused_optimizer: as :class:`Workload`'s, for every layout's memory estimate.
         host_memory: bytes of host memory per node; the planner drops an optimizer-offload layout needing more than
             its memory budget of it (``None``: not checked).
+        document_tokens: document masking (``CausalLMModule(document_masking=True)``) with documents of this many
+            tokens: every layout's memory estimate counts its masks (:attr:`Workload.document_masking`) and its step
+            time the attention work the documents leave (:func:`~lightning_4d.planning.step_time.attention_work`);
+            ``None``: no masking.
     """
 
     model: Any
@@ -87,6 +108,7 @@ class Job:
     expert_load_imbalance: Optional[float] = None
     fused_optimizer: bool = True
     host_memory: Optional[int] = None
+    document_tokens: Optional[int] = None
 
     def workload(self, micro_batch_size: int, num_microbatches: int) -> Workload:
         """The :class:`Workload` of one rank of a layout with micro-batch size b and m micro-batches per step."""
@@ -98,6 +120,8 @@ class Job:
             num_microbatches,
             self.expert_load_imbalance,
             self.fused_optimizer,
+            document_masking=self.document_tokens is not None,
+            document_tokens=self.document_tokens,
         )
 
 

@@ -2,8 +2,9 @@
 :mod:`lightning_4d.planning.model`'s docstring, **Context parallelism**): every sequence-sized tensor is divided by cp
 elsewhere; here what is not, per method: what a layer saves beyond the ring's local tensors (:func:`extra_saved_bytes`:
 ``"allgather"``'s gathered K/V, ``"alltoall"``'s second output copy and replicated kv heads), the query tokens the
-attention kernel calls of a cp rank cover (:func:`selective_attention_tokens`) and one layer's attention-backward
-transients (:func:`context_parallel_buffers`).
+attention kernel calls of a cp rank cover (:func:`selective_attention_tokens`), one layer's attention-backward
+transients (:func:`context_parallel_buffers`) and, with document masking, the ring's backward with its block masks
+(:func:`ring_masked_backward`) and the blocks it computes (:func:`ring_computed_blocks`).
 
 Pure Python: no torch import.
 """
@@ -22,6 +23,8 @@ __all__ = [
     "context_parallel_buffers",
     "extra_saved_bytes",
     "gathered_kv_bytes",
+    "ring_computed_blocks",
+    "ring_masked_backward",
     "selective_attention_tokens",
 ]
 
@@ -92,3 +95,71 @@ def context_parallel_buffers(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s
     if pc.context_parallel_method == "alltoall":
         return alltoall_buffers(cfg, pc, dt.compute, b, seq_length)
     return 2 * 4 * seq_length * kv + dq
+
+
+def ring_masked_backward(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int, eager: bool) -> int:
+    """Bytes one layer's ``"ring"`` attention backward holds with document masking, at its largest moment: the rank's
+    own block (step 0: all ``L = s/c`` local queries against all ``L`` local keys, the largest block of the zigzag
+    ring, ``runtime.py``'s ``_ring_block``), its boolean mask and the kernel's working set, beside the ring's buffers.
+
+    With ``a' = a/t`` query heads, ``k' = k/t`` kv heads, head dim ``d``, ``c_b`` the compute dtype's bytes, the
+    ring's buffers when the own block's kernel runs (``runtime.py``'s ``_ring_backward``; bytes per token of the
+    ``b·L`` local tokens)::
+
+        W0 = d·(c_b·a' + 4·a' + 2·c_b·k' + 2·c_b·k' + 2·4·k' + 2·c_b·a'·[a' > k'])
+
+    the output gradient made contiguous, float32 dq, the K/V block in hand and the one arriving, the block's float32
+    dK/dV, and K/V repeated to the query heads (grouped-query attention only). The block's mask
+    (``_Documents.mask``) is ``BoolTensor [b, 1, L, L]``: ``b·L²`` bytes, alive until the next step's mask replaces
+    it, and only one block's at a time. Then per kernel (``_Kernel.backward``):
+
+    - ``sdpa`` on CPU (ATen's flash kernel with an additive mask): the larger of the moment ``_additive`` makes the
+      additive mask (the boolean mask, its negation and the additive mask in the compute dtype,
+      ``(2 + c_b)·b·L²``) and the kernel's return (the mask, the additive one and dq, dK, dV of every query head,
+      ``(1 + c_b)·b·L² + 3·c_b·a'·d·b·L``);
+    - explicit matmuls (``eager``: the ``"eager"`` backend, and every backend on CUDA, whose fused kernels take no
+      mask): the mask and, at ``dS = P·(dP − D)`` (FlashAttention's backward, Dao et al. 2022, arXiv 2205.14135,
+      Algorithm 4), five float32 ``[b, a', L, L]`` tensors (the scores, P, dP, dP − D, dS):
+      ``b·L² + 5·4·a'·b·L²``, plus the float32 copies of q, K, V (repeated) and dO for a compute dtype narrower than
+      float32, ``4·4·a'·d·b·L``.
+
+    Measured on CPU (``LiveTensorBytes`` over one layer's ring backward, tiny-test ``32-true`` cp2 with 128-token
+    documents): b=2 s=1024 5,242,880 B and b=2 s=2048 16,252,928 B, both equal to this formula. The eager form is
+    read from the code, not measured. 0 without cp and for the other methods."""
+    if pc.cp == 1 or pc.context_parallel_method != "ring":
+        return 0
+    L, c = seq_length // pc.cp, dt.compute
+    a, k, d = cfg.num_heads // pc.tp, cfg.num_kv_heads // pc.tp, cfg.head_dim
+    repeated = 2 * c * a if a > k else 0
+    ring = b * L * d * (c * a + 4 * a + 4 * c * k + 8 * k + repeated)
+    block = b * L * L
+    if eager:
+        copies = 4 * 4 * a * d * b * L if c != 4 else 0
+        return ring + block + 5 * 4 * a * block + copies
+    return ring + max((2 + c) * block, (1 + c) * block + 3 * c * a * d * b * L)
+
+
+def ring_computed_blocks(seq_length: int, cp: int, document_tokens: int) -> tuple[tuple[bool, ...], ...]:
+    """Which (query, key) blocks the zigzag ring computes with document masking, ``[rank][step]`` (``True``: computed,
+    ``False``: skipped, no document spans it), for windows packed with documents of ``document_tokens`` tokens from
+    the window's start (``lightning-4d measure``'s): ``runtime.py``'s ``ring_blocks`` of such document ids, without
+    torch. At chunk granularity (``2·cp`` chunks of ``C = s/(2·cp)`` tokens, rank ``r`` holding chunks ``r`` and
+    ``2·cp − 1 − r``): step ``t`` gives rank ``r`` the K/V of rank ``q = (r − t) mod cp``; its block is its own
+    (``q = r``: always computed, every query attends to itself), both local query chunks against ``q``'s first chunk
+    (``q < r``), or its second query chunk against both of ``q``'s chunks (``q > r``). Every key chunk ``j`` of such
+    a block is earlier than its query chunks ``i``, and the block is computed iff some document spans a query chunk
+    and a key chunk: the document holding chunk ``i``'s first token starts at or before chunk ``j``'s last,
+    ``⌊i·C/N⌋·N ≤ (j + 1)·C − 1``."""
+    chunk = seq_length // (2 * cp)
+
+    def spans(i: int, j: int) -> bool:
+        return (i * chunk) // document_tokens * document_tokens <= (j + 1) * chunk - 1
+
+    def computed(rank: int, source: int) -> bool:
+        if source == rank:
+            return True
+        rows = (rank, 2 * cp - 1 - rank) if source < rank else (2 * cp - 1 - rank,)
+        cols = (source,) if source < rank else (source, 2 * cp - 1 - source)
+        return any(spans(i, j) for i in rows for j in cols)
+
+    return tuple(tuple(computed(r, (r - t) % cp) for t in range(cp)) for r in range(cp))
