@@ -332,3 +332,51 @@ def test_float8_refuses_a_module_without_our_llama():
 
     with pytest.raises(ValueError, match="float8='rowwise' converts the decoder layers .* Plain holds none"):
         validate_against_module(ParallelConfig(data_parallel_size=1, float8="rowwise"), Plain())
+
+
+def _saved_storage_bytes(cfg, dtype, cuda_branch: bool, monkeypatch) -> int:
+    """Bytes of the storages one float8 (tensorwise) decoder layer with weights and input in ``dtype`` saves for
+    backward under bf16 autocast on CPU (b=2, s=256), torchao's CUDA autocast branch emulated (``is_autocast_enabled()``
+    true, as under CUDA's autocast) or not."""
+    import torch
+    import torchao.float8.float8_linear as float8_linear
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lightning_4d.models.llama import TransformerBlock
+
+    b, s = 2, 256
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg).to(dtype)
+    convert_to_float8_training(block, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    x = torch.randn(b, s, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = torch.ones(s, cfg.head_dim // 2), torch.zeros(s, cfg.head_dim // 2)
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with monkeypatch.context() as patch:
+        if cuda_branch:
+            enabled = torch.is_autocast_enabled
+            patch.setattr(float8_linear.torch, "is_autocast_enabled", lambda *a: enabled(*a) if a else True)
+            patch.setattr(torch, "get_autocast_gpu_dtype", lambda: torch.bfloat16)
+        with torch.autocast("cpu", torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x, cos, sin)
+    return sum(storages.values())
+
+
+def test_float8_cuda_autocast_branch_saves_what_the_cpu_branch_saves(monkeypatch):
+    """torchao's Float8Linear casts its input to the autocast dtype only under CUDA's autocast, so the float8 memory
+    terms measured on CPU ran its other branch. Emulated on CPU (the saved tensors are set by torchao's Python, not by
+    the float8 matmul): with ``bf16-mixed``'s bf16 weights and residual stream both branches save the same bytes (the
+    cast finds bf16 and returns it), so the terms hold on CUDA; with float32 weights (not a layout of ours) the CUDA
+    branch saves one ``[b, s, h]`` bf16 copy more per layer, which shows the emulation takes that branch."""
+    pytest.importorskip("torchao.float8")
+    import torch
+
+    cfg = LlamaConfig.from_preset("small")
+    bf16 = [_saved_storage_bytes(cfg, torch.bfloat16, cuda, monkeypatch) for cuda in (False, True)]
+    assert bf16[0] == bf16[1]
+    fp32 = [_saved_storage_bytes(cfg, torch.float32, cuda, monkeypatch) for cuda in (False, True)]
+    assert fp32[1] - fp32[0] == 2 * 256 * cfg.hidden_size * 2

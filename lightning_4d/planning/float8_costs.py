@@ -14,18 +14,16 @@ float8 all-gather at ZeRO 2/3 (tensorwise) gathers the converted weights in one 
 dtype, an over-estimate of ``c - 1`` bytes per converted weight element of the gathered units; measured at small
 dp2 ZeRO 3, the forward phase makes the peak).
 
-Measured on CPU, where torchao's ``Float8Linear.forward`` does not cast its input to the autocast dtype: it casts
-when ``torch.is_autocast_enabled()`` (CUDA's autocast) is true, which CPU autocast is not, so on CPU under
-``bf16-mixed`` a converted linear saves its float32 input (and returns float32), on CUDA a bf16 copy of it made by
-each linear (and returns bf16). The saved bytes differ: one ``small`` decoder layer, b=2 s=256, bf16 autocast, torch
-2.13, torchao 0.18, the storages its saved-tensor hooks receive: 7,469,056 B with ``nn.Linear``, 8,656,896 B with
-``Float8Linear`` on the CPU branch, 8,919,040 B with the CUDA branch (emulated on CPU: ``is_autocast_enabled``
-patched true): ``wq``/``wk``/``wv`` each save their own bf16 copy of the norm's output instead of sharing its
-float32 one, and the linears' outputs (saved by what follows them) are bf16 instead of float32. The terms here are
-the CPU branch's, calibrated against ``lightning-4d measure`` on CPU; the CUDA branch is not modelled yet: its bytes
-need a CUDA measurement of the layer (``tests/cuda/``), which no run has made, and the emulation above is not one
-(the CPU's float8 matmul is not CUDA's). Under ``32-true`` and ``bf16-true`` autocast is off and both branches save
-the same tensors.
+torchao's ``Float8Linear.forward`` casts its input to the autocast dtype only when ``torch.is_autocast_enabled()``
+(CUDA's autocast) is true, which CPU autocast is not, so the CPU measurements behind these terms ran torchao's other
+branch. Under ``FourDStrategy`` that changes no byte: ``bf16-mixed`` keeps bf16 weights (float32 masters in the
+optimizer) and a bf16 residual stream, so the cast finds its input already bf16 and returns it; ``32-true`` and
+``bf16-true`` run without autocast; ``16-mixed`` is refused. Measured with the CUDA branch emulated on CPU
+(``is_autocast_enabled`` patched true: the saved tensors are set by torchao's Python, not by the float8 matmul), one
+decoder layer, bf16 weights and input under bf16 autocast: the same saved bytes in both branches on six shapes (b, s, h,
+f and the kv heads varied), while with float32 weights (Lightning's autocast over float32 weights, not a layout of ours)
+the CUDA branch saves one ``[b, s, h]`` bf16 copy more per layer (``wq``, ``wk`` and ``wv`` each cast the norm's float32
+output): ``tests/test_float8.py::test_float8_cuda_autocast_branch_saves_what_the_cpu_branch_saves``.
 
 Step time: the converted linears' matmuls at :data:`FLOAT8_MATMUL_SPEEDUP` times their bf16 rate
 (:func:`float8_matmul_factor`).
