@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_4d import FourDStrategy, ParallelConfig
-from lightning_4d.models import LlamaConfig
+from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.planning.model import estimate_memory, model_state_bytes
 from lightning_4d.planning.workload import Workload
 from tests._launch import trained
@@ -133,8 +133,12 @@ def test_offload_moves_states_to_the_host_in_the_memory_model():
         elif zero == 1:  # master, m, v (12 B) -> + the master's gradient on the host (16 B)
             assert on.host == off.optimizer_states + off.master_weights
         else:
-            assert on.parameters == on.gradients == 0
+            assert on.parameters == on.gradients == on.master_weights == on.compression == 0
             assert on.host == off.parameters + off.gradients + off.optimizer_states
+            # by hand, against the real model's parameter count P (tiny-test's dims divide by dp 2: no FSDP2 padding):
+            # the shard's parameters, gradients and Adam's m, v, float32 (16 B) or bf16-mixed's float32 masters
+            numel = sum(p.numel() for p in LlamaModel(cfg).parameters())
+            assert on.host * 2 == 16 * numel
 
 
 def test_offload_estimate_reports_host_bytes_per_node():
