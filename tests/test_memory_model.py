@@ -607,3 +607,14 @@ def test_zero_bubble_whole_peak_equals_measured(row_id):
     print(f"{row_id}: estimate {got['estimate']:,} B, measured peak {got['peak']:,} B, ratio {got['ratio']:.3f}")
     assert got["status"] == "ok", got["error"]
     assert 0.97 <= got["ratio"] <= 1.05
+
+
+def test_zero1_bucket_ownership_by_hand():
+    """``bucket_owned`` follows the rule ``GradientBuckets`` builds with, worked by hand: parameters of 2, 2 and 8
+    float32 elements fill 40-byte buckets in reverse order, [8, 2] then [2]; over 4 ranks the 10-element bucket is cut
+    in ranges of 3 (3, 3, 3 and 1 real elements) and the 2-element one in ranges of 1 (1, 1, 0, 0)."""
+    from lightning_4d.planning.states import bucket_owned
+
+    owned = [bucket_owned([2, 2, 8], 4, 4, rank, 40) for rank in range(4)]
+    assert owned == [4, 4, 3, 1]
+    assert [bucket_owned([2, 2, 8], 4, 2, rank, 40) for rank in range(2)] == [6, 6]  # ranges of 5 and 1
