@@ -193,6 +193,18 @@ def test_float8_refuses_tokens_per_rank_not_divisible_by_16():
         ParallelConfig(float8="rowwise", context_parallel_size=2).validate_float8_tokens(40, 1)
 
 
+def test_estimate_refuses_float8_tokens_per_rank_as_the_strategy_does(capsys):
+    """``estimate`` gives the strategy's one-line refusal (exit 2) for a float8 micro-batch whose tokens per rank
+    are not divisible by 16, instead of an estimate of a layout that cannot run."""
+    from lightning_4d.cli import main
+
+    argv = ["estimate", "--model", "small", "--dp", "1", "--seq-length", "1000", "--float8", "tensorwise"]
+    assert main(argv + ["--micro-batch-size", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 * 1000 / 1 = 1000) divisible by 16" in err[0], err
+    assert main(argv + ["--micro-batch-size", "2"]) == 0
+
+
 def test_float8_refuses_cuda_cards_without_float8_tensor_cores(monkeypatch):
     """Below compute capability 8.9 (Ada, Hopper) there is no float8 matmul: refused (the capability patched, so
     this runs without a GPU); the CPU and float8=None are not checked."""

@@ -402,6 +402,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     # m: the pipeline's micro-batches, or at pp = 1 the gradient-accumulation steps (`--num-microbatches` /
     # `--accumulate-grad-batches`), as `plan` and the pre-fit check (trainer.accumulate_grad_batches) count them
     m = pc.microbatches if pc.pp > 1 else (pc.num_microbatches or 1)
+    pc.validate_float8_tokens(args.seq_length, args.micro_batch_size)  # as the strategy refuses it
     if args.formula == "fujii2024":
         if pc.zero_stage > 1 or pc.activation_checkpointing != "none":
             raise ValueError(
