@@ -351,3 +351,23 @@ def test_fit_validate_fit_on_one_trainer_makes_groups_once(tmp_path):
     for r in records:
         assert r["same_mesh"] and r["groups"][0] == r["groups"][1], r
         assert len(r["losses"]) == 4 and r["losses"] == records[0]["losses"]
+
+
+def test_tied_weight_copies_in_the_model_states_by_layout():
+    """A tied model holds one embedding weight (the states of an untied model less one ``[V, h]`` tensor) except on a V
+    schedule's rank 0 at ZeRO 2/3 under pp, where each stage chunk is its own FSDP2 root and keeps its copy: the
+    states of the untied model there (``planning/params.py``'s ``as_held``)."""
+    from lightning_4d.planning.model import model_state_bytes
+
+    tied, untied = LlamaConfig.from_preset("small-tied"), LlamaConfig.from_preset("small")
+
+    def states(cfg, pp: int, zero: int):
+        pipeline = dict(pipeline_parallel_size=3, pipeline_schedule="zbv", num_microbatches=6) if pp > 1 else {}
+        pc = ParallelConfig(data_parallel_size=2, zero_stage=zero, **pipeline)
+        s = model_state_bytes(cfg, pc, "32-true", pp_rank=0)
+        return s.parameters + s.gradients + s.optimizer_states
+
+    for zero in (2, 3):
+        assert states(tied, 3, zero) == states(untied, 3, zero)  # a V schedule's rank 0: both copies
+        assert states(tied, 1, zero) < states(untied, 1, zero)  # no pp: one weight
+    assert states(tied, 3, 1) < states(untied, 3, 1)  # ZeRO 1: one tied weight on the V schedule's rank 0
