@@ -217,3 +217,19 @@ def test_pipeline_sends_in_bfloat16_and_float8(tmp_path):
     rows = 8 // 2 // 2  # global batch 8 over dp 2, m = 2 micro-batches
     assert sends[0] and [2 * n for n in sends[1]] == sends[0]
     assert [4 * (n - 4 * rows) for n in sends[2]] == sends[0]
+
+
+@pytest.mark.parametrize("rank", [1, 4])
+def test_powersgd_state_bytes_against_the_real_model_parameters(rank):
+    """PowerSGD's state in the memory model equals, per rank, 4 bytes x (the error feedback ``m·n`` + the warm start
+    ``n·r``) of every 2-D parameter of the real model that ``GradientBuckets`` compresses (``compressible``: its rank-r
+    factors smaller than it), counted on the real tensors' shapes (dp2 ZeRO 1: every rank holds the whole matrices)."""
+    from lightning_4d.models import LlamaModel
+    from lightning_4d.parallel.compression import compressible
+    from lightning_4d.planning.model import model_state_bytes
+
+    cfg = LlamaConfig.from_preset("tiny-test")
+    shapes = [p.shape for p in LlamaModel(cfg).parameters() if p.ndim == 2]
+    expected = sum(4 * (m * n + n * rank) for m, n in shapes if compressible((m, n), rank))
+    pc = ParallelConfig(data_parallel_size=2, zero_stage=1, gradient_compression="powersgd", powersgd_rank=rank)
+    assert model_state_bytes(cfg, pc, "32-true").compression == expected > 0
