@@ -618,3 +618,24 @@ def test_zero1_bucket_ownership_by_hand():
     owned = [bucket_owned([2, 2, 8], 4, 4, rank, 40) for rank in range(4)]
     assert owned == [4, 4, 3, 1]
     assert [bucket_owned([2, 2, 8], 4, 2, rank, 40) for rank in range(2)] == [6, 6]  # ranges of 5 and 1
+
+
+def test_zero_reduction_groups_by_hand():
+    """The ZeRO group of a parameter by its group key (``reduction_group``), worked by hand for dp·cp = 2 ranks: the
+    default group is dp·cp; a token-parallel parameter's (``"tp"``) is dp·cp·tp with tp innermost (rank 1, tp rank 1 of
+    2: index 3 of 4); an ep-split one's (``"tp"``, ``"ep"``) that group over ep (index 3 // 2 = 1 of 2). Sizes and
+    indices are ints."""
+    from lightning_4d.planning.states import reduction_group
+
+    cases = {
+        ((), 1, 0): (2, 1),
+        (("tp",), 1, 1): (4, 3),
+        (("tp",), 0, 1): (4, 1),
+        (("tp", "ep"), 1, 1): (2, 1),
+        (("tp", "ep"), 1, 0): (2, 1),
+        (("tp", "ep"), 0, 1): (2, 0),
+        (("ep",), 1, 0): (1, 0),
+    }
+    for (key, rank, tp_rank), expected in cases.items():
+        got = reduction_group(key, 2, rank, 2, tp_rank, 2)
+        assert got == expected and all(type(x) is int for x in got), (key, rank, tp_rank, got)
