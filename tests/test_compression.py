@@ -232,4 +232,7 @@ def test_powersgd_state_bytes_against_the_real_model_parameters(rank):
     shapes = [p.shape for p in LlamaModel(cfg).parameters() if p.ndim == 2]
     expected = sum(4 * (m * n + n * rank) for m, n in shapes if compressible((m, n), rank))
     pc = ParallelConfig(data_parallel_size=2, zero_stage=1, gradient_compression="powersgd", powersgd_rank=rank)
-    assert model_state_bytes(cfg, pc, "32-true").compression == expected > 0
+    states = model_state_bytes(cfg, pc, "32-true")
+    assert states.compression == expected > 0
+    plain = model_state_bytes(cfg, ParallelConfig(data_parallel_size=2, zero_stage=1), "32-true")
+    assert states.optimizer_states - plain.optimizer_states == expected  # held with the optimizer states

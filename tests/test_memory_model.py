@@ -639,3 +639,19 @@ def test_zero_reduction_groups_by_hand():
     for (key, rank, tp_rank), expected in cases.items():
         got = reduction_group(key, 2, rank, 2, tp_rank, 2)
         assert got == expected and all(type(x) is int for x in got), (key, rank, tp_rank, got)
+
+
+@pytest.mark.parametrize(
+    "rank, message",
+    [
+        (dict(pp_rank=2), "pp_rank=2 is not valid: expected 0 .. 1."),
+        (dict(dp_cp_rank=-1), "dp_cp_rank=-1 is not valid: expected 0 .. 1."),
+        (dict(tp_rank=1), "tp_rank=1 is not valid: expected 0 .. 0."),
+    ],
+)
+def test_model_state_bytes_names_a_rank_outside_the_layout(rank, message):
+    """A rank outside the layout is one error naming the rank and the valid range."""
+    pc = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2)
+    with pytest.raises(ValueError) as error:
+        model_state_bytes(LlamaConfig.from_preset("tiny-test"), pc, "32-true", **rank)
+    assert str(error.value) == message
