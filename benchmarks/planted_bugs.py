@@ -4,11 +4,12 @@ For each bug of :data:`BUGS` (one per concern: the bf16-mixed master write-back,
 gradient bucket offset, the pipeline's micro-batch order and loss scaling, a context-parallel chunk index, the expert-
 major row order, the ZeRO-1 checkpoint slice, a memory-model term, the global-norm count under tp, document masking's
 ring skip and loss normalization, HSDP's replica reduction and norm, optimizer offload's host gradient, data blends and
-resume, tied embeddings under pp, Ulysses' kv heads, all-gather cp, MoE under tp), this copies the working tree (without
-``.git``) to a scratch folder, replaces one exact snippet of one file (it must occur exactly once, so an edit of the
-package that moves the code fails here loudly instead of planting nothing), and runs the tests of that concern with
-pytest in the copy (``PYTHONPATH`` = the copy: the torchrun workers the tests launch import the planted package too). It
-prints, per bug, how many of the tests that ran failed: a bug that no test fails is ``NOT CAUGHT``.
+resume, tied embeddings under pp, Ulysses' kv heads, all-gather cp, MoE under tp, activation offload, compile, float8),
+this copies the working tree (without ``.git``) to a scratch folder, replaces one exact snippet of one file (it must
+occur exactly once, so an edit of the package that moves the code fails here loudly instead of planting nothing), and
+runs the tests of that concern with pytest in the copy (``PYTHONPATH`` = the copy: the torchrun workers the tests launch
+import the planted package too). It prints, per bug, how many of the tests that ran failed: a bug that no test fails is
+``NOT CAUGHT``.
 
 Not a test (it runs the concern's tests once per bug: minutes): ``python benchmarks/planted_bugs.py`` (``--only
 NAME`` for some bugs, ``--tests ARGS`` to run them against other tests, ``--baseline`` to run the same selections
@@ -220,6 +221,30 @@ BUGS: tuple[Bug, ...] = (
         '    if mesh.get("dp_cp_tp") is not None:\n        tokens',
         '    if mesh.get("dp_cp_tp") is None:\n        tokens',
         ("tests/test_moe_tensor_parallel.py",),
+    ),
+    Bug(
+        "offload-host-copy-skipped",
+        "activation offload: the host copy of a saved tensor is zeroed instead of copied (backward brings back zeros)",
+        "lightning_4d/parallel/offload.py",
+        "                host.copy_(flat)",
+        "                host.zero_()",
+        ("tests/test_activation_offload.py",),
+    ),
+    Bug(
+        "compile-not-applied",
+        "compile=True: the decoder layers keep their eager forward (nothing is compiled, silently)",
+        "lightning_4d/parallel/compile.py",
+        "        inner.forward = _compiled_forward(inner.forward)",
+        "        inner.forward = inner.forward",
+        ("tests/test_compile.py",),
+    ),
+    Bug(
+        "float8-nothing-converted",
+        "float8: no linear is converted to torchao's Float8Linear (the run trains in bf16, silently)",
+        "lightning_4d/parallel/float8.py",
+        "module_filter_fn=lambda _, fqn: fqn in chosen,",
+        "module_filter_fn=lambda _, fqn: False,",
+        ("tests/test_float8.py",),
     ),
 )
 
