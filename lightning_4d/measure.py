@@ -599,7 +599,7 @@ def measure_rank(
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     compiled = compile or pc.compile
     if compiled:
-        torch._dynamo.reset()  # the graphs of an earlier run in this process would be reused, not counted
+        torch.compiler.reset()  # the graphs of an earlier run in this process would be reused, not counted
     init_fake_process_group(rank, pc.world_size)
     try:
         strategy = _strategy_class()(**strategy_kwargs(pc, compile), memory_check=False, process_group_backend="fake")

@@ -160,8 +160,12 @@ def test_copies_to_host_in_flight_are_bounded():
     assert compute.waited == ["copied0", "copied1"] and not layers[1].sources and layers[3].sources
     layers[3]._copies_done(compute)  # backward needs layer 3: waits for its copies, then drops its storages
     assert compute.waited[-1] == "copied3" and not layers[3].sources
+    # and it is no longer in flight: the streams' list, kept for the process, holds none of its host copies
+    assert [e.name for e, _ in streams.in_flight] == ["copied4"] and layers[4].sources
     streams.bound_in_flight(compute)
     assert [e.name for e, _ in streams.in_flight] == ["copied4"] and layers[4].sources
+    layers[4]._copies_done(compute)  # the last layer backward reaches: nothing is left in flight after backward
+    assert not streams.in_flight
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side streams exist only on CUDA")
@@ -417,9 +421,10 @@ def test_memory_check_refuses_offload_beyond_host_memory(monkeypatch, host_memor
 
 def test_cuda_estimate_holds_the_last_offloaded_layer_for_its_copy():
     """On CUDA the device storages of the last offloaded layer stay allocated until its copy to host has completed
-    (``parallel/offload.py``, no ``record_stream``): the estimate adds one offloaded layer's saved set (one micro-batch,
-    RoPE tables included) to the activations on CUDA, none on a CPU (copies in program order) or without offload; the
-    runtime's bound and the model's count are the same number."""
+    and backward reaches it (``parallel/offload.py``, no ``record_stream``): the estimate adds one offloaded layer's
+    saved set (one micro-batch; the RoPE tables stay shared with the kept layers) to every phase until then, not to
+    the prefetch (which drops it first) nor after backward; none on a CPU (copies in program order) or without
+    offload; the runtime's bound and the model's count are the same number."""
     from lightning_4d.parallel.offload import LAYERS_IN_FLIGHT
     from lightning_4d.planning.offload_costs import OFFLOAD_LAYERS_IN_FLIGHT
 
@@ -427,11 +432,15 @@ def test_cuda_estimate_holds_the_last_offloaded_layer_for_its_copy():
     work = Workload(LlamaConfig.from_preset("llama3.2-1b"), 1, 4096, "bf16-mixed")
     kw = dict(tensor_parallel_size=1, data_parallel_size=1)
     saved = saved_activation_bytes(work, ParallelConfig(**kw), pp_rank=0, device_type="cuda")
-    one_layer = (saved["layers"] + saved["context_parallel_kv"]) / work.model.num_layers + saved["rope"]
+    one_layer = int((saved["layers"] + saved["context_parallel_kv"]) / work.model.num_layers)
 
-    def activations(device_type: str, layers: int) -> int:
+    def phases(device_type: str, layers: int) -> dict:
         pc = ParallelConfig(**kw, activation_offload_layers=layers)
-        return estimate_memory(work, pc, device_type=device_type, pp_rank=0).activations
+        details = estimate_memory(work, pc, device_type=device_type, pp_rank=0).details
+        return {k: v for k, v in details.items() if k.startswith("phase_")}
 
-    assert activations("cuda", 4) - activations("cpu", 4) == int(one_layer)
-    assert activations("cuda", 0) == activations("cpu", 0)
+    cuda, cpu = phases("cuda", 4), phases("cpu", 4)
+    assert cuda["phase_backward_start"] - cpu["phase_backward_start"] == one_layer
+    for gone in ("phase_offload_prefetch", "phase_backward_end", "phase_optimizer_step"):
+        assert cuda[gone] == cpu[gone], gone
+    assert phases("cuda", 0) == phases("cpu", 0)

@@ -20,21 +20,21 @@ micro-batches' activations of all its layers, and an offloaded layer holds none 
 Copies overlap compute (as Megatron-Core's ``cpu_offloading`` double buffering and torchtune's
 ``OffloadActivations(use_streams=True)`` do): on CUDA each device-to-host copy runs on a side stream (the offload
 stream) into page-locked memory (PyTorch's caching host allocator keeps the pinned blocks for the next step). No
-``record_stream``: the hooks hold a reference to each device storage being copied until the event recorded after
-its layer's copies has completed (``torch.cuda.Event.query``) or the compute stream has waited for it, and only then
+``record_stream``: the hooks hold a reference to each device storage being copied until the event recorded after its
+layer's copies has completed (``torch.cuda.Event.query``) or the compute stream has waited for it, and only then
 drop it, so the storage is freed on the compute stream that allocated it, after its copy, as Megatron-Core and
 torchtune hold theirs (``record_stream`` would leave the block to the allocator's own event polling, reserved for an
 unbounded time after the tensor is freed). An offloaded layer starting its forward first drops the references of
-every layer whose copies have completed, then makes the compute stream wait for the copies of all the layers but
-the last :data:`LAYERS_IN_FLIGHT` and drops theirs (Megatron-Core's double buffering): without that bound, copies
-slower than the forward would hold every offloaded layer's saved set until backward. So at most one offloaded
-layer's saved set of a micro-batch is held beyond the saved tensors the rank keeps (the last offloaded layer's, while
-its copies run or until the next offloaded layer starts; the references left when the forward ends are dropped when
-backward needs the layer, after waiting for its copies, or at the next offloaded layer's start): with kept layers
-after it, it is still held at the loss' backward. ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``)
-show it; the CUDA memory estimate counts it with the activations
-(:func:`lightning_4d.planning.offload_costs.copies_in_flight`, whose layer count a test keeps equal to
-:data:`LAYERS_IN_FLIGHT`).
+every layer whose copies have completed, then makes the compute stream wait for the copies of all the layers but the
+last :data:`LAYERS_IN_FLIGHT` and drops theirs (Megatron-Core's double buffering): without that bound, copies slower
+than the forward would hold every offloaded layer's saved set until backward. So beyond the saved tensors the rank
+keeps, at most the previous offloaded layer's saved set of a micro-batch is held, and during an offloaded layer's
+forward its own, being copied (the last offloaded layer's, while its copies run or until the next offloaded layer
+starts; the references left when the forward ends are dropped when backward needs the layer, after waiting for its
+copies, or at the next offloaded layer's start): with kept layers after it, it is still held at the loss' backward.
+``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) show it; the CUDA memory estimate counts it in
+every phase until backward reaches the layer (:func:`lightning_4d.planning.offload_costs.copies_in_flight`, whose
+layer count a test keeps equal to :data:`LAYERS_IN_FLIGHT`).
 
 In backward a layer's tensors are prefetched whole, on a second side stream, while the layer after it (the one
 backward runs first) runs its backward: the trigger is a pre-hook on the autograd node of that next layer's output
@@ -188,6 +188,8 @@ class _LayerCopies:
         if self.copied is not None:
             compute.wait_event(self.copied)
         self.release()
+        if self.streams is not None:  # no longer in flight: the streams' list would keep its host copies alive
+            self.streams.in_flight = collections.deque(e for e in self.streams.in_flight if e[1] is not self)
 
     def prefetch(self, device: torch.device) -> None:
         """Start bringing every storage still to be used back to ``device`` (on CUDA on the reload stream, after

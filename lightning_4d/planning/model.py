@@ -187,7 +187,7 @@ from lightning_4d.features.pipeline.costs import Activations, activation_terms
 from lightning_4d.planning.activations import saved_bytes
 from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
-from lightning_4d.planning.offload_costs import copies_in_flight, offloaded_per_stage
+from lightning_4d.planning.offload_costs import copies_in_flight, offloaded_per_stage, offloaded_whole
 from lightning_4d.planning.params import rank_layout
 from lightning_4d.planning.states import ModelStates, model_state_bytes
 from lightning_4d.planning.tensors import PRECISIONS, Dtypes, checkpoint_bytes_per_parameter, normalize_precision
@@ -564,14 +564,13 @@ def _estimate_pp_rank(
     states = model_state_bytes(cfg, pc, precision, pp_rank=pp_rank, dp_cp_rank=dp_cp_rank)
     saved = saved_activation_bytes(work, pc, pp_rank=pp_rank, device_type=device_type)
     act = activation_terms(work, pc, dt, pp_rank, saved)
-    if pc.activation_offload_layers:  # on CUDA the last offloaded layer's storages, held for its copy to host
-        n_layers = rank_layout(cfg.num_layers, pc, pp_rank)[0]
-        per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
-        stages = pc.rank_stages(cfg.num_layers, pp_rank)
-        held = copies_in_flight(pc, stages, per_layer, saved["rope"], device_type)
-        act = replace(act, activations=act.activations + held)
     buf = buffer_terms(work, pc, dt, pp_rank, states, device_type)
     phases = _phases(states, act, buf, initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
+    _add_held_copies(phases, work, pc, pp_rank, saved, device_type)
+    if "masked ring backward" in phases and pc.activation_checkpointing != "none":
+        # the recomputed layer's set is alive in its attention's backward (masked_ring_phase subtracts the parts its
+        # feed-forward's backward freed from it)
+        phases["masked ring backward"] += act.recompute
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
     extra = allowance.bytes_for(tensors)
@@ -600,6 +599,29 @@ def _estimate_pp_rank(
         details=_details(saved, states, act, buf, phases, work.num_microbatches if pc.pp > 1 else 1),
         host=states.host + act.offloaded,
     )
+
+
+#: the phases in which activation offload's last offloaded layer is no longer held for its copy to host: before
+#: the first step, after the whole backward, and when backward has reached that layer (its prefetch)
+_HELD_COPIES_GONE = ("initialization", "backward end", "optimizer step", "offload prefetch")
+
+
+def _add_held_copies(
+    phases: dict[str, int], work: Workload, pc: ParallelConfig, pp_rank: int, saved: dict[str, int], device_type: str
+) -> None:
+    """Add to ``phases`` (in place) the device storages activation offload holds for the last offloaded layer's copy
+    to host on CUDA (:func:`lightning_4d.planning.offload_costs.copies_in_flight`) in every phase from that layer's
+    forward until backward reaches it; the RoPE tables (or the document mask) its views keep alive count only for a
+    stage offloaded whole (otherwise the kept layers share and count them)."""
+    if not pc.activation_offload_layers:
+        return
+    cfg = work.model
+    per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, rank_layout(cfg.num_layers, pc, pp_rank)[0])
+    rope = saved["rope"] if offloaded_whole(cfg, pc, pp_rank) else 0
+    held = copies_in_flight(pc, pc.rank_stages(cfg.num_layers, pp_rank), per_layer, rope, device_type)
+    for name in phases:
+        if name not in _HELD_COPIES_GONE:
+            phases[name] += held
 
 
 def _details(

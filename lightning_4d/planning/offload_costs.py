@@ -41,14 +41,14 @@ OFFLOAD_LAYERS_IN_FLIGHT = 1
 def copies_in_flight(pc: ParallelConfig, stages: list, per_layer: float, rope: int, device_type: str) -> int:
     """Bytes activation offload holds on the device beyond the saved tensors the rank keeps, on CUDA: the device
     storages of the last :data:`OFFLOAD_LAYERS_IN_FLIGHT` offloaded layer(s), one micro-batch's saved set each
-    (``per_layer + rope``, as :func:`offloaded_per_stage` copies them), stay allocated until their copies to host have
-    completed and the next offloaded layer's forward starts, or until backward reaches that layer
-    (``parallel/offload.py``: no ``record_stream``, the storages freed on the stream that allocated them). The last
-    offloaded layer of a forward is therefore still held when the loss' backward starts whenever kept layers follow it,
-    or when its copy is slower than the forward after it; counted with the activations (a worst case:
-    ``max_memory_allocated`` shows it when the copies lag; the phases after that layer's backward, which no longer hold
-    it, count it too). 0 on a CPU (the copies run in program order, nothing is held) and without offloaded layers
-    (``stages``: ``rank_stages``)."""
+    (``per_layer``, plus ``rope`` where the caller counts the shared RoPE tables as held: a stage offloaded whole), stay
+    allocated until their copies to host have completed and the next offloaded layer's forward starts, or until
+    backward reaches that layer (``parallel/offload.py``: no ``record_stream``, the storages freed on the stream that
+    allocated them). The last offloaded layer of a forward is therefore still held when the loss' backward starts
+    whenever kept layers follow it, or when its copy is slower than the forward after it; ``model.py`` counts it in
+    every phase until backward reaches that layer (a worst case: ``max_memory_allocated`` shows it when the copies
+    lag), not in the prefetch, which drops it before it allocates. 0 on a CPU (the copies run in program order,
+    nothing is held) and without offloaded layers (``stages``: ``rank_stages``)."""
     if device_type != "cuda" or not any(min(pc.activation_offload_layers, len(layers)) for _, layers in stages):
         return 0
     return int(OFFLOAD_LAYERS_IN_FLIGHT * (per_layer + rope))
