@@ -588,10 +588,6 @@ def measure_rank(
         RuntimeError: a process group already exists in this process; compile asked for and Dynamo compiled no
             graph during the fit (Dynamo's caches are cleared first, so a compiled run compiles its graphs anew).
     """
-    import torch.distributed as dist
-
-    from lightning_4d.parallel._compat.fake import init_fake_process_group
-
     coords = _check_measure_args(pc, rank, steps, device)
     imbalance = check_expert_load_imbalance(workload.expert_load_imbalance)
     work = replace(workload, num_microbatches=pc.microbatches, expert_load_imbalance=imbalance)
@@ -600,17 +596,8 @@ def measure_rank(
     compiled = compile or pc.compile
     if compiled:
         torch.compiler.reset()  # the graphs of an earlier run in this process would be reused, not counted
-    init_fake_process_group(rank, pc.world_size)
-    try:
-        strategy = _strategy_class()(**strategy_kwargs(pc, compile), memory_check=False, process_group_backend="fake")
-        strategy.micro_batch_size, strategy.seq_length = work.micro_batch_size, work.seq_length
-        rows = received_rows(work.model, pc, work.micro_batch_size, work.seq_length, imbalance)
-        strategy.expert_rows = rows
-        env = {"plugins": [_environment(pc.world_size, rank)]}
-        measured = fit_and_measure(work, pc, steps, device, strategy=strategy, trainer_kwargs=env, callbacks=callbacks)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    rows = received_rows(work.model, pc, work.micro_batch_size, work.seq_length, imbalance)
+    measured, strategy = _fit_on_fake_group(work, pc, rank, steps, device, compile, rows, callbacks)
     if compiled and not measured["compiled_graphs"]:
         raise RuntimeError(
             "compile=True but Dynamo compiled no graph during the fit: the decoder layers ran eagerly (a "
@@ -620,6 +607,36 @@ def measure_rank(
     measured["received_rows"] = max((d.received_rows for d in strategy.dispatches), default=0)
     out = {"rank": rank, "coordinates": coords, "measured": measured, "estimate": estimate.to_dict()}
     return {**out, "expert_rows": rows}
+
+
+def _fit_on_fake_group(
+    work: Workload,
+    pc: ParallelConfig,
+    rank: int,
+    steps: int,
+    device: str,
+    compile: bool,
+    rows: int,
+    callbacks: Optional[list],
+) -> tuple[dict[str, Any], Any]:
+    """:func:`fit_and_measure` of rank ``rank`` of layout ``pc`` (``steps``, ``device``, ``compile``) on a fake process
+    group made for it and destroyed after, its strategy told the micro-batch, the sequence and the rows its experts
+    receive (``rows``, :func:`received_rows`); returns the measured dict and the strategy (its dispatches counted)."""
+    import torch.distributed as dist
+
+    from lightning_4d.parallel._compat.fake import init_fake_process_group
+
+    init_fake_process_group(rank, pc.world_size)
+    try:
+        strategy = _strategy_class()(**strategy_kwargs(pc, compile), memory_check=False, process_group_backend="fake")
+        strategy.micro_batch_size, strategy.seq_length = work.micro_batch_size, work.seq_length
+        strategy.expert_rows = rows
+        env = {"plugins": [_environment(pc.world_size, rank)]}
+        measured = fit_and_measure(work, pc, steps, device, strategy=strategy, trainer_kwargs=env, callbacks=callbacks)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return measured, strategy
 
 
 def _rank_estimate(work: Workload, pc: ParallelConfig, coords: dict, device: str) -> Any:
