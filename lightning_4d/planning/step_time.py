@@ -598,7 +598,6 @@ def step_time_parts(
     b, m, v = layout.micro_batch_size, layout.num_microbatches, layout.virtual_pipeline_stages
     s, sp, zero_stage = seq_length, layout.sequence_parallel, layout.zero_stage
     ep = layout.expert_parallel_size
-    c = 2
     shape = LayerShape(
         tp,
         cp,
@@ -615,15 +614,7 @@ def step_time_parts(
     t_max, work, n_max, bubble, t_re, t_tp, t_cp, t_moe, layers_of = _pipeline_terms(
         dims, shape, stages, gpu, gpus_per_node
     )
-    t_pp = 0.0
-    if pp > 1:
-        b_pp, lat = _link(gpu, tp * pp * cp * dp <= gpus_per_node)
-        t_pp = 2 * v * m * (b * s / cp * dims[0] * c / (tp if sp else 1) / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
-        if dims[12] and layout.pipeline_schedule not in ZERO_BUBBLE_SCHEDULES:  # the tied copies' gradient sum
-            grad = (
-                4 * dims[5] * dims[0] / tp / (dp * cp // layout.data_parallel_replicate_size if zero_stage >= 2 else 1)
-            )
-            t_pp += 2 * _ring(grad, 2, b_pp, lat)  # all-reduce: reduce-scatter + all-gather
+    t_pp = _pipeline_sends(dims, layout, s, gpu, gpus_per_node)
     rs, ag, units, t_opt = _data_parallel_terms(
         dims,
         MeshSizes(tp, pp, cp, dp, ep),
@@ -647,6 +638,23 @@ def step_time_parts(
         t_opt = _offloaded_optimizer(t_opt, layout, units, m * work, gpu)
     # StepTime's fields: compute, recompute, bubble, tp, cp, pp, dp, optimizer, ep
     return m * work, m * n_max * t_re, bubble, m * n_max * t_tp, m * n_max * t_cp, t_pp, t_dp, t_opt, m * n_max * t_moe
+
+
+def _pipeline_sends(dims: tuple[int, ...], layout: Layout, s: int, gpu: Any, gpus_per_node: int) -> float:
+    """Seconds per step of a pipeline's stage-to-stage sends (each micro-batch's activation forward and its gradient
+    back, ``b·s/cp·h`` elements in the compute dtype, ``/t`` under sp, once per virtual stage) and, for tied
+    embeddings outside the zero-bubble schedules, the tied copies' gradient all-reduce; 0 without pp."""
+    tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
+    if pp == 1:
+        return 0.0
+    b, m, v, c = layout.micro_batch_size, layout.num_microbatches, layout.virtual_pipeline_stages, 2
+    b_pp, lat = _link(gpu, tp * pp * cp * dp <= gpus_per_node)
+    sp_split = tp if layout.sequence_parallel else 1
+    t_pp = 2 * v * m * (b * s / cp * dims[0] * c / sp_split / (COLLECTIVE_EFFICIENCY * b_pp) + lat)
+    if dims[12] and layout.pipeline_schedule not in ZERO_BUBBLE_SCHEDULES:  # the tied copies' gradient sum
+        sharded = dp * cp // layout.data_parallel_replicate_size if layout.zero_stage >= 2 else 1
+        t_pp += 2 * _ring(4 * dims[5] * dims[0] / tp / sharded, 2, b_pp, lat)  # all-reduce: reduce-scatter + all-gather
+    return t_pp
 
 
 def _offloaded_optimizer(t_opt: float, layout: Layout, units: int, compute: float, gpu: Any) -> float:
