@@ -28,6 +28,7 @@ __all__ = [
     "norm_input_saved",
     "recompute_backward",
     "saved_bytes",
+    "saved_per_layer",
 ]
 
 
@@ -137,6 +138,13 @@ def layer_selective_recompute(cfg: Any, dt: Dtypes, b: int, s: int, tp: int, sp:
     consumed_qk = dt.compute * b * s * (cfg.num_heads + cfg.num_kv_heads) // tp * cfg.head_dim
     consumed_wo = kept["reductions"] if tp > 1 else dt.compute * b * s * cfg.hidden_size
     return recomputed - consumed_qk - consumed_wo
+
+
+def saved_per_layer(saved: dict[str, int], n_layers: int) -> float:
+    """One decoder layer's saved bytes for one micro-batch on a pp rank holding ``n_layers`` layers (``saved``:
+    :func:`saved_bytes`'s parts): its layers' saved tensors and the K/V beyond the local ones, averaged over them (what
+    activation offload copies per layer, and the pipeline's per-stage sizes)."""
+    return (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
 
 
 def saved_bytes(

@@ -184,7 +184,7 @@ from typing import Any, Optional
 from lightning_4d.config import PIPELINE_SCHEDULES, ParallelConfig, check_positive_int
 from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.pipeline.costs import Activations, activation_terms
-from lightning_4d.planning.activations import saved_bytes
+from lightning_4d.planning.activations import saved_bytes, saved_per_layer
 from lightning_4d.planning.buffers import Buffers, buffer_terms, initialization_bytes
 from lightning_4d.planning.hardware import GIB, OverheadAllowance, overhead_allowance
 from lightning_4d.planning.offload_costs import copies_in_flight, offloaded_per_stage, offloaded_whole
@@ -413,7 +413,7 @@ def offloaded_bytes_per_microbatch(
     work = Workload(cfg, micro_batch_size, seq_length, precision)
     saved = saved_activation_bytes(work, pc, pp_rank=pp_rank, device_type=device_type)
     n_layers = rank_layout(cfg.num_layers, pc, pp_rank)[0]
-    per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
+    per_layer = saved_per_layer(saved, n_layers)
     return int(sum(offloaded_per_stage(pc, pc.rank_stages(cfg.num_layers, pp_rank), per_layer, saved["rope"])))
 
 
@@ -616,7 +616,7 @@ def _add_held_copies(
     if not pc.activation_offload_layers:
         return
     cfg = work.model
-    per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, rank_layout(cfg.num_layers, pc, pp_rank)[0])
+    per_layer = saved_per_layer(saved, rank_layout(cfg.num_layers, pc, pp_rank)[0])
     rope = saved["rope"] if offloaded_whole(cfg, pc, pp_rank) else 0
     held = copies_in_flight(pc, pc.rank_stages(cfg.num_layers, pp_rank), per_layer, rope, device_type)
     for name in phases:

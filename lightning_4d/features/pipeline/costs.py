@@ -19,7 +19,7 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.features.pipeline import ZERO_BUBBLE_SCHEDULES
 from lightning_4d.partition import loss_chunk_tokens
 from lightning_4d.planning import offload_costs
-from lightning_4d.planning.activations import kept_layer_backward, layer_input_grad_only
+from lightning_4d.planning.activations import kept_layer_backward, layer_input_grad_only, saved_per_layer
 from lightning_4d.planning.params import rank_layout
 from lightning_4d.planning.tensors import Dtypes
 from lightning_4d.planning.workload import Workload
@@ -304,7 +304,7 @@ def activation_terms(
     stages = pc.rank_stages(cfg.num_layers, pp_rank)
     n_layers, _, last = rank_layout(cfg.num_layers, pc, pp_rank)
     counts = in_flight(pc, pp_rank, m)
-    per_layer = (saved["layers"] + saved["context_parallel_kv"]) / max(1, n_layers)
+    per_layer = saved_per_layer(saved, n_layers)
     # activation offload: the first ``activation_offload_layers`` of each stage hold their saved tensors in host
     # memory (parallel/offload.py), none on the device
     offloaded = [min(pc.activation_offload_layers, len(layers)) for _, layers in stages]
