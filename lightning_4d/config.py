@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from lightning_4d.features import FEATURES
 from lightning_4d.features.context_parallel import check_heads
-from lightning_4d.features.moe import check_float8, check_moe_layout
+from lightning_4d.features.moe import MoESizes, check_float8, check_moe_layout
 from lightning_4d.features.pipeline import SCHEDULE_STAGES
 from lightning_4d.layout import (  # the choices live with the layout registry; imported from here too
     ACTIVATION_CHECKPOINTING,  # noqa: F401
@@ -27,46 +27,16 @@ from lightning_4d.layout import (  # the choices live with the layout registry; 
     PIPELINE_COMM_DTYPES,  # noqa: F401
     PIPELINE_SCHEDULES,  # noqa: F401
     POWERSGD_COMM_DTYPES,  # noqa: F401
+    TRAINING_PRECISIONS,  # noqa: F401
     ZERO_STAGES,  # noqa: F401
     check_positive_int,
+    check_training_precision,  # noqa: F401
     layout_dataclass,
 )
 from lightning_4d.models.llama_config import divisors
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_4d.models.llama_config import LlamaConfig
-
-#: Lightning precision flags FourDStrategy trains with (``Trainer(precision=...)``); the rest are refused by
-#: :func:`check_training_precision`
-TRAINING_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-#: refused precision flags (and their aliases), each with the reason
-_REFUSED_PRECISIONS = {
-    ("16-mixed", "16"): (
-        "float16 mixed precision needs a gradient scaler whose overflow check and unscaling span every gradient "
-        "shard (tp, pp, ZeRO buckets, experts), which neither FourDStrategy nor Lightning's ModelParallelStrategy "
-        "provides"
-    ),
-}
-
-
-def check_training_precision(precision: object) -> str:
-    """``precision`` (a Lightning precision flag) as given, when FourDStrategy can train with it.
-
-    The Trainer's own flags are accepted (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` and Lightning's aliases,
-    ``"16-true"``); ``"16-mixed"`` is refused here, in one place, by ``lightning-4d fit`` before the Trainer is
-    built, by ``estimate``, ``plan`` and ``measure`` before anything runs, and by the strategy's setup.
-
-    Raises:
-        ValueError: ``"16-mixed"`` (or ``"16"``, ``16``), with the reason and the flags that train.
-    """
-    for names, reason in _REFUSED_PRECISIONS.items():
-        if str(precision).lower() in names:
-            raise ValueError(
-                f"precision={precision!r} is not supported by FourDStrategy: {reason}. Use one of "
-                f"{list(TRAINING_PRECISIONS)} ('bf16-mixed' trains at the speed of float16 on Ampere and newer "
-                "GPUs, with no scaler)."
-            )
-    return str(precision)
 
 
 def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -122,7 +92,7 @@ def check_values(config: "ParallelConfig") -> None:
 
 
 @layout_dataclass
-class ParallelConfig:
+class ParallelConfig(MoESizes):
     """The parallel layout of one training job: the fields of :data:`lightning_4d.layout.LAYOUT_FIELDS`, declared
     there once (:func:`lightning_4d.layout.layout_dataclass`), checked here against each other.
 
@@ -136,7 +106,7 @@ class ParallelConfig:
             context-parallel method, an unknown gradient compression or pipeline comm dtype, ``"powersgd"`` with
             ZeRO 2 or 3, a ``powersgd_rank`` below 1, a negative ``powersgd_start_step``, an unknown
             ``powersgd_comm_dtype``, a rule of a feature of :data:`lightning_4d.features.FEATURES` (its
-            ``check``: MoE's, ``expert_parallel_size`` > 1 with PowerSGD; the tp ring overlap's),
+            ``check``: MoE's, ep > 1 with PowerSGD; the tp ring overlap's),
             ``activation_offload_layers`` not an integer >= 0, or > 0 with activation checkpointing, ``compile`` not a
             bool, or True with selective checkpointing, an unknown ``float8`` recipe.
     """
@@ -261,26 +231,6 @@ class ParallelConfig:
         Gradients are averaged over all of ``dp_cp`` all the same (reduce-scattered within the shard group, then
         all-reduced across the replicas)."""
         return self.dp_cp // self.dp_replicate
-
-    @property
-    def ep(self) -> int:
-        """Expert parallel size (1 without expert parallelism)."""
-        return self.expert_parallel_size
-
-    @property
-    def expert_dp(self) -> int:
-        """Size of the expert data-parallel group ``edp`` (dp·cp·tp / ep; under tp an MoE layer runs token parallel,
-        so its tp ranks are data-parallel ranks for it): the ranks holding the same experts, over which the expert
-        parameters' gradients are reduced and their ZeRO 1-3 states sharded."""
-        return self.dp_cp * self.tp // self.ep
-
-    def ep_coordinates(self, dp_cp_rank: int, tp_rank: int = 0) -> tuple[int, int]:
-        """``(ep rank, expert data-parallel rank)`` of the rank at index ``dp_cp_rank`` of the flattened ``dp_cp``
-        mesh and tp rank ``tp_rank``: ep groups are blocks of ``ep`` consecutive ranks of the MoE layers' token
-        ranks ``dp_cp_tp`` (index ``i = dp_cp_rank·tp + tp_rank``, tp innermost; ``dp_cp`` when tp = 1:
-        :func:`lightning_4d.features.moe.runtime.carve_meshes`), so ``(i % ep, i // ep)``."""
-        i = dp_cp_rank * self.tp + tp_rank
-        return i % self.ep, i // self.ep
 
     @property
     def sp(self) -> bool:

@@ -19,6 +19,10 @@ from :data:`LAYOUT_FIELDS`, never written out elsewhere:
 - the layout a sharded checkpoint saves (:func:`saved_layout`) and the one ``estimate`` reports
   (:func:`reported_layout`).
 
+Beside the fields, the training precisions a layout trains with and the one refusal of the others
+(:func:`check_training_precision`, :func:`precision_refusal`: ``config`` checks with it, the support matrix's refused
+row states it).
+
 A new layout option: one :class:`LayoutField` here, then the feature's runtime, its rules against the other
 features, its memory term and its time term, in the feature's folder of ``lightning_4d/features/``
 (``docs/architecture.md``, "Add a layout option").
@@ -62,6 +66,49 @@ Saved = Literal["no", "value", "resolved", "resolved_if_set"]
 
 #: a :class:`LayoutField` hook left unset
 _UNSET: Any = object()
+
+
+#: Lightning precision flags FourDStrategy trains with (``Trainer(precision=...)``); the rest are refused by
+#: :func:`check_training_precision`
+TRAINING_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+#: refused precision flags (and their aliases), each with the reason
+_REFUSED_PRECISIONS = {
+    ("16-mixed", "16"): (
+        "float16 mixed precision needs a gradient scaler whose overflow check and unscaling span every gradient "
+        "shard (tp, pp, ZeRO buckets, experts), which neither FourDStrategy nor Lightning's ModelParallelStrategy "
+        "provides"
+    ),
+}
+
+
+def precision_refusal(precision: object) -> Optional[str]:
+    """The one line :func:`check_training_precision` refuses ``precision`` (a Lightning precision flag) with, as the
+    support matrix's refused row states it (``lightning_4d/support_rows.py``); ``None`` for a flag FourDStrategy
+    trains with."""
+    for names, reason in _REFUSED_PRECISIONS.items():
+        if str(precision).lower() in names:
+            return (
+                f"precision={precision!r} is not supported by FourDStrategy: {reason}. Use one of "
+                f"{list(TRAINING_PRECISIONS)} ('bf16-mixed' trains at the speed of float16 on Ampere and newer "
+                "GPUs, with no scaler)."
+            )
+    return None
+
+
+def check_training_precision(precision: object) -> str:
+    """``precision`` (a Lightning precision flag) as given, when FourDStrategy can train with it.
+
+    The Trainer's own flags are accepted (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` and Lightning's aliases,
+    ``"16-true"``); ``"16-mixed"`` is refused here, in one place, by ``lightning-4d fit`` before the Trainer is
+    built, by ``estimate``, ``plan`` and ``measure`` before anything runs, and by the strategy's setup.
+
+    Raises:
+        ValueError: ``"16-mixed"`` (or ``"16"``, ``16``), with the reason and the flags that train.
+    """
+    refusal = precision_refusal(precision)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return str(precision)
 
 
 def check_positive_int(name: str, value: object) -> int:

@@ -420,7 +420,7 @@ def _smoke_run(row: Row, device: str, steps: int, overrides: dict[str, int], res
 
     args, cfg, pc = _parse(row, **overrides)
     b, s = args.micro_batch_size, args.seq_length
-    work = workload_from_args(args, cfg)  # the row's document masking (--document-tokens) and expert load
+    work = workload_from_args(args, cfg)  # the row's document masking (--document-tokens) and MoE load
     rank = worst_rank(work, pc, device_type=device)
     checks = _checks_callback()
     with defined_collectives():

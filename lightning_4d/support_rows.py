@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_4d.layout import measure_flags
+from lightning_4d.layout import measure_flags, precision_refusal
 
 __all__ = ["CORE_FILES", "DEFAULTS", "EXERCISES", "FAMILIES", "HF_SMOKE_REASON", "ROWS", "Row", "measure_flags"]
 
@@ -266,10 +266,7 @@ ROWS: list[Row] = [
         "fp16-mixed",
         "float16 with a gradient scaler (any ZeRO stage)",
         {"dp": 2, "zero_stage": 0, "precision": "16-mixed"},
-        refused="precision='16-mixed' is not supported by FourDStrategy: float16 mixed precision needs a gradient "
-        "scaler whose overflow check and unscaling span every gradient shard (tp, pp, ZeRO buckets, experts), which "
-        "neither FourDStrategy nor Lightning's ModelParallelStrategy provides. Use one of ['32-true', 'bf16-mixed', "
-        "'bf16-true'] ('bf16-mixed' trains at the speed of float16 on Ampere and newer GPUs, with no scaler).",
+        refused=precision_refusal("16-mixed"),
     ),
     Row(
         "resume-data-other-layout",

@@ -1,14 +1,7 @@
 """Our Llama's Hugging Face state-dict adapter: parameter names to and from transformers' ``LlamaForCausalLM`` (and
-``MixtralForCausalLM`` for a Mixture-of-Experts config) and the q/k row permutation (torchtitan's
+``MixtralForCausalLM`` for a Mixture-of-Experts config, whose MoE layers' names are the MoE feature's:
+:mod:`lightning_4d.features.moe.layer`, "Mixtral names") and the q/k row permutation (torchtitan's
 ``models/llama3/model/state_dict_adapter.py``, beside the model).
-
-Mixtral: transformers 5 (5.24 measured) holds the experts of a layer fused in memory (``mlp.experts.gate_up_proj``
-``[E, 2f, h]``, ``mlp.experts.down_proj`` ``[E, h, f]``, router ``mlp.gate.weight``) but ``save_pretrained`` writes,
-and ``from_pretrained`` reads, the per-expert names of the released checkpoints:
-``model.layers.<i>.block_sparse_moe.gate.weight`` ``[E, h]`` and ``model.layers.<i>.block_sparse_moe.experts.<e>.
-{w1,w2,w3}.weight`` (``w1`` gate ``[f, h]``, ``w3`` up ``[f, h]``, ``w2`` down ``[h, f]``). Those are the names here:
-our stacked ``feed_forward.experts.w1`` ``[E, f, h]`` is expert ``e``'s ``w1.weight`` at index ``e`` of dim 0
-(:func:`hf_slices`).
 
 Pure torch, no I/O: :mod:`lightning_4d.families.native_llama` reads Hugging Face directories with it (``init_from``) and
 :mod:`lightning_4d.export_hf` writes them (``export-hf``).
@@ -19,6 +12,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+
+from lightning_4d.features.moe import layer as moe_layer
 
 #: our Llama's per-layer parameter paths -> those of transformers' ``LlamaForCausalLM`` (``model.layers.<i>.``)
 HF_LAYER = {
@@ -37,9 +32,6 @@ HF_TOP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-#: our MoE layer's router (Mixtral's ``block_sparse_moe.gate``) and routed experts' stacked weights
-HF_MOE_ROUTER = ("feed_forward.router", "block_sparse_moe.gate")
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
 #: the parameters whose rows Hugging Face stores in rotate-half order (rotary embedding of q and k)
 ROTARY = ("attention.wq.weight", "attention.wk.weight")
 #: the parameters with one row per (padded) vocabulary entry
@@ -61,40 +53,23 @@ def hf_name(name: str) -> str:
         module, leaf = ".".join(parts[2:-1]), parts[-1]
         if module in HF_LAYER:
             return f"model.layers.{parts[1]}.{HF_LAYER[module]}.{leaf}"
-        if module == HF_MOE_ROUTER[0]:
-            return f"model.layers.{parts[1]}.{HF_MOE_ROUTER[1]}.{leaf}"
-        if module == "feed_forward.experts" and leaf in EXPERT_WEIGHTS:
-            raise ValueError(f"{name!r} is stacked over the experts: one Hugging Face tensor per expert (hf_slices)")
-        if module.startswith("feed_forward.shared_experts"):
-            raise ValueError(f"{name!r}: shared experts have no transformers Mixtral name (Mixtral has none)")
+        moe = moe_layer.hf_layer_name(name, parts[1], module, leaf)
+        if moe is not None:
+            return moe
     raise ValueError(
         f"{name!r} is not a parameter of lightning_4d's Llama (expected tok_embeddings, layers.<i>...., norm or output)"
     )
 
 
-def expert_weight(name: str) -> bool:
-    """Whether ``name`` is a routed experts' stacked weight (``layers.<i>.feed_forward.experts.w1`` ...)."""
-    parts = name.split(".")
-    return (
-        len(parts) == 5
-        and parts[0] == "layers"
-        and parts[2:4] == ["feed_forward", "experts"]
-        and parts[4] in EXPERT_WEIGHTS
-    )
-
-
-def hf_slices(name: str, num_experts: int) -> list[tuple[str, Optional[int]]]:
-    """The Hugging Face tensors of our parameter ``name``: ``[(hf key, index of dim 0 or None), ...]``. One
-    ``(hf_name(name), None)`` for every parameter but the routed experts' stacked weights, which are one tensor per
-    expert: ``("model.layers.<i>.block_sparse_moe.experts.<e>.w1.weight", e)`` for ``e`` in ``0 .. E-1``.
+def hf_slices(name: str, config: Any) -> list[tuple[str, Optional[int]]]:
+    """The Hugging Face tensors of our parameter ``name`` (``config``: a ``LlamaConfig``): ``[(hf key, index of dim 0
+    or None), ...]``. One ``(hf_name(name), None)`` for every parameter but an MoE layer's stacked weights, which are
+    one tensor per index of dim 0 (:func:`lightning_4d.features.moe.layer.hf_stacked_slices`).
 
     Raises:
         ValueError: ``name`` has no Hugging Face name (:func:`hf_name`).
     """
-    if expert_weight(name):
-        _, layer, _, _, w = name.split(".")
-        return [(f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight", e) for e in range(num_experts)]
-    return [(hf_name(name), None)]
+    return moe_layer.hf_stacked_slices(name, config) or [(hf_name(name), None)]
 
 
 def rotary_from_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -120,10 +95,7 @@ def param_names(config: Any) -> list[str]:
     for i in range(config.num_layers):
         if config.is_moe_layer(i):
             names += [f"layers.{i}.{m}.weight" for m in HF_LAYER if not m.startswith("feed_forward.")]
-            names.append(f"layers.{i}.{HF_MOE_ROUTER[0]}.weight")
-            names += [f"layers.{i}.feed_forward.experts.{w}" for w in EXPERT_WEIGHTS]
-            if config.num_shared_experts:
-                names += [f"layers.{i}.feed_forward.shared_experts.{w}.weight" for w in EXPERT_WEIGHTS]
+            names += moe_layer.hf_param_names(config, i)
         else:
             names += [f"layers.{i}.{m}.weight" for m in HF_LAYER]
     names.append("norm.weight")
@@ -144,11 +116,12 @@ def to_hf_tensor(name: str, tensor: torch.Tensor, config: Any) -> torch.Tensor:
 
 def hf_tensors(name: str, tensor: torch.Tensor, config: Any) -> list[tuple[str, torch.Tensor]]:
     """The Hugging Face tensors of our parameter ``name`` from its full ``tensor``: ``[(hf key, tensor), ...]`` in
-    Hugging Face's form (:func:`to_hf_tensor`), one per key of :func:`hf_slices` (a routed experts' stacked weight
-    ``[E, d1, d2]``: one ``[d1, d2]`` view per expert, a Mixtral directory's tensors; every other parameter: itself).
+    Hugging Face's form (:func:`to_hf_tensor`), one per key of :func:`hf_slices` (an MoE layer's stacked weight
+    ``[E, d1, d2]``: one ``[d1, d2]`` view per index of dim 0, a Mixtral directory's tensors; every other parameter:
+    itself).
 
     Raises:
         ValueError: ``name`` has no Hugging Face name (:func:`hf_name`).
     """
     t = to_hf_tensor(name, tensor, config)
-    return [(hf, t if index is None else t[index]) for hf, index in hf_slices(name, config.num_experts)]
+    return [(hf, t if index is None else t[index]) for hf, index in hf_slices(name, config)]

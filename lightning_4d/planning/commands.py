@@ -20,7 +20,8 @@ from lightning_4d.config import (
     ParallelConfig,
     check_training_precision,
 )
-from lightning_4d.features.moe.costs import DEFAULT_EXPERT_LOAD_IMBALANCE, check_expert_load_imbalance
+from lightning_4d.features import moe
+from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.layout import (
     LAYOUT_FIELDS,
     LayoutField,
@@ -156,14 +157,6 @@ def fraction(text: str) -> float:
     return value
 
 
-def load_imbalance(text: str) -> float:
-    """argparse type: an ``expert_load_imbalance``, a finite number >= 1 (:func:`check_expert_load_imbalance`)."""
-    try:
-        return check_expert_load_imbalance(float(text))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
-
-
 def strict_bool(text: str) -> bool:
     """argparse type: true/false, yes/no, 1/0 (any case)."""
     value = text.strip().lower()
@@ -219,18 +212,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _load_imbalance_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--expert-load-imbalance",
-        type=load_imbalance,
-        default=None,
-        help="Mixture-of-Experts models under expert parallelism: the rows the most loaded ep rank's experts receive "
-        "over the balanced figure (>= 1.0; at most ep; a capacity factor bounds it); it multiplies the experts' "
-        f"saved activations and all-to-all buffers (default {DEFAULT_EXPERT_LOAD_IMBALANCE:g}, measured on "
-        "configs/tiny_moe.yaml: docs/moe.md)",
-    )
-
-
 def _document_tokens_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--document-tokens",
@@ -245,8 +226,7 @@ def _document_tokens_option(p: argparse.ArgumentParser) -> None:
 _COMMAND_NOTES = {
     ("estimate", "num_microbatches"): "; at pp = 1 the gradient-accumulation steps per optimizer step (Lightning's "
     "accumulate_grad_batches, also --accumulate-grad-batches), as plan and the pre-fit check count them (default 1)",
-    ("measure", "expert_parallel_size"): "; measure answers the fake process group's count exchange with the rows "
-    "--expert-load-imbalance states (docs/memory.md)",
+    **{("measure", name): note for name, note in moe_costs.MEASURE_NOTES.items()},
 }
 
 
@@ -291,7 +271,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--steps", type=positive_int, default=2, help="optimizer steps to run (default 2)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the rank runs (default cpu)")
     if command in ("estimate", "measure"):
-        _load_imbalance_option(p)
+        moe_costs.add_load_option(p)
         _document_tokens_option(p)
         group = p.add_mutually_exclusive_group()
         for f in LAYOUT_FIELDS:
@@ -310,7 +290,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         for f in LAYOUT_FIELDS:  # the sizes a plan can keep fixed, and --tensor-parallel-overlap
             if f.plan_help:
                 _layout_option(p, f, False if f.type is bool else None, f.plan_help)
-        _load_imbalance_option(p)
+        moe_costs.add_load_option(p)
         _document_tokens_option(p)
         p.add_argument(
             "--checkpoint-write-gbps",
@@ -362,14 +342,14 @@ def _rank(text: str) -> Any:
 
 def workload_from_args(args: argparse.Namespace, cfg: Any, num_microbatches: Optional[int] = None) -> Workload:
     """The :class:`Workload` of ``estimate``'s or ``measure``'s options for model ``cfg``: b, s, precision, the
-    expert load and document masking (``--document-tokens``)."""
+    MoE load (:func:`~lightning_4d.features.moe.costs.load_of_args`) and document masking (``--document-tokens``)."""
     return Workload(
         cfg,
         args.micro_batch_size,
         args.seq_length,
         args.precision,
         num_microbatches=num_microbatches,
-        expert_load_imbalance=args.expert_load_imbalance,
+        **moe_costs.load_of_args(args),
         document_masking=args.document_tokens is not None,
         document_tokens=args.document_tokens,
     )
@@ -434,7 +414,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         ),
         pipeline_layer_split_proposed=proposed is not None,
         num_layers=cfg.num_layers,
-        expert_load_imbalance=check_expert_load_imbalance(args.expert_load_imbalance),
+        **moe_costs.load_of_args(args, checked=True),
     )
     if args.formula == "lightning_4d":
         out.update(_host_fit(out["host_per_node"], args))
@@ -498,7 +478,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "global_batch_size": args.global_batch_size,
         "precision": args.precision,
         "formula": args.formula,
-        "expert_load_imbalance": check_expert_load_imbalance(args.expert_load_imbalance),
+        **moe_costs.load_of_args(args, checked=True),
         **search.considered(),
         "checkpoint_write_gbps": args.checkpoint_write_gbps,
         "async_checkpoint": args.async_checkpoint,
@@ -541,7 +521,7 @@ def _search(args: argparse.Namespace, cfg: Any, gpu: Any, search: Search, **kw: 
         args.global_batch_size,
         gpu,
         args.precision,
-        expert_load_imbalance=args.expert_load_imbalance,
+        **moe_costs.load_of_args(args),
         host_memory=args.host_memory,
         document_tokens=args.document_tokens,
     )
@@ -593,7 +573,7 @@ def _plan_row(
         # (None: not checked, when the caller gives no checker: planning/ cannot import the support matrix)
         "untested_pairs": None
         if untested_pairs is None
-        else [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "num_experts", 0) > 0)],
+        else [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "is_moe", False))],
     }
 
 
@@ -655,7 +635,7 @@ def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
     run = fit_command(out, path)
     header = [
         f"# The first pick of: {command}",
-        f"# tp={c['tp']} pp={c['pp']} cp={c['cp']} dp={c['dp']} ep={c['expert_parallel_size']} "
+        f"# tp={c['tp']} pp={c['pp']} cp={c['cp']} dp={c['dp']} ep={moe.plan_cell(c)} "
         f"b={c['micro_batch_size']} m={c['num_microbatches']} "
         f"ZeRO {c['zero_stage']} checkpointing={c['activation_checkpointing']}: {c['memory_gib']:.1f} GiB per GPU "
         f"({100 * c['fraction']:.0f}% of {out['gpu']}), predicted step {c['step_time']:.4g} s (not measured).",

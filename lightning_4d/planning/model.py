@@ -89,9 +89,9 @@ first one), and the estimate is the largest:
   the buckets exist from the first backward to the end of the optimizer step; with one micro-batch they are made
   during backward as the layers' activations are freed, which peaks at the end of backward) + one layer's
   context-parallel transients;
-- expert-parallel backward (ep > 1): the activations less what the loss' backward freed, + one MoE layer's
-  all-to-all receive buffers at the stated load (:func:`lightning_4d.features.moe.costs.all_to_all_buffers`), as the
-  recompute phase;
+- the MoE feature's backward phase (ep > 1, :data:`lightning_4d.features.moe.costs.BACKWARD_PHASE`): the activations
+  less what the loss' backward freed, + one MoE layer's all-to-all receive buffers at the stated load
+  (:func:`lightning_4d.features.moe.costs.all_to_all_buffers`), as the recompute phase;
 - float8 backward (``float8``): the same (under activation checkpointing the last layer's backward: its recomputed
   set alive, the head's saved tensors freed), + the largest converted linear's float8 backward transient
   (:func:`lightning_4d.planning.float8_costs.float8_backward_transient`; the saved activations change only under tp,
@@ -232,9 +232,8 @@ def saved_activation_bytes(
     kv heads (:func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`), none for ``"ring"``; under
     full or selective checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward
     recomputes, transient: its whole saved set under full checkpointing, its pointwise tensors under selective
-    checkpointing). Under expert parallelism an MoE layer's experts run on the rows the rank receives: the balanced
-    figure times ``expert_load_imbalance`` (default
-    :data:`~lightning_4d.features.moe.costs.DEFAULT_EXPERT_LOAD_IMBALANCE`;
+    checkpointing). Under ep an MoE layer runs on the rows the rank receives: the balanced figure times the
+    workload's MoE load (:func:`lightning_4d.features.moe.costs.rank_load`;
     :func:`lightning_4d.features.moe.costs.saved_bytes`; here the load of one rank, any number > 0: below 1 for a rank
     that receives fewer rows than the balanced figure). ``sum(...) - recompute`` is what ``saved_tensors_hooks`` (plus
     the checkpointed layers' inputs and, under selective checkpointing, the outputs its policy keeps) sees. Under
@@ -243,9 +242,9 @@ def saved_activation_bytes(
 
     Raises:
         ValueError: non-positive sizes, a sequence not divisible as the layout requires, an unknown precision, an
-            ``expert_load_imbalance`` that is not a number > 0.
+            MoE load that is not a number > 0 (:func:`~lightning_4d.features.moe.costs.rank_load`).
     """
-    imbalance = moe_costs.check_rank_load(workload.expert_load_imbalance)
+    imbalance = moe_costs.rank_load(workload)
     b = check_positive_int("micro_batch_size", workload.micro_batch_size)
     s = check_positive_int("seq_length", workload.seq_length)
     pc = parallel_config
@@ -271,8 +270,9 @@ class MemoryEstimate:
             all-to-all buffers under ep.
         overhead: CUDA context and allocator fragmentation allowance (zero on CPU).
         total: the peak, ``parameters + optimizer_states + overhead + max(phases)`` (not the sum of the fields).
-        peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"``,
-            ``"expert-parallel backward"``, ``"float8 backward"``, ``"float8 forward"`` or ``"initialization"``.
+        peak_phase: ``"backward start"``, ``"head backward"``, ``"backward end"``, ``"optimizer step"``, the MoE
+            feature's (:data:`~lightning_4d.features.moe.costs.BACKWARD_PHASE`), ``"float8 backward"``, ``"float8
+            forward"`` or ``"initialization"``.
         pp_rank: the pp rank this is for (it holds the pipeline stages of
             :meth:`~lightning_4d.config.ParallelConfig.rank_stages`).
         details: the terms behind each field (bytes), by name.
@@ -331,10 +331,10 @@ def estimate_memory(
     Args:
         workload: the model (a :class:`~lightning_4d.models.LlamaConfig` or a preset name), the batch shape (b, s, m:
             ``num_microbatches`` defaults to :attr:`~lightning_4d.config.ParallelConfig.microbatches`), the precision,
-            the expert load and the optimizer (:class:`~lightning_4d.planning.workload.Workload`). Its
-            ``expert_load_imbalance`` multiplies the received rows of every MoE layer of the rank (the experts' saved
-            activations, the regrouped rows and the all-to-all buffers); a capacity factor bounds the rows to
-            ``E·capacity``; no effect at ep = 1 or on dense models.
+            the MoE load and the optimizer (:class:`~lightning_4d.planning.workload.Workload`). Its MoE load
+            multiplies the received rows of every MoE layer of the rank (their saved activations, the regrouped rows
+            and the all-to-all buffers; :func:`lightning_4d.features.moe.costs.with_checked_load`); a capacity factor
+            bounds the rows to ``E·capacity``; no effect at ep = 1 or on dense models.
         parallel_config: the layout, pipeline schedule, stages per rank and layer split included;
             ``data_parallel_size="auto"`` is not allowed here (resolve it first; another schedule:
             ``dataclasses.replace(parallel_config, pipeline_schedule=...)``).
@@ -352,9 +352,9 @@ def estimate_memory(
     Raises:
         ValueError: an invalid layout for the model (tp not dividing heads, layers not splitting into pp·v
             stages, ...), a sequence length the layout cannot split, an unknown precision or schedule, a
-            ``num_microbatches`` the schedule cannot run, non-positive sizes, an ``expert_load_imbalance`` below 1.
+            ``num_microbatches`` the schedule cannot run, non-positive sizes, an MoE load below 1.
     """
-    imbalance = moe_costs.check_expert_load_imbalance(workload.expert_load_imbalance)
+    workload = moe_costs.with_checked_load(workload)
     cfg = _model(workload.model)
     pc = parallel_config
     if pc.data_parallel_size == "auto":
@@ -365,7 +365,7 @@ def estimate_memory(
     ranks = [pp_rank] if pp_rank is not None else list(range(pc.pp))
     allowance = overhead if overhead is not None else overhead_allowance(gpu_name, device_type)
     precision = normalize_precision(workload.precision)
-    work = replace(workload, model=cfg, precision=precision, num_microbatches=m, expert_load_imbalance=imbalance)
+    work = replace(workload, model=cfg, precision=precision, num_microbatches=m)
     results = [_estimate_pp_rank(work, pc, r, dp_cp_rank, device_type, allowance) for r in ranks]
     worst = max(results, key=lambda e: e.total)
     per_node = ranks_per_node or min(pc.world_size, DEFAULT_RANKS_PER_NODE)
@@ -469,7 +469,7 @@ def _feature_phases(act: Activations, buf: Buffers, layer_transients: int) -> di
         # an MoE layer's backward under ep: its all-to-all buffers exist after the loss' backward (not beside the
         # loss' working set: measured on CPU, tiny-moe dp2 ep2 ZeRO 1 s=512 bf16-mixed, the peak at backward start
         # was the estimate's without these buffers, 0.7% apart)
-        phases["expert-parallel backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.all_to_all
+        phases[moe_costs.BACKWARD_PHASE] = _after_loss(act, buf, layer_transients) - act.recompute + buf.all_to_all
     if buf.masked_ring:
         # document masking under the cp ring: the first layer's attention backward with the own block's mask (its
         # feed-forward's backward done), once the loss' backward is done (planning/buffers.py's masked_ring_phase)
@@ -557,7 +557,7 @@ def _estimate_pp_rank(
     allowance: OverheadAllowance,
 ) -> MemoryEstimate:
     """:func:`estimate_memory` of one pp rank (``work``: its model a config, its precision normalized, its
-    ``num_microbatches`` and ``expert_load_imbalance`` given): each feature's terms (model states, activations,
+    ``num_microbatches`` and MoE load given): each feature's terms (model states, activations,
     buffers), then the phases of a step and the peak."""
     cfg, precision = work.model, work.precision
     dt = Dtypes.for_layout(precision, cfg, pc, device_type)

@@ -20,11 +20,11 @@ split:
 - when ``pp·v`` does not divide the layers, the split of :func:`propose_layer_split`: the first and the last
   stages, which also hold the embedding and the LM head, get the fewer layers (Meta's 126 layers on 16 stages:
   7, 8, ..., 8, 7; Llama 3 paper, arXiv 2407.21783, §3.3.2);
-- for a Mixture-of-Experts model, the expert parallel size ep: every divisor of dp·cp·tp that divides
-  ``num_experts`` (ep folded over tp where it exceeds dp·cp, or tp > 1: ``lightning_4d/features/moe/runtime.py``; 1 for
-  a dense model). Every layout passes through :meth:`ParallelConfig.validate_model
-  <lightning_4d.config.ParallelConfig.validate_model>` (and the ZeRO stages through ``ParallelConfig`` itself), so
-  the planner proposes for an MoE model exactly the layouts FourDStrategy accepts for it.
+- for a Mixture-of-Experts model, the sizes ep of :func:`~lightning_4d.features.moe.costs.ep_sizes` (ep folded over tp
+  where it exceeds dp·cp, or tp > 1: ``lightning_4d/features/moe/runtime.py``; 1 for a dense model). Every layout passes
+  through :meth:`ParallelConfig.validate_model <lightning_4d.config.ParallelConfig.validate_model>` (and the ZeRO stages
+  through ``ParallelConfig`` itself), so the planner proposes for an MoE model exactly the layouts FourDStrategy accepts
+  for it.
 
 Each layout's step time is predicted by :mod:`lightning_4d.planning.step_time` (term by term, calibrated on
 published runs) and its memory by :func:`~lightning_4d.planning.model.estimate_memory`. Layouts are ranked by
@@ -62,6 +62,7 @@ from lightning_4d.config import (
     check_compile,
     check_positive_int,
 )
+from lightning_4d.features import moe
 from lightning_4d.features.context_parallel import alltoall_heads
 from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.tensor_parallel.costs import ring_choices, without_rings
@@ -99,7 +100,7 @@ class Candidate(Layout):
     """One layout of a job (the fields of :class:`~lightning_4d.planning.step_time.Layout`) with its memory estimate
     (``memory``, bytes; ``fraction`` of the GPU's), whether it ``fits``, its predicted ``step_time`` (seconds),
     ``tokens_per_sec`` and ``mfu``, and where that time goes (``bubble_fraction``, ``communication_fraction``
-    (exposed, the experts' all-to-alls included), ``recompute_fraction``: fractions of the step)."""
+    (exposed, the MoE all-to-alls included), ``recompute_fraction``: fractions of the step)."""
 
     memory: int
     fraction: float
@@ -175,14 +176,14 @@ def _shapes(job: Job, fixed: dict[str, int]) -> Iterator[tuple[int, int, int, in
     """``(tp, pp, cp, dp, sp, ep)`` of every parallel shape of ``job`` with the sizes ``fixed`` asks for that the
     model and the sequence length take (``ParallelConfig.validate_model`` and ``validate_sequence``)."""
     model_config, num_gpus, gpus_per_node, seq_length = job.model, job.num_gpus, job.gpus_per_node, job.seq_length
-    moe = getattr(model_config, "is_moe", False)
+    is_moe = getattr(model_config, "is_moe", False)
     for tp in divisors(min(num_gpus, gpus_per_node)):
         if num_gpus % tp or fixed.get("tp", tp) != tp:
             continue
         for pp in divisors(num_gpus // tp):
             if pp > model_config.num_layers:
                 break
-            if fixed.get("pp", pp) != pp or (moe and not _pipeline_accepted(model_config, pp)):
+            if fixed.get("pp", pp) != pp or (is_moe and not _pipeline_accepted(model_config, pp)):
                 continue  # not the size asked for, or one validate_model refuses for this MoE model
             for cp in divisors(num_gpus // (tp * pp)):
                 if cp > MAX_CONTEXT_PARALLEL or (cp > 1 and seq_length < 2 * cp * MIN_CONTEXT_CHUNK):
@@ -199,7 +200,7 @@ def _shapes(job: Job, fixed: dict[str, int]) -> Iterator[tuple[int, int, int, in
                         tensor_parallel_size=tp,
                         context_parallel_size=cp,
                         sequence_parallel=sp if tp > 1 else None,
-                        expert_parallel_size=ep,
+                        **moe.layout_fields(ep),
                     )
                     try:
                         base.validate_model(model_config)
@@ -235,7 +236,7 @@ def _shape_layouts(job: Job, search: Search, shape: tuple[int, int, int, int, bo
                         layout = dict(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=b, num_microbatches=m)
                         layout.update(sequence_parallel=sp, context_parallel_method=method, pipeline_schedule=name)
                         layout.update(virtual_pipeline_stages=v, pipeline_layer_split=split, zero_stage=zero)
-                        layout.update(activation_checkpointing=ac, expert_parallel_size=ep)
+                        layout.update(activation_checkpointing=ac, **moe.layout_fields(ep))
                         layout.update(data_parallel_replicate_size=replicas)
                         for rings in ring_choices(search, sp, ac):
                             yield Layout(**layout, **rings, compile=compile)
@@ -255,7 +256,7 @@ def _zero_choices(
         if (zero > 0 and dp * cp == 1) or fixed.get("zero_stage", zero) != zero:
             continue  # nothing to shard over, or not the stage asked for
         if ep > 1 and not _zero_accepted(ep, zero):
-            continue  # a ZeRO stage ParallelConfig refuses with expert parallelism
+            continue  # a ZeRO stage ParallelConfig refuses with this ep
         for replicas in (1, *hsdp) if zero > 0 else (1,):
             if fixed.get("dp_replicate", replicas) == replicas:
                 yield zero, replicas
@@ -306,9 +307,9 @@ def _compile_accepted(activation_checkpointing: str) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _zero_accepted(ep: int, zero_stage: int) -> bool:
-    """Whether ``ParallelConfig`` takes ``expert_parallel_size=ep`` with ``zero_stage`` (its own rule, asked once)."""
+    """Whether ``ParallelConfig`` takes ep ``ep`` with ``zero_stage`` (its own rule, asked once)."""
     try:
-        ParallelConfig(expert_parallel_size=ep, zero_stage=zero_stage)
+        ParallelConfig(**moe.layout_fields(ep), zero_stage=zero_stage)
     except ValueError:
         return False
     return True
@@ -468,7 +469,7 @@ def _check_job(job: Job, fixed: Optional[dict[str, int]], budget: float, formula
             pipeline_parallel_size=fixed.get("pp", 1),
             context_parallel_size=fixed.get("cp", 1),
             data_parallel_size=fixed.get("dp", 1),
-            expert_parallel_size=fixed.get("ep", 1),
+            **moe.layout_fields(fixed.get("ep", 1)),
             pipeline_layer_split=propose_layer_split(model_config.num_layers, fixed["pp"])
             if fixed.get("pp", 1) > 1 and fixed["pp"] <= model_config.num_layers
             else None,
@@ -478,12 +479,8 @@ def _check_job(job: Job, fixed: Optional[dict[str, int]], budget: float, formula
         product = pinned.tp * pinned.pp * pinned.cp * (pinned.dp if "dp" in fixed else 1)
         if num_gpus % product:
             raise ValueError(f"fixed sizes {fixed} do not divide num_gpus={num_gpus}.")
-        if "ep" in fixed and (num_gpus // pinned.pp) % pinned.ep:
-            valid = moe_costs.ep_sizes(model_config, num_gpus // pinned.pp)
-            raise ValueError(
-                f"expert_parallel_size={pinned.ep} divides no dp*cp*tp of {num_gpus} GPUs with pp={pinned.pp}: "
-                f"valid expert_parallel_size values here: {valid}."
-            )
+        if "ep" in fixed:
+            moe_costs.check_job_ep(model_config, pinned.ep, num_gpus, pinned.pp)
 
 
 def _timed_layouts(job: Job, search: Search, formula: str) -> list[tuple[float, int, Layout, tuple[float, ...]]]:
@@ -518,8 +515,9 @@ def _timed_layouts(job: Job, search: Search, formula: str) -> list[tuple[float, 
             f"seq_length={seq_length} and global_batch_size={job.global_batch_size}"
             + (f" and {search.fixed}" if search.fixed else "")
             + ": the global batch must be a multiple of dp, tp must "
-            "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp), ep dp·cp·tp and "
-            "the experts."
+            "divide the heads, kv heads, FFN size and vocabulary, the sequence 2·cp (and tp under sp), "
+            + moe.PLAN_NEEDS
+            + "."
         )
     timed.sort(key=lambda t: (t[0], t[1]))
     return timed
@@ -623,10 +621,10 @@ def _dominated(c: Candidate, others: list[Candidate]) -> bool:
     ZeRO stage, checkpointing, schedule, sp, cp method) is predicted no slower, needs no more memory, fits if ``c``
     does, and is strictly better in one of time, memory or recomputation, or equal in all three with a lower ZeRO
     stage (it communicates less than the model's overlap assumptions show)."""
-    key = (c.tp, c.pp, c.cp, c.dp, c.expert_parallel_size, c.micro_batch_size)
+    key = (c.tp, c.pp, c.cp, c.dp, c.ep, c.micro_batch_size)
     rank = _RECOMPUTATION[c.activation_checkpointing]
     for o in others:
-        if o is c or (o.tp, o.pp, o.cp, o.dp, o.expert_parallel_size, o.micro_batch_size) != key:
+        if o is c or (o.tp, o.pp, o.cp, o.dp, o.ep, o.micro_batch_size) != key:
             continue
         if (
             o.step_time <= c.step_time
@@ -684,20 +682,10 @@ def suggest_layouts(
     :class:`MemoryBudgetExceeded`)."""
     from lightning_4d.planning.hardware import gpu_spec
 
-    b, s = workload.micro_batch_size, workload.seq_length
+    b = workload.micro_batch_size
     gpu = gpu_spec(device_memory)
     per_node = gpus_per_node or min(world_size, 8)
-    job = Job(
-        workload.model,
-        world_size,
-        per_node,
-        s,
-        b * world_size,
-        gpu,
-        workload.precision,
-        workload.expert_load_imbalance,
-        workload.fused_optimizer,
-    )
+    job = workload.job(world_size, per_node, b * world_size, gpu)
     found = []
     for cand in plan(job, Search(micro_batch_size=b), budget=budget, top=count, estimate_kw=estimate_kw):
         pc = cand.parallel_config()

@@ -82,8 +82,8 @@ step is pointwise over the rank's optimizer states (float32 master, m, v, gradie
 ``optimizer_offload`` it runs on the host instead, and the host-link copies it needs are added to it
 (:mod:`lightning_4d.planning.optimizer_offload_costs`).
 
-**Mixture of Experts and expert parallelism**: :mod:`lightning_4d.features.moe.costs` (its module docstring) adds
-the terms of the MoE layers, their all-to-alls and the data-parallel groups of their parameters.
+**Mixture of Experts and ep**: :mod:`lightning_4d.features.moe.costs` (its module docstring) adds the terms of the
+MoE layers, their all-to-alls and the data-parallel groups of their parameters.
 
 Pure Python: no torch import.
 """
@@ -97,7 +97,7 @@ from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.features.context_parallel.costs import ring_computed_blocks
-from lightning_4d.features.moe import costs as moe_costs
+from lightning_4d.features.moe import MoESizes, costs as moe_costs
 from lightning_4d.features.moe.costs import all_to_all_time
 from lightning_4d.features.pipeline import ZERO_BUBBLE_SCHEDULES
 from lightning_4d.features.tensor_parallel.costs import ring_overlap, ring_seconds
@@ -267,7 +267,7 @@ class StepTime:
 
 
 @planned_dataclass
-class Layout:
+class Layout(MoESizes):
     """One layout of a job as plain values: what the step-time model reads, and what the planner enumerates (a
     :class:`~lightning_4d.config.ParallelConfig` with its micro-batch shape, built without validation because the
     planner visits ~10^5 of them; :meth:`parallel_config` gives the validated one).
@@ -275,8 +275,9 @@ class Layout:
     Its fields are the planned fields of :data:`lightning_4d.layout.LAYOUT_FIELDS` (the mesh sizes by their mesh
     names ``tp``, ``pp``, ``cp``, ``dp``; resolved values: ``sequence_parallel`` whether sp is on, False with tp = 1;
     ``virtual_pipeline_stages`` v, 1 without pp; ``num_microbatches`` m, with pp = 1 the gradient-accumulation steps;
-    ``pipeline_layer_split`` a tuple, or ``None`` for the even split; ``expert_parallel_size`` ep, 1 without expert
-    parallelism), then ``micro_batch_size`` b (:func:`lightning_4d.layout.planned_dataclass`); every field a keyword.
+    ``pipeline_layer_split`` a tuple, or ``None`` for the even split; the MoE feature's ep, 1 without it, also as
+    :attr:`~lightning_4d.features.moe.MoESizes.ep`), then ``micro_batch_size`` b
+    (:func:`lightning_4d.layout.planned_dataclass`); every field a keyword.
     """
 
     @classmethod
@@ -597,7 +598,7 @@ def step_time_parts(
     tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
     b, m, v = layout.micro_batch_size, layout.num_microbatches, layout.virtual_pipeline_stages
     s, sp, zero_stage = seq_length, layout.sequence_parallel, layout.zero_stage
-    ep = layout.expert_parallel_size
+    ep = layout.ep
     shape = LayerShape(
         tp,
         cp,

@@ -76,6 +76,22 @@ class Workload:
     document_masking: bool = False
     document_tokens: Optional[int] = None
 
+    def job(self, num_gpus: int, gpus_per_node: int, global_batch_size: int, gpu: Any) -> "Job":
+        """The :class:`Job` of this workload's model, sequence length, precision, ``expert_load_imbalance`` and
+        ``fused_optimizer`` on ``num_gpus`` GPUs (``gpus_per_node`` per node, of kind ``gpu``) at
+        ``global_batch_size`` samples per step (the memory check's suggestions)."""
+        return Job(
+            self.model,
+            num_gpus,
+            gpus_per_node,
+            self.seq_length,
+            global_batch_size,
+            gpu,
+            self.precision,
+            self.expert_load_imbalance,
+            self.fused_optimizer,
+        )
+
 
 @dataclass(frozen=True)
 class Job:

@@ -4,8 +4,9 @@ preset, ep, transformers' Mixtral), and the rest of MoE beside it in this folder
 ``docs/architecture.md``, "The MoE component"):
 
 - ``costs.py``: its memory and step-time terms; torch-free;
-- ``layer.py``: the MoE feed-forward (router, stacked experts, shared experts, capacity, load-balancing loss) and the
-  model's MoE methods;
+- ``layer.py``: the MoE feed-forward (router, stacked experts, shared experts, capacity, load-balancing loss), the
+  model's MoE methods and the layer's parameter names in transformers' Mixtral (our Llama's Hugging Face mapping,
+  ``models/hf_mapping.py``, asks them);
 - ``expert.py``: ep placement of the experts and the all-to-all dispatch and combine;
 - ``runtime.py``: what the rest of the strategy asks of MoE (meshes, gradient groups, its parallelization step, its
   ZeRO 2/3 units, the task's aux-loss logic, the load monitor);
@@ -26,7 +27,47 @@ from lightning_4d.features.feature import Feature
 from lightning_4d.models.llama_config import divisors
 from lightning_4d.support_rows import HF_SMOKE_REASON, Row
 
-__all__ = ["FEATURE", "ROWS", "check_float8", "check_moe_layout", "estimate_title", "labels", "plan_cell"]
+__all__ = [
+    "FEATURE",
+    "ROWS",
+    "MoESizes",
+    "check_float8",
+    "check_moe_layout",
+    "PLAN_NEEDS",
+    "estimate_title",
+    "labels",
+    "layout_fields",
+    "plan_cell",
+]
+
+
+class MoESizes:
+    """The MoE feature's sizes of a layout with an ``expert_parallel_size`` field (its layout field,
+    :data:`lightning_4d.layout.LAYOUT_FIELDS`): the base of :class:`~lightning_4d.config.ParallelConfig` and of the
+    planner's :class:`~lightning_4d.planning.step_time.Layout`, so that the dense code reads ``ep`` and never the
+    field by name. No state of its own (``__slots__ = ()``: the planner's layouts stay slotted)."""
+
+    __slots__ = ()
+
+    @property
+    def ep(self) -> int:
+        """Expert parallel size (1 without expert parallelism)."""
+        return self.expert_parallel_size
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of the expert data-parallel group ``edp`` (dp·cp·tp / ep; under tp an MoE layer runs token parallel,
+        so its tp ranks are data-parallel ranks for it): the ranks holding the same experts, over which the expert
+        parameters' gradients are reduced and their ZeRO 1-3 states sharded."""
+        return self.dp_cp * self.tp // self.ep
+
+    def ep_coordinates(self, dp_cp_rank: int, tp_rank: int = 0) -> tuple[int, int]:
+        """``(ep rank, expert data-parallel rank)`` of the rank at index ``dp_cp_rank`` of the flattened ``dp_cp``
+        mesh and tp rank ``tp_rank``: ep groups are blocks of ``ep`` consecutive ranks of the MoE layers' token
+        ranks ``dp_cp_tp`` (index ``i = dp_cp_rank·tp + tp_rank``, tp innermost; ``dp_cp`` when tp = 1:
+        :func:`lightning_4d.features.moe.runtime.carve_meshes`), so ``(i % ep, i // ep)``."""
+        i = dp_cp_rank * self.tp + tp_rank
+        return i % self.ep, i // self.ep
 
 
 def check_moe_layout(layout: Any, model_config: Any = None, resolved: bool = False) -> None:
@@ -265,6 +306,17 @@ def labels(options: Mapping[str, Any]) -> frozenset[str]:
     if options.get("tp", 1) > 1:  # the ep groups take the tp ranks first (features/moe/runtime.py)
         return frozenset({"ep", "ep over tp"})
     return frozenset({"ep"})
+
+
+def layout_fields(ep: int) -> dict[str, int]:
+    """The MoE feature's layout field at expert parallel size ``ep``, as keyword arguments of
+    :class:`~lightning_4d.config.ParallelConfig` and of the planner's layouts (the planner writes its ep through
+    this)."""
+    return {"expert_parallel_size": ep}
+
+
+#: what a layout of the MoE feature needs, in the planner's message when no layout of a job is valid
+PLAN_NEEDS = "ep dp·cp·tp and the experts"
 
 
 def plan_cell(options: Mapping[str, Any]) -> str:

@@ -48,8 +48,9 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from lightning_4d.models.llama_config import divisors
@@ -138,6 +139,81 @@ def check_expert_load_imbalance(value: Any) -> float:
             f"rank; default {DEFAULT_EXPERT_LOAD_IMBALANCE}, measured on configs/tiny_moe.yaml, docs/moe.md)."
         )
     return float(value)
+
+
+def load_type(text: str) -> float:
+    """argparse type of ``--expert-load-imbalance``: a finite number >= 1 (:func:`check_expert_load_imbalance`)."""
+    try:
+        return check_expert_load_imbalance(float(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+
+
+def add_load_option(parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` (``lightning-4d estimate``, ``plan``, ``measure``) the option of the MoE load, read back by
+    :func:`load_of_args`."""
+    parser.add_argument(
+        "--expert-load-imbalance",
+        type=load_type,
+        default=None,
+        help="Mixture-of-Experts models under expert parallelism: the rows the most loaded ep rank's experts receive "
+        "over the balanced figure (>= 1.0; at most ep; a capacity factor bounds it); it multiplies the experts' "
+        f"saved activations and all-to-all buffers (default {DEFAULT_EXPERT_LOAD_IMBALANCE:g}, measured on "
+        "configs/tiny_moe.yaml: docs/moe.md)",
+    )
+
+
+def load_of_args(args: argparse.Namespace, checked: bool = False) -> dict[str, Optional[float]]:
+    """The MoE load :func:`add_load_option` read, as the keyword argument of a
+    :class:`~lightning_4d.planning.workload.Workload` or ``Job`` and the field of the commands' ``--json`` output
+    (``checked``: defaulted and checked, :func:`check_expert_load_imbalance`)."""
+    value = args.expert_load_imbalance
+    return {"expert_load_imbalance": check_expert_load_imbalance(value) if checked else value}
+
+
+#: what ``lightning-4d measure`` adds to the help of the MoE feature's layout option, by field name
+MEASURE_NOTES = {
+    "expert_parallel_size": "; measure answers the fake process group's count exchange with the rows "
+    "--expert-load-imbalance states (docs/memory.md)",
+}
+
+
+def with_checked_load(workload: Any) -> Any:
+    """``workload`` (a :class:`~lightning_4d.planning.workload.Workload`) with its ``expert_load_imbalance`` checked
+    and defaulted (:func:`check_expert_load_imbalance`): what ``estimate_memory`` and ``measure`` estimate.
+
+    Raises:
+        ValueError: as :func:`check_expert_load_imbalance`.
+    """
+    return replace(workload, expert_load_imbalance=check_expert_load_imbalance(workload.expert_load_imbalance))
+
+
+def rank_load(workload: Any) -> float:
+    """One ep rank's load of ``workload`` (its ``expert_load_imbalance``, :func:`check_rank_load`).
+
+    Raises:
+        ValueError: as :func:`check_rank_load`.
+    """
+    return check_rank_load(workload.expert_load_imbalance)
+
+
+def check_job_ep(cfg: Any, ep: int, num_gpus: int, pp: int) -> None:
+    """The planner's check of an ep it is asked to keep fixed: ``ep`` must divide the ``num_gpus / pp`` token ranks
+    (dp·cp·tp) of some layout of the job (``cfg``: the model config).
+
+    Raises:
+        ValueError: ``ep`` divides no dp·cp·tp of the job, naming the valid ones (:func:`ep_sizes`).
+    """
+    if (num_gpus // pp) % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} divides no dp*cp*tp of {num_gpus} GPUs with pp={pp}: "
+            f"valid expert_parallel_size values here: {ep_sizes(cfg, num_gpus // pp)}."
+        )
+
+
+#: the phase of a step at an MoE layer's backward under ep (its all-to-all buffers alive), in
+#: :attr:`~lightning_4d.planning.model.MemoryEstimate.phases`
+BACKWARD_PHASE = "expert-parallel backward"
 
 
 def check_rank_load(value: Any) -> float:

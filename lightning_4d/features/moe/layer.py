@@ -1,6 +1,7 @@
 """The Mixture-of-Experts feed-forward of our Llama (``LlamaConfig.num_experts`` > 0): a router, routed SwiGLU
 experts held as stacked weights ``[E, ...]``, optional shared experts, the load-balancing loss and the routing
-statistics. ``docs/moe.md`` describes the arguments, what is measured and the limits.
+statistics, and the layer's parameter names in transformers' ``MixtralForCausalLM`` (at the end). ``docs/moe.md``
+describes the arguments, what is measured and the limits.
 
 Sources: Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts Layer",
 arXiv 1701.06538; Lepikhin et al. 2020, "GShard", arXiv 2006.16668 (capacity); Fedus et al. 2021, "Switch
@@ -408,3 +409,68 @@ class MoEModel:
         and ``feed_forward.w2`` (:meth:`lightning_4d.models.llama.LlamaModel._init_std`)."""
         owner = canonical.rsplit(".", 1)[0]
         return owner.endswith("shared_experts.w2") or canonical.endswith("experts.w2")
+
+
+# ---------------------------------------------------------------------------------------------- Mixtral names
+# The layer's parameters in transformers' ``MixtralForCausalLM``: the MoE part of our Llama's Hugging Face
+# state-dict adapter (:mod:`lightning_4d.models.hf_mapping` asks these for every MoE layer). transformers 5 (5.24
+# measured) holds the experts of a layer fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2f, h]``,
+# ``mlp.experts.down_proj`` ``[E, h, f]``, router ``mlp.gate.weight``) but ``save_pretrained`` writes, and
+# ``from_pretrained`` reads, the per-expert names of the released checkpoints:
+# ``model.layers.<i>.block_sparse_moe.gate.weight`` ``[E, h]`` and
+# ``model.layers.<i>.block_sparse_moe.experts.<e>.{w1,w2,w3}.weight`` (``w1`` gate ``[f, h]``, ``w3`` up ``[f, h]``,
+# ``w2`` down ``[h, f]``). Those are the names here: our stacked ``feed_forward.experts.w1`` ``[E, f, h]`` is expert
+# ``e``'s ``w1.weight`` at index ``e`` of dim 0 (:func:`hf_stacked_slices`).
+#: our MoE layer's router (Mixtral's ``block_sparse_moe.gate``) and routed experts' stacked weights
+HF_MOE_ROUTER = ("feed_forward.router", "block_sparse_moe.gate")
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def hf_layer_name(name: str, layer: str, module: str, leaf: str) -> Optional[str]:
+    """The transformers Mixtral key of our parameter ``name`` (canonical) of decoder layer ``layer``, module path
+    ``module`` in the layer and ``leaf`` (``weight``), when it is the MoE layer's router; ``None`` when ``module`` is
+    not the MoE layer's.
+
+    Raises:
+        ValueError: a routed experts' stacked weight (one Hugging Face tensor per expert: :func:`hf_stacked_slices`)
+            or a shared expert's (Mixtral has none).
+    """
+    if module == HF_MOE_ROUTER[0]:
+        return f"model.layers.{layer}.{HF_MOE_ROUTER[1]}.{leaf}"
+    if module == "feed_forward.experts" and leaf in EXPERT_WEIGHTS:
+        raise ValueError(f"{name!r} is stacked over the experts: one Hugging Face tensor per expert (hf_slices)")
+    if module.startswith("feed_forward.shared_experts"):
+        raise ValueError(f"{name!r}: shared experts have no transformers Mixtral name (Mixtral has none)")
+    return None
+
+
+def expert_weight(name: str) -> bool:
+    """Whether ``name`` is a routed experts' stacked weight (``layers.<i>.feed_forward.experts.w1`` ...)."""
+    parts = name.split(".")
+    return (
+        len(parts) == 5
+        and parts[0] == "layers"
+        and parts[2:4] == ["feed_forward", "experts"]
+        and parts[4] in EXPERT_WEIGHTS
+    )
+
+
+def hf_stacked_slices(name: str, config: Any) -> Optional[list[tuple[str, int]]]:
+    """The Hugging Face tensors of a routed experts' stacked weight ``name``, one per expert:
+    ``[("model.layers.<i>.block_sparse_moe.experts.<e>.w1.weight", e), ...]`` for ``e`` in ``0 .. E-1``
+    (``config.num_experts`` = E; ``config``: a ``LlamaConfig``); ``None`` for any other parameter."""
+    if not expert_weight(name):
+        return None
+    _, layer, _, _, w = name.split(".")
+    return [(f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight", e) for e in range(config.num_experts)]
+
+
+def hf_param_names(config: Any, layer: int) -> list[str]:
+    """The canonical names of MoE decoder layer ``layer``'s feed-forward parameters (``config``: a ``LlamaConfig``):
+    the router, the routed experts' stacked weights, the shared experts' weights (as our Llama's Hugging Face
+    mapping lists them, :func:`lightning_4d.models.hf_mapping.param_names`)."""
+    names = [f"layers.{layer}.{HF_MOE_ROUTER[0]}.weight"]
+    names += [f"layers.{layer}.feed_forward.experts.{w}" for w in EXPERT_WEIGHTS]
+    if config.num_shared_experts:
+        names += [f"layers.{layer}.feed_forward.shared_experts.{w}.weight" for w in EXPERT_WEIGHTS]
+    return names

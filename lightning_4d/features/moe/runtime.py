@@ -56,9 +56,8 @@ from lightning_4d.features.moe.expert import (
     shard_experts,
     stacked_expert_weights,
 )
-from lightning_4d.features.moe.layer import MoEFeedForward
+from lightning_4d.features.moe.layer import MoEFeedForward, hf_stacked_slices
 from lightning_4d.features.tensor_parallel.runtime import token_parallel_parameters
-from lightning_4d.models import hf_mapping
 from lightning_4d.parallel._compat.dtensor import local_offset, local_tensor
 from lightning_4d.parallel._compat.fsdp import FULLY_SHARD_PLACEMENT_FN
 from lightning_4d.parallel._compat.lightning import attached_trainer
@@ -167,12 +166,12 @@ def hf_stacked_targets(
     p: torch.Tensor, name: str, model_config: Any, available: set[str], path: Path
 ) -> Optional[dict[str, torch.Tensor]]:
     """``{Hugging Face key: the piece of p's local tensor it fills}`` for a stacked expert weight ``p`` ``[E, d1, d2]``
-    of our Llama (``name``: its canonical name, :func:`~lightning_4d.models.hf_mapping.expert_weight`), ``None`` for
-    any other parameter (the family's ``load_hf`` reads it whole)
-    (:func:`~lightning_4d.models.hf_mapping.hf_slices`: one ``[d1, d2]`` tensor per expert): every expert of a plain
-    tensor; of a DTensor, the experts of this rank's dim-0 rows (ep, FSDP2's dim-0 shards). Where the DTensor splits
-    an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.features.moe.costs.expert_shard_dim`), each row is
-    a DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
+    of our Llama (``name``: its canonical name, :func:`~lightning_4d.features.moe.layer.expert_weight`),
+    ``None`` for any other parameter (the family's ``load_hf`` reads it whole)
+    (:func:`~lightning_4d.features.moe.layer.hf_stacked_slices`: one ``[d1, d2]`` tensor per expert): every expert
+    of a plain tensor; of a DTensor, the experts of this rank's dim-0 rows (ep, FSDP2's dim-0 shards). Where the DTensor
+    splits an expert too (ZeRO 2/3 sharding it on dim 1, :func:`lightning_4d.features.moe.costs.expert_shard_dim`), each
+    row is a DTensor of the expert's ``[d1, d2]`` on ``p``'s mesh (``p``'s placements one dimension down, the expert
     dimension's split replicated): DCP's reader reads this rank's ``d1`` range of each expert's tensor only.
 
     Raises:
@@ -180,9 +179,9 @@ def hf_stacked_targets(
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    if not hf_mapping.expert_weight(name):
+    slices = hf_stacked_slices(name, model_config)
+    if slices is None:
         return None
-    num_experts = model_config.num_experts
     local, offset = p.data, 0
     placements = None
     if isinstance(p, DTensor):
@@ -191,7 +190,7 @@ def hf_stacked_targets(
         if any(pl.is_shard() and pl.dim != 0 for pl in p.placements):  # an expert split (on dim 1 by ZeRO 2/3)
             placements = [Shard(pl.dim - 1) if pl.is_shard() and pl.dim > 0 else Replicate() for pl in p.placements]
     targets = {}
-    for key, e in hf_mapping.hf_slices(name, num_experts):
+    for key, e in slices:
         if key not in available:
             raise ValueError(
                 f"init_from={str(path)!r} holds no tensor {key!r} (expert {e} of our {name!r}): is it "
