@@ -568,18 +568,10 @@ def with_float8(
     return dataclasses.replace(step, compute=step.compute - saved, recompute=step.recompute - recompute)
 
 
-def step_time_of(
-    dims: tuple[int, ...],
-    layout: Layout,
-    *,
-    seq_length: int,
-    gpu: Any,
-    gpus_per_node: int,
-    document_tokens: Optional[int] = None,
-) -> StepTime:
+def step_time_of(dims: tuple[int, ...], layout: Layout, **kw: Any) -> StepTime:
     """:func:`predict_step_time` on plain values (the planner's fast path; ``dims`` = (h, f, d, a, k, V, L, E,
-    top-k, f_e, n_s, MoE layers, tied), as :func:`model_dims` reads them from a model config)."""
-    kw = dict(seq_length=seq_length, gpu=gpu, gpus_per_node=gpus_per_node, document_tokens=document_tokens)
+    top-k, f_e, n_s, MoE layers, tied), as :func:`model_dims` reads them from a model config; ``kw``: the keywords of
+    :func:`step_time_parts`, ``seq_length``, ``gpu``, ``gpus_per_node`` and ``document_tokens``)."""
     return StepTime(*step_time_parts(dims, layout, **kw))
 
 

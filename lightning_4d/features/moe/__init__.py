@@ -158,23 +158,28 @@ COMPILE = "tests/test_compile.py::test_compiled_layout_matches_one_process"
 HF_MIXTRAL = "tests/test_hf_mixtral.py::test_hf_mixtral_layout_matches_one_process"
 
 
+def _moe_row(row_id: str, description: str, layout: dict, *cpu_tests: str) -> Row:
+    """A row of the tiny-moe preset (``layout``: its other options) that ``cpu_tests`` run."""
+    return Row(row_id, description, {"model": "tiny-moe", **layout}, cpu_tests=cpu_tests)
+
+
 def _hf_row(row_id: str, description: str, layout: dict) -> Row:
     """A transformers Mixtral row the CPU tests run and the smoke runner cannot (:data:`HF_SMOKE_REASON`)."""
     return Row(row_id, description, layout, family="hf-mixtral", cpu_tests=(HF_MIXTRAL,), smoke_skip=HF_SMOKE_REASON)
 
 
 ROWS: tuple[Row, ...] = (
-    Row(
+    _moe_row(
         "offload-ep",
         "activation offload of an MoE layer under dp2 ep2 ZeRO 2 (the all-to-all's received rows in host memory)",
-        {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 2, "activation_offload_layers": 1},
-        cpu_tests=(EP,),
+        {"dp": 2, "ep": 2, "zero_stage": 2, "activation_offload_layers": 1},
+        EP,
     ),
-    Row(
+    _moe_row(
         "compile-moe-tp2-ep2",
         "torch.compile per layer, MoE tp2 ep2 (the MoE feed-forward eager, token parallel, experts over the tp ranks)",
-        {"model": "tiny-moe", "tp": 2, "ep": 2, "compile": True},
-        cpu_tests=(COMPILE,),
+        {"tp": 2, "ep": 2, "compile": True},
+        COMPILE,
     ),
     Row(
         "float8-moe",
@@ -185,49 +190,31 @@ ROWS: tuple[Row, ...] = (
             "matmuls are not linears torchao converts. Use float8=None."
         ),
     ),
-    Row(
-        "moe-dp2-z1",
-        "MoE dp2 ZeRO 1 (grouped GEMM experts, router, aux loss)",
-        {"model": "tiny-moe", "dp": 2},
-        cpu_tests=(MOE_DP,),
-    ),
-    Row("moe-dp2-z3", "MoE dp2 ZeRO 3", {"model": "tiny-moe", "dp": 2, "zero_stage": 3}, cpu_tests=(MOE_DP,)),
-    Row(
+    _moe_row("moe-dp2-z1", "MoE dp2 ZeRO 1 (grouped GEMM experts, router, aux loss)", {"dp": 2}, MOE_DP),
+    _moe_row("moe-dp2-z3", "MoE dp2 ZeRO 3", {"dp": 2, "zero_stage": 3}, MOE_DP),
+    _moe_row(
         "moe-full-checkpointing",
         "MoE dp2 ZeRO 0, full checkpointing",
-        {"model": "tiny-moe", "dp": 2, "zero_stage": 0, "activation_checkpointing": "full"},
-        cpu_tests=(MOE_DP,),
+        {"dp": 2, "zero_stage": 0, "activation_checkpointing": "full"},
+        MOE_DP,
     ),
-    Row(
-        "moe-tp2",
-        "MoE tp2 ZeRO 1: MoE layers token parallel over tp",
-        {"model": "tiny-moe", "tp": 2},
-        cpu_tests=(MOE_TP,),
-    ),
-    Row(
+    _moe_row("moe-tp2", "MoE tp2 ZeRO 1: MoE layers token parallel over tp", {"tp": 2}, MOE_TP),
+    _moe_row(
         "moe-tp2-z2",
         "MoE tp2 ZeRO 2: the MoE layers' FSDP2 units over dp_cp_tp (their gradients summed over tp)",
-        {"model": "tiny-moe", "tp": 2, "zero_stage": 2},
-        cpu_tests=(MOE_TP,),
+        {"tp": 2, "zero_stage": 2},
+        MOE_TP,
     ),
-    Row("moe-cp2", "MoE cp2 ring attention", {"model": "tiny-moe", "cp": 2}, cpu_tests=(MOE_TP,)),
-    Row(
-        "moe-pp2",
-        "MoE pp2 1F1B bf16-mixed (the stage boundary's dtype)",
-        {"model": "tiny-moe", "pp": 2, "num_microbatches": 2},
-        cpu_tests=(MOE_PP,),
+    _moe_row("moe-cp2", "MoE cp2 ring attention", {"cp": 2}, MOE_TP),
+    _moe_row(
+        "moe-pp2", "MoE pp2 1F1B bf16-mixed (the stage boundary's dtype)", {"pp": 2, "num_microbatches": 2}, MOE_PP
     ),
-    Row(
-        "moe-ep2",
-        "MoE dp2 ep2 ZeRO 1: experts split over ep, all-to-all dispatch",
-        {"model": "tiny-moe", "dp": 2, "ep": 2},
-        cpu_tests=(EP,),
-    ),
-    Row(
+    _moe_row("moe-ep2", "MoE dp2 ep2 ZeRO 1: experts split over ep, all-to-all dispatch", {"dp": 2, "ep": 2}, EP),
+    _moe_row(
         "moe-ep2-z3",
         "MoE dp2 ep2 ZeRO 3: expert FSDP2 units over the edp group",
-        {"model": "tiny-moe", "dp": 2, "ep": 2, "zero_stage": 3},
-        cpu_tests=(EP,),
+        {"dp": 2, "ep": 2, "zero_stage": 3},
+        EP,
     ),
     Row(
         "moe-pp2-ep2",
