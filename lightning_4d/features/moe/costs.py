@@ -43,6 +43,11 @@ Data parallel with ep: the dense parameters' gradients go over D ranks, the expe
 parameters' (``E/ep`` experts per GPU) over the expert data-parallel group of ``D·tp/ep`` ranks; ZeRO shards each
 over its own group.
 
+**The load** a workload states (``expert_load_imbalance``) is the MoE feature's too: its command-line option
+(:func:`add_load_option`, :func:`load_of_args`), its check and default (:func:`with_checked_load`, :func:`rank_load`)
+and the estimate's phase it enlarges (:data:`BACKWARD_PHASE`); the planner's ep choices and its check of a pinned ep
+(:func:`ep_sizes`, :func:`check_job_ep`).
+
 Pure Python: no torch import.
 """
 
@@ -70,10 +75,14 @@ __all__ = [
     "BUFFER_DETAIL",
     "DEFAULT_EXPERT_LOAD_IMBALANCE",
     "MoeShape",
+    "BACKWARD_PHASE",
+    "MEASURE_NOTES",
+    "add_load_option",
     "all_to_all_buffers",
     "all_to_all_time",
     "check_dense",
     "check_expert_load_imbalance",
+    "check_job_ep",
     "check_rank_load",
     "count_moe_layers",
     "data_parallel_terms",
@@ -83,12 +92,16 @@ __all__ = [
     "layer_param_counts",
     "layer_params",
     "layer_times",
+    "load_of_args",
+    "load_type",
     "model_dims",
     "moe_shape",
     "rank_all_to_all_buffers",
+    "rank_load",
     "received_rows",
     "saved_bytes",
     "split_layers",
+    "with_checked_load",
 ]
 
 #: The default ``expert_load_imbalance`` of :func:`estimate_memory` (and of ``lightning-4d estimate`` / ``plan``,
