@@ -111,7 +111,7 @@ class Buffers:
     #: transients, not their sum (measured on CPU: tiny-test cp2 b=4 s=256 ``32-true``, the peak at the last layer's
     #: SwiGLU product backward, no cp buffer alive)
     recompute_apart_from_cp: bool = False
-    #: document masking under the cp ring: a layer's attention backward with its block masks
+    #: document masking under the cp ring or all-to-all: a layer's attention backward with its masks
     #: (:func:`masked_ring_phase`), beyond what a layer's backward holds after the loss' backward; 0 elsewhere
     masked_ring: int = 0
 
@@ -150,19 +150,24 @@ def buffer_terms(
 
 
 def masked_ring_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, device_type: str, cp: int) -> int:
-    """Document masking under the cp ring: the bytes of the first layer's attention backward beyond what a layer's
-    backward holds once the loss' backward is done (``model.py``'s ``_after_loss``, which holds the ring's buffers
-    ``cp`` = :func:`~lightning_4d.features.context_parallel.costs.context_parallel_buffers`): the ring's backward
-    with the own block's mask in their place
+    """Document masking under the cp ring or all-to-all: the bytes of the first layer's attention backward beyond
+    what a layer's backward holds once the loss' backward is done (``model.py``'s ``_after_loss``, which holds the
+    method's buffers ``cp`` = :func:`~lightning_4d.features.context_parallel.costs.context_parallel_buffers`): the
+    ring's backward with the own block's mask in their place
     (:func:`~lightning_4d.features.context_parallel.costs.ring_masked_backward`; its masked blocks run explicit
-    matmuls on CUDA and under the ``"eager"`` backend), + the gradient of the layer's output (residual dtype,
-    ``[b, s/c, h]``, ``/t`` under sp) and of the attention's output (compute dtype, ``[b, s/c, a·d/t]``), − what the
-    layer's feed-forward backward, which runs before its attention's, has freed of its saved set (the ffn norm's
-    input and reciprocal RMS, ``w1``/``w3``'s input, the SwiGLU tensors: :func:`~lightning_4d.planning.activations.
-    layer_saved_parts`' dense parts). The head's saved tensors, freed by the head's backward before, are not
-    subtracted: the margin for the kernel's scratch and the per-block document ids. Measured on CPU
+    matmuls on CUDA and under the ``"eager"`` backend), or all-to-all's with the whole sequence's mask
+    (:func:`~lightning_4d.features.context_parallel.costs.alltoall_masked_backward`), + the gradient of the layer's
+    output (residual dtype, ``[b, s/c, h]``, ``/t`` under sp) and of the attention's output (compute dtype,
+    ``[b, s/c, a·d/t]``), − what the layer's feed-forward backward, which runs before its attention's, has freed of
+    its saved set (the ffn norm's input and reciprocal RMS, ``w1``/``w3``'s input, the SwiGLU tensors:
+    :func:`~lightning_4d.planning.activations.layer_saved_parts`' dense parts). The head's saved tensors, freed by
+    the head's backward before, are not subtracted: the margin for the kernel's scratch and the per-block document
+    ids. Measured on CPU
     (``measure --document-tokens 128``, tiny-test ``32-true`` cp2): the phase within 4.1% above the peak at
-    b=2 s=1024 and 3.5% at b=2 s=2048 (where it is the estimate's peak). 0 without cp or for another method."""
+    b=2 s=1024 and 3.5% at b=2 s=2048 (where it is the estimate's peak). Under full checkpointing the layer's
+    input, which the checkpoint holds, is not counted again in the recomputed set ``model.py`` adds. 0 without cp
+    and for ``"allgather"`` (its block masks, a chunk's queries against its own chunk and its document's earlier
+    keys, stay below the peak: measured at s=2048 +114,688 B with masking, the document ids +98,304 B)."""
     if pc.cp == 1 or pc.context_parallel_method == "allgather":
         return 0
     b, L, tp = work.micro_batch_size, work.seq_length // pc.cp, pc.tp
