@@ -236,7 +236,7 @@ def _document_tokens_option(p: argparse.ArgumentParser) -> None:
         "--document-tokens",
         type=positive_int,
         help="document masking (CausalLMModule(document_masking=True)) with documents of N tokens: estimate and "
-        "plan count its masks; plan times the attention work the documents leave; measure trains on synthetic "
+        "plan count its masks; plan times the attention its masked kernels compute; measure trains on synthetic "
         "windows of such documents (an EOS every N tokens)",
     )
 

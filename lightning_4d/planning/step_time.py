@@ -365,7 +365,8 @@ def attention_work(seq_length: int, document_tokens: Optional[int], cp: int, met
 
     A kernel that skipped masked tiles (FlexAttention's block mask, flash-attn's varlen functions) would do the
     documents' own FLOPs, ``c/s`` with ``c`` their mean attention context
-    (:func:`~lightning_4d.planning.workload.document_attention_context`), what MFU counts; none runs today."""
+    (:func:`~lightning_4d.planning.workload.document_attention_context`), what MFU counts; none runs today.
+    ``tests/test_document_masking.py`` checks these against torch's ``FlopCounterMode`` on the real kernel calls."""
     if document_tokens is None:
         return 1.0
     n = min(document_tokens, seq_length)
@@ -393,7 +394,7 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     # the load-balanced causal split: 2·cp chunks; alltoall: one kernel call over the whole sequence
     block = s / (2 * cp) if cp > 1 and method != "alltoall" else s
     t_att = 6 * a * d * s * tokens / tp / (attention_efficiency(block) * peak)
-    if attention != 1.0:  # document masking: the work the documents leave (attention_work)
+    if attention != 1.0:  # document masking: the work its masked kernels do (attention_work)
         t_att *= attention
     ch, cq, cf = POINTWISE_BYTES
     t_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * f) / tp) * tokens / hbm
