@@ -419,7 +419,7 @@ def test_measure_with_document_masking_under_cp(extra):
     cp attention backward (the ring's under full checkpointing, whose recomputed set holds the layer's input the
     checkpoint keeps; all-to-all's whole-sequence mask) is its peak, within 5% above the measured one (measured
     1.046 and 1.024)."""
-    args = ["--model", "tiny-test", "--micro-batch-size", "2", "--seq-length", "2048", "--cp", "2"]
+    args = ["--model", "tiny-test", "--micro-batch-size", "2", "--seq-length", "2048", "--dp", "1", "--cp", "2"]
     out = _measure_cli([*args, "--zero-stage", "0", "--document-tokens", "128", *extra], 0, "32-true")
     assert out["estimate"]["peak_phase"] == "masked cp attention backward"
     ratio = _states_exact_peak_ratio(out)
