@@ -16,6 +16,8 @@ and the reduced shards are all-reduced across its r replicas (``lightning_4d/mes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_4d import FourDStrategy, ParallelConfig
@@ -200,9 +202,12 @@ def test_plan_proposes_hsdp_where_dp_spans_nodes():
     assert hsdp_replicas(1, 2, 32, 8) == (8,)  # shard groups of 8 ranks (4 dp x 2 cp): one node each
     assert hsdp_replicas(2, 1, 4, 8) == ()  # 8 GPUs: one node
     assert hsdp_replicas(8, 1, 16, 8) == ()  # tp8 fills a node: a shard group of one rank is no sharding
+    assert hsdp_replicas(8, 4, 1, 8) == ()  # dp1: one replica is the flat layout, not tried twice
     job = Job(LlamaConfig.from_preset("llama3-8b"), 64, 8, 8192, 512, GPU_PRESETS["H100-80GB"])
     best = plan(job, Search(), top=3)
     assert best[0].data_parallel_replicate_size > 1, best[0]
+    rows = plan(job, Search(fixed={"tp": 8, "dp": 1}), top=6)
+    assert len({dataclasses.astuple(c) for c in rows}) == len(rows) == 6  # no layout twice
     assert plan(job, Search(fixed={"zero_stage": 0}), top=1)[0].data_parallel_replicate_size == 1
 
 

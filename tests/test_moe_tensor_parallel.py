@@ -118,6 +118,47 @@ def test_memory_model_does_not_split_moe_parameters_over_tp_and_shards_their_sta
         model_state_bytes(cfg, pc, "32-true", tp_rank=2)
 
 
+def test_each_tp_rank_holds_its_own_uneven_shard_of_the_moe_states():
+    """The MoE layers' states, replicated over tp, are sharded over ``dp·cp·tp`` ranks (index ``dp_cp_rank·tp +
+    tp_rank``), so two tp ranks of one dp rank hold different bytes where the shard is uneven; the expected bytes come
+    from ``torch.chunk`` of the real module's tensors (FSDP2's dim-0 rule, ZeRO 1's equal ranges of a padded bucket).
+
+    ZeRO 3, dp2 tp2, 6 experts: the router ``[6, h]`` in 4 chunks of rows 2, 2, 2, 0 (the stacked expert weights
+    split evenly on dim 1: 6 experts over 4 ranks, ``f_e`` and h multiples of 4): tp ranks 0 and 1 of dp rank 1
+    (indices 2 and 3) differ by the router's two rows, 16 B per element (float32 parameter, gradient, m, v).
+    ZeRO 1, dp3 tp2, 8 experts, one bucket: the MoE parameters' elements, in 6 equal ranges of the bucket padded to
+    a multiple of 6 (its last range short), Adam's m and v 8 B per element owned."""
+    import torch
+
+    cfg = LlamaConfig.from_preset("tiny-moe", num_experts=6)
+    moe = _moe_params(cfg)
+    routers = [p for p in moe if p.dim() == 2 and p.shape[0] == cfg.num_experts]
+    assert routers and all(p.shape[0] % 4 for p in routers)
+    pc3 = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3)
+    states = {(d, t): model_state_bytes(cfg, pc3, "32-true", dp_cp_rank=d, tp_rank=t) for d in (0, 1) for t in (0, 1)}
+
+    def total(s):
+        return s.parameters + s.gradients + s.optimizer_states
+
+    def rows(p, index, world):
+        chunks = torch.empty(p.shape[0], 0).chunk(world)
+        return chunks[index].shape[0] if index < len(chunks) else 0
+
+    for d in (0, 1):
+        expected = sum(16 * (rows(p, 2 * d + 1, 4) - rows(p, 2 * d, 4)) * p.shape[1] for p in routers)
+        assert total(states[d, 1]) - total(states[d, 0]) == expected
+    assert total(states[1, 1]) != total(states[1, 0])
+    pc1 = ParallelConfig(data_parallel_size=3, tensor_parallel_size=2, zero_stage=1)
+    cfg = LlamaConfig.from_preset("tiny-moe")
+    n = sum(p.numel() for p in _moe_params(cfg))
+    owned = [c.numel() for c in torch.empty(n, device="meta").chunk(6)] + [0] * 6
+    assert n % 6
+    for d in range(3):
+        one, two = (model_state_bytes(cfg, pc1, "32-true", dp_cp_rank=d, tp_rank=t, bucket_bytes=2**40) for t in (0, 1))
+        assert two.optimizer_states - one.optimizer_states == 8 * (owned[2 * d + 1] - owned[2 * d])
+    assert owned[5] != owned[4]
+
+
 def _moe_params(cfg):
     import torch
 

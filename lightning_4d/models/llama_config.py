@@ -402,8 +402,10 @@ class LlamaConfig:
 
         ``attention_context``: with document masking, the context a token's attention spans on average in place of
         ``s``: ``Σ n_d² / s`` over the documents of a window (lengths ``n_d``; :func:`~lightning_4d.models.
-        document_mask.attention_context`), the same full-square convention per document: the FLOPs actually done,
-        not those of a window-long context.
+        document_mask.attention_context`), the same full-square convention per document: the documents' own FLOPs,
+        not those of a window-long context. The masked kernels compute more (whole masked blocks, no causal half
+        skipped), which the step-time model charges (``lightning_4d.planning.step_time.attention_work``) and MFU,
+        a count of useful FLOPs, does not.
 
         Raises:
             ValueError: ``seq_length`` is not a positive integer.

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.features.context_parallel.costs import context_parallel_buffers, ring_masked_backward
+from lightning_4d.features.context_parallel.costs import (
+    alltoall_masked_backward,
+    context_parallel_buffers,
+    ring_masked_backward,
+)
 from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.pipeline.costs import receive_buffer_bytes
 from lightning_4d.features.tensor_parallel.costs import embedding_gradient_bytes, head_backward_transient
@@ -107,7 +111,7 @@ class Buffers:
     #: transients, not their sum (measured on CPU: tiny-test cp2 b=4 s=256 ``32-true``, the peak at the last layer's
     #: SwiGLU product backward, no cp buffer alive)
     recompute_apart_from_cp: bool = False
-    #: document masking under the cp ring: a layer's attention backward with its block masks
+    #: document masking under the cp ring or all-to-all: a layer's attention backward with its masks
     #: (:func:`masked_ring_phase`), beyond what a layer's backward holds after the loss' backward; 0 elsewhere
     masked_ring: int = 0
 
@@ -146,29 +150,39 @@ def buffer_terms(
 
 
 def masked_ring_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, device_type: str, cp: int) -> int:
-    """Document masking under the cp ring: the bytes of the first layer's attention backward beyond what a layer's
-    backward holds once the loss' backward is done (``model.py``'s ``_after_loss``, which holds the ring's buffers
-    ``cp`` = :func:`~lightning_4d.features.context_parallel.costs.context_parallel_buffers`): the ring's backward
-    with the own block's mask in their place
+    """Document masking under the cp ring or all-to-all: the bytes of the first layer's attention backward beyond
+    what a layer's backward holds once the loss' backward is done (``model.py``'s ``_after_loss``, which holds the
+    method's buffers ``cp`` = :func:`~lightning_4d.features.context_parallel.costs.context_parallel_buffers`): the
+    ring's backward with the own block's mask in their place
     (:func:`~lightning_4d.features.context_parallel.costs.ring_masked_backward`; its masked blocks run explicit
-    matmuls on CUDA and under the ``"eager"`` backend), + the gradient of the layer's output (residual dtype,
-    ``[b, s/c, h]``, ``/t`` under sp) and of the attention's output (compute dtype, ``[b, s/c, a·d/t]``), − what the
-    layer's feed-forward backward, which runs before its attention's, has freed of its saved set (the ffn norm's
-    input and reciprocal RMS, ``w1``/``w3``'s input, the SwiGLU tensors: :func:`~lightning_4d.planning.activations.
-    layer_saved_parts`' dense parts). The head's saved tensors, freed by the head's backward before, are not
-    subtracted: the margin for the kernel's scratch and the per-block document ids. Measured on CPU
+    matmuls on CUDA and under the ``"eager"`` backend), or all-to-all's with the whole sequence's mask
+    (:func:`~lightning_4d.features.context_parallel.costs.alltoall_masked_backward`), + the gradient of the layer's
+    output (residual dtype, ``[b, s/c, h]``, ``/t`` under sp) and of the attention's output (compute dtype,
+    ``[b, s/c, a·d/t]``), − what the layer's feed-forward backward, which runs before its attention's, has freed of
+    its saved set (the ffn norm's input and reciprocal RMS, ``w1``/``w3``'s input, the SwiGLU tensors:
+    :func:`~lightning_4d.planning.activations.layer_saved_parts`' dense parts). The head's saved tensors, freed by
+    the head's backward before, are not subtracted: the margin for the kernel's scratch and the per-block document
+    ids. Measured on CPU
     (``measure --document-tokens 128``, tiny-test ``32-true`` cp2): the phase within 4.1% above the peak at
-    b=2 s=1024 and 3.5% at b=2 s=2048 (where it is the estimate's peak). 0 without cp or for another method."""
-    if pc.cp == 1 or pc.context_parallel_method != "ring":
+    b=2 s=1024 and 3.5% at b=2 s=2048 (where it is the estimate's peak). Under full checkpointing the layer's
+    input, which the checkpoint holds, is not counted again in the recomputed set ``model.py`` adds. 0 without cp
+    and for ``"allgather"`` (its block masks, a chunk's queries against its own chunk and its document's earlier
+    keys, stay below the peak: measured at s=2048 +114,688 B with masking, the document ids +98,304 B)."""
+    if pc.cp == 1 or pc.context_parallel_method == "allgather":
         return 0
     b, L, tp = work.micro_batch_size, work.seq_length // pc.cp, pc.tp
     eager = device_type != "cpu" or getattr(cfg, "attention_backend", "sdpa") == "eager"
     masked = ring_masked_backward(cfg, pc, dt, b, work.seq_length, eager)
+    masked += alltoall_masked_backward(cfg, pc, dt, b, work.seq_length, eager)
     sp_tokens = L // tp if pc.sp else L
     gradients = dt.residual * b * sp_tokens * cfg.hidden_size + dt.compute * b * L * cfg.num_heads // tp * cfg.head_dim
     parts = layer_saved_parts(cfg, dt, b, L, tp, pc.sp)
     feed_forward = parts["norms"] // 2 + parts["ffn_in"] + parts["swiglu"]
-    return masked + gradients - feed_forward - cp
+    # full checkpointing: the recomputed set the phase adds (model.py) counts the layer's input again, which the
+    # checkpoint holds (its saved_layers): measured, the masked ring at tiny-test b=2 s=2048 cp2 32-true was
+    # 1.070 of the peak with it, 1.046 without
+    kept = dt.residual * b * sp_tokens * cfg.hidden_size if pc.activation_checkpointing == "full" else 0
+    return masked + gradients - feed_forward - cp - kept
 
 
 def _gradient_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes, states: ModelStates) -> dict:
@@ -271,7 +285,7 @@ def _fsdp_units(params: Any, world: int, ep: int, tp: int) -> tuple[int, int, in
         if p.unit != "root":
             unit = units.setdefault(p.unit, [0, count, 0])
             unit[0] += fsdp_padded_numel(p, world, ep, tp)
-            unit[2] += fsdp_shard_numel(p, world, 0, ep, tp)  # rank 0's shard, the largest
+            unit[2] += fsdp_shard_numel(p, world, 0, ep, tp, 0)  # rank 0's shard, the largest
     layer_numel, _, layer_shard = max(units.values(), default=(0, 0, 0))  # the largest FSDP2 layer unit
     all_layers_numel = sum(n * count for n, count, _ in units.values())
     root_numel = sum(fsdp_padded_numel(p, world, ep, tp) for p, _ in params if p.unit == "root")
@@ -300,7 +314,7 @@ def _fsdp_buffers(
         unsharded_grad_bytes = dt.compute + 4 if dt.master else dt.param
         grad_buffers = (root_numel + 2 * layer_numel) * unsharded_grad_bytes
         return root + all_layers_numel * gather_bytes, root + largest_layer, grad_buffers
-    root_shard = sum(fsdp_shard_numel(p, world, 0, pc.ep, pc.tp) for p, _ in params if p.unit == "root")
+    root_shard = sum(fsdp_shard_numel(p, world, 0, pc.ep, pc.tp, 0) for p, _ in params if p.unit == "root")
     root_grads = sum(p.numel for p, _ in params if p.unit == "root") * (dt.compute if dt.master else dt.param)
     root_grads += 2 * head_grad if tied else 0
     if m > 1:  # gradient accumulation: every gradient shard exists from the first micro-batch's backward on

@@ -217,7 +217,7 @@ def _document_tokens_option(p: argparse.ArgumentParser) -> None:
         "--document-tokens",
         type=positive_int,
         help="document masking (CausalLMModule(document_masking=True)) with documents of N tokens: estimate and "
-        "plan count its masks; plan times the attention work the documents leave; measure trains on synthetic "
+        "plan count its masks; plan times the attention its masked kernels compute; measure trains on synthetic "
         "windows of such documents (an EOS every N tokens)",
     )
 
@@ -486,6 +486,8 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "host_memory": args.host_memory,
         "layouts": [_plan_row(args, cfg, c, untested_pairs, gpu) for c in rows],
     }
+    if args.document_tokens is not None:
+        _add_attention_work(out, args.document_tokens)
     if args.plot:
         from lightning_4d.planning.plot import plot_plan
 
@@ -496,6 +498,20 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         )
         out["plot"] = plot_plan(points, gpu.memory, args.budget, args.plot, title)["path"]
     return out
+
+
+def _add_attention_work(out: dict[str, Any], document_tokens: int) -> None:
+    """Document masking in ``plan``'s result: ``document_tokens`` and, per layout, ``attention_work``, the attention
+    FLOPs its masked kernels compute over causal attention's, which its step time charges
+    (:func:`~lightning_4d.planning.step_time.attention_work`); its ``mfu`` counts the documents' attention FLOPs
+    (:meth:`LlamaConfig.flops_per_token <lightning_4d.models.LlamaConfig.flops_per_token>`'s ``attention_context``),
+    not the masked tiles the kernels compute beside them."""
+    from lightning_4d.planning.step_time import attention_work
+
+    out["document_tokens"] = document_tokens
+    for row in out["layouts"]:
+        method = row["context_parallel_method"]
+        row["attention_work"] = attention_work(out["seq_length"], document_tokens, row["cp"], method)
 
 
 def _search_of(args: argparse.Namespace, fixed: dict[str, int]) -> Search:

@@ -417,6 +417,11 @@ def offloaded_bytes_per_microbatch(
     return int(sum(offloaded_per_stage(pc, pc.rank_stages(cfg.num_layers, pp_rank), per_layer, saved["rope"])))
 
 
+#: the phase of document masking's cp attention backward with its masks (ring and all-to-all: planning/buffers.py's
+#: masked_ring_phase)
+MASKED_PHASE = "masked cp attention backward"
+
+
 def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization: int = 0) -> dict[str, int]:
     """The bytes beyond parameters and optimizer states in each phase of a step (module docstring, **Peak**);
     ``initialization``: :func:`lightning_4d.planning.buffers.initialization_bytes` (before the first step: no
@@ -473,7 +478,7 @@ def _feature_phases(act: Activations, buf: Buffers, layer_transients: int) -> di
     if buf.masked_ring:
         # document masking under the cp ring: the first layer's attention backward with the own block's mask (its
         # feed-forward's backward done), once the loss' backward is done (planning/buffers.py's masked_ring_phase)
-        phases["masked ring backward"] = _after_loss(act, buf, layer_transients) - act.recompute + buf.masked_ring
+        phases[MASKED_PHASE] = _after_loss(act, buf, layer_transients) - act.recompute + buf.masked_ring
     if buf.float8_backward:
         # float8: a converted linear's backward (its float8 copies and scale arithmetic) once the loss' backward has
         # freed what it saved but the labels (planning/float8_costs.py); under activation checkpointing
@@ -567,10 +572,10 @@ def _estimate_pp_rank(
     buf = buffer_terms(work, pc, dt, pp_rank, states, device_type)
     phases = _phases(states, act, buf, initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
     _add_held_copies(phases, work, pc, pp_rank, saved, device_type)
-    if "masked ring backward" in phases and pc.activation_checkpointing != "none":
+    if MASKED_PHASE in phases and pc.activation_checkpointing != "none":
         # the recomputed layer's set is alive in its attention's backward (masked_ring_phase subtracts the parts its
         # feed-forward's backward freed from it)
-        phases["masked ring backward"] += act.recompute
+        phases[MASKED_PHASE] += act.recompute
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
     extra = allowance.bytes_for(tensors)

@@ -272,7 +272,8 @@ def hsdp_replicas(tp: int, cp: int, dp: int, gpus_per_node: int) -> tuple[int, .
     if tp * cp * dp <= gpus_per_node:
         return ()
     in_node = next((r for r in divisors(dp) if tp * cp * (dp // r) <= gpus_per_node), dp)
-    return (in_node,) if cp * dp // in_node > 1 else ()
+    # one replica (dp = 1) is the flat layout itself, which _zero_choices yields already
+    return (in_node,) if in_node > 1 and cp * dp // in_node > 1 else ()
 
 
 def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:

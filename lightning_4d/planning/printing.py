@@ -251,6 +251,14 @@ def _print_plan_notes(console: Any, out: dict[str, Any]) -> None:
             + " (all pairs: --json, untested_pairs).",
             soft_wrap=True,
         )
+    if out.get("document_tokens") and out["layouts"]:
+        console.print(
+            f"Document masking (documents of {out['document_tokens']:,} tokens): the step time charges the attention "
+            "FLOPs the masked kernels compute, masked tiles included "
+            f"(#1: {out['layouts'][0]['attention_work']:.2f}x causal attention's; JSON: attention_work); MFU counts "
+            "only the documents' own attention FLOPs (sum of n^2 over the documents, the full-square convention).",
+            soft_wrap=True,
+        )
     if out.get("plot"):
         console.print(f"plot: {out['plot']}")
     console.print(

@@ -121,13 +121,13 @@ def bucket_owned(numels: list[int], elem_bytes: int, world: int, rank: int, buck
 def fsdp_padded_numel(p: Param, world: int, ep: int, tp: int) -> int:
     """Elements of ``p`` in FSDP2's all-gather output: dim 0 padded to a multiple of its group's size
     (:func:`fsdp_group`), or a stacked weight sharded on dim 1, which FSDP2 shards evenly only (no padding)."""
-    group, _ = fsdp_group(p, world, 0, ep, tp)
+    group, _ = fsdp_group(p, world, 0, ep, tp, 0)  # the size only: the same for every rank
     if moe_costs.fsdp_shard_dim(p, group) == 1:
         return p.numel
     return math.ceil(p.rows / group) * group * p.cols
 
 
-def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int, tp_rank: int = 0) -> int:
+def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int, tp_rank: int) -> int:
     """Elements of ``p`` rank ``dp_cp_rank`` (tp rank ``tp_rank``) holds at ZeRO 2/3 (FSDP2's ``torch.chunk`` of dim
     0 over its group, :func:`fsdp_group`; a stacked weight sharded on dim 1: ``rows · (dim1 / G) · dim 2``, even)."""
     group, rank = fsdp_group(p, world, dp_cp_rank, ep, tp, tp_rank)
@@ -136,7 +136,7 @@ def fsdp_shard_numel(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int, tp
     return chunk(p.rows, group, rank) * p.cols
 
 
-def fsdp_group(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int, tp_rank: int = 0) -> tuple[int, int]:
+def fsdp_group(p: Param, world: int, dp_cp_rank: int, ep: int, tp: int, tp_rank: int) -> tuple[int, int]:
     """``(size, rank)`` of the group FSDP2 shards ``p`` over at ZeRO 2/3: the group its gradients are reduced over
     (:func:`reduction_group`, ``parallel/fsdp.py``'s ``apply_fsdp``): an MoE layer's parameters under tp (group
     ``"tp"``) over ``dp_cp_tp``, a parameter split over ep (``"ep"``) over the ep data-parallel group ``edp``

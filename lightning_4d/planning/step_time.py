@@ -14,8 +14,9 @@ T = b·s/cp tokens per micro-batch per GPU, c = 2 bytes (bf16 compute).
   shape (:func:`gemm_efficiency`, :data:`GEMM_EFFICIENCY`): the smallest of the layer's GEMM dimensions (T, h,
   f/tp, a·d/tp) picks the class;
 - causal attention: ``6·a·d·s·T/tp`` FLOPs (half of the ``12·L·h·s`` of the MFU convention: PaLM appendix B) at
-  :data:`ATTENTION_EFFICIENCY` of the peak; with document masking times the fraction of that work the documents
-  leave (:func:`attention_work`);
+  :data:`ATTENTION_EFFICIENCY` of the peak; with document masking times the work its masked kernels do over
+  that (:func:`attention_work`: 2.0 without cp and for all-to-all, less for the ring and all-gather, which skip
+  the blocks no document spans);
 - pointwise ops (norms, RoPE, SiLU and the SwiGLU product, residual additions, casts): memory-bound, ``bytes /
   (POINTWISE_EFFICIENCY · memory bandwidth)`` with the bytes our eager layer reads and writes per token, measured on
   it (:data:`POINTWISE_BYTES`; ``tests/test_step_time.py`` measures them again with a ``TorchDispatchMode``):
@@ -96,7 +97,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
-from lightning_4d.features.context_parallel.costs import ring_computed_blocks
+from lightning_4d.features.context_parallel.costs import allgather_masked_keys, ring_computed_blocks
 from lightning_4d.features.moe import MoESizes, costs as moe_costs
 from lightning_4d.features.moe.costs import all_to_all_time
 from lightning_4d.features.pipeline import ZERO_BUBBLE_SCHEDULES
@@ -118,7 +119,6 @@ from lightning_4d.planning.rates import (
     link as _link,
     ring as _ring,
 )
-from lightning_4d.planning.workload import document_attention_context
 
 __all__ = [
     "ATTENTION_EFFICIENCY",
@@ -344,29 +344,39 @@ def attention_efficiency(block_tokens: float) -> float:
 
 @functools.lru_cache(maxsize=4096)
 def attention_work(seq_length: int, document_tokens: Optional[int], cp: int, method: str) -> float:
-    """The fraction of causal attention's work (the step-time model's ``6·a·d·s·T/tp`` FLOPs) a layer does with
-    document masking, for windows of ``seq_length`` tokens packed with documents of ``document_tokens`` tokens
-    (1.0 without masking, ``None``, and for documents of ``s`` tokens or more).
+    """The attention work a layer's kernels do with document masking, over causal attention's (the step-time model's
+    ``6·a·d·s·T/tp`` FLOPs, ``s²/(2·cp)`` (query, key) pairs per sample and cp rank), for windows of ``seq_length``
+    tokens packed with documents of ``document_tokens`` tokens (``lightning-4d measure``'s windows; documents of
+    ``s`` tokens or more: one document per window, still masked). 1.0 without masking (``None``).
 
-    - The cp ring (``cp > 1``, ``method="ring"``): it computes a block whole (masked) or skips it when no document
-      spans it (``features/context_parallel/runtime.py``), and every block of a step costs what the causal ring's
-      does (``2·C²`` query-key pairs, ``C = s/(2·cp)``); its ranks exchange K/V every step, so a step lasts as long
-      as its slowest rank's block: ``Σ_steps max_ranks computed / cp`` over
-      :func:`~lightning_4d.features.context_parallel.costs.ring_computed_blocks` (step 0, the own block, always
-      computed).
-    - Otherwise (no cp, ``"allgather"``, ``"alltoall"``): the documents' attention FLOPs over causal attention's,
-      ``c/s`` with ``c`` the documents' mean attention context
-      (:func:`~lightning_4d.planning.workload.document_attention_context`, ``Σ n_d²/s``): the attention term of
-      :meth:`LlamaConfig.flops_per_token <lightning_4d.models.LlamaConfig.flops_per_token>`,
-      ``12·L·h·attention_context``, over its ``12·L·h·s``, the one definition MFU uses. These are the FLOPs a
-      kernel that skips the masked tiles does: the dense kernels masked blocks run today (explicit matmuls on
-      CUDA, an additive mask) compute every tile."""
-    if document_tokens is None or document_tokens >= seq_length:
+    What the masked kernels run today (``features/context_parallel/runtime.py``, ``models/attention_backends.py``):
+    SDPA with the mask (ATen's CPU flash kernel, CUDA's memory-efficient one) or explicit matmuls, each computing
+    every (query, key) pair of the block it is given, masked ones included: no causal half skipped, no masked tile.
+
+    - No cp, and ``"alltoall"`` (each rank's heads over the whole window): one masked call over the whole ``s × s``
+      square, ``s²`` pairs against causal's ``s²/2``: 2.0, whatever the documents.
+    - ``"ring"``: it skips a block no document spans and computes the others whole
+      (:func:`~lightning_4d.features.context_parallel.costs.ring_computed_blocks`). Its ranks exchange K/V every
+      step, so a step lasts as long as its slowest rank's block: the own block (step 0, always computed) is the
+      ``2C × 2C`` square, ``4·C²`` pairs (``C = s/(2·cp)``), every other computed block ``2·C²``, the causal ring's
+      ``2·C²`` per step: ``(2 + Σ_{steps ≥ 1} max_ranks computed) / cp``.
+    - ``"allgather"``: query chunk ``i`` against its own chunk and the keys from the start of its first token's
+      document (:func:`~lightning_4d.features.context_parallel.costs.allgather_masked_keys`); the gathers and
+      reduce-scatters of every layer wait for the slowest rank: ``max_ranks keys / (2·cp·C)``.
+
+    A kernel that skipped masked tiles (FlexAttention's block mask, flash-attn's varlen functions) would do the
+    documents' own FLOPs, ``c/s`` with ``c`` their mean attention context
+    (:func:`~lightning_4d.planning.workload.document_attention_context`), what MFU counts; none runs today.
+    ``tests/test_document_masking.py`` checks these against torch's ``FlopCounterMode`` on the real kernel calls."""
+    if document_tokens is None:
         return 1.0
+    n = min(document_tokens, seq_length)
     if cp > 1 and method == "ring":
-        blocks = ring_computed_blocks(seq_length, cp, document_tokens)
-        return sum(max(rank[step] for rank in blocks) for step in range(cp)) / cp
-    return document_attention_context(seq_length, document_tokens) / seq_length
+        blocks = ring_computed_blocks(seq_length, cp, n)
+        return (2 + sum(max(rank[step] for rank in blocks) for step in range(1, cp))) / cp
+    if cp > 1 and method == "allgather":
+        return max(allgather_masked_keys(seq_length, cp, n)) / seq_length
+    return 2.0
 
 
 @functools.lru_cache(maxsize=65536)
@@ -385,7 +395,7 @@ def _layer_terms(dims: tuple[int, ...], shape: LayerShape, gpu: Any, gpus_per_no
     # the load-balanced causal split: 2·cp chunks; alltoall: one kernel call over the whole sequence
     block = s / (2 * cp) if cp > 1 and method != "alltoall" else s
     t_att = 6 * a * d * s * tokens / tp / (attention_efficiency(block) * peak)
-    if attention != 1.0:  # document masking: the work the documents leave (attention_work)
+    if attention != 1.0:  # document masking: the work its masked kernels do (attention_work)
         t_att *= attention
     ch, cq, cf = POINTWISE_BYTES
     t_pw = (ch * h / (tp if sp else 1) + (cq * (a + 2 * k) * d + cf * f) / tp) * tokens / hbm

@@ -110,7 +110,7 @@ class Job:
             its memory budget of it (``None``: not checked).
         document_tokens: document masking (``CausalLMModule(document_masking=True)``) with documents of this many
             tokens: every layout's memory estimate counts its masks (:attr:`Workload.document_masking`) and its step
-            time the attention work the documents leave (:func:`~lightning_4d.planning.step_time.attention_work`);
+            time the attention its masked kernels compute (:func:`~lightning_4d.planning.step_time.attention_work`);
             ``None``: no masking.
     """
 

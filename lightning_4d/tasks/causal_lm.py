@@ -111,8 +111,9 @@ class CausalLMModule(MoETraining, L.LightningModule):
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss`` and ``val_ppl``
     (torchmetrics, :class:`~lightning_4d.tasks.metrics.TokenMeanLoss`: the token-weighted mean loss over the whole
     validation set and its ``exp``, summed over the data-parallel ranks at the end of the epoch, identical on every
-    rank), ``lr``, ``tokens_per_sec`` (global tokens per second) and, on CUDA, ``mfu`` (with document masking over
-    the attention FLOPs of the documents, :meth:`LlamaConfig.flops_per_token`'s ``attention_context``). An MoE
+    rank), ``lr``, ``tokens_per_sec`` (global tokens per second, every token of the windows) and, on CUDA, ``mfu``
+    (with document masking the documents' own attention FLOPs, :meth:`LlamaConfig.flops_per_token`'s
+    ``attention_context``, not the masked tiles the kernels compute beside them). An MoE
     model also trains and logs its load-balancing loss and routing statistics
     (:class:`~lightning_4d.features.moe.runtime.MoETraining`).
 

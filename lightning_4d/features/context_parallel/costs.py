@@ -4,7 +4,8 @@ elsewhere; here what is not, per method: what a layer saves beyond the ring's lo
 ``"allgather"``'s gathered K/V, ``"alltoall"``'s second output copy and replicated kv heads), the query tokens the
 attention kernel calls of a cp rank cover (:func:`selective_attention_tokens`), one layer's attention-backward
 transients (:func:`context_parallel_buffers`) and, with document masking, the ring's backward with its block masks
-(:func:`ring_masked_backward`) and the blocks it computes (:func:`ring_computed_blocks`).
+(:func:`ring_masked_backward`), the blocks it computes (:func:`ring_computed_blocks`) and the keys the all-gather
+method's masked kernel calls cover (:func:`allgather_masked_keys`).
 
 Pure Python: no torch import.
 """
@@ -18,7 +19,9 @@ from lightning_4d.features.context_parallel import alltoall_heads
 from lightning_4d.planning.tensors import Dtypes
 
 __all__ = [
+    "allgather_masked_keys",
     "alltoall_buffers",
+    "alltoall_masked_backward",
     "alltoall_saved_extra",
     "context_parallel_buffers",
     "extra_saved_bytes",
@@ -69,6 +72,35 @@ def alltoall_buffers(cfg: Any, pc: ParallelConfig, compute_bytes: int, b: int, s
     (the output gradient's exchange before it moves ``c_b·b·s·a/(tp·cp)·d`` three times, less)."""
     nq, kv = alltoall_heads(cfg.num_heads, cfg.num_kv_heads, pc.tp, pc.cp)
     return 3 * compute_bytes * b * seq_length * (nq + 2 * kv) * cfg.head_dim
+
+
+def alltoall_masked_backward(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int, eager: bool) -> int:
+    """Bytes one layer's ``"alltoall"`` attention backward holds with document masking while its kernel runs: the
+    whole sequence's mask for this rank's ``a' = a/(tp·cp)`` heads, rebuilt from the saved document ids
+    (``window_mask``: boolean ``[b, 1, s, s]``), beside the output gradient of the whole sequence ``[b, a', s, d]``,
+    K and V repeated to the query heads (when ``a' > k'``), and the kernel's dq, dK, dV of the repeated heads, each
+    ``c·b·s·a'·d`` (``c`` the compute dtype's bytes):
+
+    - ATen's CPU flash kernel (``"sdpa"`` on CPU): the larger of the additive copy's making (``_additive``: the
+      mask, its negation and the copy in the compute dtype, ``(2 + c)·b·s²``, before the gradients exist) and the
+      kernel's run (the mask and the copy, ``(1 + c)·b·s²``, beside dq, dK, dV);
+    - explicit matmuls (``eager``: the ``"eager"`` backend, and every backend on CUDA): the mask and five float32
+      ``[b, a', s, s]`` tensors (the scores, P, dP, dP − D, dS), as :func:`ring_masked_backward` reads them (read
+      from the code, not measured).
+
+    Measured on CPU (``lightning-4d measure --document-tokens 128``, tiny-test ``32-true`` cp2 alltoall, b=2
+    s=2048: 65,975,512 B): the phase it makes (``planning/buffers.py``'s ``masked_ring_phase``) is the estimate's
+    peak, 1.024 of the measured one. 0 without cp and for the other methods."""
+    if pc.cp == 1 or pc.context_parallel_method != "alltoall":
+        return 0
+    nq, kv = alltoall_heads(cfg.num_heads, cfg.num_kv_heads, pc.tp, pc.cp)
+    c, s = dt.compute, seq_length
+    head = c * b * s * nq * cfg.head_dim  # one [b, a', s, d] tensor
+    before = (1 + (2 if nq > kv else 0)) * head  # the output gradient, K and V repeated
+    square = b * s * s
+    if eager:
+        return before + 3 * head + square + 5 * 4 * nq * square
+    return before + max((2 + c) * square, (1 + c) * square + 3 * head)
 
 
 def selective_attention_tokens(pc: ParallelConfig, s: int, seq_length: int) -> int:
@@ -163,3 +195,15 @@ def ring_computed_blocks(seq_length: int, cp: int, document_tokens: int) -> tupl
         return any(spans(i, j) for i in rows for j in cols)
 
     return tuple(tuple(computed(r, (r - t) % cp) for t in range(cp)) for r in range(cp))
+
+
+def allgather_masked_keys(seq_length: int, cp: int, document_tokens: int) -> tuple[int, ...]:
+    """The keys the ``"allgather"`` method's masked kernel calls give a query token of each cp rank, summed over the
+    rank's two query chunks, per rank, for windows packed with documents of ``document_tokens`` tokens from the
+    window's start (``lightning-4d measure``'s): ``runtime.py``'s ``_allgather_blocks`` without torch. Query chunk
+    ``i`` (``C = s/(2·cp)`` tokens) attends to its own chunk, masked (``C`` keys: the whole block, the mask holds
+    the causal one), and to the keys from the start of the document holding its first token up to the chunk,
+    masked (``i·C − ⌊i·C/N⌋·N`` keys); a masked call computes its whole ``[C, keys]`` block. Rank ``r`` holds
+    chunks ``r`` and ``2·cp − 1 − r``: ``Σ_i C + i·C − ⌊i·C/N⌋·N``."""
+    chunk, n = seq_length // (2 * cp), document_tokens
+    return tuple(sum(chunk + i * chunk - (i * chunk) // n * n for i in (r, 2 * cp - 1 - r)) for r in range(cp))
