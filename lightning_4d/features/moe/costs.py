@@ -97,7 +97,8 @@ __all__ = [
 #: :class:`lightning_4d.callbacks.ExpertLoadMonitor` (``moe_expert_load_imbalance_max``): 1.9287 at step 7 (the freshly
 #: initialized router sends almost every row of a layer to one rank; mean over the run 1.196, max 1.50 after step 100,
 #: 1.26 after step 200), rounded up to 1.93. Per-step figures:
-#: ``benchmarks/results/expert_load_imbalance_tiny_moe_cpu_2026-11-26.json``; docs/moe.md, "Memory", gives the command.
+#: ``benchmarks/results/expert_load_imbalance_tiny_moe_cpu_2026-11-26.json``; docs/moe.md, "Measure your router's
+#: load", gives the command.
 #: Under a capacity factor the capacity bounds the received rows instead when it is lower.
 DEFAULT_EXPERT_LOAD_IMBALANCE = 1.93
 
