@@ -425,7 +425,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def markdown(result: dict) -> str:
-    """The tables of one run, as docs/memory.md quotes them."""
+    """The tables of one run, as docs/validation.md quotes them."""
     gib = 2**30
     code = result.get("code") or {}
     commit = code.get("commit") or "not recorded"

@@ -9,7 +9,7 @@ Usage::
 
     python benchmarks/memory_at_scale.py [--out benchmarks/results] [--rows 0 1 2]
 
-Prints a markdown table (docs/validation.md quotes it) and writes ``memory_at_scale_cpu.json`` / ``.md`` into
+Prints a markdown table (docs/validation_models.md quotes it) and writes ``memory_at_scale_cpu.json`` / ``.md`` into
 ``--out`` (the rows of an earlier run in that file are kept; a row run again replaces its entry).
 Each row takes 1-4 minutes on 2 cores (the ranks really compute; only the collectives are fake).
 """

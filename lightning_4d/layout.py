@@ -25,7 +25,7 @@ row states it).
 
 A new layout option: one :class:`LayoutField` here, then the feature's runtime, its rules against the other
 features, its memory term and its time term, in the feature's folder of ``lightning_4d/features/``
-(``docs/architecture.md``, "Add a layout option").
+(``docs/extending.md``, "Add a layout option").
 
 Pure Python: no torch import (the memory estimator and the CLI read it on a laptop).
 """
@@ -368,11 +368,11 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         0,
         "offload",
         "decoder layers per pipeline stage whose saved activations go to host memory (default 0; not "
-        "with activation checkpointing; docs/memory.md)",
+        "with activation checkpointing; docs/offload.md)",
         "the first this many decoder layers of every pipeline stage (all of a shorter stage's) keep their saved "
         "activations in host memory (page-locked) between forward and backward: copied out in forward, back in "
         "backward, on side streams overlapping compute (``lightning_4d/parallel/offload.py``, Megatron-Core's "
-        "``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing; ``docs/memory.md``.",
+        "``cpu_offloading_num_layers``). 0 (default) = none. Not with activation checkpointing; ``docs/offload.md``.",
         flags=("--activation-offload-layers",),
         minimum=0,
     ),
@@ -382,7 +382,7 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         False,
         "offload",
         "optimizer states on the host: fp32 masters and Adam's m, v in host memory, the step on the CPU (ZeRO 1-3; "
-        "docs/memory.md)",
+        "docs/offload.md)",
         "keep the optimizer's states in host memory and run its step on the CPU with torch's own AdamW (ZeRO-Offload, "
         "Ren et al. 2021, arXiv 2101.06840): at ZeRO 1 this rank's owned slice of every bucket has a host copy (the "
         "float32 master, or the parameter's float32 copy) and a host gradient, Adam's m and v live beside it, the "
@@ -390,7 +390,7 @@ LAYOUT_FIELDS: tuple[LayoutField, ...] = (
         "slice copied back before the all-gather (``lightning_4d/parallel/optimizer_offload.py``); at ZeRO 2/3 "
         "FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters (the masters), their gradients and so the "
         "optimizer states on the host and gathers each unit onto the device for compute. Needs ZeRO 1, 2 or 3. "
-        "Default ``False``; ``docs/memory.md``.",
+        "Default ``False``; ``docs/offload.md``.",
         flags=("--optimizer-offload",),
         planned=True,
         written="set",

@@ -22,7 +22,7 @@ STEPS = 20
 #: Measured 2026-11-27 (torch 2.13 CPU, torchao 0.18, `pytest -s tests/test_float8.py`): the largest loss relative
 #: difference from plain Lightning's bf16-mixed run over 20 steps is 4.6e-4 (tensorwise), 5.5e-4 (rowwise), 2.8e-4
 #: (dp2 ZeRO 3 tensorwise compiled), 4.5e-4 (pp2 tensorwise), 4.9e-4 (cp2 rowwise), 4.9e-4 (tp2 rowwise sp), 7.2e-4
-#: (tp2 tensorwise no sp; docs/parallelism.md); FourDStrategy's own bf16-mixed run without float8 differs by 4.2e-4
+#: (tp2 tensorwise no sp; docs/validation_cpu.md); FourDStrategy's own bf16-mixed run without float8 differs by 4.2e-4
 #: (bf16 rounding in another order). The bound is 2x the largest (7.2e-4).
 LOSS_RTOL = 1.5e-3
 #: the linears converted in tiny-test: 7 per decoder layer (wq, wk, wv, wo, w1, w3, w2), 2 layers

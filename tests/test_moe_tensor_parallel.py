@@ -1,5 +1,5 @@
 """Mixture-of-Experts models under tensor parallelism (with and without sequence parallelism) and context
-parallelism, composed with expert parallelism (issue 23; ``docs/moe.md``, "Tensor and context parallelism").
+parallelism, composed with expert parallelism (issue 23; ``docs/moe_design.md``, "Tensor and context parallelism").
 
 Under tp an MoE layer runs token parallel (expert tensor parallelism 1): each tp rank runs the whole layer on its own
 ``s/t`` tokens, its parameters' gradients summed over tp by the ``dp_cp_tp`` buckets (ZeRO 2/3: FSDP2 units over

@@ -3,7 +3,7 @@ the support matrix, its memory and step-time terms (torch-free) and its runtime,
 once in a :class:`~lightning_4d.features.feature.Feature`. :data:`FEATURES` is the one list of them:
 :class:`~lightning_4d.config.ParallelConfig` runs their rules in its order, the support matrix
 (:mod:`lightning_4d.support`) adds their rows and labels; ``tests/test_features.py`` checks that their terms import no
-torch and their runtimes exist. ``docs/architecture.md``, "Add a layout option".
+torch and their runtimes exist. ``docs/extending.md``, "Add a layout option".
 
 Pure Python: importing this package imports no torch (a feature's runtime module does, and only it).
 """

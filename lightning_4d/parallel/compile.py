@@ -9,7 +9,7 @@ saves; measured on torch 2.13 CPU: every saved tensor of a compiled ``Linear-GEL
 
 Mixture-of-Experts layers read their routing counts on the host (``tolist``: the routed rows' splits, the all-to-all
 sizes of ep): a graph break, so such a layer compiles as several graphs with the host read between
-them (``docs/parallelism.md`` has the measured comparison with Dynamo's dynamic-shape alternative).
+them (``docs/validation_cpu.md`` has the measured comparison with Dynamo's dynamic-shape alternative).
 
 Under tensor parallelism the DTensors live inside the compiled region (the sharded weights, the norms'
 sequence-sharded ``Shard(1)`` inputs, the redistributions of the plans), and the layer's input and output are plain

@@ -297,7 +297,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             type=positive_float,
             default=DEFAULT_CHECKPOINT_WRITE_GBPS,
             help=f"GB/s each node writes checkpoints at (default {DEFAULT_CHECKPOINT_WRITE_GBPS:g}, an "
-            "assumption: see docs/memory.md)",
+            "assumption: see docs/step_time.md)",
         )
         p.add_argument(
             "--mtbf-gpu-hours",
@@ -311,7 +311,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
             "--emit-config",
             metavar="FILE.yaml",
             help="write the first pick as a config for `lightning-4d fit --config FILE.yaml` "
-            "(trainer.strategy, devices, num_nodes, data batch sizes; docs/memory.md)",
+            "(trainer.strategy, devices, num_nodes, data batch sizes; docs/estimate_and_plan.md)",
         )
     return p
 
@@ -595,10 +595,10 @@ def _plan_row(
 
 def plan_config(out: dict[str, Any]) -> dict[str, Any]:
     """The first layout of a ``plan`` result (``out``, as ``--json`` prints it) as a LightningCLI config for
-    ``lightning-4d fit`` (docs/memory.md, "From a row to a config"): ``trainer`` (devices x num_nodes = the job's GPUs,
-    precision, ``accumulate_grad_batches`` = m with pp = 1, else 1, and ``strategy``: ``lightning_4d.FourDStrategy``
-    with every dimension of the layout), ``model.model_config`` when ``--model`` named a preset, and ``data``'s
-    ``seq_length``, ``micro_batch_size`` and ``global_batch_size`` (= b·dp·m).
+    ``lightning-4d fit`` (docs/estimate_and_plan.md, "From a row to a config"): ``trainer`` (devices x num_nodes =
+    the job's GPUs, precision, ``accumulate_grad_batches`` = m with pp = 1, else 1, and ``strategy``:
+    ``lightning_4d.FourDStrategy`` with every dimension of the layout), ``model.model_config`` when ``--model`` named a
+    preset, and ``data``'s ``seq_length``, ``micro_batch_size`` and ``global_batch_size`` (= b·dp·m).
 
     Raises:
         ValueError: ``out`` has no layout (none fits).
@@ -657,7 +657,7 @@ def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
         f"({100 * c['fraction']:.0f}% of {out['gpu']}), predicted step {c['step_time']:.4g} s (not measured).",
         f"#   {run} --data.data_path /data/corpus.bin --data.tokenizer path/to/tokenizer.json",
         "#   (a weighted blend of prepared corpora: --data.data_path '[0.7, /data/web.bin, 0.3, /data/code.bin]')",
-        '# (rows to arguments: docs/memory.md, "From a row to a config")',
+        '# (rows to arguments: docs/estimate_and_plan.md, "From a row to a config")',
     ]
 
     class _Dumper(yaml.SafeDumper):  # lists (the layer split) on one line: [7, 8, 8, 7]

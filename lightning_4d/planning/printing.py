@@ -81,7 +81,7 @@ def _print_host_memory(console: Any, out: dict[str, Any]) -> None:
     if lay.get("optimizer_offload"):
         console.print(
             f"host memory: {out['details']['host_model_states'] / GIB:.2f} GiB of model states per rank "
-            "(optimizer_offload: docs/memory.md), not in the total above"
+            "(optimizer_offload: docs/offload.md), not in the total above"
         )
     if out["host"]:
         verdict = "fits" if out["fits_host"] else "does NOT fit"
@@ -153,7 +153,7 @@ def _print_optimizer_offload(console: Any, out: dict[str, Any]) -> None:
     console.print(
         "No layout fits with the optimizer states on the GPUs: these keep them on the host "
         f"(FourDStrategy(optimizer_offload=True): fp32 masters and Adam's m, v in host memory, the step on the CPU; "
-        f"docs/memory.md). Host memory per node ({out['gpus_per_node']} GPUs): {needs}"
+        f"docs/offload.md). Host memory per node ({out['gpus_per_node']} GPUs): {needs}"
         + (
             f" (within {100 * out['budget']:.0f}% of --host-memory)."
             if out.get("host_memory")
@@ -263,6 +263,6 @@ def _print_plan_notes(console: Any, out: dict[str, Any]) -> None:
         console.print(f"plot: {out['plot']}")
     console.print(
         "bubble, comm (exposed communication) and recomp (recomputation): fractions of the predicted step. "
-        "Step time, tokens/s and MFU are predicted by the step-time model of docs/memory.md (calibrated on "
+        "Step time, tokens/s and MFU are predicted by the step-time model of docs/step_time.md (calibrated on "
         "published runs), not measured."
     )

@@ -2,7 +2,7 @@
 
 An analytical model of FourDStrategy's step (``lightning_4d/parallel``), for ranking layouts and for the MFU
 ``lightning-4d plan`` predicts; it is calibrated on published runs (:data:`CALIBRATION_RUNS`, compared in
-``docs/memory.md`` and ``tests/test_step_time.py``), not measured here (we have no GPU). Symbols: h hidden size,
+``docs/step_time.md`` and ``tests/test_step_time.py``), not measured here (we have no GPU). Symbols: h hidden size,
 f FFN size, a heads, k kv heads, d head size, V vocabulary, L layers, s sequence length, b micro-batch size, m
 micro-batches per step, tp/pp/cp/dp the layout, v pipeline stages per pp rank, D = dp·cp, P the dense bf16 peak,
 T = b·s/cp tokens per micro-batch per GPU, c = 2 bytes (bf16 compute).
@@ -172,7 +172,7 @@ LOSS_BYTES_PER_LOGIT = 20
 #: float32 bytes the optimizer step reads and writes per owned parameter (gradient, master, m, v read; master,
 #: m, v written) + the compute-dtype parameter written.
 OPTIMIZER_BYTES_PER_PARAM = 4 * 7 + 2
-#: Published runs the model is calibrated with and tested against (``tests/test_step_time.py``, ``docs/memory.md``,
+#: Published runs the model is calibrated with and tested against (``tests/test_step_time.py``, ``docs/step_time.md``,
 #: ``benchmarks/step_time_calibration.py``). ``mfu`` is the publication's figure; ``layout`` our FourDStrategy
 #: equivalent; ``compile`` whether the run compiled its layers as its source says (True / False), or ``None`` where the
 #: source does not say: Meta's stack is not PyTorch eager and the Llama 3 paper names no kernels, so its rows are
@@ -538,7 +538,7 @@ def offload_exposed(
     backward of the next layer the prefetch overlaps; a stage offloaded whole brings its last layer back on demand,
     ``t`` exposed. ``t_f = step.compute / (3·m·L_r)``, ``L_r`` the rank's layers (forward : backward FLOPs = 1 : 2,
     Narayanan et al. 2021, arXiv 2104.04473, §5.1). Megatron-Core overlaps its ``cpu_offloading`` copies the same
-    way (a side stream, one layer ahead). Not measured on a GPU yet (``docs/memory.md``)."""
+    way (a side stream, one layer ahead). Not measured on a GPU yet (``docs/offload.md``)."""
     from lightning_4d.planning.model import offloaded_bytes_per_microbatch
 
     k, m = pc.activation_offload_layers, num_microbatches

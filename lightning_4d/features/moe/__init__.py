@@ -1,7 +1,7 @@
 """Mixture-of-Experts and expert parallelism (``ep``): the feature's record (:data:`FEATURE`), its rules of a layout
 (:func:`check_moe_layout`, :func:`check_float8`) and its rows of the support matrix (:data:`ROWS`: the tiny-moe
 preset, ep, transformers' Mixtral), and the rest of MoE beside it in this folder (``docs/moe.md``;
-``docs/architecture.md``, "The MoE component"):
+``docs/extending.md``, "The MoE component"):
 
 - ``costs.py``: its memory and step-time terms; torch-free;
 - ``layer.py``: the MoE feed-forward (router, stacked experts, shared experts, capacity, load-balancing loss), the

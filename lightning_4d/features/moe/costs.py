@@ -111,7 +111,8 @@ __all__ = [
 #: :class:`lightning_4d.callbacks.ExpertLoadMonitor` (``moe_expert_load_imbalance_max``): 1.9287 at step 7 (the freshly
 #: initialized router sends almost every row of a layer to one rank; mean over the run 1.196, max 1.50 after step 100,
 #: 1.26 after step 200), rounded up to 1.93. Per-step figures:
-#: ``benchmarks/results/expert_load_imbalance_tiny_moe_cpu_2026-11-26.json``; docs/moe.md, "Memory", gives the command.
+#: ``benchmarks/results/expert_load_imbalance_tiny_moe_cpu_2026-11-26.json``; docs/moe.md, "Measure your router's
+#: load", gives the command.
 #: Under a capacity factor the capacity bounds the received rows instead when it is lower.
 DEFAULT_EXPERT_LOAD_IMBALANCE = 1.93
 
@@ -187,7 +188,7 @@ def load_of_args(args: argparse.Namespace, checked: bool = False) -> dict[str, O
 #: what ``lightning-4d measure`` adds to the help of the MoE feature's layout option, by field name
 MEASURE_NOTES = {
     "expert_parallel_size": "; measure answers the fake process group's count exchange with the rows "
-    "--expert-load-imbalance states (docs/memory.md)",
+    "--expert-load-imbalance states (docs/moe_costs.md)",
 }
 
 

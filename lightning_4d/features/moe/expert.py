@@ -68,7 +68,7 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> Tensor:
     """Rows ``x[sum(input_splits[:j]) : sum(input_splits[:j+1])]`` go to rank ``j`` of ``group``; the result holds
     ``output_splits[j]`` rows from each rank ``j``, in rank order. Differentiable (the backward sends the gradients
-    back the same way). Our own autograd function around ``dist.all_to_all_single`` (``docs/moe.md``: the
+    back the same way). Our own autograd function around ``dist.all_to_all_single`` (``docs/moe_design.md``: the
     ``torch.distributed.nn`` collectives mis-handle sub-groups on gloo, see ``design.md``)."""
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
 

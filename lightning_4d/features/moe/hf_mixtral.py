@@ -19,7 +19,7 @@ parallelism (ep), from the same ``FourDStrategy`` arguments as our own Mixture-o
 
 The load-balancing loss stays the model's own (``output_router_logits=True`` adds ``router_aux_loss_coef`` times
 transformers' ``load_balancing_loss_func`` to ``outputs.loss``): it is computed from each rank's own tokens, as under
-``DDPStrategy`` (our Llama's MoE layers sum the counts over the data-parallel group instead, ``docs/moe.md``).
+``DDPStrategy`` (our Llama's MoE layers sum the counts over the data-parallel group instead, ``docs/moe_design.md``).
 """
 
 from __future__ import annotations

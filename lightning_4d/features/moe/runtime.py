@@ -5,7 +5,7 @@ parallelism's placement and all-to-all dispatch are :mod:`lightning_4d.features.
 
 - **meshes** (:func:`carve_meshes`, called by :func:`lightning_4d.mesh.build_mesh`). MoE layers under tensor
   parallelism (tp > 1) run token parallel: each tp rank runs the whole MoE layer on its own ``1/t`` of the sequence
-  (expert tensor parallelism 1, ``docs/moe.md``), so the ``dp_cp x tp`` ranks hold disjoint tokens of it. The
+  (expert tensor parallelism 1, ``docs/moe_design.md``), so the ``dp_cp x tp`` ranks hold disjoint tokens of it. The
   flattened ``("dp", "cp", "tp")`` mesh, ``dp_cp_tp`` (tp innermost), is their group (routing counts, and the
   gradients of the MoE layers' non-expert parameters, summed over it); without tp the group is ``dp_cp``. Expert
   parallelism (ep > 1) adds no dimension to the world mesh: that token group (size ``D·t``, D = dp·cp) is
@@ -548,7 +548,7 @@ class ExpertLoadMonitor(L.Callback):
     MoE layer and ep group, the rows the most loaded ep rank's experts received over the group's mean (1.0 is
     balanced, ``ep`` all rows on one rank), the max over layers and groups. It is the figure the memory model's
     ``expert_load_imbalance`` (:func:`lightning_4d.planning.model.estimate_memory`, ``lightning-4d estimate
-    --expert-load-imbalance``) multiplies the balanced received rows by; docs/moe.md says how its default was
+    --expert-load-imbalance``) multiplies the balanced received rows by; docs/validation_cpu.md says how its default was
     measured with this callback.
 
     Logged: ``moe_expert_load_imbalance`` (this step's) and ``moe_expert_load_imbalance_max`` (the largest since the

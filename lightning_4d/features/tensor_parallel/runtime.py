@@ -15,7 +15,7 @@ Per transformer block, over a tp group of size t:
 - the embedding is split by vocabulary rows, the LM head by vocabulary columns; its logits stay vocabulary-sharded
   (``Shard(-1)``) as a DTensor, for the vocabulary-parallel cross-entropy of :mod:`lightning_4d.parallel.loss` (no
   full-vocabulary logits on any rank);
-- a Mixture-of-Experts feed-forward is not split (:class:`TokenParallel`, ``docs/moe.md``): each tp rank runs the
+- a Mixture-of-Experts feed-forward is not split (:class:`TokenParallel`, ``docs/moe_design.md``): each tp rank runs the
   whole layer (its router and feed-forwards, replicated over tp) on its own ``s/t`` tokens of the sequence, as
   one more data-parallel dimension for that layer (no tp inside the MoE layer: Megatron-core's "MoE parallel
   folding" recommends it, torchtitan supports it). Its parameters' gradients are then partial sums over tp, summed
