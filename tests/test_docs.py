@@ -182,9 +182,9 @@ def test_reference_tables_name_every_field():
 #: prepare-data, fit, a resume and export-hf; tests/test_measure.py runs measure)
 TRAINING = ("fit", "measure", "prepare-data", "export-hf")
 #: ``fit --config FILE`` commands whose FILE is not in the repository: the reader's own file, or one an earlier step
-#: of the page writes (docs/recipe.md's plan.yaml: tests/test_recipe.py runs those); parsed with configs/tiny.yaml in
+#: of the page writes (docs/tutorial.md's plan.yaml: tests/test_recipe.py runs those); parsed with configs/tiny.yaml in
 #: its place (the flags after it are what the page shows)
-NOT_IN_REPO = {"my.yaml", "/tmp/recipe/plan.yaml"}
+NOT_IN_REPO = {"my.yaml", "/tmp/recipe/plan.yaml", "/tmp/tutorial/plan.yaml"}
 _ALL_SHOWN = [c for c in docs_figures.commands(kinds=TRAINING) if c.argv and c.argv[0] in TRAINING]
 #: one per distinct command line (several pages show ``fit --config configs/tiny.yaml``)
 SHOWN = list({tuple(c.argv): c for c in reversed(_ALL_SHOWN)}.values())[::-1]
