@@ -178,7 +178,7 @@ def test_reference_tables_name_every_field():
 
 
 #: the commands that train or write files: each one the pages show with its arguments is parsed by its own parser
-#: (flags, choices, config files and keys), not run (runs: tests/test_recipe.py runs docs/recipe.md's CPU recipe:
+#: (flags, choices, config files and keys), not run (runs: tests/test_recipe.py runs docs/tutorial.md's last block:
 #: prepare-data, fit, a resume and export-hf; tests/test_measure.py runs measure)
 TRAINING = ("fit", "measure", "prepare-data", "export-hf")
 #: ``fit --config FILE`` commands whose FILE is not in the repository: the reader's own file, or one an earlier step
