@@ -101,6 +101,8 @@ def _argv(rest: str, kinds: tuple[str, ...] = RUN_COMMANDS) -> tuple[Optional[li
     except ValueError:
         return None, "not a command line"
     argv = argv[: next((i for i, a in enumerate(argv) if a.startswith("(")), len(argv))]
+    # run without the options that write a file (`--emit-config FILE`, `--plot FILE`: the page's own steps write it)
+    argv = [a for i, a in enumerate(argv) if a not in _WRITES and (i == 0 or argv[i - 1] not in _WRITES)]
     if not argv:
         return None, "the program named, no command"
     if argv[0] not in kinds and argv[-1] not in ("--help", "-h"):
@@ -110,8 +112,6 @@ def _argv(rest: str, kinds: tuple[str, ...] = RUN_COMMANDS) -> tuple[Optional[li
     for prev, arg in zip(argv, argv[1:]):
         if prev.startswith("--") and not arg.startswith("--") and _PLACEHOLDER_VALUE.match(arg):
             return None, f"placeholder value {arg}"
-    if argv[0] in RUN_COMMANDS:  # run without the options that write a file (the page's own steps write it)
-        argv = [a for i, a in enumerate(argv) if a not in _WRITES and (i == 0 or argv[i - 1] not in _WRITES)]
     return argv, ""
 
 
