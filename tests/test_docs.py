@@ -178,13 +178,13 @@ def test_reference_tables_name_every_field():
 
 
 #: the commands that train or write files: each one the pages show with its arguments is parsed by its own parser
-#: (flags, choices, config files and keys), not run (runs: tests/test_recipe.py runs docs/recipe.md's CPU recipe:
+#: (flags, choices, config files and keys), not run (runs: tests/test_recipe.py runs docs/tutorial.md's last block:
 #: prepare-data, fit, a resume and export-hf; tests/test_measure.py runs measure)
 TRAINING = ("fit", "measure", "prepare-data", "export-hf")
 #: ``fit --config FILE`` commands whose FILE is not in the repository: the reader's own file, or one an earlier step
-#: of the page writes (docs/recipe.md's plan.yaml: tests/test_recipe.py runs those); parsed with configs/tiny.yaml in
+#: of the page writes (docs/tutorial.md's plan.yaml: tests/test_recipe.py runs those); parsed with configs/tiny.yaml in
 #: its place (the flags after it are what the page shows)
-NOT_IN_REPO = {"my.yaml", "/tmp/recipe/plan.yaml"}
+NOT_IN_REPO = {"my.yaml", "/tmp/recipe/plan.yaml", "/tmp/tutorial/plan.yaml"}
 _ALL_SHOWN = [c for c in docs_figures.commands(kinds=TRAINING) if c.argv and c.argv[0] in TRAINING]
 #: one per distinct command line (several pages show ``fit --config configs/tiny.yaml``)
 SHOWN = list({tuple(c.argv): c for c in reversed(_ALL_SHOWN)}.values())[::-1]

@@ -1,11 +1,11 @@
-"""The end-to-end recipe at CPU size (docs/recipe.md, "The same recipe at CPU size"), run as the page shows it.
+"""The end-to-end path at CPU size (docs/tutorial.md, "8. The whole path on your own text"), run as the page shows it.
 
 The commands are read from the page (so the page and this test cannot drift): ``prepare-data`` on the docs' own
-text, ``estimate``, ``plan --emit-config`` (the bracketed part, which the docs' figure check leaves out, is typed
-here as a reader would), a 4-process ``fit`` from the emitted config with a ``ModelCheckpoint``, a resume of it at
-another ZeRO stage, and ``export-hf``; ``/tmp/recipe`` becomes this test's folder. Then: every command exits 0, the
-resumed run continued from step 3 to step 5, and the exported directory is a Hugging Face Llama of the tiny preset
-that transformers loads and runs (the export's numbers against the checkpoint: tests/test_hf_checkpoints.py).
+text, ``estimate``, ``plan --emit-config`` (which the docs' command check runs without the option), a 4-process
+``fit`` from the emitted config with a ``ModelCheckpoint``, a resume of it at another ZeRO stage, and ``export-hf``;
+``/tmp/tutorial`` becomes this test's folder. Then: every command exits 0, the resumed run continued from step 3 to
+step 5, and the exported directory is a Hugging Face Llama of the tiny preset that transformers loads and runs (the
+export's numbers against the checkpoint: tests/test_hf_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ import torch
 
 from tests._launch import ROOT, worker_env
 
-PAGE = ROOT / "docs" / "recipe.md"
+PAGE = ROOT / "docs" / "tutorial.md"
 
 
 def recipe_commands() -> list[str]:
-    """The bash block under the page's CPU-size heading, one string per command (continuations joined, comments and
-    ``export`` lines dropped, brackets removed but their content kept)."""
-    text = PAGE.read_text().split("## The same recipe at CPU size", 1)[1]
+    """The bash block under the page's last section, one string per command (continuations joined, comments,
+    ``export`` and ``mkdir`` lines dropped: the test's folder exists)."""
+    text = PAGE.read_text().split("## 8. The whole path on your own text", 1)[1]
     block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
     commands = []
     for line in block.replace("\\\n", " ").splitlines():
         line = line.strip()
-        if not line or line.startswith("#") or line.startswith("export "):
+        if not line or line.startswith(("#", "export ", "mkdir ")):
             continue
-        commands.append(re.sub(r"\[([^\]]*)\]", r"\1", line))
+        commands.append(line)
     return commands
 
 
@@ -49,7 +49,7 @@ def test_the_cpu_recipe_runs(tmp_path):
 
     env = worker_env()
     for command in recipe_commands():
-        argv = shlex.split(command.replace("/tmp/recipe", str(tmp_path)))
+        argv = shlex.split(command.replace("/tmp/tutorial", str(tmp_path)))
         assert argv[0] == "lightning-4d", command
         proc = subprocess.run(
             [sys.executable, "-m", "lightning_4d", *argv[1:]],
