@@ -1,9 +1,9 @@
 """The end-to-end recipe at CPU size (docs/recipe.md, "The same recipe at CPU size"), run as the page shows it.
 
 The commands are read from the page (so the page and this test cannot drift): ``prepare-data`` on the docs' own
-text, ``estimate``, ``plan --emit-config`` (the bracketed part, which the docs' figure check leaves out, is typed
-here as a reader would), a 4-process ``fit`` from the emitted config with a ``ModelCheckpoint``, a resume of it at
-another ZeRO stage, and ``export-hf``; ``/tmp/recipe`` becomes this test's folder. Then: every command exits 0, the
+text, ``estimate``, ``plan --emit-config``, a 4-process ``fit`` from the emitted config with its own
+``ModelCheckpoint`` and logger (their folders set on the command line), a resume of it at another ZeRO stage, and
+``export-hf``; ``/tmp/recipe`` becomes this test's folder. Then: every command exits 0, the
 resumed run continued from step 3 to step 5, and the exported directory is a Hugging Face Llama of the tiny preset
 that transformers loads and runs (the export's numbers against the checkpoint: tests/test_hf_checkpoints.py).
 """
@@ -24,16 +24,16 @@ PAGE = ROOT / "docs" / "recipe.md"
 
 
 def recipe_commands() -> list[str]:
-    """The bash block under the page's CPU-size heading, one string per command (continuations joined, comments and
-    ``export`` lines dropped, brackets removed but their content kept)."""
+    """The bash block under the page's CPU-size heading, one string per command (continuations joined, comments,
+    ``export`` and ``mkdir`` lines dropped: the test's folder exists)."""
     text = PAGE.read_text().split("## The same recipe at CPU size", 1)[1]
     block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
     commands = []
     for line in block.replace("\\\n", " ").splitlines():
         line = line.strip()
-        if not line or line.startswith("#") or line.startswith("export "):
+        if not line or line.startswith(("#", "export ", "mkdir ")):
             continue
-        commands.append(re.sub(r"\[([^\]]*)\]", r"\1", line))
+        commands.append(line)
     return commands
 
 
@@ -69,6 +69,7 @@ def test_the_cpu_recipe_runs(tmp_path):
     else:
         meta = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
     assert meta["global_step"] == 5  # resumed at step 3, ran to max_steps 5
+    assert list((tmp_path / "logs" / "tiny").glob("version_*/metrics.csv"))  # the emitted config's CSVLogger
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert (hf.config.hidden_size, hf.config.num_hidden_layers) == (128, 4)  # the tiny preset
     logits = hf(torch.randint(0, 256, (1, 16))).logits
