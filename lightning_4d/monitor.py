@@ -39,7 +39,9 @@ class StepMonitor(L.Callback):
       start. CPU has no device allocator statistics: not logged there.
     - ``estimated_memory_gib``: the pre-fit estimate of the :class:`~lightning_4d.memory_check.MemoryEstimatorCallback`
       in the Trainer's callbacks (``FourDStrategy`` adds one on CUDA; on CPU add
-      ``MemoryEstimatorCallback(device_memory=...)`` to have one), when it estimated.
+      ``MemoryEstimatorCallback(device_memory=...)`` to have one), when it estimated, less its allowance for the CUDA
+      context and allocator fragmentation (``MemoryEstimate.overhead``): the tensor bytes, what
+      ``max_memory_allocated`` measures (the support matrix's smoke check compares the same two).
     - ``peak_memory_over_estimate``: ``peak_memory_gib / estimated_memory_gib`` when both are known.
 
     Args:
@@ -121,8 +123,8 @@ class StepMonitor(L.Callback):
         out: dict[str, float] = {}
         estimates = [cb.estimate for cb in trainer.callbacks if isinstance(cb, MemoryEstimatorCallback)]
         estimate = next((e for e in estimates if e is not None), None)
-        if estimate is not None:
-            out["estimated_memory_gib"] = estimate.total / GIB
+        if estimate is not None:  # the tensor bytes: the allocator sees neither the CUDA context nor fragmentation
+            out["estimated_memory_gib"] = (estimate.total - getattr(estimate, "overhead", 0)) / GIB
         device = trainer.strategy.root_device
         if device.type == "cuda":
             peak = torch.tensor(float(torch.cuda.max_memory_allocated(device)), device=device)

@@ -106,7 +106,8 @@ def test_step_monitor_logs_sane_values(fitted):
         assert mfu == pytest.approx(tokens_per_sec * flops_per_token / (0.1e12 * 4), rel=1e-6)
         assert "peak_memory_gib" not in r or not r["peak_memory_gib"]
     pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, zero_stage=1).resolve(4)
-    est = estimate_memory(Workload(cfg, 2, 32, "32-true", num_microbatches=1), pc, gpu_name=None)
+    est = estimate_memory(Workload(cfg, 2, 32, "32-true", num_microbatches=1), pc, device_type="cpu")
+    assert est.overhead == 0  # on CPU: the tensor bytes, as StepMonitor logs them
     assert {float(r["estimated_memory_gib"]) for r in rows} == {pytest.approx(est.total / GIB, rel=1e-9)}
 
 
