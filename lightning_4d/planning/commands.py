@@ -330,8 +330,8 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument(
             "--emit-config",
             metavar="FILE.yaml",
-            help="write the first pick as a config for `lightning-4d fit --config FILE.yaml` "
-            "(trainer.strategy, devices, num_nodes, data batch sizes; docs/memory.md)",
+            help="write the first pick as a config for `lightning-4d fit --config FILE.yaml`: the layout, the "
+            "batch sizes and, for a preset, a pretraining job (steps, schedule, checkpoints, logger; docs/recipe.md)",
         )
     return p
 
