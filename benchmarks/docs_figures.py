@@ -40,6 +40,11 @@ Two conventions, for README.md, docs/*.md and configs/*.yaml (checked by ``tests
 
    ``python benchmarks/docs_figures.py`` (``make docs-figures``) rewrites every figure; ``--check`` only reports the
    stale ones (exit 1). Figures of benchmarks that take minutes are not marked: the page names the command and date.
+
+3. **Pasteable blocks.** A shell code block (``bash``, ``sh``, ``console``, or untagged with a command in it) runs
+   as printed: no optional part in brackets, no ``<placeholder>``, ellipsis, ``path/to/`` or placeholder value
+   (:func:`paste_problems`; optional parts go in a second block or a comment). Only inline synopses in prose may
+   use brackets, which rule 1 leaves out.
 """
 
 from __future__ import annotations
