@@ -108,7 +108,8 @@ def test_step_monitor_logs_sane_values(fitted):
     pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, zero_stage=1).resolve(4)
     est = estimate_memory(Workload(cfg, 2, 32, "32-true", num_microbatches=1), pc, device_type="cpu")
     assert est.overhead == 0  # on CPU: the tensor bytes, as StepMonitor logs them
-    assert {float(r["estimated_memory_gib"]) for r in rows} == {pytest.approx(est.total / GIB, rel=1e-9)}
+    logged = {float(r["estimated_memory_gib"]) for r in rows}  # one value, logged as float32
+    assert len(logged) == 1 and logged.pop() == pytest.approx(est.total / GIB, rel=1e-6)
 
 
 @pytest.mark.slow
