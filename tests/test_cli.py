@@ -328,6 +328,35 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
     assert "Layouts of the same" not in capsys.readouterr().out
 
 
+def _check_the_job(config: dict, row: dict) -> None:
+    """The emitted config's job beside the layout: data placeholders, Llama 2's optimizer settings for a model under
+    20B parameters, steps, clipping, the validation interval in batches, the checkpoint at the row's interval."""
+    trainer, data = config["trainer"], config["data"]
+    assert data == {
+        "tokenizer": "path/to/tokenizer.json",  # the placeholders the header's launch line replaces
+        "data_path": "/data/corpus.bin",
+        "seq_length": 256,
+        "micro_batch_size": row["micro_batch_size"],
+        "global_batch_size": 64,
+    }
+    # the job: Llama 2's optimizer settings for a model under 20B parameters, a checkpoint every row's interval
+    assert config["model"] == {
+        "model_config": "tiny",
+        "learning_rate": 3e-4,
+        "warmup_steps": 2000,
+        "min_lr_ratio": 0.1,
+        "weight_decay": 0.1,
+    }
+    assert trainer["max_steps"] == 10_000 and trainer["gradient_clip_val"] == 1.0
+    assert trainer["val_check_interval"] == 1000 * trainer["accumulate_grad_batches"]  # Lightning counts batches
+    (checkpoint,) = [c["init_args"] for c in trainer["callbacks"] if c["class_path"].endswith(".ModelCheckpoint")]
+    assert checkpoint["save_last"] and checkpoint["dirpath"] == "checkpoints/tiny"
+    assert checkpoint["every_n_train_steps"] == max(1, min(row["checkpoint_interval_steps"], 1000))
+    assert trainer["callbacks"][-1]["class_path"].endswith(".ModelCheckpoint")  # --trainer.callbacks.dirpath sets it
+    assert {c["class_path"] for c in trainer["callbacks"]} >= {"lightning_4d.callbacks.StepMonitor"}
+    assert trainer["logger"]["class_path"] == "lightning.pytorch.loggers.CSVLogger"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
@@ -366,7 +395,7 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     assert len(lines) == 1 and "wrote" in lines[0], lines
 
     config = yaml.safe_load(path.read_text())
-    trainer, data = config["trainer"], config["data"]
+    trainer = config["trainer"]
     assert trainer["strategy"]["class_path"] == "lightning_4d.FourDStrategy"
     init_args = trainer["strategy"]["init_args"]
     pc = FourDStrategy(**init_args).parallel_config
@@ -376,29 +405,7 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     assert pc.tensor_parallel_overlap == row["tensor_parallel_overlap"] == ("--tensor-parallel-overlap" in extra)
     assert pc.compile == row["compile"] == ("--compile" in extra)
     assert trainer["devices"] * trainer["num_nodes"] == 16 and trainer["devices"] == 8
-    assert data == {
-        "tokenizer": "path/to/tokenizer.json",  # the placeholders the header's launch line replaces
-        "data_path": "/data/corpus.bin",
-        "seq_length": 256,
-        "micro_batch_size": row["micro_batch_size"],
-        "global_batch_size": 64,
-    }
-    # the job: Llama 2's optimizer settings for a model under 20B parameters, a checkpoint every row's interval
-    assert config["model"] == {
-        "model_config": "tiny",
-        "learning_rate": 3e-4,
-        "warmup_steps": 2000,
-        "min_lr_ratio": 0.1,
-        "weight_decay": 0.1,
-    }
-    assert trainer["max_steps"] == 10_000 and trainer["gradient_clip_val"] == 1.0
-    assert trainer["val_check_interval"] == 1000 * trainer["accumulate_grad_batches"]  # Lightning counts batches
-    (checkpoint,) = [c["init_args"] for c in trainer["callbacks"] if c["class_path"].endswith(".ModelCheckpoint")]
-    assert checkpoint["save_last"] and checkpoint["dirpath"] == "checkpoints/tiny"
-    assert checkpoint["every_n_train_steps"] == max(1, min(row["checkpoint_interval_steps"], 1000))
-    assert trainer["callbacks"][-1]["class_path"].endswith(".ModelCheckpoint")  # --trainer.callbacks.dirpath sets it
-    assert {c["class_path"] for c in trainer["callbacks"]} >= {"lightning_4d.callbacks.StepMonitor"}
-    assert trainer["logger"]["class_path"] == "lightning.pytorch.loggers.CSVLogger"
+    _check_the_job(config, row)
     if row["pp"] > 1:
         assert pc.microbatches == row["num_microbatches"] and trainer["accumulate_grad_batches"] == 1
         assert pc.pipeline_schedule == row["pipeline_schedule"] and pc.v == row["virtual_pipeline_stages"]
