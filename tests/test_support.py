@@ -115,10 +115,16 @@ def _smoke_file(tmp_path, name, commit, rows, clean=True, changed=()):
 
 
 def _history(monkeypatch, answers):
-    """git's answer to "which files changed since <commit>", per commit (``None``: git cannot say)."""
+    """git's answer to "which files changed since <commit>", per commit (``None``: git cannot say); a commit not in
+    ``answers`` (the real one a result without a commit is dated at) asks git."""
     from lightning_4d import provenance
 
-    monkeypatch.setattr(provenance, "changed_files", lambda commit, root=provenance.ROOT: answers[commit])
+    real = provenance.changed_files
+    monkeypatch.setattr(
+        provenance,
+        "changed_files",
+        lambda commit, root=provenance.ROOT: answers[commit] if commit in answers else real(commit, root),
+    )
 
 
 def test_cuda_column_names_the_commit_and_marks_rows_changed_since(tmp_path, monkeypatch):
