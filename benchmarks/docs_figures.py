@@ -41,6 +41,11 @@ Two conventions, for README.md, docs/*.md and configs/*.yaml (checked by ``tests
 
    ``python benchmarks/docs_figures.py`` (``make docs-figures``) rewrites every figure; ``--check`` only reports the
    stale ones (exit 1). Figures of benchmarks that take minutes are not marked: the page names the command and date.
+
+3. **Pasteable blocks.** A shell code block (``bash``, ``sh``, ``console``, or untagged with a command in it) runs
+   as printed: no optional part in brackets, no ``<placeholder>``, ellipsis, ``path/to/`` or placeholder value
+   (:func:`paste_problems`; optional parts go in a second block or a comment). Only inline synopses in prose may
+   use brackets, which rule 1 leaves out.
 """
 
 from __future__ import annotations
@@ -115,20 +120,27 @@ def _argv(rest: str, kinds: tuple[str, ...] = RUN_COMMANDS) -> tuple[Optional[li
     return argv, ""
 
 
+def _logical_lines(lines: list[str]) -> list[tuple[int, str]]:
+    """``(index of the first line, text)`` of each shell line of ``lines``, a trailing ``\\`` joining the next."""
+    out = []
+    i = 0
+    while i < len(lines):
+        start, line = i, lines[i]
+        while line.rstrip().endswith("\\") and i + 1 < len(lines):
+            i += 1
+            line = line.rstrip()[:-1] + " " + lines[i].strip()
+        i += 1
+        out.append((start, line))
+    return out
+
+
 def _commands_in(
     text: str, page: str, first_line: int, code: bool, kinds: tuple[str, ...] = RUN_COMMANDS
 ) -> list[Command]:
     """Commands in ``text`` (a code block's lines when ``code``, else prose whose inline spans are commands)."""
     found = []
     if code:
-        lines = text.split("\n")
-        i = 0
-        while i < len(lines):
-            start, line = i, lines[i]
-            while line.rstrip().endswith("\\") and i + 1 < len(lines):
-                i += 1
-                line = line.rstrip()[:-1] + " " + lines[i].strip()
-            i += 1
+        for start, line in _logical_lines(text.split("\n")):
             code_part, _, comment = ("", "", line) if line.lstrip().startswith("#") else line.partition(" #")
             m = _PROGRAM.search(code_part)
             if m:
@@ -193,6 +205,75 @@ def run(argv: list[str]) -> tuple[int, str, str]:
         else:
             os.environ["COLUMNS"] = old
     return code, out.getvalue(), err.getvalue()
+
+
+# -------------------------------------------------------------------------------------------- pasteable blocks
+#: the fences whose lines a reader pastes into a shell; an untagged block counts when a line of it starts a command
+SHELL_FENCES = ("bash", "sh", "shell", "console", "zsh")
+_SHELL_START = re.compile(r"^\s*(?:\$ )?(?:lightning-4d|python3?|torchrun|srun|sbatch|pip|make|export|mkdir|cd)\b")
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[^\n]*)\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
+
+
+def shell_lines(root: Path = ROOT) -> list[tuple[str, int, str]]:
+    """``(page, line, text)`` of every command line in the shell code blocks of README.md and docs/ (continuations
+    joined, ``#`` comments dropped): what a reader pastes."""
+    out = []
+    for path in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        text = path.read_text()
+        for block in _FENCE.finditer(text):
+            lines = block["body"].split("\n")
+            lang = block["lang"].strip().lower()
+            if lang not in SHELL_FENCES and not (lang == "" and any(_SHELL_START.match(ln) for ln in lines)):
+                continue
+            first = 1 + text.count("\n", 0, block.start("body"))
+            for start, line in _logical_lines(lines):
+                code = _strip_comment(line)
+                if code.strip():
+                    out.append((str(path.relative_to(root)), first + start, code.strip()))
+    return out
+
+
+def _strip_comment(line: str) -> str:
+    """``line`` without its shell comment (a ``#`` at the start of a word, outside quotes)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+_QUOTED = re.compile(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"")
+_EXPANSION = re.compile(r"\$\{[^}]*\}")  # ${arr[0]}, ${VAR:-default}
+_TEST_BRACKETS = re.compile(r"(?<!\S)(?:\[\[|\]\]|\[|\])(?!\S)")  # [[ ... ]] and [ ... ]: words of their own
+_ARRAY_INDEX = re.compile(r"\b\w+\[[^\]\s]*\]=")  # arr[0]=x
+_OPTIONAL = re.compile(r"\[\s*-{1,2}\w|\[[^\]\s]*\s[^\]]*\]|\[[A-Z][A-Z_]*\]")
+_ANGLE = re.compile(r"<[A-Za-z][^<>\s]*>")
+_ELLIPSIS = re.compile(r"\.\.\.|…")
+
+
+def paste_problems(line: str) -> list[str]:
+    """What in the shell command ``line`` a reader would paste and the shell or the program would refuse: an
+    optional part in brackets (``[--flag VALUE]``, ``[FILE]``), a ``<placeholder>``, an ellipsis, a ``path/to/``
+    path or a placeholder option value (one letter or upper case, such as ``--tp T`` or ``--plot FILE.png``).
+    Quoted strings, ``${...}`` expansions, the ``[ ... ]`` / ``[[ ... ]]`` tests, array indices and unquoted brackets
+    without spaces (globs, ``pip install 'pkg[extra]'``, a YAML list ``--x=[1,2]``) are legitimate shell."""
+    bare = _QUOTED.sub("''", line)
+    bare = _EXPANSION.sub("", bare)
+    bare = _TEST_BRACKETS.sub(" ", bare)
+    bare = _ARRAY_INDEX.sub("", bare)
+    found = [f"optional part {bare[m.start() : bare.find(']', m.start()) + 1]}" for m in _OPTIONAL.finditer(bare)]
+    found += [f"placeholder {m.group(0)}" for m in _ANGLE.finditer(bare)]
+    found += ["an ellipsis"] if _ELLIPSIS.search(bare) else []
+    found += ["a path/to/ placeholder"] if "path/to/" in bare else []
+    words = bare.split()
+    for prev, word in zip(words, words[1:]):
+        if prev.startswith("--") and "=" not in prev and _PLACEHOLDER_VALUE.match(word):
+            found.append(f"placeholder value {prev} {word}")
+    return found
 
 
 # ------------------------------------------------------------------------------------------------------- figures

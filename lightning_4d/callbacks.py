@@ -7,9 +7,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_4d.contract import layout_strategy, optional_member
 from lightning_4d.features.moe.runtime import ExpertLoadMonitor
+from lightning_4d.monitor import StepMonitor
 
-# ExpertLoadMonitor: the MoE component's callback, named here on the command line (docs/moe.md)
-__all__ = ["ExpertLoadMonitor", "TrainingSummary"]
+# ExpertLoadMonitor: the MoE component's callback, named here on the command line (docs/moe.md); StepMonitor:
+# tokens/s, MFU and peak memory per step (docs/monitoring.md)
+__all__ = ["ExpertLoadMonitor", "StepMonitor", "TrainingSummary"]
 
 
 class TrainingSummary(L.Callback):

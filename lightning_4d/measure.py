@@ -533,8 +533,8 @@ def cuda_library_bytes(dtypes: tuple = (torch.float32, torch.bfloat16)) -> int:
     """The bytes allocated on the CUDA device once CUDA's libraries have run: a matmul with its backward in each of
     ``dtypes`` is run and every tensor of it freed, then ``torch.cuda.memory_allocated()`` is returned. What stays
     is what the libraries keep through PyTorch's caching allocator for the life of the process (cuBLAS / cuBLASLt
-    workspaces, one per handle and stream; issue 32 saw ~70 MiB above the estimate on the small presets), plus
-    anything else still allocated in this process (nothing in a fresh one). A peak measured afterwards includes
+    workspaces, one per handle and stream: about 70 MiB above the estimate on the small presets, docs/validation.md),
+    plus anything else still allocated in this process (nothing in a fresh one). A peak measured afterwards includes
     these bytes; the estimate does not.
     """
     for dtype in dtypes:

@@ -132,6 +132,13 @@ def changed_files(commit: str, root: Path = ROOT) -> Optional[list[str]]:
     return None if out is None else sorted(line for line in out.splitlines() if line)
 
 
+def changed_since_date(date: str, root: Path = ROOT) -> Optional[list[str]]:
+    """The files that differ between the last commit before ``date`` (``YYYY-MM-DD``, its start) and this checkout's
+    working tree (:func:`changed_files`; a file changed on that date counts), or ``None`` when git cannot say."""
+    commit = _git("rev-list", "-1", f"--before={date} 00:00:00", "HEAD", root=root)
+    return changed_files(commit.strip(), root) if commit and commit.strip() else None
+
+
 def touched(changed: list[str], paths: tuple[str, ...]) -> list[str]:
     """The ``changed`` files under ``paths`` (files, or folders ending in ``/``)."""
     return [f for f in changed if any(f == p or (p.endswith("/") and f.startswith(p)) for p in paths)]

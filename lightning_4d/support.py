@@ -1,4 +1,4 @@
-"""The support matrix: which feature combinations lightning_4d runs, defined once (issue 32).
+"""The support matrix: which feature combinations lightning_4d runs, defined once.
 
 Every combination a user can ask for (ZeRO 0-3 x precision x tp/sp (+ overlap) x pp (each schedule, uneven split) x cp
 (ring, allgather, alltoall) x activation checkpointing x activation offload x compile x Mixture-of-Experts (ep, tp, pp,
@@ -571,9 +571,9 @@ def cuda_state(row: Row, results: dict[str, dict[str, Any]], history: Optional[d
     error = f": {(got.get('error') or '')[:200]}" if status != "ok" else ""
     where = f"on {got['card']}, {got['date']}"
     commit = got.get("commit")
-    if not commit:
-        return {"kind": "unrecorded", "text": f"ran {where} ({status}), commit not recorded{error}", "changed": []}
     history = {} if history is None else history
+    if not commit:
+        return {"kind": "unrecorded", "text": _unrecorded_text(row, got, where, error, history), "changed": []}
     if commit not in history:
         history[commit] = provenance.changed_files(commit)
     since = history[commit]
@@ -589,6 +589,23 @@ def cuda_state(row: Row, results: dict[str, dict[str, Any]], history: Optional[d
     shown = ", ".join(f.removeprefix("lightning_4d/") for f in changed[:CHANGED_SHOWN])
     more = f" and {len(changed) - CHANGED_SHOWN} more" if len(changed) > CHANGED_SHOWN else ""
     return {"kind": "changed", "text": f"{at} {where}; *changed since*: {shown}{more}{error}", "changed": changed}
+
+
+def _unrecorded_text(row: Row, got: dict[str, Any], where: str, error: str, history: dict) -> str:
+    """The CUDA cell of a result written without its commit: where it ran, its status and ``error``, and whether a
+    file the row exercises changed on or after the result's date (:func:`~lightning_4d.provenance.changed_since_date`;
+    not listed, so the page does not change with every later edit): a failure there may have been fixed since, an ok
+    may no longer hold."""
+    from lightning_4d import provenance
+
+    key = f"date {got['date']}"
+    if key not in history:
+        history[key] = provenance.changed_since_date(got["date"]) if got["date"] else None
+    since = history[key]
+    note = ""
+    if since is not None and provenance.touched(since, row.exercises()):
+        note = "; *code it exercises changed on or after that date*"
+    return f"ran {where} ({got.get('status')}), commit not recorded{error}{note}"
 
 
 def _cuda_cell(row: Row, results: dict[str, dict[str, Any]], history: Optional[dict] = None) -> str:

@@ -37,6 +37,10 @@ trainer:
       init_args: {dirpath: OUT/ckpt, save_last: true, every_n_train_steps: 3}
     - class_path: lightning_4d.callbacks.TrainingSummary
       init_args: {prompt: "def ", max_new_tokens: 8}
+    - class_path: lightning_4d.callbacks.StepMonitor
+      init_args: {peak_tflops: 0.1}   # a nominal CPU peak, so that mfu is logged (test_step_monitor_logs_sane_values)
+    - class_path: lightning_4d.memory_check.MemoryEstimatorCallback
+      init_args: {device_memory: 64GiB}   # on CPU the estimate needs a memory to check against
 model:
   model_config: tiny-test
   learning_rate: 1.0e-3
@@ -77,6 +81,35 @@ def test_fit_from_yaml_trains_and_summarizes(fitted):
     assert "final validation loss" in proc.stdout + proc.stderr
     assert "corpus unigram entropy" in proc.stdout + proc.stderr
     assert (out / "ckpt" / "last.ckpt" / ".metadata").exists()
+
+
+@pytest.mark.slow
+def test_step_monitor_logs_sane_values(fitted):
+    """StepMonitor in a real 4-process CPU fit (dp=2 x tp=2): one row per optimizer step with tokens_per_sec > 0,
+    mfu in (0, 1) equal to tokens_per_sec x (6N + 12·L·h·s) / (peak x world size) with N counted on the real
+    parameters of a plain LlamaModel (PaLM's count), and the pre-fit estimate logged equal to estimate_memory's for
+    the same job; no peak_memory_gib on CPU (no device allocator statistics)."""
+    from lightning_4d.config import ParallelConfig
+    from lightning_4d.models import LlamaConfig, LlamaModel
+    from lightning_4d.planning.hardware import GIB
+    from lightning_4d.planning.model import estimate_memory
+
+    out, _, _ = fitted
+    rows = [r for r in _metrics(next((out / "logs" / "run").glob("version_*/metrics.csv"))) if r.get("mfu")]
+    assert len(rows) == 6, rows  # every optimizer step
+    cfg = LlamaConfig.from_name("tiny-test")
+    n = sum(p.numel() for p in LlamaModel(cfg).parameters())
+    flops_per_token = 6 * n + 12 * cfg.num_layers * cfg.hidden_size * 32  # s = 32
+    for r in rows:
+        tokens_per_sec, mfu = float(r["tokens_per_sec"]), float(r["mfu"])
+        assert tokens_per_sec > 0 and 0 < mfu < 1, r
+        assert mfu == pytest.approx(tokens_per_sec * flops_per_token / (0.1e12 * 4), rel=1e-6)
+        assert "peak_memory_gib" not in r or not r["peak_memory_gib"]
+    pc = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, zero_stage=1).resolve(4)
+    est = estimate_memory(Workload(cfg, 2, 32, "32-true", num_microbatches=1), pc, device_type="cpu")
+    assert est.overhead == 0  # on CPU: the tensor bytes, as StepMonitor logs them
+    logged = {float(r["estimated_memory_gib"]) for r in rows}  # one value, logged as float32
+    assert len(logged) == 1 and logged.pop() == pytest.approx(est.total / GIB, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -295,6 +328,35 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
     assert "Layouts of the same" not in capsys.readouterr().out
 
 
+def _check_the_job(config: dict, row: dict) -> None:
+    """The emitted config's job beside the layout: data placeholders, Llama 2's optimizer settings for a model under
+    20B parameters, steps, clipping, the validation interval in batches, the checkpoint at the row's interval."""
+    trainer, data = config["trainer"], config["data"]
+    assert data == {
+        "tokenizer": "path/to/tokenizer.json",  # the placeholders the header's launch line replaces
+        "data_path": "/data/corpus.bin",
+        "seq_length": 256,
+        "micro_batch_size": row["micro_batch_size"],
+        "global_batch_size": 64,
+    }
+    # the job: Llama 2's optimizer settings for a model under 20B parameters, a checkpoint every row's interval
+    assert config["model"] == {
+        "model_config": "tiny",
+        "learning_rate": 3e-4,
+        "warmup_steps": 2000,
+        "min_lr_ratio": 0.1,
+        "weight_decay": 0.1,
+    }
+    assert trainer["max_steps"] == 10_000 and trainer["gradient_clip_val"] == 1.0
+    assert trainer["val_check_interval"] == 1000 * trainer["accumulate_grad_batches"]  # Lightning counts batches
+    (checkpoint,) = [c["init_args"] for c in trainer["callbacks"] if c["class_path"].endswith(".ModelCheckpoint")]
+    assert checkpoint["save_last"] and checkpoint["dirpath"] == "checkpoints/tiny"
+    assert checkpoint["every_n_train_steps"] == max(1, min(row["checkpoint_interval_steps"], 1000))
+    assert trainer["callbacks"][-1]["class_path"].endswith(".ModelCheckpoint")  # --trainer.callbacks.dirpath sets it
+    assert {c["class_path"] for c in trainer["callbacks"]} >= {"lightning_4d.callbacks.StepMonitor"}
+    assert trainer["logger"]["class_path"] == "lightning.pytorch.loggers.CSVLogger"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
@@ -333,7 +395,7 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     assert len(lines) == 1 and "wrote" in lines[0], lines
 
     config = yaml.safe_load(path.read_text())
-    trainer, data = config["trainer"], config["data"]
+    trainer = config["trainer"]
     assert trainer["strategy"]["class_path"] == "lightning_4d.FourDStrategy"
     init_args = trainer["strategy"]["init_args"]
     pc = FourDStrategy(**init_args).parallel_config
@@ -343,8 +405,7 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     assert pc.tensor_parallel_overlap == row["tensor_parallel_overlap"] == ("--tensor-parallel-overlap" in extra)
     assert pc.compile == row["compile"] == ("--compile" in extra)
     assert trainer["devices"] * trainer["num_nodes"] == 16 and trainer["devices"] == 8
-    assert data == {"seq_length": 256, "micro_batch_size": row["micro_batch_size"], "global_batch_size": 64}
-    assert config["model"] == {"model_config": "tiny"}
+    _check_the_job(config, row)
     if row["pp"] > 1:
         assert pc.microbatches == row["num_microbatches"] and trainer["accumulate_grad_batches"] == 1
         assert pc.pipeline_schedule == row["pipeline_schedule"] and pc.v == row["virtual_pipeline_stages"]
@@ -360,6 +421,7 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["init_args"] | init_args == printed["trainer"]["strategy"]["init_args"]
     assert printed["data"]["micro_batch_size"] == row["micro_batch_size"]
+    assert printed["trainer"]["max_steps"] == 10_000 and printed["model"]["warmup_steps"] == 2000
 
     # the header's data arguments (one corpus, or a weighted blend) are what fit parses
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
@@ -379,6 +441,44 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no layout fits" in err[0] and "none.yaml" in err[0]
     assert not (tmp_path / "none.yaml").exists()
+
+
+def test_emitted_config_masks_documents_when_the_plan_did(tmp_path, capsys):
+    """A plan made with --document-tokens emits ``model.document_masking: true`` (the module then masks what the
+    estimate counted); without it the key is absent (the module's default, off)."""
+    import yaml
+
+    from lightning_4d.cli import main
+
+    base = ["plan", "--model", "tiny", "--num-gpus", "4", "--seq-length", "256", "--global-batch-size", "16"]
+    for extra, masked in (([], None), (["--document-tokens", "64"], True)):
+        path = tmp_path / f"plan{len(extra)}.yaml"
+        assert main(base + extra + ["--emit-config", str(path)]) == 0
+        capsys.readouterr()
+        assert yaml.safe_load(path.read_text())["model"].get("document_masking") is masked
+
+
+@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b"])
+def test_gpu_configs_use_the_emitted_pretraining_defaults(name):
+    """The shipped pretraining configs and ``plan --emit-config`` share one definition of the optimizer settings
+    (``planning.emit.pretraining_defaults``, Llama 2's): the YAML values equal it for the config's model."""
+    import inspect
+
+    import yaml
+
+    from lightning_4d.models import LlamaConfig
+    from lightning_4d.planning.emit import pretraining_defaults
+    from lightning_4d.tasks import CausalLMModule
+
+    config = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    defaults = pretraining_defaults(LlamaConfig.from_name(config["model"]["model_config"]).num_parameters())
+    model, trainer = config["model"], config["trainer"]
+    module_defaults = inspect.signature(CausalLMModule).parameters  # what a config leaves out
+    for key in ("learning_rate", "warmup_steps", "min_lr_ratio", "weight_decay"):
+        assert model.get(key, module_defaults[key].default) == getattr(defaults, key), key
+    assert trainer["gradient_clip_val"] == defaults.gradient_clip_val
+    # Lightning counts val_check_interval in batches: the configs validate every 1000 optimizer steps
+    assert trainer["val_check_interval"] == 1000 * trainer["accumulate_grad_batches"]
 
 
 @pytest.mark.slow

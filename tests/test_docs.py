@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -67,10 +69,29 @@ def test_the_extraction_and_the_exit_convention_on_a_sample(tmp_path):
         assert docs_figures.run(argv)[0] == code
 
 
+def _emit_target(argv: list[str]) -> Optional[str]:
+    """The ``--emit-config`` file of a ``plan`` command line (``None`` without one)."""
+    return next((b for a, b in zip(argv, argv[1:]) if a == "--emit-config"), None)
+
+
+def _redirected(argv: list[str], folder: Path) -> list[str]:
+    """``argv`` with its ``--emit-config`` file moved into ``folder`` (the pages name /shared/... or the cwd)."""
+    target = _emit_target(argv)
+    return [str(folder / Path(a).name) if a == target else a for a in argv]
+
+
+#: the configs the pages' ``plan ... --emit-config FILE`` commands write, by FILE
+EMITTED = {_emit_target(c.argv): c for c in RUNNABLE if c.argv[0] == "plan" and _emit_target(c.argv)}
+
+
+def test_pages_emit_configs():
+    assert {"/shared/llama3.1-8b-plan.yaml", "/tmp/recipe/plan.yaml", "llama3-8b-plan.yaml"} <= set(EMITTED), EMITTED
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", RUNNABLE, ids=lambda c: f"{c.page}:{c.line}")
-def test_documented_command_exits_as_the_page_says(command):
-    code, out, err = docs_figures.run(command.argv)
+def test_documented_command_exits_as_the_page_says(command, tmp_path):
+    code, out, err = docs_figures.run(_redirected(command.argv, tmp_path))
     assert code == command.expected_exit, (
         f"{command} exited {code}, the page says {command.expected_exit} "
         f"(write `exits {code}` after it if that is meant): {err.strip()[-2000:]}"
@@ -149,6 +170,46 @@ def test_gpu_config_launch_lines_name_the_tokenizer():
     assert len(shown) >= 6, shown
 
 
+def test_the_paste_check_on_samples():
+    """The check finds what a reader would paste and fail on, and leaves legitimate shell alone."""
+    refused = {
+        "lightning-4d plan --num-gpus 8 [--emit-config FILE.yaml]": "optional part [--emit-config FILE.yaml]",
+        "lightning-4d export-hf ckpt out [--dtype bfloat16]": "optional part [--dtype bfloat16]",
+        "lightning-4d export-hf [CKPT] out": "optional part [CKPT]",
+        "lightning-4d estimate --model <name>": "placeholder <name>",
+        "lightning-4d estimate --tp T --cp 2": "placeholder value --tp T",
+        "lightning-4d plan --plot FILE.png": "placeholder value --plot FILE.png",
+        "lightning-4d fit --config a.yaml ...": "an ellipsis",
+        "lightning-4d fit --data.tokenizer path/to/tokenizer.json": "a path/to/ placeholder",
+    }
+    for line, problem in refused.items():
+        assert docs_figures.paste_problems(line) == [problem], line
+    legitimate = [
+        "[[ -f corpus.idx ]] && echo ready",
+        'if [ -n "$SLURM_JOB_ID" ]; then echo "$SLURM_NODEID"; fi',
+        "nodes=(a b); echo ${nodes[0]} ${MASTER_PORT:-29500}",
+        "nodes[1]=b",
+        "pip install 'lightning-4d[flash]' lightning-4d[plot]",
+        "ls /data/shard-[0-9]*.bin 2>&1 | tee log <in",
+        "lightning-4d fit --data.data_path '[0.7, /data/web.bin, 0.3, /data/code.bin]'",
+        "lightning-4d fit --trainer.callbacks=[a,b] --gpu-memory H100-80GB --precision 32-true",
+        "python -c \"print('...')\"  # quoted text is the program's",
+        "cat <<EOF",
+    ]
+    for line in legitimate:
+        assert docs_figures.paste_problems(docs_figures._strip_comment(line)) == [], line
+
+
+def test_every_shell_block_runs_as_printed():
+    """No line of a shell code block in README.md or docs/ holds an optional part in brackets or a placeholder:
+    pasted, each runs (optional parts go in a second block or a comment)."""
+    lines = docs_figures.shell_lines()
+    assert len(lines) >= 40 and any(page == "docs/recipe.md" for page, _, _ in lines)
+    found = [(page, line, docs_figures.paste_problems(text)) for page, line, text in lines]
+    bad = [f"{page}:{line}: {problems}" for page, line, problems in found if problems]
+    assert not bad, "\n".join(bad)
+
+
 def _table_cells(page: str, header: str) -> str:
     text = (ROOT / page).read_text()
     start = text.index(header)
@@ -181,10 +242,10 @@ def test_reference_tables_name_every_field():
 #: (flags, choices, config files and keys), not run (runs: tests/test_recipe.py runs docs/tutorial.md's last block:
 #: prepare-data, fit, a resume and export-hf; tests/test_measure.py runs measure)
 TRAINING = ("fit", "measure", "prepare-data", "export-hf")
-#: ``fit --config FILE`` commands whose FILE is not in the repository: the reader's own file, or one an earlier step
-#: of the page writes (docs/tutorial.md's plan.yaml: tests/test_recipe.py runs those); parsed with configs/tiny.yaml in
-#: its place (the flags after it are what the page shows)
-NOT_IN_REPO = {"my.yaml", "/tmp/recipe/plan.yaml", "/tmp/tutorial/plan.yaml"}
+#: ``fit --config FILE`` commands whose FILE is the reader's own (not in the repository, not written by a page's
+#: ``plan --emit-config``): parsed with configs/tiny.yaml in its place (the flags after it are what the page shows).
+#: A FILE that a page's ``plan --emit-config`` writes is written by running that plan, then parsed as it is.
+NOT_IN_REPO = {"my.yaml"}
 _ALL_SHOWN = [c for c in docs_figures.commands(kinds=TRAINING) if c.argv and c.argv[0] in TRAINING]
 #: one per distinct command line (several pages show ``fit --config configs/tiny.yaml``)
 SHOWN = list({tuple(c.argv): c for c in reversed(_ALL_SHOWN)}.values())[::-1]
@@ -198,14 +259,24 @@ def test_every_training_command_kind_is_shown_and_parsed():
     kinds = {c.argv[0] for c in SHOWN}
     assert kinds == set(TRAINING), kinds
     assert len(SHOWN) >= 25, [str(c) for c in SHOWN]
-    assert {f for c in _ALL_SHOWN for f in _config_files(c.argv) if not (ROOT / f).is_file()} == NOT_IN_REPO
+    missing = {f for c in _ALL_SHOWN for f in _config_files(c.argv) if not (ROOT / f).is_file()}
+    assert missing - set(EMITTED) == NOT_IN_REPO and missing & set(EMITTED), missing
+
+
+def _emitted_config(path: str, folder: Path) -> str:
+    """Run the page's ``plan ... --emit-config path`` with the file written into ``folder``; the file's path."""
+    argv = _redirected(EMITTED[path].argv, folder)
+    code, _, err = docs_figures.run(argv)
+    assert code == 0, f"{EMITTED[path]} exited {code}: {err.strip()[-2000:]}"
+    return _emit_target(argv)
 
 
 @pytest.mark.parametrize("command", SHOWN, ids=lambda c: f"{c.page}:{c.line}")
-def test_documented_training_command_parses(command):
-    """The command as the page shows it (optional parts included) parses: ``fit`` through LightningCLI with
-    ``--print_config`` (the config files loaded, every key and value type-checked, nothing trained), the others with
-    their argparse parsers (exit 2 on an unknown flag or a bad choice)."""
+def test_documented_training_command_parses(command, tmp_path):
+    """The command as the page shows it parses: ``fit`` through LightningCLI with ``--print_config`` (the config
+    files loaded, every key and value type-checked, nothing trained; a config a page's ``plan --emit-config`` writes
+    is written first, and its data placeholders are what the page's flags replace), the others with their argparse
+    parsers (exit 2 on an unknown flag or a bad choice)."""
     import argparse
 
     from lightning_4d.data.prepare import _build_parser as prepare_data_parser
@@ -215,8 +286,14 @@ def test_documented_training_command_parses(command):
     kind, args = command.argv[0], command.argv[1:]
     if kind == "fit":
         argv = ["configs/tiny.yaml" if a in NOT_IN_REPO else a for a in command.argv]
+        argv = [_emitted_config(a, tmp_path) if a in EMITTED else a for a in argv]
         code, out, err = docs_figures.run([*argv, "--print_config"])
         assert code == 0 and "trainer:" in out, f"{command} exited {code}: {err.strip()[-2000:]}"
+        if any(a in EMITTED for a in command.argv):  # the page fills in the emitted file's data placeholders
+            import yaml
+
+            data = yaml.safe_load(out)["data"]
+            assert "path/to/" not in str(data["tokenizer"]) and data["data_path"] != "/data/corpus.bin", data
         return
     parser: argparse.ArgumentParser = {
         "measure": lambda: command_parser("measure"),
@@ -227,3 +304,23 @@ def test_documented_training_command_parses(command):
         parser.parse_args(args)
     except SystemExit as exc:
         raise AssertionError(f"{command}: {parser.prog} refuses its arguments (exit {exc.code})") from None
+
+
+_LAB_NOTE = re.compile(r"\bissues? #?\d+|\(#\d+\)|\bload average\b|\bmeasured (?:on )?\d{4}-\d\d-\d\d", re.I)
+
+
+def test_code_and_cli_help_hold_no_issue_numbers_or_dated_notes():
+    """The package's source (comments, docstrings, CLI help) and README name no tracker issue and carry no dated lab
+    notes: measurements live in docs/validation.md, and a reader of the code has no tracker to look them up in."""
+    found = []
+    for path in [*sorted((ROOT / "lightning_4d").rglob("*.py")), ROOT / "README.md"]:
+        text = path.read_text()
+        for m in _LAB_NOTE.finditer(text):
+            found.append(f"{path.relative_to(ROOT)}:{1 + text.count(chr(10), 0, m.start())}: {m[0]}")
+        if path.suffix == ".py":  # dates in comments and docstrings (results file names excepted: they are paths)
+            for i, line in enumerate(text.splitlines(), 1):
+                comment = line.split("#", 1)[1] if "#" in line else ""
+                if re.search(r"(?<![\w_])20\d\d-\d\d-\d\d(?![\w.])", comment):
+                    found.append(f"{path.relative_to(ROOT)}:{i}: a dated comment")
+    assert not found, "\n".join(found)
+    assert not _LAB_NOTE.search("see the support matrix") and _LAB_NOTE.search("fixed in issue 32")

@@ -308,7 +308,7 @@ def test_suggestions_and_emitted_configs_name_every_planned_field():
     ``FourDStrategy(...)`` line and ``plan --emit-config``'s ``init_args``) give back the same layout."""
     import ast
 
-    from lightning_4d.planning.commands import plan_config
+    from lightning_4d.planning.emit import plan_config
     from lightning_4d.planning.planner import suggestion_line
 
     for pc in _planned_layouts():

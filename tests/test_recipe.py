@@ -69,6 +69,9 @@ def test_the_cpu_recipe_runs(tmp_path):
     else:
         meta = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
     assert meta["global_step"] == 5  # resumed at step 3, ran to max_steps 5
+    # the emitted config's CSVLogger, its folder set on the command line: one version per fit (3 and 2 steps log no
+    # metrics row at Lightning's default log_every_n_steps of 50)
+    assert len(list((tmp_path / "logs" / "tiny").glob("version_*/hparams.yaml"))) == 2
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert (hf.config.hidden_size, hf.config.num_hidden_layers) == (128, 4)  # the tiny preset
     logits = hf(torch.randint(0, 256, (1, 16))).logits

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+import subprocess
 
 import pytest
 
@@ -91,7 +93,15 @@ def test_cuda_column_reads_only_cuda_smoke_results(tmp_path):
     gpu["rows"] = {row.id: {"status": "ok", "error": None}}
     (tmp_path / "smoke_NVIDIA_H100_80GB_HBM3_2026-11-28.json").write_text(json.dumps(gpu))
     page = support.markdown(tmp_path)
-    assert "| ran on NVIDIA H100 80GB HBM3, 2026-11-28 (ok), commit not recorded |" in page
+    # whether a file the row exercises changed on or after that date, as git log says it
+    log = subprocess.run(
+        ["git", "log", "--since=2026-11-28 00:00:00", "--name-only", "--format=", "--", *row.exercises()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout
+    note = "; *code it exercises changed on or after that date*" if log.strip() else ""
+    assert f"| ran on NVIDIA H100 80GB HBM3, 2026-11-28 (ok), commit not recorded{note} |" in page
     assert "ok on NVIDIA" not in page
     counts = support.summary(support.cuda_results(tmp_path))
     assert counts["ok on CUDA"] == 0 and counts["ran on CUDA, commit not recorded"] == 1
@@ -105,10 +115,16 @@ def _smoke_file(tmp_path, name, commit, rows, clean=True, changed=()):
 
 
 def _history(monkeypatch, answers):
-    """git's answer to "which files changed since <commit>", per commit (``None``: git cannot say)."""
+    """git's answer to "which files changed since <commit>", per commit (``None``: git cannot say); a commit not in
+    ``answers`` (the real one a result without a commit is dated at) asks git."""
     from lightning_4d import provenance
 
-    monkeypatch.setattr(provenance, "changed_files", lambda commit, root=provenance.ROOT: answers[commit])
+    real = provenance.changed_files
+    monkeypatch.setattr(
+        provenance,
+        "changed_files",
+        lambda commit, root=provenance.ROOT: answers[commit] if commit in answers else real(commit, root),
+    )
 
 
 def test_cuda_column_names_the_commit_and_marks_rows_changed_since(tmp_path, monkeypatch):
@@ -304,3 +320,58 @@ def test_plan_flags_layouts_the_matrix_has_not_tested(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "no*" in out and "* tested: no = the layout combines features" in out
+
+
+_VERDICT = re.compile(r"\b(?P<refused>[Rr]efused)\b|\b(?P<runs>runs?|loads?|tested)\b")
+_CITED = re.compile(r"`([a-z0-9]+(?:-[a-z0-9]+)+)`")
+
+
+def limit_claims(text: str) -> list[tuple[str, str]]:
+    """``(row id, "refused" | "runs")`` for each support-matrix row id a prose text cites in backticks: the verdict
+    word nearest before it in its sentence (``refused``; ``runs``, ``loads``, ``tested``), else the first after it;
+    ``"none"`` when the sentence says neither."""
+    ids = {row.id for row in support.ROWS}
+    claims = []
+    for sentence in re.split(r"(?<=\.)\s+(?=[A-Z*`(])", text.replace("\n", " ")):
+        verdicts = [(m.start(), "refused" if m["refused"] else "runs") for m in _VERDICT.finditer(sentence)]
+        for m in _CITED.finditer(sentence):
+            if m[1] not in ids:
+                continue
+            before = [v for at, v in verdicts if at < m.start()]
+            after = [v for at, v in verdicts if at > m.start()]
+            claims.append((m[1], before[-1] if before else after[0] if after else "none"))
+    return claims
+
+
+def test_limit_claims_on_samples():
+    text = (
+        "Refused: too few micro-batches (`pp2-1f1b-m1`). Tied embeddings run under pp (`pp2-tied`). "
+        "Activation offload is refused with checkpointing (`offload-checkpointing`) and runs under cp (`offload-cp`). "
+        "A transformers Llama with `activation_checkpointing` (`hf-llama-checkpointing`) is refused. "
+        "Something about `pp2-gpipe`. Unknown `not-a-row` ids are not claims."
+    )
+    assert limit_claims(text) == [
+        ("pp2-1f1b-m1", "refused"),
+        ("pp2-tied", "runs"),
+        ("offload-checkpointing", "refused"),
+        ("offload-cp", "runs"),
+        ("hf-llama-checkpointing", "refused"),
+        ("pp2-gpipe", "none"),
+    ]
+
+
+def test_known_limits_agree_with_the_matrix():
+    """docs/support.md's hand-written "Known limits" cite the matrix rows they speak of: a row they call refused is a
+    refused row, a row they say runs is not, every refused row is cited (the prose names every refusal the matrix
+    holds), and no cited row lacks a verdict."""
+    page = (ROOT / "docs" / "support.md").read_text()
+    limits = page.split("## Known limits", 1)[1].split("## The matrix", 1)[0]
+    claims = limit_claims(limits)
+    wrong = [
+        f"`{row_id}`: the prose says {verdict}, the matrix says {support.row_by_id(row_id).status}"
+        for row_id, verdict in claims
+        if verdict == "none" or (verdict == "refused") != (support.row_by_id(row_id).refused is not None)
+    ]
+    assert not wrong, "\n".join(wrong)
+    uncited = {row.id for row in support.ROWS if row.refused} - {row_id for row_id, _ in claims}
+    assert not uncited, f"refused rows the Known limits do not cite: {sorted(uncited)}"

@@ -21,7 +21,7 @@ for compute).
 
 Gradients are *averaged* over the group (the loss is a per-rank mean over equally many tokens); the divide factor is
 set explicitly so that the result does not depend on the backend's reduce op (on gloo FSDP2 has been reported to sum
-instead of average, pytorch issue 162338; the parity tests check this).
+instead of average, https://github.com/pytorch/pytorch/issues/162338; the parity tests check this).
 """
 
 from __future__ import annotations

@@ -20,15 +20,14 @@ from lightning_4d.config import (
     ParallelConfig,
     check_training_precision,
 )
-from lightning_4d.features import moe
 from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.layout import (
     LAYOUT_FIELDS,
     LayoutField,
     config_kwargs_from_args,
     reported_layout,
-    strategy_arguments,
 )
+from lightning_4d.planning.emit import fit_command, write_plan_config
 from lightning_4d.planning.hardware import GIB, GPU_PRESETS, gpu_spec, parse_bytes, physical_memory
 from lightning_4d.planning.printing import print_estimate, print_plan
 from lightning_4d.planning.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
@@ -310,8 +309,9 @@ def command_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument(
             "--emit-config",
             metavar="FILE.yaml",
-            help="write the first pick as a config for `lightning-4d fit --config FILE.yaml` "
-            "(trainer.strategy, devices, num_nodes, data batch sizes; docs/estimate_and_plan.md)",
+            help="write the first pick as a config for `lightning-4d fit --config FILE.yaml`: the layout, the "
+            "batch sizes and, for a preset, a pretraining job (steps, schedule, checkpoints, logger; "
+            "docs/estimate_and_plan.md)",
         )
     return p
 
@@ -484,6 +484,7 @@ def _plan(args: argparse.Namespace, untested_pairs: Optional[Callable[[dict, boo
         "async_checkpoint": args.async_checkpoint,
         "mtbf_gpu_hours": args.mtbf_gpu_hours,
         "host_memory": args.host_memory,
+        "document_tokens": args.document_tokens,
         "layouts": [_plan_row(args, cfg, c, untested_pairs, gpu) for c in rows],
     }
     if args.document_tokens is not None:
@@ -591,86 +592,6 @@ def _plan_row(
         if untested_pairs is None
         else [list(p) for p in untested_pairs(c.to_dict(), getattr(cfg, "is_moe", False))],
     }
-
-
-def plan_config(out: dict[str, Any]) -> dict[str, Any]:
-    """The first layout of a ``plan`` result (``out``, as ``--json`` prints it) as a LightningCLI config for
-    ``lightning-4d fit`` (docs/estimate_and_plan.md, "From a row to a config"): ``trainer`` (devices x num_nodes =
-    the job's GPUs, precision, ``accumulate_grad_batches`` = m with pp = 1, else 1, and ``strategy``:
-    ``lightning_4d.FourDStrategy`` with every dimension of the layout), ``model.model_config`` when ``--model`` named a
-    preset, and ``data``'s ``seq_length``, ``micro_batch_size`` and ``global_batch_size`` (= b·dp·m).
-
-    Raises:
-        ValueError: ``out`` has no layout (none fits).
-    """
-    if not out["layouts"]:
-        raise ValueError("no layout fits, so there is no first pick to write")
-    from dataclasses import fields
-
-    from lightning_4d.planning.planner import Candidate
-
-    c = out["layouts"][0]
-    pipe = c["pp"] > 1
-    layout = Candidate(**{f.name: c[f.name] for f in fields(Candidate)})
-    init_args = strategy_arguments(layout.parallel_config())
-    num_gpus, per_node = out["num_gpus"], out["gpus_per_node"]
-    trainer = {
-        "accelerator": "gpu",
-        "devices": min(num_gpus, per_node),
-        "num_nodes": max(1, num_gpus // per_node),
-        "precision": out["precision"],
-        "accumulate_grad_batches": 1 if pipe else c["num_microbatches"],
-        "strategy": {"class_path": "lightning_4d.FourDStrategy", "init_args": init_args},
-    }
-    config: dict[str, Any] = {"trainer": trainer}
-    if not str(out["model"]).endswith((".yaml", ".yml")) and not Path(out["model"]).is_file():
-        config["model"] = {"model_config": out["model"]}
-    config["data"] = {
-        "seq_length": out["seq_length"],
-        "micro_batch_size": c["micro_batch_size"],
-        "global_batch_size": c["micro_batch_size"] * c["dp"] * c["num_microbatches"],
-    }
-    return config
-
-
-def fit_command(out: dict[str, Any], path: str) -> str:
-    """The ``lightning-4d fit`` command that runs the config ``path`` written for ``out``: with a ``--model`` YAML
-    file, that file first (for its model and the rest of its job), then ``path``."""
-    if "model" in plan_config(out):
-        return f"lightning-4d fit --config {path}"
-    return f"lightning-4d fit --config {out['model']} --config {path}"
-
-
-def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
-    """Write :func:`plan_config` of ``out`` to ``path`` as YAML under a comment naming the plan ``command``, the
-    layout's prediction and how to run it; returns ``path``."""
-    import yaml
-
-    config = plan_config(out)
-    c = out["layouts"][0]
-    run = fit_command(out, path)
-    header = [
-        f"# The first pick of: {command}",
-        f"# tp={c['tp']} pp={c['pp']} cp={c['cp']} dp={c['dp']} ep={moe.plan_cell(c)} "
-        f"b={c['micro_batch_size']} m={c['num_microbatches']} "
-        f"ZeRO {c['zero_stage']} checkpointing={c['activation_checkpointing']}: {c['memory_gib']:.1f} GiB per GPU "
-        f"({100 * c['fraction']:.0f}% of {out['gpu']}), predicted step {c['step_time']:.4g} s (not measured).",
-        f"#   {run} --data.data_path /data/corpus.bin --data.tokenizer path/to/tokenizer.json",
-        "#   (a weighted blend of prepared corpora: --data.data_path '[0.7, /data/web.bin, 0.3, /data/code.bin]')",
-        '# (rows to arguments: docs/estimate_and_plan.md, "From a row to a config")',
-    ]
-
-    class _Dumper(yaml.SafeDumper):  # lists (the layer split) on one line: [7, 8, 8, 7]
-        pass
-
-    _Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
-    text = (
-        "\n".join(header)
-        + "\n"
-        + yaml.dump(config, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1 << 30)
-    )
-    Path(path).write_text(text)
-    return path
 
 
 def main(command: str, argv: list[str], untested_pairs: Optional[Callable[[dict, bool], list]] = None) -> int:

@@ -153,13 +153,12 @@ ATTENTION_EFFICIENCY = ((8192, 0.326), (4096, 0.316), (2048, 0.296), (1024, 0.26
 #: attention the flash kernel, the loss and the optimizer step are not compiled). Each factor is what makes the model's
 #: other terms plus the layers' pointwise time equal a measured step:
 #:
-#: - compiled 0.80: FourDStrategy(compile=True), llama3.2-1b b=1 s=8192 on one H100 80GB, torch 2.11, bf16-mixed,
-#:   187.7 ms (issue 35's table, 2026-11-27): 0.805; torchtitan's Llama 3.1 8B, 8 H100 96GB at 500 W, FSDP, local
-#:   batch 2, selective AC, "FSDP + torch.compile" 6,667 tokens/s/GPU (``benchmarks/llama3_h100_202412_torchtitan.md``
-#:   Table 1): 0.792. Two models, two GPUs, two code bases: fused kernels move about the bytes the model counts.
-#: - eager 1.62: the geometric mean of FourDStrategy's eager step of the same 1B run, 254.1 ms (issue 35; 255.6 ms in
-#:   ``benchmarks/results/gpu_step_time_NVIDIA_H100_80GB_HBM3_2026-11-27.json``): 2.04, and torchtitan's eager
-#:   "FSDP" row of the same Table 1, 5,762 tokens/s/GPU: 1.29. Eager runs every pointwise op as its own kernel
+#: - compiled 0.80: FourDStrategy(compile=True), llama3.2-1b b=1 s=8192 on one H100 80GB, bf16-mixed: 0.805;
+#:   torchtitan's Llama 3.1 8B on 8 H100 (``benchmarks/llama3_h100_202412_torchtitan.md`` Table 1, "FSDP +
+#:   torch.compile"): 0.792. Two models, two GPUs, two code bases: fused kernels move about the bytes the model counts.
+#: - eager 1.62: the geometric mean of FourDStrategy's eager step of the same 1B run (2.04) and torchtitan's eager
+#:   "FSDP" row of the same Table 1 (1.29). The step times behind both factors: docs/validation.md, "Measurements
+#:   behind constants in the code". Eager runs every pointwise op as its own kernel
 #:   (RMSNorm's float32 upcast, the squares, the mean, the scale, ...), with a launch and a pass over memory each;
 #:   the two code bases' eager layers differ (ours the slower), the fused ones agree.
 #:

@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_4d.contract import LayoutStrategy, layout_strategy, optional_member
 from lightning_4d.families.registry import load_initial_weights
 from lightning_4d.features.moe.runtime import MoETraining
-from lightning_4d.models.document_mask import DOCUMENT_IDS, attention_context
+from lightning_4d.models.document_mask import DOCUMENT_IDS
 from lightning_4d.models.llama import LlamaModel
 from lightning_4d.models.llama_config import LlamaConfig
 from lightning_4d.parallel._compat.kernels import grouped_mm
 from lightning_4d.parallel._compat.lightning import attached_trainer, set_scheduler_lrs
 from lightning_4d.parallel.loss import causal_lm_loss
-from lightning_4d.planning.hardware import peak_flops_of_device
 from lightning_4d.precision import loss_scaler
 from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.documents import DocumentMasking, token_weight
@@ -111,11 +108,9 @@ class CausalLMModule(MoETraining, L.LightningModule):
     Logs ``train_loss`` (mean over the global batch, identical on every rank), ``val_loss`` and ``val_ppl``
     (torchmetrics, :class:`~lightning_4d.tasks.metrics.TokenMeanLoss`: the token-weighted mean loss over the whole
     validation set and its ``exp``, summed over the data-parallel ranks at the end of the epoch, identical on every
-    rank), ``lr``, ``tokens_per_sec`` (global tokens per second, every token of the windows) and, on CUDA, ``mfu``
-    (with document masking the documents' own attention FLOPs, :meth:`LlamaConfig.flops_per_token`'s
-    ``attention_context``, not the masked tiles the kernels compute beside them). An MoE
-    model also trains and logs its load-balancing loss and routing statistics
-    (:class:`~lightning_4d.features.moe.runtime.MoETraining`).
+    rank) and ``lr`` (tokens per second, MFU and peak memory per step: :class:`~lightning_4d.monitor.StepMonitor`,
+    a callback the shipped configs add). An MoE model also trains and logs its load-balancing loss and routing
+    statistics (:class:`~lightning_4d.features.moe.runtime.MoETraining`).
 
     Batches are ``{"input_ids": LongTensor [b, s], "labels": LongTensor [b, s]}``, with document masking optionally
     ``"document_ids": LongTensor [b, s]`` (non-decreasing along each sequence).
@@ -167,7 +162,6 @@ class CausalLMModule(MoETraining, L.LightningModule):
             document_masking, eos_token_id, reset_position_ids, eod_mask_loss, model_config.attention_backend
         )
         self.model: Optional[LlamaModel] = None
-        self._batch_start = 0.0
         #: eod_mask_loss under pp: the training step's loss scale per trained token (:meth:`pipeline_loss`)
         self._pipeline_scale: Optional[Tensor] = None
         # validation metrics (torchmetrics, synchronized over the dp x cp group: _validation_metrics)
@@ -283,9 +277,6 @@ class CausalLMModule(MoETraining, L.LightningModule):
         return value
 
     # ------------------------------------------------------------------ steps
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._batch_start = time.perf_counter()
-
     def _layout(self) -> Optional[LayoutStrategy]:
         """The Trainer's strategy when it is a :class:`LayoutStrategy` (``FourDStrategy``), else ``None`` (also
         without a Trainer)."""
@@ -312,24 +303,6 @@ class CausalLMModule(MoETraining, L.LightningModule):
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         self._log_moe_step(pipeline)
         return loss
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        elapsed = time.perf_counter() - self._batch_start
-        if elapsed <= 0:
-            return
-        b, s = batch["input_ids"].shape  # s: this rank's share of the sequence under cp
-        strategy = self.trainer.strategy
-        dp = strategy.distributed_sampler_kwargs if isinstance(strategy, ParallelStrategy) else {}
-        s *= self._context_parallel_size()
-        tokens = b * s * dp.get("num_replicas", 1)
-        self.log("tokens_per_sec", tokens / elapsed, prog_bar=True, on_step=True, on_epoch=False)
-        if self.device.type == "cuda":
-            peak = peak_flops_of_device(torch.cuda.get_device_name(self.device))
-            if peak:  # the planner predicts MFU with the same flops_per_token and peak table
-                # document masking: the attention FLOPs of the documents, not of a window-long context
-                context = attention_context(batch[DOCUMENT_IDS]) if DOCUMENT_IDS in batch else None
-                flops = self.model_config.flops_per_token(s, context)
-                self.log("mfu", tokens * flops / elapsed / (peak * self.trainer.world_size), on_step=True)
 
     def _context_parallel_size(self) -> int:
         """cp (1 without a :class:`LayoutStrategy`)."""

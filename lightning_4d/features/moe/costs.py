@@ -107,12 +107,10 @@ __all__ = [
 #: The default ``expert_load_imbalance`` of :func:`estimate_memory` (and of ``lightning-4d estimate`` / ``plan``,
 #: :class:`~lightning_4d.memory_check.MemoryEstimatorCallback` and the planner, which all take it from here): the
 #: rows the most loaded ep rank's experts receive over the balanced figure, max over steps, MoE layers and ep ranks,
-#: MEASURED on the tiny MoE job (``configs/tiny_moe.yaml``: dp2 x tp2, ep2, 450 steps, 2026-11-26) with
-#: :class:`lightning_4d.callbacks.ExpertLoadMonitor` (``moe_expert_load_imbalance_max``): 1.9287 at step 7 (the freshly
-#: initialized router sends almost every row of a layer to one rank; mean over the run 1.196, max 1.50 after step 100,
-#: 1.26 after step 200), rounded up to 1.93. Per-step figures:
-#: ``benchmarks/results/expert_load_imbalance_tiny_moe_cpu_2026-11-26.json``; docs/moe.md, "Measure your router's
-#: load", gives the command.
+#: measured on the tiny MoE job (``configs/tiny_moe.yaml``: dp2 x tp2, ep2, 450 steps) with
+#: :class:`lightning_4d.callbacks.ExpertLoadMonitor` (``moe_expert_load_imbalance_max``): its largest value, early in
+#: the run, rounded up (the figures: docs/validation.md, "Measurements behind constants in the code"; docs/moe.md,
+#: "Measure your router's load", gives the command).
 #: Under a capacity factor the capacity bounds the received rows instead when it is lower.
 DEFAULT_EXPERT_LOAD_IMBALANCE = 1.93
 

@@ -366,8 +366,8 @@ def held_at_backward_end(pc: ParallelConfig, pp_rank: int, m: int, sizes: list[f
     Measured (CPU, ``LiveTensorBytes``, llama3.2-3b tp4 pp2 cp2 dp2 ZeRO 1 1F1B selective, s=4096, pp rank 0): the
     peak is the embedding's bucket (``aten.zeros [98,500,608]`` float32) made in micro-batch 0's backward beside the
     ``embedding_dense_backward`` output ``[128256, 3072]`` bf16, the reduced ``[32064, 3072]`` gradient and micro-batch
-    1's saved tensors (its ``w1``/``w3`` outputs, attention outputs, ...), which the estimate left out (issue 49:
-    5.14 GiB measured, 4.75 estimated)."""
+    1's saved tensors (its ``w1``/``w3`` outputs, attention outputs, ...), which the estimate left out before this
+    term (the figures: docs/validation.md, "Measurements behind constants in the code")."""
     if pc.pp == 1 or pc.pipeline_schedule in ZERO_BUBBLE_SCHEDULES or pc.zero_stage >= 2:
         # ZeRO 2/3 (FSDP2 per stage chunk): the backward-end terms are those of the last micro-batch's backward, when
         # the gradients are reduce-scattered and nothing else is in flight; an earlier backward's end, with FSDP2
