@@ -3,11 +3,12 @@ Python stack, and a failed launch's error keeps each rank's whole traceback, the
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 
-from tests._launch import rank_tracebacks, torchrun
+from tests._launch import rank_tracebacks, run_limited, torchrun
 
 
 @pytest.mark.slow
@@ -21,6 +22,22 @@ def test_a_hung_launch_fails_with_each_ranks_stack(tmp_path):
     # both ranks' stacks (faulthandler): the two write to one stderr at once, piece by piece (a frame's file, line and
     # function name are separate writes), so their lines can interleave, but a function's name is one write
     assert str(info.value).count("waits_forever") == 2, str(info.value)
+
+
+@pytest.mark.slow
+def test_a_hung_launcher_fails_with_its_childrens_stacks(tmp_path):
+    """A launch that is not torchrun (``lightning-4d fit`` over several devices: Lightning starts the other ranks as
+    children of the first): past its limit the child prints its stack too and ends, no orphan left running."""
+    child = tmp_path / "child.py"
+    child.write_text("import time\n\n\ndef child_waits():\n    time.sleep(3600)\n\n\nchild_waits()\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        f"import subprocess, sys, time\n\nchild = subprocess.Popen([sys.executable, {str(child)!r}])\n\n\n"
+        "def parent_waits():\n    time.sleep(3600)\n\n\nparent_waits()\n"
+    )
+    with pytest.raises(AssertionError, match="did not finish in 15 s") as info:
+        run_limited([sys.executable, str(parent)], timeout=15)
+    assert "child_waits" in str(info.value) and "parent_waits" in str(info.value), str(info.value)
 
 
 def test_rank_tracebacks_gathers_each_ranks_lines():
