@@ -66,7 +66,9 @@ def runs(out):
         try:
             torchrun(world, SCRIPTS / "hf_llama_4d.py", *args, timeout=LAUNCH_TIMEOUT[world])
         except AssertionError as e:  # where the ranks' collectives parted, from what each rank issued
-            raise AssertionError(f"{e}\n\nthe ranks' collectives: {first_divergence(sub)}") from None
+            wrote = len(list(sub.glob("collectives_rank*.json")))
+            parted = first_divergence(sub) or "none (the same sequence on each)"
+            raise AssertionError(f"{e}\n\nwhere the {wrote} ranks that wrote theirs parted: {parted}") from None
         for i in range(len(layouts)):
             record = torch.load(sub / f"hf{i}.pt")
             for part in sorted(sub.glob(f"hf{i}_weights_rank*.pt")):  # pp: each rank saved its stages' weights
