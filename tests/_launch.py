@@ -44,10 +44,28 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
             str(script),
             *args,
         ]
+    proc = run_limited(cmd, timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+            f"{rank_tracebacks(proc.stderr)}"
+        )
+    return proc
+
+
+def run_limited(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in ``cwd`` (``env``: :func:`worker_env` by default) with its output captured, and
+    return it finished, its return code unchecked. For every launch that starts processes of its own (torchrun, a
+    ``lightning-4d fit`` over several devices): past ``timeout`` seconds every process below it prints its Python
+    stacks and ends (:func:`_abort`) and an ``AssertionError`` carries them; interrupted (pytest-timeout's limit,
+    Ctrl-C), the stacks go to this process's stderr. ``subprocess.run(timeout=)`` would kill the launcher alone: its
+    workers would run on, and where they waited would not be shown."""
     popen = subprocess.Popen(
         cmd,
-        env=worker_env(),
-        cwd=ROOT,
+        env=worker_env() if env is None else env,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -65,13 +83,7 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
         stdout, stderr = _abort(popen)
         sys.stderr.write(f"{' '.join(cmd)} interrupted:\n{stdout[-6000:]}\n{stderr[-30000:]}\n")
         raise
-    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-            f"{rank_tracebacks(proc.stderr)}"
-        )
-    return proc
+    return subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
 
 
 def rank_tracebacks(stderr: str, limit: int = 12000) -> str:

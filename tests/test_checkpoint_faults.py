@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from lightning_4d.checkpoint import check_complete
 from lightning_4d.export_hf import export_hf
-from tests._launch import ROOT, SCRIPTS, worker_env
+from tests._launch import SCRIPTS, run_limited
 
 STEPS, AT = 6, 3
 
@@ -37,7 +36,7 @@ def _run(out, tag, *args):
         str(AT),
         *args,
     ]
-    return subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_limited(cmd, timeout=300)  # past it, the ranks' stacks
 
 
 def _losses(out, tag):

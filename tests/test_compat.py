@@ -619,6 +619,37 @@ def test_process_group_count_counts_new_groups(single_rank_group):
     assert process_group_count() == before + 1
 
 
+def test_collective_trace_records_each_collective_with_its_group_and_thread():
+    """``collective_trace``: torch's flight recorder (``_dump_fr_trace``, enabled by ``TORCH_FR_BUFFER_SIZE`` before
+    the groups exist: a process of its own) keeps each gloo collective with its group, sequence number, op, sizes,
+    dtypes, thread and Python frames; ``_world.pg_names`` gives each group's ranks."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, os, torch, torch.distributed as dist\n"
+        "from lightning_4d.parallel._compat.process import FLIGHT_RECORDER_ENV, collective_trace\n"
+        "os.environ[FLIGHT_RECORDER_ENV] = '10'\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "group = dist.new_group([0])\n"
+        "dist.all_reduce(torch.ones(3), group=group)\n"
+        "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n"
+        "entries, groups = collective_trace()\n"
+        "keys = ('process_group', 'collective_seq_id', 'profiling_name', 'input_sizes', 'input_dtypes', 'thread_id')\n"
+        "rows = [[e[k] for k in keys] + [e['frames'][0]['name']] for e in entries]\n"
+        "print(json.dumps({'rows': rows, 'groups': groups, 'name': group.group_name}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    (first, second) = out["rows"]
+    assert first[0][0] == out["name"] and first[1:5] == [1, "gloo:all_reduce", [[3]], ["Float"]], first
+    assert second[1:4] == [1, "gloo:all_gather", [[2]]] and second[5] == first[5], second
+    assert first[6] == "all_reduce"  # the innermost Python frame: torch.distributed's function
+    assert out["groups"][out["name"]] == [0] and sorted(out["groups"].values()) == [[0], [0]]
+
+
 def test_restarted_worker_store_keys_are_the_attempts_own(monkeypatch):
     """A worker torchrun restarted gets the agent's store under ``/lightning_4d/attempt_<n>/`` (torch 2.13's
     ``_create_c10d_store`` no longer prefixes per attempt while the agent keeps its store); the first attempt and other

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests._collectives import first_divergence
 from tests._launch import SCRIPTS, torchrun
 
 pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
@@ -49,15 +50,25 @@ WEIGHT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf4d")
+def out(tmp_path_factory):
+    """The launches' folder: ``w<world>/`` per launch (each rank's collectives: tests/_collectives.py)."""
+    return tmp_path_factory.mktemp("hf4d")
+
+
+@pytest.fixture(scope="module")
+def runs(out):
     torchrun(1, SCRIPTS / "hf_llama_4d.py", "--out", str(out), "--reference", timeout=LAUNCH_TIMEOUT[1])
     records = []
     for world, layouts in LAYOUTS.items():
         sub = out / f"w{world}"
         sub.mkdir()
         args = ("--out", str(sub), "--layouts", json.dumps(layouts))
-        torchrun(world, SCRIPTS / "hf_llama_4d.py", *args, timeout=LAUNCH_TIMEOUT[world])
+        try:
+            torchrun(world, SCRIPTS / "hf_llama_4d.py", *args, timeout=LAUNCH_TIMEOUT[world])
+        except AssertionError as e:  # where the ranks' collectives parted, from what each rank issued
+            wrote = len(list(sub.glob("collectives_rank*.json")))
+            parted = first_divergence(sub) or "none (the same sequence on each)"
+            raise AssertionError(f"{e}\n\nwhere the {wrote} ranks that wrote theirs parted: {parted}") from None
         for i in range(len(layouts)):
             record = torch.load(sub / f"hf{i}.pt")
             for part in sorted(sub.glob(f"hf{i}_weights_rank*.pt")):  # pp: each rank saved its stages' weights
@@ -115,6 +126,18 @@ def test_bf16_gradients_are_reduce_scattered_in_bfloat16(runs):
     rel = max(abs(a - b) / abs(b) for a, b in zip(bf16["losses"], reference["losses"]))
     print(f"\nHF Llama dp2 ZeRO 3 bf16 gradients: max rel loss diff {rel:.2e}")
     assert 0 < rel < 1e-3  # measured 8.5e-5 over 10 steps; not 0: the reduction did run in bf16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", list(LAYOUTS))
+def test_every_rank_of_a_group_issued_the_same_collectives(runs, out, world):
+    """Each process group's ranks issued the same collectives (op, input sizes and dtypes) in the same order, each rank
+    from one thread, over all layouts of the launch (torch's flight recorder; tests/_collectives.py): a collective
+    issued in another order on some rank, or from a second thread, hangs or mixes tensors only when the timing lets
+    it, and fails here on every run."""
+    traces = sorted((out / f"w{world}").glob("collectives_rank*.json"))
+    assert len(traces) == world
+    assert first_divergence(out / f"w{world}") is None
 
 
 def _module(**config):

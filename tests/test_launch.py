@@ -3,11 +3,14 @@ Python stack, and a failed launch's error keeps each rank's whole traceback, the
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 
 import pytest
 
-from tests._launch import rank_tracebacks, torchrun
+from tests._collectives import first_divergence
+from tests._launch import rank_tracebacks, run_limited, torchrun
 
 
 @pytest.mark.slow
@@ -21,6 +24,22 @@ def test_a_hung_launch_fails_with_each_ranks_stack(tmp_path):
     # both ranks' stacks (faulthandler): the two write to one stderr at once, piece by piece (a frame's file, line and
     # function name are separate writes), so their lines can interleave, but a function's name is one write
     assert str(info.value).count("waits_forever") == 2, str(info.value)
+
+
+@pytest.mark.slow
+def test_a_hung_launcher_fails_with_its_childrens_stacks(tmp_path):
+    """A launch that is not torchrun (``lightning-4d fit`` over several devices: Lightning starts the other ranks as
+    children of the first): past its limit the child prints its stack too and ends, no orphan left running."""
+    child = tmp_path / "child.py"
+    child.write_text("import time\n\n\ndef child_waits():\n    time.sleep(3600)\n\n\nchild_waits()\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        f"import subprocess, sys, time\n\nchild = subprocess.Popen([sys.executable, {str(child)!r}])\n\n\n"
+        "def parent_waits():\n    time.sleep(3600)\n\n\nparent_waits()\n"
+    )
+    with pytest.raises(AssertionError, match="did not finish in 15 s") as info:
+        run_limited([sys.executable, str(parent)], timeout=15)
+    assert "child_waits" in str(info.value) and "parent_waits" in str(info.value), str(info.value)
 
 
 def test_rank_tracebacks_gathers_each_ranks_lines():
@@ -43,3 +62,34 @@ def test_rank_tracebacks_gathers_each_ranks_lines():
     assert text.endswith("[rank6]: ")  # a later rank: its exception lines (none here)
     assert "some warning" not in text and "unrelated" not in text
     assert rank_tracebacks("no rank lines") == ""
+
+
+def _trace(folder, rank, rows, groups, thread=1):
+    entries = [[g, i + 1, op, [[n]], ["Float"], thread, [f"{op}_site x.py:1"]] for i, (g, op, n) in enumerate(rows)]
+    (folder / f"collectives_rank{rank}.json").write_text(json.dumps({"groups": groups, "entries": entries, "kept": 99}))
+
+
+def test_first_divergence_names_the_collective_where_the_ranks_part(tmp_path):
+    """tests/_collectives.py on crafted traces of 3 ranks (group "1": ranks 0 and 1; "2": ranks 1 and 2)."""
+    groups = {"1": [0, 1], "2": [1, 2]}
+    same = [("1", "gloo:all_reduce", 4), ("2", "gloo:all_gather", 8)]
+    for rank in range(3):
+        _trace(tmp_path, rank, [r for r in same if rank in groups[r[0]]], groups)
+    assert first_divergence(tmp_path) is None
+    # rank 2 issues group 2's two collectives in the other order: named with both ranks' sites
+    _trace(tmp_path, 1, [("1", "gloo:all_reduce", 4), ("2", "gloo:all_gather", 8), ("2", "gloo:all_reduce", 8)], groups)
+    _trace(tmp_path, 2, [("2", "gloo:all_reduce", 8), ("2", "gloo:all_gather", 8)], groups)
+    text = first_divergence(tmp_path)
+    assert text.startswith("process group 2 (ranks [1, 2]), collective 1:"), text
+    assert "rank 1: gloo:all_gather sizes [[8]]" in text and "rank 2: gloo:all_reduce sizes [[8]]" in text, text
+    # a rank whose sequence stops short (it failed or hung there) is named; the same again passes
+    _trace(tmp_path, 2, [("2", "gloo:all_gather", 8)], groups)
+    assert "rank 2: none (its sequence ends before)" in first_divergence(tmp_path)
+    _trace(tmp_path, 2, [("2", "gloo:all_gather", 8), ("2", "gloo:all_reduce", 8)], groups)
+    assert first_divergence(tmp_path) is None
+    # a collective from a second thread
+    _trace(tmp_path, 0, [("1", "gloo:all_reduce", 4)], groups)
+    rows = json.loads((tmp_path / "collectives_rank0.json").read_text())
+    rows["entries"].append(["1", 2, "gloo:barrier", [[1]], ["Float"], 2, []])
+    (tmp_path / "collectives_rank0.json").write_text(json.dumps(rows))
+    assert first_divergence(tmp_path).startswith("rank 0 issued collectives from 2 threads"), first_divergence(tmp_path)

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from tests._launch import ROOT, SCRIPTS, trained, worker_env
+from tests._launch import ROOT, SCRIPTS, _abort, trained, worker_env
 from tests.test_parity import REFERENCES, STEPS, _check_parity
 
 NUM_NODES = 2
@@ -77,6 +77,9 @@ def _run_two_nodes(out) -> float:
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
     except subprocess.TimeoutExpired:
         codes = None
+        for p in procs:  # every worker prints its Python stacks into its node's log, then ends (SIGABRT)
+            if p.poll() is None:
+                _abort(p)
     finally:
         for p in procs:  # only the sessions started above
             if p.poll() is None:
@@ -87,7 +90,7 @@ def _run_two_nodes(out) -> float:
         text = []
         for node, log in enumerate(logs):
             log.seek(0)
-            text.append(f"--- node {node} ---\n{log.read()[-6000:]}")
+            text.append(f"--- node {node} ---\n{log.read()[-(30000 if codes is None else 6000) :]}")
         what = f"timed out after {TIMEOUT_S} s" if codes is None else f"exit codes {codes}"
         raise AssertionError(f"two-node fit {what}:\n" + "\n".join(text))
     for log in logs:

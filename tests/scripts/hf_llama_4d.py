@@ -24,8 +24,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from lightning_4d.contract import layout_strategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.parallel._compat.compile import compiled_graph_count  # noqa: E402
+from tests import _collectives  # noqa: E402
 
 STEPS = 10
+_collectives.record()  # each rank's collectives, checked by the test (tests/_collectives.py)
 
 
 def reference_model() -> "transformers.LlamaForCausalLM":
@@ -170,12 +172,22 @@ def main() -> None:
                 },
                 Path(args.out) / ("reference.pt" if args.reference else f"hf{i}.pt"),
             )
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+
+
+def _out() -> Path:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    return Path(parser.parse_known_args()[0].out)
 
 
 if __name__ == "__main__":
     from lightning_4d.parallel._compat.process import exit_distributed_process  # not into finalization: see there
 
-    exit_distributed_process(main() or 0)
+    try:
+        main()
+    finally:  # a rank that raised writes what it issued too: the test names where the ranks parted
+        _collectives.write(_out())
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    exit_distributed_process(0)

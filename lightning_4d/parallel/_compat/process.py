@@ -1,5 +1,5 @@
-"""The process: leaving it without interpreter finalization, recording its CUDA allocator's events, and the store of a
-worker torchrun restarted."""
+"""The process: leaving it without interpreter finalization, recording its CUDA allocator's events and its
+collectives, and the store of a worker torchrun restarted."""
 
 from __future__ import annotations
 
@@ -74,6 +74,32 @@ def process_group_count() -> int:
     from torch.distributed import distributed_c10d
 
     return len(distributed_c10d._world.pg_map)
+
+
+#: the environment variable that makes torch's flight recorder keep this many of each process group's newest
+#: collectives (read when a group is made: set it before ``init_process_group``)
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+def collective_trace() -> tuple[list[dict], dict[str, list[int]]]:
+    """This process's collectives as torch's flight recorder kept them (:data:`FLIGHT_RECORDER_ENV` set before the
+    process groups were made; gloo records collectives, not send/recv), oldest first, and the global ranks of each
+    live process group by name.
+
+    Each entry: ``process_group`` ``(name, description)``, ``collective_seq_id`` (1, 2, ... per group),
+    ``profiling_name`` (``"gloo:all_reduce"``), ``input_sizes`` / ``input_dtypes``, ``thread_name`` (the thread that
+    issued it) and ``frames`` (its Python stack, innermost first: ``name``, ``filename``, ``line``).
+    ``torch._C._distributed_c10d._dump_fr_trace`` (a pickled dict) and ``distributed_c10d._world.pg_names`` (private
+    names)."""
+    import pickle
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace
+    from torch.distributed import distributed_c10d
+
+    entries = pickle.loads(_dump_fr_trace()).get("entries", [])
+    groups = {name: dist.get_process_group_ranks(pg) for pg, name in distributed_c10d._world.pg_names.items()}
+    return entries, groups
 
 
 def restarted_worker_store(timeout: "timedelta") -> Optional["Store"]:
