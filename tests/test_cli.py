@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_4d.planning.workload import Workload
-from tests._launch import ROOT, worker_env
+from tests._launch import ROOT, python_run, worker_env
 
 CONFIG = """
 seed_everything: 0
@@ -49,8 +49,7 @@ data:
 
 
 def _cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "lightning_4d", *args]
-    return subprocess.run(cmd, cwd=cwd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    return python_run("-m", "lightning_4d", *args, cwd=cwd, timeout=timeout)
 
 
 def _metrics(path: Path) -> list[dict]:
