@@ -84,7 +84,7 @@ def rank_envs(nproc: int, env: dict[str, str]) -> list[dict[str, str]]:
     if nproc == 1:
         return [dict(env)]
     common = {
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": "localhost",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
@@ -92,7 +92,7 @@ def rank_envs(nproc: int, env: dict[str, str]) -> list[dict[str, str]]:
         "GROUP_WORLD_SIZE": "1",
         "ROLE_NAME": "default",
         "ROLE_WORLD_SIZE": str(nproc),
-        "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
+        "TORCHELASTIC_RUN_ID": str(uuid.uuid4()),
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
     }

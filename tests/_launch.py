@@ -45,8 +45,26 @@ def torchrun(
     script``); raise with its output on failure (each rank's traceback; not with ``check=False``), or when it
     overruns ``timeout`` seconds (with each rank's Python stacks). Returns its exit status and output (the ranks'
     lines interleaved)."""
-    if LAUNCHER == "torchrun":
-        return _torchrun_fresh(nproc, script, *args, timeout=timeout, check=check)
+    t0 = time.monotonic()
+    try:
+        if LAUNCHER == "torchrun":
+            return _torchrun_fresh(nproc, script, *args, timeout=timeout, check=check)
+        return _torchrun_forked(nproc, script, *args, timeout=timeout, check=check)
+    finally:
+        _TMP_LOG(nproc, script, t0)
+
+
+def _TMP_LOG(nproc, script, t0):  # TEMPORARY profiling of launches
+    if Path("/tmp/fl/launch_log_on").exists():
+        import json
+
+        rec = {"n": nproc, "script": str(script)[-40:], "wall": round(time.monotonic() - t0, 2), "mode": LAUNCHER}
+        rec["test"] = os.environ.get("PYTEST_CURRENT_TEST", "")
+        with open("/tmp/fl/launches.jsonl", "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+
+def _torchrun_forked(nproc: int, script: Path, *args: str, timeout: float, check: bool) -> subprocess.CompletedProcess:
     from tests import _forkserver
 
     cmd = [sys.executable, str(script), *args]
@@ -65,6 +83,14 @@ def python_run(*argv: str, env: dict | None = None, cwd: Path = ROOT, timeout: f
     timeout=timeout)`` (``argv``: a script and its arguments, or ``-m``, a module and its arguments), its process
     forked from the test forkserver (see :data:`LAUNCHER`). Raises ``subprocess.TimeoutExpired`` past ``timeout``
     (its output: the Python stacks of the process, SIGABRT)."""
+    t0 = time.monotonic()
+    try:
+        return _python_run(argv, env, cwd, timeout)
+    finally:
+        _TMP_LOG(1, " ".join(argv[:3]), t0)
+
+
+def _python_run(argv, env, cwd, timeout):
     env = worker_env() if env is None else env
     if LAUNCHER == "torchrun":
         cmd = [sys.executable, *argv]
