@@ -45,26 +45,13 @@ def torchrun(
     script``); raise with its output on failure (each rank's traceback; not with ``check=False``), or when it
     overruns ``timeout`` seconds (with each rank's Python stacks). Returns its exit status and output (the ranks'
     lines interleaved)."""
-    t0 = time.monotonic()
-    try:
-        if LAUNCHER == "torchrun":
-            return _torchrun_fresh(nproc, script, *args, timeout=timeout, check=check)
-        return _torchrun_forked(nproc, script, *args, timeout=timeout, check=check)
-    finally:
-        _TMP_LOG(nproc, script, t0)
-
-
-def _TMP_LOG(nproc, script, t0):  # TEMPORARY profiling of launches
-    if Path("/tmp/fl/launch_log_on").exists():
-        import json
-
-        rec = {"n": nproc, "script": str(script)[-40:], "wall": round(time.monotonic() - t0, 2), "mode": LAUNCHER}
-        rec["test"] = os.environ.get("PYTEST_CURRENT_TEST", "")
-        with open("/tmp/fl/launches.jsonl", "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
+    if LAUNCHER == "torchrun":
+        return _torchrun_fresh(nproc, script, *args, timeout=timeout, check=check)
+    return _torchrun_forked(nproc, script, *args, timeout=timeout, check=check)
 
 
 def _torchrun_forked(nproc: int, script: Path, *args: str, timeout: float, check: bool) -> subprocess.CompletedProcess:
+    """:func:`torchrun` with each rank forked from the test forkserver (``tests/_forkserver.py``)."""
     from tests import _forkserver
 
     cmd = [sys.executable, str(script), *args]
@@ -80,22 +67,13 @@ def _torchrun_forked(nproc: int, script: Path, *args: str, timeout: float, check
 
 def python_run(*argv: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 300):
     """``subprocess.run([python, *argv], env=env or worker_env(), cwd=cwd, capture_output=True, text=True,
-    timeout=timeout)`` (``argv``: a script and its arguments, or ``-m``, a module and its arguments), its process
-    forked from the test forkserver (see :data:`LAUNCHER`). Raises ``subprocess.TimeoutExpired`` past ``timeout``
-    (its output: the Python stacks of the process, SIGABRT)."""
-    t0 = time.monotonic()
-    try:
-        return _python_run(argv, env, cwd, timeout)
-    finally:
-        _TMP_LOG(1, " ".join(argv[:3]), t0)
-
-
-def _python_run(argv, env, cwd, timeout):
+    timeout=timeout)`` (``argv``: a script and its arguments, ``-m``, a module and its arguments, or ``-c`` and
+    code), its process forked from the test forkserver (see :data:`LAUNCHER`). Raises ``subprocess.TimeoutExpired``
+    past ``timeout`` (its output: the Python stacks of the process, SIGABRT)."""
     env = worker_env() if env is None else env
-    if LAUNCHER == "torchrun":
-        cmd = [sys.executable, *argv]
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     cmd = [sys.executable, *argv]
+    if LAUNCHER == "torchrun":
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     code, stdout, stderr = _forked([list(argv)], [env], Path(cwd), cmd, timeout)
     if code is None:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
@@ -117,17 +95,21 @@ def _forked(argvs: list, envs: list, cwd: Path, cmd: list, timeout: float) -> tu
             code = _forkserver.join(procs, timeout, time.monotonic)
         except BaseException:  # interrupted (pytest-timeout's limit, Ctrl-C): the stacks go to this process's stderr
             _abort_pids([p.pid for p in procs])
-            stdout, stderr = ((out / name).read_text(errors="replace") for name in ("stdout", "stderr"))
+            stdout, stderr = _outputs(out)
             sys.stderr.write(f"{' '.join(cmd)} interrupted:\n{stdout[-6000:]}\n{stderr[-30000:]}\n")
             raise
         if code is None:
             _abort_pids([p.pid for p in procs])
         for p in procs:
             p.join()
-        stdout, stderr = (
-            (out / name).read_text(errors="replace") if (out / name).exists() else "" for name in ("stdout", "stderr")
-        )
+        stdout, stderr = _outputs(out)
     return code, stdout, stderr
+
+
+def _outputs(out: Path) -> tuple[str, str]:
+    """What the processes of a forked launch wrote to ``out/stdout`` and ``out/stderr`` (empty: nothing, or none
+    started)."""
+    return tuple((out / n).read_text(errors="replace") if (out / n).exists() else "" for n in ("stdout", "stderr"))
 
 
 def _torchrun_fresh(nproc: int, script: Path, *args: str, timeout: float, check: bool) -> subprocess.CompletedProcess:
