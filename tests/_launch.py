@@ -1,4 +1,6 @@
-"""Helpers to launch multi-process jobs from tests (each job its own torchrun, so Lightning never re-runs pytest)."""
+"""Helpers to launch multi-process jobs from tests: each job its own process group of ranks, forked from a server
+that imported torch, Lightning and lightning_4d once per session (``tests/_forkserver.py``), never pytest itself (so
+Lightning never re-runs pytest)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,88 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``script`` under ``torchrun --standalone --nproc-per-node nproc``; raise with its output on failure."""
+#: how :func:`torchrun` and :func:`python_run` start a process: ``"forkserver"`` (a child forked from a server that
+#: imported torch, Lightning and lightning_4d once per session: ``tests/_forkserver.py``) or ``"torchrun"`` (a fresh
+#: interpreter per process, under ``torch.distributed.run``): ``L4D_TEST_LAUNCHER=torchrun pytest ...``
+LAUNCHER = os.environ.get("L4D_TEST_LAUNCHER", "forkserver")
+
+
+def torchrun(
+    nproc: int, script: Path, *args: str, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run ``script`` as ``torchrun --standalone --nproc-per-node nproc`` would (``nproc == 1``: as ``python
+    script``); raise with its output on failure (each rank's traceback; not with ``check=False``), or when it
+    overruns ``timeout`` seconds (with each rank's Python stacks). Returns its exit status and output (the ranks'
+    lines interleaved)."""
+    if LAUNCHER == "torchrun":
+        return _torchrun_fresh(nproc, script, *args, timeout=timeout, check=check)
+    return _torchrun_forked(nproc, script, *args, timeout=timeout, check=check)
+
+
+def _torchrun_forked(nproc: int, script: Path, *args: str, timeout: float, check: bool) -> subprocess.CompletedProcess:
+    """:func:`torchrun` with each rank forked from the test forkserver (``tests/_forkserver.py``)."""
+    from tests import _forkserver
+
+    cmd = [sys.executable, str(script), *args]
+    if nproc > 1:
+        cmd = [f"torchrun --standalone --nproc-per-node={nproc} (forked ranks)", *cmd[1:]]
+    envs = _forkserver.rank_envs(nproc, worker_env())
+    code, stdout, stderr = _forked([[str(script), *args]] * nproc, envs, ROOT, cmd, timeout)
+    if code is None:
+        raise AssertionError(_overran(cmd, timeout, stdout, stderr)) from None
+    proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
+    return _checked(proc) if check else proc
+
+
+def python_run(*argv: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 300):
+    """``subprocess.run([python, *argv], env=env or worker_env(), cwd=cwd, capture_output=True, text=True,
+    timeout=timeout)`` (``argv``: a script and its arguments, ``-m``, a module and its arguments, or ``-c`` and
+    code), its process forked from the test forkserver (see :data:`LAUNCHER`). Raises ``subprocess.TimeoutExpired``
+    past ``timeout`` (its output: the Python stacks of the process, SIGABRT)."""
+    env = worker_env() if env is None else env
+    cmd = [sys.executable, *argv]
+    if LAUNCHER == "torchrun":
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    code, stdout, stderr = _forked([list(argv)], [env], Path(cwd), cmd, timeout)
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def _forked(argvs: list, envs: list, cwd: Path, cmd: list, timeout: float) -> tuple[int | None, str, str]:
+    """Fork one process per ``argvs[i]`` (environment ``envs[i]``) from the test forkserver; wait for all (the first
+    failure ends the others). Returns ``(exit status or None past timeout, stdout, stderr)``; an overrun's processes
+    end with SIGABRT (each prints its Python stacks)."""
+    import tempfile
+
+    from tests import _forkserver
+
+    with tempfile.TemporaryDirectory(prefix="l4d_launch") as folder:
+        out = Path(folder)
+        procs = _forkserver.start(argvs, envs, cwd, out)
+        try:
+            code = _forkserver.join(procs, timeout, time.monotonic)
+        except BaseException:  # interrupted (pytest-timeout's limit, Ctrl-C): the stacks go to this process's stderr
+            _abort_pids([p.pid for p in procs])
+            stdout, stderr = _outputs(out)
+            sys.stderr.write(f"{' '.join(cmd)} interrupted:\n{stdout[-6000:]}\n{stderr[-30000:]}\n")
+            raise
+        if code is None:
+            _abort_pids([p.pid for p in procs])
+        for p in procs:
+            p.join()
+        stdout, stderr = _outputs(out)
+    return code, stdout, stderr
+
+
+def _outputs(out: Path) -> tuple[str, str]:
+    """What the processes of a forked launch wrote to ``out/stdout`` and ``out/stderr`` (empty: nothing, or none
+    started)."""
+    return tuple((out / n).read_text(errors="replace") if (out / n).exists() else "" for n in ("stdout", "stderr"))
+
+
+def _torchrun_fresh(nproc: int, script: Path, *args: str, timeout: float, check: bool) -> subprocess.CompletedProcess:
+    """:func:`torchrun` with a fresh interpreter per rank: ``torch.distributed.run`` (``nproc == 1``: ``python``)."""
     if nproc == 1:
         cmd = [sys.executable, str(script), *args]
     else:
@@ -45,12 +127,7 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
             *args,
         ]
     proc = run_limited(cmd, timeout)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-            f"{rank_tracebacks(proc.stderr)}"
-        )
-    return proc
+    return _checked(proc) if check else proc
 
 
 def run_limited(
@@ -75,15 +152,28 @@ def run_limited(
         stdout, stderr = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         stdout, stderr = _abort(popen)
-        raise AssertionError(
-            f"{' '.join(cmd)} did not finish in {timeout} s; each process's Python stacks (faulthandler, SIGABRT) "
-            f"end its output:\n{stdout[-6000:]}\n{stderr[-30000:]}"
-        ) from None
+        raise AssertionError(_overran(cmd, timeout, stdout, stderr)) from None
     except BaseException:  # interrupted (pytest-timeout's limit, Ctrl-C): the stacks go to this process's stderr
         stdout, stderr = _abort(popen)
         sys.stderr.write(f"{' '.join(cmd)} interrupted:\n{stdout[-6000:]}\n{stderr[-30000:]}\n")
         raise
     return subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+
+
+def _overran(cmd: list, timeout: float, stdout: str, stderr: str) -> str:
+    return (
+        f"{' '.join(cmd)} did not finish in {timeout} s; each process's Python stacks (faulthandler, SIGABRT) "
+        f"end its output:\n{stdout[-6000:]}\n{stderr[-30000:]}"
+    )
+
+
+def _checked(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+            f"{rank_tracebacks(proc.stderr)}"
+        )
+    return proc
 
 
 def rank_tracebacks(stderr: str, limit: int = 12000) -> str:
@@ -129,6 +219,20 @@ def _descendants(pid: int) -> list[int]:
         found += children
         todo += children
     return found
+
+
+def _abort_pids(pids: list[int]) -> None:
+    """SIGABRT to each process of ``pids`` and to everything below them (``PYTHONFAULTHANDLER`` or
+    ``faulthandler.enable()``: each prints all its threads' Python stacks before it dies: where a hung rank waits);
+    SIGKILL to whatever is left 30 s later."""
+    below = [q for pid in pids for q in _descendants(pid)]
+    for pid in [*below, *pids]:
+        _signal(pid, signal.SIGABRT)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.2)
+    for pid in [*below, *pids]:
+        _signal(pid, signal.SIGKILL)
 
 
 def _abort(popen: subprocess.Popen) -> tuple[str, str]:
@@ -297,8 +401,7 @@ def measure_json(*args: str) -> tuple[dict, dict]:
     its JSON object and its rows by component, after checking that the model states are estimated exactly."""
     import json
 
-    cmd = [sys.executable, "-m", "lightning_4d", "measure", *args, "--json"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = python_run("-m", "lightning_4d", "measure", *args, "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     rows = {r["component"]: r for r in out["rows"]}

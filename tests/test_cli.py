@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_4d.planning.workload import Workload
-from tests._launch import ROOT, run_limited, worker_env
+from tests._launch import ROOT, python_run, worker_env
 
 CONFIG = """
 seed_everything: 0
@@ -53,8 +53,7 @@ data:
 
 
 def _cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "lightning_4d", *args]
-    return run_limited(cmd, timeout, cwd=cwd)  # fit starts processes: past the limit, their stacks
+    return python_run("-m", "lightning_4d", *args, cwd=cwd, timeout=timeout)
 
 
 def _metrics(path: Path) -> list[dict]:

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from lightning_4d.cli import COMMANDS, KNOWN_WARNINGS, filter_known_warnings, main
-from tests._launch import ROOT, worker_env
+from tests._launch import ROOT, python_run, worker_env
 
 PLAN = ["plan", "--model", "llama3-8b", "--num-gpus", "8", "--seq-length", "4096", "--global-batch-size", "16"]
 ESTIMATE = ["estimate", "--model", "llama3-8b", "--dp", "8", "--micro-batch-size", "1", "--seq-length", "4096"]
@@ -215,14 +215,7 @@ def fit_bad_input_runs(tmp_path_factory):
     (cwd / "corrupt.idx").write_bytes(b"not an index")
     (cwd / "checkpoints" / "tiny").mkdir(parents=True)
     crafted_file(cwd / "checkpoints" / "tiny" / "last.ckpt", cwd / "code_ran")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "fit_bad_input.py"), json.dumps(cases)],
-        cwd=cwd,
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = python_run(str(ROOT / "tests" / "scripts" / "fit_bad_input.py"), json.dumps(cases), cwd=cwd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not (cwd / "code_ran").exists(), "a crafted checkpoint's code ran"
     return json.loads(proc.stdout.strip().splitlines()[-1])

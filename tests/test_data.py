@@ -933,23 +933,11 @@ json.dump({"seen": module.seen, "sampler": type(sampler).__name__,
 @pytest.mark.slow
 def test_global_batches_under_real_lightning_ddp(tmp_path):
     """Two DDP processes (gloo, CPU) x micro-batch 2 x accumulate 2: optimizer step k trains on items [8k, 8k+8)."""
-    import subprocess
-    import sys
+    from tests._launch import torchrun
 
     script = tmp_path / "ddp_run.py"
     script.write_text(_DDP_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(script),
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    torchrun(2, script, str(tmp_path), timeout=300)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     dataset = records[0]["dataset"]
     for record in records:

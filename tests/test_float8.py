@@ -272,18 +272,16 @@ def test_float8_memory_estimate_matches_measure(layout, recipe, rtol, phase, tmp
     unwrapped torchao's float8 weight, ZeRO 3 tensorwise measured 817,664 B of parameters against 8,968,704). Under
     tp2 the FFN is 704 instead of small's 688 (whose 344 per rank float8 refuses: torch._scaled_mm on CUDA)."""
     pytest.importorskip("torchao.float8")
-    import subprocess
-    import sys
 
-    from tests._launch import ROOT, worker_env
+    from tests._launch import python_run
 
     model = "small"
     if "--tp" in layout:
         model = str(tmp_path / "small_ffn704.yaml")
         (tmp_path / "small_ffn704.yaml").write_text("preset: small\nintermediate_size: 704\n")
-    cmd = [sys.executable, "-m", "lightning_4d", "measure", "--model", model, "--seq-length", "256"]
+    cmd = ["-m", "lightning_4d", "measure", "--model", model, "--seq-length", "256"]
     cmd += ["--micro-batch-size", "2", *layout, "--float8", recipe, "--json"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = python_run(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     measured, estimate = record["measured"]["peak_allocated"], record["estimate"]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests._launch import SCRIPTS, torchrun
+from tests._launch import SCRIPTS, python_run, torchrun
 
 transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
 
@@ -197,13 +197,11 @@ def test_cli_validate_with_hf_model_config_and_init_from(tmp_path):
     """YAML / command line: ``model_config: <hf dir>`` and ``init_from: <hf dir>``; the val_loss printed equals
     transformers' loss on the same batch."""
     import re
-    import subprocess
     import sys
 
     import torch.nn.functional as F
 
     from lightning_4d.data import LMDataModule
-    from tests._launch import ROOT, worker_env
 
     hf = _hf_model(tmp_path / "hf", shard=True)
     data = ["--data.seq_length=32", "--data.micro_batch_size=2", "--data.global_batch_size=2", "--data.val_samples=2"]
@@ -225,7 +223,7 @@ def test_cli_validate_with_hf_model_config_and_init_from(tmp_path):
         "--trainer.callbacks=null",
         *data,
     ]
-    proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = python_run(*cmd[1:])
     assert proc.returncode == 0, proc.stderr[-4000:]
     printed = float(re.search(r"val_loss\D+([0-9.]+)", proc.stdout).group(1))
     dm = LMDataModule(seq_length=32, micro_batch_size=2, global_batch_size=2, val_samples=2, seed=1234)

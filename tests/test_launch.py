@@ -1,5 +1,6 @@
 """The test launcher (tests/_launch.py): a launch that overruns its limit fails in that limit with every rank's
-Python stack, and a failed launch's error keeps each rank's whole traceback, the first printed first."""
+Python stack, a failed launch's error keeps each rank's whole traceback, the first printed first, a failed rank ends
+the others, and a forked rank sees what a rank of the real ``torchrun`` sees."""
 
 from __future__ import annotations
 
@@ -9,8 +10,19 @@ import time
 
 import pytest
 
+from tests import _launch
 from tests._collectives import first_divergence
 from tests._launch import rank_tracebacks, run_limited, torchrun
+
+#: prints, as JSON on one line, what a rank reads of its launch: the variables torchrun sets that Lightning's
+#: ``TorchElasticEnvironment`` and ``torch.distributed``'s ``env://`` read, its argv, first import path and cwd
+_WHO_AM_I = """import json, os, sys
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "PYTHONPATH"]
+print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv, "path0": sys.path[0],
+                  "cwd": os.getcwd()}))
+"""
 
 
 @pytest.mark.slow
@@ -93,3 +105,38 @@ def test_first_divergence_names_the_collective_where_the_ranks_part(tmp_path):
     rows["entries"].append(["1", 2, "gloo:barrier", [[1]], ["Float"], 2, []])
     (tmp_path / "collectives_rank0.json").write_text(json.dumps(rows))
     assert first_divergence(tmp_path).startswith("rank 0 issued collectives from 2 threads"), first_divergence(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_forked_rank_sees_what_a_torchrun_rank_sees(tmp_path, monkeypatch):
+    script = tmp_path / "who.py"
+    script.write_text(_WHO_AM_I)
+    seen = {}
+    for launcher in ("torchrun", "forkserver"):
+        monkeypatch.setattr(_launch, "LAUNCHER", launcher)
+        lines = torchrun(2, script, "--flag", "x").stdout.splitlines()
+        seen[launcher] = sorted((json.loads(line) for line in lines if line.startswith("{")), key=_rank)
+    real, forked = seen["torchrun"], seen["forkserver"]
+    assert [_rank(r) for r in real] == [_rank(r) for r in forked] == ["0", "1"]
+    for a, b in zip(real, forked):
+        for key in ("MASTER_PORT", "TORCHELASTIC_RUN_ID"):  # each launch its own port and run id
+            assert a["env"].pop(key) and b["env"].pop(key), key
+        assert a == b
+    assert forked[0]["argv"] == [str(script), "--flag", "x"] and forked[0]["path0"] == str(tmp_path)
+
+
+def _rank(record: dict) -> str:
+    return record["env"]["RANK"]
+
+
+@pytest.mark.slow
+def test_a_failed_rank_ends_the_others_at_once(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import os, time\n\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails')\ntime.sleep(600)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 fails") as info:
+        torchrun(2, script, timeout=300)
+    assert time.monotonic() - start < 60, "rank 0 (asleep for 600 s) should have been ended with the failure"
+    assert "failed (1)" in str(info.value)

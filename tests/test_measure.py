@@ -25,7 +25,6 @@ Measured (CPU, tiny-test, s=64, b=1, two steps; ``tests/scripts/measure_peak.py`
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -35,7 +34,7 @@ from lightning_4d.config import ParallelConfig
 from lightning_4d.measure import rank_coordinates, worst_rank
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.workload import Workload
-from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
+from tests._launch import SCRIPTS, python_run, torchrun
 
 TINY = LlamaConfig.from_preset("tiny-test")  # h=64, L=2
 
@@ -75,7 +74,7 @@ def _measure_cli(args: list[str], rank: int, precision: str) -> dict:
         "--json",
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = python_run(*cmd[1:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
 

@@ -12,7 +12,7 @@ from lightning_4d import MemoryBudgetExceeded, MemoryEstimatorCallback
 from lightning_4d.planning.hardware import GPU_PRESETS, gpu_spec, parse_bytes
 from lightning_4d.planning.workload import Workload
 from tests._fakes import FakeLayoutStrategy
-from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
+from tests._launch import ROOT, SCRIPTS, python_run, torchrun, worker_env
 
 
 def _check(tmp_path, device_memory, **kw):
@@ -71,14 +71,7 @@ def test_hardware_presets():
 
 
 def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_4d", *args],
-        cwd=ROOT,
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return python_run("-m", "lightning_4d", *args, timeout=120)
 
 
 def test_estimate_json():

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
 
 import pytest
 import torch
 
-from tests._launch import ROOT, run_limited, worker_env
+from tests._launch import ROOT, python_run, worker_env
 
 PAGE = ROOT / "docs" / "tutorial.md"
 
@@ -50,7 +49,7 @@ def test_the_cpu_recipe_runs(tmp_path):
     for command in recipe_commands():
         argv = shlex.split(command.replace("/tmp/tutorial", str(tmp_path)))
         assert argv[0] == "lightning-4d", command
-        proc = run_limited([sys.executable, "-m", "lightning_4d", *argv[1:]], 600, env=env)  # past it: stacks
+        proc = python_run("-m", "lightning_4d", *argv[1:], env=env, timeout=600)
         # estimate and plan exit 1 when nothing fits; the recipe's layouts fit
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     last = tmp_path / "ckpt" / "last.ckpt"

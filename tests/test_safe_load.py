@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from lightning_4d import safe_load
 from tests._crafted import RunsCode, crafted_file, crafted_folder
-from tests._launch import ROOT, SCRIPTS, torchrun, worker_env
+from tests._launch import ROOT, SCRIPTS, python_run, torchrun
 
 PACKAGE = ROOT / "lightning_4d"
 
@@ -112,8 +111,7 @@ def test_trainer_ckpt_path_refuses_crafted_files(strategy_loads, case, file):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "lightning_4d", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    return python_run("-m", "lightning_4d", *args)
 
 
 @pytest.mark.slow
