@@ -85,7 +85,7 @@ EMITTED = {_emit_target(c.argv): c for c in RUNNABLE if c.argv[0] == "plan" and 
 
 
 def test_pages_emit_configs():
-    assert {"/shared/llama3.1-8b-plan.yaml", "/tmp/recipe/plan.yaml", "llama3-8b-plan.yaml"} <= set(EMITTED), EMITTED
+    assert {"/shared/llama3.1-8b-plan.yaml", "/tmp/tutorial/plan.yaml", "llama3-8b-plan.yaml"} <= set(EMITTED), EMITTED
 
 
 @pytest.mark.slow
