@@ -62,6 +62,10 @@ class StepMonitor(L.Callback):
         self._flops = 0.0  # their model FLOPs
         self._global_step = 0
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # a fit that ended inside an accumulated step leaves no partial tokens or start time to the next fit
+        self._step_start, self._tokens, self._flops = None, 0.0, 0.0
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
         if self._step_start is None:
             self._global_step = trainer.global_step
@@ -96,7 +100,10 @@ class StepMonitor(L.Callback):
     def _work(trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> tuple[float, float]:
         """The global tokens of one micro-batch (``input_ids`` ``[b, s/cp]``, or the ``[b·m, s/cp]`` of a pipeline
         step) and their model FLOPs (0 without a lightning_4d ``model_config``)."""
-        ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+        if isinstance(batch, dict):
+            ids = batch["input_ids"]
+        else:  # a plain [b, s] tensor, or a (input_ids, ...) tuple
+            ids = batch if isinstance(batch, torch.Tensor) else batch[0]
         b, s = ids.shape
         layout = layout_strategy(trainer.strategy)
         s *= layout.context_parallel_size if layout is not None else 1

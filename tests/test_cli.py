@@ -457,6 +457,38 @@ def test_emitted_config_masks_documents_when_the_plan_did(tmp_path, capsys):
         assert yaml.safe_load(path.read_text())["model"].get("document_masking") is masked
 
 
+def test_emitted_config_over_a_model_file_keeps_its_validation_every_as_many_optimizer_steps(tmp_path, capsys):
+    """With a ``--model`` YAML file the emitted config replaces the file's ``accumulate_grad_batches``; Lightning
+    counts ``val_check_interval`` in batches, so the file's interval is rescaled: configs/llama3_8b.yaml validates
+    every 128000 / 128 = 1000 optimizer steps, and so does the emitted job at the plan's own accumulation."""
+    import yaml
+
+    from lightning_4d.cli import main
+
+    path = tmp_path / "plan.yaml"
+    model = str(ROOT / "configs" / "llama3_8b.yaml")
+    args = ["plan", "--model", model, "--seq-length", "8192", "--num-gpus", "16", "--gpu-memory", "H100-80GB"]
+    assert main([*args, "--global-batch-size", "256", "--emit-config", str(path)]) == 0
+    capsys.readouterr()
+    trainer = yaml.safe_load(path.read_text())["trainer"]
+    accumulate = trainer["accumulate_grad_batches"]
+    assert accumulate > 1 and trainer["val_check_interval"] == 1000 * accumulate
+    assert trainer["check_val_every_n_epoch"] is None
+
+
+def test_emit_config_refuses_an_estimate_only_preset(tmp_path, capsys):
+    """A preset whose architecture the model does not implement (Llama 4's) serves estimate and plan only: a config
+    from it would not train, so --emit-config says so in one line and writes nothing."""
+    from lightning_4d.cli import main
+
+    path = tmp_path / "scout.yaml"
+    args = ["plan", "--model", "llama4-scout-17b-16e", "--seq-length", "8192", "--num-gpus", "64"]
+    assert main([*args, "--global-batch-size", "256", "--gpu-memory", "H100-80GB", "--emit-config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot build this model" in err[0], err
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b"])
 def test_gpu_configs_use_the_emitted_pretraining_defaults(name):
     """The shipped pretraining configs and ``plan --emit-config`` share one definition of the optimizer settings

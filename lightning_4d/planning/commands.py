@@ -613,7 +613,8 @@ def main(command: str, argv: list[str], untested_pairs: Optional[Callable[[dict,
             if not out["layouts"]:
                 raise ValueError(
                     f"--emit-config {emit!r}: no layout fits, so there is no first pick to write (use "
-                    "more GPUs, a shorter sequence, or a larger GPU)."
+                    "more GPUs, a shorter sequence, a larger GPU, optimizer offload with enough --host-memory, or "
+                    "--precision bf16-true)."
                 )
             out["emit_config"] = write_plan_config(out, emit, " ".join(["lightning-4d", command, *argv]))
     except ValueError as err:

@@ -21,7 +21,7 @@ from lightning_4d.layout import strategy_arguments
 #: the emitted config's step budget (as ``configs/llama3_8b.yaml``): set ``trainer.max_steps`` to your token budget
 #: divided by the tokens per step (global batch x sequence length)
 MAX_STEPS = 10_000
-#: validate and (by default) log every this many optimizer steps, on this many validation batches
+#: validate every this many optimizer steps, on this many validation batches (and checkpoint at most this far apart)
 VALIDATION_INTERVAL_STEPS = 1000
 VALIDATION_BATCHES = 20
 #: the placeholders of the data section: the data module refuses a tokenizer file that does not exist, so a launch
@@ -57,12 +57,36 @@ def pretraining_defaults(num_parameters: int) -> PretrainingDefaults:
 
 
 def _preset_parameters(model: str) -> Any:
-    """The parameter count of preset ``model`` (``None``: ``--model`` named a file, whose own job settings stay)."""
+    """The parameter count of preset ``model`` (``None``: ``--model`` named a file, whose own job settings stay).
+
+    Raises:
+        ValueError: the preset serves ``estimate`` / ``plan`` only (``LlamaConfig.unimplemented_features``): a
+            config from it would not train.
+    """
     from lightning_4d.models.llama_config import LlamaConfig
 
-    if str(model).endswith((".yaml", ".yml")) or Path(model).is_file():
+    if _is_file(model):
         return None
-    return LlamaConfig.from_name(model).num_parameters()
+    config = LlamaConfig.from_name(model)
+    config.check_trainable(f"--emit-config for {model!r}")
+    return config.num_parameters()
+
+
+def _is_file(model: str) -> bool:
+    return str(model).endswith((".yaml", ".yml")) or Path(model).is_file()
+
+
+def _file_validation(model: str, accumulate: int) -> dict[str, Any]:
+    """For a ``--model`` YAML file: its ``trainer.val_check_interval`` (counted in batches, so sized for the file's
+    own ``accumulate_grad_batches``) rescaled to the emitted ``accumulate`` batches per optimizer step, so that the
+    file validates every as many optimizer steps as before; ``{}`` when the file sets no batch count."""
+    import yaml
+
+    trainer = (yaml.safe_load(Path(model).read_text()) or {}).get("trainer") or {}
+    interval, before = trainer.get("val_check_interval"), trainer.get("accumulate_grad_batches") or 1
+    if not isinstance(interval, int) or isinstance(interval, bool) or not isinstance(before, int):
+        return {}
+    return {"val_check_interval": max(1, interval // before) * accumulate, "check_val_every_n_epoch": None}
 
 
 def _trainer(out: dict[str, Any], c: dict[str, Any], init_args: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +168,7 @@ def plan_config(out: dict[str, Any]) -> dict[str, Any]:
     }
     num_parameters = _preset_parameters(out["model"])
     if num_parameters is None:
+        trainer.update(_file_validation(out["model"], trainer["accumulate_grad_batches"]))
         return {"trainer": trainer, "data": data}
     defaults = pretraining_defaults(num_parameters)
     trainer.update(_job(out, c, trainer, defaults))
@@ -179,10 +204,13 @@ def write_plan_config(out: dict[str, Any], path: str, command: str) -> str:
         f"({100 * c['fraction']:.0f}% of {out['gpu']}), predicted step {c['step_time']:.4g} s (not measured).",
         f"#   {run} --data.data_path {DATA_PATH_PLACEHOLDER} --data.tokenizer {TOKENIZER_PLACEHOLDER}",
         "#   (a weighted blend of prepared corpora: --data.data_path '[0.7, /data/web.bin, 0.3, /data/code.bin]')",
-        '# (rows to arguments: docs/estimate_and_plan.md, "From a row to a config"; the learning rate, warm-up and',
-        "# clipping are the Llama 2 paper's: lightning_4d.planning.emit.pretraining_defaults; set trainer.max_steps",
-        "# to your budget)",
+        '# (rows to arguments: docs/estimate_and_plan.md, "From a row to a config")',
     ]
+    if "model" in config:  # a preset: the job is this file's
+        header += [
+            "# (the learning rate, warm-up and clipping are the Llama 2 paper's:",
+            "# lightning_4d.planning.emit.pretraining_defaults; set trainer.max_steps to your budget)",
+        ]
 
     class _Dumper(yaml.SafeDumper):  # lists of numbers (the layer split) on one line: [7, 8, 8, 7]
         pass

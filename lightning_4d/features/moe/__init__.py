@@ -59,7 +59,7 @@ class MoESizes:
         """Size of the expert data-parallel group ``edp`` (dp·cp·tp / ep; under tp an MoE layer runs token parallel,
         so its tp ranks are data-parallel ranks for it): the ranks holding the same experts, over which the expert
         parameters' gradients are reduced and their ZeRO 1-3 states sharded."""
-        return self.dp_cp * self.tp // self.ep
+        return self.dp * self.cp * self.tp // self.ep
 
     def ep_coordinates(self, dp_cp_rank: int, tp_rank: int = 0) -> tuple[int, int]:
         """``(ep rank, expert data-parallel rank)`` of the rank at index ``dp_cp_rank`` of the flattened ``dp_cp``
