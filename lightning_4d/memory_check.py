@@ -622,6 +622,7 @@ class MemoryEstimatorCallback(L.Callback):
                 memory,
                 self.budget,
                 gpus_per_node=trainer.num_devices,
+                global_batch_size=b * pc.dp * (pc.microbatches if pc.pp > 1 else trainer.accumulate_grad_batches),
                 device_type=device_type,
                 gpu_name=gpu_name,
             )

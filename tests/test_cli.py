@@ -310,6 +310,8 @@ def test_estimate_that_does_not_fit_names_the_layouts_that_fit(capsys):
             "--cp-method",
             lay["context_parallel_method"],
         ]
+        if s["accumulate_grad_batches"] > 1:  # the job's global batch, accumulated on this layout's dp
+            again += ["--num-microbatches", str(s["accumulate_grad_batches"])]
         if lay["pp"] > 1:
             again += [
                 "--pipeline-schedule",
@@ -440,6 +442,24 @@ def test_plan_emit_config_is_a_fit_config(tmp_path, capsys, monkeypatch, extra):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no layout fits" in err[0] and "none.yaml" in err[0]
     assert not (tmp_path / "none.yaml").exists()
+
+
+def test_suggested_layouts_keep_the_jobs_global_batch(capsys):
+    """A layout over budget with 64 accumulated micro-batches (Llama 3 8B, dp8 ZeRO 3, 66.9 GiB of an 80 GiB H100's
+    64 GiB budget): each suggestion runs the same 512 sequences per step on its own dp (its accumulate_grad_batches,
+    printed in its line) and fits with them; dp8 ZeRO 3 without checkpointing fits only at one micro-batch (63.0
+    GiB), so it is not suggested."""
+    from lightning_4d.cli import main
+
+    base = ["estimate", "--model", "llama3-8b", "--num-gpus", "8", "--micro-batch-size", "1", "--seq-length", "8192"]
+    assert main(base + ["--zero-stage", "3", "--num-microbatches", "64", "--json"]) == 1
+    suggestions = json.loads(capsys.readouterr().out)["suggestions"]
+    assert suggestions
+    for s in suggestions:
+        lay, m = s["layout"], s["accumulate_grad_batches"]
+        assert lay["pp"] > 1 or m * lay["dp"] == 512, s
+        assert s["total"] <= 0.8 * 80 * 2**30 and f"accumulate_grad_batches={m}" in s["line"], s
+        assert not (lay["dp"] == 8 and lay["activation_checkpointing"] == "none"), s
 
 
 def test_emitted_config_masks_documents_when_the_plan_did(tmp_path, capsys):

@@ -434,16 +434,25 @@ def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: An
     """The nearest layouts of the same world size that fit (``suggest_layouts``, as ``MemoryEstimatorCallback``
     names them when it refuses a layout): ``{"line": the FourDStrategy(...) call, "total", "total_gib",
     "layout"}`` each, fastest predicted first."""
-    from lightning_4d.planning.planner import suggest_layouts, suggestion_line
+    from lightning_4d.planning.planner import accumulated_batches, suggest_layouts, suggestion_line
 
     try:
         work = workload_from_args(args, cfg)
-        found = suggest_layouts(work, pc.world_size, gpu.memory, args.budget, gpu_name=gpu.name)
+        m = pc.microbatches if pc.pp > 1 else (pc.num_microbatches or 1)  # as the estimate itself counts them
+        found = suggest_layouts(
+            work,
+            pc.world_size,
+            gpu.memory,
+            args.budget,
+            global_batch_size=args.micro_batch_size * pc.dp * m,  # the job's sequences per optimizer step
+            gpu_name=gpu.name,
+        )
     except ValueError:  # no suggestion is better than hiding the verdict (as the callback does)
         return []
     return [
         {
             "line": suggestion_line(s, args.micro_batch_size),
+            "accumulate_grad_batches": accumulated_batches(s),
             "total": e.total,
             "total_gib": e.total / GIB,
             "layout": reported_layout(s),

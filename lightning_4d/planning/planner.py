@@ -75,6 +75,7 @@ from lightning_4d.planning.step_time import Layout, StepTime, model_dims, step_t
 from lightning_4d.planning.workload import Job, Search, Workload, document_attention_context
 
 __all__ = [
+    "accumulated_batches",
     "Candidate",
     "enumerate_layouts",
     "fitting_layout_lines",
@@ -650,9 +651,18 @@ def format_size(n: float) -> str:
 def suggestion_line(parallel_config: Any, micro_batch_size: int) -> str:
     """A ``FourDStrategy(...)`` call with the layout's arguments (:func:`lightning_4d.layout.strategy_arguments`,
     concise: every dimension that applies to it, without the values its defaults give), followed by a comment naming
-    the micro-batch size it assumes: a line that can be pasted as it is."""
+    the micro-batch size it assumes (and at pp = 1 the accumulated micro-batches, ``num_microbatches`` > 1): a line
+    that can be pasted as it is."""
     args = ", ".join(f"{k}={v!r}" for k, v in strategy_arguments(parallel_config, concise=True).items())
-    return f"FourDStrategy({args})  # with micro_batch_size={micro_batch_size}"
+    m = accumulated_batches(parallel_config)
+    accumulate = f" and accumulate_grad_batches={m}" if m > 1 else ""
+    return f"FourDStrategy({args})  # with micro_batch_size={micro_batch_size}{accumulate}"
+
+
+def accumulated_batches(parallel_config: Any) -> int:
+    """The micro-batches a layout accumulates per optimizer step: its ``num_microbatches`` at pp = 1, else 1 (a
+    pipeline's micro-batches are the schedule's)."""
+    return (parallel_config.num_microbatches or 1) if parallel_config.pp == 1 else 1
 
 
 def fitting_layout_lines(layouts: list[tuple[str, float]], world_size: int) -> list[str]:
@@ -676,21 +686,28 @@ def suggest_layouts(
     budget: float,
     gpus_per_node: Optional[int] = None,
     count: int = 3,
+    global_batch_size: Optional[int] = None,
     **estimate_kw: Any,
 ) -> list[tuple[ParallelConfig, MemoryEstimate]]:
     """Up to ``count`` layouts of ``world_size`` GPUs that fit, with the same micro-batch size and sequence length as
     ``workload`` (its model, precision and ``fused_optimizer`` too), fastest predicted first (for
-    :class:`MemoryBudgetExceeded`)."""
+    :class:`MemoryBudgetExceeded`). ``global_batch_size`` (sequences per optimizer step; default one micro-batch per
+    GPU) is the job's: each layout runs it as ``global_batch_size / (b·dp)`` micro-batches, pipelined or, at pp = 1,
+    accumulated (the layout's ``num_microbatches``; their float32 gradients are alive beside the next micro-batch's
+    activations), and is estimated with them."""
     from lightning_4d.planning.hardware import gpu_spec
 
     b = workload.micro_batch_size
     gpu = gpu_spec(device_memory)
     per_node = gpus_per_node or min(world_size, 8)
-    job = workload.job(world_size, per_node, b * world_size, gpu)
+    job = workload.job(world_size, per_node, global_batch_size or b * world_size, gpu)
     found = []
     for cand in plan(job, Search(micro_batch_size=b), budget=budget, top=count, estimate_kw=estimate_kw):
         pc = cand.parallel_config()
-        found.append((pc, estimate_memory(replace(workload, num_microbatches=None), pc, **estimate_kw)))
+        accumulated = cand.num_microbatches if cand.pp == 1 and cand.num_microbatches > 1 else None
+        if accumulated:
+            pc = replace(pc, num_microbatches=accumulated)
+        found.append((pc, estimate_memory(replace(workload, num_microbatches=accumulated), pc, **estimate_kw)))
         if len(found) == count:
             break
     return found
