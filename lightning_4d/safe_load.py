@@ -211,6 +211,17 @@ class _DcpMetadataUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = _load_build
 
 
+def loads_plain(data: bytes, label: str) -> Any:
+    """Unpickle ``data`` (``label`` names it in errors) admitting only plain data: builtin containers, torch's
+    dtypes, layouts and sizes, paths, and DCP's metadata classes (the unpickler of :func:`read_dcp_metadata`), e.g.
+    torch's flight-recorder trace (:func:`lightning_4d.parallel._compat.process.collective_trace`).
+
+    Raises:
+        UnsafeFileError: the pickle names anything else, or sets attributes of a class.
+    """
+    return _DcpMetadataUnpickler(io.BytesIO(data), label).load()
+
+
 def read_dcp_metadata(path: Union[str, Path]) -> Any:
     """DCP's ``Metadata`` of the folder ``path`` (its ``.metadata`` file), unpickled with only DCP's metadata
     classes and torch's dtypes allowed.

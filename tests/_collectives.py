@@ -34,8 +34,10 @@ def write(out: Path) -> None:
     if not dist.is_initialized():
         return
     from lightning_4d.parallel._compat.process import collective_trace
+    from lightning_4d.safe_load import loads_plain
 
-    entries, groups = collective_trace()
+    trace, groups = collective_trace()
+    entries = loads_plain(trace, "the flight recorder's trace").get("entries", [])
     rows = [
         [
             e["process_group"][0],

@@ -81,25 +81,23 @@ def process_group_count() -> int:
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 
 
-def collective_trace() -> tuple[list[dict], dict[str, list[int]]]:
+def collective_trace() -> tuple[bytes, dict[str, list[int]]]:
     """This process's collectives as torch's flight recorder kept them (:data:`FLIGHT_RECORDER_ENV` set before the
-    process groups were made; gloo records collectives, not send/recv), oldest first, and the global ranks of each
-    live process group by name.
+    process groups were made; gloo records collectives, not send/recv), as the pickle of a dict of plain data whose
+    ``"entries"`` are oldest first (read it with :func:`lightning_4d.safe_load.loads_plain`: the package unpickles
+    through ``safe_load`` only), and the global ranks of each live process group by name.
 
     Each entry: ``process_group`` ``(name, description)``, ``collective_seq_id`` (1, 2, ... per group),
     ``profiling_name`` (``"gloo:all_reduce"``), ``input_sizes`` / ``input_dtypes``, ``thread_name`` (the thread that
     issued it) and ``frames`` (its Python stack, innermost first: ``name``, ``filename``, ``line``).
     ``torch._C._distributed_c10d._dump_fr_trace`` (a pickled dict) and ``distributed_c10d._world.pg_names`` (private
     names)."""
-    import pickle
-
     import torch.distributed as dist
     from torch._C._distributed_c10d import _dump_fr_trace
     from torch.distributed import distributed_c10d
 
-    entries = pickle.loads(_dump_fr_trace()).get("entries", [])
     groups = {name: dist.get_process_group_ranks(pg) for pg, name in distributed_c10d._world.pg_names.items()}
-    return entries, groups
+    return _dump_fr_trace(), groups
 
 
 def restarted_worker_store(timeout: "timedelta") -> Optional["Store"]:
