@@ -419,7 +419,7 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     if args.formula == "lightning_4d":
         out.update(_host_fit(out["host_per_node"], args))
     if not out["fits"] and args.formula == "lightning_4d":
-        out["suggestions"] = _suggestions(cfg, pc, args, gpu)
+        out["suggestions"] = _suggestions(cfg, pc, m, args, gpu)
     return out
 
 
@@ -430,15 +430,15 @@ def _host_fit(per_node: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"host_memory": memory, "fits_host": per_node <= args.budget * memory}
 
 
-def _suggestions(cfg: Any, pc: ParallelConfig, args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
+def _suggestions(cfg: Any, pc: ParallelConfig, m: int, args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
     """The nearest layouts of the same world size that fit (``suggest_layouts``, as ``MemoryEstimatorCallback``
-    names them when it refuses a layout): ``{"line": the FourDStrategy(...) call, "total", "total_gib",
+    names them when it refuses a layout), at the job's global batch (b·dp·``m``, ``m`` as the estimate counts it):
+    ``{"line": the FourDStrategy(...) call, "total", "total_gib",
     "layout"}`` each, fastest predicted first."""
     from lightning_4d.planning.planner import accumulated_batches, suggest_layouts, suggestion_line
 
     try:
         work = workload_from_args(args, cfg)
-        m = pc.microbatches if pc.pp > 1 else (pc.num_microbatches or 1)  # as the estimate itself counts them
         found = suggest_layouts(
             work,
             pc.world_size,
