@@ -1,7 +1,7 @@
 """A Hugging Face ``transformers.LlamaForCausalLM`` in your own LightningModule, split by FourDStrategy: tp + sp, cp,
 pp and dp with ZeRO, from the same arguments as lightning_4d's own Llama. Trains on the embedded corpus.
 
-    pip install 'lightning-4d[hf]'
+    pip install -e '.[hf]'                                      # from the repository's root
     python examples/hf_llama_4d.py                              # 4 CPU processes: tp=2 x cp=2, ZeRO 1
     python examples/hf_llama_4d.py --tp 1 --cp 1 --zero-stage 3 --devices 2
     python examples/hf_llama_4d.py --pp 2 --cp 1 --devices 4      # tp=2 x pp=2, 1F1B

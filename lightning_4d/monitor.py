@@ -58,13 +58,12 @@ class StepMonitor(L.Callback):
             raise ValueError(f"peak_tflops={peak_tflops!r} is not valid: expected a positive number of TFLOP/s.")
         self.peak_tflops = peak_tflops
         self._step_start: Optional[float] = None
-        self._tokens = 0.0  # the global tokens of the micro-batches of the step so far
-        self._flops = 0.0  # their model FLOPs
+        self._work_of: list[tuple[float, int, Any]] = []  # per micro-batch: global tokens, s, document ids or None
         self._global_step = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # a fit that ended inside an accumulated step leaves no partial tokens or start time to the next fit
-        self._step_start, self._tokens, self._flops = None, 0.0, 0.0
+        self._step_start, self._work_of = None, []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
         if self._step_start is None:
@@ -78,9 +77,9 @@ class StepMonitor(L.Callback):
     ) -> None:
         if self._step_start is None:
             return
-        tokens, flops = self._work(trainer, pl_module, batch)
-        self._tokens += tokens
-        self._flops += flops
+        # the document ids are kept, not counted here: counting reads them (a device sync on CUDA) inside the step
+        documents = batch.get(DOCUMENT_IDS) if isinstance(batch, dict) else None
+        self._work_of.append((*self._tokens_of(trainer, batch), documents))
         if trainer.global_step == self._global_step:  # the step accumulates more micro-batches
             return
         if trainer.strategy.root_device.type == "cuda":
@@ -88,18 +87,31 @@ class StepMonitor(L.Callback):
         elapsed = time.perf_counter() - self._step_start
         metrics = self._memory(trainer)
         if elapsed > 0:
-            metrics["tokens_per_sec"] = self._tokens / elapsed
+            metrics["tokens_per_sec"] = sum(tokens for tokens, _, _ in self._work_of) / elapsed
             peak = self._peak_flops(trainer)
-            if peak and self._flops:
-                metrics["mfu"] = self._flops / elapsed / (peak * trainer.world_size)
+            flops = self._flops(pl_module)
+            if peak and flops:
+                metrics["mfu"] = flops / elapsed / (peak * trainer.world_size)
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False)
-        self._step_start, self._tokens, self._flops = None, 0.0, 0.0
+        self._step_start, self._work_of = None, []
+
+    def _flops(self, pl_module: L.LightningModule) -> float:
+        """The model FLOPs of the step's micro-batches (0 without a lightning_4d ``model_config``); with document
+        masking the attention FLOPs of each micro-batch's documents (``attention_context`` of its document ids), not
+        of a window-long context."""
+        cfg = optional_member(pl_module, "model_config")
+        if not isinstance(cfg, LlamaConfig):
+            return 0.0
+        return sum(
+            tokens * cfg.flops_per_token(s, attention_context(documents) if documents is not None else None)
+            for tokens, s, documents in self._work_of
+        )
 
     @staticmethod
-    def _work(trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> tuple[float, float]:
+    def _tokens_of(trainer: L.Trainer, batch: Any) -> tuple[float, int]:
         """The global tokens of one micro-batch (``input_ids`` ``[b, s/cp]``, or the ``[b·m, s/cp]`` of a pipeline
-        step) and their model FLOPs (0 without a lightning_4d ``model_config``)."""
+        step) and its window length s (tokens)."""
         if isinstance(batch, dict):
             ids = batch["input_ids"]
         else:  # a plain [b, s] tensor, or a (input_ids, ...) tuple
@@ -109,13 +121,7 @@ class StepMonitor(L.Callback):
         s *= layout.context_parallel_size if layout is not None else 1
         strategy = trainer.strategy
         dp = strategy.distributed_sampler_kwargs if isinstance(strategy, ParallelStrategy) else None
-        tokens = float(b * s * (dp or {}).get("num_replicas", 1))
-        cfg = optional_member(pl_module, "model_config")
-        if not isinstance(cfg, LlamaConfig):
-            return tokens, 0.0
-        # document masking: the attention FLOPs of the documents, not of a window-long context
-        context = attention_context(batch[DOCUMENT_IDS]) if isinstance(batch, dict) and DOCUMENT_IDS in batch else None
-        return tokens, tokens * cfg.flops_per_token(s, context)
+        return float(b * s * (dp or {}).get("num_replicas", 1)), s
 
     def _peak_flops(self, trainer: L.Trainer) -> Optional[float]:
         """The device's peak FLOP/s (``peak_tflops``, else the CUDA device's from the planner's table), or None."""

@@ -46,13 +46,30 @@ PRELOAD = [
     "lightning_4d.cli",
 ]
 
+#: the variables read when the interpreter starts or torch and lightning_4d are imported: a forked rank inherits
+#: the forkserver's imports, so a launch must agree with the forkserver on each (checked at every launch)
+IMPORT_TIME = ("PYTHONPATH", "PYTHONWARNINGS", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+#: what :func:`rank_envs` sets per launch or per rank (never given to the forkserver)
+LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
 _CONTEXT: multiprocessing.context.BaseContext | None = None
+_SERVER_ENV: dict[str, str] = {}
 
 
 def context(env: dict[str, str]) -> multiprocessing.context.BaseContext:
-    """The forkserver context, its server started (once per process) with environment ``env`` (the workers' own:
-    ``OMP_NUM_THREADS=1`` and ``PYTHONPATH`` must hold when it imports torch and lightning_4d)."""
-    global _CONTEXT
+    """The forkserver context, its server started (once per process) with the launch's environment ``env`` less what
+    is particular to one launch or rank (:data:`LAUNCH_KEYS`, ``GROUP_*``, ``ROLE_*``, ``TORCHELASTIC_*``): the
+    workers' own, as ``OMP_NUM_THREADS=1`` and ``PYTHONPATH`` must hold when it imports torch and lightning_4d.
+
+    Raises:
+        RuntimeError: a later launch's ``env`` differs from the server's in a variable of :data:`IMPORT_TIME` (its
+            ranks would run with the server's imports, not the ones asked for).
+    """
+    global _CONTEXT, _SERVER_ENV
+    server_env = {
+        k: v for k, v in env.items() if k not in LAUNCH_KEYS and not k.startswith(("GROUP_", "ROLE_", "TORCHELASTIC_"))
+    }
     if _CONTEXT is None:
         from multiprocessing import forkserver
 
@@ -60,14 +77,21 @@ def context(env: dict[str, str]) -> multiprocessing.context.BaseContext:
         ctx.set_forkserver_preload(PRELOAD)
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(server_env)
         try:
             with _no_main():
                 forkserver.ensure_running()
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        _CONTEXT = ctx
+        _CONTEXT, _SERVER_ENV = ctx, server_env
+    differ = [k for k in IMPORT_TIME if env.get(k) != _SERVER_ENV.get(k)]
+    if differ:
+        raise RuntimeError(
+            f"a forked launch asks for {', '.join(f'{k}={env.get(k)!r}' for k in differ)} but the test forkserver "
+            f"imported with {', '.join(f'{k}={_SERVER_ENV.get(k)!r}' for k in differ)}: launch it with "
+            "subprocess (a fresh interpreter) or L4D_TEST_LAUNCHER=torchrun."
+        )
     return _CONTEXT
 
 

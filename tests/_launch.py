@@ -4,6 +4,7 @@ Lightning never re-runs pytest)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -224,31 +225,33 @@ def _descendants(pid: int) -> list[int]:
 def _abort_pids(pids: list[int]) -> None:
     """SIGABRT to each process of ``pids`` and to everything below them (``PYTHONFAULTHANDLER`` or
     ``faulthandler.enable()``: each prints all its threads' Python stacks before it dies: where a hung rank waits);
-    SIGKILL to whatever is left 30 s later."""
-    below = [q for pid in pids for q in _descendants(pid)]
-    for pid in [*below, *pids]:
-        _signal(pid, signal.SIGABRT)
+    SIGKILL to whatever of them is left 30 s later (a process is signalled only while it is the one found: same pid
+    and start time, so a pid the kernel reused meanwhile is never hit)."""
+    found = _processes([*(q for pid in pids for q in _descendants(pid)), *pids])
+    for proc in found:
+        _signal(proc, signal.SIGABRT)
     end = time.monotonic() + 30
-    while time.monotonic() < end and any(Path(f"/proc/{pid}").exists() for pid in pids):
+    while time.monotonic() < end and any(_alive(proc) for proc in found):
         time.sleep(0.2)
-    for pid in [*below, *pids]:
-        _signal(pid, signal.SIGKILL)
+    for proc in found:
+        _signal(proc, signal.SIGKILL)
 
 
 def _abort(popen: subprocess.Popen) -> tuple[str, str]:
     """End a launch that overran: SIGABRT to every worker, then to the launcher (``PYTHONFAULTHANDLER`` makes each
     print all its threads' Python stacks before it dies: where a hung rank waits), SIGKILL to whatever is left 30 s
-    later; returns the launch's stdout and stderr."""
-    workers = _descendants(popen.pid)
-    for pid in workers:
-        _signal(pid, signal.SIGABRT)
+    later (the workers still the processes found, :func:`_abort_pids`); returns the launch's stdout and stderr."""
+    workers = _processes(_descendants(popen.pid))
+    for proc in workers:
+        _signal(proc, signal.SIGABRT)
     time.sleep(2)  # the workers' stacks before the launcher's
-    _signal(popen.pid, signal.SIGABRT)
+    popen.send_signal(signal.SIGABRT)
     try:
         return popen.communicate(timeout=30)
     except subprocess.TimeoutExpired:
-        for pid in [*workers, popen.pid]:
-            _signal(pid, signal.SIGKILL)
+        for proc in workers:
+            _signal(proc, signal.SIGKILL)
+        popen.kill()
         return popen.communicate()
 
 
@@ -259,11 +262,30 @@ def _no_core_files() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _signal(pid: int, signum: int) -> None:
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks after boot, ``/proc/<pid>/stat`` field 22), ``None`` when no
+    such process exists: with the pid, what names one process (a pid alone may be reused once it ended)."""
     try:
-        os.kill(pid, signum)
-    except ProcessLookupError:  # already ended
-        pass
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _processes(pids: list[int]) -> list[tuple[int, int]]:
+    """``(pid, start time)`` of each process of ``pids`` that exists now."""
+    return [(pid, t) for pid in pids if (t := _start_time(pid)) is not None]
+
+
+def _alive(proc: tuple[int, int]) -> bool:
+    """Whether the process ``(pid, start time)`` still exists (its pid not ended, nor reused by another)."""
+    return _start_time(proc[0]) == proc[1]
+
+
+def _signal(proc: tuple[int, int], signum: int) -> None:
+    """Send ``signum`` to the process ``(pid, start time)`` if it is still that process."""
+    if _alive(proc):
+        with contextlib.suppress(ProcessLookupError):  # ended between the check and the signal
+            os.kill(proc[0], signum)
 
 
 def run_layouts(

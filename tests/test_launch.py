@@ -140,3 +140,38 @@ def test_a_failed_rank_ends_the_others_at_once(tmp_path):
         torchrun(2, script, timeout=300)
     assert time.monotonic() - start < 60, "rank 0 (asleep for 600 s) should have been ended with the failure"
     assert "failed (1)" in str(info.value)
+
+
+def test_signals_reach_only_the_process_that_was_found():
+    """``_abort_pids``' signals name a process by pid and start time: a process whose start time differs (its pid
+    reused by another) is not signalled; an ended one is no longer alive."""
+    import signal
+    import subprocess
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (found,) = _launch._processes([sleeper.pid])
+        assert _launch._alive(found)
+        _launch._signal((found[0], found[1] + 1), signal.SIGKILL)  # another process with this pid: not hit
+        time.sleep(0.2)
+        assert sleeper.poll() is None
+        _launch._signal(found, signal.SIGKILL)
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+        assert not _launch._alive(found)
+    finally:
+        sleeper.kill()
+
+
+def test_a_launch_must_agree_with_the_forkserver_on_import_time_variables(monkeypatch):
+    """The forkserver imports once, with the first launch's environment less its rendezvous variables; a later
+    launch whose ``OMP_NUM_THREADS`` (or another variable read at import) differs is refused with both values named,
+    one whose rank and port differ is not."""
+    from tests import _forkserver
+
+    server = object()
+    env = {"PYTHONPATH": "/x", "OMP_NUM_THREADS": "1"}
+    monkeypatch.setattr(_forkserver, "_CONTEXT", server)
+    monkeypatch.setattr(_forkserver, "_SERVER_ENV", dict(env))
+    assert _forkserver.context({**env, "RANK": "3", "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "r"}) is server
+    with pytest.raises(RuntimeError, match="OMP_NUM_THREADS='4' but the test forkserver imported with OMP_NUM_"):
+        _forkserver.context({**env, "OMP_NUM_THREADS": "4"})
