@@ -227,10 +227,12 @@ def saved_activation_bytes(
     sample, with the mask every layer shares, or under cp the document ids), ``head`` (final norm and head input),
     ``loss`` (the
     logits, the float32 log-sum-exp and the labels), ``compute_weights`` (``16-mixed``: autocast's weight copies),
-    ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the whole sequence under
-    ``context_parallel_method="allgather"``, under ``"alltoall"`` the second copy of the attention output and replicated
-    kv heads (:func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`), none for ``"ring"``; under
-    full or selective checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward
+    ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the whole sequence in
+    place of the local K/V, and a copy of the attention output, under ``context_parallel_method="allgather"``
+    (:func:`~lightning_4d.features.context_parallel.costs.gathered_kv_bytes`), under ``"alltoall"`` the second
+    copy of the attention output and replicated kv heads
+    (:func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`), none for ``"ring"``; under full or
+    selective checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward
     recomputes, transient: its whole saved set under full checkpointing, its pointwise tensors under selective
     checkpointing). Under ep an MoE layer runs on the rows the rank receives: the balanced figure times the
     workload's MoE load (:func:`lightning_4d.features.moe.costs.rank_load`;

@@ -33,9 +33,19 @@ __all__ = [
 
 
 def gathered_kv_bytes(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int) -> int:
-    """Bytes one layer saves of ``"allgather"``'s gathered K and V of the whole sequence (``2·c_b·b·s·k·d/t``), beside
-    the local-K/V-sized tensors it saves as the ring does."""
-    return 2 * dt.compute * b * seq_length * (cfg.num_kv_heads // pc.tp) * cfg.head_dim
+    """Bytes one layer saves under ``"allgather"`` beyond the ring's saved set (``a' = a/t`` query heads, ``k' = k/t``
+    kv heads, ``L = s/cp`` local tokens, ``c_b`` the compute dtype's bytes; ``runtime.py``'s
+    ``_AllGatherAttention``): the gathered K and V of the whole sequence (``full``, ``[2, b, k', s, d]``) in place of
+    the local K and V the ring saves (nothing else keeps those), ``2·c_b·b·(s − L)·k'·d``, and ``wo``'s input, a copy:
+    the output is ``[b, a', L, d]``-contiguous (a concatenation of the chunks' results), so merging its heads back
+    copies it, where the ring's output is laid out so that this is a view of the saved output: ``c_b·b·L·a'·d``.
+    Together ``c_b·b·d·(2·k'·(s − L) + a'·L)``; with ``a' = 2·k'`` this equals the whole gathered K/V,
+    ``2·c_b·b·s·k'·d``, which the model counted before. Measured (``saved_tensors_hooks`` over one ``Attention``
+    layer on a fake process group, each storage once: ``tests/test_context_parallel.py``, 4 query heads with 1, 2
+    and 4 kv heads, cp2 and cp4, first and last cp rank): exactly this."""
+    a, k, d = cfg.num_heads // pc.tp, cfg.num_kv_heads // pc.tp, cfg.head_dim
+    local = seq_length // pc.cp
+    return dt.compute * b * d * (2 * k * (seq_length - local) + a * local)
 
 
 def extra_saved_bytes(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int) -> int:
