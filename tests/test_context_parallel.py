@@ -436,3 +436,44 @@ def test_planner_weighs_alltoall_where_the_heads_allow():
         fastest.setdefault(cand.context_parallel_method, cand.step_time)
     assert set(fastest) == {"ring", "allgather", "alltoall"}
     assert candidates[0].step_time == min(fastest.values())
+
+
+def _allgather_backward_bytes(config: LlamaConfig, cp: int, b: int, s: int) -> int:
+    """The most bytes one ``"allgather"`` attention backward (cp rank 0, ``sdpa`` on CPU, float32) holds beyond its
+    inputs, saved tensors and output gradient: ``LiveTensorBytes`` on a fake process group (memory real)."""
+    import torch.distributed as dist
+
+    from lightning_4d.features.context_parallel.runtime import context_parallel_attention
+    from lightning_4d.measure import LiveTensorBytes
+    from lightning_4d.parallel._compat.fake import init_fake_process_group
+
+    init_fake_process_group(0, cp)
+    try:
+        g = torch.Generator().manual_seed(0)
+        shapes = (config.num_heads, config.num_kv_heads, config.num_kv_heads)
+        q, k, v = (torch.randn(b, s // cp, h, config.head_dim, generator=g, requires_grad=True) for h in shapes)
+        with LiveTensorBytes() as tracker:
+            out = context_parallel_attention(q, k, v, dist.group.WORLD, "allgather", "sdpa")
+            grad = torch.ones(out.shape)  # contiguous, as the merged heads' gradient is in the model
+            start = tracker.peak = tracker.current
+            out.backward(grad)
+    finally:
+        dist.destroy_process_group()
+    return tracker.peak - start
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_allgather_backward_is_what_the_memory_model_counts(cp, kv_heads):
+    """The all-gather method's attention backward holds what :func:`allgather_backward` counts, byte for byte (cp
+    rank 0, whose last query chunk meets the most keys; ``sdpa`` on CPU, float32; grouped and plain heads)."""
+    import dataclasses
+
+    from lightning_4d.features.context_parallel.costs import allgather_backward
+    from lightning_4d.planning.tensors import Dtypes
+
+    config = dataclasses.replace(LlamaConfig.from_name("tiny-test"), num_kv_heads=kv_heads)
+    b, s = 2, 512
+    pc = ParallelConfig(context_parallel_size=cp, zero_stage=0, context_parallel_method="allgather").resolve(cp)
+    expected = allgather_backward(config, pc, Dtypes.of("32-true"), b, s, eager=False)
+    assert _allgather_backward_bytes(config, cp, b, s) == expected
