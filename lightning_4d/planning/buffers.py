@@ -171,8 +171,7 @@ def masked_ring_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, 
     (``measure --document-tokens 128``, tiny-test ``32-true`` cp2): the phase within 4.1% above the peak at
     b=2 s=1024 and 3.5% at b=2 s=2048 (where it is the estimate's peak). Under full checkpointing the layer's
     input, which the checkpoint holds, is not counted again in the recomputed set ``model.py`` adds. 0 without cp
-    and for ``"allgather"`` (its block masks, a chunk's queries against its own chunk and its document's earlier
-    keys, stay below the peak: measured at s=2048 +114,688 B with masking, the document ids +98,304 B)."""
+    and for ``"allgather"``, whose backward, masks included, is its own phase (:func:`allgather_phase`)."""
     if pc.cp == 1 or pc.context_parallel_method == "allgather":
         return 0
     b, eager = work.micro_batch_size, _eager(cfg, device_type)
