@@ -204,9 +204,10 @@ def saved_bytes(
 
 def _add_context_parallel_kv(out: dict[str, int], kv: int, pc: ParallelConfig, n_layers: int) -> None:
     """Add to ``out`` (:func:`saved_bytes`) ``kv``, what a layer saves under cp beyond the ring's local tensors (0 for
-    the ring and without cp): allgather's gathered K/V of all s tokens (measured with saved_tensors_hooks: exactly
-    this much more than the ring, whatever c), alltoall's second output copy and replicated kv heads; under
-    checkpointing made again in a layer's recompute and dropped after its backward."""
+    the ring and without cp): allgather's gathered K/V of all s tokens in place of the local K/V, and a copy of
+    the attention output (:func:`~lightning_4d.features.context_parallel.costs.gathered_kv_bytes`, measured with
+    saved_tensors_hooks: exactly this much more than the ring), alltoall's second output copy and replicated kv
+    heads; under checkpointing made again in a layer's recompute and dropped after its backward."""
     if not kv:
         return
     if pc.activation_checkpointing != "none":

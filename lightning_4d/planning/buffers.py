@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.features.context_parallel.costs import (
+    allgather_backward,
     alltoall_masked_backward,
     context_parallel_buffers,
     ring_masked_backward,
@@ -22,7 +23,7 @@ from lightning_4d.features.moe import costs as moe_costs
 from lightning_4d.features.pipeline.costs import receive_buffer_bytes
 from lightning_4d.features.tensor_parallel.costs import embedding_gradient_bytes, head_backward_transient
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES, gradient_buckets_needed, loss_chunk_tokens
-from lightning_4d.planning.activations import layer_saved_parts, recompute_backward
+from lightning_4d.planning.activations import layer_saved_parts, norm_input_saved, recompute_backward
 from lightning_4d.planning.compression_costs import compression_buffer_bytes
 from lightning_4d.planning.float8_costs import (
     float8_backward_transient,
@@ -114,6 +115,9 @@ class Buffers:
     #: document masking under the cp ring or all-to-all: a layer's attention backward with its masks
     #: (:func:`masked_ring_phase`), beyond what a layer's backward holds after the loss' backward; 0 elsewhere
     masked_ring: int = 0
+    #: the cp ``"allgather"`` method: a layer's attention backward (:func:`allgather_phase`), beyond what a layer's
+    #: backward holds after the loss' backward; 0 elsewhere
+    allgather_backward: int = 0
 
 
 class _Held(NamedTuple):
@@ -146,6 +150,7 @@ def buffer_terms(
     features = _feature_terms(work, held, pc, dt, gradients["gathered_start"])
     if work.document_masking:
         features["masked_ring"] = masked_ring_phase(cfg, pc, dt, work, device_type, features["context_parallel"])
+    features["allgather_backward"] = allgather_phase(cfg, pc, dt, work, device_type, last)
     return Buffers(**gradients, **features)
 
 
@@ -166,14 +171,49 @@ def masked_ring_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, 
     (``measure --document-tokens 128``, tiny-test ``32-true`` cp2): the phase within 4.1% above the peak at
     b=2 s=1024 and 3.5% at b=2 s=2048 (where it is the estimate's peak). Under full checkpointing the layer's
     input, which the checkpoint holds, is not counted again in the recomputed set ``model.py`` adds. 0 without cp
-    and for ``"allgather"`` (its block masks, a chunk's queries against its own chunk and its document's earlier
-    keys, stay below the peak: measured at s=2048 +114,688 B with masking, the document ids +98,304 B)."""
+    and for ``"allgather"``, whose backward, masks included, is its own phase (:func:`allgather_phase`)."""
     if pc.cp == 1 or pc.context_parallel_method == "allgather":
         return 0
-    b, L, tp = work.micro_batch_size, work.seq_length // pc.cp, pc.tp
-    eager = device_type != "cpu" or getattr(cfg, "attention_backend", "sdpa") == "eager"
+    b, eager = work.micro_batch_size, _eager(cfg, device_type)
     masked = ring_masked_backward(cfg, pc, dt, b, work.seq_length, eager)
     masked += alltoall_masked_backward(cfg, pc, dt, b, work.seq_length, eager)
+    return _attention_backward_phase(cfg, pc, dt, work, masked, cp)
+
+
+def allgather_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, device_type: str, last: bool) -> int:
+    """The cp ``"allgather"`` method: the bytes of the first layer's attention backward beyond what a layer's
+    backward holds once the loss' backward is done, as :func:`masked_ring_phase` counts them, with the all-gather's
+    backward in place of the ring's (:func:`~lightning_4d.features.context_parallel.costs.allgather_backward`, with
+    document masking its masks). Measured on CPU (``lightning-4d measure``, tiny-test ``32-true`` b=2 s=2048): cp4
+    rank 0's peak is in this call (15,967,432 B; the estimate without the phase was 0.957 of it). 0 without cp and
+    for the other methods."""
+    b, s = work.micro_batch_size, work.seq_length
+    # explicit matmuls: masked calls off CPU (the fused CUDA kernels take no mask), float32 on CUDA (ATen's flash
+    # kernel takes float16/bfloat16), the "eager" backend
+    eager = _eager(cfg, device_type) and (device_type == "cpu" or work.document_masking or dt.compute == 4)
+    documents = (work.document_tokens or 0) if work.document_masking else None
+    core = allgather_backward(cfg, pc, dt, b, s, eager, documents, device_type != "cpu")
+    if not core:
+        return 0
+    # wo's backward, before the attention's, has freed wo's input, a copy of the attention output (gathered_kv_bytes),
+    # and on the last stage the head's backward what the head saved (its norm's input and rsqrt, its input)
+    L, h = s // pc.cp, cfg.hidden_size
+    core -= dt.compute * b * L * cfg.num_heads // pc.tp * cfg.head_dim
+    if last:
+        s_sp = L // pc.tp if pc.sp else L
+        core -= norm_input_saved(dt.residual, b, s_sp, h) + dt.compute * b * s_sp * h
+    return _attention_backward_phase(cfg, pc, dt, work, core, 0)
+
+
+def _eager(cfg: Any, device_type: str) -> bool:
+    """A masked or float32 cp block runs explicit matmuls: on CUDA and under the ``"eager"`` backend."""
+    return device_type != "cpu" or getattr(cfg, "attention_backend", "sdpa") == "eager"
+
+
+def _attention_backward_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, core: int, cp: int) -> int:
+    """:func:`masked_ring_phase`'s sum for the attention backward's own bytes ``core``: + the output gradients, − the
+    feed-forward's freed saved set, − the layer transients ``cp``, − under full checkpointing the layer's input."""
+    b, L, tp = work.micro_batch_size, work.seq_length // pc.cp, pc.tp
     sp_tokens = L // tp if pc.sp else L
     gradients = dt.residual * b * sp_tokens * cfg.hidden_size + dt.compute * b * L * cfg.num_heads // tp * cfg.head_dim
     parts = layer_saved_parts(cfg, dt, b, L, tp, pc.sp)
@@ -182,7 +222,7 @@ def masked_ring_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, 
     # checkpoint holds (its saved_layers): measured, the masked ring at tiny-test b=2 s=2048 cp2 32-true was
     # 1.070 of the peak with it, 1.046 without
     kept = dt.residual * b * sp_tokens * cfg.hidden_size if pc.activation_checkpointing == "full" else 0
-    return masked + gradients - feed_forward - cp - kept
+    return core + gradients - feed_forward - cp - kept
 
 
 def _gradient_terms(work: Workload, held: _Held, pc: ParallelConfig, dt: Dtypes, states: ModelStates) -> dict:

@@ -164,13 +164,16 @@ local q, k, v, output and float32 log-sum-exp (the same tensors as plain attenti
 layer's backward, the K/V block in hand and the one arriving, the block's float32 dK/dV accumulator and the one
 arriving, the rank's own block's float32 dK/dV (kept to the end, so that the accumulators travel ``c − 1`` hops), and
 float32 dq (``2·(2·c_b + 3·4)·b·(s/c)·k·d/t + 4·b·(s/c)·a·d/t`` bytes, ``c_b`` the compute dtype's bytes);
-``"allgather"`` saves the gathered K and V of the whole sequence besides the local ones (``2·c_b·b·s·k·d/t`` more bytes
-per layer) and, in one layer's backward, their float32 gradient for all ``s`` tokens and float32 dq (``2·4·b·s·k·d/t +
-4·b·(s/c)·a·d/t``); ``"alltoall"`` (Ulysses) saves q, k, v, the output and the log-sum-exp of the whole sequence for
-``a/(t·c)`` heads (the bytes of the local ones), plus the local output ``wo`` saves (a tensor of its own:
-``c_b·b·(s/c)·a·d/t``) and, where a tp rank's kv heads are fewer than c, the replicated ones (``2·c_b·b·d·(s·k' −
-(s/c)·k/t)``, ``k' = max(k/t, c)/c``; :func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`) and,
-in one layer's backward, the whole-sequence dq/dk/dv of its heads with the all-to-all's send and receive buffers
+``"allgather"`` saves the gathered K and V of the whole sequence instead of the local ones, and a copy of the output as
+``wo``'s input (``c_b·b·d·(2·(s − s/c)·k/t + (s/c)·a/t)`` more bytes per layer,
+:func:`~lightning_4d.features.context_parallel.costs.gathered_kv_bytes`), and its backward has a phase of its own
+(:func:`~lightning_4d.features.context_parallel.costs.allgather_backward`: float32 dK/dV of all ``s`` tokens and dq,
+and its largest kernel call's working set); ``"alltoall"`` (Ulysses) saves q, k, v, the output and the
+log-sum-exp of the whole sequence for ``a/(t·c)`` heads (the bytes of the local ones), plus the local output ``wo``
+saves (a tensor of its own: ``c_b·b·(s/c)·a·d/t``) and, where a tp rank's kv heads are fewer than c, the replicated
+ones (``2·c_b·b·d·(s·k' − (s/c)·k/t)``, ``k' = max(k/t, c)/c``;
+:func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`) and, in one layer's backward, the
+whole-sequence dq/dk/dv of its heads with the all-to-all's send and receive buffers
 (``3·c_b·b·s·(a/(t·c) + 2·k')·d``, :func:`~lightning_4d.features.context_parallel.costs.alltoall_buffers`).
 
 Pure Python: no torch import.
@@ -227,10 +230,12 @@ def saved_activation_bytes(
     sample, with the mask every layer shares, or under cp the document ids), ``head`` (final norm and head input),
     ``loss`` (the
     logits, the float32 log-sum-exp and the labels), ``compute_weights`` (``16-mixed``: autocast's weight copies),
-    ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the whole sequence under
-    ``context_parallel_method="allgather"``, under ``"alltoall"`` the second copy of the attention output and replicated
-    kv heads (:func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`), none for ``"ring"``; under
-    full or selective checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward
+    ``context_parallel_kv`` (all layers' saved K/V beyond the local ones: the gathered K/V of the whole sequence in
+    place of the local K/V, and a copy of the attention output, under ``context_parallel_method="allgather"``
+    (:func:`~lightning_4d.features.context_parallel.costs.gathered_kv_bytes`), under ``"alltoall"`` the second
+    copy of the attention output and replicated kv heads
+    (:func:`~lightning_4d.features.context_parallel.costs.alltoall_saved_extra`), none for ``"ring"``; under full or
+    selective checkpointing they are part of ``recompute``) and ``recompute`` (what one layer's backward
     recomputes, transient: its whole saved set under full checkpointing, its pointwise tensors under selective
     checkpointing). Under ep an MoE layer runs on the rows the rank receives: the balanced figure times the
     workload's MoE load (:func:`lightning_4d.features.moe.costs.rank_load`;
@@ -420,6 +425,8 @@ def offloaded_bytes_per_microbatch(
 #: the phase of document masking's cp attention backward with its masks (ring and all-to-all: planning/buffers.py's
 #: masked_ring_phase)
 MASKED_PHASE = "masked cp attention backward"
+#: the phase of the cp all-gather method's attention backward (planning/buffers.py's allgather_phase)
+ALLGATHER_PHASE = "allgather attention backward"
 
 
 def _phases(states: ModelStates, act: Activations, buf: Buffers, initialization: int = 0) -> dict[str, int]:
@@ -479,6 +486,10 @@ def _feature_phases(act: Activations, buf: Buffers, layer_transients: int) -> di
         # document masking under the cp ring: the first layer's attention backward with the own block's mask (its
         # feed-forward's backward done), once the loss' backward is done (planning/buffers.py's masked_ring_phase)
         phases[MASKED_PHASE] = _after_loss(act, buf, layer_transients) - act.recompute + buf.masked_ring
+    if buf.allgather_backward:
+        # the cp all-gather method: the first layer's attention backward, its largest kernel call (rank 0's last query
+        # chunk against the keys before it), once the loss' backward is done (planning/buffers.py's allgather_phase)
+        phases[ALLGATHER_PHASE] = _after_loss(act, buf, layer_transients) - act.recompute + buf.allgather_backward
     if buf.float8_backward:
         # float8: a converted linear's backward (its float8 copies and scale arithmetic) once the loss' backward has
         # freed what it saved but the labels (planning/float8_costs.py); under activation checkpointing
@@ -572,10 +583,11 @@ def _estimate_pp_rank(
     buf = buffer_terms(work, pc, dt, pp_rank, states, device_type)
     phases = _phases(states, act, buf, initialization_bytes(cfg, pc, dt, pp_rank, states, buf))
     _add_held_copies(phases, work, pc, pp_rank, saved, device_type)
-    if MASKED_PHASE in phases and pc.activation_checkpointing != "none":
-        # the recomputed layer's set is alive in its attention's backward (masked_ring_phase subtracts the parts its
-        # feed-forward's backward freed from it)
-        phases[MASKED_PHASE] += act.recompute
+    for name in (MASKED_PHASE, ALLGATHER_PHASE):
+        if name in phases and pc.activation_checkpointing != "none":
+            # the recomputed layer's set is alive in its attention's backward (masked_ring_phase subtracts the parts
+            # its feed-forward's backward freed from it)
+            phases[name] += act.recompute
     peak_phase = max(phases, key=phases.get)
     tensors = states.parameters + states.optimizer_states + phases[peak_phase]
     extra = allowance.bytes_for(tensors)

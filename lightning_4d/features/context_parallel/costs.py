@@ -12,13 +12,14 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from lightning_4d.config import ParallelConfig
 from lightning_4d.features.context_parallel import alltoall_heads
 from lightning_4d.planning.tensors import Dtypes
 
 __all__ = [
+    "allgather_backward",
     "allgather_masked_keys",
     "alltoall_buffers",
     "alltoall_masked_backward",
@@ -33,9 +34,19 @@ __all__ = [
 
 
 def gathered_kv_bytes(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int) -> int:
-    """Bytes one layer saves of ``"allgather"``'s gathered K and V of the whole sequence (``2·c_b·b·s·k·d/t``), beside
-    the local-K/V-sized tensors it saves as the ring does."""
-    return 2 * dt.compute * b * seq_length * (cfg.num_kv_heads // pc.tp) * cfg.head_dim
+    """Bytes one layer saves under ``"allgather"`` beyond the ring's saved set (``a' = a/t`` query heads, ``k' = k/t``
+    kv heads, ``L = s/cp`` local tokens, ``c_b`` the compute dtype's bytes; ``runtime.py``'s
+    ``_AllGatherAttention``): the gathered K and V of the whole sequence (``full``, ``[2, b, k', s, d]``) in place of
+    the local K and V the ring saves (nothing else keeps those), ``2·c_b·b·(s − L)·k'·d``, and ``wo``'s input, a copy:
+    the output is ``[b, a', L, d]``-contiguous (a concatenation of the chunks' results), so merging its heads back
+    copies it, where the ring's output is laid out so that this is a view of the saved output: ``c_b·b·L·a'·d``.
+    Together ``c_b·b·d·(2·k'·(s − L) + a'·L)``; with ``a' = 2·k'`` this equals the whole gathered K/V,
+    ``2·c_b·b·s·k'·d``, which the model counted before. Measured (``saved_tensors_hooks`` over one ``Attention``
+    layer on a fake process group, each storage once: ``tests/test_context_parallel.py``, 4 query heads with 1, 2
+    and 4 kv heads, cp2 and cp4, first and last cp rank): exactly this."""
+    a, k, d = cfg.num_heads // pc.tp, cfg.num_kv_heads // pc.tp, cfg.head_dim
+    local = seq_length // pc.cp
+    return dt.compute * b * d * (2 * k * (seq_length - local) + a * local)
 
 
 def extra_saved_bytes(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int) -> int:
@@ -103,6 +114,60 @@ def alltoall_masked_backward(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, s
     return before + max((2 + c) * square, (1 + c) * square + 3 * head)
 
 
+def allgather_backward(
+    cfg: Any,
+    pc: ParallelConfig,
+    dt: Dtypes,
+    b: int,
+    seq_length: int,
+    eager: bool,
+    masked: Optional[int] = None,
+    nccl: bool = False,
+) -> int:
+    """Bytes one layer's ``"allgather"`` attention backward (``runtime.py``'s ``_AllGatherAttention.backward``) holds
+    at its largest moment, beside the gradient of its output, on cp rank 0 (its last query chunk, index
+    ``2·cp − 1``, meets the most keys of any rank). With ``a' = a/t`` query heads, ``k' = k/t`` kv heads, head dim
+    ``d``, ``L = s/cp`` local tokens, query chunks of ``C = s/(2·cp)`` tokens, ``P = s − C`` keys before the last
+    one, ``c`` the compute dtype's bytes, held throughout: the output gradient made contiguous ``c·b·L·a'·d``,
+    float32 dq ``4·b·L·a'·d`` and float32 dK/dV of the whole sequence ``2·4·b·s·k'·d``. Then the larger of
+
+    - the last call's kernel run (``sdpa``): the previous call's dq, dK, dV, still bound (``c·b·C·(a' + 2·k')·d``),
+      the call's log-sum-exp made contiguous ``4·b·a'·C``, its dq ``c·b·C·a'·d``, dK and dV of every query head
+      ``2·c·b·P·a'·d`` and, with grouped-query attention (``a' > k'``), K and V repeated to the query heads
+      ``2·c·b·P·a'·d`` and dK, dV summed back ``2·c·b·P·k'·d``; ``eager`` (the ``"eager"`` backend, and float32 on
+      CUDA): the five float32 ``[b, a', C, P]`` tensors of the explicit matmuls' backward and, for a compute dtype
+      narrower than float32, float32 copies of q, K, V and dO (as :func:`ring_masked_backward` reads them; read from
+      the code, not measured); ``masked`` (document masking, the documents' length in tokens, 0 when unknown): the
+      call covers the keys from its first query's document's start only (``P = i·C − ⌊i·C/N⌋·N`` for ``N``-token
+      documents from the window's start, :func:`allgather_masked_keys`; ``s − C`` when unknown), at least its own
+      chunk's ``C``, and holds the boolean mask, its negation and the additive copy ``(2 + c)·b·C·P`` (read from the
+      code, not measured: at tiny-test cp2 and cp4 the step's peak is elsewhere);
+    - the end: the last call's dq, dK, dV still bound (``c·b·C·a'·d + 2·c·b·P·k'·d``), this rank's dK/dV
+      taken out ``2·4·b·L·k'·d`` (gloo: all-reduce, then a copy; ``nccl``: also the reduce-scatter's send buffer,
+      ``2·4·b·s·k'·d``) and, for a compute dtype narrower than float32, the gradients cast ``c·b·L·(a' + 2·k')·d``.
+
+    Measured on CPU (``LiveTensorBytes``, ``sdpa``, float32, a fake process group: ``tests/test_context_parallel.py``,
+    4 query heads with 2 and 4 kv heads, cp2 and cp4): exactly this. 0 without cp and for the other methods."""
+    if pc.cp == 1 or pc.context_parallel_method != "allgather":
+        return 0
+    a, k, d, c = cfg.num_heads // pc.tp, cfg.num_kv_heads // pc.tp, cfg.head_dim, dt.compute
+    local, chunk = seq_length // pc.cp, seq_length // (2 * pc.cp)
+    keys = seq_length - chunk
+    if masked:
+        keys = max(chunk, keys - keys // masked * masked)
+    held = c * b * local * a * d + 4 * b * local * a * d + 2 * 4 * b * seq_length * k * d
+    call = c * b * chunk * (a + 2 * k) * d + 4 * b * a * chunk + c * b * chunk * a * d + 2 * c * b * keys * a * d
+    if a > k:
+        call += 2 * c * b * keys * a * d + 2 * c * b * keys * k * d
+    if eager:
+        call += 5 * 4 * a * b * chunk * keys + (4 * 4 * a * d * b * keys if c != 4 else 0)
+    if masked is not None:
+        call += (2 + c) * b * chunk * keys
+    end = c * b * chunk * a * d + 2 * c * b * keys * k * d + 2 * 4 * b * local * k * d
+    end += (2 * 4 * b * seq_length * k * d if nccl else 0) + (c * b * local * (a + 2 * k) * d if c != 4 else 0)
+    return held + max(call, end)
+
+
 def selective_attention_tokens(pc: ParallelConfig, s: int, seq_length: int) -> int:
     """Query tokens the attention kernel calls of one layer cover on the cp rank that keeps the most of their outputs
     under selective checkpointing (``s`` the local sequence): one call of ``s`` tokens without cp; under cp the last
@@ -116,17 +181,18 @@ def selective_attention_tokens(pc: ParallelConfig, s: int, seq_length: int) -> i
 
 def context_parallel_buffers(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int) -> int:
     """Transient bytes of one layer's context-parallel attention backward (:mod:`lightning_4d.planning.model`'s
-    docstring, **Context parallelism**), 0 without cp."""
-    if pc.cp == 1:
+    docstring, **Context parallelism**), counted beside every phase of the step; 0 without cp and for
+    ``"allgather"``, whose backward has a phase of its own (:func:`allgather_backward`): nothing of it is alive at
+    the loss, where the step's peak is at cp2 (measured, ``lightning-4d measure``, tiny-test ``32-true`` b=2
+    s=2048: counting its float32 dK/dV and dq there put the estimate 6% above the measured peak)."""
+    if pc.cp == 1 or pc.context_parallel_method == "allgather":
         return 0
     s, tp = seq_length // pc.cp, pc.tp
     kv = b * (cfg.num_kv_heads // tp) * cfg.head_dim  # elements of K (or V) per token
     dq = 4 * b * s * (cfg.num_heads // tp) * cfg.head_dim
     if pc.context_parallel_method == "ring":
         return 2 * (2 * dt.compute + 3 * 4) * s * kv + dq
-    if pc.context_parallel_method == "alltoall":
-        return alltoall_buffers(cfg, pc, dt.compute, b, seq_length)
-    return 2 * 4 * seq_length * kv + dq
+    return alltoall_buffers(cfg, pc, dt.compute, b, seq_length)
 
 
 def ring_masked_backward(cfg: Any, pc: ParallelConfig, dt: Dtypes, b: int, seq_length: int, eager: bool) -> int:

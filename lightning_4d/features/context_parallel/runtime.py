@@ -29,7 +29,8 @@ change.
 - ``"allgather"`` (Llama 3's method, arXiv 2407.21783 §3.3.2): K and V of the whole sequence are all-gathered
   (kv heads only, so cheap for GQA models), each local query chunk ``a`` attends fully to chunks ``0 .. a-1`` and
   causally to chunk ``a`` (two kernel calls merged by log-sum-exp). Backward reduce-scatters dK/dV to their owners
-  (all-reduce + slice on gloo, which has no reduce-scatter). Saves the gathered K/V (``s`` tokens, not ``s / c``).
+  (all-reduce + slice on gloo, which has no reduce-scatter). Saves the gathered K/V (``s`` tokens, not ``s / c``)
+  instead of the local K/V; its output, ``[b, heads, s/c, d]``-contiguous, is copied when its heads are merged.
 
 - ``"alltoall"`` (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509): one all-to-all turns every rank's
   sequence shard of q, k, v ``[b, s/c, heads, d]`` (packed into one message) into the whole sequence of ``heads/c``
