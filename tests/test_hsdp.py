@@ -195,24 +195,25 @@ def test_step_time_charges_the_shard_group_on_its_links():
 
 def test_plan_proposes_hsdp_where_dp_spans_nodes():
     """The planner tries HSDP for dense models whose ZeRO group spans nodes, not where all of dp*cp*tp fits in one
-    node: the shard group in one node, 2 replicas and the latency-balanced count (the divisor of dp nearest
-    sqrt(dp*cp/2)); llama3-8b on 64 H100s ranks an HSDP layout first."""
+    node: the fewest replicas whose shard group fits in a node, else the latency-balanced count (the divisor of dp
+    nearest sqrt(dp*cp/2)); ``every`` (estimate's) lists every count up to the in-node one. llama3-8b on 64 H100s
+    ranks an HSDP layout first."""
     from lightning_4d.planning.hardware import GPU_PRESETS
     from lightning_4d.planning.planner import hsdp_replicas, plan
     from lightning_4d.planning.workload import Job, Search
 
-    # shard groups of 8 ranks (4 dp x 2 cp, one node), 2 replicas, and sqrt(64/2) = 5.66: 4 and 8 tie in log
-    # scale, the smaller is taken
-    assert hsdp_replicas(1, 2, 32, 8) == (2, 4, 8)
-    assert hsdp_replicas(2, 1, 4, 8) == ()  # 8 GPUs: one node
-    # tp8 fills a node: no shard group of more than one rank fits in it; 2 replicas of 8 ranks across 8 nodes, and
-    # sqrt(16/2) = 2.83 (2 and 4 tie: 2)
+    assert hsdp_replicas(1, 2, 32, 8) == (8,)  # shard groups of 8 ranks (4 dp x 2 cp): one node each
+    assert hsdp_replicas(1, 2, 32, 8, every=True) == (2, 4, 8)
+    assert hsdp_replicas(2, 1, 4, 8) == hsdp_replicas(2, 1, 4, 8, every=True) == ()  # 8 GPUs: one node
+    # tp8 fills a node: no shard group of more than one rank fits in it; sqrt(16/2) = 2.83: 2 and 4 tie in log
+    # scale, the smaller is taken (8 replicas of 2 ranks across 2 nodes, ...)
     assert hsdp_replicas(8, 1, 16, 8) == (2,)
-    assert hsdp_replicas(8, 1, 128, 8) == (2, 8)  # sqrt(128/2) = 8: 8 replicas of 16 ranks
-    assert hsdp_replicas(4, 1, 64, 8) == (2, 4, 32)  # 32 replicas of 2 ranks in a node; sqrt(32) = 5.66: 4
-    assert hsdp_replicas(8, 4, 1, 8) == ()  # dp1: one replica is the flat layout, not tried twice
+    assert hsdp_replicas(8, 1, 16, 8, every=True) == (2, 4, 8)
+    assert hsdp_replicas(8, 1, 128, 8) == (8,)  # sqrt(128/2) = 8: 8 replicas of 16 ranks
     assert hsdp_replicas(8, 1, 6, 8) == (2,)  # 6 replicas would shard over one rank; sqrt(6/2) = 1.73: 2
     assert hsdp_replicas(8, 1, 9, 8) == (3,)  # 2 does not divide dp9; sqrt(9/2) = 2.12: 3
+    assert hsdp_replicas(8, 2, 6, 8) == (2,)  # sqrt(12/2) = 2.45: 2 and 3 tie in log scale
+    assert hsdp_replicas(8, 4, 1, 8) == hsdp_replicas(8, 4, 1, 8, every=True) == ()  # dp1: the flat layout
     job = Job(LlamaConfig.from_preset("llama3-8b"), 64, 8, 8192, 512, GPU_PRESETS["H100-80GB"])
     best = plan(job, Search(), top=3)
     assert best[0].data_parallel_replicate_size > 1, best[0]
@@ -254,7 +255,7 @@ def test_estimate_proposes_hsdp_for_405b_on_1024_gpus(capsys):
     out = json.loads(capsys.readouterr().out)
     proposal = out["hsdp_proposal"]
     r = proposal["data_parallel_replicate_size"]
-    assert r == 2, proposal  # of the candidates (2, 8), 2 replicas of a 64-rank shard group are the fastest
+    assert r == 2, proposal  # of 2, 4, .. 64 replicas, 2 of a 64-rank shard group are the fastest
     cfg, gpu = LlamaConfig.from_preset("llama3.1-405b"), GPU_PRESETS["H100-80GB"]
     pc = ParallelConfig(
         tensor_parallel_size=8,

@@ -433,9 +433,9 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hsdp_proposal(cfg: Any, pc: ParallelConfig, m: int, args: argparse.Namespace, gpu: Any) -> Optional[dict]:
-    """The hybrid sharding ``estimate`` proposes for layout ``pc`` (``m`` micro-batches per step): of the replica
-    counts the planner tries (:func:`~lightning_4d.planning.planner.hsdp_replicas`, when dp·cp·tp spans nodes of
-    ``--gpus-per-node`` GPUs), the one with the least predicted step
+    """The hybrid sharding ``estimate`` proposes for layout ``pc`` (``m`` micro-batches per step): of every replica
+    count HSDP can take there (:func:`~lightning_4d.planning.planner.hsdp_replicas` with ``every``, when dp·cp·tp
+    spans nodes of ``--gpus-per-node`` GPUs), the one with the least predicted step
     (:func:`~lightning_4d.planning.step_time.step_time_of`) that is faster than ``pc``'s flat ZeRO and fits the
     budget: ``{"data_parallel_replicate_size", "step_time", "flat_zero_step_time" (seconds), "total", "total_gib"
     (its peak memory, bytes / GiB)}``; ``None`` at ZeRO 0, under HSDP already, for an MoE model (no HSDP) or when
@@ -453,7 +453,7 @@ def _hsdp_proposal(cfg: Any, pc: ParallelConfig, m: int, args: argparse.Namespac
     flat = step_time_of(dims, layout, **kw).total
     timed = [
         (step_time_of(dims, replace(layout, data_parallel_replicate_size=r), **kw).total, r)
-        for r in hsdp_replicas(pc.tp, pc.cp, pc.dp, args.gpus_per_node)
+        for r in hsdp_replicas(pc.tp, pc.cp, pc.dp, args.gpus_per_node, every=True)
     ]
     for t, r in sorted(timed):
         if t >= flat:

@@ -265,28 +265,30 @@ def _zero_choices(
 
 
 @functools.lru_cache(maxsize=4096)
-def hsdp_replicas(tp: int, cp: int, dp: int, gpus_per_node: int) -> tuple[int, ...]:
-    """The HSDP replica counts r > 1 (divisors of dp, ascending) the planner tries when the ZeRO group, ``tp·cp·dp``
-    consecutive ranks, spans nodes of ``gpus_per_node`` GPUs; ``()`` when all of it fits in a node. Each keeps a
-    shard group (``cp·dp/r`` ranks of the ZeRO group) of more than one rank, and none has more replicas than the
-    fewest whose shard group fits in a node (more replicas only add memory and all-reduce bytes). At most three:
+def hsdp_replicas(tp: int, cp: int, dp: int, gpus_per_node: int, every: bool = False) -> tuple[int, ...]:
+    """The HSDP replica counts r > 1 (divisors of dp, ascending) tried when the ZeRO group, ``tp·cp·dp`` consecutive
+    ranks, spans nodes of ``gpus_per_node`` GPUs; ``()`` when all of it fits in a node. Each keeps a shard group
+    (``cp·dp/r`` ranks of the ZeRO group) of more than one rank and has no more replicas than the fewest whose shard
+    group fits in a node (more replicas only add memory and all-reduce bytes).
 
-    - the fewest whose shard group fits in one node (its ring on NVLink), when one exists;
-    - 2, the cross-node shard group with the least memory added (half the ZeRO shards of flat ZeRO): it halves the
-      latency of every data-parallel collective, ``(n−1)·α`` over n ranks (module docstring of
-      :mod:`lightning_4d.planning.step_time`);
-    - the divisor of dp nearest ``sqrt(cp·dp/2)`` (in log scale, the smaller on a tie): a pass of k collectives over
-      a shard group of n ranks and the replicas' all-reduce (two ring passes over r ranks) pay
-      ``k·α·(n + 2r)`` of latency, least at ``r = sqrt(cp·dp/2)`` for ``n·r = cp·dp``.
-
-    The step-time model ranks them against flat ZeRO: bandwidth favours fewer replicas (the all-reduce moves
-    ``2(r−1)/r`` of the shard), latency more."""
+    ``every=False`` (the planner: one candidate per parallel shape, so that ``plan`` times no more layouts than with
+    one): the fewest replicas whose shard group fits in a node (its ring on NVLink), else, where none does (tp·cp
+    fills a node), the divisor of dp nearest ``sqrt(cp·dp/2)`` (in log scale, the smaller on a tie). Its reason:
+    every collective over n ranks pays ``(n−1)·α`` (module docstring of :mod:`lightning_4d.planning.step_time`);
+    a ZeRO 1 step issues its k bucket collectives twice over the shard group (reduce-scatter, all-gather) and the
+    replicas' all-reduce (two ring passes over r ranks), ``2k·α·(n + r − 2)`` for ``n·r = cp·dp``, least at
+    ``r = sqrt(cp·dp)``; the all-reduce's bytes, ``2(r−1)/r`` of the float32 shard, favour fewer replicas, hence
+    the half (llama3.1-405b, tp8 dp128 ZeRO 1 on H100 nodes: of all divisors, r = 8 = sqrt(128/2) is the model's
+    fastest). ``every=True`` (``estimate``, one layout): every such divisor."""
     if tp * cp * dp <= gpus_per_node:
         return ()
     in_node = next((r for r in divisors(dp) if tp * cp * (dp // r) <= gpus_per_node), dp)
-    balanced = min(divisors(dp), key=lambda r: (abs(math.log(2 * r * r / (cp * dp))), r))
+    if every:
+        return tuple(r for r in divisors(dp) if 1 < r <= in_node and cp * dp // r > 1)
+    if tp * cp * (dp // in_node) > gpus_per_node or cp * dp // in_node == 1:  # no shard group > 1 rank in a node
+        in_node = min(divisors(dp), key=lambda r: (round(abs(math.log(2 * r * r / (cp * dp))), 9), r))
     # one replica (r = 1) is the flat layout itself, which _zero_choices yields already
-    return tuple(sorted(r for r in {in_node, 2, balanced} if 1 < r <= in_node and dp % r == 0 and cp * dp // r > 1))
+    return (in_node,) if in_node > 1 and cp * dp // in_node > 1 else ()
 
 
 def _cp_methods(model_config: Any, tp: int, cp: int) -> tuple[str, ...]:
