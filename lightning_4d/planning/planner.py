@@ -267,19 +267,19 @@ def _zero_choices(
 @functools.lru_cache(maxsize=4096)
 def hsdp_replicas(tp: int, cp: int, dp: int, gpus_per_node: int, every: bool = False) -> tuple[int, ...]:
     """The HSDP replica counts r > 1 (divisors of dp, ascending) tried when the ZeRO group, ``tp·cp·dp`` consecutive
-    ranks, spans nodes of ``gpus_per_node`` GPUs; ``()`` when all of it fits in a node. Each keeps a shard group
-    (``cp·dp/r`` ranks of the ZeRO group) of more than one rank and has no more replicas than the fewest whose shard
-    group fits in a node (more replicas only add memory and all-reduce bytes).
+    ranks, spans nodes of ``gpus_per_node`` GPUs; ``()`` when all of it fits in a node. Each keeps a shard group (``cp·dp/r``
+    ranks of the ZeRO group) of more than one rank and has no more replicas than the fewest whose shard group fits in a
+    node (more replicas only add memory and all-reduce bytes).
 
-    ``every=False`` (the planner: one candidate per parallel shape, so that ``plan`` times no more layouts than with
-    one): the fewest replicas whose shard group fits in a node (its ring on NVLink), else, where none does (tp·cp
-    fills a node), the divisor of dp nearest ``sqrt(cp·dp/2)`` (in log scale, the smaller on a tie). Its reason:
-    every collective over n ranks pays ``(n−1)·α`` (module docstring of :mod:`lightning_4d.planning.step_time`);
-    a ZeRO 1 step issues its k bucket collectives twice over the shard group (reduce-scatter, all-gather) and the
-    replicas' all-reduce (two ring passes over r ranks), ``2k·α·(n + r − 2)`` for ``n·r = cp·dp``, least at
-    ``r = sqrt(cp·dp)``; the all-reduce's bytes, ``2(r−1)/r`` of the float32 shard, favour fewer replicas, hence
-    the half (llama3.1-405b, tp8 dp128 ZeRO 1 on H100 nodes: of all divisors, r = 8 = sqrt(128/2) is the model's
-    fastest). ``every=True`` (``estimate``, one layout): every such divisor."""
+    ``every=False`` (the planner: at most one per parallel shape, so that ``plan`` times as many layouts as when it
+    tried in-node shard groups only): the fewest replicas whose shard group fits in a node (its ring on NVLink), else,
+    where none does (tp·cp fills a node), the divisor of dp nearest ``sqrt(cp·dp/2)`` (in log scale, the smaller on a
+    tie). Its reason: every collective over n ranks pays ``(n−1)·α`` (module docstring of
+    :mod:`lightning_4d.planning.step_time`); a ZeRO 1 step issues its k bucket collectives twice over the shard group
+    (reduce-scatter, all-gather) and the replicas' all-reduce (two ring passes over r ranks), ``2k·α·(n + r − 2)`` for
+    ``n·r = cp·dp``, least at ``r = sqrt(cp·dp)``; the all-reduce's bytes, ``2(r−1)/r`` of the float32 shard, favour
+    fewer replicas, hence ``sqrt(cp·dp/2)`` (llama3.1-405b, tp8 dp128 ZeRO 1 on H100 nodes: of all divisors, r = 8 =
+    sqrt(128/2) is the model's fastest). ``every=True`` (``estimate``, one layout): every such divisor."""
     if tp * cp * dp <= gpus_per_node:
         return ()
     in_node = next((r for r in divisors(dp) if tp * cp * (dp // r) <= gpus_per_node), dp)
