@@ -267,9 +267,9 @@ def _zero_choices(
 @functools.lru_cache(maxsize=4096)
 def hsdp_replicas(tp: int, cp: int, dp: int, gpus_per_node: int, every: bool = False) -> tuple[int, ...]:
     """The HSDP replica counts r > 1 (divisors of dp, ascending) tried when the ZeRO group, ``tp·cp·dp`` consecutive
-    ranks, spans nodes of ``gpus_per_node`` GPUs; ``()`` when all of it fits in a node. Each keeps a shard group (``cp·dp/r``
-    ranks of the ZeRO group) of more than one rank and has no more replicas than the fewest whose shard group fits in a
-    node (more replicas only add memory and all-reduce bytes).
+    ranks, spans nodes of ``gpus_per_node`` GPUs; ``()`` when all of it fits in a node. Each keeps a shard group
+    (``cp·dp/r`` ranks of the ZeRO group) of more than one rank and has no more replicas than the fewest whose shard
+    group fits in a node (more replicas only add memory and all-reduce bytes).
 
     ``every=False`` (the planner: at most one per parallel shape, so that ``plan`` times as many layouts as when it
     tried in-node shard groups only): the fewest replicas whose shard group fits in a node (its ring on NVLink), else,
