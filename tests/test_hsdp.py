@@ -17,6 +17,7 @@ and the reduced shards are all-reduced across its r replicas (``lightning_4d/mes
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -193,16 +194,26 @@ def test_step_time_charges_the_shard_group_on_its_links():
 
 
 def test_plan_proposes_hsdp_where_dp_spans_nodes():
-    """The planner tries HSDP for dense models whose ZeRO group spans nodes (the shard group in one node), not where
-    all of dp*cp*tp fits in one node; llama3-8b on 64 H100s ranks an HSDP layout first."""
+    """The planner tries HSDP for dense models whose ZeRO group spans nodes, not where all of dp*cp*tp fits in one
+    node: the fewest replicas whose shard group fits in a node, else the latency-balanced count (the divisor of dp
+    nearest sqrt(dp*cp/2)); ``every`` (estimate's) lists every count up to the in-node one. llama3-8b on 64 H100s
+    ranks an HSDP layout first."""
     from lightning_4d.planning.hardware import GPU_PRESETS
     from lightning_4d.planning.planner import hsdp_replicas, plan
     from lightning_4d.planning.workload import Job, Search
 
     assert hsdp_replicas(1, 2, 32, 8) == (8,)  # shard groups of 8 ranks (4 dp x 2 cp): one node each
-    assert hsdp_replicas(2, 1, 4, 8) == ()  # 8 GPUs: one node
-    assert hsdp_replicas(8, 1, 16, 8) == ()  # tp8 fills a node: a shard group of one rank is no sharding
-    assert hsdp_replicas(8, 4, 1, 8) == ()  # dp1: one replica is the flat layout, not tried twice
+    assert hsdp_replicas(1, 2, 32, 8, every=True) == (2, 4, 8)
+    assert hsdp_replicas(2, 1, 4, 8) == hsdp_replicas(2, 1, 4, 8, every=True) == ()  # 8 GPUs: one node
+    # tp8 fills a node: no shard group of more than one rank fits in it; sqrt(16/2) = 2.83: 2 and 4 tie in log
+    # scale, the smaller is taken (8 replicas of 2 ranks across 2 nodes, ...)
+    assert hsdp_replicas(8, 1, 16, 8) == (2,)
+    assert hsdp_replicas(8, 1, 16, 8, every=True) == (2, 4, 8)
+    assert hsdp_replicas(8, 1, 128, 8) == (8,)  # sqrt(128/2) = 8: 8 replicas of 16 ranks
+    assert hsdp_replicas(8, 1, 6, 8) == (2,)  # 6 replicas would shard over one rank; sqrt(6/2) = 1.73: 2
+    assert hsdp_replicas(8, 1, 9, 8) == (3,)  # 2 does not divide dp9; sqrt(9/2) = 2.12: 3
+    assert hsdp_replicas(8, 2, 6, 8) == (2,)  # sqrt(12/2) = 2.45: 2 and 3 tie in log scale
+    assert hsdp_replicas(8, 4, 1, 8) == hsdp_replicas(8, 4, 1, 8, every=True) == ()  # dp1: the flat layout
     job = Job(LlamaConfig.from_preset("llama3-8b"), 64, 8, 8192, 512, GPU_PRESETS["H100-80GB"])
     best = plan(job, Search(), top=3)
     assert best[0].data_parallel_replicate_size > 1, best[0]
@@ -225,3 +236,51 @@ def test_measure_equals_the_estimate_for_one_hsdp_rank(zero):
     ratio = total["estimated"] / total["measured"]
     print(f"\nHSDP ZeRO {zero} rank 1: estimate / measured peak {ratio:.3f}")
     assert abs(ratio - 1) <= 0.05
+
+
+def test_estimate_proposes_hsdp_for_405b_on_1024_gpus(capsys):
+    """``lightning-4d estimate`` of llama3.1-405b on 1,024 H100s (128 nodes), tp8 dp128 ZeRO 3, full checkpointing,
+    16 micro-batches of 8k tokens: it proposes the HSDP replica count the step-time model predicts fastest, whose
+    step is shorter than flat ZeRO 3's on the same layout and which fits the 80 GB budget; the figures equal the
+    step-time model's of the two layouts and the memory model's of the HSDP one. One node's job gets no proposal."""
+    from lightning_4d.planning.commands import main
+    from lightning_4d.planning.hardware import GIB, GPU_PRESETS
+    from lightning_4d.planning.model import estimate_memory
+    from lightning_4d.planning.step_time import Layout, model_dims, step_time_of
+    from lightning_4d.planning.workload import Workload
+
+    argv = ["--model", "llama3.1-405b", "--seq-length", "8192", "--micro-batch-size", "1", "--tp", "8"]
+    argv += ["--zero-stage", "3", "--activation-checkpointing", "full", "--num-microbatches", "16"]
+    assert main("estimate", [*argv, "--num-gpus", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    proposal = out["hsdp_proposal"]
+    r = proposal["data_parallel_replicate_size"]
+    assert r == 2, proposal  # of 2, 4, .. 64 replicas, 2 of a 64-rank shard group are the fastest
+    cfg, gpu = LlamaConfig.from_preset("llama3.1-405b"), GPU_PRESETS["H100-80GB"]
+    pc = ParallelConfig(
+        tensor_parallel_size=8,
+        data_parallel_size=128,
+        zero_stage=3,
+        activation_checkpointing="full",
+        num_microbatches=16,
+    )
+    times = [
+        step_time_of(
+            model_dims(cfg),
+            Layout.of(dataclasses.replace(pc, data_parallel_replicate_size=n), 1, 16),
+            seq_length=8192,
+            gpu=gpu,
+            gpus_per_node=8,
+        ).total
+        for n in (1, r)
+    ]
+    assert (proposal["flat_zero_step_time"], proposal["step_time"]) == pytest.approx(times, rel=1e-12)
+    assert proposal["step_time"] < proposal["flat_zero_step_time"]
+    hybrid = dataclasses.replace(pc, data_parallel_replicate_size=r)
+    total = estimate_memory(Workload(cfg, 1, 8192, "bf16-mixed", num_microbatches=16), hybrid, gpu_name=gpu.name).total
+    assert proposal["total"] == total <= 0.8 * gpu.memory and proposal["total_gib"] == total / GIB
+    assert main("estimate", [*argv, "--num-gpus", "1024"]) == 0
+    text = capsys.readouterr().out
+    assert f"HSDP: --dp-replicate {r}" in text and f"{proposal['step_time']:.3f} s per step" in text
+    assert main("estimate", [*argv, "--num-gpus", "8", "--json"]) in (0, 1)  # dp1 on one node: nothing to propose
+    assert json.loads(capsys.readouterr().out)["hsdp_proposal"] is None

@@ -280,6 +280,14 @@ def command_parser(command: str) -> argparse.ArgumentParser:
                 _layout_option(group if f.name == "data_parallel_size" else p, f, f.default, help, aliases)
         group.add_argument("--num-gpus", type=positive_int, help="world size (dp = num_gpus / (tp*pp*cp))")
         p.add_argument("--micro-batch-size", type=positive_int, required=True)
+        if command == "estimate":
+            p.add_argument(
+                "--gpus-per-node",
+                type=positive_int,
+                default=8,
+                help="GPUs per node (default 8): where dp*cp*tp spans nodes at ZeRO 1-3, the HSDP replica count "
+                "the step-time model predicts fastest is proposed when it fits",
+            )
     else:
         p.add_argument("--num-gpus", type=positive_int, required=True)
         p.add_argument("--gpus-per-node", type=positive_int, default=8)
@@ -418,9 +426,49 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.formula == "lightning_4d":
         out.update(_host_fit(out["host_per_node"], args))
+        out["hsdp_proposal"] = _hsdp_proposal(cfg, pc, m, args, gpu)
     if not out["fits"] and args.formula == "lightning_4d":
         out["suggestions"] = _suggestions(cfg, pc, m, args, gpu)
     return out
+
+
+def _hsdp_proposal(cfg: Any, pc: ParallelConfig, m: int, args: argparse.Namespace, gpu: Any) -> Optional[dict]:
+    """The hybrid sharding ``estimate`` proposes for layout ``pc`` (``m`` micro-batches per step): of every replica
+    count HSDP can take there (:func:`~lightning_4d.planning.planner.hsdp_replicas` with ``every``, when dp·cp·tp
+    spans nodes of ``--gpus-per-node`` GPUs), the one with the least predicted step
+    (:func:`~lightning_4d.planning.step_time.step_time_of`) that is faster than ``pc``'s flat ZeRO and fits the
+    budget: ``{"data_parallel_replicate_size", "step_time", "flat_zero_step_time" (seconds), "total", "total_gib"
+    (its peak memory, bytes / GiB)}``; ``None`` at ZeRO 0, under HSDP already, for an MoE model (no HSDP) or when
+    no replica count is faster and fits."""
+    from lightning_4d.planning.model import estimate_memory
+    from lightning_4d.planning.planner import hsdp_replicas
+    from lightning_4d.planning.step_time import Layout, model_dims, step_time_of
+
+    if pc.zero_stage == 0 or pc.data_parallel_replicate_size > 1 or getattr(cfg, "is_moe", False):
+        return None
+    layout, dims = Layout.of(pc, args.micro_batch_size, m), model_dims(cfg)
+    kw = dict(
+        seq_length=args.seq_length, gpu=gpu, gpus_per_node=args.gpus_per_node, document_tokens=args.document_tokens
+    )
+    flat = step_time_of(dims, layout, **kw).total
+    timed = [
+        (step_time_of(dims, replace(layout, data_parallel_replicate_size=r), **kw).total, r)
+        for r in hsdp_replicas(pc.tp, pc.cp, pc.dp, args.gpus_per_node, every=True)
+    ]
+    for t, r in sorted(timed):
+        if t >= flat:
+            break
+        hybrid = replace(pc, data_parallel_replicate_size=r)
+        total = estimate_memory(workload_from_args(args, cfg, m), hybrid, gpu_name=gpu.name).total
+        if total <= args.budget * gpu.memory:
+            return dict(
+                data_parallel_replicate_size=r,
+                step_time=t,
+                flat_zero_step_time=flat,
+                total=total,
+                total_gib=total / GIB,
+            )
+    return None
 
 
 def _host_fit(per_node: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -51,6 +51,7 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
@@ -248,8 +249,8 @@ def _zero_choices(
 ) -> Iterator[tuple[int, int]]:
     """``(ZeRO stage, HSDP replicas)`` of a parallel shape ``(tp, pp, cp, dp, sp, ep)``: every stage the layout rules
     take (ZeRO 1-3 need dp·cp > 1; with ep those ``ParallelConfig`` takes), each flat (1 replica) and, for ZeRO 1-3
-    of a dense model whose ZeRO group (dp·cp ranks, ``tp·dp·cp`` consecutive ranks) spans nodes, with the fewest
-    replicas whose shard group fits in a node (:func:`hsdp_replicas`); ``fixed`` keeps ``zero_stage`` or
+    of a dense model whose ZeRO group (dp·cp ranks, ``tp·dp·cp`` consecutive ranks) spans nodes, with the replica
+    counts of :func:`hsdp_replicas`; ``fixed`` keeps ``zero_stage`` or
     ``dp_replicate`` to a value."""
     tp, _, cp, dp, _, ep = shape
     hsdp = hsdp_replicas(tp, cp, dp, job.gpus_per_node) if not getattr(job.model, "is_moe", False) else ()
@@ -264,16 +265,29 @@ def _zero_choices(
 
 
 @functools.lru_cache(maxsize=4096)
-def hsdp_replicas(tp: int, cp: int, dp: int, gpus_per_node: int) -> tuple[int, ...]:
-    """The HSDP replica counts r > 1 (divisors of dp) the planner tries when the ZeRO group, ``tp·cp·dp``
-    consecutive ranks, spans nodes of ``gpus_per_node`` GPUs: the fewest whose shard group (``tp·cp·dp/r`` ranks)
-    fits in one node, while that shard group keeps more than one rank; ``()`` when all of dp·cp·tp fits in a node or
-    no such shard group exists. A shard group spanning nodes is never faster in the step-time model (its ring moves
-    as many bytes per rank over the same links, and the replicas' all-reduce adds to them): not tried."""
+def hsdp_replicas(tp: int, cp: int, dp: int, gpus_per_node: int, every: bool = False) -> tuple[int, ...]:
+    """The HSDP replica counts r > 1 (divisors of dp, ascending) tried when the ZeRO group, ``tp·cp·dp`` consecutive
+    ranks, spans nodes of ``gpus_per_node`` GPUs; ``()`` when all of it fits in a node. Each keeps a shard group
+    (``cp·dp/r`` ranks of the ZeRO group) of more than one rank and has no more replicas than the fewest whose shard
+    group fits in a node (more replicas only add memory and all-reduce bytes).
+
+    ``every=False`` (the planner: at most one per parallel shape, so that ``plan`` times as many layouts as when it
+    tried in-node shard groups only): the fewest replicas whose shard group fits in a node (its ring on NVLink), else,
+    where none does (tp·cp fills a node), the divisor of dp nearest ``sqrt(cp·dp/2)`` (in log scale, the smaller on a
+    tie). Its reason: every collective over n ranks pays ``(n−1)·α`` (module docstring of
+    :mod:`lightning_4d.planning.step_time`); a ZeRO 1 step issues its k bucket collectives twice over the shard group
+    (reduce-scatter, all-gather) and the replicas' all-reduce (two ring passes over r ranks), ``2k·α·(n + r − 2)`` for
+    ``n·r = cp·dp``, least at ``r = sqrt(cp·dp)``; the all-reduce's bytes, ``2(r−1)/r`` of the float32 shard, favour
+    fewer replicas, hence ``sqrt(cp·dp/2)`` (llama3.1-405b, tp8 dp128 ZeRO 1 on H100 nodes: of all divisors, r = 8 =
+    sqrt(128/2) is the model's fastest). ``every=True`` (``estimate``, one layout): every such divisor."""
     if tp * cp * dp <= gpus_per_node:
         return ()
     in_node = next((r for r in divisors(dp) if tp * cp * (dp // r) <= gpus_per_node), dp)
-    # one replica (dp = 1) is the flat layout itself, which _zero_choices yields already
+    if every:
+        return tuple(r for r in divisors(dp) if 1 < r <= in_node and cp * dp // r > 1)
+    if tp * cp * (dp // in_node) > gpus_per_node or cp * dp // in_node == 1:  # no shard group > 1 rank in a node
+        in_node = min(divisors(dp), key=lambda r: (round(abs(math.log(2 * r * r / (cp * dp))), 9), r))
+    # one replica (r = 1) is the flat layout itself, which _zero_choices yields already
     return (in_node,) if in_node > 1 and cp * dp // in_node > 1 else ()
 
 

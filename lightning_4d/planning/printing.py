@@ -60,6 +60,18 @@ def print_estimate(out: dict[str, Any]) -> None:
         f"{out['total_gib']:.2f} GiB = {100 * out['fraction']:.1f}% of {out['gpu']} "
         f"({out['gpu_memory'] / GIB:.1f} GiB): {verdict} within the {100 * out['budget']:.0f}% budget."
     )
+    hsdp = out.get("hsdp_proposal")
+    if hsdp:
+        r = hsdp["data_parallel_replicate_size"]
+        shard = lay["dp"] * lay["cp"] // r
+        console.print(
+            f"HSDP: --dp-replicate {r} (data_parallel_replicate_size={r}: {r} replicas of a ZeRO shard group of "
+            f"{shard} ranks) is predicted faster: {hsdp['step_time']:.3f} s per step against "
+            f"{hsdp['flat_zero_step_time']:.3f} s with flat ZeRO {lay['zero_stage']} over all dp*cp ranks, "
+            f"{hsdp['total_gib']:.2f} GiB (the step-time model of docs/step_time.md, not measured).",
+            soft_wrap=True,
+            markup=False,
+        )
     if "suggestions" in out:
         from lightning_4d.planning.planner import fitting_layout_lines
 

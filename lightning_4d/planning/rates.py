@@ -7,7 +7,10 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
+
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES
 
 __all__ = [
     "COLLECTIVE_EFFICIENCY",
@@ -19,6 +22,7 @@ __all__ = [
     "MeshSizes",
     "StageShape",
     "by_class",
+    "data_parallel_collectives",
     "gemm_efficiency",
     "link",
     "ring",
@@ -98,12 +102,26 @@ def gemm_efficiency(smallest_dimension: float) -> float:
     return by_class(GEMM_EFFICIENCY, smallest_dimension)
 
 
-def ring(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
-    """Seconds of a ring all-gather / reduce-scatter of a ``nbytes`` buffer over ``ranks`` ranks (per GPU
-    ``(n−1)/n·nbytes`` at ``COLLECTIVE_EFFICIENCY·bandwidth``, plus ``(n−1)·latency``)."""
+def ring(nbytes: float, ranks: int, bandwidth: float, latency: float, collectives: int = 1) -> float:
+    """Seconds of ring all-gathers / reduce-scatters of ``nbytes`` in all, issued as ``collectives`` collectives
+    (e.g. one per FSDP unit or gradient bucket), over ``ranks`` ranks: per GPU ``(n−1)/n·nbytes`` at
+    ``COLLECTIVE_EFFICIENCY·bandwidth``, plus ``(n−1)·latency`` for each collective (the alpha-beta cost of the ring
+    algorithm, ``(p−1)·α + (p−1)/p·n·β``: Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective
+    Communication Operations in MPICH", IJHPCA 19(1), §4)."""
     if ranks == 1:
         return 0.0
-    return (ranks - 1) / ranks * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + (ranks - 1) * latency
+    return (ranks - 1) / ranks * nbytes / (COLLECTIVE_EFFICIENCY * bandwidth) + collectives * (ranks - 1) * latency
+
+
+def data_parallel_collectives(zero_stage: int, units: int, gradient_bytes: float) -> int:
+    """How many collectives one pass of a data-parallel reduction (or all-gather) of a pp rank's parameters is
+    issued as: at ZeRO 2/3 one per FSDP2 unit (``units``: ``fully_shard`` per decoder layer + the root,
+    ``parallel/fsdp.py``); at ZeRO 0/1 one per gradient bucket (``parallel/grad_buffers.py``, the ZeRO 1 all-gather
+    of the updated parameters too: ``parallel/sharded_optimizer.py``), ``ceil(gradient_bytes /
+    GRADIENT_BUCKET_BYTES)`` of the float32 gradients (``gradient_bytes``: 4 bytes per parameter); at least 1."""
+    if zero_stage >= 2:
+        return max(1, units)
+    return max(1, math.ceil(gradient_bytes / GRADIENT_BUCKET_BYTES))
 
 
 def link(gpu: Any, inside_node: bool) -> tuple[float, float]:

@@ -78,7 +78,13 @@ Under hybrid sharding (HSDP, r replicas of a shard group of ``D/r`` ranks) the c
 group, and the reduced float32 shard is all-reduced across the replicas (``2(r−1)/r`` of ``4·P/(D/r)`` bytes, on
 the links between the replicas: other nodes when the shard group fills one).
 
-Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`). The optimizer
+Every collective also pays a latency of ``(n−1)·α`` over n ranks (ring steps; :data:`LINK_LATENCY`; the ring's
+alpha-beta cost ``(n−1)·α + (n−1)/n·bytes·β``: Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1), §4), and the
+data-parallel passes above are issued as many collectives, each paying it
+(:func:`~lightning_4d.planning.rates.data_parallel_collectives`): at ZeRO 2/3 one per FSDP2 unit (L_r + 1: the
+rank's layers and the root), at ZeRO 0/1 one per 25 MiB gradient bucket (``ceil(4·P_r / 25 MiB)``; the ZeRO 1
+all-gather and the replicas' all-reduce bucket by bucket too), so a pass over n ranks costs
+``(n−1)/n·bytes·β + k·(n−1)·α`` for k collectives; the exposed last unit or bucket is ``1/L_r`` of a pass. The optimizer
 step is pointwise over the rank's optimizer states (float32 master, m, v, gradient: read and written); with
 ``optimizer_offload`` it runs on the host instead, and the host-link copies it needs are added to it
 (:mod:`lightning_4d.planning.optimizer_offload_costs`).
@@ -115,6 +121,7 @@ from lightning_4d.planning.rates import (
     MeshSizes,
     StageShape,
     by_class as _by_class,
+    data_parallel_collectives,
     gemm_efficiency,
     link as _link,
     ring as _ring,
@@ -701,12 +708,14 @@ def _data_parallel_terms(
         )
     shard = dd // replicas  # the ZeRO shard group
     owned = params / shard + owned_extra if zero_stage >= 1 else params + owned_extra
+    # one collective per FSDP2 unit (the layers + the root) or per gradient bucket, each paying its ring's latency
+    k = data_parallel_collectives(zero_stage, layers + 1, 4 * params)
     rs = ag = 0.0
     if replicas > 1:
         b_dp, lat = _link(gpu, tp * shard <= gpus_per_node)
-        rs = 2 * _ring(4 * params / shard, replicas, *_link(gpu, tp * dd <= gpus_per_node))
+        rs = 2 * _ring(4 * params / shard, replicas, *_link(gpu, tp * dd <= gpus_per_node), k)
     if dd > 1:
-        rs += _ring(4 * params, shard, b_dp, lat) + rs_extra
-        ag = _ring(c * params, shard, b_dp, lat) + ag_extra
+        rs += _ring(4 * params, shard, b_dp, lat, k) + rs_extra
+        ag = _ring(c * params, shard, b_dp, lat, k) + ag_extra
     t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / (POINTWISE_EFFICIENCY * gpu.memory_bandwidth)
     return rs, ag, max(1, layers), t_opt

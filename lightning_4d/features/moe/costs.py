@@ -64,6 +64,7 @@ from lightning_4d.planning.rates import (
     LINK_LATENCY,
     POINTWISE_BYTES,
     POINTWISE_EFFICIENCY,
+    data_parallel_collectives,
     gemm_efficiency,
     link,
     ring,
@@ -514,7 +515,8 @@ def data_parallel_terms(
     owned = experts / edp if zero_stage >= 1 else experts
     if not experts or edp == 1:
         return params, owned, 0.0, 0.0
-    return params, owned, ring(4 * experts, edp, bandwidth, latency), ring(c * experts, edp, bandwidth, latency)
+    k = data_parallel_collectives(zero_stage, round(layers * frac), 4 * experts)  # an FSDP2 unit per MoE layer
+    return params, owned, ring(4 * experts, edp, bandwidth, latency, k), ring(c * experts, edp, bandwidth, latency, k)
 
 
 def check_dense(model_config: Any) -> None:
