@@ -1,7 +1,7 @@
 """A LightningModule holding a Hugging Face ``transformers.LlamaForCausalLM`` (tiny config, random init with a fixed
-seed, no download), trained 10 AdamW steps under each layout of ``--layouts`` (``FourDStrategy``), or with plain
-Lightning on one process (``--reference``). Per layout, rank 0 writes the per-step ``train_loss`` and the final full
-weights to ``OUT/hf<i>.pt``. (issue 13, lightning_4d/adapters/hf_llama.py)"""
+seed, no download), trained ``--steps`` AdamW steps under each layout of ``--layouts`` (``FourDStrategy``), or with
+plain Lightning on one process (``--reference``). Per layout, rank 0 writes the per-step ``train_loss`` and the final
+full weights to ``OUT/hf<i>.pt``. (issue 13, lightning_4d/adapters/hf_llama.py)"""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.parallel._compat.compile import compiled_graph_count  # noqa: E402
 from tests import _collectives  # noqa: E402
 
-STEPS = 10
 _collectives.record()  # each rank's collectives, checked by the test (tests/_collectives.py)
 
 
@@ -80,6 +79,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--layouts", default="[]")
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layouts = [{"reference": True}] if args.reference else json.loads(args.layouts)
@@ -95,7 +95,7 @@ def main() -> None:
             seq_length=32,
             micro_batch_size=8 // (dp * m),
             global_batch_size=8,
-            train_samples=8 * STEPS,
+            train_samples=8 * args.steps,
             val_samples=8,
             seed=1234,
         )
@@ -135,7 +135,7 @@ def main() -> None:
             accelerator="cpu",
             devices=1 if args.reference else world,
             strategy=strategy,
-            max_steps=STEPS,
+            max_steps=args.steps,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
