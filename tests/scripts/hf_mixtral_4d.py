@@ -1,7 +1,7 @@
 """A LightningModule holding a Hugging Face ``transformers.MixtralForCausalLM`` (tiny config, random init with a fixed
-seed, no download), trained 10 AdamW steps under each layout of ``--layouts`` (``FourDStrategy``: dp, ZeRO, ep), or
-with plain Lightning on one process (``--reference``). Per layout, rank 0 writes the per-step ``train_loss``, the final
-full weights and the local shape of one expert weight to ``OUT/hf<i>.pt``. (issue 23,
+seed, no download), trained ``--steps`` AdamW steps under each layout of ``--layouts`` (``FourDStrategy``: dp, ZeRO,
+ep), or with plain Lightning on one process (``--reference``). Per layout, rank 0 writes the per-step ``train_loss``,
+the final full weights and the local shape of one expert weight to ``OUT/hf<i>.pt``. (issue 23,
 lightning_4d/features/moe/hf_mixtral.py)"""
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_4d.data import LMDataModule  # noqa: E402
 
-STEPS = 10
 EXPERT = "model.layers.0.mlp.experts.gate_up_proj"
 
 
@@ -72,6 +71,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="[]")
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--aux", action="store_true", help="the reference with the model's load-balancing loss")
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layouts = [{"reference": True, "aux": args.aux}] if args.reference else json.loads(args.layouts)
@@ -82,7 +82,7 @@ def main() -> None:
             seq_length=32,
             micro_batch_size=8 // dp,
             global_batch_size=8,
-            train_samples=8 * STEPS,
+            train_samples=8 * args.steps,
             val_samples=8,
             seed=1234,
         )
@@ -108,7 +108,7 @@ def main() -> None:
             accelerator="cpu",
             devices=1 if args.reference else world,
             strategy=strategy,
-            max_steps=STEPS,
+            max_steps=args.steps,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
