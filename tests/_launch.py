@@ -288,6 +288,13 @@ def _signal(proc: tuple[int, int], signum: int) -> None:
             os.kill(proc[0], signum)
 
 
+#: the AdamW steps of a launch whose runs are all float32 (and of its references): a step is ~0.25 s per layout of a
+#: 4-process tiny launch on 2 cores, ~2/3 of a 10-step launch; each file writes the largest difference it measured
+#: beside its tolerance. A launch with bf16 runs trains tests/test_parity.py's STEPS (10): in fewer a bf16 norm
+#: weight does not move by one bf16 spacing
+FLOAT32_STEPS = 5
+
+
 def run_layouts(
     out: Path, nproc: int, layouts: list[dict], *extra: str, steps: int = 10, layers: int | None = None
 ) -> Path:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests._collectives import first_divergence
-from tests._launch import SCRIPTS, torchrun
+from tests._launch import FLOAT32_STEPS, SCRIPTS, torchrun
 
 pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is a test dependency")
 
@@ -41,8 +41,8 @@ LAYOUTS = {
         {"cp": 2, "pp": 2, "tp": 2, "m": 2, "zero": 3, "schedule": "interleaved_1f1b"},
     ],
 }
-#: AdamW steps of every run (``--steps``; 10 before: the launches spend most of their time in steps)
-STEPS = 5
+#: AdamW steps of every run (``--steps``; float32 only but the bf16 reduce-scatter, compared at its own bound)
+STEPS = FLOAT32_STEPS
 #: each launch's limit (s): past it every rank's Python stack is printed and the launch fails (tests/_launch.py);
 #: measured beside busy processes (load 10-17 on 2 cores): the 8-process launch 80-95 s
 LAUNCH_TIMEOUT = {1: 300, 2: 900, 4: 600, 8: 600}

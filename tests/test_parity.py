@@ -167,22 +167,23 @@ def _check_parity(
     vector_update_rtol=None,
     bf16=False,
     moved="all",
+    steps=STEPS,
 ):
     """Losses to ``loss_rtol`` relative and every weight to ``weight_atol`` of the reference's (``bf16``: both
     rounded to bfloat16 first). With ``initial`` (the float32 weights before step 1, :func:`initial_weights`): every
     parameter (``moved="matrices"``: every matrix) trained (at least MOVED_FRACTION of its elements changed) and,
     with ``update_rtol``, its update ``w - w0`` equals the reference's to ``update_rtol`` in L2 relative
-    (``vector_update_rtol`` for 1-D parameters, ``update_rtol`` if not given)."""
+    (``vector_update_rtol`` for 1-D parameters, ``update_rtol`` if not given); both trained ``steps`` steps."""
     _, ref_ranks, ref_weights = reference
     layout, ranks, weights = result
     ref_losses = ref_ranks[0]["losses"]
-    assert len(ref_losses) == STEPS
+    assert len(ref_losses) == steps
     for r in ranks:  # identical on every rank, whatever its tp coordinate
         assert r["losses"] == ranks[0]["losses"]
     losses = ranks[0]["losses"]
     accum = layout.get("accum", 1)  # one logged loss per micro-batch: the step's loss is their mean
     losses = [sum(losses[i : i + accum]) / accum for i in range(0, len(losses), accum)]
-    assert len(losses) == STEPS
+    assert len(losses) == steps
     assert set(weights) == set(ref_weights)
     if bf16:
         weights = {k: w.bfloat16().float() for k, w in weights.items()}
@@ -190,7 +191,7 @@ def _check_parity(
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     if layout.get("norm"):  # the global gradient norm clipping divides by, before clipping, against torch's own
         norms, ref_norms = ranks[0]["bytes"]["grad_norms"], ref_ranks[0]["bytes"]["grad_norms"]
-        assert len(norms) == len(ref_norms) == STEPS
+        assert len(norms) == len(ref_norms) == steps
         norm_rel = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
         print(f"\n{_layout_id(layout)}: max rel global gradient norm diff {norm_rel:.2e}")
         assert norm_rel <= NORM_RTOL, (norms, ref_norms)

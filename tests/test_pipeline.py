@@ -11,14 +11,13 @@ import torch
 
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
-from tests._launch import SCRIPTS, run_layouts, torchrun, trained
+from tests._launch import FLOAT32_STEPS, SCRIPTS, run_layouts, torchrun, trained
 from tests.test_parity import LOSS_RTOL, WEIGHT_ATOL, _check_offloaded, _layout_id
 
 LAYERS = 4
-#: AdamW steps of every run here (test_parity's 10 where bf16 runs need them to move a weight by a bf16 spacing;
-#: these are float32 only, and a step is most of a launch): largest weight difference measured 6.1e-6 at 5 steps
-#: (here and in tests/test_context_parallel.py's float32 rows), under WEIGHT_ATOL
-STEPS = 5
+#: AdamW steps of every run here (float32 only): largest weight difference measured 6.1e-6 at 5 steps (here and in
+#: tests/test_context_parallel.py's float32 rows), under WEIGHT_ATOL
+STEPS = FLOAT32_STEPS
 #: the single-process runs (plain Lightning, no FourDStrategy) of tiny-test with LAYERS layers: plain and clipped
 REFERENCES = [{"reference": True}, {"reference": True, "clip": 0.1}]
 WORLD2 = [
