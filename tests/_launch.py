@@ -4,7 +4,6 @@ Lightning never re-runs pytest)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -203,22 +202,23 @@ def rank_tracebacks(stderr: str, limit: int = 12000) -> str:
     return f"\n\nthe ranks' tracebacks, the first printed first (the others: their exceptions):\n{text}"
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid``, read from ``/proc``: torchrun starts each worker in a session of its own, so a
+def _descendants(pid: int) -> list[tuple[int, int]]:
+    """The processes below ``pid`` as ``(pid, start time)``, read from ``/proc`` in one pass (each process's parent
+    and start time from the same read of its ``stat``): torchrun starts each worker in a session of its own, so a
     signal to torchrun's process group misses them."""
-    parents: dict[int, list[int]] = {}
+    parents: dict[int, list[tuple[int, int]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses; field 22 the start time
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append((int(stat.parent.name), int(fields[19])))
         except (OSError, IndexError, ValueError):  # the process ended meanwhile
             continue
-        parents.setdefault(ppid, []).append(int(stat.parent.name))
     found, todo = [], [pid]
     while todo:
         children = parents.get(todo.pop(), [])
         found += children
-        todo += children
+        todo += [child for child, _ in children]
     return found
 
 
@@ -227,7 +227,7 @@ def _abort_pids(pids: list[int]) -> None:
     ``faulthandler.enable()``: each prints all its threads' Python stacks before it dies: where a hung rank waits);
     SIGKILL to whatever of them is left 30 s later (a process is signalled only while it is the one found: same pid
     and start time, so a pid the kernel reused meanwhile is never hit)."""
-    found = _processes([*(q for pid in pids for q in _descendants(pid)), *pids])
+    found = [q for pid in pids for q in _descendants(pid)] + _processes(pids)
     for proc in found:
         _signal(proc, signal.SIGABRT)
     end = time.monotonic() + 30
@@ -241,7 +241,7 @@ def _abort(popen: subprocess.Popen) -> tuple[str, str]:
     """End a launch that overran: SIGABRT to every worker, then to the launcher (``PYTHONFAULTHANDLER`` makes each
     print all its threads' Python stacks before it dies: where a hung rank waits), SIGKILL to whatever is left 30 s
     later (the workers still the processes found, :func:`_abort_pids`); returns the launch's stdout and stderr."""
-    workers = _processes(_descendants(popen.pid))
+    workers = _descendants(popen.pid)
     for proc in workers:
         _signal(proc, signal.SIGABRT)
     time.sleep(2)  # the workers' stacks before the launcher's
@@ -264,11 +264,13 @@ def _no_core_files() -> None:
 
 def _start_time(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks after boot, ``/proc/<pid>/stat`` field 22), ``None`` when no
-    such process exists: with the pid, what names one process (a pid alone may be reused once it ended)."""
+    such process exists or it has ended (a zombie): with the pid, what names one process (a pid alone may be reused
+    once it ended)."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _processes(pids: list[int]) -> list[tuple[int, int]]:
@@ -277,15 +279,25 @@ def _processes(pids: list[int]) -> list[tuple[int, int]]:
 
 
 def _alive(proc: tuple[int, int]) -> bool:
-    """Whether the process ``(pid, start time)`` still exists (its pid not ended, nor reused by another)."""
+    """Whether the process ``(pid, start time)`` still runs (its pid neither ended nor reused by another)."""
     return _start_time(proc[0]) == proc[1]
 
 
 def _signal(proc: tuple[int, int], signum: int) -> None:
-    """Send ``signum`` to the process ``(pid, start time)`` if it is still that process."""
-    if _alive(proc):
-        with contextlib.suppress(ProcessLookupError):  # ended between the check and the signal
-            os.kill(proc[0], signum)
+    """Send ``signum`` to the process ``(pid, start time)`` if it is still that process: through a pidfd opened
+    first and checked after (``os.pidfd_open``, Linux 5.3), so a pid reused between the check and the signal is never
+    hit."""
+    try:
+        fd = os.pidfd_open(proc[0])
+    except ProcessLookupError:  # ended
+        return
+    try:
+        if _alive(proc):  # the pidfd names the process found, not one started later under its pid
+            signal.pidfd_send_signal(fd, signum)
+    except ProcessLookupError:  # ended after the check
+        pass
+    finally:
+        os.close(fd)
 
 
 #: the AdamW steps of a launch whose runs are all float32 (and of its references): a step is ~0.25 s per layout of a

@@ -514,3 +514,22 @@ def test_allgather_estimate_at_the_measured_peaks(cp, ac, s, measured):
     estimate = estimate_memory(Workload(LlamaConfig.from_name("tiny-test"), 2, s, "32-true"), pc, **kw)
     assert abs(estimate.total / measured - 1) <= 0.0025, (estimate.total, estimate.peak_phase)
     assert estimate.peak_phase == ("backward start" if cp == 2 else "allgather attention backward")
+
+
+def test_allgather_phase_counts_the_eager_backends_scores_on_cuda():
+    """On CUDA in bf16 without masking, the ``"eager"`` attention backend runs the explicit matmuls (runtime
+    ``_use_eager``: the backend alone decides), so its all-gather backward phase holds the float32 score-sized tensors
+    ATen's fused kernel does not: more bytes than the sdpa backend's phase, whose fused kernel keeps none of them."""
+    import dataclasses
+
+    from lightning_4d.planning.buffers import allgather_phase
+    from lightning_4d.planning.tensors import Dtypes
+
+    pc = ParallelConfig(context_parallel_size=2, zero_stage=0, context_parallel_method="allgather").resolve(2)
+    sdpa = LlamaConfig.from_name("tiny-test")
+    eager = dataclasses.replace(sdpa, attention_backend="eager")
+    work = Workload(sdpa, 1, 4096, "bf16-mixed")
+    dt = Dtypes.of("bf16-mixed")
+    by_backend = {cfg.attention_backend: allgather_phase(cfg, pc, dt, work, "cuda", True) for cfg in (sdpa, eager)}
+    # a float32 [b, a', s/cp, s] score tensor alone: 1 x 4 heads x 2048 x 4096 x 4 B = 128 MiB
+    assert by_backend["eager"] - by_backend["sdpa"] >= 1 * 4 * 2048 * 4096 * 4, by_backend

@@ -209,13 +209,32 @@ def test_data_parallel_latency_is_paid_per_collective():
     buckets = -(-4 * p // (25 * 2**20))
     assert buckets == 1226  # 8.03e9 parameters: 32.1 GB of float32 gradients
     for zero, k in ((3, 33), (1, buckets)):
-        rs, ag, units, _ = st._data_parallel_terms(st.model_dims(cfg), sizes, zero, 32, H100, 8)
-        assert units == 32
+        rs, ag, units, _, across = st._data_parallel_terms(st.model_dims(cfg), sizes, zero, 32, H100, 8)
+        assert units == 32 and across == 0
         assert rs == pytest.approx(ring(4 * p, 16, ib, a_out, k), rel=1e-12)
         assert ag == pytest.approx(ring(2 * p, 16, ib, a_out, k), rel=1e-12)
-        rs, ag, _, _ = st._data_parallel_terms(st.model_dims(cfg), sizes, zero, 32, H100, 8, 2)
-        assert rs == pytest.approx(ring(4 * p, 8, nvl, a_in, k) + 2 * ring(4 * p / 8, 2, ib, a_out, k), rel=1e-12)
+        rs, ag, _, _, across = st._data_parallel_terms(st.model_dims(cfg), sizes, zero, 32, H100, 8, 2)
+        assert rs == pytest.approx(ring(4 * p, 8, nvl, a_in, k), rel=1e-12)
+        assert across == pytest.approx(2 * ring(4 * p / 8, 2, ib, a_out, k), rel=1e-12)
         assert ag == pytest.approx(ring(2 * p, 8, nvl, a_in, k), rel=1e-12)
+
+
+def test_hsdp_replicas_all_reduce_is_exposed_at_zero1():
+    """At ZeRO 1 the replicas' all-reduce runs after the shard group's reduce-scatter was waited for
+    (``GradientBuckets.synchronize``): the step's dp time holds all of it, however long the backward that hides the
+    reduce-scatter; at ZeRO 3 FSDP2 issues it per unit, behind the backward."""
+    cfg = LlamaConfig.from_preset("llama3-8b")
+    dims = st.model_dims(cfg)
+    for zero in (1, 3):
+        pc = ParallelConfig(data_parallel_size=16, zero_stage=zero, data_parallel_replicate_size=2)
+        lay = st.Layout.of(pc, 1, 64)
+        t = st.step_time_of(dims, lay, seq_length=8192, gpu=H100, gpus_per_node=8)
+        rs, ag, units, _, across = st._data_parallel_terms(dims, st.MeshSizes(1, 1, 1, 16, 1), zero, 32, H100, 8, 2)
+        assert across > 0
+        if zero == 1:
+            assert t.dp >= across + ag
+        else:
+            assert t.dp < across  # behind the backward, with the shard group's reduce-scatter
 
 
 def _meta_layout(candidates, tp, pp, cp, dp):

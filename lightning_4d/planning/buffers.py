@@ -190,7 +190,9 @@ def allgather_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, de
     b, s = work.micro_batch_size, work.seq_length
     # explicit matmuls: masked calls off CPU (the fused CUDA kernels take no mask), float32 on CUDA (ATen's flash
     # kernel takes float16/bfloat16), the "eager" backend
-    eager = _eager(cfg, device_type) and (device_type == "cpu" or work.document_masking or dt.compute == 4)
+    eager = getattr(cfg, "attention_backend", "sdpa") == "eager" or (
+        device_type != "cpu" and (work.document_masking or dt.compute == 4)
+    )
     documents = (work.document_tokens or 0) if work.document_masking else None
     core = allgather_backward(cfg, pc, dt, b, s, eager, documents, device_type != "cpu")
     if not core:

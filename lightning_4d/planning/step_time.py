@@ -624,7 +624,7 @@ def step_time_parts(
         dims, shape, stages, gpu, gpus_per_node
     )
     t_pp = _pipeline_sends(dims, layout, s, gpu, gpus_per_node)
-    rs, ag, units, t_opt = _data_parallel_terms(
+    rs, ag, units, t_opt, across = _data_parallel_terms(
         dims,
         MeshSizes(tp, pp, cp, dp, ep),
         zero_stage,
@@ -636,12 +636,15 @@ def step_time_parts(
     t_dp = 0.0
     if dp * cp > 1:
         last_backward = 2 / 3 * t_max
+        # HSDP at ZeRO 0/1: the replicas' all-reduce runs after the shard group's reduce is waited for
+        # (GradientBuckets.synchronize), exposed; FSDP2 (ZeRO 2/3) issues it inside each unit's post-backward reduce
         if zero_stage == 0:
-            t_dp = max(2 * rs - last_backward, 2 * rs / units)
+            t_dp = max(2 * rs - last_backward, 2 * rs / units) + across
         elif zero_stage == 1:
-            t_dp = max(rs - last_backward, rs / units) + ag
+            t_dp = max(rs - last_backward, rs / units) + across + ag
         else:
             gathers = 1 if zero_stage == 2 else 2
+            rs += across
             t_dp = m * (max(0.0, gathers * ag - t_max) + ag / units) + max(rs - last_backward, rs / units)
     if layout.optimizer_offload:
         t_opt = _offloaded_optimizer(t_opt, layout, units, m * work, gpu)
@@ -685,12 +688,13 @@ def _data_parallel_terms(
     gpu: Any,
     gpus_per_node: int,
     replicas: int = 1,
-) -> tuple[float, float, int, float]:
-    """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds) of the pp rank
+) -> tuple[float, float, int, float, float]:
+    """(gradient reduce-scatter seconds, parameter all-gather seconds, FSDP units, optimizer seconds, HSDP replicas'
+    all-reduce seconds) of the pp rank
     holding ``layers`` decoder layers: the data-parallel collectives over dp·cp of its parameters (an MoE
     model's: :func:`lightning_4d.features.moe.costs.data_parallel_terms`) (module docstring, **Data parallel**);
     under HSDP (``replicas`` r > 1) over the shard group of dp·cp/r ranks, plus the all-reduce of each rank's
-    float32 shard (``4·P/(D/r)`` bytes) across the r replicas, counted with the reduce-scatter: the shard group is
+    float32 shard (``4·P/(D/r)`` bytes) across the r replicas (the fifth value): the shard group is
     ``tp·D/r`` consecutive ranks (inside a node when they fit), the replicas ``tp·D/r`` ranks apart (across nodes
     unless all of dp·cp·tp fits in one). An MoE model has no HSDP (``ParallelConfig`` refuses it)."""
     tp, pp, cp, dp, ep = sizes
@@ -710,12 +714,12 @@ def _data_parallel_terms(
     owned = params / shard + owned_extra if zero_stage >= 1 else params + owned_extra
     # one collective per FSDP2 unit (the layers + the root) or per gradient bucket, each paying its ring's latency
     k = data_parallel_collectives(zero_stage, layers + 1, 4 * params)
-    rs = ag = 0.0
+    rs = ag = across = 0.0
     if replicas > 1:
         b_dp, lat = _link(gpu, tp * shard <= gpus_per_node)
-        rs = 2 * _ring(4 * params / shard, replicas, *_link(gpu, tp * dd <= gpus_per_node), k)
+        across = 2 * _ring(4 * params / shard, replicas, *_link(gpu, tp * dd <= gpus_per_node), k)
     if dd > 1:
-        rs += _ring(4 * params, shard, b_dp, lat, k) + rs_extra
+        rs = _ring(4 * params, shard, b_dp, lat, k) + rs_extra
         ag = _ring(c * params, shard, b_dp, lat, k) + ag_extra
     t_opt = owned * OPTIMIZER_BYTES_PER_PARAM / (POINTWISE_EFFICIENCY * gpu.memory_bandwidth)
-    return rs, ag, max(1, layers), t_opt
+    return rs, ag, max(1, layers), t_opt, across
