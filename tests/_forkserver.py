@@ -47,11 +47,14 @@ PRELOAD = [
 ]
 
 #: the variables read when the interpreter starts or torch and lightning_4d are imported: a forked rank inherits
-#: the forkserver's imports, so a launch must agree with the forkserver on each (checked at every launch)
+#: the forkserver's imports, so a launch must agree with the forkserver on each (checked at every launch). A chosen
+#: list: others torch reads at import (``TORCH_LOGS``, ``TORCHINDUCTOR_*``) are not checked, and no test sets them
+#: per launch
 IMPORT_TIME = ("PYTHONPATH", "PYTHONWARNINGS", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
-#: what :func:`rank_envs` sets per launch or per rank (never given to the forkserver)
-LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+#: what :func:`rank_envs` sets per launch or per rank, beside the ``GROUP_*``, ``ROLE_*`` and ``TORCHELASTIC_*``
+#: variables (never given to the forkserver)
+LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 _CONTEXT: multiprocessing.context.BaseContext | None = None
 _SERVER_ENV: dict[str, str] = {}

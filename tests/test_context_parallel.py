@@ -18,7 +18,7 @@ from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.planning.model import estimate_memory, saved_activation_bytes
 from lightning_4d.planning.workload import Job, Search, Workload
 from tests._launch import SCRIPTS, run_layouts, torchrun, trained
-from tests.test_parity import _check_offloaded, _layout_id
+from tests.test_parity import STEPS as PARITY_STEPS, _check_offloaded, _layout_id
 from tests.test_pipeline import LAYERS, REFERENCES, STEPS, _check, _check_resume
 
 WORLD2 = [
@@ -56,7 +56,7 @@ WORLD8 = [
 
 #: the AdamW steps of the launch that holds the bf16 rows (test_parity's: in fewer a bf16 norm weight does not move
 #: by a bf16 spacing); the float32-only launches train tests/test_pipeline.py's STEPS
-BF16_STEPS = 10
+BF16_STEPS = PARITY_STEPS
 
 
 @pytest.fixture(scope="module")

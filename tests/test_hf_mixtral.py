@@ -26,7 +26,7 @@ LAYOUTS = {
         {"dp": 4, "zero": 2},
     ],
 }
-#: AdamW steps of every run (``--steps``; float32 only but the bf16 reduce-scatter, compared at its own bound)
+#: AdamW steps of every run (``--steps``; float32 only)
 STEPS = FLOAT32_STEPS
 # final weights after STEPS AdamW steps (lr 3e-3), as tests/test_hf_llama_4d.py: measured at most 6.98e-6 here at 5
 # steps (6.2e-6 at 10)

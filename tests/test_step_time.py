@@ -283,7 +283,7 @@ def test_meta_405b_rows():
     """Meta's Llama 3.1 405B (Llama 3 paper, Table 4) on 8,192 and 16,384 H100 at 8k tokens and on 16,384 H100 at
     128k (tp8 cp16 pp16 dp8): the planner's fastest fitting variant of the published sizes, its step predicted with
     fused (compiled) pointwise kernels (the paper does not say how its kernels run: ``CALIBRATION_RUNS``), within
-    15% of the published MFU. Measured 2026-12-03 (``python benchmarks/step_time_calibration.py``): 36.9% against
+    15% of the published MFU. Measured (``python benchmarks/step_time_calibration.py``): 36.9% against
     43% (-14.2%; 37.3% before the data-parallel latency was paid per bucket), 39.5% against 41% (-3.7%), 42.4%
     against 38% (+11.6%; it read 44.0%, +15.9%, before the attention rates were FlashAttention-2's measured ones);
     eager, 34.5%, 36.7%, 40.9%."""

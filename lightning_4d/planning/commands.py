@@ -285,43 +285,49 @@ def command_parser(command: str) -> argparse.ArgumentParser:
                 "--gpus-per-node",
                 type=positive_int,
                 default=8,
-                help="GPUs per node (default 8): where dp*cp*tp spans nodes at ZeRO 1-3, the HSDP replica count "
-                "the step-time model predicts fastest is proposed when it fits",
+                help="GPUs per node (default 8): the host memory of a node, and where dp*cp*tp spans nodes at "
+                f"ZeRO 1-3 (flat ZeRO, a dense model) the HSDP replica count the step-time model predicts "
+                f"fastest is proposed when it fits and is at least {HSDP_MIN_GAIN:.0%} faster",
             )
     else:
-        p.add_argument("--num-gpus", type=positive_int, required=True)
-        p.add_argument("--gpus-per-node", type=positive_int, default=8)
-        p.add_argument("--global-batch-size", type=positive_int, required=True, help="samples per optimizer step")
-        p.add_argument("--top", type=positive_int, default=20, help="how many layouts to list (20)")
-        p.add_argument("--peak-tflops", type=positive_float, help="custom GPU: dense bf16 peak (TFLOP/s)")
-        for f in LAYOUT_FIELDS:  # the sizes a plan can keep fixed, and --tensor-parallel-overlap
-            if f.plan_help:
-                _layout_option(p, f, False if f.type is bool else None, f.plan_help)
-        moe_costs.add_load_option(p)
-        _document_tokens_option(p)
-        p.add_argument(
-            "--checkpoint-write-gbps",
-            type=positive_float,
-            default=DEFAULT_CHECKPOINT_WRITE_GBPS,
-            help=f"GB/s each node writes checkpoints at (default {DEFAULT_CHECKPOINT_WRITE_GBPS:g}, an "
-            "assumption: see docs/step_time.md)",
-        )
-        p.add_argument(
-            "--mtbf-gpu-hours",
-            type=positive_float,
-            default=DEFAULT_MTBF_GPU_HOURS,
-            help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
-            "paper, 419 interruptions in 54 days on 16,384 GPUs)",
-        )
-        p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory (needs matplotlib)")
-        p.add_argument(
-            "--emit-config",
-            metavar="FILE.yaml",
-            help="write the first pick as a config for `lightning-4d fit --config FILE.yaml`: the layout, the "
-            "batch sizes and, for a preset, a pretraining job (steps, schedule, checkpoints, logger; "
-            "docs/estimate_and_plan.md)",
-        )
+        _plan_options(p)
     return p
+
+
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    """``plan``'s own options (beside :func:`_common`'s)."""
+    p.add_argument("--num-gpus", type=positive_int, required=True)
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
+    p.add_argument("--global-batch-size", type=positive_int, required=True, help="samples per optimizer step")
+    p.add_argument("--top", type=positive_int, default=20, help="how many layouts to list (20)")
+    p.add_argument("--peak-tflops", type=positive_float, help="custom GPU: dense bf16 peak (TFLOP/s)")
+    for f in LAYOUT_FIELDS:  # the sizes a plan can keep fixed, and --tensor-parallel-overlap
+        if f.plan_help:
+            _layout_option(p, f, False if f.type is bool else None, f.plan_help)
+    moe_costs.add_load_option(p)
+    _document_tokens_option(p)
+    p.add_argument(
+        "--checkpoint-write-gbps",
+        type=positive_float,
+        default=DEFAULT_CHECKPOINT_WRITE_GBPS,
+        help=f"GB/s each node writes checkpoints at (default {DEFAULT_CHECKPOINT_WRITE_GBPS:g}, an "
+        "assumption: see docs/step_time.md)",
+    )
+    p.add_argument(
+        "--mtbf-gpu-hours",
+        type=positive_float,
+        default=DEFAULT_MTBF_GPU_HOURS,
+        help=f"GPU-hours between failures of one GPU (default {DEFAULT_MTBF_GPU_HOURS:,.0f}: Llama 3 "
+        "paper, 419 interruptions in 54 days on 16,384 GPUs)",
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory (needs matplotlib)")
+    p.add_argument(
+        "--emit-config",
+        metavar="FILE.yaml",
+        help="write the first pick as a config for `lightning-4d fit --config FILE.yaml`: the layout, the "
+        "batch sizes and, for a preset, a pretraining job (steps, schedule, checkpoints, logger; "
+        "docs/estimate_and_plan.md)",
+    )
 
 
 def _propose_split(pc: ParallelConfig, num_layers: int) -> Optional[list[int]]:
@@ -402,7 +408,8 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
         est = fujii2024_of_layout(cfg, pc, args.seq_length, args.micro_batch_size, m)
         out = dict(est.to_dict())
     else:
-        est = estimate_memory(workload_from_args(args, cfg, m), pc, gpu_name=gpu.name)
+        per_node = min(pc.world_size, args.gpus_per_node)
+        est = estimate_memory(workload_from_args(args, cfg, m), pc, gpu_name=gpu.name, ranks_per_node=per_node)
         out = est.to_dict()
     total = out["total"]
     out.update(
@@ -432,14 +439,20 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+#: the least predicted gain (a fraction of the flat ZeRO step) for which ``estimate`` proposes HSDP: a smaller one
+#: (llama3.1-405b tp8 dp128 ZeRO 3 on 1,024 H100s: 0.03%, 30 ms of 109 s) is a difference of the model's inputs
+#: (link bandwidths and latencies), not a prediction to act on
+HSDP_MIN_GAIN = 0.01
+
+
 def _hsdp_proposal(cfg: Any, pc: ParallelConfig, m: int, args: argparse.Namespace, gpu: Any) -> Optional[dict]:
     """The hybrid sharding ``estimate`` proposes for layout ``pc`` (``m`` micro-batches per step): of every replica
-    count HSDP can take there (:func:`~lightning_4d.planning.planner.hsdp_replicas` with ``every``, when dp·cp·tp
-    spans nodes of ``--gpus-per-node`` GPUs), the one with the least predicted step
-    (:func:`~lightning_4d.planning.step_time.step_time_of`) that is faster than ``pc``'s flat ZeRO and fits the
-    budget: ``{"data_parallel_replicate_size", "step_time", "flat_zero_step_time" (seconds), "total", "total_gib"
-    (its peak memory, bytes / GiB)}``; ``None`` at ZeRO 0, under HSDP already, for an MoE model (no HSDP) or when
-    no replica count is faster and fits."""
+    count HSDP can take there (:func:`~lightning_4d.planning.planner.hsdp_replicas` with ``every``, when dp·cp·tp spans
+    nodes of ``--gpus-per-node`` GPUs), the one with the least predicted step
+    (:func:`~lightning_4d.planning.step_time.step_time_of`) that is at least :data:`HSDP_MIN_GAIN` faster than
+    ``pc``'s flat ZeRO and fits the budget: ``{"data_parallel_replicate_size", "step_time", "flat_zero_step_time"
+    (seconds), "total", "total_gib" (its peak memory, bytes / GiB)}``; ``None`` at ZeRO 0, under HSDP already, for
+    an MoE model (no HSDP) or when no replica count is faster and fits."""
     from lightning_4d.planning.model import estimate_memory
     from lightning_4d.planning.planner import hsdp_replicas
     from lightning_4d.planning.step_time import Layout, model_dims, step_time_of
@@ -456,7 +469,7 @@ def _hsdp_proposal(cfg: Any, pc: ParallelConfig, m: int, args: argparse.Namespac
         for r in hsdp_replicas(pc.tp, pc.cp, pc.dp, args.gpus_per_node, every=True)
     ]
     for t, r in sorted(timed):
-        if t >= flat:
+        if t > (1 - HSDP_MIN_GAIN) * flat:
             break
         hybrid = replace(pc, data_parallel_replicate_size=r)
         total = estimate_memory(workload_from_args(args, cfg, m), hybrid, gpu_name=gpu.name).total
@@ -494,6 +507,7 @@ def _suggestions(cfg: Any, pc: ParallelConfig, m: int, args: argparse.Namespace,
             args.budget,
             global_batch_size=args.micro_batch_size * pc.dp * m,  # the job's sequences per optimizer step
             gpu_name=gpu.name,
+            gpus_per_node=args.gpus_per_node,
         )
     except ValueError:  # no suggestion is better than hiding the verdict (as the callback does)
         return []

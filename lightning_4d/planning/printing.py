@@ -60,24 +60,30 @@ def print_estimate(out: dict[str, Any]) -> None:
         f"{out['total_gib']:.2f} GiB = {100 * out['fraction']:.1f}% of {out['gpu']} "
         f"({out['gpu_memory'] / GIB:.1f} GiB): {verdict} within the {100 * out['budget']:.0f}% budget."
     )
-    hsdp = out.get("hsdp_proposal")
-    if hsdp:
-        r = hsdp["data_parallel_replicate_size"]
-        shard = lay["dp"] * lay["cp"] // r
-        console.print(
-            f"HSDP: --dp-replicate {r} (data_parallel_replicate_size={r}: {r} replicas of a ZeRO shard group of "
-            f"{shard} ranks) is predicted faster: {hsdp['step_time']:.3f} s per step against "
-            f"{hsdp['flat_zero_step_time']:.3f} s with flat ZeRO {lay['zero_stage']} over all dp*cp ranks, "
-            f"{hsdp['total_gib']:.2f} GiB (the step-time model of docs/step_time.md, not measured).",
-            soft_wrap=True,
-            markup=False,
-        )
+    _print_hsdp_proposal(console, out)
     if "suggestions" in out:
         from lightning_4d.planning.planner import fitting_layout_lines
 
         world_size = lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"]
         for line in fitting_layout_lines([(s["line"], s["total"]) for s in out["suggestions"]], world_size):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def _print_hsdp_proposal(console: Any, out: dict[str, Any]) -> None:
+    """``estimate``'s HSDP line (``out["hsdp_proposal"]``: the replica count, both predicted steps, its memory)."""
+    hsdp, lay = out.get("hsdp_proposal"), out["layout"]
+    if not hsdp:
+        return
+    r = hsdp["data_parallel_replicate_size"]
+    shard = lay["dp"] * lay["cp"] // r
+    console.print(
+        f"HSDP: --dp-replicate {r} (data_parallel_replicate_size={r}: {r} replicas of a ZeRO shard group of "
+        f"{shard} ranks) is predicted faster: {hsdp['step_time']:.3f} s per step against "
+        f"{hsdp['flat_zero_step_time']:.3f} s with flat ZeRO {lay['zero_stage']} over all dp*cp ranks, "
+        f"{hsdp['total_gib']:.2f} GiB (the step-time model of docs/step_time.md, not measured).",
+        soft_wrap=True,
+        markup=False,
+    )
 
 
 def _print_host_memory(console: Any, out: dict[str, Any]) -> None:

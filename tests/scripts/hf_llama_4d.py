@@ -1,7 +1,7 @@
 """A LightningModule holding a Hugging Face ``transformers.LlamaForCausalLM`` (tiny config, random init with a fixed
 seed, no download), trained ``--steps`` AdamW steps under each layout of ``--layouts`` (``FourDStrategy``), or with
 plain Lightning on one process (``--reference``). Per layout, rank 0 writes the per-step ``train_loss`` and the final
-full weights to ``OUT/hf<i>.pt``. (issue 13, lightning_4d/adapters/hf_llama.py)"""
+full weights to ``OUT/hf<i>.pt``. (lightning_4d/adapters/hf_llama.py)"""
 
 from __future__ import annotations
 

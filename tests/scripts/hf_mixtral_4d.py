@@ -1,8 +1,8 @@
 """A LightningModule holding a Hugging Face ``transformers.MixtralForCausalLM`` (tiny config, random init with a fixed
 seed, no download), trained ``--steps`` AdamW steps under each layout of ``--layouts`` (``FourDStrategy``: dp, ZeRO,
 ep), or with plain Lightning on one process (``--reference``). Per layout, rank 0 writes the per-step ``train_loss``,
-the final full weights and the local shape of one expert weight to ``OUT/hf<i>.pt``. (issue 23,
-lightning_4d/features/moe/hf_mixtral.py)"""
+the final full weights and the local shape of one expert weight to ``OUT/hf<i>.pt``
+(lightning_4d/features/moe/hf_mixtral.py)."""
 
 from __future__ import annotations
 
