@@ -252,3 +252,15 @@ def test_fit_bad_input_traceback_on_request(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(Exception, match="zero_stage=7"):
         main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.strategy.zero_stage=7"])
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_commands_help_prints(command, capsys):
+    """``lightning-4d <command> --help`` prints its options and exits 0 (argparse formats each option's help with
+    ``%``: a literal ``%`` in a help text must be written ``%%``, else ``--help`` raises)."""
+    try:
+        code = main([command, "--help"])
+    except SystemExit as e:  # argparse's exit; some commands return it instead
+        code = e.code
+    assert code == 0
+    assert "--help" in capsys.readouterr().out

@@ -287,7 +287,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
                 default=8,
                 help="GPUs per node (default 8): the host memory of a node, and where dp*cp*tp spans nodes at "
                 f"ZeRO 1-3 (flat ZeRO, a dense model) the HSDP replica count the step-time model predicts "
-                f"fastest is proposed when it fits and is at least {HSDP_MIN_GAIN:.0%} faster",
+                f"fastest is proposed when it fits and is at least {100 * HSDP_MIN_GAIN:g}%% faster",  # %%: argparse
             )
     else:
         _plan_options(p)
