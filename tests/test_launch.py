@@ -21,8 +21,9 @@ _WHO_AM_I = """import json, os, sys
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
         "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "PYTHONPATH"]
-print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv, "path0": sys.path[0],
-                  "cwd": os.getcwd()}))
+line = json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv, "path0": sys.path[0],
+                   "cwd": os.getcwd()})
+os.write(1, (line + "\\n").encode())  # one write: the two ranks share one stdout, and print's may interleave
 """
 
 
