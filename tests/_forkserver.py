@@ -56,23 +56,29 @@ IMPORT_TIME = ("PYTHONPATH", "PYTHONWARNINGS", "PYTHONHASHSEED", "OMP_NUM_THREAD
 #: variables (never given to the forkserver)
 LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
+
+def without_launch_variables(env: dict[str, str]) -> dict[str, str]:
+    """``env`` less what is particular to one launch or rank (:data:`LAUNCH_KEYS`, ``GROUP_*``, ``ROLE_*``,
+    ``TORCHELASTIC_*``)."""
+    prefixes = ("GROUP_", "ROLE_", "TORCHELASTIC_")
+    return {k: v for k, v in env.items() if k not in LAUNCH_KEYS and not k.startswith(prefixes)}
+
+
 _CONTEXT: multiprocessing.context.BaseContext | None = None
 _SERVER_ENV: dict[str, str] = {}
 
 
 def context(env: dict[str, str]) -> multiprocessing.context.BaseContext:
     """The forkserver context, its server started (once per process) with the launch's environment ``env`` less what
-    is particular to one launch or rank (:data:`LAUNCH_KEYS`, ``GROUP_*``, ``ROLE_*``, ``TORCHELASTIC_*``): the
-    workers' own, as ``OMP_NUM_THREADS=1`` and ``PYTHONPATH`` must hold when it imports torch and lightning_4d.
+    is particular to one launch or rank (:func:`without_launch_variables`): the workers' own, as
+    ``OMP_NUM_THREADS=1`` and ``PYTHONPATH`` must hold when it imports torch and lightning_4d.
 
     Raises:
         RuntimeError: a later launch's ``env`` differs from the server's in a variable of :data:`IMPORT_TIME` (its
             ranks would run with the server's imports, not the ones asked for).
     """
     global _CONTEXT, _SERVER_ENV
-    server_env = {
-        k: v for k, v in env.items() if k not in LAUNCH_KEYS and not k.startswith(("GROUP_", "ROLE_", "TORCHELASTIC_"))
-    }
+    server_env = without_launch_variables(env)
     if _CONTEXT is None:
         from multiprocessing import forkserver
 

@@ -18,11 +18,10 @@ SCRIPTS = ROOT / "tests" / "scripts"
 #: what a distributed run in this process (an in-process fit, a launcher) leaves in ``os.environ``: a child must not
 #: inherit it (measured: a 1-process child took the pytest process's MASTER_PORT, still bound by a process group
 #: another test left there, and failed with EADDRINUSE)
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-
-
 def worker_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS and not k.startswith("TORCHELASTIC_")}
+    from tests._forkserver import without_launch_variables
+
+    env = without_launch_variables(dict(os.environ))
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONWARNINGS"] = "ignore"
     # a fatal signal (SIGSEGV, the SIGABRT of :func:`torchrun`'s limit) prints every thread's Python stack first: a

@@ -188,11 +188,7 @@ def allgather_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, de
     rank 0's peak is in this call (15,967,432 B; the estimate without the phase was 0.957 of it). 0 without cp and
     for the other methods."""
     b, s = work.micro_batch_size, work.seq_length
-    # explicit matmuls: masked calls off CPU (the fused CUDA kernels take no mask), float32 on CUDA (ATen's flash
-    # kernel takes float16/bfloat16), the "eager" backend
-    eager = getattr(cfg, "attention_backend", "sdpa") == "eager" or (
-        device_type != "cpu" and (work.document_masking or dt.compute == 4)
-    )
+    eager = _eager(cfg, device_type, masked=work.document_masking, float32=dt.compute == 4)
     documents = (work.document_tokens or 0) if work.document_masking else None
     core = allgather_backward(cfg, pc, dt, b, s, eager, documents, device_type != "cpu")
     if not core:
@@ -207,9 +203,12 @@ def allgather_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, de
     return _attention_backward_phase(cfg, pc, dt, work, core, 0)
 
 
-def _eager(cfg: Any, device_type: str) -> bool:
-    """A masked or float32 cp block runs explicit matmuls: on CUDA and under the ``"eager"`` backend."""
-    return device_type != "cpu" or getattr(cfg, "attention_backend", "sdpa") == "eager"
+def _eager(cfg: Any, device_type: str, masked: bool = True, float32: bool = False) -> bool:
+    """Whether a cp attention block runs explicit matmuls (runtime ``_use_eager``): always under the ``"eager"``
+    backend; off CPU a masked block (the fused CUDA kernels take no mask) or a float32 one (ATen's flash kernel takes
+    float16/bfloat16)."""
+    backend = getattr(cfg, "attention_backend", "sdpa")
+    return backend == "eager" or (device_type != "cpu" and (masked or float32))
 
 
 def _attention_backward_phase(cfg: Any, pc: ParallelConfig, dt: Dtypes, work: Workload, core: int, cp: int) -> int:
