@@ -385,6 +385,31 @@ def test_plan_lists_uneven_pipeline_splits_quickly():
     )
 
 
+def test_resident_states_bound_every_rank_estimate_and_prune_nothing_that_fits():
+    """:func:`resident_state_bytes` (the planner's shortcut past layouts whose states alone are over the limit) is at
+    most the full estimate of every pp rank of every 7th layout of llama3-8b on 8 A10s in nodes of 4, at ZeRO 0-3,
+    with and without optimizer offload, HSDP among them; and the plan with the shortcut lists the layouts that
+    estimating every layout (``include_unfit``) finds fitting, in the same order (2 of 121: most are cut short)."""
+    from lightning_4d.planning.model import estimate_memory, resident_state_bytes
+
+    job, search = (
+        Job(LlamaConfig.from_preset("llama3-8b"), 8, 4, 2048, 16, GPU_PRESETS["A10"]),
+        Search(micro_batch_size=1),
+    )
+    layouts = list(enumerate_layouts(job, search))
+    kinds = {(pc.zero_stage, pc.data_parallel_replicate_size > 1) for pc, _, _ in layouts}
+    assert {(z, False) for z in range(4)} <= kinds and any(hsdp for _, hsdp in kinds), kinds
+    for pc, b, m in layouts[::7]:
+        for offload in {False, pc.zero_stage >= 1}:
+            pc1 = dataclasses.replace(pc, optimizer_offload=offload)
+            work = job.workload(b, m)
+            for r in range(pc1.pp):
+                assert resident_state_bytes(work, pc1, r) <= estimate_memory(work, pc1, pp_rank=r).total, (pc1, r)
+    every = plan(job, search, top=None, include_unfit=True)
+    fitting = [c for c in every if c.fits]
+    assert plan(job, search, top=None) == fitting and len(fitting) == 2 and len(every) == 121
+
+
 @pytest.mark.slow
 def test_candidates_say_why_they_rank_where_they_do():
     """Bubble, exposed communication and recomputation fractions of every candidate; no listed candidate is

@@ -378,6 +378,21 @@ def estimate_memory(
     return replace(worst, host=host, host_per_node=host * per_node)
 
 
+def resident_state_bytes(workload: Workload, parallel_config: ParallelConfig, pp_rank: int = 0) -> int:
+    """A lower bound of ``estimate_memory(workload, parallel_config, pp_rank=pp_rank).total`` (bytes): the parameters
+    and optimizer states pp rank ``pp_rank`` (dp_cp rank 0) holds in every phase of a step
+    (:func:`~lightning_4d.planning.states.model_state_bytes`). The estimate's total is these plus its peak phase's
+    bytes plus the overhead allowance, both non-negative, so a layout whose resident states alone exceed a limit
+    needs no full estimate (the planner's search skips it).
+
+    Raises:
+        ValueError: an unknown precision, a pp rank out of range.
+    """
+    cfg = _model(workload.model)
+    states = model_state_bytes(cfg, parallel_config, normalize_precision(workload.precision), pp_rank=pp_rank)
+    return states.parameters + states.optimizer_states
+
+
 #: ranks on one node when the caller does not say (the GPUs of a DGX/HGX node)
 DEFAULT_RANKS_PER_NODE = 8
 

@@ -71,7 +71,7 @@ from lightning_4d.layout import plan_values, planned_dataclass, strategy_argumen
 from lightning_4d.models.llama_config import divisors
 from lightning_4d.planning.fujii2024 import check_dense, fujii2024_of_layout
 from lightning_4d.planning.hardware import GIB
-from lightning_4d.planning.model import MemoryEstimate, estimate_memory
+from lightning_4d.planning.model import MemoryEstimate, estimate_memory, resident_state_bytes
 from lightning_4d.planning.step_time import Layout, StepTime, model_dims, step_time_parts
 from lightning_4d.planning.workload import Job, Search, Workload, document_attention_context
 
@@ -544,7 +544,9 @@ class _MemoryOf:
     """Bytes per GPU of a layout for :func:`plan`: the paper's estimate (``formula="fujii2024"``), or ours on the pp
     rank that needs the most. Ours visits rank 0 and the rank that needed the most on the last kept layout of the same
     pipeline shape (pp, schedule, v) first, and stops at the first rank over ``limit`` (unless ``include_unfit``):
-    such a layout is dropped, so the rest need no estimate."""
+    such a layout is dropped, so the rest need no estimate. A rank whose resident model states alone are over
+    ``limit`` (:func:`~lightning_4d.planning.model.resident_state_bytes`, a lower bound of its estimate) is over it
+    without a full estimate."""
 
     job: Job
     formula: str
@@ -566,9 +568,13 @@ class _MemoryOf:
         if self.formula == "fujii2024":
             return fujii2024_of_layout(self.job.model, pc, self.job.seq_length, b, m).total
         hint = (pc.pp, pc.pipeline_schedule, pc.v)
+        work = self.job.workload(b, m)
         est = None
         for r in dict.fromkeys((0, self.worst_rank.get(hint, 0), *range(pc.pp))):
-            one = estimate_memory(self.job.workload(b, m), pc, pp_rank=r, **self.estimate_kw)
+            floor = resident_state_bytes(work, pc, r)
+            if floor > self.limit and not self.include_unfit:
+                return floor  # does not fit: its resident states alone are over the limit
+            one = estimate_memory(work, pc, pp_rank=r, **self.estimate_kw)
             if est is None or (one.total, -r) > (est.total, -est.pp_rank):
                 est = one
             if one.total > self.limit and not self.include_unfit:
