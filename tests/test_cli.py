@@ -577,27 +577,29 @@ def _main_job(config: str, steps: int, cwd: Path, *extra: str) -> tuple[float, f
 
 @pytest.mark.slow
 def test_main_job_config_learns_below_unigram_entropy(tmp_path):
-    """configs/tiny.yaml (what `make run` runs: dp=2 x tp=2, ZeRO 1, 4 processes), shortened to 60 steps."""
-    val, entropy = _main_job("tiny.yaml", 60, tmp_path)
-    print(f"\nmain job, 60 steps: val_loss {val:.4f} nats/token vs unigram entropy {entropy:.4f}")
+    """configs/tiny.yaml (what `make run` runs: dp=2 x tp=2, ZeRO 1, 4 processes), shortened to 30 steps (its
+    warmup): validation loss 2.82 measured against the corpus' unigram entropy of 3.24 nats/token (2.53 at 60 steps;
+    a step is ~0.7 s of this launch on 2 cores)."""
+    val, entropy = _main_job("tiny.yaml", 30, tmp_path)
+    print(f"\nmain job, 30 steps: val_loss {val:.4f} nats/token vs unigram entropy {entropy:.4f}")
     assert val < entropy
     assert (tmp_path / "checkpoints" / "tiny" / "last.ckpt").is_dir()
 
 
 @pytest.mark.slow
 def test_moe_main_job_config_runs_with_global_routing_statistics(tmp_path):
-    """configs/tiny_moe.yaml (dp=2 x tp=2, ep=2, ZeRO 1, 4 processes), shortened to 40 steps: it learns below the
-    unigram entropy, and the logged tokens per expert are the global batch's (16 sequences x 256 tokens x top-2 / 8
+    """configs/tiny_moe.yaml (dp=2 x tp=2, ep=2, ZeRO 1, 4 processes), shortened to 25 steps: it learns below the
+    unigram entropy (validation loss 2.89 measured against 3.24 nats/token), and the logged tokens per expert are the global batch's (16 sequences x 256 tokens x top-2 / 8
     experts = 1024 per expert on average, summed over dp x tp: the tp ranks route disjoint halves of each
     sequence), with the load-balancing loss logged; ``ExpertLoadMonitor`` (added on the command line) logs the ep
     ranks' load imbalance every step, between 1 (balanced) and ep = 2, and its running max."""
     monitor = "--trainer.callbacks+=lightning_4d.callbacks.ExpertLoadMonitor"
-    val, entropy = _main_job("tiny_moe.yaml", 40, tmp_path, monitor, "--trainer.log_every_n_steps=1")
+    val, entropy = _main_job("tiny_moe.yaml", 25, tmp_path, monitor, "--trainer.log_every_n_steps=1")
     rows = _metrics(next((tmp_path / "lightning_logs" / "tiny_moe").glob("version_*/metrics.csv")))
     means = {float(r["moe_tokens_per_expert_mean"]) for r in rows if r.get("moe_tokens_per_expert_mean")}
     aux = [float(r["train_aux_loss"]) for r in rows if r.get("train_aux_loss")]
     assert aux, "train_aux_loss not logged"
-    print(f"\nMoE main job, 40 steps: val_loss {val:.4f} vs entropy {entropy:.4f}; aux {aux[0]:.3f}..{aux[-1]:.3f}")
+    print(f"\nMoE main job, 25 steps: val_loss {val:.4f} vs entropy {entropy:.4f}; aux {aux[0]:.3f}..{aux[-1]:.3f}")
     assert val < entropy
     assert means == {1024.0}
     load = [
@@ -606,7 +608,7 @@ def test_moe_main_job_config_runs_with_global_routing_statistics(tmp_path):
         if r.get("moe_expert_load_imbalance")
     ]
     print(f"expert load imbalance over {len(load)} steps: max {max(x for x, _ in load):.4f}")
-    assert len(load) == 40 and all(1.0 <= x <= 2.0 for x, _ in load)
+    assert len(load) == 25 and all(1.0 <= x <= 2.0 for x, _ in load)
     assert [m for _, m in load] == [max(x for x, _ in load[: i + 1]) for i in range(len(load))]
     assert (tmp_path / "checkpoints" / "tiny_moe" / "last.ckpt").is_dir()
 
