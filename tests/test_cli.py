@@ -496,11 +496,17 @@ def test_emitted_config_over_a_model_file_keeps_its_validation_every_as_many_opt
     assert trainer["check_val_every_n_epoch"] is None
 
 
-def test_emit_config_refuses_an_estimate_only_preset(tmp_path, capsys):
+def test_emit_config_refuses_an_estimate_only_preset(tmp_path, capsys, monkeypatch):
     """A preset whose architecture the model does not implement (Llama 4's) serves estimate and plan only: a config
-    from it would not train, so --emit-config says so in one line and writes nothing."""
+    from it would not train, so --emit-config says so in one line and writes nothing, before the search (a plan of
+    64 GPUs takes seconds)."""
     from lightning_4d.cli import main
+    from lightning_4d.planning import planner
 
+    def no_search(*args, **kwargs):
+        raise AssertionError("planned before refusing --emit-config")
+
+    monkeypatch.setattr(planner, "plan", no_search)
     path = tmp_path / "scout.yaml"
     args = ["plan", "--model", "llama4-scout-17b-16e", "--seq-length", "8192", "--num-gpus", "64"]
     assert main([*args, "--global-batch-size", "256", "--gpu-memory", "H100-80GB", "--emit-config", str(path)]) == 2

@@ -27,7 +27,7 @@ from lightning_4d.layout import (
     config_kwargs_from_args,
     reported_layout,
 )
-from lightning_4d.planning.emit import fit_command, write_plan_config
+from lightning_4d.planning.emit import check_emittable, fit_command, write_plan_config
 from lightning_4d.planning.hardware import GIB, GPU_PRESETS, gpu_spec, parse_bytes, physical_memory
 from lightning_4d.planning.printing import print_estimate, print_plan
 from lightning_4d.planning.reliability import DEFAULT_CHECKPOINT_WRITE_GBPS, DEFAULT_MTBF_GPU_HOURS
@@ -679,6 +679,7 @@ def main(command: str, argv: list[str], untested_pairs: Optional[Callable[[dict,
             folder = Path(emit).parent
             if not folder.is_dir():
                 raise ValueError(f"--emit-config {emit!r}: the folder {str(folder)!r} does not exist.")
+            check_emittable(args.model)  # before the search: a plan of a large job takes seconds
         out = _estimate(args) if command == "estimate" else _plan(args, untested_pairs)
         if emit is not None:
             if not out["layouts"]:

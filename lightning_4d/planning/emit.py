@@ -72,6 +72,16 @@ def _preset_parameters(model: str) -> Any:
     return config.num_parameters()
 
 
+def check_emittable(model: str) -> None:
+    """Check, before any search, that ``--emit-config`` can write a config for ``--model`` ``model`` (a preset the
+    model implements, or a YAML file).
+
+    Raises:
+        ValueError: the preset serves ``estimate`` / ``plan`` only (:func:`_preset_parameters`).
+    """
+    _preset_parameters(model)
+
+
 def _is_file(model: str) -> bool:
     return str(model).endswith((".yaml", ".yml")) or Path(model).is_file()
 
