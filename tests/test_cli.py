@@ -595,10 +595,11 @@ def test_main_job_config_learns_below_unigram_entropy(tmp_path):
 @pytest.mark.slow
 def test_moe_main_job_config_runs_with_global_routing_statistics(tmp_path):
     """configs/tiny_moe.yaml (dp=2 x tp=2, ep=2, ZeRO 1, 4 processes), shortened to 25 steps: it learns below the
-    unigram entropy (validation loss 2.89 measured against 3.24 nats/token), and the logged tokens per expert are the global batch's (16 sequences x 256 tokens x top-2 / 8
-    experts = 1024 per expert on average, summed over dp x tp: the tp ranks route disjoint halves of each
-    sequence), with the load-balancing loss logged; ``ExpertLoadMonitor`` (added on the command line) logs the ep
-    ranks' load imbalance every step, between 1 (balanced) and ep = 2, and its running max."""
+    unigram entropy (validation loss 2.89 measured against 3.24 nats/token), and the logged tokens per expert are
+    the global batch's (16 sequences x 256 tokens x top-2 / 8 experts = 1024 per expert on average, summed over
+    dp x tp: the tp ranks route disjoint halves of each sequence), with the load-balancing loss logged;
+    ``ExpertLoadMonitor`` (added on the command line) logs the ep ranks' load imbalance every step, between 1
+    (balanced) and ep = 2, and its running max."""
     monitor = "--trainer.callbacks+=lightning_4d.callbacks.ExpertLoadMonitor"
     val, entropy = _main_job("tiny_moe.yaml", 25, tmp_path, monitor, "--trainer.log_every_n_steps=1")
     rows = _metrics(next((tmp_path / "lightning_logs" / "tiny_moe").glob("version_*/metrics.csv")))
