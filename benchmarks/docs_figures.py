@@ -308,19 +308,40 @@ def _json_fields(data: dict) -> dict:
     return fields
 
 
-#: ``--json`` output by command line: a page quotes several fields of one command, which runs once per process
-_JSON: dict[tuple[str, ...], dict] = {}
+#: (exit code, ``--json`` output) by command line: a page quotes several fields of one command, which runs once per
+#: process
+_JSON: dict[tuple[str, ...], tuple[int, dict]] = {}
+
+
+def run_json(argv: list[str]) -> tuple[int, dict]:
+    """``lightning-4d <argv> --json`` in this process, once per ``argv`` and process: (exit code, its JSON object).
+
+    Raises:
+        ValueError: the command exited with neither 0 (fits) nor 1 (does not fit).
+    """
+    key = tuple(argv)
+    if key not in _JSON:
+        code, out, err = run([*argv, "--json"])
+        if code not in (0, 1):
+            raise ValueError(f"figure command `lightning-4d {shlex.join(argv)}` exited {code}: {err.strip()}")
+        _JSON[key] = (code, json.loads(out))
+    return _JSON[key]
+
+
+def figure_argvs(root: Path = ROOT) -> set[tuple[str, ...]]:
+    """The command lines (``argv`` after the program) of every inline and table figure of the pages: each runs
+    with ``--json`` (:func:`run_json`)."""
+    found = set()
+    for page in pages(root):
+        text = page.read_text()
+        cmds = [m["cmd"] for m in _INLINE.finditer(text)]
+        cmds += [line for m in _ROWS.finditer(text) for line in m["spec"].split("\n") if _PROGRAM.match(line.strip())]
+        found.update(tuple(_figure_argv(c)) for c in cmds)
+    return found
 
 
 def render_inline(cmd: str, fmt: str) -> str:
-    argv = _figure_argv(cmd)
-    key = tuple(argv)
-    if key not in _JSON:
-        code, out, err = run(argv + ["--json"])
-        if code not in (0, 1):
-            raise ValueError(f"figure command {cmd!r} exited {code}: {err.strip()}")
-        _JSON[key] = json.loads(out)
-    return fmt.format_map(_json_fields(_JSON[key]))
+    return fmt.format_map(_json_fields(run_json(_figure_argv(cmd))[1]))
 
 
 def render_block(cmd: str) -> str:
