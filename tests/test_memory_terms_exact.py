@@ -496,21 +496,22 @@ def test_eager_follows_the_explicit_matmul_rule():
     "device, backend, precision",
     [
         ("cpu", "sdpa", "32-true"),
+        ("cpu", "sdpa", "bf16-mixed"),
         ("cpu", "eager", "bf16-mixed"),
         ("cuda", "sdpa", "bf16-mixed"),
         ("cuda", "sdpa", "32-true"),
     ],
 )
-@pytest.mark.parametrize("masking", [False, True])
-@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+@pytest.mark.parametrize("documents", [None, 32, 0])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True), (2, False)])
 @pytest.mark.parametrize("last", [False, True])
-def test_allgather_phase_sums_the_named_tensors(device, backend, precision, masking, tp, sp, last):
+def test_allgather_phase_sums_the_named_tensors(device, backend, precision, documents, tp, sp, last):
     """The cp ``"allgather"`` method, cp2, ``L = s/cp``, ``L' = L/t`` under sp (``allgather_phase``): its backward
     (``allgather_backward``, explicit matmuls by ``_eager``'s rule for a masked or float32 block; with document
-    masking the documents' length, NCCL off CPU) − ``wo``'s input, freed before (``[b, L, a/t·d]``, compute dtype) −
-    on the last stage what the head's backward freed (its norm's input ``[b, L', h]`` and float32 rsqrt ``[b, L']``,
-    its input ``[b, L', h]`` compute), then the masked ring's sum with no cp transients (output gradients ``[b, L',
-    h]`` + ``[b, L, a/t·d]``, − the feed-forward's freed set)."""
+    masking the documents' length: ``documents``, 0 unknown, None no masking; NCCL off CPU) − ``wo``'s input, freed
+    before (``[b, L, a/t·d]``, compute dtype) − on the last stage what the head's backward freed (its norm's input
+    ``[b, L', h]`` and float32 rsqrt ``[b, L']``, its input ``[b, L', h]`` compute), then the masked ring's sum with
+    no cp transients (output gradients ``[b, L', h]`` + ``[b, L, a/t·d]``, − the feed-forward's freed set)."""
     from lightning_4d.features.context_parallel.costs import allgather_backward
     from lightning_4d.planning.buffers import allgather_phase
 
@@ -525,9 +526,10 @@ def test_allgather_phase_sums_the_named_tensors(device, backend, precision, mask
     dt, b, s = Dtypes.of(precision), 2, 128
     L, h, f, c, r = s // 2, cfg.hidden_size, cfg.intermediate_size, dt.compute, dt.residual
     Lsp, ad = (L // tp if pc.sp else L), cfg.num_heads // tp * cfg.head_dim
-    work = Workload(cfg, b, s, precision, document_masking=masking, document_tokens=32 if masking else None)
+    masking = documents is not None
+    work = Workload(cfg, b, s, precision, document_masking=masking, document_tokens=documents or None)
     eager = backend == "eager" or (device != "cpu" and (masking or dt.compute == 4))
-    core = allgather_backward(cfg, pc, dt, b, s, eager, 32 if masking else None, device != "cpu")
+    core = allgather_backward(cfg, pc, dt, b, s, eager, documents, device != "cpu")
     assert core > 0
     core -= nbytes(c, b, L, ad)
     if last:
