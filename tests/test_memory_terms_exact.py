@@ -1,0 +1,583 @@
+"""Exact bytes of the memory model's per-phase formulas (``planning/activations.py``, ``planning/buffers.py``) on
+small odd-sized layouts, each against the tensors the formula's docstring names, written out as shapes and sized on
+the meta device (``torch.empty(shape, dtype, device="meta").nbytes``): the activation-checkpointing backward ops, the
+selective checkpoint's kept and recomputed sets, document masking's shared inputs, FSDP2's gathered parameters and
+gradient buffers at ZeRO 2/3 (with and without pp, tied and untied head, gradient accumulation). The measured
+validation of the same formulas (``LiveTensorBytes`` on real runs): tests/test_memory_model.py,
+tests/test_activation_checkpointing.py. Every value is also checked to be an ``int`` (bytes, never a float)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_4d import ParallelConfig
+from lightning_4d.models import LlamaConfig, LlamaModel
+from lightning_4d.partition import GRADIENT_BUCKET_BYTES
+from lightning_4d.planning.activations import (
+    document_masking_inputs,
+    kept_layer_backward,
+    layer_saved_parts,
+    layer_selective_parts,
+    layer_selective_recompute,
+    recompute_backward,
+)
+from lightning_4d.planning.buffers import _fsdp_buffers, _zero3_backward_end, buffer_terms
+from lightning_4d.planning.offload_costs import unpacked_bytes
+from lightning_4d.planning.states import model_state_bytes
+from lightning_4d.planning.tensors import Dtypes, Param
+from lightning_4d.planning.workload import Workload
+
+BF16_MIXED = Dtypes.of("bf16-mixed")  # param 2, grad 4, master 4, compute 2, residual 2
+F16_MIXED = Dtypes.of("16-mixed")  # param 4, compute 2, residual 4, autocast
+F32 = Dtypes.of("32-true")
+BF16_TRUE = Dtypes.of("bf16-true")  # param 2, no master: FSDP2 gathers and reduces in the parameters' dtype
+TINY = LlamaConfig.from_preset("tiny-test")  # h=64, f=128, L=2, a=4, k=2, V=256
+_DTYPE = {2: torch.bfloat16, 4: torch.float32, 8: torch.int64}
+
+#: h = 96, 12 query heads of d = 8 (a·d = h), 4 kv heads, f = 160: every size divides by tp = 1, 2, 4
+CFG = SimpleNamespace(hidden_size=96, num_heads=12, num_kv_heads=4, head_dim=8, intermediate_size=160)
+
+
+def nbytes(dtype_bytes: int, *shape: int) -> int:
+    """Bytes of a tensor of ``shape`` whose elements take ``dtype_bytes`` bytes (sized by torch on the meta device)."""
+    return torch.empty(shape, dtype=_DTYPE[dtype_bytes], device="meta").nbytes
+
+
+def exact(got, want: int) -> None:
+    assert type(got) is int, f"{got!r} is not an int"
+    assert got == want
+
+
+def layout(tp: int = 1, cp: int = 1, sp: bool = False, ac: str = "full") -> SimpleNamespace:
+    return SimpleNamespace(tp=tp, cp=cp, sp=sp and tp > 1, activation_checkpointing=ac)
+
+
+# (b, s, tp, cp, sp, dt): T = b·s/cp tokens both below h = 96 (w2's weight gradient the larger) and above it (the
+# SwiGLU product's backward the larger)
+CASES = [
+    (3, 40, 1, 1, False, F32),
+    (3, 80, 1, 1, False, F16_MIXED),
+    (3, 80, 2, 2, True, BF16_MIXED),
+    (5, 64, 4, 1, True, F16_MIXED),
+    (5, 64, 2, 2, False, F16_MIXED),
+]
+
+
+@pytest.mark.parametrize("b, s, tp, cp, sp, dt", CASES)
+@pytest.mark.parametrize("kept", [False, True])
+def test_recompute_backward_is_the_named_tensors(b, s, tp, cp, sp, dt, kept):
+    """A recomputed layer's first backward ops (``recompute_backward``'s docstring), ``T = b·s/cp``: the output
+    gradient ``[T/t (sp) or T, h]`` (residual dtype) + ``w2``'s input gradient ``[T, f/t]`` + the larger of ``w2``'s
+    backward (under sp its gathered output gradient ``[T, h]``, its weight gradient ``[h, f/t]``, compute dtype) and
+    the SwiGLU product's (one ``[T, f/t]`` more, + ``w2``'s ``.grad`` ``[h, f/t]`` in the parameters' dtype when no
+    bucket takes it). Offloaded whole: the output gradient + three ``[T, f/t]`` + under sp two ``[T, h]`` + the kept
+    ``.grad``. Neither: 0."""
+    h, f, c, r = CFG.hidden_size, CFG.intermediate_size, dt.compute, dt.residual
+    T = b * (s // cp)
+    out_grad = nbytes(r, T // tp, h) if sp else nbytes(r, T, h)
+    w2_grad = nbytes(dt.param, h, f // tp) if kept else 0
+    w2 = (nbytes(c, T, h) if sp else 0) + nbytes(c, h, f // tp)
+    swiglu = nbytes(c, T, f // tp) + w2_grad
+    for ac in ("full", "selective"):
+        want = out_grad + nbytes(c, T, f // tp) + max(w2, swiglu)
+        exact(recompute_backward(CFG, layout(tp, cp, sp, ac), dt, b, s, gradients_kept=kept), want)
+    offloaded = out_grad + 3 * nbytes(c, T, f // tp) + (2 * nbytes(c, T, h) if sp else 0) + w2_grad
+    for ac in ("none", "full"):
+        exact(recompute_backward(CFG, layout(tp, cp, sp, ac), dt, b, s, True, gradients_kept=kept), offloaded)
+    exact(recompute_backward(CFG, layout(tp, cp, sp, "none"), dt, b, s, gradients_kept=kept), 0)
+    if not kept:  # the defaults: not offloaded, the weight gradient taken by a bucket
+        exact(recompute_backward(CFG, layout(tp, cp, sp), dt, b, s), out_grad + nbytes(c, T, f // tp) + max(w2, swiglu))
+        exact(kept_layer_backward(CFG, layout(tp, cp, sp), dt, b, s), out_grad + nbytes(c, T, f // tp))
+
+
+def test_recompute_backward_takes_the_larger_op():
+    """Both sides of the ``max`` (tp1 ``32-true``): at T = 120 > h with ``w2``'s ``.grad`` kept the SwiGLU product's
+    backward (120·160 + 96·160 > ``w2``'s 96·160 elements): 4·(120·96 + 2·120·160 + 96·160) B; at T = 20 kept, the
+    product's side again (20·160 + 96·160): 4·(20·96 + 20·160 + 20·160 + 96·160); at T = 20 not kept, ``w2``'s
+    weight gradient (96·160 > 20·160): 4·(20·96 + 20·160 + 96·160)."""
+    exact(recompute_backward(CFG, layout(), F32, 3, 40, gradients_kept=True), 4 * (120 * 96 + 2 * 120 * 160 + 96 * 160))
+    exact(recompute_backward(CFG, layout(), F32, 1, 20, gradients_kept=True), 4 * (20 * 96 + 2 * 20 * 160 + 96 * 160))
+    exact(recompute_backward(CFG, layout(), F32, 1, 20), 4 * (20 * 96 + 20 * 160 + 96 * 160))
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True), (2, False), (4, True)])
+@pytest.mark.parametrize("dt", [F32, F16_MIXED, BF16_MIXED])
+def test_selective_parts_and_recompute_are_the_named_tensors(tp, sp, dt):
+    """Selective checkpointing (``layer_selective_parts``' docstring), ``s' = s/t`` under sp: ``input`` the layer's
+    input ``[b, s', h]`` (residual dtype); ``matmuls`` ``wq``/``wk``/``wv`` ``[b, s, (a + 2k)·d/t]`` and ``w1``/``w3``
+    ``[b, s, f/t]`` each, + at tp = 1 ``wo``'s ``[b, s, h]``; ``attention`` the output ``[b, n, a/t, d]`` and float32
+    log-sum-exp ``[b, a/t, n]`` for ``n`` attention tokens; ``reductions`` under tp ``wo``'s reduced output ``[b, s',
+    h]``. The recompute (``layer_selective_recompute``): the saved set's ffn norm input, both rsqrt, the matmul inputs
+    (``layer_saved_parts``), the rotated q and k ``[b, s, (a + k)/t, d]``, ``silu(w1 x)`` and the product ``[b, s,
+    f/t]`` each, less the consumed kept q and k ``[b, s, (a + k)/t, d]`` and ``wo``'s kept output or reduction."""
+    b, s, n = 3, 40, 56
+    h, d, f, c, r = CFG.hidden_size, CFG.head_dim, CFG.intermediate_size, dt.compute, dt.residual
+    a, k, s_sp = CFG.num_heads // tp, CFG.num_kv_heads // tp, s // tp if sp else s
+    kept = layer_selective_parts(CFG, dt, b, s, tp, sp, n)
+    for value in kept.values():
+        assert type(value) is int
+    wo = nbytes(c, b, s, h) if tp == 1 else 0
+    assert kept == {
+        "input": nbytes(r, b, s_sp, h),
+        "matmuls": nbytes(c, b, s, a + 2 * k, d) + 2 * nbytes(c, b, s, f // tp) + wo,
+        "attention": nbytes(c, b, n, a, d) + nbytes(4, b, a, n),
+        "reductions": nbytes(c, b, s_sp, h) if tp > 1 else 0,
+    }
+    parts = layer_saved_parts(CFG, dt, b, s, tp, sp)
+    norm = nbytes(r, b, s_sp, h) + nbytes(4, b, s_sp, 1)
+    assert parts["norms"] == 2 * norm
+    ffn_in = nbytes(c, b, s_sp, h) if sp else nbytes(c, b, s, h) * (2 if dt.autocast else 1)
+    attn_in = nbytes(c, b, s_sp, h) if sp else nbytes(c, b, s, h) * (3 if dt.autocast else 1)
+    rotated = nbytes(c, b, s, a + k, d)
+    recomputed = 2 * norm - nbytes(r, b, s_sp, h) + attn_in + ffn_in + rotated + 2 * nbytes(c, b, s, f // tp)
+    consumed = rotated + (nbytes(c, b, s_sp, h) if tp > 1 else nbytes(c, b, s, h))
+    exact(layer_selective_recompute(CFG, dt, b, s, tp, sp), recomputed - consumed)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("dt", [F32, BF16_MIXED])
+def test_document_masking_inputs_are_the_named_tensors(cp, dt):
+    """Document masking's shared inputs (``document_masking_inputs``' docstring, ``s`` this rank's tokens): float32
+    cos and sin ``[b, s, d/2]``, + without cp the additive mask ``[b, 1, s, s]`` (compute dtype), under cp the whole
+    sequence's int64 document ids ``[b, s·cp]``."""
+    b, s = 3, 40
+    pc = SimpleNamespace(cp=cp)
+    mask = nbytes(dt.compute, b, 1, s, s) if cp == 1 else nbytes(8, b, s * cp)
+    exact(document_masking_inputs(CFG, pc, dt, b, s), 2 * nbytes(4, b, s, CFG.head_dim // 2) + mask)
+
+
+def _root(vocab: int, h: int, tied: bool) -> list:
+    """The root unit's parameters: the embedding ``[V, h]``, the final norm ``[h]`` and, untied, the head ``[V, h]``."""
+    params = [(Param(vocab, h, True, "root", "embedding"), 1), (Param(h, 1, False, "root"), 1)]
+    return params + ([] if tied else [(Param(vocab, h, True, "root", "head"), 1)])
+
+
+def rank0_shard(params: list, world: int) -> int:
+    """Elements of rank 0's ``torch.chunk`` of each root parameter's dim 0 (FSDP2's shard) over ``world`` ranks."""
+    return sum(torch.chunk(torch.empty(p.rows, p.cols, device="meta"), world)[0].numel() for p, _ in params)
+
+
+@pytest.mark.parametrize("dt", [F32, BF16_MIXED, F16_MIXED, BF16_TRUE])
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_buffers_pipeline_and_zero2(dt, tied):
+    """FSDP2's buffers (``_fsdp_buffers``' docstring) for a rank of units ``(layer 1,000 padded elements, its shard 250,
+    all layers 3,000, root 7,000)``: under pp every parameter gathered (compute dtype under mixed precision) at both
+    moments, every unsharded gradient (float32 under mixed precision) held; at ZeRO 2 every parameter gathered at the
+    start, the root and one layer at the end, the root's and two layers' unsharded gradients (compute dtype + their
+    float32 copy under mixed precision, else the parameters' dtype)."""
+    units = (1_000, 250, 3_000, 7_000)
+    gather = dt.compute if dt.master else dt.param
+    params = _root(30, 12, tied)
+    pp = SimpleNamespace(pp=2, zero_stage=3, zero_shard=4, ep=1, tp=1)
+    everything = 7_000 * gather + 3_000 * gather
+    got = _fsdp_buffers(pp, dt, params, units, 4, 77, tied)
+    assert got == (everything, everything, 10_000 * (4 if dt.master else dt.param))
+    assert all(type(v) is int for v in got)
+    zero2 = SimpleNamespace(pp=1, zero_stage=2, zero_shard=4, ep=1, tp=1)
+    unsharded = dt.compute + 4 if dt.master else dt.param
+    got = _fsdp_buffers(zero2, dt, params, units, 1, 77, tied)
+    assert got == (everything, 7_000 * gather + 1_000 * gather, (7_000 + 2 * 1_000) * unsharded)
+    assert all(type(v) is int for v in got)
+
+
+@pytest.mark.parametrize("dt", [F32, BF16_MIXED, F16_MIXED, BF16_TRUE])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("layer_numel", [20, 2_000])
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_buffers_zero3_moments(dt, tied, m, layer_numel, world):
+    """ZeRO 3 without pp (``_zero3_backward_end``'s docstring; reduce dtype ``R``: float32 under mixed precision, else
+    the parameters'; ``G``: the all-gather dtype): at the start the root and two layer units gathered; at the end the
+    larger of (a) the first layer's backward: gathered root + two layers, the previous layer's reduce-scatter input
+    ``layer·R``, the head's gradient, less the gradient shards not made yet (the first layer's, the root's: not made
+    before the last micro-batch only at m = 1) and (b) the embedding's backward: gathered root, the reduce-scatter
+    input, the root's unsharded gradients (compute dtype under mixed precision; tied: + the head's gradient and the
+    sum, ``2·head``), less the root's shard. The root: embedding ``[31, 12]``, norm ``[12]``, head ``[31, 12]``
+    (untied) sharded over 2 or 4 ranks by ``torch.chunk`` (rank 0's piece the largest: 16 of 31 rows over 2); a
+    small layer (20 elements) gives moment (b), a large one (a). Without master weights (``16-mixed``'s float32
+    parameters, ``bf16-true``) FSDP2 gathers and reduces in the parameters' dtype."""
+    head_grad = 31 * 12 * dt.compute
+    R = 4 if dt.master else dt.param
+    G = dt.compute if dt.master else dt.param
+    params = _root(31, 12, tied)
+    root_numel = sum(p.numel for p, _ in params)
+    units = (layer_numel, layer_numel // world, 5 * layer_numel, root_numel)
+    pc = SimpleNamespace(pp=1, zero_stage=3, zero_shard=world, ep=1, tp=1)
+    root_shard, layer_shard = (rank0_shard(params, world), layer_numel // world) if m == 1 else (0, 0)
+    root_grads = root_numel * G + (2 * head_grad if tied else 0)
+    start = root_numel * G + 2 * layer_numel * G
+    a_buffers = layer_numel * R + head_grad - (layer_shard + root_shard) * R
+    b_buffers = layer_numel * R + root_grads - root_shard * R
+    if 2 * layer_numel * G + head_grad - layer_shard * R >= root_grads:
+        want = (start, start, a_buffers)
+    else:
+        want = (start, root_numel * G, b_buffers)
+    got = _fsdp_buffers(pc, dt, params, units, m, head_grad, tied)
+    assert got == want
+    assert all(type(v) is int for v in got)
+
+
+def test_zero3_backward_end_tie_takes_the_first_layer():
+    """At a tie of the two moments' changing parts (2·layer + head − layer shard = the root's gradients) moment (a)
+    is taken: gathered root + 2 layers (100 + 2·40), buffers 16·4 + 10 − 3·4 − 2·4 = 54 (bf16-mixed: R = 4)."""
+    got = _zero3_backward_end(BF16_MIXED, 100, 40, (16, 3, 2), 2 * 40 + 10 - 3 * 4, 10)
+    assert got == (180, 16 * 4 - 2 * 4 + 10 - 3 * 4)
+    got = _zero3_backward_end(BF16_MIXED, 100, 40, (16, 3, 2), 2 * 40 + 10 - 3 * 4 + 1, 10)
+    assert got == (100, 16 * 4 - 2 * 4 + 79)
+
+
+def _real_numels() -> tuple[int, int, int]:
+    """(one decoder layer's, all parameters', the head's) elements of tiny-test, counted on the real module."""
+    with torch.device("meta"):
+        model = LlamaModel(TINY)
+    layer = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0."))
+    return layer, sum(p.numel() for p in model.parameters()), model.output.weight.numel()
+
+
+def _terms(precision: str, m: int = 1, b: int = 2, s: int = 64, **layout) -> tuple:
+    """``buffer_terms`` of pp rank 0 of tiny-test on CPU, with the layout's ``Dtypes`` and ``ModelStates``."""
+    pc = ParallelConfig(**layout)
+    dt = Dtypes.of(precision)
+    states = model_state_bytes(TINY, pc, precision, pp_rank=0, dp_cp_rank=0)
+    return buffer_terms(Workload(TINY, b, s, precision, num_microbatches=m), pc, dt, 0, states, "cpu"), pc, dt, states
+
+
+#: layouts of one rank (ZeRO 0) that each need gradient buckets for one reason alone: master weights, tp, a pipeline,
+#: the optimizer's host copies; and the one that needs none
+BUCKET_REASONS = [
+    ("bf16-mixed", {}),
+    ("32-true", {"tensor_parallel_size": 2}),
+    ("32-true", {"pipeline_parallel_size": 2}),
+    ("32-true", {"optimizer_offload": True, "zero_stage": 1}),
+]
+
+
+@pytest.mark.parametrize("precision, layout", BUCKET_REASONS + [("32-true", {}), ("bf16-true", {})])
+def test_gradient_terms_with_and_without_buckets(precision, layout):
+    """ZeRO 0 (optimizer offload: 1) on one rank (``Buffers``' fields; ``partition.gradient_buckets_needed``): with a
+    reason for buckets (master weights, tp, pp, optimizer offload) no ``.grad`` is kept beside the backward ops; with
+    none, nothing waits for a bucket (``gradient_buffers`` = ``first_bucket`` = 0) and autograd's ``.grad`` stays: the
+    head's ``[V, h]`` and the final norm's ``[h]`` (``head_gradient_kept``), ``w2``'s ``[h, f/t]``
+    (``kept_weight_gradient``), all in the parameters' dtype; a layer's gradient its share of the rank's gradients,
+    ``gradients · layer / all`` (element counts of the real module), when no gradient is resident before backward (one
+    micro-batch, no pipeline); ZeRO 0/1 gathers nothing (``gathered_*`` = 0); no ZeRO 3 root terms."""
+    buf, pc, dt, states = _terms(precision, **{"zero_stage": 0, **layout}, data_parallel_size=1)
+    layer, total, head = _real_numels()
+    h, f = TINY.hidden_size, TINY.intermediate_size
+    bucketed = (precision, layout) in BUCKET_REASONS
+    assert (buf.gathered_start, buf.gathered_end, buf.gathered_loss, buf.root_regather) == (0, 0, 0, 0)
+    assert buf.forward_gradients == 0
+    exact(buf.head_gradient, nbytes(dt.param, head // pc.tp) if pc.pp == 1 else 0)  # pp: rank 0 holds no head
+    if bucketed:
+        assert (buf.head_gradient_kept, buf.kept_weight_gradient) == (0, 0)
+        assert buf.gradient_buffers > 0
+    else:
+        exact(buf.head_gradient_kept, nbytes(dt.param, head) + nbytes(dt.param, h))
+        exact(buf.kept_weight_gradient, nbytes(dt.param, h, f))
+        assert (buf.gradient_buffers, buf.first_bucket) == (0, 0)
+    if pc.pp == 1 and pc.tp == 1:  # (tp: the shares of tp-local elements, not counted here)
+        exact(buf.layer_gradient, states.gradients * layer // total)
+    elif pc.pp > 1:  # a pipeline's buckets exist from the first micro-batch's backward on
+        assert (buf.layer_gradient, buf.resident_gradients) == (0, states.gradients)
+    exact(buf.recompute_backward, 0)
+    assert buf.recompute_apart_from_cp is False
+
+
+@pytest.mark.parametrize("ac, offload", [("none", 0), ("full", 0), ("selective", 0), ("none", 1), ("none", 2)])
+@pytest.mark.parametrize("b, s", [(1, 16), (4, 256)])
+def test_gradient_terms_offloaded_whole(ac, offload, b, s):
+    """One rank, ``32-true``, no buckets, ``activation_offload_layers`` of tiny-test's 2 layers: offloaded whole (2),
+    the head's kept gradient also holds the later layer's gradients less what bringing the saved tensors back adds at
+    the other moment (``unpacked_bytes``; ``_later_layers_gradients``: layer 1's elements, counted on the real
+    module), at least 0 (the larger of the two moments); small b·s: the later layer's gradients are larger. The
+    recompute phase's first backward ops (``recompute_backward``) of an offloaded layer (with ``w2``'s ``.grad``
+    kept), apart from the cp transients only under checkpointing without a stage offloaded whole."""
+    buf, pc, dt, _ = _terms(
+        "32-true",
+        b=b,
+        s=s,
+        data_parallel_size=1,
+        activation_checkpointing=ac,
+        **({"activation_offload_layers": offload} if offload else {}),
+    )
+    layer, _, head = _real_numels()
+    whole = offload == 2
+    later = nbytes(dt.param, layer) if whole else 0
+    unpacked = unpacked_bytes(TINY, pc, dt, b, s) if whole else 0
+    if whole:
+        assert unpacked > 0
+    kept = nbytes(dt.param, head) + nbytes(dt.param, TINY.hidden_size) + max(0, later - unpacked)
+    exact(buf.head_gradient_kept, kept)
+    if whole or ac != "none":
+        exact(buf.recompute_backward, recompute_backward(TINY, pc, dt, b, s, whole, gradients_kept=True))
+        assert buf.recompute_backward > recompute_backward(TINY, pc, dt, b, s, whole)
+    else:
+        exact(buf.recompute_backward, 0)
+    assert buf.recompute_apart_from_cp is (ac != "none" and not whole)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_gradient_terms_by_zero_stage(zero, pp, m, tied, precision):
+    """dp2 ``bf16-mixed`` and ``16-mixed`` (``Buffers``' fields): the head's gradient ``[V, h]`` (untied: the head's;
+    tied: the embedding's), in the compute dtype at ZeRO 2/3 with master weights (FSDP2's ``MixedPrecisionPolicy``),
+    else the parameters' (``16-mixed``: float32); ZeRO
+    2/3 without pp keeps the previous step's gradient shards through forward (``forward_gradients``); ZeRO 3 without
+    pp: nothing gathered while the loss runs and the root's all-gather output ``[root elements]`` (compute dtype) beside
+    it when the head's backward gathers the root again (``root_regather``; the parameters' dtype without master
+    weights); else ``gathered_loss`` =
+    ``gathered_start``. Under pp a tied head is held untied (its own ``[V, h]``)."""
+    cfg = LlamaConfig.from_preset("tiny-test", tie_word_embeddings=tied) if tied else TINY
+    pc = ParallelConfig(data_parallel_size=2, zero_stage=zero, pipeline_parallel_size=pp)
+    dt = Dtypes.of(precision)
+    G = dt.compute if dt.master else dt.param
+    states = model_state_bytes(cfg, pc, precision, pp_rank=pp - 1, dp_cp_rank=0)
+    buf = buffer_terms(Workload(cfg, 2, 64, precision, num_microbatches=m * pp), pc, dt, pp - 1, states, "cpu")
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    head = model.tok_embeddings.weight.numel()
+    exact(buf.head_gradient, nbytes(G if zero >= 2 else dt.param, head))
+    exact(buf.forward_gradients, states.gradients if zero >= 2 and pp == 1 else 0)
+    # the root unit without pp: the embedding, the final norm and, untied, the head
+    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
+    if zero == 3 and pp == 1:
+        exact(buf.gathered_loss, 0)
+        exact(buf.root_regather, nbytes(G, root))
+    else:
+        exact(buf.gathered_loss, buf.gathered_start)
+        exact(buf.root_regather, 0)
+    if zero <= 1:
+        assert (buf.gathered_start, buf.gathered_end) == (0, 0)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true", "16-mixed"])
+def test_feature_terms_float8_gathered_forward(zero, pp, precision):
+    """FSDP2's float8 all-gather (``"tensorwise"`` at ZeRO 2/3, ``_feature_terms``' ``gathered_forward``): the gathered
+    parameters in a layer's forward (``gathered_start``) less ``G − 1`` bytes on each converted weight element
+    (tiny-test's seven linears: a layer's elements less its two norms ``[h]``, counted on the real module; ``G`` the
+    all-gather dtype: ``MixedPrecisionPolicy``'s compute dtype with master weights, else the parameters': float32
+    under ``16-mixed``) of each gathered layer unit: at ZeRO 3 without pp the layer in forward and the prefetched one
+    (2), else every layer of the rank (tiny-test with 4 layers: 4, or 2 of them under pp2)."""
+    cfg = LlamaConfig.from_preset("tiny-test", num_layers=4)
+    pc = ParallelConfig(data_parallel_size=2, zero_stage=zero, pipeline_parallel_size=pp, float8="tensorwise")
+    dt = Dtypes.of(precision)
+    states = model_state_bytes(cfg, pc, precision, pp_rank=0, dp_cp_rank=0)
+    buf = buffer_terms(Workload(cfg, 2, 64, precision, num_microbatches=pp), pc, dt, 0, states, "cpu")
+    layer, _, _ = _real_numels()
+    units = 2 if zero == 3 and pp == 1 else cfg.num_layers // pp
+    G = dt.compute if dt.master else dt.param
+    exact(buf.gathered_forward, buf.gathered_start - units * (G - 1) * (layer - 2 * TINY.hidden_size))
+    assert buf.gathered_start > 0
+
+
+LAYOUTS = [
+    dict(tensor_parallel_size=2, zero_stage=1),
+    dict(tensor_parallel_size=2, sequence_parallel=False),
+    dict(pipeline_parallel_size=2, zero_stage=3),
+    dict(context_parallel_size=2, zero_stage=2, activation_checkpointing="full"),
+    dict(data_parallel_size=2, zero_stage=3, activation_checkpointing="selective"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_feature_terms_vocabulary_and_every_field_an_int(layout, pp_rank):
+    """Every :class:`Buffers` field is a whole number of bytes (an ``int``; ``recompute_apart_from_cp`` a ``bool``),
+    and the vocabulary terms (``_feature_terms``), ``V_t = V/t``: the loss' forward chunk on the last stage, float32
+    ``[min(b·s/cp, loss_chunk_tokens(V_t)), V_t]``; under tp the embedding's whole-vocabulary gradient ``[V, h]``
+    (compute dtype) on the first stage; under sp the head's backward transient on the last stage, 0 elsewhere."""
+    from dataclasses import fields
+
+    from lightning_4d.features.tensor_parallel.costs import head_backward_transient
+    from lightning_4d.partition import loss_chunk_tokens
+
+    layout = {"data_parallel_size": 1, **layout}
+    pc = ParallelConfig(**layout)
+    if pp_rank >= pc.pp:
+        pp_rank = 0
+    dt, b, s = BF16_MIXED, 2, 64
+    states = model_state_bytes(TINY, pc, "bf16-mixed", pp_rank=pp_rank, dp_cp_rank=0)
+    buf = buffer_terms(Workload(TINY, b, s, num_microbatches=pc.pp), pc, dt, pp_rank, states, "cpu")
+    for field in fields(buf):
+        assert type(getattr(buf, field.name)) is (bool if field.name == "recompute_apart_from_cp" else int), field.name
+    first, last = pp_rank == 0, pp_rank == pc.pp - 1
+    V, h, t = TINY.padded_vocab_size, TINY.hidden_size, pc.tp
+    chunk = min(b * (s // pc.cp), loss_chunk_tokens(V // t))
+    exact(buf.loss_forward, nbytes(4, chunk, V // t) if last else 0)
+    exact(buf.embedding_gradient, nbytes(dt.compute, V, h) if t > 1 and first else 0)
+    exact(buf.head_backward, head_backward_transient(TINY, pc, dt, b, s) if last else 0)
+    if pc.sp and last:
+        assert buf.head_backward > 0
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16", "powersgd"])
+def test_bucket_buffers_largest_gradient_and_wire_copy(compression):
+    """ZeRO 0 over dp2 (``_bucket_buffers``): the largest parameter's fresh gradient (tiny-test's ``[V, h]``, the
+    largest tensor of the real module, in the parameters' dtype) until the hook adds it into its bucket, + with
+    ``"bf16"`` compression every bucket's bfloat16 copy (2 bytes per gradient element: ``gradients / grad · 2``), with
+    ``"powersgd"`` one bucket's float32 M (gradient + error), approximation and new error (a bucket: at most
+    ``GRADIENT_BUCKET_BYTES`` of parameters, or the largest parameter alone)."""
+    pc = ParallelConfig(data_parallel_size=2, gradient_compression=compression)
+    dt = BF16_MIXED
+    states = model_state_bytes(TINY, pc, "bf16-mixed", pp_rank=0, dp_cp_rank=0)
+    buf = buffer_terms(Workload(TINY, 2, 64, num_microbatches=1), pc, dt, 0, states, "cpu")
+    with torch.device("meta"):
+        largest = max(p.numel() for p in LlamaModel(TINY).parameters())
+    wire = states.gradients // dt.grad * 2 if compression == "bf16" else 0
+    if compression == "powersgd":  # one bucket's float32 M, approximation and error: all gradient elements here
+        wire = 3 * nbytes(4, max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.gradients // dt.grad), largest))
+    exact(buf.gradient_buffers, nbytes(dt.param, largest) + wire)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True), (2, False)])
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_masked_ring_phase_sums_the_named_tensors(ac, tp, sp, method):
+    """Document masking under the cp ring or all-to-all on CPU with the ``"eager"`` backend (explicit matmuls:
+    ``_eager``), cp2, ``L = s/cp``, ``L' = L/t`` under sp (``masked_ring_phase``): the ring's or all-to-all's masked
+    backward (``ring_masked_backward``, ``alltoall_masked_backward``, each 0 for the other method; explicit matmuls) +
+    the layer's output gradient ``[b, L', h]`` (residual dtype) and the attention output's ``[b, L, a/t·d]`` (compute
+    dtype) − what the feed-forward's backward freed (the ffn norm's input ``[b, L', h]`` and float32 rsqrt ``[b, L']``,
+    ``w1``/``w3``'s input: ``[b, L', h]`` under sp, else ``[b, L, h]``, the SwiGLU tensors 4·``[b, L, f/t]``) − the
+    layer transients ``cp`` − under full checkpointing the layer's input ``[b, L', h]`` the checkpoint holds."""
+    from lightning_4d.features.context_parallel.costs import alltoall_masked_backward, ring_masked_backward
+    from lightning_4d.planning.buffers import masked_ring_phase
+
+    cfg = LlamaConfig.from_preset("tiny-test", attention_backend="eager")
+    pc = ParallelConfig(
+        data_parallel_size=1,
+        context_parallel_size=2,
+        tensor_parallel_size=tp,
+        sequence_parallel=sp,
+        activation_checkpointing=ac,
+        context_parallel_method=method,
+    )
+    dt, b, s, transients = BF16_MIXED, 2, 128, 1_000
+    L, h, f, c, r = s // 2, cfg.hidden_size, cfg.intermediate_size, dt.compute, dt.residual
+    Lsp = L // tp if pc.sp else L
+    work = Workload(cfg, b, s, document_masking=True, document_tokens=32)
+    core = ring_masked_backward(cfg, pc, dt, b, s, True) + alltoall_masked_backward(cfg, pc, dt, b, s, True)
+    assert core != ring_masked_backward(cfg, pc, dt, b, s, False) + alltoall_masked_backward(cfg, pc, dt, b, s, False)
+    gradients = nbytes(r, b, Lsp, h) + nbytes(c, b, L, cfg.num_heads // tp * cfg.head_dim)
+    freed = nbytes(r, b, Lsp, h) + nbytes(4, b, Lsp) + nbytes(c, b, Lsp, h) + 4 * nbytes(c, b, L, f // tp)
+    kept = nbytes(r, b, Lsp, h) if ac == "full" else 0
+    want = core + gradients - freed - transients - kept
+    exact(masked_ring_phase(cfg, pc, dt, work, "cpu", transients), want)
+    exact(masked_ring_phase(cfg, pc, dt, work, "cuda", transients), want)  # masked blocks: explicit matmuls on CUDA
+
+
+def test_eager_follows_the_explicit_matmul_rule():
+    """``_eager``'s rule (the runtime's ``_use_eager``): the ``"eager"`` backend always runs explicit matmuls; off CPU
+    a masked block (default: ``masked``, as the masked ring asks) or a float32 one does; on CPU the fused kernel takes
+    the rest. A config without ``attention_backend`` is ``"sdpa"``."""
+    from lightning_4d.planning.buffers import _eager
+
+    eager, sdpa, bare = SimpleNamespace(attention_backend="eager"), SimpleNamespace(attention_backend="sdpa"), object()
+    for device in ("cpu", "cuda"):
+        for masked in (False, True):
+            for float32 in (False, True):
+                assert _eager(eager, device, masked, float32) is True
+                want = device != "cpu" and (masked or float32)
+                assert _eager(sdpa, device, masked, float32) is want
+                assert _eager(bare, device, masked, float32) is want
+    assert (_eager(sdpa, "cuda"), _eager(sdpa, "cpu"), _eager(eager, "cpu")) == (True, False, True)
+    assert _eager(sdpa, "cuda", masked=False) is False
+
+
+@pytest.mark.parametrize(
+    "device, backend, precision",
+    [
+        ("cpu", "sdpa", "32-true"),
+        ("cpu", "sdpa", "bf16-mixed"),
+        ("cpu", "eager", "bf16-mixed"),
+        ("cuda", "sdpa", "bf16-mixed"),
+        ("cuda", "sdpa", "32-true"),
+    ],
+)
+@pytest.mark.parametrize("documents", [None, 32, 0])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True), (2, False)])
+@pytest.mark.parametrize("last", [False, True])
+def test_allgather_phase_sums_the_named_tensors(device, backend, precision, documents, tp, sp, last):
+    """The cp ``"allgather"`` method, cp2, ``L = s/cp``, ``L' = L/t`` under sp (``allgather_phase``): its backward
+    (``allgather_backward``, explicit matmuls by ``_eager``'s rule for a masked or float32 block; with document
+    masking the documents' length: ``documents``, 0 unknown, None no masking; NCCL off CPU) − ``wo``'s input, freed
+    before (``[b, L, a/t·d]``, compute dtype) − on the last stage what the head's backward freed (its norm's input
+    ``[b, L', h]`` and float32 rsqrt ``[b, L']``, its input ``[b, L', h]`` compute), then the masked ring's sum with
+    no cp transients (output gradients ``[b, L', h]`` + ``[b, L, a/t·d]``, − the feed-forward's freed set)."""
+    from lightning_4d.features.context_parallel.costs import allgather_backward
+    from lightning_4d.planning.buffers import allgather_phase
+
+    cfg = LlamaConfig.from_preset("tiny-test", attention_backend=backend)
+    pc = ParallelConfig(
+        data_parallel_size=1,
+        context_parallel_size=2,
+        tensor_parallel_size=tp,
+        sequence_parallel=sp,
+        context_parallel_method="allgather",
+    )
+    dt, b, s = Dtypes.of(precision), 2, 128
+    L, h, f, c, r = s // 2, cfg.hidden_size, cfg.intermediate_size, dt.compute, dt.residual
+    Lsp, ad = (L // tp if pc.sp else L), cfg.num_heads // tp * cfg.head_dim
+    masking = documents is not None
+    work = Workload(cfg, b, s, precision, document_masking=masking, document_tokens=documents or None)
+    eager = backend == "eager" or (device != "cpu" and (masking or dt.compute == 4))
+    core = allgather_backward(cfg, pc, dt, b, s, eager, documents, device != "cpu")
+    assert core > 0
+    core -= nbytes(c, b, L, ad)
+    if last:
+        core -= nbytes(r, b, Lsp, h) + nbytes(4, b, Lsp) + nbytes(c, b, Lsp, h)
+    freed = nbytes(r, b, Lsp, h) + nbytes(4, b, Lsp) + nbytes(c, b, Lsp, h) + 4 * nbytes(c, b, L, f // tp)
+    want = core + nbytes(r, b, Lsp, h) + nbytes(c, b, L, ad) - freed
+    exact(allgather_phase(cfg, pc, dt, work, device, last), want)
+    if not masking:  # the phase reads the documents' length only under document masking
+        other = Workload(cfg, b, s, precision, document_tokens=16)
+        exact(allgather_phase(cfg, pc, dt, other, device, last), want)
+
+
+def test_attention_phases_are_zero_for_the_other_methods():
+    """``masked_ring_phase`` is 0 without cp and for ``"allgather"``; ``allgather_phase`` 0 without cp and for the
+    ring and all-to-all (their masked backward is ``masked_ring_phase``'s)."""
+    from lightning_4d.planning.buffers import allgather_phase, masked_ring_phase
+
+    work = Workload(TINY, 2, 128, "32-true", document_masking=True, document_tokens=32)
+    for cp, method in [(1, "ring"), (2, "ring"), (2, "alltoall"), (1, "allgather")]:
+        pc = ParallelConfig(data_parallel_size=1, context_parallel_size=cp, context_parallel_method=method)
+        for device in ("cpu", "cuda"):
+            exact(allgather_phase(TINY, pc, F32, work, device, True), 0)
+    for cp, method in [(1, "ring"), (2, "allgather")]:
+        pc = ParallelConfig(data_parallel_size=1, context_parallel_size=cp, context_parallel_method=method)
+        exact(masked_ring_phase(TINY, pc, F32, work, "cuda", 0), 0)
+
+
+def test_zero3_tied_root_gradients_and_fsdp_buckets():
+    """ZeRO 3, dp2, one micro-batch, ``bf16-mixed``, tiny-test with a tied 4,096-token vocabulary (elements counted on
+    the real module): the embedding's backward is the later moment (``_zero3_backward_end`` (b)): the gathered root
+    ``[root]`` (compute dtype) at the end of backward, beside the previous layer's float32 reduce-scatter input
+    ``[layer]``, the root's unsharded gradients ``[root]`` (compute dtype) and, tied, the head's gradient and the sum
+    (``2·[V, h]``), less the root's float32 gradient shard not made yet (rank 0's ``torch.chunk`` of each root
+    tensor). One rank at ZeRO 2 and 3 (FSDP2, ``32-true``): no ``.grad`` kept beside the backward ops."""
+    cfg = LlamaConfig.from_preset("tiny-test", vocab_size=4096, tie_word_embeddings=True)
+    pc = ParallelConfig(data_parallel_size=2, zero_stage=3)
+    dt = BF16_MIXED
+    states = model_state_bytes(cfg, pc, "bf16-mixed", pp_rank=0, dp_cp_rank=0)
+    buf = buffer_terms(Workload(cfg, 2, 64, num_microbatches=1), pc, dt, 0, states, "cpu")
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    root_tensors = [p for n, p in model.named_parameters() if not n.startswith("layers.")]
+    root = sum(p.numel() for p in root_tensors)
+    layer = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0."))
+    root_shard = sum(torch.chunk(p, 2)[0].numel() for p in root_tensors)
+    head = nbytes(dt.compute, 4096, cfg.hidden_size)
+    exact(buf.gathered_end, nbytes(dt.compute, root))
+    exact(buf.gradient_buffers, nbytes(4, layer) + nbytes(dt.compute, root) + 2 * head - nbytes(4, root_shard))
+    for zero in (2, 3):
+        buf, _, _, _ = _terms("32-true", data_parallel_size=1, zero_stage=zero)
+        assert (buf.head_gradient_kept, buf.kept_weight_gradient) == (0, 0)
