@@ -132,8 +132,8 @@ BUGS: tuple[Bug, ...] = (
     ),
     Bug(
         "clip-norm-pp-stages-not-summed",
-        "gradient clipping under pp with ZeRO 2/3 (gradients in .grad): each stage clips by its own stages' norm, the "
-        "norms not summed over the pipeline stages",
+        "gradient clipping under pp with the gradients in .grad (no sharded optimizer): each stage clips by its own "
+        "stages' norm, the norms not summed over the pipeline stages",
         "lightning_4d/parallel/clipping.py",
         "        group = pp_group\n",
         "        group = None\n",
