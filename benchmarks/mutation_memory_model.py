@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: out: mutmut's trampolines make every call slower)
 TESTS = (
     "test_memory_model.py",
+    "test_memory_model_states.py",
     "test_fujii2024.py",
     "test_memory_check.py",
     "test_expert_planning.py",
