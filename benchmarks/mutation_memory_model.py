@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = (
     "test_memory_model.py",
     "test_memory_terms_exact.py",
+    "test_memory_model_states.py",
     "test_fujii2024.py",
     "test_memory_check.py",
     "test_expert_planning.py",
