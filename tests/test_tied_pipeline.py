@@ -1,5 +1,6 @@
 """Tied embeddings under pipeline parallelism (issue 34, item 1) against the single-process tied run (plain Lightning,
-no FourDStrategy; CPU, gloo, float32, tiny-test with 4 layers and ``tie_word_embeddings=True``, 10 AdamW steps).
+no FourDStrategy; CPU, gloo, float32, tiny-test with 4 layers and ``tie_word_embeddings=True``, FLOAT32_STEPS (5)
+AdamW steps; the bf16-mixed layout 10).
 
 The first stage holds the ``[V, h]`` matrix as the embedding, the last stage its own copy as the LM head
 (``features/pipeline/runtime.py``'s ``TiedEmbedding``): every schedule (1F1B, interleaved, ZBV and DualPipeV, whose rank
@@ -20,7 +21,7 @@ import torch
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
-from tests._launch import run_layouts, trained
+from tests._launch import FLOAT32_STEPS, run_layouts, trained
 from tests.test_parity import BF16_MIXED_LOSS_RTOL, BF16_MIXED_WEIGHT_ATOL, LOSS_RTOL, STEPS, _layout_id
 
 LAYERS = 4
@@ -37,7 +38,8 @@ WORLD2 = [
     {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1, **T},
 ]
 #: bf16-mixed (fp32 master weights of both copies in the ShardedOptimizer) against one process of FourDStrategy in
-#: bf16-mixed, at test_parity's bf16-mixed tolerances
+#: bf16-mixed, at test_parity's bf16-mixed tolerances, STEPS steps (launches of their own); the float32 launches train
+#: FLOAT32_STEPS
 BF16 = {"precision": "bf16-mixed", "zero": 1}
 WORLD2_BF16 = [{"pp": 2, "schedule": "zbv", "m": 4, **BF16, **T}]
 WORLD4 = [
@@ -46,22 +48,27 @@ WORLD4 = [
     {"pp": 2, "dp": 2, "zero": 1, "schedule": "interleaved_1f1b", "m": 2, "clip": 0.1, **T},
     {"pp": 2, "dp": 2, "zero": 3, "schedule": "zbv", "m": 2, **T},
 ]
+_KW = {"layers": LAYERS, "head_copies": True}  # every launch's
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    layouts = [{"reference": True, **T}, {"reference": True, "clip": 0.1, **T}, {**BF16, **T}]
-    return trained(tmp_path_factory, "tied_reference", 1, layouts, layers=LAYERS, head_copies=True)
+    """Plain Lightning, float32, unclipped and clipped (FLOAT32_STEPS); FourDStrategy in bf16-mixed (STEPS)."""
+    layouts = [{"reference": True, **T}, {"reference": True, "clip": 0.1, **T}]
+    float32 = trained(tmp_path_factory, "tied_reference", 1, layouts, **_KW, steps=FLOAT32_STEPS)
+    return float32 + trained(tmp_path_factory, "tied_reference_bf16", 1, [{**BF16, **T}], **_KW, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return trained(tmp_path_factory, "tied_world2", 2, WORLD2 + WORLD2_BF16, layers=LAYERS, head_copies=True)
+    """WORLD2 (FLOAT32_STEPS), then WORLD2_BF16 (STEPS)."""
+    float32 = trained(tmp_path_factory, "tied_world2", 2, WORLD2, **_KW, steps=FLOAT32_STEPS)
+    return float32 + trained(tmp_path_factory, "tied_world2_bf16", 2, WORLD2_BF16, **_KW, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return trained(tmp_path_factory, "tied_world4", 4, WORLD4, layers=LAYERS, head_copies=True)
+    return trained(tmp_path_factory, "tied_world4", 4, WORLD4, **_KW, steps=FLOAT32_STEPS)
 
 
 def _holds_a_copy(layout: dict) -> bool:
@@ -77,7 +84,7 @@ def _check(references, result) -> None:
     for r in ranks:  # the same logged loss on every rank, whatever its stage
         assert r["losses"] == ranks[0]["losses"], (layout, r["rank"])
     losses = ranks[0]["losses"]
-    assert len(losses) == len(ref_losses) == STEPS
+    assert len(losses) == len(ref_losses) == FLOAT32_STEPS
     assert set(weights) == set(ref_weights)  # the one-process model names the tied weight once
     # the last stage's copy is the embedding, bit for bit (one copy per rank holding the last stage: tp and dp ranks);
     # a V schedule's rank 0 at ZeRO 0/1 keeps the one tied weight (no copy)
