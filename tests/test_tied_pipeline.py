@@ -167,9 +167,9 @@ def test_tied_clipping_is_active(references):
 
 @pytest.mark.slow
 def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(references, tmp_path):
-    """A tied pp2 ZeRO 1 checkpoint (step 5 of 10) holds the weight once, under the embedding's key (model and
-    optimizer states); it resumes on pp1 (dp2 ZeRO 1) and on pp2 ZBV ZeRO 1 (rank 0's one tied weight), and a pp1
-    checkpoint on pp2 ZBV ZeRO 3 (rank 0's two copies), each to the one-process run's losses of steps 6-10 (1e-5
+    """A tied pp2 ZeRO 1 checkpoint (step 2 of FLOAT32_STEPS = 5) holds the weight once, under the embedding's key
+    (model and optimizer states); it resumes on pp1 (dp2 ZeRO 1) and on pp2 ZBV ZeRO 1 (rank 0's one tied weight), and
+    a pp1 checkpoint on pp2 ZBV ZeRO 3 (rank 0's two copies), each to the one-process run's losses of steps 3-5 (1e-5
     relative, as the straight runs above); export-hf writes the weight once, as the embedding's Hugging Face
     tensor."""
     from safetensors.torch import load_file
@@ -179,7 +179,7 @@ def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(
 
     pp2 = {"name": "pp2", "pp": 2, "schedule": "1f1b", "m": 2, "zero": 1, **T}
     pp1 = {"name": "pp1", "dp": 2, "zero": 1, **T}
-    run_layouts(tmp_path, 2, [pp2, pp1], "--reshard", "first", "--no-straight", layers=LAYERS)
+    run_layouts(tmp_path, 2, [pp2, pp1], "--reshard", "first", "--no-straight", layers=LAYERS, steps=FLOAT32_STEPS)
     saved = check_complete(tmp_path / "pp2" / "last.ckpt")
     assert "state_dict.model.tok_embeddings.weight" in saved
     assert not [k for k in saved if "output.weight" in k], [k for k in saved if "output.weight" in k]
@@ -189,15 +189,16 @@ def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(
     shutil.copytree(tmp_path / "pp2", tmp_path / "to_zbv")
     zbv3 = {"name": "to_pp2", "pp": 2, "schedule": "zbv", "m": 4, "zero": 3, **T}  # rank 0: both copies
     zbv1 = {"name": "to_zbv", "pp": 2, "schedule": "zbv", "m": 4, "zero": 1, **T}  # rank 0: the one tied weight
-    run_layouts(tmp_path, 2, [{**pp1, "name": "to_pp1"}, zbv3, zbv1], "--reshard", "resume", layers=LAYERS)
-    half = STEPS // 2
+    resumed_layouts = [{**pp1, "name": "to_pp1"}, zbv3, zbv1]
+    run_layouts(tmp_path, 2, resumed_layouts, "--reshard", "resume", layers=LAYERS, steps=FLOAT32_STEPS)
+    half = FLOAT32_STEPS // 2  # the float32 reference's steps
     reference = references[0][1][0]["losses"][half:]
     for name in ("to_pp1", "to_pp2", "to_zbv"):
         for rank in range(2):
             resumed = json.loads((tmp_path / f"{name}_resume_rank{rank}.json").read_text())["resumed"]
             rel = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
-            print(f"\n{name} rank {rank}: max rel loss diff {rel:.2e} (steps {half + 1}-{STEPS})")
-            assert len(resumed) == STEPS - half and rel <= LOSS_RTOL
+            print(f"\n{name} rank {rank}: max rel loss diff {rel:.2e} (steps {half + 1}-{FLOAT32_STEPS})")
+            assert len(resumed) == FLOAT32_STEPS - half and rel <= LOSS_RTOL
     out = export_hf(tmp_path / "pp2" / "last.ckpt", tmp_path / "hf")
     tensors = load_file(out / "model.safetensors")
     assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors
