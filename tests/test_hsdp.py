@@ -25,7 +25,7 @@ from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
 from tests._launch import FLOAT32_STEPS, resume_on_layouts, trained
-from tests.test_parity import LOSS_RTOL, _check_parity, _layout_id, _reference_for, float32_references
+from tests.test_parity import LOSS_RTOL, _check_parity, _layout_id, _reference_for, shared
 
 CLIP = {"clip": 0.1, "norm": True}
 WORLD4 = [
@@ -50,7 +50,7 @@ WORLD8 = [
 def references(tmp_path_factory):
     # float32 only: FLOAT32_STEPS; largest weight difference measured 1.79e-5 at 5 steps (WEIGHT_ATOL 3e-5);
     # test_parity's references (plain, clipped, ...): one launch for every file
-    return float32_references(tmp_path_factory)
+    return shared(tmp_path_factory, "reference")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests._launch import FLOAT32_STEPS, ROOT, SCRIPTS, _abort, worker_env
-from tests.test_parity import _check_parity, float32_references
+from tests.test_parity import _check_parity, shared
 
 NUM_NODES = 2
 DEVICES = 2
@@ -123,6 +123,6 @@ def test_two_nodes_dp2_tp2(tmp_path_factory):
         assert rec["dp_cp_ranks"] == rec["dp_ranks"]
 
     # (b) the single-process losses (and weights), with test_parity's reference run and comparison
-    reference = float32_references(tmp_path_factory)[0]  # test_parity's: one launch
+    reference = shared(tmp_path_factory, "reference")[0]  # test_parity's: one launch
     result = (ranks[0]["layout"], ranks, torch.load(out / "layout0_weights.pt"))
     _check_parity(reference, result)

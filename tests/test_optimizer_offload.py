@@ -20,7 +20,7 @@ from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.planning.model import estimate_memory, model_state_bytes
 from lightning_4d.planning.workload import Workload
 from tests._launch import FLOAT32_STEPS, trained
-from tests.test_parity import _check_parity, _layout_id, _reference_for, float32_references
+from tests.test_parity import _check_parity, _layout_id, _reference_for, shared
 
 CLIP = {"clip": 0.1}
 WORLD2 = [
@@ -37,7 +37,7 @@ WORLD4 = [
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    return float32_references(tmp_path_factory)  # test_parity's: one launch for every file
+    return shared(tmp_path_factory, "reference")  # test_parity's: one launch for every file
 
 
 @pytest.fixture(scope="module")

@@ -135,20 +135,24 @@ BF16_REFERENCES = [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "cli
 FLOAT32_AT_BF16_STEPS = 2
 
 
-def float32_references(tmp_path_factory) -> list[tuple]:
-    """The results of REFERENCES at FLOAT32_STEPS: one launch per session for every file that compares with them
-    (tests/_launch.trained: the same layouts and steps, or another launch)."""
-    return trained(tmp_path_factory, "reference", 1, REFERENCES, steps=FLOAT32_STEPS)
+#: the launches other files read too, by name: (processes, layouts, steps); world4_bf16: WORLD4_BF16_LAUNCH
+SHARED = {
+    "reference": (1, REFERENCES, FLOAT32_STEPS),
+    "bf16_reference": (1, BF16_REFERENCES, STEPS),
+    "world4_bf16": (4, WORLD4_BF16_LAUNCH, STEPS),
+}
 
 
-def bf16_references(tmp_path_factory) -> list[tuple]:
-    """The results of BF16_REFERENCES at STEPS: one launch per session for every file."""
-    return trained(tmp_path_factory, "bf16_reference", 1, BF16_REFERENCES, steps=STEPS)
+def shared(tmp_path_factory, name: str) -> list[tuple]:
+    """The results of the launch ``name`` of SHARED: one launch per session for every file that reads it
+    (tests/_launch.trained: the same processes, layouts and steps, or another launch)."""
+    nproc, layouts, steps = SHARED[name]
+    return trained(tmp_path_factory, name, nproc, layouts, steps=steps)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    return float32_references(tmp_path_factory)
+    return shared(tmp_path_factory, "reference")
 
 
 def _reference_for(references, layout):
@@ -157,7 +161,7 @@ def _reference_for(references, layout):
 
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory):
-    return bf16_references(tmp_path_factory)
+    return shared(tmp_path_factory, "bf16_reference")
 
 
 @pytest.fixture(scope="module")
@@ -175,14 +179,9 @@ def world4(tmp_path_factory):
     return trained(tmp_path_factory, "world4", 4, WORLD4, steps=FLOAT32_STEPS)
 
 
-def bf16_world4(tmp_path_factory) -> list[tuple]:
-    """The results of WORLD4_BF16_LAUNCH at STEPS: one launch per session for this file and tests/test_tp_overlap.py."""
-    return trained(tmp_path_factory, "world4_bf16", 4, WORLD4_BF16_LAUNCH, steps=STEPS)
-
-
 @pytest.fixture(scope="module")
 def world4_bf16(tmp_path_factory):
-    return bf16_world4(tmp_path_factory)
+    return shared(tmp_path_factory, "world4_bf16")
 
 
 def _layout_id(layout: dict) -> str:

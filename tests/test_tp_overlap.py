@@ -32,9 +32,7 @@ from tests.test_parity import (
     _check_offloaded,
     _check_parity,
     _layout_id,
-    bf16_references,
-    bf16_world4,
-    float32_references,
+    shared,
 )
 
 UNIT_ATOL = 1e-6
@@ -67,8 +65,8 @@ WORLD4 = WORLD4_FLOAT32 + TP_OVERLAP_BF16
 def references(tmp_path_factory):
     """One process: plain Lightning in float32 (tiny-test, and with 4 kv heads for tp4), FourDStrategy in
     bf16-mixed."""
-    fp32 = float32_references(tmp_path_factory)  # test_parity's: one launch for both files
-    bf16 = bf16_references(tmp_path_factory)
+    fp32 = shared(tmp_path_factory, "reference")  # test_parity's: one launch for both files
+    bf16 = shared(tmp_path_factory, "bf16_reference")
     assert REFERENCES[3]["config"] == KV4
     return {"fp32": fp32[0], "kv4": fp32[3], "bf16": bf16[0]}
 
@@ -83,7 +81,7 @@ def world2(tmp_path_factory):
 def world4(tmp_path_factory):
     """The results of WORLD4's rows, in its order: this file's float32 launch, then test_parity's bf16 one."""
     float32 = trained(tmp_path_factory, "overlap_world4", 4, WORLD4_FLOAT32, steps=FLOAT32_STEPS)
-    return float32 + bf16_world4(tmp_path_factory)[len(WORLD4_BF16_LAUNCH) - len(TP_OVERLAP_BF16) :]
+    return float32 + shared(tmp_path_factory, "world4_bf16")[len(WORLD4_BF16_LAUNCH) - len(TP_OVERLAP_BF16) :]
 
 
 @pytest.mark.slow
