@@ -386,6 +386,40 @@ def launched(tmp_path_factory, name: str, nproc: int, *args: str) -> Path:
     return _LAUNCHED[key]
 
 
+def launched_by_precision(
+    tmp_path_factory, name: str, nproc: int, layouts: list[dict], bf16_steps: int, *args: str
+) -> list[tuple[Path, int]]:
+    """:func:`launched` of ``run_layouts.py ARGS --steps N --layouts ...`` split by precision: the float32 rows of
+    ``layouts`` train FLOAT32_STEPS in one launch, the bf16 rows ``bf16_steps`` in another (named ``name_bf16``; in
+    fewer steps a bf16 norm weight does not move by one bf16 spacing); no launch for no row. Returns ``(folder, index
+    of the layout in that folder's launch)`` per layout of ``layouts``, in their order."""
+    import json
+
+    def bf16(layout: dict) -> bool:
+        return layout.get("precision", "32-true").startswith("bf16")
+
+    where: list[tuple[bool, int]] = []
+    rows: dict[bool, list[dict]] = {False: [], True: []}
+    for layout in layouts:
+        where.append((bf16(layout), len(rows[bf16(layout)])))
+        rows[bf16(layout)].append(layout)
+    folders = {
+        half: launched(
+            tmp_path_factory,
+            name + ("_bf16" if half else ""),
+            nproc,
+            *args,
+            "--steps",
+            str(bf16_steps if half else FLOAT32_STEPS),
+            "--layouts",
+            json.dumps(group),
+        )
+        for half, group in rows.items()
+        if group
+    }
+    return [(folders[half], i) for half, i in where]
+
+
 #: the results of :func:`trained`, by its arguments: one launch per pytest session for the same runs
 _TRAINED: dict[str, list[tuple]] = {}
 

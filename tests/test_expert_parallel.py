@@ -1,14 +1,14 @@
 """Expert parallelism (issue 23): ``FourDStrategy(expert_parallel_size=ep)`` on the tiny MoE Llama.
 
-Bad input before any process group; the all-to-all dispatch's row order; 10 AdamW steps in float32 against one
-process (losses, load-balancing losses, routing statistics and the global gradient norm before clipping, within 1e-5
-relative) for ep2 (dp2), ep2 within dp4 (expert data-parallel group of 2) and ep4 (dp4), ZeRO 0 to 3, ZeRO 2/3 with
-the experts sharded on dim 1 (6 experts: 3 per ep rank over 2 ranks at dp4 ep2, 6 over 4 at dp4 ep1), shared expert
-on and off, MoE on every layer and every other layer, activation checkpointing and clipping; the capacity rule at ep2
-equal to ep1 at the same dp; model-state bytes per rank exactly as the memory model says; a checkpoint saved at ep2
-resumed at ep2 and at ep1, one saved at ZeRO 3 with the experts sharded on dim 1 resumed at ZeRO 1, with the straight
-run's losses. Three torchrun launches for parity (1, 2 and 4 processes) and two per checkpoint test (2 processes
-each)."""
+Bad input before any process group; the all-to-all dispatch's row order; FLOAT32_STEPS (5) AdamW steps in float32
+(bf16-mixed: 10) against one process (losses, load-balancing losses, routing statistics and the global gradient norm
+before clipping, within 1e-5 relative) for ep2 (dp2), ep2 within dp4 (expert data-parallel group of 2) and ep4 (dp4),
+ZeRO 0 to 3, ZeRO 2/3 with the experts sharded on dim 1 (6 experts: 3 per ep rank over 2 ranks at dp4 ep2, 6 over 4 at
+dp4 ep1), shared expert on and off, MoE on every layer and every other layer, activation checkpointing and clipping; the
+capacity rule at ep2 equal to ep1 at the same dp; model-state bytes per rank exactly as the memory model says; a
+checkpoint saved at ep2 resumed at ep2 and at ep1, one saved at ZeRO 3 with the experts sharded on dim 1 resumed at ZeRO
+1, with the straight run's losses. Five torchrun launches for parity (1, 2 and 4 processes in float32; 1 and 2 in
+bf16-mixed) and two per checkpoint test (2 processes each)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,18 @@ from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.features.moe.costs import expert_shard_dim
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
-from tests._launch import SCRIPTS, check_final_weights, initial_weights, launched, resume_on_layouts, torchrun
+from tests._launch import (
+    FLOAT32_STEPS,
+    SCRIPTS,
+    check_final_weights,
+    initial_weights,
+    launched_by_precision,
+    resume_on_layouts,
+    torchrun,
+)
 
+#: the AdamW steps of the bf16-mixed parity launches and of the checkpoint tests; the float32 parity launches train
+#: FLOAT32_STEPS (tests/_launch.launched_by_precision)
 STEPS = 10
 LOSS_RTOL = 1e-5
 
@@ -143,6 +153,8 @@ BF16_RTOL = 3e-3
 # test_moe.py -k dp2_zero, test_expert_parallel.py -k ep_losses, test_moe_tensor_parallel.py -k under_tp_and_cp):
 # at most 2.24e-5 (dp2, layers.0.attention.wo: one element whose near-zero gradient AdamW's m/sqrt(v) amplifies;
 # every other parameter <= 6.3e-6); the bound ~4.5x that.
+# At FLOAT32_STEPS (5, the float32 launches): at most 6.58e-6 (dp2 ep2 ZeRO 3 with VARIANT, layers.1.ffn_norm), 6.22e-6
+# (dp4).
 UPDATE_RTOL = 1e-4
 # bf16-mixed (both rounded to bf16) against plain Lightning's bf16-mixed (autocast over float32 weights: another
 # recipe): matrices measured 9.3e-2 (dp2 ep2, experts.w1) and 1.05e-1 (dp2 tp2 ep2), norm weights 0.21 / 0.10 (their
@@ -189,21 +201,21 @@ def _records(out, index):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    dirs = {k: tmp_path_factory.mktemp(f"ep_{k}") for k in ("dp2", "dp4")}
-    common = ["--model", "tiny-moe", "--steps", str(STEPS)]
-    # one launch with tests/test_moe_tensor_parallel.py's (the same REF): tests/_launch.launched
-    dirs["ref"] = launched(tmp_path_factory, "ep_ref", 1, *common, "--layouts", json.dumps(REF))
-    torchrun(
-        2, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp2"]), *common, "--layouts", json.dumps(DP2), timeout=900
-    )
-    torchrun(
-        4, SCRIPTS / "run_layouts.py", "--out", str(dirs["dp4"]), *common, "--layouts", json.dumps(DP4), timeout=900
-    )
-    return dirs
+    return moe_runs(tmp_path_factory, (("ref", 1, REF), ("dp2", 2, DP2), ("dp4", 4, DP4)))
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == STEPS
+def moe_runs(tmp_path_factory, launches) -> dict[str, list]:
+    """``{key: [(folder, index in its launch) per layout]}`` of each ``(key, processes, layouts)`` of ``launches``
+    trained on tiny-moe: float32 and bf16-mixed launches apart (tests/_launch.launched_by_precision), named
+    ``ep_<key>``; ``("ref", 1, REF)``'s launches are shared with tests/test_moe_tensor_parallel.py."""
+    return {
+        key: launched_by_precision(tmp_path_factory, f"ep_{key}", nproc, layouts, STEPS, "--model", "tiny-moe")
+        for key, nproc, layouts in launches
+    }
+
+
+def _rel(a: list[float], b: list[float], steps: int = FLOAT32_STEPS) -> float:
+    assert len(a) == len(b) == steps
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
@@ -217,16 +229,18 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
     which, index = case
     layout = (DP2 if which == "dp2" else DP4)[index]
     bf16 = layout.get("precision") == "bf16-mixed"
-    ref_index = _reference_index(layout)
-    ref = _records(runs["ref"], ref_index)[0]
-    ranks = _records(runs[which], index)
+    ref_dir, ref_index = runs["ref"][_reference_index(layout)]
+    out, index = runs[which][index]
+    steps = STEPS if bf16 else FLOAT32_STEPS
+    ref = _records(ref_dir, ref_index)[0]
+    ranks = _records(out, index)
     assert len(ranks) == layout["dp"]
     for r in ranks:
         b = r["bytes"]
         if layout.get("offload"):  # the offload really held activations in host memory
             assert b["host_offloaded"] > 0, b.get("host_offloaded")
-        rel, aux = _rel(r["losses"], ref["losses"]), _rel(b["aux_losses"], ref["bytes"]["aux_losses"])
-        norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"]) if "norm" in layout else 0.0
+        rel, aux = _rel(r["losses"], ref["losses"], steps), _rel(b["aux_losses"], ref["bytes"]["aux_losses"], steps)
+        norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"], steps) if "norm" in layout else 0.0
         print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
         assert max(rel, aux, norm) <= (BF16_RTOL if bf16 else LOSS_RTOL)
         if not bf16:  # bf16 rounding may flip a near tie of the router
@@ -243,7 +257,7 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
             assert est.parameters < model_state_bytes(cfg, ep1, layout.get("precision", "32-true")).parameters
     initial = initial_weights("tiny-moe", layout.get("config"))
     bounds = (BF16_UPDATE_RTOL, BF16_NORM_UPDATE_RTOL) if bf16 else (UPDATE_RTOL,)
-    check_final_weights(runs[which], index, runs["ref"], ref_index, initial, *bounds)
+    check_final_weights(out, index, ref_dir, ref_index, initial, *bounds)
     if layout.get("config") == SIX and layout["zero"] >= 2:
         # experts sharded on dim 1: every rank holds the same share of each expert; on dim 0 (FSDP2's torch.chunk
         # of 3 rows over 2 ranks, 6 over 4) some rank would hold at least one whole expert's weights more than another
@@ -259,7 +273,7 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
 def test_capacity_at_ep2_equals_ep1_at_the_same_dp(runs):
     """The capacity applies to each source rank's own tokens before dispatch: ep changes nothing in which
     assignments drop, so ep2 gives ep1's losses and dropped fractions at the same dp."""
-    ep1, ep2 = (_records(runs["dp2"], i) for i in (2, 3))
+    ep1, ep2 = (_records(*runs["dp2"][i]) for i in (2, 3))
     for a, b in zip(ep1, ep2):
         rel = _rel(b["losses"], a["losses"])
         print(f"\ncapacity_factor=1.0, dp2: ep2 vs ep1 loss rel {rel:.1e}")

@@ -25,7 +25,7 @@ from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
 from tests._launch import FLOAT32_STEPS, resume_on_layouts, trained
-from tests.test_parity import LOSS_RTOL, REFERENCES, _check_parity, _layout_id, _reference_for
+from tests.test_parity import LOSS_RTOL, _check_parity, _layout_id, _reference_for, shared
 
 CLIP = {"clip": 0.1, "norm": True}
 WORLD4 = [
@@ -48,8 +48,9 @@ WORLD8 = [
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    # float32 only: FLOAT32_STEPS; largest weight difference measured 1.79e-5 at 5 steps (WEIGHT_ATOL 3e-5)
-    return trained(tmp_path_factory, "hsdp_reference", 1, REFERENCES[:2], steps=FLOAT32_STEPS)  # plain, clipped
+    # float32 only: FLOAT32_STEPS; largest weight difference measured 1.79e-5 at 5 steps (WEIGHT_ATOL 3e-5);
+    # test_parity's references (plain, clipped, ...): one launch for every file
+    return shared(tmp_path_factory, "reference")
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +66,14 @@ def world8(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_layout_id(x) for x in WORLD4])
 def test_hsdp_parity_world4(references, world4, index):
-    _check_parity(_reference_for(references, WORLD4[index]), world4[index], steps=FLOAT32_STEPS)
+    _check_parity(_reference_for(references, WORLD4[index]), world4[index])
     _check_states(world4[index])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD8)), ids=[_layout_id(x) for x in WORLD8])
 def test_hsdp_parity_world8(references, world8, index):
-    _check_parity(_reference_for(references, WORLD8[index]), world8[index], steps=FLOAT32_STEPS)
+    _check_parity(_reference_for(references, WORLD8[index]), world8[index])
     _check_states(world8[index])
 
 

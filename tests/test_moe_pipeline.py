@@ -3,7 +3,8 @@ their load-balancing loss trained through the gradient each MoE layer injects
 (:class:`~lightning_4d.features.moe.layer.AuxLossInjection`, Megatron-Core's ``MoEAuxLossAutoScaler``) and logged as the
 global batch's mean, gathered over the stages.
 
-Tiny MoE (8 experts, top-2, 4 layers, coefficient 0.1), 10 AdamW steps in float32, against one process: per-step
+Tiny MoE (8 experts, top-2, 4 layers, coefficient 0.1), FLOAT32_STEPS (5) AdamW steps in float32 (bf16-mixed: 10),
+against one process: per-step
 ``train_loss`` and ``train_aux_loss`` within 1e-5 relative, the global gradient norm before clipping (over all
 stages) within 1e-5, the final weights as the dense pipeline tests check them; pp2 under GPipe, 1F1B (m = 2 and 4),
 interleaved 1F1B (2 stages per rank), ZBV and DualPipeV, full activation checkpointing with clipping, and pp2 x dp2 x
@@ -31,7 +32,7 @@ import json
 import pytest
 import torch
 
-from tests._launch import SCRIPTS, torchrun
+from tests._launch import FLOAT32_STEPS, launched_by_precision
 from tests.test_parity import LOSS_RTOL, STEPS, WEIGHT_ATOL
 
 LAYERS = 4
@@ -67,19 +68,14 @@ WORLD4 = [
 ]
 
 
-def _run(tmp_path_factory, name: str, nproc: int, layouts: list[dict]):
-    out = tmp_path_factory.mktemp(name)
-    args = ["--out", str(out), "--model", "tiny-moe", "--steps", str(STEPS), "--layers", str(LAYERS)]
-    torchrun(nproc, SCRIPTS / "run_layouts.py", *args, "--layouts", json.dumps(layouts), timeout=1200)
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """``(folder, index in its launch)`` of each layout of REF, WORLD2, WORLD4: the float32 rows train
+    FLOAT32_STEPS, the bf16-mixed rows STEPS, in launches of their own (tests/_launch.launched_by_precision)."""
+    args = ("--model", "tiny-moe", "--layers", str(LAYERS))
     return {
-        "ref": _run(tmp_path_factory, "moe_pp_ref", 1, REF),
-        "w2": _run(tmp_path_factory, "moe_pp_w2", 2, WORLD2),
-        "w4": _run(tmp_path_factory, "moe_pp_w4", 4, WORLD4),
+        key: launched_by_precision(tmp_path_factory, f"moe_pp_{key}", nproc, layouts, STEPS, *args)
+        for key, nproc, layouts in (("ref", 1, REF), ("w2", 2, WORLD2), ("w4", 4, WORLD4))
     }
 
 
@@ -109,33 +105,35 @@ def _per_step(values: list[float], accum: int) -> list[float]:
     return [sum(values[i : i + accum]) / accum for i in range(0, len(values), accum)]
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == STEPS
+def _rel(a: list[float], b: list[float], steps: int) -> float:
+    assert len(a) == len(b) == steps
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def _check(runs, which, layouts, index):
     layout = layouts[index]
+    bf16 = layout.get("precision") == "bf16-mixed"
+    steps = STEPS if bf16 else FLOAT32_STEPS
     ref_index = _reference(layout)
-    ref_ranks, ref_weights = _load(runs["ref"], ref_index)
+    ref_ranks, ref_weights = _load(*runs["ref"][ref_index])
     ref, accum = ref_ranks[0], REF[ref_index].get("accum", 1)
     ref_loss, ref_aux = _per_step(ref["losses"], accum), _per_step(ref["bytes"]["aux_losses"], accum)
-    ranks, weights = _load(runs[which], index)
+    ranks, weights = _load(*runs[which][index])
     assert len(ranks) == (2 if which == "w2" else 4)
     for r in ranks:  # one logged loss and aux loss on every rank, whatever its stage
         assert r["losses"] == ranks[0]["losses"] and r["bytes"]["aux_losses"] == ranks[0]["bytes"]["aux_losses"]
     r = ranks[0]
-    loss, aux = _rel(r["losses"], ref_loss), _rel(r["bytes"]["aux_losses"], ref_aux)
-    norm = _rel(r["bytes"]["grad_norms"], ref["bytes"]["grad_norms"]) if layout.get("norm") else 0.0
+    loss, aux = _rel(r["losses"], ref_loss, steps), _rel(r["bytes"]["aux_losses"], ref_aux, steps)
+    norm = _rel(r["bytes"]["grad_norms"], ref["bytes"]["grad_norms"], steps) if layout.get("norm") else 0.0
     werr = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
-    one = _load(runs["ref"], len(REF) - 1)[0][0]
-    far = _rel(r["losses"], one["losses"]) if layout["config"] == EVERY else float("nan")
+    one = _load(*runs["ref"][len(REF) - 1])[0][0]  # float32, FLOAT32_STEPS
+    far = _rel(r["losses"], one["losses"], steps) if layout["config"] == EVERY and not bf16 else float("nan")
     print(
         f"\n{layout}: loss rel {loss:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}, weights {werr:.1e} "
         f"(vs one process at A = 1: loss rel {far:.1e})"
     )
     assert set(weights) == set(ref_weights)
-    if layout.get("precision") == "bf16-mixed":  # against one-process bf16-mixed
+    if bf16:  # against one-process bf16-mixed
         assert max(loss, aux) <= BF16_RTOL
     else:
         assert max(loss, aux, norm) <= LOSS_RTOL

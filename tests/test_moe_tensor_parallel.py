@@ -4,15 +4,15 @@ parallelism, composed with expert parallelism (issue 23; ``docs/moe_design.md``,
 Under tp an MoE layer runs token parallel (expert tensor parallelism 1): each tp rank runs the whole layer on its own
 ``s/t`` tokens, its parameters' gradients summed over tp by the ``dp_cp_tp`` buckets (ZeRO 2/3: FSDP2 units over
 ``dp_cp_tp``), ep folded over tp (issue 34: ep groups are consecutive ranks of ``dp_cp_tp``, ep divides dp·cp·tp).
-Checked here: the refusals that remain, before any process group; 10 AdamW steps in float32 against one process (the
-loss, the load-balancing loss and the global gradient norm before clipping within 1e-5 relative, the busiest
-expert's tokens identical) for tp2 with sp, tp2 without sp, tp2 ZeRO 2, cp2 x ep2, dp2 x tp2 x ep2 (ZeRO 0 and 1,
-shared expert on and off, MoE on every layer and every other layer, clipping, full activation checkpointing), and
-folded: dp2 x tp2 x ep4 (ZeRO 1 and 3), cp2 x tp2 x ep2; a tp2 ep2 checkpoint resumed at dp2 ep1; ``bf16-mixed``
-dp2 x tp2 x ep2 within 1e-2 of
-one-process ``bf16-mixed``; model-state bytes of every rank equal to the memory model's; and the memory model's
-states (exact) and saved activations (within 5%) against what dp2 x tp2 x ep2 ranks hold. Three torchrun launches for
-parity (1, 2 and 4 processes) and one for memory (4 processes).
+Checked here: the refusals that remain, before any process group; FLOAT32_STEPS (5) AdamW steps in float32 against one
+process (the loss, the load-balancing loss and the global gradient norm before clipping within 1e-5 relative, the
+busiest expert's tokens identical) for tp2 with sp, tp2 without sp, tp2 ZeRO 2, cp2 x ep2, dp2 x tp2 x ep2 (ZeRO 0 and
+1, shared expert on and off, MoE on every layer and every other layer, clipping, full activation checkpointing), and
+folded: dp2 x tp2 x ep4 (ZeRO 1 and 3), cp2 x tp2 x ep2; a tp2 ep2 checkpoint resumed at dp2 ep1; ``bf16-mixed`` dp2 x
+tp2 x ep2 (10 steps) within 1e-2 of one-process ``bf16-mixed``; model-state bytes of every rank equal to the memory
+model's; and the memory model's states (exact) and saved activations (within 5%) against what dp2 x tp2 x ep2 ranks
+hold. Five torchrun launches for parity (1, 2 and 4 processes in float32, 1 and 4 in bf16-mixed; the 1-process ones
+tests/test_expert_parallel.py's) and one for memory (4 processes).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import pytest
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
-from tests._launch import SCRIPTS, check_final_weights, initial_weights, launched, resume_on_layouts, torchrun
-from tests.test_expert_parallel import REF, VARIANT
+from tests._launch import FLOAT32_STEPS, SCRIPTS, check_final_weights, initial_weights, resume_on_layouts, torchrun
+from tests.test_expert_parallel import REF, VARIANT, moe_runs
 
+#: the AdamW steps of the bf16-mixed parity launch and of the checkpoint test; the float32 parity launches train
+#: FLOAT32_STEPS (tests/_launch.launched_by_precision)
 STEPS = 10
 LOSS_RTOL = 1e-5
 # bf16-mixed dp2 tp2 ep2 against one-process bf16-mixed (plain Lightning: autocast over float32 weights): measured
@@ -38,6 +40,8 @@ BF16_RTOL = 3e-3
 # test_moe.py -k dp2_zero, test_expert_parallel.py -k ep_losses, test_moe_tensor_parallel.py -k under_tp_and_cp):
 # at most 2.24e-5 (dp2, layers.0.attention.wo: one element whose near-zero gradient AdamW's m/sqrt(v) amplifies;
 # every other parameter <= 6.3e-6); the bound ~4.5x that.
+# At FLOAT32_STEPS (5, the float32 launches): at most 8.33e-6 (cp2 tp2 ep2, layers.1.feed_forward.experts.w2),
+# 7.28e-6 (tp2 ZeRO 2).
 UPDATE_RTOL = 1e-4
 # bf16-mixed (both rounded to bf16) against plain Lightning's bf16-mixed (autocast over float32 weights: another
 # recipe): matrices measured 9.3e-2 (dp2 ep2, experts.w1) and 1.05e-1 (dp2 tp2 ep2), norm weights 0.21 / 0.10 (their
@@ -172,7 +176,7 @@ def _moe_params(cfg):
 
 # ---------------------------------------------------------------------------------------------------- parity
 # one process: test_expert_parallel's runs (plain, the variant clipped, bf16-mixed, 6 experts), one launch for both
-# files (tests/_launch.launched)
+# files (tests/_launch.launched_by_precision)
 assert REF[:3] == [
     {"reference": True, "norm": True},
     {"reference": True, "config": VARIANT, "clip": 0.1, "norm": True},
@@ -203,25 +207,11 @@ def _records(out, index):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    dirs = {k: tmp_path_factory.mktemp(f"moe_tp_{k}") for k in ("two", "four")}
-    common = ["--model", "tiny-moe", "--steps", str(STEPS)]
-    dirs["ref"] = launched(tmp_path_factory, "ep_ref", 1, *common, "--layouts", json.dumps(REF))
-    for nproc, key, layouts in ((2, "two", TWO), (4, "four", FOUR)):
-        torchrun(
-            nproc,
-            SCRIPTS / "run_layouts.py",
-            "--out",
-            str(dirs[key]),
-            *common,
-            "--layouts",
-            json.dumps(layouts),
-            timeout=900,
-        )
-    return dirs
+    return moe_runs(tmp_path_factory, (("ref", 1, REF), ("two", 2, TWO), ("four", 4, FOUR)))
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == STEPS
+def _rel(a: list[float], b: list[float], steps: int) -> float:
+    assert len(a) == len(b) == steps
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
@@ -236,15 +226,17 @@ def test_moe_under_tp_and_cp_equals_one_process(runs, case):
     which, index = case
     layout = (TWO if which == "two" else FOUR)[index]
     bf16 = layout.get("precision") == "bf16-mixed"
-    ref_index = 2 if bf16 else 1 if "config" in layout else 0
-    ref = _records(runs["ref"], ref_index)[0]
-    ranks = _records(runs[which], index)
+    ref_dir, ref_index = runs["ref"][2 if bf16 else 1 if "config" in layout else 0]
+    out, index = runs[which][index]
+    steps = STEPS if bf16 else FLOAT32_STEPS
+    ref = _records(ref_dir, ref_index)[0]
+    ranks = _records(out, index)
     tp, dp, cp = layout.get("tp", 1), layout.get("dp", 1), layout.get("cp", 1)
     assert len(ranks) == tp * dp * cp
     for r in ranks:
         b = r["bytes"]
-        rel, aux = _rel(r["losses"], ref["losses"]), _rel(b["aux_losses"], ref["bytes"]["aux_losses"])
-        norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"]) if "norm" in layout else 0.0
+        rel, aux = _rel(r["losses"], ref["losses"], steps), _rel(b["aux_losses"], ref["bytes"]["aux_losses"], steps)
+        norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"], steps) if "norm" in layout else 0.0
         print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
         assert max(rel, aux, norm) <= (BF16_RTOL if bf16 else LOSS_RTOL)
         if not bf16:  # bf16 rounding may flip a near tie of the router
@@ -264,7 +256,7 @@ def test_moe_under_tp_and_cp_equals_one_process(runs, case):
         assert (b["params"], b["grads"], b["optimizer_states"]) == (est.parameters, est.gradients, est.optimizer_states)
     initial = initial_weights("tiny-moe", layout.get("config"))
     bounds = (BF16_UPDATE_RTOL, BF16_NORM_UPDATE_RTOL) if bf16 else (UPDATE_RTOL,)
-    check_final_weights(runs[which], index, runs["ref"], ref_index, initial, *bounds)
+    check_final_weights(out, index, ref_dir, ref_index, initial, *bounds)
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 

@@ -21,8 +21,8 @@ import time
 import pytest
 import torch
 
-from tests._launch import ROOT, SCRIPTS, _abort, trained, worker_env
-from tests.test_parity import REFERENCES, STEPS, _check_parity
+from tests._launch import FLOAT32_STEPS, ROOT, SCRIPTS, _abort, worker_env
+from tests.test_parity import _check_parity, shared
 
 NUM_NODES = 2
 DEVICES = 2
@@ -49,7 +49,7 @@ def _node_command(node_rank: int, port: int, out) -> list[str]:
         "--out",
         str(out),
         "--steps",
-        str(STEPS),
+        str(FLOAT32_STEPS),
     ]
 
 
@@ -102,7 +102,7 @@ def _run_two_nodes(out) -> float:
 def test_two_nodes_dp2_tp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("multinode")
     elapsed = _run_two_nodes(out)
-    print(f"\ntwo-node fit (2 nodes x 2 processes, {STEPS} steps): {elapsed:.1f} s")
+    print(f"\ntwo-node fit (2 nodes x 2 processes, {FLOAT32_STEPS} steps): {elapsed:.1f} s")
     ranks = [json.loads((out / f"layout0_rank{r}.json").read_text()) for r in range(NUM_NODES * DEVICES)]
 
     # Lightning took the layout from torchrun's environment
@@ -123,6 +123,6 @@ def test_two_nodes_dp2_tp2(tmp_path_factory):
         assert rec["dp_cp_ranks"] == rec["dp_ranks"]
 
     # (b) the single-process losses (and weights), with test_parity's reference run and comparison
-    reference = trained(tmp_path_factory, "reference", 1, REFERENCES)[0]  # test_parity's: one launch
+    reference = shared(tmp_path_factory, "reference")[0]  # test_parity's: one launch
     result = (ranks[0]["layout"], ranks, torch.load(out / "layout0_weights.pt"))
     _check_parity(reference, result)

@@ -1,8 +1,8 @@
 """Optimizer-state offload (``optimizer_offload=True``): the optimizer's states on the host, its step on the CPU
 (``lightning_4d/parallel/optimizer_offload.py``).
 
-- training (``tests/scripts/run_layouts.py``, key ``optoffload``), float32, 10 AdamW steps on CPU with gloo: per-step
-  losses within 1e-5 relative of the single-process plain-Lightning run and final weights within
+- training (``tests/scripts/run_layouts.py``, key ``optoffload``), float32, FLOAT32_STEPS (5) AdamW steps on CPU with
+  gloo: per-step losses within 1e-5 relative of the single-process plain-Lightning run and final weights within
   ``tests/test_parity.py``'s measured bound, at ZeRO 1 (clipped: the global norm of the device buckets before the
   copy) and ZeRO 3 (FSDP2's ``CPUOffloadPolicy``) on dp2, with pp2 and with tp2 (clipped; world 4);
 - the states are separate host tensors: no storage shared with the parameters or the gradient buckets, on the CPU,
@@ -19,8 +19,8 @@ from lightning_4d import FourDStrategy, ParallelConfig
 from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.planning.model import estimate_memory, model_state_bytes
 from lightning_4d.planning.workload import Workload
-from tests._launch import trained
-from tests.test_parity import REFERENCES, _check_parity, _layout_id, _reference_for
+from tests._launch import FLOAT32_STEPS, trained
+from tests.test_parity import _check_parity, _layout_id, _reference_for, shared
 
 CLIP = {"clip": 0.1}
 WORLD2 = [
@@ -37,17 +37,17 @@ WORLD4 = [
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    return trained(tmp_path_factory, "reference", 1, REFERENCES)  # test_parity's: one launch for every file
+    return shared(tmp_path_factory, "reference")  # test_parity's: one launch for every file
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return trained(tmp_path_factory, "optoffload_world2", 2, WORLD2)
+    return trained(tmp_path_factory, "optoffload_world2", 2, WORLD2, steps=FLOAT32_STEPS)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return trained(tmp_path_factory, "optoffload_world4", 4, WORLD4)
+    return trained(tmp_path_factory, "optoffload_world4", 4, WORLD4, steps=FLOAT32_STEPS)
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """Loss parity and model-state bytes of parallel layouts against the single-process run (CPU, gloo, float32).
 
-Every layout trains the tiny Llama (GQA: 4 heads, 2 kv heads) for 10 AdamW steps on the same global batches of the
-embedded corpus. Each layout's logged per-step ``train_loss`` (the mean over the global batch) must equal the
-single-process run's to 1e-5 relative, and its final weights must match. Each rank also reports the bytes of its
-local parameter, gradient and optimizer-state shards, checked against what the ZeRO stage promises.
+Every float32 layout trains the tiny Llama (GQA: 4 heads, 2 kv heads) for FLOAT32_STEPS (5) AdamW steps, every bf16
+layout for STEPS (10), on the same global batches of the embedded corpus. Each layout's logged per-step ``train_loss``
+(the mean over the global batch) must equal the single-process run's to 1e-5 relative, and its final weights must
+match. Each rank also reports the bytes of its local parameter, gradient and optimizer-state shards, checked against
+what the ZeRO stage promises.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
-from tests._launch import trained
+from tests._launch import FLOAT32_STEPS, trained
 
+#: the AdamW steps of the launches that hold bf16 runs (and of the float32 reference they are compared with): in
+#: fewer a bf16 norm weight does not move by one bf16 spacing (MOVED_FRACTION); float32 launches train FLOAT32_STEPS
 STEPS = 10
 WORLD2 = (
     [{"dp": 2, "zero": z} for z in range(4)]
@@ -82,8 +85,9 @@ INDEPENDENT_LOSS_RTOL = 2e-4
 INDEPENDENT_WEIGHT_ATOL = 1e-2
 INDEPENDENT_UPDATE_RTOL = 0.1
 # every parameter trained: at least this fraction of its elements differs from their initial value (float32 and
-# rounded to bf16). Measured: 1.0 in float32; 0.367 in bf16-mixed (the embedding rows of bytes the corpus never
-# shows: weight decay alone moves a weight by less than a bf16 spacing); 0.286 for bf16-true's matrices
+# rounded to bf16). Measured: 1.0 in float32 (10 steps, and 1.000 in every float32 row at FLOAT32_STEPS = 5); 0.367
+# in bf16-mixed (the embedding rows of bytes the corpus never shows: weight decay alone moves a weight by less than a
+# bf16 spacing); 0.286 for bf16-true's matrices (10 steps: STEPS)
 MOVED_FRACTION = 0.1
 # bf16-mixed (bf16 weights, fp32 master weights and gradients) against the single-process bf16-mixed run of the
 # same code (FourDStrategy on one process), to BF16_MIXED_* tolerances: every layout dimension under mixed precision
@@ -94,14 +98,20 @@ BF16_MIXED_WORLD4 = [
     {"pp": 2, "dp": 2, "zero": 3, "m": 2, "precision": "bf16-mixed"},
     {"cp": 2, "tp": 2, "zero": 1, "precision": "bf16-mixed"},
 ]
+#: tests/test_tp_overlap.py's bf16-mixed layout (the tp rings), in this file's bf16 launch to save a launch of its own
+TP_OVERLAP_BF16 = [{"dp": 2, "tp": 2, "zero": 1, "overlap": True, "precision": "bf16-mixed"}]
+#: the 4-process bf16 launch: WORLD4_BF16, BF16_MIXED_WORLD4, TP_OVERLAP_BF16 in this order
+WORLD4_BF16_LAUNCH = WORLD4_BF16 + BF16_MIXED_WORLD4 + TP_OVERLAP_BF16
 LOSS_RTOL = 1e-5
-# float32 final weights, the largest single-element difference: measured 2.47e-5 (dp2 tp2 ZeRO 3 without sp) and
-# 1.66e-5 (dp2 tp2 ZeRO 2/3) on the training order of EpochWindowDataset (`pytest -s tests/test_parity.py -k world`
-# prints each; the losses agree to 1.7e-7); under 1e-5 on the earlier random-window order: which element moves most
-# depends on the batches
+# float32 final weights, the largest single-element difference: measured at FLOAT32_STEPS (5) 2.47e-5 (dp2 tp2 ZeRO
+# 3 without sp), 2.06e-5 (test_tp_overlap's pp2 tp2 and cp2 tp2), 1.67e-5 (dp2 tp2 ZeRO 0-3), the losses within
+# 1.81e-7 (`pytest -s tests/test_parity.py tests/test_tp_overlap.py ...` prints each); at 10 steps the same 2.47e-5
+# and 1.66e-5: the element that differs most (a near-zero gradient AdamW amplifies) differs as much after step 5.
+# Under 1e-5 on the earlier random-window order: which element moves most depends on the batches
 WEIGHT_ATOL = 3e-5
 # the global gradient norm before clipping, against torch.nn.utils.get_total_norm in the plain-Lightning reference:
-# measured at most 5.4e-7 relative (dp2 tp2 ZeRO 3 clipped; ZeRO 1 4.7e-7, dp4 1.8e-7, one process accumulating 2.3e-7)
+# measured at most 5.4e-7 relative (dp2 tp2 ZeRO 3 clipped; ZeRO 1 4.7e-7, dp4 1.8e-7, one process accumulating 2.3e-7);
+# at FLOAT32_STEPS (5): 2.83e-7 (dp2 tp2 ZeRO 3 clipped), 2.08e-7 (ZeRO 1), 1.08e-7 (dp4), 0 (one process)
 NORM_RTOL = 1e-5
 
 
@@ -118,13 +128,31 @@ REFERENCES = [
 #: gradients in .grad, clipped by Lightning's own clipping, accumulated by autograd over 2 micro-batches
 ONE_PROCESS = [{"dp": 1, "zero": 1, "clip": 0.1, "accum": 2, "norm": True}]
 REFERENCES += ONE_PROCESS
-#: the single-process bf16-mixed runs of FourDStrategy (bf16 weights, fp32 masters): plain and clipped
-BF16_REFERENCES = [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}]
+#: the single-process bf16-mixed runs of FourDStrategy (bf16 weights, fp32 masters): plain and clipped; and plain
+#: Lightning in float32 for STEPS steps, the reference of the bf16 runs compared with float32
+BF16_REFERENCES = [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}, {"reference": True}]
+#: the index in BF16_REFERENCES of the float32 run
+FLOAT32_AT_BF16_STEPS = 2
+
+
+#: the launches other files read too, by name: (processes, layouts, steps); world4_bf16: WORLD4_BF16_LAUNCH
+SHARED = {
+    "reference": (1, REFERENCES, FLOAT32_STEPS),
+    "bf16_reference": (1, BF16_REFERENCES, STEPS),
+    "world4_bf16": (4, WORLD4_BF16_LAUNCH, STEPS),
+}
+
+
+def shared(tmp_path_factory, name: str) -> list[tuple]:
+    """The results of the launch ``name`` of SHARED: one launch per session for every file that reads it
+    (tests/_launch.trained: the same processes, layouts and steps, or another launch)."""
+    nproc, layouts, steps = SHARED[name]
+    return trained(tmp_path_factory, name, nproc, layouts, steps=steps)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    return trained(tmp_path_factory, "reference", 1, REFERENCES)
+    return shared(tmp_path_factory, "reference")
 
 
 def _reference_for(references, layout):
@@ -133,17 +161,27 @@ def _reference_for(references, layout):
 
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory):
-    return trained(tmp_path_factory, "bf16_reference", 1, BF16_REFERENCES)
+    return shared(tmp_path_factory, "bf16_reference")
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return trained(tmp_path_factory, "world2", 2, WORLD2 + BF16_MIXED_WORLD2)
+    return trained(tmp_path_factory, "world2", 2, WORLD2, steps=FLOAT32_STEPS)
+
+
+@pytest.fixture(scope="module")
+def world2_bf16(tmp_path_factory):
+    return trained(tmp_path_factory, "world2_bf16", 2, BF16_MIXED_WORLD2, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return trained(tmp_path_factory, "world4", 4, WORLD4 + WORLD4_BF16 + BF16_MIXED_WORLD4)
+    return trained(tmp_path_factory, "world4", 4, WORLD4, steps=FLOAT32_STEPS)
+
+
+@pytest.fixture(scope="module")
+def world4_bf16(tmp_path_factory):
+    return shared(tmp_path_factory, "world4_bf16")
 
 
 def _layout_id(layout: dict) -> str:
@@ -167,7 +205,7 @@ def _check_parity(
     vector_update_rtol=None,
     bf16=False,
     moved="all",
-    steps=STEPS,
+    steps=FLOAT32_STEPS,
 ):
     """Losses to ``loss_rtol`` relative and every weight to ``weight_atol`` of the reference's (``bf16``: both
     rounded to bfloat16 first). With ``initial`` (the float32 weights before step 1, :func:`initial_weights`): every
@@ -266,7 +304,7 @@ def test_parity_one_process_without_buckets(references, index):
     _check_parity(_reference_for(references, layout), result, initial=initial_weights())
     alive = ranks[0]["bytes"]["grads_at_batch_start"]  # per micro-batch
     accum = layout.get("accum", 1)
-    assert alive[::accum] == [0] * STEPS, alive
+    assert alive[::accum] == [0] * FLOAT32_STEPS, alive
     assert all(n > 0 for i, n in enumerate(alive) if i % accum), alive  # accumulating: the earlier micro-batches'
     measured = ranks[0]["bytes"]
     assert measured["gradient_buckets"] == 0 and measured["grads_left_after_backward"] == measured["num_params"]
@@ -275,11 +313,11 @@ def test_parity_one_process_without_buckets(references, index):
 
 
 @pytest.mark.slow
-def test_compile_compiled(world2):
+def test_compile_compiled(world2, world2_bf16):
     """The ``compile=True`` layout's parity above is that of compiled layers: every rank's fit compiled graphs (Dynamo
     counts a graph once its backend returned it, so a silent fall-back to eager counts none: tests/test_compat.py;
     measured 2026-11-27: 1 per rank, tiny-test's two layers); the layouts without compile compiled none."""
-    for layout, ranks, _ in world2:
+    for layout, ranks, _ in world2 + world2_bf16:
         graphs = [r["bytes"]["compiled_graphs"] for r in ranks]
         print(f"{_layout_id(layout)}: compiled graphs per rank {graphs}")
         if layout.get("compile"):
@@ -319,37 +357,38 @@ def _check_bf16(reference, result, independent=False, layers=None):
         vector_update_rtol=vector_update_rtol,
         bf16=True,
         moved=moved,
+        steps=STEPS,
     )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(WORLD4_BF16)), ids=[_layout_id(x) for x in WORLD4_BF16])
-def test_bf16_close_to_float32(references, world4, index):
-    _check_bf16(references[0], world4[len(WORLD4) + index])
+def test_bf16_close_to_float32(bf16_reference, world4_bf16, index):
+    _check_bf16(bf16_reference[FLOAT32_AT_BF16_STEPS], world4_bf16[index])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD2)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD2])
-def test_bf16_mixed_parity_world2(bf16_reference, world2, index):
-    _check_bf16(bf16_reference[0], world2[len(WORLD2) + index])
+def test_bf16_mixed_parity_world2(bf16_reference, world2_bf16, index):
+    _check_bf16(bf16_reference[0], world2_bf16[index])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD4)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD4])
-def test_bf16_mixed_parity_world4(bf16_reference, world4, index):
+def test_bf16_mixed_parity_world4(bf16_reference, world4_bf16, index):
     layout = BF16_MIXED_WORLD4[index]
-    _check_bf16(bf16_reference[1 if layout.get("clip") else 0], world4[len(WORLD4) + len(WORLD4_BF16) + index])
+    _check_bf16(bf16_reference[1 if layout.get("clip") else 0], world4_bf16[len(WORLD4_BF16) + index])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BF16_MIXED_WORLD4)), ids=[_layout_id(x) for x in BF16_MIXED_WORLD4])
-def test_bf16_mixed_gradients_go_to_the_buckets_during_backward(world4, index):
+def test_bf16_mixed_gradients_go_to_the_buckets_during_backward(world4_bf16, index):
     """Under bf16-mixed at ZeRO 0/1 every gradient is added to its fp32 bucket by the backward hook (tensor-parallel
     DTensor parameters included, whose hooks the bf16 cast would drop): no .grad is left after backward. At ZeRO 2/3
     FSDP2 reduce-scatters every gradient into ``.grad`` instead: every parameter of the rank holds one, a 1/dp shard
     in float32, half the gradient bytes of the same layout at ZeRO 1 (fp32 buckets, unsharded at ZeRO 1) exactly."""
-    offset = len(WORLD4) + len(WORLD4_BF16)
-    layout, ranks, _ = world4[offset + index]
+    offset = len(WORLD4_BF16)
+    layout, ranks, _ = world4_bf16[offset + index]
     assert len(ranks) == 4
     if layout.get("zero", 0) <= 1:
         for r in ranks:
@@ -357,7 +396,7 @@ def test_bf16_mixed_gradients_go_to_the_buckets_during_backward(world4, index):
         return
     twin = {**layout, "zero": 1}
     assert twin in BF16_MIXED_WORLD4, "the ZeRO 1 layout to compare with"
-    twin_ranks = world4[offset + BF16_MIXED_WORLD4.index(twin)][1]
+    twin_ranks = world4_bf16[offset + BF16_MIXED_WORLD4.index(twin)][1]
     dp = layout.get("dp", 1)
     for r, t in zip(ranks, twin_ranks, strict=True):
         assert r["rank"] == t["rank"]
@@ -366,10 +405,10 @@ def test_bf16_mixed_gradients_go_to_the_buckets_during_backward(world4, index):
 
 
 @pytest.mark.slow
-def test_bf16_mixed_reference_keeps_fp32_master_weights(bf16_reference, references):
+def test_bf16_mixed_reference_keeps_fp32_master_weights(bf16_reference):
     """The bf16-mixed reference trains (its loss follows the float32 run's to bf16 tolerance) and its weights are
     bf16 values: the run really computed with bfloat16 weights."""
-    _check_bf16(references[0], bf16_reference[0])
+    _check_bf16(bf16_reference[FLOAT32_AT_BF16_STEPS], bf16_reference[0])
     weights = bf16_reference[0][2]
     assert all(torch.equal(w, w.to(torch.bfloat16).float()) for w in weights.values())
 

@@ -1,5 +1,6 @@
 """Tied embeddings under pipeline parallelism (issue 34, item 1) against the single-process tied run (plain Lightning,
-no FourDStrategy; CPU, gloo, float32, tiny-test with 4 layers and ``tie_word_embeddings=True``, 10 AdamW steps).
+no FourDStrategy; CPU, gloo, float32, tiny-test with 4 layers and ``tie_word_embeddings=True``, FLOAT32_STEPS (5)
+AdamW steps; the bf16-mixed layout 10).
 
 The first stage holds the ``[V, h]`` matrix as the embedding, the last stage its own copy as the LM head
 (``features/pipeline/runtime.py``'s ``TiedEmbedding``): every schedule (1F1B, interleaved, ZBV and DualPipeV, whose rank
@@ -20,11 +21,13 @@ import torch
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
-from tests._launch import run_layouts, trained
+from tests._launch import FLOAT32_STEPS, run_layouts, trained
 from tests.test_parity import BF16_MIXED_LOSS_RTOL, BF16_MIXED_WEIGHT_ATOL, LOSS_RTOL, STEPS, _layout_id
 
 LAYERS = 4
-#: L2-relative error of every final weight tensor against the one-process run's (measured: see the tests' output)
+#: L2-relative error of every final weight tensor against the one-process run's: measured at FLOAT32_STEPS (5) at
+#: most 3.98e-7 (pp2 dp2 interleaved clipped, layers.0.attention.wo), losses within 1.85e-7 (`pytest -s
+#: tests/test_tied_pipeline.py` prints each; 3.90e-7 and 2.0e-7 at 10 steps)
 WEIGHT_RTOL = 1e-5
 T = {"tied": True}
 WORLD2 = [
@@ -37,7 +40,8 @@ WORLD2 = [
     {"pp": 2, "schedule": "1f1b", "m": 2, "clip": 0.1, **T},
 ]
 #: bf16-mixed (fp32 master weights of both copies in the ShardedOptimizer) against one process of FourDStrategy in
-#: bf16-mixed, at test_parity's bf16-mixed tolerances
+#: bf16-mixed, at test_parity's bf16-mixed tolerances, STEPS steps (launches of their own); the float32 launches train
+#: FLOAT32_STEPS
 BF16 = {"precision": "bf16-mixed", "zero": 1}
 WORLD2_BF16 = [{"pp": 2, "schedule": "zbv", "m": 4, **BF16, **T}]
 WORLD4 = [
@@ -46,22 +50,27 @@ WORLD4 = [
     {"pp": 2, "dp": 2, "zero": 1, "schedule": "interleaved_1f1b", "m": 2, "clip": 0.1, **T},
     {"pp": 2, "dp": 2, "zero": 3, "schedule": "zbv", "m": 2, **T},
 ]
+_KW = {"layers": LAYERS, "head_copies": True}  # every launch's
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    layouts = [{"reference": True, **T}, {"reference": True, "clip": 0.1, **T}, {**BF16, **T}]
-    return trained(tmp_path_factory, "tied_reference", 1, layouts, layers=LAYERS, head_copies=True)
+    """Plain Lightning, float32, unclipped and clipped (FLOAT32_STEPS); FourDStrategy in bf16-mixed (STEPS)."""
+    layouts = [{"reference": True, **T}, {"reference": True, "clip": 0.1, **T}]
+    float32 = trained(tmp_path_factory, "tied_reference", 1, layouts, **_KW, steps=FLOAT32_STEPS)
+    return float32 + trained(tmp_path_factory, "tied_reference_bf16", 1, [{**BF16, **T}], **_KW, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return trained(tmp_path_factory, "tied_world2", 2, WORLD2 + WORLD2_BF16, layers=LAYERS, head_copies=True)
+    """WORLD2 (FLOAT32_STEPS), then WORLD2_BF16 (STEPS)."""
+    float32 = trained(tmp_path_factory, "tied_world2", 2, WORLD2, **_KW, steps=FLOAT32_STEPS)
+    return float32 + trained(tmp_path_factory, "tied_world2_bf16", 2, WORLD2_BF16, **_KW, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return trained(tmp_path_factory, "tied_world4", 4, WORLD4, layers=LAYERS, head_copies=True)
+    return trained(tmp_path_factory, "tied_world4", 4, WORLD4, **_KW, steps=FLOAT32_STEPS)
 
 
 def _holds_a_copy(layout: dict) -> bool:
@@ -77,7 +86,7 @@ def _check(references, result) -> None:
     for r in ranks:  # the same logged loss on every rank, whatever its stage
         assert r["losses"] == ranks[0]["losses"], (layout, r["rank"])
     losses = ranks[0]["losses"]
-    assert len(losses) == len(ref_losses) == STEPS
+    assert len(losses) == len(ref_losses) == FLOAT32_STEPS
     assert set(weights) == set(ref_weights)  # the one-process model names the tied weight once
     # the last stage's copy is the embedding, bit for bit (one copy per rank holding the last stage: tp and dp ranks);
     # a V schedule's rank 0 at ZeRO 0/1 keeps the one tied weight (no copy)
@@ -160,9 +169,9 @@ def test_tied_clipping_is_active(references):
 
 @pytest.mark.slow
 def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(references, tmp_path):
-    """A tied pp2 ZeRO 1 checkpoint (step 5 of 10) holds the weight once, under the embedding's key (model and
-    optimizer states); it resumes on pp1 (dp2 ZeRO 1) and on pp2 ZBV ZeRO 1 (rank 0's one tied weight), and a pp1
-    checkpoint on pp2 ZBV ZeRO 3 (rank 0's two copies), each to the one-process run's losses of steps 6-10 (1e-5
+    """A tied pp2 ZeRO 1 checkpoint (step 2 of FLOAT32_STEPS = 5) holds the weight once, under the embedding's key
+    (model and optimizer states); it resumes on pp1 (dp2 ZeRO 1) and on pp2 ZBV ZeRO 1 (rank 0's one tied weight), and
+    a pp1 checkpoint on pp2 ZBV ZeRO 3 (rank 0's two copies), each to the one-process run's losses of steps 3-5 (1e-5
     relative, as the straight runs above); export-hf writes the weight once, as the embedding's Hugging Face
     tensor."""
     from safetensors.torch import load_file
@@ -172,7 +181,7 @@ def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(
 
     pp2 = {"name": "pp2", "pp": 2, "schedule": "1f1b", "m": 2, "zero": 1, **T}
     pp1 = {"name": "pp1", "dp": 2, "zero": 1, **T}
-    run_layouts(tmp_path, 2, [pp2, pp1], "--reshard", "first", "--no-straight", layers=LAYERS)
+    run_layouts(tmp_path, 2, [pp2, pp1], "--reshard", "first", "--no-straight", layers=LAYERS, steps=FLOAT32_STEPS)
     saved = check_complete(tmp_path / "pp2" / "last.ckpt")
     assert "state_dict.model.tok_embeddings.weight" in saved
     assert not [k for k in saved if "output.weight" in k], [k for k in saved if "output.weight" in k]
@@ -182,15 +191,16 @@ def test_tied_pp2_checkpoint_holds_the_weight_once_and_reshards_to_pp1_and_back(
     shutil.copytree(tmp_path / "pp2", tmp_path / "to_zbv")
     zbv3 = {"name": "to_pp2", "pp": 2, "schedule": "zbv", "m": 4, "zero": 3, **T}  # rank 0: both copies
     zbv1 = {"name": "to_zbv", "pp": 2, "schedule": "zbv", "m": 4, "zero": 1, **T}  # rank 0: the one tied weight
-    run_layouts(tmp_path, 2, [{**pp1, "name": "to_pp1"}, zbv3, zbv1], "--reshard", "resume", layers=LAYERS)
-    half = STEPS // 2
+    resumed_layouts = [{**pp1, "name": "to_pp1"}, zbv3, zbv1]
+    run_layouts(tmp_path, 2, resumed_layouts, "--reshard", "resume", layers=LAYERS, steps=FLOAT32_STEPS)
+    half = FLOAT32_STEPS // 2  # the float32 reference's steps
     reference = references[0][1][0]["losses"][half:]
     for name in ("to_pp1", "to_pp2", "to_zbv"):
         for rank in range(2):
             resumed = json.loads((tmp_path / f"{name}_resume_rank{rank}.json").read_text())["resumed"]
             rel = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
-            print(f"\n{name} rank {rank}: max rel loss diff {rel:.2e} (steps {half + 1}-{STEPS})")
-            assert len(resumed) == STEPS - half and rel <= LOSS_RTOL
+            print(f"\n{name} rank {rank}: max rel loss diff {rel:.2e} (steps {half + 1}-{FLOAT32_STEPS})")
+            assert len(resumed) == FLOAT32_STEPS - half and rel <= LOSS_RTOL
     out = export_hf(tmp_path / "pp2" / "last.ckpt", tmp_path / "hf")
     tensors = load_file(out / "model.safetensors")
     assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors

@@ -5,12 +5,12 @@ whole sequence).
 - unit level, 2 and 4 gloo processes (``tests/scripts/tp_overlap_unit.py``, float64): each autograd function's output
   and every gradient equal one-process autograd of the gathered problem and the all-gather version within 1e-6, and
   its tp bytes equal the all-gather + reduce-scatter bytes exactly;
-- training (``tests/scripts/run_layouts.py`` with ``"overlap": true``), float32, 10 AdamW steps: per-step losses
-  within 1e-5 relative of one process and final weights within 1e-5 (as ``tests/test_parity.py``) for tp2 and tp4
-  with sp (also under full and selective activation checkpointing), dp2×tp2 ZeRO 1 and 3, pp2×tp2, cp2×tp2;
-  ``bf16-mixed`` dp2×tp2 against one-process ``bf16-mixed`` at ``tests/test_parity.py``'s measured bf16-mixed
-  tolerances (``_check_bf16``); what the layers save and the model states: the
-  same bytes with and without the ring;
+- training (``tests/scripts/run_layouts.py`` with ``"overlap": true``), float32, FLOAT32_STEPS (5) AdamW steps:
+  per-step losses within 1e-5 relative of one process and final weights within WEIGHT_ATOL (as
+  ``tests/test_parity.py``) for tp2 and tp4 with sp (also under full and selective activation checkpointing), dp2×tp2
+  ZeRO 1 and 3, pp2×tp2, cp2×tp2; ``bf16-mixed`` dp2×tp2 (10 steps, in ``tests/test_parity.py``'s bf16 launch)
+  against one-process ``bf16-mixed`` at ``tests/test_parity.py``'s measured bf16-mixed tolerances (``_check_bf16``);
+  what the layers save and the model states: the same bytes with and without the ring;
 - bytes on the wire (``CommMeter``): every step's bytes per mesh dimension with the overlap equal those without it;
 - the option's validation and its command-line / YAML form.
 """
@@ -23,15 +23,16 @@ from collections import Counter
 import pytest
 
 from lightning_4d import FourDStrategy, ParallelConfig
-from tests._launch import SCRIPTS, torchrun, trained
+from tests._launch import FLOAT32_STEPS, SCRIPTS, torchrun, trained
 from tests.test_parity import (
-    BF16_REFERENCES,
     REFERENCES,
-    STEPS,
+    TP_OVERLAP_BF16,
+    WORLD4_BF16_LAUNCH,
     _check_bf16,
     _check_offloaded,
     _check_parity,
     _layout_id,
+    shared,
 )
 
 UNIT_ATOL = 1e-6
@@ -49,32 +50,38 @@ WORLD4 = [
     {"dp": 2, "tp": 2, "zero": 3, "overlap": True},
     {"pp": 2, "tp": 2, "zero": 1, "m": 2, "overlap": True},
     {"cp": 2, "tp": 2, "zero": 1, "overlap": True},
-    {"dp": 2, "tp": 2, "zero": 1, "overlap": True, "precision": "bf16-mixed"},
     # activation offload: pp2 x tp2 (each stage's one layer offloaded, two micro-batches in flight on stage 0) and
     # ZeRO 3 (FSDP2's gathered weights are parameters: never copied)
     {"pp": 2, "tp": 2, "zero": 1, "m": 2, "offload": 1},
     {"dp": 2, "tp": 2, "zero": 3, "offload": 1},
 ]
+#: the float32 rows (FLOAT32_STEPS, a launch of this file) and the bf16-mixed row (test_parity's STEPS, trained in
+#: test_parity's 4-process bf16 launch: WORLD4_BF16_LAUNCH)
+WORLD4_FLOAT32 = WORLD4
+WORLD4 = WORLD4_FLOAT32 + TP_OVERLAP_BF16
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """One process: plain Lightning in float32 (tiny-test, and with 4 kv heads for tp4), FourDStrategy in
     bf16-mixed."""
-    fp32 = trained(tmp_path_factory, "reference", 1, REFERENCES)  # test_parity's: one launch for both files
-    bf16 = trained(tmp_path_factory, "bf16_reference", 1, BF16_REFERENCES)
+    fp32 = shared(tmp_path_factory, "reference")  # test_parity's: one launch for both files
+    bf16 = shared(tmp_path_factory, "bf16_reference")
     assert REFERENCES[3]["config"] == KV4
     return {"fp32": fp32[0], "kv4": fp32[3], "bf16": bf16[0]}
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return trained(tmp_path_factory, "world2", 2, WORLD2 + WORLD2_AC + WORLD2_OFFLOAD)
+    layouts = WORLD2 + WORLD2_AC + WORLD2_OFFLOAD
+    return trained(tmp_path_factory, "overlap_world2", 2, layouts, steps=FLOAT32_STEPS)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return trained(tmp_path_factory, "world4", 4, WORLD4)
+    """The results of WORLD4's rows, in its order: this file's float32 launch, then test_parity's bf16 one."""
+    float32 = trained(tmp_path_factory, "overlap_world4", 4, WORLD4_FLOAT32, steps=FLOAT32_STEPS)
+    return float32 + shared(tmp_path_factory, "world4_bf16")[len(WORLD4_BF16_LAUNCH) - len(TP_OVERLAP_BF16) :]
 
 
 @pytest.mark.slow
@@ -140,7 +147,7 @@ def test_bytes_per_dimension_equal_without_overlap(world2):
     assert len(on) == len(off) == 2
     for r_on, r_off in zip(on, off):
         steps_on, steps_off = _per_step_dims(r_on), _per_step_dims(r_off)
-        assert len(steps_on) == STEPS
+        assert len(steps_on) == FLOAT32_STEPS
         assert steps_on == steps_off
         assert steps_on[0]["tp"] > 0
         calls_on = Counter(e[1] for e in r_on["bytes"]["comm_events"][1] if e[0] == "tp")
