@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(seconds for _, _, seconds in rows)
     caught = f"{len(rows) - len(missed)} of {len(rows)} planted bugs caught in {total:.0f} s"
     print(f"\n{caught}" + (f"; missed: {missed}" if missed else ""))
+    if not args.baseline:  # a failure without the bug (a flake, a test already failing) would read as a catch
+        print("(no --baseline: this assumes each bug's test files pass without it)")
     return 1 if missed else 0
 
 

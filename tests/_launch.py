@@ -304,6 +304,8 @@ def _signal(proc: tuple[int, int], signum: int) -> None:
 #: beside its tolerance. A launch with bf16 runs trains tests/test_parity.py's STEPS (10): in fewer a bf16 norm
 #: weight does not move by one bf16 spacing
 FLOAT32_STEPS = 5
+#: the AdamW steps of a launch with bf16 runs, and of the float32 reference they are compared with
+BF16_STEPS = 10
 
 
 def run_layouts(

@@ -17,8 +17,8 @@ from lightning_4d.models import LlamaConfig
 from lightning_4d.models.rope import context_parallel_positions
 from lightning_4d.planning.model import estimate_memory, saved_activation_bytes
 from lightning_4d.planning.workload import Job, Search, Workload
-from tests._launch import SCRIPTS, run_layouts, torchrun, trained
-from tests.test_parity import STEPS as PARITY_STEPS, _check_offloaded, _layout_id
+from tests._launch import BF16_STEPS, SCRIPTS, run_layouts, torchrun, trained
+from tests.test_parity import _check_offloaded, _layout_id
 from tests.test_pipeline import LAYERS, REFERENCES, STEPS, _check, _check_resume
 
 #: float32, tests/test_pipeline.py's STEPS (5): losses within 9.14e-8, weights 6.02e-6 (allgather) measured (9.98e-8
@@ -54,11 +54,6 @@ WORLD8 = [
     {"cp": 2, "pp": 2, "tp": 2, "method": "ring", "zero": 1, "schedule": "1f1b", "m": 2},
     {"cp": 2, "pp": 2, "tp": 2, "method": "allgather", "zero": 3, "schedule": "interleaved_1f1b", "m": 2},
 ]
-
-
-#: the AdamW steps of the launch of the bf16 rows and of their float32 reference (test_parity's: in fewer a bf16 norm
-#: weight does not move by a bf16 spacing); the float32 launches train tests/test_pipeline.py's STEPS
-BF16_STEPS = PARITY_STEPS
 
 
 @pytest.fixture(scope="module")

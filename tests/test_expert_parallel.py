@@ -22,6 +22,7 @@ from lightning_4d.features.moe.costs import expert_shard_dim
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
 from tests._launch import (
+    BF16_STEPS,
     FLOAT32_STEPS,
     SCRIPTS,
     check_final_weights,
@@ -33,7 +34,7 @@ from tests._launch import (
 
 #: the AdamW steps of the bf16-mixed parity launches and of the checkpoint tests; the float32 parity launches train
 #: FLOAT32_STEPS (tests/_launch.launched_by_precision)
-STEPS = 10
+STEPS = BF16_STEPS
 LOSS_RTOL = 1e-5
 
 

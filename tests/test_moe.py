@@ -22,12 +22,11 @@ from tests._launch import FLOAT32_STEPS, SCRIPTS, check_final_weights, initial_w
 STEPS = FLOAT32_STEPS
 LOSS_RTOL = 1e-5
 # Final weights against the one-process run's, per parameter ‖w − w_ref‖ / ‖w_ref − w0‖ (tests/_launch.py's
-# update_errors: 1 for a parameter that never trained). Measured 2026-11-27 in float32 (`pytest -s` of
-# test_moe.py -k dp2_zero, test_expert_parallel.py -k ep_losses, test_moe_tensor_parallel.py -k under_tp_and_cp):
-# at most 2.24e-5 (dp2, layers.0.attention.wo: one element whose near-zero gradient AdamW's m/sqrt(v) amplifies;
-# every other parameter <= 6.3e-6); the bound ~4.5x that.
-# At FLOAT32_STEPS (5, this file's dp runs): at most 6.08e-5 (dp2 ZeRO 1/3 with VARIANT,
-# layers.1.feed_forward.shared_experts.w1; 4.06e-5 there at 10 steps, measured before the change), 1.6x under the bound.
+# update_errors: 1 for a parameter that never trained), in float32 (`pytest -s` of test_moe.py,
+# test_expert_parallel.py -k ep_losses, test_moe_tensor_parallel.py -k under_tp_and_cp): at FLOAT32_STEPS (5) at most
+# 6.08e-5 (dp2 ZeRO 1/3 with VARIANT, layers.1.feed_forward.shared_experts.w1: elements whose near-zero gradient
+# AdamW's m/sqrt(v) amplifies; 4.06e-5 there at 10 steps on the EpochWindowDataset order, 2.24e-5 on the earlier
+# random-window order), 1.6x under the bound; ep 6.58e-6, MoE under tp 8.33e-6.
 UPDATE_RTOL = 1e-4
 
 

@@ -24,12 +24,20 @@ import pytest
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
-from tests._launch import FLOAT32_STEPS, SCRIPTS, check_final_weights, initial_weights, resume_on_layouts, torchrun
+from tests._launch import (
+    BF16_STEPS,
+    FLOAT32_STEPS,
+    SCRIPTS,
+    check_final_weights,
+    initial_weights,
+    resume_on_layouts,
+    torchrun,
+)
 from tests.test_expert_parallel import REF, VARIANT, moe_runs
 
 #: the AdamW steps of the bf16-mixed parity launch and of the checkpoint test; the float32 parity launches train
 #: FLOAT32_STEPS (tests/_launch.launched_by_precision)
-STEPS = 10
+STEPS = BF16_STEPS
 LOSS_RTOL = 1e-5
 # bf16-mixed dp2 tp2 ep2 against one-process bf16-mixed (plain Lightning: autocast over float32 weights): measured
 # 2026-11-27 (`pytest -s tests/test_moe_tensor_parallel.py -k under_tp_and_cp`) loss 2.6e-4, aux loss 7.0e-4

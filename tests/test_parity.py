@@ -17,11 +17,11 @@ import torch
 from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig
 from lightning_4d.planning.model import model_state_bytes
-from tests._launch import FLOAT32_STEPS, trained
+from tests._launch import BF16_STEPS, FLOAT32_STEPS, trained
 
 #: the AdamW steps of the launches that hold bf16 runs (and of the float32 reference they are compared with): in
 #: fewer a bf16 norm weight does not move by one bf16 spacing (MOVED_FRACTION); float32 launches train FLOAT32_STEPS
-STEPS = 10
+STEPS = BF16_STEPS
 WORLD2 = (
     [{"dp": 2, "zero": z} for z in range(4)]
     + [{"tp": 2, "zero": 0}, {"dp": 2, "zero": 3, "compile": True}]
@@ -132,7 +132,7 @@ REFERENCES += ONE_PROCESS
 #: Lightning in float32 for STEPS steps, the reference of the bf16 runs compared with float32
 BF16_REFERENCES = [{"precision": "bf16-mixed"}, {"precision": "bf16-mixed", "clip": 0.1}, {"reference": True}]
 #: the index in BF16_REFERENCES of the float32 run
-FLOAT32_AT_BF16_STEPS = 2
+FLOAT32_AT_BF16_STEPS = BF16_REFERENCES.index({"reference": True})
 
 
 #: the launches other files read too, by name: (processes, layouts, steps); world4_bf16: WORLD4_BF16_LAUNCH

@@ -150,7 +150,7 @@ def test_tied_pp_bf16_mixed_equals_one_process_bf16_mixed(references, world2):
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     werr = max((weights[k].bfloat16().float() - ref_weights[k].bfloat16().float()).abs().max().item() for k in weights)
     print(f"\n{_layout_id(layout)}: max rel loss diff {rel:.2e}, max abs weight diff {werr:.2e}")
-    assert set(weights) == set(ref_weights) and len(losses) == STEPS
+    assert set(weights) == set(ref_weights) and len(losses) == len(ref_losses) == STEPS
     assert rel <= BF16_MIXED_LOSS_RTOL and werr <= BF16_MIXED_WEIGHT_ATOL
 
 

@@ -81,7 +81,9 @@ def world2(tmp_path_factory):
 def world4(tmp_path_factory):
     """The results of WORLD4's rows, in its order: this file's float32 launch, then test_parity's bf16 one."""
     float32 = trained(tmp_path_factory, "overlap_world4", 4, WORLD4_FLOAT32, steps=FLOAT32_STEPS)
-    return float32 + shared(tmp_path_factory, "world4_bf16")[len(WORLD4_BF16_LAUNCH) - len(TP_OVERLAP_BF16) :]
+    bf16 = shared(tmp_path_factory, "world4_bf16")[len(WORLD4_BF16_LAUNCH) - len(TP_OVERLAP_BF16) :]
+    assert [r[0] for r in bf16] == TP_OVERLAP_BF16, [r[0] for r in bf16]  # the launch's last rows are this file's
+    return float32 + bf16
 
 
 @pytest.mark.slow

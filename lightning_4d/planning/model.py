@@ -383,14 +383,15 @@ def resident_state_bytes(workload: Workload, parallel_config: ParallelConfig, pp
     and optimizer states pp rank ``pp_rank`` (dp_cp rank 0) holds in every phase of a step
     (:func:`~lightning_4d.planning.states.model_state_bytes`). The estimate's total is these plus its peak phase's
     bytes plus the overhead allowance, both non-negative, so a layout whose resident states alone exceed a limit
-    needs no full estimate (the planner's search skips it).
+    needs no full estimate (the planner's search skips it). The layout is not validated here: pass one that
+    :func:`estimate_memory` accepts (the planner's are).
 
     Raises:
         ValueError: an unknown precision, a pp rank out of range.
     """
     cfg = _model(workload.model)
     states = model_state_bytes(cfg, parallel_config, normalize_precision(workload.precision), pp_rank=pp_rank)
-    return states.parameters + states.optimizer_states
+    return states.resident
 
 
 #: ranks on one node when the caller does not say (the GPUs of a DGX/HGX node)
@@ -604,7 +605,7 @@ def _estimate_pp_rank(
             # its feed-forward's backward freed from it)
             phases[name] += act.recompute
     peak_phase = max(phases, key=phases.get)
-    tensors = states.parameters + states.optimizer_states + phases[peak_phase]
+    tensors = states.resident + phases[peak_phase]
     extra = allowance.bytes_for(tensors)
     gathered = max(buf.gathered_start, buf.gathered_end)
     buffers = (

@@ -162,6 +162,12 @@ class ModelStates:
     #: bytes of model states in host memory (``optimizer_offload``; 0 without)
     host: int = 0
 
+    @property
+    def resident(self) -> int:
+        """Bytes held on the device in every phase of a step: the parameters and the optimizer states (the
+        gradients come and go with backward and the step: each phase of the estimate counts them)."""
+        return self.parameters + self.optimizer_states
+
 
 def model_state_bytes(
     model_config: Any,
