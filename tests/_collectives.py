@@ -26,9 +26,9 @@ def record() -> None:
 
 def write(out: Path) -> None:
     """Write this rank's collectives to ``out/collectives_rank<r>.json``: ``{"groups": {name: global ranks},
-    "entries": [[group name, sequence number, op, sizes, dtypes, thread id, frames], ...]}`` (sizes and dtypes of the
-    tensors every rank passes: :func:`_passed_by_every_rank`; frames:
-    ``"function file:line"``, innermost first, the first 8). Nothing without a process group."""
+    "entries": [[group name, sequence number, op, sizes, dtypes, thread id, frames, issued], ...]}`` (sizes and dtypes
+    of the tensors every rank passes: :func:`_passed_by_every_rank`; frames: ``"function file:line"``, innermost
+    first, the first 8; issued: when the rank issued it, ns of the system clock). Nothing without a process group."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -46,6 +46,7 @@ def write(out: Path) -> None:
             *_passed_by_every_rank(e),
             e["thread_id"],
             [f"{f['name']} {Path(f['filename']).name}:{f['line']}" for f in e["frames"][:8]],
+            e["time_created_ns"],
         ]
         for e in entries
     ]
@@ -90,6 +91,26 @@ def first_divergence(out: Path) -> Optional[str]:
                 lines = "\n".join(f"  rank {r}: {_describe(row)}" for r, row in here.items())
                 return f"process group {name} (ranks {members}), collective {i + 1}:\n{lines}"
     return None
+
+
+def longest_wait(out: Path) -> tuple[float, str]:
+    """The longest a rank waited at a collective of :func:`write` in ``out`` for the last rank of its group to issue
+    it: seconds between the first and the last rank's issue time (the ranks share one machine's clock), and that
+    collective described (the last rank's frames: where the others waited for it). ``(0.0, "")`` without
+    collectives. A process group's timeout shorter than this fails the launch with gloo's timeout error."""
+    by_key: dict[tuple, dict[int, list]] = {}
+    for p in out.glob("collectives_rank*.json"):
+        rank = int(p.stem.rsplit("rank", 1)[1])
+        for row in json.loads(p.read_text())["entries"]:
+            by_key.setdefault((row[0], row[1]), {})[rank] = row
+    worst, where = 0.0, ""
+    for (group, _), rows in by_key.items():
+        issued = {r: row[7] for r, row in rows.items()}
+        wait = (max(issued.values()) - min(issued.values())) / 1e9
+        if wait > worst:
+            last = max(issued, key=issued.get)
+            worst, where = wait, f"group {group}, rank {last} last: {_describe(rows[last])}"
+    return worst, where
 
 
 def _describe(row: Optional[list]) -> str:

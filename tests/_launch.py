@@ -308,6 +308,13 @@ FLOAT32_STEPS = 5
 BF16_STEPS = 10
 
 
+def max_relative(values: list[float], ref: list[float], steps: int) -> float:
+    """The largest ``|v − r| / |r|`` over per-step values (losses, aux losses, gradient norms) of a run and its
+    reference, after checking that both hold ``steps`` values."""
+    assert len(values) == len(ref) == steps, (len(values), len(ref), steps)
+    return max(abs(x - y) / abs(y) for x, y in zip(values, ref))
+
+
 def run_layouts(
     out: Path, nproc: int, layouts: list[dict], *extra: str, steps: int = 10, layers: int | None = None
 ) -> Path:

@@ -28,6 +28,7 @@ from tests._launch import (
     check_final_weights,
     initial_weights,
     launched_by_precision,
+    max_relative,
     resume_on_layouts,
     torchrun,
 )
@@ -215,11 +216,6 @@ def moe_runs(tmp_path_factory, launches) -> dict[str, list]:
     }
 
 
-def _rel(a: list[float], b: list[float], steps: int = FLOAT32_STEPS) -> float:
-    assert len(a) == len(b) == steps
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{w}-{json.dumps((DP2 if w == 'dp2' else DP4)[i])}" for w, i in CASES])
 def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
@@ -240,8 +236,9 @@ def test_ep_losses_aux_routing_norm_and_states_equal_one_process(runs, case):
         b = r["bytes"]
         if layout.get("offload"):  # the offload really held activations in host memory
             assert b["host_offloaded"] > 0, b.get("host_offloaded")
-        rel, aux = _rel(r["losses"], ref["losses"], steps), _rel(b["aux_losses"], ref["bytes"]["aux_losses"], steps)
-        norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"], steps) if "norm" in layout else 0.0
+        rel = max_relative(r["losses"], ref["losses"], steps)
+        aux = max_relative(b["aux_losses"], ref["bytes"]["aux_losses"], steps)
+        norm = max_relative(b["grad_norms"], ref["bytes"]["grad_norms"], steps) if "norm" in layout else 0.0
         print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
         assert max(rel, aux, norm) <= (BF16_RTOL if bf16 else LOSS_RTOL)
         if not bf16:  # bf16 rounding may flip a near tie of the router
@@ -276,7 +273,7 @@ def test_capacity_at_ep2_equals_ep1_at_the_same_dp(runs):
     assignments drop, so ep2 gives ep1's losses and dropped fractions at the same dp."""
     ep1, ep2 = (_records(*runs["dp2"][i]) for i in (2, 3))
     for a, b in zip(ep1, ep2):
-        rel = _rel(b["losses"], a["losses"])
+        rel = max_relative(b["losses"], a["losses"], FLOAT32_STEPS)
         print(f"\ncapacity_factor=1.0, dp2: ep2 vs ep1 loss rel {rel:.1e}")
         assert rel <= LOSS_RTOL
         assert b["bytes"]["tokens_per_expert_max"] == a["bytes"]["tokens_per_expert_max"]

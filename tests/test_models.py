@@ -573,3 +573,30 @@ def test_a_huge_size_fails_in_one_line_instead_of_hanging():
     with pytest.raises(ValueError, match="not divisible by num_heads=2"):
         LlamaConfig(num_layers=2, hidden_size=MAX_MODEL_SIZE - 1, intermediate_size=8, num_heads=2, num_kv_heads=1)
     assert time.process_time() - start < 5  # the divisors of 2^30 - 1: 32,768 steps
+
+
+def test_generate_equals_greedy_decoding_of_the_unpadded_forward():
+    """``CausalLMModule.generate`` pads each forward to GENERATE_LENGTH_STEP tokens (one shape for DTensor's sharding
+    cache): its tokens equal greedy decoding with plain ``LlamaModel`` forwards of the exact sequence, also past one
+    padding step and past the model's longest sequence (the window slides, the padding stops at max_seq_length)."""
+    from lightning_4d.tasks.causal_lm import GENERATE_LENGTH_STEP, CausalLMModule
+
+    config = LlamaConfig.from_preset("tiny-test", max_seq_length=2 * GENERATE_LENGTH_STEP + 8)
+    module = CausalLMModule(config)
+    module.configure_model()
+    prompt = [5, 17, 99, 3]
+    new = config.max_seq_length + 5 - len(prompt)  # the last forwards see a full, sliding window
+    lengths = []
+    hook = module.model.register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
+    ids = module.generate(prompt, new)
+    hook.remove()
+    assert module.training  # restored
+    # one shape per GENERATE_LENGTH_STEP new tokens, never longer than the model's longest sequence
+    assert sorted(set(lengths)) == [GENERATE_LENGTH_STEP, 2 * GENERATE_LENGTH_STEP, config.max_seq_length]
+    expected = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            logits = module.model(torch.tensor([expected[-config.max_seq_length :]]))
+            expected.append(int(logits[0, -1, : config.vocab_size].argmax()))
+    assert ids == expected
+    assert len(set(ids[len(prompt) :])) > 1  # not one repeated token: the comparison decides something

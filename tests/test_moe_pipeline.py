@@ -32,7 +32,7 @@ import json
 import pytest
 import torch
 
-from tests._launch import FLOAT32_STEPS, launched_by_precision
+from tests._launch import FLOAT32_STEPS, launched_by_precision, max_relative
 from tests.test_parity import LOSS_RTOL, STEPS, WEIGHT_ATOL
 
 LAYERS = 4
@@ -105,11 +105,6 @@ def _per_step(values: list[float], accum: int) -> list[float]:
     return [sum(values[i : i + accum]) / accum for i in range(0, len(values), accum)]
 
 
-def _rel(a: list[float], b: list[float], steps: int) -> float:
-    assert len(a) == len(b) == steps
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 def _check(runs, which, layouts, index):
     layout = layouts[index]
     bf16 = layout.get("precision") == "bf16-mixed"
@@ -123,11 +118,11 @@ def _check(runs, which, layouts, index):
     for r in ranks:  # one logged loss and aux loss on every rank, whatever its stage
         assert r["losses"] == ranks[0]["losses"] and r["bytes"]["aux_losses"] == ranks[0]["bytes"]["aux_losses"]
     r = ranks[0]
-    loss, aux = _rel(r["losses"], ref_loss, steps), _rel(r["bytes"]["aux_losses"], ref_aux, steps)
-    norm = _rel(r["bytes"]["grad_norms"], ref["bytes"]["grad_norms"], steps) if layout.get("norm") else 0.0
+    loss, aux = max_relative(r["losses"], ref_loss, steps), max_relative(r["bytes"]["aux_losses"], ref_aux, steps)
+    norm = max_relative(r["bytes"]["grad_norms"], ref["bytes"]["grad_norms"], steps) if layout.get("norm") else 0.0
     werr = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
     one = _load(*runs["ref"][len(REF) - 1])[0][0]  # float32, FLOAT32_STEPS
-    far = _rel(r["losses"], one["losses"], steps) if layout["config"] == EVERY and not bf16 else float("nan")
+    far = max_relative(r["losses"], one["losses"], steps) if layout["config"] == EVERY and not bf16 else float("nan")
     print(
         f"\n{layout}: loss rel {loss:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}, weights {werr:.1e} "
         f"(vs one process at A = 1: loss rel {far:.1e})"

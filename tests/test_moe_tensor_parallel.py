@@ -30,6 +30,7 @@ from tests._launch import (
     SCRIPTS,
     check_final_weights,
     initial_weights,
+    max_relative,
     resume_on_layouts,
     torchrun,
 )
@@ -218,11 +219,6 @@ def runs(tmp_path_factory):
     return moe_runs(tmp_path_factory, (("ref", 1, REF), ("two", 2, TWO), ("four", 4, FOUR)))
 
 
-def _rel(a: list[float], b: list[float], steps: int) -> float:
-    assert len(a) == len(b) == steps
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{w}-{json.dumps((TWO if w == 'two' else FOUR)[i])}" for w, i in CASES])
 def test_moe_under_tp_and_cp_equals_one_process(runs, case):
@@ -243,8 +239,9 @@ def test_moe_under_tp_and_cp_equals_one_process(runs, case):
     assert len(ranks) == tp * dp * cp
     for r in ranks:
         b = r["bytes"]
-        rel, aux = _rel(r["losses"], ref["losses"], steps), _rel(b["aux_losses"], ref["bytes"]["aux_losses"], steps)
-        norm = _rel(b["grad_norms"], ref["bytes"]["grad_norms"], steps) if "norm" in layout else 0.0
+        rel = max_relative(r["losses"], ref["losses"], steps)
+        aux = max_relative(b["aux_losses"], ref["bytes"]["aux_losses"], steps)
+        norm = max_relative(b["grad_norms"], ref["bytes"]["grad_norms"], steps) if "norm" in layout else 0.0
         print(f"\n{which} {layout} rank {r['rank']}: loss rel {rel:.1e}, aux rel {aux:.1e}, grad norm rel {norm:.1e}")
         assert max(rel, aux, norm) <= (BF16_RTOL if bf16 else LOSS_RTOL)
         if not bf16:  # bf16 rounding may flip a near tie of the router
