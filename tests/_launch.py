@@ -38,18 +38,20 @@ LAUNCHER = os.environ.get("L4D_TEST_LAUNCHER", "forkserver")
 
 
 def torchrun(
-    nproc: int, script: Path, *args: str, timeout: float = 600, check: bool = True
+    nproc: int, script: Path | str, *args: str, timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
     """Run ``script`` as ``torchrun --standalone --nproc-per-node nproc`` would (``nproc == 1``: as ``python
-    script``); raise with its output on failure (each rank's traceback; not with ``check=False``), or when it
-    overruns ``timeout`` seconds (with each rank's Python stacks). Returns its exit status and output (the ranks'
-    lines interleaved)."""
+    script``; ``script`` ``"-m"``: the module that ``args`` starts with, as ``torchrun -m`` runs it); raise with its
+    output on failure (each rank's traceback; not with ``check=False``), or when it overruns ``timeout`` seconds
+    (with each rank's Python stacks). Returns its exit status and output (the ranks' lines interleaved)."""
     if LAUNCHER == "torchrun":
         return _torchrun_fresh(nproc, script, *args, timeout=timeout, check=check)
     return _torchrun_forked(nproc, script, *args, timeout=timeout, check=check)
 
 
-def _torchrun_forked(nproc: int, script: Path, *args: str, timeout: float, check: bool) -> subprocess.CompletedProcess:
+def _torchrun_forked(
+    nproc: int, script: Path | str, *args: str, timeout: float, check: bool
+) -> subprocess.CompletedProcess:
     """:func:`torchrun` with each rank forked from the test forkserver (``tests/_forkserver.py``)."""
     from tests import _forkserver
 
@@ -111,7 +113,9 @@ def _outputs(out: Path) -> tuple[str, str]:
     return tuple((out / n).read_text(errors="replace") if (out / n).exists() else "" for n in ("stdout", "stderr"))
 
 
-def _torchrun_fresh(nproc: int, script: Path, *args: str, timeout: float, check: bool) -> subprocess.CompletedProcess:
+def _torchrun_fresh(
+    nproc: int, script: Path | str, *args: str, timeout: float, check: bool
+) -> subprocess.CompletedProcess:
     """:func:`torchrun` with a fresh interpreter per rank: ``torch.distributed.run`` (``nproc == 1``: ``python``)."""
     if nproc == 1:
         cmd = [sys.executable, str(script), *args]
