@@ -38,19 +38,20 @@ LAUNCHER = os.environ.get("L4D_TEST_LAUNCHER", "forkserver")
 
 
 def torchrun(
-    nproc: int, script: Path | str, *args: str, timeout: float = 600, check: bool = True
+    nproc: int, script: Path | str, *args: str, timeout: float = 600, check: bool = True, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
     """Run ``script`` as ``torchrun --standalone --nproc-per-node nproc`` would (``nproc == 1``: as ``python
     script``; ``script`` ``"-m"``: the module that ``args`` starts with, as ``torchrun -m`` runs it); raise with its
     output on failure (each rank's traceback; not with ``check=False``), or when it overruns ``timeout`` seconds
-    (with each rank's Python stacks). Returns its exit status and output (the ranks' lines interleaved)."""
+    (with each rank's Python stacks); ``cwd``: the ranks' working directory. Returns its exit status and output (the
+    ranks' lines interleaved)."""
     if LAUNCHER == "torchrun":
-        return _torchrun_fresh(nproc, script, *args, timeout=timeout, check=check)
-    return _torchrun_forked(nproc, script, *args, timeout=timeout, check=check)
+        return _torchrun_fresh(nproc, script, *args, timeout=timeout, check=check, cwd=cwd)
+    return _torchrun_forked(nproc, script, *args, timeout=timeout, check=check, cwd=cwd)
 
 
 def _torchrun_forked(
-    nproc: int, script: Path | str, *args: str, timeout: float, check: bool
+    nproc: int, script: Path | str, *args: str, timeout: float, check: bool, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
     """:func:`torchrun` with each rank forked from the test forkserver (``tests/_forkserver.py``)."""
     from tests import _forkserver
@@ -59,7 +60,7 @@ def _torchrun_forked(
     if nproc > 1:
         cmd = [f"torchrun --standalone --nproc-per-node={nproc} (forked ranks)", *cmd[1:]]
     envs = _forkserver.rank_envs(nproc, worker_env())
-    code, stdout, stderr = _forked([[str(script), *args]] * nproc, envs, ROOT, cmd, timeout)
+    code, stdout, stderr = _forked([[str(script), *args]] * nproc, envs, cwd, cmd, timeout)
     if code is None:
         raise AssertionError(_overran(cmd, timeout, stdout, stderr)) from None
     proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
@@ -114,7 +115,7 @@ def _outputs(out: Path) -> tuple[str, str]:
 
 
 def _torchrun_fresh(
-    nproc: int, script: Path | str, *args: str, timeout: float, check: bool
+    nproc: int, script: Path | str, *args: str, timeout: float, check: bool, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
     """:func:`torchrun` with a fresh interpreter per rank: ``torch.distributed.run`` (``nproc == 1``: ``python``)."""
     if nproc == 1:
@@ -129,7 +130,7 @@ def _torchrun_fresh(
             str(script),
             *args,
         ]
-    proc = run_limited(cmd, timeout)
+    proc = run_limited(cmd, timeout, cwd=cwd)
     return _checked(proc) if check else proc
 
 
