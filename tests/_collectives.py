@@ -15,6 +15,9 @@ from typing import Optional
 
 #: the newest collectives kept per process (torch's flight recorder ring buffer)
 KEPT = 200_000
+#: the process-group timeout (s) of the launches that record their collectives (tests/scripts/hf_llama_4d.py): a
+#: rank that waits longer at a collective fails the launch with gloo's timeout error
+TIMEOUT_S = 120
 
 
 def record() -> None:
@@ -97,7 +100,8 @@ def longest_wait(out: Path) -> tuple[float, str]:
     """The longest a rank waited at a collective of :func:`write` in ``out`` for the last rank of its group to issue
     it: seconds between the first and the last rank's issue time (the ranks share one machine's clock), and that
     collective described (the last rank's frames: where the others waited for it). ``(0.0, "")`` without
-    collectives. A process group's timeout shorter than this fails the launch with gloo's timeout error."""
+    collectives. A process group's timeout shorter than this fails the launch with gloo's timeout error (the
+    pipeline's send/recv are not in gloo's flight recorder: their waits are not counted)."""
     by_key: dict[tuple, dict[int, list]] = {}
     for p in out.glob("collectives_rank*.json"):
         rank = int(p.stem.rsplit("rank", 1)[1])

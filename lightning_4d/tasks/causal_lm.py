@@ -25,7 +25,7 @@ from lightning_4d.safe_load import check_checkpoint
 from lightning_4d.tasks.documents import DocumentMasking, token_weight
 from lightning_4d.tasks.metrics import TokenMeanLoss
 
-#: :meth:`CausalLMTask.generate` right-pads each forward's sequence to a multiple of this many tokens (one shape for
+#: :meth:`CausalLMModule.generate` right-pads each forward's sequence to a multiple of this many tokens (one shape for
 #: this many consecutive new tokens)
 GENERATE_LENGTH_STEP = 32
 
@@ -421,16 +421,14 @@ class CausalLMModule(MoETraining, L.LightningModule):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, pad_to_multiple_of: int = 1) -> list[int]:
-        """Greedy decoding (no KV cache: one full forward per new token, without autograd). Must run on every rank
-        of the job.
+        """Greedy decoding (no KV cache: one full forward per new token). Must run on every rank of the job.
 
         Each forward's sequence is right-padded to a multiple of :data:`GENERATE_LENGTH_STEP` tokens (and of
         ``pad_to_multiple_of``), so consecutive tokens reuse one shape: DTensor caches its sharding decisions by
         input shape, and a new length per token paid them again each forward (measured on ``make run``'s dp2 x tp2
-        job, 4 processes on 2 CPU cores, 80 tokens: 9.0 s with a new length and autograd per token, 4.3 s now;
-        steps of 16 and 128 tokens took 5.1 s and 6.1 s). Causal attention keeps the padding from changing earlier
+        job, 4 processes on 2 CPU cores, 80 tokens: 7.3-9.0 s with a new length per token, 4.3 s now; steps of
+        16 and 128 tokens took 5.1 s and 6.1 s). Causal attention keeps the padding from changing earlier
         positions, so the tokens are those of the unpadded forward; the padding stops at ``max_seq_length``.
 
         Args:

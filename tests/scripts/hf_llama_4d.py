@@ -117,7 +117,7 @@ def main() -> None:
                 activation_offload_layers=layout.get("offload", 0),
                 compile=layout.get("compile", False),
                 process_group_backend="gloo",
-                timeout=timedelta(seconds=120),
+                timeout=timedelta(seconds=_collectives.TIMEOUT_S),
             )
         losses: list[float] = []
 
