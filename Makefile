@@ -23,12 +23,8 @@ install: $(STAMP)
 run: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/lightning-4d fit --config configs/tiny.yaml
 
-# the whole suite on TEST_WORKERS pytest-xdist workers: each test file (with the files that import its launches) is
-# one work unit, the heaviest first (tests/conftest.py); a launch's ranks wait on each other while the other worker's
-# launch computes. TEST_WORKERS=0: one process, pytest's order
-TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -s -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=40 tests
+	$(BIN)/python -m pytest -q -s --durations=40 tests
 
 # the quick tier for the edit-test loop: lint, then every test not marked slow (pyproject.toml's markers: no process
 # launches, no training runs); under 5 minutes on 2 cores. `make test` is the whole suite.
