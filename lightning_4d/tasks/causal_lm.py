@@ -449,10 +449,10 @@ class CausalLMModule(MoETraining, L.LightningModule):
         self.eval()
         ids = list(prompt_ids)
         step = math.lcm(GENERATE_LENGTH_STEP, pad_to_multiple_of)
+        longest = self.model_config.max_seq_length // pad_to_multiple_of * pad_to_multiple_of
         for _ in range(max_new_tokens):
             window = ids[-self.model_config.max_seq_length :]
             n = len(window)
-            longest = self.model_config.max_seq_length // pad_to_multiple_of * pad_to_multiple_of
             length = min(n + (-n) % step, longest)  # never past the model's longest sequence
             if length < n:  # max_seq_length itself not a multiple of pad_to_multiple_of
                 length = n + (-n) % pad_to_multiple_of
