@@ -1,7 +1,8 @@
 """Mutation testing of the memory model with mutmut: how many small edits of its formula modules the quick tier
 catches.
 
-``python benchmarks/mutation_memory_model.py [--modules states params ...] [--dir DIR] [--max-children N]``
+``python benchmarks/mutation_memory_model.py [--modules states params ...] [--dir DIR] [--max-children N]
+[--functions NAME ...]``
 (``pip install mutmut``, 3.8 or later; not a project dependency):
 
 1. copies the working tree (tracked files, no ``.git``) into ``--dir`` (default: a temporary folder, kept when given);
@@ -14,7 +15,9 @@ catches.
    ``first_bucket_elements``, the planner's and the step-time model's caches) would hide the mutated function from
    both the test-to-function map and the run (measured: without it every mutant of ``bucket_owned`` "survived"; with
    it the first one planted by hand fails ``test_model_states_zero_stages_shard_what_they_should``);
-4. runs ``mutmut run`` and prints, per module, the mutants killed, survived, not reached by any quick test, timed out,
+4. runs ``mutmut run`` (``--functions``: only the mutants of those functions of the mutated modules, e.g.
+   ``saved_bytes _fsdp_units``: mutmut's name patterns ``lightning_4d.planning.<module>.x_<function>__mutmut_*``)
+   and prints, per module, the mutants killed, survived, not reached by any quick test, timed out,
    and the score ``killed / (killed + survived + not reached)``, then each survivor's diff (``mutmut show``).
 
 Not a test (minutes to hours: about 2,200 mutants over the four default modules). A surviving mutant is either a
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, help="working folder (kept; a rerun there continues the run)")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--summary-only", action="store_true", help="print the results of a run in --dir")
+    parser.add_argument("--functions", nargs="+", default=[], help="mutate only these functions of --modules")
     args = parser.parse_args(argv)
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or shutil.which("mutmut")
     if mutmut is None:
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summary_only:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the mutants, not this checkout
         env["OMP_NUM_THREADS"] = "1"
-        subprocess.run([mutmut, "run", "--max-children", str(args.max_children)], cwd=tree, env=env)
+        names = [f"lightning_4d.planning.{m}.x_{f}__mutmut_*" for m in args.modules for f in args.functions]
+        subprocess.run([mutmut, "run", "--max-children", str(args.max_children), *names], cwd=tree, env=env)
     summary(tree, mutmut)
     return 0
 
