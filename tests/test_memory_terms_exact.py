@@ -8,6 +8,7 @@ tests/test_activation_checkpointing.py. Every value is also checked to be an ``i
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -17,15 +18,18 @@ from lightning_4d import ParallelConfig
 from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES
 from lightning_4d.planning.activations import (
+    _add_autocast_copies,
     document_masking_inputs,
     kept_layer_backward,
     layer_saved_parts,
     layer_selective_parts,
     layer_selective_recompute,
     recompute_backward,
+    saved_bytes,
 )
 from lightning_4d.planning.buffers import _fsdp_buffers, _zero3_backward_end, buffer_terms
 from lightning_4d.planning.offload_costs import unpacked_bytes
+from lightning_4d.planning.params import as_held, rank_layers, rank_layout
 from lightning_4d.planning.states import model_state_bytes
 from lightning_4d.planning.tensors import Dtypes, Param
 from lightning_4d.planning.workload import Workload
@@ -147,6 +151,65 @@ def test_document_masking_inputs_are_the_named_tensors(cp, dt):
     pc = SimpleNamespace(cp=cp)
     mask = nbytes(dt.compute, b, 1, s, s) if cp == 1 else nbytes(8, b, s * cp)
     exact(document_masking_inputs(CFG, pc, dt, b, s), 2 * nbytes(4, b, s, CFG.head_dim // 2) + mask)
+
+
+def _cast_matrices(cfg: LlamaConfig, tp: int, layers: list[int], last: bool) -> int:
+    """Bytes of autocast's bfloat16 copies of the matrices a rank multiplies with: every weight matrix of decoder
+    layers ``layers`` and (``last``) the head's (tied: the embedding's tensor, which the head multiplies with), each
+    a local shard of ``1/tp`` of its elements; the embedding's lookup casts nothing. From the real module's
+    parameters (built on the meta device)."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    mine = tuple(f"layers.{i}." for i in layers) + (("output.",) if last else ())
+    params = model.named_parameters(remove_duplicate=False)  # tied: ``output.weight`` is the embedding's tensor
+    return sum(nbytes(2, p.numel() // tp) for name, p in params if p.dim() == 2 and name.startswith(mine))
+
+
+# (tp, pp, schedule, pp_rank): a V schedule's rank 0 holds the first and the last stage (tied: one tensor)
+AUTOCAST_RANKS = [
+    (1, 1, "1f1b", 0),
+    (2, 1, "1f1b", 0),
+    (1, 2, "1f1b", 0),
+    (2, 2, "1f1b", 1),
+    (2, 2, "interleaved_1f1b", 1),
+    (1, 2, "zbv", 0),
+    (2, 2, "zbv", 1),
+]
+#: with each activation checkpointing a schedule takes (a zero-bubble one refuses "selective")
+AUTOCAST_CASES = [
+    (*r, ac) for r in AUTOCAST_RANKS for ac in ("none", "full", "selective") if (ac, r[2]) != ("selective", "zbv")
+]
+
+
+@pytest.mark.parametrize("tp, pp, schedule, pp_rank, ac", AUTOCAST_CASES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_autocast_weight_copies_are_the_cast_matrices(tp, pp, schedule, pp_rank, tied, ac):
+    """``16-mixed`` (Lightning's autocast over float32 parameters): the bfloat16 copies of the rank's matrices
+    (``_add_autocast_copies``' docstring: every local matrix but the embedding, the tied head too) are saved with
+    the micro-batch; under activation checkpointing the decoder layers' copies are made again in their recompute
+    (one layer's, beside what the recompute holds already) and only the head's stay saved. ``saved_bytes`` adds
+    them under ``16-mixed`` only."""
+    cfg = dataclasses.replace(TINY, num_layers=4, tie_word_embeddings=tied)
+    pc = ParallelConfig(
+        data_parallel_size=1,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        pipeline_schedule=schedule,
+        activation_checkpointing=ac,
+    )
+    layers = rank_layers(cfg.num_layers, pc, pp_rank)
+    n_layers, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
+    assert n_layers == len(layers) and n_layers > 0
+    head = _cast_matrices(cfg, tp, [], last)
+    in_layers = _cast_matrices(cfg, tp, layers, False)
+    out = {"compute_weights": 0, "recompute": 7}
+    _add_autocast_copies(out, as_held(cfg, pc), pc, layers, first, last)
+    recomputed = ac != "none"
+    exact(out["compute_weights"], head + (0 if recomputed else in_layers))
+    exact(out["recompute"], 7 + (in_layers // n_layers if recomputed else 0))
+    autocast = saved_bytes(cfg, pc, F16_MIXED, 2, 32, pp_rank, 1.0)
+    exact(autocast["compute_weights"], head + (0 if recomputed else in_layers))
+    exact(saved_bytes(cfg, pc, BF16_MIXED, 2, 32, pp_rank, 1.0)["compute_weights"], 0)
 
 
 def _root(vocab: int, h: int, tied: bool) -> list:
