@@ -153,16 +153,20 @@ def test_document_masking_inputs_are_the_named_tensors(cp, dt):
     exact(document_masking_inputs(CFG, pc, dt, b, s), 2 * nbytes(4, b, s, CFG.head_dim // 2) + mask)
 
 
-def _cast_matrices(cfg: LlamaConfig, tp: int, layers: list[int], last: bool) -> int:
+def _cast_matrices(cfg: LlamaConfig, tp: int, layers: list[int], last: bool, ep: int = 1) -> int:
     """Bytes of autocast's bfloat16 copies of the matrices a rank multiplies with: every weight matrix of decoder
-    layers ``layers`` and (``last``) the head's (tied: the embedding's tensor, which the head multiplies with), each
-    a local shard of ``1/tp`` of its elements; the embedding's lookup casts nothing. From the real module's
-    parameters (built on the meta device)."""
+    layers ``layers`` (an MoE layer's router and its ``1/ep`` of the experts' ``[E, ., .]`` tensors) and (``last``)
+    the head's (tied: the embedding's tensor, which the head multiplies with), each a local shard of ``1/tp`` of its
+    elements; the embedding's lookup casts nothing. From the real module's parameters (built on the meta device)."""
     with torch.device("meta"):
         model = LlamaModel(cfg)
     mine = tuple(f"layers.{i}." for i in layers) + (("output.",) if last else ())
     params = model.named_parameters(remove_duplicate=False)  # tied: ``output.weight`` is the embedding's tensor
-    return sum(nbytes(2, p.numel() // tp) for name, p in params if p.dim() == 2 and name.startswith(mine))
+    return sum(
+        nbytes(2, p.numel() // tp // (ep if ".experts." in name else 1))
+        for name, p in params
+        if p.dim() >= 2 and name.startswith(mine)
+    )
 
 
 # (tp, pp, schedule, pp_rank): a V schedule's rank 0 holds the first and the last stage (tied: one tensor)
@@ -181,9 +185,21 @@ AUTOCAST_CASES = [
 ]
 
 
+def _autocast_expected(cfg, pc: ParallelConfig, pp_rank: int, ep: int = 1) -> tuple[int, int, int]:
+    """(``compute_weights``, ``recompute``'s added copies, layers) of pp rank ``pp_rank`` (see the test below)."""
+    layers = rank_layers(cfg.num_layers, pc, pp_rank)
+    n_layers, _, last = rank_layout(cfg.num_layers, pc, pp_rank)
+    assert n_layers == len(layers) and n_layers > 0
+    head = _cast_matrices(cfg, pc.tp, [], last)
+    in_layers = _cast_matrices(cfg, pc.tp, layers, False, ep)
+    if pc.activation_checkpointing == "none":
+        return head + in_layers, 0, n_layers
+    return head, in_layers // n_layers, n_layers
+
+
 @pytest.mark.parametrize("tp, pp, schedule, pp_rank, ac", AUTOCAST_CASES)
 @pytest.mark.parametrize("tied", [False, True])
-def test_autocast_weight_copies_are_the_cast_matrices(tp, pp, schedule, pp_rank, tied, ac):
+def test_autocast_weight_copies_are_the_cast_matrices(tp, pp, schedule, pp_rank, ac, tied):
     """``16-mixed`` (Lightning's autocast over float32 parameters): the bfloat16 copies of the rank's matrices
     (``_add_autocast_copies``' docstring: every local matrix but the embedding, the tied head too) are saved with
     the micro-batch; under activation checkpointing the decoder layers' copies are made again in their recompute
@@ -197,18 +213,28 @@ def test_autocast_weight_copies_are_the_cast_matrices(tp, pp, schedule, pp_rank,
         pipeline_schedule=schedule,
         activation_checkpointing=ac,
     )
+    _check_autocast_copies(cfg, pc, pp_rank)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_autocast_weight_copies_of_moe_layers(ac, ep):
+    """As above for tiny-moe (every layer MoE: a router ``[E, h]`` and three ``[E, f_e, h]`` expert tensors) at
+    dp2 with ``ep`` = 1 or 2: a rank casts its ``E/ep`` experts."""
+    cfg = LlamaConfig.from_preset("tiny-moe")
+    pc = ParallelConfig(data_parallel_size=2, expert_parallel_size=ep, activation_checkpointing=ac)
+    _check_autocast_copies(cfg, pc, 0, ep)
+
+
+def _check_autocast_copies(cfg, pc: ParallelConfig, pp_rank: int, ep: int = 1) -> None:
+    weights, recompute, _ = _autocast_expected(cfg, pc, pp_rank, ep)
     layers = rank_layers(cfg.num_layers, pc, pp_rank)
-    n_layers, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
-    assert n_layers == len(layers) and n_layers > 0
-    head = _cast_matrices(cfg, tp, [], last)
-    in_layers = _cast_matrices(cfg, tp, layers, False)
+    _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
     out = {"compute_weights": 0, "recompute": 7}
     _add_autocast_copies(out, as_held(cfg, pc), pc, layers, first, last)
-    recomputed = ac != "none"
-    exact(out["compute_weights"], head + (0 if recomputed else in_layers))
-    exact(out["recompute"], 7 + (in_layers // n_layers if recomputed else 0))
-    autocast = saved_bytes(cfg, pc, F16_MIXED, 2, 32, pp_rank, 1.0)
-    exact(autocast["compute_weights"], head + (0 if recomputed else in_layers))
+    exact(out["compute_weights"], weights)
+    exact(out["recompute"], 7 + recompute)
+    exact(saved_bytes(cfg, pc, F16_MIXED, 2, 32, pp_rank, 1.0)["compute_weights"], weights)
     exact(saved_bytes(cfg, pc, BF16_MIXED, 2, 32, pp_rank, 1.0)["compute_weights"], 0)
 
 
