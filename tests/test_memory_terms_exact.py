@@ -15,19 +15,24 @@ import pytest
 import torch
 
 from lightning_4d import ParallelConfig
+from lightning_4d.features.context_parallel.costs import extra_saved_bytes, selective_attention_tokens
 from lightning_4d.models import LlamaConfig, LlamaModel
 from lightning_4d.partition import GRADIENT_BUCKET_BYTES
 from lightning_4d.planning.activations import (
     _add_autocast_copies,
     document_masking_inputs,
     kept_layer_backward,
+    layer_saved,
     layer_saved_parts,
     layer_selective_parts,
     layer_selective_recompute,
+    norm_input_saved,
     recompute_backward,
     saved_bytes,
+    saved_per_layer,
 )
 from lightning_4d.planning.buffers import _fsdp_buffers, _zero3_backward_end, buffer_terms
+from lightning_4d.planning.float8_costs import float8_tensor_parallel_saved
 from lightning_4d.planning.offload_costs import unpacked_bytes
 from lightning_4d.planning.params import as_held, rank_layers, rank_layout
 from lightning_4d.planning.states import model_state_bytes
@@ -139,6 +144,116 @@ def test_selective_parts_and_recompute_are_the_named_tensors(tp, sp, dt):
     recomputed = 2 * norm - nbytes(r, b, s_sp, h) + attn_in + ffn_in + rotated + 2 * nbytes(c, b, s, f // tp)
     consumed = rotated + (nbytes(c, b, s_sp, h) if tp > 1 else nbytes(c, b, s, h))
     exact(layer_selective_recompute(CFG, dt, b, s, tp, sp), recomputed - consumed)
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("dt", [F32, F16_MIXED])
+def test_moe_layer_projection_inputs_are_the_named_tensors(tp, sp, dt):
+    """An MoE layer (``layer_saved_parts`` with ``moe``) runs its feed-forward on the rank's ``s/t`` tokens under tp
+    (``TokenParallel``): its input ``[b, s/t, h]`` is saved once (compute dtype), with or without sp, and at tp = 1
+    as a dense layer's (``16-mixed``: one cast per linear, w1 and w3). The attention inputs stay a dense layer's."""
+    cfg = LlamaConfig.from_preset("tiny-moe")
+    b, s = 3, 40
+    c, h = dt.compute, cfg.hidden_size
+    parts = layer_saved_parts(cfg, dt, b, s, tp, sp, (1, 1.0))
+    dense = layer_saved_parts(cfg, dt, b, s, tp, sp)
+    for value in parts.values():
+        assert type(value) is int
+    ffn_in = nbytes(c, b, s // tp, h) if tp > 1 else nbytes(c, b, s, h) * (2 if dt.autocast else 1)
+    exact(parts["ffn_in"], ffn_in)
+    assert {k: v for k, v in parts.items() if k not in ("ffn_in", "swiglu")} == {
+        k: v for k, v in dense.items() if k not in ("ffn_in", "swiglu")
+    }
+
+
+#: saved_bytes' models: tiny-test with 4 layers; tiny-moe with 4 layers, every other one MoE; every one MoE with a
+#: dense feed-forward width (unused) larger than the experts' (a dense layer would save more than an MoE one)
+SAVED_MODELS = {
+    "dense": lambda: dataclasses.replace(TINY, num_layers=4),
+    "moe-mixed": lambda: LlamaConfig.from_preset("tiny-moe", num_layers=4, moe_layer_interval=2),
+    "moe-all": lambda: LlamaConfig.from_preset("tiny-moe", num_layers=4, intermediate_size=2048),
+}
+TP2 = {"tensor_parallel_size": 2}
+TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
+ALLGATHER = {"context_parallel_size": 2, "context_parallel_method": "allgather"}
+# (model, precision, layout, pp_rank, document_masking) of saved_bytes: its parts on each kind of rank
+SAVED_CASES = [
+    ("dense", "32-true", {}, 0, False),
+    ("dense", "bf16-mixed", dict(TP2, sequence_parallel=False), 0, False),
+    ("dense", "bf16-mixed", dict(TP2_SP, activation_checkpointing="full"), 0, True),
+    ("dense", "16-mixed", dict(TP2_SP, activation_checkpointing="selective"), 0, False),
+    ("dense", "bf16-mixed", dict(TP2_SP, activation_checkpointing="selective"), 0, False),
+    ("dense", "32-true", {"pipeline_parallel_size": 2}, 0, False),
+    ("dense", "32-true", {"pipeline_parallel_size": 2, "activation_checkpointing": "full"}, 1, False),
+    ("dense", "bf16-mixed", ALLGATHER, 0, False),
+    ("dense", "bf16-mixed", dict(ALLGATHER, activation_checkpointing="full"), 0, False),
+    ("dense", "bf16-mixed", dict(TP2_SP, float8="tensorwise"), 0, False),
+    ("moe-mixed", "bf16-mixed", TP2_SP, 0, False),
+    ("moe-mixed", "bf16-mixed", dict(TP2_SP, activation_checkpointing="selective"), 0, False),
+    ("moe-mixed", "32-true", {"activation_checkpointing": "full"}, 0, False),
+    ("moe-all", "32-true", {"activation_checkpointing": "full"}, 0, False),
+    ("moe-all", "32-true", {}, 0, False),
+]
+
+
+@pytest.mark.parametrize("model, precision, layout, pp_rank, masking", SAVED_CASES)
+def test_saved_bytes_parts_are_the_named_tensors(model, precision, layout, pp_rank, masking):
+    """``saved_bytes`` (``b`` = 3, ``s`` = 64; ``s'`` = s/cp, /t under sp), by part: the layers' (``layer_saved``
+    each, + float8's tp inputs; an MoE layer's with its feed-forward; under full checkpointing each layer's input
+    ``[b, s', h]`` only; under selective the dense layers' kept parts and the MoE layers' whole sets), the
+    embedding's int64 token ids ``[b, s]`` (first stage), the float32 cos and sin ``[s, d/2]`` (or document masking's
+    inputs), the head's norm input and the head's input ``[b, s', h]``, the loss' logits ``[b, s, V/t]`` (compute
+    dtype) with a float32 and an int64 ``[b, s]`` (last stage), the all-gather cp extra per layer (kept, or made
+    again in the recompute under checkpointing), ``16-mixed``'s weight copies (the autocast test above) and the
+    recompute (the largest layer's whole saved set under full checkpointing, the selective recompute under
+    selective). Every part an ``int``; ``saved_per_layer`` their layers' mean."""
+    cfg = SAVED_MODELS[model]()
+    pc = ParallelConfig(data_parallel_size=1, **layout)
+    dt = Dtypes.of(precision)
+    b, seq = 3, 64
+    s = seq // pc.cp
+    tp, sp, h, c, r = pc.tp, pc.sp, cfg.hidden_size, dt.compute, dt.residual
+    s_sp = s // tp if sp else s
+    n, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
+    n_moe = {"dense": 0, "moe-mixed": n // 2, "moe-all": n}[model]
+    got = saved_bytes(cfg, pc, dt, b, seq, pp_rank, 1.0, **({"document_masking": True} if masking else {}))
+    for value in got.values():
+        assert type(value) is int, got
+    dense = layer_saved(cfg, dt, b, s, tp, sp) + float8_tensor_parallel_saved(cfg, pc, c, b, s)
+    moe = layer_saved(cfg, dt, b, s, tp, sp, (1, 1.0))
+    if pc.float8:  # float8 saves its inputs in 1 byte: fewer bytes than the layer's
+        assert float8_tensor_parallel_saved(cfg, pc, c, b, s) < 0
+    if model == "moe-all":
+        assert dense > moe  # the dense width is not a layer's: the MoE layer's set is the largest
+    kv = extra_saved_bytes(cfg, pc, dt, b, seq)
+    largest = max(dense if n > n_moe else 0, moe if n_moe else 0)
+    if pc.activation_checkpointing == "full":
+        layers, recompute = n * nbytes(r, b, s_sp, h), largest + kv
+    elif pc.activation_checkpointing == "selective":
+        kept = layer_selective_parts(cfg, dt, b, s, tp, sp, selective_attention_tokens(pc, s, seq))
+        layers = (n - n_moe) * sum(kept.values()) + n_moe * moe
+        recompute = layer_selective_recompute(cfg, dt, b, s, tp, sp)
+    else:
+        layers, recompute = (n - n_moe) * dense + n_moe * moe, 0
+    weights, recast, _ = _autocast_expected(cfg, pc, pp_rank) if dt.autocast else (0, 0, 0)
+    rope = document_masking_inputs(cfg, pc, dt, b, s) if masking else 2 * nbytes(4, s, cfg.head_dim // 2)
+    if masking:
+        assert rope != 2 * nbytes(4, s, cfg.head_dim // 2)
+    assert norm_input_saved(r, b, s_sp, h) == nbytes(r, b, s_sp, h) + nbytes(4, b, s_sp, 1)
+    head = norm_input_saved(r, b, s_sp, h) + nbytes(c, b, s_sp, h)
+    loss = nbytes(c, b, s, cfg.padded_vocab_size // tp) + nbytes(4, b, s) + nbytes(8, b, s)
+    assert got == {
+        "layers": layers,
+        "embedding": nbytes(8, b, s) if first else 0,
+        "rope": rope,
+        "head": head if last else 0,
+        "loss": loss if last else 0,
+        "compute_weights": weights,
+        "context_parallel_kv": n * kv if pc.activation_checkpointing == "none" else 0,
+        "recompute": recompute + recast,
+    }
+    assert saved_per_layer(got, n) == (got["layers"] + got["context_parallel_kv"]) / n
+    assert saved_per_layer(got, 0) == got["layers"] + got["context_parallel_kv"]
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
