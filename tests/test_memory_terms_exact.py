@@ -31,11 +31,21 @@ from lightning_4d.planning.activations import (
     saved_bytes,
     saved_per_layer,
 )
-from lightning_4d.planning.buffers import _fsdp_buffers, _zero3_backward_end, buffer_terms
-from lightning_4d.planning.float8_costs import float8_tensor_parallel_saved
+from lightning_4d.planning.buffers import (
+    _fsdp_buffers,
+    _fsdp_units,
+    _zero3_backward_end,
+    buffer_terms,
+    initialization_bytes,
+)
+from lightning_4d.planning.float8_costs import (
+    float8_backward_transient,
+    float8_forward_transient,
+    float8_tensor_parallel_saved,
+)
 from lightning_4d.planning.offload_costs import unpacked_bytes
-from lightning_4d.planning.params import as_held, rank_layers, rank_layout
-from lightning_4d.planning.states import model_state_bytes
+from lightning_4d.planning.params import as_held, rank_layers, rank_layout, weighted_params
+from lightning_4d.planning.states import fsdp_padded_numel, fsdp_shard_numel, model_state_bytes
 from lightning_4d.planning.tensors import Dtypes, Param
 from lightning_4d.planning.workload import Workload
 
@@ -580,6 +590,10 @@ def test_feature_terms_float8_gathered_forward(zero, pp, precision):
     G = dt.compute if dt.master else dt.param
     exact(buf.gathered_forward, buf.gathered_start - units * (G - 1) * (layer - 2 * TINY.hidden_size))
     assert buf.gathered_start > 0
+    # float8's cast transients (planning/float8_costs.py, measured there) are the buffers' fields
+    exact(buf.float8_forward, float8_forward_transient(cfg, pc, 2, 64))
+    exact(buf.float8_backward, float8_backward_transient(cfg, pc, 2, 64))
+    assert buf.float8_forward > 0 and buf.float8_backward > 0
 
 
 LAYOUTS = [
@@ -588,6 +602,7 @@ LAYOUTS = [
     dict(pipeline_parallel_size=2, zero_stage=3),
     dict(context_parallel_size=2, zero_stage=2, activation_checkpointing="full"),
     dict(data_parallel_size=2, zero_stage=3, activation_checkpointing="selective"),
+    dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1),  # sp: the head's transient on rank 1 only
 ]
 
 
@@ -785,3 +800,210 @@ def test_zero3_tied_root_gradients_and_fsdp_buckets():
     for zero in (2, 3):
         buf, _, _, _ = _terms("32-true", data_parallel_size=1, zero_stage=zero)
         assert (buf.head_gradient_kept, buf.kept_weight_gradient) == (0, 0)
+
+
+def _padded_total(numel: int, world: int) -> int:
+    """``numel`` elements padded to a multiple of ``world`` (a ZeRO 0/1 gradient bucket's length)."""
+    return -(-numel // world) * world
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("m", [1, 2])
+def test_resident_gradients_by_zero_stage_pipeline_and_accumulation(zero, pp, m):
+    """Gradients alive before backward starts (``_resident_gradients``' docstring), dp2 ``bf16-mixed`` tiny-test:
+    ZeRO 0/1 with a pipeline or accumulation (m > 1) and ZeRO 2/3 accumulating without a pipeline hold every
+    gradient from the first backward on (the states' gradients); ZeRO 2/3 otherwise none; ZeRO 0/1 with one
+    micro-batch and no pipeline only the bucket that takes the head's gradient, the first of backward: here the one
+    bucket of all 106,816 elements (25 MiB holds them), padded to a multiple of the 2 ranks, in float32."""
+    buf, pc, dt, states = _terms("bf16-mixed", m=m, data_parallel_size=2, zero_stage=zero, pipeline_parallel_size=pp)
+    if zero <= 1 and (pp > 1 or m > 1) or zero >= 2 and pp == 1 and m > 1:
+        expected = (states.gradients, 0)
+        assert states.gradients > 0
+    elif zero >= 2:
+        expected = (0, 0)
+    else:
+        _, total, _ = _real_numels()
+        expected = (0, nbytes(4, _padded_total(total, 2)))
+    assert (buf.resident_gradients, buf.first_bucket) == expected
+
+
+def test_first_bucket_holds_the_dense_parameters_only():
+    """Under ep the experts' gradients have buckets of their own (``GradientBuckets``' groups): tiny-moe dp2 ep2
+    ZeRO 1, one micro-batch: the first bucket holds the dense parameters (every parameter but the experts'
+    ``[E, ., .]`` tensors, counted on the real module), padded to the 2 ranks, float32."""
+    cfg = LlamaConfig.from_preset("tiny-moe")
+    pc = ParallelConfig(data_parallel_size=2, expert_parallel_size=2, zero_stage=1)
+    states = model_state_bytes(cfg, pc, "bf16-mixed", pp_rank=0, dp_cp_rank=0)
+    work = Workload(cfg, 2, 64, "bf16-mixed", num_microbatches=1, expert_load_imbalance=1.0)
+    buf = buffer_terms(work, pc, BF16_MIXED, 0, states, "cpu")
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    exact(buf.first_bucket, nbytes(4, _padded_total(dense, 2)))
+
+
+#: (precision, layout, fused): the optimizer step's temporaries at ZeRO 0-3, fused or foreach AdamW
+STEP_CASES = [
+    ("32-true", {"data_parallel_size": 2, "zero_stage": 0}, False),
+    ("32-true", {"data_parallel_size": 2, "zero_stage": 0}, True),
+    ("bf16-mixed", {"data_parallel_size": 2, "zero_stage": 1}, True),
+    ("bf16-mixed", {"data_parallel_size": 4, "zero_stage": 1}, False),
+    ("32-true", {"data_parallel_size": 1, "zero_stage": 1, "optimizer_offload": True}, True),
+    ("bf16-mixed", {"data_parallel_size": 2, "zero_stage": 0, "gradient_compression": "powersgd"}, False),
+    ("bf16-mixed", {"data_parallel_size": 2, "zero_stage": 3}, False),
+]
+
+
+@pytest.mark.parametrize("precision, layout, fused", STEP_CASES)
+def test_step_temporaries_are_one_moment_and_one_gathered_bucket(precision, layout, fused):
+    """The optimizer step's temporaries (``_step_temporaries``' docstring), tiny-test (106,816 elements, the largest
+    the head's 16,384): foreach AdamW's sqrt of the second moments, one float32 moment of the elements this rank
+    steps (all at ZeRO 0, its owned share at ZeRO 1, its shard at ZeRO 3: Adam's two moments are half the optimizer
+    states but master weights and PowerSGD's states; none on the device with optimizer offload); fused AdamW none.
+    At ZeRO 1 over more than one rank the
+    all-gather of one bucket (here all the parameters: 25 MiB holds them) in the parameters' dtype, the gathered
+    bucket and this rank's range of it: ``bucket·(1 + 1/world)``."""
+    pc = ParallelConfig(**layout)
+    dt = Dtypes.of(precision)
+    states = model_state_bytes(TINY, pc, precision, pp_rank=0, dp_cp_rank=0)
+    work = Workload(TINY, 2, 64, precision, num_microbatches=1, fused_optimizer=fused)
+    buf = buffer_terms(work, pc, dt, 0, states, "cpu")
+    _, total, _ = _real_numels()
+    world = pc.zero_shard
+    owned = {0: total, 1: -(-total // world), 3: -(-total // world)}[pc.zero_stage]
+    if pc.zero_stage == 1:  # ZeRO 1's owned range of the one bucket (padded to the ranks)
+        owned = _padded_total(total, world) // world
+    moments = states.optimizer_states - states.master_weights - states.compression
+    if pc.optimizer_offload:  # the states and their step on the host: no device temporaries
+        assert moments == 0
+    elif pc.zero_stage != 3:  # FSDP2's shards: torch.chunk per parameter (the states tests); here their moments' sum
+        assert moments == 2 * nbytes(4, owned)
+    temporaries = 0 if fused else moments // 2
+    if pc.zero_stage == 1 and world > 1:
+        bucket = nbytes(dt.param, total)
+        temporaries += bucket + bucket // world
+    exact(buf.step_temporaries, temporaries)
+
+
+#: the dim a parameter of the real module is split on under tp (column-parallel 0, row-parallel 1; norms replicated)
+_TP_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "tok_embeddings": 0, "output": 0, "wo": 1, "w2": 1}
+
+
+def _local_shapes(cfg: LlamaConfig, tp: int, layers: list[int], root: bool) -> dict[str, list[tuple[int, ...]]]:
+    """The rank's local parameter shapes by FSDP2 unit (``layers.i`` or ``root``: embedding, final norm, head) of
+    the real dense module (meta device), each split over ``tp`` on its tp dim."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    units: dict[str, list[tuple[int, ...]]] = {}
+    for name, p in model.named_parameters():
+        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        if (unit == "root" and not root) or (unit != "root" and int(unit.split(".")[1]) not in layers):
+            continue
+        shape = list(p.shape)
+        dim = _TP_DIM.get(name.split(".")[-2])
+        if dim is not None:
+            shape[dim] //= tp
+        units.setdefault(unit, []).append(tuple(shape))
+    return units
+
+
+@pytest.mark.parametrize("tp, world, f", [(1, 2, 128), (1, 3, 128), (2, 3, 128), (2, 4, 128), (1, 2, 99)])
+def test_fsdp_units_are_padded_all_gathers_and_rank0_shards(tp, world, f):
+    """``_fsdp_units`` of tiny-test with 4 layers on a rank holding them all: (the largest layer unit's all-gather
+    elements, rank 0's shard of it, all layer units' all-gather elements, the root's): FSDP2 shards dim 0 of each
+    local tensor with ``torch.chunk`` over ``world`` ranks and pads it to ``world`` equal pieces (the all-gather
+    output); counted on the real module's local shapes (world 3: 64 rows pad to 66; ``f`` = 99: w1's and w3's rows
+    are cut 50 + 49, rank 0's the larger)."""
+    cfg = dataclasses.replace(TINY, num_layers=4, intermediate_size=f)
+    units = _local_shapes(cfg, tp, list(range(4)), root=True)
+
+    def padded(shapes):
+        return sum(
+            torch.chunk(torch.empty(s, device="meta"), world)[0].shape[0] * world * s[1:].numel()
+            for s in map(torch.Size, shapes)
+        )
+
+    def shard0(shapes):
+        return sum(torch.chunk(torch.empty(s, device="meta"), world)[0].numel() for s in shapes)
+
+    layer_units = [u for name, u in units.items() if name != "root"]
+    assert len(layer_units) == 4
+    params = weighted_params(cfg, tp, list(range(4)), True, True)
+    got = _fsdp_units(params, world, 1, tp)
+    for value in got:
+        assert type(value) is int
+    assert got == (padded(layer_units[0]), shard0(layer_units[0]), sum(map(padded, layer_units)), padded(units["root"]))
+
+
+@pytest.mark.parametrize("world, tp, experts", [(2, 1, 8), (4, 1, 8), (1, 2, 3)])
+def test_fsdp_units_keep_dense_and_moe_units_apart(world, tp, experts):
+    """An MoE model's dense and MoE layer units are separate FSDP2 units (tiny-moe with 4 layers, every other one
+    MoE, dp ``world`` x ep 2, or 3 experts under tp2 without ep): the largest unit is the larger of the two kinds,
+    the layers' total counts each kind's layers, rank 0's shard is the largest unit's (FSDP2's shard of each
+    parameter over its group, ``fsdp_shard_numel``: under tp an MoE layer's over ``dp_cp_tp``, where the rank of
+    dp rank 0 and tp rank 0 holds 2 of the 3 experts, tp rank 1 one)."""
+    ep = 2 if tp == 1 else 1
+    cfg = LlamaConfig.from_preset("tiny-moe", num_layers=4, moe_layer_interval=2, num_experts=experts)
+    params = weighted_params(cfg, tp, list(range(4)), True, True, ep)
+    kinds = {p.unit for p, _ in params if p.unit != "root"}
+    assert len(kinds) == 2
+    per_unit = {
+        u: (
+            sum(fsdp_padded_numel(p, world, ep, tp) for p, _ in params if p.unit == u),
+            sum(fsdp_shard_numel(p, world, 0, ep, tp, 0) for p, _ in params if p.unit == u),
+        )
+        for u in kinds
+    }
+    largest = max(per_unit.values())
+    all_layers = 2 * sum(n for n, _ in per_unit.values())  # two layers of each kind
+    layer, shard, total, _ = _fsdp_units(params, world, ep, tp)
+    assert (layer, shard, total) == (largest[0], largest[1], all_layers)
+    assert per_unit[min(kinds)] != per_unit[max(kinds)]
+
+
+#: (precision, layout, pp_rank, model): the setup peak on ranks holding the embedding, the head, both, experts
+INIT_CASES = [
+    ("32-true", {"pipeline_parallel_size": 2}, 0, "dense"),
+    ("32-true", {"pipeline_parallel_size": 2}, 1, "dense"),
+    ("32-true", {"tensor_parallel_size": 2}, 0, "dense"),
+    ("bf16-mixed", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}, 0, "dense"),
+    ("bf16-mixed", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}, 1, "dense"),
+    ("bf16-mixed", {"data_parallel_size": 2, "zero_stage": 2}, 0, "dense"),
+    ("bf16-mixed", {"data_parallel_size": 2, "zero_stage": 3}, 0, "dense"),
+    ("bf16-mixed", {"data_parallel_size": 2, "zero_stage": 1, "expert_parallel_size": 2}, 0, "moe"),
+]
+
+
+@pytest.mark.parametrize("precision, layout, pp_rank, model", INIT_CASES)
+def test_initialization_bytes_is_the_larger_setup_moment(precision, layout, pp_rank, model):
+    """The peak of setup (``initialization_bytes``' docstring): the rank's parameters in the setup dtype (float32;
+    at ZeRO 2/3 FSDP2's shards as held) + the larger of the largest whole parameter of its stages in float32 (the
+    piece copied out of it) and, at ZeRO 0/1 with master weights, the master weights + the largest local parameter
+    in the parameters' dtype (the cast being made). The largest parameters counted on the real module (the
+    embedding and the head ``[V, h]``, tp-split on dim 0; an MoE layer's expert tensors ``[E/ep, ., .]``)."""
+    cfg = dataclasses.replace(TINY, num_layers=4) if model == "dense" else LlamaConfig.from_preset("tiny-moe")
+    pc = ParallelConfig(**{"data_parallel_size": 1, **layout})
+    dt = Dtypes.of(precision)
+    states = model_state_bytes(cfg, pc, precision, pp_rank=pp_rank, dp_cp_rank=0)
+    work = Workload(cfg, 2, 64, precision, num_microbatches=pc.pp, expert_load_imbalance=1.0)
+    buf = buffer_terms(work, pc, dt, pp_rank, states, "cpu")
+    layers = rank_layers(cfg.num_layers, pc, pp_rank)
+    _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
+    with torch.device("meta"):
+        module = LlamaModel(cfg)
+    mine = (
+        tuple(f"layers.{i}." for i in layers) + (("tok_embeddings.",) if first else ()) + (("output.",) if last else ())
+    )
+    held = [(n, p) for n, p in module.named_parameters() if n.startswith(mine)]
+    largest = max(p.numel() for _, p in held)
+    ep = pc.ep
+    largest_local = max(
+        p.numel() // (pc.tp if p.dim() >= 2 and ".experts." not in n else 1) // (ep if ".experts." in n else 1)
+        for n, p in held
+    )
+    params = states.parameters if pc.zero_stage >= 2 else states.parameters // dt.param * 4
+    cast = states.master_weights + nbytes(dt.param, largest_local) if pc.zero_stage < 2 and dt.master else 0
+    if cast:
+        assert cast > 4 * largest
+    exact(initialization_bytes(cfg, pc, dt, pp_rank, states, buf), params + max(nbytes(4, largest), cast))
