@@ -12,8 +12,9 @@ its peers at random points, far beyond what load does), so a timing-dependent bu
 process-group timeout (120 s in these launches, ``tests/_collectives.TIMEOUT_S``) is not reached: no rank stops
 longer than ``--max-stop``.
 
-Prints one line per run (exit status, seconds) and keeps each failed run's whole output in ``--out``
-(``fail<i>.txt``). Not a test: each 8-process run takes 1.5-2 minutes on 2 cores.
+Prints one line per run (exit status, seconds) and keeps each failed run's whole output in a folder of its own
+under ``--out`` (``<time>-<pid>/fail<i>.txt``: an earlier hunt's files are never overwritten). Not a test: each
+8-process run takes 1.5-2 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=8, help="the launch's number of processes (tests' LAYOUTS key)")
     parser.add_argument("--runs", type=int, default=8)
     parser.add_argument("--max-stop", type=float, default=4.0, help="longest stop of a rank, seconds")
-    parser.add_argument("--out", type=Path, default=Path("launch_skew"), help="folder for failed runs' output")
+    parser.add_argument("--out", type=Path, default=Path("launch_skew"), help="where failed runs' output goes")
     args = parser.parse_args(argv)
     os.environ["L4D_TEST_LAUNCHER"] = "torchrun"  # fresh interpreters, each rank a process of its own
     sys.path.insert(0, str(ROOT))
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.world not in LAYOUTS:
         parser.error(f"--world {args.world}: tests/test_hf_llama_4d.py launches {sorted(LAYOUTS)} processes")
-    args.out.mkdir(parents=True, exist_ok=True)
     script = str(SCRIPTS / "hf_llama_4d.py")
+    kept = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     failed = 0
     for i in range(args.runs):
         folder = Path(tempfile.mkdtemp(prefix="launch_skew"))
@@ -104,9 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {i}: exit {proc.returncode}, {time.monotonic() - start:.0f} s", flush=True)
         if proc.returncode != 0:
             failed += 1
-            (args.out / f"fail{i}.txt").write_text(f"{proc.stdout}\n===== stderr =====\n{proc.stderr}")
+            kept.mkdir(parents=True, exist_ok=True)
+            (kept / f"fail{i}.txt").write_text(f"{proc.stdout}\n===== stderr =====\n{proc.stderr}")
         shutil.rmtree(folder, ignore_errors=True)
     print(f"{failed} of {args.runs} runs failed (max stop {args.max_stop} s, world {args.world})")
+    if failed:
+        print(f"their output: {kept}")
     return 1 if failed else 0
 
 

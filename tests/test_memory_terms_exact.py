@@ -1,8 +1,10 @@
 """Exact bytes of the memory model's per-phase formulas (``planning/activations.py``, ``planning/buffers.py``) on
 small odd-sized layouts, each against the tensors the formula's docstring names, written out as shapes and sized on
 the meta device (``torch.empty(shape, dtype, device="meta").nbytes``): the activation-checkpointing backward ops, the
-selective checkpoint's kept and recomputed sets, document masking's shared inputs, FSDP2's gathered parameters and
-gradient buffers at ZeRO 2/3 (with and without pp, tied and untied head, gradient accumulation). The measured
+selective checkpoint's kept and recomputed sets, document masking's shared inputs, ``saved_bytes`` part by part
+(``16-mixed``'s weight copies, MoE layers), FSDP2's units, gathered parameters and gradient buffers at ZeRO 2/3 (with
+and without pp, tied and untied head, gradient accumulation), the gradients alive before backward, the optimizer
+step's temporaries and the setup peak; sizes of parameters from the real module on the meta device. The measured
 validation of the same formulas (``LiveTensorBytes`` on real runs): tests/test_memory_model.py,
 tests/test_activation_checkpointing.py. Every value is also checked to be an ``int`` (bytes, never a float)."""
 
