@@ -67,6 +67,12 @@ def nbytes(dtype_bytes: int, *shape: int) -> int:
     return torch.empty(shape, dtype=_DTYPE[dtype_bytes], device="meta").nbytes
 
 
+def meta_model(cfg: LlamaConfig) -> LlamaModel:
+    """The real module of ``cfg`` on the meta device: its parameters' shapes and names, no memory."""
+    with torch.device("meta"):
+        return LlamaModel(cfg)
+
+
 def exact(got, want: int) -> None:
     assert type(got) is int, f"{got!r} is not an int"
     assert got == want
@@ -247,7 +253,7 @@ def test_saved_bytes_parts_are_the_named_tensors(model, precision, layout, pp_ra
         recompute = layer_selective_recompute(cfg, dt, b, s, tp, sp)
     else:
         layers, recompute = (n - n_moe) * dense + n_moe * moe, 0
-    weights, recast, _ = _autocast_expected(cfg, pc, pp_rank) if dt.autocast else (0, 0, 0)
+    weights, recast = _autocast_expected(cfg, pc, pp_rank) if dt.autocast else (0, 0)
     rope = document_masking_inputs(cfg, pc, dt, b, s) if masking else 2 * nbytes(4, s, cfg.head_dim // 2)
     if masking:
         assert rope != 2 * nbytes(4, s, cfg.head_dim // 2)
@@ -285,8 +291,7 @@ def _cast_matrices(cfg: LlamaConfig, tp: int, layers: list[int], last: bool, ep:
     layers ``layers`` (an MoE layer's router and its ``1/ep`` of the experts' ``[E, ., .]`` tensors) and (``last``)
     the head's (tied: the embedding's tensor, which the head multiplies with), each a local shard of ``1/tp`` of its
     elements; the embedding's lookup casts nothing. From the real module's parameters (built on the meta device)."""
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
+    model = meta_model(cfg)
     mine = tuple(f"layers.{i}." for i in layers) + (("output.",) if last else ())
     params = model.named_parameters(remove_duplicate=False)  # tied: ``output.weight`` is the embedding's tensor
     return sum(
@@ -312,16 +317,16 @@ AUTOCAST_CASES = [
 ]
 
 
-def _autocast_expected(cfg, pc: ParallelConfig, pp_rank: int, ep: int = 1) -> tuple[int, int, int]:
-    """(``compute_weights``, ``recompute``'s added copies, layers) of pp rank ``pp_rank`` (see the test below)."""
+def _autocast_expected(cfg, pc: ParallelConfig, pp_rank: int, ep: int = 1) -> tuple[int, int]:
+    """(``compute_weights``, ``recompute``'s added copies) of pp rank ``pp_rank`` (see the test below)."""
     layers = rank_layers(cfg.num_layers, pc, pp_rank)
     n_layers, _, last = rank_layout(cfg.num_layers, pc, pp_rank)
     assert n_layers == len(layers) and n_layers > 0
     head = _cast_matrices(cfg, pc.tp, [], last)
     in_layers = _cast_matrices(cfg, pc.tp, layers, False, ep)
     if pc.activation_checkpointing == "none":
-        return head + in_layers, 0, n_layers
-    return head, in_layers // n_layers, n_layers
+        return head + in_layers, 0
+    return head, in_layers // n_layers
 
 
 @pytest.mark.parametrize("tp, pp, schedule, pp_rank, ac", AUTOCAST_CASES)
@@ -354,7 +359,7 @@ def test_autocast_weight_copies_of_moe_layers(ac, ep):
 
 
 def _check_autocast_copies(cfg, pc: ParallelConfig, pp_rank: int, ep: int = 1) -> None:
-    weights, recompute, _ = _autocast_expected(cfg, pc, pp_rank, ep)
+    weights, recompute = _autocast_expected(cfg, pc, pp_rank, ep)
     layers = rank_layers(cfg.num_layers, pc, pp_rank)
     _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
     out = {"compute_weights": 0, "recompute": 7}
@@ -447,8 +452,7 @@ def test_zero3_backward_end_tie_takes_the_first_layer():
 
 def _real_numels() -> tuple[int, int, int]:
     """(one decoder layer's, all parameters', the head's) elements of tiny-test, counted on the real module."""
-    with torch.device("meta"):
-        model = LlamaModel(TINY)
+    model = meta_model(TINY)
     layer = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0."))
     return layer, sum(p.numel() for p in model.parameters()), model.output.weight.numel()
 
@@ -555,8 +559,7 @@ def test_gradient_terms_by_zero_stage(zero, pp, m, tied, precision):
     G = dt.compute if dt.master else dt.param
     states = model_state_bytes(cfg, pc, precision, pp_rank=pp - 1, dp_cp_rank=0)
     buf = buffer_terms(Workload(cfg, 2, 64, precision, num_microbatches=m * pp), pc, dt, pp - 1, states, "cpu")
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
+    model = meta_model(cfg)
     head = model.tok_embeddings.weight.numel()
     exact(buf.head_gradient, nbytes(G if zero >= 2 else dt.param, head))
     exact(buf.forward_gradients, states.gradients if zero >= 2 and pp == 1 else 0)
@@ -650,8 +653,7 @@ def test_bucket_buffers_largest_gradient_and_wire_copy(compression):
     dt = BF16_MIXED
     states = model_state_bytes(TINY, pc, "bf16-mixed", pp_rank=0, dp_cp_rank=0)
     buf = buffer_terms(Workload(TINY, 2, 64, num_microbatches=1), pc, dt, 0, states, "cpu")
-    with torch.device("meta"):
-        largest = max(p.numel() for p in LlamaModel(TINY).parameters())
+    largest = max(p.numel() for p in meta_model(TINY).parameters())
     wire = states.gradients // dt.grad * 2 if compression == "bf16" else 0
     if compression == "powersgd":  # one bucket's float32 M, approximation and error: all gradient elements here
         wire = 3 * nbytes(4, max(min(GRADIENT_BUCKET_BYTES // dt.setup, states.gradients // dt.grad), largest))
@@ -790,8 +792,7 @@ def test_zero3_tied_root_gradients_and_fsdp_buckets():
     dt = BF16_MIXED
     states = model_state_bytes(cfg, pc, "bf16-mixed", pp_rank=0, dp_cp_rank=0)
     buf = buffer_terms(Workload(cfg, 2, 64, num_microbatches=1), pc, dt, 0, states, "cpu")
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
+    model = meta_model(cfg)
     root_tensors = [p for n, p in model.named_parameters() if not n.startswith("layers.")]
     root = sum(p.numel() for p in root_tensors)
     layer = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0."))
@@ -839,8 +840,7 @@ def test_first_bucket_holds_the_dense_parameters_only():
     states = model_state_bytes(cfg, pc, "bf16-mixed", pp_rank=0, dp_cp_rank=0)
     work = Workload(cfg, 2, 64, "bf16-mixed", num_microbatches=1, expert_load_imbalance=1.0)
     buf = buffer_terms(work, pc, BF16_MIXED, 0, states, "cpu")
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
+    model = meta_model(cfg)
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
     exact(buf.first_bucket, nbytes(4, _padded_total(dense, 2)))
 
@@ -863,9 +863,8 @@ def test_step_temporaries_are_one_moment_and_one_gathered_bucket(precision, layo
     the head's 16,384): foreach AdamW's sqrt of the second moments, one float32 moment of the elements this rank
     steps (all at ZeRO 0, its owned share at ZeRO 1, its shard at ZeRO 3: Adam's two moments are half the optimizer
     states but master weights and PowerSGD's states; none on the device with optimizer offload); fused AdamW none.
-    At ZeRO 1 over more than one rank the
-    all-gather of one bucket (here all the parameters: 25 MiB holds them) in the parameters' dtype, the gathered
-    bucket and this rank's range of it: ``bucket·(1 + 1/world)``."""
+    At ZeRO 1 over more than one rank the all-gather of one bucket (here all the parameters: 25 MiB holds them) in
+    the parameters' dtype, the gathered bucket and this rank's range of it: ``bucket·(1 + 1/world)``."""
     pc = ParallelConfig(**layout)
     dt = Dtypes.of(precision)
     states = model_state_bytes(TINY, pc, precision, pp_rank=0, dp_cp_rank=0)
@@ -873,14 +872,14 @@ def test_step_temporaries_are_one_moment_and_one_gathered_bucket(precision, layo
     buf = buffer_terms(work, pc, dt, 0, states, "cpu")
     _, total, _ = _real_numels()
     world = pc.zero_shard
-    owned = {0: total, 1: -(-total // world), 3: -(-total // world)}[pc.zero_stage]
-    if pc.zero_stage == 1:  # ZeRO 1's owned range of the one bucket (padded to the ranks)
-        owned = _padded_total(total, world) // world
     moments = states.optimizer_states - states.master_weights - states.compression
     if pc.optimizer_offload:  # the states and their step on the host: no device temporaries
         assert moments == 0
-    elif pc.zero_stage != 3:  # FSDP2's shards: torch.chunk per parameter (the states tests); here their moments' sum
-        assert moments == 2 * nbytes(4, owned)
+    elif pc.zero_stage == 0:
+        assert moments == 2 * nbytes(4, total)
+    elif pc.zero_stage == 1:  # rank 0's range of the one bucket, padded to the ranks
+        assert moments == 2 * nbytes(4, _padded_total(total, world) // world)
+    # ZeRO 3's moments are FSDP2's shards (torch.chunk per tensor): the states tests check them
     temporaries = 0 if fused else moments // 2
     if pc.zero_stage == 1 and world > 1:
         bucket = nbytes(dt.param, total)
@@ -895,8 +894,7 @@ _TP_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "tok_embeddings": 0, "ou
 def _local_shapes(cfg: LlamaConfig, tp: int, layers: list[int], root: bool) -> dict[str, list[tuple[int, ...]]]:
     """The rank's local parameter shapes by FSDP2 unit (``layers.i`` or ``root``: embedding, final norm, head) of
     the real dense module (meta device), each split over ``tp`` on its tp dim."""
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
+    model = meta_model(cfg)
     units: dict[str, list[tuple[int, ...]]] = {}
     for name, p in model.named_parameters():
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
@@ -992,8 +990,7 @@ def test_initialization_bytes_is_the_larger_setup_moment(precision, layout, pp_r
     buf = buffer_terms(work, pc, dt, pp_rank, states, "cpu")
     layers = rank_layers(cfg.num_layers, pc, pp_rank)
     _, first, last = rank_layout(cfg.num_layers, pc, pp_rank)
-    with torch.device("meta"):
-        module = LlamaModel(cfg)
+    module = meta_model(cfg)
     mine = (
         tuple(f"layers.{i}." for i in layers) + (("tok_embeddings.",) if first else ()) + (("output.",) if last else ())
     )
