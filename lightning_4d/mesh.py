@@ -17,6 +17,7 @@ each such feature carve its own (:func:`_feature_meshes`; the MoE component's gr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_4d.config import MESH_DIM_NAMES, ParallelConfig
 from lightning_4d.parallel._compat.dtensor import flatten_mesh, unflatten_mesh
+from lightning_4d.parallel._compat.process import set_process_group_timeout
 
 
 @dataclass
@@ -76,6 +78,15 @@ class ParallelMesh:
         """HSDP's ``dp_replicate`` mesh (the shards' all-reduce across replicas), ``None`` without HSDP."""
         return self.zero["dp_replicate"] if self.zero.ndim == 2 else None
 
+    def groups(self) -> list[Any]:
+        """Every process group of this mesh that holds this rank, each once: the world mesh's four dims, ``dp_cp``,
+        HSDP's dims and the carved meshes' (``torch.distributed.ProcessGroup``s)."""
+        found: dict[str, Any] = {}
+        for mesh in (self.world, self.dp_cp, self.zero, *self.submeshes.values()):
+            for group in mesh.get_all_groups():
+                found.setdefault(group.group_name, group)
+        return list(found.values())
+
     def get(self, name: str) -> Optional[DeviceMesh]:
         """The carved 1D mesh ``name``, or ``None`` when no feature carved it (the feature is off)."""
         return self.submeshes.get(name)
@@ -98,8 +109,11 @@ class ParallelMesh:
         return mesh
 
 
-def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
-    """Create the mesh for a resolved ``config`` (``data_parallel_size`` must be an int).
+def build_mesh(config: ParallelConfig, device_type: str, timeout: Optional[timedelta] = None) -> ParallelMesh:
+    """Create the mesh for a resolved ``config`` (``data_parallel_size`` must be an int); ``timeout``: the limit of
+    each operation on every group it makes (:meth:`ParallelMesh.groups`), as ``init_process_group(timeout=...)``
+    sets the default group's (without it, torch gives each new group its default: 30 minutes for gloo, 10 for
+    NCCL); ``None`` leaves torch's default.
 
     Must be called on every rank after ``torch.distributed`` is initialized with ``config.world_size`` ranks.
 
@@ -116,6 +130,9 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
         out.zero = out.unflatten("dp_cp", (config.dp_replicate, config.zero_shard), ("dp_replicate", "dp_shard_cp"))
     for carve in _feature_meshes():
         carve(out, config)
+    if timeout is not None:
+        for group in out.groups():
+            set_process_group_timeout(group, timeout)
     return out
 
 
@@ -127,7 +144,7 @@ def _feature_meshes() -> tuple[Any, ...]:
     return (moe.carve_meshes,)
 
 
-def embedding_group(mesh: ParallelMesh, config: ParallelConfig) -> Optional[Any]:
+def embedding_group(mesh: ParallelMesh, config: ParallelConfig, timeout: Optional[timedelta] = None) -> Optional[Any]:
     """The *embedding group* of tied embeddings under pp > 1 (Megatron-Core's ``default_embedding_ranks``): the pp
     ranks holding the first and the last pipeline stage, at this rank's dp/cp/tp coordinates, over which the two
     copies of the tied ``[V, h]`` matrix sum their gradients
@@ -139,6 +156,8 @@ def embedding_group(mesh: ParallelMesh, config: ParallelConfig) -> Optional[Any]
     Args:
         mesh: the job's mesh (:func:`build_mesh`).
         config: the resolved layout.
+        timeout: the limit of each operation on a group it makes (as :func:`build_mesh`'s); ``None``: torch's
+            default.
 
     Returns:
         The pp group itself when the two stages' ranks are the whole pp group (pp = 2 with a looped schedule), a new
@@ -156,7 +175,7 @@ def embedding_group(mesh: ParallelMesh, config: ParallelConfig) -> Optional[Any]
     mine = None
     for column in range(grid.shape[1]):
         ranks = [int(grid[r, column]) for r in holders]
-        group = torch.distributed.new_group(ranks)
+        group = torch.distributed.new_group(ranks, timeout=timeout)
         if me in ranks:
             mine = group
     return mine

@@ -89,7 +89,9 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
             Lightning's ``FSDPStrategy(auto_wrap_policy=...)`` for FSDP2, on CPU too.
         save_distributed_checkpoint: save sharded DCP checkpoints (a folder) instead of one full file on rank 0.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: nccl on CUDA, gloo on CPU).
-        timeout: process group timeout (a mismatched collective fails after this instead of hanging).
+        timeout: the limit of each operation on every process group the strategy makes: the default group, its
+            mesh's groups (:func:`lightning_4d.mesh.build_mesh`), the tied embedding group, the checkpoint writes'
+            group (a mismatched collective fails after this instead of hanging).
         memory_check: on CUDA, add a :class:`~lightning_4d.memory_check.MemoryEstimatorCallback` (budget 0.8 of
             the device's memory) unless the Trainer already has one: a layout whose estimated peak would not fit
             raises ``MemoryBudgetExceeded`` before the model is allocated; a batch shape it cannot find (see the
@@ -248,7 +250,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
             add_memory_check(attached_trainer(self.lightning_module))
         self._setup_distributed()
         if self._mesh is None:  # every process group once per strategy, on every rank: a later fit/validate reuses it
-            self._mesh = build_mesh(self.parallel_config, self.root_device.type)
+            self._mesh = build_mesh(self.parallel_config, self.root_device.type, self._timeout)
         self._dp_cp_group = self._mesh.dp_cp.get_group()  # read every step (the logged loss' mean)
         self._device_mesh = self._mesh.world
         self._data_parallel_size = self.parallel_config.dp
@@ -364,7 +366,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
         tied = [(f, m) for f, m in self._models if f.model_config(m).tie_word_embeddings]
         if not tied:
             return None
-        group = embedding_group(self.mesh, self.parallel_config)
+        group = embedding_group(self.mesh, self.parallel_config, self._timeout)
         family, model = tied[0]
         return TiedEmbedding.of(family, model, group)
 

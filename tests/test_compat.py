@@ -619,6 +619,19 @@ def test_process_group_count_counts_new_groups(single_rank_group):
     assert process_group_count() == before + 1
 
 
+def test_process_group_timeout_set_and_read(single_rank_group):
+    """``set_process_group_timeout`` (``_set_pg_timeout``) changes a group's limit, which ``process_group_timeout``
+    (the backend's ``options._timeout``) reads back; a new group starts at torch's default (30 minutes for gloo)."""
+    from datetime import timedelta
+
+    from lightning_4d.parallel._compat.process import process_group_timeout, set_process_group_timeout
+
+    group = torch.distributed.new_group([0])
+    assert process_group_timeout(group) == timedelta(minutes=30)
+    set_process_group_timeout(group, timedelta(seconds=7))
+    assert process_group_timeout(group) == timedelta(seconds=7)
+
+
 def test_collective_trace_records_each_collective_with_its_group_and_thread():
     """``collective_trace``: torch's flight recorder (``_dump_fr_trace``, enabled by ``TORCH_FR_BUFFER_SIZE`` before
     the groups exist: a process of its own) keeps each gloo collective with its group, sequence number, op, sizes,

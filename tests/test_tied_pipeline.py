@@ -353,7 +353,9 @@ def test_fit_validate_fit_on_one_trainer_makes_groups_once(tmp_path):
     """pp4 interleaved (8 stages of tiny-test's 8 layers) with tied embeddings on 4 ranks, one Trainer running
     ``fit``, ``validate`` and ``fit`` again: the second ``setup`` reuses the mesh and the embedding group (the ranks
     without a tied copy once made it again on their own and the second ``fit`` hung), every rank's count of process
-    groups is the same after the third run as after the first, and the four steps' losses agree on every rank."""
+    groups is the same after the third run as after the first, and the four steps' losses agree on every rank. Every
+    group the strategy made (the mesh's four dims, ``dp_cp``, the embedding group of the ranks holding stages 0 and
+    7) has the strategy's ``timeout`` (60 s), not torch's 30-minute default of a new group."""
     from tests._launch import SCRIPTS, torchrun
 
     torchrun(4, SCRIPTS / "refit.py", "--out", str(tmp_path), "--pp", "4", "--schedule", "interleaved_1f1b", "--tied")
@@ -361,6 +363,8 @@ def test_fit_validate_fit_on_one_trainer_makes_groups_once(tmp_path):
     for r in records:
         assert r["same_mesh"] and r["groups"][0] == r["groups"][1], r
         assert len(r["losses"]) == 4 and r["losses"] == records[0]["losses"]
+        assert set(r["timeouts"].values()) == {60.0}, r["timeouts"]
+    assert [len(r["timeouts"]) for r in records] == [6, 5, 5, 6], records  # ranks 0 and 3: the embedding group too
 
 
 def test_tied_weight_copies_in_the_model_states_by_layout():

@@ -3,8 +3,9 @@ layout given: the strategy's process groups must be made once, on every rank, an
 group made again on some ranks only, the tied embedding group of a pipeline once did, hangs the second ``fit``).
 
 Usage: ``torchrun --nproc-per-node 4 tests/scripts/refit.py --out DIR --pp 4 --schedule interleaved_1f1b --tied``.
-Writes ``rank<r>.json``: the losses of both fits, the validation loss, and whether the mesh object and the count of
-process groups stayed the same across the runs.
+Writes ``rank<r>.json``: the losses of both fits, the validation loss, whether the mesh object and the count of
+process groups stayed the same across the runs, and the timeout of each group the strategy made (its mesh's and the
+tied embedding group), in seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import lightning as L  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.data import LMDataModule  # noqa: E402
 from lightning_4d.models import LlamaConfig  # noqa: E402
-from lightning_4d.parallel._compat.process import process_group_count  # noqa: E402
+from lightning_4d.parallel._compat.process import process_group_count, process_group_timeout  # noqa: E402
 from lightning_4d.tasks import CausalLMModule  # noqa: E402
 
 
@@ -74,6 +75,8 @@ def main() -> None:
     )
     trainer.fit(module, dm)
     mesh, groups = strategy.mesh, process_group_count()
+    made = [*mesh.groups(), *([strategy._tied.group] if strategy._tied and strategy._tied.group else [])]
+    timeouts = {f"{g.group_desc}:{g.group_name}": process_group_timeout(g).total_seconds() for g in made}
     (result,) = trainer.validate(module, dm)
     trainer.fit_loop.epoch_loop.max_steps = 4
     trainer.fit(module, dm)
@@ -82,6 +85,7 @@ def main() -> None:
         "val_loss": float(result["val_loss"]),
         "same_mesh": strategy.mesh is mesh,
         "groups": [groups, process_group_count()],
+        "timeouts": timeouts,
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

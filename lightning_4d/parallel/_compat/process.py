@@ -1,10 +1,10 @@
 """The process: leaving it without interpreter finalization, recording its CUDA allocator's events and its
-collectives, and the store of a worker torchrun restarted."""
+collectives, the store of a worker torchrun restarted, and a process group's timeout."""
 
 from __future__ import annotations
 
 import atexit
-from typing import TYPE_CHECKING, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -65,6 +65,33 @@ def cuda_memory_snapshot() -> dict:
     from torch.cuda import memory
 
     return memory._snapshot()
+
+
+def set_process_group_timeout(group: Any, timeout: "timedelta") -> None:
+    """Make ``timeout`` the limit of every later operation of ``group`` (this rank's gloo or NCCL backend of it):
+    ``torch.distributed.distributed_c10d._set_pg_timeout`` (private name; torchtitan's ``set_pg_timeouts`` calls it
+    for each group of its mesh).
+
+    Why: ``init_process_group(timeout=...)`` sets the default group's limit only; ``new_group`` and ``DeviceMesh``
+    give every other group torch's default (30 minutes for gloo, 10 for NCCL; measured on 4 gloo ranks of a 2 x 2
+    mesh with a 3-s default group: a tp all-reduce waited 10 s for a sleeping peer, and failed after 3.0 s once set).
+
+    Raises:
+        ValueError: this rank is not in ``group`` (torch's check).
+    """
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
+
+
+def process_group_timeout(group: Any) -> "timedelta":
+    """The limit of each operation on ``group`` (what :func:`set_process_group_timeout` or ``init_process_group``
+    set): its backend's ``options._timeout`` (private name) for the group's first device type; the tests read it.
+
+    Raises:
+        AttributeError: a backend without ``options`` (a fake or a custom one).
+    """
+    return group._get_backend(group._device_types[0]).options._timeout
 
 
 def process_group_count() -> int:

@@ -1,0 +1,63 @@
+"""``FourDStrategy(timeout=...)`` limits every process group it makes, not only the default group: on 4 ranks (dp2 x
+tp2) with ``timeout`` 2 s, tp rank 1 of the first tp group sleeps ``--sleep`` seconds before a tp all-reduce; the
+peer waiting for it fails after ~2 s (gloo's "Timed out"), not after torch's 30-minute default of a new group.
+
+Usage: ``torchrun --nproc-per-node 4 tests/scripts/group_timeout.py --out DIR [--sleep 8]``. Writes ``rank<r>.json``
+with the seconds the all-reduce took and the error it raised (``null``: it completed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+
+from lightning_4d import FourDStrategy  # noqa: E402
+from lightning_4d.models import LlamaConfig  # noqa: E402
+from lightning_4d.parallel._compat.process import exit_distributed_process  # noqa: E402
+from lightning_4d.tasks import CausalLMModule  # noqa: E402
+
+TIMEOUT_S = 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sleep", type=float, default=8.0)
+    args = parser.parse_args()
+    strategy = FourDStrategy(
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        process_group_backend="gloo",
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    strategy._lightning_module = CausalLMModule(LlamaConfig.from_preset("tiny-test"))
+    strategy.setup_environment()  # the default group and the mesh's groups
+    tp = strategy.mesh.tp
+    torch.distributed.barrier()  # on the default group: every rank has made every group
+    sleeper = tp.get_local_rank() == 1 and strategy.mesh.dp_rank == 0
+    if sleeper:
+        time.sleep(args.sleep)
+    start, error = time.monotonic(), None
+    try:
+        torch.distributed.all_reduce(torch.ones(1), group=tp.get_group())
+    except RuntimeError as e:
+        error = str(e)
+    record = {"seconds": time.monotonic() - start, "error": error, "sleeper": sleeper, "tp_rank": tp.get_local_rank()}
+    (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
+    exit_distributed_process(0)  # a timed-out group's peers stay broken: no collective on the way out
