@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import resource
 import runpy
+import signal
 import socket
 import sys
 import uuid
@@ -215,17 +216,20 @@ def _no_main():
         sys.modules["__main__"] = saved
 
 
-def join(procs: list, timeout: float, deadline_clock) -> int | None:
-    """Wait for every process of ``procs``; the first to fail ends the others (SIGTERM, SIGKILL 30 s later), as
-    torchrun does. Returns the launch's exit status (0, or the first failure's: a signal's as ``128 + signum``),
-    ``None`` when ``timeout`` seconds (``deadline_clock``: ``time.monotonic``) passed first."""
+def join(procs: list, timeout: float, deadline_clock) -> tuple[int | None, str]:
+    """Wait for every process of ``procs`` (``procs[i]`` is rank ``i``); the first to fail ends the others (SIGTERM,
+    SIGKILL 30 s later), as torchrun does. Returns the launch's exit status (0, or the first failure's: a signal's as
+    ``128 + signum``), ``None`` when ``timeout`` seconds (``deadline_clock``: ``time.monotonic``) passed first, and
+    which process failed first (``"rank 3 (signal SIGKILL)"``, ``"rank 1 (exit code 1)"``; ``""`` when none did):
+    the others' errors are usually the lost connection to it."""
     end = deadline_clock() + timeout
     failed: int | None = None
+    first = ""
     left = list(procs)
     while left:
         remaining = end - deadline_clock()
         if remaining <= 0 and failed is None:
-            return None
+            return None, first
         if remaining <= 0:  # the others outlived the 30 s after the first failure
             for q in left:
                 with contextlib.suppress(ProcessLookupError):
@@ -237,8 +241,10 @@ def join(procs: list, timeout: float, deadline_clock) -> int | None:
             left.remove(p)
             if p.exitcode != 0 and failed is None:
                 failed = p.exitcode if p.exitcode > 0 else 128 - p.exitcode
+                how = f"exit code {p.exitcode}" if p.exitcode > 0 else f"signal {signal.Signals(-p.exitcode).name}"
+                first = f"rank {procs.index(p)} ({how})"
                 for q in left:
                     with contextlib.suppress(ProcessLookupError):
                         q.terminate()
                 end = min(end, deadline_clock() + 30)
-    return failed or 0
+    return failed or 0, first

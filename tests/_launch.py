@@ -60,9 +60,11 @@ def _torchrun_forked(
     if nproc > 1:
         cmd = [f"torchrun --standalone --nproc-per-node={nproc} (forked ranks)", *cmd[1:]]
     envs = _forkserver.rank_envs(nproc, worker_env())
-    code, stdout, stderr = _forked([[str(script), *args]] * nproc, envs, cwd, cmd, timeout)
+    code, stdout, stderr, first = _forked([[str(script), *args]] * nproc, envs, cwd, cmd, timeout)
     if code is None:
         raise AssertionError(_overran(cmd, timeout, stdout, stderr)) from None
+    if first and nproc > 1:  # last in stderr, so in the tail a failed launch's error keeps
+        stderr += f"\n[launch] first to fail: {first}; the other ranks were ended after it\n"
     proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
     return _checked(proc) if check else proc
 
@@ -76,16 +78,17 @@ def python_run(*argv: str, env: dict | None = None, cwd: Path = ROOT, timeout: f
     cmd = [sys.executable, *argv]
     if LAUNCHER == "torchrun":
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    code, stdout, stderr = _forked([list(argv)], [env], Path(cwd), cmd, timeout)
+    code, stdout, stderr, _ = _forked([list(argv)], [env], Path(cwd), cmd, timeout)
     if code is None:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
-def _forked(argvs: list, envs: list, cwd: Path, cmd: list, timeout: float) -> tuple[int | None, str, str]:
+def _forked(argvs: list, envs: list, cwd: Path, cmd: list, timeout: float) -> tuple[int | None, str, str, str]:
     """Fork one process per ``argvs[i]`` (environment ``envs[i]``) from the test forkserver; wait for all (the first
-    failure ends the others). Returns ``(exit status or None past timeout, stdout, stderr)``; an overrun's processes
-    end with SIGABRT (each prints its Python stacks)."""
+    failure ends the others). Returns ``(exit status or None past timeout, stdout, stderr, the first process to
+    fail)`` (:func:`tests._forkserver.join`); an overrun's processes end with SIGABRT (each prints its Python
+    stacks)."""
     import tempfile
 
     from tests import _forkserver
@@ -94,7 +97,7 @@ def _forked(argvs: list, envs: list, cwd: Path, cmd: list, timeout: float) -> tu
         out = Path(folder)
         procs = _forkserver.start(argvs, envs, cwd, out)
         try:
-            code = _forkserver.join(procs, timeout, time.monotonic)
+            code, first = _forkserver.join(procs, timeout, time.monotonic)
         except BaseException:  # interrupted (pytest-timeout's limit, Ctrl-C): the stacks go to this process's stderr
             _abort_pids([p.pid for p in procs])
             stdout, stderr = _outputs(out)
@@ -105,7 +108,7 @@ def _forked(argvs: list, envs: list, cwd: Path, cmd: list, timeout: float) -> tu
         for p in procs:
             p.join()
         stdout, stderr = _outputs(out)
-    return code, stdout, stderr
+    return code, stdout, stderr, first
 
 
 def _outputs(out: Path) -> tuple[str, str]:

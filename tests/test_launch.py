@@ -145,6 +145,25 @@ def test_a_failed_rank_ends_the_others_at_once(tmp_path):
         torchrun(2, script, timeout=300)
     assert time.monotonic() - start < 60, "rank 0 (asleep for 600 s) should have been ended with the failure"
     assert "failed (1)" in str(info.value)
+    if _launch.LAUNCHER == "forkserver":  # torchrun prints its own table of the failed ranks
+        assert "first to fail: rank 1 (exit code 1)" in str(info.value)
+
+
+@pytest.mark.skipif(_launch.LAUNCHER != "forkserver", reason="torchrun names the ranks it saw fail in its own table")
+def test_a_launch_names_the_rank_that_failed_first(tmp_path):
+    """A rank killed by a signal prints nothing, and the peers that lose their connection to it each print a
+    traceback that looks like a cause. The launch's error names the first process to end and how: here rank 2,
+    SIGKILL (what the kernel's OOM killer sends), while ranks 0 and 1 sleep (ended after it)."""
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, signal, time\n\nif os.environ['RANK'] == '2':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(600)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="failed \\(137\\)") as info:
+        torchrun(3, script, timeout=300)
+    assert time.monotonic() - start < 60, "ranks 0 and 1 (asleep for 600 s) should have been ended after rank 2"
+    assert "first to fail: rank 2 (signal SIGKILL)" in str(info.value), str(info.value)[-2000:]
 
 
 def test_signals_reach_only_the_process_that_was_found():
