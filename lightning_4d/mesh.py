@@ -24,7 +24,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_4d.config import MESH_DIM_NAMES, ParallelConfig
-from lightning_4d.parallel._compat.dtensor import flatten_mesh, unflatten_mesh
+from lightning_4d.parallel._compat.dtensor import clear_sharding_caches, flatten_mesh, unflatten_mesh
 from lightning_4d.parallel._compat.process import set_process_group_timeout
 
 
@@ -115,6 +115,10 @@ def build_mesh(config: ParallelConfig, device_type: str, timeout: Optional[timed
     sets the default group's (without it, torch gives each new group its default: 30 minutes for gloo, 10 for
     NCCL); ``None`` leaves torch's default.
 
+    Its DTensors communicate on its own groups: DTensor's caches are cleared first
+    (:func:`~lightning_4d.parallel._compat.dtensor.clear_sharding_caches`), else a mesh equal to an earlier one would
+    get the earlier one's groups through them.
+
     Must be called on every rank after ``torch.distributed`` is initialized with ``config.world_size`` ranks.
 
     Raises:
@@ -123,6 +127,7 @@ def build_mesh(config: ParallelConfig, device_type: str, timeout: Optional[timed
     world_size = torch.distributed.get_world_size()
     if world_size != config.world_size:
         raise RuntimeError(f"process group has {world_size} ranks but the layout needs {config.world_size}")
+    clear_sharding_caches()  # an earlier mesh equal to this one (the same layout) would lend its groups to its DTensors
     mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # keep the returned object: it holds the process group
     out = ParallelMesh(world=mesh, dp_cp=dp_cp)

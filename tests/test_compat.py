@@ -619,6 +619,23 @@ def test_process_group_count_counts_new_groups(single_rank_group):
     assert process_group_count() == before + 1
 
 
+def test_clear_sharding_caches_empties_dtensors_propagation_cache(single_rank_group):
+    """``clear_sharding_caches``: a DTensor op leaves its propagation in the native cache (its stats, a pair of
+    counters, nonzero), and the call resets it (and this thread's Python cache, which the native path leaves empty)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from lightning_4d.parallel._compat.dtensor import clear_sharding_caches
+
+    mesh = init_device_mesh("cpu", (1,))
+    a = distribute_tensor(torch.ones(2, 2), mesh, [Replicate()])
+    _ = a @ a
+    assert sum(torch._C._get_DTensor_sharding_propagator_cache_stats()) > 0
+    clear_sharding_caches()
+    assert tuple(torch._C._get_DTensor_sharding_propagator_cache_stats()) == (0, 0)
+    assert DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize == 0
+
+
 def test_process_group_timeout_set_and_read(single_rank_group):
     """``set_process_group_timeout`` (``_set_pg_timeout``) changes a group's limit, which ``process_group_timeout``
     (the backend's ``options._timeout``) reads back; a new group starts at torch's default (30 minutes for gloo)."""

@@ -43,3 +43,25 @@ def unflatten_mesh(mesh: "DeviceMesh", sizes: tuple[int, ...], names: tuple[str,
             f"ep > 1 (MoE) needs DeviceMesh._unflatten (torch >= 2.9), torch {torch.__version__} lacks it"
         ) from None
     return unflatten(0, tuple(sizes), tuple(names))
+
+
+def clear_sharding_caches() -> None:
+    """Forget DTensor's cached sharding propagation (the native cache, ``torch._C._clear_DTensor_sharding_propagator
+    _cache``, where this torch has one, and this thread's Python one, ``DTensor._op_dispatcher.sharding_propagator
+    .propagate_op_sharding``) and redistribution plans (``_redistribute.clear_redistribute_planner_cache``): private
+    names.
+
+    Why: ``DeviceMesh`` equality and hash ignore the process groups, so a mesh over the same ranks and dim names as an
+    earlier one (a second ``FourDStrategy`` of the same layout in one process) hits the cached output specs of the
+    earlier mesh, and the DTensors it returns carry that mesh: their later collectives run on the earlier strategy's
+    groups, under its timeout (measured: 4 gloo ranks, two ``(dp, tp)`` meshes made in turn, a Shard(0) @ Replicate
+    matmul on each: the second product's tp group was the first mesh's, its own once this had run).
+    """
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    try:
+        torch._C._clear_DTensor_sharding_propagator_cache()
+    except AttributeError:  # pragma: no cover - an older torch: no native cache
+        pass
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_redistribute_planner_cache()
