@@ -520,6 +520,65 @@ def _stage_class() -> type:
     return Stage
 
 
+#: what a collective raises when the process on the other side is gone or silent: gloo's ``pair.cc`` ("Connection
+#: closed by peer", "Connection reset by peer", "Read error", a write's "Broken pipe"), a timed-out wait (gloo,
+#: NCCL's watchdog), NCCL's "remote process exited" / aborted communicator
+PEER_FAILURES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Read error",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
+class PipelineStepError(RuntimeError):
+    """A pipeline schedule step failed on this rank; the message's first line names the rank, its stages and the
+    innermost error (``torch.distributed.pipelining`` wraps a stage's error in a ``RuntimeError`` whose message starts
+    with a blank line, so a log showed ``RuntimeError:`` and nothing else), and says when that error is a collective
+    that lost its peer: the rank that failed first holds the cause. The original error stays chained
+    (``__cause__``)."""
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The first error of ``error``'s chain: follows ``__cause__`` (``raise ... from``), then an implicit
+    ``__context__`` (an error raised while handling another: a signal handler's collective inside a stage's
+    backward)."""
+    seen = {id(error)}
+    while True:
+        nxt = error.__cause__
+        if nxt is None and not error.__suppress_context__:
+            nxt = error.__context__
+        if nxt is None or id(nxt) in seen:
+            return error
+        seen.add(id(nxt))
+        error = nxt
+
+
+def describe_step_failure(error: BaseException, where: str) -> Optional[str]:
+    """One line for a failed schedule step, or ``None`` when ``error`` needs none (its own message already starts
+    with its cause). ``where``: the rank and stages (``"pipeline rank 1 of 2 (global rank 7, stages [1, 3])"``).
+
+    Rewritten: an error whose message's first line is blank (``torch.distributed.pipelining``'s "failed to run
+    forward" / "Failed to run stage backward", raised from the real error) and an error whose chain holds a
+    collective's error that :data:`PEER_FAILURES` names (a lost peer); any other passes as it is."""
+    inner = _innermost(error)
+    first = next((line.strip() for line in str(inner).splitlines() if line.strip()), "")
+    lost_peer = any(mark in str(inner) for mark in PEER_FAILURES)
+    if str(error).split("\n", 1)[0].strip() and not lost_peer:
+        return None
+    line = f"{where} failed in its schedule step: {type(inner).__name__}: {first or '(no message)'}"
+    if lost_peer:
+        line += (
+            " -- a collective lost its peer: another rank most likely failed or stalled first, and that rank's own "
+            "error is the cause (the launcher names the first rank to fail)"
+        )
+    return line
+
+
 class PipelineRunner:
     """Runs a pipeline schedule over this rank's stages: the training step, the forward-only evaluation step and
     the forward for prediction.
@@ -654,7 +713,8 @@ class PipelineRunner:
         for p in params:
             p.grad = None
         self._begin()
-        schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)
+        with self._named_failure():
+            schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False)
         self._stashed = [(p, p.grad) for p in params]
         for p, grad in zip(params, before):
             p.grad = grad
@@ -690,6 +750,22 @@ class PipelineRunner:
             for p, grad in zip(params, before):
                 p.grad = grad
 
+    @contextmanager
+    def _named_failure(self) -> Iterator[None]:
+        """Re-raise a failed schedule step as :class:`PipelineStepError` with one line naming this rank, its stages
+        and the innermost error (:func:`describe_step_failure`); an error that already says what it is passes."""
+        try:
+            yield
+        except Exception as error:
+            where = (
+                f"pipeline rank {dist.get_rank(self.pp_group)} of {dist.get_world_size(self.pp_group)} (global rank "
+                f"{dist.get_rank()}, stages {[s.stage_index for s in self.stages]})"
+            )
+            line = describe_step_failure(error, where)
+            if line is None:
+                raise
+            raise PipelineStepError(line) from error
+
     def _begin(self) -> None:
         """A schedule step begins: :attr:`metadata_inference` until this rank's first micro-batch forward."""
         self._pending = True
@@ -708,9 +784,10 @@ class PipelineRunner:
         target = labels if self.is_last else None
         self._begin()
         if self._forward_only_works:
-            self._use(self._train).eval(*args, target=target, losses=losses)
+            with self._named_failure():
+                self._use(self._train).eval(*args, target=target, losses=losses)
         else:
-            with self._gradients_untouched():
+            with self._gradients_untouched(), self._named_failure():
                 args = tuple(a.clone() for a in args)  # not inference tensors: autograd saves them
                 target = target.clone() if target is not None else None
                 self._use(self._train).step(*args, target=target, losses=losses, return_outputs=False)
@@ -726,12 +803,12 @@ class PipelineRunner:
         if self._forward_only_works:
             if self._predict is None:
                 self._predict = self._make(None)
-            with torch.no_grad():
+            with torch.no_grad(), self._named_failure():
                 return self._use(self._predict).step(*args)
         if self._predict is None:  # a zero loss: the full schedule runs, its gradients are discarded
             self._predict = self._make(lambda output, target: _as_plain(output).float().sum() * 0.0)
         target = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=input_ids.device)
-        with self._gradients_untouched():
+        with self._gradients_untouched(), self._named_failure():
             args = tuple(a.clone() for a in args)
             output = self._use(self._predict).step(*args, target=target if self.is_last else None, losses=[])
         return output.detach() if isinstance(output, Tensor) else output
