@@ -5,7 +5,8 @@ stage's forward, loses it at a tp collective (inside ``torch.distributed.pipelin
 in a message that starts with a blank line), and the first stage's ranks lose their pp peers.
 
 Usage: ``torchrun --nproc-per-node 4 tests/scripts/pipeline_peer_failure.py --out DIR``. Each rank that lives writes
-``rank<r>.json``: its pp and tp ranks, the type and message of the error ``trainer.fit`` raised and of its cause.
+``rank<r>.json``: its pp and tp ranks, the type, message and notes of the error ``trainer.fit`` raised, the type and
+message of its cause.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def main() -> None:
             "message": str(error),
             "cause_type": type(cause).__name__ if cause is not None else None,
             "cause": str(cause) if cause is not None else None,
+            "notes": getattr(error, "__notes__", []),
         }
     record["pp_rank"], record["tp_rank"] = coordinates(strategy)
     (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

@@ -521,56 +521,72 @@ def _stage_class() -> type:
 
 
 #: what a collective raises when the process on the other side is gone or silent: gloo's ``pair.cc`` ("Connection
-#: closed by peer", "Connection reset by peer", "Read error", a write's "Broken pipe"), a timed-out wait (gloo,
-#: NCCL's watchdog), NCCL's "remote process exited" / aborted communicator
+#: closed by peer", "Connection reset by peer", "Read error", "Socket closed", a write's "Broken pipe"), a timed-out
+#: wait (gloo's "Timed out waiting", "Read timeout", "Write timeout", "Application timeout caused pair closure"; NCCL's
+#: watchdog: "ran for N milliseconds before timing out"), NCCL's "remote process exited" / aborted communicator.
+#: Counted only in an error of ``torch.distributed`` (:class:`torch.distributed.DistError`) or one whose message names
+#: gloo or NCCL (:data:`COMMUNICATION_LIBRARIES`), so a user's own "timed out" is not taken for a lost peer.
 PEER_FAILURES = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Read error",
+    "Socket closed",
     "Broken pipe",
     "Timed out",
-    "timed out",
+    "Read timeout",
+    "Write timeout",
+    "pair closure",
+    "before timing out",
     "remote process exited",
     "communicator was aborted",
 )
 
+#: the names that mark a message as a communication library's (gloo's messages carry their source path)
+COMMUNICATION_LIBRARIES = ("gloo", "NCCL", "nccl", "c10d")
+
 
 class PipelineStepError(RuntimeError):
-    """A pipeline schedule step failed on this rank; the message's first line names the rank, its stages and the
-    innermost error (``torch.distributed.pipelining`` wraps a stage's error in a ``RuntimeError`` whose message starts
-    with a blank line, so a log showed ``RuntimeError:`` and nothing else), and says when that error is a collective
-    that lost its peer: the rank that failed first holds the cause. The original error stays chained
-    (``__cause__``)."""
+    """A pipeline schedule step failed on this rank and ``torch.distributed.pipelining`` gave the error a message whose
+    first line is blank (it re-raises a stage's forward or backward error as ``RuntimeError("\\n  [Stage 1] failed to
+    run forward: ...")``, so a log showed ``RuntimeError:`` and nothing else). The first line names the rank, its
+    stages and the first error of the chain, and says when that was a collective that lost its peer (the rank that
+    failed first holds the cause). The original error stays chained (``__cause__``)."""
 
 
-def _innermost(error: BaseException) -> BaseException:
-    """The first error of ``error``'s chain: follows ``__cause__`` (``raise ... from``), then an implicit
-    ``__context__`` (an error raised while handling another: a signal handler's collective inside a stage's
-    backward)."""
-    seen = {id(error)}
-    while True:
-        nxt = error.__cause__
-        if nxt is None and not error.__suppress_context__:
-            nxt = error.__context__
-        if nxt is None or id(nxt) in seen:
-            return error
-        seen.add(id(nxt))
-        error = nxt
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes (``raise ... from``), outermost first; a cycle ends it."""
+    links = [error]
+    while links[-1].__cause__ is not None and all(links[-1].__cause__ is not e for e in links):
+        links.append(links[-1].__cause__)
+    return links
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+
+
+def _lost_peer(error: BaseException) -> bool:
+    """``error`` is a collective's that lost its peer (:data:`PEER_FAILURES` in an error of torch.distributed or of
+    a communication library)."""
+    text = str(error)
+    ours = isinstance(error, dist.DistError) or any(name in text for name in COMMUNICATION_LIBRARIES)
+    return ours and any(mark in text for mark in PEER_FAILURES)
 
 
 def describe_step_failure(error: BaseException, where: str) -> Optional[str]:
-    """One line for a failed schedule step, or ``None`` when ``error`` needs none (its own message already starts
-    with its cause). ``where``: the rank and stages (``"pipeline rank 1 of 2 (global rank 7, stages [1, 3])"``).
+    """One line that says where a schedule step failed and why, or ``None`` when ``error`` needs none.
 
-    Rewritten: an error whose message's first line is blank (``torch.distributed.pipelining``'s "failed to run
-    forward" / "Failed to run stage backward", raised from the real error) and an error whose chain holds a
-    collective's error that :data:`PEER_FAILURES` names (a lost peer); any other passes as it is."""
-    inner = _innermost(error)
-    first = next((line.strip() for line in str(inner).splitlines() if line.strip()), "")
-    lost_peer = any(mark in str(inner) for mark in PEER_FAILURES)
+    ``where``: the rank and stages (``"pipeline rank 1 of 2 (global rank 7, stages [1, 3])"``). The line names the
+    first error of ``error``'s ``__cause__`` chain (the deepest) and, when an error of the chain is
+    a collective that lost its peer (:func:`_lost_peer`), adds that another rank most likely failed first. ``None``
+    when no error of the chain lost a peer and ``error``'s own first line is not blank (it says what it is).
+    Never raises."""
+    links = _chain(error)
+    lost_peer = any(_lost_peer(e) for e in links)
     if str(error).split("\n", 1)[0].strip() and not lost_peer:
         return None
-    line = f"{where} failed in its schedule step: {type(inner).__name__}: {first or '(no message)'}"
+    first = links[-1]
+    line = f"{where} failed in its schedule step: {type(first).__name__}: {_first_line(first) or '(no message)'}"
     if lost_peer:
         line += (
             " -- a collective lost its peer: another rank most likely failed or stalled first, and that rank's own "
@@ -615,6 +631,11 @@ class PipelineRunner:
         self.stages = [
             _stage_class()(self, chunk, index, config.num_stages, device, group=pp_group) for index, chunk in chunks
         ]
+        #: this rank in words, for the errors of a failed step (:meth:`_named_failure`)
+        self.where = (
+            f"pipeline rank {dist.get_rank(pp_group)} of {dist.get_world_size(pp_group)} (global rank "
+            f"{dist.get_rank()}, stages {[index for index, _ in chunks]})"
+        )
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
         m = num_microbatches
@@ -699,7 +720,13 @@ class PipelineRunner:
         The gradients (of the mean loss; not yet averaged over dp) are held aside until
         :meth:`restore_gradients`, because Lightning zeroes gradients between ``training_step`` and ``backward``.
         Returns the mean loss over the batch (float32 scalar, detached, the same on every
-        pp rank)."""
+        pp rank).
+
+        Raises:
+            ValueError: the batch does not split into ``num_microbatches`` equal micro-batches.
+            PipelineStepError: a stage's forward or backward failed (the first line names this rank, its stages and
+                the error; :meth:`_named_failure`); an error of a lost peer that already says what it is keeps its
+                type, with that line added as a note."""
         self._check_batch(input_ids)
         self._set_documents(documents)
         schedule = self._use(self._train)
@@ -752,17 +779,18 @@ class PipelineRunner:
 
     @contextmanager
     def _named_failure(self) -> Iterator[None]:
-        """Re-raise a failed schedule step as :class:`PipelineStepError` with one line naming this rank, its stages
-        and the innermost error (:func:`describe_step_failure`); an error that already says what it is passes."""
+        """Name a failed schedule step (:func:`describe_step_failure`): an error whose first line is blank (a stage's
+        error as pipelining re-raises it) becomes :class:`PipelineStepError` with that line; any other error whose
+        chain lost a peer keeps its type (a ``torch.distributed.DistError`` stays one) and gets the line as a note
+        (printed under its message); any other error passes as it is."""
         try:
             yield
         except Exception as error:
-            where = (
-                f"pipeline rank {dist.get_rank(self.pp_group)} of {dist.get_world_size(self.pp_group)} (global rank "
-                f"{dist.get_rank()}, stages {[s.stage_index for s in self.stages]})"
-            )
-            line = describe_step_failure(error, where)
+            line = describe_step_failure(error, self.where)
             if line is None:
+                raise
+            if str(error).split("\n", 1)[0].strip():
+                error.add_note(line)
                 raise
             raise PipelineStepError(line) from error
 
@@ -776,7 +804,10 @@ class PipelineRunner:
         ``documents`` as in :meth:`train_step`.
 
         ZBV and DualPipeV cannot run forward-only in this PyTorch: their full schedule runs (the backward's
-        gradients are discarded), three times the compute of a forward."""
+        gradients are discarded), three times the compute of a forward.
+
+        Raises:
+            ValueError, PipelineStepError: as :meth:`train_step`."""
         self._check_batch(input_ids)
         self._set_documents(documents)
         losses: list[Tensor] = []
@@ -795,7 +826,10 @@ class PipelineRunner:
 
     def forward(self, input_ids: Tensor) -> Optional[Any]:
         """Forward only; returns the last stage's output (logits ``[b, s, V]``) on the rank that holds the last
-        stage and ``None`` on the others (causal attention over the whole window)."""
+        stage and ``None`` on the others (causal attention over the whole window).
+
+        Raises:
+            ValueError, PipelineStepError: as :meth:`train_step`."""
         self._check_batch(input_ids)
         self._set_documents(None)
         args = (input_ids,) if self.is_first else ()
