@@ -565,6 +565,11 @@ def _first_line(error: BaseException) -> str:
     return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
 
 
+def _starts_with_its_cause(error: BaseException) -> bool:
+    """``error``'s message does not start with a blank line (pipelining's wrapper does)."""
+    return bool(str(error).split("\n", 1)[0].strip())
+
+
 def _lost_peer(error: BaseException) -> bool:
     """``error`` is a collective's that lost its peer (:data:`PEER_FAILURES` in an error of torch.distributed or of
     a communication library)."""
@@ -583,7 +588,7 @@ def describe_step_failure(error: BaseException, where: str) -> Optional[str]:
     Never raises."""
     links = _chain(error)
     lost_peer = any(_lost_peer(e) for e in links)
-    if str(error).split("\n", 1)[0].strip() and not lost_peer:
+    if _starts_with_its_cause(error) and not lost_peer:
         return None
     first = links[-1]
     line = f"{where} failed in its schedule step: {type(first).__name__}: {_first_line(first) or '(no message)'}"
@@ -789,7 +794,7 @@ class PipelineRunner:
             line = describe_step_failure(error, self.where)
             if line is None:
                 raise
-            if str(error).split("\n", 1)[0].strip():
+            if _starts_with_its_cause(error):
                 error.add_note(line)
                 raise
             raise PipelineStepError(line) from error
