@@ -60,11 +60,14 @@ def _torchrun_forked(
     if nproc > 1:
         cmd = [f"torchrun --standalone --nproc-per-node={nproc} (forked ranks)", *cmd[1:]]
     envs = _forkserver.rank_envs(nproc, worker_env())
+    oom_before = oom_kills()
     code, stdout, stderr, first = _forked([[str(script), *args]] * nproc, envs, cwd, cmd, timeout)
     if code is None:
         raise AssertionError(_overran(cmd, timeout, stdout, stderr)) from None
     if first and nproc > 1:  # last in stderr, so in the tail a failed launch's error keeps
         stderr += f"\n[launch] first to fail: {first}; the other ranks were ended after it\n"
+    if code:
+        stderr += _oom_line(oom_before, oom_kills(), killed="SIGKILL" in first)
     proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
     return _checked(proc) if check else proc
 
@@ -155,6 +158,7 @@ def run_limited(
         text=True,
         preexec_fn=_no_core_files,
     )
+    oom_before = oom_kills()
     try:
         stdout, stderr = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -164,7 +168,47 @@ def run_limited(
         stdout, stderr = _abort(popen)
         sys.stderr.write(f"{' '.join(cmd)} interrupted:\n{stdout[-6000:]}\n{stderr[-30000:]}\n")
         raise
+    if popen.returncode:  # torchrun's table names a worker's signal ("Signal 9 (SIGKILL) received by PID ...")
+        stderr += _oom_line(oom_before, oom_kills(), killed="SIGKILL" in stderr or popen.returncode == -signal.SIGKILL)
     return subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+
+
+def oom_kills(vmstat: Path = Path("/proc/vmstat")) -> int | None:
+    """How many processes the kernel's OOM killer has ended on this machine since it booted: ``/proc/vmstat``'s
+    ``oom_kill`` (Linux 4.13 and later; a kill inside a memory cgroup counts too), ``None`` where there is no such
+    counter (another system, an older kernel)."""
+    try:
+        text = vmstat.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "oom_kill":
+            return int(value)
+    return None
+
+
+def _oom_line(before: int | None, after: int | None, killed: bool) -> str:
+    """What a failed launch adds to its ``stderr`` about the kernel's OOM killer, from :func:`oom_kills` read
+    before (``before``) and after it (``after``); ``killed``: a process of the launch ended with SIGKILL, which is
+    what the OOM killer sends (and a rank ended so prints no traceback; its peers each print a lost connection).
+
+    Why: the 8-rank launch once failed with only its peers' errors in the log, and the first rank's cause was lost. The
+    counter is machine-wide: a kill of another job's process while the launch ran counts too, so the line says "on
+    this machine". Empty when the counter is unavailable, or when nothing was killed and the counter did not move."""
+    if before is None or after is None:
+        return ""
+    if after > before:
+        return (
+            f"\n[launch] the kernel's OOM killer ended {after - before} process(es) on this machine while the launch "
+            f"ran (/proc/vmstat oom_kill {before} -> {after}): a rank that ended with SIGKILL ran out of host memory\n"
+        )
+    if killed:
+        return (
+            f"\n[launch] not the kernel's OOM killer: it ended no process on this machine while the launch ran "
+            f"(/proc/vmstat oom_kill stayed {after}); the SIGKILL came from elsewhere\n"
+        )
+    return ""
 
 
 def _overran(cmd: list, timeout: float, stdout: str, stderr: str) -> str:

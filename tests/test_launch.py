@@ -4,6 +4,7 @@ the others, and a forked rank sees what a rank of the real ``torchrun`` sees."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -164,6 +165,80 @@ def test_a_launch_names_the_rank_that_failed_first(tmp_path):
         torchrun(3, script, timeout=300)
     assert time.monotonic() - start < 60, "ranks 0 and 1 (asleep for 600 s) should have been ended after rank 2"
     assert "first to fail: rank 2 (signal SIGKILL)" in str(info.value), str(info.value)[-2000:]
+    if _launch.oom_kills() is not None:  # Linux 4.13 and later
+        assert "not the kernel's OOM killer" in str(info.value), str(info.value)[-2000:]
+
+
+def test_the_oom_kill_counter_and_the_launchs_line_about_it(tmp_path):
+    """``oom_kills`` reads ``/proc/vmstat``'s ``oom_kill`` (``None`` without one); a failed launch says the OOM
+    killer ended a process when the counter rose, that it did not when a rank ended with SIGKILL and the counter did
+    not move, and nothing otherwise."""
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 12\noom_kill 7\nnr_foll_pin_acquired 0\n")
+    assert _launch.oom_kills(vmstat) == 7
+    vmstat.write_text("nr_free_pages 12\n")
+    assert _launch.oom_kills(vmstat) is None
+    assert _launch.oom_kills(tmp_path / "absent") is None
+    assert "ended 2 process(es)" in _launch._oom_line(7, 9, killed=True)
+    assert "oom_kill 7 -> 8" in _launch._oom_line(7, 8, killed=False)
+    assert "not the kernel's OOM killer" in _launch._oom_line(7, 7, killed=True)
+    assert _launch._oom_line(7, 7, killed=False) == ""
+    assert _launch._oom_line(None, 9, killed=True) == _launch._oom_line(7, None, killed=True) == ""
+
+
+@contextlib.contextmanager
+def _memory_cgroup(limit: int):
+    """A memory cgroup of its own whose limit is ``limit`` bytes (cgroup v1's ``memory.limit_in_bytes`` or v2's
+    ``memory.max``); yields the file a process writes its pid to, to join it. Skips the test where none can be made
+    (not root, or no memory controller)."""
+    import pathlib
+
+    for root, limit_file in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")):
+        group = pathlib.Path(root) / f"l4d_oom_test_{os.getpid()}"
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            if (group / limit_file).exists():
+                (group / limit_file).write_text(str(limit))
+                yield group / "cgroup.procs"
+                return
+        finally:
+            for _ in range(50):  # empty once its process has been reaped
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+    pytest.skip("no memory cgroup could be made here (this needs root and a cgroup memory controller)")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_launch.oom_kills() is None, reason="no /proc/vmstat oom_kill counter (Linux 4.13 and later)")
+def test_a_launch_says_when_the_oom_killer_ended_a_rank(tmp_path):
+    """A real OOM kill: rank 1 joins a memory cgroup of 64 MiB and allocates 512 MiB; the kernel's OOM killer ends
+    it with SIGKILL (no traceback), and the launch's error names the rank and says the OOM killer ended it."""
+    script = tmp_path / "oom.py"
+    script.write_text(
+        "import os, sys, time\n\nif os.environ['RANK'] == '1':\n"
+        "    with open(sys.argv[1], 'w') as f:\n        f.write(str(os.getpid()))\n"
+        "    memory = bytearray(512 * 2**20)\n    print('rank 1 survived', flush=True)\n    sys.exit(3)\n"
+        "time.sleep(600)\n"
+    )
+    with _memory_cgroup(64 * 2**20) as procs:
+        start = time.monotonic()
+        status = 137 if _launch.LAUNCHER == "forkserver" else 1  # torchrun exits 1 and names the signal in its table
+        with pytest.raises(AssertionError, match=f"failed \\({status}\\)") as info:
+            torchrun(2, script, str(procs), timeout=300)
+    assert time.monotonic() - start < 60, "rank 0 (asleep for 600 s) should have been ended after rank 1"
+    text = str(info.value)
+    assert "rank 1 survived" not in text
+    if _launch.LAUNCHER == "forkserver":
+        assert "first to fail: rank 1 (signal SIGKILL)" in text, text[-2000:]
+    else:
+        assert "Signal 9 (SIGKILL) received by PID" in text, text[-2000:]
+    assert "the kernel's OOM killer ended 1 process(es)" in text, text[-2000:]
 
 
 def test_signals_reach_only_the_process_that_was_found():
