@@ -43,6 +43,7 @@ from lightning_4d.parallel._compat.lightning import (
     attached_trainer,
     materialize_distributed_module,
     optimizers_to_device,
+    record_sigterm_without_collective,
     set_module_device_mesh,
 )
 from lightning_4d.parallel._compat.process import restarted_worker_store
@@ -309,6 +310,7 @@ class FourDStrategy(ModelParallelStrategy, LayoutStrategy):
     @override
     def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
         assert self.model is not None and self.accelerator is not None
+        record_sigterm_without_collective(trainer)  # before the Trainer registers its signal handlers
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self._models = prepare_models(

@@ -594,6 +594,28 @@ ROWS += [
     ),
 ]
 
+PREEMPTION = "tests/test_preemption.py::test_sigterm_mid_step_ends_every_rank_together"
+#: why the smoke runner does not exercise them: ``measure`` sends no signal
+_SIGTERM_SMOKE_REASON = "measure sends no signal: the CPU test signals every rank in the middle of a step"
+ROWS += [
+    Row(
+        "sigterm-pp2",
+        "SIGTERM to every rank mid-step (preemption: srun, torchrun stopping its workers), pp2 1F1B: every rank raises "
+        "Lightning's SIGTERMException at the next step's start, the handler issues no collective",
+        {"pp": 2, "num_microbatches": 2, "pipeline_schedule": "1f1b", "precision": "32-true"},
+        cpu_tests=(PREEMPTION,),
+        smoke_skip=_SIGTERM_SMOKE_REASON,
+    ),
+    Row(
+        "sigterm-dp2",
+        "SIGTERM to every rank mid-step (preemption), dp2 ZeRO 1 with a rank in the gradient reduction: every rank "
+        "raises Lightning's SIGTERMException at the next step's start",
+        {"dp": 2, "zero_stage": 1, "precision": "32-true"},
+        cpu_tests=(PREEMPTION,),
+        smoke_skip=_SIGTERM_SMOKE_REASON,
+    ),
+]
+
 # ------------------------------------------------------------------------------------- the code each row exercises
 #: the files every smoke row runs: the smoke run itself, ``measure``, the strategy, the model, the training step and
 #: the memory estimate its peak is checked against (a folder ends in ``/``)

@@ -68,6 +68,27 @@ def test_lightning_module_trainer_and_device_mesh():
     assert module.device_mesh is mesh, "LightningModule.device_mesh no longer reads `_device_mesh`"
 
 
+def test_lightning_sigterm_notifier_is_bound_when_registered():
+    """``record_sigterm_without_collective`` replaces ``trainer._signal_connector._sigterm_notifier_fn`` before the
+    Trainer registers its handlers: the connector and that method exist, ``register_signal_handlers`` reads the
+    method from the instance (so the replacement is what gets registered), and the ``log`` and
+    ``rank_prefixed_message`` the replacement uses are where it imports them from."""
+    import inspect
+
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.rank_zero import rank_prefixed_message  # noqa: F401
+    from lightning.pytorch.trainer.connectors import signal_connector
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    connector = trainer._signal_connector
+    assert isinstance(connector, signal_connector._SignalConnector)
+    assert callable(connector._sigterm_notifier_fn) and connector.received_sigterm is False
+    assert "self._sigterm_notifier_fn" in inspect.getsource(signal_connector._SignalConnector.register_signal_handlers)
+    assert signal_connector.log is not None
+    _compat.lightning.record_sigterm_without_collective(trainer)
+    assert connector._sigterm_notifier_fn.__name__ == "_record_sigterm"
+
+
 def test_train_data_source_of_a_trainer():
     """``trainer.fit_loop._data_source`` exists with the members the memory check uses: ``dataloader()`` returns the
     ``train_dataloaders`` object itself, or calls the module's ``train_dataloader()`` hook, and ``is_defined()`` says

@@ -1,6 +1,6 @@
 """Lightning's private names: the strategy's and the precision plugin's members ``FourDStrategy`` and
 ``FourDPrecision`` use, the fit loop's training data and loader, the checkpoint path lookup, a module's Trainer and
-device mesh; and torch's LR scheduler's last rates (set by the task)."""
+device mesh, the Trainer's SIGTERM handler; and torch's LR scheduler's last rates (set by the task)."""
 
 from __future__ import annotations
 
@@ -93,3 +93,33 @@ def set_scheduler_lrs(scheduler: Any, lrs: list[float]) -> None:
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = list(lrs)
+
+
+def record_sigterm_without_collective(trainer: Trainer) -> None:
+    """Make ``trainer``'s SIGTERM handler only record the signal: it sets ``trainer.received_sigterm`` and, on the
+    first SIGTERM, forwards it to the processes a launcher of Lightning's started, as Lightning's own does; it issues
+    no collective. Lightning's notifier (``trainer._signal_connector._sigterm_notifier_fn``, private) also calls
+    ``torch.distributed.broadcast`` on the world group from inside the handler. A signal runs its handler when the
+    interrupted rank's main thread is next in Python, and a rank blocked in a collective of another group (a
+    pipeline send or receive, a data-parallel gradient reduction) is not: measured on 2 gloo ranks, pp2 and dp2 ZeRO 1,
+    each sent SIGTERM mid-step as ``srun`` does on preemption, each pair waited for each other until the process
+    group's ``timeout`` (60 s there; 30 minutes by default) and ended on gloo's timeout. The fit loop already
+    broadcasts rank 0's flag at the start of every training batch, where no rank is inside a step, and all ranks raise
+    Lightning's ``SIGTERMException`` there together.
+
+    Call it before ``register_signal_handlers`` (the Trainer calls that after ``Strategy.setup``): the handler is
+    bound when it is registered."""
+    connector = trainer._signal_connector
+
+    def _record_sigterm(signum: int, _frame: Any) -> None:
+        from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+        from lightning.pytorch.trainer.connectors.signal_connector import log
+
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
+        if not connector.received_sigterm:
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)
+        connector.received_sigterm = True
+
+    connector._sigterm_notifier_fn = _record_sigterm
