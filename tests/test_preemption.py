@@ -58,4 +58,7 @@ def test_sigterm_mid_step_ends_every_rank_together(tmp_path, layout):
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for record in records:
         assert record["raised"] == "SIGTERMException", records
-        assert record["after_signal_s"] < 10, records  # the process group's timeout is 30 s
+        # the process group's timeout is 30 s (a deadlock ends there, 29.8 s measured); a step of this job takes
+        # ~1.2 s unloaded (two 0.5 s sleeps), several on a loaded machine
+        assert record["after_signal_s"] < 20, records
+    print(f"\n{layout}: SIGTERMException {[round(r['after_signal_s'], 2) for r in records]} s after each signal")
