@@ -601,7 +601,7 @@ ROWS += [
     Row(
         "sigterm-pp2",
         "SIGTERM to every rank mid-step (preemption: srun, torchrun stopping its workers), pp2 1F1B: every rank raises "
-        "Lightning's SIGTERMException at the next step's start, the handler issues no collective",
+        "Lightning's SIGTERMException at the end of that step, the handler issues no collective",
         {"pp": 2, "num_microbatches": 2, "pipeline_schedule": "1f1b", "precision": "32-true"},
         cpu_tests=(PREEMPTION,),
         smoke_skip=_SIGTERM_SMOKE_REASON,
@@ -609,7 +609,7 @@ ROWS += [
     Row(
         "sigterm-dp2",
         "SIGTERM to every rank mid-step (preemption), dp2 ZeRO 1 with a rank in the gradient reduction: every rank "
-        "raises Lightning's SIGTERMException at the next step's start",
+        "raises Lightning's SIGTERMException at the end of that step",
         {"dp": 2, "zero_stage": 1, "precision": "32-true"},
         cpu_tests=(PREEMPTION,),
         smoke_skip=_SIGTERM_SMOKE_REASON,

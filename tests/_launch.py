@@ -149,6 +149,7 @@ def run_limited(
     stacks and ends (:func:`_abort`) and an ``AssertionError`` carries them; interrupted (pytest-timeout's limit,
     Ctrl-C), the stacks go to this process's stderr. ``subprocess.run(timeout=)`` would kill the launcher alone: its
     workers would run on, and where they waited would not be shown."""
+    oom_before = oom_kills()
     popen = subprocess.Popen(
         cmd,
         env=worker_env() if env is None else env,
@@ -158,7 +159,6 @@ def run_limited(
         text=True,
         preexec_fn=_no_core_files,
     )
-    oom_before = oom_kills()
     try:
         stdout, stderr = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -199,9 +199,14 @@ def _oom_line(before: int | None, after: int | None, killed: bool) -> str:
     if before is None or after is None:
         return ""
     if after > before:
+        why = (
+            "the rank that ended with SIGKILL most likely ran out of memory (the host's or its cgroup's)"
+            if killed
+            else "no rank ended with SIGKILL, so most likely a process of another job"
+        )
         return (
             f"\n[launch] the kernel's OOM killer ended {after - before} process(es) on this machine while the launch "
-            f"ran (/proc/vmstat oom_kill {before} -> {after}): a rank that ended with SIGKILL ran out of host memory\n"
+            f"ran (/proc/vmstat oom_kill {before} -> {after}): {why}\n"
         )
     if killed:
         return (

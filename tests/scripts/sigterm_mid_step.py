@@ -1,7 +1,7 @@
 """SIGTERM to every rank in the middle of a training step (tests/test_preemption.py), as ``srun`` signals each task
-of a preempted job: pp2 on 2 gloo ranks, the tiny-test Llama, the last stage sleeping 0.5 s before each stage forward
+of a preempted job: pp2 on 2 gloo ranks, the tiny-test Llama, the last stage sleeping 1 s before each stage forward
 (so when the signal lands, the first stage waits in a pipeline receive and the last one sleeps in Python). At the
-start of training batch 3 each rank signals itself 0.25 s later (a timer thread).
+start of training batch 3 each rank signals itself 0.5 s later (a timer thread).
 
 Usage: ``torchrun --nproc-per-node 2 tests/scripts/sigterm_mid_step.py --out DIR [--layout pp|dp]``; each rank
 writes ``rank<r>.json``: the type of what ``trainer.fit`` raised and the seconds from its SIGTERM to then.
@@ -38,7 +38,7 @@ SIGNALLED: list[float] = []
 
 
 def _sleep(*_):
-    time.sleep(0.5)
+    time.sleep(1.0)
 
 
 class SignalMidStep(L.Callback):
@@ -58,7 +58,7 @@ class SignalMidStep(L.Callback):
                 SIGNALLED.append(time.monotonic())
                 os.kill(os.getpid(), signal.SIGTERM)
 
-            threading.Timer(0.25, signal_self).start()
+            threading.Timer(0.5, signal_self).start()
 
 
 def main() -> None:

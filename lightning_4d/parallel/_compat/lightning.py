@@ -14,8 +14,10 @@ from lightning.fabric.utilities.init import (  # noqa: F401
 )
 from lightning.fabric.utilities.load import _METADATA_FILENAME as LIGHTNING_METADATA_FILENAME  # noqa: F401
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.fabric.utilities.types import _PATH as PATH  # noqa: F401  (str | os.PathLike)
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.connectors.signal_connector import log as _signal_log
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -97,25 +99,27 @@ def set_scheduler_lrs(scheduler: Any, lrs: list[float]) -> None:
 
 def record_sigterm_without_collective(trainer: Trainer) -> None:
     """Make ``trainer``'s SIGTERM handler only record the signal: it sets ``trainer.received_sigterm`` and, on the
-    first SIGTERM, forwards it to the processes a launcher of Lightning's started, as Lightning's own does; it issues
-    no collective. Lightning's notifier (``trainer._signal_connector._sigterm_notifier_fn``, private) also calls
-    ``torch.distributed.broadcast`` on the world group from inside the handler. A signal runs its handler when the
-    interrupted rank's main thread is next in Python, and a rank blocked in a collective of another group (a
-    pipeline send or receive, a data-parallel gradient reduction) is not: measured on 2 gloo ranks, pp2 and dp2 ZeRO 1,
-    each sent SIGTERM mid-step as ``srun`` does on preemption, each pair waited for each other until the process
-    group's ``timeout`` (60 s there; 30 minutes by default) and ended on gloo's timeout. The fit loop already
-    broadcasts rank 0's flag at the start of every training batch, where no rank is inside a step, and all ranks raise
-    Lightning's ``SIGTERMException`` there together.
+    first SIGTERM, forwards it to the processes a launcher of Lightning's started, as Lightning's own handler does;
+    it issues no collective. Lightning then raises ``SIGTERMException`` on each rank at the end of the training step
+    (or evaluation batch) in which that rank's handler ran; ``srun`` and torchrun signal every rank at once, and a
+    rank blocked in a collective runs its handler when the collective returns, within the same step.
 
-    Call it before ``register_signal_handlers`` (the Trainer calls that after ``Strategy.setup``): the handler is
-    bound when it is registered."""
+    Why: Lightning's notifier (``trainer._signal_connector._sigterm_notifier_fn``, private; Lightning 2.6,
+    ``trainer/connectors/signal_connector.py``) also calls ``torch.distributed.broadcast`` on the world group from
+    inside the handler. A signal runs its handler when the interrupted rank's main thread is next in Python, and a
+    rank blocked in a collective of another group (a pipeline send or receive, a data-parallel gradient reduction) is
+    not there, so the ranks waited for each other: measured on 2 gloo ranks, pp2 and dp2 ZeRO 1, each sent SIGTERM
+    mid-step as ``srun`` does on preemption, both ranks ended on gloo's timeout error after the process group's
+    ``timeout`` (60 s in that run, 30 s in ``tests/test_preemption.py``; 30 minutes by default).
+
+    Call it before ``register_signal_handlers`` (``Trainer._run`` calls that after ``Strategy.setup``, for fit,
+    validate, test and predict alike): the handler is bound when it is registered. Raises ``AttributeError`` when
+    the installed Lightning has no such connector or notifier (``tests/test_compat.py`` checks both)."""
     connector = trainer._signal_connector
+    connector._sigterm_notifier_fn  # noqa: B018  (the private name must exist: AttributeError otherwise)
 
     def _record_sigterm(signum: int, _frame: Any) -> None:
-        from lightning.fabric.utilities.rank_zero import rank_prefixed_message
-        from lightning.pytorch.trainer.connectors.signal_connector import log
-
-        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
+        _signal_log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
         if not connector.received_sigterm:
             launcher = trainer.strategy.launcher
             if launcher is not None:
